@@ -1,0 +1,1 @@
+//! Coded Mesh dashboard.
