@@ -1,1 +1,73 @@
-//! Shared helpers for the end-to-end tests.
+//! Shared helpers for the end-to-end tests: the real model, loaded once per test binary.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use node_core::code::Generator;
+use node_core::coded::{CodedGroup, InProcess};
+use node_core::model::{KvCache, LeaderWeights, LinearExec, Llama, ModelWeights};
+use node_native::load::{LoadedModel, load_model};
+
+/// The model the tests run: `$CODEDMESH_MODEL`, else the default model (fetched if needed).
+pub fn model_path() -> Result<PathBuf> {
+    match std::env::var_os("CODEDMESH_MODEL") {
+        Some(p) => Ok(PathBuf::from(p)),
+        None => node_native::fetch::default_model(),
+    }
+}
+
+/// Loads the real model.
+pub fn real_model() -> Result<LoadedModel> {
+    let path = model_path()?;
+    load_model(&path).with_context(|| format!("loading {}", path.display()))
+}
+
+/// The directory of committed test data.
+pub fn testdata() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("testdata")
+}
+
+/// The leader of a model.
+pub fn leader(weights: &ModelWeights) -> Result<Llama> {
+    Ok(Llama::new(
+        weights.cfg.clone(),
+        LeaderWeights::from_model(weights),
+    )?)
+}
+
+/// An uncoded single-member group (k = n = 1).
+pub fn uncoded_group(weights: &ModelWeights) -> Result<CodedGroup<InProcess>> {
+    let g = Generator::uncoded();
+    let mesh = InProcess::encode(weights, &g, &mut |_, _| {})?;
+    Ok(CodedGroup::new(weights.cfg.clone(), g, &[0], mesh)?)
+}
+
+/// Logits after the prompt, then after each of `forced` tokens fed one at a time.
+pub fn logits_along(
+    llama: &Llama,
+    exec: &mut dyn LinearExec,
+    prompt: &[u32],
+    forced: &[u32],
+) -> Result<Vec<Vec<f32>>> {
+    let mut cache = KvCache::new(llama.config());
+    let mut out = vec![llama.forward(exec, prompt, &mut cache)?];
+    for &t in forced {
+        out.push(llama.forward(exec, &[t], &mut cache)?);
+    }
+    Ok(out)
+}
+
+/// ‖a − b‖ / ‖b‖ over one logit row.
+pub fn relative_error(a: &[f32], b: &[f32]) -> f64 {
+    let (mut num, mut den) = (0.0f64, 0.0f64);
+    for (&x, &y) in a.iter().zip(b) {
+        num += (x as f64 - y as f64).powi(2);
+        den += (y as f64).powi(2);
+    }
+    (num / den.max(f64::MIN_POSITIVE)).sqrt()
+}
+
+/// Index of the largest value.
+pub fn argmax(v: &[f32]) -> u32 {
+    node_core::model::argmax(v)
+}

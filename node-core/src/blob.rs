@@ -1,0 +1,1 @@
+//! Checksummed, erasure-protected shard blobs.

@@ -1,0 +1,541 @@
+//! The weight code: generator matrices, shard encoding, decoding from any k answers, and the
+//! choice of a well-conditioned group.
+//!
+//! A weight matrix `W` (`out × in`) is padded to `k·m` equal half-blocks of `L` rows. Node `i`
+//! stores `m·L` rows: row `s·L + r` is `Σ_j G[i·m+s, j] · W[j·L + r]`. With the default complex
+//! Cauchy code, `m = 2`: each complex generator entry `c` becomes the real rotation block
+//! `[[Re c, −Im c], [Im c, Re c]]`, so storage and flops per node stay `1/k` of the matrix.
+
+use nalgebra::DMatrix;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use serde::{Deserialize, Serialize};
+
+/// Most nodes a generator may have.
+pub const MAX_NODES: usize = 256;
+
+/// Largest condition number accepted for a decoding group (beyond it f32 results are noise).
+pub const MAX_CONDITION: f64 = 1e7;
+
+/// Subsets searched exhaustively by [`select_nodes`] before it switches to greedy selection.
+const EXHAUSTIVE_LIMIT: u64 = 20_000;
+
+/// Errors of the code.
+#[derive(Debug, thiserror::Error)]
+pub enum CodeError {
+    /// `k` and `n` out of range.
+    #[error("invalid code parameters k = {k}, n = {n}: need 1 ≤ k ≤ n ≤ {MAX_NODES}")]
+    Params {
+        /// Data blocks.
+        k: usize,
+        /// Nodes.
+        n: usize,
+    },
+    /// A node index outside the generator.
+    #[error("node {node} does not exist in a code of n = {n}")]
+    NoSuchNode {
+        /// The index.
+        node: usize,
+        /// Nodes in the code.
+        n: usize,
+    },
+    /// A group that is not k distinct nodes.
+    #[error("a decoding group needs {k} distinct nodes, got {got:?}")]
+    Group {
+        /// Required size.
+        k: usize,
+        /// What was given.
+        got: Vec<usize>,
+    },
+    /// Too few nodes to choose a group from.
+    #[error("only {available} nodes available, k = {k} needed")]
+    TooFew {
+        /// Available.
+        available: usize,
+        /// Required.
+        k: usize,
+    },
+    /// The group's generator submatrix is (numerically) singular.
+    #[error("group {nodes:?} is ill-conditioned (κ = {condition:.3e})")]
+    IllConditioned {
+        /// The group.
+        nodes: Vec<usize>,
+        /// Its condition number.
+        condition: f64,
+    },
+    /// Slices of the wrong length.
+    #[error("{what}: expected {expected} values, got {got}")]
+    Length {
+        /// Which argument.
+        what: &'static str,
+        /// Expected length.
+        expected: usize,
+        /// Actual length.
+        got: usize,
+    },
+}
+
+/// How a generator is built.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Construction {
+    /// Complex Cauchy `1/(a_i − b_j)`: `a_i` the n-th roots of unity, `b_j` the k-th roots
+    /// turned by half the finest grid step, in real rotation blocks. The default.
+    ComplexCauchy,
+    /// Real Cauchy `1/(a_i − b_j)` with `a_i = i + ½`, `b_j = −j − ½` (ill-conditioned fast).
+    RealCauchy,
+    /// Gaussian random entries from a seed.
+    Gaussian {
+        /// The seed.
+        seed: u64,
+    },
+    /// The uncoded identity, n = k = 1.
+    Identity,
+}
+
+/// A generator matrix `G` of `n·m × k·m` real coefficients.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Generator {
+    n: usize,
+    k: usize,
+    m: usize,
+    construction: Construction,
+    coeffs: Vec<f64>,
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 { a } else { gcd(b, a % b) }
+}
+
+impl Generator {
+    /// Builds a generator of `n` nodes for `k` blocks.
+    pub fn new(construction: Construction, n: usize, k: usize) -> Result<Self, CodeError> {
+        if k == 0 || n < k || n > MAX_NODES {
+            return Err(CodeError::Params { k, n });
+        }
+        let (m, mut coeffs) = match construction {
+            Construction::Identity => {
+                if n != 1 || k != 1 {
+                    return Err(CodeError::Params { k, n });
+                }
+                (1, vec![1.0])
+            }
+            Construction::RealCauchy => {
+                let c = (0..n)
+                    .flat_map(|i| (0..k).map(move |j| 1.0 / ((i as f64 + 0.5) + (j as f64 + 0.5))))
+                    .collect();
+                (1, c)
+            }
+            Construction::Gaussian { seed } => {
+                use rand::Rng;
+                let mut rng = ChaCha8Rng::seed_from_u64(seed);
+                let c = (0..n * k)
+                    .map(|_| {
+                        // Box–Muller from two uniforms.
+                        let u: f64 = rng.random::<f64>().max(f64::MIN_POSITIVE);
+                        let v: f64 = rng.random();
+                        (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()
+                    })
+                    .collect();
+                (1, c)
+            }
+            Construction::ComplexCauchy => {
+                let lcm = n / gcd(n, k) * k;
+                let tau = std::f64::consts::TAU;
+                let mut real = vec![0.0; 2 * n * 2 * k];
+                for i in 0..n {
+                    let a = tau * i as f64 / n as f64;
+                    for j in 0..k {
+                        let b = tau * (j as f64 / k as f64 + 0.5 / lcm as f64);
+                        // 1 / (e^{ia} − e^{ib})
+                        let (re, im) = (a.cos() - b.cos(), a.sin() - b.sin());
+                        let d = re * re + im * im;
+                        let (cr, ci) = (re / d, -im / d);
+                        let w = 2 * k;
+                        real[(2 * i) * w + 2 * j] = cr;
+                        real[(2 * i) * w + 2 * j + 1] = -ci;
+                        real[(2 * i + 1) * w + 2 * j] = ci;
+                        real[(2 * i + 1) * w + 2 * j + 1] = cr;
+                    }
+                }
+                (2, real)
+            }
+        };
+        // Unit-norm rows (for the complex code each real row has the complex row's norm).
+        let width = k * m;
+        for row in coeffs.chunks_exact_mut(width) {
+            let norm = row.iter().map(|v| v * v).sum::<f64>().sqrt();
+            if norm > 0.0 {
+                row.iter_mut().for_each(|v| *v /= norm);
+            }
+        }
+        Ok(Self {
+            n,
+            k,
+            m,
+            construction,
+            coeffs,
+        })
+    }
+
+    /// The default sound code: complex Cauchy on the unit circle (see docs/coding.md).
+    pub fn cauchy(n: usize, k: usize) -> Result<Self, CodeError> {
+        Self::new(Construction::ComplexCauchy, n, k)
+    }
+
+    /// The uncoded model: one node holding `W` itself.
+    pub fn uncoded() -> Self {
+        Self {
+            n: 1,
+            k: 1,
+            m: 1,
+            construction: Construction::Identity,
+            coeffs: vec![1.0],
+        }
+    }
+
+    /// Number of nodes.
+    pub fn n(&self) -> usize {
+        self.n
+    }
+
+    /// Number of blocks needed to decode.
+    pub fn k(&self) -> usize {
+        self.k
+    }
+
+    /// Sub-blocks per node (`m`).
+    pub fn sub_blocks(&self) -> usize {
+        self.m
+    }
+
+    /// How it was built.
+    pub fn construction(&self) -> Construction {
+        self.construction
+    }
+
+    /// The `m × k·m` coefficients of one node, row-major.
+    pub fn coeffs(&self, node: usize) -> &[f64] {
+        let w = self.k * self.m * self.m;
+        &self.coeffs[node * w..(node + 1) * w]
+    }
+
+    fn check_node(&self, node: usize) -> Result<(), CodeError> {
+        if node < self.n {
+            Ok(())
+        } else {
+            Err(CodeError::NoSuchNode { node, n: self.n })
+        }
+    }
+
+    /// Rows of one half-block (`L`) for a matrix of `out` rows.
+    pub fn block_len(&self, out: usize) -> usize {
+        out.div_ceil(self.k * self.m)
+    }
+
+    /// `out` padded to a multiple of `k·m`.
+    pub fn padded_rows(&self, out: usize) -> usize {
+        self.block_len(out) * self.k * self.m
+    }
+
+    /// Rows of one node's shard (`m·L`).
+    pub fn shard_rows(&self, out: usize) -> usize {
+        self.block_len(out) * self.m
+    }
+
+    /// Node `node`'s shard of `w` (`out × inp`), accumulated in f64.
+    pub fn encode_shard(
+        &self,
+        node: usize,
+        w: &[f32],
+        out: usize,
+        inp: usize,
+    ) -> Result<Vec<f32>, CodeError> {
+        self.check_node(node)?;
+        let expected = out.checked_mul(inp).unwrap_or(usize::MAX);
+        if w.len() != expected {
+            return Err(CodeError::Length {
+                what: "weight matrix",
+                expected,
+                got: w.len(),
+            });
+        }
+        let l = self.block_len(out);
+        let km = self.k * self.m;
+        let coeffs = self.coeffs(node);
+        let mut shard = vec![0.0f32; self.m * l * inp];
+        let mut acc = vec![0.0f64; inp];
+        for s in 0..self.m {
+            let g = &coeffs[s * km..(s + 1) * km];
+            for r in 0..l {
+                acc.iter_mut().for_each(|a| *a = 0.0);
+                for (j, &c) in g.iter().enumerate() {
+                    let row = j * l + r;
+                    if row >= out || c == 0.0 {
+                        continue;
+                    }
+                    for (a, &v) in acc.iter_mut().zip(&w[row * inp..(row + 1) * inp]) {
+                        *a += c * v as f64;
+                    }
+                }
+                let dst = &mut shard[(s * l + r) * inp..(s * l + r + 1) * inp];
+                for (d, &a) in dst.iter_mut().zip(&acc) {
+                    *d = a as f32;
+                }
+            }
+        }
+        Ok(shard)
+    }
+
+    /// The `k·m × k·m` submatrix of a group of nodes (any count, for conditioning checks).
+    fn submatrix(&self, nodes: &[usize]) -> Result<DMatrix<f64>, CodeError> {
+        let km = self.k * self.m;
+        let mut data = Vec::with_capacity(nodes.len() * self.m * km);
+        for &node in nodes {
+            self.check_node(node)?;
+            data.extend_from_slice(self.coeffs(node));
+        }
+        Ok(DMatrix::from_row_slice(nodes.len() * self.m, km, &data))
+    }
+
+    /// 2-norm condition number of a group's generator rows.
+    pub fn condition_number(&self, nodes: &[usize]) -> Result<f64, CodeError> {
+        Ok(condition(&self.submatrix(nodes)?))
+    }
+
+    /// A node's expected answer from decoded blocks `[j][c]` (`k·m·C`), written as `[s][c]`.
+    pub fn predict_part(&self, node: usize, blocks: &[f32], out: &mut [f32]) -> Result<(), CodeError> {
+        self.check_node(node)?;
+        let km = self.k * self.m;
+        let c = out.len() / self.m;
+        if out.len() != self.m * c || blocks.len() != km * c {
+            return Err(CodeError::Length {
+                what: "decoded blocks",
+                expected: km * c,
+                got: blocks.len(),
+            });
+        }
+        let coeffs = self.coeffs(node);
+        let mut acc = vec![0.0f64; c];
+        for (s, dst) in out.chunks_exact_mut(c.max(1)).enumerate().take(self.m) {
+            acc.iter_mut().for_each(|a| *a = 0.0);
+            for (j, &g) in coeffs[s * km..(s + 1) * km].iter().enumerate() {
+                for (a, &v) in acc.iter_mut().zip(&blocks[j * c..(j + 1) * c]) {
+                    *a += g * v as f64;
+                }
+            }
+            for (d, &a) in dst.iter_mut().zip(&acc) {
+                *d = a as f32;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Ratio of the largest to the smallest singular value (∞ for a rank-deficient matrix).
+fn condition(m: &DMatrix<f64>) -> f64 {
+    let sv = m.clone().svd(false, false).singular_values;
+    let max = sv.iter().copied().fold(0.0f64, f64::max);
+    let min = sv.iter().copied().fold(f64::INFINITY, f64::min);
+    if min > 0.0 && sv.len() == m.ncols().min(m.nrows()) && m.nrows() >= m.ncols() {
+        max / min
+    } else {
+        f64::INFINITY
+    }
+}
+
+/// Decodes the answers of one group of k nodes.
+#[derive(Debug, Clone)]
+pub struct Decoder {
+    nodes: Vec<usize>,
+    /// `k·m × k·m` inverse of the group's generator rows, row-major.
+    inverse: Vec<f64>,
+    km: usize,
+    m: usize,
+    condition: f64,
+}
+
+impl Decoder {
+    /// A decoder for exactly k distinct nodes of `g`.
+    pub fn new(g: &Generator, nodes: &[usize]) -> Result<Self, CodeError> {
+        let mut sorted = nodes.to_vec();
+        sorted.sort_unstable();
+        sorted.dedup();
+        if nodes.len() != g.k || sorted.len() != nodes.len() {
+            return Err(CodeError::Group {
+                k: g.k,
+                got: nodes.to_vec(),
+            });
+        }
+        let sub = g.submatrix(nodes)?;
+        let condition = condition(&sub);
+        let inverse = match (condition <= MAX_CONDITION).then(|| sub.try_inverse()).flatten() {
+            Some(inv) => inv,
+            None => {
+                return Err(CodeError::IllConditioned {
+                    nodes: nodes.to_vec(),
+                    condition,
+                });
+            }
+        };
+        let km = g.k * g.m;
+        let inverse = (0..km)
+            .flat_map(|r| (0..km).map(move |c| (r, c)))
+            .map(|(r, c)| inverse[(r, c)])
+            .collect();
+        Ok(Self {
+            nodes: nodes.to_vec(),
+            inverse,
+            km,
+            m: g.m,
+            condition,
+        })
+    }
+
+    /// The group's nodes, in the order answers are expected.
+    pub fn nodes(&self) -> &[usize] {
+        &self.nodes
+    }
+
+    /// Condition number of the group's generator rows.
+    pub fn condition_number(&self) -> f64 {
+        self.condition
+    }
+
+    /// Decodes `parts` (`[s][c]` per node, in `nodes()` order) into `out` (`[j][c]`).
+    pub fn decode(&self, parts: &[&[f32]], out: &mut [f32]) -> Result<(), CodeError> {
+        if parts.len() != self.nodes.len() {
+            return Err(CodeError::Length {
+                what: "answers",
+                expected: self.nodes.len(),
+                got: parts.len(),
+            });
+        }
+        let c = out.len() / self.km;
+        if out.len() != self.km * c {
+            return Err(CodeError::Length {
+                what: "decode output",
+                expected: self.km * c,
+                got: out.len(),
+            });
+        }
+        if let Some(bad) = parts.iter().find(|p| p.len() != self.m * c) {
+            return Err(CodeError::Length {
+                what: "answer",
+                expected: self.m * c,
+                got: bad.len(),
+            });
+        }
+        let mut acc = vec![0.0f64; c];
+        for (j, dst) in out.chunks_exact_mut(c.max(1)).enumerate().take(self.km) {
+            acc.iter_mut().for_each(|a| *a = 0.0);
+            let coeffs = &self.inverse[j * self.km..(j + 1) * self.km];
+            for (q, &h) in coeffs.iter().enumerate() {
+                let (idx, s) = (q / self.m, q % self.m);
+                let src = &parts[idx][s * c..(s + 1) * c];
+                for (a, &v) in acc.iter_mut().zip(src) {
+                    *a += h * v as f64;
+                }
+            }
+            for (d, &a) in dst.iter_mut().zip(&acc) {
+                *d = a as f32;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A chosen decoding group.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Selection {
+    /// The k nodes.
+    pub nodes: Vec<usize>,
+    /// Their condition number.
+    pub condition_number: f64,
+}
+
+fn binomial(n: usize, k: usize) -> u64 {
+    let mut r = 1u64;
+    for i in 0..k.min(n - k) {
+        r = r.saturating_mul((n - i) as u64) / (i as u64 + 1);
+    }
+    r
+}
+
+/// Picks the best-conditioned k of `available` nodes: every subset when few, else greedily.
+pub fn select_nodes(g: &Generator, available: &[usize]) -> Result<Selection, CodeError> {
+    let mut avail = available.to_vec();
+    avail.sort_unstable();
+    avail.dedup();
+    for &n in &avail {
+        g.check_node(n)?;
+    }
+    let k = g.k;
+    if avail.len() < k {
+        return Err(CodeError::TooFew {
+            available: avail.len(),
+            k,
+        });
+    }
+    let mut best: Option<Selection> = None;
+    let consider = |nodes: Vec<usize>, best: &mut Option<Selection>| -> Result<(), CodeError> {
+        let kappa = g.condition_number(&nodes)?;
+        if best.as_ref().is_none_or(|b| kappa < b.condition_number) {
+            *best = Some(Selection {
+                nodes,
+                condition_number: kappa,
+            });
+        }
+        Ok(())
+    };
+    if binomial(avail.len(), k) <= EXHAUSTIVE_LIMIT {
+        let mut idx: Vec<usize> = (0..k).collect();
+        loop {
+            consider(idx.iter().map(|&i| avail[i]).collect(), &mut best)?;
+            // Next combination in lexicographic order.
+            let Some(pos) = (0..k).rev().find(|&p| idx[p] < avail.len() - k + p) else {
+                break;
+            };
+            idx[pos] += 1;
+            for p in pos + 1..k {
+                idx[p] = idx[p - 1] + 1;
+            }
+        }
+    } else {
+        // Greedy volume growth (pivoted-QR-like): add the node whose rows keep the smallest
+        // singular value of the chosen rows largest.
+        let mut chosen: Vec<usize> = Vec::with_capacity(k);
+        for _ in 0..k {
+            let mut pick = None;
+            let mut pick_score = f64::NEG_INFINITY;
+            for &cand in avail.iter().filter(|n| !chosen.contains(n)) {
+                let mut trial = chosen.clone();
+                trial.push(cand);
+                let sub = g.submatrix(&trial)?;
+                let sv = sub.transpose().svd(false, false).singular_values;
+                let score = sv.iter().copied().fold(f64::INFINITY, f64::min);
+                if score > pick_score {
+                    pick_score = score;
+                    pick = Some(cand);
+                }
+            }
+            if let Some(p) = pick {
+                chosen.push(p);
+            }
+        }
+        consider(chosen, &mut best)?;
+    }
+    match best {
+        Some(b) if b.condition_number <= MAX_CONDITION => Ok(b),
+        Some(b) => Err(CodeError::IllConditioned {
+            nodes: b.nodes,
+            condition: b.condition_number,
+        }),
+        None => Err(CodeError::TooFew {
+            available: avail.len(),
+            k,
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests;

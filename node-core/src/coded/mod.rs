@@ -1,0 +1,43 @@
+//! Coded execution: members hold coded shards of every linear layer and answer step requests;
+//! the leader sends each stage to its group, decodes, and hands the result to the model.
+//!
+//! Layout of a member's answer: for a stage with matrices `M_0 … M_q` and `t` inputs, the
+//! values are ordered `[sub-block s][matrix][token][local row]`, so that for the decoder each
+//! sub-block is one contiguous run of `C = Σ t·L_matrix` values. An embedding lookup answers
+//! `[sub-block s][token][column]` with the requested local rows.
+
+mod group;
+mod member;
+mod shards;
+
+pub use group::{CodedGroup, ExecStats, InProcess, Transport, TransportError};
+pub use member::Member;
+pub use shards::{Shard, ShardSet};
+
+/// Errors of coded execution.
+#[derive(Debug, thiserror::Error)]
+pub enum CodedError {
+    /// The code itself refused (bad generator, singular group, wrong lengths).
+    #[error("code: {0}")]
+    Code(#[from] crate::code::CodeError),
+    /// The model does not fit the request.
+    #[error("model: {0}")]
+    Model(#[from] crate::model::ModelError),
+    /// A request named something the member does not hold or was malformed.
+    #[error("bad step request: {0}")]
+    BadRequest(String),
+    /// The message layer failed.
+    #[error("protocol: {0}")]
+    Protocol(#[from] crate::protocol::ProtocolError),
+    /// A member's transport failed.
+    #[error("transport: {0}")]
+    Transport(#[from] TransportError),
+    /// A member answered with a failure or a wrong shape.
+    #[error("member {node}: {reason}")]
+    Member {
+        /// The member's node index.
+        node: usize,
+        /// What it said or did wrong.
+        reason: String,
+    },
+}

@@ -1,0 +1,33 @@
+//! The one place where native and wasm differ for parallel loops.
+
+#[cfg(native)]
+mod imp {
+    use rayon::prelude::*;
+
+    /// Number of threads the kernels use.
+    pub fn threads() -> usize {
+        rayon::current_num_threads()
+    }
+
+    /// Runs `f(chunk_index, chunk)` over `chunk`-sized pieces of `data`, in parallel.
+    pub fn for_each_chunk(data: &mut [f32], chunk: usize, f: impl Fn(usize, &mut [f32]) + Sync) {
+        data.par_chunks_mut(chunk)
+            .enumerate()
+            .for_each(|(i, c)| f(i, c));
+    }
+}
+
+#[cfg(wasm_browser)]
+mod imp {
+    /// Number of threads the kernels use.
+    pub fn threads() -> usize {
+        1
+    }
+
+    /// Runs `f(chunk_index, chunk)` over `chunk`-sized pieces of `data`, one after another.
+    pub fn for_each_chunk(data: &mut [f32], chunk: usize, f: impl Fn(usize, &mut [f32]) + Sync) {
+        data.chunks_mut(chunk).enumerate().for_each(|(i, c)| f(i, c));
+    }
+}
+
+pub use imp::*;

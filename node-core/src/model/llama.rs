@@ -1,0 +1,398 @@
+//! The leader's half of a Llama forward pass: norms, RoPE, attention with its KV cache, SwiGLU.
+//! Every linear stage goes through a [`LinearExec`].
+
+use serde::{Deserialize, Serialize};
+
+use super::{LlamaConfig, ModelError, ModelWeights};
+
+/// One linear round of the model: the matrices that share one input.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Stage {
+    /// Query, key and value projections of a block.
+    Qkv(u32),
+    /// Attention output projection of a block.
+    AttnOut(u32),
+    /// SwiGLU gate and up projections of a block.
+    GateUp(u32),
+    /// SwiGLU down projection of a block.
+    Down(u32),
+    /// The LM head (the tied embedding when tied).
+    LmHead,
+}
+
+impl Stage {
+    /// Every stage of a model, in forward order (the embedding lookup is not a stage).
+    pub fn all(cfg: &LlamaConfig) -> Vec<Stage> {
+        let mut v = Vec::with_capacity(4 * cfg.layers + 1);
+        for l in 0..cfg.layers as u32 {
+            v.extend([
+                Stage::Qkv(l),
+                Stage::AttnOut(l),
+                Stage::GateUp(l),
+                Stage::Down(l),
+            ]);
+        }
+        v.push(Stage::LmHead);
+        v
+    }
+
+    /// `(out, in)` of each matrix of the stage, in order.
+    pub fn shapes(&self, cfg: &LlamaConfig) -> Vec<(usize, usize)> {
+        let (d, f) = (cfg.hidden, cfg.ffn);
+        match self {
+            Stage::Qkv(_) => vec![(cfg.q_dim(), d), (cfg.kv_dim(), d), (cfg.kv_dim(), d)],
+            Stage::AttnOut(_) => vec![(d, cfg.q_dim())],
+            Stage::GateUp(_) => vec![(f, d), (f, d)],
+            Stage::Down(_) => vec![(d, f)],
+            Stage::LmHead => vec![(cfg.vocab, d)],
+        }
+    }
+
+    /// The block this stage belongs to, if any.
+    pub fn layer(&self) -> Option<usize> {
+        match *self {
+            Stage::Qkv(l) | Stage::AttnOut(l) | Stage::GateUp(l) | Stage::Down(l) => {
+                Some(l as usize)
+            }
+            Stage::LmHead => None,
+        }
+    }
+
+    /// Indices of this stage's matrices among a block's seven (q, k, v, o, gate, up, down).
+    pub(crate) fn block_matrices(&self) -> &'static [usize] {
+        match self {
+            Stage::Qkv(_) => &[0, 1, 2],
+            Stage::AttnOut(_) => &[3],
+            Stage::GateUp(_) => &[4, 5],
+            Stage::Down(_) => &[6],
+            Stage::LmHead => &[],
+        }
+    }
+}
+
+/// Computes the model's linear stages: a coded group, or a single uncoded member.
+pub trait LinearExec {
+    /// For each matrix of `stage`, `y = x · Wᵀ` with `x` of `t` rows; returns one `t × out` per matrix.
+    fn linear(&mut self, stage: Stage, x: &[f32], t: usize) -> Result<Vec<Vec<f32>>, ModelError>;
+    /// The embedding rows of `tokens`, `tokens.len() × hidden`.
+    fn embed(&mut self, tokens: &[u32]) -> Result<Vec<f32>, ModelError>;
+}
+
+/// The small replicated parameters the leader holds itself: the norm gains.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LeaderWeights {
+    /// RMSNorm gain before attention, per block.
+    pub attn_norm: Vec<Vec<f32>>,
+    /// RMSNorm gain before the feed-forward layer, per block.
+    pub ffn_norm: Vec<Vec<f32>>,
+    /// Final RMSNorm gain.
+    pub final_norm: Vec<f32>,
+}
+
+impl LeaderWeights {
+    /// Takes the norm gains out of full model weights.
+    pub fn from_model(w: &ModelWeights) -> Self {
+        Self {
+            attn_norm: w.layers.iter().map(|l| l.attn_norm.clone()).collect(),
+            ffn_norm: w.layers.iter().map(|l| l.ffn_norm.clone()).collect(),
+            final_norm: w.final_norm.clone(),
+        }
+    }
+}
+
+/// Keys and values of the tokens seen so far, per block.
+#[derive(Debug, Clone)]
+pub struct KvCache {
+    keys: Vec<Vec<f32>>,
+    values: Vec<Vec<f32>>,
+    len: usize,
+    kv_dim: usize,
+}
+
+impl KvCache {
+    /// An empty cache for a model.
+    pub fn new(cfg: &LlamaConfig) -> Self {
+        Self {
+            keys: vec![Vec::new(); cfg.layers],
+            values: vec![Vec::new(); cfg.layers],
+            len: 0,
+            kv_dim: cfg.kv_dim(),
+        }
+    }
+
+    /// Number of positions held.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether no position is held.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Forgets everything after the first `len` positions.
+    pub fn truncate(&mut self, len: usize) {
+        if len < self.len {
+            for layer in self.keys.iter_mut().chain(self.values.iter_mut()) {
+                layer.truncate(len * self.kv_dim);
+            }
+            self.len = len;
+        }
+    }
+}
+
+/// The leader's part of a Llama model.
+#[derive(Debug, Clone)]
+pub struct Llama {
+    cfg: LlamaConfig,
+    norms: LeaderWeights,
+    /// `base^(-2i/head_dim)` for each pair `i` of a head.
+    inv_freq: Vec<f64>,
+}
+
+impl Llama {
+    /// A leader for a model of this shape with these norm gains.
+    pub fn new(cfg: LlamaConfig, norms: LeaderWeights) -> Result<Self, ModelError> {
+        cfg.validate()?;
+        let ok = norms.attn_norm.len() == cfg.layers
+            && norms.ffn_norm.len() == cfg.layers
+            && norms
+                .attn_norm
+                .iter()
+                .chain(&norms.ffn_norm)
+                .chain(std::iter::once(&norms.final_norm))
+                .all(|n| n.len() == cfg.hidden);
+        if !ok {
+            return Err(ModelError::Config(
+                "norm gains do not match the model shape".into(),
+            ));
+        }
+        let half = cfg.head_dim / 2;
+        let inv_freq = (0..half)
+            .map(|i| (cfg.rope_theta as f64).powf(-2.0 * i as f64 / cfg.head_dim as f64))
+            .collect();
+        Ok(Self {
+            cfg,
+            norms,
+            inv_freq,
+        })
+    }
+
+    /// The model's shape.
+    pub fn config(&self) -> &LlamaConfig {
+        &self.cfg
+    }
+
+    /// Runs `tokens` after what `cache` holds and returns the logits of the last position.
+    /// On error the cache is left as it was.
+    pub fn forward(
+        &self,
+        exec: &mut dyn LinearExec,
+        tokens: &[u32],
+        cache: &mut KvCache,
+    ) -> Result<Vec<f32>, ModelError> {
+        let start = cache.len;
+        let result = self.forward_inner(exec, tokens, cache);
+        if result.is_err() {
+            cache.truncate(start);
+        }
+        result
+    }
+
+    fn forward_inner(
+        &self,
+        exec: &mut dyn LinearExec,
+        tokens: &[u32],
+        cache: &mut KvCache,
+    ) -> Result<Vec<f32>, ModelError> {
+        let cfg = &self.cfg;
+        let t = tokens.len();
+        if t == 0 {
+            return Err(ModelError::Config("forward needs at least one token".into()));
+        }
+        if let Some(&id) = tokens.iter().find(|&&id| id as usize >= cfg.vocab) {
+            return Err(ModelError::TokenOutOfRange {
+                id,
+                vocab: cfg.vocab,
+            });
+        }
+        let start = cache.len;
+        if start + t > cfg.max_seq {
+            return Err(ModelError::ContextFull {
+                len: start + t,
+                max: cfg.max_seq,
+            });
+        }
+        let d = cfg.hidden;
+        let (cos, sin) = self.rope_table(start, t);
+        let mut x = exec.embed(tokens)?;
+        expect_len(&x, t * d, "embedding")?;
+        let mut h = vec![0.0f32; t * d];
+        for l in 0..cfg.layers {
+            let layer = l as u32;
+            rms_norm(&x, &self.norms.attn_norm[l], cfg.norm_eps, &mut h);
+            let mut qkv = exec.linear(Stage::Qkv(layer), &h, t)?;
+            check_outputs(&qkv, Stage::Qkv(layer), cfg, t)?;
+            let v = qkv.pop().unwrap_or_default();
+            let mut k = qkv.pop().unwrap_or_default();
+            let mut q = qkv.pop().unwrap_or_default();
+            rope(&mut q, cfg.heads, cfg.head_dim, &cos, &sin);
+            rope(&mut k, cfg.kv_heads, cfg.head_dim, &cos, &sin);
+            cache.keys[l].extend_from_slice(&k);
+            cache.values[l].extend_from_slice(&v);
+            let attn = self.attention(&q, &cache.keys[l], &cache.values[l], start, t);
+            let o = exec.linear(Stage::AttnOut(layer), &attn, t)?;
+            check_outputs(&o, Stage::AttnOut(layer), cfg, t)?;
+            add_in_place(&mut x, &o[0]);
+            rms_norm(&x, &self.norms.ffn_norm[l], cfg.norm_eps, &mut h);
+            let gu = exec.linear(Stage::GateUp(layer), &h, t)?;
+            check_outputs(&gu, Stage::GateUp(layer), cfg, t)?;
+            let act: Vec<f32> = gu[0]
+                .iter()
+                .zip(&gu[1])
+                .map(|(&g, &u)| silu(g) * u)
+                .collect();
+            let down = exec.linear(Stage::Down(layer), &act, t)?;
+            check_outputs(&down, Stage::Down(layer), cfg, t)?;
+            add_in_place(&mut x, &down[0]);
+        }
+        cache.len = start + t;
+        let last = &x[(t - 1) * d..];
+        let mut normed = vec![0.0f32; d];
+        rms_norm(last, &self.norms.final_norm, cfg.norm_eps, &mut normed);
+        let mut logits = exec.linear(Stage::LmHead, &normed, 1)?;
+        check_outputs(&logits, Stage::LmHead, cfg, 1)?;
+        Ok(logits.pop().unwrap_or_default())
+    }
+
+    /// cos and sin of each (position, pair) for positions `start..start + t`.
+    fn rope_table(&self, start: usize, t: usize) -> (Vec<f32>, Vec<f32>) {
+        let half = self.inv_freq.len();
+        let mut cos = Vec::with_capacity(t * half);
+        let mut sin = Vec::with_capacity(t * half);
+        for p in start..start + t {
+            for &f in &self.inv_freq {
+                let angle = p as f64 * f;
+                cos.push(angle.cos() as f32);
+                sin.push(angle.sin() as f32);
+            }
+        }
+        (cos, sin)
+    }
+
+    /// Causal grouped-query attention of `t` new queries over the cached keys and values.
+    fn attention(&self, q: &[f32], keys: &[f32], values: &[f32], start: usize, t: usize) -> Vec<f32> {
+        let cfg = &self.cfg;
+        let (hd, kv_dim, q_dim) = (cfg.head_dim, cfg.kv_dim(), cfg.q_dim());
+        let group = cfg.heads / cfg.kv_heads;
+        let scale = 1.0 / (hd as f32).sqrt();
+        let mut out = vec![0.0f32; t * q_dim];
+        let mut scores = Vec::with_capacity(start + t);
+        for i in 0..t {
+            let positions = start + i + 1;
+            for head in 0..cfg.heads {
+                let kvh = head / group;
+                let qv = &q[i * q_dim + head * hd..i * q_dim + (head + 1) * hd];
+                scores.clear();
+                scores.extend((0..positions).map(|p| {
+                    let kv = &keys[p * kv_dim + kvh * hd..p * kv_dim + (kvh + 1) * hd];
+                    crate::compute::dot(qv, kv) * scale
+                }));
+                softmax(&mut scores);
+                let o = &mut out[i * q_dim + head * hd..i * q_dim + (head + 1) * hd];
+                for (p, &w) in scores.iter().enumerate() {
+                    let vv = &values[p * kv_dim + kvh * hd..p * kv_dim + (kvh + 1) * hd];
+                    for (a, &b) in o.iter_mut().zip(vv) {
+                        *a += w * b;
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+fn expect_len(v: &[f32], len: usize, what: &str) -> Result<(), ModelError> {
+    if v.len() == len {
+        Ok(())
+    } else {
+        Err(ModelError::Config(format!(
+            "{what} returned {} values, expected {len}",
+            v.len()
+        )))
+    }
+}
+
+/// Checks that a stage returned one `t × out` output per matrix.
+fn check_outputs(
+    outputs: &[Vec<f32>],
+    stage: Stage,
+    cfg: &LlamaConfig,
+    t: usize,
+) -> Result<(), ModelError> {
+    let shapes = stage.shapes(cfg);
+    let ok = outputs.len() == shapes.len()
+        && outputs
+            .iter()
+            .zip(&shapes)
+            .all(|(o, &(out, _))| o.len() == t * out);
+    if ok {
+        Ok(())
+    } else {
+        Err(ModelError::Exec {
+            stage,
+            message: "wrong output shape".into(),
+        })
+    }
+}
+
+/// `out = x / rms(x) · gain`, row by row.
+pub(crate) fn rms_norm(x: &[f32], gain: &[f32], eps: f32, out: &mut [f32]) {
+    let d = gain.len();
+    for (row, o) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+        let ms = row.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>() / d as f64;
+        let inv = (1.0 / (ms + eps as f64).sqrt()) as f32;
+        for ((o, &v), &g) in o.iter_mut().zip(row).zip(gain) {
+            *o = v * inv * g;
+        }
+    }
+}
+
+/// Rotates adjacent pairs `(2i, 2i+1)` of each head (GGML's normal RoPE layout).
+fn rope(x: &mut [f32], heads: usize, hd: usize, cos: &[f32], sin: &[f32]) {
+    let half = hd / 2;
+    let width = heads * hd;
+    for (pos, row) in x.chunks_exact_mut(width).enumerate() {
+        let (c, s) = (&cos[pos * half..(pos + 1) * half], &sin[pos * half..(pos + 1) * half]);
+        for head in row.chunks_exact_mut(hd) {
+            for (i, pair) in head.chunks_exact_mut(2).enumerate() {
+                let (a, b) = (pair[0], pair[1]);
+                pair[0] = a * c[i] - b * s[i];
+                pair[1] = a * s[i] + b * c[i];
+            }
+        }
+    }
+}
+
+pub(crate) fn softmax(v: &mut [f32]) {
+    let max = v.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0.0f32;
+    for x in v.iter_mut() {
+        *x = (*x - max).exp();
+        sum += *x;
+    }
+    let inv = 1.0 / sum;
+    for x in v.iter_mut() {
+        *x *= inv;
+    }
+}
+
+fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+fn add_in_place(x: &mut [f32], y: &[f32]) {
+    for (a, &b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}

@@ -1,0 +1,195 @@
+//! The model's tokenizer: byte-level BPE from GGUF metadata or a Hugging Face `tokenizer.json`,
+//! plus the ChatML chat template.
+
+use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+use tokenizers::models::bpe::{BPE, Vocab};
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::digits::Digits;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::{AddedToken, PreTokenizerWrapper};
+
+use super::ModelError;
+use crate::gguf::GgufFile;
+
+/// GGUF token type of control tokens (`<|im_start|>` and friends).
+const TOKEN_TYPE_CONTROL: i32 = 3;
+
+/// One message of a chat.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct ChatMessage {
+    /// `system`, `user` or `assistant`.
+    pub role: String,
+    /// The text.
+    pub content: String,
+}
+
+/// Text ↔ token ids for one model.
+#[derive(Debug, Clone)]
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    eos: Vec<u32>,
+    default_system: Option<String>,
+}
+
+fn tok_err(e: impl std::fmt::Display) -> ModelError {
+    ModelError::Tokenizer(e.to_string())
+}
+
+impl Tokenizer {
+    /// Builds the tokenizer stored in a GGUF file (`gpt2` byte-level BPE).
+    pub fn from_gguf(file: &GgufFile) -> Result<Self, ModelError> {
+        let model = file.get_str("tokenizer.ggml.model")?;
+        if model != "gpt2" {
+            return Err(ModelError::Unsupported(format!(
+                "tokenizer model {model:?} (only gpt2-style byte-level BPE is supported)"
+            )));
+        }
+        let tokens = file.get_str_array("tokenizer.ggml.tokens")?;
+        let merges = file.get_str_array("tokenizer.ggml.merges")?;
+        let types = file.get_i32_array("tokenizer.ggml.token_type").ok();
+        let vocab: Vocab = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.to_string(), i as u32))
+            .collect();
+        let merges = merges
+            .iter()
+            .map(|m| {
+                m.split_once(' ')
+                    .map(|(a, b)| (a.to_string(), b.to_string()))
+                    .ok_or_else(|| tok_err(format!("malformed merge {m:?}")))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, merges)
+            .build()
+            .map_err(tok_err)?;
+        let mut inner = tokenizers::Tokenizer::new(bpe);
+        let pre = file.get_str("tokenizer.ggml.pre").unwrap_or("default");
+        let byte_level = ByteLevel::new(false, true, true);
+        let pre_tokenizer: PreTokenizerWrapper = match pre {
+            // SmolLM's pre-tokenizer: single digits, then GPT-2 byte-level splitting.
+            "smollm" | "starcoder" | "refact" => Sequence::new(vec![
+                Digits::new(true).into(),
+                byte_level.into(),
+            ])
+            .into(),
+            _ => byte_level.into(),
+        };
+        inner.with_pre_tokenizer(Some(pre_tokenizer));
+        inner.with_decoder(Some(ByteLevelDecoder::default()));
+        let specials: Vec<AddedToken> = match &types {
+            Some(types) => tokens
+                .iter()
+                .zip(types)
+                .filter(|(_, ty)| **ty == TOKEN_TYPE_CONTROL)
+                .map(|(t, _)| AddedToken::from(t.to_string(), true))
+                .collect(),
+            None => Vec::new(),
+        };
+        inner.add_special_tokens(&specials);
+        let mut eos = Vec::new();
+        if let Ok(id) = file.get_u32("tokenizer.ggml.eos_token_id") {
+            eos.push(id);
+        }
+        if let Some(id) = inner.token_to_id("<|im_end|>") {
+            eos.push(id);
+        }
+        eos.sort_unstable();
+        eos.dedup();
+        let default_system = file
+            .get_str("tokenizer.chat_template")
+            .ok()
+            .and_then(default_system_prompt);
+        Ok(Self {
+            inner,
+            eos,
+            default_system,
+        })
+    }
+
+    /// Loads a Hugging Face `tokenizer.json`.
+    pub fn from_hf_json(bytes: &[u8]) -> Result<Self, ModelError> {
+        let inner = tokenizers::Tokenizer::from_bytes(bytes).map_err(tok_err)?;
+        let eos = ["<|im_end|>", "<|endoftext|>", "</s>", "<|eot_id|>"]
+            .iter()
+            .filter_map(|t| inner.token_to_id(t))
+            .collect();
+        Ok(Self {
+            inner,
+            eos,
+            default_system: None,
+        })
+    }
+
+    /// Token ids of `text`; special tokens written in the text (`<|im_start|>`) are recognised.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, ModelError> {
+        let enc = self.inner.encode(text, false).map_err(tok_err)?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Text of `ids`, special tokens left out.
+    pub fn decode(&self, ids: &[u32]) -> Result<String, ModelError> {
+        self.inner.decode(ids, true).map_err(tok_err)
+    }
+
+    /// Ids that end a completion.
+    pub fn eos_ids(&self) -> &[u32] {
+        &self.eos
+    }
+
+    /// Number of tokens, special ones included.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// The id of a token string, if it is in the vocabulary.
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// The prompt text for a chat in ChatML, ending with the assistant's turn opened.
+    pub fn chat_prompt(&self, messages: &[ChatMessage]) -> String {
+        let mut out = String::new();
+        let has_system = messages.first().is_some_and(|m| m.role == "system");
+        if let (false, Some(system)) = (has_system, &self.default_system) {
+            out.push_str(&format!("<|im_start|>system\n{system}<|im_end|>\n"));
+        }
+        for m in messages {
+            out.push_str(&format!("<|im_start|>{}\n{}<|im_end|>\n", m.role, m.content));
+        }
+        out.push_str("<|im_start|>assistant\n");
+        out
+    }
+
+    /// The underlying `tokenizers` tokenizer.
+    pub fn inner(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
+}
+
+/// The system prompt a ChatML template inserts when the chat has none.
+fn default_system_prompt(template: &str) -> Option<String> {
+    let marker = "<|im_start|>system\n";
+    let start = template.find(marker)? + marker.len();
+    let rest = &template[start..];
+    let end = rest.find("<|im_end|>")?;
+    let text = &rest[..end];
+    // Only a literal string, not template code.
+    (!text.contains("{{") && !text.contains("{%") && !text.contains('\'')).then(|| text.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_system_prompt_is_read_from_the_template() {
+        let t = "{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are SmolLM<|im_end|>\n' }}{% endif %}";
+        assert_eq!(default_system_prompt(t).as_deref(), Some("You are SmolLM"));
+        assert_eq!(
+            default_system_prompt("{{'<|im_start|>system\n' + x + '<|im_end|>'}}"),
+            None
+        );
+    }
+}

@@ -1,0 +1,374 @@
+//! Model weights in f32, loaded from GGUF or Hugging Face safetensors, or made up for tests.
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use safetensors::SafeTensors;
+
+use super::{LlamaConfig, ModelError};
+use crate::gguf::GgufFile;
+
+/// A dense row-major f32 matrix.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Matrix {
+    /// Number of rows (outputs of a linear layer).
+    pub rows: usize,
+    /// Number of columns (inputs of a linear layer).
+    pub cols: usize,
+    /// `rows × cols` values, row-major.
+    pub data: Vec<f32>,
+}
+
+impl Matrix {
+    /// Wraps data of the given shape, checking its length.
+    pub fn new(rows: usize, cols: usize, data: Vec<f32>) -> Result<Self, ModelError> {
+        if rows.checked_mul(cols) != Some(data.len()) {
+            return Err(ModelError::Config(format!(
+                "matrix of {rows}×{cols} given {} values",
+                data.len()
+            )));
+        }
+        Ok(Self { rows, cols, data })
+    }
+
+    /// One row as a slice.
+    pub fn row(&self, r: usize) -> &[f32] {
+        &self.data[r * self.cols..(r + 1) * self.cols]
+    }
+}
+
+/// The weights of one transformer block.
+#[derive(Debug, Clone)]
+pub struct LayerWeights {
+    /// RMSNorm gain before attention.
+    pub attn_norm: Vec<f32>,
+    /// Query projection, `q_dim × hidden` (GGML adjacent-pair RoPE layout).
+    pub q: Matrix,
+    /// Key projection, `kv_dim × hidden` (GGML adjacent-pair RoPE layout).
+    pub k: Matrix,
+    /// Value projection, `kv_dim × hidden`.
+    pub v: Matrix,
+    /// Attention output projection, `hidden × q_dim`.
+    pub o: Matrix,
+    /// RMSNorm gain before the feed-forward layer.
+    pub ffn_norm: Vec<f32>,
+    /// SwiGLU gate projection, `ffn × hidden`.
+    pub gate: Matrix,
+    /// SwiGLU up projection, `ffn × hidden`.
+    pub up: Matrix,
+    /// SwiGLU down projection, `hidden × ffn`.
+    pub down: Matrix,
+}
+
+/// A whole model's weights, uncoded, in f32.
+#[derive(Debug, Clone)]
+pub struct ModelWeights {
+    /// The model's shape.
+    pub cfg: LlamaConfig,
+    /// Token embedding, `vocab × hidden`; also the LM head when tied.
+    pub embed: Matrix,
+    /// The transformer blocks.
+    pub layers: Vec<LayerWeights>,
+    /// Final RMSNorm gain.
+    pub final_norm: Vec<f32>,
+    /// Separate LM head, `vocab × hidden`, when not tied to the embedding.
+    pub lm_head: Option<Matrix>,
+}
+
+/// Tensor names of one file format, written once.
+struct Names {
+    embed: &'static str,
+    final_norm: &'static str,
+    lm_head: &'static str,
+    layer: fn(usize, Part) -> String,
+}
+
+/// The tensors of one block.
+#[derive(Clone, Copy)]
+enum Part {
+    AttnNorm,
+    Q,
+    K,
+    V,
+    O,
+    FfnNorm,
+    Gate,
+    Up,
+    Down,
+}
+
+const GGUF_NAMES: Names = Names {
+    embed: "token_embd.weight",
+    final_norm: "output_norm.weight",
+    lm_head: "output.weight",
+    layer: |i, part| {
+        let p = match part {
+            Part::AttnNorm => "attn_norm",
+            Part::Q => "attn_q",
+            Part::K => "attn_k",
+            Part::V => "attn_v",
+            Part::O => "attn_output",
+            Part::FfnNorm => "ffn_norm",
+            Part::Gate => "ffn_gate",
+            Part::Up => "ffn_up",
+            Part::Down => "ffn_down",
+        };
+        format!("blk.{i}.{p}.weight")
+    },
+};
+
+const HF_NAMES: Names = Names {
+    embed: "model.embed_tokens.weight",
+    final_norm: "model.norm.weight",
+    lm_head: "lm_head.weight",
+    layer: |i, part| {
+        let p = match part {
+            Part::AttnNorm => "input_layernorm",
+            Part::Q => "self_attn.q_proj",
+            Part::K => "self_attn.k_proj",
+            Part::V => "self_attn.v_proj",
+            Part::O => "self_attn.o_proj",
+            Part::FfnNorm => "post_attention_layernorm",
+            Part::Gate => "mlp.gate_proj",
+            Part::Up => "mlp.up_proj",
+            Part::Down => "mlp.down_proj",
+        };
+        format!("model.layers.{i}.{p}.weight")
+    },
+};
+
+/// A source of named f32 tensors with row-major shapes.
+trait TensorSource {
+    /// Shape (row-major) of a tensor, if present.
+    fn shape(&self, name: &str) -> Option<Vec<usize>>;
+    /// The tensor's values as f32.
+    fn load(&self, name: &str) -> Result<Vec<f32>, ModelError>;
+}
+
+struct GgufSource<'a> {
+    file: &'a GgufFile,
+    bytes: &'a [u8],
+}
+
+impl TensorSource for GgufSource<'_> {
+    fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        self.file.tensor(name).map(|t| t.shape.clone())
+    }
+
+    fn load(&self, name: &str) -> Result<Vec<f32>, ModelError> {
+        Ok(self.file.tensor_f32(self.bytes, name)?)
+    }
+}
+
+struct SafetensorsSource<'a> {
+    st: SafeTensors<'a>,
+}
+
+impl TensorSource for SafetensorsSource<'_> {
+    fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        self.st.tensor(name).ok().map(|t| t.shape().to_vec())
+    }
+
+    fn load(&self, name: &str) -> Result<Vec<f32>, ModelError> {
+        let view = self.st.tensor(name).map_err(|_| ModelError::MissingTensor {
+            name: name.to_string(),
+        })?;
+        let data = view.data();
+        let values = match view.dtype() {
+            safetensors::Dtype::F32 => data
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            safetensors::Dtype::F16 => data
+                .chunks_exact(2)
+                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            safetensors::Dtype::BF16 => data
+                .chunks_exact(2)
+                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            other => {
+                return Err(ModelError::Unsupported(format!(
+                    "tensor {name:?} has dtype {other:?} (F32, F16, BF16 are supported)"
+                )));
+            }
+        };
+        Ok(values)
+    }
+}
+
+/// Loads one tensor and checks its shape and values.
+fn load_tensor(
+    src: &dyn TensorSource,
+    name: &str,
+    expected: &[usize],
+) -> Result<Vec<f32>, ModelError> {
+    let got = src.shape(name).ok_or_else(|| ModelError::MissingTensor {
+        name: name.to_string(),
+    })?;
+    if got != expected {
+        return Err(ModelError::TensorShape {
+            name: name.to_string(),
+            got,
+            expected: expected.to_vec(),
+        });
+    }
+    let values = src.load(name)?;
+    if values.len() != expected.iter().product::<usize>() {
+        return Err(ModelError::TensorShape {
+            name: name.to_string(),
+            got: vec![values.len()],
+            expected: expected.to_vec(),
+        });
+    }
+    if values.iter().any(|v| !v.is_finite()) {
+        return Err(ModelError::NonFinite {
+            name: name.to_string(),
+        });
+    }
+    Ok(values)
+}
+
+fn load_matrix(
+    src: &dyn TensorSource,
+    name: &str,
+    rows: usize,
+    cols: usize,
+) -> Result<Matrix, ModelError> {
+    Matrix::new(rows, cols, load_tensor(src, name, &[rows, cols])?)
+}
+
+/// Reorders Q/K rows from Hugging Face's half-split RoPE layout to GGML's adjacent pairs:
+/// within each head, HF row `h·(d/2) + i` becomes row `2i + h`.
+fn hf_rope_to_adjacent(m: &mut Matrix, heads: usize) {
+    let head_rows = m.rows / heads;
+    let half = head_rows / 2;
+    let original = m.data.clone();
+    for head in 0..heads {
+        for h in 0..2 {
+            for i in 0..half {
+                let from = head * head_rows + h * half + i;
+                let to = head * head_rows + 2 * i + h;
+                m.data[to * m.cols..(to + 1) * m.cols]
+                    .copy_from_slice(&original[from * m.cols..(from + 1) * m.cols]);
+            }
+        }
+    }
+}
+
+impl ModelWeights {
+    /// Loads a Llama model from the bytes of a GGUF file.
+    pub fn from_gguf(file: &GgufFile, bytes: &[u8]) -> Result<Self, ModelError> {
+        let cfg = LlamaConfig::from_gguf(file)?;
+        Self::load(cfg, &GgufSource { file, bytes }, &GGUF_NAMES)
+    }
+
+    /// Loads a Llama model from Hugging Face `config.json` text and `model.safetensors` bytes.
+    pub fn from_safetensors(config_json: &str, safetensors: &[u8]) -> Result<Self, ModelError> {
+        let cfg = LlamaConfig::from_hf_json(config_json)?;
+        let st = SafeTensors::deserialize(safetensors)
+            .map_err(|e| ModelError::Safetensors(e.to_string()))?;
+        let src = SafetensorsSource { st };
+        let mut w = Self::load(cfg, &src, &HF_NAMES)?;
+        let (heads, kv_heads) = (w.cfg.heads, w.cfg.kv_heads);
+        for layer in &mut w.layers {
+            hf_rope_to_adjacent(&mut layer.q, heads);
+            hf_rope_to_adjacent(&mut layer.k, kv_heads);
+        }
+        Ok(w)
+    }
+
+    fn load(cfg: LlamaConfig, src: &dyn TensorSource, names: &Names) -> Result<Self, ModelError> {
+        let (d, f) = (cfg.hidden, cfg.ffn);
+        let embed = load_matrix(src, names.embed, cfg.vocab, d)?;
+        let tied = src.shape(names.lm_head).is_none();
+        let lm_head = if tied {
+            None
+        } else {
+            Some(load_matrix(src, names.lm_head, cfg.vocab, d)?)
+        };
+        let final_norm = load_tensor(src, names.final_norm, &[d])?;
+        let mut layers = Vec::with_capacity(cfg.layers);
+        for i in 0..cfg.layers {
+            let name = |p| (names.layer)(i, p);
+            layers.push(LayerWeights {
+                attn_norm: load_tensor(src, &name(Part::AttnNorm), &[d])?,
+                q: load_matrix(src, &name(Part::Q), cfg.q_dim(), d)?,
+                k: load_matrix(src, &name(Part::K), cfg.kv_dim(), d)?,
+                v: load_matrix(src, &name(Part::V), cfg.kv_dim(), d)?,
+                o: load_matrix(src, &name(Part::O), d, cfg.q_dim())?,
+                ffn_norm: load_tensor(src, &name(Part::FfnNorm), &[d])?,
+                gate: load_matrix(src, &name(Part::Gate), f, d)?,
+                up: load_matrix(src, &name(Part::Up), f, d)?,
+                down: load_matrix(src, &name(Part::Down), d, f)?,
+            });
+        }
+        let cfg = LlamaConfig {
+            tied_embeddings: tied,
+            ..cfg
+        };
+        Ok(Self {
+            cfg,
+            embed,
+            layers,
+            final_norm,
+            lm_head,
+        })
+    }
+
+    /// A model of the given shape with seeded random weights, for tests and benchmarks.
+    pub fn synthetic(cfg: LlamaConfig, seed: u64) -> Result<Self, ModelError> {
+        cfg.validate()?;
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let mut matrix = |rows: usize, cols: usize| {
+            let scale = 1.0 / (cols as f32).sqrt();
+            let data = (0..rows * cols)
+                .map(|_| rng.random_range(-1.0f32..1.0) * scale * 1.7)
+                .collect();
+            Matrix { rows, cols, data }
+        };
+        let (d, f) = (cfg.hidden, cfg.ffn);
+        let embed = matrix(cfg.vocab, d);
+        let lm_head = (!cfg.tied_embeddings).then(|| matrix(cfg.vocab, d));
+        let layers = (0..cfg.layers)
+            .map(|_| LayerWeights {
+                attn_norm: vec![1.0; d],
+                q: matrix(cfg.q_dim(), d),
+                k: matrix(cfg.kv_dim(), d),
+                v: matrix(cfg.kv_dim(), d),
+                o: matrix(d, cfg.q_dim()),
+                ffn_norm: vec![1.0; d],
+                gate: matrix(f, d),
+                up: matrix(f, d),
+                down: matrix(d, f),
+            })
+            .collect();
+        Ok(Self {
+            cfg,
+            embed,
+            layers,
+            final_norm: vec![1.0; d],
+            lm_head,
+        })
+    }
+
+    /// The LM head: the separate one, or the tied embedding.
+    pub fn lm_head(&self) -> &Matrix {
+        self.lm_head.as_ref().unwrap_or(&self.embed)
+    }
+
+    /// Number of parameters in all matrices and norms.
+    pub fn parameter_count(&self) -> usize {
+        let per_layer = |l: &LayerWeights| {
+            l.attn_norm.len()
+                + l.ffn_norm.len()
+                + [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down]
+                    .iter()
+                    .map(|m| m.data.len())
+                    .sum::<usize>()
+        };
+        self.embed.data.len()
+            + self.lm_head.as_ref().map_or(0, |m| m.data.len())
+            + self.final_norm.len()
+            + self.layers.iter().map(per_layer).sum::<usize>()
+    }
+}

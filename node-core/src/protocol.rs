@@ -1,0 +1,159 @@
+//! Messages between a leader and the members of its group, postcard-encoded with a version.
+//!
+//! Every decoder here treats its input as hostile: a size limit is checked before anything is
+//! decoded, the version is read first, and errors name what was wrong.
+
+use serde::{Deserialize, Serialize, de::DeserializeOwned};
+
+use crate::model::Stage;
+
+/// Version of the step protocol; a peer on another version is refused with both named.
+pub const PROTOCOL_VERSION: u16 = 1;
+
+/// Largest encoded message accepted (a prefill of a few thousand tokens fits).
+pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
+
+/// What a leader asks one member to compute.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum StepRequest {
+    /// Multiply the member's shards of a stage by `t` input rows `x` (`t × in`).
+    Matmul {
+        /// Which stage.
+        stage: Stage,
+        /// Number of input rows.
+        t: u32,
+        /// The inputs, row-major.
+        x: Vec<f32>,
+    },
+    /// Return rows of the member's coded embedding (for the embedding lookup).
+    EmbedRows {
+        /// Local row index within a block, one per token.
+        rows: Vec<u32>,
+    },
+}
+
+/// A member's answer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum StepResponse {
+    /// The partial result, laid out sub-block major (see `coded`).
+    Partial {
+        /// The shard row (node index) that computed it.
+        node: u32,
+        /// The values.
+        values: Vec<f32>,
+    },
+    /// The member could not compute it.
+    Failed {
+        /// Why, in words.
+        reason: String,
+    },
+}
+
+/// A message that could not be encoded or decoded.
+#[derive(Debug, thiserror::Error)]
+pub enum ProtocolError {
+    /// The peer speaks another protocol version.
+    #[error("protocol version mismatch: ours is {ours}, the peer's is {theirs}")]
+    Version {
+        /// Our version.
+        ours: u16,
+        /// Theirs.
+        theirs: u16,
+    },
+    /// The message is larger than allowed.
+    #[error("message of {len} bytes exceeds the limit of {max}")]
+    TooLarge {
+        /// Its size.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// The bytes are not a valid message.
+    #[error("malformed message: {0}")]
+    Malformed(String),
+    /// Bytes were left after the message.
+    #[error("{0} trailing bytes after the message")]
+    Trailing(usize),
+}
+
+/// Encodes a message with the protocol version in front.
+pub fn encode<T: Serialize>(msg: &T) -> Result<Vec<u8>, ProtocolError> {
+    let mut out = postcard::to_allocvec(&PROTOCOL_VERSION)
+        .map_err(|e| ProtocolError::Malformed(e.to_string()))?;
+    let body = postcard::to_allocvec(msg).map_err(|e| ProtocolError::Malformed(e.to_string()))?;
+    out.extend_from_slice(&body);
+    if out.len() > MAX_MESSAGE_BYTES {
+        return Err(ProtocolError::TooLarge {
+            len: out.len(),
+            max: MAX_MESSAGE_BYTES,
+        });
+    }
+    Ok(out)
+}
+
+/// Decodes a message, checking size and version first.
+pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ProtocolError> {
+    if bytes.len() > MAX_MESSAGE_BYTES {
+        return Err(ProtocolError::TooLarge {
+            len: bytes.len(),
+            max: MAX_MESSAGE_BYTES,
+        });
+    }
+    let (theirs, rest): (u16, _) =
+        postcard::take_from_bytes(bytes).map_err(|e| ProtocolError::Malformed(e.to_string()))?;
+    if theirs != PROTOCOL_VERSION {
+        return Err(ProtocolError::Version {
+            ours: PROTOCOL_VERSION,
+            theirs,
+        });
+    }
+    let (msg, rest) =
+        postcard::take_from_bytes(rest).map_err(|e| ProtocolError::Malformed(e.to_string()))?;
+    if !rest.is_empty() {
+        return Err(ProtocolError::Trailing(rest.len()));
+    }
+    Ok(msg)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn round_trip_and_version_check() {
+        let msg = StepRequest::Matmul {
+            stage: Stage::GateUp(3),
+            t: 2,
+            x: vec![1.0, -2.5, 3.25, 0.0],
+        };
+        let bytes = encode(&msg).unwrap();
+        assert_eq!(decode::<StepRequest>(&bytes).unwrap(), msg);
+        let mut other = postcard::to_allocvec(&(PROTOCOL_VERSION + 1)).unwrap();
+        other.extend_from_slice(&bytes[1..]);
+        let err = decode::<StepRequest>(&other).unwrap_err();
+        assert!(err.to_string().contains("ours is 1, the peer's is 2"), "{err}");
+        let mut trailing = bytes.clone();
+        trailing.push(0);
+        assert!(matches!(
+            decode::<StepRequest>(&trailing),
+            Err(ProtocolError::Trailing(1))
+        ));
+    }
+
+    #[test]
+    fn huge_length_prefix_is_an_error_not_an_allocation() {
+        // version 1, variant Matmul, stage LmHead, t = 1, then a vector claiming 2^60 floats.
+        let mut bytes = vec![1u8, 0, 4, 1];
+        bytes.extend_from_slice(&[0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x0f]);
+        assert!(decode::<StepRequest>(&bytes).is_err());
+    }
+
+    proptest! {
+        #[test]
+        fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
+            let _ = decode::<StepRequest>(&bytes);
+            let _ = decode::<StepResponse>(&bytes);
+        }
+    }
+}

@@ -1,0 +1,147 @@
+//! `codedmesh bench`: kernel bandwidth next to a memory copy, and model tokens/s uncoded and coded.
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use anyhow::Result;
+use node_core::code::{Generator, select_nodes};
+use node_core::coded::{CodedGroup, InProcess};
+use node_core::compute;
+use node_core::model::{GenerateOptions, LeaderWeights, Llama, ModelWeights, generate};
+
+/// Best time of `f` over repeated runs lasting at least `budget`.
+fn best_time(budget: Duration, mut f: impl FnMut()) -> Duration {
+    f();
+    let start = Instant::now();
+    let mut best = Duration::MAX;
+    let mut runs = 0;
+    while runs < 3 || start.elapsed() < budget {
+        let t = Instant::now();
+        f();
+        best = best.min(t.elapsed());
+        runs += 1;
+    }
+    best
+}
+
+/// One row of the results table.
+#[derive(Debug)]
+pub struct Row {
+    /// What was measured.
+    pub what: String,
+    /// The figure.
+    pub value: String,
+}
+
+fn row(what: impl Into<String>, value: impl Into<String>) -> Row {
+    Row {
+        what: what.into(),
+        value: value.into(),
+    }
+}
+
+/// Memory-copy bandwidth (bytes read per second) over a buffer far larger than the caches.
+pub fn copy_bandwidth() -> f64 {
+    let n = 64 << 20; // 256 MiB of f32
+    let src = vec![1.0f32; n];
+    let mut dst = vec![0.0f32; n];
+    let t = best_time(Duration::from_secs(2), || {
+        dst.copy_from_slice(black_box(&src));
+        black_box(&dst);
+    });
+    (n * 4) as f64 / t.as_secs_f64()
+}
+
+/// GEMV bandwidth (weight bytes read per second) of a `rows × cols` f32 matrix.
+pub fn gemv_bandwidth(rows: usize, cols: usize) -> f64 {
+    let w: Vec<f32> = (0..rows * cols).map(|i| (i % 97) as f32 * 0.01).collect();
+    let x = vec![0.5f32; cols];
+    let mut y = vec![0.0f32; rows];
+    let t = best_time(Duration::from_secs(1), || {
+        compute::matmul(black_box(&w), rows, cols, &x, 1, &mut y);
+        black_box(&y);
+    });
+    (rows * cols * 4) as f64 / t.as_secs_f64()
+}
+
+/// Prefill and decode tokens/s of a model through a group of `k` of `n` rows.
+fn model_speed(
+    weights: &ModelWeights,
+    llama: &Llama,
+    n: usize,
+    k: usize,
+    prompt: &[u32],
+    tokens: usize,
+) -> Result<(f64, f64, f64)> {
+    let g = if n == 1 {
+        Generator::uncoded()
+    } else {
+        Generator::cauchy(n, k)?
+    };
+    let mesh = InProcess::encode(weights, &g, &mut |_, _| {})?;
+    let all: Vec<usize> = (0..n).collect();
+    let nodes = select_nodes(&g, &all)?.nodes;
+    let mut group = CodedGroup::new(weights.cfg.clone(), g, &nodes, mesh)?;
+    let opts = GenerateOptions {
+        max_tokens: tokens,
+        sampling: Default::default(),
+        stop_ids: Vec::new(),
+    };
+    // Warm-up, then the measured run.
+    generate(llama, &mut group, prompt, &opts, &mut |_| true)?;
+    let run = generate(llama, &mut group, prompt, &opts, &mut |_| true)?;
+    let ms_per_token = 1e3 / run.decode_tokens_per_s();
+    Ok((run.prefill_tokens_per_s(), run.decode_tokens_per_s(), ms_per_token))
+}
+
+/// Runs every measurement and returns the table rows.
+pub fn run(weights: &ModelWeights, prompt: &[u32], tokens: usize) -> Result<Vec<Row>> {
+    let mut rows = vec![row("threads", compute::threads().to_string())];
+    let copy = copy_bandwidth();
+    rows.push(row("memory copy (256 MiB, bytes read)", format!("{:.1} GB/s", copy / 1e9)));
+    let cfg = &weights.cfg;
+    let shapes = [
+        ("GEMV q/o 576×576", cfg.q_dim(), cfg.hidden),
+        ("GEMV gate/up 1536×576", cfg.ffn, cfg.hidden),
+        ("GEMV down 576×1536", cfg.hidden, cfg.ffn),
+        ("GEMV LM head 49152×576", cfg.vocab, cfg.hidden),
+        ("GEMV k=3 LM head shard 16384×576", cfg.vocab.div_ceil(3), cfg.hidden),
+        ("GEMV 4096×4096", 4096, 4096),
+    ];
+    for (name, r, c) in shapes {
+        let bw = gemv_bandwidth(r, c);
+        rows.push(row(
+            name,
+            format!("{:.1} GB/s ({:.2}× copy)", bw / 1e9, bw / copy),
+        ));
+    }
+    let llama = Llama::new(cfg.clone(), LeaderWeights::from_model(weights))?;
+    let weight_bytes = 4.0
+        * (weights.layers.len() * (2 * cfg.q_dim() * cfg.hidden + 2 * cfg.kv_dim() * cfg.hidden + 3 * cfg.ffn * cfg.hidden)
+            + cfg.vocab * cfg.hidden) as f64;
+    rows.push(row(
+        "f32 weight bytes read per token",
+        format!("{:.0} MB → bandwidth floor {:.1} ms/token", weight_bytes / 1e6, 1e3 * weight_bytes / copy),
+    ));
+    for (label, n, k) in [("single node, uncoded", 1, 1), ("in-process coded k=3 of n=5", 5, 3)] {
+        let (prefill, decode, ms) = model_speed(weights, &llama, n, k, prompt, tokens)?;
+        rows.push(row(
+            format!("{label}: prefill ({} tokens)", prompt.len()),
+            format!("{prefill:.1} tok/s"),
+        ));
+        rows.push(row(
+            format!("{label}: decode ({tokens} tokens)"),
+            format!("{decode:.1} tok/s ({ms:.1} ms/token)"),
+        ));
+    }
+    Ok(rows)
+}
+
+/// Prints rows as a markdown table.
+pub fn print_table(rows: &[Row]) {
+    println!("| measurement | value |");
+    println!("|---|---|");
+    for r in rows {
+        println!("| {} | {} |", r.what, r.value);
+    }
+}

@@ -1,0 +1,6 @@
+//! Coded Mesh native node: model files on disk, the default model's fetcher, the CLI's parts.
+
+pub mod bench;
+pub mod fetch;
+pub mod load;
+pub mod progress;

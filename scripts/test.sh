@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The project's test command: sets up what it needs, then checks formatting, lints (native and
+# wasm32), builds node-core for wasm32 and runs every test. Run from anywhere in the repository.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+step() { printf '\n==> %s\n' "$*"; }
+
+step "toolchain (rust-toolchain.toml)"
+if ! rustup toolchain install 2>/dev/null; then
+  # Older rustup: name the pinned channel explicitly.
+  channel=$(sed -n 's/^channel *= *"\(.*\)"/\1/p' rust-toolchain.toml)
+  rustup toolchain install "$channel" --profile minimal -c clippy,rustfmt -t wasm32-unknown-unknown
+fi
+rustc --version
+
+step "python3 + pip (fetches the default model on first use)"
+python3 -m pip --version >/dev/null
+
+step "cargo fmt --check"
+cargo fmt --all -- --check
+
+step "clippy (native, all targets, -D warnings)"
+cargo clippy --workspace --all-targets --locked -- -D warnings
+
+step "clippy (wasm32: node-core)"
+cargo clippy -p node-core --target wasm32-unknown-unknown --locked -- -D warnings
+
+step "model (cached after the first run)"
+cargo run --release --locked -q -p node-native -- fetch-model
+
+step "tests"
+cargo test --workspace --locked --release
+
+echo
+echo "all checks passed"
