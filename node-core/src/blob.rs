@@ -74,7 +74,10 @@ impl BlobParams {
                 self.chunk_size
             )));
         }
-        if self.data_chunks == 0 || self.parity_chunks == 0 || self.data_chunks + self.parity_chunks > 256 {
+        if self.data_chunks == 0
+            || self.parity_chunks == 0
+            || self.data_chunks + self.parity_chunks > 256
+        {
             return Err(BlobError::Params(format!(
                 "{} data + {} parity chunks: need ≥ 1 of each and ≤ 256 together",
                 self.data_chunks, self.parity_chunks
@@ -131,7 +134,8 @@ impl Header {
         if blake3::hash(body).as_bytes() != hash || &body[..8] != MAGIC {
             return None;
         }
-        let u32_at = |i: usize| u32::from_le_bytes([body[i], body[i + 1], body[i + 2], body[i + 3]]);
+        let u32_at =
+            |i: usize| u32::from_le_bytes([body[i], body[i + 1], body[i + 2], body[i + 3]]);
         let u16_at = |i: usize| u16::from_le_bytes([body[i], body[i + 1]]);
         if u32_at(8) != FORMAT_VERSION {
             return None;
@@ -318,7 +322,11 @@ mod tests {
         }
         assert!(matches!(
             decode_blob(&too_much),
-            Err(BlobError::Unrepairable { group: 0, damaged: 3, parity: 2 })
+            Err(BlobError::Unrepairable {
+                group: 0,
+                damaged: 3,
+                parity: 2
+            })
         ));
     }
 
@@ -347,10 +355,23 @@ mod tests {
     #[test]
     fn bad_params_are_rejected() {
         for params in [
-            BlobParams { chunk_size: 1, ..SMALL },
-            BlobParams { data_chunks: 0, ..SMALL },
-            BlobParams { parity_chunks: 0, ..SMALL },
-            BlobParams { data_chunks: 200, parity_chunks: 100, ..SMALL },
+            BlobParams {
+                chunk_size: 1,
+                ..SMALL
+            },
+            BlobParams {
+                data_chunks: 0,
+                ..SMALL
+            },
+            BlobParams {
+                parity_chunks: 0,
+                ..SMALL
+            },
+            BlobParams {
+                data_chunks: 200,
+                parity_chunks: 100,
+                ..SMALL
+            },
         ] {
             assert!(encode_blob(b"x", &params).is_err());
         }

@@ -222,7 +222,10 @@ impl<'a> Reader<'a> {
             return Err(GgufError::Invalid {
                 offset: at,
                 what,
-                detail: format!("count {n} cannot fit in the {} bytes left", self.remaining()),
+                detail: format!(
+                    "count {n} cannot fit in the {} bytes left",
+                    self.remaining()
+                ),
             });
         }
         Ok(n as usize)
@@ -334,7 +337,10 @@ impl GgufFile {
             let offset = r.u64("tensor offset")?;
             raw.push((at, name, dims, ty, offset));
         }
-        let alignment = match metadata.get("general.alignment").and_then(MetaValue::as_i128) {
+        let alignment = match metadata
+            .get("general.alignment")
+            .and_then(MetaValue::as_i128)
+        {
             None => 32u64,
             Some(a) if a > 0 && a <= 1 << 20 && (a as u64).is_power_of_two() => a as u64,
             Some(a) => {
@@ -374,7 +380,11 @@ impl GgufFile {
             let offset = data_start
                 .checked_add(rel)
                 .filter(|o| o.checked_add(n_bytes).is_some_and(|end| end <= file_len))
-                .ok_or_else(|| invalid(format!("data at {rel} (+{n_bytes} bytes) lies outside the file")))?;
+                .ok_or_else(|| {
+                    invalid(format!(
+                        "data at {rel} (+{n_bytes} bytes) lies outside the file"
+                    ))
+                })?;
             let shape = dims.iter().rev().map(|&d| d as usize).collect();
             tensors.push(TensorInfo {
                 name,

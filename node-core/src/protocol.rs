@@ -132,7 +132,10 @@ mod tests {
         let mut other = postcard::to_allocvec(&(PROTOCOL_VERSION + 1)).unwrap();
         other.extend_from_slice(&bytes[1..]);
         let err = decode::<StepRequest>(&other).unwrap_err();
-        assert!(err.to_string().contains("ours is 1, the peer's is 2"), "{err}");
+        assert!(
+            err.to_string().contains("ours is 1, the peer's is 2"),
+            "{err}"
+        );
         let mut trailing = bytes.clone();
         trailing.push(0);
         assert!(matches!(

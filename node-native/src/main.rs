@@ -213,7 +213,9 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         stats.bytes_sent / args.k as u64 / total_tokens,
         stats.bytes_received / args.k as u64 / total_tokens,
         100.0 * stats.decode_time.as_secs_f64()
-            / (stats.decode_time + stats.member_time).as_secs_f64().max(1e-9)
+            / (stats.decode_time + stats.member_time)
+                .as_secs_f64()
+                .max(1e-9)
     );
     if args.verify {
         verify_against_uncoded(&model.weights, &llama, &prompt, &opts, &out.tokens)?;
@@ -232,8 +234,7 @@ fn verify_against_uncoded(
     let g = Generator::uncoded();
     let mesh = InProcess::encode(weights, &g, &mut |_, _| {})?;
     let mut group = CodedGroup::new(weights.cfg.clone(), g, &[0], mesh)?;
-    let out = generate(llama, &mut group, prompt, opts, &mut |_| true)
-        .context("uncoded run")?;
+    let out = generate(llama, &mut group, prompt, opts, &mut |_| true).context("uncoded run")?;
     if out.tokens == coded {
         eprintln!(
             "verify: the uncoded run chose the same {} tokens (uncoded decode {:.1} tok/s)",

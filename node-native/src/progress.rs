@@ -5,11 +5,10 @@ use indicatif::{ProgressBar, ProgressStyle};
 /// A progress bar counting `total` units of `what` on stderr.
 pub fn bar(total: u64, what: &str) -> ProgressBar {
     let pb = ProgressBar::new(total);
-    let style = ProgressStyle::with_template(
-        "{msg:>12} [{bar:40}] {pos}/{len} ({elapsed}, eta {eta})",
-    )
-    .unwrap_or_else(|_| ProgressStyle::default_bar())
-    .progress_chars("=> ");
+    let style =
+        ProgressStyle::with_template("{msg:>12} [{bar:40}] {pos}/{len} ({elapsed}, eta {eta})")
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> ");
     pb.set_style(style);
     pb.set_message(what.to_string());
     pb

@@ -25,8 +25,7 @@ fn read_f32(path: &std::path::Path) -> Result<Vec<f32>> {
 #[test]
 fn logits_tokens_and_greedy_text_match_the_numpy_reference() -> Result<()> {
     let dir = testdata();
-    let index: Value =
-        serde_json::from_slice(&std::fs::read(dir.join("smollm2_reference.json"))?)?;
+    let index: Value = serde_json::from_slice(&std::fs::read(dir.join("smollm2_reference.json"))?)?;
     let model = real_model()?;
     let llama = leader(&model.weights)?;
     let mut exec = uncoded_group(&model.weights)?;
@@ -98,7 +97,10 @@ fn chat_template_special_tokens_are_single_ids() -> Result<()> {
     }]);
     let ids = t.encode(&prompt)?;
     assert_eq!(ids.first(), Some(&1), "starts with <|im_start|>");
-    assert!(ids.iter().filter(|&&i| i == 2).count() >= 2, "has <|im_end|> tokens");
+    assert!(
+        ids.iter().filter(|&&i| i == 2).count() >= 2,
+        "has <|im_end|> tokens"
+    );
     assert!(t.eos_ids().contains(&2));
     assert!(prompt.contains("You are a helpful AI assistant named SmolLM"));
     Ok(())

@@ -303,7 +303,12 @@ impl Generator {
     }
 
     /// A node's expected answer from decoded blocks `[j][c]` (`k·m·C`), written as `[s][c]`.
-    pub fn predict_part(&self, node: usize, blocks: &[f32], out: &mut [f32]) -> Result<(), CodeError> {
+    pub fn predict_part(
+        &self,
+        node: usize,
+        blocks: &[f32],
+        out: &mut [f32],
+    ) -> Result<(), CodeError> {
         self.check_node(node)?;
         let km = self.k * self.m;
         let c = out.len() / self.m;
@@ -368,7 +373,10 @@ impl Decoder {
         }
         let sub = g.submatrix(nodes)?;
         let condition = condition(&sub);
-        let inverse = match (condition <= MAX_CONDITION).then(|| sub.try_inverse()).flatten() {
+        let inverse = match (condition <= MAX_CONDITION)
+            .then(|| sub.try_inverse())
+            .flatten()
+        {
             Some(inv) => inv,
             None => {
                 return Err(CodeError::IllConditioned {

@@ -18,7 +18,14 @@ fn products(w: &[f32], out: usize, inp: usize, x: &[f32]) -> (Vec<f64>, Vec<f32>
 }
 
 /// Encodes, multiplies each shard by `x` in f32, decodes from `nodes`, trims the padding.
-fn coded_product(g: &Generator, w: &[f32], out: usize, inp: usize, x: &[f32], nodes: &[usize]) -> Vec<f32> {
+fn coded_product(
+    g: &Generator,
+    w: &[f32],
+    out: usize,
+    inp: usize,
+    x: &[f32],
+    nodes: &[usize],
+) -> Vec<f32> {
     let rows = g.shard_rows(out);
     let parts: Vec<Vec<f32>> = nodes
         .iter()
@@ -31,14 +38,21 @@ fn coded_product(g: &Generator, w: &[f32], out: usize, inp: usize, x: &[f32], no
         .collect();
     let refs: Vec<&[f32]> = parts.iter().map(Vec::as_slice).collect();
     let mut y = vec![0.0f32; g.padded_rows(out)];
-    Decoder::new(g, nodes).unwrap().decode(&refs, &mut y).unwrap();
+    Decoder::new(g, nodes)
+        .unwrap()
+        .decode(&refs, &mut y)
+        .unwrap();
     // With t = 1, block j of the decode is rows j·L .. (j+1)·L of W·x.
     y.truncate(out);
     y
 }
 
 fn rel_err(a: &[f32], exact: &[f64]) -> f64 {
-    let num: f64 = a.iter().zip(exact).map(|(&x, &e)| (x as f64 - e).powi(2)).sum();
+    let num: f64 = a
+        .iter()
+        .zip(exact)
+        .map(|(&x, &e)| (x as f64 - e).powi(2))
+        .sum();
     let den: f64 = exact.iter().map(|e| e * e).sum();
     (num / den).sqrt()
 }

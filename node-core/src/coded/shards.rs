@@ -102,9 +102,10 @@ impl ShardSet {
     pub fn stage_shards(&self, stage: Stage) -> Result<Vec<&Shard>, CodedError> {
         match stage.layer() {
             Some(l) => {
-                let block = self.blocks.get(l).ok_or_else(|| {
-                    CodedError::BadRequest(format!("block {l} does not exist"))
-                })?;
+                let block = self
+                    .blocks
+                    .get(l)
+                    .ok_or_else(|| CodedError::BadRequest(format!("block {l} does not exist")))?;
                 Ok(stage.block_matrices().iter().map(|&i| &block[i]).collect())
             }
             None => Ok(vec![self.lm_head.as_ref().unwrap_or(&self.embed)]),

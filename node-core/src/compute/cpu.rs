@@ -174,10 +174,7 @@ mod tests {
     /// check against 1e-5 · (Σ|w·x| + 1), far above that and far below a wrong index.
     fn close(got: &[f32], want: &[f64], scale: f64) {
         for (g, w) in got.iter().zip(want) {
-            assert!(
-                (*g as f64 - w).abs() <= 1e-5 * scale,
-                "got {g}, want {w}"
-            );
+            assert!((*g as f64 - w).abs() <= 1e-5 * scale, "got {g}, want {w}");
         }
     }
 

@@ -26,7 +26,9 @@ mod imp {
 
     /// Runs `f(chunk_index, chunk)` over `chunk`-sized pieces of `data`, one after another.
     pub fn for_each_chunk(data: &mut [f32], chunk: usize, f: impl Fn(usize, &mut [f32]) + Sync) {
-        data.chunks_mut(chunk).enumerate().for_each(|(i, c)| f(i, c));
+        data.chunks_mut(chunk)
+            .enumerate()
+            .for_each(|(i, c)| f(i, c));
     }
 }
 

@@ -208,7 +208,9 @@ impl Llama {
         let cfg = &self.cfg;
         let t = tokens.len();
         if t == 0 {
-            return Err(ModelError::Config("forward needs at least one token".into()));
+            return Err(ModelError::Config(
+                "forward needs at least one token".into(),
+            ));
         }
         if let Some(&id) = tokens.iter().find(|&&id| id as usize >= cfg.vocab) {
             return Err(ModelError::TokenOutOfRange {
@@ -281,7 +283,14 @@ impl Llama {
     }
 
     /// Causal grouped-query attention of `t` new queries over the cached keys and values.
-    fn attention(&self, q: &[f32], keys: &[f32], values: &[f32], start: usize, t: usize) -> Vec<f32> {
+    fn attention(
+        &self,
+        q: &[f32],
+        keys: &[f32],
+        values: &[f32],
+        start: usize,
+        t: usize,
+    ) -> Vec<f32> {
         let cfg = &self.cfg;
         let (hd, kv_dim, q_dim) = (cfg.head_dim, cfg.kv_dim(), cfg.q_dim());
         let group = cfg.heads / cfg.kv_heads;
@@ -363,7 +372,10 @@ fn rope(x: &mut [f32], heads: usize, hd: usize, cos: &[f32], sin: &[f32]) {
     let half = hd / 2;
     let width = heads * hd;
     for (pos, row) in x.chunks_exact_mut(width).enumerate() {
-        let (c, s) = (&cos[pos * half..(pos + 1) * half], &sin[pos * half..(pos + 1) * half]);
+        let (c, s) = (
+            &cos[pos * half..(pos + 1) * half],
+            &sin[pos * half..(pos + 1) * half],
+        );
         for head in row.chunks_exact_mut(hd) {
             for (i, pair) in head.chunks_exact_mut(2).enumerate() {
                 let (a, b) = (pair[0], pair[1]);

@@ -69,11 +69,9 @@ impl Tokenizer {
         let byte_level = ByteLevel::new(false, true, true);
         let pre_tokenizer: PreTokenizerWrapper = match pre {
             // SmolLM's pre-tokenizer: single digits, then GPT-2 byte-level splitting.
-            "smollm" | "starcoder" | "refact" => Sequence::new(vec![
-                Digits::new(true).into(),
-                byte_level.into(),
-            ])
-            .into(),
+            "smollm" | "starcoder" | "refact" => {
+                Sequence::new(vec![Digits::new(true).into(), byte_level.into()]).into()
+            }
             _ => byte_level.into(),
         };
         inner.with_pre_tokenizer(Some(pre_tokenizer));
@@ -156,7 +154,10 @@ impl Tokenizer {
             out.push_str(&format!("<|im_start|>system\n{system}<|im_end|>\n"));
         }
         for m in messages {
-            out.push_str(&format!("<|im_start|>{}\n{}<|im_end|>\n", m.role, m.content));
+            out.push_str(&format!(
+                "<|im_start|>{}\n{}<|im_end|>\n",
+                m.role, m.content
+            ));
         }
         out.push_str("<|im_start|>assistant\n");
         out

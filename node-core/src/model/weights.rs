@@ -169,9 +169,12 @@ impl TensorSource for SafetensorsSource<'_> {
     }
 
     fn load(&self, name: &str) -> Result<Vec<f32>, ModelError> {
-        let view = self.st.tensor(name).map_err(|_| ModelError::MissingTensor {
-            name: name.to_string(),
-        })?;
+        let view = self
+            .st
+            .tensor(name)
+            .map_err(|_| ModelError::MissingTensor {
+                name: name.to_string(),
+            })?;
         let data = view.data();
         let values = match view.dtype() {
             safetensors::Dtype::F32 => data
