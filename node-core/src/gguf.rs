@@ -530,7 +530,7 @@ pub fn dequantize(ty: GgmlType, data: &[u8], n_elements: usize) -> Result<Vec<f3
         name: String::new(),
         ty,
     })?;
-    if n_elements % per_block != 0 || data.len() != n_elements / per_block * block_bytes {
+    if !n_elements.is_multiple_of(per_block) || data.len() != n_elements / per_block * block_bytes {
         return Err(GgufError::Invalid {
             offset: 0,
             what: "tensor data",
@@ -544,10 +544,12 @@ pub fn dequantize(ty: GgmlType, data: &[u8], n_elements: usize) -> Result<Vec<f3
     let mut out = Vec::with_capacity(n_elements);
     match ty {
         GgmlType::F32 => out.extend(
-            data.chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+            data.as_chunks::<4>()
+                .0
+                .iter()
+                .map(|b| f32::from_le_bytes(*b)),
         ),
-        GgmlType::F16 => out.extend(data.chunks_exact(2).map(f16)),
+        GgmlType::F16 => out.extend(data.as_chunks::<2>().0.iter().map(|b| f16(b))),
         GgmlType::Q8_0 => {
             for b in data.chunks_exact(block_bytes) {
                 let d = f16(&b[0..2]);

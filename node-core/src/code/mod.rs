@@ -251,7 +251,7 @@ impl Generator {
         inp: usize,
     ) -> Result<Vec<f32>, CodeError> {
         self.check_node(node)?;
-        let expected = out.checked_mul(inp).unwrap_or(usize::MAX);
+        let expected = out.saturating_mul(inp);
         if w.len() != expected {
             return Err(CodeError::Length {
                 what: "weight matrix",

@@ -377,7 +377,7 @@ fn rope(x: &mut [f32], heads: usize, hd: usize, cos: &[f32], sin: &[f32]) {
             &sin[pos * half..(pos + 1) * half],
         );
         for head in row.chunks_exact_mut(hd) {
-            for (i, pair) in head.chunks_exact_mut(2).enumerate() {
+            for (i, pair) in head.as_chunks_mut::<2>().0.iter_mut().enumerate() {
                 let (a, b) = (pair[0], pair[1]);
                 pair[0] = a * c[i] - b * s[i];
                 pair[1] = a * s[i] + b * c[i];

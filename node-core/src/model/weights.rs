@@ -178,16 +178,22 @@ impl TensorSource for SafetensorsSource<'_> {
         let data = view.data();
         let values = match view.dtype() {
             safetensors::Dtype::F32 => data
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .as_chunks::<4>()
+                .0
+                .iter()
+                .map(|b| f32::from_le_bytes(*b))
                 .collect(),
             safetensors::Dtype::F16 => data
-                .chunks_exact(2)
-                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .as_chunks::<2>()
+                .0
+                .iter()
+                .map(|b| half::f16::from_le_bytes(*b).to_f32())
                 .collect(),
             safetensors::Dtype::BF16 => data
-                .chunks_exact(2)
-                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                .as_chunks::<2>()
+                .0
+                .iter()
+                .map(|b| half::bf16::from_le_bytes(*b).to_f32())
                 .collect(),
             other => {
                 return Err(ModelError::Unsupported(format!(
