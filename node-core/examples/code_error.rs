@@ -13,7 +13,11 @@ const OUT: usize = 576;
 const IN: usize = 576;
 
 fn rel_err(y: &[f32], exact: &[f64]) -> f64 {
-    let num: f64 = y.iter().zip(exact).map(|(&a, &e)| (a as f64 - e).powi(2)).sum();
+    let num: f64 = y
+        .iter()
+        .zip(exact)
+        .map(|(&a, &e)| (a as f64 - e).powi(2))
+        .sum();
     let den: f64 = exact.iter().map(|e| e * e).sum();
     (num / den).sqrt()
 }
@@ -34,7 +38,9 @@ fn subsets(n: usize, k: usize, f: &mut dyn FnMut(&[usize])) {
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut rng = ChaCha8Rng::seed_from_u64(2026);
-    let w: Vec<f32> = (0..OUT * IN).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+    let w: Vec<f32> = (0..OUT * IN)
+        .map(|_| rng.random_range(-1.0f32..1.0))
+        .collect();
     let x: Vec<f32> = (0..IN).map(|_| rng.random_range(-1.0f32..1.0)).collect();
     let exact: Vec<f64> = (0..OUT)
         .map(|r| (0..IN).map(|c| w[r * IN + c] as f64 * x[c] as f64).sum())
@@ -45,7 +51,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "W {OUT}×{IN}, entries U(−1, 1); uncoded f32 relative error {:.2e}\n",
         rel_err(&plain, &exact)
     );
-    println!("| construction | k | n | worst κ (all k-subsets) | worst rel. error | selected group κ | its rel. error |");
+    println!(
+        "| construction | k | n | worst κ (all k-subsets) | worst rel. error | selected group κ | its rel. error |"
+    );
     println!("|---|---|---|---|---|---|---|");
     for construction in [
         Construction::ComplexCauchy,
@@ -77,7 +85,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 });
                 let all: Vec<usize> = (0..n).collect();
                 let (sel_k, sel_e) = match select_nodes(&g, &all) {
-                    Ok(s) => (s.condition_number, decode(&s.nodes).unwrap_or(f64::INFINITY)),
+                    Ok(s) => (
+                        s.condition_number,
+                        decode(&s.nodes).unwrap_or(f64::INFINITY),
+                    ),
                     Err(_) => (f64::INFINITY, f64::INFINITY),
                 };
                 let name = match construction {

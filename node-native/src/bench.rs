@@ -119,8 +119,13 @@ pub fn run(weights: &ModelWeights, prompt: &[u32], tokens: usize) -> Result<Vec<
         ),
         ("GEMV 4096×4096", 4096, 4096),
     ];
+    let mut read_bw = 0.0f64;
     for (name, r, c) in shapes {
         let bw = gemv_bandwidth(r, c);
+        if r * c >= 1 << 24 {
+            // Matrices far larger than cache: this is the memory read bandwidth.
+            read_bw = read_bw.max(bw);
+        }
         rows.push(row(
             name,
             format!("{:.1} GB/s ({:.2}× copy)", bw / 1e9, bw / copy),
