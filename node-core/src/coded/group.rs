@@ -69,23 +69,23 @@ impl InProcess {
 
 impl Transport for InProcess {
     fn round(&mut self, nodes: &[usize], request: &[u8]) -> Result<Vec<Vec<u8>>, TransportError> {
-        nodes
-            .iter()
-            .map(|&node| {
-                let fail = |reason: String| TransportError { node, reason };
-                let member = self
-                    .members
-                    .get(node)
-                    .ok_or_else(|| fail("no such member".into()))?;
-                let answer = match protocol::decode::<StepRequest>(request) {
-                    Ok(req) => member.handle(&req),
-                    Err(e) => StepResponse::Failed {
-                        reason: e.to_string(),
-                    },
-                };
-                protocol::encode(&answer).map_err(|e| fail(e.to_string()))
-            })
-            .collect()
+        // Members run side by side, as they would on separate machines.
+        let members = &self.members;
+        crate::compute::par::map(nodes, |&node| {
+            let fail = |reason: String| TransportError { node, reason };
+            let member = members
+                .get(node)
+                .ok_or_else(|| fail("no such member".into()))?;
+            let answer = match protocol::decode::<StepRequest>(request) {
+                Ok(req) => member.handle(&req),
+                Err(e) => StepResponse::Failed {
+                    reason: e.to_string(),
+                },
+            };
+            protocol::encode(&answer).map_err(|e| fail(e.to_string()))
+        })
+        .into_iter()
+        .collect()
     }
 }
 

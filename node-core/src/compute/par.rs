@@ -9,6 +9,11 @@ mod imp {
         rayon::current_num_threads()
     }
 
+    /// `f` applied to every item, in parallel, results in order.
+    pub fn map<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sync + Send) -> Vec<R> {
+        items.par_iter().map(f).collect()
+    }
+
     /// Runs `f(chunk_index, chunk)` over `chunk`-sized pieces of `data`, in parallel.
     pub fn for_each_chunk(data: &mut [f32], chunk: usize, f: impl Fn(usize, &mut [f32]) + Sync) {
         data.par_chunks_mut(chunk)
@@ -22,6 +27,11 @@ mod imp {
     /// Number of threads the kernels use.
     pub fn threads() -> usize {
         1
+    }
+
+    /// `f` applied to every item, results in order.
+    pub fn map<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sync + Send) -> Vec<R> {
+        items.iter().map(f).collect()
     }
 
     /// Runs `f(chunk_index, chunk)` over `chunk`-sized pieces of `data`, one after another.
