@@ -5,8 +5,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use node_core::code::{Generator, select_nodes};
-use node_core::coded::{CodedGroup, InProcess};
-use node_core::compute;
+use node_core::coded::{CodedGroup, InProcess, ShardFormat};
+use node_core::compute::{self, WeightElem};
 use node_core::model::{GenerateOptions, LeaderWeights, Llama, ModelWeights, generate};
 
 /// Best time of `f` over repeated runs lasting at least `budget`.
@@ -52,15 +52,15 @@ pub fn copy_bandwidth() -> f64 {
     (n * 4) as f64 / t.as_secs_f64()
 }
 
-/// GEMV bandwidth (weight bytes read per second) of a `rows × cols` f32 matrix, read cold:
+/// GEMV bandwidth (weight bytes read per second) of a `rows × cols` matrix of `W`, read cold:
 /// calls rotate through copies that together exceed the caches, as a forward pass does.
-pub fn gemv_bandwidth(rows: usize, cols: usize) -> f64 {
-    let bytes = rows * cols * 4;
+pub fn gemv_bandwidth<W: WeightElem>(rows: usize, cols: usize, make: fn(f32) -> W) -> f64 {
+    let bytes = rows * cols * std::mem::size_of::<W>();
     let copies = (256usize << 20).div_ceil(bytes).clamp(1, 256);
-    let ws: Vec<Vec<f32>> = (0..copies)
+    let ws: Vec<Vec<W>> = (0..copies)
         .map(|c| {
             (0..rows * cols)
-                .map(|i| ((i + c) % 97) as f32 * 0.01)
+                .map(|i| make(((i + c) % 97) as f32 * 0.01))
                 .collect()
         })
         .collect();
@@ -68,11 +68,15 @@ pub fn gemv_bandwidth(rows: usize, cols: usize) -> f64 {
     let mut y = vec![0.0f32; rows];
     let t = best_time(Duration::from_secs(1), || {
         for w in &ws {
-            compute::matmul(black_box(w), rows, cols, &x, 1, &mut y);
+            compute::matmul(black_box(w.as_slice()), rows, cols, &x, 1, &mut y);
             black_box(&y);
         }
     });
     (bytes * copies) as f64 / t.as_secs_f64()
+}
+
+fn half_from_f32(v: f32) -> half::f16 {
+    half::f16::from_f32(v)
 }
 
 /// Prefill and decode tokens/s of a model through a group of `k` of `n` rows.
@@ -81,6 +85,7 @@ fn model_speed(
     llama: &Llama,
     n: usize,
     k: usize,
+    format: ShardFormat,
     prompt: &[u32],
     tokens: usize,
 ) -> Result<(f64, f64, f64)> {
@@ -89,7 +94,7 @@ fn model_speed(
     } else {
         Generator::cauchy(n, k)?
     };
-    let mesh = InProcess::encode(weights, &g, &mut |_, _| {})?;
+    let mesh = InProcess::encode(weights, &g, format, &mut |_, _| {})?;
     let all: Vec<usize> = (0..n).collect();
     let nodes = select_nodes(&g, &all)?.nodes;
     let mut group = CodedGroup::new(weights.cfg.clone(), g, &nodes, mesh)?;
@@ -132,7 +137,7 @@ pub fn run(weights: &ModelWeights, prompt: &[u32], tokens: usize) -> Result<Vec<
     ];
     let mut read_bw = 0.0f64;
     for (name, r, c) in shapes {
-        let bw = gemv_bandwidth(r, c);
+        let bw = gemv_bandwidth(r, c, |v| v);
         if r * c >= 1 << 24 {
             // Matrices far larger than cache: this is the memory read bandwidth.
             read_bw = read_bw.max(bw);
@@ -140,6 +145,25 @@ pub fn run(weights: &ModelWeights, prompt: &[u32], tokens: usize) -> Result<Vec<
         rows.push(row(
             name,
             format!("{:.1} GB/s ({:.2}× copy)", bw / 1e9, bw / copy),
+        ));
+    }
+    for (name, r, c) in [
+        (
+            "GEMV f16 k=3 LM head shard 16384×576",
+            cfg.vocab.div_ceil(3),
+            cfg.hidden,
+        ),
+        ("GEMV f16 4096×4096", 4096, 4096),
+    ] {
+        let bw = gemv_bandwidth(r, c, half_from_f32);
+        rows.push(row(
+            name,
+            format!(
+                "{:.1} GB/s ({:.2}× copy), {:.1} G weights/s",
+                bw / 1e9,
+                bw / copy,
+                bw / 2e9
+            ),
         ));
     }
     let llama = Llama::new(cfg.clone(), LeaderWeights::from_model(weights))?;
@@ -157,11 +181,17 @@ pub fn run(weights: &ModelWeights, prompt: &[u32], tokens: usize) -> Result<Vec<
             1e3 * weight_bytes / read_bw.max(1.0)
         ),
     ));
-    for (label, n, k) in [
-        ("single node, uncoded", 1, 1),
-        ("in-process coded k=3 of n=5", 5, 3),
+    for (label, n, k, format) in [
+        ("single node, uncoded", 1, 1, ShardFormat::F32),
+        ("in-process coded k=3 of n=5", 5, 3, ShardFormat::F32),
+        (
+            "in-process coded k=3 of n=5, f16 shards",
+            5,
+            3,
+            ShardFormat::F16,
+        ),
     ] {
-        let (prefill, decode, ms) = model_speed(weights, &llama, n, k, prompt, tokens)?;
+        let (prefill, decode, ms) = model_speed(weights, &llama, n, k, format, prompt, tokens)?;
         rows.push(row(
             format!("{label}: prefill ({} tokens)", prompt.len()),
             format!("{prefill:.1} tok/s"),

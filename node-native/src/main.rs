@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 use node_core::code::{Generator, select_nodes};
-use node_core::coded::{CodedGroup, InProcess};
+use node_core::coded::{CodedGroup, InProcess, ShardFormat};
 use node_core::model::{
     ChatMessage, GenerateOptions, LeaderWeights, Llama, SamplingParams, generate,
 };
@@ -73,6 +73,9 @@ struct GenerateArgs {
     /// Also run the uncoded model and report whether the tokens agree.
     #[arg(long)]
     verify: bool,
+    /// Shard storage: f32 (exact to the code's error) or f16 (half the bytes, see docs/perf.md).
+    #[arg(long, default_value = "f32")]
+    shard_format: ShardFormat,
 }
 
 fn main() {
@@ -132,17 +135,23 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
     let generator = Generator::cauchy(args.n, args.k)?;
     let started = std::time::Instant::now();
     let pb = progress::bar(0, "encoding");
-    let mesh = InProcess::encode(&model.weights, &generator, &mut |done, total| {
-        pb.set_length(total as u64);
-        pb.set_position(done as u64);
-    })?;
+    let mesh = InProcess::encode(
+        &model.weights,
+        &generator,
+        args.shard_format,
+        &mut |done, total| {
+            pb.set_length(total as u64);
+            pb.set_position(done as u64);
+        },
+    )?;
     pb.finish_and_clear();
     let shard_mib = mesh.members().first().map_or(0, |m| m.shards().bytes()) as f64 / 1048576.0;
     eprintln!(
-        "encoded {} shards (k = {}, {:?}, {:.1} MiB each) in {:.2} s",
+        "encoded {} shards (k = {}, {:?}, {:?}, {:.1} MiB each) in {:.2} s",
         args.n,
         args.k,
         generator.construction(),
+        args.shard_format,
         shard_mib,
         started.elapsed().as_secs_f64()
     );
@@ -232,7 +241,7 @@ fn verify_against_uncoded(
     coded: &[u32],
 ) -> Result<()> {
     let g = Generator::uncoded();
-    let mesh = InProcess::encode(weights, &g, &mut |_, _| {})?;
+    let mesh = InProcess::encode(weights, &g, ShardFormat::F32, &mut |_, _| {})?;
     let mut group = CodedGroup::new(weights.cfg.clone(), g, &[0], mesh)?;
     let out = generate(llama, &mut group, prompt, opts, &mut |_| true).context("uncoded run")?;
     if out.tokens == coded {

@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use node_core::code::Generator;
-use node_core::coded::{CodedGroup, InProcess};
+use node_core::coded::{CodedGroup, InProcess, ShardFormat};
 use node_core::model::{KvCache, LeaderWeights, LinearExec, Llama, ModelWeights};
 use node_native::load::{LoadedModel, load_model};
 
@@ -38,7 +38,7 @@ pub fn leader(weights: &ModelWeights) -> Result<Llama> {
 /// An uncoded single-member group (k = n = 1).
 pub fn uncoded_group(weights: &ModelWeights) -> Result<CodedGroup<InProcess>> {
     let g = Generator::uncoded();
-    let mesh = InProcess::encode(weights, &g, &mut |_, _| {})?;
+    let mesh = InProcess::encode(weights, &g, ShardFormat::F32, &mut |_, _| {})?;
     Ok(CodedGroup::new(weights.cfg.clone(), g, &[0], mesh)?)
 }
 

@@ -2,7 +2,7 @@
 //! every group of 3 rows gives the same greedy tokens as the uncoded model.
 
 use node_core::code::Generator;
-use node_core::coded::{CodedGroup, InProcess};
+use node_core::coded::{CodedGroup, InProcess, ShardFormat};
 use node_core::model::{GenerateOptions, SamplingParams, generate};
 use tests::{argmax, leader, logits_along, real_model, relative_error, uncoded_group};
 
@@ -35,7 +35,7 @@ fn every_three_of_five_rows_give_the_uncoded_greedy_tokens() -> anyhow::Result<(
         cases.push((prompt, out.tokens, reference));
     }
     let g = Generator::cauchy(5, 3)?;
-    let mesh = InProcess::encode(w, &g, &mut |_, _| {})?;
+    let mesh = InProcess::encode(w, &g, ShardFormat::F32, &mut |_, _| {})?;
     let mut worst = 0.0f64;
     for a in 0..5 {
         for b in a + 1..5 {
@@ -66,5 +66,42 @@ fn every_three_of_five_rows_give_the_uncoded_greedy_tokens() -> anyhow::Result<(
     // A decode costs about 1e-7·κ relative error (docs/coding.md); 122 rounds through a
     // 30-layer network compound it. 1e-3 leaves room and is far below a token flip.
     assert!(worst < 1e-3, "relative logit error {worst:.3e}");
+    Ok(())
+}
+
+#[test]
+fn f16_shards_stay_close_to_the_uncoded_model() -> anyhow::Result<()> {
+    let model = real_model()?;
+    let w = &model.weights;
+    let llama = leader(w)?;
+    let mut uncoded = uncoded_group(w)?;
+    let g = Generator::cauchy(5, 3)?;
+    let mesh = InProcess::encode(w, &g, ShardFormat::F16, &mut |_, _| {})?;
+    let nodes = node_core::code::select_nodes(&g, &[0, 1, 2, 3, 4])?.nodes;
+    let mut group = CodedGroup::new(w.cfg.clone(), g, &nodes, mesh)?;
+    let opts = GenerateOptions {
+        max_tokens: TOKENS,
+        sampling: SamplingParams::default(),
+        stop_ids: Vec::new(),
+    };
+    let (mut worst, mut agree, mut total) = (0.0f64, 0usize, 0usize);
+    for p in PROMPTS {
+        let prompt = model.tokenizer.encode(p)?;
+        let run = generate(&llama, &mut uncoded, &prompt, &opts, &mut |_| true)?;
+        let reference = logits_along(&llama, &mut uncoded, &prompt, &run.tokens[..TOKENS - 1])?;
+        let coded = logits_along(&llama, &mut group, &prompt, &run.tokens[..TOKENS - 1])?;
+        for (step, (c, r)) in coded.iter().zip(&reference).enumerate() {
+            worst = worst.max(relative_error(c, r));
+            agree += usize::from(argmax(c) == run.tokens[step]);
+            total += 1;
+        }
+    }
+    eprintln!(
+        "f16 shards, rows {nodes:?}: max relative logit error {worst:.3e}, greedy agreement {agree}/{total}"
+    );
+    // f16 rounding (2^-11 relative per weight) averages down over 576-wide dot products to
+    // ~1e-3 relative logits; far below what a wrong shard does (~1), far above f32's 1e-5.
+    assert!(worst < 2e-2, "relative logit error {worst:.3e}");
+    assert!(agree * 10 >= total * 9, "only {agree}/{total} greedy tokens agree");
     Ok(())
 }

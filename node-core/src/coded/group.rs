@@ -2,7 +2,7 @@
 
 use web_time::{Duration, Instant};
 
-use super::{CodedError, Member, ShardSet};
+use super::{CodedError, Member, ShardFormat, ShardSet};
 use crate::code::{Decoder, Generator};
 use crate::model::{LinearExec, LlamaConfig, ModelError, ModelWeights, Stage};
 use crate::protocol::{self, StepRequest, StepResponse};
@@ -48,12 +48,13 @@ impl InProcess {
     pub fn encode(
         weights: &ModelWeights,
         generator: &Generator,
+        format: ShardFormat,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Self, CodedError> {
         let n = generator.n();
         let mut members = Vec::with_capacity(n);
         for node in 0..n {
-            let shards = ShardSet::encode(weights, generator, node, &mut |done, total| {
+            let shards = ShardSet::encode(weights, generator, node, format, &mut |done, total| {
                 progress(node * total + done, n * total)
             })?;
             members.push(Member::new(shards));

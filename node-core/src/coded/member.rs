@@ -55,14 +55,7 @@ impl Member {
                     let mut offset = 0;
                     for shard in &shards {
                         let len = t * shard.block_len;
-                        crate::compute::matmul(
-                            shard.sub_block(s),
-                            shard.block_len,
-                            shard.cols,
-                            x,
-                            t,
-                            &mut sub[offset..offset + len],
-                        );
+                        shard.matmul_sub_block(s, x, t, &mut sub[offset..offset + len]);
                         offset += len;
                     }
                 }
@@ -78,10 +71,8 @@ impl Member {
                 }
                 let mut out = Vec::with_capacity(m * rows.len() * e.cols);
                 for s in 0..m {
-                    let sub = e.sub_block(s);
                     for &r in rows {
-                        let r = r as usize;
-                        out.extend_from_slice(&sub[r * e.cols..(r + 1) * e.cols]);
+                        e.push_row(s, r as usize, &mut out);
                     }
                 }
                 Ok(out)

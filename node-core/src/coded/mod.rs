@@ -12,7 +12,7 @@ mod shards;
 
 pub use group::{CodedGroup, ExecStats, InProcess, Transport, TransportError};
 pub use member::Member;
-pub use shards::{Shard, ShardSet};
+pub use shards::{Shard, ShardFormat, ShardSet, ShardValues};
 
 /// Errors of coded execution.
 #[derive(Debug, thiserror::Error)]

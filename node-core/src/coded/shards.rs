@@ -4,7 +4,39 @@ use serde::{Deserialize, Serialize};
 
 use super::CodedError;
 use crate::code::Generator;
+use crate::compute::matmul;
 use crate::model::{LlamaConfig, Matrix, ModelWeights, Stage};
+
+/// How shard values are stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub enum ShardFormat {
+    /// 32-bit floats: the decode error of the code alone (docs/coding.md).
+    #[default]
+    F32,
+    /// 16-bit floats: half the bytes to read, more rounding error (docs/perf.md).
+    F16,
+}
+
+impl std::str::FromStr for ShardFormat {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "f32" => Ok(Self::F32),
+            "f16" => Ok(Self::F16),
+            other => Err(format!("unknown shard format {other:?} (f32 or f16)")),
+        }
+    }
+}
+
+/// Shard values in their storage format.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum ShardValues {
+    /// f32 values.
+    F32(Vec<f32>),
+    /// f16 values.
+    F16(Vec<half::f16>),
+}
 
 /// One coded matrix: `m·L` rows of `cols`, where the uncoded matrix had `out` rows.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -16,25 +48,59 @@ pub struct Shard {
     /// Columns (inputs).
     pub cols: usize,
     /// `m·L × cols` values, row-major.
-    pub data: Vec<f32>,
+    pub values: ShardValues,
 }
 
 impl Shard {
-    /// Encodes node `node`'s shard of a matrix.
-    pub fn encode(g: &Generator, node: usize, m: &Matrix) -> Result<Self, CodedError> {
+    /// Encodes node `node`'s shard of a matrix, stored in `format`.
+    pub fn encode(
+        g: &Generator,
+        node: usize,
+        m: &Matrix,
+        format: ShardFormat,
+    ) -> Result<Self, CodedError> {
         let data = g.encode_shard(node, &m.data, m.rows, m.cols)?;
+        let values = match format {
+            ShardFormat::F32 => ShardValues::F32(data),
+            ShardFormat::F16 => {
+                ShardValues::F16(data.iter().map(|&v| half::f16::from_f32(v)).collect())
+            }
+        };
         Ok(Self {
             out: m.rows,
             block_len: g.block_len(m.rows),
             cols: m.cols,
-            data,
+            values,
         })
     }
 
-    /// Rows `[s·L, (s+1)·L)`: sub-block `s` as a row-major slice.
-    pub fn sub_block(&self, s: usize) -> &[f32] {
+    /// `y (t × L) = x (t × cols) · S_sᵀ` for sub-block `s` (rows `[s·L, (s+1)·L)`).
+    pub fn matmul_sub_block(&self, s: usize, x: &[f32], t: usize, y: &mut [f32]) {
         let n = self.block_len * self.cols;
-        &self.data[s * n..(s + 1) * n]
+        let range = s * n..(s + 1) * n;
+        match &self.values {
+            ShardValues::F32(v) => matmul(&v[range], self.block_len, self.cols, x, t, y),
+            ShardValues::F16(v) => matmul(&v[range], self.block_len, self.cols, x, t, y),
+        }
+    }
+
+    /// Appends row `r` of sub-block `s` as f32 to `out`.
+    pub fn push_row(&self, s: usize, r: usize, out: &mut Vec<f32>) {
+        let start = (s * self.block_len + r) * self.cols;
+        match &self.values {
+            ShardValues::F32(v) => out.extend_from_slice(&v[start..start + self.cols]),
+            ShardValues::F16(v) => {
+                out.extend(v[start..start + self.cols].iter().map(|h| h.to_f32()))
+            }
+        }
+    }
+
+    /// Bytes of values held.
+    pub fn bytes(&self) -> usize {
+        match &self.values {
+            ShardValues::F32(v) => v.len() * 4,
+            ShardValues::F16(v) => v.len() * 2,
+        }
     }
 }
 
@@ -61,6 +127,7 @@ impl ShardSet {
         w: &ModelWeights,
         g: &Generator,
         node: usize,
+        format: ShardFormat,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Self, CodedError> {
         let total = w.layers.len() * 7 + 1 + usize::from(w.lm_head.is_some());
@@ -73,16 +140,16 @@ impl ShardSet {
         for l in &w.layers {
             let mut shards = Vec::with_capacity(7);
             for m in [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down] {
-                shards.push(Shard::encode(g, node, m)?);
+                shards.push(Shard::encode(g, node, m, format)?);
                 step(&mut done);
             }
             blocks.push(shards);
         }
-        let embed = Shard::encode(g, node, &w.embed)?;
+        let embed = Shard::encode(g, node, &w.embed, format)?;
         step(&mut done);
         let lm_head = match &w.lm_head {
             Some(m) => {
-                let s = Shard::encode(g, node, m)?;
+                let s = Shard::encode(g, node, m, format)?;
                 step(&mut done);
                 Some(s)
             }
@@ -114,9 +181,12 @@ impl ShardSet {
 
     /// Bytes of shard data held.
     pub fn bytes(&self) -> usize {
-        let n = |s: &Shard| s.data.len() * 4;
-        self.blocks.iter().flatten().map(n).sum::<usize>()
-            + n(&self.embed)
-            + self.lm_head.as_ref().map_or(0, n)
+        self.blocks
+            .iter()
+            .flatten()
+            .map(Shard::bytes)
+            .sum::<usize>()
+            + self.embed.bytes()
+            + self.lm_head.as_ref().map_or(0, Shard::bytes)
     }
 }

@@ -3,6 +3,30 @@
 
 use super::par;
 
+/// A weight element type the kernels read: f32, or f16 converted row by row.
+pub trait WeightElem: Copy + Send + Sync + 'static {
+    /// Calls `f` with `row` as f32 values, converting into `buf` when needed.
+    fn with_row<R>(row: &[Self], buf: &mut Vec<f32>, f: impl FnOnce(&[f32]) -> R) -> R;
+}
+
+impl WeightElem for f32 {
+    #[inline(always)]
+    fn with_row<R>(row: &[f32], _buf: &mut Vec<f32>, f: impl FnOnce(&[f32]) -> R) -> R {
+        f(row)
+    }
+}
+
+impl WeightElem for half::f16 {
+    #[inline(always)]
+    fn with_row<R>(row: &[half::f16], buf: &mut Vec<f32>, f: impl FnOnce(&[f32]) -> R) -> R {
+        use half::slice::HalfFloatSliceExt;
+        buf.resize(row.len(), 0.0);
+        // Uses F16C when the CPU has it (runtime detection inside `half`).
+        row.convert_to_f32_slice(buf);
+        f(buf)
+    }
+}
+
 /// Lanes of independent accumulators in a dot product.
 const LANES: usize = 16;
 
@@ -10,6 +34,7 @@ const LANES: usize = 16;
 const PARALLEL_MIN_WEIGHTS: usize = 1 << 16;
 
 /// `Σ a[i]·b[i]` with 16 independent accumulators.
+#[inline(always)]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
     let mut acc = [0.0f32; LANES];
@@ -36,7 +61,7 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// Four dot products of one weight row with four inputs, sharing the row's loads.
-#[inline]
+#[inline(always)]
 fn dot4(w: &[f32], x: [&[f32]; 4]) -> [f32; 4] {
     const L: usize = 8;
     let mut acc = [[0.0f32; L]; 4];
@@ -58,25 +83,78 @@ fn dot4(w: &[f32], x: [&[f32]; 4]) -> [f32; 4] {
     out
 }
 
-/// Rows `first..first + yt.len() / t` of `x · Wᵀ`, written row-major as `rows × t` into `yt`.
-fn rows_times_inputs(w: &[f32], cols: usize, x: &[f32], t: usize, first: usize, yt: &mut [f32]) {
-    for (i, out) in yt.chunks_exact_mut(t).enumerate() {
-        let r = first + i;
-        let row = &w[r * cols..(r + 1) * cols];
-        let mut tok = 0;
-        while tok + 4 <= t {
-            let xs = [0, 1, 2, 3].map(|j| &x[(tok + j) * cols..(tok + j + 1) * cols]);
-            out[tok..tok + 4].copy_from_slice(&dot4(row, xs));
-            tok += 4;
-        }
-        for (j, o) in out.iter_mut().enumerate().skip(tok) {
-            *o = dot(row, &x[j * cols..(j + 1) * cols]);
-        }
+/// Rows `first..first + yt.len() / t` of `x · Wᵀ`, written row-major as `rows × t` into `yt`,
+/// with the widest vector instructions this CPU has.
+fn rows_times_inputs<W: WeightElem>(
+    w: &[W],
+    cols: usize,
+    x: &[f32],
+    t: usize,
+    first: usize,
+    yt: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU supports AVX2, checked just above; the function is otherwise safe.
+        unsafe { avx2::rows_times_inputs(w, cols, x, t, first, yt) };
+        return;
+    }
+    rows_times_inputs_portable(w, cols, x, t, first, yt)
+}
+
+/// The same kernel compiled for AVX2 (8-wide instead of SSE2's 4-wide vectors).
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    /// See [`super::rows_times_inputs_portable`].
+    #[target_feature(enable = "avx2")]
+    pub(super) fn rows_times_inputs<W: super::WeightElem>(
+        w: &[W],
+        cols: usize,
+        x: &[f32],
+        t: usize,
+        first: usize,
+        yt: &mut [f32],
+    ) {
+        super::rows_times_inputs_portable(w, cols, x, t, first, yt)
     }
 }
 
-/// `y (t × rows) = x (t × cols) · Wᵀ` where `W` is `rows × cols` row-major.
-pub fn matmul(w: &[f32], rows: usize, cols: usize, x: &[f32], t: usize, y: &mut [f32]) {
+/// The kernel body, inlined into each instruction-set variant.
+#[inline(always)]
+fn rows_times_inputs_portable<W: WeightElem>(
+    w: &[W],
+    cols: usize,
+    x: &[f32],
+    t: usize,
+    first: usize,
+    yt: &mut [f32],
+) {
+    let mut buf = Vec::new();
+    for (i, out) in yt.chunks_exact_mut(t).enumerate() {
+        let r = first + i;
+        W::with_row(&w[r * cols..(r + 1) * cols], &mut buf, |row| {
+            let mut tok = 0;
+            while tok + 4 <= t {
+                let xs = [0, 1, 2, 3].map(|j| &x[(tok + j) * cols..(tok + j + 1) * cols]);
+                out[tok..tok + 4].copy_from_slice(&dot4(row, xs));
+                tok += 4;
+            }
+            for (j, o) in out.iter_mut().enumerate().skip(tok) {
+                *o = dot(row, &x[j * cols..(j + 1) * cols]);
+            }
+        });
+    }
+}
+
+/// `y (t × rows) = x (t × cols) · Wᵀ` where `W` is `rows × cols` row-major (f32 or f16).
+pub fn matmul<W: WeightElem>(
+    w: &[W],
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    t: usize,
+    y: &mut [f32],
+) {
     debug_assert_eq!(w.len(), rows * cols);
     debug_assert_eq!(x.len(), t * cols);
     debug_assert_eq!(y.len(), t * rows);
@@ -191,6 +269,20 @@ mod tests {
     }
 
     #[test]
+    fn f16_weights_match_their_f32_values() {
+        let (rows, cols) = (70, 130);
+        for t in [1, 3, 6] {
+            let w = data(rows * cols, 12);
+            let w16: Vec<half::f16> = w.iter().map(|&v| half::f16::from_f32(v)).collect();
+            let w32: Vec<f32> = w16.iter().map(|v| v.to_f32()).collect();
+            let x = data(t * cols, 6);
+            let mut y = vec![0.0f32; t * rows];
+            matmul(&w16, rows, cols, &x, t, &mut y);
+            close(&y, &naive(&w32, rows, cols, &x, t), cols as f64);
+        }
+    }
+
+    #[test]
     fn transpose_product_matches_naive() {
         let (rows, cols) = (37, 300);
         for t in [1, 2, 5] {
@@ -207,6 +299,19 @@ mod tests {
             }
             close(&y, &naive(&wt, cols, rows, &x, t), rows as f64);
         }
+    }
+
+    #[test]
+    fn every_instruction_set_variant_gives_identical_bits() {
+        // Rust never reassociates float sums, so vector width cannot change the result.
+        let (rows, cols, t) = (37, 333, 5);
+        let w = data(rows * cols, 8);
+        let x = data(t * cols, 2);
+        let mut dispatched = vec![0.0f32; rows * t];
+        rows_times_inputs(&w, cols, &x, t, 0, &mut dispatched);
+        let mut portable = vec![0.0f32; rows * t];
+        rows_times_inputs_portable(&w, cols, &x, t, 0, &mut portable);
+        assert_eq!(dispatched, portable);
     }
 
     #[test]

@@ -3,5 +3,5 @@
 mod cpu;
 pub mod par;
 
-pub use cpu::{dot, matmul, matmul_transpose};
+pub use cpu::{WeightElem, dot, matmul, matmul_transpose};
 pub use par::threads;
