@@ -61,13 +61,13 @@ fn every_group_of_k_rows_matches_the_uncoded_model() {
         let weights = ModelWeights::synthetic(tiny_config(tied), 11).unwrap();
         let llama = Llama::new(weights.cfg.clone(), LeaderWeights::from_model(&weights)).unwrap();
         let g1 = Generator::uncoded();
-        let mesh = InProcess::encode(&weights, &g1, ShardFormat::F32, &mut |_, _| {}).unwrap();
+        let mesh = InProcess::encode(&weights, &g1, ShardFormat::F32, &|_, _| {}).unwrap();
         let mut uncoded = CodedGroup::new(weights.cfg.clone(), g1, &[0], mesh).unwrap();
         let reference = run(&llama, &mut uncoded);
         for k in 1..=4 {
             let n = k + 2;
             let g = Generator::cauchy(n, k).unwrap();
-            let mesh = InProcess::encode(&weights, &g, ShardFormat::F32, &mut |_, _| {}).unwrap();
+            let mesh = InProcess::encode(&weights, &g, ShardFormat::F32, &|_, _| {}).unwrap();
             let mut worst = 0.0f64;
             for nodes in subsets(n, k) {
                 let mut group =
@@ -96,14 +96,14 @@ fn a_wrong_shard_changes_the_logits_far_beyond_the_bound() {
     let weights = ModelWeights::synthetic(tiny_config(true), 5).unwrap();
     let llama = Llama::new(weights.cfg.clone(), LeaderWeights::from_model(&weights)).unwrap();
     let g = Generator::cauchy(5, 3).unwrap();
-    let mesh = InProcess::encode(&weights, &g, ShardFormat::F32, &mut |_, _| {}).unwrap();
+    let mesh = InProcess::encode(&weights, &g, ShardFormat::F32, &|_, _| {}).unwrap();
     let sel = select_nodes(&g, &[0, 1, 2, 3, 4]).unwrap();
     let mut good = CodedGroup::new(weights.cfg.clone(), g.clone(), &sel.nodes, mesh).unwrap();
     let reference = run(&llama, &mut good);
     // Shards encoded from a model with one weight changed by 0.5.
     let mut bad_weights = weights.clone();
     bad_weights.layers[1].up.data[7] += 0.5;
-    let bad_mesh = InProcess::encode(&bad_weights, &g, ShardFormat::F32, &mut |_, _| {}).unwrap();
+    let bad_mesh = InProcess::encode(&bad_weights, &g, ShardFormat::F32, &|_, _| {}).unwrap();
     let mut bad = CodedGroup::new(weights.cfg.clone(), g, &sel.nodes, bad_mesh).unwrap();
     let err = rel_err(&run(&llama, &mut bad), &reference);
     assert!(err > 1e-4, "a changed weight went unnoticed: {err:.3e}");
@@ -114,7 +114,7 @@ fn the_coded_group_counts_rounds_and_bytes() {
     let weights = ModelWeights::synthetic(tiny_config(true), 1).unwrap();
     let llama = Llama::new(weights.cfg.clone(), LeaderWeights::from_model(&weights)).unwrap();
     let g = Generator::cauchy(5, 3).unwrap();
-    let mesh = InProcess::encode(&weights, &g, ShardFormat::F32, &mut |_, _| {}).unwrap();
+    let mesh = InProcess::encode(&weights, &g, ShardFormat::F32, &|_, _| {}).unwrap();
     let mut group = CodedGroup::new(weights.cfg.clone(), g, &[0, 2, 4], mesh).unwrap();
     let mut cache = KvCache::new(llama.config());
     llama.forward(&mut group, &[1, 2, 3], &mut cache).unwrap();

@@ -94,7 +94,7 @@ fn model_speed(
     } else {
         Generator::cauchy(n, k)?
     };
-    let mesh = InProcess::encode(weights, &g, format, &mut |_, _| {})?;
+    let mesh = InProcess::encode(weights, &g, format, &|_, _| {})?;
     let all: Vec<usize> = (0..n).collect();
     let nodes = select_nodes(&g, &all)?.nodes;
     let mut group = CodedGroup::new(weights.cfg.clone(), g, &nodes, mesh)?;

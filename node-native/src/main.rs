@@ -139,7 +139,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         &model.weights,
         &generator,
         args.shard_format,
-        &mut |done, total| {
+        &|done, total| {
             pb.set_length(total as u64);
             pb.set_position(done as u64);
         },
@@ -241,7 +241,7 @@ fn verify_against_uncoded(
     coded: &[u32],
 ) -> Result<()> {
     let g = Generator::uncoded();
-    let mesh = InProcess::encode(weights, &g, ShardFormat::F32, &mut |_, _| {})?;
+    let mesh = InProcess::encode(weights, &g, ShardFormat::F32, &|_, _| {})?;
     let mut group = CodedGroup::new(weights.cfg.clone(), g, &[0], mesh)?;
     let out = generate(llama, &mut group, prompt, opts, &mut |_| true).context("uncoded run")?;
     if out.tokens == coded {

@@ -38,7 +38,7 @@ pub fn leader(weights: &ModelWeights) -> Result<Llama> {
 /// An uncoded single-member group (k = n = 1).
 pub fn uncoded_group(weights: &ModelWeights) -> Result<CodedGroup<InProcess>> {
     let g = Generator::uncoded();
-    let mesh = InProcess::encode(weights, &g, ShardFormat::F32, &mut |_, _| {})?;
+    let mesh = InProcess::encode(weights, &g, ShardFormat::F32, &|_, _| {})?;
     Ok(CodedGroup::new(weights.cfg.clone(), g, &[0], mesh)?)
 }
 

@@ -35,7 +35,7 @@ fn every_three_of_five_rows_give_the_uncoded_greedy_tokens() -> anyhow::Result<(
         cases.push((prompt, out.tokens, reference));
     }
     let g = Generator::cauchy(5, 3)?;
-    let mesh = InProcess::encode(w, &g, ShardFormat::F32, &mut |_, _| {})?;
+    let mesh = InProcess::encode(w, &g, ShardFormat::F32, &|_, _| {})?;
     let mut worst = 0.0f64;
     for a in 0..5 {
         for b in a + 1..5 {
@@ -76,7 +76,7 @@ fn f16_shards_stay_close_to_the_uncoded_model() -> anyhow::Result<()> {
     let llama = leader(w)?;
     let mut uncoded = uncoded_group(w)?;
     let g = Generator::cauchy(5, 3)?;
-    let mesh = InProcess::encode(w, &g, ShardFormat::F16, &mut |_, _| {})?;
+    let mesh = InProcess::encode(w, &g, ShardFormat::F16, &|_, _| {})?;
     let nodes = node_core::code::select_nodes(&g, &[0, 1, 2, 3, 4])?.nodes;
     let mut group = CodedGroup::new(w.cfg.clone(), g, &nodes, mesh)?;
     let opts = GenerateOptions {
@@ -102,6 +102,9 @@ fn f16_shards_stay_close_to_the_uncoded_model() -> anyhow::Result<()> {
     // f16 rounding (2^-11 relative per weight) averages down over 576-wide dot products to
     // ~1e-3 relative logits; far below what a wrong shard does (~1), far above f32's 1e-5.
     assert!(worst < 2e-2, "relative logit error {worst:.3e}");
-    assert!(agree * 10 >= total * 9, "only {agree}/{total} greedy tokens agree");
+    assert!(
+        agree * 10 >= total * 9,
+        "only {agree}/{total} greedy tokens agree"
+    );
     Ok(())
 }

@@ -1,5 +1,7 @@
 //! The leader's side: send a stage to the group, decode the answers, reassemble the outputs.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use web_time::{Duration, Instant};
 
 use super::{CodedError, Member, ShardFormat, ShardSet};
@@ -43,22 +45,26 @@ impl InProcess {
         Ok(Self { members })
     }
 
-    /// Encodes every node's shards of a model and serves them in process;
+    /// Encodes every node's shards of a model (nodes in parallel) and serves them in process;
     /// `progress(done, total)` counts matrices over all nodes.
     pub fn encode(
         weights: &ModelWeights,
         generator: &Generator,
         format: ShardFormat,
-        progress: &mut dyn FnMut(usize, usize),
+        progress: &(dyn Fn(usize, usize) + Sync),
     ) -> Result<Self, CodedError> {
-        let n = generator.n();
-        let mut members = Vec::with_capacity(n);
-        for node in 0..n {
-            let shards = ShardSet::encode(weights, generator, node, format, &mut |done, total| {
-                progress(node * total + done, n * total)
-            })?;
-            members.push(Member::new(shards));
-        }
+        let nodes: Vec<usize> = (0..generator.n()).collect();
+        let done = AtomicUsize::new(0);
+        let sets = crate::compute::par::map(&nodes, |&node| {
+            ShardSet::encode(weights, generator, node, format, &mut |_, total| {
+                let d = done.fetch_add(1, Ordering::Relaxed) + 1;
+                progress(d, nodes.len() * total)
+            })
+        });
+        let members = sets
+            .into_iter()
+            .map(|s| s.map(Member::new))
+            .collect::<Result<Vec<_>, _>>()?;
         Self::new(members)
     }
 
