@@ -34,5 +34,7 @@ pub mod code;
 pub mod coded;
 pub mod compute;
 pub mod gguf;
+pub mod mesh;
 pub mod model;
+pub mod net;
 pub mod protocol;

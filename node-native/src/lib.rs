@@ -3,4 +3,8 @@
 pub mod bench;
 pub mod fetch;
 pub mod load;
+pub mod node;
 pub mod progress;
+pub mod remote;
+pub mod store;
+pub mod swarm;

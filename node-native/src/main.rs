@@ -6,11 +6,16 @@ use std::path::PathBuf;
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 use node_core::code::{Generator, select_nodes};
+use node_core::coded::Transport;
 use node_core::coded::{CodedGroup, InProcess, ShardFormat};
+use node_core::mesh::{HealthConfig, RoundConfig, plan_group};
 use node_core::model::{
     ChatMessage, GenerateOptions, LeaderWeights, Llama, SamplingParams, generate,
 };
-use node_native::{fetch, load, progress};
+use node_core::model::{Generation, Tokenizer};
+use node_native::remote::{NetTransport, Session};
+use node_native::{fetch, load, node, progress};
+use std::time::Duration;
 use tracing_subscriber::EnvFilter;
 
 /// Coded Mesh: a transformer served by Cauchy-coded shards, any k of n nodes.
@@ -23,8 +28,15 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Generate a completion through k coded shards out of n, in this process.
+    /// Generate a completion: on the mesh with --bootstrap, else through k of n coded shards in
+    /// this process.
     Generate(GenerateArgs),
+    /// Start a mesh: encode a model into n rows, keep row 0, hand the others to joining nodes.
+    Seed(SeedArgs),
+    /// Run a node: restart from its data dir, or join through --bootstrap and take a row.
+    Node(NodeArgs),
+    /// Show the mesh: rows, holders, health, versions.
+    Status(StatusArgs),
     /// Fetch the default model into the cache (if needed) and print its path.
     FetchModel,
     /// Measure kernel bandwidth and model tokens/s, uncoded and coded; print a table.
@@ -42,7 +54,94 @@ struct BenchArgs {
 }
 
 #[derive(Debug, clap::Args)]
+struct NetArgs {
+    /// Data directory (identity, manifest, shard).
+    #[arg(long)]
+    data: PathBuf,
+    /// Address to listen on; QUIC, WebSocket and WebRTC-direct listen beside each TCP one.
+    #[arg(long, default_value = "/ip4/127.0.0.1/tcp/0")]
+    listen: Vec<libp2p::Multiaddr>,
+    /// Listen on TCP only.
+    #[arg(long)]
+    tcp_only: bool,
+    /// Discover peers on the local network with mDNS.
+    #[arg(long)]
+    mdns: bool,
+    /// Heartbeat interval, milliseconds.
+    #[arg(long, default_value_t = 1000)]
+    heartbeat_ms: u64,
+    /// Silence before a peer is Suspect, milliseconds.
+    #[arg(long, default_value_t = 4000)]
+    suspect_ms: u64,
+    /// Silence before a peer is Dead, milliseconds.
+    #[arg(long, default_value_t = 10000)]
+    dead_ms: u64,
+}
+
+impl NetArgs {
+    fn options(&self, bootstrap: Option<libp2p::Multiaddr>) -> Result<node::NodeOptions> {
+        let health = HealthConfig {
+            heartbeat_interval: Duration::from_millis(self.heartbeat_ms),
+            suspect_after: Duration::from_millis(self.suspect_ms),
+            dead_after: Duration::from_millis(self.dead_ms),
+        };
+        health.validate()?;
+        Ok(node::NodeOptions {
+            data: self.data.clone(),
+            bootstrap,
+            listen: self.listen.clone(),
+            all_transports: !self.tcp_only,
+            mdns: self.mdns,
+            health,
+        })
+    }
+}
+
+#[derive(Debug, clap::Args)]
+struct SeedArgs {
+    /// A GGUF file or a Hugging Face directory; default: SmolLM2-135M-Instruct, fetched once.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Shards needed to compute (k).
+    #[arg(long, default_value_t = 3)]
+    k: usize,
+    /// Rows of the code (n ≥ k), one per node.
+    #[arg(long, default_value_t = 5)]
+    n: usize,
+    /// Shard storage: f32 or f16.
+    #[arg(long, default_value = "f32")]
+    shard_format: ShardFormat,
+    #[command(flatten)]
+    net: NetArgs,
+}
+
+#[derive(Debug, clap::Args)]
+struct NodeArgs {
+    /// A mesh node's address (a peer id is optional).
+    #[arg(long)]
+    bootstrap: Option<libp2p::Multiaddr>,
+    #[command(flatten)]
+    net: NetArgs,
+}
+
+#[derive(Debug, clap::Args)]
+struct StatusArgs {
+    /// A mesh node's address.
+    #[arg(long)]
+    bootstrap: libp2p::Multiaddr,
+    /// Print one JSON object.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, clap::Args)]
 struct GenerateArgs {
+    /// Run on the mesh reached through this node, instead of in this process.
+    #[arg(long)]
+    bootstrap: Option<libp2p::Multiaddr>,
+    /// Spare members asked beside the k (mesh only): stragglers and failures cost nothing.
+    #[arg(long, default_value_t = 1)]
+    spares: usize,
     /// The prompt.
     #[arg(long)]
     prompt: String,
@@ -81,13 +180,27 @@ struct GenerateArgs {
 fn main() {
     tracing_subscriber::fmt()
         .with_env_filter(
-            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn")),
+            EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| EnvFilter::new("warn,libp2p_kad=error")),
         )
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Generate(args) => run_generate(args),
+        Command::Generate(args) => match args.bootstrap.clone() {
+            Some(b) => run_generate_mesh(args, b),
+            None => run_generate(args),
+        },
+        Command::Seed(args) => runtime().and_then(|rt| {
+            let opts = args.net.options(None)?;
+            let model = model_path(&args.model)?;
+            rt.block_on(node::seed(opts, model, args.k, args.n, args.shard_format))
+        }),
+        Command::Node(args) => runtime().and_then(|rt| {
+            let opts = args.net.options(args.bootstrap.clone())?;
+            rt.block_on(node::node(opts))
+        }),
+        Command::Status(args) => run_status(args),
         Command::Bench(args) => run_bench(args),
         Command::FetchModel => fetch::default_model().map(|p| println!("{}", p.display())),
     };
@@ -165,67 +278,11 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         group.condition_number()
     );
 
-    let text = if args.chat {
-        model.tokenizer.chat_prompt(&[ChatMessage {
-            role: "user".into(),
-            content: args.prompt.clone(),
-        }])
-    } else {
-        args.prompt.clone()
-    };
-    let prompt = model.tokenizer.encode(&text)?;
-    if prompt.is_empty() {
-        bail!("the prompt encodes to no tokens");
-    }
-    let opts = GenerateOptions {
-        max_tokens: args.max_tokens,
-        sampling: SamplingParams {
-            temperature: args.temperature,
-            top_p: args.top_p,
-            seed: args.seed,
-        },
-        stop_ids: model.tokenizer.eos_ids().to_vec(),
-    };
-    let tokenizer = &model.tokenizer;
-    let mut ids = Vec::new();
-    let mut printed = 0usize;
-    let mut stdout = std::io::stdout();
-    let out = generate(&llama, &mut group, &prompt, &opts, &mut |id| {
-        ids.push(id);
-        if let Ok(text) = tokenizer.decode(&ids) {
-            // Hold back an incomplete UTF-8 sequence until its last byte arrives.
-            if !text.ends_with('\u{FFFD}') && text.len() > printed {
-                let _ = write!(stdout, "{}", &text[printed..]);
-                let _ = stdout.flush();
-                printed = text.len();
-            }
-        }
-        true
-    })?;
-    println!();
-    let stats = group.stats();
-    let forward_passes = out.forward_passes as u64;
-    eprintln!(
-        "prompt {} tokens: prefill {:.1} tok/s; generated {} tokens: decode {:.1} tok/s ({:?})",
-        out.prompt_tokens,
-        out.prefill_tokens_per_s(),
-        out.tokens.len(),
-        out.decode_tokens_per_s(),
-        out.stop
-    );
-    let total_tokens = (out.prompt_tokens + out.tokens.len()).max(1) as u64;
-    eprintln!(
-        "coded: k = {}, n = {}, rounds per forward pass {}, bytes per member per token {} sent + {} received; decode {:.1}% of time",
-        args.k,
-        args.n,
-        stats.rounds / forward_passes.max(1),
-        stats.bytes_sent / args.k as u64 / total_tokens,
-        stats.bytes_received / args.k as u64 / total_tokens,
-        100.0 * stats.decode_time.as_secs_f64()
-            / (stats.decode_time + stats.member_time)
-                .as_secs_f64()
-                .max(1e-9)
-    );
+    let (out, _) = generate_and_print(&llama, &model.tokenizer, &mut group, &args)?;
+    let stats = group.stats().clone();
+    print_coded_stats(&args, &out, &stats, None);
+    let prompt = prompt_ids(&model.tokenizer, &args)?;
+    let opts = generate_options(&model.tokenizer, &args);
     if args.verify {
         verify_against_uncoded(&model.weights, &llama, &prompt, &opts, &out.tokens)?;
     }
@@ -257,4 +314,200 @@ fn verify_against_uncoded(
             out.tokens
         )
     }
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?)
+}
+
+fn prompt_ids(tokenizer: &Tokenizer, args: &GenerateArgs) -> Result<Vec<u32>> {
+    let text = if args.chat {
+        tokenizer.chat_prompt(&[ChatMessage {
+            role: "user".into(),
+            content: args.prompt.clone(),
+        }])
+    } else {
+        args.prompt.clone()
+    };
+    let prompt = tokenizer.encode(&text)?;
+    if prompt.is_empty() {
+        bail!("the prompt encodes to no tokens");
+    }
+    Ok(prompt)
+}
+
+fn generate_options(tokenizer: &Tokenizer, args: &GenerateArgs) -> GenerateOptions {
+    GenerateOptions {
+        max_tokens: args.max_tokens,
+        sampling: SamplingParams {
+            temperature: args.temperature,
+            top_p: args.top_p,
+            seed: args.seed,
+        },
+        stop_ids: tokenizer.eos_ids().to_vec(),
+    }
+}
+
+/// Generates through `group`, printing the completion to stdout as it comes.
+fn generate_and_print<T: Transport>(
+    llama: &Llama,
+    tokenizer: &Tokenizer,
+    group: &mut CodedGroup<T>,
+    args: &GenerateArgs,
+) -> Result<(Generation, Vec<u32>)> {
+    let prompt = prompt_ids(tokenizer, args)?;
+    let opts = generate_options(tokenizer, args);
+    let mut ids = Vec::new();
+    let mut printed = 0usize;
+    let mut stdout = std::io::stdout();
+    let out = generate(llama, group, &prompt, &opts, &mut |id| {
+        ids.push(id);
+        if let Ok(text) = tokenizer.decode(&ids) {
+            // Hold back an incomplete UTF-8 sequence until its last byte arrives.
+            if !text.ends_with('\u{FFFD}') && text.len() > printed {
+                let _ = write!(stdout, "{}", &text[printed..]);
+                let _ = stdout.flush();
+                printed = text.len();
+            }
+        }
+        true
+    })?;
+    println!();
+    Ok((out, prompt))
+}
+
+/// Prints speed, rounds, bytes per member and where the time went.
+fn print_coded_stats(
+    args: &GenerateArgs,
+    out: &Generation,
+    stats: &node_core::coded::ExecStats,
+    member_compute: Option<Duration>,
+) {
+    let k = args.k.max(1) as u64;
+    eprintln!(
+        "prompt {} tokens: prefill {:.1} tok/s; generated {} tokens: decode {:.1} tok/s ({:?})",
+        out.prompt_tokens,
+        out.prefill_tokens_per_s(),
+        out.tokens.len(),
+        out.decode_tokens_per_s(),
+        out.stop
+    );
+    let forward_passes = (out.forward_passes as u64).max(1);
+    let total_tokens = (out.prompt_tokens + out.tokens.len()).max(1) as u64;
+    eprintln!(
+        "coded: k = {}, rounds per forward pass {}, bytes per member per token {} sent + {} received",
+        k,
+        stats.rounds / forward_passes,
+        stats.bytes_sent / k / total_tokens,
+        stats.bytes_received / k / total_tokens,
+    );
+    let total = (stats.decode_time + stats.member_time)
+        .as_secs_f64()
+        .max(1e-9);
+    let pct = |d: Duration| 100.0 * d.as_secs_f64() / total;
+    match member_compute {
+        Some(compute) => eprintln!(
+            "time: member compute {:.1}%, network {:.1}%, decode {:.1}%; members dropped {}",
+            pct(compute),
+            pct(stats.member_time.saturating_sub(compute)),
+            pct(stats.decode_time),
+            stats.members_dropped
+        ),
+        None => eprintln!(
+            "time: members {:.1}%, decode {:.1}%",
+            pct(stats.member_time),
+            pct(stats.decode_time)
+        ),
+    }
+}
+
+/// `generate --bootstrap`: a leader on the mesh.
+fn run_generate_mesh(args: GenerateArgs, bootstrap: libp2p::Multiaddr) -> Result<()> {
+    let rt = runtime()?;
+    let (session, manifest, rows) = rt.block_on(async {
+        let session = Session::connect(bootstrap).await?;
+        let manifest = session.manifest().await?;
+        let info = session.info().await?;
+        let rows = session.live_rows(&info).await?;
+        anyhow::Ok((session, manifest, rows))
+    })?;
+    let g = manifest.generator.clone();
+    let live: Vec<usize> = rows.keys().copied().collect();
+    if live.len() < g.k() {
+        bail!(
+            "the mesh has {} healthy rows at one version, fewer than k = {}: the model is unavailable",
+            live.len(),
+            g.k()
+        );
+    }
+    let plan = plan_group(&g, &live, args.spares)?;
+    eprintln!(
+        "mesh {}: k = {}, n = {}, {} live rows; group {:?} (first k decode, condition number {:.2})",
+        manifest.name,
+        g.k(),
+        g.n(),
+        live.len(),
+        plan.members,
+        plan.condition_number
+    );
+    let tokenizer = Tokenizer::from_data(&manifest.tokenizer)?;
+    let llama = Llama::new(manifest.cfg.clone(), manifest.leader.clone())?;
+    let transport = NetTransport::new(
+        session.client.clone(),
+        rt.handle().clone(),
+        rows,
+        &plan.members,
+        g.clone(),
+        RoundConfig::default(),
+    );
+    let mut group = CodedGroup::new(manifest.cfg.clone(), g.clone(), &plan.members, transport)?;
+    let args = GenerateArgs {
+        k: g.k(),
+        n: g.n(),
+        ..args
+    };
+    let (out, _) = generate_and_print(&llama, &tokenizer, &mut group, &args)?;
+    let compute = group.transport().stats().compute;
+    print_coded_stats(&args, &out, group.stats(), Some(compute));
+    eprintln!("members at the end: {:?}", group.nodes());
+    Ok(())
+}
+
+/// `status`: the mesh as the bootstrap node sees it.
+fn run_status(args: StatusArgs) -> Result<()> {
+    let rt = runtime()?;
+    let info = rt.block_on(async {
+        let session = Session::connect(args.bootstrap.clone()).await?;
+        session.info().await
+    })?;
+    if args.json {
+        println!("{}", serde_json::to_string(&info)?);
+        return Ok(());
+    }
+    println!(
+        "model {} ({}), k = {}, n = {}",
+        info.model_name,
+        &info.model[..16],
+        info.k,
+        info.n
+    );
+    println!(
+        "{:<54} {:>4} {:<8} {:>8} {:<16} {:>7}",
+        "peer", "row", "health", "updates", "version", "silent"
+    );
+    for n in &info.nodes {
+        println!(
+            "{:<54} {:>4} {:<8} {:>8} {:<16} {:>6.1}s",
+            n.peer,
+            n.row.map_or("-".into(), |r| r.to_string()),
+            n.health.to_string(),
+            n.version_count,
+            n.version_digest,
+            n.silent_for_s
+        );
+    }
+    println!("{}", info.summary());
+    Ok(())
 }

@@ -302,6 +302,24 @@ impl Generator {
         Ok(condition(&self.submatrix(nodes)?))
     }
 
+    /// Coefficients that build node `target`'s shard from the shards of `sources` (k nodes):
+    /// `m × k·m`, row-major, column `i·m + s'` weighing sub-block `s'` of `sources[i]`.
+    pub fn reencode_coeffs(&self, target: usize, sources: &[usize]) -> Result<Vec<f64>, CodeError> {
+        self.check_node(target)?;
+        let decoder = Decoder::new(self, sources)?;
+        let km = self.k * self.m;
+        let g = self.coeffs(target);
+        let mut out = vec![0.0f64; self.m * km];
+        for s in 0..self.m {
+            for (c, o) in out[s * km..(s + 1) * km].iter_mut().enumerate() {
+                *o = (0..km)
+                    .map(|j| g[s * km + j] * decoder.inverse[j * km + c])
+                    .sum();
+            }
+        }
+        Ok(out)
+    }
+
     /// A node's expected answer from decoded blocks `[j][c]` (`k·m·C`), written as `[s][c]`.
     pub fn predict_part(
         &self,

@@ -19,10 +19,17 @@ pub struct TransportError {
     pub reason: String,
 }
 
-/// Carries one encoded request to several members and brings back their encoded answers.
+/// Carries one encoded request to a group's members and brings back their encoded answers.
 pub trait Transport {
-    /// Sends `request` to each of `nodes`; answers come back in the same order.
-    fn round(&mut self, nodes: &[usize], request: &[u8]) -> Result<Vec<Vec<u8>>, TransportError>;
+    /// Sends `request` to `members` and returns the answers of at least `need` distinct nodes,
+    /// first come first served, as `(node, bytes)`. A transport that loses a member may drop it
+    /// from `members` and ask a replacement it adds there.
+    fn round(
+        &mut self,
+        members: &mut Vec<usize>,
+        request: &[u8],
+        need: usize,
+    ) -> Result<Vec<(usize, Vec<u8>)>, TransportError>;
 }
 
 /// Members living in this process, indexed by node; messages still go through the codec.
@@ -75,7 +82,12 @@ impl InProcess {
 }
 
 impl Transport for InProcess {
-    fn round(&mut self, nodes: &[usize], request: &[u8]) -> Result<Vec<Vec<u8>>, TransportError> {
+    fn round(
+        &mut self,
+        nodes: &mut Vec<usize>,
+        request: &[u8],
+        _need: usize,
+    ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
         // Members run side by side, as they would on separate machines.
         let members = &self.members;
         crate::compute::par::map(nodes, |&node| {
@@ -89,7 +101,9 @@ impl Transport for InProcess {
                     reason: e.to_string(),
                 },
             };
-            protocol::encode(&answer).map_err(|e| fail(e.to_string()))
+            protocol::encode(&answer)
+                .map(|bytes| (node, bytes))
+                .map_err(|e| fail(e.to_string()))
         })
         .into_iter()
         .collect()
@@ -109,44 +123,73 @@ pub struct ExecStats {
     pub member_time: Duration,
     /// Time spent decoding and reassembling.
     pub decode_time: Duration,
+    /// Members dropped for a failed or malformed answer.
+    pub members_dropped: u64,
 }
 
-/// A leader's ephemeral group: k members with a decoder for their rows.
+/// Attempts at one round before the request fails (each drops at least one bad member).
+const MAX_ROUND_ATTEMPTS: usize = 4;
+
+/// A leader's ephemeral group: k or more members, decoded from the first k answers.
 #[derive(Debug)]
 pub struct CodedGroup<T: Transport> {
     cfg: LlamaConfig,
     generator: Generator,
-    decoder: Decoder,
+    members: Vec<usize>,
+    /// Decoders by sorted answering rows; the last one used first.
+    decoders: Vec<Decoder>,
     transport: T,
     stats: ExecStats,
 }
 
 impl<T: Transport> CodedGroup<T> {
-    /// A group of `nodes` (exactly k distinct rows of `generator`) reached through `transport`.
+    /// A group of `nodes` (at least k distinct rows of `generator`; the first k must decode)
+    /// reached through `transport`; extra members are spares for stragglers and failures.
     pub fn new(
         cfg: LlamaConfig,
         generator: Generator,
         nodes: &[usize],
         transport: T,
     ) -> Result<Self, CodedError> {
-        let decoder = Decoder::new(&generator, nodes)?;
+        let k = generator.k();
+        let first = nodes.get(..k).ok_or(crate::code::CodeError::TooFew {
+            available: nodes.len(),
+            k,
+        })?;
+        let decoder = Decoder::new(&generator, first)?;
         Ok(Self {
             cfg,
             generator,
-            decoder,
+            members: nodes.to_vec(),
+            decoders: vec![decoder],
             transport,
             stats: ExecStats::default(),
         })
     }
 
-    /// The members' node indices.
+    /// The members' node indices now (spares included).
     pub fn nodes(&self) -> &[usize] {
-        self.decoder.nodes()
+        &self.members
     }
 
-    /// Condition number of the group's generator submatrix.
+    /// Condition number of the rows decoded last.
     pub fn condition_number(&self) -> f64 {
-        self.decoder.condition_number()
+        self.decoders
+            .first()
+            .map_or(f64::NAN, Decoder::condition_number)
+    }
+
+    /// The decoder for these rows (sorted), built once and kept.
+    fn decoder_for(&mut self, rows: &[usize]) -> Result<&Decoder, CodedError> {
+        let pos = match self.decoders.iter().position(|d| d.nodes() == rows) {
+            Some(p) => p,
+            None => {
+                self.decoders.push(Decoder::new(&self.generator, rows)?);
+                self.decoders.len() - 1
+            }
+        };
+        self.decoders.swap(0, pos);
+        Ok(&self.decoders[0])
     }
 
     /// Counters so far.
@@ -164,41 +207,65 @@ impl<T: Transport> CodedGroup<T> {
         &self.transport
     }
 
-    /// Sends one request to the group and decodes the answers into `[block j'][c]`.
+    /// Sends one request to the group and decodes the first k usable answers into `[block j'][c]`.
     fn run(&mut self, req: &StepRequest, c: usize) -> Result<Vec<f32>, CodedError> {
         let bytes = protocol::encode(req)?;
-        let nodes = self.decoder.nodes().to_vec();
-        let started = Instant::now();
-        let answers = self.transport.round(&nodes, &bytes)?;
-        self.stats.member_time += started.elapsed();
-        self.stats.rounds += 1;
-        self.stats.bytes_sent += (bytes.len() * nodes.len()) as u64;
-        let started = Instant::now();
+        let k = self.generator.k();
         let m = self.generator.sub_blocks();
-        let mut parts = Vec::with_capacity(nodes.len());
-        for (&node, answer) in nodes.iter().zip(&answers) {
-            self.stats.bytes_received += answer.len() as u64;
-            let member_err = |reason: String| CodedError::Member { node, reason };
-            match protocol::decode::<StepResponse>(answer).map_err(|e| member_err(e.to_string()))? {
-                StepResponse::Partial { node: got, values } => {
-                    if got as usize != node {
-                        return Err(member_err(format!("answered as node {got}")));
-                    }
-                    if values.len() != m * c {
-                        return Err(member_err(format!(
-                            "answered {} values, expected {}",
-                            values.len(),
-                            m * c
-                        )));
-                    }
-                    parts.push(values);
+        let mut parts: Vec<(usize, Vec<f32>)> = Vec::with_capacity(k);
+        let mut last_error = None;
+        for _ in 0..MAX_ROUND_ATTEMPTS {
+            let need = k - parts.len();
+            let mut asked: Vec<usize> = self
+                .members
+                .iter()
+                .copied()
+                .filter(|n| parts.iter().all(|(p, _)| p != n))
+                .collect();
+            let started = Instant::now();
+            let answers = self.transport.round(&mut asked, &bytes, need)?;
+            self.stats.member_time += started.elapsed();
+            self.stats.bytes_sent += (bytes.len() * asked.len()) as u64;
+            // The transport may have replaced members: keep its view, answered rows first.
+            let mut members: Vec<usize> = parts.iter().map(|(n, _)| *n).collect();
+            for n in asked {
+                if !members.contains(&n) {
+                    members.push(n);
                 }
-                StepResponse::Failed { reason } => return Err(member_err(reason)),
+            }
+            for (node, answer) in answers {
+                self.stats.bytes_received += answer.len() as u64;
+                if parts.len() == k || parts.iter().any(|(p, _)| *p == node) {
+                    continue;
+                }
+                match parse_answer(node, &answer, m * c) {
+                    Ok(values) => parts.push((node, values)),
+                    Err(e) => {
+                        tracing::warn!(node, error = %e, "dropping a member whose answer is unusable");
+                        self.stats.members_dropped += 1;
+                        members.retain(|&n| n != node);
+                        last_error = Some(e);
+                    }
+                }
+            }
+            self.members = members;
+            if parts.len() == k {
+                break;
             }
         }
-        let refs: Vec<&[f32]> = parts.iter().map(Vec::as_slice).collect();
-        let mut out = vec![0.0f32; self.generator.k() * m * c];
-        self.decoder.decode(&refs, &mut out)?;
+        self.stats.rounds += 1;
+        if parts.len() < k {
+            return Err(last_error.unwrap_or_else(|| CodedError::Member {
+                node: usize::MAX,
+                reason: format!("only {} of k = {k} members answered", parts.len()),
+            }));
+        }
+        let started = Instant::now();
+        parts.sort_by_key(|(n, _)| *n);
+        let rows: Vec<usize> = parts.iter().map(|(n, _)| *n).collect();
+        let refs: Vec<&[f32]> = parts.iter().map(|(_, v)| v.as_slice()).collect();
+        let mut out = vec![0.0f32; k * m * c];
+        self.decoder_for(&rows)?.decode(&refs, &mut out)?;
         self.stats.decode_time += started.elapsed();
         Ok(out)
     }
@@ -260,6 +327,26 @@ impl<T: Transport> CodedGroup<T> {
             x.extend_from_slice(&decoded[j * c + i * d..j * c + (i + 1) * d]);
         }
         Ok(x)
+    }
+}
+
+/// A member's answer as values, or why it cannot be used.
+fn parse_answer(node: usize, answer: &[u8], expected: usize) -> Result<Vec<f32>, CodedError> {
+    let member_err = |reason: String| CodedError::Member { node, reason };
+    match protocol::decode::<StepResponse>(answer).map_err(|e| member_err(e.to_string()))? {
+        StepResponse::Partial { node: got, values } => {
+            if got as usize != node {
+                return Err(member_err(format!("answered as node {got}")));
+            }
+            if values.len() != expected {
+                return Err(member_err(format!(
+                    "answered {} values, expected {expected}",
+                    values.len()
+                )));
+            }
+            Ok(values)
+        }
+        StepResponse::Failed { reason } => Err(member_err(reason)),
     }
 }
 

@@ -95,6 +95,77 @@ impl Shard {
         }
     }
 
+    /// The values as f32 (a copy for f16 storage).
+    fn values_f32(&self) -> std::borrow::Cow<'_, [f32]> {
+        match &self.values {
+            ShardValues::F32(v) => std::borrow::Cow::Borrowed(v),
+            ShardValues::F16(v) => std::borrow::Cow::Owned(v.iter().map(|h| h.to_f32()).collect()),
+        }
+    }
+
+    /// Combines the same matrix's shards of other nodes with `m × k·m` coefficients.
+    fn combine(
+        sources: &[&Shard],
+        coeffs: &[f64],
+        m: usize,
+        format: ShardFormat,
+    ) -> Result<Self, CodedError> {
+        let first = sources
+            .first()
+            .ok_or_else(|| CodedError::BadRequest("no source shards".into()))?;
+        if sources
+            .iter()
+            .any(|s| s.out != first.out || s.block_len != first.block_len || s.cols != first.cols)
+        {
+            return Err(CodedError::BadRequest(
+                "source shards disagree on shape".into(),
+            ));
+        }
+        let n = first.block_len * first.cols;
+        let km = sources.len() * m;
+        let values: Vec<std::borrow::Cow<'_, [f32]>> =
+            sources.iter().map(|s| s.values_f32()).collect();
+        if values.iter().any(|v| v.len() != m * n) {
+            return Err(CodedError::BadRequest(
+                "source shard has the wrong length".into(),
+            ));
+        }
+        let mut data = vec![0.0f32; m * n];
+        let mut acc = vec![0.0f64; n];
+        for (s, dst) in data.chunks_exact_mut(n.max(1)).enumerate().take(m) {
+            acc.iter_mut().for_each(|a| *a = 0.0);
+            for (c, &g) in coeffs[s * km..(s + 1) * km].iter().enumerate() {
+                let (i, sub) = (c / m, c % m);
+                for (a, &v) in acc.iter_mut().zip(&values[i][sub * n..(sub + 1) * n]) {
+                    *a += g * v as f64;
+                }
+            }
+            for (d, &a) in dst.iter_mut().zip(&acc) {
+                *d = a as f32;
+            }
+        }
+        let values = match format {
+            ShardFormat::F32 => ShardValues::F32(data),
+            ShardFormat::F16 => {
+                ShardValues::F16(data.iter().map(|&v| half::f16::from_f32(v)).collect())
+            }
+        };
+        Ok(Self {
+            out: first.out,
+            block_len: first.block_len,
+            cols: first.cols,
+            values,
+        })
+    }
+
+    /// Storage format of the values.
+    pub fn format(&self) -> ShardFormat {
+        match &self.values {
+            ShardValues::F32(_) => ShardFormat::F32,
+            ShardValues::F16(_) => ShardFormat::F16,
+        }
+    }
+
     /// Bytes of values held.
     pub fn bytes(&self) -> usize {
         match &self.values {
@@ -177,6 +248,61 @@ impl ShardSet {
             }
             None => Ok(vec![self.lm_head.as_ref().unwrap_or(&self.embed)]),
         }
+    }
+
+    /// Builds node `target`'s shards from k other nodes' shards of the same model and code,
+    /// without the uncoded weights: `S_target = G_target · G_K⁻¹ · S_K`.
+    pub fn reencode(target: usize, sources: &[&ShardSet]) -> Result<Self, CodedError> {
+        let first = sources
+            .first()
+            .ok_or_else(|| CodedError::BadRequest("no source shard sets".into()))?;
+        if sources.iter().any(|s| {
+            s.generator != first.generator
+                || s.cfg != first.cfg
+                || s.blocks.len() != first.blocks.len()
+        }) {
+            return Err(CodedError::BadRequest(
+                "source shard sets come from different codes or models".into(),
+            ));
+        }
+        let g = &first.generator;
+        let nodes: Vec<usize> = sources.iter().map(|s| s.node).collect();
+        let coeffs = g.reencode_coeffs(target, &nodes)?;
+        let m = g.sub_blocks();
+        let format = first.embed.format();
+        let pick = |f: &dyn Fn(&ShardSet) -> Option<&Shard>| -> Result<Option<Shard>, CodedError> {
+            let parts: Option<Vec<&Shard>> = sources.iter().map(|s| f(s)).collect();
+            parts
+                .map(|p| Shard::combine(&p, &coeffs, m, format))
+                .transpose()
+        };
+        let mut blocks = Vec::with_capacity(first.blocks.len());
+        for (l, block) in first.blocks.iter().enumerate() {
+            let mut shards = Vec::with_capacity(block.len());
+            for i in 0..block.len() {
+                let shard = pick(&|s: &ShardSet| s.blocks[l].get(i))?
+                    .ok_or_else(|| CodedError::BadRequest(format!("block {l} lacks matrix {i}")))?;
+                shards.push(shard);
+            }
+            blocks.push(shards);
+        }
+        let embed = pick(&|s: &ShardSet| Some(&s.embed))?
+            .ok_or_else(|| CodedError::BadRequest("no embedding shard".into()))?;
+        let lm_head = match first.lm_head {
+            Some(_) => Some(
+                pick(&|s: &ShardSet| s.lm_head.as_ref())?
+                    .ok_or_else(|| CodedError::BadRequest("a source lacks the LM head".into()))?,
+            ),
+            None => None,
+        };
+        Ok(Self {
+            cfg: first.cfg.clone(),
+            generator: g.clone(),
+            node: target,
+            blocks,
+            embed,
+            lm_head,
+        })
     }
 
     /// Bytes of shard data held.

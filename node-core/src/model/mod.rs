@@ -14,7 +14,7 @@ pub use config::LlamaConfig;
 pub use generate::{GenerateOptions, Generation, StopReason, generate};
 pub use llama::{KvCache, LeaderWeights, LinearExec, Llama, Stage};
 pub use sampling::{Sampler, SamplingParams, argmax};
-pub use tokenizer::{ChatMessage, Tokenizer};
+pub use tokenizer::{ChatMessage, Tokenizer, TokenizerData};
 pub use weights::{LayerWeights, Matrix, ModelWeights};
 
 use crate::gguf::GgufError;

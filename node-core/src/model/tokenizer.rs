@@ -167,6 +167,36 @@ impl Tokenizer {
     pub fn inner(&self) -> &tokenizers::Tokenizer {
         &self.inner
     }
+
+    /// Everything needed to rebuild this tokenizer elsewhere (it travels in the model manifest).
+    pub fn to_data(&self) -> Result<TokenizerData, ModelError> {
+        Ok(TokenizerData {
+            json: self.inner.to_string(false).map_err(tok_err)?,
+            eos: self.eos.clone(),
+            default_system: self.default_system.clone(),
+        })
+    }
+
+    /// Rebuilds a tokenizer from [`Tokenizer::to_data`]'s output.
+    pub fn from_data(data: &TokenizerData) -> Result<Self, ModelError> {
+        let inner = tokenizers::Tokenizer::from_bytes(data.json.as_bytes()).map_err(tok_err)?;
+        Ok(Self {
+            inner,
+            eos: data.eos.clone(),
+            default_system: data.default_system.clone(),
+        })
+    }
+}
+
+/// A tokenizer in a portable form: the `tokenizers` JSON plus what the chat template adds.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct TokenizerData {
+    /// `tokenizer.json` text.
+    pub json: String,
+    /// Ids that end a completion.
+    pub eos: Vec<u32>,
+    /// System prompt inserted when a chat has none.
+    pub default_system: Option<String>,
 }
 
 /// The system prompt a ChatML template inserts when the chat has none.

@@ -1,0 +1,200 @@
+//! Messages between nodes: gossiped heartbeats and the request-response protocol.
+//! All go through [`crate::protocol::encode`]/[`crate::protocol::decode`] (versioned, bounded).
+
+use serde::{Deserialize, Serialize};
+
+use super::Health;
+
+/// Gossipsub topic of heartbeats (the protocol version is part of it).
+pub const HEARTBEAT_TOPIC: &str = "codedmesh/heartbeat/1";
+
+/// Bytes of a shard blob sent per chunk request.
+pub const CHUNK_BYTES: u32 = 4 << 20;
+
+/// Largest chunk a node serves or accepts.
+pub const MAX_CHUNK_BYTES: u32 = 16 << 20;
+
+/// What a node announces about itself every heartbeat interval.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Heartbeat {
+    /// Digest of the model manifest it serves.
+    pub model: [u8; 32],
+    /// The row (generator node index) whose shard it holds, if any.
+    pub row: Option<u32>,
+    /// Number of updates applied to its shard.
+    pub version_count: u64,
+    /// Digest of the applied update set.
+    pub version_digest: [u8; 32],
+    /// Addresses it listens on, as multiaddr strings.
+    pub addrs: Vec<String>,
+    /// Rows it can hand out from genesis.
+    pub offers: Vec<u32>,
+    /// Increases with every heartbeat it sends.
+    pub seq: u64,
+}
+
+/// One node as another node sees it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NodeStatus {
+    /// Its peer id.
+    pub peer: String,
+    /// Its row, if it holds one.
+    pub row: Option<u32>,
+    /// Its health.
+    pub health: Health,
+    /// Updates applied to its shard.
+    pub version_count: u64,
+    /// Digest of its update set (hex).
+    pub version_digest: String,
+    /// Its listen addresses.
+    pub addrs: Vec<String>,
+    /// Seconds since it was last heard from.
+    pub silent_for_s: f64,
+}
+
+/// The mesh as one node sees it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MeshInfo {
+    /// Shards needed to compute.
+    pub k: u32,
+    /// Rows of the code.
+    pub n: u32,
+    /// Digest of the model manifest (hex).
+    pub model: String,
+    /// A person-readable model name.
+    pub model_name: String,
+    /// Whether k healthy rows at one version can be grouped now.
+    pub available: bool,
+    /// Distinct healthy rows at the version most rows hold.
+    pub healthy_rows: u32,
+    /// Healthy rows that can still fail before the model is unavailable.
+    pub tolerates: u32,
+    /// Every node known, the answering node included.
+    pub nodes: Vec<NodeStatus>,
+}
+
+impl MeshInfo {
+    /// The one-line summary a person reads at a glance.
+    pub fn summary(&self) -> String {
+        format!(
+            "model available: {} — {} of {} rows healthy, k = {}, tolerates {} more failure{}",
+            if self.available { "yes" } else { "no" },
+            self.healthy_rows,
+            self.n,
+            self.k,
+            self.tolerates,
+            if self.tolerates == 1 { "" } else { "s" }
+        )
+    }
+}
+
+/// Where a joining node gets one existing row's shard.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SourceRow {
+    /// The row.
+    pub row: u32,
+    /// Its holder's peer id.
+    pub peer: String,
+    /// Its holder's addresses.
+    pub addrs: Vec<String>,
+}
+
+/// The answer to a join request: which row to take and where its shard comes from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum JoinOffer {
+    /// Take this row: its genesis shard is fetched from the answering node.
+    Genesis {
+        /// The row.
+        row: u32,
+    },
+    /// Take this row: fetch these k shards and re-encode locally.
+    Reencode {
+        /// The row.
+        row: u32,
+        /// k rows to fetch.
+        sources: Vec<SourceRow>,
+    },
+    /// Every row is held by a live node.
+    Full,
+}
+
+/// A request on the mesh protocol.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum MeshRequest {
+    /// The answering node's view of the mesh.
+    Info,
+    /// The model manifest.
+    Manifest,
+    /// A row for the asking node.
+    Join,
+    /// A piece of a row's shard blob.
+    Chunk {
+        /// The row.
+        row: u32,
+        /// First byte.
+        offset: u64,
+        /// Bytes wanted (at most [`MAX_CHUNK_BYTES`]).
+        len: u32,
+    },
+    /// A coded step: an encoded [`crate::protocol::StepRequest`].
+    Step(Vec<u8>),
+}
+
+/// An answer on the mesh protocol.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum MeshResponse {
+    /// The mesh view.
+    Info(MeshInfo),
+    /// The manifest, serialized.
+    Manifest(Vec<u8>),
+    /// A row offer.
+    Join(JoinOffer),
+    /// A piece of a shard blob.
+    Chunk {
+        /// Length of the whole blob.
+        total: u64,
+        /// The bytes.
+        bytes: Vec<u8>,
+    },
+    /// An encoded [`crate::protocol::StepResponse`] and how long computing it took.
+    Step {
+        /// The encoded answer.
+        bytes: Vec<u8>,
+        /// Microseconds the member spent computing.
+        compute_us: u64,
+    },
+    /// The request could not be served.
+    Error(String),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::{decode, encode};
+    use proptest::prelude::*;
+
+    #[test]
+    fn requests_round_trip() {
+        for req in [
+            MeshRequest::Info,
+            MeshRequest::Join,
+            MeshRequest::Chunk {
+                row: 3,
+                offset: 1 << 33,
+                len: CHUNK_BYTES,
+            },
+            MeshRequest::Step(vec![1, 2, 3]),
+        ] {
+            assert_eq!(decode::<MeshRequest>(&encode(&req).unwrap()).unwrap(), req);
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+            let _ = decode::<MeshRequest>(&bytes);
+            let _ = decode::<MeshResponse>(&bytes);
+            let _ = decode::<Heartbeat>(&bytes);
+        }
+    }
+}

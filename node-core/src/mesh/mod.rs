@@ -1,0 +1,51 @@
+//! The mesh, sans I/O: heartbeats and health, who holds which row, joining, and the leader's
+//! rounds over a group with spares. Every state machine here takes the current time and the
+//! messages it got, and hands back what to send; the shells own sockets and clocks.
+
+mod health;
+mod manifest;
+mod messages;
+mod round;
+mod version;
+mod view;
+
+pub use health::{Health, HealthConfig};
+pub use manifest::ModelManifest;
+pub use messages::{
+    CHUNK_BYTES, HEARTBEAT_TOPIC, Heartbeat, JoinOffer, MAX_CHUNK_BYTES, MeshInfo, MeshRequest,
+    MeshResponse, NodeStatus, SourceRow,
+};
+pub use round::{GroupPlan, MemberPool, RoundConfig, RoundDriver, RoundError, plan_group};
+pub use version::ShardVersion;
+pub use view::{MeshEvent, MeshView};
+
+/// Errors of the mesh state machines.
+#[derive(Debug, thiserror::Error)]
+pub enum MeshError {
+    /// A configuration value is out of range.
+    #[error("mesh config: {0}")]
+    Config(String),
+    /// A peer serves another model or code.
+    #[error("peer {peer} serves model {theirs}, this mesh serves {ours}")]
+    OtherModel {
+        /// The peer.
+        peer: String,
+        /// Our model digest (hex).
+        ours: String,
+        /// Theirs.
+        theirs: String,
+    },
+    /// A message field is out of range.
+    #[error("bad message from {peer}: {reason}")]
+    BadMessage {
+        /// The peer.
+        peer: String,
+        /// What was wrong.
+        reason: String,
+    },
+}
+
+/// Lower-case hex of bytes.
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}

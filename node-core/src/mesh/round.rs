@@ -1,0 +1,420 @@
+//! The leader's side of a group: choosing k + s rows, and one round of a coded step over them
+//! (first k answers win; a failed member is replaced; a straggler is outrun by a spare).
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+use web_time::{Duration, Instant};
+
+use crate::code::{CodeError, Generator, select_nodes};
+
+/// A chosen group: the k best-conditioned rows first, then the spares.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GroupPlan {
+    /// Rows asked in every round, the decoding k first.
+    pub members: Vec<usize>,
+    /// Condition number of the first k.
+    pub condition_number: f64,
+}
+
+/// Picks k well-conditioned rows of `live` and up to `spares` more.
+pub fn plan_group(g: &Generator, live: &[usize], spares: usize) -> Result<GroupPlan, CodeError> {
+    let sel = select_nodes(g, live)?;
+    let mut members = sel.nodes.clone();
+    let mut rest: Vec<usize> = live
+        .iter()
+        .copied()
+        .filter(|r| !members.contains(r))
+        .collect();
+    rest.sort_unstable();
+    rest.dedup();
+    // Prefer spares that keep the worst swap well conditioned.
+    let score = |r: usize| -> f64 {
+        (0..members.len().min(g.k()))
+            .map(|drop| {
+                let mut trial = sel.nodes.clone();
+                trial[drop] = r;
+                g.condition_number(&trial).unwrap_or(f64::INFINITY)
+            })
+            .fold(0.0, f64::max)
+    };
+    rest.sort_by(|&a, &b| score(a).total_cmp(&score(b)));
+    members.extend(rest.into_iter().take(spares));
+    Ok(GroupPlan {
+        members,
+        condition_number: sel.condition_number,
+    })
+}
+
+/// Timing of rounds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RoundConfig {
+    /// Without k answers by then, one more row is asked (if one is free).
+    pub straggler_after: Duration,
+    /// A member silent this long in a round is dropped.
+    pub member_timeout: Duration,
+    /// A member that missed this many finished rounds in a row is swapped for a free row.
+    pub max_misses: u32,
+}
+
+impl Default for RoundConfig {
+    fn default() -> Self {
+        Self {
+            straggler_after: Duration::from_millis(250),
+            member_timeout: Duration::from_secs(5),
+            max_misses: 2,
+        }
+    }
+}
+
+/// The rows a leader may use beyond its members, and their record.
+#[derive(Debug, Clone)]
+pub struct MemberPool {
+    generator: Generator,
+    free: Vec<usize>,
+    misses: BTreeMap<usize, u32>,
+    /// Members asked in a finished round that have not answered since.
+    outstanding: BTreeSet<usize>,
+    cfg: RoundConfig,
+}
+
+impl MemberPool {
+    /// A pool of `free` rows (live rows that are not members).
+    pub fn new(generator: Generator, free: Vec<usize>, cfg: RoundConfig) -> Self {
+        Self {
+            generator,
+            free,
+            misses: BTreeMap::new(),
+            outstanding: BTreeSet::new(),
+            cfg,
+        }
+    }
+
+    /// Rows not in the group.
+    pub fn free(&self) -> &[usize] {
+        &self.free
+    }
+
+    /// A row answered (in its round or late, to an earlier one): it is not straggling.
+    pub fn note_answer(&mut self, row: usize) {
+        self.outstanding.remove(&row);
+        self.misses.remove(&row);
+    }
+
+    /// Takes the free row that conditions best with `with` (the rows that will decode).
+    fn take_replacement(&mut self, with: &[usize]) -> Option<usize> {
+        let k = self.generator.k();
+        let best = self
+            .free
+            .iter()
+            .copied()
+            .enumerate()
+            .map(|(i, r)| {
+                let mut trial: Vec<usize> = with.iter().copied().take(k - 1).collect();
+                trial.push(r);
+                let kappa = if trial.len() == k {
+                    self.generator
+                        .condition_number(&trial)
+                        .unwrap_or(f64::INFINITY)
+                } else {
+                    0.0
+                };
+                (i, kappa)
+            })
+            .min_by(|a, b| a.1.total_cmp(&b.1))?;
+        Some(self.free.remove(best.0))
+    }
+}
+
+/// Why a round could not be completed.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error(
+    "only {got} of {need} answers: every member failed or timed out and no free row is left ({failures})"
+)]
+pub struct RoundError {
+    /// Answers needed.
+    pub need: usize,
+    /// Answers got.
+    pub got: usize,
+    /// What went wrong, per row.
+    pub failures: String,
+}
+
+/// One round: the request goes to every member; the first `need` answers finish it.
+#[derive(Debug)]
+pub struct RoundDriver {
+    need: usize,
+    started: Instant,
+    members: Vec<usize>,
+    pending: BTreeMap<usize, Instant>,
+    answers: Vec<(usize, Vec<u8>)>,
+    failures: Vec<(usize, String)>,
+    transmits: VecDeque<usize>,
+    straggler_asked: bool,
+    cfg: RoundConfig,
+}
+
+impl RoundDriver {
+    /// Starts a round over `members`. A member still silent on an earlier round misses this
+    /// one's start; after `max_misses` in a row it is swapped for a free row.
+    pub fn start(now: Instant, members: &[usize], need: usize, pool: &mut MemberPool) -> Self {
+        let mut members = members.to_vec();
+        for &row in &members {
+            if pool.outstanding.contains(&row) {
+                *pool.misses.entry(row).or_default() += 1;
+            }
+        }
+        for i in 0..members.len() {
+            let row = members[i];
+            if pool.misses.get(&row).copied().unwrap_or(0) >= pool.cfg.max_misses {
+                let keep: Vec<usize> = members.iter().copied().filter(|&r| r != row).collect();
+                if let Some(fresh) = pool.take_replacement(&keep) {
+                    tracing::info!(row, fresh, "swapping a straggling member for a free row");
+                    pool.misses.remove(&row);
+                    pool.outstanding.remove(&row);
+                    pool.free.push(row);
+                    members[i] = fresh;
+                }
+            }
+        }
+        let transmits = members.iter().copied().collect();
+        let pending = members.iter().map(|&r| (r, now)).collect();
+        Self {
+            need,
+            started: now,
+            members,
+            pending,
+            answers: Vec::new(),
+            failures: Vec::new(),
+            transmits,
+            straggler_asked: false,
+            cfg: pool.cfg,
+        }
+    }
+
+    /// The next row to send the request to.
+    pub fn poll_transmit(&mut self) -> Option<usize> {
+        self.transmits.pop_front()
+    }
+
+    /// The members now (failed ones dropped, replacements added).
+    pub fn members(&self) -> &[usize] {
+        &self.members
+    }
+
+    /// Whether `need` answers are in.
+    pub fn is_done(&self) -> bool {
+        self.answers.len() >= self.need
+    }
+
+    /// Whether the round can no longer finish.
+    pub fn is_failed(&self) -> bool {
+        !self.is_done() && self.pending.is_empty() && self.transmits.is_empty()
+    }
+
+    /// A member answered (`Ok`) or its request failed (`Err`: connection lost, refused).
+    pub fn handle_answer(
+        &mut self,
+        now: Instant,
+        row: usize,
+        answer: Result<Vec<u8>, String>,
+        pool: &mut MemberPool,
+    ) {
+        if self.pending.remove(&row).is_none() {
+            return; // not asked, or already settled
+        }
+        match answer {
+            Ok(bytes) => {
+                pool.note_answer(row);
+                if !self.is_done() {
+                    self.answers.push((row, bytes));
+                }
+            }
+            Err(reason) => {
+                tracing::warn!(row, %reason, "member failed; replacing it");
+                self.drop_member(now, row, reason, pool);
+            }
+        }
+    }
+
+    /// A member's answer could not be used: drop it and ask a replacement.
+    pub fn reject(&mut self, now: Instant, row: usize, reason: String, pool: &mut MemberPool) {
+        self.answers.retain(|(r, _)| *r != row);
+        self.pending.remove(&row);
+        self.drop_member(now, row, reason, pool);
+    }
+
+    fn drop_member(&mut self, now: Instant, row: usize, reason: String, pool: &mut MemberPool) {
+        self.members.retain(|&r| r != row);
+        pool.misses.remove(&row);
+        self.failures.push((row, reason));
+        let outstanding = self.answers.len() + self.pending.len();
+        if outstanding < self.need {
+            self.ask_replacement(now, pool);
+        }
+    }
+
+    fn ask_replacement(&mut self, now: Instant, pool: &mut MemberPool) {
+        let decoding: Vec<usize> = self
+            .answers
+            .iter()
+            .map(|(r, _)| *r)
+            .chain(self.pending.keys().copied())
+            .collect();
+        if let Some(fresh) = pool.take_replacement(&decoding) {
+            self.members.push(fresh);
+            self.pending.insert(fresh, now);
+            self.transmits.push_back(fresh);
+        }
+    }
+
+    /// Advances time: asks a spare when answers are late, drops members silent too long.
+    pub fn handle_timeout(&mut self, now: Instant, pool: &mut MemberPool) {
+        if self.is_done() {
+            return;
+        }
+        if !self.straggler_asked && now >= self.started + self.cfg.straggler_after {
+            self.straggler_asked = true;
+            self.ask_replacement(now, pool);
+        }
+        let silent: Vec<usize> = self
+            .pending
+            .iter()
+            .filter(|&(_, &since)| now >= since + self.cfg.member_timeout)
+            .map(|(&r, _)| r)
+            .collect();
+        for row in silent {
+            self.pending.remove(&row);
+            self.drop_member(now, row, "timed out".into(), pool);
+        }
+    }
+
+    /// When `handle_timeout` should next be called, if the round is still open.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        if self.is_done() || self.is_failed() {
+            return None;
+        }
+        let mut t = self
+            .pending
+            .values()
+            .map(|&since| since + self.cfg.member_timeout)
+            .min()?;
+        if !self.straggler_asked {
+            t = t.min(self.started + self.cfg.straggler_after);
+        }
+        Some(t)
+    }
+
+    /// Ends the round: the answers, or why there are too few. Members still silent are
+    /// outstanding until they answer.
+    pub fn finish(self, pool: &mut MemberPool) -> Result<Vec<(usize, Vec<u8>)>, RoundError> {
+        if !self.is_done() {
+            return Err(RoundError {
+                need: self.need,
+                got: self.answers.len(),
+                failures: self
+                    .failures
+                    .iter()
+                    .map(|(r, why)| format!("row {r}: {why}"))
+                    .collect::<Vec<_>>()
+                    .join("; "),
+            });
+        }
+        pool.outstanding.extend(self.pending.keys().copied());
+        Ok(self.answers)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pool(free: Vec<usize>) -> (Generator, MemberPool) {
+        let g = Generator::cauchy(5, 3).unwrap();
+        (g.clone(), MemberPool::new(g, free, RoundConfig::default()))
+    }
+
+    #[test]
+    fn plan_has_k_best_then_spares() {
+        let g = Generator::cauchy(5, 3).unwrap();
+        let plan = plan_group(&g, &[0, 1, 2, 3, 4], 1).unwrap();
+        assert_eq!(plan.members.len(), 4);
+        let sel = select_nodes(&g, &[0, 1, 2, 3, 4]).unwrap();
+        assert_eq!(plan.members[..3], sel.nodes[..]);
+        assert!(plan.condition_number < 10.0);
+        assert!(plan_group(&g, &[0, 1], 1).is_err());
+    }
+
+    #[test]
+    fn first_k_answers_win_and_a_failure_is_replaced() {
+        let (_, mut pool) = pool(vec![4]);
+        let t0 = Instant::now();
+        let mut r = RoundDriver::start(t0, &[0, 1, 2, 3], 3, &mut pool);
+        let sent: Vec<usize> = std::iter::from_fn(|| r.poll_transmit()).collect();
+        assert_eq!(sent, vec![0, 1, 2, 3]);
+        r.handle_answer(t0, 1, Err("connection closed".into()), &mut pool);
+        r.handle_answer(t0, 2, Err("connection closed".into()), &mut pool);
+        assert_eq!(
+            r.poll_transmit(),
+            Some(4),
+            "a failed member is replaced by the free row"
+        );
+        r.handle_answer(t0, 0, Ok(vec![0]), &mut pool);
+        r.handle_answer(t0, 3, Ok(vec![3]), &mut pool);
+        assert!(!r.is_done());
+        r.handle_answer(t0, 4, Ok(vec![4]), &mut pool);
+        assert!(r.is_done());
+        assert_eq!(r.members(), &[0, 3, 4]);
+        let answers = r.finish(&mut pool).unwrap();
+        assert_eq!(
+            answers.iter().map(|a| a.0).collect::<Vec<_>>(),
+            vec![0, 3, 4]
+        );
+    }
+
+    #[test]
+    fn a_chronic_straggler_is_swapped_out_but_a_late_answerer_stays() {
+        let (_, mut pool) = pool(vec![4]);
+        let t0 = Instant::now();
+        let mut members = vec![0, 1, 2, 3];
+        // Rows 0 and 1 answer in time; row 2 answers after each round ends; row 3 never does.
+        for round in 0..4 {
+            let mut r = RoundDriver::start(t0, &members, 2, &mut pool);
+            while r.poll_transmit().is_some() {}
+            r.handle_answer(t0, 0, Ok(vec![]), &mut pool);
+            r.handle_answer(t0, 1, Ok(vec![]), &mut pool);
+            members = r.members().to_vec();
+            r.finish(&mut pool).unwrap();
+            pool.note_answer(2);
+            if round < 2 {
+                assert!(members.contains(&3), "round {round}: {members:?}");
+            }
+        }
+        assert!(!members.contains(&3) && members.contains(&4), "{members:?}");
+        assert!(
+            members.contains(&2),
+            "a late but answering member stays: {members:?}"
+        );
+    }
+
+    #[test]
+    fn a_round_without_enough_rows_fails_with_reasons() {
+        let (_, mut pool) = pool(vec![]);
+        let t0 = Instant::now();
+        let mut r = RoundDriver::start(t0, &[0, 1, 2], 3, &mut pool);
+        while r.poll_transmit().is_some() {}
+        r.handle_answer(t0, 0, Ok(vec![]), &mut pool);
+        r.handle_answer(t0, 1, Ok(vec![]), &mut pool);
+        let late = r.poll_timeout().unwrap();
+        r.handle_timeout(late, &mut pool);
+        let late = r.poll_timeout().unwrap();
+        r.handle_timeout(late, &mut pool);
+        assert!(r.is_failed());
+        let err = r.finish(&mut pool).unwrap_err();
+        assert_eq!((err.need, err.got), (3, 2));
+        assert!(
+            err.failures.contains("row 2: timed out"),
+            "{}",
+            err.failures
+        );
+    }
+}

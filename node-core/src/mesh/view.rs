@@ -1,0 +1,456 @@
+//! One node's view of the mesh: who holds which row, at which version, and how healthy.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::fmt::Display;
+
+use web_time::{Duration, Instant};
+
+use super::{
+    Health, HealthConfig, Heartbeat, JoinOffer, MeshError, MeshInfo, NodeStatus, SourceRow, hex,
+};
+
+/// How long a row offered to a joiner stays reserved for it.
+const RESERVATION: Duration = Duration::from_secs(120);
+
+/// Something a shell may want to act on or log.
+#[derive(Debug, Clone, PartialEq)]
+pub enum MeshEvent<P> {
+    /// A peer was heard from for the first time.
+    Discovered {
+        /// The peer.
+        peer: P,
+        /// Its addresses.
+        addrs: Vec<String>,
+    },
+    /// A peer's health changed.
+    HealthChanged {
+        /// The peer.
+        peer: P,
+        /// Its row.
+        row: Option<u32>,
+        /// The new state.
+        health: Health,
+    },
+    /// A peer's heartbeat was refused.
+    Refused {
+        /// The peer.
+        peer: P,
+        /// Why.
+        error: String,
+    },
+}
+
+#[derive(Debug, Clone)]
+struct Entry {
+    hb: Heartbeat,
+    last_seen: Instant,
+    health: Health,
+}
+
+/// A node's view of the mesh, driven by heartbeats and time.
+#[derive(Debug)]
+pub struct MeshView<P> {
+    cfg: HealthConfig,
+    k: u32,
+    n: u32,
+    model_name: String,
+    me: P,
+    local: Heartbeat,
+    peers: BTreeMap<P, Entry>,
+    reservations: Vec<(u32, P, Instant)>,
+    next_heartbeat: Instant,
+    events: VecDeque<MeshEvent<P>>,
+    transmits: VecDeque<Heartbeat>,
+}
+
+impl<P: Ord + Clone + Display> MeshView<P> {
+    /// A view for node `me` of a mesh of `n` rows needing `k`, serving the model `local.model`.
+    pub fn new(
+        now: Instant,
+        me: P,
+        cfg: HealthConfig,
+        k: u32,
+        n: u32,
+        model_name: String,
+        local: Heartbeat,
+    ) -> Result<Self, MeshError> {
+        cfg.validate()?;
+        if k == 0 || n < k {
+            return Err(MeshError::Config(format!(
+                "need 1 ≤ k ≤ n, got k = {k}, n = {n}"
+            )));
+        }
+        Ok(Self {
+            cfg,
+            k,
+            n,
+            model_name,
+            me,
+            local,
+            peers: BTreeMap::new(),
+            reservations: Vec::new(),
+            next_heartbeat: now,
+            events: VecDeque::new(),
+            transmits: VecDeque::new(),
+        })
+    }
+
+    /// This node's id.
+    pub fn me(&self) -> &P {
+        &self.me
+    }
+
+    /// What this node announces.
+    pub fn local(&self) -> &Heartbeat {
+        &self.local
+    }
+
+    /// Changes what this node announces (row, version, addresses, offers); `seq` is kept.
+    pub fn set_local(&mut self, hb: Heartbeat) {
+        let seq = self.local.seq;
+        self.local = Heartbeat { seq, ..hb };
+    }
+
+    /// Health timing.
+    pub fn config(&self) -> &HealthConfig {
+        &self.cfg
+    }
+
+    /// A heartbeat arrived from `from`.
+    pub fn handle_heartbeat(&mut self, now: Instant, from: P, hb: Heartbeat) {
+        if from == self.me {
+            return;
+        }
+        if hb.model != self.local.model {
+            self.events.push_back(MeshEvent::Refused {
+                peer: from.clone(),
+                error: MeshError::OtherModel {
+                    peer: from.to_string(),
+                    ours: hex(&self.local.model),
+                    theirs: hex(&hb.model),
+                }
+                .to_string(),
+            });
+            return;
+        }
+        if let Some(row) = hb.row.filter(|&r| r >= self.n) {
+            self.events.push_back(MeshEvent::Refused {
+                peer: from.clone(),
+                error: MeshError::BadMessage {
+                    peer: from.to_string(),
+                    reason: format!("row {row} outside n = {}", self.n),
+                }
+                .to_string(),
+            });
+            return;
+        }
+        if let Some(row) = hb.row {
+            self.reservations
+                .retain(|(r, p, _)| !(*r == row && *p == from));
+        }
+        match self.peers.get_mut(&from) {
+            Some(e) => {
+                if hb.seq < e.hb.seq && e.health == Health::Healthy {
+                    return; // reordered: an older heartbeat
+                }
+                e.hb = hb;
+                e.last_seen = now;
+                if e.health != Health::Healthy {
+                    e.health = Health::Healthy;
+                    self.events.push_back(MeshEvent::HealthChanged {
+                        peer: from,
+                        row: e.hb.row,
+                        health: Health::Healthy,
+                    });
+                }
+            }
+            None => {
+                self.events.push_back(MeshEvent::Discovered {
+                    peer: from.clone(),
+                    addrs: hb.addrs.clone(),
+                });
+                self.peers.insert(
+                    from,
+                    Entry {
+                        hb,
+                        last_seen: now,
+                        health: Health::Healthy,
+                    },
+                );
+            }
+        }
+    }
+
+    /// Advances time: health transitions, and this node's own heartbeat when due.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        for (peer, e) in &mut self.peers {
+            let h = self.cfg.health(now.saturating_duration_since(e.last_seen));
+            if h != e.health {
+                e.health = h;
+                self.events.push_back(MeshEvent::HealthChanged {
+                    peer: peer.clone(),
+                    row: e.hb.row,
+                    health: h,
+                });
+            }
+        }
+        self.reservations.retain(|(_, _, until)| *until > now);
+        if now >= self.next_heartbeat {
+            self.local.seq += 1;
+            self.transmits.push_back(self.local.clone());
+            self.next_heartbeat = now + self.cfg.heartbeat_interval;
+        }
+    }
+
+    /// When `handle_timeout` should next be called.
+    pub fn poll_timeout(&self) -> Instant {
+        let mut t = self.next_heartbeat;
+        for e in self.peers.values() {
+            let next = match e.health {
+                Health::Healthy => e.last_seen + self.cfg.suspect_after,
+                Health::Suspect => e.last_seen + self.cfg.dead_after,
+                Health::Dead => continue,
+            };
+            t = t.min(next);
+        }
+        t
+    }
+
+    /// The next event for the shell.
+    pub fn poll_event(&mut self) -> Option<MeshEvent<P>> {
+        self.events.pop_front()
+    }
+
+    /// The next heartbeat to publish.
+    pub fn poll_transmit(&mut self) -> Option<Heartbeat> {
+        self.transmits.pop_front()
+    }
+
+    /// Health of a peer, if known.
+    pub fn health(&self, peer: &P) -> Option<Health> {
+        self.peers.get(peer).map(|e| e.health)
+    }
+
+    /// Addresses a peer announced.
+    pub fn addrs(&self, peer: &P) -> Option<&[String]> {
+        self.peers.get(peer).map(|e| e.hb.addrs.as_slice())
+    }
+
+    /// Every node (this one first) with its heartbeat and health.
+    fn all(&self) -> impl Iterator<Item = (&P, &Heartbeat, Health)> {
+        std::iter::once((&self.me, &self.local, Health::Healthy))
+            .chain(self.peers.iter().map(|(p, e)| (p, &e.hb, e.health)))
+    }
+
+    /// The version digest most healthy row holders share.
+    fn majority_version(&self) -> Option<[u8; 32]> {
+        let mut counts: BTreeMap<[u8; 32], usize> = BTreeMap::new();
+        for (_, hb, h) in self.all() {
+            if h == Health::Healthy && hb.row.is_some() {
+                *counts.entry(hb.version_digest).or_default() += 1;
+            }
+        }
+        counts.into_iter().max_by_key(|&(_, c)| c).map(|(d, _)| d)
+    }
+
+    /// Healthy rows at the majority version, one holder each (the lowest peer id), by row.
+    pub fn live_rows(&self) -> Vec<(u32, P)> {
+        let Some(version) = self.majority_version() else {
+            return Vec::new();
+        };
+        let mut rows: BTreeMap<u32, P> = BTreeMap::new();
+        for (p, hb, h) in self.all() {
+            if let (Health::Healthy, Some(row), true) = (h, hb.row, hb.version_digest == version) {
+                let slot = rows.entry(row).or_insert_with(|| p.clone());
+                if p < slot {
+                    *slot = p.clone();
+                }
+            }
+        }
+        rows.into_iter().collect()
+    }
+
+    /// Offers a row to a joining peer and reserves it: a genesis row this node holds back,
+    /// else the lowest row no live node holds, re-encoded from k live rows.
+    pub fn offer_row(&mut self, now: Instant, joiner: P) -> JoinOffer {
+        self.reservations.retain(|(_, _, until)| *until > now);
+        if let Some((row, _, until)) = self.reservations.iter_mut().find(|(_, p, _)| *p == joiner) {
+            *until = now + RESERVATION;
+            let row = *row;
+            return self.offer_for(row);
+        }
+        let taken: Vec<u32> = self
+            .all()
+            .filter(|(_, _, h)| *h != Health::Dead)
+            .filter_map(|(_, hb, _)| hb.row)
+            .chain(self.reservations.iter().map(|(r, _, _)| *r))
+            .collect();
+        let free = |r: &u32| !taken.contains(r);
+        let row = self
+            .local
+            .offers
+            .iter()
+            .copied()
+            .find(free)
+            .or_else(|| (0..self.n).find(free));
+        match row {
+            Some(row) => {
+                let offer = self.offer_for(row);
+                if !matches!(offer, JoinOffer::Full) {
+                    self.reservations.push((row, joiner, now + RESERVATION));
+                }
+                offer
+            }
+            None => JoinOffer::Full,
+        }
+    }
+
+    fn offer_for(&self, row: u32) -> JoinOffer {
+        if self.local.offers.contains(&row) {
+            return JoinOffer::Genesis { row };
+        }
+        let live = self.live_rows();
+        if live.len() < self.k as usize {
+            return JoinOffer::Full;
+        }
+        let sources = live
+            .into_iter()
+            .take(self.k as usize)
+            .map(|(r, p)| SourceRow {
+                row: r,
+                addrs: if p == self.me {
+                    self.local.addrs.clone()
+                } else {
+                    self.addrs(&p).map(<[String]>::to_vec).unwrap_or_default()
+                },
+                peer: p.to_string(),
+            })
+            .collect();
+        JoinOffer::Reencode { row, sources }
+    }
+
+    /// The mesh as this node sees it, for `status` and the dashboard.
+    pub fn info(&self, now: Instant) -> MeshInfo {
+        let live = self.live_rows();
+        let healthy = live.len() as u32;
+        let nodes = self
+            .all()
+            .map(|(p, hb, h)| NodeStatus {
+                peer: p.to_string(),
+                row: hb.row,
+                health: h,
+                version_count: hb.version_count,
+                version_digest: hex(&hb.version_digest[..8]),
+                addrs: hb.addrs.clone(),
+                silent_for_s: if *p == self.me {
+                    0.0
+                } else {
+                    self.peers.get(p).map_or(0.0, |e| {
+                        now.saturating_duration_since(e.last_seen).as_secs_f64()
+                    })
+                },
+            })
+            .collect();
+        MeshInfo {
+            k: self.k,
+            n: self.n,
+            model: hex(&self.local.model),
+            model_name: self.model_name.clone(),
+            available: healthy >= self.k,
+            healthy_rows: healthy,
+            tolerates: healthy.saturating_sub(self.k),
+            nodes,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hb(row: Option<u32>) -> Heartbeat {
+        Heartbeat {
+            model: [7; 32],
+            row,
+            version_count: 0,
+            version_digest: [0; 32],
+            addrs: vec![],
+            offers: vec![],
+            seq: 0,
+        }
+    }
+
+    #[test]
+    fn health_moves_with_silence_and_recovers() {
+        let t0 = Instant::now();
+        let cfg = HealthConfig::default();
+        let mut v = MeshView::new(t0, 0u32, cfg, 2, 3, "m".into(), hb(Some(0))).unwrap();
+        v.handle_heartbeat(t0, 1, hb(Some(1)));
+        assert_eq!(v.live_rows(), vec![(0, 0), (1, 1)]);
+        v.handle_timeout(t0 + cfg.suspect_after);
+        assert_eq!(v.health(&1), Some(Health::Suspect));
+        assert_eq!(v.live_rows().len(), 1);
+        v.handle_timeout(t0 + cfg.dead_after);
+        assert_eq!(v.health(&1), Some(Health::Dead));
+        assert!(!v.info(t0 + cfg.dead_after).available);
+        v.handle_heartbeat(t0 + cfg.dead_after, 1, hb(Some(1)));
+        assert_eq!(v.health(&1), Some(Health::Healthy));
+        assert!(v.info(t0 + cfg.dead_after).available);
+    }
+
+    #[test]
+    fn other_models_are_refused() {
+        let t0 = Instant::now();
+        let mut v = MeshView::new(
+            t0,
+            0u32,
+            HealthConfig::default(),
+            1,
+            2,
+            "m".into(),
+            hb(None),
+        )
+        .unwrap();
+        let mut other = hb(Some(1));
+        other.model = [9; 32];
+        v.handle_heartbeat(t0, 5, other);
+        assert!(matches!(v.poll_event(), Some(MeshEvent::Refused { .. })));
+        assert!(v.live_rows().is_empty());
+    }
+
+    #[test]
+    fn offers_free_rows_once_and_dead_rows_again() {
+        let t0 = Instant::now();
+        let cfg = HealthConfig::default();
+        let mut local = hb(Some(0));
+        local.offers = vec![1, 2];
+        let mut v = MeshView::new(t0, 0u32, cfg, 2, 3, "m".into(), local).unwrap();
+        assert_eq!(v.offer_row(t0, 10), JoinOffer::Genesis { row: 1 });
+        assert_eq!(
+            v.offer_row(t0, 10),
+            JoinOffer::Genesis { row: 1 },
+            "same joiner, same row"
+        );
+        assert_eq!(v.offer_row(t0, 11), JoinOffer::Genesis { row: 2 });
+        assert_eq!(v.offer_row(t0, 12), JoinOffer::Full);
+        v.handle_heartbeat(t0, 10, hb(Some(1)));
+        v.handle_heartbeat(t0, 11, hb(Some(2)));
+        // The seed hands out its last rows and stops offering; node 11 dies.
+        let mut local = hb(Some(0));
+        local.offers.clear();
+        v.set_local(local);
+        let later = t0 + cfg.dead_after;
+        v.handle_heartbeat(later, 10, hb(Some(1)));
+        v.handle_timeout(later);
+        match v.offer_row(later, 13) {
+            JoinOffer::Reencode { row, sources } => {
+                assert_eq!(row, 2);
+                assert_eq!(
+                    sources.iter().map(|s| s.row).collect::<Vec<_>>(),
+                    vec![0, 1]
+                );
+            }
+            other => panic!("expected a re-encode offer, got {other:?}"),
+        }
+    }
+}

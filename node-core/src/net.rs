@@ -1,0 +1,257 @@
+//! The libp2p side of a node, shared by native and browser shells: one behaviour struct and
+//! the request-response codec. Swarms, transports and event loops live in the shells.
+
+use std::io;
+
+use futures::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use libp2p::swarm::{NetworkBehaviour, behaviour::toggle::Toggle};
+use libp2p::{StreamProtocol, gossipsub, identify, identity, kad, ping, request_response};
+use web_time::Duration;
+
+use crate::mesh::{HEARTBEAT_TOPIC, MeshRequest, MeshResponse};
+use crate::protocol::{self, MAX_MESSAGE_BYTES, PROTOCOL_VERSION};
+
+/// Name of the mesh request-response protocol; the version is part of it.
+pub const MESH_PROTOCOL: &str = "/codedmesh/mesh/1";
+/// Prefix every version of the mesh protocol shares.
+const MESH_PROTOCOL_PREFIX: &str = "/codedmesh/mesh/";
+
+/// Pieces a message is written in (WebRTC data channels fail on larger single writes).
+const WRITE_PIECE: usize = 4 << 10;
+
+#[cfg(all(native, feature = "mdns"))]
+type Mdns = Toggle<libp2p::mdns::tokio::Behaviour>;
+#[cfg(not(all(native, feature = "mdns")))]
+type Mdns = Toggle<libp2p::swarm::dummy::Behaviour>;
+
+/// Every protocol a node speaks.
+#[derive(NetworkBehaviour)]
+#[allow(missing_debug_implementations)]
+pub struct MeshBehaviour {
+    /// Peer addresses and protocol lists.
+    pub identify: identify::Behaviour,
+    /// Liveness of connections.
+    pub ping: ping::Behaviour,
+    /// Heartbeats and announcements (small messages only).
+    pub gossipsub: gossipsub::Behaviour,
+    /// Coded steps, manifests, joins and shard transfer.
+    pub mesh: request_response::Behaviour<MeshCodec>,
+    /// Peer discovery over the DHT.
+    pub kad: kad::Behaviour<kad::store::MemoryStore>,
+    /// Peer discovery on the local network (feature `mdns`, native only).
+    pub mdns: Mdns,
+}
+
+/// Errors building the behaviour.
+#[derive(Debug, thiserror::Error)]
+pub enum NetError {
+    /// Gossipsub refused its configuration.
+    #[error("gossipsub: {0}")]
+    Gossipsub(String),
+    /// mDNS could not start.
+    #[error("mdns: {0}")]
+    Mdns(String),
+}
+
+impl MeshBehaviour {
+    /// Builds the behaviour for a node with `key`; `mdns` turns on local discovery where built.
+    pub fn new(key: &identity::Keypair, mdns: bool) -> Result<Self, NetError> {
+        let peer_id = key.public().to_peer_id();
+        let gossip_cfg = gossipsub::ConfigBuilder::default()
+            .heartbeat_interval(Duration::from_millis(500))
+            .validation_mode(gossipsub::ValidationMode::Strict)
+            .max_transmit_size(64 << 10)
+            .build()
+            .map_err(|e| NetError::Gossipsub(e.to_string()))?;
+        let mut gossipsub = gossipsub::Behaviour::new(
+            gossipsub::MessageAuthenticity::Signed(key.clone()),
+            gossip_cfg,
+        )
+        .map_err(|e| NetError::Gossipsub(e.to_string()))?;
+        gossipsub
+            .subscribe(&gossipsub::IdentTopic::new(HEARTBEAT_TOPIC))
+            .map_err(|e| NetError::Gossipsub(e.to_string()))?;
+        let mesh = request_response::Behaviour::with_codec(
+            MeshCodec,
+            [(
+                StreamProtocol::new(MESH_PROTOCOL),
+                request_response::ProtocolSupport::Full,
+            )],
+            request_response::Config::default()
+                .with_request_timeout(Duration::from_secs(60))
+                .with_max_concurrent_streams(1024),
+        );
+        let mut kad_cfg = kad::Config::new(StreamProtocol::new("/codedmesh/kad/1"));
+        kad_cfg.set_query_timeout(Duration::from_secs(30));
+        let kad =
+            kad::Behaviour::with_config(peer_id, kad::store::MemoryStore::new(peer_id), kad_cfg);
+        Ok(Self {
+            identify: identify::Behaviour::new(
+                identify::Config::new("/codedmesh/id/1".into(), key.public())
+                    .with_agent_version(format!("codedmesh/{}", env!("CARGO_PKG_VERSION"))),
+            ),
+            ping: ping::Behaviour::default(),
+            gossipsub,
+            mesh,
+            kad,
+            mdns: build_mdns(peer_id, mdns)?,
+        })
+    }
+}
+
+#[cfg(all(native, feature = "mdns"))]
+fn build_mdns(peer_id: libp2p::PeerId, on: bool) -> Result<Mdns, NetError> {
+    if !on {
+        return Ok(Toggle::from(None));
+    }
+    let b = libp2p::mdns::tokio::Behaviour::new(libp2p::mdns::Config::default(), peer_id)
+        .map_err(|e| NetError::Mdns(e.to_string()))?;
+    Ok(Toggle::from(Some(b)))
+}
+
+#[cfg(not(all(native, feature = "mdns")))]
+fn build_mdns(_peer_id: libp2p::PeerId, on: bool) -> Result<Mdns, NetError> {
+    if on {
+        return Err(NetError::Mdns(
+            "this build has no mDNS (feature `mdns`, native only)".into(),
+        ));
+    }
+    Ok(Toggle::from(None))
+}
+
+/// If a peer lists the mesh protocol only in another version, says so with both versions.
+pub fn version_mismatch(protocols: &[StreamProtocol]) -> Option<String> {
+    let ours = protocols.iter().any(|p| p.as_ref() == MESH_PROTOCOL);
+    let theirs: Vec<&str> = protocols
+        .iter()
+        .map(|p| p.as_ref())
+        .filter(|p| p.starts_with(MESH_PROTOCOL_PREFIX))
+        .collect();
+    (!ours && !theirs.is_empty()).then(|| {
+        format!(
+            "the peer speaks Coded Mesh protocol {} but this node speaks {MESH_PROTOCOL} (version {PROTOCOL_VERSION}); run the same release on both",
+            theirs.join(", ")
+        )
+    })
+}
+
+/// Length-prefixed, versioned postcard frames for [`MeshRequest`] and [`MeshResponse`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct MeshCodec;
+
+async fn read_frame<T: AsyncRead + Unpin + Send>(io: &mut T) -> io::Result<Vec<u8>> {
+    let mut len = [0u8; 4];
+    io.read_exact(&mut len).await?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len > MAX_MESSAGE_BYTES {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("frame of {len} bytes exceeds the limit of {MAX_MESSAGE_BYTES}"),
+        ));
+    }
+    let mut buf = vec![0u8; len];
+    io.read_exact(&mut buf).await?;
+    Ok(buf)
+}
+
+async fn write_frame<T: AsyncWrite + Unpin + Send>(io: &mut T, body: &[u8]) -> io::Result<()> {
+    let len = u32::try_from(body.len()).map_err(|_| io::Error::other("frame too large"))?;
+    io.write_all(&len.to_le_bytes()).await?;
+    for piece in body.chunks(WRITE_PIECE) {
+        io.write_all(piece).await?;
+        io.flush().await?;
+    }
+    io.close().await
+}
+
+fn to_io(e: protocol::ProtocolError) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, e.to_string())
+}
+
+impl request_response::Codec for MeshCodec {
+    type Protocol = StreamProtocol;
+    type Request = MeshRequest;
+    type Response = MeshResponse;
+
+    async fn read_request<T: AsyncRead + Unpin + Send>(
+        &mut self,
+        _: &StreamProtocol,
+        io: &mut T,
+    ) -> io::Result<MeshRequest> {
+        protocol::decode(&read_frame(io).await?).map_err(to_io)
+    }
+
+    async fn read_response<T: AsyncRead + Unpin + Send>(
+        &mut self,
+        _: &StreamProtocol,
+        io: &mut T,
+    ) -> io::Result<MeshResponse> {
+        protocol::decode(&read_frame(io).await?).map_err(to_io)
+    }
+
+    async fn write_request<T: AsyncWrite + Unpin + Send>(
+        &mut self,
+        _: &StreamProtocol,
+        io: &mut T,
+        req: MeshRequest,
+    ) -> io::Result<()> {
+        write_frame(io, &protocol::encode(&req).map_err(to_io)?).await
+    }
+
+    async fn write_response<T: AsyncWrite + Unpin + Send>(
+        &mut self,
+        _: &StreamProtocol,
+        io: &mut T,
+        res: MeshResponse,
+    ) -> io::Result<()> {
+        write_frame(io, &protocol::encode(&res).map_err(to_io)?).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use request_response::Codec;
+
+    #[test]
+    fn frames_round_trip_and_oversize_is_refused() {
+        futures::executor::block_on(async {
+            let proto = StreamProtocol::new(MESH_PROTOCOL);
+            let mut buf = Vec::new();
+            let req = MeshRequest::Step(vec![7; 10_000]);
+            MeshCodec
+                .write_request(&proto, &mut futures::io::Cursor::new(&mut buf), req.clone())
+                .await
+                .unwrap();
+            let got = MeshCodec
+                .read_request(&proto, &mut futures::io::Cursor::new(&buf))
+                .await
+                .unwrap();
+            assert_eq!(got, req);
+            let mut huge = (u32::MAX).to_le_bytes().to_vec();
+            huge.extend_from_slice(&[0; 16]);
+            let err = MeshCodec
+                .read_request(&proto, &mut futures::io::Cursor::new(&huge))
+                .await
+                .unwrap_err();
+            assert!(err.to_string().contains("exceeds the limit"), "{err}");
+            let truncated = &buf[..buf.len() - 1];
+            assert!(
+                MeshCodec
+                    .read_request(&proto, &mut futures::io::Cursor::new(truncated))
+                    .await
+                    .is_err()
+            );
+        });
+    }
+
+    #[test]
+    fn another_version_is_named() {
+        let msg = version_mismatch(&[StreamProtocol::new("/codedmesh/mesh/2")]).unwrap();
+        assert!(
+            msg.contains("/codedmesh/mesh/2") && msg.contains("/codedmesh/mesh/1"),
+            "{msg}"
+        );
+        assert!(version_mismatch(&[StreamProtocol::new(MESH_PROTOCOL)]).is_none());
+    }
+}

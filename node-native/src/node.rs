@@ -1,0 +1,633 @@
+//! A node of the mesh: genesis (`seed`), joining and restarting (`node`), and serving peers.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result, anyhow, bail, ensure};
+use libp2p::{Multiaddr, PeerId};
+use node_core::code::Generator;
+use node_core::coded::{InProcess, Member, ShardFormat, ShardSet};
+use node_core::mesh::{
+    CHUNK_BYTES, HealthConfig, Heartbeat, JoinOffer, MAX_CHUNK_BYTES, MeshEvent, MeshRequest,
+    MeshResponse, MeshView, ModelManifest, ShardVersion,
+};
+use node_core::model::LeaderWeights;
+use node_core::protocol::{self, StepRequest};
+use std::time::Instant;
+
+use crate::store::{DataDir, shard_from_blob, shard_to_blob};
+use crate::swarm::{self, Client, Inbound, NetConfig, with_peer};
+use crate::{load, progress};
+
+/// How a node connects.
+#[derive(Debug, Clone)]
+pub struct NodeOptions {
+    /// Its data directory.
+    pub data: PathBuf,
+    /// A peer to join through.
+    pub bootstrap: Option<Multiaddr>,
+    /// Addresses to listen on.
+    pub listen: Vec<Multiaddr>,
+    /// Also listen on QUIC, WebSocket and WebRTC-direct next to each TCP address.
+    pub all_transports: bool,
+    /// Discover peers with mDNS.
+    pub mdns: bool,
+    /// Heartbeat and health timing.
+    pub health: HealthConfig,
+}
+
+/// Listen addresses: each TCP one, plus QUIC, WebSocket and WebRTC-direct on the same host.
+fn expand_listen(listen: &[Multiaddr], all: bool) -> Vec<Multiaddr> {
+    use libp2p::multiaddr::Protocol;
+    let mut out = listen.to_vec();
+    if !all {
+        return out;
+    }
+    for addr in listen {
+        let Some(host) = addr.iter().next() else {
+            continue;
+        };
+        if !matches!(host, Protocol::Ip4(_) | Protocol::Ip6(_))
+            || !addr.iter().any(|p| matches!(p, Protocol::Tcp(_)))
+        {
+            continue;
+        }
+        let base = Multiaddr::empty().with(host);
+        out.push(base.clone().with(Protocol::Udp(0)).with(Protocol::QuicV1));
+        out.push(
+            base.clone()
+                .with(Protocol::Tcp(0))
+                .with(Protocol::Ws("/".into())),
+        );
+        out.push(base.with(Protocol::Udp(0)).with(Protocol::WebRTCDirect));
+    }
+    out
+}
+
+/// Starts the swarm for a node with a data dir; prints its full addresses.
+async fn start_network(
+    opts: &NodeOptions,
+    data: &DataDir,
+) -> Result<(Client, tokio::sync::mpsc::Receiver<Inbound>, Vec<String>)> {
+    let listen = expand_listen(&opts.listen, opts.all_transports);
+    let webrtc = listen
+        .iter()
+        .any(|a| {
+            a.iter()
+                .any(|p| matches!(p, libp2p::multiaddr::Protocol::WebRTCDirect))
+        })
+        .then(|| data.webrtc_certificate())
+        .transpose()?;
+    let swarm = swarm::build(NetConfig {
+        key: data.identity()?,
+        webrtc,
+        listen: listen.clone(),
+        mdns: opts.mdns,
+    })
+    .await?;
+    let (client, inbound) = swarm::spawn(swarm);
+    // Wait until every listener has its real address (ports, certhash).
+    let mut addrs = Vec::new();
+    for _ in 0..100 {
+        addrs = client.listen_addrs().await?;
+        if addrs.len() >= listen.len() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let full: Vec<String> = addrs
+        .iter()
+        .map(|a| with_peer(a, client.peer_id()).to_string())
+        .collect();
+    for a in &full {
+        println!("listening: {a}");
+    }
+    Ok((client, inbound, full))
+}
+
+/// `codedmesh seed`: encodes a model into n rows, keeps row 0 and hands the others out.
+pub async fn seed(
+    opts: NodeOptions,
+    model: PathBuf,
+    k: usize,
+    n: usize,
+    format: ShardFormat,
+) -> Result<()> {
+    let data = DataDir::open(&opts.data)?;
+    if data.shard()?.is_some() {
+        eprintln!(
+            "{} already holds a shard: restarting it as a node",
+            data.path().display()
+        );
+        return node(opts).await;
+    }
+    ensure!(k >= 1 && n >= k, "need 1 ≤ k ≤ n, got k = {k}, n = {n}");
+    let started = std::time::Instant::now();
+    let (manifest, blobs) =
+        tokio::task::spawn_blocking(move || encode_genesis(&model, k, n, format))
+            .await
+            .map_err(|e| anyhow!("encoding task: {e}"))??;
+    let manifest_bytes = manifest.to_bytes()?;
+    data.save_manifest(&manifest_bytes)?;
+    let mut blobs = blobs;
+    let own = blobs
+        .remove(&0)
+        .ok_or_else(|| anyhow!("row 0 was not encoded"))?;
+    data.save_shard_blob(&own)?;
+    eprintln!(
+        "genesis: {} encoded into n = {n} rows (k = {k}) in {:.1} s; this node keeps row 0, {} rows to hand out",
+        manifest.name,
+        started.elapsed().as_secs_f64(),
+        blobs.len()
+    );
+    let shard = shard_from_blob(&own)?;
+    serve(
+        opts,
+        data,
+        manifest,
+        manifest_bytes,
+        shard,
+        blobs.into_iter().map(|(r, b)| (r, Arc::new(b))).collect(),
+    )
+    .await
+}
+
+/// Loads a model and encodes every row's shard blob.
+fn encode_genesis(
+    model: &std::path::Path,
+    k: usize,
+    n: usize,
+    format: ShardFormat,
+) -> Result<(ModelManifest, BTreeMap<u32, Vec<u8>>)> {
+    let loaded = load::load_model(model)?;
+    let generator = Generator::cauchy(n, k)?;
+    let manifest = ModelManifest {
+        name: model.file_name().map_or_else(
+            || model.display().to_string(),
+            |f| f.to_string_lossy().into_owned(),
+        ),
+        cfg: loaded.weights.cfg.clone(),
+        leader: LeaderWeights::from_model(&loaded.weights),
+        tokenizer: loaded.tokenizer.to_data()?,
+        generator: generator.clone(),
+        format,
+    };
+    let pb = progress::bar(0, "encoding");
+    let mesh = InProcess::encode(&loaded.weights, &generator, format, &|done, total| {
+        pb.set_length(total as u64);
+        pb.set_position(done as u64);
+    })?;
+    pb.finish_and_clear();
+    drop(loaded);
+    let mut blobs = BTreeMap::new();
+    for m in mesh.members() {
+        blobs.insert(m.shards().node as u32, shard_to_blob(m.shards())?);
+    }
+    Ok((manifest, blobs))
+}
+
+/// `codedmesh node`: restarts from the data dir, or joins through `--bootstrap` and takes a row.
+pub async fn node(opts: NodeOptions) -> Result<()> {
+    let data = DataDir::open(&opts.data)?;
+    if let (Some((manifest, bytes)), Some(shard)) = (data.manifest()?, data.shard()?) {
+        check_shard(&shard, &manifest, shard.node as u32)?;
+        eprintln!(
+            "restarting with row {} of {} from {}",
+            shard.node,
+            manifest.name,
+            data.path().display()
+        );
+        return serve(opts, data, manifest, bytes, shard, BTreeMap::new()).await;
+    }
+    let Some(bootstrap) = opts.bootstrap.clone() else {
+        bail!(
+            "{} holds no shard yet: give --bootstrap MULTIADDR of a mesh node to join",
+            data.path().display()
+        );
+    };
+    let (client, inbound, addrs) = start_network(&opts, &data).await?;
+    let peer = client.dial(bootstrap.clone()).await?;
+    let (manifest, manifest_bytes) = fetch_manifest(&client, peer).await?;
+    data.save_manifest(&manifest_bytes)?;
+    let started = std::time::Instant::now();
+    let (shard, blob, how, downloaded) = match ask(&client, peer, MeshRequest::Join).await? {
+        MeshResponse::Join(JoinOffer::Genesis { row }) => {
+            let blob = fetch_blob(&client, peer, row).await?;
+            let bytes = blob.len();
+            let (shard, blob) =
+                tokio::task::spawn_blocking(move || shard_from_blob(&blob).map(|s| (s, blob)))
+                    .await
+                    .map_err(|e| anyhow!("{e}"))??;
+            check_shard(&shard, &manifest, row)?;
+            (shard, blob, format!("genesis shard from {peer}"), bytes)
+        }
+        MeshResponse::Join(JoinOffer::Reencode { row, sources }) => {
+            let mut sets = Vec::new();
+            let mut bytes = 0;
+            for src in &sources {
+                let from: PeerId = src
+                    .peer
+                    .parse()
+                    .map_err(|e| anyhow!("peer id {:?}: {e}", src.peer))?;
+                let addrs: Vec<Multiaddr> =
+                    src.addrs.iter().filter_map(|a| a.parse().ok()).collect();
+                client.add_addrs(from, addrs.clone()).await?;
+                if let Some(a) = pick_addr(&addrs) {
+                    client.dial(with_peer(&a, from)).await?;
+                }
+                let blob = fetch_blob(&client, from, src.row).await?;
+                bytes += blob.len();
+                let set = tokio::task::spawn_blocking(move || shard_from_blob(&blob))
+                    .await
+                    .map_err(|e| anyhow!("{e}"))??;
+                check_shard(&set, &manifest, src.row)?;
+                sets.push(set);
+            }
+            let (shard, blob) =
+                tokio::task::spawn_blocking(move || -> Result<(ShardSet, Vec<u8>)> {
+                    let refs: Vec<&ShardSet> = sets.iter().collect();
+                    let shard = ShardSet::reencode(row as usize, &refs)?;
+                    let blob = shard_to_blob(&shard)?;
+                    Ok((shard, blob))
+                })
+                .await
+                .map_err(|e| anyhow!("{e}"))??;
+            let rows: Vec<u32> = sources.iter().map(|s| s.row).collect();
+            (shard, blob, format!("re-encoded from rows {rows:?}"), bytes)
+        }
+        MeshResponse::Join(JoinOffer::Full) => bail!(
+            "every one of the n = {} rows is held by a live node: there is no row for this node (a dead node's row frees up after the health timeout)",
+            manifest.generator.n()
+        ),
+        other => bail!("unexpected answer to a join request: {}", describe(&other)),
+    };
+    data.save_shard_blob(&blob)?;
+    drop(blob);
+    eprintln!(
+        "joined as row {} ({how}): downloaded {:.1} MiB in {:.1} s",
+        shard.node,
+        downloaded as f64 / 1048576.0,
+        started.elapsed().as_secs_f64()
+    );
+    run_server(
+        opts.health,
+        client,
+        inbound,
+        addrs,
+        data,
+        manifest,
+        manifest_bytes,
+        shard,
+        BTreeMap::new(),
+    )
+    .await
+}
+
+/// The shard belongs to this manifest and row.
+fn check_shard(shard: &ShardSet, manifest: &ModelManifest, row: u32) -> Result<()> {
+    ensure!(
+        shard.node == row as usize,
+        "the shard is row {}, expected row {row}",
+        shard.node
+    );
+    ensure!(
+        shard.generator == manifest.generator,
+        "the shard was encoded with another code than the mesh's"
+    );
+    ensure!(
+        shard.cfg == manifest.cfg,
+        "the shard belongs to another model"
+    );
+    Ok(())
+}
+
+/// A TCP address if there is one (the fastest to set up), else the first.
+pub fn pick_addr(addrs: &[Multiaddr]) -> Option<Multiaddr> {
+    use libp2p::multiaddr::Protocol;
+    let plain_tcp = |a: &&Multiaddr| {
+        a.iter().any(|p| matches!(p, Protocol::Tcp(_)))
+            && !a
+                .iter()
+                .any(|p| matches!(p, Protocol::Ws(_) | Protocol::Wss(_)))
+    };
+    addrs.iter().find(plain_tcp).or(addrs.first()).cloned()
+}
+
+/// One request, with the answer's `Error` turned into an error.
+pub async fn ask(client: &Client, peer: PeerId, req: MeshRequest) -> Result<MeshResponse> {
+    match client.request(peer, req).await? {
+        MeshResponse::Error(e) => bail!("{peer} answered: {e}"),
+        other => Ok(other),
+    }
+}
+
+fn describe(r: &MeshResponse) -> &'static str {
+    match r {
+        MeshResponse::Info(_) => "info",
+        MeshResponse::Manifest(_) => "manifest",
+        MeshResponse::Join(_) => "join offer",
+        MeshResponse::Chunk { .. } => "chunk",
+        MeshResponse::Step { .. } => "step",
+        MeshResponse::Error(_) => "error",
+    }
+}
+
+/// The model manifest from a peer, checked.
+pub async fn fetch_manifest(client: &Client, peer: PeerId) -> Result<(ModelManifest, Vec<u8>)> {
+    match ask(client, peer, MeshRequest::Manifest).await? {
+        MeshResponse::Manifest(bytes) => {
+            let m = ModelManifest::from_bytes(&bytes).context("the peer's manifest")?;
+            Ok((m, bytes))
+        }
+        other => bail!("asked for the manifest, got a {}", describe(&other)),
+    }
+}
+
+/// Largest shard blob accepted from a peer.
+const MAX_BLOB: u64 = 1 << 36;
+
+/// Downloads a row's shard blob from a peer, with progress.
+async fn fetch_blob(client: &Client, peer: PeerId, row: u32) -> Result<Vec<u8>> {
+    let mut out: Vec<u8> = Vec::new();
+    let mut total = None;
+    let pb = progress::bar(0, &format!("row {row} from {peer}"));
+    loop {
+        let offset = out.len() as u64;
+        let resp = ask(
+            client,
+            peer,
+            MeshRequest::Chunk {
+                row,
+                offset,
+                len: CHUNK_BYTES,
+            },
+        )
+        .await?;
+        let MeshResponse::Chunk { total: t, bytes } = resp else {
+            bail!("asked for a chunk, got a {}", describe(&resp));
+        };
+        ensure!(
+            t <= MAX_BLOB,
+            "the peer announces a {t}-byte shard, over the limit"
+        );
+        ensure!(
+            *total.get_or_insert(t) == t,
+            "the peer changed the shard's size mid-transfer"
+        );
+        ensure!(
+            bytes.len() <= CHUNK_BYTES as usize,
+            "the peer sent an oversized chunk"
+        );
+        if out.is_empty() {
+            out.reserve(t.min(1 << 30) as usize);
+            pb.set_length(t);
+        }
+        if bytes.is_empty() && offset < t {
+            bail!("the peer sent an empty chunk at {offset} of {t}");
+        }
+        out.extend_from_slice(&bytes);
+        pb.set_position(out.len() as u64);
+        if out.len() as u64 >= t {
+            break;
+        }
+    }
+    pb.finish_and_clear();
+    Ok(out)
+}
+
+async fn serve(
+    opts: NodeOptions,
+    data: DataDir,
+    manifest: ModelManifest,
+    manifest_bytes: Vec<u8>,
+    shard: ShardSet,
+    genesis: BTreeMap<u32, Arc<Vec<u8>>>,
+) -> Result<()> {
+    let (client, inbound, addrs) = start_network(&opts, &data).await?;
+    if let Some(b) = &opts.bootstrap {
+        if let Err(e) = client.dial(b.clone()).await {
+            tracing::warn!("bootstrap {b}: {e:#}; waiting for peers to find this node");
+        }
+    }
+    run_server(
+        opts.health,
+        client,
+        inbound,
+        addrs,
+        data,
+        manifest,
+        manifest_bytes,
+        shard,
+        genesis,
+    )
+    .await
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn run_server(
+    health: HealthConfig,
+    client: Client,
+    inbound: tokio::sync::mpsc::Receiver<Inbound>,
+    addrs: Vec<String>,
+    data: DataDir,
+    manifest: ModelManifest,
+    manifest_bytes: Vec<u8>,
+    shard: ShardSet,
+    genesis: BTreeMap<u32, Arc<Vec<u8>>>,
+) -> Result<()> {
+    let version = ShardVersion::default();
+    let row = shard.node as u32;
+    let local = Heartbeat {
+        model: manifest.digest()?,
+        row: Some(row),
+        version_count: version.count(),
+        version_digest: version.digest(),
+        addrs,
+        offers: genesis.keys().copied().collect(),
+        seq: 0,
+    };
+    let view = MeshView::new(
+        Instant::now(),
+        client.peer_id(),
+        health,
+        manifest.generator.k() as u32,
+        manifest.generator.n() as u32,
+        manifest.name.clone(),
+        local,
+    )?;
+    eprintln!("serving row {row} as {}", client.peer_id());
+    Server {
+        client,
+        view,
+        manifest_bytes: Arc::new(manifest_bytes),
+        member: Arc::new(Member::new(shard)),
+        data,
+        genesis,
+    }
+    .run(inbound)
+    .await
+}
+
+struct Server {
+    client: Client,
+    view: MeshView<PeerId>,
+    manifest_bytes: Arc<Vec<u8>>,
+    member: Arc<Member>,
+    data: DataDir,
+    genesis: BTreeMap<u32, Arc<Vec<u8>>>,
+}
+
+impl Server {
+    async fn run(mut self, mut inbound: tokio::sync::mpsc::Receiver<Inbound>) -> Result<()> {
+        loop {
+            let deadline = tokio::time::Instant::from_std(self.view.poll_timeout());
+            tokio::select! {
+                msg = inbound.recv() => match msg {
+                    Some(msg) => self.on_inbound(msg),
+                    None => bail!("the network task stopped"),
+                },
+                _ = tokio::time::sleep_until(deadline) => self.view.handle_timeout(Instant::now()),
+                _ = tokio::signal::ctrl_c() => {
+                    eprintln!("stopping");
+                    return Ok(());
+                }
+            }
+            while let Some(hb) = self.view.poll_transmit() {
+                self.client.publish(protocol::encode(&hb)?).await?;
+            }
+            while let Some(ev) = self.view.poll_event() {
+                self.on_event(ev);
+            }
+        }
+    }
+
+    fn on_event(&mut self, ev: MeshEvent<PeerId>) {
+        match ev {
+            MeshEvent::Discovered { peer, addrs } => {
+                tracing::info!(%peer, "discovered");
+                let addrs: Vec<Multiaddr> = addrs.iter().filter_map(|a| a.parse().ok()).collect();
+                let client = self.client.clone();
+                tokio::spawn(async move {
+                    let _ = client.add_addrs(peer, addrs.clone()).await;
+                    if let Some(a) = pick_addr(&addrs) {
+                        let _ = client.dial(with_peer(&a, peer)).await;
+                    }
+                });
+            }
+            MeshEvent::HealthChanged { peer, row, health } => {
+                eprintln!(
+                    "peer {peer} (row {}) is {health}",
+                    row.map_or("-".into(), |r| r.to_string())
+                );
+            }
+            MeshEvent::Refused { peer, error } => tracing::warn!(%peer, "{error}"),
+        }
+    }
+
+    fn on_inbound(&mut self, msg: Inbound) {
+        let now = Instant::now();
+        match msg {
+            Inbound::Gossip { peer, data } => match protocol::decode::<Heartbeat>(&data) {
+                Ok(hb) => {
+                    if let Some(row) = hb.row {
+                        if self.genesis.remove(&row).is_some() {
+                            eprintln!(
+                                "row {row} handed out to {peer}; {} left",
+                                self.genesis.len()
+                            );
+                            let mut local = self.view.local().clone();
+                            local.offers = self.genesis.keys().copied().collect();
+                            self.view.set_local(local);
+                        }
+                    }
+                    self.view.handle_heartbeat(now, peer, hb);
+                }
+                Err(e) => tracing::warn!(%peer, "bad heartbeat: {e}"),
+            },
+            Inbound::Request {
+                peer,
+                request,
+                channel,
+            } => {
+                let client = self.client.clone();
+                let job: Box<dyn FnOnce() -> MeshResponse + Send> = match request {
+                    MeshRequest::Info => {
+                        let info = self.view.info(now);
+                        Box::new(move || MeshResponse::Info(info))
+                    }
+                    MeshRequest::Manifest => {
+                        let bytes = self.manifest_bytes.clone();
+                        Box::new(move || MeshResponse::Manifest(bytes.as_ref().clone()))
+                    }
+                    MeshRequest::Join => {
+                        let offer = self.view.offer_row(now, peer);
+                        tracing::info!(%peer, ?offer, "join");
+                        Box::new(move || MeshResponse::Join(offer))
+                    }
+                    MeshRequest::Chunk { row, offset, len } => {
+                        let len = len.min(MAX_CHUNK_BYTES);
+                        let genesis = self.genesis.get(&row).cloned();
+                        let own = row as usize == self.member.shards().node;
+                        let data = self.data.clone();
+                        Box::new(move || chunk(genesis, own, &data, row, offset, len))
+                    }
+                    MeshRequest::Step(bytes) => {
+                        let member = self.member.clone();
+                        Box::new(move || step(&member, &bytes))
+                    }
+                };
+                tokio::spawn(async move {
+                    let resp = tokio::task::spawn_blocking(job)
+                        .await
+                        .unwrap_or_else(|e| MeshResponse::Error(e.to_string()));
+                    client.respond(channel, resp).await;
+                });
+            }
+        }
+    }
+}
+
+/// A piece of a genesis blob or of this node's own shard blob.
+fn chunk(
+    genesis: Option<Arc<Vec<u8>>>,
+    own: bool,
+    data: &DataDir,
+    row: u32,
+    offset: u64,
+    len: u32,
+) -> MeshResponse {
+    if let Some(blob) = genesis {
+        let total = blob.len() as u64;
+        let start = offset.min(total) as usize;
+        let end = (start + len as usize).min(blob.len());
+        return MeshResponse::Chunk {
+            total,
+            bytes: blob[start..end].to_vec(),
+        };
+    }
+    if !own {
+        return MeshResponse::Error(format!("this node does not hold row {row}"));
+    }
+    match data.shard_chunk(offset, len) {
+        Ok((total, bytes)) => MeshResponse::Chunk { total, bytes },
+        Err(e) => MeshResponse::Error(format!("{e:#}")),
+    }
+}
+
+/// Computes a coded step; the answer carries the compute time.
+fn step(member: &Member, bytes: &[u8]) -> MeshResponse {
+    let started = std::time::Instant::now();
+    let answer = match protocol::decode::<StepRequest>(bytes) {
+        Ok(req) => member.handle(&req),
+        Err(e) => node_core::protocol::StepResponse::Failed {
+            reason: e.to_string(),
+        },
+    };
+    let compute_us = started.elapsed().as_micros() as u64;
+    match protocol::encode(&answer) {
+        Ok(bytes) => MeshResponse::Step { bytes, compute_us },
+        Err(e) => MeshResponse::Error(e.to_string()),
+    }
+}

@@ -1,0 +1,236 @@
+//! A leader on the mesh: connect through one node, learn the rows and the model, and run coded
+//! steps over a group of k + s members with the first k answers.
+
+use std::collections::BTreeMap;
+use std::sync::mpsc as std_mpsc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Result, anyhow, bail};
+use libp2p::{Multiaddr, PeerId};
+use node_core::coded::{Transport, TransportError};
+use node_core::mesh::{
+    Health, MemberPool, MeshInfo, MeshRequest, MeshResponse, ModelManifest, RoundConfig,
+    RoundDriver,
+};
+use tokio::runtime::Handle;
+
+use crate::node::{ask, fetch_manifest, pick_addr};
+use crate::swarm::{self, Client, NetConfig};
+
+/// A connection to the mesh through one node.
+#[derive(Debug)]
+pub struct Session {
+    /// The network client.
+    pub client: Client,
+    /// The node connected through.
+    pub bootstrap: PeerId,
+}
+
+impl Session {
+    /// Starts an ephemeral node (no listening, no row) and dials `bootstrap`.
+    pub async fn connect(bootstrap: Multiaddr) -> Result<Self> {
+        let swarm = swarm::build(NetConfig {
+            key: libp2p::identity::Keypair::generate_ed25519(),
+            webrtc: None,
+            listen: Vec::new(),
+            mdns: false,
+        })
+        .await?;
+        let (client, mut inbound) = swarm::spawn(swarm);
+        // A leader serves nothing: drain what arrives (heartbeats) so the network never blocks.
+        tokio::spawn(async move { while inbound.recv().await.is_some() {} });
+        let bootstrap = client.dial(bootstrap).await?;
+        Ok(Self { client, bootstrap })
+    }
+
+    /// The bootstrap node's view of the mesh.
+    pub async fn info(&self) -> Result<MeshInfo> {
+        match ask(&self.client, self.bootstrap, MeshRequest::Info).await? {
+            MeshResponse::Info(info) => Ok(info),
+            _ => bail!("asked for the mesh view, got something else"),
+        }
+    }
+
+    /// The model manifest.
+    pub async fn manifest(&self) -> Result<ModelManifest> {
+        Ok(fetch_manifest(&self.client, self.bootstrap).await?.0)
+    }
+
+    /// Healthy row holders at the version most of them share: row → peer; addresses learnt.
+    pub async fn live_rows(&self, info: &MeshInfo) -> Result<BTreeMap<usize, PeerId>> {
+        let mut by_version: BTreeMap<&str, usize> = BTreeMap::new();
+        for n in info
+            .nodes
+            .iter()
+            .filter(|n| n.health == Health::Healthy && n.row.is_some())
+        {
+            *by_version.entry(&n.version_digest).or_default() += 1;
+        }
+        let Some((version, _)) = by_version.into_iter().max_by_key(|&(_, c)| c) else {
+            return Ok(BTreeMap::new());
+        };
+        let mut rows = BTreeMap::new();
+        for n in &info.nodes {
+            let (Health::Healthy, Some(row), true) = (n.health, n.row, n.version_digest == version)
+            else {
+                continue;
+            };
+            if rows.contains_key(&(row as usize)) {
+                continue;
+            }
+            let peer: PeerId = n
+                .peer
+                .parse()
+                .map_err(|e| anyhow!("peer id {:?}: {e}", n.peer))?;
+            let addrs: Vec<Multiaddr> = n.addrs.iter().filter_map(|a| a.parse().ok()).collect();
+            let tcp: Vec<Multiaddr> = pick_addr(&addrs).into_iter().collect();
+            self.client.add_addrs(peer, tcp).await?;
+            rows.insert(row as usize, peer);
+        }
+        Ok(rows)
+    }
+}
+
+/// Time the members spent computing, as they reported it.
+#[derive(Debug, Clone, Default)]
+pub struct NetStats {
+    /// Per round, the slowest used answer's compute time, summed.
+    pub compute: Duration,
+}
+
+type Answer = (u64, usize, Result<(Vec<u8>, u64), String>);
+
+/// Coded steps over the network: each round goes to every member, the first k answers win,
+/// failed members are replaced from the free rows, stragglers are outrun and swapped out.
+#[derive(Debug)]
+pub struct NetTransport {
+    client: Client,
+    rt: Handle,
+    peers: BTreeMap<usize, PeerId>,
+    pool: MemberPool,
+    tx: std_mpsc::SyncSender<Answer>,
+    rx: std_mpsc::Receiver<Answer>,
+    round: u64,
+    stats: NetStats,
+}
+
+impl NetTransport {
+    /// A transport to the holders of `peers` (row → peer); rows not in `members` are free.
+    pub fn new(
+        client: Client,
+        rt: Handle,
+        peers: BTreeMap<usize, PeerId>,
+        members: &[usize],
+        generator: node_core::code::Generator,
+        cfg: RoundConfig,
+    ) -> Self {
+        let free = peers
+            .keys()
+            .copied()
+            .filter(|r| !members.contains(r))
+            .collect();
+        let (tx, rx) = std_mpsc::sync_channel(4096);
+        Self {
+            client,
+            rt,
+            peers,
+            pool: MemberPool::new(generator, free, cfg),
+            tx,
+            rx,
+            round: 0,
+            stats: NetStats::default(),
+        }
+    }
+
+    /// Compute time reported by members.
+    pub fn stats(&self) -> &NetStats {
+        &self.stats
+    }
+
+    fn send(&self, row: usize, request: &[u8]) {
+        let tx = self.tx.clone();
+        let round = self.round;
+        let Some(&peer) = self.peers.get(&row) else {
+            let _ = tx.try_send((round, row, Err(format!("no peer holds row {row}"))));
+            return;
+        };
+        let client = self.client.clone();
+        let req = MeshRequest::Step(request.to_vec());
+        self.rt.spawn(async move {
+            let result = match client.request(peer, req).await {
+                Ok(MeshResponse::Step { bytes, compute_us }) => Ok((bytes, compute_us)),
+                Ok(MeshResponse::Error(e)) => Err(e),
+                Ok(_) => Err("answered a step with something else".into()),
+                Err(e) => Err(format!("{e:#}")),
+            };
+            let _ = tx.try_send((round, row, result));
+        });
+    }
+}
+
+impl Transport for NetTransport {
+    fn round(
+        &mut self,
+        members: &mut Vec<usize>,
+        request: &[u8],
+        need: usize,
+    ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
+        self.round += 1;
+        // Late answers to earlier rounds show who is slow but alive.
+        while let Ok((_, row, result)) = self.rx.try_recv() {
+            if result.is_ok() {
+                self.pool.note_answer(row);
+            }
+        }
+        let mut driver = RoundDriver::start(Instant::now(), members, need, &mut self.pool);
+        let mut compute: BTreeMap<usize, u64> = BTreeMap::new();
+        loop {
+            while let Some(row) = driver.poll_transmit() {
+                self.send(row, request);
+            }
+            if driver.is_done() || driver.is_failed() {
+                break;
+            }
+            let wait = driver.poll_timeout().map_or(Duration::from_secs(1), |t| {
+                t.saturating_duration_since(Instant::now())
+            });
+            match self.rx.recv_timeout(wait) {
+                Ok((round, row, result)) if round == self.round => {
+                    let result = result.map(|(bytes, us)| {
+                        compute.insert(row, us);
+                        bytes
+                    });
+                    driver.handle_answer(Instant::now(), row, result, &mut self.pool);
+                }
+                Ok((_, row, result)) => {
+                    // An answer to an earlier round, already decided: the member is alive.
+                    if result.is_ok() {
+                        self.pool.note_answer(row);
+                    }
+                }
+                Err(std_mpsc::RecvTimeoutError::Timeout) => {
+                    driver.handle_timeout(Instant::now(), &mut self.pool)
+                }
+                Err(std_mpsc::RecvTimeoutError::Disconnected) => {
+                    return Err(TransportError {
+                        node: usize::MAX,
+                        reason: "the answer channel closed".into(),
+                    });
+                }
+            }
+        }
+        *members = driver.members().to_vec();
+        let answers = driver.finish(&mut self.pool).map_err(|e| TransportError {
+            node: usize::MAX,
+            reason: e.to_string(),
+        })?;
+        let slowest = answers
+            .iter()
+            .filter_map(|(r, _)| compute.get(r))
+            .max()
+            .copied()
+            .unwrap_or(0);
+        self.stats.compute += Duration::from_micros(slowest);
+        Ok(answers)
+    }
+}

@@ -1,0 +1,151 @@
+//! A node's data directory: its identity, WebRTC certificate, the model manifest and its shard,
+//! each written atomically; the manifest and shard as checksummed, erasure-protected blobs.
+
+use std::fs;
+use std::io::{Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+use libp2p::identity::Keypair;
+use node_core::blob::{self, BlobParams};
+use node_core::coded::ShardSet;
+use node_core::mesh::ModelManifest;
+
+/// A node's data directory.
+#[derive(Debug, Clone)]
+pub struct DataDir {
+    root: PathBuf,
+}
+
+/// Writes `bytes` to `path` through a temporary file and a rename, so a crash leaves either
+/// the old file or the new one.
+fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let tmp = path.with_extension("tmp");
+    fs::write(&tmp, bytes).with_context(|| format!("writing {}", tmp.display()))?;
+    fs::rename(&tmp, path).with_context(|| format!("renaming to {}", path.display()))
+}
+
+impl DataDir {
+    /// Opens (creating if needed) a data directory.
+    pub fn open(root: &Path) -> Result<Self> {
+        fs::create_dir_all(root)
+            .with_context(|| format!("creating data dir {}", root.display()))?;
+        Ok(Self {
+            root: root.to_path_buf(),
+        })
+    }
+
+    /// The directory.
+    pub fn path(&self) -> &Path {
+        &self.root
+    }
+
+    fn file(&self, name: &str) -> PathBuf {
+        self.root.join(name)
+    }
+
+    /// The node's libp2p identity, created on first use so the peer id survives restarts.
+    pub fn identity(&self) -> Result<Keypair> {
+        let path = self.file("identity.key");
+        if path.exists() {
+            let bytes = fs::read(&path)?;
+            return Keypair::from_protobuf_encoding(&bytes)
+                .with_context(|| format!("{} is not a libp2p key", path.display()));
+        }
+        let key = Keypair::generate_ed25519();
+        write_atomic(&path, &key.to_protobuf_encoding()?)?;
+        Ok(key)
+    }
+
+    /// The WebRTC certificate, created on first use so the certhash survives restarts.
+    pub fn webrtc_certificate(&self) -> Result<libp2p_webrtc::tokio::Certificate> {
+        let path = self.file("webrtc.pem");
+        if path.exists() {
+            let pem = fs::read_to_string(&path)?;
+            return libp2p_webrtc::tokio::Certificate::from_pem(&pem)
+                .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()));
+        }
+        let cert = libp2p_webrtc::tokio::Certificate::generate(&mut rand_webrtc::rng())
+            .map_err(|e| anyhow::anyhow!("generating a WebRTC certificate: {e}"))?;
+        write_atomic(&path, cert.serialize_pem().as_bytes())?;
+        Ok(cert)
+    }
+
+    /// Saves the manifest (as a blob).
+    pub fn save_manifest(&self, bytes: &[u8]) -> Result<()> {
+        let blob = blob::encode_blob(bytes, &BlobParams::default())?;
+        write_atomic(&self.file("manifest.blob"), &blob)
+    }
+
+    /// The saved manifest and its bytes, if there is one.
+    pub fn manifest(&self) -> Result<Option<(ModelManifest, Vec<u8>)>> {
+        let path = self.file("manifest.blob");
+        if !path.exists() {
+            return Ok(None);
+        }
+        let decoded = blob::decode_blob(&fs::read(&path)?)
+            .with_context(|| format!("reading {}", path.display()))?;
+        let manifest = ModelManifest::from_bytes(&decoded.payload)?;
+        Ok(Some((manifest, decoded.payload)))
+    }
+
+    /// Path of the shard blob.
+    pub fn shard_path(&self) -> PathBuf {
+        self.file("shard.blob")
+    }
+
+    /// Saves a shard blob (already encoded).
+    pub fn save_shard_blob(&self, blob: &[u8]) -> Result<()> {
+        write_atomic(&self.shard_path(), blob)
+    }
+
+    /// The saved shard, checked and repaired if damaged, if there is one.
+    pub fn shard(&self) -> Result<Option<ShardSet>> {
+        let path = self.shard_path();
+        if !path.exists() {
+            return Ok(None);
+        }
+        let bytes = fs::read(&path)?;
+        let shard =
+            shard_from_blob(&bytes).with_context(|| format!("reading {}", path.display()))?;
+        Ok(Some(shard))
+    }
+
+    /// Reads `len` bytes of the shard blob at `offset` (for peers fetching it).
+    pub fn shard_chunk(&self, offset: u64, len: u32) -> Result<(u64, Vec<u8>)> {
+        read_chunk(&self.shard_path(), offset, len)
+    }
+}
+
+/// Reads a byte range of a file, clamped to its end.
+fn read_chunk(path: &Path, offset: u64, len: u32) -> Result<(u64, Vec<u8>)> {
+    let mut f = fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    let total = f.metadata()?.len();
+    if offset > total {
+        bail!("offset {offset} is past the end ({total} bytes)");
+    }
+    let n = (total - offset).min(u64::from(len)) as usize;
+    let mut buf = vec![0u8; n];
+    f.seek(SeekFrom::Start(offset))?;
+    f.read_exact(&mut buf)?;
+    Ok((total, buf))
+}
+
+/// A shard set as a blob.
+pub fn shard_to_blob(shard: &ShardSet) -> Result<Vec<u8>> {
+    let payload = postcard::to_allocvec(shard).context("serializing the shard")?;
+    Ok(blob::encode_blob(&payload, &BlobParams::default())?)
+}
+
+/// A shard set from a blob (untrusted bytes: checked, repaired where parity allows).
+pub fn shard_from_blob(bytes: &[u8]) -> Result<ShardSet> {
+    let decoded = blob::decode_blob(bytes)?;
+    if decoded.repaired_chunks > 0 {
+        tracing::warn!(
+            chunks = decoded.repaired_chunks,
+            "repaired damaged chunks of a shard blob"
+        );
+    }
+    let shard: ShardSet = postcard::from_bytes(&decoded.payload).context("parsing the shard")?;
+    Ok(shard)
+}

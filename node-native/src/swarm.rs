@@ -1,0 +1,442 @@
+//! The task that owns the libp2p swarm, and the cloneable client every other part talks to it
+//! through (bounded channels; answers come back on oneshots, errors included).
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use anyhow::{Context, Result, anyhow};
+use futures::StreamExt;
+use libp2p::core::Transport as _;
+use libp2p::core::muxing::StreamMuxerBox;
+use libp2p::identity::Keypair;
+use libp2p::multiaddr::Protocol;
+use libp2p::request_response::{self, OutboundRequestId, ResponseChannel};
+use libp2p::swarm::dial_opts::DialOpts;
+use libp2p::swarm::{ConnectionId, SwarmEvent};
+use libp2p::{Multiaddr, PeerId, Swarm, gossipsub, identify, noise, tcp, yamux};
+use node_core::mesh::{HEARTBEAT_TOPIC, MeshRequest, MeshResponse};
+use node_core::net::{MeshBehaviour, MeshBehaviourEvent, version_mismatch};
+use tokio::sync::{mpsc, oneshot};
+
+/// How the swarm is built.
+#[derive(Debug)]
+pub struct NetConfig {
+    /// The node's identity.
+    pub key: Keypair,
+    /// Certificate for WebRTC-direct (listening on it needs one).
+    pub webrtc: Option<libp2p_webrtc::tokio::Certificate>,
+    /// Addresses to listen on.
+    pub listen: Vec<Multiaddr>,
+    /// Discover peers with mDNS.
+    pub mdns: bool,
+}
+
+/// Something the network hands to the node.
+#[derive(Debug)]
+pub enum Inbound {
+    /// A peer asks something.
+    Request {
+        /// Who.
+        peer: PeerId,
+        /// What.
+        request: MeshRequest,
+        /// Where the answer goes ([`Client::respond`]).
+        channel: ResponseChannel<MeshResponse>,
+    },
+    /// A heartbeat arrived on gossipsub.
+    Gossip {
+        /// From whom.
+        peer: PeerId,
+        /// Its bytes.
+        data: Vec<u8>,
+    },
+}
+
+enum Command {
+    Dial {
+        addr: Multiaddr,
+        reply: oneshot::Sender<Result<PeerId, String>>,
+    },
+    AddAddrs {
+        peer: PeerId,
+        addrs: Vec<Multiaddr>,
+    },
+    Request {
+        peer: PeerId,
+        request: MeshRequest,
+        reply: oneshot::Sender<Result<MeshResponse, String>>,
+    },
+    Respond {
+        channel: ResponseChannel<MeshResponse>,
+        response: MeshResponse,
+    },
+    Publish {
+        data: Vec<u8>,
+    },
+    ListenAddrs {
+        reply: oneshot::Sender<Vec<Multiaddr>>,
+    },
+}
+
+/// A handle on the swarm task.
+#[derive(Clone, Debug)]
+pub struct Client {
+    tx: mpsc::Sender<Command>,
+    peer_id: PeerId,
+}
+
+impl std::fmt::Debug for Command {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Command::Dial { .. } => "Dial",
+            Command::AddAddrs { .. } => "AddAddrs",
+            Command::Request { .. } => "Request",
+            Command::Respond { .. } => "Respond",
+            Command::Publish { .. } => "Publish",
+            Command::ListenAddrs { .. } => "ListenAddrs",
+        })
+    }
+}
+
+const GONE: &str = "the network task has stopped";
+
+impl Client {
+    /// This node's peer id.
+    pub fn peer_id(&self) -> PeerId {
+        self.peer_id
+    }
+
+    async fn send(&self, cmd: Command) -> Result<()> {
+        self.tx.send(cmd).await.map_err(|_| anyhow!(GONE))
+    }
+
+    /// Dials an address (with or without `/p2p/…`) and returns the peer reached.
+    pub async fn dial(&self, addr: Multiaddr) -> Result<PeerId> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::Dial {
+            addr: addr.clone(),
+            reply,
+        })
+        .await?;
+        rx.await
+            .map_err(|_| anyhow!(GONE))?
+            .map_err(|e| anyhow!("dialing {addr}: {e}"))
+    }
+
+    /// Remembers addresses of a peer for later requests.
+    pub async fn add_addrs(&self, peer: PeerId, addrs: Vec<Multiaddr>) -> Result<()> {
+        self.send(Command::AddAddrs { peer, addrs }).await
+    }
+
+    /// Sends a request and waits for its answer.
+    pub async fn request(&self, peer: PeerId, request: MeshRequest) -> Result<MeshResponse> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::Request {
+            peer,
+            request,
+            reply,
+        })
+        .await?;
+        rx.await
+            .map_err(|_| anyhow!(GONE))?
+            .map_err(|e| anyhow!("request to {peer}: {e}"))
+    }
+
+    /// Answers an inbound request.
+    pub async fn respond(&self, channel: ResponseChannel<MeshResponse>, response: MeshResponse) {
+        let _ = self.send(Command::Respond { channel, response }).await;
+    }
+
+    /// Publishes a heartbeat.
+    pub async fn publish(&self, data: Vec<u8>) -> Result<()> {
+        self.send(Command::Publish { data }).await
+    }
+
+    /// Addresses the swarm listens on now.
+    pub async fn listen_addrs(&self) -> Result<Vec<Multiaddr>> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::ListenAddrs { reply }).await?;
+        rx.await.map_err(|_| anyhow!(GONE))
+    }
+}
+
+/// Builds the swarm: TCP and WebSocket (noise, yamux), QUIC, WebRTC-direct; DNS for names.
+pub async fn build(cfg: NetConfig) -> Result<Swarm<MeshBehaviour>> {
+    // WebRTC's DTLS uses rustls; without a process-wide provider it panics on first use.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let mdns = cfg.mdns;
+    let webrtc = cfg.webrtc;
+    let swarm = libp2p::SwarmBuilder::with_existing_identity(cfg.key)
+        .with_tokio()
+        .with_tcp(
+            tcp::Config::default().nodelay(true),
+            noise::Config::new,
+            yamux::Config::default,
+        )?
+        .with_quic()
+        .with_other_transport(|key| match webrtc {
+            Some(cert) => libp2p::core::transport::OptionalTransport::some(
+                libp2p_webrtc::tokio::Transport::new(key.clone(), cert)
+                    .map(|(peer, conn), _| (peer, StreamMuxerBox::new(conn))),
+            ),
+            None => libp2p::core::transport::OptionalTransport::none(),
+        })?
+        .with_dns()?
+        .with_websocket(noise::Config::new, yamux::Config::default)
+        .await?
+        .with_behaviour(|key| {
+            MeshBehaviour::new(key, mdns)
+                .map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)
+        })?
+        .with_swarm_config(|c| c.with_idle_connection_timeout(Duration::from_secs(600)))
+        .build();
+    let mut swarm = swarm;
+    for addr in cfg.listen {
+        swarm
+            .listen_on(addr.clone())
+            .with_context(|| format!("listening on {addr}"))?;
+    }
+    Ok(swarm)
+}
+
+/// Starts the swarm task; returns its client and the stream of inbound messages.
+pub fn spawn(swarm: Swarm<MeshBehaviour>) -> (Client, mpsc::Receiver<Inbound>) {
+    let (tx, rx) = mpsc::channel(256);
+    let (in_tx, in_rx) = mpsc::channel(1024);
+    let client = Client {
+        tx,
+        peer_id: *swarm.local_peer_id(),
+    };
+    tokio::spawn(EventLoop::new(swarm, rx, in_tx).run());
+    (client, in_rx)
+}
+
+struct EventLoop {
+    swarm: Swarm<MeshBehaviour>,
+    commands: mpsc::Receiver<Command>,
+    inbound: mpsc::Sender<Inbound>,
+    dials: HashMap<ConnectionId, oneshot::Sender<Result<PeerId, String>>>,
+    requests: HashMap<OutboundRequestId, oneshot::Sender<Result<MeshResponse, String>>>,
+    topic: gossipsub::IdentTopic,
+}
+
+impl EventLoop {
+    fn new(
+        swarm: Swarm<MeshBehaviour>,
+        commands: mpsc::Receiver<Command>,
+        inbound: mpsc::Sender<Inbound>,
+    ) -> Self {
+        Self {
+            swarm,
+            commands,
+            inbound,
+            dials: HashMap::new(),
+            requests: HashMap::new(),
+            topic: gossipsub::IdentTopic::new(HEARTBEAT_TOPIC),
+        }
+    }
+
+    async fn run(mut self) {
+        loop {
+            tokio::select! {
+                event = self.swarm.select_next_some() => self.on_event(event).await,
+                cmd = self.commands.recv() => match cmd {
+                    Some(cmd) => self.on_command(cmd),
+                    None => return, // every client is gone
+                },
+            }
+        }
+    }
+
+    fn on_command(&mut self, cmd: Command) {
+        match cmd {
+            Command::Dial { addr, reply } => {
+                let peer = addr.iter().find_map(|p| match p {
+                    Protocol::P2p(id) => Some(id),
+                    _ => None,
+                });
+                if let Some(peer) = peer.filter(|p| self.swarm.is_connected(p)) {
+                    let _ = reply.send(Ok(peer));
+                    return;
+                }
+                let opts = match peer {
+                    Some(peer) => DialOpts::peer_id(peer).addresses(vec![addr]).build(),
+                    None => DialOpts::unknown_peer_id().address(addr).build(),
+                };
+                let id = opts.connection_id();
+                match self.swarm.dial(opts) {
+                    Ok(()) => {
+                        self.dials.insert(id, reply);
+                    }
+                    Err(e) => {
+                        let _ = reply.send(Err(e.to_string()));
+                    }
+                }
+            }
+            Command::AddAddrs { peer, addrs } => {
+                for a in addrs {
+                    self.swarm.add_peer_address(peer, a.clone());
+                    self.swarm.behaviour_mut().kad.add_address(&peer, a);
+                }
+            }
+            Command::Request {
+                peer,
+                request,
+                reply,
+            } => {
+                let id = self.swarm.behaviour_mut().mesh.send_request(&peer, request);
+                self.requests.insert(id, reply);
+            }
+            Command::Respond { channel, response } => {
+                if self
+                    .swarm
+                    .behaviour_mut()
+                    .mesh
+                    .send_response(channel, response)
+                    .is_err()
+                {
+                    tracing::debug!("a peer left before its answer was sent");
+                }
+            }
+            Command::Publish { data } => {
+                if let Err(e) = self
+                    .swarm
+                    .behaviour_mut()
+                    .gossipsub
+                    .publish(self.topic.clone(), data)
+                {
+                    // No subscribed peer yet is normal for a lone node.
+                    tracing::debug!(error = %e, "heartbeat not published");
+                }
+            }
+            Command::ListenAddrs { reply } => {
+                let _ = reply.send(self.swarm.listeners().cloned().collect());
+            }
+        }
+    }
+
+    async fn on_event(&mut self, event: SwarmEvent<MeshBehaviourEvent>) {
+        match event {
+            SwarmEvent::NewListenAddr { address, .. } => {
+                tracing::debug!(%address, "listening");
+            }
+            SwarmEvent::ConnectionEstablished {
+                peer_id,
+                connection_id,
+                ..
+            } => {
+                if let Some(reply) = self.dials.remove(&connection_id) {
+                    let _ = reply.send(Ok(peer_id));
+                }
+            }
+            SwarmEvent::OutgoingConnectionError {
+                connection_id,
+                error,
+                ..
+            } => {
+                if let Some(reply) = self.dials.remove(&connection_id) {
+                    let _ = reply.send(Err(error.to_string()));
+                }
+            }
+            SwarmEvent::Behaviour(MeshBehaviourEvent::Mesh(event)) => self.on_mesh(event).await,
+            SwarmEvent::Behaviour(MeshBehaviourEvent::Gossipsub(gossipsub::Event::Message {
+                propagation_source,
+                message,
+                ..
+            })) => {
+                let peer = message.source.unwrap_or(propagation_source);
+                let _ = self.inbound.try_send(Inbound::Gossip {
+                    peer,
+                    data: message.data,
+                });
+            }
+            SwarmEvent::Behaviour(MeshBehaviourEvent::Identify(identify::Event::Received {
+                peer_id,
+                info,
+                ..
+            })) => {
+                if let Some(msg) = version_mismatch(&info.protocols) {
+                    tracing::error!(peer = %peer_id, "{msg}");
+                }
+                for addr in info.listen_addrs {
+                    self.swarm.behaviour_mut().kad.add_address(&peer_id, addr);
+                }
+            }
+            #[cfg(feature = "mdns")]
+            SwarmEvent::Behaviour(MeshBehaviourEvent::Mdns(libp2p::mdns::Event::Discovered(
+                found,
+            ))) => {
+                for (peer, addr) in found {
+                    self.swarm
+                        .behaviour_mut()
+                        .kad
+                        .add_address(&peer, addr.clone());
+                    if !self.swarm.is_connected(&peer) {
+                        let _ = self
+                            .swarm
+                            .dial(DialOpts::peer_id(peer).addresses(vec![addr]).build());
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+
+    async fn on_mesh(&mut self, event: request_response::Event<MeshRequest, MeshResponse>) {
+        match event {
+            request_response::Event::Message { peer, message, .. } => match message {
+                request_response::Message::Request {
+                    request, channel, ..
+                } => {
+                    if self
+                        .inbound
+                        .send(Inbound::Request {
+                            peer,
+                            request,
+                            channel,
+                        })
+                        .await
+                        .is_err()
+                    {
+                        tracing::debug!("no node is listening for requests");
+                    }
+                }
+                request_response::Message::Response {
+                    request_id,
+                    response,
+                } => {
+                    if let Some(reply) = self.requests.remove(&request_id) {
+                        let _ = reply.send(Ok(response));
+                    }
+                }
+            },
+            request_response::Event::OutboundFailure {
+                request_id, error, ..
+            } => {
+                if let Some(reply) = self.requests.remove(&request_id) {
+                    let msg = match error {
+                        request_response::OutboundFailure::UnsupportedProtocols => format!(
+                            "the peer does not speak {} (another Coded Mesh version?)",
+                            node_core::net::MESH_PROTOCOL
+                        ),
+                        other => other.to_string(),
+                    };
+                    let _ = reply.send(Err(msg));
+                }
+            }
+            request_response::Event::InboundFailure { peer, error, .. } => {
+                tracing::debug!(%peer, %error, "inbound request failed");
+            }
+            request_response::Event::ResponseSent { .. } => {}
+        }
+    }
+}
+
+/// The address with `/p2p/<peer>` appended (if it has none).
+pub fn with_peer(addr: &Multiaddr, peer: PeerId) -> Multiaddr {
+    if addr.iter().any(|p| matches!(p, Protocol::P2p(_))) {
+        addr.clone()
+    } else {
+        addr.clone().with(Protocol::P2p(peer))
+    }
+}
