@@ -103,11 +103,14 @@ impl MemberPool {
     /// Takes the free row that conditions best with `with` (the rows that will decode).
     fn take_replacement(&mut self, with: &[usize]) -> Option<usize> {
         let k = self.generator.k();
+        // A row still silent on an earlier request is the last choice.
+        let fresh = self.free.iter().any(|r| !self.outstanding.contains(r));
         let best = self
             .free
             .iter()
             .copied()
             .enumerate()
+            .filter(|(_, r)| !fresh || !self.outstanding.contains(r))
             .map(|(i, r)| {
                 let mut trial: Vec<usize> = with.iter().copied().take(k - 1).collect();
                 trial.push(r);
@@ -170,7 +173,6 @@ impl RoundDriver {
                 if let Some(fresh) = pool.take_replacement(&keep) {
                     tracing::info!(row, fresh, "swapping a straggling member for a free row");
                     pool.misses.remove(&row);
-                    pool.outstanding.remove(&row);
                     pool.free.push(row);
                     members[i] = fresh;
                 }

@@ -1,0 +1,443 @@
+//! Real multi-process meshes on 127.0.0.1: `codedmesh seed`, `node`, `status` and `generate`
+//! as separate processes, n = 5, k = 3. The small Hugging Face model in testdata keeps most
+//! runs fast; one scenario runs the real SmolLM2.
+
+use std::io::{BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+
+/// The `codedmesh` binary built next to this test (or `$CODEDMESH_BIN`).
+fn bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("CODEDMESH_BIN") {
+        return PathBuf::from(p);
+    }
+    let exe = std::env::current_exe().expect("test executable path");
+    let dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target directory");
+    let p = dir.join("codedmesh");
+    assert!(
+        p.exists(),
+        "{} is missing: build it first (cargo build --release -p node-native)",
+        p.display()
+    );
+    p
+}
+
+fn tiny_model() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("testdata/tiny-llama-hf")
+}
+
+/// Fast health timing so dead rows show within seconds.
+const HEALTH: [&str; 6] = [
+    "--heartbeat-ms",
+    "200",
+    "--suspect-ms",
+    "800",
+    "--dead-ms",
+    "2000",
+];
+
+/// A process of the mesh, killed when dropped; its stderr collected in a file.
+struct Proc {
+    child: Child,
+    log: PathBuf,
+    name: String,
+}
+
+impl Proc {
+    fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    fn signal(&self, sig: &str) {
+        let _ = Command::new("kill")
+            .arg(format!("-{sig}"))
+            .arg(self.pid().to_string())
+            .status();
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Waits until the log contains `needle`.
+    fn wait_log(&mut self, needle: &str, timeout: Duration) -> Result<String> {
+        let start = Instant::now();
+        loop {
+            let log = self.log();
+            if log.contains(needle) {
+                return Ok(log);
+            }
+            if let Ok(Some(status)) = self.child.try_wait() {
+                bail!("{} exited ({status}) before {needle:?}:\n{log}", self.name);
+            }
+            if start.elapsed() > timeout {
+                bail!(
+                    "{} did not log {needle:?} in {timeout:?}:\n{log}",
+                    self.name
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.signal("CONT");
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A temporary directory for one mesh, removed at the end.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(name: &str) -> Self {
+        let p = std::env::temp_dir().join(format!("codedmesh-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).expect("scratch dir");
+        Self(p)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+struct Mesh {
+    dir: Scratch,
+    seed: Proc,
+    nodes: Vec<Proc>,
+    bootstrap: String,
+}
+
+fn spawn(dir: &Path, name: &str, args: &[&str]) -> Result<Proc> {
+    let log = dir.join(format!("{name}.log"));
+    let child = Command::new(bin())
+        .args(args)
+        .env("RUST_LOG", "warn,libp2p_kad=error")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log)?)
+        .spawn()
+        .with_context(|| format!("starting {name}"))?;
+    Ok(Proc {
+        child,
+        log,
+        name: name.into(),
+    })
+}
+
+impl Mesh {
+    /// Seed plus n − 1 nodes, every row handed out and seen healthy.
+    fn start(name: &str, model: Option<&Path>) -> Result<Self> {
+        let dir = Scratch::new(name);
+        let d0 = dir.0.join("d0");
+        let mut args = vec!["seed", "--k", "3", "--n", "5", "--tcp-only", "--data"];
+        args.push(d0.to_str().context("path")?);
+        args.extend(HEALTH);
+        let model_s;
+        if let Some(m) = model {
+            model_s = m.display().to_string();
+            args.extend(["--model", &model_s]);
+        }
+        // The seed's stdout carries its address: read it from a pipe.
+        let log = dir.0.join("seed.log");
+        let mut child = Command::new(bin())
+            .args(&args)
+            .env("RUST_LOG", "warn,libp2p_kad=error")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&log)?)
+            .spawn()?;
+        let stdout = child.stdout.take().context("seed stdout")?;
+        let mut seed = Proc {
+            child,
+            log,
+            name: "seed".into(),
+        };
+        let mut lines = BufReader::new(stdout).lines();
+        let bootstrap = loop {
+            match lines.next() {
+                Some(line) => {
+                    let line = line?;
+                    if let Some(a) = line.strip_prefix("listening: ") {
+                        break a.to_string();
+                    }
+                }
+                None => bail!("the seed exited:\n{}", seed.log()),
+            }
+        };
+        std::thread::spawn(move || for _ in lines {});
+        seed.wait_log("serving row 0", Duration::from_secs(120))?;
+        let mut nodes = Vec::new();
+        for i in 1..5 {
+            let d = dir.0.join(format!("d{i}"));
+            let mut a = vec!["node", "--tcp-only", "--bootstrap", &bootstrap, "--data"];
+            a.push(d.to_str().context("path")?);
+            a.extend(HEALTH);
+            nodes.push(spawn(&dir.0, &format!("node{i}"), &a)?);
+        }
+        for n in &mut nodes {
+            n.wait_log("serving row", Duration::from_secs(180))?;
+        }
+        let mut mesh = Self {
+            dir,
+            seed,
+            nodes,
+            bootstrap,
+        };
+        mesh.wait_healthy(5)?;
+        Ok(mesh)
+    }
+
+    fn status(&self) -> Result<serde_json::Value> {
+        let out = Command::new(bin())
+            .args(["status", "--json", "--bootstrap", &self.bootstrap])
+            .output()?;
+        if !out.status.success() {
+            bail!("status failed: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        Ok(serde_json::from_slice(&out.stdout)?)
+    }
+
+    /// Waits until the seed sees `rows` healthy rows.
+    fn wait_healthy(&mut self, rows: u64) -> Result<serde_json::Value> {
+        let start = Instant::now();
+        loop {
+            let s = self.status()?;
+            if s["healthy_rows"] == rows {
+                return Ok(s);
+            }
+            if start.elapsed() > Duration::from_secs(60) {
+                bail!("never saw {rows} healthy rows: {s}");
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    /// The node process holding `row`.
+    fn holder(&self, row: u64) -> Result<usize> {
+        let s = self.status()?;
+        let peer = s["nodes"]
+            .as_array()
+            .context("nodes")?
+            .iter()
+            .find(|n| n["row"] == row && n["health"] == "Healthy")
+            .and_then(|n| n["peer"].as_str())
+            .context("no healthy holder")?
+            .to_string();
+        self.nodes
+            .iter()
+            .position(|n| n.log().contains(&peer))
+            .with_context(|| format!("no node process logs peer {peer}"))
+    }
+
+    /// Runs `generate` on the mesh; `during` is called once the first text arrives.
+    fn generate(
+        &self,
+        prompt: &str,
+        tokens: usize,
+        during: impl FnOnce(),
+    ) -> Result<(String, String)> {
+        let mut child = Command::new(bin())
+            .args([
+                "generate",
+                "--bootstrap",
+                &self.bootstrap,
+                "--prompt",
+                prompt,
+            ])
+            .args(["--max-tokens", &tokens.to_string()])
+            .env("RUST_LOG", "warn,libp2p_kad=error")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()?;
+        let mut stdout = child.stdout.take().context("stdout")?;
+        let mut stderr = child.stderr.take().context("stderr")?;
+        let (tx, rx) = mpsc::channel();
+        let reader = std::thread::spawn(move || {
+            let mut all = Vec::new();
+            let mut buf = [0u8; 256];
+            while let Ok(n) = stdout.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                all.extend_from_slice(&buf[..n]);
+                let _ = tx.send(());
+            }
+            all
+        });
+        let err_reader = std::thread::spawn(move || {
+            let mut s = String::new();
+            let _ = stderr.read_to_string(&mut s);
+            s
+        });
+        // Wait for the first token, then disturb.
+        let _ = rx.recv_timeout(Duration::from_secs(120));
+        during();
+        let status = child.wait()?;
+        let out = String::from_utf8_lossy(&reader.join().unwrap_or_default()).into_owned();
+        let err = err_reader.join().unwrap_or_default();
+        if !status.success() {
+            bail!("generate failed ({status}):\n{err}");
+        }
+        Ok((out, err))
+    }
+}
+
+/// The same request in one process, uncoded-equivalent reference for the tiny model.
+fn local_generate(model: &Path, prompt: &str, tokens: usize) -> Result<String> {
+    let out = Command::new(bin())
+        .args([
+            "generate", "--k", "3", "--n", "5", "--prompt", prompt, "--model",
+        ])
+        .arg(model)
+        .args(["--max-tokens", &tokens.to_string()])
+        .output()?;
+    if !out.status.success() {
+        bail!("local generate: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+const PROMPT: &str = "The history of the printing press begins";
+
+#[test]
+fn tiny_mesh_status_generate_straggler_restart_and_rejoin() -> Result<()> {
+    let model = tiny_model();
+    let mut mesh = Mesh::start("tiny", Some(&model))?;
+
+    // Status: every row healthy, tolerates n − k failures; the summary line says so.
+    let s = mesh.status()?;
+    assert_eq!(
+        (s["k"].as_u64(), s["n"].as_u64()),
+        (Some(3), Some(5)),
+        "{s}"
+    );
+    assert_eq!(s["available"], true);
+    assert_eq!(s["tolerates"], 2);
+    let nodes = s["nodes"].as_array().context("nodes")?;
+    let mut rows: Vec<u64> = nodes.iter().filter_map(|n| n["row"].as_u64()).collect();
+    rows.sort_unstable();
+    assert_eq!(rows, vec![0, 1, 2, 3, 4]);
+    assert!(
+        nodes
+            .iter()
+            .all(|n| n["version_count"] == 0 && n["version_digest"].is_string())
+    );
+    let text = Command::new(bin())
+        .args(["status", "--bootstrap", &mesh.bootstrap])
+        .output()?;
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(
+        text.contains(
+            "model available: yes — 5 of 5 rows healthy, k = 3, tolerates 2 more failures"
+        ),
+        "{text}"
+    );
+
+    // A normal run gives the in-process coded run's tokens.
+    let expected = local_generate(&model, PROMPT, 24)?;
+    let (out, err) = mesh.generate(PROMPT, 24, || {})?;
+    assert_eq!(out, expected, "{err}");
+    assert!(err.contains("rounds per forward pass 10"), "{err}");
+
+    // A SIGSTOP-ed member of the decoding group: the spare answers, the straggler is swapped out.
+    let stalled = mesh.holder(2)?;
+    mesh.nodes[stalled].signal("STOP");
+    let (out, err) = mesh.generate(PROMPT, 24, || {})?;
+    assert_eq!(out, expected, "{err}");
+    let members = err
+        .lines()
+        .find_map(|l| l.strip_prefix("members at the end: "))
+        .context("members line")?;
+    assert!(
+        !members.contains('2'),
+        "the stalled row 2 is still a member: {members}"
+    );
+    mesh.nodes[stalled].signal("CONT");
+
+    // A node restarted from its data dir comes back with its row, without downloading.
+    let restarted = mesh.holder(3)?;
+    let d = mesh.dir.0.join(format!("d{}", restarted + 1));
+    mesh.nodes[restarted].signal("KILL");
+    mesh.wait_healthy(4)?;
+    let mut a = vec![
+        "node",
+        "--tcp-only",
+        "--bootstrap",
+        &mesh.bootstrap,
+        "--data",
+    ];
+    a.push(d.to_str().context("path")?);
+    a.extend(HEALTH);
+    let mut p = spawn(&mesh.dir.0, &format!("node{}-again", restarted + 1), &a)?;
+    let log = p.wait_log("serving row 3", Duration::from_secs(60))?;
+    assert!(log.contains("restarting with row 3"), "{log}");
+    mesh.nodes[restarted] = p;
+    mesh.wait_healthy(5)?;
+
+    // A dead row is re-created by a new node from k live shards; the mesh computes the same.
+    let gone = mesh.holder(4)?;
+    mesh.nodes[gone].signal("KILL");
+    mesh.wait_healthy(4)?;
+    std::thread::sleep(Duration::from_millis(2500)); // past --dead-ms: row 4 is free
+    let d5 = mesh.dir.0.join("d5");
+    let mut a = vec![
+        "node",
+        "--tcp-only",
+        "--bootstrap",
+        &mesh.bootstrap,
+        "--data",
+    ];
+    a.push(d5.to_str().context("path")?);
+    a.extend(HEALTH);
+    let mut fresh = spawn(&mesh.dir.0, "node5", &a)?;
+    let log = fresh.wait_log("serving row", Duration::from_secs(60))?;
+    assert!(
+        log.contains("joined as row 4 (re-encoded from rows"),
+        "{log}"
+    );
+    mesh.nodes[gone] = fresh;
+    mesh.wait_healthy(5)?;
+    let (out, err) = mesh.generate(PROMPT, 24, || {})?;
+    assert_eq!(out, expected, "{err}");
+    drop(mesh.seed);
+    Ok(())
+}
+
+#[test]
+fn real_model_survives_n_minus_k_kills_mid_generation() -> Result<()> {
+    let mut mesh = Mesh::start("real", None)?;
+    let (undisturbed, err) = mesh.generate(PROMPT, 32, || {})?;
+    assert!(undisturbed.contains("Gutenberg"), "{undisturbed}\n{err}");
+    // Kill two members of the decoding group (rows 2 and 4; the seed, row 0, is the bootstrap).
+    let victims = [mesh.holder(2)?, mesh.holder(4)?];
+    let pids: Vec<String> = victims
+        .iter()
+        .map(|&i| mesh.nodes[i].pid().to_string())
+        .collect();
+    let (out, err) = mesh.generate(PROMPT, 32, || {
+        let _ = Command::new("kill").arg("-KILL").args(&pids).status();
+    })?;
+    assert_eq!(out, undisturbed, "{err}");
+    assert!(
+        err.contains("member failed; replacing it"),
+        "no member was replaced:\n{err}"
+    );
+    let s = mesh.wait_healthy(3)?;
+    assert_eq!(s["tolerates"], 0);
+    drop(mesh.nodes);
+    Ok(())
+}
