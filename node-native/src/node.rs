@@ -406,10 +406,10 @@ async fn serve(
     genesis: BTreeMap<u32, Arc<Vec<u8>>>,
 ) -> Result<()> {
     let (client, inbound, addrs) = start_network(&opts, &data).await?;
-    if let Some(b) = &opts.bootstrap {
-        if let Err(e) = client.dial(b.clone()).await {
-            tracing::warn!("bootstrap {b}: {e:#}; waiting for peers to find this node");
-        }
+    if let Some(b) = &opts.bootstrap
+        && let Err(e) = client.dial(b.clone()).await
+    {
+        tracing::warn!("bootstrap {b}: {e:#}; waiting for peers to find this node");
     }
     run_server(
         opts.health,
@@ -446,6 +446,9 @@ async fn run_server(
         version_digest: version.digest(),
         addrs,
         offers: genesis.keys().copied().collect(),
+        incarnation: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64),
         seq: 0,
     };
     let view = MeshView::new(
@@ -531,16 +534,16 @@ impl Server {
         match msg {
             Inbound::Gossip { peer, data } => match protocol::decode::<Heartbeat>(&data) {
                 Ok(hb) => {
-                    if let Some(row) = hb.row {
-                        if self.genesis.remove(&row).is_some() {
-                            eprintln!(
-                                "row {row} handed out to {peer}; {} left",
-                                self.genesis.len()
-                            );
-                            let mut local = self.view.local().clone();
-                            local.offers = self.genesis.keys().copied().collect();
-                            self.view.set_local(local);
-                        }
+                    if let Some(row) = hb.row
+                        && self.genesis.remove(&row).is_some()
+                    {
+                        eprintln!(
+                            "row {row} handed out to {peer}; {} left",
+                            self.genesis.len()
+                        );
+                        let mut local = self.view.local().clone();
+                        local.offers = self.genesis.keys().copied().collect();
+                        self.view.set_local(local);
                     }
                     self.view.handle_heartbeat(now, peer, hb);
                 }

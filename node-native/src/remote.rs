@@ -178,8 +178,9 @@ impl Transport for NetTransport {
         self.round += 1;
         // Late answers to earlier rounds show who is slow but alive.
         while let Ok((_, row, result)) = self.rx.try_recv() {
-            if result.is_ok() {
-                self.pool.note_answer(row);
+            match result {
+                Ok(_) => self.pool.note_answer(row),
+                Err(_) => self.pool.note_failure(row),
             }
         }
         let mut driver = RoundDriver::start(Instant::now(), members, need, &mut self.pool);
@@ -202,12 +203,11 @@ impl Transport for NetTransport {
                     });
                     driver.handle_answer(Instant::now(), row, result, &mut self.pool);
                 }
-                Ok((_, row, result)) => {
+                Ok((_, row, result)) => match result {
                     // An answer to an earlier round, already decided: the member is alive.
-                    if result.is_ok() {
-                        self.pool.note_answer(row);
-                    }
-                }
+                    Ok(_) => self.pool.note_answer(row),
+                    Err(_) => self.pool.note_failure(row),
+                },
                 Err(std_mpsc::RecvTimeoutError::Timeout) => {
                     driver.handle_timeout(Instant::now(), &mut self.pool)
                 }

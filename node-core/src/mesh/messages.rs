@@ -29,7 +29,9 @@ pub struct Heartbeat {
     pub addrs: Vec<String>,
     /// Rows it can hand out from genesis.
     pub offers: Vec<u32>,
-    /// Increases with every heartbeat it sends.
+    /// Chosen anew each time the node starts, so a restart is not mistaken for old news.
+    pub incarnation: u64,
+    /// Increases with every heartbeat it sends within one incarnation.
     pub seq: u64,
 }
 

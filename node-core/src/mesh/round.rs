@@ -74,6 +74,8 @@ pub struct MemberPool {
     misses: BTreeMap<usize, u32>,
     /// Members asked in a finished round that have not answered since.
     outstanding: BTreeSet<usize>,
+    /// Rows whose requests failed: never asked again.
+    down: BTreeSet<usize>,
     cfg: RoundConfig,
 }
 
@@ -85,6 +87,7 @@ impl MemberPool {
             free,
             misses: BTreeMap::new(),
             outstanding: BTreeSet::new(),
+            down: BTreeSet::new(),
             cfg,
         }
     }
@@ -92,6 +95,12 @@ impl MemberPool {
     /// Rows not in the group.
     pub fn free(&self) -> &[usize] {
         &self.free
+    }
+
+    /// A row's request failed outside a round (a late error): it is not asked again.
+    pub fn note_failure(&mut self, row: usize) {
+        self.down.insert(row);
+        self.free.retain(|&r| r != row);
     }
 
     /// A row answered (in its round or late, to an earlier one): it is not straggling.
@@ -160,7 +169,11 @@ impl RoundDriver {
     /// Starts a round over `members`. A member still silent on an earlier round misses this
     /// one's start; after `max_misses` in a row it is swapped for a free row.
     pub fn start(now: Instant, members: &[usize], need: usize, pool: &mut MemberPool) -> Self {
-        let mut members = members.to_vec();
+        let mut members: Vec<usize> = members
+            .iter()
+            .copied()
+            .filter(|r| !pool.down.contains(r))
+            .collect();
         for &row in &members {
             if pool.outstanding.contains(&row) {
                 *pool.misses.entry(row).or_default() += 1;
@@ -177,6 +190,13 @@ impl RoundDriver {
                     members[i] = fresh;
                 }
             }
+        }
+        // Too few members (some failed since the last round): top up from the free rows now.
+        while members.len() < need {
+            let Some(fresh) = pool.take_replacement(&members) else {
+                break;
+            };
+            members.push(fresh);
         }
         let transmits = members.iter().copied().collect();
         let pending = members.iter().map(|&r| (r, now)).collect();
@@ -247,6 +267,7 @@ impl RoundDriver {
 
     fn drop_member(&mut self, now: Instant, row: usize, reason: String, pool: &mut MemberPool) {
         self.members.retain(|&r| r != row);
+        pool.down.insert(row);
         pool.misses.remove(&row);
         self.failures.push((row, reason));
         let outstanding = self.answers.len() + self.pending.len();

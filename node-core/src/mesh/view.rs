@@ -105,10 +105,15 @@ impl<P: Ord + Clone + Display> MeshView<P> {
         &self.local
     }
 
-    /// Changes what this node announces (row, version, addresses, offers); `seq` is kept.
+    /// Changes what this node announces (row, version, addresses, offers); `incarnation`
+    /// and `seq` are kept.
     pub fn set_local(&mut self, hb: Heartbeat) {
-        let seq = self.local.seq;
-        self.local = Heartbeat { seq, ..hb };
+        let (incarnation, seq) = (self.local.incarnation, self.local.seq);
+        self.local = Heartbeat {
+            incarnation,
+            seq,
+            ..hb
+        };
     }
 
     /// Health timing.
@@ -150,7 +155,7 @@ impl<P: Ord + Clone + Display> MeshView<P> {
         }
         match self.peers.get_mut(&from) {
             Some(e) => {
-                if hb.seq < e.hb.seq && e.health == Health::Healthy {
+                if hb.incarnation == e.hb.incarnation && hb.seq < e.hb.seq {
                     return; // reordered: an older heartbeat
                 }
                 e.hb = hb;
@@ -376,6 +381,7 @@ mod tests {
             version_digest: [0; 32],
             addrs: vec![],
             offers: vec![],
+            incarnation: 1,
             seq: 0,
         }
     }

@@ -1,0 +1,563 @@
+//! The mesh in a deterministic simulation: group formation over a lossy network, a generation
+//! that survives crashed and stalled members, and nodes that crash, restart and get partitioned.
+//! Everything runs in virtual time from a seed, so each case is replayable.
+
+#![allow(clippy::unwrap_used)] // a test: a failed unwrap is a failed test
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use node_core::code::Generator;
+use node_core::coded::{CodedGroup, InProcess, ShardFormat};
+use node_core::mesh::{Health, HealthConfig, JoinOffer, RoundConfig, plan_group};
+use node_core::model::{
+    GenerateOptions, LeaderWeights, Llama, LlamaConfig, ModelWeights, SamplingParams, generate,
+};
+use tests::relative_error;
+use tests::sim::{Fault, LeaderConfig, LogitsTap, NetConfig, SimMesh, SimTransport, sim_group};
+
+const K: u32 = 3;
+const N: u32 = 5;
+
+fn secs(s: f64) -> Duration {
+    Duration::from_secs_f64(s)
+}
+
+/// Five nodes 0..5 holding rows 0..5.
+fn mesh(seed: u64, drop: f64) -> SimMesh {
+    let net = NetConfig {
+        drop,
+        ..NetConfig::default()
+    };
+    let mut m = SimMesh::new(seed, K, N, HealthConfig::default(), net);
+    for id in 0..N {
+        m.add_node(id, Some(id)).unwrap();
+    }
+    m
+}
+
+// ---------------------------------------------------------------------------------------------
+// 1. Group formation
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn five_nodes_form_a_group_over_a_lossy_network() {
+    let g = Generator::cauchy(N as usize, K as usize).unwrap();
+    for seed in 0..8 {
+        let mut m = mesh(seed, 0.2);
+        let formed = m
+            .run_until(secs(10.0), SimMesh::converged)
+            .unwrap_or_else(|| panic!("seed {seed}: no convergence in 10 s"));
+        // Every node heartbeats at once, so one interval plus a few losses is enough.
+        assert!(formed <= secs(5.0), "seed {seed}: formed at {formed:?}");
+        // It stays formed: sampled every 100 ms for 30 s, every view keeps k rows, and the
+        // views agree at the end.
+        let mut worst = N;
+        for _ in 0..300 {
+            m.run_for(secs(0.1));
+            for id in m.ids() {
+                let info = m.view(id).unwrap().info(m.now());
+                assert!(
+                    info.available,
+                    "seed {seed}: node {id} lost the model: {info:?}"
+                );
+                worst = worst.min(info.healthy_rows);
+            }
+        }
+        m.run_until(secs(10.0), SimMesh::converged).unwrap();
+        for id in m.ids() {
+            let view = m.view(id).unwrap();
+            let info = view.info(m.now());
+            assert!(info.available, "seed {seed}, node {id}");
+            assert_eq!(
+                (info.healthy_rows, info.tolerates),
+                (5, 2),
+                "seed {seed}, node {id}"
+            );
+            assert_eq!(info.nodes.len(), 5);
+            let live: Vec<usize> = view.live_rows().iter().map(|&(r, _)| r as usize).collect();
+            assert_eq!(live, vec![0, 1, 2, 3, 4]);
+            let plan = plan_group(&g, &live, 1).unwrap();
+            assert_eq!(plan.members.len(), K as usize + 1, "k + 1 members");
+            let distinct: BTreeSet<usize> = plan.members.iter().copied().collect();
+            assert_eq!(distinct.len(), plan.members.len());
+            assert!(
+                plan.condition_number < 10.0,
+                "κ = {}",
+                plan.condition_number
+            );
+        }
+        let s = m.stats();
+        let lost = s.dropped as f64 / (s.dropped + s.delivered) as f64;
+        assert!(
+            (0.15..0.25).contains(&lost),
+            "seed {seed}: {lost:.3} of heartbeats lost"
+        );
+        eprintln!("seed {seed}: formed at {formed:?}; fewest healthy rows seen {worst}; {s:?}");
+    }
+}
+
+#[test]
+fn the_same_seed_replays_the_same_history() {
+    let run = |seed| {
+        let mut m = mesh(seed, 0.2);
+        m.run_for(secs(5.0));
+        m.crash(2);
+        m.run_for(secs(12.0));
+        m.restart(2).unwrap();
+        m.run_for(secs(5.0));
+        (m.events().to_vec(), m.stats())
+    };
+    assert_eq!(run(7), run(7));
+    assert_ne!(run(7).1, run(8).1, "another seed, another history");
+}
+
+// ---------------------------------------------------------------------------------------------
+// 2. Failures during a request
+// ---------------------------------------------------------------------------------------------
+
+fn tiny_config() -> LlamaConfig {
+    LlamaConfig {
+        hidden: 64,
+        ffn: 160,
+        layers: 2,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 16,
+        vocab: 250,
+        norm_eps: 1e-5,
+        rope_theta: 10_000.0,
+        max_seq: 64,
+        tied_embeddings: true,
+    }
+}
+
+const PROMPT: [u32; 5] = [3, 17, 200, 42, 9];
+const TOKENS: usize = 12;
+/// Rounds per forward pass: the embedding, four stages per block, the LM head.
+const ROUNDS_PER_PASS: usize = 1 + 4 * 2 + 1;
+
+struct Fixture {
+    llama: Llama,
+    g: Generator,
+    shards: InProcess,
+}
+
+fn fixture(seed: u64) -> Fixture {
+    let weights = ModelWeights::synthetic(tiny_config(), seed).unwrap();
+    let llama = Llama::new(weights.cfg.clone(), LeaderWeights::from_model(&weights)).unwrap();
+    let g = Generator::cauchy(N as usize, K as usize).unwrap();
+    let shards = InProcess::encode(&weights, &g, ShardFormat::F32, &|_, _| {}).unwrap();
+    Fixture { llama, g, shards }
+}
+
+/// Greedy tokens and the logits of every forward pass, through `group`.
+fn greedy(f: &Fixture, group: &mut CodedGroup<SimTransport>) -> (Vec<u32>, Vec<Vec<f32>>) {
+    let opts = GenerateOptions {
+        max_tokens: TOKENS,
+        sampling: SamplingParams::default(),
+        stop_ids: Vec::new(),
+    };
+    let mut tap = LogitsTap::new(group);
+    let out = generate(&f.llama, &mut tap, &PROMPT, &opts, &mut |_| true).unwrap();
+    assert_eq!(out.tokens.len(), TOKENS);
+    (out.tokens, tap.logits)
+}
+
+fn assert_same_run(
+    what: &str,
+    (tokens, logits): &(Vec<u32>, Vec<Vec<f32>>),
+    (ref_tokens, ref_logits): &(Vec<u32>, Vec<Vec<f32>>),
+) {
+    assert_eq!(tokens, ref_tokens, "{what}: other tokens");
+    assert_eq!(logits.len(), ref_logits.len());
+    for (step, (l, r)) in logits.iter().zip(ref_logits).enumerate() {
+        let err = relative_error(l, r);
+        assert!(
+            err < 1e-4,
+            "{what}: step {step}: relative logit error {err:.3e}"
+        );
+    }
+}
+
+#[test]
+fn a_generation_survives_two_members_crashing_mid_request() {
+    for seed in 0..4 {
+        let f = fixture(seed);
+        let cfg = LeaderConfig {
+            seed,
+            ..LeaderConfig::default()
+        };
+        let mut calm = sim_group(f.llama.config(), &f.g, &f.shards, cfg, &[]).unwrap();
+        let reference = greedy(&f, &mut calm);
+        assert_eq!(calm.transport().log().len(), TOKENS * ROUNDS_PER_PASS);
+        assert!(calm.transport().log().iter().all(|r| r.failed.is_empty()));
+
+        // Two of the decoding members crash while serving a request, a few passes apart.
+        let plan = plan_group(&f.g, &[0, 1, 2, 3, 4], 1).unwrap();
+        let (a, b) = (plan.members[0], plan.members[1]);
+        let faults = [
+            (a, Fault::Crash { after_requests: 12 }),
+            (b, Fault::Crash { after_requests: 45 }),
+        ];
+        let mut group = sim_group(f.llama.config(), &f.g, &f.shards, cfg, &faults).unwrap();
+        let run = greedy(&f, &mut group);
+        assert_same_run(
+            &format!("seed {seed}, rows {a} and {b} crashed"),
+            &run,
+            &reference,
+        );
+
+        let log = group.transport().log();
+        assert_eq!(log.len(), TOKENS * ROUNDS_PER_PASS, "no round was retried");
+        assert!(log.iter().all(|r| r.ok));
+        for (row, fault) in faults {
+            let Fault::Crash { after_requests } = fault else {
+                unreachable!()
+            };
+            assert!(
+                group.transport().requests(row) > after_requests,
+                "row {row} never crashed"
+            );
+            // The round whose request it died on: it did not answer, nor ever again.
+            let fatal = log
+                .iter()
+                .filter(|r| r.asked.contains(&row))
+                .nth(after_requests as usize)
+                .unwrap();
+            for r in log.iter().filter(|r| r.round >= fatal.round) {
+                assert!(
+                    !r.answered.contains(&row),
+                    "seed {seed}: dead row {row} answered"
+                );
+            }
+            // The leader learnt it is gone: within its round, or from the broken connection
+            // after that round had ended.
+            let gone = log
+                .iter()
+                .find(|r| r.noticed_down.contains(&row) || r.failed.iter().any(|(f, _)| *f == row))
+                .unwrap_or_else(|| panic!("seed {seed}: row {row}'s crash went unnoticed"));
+            assert!(gone.round >= fatal.round);
+            eprintln!(
+                "seed {seed}: row {row} died in round {} and was noticed in round {}",
+                fatal.round, gone.round
+            );
+        }
+        // The same seed replays the same rounds.
+        let mut again = sim_group(f.llama.config(), &f.g, &f.shards, cfg, &faults).unwrap();
+        assert_same_run("replay", &greedy(&f, &mut again), &run);
+        assert_eq!(again.transport().log(), log);
+
+        let end = &group.nodes();
+        assert!(!end.contains(&a) && !end.contains(&b), "{end:?}");
+        assert_eq!(end.len(), K as usize, "the three live rows: {end:?}");
+        let failed_rounds = log.iter().filter(|r| !r.failed.is_empty()).count();
+        eprintln!(
+            "seed {seed}: rows {a} and {b} crashed; {failed_rounds} rounds saw a failure; \
+             {:?} virtual vs {:?} undisturbed; members at the end {end:?}",
+            group.transport().elapsed(),
+            calm.transport().elapsed(),
+        );
+    }
+}
+
+#[test]
+fn a_stalled_member_is_outrun_and_swapped_out() {
+    let round = RoundConfig::default();
+    for seed in 0..4 {
+        let f = fixture(seed);
+        let cfg = LeaderConfig {
+            seed,
+            round,
+            ..LeaderConfig::default()
+        };
+        let mut calm = sim_group(f.llama.config(), &f.g, &f.shards, cfg, &[]).unwrap();
+        let reference = greedy(&f, &mut calm);
+
+        let plan = plan_group(&f.g, &[0, 1, 2, 3, 4], 1).unwrap();
+        let stalled = plan.members[1];
+        let faults = [(stalled, Fault::Stall { after_requests: 20 })];
+        let mut group = sim_group(f.llama.config(), &f.g, &f.shards, cfg, &faults).unwrap();
+        let run = greedy(&f, &mut group);
+        assert_same_run(
+            &format!("seed {seed}, row {stalled} stalled"),
+            &run,
+            &reference,
+        );
+
+        let t = group.transport();
+        let log = t.log();
+        assert_eq!(log.len(), TOKENS * ROUNDS_PER_PASS, "no round was retried");
+        // Rounds the stalled row was asked in after it stalled: it never answers and is
+        // swapped out of the group after `max_misses` of them.
+        let stalled_rounds: Vec<_> = log
+            .iter()
+            .filter(|r| r.asked.contains(&stalled))
+            .skip(20)
+            .collect();
+        assert!(!stalled_rounds.is_empty());
+        assert!(
+            stalled_rounds
+                .iter()
+                .all(|r| !r.answered.contains(&stalled))
+        );
+        let first = stalled_rounds[0].round;
+        let out = log
+            .iter()
+            .find(|r| r.round > first && !r.started_with.contains(&stalled))
+            .unwrap_or_else(|| panic!("seed {seed}: row {stalled} was never swapped out"));
+        assert!(
+            out.round <= first + u64::from(round.max_misses),
+            "seed {seed}: swapped out right after {} missed rounds",
+            round.max_misses
+        );
+        let swapped_in: Vec<usize> = out
+            .started_with
+            .iter()
+            .copied()
+            .filter(|r| !log[out.round as usize - 2].ended_with.contains(r))
+            .collect();
+        assert_eq!(
+            swapped_in.len(),
+            1,
+            "one free row replaced it: {swapped_in:?}"
+        );
+        // Every round finished without waiting for it: at most the slowest other answer.
+        let slowest = log.iter().map(|r| r.took).max().unwrap();
+        assert!(slowest <= cfg.max_latency, "a round waited {slowest:?}");
+        // Whenever it is a member again (a healthy member churned out), it is swapped out
+        // again after the same number of misses.
+        let mut run_len = 0u64;
+        for r in log.iter().skip(first as usize - 1) {
+            if r.started_with.contains(&stalled) {
+                run_len += 1;
+                assert!(
+                    run_len <= u64::from(round.max_misses),
+                    "seed {seed}: round {}",
+                    r.round
+                );
+            } else {
+                run_len = 0;
+            }
+        }
+        let member_rounds = log
+            .iter()
+            .skip(first as usize - 1)
+            .filter(|r| r.started_with.contains(&stalled))
+            .count();
+        eprintln!(
+            "seed {seed}: row {stalled} stalled at round {first}, swapped out at round {}; \
+             a member in {member_rounds} of {} later rounds; members at the end {:?}",
+            out.round,
+            log.len() - first as usize + 1,
+            group.nodes()
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 3. Rejoin and partitions
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn a_crashed_node_goes_suspect_then_dead_and_rejoins_on_restart() {
+    let hc = HealthConfig::default();
+    for seed in 0..6 {
+        let mut m = mesh(seed, 0.1);
+        let max_lat = m.net().max_latency;
+        m.run_until(secs(10.0), SimMesh::converged).unwrap();
+        m.run_for(secs(3.0));
+        let crashed = 4;
+        let others: Vec<u32> = (0..4).collect();
+        m.crash(crashed);
+        let t_crash = m.elapsed();
+
+        // Suspect everywhere no later than `suspect_after` past its last heartbeat.
+        let all_suspect = |m: &SimMesh| {
+            others
+                .iter()
+                .all(|&o| m.view(o).unwrap().health(&crashed) != Some(Health::Healthy))
+        };
+        m.run_until(hc.suspect_after + max_lat, all_suspect)
+            .unwrap_or_else(|| panic!("seed {seed}: not suspected in time"));
+        for &o in &others {
+            let at = m
+                .health_change(o, crashed, Health::Suspect, t_crash)
+                .unwrap();
+            assert!(
+                at <= t_crash + hc.suspect_after + max_lat,
+                "seed {seed}: {at:?}"
+            );
+            let view = m.view(o).unwrap();
+            assert_eq!(view.health(&crashed), Some(Health::Suspect));
+            assert_eq!(m.live_rows_of(o), BTreeSet::from([0, 1, 2, 3]));
+            let info = view.info(m.now());
+            assert_eq!(
+                (info.available, info.healthy_rows, info.tolerates),
+                (true, 4, 1)
+            );
+            // A suspect's row is not free yet: no row for a newcomer.
+            assert_eq!(m.offer_row(o, 99).unwrap(), JoinOffer::Full);
+        }
+
+        // Dead everywhere no later than `dead_after` past its last heartbeat.
+        let all_dead = |m: &SimMesh| {
+            others
+                .iter()
+                .all(|&o| m.view(o).unwrap().health(&crashed) == Some(Health::Dead))
+        };
+        m.run_until(hc.dead_after + max_lat, all_dead)
+            .unwrap_or_else(|| panic!("seed {seed}: not dead in time"));
+        for &o in &others {
+            let at = m.health_change(o, crashed, Health::Dead, t_crash).unwrap();
+            assert!(
+                at <= t_crash + hc.dead_after + max_lat,
+                "seed {seed}: {at:?}"
+            );
+            assert!(!m.live_rows_of(o).contains(&4));
+            // Its row is offered to a newcomer, re-encoded from k live rows.
+            match m.offer_row(o, 99).unwrap() {
+                JoinOffer::Reencode { row, sources } => {
+                    assert_eq!(row, 4, "seed {seed}, node {o}");
+                    let rows: BTreeSet<u32> = sources.iter().map(|s| s.row).collect();
+                    assert_eq!(rows.len(), K as usize);
+                    assert!(rows.is_subset(&m.live_rows_of(o)));
+                    for s in &sources {
+                        assert_eq!(s.peer, s.row.to_string(), "node i holds row i");
+                        assert_eq!(s.addrs, vec![format!("/sim/{}", s.row)]);
+                    }
+                }
+                other => panic!("seed {seed}, node {o}: expected a re-encode offer, got {other:?}"),
+            }
+        }
+
+        // It restarts with the same id and row: Healthy again everywhere.
+        m.run_for(secs(2.0));
+        m.restart(crashed).unwrap();
+        let t_restart = m.elapsed();
+        let back = m
+            .run_until(secs(10.0), SimMesh::converged)
+            .unwrap_or_else(|| panic!("seed {seed}: no convergence after the restart"));
+        assert!(
+            back - t_restart <= secs(3.0),
+            "seed {seed}: took {:?}",
+            back - t_restart
+        );
+        for &o in &others {
+            assert!(
+                m.health_change(o, crashed, Health::Healthy, t_restart)
+                    .is_some()
+            );
+            let info = m.view(o).unwrap().info(m.now());
+            assert_eq!((info.healthy_rows, info.tolerates), (5, 2));
+        }
+        let info = m.view(crashed).unwrap().info(m.now());
+        assert_eq!((info.available, info.healthy_rows), (true, 5));
+        eprintln!(
+            "seed {seed}: crashed at {t_crash:?}, restarted at {t_restart:?}, converged at {back:?}"
+        );
+    }
+}
+
+#[test]
+fn a_quick_restart_converges_again() {
+    let hc = HealthConfig::default();
+    for seed in 0..6 {
+        let mut m = mesh(seed, 0.1);
+        m.run_until(secs(10.0), SimMesh::converged).unwrap();
+        m.run_for(secs(3.0));
+        m.crash(2);
+        m.run_for(secs(1.0));
+        m.restart(2).unwrap();
+        let t_restart = m.elapsed();
+        // Its heartbeat sequence restarts from zero, below what the others last saw; they
+        // take it again at the latest once they suspect it.
+        m.run_for(hc.suspect_after + hc.heartbeat_interval);
+        let back = m
+            .run_until(secs(3.0), SimMesh::converged)
+            .unwrap_or_else(|| panic!("seed {seed}: no convergence after a quick restart"));
+        // Every node that suspected it took it back at its next heartbeat after that.
+        let mut healthy_again = t_restart;
+        for o in [0u32, 1, 3, 4] {
+            if let Some(s) = m.health_change(o, 2, Health::Suspect, t_restart) {
+                let h = m.health_change(o, 2, Health::Healthy, s).unwrap();
+                assert!(
+                    h - s <= secs(3.0),
+                    "seed {seed}: node {o} suspected it for {:?}",
+                    h - s
+                );
+                healthy_again = healthy_again.max(h);
+            }
+        }
+        assert!(healthy_again - t_restart <= hc.suspect_after + secs(2.0));
+        let suspected = (0..5)
+            .filter(|&o| m.health_change(o, 2, Health::Suspect, t_restart).is_some())
+            .count();
+        eprintln!(
+            "seed {seed}: restarted at {t_restart:?}, converged by {back:?}; {suspected} nodes \
+             suspected the restarted node, the last took it back at {healthy_again:?}"
+        );
+    }
+}
+
+#[test]
+fn a_partition_of_three_and_two_heals_and_converges() {
+    let hc = HealthConfig::default();
+    for seed in 0..6 {
+        let mut m = mesh(seed, 0.1);
+        m.run_until(secs(10.0), SimMesh::converged).unwrap();
+        let (big, small) = ([0u32, 1, 2], [3u32, 4]);
+        m.partition(&[&big, &small]);
+        let split = |m: &SimMesh| {
+            big.iter().all(|&o| m.sees_exactly(o, &big))
+                && small.iter().all(|&o| m.sees_exactly(o, &small))
+        };
+        let t_split = m.elapsed();
+        let seen = m
+            .run_until(hc.suspect_after + m.net().max_latency, split)
+            .unwrap_or_else(|| panic!("seed {seed}: sides never saw the split"));
+        m.run_for(hc.dead_after);
+        for &o in &big {
+            let view = m.view(o).unwrap();
+            let info = view.info(m.now());
+            assert_eq!(
+                (info.available, info.healthy_rows, info.tolerates),
+                (true, 3, 0)
+            );
+            assert!(small.iter().all(|p| view.health(p) == Some(Health::Dead)));
+        }
+        for &o in &small {
+            let info = m.view(o).unwrap().info(m.now());
+            assert_eq!(
+                (info.available, info.healthy_rows),
+                (false, 2),
+                "seed {seed}"
+            );
+            // Two rows cannot re-create a third.
+            assert_eq!(m.offer_row(o, 99).unwrap(), JoinOffer::Full);
+        }
+
+        m.heal();
+        let t_heal = m.elapsed();
+        let back = m
+            .run_until(secs(10.0), SimMesh::converged)
+            .unwrap_or_else(|| panic!("seed {seed}: no convergence after healing"));
+        assert!(
+            back - t_heal <= secs(3.0),
+            "seed {seed}: took {:?}",
+            back - t_heal
+        );
+        m.run_for(secs(5.0));
+        assert!(m.converged());
+        let views: BTreeSet<Vec<(u32, u32)>> = m
+            .ids()
+            .iter()
+            .map(|&o| m.view(o).unwrap().live_rows())
+            .collect();
+        assert_eq!(views.len(), 1, "every view agrees: {views:?}");
+        eprintln!(
+            "seed {seed}: split at {t_split:?}, seen at {seen:?}, healed at {t_heal:?}, \
+             converged at {back:?}"
+        );
+    }
+}
