@@ -26,7 +26,8 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 step "clippy (wasm32: node-core)"
 cargo clippy -p node-core --target wasm32-unknown-unknown --locked -- -D warnings
 
-step "model (cached after the first run)"
+step "codedmesh binary (the multi-process tests run it) and the model (cached after the first run)"
+cargo build --release --locked -p node-native
 cargo run --release --locked -q -p node-native -- fetch-model
 
 step "tests"

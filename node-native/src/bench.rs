@@ -212,3 +212,78 @@ pub fn print_table(rows: &[Row]) {
         println!("| {} | {} |", r.what, r.value);
     }
 }
+
+/// Five `codedmesh` processes over loopback (seed + 4 nodes, k = 3): a leader in this process
+/// runs the same generation as the in-process rows; time split into compute, network, decode.
+pub fn mesh_rows(model: &std::path::Path, prompt: &[u32], tokens: usize) -> Result<Vec<Row>> {
+    let dir = std::env::temp_dir().join(format!("codedmesh-bench-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut mesh = crate::localmesh::LocalMesh::start(model, 3, 5, &dir)?;
+    mesh.wait_serving(&dir, Duration::from_secs(300))?;
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let bootstrap: libp2p::Multiaddr = mesh.bootstrap.parse()?;
+    // Heartbeats need a moment to reach the seed before it reports every row.
+    let mut leader = None;
+    for _ in 0..50 {
+        let l = crate::remote::Leader::connect(&rt, bootstrap.clone(), 1)?;
+        if l.live_rows == 5 {
+            leader = Some(l);
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let mut leader = leader.ok_or_else(|| anyhow::anyhow!("the local mesh never showed 5 live rows"))?;
+    let opts = GenerateOptions {
+        max_tokens: tokens,
+        sampling: Default::default(),
+        stop_ids: Vec::new(),
+    };
+    generate(&leader.llama, &mut leader.group, prompt, &opts, &mut |_| true)?;
+    leader.group.reset_stats();
+    let compute_before = leader.group.transport().stats().compute;
+    let run = generate(&leader.llama, &mut leader.group, prompt, &opts, &mut |_| true)?;
+    let stats = leader.group.stats().clone();
+    let compute = leader.group.transport().stats().compute - compute_before;
+    drop(mesh);
+    let _ = std::fs::remove_dir_all(&dir);
+    let label = "5 processes over loopback, coded k=3";
+    let positions = (run.prompt_tokens + run.tokens.len()).max(1) as u64;
+    let per_member = stats.bytes_sent / stats.member_requests.max(1) * stats.rounds / positions;
+    let total = (stats.member_time + stats.decode_time).as_secs_f64().max(1e-9);
+    let pct = |d: Duration| 100.0 * d.as_secs_f64() / total;
+    Ok(vec![
+        row(
+            format!("{label}: prefill ({} tokens)", prompt.len()),
+            format!("{:.1} tok/s", run.prefill_tokens_per_s()),
+        ),
+        row(
+            format!("{label}: decode ({tokens} tokens)"),
+            format!(
+                "{:.1} tok/s ({:.1} ms/token)",
+                run.decode_tokens_per_s(),
+                1e3 / run.decode_tokens_per_s()
+            ),
+        ),
+        row(
+            format!("{label}: rounds per forward pass"),
+            (stats.rounds / (run.forward_passes as u64).max(1)).to_string(),
+        ),
+        row(
+            format!("{label}: bytes per member per token"),
+            format!(
+                "{} sent, {} received",
+                per_member,
+                stats.bytes_received / stats.member_requests.max(1) * stats.rounds / positions
+            ),
+        ),
+        row(
+            format!("{label}: time split"),
+            format!(
+                "member compute {:.0}%, network and queueing {:.0}%, decode {:.0}%",
+                pct(compute),
+                pct(stats.member_time.saturating_sub(compute)),
+                pct(stats.decode_time)
+            ),
+        ),
+    ])
+}

@@ -8,3 +8,4 @@ pub mod progress;
 pub mod remote;
 pub mod store;
 pub mod swarm;
+pub mod localmesh;

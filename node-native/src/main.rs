@@ -8,12 +8,12 @@ use clap::{Parser, Subcommand};
 use node_core::code::{Generator, select_nodes};
 use node_core::coded::Transport;
 use node_core::coded::{CodedGroup, InProcess, ShardFormat};
-use node_core::mesh::{HealthConfig, RoundConfig, plan_group};
+use node_core::mesh::HealthConfig;
 use node_core::model::{
     ChatMessage, GenerateOptions, LeaderWeights, Llama, SamplingParams, generate,
 };
 use node_core::model::{Generation, Tokenizer};
-use node_native::remote::{NetTransport, Session};
+use node_native::remote::{Leader, Session};
 use node_native::{fetch, load, node, progress};
 use std::time::Duration;
 use tracing_subscriber::EnvFilter;
@@ -51,6 +51,9 @@ struct BenchArgs {
     /// Tokens to generate per measured run.
     #[arg(long, default_value_t = 32)]
     tokens: usize,
+    /// Also start 5 processes on this machine (k = 3) and measure generation over loopback.
+    #[arg(long)]
+    mesh: bool,
 }
 
 #[derive(Debug, clap::Args)]
@@ -218,12 +221,17 @@ fn model_path(model: &Option<PathBuf>) -> Result<PathBuf> {
 }
 
 fn run_bench(args: BenchArgs) -> Result<()> {
-    let model = load::load_model(&model_path(&args.model)?)?;
+    let path = model_path(&args.model)?;
+    let model = load::load_model(&path)?;
     let text = "The history of the printing press begins in the fifteenth century, when Johannes \
                 Gutenberg combined movable metal type, oil-based ink and a screw press into a \
                 system that could produce books far faster than scribes.";
     let prompt = model.tokenizer.encode(text)?;
-    let rows = node_native::bench::run(&model.weights, &prompt, args.tokens)?;
+    let mut rows = node_native::bench::run(&model.weights, &prompt, args.tokens)?;
+    if args.mesh {
+        drop(model);
+        rows.extend(node_native::bench::mesh_rows(&path, &prompt, args.tokens)?);
+    }
     node_native::bench::print_table(&rows);
     Ok(())
 }
@@ -396,12 +404,14 @@ fn print_coded_stats(
     );
     let forward_passes = (out.forward_passes as u64).max(1);
     let total_tokens = (out.prompt_tokens + out.tokens.len()).max(1) as u64;
+    // Per member asked (spares included), per token position.
+    let per_member = |bytes: u64| bytes / stats.member_requests.max(1) * stats.rounds / total_tokens;
     eprintln!(
         "coded: k = {}, rounds per forward pass {}, bytes per member per token {} sent + {} received",
         k,
         stats.rounds / forward_passes,
-        stats.bytes_sent / k / total_tokens,
-        stats.bytes_received / k / total_tokens,
+        per_member(stats.bytes_sent),
+        per_member(stats.bytes_received),
     );
     let total = (stats.decode_time + stats.member_time)
         .as_secs_f64()
@@ -426,52 +436,26 @@ fn print_coded_stats(
 /// `generate --bootstrap`: a leader on the mesh.
 fn run_generate_mesh(args: GenerateArgs, bootstrap: libp2p::Multiaddr) -> Result<()> {
     let rt = runtime()?;
-    let (session, manifest, rows) = rt.block_on(async {
-        let session = Session::connect(bootstrap).await?;
-        let manifest = session.manifest().await?;
-        let info = session.info().await?;
-        let rows = session.live_rows(&info).await?;
-        anyhow::Ok((session, manifest, rows))
-    })?;
-    let g = manifest.generator.clone();
-    let live: Vec<usize> = rows.keys().copied().collect();
-    if live.len() < g.k() {
-        bail!(
-            "the mesh has {} healthy rows at one version, fewer than k = {}: the model is unavailable",
-            live.len(),
-            g.k()
-        );
-    }
-    let plan = plan_group(&g, &live, args.spares)?;
+    let mut leader = Leader::connect(&rt, bootstrap, args.spares)?;
+    let g = &leader.manifest.generator;
     eprintln!(
         "mesh {}: k = {}, n = {}, {} live rows; group {:?} (first k decode, condition number {:.2})",
-        manifest.name,
+        leader.manifest.name,
         g.k(),
         g.n(),
-        live.len(),
-        plan.members,
-        plan.condition_number
+        leader.live_rows,
+        leader.group.nodes(),
+        leader.condition_number
     );
-    let tokenizer = Tokenizer::from_data(&manifest.tokenizer)?;
-    let llama = Llama::new(manifest.cfg.clone(), manifest.leader.clone())?;
-    let transport = NetTransport::new(
-        session.client.clone(),
-        rt.handle().clone(),
-        rows,
-        &plan.members,
-        g.clone(),
-        RoundConfig::default(),
-    );
-    let mut group = CodedGroup::new(manifest.cfg.clone(), g.clone(), &plan.members, transport)?;
     let args = GenerateArgs {
         k: g.k(),
         n: g.n(),
         ..args
     };
-    let (out, _) = generate_and_print(&llama, &tokenizer, &mut group, &args)?;
-    let compute = group.transport().stats().compute;
-    print_coded_stats(&args, &out, group.stats(), Some(compute));
-    eprintln!("members at the end: {:?}", group.nodes());
+    let (out, _) = generate_and_print(&leader.llama, &leader.tokenizer, &mut leader.group, &args)?;
+    let compute = leader.group.transport().stats().compute;
+    print_coded_stats(&args, &out, leader.group.stats(), Some(compute));
+    eprintln!("members at the end: {:?}", leader.group.nodes());
     Ok(())
 }
 

@@ -91,6 +91,65 @@ impl Session {
     }
 }
 
+/// Everything a leader needs to run requests on the mesh.
+#[derive(Debug)]
+pub struct Leader {
+    /// The model's manifest.
+    pub manifest: ModelManifest,
+    /// Its tokenizer.
+    pub tokenizer: node_core::model::Tokenizer,
+    /// The leader's side of the model.
+    pub llama: node_core::model::Llama,
+    /// The group, over the network.
+    pub group: node_core::coded::CodedGroup<NetTransport>,
+    /// Rows healthy when the group was formed.
+    pub live_rows: usize,
+    /// Condition number of the decoding k.
+    pub condition_number: f64,
+}
+
+impl Leader {
+    /// Connects through `bootstrap`, fetches the manifest and forms a group of k + `spares`.
+    pub fn connect(rt: &tokio::runtime::Runtime, bootstrap: Multiaddr, spares: usize) -> Result<Self> {
+        let (session, manifest, rows) = rt.block_on(async {
+            let session = Session::connect(bootstrap).await?;
+            let manifest = session.manifest().await?;
+            let info = session.info().await?;
+            let rows = session.live_rows(&info).await?;
+            anyhow::Ok((session, manifest, rows))
+        })?;
+        let g = manifest.generator.clone();
+        let live: Vec<usize> = rows.keys().copied().collect();
+        if live.len() < g.k() {
+            bail!(
+                "the mesh has {} healthy rows at one version, fewer than k = {}: the model is unavailable",
+                live.len(),
+                g.k()
+            );
+        }
+        let plan = node_core::mesh::plan_group(&g, &live, spares)?;
+        let tokenizer = node_core::model::Tokenizer::from_data(&manifest.tokenizer)?;
+        let llama = node_core::model::Llama::new(manifest.cfg.clone(), manifest.leader.clone())?;
+        let transport = NetTransport::new(
+            session.client.clone(),
+            rt.handle().clone(),
+            rows,
+            &plan.members,
+            g.clone(),
+            RoundConfig::default(),
+        );
+        let group = node_core::coded::CodedGroup::new(manifest.cfg.clone(), g, &plan.members, transport)?;
+        Ok(Self {
+            manifest,
+            tokenizer,
+            llama,
+            group,
+            live_rows: live.len(),
+            condition_number: plan.condition_number,
+        })
+    }
+}
+
 /// Time the members spent computing, as they reported it.
 #[derive(Debug, Clone, Default)]
 pub struct NetStats {

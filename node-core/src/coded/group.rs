@@ -125,6 +125,8 @@ pub struct ExecStats {
     pub decode_time: Duration,
     /// Members dropped for a failed or malformed answer.
     pub members_dropped: u64,
+    /// Requests sent, summed over members (a round to 4 members counts 4).
+    pub member_requests: u64,
 }
 
 /// Attempts at one round before the request fails (each drops at least one bad member).
@@ -226,6 +228,7 @@ impl<T: Transport> CodedGroup<T> {
             let answers = self.transport.round(&mut asked, &bytes, need)?;
             self.stats.member_time += started.elapsed();
             self.stats.bytes_sent += (bytes.len() * asked.len()) as u64;
+            self.stats.member_requests += asked.len() as u64;
             // The transport may have replaced members: keep its view, answered rows first.
             let mut members: Vec<usize> = parts.iter().map(|(n, _)| *n).collect();
             for n in asked {

@@ -1,0 +1,110 @@
+//! A mesh of `codedmesh` processes on this machine (seed + n − 1 nodes on 127.0.0.1), for the
+//! benchmark; the processes are stopped when it is dropped.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+
+/// Processes of a local mesh.
+#[derive(Debug)]
+pub struct LocalMesh {
+    /// The seed's TCP address (with its peer id).
+    pub bootstrap: String,
+    children: Vec<Child>,
+}
+
+impl LocalMesh {
+    /// Starts a seed encoding `model` (k of n) and n − 1 nodes, data dirs under `dir`.
+    pub fn start(model: &Path, k: usize, n: usize, dir: &Path) -> Result<Self> {
+        let exe = std::env::current_exe().context("locating this program")?;
+        std::fs::create_dir_all(dir)?;
+        let data = |i: usize| dir.join(format!("node{i}"));
+        let log = |i: usize| -> Result<std::fs::File> {
+            Ok(std::fs::File::create(dir.join(format!("node{i}.log")))?)
+        };
+        let mut seed = Command::new(&exe)
+            .args(["seed", "--tcp-only", "--k", &k.to_string(), "--n", &n.to_string()])
+            .arg("--model")
+            .arg(model)
+            .arg("--data")
+            .arg(data(0))
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(log(0)?)
+            .spawn()
+            .context("starting the seed")?;
+        let stdout = seed.stdout.take().context("seed stdout")?;
+        let mut mesh = Self {
+            bootstrap: String::new(),
+            children: vec![seed],
+        };
+        let mut lines = BufReader::new(stdout).lines();
+        mesh.bootstrap = loop {
+            match lines.next() {
+                Some(line) => {
+                    if let Some(a) = line?.strip_prefix("listening: ") {
+                        break a.to_string();
+                    }
+                }
+                None => bail!(
+                    "the seed exited; see {}",
+                    dir.join("node0.log").display()
+                ),
+            }
+        };
+        std::thread::spawn(move || for _ in lines {});
+        for i in 1..n {
+            let child = Command::new(&exe)
+                .args(["node", "--tcp-only", "--bootstrap", &mesh.bootstrap])
+                .arg("--data")
+                .arg(data(i))
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(log(i)?)
+                .spawn()
+                .with_context(|| format!("starting node {i}"))?;
+            mesh.children.push(child);
+        }
+        Ok(mesh)
+    }
+
+    /// Waits until every node logs that it serves its row.
+    pub fn wait_serving(&mut self, dir: &Path, timeout: Duration) -> Result<()> {
+        let start = Instant::now();
+        let logs: Vec<PathBuf> = (0..self.children.len())
+            .map(|i| dir.join(format!("node{i}.log")))
+            .collect();
+        loop {
+            let serving = logs
+                .iter()
+                .filter(|l| {
+                    std::fs::read_to_string(l).is_ok_and(|s| s.contains("serving row"))
+                })
+                .count();
+            if serving == logs.len() {
+                return Ok(());
+            }
+            for (i, c) in self.children.iter_mut().enumerate() {
+                if let Ok(Some(status)) = c.try_wait() {
+                    bail!("node {i} exited ({status}); see {}", logs[i].display());
+                }
+            }
+            if start.elapsed() > timeout {
+                bail!("only {serving} of {} nodes serve after {timeout:?}", logs.len());
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+impl Drop for LocalMesh {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
