@@ -220,7 +220,9 @@ pub fn mesh_rows(model: &std::path::Path, prompt: &[u32], tokens: usize) -> Resu
     let _ = std::fs::remove_dir_all(&dir);
     let mut mesh = crate::localmesh::LocalMesh::start(model, 3, 5, &dir)?;
     mesh.wait_serving(&dir, Duration::from_secs(300))?;
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
     let bootstrap: libp2p::Multiaddr = mesh.bootstrap.parse()?;
     // Heartbeats need a moment to reach the seed before it reports every row.
     let mut leader = None;
@@ -232,16 +234,21 @@ pub fn mesh_rows(model: &std::path::Path, prompt: &[u32], tokens: usize) -> Resu
         }
         std::thread::sleep(Duration::from_millis(200));
     }
-    let mut leader = leader.ok_or_else(|| anyhow::anyhow!("the local mesh never showed 5 live rows"))?;
+    let mut leader =
+        leader.ok_or_else(|| anyhow::anyhow!("the local mesh never showed 5 live rows"))?;
     let opts = GenerateOptions {
         max_tokens: tokens,
         sampling: Default::default(),
         stop_ids: Vec::new(),
     };
-    generate(&leader.llama, &mut leader.group, prompt, &opts, &mut |_| true)?;
+    generate(&leader.llama, &mut leader.group, prompt, &opts, &mut |_| {
+        true
+    })?;
     leader.group.reset_stats();
     let compute_before = leader.group.transport().stats().compute;
-    let run = generate(&leader.llama, &mut leader.group, prompt, &opts, &mut |_| true)?;
+    let run = generate(&leader.llama, &mut leader.group, prompt, &opts, &mut |_| {
+        true
+    })?;
     let stats = leader.group.stats().clone();
     let compute = leader.group.transport().stats().compute - compute_before;
     drop(mesh);
@@ -249,7 +256,9 @@ pub fn mesh_rows(model: &std::path::Path, prompt: &[u32], tokens: usize) -> Resu
     let label = "5 processes over loopback, coded k=3";
     let positions = (run.prompt_tokens + run.tokens.len()).max(1) as u64;
     let per_member = stats.bytes_sent / stats.member_requests.max(1) * stats.rounds / positions;
-    let total = (stats.member_time + stats.decode_time).as_secs_f64().max(1e-9);
+    let total = (stats.member_time + stats.decode_time)
+        .as_secs_f64()
+        .max(1e-9);
     let pct = |d: Duration| 100.0 * d.as_secs_f64() / total;
     Ok(vec![
         row(

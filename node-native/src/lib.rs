@@ -3,9 +3,9 @@
 pub mod bench;
 pub mod fetch;
 pub mod load;
+pub mod localmesh;
 pub mod node;
 pub mod progress;
 pub mod remote;
 pub mod store;
 pub mod swarm;
-pub mod localmesh;

@@ -26,7 +26,14 @@ impl LocalMesh {
             Ok(std::fs::File::create(dir.join(format!("node{i}.log")))?)
         };
         let mut seed = Command::new(&exe)
-            .args(["seed", "--tcp-only", "--k", &k.to_string(), "--n", &n.to_string()])
+            .args([
+                "seed",
+                "--tcp-only",
+                "--k",
+                &k.to_string(),
+                "--n",
+                &n.to_string(),
+            ])
             .arg("--model")
             .arg(model)
             .arg("--data")
@@ -49,10 +56,7 @@ impl LocalMesh {
                         break a.to_string();
                     }
                 }
-                None => bail!(
-                    "the seed exited; see {}",
-                    dir.join("node0.log").display()
-                ),
+                None => bail!("the seed exited; see {}", dir.join("node0.log").display()),
             }
         };
         std::thread::spawn(move || for _ in lines {});
@@ -80,9 +84,7 @@ impl LocalMesh {
         loop {
             let serving = logs
                 .iter()
-                .filter(|l| {
-                    std::fs::read_to_string(l).is_ok_and(|s| s.contains("serving row"))
-                })
+                .filter(|l| std::fs::read_to_string(l).is_ok_and(|s| s.contains("serving row")))
                 .count();
             if serving == logs.len() {
                 return Ok(());
@@ -93,7 +95,10 @@ impl LocalMesh {
                 }
             }
             if start.elapsed() > timeout {
-                bail!("only {serving} of {} nodes serve after {timeout:?}", logs.len());
+                bail!(
+                    "only {serving} of {} nodes serve after {timeout:?}",
+                    logs.len()
+                );
             }
             std::thread::sleep(Duration::from_millis(100));
         }

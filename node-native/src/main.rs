@@ -405,7 +405,8 @@ fn print_coded_stats(
     let forward_passes = (out.forward_passes as u64).max(1);
     let total_tokens = (out.prompt_tokens + out.tokens.len()).max(1) as u64;
     // Per member asked (spares included), per token position.
-    let per_member = |bytes: u64| bytes / stats.member_requests.max(1) * stats.rounds / total_tokens;
+    let per_member =
+        |bytes: u64| bytes / stats.member_requests.max(1) * stats.rounds / total_tokens;
     eprintln!(
         "coded: k = {}, rounds per forward pass {}, bytes per member per token {} sent + {} received",
         k,

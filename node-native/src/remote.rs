@@ -110,7 +110,11 @@ pub struct Leader {
 
 impl Leader {
     /// Connects through `bootstrap`, fetches the manifest and forms a group of k + `spares`.
-    pub fn connect(rt: &tokio::runtime::Runtime, bootstrap: Multiaddr, spares: usize) -> Result<Self> {
+    pub fn connect(
+        rt: &tokio::runtime::Runtime,
+        bootstrap: Multiaddr,
+        spares: usize,
+    ) -> Result<Self> {
         let (session, manifest, rows) = rt.block_on(async {
             let session = Session::connect(bootstrap).await?;
             let manifest = session.manifest().await?;
@@ -138,7 +142,8 @@ impl Leader {
             g.clone(),
             RoundConfig::default(),
         );
-        let group = node_core::coded::CodedGroup::new(manifest.cfg.clone(), g, &plan.members, transport)?;
+        let group =
+            node_core::coded::CodedGroup::new(manifest.cfg.clone(), g, &plan.members, transport)?;
         Ok(Self {
             manifest,
             tokenizer,

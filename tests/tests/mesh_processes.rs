@@ -413,7 +413,22 @@ fn tiny_mesh_status_generate_straggler_restart_and_rejoin() -> Result<()> {
     mesh.wait_healthy(5)?;
     let (out, err) = mesh.generate(PROMPT, 24, || {})?;
     assert_eq!(out, expected, "{err}");
-    drop(mesh.seed);
+
+    // After genesis the seed is a node like any other: it may leave; any node bootstraps.
+    let s = mesh.status()?;
+    let other = s["nodes"]
+        .as_array()
+        .context("nodes")?
+        .iter()
+        .find(|n| n["row"] == 1)
+        .and_then(|n| n["addrs"].as_array()?.first()?.as_str())
+        .context("row 1's address")?
+        .to_string();
+    mesh.seed.signal("KILL");
+    mesh.bootstrap = other;
+    mesh.wait_healthy(4)?;
+    let (out, err) = mesh.generate(PROMPT, 24, || {})?;
+    assert_eq!(out, expected, "{err}");
     Ok(())
 }
 
