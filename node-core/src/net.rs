@@ -156,8 +156,11 @@ async fn read_frame<T: AsyncRead + Unpin + Send>(io: &mut T) -> io::Result<Vec<u
 
 async fn write_frame<T: AsyncWrite + Unpin + Send>(io: &mut T, body: &[u8]) -> io::Result<()> {
     let len = u32::try_from(body.len()).map_err(|_| io::Error::other("frame too large"))?;
-    io.write_all(&len.to_le_bytes()).await?;
-    for piece in body.chunks(WRITE_PIECE) {
+    // One buffer, so a small message leaves as one write (one yamux frame, one TCP segment).
+    let mut frame = Vec::with_capacity(4 + body.len());
+    frame.extend_from_slice(&len.to_le_bytes());
+    frame.extend_from_slice(body);
+    for piece in frame.chunks(WRITE_PIECE) {
         io.write_all(piece).await?;
         io.flush().await?;
     }

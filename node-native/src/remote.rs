@@ -12,7 +12,6 @@ use node_core::mesh::{
     Health, MemberPool, MeshInfo, MeshRequest, MeshResponse, ModelManifest, RoundConfig,
     RoundDriver,
 };
-use tokio::runtime::Handle;
 
 use crate::node::{ask, fetch_manifest, pick_addr};
 use crate::swarm::{self, Client, NetConfig};
@@ -136,7 +135,6 @@ impl Leader {
         let llama = node_core::model::Llama::new(manifest.cfg.clone(), manifest.leader.clone())?;
         let transport = NetTransport::new(
             session.client.clone(),
-            rt.handle().clone(),
             rows,
             &plan.members,
             g.clone(),
@@ -169,7 +167,6 @@ type Answer = (u64, usize, Result<(Vec<u8>, u64), String>);
 #[derive(Debug)]
 pub struct NetTransport {
     client: Client,
-    rt: Handle,
     peers: BTreeMap<usize, PeerId>,
     pool: MemberPool,
     tx: std_mpsc::SyncSender<Answer>,
@@ -182,7 +179,6 @@ impl NetTransport {
     /// A transport to the holders of `peers` (row → peer); rows not in `members` are free.
     pub fn new(
         client: Client,
-        rt: Handle,
         peers: BTreeMap<usize, PeerId>,
         members: &[usize],
         generator: node_core::code::Generator,
@@ -196,7 +192,6 @@ impl NetTransport {
         let (tx, rx) = std_mpsc::sync_channel(4096);
         Self {
             client,
-            rt,
             peers,
             pool: MemberPool::new(generator, free, cfg),
             tx,
@@ -218,17 +213,19 @@ impl NetTransport {
             let _ = tx.try_send((round, row, Err(format!("no peer holds row {row}"))));
             return;
         };
-        let client = self.client.clone();
         let req = MeshRequest::Step(request.to_vec());
-        self.rt.spawn(async move {
-            let result = match client.request(peer, req).await {
+        let sent = self.client.request_blocking(peer, req, move |answer| {
+            let result = match answer {
                 Ok(MeshResponse::Step { bytes, compute_us }) => Ok((bytes, compute_us)),
                 Ok(MeshResponse::Error(e)) => Err(e),
                 Ok(_) => Err("answered a step with something else".into()),
-                Err(e) => Err(format!("{e:#}")),
+                Err(e) => Err(e),
             };
             let _ = tx.try_send((round, row, result));
         });
+        if let Err(e) = sent {
+            let _ = self.tx.try_send((round, row, Err(format!("{e:#}"))));
+        }
     }
 }
 

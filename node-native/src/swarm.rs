@@ -52,6 +52,9 @@ pub enum Inbound {
     },
 }
 
+/// Where the answer to an outbound request goes.
+type Reply = Box<dyn FnOnce(Result<MeshResponse, String>) + Send>;
+
 enum Command {
     Dial {
         addr: Multiaddr,
@@ -64,7 +67,7 @@ enum Command {
     Request {
         peer: PeerId,
         request: MeshRequest,
-        reply: oneshot::Sender<Result<MeshResponse, String>>,
+        reply: Reply,
     },
     Respond {
         channel: ResponseChannel<MeshResponse>,
@@ -130,16 +133,35 @@ impl Client {
 
     /// Sends a request and waits for its answer.
     pub async fn request(&self, peer: PeerId, request: MeshRequest) -> Result<MeshResponse> {
-        let (reply, rx) = oneshot::channel();
+        let (tx, rx) = oneshot::channel();
         self.send(Command::Request {
             peer,
             request,
-            reply,
+            reply: Box::new(move |r| {
+                let _ = tx.send(r);
+            }),
         })
         .await?;
         rx.await
             .map_err(|_| anyhow!(GONE))?
             .map_err(|e| anyhow!("request to {peer}: {e}"))
+    }
+
+    /// Sends a request from outside the runtime (a blocking thread); `reply` gets the answer
+    /// on the network task, so it must be quick (hand it to a channel).
+    pub fn request_blocking(
+        &self,
+        peer: PeerId,
+        request: MeshRequest,
+        reply: impl FnOnce(Result<MeshResponse, String>) + Send + 'static,
+    ) -> Result<()> {
+        self.tx
+            .blocking_send(Command::Request {
+                peer,
+                request,
+                reply: Box::new(reply),
+            })
+            .map_err(|_| anyhow!(GONE))
     }
 
     /// Answers an inbound request.
@@ -216,7 +238,7 @@ struct EventLoop {
     commands: mpsc::Receiver<Command>,
     inbound: mpsc::Sender<Inbound>,
     dials: HashMap<ConnectionId, oneshot::Sender<Result<PeerId, String>>>,
-    requests: HashMap<OutboundRequestId, oneshot::Sender<Result<MeshResponse, String>>>,
+    requests: HashMap<OutboundRequestId, Reply>,
     topic: gossipsub::IdentTopic,
 }
 
@@ -406,7 +428,7 @@ impl EventLoop {
                     response,
                 } => {
                     if let Some(reply) = self.requests.remove(&request_id) {
-                        let _ = reply.send(Ok(response));
+                        reply(Ok(response));
                     }
                 }
             },
@@ -421,7 +443,7 @@ impl EventLoop {
                         ),
                         other => other.to_string(),
                     };
-                    let _ = reply.send(Err(msg));
+                    reply(Err(msg));
                 }
             }
             request_response::Event::InboundFailure { peer, error, .. } => {
