@@ -66,11 +66,23 @@ fn expand_listen(listen: &[Multiaddr], all: bool) -> Vec<Multiaddr> {
     out
 }
 
+/// A started network: the client, what peers send, and the node's full addresses.
+struct Net {
+    client: Client,
+    inbound: tokio::sync::mpsc::Receiver<Inbound>,
+    addrs: Vec<String>,
+}
+
+/// What a node serves: the manifest, its shard, and genesis rows still to hand out.
+struct Holding {
+    manifest: ModelManifest,
+    manifest_bytes: Vec<u8>,
+    shard: ShardSet,
+    genesis: BTreeMap<u32, Arc<Vec<u8>>>,
+}
+
 /// Starts the swarm for a node with a data dir; prints its full addresses.
-async fn start_network(
-    opts: &NodeOptions,
-    data: &DataDir,
-) -> Result<(Client, tokio::sync::mpsc::Receiver<Inbound>, Vec<String>)> {
+async fn start_network(opts: &NodeOptions, data: &DataDir) -> Result<Net> {
     let listen = expand_listen(&opts.listen, opts.all_transports);
     let webrtc = listen
         .iter()
@@ -104,7 +116,11 @@ async fn start_network(
     for a in &full {
         println!("listening: {a}");
     }
-    Ok((client, inbound, full))
+    Ok(Net {
+        client,
+        inbound,
+        addrs: full,
+    })
 }
 
 /// `codedmesh seed`: encodes a model into n rows, keeps row 0 and hands the others out.
@@ -143,15 +159,14 @@ pub async fn seed(
         blobs.len()
     );
     let shard = shard_from_blob(&own)?;
-    serve(
-        opts,
-        data,
+    let genesis = blobs.into_iter().map(|(r, b)| (r, Arc::new(b))).collect();
+    let holding = Holding {
         manifest,
         manifest_bytes,
         shard,
-        blobs.into_iter().map(|(r, b)| (r, Arc::new(b))).collect(),
-    )
-    .await
+        genesis,
+    };
+    serve(opts, data, holding).await
 }
 
 /// Loads a model and encodes every row's shard blob.
@@ -199,7 +214,13 @@ pub async fn node(opts: NodeOptions) -> Result<()> {
             manifest.name,
             data.path().display()
         );
-        return serve(opts, data, manifest, bytes, shard, BTreeMap::new()).await;
+        let holding = Holding {
+            manifest,
+            manifest_bytes: bytes,
+            shard,
+            genesis: BTreeMap::new(),
+        };
+        return serve(opts, data, holding).await;
     }
     let Some(bootstrap) = opts.bootstrap.clone() else {
         bail!(
@@ -207,7 +228,8 @@ pub async fn node(opts: NodeOptions) -> Result<()> {
             data.path().display()
         );
     };
-    let (client, inbound, addrs) = start_network(&opts, &data).await?;
+    let net = start_network(&opts, &data).await?;
+    let client = net.client.clone();
     let peer = client.dial(bootstrap.clone()).await?;
     let (manifest, manifest_bytes) = fetch_manifest(&client, peer).await?;
     data.save_manifest(&manifest_bytes)?;
@@ -271,18 +293,13 @@ pub async fn node(opts: NodeOptions) -> Result<()> {
         downloaded as f64 / 1048576.0,
         started.elapsed().as_secs_f64()
     );
-    run_server(
-        opts.health,
-        client,
-        inbound,
-        addrs,
-        data,
+    let holding = Holding {
         manifest,
         manifest_bytes,
         shard,
-        BTreeMap::new(),
-    )
-    .await
+        genesis: BTreeMap::new(),
+    };
+    run_server(opts.health, net, data, holding).await
 }
 
 /// The shard belongs to this manifest and row.
@@ -397,46 +414,30 @@ async fn fetch_blob(client: &Client, peer: PeerId, row: u32) -> Result<Vec<u8>> 
     Ok(out)
 }
 
-async fn serve(
-    opts: NodeOptions,
-    data: DataDir,
-    manifest: ModelManifest,
-    manifest_bytes: Vec<u8>,
-    shard: ShardSet,
-    genesis: BTreeMap<u32, Arc<Vec<u8>>>,
-) -> Result<()> {
-    let (client, inbound, addrs) = start_network(&opts, &data).await?;
+/// Starts the network (dialing the bootstrap, if any) and serves what the node holds.
+async fn serve(opts: NodeOptions, data: DataDir, holding: Holding) -> Result<()> {
+    let net = start_network(&opts, &data).await?;
     if let Some(b) = &opts.bootstrap
-        && let Err(e) = client.dial(b.clone()).await
+        && let Err(e) = net.client.dial(b.clone()).await
     {
         tracing::warn!("bootstrap {b}: {e:#}; waiting for peers to find this node");
     }
-    run_server(
-        opts.health,
+    run_server(opts.health, net, data, holding).await
+}
+
+/// Announces the node's row and answers peers until stopped.
+async fn run_server(health: HealthConfig, net: Net, data: DataDir, holding: Holding) -> Result<()> {
+    let Net {
         client,
         inbound,
         addrs,
-        data,
+    } = net;
+    let Holding {
         manifest,
         manifest_bytes,
         shard,
         genesis,
-    )
-    .await
-}
-
-#[allow(clippy::too_many_arguments)]
-async fn run_server(
-    health: HealthConfig,
-    client: Client,
-    inbound: tokio::sync::mpsc::Receiver<Inbound>,
-    addrs: Vec<String>,
-    data: DataDir,
-    manifest: ModelManifest,
-    manifest_bytes: Vec<u8>,
-    shard: ShardSet,
-    genesis: BTreeMap<u32, Arc<Vec<u8>>>,
-) -> Result<()> {
+    } = holding;
     let version = ShardVersion::default();
     let row = shard.node as u32;
     let local = Heartbeat {

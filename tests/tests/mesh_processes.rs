@@ -121,6 +121,15 @@ struct Mesh {
     bootstrap: String,
 }
 
+/// A `codedmesh node` with data dir `dir/<data>`, joining through `bootstrap`.
+fn spawn_node(dir: &Path, name: &str, data: &str, bootstrap: &str) -> Result<Proc> {
+    let d = dir.join(data);
+    let mut a = vec!["node", "--tcp-only", "--bootstrap", bootstrap, "--data"];
+    a.push(d.to_str().context("path")?);
+    a.extend(HEALTH);
+    spawn(dir, name, &a)
+}
+
 fn spawn(dir: &Path, name: &str, args: &[&str]) -> Result<Proc> {
     let log = dir.join(format!("{name}.log"));
     let child = Command::new(bin())
@@ -182,11 +191,12 @@ impl Mesh {
         seed.wait_log("serving row 0", Duration::from_secs(120))?;
         let mut nodes = Vec::new();
         for i in 1..5 {
-            let d = dir.0.join(format!("d{i}"));
-            let mut a = vec!["node", "--tcp-only", "--bootstrap", &bootstrap, "--data"];
-            a.push(d.to_str().context("path")?);
-            a.extend(HEALTH);
-            nodes.push(spawn(&dir.0, &format!("node{i}"), &a)?);
+            nodes.push(spawn_node(
+                &dir.0,
+                &format!("node{i}"),
+                &format!("d{i}"),
+                &bootstrap,
+            )?);
         }
         for n in &mut nodes {
             n.wait_log("serving row", Duration::from_secs(180))?;
@@ -370,19 +380,16 @@ fn tiny_mesh_status_generate_straggler_restart_and_rejoin() -> Result<()> {
 
     // A node restarted from its data dir comes back with its row, without downloading.
     let restarted = mesh.holder(3)?;
-    let d = mesh.dir.0.join(format!("d{}", restarted + 1));
     mesh.nodes[restarted].signal("KILL");
     mesh.wait_healthy(4)?;
-    let mut a = vec![
-        "node",
-        "--tcp-only",
-        "--bootstrap",
+    let name = format!("node{}", restarted + 1);
+    let data = format!("d{}", restarted + 1);
+    let mut p = spawn_node(
+        &mesh.dir.0,
+        &format!("{name}-again"),
+        &data,
         &mesh.bootstrap,
-        "--data",
-    ];
-    a.push(d.to_str().context("path")?);
-    a.extend(HEALTH);
-    let mut p = spawn(&mesh.dir.0, &format!("node{}-again", restarted + 1), &a)?;
+    )?;
     let log = p.wait_log("serving row 3", Duration::from_secs(60))?;
     assert!(log.contains("restarting with row 3"), "{log}");
     mesh.nodes[restarted] = p;
@@ -393,17 +400,7 @@ fn tiny_mesh_status_generate_straggler_restart_and_rejoin() -> Result<()> {
     mesh.nodes[gone].signal("KILL");
     mesh.wait_healthy(4)?;
     std::thread::sleep(Duration::from_millis(2500)); // past --dead-ms: row 4 is free
-    let d5 = mesh.dir.0.join("d5");
-    let mut a = vec![
-        "node",
-        "--tcp-only",
-        "--bootstrap",
-        &mesh.bootstrap,
-        "--data",
-    ];
-    a.push(d5.to_str().context("path")?);
-    a.extend(HEALTH);
-    let mut fresh = spawn(&mesh.dir.0, "node5", &a)?;
+    let mut fresh = spawn_node(&mesh.dir.0, "node5", "d5", &mesh.bootstrap)?;
     let log = fresh.wait_log("serving row", Duration::from_secs(60))?;
     assert!(
         log.contains("joined as row 4 (re-encoded from rows"),
