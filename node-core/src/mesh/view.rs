@@ -279,15 +279,22 @@ impl<P: Ord + Clone + Display> MeshView<P> {
     /// else the lowest row no live node holds, re-encoded from k live rows.
     pub fn offer_row(&mut self, now: Instant, joiner: P) -> JoinOffer {
         self.reservations.retain(|(_, _, until)| *until > now);
+        // Rows held by a node that is not dead (a holder may have come back since).
+        let held: Vec<u32> = self
+            .all()
+            .filter(|(p, _, h)| *h != Health::Dead && **p != joiner)
+            .filter_map(|(_, hb, _)| hb.row)
+            .collect();
+        self.reservations
+            .retain(|(r, p, _)| *p != joiner || !held.contains(r));
         if let Some((row, _, until)) = self.reservations.iter_mut().find(|(_, p, _)| *p == joiner) {
             *until = now + RESERVATION;
             let row = *row;
             return self.offer_for(row);
         }
-        let taken: Vec<u32> = self
-            .all()
-            .filter(|(_, _, h)| *h != Health::Dead)
-            .filter_map(|(_, hb, _)| hb.row)
+        let taken: Vec<u32> = held
+            .iter()
+            .copied()
             .chain(self.reservations.iter().map(|(r, _, _)| *r))
             .collect();
         let free = |r: &u32| !taken.contains(r);
@@ -422,6 +429,25 @@ mod tests {
         v.handle_heartbeat(t0, 5, other);
         assert!(matches!(v.poll_event(), Some(MeshEvent::Refused { .. })));
         assert!(v.live_rows().is_empty());
+    }
+
+    #[test]
+    fn a_reservation_ends_when_the_old_holder_returns() {
+        let t0 = Instant::now();
+        let cfg = HealthConfig::default();
+        let mut v = MeshView::new(t0, 0u32, cfg, 2, 3, "m".into(), hb(Some(0))).unwrap();
+        v.handle_heartbeat(t0, 1, hb(Some(1)));
+        v.handle_heartbeat(t0, 2, hb(Some(2)));
+        let later = t0 + cfg.dead_after;
+        v.handle_heartbeat(later, 1, hb(Some(1)));
+        v.handle_timeout(later);
+        assert!(matches!(
+            v.offer_row(later, 9),
+            JoinOffer::Reencode { row: 2, .. }
+        ));
+        // Row 2's holder comes back before the joiner took the row: no row is free any more.
+        v.handle_heartbeat(later, 2, hb(Some(2)));
+        assert_eq!(v.offer_row(later, 9), JoinOffer::Full);
     }
 
     #[test]
