@@ -25,6 +25,16 @@ pub enum StepRequest {
         /// The inputs, row-major.
         x: Vec<f32>,
     },
+    /// Multiply the transposes of the member's shards of a stage by `u` (backward pass):
+    /// `Σ_s Σ_matrix u[s][matrix] · S_{matrix,s}`, `t × in`.
+    MatmulT {
+        /// Which stage.
+        stage: Stage,
+        /// Number of rows.
+        t: u32,
+        /// `[s][matrix][token][local row]`.
+        u: Vec<f32>,
+    },
     /// Return rows of the member's coded embedding (for the embedding lookup).
     EmbedRows {
         /// Local row index within a block, one per token.

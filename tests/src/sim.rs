@@ -892,6 +892,15 @@ impl<E: LinearExec + ?Sized> LinearExec for LogitsTap<'_, E> {
         Ok(out)
     }
 
+    fn linear_t(
+        &mut self,
+        stage: Stage,
+        dy: &[Vec<f32>],
+        t: usize,
+    ) -> Result<Vec<f32>, ModelError> {
+        self.inner.linear_t(stage, dy, t)
+    }
+
     fn embed(&mut self, tokens: &[u32]) -> Result<Vec<f32>, ModelError> {
         self.inner.embed(tokens)
     }

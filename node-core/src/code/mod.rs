@@ -427,6 +427,36 @@ impl Decoder {
         self.condition
     }
 
+    /// The transpose of decoding, for backward passes: from `dy` (`[j][c]`, `k·m·c` values)
+    /// the inputs `u_i = Σ_j H[j,i]·dy_j` each node multiplies by its shard's transpose, as
+    /// `[s][c]` per node in `nodes()` order; then `Wᵀ·dy = Σ_i S_iᵀ·u_i`.
+    pub fn transpose(&self, dy: &[f32]) -> Result<Vec<Vec<f32>>, CodeError> {
+        let c = dy.len() / self.km;
+        if dy.len() != self.km * c {
+            return Err(CodeError::Length {
+                what: "transpose input",
+                expected: self.km * c,
+                got: dy.len(),
+            });
+        }
+        let mut out = vec![vec![0.0f32; self.m * c]; self.nodes.len()];
+        let mut acc = vec![0.0f64; c];
+        for q in 0..self.km {
+            acc.iter_mut().for_each(|a| *a = 0.0);
+            for j in 0..self.km {
+                let h = self.inverse[j * self.km + q];
+                for (a, &v) in acc.iter_mut().zip(&dy[j * c..(j + 1) * c]) {
+                    *a += h * v as f64;
+                }
+            }
+            let (idx, s) = (q / self.m, q % self.m);
+            for (d, &a) in out[idx][s * c..(s + 1) * c].iter_mut().zip(&acc) {
+                *d = a as f32;
+            }
+        }
+        Ok(out)
+    }
+
     /// Decodes `parts` (`[s][c]` per node, in `nodes()` order) into `out` (`[j][c]`).
     pub fn decode(&self, parts: &[&[f32]], out: &mut [f32]) -> Result<(), CodeError> {
         if parts.len() != self.nodes.len() {

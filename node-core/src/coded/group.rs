@@ -30,6 +30,28 @@ pub trait Transport {
         request: &[u8],
         need: usize,
     ) -> Result<Vec<(usize, Vec<u8>)>, TransportError>;
+
+    /// Sends each node its own request and returns every node's answer (backward steps, where
+    /// each member gets a different input). The default asks them one after the other.
+    fn round_each(
+        &mut self,
+        requests: Vec<(usize, Vec<u8>)>,
+    ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
+        let mut out = Vec::with_capacity(requests.len());
+        for (node, request) in requests {
+            let mut members = vec![node];
+            let answers = self.round(&mut members, &request, 1)?;
+            let answer = answers
+                .into_iter()
+                .find(|(n, _)| *n == node)
+                .ok_or_else(|| TransportError {
+                    node,
+                    reason: "no answer".into(),
+                })?;
+            out.push(answer);
+        }
+        Ok(out)
+    }
 }
 
 /// Members living in this process, indexed by node; messages still go through the codec.
@@ -91,6 +113,31 @@ impl Transport for InProcess {
         // Members run side by side, as they would on separate machines.
         let members = &self.members;
         crate::compute::par::map(nodes, |&node| {
+            let fail = |reason: String| TransportError { node, reason };
+            let member = members
+                .get(node)
+                .ok_or_else(|| fail("no such member".into()))?;
+            let answer = match protocol::decode::<StepRequest>(request) {
+                Ok(req) => member.handle(&req),
+                Err(e) => StepResponse::Failed {
+                    reason: e.to_string(),
+                },
+            };
+            protocol::encode(&answer)
+                .map(|bytes| (node, bytes))
+                .map_err(|e| fail(e.to_string()))
+        })
+        .into_iter()
+        .collect()
+    }
+
+    fn round_each(
+        &mut self,
+        requests: Vec<(usize, Vec<u8>)>,
+    ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
+        let members = &self.members;
+        crate::compute::par::map(&requests, |(node, request)| {
+            let node = *node;
             let fail = |reason: String| TransportError { node, reason };
             let member = members
                 .get(node)
@@ -315,6 +362,124 @@ impl<T: Transport> CodedGroup<T> {
         Ok(outputs)
     }
 
+    /// `Σ_matrix dy_matrix · W_matrix` (`t × in`) for a stage, through the group: each of k
+    /// members multiplies its shards' transposes by its own `u_i = Σ_j H[j,i]·dy_j`.
+    fn linear_t_coded(
+        &mut self,
+        stage: Stage,
+        dys: &[Vec<f32>],
+        t: usize,
+    ) -> Result<Vec<f32>, CodedError> {
+        let shapes = stage.shapes(&self.cfg);
+        if dys.len() != shapes.len()
+            || dys
+                .iter()
+                .zip(&shapes)
+                .any(|(dy, &(out, _))| dy.len() != t * out)
+        {
+            return Err(CodedError::BadRequest(format!(
+                "{stage:?}: gradients do not match the stage's outputs"
+            )));
+        }
+        let inp = shapes.first().map_or(0, |&(_, i)| i);
+        let lens: Vec<usize> = shapes
+            .iter()
+            .map(|&(out, _)| self.generator.block_len(out))
+            .collect();
+        let c: usize = lens.iter().map(|l| t * l).sum();
+        let (k, blocks) = (
+            self.generator.k(),
+            self.generator.k() * self.generator.sub_blocks(),
+        );
+        // dy in the decoder's layout: [block j][matrix][token][local row], zero-padded.
+        let mut dy = vec![0.0f32; blocks * c];
+        let mut offset = 0;
+        for ((grad, &(out, _)), &l) in dys.iter().zip(&shapes).zip(&lens) {
+            for j in 0..blocks {
+                let first = j * l;
+                if first >= out {
+                    break;
+                }
+                let n = l.min(out - first);
+                for tok in 0..t {
+                    let dst = j * c + offset + tok * l;
+                    dy[dst..dst + n]
+                        .copy_from_slice(&grad[tok * out + first..tok * out + first + n]);
+                }
+            }
+            offset += t * l;
+        }
+        let mut last_error = None;
+        for _ in 0..MAX_ROUND_ATTEMPTS {
+            // The rows decoded last, if all are still members; else the first k members.
+            let mut rows: Vec<usize> = self
+                .decoders
+                .first()
+                .map(|d| d.nodes().to_vec())
+                .filter(|r| r.iter().all(|n| self.members.contains(n)))
+                .unwrap_or_else(|| self.members.iter().copied().take(k).collect());
+            rows.sort_unstable();
+            let us = self.decoder_for(&rows)?.transpose(&dy)?;
+            let requests = rows
+                .iter()
+                .zip(us)
+                .map(|(&node, u)| {
+                    protocol::encode(&StepRequest::MatmulT {
+                        stage,
+                        t: t as u32,
+                        u,
+                    })
+                    .map(|b| (node, b))
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            let started = Instant::now();
+            self.stats.bytes_sent += requests.iter().map(|(_, b)| b.len() as u64).sum::<u64>();
+            self.stats.member_requests += requests.len() as u64;
+            let answers = match self.transport.round_each(requests) {
+                Ok(a) => a,
+                Err(e) => {
+                    tracing::warn!(node = e.node, reason = %e.reason, "dropping a member in a backward step");
+                    self.members.retain(|&n| n != e.node);
+                    self.stats.members_dropped += 1;
+                    last_error = Some(CodedError::Transport(e));
+                    continue;
+                }
+            };
+            self.stats.member_time += started.elapsed();
+            self.stats.rounds += 1;
+            let mut sum = vec![0.0f32; t * inp];
+            let mut bad = None;
+            for (node, answer) in &answers {
+                self.stats.bytes_received += answer.len() as u64;
+                match parse_answer(*node, answer, t * inp) {
+                    Ok(v) => sum.iter_mut().zip(&v).for_each(|(a, &b)| *a += b),
+                    Err(e) => bad = Some((*node, e)),
+                }
+            }
+            match bad {
+                None if answers.len() == rows.len() => return Ok(sum),
+                None => {
+                    last_error = Some(CodedError::Member {
+                        node: usize::MAX,
+                        reason: "a member did not answer a backward step".into(),
+                    })
+                }
+                Some((node, e)) => {
+                    self.members.retain(|&n| n != node);
+                    self.stats.members_dropped += 1;
+                    last_error = Some(e);
+                }
+            }
+            if self.members.len() < k {
+                break;
+            }
+        }
+        Err(last_error.unwrap_or_else(|| CodedError::Member {
+            node: usize::MAX,
+            reason: "backward step failed".into(),
+        }))
+    }
+
     fn embed_coded(&mut self, tokens: &[u32]) -> Result<Vec<f32>, CodedError> {
         let (vocab, d) = (self.cfg.vocab, self.cfg.hidden);
         let l = self.generator.block_len(vocab);
@@ -363,6 +528,16 @@ fn exec_err(stage: Stage, e: CodedError) -> ModelError {
 impl<T: Transport> LinearExec for CodedGroup<T> {
     fn linear(&mut self, stage: Stage, x: &[f32], t: usize) -> Result<Vec<Vec<f32>>, ModelError> {
         self.linear_coded(stage, x, t)
+            .map_err(|e| exec_err(stage, e))
+    }
+
+    fn linear_t(
+        &mut self,
+        stage: Stage,
+        dy: &[Vec<f32>],
+        t: usize,
+    ) -> Result<Vec<f32>, ModelError> {
+        self.linear_t_coded(stage, dy, t)
             .map_err(|e| exec_err(stage, e))
     }
 

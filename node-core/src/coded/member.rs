@@ -61,6 +61,29 @@ impl Member {
                 }
                 Ok(out)
             }
+            StepRequest::MatmulT { stage, t, u } => {
+                let t = *t as usize;
+                let shards = self.shards.stage_shards(*stage)?;
+                let cols = shards.first().map_or(0, |s| s.cols);
+                let per_sub: usize = shards.iter().map(|s| t * s.block_len).sum();
+                if t == 0 || shards.iter().any(|s| s.cols != cols) || u.len() != m * per_sub {
+                    return Err(CodedError::BadRequest(format!(
+                        "{stage:?}: {} transpose inputs, expected {} for t = {t}",
+                        u.len(),
+                        m * per_sub
+                    )));
+                }
+                let mut out = vec![0.0f32; t * cols];
+                for (s, sub) in u.chunks_exact(per_sub).enumerate() {
+                    let mut offset = 0;
+                    for shard in &shards {
+                        let len = t * shard.block_len;
+                        shard.matmul_t_sub_block(s, &sub[offset..offset + len], t, &mut out);
+                        offset += len;
+                    }
+                }
+                Ok(out)
+            }
             StepRequest::EmbedRows { rows } => {
                 let e = &self.shards.embed;
                 if let Some(&r) = rows.iter().find(|&&r| r as usize >= e.block_len) {

@@ -84,6 +84,31 @@ impl Shard {
         }
     }
 
+    /// `y (t × cols) += u (t × L) · S_s` for sub-block `s`: the transpose product.
+    pub fn matmul_t_sub_block(&self, s: usize, u: &[f32], t: usize, y: &mut [f32]) {
+        let (l, cols) = (self.block_len, self.cols);
+        let mut buf = Vec::new();
+        for r in 0..l {
+            let start = (s * l + r) * cols;
+            let row: std::borrow::Cow<'_, [f32]> = match &self.values {
+                ShardValues::F32(v) => std::borrow::Cow::Borrowed(&v[start..start + cols]),
+                ShardValues::F16(v) => {
+                    buf.clear();
+                    buf.extend(v[start..start + cols].iter().map(|h| h.to_f32()));
+                    std::borrow::Cow::Borrowed(buf.as_slice())
+                }
+            };
+            for tok in 0..t {
+                let a = u[tok * l + r];
+                if a != 0.0 {
+                    for (o, &w) in y[tok * cols..(tok + 1) * cols].iter_mut().zip(row.iter()) {
+                        *o += a * w;
+                    }
+                }
+            }
+        }
+    }
+
     /// Appends row `r` of sub-block `s` as f32 to `out`.
     pub fn push_row(&self, s: usize, r: usize, out: &mut Vec<f32>) {
         let start = (s * self.block_len + r) * self.cols;

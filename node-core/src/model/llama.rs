@@ -74,6 +74,10 @@ impl Stage {
 pub trait LinearExec {
     /// For each matrix of `stage`, `y = x · Wᵀ` with `x` of `t` rows; returns one `t × out` per matrix.
     fn linear(&mut self, stage: Stage, x: &[f32], t: usize) -> Result<Vec<Vec<f32>>, ModelError>;
+    /// For a stage, `Σ_matrix dy_matrix · W_matrix` with one `t × out` gradient per matrix:
+    /// the gradient of the stage's shared input (`t × in`), for the backward pass.
+    fn linear_t(&mut self, stage: Stage, dy: &[Vec<f32>], t: usize)
+    -> Result<Vec<f32>, ModelError>;
     /// The embedding rows of `tokens`, `tokens.len() × hidden`.
     fn embed(&mut self, tokens: &[u32]) -> Result<Vec<f32>, ModelError>;
 }
@@ -226,7 +230,7 @@ impl Llama {
             });
         }
         let d = cfg.hidden;
-        let (cos, sin) = self.rope_table(start, t);
+        let (cos, sin) = rope_table(&self.inv_freq, start, t);
         let mut x = exec.embed(tokens)?;
         expect_len(&x, t * d, "embedding")?;
         let mut h = vec![0.0f32; t * d];
@@ -238,8 +242,8 @@ impl Llama {
             let v = qkv.pop().unwrap_or_default();
             let mut k = qkv.pop().unwrap_or_default();
             let mut q = qkv.pop().unwrap_or_default();
-            rope(&mut q, cfg.heads, cfg.head_dim, &cos, &sin);
-            rope(&mut k, cfg.kv_heads, cfg.head_dim, &cos, &sin);
+            rotate(&mut q, cfg.heads, cfg.head_dim, &cos, &sin, 1.0);
+            rotate(&mut k, cfg.kv_heads, cfg.head_dim, &cos, &sin, 1.0);
             cache.keys[l].extend_from_slice(&k);
             cache.values[l].extend_from_slice(&v);
             let attn = self.attention(&q, &cache.keys[l], &cache.values[l], start, t);
@@ -267,19 +271,14 @@ impl Llama {
         Ok(logits.pop().unwrap_or_default())
     }
 
-    /// cos and sin of each (position, pair) for positions `start..start + t`.
-    fn rope_table(&self, start: usize, t: usize) -> (Vec<f32>, Vec<f32>) {
-        let half = self.inv_freq.len();
-        let mut cos = Vec::with_capacity(t * half);
-        let mut sin = Vec::with_capacity(t * half);
-        for p in start..start + t {
-            for &f in &self.inv_freq {
-                let angle = p as f64 * f;
-                cos.push(angle.cos() as f32);
-                sin.push(angle.sin() as f32);
-            }
-        }
-        (cos, sin)
+    /// The norm gains.
+    pub(crate) fn norms(&self) -> &LeaderWeights {
+        &self.norms
+    }
+
+    /// RoPE frequencies.
+    pub(crate) fn inv_freq(&self) -> &[f64] {
+        &self.inv_freq
     }
 
     /// Causal grouped-query attention of `t` new queries over the cached keys and values.
@@ -367,8 +366,31 @@ pub(crate) fn rms_norm(x: &[f32], gain: &[f32], eps: f32, out: &mut [f32]) {
     }
 }
 
-/// Rotates adjacent pairs `(2i, 2i+1)` of each head (GGML's normal RoPE layout).
-fn rope(x: &mut [f32], heads: usize, hd: usize, cos: &[f32], sin: &[f32]) {
+/// cos and sin of each (position, pair) for positions `start..start + t`.
+pub(crate) fn rope_table(inv_freq: &[f64], start: usize, t: usize) -> (Vec<f32>, Vec<f32>) {
+    let half = inv_freq.len();
+    let mut cos = Vec::with_capacity(t * half);
+    let mut sin = Vec::with_capacity(t * half);
+    for p in start..start + t {
+        for &f in inv_freq {
+            let angle = p as f64 * f;
+            cos.push(angle.cos() as f32);
+            sin.push(angle.sin() as f32);
+        }
+    }
+    (cos, sin)
+}
+
+/// Rotates adjacent pairs `(2i, 2i+1)` of each head (GGML's normal RoPE layout) by the
+/// position's angle; `direction` −1 rotates back (the transpose, for gradients).
+pub(crate) fn rotate(
+    x: &mut [f32],
+    heads: usize,
+    hd: usize,
+    cos: &[f32],
+    sin: &[f32],
+    direction: f32,
+) {
     let half = hd / 2;
     let width = heads * hd;
     for (pos, row) in x.chunks_exact_mut(width).enumerate() {
@@ -379,8 +401,9 @@ fn rope(x: &mut [f32], heads: usize, hd: usize, cos: &[f32], sin: &[f32]) {
         for head in row.chunks_exact_mut(hd) {
             for (i, pair) in head.as_chunks_mut::<2>().0.iter_mut().enumerate() {
                 let (a, b) = (pair[0], pair[1]);
-                pair[0] = a * c[i] - b * s[i];
-                pair[1] = a * s[i] + b * c[i];
+                let sn = direction * s[i];
+                pair[0] = a * c[i] - b * sn;
+                pair[1] = a * sn + b * c[i];
             }
         }
     }
@@ -399,7 +422,7 @@ pub(crate) fn softmax(v: &mut [f32]) {
     }
 }
 
-fn silu(x: f32) -> f32 {
+pub(crate) fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
 }
 

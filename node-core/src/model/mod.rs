@@ -8,6 +8,7 @@ mod generate;
 mod llama;
 mod sampling;
 mod tokenizer;
+mod train;
 mod weights;
 
 pub use config::LlamaConfig;
@@ -15,6 +16,7 @@ pub use generate::{GenerateOptions, Generation, StopReason, generate};
 pub use llama::{KvCache, LeaderWeights, LinearExec, Llama, Stage};
 pub use sampling::{Sampler, SamplingParams, argmax};
 pub use tokenizer::{ChatMessage, Tokenizer, TokenizerData};
+pub use train::{Gradients, StageGrad};
 pub use weights::{LayerWeights, Matrix, ModelWeights};
 
 use crate::gguf::GgufError;

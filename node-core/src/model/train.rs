@@ -1,0 +1,360 @@
+//! The leader's backward pass: next-token cross-entropy over a sequence, with every linear
+//! layer's input gradient computed through the [`LinearExec`] (coded transpose steps) and every
+//! weight gradient kept as factors `δW = dYᵀ·X` (DESIGN.md §1), never as full matrices.
+
+use super::llama::{Stage, rms_norm, rope_table, rotate, silu, softmax};
+use super::{LeaderWeights, LinearExec, Llama, ModelError};
+
+/// One linear stage's gradient, as factors: for matrix `m`, `δW_m = dy[m]ᵀ · x`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StageGrad {
+    /// The stage.
+    pub stage: Stage,
+    /// The stage's input, `t × in`.
+    pub x: Vec<f32>,
+    /// Per matrix, the gradient of its output, `t × out`.
+    pub dy: Vec<Vec<f32>>,
+}
+
+/// The gradient of the loss on one sequence.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Gradients {
+    /// Mean next-token cross-entropy (nats per predicted token).
+    pub loss: f64,
+    /// Positions `t` of the sequence.
+    pub t: usize,
+    /// Linear stages, in forward order; the LM head (the tied embedding when tied) last.
+    pub stages: Vec<StageGrad>,
+    /// Gradient of the embedding lookup: row `tokens[i]` of the embedding gets `embed_dx[i]`.
+    pub embed_dx: Vec<f32>,
+    /// The sequence's tokens.
+    pub tokens: Vec<u32>,
+    /// Gradients of the norm gains (replicated on every node).
+    pub norms: LeaderWeights,
+}
+
+/// What the forward pass keeps of one block for the backward pass.
+struct Saved {
+    x_in: Vec<f32>,
+    h1: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    probs: Vec<f32>,
+    attn: Vec<f32>,
+    x_mid: Vec<f32>,
+    h2: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    act: Vec<f32>,
+}
+
+/// `dx` and `dgain` of `y = rms_norm(x, gain)` given `dy`, row by row.
+fn rms_norm_backward(
+    x: &[f32],
+    gain: &[f32],
+    eps: f32,
+    dy: &[f32],
+    dx: &mut [f32],
+    dgain: &mut [f32],
+) {
+    let d = gain.len();
+    for ((row, g_out), dx_row) in x
+        .chunks_exact(d)
+        .zip(dy.chunks_exact(d))
+        .zip(dx.chunks_exact_mut(d))
+    {
+        let ms = row.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / d as f64;
+        let r = 1.0 / (ms + eps as f64).sqrt();
+        let mut dot = 0.0f64;
+        for i in 0..d {
+            let a = g_out[i] as f64 * gain[i] as f64;
+            dot += a * row[i] as f64;
+            dgain[i] += (g_out[i] as f64 * row[i] as f64 * r) as f32;
+        }
+        let c = r * r * r * dot / d as f64;
+        for i in 0..d {
+            let a = g_out[i] as f64 * gain[i] as f64;
+            dx_row[i] = (r * a - c * row[i] as f64) as f32;
+        }
+    }
+}
+
+fn take3(mut v: Vec<Vec<f32>>) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let c = v.pop().unwrap_or_default();
+    let b = v.pop().unwrap_or_default();
+    let a = v.pop().unwrap_or_default();
+    (a, b, c)
+}
+
+impl Llama {
+    /// Mean next-token cross-entropy of `tokens` and its gradient (`tokens.len() ≥ 2`).
+    pub fn gradients(
+        &self,
+        exec: &mut dyn LinearExec,
+        tokens: &[u32],
+    ) -> Result<Gradients, ModelError> {
+        let cfg = self.config().clone();
+        let t = tokens.len();
+        if t < 2 {
+            return Err(ModelError::Config(
+                "training needs at least two tokens".into(),
+            ));
+        }
+        if t > cfg.max_seq {
+            return Err(ModelError::ContextFull {
+                len: t,
+                max: cfg.max_seq,
+            });
+        }
+        if let Some(&id) = tokens.iter().find(|&&id| id as usize >= cfg.vocab) {
+            return Err(ModelError::TokenOutOfRange {
+                id,
+                vocab: cfg.vocab,
+            });
+        }
+        let (d, hd, qd, kvd) = (cfg.hidden, cfg.head_dim, cfg.q_dim(), cfg.kv_dim());
+        let group = cfg.heads / cfg.kv_heads;
+        let scale = 1.0 / (hd as f32).sqrt();
+        let norms = self.norms();
+        let (cos, sin) = rope_table(self.inv_freq(), 0, t);
+
+        // Forward, keeping what the backward pass needs.
+        let mut x = exec.embed(tokens)?;
+        let mut saved = Vec::with_capacity(cfg.layers);
+        for l in 0..cfg.layers {
+            let layer = l as u32;
+            let x_in = x.clone();
+            let mut h1 = vec![0.0f32; t * d];
+            rms_norm(&x, &norms.attn_norm[l], cfg.norm_eps, &mut h1);
+            let (mut q, mut k, v) = take3(exec.linear(Stage::Qkv(layer), &h1, t)?);
+            rotate(&mut q, cfg.heads, hd, &cos, &sin, 1.0);
+            rotate(&mut k, cfg.kv_heads, hd, &cos, &sin, 1.0);
+            let mut probs = vec![0.0f32; t * cfg.heads * t];
+            let mut attn = vec![0.0f32; t * qd];
+            for i in 0..t {
+                for head in 0..cfg.heads {
+                    let kvh = head / group;
+                    let qv = &q[i * qd + head * hd..i * qd + (head + 1) * hd];
+                    let p =
+                        &mut probs[(i * cfg.heads + head) * t..(i * cfg.heads + head) * t + i + 1];
+                    for (pos, s) in p.iter_mut().enumerate() {
+                        *s = crate::compute::dot(
+                            qv,
+                            &k[pos * kvd + kvh * hd..pos * kvd + (kvh + 1) * hd],
+                        ) * scale;
+                    }
+                    softmax(p);
+                    let o = &mut attn[i * qd + head * hd..i * qd + (head + 1) * hd];
+                    for (pos, &w) in p.iter().enumerate() {
+                        for (a, &b) in o
+                            .iter_mut()
+                            .zip(&v[pos * kvd + kvh * hd..pos * kvd + (kvh + 1) * hd])
+                        {
+                            *a += w * b;
+                        }
+                    }
+                }
+            }
+            let o = exec.linear(Stage::AttnOut(layer), &attn, t)?;
+            x.iter_mut()
+                .zip(o.first().map_or(&[][..], |v| v))
+                .for_each(|(a, &b)| *a += b);
+            let x_mid = x.clone();
+            let mut h2 = vec![0.0f32; t * d];
+            rms_norm(&x, &norms.ffn_norm[l], cfg.norm_eps, &mut h2);
+            let mut gu = exec.linear(Stage::GateUp(layer), &h2, t)?;
+            let up = gu.pop().unwrap_or_default();
+            let gate = gu.pop().unwrap_or_default();
+            let act: Vec<f32> = gate.iter().zip(&up).map(|(&g, &u)| silu(g) * u).collect();
+            let down = exec.linear(Stage::Down(layer), &act, t)?;
+            x.iter_mut()
+                .zip(down.first().map_or(&[][..], |v| v))
+                .for_each(|(a, &b)| *a += b);
+            saved.push(Saved {
+                x_in,
+                h1,
+                q,
+                k,
+                v,
+                probs,
+                attn,
+                x_mid,
+                h2,
+                gate,
+                up,
+                act,
+            });
+        }
+        let mut hf = vec![0.0f32; t * d];
+        rms_norm(&x, &norms.final_norm, cfg.norm_eps, &mut hf);
+        let logits = exec
+            .linear(Stage::LmHead, &hf, t)?
+            .pop()
+            .unwrap_or_default();
+        if logits.len() != t * cfg.vocab {
+            return Err(ModelError::Config(
+                "the LM head returned the wrong shape".into(),
+            ));
+        }
+
+        // Loss and its gradient on the logits.
+        let v_n = cfg.vocab;
+        let predicted = (t - 1) as f64;
+        let mut dlogits = vec![0.0f32; t * v_n];
+        let mut loss = 0.0f64;
+        for i in 0..t - 1 {
+            let row = &logits[i * v_n..(i + 1) * v_n];
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+            let sum: f64 = row.iter().map(|&z| (z as f64 - max).exp()).sum();
+            let target = tokens[i + 1] as usize;
+            loss += sum.ln() + max - row[target] as f64;
+            let drow = &mut dlogits[i * v_n..(i + 1) * v_n];
+            for (dz, &z) in drow.iter_mut().zip(row) {
+                *dz = (((z as f64 - max).exp() / sum) / predicted) as f32;
+            }
+            drow[target] -= (1.0 / predicted) as f32;
+        }
+        loss /= predicted;
+
+        // Backward.
+        let mut grads = LeaderWeights {
+            attn_norm: vec![vec![0.0; d]; cfg.layers],
+            ffn_norm: vec![vec![0.0; d]; cfg.layers],
+            final_norm: vec![0.0; d],
+        };
+        let mut stages = Vec::with_capacity(4 * cfg.layers + 1);
+        let dhf = exec.linear_t(Stage::LmHead, std::slice::from_ref(&dlogits), t)?;
+        stages.push(StageGrad {
+            stage: Stage::LmHead,
+            x: hf,
+            dy: vec![dlogits],
+        });
+        let mut dx = vec![0.0f32; t * d];
+        rms_norm_backward(
+            &x,
+            &norms.final_norm,
+            cfg.norm_eps,
+            &dhf,
+            &mut dx,
+            &mut grads.final_norm,
+        );
+        let mut tmp = vec![0.0f32; t * d];
+        for l in (0..cfg.layers).rev() {
+            let layer = l as u32;
+            let s = saved
+                .pop()
+                .ok_or_else(|| ModelError::Config("lost a block's activations".into()))?;
+            // Down projection.
+            let dact = exec.linear_t(Stage::Down(layer), std::slice::from_ref(&dx), t)?;
+            stages.push(StageGrad {
+                stage: Stage::Down(layer),
+                x: s.act,
+                dy: vec![dx.clone()],
+            });
+            // SwiGLU.
+            let mut dgate = vec![0.0f32; dact.len()];
+            let mut dup = vec![0.0f32; dact.len()];
+            for i in 0..dact.len() {
+                let (g, u) = (s.gate[i], s.up[i]);
+                let sig = 1.0 / (1.0 + (-g).exp());
+                dup[i] = dact[i] * g * sig;
+                dgate[i] = dact[i] * u * sig * (1.0 + g * (1.0 - sig));
+            }
+            let dys = vec![dgate, dup];
+            let dh2 = exec.linear_t(Stage::GateUp(layer), &dys, t)?;
+            stages.push(StageGrad {
+                stage: Stage::GateUp(layer),
+                x: s.h2,
+                dy: dys,
+            });
+            rms_norm_backward(
+                &s.x_mid,
+                &norms.ffn_norm[l],
+                cfg.norm_eps,
+                &dh2,
+                &mut tmp,
+                &mut grads.ffn_norm[l],
+            );
+            dx.iter_mut().zip(&tmp).for_each(|(a, &b)| *a += b);
+            // Attention output projection.
+            let dattn = exec.linear_t(Stage::AttnOut(layer), std::slice::from_ref(&dx), t)?;
+            stages.push(StageGrad {
+                stage: Stage::AttnOut(layer),
+                x: s.attn,
+                dy: vec![dx.clone()],
+            });
+            // Attention.
+            let mut dq = vec![0.0f32; t * qd];
+            let mut dk = vec![0.0f32; t * kvd];
+            let mut dv = vec![0.0f32; t * kvd];
+            let mut dp = vec![0.0f32; t];
+            for i in 0..t {
+                for head in 0..cfg.heads {
+                    let kvh = head / group;
+                    let p =
+                        &s.probs[(i * cfg.heads + head) * t..(i * cfg.heads + head) * t + i + 1];
+                    let dout = &dattn[i * qd + head * hd..i * qd + (head + 1) * hd];
+                    let mut sum = 0.0f32;
+                    for pos in 0..=i {
+                        let vv = &s.v[pos * kvd + kvh * hd..pos * kvd + (kvh + 1) * hd];
+                        dp[pos] = crate::compute::dot(dout, vv);
+                        sum += p[pos] * dp[pos];
+                        for (a, &b) in dv[pos * kvd + kvh * hd..pos * kvd + (kvh + 1) * hd]
+                            .iter_mut()
+                            .zip(dout)
+                        {
+                            *a += p[pos] * b;
+                        }
+                    }
+                    let qv = &s.q[i * qd + head * hd..i * qd + (head + 1) * hd];
+                    for pos in 0..=i {
+                        let ds = p[pos] * (dp[pos] - sum) * scale;
+                        let kv = &s.k[pos * kvd + kvh * hd..pos * kvd + (kvh + 1) * hd];
+                        for (a, &b) in dq[i * qd + head * hd..i * qd + (head + 1) * hd]
+                            .iter_mut()
+                            .zip(kv)
+                        {
+                            *a += ds * b;
+                        }
+                        for (a, &b) in dk[pos * kvd + kvh * hd..pos * kvd + (kvh + 1) * hd]
+                            .iter_mut()
+                            .zip(qv)
+                        {
+                            *a += ds * b;
+                        }
+                    }
+                }
+            }
+            // RoPE is a rotation: its transpose rotates back.
+            rotate(&mut dq, cfg.heads, hd, &cos, &sin, -1.0);
+            rotate(&mut dk, cfg.kv_heads, hd, &cos, &sin, -1.0);
+            let dys = vec![dq, dk, dv];
+            let dh1 = exec.linear_t(Stage::Qkv(layer), &dys, t)?;
+            stages.push(StageGrad {
+                stage: Stage::Qkv(layer),
+                x: s.h1,
+                dy: dys,
+            });
+            rms_norm_backward(
+                &s.x_in,
+                &norms.attn_norm[l],
+                cfg.norm_eps,
+                &dh1,
+                &mut tmp,
+                &mut grads.attn_norm[l],
+            );
+            dx.iter_mut().zip(&tmp).for_each(|(a, &b)| *a += b);
+            drop(s.x_in);
+        }
+        stages.reverse();
+        Ok(Gradients {
+            loss,
+            t,
+            stages,
+            embed_dx: dx,
+            tokens: tokens.to_vec(),
+            norms: grads,
+        })
+    }
+}

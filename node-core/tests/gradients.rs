@@ -1,0 +1,208 @@
+//! The backward pass against finite differences on a small synthetic model, and the coded
+//! backward pass (transpose steps through k of n members) against the uncoded one.
+
+#![allow(clippy::unwrap_used)] // a test: a failed unwrap is a failed test
+
+use node_core::code::Generator;
+use node_core::coded::{CodedGroup, InProcess, ShardFormat};
+use node_core::model::{Gradients, LeaderWeights, Llama, LlamaConfig, ModelWeights, Stage};
+
+fn config(tied: bool) -> LlamaConfig {
+    LlamaConfig {
+        hidden: 32,
+        ffn: 48,
+        layers: 2,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 8,
+        vocab: 64,
+        norm_eps: 1e-5,
+        rope_theta: 10_000.0,
+        max_seq: 16,
+        tied_embeddings: tied,
+    }
+}
+
+const TOKENS: [u32; 7] = [3, 17, 60, 42, 9, 17, 5];
+
+fn grads(w: &ModelWeights, n: usize, k: usize, nodes: &[usize]) -> Gradients {
+    let g = if n == 1 {
+        Generator::uncoded()
+    } else {
+        Generator::cauchy(n, k).unwrap()
+    };
+    let mesh = InProcess::encode(w, &g, ShardFormat::F32, &|_, _| {}).unwrap();
+    let mut group = CodedGroup::new(w.cfg.clone(), g, nodes, mesh).unwrap();
+    let llama = Llama::new(w.cfg.clone(), LeaderWeights::from_model(w)).unwrap();
+    llama.gradients(&mut group, &TOKENS).unwrap()
+}
+
+fn loss(w: &ModelWeights) -> f64 {
+    grads(w, 1, 1, &[0]).loss
+}
+
+/// `δW[r][c]` of matrix `m` of `stage` from its factors.
+fn factor_entry(g: &Gradients, stage: Stage, m: usize, r: usize, c: usize) -> f64 {
+    let s = g.stages.iter().find(|s| s.stage == stage).unwrap();
+    let inp = s.x.len() / g.t;
+    let out = s.dy[m].len() / g.t;
+    (0..g.t)
+        .map(|tok| s.dy[m][tok * out + r] as f64 * s.x[tok * inp + c] as f64)
+        .sum()
+}
+
+/// The entry with the largest gradient of a factor pair (a well-measurable one).
+fn largest(g: &Gradients, stage: Stage, m: usize) -> (usize, usize) {
+    let s = g.stages.iter().find(|s| s.stage == stage).unwrap();
+    let (inp, out) = (s.x.len() / g.t, s.dy[m].len() / g.t);
+    let mut best = (0, 0, 0.0f64);
+    for r in 0..out {
+        for c in 0..inp {
+            let v = factor_entry(g, stage, m, r, c).abs();
+            if v > best.2 {
+                best = (r, c, v);
+            }
+        }
+    }
+    (best.0, best.1)
+}
+
+/// Picks one weight matrix's values out of a model.
+type Field = fn(&mut ModelWeights) -> &mut Vec<f32>;
+
+fn central_difference(w: &ModelWeights, edit: impl Fn(&mut ModelWeights, f32)) -> f64 {
+    let h = 1e-2f32;
+    let mut plus = w.clone();
+    edit(&mut plus, h);
+    let mut minus = w.clone();
+    edit(&mut minus, -h);
+    (loss(&plus) - loss(&minus)) / (2.0 * h as f64)
+}
+
+fn close(analytic: f64, numeric: f64, what: &str) {
+    let err = (analytic - numeric).abs();
+    assert!(
+        err <= 2e-3 + 2e-2 * analytic.abs(),
+        "{what}: analytic {analytic:.6} vs finite difference {numeric:.6}"
+    );
+}
+
+#[test]
+fn gradients_match_finite_differences() {
+    for tied in [true, false] {
+        let w = ModelWeights::synthetic(config(tied), 7).unwrap();
+        let g = grads(&w, 1, 1, &[0]);
+        assert!(g.loss > 1.0 && g.loss.is_finite(), "loss {}", g.loss);
+        // One well-measurable entry of every matrix of block 1 and of block 0's attention.
+        let cases: [(Stage, usize, Field); 9] = [
+            (Stage::Qkv(0), 0, |w| &mut w.layers[0].q.data),
+            (Stage::Qkv(0), 1, |w| &mut w.layers[0].k.data),
+            (Stage::Qkv(1), 2, |w| &mut w.layers[1].v.data),
+            (Stage::AttnOut(0), 0, |w| &mut w.layers[0].o.data),
+            (Stage::GateUp(1), 0, |w| &mut w.layers[1].gate.data),
+            (Stage::GateUp(1), 1, |w| &mut w.layers[1].up.data),
+            (Stage::Down(0), 0, |w| &mut w.layers[0].down.data),
+            (Stage::Down(1), 0, |w| &mut w.layers[1].down.data),
+            (Stage::Qkv(1), 0, |w| &mut w.layers[1].q.data),
+        ];
+        for (stage, m, data) in cases {
+            let (r, c) = largest(&g, stage, m);
+            let cols = g.stages.iter().find(|s| s.stage == stage).unwrap().x.len() / g.t;
+            let analytic = factor_entry(&g, stage, m, r, c);
+            let numeric = central_difference(&w, |w, h| data(w)[r * cols + c] += h);
+            close(
+                analytic,
+                numeric,
+                &format!("{stage:?} matrix {m} [{r}][{c}] (tied {tied})"),
+            );
+        }
+        // The LM head; tied, its gradient adds the embedding lookup's rows.
+        let (r, c) = largest(&g, Stage::LmHead, 0);
+        let d = w.cfg.hidden;
+        let mut analytic = factor_entry(&g, Stage::LmHead, 0, r, c);
+        if tied {
+            analytic += TOKENS
+                .iter()
+                .enumerate()
+                .filter(|&(_, &tok)| tok as usize == r)
+                .map(|(i, _)| g.embed_dx[i * d + c] as f64)
+                .sum::<f64>();
+        }
+        let numeric = central_difference(&w, |w, h| match &mut w.lm_head {
+            Some(m) => m.data[r * d + c] += h,
+            None => w.embed.data[r * d + c] += h,
+        });
+        close(
+            analytic,
+            numeric,
+            &format!("LM head [{r}][{c}] (tied {tied})"),
+        );
+        // An embedding row of a token of the sequence.
+        let (r, c) = (TOKENS[2] as usize, 5);
+        let mut analytic = TOKENS
+            .iter()
+            .enumerate()
+            .filter(|&(_, &tok)| tok as usize == r)
+            .map(|(i, _)| g.embed_dx[i * d + c] as f64)
+            .sum::<f64>();
+        if tied {
+            analytic += factor_entry(&g, Stage::LmHead, 0, r, c);
+        }
+        let numeric = central_difference(&w, |w, h| w.embed.data[r * d + c] += h);
+        close(
+            analytic,
+            numeric,
+            &format!("embedding [{r}][{c}] (tied {tied})"),
+        );
+        // Norm gains, replicated on the leader.
+        for (analytic, edit) in [
+            (
+                g.norms.attn_norm[0][3] as f64,
+                (|w: &mut ModelWeights, h| w.layers[0].attn_norm[3] += h)
+                    as fn(&mut ModelWeights, f32),
+            ),
+            (g.norms.ffn_norm[1][7] as f64, |w: &mut ModelWeights, h| {
+                w.layers[1].ffn_norm[7] += h
+            }),
+            (g.norms.final_norm[11] as f64, |w: &mut ModelWeights, h| {
+                w.final_norm[11] += h
+            }),
+        ] {
+            close(
+                analytic,
+                central_difference(&w, edit),
+                &format!("norm gain (tied {tied})"),
+            );
+        }
+    }
+}
+
+fn rel(a: &[f32], b: &[f32]) -> f64 {
+    let num: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
+    let den: f64 = b.iter().map(|&y| (y as f64).powi(2)).sum();
+    (num / den.max(1e-30)).sqrt()
+}
+
+#[test]
+fn coded_backward_matches_the_uncoded_one_for_every_group() {
+    let w = ModelWeights::synthetic(config(true), 11).unwrap();
+    let reference = grads(&w, 1, 1, &[0]);
+    let mut worst = 0.0f64;
+    for nodes in [[0, 1, 2], [0, 2, 4], [1, 3, 4], [2, 3, 4]] {
+        let coded = grads(&w, 5, 3, &nodes);
+        assert!((coded.loss - reference.loss).abs() < 1e-4 * reference.loss);
+        worst = worst.max(rel(&coded.embed_dx, &reference.embed_dx));
+        for (c, r) in coded.stages.iter().zip(&reference.stages) {
+            assert_eq!(c.stage, r.stage);
+            worst = worst.max(rel(&c.x, &r.x));
+            for (a, b) in c.dy.iter().zip(&r.dy) {
+                worst = worst.max(rel(a, b));
+            }
+        }
+    }
+    assert!(
+        worst < 1e-4,
+        "coded gradients differ from uncoded by {worst:.2e}"
+    );
+    eprintln!("coded backward: worst relative difference {worst:.2e}");
+}
