@@ -34,6 +34,7 @@ pub mod code;
 pub mod coded;
 pub mod compute;
 pub mod gguf;
+pub mod learn;
 pub mod mesh;
 pub mod model;
 pub mod net;

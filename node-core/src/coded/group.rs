@@ -101,6 +101,11 @@ impl InProcess {
     pub fn members(&self) -> &[Member] {
         &self.members
     }
+
+    /// The members, to apply a learning update to each.
+    pub fn members_mut(&mut self) -> &mut [Member] {
+        &mut self.members
+    }
 }
 
 impl Transport for InProcess {
@@ -254,6 +259,11 @@ impl<T: Transport> CodedGroup<T> {
     /// The transport.
     pub fn transport(&self) -> &T {
         &self.transport
+    }
+
+    /// The transport, mutably (to reach in-process members between requests).
+    pub fn transport_mut(&mut self) -> &mut T {
+        &mut self.transport
     }
 
     /// Sends one request to the group and decodes the first k usable answers into `[block j'][c]`.

@@ -20,6 +20,11 @@ impl Member {
         &self.shards
     }
 
+    /// The shards, to apply a learning update.
+    pub fn shards_mut(&mut self) -> &mut ShardSet {
+        &mut self.shards
+    }
+
     /// Answers one request; failures become a `Failed` answer, never a panic.
     pub fn handle(&self, req: &StepRequest) -> StepResponse {
         match self.compute(req) {

@@ -1,0 +1,382 @@
+//! Learning updates: one request's gradient as factors, clipped and scaled into an SGD step that
+//! every node applies to its own shard (`δS_i = (Σ_j G[i,j]·dY_j)ᵀ·X`), so the shards stay one
+//! codeword. Plain SGD only: it is linear, the code survives it (DESIGN.md §1).
+
+use serde::{Deserialize, Serialize};
+
+use crate::coded::{CodedError, Shard, ShardSet, ShardValues};
+use crate::model::{Gradients, LeaderWeights, LlamaConfig, ModelWeights, Stage, StageGrad};
+
+/// One SGD step as factors: `W ← W − step · dYᵀ·X` for every stage.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Update {
+    /// Learning rate times the clipping factor.
+    pub step: f32,
+    /// Positions of the sequence.
+    pub t: u32,
+    /// Per stage: its input `x` (`t × in`) and, per matrix, its output gradient (`t × out`).
+    pub stages: Vec<(Stage, Vec<f32>, Vec<Vec<f32>>)>,
+    /// Tokens whose embedding rows the lookup's gradient reaches.
+    pub embed_tokens: Vec<u32>,
+    /// The lookup's gradient, `t × hidden`.
+    pub embed_dx: Vec<f32>,
+    /// Gradients of the norm gains.
+    pub norms: LeaderWeights,
+}
+
+/// A learning update that cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum UpdateError {
+    /// Shapes do not match the model.
+    #[error("update does not fit the model: {0}")]
+    Shape(String),
+    /// NaN or infinity in the update.
+    #[error("update holds a non-finite value")]
+    NotFinite,
+    /// The step is larger than allowed.
+    #[error("update step {step} with gradient norm {norm} exceeds the bound {bound}")]
+    TooLarge {
+        /// The step size.
+        step: f32,
+        /// The gradient's norm.
+        norm: f64,
+        /// The largest accepted `step · norm`.
+        bound: f64,
+    },
+    /// Applying it to a shard failed.
+    #[error("applying the update: {0}")]
+    Apply(#[from] CodedError),
+}
+
+/// `‖dYᵀ·X‖_F²` from the factors: `Σ_{a,b} ⟨x_a, x_b⟩·⟨dy_a, dy_b⟩`, without forming `dYᵀ·X`.
+fn factor_norm_sq(x: &[f32], dy: &[f32], t: usize) -> f64 {
+    if t == 0 {
+        return 0.0;
+    }
+    let (inp, out) = (x.len() / t, dy.len() / t);
+    let dot = |v: &[f32], a: usize, b: usize, w: usize| -> f64 {
+        v[a * w..(a + 1) * w]
+            .iter()
+            .zip(&v[b * w..(b + 1) * w])
+            .map(|(&p, &q)| p as f64 * q as f64)
+            .sum()
+    };
+    let mut sum = 0.0;
+    for a in 0..t {
+        for b in 0..t {
+            sum += dot(x, a, b, inp) * dot(dy, a, b, out);
+        }
+    }
+    sum
+}
+
+/// Largest `step · ‖gradient‖` a node accepts from a peer.
+pub const MAX_STEP_NORM: f64 = 10.0;
+
+impl Update {
+    /// The SGD step of a gradient: learning rate `lr`, gradient clipped to norm `clip`.
+    pub fn from_gradients(g: Gradients, lr: f32, clip: f32) -> Self {
+        let mut u = Self {
+            step: lr,
+            t: g.t as u32,
+            stages: g
+                .stages
+                .into_iter()
+                .map(|StageGrad { stage, x, dy }| (stage, x, dy))
+                .collect(),
+            embed_tokens: g.tokens,
+            embed_dx: g.embed_dx,
+            norms: g.norms,
+        };
+        let norm = u.gradient_norm();
+        if norm > clip as f64 && norm > 0.0 {
+            u.step = (lr as f64 * clip as f64 / norm) as f32;
+        }
+        u
+    }
+
+    /// Frobenius norm of the whole gradient (tied embedding parts counted apart: a bound).
+    pub fn gradient_norm(&self) -> f64 {
+        let t = self.t as usize;
+        let mut sq: f64 = self
+            .stages
+            .iter()
+            .flat_map(|(_, x, dys)| dys.iter().map(move |dy| factor_norm_sq(x, dy, t)))
+            .sum();
+        sq += self
+            .embed_dx
+            .iter()
+            .map(|&v| (v as f64).powi(2))
+            .sum::<f64>();
+        sq += self
+            .norms
+            .attn_norm
+            .iter()
+            .chain(&self.norms.ffn_norm)
+            .chain(std::iter::once(&self.norms.final_norm))
+            .flatten()
+            .map(|&v| (v as f64).powi(2))
+            .sum::<f64>();
+        sq.sqrt()
+    }
+
+    /// An id for the update: a hash of its contents.
+    pub fn id(&self) -> u64 {
+        let bytes = postcard::to_allocvec(self).unwrap_or_default();
+        let h = blake3::hash(&bytes);
+        let mut id = [0u8; 8];
+        id.copy_from_slice(&h.as_bytes()[..8]);
+        u64::from_le_bytes(id)
+    }
+
+    /// Checks shapes, finiteness and the step bound before anything is applied.
+    pub fn validate(&self, cfg: &LlamaConfig) -> Result<(), UpdateError> {
+        let t = self.t as usize;
+        let shape = |m: String| Err(UpdateError::Shape(m));
+        if t == 0 || t > cfg.max_seq {
+            return shape(format!("{t} positions"));
+        }
+        let expected = Stage::all(cfg);
+        if self.stages.len() != expected.len()
+            || self
+                .stages
+                .iter()
+                .zip(&expected)
+                .any(|((s, _, _), e)| s != e)
+        {
+            return shape("the stages are not the model's".into());
+        }
+        for (stage, x, dys) in &self.stages {
+            let shapes = stage.shapes(cfg);
+            let inp = shapes.first().map_or(0, |s| s.1);
+            if x.len() != t * inp
+                || dys.len() != shapes.len()
+                || dys
+                    .iter()
+                    .zip(&shapes)
+                    .any(|(dy, &(out, _))| dy.len() != t * out)
+            {
+                return shape(format!("{stage:?} has the wrong factor shapes"));
+            }
+        }
+        if self.embed_tokens.len() != t
+            || self.embed_dx.len() != t * cfg.hidden
+            || self
+                .embed_tokens
+                .iter()
+                .any(|&tok| tok as usize >= cfg.vocab)
+        {
+            return shape("the embedding gradient has the wrong shape".into());
+        }
+        let n = &self.norms;
+        if n.attn_norm.len() != cfg.layers
+            || n.ffn_norm.len() != cfg.layers
+            || n.final_norm.len() != cfg.hidden
+            || n.attn_norm
+                .iter()
+                .chain(&n.ffn_norm)
+                .any(|g| g.len() != cfg.hidden)
+        {
+            return shape("the norm gradients have the wrong shape".into());
+        }
+        let finite = self.step.is_finite()
+            && self
+                .stages
+                .iter()
+                .all(|(_, x, dys)| x.iter().chain(dys.iter().flatten()).all(|v| v.is_finite()))
+            && self.embed_dx.iter().all(|v| v.is_finite());
+        if !finite {
+            return Err(UpdateError::NotFinite);
+        }
+        let norm = self.gradient_norm();
+        if !norm.is_finite() {
+            return Err(UpdateError::NotFinite);
+        }
+        if self.step < 0.0 || self.step as f64 * norm > MAX_STEP_NORM {
+            return Err(UpdateError::TooLarge {
+                step: self.step,
+                norm,
+                bound: MAX_STEP_NORM,
+            });
+        }
+        Ok(())
+    }
+
+    /// The factors that update a coded matrix of the model, tied embedding included:
+    /// for the embedding, the LM head's `(dlogits, h)` and the lookup's `(onehot, dx)`.
+    fn embedding_rows(&self) -> impl Iterator<Item = (u32, &[f32])> {
+        let d = self.embed_dx.len() / self.t.max(1) as usize;
+        self.embed_tokens
+            .iter()
+            .copied()
+            .zip(self.embed_dx.chunks_exact(d.max(1)))
+    }
+
+    /// Applies the step to uncoded weights (the reference every coded node must match).
+    pub fn apply_to_weights(&self, w: &mut ModelWeights) -> Result<(), UpdateError> {
+        self.validate(&w.cfg)?;
+        let t = self.t as usize;
+        for (stage, x, dys) in &self.stages {
+            let mats: Vec<&mut crate::model::Matrix> = match stage.layer() {
+                Some(l) => {
+                    let b = &mut w.layers[l];
+                    let all = [
+                        &mut b.q,
+                        &mut b.k,
+                        &mut b.v,
+                        &mut b.o,
+                        &mut b.gate,
+                        &mut b.up,
+                        &mut b.down,
+                    ];
+                    let wanted = stage_matrix_indices(*stage);
+                    all.into_iter()
+                        .enumerate()
+                        .filter(|(i, _)| wanted.contains(i))
+                        .map(|(_, m)| m)
+                        .collect()
+                }
+                None => vec![w.lm_head.as_mut().unwrap_or(&mut w.embed)],
+            };
+            for (m, dy) in mats.into_iter().zip(dys) {
+                for tok in 0..t {
+                    let xr = &x[tok * m.cols..(tok + 1) * m.cols];
+                    for r in 0..m.rows {
+                        let a = self.step * dy[tok * m.rows + r];
+                        if a != 0.0 {
+                            for (v, &xv) in m.data[r * m.cols..(r + 1) * m.cols].iter_mut().zip(xr)
+                            {
+                                *v -= a * xv;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        let d = w.cfg.hidden;
+        for (tok, dx) in self.embedding_rows() {
+            let row = &mut w.embed.data[tok as usize * d..(tok as usize + 1) * d];
+            row.iter_mut()
+                .zip(dx)
+                .for_each(|(v, &g)| *v -= self.step * g);
+        }
+        for (l, layer) in w.layers.iter_mut().enumerate() {
+            sub(&mut layer.attn_norm, &self.norms.attn_norm[l], self.step);
+            sub(&mut layer.ffn_norm, &self.norms.ffn_norm[l], self.step);
+        }
+        sub(&mut w.final_norm, &self.norms.final_norm, self.step);
+        Ok(())
+    }
+
+    /// Applies the step to the leader's replicated norm gains.
+    pub fn apply_to_norms(&self, n: &mut LeaderWeights) {
+        for (g, d) in n.attn_norm.iter_mut().zip(&self.norms.attn_norm) {
+            sub(g, d, self.step);
+        }
+        for (g, d) in n.ffn_norm.iter_mut().zip(&self.norms.ffn_norm) {
+            sub(g, d, self.step);
+        }
+        sub(&mut n.final_norm, &self.norms.final_norm, self.step);
+    }
+
+    /// Applies the step to one node's shards: `δS_i = (Σ_j G[i,j]·dY_j)ᵀ·X` per matrix.
+    pub fn apply_to_shards(&self, s: &mut ShardSet) -> Result<(), UpdateError> {
+        self.validate(&s.cfg)?;
+        let t = self.t as usize;
+        let g = s.generator.clone();
+        let coeffs = g.coeffs(s.node).to_vec();
+        let (m, km) = (g.sub_blocks(), g.k() * g.sub_blocks());
+        for (stage, x, dys) in &self.stages {
+            let idx = stage_matrix_indices(*stage);
+            for (i, dy) in dys.iter().enumerate() {
+                let shard = match stage.layer() {
+                    Some(l) => &mut s.blocks[l][idx[i]],
+                    None => s.lm_head.as_mut().unwrap_or(&mut s.embed),
+                };
+                apply_factor(shard, &coeffs, m, km, dy, x, t, self.step)?;
+            }
+        }
+        // The embedding lookup: dY is one-hot rows, so only the tokens' blocks move.
+        let d = s.cfg.hidden;
+        let vocab = s.cfg.vocab;
+        let mut onehot = vec![0.0f32; t * vocab];
+        for (i, &tok) in self.embed_tokens.iter().enumerate() {
+            onehot[i * vocab + tok as usize] = 1.0;
+        }
+        apply_factor(
+            &mut s.embed,
+            &coeffs,
+            m,
+            km,
+            &onehot,
+            &self.embed_dx,
+            t,
+            self.step,
+        )?;
+        debug_assert_eq!(self.embed_dx.len(), t * d);
+        Ok(())
+    }
+}
+
+fn sub(v: &mut [f32], d: &[f32], step: f32) {
+    v.iter_mut().zip(d).for_each(|(a, &b)| *a -= step * b);
+}
+
+/// Indices of a stage's matrices among a block's seven.
+fn stage_matrix_indices(stage: Stage) -> &'static [usize] {
+    match stage {
+        Stage::Qkv(_) => &[0, 1, 2],
+        Stage::AttnOut(_) => &[3],
+        Stage::GateUp(_) => &[4, 5],
+        Stage::Down(_) => &[6],
+        Stage::LmHead => &[],
+    }
+}
+
+/// `S_s −= step · (Σ_j c[s][j]·dY_j)ᵀ·X` for every sub-block `s` of one shard.
+#[allow(clippy::too_many_arguments)]
+fn apply_factor(
+    shard: &mut Shard,
+    coeffs: &[f64],
+    m: usize,
+    km: usize,
+    dy: &[f32],
+    x: &[f32],
+    t: usize,
+    step: f32,
+) -> Result<(), CodedError> {
+    let (out, l, cols) = (shard.out, shard.block_len, shard.cols);
+    if dy.len() != t * out || x.len() != t * cols {
+        return Err(CodedError::BadRequest(
+            "update factors do not fit the shard".into(),
+        ));
+    }
+    let ShardValues::F32(values) = &mut shard.values else {
+        return Err(CodedError::BadRequest("learning needs f32 shards".into()));
+    };
+    let mut coded = vec![0.0f64; l];
+    for s in 0..m {
+        for tok in 0..t {
+            // The coded output gradient of this sub-block for one position.
+            coded.iter_mut().for_each(|c| *c = 0.0);
+            for j in 0..km {
+                let c = coeffs[s * km + j];
+                let first = j * l;
+                for (r, acc) in coded.iter_mut().enumerate() {
+                    if first + r < out {
+                        *acc += c * dy[tok * out + first + r] as f64;
+                    }
+                }
+            }
+            let xr = &x[tok * cols..(tok + 1) * cols];
+            for (r, &a) in coded.iter().enumerate() {
+                let a = step * a as f32;
+                if a != 0.0 {
+                    let row = &mut values[(s * l + r) * cols..(s * l + r + 1) * cols];
+                    row.iter_mut().zip(xr).for_each(|(v, &xv)| *v -= a * xv);
+                }
+            }
+        }
+    }
+    Ok(())
+}
