@@ -221,7 +221,10 @@ mod tests {
         futures::executor::block_on(async {
             let proto = StreamProtocol::new(MESH_PROTOCOL);
             let mut buf = Vec::new();
-            let req = MeshRequest::Step(vec![7; 10_000]);
+            let req = MeshRequest::Step {
+                version: [1; 32],
+                bytes: vec![7; 10_000],
+            };
             MeshCodec
                 .write_request(&proto, &mut futures::io::Cursor::new(&mut buf), req.clone())
                 .await

@@ -114,6 +114,15 @@ struct SeedArgs {
     /// Shard storage: f32 or f16.
     #[arg(long, default_value = "f32")]
     shard_format: ShardFormat,
+    /// Requests do not train the model.
+    #[arg(long)]
+    no_learning: bool,
+    /// SGD learning rate of the mesh.
+    #[arg(long, default_value_t = 1e-4)]
+    lr: f32,
+    /// Gradient clipping norm.
+    #[arg(long, default_value_t = 1.0)]
+    clip: f32,
     #[command(flatten)]
     net: NetArgs,
 }
@@ -197,7 +206,19 @@ fn main() {
         Command::Seed(args) => runtime().and_then(|rt| {
             let opts = args.net.options(None)?;
             let model = model_path(&args.model)?;
-            rt.block_on(node::seed(opts, model, args.k, args.n, args.shard_format))
+            let learning = node_core::mesh::LearningConfig {
+                enabled: !args.no_learning,
+                lr: args.lr,
+                clip: args.clip,
+            };
+            rt.block_on(node::seed(
+                opts,
+                model,
+                args.k,
+                args.n,
+                args.shard_format,
+                learning,
+            ))
         }),
         Command::Node(args) => runtime().and_then(|rt| {
             let opts = args.net.options(args.bootstrap.clone())?;
@@ -453,10 +474,25 @@ fn run_generate_mesh(args: GenerateArgs, bootstrap: libp2p::Multiaddr) -> Result
         n: g.n(),
         ..args
     };
-    let (out, _) = generate_and_print(&leader.llama, &leader.tokenizer, &mut leader.group, &args)?;
+    let (out, prompt) =
+        generate_and_print(&leader.llama, &leader.tokenizer, &mut leader.group, &args)?;
     let compute = leader.group.transport().stats().compute;
     print_coded_stats(&args, &out, leader.group.stats(), Some(compute));
     eprintln!("members at the end: {:?}", leader.group.nodes());
+    let tokens: Vec<u32> = prompt.iter().chain(&out.tokens).copied().collect();
+    let started = std::time::Instant::now();
+    if let Some(l) = leader.learn(&rt, &tokens)? {
+        eprintln!(
+            "learned: loss {:.4} on {} tokens; update {:016x}, {} bytes, taken by {} of {} nodes ({:.2} s)",
+            l.loss,
+            tokens.len(),
+            l.id,
+            l.bytes,
+            l.applied_by,
+            leader.holders.len(),
+            started.elapsed().as_secs_f64()
+        );
+    }
     Ok(())
 }
 
@@ -479,17 +515,18 @@ fn run_status(args: StatusArgs) -> Result<()> {
         info.n
     );
     println!(
-        "{:<54} {:>4} {:<8} {:>8} {:<16} {:>7}",
-        "peer", "row", "health", "updates", "version", "silent"
+        "{:<54} {:>4} {:<8} {:>8} {:<16} {:>4} {:>7}",
+        "peer", "row", "health", "updates", "version", "lag", "silent"
     );
     for n in &info.nodes {
         println!(
-            "{:<54} {:>4} {:<8} {:>8} {:<16} {:>6.1}s",
+            "{:<54} {:>4} {:<8} {:>8} {:<16} {:>4} {:>6.1}s",
             n.peer,
             n.row.map_or("-".into(), |r| r.to_string()),
             n.health.to_string(),
             n.version_count,
-            n.version_digest,
+            &n.version_digest[..n.version_digest.len().min(16)],
+            n.lag,
             n.silent_for_s
         );
     }

@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail, ensure};
@@ -10,13 +10,14 @@ use libp2p::{Multiaddr, PeerId};
 use node_core::code::Generator;
 use node_core::coded::{InProcess, Member, ShardFormat, ShardSet};
 use node_core::mesh::{
-    CHUNK_BYTES, HealthConfig, Heartbeat, JoinOffer, MAX_CHUNK_BYTES, MeshEvent, MeshRequest,
-    MeshResponse, MeshView, ModelManifest, ShardVersion,
+    CHUNK_BYTES, HealthConfig, Heartbeat, JoinOffer, LearningConfig, MAX_CHUNK_BYTES, MeshEvent,
+    MeshRequest, MeshResponse, MeshView, ModelManifest, ShardVersion,
 };
-use node_core::model::LeaderWeights;
+use node_core::model::{LeaderWeights, LlamaConfig};
 use node_core::protocol::{self, StepRequest};
 use std::time::Instant;
 
+use crate::learning::{ShardState, UpdateStore};
 use crate::store::{DataDir, shard_from_blob, shard_to_blob};
 use crate::swarm::{self, Client, Inbound, NetConfig, with_peer};
 use crate::{load, progress};
@@ -130,7 +131,9 @@ pub async fn seed(
     k: usize,
     n: usize,
     format: ShardFormat,
+    learning: LearningConfig,
 ) -> Result<()> {
+    learning.validate()?;
     let data = DataDir::open(&opts.data)?;
     if data.shard()?.is_some() {
         eprintln!(
@@ -142,7 +145,7 @@ pub async fn seed(
     ensure!(k >= 1 && n >= k, "need 1 ≤ k ≤ n, got k = {k}, n = {n}");
     let started = std::time::Instant::now();
     let (manifest, blobs) =
-        tokio::task::spawn_blocking(move || encode_genesis(&model, k, n, format))
+        tokio::task::spawn_blocking(move || encode_genesis(&model, k, n, format, learning))
             .await
             .map_err(|e| anyhow!("encoding task: {e}"))??;
     let manifest_bytes = manifest.to_bytes()?;
@@ -175,6 +178,7 @@ fn encode_genesis(
     k: usize,
     n: usize,
     format: ShardFormat,
+    learning: LearningConfig,
 ) -> Result<(ModelManifest, BTreeMap<u32, Vec<u8>>)> {
     let loaded = load::load_model(model)?;
     let generator = Generator::cauchy(n, k)?;
@@ -188,6 +192,7 @@ fn encode_genesis(
         tokenizer: loaded.tokenizer.to_data()?,
         generator: generator.clone(),
         format,
+        learning,
     };
     let pb = progress::bar(0, "encoding");
     let mesh = InProcess::encode(&loaded.weights, &generator, format, &|done, total| {
@@ -234,20 +239,34 @@ pub async fn node(opts: NodeOptions) -> Result<()> {
     let (manifest, manifest_bytes) = fetch_manifest(&client, peer).await?;
     data.save_manifest(&manifest_bytes)?;
     let started = std::time::Instant::now();
-    let (shard, blob, how, downloaded) = match ask(&client, peer, MeshRequest::Join).await? {
+    let (shard, blob, version, how, downloaded) = match ask(&client, peer, MeshRequest::Join)
+        .await?
+    {
         MeshResponse::Join(JoinOffer::Genesis { row }) => {
-            let blob = fetch_blob(&client, peer, row).await?;
+            let (blob, version) = fetch_blob(&client, peer, row).await?;
+            ensure!(
+                version == ShardVersion::default().digest(),
+                "the genesis shard is not at the genesis version"
+            );
             let bytes = blob.len();
             let (shard, blob) =
                 tokio::task::spawn_blocking(move || shard_from_blob(&blob).map(|s| (s, blob)))
                     .await
                     .map_err(|e| anyhow!("{e}"))??;
             check_shard(&shard, &manifest, row)?;
-            (shard, blob, format!("genesis shard from {peer}"), bytes)
+            (
+                shard,
+                blob,
+                ShardVersion::default(),
+                format!("genesis shard from {peer}"),
+                bytes,
+            )
         }
         MeshResponse::Join(JoinOffer::Reencode { row, sources }) => {
             let mut sets = Vec::new();
             let mut bytes = 0;
+            let mut at = None;
+            let mut first_peer = None;
             for src in &sources {
                 let from: PeerId = src
                     .peer
@@ -259,7 +278,12 @@ pub async fn node(opts: NodeOptions) -> Result<()> {
                 if let Some(a) = pick_addr(&addrs) {
                     client.dial(with_peer(&a, from)).await?;
                 }
-                let blob = fetch_blob(&client, from, src.row).await?;
+                let (blob, version) = fetch_blob(&client, from, src.row).await?;
+                ensure!(
+                    *at.get_or_insert(version) == version,
+                    "the source rows are at different versions (an update is spreading); try again in a few seconds"
+                );
+                first_peer.get_or_insert(from);
                 bytes += blob.len();
                 let set = tokio::task::spawn_blocking(move || shard_from_blob(&blob))
                     .await
@@ -277,7 +301,29 @@ pub async fn node(opts: NodeOptions) -> Result<()> {
                 .await
                 .map_err(|e| anyhow!("{e}"))??;
             let rows: Vec<u32> = sources.iter().map(|s| s.row).collect();
-            (shard, blob, format!("re-encoded from rows {rows:?}"), bytes)
+            // The new shard is at the sources' version: learn which updates that is.
+            let mut version = ShardVersion::default();
+            if let Some(from) = first_peer {
+                let MeshResponse::Versions { ids } =
+                    ask(&client, from, MeshRequest::Versions).await?
+                else {
+                    bail!("asked for versions, got something else");
+                };
+                ids.into_iter().for_each(|id| {
+                    version.insert(id);
+                });
+            }
+            ensure!(
+                Some(version.digest()) == at,
+                "the source's version moved while this node re-encoded; try again"
+            );
+            (
+                shard,
+                blob,
+                version,
+                format!("re-encoded from rows {rows:?}"),
+                bytes,
+            )
         }
         MeshResponse::Join(JoinOffer::Full) => bail!(
             "every one of the n = {} rows is held by a live node: there is no row for this node (a dead node's row frees up after the health timeout)",
@@ -285,6 +331,9 @@ pub async fn node(opts: NodeOptions) -> Result<()> {
         ),
         other => bail!("unexpected answer to a join request: {}", describe(&other)),
     };
+    let store = UpdateStore::open(&data)?;
+    store.save_base(&version)?;
+    store.save_version(&version)?;
     data.save_shard_blob(&blob)?;
     drop(blob);
     eprintln!(
@@ -347,6 +396,8 @@ fn describe(r: &MeshResponse) -> &'static str {
         MeshResponse::Join(_) => "join offer",
         MeshResponse::Chunk { .. } => "chunk",
         MeshResponse::Step { .. } => "step",
+        MeshResponse::Versions { .. } => "version list",
+        MeshResponse::Learned { .. } => "learning receipt",
         MeshResponse::Error(_) => "error",
     }
 }
@@ -366,9 +417,10 @@ pub async fn fetch_manifest(client: &Client, peer: PeerId) -> Result<(ModelManif
 const MAX_BLOB: u64 = 1 << 36;
 
 /// Downloads a row's shard blob from a peer, with progress.
-async fn fetch_blob(client: &Client, peer: PeerId, row: u32) -> Result<Vec<u8>> {
+async fn fetch_blob(client: &Client, peer: PeerId, row: u32) -> Result<(Vec<u8>, [u8; 32])> {
     let mut out: Vec<u8> = Vec::new();
     let mut total = None;
+    let mut version = None;
     let pb = progress::bar(0, &format!("row {row} from {peer}"));
     loop {
         let offset = out.len() as u64;
@@ -382,9 +434,18 @@ async fn fetch_blob(client: &Client, peer: PeerId, row: u32) -> Result<Vec<u8>> 
             },
         )
         .await?;
-        let MeshResponse::Chunk { total: t, bytes } = resp else {
+        let MeshResponse::Chunk {
+            total: t,
+            bytes,
+            version: v,
+        } = resp
+        else {
             bail!("asked for a chunk, got a {}", describe(&resp));
         };
+        ensure!(
+            *version.get_or_insert(v) == v,
+            "the peer's shard changed version mid-transfer"
+        );
         ensure!(
             t <= MAX_BLOB,
             "the peer announces a {t}-byte shard, over the limit"
@@ -411,7 +472,7 @@ async fn fetch_blob(client: &Client, peer: PeerId, row: u32) -> Result<Vec<u8>> 
         }
     }
     pb.finish_and_clear();
-    Ok(out)
+    Ok((out, version.unwrap_or_default()))
 }
 
 /// Starts the network (dialing the bootstrap, if any) and serves what the node holds.
@@ -438,8 +499,24 @@ async fn run_server(health: HealthConfig, net: Net, data: DataDir, holding: Hold
         shard,
         genesis,
     } = holding;
-    let version = ShardVersion::default();
+    let store = UpdateStore::open(&data)?;
+    let cfg = manifest.cfg.clone();
     let row = shard.node as u32;
+    let restore_store = store.clone();
+    let restore_cfg = cfg.clone();
+    let state = tokio::task::spawn_blocking(move || {
+        restore_store.restore(Member::new(shard), &restore_cfg)
+    })
+    .await
+    .map_err(|e| anyhow!("{e}"))??;
+    let version = state.version.clone();
+    if version.count() > 0 {
+        eprintln!(
+            "shard at version {} ({} updates)",
+            hex8(&version.digest()),
+            version.count()
+        );
+    }
     let local = Heartbeat {
         model: manifest.digest()?,
         row: Some(row),
@@ -462,29 +539,60 @@ async fn run_server(health: HealthConfig, net: Net, data: DataDir, holding: Hold
         local,
     )?;
     eprintln!("serving row {row} as {}", client.peer_id());
+    let (internal_tx, internal_rx) = tokio::sync::mpsc::channel(64);
     Server {
         client,
         view,
         manifest_bytes: Arc::new(manifest_bytes),
-        member: Arc::new(Member::new(shard)),
-        data,
+        state: Arc::new(RwLock::new(state)),
+        cfg,
+        row,
+        store,
         genesis,
+        snapshot: Arc::new(Mutex::new(None)),
+        internal_tx,
+        syncing: false,
     }
-    .run(inbound)
+    .run(inbound, internal_rx)
     .await
+}
+
+/// This node's shard as a blob at one version (digest), made when a peer starts a download.
+type Snapshot = Arc<Mutex<Option<([u8; 32], Arc<Vec<u8>>)>>>;
+
+/// What the node's helper tasks report back to its loop.
+enum Internal {
+    /// An update was applied (and its payload saved).
+    Applied(u64),
+    /// A catch-up with a peer ended.
+    SyncDone,
 }
 
 struct Server {
     client: Client,
     view: MeshView<PeerId>,
     manifest_bytes: Arc<Vec<u8>>,
-    member: Arc<Member>,
-    data: DataDir,
+    state: Arc<RwLock<ShardState>>,
+    cfg: LlamaConfig,
+    row: u32,
+    store: UpdateStore,
     genesis: BTreeMap<u32, Arc<Vec<u8>>>,
+    /// This node's shard as a blob at one version, while a peer downloads it.
+    snapshot: Snapshot,
+    internal_tx: tokio::sync::mpsc::Sender<Internal>,
+    syncing: bool,
+}
+
+fn hex8(d: &[u8; 32]) -> String {
+    node_core::mesh::hex(&d[..8])
 }
 
 impl Server {
-    async fn run(mut self, mut inbound: tokio::sync::mpsc::Receiver<Inbound>) -> Result<()> {
+    async fn run(
+        mut self,
+        mut inbound: tokio::sync::mpsc::Receiver<Inbound>,
+        mut internal: tokio::sync::mpsc::Receiver<Internal>,
+    ) -> Result<()> {
         loop {
             let deadline = tokio::time::Instant::from_std(self.view.poll_timeout());
             tokio::select! {
@@ -492,6 +600,7 @@ impl Server {
                     Some(msg) => self.on_inbound(msg),
                     None => bail!("the network task stopped"),
                 },
+                Some(msg) = internal.recv() => self.on_internal(msg)?,
                 _ = tokio::time::sleep_until(deadline) => self.view.handle_timeout(Instant::now()),
                 _ = tokio::signal::ctrl_c() => {
                     eprintln!("stopping");
@@ -505,6 +614,27 @@ impl Server {
                 self.on_event(ev);
             }
         }
+    }
+
+    fn on_internal(&mut self, msg: Internal) -> Result<()> {
+        match msg {
+            Internal::Applied(id) => {
+                let version = read(&self.state).version.clone();
+                self.store.save_version(&version)?;
+                let mut local = self.view.local().clone();
+                local.version_count = version.count();
+                local.version_digest = version.digest();
+                self.view.set_local(local);
+                self.view.handle_timeout(Instant::now());
+                tracing::info!(
+                    id = format!("{id:016x}"),
+                    count = version.count(),
+                    "applied an update"
+                );
+            }
+            Internal::SyncDone => self.syncing = false,
+        }
+        Ok(())
     }
 
     fn on_event(&mut self, ev: MeshEvent<PeerId>) {
@@ -530,6 +660,31 @@ impl Server {
         }
     }
 
+    /// A peer announces a version this node does not have: fetch what is missing from it.
+    fn maybe_sync(&mut self, peer: PeerId, hb: &Heartbeat) {
+        let local = self.view.local();
+        if self.syncing
+            || hb.version_digest == local.version_digest
+            || hb.version_count < local.version_count
+        {
+            return;
+        }
+        self.syncing = true;
+        let (client, state, store, cfg, tx) = (
+            self.client.clone(),
+            self.state.clone(),
+            self.store.clone(),
+            self.cfg.clone(),
+            self.internal_tx.clone(),
+        );
+        tokio::spawn(async move {
+            if let Err(e) = catch_up(&client, peer, &state, &store, &cfg, &tx).await {
+                tracing::warn!(%peer, "catching up: {e:#}");
+            }
+            let _ = tx.send(Internal::SyncDone).await;
+        });
+    }
+
     fn on_inbound(&mut self, msg: Inbound) {
         let now = Instant::now();
         match msg {
@@ -545,6 +700,9 @@ impl Server {
                         let mut local = self.view.local().clone();
                         local.offers = self.genesis.keys().copied().collect();
                         self.view.set_local(local);
+                    }
+                    if hb.model == self.view.local().model {
+                        self.maybe_sync(peer, &hb);
                     }
                     self.view.handle_heartbeat(now, peer, hb);
                 }
@@ -573,20 +731,53 @@ impl Server {
                     MeshRequest::Chunk { row, offset, len } => {
                         let len = len.min(MAX_CHUNK_BYTES);
                         let genesis = self.genesis.get(&row).cloned();
-                        let own = row as usize == self.member.shards().node;
-                        let data = self.data.clone();
-                        Box::new(move || chunk(genesis, own, &data, row, offset, len))
+                        let own = row == self.row;
+                        let (state, snapshot) = (self.state.clone(), self.snapshot.clone());
+                        Box::new(move || {
+                            chunk(
+                                genesis,
+                                own.then_some((&state, &snapshot)),
+                                row,
+                                offset,
+                                len,
+                            )
+                        })
+                    }
+                    MeshRequest::Versions => {
+                        let ids = read(&self.state).version.ids().collect();
+                        Box::new(move || MeshResponse::Versions { ids })
+                    }
+                    MeshRequest::UpdateChunk { id, offset, len } => {
+                        let store = self.store.clone();
+                        let len = len.min(MAX_CHUNK_BYTES);
+                        Box::new(move || match store.chunk(id, offset, len) {
+                            Ok((total, bytes)) => MeshResponse::Chunk {
+                                total,
+                                version: [0; 32],
+                                bytes,
+                            },
+                            Err(e) => MeshResponse::Error(format!("{e:#}")),
+                        })
+                    }
+                    MeshRequest::Learn(bytes) => {
+                        let (state, store, cfg, tx) = (
+                            self.state.clone(),
+                            self.store.clone(),
+                            self.cfg.clone(),
+                            self.internal_tx.clone(),
+                        );
+                        Box::new(move || learn(&state, &store, &cfg, &tx, &bytes))
                     }
                     // A decode step is a fraction of a millisecond of work: computing it here
                     // saves two thread hand-offs per round. Prefill steps go to the pool.
-                    MeshRequest::Step(bytes) if bytes.len() <= INLINE_STEP_BYTES => {
-                        let resp = step(&self.member, &bytes);
+                    MeshRequest::Step { version, bytes } if bytes.len() <= INLINE_STEP_BYTES => {
+                        let resp = step(&self.state, &version, &bytes);
                         tokio::spawn(async move { client.respond(channel, resp).await });
                         return;
                     }
-                    MeshRequest::Step(bytes) => {
-                        let member = self.member.clone();
-                        Box::new(move || step(&member, &bytes))
+                    MeshRequest::Step { version, bytes } => {
+                        let state = self.state.clone();
+                        Box::new(move || step(&state, &version, &bytes))
                     }
                 };
                 tokio::spawn(async move {
@@ -600,41 +791,188 @@ impl Server {
     }
 }
 
-/// Step requests up to this size (one token's activations) are computed on the node's task.
-const INLINE_STEP_BYTES: usize = 16 << 10;
+fn read(state: &RwLock<ShardState>) -> std::sync::RwLockReadGuard<'_, ShardState> {
+    state
+        .read()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
 
-/// A piece of a genesis blob or of this node's own shard blob.
-fn chunk(
-    genesis: Option<Arc<Vec<u8>>>,
-    own: bool,
-    data: &DataDir,
-    row: u32,
-    offset: u64,
-    len: u32,
+fn write(state: &RwLock<ShardState>) -> std::sync::RwLockWriteGuard<'_, ShardState> {
+    state
+        .write()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Saves and applies an update a leader hands over.
+fn learn(
+    state: &RwLock<ShardState>,
+    store: &UpdateStore,
+    cfg: &LlamaConfig,
+    tx: &tokio::sync::mpsc::Sender<Internal>,
+    bytes: &[u8],
 ) -> MeshResponse {
-    if let Some(blob) = genesis {
-        let total = blob.len() as u64;
-        let start = offset.min(total) as usize;
-        let end = (start + len as usize).min(blob.len());
-        return MeshResponse::Chunk {
-            total,
-            bytes: blob[start..end].to_vec(),
-        };
-    }
-    if !own {
-        return MeshResponse::Error(format!("this node does not hold row {row}"));
-    }
-    match data.shard_chunk(offset, len) {
-        Ok((total, bytes)) => MeshResponse::Chunk { total, bytes },
+    match apply_and_keep(state, store, cfg, bytes) {
+        Ok((id, applied)) => {
+            if applied {
+                let _ = tx.blocking_send(Internal::Applied(id));
+            }
+            MeshResponse::Learned {
+                id,
+                version_count: read(state).version.count(),
+            }
+        }
         Err(e) => MeshResponse::Error(format!("{e:#}")),
     }
 }
 
-/// Computes a coded step; the answer carries the compute time.
-fn step(member: &Member, bytes: &[u8]) -> MeshResponse {
+/// Validates, saves the payload, then applies: `(id, applied now)`.
+fn apply_and_keep(
+    state: &RwLock<ShardState>,
+    store: &UpdateStore,
+    cfg: &LlamaConfig,
+    bytes: &[u8],
+) -> Result<(u64, bool)> {
+    let update = crate::learning::decode_update(bytes)?;
+    update.validate(cfg)?;
+    let id = update.id();
+    if read(state).version.contains(id) {
+        return Ok((id, false));
+    }
+    store.save(id, bytes)?;
+    let applied = write(state).apply(cfg, bytes)?;
+    Ok((id, applied.is_some()))
+}
+
+/// Fetches and applies every update `peer` has applied and this node has not.
+async fn catch_up(
+    client: &Client,
+    peer: PeerId,
+    state: &Arc<RwLock<ShardState>>,
+    store: &UpdateStore,
+    cfg: &LlamaConfig,
+    tx: &tokio::sync::mpsc::Sender<Internal>,
+) -> Result<()> {
+    let MeshResponse::Versions { ids } = ask(client, peer, MeshRequest::Versions).await? else {
+        bail!("asked for versions, got something else");
+    };
+    let missing: Vec<u64> = {
+        let s = read(state);
+        ids.into_iter()
+            .filter(|id| !s.version.contains(*id))
+            .collect()
+    };
+    for id in missing {
+        let bytes = fetch_update(client, peer, id).await?;
+        let (state, store, cfg) = (state.clone(), store.clone(), cfg.clone());
+        let (got, applied) =
+            tokio::task::spawn_blocking(move || apply_and_keep(&state, &store, &cfg, &bytes))
+                .await
+                .map_err(|e| anyhow!("{e}"))??;
+        ensure!(
+            got == id,
+            "the peer's update {id:016x} hashes to {got:016x}"
+        );
+        if applied {
+            tx.send(Internal::Applied(id))
+                .await
+                .map_err(|_| anyhow!("the node stopped"))?;
+        }
+    }
+    Ok(())
+}
+
+/// Downloads an update's payload in chunks.
+async fn fetch_update(client: &Client, peer: PeerId, id: u64) -> Result<Vec<u8>> {
+    let mut out = Vec::new();
+    loop {
+        let req = MeshRequest::UpdateChunk {
+            id,
+            offset: out.len() as u64,
+            len: CHUNK_BYTES,
+        };
+        let MeshResponse::Chunk { total, bytes, .. } = ask(client, peer, req).await? else {
+            bail!("asked for an update chunk, got something else");
+        };
+        ensure!(
+            total <= crate::learning::MAX_UPDATE_BYTES,
+            "update of {total} bytes is over the limit"
+        );
+        ensure!(
+            !bytes.is_empty() || out.len() as u64 >= total,
+            "empty chunk"
+        );
+        out.extend_from_slice(&bytes);
+        if out.len() as u64 >= total {
+            return Ok(out);
+        }
+    }
+}
+
+/// Step requests up to this size (one token's activations) are computed on the node's task.
+const INLINE_STEP_BYTES: usize = 16 << 10;
+
+/// A piece of a genesis blob, or of a snapshot of this node's shard at its current version.
+fn chunk(
+    genesis: Option<Arc<Vec<u8>>>,
+    own: Option<(&Arc<RwLock<ShardState>>, &Snapshot)>,
+    row: u32,
+    offset: u64,
+    len: u32,
+) -> MeshResponse {
+    let slice = |blob: &[u8], version: [u8; 32]| {
+        let total = blob.len() as u64;
+        let start = offset.min(total) as usize;
+        let end = (start + len as usize).min(blob.len());
+        MeshResponse::Chunk {
+            total,
+            version,
+            bytes: blob[start..end].to_vec(),
+        }
+    };
+    if let Some(blob) = genesis {
+        return slice(&blob, ShardVersion::default().digest());
+    }
+    let Some((state, snapshot)) = own else {
+        return MeshResponse::Error(format!("this node does not hold row {row}"));
+    };
+    let mut snap = snapshot
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let s = read(state);
+    let digest = s.version.digest();
+    let fresh = snap.as_ref().is_some_and(|(d, _)| *d == digest);
+    if !fresh {
+        if offset != 0 {
+            return MeshResponse::Error(
+                "the shard changed version during the transfer; start again".into(),
+            );
+        }
+        match shard_to_blob(s.member.shards()) {
+            Ok(blob) => *snap = Some((digest, Arc::new(blob))),
+            Err(e) => return MeshResponse::Error(format!("{e:#}")),
+        }
+    }
+    match snap.as_ref() {
+        Some((d, blob)) => slice(blob, *d),
+        None => MeshResponse::Error("no snapshot".into()),
+    }
+}
+
+/// Computes a coded step at the leader's version; the answer carries the compute time.
+fn step(state: &RwLock<ShardState>, version: &[u8; 32], bytes: &[u8]) -> MeshResponse {
     let started = std::time::Instant::now();
+    let s = read(state);
+    let ours = s.version.digest();
+    if ours != *version {
+        return MeshResponse::Error(format!(
+            "shard version mismatch: this node is at {} ({} updates), the request expects {}",
+            hex8(&ours),
+            s.version.count(),
+            hex8(version)
+        ));
+    }
     let answer = match protocol::decode::<StepRequest>(bytes) {
-        Ok(req) => member.handle(&req),
+        Ok(req) => s.member.handle(&req),
         Err(e) => node_core::protocol::StepResponse::Failed {
             reason: e.to_string(),
         },

@@ -55,8 +55,9 @@ impl Session {
         Ok(fetch_manifest(&self.client, self.bootstrap).await?.0)
     }
 
-    /// Healthy row holders at the version most of them share: row → peer; addresses learnt.
-    pub async fn live_rows(&self, info: &MeshInfo) -> Result<BTreeMap<usize, PeerId>> {
+    /// Healthy row holders at the version most of them share: row → peer (addresses learnt),
+    /// and that version's digest.
+    pub async fn live_rows(&self, info: &MeshInfo) -> Result<(BTreeMap<usize, PeerId>, [u8; 32])> {
         let mut by_version: BTreeMap<&str, usize> = BTreeMap::new();
         for n in info
             .nodes
@@ -66,8 +67,9 @@ impl Session {
             *by_version.entry(&n.version_digest).or_default() += 1;
         }
         let Some((version, _)) = by_version.into_iter().max_by_key(|&(_, c)| c) else {
-            return Ok(BTreeMap::new());
+            return Ok((BTreeMap::new(), [0; 32]));
         };
+        let digest = parse_digest(version)?;
         let mut rows = BTreeMap::new();
         for n in &info.nodes {
             let (Health::Healthy, Some(row), true) = (n.health, n.row, n.version_digest == version)
@@ -86,8 +88,21 @@ impl Session {
             self.client.add_addrs(peer, tcp).await?;
             rows.insert(row as usize, peer);
         }
-        Ok(rows)
+        Ok((rows, digest))
     }
+}
+
+/// A version digest from its hex form.
+fn parse_digest(hex: &str) -> Result<[u8; 32]> {
+    let mut out = [0u8; 32];
+    if hex.len() != 64 || !hex.is_ascii() {
+        bail!("version digest {hex:?} is not 64 hex digits");
+    }
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16)
+            .map_err(|e| anyhow!("version digest {hex:?}: {e}"))?;
+    }
+    Ok(out)
 }
 
 /// Everything a leader needs to run requests on the mesh.
@@ -105,6 +120,12 @@ pub struct Leader {
     pub live_rows: usize,
     /// Condition number of the decoding k.
     pub condition_number: f64,
+    /// The version the group decodes at.
+    pub version: [u8; 32],
+    /// Every live row's holder (learning updates go to all of them).
+    pub holders: Vec<PeerId>,
+    /// The network client.
+    pub client: Client,
 }
 
 impl Leader {
@@ -117,10 +138,24 @@ impl Leader {
         let (session, manifest, rows) = rt.block_on(async {
             let session = Session::connect(bootstrap).await?;
             let manifest = session.manifest().await?;
-            let info = session.info().await?;
+            // Right after an update the view may still mix versions: give heartbeats a moment.
+            let mut info = session.info().await?;
+            for _ in 0..20 {
+                if info
+                    .nodes
+                    .iter()
+                    .all(|n| n.health != Health::Healthy || n.lag == 0)
+                {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(150)).await;
+                info = session.info().await?;
+            }
             let rows = session.live_rows(&info).await?;
             anyhow::Ok((session, manifest, rows))
         })?;
+        let (rows, version) = rows;
+        let holders = rows.values().copied().collect();
         let g = manifest.generator.clone();
         let live: Vec<usize> = rows.keys().copied().collect();
         if live.len() < g.k() {
@@ -135,6 +170,7 @@ impl Leader {
         let llama = node_core::model::Llama::new(manifest.cfg.clone(), manifest.leader.clone())?;
         let transport = NetTransport::new(
             session.client.clone(),
+            version,
             rows,
             &plan.members,
             g.clone(),
@@ -149,8 +185,66 @@ impl Leader {
             group,
             live_rows: live.len(),
             condition_number: plan.condition_number,
+            version,
+            holders,
+            client: session.client,
         })
     }
+
+    /// Trains on `tokens` if the mesh learns: the gradient through the group, one SGD update,
+    /// handed to every live row's holder (the rest catch up from them). Returns the loss
+    /// before the update, the update's id and its size in bytes.
+    pub fn learn(
+        &mut self,
+        rt: &tokio::runtime::Runtime,
+        tokens: &[u32],
+    ) -> Result<Option<Learned>> {
+        let cfg = self.manifest.learning;
+        if !cfg.enabled || tokens.len() < 2 {
+            return Ok(None);
+        }
+        let max = self.manifest.cfg.max_seq;
+        let tokens = &tokens[tokens.len().saturating_sub(max)..];
+        let grads = self.llama.gradients(&mut self.group, tokens)?;
+        let loss = grads.loss;
+        let update = node_core::learn::Update::from_gradients(grads, cfg.lr, cfg.clip);
+        let id = update.id();
+        let bytes = postcard::to_allocvec(&update)?;
+        let size = bytes.len();
+        let client = self.client.clone();
+        let holders = self.holders.clone();
+        let applied = rt.block_on(async move {
+            let sends = holders.into_iter().map(|peer| {
+                let client = client.clone();
+                let req = MeshRequest::Learn(bytes.clone());
+                async move { ask(&client, peer, req).await }
+            });
+            futures::future::join_all(sends).await
+        });
+        let ok = applied.iter().filter(|r| r.is_ok()).count();
+        for e in applied.iter().filter_map(|r| r.as_ref().err()) {
+            tracing::warn!("a node refused the update: {e:#}");
+        }
+        Ok(Some(Learned {
+            loss,
+            id,
+            bytes: size,
+            applied_by: ok,
+        }))
+    }
+}
+
+/// What one learning step did.
+#[derive(Debug, Clone, Copy)]
+pub struct Learned {
+    /// Mean next-token loss on the request's tokens before the update.
+    pub loss: f64,
+    /// The update's id.
+    pub id: u64,
+    /// Its size on the wire.
+    pub bytes: usize,
+    /// Nodes that took it directly.
+    pub applied_by: usize,
 }
 
 /// Time the members spent computing, as they reported it.
@@ -167,6 +261,7 @@ type Answer = (u64, usize, Result<(Vec<u8>, u64), String>);
 #[derive(Debug)]
 pub struct NetTransport {
     client: Client,
+    version: [u8; 32],
     peers: BTreeMap<usize, PeerId>,
     pool: MemberPool,
     tx: std_mpsc::SyncSender<Answer>,
@@ -179,6 +274,7 @@ impl NetTransport {
     /// A transport to the holders of `peers` (row → peer); rows not in `members` are free.
     pub fn new(
         client: Client,
+        version: [u8; 32],
         peers: BTreeMap<usize, PeerId>,
         members: &[usize],
         generator: node_core::code::Generator,
@@ -192,6 +288,7 @@ impl NetTransport {
         let (tx, rx) = std_mpsc::sync_channel(4096);
         Self {
             client,
+            version,
             peers,
             pool: MemberPool::new(generator, free, cfg),
             tx,
@@ -213,7 +310,10 @@ impl NetTransport {
             let _ = tx.try_send((round, row, Err(format!("no peer holds row {row}"))));
             return;
         };
-        let req = MeshRequest::Step(request.to_vec());
+        let req = MeshRequest::Step {
+            version: self.version,
+            bytes: request.to_vec(),
+        };
         let sent = self.client.request_blocking(peer, req, move |answer| {
             let result = match answer {
                 Ok(MeshResponse::Step { bytes, compute_us }) => Ok((bytes, compute_us)),

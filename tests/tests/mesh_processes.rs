@@ -148,12 +148,14 @@ fn spawn(dir: &Path, name: &str, args: &[&str]) -> Result<Proc> {
 }
 
 impl Mesh {
-    /// Seed plus n − 1 nodes, every row handed out and seen healthy.
-    fn start(name: &str, model: Option<&Path>) -> Result<Self> {
+    /// Seed plus n − 1 nodes, every row handed out and seen healthy; `learning` is the
+    /// seed's learning flags (`["--no-learning"]` for a frozen model).
+    fn start(name: &str, model: Option<&Path>, learning: &[&str]) -> Result<Self> {
         let dir = Scratch::new(name);
         let d0 = dir.0.join("d0");
         let mut args = vec!["seed", "--k", "3", "--n", "5", "--tcp-only", "--data"];
         args.push(d0.to_str().context("path")?);
+        args.extend(learning);
         args.extend(HEALTH);
         let model_s;
         if let Some(m) = model {
@@ -326,7 +328,7 @@ const PROMPT: &str = "The history of the printing press begins";
 #[test]
 fn tiny_mesh_status_generate_straggler_restart_and_rejoin() -> Result<()> {
     let model = tiny_model();
-    let mut mesh = Mesh::start("tiny", Some(&model))?;
+    let mut mesh = Mesh::start("tiny", Some(&model), &["--no-learning"])?;
 
     // Status: every row healthy, tolerates n − k failures; the summary line says so.
     let s = mesh.status()?;
@@ -431,7 +433,7 @@ fn tiny_mesh_status_generate_straggler_restart_and_rejoin() -> Result<()> {
 
 #[test]
 fn real_model_survives_n_minus_k_kills_mid_generation() -> Result<()> {
-    let mut mesh = Mesh::start("real", None)?;
+    let mut mesh = Mesh::start("real", None, &["--no-learning"])?;
     let (undisturbed, err) = mesh.generate(PROMPT, 32, || {})?;
     assert!(undisturbed.contains("Gutenberg"), "{undisturbed}\n{err}");
     // Kill two members of the decoding group (rows 2 and 4; the seed, row 0, is the bootstrap).
@@ -451,5 +453,67 @@ fn real_model_survives_n_minus_k_kills_mid_generation() -> Result<()> {
     let s = mesh.wait_healthy(3)?;
     assert_eq!(s["tolerates"], 0);
     drop(mesh.nodes);
+    Ok(())
+}
+
+/// The learning line `generate` prints: the loss before the update.
+fn learned_loss(err: &str) -> Result<f64> {
+    let line = err
+        .lines()
+        .find(|l| l.starts_with("learned: loss "))
+        .with_context(|| format!("no learning line in:\n{err}"))?;
+    let v = line["learned: loss ".len()..]
+        .split_whitespace()
+        .next()
+        .context("loss value")?;
+    Ok(v.parse()?)
+}
+
+#[test]
+fn every_request_trains_and_a_restarted_node_catches_up() -> Result<()> {
+    let model = tiny_model();
+    let mut mesh = Mesh::start("learn", Some(&model), &["--lr", "0.05"])?;
+    let prompt = "hello world, this is a test";
+    let mut losses = Vec::new();
+    for i in 0..8 {
+        if i == 3 {
+            // Churn: a node misses updates while it is down, then restarts from its data dir.
+            mesh.nodes[1].signal("KILL");
+            mesh.wait_healthy(4)?;
+        }
+        if i == 6 {
+            let mut p = spawn_node(&mesh.dir.0, "node2-again", "d2", &mesh.bootstrap)?;
+            p.wait_log("serving row", Duration::from_secs(60))?;
+            mesh.nodes[1] = p;
+            mesh.wait_healthy(5)?;
+        }
+        let (_, err) = mesh.generate(prompt, 6, || {})?;
+        losses.push(learned_loss(&err)?);
+    }
+    assert!(
+        losses.windows(2).all(|w| w[1] < w[0]),
+        "the loss on the repeated prompt should fall: {losses:?}"
+    );
+    // Every node converges on one version holding all 8 updates.
+    let start = Instant::now();
+    loop {
+        let s = mesh.status()?;
+        let nodes = s["nodes"].as_array().context("nodes")?;
+        let digests: Vec<&str> = nodes
+            .iter()
+            .filter_map(|n| n["version_digest"].as_str())
+            .collect();
+        if nodes.len() == 5
+            && s["version_count"] == 8
+            && digests.iter().all(|d| *d == digests[0])
+            && nodes.iter().all(|n| n["lag"] == 0)
+        {
+            break;
+        }
+        if start.elapsed() > Duration::from_secs(30) {
+            bail!("versions did not converge: {s}");
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
     Ok(())
 }

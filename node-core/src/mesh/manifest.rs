@@ -22,6 +22,44 @@ pub struct ModelManifest {
     pub generator: Generator,
     /// How shard values are stored.
     pub format: ShardFormat,
+    /// Whether and how requests train the model.
+    pub learning: LearningConfig,
+}
+
+/// The mesh's learning settings (fixed at genesis, part of the model's identity).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct LearningConfig {
+    /// Every request also trains the model.
+    pub enabled: bool,
+    /// SGD learning rate.
+    pub lr: f32,
+    /// Gradients are clipped to this norm.
+    pub clip: f32,
+}
+
+impl Default for LearningConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            lr: 1e-4,
+            clip: 1.0,
+        }
+    }
+}
+
+impl LearningConfig {
+    /// Checks the ranges.
+    pub fn validate(&self) -> Result<(), ModelError> {
+        if !(self.lr.is_finite() && self.lr >= 0.0 && self.lr <= 1.0)
+            || !(self.clip.is_finite() && self.clip > 0.0)
+        {
+            return Err(ModelError::Config(format!(
+                "learning rate {} must be in [0, 1] and clip {} positive",
+                self.lr, self.clip
+            )));
+        }
+        Ok(())
+    }
 }
 
 impl ModelManifest {
@@ -35,6 +73,7 @@ impl ModelManifest {
         let m: Self = postcard::from_bytes(bytes)
             .map_err(|e| ModelError::Config(format!("manifest: {e}")))?;
         m.cfg.validate()?;
+        m.learning.validate()?;
         let layers = m.cfg.layers;
         if m.leader.attn_norm.len() != layers
             || m.leader.ffn_norm.len() != layers

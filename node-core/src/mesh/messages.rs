@@ -52,6 +52,8 @@ pub struct NodeStatus {
     pub addrs: Vec<String>,
     /// Seconds since it was last heard from.
     pub silent_for_s: f64,
+    /// Updates it lacks compared with the mesh version (0 when it is at that version).
+    pub lag: u64,
 }
 
 /// The mesh as one node sees it.
@@ -71,6 +73,10 @@ pub struct MeshInfo {
     pub healthy_rows: u32,
     /// Healthy rows that can still fail before the model is unavailable.
     pub tolerates: u32,
+    /// Updates applied at the mesh version (the one most healthy rows hold).
+    pub version_count: u64,
+    /// Digest of the mesh version (hex).
+    pub version_digest: String,
     /// Every node known, the answering node included.
     pub nodes: Vec<NodeStatus>,
 }
@@ -79,13 +85,15 @@ impl MeshInfo {
     /// The one-line summary a person reads at a glance.
     pub fn summary(&self) -> String {
         format!(
-            "model available: {} — {} of {} rows healthy, k = {}, tolerates {} more failure{}",
+            "model available: {} — {} of {} rows healthy, k = {}, tolerates {} more failure{}; version {} ({} updates)",
             if self.available { "yes" } else { "no" },
             self.healthy_rows,
             self.n,
             self.k,
             self.tolerates,
-            if self.tolerates == 1 { "" } else { "s" }
+            if self.tolerates == 1 { "" } else { "s" },
+            &self.version_digest[..self.version_digest.len().min(16)],
+            self.version_count
         )
     }
 }
@@ -138,8 +146,26 @@ pub enum MeshRequest {
         /// Bytes wanted (at most [`MAX_CHUNK_BYTES`]).
         len: u32,
     },
-    /// A coded step: an encoded [`crate::protocol::StepRequest`].
-    Step(Vec<u8>),
+    /// A coded step: an encoded [`crate::protocol::StepRequest`], for shards at `version`.
+    Step {
+        /// Digest of the shard version the leader's group decodes at.
+        version: [u8; 32],
+        /// The encoded step.
+        bytes: Vec<u8>,
+    },
+    /// The ids of every update the answering node has applied.
+    Versions,
+    /// A piece of an update's payload (an encoded [`crate::learn::Update`]).
+    UpdateChunk {
+        /// The update.
+        id: u64,
+        /// First byte.
+        offset: u64,
+        /// Bytes wanted (at most [`MAX_CHUNK_BYTES`]).
+        len: u32,
+    },
+    /// A leader hands over a learning update (an encoded [`crate::learn::Update`]).
+    Learn(Vec<u8>),
 }
 
 /// An answer on the mesh protocol.
@@ -151,10 +177,12 @@ pub enum MeshResponse {
     Manifest(Vec<u8>),
     /// A row offer.
     Join(JoinOffer),
-    /// A piece of a shard blob.
+    /// A piece of a shard blob (or of an update's payload).
     Chunk {
         /// Length of the whole blob.
         total: u64,
+        /// Digest of the shard version the blob holds (zero for update payloads).
+        version: [u8; 32],
         /// The bytes.
         bytes: Vec<u8>,
     },
@@ -164,6 +192,18 @@ pub enum MeshResponse {
         bytes: Vec<u8>,
         /// Microseconds the member spent computing.
         compute_us: u64,
+    },
+    /// Applied update ids and the version they make.
+    Versions {
+        /// The ids, ascending.
+        ids: Vec<u64>,
+    },
+    /// A learning update was taken: its id and the node's version count after it.
+    Learned {
+        /// The update's id.
+        id: u64,
+        /// Updates the node has applied now.
+        version_count: u64,
     },
     /// The request could not be served.
     Error(String),
@@ -185,7 +225,15 @@ mod tests {
                 offset: 1 << 33,
                 len: CHUNK_BYTES,
             },
-            MeshRequest::Step(vec![1, 2, 3]),
+            MeshRequest::Step {
+                version: [4; 32],
+                bytes: vec![1, 2, 3],
+            },
+            MeshRequest::UpdateChunk {
+                id: 9,
+                offset: 0,
+                len: CHUNK_BYTES,
+            },
         ] {
             assert_eq!(decode::<MeshRequest>(&encode(&req).unwrap()).unwrap(), req);
         }

@@ -59,6 +59,8 @@ pub struct MeshView<P> {
     peers: BTreeMap<P, Entry>,
     reservations: Vec<(u32, P, Instant)>,
     next_heartbeat: Instant,
+    /// When the view was made (a time that is always past).
+    created: Instant,
     events: VecDeque<MeshEvent<P>>,
     transmits: VecDeque<Heartbeat>,
 }
@@ -90,6 +92,7 @@ impl<P: Ord + Clone + Display> MeshView<P> {
             peers: BTreeMap::new(),
             reservations: Vec::new(),
             next_heartbeat: now,
+            created: now,
             events: VecDeque::new(),
             transmits: VecDeque::new(),
         })
@@ -106,8 +109,12 @@ impl<P: Ord + Clone + Display> MeshView<P> {
     }
 
     /// Changes what this node announces (row, version, addresses, offers); `incarnation`
-    /// and `seq` are kept.
+    /// and `seq` are kept. A new version is announced at the next `handle_timeout`, without
+    /// waiting for the heartbeat interval.
     pub fn set_local(&mut self, hb: Heartbeat) {
+        if hb.version_digest != self.local.version_digest {
+            self.next_heartbeat = self.next_heartbeat.min(self.created);
+        }
         let (incarnation, seq) = (self.local.incarnation, self.local.seq);
         self.local = Heartbeat {
             incarnation,
@@ -345,6 +352,11 @@ impl<P: Ord + Clone + Display> MeshView<P> {
     pub fn info(&self, now: Instant) -> MeshInfo {
         let live = self.live_rows();
         let healthy = live.len() as u32;
+        let version = self.majority_version().unwrap_or(self.local.version_digest);
+        let version_count = self
+            .all()
+            .find(|(_, hb, _)| hb.version_digest == version)
+            .map_or(0, |(_, hb, _)| hb.version_count);
         let nodes = self
             .all()
             .map(|(p, hb, h)| NodeStatus {
@@ -352,8 +364,13 @@ impl<P: Ord + Clone + Display> MeshView<P> {
                 row: hb.row,
                 health: h,
                 version_count: hb.version_count,
-                version_digest: hex(&hb.version_digest[..8]),
+                version_digest: hex(&hb.version_digest),
                 addrs: hb.addrs.clone(),
+                lag: if hb.version_digest == version {
+                    0
+                } else {
+                    version_count.saturating_sub(hb.version_count).max(1)
+                },
                 silent_for_s: if *p == self.me {
                     0.0
                 } else {
@@ -371,6 +388,8 @@ impl<P: Ord + Clone + Display> MeshView<P> {
             available: healthy >= self.k,
             healthy_rows: healthy,
             tolerates: healthy.saturating_sub(self.k),
+            version_count,
+            version_digest: hex(&version),
             nodes,
         }
     }

@@ -1,0 +1,157 @@
+//! A node's learning state: its shard with the set of updates applied to it, the update
+//! payloads kept on disk (so peers that missed them can fetch them), and restoring it all at
+//! start-up.
+
+use std::collections::BTreeSet;
+use std::fs;
+use std::path::PathBuf;
+
+use anyhow::{Context, Result, bail};
+use node_core::coded::Member;
+use node_core::learn::Update;
+use node_core::mesh::ShardVersion;
+use node_core::model::LlamaConfig;
+
+use crate::store::DataDir;
+
+/// Largest update payload accepted (a long sequence's factors, with room).
+pub const MAX_UPDATE_BYTES: u64 = 256 << 20;
+
+/// A shard and the updates applied to it.
+#[derive(Debug)]
+pub struct ShardState {
+    /// The member serving the shard.
+    pub member: Member,
+    /// Updates applied.
+    pub version: ShardVersion,
+}
+
+impl ShardState {
+    /// Applies an encoded update once: `Ok(Some(id))` when applied now, `Ok(None)` when it
+    /// already was; a bad update is refused before anything changes.
+    pub fn apply(&mut self, cfg: &LlamaConfig, bytes: &[u8]) -> Result<Option<u64>> {
+        let update = decode_update(bytes)?;
+        let id = update.id();
+        if self.version.contains(id) {
+            return Ok(None);
+        }
+        update.validate(cfg)?;
+        update.apply_to_shards(self.member.shards_mut())?;
+        self.version.insert(id);
+        Ok(Some(id))
+    }
+}
+
+/// Parses an update from untrusted bytes.
+pub fn decode_update(bytes: &[u8]) -> Result<Update> {
+    if bytes.len() as u64 > MAX_UPDATE_BYTES {
+        bail!(
+            "update of {} bytes exceeds the limit of {MAX_UPDATE_BYTES}",
+            bytes.len()
+        );
+    }
+    postcard::from_bytes(bytes).context("parsing an update")
+}
+
+/// Where a node keeps update payloads and its version.
+#[derive(Debug, Clone)]
+pub struct UpdateStore {
+    dir: PathBuf,
+    version_file: PathBuf,
+    base_file: PathBuf,
+}
+
+impl UpdateStore {
+    /// The store of a data dir.
+    pub fn open(data: &DataDir) -> Result<Self> {
+        let dir = data.path().join("updates");
+        fs::create_dir_all(&dir)?;
+        Ok(Self {
+            dir,
+            version_file: data.path().join("version.json"),
+            base_file: data.path().join("base-version.json"),
+        })
+    }
+
+    fn path(&self, id: u64) -> PathBuf {
+        self.dir.join(format!("{id:016x}.update"))
+    }
+
+    /// Keeps an update's payload.
+    pub fn save(&self, id: u64, bytes: &[u8]) -> Result<()> {
+        let path = self.path(id);
+        if !path.exists() {
+            let tmp = path.with_extension("tmp");
+            fs::write(&tmp, bytes)?;
+            fs::rename(&tmp, &path)?;
+        }
+        Ok(())
+    }
+
+    /// An update's payload, if kept.
+    pub fn load(&self, id: u64) -> Result<Option<Vec<u8>>> {
+        let path = self.path(id);
+        if !path.exists() {
+            return Ok(None);
+        }
+        Ok(Some(fs::read(path)?))
+    }
+
+    /// A byte range of an update's payload: `(total, bytes)`.
+    pub fn chunk(&self, id: u64, offset: u64, len: u32) -> Result<(u64, Vec<u8>)> {
+        let bytes = self
+            .load(id)?
+            .with_context(|| format!("update {id:016x} is not kept here"))?;
+        let total = bytes.len() as u64;
+        let start = offset.min(total) as usize;
+        let end = (start + len as usize).min(bytes.len());
+        Ok((total, bytes[start..end].to_vec()))
+    }
+
+    fn read_ids(path: &PathBuf) -> Result<BTreeSet<u64>> {
+        if !path.exists() {
+            return Ok(BTreeSet::new());
+        }
+        let text = fs::read_to_string(path)?;
+        serde_json::from_str(&text).with_context(|| format!("reading {}", path.display()))
+    }
+
+    fn write_ids(path: &PathBuf, ids: impl Iterator<Item = u64>) -> Result<()> {
+        let ids: Vec<u64> = ids.collect();
+        let tmp = path.with_extension("tmp");
+        fs::write(&tmp, serde_json::to_string(&ids)?)?;
+        fs::rename(&tmp, path)?;
+        Ok(())
+    }
+
+    /// Records the applied set (after the payloads are saved).
+    pub fn save_version(&self, v: &ShardVersion) -> Result<()> {
+        Self::write_ids(&self.version_file, v.ids())
+    }
+
+    /// Records the updates already inside the shard blob on disk.
+    pub fn save_base(&self, v: &ShardVersion) -> Result<()> {
+        Self::write_ids(&self.base_file, v.ids())
+    }
+
+    /// Rebuilds the state at start-up: the blob's shard plus every recorded update not in it.
+    pub fn restore(&self, member: Member, cfg: &LlamaConfig) -> Result<ShardState> {
+        let base = Self::read_ids(&self.base_file)?;
+        let applied = Self::read_ids(&self.version_file)?;
+        let mut version = ShardVersion::default();
+        for &id in &base {
+            version.insert(id);
+        }
+        let mut state = ShardState { member, version };
+        for id in applied.difference(&base) {
+            let bytes = self.load(*id)?.with_context(|| {
+                format!("update {id:016x} is recorded as applied but its payload is missing")
+            })?;
+            state.apply(cfg, &bytes)?;
+        }
+        for id in applied {
+            state.version.insert(id);
+        }
+        Ok(state)
+    }
+}
