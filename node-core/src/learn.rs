@@ -5,6 +5,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::coded::{CodedError, Shard, ShardSet, ShardValues};
+use crate::mesh::LearningConfig;
 use crate::model::{Gradients, LeaderWeights, LlamaConfig, ModelWeights, Stage, StageGrad};
 
 /// One SGD step as factors: `W ← W − step · dYᵀ·X` for every stage.
@@ -43,6 +44,9 @@ pub enum UpdateError {
         /// The largest accepted `step · norm`.
         bound: f64,
     },
+    /// The mesh does not learn, or the step breaks the mesh's learning rate and clipping.
+    #[error("update refused by the mesh's learning settings: {0}")]
+    Settings(String),
     /// Applying it to a shard failed.
     #[error("applying the update: {0}")]
     Apply(#[from] CodedError),
@@ -198,6 +202,30 @@ impl Update {
                 norm,
                 bound: MAX_STEP_NORM,
             });
+        }
+        Ok(())
+    }
+
+    /// [`Update::validate`], and the step within the mesh's settings: learning on, the step at
+    /// most the learning rate, the step's norm at most `lr · clip`.
+    pub fn validate_for(
+        &self,
+        cfg: &LlamaConfig,
+        learning: &LearningConfig,
+    ) -> Result<(), UpdateError> {
+        self.validate(cfg)?;
+        if !learning.enabled {
+            return Err(UpdateError::Settings("this mesh does not learn".into()));
+        }
+        let norm = self.gradient_norm();
+        let slack = 1.0 + 1e-3;
+        if self.step as f64 > learning.lr as f64 * slack
+            || self.step as f64 * norm > learning.lr as f64 * learning.clip as f64 * slack
+        {
+            return Err(UpdateError::Settings(format!(
+                "step {} × gradient norm {norm:.4} exceeds learning rate {} × clip {}",
+                self.step, learning.lr, learning.clip
+            )));
         }
         Ok(())
     }

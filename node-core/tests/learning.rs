@@ -7,6 +7,7 @@
 use node_core::code::Generator;
 use node_core::coded::{CodedGroup, InProcess, ShardFormat, ShardSet, ShardValues};
 use node_core::learn::{Update, UpdateError};
+use node_core::mesh::LearningConfig;
 use node_core::model::{KvCache, LeaderWeights, Llama, LlamaConfig, ModelWeights};
 
 fn config() -> LlamaConfig {

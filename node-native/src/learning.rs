@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result, bail};
 use node_core::coded::Member;
 use node_core::learn::Update;
-use node_core::mesh::ShardVersion;
+use node_core::mesh::{LearningConfig, ShardVersion};
 use node_core::model::LlamaConfig;
 
 use crate::store::DataDir;
@@ -27,18 +27,32 @@ pub struct ShardState {
 }
 
 impl ShardState {
-    /// Applies an encoded update once: `Ok(Some(id))` when applied now, `Ok(None)` when it
-    /// already was; a bad update is refused before anything changes.
-    pub fn apply(&mut self, cfg: &LlamaConfig, bytes: &[u8]) -> Result<Option<u64>> {
-        let update = decode_update(bytes)?;
-        let id = update.id();
+    /// Applies a checked update once: true when applied now, false when it already was.
+    pub fn apply(&mut self, update: &Update, id: u64) -> Result<bool> {
         if self.version.contains(id) {
-            return Ok(None);
+            return Ok(false);
         }
-        update.validate(cfg)?;
         update.apply_to_shards(self.member.shards_mut())?;
         self.version.insert(id);
-        Ok(Some(id))
+        Ok(true)
+    }
+}
+
+/// What an update must satisfy on this mesh.
+#[derive(Debug, Clone)]
+pub struct Rules {
+    /// The model's shape.
+    pub cfg: LlamaConfig,
+    /// The mesh's learning settings.
+    pub learning: LearningConfig,
+}
+
+impl Rules {
+    /// Parses and checks an update from untrusted bytes.
+    pub fn check(&self, bytes: &[u8]) -> Result<Update> {
+        let update = decode_update(bytes)?;
+        update.validate_for(&self.cfg, &self.learning)?;
+        Ok(update)
     }
 }
 
@@ -135,7 +149,7 @@ impl UpdateStore {
     }
 
     /// Rebuilds the state at start-up: the blob's shard plus every recorded update not in it.
-    pub fn restore(&self, member: Member, cfg: &LlamaConfig) -> Result<ShardState> {
+    pub fn restore(&self, member: Member, rules: &Rules) -> Result<ShardState> {
         let base = Self::read_ids(&self.base_file)?;
         let applied = Self::read_ids(&self.version_file)?;
         let mut version = ShardVersion::default();
@@ -147,7 +161,8 @@ impl UpdateStore {
             let bytes = self.load(*id)?.with_context(|| {
                 format!("update {id:016x} is recorded as applied but its payload is missing")
             })?;
-            state.apply(cfg, &bytes)?;
+            let update = rules.check(&bytes)?;
+            state.apply(&update, *id)?;
         }
         for id in applied {
             state.version.insert(id);

@@ -13,11 +13,11 @@ use node_core::mesh::{
     CHUNK_BYTES, HealthConfig, Heartbeat, JoinOffer, LearningConfig, MAX_CHUNK_BYTES, MeshEvent,
     MeshRequest, MeshResponse, MeshView, ModelManifest, ShardVersion,
 };
-use node_core::model::{LeaderWeights, LlamaConfig};
+use node_core::model::LeaderWeights;
 use node_core::protocol::{self, StepRequest};
 use std::time::Instant;
 
-use crate::learning::{ShardState, UpdateStore};
+use crate::learning::{Rules, ShardState, UpdateStore};
 use crate::store::{DataDir, shard_from_blob, shard_to_blob};
 use crate::swarm::{self, Client, Inbound, NetConfig, with_peer};
 use crate::{load, progress};
@@ -500,12 +500,15 @@ async fn run_server(health: HealthConfig, net: Net, data: DataDir, holding: Hold
         genesis,
     } = holding;
     let store = UpdateStore::open(&data)?;
-    let cfg = manifest.cfg.clone();
+    let rules = Rules {
+        cfg: manifest.cfg.clone(),
+        learning: manifest.learning,
+    };
     let row = shard.node as u32;
     let restore_store = store.clone();
-    let restore_cfg = cfg.clone();
+    let restore_rules = rules.clone();
     let state = tokio::task::spawn_blocking(move || {
-        restore_store.restore(Member::new(shard), &restore_cfg)
+        restore_store.restore(Member::new(shard), &restore_rules)
     })
     .await
     .map_err(|e| anyhow!("{e}"))??;
@@ -545,8 +548,9 @@ async fn run_server(health: HealthConfig, net: Net, data: DataDir, holding: Hold
         view,
         manifest_bytes: Arc::new(manifest_bytes),
         state: Arc::new(RwLock::new(state)),
-        cfg,
+        rules,
         row,
+        learn_times: Default::default(),
         store,
         genesis,
         snapshot: Arc::new(Mutex::new(None)),
@@ -573,8 +577,10 @@ struct Server {
     view: MeshView<PeerId>,
     manifest_bytes: Arc<Vec<u8>>,
     state: Arc<RwLock<ShardState>>,
-    cfg: LlamaConfig,
+    rules: Rules,
     row: u32,
+    /// When each peer last handed over updates (a rate limit).
+    learn_times: std::collections::HashMap<PeerId, std::collections::VecDeque<Instant>>,
     store: UpdateStore,
     genesis: BTreeMap<u32, Arc<Vec<u8>>>,
     /// This node's shard as a blob at one version, while a peer downloads it.
@@ -670,19 +676,35 @@ impl Server {
             return;
         }
         self.syncing = true;
-        let (client, state, store, cfg, tx) = (
+        let (client, state, store, rules, tx) = (
             self.client.clone(),
             self.state.clone(),
             self.store.clone(),
-            self.cfg.clone(),
+            self.rules.clone(),
             self.internal_tx.clone(),
         );
         tokio::spawn(async move {
-            if let Err(e) = catch_up(&client, peer, &state, &store, &cfg, &tx).await {
+            if let Err(e) = catch_up(&client, peer, &state, &store, &rules, &tx).await {
                 tracing::warn!(%peer, "catching up: {e:#}");
             }
             let _ = tx.send(Internal::SyncDone).await;
         });
+    }
+
+    /// Counts a peer's update hand-over; false past the rate limit.
+    fn within_rate(&mut self, peer: PeerId, now: Instant) -> bool {
+        let times = self.learn_times.entry(peer).or_default();
+        while times
+            .front()
+            .is_some_and(|t| now.duration_since(*t) > Duration::from_secs(60))
+        {
+            times.pop_front();
+        }
+        if times.len() >= LEARN_PER_MINUTE {
+            return false;
+        }
+        times.push_back(now);
+        true
     }
 
     fn on_inbound(&mut self, msg: Inbound) {
@@ -759,14 +781,20 @@ impl Server {
                             Err(e) => MeshResponse::Error(format!("{e:#}")),
                         })
                     }
+                    MeshRequest::Learn(_) if !self.within_rate(peer, now) => {
+                        let msg = format!(
+                            "rate limit: at most {LEARN_PER_MINUTE} updates a minute from one peer"
+                        );
+                        Box::new(move || MeshResponse::Error(msg))
+                    }
                     MeshRequest::Learn(bytes) => {
-                        let (state, store, cfg, tx) = (
+                        let (state, store, rules, tx) = (
                             self.state.clone(),
                             self.store.clone(),
-                            self.cfg.clone(),
+                            self.rules.clone(),
                             self.internal_tx.clone(),
                         );
-                        Box::new(move || learn(&state, &store, &cfg, &tx, &bytes))
+                        Box::new(move || learn(&state, &store, &rules, &tx, &bytes))
                     }
                     // A decode step is a fraction of a millisecond of work: computing it here
                     // saves two thread hand-offs per round. Prefill steps go to the pool.
@@ -807,11 +835,11 @@ fn write(state: &RwLock<ShardState>) -> std::sync::RwLockWriteGuard<'_, ShardSta
 fn learn(
     state: &RwLock<ShardState>,
     store: &UpdateStore,
-    cfg: &LlamaConfig,
+    rules: &Rules,
     tx: &tokio::sync::mpsc::Sender<Internal>,
     bytes: &[u8],
 ) -> MeshResponse {
-    match apply_and_keep(state, store, cfg, bytes) {
+    match apply_and_keep(state, store, rules, bytes) {
         Ok((id, applied)) => {
             if applied {
                 let _ = tx.blocking_send(Internal::Applied(id));
@@ -829,18 +857,17 @@ fn learn(
 fn apply_and_keep(
     state: &RwLock<ShardState>,
     store: &UpdateStore,
-    cfg: &LlamaConfig,
+    rules: &Rules,
     bytes: &[u8],
 ) -> Result<(u64, bool)> {
-    let update = crate::learning::decode_update(bytes)?;
-    update.validate(cfg)?;
+    let update = rules.check(bytes)?;
     let id = update.id();
     if read(state).version.contains(id) {
         return Ok((id, false));
     }
     store.save(id, bytes)?;
-    let applied = write(state).apply(cfg, bytes)?;
-    Ok((id, applied.is_some()))
+    let applied = write(state).apply(&update, id)?;
+    Ok((id, applied))
 }
 
 /// Fetches and applies every update `peer` has applied and this node has not.
@@ -849,7 +876,7 @@ async fn catch_up(
     peer: PeerId,
     state: &Arc<RwLock<ShardState>>,
     store: &UpdateStore,
-    cfg: &LlamaConfig,
+    rules: &Rules,
     tx: &tokio::sync::mpsc::Sender<Internal>,
 ) -> Result<()> {
     let MeshResponse::Versions { ids } = ask(client, peer, MeshRequest::Versions).await? else {
@@ -863,9 +890,9 @@ async fn catch_up(
     };
     for id in missing {
         let bytes = fetch_update(client, peer, id).await?;
-        let (state, store, cfg) = (state.clone(), store.clone(), cfg.clone());
+        let (state, store, rules) = (state.clone(), store.clone(), rules.clone());
         let (got, applied) =
-            tokio::task::spawn_blocking(move || apply_and_keep(&state, &store, &cfg, &bytes))
+            tokio::task::spawn_blocking(move || apply_and_keep(&state, &store, &rules, &bytes))
                 .await
                 .map_err(|e| anyhow!("{e}"))??;
         ensure!(
@@ -907,6 +934,9 @@ async fn fetch_update(client: &Client, peer: PeerId, id: u64) -> Result<Vec<u8>>
         }
     }
 }
+
+/// Updates one peer may hand over per minute.
+const LEARN_PER_MINUTE: usize = 120;
 
 /// Step requests up to this size (one token's activations) are computed on the node's task.
 const INLINE_STEP_BYTES: usize = 16 << 10;
