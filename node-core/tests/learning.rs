@@ -150,6 +150,27 @@ fn bad_updates_are_refused_before_anything_changes() {
         huge.validate(&w.cfg),
         Err(UpdateError::TooLarge { .. })
     ));
+    // The mesh's own settings: learning on, the step within lr and lr · clip.
+    let mesh = LearningConfig {
+        enabled: true,
+        lr: 0.1,
+        clip: 1.0,
+    };
+    good.validate_for(&w.cfg, &mesh).unwrap();
+    let off = LearningConfig {
+        enabled: false,
+        ..mesh
+    };
+    assert!(matches!(
+        good.validate_for(&w.cfg, &off),
+        Err(UpdateError::Settings(_))
+    ));
+    let mut bold = good.clone();
+    bold.step *= 2.0;
+    assert!(matches!(
+        bold.validate_for(&w.cfg, &mesh),
+        Err(UpdateError::Settings(_))
+    ));
     // A refused update leaves the shard as it was.
     let mut shard = group.transport().members()[0].shards().clone();
     let before = shard.clone();
