@@ -394,4 +394,43 @@ impl Transport for NetTransport {
         self.stats.compute += Duration::from_micros(slowest);
         Ok(answers)
     }
+
+    fn round_each(
+        &mut self,
+        requests: Vec<(usize, Vec<u8>)>,
+    ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
+        // Backward steps: every member gets its own input and every answer is needed.
+        self.round += 1;
+        let round = self.round;
+        for (row, request) in &requests {
+            self.send(*row, request);
+        }
+        let deadline = Instant::now() + RoundConfig::default().member_timeout;
+        let mut answers = Vec::with_capacity(requests.len());
+        while answers.len() < requests.len() {
+            let wait = deadline.saturating_duration_since(Instant::now());
+            match self.rx.recv_timeout(wait) {
+                Ok((r, row, result)) if r == round => match result {
+                    Ok((bytes, _)) => answers.push((row, bytes)),
+                    Err(reason) => {
+                        self.pool.note_failure(row);
+                        return Err(TransportError { node: row, reason });
+                    }
+                },
+                Ok(_) => {}
+                Err(_) => {
+                    let missing = requests
+                        .iter()
+                        .map(|(r, _)| *r)
+                        .find(|r| answers.iter().all(|(a, _)| a != r))
+                        .unwrap_or(usize::MAX);
+                    return Err(TransportError {
+                        node: missing,
+                        reason: "timed out".into(),
+                    });
+                }
+            }
+        }
+        Ok(answers)
+    }
 }
