@@ -515,5 +515,82 @@ fn every_request_trains_and_a_restarted_node_catches_up() -> Result<()> {
         }
         std::thread::sleep(Duration::from_millis(200));
     }
+    // Stop the mesh and read every node's data dir: each shard, with its recorded updates
+    // replayed, is the codeword of the uncoded model that applied the same 8 updates.
+    let dir = mesh.dir.0.clone();
+    drop(mesh.nodes);
+    drop(mesh.seed);
+    let mut reference = node_native::load::load_model(&model)?.weights;
+    let mut shards = Vec::new();
+    let mut ids = None;
+    for i in 0..5 {
+        let data = node_native::store::DataDir::open(&dir.join(format!("d{i}")))?;
+        let (manifest, _) = data.manifest()?.context("manifest")?;
+        let shard = data.shard()?.context("shard")?;
+        let rules = node_native::learning::Rules {
+            cfg: manifest.cfg.clone(),
+            learning: manifest.learning,
+        };
+        let store = node_native::learning::UpdateStore::open(&data)?;
+        let state = store.restore(node_core::coded::Member::new(shard), &rules)?;
+        assert_eq!(state.version.count(), 8, "node {i}");
+        let these: Vec<u64> = state.version.ids().collect();
+        if ids.is_none() {
+            for &id in &these {
+                let bytes = store.load(id)?.context("payload")?;
+                rules.check(&bytes)?.apply_to_weights(&mut reference)?;
+            }
+        }
+        assert_eq!(
+            ids.get_or_insert(these.clone()),
+            &these,
+            "node {i} applied other updates"
+        );
+        shards.push(state.member.shards().clone());
+    }
+    let g = shards[0].generator.clone();
+    let fresh = node_core::coded::InProcess::encode(
+        &reference,
+        &g,
+        node_core::coded::ShardFormat::F32,
+        &|_, _| {},
+    )?;
+    for got in &shards {
+        let want = fresh.members().get(got.node).context("row")?;
+        let err = shard_diff(got, want.shards());
+        eprintln!(
+            "row {}: {err:.2e} from the codeword of the uncoded model",
+            got.node
+        );
+        assert!(
+            err < 1e-5,
+            "row {}: shard differs from the codeword by {err:.2e}",
+            got.node
+        );
+    }
     Ok(())
+}
+
+/// Largest difference between two shard sets, relative to the largest value.
+fn shard_diff(a: &node_core::coded::ShardSet, b: &node_core::coded::ShardSet) -> f64 {
+    use node_core::coded::ShardValues;
+    let all = |s: &node_core::coded::ShardSet| -> Vec<f32> {
+        s.blocks
+            .iter()
+            .flatten()
+            .chain([&s.embed])
+            .chain(s.lm_head.as_ref())
+            .flat_map(|sh| match &sh.values {
+                ShardValues::F32(v) => v.clone(),
+                ShardValues::F16(v) => v.iter().map(|h| h.to_f32()).collect(),
+            })
+            .collect()
+    };
+    let (x, y) = (all(a), all(b));
+    let scale = y.iter().fold(0.0f32, |m, v| m.max(v.abs())) as f64;
+    x.iter()
+        .zip(&y)
+        .map(|(p, q)| (p - q).abs() as f64)
+        .fold(0.0, f64::max)
+        / scale
 }
