@@ -37,6 +37,8 @@ enum Command {
     Node(NodeArgs),
     /// Show the mesh: rows, holders, health, versions.
     Status(StatusArgs),
+    /// Perplexity of the mesh's model on a text file (forward only: it does not learn).
+    Eval(EvalArgs),
     /// Fetch the default model into the cache (if needed) and print its path.
     FetchModel,
     /// Measure kernel bandwidth and model tokens/s, uncoded and coded; print a table.
@@ -137,6 +139,22 @@ struct NodeArgs {
 }
 
 #[derive(Debug, clap::Args)]
+struct EvalArgs {
+    /// A mesh node's address.
+    #[arg(long)]
+    bootstrap: libp2p::Multiaddr,
+    /// A UTF-8 text file.
+    #[arg(long)]
+    file: PathBuf,
+    /// Tokens per chunk.
+    #[arg(long, default_value_t = 64)]
+    chunk: usize,
+    /// Most chunks evaluated (from the start of the file).
+    #[arg(long, default_value_t = 16)]
+    max_chunks: usize,
+}
+
+#[derive(Debug, clap::Args)]
 struct StatusArgs {
     /// A mesh node's address.
     #[arg(long)]
@@ -225,6 +243,7 @@ fn main() {
             rt.block_on(node::node(opts))
         }),
         Command::Status(args) => run_status(args),
+        Command::Eval(args) => run_eval(args),
         Command::Bench(args) => run_bench(args),
         Command::FetchModel => fetch::default_model().map(|p| println!("{}", p.display())),
     };
@@ -531,5 +550,35 @@ fn run_status(args: StatusArgs) -> Result<()> {
         );
     }
     println!("{}", info.summary());
+    Ok(())
+}
+
+/// `eval`: perplexity of the mesh's model on held-out text.
+fn run_eval(args: EvalArgs) -> Result<()> {
+    let text = std::fs::read_to_string(&args.file)
+        .with_context(|| format!("reading {}", args.file.display()))?;
+    let rt = runtime()?;
+    let mut leader = Leader::connect(&rt, args.bootstrap.clone(), 1)?;
+    let chunk = args.chunk.clamp(2, leader.manifest.cfg.max_seq);
+    let tokens = leader.tokenizer.encode(&text)?;
+    let chunks: Vec<&[u32]> = tokens
+        .chunks_exact(chunk)
+        .take(args.max_chunks.max(1))
+        .collect();
+    if chunks.is_empty() {
+        bail!("{} has fewer than {chunk} tokens", args.file.display());
+    }
+    let mut total = 0.0;
+    for c in &chunks {
+        total += leader.llama.sequence_loss(&mut leader.group, c)?;
+    }
+    let loss = total / chunks.len() as f64;
+    println!(
+        "perplexity {:.3} (mean loss {:.4} nats/token over {} chunks of {chunk} tokens; mesh version {})",
+        loss.exp(),
+        loss,
+        chunks.len(),
+        node_core::mesh::hex(&leader.version[..8])
+    );
     Ok(())
 }

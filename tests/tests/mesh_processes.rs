@@ -475,13 +475,14 @@ fn every_request_trains_and_a_restarted_node_catches_up() -> Result<()> {
     let mut mesh = Mesh::start("learn", Some(&model), &["--lr", "0.05"])?;
     let prompt = "hello world, this is a test";
     let mut losses = Vec::new();
-    for i in 0..8 {
-        if i == 3 {
+    const REQUESTS: usize = 50;
+    for i in 0..REQUESTS {
+        if i == 10 {
             // Churn: a node misses updates while it is down, then restarts from its data dir.
             mesh.nodes[1].signal("KILL");
             mesh.wait_healthy(4)?;
         }
-        if i == 6 {
+        if i == 30 {
             let mut p = spawn_node(&mesh.dir.0, "node2-again", "d2", &mesh.bootstrap)?;
             p.wait_log("serving row", Duration::from_secs(60))?;
             mesh.nodes[1] = p;
@@ -490,11 +491,13 @@ fn every_request_trains_and_a_restarted_node_catches_up() -> Result<()> {
         let (_, err) = mesh.generate(prompt, 6, || {})?;
         losses.push(learned_loss(&err)?);
     }
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+    let (first, last) = (mean(&losses[..5]), mean(&losses[REQUESTS - 5..]));
     assert!(
-        losses.windows(2).all(|w| w[1] < w[0]),
+        last < 0.5 * first,
         "the loss on the repeated prompt should fall: {losses:?}"
     );
-    // Every node converges on one version holding all 8 updates.
+    // Every node converges on one version holding all the updates.
     let start = Instant::now();
     loop {
         let s = mesh.status()?;
@@ -504,7 +507,7 @@ fn every_request_trains_and_a_restarted_node_catches_up() -> Result<()> {
             .filter_map(|n| n["version_digest"].as_str())
             .collect();
         if nodes.len() == 5
-            && s["version_count"] == 8
+            && s["version_count"] == REQUESTS as u64
             && digests.iter().all(|d| *d == digests[0])
             && nodes.iter().all(|n| n["lag"] == 0)
         {
@@ -516,7 +519,7 @@ fn every_request_trains_and_a_restarted_node_catches_up() -> Result<()> {
         std::thread::sleep(Duration::from_millis(200));
     }
     // Stop the mesh and read every node's data dir: each shard, with its recorded updates
-    // replayed, is the codeword of the uncoded model that applied the same 8 updates.
+    // replayed, is the codeword of the uncoded model that applied the same updates.
     let dir = mesh.dir.0.clone();
     drop(mesh.nodes);
     drop(mesh.seed);
@@ -533,7 +536,7 @@ fn every_request_trains_and_a_restarted_node_catches_up() -> Result<()> {
         };
         let store = node_native::learning::UpdateStore::open(&data)?;
         let state = store.restore(node_core::coded::Member::new(shard), &rules)?;
-        assert_eq!(state.version.count(), 8, "node {i}");
+        assert_eq!(state.version.count(), REQUESTS as u64, "node {i}");
         let these: Vec<u64> = state.version.ids().collect();
         if ids.is_none() {
             for &id in &these {

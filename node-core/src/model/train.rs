@@ -94,6 +94,26 @@ impl Llama {
         exec: &mut dyn LinearExec,
         tokens: &[u32],
     ) -> Result<Gradients, ModelError> {
+        self.loss_and_gradients(exec, tokens, true)?
+            .1
+            .ok_or_else(|| ModelError::Config("no gradients computed".into()))
+    }
+
+    /// Mean next-token cross-entropy of `tokens` (nats per predicted token), forward only.
+    pub fn sequence_loss(
+        &self,
+        exec: &mut dyn LinearExec,
+        tokens: &[u32],
+    ) -> Result<f64, ModelError> {
+        Ok(self.loss_and_gradients(exec, tokens, false)?.0)
+    }
+
+    fn loss_and_gradients(
+        &self,
+        exec: &mut dyn LinearExec,
+        tokens: &[u32],
+        backward: bool,
+    ) -> Result<(f64, Option<Gradients>), ModelError> {
         let cfg = self.config().clone();
         let t = tokens.len();
         if t < 2 {
@@ -216,6 +236,9 @@ impl Llama {
             drow[target] -= (1.0 / predicted) as f32;
         }
         loss /= predicted;
+        if !backward {
+            return Ok((loss, None));
+        }
 
         // Backward.
         let mut grads = LeaderWeights {
@@ -348,13 +371,14 @@ impl Llama {
             drop(s.x_in);
         }
         stages.reverse();
-        Ok(Gradients {
+        let grads = Gradients {
             loss,
             t,
             stages,
             embed_dx: dx,
             tokens: tokens.to_vec(),
             norms: grads,
-        })
+        };
+        Ok((loss, Some(grads)))
     }
 }
