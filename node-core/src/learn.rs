@@ -257,7 +257,7 @@ impl Update {
                         &mut b.up,
                         &mut b.down,
                     ];
-                    let wanted = stage_matrix_indices(*stage);
+                    let wanted = stage.block_matrices();
                     all.into_iter()
                         .enumerate()
                         .filter(|(i, _)| wanted.contains(i))
@@ -315,7 +315,7 @@ impl Update {
         let coeffs = g.coeffs(s.node).to_vec();
         let (m, km) = (g.sub_blocks(), g.k() * g.sub_blocks());
         for (stage, x, dys) in &self.stages {
-            let idx = stage_matrix_indices(*stage);
+            let idx = stage.block_matrices();
             for (i, dy) in dys.iter().enumerate() {
                 let shard = match stage.layer() {
                     Some(l) => &mut s.blocks[l][idx[i]],
@@ -348,17 +348,6 @@ impl Update {
 
 fn sub(v: &mut [f32], d: &[f32], step: f32) {
     v.iter_mut().zip(d).for_each(|(a, &b)| *a -= step * b);
-}
-
-/// Indices of a stage's matrices among a block's seven.
-fn stage_matrix_indices(stage: Stage) -> &'static [usize] {
-    match stage {
-        Stage::Qkv(_) => &[0, 1, 2],
-        Stage::AttnOut(_) => &[3],
-        Stage::GateUp(_) => &[4, 5],
-        Stage::Down(_) => &[6],
-        Stage::LmHead => &[],
-    }
 }
 
 /// `S_s −= step · (Σ_j c[s][j]·dY_j)ᵀ·X` for every sub-block `s` of one shard.

@@ -108,6 +108,26 @@ impl InProcess {
     }
 }
 
+impl InProcess {
+    /// One member's encoded answer to an encoded request.
+    fn answer(&self, node: usize, request: &[u8]) -> Result<(usize, Vec<u8>), TransportError> {
+        let fail = |reason: String| TransportError { node, reason };
+        let member = self
+            .members
+            .get(node)
+            .ok_or_else(|| fail("no such member".into()))?;
+        let answer = match protocol::decode::<StepRequest>(request) {
+            Ok(req) => member.handle(&req),
+            Err(e) => StepResponse::Failed {
+                reason: e.to_string(),
+            },
+        };
+        protocol::encode(&answer)
+            .map(|bytes| (node, bytes))
+            .map_err(|e| fail(e.to_string()))
+    }
+}
+
 impl Transport for InProcess {
     fn round(
         &mut self,
@@ -116,49 +136,18 @@ impl Transport for InProcess {
         _need: usize,
     ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
         // Members run side by side, as they would on separate machines.
-        let members = &self.members;
-        crate::compute::par::map(nodes, |&node| {
-            let fail = |reason: String| TransportError { node, reason };
-            let member = members
-                .get(node)
-                .ok_or_else(|| fail("no such member".into()))?;
-            let answer = match protocol::decode::<StepRequest>(request) {
-                Ok(req) => member.handle(&req),
-                Err(e) => StepResponse::Failed {
-                    reason: e.to_string(),
-                },
-            };
-            protocol::encode(&answer)
-                .map(|bytes| (node, bytes))
-                .map_err(|e| fail(e.to_string()))
-        })
-        .into_iter()
-        .collect()
+        crate::compute::par::map(nodes, |&node| self.answer(node, request))
+            .into_iter()
+            .collect()
     }
 
     fn round_each(
         &mut self,
         requests: Vec<(usize, Vec<u8>)>,
     ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
-        let members = &self.members;
-        crate::compute::par::map(&requests, |(node, request)| {
-            let node = *node;
-            let fail = |reason: String| TransportError { node, reason };
-            let member = members
-                .get(node)
-                .ok_or_else(|| fail("no such member".into()))?;
-            let answer = match protocol::decode::<StepRequest>(request) {
-                Ok(req) => member.handle(&req),
-                Err(e) => StepResponse::Failed {
-                    reason: e.to_string(),
-                },
-            };
-            protocol::encode(&answer)
-                .map(|bytes| (node, bytes))
-                .map_err(|e| fail(e.to_string()))
-        })
-        .into_iter()
-        .collect()
+        crate::compute::par::map(&requests, |(node, request)| self.answer(*node, request))
+            .into_iter()
+            .collect()
     }
 }
 
