@@ -74,6 +74,24 @@ fn factor_norm_sq(x: &[f32], dy: &[f32], t: usize) -> f64 {
     sum
 }
 
+/// Most positions one update may carry (validating costs `O(t²)` per matrix).
+pub const MAX_POSITIONS: usize = 256;
+
+/// Bytes an update carries per position of its sequence (f32 factors of every stage and the
+/// embedding lookup), for sizing what to train on.
+pub fn bytes_per_position(cfg: &LlamaConfig) -> usize {
+    let floats: usize = Stage::all(cfg)
+        .iter()
+        .map(|s| {
+            let shapes = s.shapes(cfg);
+            shapes.first().map_or(0, |&(_, inp)| inp)
+                + shapes.iter().map(|&(o, _)| o).sum::<usize>()
+        })
+        .sum::<usize>()
+        + cfg.hidden;
+    4 * floats + 4
+}
+
 /// Largest `step · ‖gradient‖` a node accepts from a peer.
 pub const MAX_STEP_NORM: f64 = 10.0;
 
@@ -137,7 +155,7 @@ impl Update {
     pub fn validate(&self, cfg: &LlamaConfig) -> Result<(), UpdateError> {
         let t = self.t as usize;
         let shape = |m: String| Err(UpdateError::Shape(m));
-        if t == 0 || t > cfg.max_seq {
+        if t == 0 || t > cfg.max_seq.min(MAX_POSITIONS) {
             return shape(format!("{t} positions"));
         }
         let expected = Stage::all(cfg);

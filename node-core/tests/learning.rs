@@ -131,6 +131,14 @@ fn bad_updates_are_refused_before_anything_changes() {
     let llama = Llama::new(w.cfg.clone(), LeaderWeights::from_model(&w)).unwrap();
     let good = Update::from_gradients(llama.gradients(&mut group, &SEQ).unwrap(), 0.1, 1.0);
     good.validate(&w.cfg).unwrap();
+    // The size estimate the leader uses to fit an update in one message holds.
+    let encoded = postcard::to_allocvec(&good).unwrap().len();
+    let norms = 4 * (2 * w.cfg.layers + 1) * w.cfg.hidden;
+    let estimate = SEQ.len() * node_core::learn::bytes_per_position(&w.cfg) + norms;
+    assert!(
+        encoded <= estimate + 1024 && encoded * 10 >= estimate * 9,
+        "{encoded} bytes, estimated {estimate}"
+    );
     let other = Update::from_gradients(llama.gradients(&mut group, &SEQ[..5]).unwrap(), 0.1, 1.0);
     assert_ne!(good.id(), other.id());
     assert_eq!(good.id(), good.clone().id());

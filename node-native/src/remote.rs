@@ -203,7 +203,16 @@ impl Leader {
         if !cfg.enabled || tokens.len() < 2 {
             return Ok(None);
         }
-        let max = self.manifest.cfg.max_seq;
+        // An update carries ~1.2 MB per position for SmolLM2 (f32 factors, uncompressed): train
+        // on the last positions that keep it well inside one message.
+        let per_position = node_core::learn::bytes_per_position(&self.manifest.cfg);
+        let fit = (node_core::protocol::MAX_MESSAGE_BYTES / 4 * 3 / per_position.max(1)).max(2);
+        let max = self
+            .manifest
+            .cfg
+            .max_seq
+            .min(node_core::learn::MAX_POSITIONS)
+            .min(fit);
         let tokens = &tokens[tokens.len().saturating_sub(max)..];
         let grads = self.llama.gradients(&mut self.group, tokens)?;
         let loss = grads.loss;
