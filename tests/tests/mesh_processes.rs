@@ -251,7 +251,7 @@ impl Mesh {
             .to_string();
         self.nodes
             .iter()
-            .position(|n| n.log().contains(&peer))
+            .position(|n| n.log().contains(&format!("serving row {row} as {peer}")))
             .with_context(|| format!("no node process logs peer {peer}"))
     }
 
