@@ -3,25 +3,11 @@
 
 #![allow(clippy::unwrap_used)] // a test: a failed unwrap is a failed test
 
+mod common;
+
 use node_core::code::Generator;
 use node_core::coded::{CodedGroup, InProcess, ShardFormat};
-use node_core::model::{Gradients, LeaderWeights, Llama, LlamaConfig, ModelWeights, Stage};
-
-fn config(tied: bool) -> LlamaConfig {
-    LlamaConfig {
-        hidden: 32,
-        ffn: 48,
-        layers: 2,
-        heads: 4,
-        kv_heads: 2,
-        head_dim: 8,
-        vocab: 64,
-        norm_eps: 1e-5,
-        rope_theta: 10_000.0,
-        max_seq: 16,
-        tied_embeddings: tied,
-    }
-}
+use node_core::model::{Gradients, LeaderWeights, Llama, ModelWeights, Stage};
 
 const TOKENS: [u32; 7] = [3, 17, 60, 42, 9, 17, 5];
 
@@ -90,7 +76,7 @@ fn close(analytic: f64, numeric: f64, what: &str) {
 #[test]
 fn gradients_match_finite_differences() {
     for tied in [true, false] {
-        let w = ModelWeights::synthetic(config(tied), 7).unwrap();
+        let w = ModelWeights::synthetic(common::train_config(tied), 7).unwrap();
         let g = grads(&w, 1, 1, &[0]);
         assert!(g.loss > 1.0 && g.loss.is_finite(), "loss {}", g.loss);
         // One well-measurable entry of every matrix of block 1 and of block 0's attention.
@@ -185,7 +171,7 @@ fn rel(a: &[f32], b: &[f32]) -> f64 {
 
 #[test]
 fn coded_backward_matches_the_uncoded_one_for_every_group() {
-    let w = ModelWeights::synthetic(config(true), 11).unwrap();
+    let w = ModelWeights::synthetic(common::train_config(true), 11).unwrap();
     let reference = grads(&w, 1, 1, &[0]);
     let mut worst = 0.0f64;
     for nodes in [[0, 1, 2], [0, 2, 4], [1, 3, 4], [2, 3, 4]] {

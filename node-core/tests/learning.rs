@@ -4,27 +4,13 @@
 
 #![allow(clippy::unwrap_used)] // a test: a failed unwrap is a failed test
 
+mod common;
+
 use node_core::code::Generator;
 use node_core::coded::{CodedGroup, InProcess, ShardFormat, ShardSet, ShardValues};
 use node_core::learn::{Update, UpdateError};
 use node_core::mesh::LearningConfig;
-use node_core::model::{KvCache, LeaderWeights, Llama, LlamaConfig, ModelWeights};
-
-fn config() -> LlamaConfig {
-    LlamaConfig {
-        hidden: 32,
-        ffn: 48,
-        layers: 2,
-        heads: 4,
-        kv_heads: 2,
-        head_dim: 8,
-        vocab: 64,
-        norm_eps: 1e-5,
-        rope_theta: 10_000.0,
-        max_seq: 16,
-        tied_embeddings: true,
-    }
-}
+use node_core::model::{KvCache, LeaderWeights, Llama, ModelWeights};
 
 const SEQ: [u32; 9] = [3, 17, 60, 42, 9, 17, 5, 33, 12];
 
@@ -56,7 +42,7 @@ fn max_rel_diff(a: &[f32], b: &[f32]) -> f64 {
 #[test]
 fn coded_sgd_keeps_every_shard_a_codeword_and_lowers_the_loss() {
     let g = Generator::cauchy(5, 3).unwrap();
-    let mut reference = ModelWeights::synthetic(config(), 5).unwrap();
+    let mut reference = ModelWeights::synthetic(common::train_config(true), 5).unwrap();
     let mut norms = LeaderWeights::from_model(&reference);
     let mesh = InProcess::encode(&reference, &g, ShardFormat::F32, &|_, _| {}).unwrap();
     let mut group = CodedGroup::new(reference.cfg.clone(), g.clone(), &[0, 2, 4, 1], mesh).unwrap();
@@ -124,7 +110,7 @@ fn coded_sgd_keeps_every_shard_a_codeword_and_lowers_the_loss() {
 
 #[test]
 fn bad_updates_are_refused_before_anything_changes() {
-    let w = ModelWeights::synthetic(config(), 5).unwrap();
+    let w = ModelWeights::synthetic(common::train_config(true), 5).unwrap();
     let g = Generator::uncoded();
     let mesh = InProcess::encode(&w, &g, ShardFormat::F32, &|_, _| {}).unwrap();
     let mut group = CodedGroup::new(w.cfg.clone(), g, &[0], mesh).unwrap();
