@@ -326,7 +326,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         group.condition_number()
     );
 
-    let (out, _) = generate_and_print(&llama, &model.tokenizer, &mut group, &args)?;
+    let (out, _) = generate_and_print(&llama, &model.tokenizer, &mut group, &args, &mut 0)?;
     let stats = group.stats().clone();
     print_coded_stats(&args, &out, &stats, None);
     let prompt = prompt_ids(&model.tokenizer, &args)?;
@@ -404,6 +404,7 @@ fn generate_and_print<T: Transport>(
     tokenizer: &Tokenizer,
     group: &mut CodedGroup<T>,
     args: &GenerateArgs,
+    emitted: &mut usize,
 ) -> Result<(Generation, Vec<u32>)> {
     let prompt = prompt_ids(tokenizer, args)?;
     let opts = generate_options(tokenizer, args);
@@ -411,6 +412,7 @@ fn generate_and_print<T: Transport>(
     let mut printed = 0usize;
     let mut stdout = std::io::stdout();
     let out = generate(llama, group, &prompt, &opts, &mut |id| {
+        *emitted += 1;
         ids.push(id);
         if let Ok(text) = tokenizer.decode(&ids) {
             // Hold back an incomplete UTF-8 sequence until its last byte arrives.
@@ -477,24 +479,46 @@ fn print_coded_stats(
 /// `generate --bootstrap`: a leader on the mesh.
 fn run_generate_mesh(args: GenerateArgs, bootstrap: libp2p::Multiaddr) -> Result<()> {
     let rt = runtime()?;
-    let mut leader = Leader::connect(&rt, bootstrap, args.spares)?;
-    let g = &leader.manifest.generator;
-    eprintln!(
-        "mesh {}: k = {}, n = {}, {} live rows; group {:?} (first k decode, condition number {:.2})",
-        leader.manifest.name,
-        g.k(),
-        g.n(),
-        leader.live_rows,
-        leader.group.nodes(),
-        leader.condition_number
-    );
-    let args = GenerateArgs {
-        k: g.k(),
-        n: g.n(),
-        ..args
+    let mut args = args;
+    let mut attempt = 0;
+    let (mut leader, out, prompt) = loop {
+        attempt += 1;
+        let mut leader = Leader::connect(&rt, bootstrap.clone(), args.spares)?;
+        let g = &leader.manifest.generator;
+        eprintln!(
+            "mesh {}: k = {}, n = {}, {} live rows; group {:?} (first k decode, condition number {:.2})",
+            leader.manifest.name,
+            g.k(),
+            g.n(),
+            leader.live_rows,
+            leader.group.nodes(),
+            leader.condition_number
+        );
+        (args.k, args.n) = (g.k(), g.n());
+        let mut emitted = 0;
+        match generate_and_print(
+            &leader.llama,
+            &leader.tokenizer,
+            &mut leader.group,
+            &args,
+            &mut emitted,
+        ) {
+            Ok((out, prompt)) => break (leader, out, prompt),
+            // The mesh took an update between the group's forming and its first step: form
+            // the group again at the new version (nothing was printed yet).
+            Err(e)
+                if emitted == 0
+                    && attempt < 3
+                    && format!("{e:#}").contains("shard version mismatch") =>
+            {
+                eprintln!(
+                    "the mesh moved to a new version as the request started; forming the group again"
+                );
+                std::thread::sleep(Duration::from_millis(300));
+            }
+            Err(e) => return Err(e),
+        }
     };
-    let (out, prompt) =
-        generate_and_print(&leader.llama, &leader.tokenizer, &mut leader.group, &args)?;
     let compute = leader.group.transport().stats().compute;
     print_coded_stats(&args, &out, leader.group.stats(), Some(compute));
     eprintln!("members at the end: {:?}", leader.group.nodes());

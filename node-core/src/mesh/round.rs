@@ -73,7 +73,8 @@ pub struct MemberPool {
     free: Vec<usize>,
     misses: BTreeMap<usize, u32>,
     /// Members asked in a finished round that have not answered since.
-    outstanding: BTreeSet<usize>,
+    /// (with the start of the first round it has been silent since).
+    outstanding: BTreeMap<usize, Instant>,
     /// Rows whose requests failed: never asked again.
     down: BTreeSet<usize>,
     cfg: RoundConfig,
@@ -86,7 +87,7 @@ impl MemberPool {
             generator,
             free,
             misses: BTreeMap::new(),
-            outstanding: BTreeSet::new(),
+            outstanding: BTreeMap::new(),
             down: BTreeSet::new(),
             cfg,
         }
@@ -110,17 +111,45 @@ impl MemberPool {
     }
 
     /// Takes the free row that conditions best with `with` (the rows that will decode).
-    fn take_replacement(&mut self, with: &[usize]) -> Option<usize> {
+    /// A row silent for several straggler periods has stalled: it is taken only when
+    /// `allow_stalled` (a member is needed, not merely wanted).
+    fn take_replacement(
+        &mut self,
+        now: Instant,
+        with: &[usize],
+        allow_stalled: bool,
+    ) -> Option<usize> {
         let k = self.generator.k();
-        // A row still silent on an earlier request is the last choice.
-        let fresh = self.free.iter().any(|r| !self.outstanding.contains(r));
-        let best = self
+        let stalled = self.cfg.straggler_after * 4;
+        let free: Vec<usize> = self
             .free
             .iter()
             .copied()
-            .enumerate()
-            .filter(|(_, r)| !fresh || !self.outstanding.contains(r))
-            .map(|(i, r)| {
+            .filter(|r| {
+                allow_stalled
+                    || self
+                        .outstanding
+                        .get(r)
+                        .is_none_or(|&since| now.saturating_duration_since(since) < stalled)
+            })
+            .collect();
+        // A row still silent on an earlier request is a later choice, and the one silent the
+        // longest (a stalled node, not a slow one) the last.
+        let silent_since = |r: &usize| self.outstanding.get(r).copied();
+        let latest = self
+            .free
+            .iter()
+            .map(silent_since)
+            .min_by(|a, b| match (a, b) {
+                (None, _) => std::cmp::Ordering::Less,
+                (_, None) => std::cmp::Ordering::Greater,
+                (Some(x), Some(y)) => y.cmp(x),
+            })?;
+        let best = free
+            .iter()
+            .copied()
+            .filter(|r| silent_since(r) == latest)
+            .map(|r| {
                 let mut trial: Vec<usize> = with.iter().copied().take(k - 1).collect();
                 trial.push(r);
                 let kappa = if trial.len() == k {
@@ -130,10 +159,11 @@ impl MemberPool {
                 } else {
                     0.0
                 };
-                (i, kappa)
+                (r, kappa)
             })
             .min_by(|a, b| a.1.total_cmp(&b.1))?;
-        Some(self.free.remove(best.0))
+        self.free.retain(|&r| r != best.0);
+        Some(best.0)
     }
 }
 
@@ -175,7 +205,7 @@ impl RoundDriver {
             .filter(|r| !pool.down.contains(r))
             .collect();
         for &row in &members {
-            if pool.outstanding.contains(&row) {
+            if pool.outstanding.contains_key(&row) {
                 *pool.misses.entry(row).or_default() += 1;
             }
         }
@@ -183,7 +213,7 @@ impl RoundDriver {
             let row = members[i];
             if pool.misses.get(&row).copied().unwrap_or(0) >= pool.cfg.max_misses {
                 let keep: Vec<usize> = members.iter().copied().filter(|&r| r != row).collect();
-                if let Some(fresh) = pool.take_replacement(&keep) {
+                if let Some(fresh) = pool.take_replacement(now, &keep, false) {
                     tracing::info!(row, fresh, "swapping a straggling member for a free row");
                     pool.misses.remove(&row);
                     pool.free.push(row);
@@ -193,7 +223,7 @@ impl RoundDriver {
         }
         // Too few members (some failed since the last round): top up from the free rows now.
         while members.len() < need {
-            let Some(fresh) = pool.take_replacement(&members) else {
+            let Some(fresh) = pool.take_replacement(now, &members, true) else {
                 break;
             };
             members.push(fresh);
@@ -272,18 +302,18 @@ impl RoundDriver {
         self.failures.push((row, reason));
         let outstanding = self.answers.len() + self.pending.len();
         if outstanding < self.need {
-            self.ask_replacement(now, pool);
+            self.ask_replacement(now, pool, true);
         }
     }
 
-    fn ask_replacement(&mut self, now: Instant, pool: &mut MemberPool) {
+    fn ask_replacement(&mut self, now: Instant, pool: &mut MemberPool, needed: bool) {
         let decoding: Vec<usize> = self
             .answers
             .iter()
             .map(|(r, _)| *r)
             .chain(self.pending.keys().copied())
             .collect();
-        if let Some(fresh) = pool.take_replacement(&decoding) {
+        if let Some(fresh) = pool.take_replacement(now, &decoding, needed) {
             self.members.push(fresh);
             self.pending.insert(fresh, now);
             self.transmits.push_back(fresh);
@@ -297,7 +327,7 @@ impl RoundDriver {
         }
         if !self.straggler_asked && now >= self.started + self.cfg.straggler_after {
             self.straggler_asked = true;
-            self.ask_replacement(now, pool);
+            self.ask_replacement(now, pool, false);
         }
         let silent: Vec<usize> = self
             .pending
@@ -342,7 +372,9 @@ impl RoundDriver {
                     .join("; "),
             });
         }
-        pool.outstanding.extend(self.pending.keys().copied());
+        for &row in self.pending.keys() {
+            pool.outstanding.entry(row).or_insert(self.started);
+        }
         Ok(self.answers)
     }
 }
@@ -417,6 +449,37 @@ mod tests {
             members.contains(&2),
             "a late but answering member stays: {members:?}"
         );
+    }
+
+    #[test]
+    fn the_row_silent_longest_is_the_last_replacement() {
+        let (_, mut pool) = pool(vec![]);
+        let t0 = Instant::now();
+        // Rows 3 and 4 miss a round each, 3 first; both end up free.
+        let mut r = RoundDriver::start(t0, &[0, 1, 2, 3], 3, &mut pool);
+        while r.poll_transmit().is_some() {}
+        for row in [0, 1, 2] {
+            r.handle_answer(t0, row, Ok(vec![]), &mut pool);
+        }
+        r.finish(&mut pool).unwrap();
+        let t1 = t0 + Duration::from_millis(10);
+        let mut r = RoundDriver::start(t1, &[0, 1, 2, 4], 3, &mut pool);
+        while r.poll_transmit().is_some() {}
+        for row in [0, 1, 2] {
+            r.handle_answer(t1, row, Ok(vec![]), &mut pool);
+        }
+        r.finish(&mut pool).unwrap();
+        pool.free = vec![3, 4];
+        assert_eq!(pool.take_replacement(t1, &[0, 1], false), Some(4));
+        assert_eq!(pool.take_replacement(t1, &[0, 1], false), Some(3));
+        // Silent for long, a row is asked again only when a member is needed, or once it answers.
+        pool.free = vec![3];
+        let later = t0 + pool.cfg.straggler_after * 4;
+        assert_eq!(pool.take_replacement(later, &[0, 1], false), None);
+        assert_eq!(pool.take_replacement(later, &[0, 1], true), Some(3));
+        pool.free = vec![3];
+        pool.note_answer(3);
+        assert_eq!(pool.take_replacement(later, &[0, 1], false), Some(3));
     }
 
     #[test]
