@@ -144,8 +144,17 @@ impl Update {
 
     /// An id for the update: a hash of its contents.
     pub fn id(&self) -> u64 {
-        let bytes = postcard::to_allocvec(self).unwrap_or_default();
-        let h = blake3::hash(&bytes);
+        Self::id_of(&self.encode())
+    }
+
+    /// The update's wire form (postcard; canonical, so its hash is the id).
+    pub fn encode(&self) -> Vec<u8> {
+        postcard::to_allocvec(self).unwrap_or_default()
+    }
+
+    /// The id of an update from its wire form, without decoding or re-encoding it.
+    pub fn id_of(encoded: &[u8]) -> u64 {
+        let h = blake3::hash(encoded);
         let mut id = [0u8; 8];
         id.copy_from_slice(&h.as_bytes()[..8]);
         u64::from_le_bytes(id)

@@ -418,22 +418,34 @@ const MAX_BLOB: u64 = 1 << 36;
 
 /// Downloads a row's shard blob from a peer, with progress.
 async fn fetch_blob(client: &Client, peer: PeerId, row: u32) -> Result<(Vec<u8>, [u8; 32])> {
+    let pb = progress::bar(0, &format!("row {row} from {peer}"));
+    let got = fetch_chunked(client, peer, MAX_BLOB, Some(&pb), |offset| {
+        MeshRequest::Chunk {
+            row,
+            offset,
+            len: CHUNK_BYTES,
+        }
+    })
+    .await;
+    pb.finish_and_clear();
+    got
+}
+
+/// Downloads a blob piece by piece (`request(offset)` asks for the piece at `offset`): the
+/// total and the version must stay the same throughout, and the total under `limit`.
+async fn fetch_chunked(
+    client: &Client,
+    peer: PeerId,
+    limit: u64,
+    pb: Option<&indicatif::ProgressBar>,
+    request: impl Fn(u64) -> MeshRequest,
+) -> Result<(Vec<u8>, [u8; 32])> {
     let mut out: Vec<u8> = Vec::new();
     let mut total = None;
     let mut version = None;
-    let pb = progress::bar(0, &format!("row {row} from {peer}"));
     loop {
         let offset = out.len() as u64;
-        let resp = ask(
-            client,
-            peer,
-            MeshRequest::Chunk {
-                row,
-                offset,
-                len: CHUNK_BYTES,
-            },
-        )
-        .await?;
+        let resp = ask(client, peer, request(offset)).await?;
         let MeshResponse::Chunk {
             total: t,
             bytes,
@@ -444,35 +456,37 @@ async fn fetch_blob(client: &Client, peer: PeerId, row: u32) -> Result<(Vec<u8>,
         };
         ensure!(
             *version.get_or_insert(v) == v,
-            "the peer's shard changed version mid-transfer"
+            "the peer's data changed version mid-transfer"
         );
         ensure!(
-            t <= MAX_BLOB,
-            "the peer announces a {t}-byte shard, over the limit"
+            t <= limit,
+            "the peer announces {t} bytes, over the limit of {limit}"
         );
         ensure!(
             *total.get_or_insert(t) == t,
-            "the peer changed the shard's size mid-transfer"
+            "the peer changed the size mid-transfer"
         );
         ensure!(
-            bytes.len() <= CHUNK_BYTES as usize,
+            bytes.len() <= MAX_CHUNK_BYTES as usize,
             "the peer sent an oversized chunk"
         );
         if out.is_empty() {
             out.reserve(t.min(1 << 30) as usize);
-            pb.set_length(t);
+            if let Some(pb) = pb {
+                pb.set_length(t);
+            }
         }
         if bytes.is_empty() && offset < t {
             bail!("the peer sent an empty chunk at {offset} of {t}");
         }
         out.extend_from_slice(&bytes);
-        pb.set_position(out.len() as u64);
+        if let Some(pb) = pb {
+            pb.set_position(out.len() as u64);
+        }
         if out.len() as u64 >= t {
-            break;
+            return Ok((out, version.unwrap_or_default()));
         }
     }
-    pb.finish_and_clear();
-    Ok((out, version.unwrap_or_default()))
 }
 
 /// Starts the network (dialing the bootstrap, if any) and serves what the node holds.
@@ -861,7 +875,8 @@ fn apply_and_keep(
     bytes: &[u8],
 ) -> Result<(u64, bool)> {
     let update = rules.check(bytes)?;
-    let id = update.id();
+    // The payload is the update's canonical encoding: hash it rather than encode again.
+    let id = node_core::learn::Update::id_of(bytes);
     if read(state).version.contains(id) {
         return Ok((id, false));
     }
@@ -910,29 +925,13 @@ async fn catch_up(
 
 /// Downloads an update's payload in chunks.
 async fn fetch_update(client: &Client, peer: PeerId, id: u64) -> Result<Vec<u8>> {
-    let mut out = Vec::new();
-    loop {
-        let req = MeshRequest::UpdateChunk {
-            id,
-            offset: out.len() as u64,
-            len: CHUNK_BYTES,
-        };
-        let MeshResponse::Chunk { total, bytes, .. } = ask(client, peer, req).await? else {
-            bail!("asked for an update chunk, got something else");
-        };
-        ensure!(
-            total <= crate::learning::MAX_UPDATE_BYTES,
-            "update of {total} bytes is over the limit"
-        );
-        ensure!(
-            !bytes.is_empty() || out.len() as u64 >= total,
-            "empty chunk"
-        );
-        out.extend_from_slice(&bytes);
-        if out.len() as u64 >= total {
-            return Ok(out);
-        }
-    }
+    let limit = crate::learning::MAX_UPDATE_BYTES;
+    let req = |offset| MeshRequest::UpdateChunk {
+        id,
+        offset,
+        len: CHUNK_BYTES,
+    };
+    Ok(fetch_chunked(client, peer, limit, None, req).await?.0)
 }
 
 /// Updates one peer may hand over per minute.

@@ -217,8 +217,8 @@ impl Leader {
         let grads = self.llama.gradients(&mut self.group, tokens)?;
         let loss = grads.loss;
         let update = node_core::learn::Update::from_gradients(grads, cfg.lr, cfg.clip);
-        let id = update.id();
-        let bytes = postcard::to_allocvec(&update)?;
+        let bytes = update.encode();
+        let id = node_core::learn::Update::id_of(&bytes);
         let size = bytes.len();
         let client = self.client.clone();
         let holders = self.holders.clone();
