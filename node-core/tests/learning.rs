@@ -8,7 +8,7 @@ mod common;
 
 use node_core::code::Generator;
 use node_core::coded::{CodedGroup, InProcess, ShardFormat, ShardSet, ShardValues};
-use node_core::learn::{Update, UpdateError};
+use node_core::learn::{Learner, Update, UpdateError};
 use node_core::mesh::LearningConfig;
 use node_core::model::{KvCache, LeaderWeights, Llama, ModelWeights};
 
@@ -118,7 +118,7 @@ fn bad_updates_are_refused_before_anything_changes() {
     let good = Update::from_gradients(llama.gradients(&mut group, &SEQ).unwrap(), 0.1, 1.0);
     good.validate(&w.cfg).unwrap();
     // The size estimate the leader uses to fit an update in one message holds.
-    let encoded = postcard::to_allocvec(&good).unwrap().len();
+    let encoded = good.encode().len();
     let norms = 4 * (2 * w.cfg.layers + 1) * w.cfg.hidden;
     let estimate = SEQ.len() * node_core::learn::bytes_per_position(&w.cfg) + norms;
     assert!(
@@ -130,10 +130,10 @@ fn bad_updates_are_refused_before_anything_changes() {
     assert_eq!(good.id(), good.clone().id());
 
     let mut nan = good.clone();
-    nan.stages[3].2[0][7] = f32::NAN;
+    nan.stages[3].dy[0][7] = f32::NAN;
     assert!(matches!(nan.validate(&w.cfg), Err(UpdateError::NotFinite)));
     let mut shape = good.clone();
-    shape.stages[0].1.pop();
+    shape.stages[0].x.pop();
     assert!(matches!(shape.validate(&w.cfg), Err(UpdateError::Shape(_))));
     let mut token = good.clone();
     token.embed_tokens[0] = 64;
@@ -146,9 +146,10 @@ fn bad_updates_are_refused_before_anything_changes() {
     ));
     // The mesh's own settings: learning on, the step within lr and lr · clip.
     let mesh = LearningConfig {
-        enabled: true,
         lr: 0.1,
         clip: 1.0,
+        rank: 0,
+        ..LearningConfig::default()
     };
     good.validate_for(&w.cfg, &mesh).unwrap();
     let off = LearningConfig {
@@ -170,4 +171,148 @@ fn bad_updates_are_refused_before_anything_changes() {
     let before = shard.clone();
     assert!(nan.apply_to_shards(&mut shard).is_err());
     assert_eq!(shard, before);
+}
+
+/// Every weight of a model, flat.
+fn flat(w: &ModelWeights) -> Vec<f32> {
+    let mut v = Vec::new();
+    for l in &w.layers {
+        for m in [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down] {
+            v.extend_from_slice(&m.data);
+        }
+        v.extend_from_slice(&l.attn_norm);
+        v.extend_from_slice(&l.ffn_norm);
+    }
+    v.extend_from_slice(&w.embed.data);
+    if let Some(h) = &w.lm_head {
+        v.extend_from_slice(&h.data);
+    }
+    v.extend_from_slice(&w.final_norm);
+    v
+}
+
+fn learning(rank: u32, accumulate: u32, momentum: f32) -> LearningConfig {
+    LearningConfig {
+        enabled: true,
+        lr: 0.2,
+        clip: 5.0,
+        rank,
+        accumulate,
+        momentum,
+    }
+}
+
+#[test]
+fn compressed_updates_keep_every_shard_a_codeword_and_lower_the_loss() {
+    let g = Generator::cauchy(5, 3).unwrap();
+    let mut reference = ModelWeights::synthetic(common::train_config(true), 5).unwrap();
+    let mut norms = LeaderWeights::from_model(&reference);
+    let mesh = InProcess::encode(&reference, &g, ShardFormat::F32, &|_, _| {}).unwrap();
+    let mut group = CodedGroup::new(reference.cfg.clone(), g.clone(), &[0, 2, 4, 1], mesh).unwrap();
+    let cfg = learning(2, 1, 0.0);
+    let mut learner = Learner::new(cfg, reference.cfg.clone());
+    let (mut losses, mut sizes) = (Vec::new(), Vec::new());
+    for _ in 0..25 {
+        let llama = Llama::new(reference.cfg.clone(), norms.clone()).unwrap();
+        let grads = llama.gradients(&mut group, &SEQ).unwrap();
+        losses.push(grads.loss);
+        let published = learner
+            .push(grads)
+            .unwrap()
+            .expect("one update per request");
+        // What nodes do: decode the payload, check it against the mesh's settings, apply it.
+        let bytes = published.update.encode();
+        sizes.push(bytes.len());
+        let update = Update::decode(&bytes).unwrap();
+        assert_eq!(
+            update, published.update,
+            "f16 factors survive the wire exactly"
+        );
+        assert_eq!(update.encode(), bytes, "the wire form is canonical");
+        update.validate_for(&reference.cfg, &cfg).unwrap();
+        for member in group.transport_mut().members_mut() {
+            update.apply_to_shards(member.shards_mut()).unwrap();
+        }
+        update.apply_to_norms(&mut norms);
+        update.apply_to_weights(&mut reference).unwrap();
+    }
+    let fresh = InProcess::encode(&reference, &g, ShardFormat::F32, &|_, _| {}).unwrap();
+    let mut worst = 0.0f64;
+    for (a, b) in group.transport().members().iter().zip(fresh.members()) {
+        worst = worst.max(max_rel_diff(&values(a.shards()), &values(b.shards())));
+    }
+    assert!(
+        worst < 1e-5,
+        "shards drifted from the codeword by {worst:.2e}"
+    );
+    let (first, last) = (losses[0], *losses.last().unwrap());
+    assert!(
+        last < 0.5 * first,
+        "loss {first:.3} → {last:.3}: {losses:?}"
+    );
+    // Rank 2 in f16 against the exact f32 factors of the same sequence.
+    let exact = SEQ.len() * node_core::learn::bytes_per_position(&reference.cfg);
+    assert!(
+        sizes.iter().all(|&s| s * 2 < exact),
+        "compressed sizes {sizes:?} vs exact {exact}"
+    );
+    eprintln!(
+        "rank 2: loss {first:.3} → {last:.3}; {} bytes per update vs {exact} exact",
+        sizes[0]
+    );
+}
+
+#[test]
+fn accumulation_and_momentum_publish_the_sum_of_the_gradients() {
+    let w0 = ModelWeights::synthetic(common::train_config(true), 7).unwrap();
+    let g = Generator::uncoded();
+    let mesh = InProcess::encode(&w0, &g, ShardFormat::F32, &|_, _| {}).unwrap();
+    let mut group = CodedGroup::new(w0.cfg.clone(), g, &[0], mesh).unwrap();
+    let llama = Llama::new(w0.cfg.clone(), LeaderWeights::from_model(&w0)).unwrap();
+    let seqs: [&[u32]; 4] = [&SEQ, &SEQ[2..], &[5, 9, 1, 40, 2, 2, 7], &SEQ[..6]];
+    let grads: Vec<_> = seqs
+        .iter()
+        .map(|s| llama.gradients(&mut group, s).unwrap())
+        .collect();
+    // H = 2, β = 0.5, a rank large enough to cut nothing: the first update is g1 + g2, the
+    // second 0.5·(g1 + g2) + g3 + g4.
+    let cfg = learning(64, 2, 0.5);
+    let mut learner = Learner::new(cfg, w0.cfg.clone());
+    let mut published = Vec::new();
+    for gr in &grads {
+        if let Some(p) = learner.push(gr.clone()).unwrap() {
+            published.push(p);
+        }
+    }
+    assert!(learner.flush().unwrap().is_none(), "nothing left pending");
+    assert_eq!(published.len(), 2);
+    assert_eq!(
+        published.iter().map(|p| p.requests).collect::<Vec<_>>(),
+        [2, 2]
+    );
+    let mut got = w0.clone();
+    for p in &published {
+        p.update.validate_for(&w0.cfg, &cfg).unwrap();
+        p.update.apply_to_weights(&mut got).unwrap();
+    }
+    let mut want = w0.clone();
+    for (gr, c) in grads.iter().zip([1.5f32, 1.5, 1.0, 1.0]) {
+        let mut u = Update::from_gradients(gr.clone(), cfg.lr, cfg.clip);
+        u.step *= c;
+        u.apply_to_weights(&mut want).unwrap();
+    }
+    let base = flat(&w0);
+    let delta =
+        |w: &ModelWeights| -> Vec<f32> { flat(w).iter().zip(&base).map(|(a, b)| a - b).collect() };
+    let err = max_rel_diff(&delta(&got), &delta(&want));
+    assert!(
+        err < 5e-3,
+        "published updates differ from the sum by {err:.2e}"
+    );
+    // A rank too small to hold the sum cuts it, and says how much it kept.
+    let mut small = Learner::new(learning(1, 2, 0.0), w0.cfg.clone());
+    assert!(small.push(grads[0].clone()).unwrap().is_none());
+    let p = small.push(grads[1].clone()).unwrap().unwrap();
+    assert!(p.kept < 0.999 && p.kept > 0.0, "kept {}", p.kept);
+    assert!(p.update.stages.iter().all(|f| f.rows <= 1));
 }

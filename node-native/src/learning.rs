@@ -10,7 +10,7 @@ use anyhow::{Context, Result, bail};
 use node_core::coded::Member;
 use node_core::learn::Update;
 use node_core::mesh::{LearningConfig, ShardVersion};
-use node_core::model::LlamaConfig;
+use node_core::model::{LeaderWeights, LlamaConfig};
 
 use crate::store::DataDir;
 
@@ -24,6 +24,8 @@ pub struct ShardState {
     pub member: Member,
     /// Updates applied.
     pub version: ShardVersion,
+    /// The replicated norm gains at this version (every node updates its own copy).
+    pub norms: LeaderWeights,
 }
 
 impl ShardState {
@@ -33,6 +35,7 @@ impl ShardState {
             return Ok(false);
         }
         update.apply_to_shards(self.member.shards_mut())?;
+        update.apply_to_norms(&mut self.norms);
         self.version.insert(id);
         Ok(true)
     }
@@ -64,7 +67,7 @@ pub fn decode_update(bytes: &[u8]) -> Result<Update> {
             bytes.len()
         );
     }
-    postcard::from_bytes(bytes).context("parsing an update")
+    Update::decode(bytes).context("parsing an update")
 }
 
 /// Where a node keeps update payloads and its version.
@@ -73,6 +76,7 @@ pub struct UpdateStore {
     dir: PathBuf,
     version_file: PathBuf,
     base_file: PathBuf,
+    base_norms: PathBuf,
 }
 
 impl UpdateStore {
@@ -84,6 +88,7 @@ impl UpdateStore {
             dir,
             version_file: data.path().join("version.json"),
             base_file: data.path().join("base-version.json"),
+            base_norms: data.path().join("base-norms.bin"),
         })
     }
 
@@ -143,20 +148,55 @@ impl UpdateStore {
         Self::write_ids(&self.version_file, v.ids())
     }
 
-    /// Records the updates already inside the shard blob on disk.
-    pub fn save_base(&self, v: &ShardVersion) -> Result<()> {
+    /// Records the updates already inside the shard blob on disk, and the norm gains at that
+    /// version.
+    pub fn save_base(&self, v: &ShardVersion, norms: &LeaderWeights) -> Result<()> {
+        let tmp = self.base_norms.with_extension("tmp");
+        fs::write(&tmp, postcard::to_allocvec(norms)?)?;
+        fs::rename(&tmp, &self.base_norms)?;
         Self::write_ids(&self.base_file, v.ids())
     }
 
+    /// The norm gains of the base version: saved with it, or the genesis ones when the base is
+    /// the genesis version.
+    fn base_norms(&self, base: &BTreeSet<u64>, genesis: &LeaderWeights) -> Result<LeaderWeights> {
+        if !self.base_norms.exists() {
+            if base.is_empty() {
+                return Ok(genesis.clone());
+            }
+            bail!(
+                "{} is missing: the norm gains at the shard's version are unknown",
+                self.base_norms.display()
+            );
+        }
+        let bytes = fs::read(&self.base_norms)?;
+        let norms: LeaderWeights = postcard::from_bytes(&bytes)
+            .with_context(|| format!("reading {}", self.base_norms.display()))?;
+        Ok(norms)
+    }
+
     /// Rebuilds the state at start-up: the blob's shard plus every recorded update not in it.
-    pub fn restore(&self, member: Member, rules: &Rules) -> Result<ShardState> {
+    pub fn restore(
+        &self,
+        member: Member,
+        rules: &Rules,
+        genesis: &LeaderWeights,
+    ) -> Result<ShardState> {
         let base = Self::read_ids(&self.base_file)?;
         let applied = Self::read_ids(&self.version_file)?;
+        let norms = self.base_norms(&base, genesis)?;
+        if !norms.fits(&rules.cfg) {
+            bail!("the saved norm gains do not fit the model");
+        }
         let mut version = ShardVersion::default();
         for &id in &base {
             version.insert(id);
         }
-        let mut state = ShardState { member, version };
+        let mut state = ShardState {
+            member,
+            version,
+            norms,
+        };
         for id in applied.difference(&base) {
             let bytes = self.load(*id)?.with_context(|| {
                 format!("update {id:016x} is recorded as applied but its payload is missing")

@@ -8,6 +8,7 @@ use clap::{Parser, Subcommand};
 use node_core::code::{Generator, select_nodes};
 use node_core::coded::Transport;
 use node_core::coded::{CodedGroup, InProcess, ShardFormat};
+use node_core::learn::Learner;
 use node_core::mesh::HealthConfig;
 use node_core::model::{
     ChatMessage, GenerateOptions, LeaderWeights, Llama, SamplingParams, generate,
@@ -125,6 +126,15 @@ struct SeedArgs {
     /// Gradient clipping norm.
     #[arg(long, default_value_t = 1.0)]
     clip: f32,
+    /// Rank each update is compressed to, sent as f16; 0 sends exact f32 factors.
+    #[arg(long, default_value_t = node_core::mesh::DEFAULT_RANK)]
+    rank: u32,
+    /// Requests a leader folds into one update (low-communication mode, needs rank > 0).
+    #[arg(long, default_value_t = 1)]
+    accumulate: u32,
+    /// Linear outer momentum of a leader's updates (needs rank > 0).
+    #[arg(long, default_value_t = 0.0)]
+    momentum: f32,
     #[command(flatten)]
     net: NetArgs,
 }
@@ -205,6 +215,9 @@ struct GenerateArgs {
     /// Shard storage: f32 (exact to the code's error) or f16 (half the bytes, see docs/perf.md).
     #[arg(long, default_value = "f32")]
     shard_format: ShardFormat,
+    /// Run the request this many times on the mesh, learning after each (mesh only).
+    #[arg(long, default_value_t = 1)]
+    repeat: usize,
 }
 
 fn main() {
@@ -228,6 +241,9 @@ fn main() {
                 enabled: !args.no_learning,
                 lr: args.lr,
                 clip: args.clip,
+                rank: args.rank,
+                accumulate: args.accumulate,
+                momentum: args.momentum,
             };
             rt.block_on(node::seed(
                 opts,
@@ -476,14 +492,58 @@ fn print_coded_stats(
     }
 }
 
-/// `generate --bootstrap`: a leader on the mesh.
+/// `generate --bootstrap`: a leader on the mesh; with `--repeat`, the same request again on a
+/// fresh group each time, learning after each.
 fn run_generate_mesh(args: GenerateArgs, bootstrap: libp2p::Multiaddr) -> Result<()> {
     let rt = runtime()?;
     let mut args = args;
+    let mut learner: Option<Learner> = None;
+    let mut last = None;
+    for i in 0..args.repeat.max(1) {
+        if args.repeat > 1 {
+            eprintln!("request {} of {}", i + 1, args.repeat);
+        }
+        let (mut leader, out, prompt) = run_once_on_mesh(&rt, &mut args, &bootstrap)?;
+        let learner = learner.get_or_insert_with(|| {
+            Learner::new(leader.manifest.learning, leader.manifest.cfg.clone())
+        });
+        let tokens: Vec<u32> = prompt.iter().chain(&out).copied().collect();
+        let started = std::time::Instant::now();
+        if let Some(l) = leader.learn(&rt, &tokens, learner)? {
+            eprintln!("learned: loss {:.4} on {} tokens", l.loss, l.positions);
+            if let Some(sent) = l.published {
+                print_sent(&sent, &leader, started);
+            } else {
+                eprintln!(
+                    "gradient kept for the next update ({} of {} requests)",
+                    learner.pending(),
+                    leader.manifest.learning.accumulate
+                );
+            }
+        }
+        last = Some(leader);
+    }
+    // What is still accumulated goes out now rather than being lost with the process.
+    if let (Some(learner), Some(leader)) = (learner.as_mut(), last.as_ref()) {
+        let started = std::time::Instant::now();
+        if let Some(p) = learner.flush()? {
+            let sent = leader.publish(&rt, p)?;
+            print_sent(&sent, leader, started);
+        }
+    }
+    Ok(())
+}
+
+/// One request on a group formed for it: the leader, the generated and the prompt tokens.
+fn run_once_on_mesh(
+    rt: &tokio::runtime::Runtime,
+    args: &mut GenerateArgs,
+    bootstrap: &libp2p::Multiaddr,
+) -> Result<(Leader, Vec<u32>, Vec<u32>)> {
     let mut attempt = 0;
-    let (mut leader, out, prompt) = loop {
+    let (leader, out, prompt) = loop {
         attempt += 1;
-        let mut leader = Leader::connect(&rt, bootstrap.clone(), args.spares)?;
+        let mut leader = Leader::connect(rt, bootstrap.clone(), args.spares)?;
         let g = &leader.manifest.generator;
         eprintln!(
             "mesh {}: k = {}, n = {}, {} live rows; group {:?} (first k decode, condition number {:.2})",
@@ -500,7 +560,7 @@ fn run_generate_mesh(args: GenerateArgs, bootstrap: libp2p::Multiaddr) -> Result
             &leader.llama,
             &leader.tokenizer,
             &mut leader.group,
-            &args,
+            args,
             &mut emitted,
         ) {
             Ok((out, prompt)) => break (leader, out, prompt),
@@ -520,23 +580,22 @@ fn run_generate_mesh(args: GenerateArgs, bootstrap: libp2p::Multiaddr) -> Result
         }
     };
     let compute = leader.group.transport().stats().compute;
-    print_coded_stats(&args, &out, leader.group.stats(), Some(compute));
+    print_coded_stats(args, &out, leader.group.stats(), Some(compute));
     eprintln!("members at the end: {:?}", leader.group.nodes());
-    let tokens: Vec<u32> = prompt.iter().chain(&out.tokens).copied().collect();
-    let started = std::time::Instant::now();
-    if let Some(l) = leader.learn(&rt, &tokens)? {
-        eprintln!(
-            "learned: loss {:.4} on {} tokens; update {:016x}, {} bytes, taken by {} of {} nodes ({:.2} s)",
-            l.loss,
-            tokens.len(),
-            l.id,
-            l.bytes,
-            l.applied_by,
-            leader.holders.len(),
-            started.elapsed().as_secs_f64()
-        );
-    }
-    Ok(())
+    Ok((leader, out.tokens, prompt))
+}
+
+fn print_sent(sent: &node_native::remote::Sent, leader: &Leader, started: std::time::Instant) {
+    eprintln!(
+        "update {:016x}: {} requests, {} bytes, {:.1}% of the gradient's energy kept, taken by {} of {} nodes ({:.2} s)",
+        sent.id,
+        sent.requests,
+        sent.bytes,
+        100.0 * sent.kept,
+        sent.applied_by,
+        leader.holders.len(),
+        started.elapsed().as_secs_f64()
+    );
 }
 
 /// `status`: the mesh as the bootstrap node sees it.

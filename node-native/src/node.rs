@@ -239,7 +239,7 @@ pub async fn node(opts: NodeOptions) -> Result<()> {
     let (manifest, manifest_bytes) = fetch_manifest(&client, peer).await?;
     data.save_manifest(&manifest_bytes)?;
     let started = std::time::Instant::now();
-    let (shard, blob, version, how, downloaded) = match ask(&client, peer, MeshRequest::Join)
+    let (shard, blob, version, norms, how, downloaded) = match ask(&client, peer, MeshRequest::Join)
         .await?
     {
         MeshResponse::Join(JoinOffer::Genesis { row }) => {
@@ -258,6 +258,7 @@ pub async fn node(opts: NodeOptions) -> Result<()> {
                 shard,
                 blob,
                 ShardVersion::default(),
+                manifest.leader.clone(),
                 format!("genesis shard from {peer}"),
                 bytes,
             )
@@ -301,9 +302,23 @@ pub async fn node(opts: NodeOptions) -> Result<()> {
                 .await
                 .map_err(|e| anyhow!("{e}"))??;
             let rows: Vec<u32> = sources.iter().map(|s| s.row).collect();
-            // The new shard is at the sources' version: learn which updates that is.
+            // The new shard is at the sources' version: learn which updates that is, and the
+            // norm gains there.
             let mut version = ShardVersion::default();
+            let mut norms = manifest.leader.clone();
             if let Some(from) = first_peer {
+                let MeshResponse::Norms {
+                    version: nv,
+                    norms: n,
+                } = ask(&client, from, MeshRequest::Norms).await?
+                else {
+                    bail!("asked for the norm gains, got something else");
+                };
+                ensure!(
+                    Some(nv) == at && n.fits(&manifest.cfg),
+                    "the source's norm gains are not at the shard's version; try again"
+                );
+                norms = n;
                 let MeshResponse::Versions { ids } =
                     ask(&client, from, MeshRequest::Versions).await?
                 else {
@@ -321,6 +336,7 @@ pub async fn node(opts: NodeOptions) -> Result<()> {
                 shard,
                 blob,
                 version,
+                norms,
                 format!("re-encoded from rows {rows:?}"),
                 bytes,
             )
@@ -332,7 +348,7 @@ pub async fn node(opts: NodeOptions) -> Result<()> {
         other => bail!("unexpected answer to a join request: {}", describe(&other)),
     };
     let store = UpdateStore::open(&data)?;
-    store.save_base(&version)?;
+    store.save_base(&version, &norms)?;
     store.save_version(&version)?;
     data.save_shard_blob(&blob)?;
     drop(blob);
@@ -398,6 +414,7 @@ fn describe(r: &MeshResponse) -> &'static str {
         MeshResponse::Step { .. } => "step",
         MeshResponse::Versions { .. } => "version list",
         MeshResponse::Learned { .. } => "learning receipt",
+        MeshResponse::Norms { .. } => "norm gains",
         MeshResponse::Error(_) => "error",
     }
 }
@@ -521,8 +538,9 @@ async fn run_server(health: HealthConfig, net: Net, data: DataDir, holding: Hold
     let row = shard.node as u32;
     let restore_store = store.clone();
     let restore_rules = rules.clone();
+    let genesis_norms = manifest.leader.clone();
     let state = tokio::task::spawn_blocking(move || {
-        restore_store.restore(Member::new(shard), &restore_rules)
+        restore_store.restore(Member::new(shard), &restore_rules, &genesis_norms)
     })
     .await
     .map_err(|e| anyhow!("{e}"))??;
@@ -778,6 +796,11 @@ impl Server {
                                 len,
                             )
                         })
+                    }
+                    MeshRequest::Norms => {
+                        let s = read(&self.state);
+                        let (version, norms) = (s.version.digest(), s.norms.clone());
+                        Box::new(move || MeshResponse::Norms { version, norms })
                     }
                     MeshRequest::Versions => {
                         let ids = read(&self.state).version.ids().collect();

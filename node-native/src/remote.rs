@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Result, anyhow, bail};
 use libp2p::{Multiaddr, PeerId};
 use node_core::coded::{Transport, TransportError};
+use node_core::learn::{Learner, Published};
 use node_core::mesh::{
     Health, MemberPool, MeshInfo, MeshRequest, MeshResponse, ModelManifest, RoundConfig,
     RoundDriver,
@@ -151,10 +152,32 @@ impl Leader {
                 tokio::time::sleep(Duration::from_millis(150)).await;
                 info = session.info().await?;
             }
-            let rows = session.live_rows(&info).await?;
-            anyhow::Ok((session, manifest, rows))
+            let (rows, version) = session.live_rows(&info).await?;
+            // The norm gains learn too: take them from a holder at the group's version.
+            let mut norms = None;
+            for &peer in rows.values() {
+                match ask(&session.client, peer, MeshRequest::Norms).await {
+                    Ok(MeshResponse::Norms { version: v, norms: n })
+                        if v == version && n.fits(&manifest.cfg) =>
+                    {
+                        norms = Some(n);
+                        break;
+                    }
+                    Ok(_) => tracing::debug!(%peer, "norm gains at another version"),
+                    Err(e) => tracing::debug!(%peer, "norm gains: {e:#}"),
+                }
+            }
+            let norms = match (norms, rows.is_empty()) {
+                (Some(n), _) => n,
+                (None, true) => manifest.leader.clone(),
+                (None, false) => bail!(
+                    "no row holder could give the norm gains at version {}; the mesh is taking an update, try again",
+                    node_core::mesh::hex(&version[..8])
+                ),
+            };
+            anyhow::Ok((session, manifest, (rows, version, norms)))
         })?;
-        let (rows, version) = rows;
+        let (rows, version, norms) = rows;
         let holders = rows.values().copied().collect();
         let g = manifest.generator.clone();
         let live: Vec<usize> = rows.keys().copied().collect();
@@ -167,7 +190,7 @@ impl Leader {
         }
         let plan = node_core::mesh::plan_group(&g, &live, spares)?;
         let tokenizer = node_core::model::Tokenizer::from_data(&manifest.tokenizer)?;
-        let llama = node_core::model::Llama::new(manifest.cfg.clone(), manifest.leader.clone())?;
+        let llama = node_core::model::Llama::new(manifest.cfg.clone(), norms)?;
         let transport = NetTransport::new(
             session.client.clone(),
             version,
@@ -191,33 +214,48 @@ impl Leader {
         })
     }
 
-    /// Trains on `tokens` if the mesh learns: the gradient through the group, one SGD update,
-    /// handed to every live row's holder (the rest catch up from them). Returns the loss
-    /// before the update, the update's id and its size in bytes.
+    /// Trains on `tokens` if the mesh learns: the gradient through the group, folded into
+    /// `learner`; when an update is due it is handed to every live row's holder (the rest catch
+    /// up from them). Returns the loss before the update and what was published, if anything.
     pub fn learn(
         &mut self,
         rt: &tokio::runtime::Runtime,
         tokens: &[u32],
+        learner: &mut Learner,
     ) -> Result<Option<Learned>> {
         let cfg = self.manifest.learning;
         if !cfg.enabled || tokens.len() < 2 {
             return Ok(None);
         }
-        // An update carries ~1.2 MB per position for SmolLM2 (f32 factors, uncompressed): train
-        // on the last positions that keep it well inside one message.
-        let per_position = node_core::learn::bytes_per_position(&self.manifest.cfg);
-        let fit = (node_core::protocol::MAX_MESSAGE_BYTES / 4 * 3 / per_position.max(1)).max(2);
-        let max = self
+        let mut max = self
             .manifest
             .cfg
             .max_seq
-            .min(node_core::learn::MAX_POSITIONS)
-            .min(fit);
+            .min(node_core::learn::MAX_POSITIONS);
+        if cfg.rank == 0 {
+            // Exact f32 factors carry ~1.2 MB per position for SmolLM2: train on the last
+            // positions that keep an update well inside one message.
+            let per_position = node_core::learn::bytes_per_position(&self.manifest.cfg);
+            let fit = node_core::protocol::MAX_MESSAGE_BYTES / 4 * 3 / per_position.max(1);
+            max = max.min(fit.max(2));
+        }
         let tokens = &tokens[tokens.len().saturating_sub(max)..];
         let grads = self.llama.gradients(&mut self.group, tokens)?;
         let loss = grads.loss;
-        let update = node_core::learn::Update::from_gradients(grads, cfg.lr, cfg.clip);
-        let bytes = update.encode();
+        let published = match learner.push(grads)? {
+            Some(p) => Some(self.publish(rt, p)?),
+            None => None,
+        };
+        Ok(Some(Learned {
+            loss,
+            positions: tokens.len(),
+            published,
+        }))
+    }
+
+    /// Hands an update to every live row's holder.
+    pub fn publish(&self, rt: &tokio::runtime::Runtime, p: Published) -> Result<Sent> {
+        let bytes = p.update.encode();
         let id = node_core::learn::Update::id_of(&bytes);
         let size = bytes.len();
         let client = self.client.clone();
@@ -234,12 +272,13 @@ impl Leader {
         for e in applied.iter().filter_map(|r| r.as_ref().err()) {
             tracing::warn!("a node refused the update: {e:#}");
         }
-        Ok(Some(Learned {
-            loss,
+        Ok(Sent {
             id,
             bytes: size,
             applied_by: ok,
-        }))
+            requests: p.requests,
+            kept: p.kept,
+        })
     }
 }
 
@@ -248,12 +287,25 @@ impl Leader {
 pub struct Learned {
     /// Mean next-token loss on the request's tokens before the update.
     pub loss: f64,
+    /// Positions trained on.
+    pub positions: usize,
+    /// The update published after this request, if one was due.
+    pub published: Option<Sent>,
+}
+
+/// An update handed to the mesh.
+#[derive(Debug, Clone, Copy)]
+pub struct Sent {
     /// The update's id.
     pub id: u64,
     /// Its size on the wire.
     pub bytes: usize,
     /// Nodes that took it directly.
     pub applied_by: usize,
+    /// Requests folded into it.
+    pub requests: u32,
+    /// Share of the gradient's energy the compression kept.
+    pub kept: f64,
 }
 
 /// Time the members spent computing, as they reported it.

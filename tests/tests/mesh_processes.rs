@@ -525,6 +525,7 @@ fn every_request_trains_and_a_restarted_node_catches_up() -> Result<()> {
     drop(mesh.seed);
     let mut reference = node_native::load::load_model(&model)?.weights;
     let mut shards = Vec::new();
+    let mut norms = Vec::new();
     let mut ids = None;
     for i in 0..5 {
         let data = node_native::store::DataDir::open(&dir.join(format!("d{i}")))?;
@@ -535,7 +536,11 @@ fn every_request_trains_and_a_restarted_node_catches_up() -> Result<()> {
             learning: manifest.learning,
         };
         let store = node_native::learning::UpdateStore::open(&data)?;
-        let state = store.restore(node_core::coded::Member::new(shard), &rules)?;
+        let state = store.restore(
+            node_core::coded::Member::new(shard),
+            &rules,
+            &manifest.leader,
+        )?;
         assert_eq!(state.version.count(), REQUESTS as u64, "node {i}");
         let these: Vec<u64> = state.version.ids().collect();
         if ids.is_none() {
@@ -550,7 +555,34 @@ fn every_request_trains_and_a_restarted_node_catches_up() -> Result<()> {
             "node {i} applied other updates"
         );
         shards.push(state.member.shards().clone());
+        norms.push(state.norms);
     }
+    // The replicated norm gains learnt the same on every node, as on the reference.
+    let want = node_core::model::LeaderWeights::from_model(&reference);
+    let flat = |n: &node_core::model::LeaderWeights| -> Vec<f32> {
+        n.attn_norm
+            .iter()
+            .chain(&n.ffn_norm)
+            .chain([&n.final_norm])
+            .flatten()
+            .copied()
+            .collect()
+    };
+    for (i, n) in norms.iter().enumerate() {
+        let err = flat(n)
+            .iter()
+            .zip(flat(&want))
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        assert!(err < 1e-5, "node {i}: norm gains differ by {err:.2e}");
+    }
+    assert_ne!(
+        flat(&want),
+        flat(&node_core::model::LeaderWeights::from_model(
+            &node_native::load::load_model(&model)?.weights
+        )),
+        "the norm gains learnt nothing"
+    );
     let g = shards[0].generator.clone();
     let fresh = node_core::coded::InProcess::encode(
         &reference,

@@ -35,7 +35,19 @@ pub struct LearningConfig {
     pub lr: f32,
     /// Gradients are clipped to this norm.
     pub clip: f32,
+    /// Rank each stage's update is compressed to, sent as f16; 0 sends exact f32 factors.
+    pub rank: u32,
+    /// Requests a leader folds into one update (DiLoCo's H; needs `rank > 0`).
+    pub accumulate: u32,
+    /// Linear outer momentum `β` of a leader's updates (needs `rank > 0`).
+    pub momentum: f32,
 }
+
+/// Default rank of a compressed update (docs/perf.md: ≤ 1% of SmolLM2's bytes per request).
+pub const DEFAULT_RANK: u32 = 8;
+
+/// Most requests one update may fold together.
+pub const MAX_ACCUMULATE: u32 = 64;
 
 impl Default for LearningConfig {
     fn default() -> Self {
@@ -43,6 +55,9 @@ impl Default for LearningConfig {
             enabled: true,
             lr: 1e-4,
             clip: 1.0,
+            rank: DEFAULT_RANK,
+            accumulate: 1,
+            momentum: 0.0,
         }
     }
 }
@@ -58,7 +73,43 @@ impl LearningConfig {
                 self.lr, self.clip
             )));
         }
+        if self.rank as usize > crate::learn::MAX_POSITIONS {
+            return Err(ModelError::Config(format!(
+                "rank {} exceeds {}",
+                self.rank,
+                crate::learn::MAX_POSITIONS
+            )));
+        }
+        if !(1..=MAX_ACCUMULATE).contains(&self.accumulate)
+            || !(self.momentum.is_finite() && (0.0..0.999).contains(&self.momentum))
+        {
+            return Err(ModelError::Config(format!(
+                "accumulate {} must be in 1..={MAX_ACCUMULATE} and momentum {} in [0, 0.999)",
+                self.accumulate, self.momentum
+            )));
+        }
+        if self.rank == 0 && (self.accumulate > 1 || self.momentum > 0.0) {
+            return Err(ModelError::Config(
+                "accumulating requests and momentum need compressed updates (rank > 0)".into(),
+            ));
+        }
         Ok(())
+    }
+
+    /// How update factors travel on this mesh.
+    pub fn precision(&self) -> crate::learn::Precision {
+        if self.rank == 0 {
+            crate::learn::Precision::F32
+        } else {
+            crate::learn::Precision::F16
+        }
+    }
+
+    /// Largest `step · ‖update‖` an update may have: `lr · clip` per request, times the
+    /// requests folded in, times the momentum's geometric sum `1 / (1 − β)`.
+    pub fn step_norm_bound(&self) -> f64 {
+        self.lr as f64 * self.clip as f64 * self.accumulate.max(1) as f64
+            / (1.0 - self.momentum as f64)
     }
 }
 
@@ -74,16 +125,7 @@ impl ModelManifest {
             .map_err(|e| ModelError::Config(format!("manifest: {e}")))?;
         m.cfg.validate()?;
         m.learning.validate()?;
-        let layers = m.cfg.layers;
-        if m.leader.attn_norm.len() != layers
-            || m.leader.ffn_norm.len() != layers
-            || m.leader.final_norm.len() != m.cfg.hidden
-            || m.leader
-                .attn_norm
-                .iter()
-                .chain(&m.leader.ffn_norm)
-                .any(|v| v.len() != m.cfg.hidden)
-        {
+        if !m.leader.fits(&m.cfg) {
             return Err(ModelError::Config(
                 "manifest: norm gains do not match the model's shape".into(),
             ));

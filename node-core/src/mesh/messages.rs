@@ -166,6 +166,8 @@ pub enum MeshRequest {
     },
     /// A leader hands over a learning update (an encoded [`crate::learn::Update`]).
     Learn(Vec<u8>),
+    /// The replicated norm gains at the answering node's version.
+    Norms,
 }
 
 /// An answer on the mesh protocol.
@@ -204,6 +206,13 @@ pub enum MeshResponse {
         id: u64,
         /// Updates the node has applied now.
         version_count: u64,
+    },
+    /// The norm gains at a version.
+    Norms {
+        /// Digest of the version they belong to.
+        version: [u8; 32],
+        /// The gains.
+        norms: crate::model::LeaderWeights,
     },
     /// The request could not be served.
     Error(String),

@@ -10,7 +10,7 @@ mod version;
 mod view;
 
 pub use health::{Health, HealthConfig};
-pub use manifest::{LearningConfig, ModelManifest};
+pub use manifest::{DEFAULT_RANK, LearningConfig, MAX_ACCUMULATE, ModelManifest};
 pub use messages::{
     CHUNK_BYTES, HEARTBEAT_TOPIC, Heartbeat, JoinOffer, MAX_CHUNK_BYTES, MeshInfo, MeshRequest,
     MeshResponse, NodeStatus, SourceRow,

@@ -102,6 +102,18 @@ impl LeaderWeights {
             final_norm: w.final_norm.clone(),
         }
     }
+
+    /// Whether the gains have the model's shape.
+    pub fn fits(&self, cfg: &LlamaConfig) -> bool {
+        self.attn_norm.len() == cfg.layers
+            && self.ffn_norm.len() == cfg.layers
+            && self.final_norm.len() == cfg.hidden
+            && self
+                .attn_norm
+                .iter()
+                .chain(&self.ffn_norm)
+                .all(|g| g.len() == cfg.hidden)
+    }
 }
 
 /// Keys and values of the tokens seen so far, per block.

@@ -1,28 +1,59 @@
 //! Learning updates: one request's gradient as factors, clipped and scaled into an SGD step that
 //! every node applies to its own shard (`δS_i = (Σ_j G[i,j]·dY_j)ᵀ·X`), so the shards stay one
-//! codeword. Plain SGD only: it is linear, the code survives it (DESIGN.md §1).
+//! codeword. Plain SGD, optionally with momentum and accumulation over several requests: all
+//! linear, so the code survives them (DESIGN.md §1). Factors can be compressed to a low rank and
+//! sent as f16 ([`Learner`]).
 
-use serde::{Deserialize, Serialize};
+mod compress;
+mod learner;
+mod wire;
+
+pub use compress::{LowRank, low_rank};
+pub use learner::{Learner, Published};
 
 use crate::coded::{CodedError, Shard, ShardSet, ShardValues};
 use crate::mesh::LearningConfig;
 use crate::model::{Gradients, LeaderWeights, LlamaConfig, ModelWeights, Stage, StageGrad};
 
+/// How an update's factors travel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum Precision {
+    /// Four bytes a value, as computed.
+    F32,
+    /// Two bytes a value: every factor value is an f16 (held as the f32 of the same value).
+    F16,
+}
+
 /// One SGD step as factors: `W ← W − step · dYᵀ·X` for every stage.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Update {
     /// Learning rate times the clipping factor.
     pub step: f32,
-    /// Positions of the sequence.
+    /// Positions trained on (over every request folded into the update).
     pub t: u32,
-    /// Per stage: its input `x` (`t × in`) and, per matrix, its output gradient (`t × out`).
-    pub stages: Vec<(Stage, Vec<f32>, Vec<Vec<f32>>)>,
+    /// Every stage's factors, in the model's order.
+    pub stages: Vec<StageFactors>,
     /// Tokens whose embedding rows the lookup's gradient reaches.
     pub embed_tokens: Vec<u32>,
-    /// The lookup's gradient, `t × hidden`.
+    /// The lookup's gradient, a row of `hidden` per token.
     pub embed_dx: Vec<f32>,
     /// Gradients of the norm gains.
     pub norms: LeaderWeights,
+    /// How the factors travel.
+    pub precision: Precision,
+}
+
+/// One stage's step as factors: for matrix `m`, `δW_m = dy[m]ᵀ·x`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StageFactors {
+    /// The stage.
+    pub stage: Stage,
+    /// Rows of the factors: a sequence's positions, or a compressed rank.
+    pub rows: u32,
+    /// The input factor, `rows × in`.
+    pub x: Vec<f32>,
+    /// Per matrix of the stage, the output factor, `rows × out`.
+    pub dy: Vec<Vec<f32>>,
 }
 
 /// A learning update that cannot be used.
@@ -58,6 +89,9 @@ fn factor_norm_sq(x: &[f32], dy: &[f32], t: usize) -> f64 {
         return 0.0;
     }
     let (inp, out) = (x.len() / t, dy.len() / t);
+    if inp * t != x.len() || out * t != dy.len() {
+        return f64::INFINITY;
+    }
     let dot = |v: &[f32], a: usize, b: usize, w: usize| -> f64 {
         v[a * w..(a + 1) * w]
             .iter()
@@ -74,8 +108,26 @@ fn factor_norm_sq(x: &[f32], dy: &[f32], t: usize) -> f64 {
     sum
 }
 
-/// Most positions one update may carry (validating costs `O(t²)` per matrix).
+/// Most positions one request trains on, and most factor rows a stage of an update may carry
+/// (validating costs `O(rows²)` per matrix).
 pub const MAX_POSITIONS: usize = 256;
+
+/// Most embedding-lookup rows an update may carry (requests folded together).
+pub const MAX_LOOKUPS: usize = 16 * MAX_POSITIONS;
+
+/// Whether a stage's factors fit the model.
+fn fits(f: &StageFactors, cfg: &LlamaConfig) -> bool {
+    let shapes = f.stage.shapes(cfg);
+    let rows = f.rows as usize;
+    let inp = shapes.first().map_or(0, |s| s.1);
+    rows <= MAX_POSITIONS
+        && f.x.len() == rows * inp
+        && f.dy.len() == shapes.len()
+        && f.dy
+            .iter()
+            .zip(&shapes)
+            .all(|(dy, &(out, _))| dy.len() == rows * out)
+}
 
 /// Bytes an update carries per position of its sequence (f32 factors of every stage and the
 /// embedding lookup), for sizing what to train on.
@@ -104,11 +156,17 @@ impl Update {
             stages: g
                 .stages
                 .into_iter()
-                .map(|StageGrad { stage, x, dy }| (stage, x, dy))
+                .map(|StageGrad { stage, x, dy }| StageFactors {
+                    stage,
+                    rows: g.t as u32,
+                    x,
+                    dy,
+                })
                 .collect(),
             embed_tokens: g.tokens,
             embed_dx: g.embed_dx,
             norms: g.norms,
+            precision: Precision::F32,
         };
         let norm = u.gradient_norm();
         if norm > clip as f64 && norm > 0.0 {
@@ -119,11 +177,13 @@ impl Update {
 
     /// Frobenius norm of the whole gradient (tied embedding parts counted apart: a bound).
     pub fn gradient_norm(&self) -> f64 {
-        let t = self.t as usize;
         let mut sq: f64 = self
             .stages
             .iter()
-            .flat_map(|(_, x, dys)| dys.iter().map(move |dy| factor_norm_sq(x, dy, t)))
+            .flat_map(|f| {
+                f.dy.iter()
+                    .map(move |dy| factor_norm_sq(&f.x, dy, f.rows as usize))
+            })
             .sum();
         sq += self
             .embed_dx
@@ -149,7 +209,12 @@ impl Update {
 
     /// The update's wire form (postcard; canonical, so its hash is the id).
     pub fn encode(&self) -> Vec<u8> {
-        postcard::to_allocvec(self).unwrap_or_default()
+        wire::encode(self)
+    }
+
+    /// Parses an update from untrusted bytes (shapes are checked by [`Update::validate`]).
+    pub fn decode(bytes: &[u8]) -> Result<Self, UpdateError> {
+        wire::decode(bytes)
     }
 
     /// The id of an update from its wire form, without decoding or re-encoding it.
@@ -162,36 +227,23 @@ impl Update {
 
     /// Checks shapes, finiteness and the step bound before anything is applied.
     pub fn validate(&self, cfg: &LlamaConfig) -> Result<(), UpdateError> {
-        let t = self.t as usize;
         let shape = |m: String| Err(UpdateError::Shape(m));
-        if t == 0 || t > cfg.max_seq.min(MAX_POSITIONS) {
-            return shape(format!("{t} positions"));
-        }
         let expected = Stage::all(cfg);
         if self.stages.len() != expected.len()
             || self
                 .stages
                 .iter()
                 .zip(&expected)
-                .any(|((s, _, _), e)| s != e)
+                .any(|(f, e)| f.stage != *e)
         {
             return shape("the stages are not the model's".into());
         }
-        for (stage, x, dys) in &self.stages {
-            let shapes = stage.shapes(cfg);
-            let inp = shapes.first().map_or(0, |s| s.1);
-            if x.len() != t * inp
-                || dys.len() != shapes.len()
-                || dys
-                    .iter()
-                    .zip(&shapes)
-                    .any(|(dy, &(out, _))| dy.len() != t * out)
-            {
-                return shape(format!("{stage:?} has the wrong factor shapes"));
-            }
+        if let Some(f) = self.stages.iter().find(|f| !fits(f, cfg)) {
+            return shape(format!("{:?} has the wrong factor shapes", f.stage));
         }
-        if self.embed_tokens.len() != t
-            || self.embed_dx.len() != t * cfg.hidden
+        let lookups = self.embed_tokens.len();
+        if lookups > MAX_LOOKUPS
+            || self.embed_dx.len() != lookups * cfg.hidden
             || self
                 .embed_tokens
                 .iter()
@@ -199,22 +251,15 @@ impl Update {
         {
             return shape("the embedding gradient has the wrong shape".into());
         }
-        let n = &self.norms;
-        if n.attn_norm.len() != cfg.layers
-            || n.ffn_norm.len() != cfg.layers
-            || n.final_norm.len() != cfg.hidden
-            || n.attn_norm
-                .iter()
-                .chain(&n.ffn_norm)
-                .any(|g| g.len() != cfg.hidden)
-        {
+        if !self.norms.fits(cfg) {
             return shape("the norm gradients have the wrong shape".into());
         }
         let finite = self.step.is_finite()
-            && self
-                .stages
-                .iter()
-                .all(|(_, x, dys)| x.iter().chain(dys.iter().flatten()).all(|v| v.is_finite()))
+            && self.stages.iter().all(|f| {
+                f.x.iter()
+                    .chain(f.dy.iter().flatten())
+                    .all(|v| v.is_finite())
+            })
             && self.embed_dx.iter().all(|v| v.is_finite());
         if !finite {
             return Err(UpdateError::NotFinite);
@@ -234,7 +279,8 @@ impl Update {
     }
 
     /// [`Update::validate`], and the step within the mesh's settings: learning on, the step at
-    /// most the learning rate, the step's norm at most `lr · clip`.
+    /// most the learning rate, the step's norm within [`LearningConfig::step_norm_bound`], the
+    /// factors no finer than the mesh's precision.
     pub fn validate_for(
         &self,
         cfg: &LlamaConfig,
@@ -246,12 +292,27 @@ impl Update {
         }
         let norm = self.gradient_norm();
         let slack = 1.0 + 1e-3;
-        if self.step as f64 > learning.lr as f64 * slack
-            || self.step as f64 * norm > learning.lr as f64 * learning.clip as f64 * slack
+        let bound = learning.step_norm_bound();
+        if self.step as f64 > learning.lr as f64 * slack || self.step as f64 * norm > bound * slack
         {
             return Err(UpdateError::Settings(format!(
-                "step {} × gradient norm {norm:.4} exceeds learning rate {} × clip {}",
-                self.step, learning.lr, learning.clip
+                "step {} × gradient norm {norm:.4} exceeds the learning rate {} or the mesh's bound {bound:.3e}",
+                self.step, learning.lr
+            )));
+        }
+        if learning.precision() != self.precision {
+            return Err(UpdateError::Settings(format!(
+                "the mesh sends {:?} factors, this update is {:?}",
+                learning.precision(),
+                self.precision
+            )));
+        }
+        if learning.rank > 0
+            && let Some(f) = self.stages.iter().find(|f| f.rows > learning.rank)
+        {
+            return Err(UpdateError::Settings(format!(
+                "{:?} carries {} rows, more than the mesh's rank {}",
+                f.stage, f.rows, learning.rank
             )));
         }
         Ok(())
@@ -260,7 +321,7 @@ impl Update {
     /// The factors that update a coded matrix of the model, tied embedding included:
     /// for the embedding, the LM head's `(dlogits, h)` and the lookup's `(onehot, dx)`.
     fn embedding_rows(&self) -> impl Iterator<Item = (u32, &[f32])> {
-        let d = self.embed_dx.len() / self.t.max(1) as usize;
+        let d = self.embed_dx.len() / self.embed_tokens.len().max(1);
         self.embed_tokens
             .iter()
             .copied()
@@ -270,8 +331,14 @@ impl Update {
     /// Applies the step to uncoded weights (the reference every coded node must match).
     pub fn apply_to_weights(&self, w: &mut ModelWeights) -> Result<(), UpdateError> {
         self.validate(&w.cfg)?;
-        let t = self.t as usize;
-        for (stage, x, dys) in &self.stages {
+        for StageFactors {
+            stage,
+            rows,
+            x,
+            dy: dys,
+        } in &self.stages
+        {
+            let t = *rows as usize;
             let mats: Vec<&mut crate::model::Matrix> = match stage.layer() {
                 Some(l) => {
                     let b = &mut w.layers[l];
@@ -337,13 +404,13 @@ impl Update {
     /// Applies the step to one node's shards: `δS_i = (Σ_j G[i,j]·dY_j)ᵀ·X` per matrix.
     pub fn apply_to_shards(&self, s: &mut ShardSet) -> Result<(), UpdateError> {
         self.validate(&s.cfg)?;
-        let t = self.t as usize;
         let g = s.generator.clone();
         let coeffs = g.coeffs(s.node).to_vec();
         let (m, km) = (g.sub_blocks(), g.k() * g.sub_blocks());
-        for (stage, x, dys) in &self.stages {
+        for f in &self.stages {
+            let (stage, x, t) = (f.stage, &f.x, f.rows as usize);
             let idx = stage.block_matrices();
-            for (i, dy) in dys.iter().enumerate() {
+            for (i, dy) in f.dy.iter().enumerate() {
                 let shard = match stage.layer() {
                     Some(l) => &mut s.blocks[l][idx[i]],
                     None => s.lm_head.as_mut().unwrap_or(&mut s.embed),
@@ -352,6 +419,10 @@ impl Update {
             }
         }
         // The embedding lookup: dY is one-hot rows, so only the tokens' blocks move.
+        let t = self.embed_tokens.len();
+        if t == 0 {
+            return Ok(());
+        }
         let d = s.cfg.hidden;
         let vocab = s.cfg.vocab;
         let mut onehot = vec![0.0f32; t * vocab];

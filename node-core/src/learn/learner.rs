@@ -1,0 +1,222 @@
+//! A leader's learning state: turns each request's gradient into what the mesh gossips.
+//!
+//! With the mesh's `rank = 0`, every request publishes its exact f32 factors. With `rank > 0`,
+//! each stage's factors are compressed to that rank and sent as f16; requests can be accumulated
+//! (`accumulate = H`: one update every H requests) with a linear outer momentum `β`
+//! (`m ← β·m + Σ g`, the published update is `m`): PCP's DiLoCo, kept linear so the code
+//! survives it.
+
+use super::{Precision, StageFactors, Update, UpdateError, compress, wire};
+use crate::mesh::LearningConfig;
+use crate::model::{Gradients, LeaderWeights, LlamaConfig, Stage};
+
+/// An update ready to be gossiped.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Published {
+    /// The update.
+    pub update: Update,
+    /// Requests folded into it.
+    pub requests: u32,
+    /// Share of the gradient energy the compression kept, over the stages it cut (1: exact).
+    pub kept: f64,
+}
+
+/// Folds requests' gradients into the updates a leader publishes.
+#[derive(Debug)]
+pub struct Learner {
+    cfg: LearningConfig,
+    model: LlamaConfig,
+    pending: Option<Update>,
+    requests: u32,
+    momentum: Option<Update>,
+    kept: (f64, f64),
+}
+
+impl Learner {
+    /// A learner for a mesh's settings and model.
+    pub fn new(cfg: LearningConfig, model: LlamaConfig) -> Self {
+        Self {
+            cfg,
+            model,
+            pending: None,
+            requests: 0,
+            momentum: None,
+            kept: (0.0, 0.0),
+        }
+    }
+
+    /// Requests folded in and not yet published.
+    pub fn pending(&self) -> u32 {
+        self.requests
+    }
+
+    /// Takes one request's gradient; returns an update when one is due.
+    pub fn push(&mut self, g: Gradients) -> Result<Option<Published>, UpdateError> {
+        if !self.cfg.enabled {
+            return Ok(None);
+        }
+        let exact = Update::from_gradients(g, self.cfg.lr, self.cfg.clip);
+        if self.cfg.rank == 0 {
+            return Ok(Some(Published {
+                update: exact,
+                requests: 1,
+                kept: 1.0,
+            }));
+        }
+        let mut u = self.fold(exact);
+        if let Some(p) = self.pending.take() {
+            u = concat(&p, &u)?;
+        }
+        self.compress(&mut u);
+        self.pending = Some(u);
+        self.requests += 1;
+        if self.requests >= self.cfg.accumulate.max(1) {
+            return self.flush();
+        }
+        Ok(None)
+    }
+
+    /// Publishes what is pending now (at the end of a session), if anything.
+    pub fn flush(&mut self) -> Result<Option<Published>, UpdateError> {
+        let Some(pending) = self.pending.take() else {
+            return Ok(None);
+        };
+        let mut out = match self.momentum.take() {
+            Some(m) if self.cfg.momentum > 0.0 => {
+                let mut m = m;
+                scale(&mut m, self.cfg.momentum);
+                // The lookup rows of an untied embedding do not carry momentum (they would pile
+                // up without bound); its stages and norms do.
+                m.embed_tokens.clear();
+                m.embed_dx.clear();
+                concat(&m, &pending)?
+            }
+            _ => pending,
+        };
+        self.compress(&mut out);
+        out.precision = Precision::F16;
+        wire::round(&mut out);
+        if self.cfg.momentum > 0.0 {
+            self.momentum = Some(out.clone());
+        }
+        let requests = std::mem::take(&mut self.requests);
+        let (kept, energy) = std::mem::take(&mut self.kept);
+        Ok(Some(Published {
+            update: out,
+            requests,
+            kept: if energy > 0.0 { kept / energy } else { 1.0 },
+        }))
+    }
+
+    /// The request's clipping folded into its factors (the step is then the learning rate), and
+    /// a tied embedding's lookup rows moved into the LM head stage (the same matrix).
+    fn fold(&self, mut u: Update) -> Update {
+        if self.cfg.lr > 0.0 {
+            let c = u.step / self.cfg.lr;
+            scale(&mut u, c);
+            u.step = self.cfg.lr;
+        }
+        if self.model.tied_embeddings
+            && let Some(head) = u.stages.iter_mut().find(|f| f.stage == Stage::LmHead)
+        {
+            let (vocab, d) = (self.model.vocab, self.model.hidden);
+            for (i, &tok) in u.embed_tokens.iter().enumerate() {
+                let mut onehot = vec![0.0f32; vocab];
+                onehot[tok as usize % vocab] = 1.0;
+                head.x.extend_from_slice(&u.embed_dx[i * d..(i + 1) * d]);
+                if let Some(dy) = head.dy.first_mut() {
+                    dy.extend_from_slice(&onehot);
+                }
+                head.rows += 1;
+            }
+            u.embed_tokens.clear();
+            u.embed_dx.clear();
+        }
+        u
+    }
+
+    /// Every stage cut to the mesh's rank.
+    fn compress(&mut self, u: &mut Update) {
+        let rank = self.cfg.rank as usize;
+        for f in &mut u.stages {
+            let lr = compress::low_rank(&f.x, &f.dy, f.rows as usize, rank);
+            if lr.energy > 0.0 {
+                self.kept.0 += lr.kept * lr.energy;
+                self.kept.1 += lr.energy;
+            }
+            f.rows = lr.rows as u32;
+            f.x = lr.x;
+            f.dy = lr.dy;
+        }
+    }
+}
+
+/// Every factor and norm gradient times `c` (the output factors carry it).
+fn scale(u: &mut Update, c: f32) {
+    for f in &mut u.stages {
+        f.dy.iter_mut().flatten().for_each(|v| *v *= c);
+    }
+    u.embed_dx.iter_mut().for_each(|v| *v *= c);
+    let n = &mut u.norms;
+    n.attn_norm
+        .iter_mut()
+        .chain(n.ffn_norm.iter_mut())
+        .chain(std::iter::once(&mut n.final_norm))
+        .flatten()
+        .for_each(|v| *v *= c);
+}
+
+/// The sum of two updates with the same step: their factor rows side by side.
+fn concat(a: &Update, b: &Update) -> Result<Update, UpdateError> {
+    if a.step != b.step || a.stages.len() != b.stages.len() {
+        return Err(UpdateError::Shape(
+            "only updates of one model and step add up".into(),
+        ));
+    }
+    let stages = a
+        .stages
+        .iter()
+        .zip(&b.stages)
+        .map(|(p, q)| {
+            if p.stage != q.stage || p.dy.len() != q.dy.len() {
+                return Err(UpdateError::Shape("the stages differ".into()));
+            }
+            Ok(StageFactors {
+                stage: p.stage,
+                rows: p.rows + q.rows,
+                x: [p.x.as_slice(), &q.x].concat(),
+                dy: p
+                    .dy
+                    .iter()
+                    .zip(&q.dy)
+                    .map(|(u, v)| [u.as_slice(), v].concat())
+                    .collect(),
+            })
+        })
+        .collect::<Result<_, _>>()?;
+    let add = |u: &[f32], v: &[f32]| u.iter().zip(v).map(|(x, y)| x + y).collect::<Vec<f32>>();
+    let (na, nb) = (&a.norms, &b.norms);
+    Ok(Update {
+        step: a.step,
+        t: a.t + b.t,
+        stages,
+        embed_tokens: [a.embed_tokens.as_slice(), &b.embed_tokens].concat(),
+        embed_dx: [a.embed_dx.as_slice(), &b.embed_dx].concat(),
+        norms: LeaderWeights {
+            attn_norm: na
+                .attn_norm
+                .iter()
+                .zip(&nb.attn_norm)
+                .map(|(u, v)| add(u, v))
+                .collect(),
+            ffn_norm: na
+                .ffn_norm
+                .iter()
+                .zip(&nb.ffn_norm)
+                .map(|(u, v)| add(u, v))
+                .collect(),
+            final_norm: add(&na.final_norm, &nb.final_norm),
+        },
+        precision: a.precision,
+    })
+}
