@@ -227,7 +227,7 @@ pub fn mesh_rows(model: &std::path::Path, prompt: &[u32], tokens: usize) -> Resu
     // Heartbeats need a moment to reach the seed before it reports every row.
     let mut leader = None;
     for _ in 0..50 {
-        let l = crate::remote::Leader::connect(&rt, bootstrap.clone(), 1)?;
+        let l = crate::remote::Leader::connect(&rt, bootstrap.clone(), 0, 1)?;
         if l.live_rows == 5 {
             leader = Some(l);
             break;

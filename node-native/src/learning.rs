@@ -26,6 +26,8 @@ pub struct ShardState {
     pub version: ShardVersion,
     /// The replicated norm gains at this version (every node updates its own copy).
     pub norms: LeaderWeights,
+    /// Updates still to record without applying to the shard (an injected fault).
+    pub skip_updates: u64,
 }
 
 impl ShardState {
@@ -34,7 +36,17 @@ impl ShardState {
         if self.version.contains(id) {
             return Ok(false);
         }
-        update.apply_to_shards(self.member.shards_mut())?;
+        if self.skip_updates > 0 {
+            // An injected fault: the version claims the update, the shard does not have it.
+            self.skip_updates -= 1;
+            update.validate(&self.member.shards().cfg)?;
+            tracing::warn!(
+                id = format!("{id:016x}"),
+                "fault injected: recording an update without applying it"
+            );
+        } else {
+            update.apply_to_shards(self.member.shards_mut())?;
+        }
         update.apply_to_norms(&mut self.norms);
         self.version.insert(id);
         Ok(true)
@@ -196,6 +208,7 @@ impl UpdateStore {
             member,
             version,
             norms,
+            skip_updates: 0,
         };
         for id in applied.difference(&base) {
             let bytes = self.load(*id)?.with_context(|| {

@@ -10,3 +10,4 @@ pub mod progress;
 pub mod remote;
 pub mod store;
 pub mod swarm;
+pub mod verifybench;

@@ -57,6 +57,15 @@ struct BenchArgs {
     /// Also start 5 processes on this machine (k = 3) and measure generation over loopback.
     #[arg(long)]
     mesh: bool,
+    /// Measure verification instead: false positives, detection and location of faults.
+    #[arg(long)]
+    verify: bool,
+    /// Trials per kind of fault (with --verify).
+    #[arg(long, default_value_t = 1000)]
+    trials: usize,
+    /// Honest requests checked for false positives (with --verify).
+    #[arg(long, default_value_t = 10_000)]
+    honest: usize,
 }
 
 #[derive(Debug, clap::Args)]
@@ -99,6 +108,7 @@ impl NetArgs {
             all_transports: !self.tcp_only,
             mdns: self.mdns,
             health,
+            fault: None,
         })
     }
 }
@@ -144,6 +154,11 @@ struct NodeArgs {
     /// A mesh node's address (a peer id is optional).
     #[arg(long)]
     bootstrap: Option<libp2p::Multiaddr>,
+    /// Misbehave on purpose, to test and demonstrate verification: garbage answers, a shard
+    /// scaled by 1 + 1e-3, a shard missing the first update received (stale), or claiming
+    /// every update while applying none (lie-version).
+    #[arg(long, value_enum)]
+    inject_fault: Option<node::InjectedFault>,
     #[command(flatten)]
     net: NetArgs,
 }
@@ -182,6 +197,10 @@ struct GenerateArgs {
     /// Spare members asked beside the k (mesh only): stragglers and failures cost nothing.
     #[arg(long, default_value_t = 1)]
     spares: usize,
+    /// Answers checked beyond the k decoded in every round (mesh only): 1 detects a wrong
+    /// member, 2 also locates it without asking anyone else; 0 turns checking off.
+    #[arg(long, default_value_t = 1)]
+    check: usize,
     /// The prompt.
     #[arg(long)]
     prompt: String,
@@ -255,7 +274,8 @@ fn main() {
             ))
         }),
         Command::Node(args) => runtime().and_then(|rt| {
-            let opts = args.net.options(args.bootstrap.clone())?;
+            let mut opts = args.net.options(args.bootstrap.clone())?;
+            opts.fault = args.inject_fault;
             rt.block_on(node::node(opts))
         }),
         Command::Status(args) => run_status(args),
@@ -283,6 +303,20 @@ fn run_bench(args: BenchArgs) -> Result<()> {
                 Gutenberg combined movable metal type, oil-based ink and a screw press into a \
                 system that could produce books far faster than scribes.";
     let prompt = model.tokenizer.encode(text)?;
+    if args.verify {
+        let prompts = [
+            text,
+            "The capital of France is Paris, and the capital of Italy is Rome.",
+            "A coded mesh keeps every weight matrix as shards that any k nodes can compute with.",
+        ]
+        .iter()
+        .map(|p| model.tokenizer.encode(p))
+        .collect::<Result<Vec<_>, _>>()?;
+        let rows =
+            node_native::verifybench::run(&model.weights, &prompts, args.trials, args.honest)?;
+        node_native::bench::print_table(&rows);
+        return Ok(());
+    }
     let mut rows = node_native::bench::run(&model.weights, &prompt, args.tokens)?;
     if args.mesh {
         drop(model);
@@ -543,7 +577,7 @@ fn run_once_on_mesh(
     let mut attempt = 0;
     let (leader, out, prompt) = loop {
         attempt += 1;
-        let mut leader = Leader::connect(rt, bootstrap.clone(), args.spares)?;
+        let mut leader = Leader::connect(rt, bootstrap.clone(), args.check, args.spares)?;
         let g = &leader.manifest.generator;
         eprintln!(
             "mesh {}: k = {}, n = {}, {} live rows; group {:?} (first k decode, condition number {:.2})",
@@ -581,6 +615,17 @@ fn run_once_on_mesh(
     };
     let compute = leader.group.transport().stats().compute;
     print_coded_stats(args, &out, leader.group.stats(), Some(compute));
+    let s = leader.group.stats();
+    eprintln!(
+        "verified: {} rounds checked, {} unchecked; honest noise at {:.3} of the threshold",
+        s.verified_rounds, s.unverified_rounds, s.max_pass_ratio
+    );
+    for c in &s.caught {
+        eprintln!(
+            "caught row {}: residual {:.2e} > threshold {:.2e} on {}; the rows {:?} agree without it",
+            c.node, c.residual, c.threshold, c.step, c.witnesses
+        );
+    }
     eprintln!("members at the end: {:?}", leader.group.nodes());
     Ok((leader, out.tokens, prompt))
 }
@@ -641,7 +686,7 @@ fn run_eval(args: EvalArgs) -> Result<()> {
     let text = std::fs::read_to_string(&args.file)
         .with_context(|| format!("reading {}", args.file.display()))?;
     let rt = runtime()?;
-    let mut leader = Leader::connect(&rt, args.bootstrap.clone(), 1)?;
+    let mut leader = Leader::connect(&rt, args.bootstrap.clone(), 1, 1)?;
     let chunk = args.chunk.clamp(2, leader.manifest.cfg.max_seq);
     let tokens = leader.tokenizer.encode(&text)?;
     let chunks: Vec<&[u32]> = tokens

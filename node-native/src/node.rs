@@ -37,6 +37,21 @@ pub struct NodeOptions {
     pub mdns: bool,
     /// Heartbeat and health timing.
     pub health: HealthConfig,
+    /// A fault to inject (tests and demonstrations of verification).
+    pub fault: Option<InjectedFault>,
+}
+
+/// A fault a node injects into its own answers or shard, on purpose.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum InjectedFault {
+    /// Answers with random values.
+    Garbage,
+    /// Its shard is scaled by 1 + 1e-3.
+    Scale,
+    /// Its shard misses the first learning update it receives (which it records as applied).
+    Stale,
+    /// It records every update as applied and applies none: it claims versions it does not hold.
+    LieVersion,
 }
 
 /// Listen addresses: each TCP one, plus QUIC, WebSocket and WebRTC-direct on the same host.
@@ -182,7 +197,7 @@ fn encode_genesis(
 ) -> Result<(ModelManifest, BTreeMap<u32, Vec<u8>>)> {
     let loaded = load::load_model(model)?;
     let generator = Generator::cauchy(n, k)?;
-    let manifest = ModelManifest {
+    let mut manifest = ModelManifest {
         name: model.file_name().map_or_else(
             || model.display().to_string(),
             |f| f.to_string_lossy().into_owned(),
@@ -193,6 +208,7 @@ fn encode_genesis(
         generator: generator.clone(),
         format,
         learning,
+        verify_noise: node_core::coded::DEFAULT_NOISE,
     };
     let pb = progress::bar(0, "encoding");
     let mesh = InProcess::encode(&loaded.weights, &generator, format, &|done, total| {
@@ -201,6 +217,25 @@ fn encode_genesis(
     })?;
     pb.finish_and_clear();
     drop(loaded);
+    // The verification threshold: honest f32 noise of this model and code, measured on every
+    // row while they are all here.
+    let started = std::time::Instant::now();
+    let requests = 24;
+    let (noise, mesh) = node_core::coded::measure_noise(
+        &manifest.cfg,
+        &manifest.leader,
+        &generator,
+        mesh,
+        requests,
+    )?;
+    if noise > 0.0 {
+        manifest.verify_noise = (node_core::coded::NOISE_MARGIN * noise).min(0.5);
+    }
+    eprintln!(
+        "verification threshold {:.2e} × condition number (honest residual up to {noise:.2e} × κ over {requests} requests, {:.1} s)",
+        manifest.verify_noise,
+        started.elapsed().as_secs_f64()
+    );
     let mut blobs = BTreeMap::new();
     for m in mesh.members() {
         blobs.insert(m.shards().node as u32, shard_to_blob(m.shards())?);
@@ -364,7 +399,7 @@ pub async fn node(opts: NodeOptions) -> Result<()> {
         shard,
         genesis: BTreeMap::new(),
     };
-    run_server(opts.health, net, data, holding).await
+    run_server(opts.health, opts.fault, net, data, holding).await
 }
 
 /// The shard belongs to this manifest and row.
@@ -514,11 +549,17 @@ async fn serve(opts: NodeOptions, data: DataDir, holding: Holding) -> Result<()>
     {
         tracing::warn!("bootstrap {b}: {e:#}; waiting for peers to find this node");
     }
-    run_server(opts.health, net, data, holding).await
+    run_server(opts.health, opts.fault, net, data, holding).await
 }
 
 /// Announces the node's row and answers peers until stopped.
-async fn run_server(health: HealthConfig, net: Net, data: DataDir, holding: Holding) -> Result<()> {
+async fn run_server(
+    health: HealthConfig,
+    fault: Option<InjectedFault>,
+    net: Net,
+    data: DataDir,
+    holding: Holding,
+) -> Result<()> {
     let Net {
         client,
         inbound,
@@ -539,11 +580,27 @@ async fn run_server(health: HealthConfig, net: Net, data: DataDir, holding: Hold
     let restore_store = store.clone();
     let restore_rules = rules.clone();
     let genesis_norms = manifest.leader.clone();
-    let state = tokio::task::spawn_blocking(move || {
+    let mut state = tokio::task::spawn_blocking(move || {
         restore_store.restore(Member::new(shard), &restore_rules, &genesis_norms)
     })
     .await
     .map_err(|e| anyhow!("{e}"))??;
+    if let Some(fault) = fault {
+        eprintln!("injecting a fault on purpose: {fault:?}");
+        match fault {
+            InjectedFault::Garbage => {
+                let shards = state.member.shards().clone();
+                state.member = Member::misbehaving(
+                    shards,
+                    row as usize,
+                    node_core::coded::Misbehaviour::Garbage,
+                );
+            }
+            InjectedFault::Scale => state.member.shards_mut().scale_values(1.0 + 1e-3),
+            InjectedFault::Stale => state.skip_updates = 1,
+            InjectedFault::LieVersion => state.skip_updates = u64::MAX,
+        }
+    }
     let version = state.version.clone();
     if version.count() > 0 {
         eprintln!(

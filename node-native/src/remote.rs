@@ -130,10 +130,12 @@ pub struct Leader {
 }
 
 impl Leader {
-    /// Connects through `bootstrap`, fetches the manifest and forms a group of k + `spares`.
+    /// Connects through `bootstrap`, fetches the manifest and forms a group of k + `verify` +
+    /// `spares`; every forward round is checked with `verify` answers beyond the k decoded.
     pub fn connect(
         rt: &tokio::runtime::Runtime,
         bootstrap: Multiaddr,
+        verify: usize,
         spares: usize,
     ) -> Result<Self> {
         let (session, manifest, rows) = rt.block_on(async {
@@ -188,7 +190,7 @@ impl Leader {
                 g.k()
             );
         }
-        let plan = node_core::mesh::plan_group(&g, &live, spares)?;
+        let plan = node_core::mesh::plan_group(&g, &live, verify + spares)?;
         let tokenizer = node_core::model::Tokenizer::from_data(&manifest.tokenizer)?;
         let llama = node_core::model::Llama::new(manifest.cfg.clone(), norms)?;
         let transport = NetTransport::new(
@@ -199,8 +201,12 @@ impl Leader {
             g.clone(),
             RoundConfig::default(),
         );
-        let group =
+        let mut group =
             node_core::coded::CodedGroup::new(manifest.cfg.clone(), g, &plan.members, transport)?;
+        group.set_verify(node_core::coded::VerifyConfig {
+            extra: verify,
+            noise: manifest.verify_noise,
+        });
         Ok(Self {
             manifest,
             tokenizer,

@@ -4,6 +4,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use web_time::{Duration, Instant};
 
+use super::verify::{Caught, VerifyConfig, residual};
 use super::{CodedError, Member, ShardFormat, ShardSet};
 use crate::code::{Decoder, Generator};
 use crate::model::{LinearExec, LlamaConfig, ModelError, ModelWeights, Stage};
@@ -64,10 +65,10 @@ impl InProcess {
     /// A transport to these members; each must sit at the index of its node.
     pub fn new(members: Vec<Member>) -> Result<Self, CodedError> {
         for (i, m) in members.iter().enumerate() {
-            if m.shards().node != i {
+            if m.row() != i {
                 return Err(CodedError::BadRequest(format!(
-                    "member at index {i} holds node {}",
-                    m.shards().node
+                    "member at index {i} answers as node {}",
+                    m.row()
                 )));
             }
         }
@@ -100,6 +101,11 @@ impl InProcess {
     /// The members.
     pub fn members(&self) -> &[Member] {
         &self.members
+    }
+
+    /// The members back.
+    pub fn into_members(self) -> Vec<Member> {
+        self.members
     }
 
     /// The members, to apply a learning update to each.
@@ -168,6 +174,14 @@ pub struct ExecStats {
     pub members_dropped: u64,
     /// Requests sent, summed over members (a round to 4 members counts 4).
     pub member_requests: u64,
+    /// Rounds whose answers were checked against the code.
+    pub verified_rounds: u64,
+    /// Rounds decoded from k answers with nothing to check them against.
+    pub unverified_rounds: u64,
+    /// Largest residual of a round that passed, over its threshold (how close honest noise came).
+    pub max_pass_ratio: f64,
+    /// Members caught answering against the code, with the evidence.
+    pub caught: Vec<Caught>,
 }
 
 /// Attempts at one round before the request fails (each drops at least one bad member).
@@ -183,7 +197,11 @@ pub struct CodedGroup<T: Transport> {
     decoders: Vec<Decoder>,
     transport: T,
     stats: ExecStats,
+    verify: VerifyConfig,
 }
+
+/// Answers of one round: `(node, values)`.
+type Parts = Vec<(usize, Vec<f32>)>;
 
 impl<T: Transport> CodedGroup<T> {
     /// A group of `nodes` (at least k distinct rows of `generator`; the first k must decode)
@@ -207,7 +225,16 @@ impl<T: Transport> CodedGroup<T> {
             decoders: vec![decoder],
             transport,
             stats: ExecStats::default(),
+            verify: VerifyConfig {
+                extra: 0,
+                ..VerifyConfig::default()
+            },
         })
+    }
+
+    /// Checks every forward round with `cfg.extra` answers beyond the k decoded.
+    pub fn set_verify(&mut self, cfg: VerifyConfig) {
+        self.verify = cfg;
     }
 
     /// The members' node indices now (spares included).
@@ -250,28 +277,71 @@ impl<T: Transport> CodedGroup<T> {
         &self.transport
     }
 
+    /// The transport back, ending the group.
+    pub fn into_transport(self) -> T {
+        self.transport
+    }
+
     /// The transport, mutably (to reach in-process members between requests).
     pub fn transport_mut(&mut self) -> &mut T {
         &mut self.transport
     }
 
-    /// Sends one request to the group and decodes the first k usable answers into `[block j'][c]`.
-    fn run(&mut self, req: &StepRequest, c: usize) -> Result<Vec<f32>, CodedError> {
+    /// Sends one request to the group and decodes the first k usable answers into
+    /// `[block j'][c]`, checked against `extra` more when verification is on.
+    fn run(&mut self, req: &StepRequest, c: usize, what: &str) -> Result<Vec<f32>, CodedError> {
         let bytes = protocol::encode(req)?;
         let k = self.generator.k();
+        let want = (k + self.verify.extra).min(self.members.len()).max(k);
+        let mut parts = self.collect(&bytes, c, want)?;
+        if parts.len() < k {
+            return Err(CodedError::Member {
+                node: usize::MAX,
+                reason: format!("only {} of k = {k} members answered", parts.len()),
+            });
+        }
+        let started = Instant::now();
+        let out = self.decode_checked(&mut parts, c, &bytes, what);
+        self.stats.decode_time += started.elapsed();
+        out
+    }
+
+    /// Up to `want` usable answers to one request (fewer only when members ran out).
+    fn collect(&mut self, bytes: &[u8], c: usize, mut want: usize) -> Result<Parts, CodedError> {
+        let k = self.generator.k();
         let m = self.generator.sub_blocks();
-        let mut parts: Vec<(usize, Vec<f32>)> = Vec::with_capacity(k);
+        let mut parts: Parts = Vec::with_capacity(want);
         let mut last_error = None;
         for _ in 0..MAX_ROUND_ATTEMPTS {
-            let need = k - parts.len();
+            let need = want - parts.len();
             let mut asked: Vec<usize> = self
                 .members
                 .iter()
                 .copied()
                 .filter(|n| parts.iter().all(|(p, _)| p != n))
                 .collect();
+            if asked.is_empty() {
+                break;
+            }
             let started = Instant::now();
-            let answers = self.transport.round(&mut asked, &bytes, need)?;
+            let answers = match self.transport.round(&mut asked, bytes, need) {
+                Ok(a) => a,
+                Err(e) if want > k => {
+                    // Too few members left to check this round: decode from k, unchecked.
+                    tracing::warn!(node = e.node, reason = %e.reason, "too few members to check the round; decoding from k");
+                    want = k.max(parts.len());
+                    let mut members: Vec<usize> = parts.iter().map(|(n, _)| *n).collect();
+                    for n in asked {
+                        if !members.contains(&n) {
+                            members.push(n);
+                        }
+                    }
+                    self.members = members;
+                    last_error = Some(e.into());
+                    continue;
+                }
+                Err(e) => return Err(e.into()),
+            };
             self.stats.member_time += started.elapsed();
             self.stats.bytes_sent += (bytes.len() * asked.len()) as u64;
             self.stats.member_requests += asked.len() as u64;
@@ -284,7 +354,7 @@ impl<T: Transport> CodedGroup<T> {
             }
             for (node, answer) in answers {
                 self.stats.bytes_received += answer.len() as u64;
-                if parts.len() == k || parts.iter().any(|(p, _)| *p == node) {
+                if parts.len() == want || parts.iter().any(|(p, _)| *p == node) {
                     continue;
                 }
                 match parse_answer(node, &answer, m * c) {
@@ -298,24 +368,157 @@ impl<T: Transport> CodedGroup<T> {
                 }
             }
             self.members = members;
-            if parts.len() == k {
+            if parts.len() == want {
                 break;
             }
         }
         self.stats.rounds += 1;
-        if parts.len() < k {
-            return Err(last_error.unwrap_or_else(|| CodedError::Member {
-                node: usize::MAX,
-                reason: format!("only {} of k = {k} members answered", parts.len()),
-            }));
+        match last_error {
+            Some(e) if parts.len() < k => Err(e),
+            _ => Ok(parts),
         }
-        let started = Instant::now();
-        parts.sort_by_key(|(n, _)| *n);
-        let rows: Vec<usize> = parts.iter().map(|(n, _)| *n).collect();
-        let refs: Vec<&[f32]> = parts.iter().map(|(_, v)| v.as_slice()).collect();
+    }
+
+    /// Decodes the first k parts (in arrival order) and checks the rest against them: the
+    /// decoded blocks, or the largest residual over its threshold when a check fails.
+    fn consistent(
+        &mut self,
+        parts: &[(usize, Vec<f32>)],
+        c: usize,
+    ) -> Result<Result<Vec<f32>, (f64, f64)>, CodedError> {
+        let k = self.generator.k();
+        let m = self.generator.sub_blocks();
+        let mut decode: Vec<&(usize, Vec<f32>)> = parts.iter().take(k).collect();
+        decode.sort_by_key(|(n, _)| *n);
+        let rows: Vec<usize> = decode.iter().map(|(n, _)| *n).collect();
+        let refs: Vec<&[f32]> = decode.iter().map(|(_, v)| v.as_slice()).collect();
         let mut out = vec![0.0f32; k * m * c];
-        self.decoder_for(&rows)?.decode(&refs, &mut out)?;
-        self.stats.decode_time += started.elapsed();
+        let verify = self.verify;
+        let decoder = self.decoder_for(&rows)?;
+        decoder.decode(&refs, &mut out)?;
+        let threshold = verify.threshold(decoder.condition_number());
+        let mut worst = 0.0f64;
+        let mut predicted = vec![0.0f32; m * c];
+        for (node, actual) in parts.iter().skip(k) {
+            self.generator.predict_part(*node, &out, &mut predicted)?;
+            worst = worst.max(residual(actual, &predicted));
+        }
+        if worst > threshold || worst.is_nan() {
+            return Ok(Err((worst, threshold)));
+        }
+        if parts.len() > k {
+            self.stats.max_pass_ratio = self.stats.max_pass_ratio.max(worst / threshold);
+        }
+        Ok(Ok(out))
+    }
+
+    /// The decoded blocks of a round, checked: a member whose answer disagrees is located
+    /// (leave-one-out over k + 2 answers, asking one more member when only k + 1 came),
+    /// reported in [`ExecStats::caught`], dropped from the group, and the round is decoded from
+    /// the members that agree.
+    fn decode_checked(
+        &mut self,
+        parts: &mut Parts,
+        c: usize,
+        bytes: &[u8],
+        what: &str,
+    ) -> Result<Vec<f32>, CodedError> {
+        let k = self.generator.k();
+        if parts.len() == k {
+            self.stats.unverified_rounds += u64::from(self.verify.extra > 0);
+            return match self.consistent(parts, c)? {
+                Ok(out) => Ok(out),
+                Err(_) => Err(CodedError::Verification(
+                    "unreachable: nothing to check".into(),
+                )),
+            };
+        }
+        self.stats.verified_rounds += 1;
+        let (worst, threshold) = match self.consistent(parts, c)? {
+            Ok(out) => return Ok(out),
+            Err(r) => r,
+        };
+        tracing::warn!(
+            what,
+            residual = worst,
+            threshold,
+            "answers disagree with the code; locating the member"
+        );
+        if parts.len() < k + 2 {
+            // One more answer makes leave-one-out possible.
+            let mut others: Vec<usize> = self
+                .members
+                .iter()
+                .copied()
+                .filter(|n| parts.iter().all(|(p, _)| p != n))
+                .collect();
+            let m = self.generator.sub_blocks();
+            if !others.is_empty() {
+                for (node, answer) in self.transport.round(&mut others, bytes, 1)? {
+                    if parts.len() < k + 2
+                        && parts.iter().all(|(p, _)| *p != node)
+                        && let Ok(v) = parse_answer(node, &answer, m * c)
+                    {
+                        parts.push((node, v));
+                    }
+                }
+            }
+            if parts.len() < k + 2 {
+                return Err(CodedError::Verification(format!(
+                    "{what}: answers disagree (residual {worst:.2e} > {threshold:.2e}) and no further member can tell which is wrong"
+                )));
+            }
+        }
+        let mut found = Vec::new();
+        for i in 0..parts.len() {
+            let rest: Parts = parts
+                .iter()
+                .enumerate()
+                .filter(|&(j, _)| j != i)
+                .map(|(_, p)| p.clone())
+                .collect();
+            if let Ok(out) = self.consistent(&rest, c)? {
+                found.push((i, out));
+            }
+        }
+        let [(i, out)] = <[_; 1]>::try_from(found).map_err(|found| {
+            CodedError::Verification(format!(
+                "{what}: answers disagree (residual {worst:.2e} > {threshold:.2e}) and {} members are suspect",
+                if found.is_empty() { "several".to_string() } else { found.len().to_string() }
+            ))
+        })?;
+        let (node, values) = parts.remove(i);
+        let (decode, rest): (Vec<usize>, Vec<usize>) = (
+            parts.iter().take(k).map(|(n, _)| *n).collect(),
+            parts.iter().skip(k).map(|(n, _)| *n).collect(),
+        );
+        // The evidence: its residual against the decode of the members that agree.
+        let mut predicted = vec![0.0f32; values.len()];
+        self.generator.predict_part(node, &out, &mut predicted)?;
+        let own = residual(&values, &predicted);
+        let decoder_rows: Vec<usize> = {
+            let mut d = decode.clone();
+            d.sort_unstable();
+            d
+        };
+        let kappa = self.decoder_for(&decoder_rows)?.condition_number();
+        let threshold = self.verify.threshold(kappa);
+        tracing::warn!(
+            node,
+            what,
+            residual = own,
+            threshold,
+            "caught a member answering against the code"
+        );
+        self.stats.caught.push(Caught {
+            node,
+            step: what.to_string(),
+            residual: own,
+            threshold,
+            witnesses: decode.into_iter().chain(rest).collect(),
+        });
+        self.members.retain(|&n| n != node);
+        self.stats.members_dropped += 1;
         Ok(out)
     }
 
@@ -336,7 +539,7 @@ impl<T: Transport> CodedGroup<T> {
             t: t as u32,
             x: x.to_vec(),
         };
-        let decoded = self.run(&req, c)?;
+        let decoded = self.run(&req, c, &format!("{stage:?}"))?;
         let started = Instant::now();
         let blocks = self.generator.k() * self.generator.sub_blocks();
         let mut outputs = Vec::with_capacity(shapes.len());
@@ -487,7 +690,7 @@ impl<T: Transport> CodedGroup<T> {
         }
         let rows = tokens.iter().map(|&t| (t as usize % l) as u32).collect();
         let c = tokens.len() * d;
-        let decoded = self.run(&StepRequest::EmbedRows { rows }, c)?;
+        let decoded = self.run(&StepRequest::EmbedRows { rows }, c, "embedding")?;
         let mut x = Vec::with_capacity(c);
         for (i, &t) in tokens.iter().enumerate() {
             let j = t as usize / l;

@@ -3,16 +3,54 @@
 use super::{CodedError, ShardSet};
 use crate::protocol::{StepRequest, StepResponse};
 
+/// Ways a member can be made to answer wrongly on purpose (`codedmesh node --inject-fault`),
+/// to test and demonstrate verification. Faults in the shard itself (scaled, stale) are made by
+/// changing the shard; these act on the answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Misbehaviour {
+    /// Answers with random values of the honest answer's magnitude.
+    Garbage,
+    /// Answers with the result of another row's shard, under its own row's name.
+    WrongRow {
+        /// The row it really computes with.
+        actual: usize,
+    },
+}
+
 /// Answers step requests from its shards.
 #[derive(Debug, Clone)]
 pub struct Member {
     shards: ShardSet,
+    /// The row it answers as (its shards' own unless it lies).
+    row: usize,
+    garbage: Option<std::sync::Arc<std::sync::atomic::AtomicU64>>,
 }
 
 impl Member {
     /// A member serving these shards.
     pub fn new(shards: ShardSet) -> Self {
-        Self { shards }
+        let row = shards.node;
+        Self {
+            shards,
+            row,
+            garbage: None,
+        }
+    }
+
+    /// A member that misbehaves: for `WrongRow`, `shards` are row `actual`'s and it answers
+    /// as `row`.
+    pub fn misbehaving(shards: ShardSet, row: usize, how: Misbehaviour) -> Self {
+        let mut m = Self::new(shards);
+        m.row = row;
+        if how == Misbehaviour::Garbage {
+            m.garbage = Some(Default::default());
+        }
+        m
+    }
+
+    /// The row it answers as.
+    pub fn row(&self) -> usize {
+        self.row
     }
 
     /// The shards it serves.
@@ -28,10 +66,15 @@ impl Member {
     /// Answers one request; failures become a `Failed` answer, never a panic.
     pub fn handle(&self, req: &StepRequest) -> StepResponse {
         match self.compute(req) {
-            Ok(values) => StepResponse::Partial {
-                node: self.shards.node as u32,
-                values,
-            },
+            Ok(mut values) => {
+                if let Some(counter) = &self.garbage {
+                    scramble(&mut values, counter);
+                }
+                StepResponse::Partial {
+                    node: self.row as u32,
+                    values,
+                }
+            }
             Err(e) => StepResponse::Failed {
                 reason: e.to_string(),
             },
@@ -106,5 +149,20 @@ impl Member {
                 Ok(out)
             }
         }
+    }
+}
+
+/// Replaces values by pseudo-random ones of the same largest magnitude (SplitMix64 stream).
+fn scramble(values: &mut [f32], counter: &std::sync::atomic::AtomicU64) {
+    let scale = values.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-3);
+    let mut state = counter.fetch_add(0x9E37_79B9_7F4A_7C15, std::sync::atomic::Ordering::Relaxed);
+    for v in values.iter_mut() {
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        let unit = (z >> 11) as f64 / (1u64 << 53) as f64;
+        *v = scale * (2.0 * unit as f32 - 1.0);
     }
 }

@@ -9,10 +9,12 @@
 mod group;
 mod member;
 mod shards;
+mod verify;
 
 pub use group::{CodedGroup, ExecStats, InProcess, Transport, TransportError};
-pub use member::Member;
+pub use member::{Member, Misbehaviour};
 pub use shards::{Shard, ShardFormat, ShardSet, ShardValues};
+pub use verify::{Caught, DEFAULT_NOISE, NOISE_MARGIN, VerifyConfig, measure_noise};
 
 /// Errors of coded execution.
 #[derive(Debug, thiserror::Error)]
@@ -32,6 +34,9 @@ pub enum CodedError {
     /// A member's transport failed.
     #[error("transport: {0}")]
     Transport(#[from] TransportError),
+    /// Answers disagree with the code and the wrong member could not be found.
+    #[error("verification: {0}")]
+    Verification(String),
     /// A member answered with a failure or a wrong shape.
     #[error("member {node}: {reason}")]
     Member {

@@ -340,4 +340,22 @@ impl ShardSet {
             + self.embed.bytes()
             + self.lm_head.as_ref().map_or(0, Shard::bytes)
     }
+
+    /// Multiplies every stored value by `factor` (a corrupted shard, for fault injection).
+    pub fn scale_values(&mut self, factor: f32) {
+        for shard in self
+            .blocks
+            .iter_mut()
+            .flatten()
+            .chain([&mut self.embed])
+            .chain(self.lm_head.as_mut())
+        {
+            match &mut shard.values {
+                ShardValues::F32(v) => v.iter_mut().for_each(|x| *x *= factor),
+                ShardValues::F16(v) => v
+                    .iter_mut()
+                    .for_each(|x| *x = half::f16::from_f32(x.to_f32() * factor)),
+            }
+        }
+    }
 }

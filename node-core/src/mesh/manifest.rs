@@ -24,6 +24,9 @@ pub struct ModelManifest {
     pub format: ShardFormat,
     /// Whether and how requests train the model.
     pub learning: LearningConfig,
+    /// Residual per unit of condition number above which answers disagree with the code
+    /// (honest f32 noise measured at genesis, times a margin).
+    pub verify_noise: f64,
 }
 
 /// The mesh's learning settings (fixed at genesis, part of the model's identity).
@@ -125,6 +128,12 @@ impl ModelManifest {
             .map_err(|e| ModelError::Config(format!("manifest: {e}")))?;
         m.cfg.validate()?;
         m.learning.validate()?;
+        if !(m.verify_noise.is_finite() && m.verify_noise > 0.0 && m.verify_noise < 1.0) {
+            return Err(ModelError::Config(format!(
+                "manifest: verification noise {} is not in (0, 1)",
+                m.verify_noise
+            )));
+        }
         if !m.leader.fits(&m.cfg) {
             return Err(ModelError::Config(
                 "manifest: norm gains do not match the model's shape".into(),

@@ -1,0 +1,175 @@
+//! Verification in one process: with k + r answers a member that answers against the code is
+//! caught, located, dropped, and the request still gets the honest result.
+
+#![allow(clippy::unwrap_used)] // a test: a failed unwrap is a failed test
+
+mod common;
+
+use node_core::code::Generator;
+use node_core::coded::{
+    CodedGroup, InProcess, Member, Misbehaviour, NOISE_MARGIN, ShardFormat, VerifyConfig,
+    measure_noise,
+};
+use node_core::learn::Update;
+use node_core::model::{KvCache, LeaderWeights, Llama, ModelWeights};
+
+const SEQ: [u32; 9] = [3, 17, 60, 42, 9, 17, 5, 33, 12];
+
+/// The honest members of a synthetic model, k = 3 of n = 5.
+fn honest() -> (ModelWeights, Generator, Vec<Member>) {
+    let w = ModelWeights::synthetic(common::train_config(true), 11).unwrap();
+    let g = Generator::cauchy(5, 3).unwrap();
+    let mesh = InProcess::encode(&w, &g, ShardFormat::F32, &|_, _| {}).unwrap();
+    (w, g, mesh.members().to_vec())
+}
+
+/// The check as a mesh sets it: the f32 noise measured on honest members, times the margin.
+fn calibrated(w: &ModelWeights, g: &Generator, members: &[Member], extra: usize) -> VerifyConfig {
+    let mesh = InProcess::new(members.to_vec()).unwrap();
+    let norms = LeaderWeights::from_model(w);
+    let (noise, _) = measure_noise(&w.cfg, &norms, g, mesh, 20).unwrap();
+    assert!(
+        noise > 0.0 && noise < 1e-5,
+        "honest noise {noise:.2e} per unit of κ"
+    );
+    VerifyConfig {
+        extra,
+        noise: NOISE_MARGIN * noise,
+    }
+}
+
+fn logits(w: &ModelWeights, group: &mut CodedGroup<InProcess>) -> Vec<f32> {
+    let llama = Llama::new(w.cfg.clone(), LeaderWeights::from_model(w)).unwrap();
+    llama
+        .forward(group, &SEQ, &mut KvCache::new(&w.cfg))
+        .unwrap()
+}
+
+fn max_rel_diff(a: &[f32], b: &[f32]) -> f64 {
+    let scale = b.iter().fold(0.0f32, |m, v| m.max(v.abs())) as f64;
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs() as f64)
+        .fold(0.0, f64::max)
+        / scale
+}
+
+/// The faults of the issue, each made on member `bad`.
+fn faulty(kind: &str, bad: usize, w: &ModelWeights, members: &[Member]) -> Vec<Member> {
+    let mut out = members.to_vec();
+    let shards = members[bad].shards().clone();
+    out[bad] = match kind {
+        "garbage" => Member::misbehaving(shards, bad, Misbehaviour::Garbage),
+        "scale" => {
+            let mut s = shards;
+            s.scale_values(1.0 + 1e-3);
+            Member::new(s)
+        }
+        "wrong-row" => {
+            let actual = (bad + 1) % members.len();
+            Member::misbehaving(
+                members[actual].shards().clone(),
+                bad,
+                Misbehaviour::WrongRow { actual },
+            )
+        }
+        "stale" => {
+            // Every other member applies one learning update at the default rate; this one
+            // does not.
+            let llama = Llama::new(w.cfg.clone(), LeaderWeights::from_model(w)).unwrap();
+            let mesh = InProcess::new(members.to_vec()).unwrap();
+            let mut group = CodedGroup::new(
+                w.cfg.clone(),
+                Generator::cauchy(5, 3).unwrap(),
+                &[0, 1, 2],
+                mesh,
+            )
+            .unwrap();
+            let update =
+                Update::from_gradients(llama.gradients(&mut group, &SEQ).unwrap(), 1e-4, 1.0);
+            for (i, m) in out.iter_mut().enumerate() {
+                if i != bad {
+                    update.apply_to_shards(m.shards_mut()).unwrap();
+                }
+            }
+            return out;
+        }
+        other => panic!("unknown fault {other}"),
+    };
+    out
+}
+
+#[test]
+fn every_kind_of_fault_is_caught_located_and_outvoted() {
+    let (w, g, members) = honest();
+    let check = calibrated(&w, &g, &members, 1);
+    for kind in ["garbage", "scale", "wrong-row", "stale"] {
+        for extra in [1, 2] {
+            // The group is all five rows; k + r of them answer each round.
+            let rows: &[usize] = if extra == 1 { &[0, 2, 3] } else { &[0, 2, 4] };
+            for &bad in rows {
+                let members = faulty(kind, bad, &w, &members);
+                // The honest result: the same members with the faulty one left out.
+                let honest_rows: Vec<usize> = (0..5).filter(|&r| r != bad).collect();
+                let mesh = InProcess::new(members.clone()).unwrap();
+                let mut reference =
+                    CodedGroup::new(w.cfg.clone(), g.clone(), &honest_rows, mesh).unwrap();
+                let want = logits(&w, &mut reference);
+
+                let mesh = InProcess::new(members).unwrap();
+                let mut group =
+                    CodedGroup::new(w.cfg.clone(), g.clone(), &[0, 1, 2, 3, 4], mesh).unwrap();
+                group.set_verify(VerifyConfig { extra, ..check });
+                let got = logits(&w, &mut group);
+                let caught = &group.stats().caught;
+                assert!(
+                    !caught.is_empty() && caught.iter().all(|c| c.node == bad),
+                    "{kind}, r = {extra}, bad row {bad}: caught {caught:?}"
+                );
+                assert!(
+                    !group.nodes().contains(&bad),
+                    "{kind}: row {bad} still a member"
+                );
+                let err = max_rel_diff(&got, &want);
+                assert!(err < 1e-4, "{kind}, r = {extra}: logits off by {err:.2e}");
+            }
+        }
+    }
+}
+
+#[test]
+fn honest_groups_pass_every_check() {
+    let (w, g, members) = honest();
+    let check = calibrated(&w, &g, &members, 1);
+    for rows in [[0, 1, 2, 3], [4, 3, 2, 1], [0, 2, 4, 1]] {
+        let mesh = InProcess::new(members.clone()).unwrap();
+        let mut group = CodedGroup::new(w.cfg.clone(), g.clone(), &rows, mesh).unwrap();
+        group.set_verify(check);
+        let _ = logits(&w, &mut group);
+        let s = group.stats();
+        assert!(s.caught.is_empty(), "{rows:?}: {:?}", s.caught);
+        assert!(s.verified_rounds > 0 && s.unverified_rounds == 0);
+        assert!(
+            s.max_pass_ratio < 0.5,
+            "{rows:?}: noise at {:.3} of the threshold",
+            s.max_pass_ratio
+        );
+    }
+}
+
+#[test]
+fn a_fault_with_nobody_left_to_tell_fails_clearly() {
+    let (w, g, members) = honest();
+    let check = calibrated(&w, &g, &members, 1);
+    let members = faulty("scale", 1, &w, &members);
+    let mesh = InProcess::new(members).unwrap();
+    // k + 1 members and no other: the disagreement is seen but cannot be pinned on anyone.
+    let mut group = CodedGroup::new(w.cfg.clone(), g, &[0, 1, 2, 3], mesh).unwrap();
+    group.set_verify(check);
+    let llama = Llama::new(w.cfg.clone(), LeaderWeights::from_model(&w)).unwrap();
+    let err = llama
+        .forward(&mut group, &SEQ, &mut KvCache::new(&w.cfg))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("disagree"), "{err}");
+}
