@@ -372,7 +372,10 @@ fn tiny_mesh_status_generate_straggler_restart_and_rejoin() -> Result<()> {
     mesh.nodes[stalled].signal("STOP");
     let (out, err) = mesh.generate(PROMPT, 24, || {})?;
     assert_eq!(out, expected, "{err}");
-    assert!(err.contains(", 0 unchecked"), "rounds went unchecked:\n{err}");
+    assert!(
+        err.contains(", 0 unchecked"),
+        "rounds went unchecked:\n{err}"
+    );
     mesh.nodes[stalled].signal("CONT");
 
     // A node restarted from its data dir comes back with its row, without downloading.
