@@ -6,6 +6,8 @@
 
 mod common;
 
+use common::max_rel_diff;
+
 use node_core::code::Generator;
 use node_core::coded::{CodedGroup, InProcess, ShardFormat, ShardSet, ShardValues};
 use node_core::learn::{Learner, Update, UpdateError};
@@ -28,15 +30,6 @@ fn values(s: &ShardSet) -> Vec<f32> {
         }
     }
     v
-}
-
-fn max_rel_diff(a: &[f32], b: &[f32]) -> f64 {
-    let scale = b.iter().fold(0.0f32, |m, v| m.max(v.abs())) as f64;
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs() as f64)
-        .fold(0.0, f64::max)
-        / scale
 }
 
 #[test]

@@ -5,6 +5,8 @@
 
 mod common;
 
+use common::max_rel_diff;
+
 use node_core::code::Generator;
 use node_core::coded::{
     CodedGroup, InProcess, Member, Misbehaviour, NOISE_MARGIN, ShardFormat, VerifyConfig,
@@ -43,15 +45,6 @@ fn logits(w: &ModelWeights, group: &mut CodedGroup<InProcess>) -> Vec<f32> {
     llama
         .forward(group, &SEQ, &mut KvCache::new(&w.cfg))
         .unwrap()
-}
-
-fn max_rel_diff(a: &[f32], b: &[f32]) -> f64 {
-    let scale = b.iter().fold(0.0f32, |m, v| m.max(v.abs())) as f64;
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs() as f64)
-        .fold(0.0, f64::max)
-        / scale
 }
 
 /// The faults of the issue, each made on member `bad`.

@@ -18,3 +18,14 @@ pub fn train_config(tied: bool) -> LlamaConfig {
         tied_embeddings: tied,
     }
 }
+
+/// Largest difference between `a` and `b`, relative to the largest magnitude in `b`.
+#[allow(dead_code)] // not every test crate that includes this module uses it
+pub fn max_rel_diff(a: &[f32], b: &[f32]) -> f64 {
+    let scale = b.iter().fold(0.0f32, |m, v| m.max(v.abs())) as f64;
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs() as f64)
+        .fold(0.0, f64::max)
+        / scale
+}
