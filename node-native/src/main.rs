@@ -627,6 +627,10 @@ fn run_once_on_mesh(
         );
     }
     eprintln!("members at the end: {:?}", leader.group.nodes());
+    if !leader.group.stats().caught.is_empty() {
+        let told = leader.report_caught(rt)?;
+        eprintln!("reported to {told} nodes");
+    }
     Ok((leader, out.tokens, prompt))
 }
 
@@ -676,6 +680,14 @@ fn run_status(args: StatusArgs) -> Result<()> {
             n.lag,
             n.silent_for_s
         );
+    }
+    for n in info.nodes.iter() {
+        if let Some(c) = &n.caught {
+            println!(
+                "CAUGHT {}: {c} (left out of groups; its row is free to re-create)",
+                n.peer
+            );
+        }
     }
     println!("{}", info.summary());
     Ok(())

@@ -450,6 +450,7 @@ fn describe(r: &MeshResponse) -> &'static str {
         MeshResponse::Versions { .. } => "version list",
         MeshResponse::Learned { .. } => "learning receipt",
         MeshResponse::Norms { .. } => "norm gains",
+        MeshResponse::Reported => "report receipt",
         MeshResponse::Error(_) => "error",
     }
 }
@@ -853,6 +854,32 @@ impl Server {
                                 len,
                             )
                         })
+                    }
+                    MeshRequest::Report {
+                        peer: caught,
+                        evidence,
+                    } => {
+                        let answer = match caught.parse::<PeerId>() {
+                            Ok(p) => {
+                                let text = format!(
+                                    "row {} caught on {}: residual {:.2e} > threshold {:.2e}; rows {:?} agree without it; reported by {peer}",
+                                    evidence.node,
+                                    evidence.step,
+                                    evidence.residual,
+                                    evidence.threshold,
+                                    evidence.witnesses
+                                );
+                                if p == self.client.peer_id() {
+                                    eprintln!(
+                                        "this node was caught answering against the code: {text}"
+                                    );
+                                }
+                                self.view.report_caught(p, text);
+                                MeshResponse::Reported
+                            }
+                            Err(e) => MeshResponse::Error(format!("peer id {caught:?}: {e}")),
+                        };
+                        Box::new(move || answer)
                     }
                     MeshRequest::Norms => {
                         let s = read(&self.state);

@@ -63,7 +63,7 @@ impl Session {
         for n in info
             .nodes
             .iter()
-            .filter(|n| n.health == Health::Healthy && n.row.is_some())
+            .filter(|n| n.health == Health::Healthy && n.row.is_some() && n.caught.is_none())
         {
             *by_version.entry(&n.version_digest).or_default() += 1;
         }
@@ -73,7 +73,8 @@ impl Session {
         let digest = parse_digest(version)?;
         let mut rows = BTreeMap::new();
         for n in &info.nodes {
-            let (Health::Healthy, Some(row), true) = (n.health, n.row, n.version_digest == version)
+            let (Health::Healthy, Some(row), true, None) =
+                (n.health, n.row, n.version_digest == version, &n.caught)
             else {
                 continue;
             };
@@ -259,6 +260,37 @@ impl Leader {
         }))
     }
 
+    /// Tells every live row's holder about the members this leader caught; returns how many
+    /// nodes took the reports.
+    pub fn report_caught(&self, rt: &tokio::runtime::Runtime) -> Result<usize> {
+        let caught = self.group.stats().caught.clone();
+        if caught.is_empty() {
+            return Ok(0);
+        }
+        let reports: Vec<(String, node_core::coded::Caught)> = caught
+            .into_iter()
+            .filter_map(|c| {
+                let peer = self.group.transport().peer_of(c.node)?;
+                Some((peer.to_string(), c))
+            })
+            .collect();
+        let client = self.client.clone();
+        let holders = self.holders.clone();
+        let taken = rt.block_on(async move {
+            let sends = holders.into_iter().map(|to| {
+                let (client, reports) = (client.clone(), reports.clone());
+                async move {
+                    for (peer, evidence) in reports {
+                        ask(&client, to, MeshRequest::Report { peer, evidence }).await?;
+                    }
+                    anyhow::Ok(())
+                }
+            });
+            futures::future::join_all(sends).await
+        });
+        Ok(taken.iter().filter(|r| r.is_ok()).count())
+    }
+
     /// Hands an update to every live row's holder.
     pub fn publish(&self, rt: &tokio::runtime::Runtime, p: Published) -> Result<Sent> {
         let bytes = p.update.encode();
@@ -363,6 +395,11 @@ impl NetTransport {
             round: 0,
             stats: NetStats::default(),
         }
+    }
+
+    /// The peer holding a row, as this transport knows it.
+    pub fn peer_of(&self, row: usize) -> Option<PeerId> {
+        self.peers.get(&row).copied()
     }
 
     /// Compute time reported by members.

@@ -634,13 +634,13 @@ fn shard_diff(a: &node_core::coded::ShardSet, b: &node_core::coded::ShardSet) ->
 }
 
 #[test]
-fn a_member_that_answers_wrongly_is_caught_and_outvoted() -> Result<()> {
+fn a_member_that_answers_wrongly_is_caught_outvoted_and_replaced() -> Result<()> {
     let model = tiny_model();
     let mut mesh = Mesh::start("fault", Some(&model), &["--no-learning"])?;
     let (undisturbed, _) = mesh.generate("hello world", 8, || {})?;
-    for fault in ["scale", "garbage"] {
-        // Restart row 3's holder from its data dir, misbehaving on purpose.
-        let i = mesh.holder(3)?;
+    for (fault, row) in [("scale", 3u64), ("garbage", 4)] {
+        // Restart the row's holder from its data dir, misbehaving on purpose.
+        let i = mesh.holder(row)?;
         mesh.nodes[i].signal("KILL");
         mesh.wait_healthy(4)?;
         let data = mesh.dir.0.join(format!("d{}", i + 1));
@@ -650,15 +650,41 @@ fn a_member_that_answers_wrongly_is_caught_and_outvoted() -> Result<()> {
         args.push(data.to_str().context("path")?);
         args.extend(HEALTH);
         let mut p = spawn(&mesh.dir.0, &format!("faulty-{fault}"), &args)?;
-        p.wait_log("serving row 3", Duration::from_secs(60))?;
+        p.wait_log(&format!("serving row {row}"), Duration::from_secs(60))?;
         mesh.nodes[i] = p;
         mesh.wait_healthy(5)?;
         let (out, err) = mesh.generate("hello world", 8, || {})?;
         assert_eq!(out, undisturbed, "{fault}: the answer changed:\n{err}");
         assert!(
-            err.contains("caught row 3: residual"),
-            "{fault}: row 3 was not caught:\n{err}"
+            err.contains(&format!("caught row {row}: residual")),
+            "{fault}: row {row} was not caught:\n{err}"
         );
+        // The mesh knows, with the evidence, and leaves the node out.
+        let s = mesh.wait_healthy(4)?;
+        let caught: Vec<&serde_json::Value> = s["nodes"]
+            .as_array()
+            .context("nodes")?
+            .iter()
+            .filter(|n| n["caught"].is_string())
+            .collect();
+        assert!(
+            caught
+                .iter()
+                .any(|n| n["row"] == row
+                    && n["caught"].as_str().is_some_and(|e| e.contains("residual"))),
+            "{fault}: status does not show row {row} caught: {s}"
+        );
+        if fault == "scale" {
+            // A new node re-creates the caught row from healthy shards.
+            let mut p = spawn_node(&mesh.dir.0, "replacement", "d9", &mesh.bootstrap)?;
+            let log = p.wait_log(&format!("serving row {row}"), Duration::from_secs(60))?;
+            assert!(log.contains("re-encoded from rows"), "{log}");
+            mesh.nodes.push(p);
+            mesh.wait_healthy(5)?;
+            let (out, err) = mesh.generate("hello world", 8, || {})?;
+            assert_eq!(out, undisturbed, "after the replacement:\n{err}");
+            assert!(!err.contains("caught row"), "{err}");
+        }
     }
     Ok(())
 }

@@ -54,6 +54,10 @@ pub struct NodeStatus {
     pub silent_for_s: f64,
     /// Updates it lacks compared with the mesh version (0 when it is at that version).
     pub lag: u64,
+    /// Last verification result: the evidence when a leader caught it answering against the
+    /// code (it is then left out of groups and its row is free to re-create), else `None`.
+    #[serde(default)]
+    pub caught: Option<String>,
 }
 
 /// The mesh as one node sees it.
@@ -168,6 +172,13 @@ pub enum MeshRequest {
     Learn(Vec<u8>),
     /// The replicated norm gains at the answering node's version.
     Norms,
+    /// A leader caught the holder `peer` answering against the code.
+    Report {
+        /// The caught node's peer id.
+        peer: String,
+        /// The evidence.
+        evidence: crate::coded::Caught,
+    },
 }
 
 /// An answer on the mesh protocol.
@@ -214,6 +225,8 @@ pub enum MeshResponse {
         /// The gains.
         norms: crate::model::LeaderWeights,
     },
+    /// A report was taken.
+    Reported,
     /// The request could not be served.
     Error(String),
 }

@@ -63,6 +63,8 @@ pub struct MeshView<P> {
     created: Instant,
     events: VecDeque<MeshEvent<P>>,
     transmits: VecDeque<Heartbeat>,
+    /// Nodes a leader caught answering against the code, with the evidence as text.
+    caught: BTreeMap<P, String>,
 }
 
 impl<P: Ord + Clone + Display> MeshView<P> {
@@ -95,6 +97,7 @@ impl<P: Ord + Clone + Display> MeshView<P> {
             created: now,
             events: VecDeque::new(),
             transmits: VecDeque::new(),
+            caught: BTreeMap::new(),
         })
     }
 
@@ -254,11 +257,23 @@ impl<P: Ord + Clone + Display> MeshView<P> {
             .chain(self.peers.iter().map(|(p, e)| (p, &e.hb, e.health)))
     }
 
+    /// Records that a leader caught `peer` answering against the code: it leaves groups and
+    /// its row is free to re-create.
+    pub fn report_caught(&mut self, peer: P, evidence: String) {
+        tracing::warn!(%peer, %evidence, "a node was caught answering against the code");
+        self.caught.insert(peer, evidence);
+    }
+
+    /// Healthy and not caught.
+    fn usable(&self, p: &P, h: Health) -> bool {
+        h == Health::Healthy && !self.caught.contains_key(p)
+    }
+
     /// The version digest most healthy row holders share.
     fn majority_version(&self) -> Option<[u8; 32]> {
         let mut counts: BTreeMap<[u8; 32], usize> = BTreeMap::new();
-        for (_, hb, h) in self.all() {
-            if h == Health::Healthy && hb.row.is_some() {
+        for (p, hb, h) in self.all() {
+            if self.usable(p, h) && hb.row.is_some() {
                 *counts.entry(hb.version_digest).or_default() += 1;
             }
         }
@@ -272,7 +287,9 @@ impl<P: Ord + Clone + Display> MeshView<P> {
         };
         let mut rows: BTreeMap<u32, P> = BTreeMap::new();
         for (p, hb, h) in self.all() {
-            if let (Health::Healthy, Some(row), true) = (h, hb.row, hb.version_digest == version) {
+            if let (true, Some(row), true) =
+                (self.usable(p, h), hb.row, hb.version_digest == version)
+            {
                 let slot = rows.entry(row).or_insert_with(|| p.clone());
                 if p < slot {
                     *slot = p.clone();
@@ -289,7 +306,9 @@ impl<P: Ord + Clone + Display> MeshView<P> {
         // Rows held by a node that is not dead (a holder may have come back since).
         let held: Vec<u32> = self
             .all()
-            .filter(|(p, _, h)| *h != Health::Dead && **p != joiner)
+            .filter(|(p, _, h)| {
+                *h != Health::Dead && **p != joiner && !self.caught.contains_key(*p)
+            })
             .filter_map(|(_, hb, _)| hb.row)
             .collect();
         self.reservations
@@ -371,6 +390,7 @@ impl<P: Ord + Clone + Display> MeshView<P> {
                 } else {
                     version_count.saturating_sub(hb.version_count).max(1)
                 },
+                caught: self.caught.get(p).cloned(),
                 silent_for_s: if *p == self.me {
                     0.0
                 } else {
@@ -503,5 +523,32 @@ mod tests {
             }
             other => panic!("expected a re-encode offer, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn a_caught_node_leaves_the_live_rows_and_its_row_is_offered_again() {
+        let t0 = Instant::now();
+        let cfg = HealthConfig::default();
+        let mut v = MeshView::new(t0, 0u32, cfg, 2, 4, "m".into(), hb(Some(0))).unwrap();
+        for p in 1..4 {
+            v.handle_heartbeat(t0, p, hb(Some(p)));
+        }
+        assert_eq!(v.live_rows().len(), 4);
+        assert_eq!(v.offer_row(t0, 9), JoinOffer::Full);
+        v.report_caught(2, "residual 1e-3 > 1e-5".into());
+        let rows: Vec<u32> = v.live_rows().iter().map(|(r, _)| *r).collect();
+        assert_eq!(rows, vec![0, 1, 3]);
+        match v.offer_row(t0, 9) {
+            JoinOffer::Reencode { row, sources } => {
+                assert_eq!(row, 2);
+                assert!(sources.iter().all(|s| s.row != 2), "{sources:?}");
+            }
+            other => panic!("expected a re-encode offer, got {other:?}"),
+        }
+        let info = v.info(t0);
+        let caught: Vec<_> = info.nodes.iter().filter(|n| n.caught.is_some()).collect();
+        assert_eq!(caught.len(), 1);
+        assert_eq!(caught[0].row, Some(2));
+        assert_eq!(info.healthy_rows, 3);
     }
 }
