@@ -62,24 +62,45 @@ pub struct Rules {
     pub learning: LearningConfig,
 }
 
-impl Rules {
-    /// Parses and checks an update from untrusted bytes.
-    pub fn check(&self, bytes: &[u8]) -> Result<Update> {
-        let update = decode_update(bytes)?;
-        update.validate_for(&self.cfg, &self.learning)?;
-        Ok(update)
-    }
+/// Updates dropped for a missing or broken signature, since the node started.
+pub static BAD_SIGNATURES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// A checked update: its id (the hash of the signed payload) and who signed it.
+#[derive(Debug)]
+pub struct Checked {
+    /// The update.
+    pub update: Update,
+    /// Its id.
+    pub id: u64,
+    /// The signer's peer id.
+    pub signer: libp2p::PeerId,
 }
 
-/// Parses an update from untrusted bytes.
-pub fn decode_update(bytes: &[u8]) -> Result<Update> {
-    if bytes.len() as u64 > MAX_UPDATE_BYTES {
-        bail!(
-            "update of {} bytes exceeds the limit of {MAX_UPDATE_BYTES}",
-            bytes.len()
-        );
+impl Rules {
+    /// Opens, parses and checks a signed update from untrusted bytes.
+    pub fn check(&self, bytes: &[u8]) -> Result<Checked> {
+        if bytes.len() as u64 > MAX_UPDATE_BYTES {
+            bail!(
+                "update of {} bytes exceeds the limit of {MAX_UPDATE_BYTES}",
+                bytes.len()
+            );
+        }
+        let (signer, payload) = match node_core::learn::open(bytes) {
+            Ok(v) => v,
+            Err(e) => {
+                let n = BAD_SIGNATURES.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+                tracing::warn!("dropped an update: {e} ({n} dropped so far)");
+                return Err(e.into());
+            }
+        };
+        let update = Update::decode(&payload).context("parsing an update")?;
+        update.validate_for(&self.cfg, &self.learning)?;
+        Ok(Checked {
+            update,
+            id: Update::id_of(&payload),
+            signer,
+        })
     }
-    Update::decode(bytes).context("parsing an update")
 }
 
 /// Where a node keeps update payloads and its version.
@@ -214,12 +235,63 @@ impl UpdateStore {
             let bytes = self.load(*id)?.with_context(|| {
                 format!("update {id:016x} is recorded as applied but its payload is missing")
             })?;
-            let update = rules.check(&bytes)?;
-            state.apply(&update, *id)?;
+            let checked = rules.check(&bytes)?;
+            if checked.id != *id {
+                bail!(
+                    "the payload kept as update {id:016x} hashes to {:016x}",
+                    checked.id
+                );
+            }
+            state.apply(&checked.update, *id)?;
         }
         for id in applied {
             state.version.insert(id);
         }
         Ok(state)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // a test: a failed unwrap is a failed test
+
+    use super::*;
+
+    fn rules() -> Rules {
+        Rules {
+            cfg: LlamaConfig {
+                hidden: 8,
+                ffn: 16,
+                layers: 1,
+                heads: 2,
+                kv_heads: 1,
+                head_dim: 4,
+                vocab: 16,
+                norm_eps: 1e-5,
+                rope_theta: 10_000.0,
+                max_seq: 8,
+                tied_embeddings: true,
+            },
+            learning: LearningConfig::default(),
+        }
+    }
+
+    #[test]
+    fn unsigned_and_badly_signed_updates_are_dropped_and_counted() {
+        let rules = rules();
+        let before = BAD_SIGNATURES.load(std::sync::atomic::Ordering::Relaxed);
+        let err = rules.check(b"not signed at all").unwrap_err().to_string();
+        assert!(err.contains("signature"), "{err}");
+        let key = libp2p::identity::Keypair::generate_ed25519();
+        let mut sealed = node_core::learn::seal(b"payload".to_vec(), &key).unwrap();
+        let last = sealed.len() - 1;
+        sealed[last] ^= 1;
+        let err = rules.check(&sealed).unwrap_err().to_string();
+        assert!(err.contains("signature"), "{err}");
+        assert!(BAD_SIGNATURES.load(std::sync::atomic::Ordering::Relaxed) >= before + 2);
+        // A good signature over a payload that is not an update gets past the signature only.
+        let sealed = node_core::learn::seal(b"payload".to_vec(), &key).unwrap();
+        let err = format!("{:#}", rules.check(&sealed).unwrap_err());
+        assert!(!err.contains("signature") && err.contains("update"), "{err}");
     }
 }

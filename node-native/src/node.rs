@@ -981,9 +981,10 @@ fn apply_and_keep(
     rules: &Rules,
     bytes: &[u8],
 ) -> Result<(u64, bool)> {
-    let update = rules.check(bytes)?;
-    // The payload is the update's canonical encoding: hash it rather than encode again.
-    let id = node_core::learn::Update::id_of(bytes);
+    let checked = rules.check(bytes)?;
+    let id = checked.id;
+    tracing::debug!(id = format!("{id:016x}"), signer = %checked.signer, "a signed update");
+    let update = checked.update;
     if read(state).version.contains(id) {
         return Ok((id, false));
     }

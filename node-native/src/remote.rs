@@ -24,13 +24,16 @@ pub struct Session {
     pub client: Client,
     /// The node connected through.
     pub bootstrap: PeerId,
+    /// This session's identity (it signs the updates it publishes).
+    pub key: libp2p::identity::Keypair,
 }
 
 impl Session {
     /// Starts an ephemeral node (no listening, no row) and dials `bootstrap`.
     pub async fn connect(bootstrap: Multiaddr) -> Result<Self> {
+        let key = libp2p::identity::Keypair::generate_ed25519();
         let swarm = swarm::build(NetConfig {
-            key: libp2p::identity::Keypair::generate_ed25519(),
+            key: key.clone(),
             webrtc: None,
             listen: Vec::new(),
             mdns: false,
@@ -40,7 +43,11 @@ impl Session {
         // A leader serves nothing: drain what arrives (heartbeats) so the network never blocks.
         tokio::spawn(async move { while inbound.recv().await.is_some() {} });
         let bootstrap = client.dial(bootstrap).await?;
-        Ok(Self { client, bootstrap })
+        Ok(Self {
+            client,
+            bootstrap,
+            key,
+        })
     }
 
     /// The bootstrap node's view of the mesh.
@@ -128,6 +135,8 @@ pub struct Leader {
     pub holders: Vec<PeerId>,
     /// The network client.
     pub client: Client,
+    /// The leader's identity: it signs the updates.
+    key: libp2p::identity::Keypair,
 }
 
 impl Leader {
@@ -218,6 +227,7 @@ impl Leader {
             version,
             holders,
             client: session.client,
+            key: session.key,
         })
     }
 
@@ -293,8 +303,9 @@ impl Leader {
 
     /// Hands an update to every live row's holder.
     pub fn publish(&self, rt: &tokio::runtime::Runtime, p: Published) -> Result<Sent> {
-        let bytes = p.update.encode();
-        let id = node_core::learn::Update::id_of(&bytes);
+        let payload = p.update.encode();
+        let id = node_core::learn::Update::id_of(&payload);
+        let bytes = node_core::learn::seal(payload, &self.key)?;
         let size = bytes.len();
         let client = self.client.clone();
         let holders = self.holders.clone();

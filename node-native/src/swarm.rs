@@ -18,6 +18,9 @@ use node_core::mesh::{HEARTBEAT_TOPIC, MeshRequest, MeshResponse};
 use node_core::net::{MeshBehaviour, MeshBehaviourEvent, version_mismatch};
 use tokio::sync::{mpsc, oneshot};
 
+/// Gossip messages dropped for having no signed author, since the node started.
+pub static UNSIGNED_GOSSIP: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 /// How the swarm is built.
 #[derive(Debug)]
 pub struct NetConfig {
@@ -366,11 +369,21 @@ impl EventLoop {
                 message,
                 ..
             })) => {
-                let peer = message.source.unwrap_or(propagation_source);
-                let _ = self.inbound.try_send(Inbound::Gossip {
-                    peer,
-                    data: message.data,
-                });
+                // Gossipsub runs in strict mode: it drops badly signed messages itself, and a
+                // message without an author is dropped here.
+                match message.source {
+                    Some(peer) => {
+                        let _ = self.inbound.try_send(Inbound::Gossip {
+                            peer,
+                            data: message.data,
+                        });
+                    }
+                    None => {
+                        let n =
+                            UNSIGNED_GOSSIP.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+                        tracing::warn!(%propagation_source, "dropped an unsigned gossip message ({n} so far)");
+                    }
+                }
             }
             SwarmEvent::Behaviour(MeshBehaviourEvent::Identify(identify::Event::Received {
                 peer_id,

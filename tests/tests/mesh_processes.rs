@@ -549,7 +549,10 @@ fn every_request_trains_and_a_restarted_node_catches_up() -> Result<()> {
         if ids.is_none() {
             for &id in &these {
                 let bytes = store.load(id)?.context("payload")?;
-                rules.check(&bytes)?.apply_to_weights(&mut reference)?;
+                rules
+                    .check(&bytes)?
+                    .update
+                    .apply_to_weights(&mut reference)?;
             }
         }
         assert_eq!(

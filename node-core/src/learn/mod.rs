@@ -6,10 +6,12 @@
 
 mod compress;
 mod learner;
+mod signed;
 mod wire;
 
 pub use compress::{LowRank, low_rank};
 pub use learner::{Learner, Published};
+pub use signed::{open, seal};
 
 use crate::coded::{CodedError, Shard, ShardSet, ShardValues};
 use crate::mesh::LearningConfig;
@@ -78,6 +80,9 @@ pub enum UpdateError {
     /// The mesh does not learn, or the step breaks the mesh's learning rate and clipping.
     #[error("update refused by the mesh's learning settings: {0}")]
     Settings(String),
+    /// The payload is not signed, or its signature does not hold.
+    #[error("update signature: {0}")]
+    Signature(String),
     /// Applying it to a shard failed.
     #[error("applying the update: {0}")]
     Apply(#[from] CodedError),
