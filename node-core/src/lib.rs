@@ -33,6 +33,7 @@ pub mod blob;
 pub mod code;
 pub mod coded;
 pub mod compute;
+pub mod fuzzing;
 pub mod gguf;
 pub mod learn;
 pub mod mesh;

@@ -292,6 +292,9 @@ mod tests {
         // A good signature over a payload that is not an update gets past the signature only.
         let sealed = node_core::learn::seal(b"payload".to_vec(), &key).unwrap();
         let err = format!("{:#}", rules.check(&sealed).unwrap_err());
-        assert!(!err.contains("signature") && err.contains("update"), "{err}");
+        assert!(
+            !err.contains("signature") && err.contains("update"),
+            "{err}"
+        );
     }
 }
