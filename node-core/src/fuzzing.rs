@@ -9,8 +9,11 @@ use crate::mesh::{Heartbeat, MeshRequest, MeshResponse, ModelManifest};
 use crate::model::{LlamaConfig, ModelWeights};
 use crate::protocol::{self, StepRequest, StepResponse};
 
+/// A decoder fed untrusted bytes.
+pub type Target = fn(&[u8]);
+
 /// The fuzz targets, by name (the names of `node-core/fuzz/fuzz_targets/*.rs`).
-pub const TARGETS: [(&str, fn(&[u8])); 6] = [
+pub const TARGETS: [(&str, Target); 6] = [
     ("mesh_messages", mesh_messages),
     ("shard_blob", shard_blob),
     ("gguf_header", gguf_header),
