@@ -520,7 +520,16 @@ impl GgufFile {
                 offset: start,
                 what: "tensor data",
             })?;
-        dequantize(info.ggml_type, data, info.shape.iter().product())
+        let elements = info
+            .shape
+            .iter()
+            .try_fold(1usize, |a, &d| a.checked_mul(d))
+            .ok_or_else(|| GgufError::Invalid {
+                offset: start,
+                what: "tensor",
+                detail: format!("{name:?}: dimensions {:?} overflow", info.shape),
+            })?;
+        dequantize(info.ggml_type, data, elements)
     }
 }
 

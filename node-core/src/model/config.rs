@@ -49,7 +49,11 @@ impl LlamaConfig {
         {
             return bad("model dimensions are implausibly large");
         }
-        if self.heads * self.head_dim > 1 << 16 {
+        if self
+            .heads
+            .checked_mul(self.head_dim)
+            .is_none_or(|w| w > 1 << 16)
+        {
             return bad("heads × head_dim is implausibly large");
         }
         if !(self.norm_eps.is_finite() && self.norm_eps > 0.0) {
