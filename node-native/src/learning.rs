@@ -259,19 +259,7 @@ mod tests {
 
     fn rules() -> Rules {
         Rules {
-            cfg: LlamaConfig {
-                hidden: 8,
-                ffn: 16,
-                layers: 1,
-                heads: 2,
-                kv_heads: 1,
-                head_dim: 4,
-                vocab: 16,
-                norm_eps: 1e-5,
-                rope_theta: 10_000.0,
-                max_seq: 8,
-                tied_embeddings: true,
-            },
+            cfg: node_core::fuzzing::small_config(),
             learning: LearningConfig::default(),
         }
     }
