@@ -14,7 +14,7 @@ use node_core::mesh::{
     MeshRequest, MeshResponse, MeshView, ModelManifest, ShardVersion,
 };
 use node_core::model::LeaderWeights;
-use node_core::protocol::{self, StepRequest};
+use node_core::protocol;
 use std::time::Instant;
 
 use crate::learning::{Rules, ShardState, UpdateStore};
@@ -1108,12 +1108,7 @@ fn step(state: &RwLock<ShardState>, version: &[u8; 32], bytes: &[u8]) -> MeshRes
             hex8(version)
         ));
     }
-    let answer = match protocol::decode::<StepRequest>(bytes) {
-        Ok(req) => s.member.handle(&req),
-        Err(e) => node_core::protocol::StepResponse::Failed {
-            reason: e.to_string(),
-        },
-    };
+    let answer = s.member.handle_bytes(bytes);
     let compute_us = started.elapsed().as_micros() as u64;
     match protocol::encode(&answer) {
         Ok(bytes) => MeshResponse::Step { bytes, compute_us },

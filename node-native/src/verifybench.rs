@@ -10,7 +10,7 @@ use node_core::coded::{
 };
 use node_core::learn::Update;
 use node_core::model::{KvCache, LeaderWeights, Llama, ModelWeights};
-use node_core::protocol::{self, StepRequest, StepResponse};
+use node_core::protocol::{self, StepResponse};
 
 use crate::bench::Row;
 
@@ -76,8 +76,7 @@ impl Trial<'_> {
             ),
             (true, f) => (&self.v.three[node], f),
         };
-        let req: StepRequest = protocol::decode(request).map_err(|e| fail(e.to_string()))?;
-        let answer = match member.handle(&req) {
+        let answer = match member.handle_bytes(request) {
             StepResponse::Partial { mut values, .. } => {
                 match fault {
                     Fault::Scale(f) => values.iter_mut().for_each(|v| *v *= f),
@@ -253,7 +252,7 @@ pub fn run(
     let mut smallest = None;
     for eps in [1e-4f32, 3e-5, 1e-5, 3e-6, 1e-6, 3e-7] {
         let n = (trials / 10).max(20);
-        let (d, _) = measure_detect(&v, Fault::Scale(1.0 + eps), n, &mut rng, &forward)?;
+        let d = measure_detect(&v, Fault::Scale(1.0 + eps), n, &mut rng, &forward)?;
         rows_out.push(Row {
             what: format!("shard scaled by 1 + {eps:.0e}: detected with r = 1"),
             value: format!(
@@ -309,7 +308,7 @@ fn measure_detect<'a>(
     trials: usize,
     rng: &mut Rng,
     forward: &Forward<'a>,
-) -> Result<(Tally, ())> {
+) -> Result<Tally> {
     let mut t = Tally::default();
     for i in 0..trials {
         let bad = rng.below(5);
@@ -329,7 +328,7 @@ fn measure_detect<'a>(
             t.flagged += 1;
         }
     }
-    Ok((t, ()))
+    Ok(t)
 }
 
 /// Detection with r = 1, then location with r = 2 (all five rows answer) against the honest
@@ -341,7 +340,7 @@ fn measure<'a>(
     rng: &mut Rng,
     forward: &Forward<'a>,
 ) -> Result<(Tally, Tally)> {
-    let (d, ()) = measure_detect(v, fault, trials, rng, forward)?;
+    let d = measure_detect(v, fault, trials, rng, forward)?;
     let mut l = Tally::default();
     for i in 0..trials {
         let bad = rng.below(5);

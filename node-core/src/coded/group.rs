@@ -122,13 +122,7 @@ impl InProcess {
             .members
             .get(node)
             .ok_or_else(|| fail("no such member".into()))?;
-        let answer = match protocol::decode::<StepRequest>(request) {
-            Ok(req) => member.handle(&req),
-            Err(e) => StepResponse::Failed {
-                reason: e.to_string(),
-            },
-        };
-        protocol::encode(&answer)
+        protocol::encode(&member.handle_bytes(request))
             .map(|bytes| (node, bytes))
             .map_err(|e| fail(e.to_string()))
     }
@@ -202,6 +196,9 @@ pub struct CodedGroup<T: Transport> {
 
 /// Answers of one round: `(node, values)`.
 type Parts = Vec<(usize, Vec<f32>)>;
+
+/// A round's decode and its threshold, or the largest residual and the threshold it broke.
+type Checked = Result<(Vec<f32>, f64), (f64, f64)>;
 
 impl<T: Transport> CodedGroup<T> {
     /// A group of `nodes` (at least k distinct rows of `generator`; the first k must decode)
@@ -293,7 +290,9 @@ impl<T: Transport> CodedGroup<T> {
         let bytes = protocol::encode(req)?;
         let k = self.generator.k();
         let want = (k + self.verify.extra).min(self.members.len()).max(k);
-        let mut parts = self.collect(&bytes, c, want)?;
+        let mut parts = Parts::with_capacity(want);
+        self.collect(&bytes, c, &mut parts, want)?;
+        self.stats.rounds += 1;
         if parts.len() < k {
             return Err(CodedError::Member {
                 node: usize::MAX,
@@ -306,13 +305,22 @@ impl<T: Transport> CodedGroup<T> {
         out
     }
 
-    /// Up to `want` usable answers to one request (fewer only when members ran out).
-    fn collect(&mut self, bytes: &[u8], c: usize, mut want: usize) -> Result<Parts, CodedError> {
+    /// Adds usable answers to `parts` from members that have not answered, up to `want`
+    /// (fewer only when members run out).
+    fn collect(
+        &mut self,
+        bytes: &[u8],
+        c: usize,
+        parts: &mut Parts,
+        mut want: usize,
+    ) -> Result<(), CodedError> {
         let k = self.generator.k();
         let m = self.generator.sub_blocks();
-        let mut parts: Parts = Vec::with_capacity(want);
         let mut last_error = None;
         for _ in 0..MAX_ROUND_ATTEMPTS {
+            if parts.len() >= want {
+                break;
+            }
             let need = want - parts.len();
             let mut asked: Vec<usize> = self
                 .members
@@ -324,24 +332,7 @@ impl<T: Transport> CodedGroup<T> {
                 break;
             }
             let started = Instant::now();
-            let answers = match self.transport.round(&mut asked, bytes, need) {
-                Ok(a) => a,
-                Err(e) if want > k => {
-                    // Too few members left to check this round: decode from k, unchecked.
-                    tracing::warn!(node = e.node, reason = %e.reason, "too few members to check the round; decoding from k");
-                    want = k.max(parts.len());
-                    let mut members: Vec<usize> = parts.iter().map(|(n, _)| *n).collect();
-                    for n in asked {
-                        if !members.contains(&n) {
-                            members.push(n);
-                        }
-                    }
-                    self.members = members;
-                    last_error = Some(e.into());
-                    continue;
-                }
-                Err(e) => return Err(e.into()),
-            };
+            let result = self.transport.round(&mut asked, bytes, need);
             self.stats.member_time += started.elapsed();
             self.stats.bytes_sent += (bytes.len() * asked.len()) as u64;
             self.stats.member_requests += asked.len() as u64;
@@ -352,6 +343,18 @@ impl<T: Transport> CodedGroup<T> {
                     members.push(n);
                 }
             }
+            let answers = match result {
+                Ok(a) => a,
+                Err(e) if want > k => {
+                    // Too few members left to check this round: decode from k, unchecked.
+                    tracing::warn!(node = e.node, reason = %e.reason, "too few members to check the round; decoding from k");
+                    want = k.max(parts.len());
+                    self.members = members;
+                    last_error = Some(e.into());
+                    continue;
+                }
+                Err(e) => return Err(e.into()),
+            };
             for (node, answer) in answers {
                 self.stats.bytes_received += answer.len() as u64;
                 if parts.len() == want || parts.iter().any(|(p, _)| *p == node) {
@@ -368,27 +371,24 @@ impl<T: Transport> CodedGroup<T> {
                 }
             }
             self.members = members;
-            if parts.len() == want {
-                break;
-            }
         }
-        self.stats.rounds += 1;
         match last_error {
             Some(e) if parts.len() < k => Err(e),
-            _ => Ok(parts),
+            _ => Ok(()),
         }
     }
 
-    /// Decodes the first k parts (in arrival order) and checks the rest against them: the
-    /// decoded blocks, or the largest residual over its threshold when a check fails.
+    /// Decodes the first k of `parts` (in arrival order) and checks the rest against them:
+    /// the decoded blocks and the threshold of that decode, or the largest residual and the
+    /// threshold when a check fails.
     fn consistent(
         &mut self,
-        parts: &[(usize, Vec<f32>)],
+        parts: &[&(usize, Vec<f32>)],
         c: usize,
-    ) -> Result<Result<Vec<f32>, (f64, f64)>, CodedError> {
+    ) -> Result<Checked, CodedError> {
         let k = self.generator.k();
         let m = self.generator.sub_blocks();
-        let mut decode: Vec<&(usize, Vec<f32>)> = parts.iter().take(k).collect();
+        let mut decode: Vec<&(usize, Vec<f32>)> = parts.iter().take(k).copied().collect();
         decode.sort_by_key(|(n, _)| *n);
         let rows: Vec<usize> = decode.iter().map(|(n, _)| *n).collect();
         let refs: Vec<&[f32]> = decode.iter().map(|(_, v)| v.as_slice()).collect();
@@ -409,7 +409,7 @@ impl<T: Transport> CodedGroup<T> {
         if parts.len() > k {
             self.stats.max_pass_ratio = self.stats.max_pass_ratio.max(worst / threshold);
         }
-        Ok(Ok(out))
+        Ok(Ok((out, threshold)))
     }
 
     /// The decoded blocks of a round, checked: a member whose answer disagrees is located
@@ -424,18 +424,15 @@ impl<T: Transport> CodedGroup<T> {
         what: &str,
     ) -> Result<Vec<f32>, CodedError> {
         let k = self.generator.k();
-        if parts.len() == k {
+        if parts.len() > k {
+            self.stats.verified_rounds += 1;
+        } else {
             self.stats.unverified_rounds += u64::from(self.verify.extra > 0);
-            return match self.consistent(parts, c)? {
-                Ok(out) => Ok(out),
-                Err(_) => Err(CodedError::Verification(
-                    "unreachable: nothing to check".into(),
-                )),
-            };
         }
-        self.stats.verified_rounds += 1;
-        let (worst, threshold) = match self.consistent(parts, c)? {
-            Ok(out) => return Ok(out),
+        let all: Vec<&(usize, Vec<f32>)> = parts.iter().collect();
+        let (worst, threshold) = match self.consistent(&all, c)? {
+            // With k answers there is nothing to check: this is the plain decode.
+            Ok((out, _)) => return Ok(out),
             Err(r) => r,
         };
         tracing::warn!(
@@ -444,65 +441,35 @@ impl<T: Transport> CodedGroup<T> {
             threshold,
             "answers disagree with the code; locating the member"
         );
+        // Leave-one-out needs k + 2 answers: ask for one more if only k + 1 came.
+        self.collect(bytes, c, parts, k + 2)?;
         if parts.len() < k + 2 {
-            // One more answer makes leave-one-out possible.
-            let mut others: Vec<usize> = self
-                .members
-                .iter()
-                .copied()
-                .filter(|n| parts.iter().all(|(p, _)| p != n))
-                .collect();
-            let m = self.generator.sub_blocks();
-            if !others.is_empty() {
-                for (node, answer) in self.transport.round(&mut others, bytes, 1)? {
-                    if parts.len() < k + 2
-                        && parts.iter().all(|(p, _)| *p != node)
-                        && let Ok(v) = parse_answer(node, &answer, m * c)
-                    {
-                        parts.push((node, v));
-                    }
-                }
-            }
-            if parts.len() < k + 2 {
-                return Err(CodedError::Verification(format!(
-                    "{what}: answers disagree (residual {worst:.2e} > {threshold:.2e}) and no further member can tell which is wrong"
-                )));
-            }
+            return Err(CodedError::Verification(format!(
+                "{what}: answers disagree (residual {worst:.2e} > {threshold:.2e}) and no further member can tell which is wrong"
+            )));
         }
         let mut found = Vec::new();
         for i in 0..parts.len() {
-            let rest: Parts = parts
+            let rest: Vec<&(usize, Vec<f32>)> = parts
                 .iter()
                 .enumerate()
-                .filter(|&(j, _)| j != i)
-                .map(|(_, p)| p.clone())
+                .filter_map(|(j, p)| (j != i).then_some(p))
                 .collect();
-            if let Ok(out) = self.consistent(&rest, c)? {
-                found.push((i, out));
+            if let Ok(agreed) = self.consistent(&rest, c)? {
+                found.push((i, agreed));
             }
         }
-        let [(i, out)] = <[_; 1]>::try_from(found).map_err(|found| {
+        let [(i, (out, threshold))] = <[_; 1]>::try_from(found).map_err(|found| {
             CodedError::Verification(format!(
                 "{what}: answers disagree (residual {worst:.2e} > {threshold:.2e}) and {} members are suspect",
                 if found.is_empty() { "several".to_string() } else { found.len().to_string() }
             ))
         })?;
         let (node, values) = parts.remove(i);
-        let (decode, rest): (Vec<usize>, Vec<usize>) = (
-            parts.iter().take(k).map(|(n, _)| *n).collect(),
-            parts.iter().skip(k).map(|(n, _)| *n).collect(),
-        );
         // The evidence: its residual against the decode of the members that agree.
         let mut predicted = vec![0.0f32; values.len()];
         self.generator.predict_part(node, &out, &mut predicted)?;
         let own = residual(&values, &predicted);
-        let decoder_rows: Vec<usize> = {
-            let mut d = decode.clone();
-            d.sort_unstable();
-            d
-        };
-        let kappa = self.decoder_for(&decoder_rows)?.condition_number();
-        let threshold = self.verify.threshold(kappa);
         tracing::warn!(
             node,
             what,
@@ -515,7 +482,7 @@ impl<T: Transport> CodedGroup<T> {
             step: what.to_string(),
             residual: own,
             threshold,
-            witnesses: decode.into_iter().chain(rest).collect(),
+            witnesses: parts.iter().map(|(n, _)| *n).collect(),
         });
         self.members.retain(|&n| n != node);
         self.stats.members_dropped += 1;

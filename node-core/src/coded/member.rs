@@ -81,6 +81,16 @@ impl Member {
         }
     }
 
+    /// Answers one encoded request; undecodable bytes become a `Failed` answer.
+    pub fn handle_bytes(&self, request: &[u8]) -> StepResponse {
+        match crate::protocol::decode::<StepRequest>(request) {
+            Ok(req) => self.handle(&req),
+            Err(e) => StepResponse::Failed {
+                reason: e.to_string(),
+            },
+        }
+    }
+
     /// The partial result of a request, laid out sub-block major.
     pub fn compute(&self, req: &StepRequest) -> Result<Vec<f32>, CodedError> {
         let m = self.shards.generator.sub_blocks();

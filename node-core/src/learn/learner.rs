@@ -138,7 +138,7 @@ impl Learner {
     /// Every stage cut to the mesh's rank.
     fn compress(&mut self, u: &mut Update) {
         let rank = self.cfg.rank as usize;
-        for f in &mut u.stages {
+        for f in u.stages.iter_mut().filter(|f| f.rows as usize > rank) {
             let lr = compress::low_rank(&f.x, &f.dy, f.rows as usize, rank);
             if lr.energy > 0.0 {
                 self.kept.0 += lr.kept * lr.energy;
