@@ -1,6 +1,9 @@
 //! A member: a stateless matmul server for its shards.
 
-use super::{CodedError, ShardSet};
+use std::sync::Arc;
+
+use super::{CodedError, GpuShards, ShardSet};
+use crate::compute::gpu::{Gpu, GpuInfo};
 use crate::protocol::{StepRequest, StepResponse};
 
 /// Ways a member can be made to answer wrongly on purpose (`codedmesh node --inject-fault`),
@@ -23,7 +26,11 @@ pub struct Member {
     shards: ShardSet,
     /// The row it answers as (its shards' own unless it lies).
     row: usize,
-    garbage: Option<std::sync::Arc<std::sync::atomic::AtomicU64>>,
+    garbage: Option<Arc<std::sync::atomic::AtomicU64>>,
+    /// The GPU it computes products on, if any.
+    device: Option<Arc<Gpu>>,
+    /// Its shards on that GPU; `None` while they are out of date (products run on the CPU).
+    gpu: Option<Arc<GpuShards>>,
 }
 
 impl Member {
@@ -34,7 +41,29 @@ impl Member {
             shards,
             row,
             garbage: None,
+            device: None,
+            gpu: None,
         }
+    }
+
+    /// Computes products on `gpu` from now on: uploads the shards, which stay resident.
+    pub fn use_gpu(&mut self, gpu: Arc<Gpu>) -> Result<(), CodedError> {
+        self.gpu = Some(Arc::new(GpuShards::upload(gpu.clone(), &self.shards)?));
+        self.device = Some(gpu);
+        Ok(())
+    }
+
+    /// Uploads the shards again after [`Self::shards_mut`] changed them (a no-op on the CPU).
+    pub fn sync_gpu(&mut self) -> Result<(), CodedError> {
+        match (&self.device, &self.gpu) {
+            (Some(gpu), None) => self.use_gpu(gpu.clone()),
+            _ => Ok(()),
+        }
+    }
+
+    /// The adapter products run on, when on a GPU.
+    pub fn gpu_info(&self) -> Option<&GpuInfo> {
+        self.device.as_deref().map(Gpu::info)
     }
 
     /// A member that misbehaves: for `WrongRow`, `shards` are row `actual`'s and it answers
@@ -58,8 +87,10 @@ impl Member {
         &self.shards
     }
 
-    /// The shards, to apply a learning update.
+    /// The shards, to apply a learning update; products run on the CPU until
+    /// [`Self::sync_gpu`] uploads the changed shards.
     pub fn shards_mut(&mut self) -> &mut ShardSet {
+        self.gpu = None;
         &mut self.shards
     }
 
@@ -93,6 +124,29 @@ impl Member {
 
     /// The partial result of a request, laid out sub-block major.
     pub fn compute(&self, req: &StepRequest) -> Result<Vec<f32>, CodedError> {
+        #[cfg(not(target_arch = "wasm32"))]
+        if let Some(gpu) = &self.gpu {
+            let m = self.shards.generator.sub_blocks();
+            if let Some(answer) = pollster::block_on(gpu.compute(m, req)) {
+                return answer;
+            }
+        }
+        self.compute_cpu(req)
+    }
+
+    /// [`Self::compute`] for callers that cannot block (the browser).
+    pub async fn compute_async(&self, req: &StepRequest) -> Result<Vec<f32>, CodedError> {
+        if let Some(gpu) = &self.gpu {
+            let m = self.shards.generator.sub_blocks();
+            if let Some(answer) = gpu.compute(m, req).await {
+                return answer;
+            }
+        }
+        self.compute_cpu(req)
+    }
+
+    /// The CPU reference of [`Self::compute`].
+    pub fn compute_cpu(&self, req: &StepRequest) -> Result<Vec<f32>, CodedError> {
         let m = self.shards.generator.sub_blocks();
         match req {
             StepRequest::Matmul { stage, t, x } => {

@@ -6,11 +6,13 @@
 //! sub-block is one contiguous run of `C = Σ t·L_matrix` values. An embedding lookup answers
 //! `[sub-block s][token][column]` with the requested local rows.
 
+mod gpu;
 mod group;
 mod member;
 mod shards;
 mod verify;
 
+pub use gpu::GpuShards;
 pub use group::{CodedGroup, ExecStats, InProcess, Transport, TransportError};
 pub use member::{Member, Misbehaviour};
 pub use shards::{Shard, ShardFormat, ShardSet, ShardValues};
@@ -37,6 +39,9 @@ pub enum CodedError {
     /// Answers disagree with the code and the wrong member could not be found.
     #[error("verification: {0}")]
     Verification(String),
+    /// The GPU backend failed.
+    #[error("{0}")]
+    Gpu(#[from] crate::compute::gpu::GpuError),
     /// A member answered with a failure or a wrong shape.
     #[error("member {node}: {reason}")]
     Member {

@@ -74,6 +74,15 @@ impl Shard {
         })
     }
 
+    /// Rows stored: every sub-block's `L` rows.
+    pub fn stored_rows(&self) -> usize {
+        let len = match &self.values {
+            ShardValues::F32(v) => v.len(),
+            ShardValues::F16(v) => v.len(),
+        };
+        len / self.cols.max(1)
+    }
+
     /// `y (t × L) = x (t × cols) · S_sᵀ` for sub-block `s` (rows `[s·L, (s+1)·L)`).
     pub fn matmul_sub_block(&self, s: usize, x: &[f32], t: usize, y: &mut [f32]) {
         let n = self.block_len * self.cols;

@@ -1,6 +1,8 @@
-//! Compute kernels: the CPU reference backend, threaded on native targets.
+//! Compute kernels: the CPU reference backend, threaded on native targets, and the wgpu backend
+//! (WGSL kernels for native GPUs and WebGPU).
 
 mod cpu;
+pub mod gpu;
 pub mod par;
 
 pub use cpu::{WeightElem, dot, matmul, matmul_transpose};

@@ -1,0 +1,128 @@
+//! A member's shards resident on a GPU, answering the products of step requests there.
+
+use std::sync::Arc;
+
+use super::{CodedError, Shard, ShardSet, ShardValues};
+use crate::compute::gpu::{Gpu, GpuError, GpuMatrix, Placement, Weights};
+use crate::model::Stage;
+use crate::protocol::StepRequest;
+
+/// Every product matrix of a [`ShardSet`], uploaded once.
+#[derive(Debug)]
+pub struct GpuShards {
+    gpu: Arc<Gpu>,
+    /// Per block: q, k, v, o, gate, up, down.
+    blocks: Vec<Vec<GpuMatrix>>,
+    /// The LM head: the separate one, or the tied embedding.
+    lm_head: GpuMatrix,
+}
+
+fn upload(gpu: &Gpu, s: &Shard) -> Result<GpuMatrix, GpuError> {
+    let rows = s.stored_rows();
+    match &s.values {
+        ShardValues::F32(v) => gpu.upload(rows, s.cols, Weights::F32(v)),
+        ShardValues::F16(v) => gpu.upload(rows, s.cols, Weights::F16(v)),
+    }
+}
+
+impl GpuShards {
+    /// Uploads `shards` to `gpu`.
+    pub fn upload(gpu: Arc<Gpu>, shards: &ShardSet) -> Result<Self, CodedError> {
+        let blocks = shards
+            .blocks
+            .iter()
+            .map(|b| b.iter().map(|s| upload(&gpu, s)).collect())
+            .collect::<Result<Vec<Vec<_>>, _>>()?;
+        let lm_head = upload(&gpu, shards.lm_head.as_ref().unwrap_or(&shards.embed))?;
+        Ok(Self {
+            gpu,
+            blocks,
+            lm_head,
+        })
+    }
+
+    /// The device they live on.
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+
+    /// Bytes on the device.
+    pub fn bytes(&self) -> u64 {
+        self.blocks
+            .iter()
+            .flatten()
+            .chain([&self.lm_head])
+            .map(GpuMatrix::bytes)
+            .sum()
+    }
+
+    fn stage(&self, stage: Stage) -> Result<Vec<&GpuMatrix>, CodedError> {
+        match stage.layer() {
+            Some(l) => {
+                let block = self
+                    .blocks
+                    .get(l)
+                    .ok_or_else(|| CodedError::BadRequest(format!("block {l} does not exist")))?;
+                Ok(stage.block_matrices().iter().map(|&i| &block[i]).collect())
+            }
+            None => Ok(vec![&self.lm_head]),
+        }
+    }
+
+    /// Answers a product request (`Matmul`, `MatmulT`) as [`super::Member::compute`] does on
+    /// the CPU; `None` for requests that are not products.
+    pub async fn compute(
+        &self,
+        sub_blocks: usize,
+        req: &StepRequest,
+    ) -> Option<Result<Vec<f32>, CodedError>> {
+        let (stage, t) = match req {
+            StepRequest::Matmul { stage, t, .. } | StepRequest::MatmulT { stage, t, .. } => {
+                (*stage, *t as usize)
+            }
+            StepRequest::EmbedRows { .. } => return None,
+        };
+        Some(self.product(sub_blocks, stage, t, req).await)
+    }
+
+    async fn product(
+        &self,
+        m: usize,
+        stage: Stage,
+        t: usize,
+        req: &StepRequest,
+    ) -> Result<Vec<f32>, CodedError> {
+        let mats = self.stage(stage)?;
+        let block_len = |g: &GpuMatrix| g.rows() / m.max(1);
+        let per_sub: usize = mats.iter().map(|g| t * block_len(g)).sum();
+        let mut off = 0;
+        let parts: Vec<(&GpuMatrix, Placement)> = mats
+            .iter()
+            .map(|g| {
+                let p = Placement {
+                    block_len: block_len(g),
+                    per_sub,
+                    off,
+                };
+                off += t * block_len(g);
+                (*g, p)
+            })
+            .collect();
+        match req {
+            StepRequest::Matmul { x, .. } => Ok(self.gpu.matmul(&parts, x, t, m * per_sub).await?),
+            StepRequest::MatmulT { u, .. } => {
+                if u.len() != m * per_sub {
+                    return Err(CodedError::BadRequest(format!(
+                        "{stage:?}: {} transpose inputs, expected {} for t = {t}",
+                        u.len(),
+                        m * per_sub
+                    )));
+                }
+                Ok(self.gpu.matmul_t(&parts, u, t).await?)
+            }
+            StepRequest::EmbedRows { .. } => Err(CodedError::BadRequest(
+                "an embedding lookup is not a product".into(),
+            )),
+        }
+    }
+}

@@ -1,0 +1,89 @@
+// Shard product y = x · Wᵀ over a row-major matrix chunk (GEMV when TOKENS = 1, GEMM
+// otherwise), written straight into the member's answer layout
+// [sub-block][matrix][token][local row]. Prefixed with elem_f32.wgsl or elem_f16.wgsl, which
+// define the weight element WElem (X_PER_W vec4s of columns) and wcols.
+//
+// A workgroup is 8 groups of 32 lanes; each group owns 4 rows and its lanes stride over the
+// row's vec4 columns, so every lane keeps 4 × TOKENS independent accumulators and reads
+// 4 rows per step (the independent loads are what reach copy bandwidth). Lanes are then summed
+// in workgroup memory.
+
+struct Params {
+    rows: u32,      // rows in this chunk
+    cols_w: u32,    // weight elements per row (columns padded to a multiple of 8)
+    t: u32,         // tokens
+    block_len: u32, // rows of one sub-block (L)
+    row0: u32,      // first row of this chunk in the whole matrix
+    per_sub: u32,   // values of one sub-block of the answer
+    off: u32,       // this matrix's offset inside a sub-block
+    x_stride4: u32, // vec4s per token of x
+}
+
+override TOKENS: u32 = 1u;
+const LANES: u32 = 32u;
+const GROUPS: u32 = 8u;
+const ROWS: u32 = 4u;
+
+@group(0) @binding(0) var<storage, read> w: array<WElem>;
+@group(0) @binding(1) var<storage, read> x: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read_write> y: array<f32>;
+@group(0) @binding(3) var<uniform> p: Params;
+
+var<workgroup> red: array<vec4<f32>, 1024>;
+
+@compute @workgroup_size(256)
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let lane = li % LANES;
+    let grp = li / LANES;
+    let row_base = (wg.x * GROUPS + grp) * ROWS;
+    let tok0 = wg.y * TOKENS;
+    var acc = array<vec4<f32>, 4>(vec4<f32>(), vec4<f32>(), vec4<f32>(), vec4<f32>());
+    var wrow: array<u32, 4>;
+    for (var r = 0u; r < ROWS; r++) {
+        wrow[r] = min(row_base + r, p.rows - 1u) * p.cols_w;
+    }
+    for (var c = lane; c < p.cols_w; c += LANES) {
+        var xv: array<array<vec4<f32>, 2>, 4>;
+        for (var j = 0u; j < TOKENS; j++) {
+            let xi = min(tok0 + j, p.t - 1u) * p.x_stride4 + X_PER_W * c;
+            for (var h = 0u; h < X_PER_W; h++) {
+                xv[j][h] = x[xi + h];
+            }
+        }
+        for (var r = 0u; r < ROWS; r++) {
+            let wv = w[wrow[r] + c];
+            for (var h = 0u; h < X_PER_W; h++) {
+                let wc = wcols(wv, h);
+                for (var j = 0u; j < TOKENS; j++) {
+                    acc[r][j] += dot(wc, xv[j][h]);
+                }
+            }
+        }
+    }
+    for (var r = 0u; r < ROWS; r++) {
+        red[(grp * ROWS + r) * LANES + lane] = acc[r];
+    }
+    workgroupBarrier();
+    for (var s = LANES / 2u; s > 0u; s >>= 1u) {
+        if lane < s {
+            for (var r = 0u; r < ROWS; r++) {
+                let i = (grp * ROWS + r) * LANES + lane;
+                red[i] += red[i + s];
+            }
+        }
+        workgroupBarrier();
+    }
+    let row = row_base + lane;
+    if lane < ROWS && row < p.rows {
+        let v = red[(grp * ROWS + lane) * LANES];
+        let gr = p.row0 + row;
+        let s = gr / p.block_len;
+        let base = s * p.per_sub + p.off + (gr - s * p.block_len);
+        for (var j = 0u; j < TOKENS; j++) {
+            let tok = tok0 + j;
+            if tok < p.t {
+                y[base + tok * p.block_len] = v[j];
+            }
+        }
+    }
+}

@@ -1,0 +1,574 @@
+//! Resident matrices and the products over them.
+
+use super::kernels::{
+    FLAT_GROUP, GEMM_TOKENS, MATMUL_ROWS_PER_GROUP, MATMUL_T_GROUP, MAX_GROUPS, ParamBlocks,
+    Scratch, bind, ensure, part, read_back, spread,
+};
+use super::{Gpu, GpuError};
+
+/// Columns are padded to a multiple of this (one f16 weight element is eight columns).
+const COL_ALIGN: usize = 8;
+
+/// Largest scratch for the transpose product's split partial sums.
+const PARTS_BYTES: u64 = 64 << 20;
+
+/// Weight values to upload, borrowed.
+#[derive(Debug, Clone, Copy)]
+pub enum Weights<'a> {
+    /// f32 values.
+    F32(&'a [f32]),
+    /// f16 values.
+    F16(&'a [half::f16]),
+}
+
+/// One row chunk of a matrix: its own buffer, small enough for one binding.
+#[derive(Debug)]
+struct Chunk {
+    row0: usize,
+    rows: usize,
+    buffer: wgpu::Buffer,
+}
+
+/// A row-major matrix resident on the GPU, split into row chunks.
+#[derive(Debug)]
+pub struct GpuMatrix {
+    rows: usize,
+    cols: usize,
+    cols_p: usize,
+    f16: bool,
+    chunks: Vec<Chunk>,
+}
+
+impl GpuMatrix {
+    /// Rows.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Columns.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// How many buffers it was split into.
+    pub fn chunks(&self) -> usize {
+        self.chunks.len()
+    }
+
+    /// Bytes it occupies on the device.
+    pub fn bytes(&self) -> u64 {
+        self.chunks.iter().map(|c| c.buffer.size()).sum()
+    }
+
+    fn elem_bytes(&self) -> usize {
+        if self.f16 { 2 } else { 4 }
+    }
+
+    /// Weight elements (vec4 of f32 or of packed f16 pairs) per padded row.
+    fn cols_w(&self) -> usize {
+        self.cols_p * self.elem_bytes() / 16
+    }
+}
+
+/// Where one matrix's product goes in an answer laid out `[sub-block][matrix][token][row]`:
+/// row `r` of the matrix is local row `r % block_len` of sub-block `r / block_len`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Placement {
+    /// Rows of one sub-block.
+    pub block_len: usize,
+    /// Values of one sub-block of the whole answer.
+    pub per_sub: usize,
+    /// This matrix's offset inside a sub-block.
+    pub off: usize,
+}
+
+impl Placement {
+    /// A plain `t × rows` row-major result of one matrix.
+    pub fn plain(rows: usize, t: usize) -> Self {
+        Self {
+            block_len: rows.max(1),
+            per_sub: rows * t,
+            off: 0,
+        }
+    }
+
+    /// One past the largest answer index a `rows`-row matrix writes for `t` tokens.
+    fn end(&self, rows: usize, t: usize) -> Option<usize> {
+        let last = rows.checked_sub(1)?;
+        let s = last / self.block_len;
+        s.checked_mul(self.per_sub)?
+            .checked_add(self.off)?
+            .checked_add((t.checked_sub(1)?).checked_mul(self.block_len)?)?
+            .checked_add(last % self.block_len + 1)
+    }
+}
+
+fn u32_of(v: usize, what: &str) -> Result<u32, GpuError> {
+    u32::try_from(v).map_err(|_| GpuError::Shape(format!("{what} {v} is past 2³²")))
+}
+
+/// Checks the matrices share `cols` and their answers fit in `len` values; returns `cols`.
+fn check_parts(parts: &[(&GpuMatrix, Placement)], t: usize, len: usize) -> Result<usize, GpuError> {
+    let cols = parts.first().map_or(0, |(m, _)| m.cols);
+    for (m, p) in parts {
+        if m.cols != cols || p.block_len == 0 {
+            return Err(GpuError::Shape(format!(
+                "matrices of {} and {cols} columns in one product",
+                m.cols
+            )));
+        }
+        match p.end(m.rows, t) {
+            Some(end) if end <= len => {}
+            _ => {
+                return Err(GpuError::Shape(format!(
+                    "a {}-row matrix at {p:?} does not fit {len} values for t = {t}",
+                    m.rows
+                )));
+            }
+        }
+    }
+    Ok(cols)
+}
+
+/// `t × cols` values padded to `t × cols_p`, as bytes.
+fn pad_rows(x: &[f32], t: usize, cols: usize, cols_p: usize) -> Vec<u8> {
+    let mut out = vec![0.0f32; t * cols_p];
+    if cols > 0 {
+        for (dst, src) in out.chunks_exact_mut(cols_p).zip(x.chunks_exact(cols)) {
+            dst[..cols].copy_from_slice(src);
+        }
+    }
+    bytemuck::cast_slice(&out).to_vec()
+}
+
+impl Gpu {
+    /// Uploads a `rows × cols` row-major matrix; it stays on the device until dropped.
+    pub fn upload(&self, rows: usize, cols: usize, w: Weights<'_>) -> Result<GpuMatrix, GpuError> {
+        let (len, elem) = match w {
+            Weights::F32(v) => (v.len(), 4),
+            Weights::F16(v) => (v.len(), 2),
+        };
+        if rows.checked_mul(cols) != Some(len) || rows == 0 || cols == 0 {
+            return Err(GpuError::Shape(format!(
+                "{len} values are not {rows} × {cols}"
+            )));
+        }
+        let cols_p = cols.next_multiple_of(COL_ALIGN);
+        let row_bytes = (cols_p * elem) as u64;
+        if row_bytes > self.max_binding {
+            return Err(GpuError::Shape(format!(
+                "one row of {cols} columns is larger than the adapter's {} byte binding",
+                self.max_binding
+            )));
+        }
+        let max_rows = (self.chunk_bytes / row_bytes)
+            .clamp(1, u64::from(MAX_GROUPS * MATMUL_ROWS_PER_GROUP))
+            as usize;
+        u32_of(rows * cols_p, "matrix elements")?;
+        let mut chunks = Vec::with_capacity(rows.div_ceil(max_rows));
+        let mut row0 = 0;
+        while row0 < rows {
+            let n = max_rows.min(rows - row0);
+            let mut bytes = vec![0u8; n * row_bytes as usize];
+            for (r, dst) in bytes.chunks_exact_mut(row_bytes as usize).enumerate() {
+                let start = (row0 + r) * cols;
+                match w {
+                    Weights::F32(v) => dst[..cols * 4]
+                        .copy_from_slice(bytemuck::cast_slice(&v[start..start + cols])),
+                    Weights::F16(v) => {
+                        for (d, h) in dst
+                            .as_chunks_mut::<2>()
+                            .0
+                            .iter_mut()
+                            .zip(&v[start..start + cols])
+                        {
+                            *d = h.to_bits().to_le_bytes();
+                        }
+                    }
+                }
+            }
+            let buffer = self.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("matrix"),
+                size: bytes.len() as u64,
+                usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            });
+            self.queue.write_buffer(&buffer, 0, &bytes);
+            chunks.push(Chunk {
+                row0,
+                rows: n,
+                buffer,
+            });
+            row0 += n;
+        }
+        Ok(GpuMatrix {
+            rows,
+            cols,
+            cols_p,
+            f16: elem == 2,
+            chunks,
+        })
+    }
+
+    /// `y = x · Mᵀ` for each matrix, `x` being `t × cols`, written into an answer of `len`
+    /// values at each matrix's placement (one submission, one readback).
+    pub async fn matmul(
+        &self,
+        parts: &[(&GpuMatrix, Placement)],
+        x: &[f32],
+        t: usize,
+        len: usize,
+    ) -> Result<Vec<f32>, GpuError> {
+        let plan = self.plan_matmul(parts, x, t, len)?;
+        let mut scratch = self.scratch.lock().await;
+        let bufs = self.matmul_buffers(&mut scratch, &plan);
+        let mut enc = self.device.create_command_encoder(&Default::default());
+        self.record_matmul(&mut enc, &plan, &bufs, 1);
+        enc.copy_buffer_to_buffer(bufs.output, 0, bufs.staging, 0, plan.out_bytes);
+        self.queue.submit([enc.finish()]);
+        read_back(self, bufs.staging, plan.out_bytes).await
+    }
+
+    /// Checks a product and lays out its dispatches.
+    fn plan_matmul<'a>(
+        &self,
+        parts: &[(&'a GpuMatrix, Placement)],
+        x: &[f32],
+        t: usize,
+        len: usize,
+    ) -> Result<MatmulPlan<'a>, GpuError> {
+        let cols = check_parts(parts, t, len)?;
+        if t == 0 || x.len() != t * cols {
+            return Err(GpuError::Shape(format!(
+                "{} inputs are not t = {t} rows of {cols}",
+                x.len()
+            )));
+        }
+        let cols_p = parts.first().map_or(COL_ALIGN, |(m, _)| m.cols_p);
+        let x_bytes = pad_rows(x, t, cols, cols_p);
+        let out_bytes = 4 * len.max(1) as u64;
+        let tok_groups = u32_of(
+            t.div_ceil(if t == 1 { 1 } else { GEMM_TOKENS as usize }),
+            "t",
+        )?;
+        if tok_groups > MAX_GROUPS
+            || x_bytes.len() as u64 > self.max_binding
+            || out_bytes > self.max_binding
+        {
+            return Err(GpuError::Shape(format!(
+                "t = {t} tokens of {cols} columns is more than one product takes"
+            )));
+        }
+        let mut params = ParamBlocks::default();
+        let mut dispatches = Vec::new();
+        for (m, p) in parts {
+            for c in &m.chunks {
+                let offset = params.push([
+                    u32_of(c.rows, "rows")?,
+                    u32_of(m.cols_w(), "columns")?,
+                    u32_of(t, "t")?,
+                    u32_of(p.block_len, "block length")?,
+                    u32_of(c.row0, "row")?,
+                    u32_of(p.per_sub, "sub-block length")?,
+                    u32_of(p.off, "offset")?,
+                    u32_of(cols_p / 4, "x stride")?,
+                ]);
+                let groups = u32_of(c.rows, "rows")?.div_ceil(MATMUL_ROWS_PER_GROUP);
+                dispatches.push((m.f16, &c.buffer, offset, groups));
+            }
+        }
+        Ok(MatmulPlan {
+            gemm: t > 1,
+            x_bytes,
+            out_bytes,
+            tok_groups,
+            params,
+            dispatches,
+        })
+    }
+
+    /// The scratch buffers of a planned product, with its inputs and parameters written.
+    fn matmul_buffers<'s>(&self, s: &'s mut Scratch, plan: &MatmulPlan<'_>) -> MatmulBuffers<'s> {
+        use wgpu::BufferUsages as U;
+        let input = ensure(
+            &self.device,
+            &mut s.input,
+            plan.x_bytes.len() as u64,
+            U::STORAGE | U::COPY_DST,
+        );
+        self.queue.write_buffer(input, 0, &plan.x_bytes);
+        let pbuf = ensure(
+            &self.device,
+            &mut s.params,
+            plan.params.bytes().len() as u64,
+            U::UNIFORM | U::COPY_DST,
+        );
+        self.queue.write_buffer(pbuf, 0, plan.params.bytes());
+        MatmulBuffers {
+            input,
+            params: pbuf,
+            output: ensure(
+                &self.device,
+                &mut s.output,
+                plan.out_bytes,
+                U::STORAGE | U::COPY_SRC | U::COPY_DST,
+            ),
+            staging: ensure(
+                &self.device,
+                &mut s.staging,
+                plan.out_bytes,
+                U::MAP_READ | U::COPY_DST,
+            ),
+        }
+    }
+
+    /// Records a planned product `times` times into one compute pass.
+    fn record_matmul(
+        &self,
+        enc: &mut wgpu::CommandEncoder,
+        plan: &MatmulPlan<'_>,
+        bufs: &MatmulBuffers<'_>,
+        times: usize,
+    ) {
+        let groups: Vec<wgpu::BindGroup> = plan
+            .dispatches
+            .iter()
+            .map(|&(_, w, offset, _)| {
+                bind(
+                    &self.device,
+                    &self.kernels.four,
+                    vec![
+                        part(w, 0, None),
+                        part(bufs.input, 0, Some(plan.x_bytes.len() as u64)),
+                        part(bufs.output, 0, Some(plan.out_bytes)),
+                        part(bufs.params, offset, Some(32)),
+                    ],
+                )
+            })
+            .collect();
+        let mut pass = enc.begin_compute_pass(&Default::default());
+        for _ in 0..times {
+            for (&(f16, _, _, n), bg) in plan.dispatches.iter().zip(&groups) {
+                pass.set_pipeline(&self.kernels.matmul[usize::from(f16)][usize::from(plan.gemm)]);
+                pass.set_bind_group(0, bg, &[]);
+                pass.dispatch_workgroups(n, plan.tok_groups, 1);
+            }
+        }
+    }
+
+    /// Seconds one product takes on the device, from `times` back-to-back runs in one
+    /// submission (the benchmark; inputs are zeros).
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn time_matmul(&self, m: &GpuMatrix, t: usize, times: usize) -> Result<f64, GpuError> {
+        let x = vec![0.0f32; t * m.cols];
+        let parts = [(m, Placement::plain(m.rows, t))];
+        let plan = self.plan_matmul(&parts, &x, t, m.rows * t)?;
+        let mut scratch = pollster::block_on(self.scratch.lock());
+        let bufs = self.matmul_buffers(&mut scratch, &plan);
+        self.timed(times, |enc, n| self.record_matmul(enc, &plan, &bufs, n))
+    }
+
+    /// Best seconds per run of what `record(encoder, runs)` records, over a few submissions.
+    #[cfg(not(target_arch = "wasm32"))]
+    pub(super) fn timed(
+        &self,
+        times: usize,
+        record: impl Fn(&mut wgpu::CommandEncoder, usize),
+    ) -> Result<f64, GpuError> {
+        let mut best = f64::INFINITY;
+        for round in 0..4 {
+            let runs = if round == 0 { 1 } else { times.max(1) };
+            let mut enc = self.device.create_command_encoder(&Default::default());
+            record(&mut enc, runs);
+            self.wait()?;
+            let start = std::time::Instant::now();
+            self.queue.submit([enc.finish()]);
+            self.wait()?;
+            if round > 0 {
+                best = best.min(start.elapsed().as_secs_f64() / runs as f64);
+            }
+        }
+        Ok(best)
+    }
+
+    /// Seconds the copy kernel takes to copy `bytes` (the bandwidth reference).
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn time_copy(&self, bytes: u64, times: usize) -> Result<f64, GpuError> {
+        let bytes = bytes.min(self.max_binding) / 16 * 16;
+        let make = |usage| {
+            self.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("copy"),
+                size: bytes,
+                usage,
+                mapped_at_creation: false,
+            })
+        };
+        let src = make(wgpu::BufferUsages::STORAGE);
+        let dst = make(wgpu::BufferUsages::STORAGE);
+        let bg = bind(
+            &self.device,
+            &self.kernels.two,
+            vec![part(&src, 0, None), part(&dst, 0, None)],
+        );
+        let (gx, gy) = spread(((bytes / 16) as u32).div_ceil(FLAT_GROUP).min(4 * 132 * 16));
+        self.timed(times, |enc, n| {
+            let mut pass = enc.begin_compute_pass(&Default::default());
+            pass.set_pipeline(&self.kernels.copy);
+            pass.set_bind_group(0, &bg, &[]);
+            for _ in 0..n {
+                pass.dispatch_workgroups(gx, gy, 1);
+            }
+        })
+    }
+
+    /// `y (t × cols) = Σ u_M · M` over the matrices, each `u_M` read from `u` at the matrix's
+    /// placement: the transpose product of the backward pass.
+    pub async fn matmul_t(
+        &self,
+        parts: &[(&GpuMatrix, Placement)],
+        u: &[f32],
+        t: usize,
+    ) -> Result<Vec<f32>, GpuError> {
+        let cols = check_parts(parts, t, u.len())?;
+        if t == 0 {
+            return Err(GpuError::Shape("a transpose product of no tokens".into()));
+        }
+        let Some((first, _)) = parts.first() else {
+            return Ok(vec![0.0; t * cols]);
+        };
+        let cols_p = first.cols_p;
+        let out_bytes = 4 * (t * cols_p) as u64;
+        let u_bytes = 4 * u.len() as u64;
+        let tok_groups = u32_of(
+            t.div_ceil(if t == 1 { 1 } else { GEMM_TOKENS as usize }),
+            "t",
+        )?;
+        if tok_groups > MAX_GROUPS || u_bytes > self.max_binding || out_bytes > self.max_binding {
+            return Err(GpuError::Shape(format!(
+                "t = {t} tokens of {cols} columns is more than one product takes"
+            )));
+        }
+        let part_limit = PARTS_BYTES.min(self.max_binding);
+        let mut params = ParamBlocks::default();
+        let mut dispatches = Vec::new();
+        let mut parts_bytes = 0u64;
+        for (m, p) in parts {
+            for c in &m.chunks {
+                let by_memory = (part_limit / out_bytes).max(1) as usize;
+                let splits = c
+                    .rows
+                    .div_ceil(128)
+                    .clamp(1, by_memory.min(MAX_GROUPS as usize));
+                let per_split = c.rows.div_ceil(splits);
+                let splits = c.rows.div_ceil(per_split);
+                parts_bytes = parts_bytes.max(splits as u64 * out_bytes);
+                let prod = params.push([
+                    u32_of(c.rows, "rows")?,
+                    u32_of(m.cols_w(), "columns")?,
+                    u32_of(t, "t")?,
+                    u32_of(p.block_len, "block length")?,
+                    u32_of(c.row0, "row")?,
+                    u32_of(p.per_sub, "sub-block length")?,
+                    u32_of(p.off, "offset")?,
+                    u32_of(per_split, "rows per split")?,
+                ]);
+                let n4 = u32_of(t * cols_p / 4, "outputs")?;
+                let sum = params.push([n4, u32_of(splits, "splits")?, 0, 0, 0, 0, 0, 0]);
+                let col_groups = u32_of(m.cols_w(), "columns")?.div_ceil(MATMUL_T_GROUP);
+                dispatches.push((m.f16, &c.buffer, prod, sum, col_groups, splits as u32, n4));
+            }
+        }
+        let mut scratch = self.scratch.lock().await;
+        let s = &mut *scratch;
+        use wgpu::BufferUsages as U;
+        let input = ensure(
+            &self.device,
+            &mut s.input,
+            u_bytes.max(4),
+            U::STORAGE | U::COPY_DST,
+        );
+        self.queue.write_buffer(input, 0, bytemuck::cast_slice(u));
+        let output = ensure(
+            &self.device,
+            &mut s.output,
+            out_bytes,
+            U::STORAGE | U::COPY_SRC | U::COPY_DST,
+        );
+        let partial = ensure(&self.device, &mut s.parts, parts_bytes, U::STORAGE);
+        let pbuf = ensure(
+            &self.device,
+            &mut s.params,
+            params.bytes().len() as u64,
+            U::UNIFORM | U::COPY_DST,
+        );
+        self.queue.write_buffer(pbuf, 0, params.bytes());
+        let staging = ensure(
+            &self.device,
+            &mut s.staging,
+            out_bytes,
+            U::MAP_READ | U::COPY_DST,
+        );
+        let mut enc = self.device.create_command_encoder(&Default::default());
+        enc.clear_buffer(output, 0, Some(out_bytes));
+        {
+            let mut pass = enc.begin_compute_pass(&Default::default());
+            for (f16, w, prod, sum, col_groups, splits, n4) in dispatches {
+                let bg = bind(
+                    &self.device,
+                    &self.kernels.four,
+                    vec![
+                        part(w, 0, None),
+                        part(input, 0, Some(u_bytes.max(4))),
+                        part(partial, 0, Some(u64::from(splits) * out_bytes)),
+                        part(pbuf, prod, Some(32)),
+                    ],
+                );
+                pass.set_pipeline(&self.kernels.matmul_t[usize::from(f16)][usize::from(t > 1)]);
+                pass.set_bind_group(0, &bg, &[]);
+                pass.dispatch_workgroups(col_groups, tok_groups, splits);
+                let bg = bind(
+                    &self.device,
+                    &self.kernels.three,
+                    vec![
+                        part(partial, 0, Some(u64::from(splits) * out_bytes)),
+                        part(output, 0, Some(out_bytes)),
+                        part(pbuf, sum, Some(32)),
+                    ],
+                );
+                let (gx, gy) = spread(n4.div_ceil(FLAT_GROUP));
+                pass.set_pipeline(&self.kernels.sum_parts);
+                pass.set_bind_group(0, &bg, &[]);
+                pass.dispatch_workgroups(gx, gy, 1);
+            }
+        }
+        enc.copy_buffer_to_buffer(output, 0, staging, 0, out_bytes);
+        self.queue.submit([enc.finish()]);
+        let padded = read_back(self, staging, out_bytes).await?;
+        drop(scratch);
+        Ok(padded
+            .chunks_exact(cols_p)
+            .flat_map(|row| row[..cols].iter().copied())
+            .collect())
+    }
+}
+
+/// A checked product: parameters and one dispatch per matrix chunk.
+#[derive(Debug)]
+struct MatmulPlan<'a> {
+    gemm: bool,
+    x_bytes: Vec<u8>,
+    out_bytes: u64,
+    tok_groups: u32,
+    params: ParamBlocks,
+    /// `(f16 weights, chunk buffer, parameter offset, row workgroups)`.
+    dispatches: Vec<(bool, &'a wgpu::Buffer, u64, u32)>,
+}
+
+/// The scratch buffers a product uses.
+#[derive(Debug)]
+struct MatmulBuffers<'s> {
+    input: &'s wgpu::Buffer,
+    params: &'s wgpu::Buffer,
+    output: &'s wgpu::Buffer,
+    staging: &'s wgpu::Buffer,
+}
