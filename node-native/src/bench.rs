@@ -33,7 +33,8 @@ pub struct Row {
     pub value: String,
 }
 
-fn row(what: impl Into<String>, value: impl Into<String>) -> Row {
+/// A table row.
+pub fn row(what: impl Into<String>, value: impl Into<String>) -> Row {
     Row {
         what: what.into(),
         value: value.into(),
@@ -79,8 +80,10 @@ fn half_from_f32(v: f32) -> half::f16 {
     half::f16::from_f32(v)
 }
 
-/// Prefill and decode tokens/s of a model through a group of `k` of `n` rows.
-fn model_speed(
+/// Prefill and decode tokens/s of a model through a group of `k` of `n` rows, members
+/// computing on `gpu` when given one.
+#[allow(clippy::too_many_arguments)] // one measurement's whole set-up
+pub fn model_speed(
     weights: &ModelWeights,
     llama: &Llama,
     n: usize,
@@ -88,13 +91,19 @@ fn model_speed(
     format: ShardFormat,
     prompt: &[u32],
     tokens: usize,
+    gpu: Option<&std::sync::Arc<node_core::compute::gpu::Gpu>>,
 ) -> Result<(f64, f64, f64)> {
     let g = if n == 1 {
         Generator::uncoded()
     } else {
         Generator::cauchy(n, k)?
     };
-    let mesh = InProcess::encode(weights, &g, format, &|_, _| {})?;
+    let mut mesh = InProcess::encode(weights, &g, format, &|_, _| {})?;
+    if let Some(gpu) = gpu {
+        for m in mesh.members_mut() {
+            m.use_gpu(gpu.clone())?;
+        }
+    }
     let all: Vec<usize> = (0..n).collect();
     let nodes = select_nodes(&g, &all)?.nodes;
     let mut group = CodedGroup::new(weights.cfg.clone(), g, &nodes, mesh)?;
@@ -191,7 +200,8 @@ pub fn run(weights: &ModelWeights, prompt: &[u32], tokens: usize) -> Result<Vec<
             ShardFormat::F16,
         ),
     ] {
-        let (prefill, decode, ms) = model_speed(weights, &llama, n, k, format, prompt, tokens)?;
+        let (prefill, decode, ms) =
+            model_speed(weights, &llama, n, k, format, prompt, tokens, None)?;
         rows.push(row(
             format!("{label}: prefill ({} tokens)", prompt.len()),
             format!("{prefill:.1} tok/s"),

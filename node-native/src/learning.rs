@@ -46,6 +46,7 @@ impl ShardState {
             );
         } else {
             update.apply_to_shards(self.member.shards_mut())?;
+            self.member.sync_gpu()?;
         }
         update.apply_to_norms(&mut self.norms);
         self.version.insert(id);

@@ -2,6 +2,7 @@
 
 pub mod bench;
 pub mod fetch;
+pub mod gpubench;
 pub mod learning;
 pub mod load;
 pub mod localmesh;

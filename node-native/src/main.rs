@@ -8,12 +8,13 @@ use clap::{Parser, Subcommand};
 use node_core::code::{Generator, select_nodes};
 use node_core::coded::Transport;
 use node_core::coded::{CodedGroup, InProcess, ShardFormat};
+use node_core::compute::gpu::Gpu;
 use node_core::learn::Learner;
 use node_core::mesh::HealthConfig;
 use node_core::model::{
     ChatMessage, GenerateOptions, LeaderWeights, Llama, SamplingParams, generate,
 };
-use node_core::model::{Generation, Tokenizer};
+use node_core::model::{Generation, LlamaConfig, ModelWeights, Tokenizer};
 use node_native::remote::{Leader, Session};
 use node_native::{fetch, load, node, progress};
 use std::time::Duration;
@@ -66,6 +67,16 @@ struct BenchArgs {
     /// Honest requests checked for false positives (with --verify).
     #[arg(long, default_value_t = 10_000)]
     honest: usize,
+    /// Measure the GPU instead: WGSL kernels against the copy kernel, and tokens/s with the
+    /// members on the GPU against the CPU.
+    #[arg(long)]
+    gpu: bool,
+    /// Size of the large copy and GEMV buffers in MiB (with --gpu).
+    #[arg(long, default_value_t = 1024)]
+    gpu_mib: u64,
+    /// Use random weights of SmolLM2-135M's shape instead of a model file (speed only).
+    #[arg(long)]
+    synthetic: bool,
 }
 
 #[derive(Debug, clap::Args)]
@@ -91,6 +102,10 @@ struct NetArgs {
     /// Silence before a peer is Dead, milliseconds.
     #[arg(long, default_value_t = 10000)]
     dead_ms: u64,
+    /// Where to compute the shard products: cpu, gpu (any wgpu adapter; fails without one) or
+    /// auto (a hardware GPU when there is one, else the CPU).
+    #[arg(long, default_value = "cpu")]
+    device: node_core::compute::gpu::DeviceChoice,
 }
 
 impl NetArgs {
@@ -109,6 +124,7 @@ impl NetArgs {
             mdns: self.mdns,
             health,
             fault: None,
+            device: self.device,
         })
     }
 }
@@ -297,6 +313,9 @@ fn model_path(model: &Option<PathBuf>) -> Result<PathBuf> {
 }
 
 fn run_bench(args: BenchArgs) -> Result<()> {
+    if args.gpu {
+        return run_gpu_bench(&args);
+    }
     let path = model_path(&args.model)?;
     let model = load::load_model(&path)?;
     let text = "The history of the printing press begins in the fifteenth century, when Johannes \
@@ -322,6 +341,32 @@ fn run_bench(args: BenchArgs) -> Result<()> {
         drop(model);
         rows.extend(node_native::bench::mesh_rows(&path, &prompt, args.tokens)?);
     }
+    node_native::bench::print_table(&rows);
+    Ok(())
+}
+
+fn run_gpu_bench(args: &BenchArgs) -> Result<()> {
+    let gpu = std::sync::Arc::new(pollster::block_on(Gpu::open(false))?);
+    eprintln!("adapter: {}", gpu.info());
+    let mut rows = node_native::gpubench::kernel_rows(&gpu, args.gpu_mib << 20)?;
+    let (weights, prompt) = if args.synthetic {
+        let weights = ModelWeights::synthetic(LlamaConfig::smollm2_135m(), 1)?;
+        let prompt: Vec<u32> = (0..40).map(|i| (i * 997 + 13) % 49152).collect();
+        (weights, prompt)
+    } else {
+        let model = load::load_model(&model_path(&args.model)?)?;
+        let prompt = model.tokenizer.encode(
+            "The history of the printing press begins in the fifteenth century, when Johannes \
+             Gutenberg combined movable metal type, oil-based ink and a screw press.",
+        )?;
+        (model.weights, prompt)
+    };
+    rows.extend(node_native::gpubench::model_rows(
+        gpu,
+        &weights,
+        &prompt,
+        args.tokens,
+    )?);
     node_native::bench::print_table(&rows);
     Ok(())
 }

@@ -9,6 +9,7 @@ use anyhow::{Context, Result, anyhow, bail, ensure};
 use libp2p::{Multiaddr, PeerId};
 use node_core::code::Generator;
 use node_core::coded::{InProcess, Member, ShardFormat, ShardSet};
+use node_core::compute::gpu::{DeviceChoice, Gpu};
 use node_core::mesh::{
     CHUNK_BYTES, HealthConfig, Heartbeat, JoinOffer, LearningConfig, MAX_CHUNK_BYTES, MeshEvent,
     MeshRequest, MeshResponse, MeshView, ModelManifest, ShardVersion,
@@ -39,6 +40,8 @@ pub struct NodeOptions {
     pub health: HealthConfig,
     /// A fault to inject (tests and demonstrations of verification).
     pub fault: Option<InjectedFault>,
+    /// Where the shard products run.
+    pub device: DeviceChoice,
 }
 
 /// A fault a node injects into its own answers or shard, on purpose.
@@ -399,7 +402,11 @@ pub async fn node(opts: NodeOptions) -> Result<()> {
         shard,
         genesis: BTreeMap::new(),
     };
-    run_server(opts.health, opts.fault, net, data, holding).await
+    let gpu = Gpu::for_choice(opts.device)
+        .await
+        .context("--device gpu")?
+        .map(Arc::new);
+    run_server(opts.health, opts.fault, gpu, net, data, holding).await
 }
 
 /// The shard belongs to this manifest and row.
@@ -550,13 +557,18 @@ async fn serve(opts: NodeOptions, data: DataDir, holding: Holding) -> Result<()>
     {
         tracing::warn!("bootstrap {b}: {e:#}; waiting for peers to find this node");
     }
-    run_server(opts.health, opts.fault, net, data, holding).await
+    let gpu = Gpu::for_choice(opts.device)
+        .await
+        .context("--device gpu")?
+        .map(Arc::new);
+    run_server(opts.health, opts.fault, gpu, net, data, holding).await
 }
 
 /// Announces the node's row and answers peers until stopped.
 async fn run_server(
     health: HealthConfig,
     fault: Option<InjectedFault>,
+    gpu: Option<Arc<Gpu>>,
     net: Net,
     data: DataDir,
     holding: Holding,
@@ -602,6 +614,16 @@ async fn run_server(
             InjectedFault::LieVersion => state.skip_updates = u64::MAX,
         }
     }
+    let device = match gpu {
+        Some(gpu) => {
+            let info = gpu.info().clone();
+            // Once, before serving: uploading the shards blocks only this start-up.
+            state.member.use_gpu(gpu)?;
+            eprintln!("computing on the GPU: {info}");
+            format!("{} ({})", info.name, info.backend)
+        }
+        None => "cpu".to_string(),
+    };
     let version = state.version.clone();
     if version.count() > 0 {
         eprintln!(
@@ -621,6 +643,7 @@ async fn run_server(
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64),
         seq: 0,
+        device,
     };
     let view = MeshView::new(
         Instant::now(),

@@ -223,6 +223,7 @@ impl SimMesh {
             offers: Vec::new(),
             incarnation,
             seq: 0,
+            device: "cpu".into(),
         }
     }
 

@@ -123,11 +123,34 @@ struct Mesh {
 
 /// A `codedmesh node` with data dir `dir/<data>`, joining through `bootstrap`.
 fn spawn_node(dir: &Path, name: &str, data: &str, bootstrap: &str) -> Result<Proc> {
+    spawn_node_with(dir, name, data, bootstrap, &[])
+}
+
+/// [`spawn_node`] with extra arguments.
+fn spawn_node_with(
+    dir: &Path,
+    name: &str,
+    data: &str,
+    bootstrap: &str,
+    extra: &[&str],
+) -> Result<Proc> {
     let d = dir.join(data);
     let mut a = vec!["node", "--tcp-only", "--bootstrap", bootstrap, "--data"];
     a.push(d.to_str().context("path")?);
     a.extend(HEALTH);
+    a.extend(extra);
     spawn(dir, name, &a)
+}
+
+/// Whether this machine has any wgpu adapter (a GPU, or Mesa's lavapipe as in CI).
+fn have_gpu() -> bool {
+    match pollster::block_on(node_core::compute::gpu::Gpu::open(false)) {
+        Ok(_) => true,
+        Err(e) => {
+            eprintln!("SKIPPING the GPU node: {e}");
+            false
+        }
+    }
 }
 
 fn spawn(dir: &Path, name: &str, args: &[&str]) -> Result<Proc> {
@@ -378,22 +401,42 @@ fn tiny_mesh_status_generate_straggler_restart_and_rejoin() -> Result<()> {
     );
     mesh.nodes[stalled].signal("CONT");
 
-    // A node restarted from its data dir comes back with its row, without downloading.
+    // A node restarted from its data dir comes back with its row, without downloading; it
+    // comes back computing on the GPU (lavapipe in CI) and the mesh computes the same.
     let restarted = mesh.holder(3)?;
     mesh.nodes[restarted].signal("KILL");
     mesh.wait_healthy(4)?;
     let name = format!("node{}", restarted + 1);
     let data = format!("d{}", restarted + 1);
-    let mut p = spawn_node(
+    let gpu = have_gpu();
+    let mut p = spawn_node_with(
         &mesh.dir.0,
         &format!("{name}-again"),
         &data,
         &mesh.bootstrap,
+        if gpu { &["--device", "gpu"] } else { &[] },
     )?;
     let log = p.wait_log("serving row 3", Duration::from_secs(60))?;
     assert!(log.contains("restarting with row 3"), "{log}");
     mesh.nodes[restarted] = p;
     mesh.wait_healthy(5)?;
+    if gpu {
+        assert!(log.contains("computing on the GPU"), "{log}");
+        let s = mesh.status()?;
+        let row3 = s["nodes"]
+            .as_array()
+            .context("nodes")?
+            .iter()
+            .find(|n| n["row"] == 3)
+            .context("row 3")?
+            .clone();
+        assert!(
+            row3["device"].as_str().is_some_and(|d| d != "cpu"),
+            "{row3}"
+        );
+        let (out, err) = mesh.generate(PROMPT, 24, || {})?;
+        assert_eq!(out, expected, "{err}");
+    }
 
     // A dead row is re-created by a new node from k live shards; the mesh computes the same.
     let gone = mesh.holder(4)?;

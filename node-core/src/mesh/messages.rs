@@ -33,6 +33,8 @@ pub struct Heartbeat {
     pub incarnation: u64,
     /// Increases with every heartbeat it sends within one incarnation.
     pub seq: u64,
+    /// Where it computes: "cpu", or the GPU adapter's name and API.
+    pub device: String,
 }
 
 /// One node as another node sees it.
@@ -58,6 +60,9 @@ pub struct NodeStatus {
     /// code (it is then left out of groups and its row is free to re-create), else `None`.
     #[serde(default)]
     pub caught: Option<String>,
+    /// Where it computes: "cpu", or the GPU adapter's name and API.
+    #[serde(default)]
+    pub device: String,
 }
 
 /// The mesh as one node sees it.

@@ -391,6 +391,7 @@ impl<P: Ord + Clone + Display> MeshView<P> {
                     version_count.saturating_sub(hb.version_count).max(1)
                 },
                 caught: self.caught.get(p).cloned(),
+                device: hb.device.clone(),
                 silent_for_s: if *p == self.me {
                     0.0
                 } else {
@@ -429,6 +430,7 @@ mod tests {
             offers: vec![],
             incarnation: 1,
             seq: 0,
+            device: "cpu".into(),
         }
     }
 

@@ -33,6 +33,24 @@ pub struct LlamaConfig {
 }
 
 impl LlamaConfig {
+    /// SmolLM2-135M's shape (the default model), for benchmarks of speed on random weights
+    /// where the file is not at hand.
+    pub fn smollm2_135m() -> Self {
+        Self {
+            hidden: 576,
+            ffn: 1536,
+            layers: 30,
+            heads: 9,
+            kv_heads: 3,
+            head_dim: 64,
+            vocab: 49152,
+            norm_eps: 1e-5,
+            rope_theta: 100_000.0,
+            max_seq: 8192,
+            tied_embeddings: true,
+        }
+    }
+
     /// Checks that the shape is internally consistent and of a sane size.
     pub fn validate(&self) -> Result<(), ModelError> {
         let bad = |what: &str| Err(ModelError::Config(what.to_string()));

@@ -4,13 +4,16 @@ use super::GpuError;
 
 const ELEM_F32: &str = include_str!("kernels/elem_f32.wgsl");
 const ELEM_F16: &str = include_str!("kernels/elem_f16.wgsl");
-const MATMUL: &str = include_str!("kernels/matmul.wgsl");
+const GEMV: &str = include_str!("kernels/gemv.wgsl");
+const GEMM: &str = include_str!("kernels/gemm.wgsl");
 const MATMUL_T: &str = include_str!("kernels/matmul_t.wgsl");
 const SUM_PARTS: &str = include_str!("kernels/sum_parts.wgsl");
 const COPY: &str = include_str!("kernels/copy.wgsl");
 
 /// Tokens one GEMM invocation keeps accumulators for (the kernels' `TOKENS` override).
 pub(super) const GEMM_TOKENS: u32 = 4;
+/// Fewest tokens a product runs as GEMM (below, GEMV once per token).
+pub(super) const GEMM_MIN_T: usize = 3;
 /// Rows of one product workgroup (8 lane groups × 4 rows).
 pub(super) const MATMUL_ROWS_PER_GROUP: u32 = 32;
 /// Invocations of one transpose-product workgroup.
@@ -32,6 +35,7 @@ pub(super) struct Kernels {
     /// source (read), destination (read-write).
     #[cfg_attr(target_arch = "wasm32", allow(dead_code))] // the benchmark is native
     pub two: wgpu::BindGroupLayout,
+    /// `[f32, f16][GEMV, GEMM]`.
     pub matmul: [[wgpu::ComputePipeline; 2]; 2],
     pub matmul_t: [[wgpu::ComputePipeline; 2]; 2],
     pub sum_parts: wgpu::ComputePipeline,
@@ -108,15 +112,19 @@ impl Kernels {
         let four = layout(device, &[Some(true), Some(true), Some(false), None]);
         let three = layout(device, &[Some(true), Some(false), None]);
         let two = layout(device, &[Some(true), Some(false)]);
-        let per_format = |body: &str, name: &str| {
+        let per_format = |kernels: [(&str, Option<u32>); 2], name: &str| {
             [ELEM_F32, ELEM_F16].map(|elem| {
-                let src = format!("{elem}\n{body}");
-                [1, GEMM_TOKENS].map(|t| pipeline(device, name, src.clone(), &four, Some(t)))
+                kernels.map(|(body, tokens)| {
+                    pipeline(device, name, format!("{elem}\n{body}"), &four, tokens)
+                })
             })
         };
         Self {
-            matmul: per_format(MATMUL, "matmul"),
-            matmul_t: per_format(MATMUL_T, "matmul_t"),
+            matmul: per_format([(GEMV, None), (GEMM, Some(GEMM_TOKENS))], "matmul"),
+            matmul_t: per_format(
+                [(MATMUL_T, Some(1)), (MATMUL_T, Some(GEMM_TOKENS))],
+                "matmul_t",
+            ),
             sum_parts: pipeline(device, "sum_parts", SUM_PARTS.into(), &three, None),
             copy: pipeline(device, "copy", COPY.into(), &two, None),
             four,

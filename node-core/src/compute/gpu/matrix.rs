@@ -1,8 +1,8 @@
 //! Resident matrices and the products over them.
 
 use super::kernels::{
-    FLAT_GROUP, GEMM_TOKENS, MATMUL_ROWS_PER_GROUP, MATMUL_T_GROUP, MAX_GROUPS, ParamBlocks,
-    Scratch, bind, ensure, part, read_back, spread,
+    FLAT_GROUP, GEMM_MIN_T, GEMM_TOKENS, MATMUL_ROWS_PER_GROUP, MATMUL_T_GROUP, MAX_GROUPS,
+    ParamBlocks, Scratch, bind, ensure, part, read_back, spread,
 };
 use super::{Gpu, GpuError};
 
@@ -247,8 +247,13 @@ impl Gpu {
         let cols_p = parts.first().map_or(COL_ALIGN, |(m, _)| m.cols_p);
         let x_bytes = pad_rows(x, t, cols, cols_p);
         let out_bytes = 4 * len.max(1) as u64;
+        let gemm = t >= GEMM_MIN_T;
         let tok_groups = u32_of(
-            t.div_ceil(if t == 1 { 1 } else { GEMM_TOKENS as usize }),
+            if gemm {
+                t.div_ceil(GEMM_TOKENS as usize)
+            } else {
+                t
+            },
             "t",
         )?;
         if tok_groups > MAX_GROUPS
@@ -278,7 +283,7 @@ impl Gpu {
             }
         }
         Ok(MatmulPlan {
-            gemm: t > 1,
+            gemm,
             x_bytes,
             out_bytes,
             tok_groups,

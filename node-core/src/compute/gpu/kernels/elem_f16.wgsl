@@ -10,3 +10,11 @@ fn wcols(wv: WElem, h: u32) -> vec4<f32> {
     }
     return vec4<f32>(unpack2x16float(wv.z), unpack2x16float(wv.w));
 }
+
+// Element `c` of a weight row times the matching columns of x (x's token starts at vec4 `xb`),
+// component-wise.
+fn wdot(wv: WElem, xb: u32, c: u32) -> vec4<f32> {
+    let lo = vec4<f32>(unpack2x16float(wv.x), unpack2x16float(wv.y));
+    let hi = vec4<f32>(unpack2x16float(wv.z), unpack2x16float(wv.w));
+    return lo * x[xb + 2u * c] + hi * x[xb + 2u * c + 1u];
+}

@@ -6,3 +6,9 @@ const X_PER_W: u32 = 1u;
 fn wcols(wv: WElem, h: u32) -> vec4<f32> {
     return wv;
 }
+
+// Element `c` of a weight row times the matching columns of x (x's token starts at vec4 `xb`),
+// component-wise.
+fn wdot(wv: WElem, xb: u32, c: u32) -> vec4<f32> {
+    return wv * x[xb + c];
+}

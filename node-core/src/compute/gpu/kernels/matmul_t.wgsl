@@ -19,7 +19,7 @@ struct Params {
 override TOKENS: u32 = 1u;
 
 @group(0) @binding(0) var<storage, read> w: array<WElem>;
-@group(0) @binding(1) var<storage, read> u: array<f32>;
+@group(0) @binding(1) var<storage, read> x: array<f32>; // u, named x like every kernel's input
 @group(0) @binding(2) var<storage, read_write> y: array<vec4<f32>>;
 @group(0) @binding(3) var<uniform> p: Params;
 
@@ -39,7 +39,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
         let base = s * p.per_sub + p.off + (gr - s * p.block_len);
         let wv = w[lr * p.cols_w + c];
         for (var j = 0u; j < TOKENS; j++) {
-            let a = u[base + min(tok0 + j, p.t - 1u) * p.block_len];
+            let a = x[base + min(tok0 + j, p.t - 1u) * p.block_len];
             for (var h = 0u; h < X_PER_W; h++) {
                 acc[j][h] += a * wcols(wv, h);
             }

@@ -1,12 +1,10 @@
-// Shard product y = x · Wᵀ over a row-major matrix chunk (GEMV when TOKENS = 1, GEMM
-// otherwise), written straight into the member's answer layout
+// Shard product y = x · Wᵀ over a row-major matrix chunk for several tokens (GEMM: prefill),
+// written straight into the member's answer layout
 // [sub-block][matrix][token][local row]. Prefixed with elem_f32.wgsl or elem_f16.wgsl, which
 // define the weight element WElem (X_PER_W vec4s of columns) and wcols.
 //
 // A workgroup is 8 groups of 32 lanes; each group owns 4 rows and its lanes stride over the
-// row's vec4 columns, so every lane keeps 4 × TOKENS independent accumulators and reads
-// 4 rows per step (the independent loads are what reach copy bandwidth). Lanes are then summed
-// in workgroup memory.
+// row's columns, keeping 4 × TOKENS accumulators. Lanes are then summed in workgroup memory.
 
 struct Params {
     rows: u32,      // rows in this chunk
@@ -19,7 +17,7 @@ struct Params {
     x_stride4: u32, // vec4s per token of x
 }
 
-override TOKENS: u32 = 1u;
+override TOKENS: u32 = 4u;
 const LANES: u32 = 32u;
 const GROUPS: u32 = 8u;
 const ROWS: u32 = 4u;

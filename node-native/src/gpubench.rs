@@ -1,0 +1,140 @@
+//! `codedmesh bench --gpu`: the WGSL kernels' throughput next to the device's copy kernel, and
+//! a coded model's tokens/s with members on the GPU against the CPU.
+
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use node_core::coded::ShardFormat;
+use node_core::compute::gpu::{Gpu, GpuMatrix, Placement, Weights};
+use node_core::model::{LeaderWeights, Llama, ModelWeights};
+
+use crate::bench::{Row, model_speed, row};
+
+/// Products per timed submission (the per-submit cost is spread over them).
+const RUNS: usize = 20;
+
+fn matrix(gpu: &Gpu, rows: usize, cols: usize, f16: bool) -> Result<GpuMatrix> {
+    let values: Vec<f32> = (0..rows * cols)
+        .map(|i| ((i % 97) as f32 - 48.0) * 1e-3)
+        .collect();
+    Ok(if f16 {
+        let h: Vec<half::f16> = values.iter().map(|&v| half::f16::from_f32(v)).collect();
+        gpu.upload(rows, cols, Weights::F16(&h))?
+    } else {
+        gpu.upload(rows, cols, Weights::F32(&values))?
+    })
+}
+
+/// Kernel rows: copy, GEMV (f32, f16, the model's shard shapes), GEMM, transpose.
+pub fn kernel_rows(gpu: &Gpu, big_bytes: u64) -> Result<Vec<Row>> {
+    let mut rows = vec![row("adapter", gpu.info().to_string())];
+    let copy_s = gpu.time_copy(big_bytes, RUNS)?;
+    let copy_bw = 2.0 * big_bytes as f64 / copy_s; // read + write
+    rows.push(row(
+        format!(
+            "copy kernel, {} MiB (bytes read + written)",
+            big_bytes >> 20
+        ),
+        format!("{:.0} GB/s", copy_bw / 1e9),
+    ));
+    // A square-ish matrix of `big_bytes`, f32 and f16.
+    let side = ((big_bytes / 4) as f64).sqrt() as usize / 64 * 64;
+    for (label, r, c, f16) in [
+        ("GEMV f32", side, side, false),
+        ("GEMV f16", side, 2 * side, true),
+    ] {
+        let m = matrix(gpu, r, c, f16)?;
+        let s = gpu.time_matmul(&m, 1, RUNS)?;
+        let bw = m.bytes() as f64 / s;
+        rows.push(row(
+            format!(
+                "{label} {r}×{c} ({} MiB, {} chunks)",
+                m.bytes() >> 20,
+                m.chunks()
+            ),
+            format!(
+                "{:.0} GB/s ({:.2}× copy), {:.1} µs",
+                bw / 1e9,
+                bw / copy_bw,
+                s * 1e6
+            ),
+        ));
+    }
+    let cfg = node_core::model::LlamaConfig::smollm2_135m();
+    // A k = 3 member's shard of each SmolLM2 stage holds ⌈out/3⌉ rows per sub-block, 2 sub-blocks.
+    let shard = |out: usize| 2 * out.div_ceil(6);
+    for (label, r, c) in [
+        ("GEMV SmolLM2 k=3 shard q/o", shard(cfg.hidden), cfg.hidden),
+        (
+            "GEMV SmolLM2 k=3 shard gate+up",
+            2 * shard(cfg.ffn),
+            cfg.hidden,
+        ),
+        ("GEMV SmolLM2 k=3 shard down", shard(cfg.hidden), cfg.ffn),
+        (
+            "GEMV SmolLM2 k=3 shard LM head",
+            shard(cfg.vocab),
+            cfg.hidden,
+        ),
+    ] {
+        let m = matrix(gpu, r, c, false)?;
+        let s = gpu.time_matmul(&m, 1, RUNS * 10)?;
+        rows.push(row(
+            format!("{label} {r}×{c} f32"),
+            format!("{:.1} µs ({:.0} GB/s)", s * 1e6, m.bytes() as f64 / s / 1e9),
+        ));
+    }
+    // What a member pays per request: upload x, dispatch, read the answer back.
+    let m = matrix(gpu, shard(cfg.hidden), cfg.hidden, false)?;
+    let x = vec![0.5f32; cfg.hidden];
+    let p = [(&m, Placement::plain(m.rows(), 1))];
+    let calls = 200;
+    let start = std::time::Instant::now();
+    for _ in 0..calls {
+        pollster::block_on(gpu.matmul(&p, &x, 1, m.rows()))?;
+    }
+    rows.push(row(
+        "one product call (upload, dispatch, read back), q shard",
+        format!(
+            "{:.1} µs",
+            start.elapsed().as_secs_f64() * 1e6 / calls as f64
+        ),
+    ));
+    let m = matrix(gpu, 4096, 4096, false)?;
+    for t in [4, 16, 64] {
+        let s = gpu.time_matmul(&m, t, RUNS)?;
+        let flops = 2.0 * 4096.0 * 4096.0 * t as f64;
+        rows.push(row(
+            format!("GEMM f32 4096×4096, t = {t}"),
+            format!("{:.0} GFLOP/s, {:.1} µs", flops / s / 1e9, s * 1e6),
+        ));
+    }
+    Ok(rows)
+}
+
+/// Tokens/s of an in-process coded k = 3 of n = 5 group, members on the CPU and on the GPU.
+pub fn model_rows(
+    gpu: Arc<Gpu>,
+    weights: &ModelWeights,
+    prompt: &[u32],
+    tokens: usize,
+) -> Result<Vec<Row>> {
+    let cfg = &weights.cfg;
+    let llama = Llama::new(cfg.clone(), LeaderWeights::from_model(weights))?;
+    let mut rows = Vec::new();
+    for (label, format) in [("f32", ShardFormat::F32), ("f16", ShardFormat::F16)] {
+        for (device, g) in [("CPU", None), ("GPU", Some(&gpu))] {
+            let (prefill, decode, ms) =
+                model_speed(weights, &llama, 5, 3, format, prompt, tokens, g)
+                    .with_context(|| format!("coded model on the {device}"))?;
+            rows.push(row(
+                format!("coded k=3 of n=5, {label} shards, members on the {device}"),
+                format!(
+                    "prefill {prefill:.1} tok/s ({} tokens), decode {decode:.1} tok/s ({ms:.2} ms/token)",
+                    prompt.len()
+                ),
+            ));
+        }
+    }
+    Ok(rows)
+}
