@@ -109,7 +109,30 @@ pub fn kernel_rows(gpu: &Gpu, big_bytes: u64) -> Result<Vec<Row>> {
             format!("{:.0} GFLOP/s, {:.1} µs", flops / s / 1e9, s * 1e6),
         ));
     }
+    let m = matrix(gpu, shard(cfg.vocab), cfg.hidden, false)?;
+    let u = vec![0.5f32; m.rows()];
+    let p = [(&m, Placement::plain(m.rows(), 1))];
+    let start = std::time::Instant::now();
+    for _ in 0..calls {
+        pollster::block_on(gpu.matmul_t(&p, &u, 1))?;
+    }
+    rows.push(row(
+        format!("one transpose product call, LM head shard {}×{}", m.rows(), m.cols()),
+        format!("{:.1} µs", start.elapsed().as_secs_f64() * 1e6 / calls as f64),
+    ));
+    let floor = weight_bytes(&cfg) / copy_bw;
+    rows.push(row(
+        "SmolLM2 f32 weights per token ÷ copy bandwidth (a whole token's floor)",
+        format!("{:.1} µs ({:.0} MB)", floor * 1e6, weight_bytes(&cfg) / 1e6),
+    ));
     Ok(rows)
+}
+
+/// Bytes of f32 weights one token reads: every linear matrix once.
+fn weight_bytes(cfg: &node_core::model::LlamaConfig) -> f64 {
+    4.0 * (cfg.layers
+        * (2 * cfg.q_dim() * cfg.hidden + 2 * cfg.kv_dim() * cfg.hidden + 3 * cfg.ffn * cfg.hidden)
+        + cfg.vocab * cfg.hidden) as f64
 }
 
 /// Tokens/s of an in-process coded k = 3 of n = 5 group, members on the CPU and on the GPU.
