@@ -117,8 +117,15 @@ pub fn kernel_rows(gpu: &Gpu, big_bytes: u64) -> Result<Vec<Row>> {
         pollster::block_on(gpu.matmul_t(&p, &u, 1))?;
     }
     rows.push(row(
-        format!("one transpose product call, LM head shard {}×{}", m.rows(), m.cols()),
-        format!("{:.1} µs", start.elapsed().as_secs_f64() * 1e6 / calls as f64),
+        format!(
+            "one transpose product call, LM head shard {}×{}",
+            m.rows(),
+            m.cols()
+        ),
+        format!(
+            "{:.1} µs",
+            start.elapsed().as_secs_f64() * 1e6 / calls as f64
+        ),
     ));
     let floor = weight_bytes(&cfg) / copy_bw;
     rows.push(row(

@@ -160,6 +160,7 @@ pub async fn seed(
         );
         return node(opts).await;
     }
+    let gpu = open_device(opts.device).await?;
     ensure!(k >= 1 && n >= k, "need 1 ≤ k ≤ n, got k = {k}, n = {n}");
     let started = std::time::Instant::now();
     let (manifest, blobs) =
@@ -187,7 +188,7 @@ pub async fn seed(
         shard,
         genesis,
     };
-    serve(opts, data, holding).await
+    serve(opts, data, holding, gpu).await
 }
 
 /// Loads a model and encodes every row's shard blob.
@@ -248,6 +249,7 @@ fn encode_genesis(
 
 /// `codedmesh node`: restarts from the data dir, or joins through `--bootstrap` and takes a row.
 pub async fn node(opts: NodeOptions) -> Result<()> {
+    let gpu = open_device(opts.device).await?;
     let data = DataDir::open(&opts.data)?;
     if let (Some((manifest, bytes)), Some(shard)) = (data.manifest()?, data.shard()?) {
         check_shard(&shard, &manifest, shard.node as u32)?;
@@ -263,7 +265,7 @@ pub async fn node(opts: NodeOptions) -> Result<()> {
             shard,
             genesis: BTreeMap::new(),
         };
-        return serve(opts, data, holding).await;
+        return serve(opts, data, holding, gpu).await;
     }
     let Some(bootstrap) = opts.bootstrap.clone() else {
         bail!(
@@ -402,10 +404,6 @@ pub async fn node(opts: NodeOptions) -> Result<()> {
         shard,
         genesis: BTreeMap::new(),
     };
-    let gpu = Gpu::for_choice(opts.device)
-        .await
-        .context("--device gpu")?
-        .map(Arc::new);
     run_server(opts.health, opts.fault, gpu, net, data, holding).await
 }
 
@@ -549,18 +547,27 @@ async fn fetch_chunked(
     }
 }
 
+/// The GPU `choice` asks for, opened before anything else so a missing one fails at once.
+async fn open_device(choice: DeviceChoice) -> Result<Option<Arc<Gpu>>> {
+    Ok(Gpu::for_choice(choice)
+        .await
+        .context("--device gpu")?
+        .map(Arc::new))
+}
+
 /// Starts the network (dialing the bootstrap, if any) and serves what the node holds.
-async fn serve(opts: NodeOptions, data: DataDir, holding: Holding) -> Result<()> {
+async fn serve(
+    opts: NodeOptions,
+    data: DataDir,
+    holding: Holding,
+    gpu: Option<Arc<Gpu>>,
+) -> Result<()> {
     let net = start_network(&opts, &data).await?;
     if let Some(b) = &opts.bootstrap
         && let Err(e) = net.client.dial(b.clone()).await
     {
         tracing::warn!("bootstrap {b}: {e:#}; waiting for peers to find this node");
     }
-    let gpu = Gpu::for_choice(opts.device)
-        .await
-        .context("--device gpu")?
-        .map(Arc::new);
     run_server(opts.health, opts.fault, gpu, net, data, holding).await
 }
 
