@@ -20,7 +20,10 @@ python3 -m pip --version >/dev/null
 step "Vulkan on the CPU (Mesa lavapipe) for the GPU tests"
 if ! ls /usr/share/vulkan/icd.d/lvp_icd*.json >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    apt-get install -y -q mesa-vulkan-drivers >/dev/null || apt-get update -q >/dev/null && apt-get install -y -q mesa-vulkan-drivers >/dev/null
+    if ! apt-get install -y -q mesa-vulkan-drivers >/dev/null; then
+      apt-get update -q >/dev/null
+      apt-get install -y -q mesa-vulkan-drivers >/dev/null
+    fi
   else
     echo "no lavapipe and no root apt-get: the GPU halves of the tests will skip (and say so)"
   fi
