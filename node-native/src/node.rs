@@ -55,6 +55,8 @@ pub enum InjectedFault {
     Stale,
     /// It records every update as applied and applies none: it claims versions it does not hold.
     LieVersion,
+    /// It claims the next row (`(own + 1) mod n`) and answers with its own row's results.
+    WrongRow,
 }
 
 /// Listen addresses: each TCP one, plus QUIC, WebSocket and WebRTC-direct on the same host.
@@ -596,7 +598,7 @@ async fn run_server(
         cfg: manifest.cfg.clone(),
         learning: manifest.learning,
     };
-    let row = shard.node as u32;
+    let mut row = shard.node as u32;
     let restore_store = store.clone();
     let restore_rules = rules.clone();
     let genesis_norms = manifest.leader.clone();
@@ -619,6 +621,19 @@ async fn run_server(
             InjectedFault::Scale => state.member.shards_mut().scale_values(1.0 + 1e-3),
             InjectedFault::Stale => state.skip_updates = 1,
             InjectedFault::LieVersion => state.skip_updates = u64::MAX,
+            InjectedFault::WrongRow => {
+                let shards = state.member.shards().clone();
+                let claimed = (row + 1) % shards.generator.n() as u32;
+                eprintln!("claiming row {claimed} while computing with row {row}'s shard");
+                state.member = Member::misbehaving(
+                    shards,
+                    claimed as usize,
+                    node_core::coded::Misbehaviour::WrongRow {
+                        actual: row as usize,
+                    },
+                );
+                row = claimed;
+            }
         }
     }
     let device = match gpu {

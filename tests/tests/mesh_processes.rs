@@ -684,12 +684,25 @@ fn a_member_that_answers_wrongly_is_caught_outvoted_and_replaced() -> Result<()>
     let model = tiny_model();
     let mut mesh = Mesh::start("fault", Some(&model), &["--no-learning"])?;
     let (undisturbed, _) = mesh.generate("hello world", 8, || {})?;
-    for (fault, row) in [("scale", 3u64), ("garbage", 4)] {
-        // Restart the row's holder from its data dir, misbehaving on purpose.
+    for (fault, row) in [("wrong-row", 2u64), ("scale", 3), ("garbage", 4)] {
+        // Restart the row's holder from its data dir, misbehaving on purpose. For wrong-row,
+        // the holder of the row before takes its place instead: a copy of that holder's
+        // shard (not its identity) that claims this row and answers with its own.
         let i = mesh.holder(row)?;
         mesh.nodes[i].signal("KILL");
         mesh.wait_healthy(4)?;
-        let data = mesh.dir.0.join(format!("d{}", i + 1));
+        let mut data = mesh.dir.0.join(format!("d{}", i + 1));
+        if fault == "wrong-row" {
+            let before = mesh.dir.0.join(format!("d{}", mesh.holder(row - 1)? + 1));
+            data = mesh.dir.0.join("liar");
+            std::fs::create_dir_all(&data)?;
+            for f in std::fs::read_dir(&before)? {
+                let f = f?;
+                if f.file_type()?.is_file() && f.file_name() != "identity.key" {
+                    std::fs::copy(f.path(), data.join(f.file_name()))?;
+                }
+            }
+        }
         let mut args = vec!["node", "--tcp-only", "--inject-fault", fault, "--bootstrap"];
         args.push(&mesh.bootstrap);
         args.push("--data");
@@ -720,9 +733,14 @@ fn a_member_that_answers_wrongly_is_caught_outvoted_and_replaced() -> Result<()>
                     && n["caught"].as_str().is_some_and(|e| e.contains("residual"))),
             "{fault}: status does not show row {row} caught: {s}"
         );
-        if fault == "scale" {
-            // A new node re-creates the caught row from healthy shards.
-            let mut p = spawn_node(&mesh.dir.0, "replacement", "d9", &mesh.bootstrap)?;
+        if fault != "garbage" {
+            // A new node re-creates the caught row from healthy shards (for wrong-row once
+            // the killed holder of the row is past --dead-ms too).
+            if fault == "wrong-row" {
+                std::thread::sleep(Duration::from_millis(2500));
+            }
+            let name = format!("replacement-{fault}");
+            let mut p = spawn_node(&mesh.dir.0, &name, &name, &mesh.bootstrap)?;
             let log = p.wait_log(&format!("serving row {row}"), Duration::from_secs(60))?;
             assert!(log.contains("re-encoded from rows"), "{log}");
             mesh.nodes.push(p);
