@@ -166,7 +166,7 @@ fn a_member_on_the_gpu_answers_what_it_answers_on_the_cpu() {
     for format in [ShardFormat::F32, ShardFormat::F16] {
         let shards = ShardSet::encode(&weights, &g, 4, format, &mut |_, _| {}).unwrap();
         let mut member = Member::new(shards);
-        member.use_gpu(gpu.clone()).unwrap();
+        member.use_gpu(gpu.clone(), 0).unwrap();
         assert!(member.gpu_info().is_some());
         for round in 0..2 {
             for t in [1, 3] {

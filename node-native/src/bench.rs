@@ -91,7 +91,7 @@ pub fn model_speed(
     format: ShardFormat,
     prompt: &[u32],
     tokens: usize,
-    gpu: Option<&std::sync::Arc<node_core::compute::gpu::Gpu>>,
+    gpu: Option<(&std::sync::Arc<node_core::compute::gpu::Gpu>, usize)>,
 ) -> Result<(f64, f64, f64)> {
     let g = if n == 1 {
         Generator::uncoded()
@@ -99,9 +99,9 @@ pub fn model_speed(
         Generator::cauchy(n, k)?
     };
     let mut mesh = InProcess::encode(weights, &g, format, &|_, _| {})?;
-    if let Some(gpu) = gpu {
+    if let Some((gpu, min_work)) = gpu {
         for m in mesh.members_mut() {
-            m.use_gpu(gpu.clone())?;
+            m.use_gpu(gpu.clone(), min_work)?;
         }
     }
     let all: Vec<usize> = (0..n).collect();

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use node_core::coded::ShardFormat;
+use node_core::coded::{AUTO_GPU_MIN_WORK, ShardFormat};
 use node_core::compute::gpu::{Gpu, GpuMatrix, Placement, Weights};
 use node_core::model::{LeaderWeights, Llama, ModelWeights};
 
@@ -94,6 +94,14 @@ pub fn kernel_rows(gpu: &Gpu, big_bytes: u64) -> Result<Vec<Row>> {
         pollster::block_on(gpu.matmul(&p, &x, 1, m.rows()))?;
     }
     rows.push(row(
+        "an empty submission, submit to done",
+        format!("{:.1} µs", gpu.time_submit()? * 1e6),
+    ));
+    rows.push(row(
+        "one q-shard dispatch alone in a submission, submit to done",
+        format!("{:.1} µs", gpu.time_matmul(&m, 1, 1)? * 1e6),
+    ));
+    rows.push(row(
         "one product call (upload, dispatch, read back), q shard",
         format!(
             "{:.1} µs",
@@ -153,7 +161,14 @@ pub fn model_rows(
     let llama = Llama::new(cfg.clone(), LeaderWeights::from_model(weights))?;
     let mut rows = Vec::new();
     for (label, format) in [("f32", ShardFormat::F32), ("f16", ShardFormat::F16)] {
-        for (device, g) in [("CPU", None), ("GPU", Some(&gpu))] {
+        for (device, g) in [
+            ("CPU", None),
+            ("GPU", Some((&gpu, 0))),
+            (
+                "GPU for products ≥ 16 MiB (auto)",
+                Some((&gpu, AUTO_GPU_MIN_WORK)),
+            ),
+        ] {
             let (prefill, decode, ms) =
                 model_speed(weights, &llama, 5, 3, format, prompt, tokens, g)
                     .with_context(|| format!("coded model on the {device}"))?;

@@ -406,7 +406,16 @@ pub async fn node(opts: NodeOptions) -> Result<()> {
         shard,
         genesis: BTreeMap::new(),
     };
-    run_server(opts.health, opts.fault, gpu, net, data, holding).await
+    run_server(
+        opts.health,
+        opts.fault,
+        gpu,
+        opts.device,
+        net,
+        data,
+        holding,
+    )
+    .await
 }
 
 /// The shard belongs to this manifest and row.
@@ -570,7 +579,16 @@ async fn serve(
     {
         tracing::warn!("bootstrap {b}: {e:#}; waiting for peers to find this node");
     }
-    run_server(opts.health, opts.fault, gpu, net, data, holding).await
+    run_server(
+        opts.health,
+        opts.fault,
+        gpu,
+        opts.device,
+        net,
+        data,
+        holding,
+    )
+    .await
 }
 
 /// Announces the node's row and answers peers until stopped.
@@ -578,6 +596,7 @@ async fn run_server(
     health: HealthConfig,
     fault: Option<InjectedFault>,
     gpu: Option<Arc<Gpu>>,
+    device_choice: DeviceChoice,
     net: Net,
     data: DataDir,
     holding: Holding,
@@ -640,8 +659,19 @@ async fn run_server(
         Some(gpu) => {
             let info = gpu.info().clone();
             // Once, before serving: uploading the shards blocks only this start-up.
-            state.member.use_gpu(gpu)?;
-            eprintln!("computing on the GPU: {info}");
+            let min_work = match device_choice {
+                DeviceChoice::Auto => node_core::coded::AUTO_GPU_MIN_WORK,
+                _ => 0,
+            };
+            state.member.use_gpu(gpu, min_work)?;
+            if min_work > 0 {
+                eprintln!(
+                    "computing on the GPU: {info} (products of at least {} MiB of weights × tokens; smaller ones are faster on the CPU)",
+                    min_work >> 20
+                );
+            } else {
+                eprintln!("computing on the GPU: {info}");
+            }
             format!("{} ({})", info.name, info.backend)
         }
         None => "cpu".to_string(),

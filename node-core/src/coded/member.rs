@@ -31,7 +31,15 @@ pub struct Member {
     device: Option<Arc<Gpu>>,
     /// Its shards on that GPU; `None` while they are out of date (products run on the CPU).
     gpu: Option<Arc<GpuShards>>,
+    /// Products reading fewer weight bytes × tokens than this stay on the CPU.
+    gpu_min_work: usize,
 }
+
+/// The work (weight bytes × tokens) above which `--device auto` sends a product to the GPU.
+/// A GPU call costs ~150 µs however small the product (an H200 through Vulkan, docs/perf.md),
+/// in which a many-core CPU reads ~16 MB of weights; at 2 MiB SmolLM2's gate/up shards went
+/// to the GPU and decoding slowed from 46 to 21 tok/s.
+pub const AUTO_GPU_MIN_WORK: usize = 16 << 20;
 
 impl Member {
     /// A member serving these shards.
@@ -43,22 +51,47 @@ impl Member {
             garbage: None,
             device: None,
             gpu: None,
+            gpu_min_work: 0,
         }
     }
 
-    /// Computes products on `gpu` from now on: uploads the shards, which stay resident.
-    pub fn use_gpu(&mut self, gpu: Arc<Gpu>) -> Result<(), CodedError> {
+    /// Computes products of at least `min_work` weight bytes × tokens on `gpu` from now on
+    /// (0: every product); uploads the shards, which stay resident.
+    pub fn use_gpu(&mut self, gpu: Arc<Gpu>, min_work: usize) -> Result<(), CodedError> {
         self.gpu = Some(Arc::new(GpuShards::upload(gpu.clone(), &self.shards)?));
         self.device = Some(gpu);
+        self.gpu_min_work = min_work;
         Ok(())
     }
 
     /// Uploads the shards again after [`Self::shards_mut`] changed them (a no-op on the CPU).
     pub fn sync_gpu(&mut self) -> Result<(), CodedError> {
         match (&self.device, &self.gpu) {
-            (Some(gpu), None) => self.use_gpu(gpu.clone()),
+            (Some(gpu), None) => self.use_gpu(gpu.clone(), self.gpu_min_work),
             _ => Ok(()),
         }
+    }
+
+    /// The GPU shards, when `req` is a product large enough to send there.
+    fn gpu_for(&self, req: &StepRequest) -> Option<&GpuShards> {
+        let gpu = self.gpu.as_deref()?;
+        if self.gpu_min_work == 0 {
+            return Some(gpu);
+        }
+        let (stage, t) = match req {
+            StepRequest::Matmul { stage, t, .. } | StepRequest::MatmulT { stage, t, .. } => {
+                (*stage, *t as usize)
+            }
+            StepRequest::EmbedRows { .. } => return None,
+        };
+        let bytes: usize = self
+            .shards
+            .stage_shards(stage)
+            .ok()?
+            .iter()
+            .map(|s| s.bytes())
+            .sum();
+        (bytes.saturating_mul(t) >= self.gpu_min_work).then_some(gpu)
     }
 
     /// The adapter products run on, when on a GPU.
@@ -125,7 +158,7 @@ impl Member {
     /// The partial result of a request, laid out sub-block major.
     pub fn compute(&self, req: &StepRequest) -> Result<Vec<f32>, CodedError> {
         #[cfg(not(target_arch = "wasm32"))]
-        if let Some(gpu) = &self.gpu {
+        if let Some(gpu) = self.gpu_for(req) {
             let m = self.shards.generator.sub_blocks();
             if let Some(answer) = pollster::block_on(gpu.compute(m, req)) {
                 return answer;
@@ -136,7 +169,7 @@ impl Member {
 
     /// [`Self::compute`] for callers that cannot block (the browser).
     pub async fn compute_async(&self, req: &StepRequest) -> Result<Vec<f32>, CodedError> {
-        if let Some(gpu) = &self.gpu {
+        if let Some(gpu) = self.gpu_for(req) {
             let m = self.shards.generator.sub_blocks();
             if let Some(answer) = gpu.compute(m, req).await {
                 return answer;

@@ -14,7 +14,7 @@ mod verify;
 
 pub use gpu::GpuShards;
 pub use group::{CodedGroup, ExecStats, InProcess, Transport, TransportError};
-pub use member::{Member, Misbehaviour};
+pub use member::{AUTO_GPU_MIN_WORK, Member, Misbehaviour};
 pub use shards::{Shard, ShardFormat, ShardSet, ShardValues};
 pub use verify::{Caught, DEFAULT_NOISE, NOISE_MARGIN, VerifyConfig, measure_noise};
 

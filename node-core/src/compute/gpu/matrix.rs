@@ -396,6 +396,20 @@ impl Gpu {
         Ok(best)
     }
 
+    /// Seconds an empty submission takes to come back (the floor of any call).
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn time_submit(&self) -> Result<f64, GpuError> {
+        let mut best = f64::INFINITY;
+        for _ in 0..50 {
+            let enc = self.device.create_command_encoder(&Default::default());
+            let start = std::time::Instant::now();
+            self.queue.submit([enc.finish()]);
+            self.wait()?;
+            best = best.min(start.elapsed().as_secs_f64());
+        }
+        Ok(best)
+    }
+
     /// Seconds the copy kernel takes to copy `bytes` (the bandwidth reference).
     #[cfg(not(target_arch = "wasm32"))]
     pub fn time_copy(&self, bytes: u64, times: usize) -> Result<f64, GpuError> {
