@@ -406,16 +406,7 @@ pub async fn node(opts: NodeOptions) -> Result<()> {
         shard,
         genesis: BTreeMap::new(),
     };
-    run_server(
-        opts.health,
-        opts.fault,
-        gpu,
-        opts.device,
-        net,
-        data,
-        holding,
-    )
-    .await
+    run_server(&opts, gpu, net, data, holding).await
 }
 
 /// The shard belongs to this manifest and row.
@@ -579,28 +570,18 @@ async fn serve(
     {
         tracing::warn!("bootstrap {b}: {e:#}; waiting for peers to find this node");
     }
-    run_server(
-        opts.health,
-        opts.fault,
-        gpu,
-        opts.device,
-        net,
-        data,
-        holding,
-    )
-    .await
+    run_server(&opts, gpu, net, data, holding).await
 }
 
 /// Announces the node's row and answers peers until stopped.
 async fn run_server(
-    health: HealthConfig,
-    fault: Option<InjectedFault>,
+    opts: &NodeOptions,
     gpu: Option<Arc<Gpu>>,
-    device_choice: DeviceChoice,
     net: Net,
     data: DataDir,
     holding: Holding,
 ) -> Result<()> {
+    let (health, fault) = (opts.health, opts.fault);
     let Net {
         client,
         inbound,
@@ -659,7 +640,7 @@ async fn run_server(
         Some(gpu) => {
             let info = gpu.info().clone();
             // Once, before serving: uploading the shards blocks only this start-up.
-            let min_work = match device_choice {
+            let min_work = match opts.device {
                 DeviceChoice::Auto => node_core::coded::AUTO_GPU_MIN_WORK,
                 _ => 0,
             };

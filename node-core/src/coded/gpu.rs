@@ -57,16 +57,7 @@ impl GpuShards {
     }
 
     fn stage(&self, stage: Stage) -> Result<Vec<&GpuMatrix>, CodedError> {
-        match stage.layer() {
-            Some(l) => {
-                let block = self
-                    .blocks
-                    .get(l)
-                    .ok_or_else(|| CodedError::BadRequest(format!("block {l} does not exist")))?;
-                Ok(stage.block_matrices().iter().map(|&i| &block[i]).collect())
-            }
-            None => Ok(vec![&self.lm_head]),
-        }
+        super::shards::stage_items(&self.blocks, &self.lm_head, stage)
     }
 
     /// Answers a product request (`Matmul`, `MatmulT`) as [`super::Member::compute`] does on

@@ -272,16 +272,11 @@ impl ShardSet {
 
     /// The shards a stage multiplies, in the stage's order.
     pub fn stage_shards(&self, stage: Stage) -> Result<Vec<&Shard>, CodedError> {
-        match stage.layer() {
-            Some(l) => {
-                let block = self
-                    .blocks
-                    .get(l)
-                    .ok_or_else(|| CodedError::BadRequest(format!("block {l} does not exist")))?;
-                Ok(stage.block_matrices().iter().map(|&i| &block[i]).collect())
-            }
-            None => Ok(vec![self.lm_head.as_ref().unwrap_or(&self.embed)]),
-        }
+        stage_items(
+            &self.blocks,
+            self.lm_head.as_ref().unwrap_or(&self.embed),
+            stage,
+        )
     }
 
     /// Builds node `target`'s shards from k other nodes' shards of the same model and code,
@@ -366,5 +361,30 @@ impl ShardSet {
                     .for_each(|x| *x = half::f16::from_f32(x.to_f32() * factor)),
             }
         }
+    }
+}
+
+/// The items of `stage` among per-block items (q, k, v, o, gate, up, down) and the LM head's.
+pub(crate) fn stage_items<'a, T>(
+    blocks: &'a [Vec<T>],
+    lm_head: &'a T,
+    stage: Stage,
+) -> Result<Vec<&'a T>, CodedError> {
+    match stage.layer() {
+        Some(l) => {
+            let block = blocks
+                .get(l)
+                .ok_or_else(|| CodedError::BadRequest(format!("block {l} does not exist")))?;
+            stage
+                .block_matrices()
+                .iter()
+                .map(|&i| {
+                    block.get(i).ok_or_else(|| {
+                        CodedError::BadRequest(format!("block {l} lacks matrix {i}"))
+                    })
+                })
+                .collect()
+        }
+        None => Ok(vec![lm_head]),
     }
 }

@@ -4,6 +4,7 @@ use super::GpuError;
 
 const ELEM_F32: &str = include_str!("kernels/elem_f32.wgsl");
 const ELEM_F16: &str = include_str!("kernels/elem_f16.wgsl");
+const PRODUCT_IO: &str = include_str!("kernels/product_io.wgsl");
 const GEMV: &str = include_str!("kernels/gemv.wgsl");
 const GEMM: &str = include_str!("kernels/gemm.wgsl");
 const MATMUL_T: &str = include_str!("kernels/matmul_t.wgsl");
@@ -119,8 +120,12 @@ impl Kernels {
                 })
             })
         };
+        let (gemv, gemm) = (
+            format!("{PRODUCT_IO}\n{GEMV}"),
+            format!("{PRODUCT_IO}\n{GEMM}"),
+        );
         Self {
-            matmul: per_format([(GEMV, None), (GEMM, Some(GEMM_TOKENS))], "matmul"),
+            matmul: per_format([(&gemv, None), (&gemm, Some(GEMM_TOKENS))], "matmul"),
             matmul_t: per_format(
                 [(MATMUL_T, Some(1)), (MATMUL_T, Some(GEMM_TOKENS))],
                 "matmul_t",

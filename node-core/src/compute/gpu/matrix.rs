@@ -107,6 +107,27 @@ fn u32_of(v: usize, what: &str) -> Result<u32, GpuError> {
     u32::try_from(v).map_err(|_| GpuError::Shape(format!("{what} {v} is past 2³²")))
 }
 
+/// The parameter block of one chunk's product; the last word is the kernel's own (the x
+/// stride of gemv/gemm, the rows per split of matmul_t).
+fn product_params(
+    m: &GpuMatrix,
+    c: &Chunk,
+    p: &Placement,
+    t: usize,
+    last: usize,
+) -> Result<[u32; 8], GpuError> {
+    Ok([
+        u32_of(c.rows, "rows")?,
+        u32_of(m.cols_w(), "columns")?,
+        u32_of(t, "t")?,
+        u32_of(p.block_len, "block length")?,
+        u32_of(c.row0, "row")?,
+        u32_of(p.per_sub, "sub-block length")?,
+        u32_of(p.off, "offset")?,
+        u32_of(last, "last parameter")?,
+    ])
+}
+
 /// Checks the matrices share `cols` and their answers fit in `len` values; returns `cols`.
 fn check_parts(parts: &[(&GpuMatrix, Placement)], t: usize, len: usize) -> Result<usize, GpuError> {
     let cols = parts.first().map_or(0, |(m, _)| m.cols);
@@ -268,16 +289,7 @@ impl Gpu {
         let mut dispatches = Vec::new();
         for (m, p) in parts {
             for c in &m.chunks {
-                let offset = params.push([
-                    u32_of(c.rows, "rows")?,
-                    u32_of(m.cols_w(), "columns")?,
-                    u32_of(t, "t")?,
-                    u32_of(p.block_len, "block length")?,
-                    u32_of(c.row0, "row")?,
-                    u32_of(p.per_sub, "sub-block length")?,
-                    u32_of(p.off, "offset")?,
-                    u32_of(cols_p / 4, "x stride")?,
-                ]);
+                let offset = params.push(product_params(m, c, p, t, cols_p / 4)?);
                 let groups = u32_of(c.rows, "rows")?.div_ceil(MATMUL_ROWS_PER_GROUP);
                 dispatches.push((m.f16, &c.buffer, offset, groups));
             }
@@ -481,16 +493,7 @@ impl Gpu {
                 let per_split = c.rows.div_ceil(splits);
                 let splits = c.rows.div_ceil(per_split);
                 parts_bytes = parts_bytes.max(splits as u64 * out_bytes);
-                let prod = params.push([
-                    u32_of(c.rows, "rows")?,
-                    u32_of(m.cols_w(), "columns")?,
-                    u32_of(t, "t")?,
-                    u32_of(p.block_len, "block length")?,
-                    u32_of(c.row0, "row")?,
-                    u32_of(p.per_sub, "sub-block length")?,
-                    u32_of(p.off, "offset")?,
-                    u32_of(per_split, "rows per split")?,
-                ]);
+                let prod = params.push(product_params(m, c, p, t, per_split)?);
                 let n4 = u32_of(t * cols_p / 4, "outputs")?;
                 let sum = params.push([n4, u32_of(splits, "splits")?, 0, 0, 0, 0, 0, 0]);
                 let col_groups = u32_of(m.cols_w(), "columns")?.div_ceil(MATMUL_T_GROUP);

@@ -1,31 +1,16 @@
 // Shard product y = x · Wᵀ over a row-major matrix chunk for several tokens (GEMM: prefill),
 // written straight into the member's answer layout
 // [sub-block][matrix][token][local row]. Prefixed with elem_f32.wgsl or elem_f16.wgsl, which
-// define the weight element WElem (X_PER_W vec4s of columns) and wcols.
+// define the weight element WElem (X_PER_W vec4s of columns) and wcols, and with
+// product_io.wgsl.
 //
 // A workgroup is 8 groups of 32 lanes; each group owns 4 rows and its lanes stride over the
 // row's columns, keeping 4 × TOKENS accumulators. Lanes are then summed in workgroup memory.
-
-struct Params {
-    rows: u32,      // rows in this chunk
-    cols_w: u32,    // weight elements per row (columns padded to a multiple of 8)
-    t: u32,         // tokens
-    block_len: u32, // rows of one sub-block (L)
-    row0: u32,      // first row of this chunk in the whole matrix
-    per_sub: u32,   // values of one sub-block of the answer
-    off: u32,       // this matrix's offset inside a sub-block
-    x_stride4: u32, // vec4s per token of x
-}
 
 override TOKENS: u32 = 4u;
 const LANES: u32 = 32u;
 const GROUPS: u32 = 8u;
 const ROWS: u32 = 4u;
-
-@group(0) @binding(0) var<storage, read> w: array<WElem>;
-@group(0) @binding(1) var<storage, read> x: array<vec4<f32>>;
-@group(0) @binding(2) var<storage, read_write> y: array<f32>;
-@group(0) @binding(3) var<uniform> p: Params;
 
 var<workgroup> red: array<vec4<f32>, 1024>;
 

@@ -1,31 +1,16 @@
 // Shard product y = x · Wᵀ for one token (GEMV: decode) over a row-major matrix chunk, written
 // straight into the member's answer layout [sub-block][matrix][token][local row]. Prefixed with
-// elem_f32.wgsl or elem_f16.wgsl, which define the weight element WElem and wdot. Several
-// tokens are separate workgroup rows (grid y), each reading the weights again.
+// elem_f32.wgsl or elem_f16.wgsl, which define the weight element WElem and wdot, and with
+// product_io.wgsl. Several tokens are separate workgroup rows (grid y), each reading the
+// weights again.
 //
 // Bandwidth comes from loads in flight: a workgroup is 8 groups of 32 lanes, each group owns
 // 4 rows, and every lane issues 2 elements × 4 rows = 8 independent loads per step into 4
 // separate vec4 accumulators (no arrays, so nothing spills to local memory). Lanes are summed
 // in workgroup memory at the end.
 
-struct Params {
-    rows: u32,      // rows in this chunk
-    cols_w: u32,    // weight elements per row (columns padded to a multiple of 8)
-    t: u32,         // tokens
-    block_len: u32, // rows of one sub-block (L)
-    row0: u32,      // first row of this chunk in the whole matrix
-    per_sub: u32,   // values of one sub-block of the answer
-    off: u32,       // this matrix's offset inside a sub-block
-    x_stride4: u32, // vec4s per token of x
-}
-
 const LANES: u32 = 32u;
 const GROUPS: u32 = 8u;
-
-@group(0) @binding(0) var<storage, read> w: array<WElem>;
-@group(0) @binding(1) var<storage, read> x: array<vec4<f32>>;
-@group(0) @binding(2) var<storage, read_write> y: array<f32>;
-@group(0) @binding(3) var<uniform> p: Params;
 
 var<workgroup> red: array<f32, 1024>;
 
