@@ -42,6 +42,19 @@ pub enum StepRequest {
     },
 }
 
+impl StepRequest {
+    /// The stage and token count of a product request (`Matmul`, `MatmulT`); `None` for an
+    /// embedding lookup.
+    pub fn product(&self) -> Option<(Stage, usize)> {
+        match self {
+            Self::Matmul { stage, t, .. } | Self::MatmulT { stage, t, .. } => {
+                Some((*stage, *t as usize))
+            }
+            Self::EmbedRows { .. } => None,
+        }
+    }
+}
+
 /// A member's answer.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum StepResponse {

@@ -312,15 +312,19 @@ fn model_path(model: &Option<PathBuf>) -> Result<PathBuf> {
     }
 }
 
+/// The prompt the benchmarks generate from.
+const BENCH_TEXT: &str = "The history of the printing press begins in the fifteenth century, when \
+                          Johannes Gutenberg combined movable metal type, oil-based ink and a \
+                          screw press into a system that could produce books far faster than \
+                          scribes.";
+
 fn run_bench(args: BenchArgs) -> Result<()> {
     if args.gpu {
         return run_gpu_bench(&args);
     }
     let path = model_path(&args.model)?;
     let model = load::load_model(&path)?;
-    let text = "The history of the printing press begins in the fifteenth century, when Johannes \
-                Gutenberg combined movable metal type, oil-based ink and a screw press into a \
-                system that could produce books far faster than scribes.";
+    let text = BENCH_TEXT;
     let prompt = model.tokenizer.encode(text)?;
     if args.verify {
         let prompts = [
@@ -355,10 +359,7 @@ fn run_gpu_bench(args: &BenchArgs) -> Result<()> {
         (weights, prompt)
     } else {
         let model = load::load_model(&model_path(&args.model)?)?;
-        let prompt = model.tokenizer.encode(
-            "The history of the printing press begins in the fifteenth century, when Johannes \
-             Gutenberg combined movable metal type, oil-based ink and a screw press.",
-        )?;
+        let prompt = model.tokenizer.encode(BENCH_TEXT)?;
         (model.weights, prompt)
     };
     rows.extend(node_native::gpubench::model_rows(

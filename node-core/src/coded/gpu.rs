@@ -41,21 +41,6 @@ impl GpuShards {
         })
     }
 
-    /// The device they live on.
-    pub fn gpu(&self) -> &Arc<Gpu> {
-        &self.gpu
-    }
-
-    /// Bytes on the device.
-    pub fn bytes(&self) -> u64 {
-        self.blocks
-            .iter()
-            .flatten()
-            .chain([&self.lm_head])
-            .map(GpuMatrix::bytes)
-            .sum()
-    }
-
     fn stage(&self, stage: Stage) -> Result<Vec<&GpuMatrix>, CodedError> {
         super::shards::stage_items(&self.blocks, &self.lm_head, stage)
     }
@@ -64,16 +49,11 @@ impl GpuShards {
     /// the CPU; `None` for requests that are not products.
     pub async fn compute(
         &self,
-        sub_blocks: usize,
+        m: usize,
         req: &StepRequest,
     ) -> Option<Result<Vec<f32>, CodedError>> {
-        let (stage, t) = match req {
-            StepRequest::Matmul { stage, t, .. } | StepRequest::MatmulT { stage, t, .. } => {
-                (*stage, *t as usize)
-            }
-            StepRequest::EmbedRows { .. } => return None,
-        };
-        Some(self.product(sub_blocks, stage, t, req).await)
+        let (stage, t) = req.product()?;
+        Some(self.product(m, stage, t, req).await)
     }
 
     async fn product(
@@ -99,21 +79,21 @@ impl GpuShards {
                 (*g, p)
             })
             .collect();
-        match req {
-            StepRequest::Matmul { x, .. } => Ok(self.gpu.matmul(&parts, x, t, m * per_sub).await?),
-            StepRequest::MatmulT { u, .. } => {
-                if u.len() != m * per_sub {
-                    return Err(CodedError::BadRequest(format!(
-                        "{stage:?}: {} transpose inputs, expected {} for t = {t}",
-                        u.len(),
-                        m * per_sub
-                    )));
-                }
-                Ok(self.gpu.matmul_t(&parts, u, t).await?)
+        if let StepRequest::MatmulT { u, .. } = req {
+            if u.len() != m * per_sub {
+                return Err(CodedError::BadRequest(format!(
+                    "{stage:?}: {} transpose inputs, expected {} for t = {t}",
+                    u.len(),
+                    m * per_sub
+                )));
             }
-            StepRequest::EmbedRows { .. } => Err(CodedError::BadRequest(
-                "an embedding lookup is not a product".into(),
-            )),
+            return Ok(self.gpu.matmul_t(&parts, u, t).await?);
         }
+        let StepRequest::Matmul { x, .. } = req else {
+            return Err(CodedError::BadRequest(
+                "an embedding lookup is not a product".into(),
+            ));
+        };
+        Ok(self.gpu.matmul(&parts, x, t, m * per_sub).await?)
     }
 }

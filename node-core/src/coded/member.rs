@@ -78,12 +78,7 @@ impl Member {
         if self.gpu_min_work == 0 {
             return Some(gpu);
         }
-        let (stage, t) = match req {
-            StepRequest::Matmul { stage, t, .. } | StepRequest::MatmulT { stage, t, .. } => {
-                (*stage, *t as usize)
-            }
-            StepRequest::EmbedRows { .. } => return None,
-        };
+        let (stage, t) = req.product()?;
         let bytes: usize = self
             .shards
             .stage_shards(stage)
@@ -155,15 +150,12 @@ impl Member {
         }
     }
 
-    /// The partial result of a request, laid out sub-block major.
+    /// The partial result of a request, laid out sub-block major (in the browser, products
+    /// reach the GPU only through [`Self::compute_async`]).
     pub fn compute(&self, req: &StepRequest) -> Result<Vec<f32>, CodedError> {
         #[cfg(not(target_arch = "wasm32"))]
-        if let Some(gpu) = self.gpu_for(req) {
-            let m = self.shards.generator.sub_blocks();
-            if let Some(answer) = pollster::block_on(gpu.compute(m, req)) {
-                return answer;
-            }
-        }
+        return pollster::block_on(self.compute_async(req));
+        #[cfg(target_arch = "wasm32")]
         self.compute_cpu(req)
     }
 

@@ -6,8 +6,15 @@ use super::kernels::{
 };
 use super::{Gpu, GpuError};
 
+use std::borrow::Cow;
+
 /// Columns are padded to a multiple of this (one f16 weight element is eight columns).
 const COL_ALIGN: usize = 8;
+
+/// Workgroups of the copy kernel's grid stride: enough to fill the largest GPUs (132 SMs ×
+/// 16 resident workgroups × 4).
+#[cfg(not(target_arch = "wasm32"))]
+const COPY_GROUPS: u32 = 4 * 132 * 16;
 
 /// Largest scratch for the transpose product's split partial sums.
 const PARTS_BYTES: u64 = 64 << 20;
@@ -151,15 +158,37 @@ fn check_parts(parts: &[(&GpuMatrix, Placement)], t: usize, len: usize) -> Resul
     Ok(cols)
 }
 
-/// `t × cols` values padded to `t × cols_p`, as bytes.
-fn pad_rows(x: &[f32], t: usize, cols: usize, cols_p: usize) -> Vec<u8> {
+/// `t × cols` values padded to `t × cols_p` (borrowed when there is nothing to pad).
+fn pad_rows(x: &[f32], t: usize, cols: usize, cols_p: usize) -> Cow<'_, [f32]> {
+    if cols == cols_p {
+        return Cow::Borrowed(x);
+    }
     let mut out = vec![0.0f32; t * cols_p];
     if cols > 0 {
         for (dst, src) in out.chunks_exact_mut(cols_p).zip(x.chunks_exact(cols)) {
             dst[..cols].copy_from_slice(src);
         }
     }
-    bytemuck::cast_slice(&out).to_vec()
+    Cow::Owned(out)
+}
+
+/// Workgroups along the token axis: one per token for GEMV-shaped kernels, one per
+/// `GEMM_TOKENS` tokens for the multi-token ones.
+fn token_groups(t: usize, multi: bool) -> Result<u32, GpuError> {
+    let groups = u32_of(
+        if multi {
+            t.div_ceil(GEMM_TOKENS as usize)
+        } else {
+            t
+        },
+        "t",
+    )?;
+    if groups > MAX_GROUPS {
+        return Err(GpuError::Shape(format!(
+            "t = {t} tokens is more than one product takes"
+        )));
+    }
+    Ok(groups)
 }
 
 impl Gpu {
@@ -242,7 +271,7 @@ impl Gpu {
     ) -> Result<Vec<f32>, GpuError> {
         let plan = self.plan_matmul(parts, x, t, len)?;
         let mut scratch = self.scratch.lock().await;
-        let bufs = self.matmul_buffers(&mut scratch, &plan);
+        let bufs = self.io_buffers(&mut scratch, &plan.x, &plan.params, plan.out_bytes);
         let mut enc = self.device.create_command_encoder(&Default::default());
         self.record_matmul(&mut enc, &plan, &bufs, 1);
         enc.copy_buffer_to_buffer(bufs.output, 0, bufs.staging, 0, plan.out_bytes);
@@ -254,7 +283,7 @@ impl Gpu {
     fn plan_matmul<'a>(
         &self,
         parts: &[(&'a GpuMatrix, Placement)],
-        x: &[f32],
+        x: &'a [f32],
         t: usize,
         len: usize,
     ) -> Result<MatmulPlan<'a>, GpuError> {
@@ -266,21 +295,11 @@ impl Gpu {
             )));
         }
         let cols_p = parts.first().map_or(COL_ALIGN, |(m, _)| m.cols_p);
-        let x_bytes = pad_rows(x, t, cols, cols_p);
+        let x = pad_rows(x, t, cols, cols_p);
         let out_bytes = 4 * len.max(1) as u64;
         let gemm = t >= GEMM_MIN_T;
-        let tok_groups = u32_of(
-            if gemm {
-                t.div_ceil(GEMM_TOKENS as usize)
-            } else {
-                t
-            },
-            "t",
-        )?;
-        if tok_groups > MAX_GROUPS
-            || x_bytes.len() as u64 > self.max_binding
-            || out_bytes > self.max_binding
-        {
+        let tok_groups = token_groups(t, gemm)?;
+        if 4 * x.len() as u64 > self.max_binding || out_bytes > self.max_binding {
             return Err(GpuError::Shape(format!(
                 "t = {t} tokens of {cols} columns is more than one product takes"
             )));
@@ -296,7 +315,7 @@ impl Gpu {
         }
         Ok(MatmulPlan {
             gemm,
-            x_bytes,
+            x,
             out_bytes,
             tok_groups,
             params,
@@ -304,38 +323,47 @@ impl Gpu {
         })
     }
 
-    /// The scratch buffers of a planned product, with its inputs and parameters written.
-    fn matmul_buffers<'s>(&self, s: &'s mut Scratch, plan: &MatmulPlan<'_>) -> MatmulBuffers<'s> {
+    /// The scratch buffers of a product, with its input and parameters written.
+    fn io_buffers<'s>(
+        &self,
+        s: &'s mut Scratch,
+        input: &[f32],
+        params: &ParamBlocks,
+        out_bytes: u64,
+    ) -> IoBuffers<'s> {
         use wgpu::BufferUsages as U;
+        let bytes: &[u8] = bytemuck::cast_slice(input);
         let input = ensure(
             &self.device,
             &mut s.input,
-            plan.x_bytes.len() as u64,
+            bytes.len().max(4) as u64,
             U::STORAGE | U::COPY_DST,
         );
-        self.queue.write_buffer(input, 0, &plan.x_bytes);
+        self.queue.write_buffer(input, 0, bytes);
         let pbuf = ensure(
             &self.device,
             &mut s.params,
-            plan.params.bytes().len() as u64,
+            params.bytes().len() as u64,
             U::UNIFORM | U::COPY_DST,
         );
-        self.queue.write_buffer(pbuf, 0, plan.params.bytes());
-        MatmulBuffers {
+        self.queue.write_buffer(pbuf, 0, params.bytes());
+        IoBuffers {
             input,
+            input_bytes: bytes.len().max(4) as u64,
             params: pbuf,
             output: ensure(
                 &self.device,
                 &mut s.output,
-                plan.out_bytes,
+                out_bytes,
                 U::STORAGE | U::COPY_SRC | U::COPY_DST,
             ),
             staging: ensure(
                 &self.device,
                 &mut s.staging,
-                plan.out_bytes,
+                out_bytes,
                 U::MAP_READ | U::COPY_DST,
             ),
+            parts: &mut s.parts,
         }
     }
 
@@ -344,7 +372,7 @@ impl Gpu {
         &self,
         enc: &mut wgpu::CommandEncoder,
         plan: &MatmulPlan<'_>,
-        bufs: &MatmulBuffers<'_>,
+        bufs: &IoBuffers<'_>,
         times: usize,
     ) {
         let groups: Vec<wgpu::BindGroup> = plan
@@ -356,7 +384,7 @@ impl Gpu {
                     &self.kernels.four,
                     vec![
                         part(w, 0, None),
-                        part(bufs.input, 0, Some(plan.x_bytes.len() as u64)),
+                        part(bufs.input, 0, Some(bufs.input_bytes)),
                         part(bufs.output, 0, Some(plan.out_bytes)),
                         part(bufs.params, offset, Some(32)),
                     ],
@@ -381,7 +409,7 @@ impl Gpu {
         let parts = [(m, Placement::plain(m.rows, t))];
         let plan = self.plan_matmul(&parts, &x, t, m.rows * t)?;
         let mut scratch = pollster::block_on(self.scratch.lock());
-        let bufs = self.matmul_buffers(&mut scratch, &plan);
+        let bufs = self.io_buffers(&mut scratch, &plan.x, &plan.params, plan.out_bytes);
         self.timed(times, |enc, n| self.record_matmul(enc, &plan, &bufs, n))
     }
 
@@ -441,7 +469,7 @@ impl Gpu {
             &self.kernels.two,
             vec![part(&src, 0, None), part(&dst, 0, None)],
         );
-        let (gx, gy) = spread(((bytes / 16) as u32).div_ceil(FLAT_GROUP).min(4 * 132 * 16));
+        let (gx, gy) = spread(((bytes / 16) as u32).div_ceil(FLAT_GROUP).min(COPY_GROUPS));
         self.timed(times, |enc, n| {
             let mut pass = enc.begin_compute_pass(&Default::default());
             pass.set_pipeline(&self.kernels.copy);
@@ -470,11 +498,8 @@ impl Gpu {
         let cols_p = first.cols_p;
         let out_bytes = 4 * (t * cols_p) as u64;
         let u_bytes = 4 * u.len() as u64;
-        let tok_groups = u32_of(
-            t.div_ceil(if t == 1 { 1 } else { GEMM_TOKENS as usize }),
-            "t",
-        )?;
-        if tok_groups > MAX_GROUPS || u_bytes > self.max_binding || out_bytes > self.max_binding {
+        let tok_groups = token_groups(t, t > 1)?;
+        if u_bytes > self.max_binding || out_bytes > self.max_binding {
             return Err(GpuError::Shape(format!(
                 "t = {t} tokens of {cols} columns is more than one product takes"
             )));
@@ -501,34 +526,13 @@ impl Gpu {
             }
         }
         let mut scratch = self.scratch.lock().await;
-        let s = &mut *scratch;
-        use wgpu::BufferUsages as U;
-        let input = ensure(
+        let bufs = self.io_buffers(&mut scratch, u, &params, out_bytes);
+        let (input, output, pbuf, staging) = (bufs.input, bufs.output, bufs.params, bufs.staging);
+        let partial = ensure(
             &self.device,
-            &mut s.input,
-            u_bytes.max(4),
-            U::STORAGE | U::COPY_DST,
-        );
-        self.queue.write_buffer(input, 0, bytemuck::cast_slice(u));
-        let output = ensure(
-            &self.device,
-            &mut s.output,
-            out_bytes,
-            U::STORAGE | U::COPY_SRC | U::COPY_DST,
-        );
-        let partial = ensure(&self.device, &mut s.parts, parts_bytes, U::STORAGE);
-        let pbuf = ensure(
-            &self.device,
-            &mut s.params,
-            params.bytes().len() as u64,
-            U::UNIFORM | U::COPY_DST,
-        );
-        self.queue.write_buffer(pbuf, 0, params.bytes());
-        let staging = ensure(
-            &self.device,
-            &mut s.staging,
-            out_bytes,
-            U::MAP_READ | U::COPY_DST,
+            bufs.parts,
+            parts_bytes,
+            wgpu::BufferUsages::STORAGE,
         );
         let mut enc = self.device.create_command_encoder(&Default::default());
         enc.clear_buffer(output, 0, Some(out_bytes));
@@ -540,7 +544,7 @@ impl Gpu {
                     &self.kernels.four,
                     vec![
                         part(w, 0, None),
-                        part(input, 0, Some(u_bytes.max(4))),
+                        part(input, 0, Some(bufs.input_bytes)),
                         part(partial, 0, Some(u64::from(splits) * out_bytes)),
                         part(pbuf, prod, Some(32)),
                     ],
@@ -578,7 +582,8 @@ impl Gpu {
 #[derive(Debug)]
 struct MatmulPlan<'a> {
     gemm: bool,
-    x_bytes: Vec<u8>,
+    /// The input, padded to whole weight elements.
+    x: Cow<'a, [f32]>,
     out_bytes: u64,
     tok_groups: u32,
     params: ParamBlocks,
@@ -588,9 +593,13 @@ struct MatmulPlan<'a> {
 
 /// The scratch buffers a product uses.
 #[derive(Debug)]
-struct MatmulBuffers<'s> {
+struct IoBuffers<'s> {
     input: &'s wgpu::Buffer,
+    /// Bytes of the input written.
+    input_bytes: u64,
     params: &'s wgpu::Buffer,
     output: &'s wgpu::Buffer,
     staging: &'s wgpu::Buffer,
+    /// The transpose product's partial sums, set up by it.
+    parts: &'s mut Option<wgpu::Buffer>,
 }
