@@ -9,8 +9,8 @@ use common::max_rel_diff;
 
 use node_core::code::Generator;
 use node_core::coded::{
-    CodedGroup, InProcess, Member, Misbehaviour, NOISE_MARGIN, ShardFormat, VerifyConfig,
-    measure_noise,
+    CodedGroup, InProcess, Member, Misbehaviour, NOISE_MARGIN, PROBE_SIGMAS, ShardFormat,
+    UpdateProbe, VerifyConfig, measure_noise,
 };
 use node_core::learn::Update;
 use node_core::model::{KvCache, LeaderWeights, Llama, ModelWeights};
@@ -165,4 +165,99 @@ fn a_fault_with_nobody_left_to_tell_fails_clearly() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("disagree"), "{err}");
+}
+
+/// Learning updates at `lr`, each from one training sequence through honest members.
+fn updates(w: &ModelWeights, members: &[Member], lr: f32, count: usize) -> Vec<Update> {
+    let llama = Llama::new(w.cfg.clone(), LeaderWeights::from_model(w)).unwrap();
+    (0..count)
+        .map(|i| {
+            let mesh = InProcess::new(members.to_vec()).unwrap();
+            let g = Generator::cauchy(5, 3).unwrap();
+            let mut group = CodedGroup::new(w.cfg.clone(), g, &[0, 1, 2], mesh).unwrap();
+            let seq: Vec<u32> = SEQ.iter().map(|&t| (t + 7 * i as u32) % 64).collect();
+            Update::from_gradients(llama.gradients(&mut group, &seq).unwrap(), lr, 1.0)
+        })
+        .collect()
+}
+
+#[test]
+fn members_missing_updates_they_claim_are_caught_by_the_probe() {
+    let (w, g, genesis) = honest();
+    let check = calibrated(&w, &g, &genesis, 1);
+    // Updates too small for the residual check: the stale shard differs by far less than the
+    // f32 noise it must allow.
+    let ups = updates(&w, &genesis, 4e-6, 2);
+    let probe = || {
+        let list = ups
+            .iter()
+            .enumerate()
+            .map(|(i, u)| (100 + i as u64, std::sync::Arc::new(u.clone())))
+            .collect();
+        Some(UpdateProbe::new(list, 5))
+    };
+    let at = |missing: &[usize], bad: usize| {
+        let mut out = genesis.clone();
+        for (i, m) in out.iter_mut().enumerate() {
+            for (j, u) in ups.iter().enumerate() {
+                if i != bad || !missing.contains(&j) {
+                    u.apply_to_shards(m.shards_mut()).unwrap();
+                }
+            }
+        }
+        out
+    };
+    // Honest members pass with the probe on, and the fits stay far from the bar.
+    let mesh = InProcess::new(at(&[], usize::MAX)).unwrap();
+    let mut group = CodedGroup::new(w.cfg.clone(), g.clone(), &[0, 1, 2, 3], mesh).unwrap();
+    group.set_verify(check);
+    group.set_probe(probe());
+    let want = logits(&w, &mut group);
+    let s = group.stats();
+    assert!(s.caught.is_empty(), "{:?}", s.caught);
+    assert!(s.probed_rounds > 0);
+    assert!(
+        s.max_probe_sigmas < PROBE_SIGMAS / 2.0,
+        "honest fit at {:.1} σ",
+        s.max_probe_sigmas
+    );
+    // Stale (missing the second update) and lying (missing both), with r = 1 and r = 2.
+    for (missing, ids) in [(&[1][..], &[101u64][..]), (&[0, 1][..], &[100, 101][..])] {
+        for extra in [1, 2] {
+            for bad in [0, 2, 3] {
+                let members = at(missing, bad);
+                let mesh = InProcess::new(members.clone()).unwrap();
+                let mut group =
+                    CodedGroup::new(w.cfg.clone(), g.clone(), &[0, 1, 2, 3, 4], mesh).unwrap();
+                group.set_verify(VerifyConfig { extra, ..check });
+                let _ = logits(&w, &mut group);
+                assert!(
+                    group.stats().caught.is_empty(),
+                    "the residual check alone saw {missing:?} missing: {:?}",
+                    group.stats().caught
+                );
+                let mesh = InProcess::new(members).unwrap();
+                let mut group =
+                    CodedGroup::new(w.cfg.clone(), g.clone(), &[0, 1, 2, 3, 4], mesh).unwrap();
+                group.set_verify(VerifyConfig { extra, ..check });
+                group.set_probe(probe());
+                let got = logits(&w, &mut group);
+                let caught = &group.stats().caught;
+                let p = group.probe().unwrap();
+                let fits: Vec<_> = (0..p.len()).map(|u| p.fits(u)).collect();
+                let what = format!(
+                    "missing {missing:?}, r = {extra}, bad row {bad}: {caught:?}; fits {fits:?}"
+                );
+                assert_eq!(caught.len(), 1, "{what}");
+                let (id, share) = caught[0].missing_update.expect(&what);
+                assert_eq!(caught[0].node, bad, "{what}");
+                assert!(ids.contains(&id), "{what}");
+                assert!((share - 1.0).abs() < 0.5, "{what}");
+                assert!(!group.nodes().contains(&bad), "{what}");
+                assert!(caught[0].to_string().contains("miss"), "{what}");
+                let err = max_rel_diff(&got, &want);
+                assert!(err < 1e-4, "{what}: logits off by {err:.2e}");
+            }
+        }
+    }
 }

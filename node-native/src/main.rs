@@ -666,11 +666,16 @@ fn run_once_on_mesh(
         "verified: {} rounds checked, {} unchecked; honest noise at {:.3} of the threshold",
         s.verified_rounds, s.unverified_rounds, s.max_pass_ratio
     );
-    for c in &s.caught {
+    if let Some(p) = leader.group.probe() {
         eprintln!(
-            "caught row {}: residual {:.2e} > threshold {:.2e} on {}; the rows {:?} agree without it",
-            c.node, c.residual, c.threshold, c.step, c.witnesses
+            "update probe: {} rounds fitted against {} learning updates of the version; largest fit of a member not caught {:.1} σ",
+            s.probed_rounds,
+            p.len(),
+            s.max_probe_sigmas
         );
+    }
+    for c in &s.caught {
+        eprintln!("{c}");
     }
     eprintln!("members at the end: {:?}", leader.group.nodes());
     if !leader.group.stats().caught.is_empty() {

@@ -917,14 +917,7 @@ impl Server {
                     } => {
                         let answer = match caught.parse::<PeerId>() {
                             Ok(p) => {
-                                let text = format!(
-                                    "row {} caught on {}: residual {:.2e} > threshold {:.2e}; rows {:?} agree without it; reported by {peer}",
-                                    evidence.node,
-                                    evidence.step,
-                                    evidence.residual,
-                                    evidence.threshold,
-                                    evidence.witnesses
-                                );
+                                let text = format!("{evidence}; reported by {peer}");
                                 if p == self.client.peer_id() {
                                     eprintln!(
                                         "this node was caught answering against the code: {text}"
@@ -1088,7 +1081,7 @@ async fn catch_up(
 }
 
 /// Downloads an update's payload in chunks.
-async fn fetch_update(client: &Client, peer: PeerId, id: u64) -> Result<Vec<u8>> {
+pub(crate) async fn fetch_update(client: &Client, peer: PeerId, id: u64) -> Result<Vec<u8>> {
     let limit = crate::learning::MAX_UPDATE_BYTES;
     let req = |offset| MeshRequest::UpdateChunk {
         id,

@@ -14,7 +14,7 @@ use node_core::mesh::{
     RoundDriver,
 };
 
-use crate::node::{ask, fetch_manifest, pick_addr};
+use crate::node::{ask, fetch_manifest, fetch_update, pick_addr};
 use crate::swarm::{self, Client, NetConfig};
 
 /// A connection to the mesh through one node.
@@ -99,6 +99,60 @@ impl Session {
         }
         Ok((rows, digest))
     }
+}
+
+/// Learning updates of a version a leader checks its members against: a random few.
+pub const PROBE_UPDATES: usize = 4;
+
+/// A random few of the updates that make `version`, fetched from a holder and checked: the
+/// list of ids must hash to the version's digest, each payload to its id, and each must be
+/// signed and fit the mesh's rules.
+async fn probe_updates(
+    client: &Client,
+    holders: &BTreeMap<usize, PeerId>,
+    version: [u8; 32],
+    rules: &crate::learning::Rules,
+) -> Result<Vec<(u64, std::sync::Arc<node_core::learn::Update>)>> {
+    use std::hash::BuildHasher;
+    let mut last = anyhow!("no row holder to ask");
+    for &peer in holders.values() {
+        let ids = match ask(client, peer, MeshRequest::Versions).await {
+            Ok(MeshResponse::Versions { ids }) => ids,
+            Ok(_) => {
+                last = anyhow!("{peer} answered the version list with something else");
+                continue;
+            }
+            Err(e) => {
+                last = e;
+                continue;
+            }
+        };
+        let mut listed = node_core::mesh::ShardVersion::default();
+        ids.iter().for_each(|&id| {
+            listed.insert(id);
+        });
+        if listed.digest() != version {
+            last = anyhow!("{peer}'s update list is not the group's version");
+            continue;
+        }
+        // A random choice per leader (the hasher's keys are random), so no member can know
+        // which updates will be checked.
+        let order = std::collections::hash_map::RandomState::new();
+        let mut ids = ids;
+        ids.sort_by_key(|&id| order.hash_one(id));
+        ids.truncate(PROBE_UPDATES);
+        let mut out = Vec::with_capacity(ids.len());
+        for id in ids {
+            let bytes = fetch_update(client, peer, id).await?;
+            let checked = rules.check(&bytes)?;
+            if checked.id != id {
+                bail!("{peer}'s update {id:016x} hashes to {:016x}", checked.id);
+            }
+            out.push((id, std::sync::Arc::new(checked.update)));
+        }
+        return Ok(out);
+    }
+    Err(last)
 }
 
 /// A version digest from its hex form.
@@ -201,6 +255,30 @@ impl Leader {
             );
         }
         let plan = node_core::mesh::plan_group(&g, &live, verify + spares)?;
+        // Members that claim updates they do not hold are caught by fitting the residuals
+        // against a few updates of the version (docs/verification.md).
+        let probe = if verify > 0 && manifest.learning.enabled {
+            let rules = crate::learning::Rules {
+                cfg: manifest.cfg.clone(),
+                learning: manifest.learning,
+            };
+            match rt.block_on(probe_updates(&session.client, &rows, version, &rules)) {
+                Ok(list) if list.is_empty() => None,
+                Ok(list) => {
+                    tracing::info!(
+                        updates = list.len(),
+                        "checking members against learning updates of their version"
+                    );
+                    Some(node_core::coded::UpdateProbe::new(list, g.n()))
+                }
+                Err(e) => {
+                    tracing::warn!("members are not checked against learning updates: {e:#}");
+                    None
+                }
+            }
+        } else {
+            None
+        };
         let tokenizer = node_core::model::Tokenizer::from_data(&manifest.tokenizer)?;
         let llama = node_core::model::Llama::new(manifest.cfg.clone(), norms)?;
         let transport = NetTransport::new(
@@ -217,6 +295,7 @@ impl Leader {
             extra: verify,
             noise: manifest.verify_noise,
         });
+        group.set_probe(probe);
         Ok(Self {
             manifest,
             tokenizer,

@@ -5,8 +5,8 @@
 use anyhow::{Result, bail};
 use node_core::code::Generator;
 use node_core::coded::{
-    CodedGroup, InProcess, Member, NOISE_MARGIN, ShardFormat, Transport, TransportError,
-    VerifyConfig, measure_noise,
+    CodedGroup, InProcess, Member, NOISE_MARGIN, PROBE_MIN_FIT, PROBE_SIGMAS, ShardFormat,
+    Transport, TransportError, UpdateProbe, VerifyConfig, measure_noise,
 };
 use node_core::learn::Update;
 use node_core::model::{KvCache, LeaderWeights, Llama, ModelWeights};
@@ -146,6 +146,7 @@ pub fn run(
         .to_vec();
     let mut current = genesis.clone();
     let mut two = Vec::new();
+    let mut made = Vec::new();
     for (i, p) in prompts.iter().take(3).enumerate() {
         let mesh = InProcess::new(current.clone())?;
         let mut group = CodedGroup::new(cfg.clone(), g.clone(), &[0, 1, 2], mesh)?;
@@ -157,6 +158,7 @@ pub fn run(
             update.apply_to_shards(m.shards_mut())?;
         }
         update.apply_to_norms(&mut norms);
+        made.push((i as u64 + 1, std::sync::Arc::new(update)));
         if i == 1 {
             two = current.clone();
         }
@@ -178,13 +180,14 @@ pub fn run(
     let forward = |trial: Trial, rows: &[usize], extra: usize, token: u32| {
         let mut group = CodedGroup::new(cfg.clone(), g.clone(), rows, trial)?;
         group.set_verify(VerifyConfig { extra, ..verify });
+        group.set_probe(Some(UpdateProbe::new(made.clone(), g.n())));
         let out = llama.forward(&mut group, &[token], &mut KvCache::new(&cfg));
         anyhow::Ok((out, group.stats().clone()))
     };
     let mut rows_out = Vec::new();
     // Honest requests: r = 1 over a random 4-group in random order.
     let started = std::time::Instant::now();
-    let (mut false_pos, mut worst) = (0usize, 0.0f64);
+    let (mut false_pos, mut worst, mut worst_fit) = (0usize, 0.0f64, 0.0f64);
     for i in 0..honest {
         let mut rows: Vec<usize> = (0..5).collect();
         shuffle(&mut rows, &mut rng);
@@ -201,6 +204,7 @@ pub fn run(
             false_pos += 1;
         }
         worst = worst.max(stats.max_pass_ratio);
+        worst_fit = worst_fit.max(stats.max_probe_sigmas);
         if (i + 1) % 1000 == 0 {
             eprintln!(
                 "honest {}/{honest} ({:.0} s)",
@@ -215,7 +219,7 @@ pub fn run(
             2 + 4 * cfg.layers
         ),
         value: format!(
-            "{false_pos} flagged of {honest}; largest residual {worst:.3} of the threshold"
+            "{false_pos} flagged of {honest}; largest residual {worst:.3} of the threshold; largest update fit {worst_fit:.1} σ"
         ),
     });
     let kinds = [
@@ -269,6 +273,12 @@ pub fn run(
     rows_out.push(Row {
         what: "smallest relative perturbation caught in every trial".into(),
         value: smallest.map_or("none tried".into(), |e| format!("{e:.0e}")),
+    });
+    rows_out.push(Row {
+        what: "update probe".into(),
+        value: format!(
+            "the 3 updates of the group's version; a member is caught when one update's fit reaches {PROBE_SIGMAS} σ, covers at least {PROBE_MIN_FIT} of the update and beats the next row's by {PROBE_SIGMAS}² σ²"
+        ),
     });
     rows_out.push(Row {
         what: "threshold".into(),

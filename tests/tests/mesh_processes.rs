@@ -279,6 +279,30 @@ impl Mesh {
     }
 
     /// Runs `generate` on the mesh; `during` is called once the first text arrives.
+    /// Waits until all five nodes hold one version of `count` updates.
+    fn wait_version(&mut self, count: u64) -> Result<()> {
+        let start = Instant::now();
+        loop {
+            let s = self.status()?;
+            let nodes = s["nodes"].as_array().context("nodes")?;
+            let digests: Vec<&str> = nodes
+                .iter()
+                .filter_map(|n| n["version_digest"].as_str())
+                .collect();
+            if nodes.len() == 5
+                && s["version_count"] == count
+                && digests.iter().all(|d| *d == digests[0])
+                && nodes.iter().all(|n| n["lag"] == 0)
+            {
+                return Ok(());
+            }
+            if start.elapsed() > Duration::from_secs(30) {
+                bail!("versions did not converge: {s}");
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
     fn generate(
         &self,
         prompt: &str,
@@ -544,26 +568,7 @@ fn every_request_trains_and_a_restarted_node_catches_up() -> Result<()> {
         "the loss on the repeated prompt should fall: {losses:?}"
     );
     // Every node converges on one version holding all the updates.
-    let start = Instant::now();
-    loop {
-        let s = mesh.status()?;
-        let nodes = s["nodes"].as_array().context("nodes")?;
-        let digests: Vec<&str> = nodes
-            .iter()
-            .filter_map(|n| n["version_digest"].as_str())
-            .collect();
-        if nodes.len() == 5
-            && s["version_count"] == REQUESTS as u64
-            && digests.iter().all(|d| *d == digests[0])
-            && nodes.iter().all(|n| n["lag"] == 0)
-        {
-            break;
-        }
-        if start.elapsed() > Duration::from_secs(30) {
-            bail!("versions did not converge: {s}");
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    mesh.wait_version(REQUESTS as u64)?;
     // Stop the mesh and read every node's data dir: each shard, with its recorded updates
     // replayed, is the codeword of the uncoded model that applied the same updates.
     let dir = mesh.dir.0.clone();
@@ -715,7 +720,7 @@ fn a_member_that_answers_wrongly_is_caught_outvoted_and_replaced() -> Result<()>
         let (out, err) = mesh.generate("hello world", 8, || {})?;
         assert_eq!(out, undisturbed, "{fault}: the answer changed:\n{err}");
         assert!(
-            err.contains(&format!("caught row {row}: residual")),
+            err.contains(&format!("row {row} caught on")),
             "{fault}: row {row} was not caught:\n{err}"
         );
         // The mesh knows, with the evidence, and leaves the node out.
@@ -727,10 +732,10 @@ fn a_member_that_answers_wrongly_is_caught_outvoted_and_replaced() -> Result<()>
             .filter(|n| n["caught"].is_string())
             .collect();
         assert!(
-            caught
-                .iter()
-                .any(|n| n["row"] == row
-                    && n["caught"].as_str().is_some_and(|e| e.contains("residual"))),
+            caught.iter().any(|n| n["row"] == row
+                && n["caught"]
+                    .as_str()
+                    .is_some_and(|e| e.contains("caught on"))),
             "{fault}: status does not show row {row} caught: {s}"
         );
         if fault != "garbage" {
@@ -747,8 +752,56 @@ fn a_member_that_answers_wrongly_is_caught_outvoted_and_replaced() -> Result<()>
             mesh.wait_healthy(5)?;
             let (out, err) = mesh.generate("hello world", 8, || {})?;
             assert_eq!(out, undisturbed, "after the replacement:\n{err}");
-            assert!(!err.contains("caught row"), "{err}");
+            assert!(!err.contains("caught on"), "{err}");
         }
     }
+    Ok(())
+}
+
+#[test]
+fn a_member_that_skips_an_update_it_claims_is_caught_by_the_update_probe() -> Result<()> {
+    let model = tiny_model();
+    // A rate small enough that the missing update hides below the residual check's threshold:
+    // only the fit against the update itself finds it.
+    let mut mesh = Mesh::start("stale", Some(&model), &["--lr", "5e-6"])?;
+    let row = 3u64;
+    let i = mesh.holder(row)?;
+    mesh.nodes[i].signal("KILL");
+    mesh.wait_healthy(4)?;
+    let data = mesh.dir.0.join(format!("d{}", i + 1));
+    let mut args = vec![
+        "node",
+        "--tcp-only",
+        "--inject-fault",
+        "stale",
+        "--bootstrap",
+    ];
+    args.push(&mesh.bootstrap);
+    args.push("--data");
+    args.push(data.to_str().context("path")?);
+    args.extend(HEALTH);
+    let mut p = spawn(&mesh.dir.0, "faulty-stale", &args)?;
+    p.wait_log(&format!("serving row {row}"), Duration::from_secs(60))?;
+    mesh.nodes[i] = p;
+    mesh.wait_healthy(5)?;
+    // This request trains: the faulty node records the update without applying it.
+    let (_, err) = mesh.generate("hello world", 8, || {})?;
+    assert!(!err.contains("caught on"), "{err}");
+    mesh.wait_version(1)?;
+    let (_, err) = mesh.generate("hello world", 8, || {})?;
+    assert!(
+        err.contains(&format!("row {row} caught on")) && err.contains("of update"),
+        "row {row} was not caught missing the update:\n{err}"
+    );
+    assert!(err.contains("update probe:"), "{err}");
+    let s = mesh.wait_healthy(4)?;
+    let nodes = s["nodes"].as_array().context("nodes")?;
+    assert!(
+        nodes.iter().any(|n| n["row"] == row
+            && n["caught"]
+                .as_str()
+                .is_some_and(|e| e.contains("of update"))),
+        "status does not show row {row} caught: {s}"
+    );
     Ok(())
 }

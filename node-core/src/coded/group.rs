@@ -4,6 +4,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use web_time::{Duration, Instant};
 
+use super::probe::UpdateProbe;
 use super::verify::{Caught, VerifyConfig, residual};
 use super::{CodedError, Member, ShardFormat, ShardSet};
 use crate::code::{Decoder, Generator};
@@ -176,6 +177,10 @@ pub struct ExecStats {
     pub max_pass_ratio: f64,
     /// Members caught answering against the code, with the evidence.
     pub caught: Vec<Caught>,
+    /// Rounds whose residuals were fitted against learning updates ([`UpdateProbe`]).
+    pub probed_rounds: u64,
+    /// Largest significance, in standard deviations, of a fit that convicted nobody.
+    pub max_probe_sigmas: f64,
 }
 
 /// Attempts at one round before the request fails (each drops at least one bad member).
@@ -192,6 +197,7 @@ pub struct CodedGroup<T: Transport> {
     transport: T,
     stats: ExecStats,
     verify: VerifyConfig,
+    probe: Option<UpdateProbe>,
 }
 
 /// Answers of one round: `(node, values)`.
@@ -226,7 +232,19 @@ impl<T: Transport> CodedGroup<T> {
                 extra: 0,
                 ..VerifyConfig::default()
             },
+            probe: None,
         })
+    }
+
+    /// Fits the residuals of checked rounds against these learning updates, to catch members
+    /// that claim updates they do not hold ([`UpdateProbe`]).
+    pub fn set_probe(&mut self, probe: Option<UpdateProbe>) {
+        self.probe = probe;
+    }
+
+    /// The update probe and its evidence so far.
+    pub fn probe(&self) -> Option<&UpdateProbe> {
+        self.probe.as_ref()
     }
 
     /// Checks every forward round with `cfg.extra` answers beyond the k decoded.
@@ -300,9 +318,163 @@ impl<T: Transport> CodedGroup<T> {
             });
         }
         let started = Instant::now();
-        let out = self.decode_checked(&mut parts, c, &bytes, what);
+        let mut out = self.decode_checked(&mut parts, c, &bytes, what)?;
+        if let StepRequest::Matmul { stage, t, x } = req
+            && parts.len() > k
+            && self.probe.is_some()
+            && let Some(again) = self.probe_round(*stage, x, *t as usize, &mut parts, c, what)?
+        {
+            out = again;
+        }
         self.stats.decode_time += started.elapsed();
-        out
+        Ok(out)
+    }
+
+    /// The residuals of the answers beyond the first k (in order) against the decode of the
+    /// first k, one after another.
+    fn residuals(&mut self, parts: &[(usize, &[f32])], c: usize) -> Result<Vec<f32>, CodedError> {
+        let (k, m) = (self.generator.k(), self.generator.sub_blocks());
+        let mut decode: Vec<(usize, &[f32])> = parts.iter().take(k).copied().collect();
+        decode.sort_by_key(|(n, _)| *n);
+        let rows: Vec<usize> = decode.iter().map(|(n, _)| *n).collect();
+        let refs: Vec<&[f32]> = decode.iter().map(|(_, v)| *v).collect();
+        let mut out = vec![0.0f32; k * m * c];
+        self.decoder_for(&rows)?.decode(&refs, &mut out)?;
+        let mut res = Vec::with_capacity(parts.len().saturating_sub(k) * m * c);
+        let mut predicted = vec![0.0f32; m * c];
+        for (node, actual) in parts.iter().skip(k) {
+            self.generator.predict_part(*node, &out, &mut predicted)?;
+            res.extend(actual.iter().zip(&predicted).map(|(a, p)| a - p));
+        }
+        Ok(res)
+    }
+
+    /// Fits a checked round's residuals against the learning updates under test; when a member
+    /// is convicted of missing one, it is recorded, dropped, and the round is decoded again
+    /// from the others (returned).
+    fn probe_round(
+        &mut self,
+        stage: Stage,
+        x: &[f32],
+        t: usize,
+        parts: &mut Parts,
+        c: usize,
+        what: &str,
+    ) -> Result<Option<Vec<f32>>, CodedError> {
+        let Some(mut probe) = self.probe.take() else {
+            return Ok(None);
+        };
+        let result = self.fit_round(&mut probe, stage, x, t, parts, c);
+        let fits: Vec<_> = (0..probe.len()).flat_map(|u| probe.fits(u)).collect();
+        self.probe = Some(probe);
+        result?;
+        let rows: Vec<usize> = parts.iter().map(|(n, _)| *n).collect();
+        let convicted = fits
+            .iter()
+            .filter(|f| rows.contains(&f.row) && f.convicts())
+            .max_by(|a, b| a.sigmas.abs().total_cmp(&b.sigmas.abs()));
+        for f in fits.iter().filter(|f| !f.convicts()) {
+            self.stats.max_probe_sigmas = self.stats.max_probe_sigmas.max(f.sigmas.abs());
+        }
+        let Some(fit) = convicted.copied() else {
+            return Ok(None);
+        };
+        let Some(i) = parts.iter().position(|(n, _)| *n == fit.row) else {
+            return Ok(None);
+        };
+        parts.remove(i);
+        let rest: Vec<&(usize, Vec<f32>)> = parts.iter().collect();
+        let out = match self.consistent(&rest, c)? {
+            Ok((out, _)) => out,
+            Err((worst, threshold)) => {
+                return Err(CodedError::Verification(format!(
+                    "{what}: without row {} (missing update {:016x}) the others disagree (residual {worst:.2e} > {threshold:.2e})",
+                    fit.row, fit.id
+                )));
+            }
+        };
+        tracing::warn!(
+            node = fit.row,
+            what,
+            update = format!("{:016x}", fit.id),
+            share = fit.share,
+            sigmas = fit.sigmas,
+            "caught a member missing a learning update it claims"
+        );
+        self.stats.caught.push(Caught {
+            node: fit.row,
+            step: what.to_string(),
+            residual: fit.sigmas.abs(),
+            threshold: super::probe::PROBE_SIGMAS,
+            witnesses: parts.iter().map(|(n, _)| *n).collect(),
+            missing_update: Some((fit.id, fit.share)),
+        });
+        self.members.retain(|&n| n != fit.row);
+        self.stats.members_dropped += 1;
+        Ok(Some(out))
+    }
+
+    /// Adds one round's evidence to every update still under test.
+    fn fit_round(
+        &mut self,
+        probe: &mut UpdateProbe,
+        stage: Stage,
+        x: &[f32],
+        t: usize,
+        parts: &Parts,
+        c: usize,
+    ) -> Result<(), CodedError> {
+        let m = self.generator.sub_blocks();
+        let rows: Vec<usize> = parts.iter().map(|(n, _)| *n).collect();
+        let open = probe.open(&rows);
+        if open.is_empty() {
+            return Ok(());
+        }
+        let refs: Vec<(usize, &[f32])> = parts.iter().map(|(n, v)| (*n, v.as_slice())).collect();
+        let res = self.residuals(&refs, c)?;
+        // The round's noise variance per value, floored at a fraction of f32's resolution of
+        // the answers so an exactly consistent round does not claim infinite precision.
+        let scale = parts
+            .iter()
+            .flat_map(|(_, v)| v.iter())
+            .fold(0.0f64, |a, &v| a.max(v.abs() as f64));
+        let floor = (1e-3 * f32::EPSILON as f64 * scale).powi(2);
+        let var = (res.iter().map(|&r| r as f64 * r as f64).sum::<f64>() / res.len().max(1) as f64)
+            .max(floor)
+            .max(f64::MIN_POSITIVE);
+        let zeros = vec![0.0f32; m * c];
+        let mut counted = false;
+        for u in open {
+            let Some(effect) = probe.effect(u, &self.cfg, &self.generator, stage, x, t) else {
+                continue;
+            };
+            let mut sigs = Vec::with_capacity(rows.len());
+            let mut e = vec![0.0f32; m * c];
+            for (i, &row) in rows.iter().enumerate() {
+                self.generator.predict_part(row, &effect, &mut e)?;
+                let only: Vec<(usize, &[f32])> = rows
+                    .iter()
+                    .enumerate()
+                    .map(|(j, &n)| {
+                        (
+                            n,
+                            if j == i {
+                                e.as_slice()
+                            } else {
+                                zeros.as_slice()
+                            },
+                        )
+                    })
+                    .collect();
+                let mut s = self.residuals(&only, c)?;
+                s.iter_mut().for_each(|v| *v = -*v);
+                sigs.push((row, s));
+            }
+            probe.add(u, &res, &sigs, var);
+            counted = true;
+        }
+        self.stats.probed_rounds += u64::from(counted);
+        Ok(())
     }
 
     /// Adds usable answers to `parts` from members that have not answered, up to `want`
@@ -483,6 +655,7 @@ impl<T: Transport> CodedGroup<T> {
             residual: own,
             threshold,
             witnesses: parts.iter().map(|(n, _)| *n).collect(),
+            missing_update: None,
         });
         self.members.retain(|&n| n != node);
         self.stats.members_dropped += 1;
@@ -551,33 +724,8 @@ impl<T: Transport> CodedGroup<T> {
             )));
         }
         let inp = shapes.first().map_or(0, |&(_, i)| i);
-        let lens: Vec<usize> = shapes
-            .iter()
-            .map(|&(out, _)| self.generator.block_len(out))
-            .collect();
-        let c: usize = lens.iter().map(|l| t * l).sum();
-        let (k, blocks) = (
-            self.generator.k(),
-            self.generator.k() * self.generator.sub_blocks(),
-        );
-        // dy in the decoder's layout: [block j][matrix][token][local row], zero-padded.
-        let mut dy = vec![0.0f32; blocks * c];
-        let mut offset = 0;
-        for ((grad, &(out, _)), &l) in dys.iter().zip(&shapes).zip(&lens) {
-            for j in 0..blocks {
-                let first = j * l;
-                if first >= out {
-                    break;
-                }
-                let n = l.min(out - first);
-                for tok in 0..t {
-                    let dst = j * c + offset + tok * l;
-                    dy[dst..dst + n]
-                        .copy_from_slice(&grad[tok * out + first..tok * out + first + n]);
-                }
-            }
-            offset += t * l;
-        }
+        let k = self.generator.k();
+        let dy = to_blocks(dys, &shapes, &self.generator, t);
         let mut last_error = None;
         for _ in 0..MAX_ROUND_ATTEMPTS {
             // The rows decoded last, if all are still members; else the first k members.
@@ -665,6 +813,36 @@ impl<T: Transport> CodedGroup<T> {
         }
         Ok(x)
     }
+}
+
+/// A stage's outputs (`t × out` per matrix) in the decoder's layout:
+/// `[block j][matrix][token][local row]`, zero-padded.
+pub(super) fn to_blocks(
+    mats: &[Vec<f32>],
+    shapes: &[(usize, usize)],
+    g: &Generator,
+    t: usize,
+) -> Vec<f32> {
+    let blocks = g.k() * g.sub_blocks();
+    let lens: Vec<usize> = shapes.iter().map(|&(out, _)| g.block_len(out)).collect();
+    let c: usize = lens.iter().map(|l| t * l).sum();
+    let mut dst = vec![0.0f32; blocks * c];
+    let mut offset = 0;
+    for ((mat, &(out, _)), &l) in mats.iter().zip(shapes).zip(&lens) {
+        for j in 0..blocks {
+            let first = j * l;
+            if first >= out {
+                break;
+            }
+            let n = l.min(out - first);
+            for tok in 0..t {
+                let at = j * c + offset + tok * l;
+                dst[at..at + n].copy_from_slice(&mat[tok * out + first..tok * out + first + n]);
+            }
+        }
+        offset += t * l;
+    }
+    dst
 }
 
 /// A member's answer as values, or why it cannot be used.

@@ -51,6 +51,35 @@ pub struct Caught {
     pub threshold: f64,
     /// The rows whose answers agreed without it.
     pub witnesses: Vec<usize>,
+    /// When its answers miss a learning update it claims: the update's id and the share
+    /// missed; `residual` and `threshold` are then the fit's significance and the bar, in
+    /// standard deviations.
+    #[serde(default)]
+    pub missing_update: Option<(u64, f64)>,
+}
+
+impl std::fmt::Display for Caught {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let Self {
+            node,
+            step,
+            residual,
+            threshold,
+            witnesses,
+            missing_update,
+        } = self;
+        match missing_update {
+            Some((id, share)) => write!(
+                f,
+                "row {node} caught on {step}: its answers miss {:.0}% of update {id:016x} ({residual:.1} σ > {threshold:.0} σ); rows {witnesses:?} agree without it",
+                100.0 * share
+            ),
+            None => write!(
+                f,
+                "row {node} caught on {step}: residual {residual:.2e} > threshold {threshold:.2e}; rows {witnesses:?} agree without it"
+            ),
+        }
+    }
 }
 
 /// `max|actual − predicted| / max|actual|` (∞ when the answer holds a non-finite value).
