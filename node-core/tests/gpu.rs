@@ -9,10 +9,10 @@ mod common;
 use std::sync::Arc;
 
 use node_core::code::Generator;
-use node_core::coded::{Member, ShardFormat, ShardSet};
+use node_core::coded::{CodedGroup, GpuGroup, InProcess, Member, ShardFormat, ShardSet};
 use node_core::compute::gpu::{Gpu, GpuError, Placement, Weights};
 use node_core::compute::matmul;
-use node_core::model::{ModelWeights, Stage};
+use node_core::model::{KvCache, LeaderWeights, Llama, ModelWeights, Stage};
 use node_core::protocol::StepRequest;
 use rand::{Rng, SeedableRng};
 
@@ -189,5 +189,41 @@ fn a_member_on_the_gpu_answers_what_it_answers_on_the_cpu() {
             member.compute(&req).unwrap(),
             member.compute_cpu(&req).unwrap()
         );
+    }
+}
+
+#[test]
+fn a_whole_token_on_the_gpu_gives_the_logits_of_the_cpu_group() {
+    let Some(mut gpu) = open() else { return };
+    // Small chunks: every stage's stacked matrix is split, as large models' are.
+    gpu.limit_chunk(2048);
+    let gpu = Arc::new(gpu);
+    for (tied, format, tol) in [
+        (true, ShardFormat::F32, 1e-4),
+        (false, ShardFormat::F32, 1e-4),
+        (true, ShardFormat::F16, 1e-4),
+    ] {
+        let w = ModelWeights::synthetic(common::train_config(tied), 5).unwrap();
+        let g = Generator::cauchy(5, 3).unwrap();
+        let mesh = InProcess::encode(&w, &g, format, &|_, _| {}).unwrap();
+        let llama = Llama::new(w.cfg.clone(), LeaderWeights::from_model(&w)).unwrap();
+        let rows = [4, 1, 2];
+        let sets: Vec<&ShardSet> = rows.iter().map(|&r| mesh.members()[r].shards()).collect();
+        let group = GpuGroup::new(gpu.clone(), &llama, &sets, w.cfg.max_seq).unwrap();
+        let mut cpu = CodedGroup::new(w.cfg.clone(), g.clone(), &rows, mesh).unwrap();
+        let mut cache = KvCache::new(&w.cfg);
+        let tokens = [3u32, 17, 60, 42, 9, 17, 5, 33, 12, 63, 0];
+        for (pos, &tok) in tokens.iter().enumerate() {
+            let want = llama.forward(&mut cpu, &[tok], &mut cache).unwrap();
+            let got = group.step(tok, pos).unwrap();
+            let err = common::max_rel_diff(&got, &want);
+            assert!(
+                err < tol,
+                "tied {tied}, {format:?}, position {pos}: logits off by {err:.2e}"
+            );
+        }
+        // Past the cache, and a token outside the vocabulary: errors, not panics.
+        assert!(group.step(1, w.cfg.max_seq).is_err());
+        assert!(group.step(w.cfg.vocab as u32, 0).is_err());
     }
 }

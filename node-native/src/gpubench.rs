@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use node_core::coded::{AUTO_GPU_MIN_WORK, ShardFormat};
+use node_core::coded::{AUTO_GPU_MIN_WORK, GpuGroup, InProcess, ShardFormat, ShardSet};
 use node_core::compute::gpu::{Gpu, GpuMatrix, Placement, Weights};
 use node_core::model::{LeaderWeights, Llama, ModelWeights};
 
@@ -25,8 +25,9 @@ fn matrix(gpu: &Gpu, rows: usize, cols: usize, f16: bool) -> Result<GpuMatrix> {
     })
 }
 
-/// Kernel rows: copy, GEMV (f32, f16, the model's shard shapes), GEMM, transpose.
-pub fn kernel_rows(gpu: &Gpu, big_bytes: u64) -> Result<Vec<Row>> {
+/// Kernel rows: copy, GEMV (f32, f16, the model's shard shapes), GEMM, transpose; and the copy
+/// kernel's bandwidth (bytes read + written per second).
+pub fn kernel_rows(gpu: &Gpu, big_bytes: u64) -> Result<(Vec<Row>, f64)> {
     let mut rows = vec![row("adapter", gpu.info().to_string())];
     let copy_s = gpu.time_copy(big_bytes, RUNS)?;
     let copy_bw = 2.0 * big_bytes as f64 / copy_s; // read + write
@@ -140,7 +141,16 @@ pub fn kernel_rows(gpu: &Gpu, big_bytes: u64) -> Result<Vec<Row>> {
         "SmolLM2 f32 weights per token ÷ copy bandwidth (a whole token's floor)",
         format!("{:.1} µs ({:.0} MB)", floor * 1e6, weight_bytes(&cfg) / 1e6),
     ));
-    Ok(rows)
+    Ok((rows, copy_bw))
+}
+
+fn argmax(v: &[f32]) -> u32 {
+    v.iter()
+        .enumerate()
+        .fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &x)| {
+            if x > bv { (i, x) } else { (bi, bv) }
+        })
+        .0 as u32
 }
 
 /// Bytes of f32 weights one token reads: every linear matrix once.
@@ -150,16 +160,64 @@ fn weight_bytes(cfg: &node_core::model::LlamaConfig) -> f64 {
         + cfg.vocab * cfg.hidden) as f64
 }
 
-/// Tokens/s of an in-process coded k = 3 of n = 5 group, members on the CPU and on the GPU.
+/// Tokens/s of an in-process coded k = 3 of n = 5 group: members on the CPU and on the GPU,
+/// and the whole token on the GPU against its floor (weight bytes ÷ `copy_bw`).
 pub fn model_rows(
     gpu: Arc<Gpu>,
     weights: &ModelWeights,
     prompt: &[u32],
     tokens: usize,
+    copy_bw: f64,
 ) -> Result<Vec<Row>> {
     let cfg = &weights.cfg;
     let llama = Llama::new(cfg.clone(), LeaderWeights::from_model(weights))?;
     let mut rows = Vec::new();
+    let g = node_core::code::Generator::cauchy(5, 3)?;
+    for (label, format, bytes) in [
+        ("f32", ShardFormat::F32, 4.0),
+        ("f16", ShardFormat::F16, 2.0),
+    ] {
+        let mesh = InProcess::encode(weights, &g, format, &|_, _| {})?;
+        let sets: Vec<&ShardSet> = [0, 2, 4]
+            .iter()
+            .map(|&r| mesh.members()[r].shards())
+            .collect();
+        let ctx = (prompt.len() + tokens + 1).min(cfg.max_seq);
+        let group = GpuGroup::new(gpu.clone(), &llama, &sets, ctx)?;
+        let mut pos = 0;
+        let start = std::time::Instant::now();
+        let mut logits = Vec::new();
+        for &t in prompt {
+            logits = group.step(t, pos)?;
+            pos += 1;
+        }
+        let prefill = start.elapsed().as_secs_f64();
+        let start = std::time::Instant::now();
+        let mut next = argmax(&logits);
+        let mut n = 0;
+        while n < tokens && pos < ctx {
+            logits = group.step(next, pos)?;
+            next = argmax(&logits);
+            pos += 1;
+            n += 1;
+        }
+        let per_token = start.elapsed().as_secs_f64() / n.max(1) as f64;
+        let floor = weight_bytes(cfg) * bytes / 4.0 / copy_bw;
+        rows.push(row(
+            format!(
+                "whole token on the GPU, k=3 of n=5, {label} shards ({} dispatches, one submission)",
+                group.dispatches()
+            ),
+            format!(
+                "prefill {:.1} tok/s (one token at a time), decode {:.1} tok/s ({:.0} µs/token = {:.1}× the floor of {:.1} µs)",
+                prompt.len() as f64 / prefill.max(1e-9),
+                1.0 / per_token,
+                per_token * 1e6,
+                per_token / floor,
+                floor * 1e6
+            ),
+        ));
+    }
     for (label, format) in [("f32", ShardFormat::F32), ("f16", ShardFormat::F16)] {
         for (device, g) in [
             ("CPU", None),

@@ -6,17 +6,18 @@ use std::path::PathBuf;
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 use node_core::code::{Generator, select_nodes};
-use node_core::coded::Transport;
-use node_core::coded::{CodedGroup, InProcess, ShardFormat};
+use node_core::coded::{CodedGroup, GpuGroup, InProcess, ShardFormat};
 use node_core::compute::gpu::Gpu;
 use node_core::learn::Learner;
 use node_core::mesh::HealthConfig;
 use node_core::model::{
-    ChatMessage, GenerateOptions, LeaderWeights, Llama, SamplingParams, generate,
+    ChatMessage, GenerateOptions, KvCache, LeaderWeights, Llama, SamplingParams, generate,
+    generate_with,
 };
 use node_core::model::{Generation, LlamaConfig, ModelWeights, Tokenizer};
 use node_native::remote::{Leader, Session};
 use node_native::{fetch, load, node, progress};
+use std::sync::Arc;
 use std::time::Duration;
 use tracing_subscriber::EnvFilter;
 
@@ -247,6 +248,10 @@ struct GenerateArgs {
     /// Also run the uncoded model and report whether the tokens agree.
     #[arg(long)]
     verify: bool,
+    /// Where to run (in this process only): cpu, gpu (the whole token on any wgpu adapter;
+    /// fails without one) or auto (a hardware GPU when there is one, else the CPU).
+    #[arg(long, default_value = "cpu")]
+    device: node_core::compute::gpu::DeviceChoice,
     /// Shard storage: f32 (exact to the code's error) or f16 (half the bytes, see docs/perf.md).
     #[arg(long, default_value = "f32")]
     shard_format: ShardFormat,
@@ -352,7 +357,7 @@ fn run_bench(args: BenchArgs) -> Result<()> {
 fn run_gpu_bench(args: &BenchArgs) -> Result<()> {
     let gpu = std::sync::Arc::new(pollster::block_on(Gpu::open(false))?);
     eprintln!("adapter: {}", gpu.info());
-    let mut rows = node_native::gpubench::kernel_rows(&gpu, args.gpu_mib << 20)?;
+    let (mut rows, copy_bw) = node_native::gpubench::kernel_rows(&gpu, args.gpu_mib << 20)?;
     let (weights, prompt) = if args.synthetic {
         let weights = ModelWeights::synthetic(LlamaConfig::smollm2_135m(), 1)?;
         let prompt: Vec<u32> = (0..40).map(|i| (i * 997 + 13) % 49152).collect();
@@ -367,6 +372,7 @@ fn run_gpu_bench(args: &BenchArgs) -> Result<()> {
         &weights,
         &prompt,
         args.tokens,
+        copy_bw,
     )?);
     node_native::bench::print_table(&rows);
     Ok(())
@@ -422,7 +428,55 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         group.condition_number()
     );
 
-    let (out, _) = generate_and_print(&llama, &model.tokenizer, &mut group, &args, &mut 0)?;
+    let gpu = pollster::block_on(Gpu::for_choice(args.device)).context("--device gpu")?;
+    if let Some(gpu) = gpu {
+        // The whole token on the GPU: the k members' products and the leader's work, one
+        // submission each.
+        let started = std::time::Instant::now();
+        let mesh = group.transport();
+        let sets: Vec<&node_core::coded::ShardSet> = selection
+            .nodes
+            .iter()
+            .filter_map(|&r| mesh.members().get(r).map(|m| m.shards()))
+            .collect();
+        let max_ctx = cfg.max_seq.min(GPU_CONTEXT);
+        let gpu_group = GpuGroup::new(Arc::new(gpu), &llama, &sets, max_ctx)?;
+        eprintln!(
+            "computing on the GPU: {} ({} dispatches a token, {max_ctx} positions of cache; set up in {:.2} s)",
+            gpu_group.gpu_info(),
+            gpu_group.dispatches(),
+            started.elapsed().as_secs_f64()
+        );
+        let mut pos = 0;
+        let mut forward = |tokens: &[u32]| {
+            let mut logits = Vec::new();
+            for &t in tokens {
+                logits = gpu_group.step(t, pos).map_err(|e| {
+                    node_core::model::ModelError::Embedding(format!("GPU step: {e}"))
+                })?;
+                pos += 1;
+            }
+            Ok(logits)
+        };
+        let (out, _) = generate_and_print(&mut forward, max_ctx, &model.tokenizer, &args, &mut 0)?;
+        eprintln!(
+            "prompt {} tokens: prefill {:.1} tok/s (one token at a time); generated {} tokens: decode {:.1} tok/s ({:?})",
+            out.prompt_tokens,
+            out.prefill_tokens_per_s(),
+            out.tokens.len(),
+            out.decode_tokens_per_s(),
+            out.stop
+        );
+        if args.verify {
+            let prompt = prompt_ids(&model.tokenizer, &args)?;
+            let opts = generate_options(&model.tokenizer, &args);
+            verify_against_uncoded(&model.weights, &llama, &prompt, &opts, &out.tokens)?;
+        }
+        return Ok(());
+    }
+    let mut cache = KvCache::new(&cfg);
+    let mut forward = |t: &[u32]| llama.forward(&mut group, t, &mut cache);
+    let (out, _) = generate_and_print(&mut forward, cfg.max_seq, &model.tokenizer, &args, &mut 0)?;
     let stats = group.stats().clone();
     print_coded_stats(&args, &out, &stats, None);
     let prompt = prompt_ids(&model.tokenizer, &args)?;
@@ -460,6 +514,9 @@ fn verify_against_uncoded(
     }
 }
 
+/// Most positions of the KV cache a GPU group keeps.
+const GPU_CONTEXT: usize = 4096;
+
 fn runtime() -> Result<tokio::runtime::Runtime> {
     Ok(tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -495,10 +552,12 @@ fn generate_options(tokenizer: &Tokenizer, args: &GenerateArgs) -> GenerateOptio
 }
 
 /// Generates through `group`, printing the completion to stdout as it comes.
-fn generate_and_print<T: Transport>(
-    llama: &Llama,
+/// Streams a completion through `forward` (the model's forward pass after every token given
+/// before, at most `max_seq` positions).
+fn generate_and_print(
+    forward: &mut node_core::model::Forward<'_>,
+    max_seq: usize,
     tokenizer: &Tokenizer,
-    group: &mut CodedGroup<T>,
     args: &GenerateArgs,
     emitted: &mut usize,
 ) -> Result<(Generation, Vec<u32>)> {
@@ -507,7 +566,7 @@ fn generate_and_print<T: Transport>(
     let mut ids = Vec::new();
     let mut printed = 0usize;
     let mut stdout = std::io::stdout();
-    let out = generate(llama, group, &prompt, &opts, &mut |id| {
+    let out = generate_with(forward, max_seq, &prompt, &opts, &mut |id| {
         *emitted += 1;
         ids.push(id);
         if let Ok(text) = tokenizer.decode(&ids) {
@@ -636,13 +695,11 @@ fn run_once_on_mesh(
         );
         (args.k, args.n) = (g.k(), g.n());
         let mut emitted = 0;
-        match generate_and_print(
-            &leader.llama,
-            &leader.tokenizer,
-            &mut leader.group,
-            args,
-            &mut emitted,
-        ) {
+        let mut cache = KvCache::new(&leader.manifest.cfg);
+        let (llama, group) = (&leader.llama, &mut leader.group);
+        let mut forward = |t: &[u32]| llama.forward(group, t, &mut cache);
+        let max_seq = leader.manifest.cfg.max_seq;
+        match generate_and_print(&mut forward, max_seq, &leader.tokenizer, args, &mut emitted) {
             Ok((out, prompt)) => break (leader, out, prompt),
             // The mesh took an update between the group's forming and its first step: form
             // the group again at the new version (nothing was printed yet).

@@ -356,13 +356,14 @@ impl Mesh {
 }
 
 /// The same request in one process, uncoded-equivalent reference for the tiny model.
-fn local_generate(model: &Path, prompt: &str, tokens: usize) -> Result<String> {
+fn local_generate(model: &Path, prompt: &str, tokens: usize, extra: &[&str]) -> Result<String> {
     let out = Command::new(bin())
         .args([
             "generate", "--k", "3", "--n", "5", "--prompt", prompt, "--model",
         ])
         .arg(model)
         .args(["--max-tokens", &tokens.to_string()])
+        .args(extra)
         .output()?;
     if !out.status.success() {
         bail!("local generate: {}", String::from_utf8_lossy(&out.stderr));
@@ -407,7 +408,12 @@ fn tiny_mesh_status_generate_straggler_restart_and_rejoin() -> Result<()> {
     );
 
     // A normal run gives the in-process coded run's tokens.
-    let expected = local_generate(&model, PROMPT, 24)?;
+    let expected = local_generate(&model, PROMPT, 24, &[])?;
+    if have_gpu() {
+        // The whole token on the GPU (members' products and the leader's work) agrees.
+        let on_gpu = local_generate(&model, PROMPT, 24, &["--device", "gpu"])?;
+        assert_eq!(on_gpu, expected, "generate --device gpu");
+    }
     let (out, err) = mesh.generate(PROMPT, 24, || {})?;
     assert_eq!(out, expected, "{err}");
     assert!(err.contains("rounds per forward pass 10"), "{err}");

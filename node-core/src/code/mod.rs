@@ -422,6 +422,12 @@ impl Decoder {
         &self.nodes
     }
 
+    /// The `k·m × k·m` decoding coefficients, row-major: decoded block `j` is
+    /// `Σ_q inverse[j][q] · answer q`, answer `q` being sub-block `q % m` of node `q / m`.
+    pub fn inverse(&self) -> &[f64] {
+        &self.inverse
+    }
+
     /// Condition number of the group's generator rows.
     pub fn condition_number(&self) -> f64 {
         self.condition

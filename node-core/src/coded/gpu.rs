@@ -3,8 +3,11 @@
 use std::sync::Arc;
 
 use super::{CodedError, Shard, ShardSet, ShardValues};
-use crate::compute::gpu::{Gpu, GpuError, GpuMatrix, Placement, Weights};
-use crate::model::Stage;
+use crate::code::Decoder;
+use crate::compute::gpu::{
+    Gpu, GpuError, GpuMatrix, GpuToken, GroupStage, Placement, TokenSpec, Weights,
+};
+use crate::model::{Llama, ModelError, Stage};
 use crate::protocol::StepRequest;
 
 /// Every product matrix of a [`ShardSet`], uploaded once.
@@ -95,5 +98,172 @@ impl GpuShards {
             ));
         };
         Ok(self.gpu.matmul(&parts, x, t, m * per_sub).await?)
+    }
+}
+
+/// A coded group of k members and its leader on one GPU: each generated token is one
+/// submission (every member's products, the decoding and the leader's operations) and one
+/// readback of the logits. The embedding lookup is decoded on the CPU from the members'
+/// embedding shards (one row each).
+#[derive(Debug)]
+pub struct GpuGroup {
+    token: GpuToken,
+    /// The members' embedding shards, in decoding order.
+    embeds: Vec<Shard>,
+    /// The decoding coefficients, `k·m × k·m`.
+    coef: Vec<f64>,
+    m: usize,
+    vocab: usize,
+}
+
+/// Every member's shards of one stage, members in order and matrices in order, in one matrix.
+fn stack(gpu: &Gpu, members: &[&ShardSet], stage: Stage) -> Result<GroupStage, CodedError> {
+    let mut f32s = Vec::new();
+    let mut f16s = Vec::new();
+    let mut rows = 0;
+    let mut mats = Vec::new();
+    let mut cols = None;
+    for (i, set) in members.iter().enumerate() {
+        let items = super::shards::stage_items(
+            &set.blocks,
+            set.lm_head.as_ref().unwrap_or(&set.embed),
+            stage,
+        )?;
+        for s in items {
+            if *cols.get_or_insert(s.cols) != s.cols {
+                return Err(CodedError::BadRequest(format!(
+                    "{stage:?}: matrices of different widths"
+                )));
+            }
+            if i == 0 {
+                mats.push((s.out, s.block_len));
+            }
+            rows += s.stored_rows();
+            match &s.values {
+                ShardValues::F32(v) => f32s.extend_from_slice(v),
+                ShardValues::F16(v) => f16s.extend_from_slice(v),
+            }
+        }
+    }
+    let cols = cols.unwrap_or(0);
+    let matrix = match (f32s.is_empty(), f16s.is_empty()) {
+        (false, true) => gpu.upload(rows, cols, Weights::F32(&f32s))?,
+        (true, false) => gpu.upload(rows, cols, Weights::F16(&f16s))?,
+        _ => {
+            return Err(CodedError::BadRequest(format!(
+                "{stage:?}: members hold shards in different formats"
+            )));
+        }
+    };
+    Ok(GroupStage {
+        stage,
+        matrix,
+        mats,
+    })
+}
+
+impl GpuGroup {
+    /// Uploads the shards of k members (any order; they decode sorted by row) and records a
+    /// decode step for `llama` with a cache of `max_ctx` positions.
+    pub fn new(
+        gpu: Arc<Gpu>,
+        llama: &Llama,
+        members: &[&ShardSet],
+        max_ctx: usize,
+    ) -> Result<Self, CodedError> {
+        let mut members = members.to_vec();
+        members.sort_by_key(|s| s.node);
+        let first = members
+            .first()
+            .ok_or_else(|| CodedError::BadRequest("a GPU group needs members".into()))?;
+        let g = first.generator.clone();
+        let rows: Vec<usize> = members.iter().map(|s| s.node).collect();
+        let decoder = Decoder::new(&g, &rows)?;
+        let cfg = llama.config();
+        let stages = Stage::all(cfg)
+            .into_iter()
+            .map(|stage| stack(&gpu, &members, stage))
+            .collect::<Result<Vec<_>, _>>()?;
+        let spec = TokenSpec {
+            cfg,
+            norms: llama.norms(),
+            inv_freq: llama.inv_freq(),
+            coef: decoder.inverse(),
+            m: g.sub_blocks(),
+            stages,
+            max_ctx,
+        };
+        let token = GpuToken::new(gpu, spec)?;
+        Ok(Self {
+            token,
+            embeds: members.iter().map(|s| s.embed.clone()).collect(),
+            coef: decoder.inverse().to_vec(),
+            m: g.sub_blocks(),
+            vocab: cfg.vocab,
+        })
+    }
+
+    /// Positions the GPU cache holds.
+    pub fn max_ctx(&self) -> usize {
+        self.token.max_ctx()
+    }
+
+    /// Dispatches one token takes.
+    pub fn dispatches(&self) -> usize {
+        self.token.dispatches()
+    }
+
+    /// The adapter it runs on.
+    pub fn gpu_info(&self) -> &crate::compute::gpu::GpuInfo {
+        self.token.gpu_info()
+    }
+
+    /// The token's embedding, decoded from one row of each member's embedding shard.
+    pub fn embed(&self, token: u32) -> Result<Vec<f32>, CodedError> {
+        if token as usize >= self.vocab {
+            return Err(ModelError::TokenOutOfRange {
+                id: token,
+                vocab: self.vocab,
+            }
+            .into());
+        }
+        let km = self.coef.len().isqrt();
+        let first = self
+            .embeds
+            .first()
+            .ok_or_else(|| CodedError::BadRequest("no members".into()))?;
+        let (l, cols) = (first.block_len, first.cols);
+        let (j, r) = (token as usize / l, token as usize % l);
+        let mut x = vec![0.0f64; cols];
+        for (a, &c) in self.coef[j * km..(j + 1) * km].iter().enumerate() {
+            let shard = &self.embeds[a / self.m];
+            let row = ((a % self.m) * l + r) * cols;
+            match &shard.values {
+                ShardValues::F32(v) => {
+                    x.iter_mut()
+                        .zip(&v[row..row + cols])
+                        .for_each(|(x, &w)| *x += c * w as f64);
+                }
+                ShardValues::F16(v) => {
+                    x.iter_mut()
+                        .zip(&v[row..row + cols])
+                        .for_each(|(x, &w)| *x += c * w.to_f64());
+                }
+            }
+        }
+        Ok(x.into_iter().map(|v| v as f32).collect())
+    }
+
+    /// The logits after `token` at position `pos`; the cache must hold positions `0..pos` of
+    /// the same sequence (run the prompt one token at a time from 0).
+    pub async fn step_async(&self, token: u32, pos: usize) -> Result<Vec<f32>, CodedError> {
+        let x = self.embed(token)?;
+        Ok(self.token.step(&x, pos).await?)
+    }
+
+    /// [`Self::step_async`], waiting on this thread (native).
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn step(&self, token: u32, pos: usize) -> Result<Vec<f32>, CodedError> {
+        pollster::block_on(self.step_async(token, pos))
     }
 }

@@ -13,7 +13,7 @@ mod probe;
 mod shards;
 mod verify;
 
-pub use gpu::GpuShards;
+pub use gpu::{GpuGroup, GpuShards};
 pub use group::{CodedGroup, ExecStats, InProcess, Transport, TransportError};
 pub use member::{AUTO_GPU_MIN_WORK, Member, Misbehaviour};
 pub use probe::{Fit, PROBE_MIN_FIT, PROBE_SIGMAS, UpdateProbe};

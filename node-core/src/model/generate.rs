@@ -66,11 +66,27 @@ pub fn generate(
     opts: &GenerateOptions,
     on_token: &mut dyn FnMut(u32) -> bool,
 ) -> Result<Generation, ModelError> {
-    let mut sampler = Sampler::new(opts.sampling)?;
     let mut cache = KvCache::new(llama.config());
-    let max_seq = llama.config().max_seq;
+    let mut forward = |tokens: &[u32]| llama.forward(exec, tokens, &mut cache);
+    generate_with(&mut forward, llama.config().max_seq, prompt, opts, on_token)
+}
+
+/// A forward pass: runs tokens after every token given before, returns the last one's logits.
+pub type Forward<'a> = dyn FnMut(&[u32]) -> Result<Vec<f32>, ModelError> + 'a;
+
+/// The generation loop over any forward pass: `forward(tokens)` runs `tokens` after every
+/// token given before and returns the logits of the last; at most `max_seq` positions.
+pub fn generate_with(
+    forward: &mut Forward<'_>,
+    max_seq: usize,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    on_token: &mut dyn FnMut(u32) -> bool,
+) -> Result<Generation, ModelError> {
+    let mut sampler = Sampler::new(opts.sampling)?;
     let started = Instant::now();
-    let mut logits = llama.forward(exec, prompt, &mut cache)?;
+    let mut logits = forward(prompt)?;
+    let mut positions = prompt.len();
     let mut out = Generation {
         prompt_tokens: prompt.len(),
         tokens: Vec::new(),
@@ -94,11 +110,12 @@ pub fn generate(
         if out.tokens.len() == opts.max_tokens {
             break;
         }
-        if cache.len() >= max_seq {
+        if positions >= max_seq {
             out.stop = StopReason::Context;
             break;
         }
-        logits = llama.forward(exec, &[next], &mut cache)?;
+        logits = forward(&[next])?;
+        positions += 1;
         out.forward_passes += 1;
     }
     out.decode_time = decode_start.elapsed();

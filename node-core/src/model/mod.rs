@@ -12,7 +12,7 @@ mod train;
 mod weights;
 
 pub use config::LlamaConfig;
-pub use generate::{GenerateOptions, Generation, StopReason, generate};
+pub use generate::{Forward, GenerateOptions, Generation, StopReason, generate, generate_with};
 pub use llama::{KvCache, LeaderWeights, LinearExec, Llama, Stage};
 pub use sampling::{Sampler, SamplingParams, argmax};
 pub use tokenizer::{ChatMessage, Tokenizer, TokenizerData};

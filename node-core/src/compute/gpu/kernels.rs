@@ -44,7 +44,8 @@ pub(super) struct Kernels {
     pub copy: wgpu::ComputePipeline,
 }
 
-fn layout(device: &wgpu::Device, kinds: &[Option<bool>]) -> wgpu::BindGroupLayout {
+/// A bind group layout of storage buffers (`Some(read_only)`) and uniforms (`None`).
+pub(super) fn layout(device: &wgpu::Device, kinds: &[Option<bool>]) -> wgpu::BindGroupLayout {
     let entries: Vec<wgpu::BindGroupLayoutEntry> = kinds
         .iter()
         .enumerate()
@@ -74,7 +75,8 @@ fn layout(device: &wgpu::Device, kinds: &[Option<bool>]) -> wgpu::BindGroupLayou
     })
 }
 
-fn pipeline(
+/// A compute pipeline of WGSL `source` (entry point `main`) with one bind group.
+pub(super) fn pipeline(
     device: &wgpu::Device,
     label: &str,
     source: String,

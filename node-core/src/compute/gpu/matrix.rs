@@ -279,6 +279,25 @@ impl Gpu {
         read_back(self, bufs.staging, plan.out_bytes).await
     }
 
+    /// The GEMV dispatches of one token through `m` into a plain output (row `r` at `r`):
+    /// per chunk, whether it is f16, its buffer, its parameter block in `params` and its
+    /// workgroups.
+    pub(super) fn gemv_dispatches<'m>(
+        &self,
+        m: &'m GpuMatrix,
+        params: &mut ParamBlocks,
+    ) -> Result<Vec<(bool, &'m wgpu::Buffer, u64, u32)>, GpuError> {
+        let place = Placement::plain(m.rows, 1);
+        m.chunks
+            .iter()
+            .map(|c| {
+                let offset = params.push(product_params(m, c, &place, 1, m.cols_p / 4)?);
+                let groups = u32_of(c.rows, "rows")?.div_ceil(MATMUL_ROWS_PER_GROUP);
+                Ok((m.f16, &c.buffer, offset, groups))
+            })
+            .collect()
+    }
+
     /// Checks a product and lays out its dispatches.
     fn plan_matmul<'a>(
         &self,

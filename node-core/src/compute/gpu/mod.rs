@@ -8,10 +8,12 @@
 
 mod kernels;
 mod matrix;
+mod token;
 
 use std::fmt;
 
 pub use matrix::{GpuMatrix, Placement, Weights};
+pub use token::{GpuToken, GroupStage, TokenSpec};
 
 use kernels::Kernels;
 
