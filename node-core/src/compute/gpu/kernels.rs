@@ -210,12 +210,18 @@ pub(super) struct ParamBlocks {
 }
 
 impl ParamBlocks {
-    /// Appends a block; returns its byte offset.
+    /// Appends a block of eight words; returns its byte offset.
     pub fn push(&mut self, words: [u32; 8]) -> u64 {
+        self.push_words(&words)
+    }
+
+    /// Appends a block of up to 64 words; returns its byte offset.
+    pub fn push_words(&mut self, words: &[u32]) -> u64 {
         let offset = self.bytes.len() as u64;
-        self.bytes.extend_from_slice(bytemuck::cast_slice(&words));
+        let words = &words[..words.len().min(PARAMS_STRIDE as usize / 4)];
+        self.bytes.extend_from_slice(bytemuck::cast_slice(words));
         self.bytes
-            .resize(self.bytes.len() + (PARAMS_STRIDE as usize - 32), 0);
+            .resize(offset as usize + PARAMS_STRIDE as usize, 0);
         offset
     }
 

@@ -11,13 +11,14 @@ use crate::model::{LeaderWeights, LlamaConfig, Stage};
 
 const RMS_NORM: &str = include_str!("kernels/rms_norm.wgsl");
 const DECODE: &str = include_str!("kernels/decode.wgsl");
-const ROPE_KV: &str = include_str!("kernels/rope_kv.wgsl");
+const QKV_ROPE: &str = include_str!("kernels/decode_qkv_rope.wgsl");
 const ATTENTION: &str = include_str!("kernels/attention.wgsl");
-const SWIGLU: &str = include_str!("kernels/swiglu.wgsl");
+const SWIGLU: &str = include_str!("kernels/decode_swiglu.wgsl");
+const RESIDUAL_NORM: &str = include_str!("kernels/decode_residual_norm.wgsl");
 
-/// Invocations of the flat kernels' workgroups (decode, RoPE, SwiGLU).
+/// Invocations of the flat kernels' workgroups (logits, SwiGLU).
 const FLAT: u32 = 256;
-/// Invocations of the RoPE kernel's workgroups.
+/// Invocations of the q/k/v decoding kernel's workgroups.
 const ROPE_GROUP: u32 = 64;
 
 /// One stage of a coded group: every member's shards of the stage's matrices, the members one
@@ -83,9 +84,54 @@ const P_GEMV_F32: usize = 0;
 const P_GEMV_F16: usize = 1;
 const P_RMS_NORM: usize = 2;
 const P_DECODE: usize = 3;
-const P_ROPE_KV: usize = 4;
+const P_QKV_ROPE: usize = 4;
 const P_ATTENTION: usize = 5;
 const P_SWIGLU: usize = 6;
+const P_RESIDUAL_NORM: usize = 7;
+
+/// A product's input.
+#[derive(Debug, Clone, Copy)]
+enum Input {
+    /// The normed hidden state.
+    H,
+    /// Attention's output.
+    Attn,
+    /// SwiGLU's output.
+    Act,
+}
+
+/// One step of the token, before its bind group exists.
+#[derive(Debug)]
+enum Op<'b> {
+    /// One chunk of a stacked stage: f16, its weights, its input, its workgroups.
+    Gemv(bool, &'b wgpu::Buffer, Input, u32),
+    /// RMSNorm of x into h.
+    Norm,
+    /// Decode q, k, v with RoPE and the cache append of a layer; workgroups.
+    QkvRope(usize, u32),
+    /// Attention of a layer.
+    Attention(usize),
+    /// Decode into the residual stream and the next norm.
+    Residual,
+    /// Decode gate and up with SwiGLU; workgroups.
+    Swiglu(u32),
+    /// Decode the logits; workgroups.
+    Logits(u32),
+}
+
+/// Appends the GEMV dispatches of one stacked stage.
+fn gemv<'b>(
+    gpu: &Gpu,
+    params: &mut ParamBlocks,
+    ops: &mut Vec<(Op<'b>, u64)>,
+    s: &'b GroupStage,
+    input: Input,
+) -> Result<(), GpuError> {
+    for (f16, w, offset, groups) in gpu.gemv_dispatches(&s.matrix, params)? {
+        ops.push((Op::Gemv(f16, w, input, groups), offset));
+    }
+    Ok(())
+}
 
 /// A binding of a whole buffer.
 fn part_all(b: &wgpu::Buffer) -> wgpu::BindingResource<'_> {
@@ -119,14 +165,14 @@ impl GpuToken {
     pub fn new(gpu: Arc<Gpu>, spec: TokenSpec<'_>) -> Result<Self, GpuError> {
         let cfg = spec.cfg;
         let (d, hd) = (cfg.hidden, cfg.head_dim);
-        let (q_dim, kv_dim, inter) = (cfg.q_dim(), cfg.kv_dim(), cfg.ffn);
+        let (q_dim, kv_dim, ffn) = (cfg.q_dim(), cfg.kv_dim(), cfg.ffn);
         let km = spec.coef.len().isqrt();
         if km * km != spec.coef.len() || spec.m == 0 || !km.is_multiple_of(spec.m) {
             return Err(GpuError::Shape(
                 "decoding coefficients are not k·m × k·m".into(),
             ));
         }
-        if hd == 0
+        if hd < 2
             || hd > 256
             || !256usize.is_multiple_of(hd)
             || cfg.kv_heads == 0
@@ -139,36 +185,44 @@ impl GpuToken {
         let want = Stage::all(cfg);
         if spec.stages.len() != want.len()
             || spec.stages.iter().zip(&want).any(|(s, w)| s.stage != *w)
+            || spec
+                .stages
+                .iter()
+                .zip(&want)
+                .any(|(s, w)| s.mats.len() != w.shapes(cfg).len())
         {
             return Err(GpuError::Shape("stages do not match the model".into()));
         }
         let max_ctx = spec.max_ctx.min(cfg.max_seq).max(1);
         let dev = &gpu.device;
-        // Layouts: the shared four (read, read, read-write, uniform) and three, and RoPE's and
-        // attention's own.
-        let rope_layout = layout(dev, &[Some(true), Some(false), Some(false), None, None]);
-        let attn_layout = layout(
-            dev,
-            &[Some(true), Some(true), Some(false), Some(false), None, None],
-        );
+        let (r, w) = (Some(true), Some(false));
+        let qkv_layout = layout(dev, &[r, r, r, w, w, None, None]);
+        let attn_layout = layout(dev, &[r, r, w, w, None, None]);
+        let norm_layout = layout(dev, &[r, r, w, r, w, None]);
         let k4 = &gpu.kernels.four;
         let pipelines = vec![
             gpu.kernels.matmul[0][0].clone(),
             gpu.kernels.matmul[1][0].clone(),
             pipeline(dev, "rms_norm", RMS_NORM.into(), k4, None),
             pipeline(dev, "decode", DECODE.into(), k4, None),
-            pipeline(dev, "rope_kv", ROPE_KV.into(), &rope_layout, None),
+            pipeline(dev, "decode_qkv_rope", QKV_ROPE.into(), &qkv_layout, None),
             pipeline(dev, "attention", ATTENTION.into(), &attn_layout, None),
-            pipeline(dev, "swiglu", SWIGLU.into(), &gpu.kernels.three, None),
+            pipeline(dev, "decode_swiglu", SWIGLU.into(), k4, None),
+            pipeline(
+                dev,
+                "decode_residual_norm",
+                RESIDUAL_NORM.into(),
+                &norm_layout,
+                None,
+            ),
         ];
         // Activations: padded to the products' column alignment, pads kept at zero.
         let pad = |n: usize| n.next_multiple_of(8);
         let x = gpu.storage("x", pad(d));
         let h = gpu.storage("h", pad(d));
+        let q = gpu.storage("q", pad(q_dim));
         let attn = gpu.storage("attn", pad(q_dim));
-        let act = gpu.storage("act", pad(inter));
-        let qkv = gpu.storage("qkv", q_dim + 2 * kv_dim);
-        let gu = gpu.storage("gu", 2 * inter);
+        let act = gpu.storage("act", pad(ffn));
         let answers_len = spec
             .stages
             .iter()
@@ -225,116 +279,89 @@ impl GpuToken {
 
         // Every dispatch's parameters, then the bind groups over one uniform buffer.
         let mut params = ParamBlocks::default();
-        enum Op<'b> {
-            Gemv(bool, &'b wgpu::Buffer, &'b wgpu::Buffer, u32),
-            Four(usize, [&'b wgpu::Buffer; 3], u32),
-            Swiglu(u32),
-            Rope(usize, u32),
-            Attention(usize),
-        }
-        let mut ops: Vec<(Op, u64)> = Vec::new();
+        let u = |v: usize| u32_of(v, "a model dimension");
+        let (heads, kv_heads) = (u(cfg.heads)?, u(cfg.kv_heads)?);
+        let (kmu, mu) = (u(km)?, u(spec.m)?);
         let eps = cfg.norm_eps.to_bits();
-        let norm = |params: &mut ParamBlocks, goff: usize| -> Result<u64, GpuError> {
-            Ok(params.push([
-                u32_of(d, "hidden")?,
-                eps,
-                u32_of(goff, "gain offset")?,
-                0,
-                0,
-                0,
-                0,
-                0,
-            ]))
-        };
-        // Decodes matrix `i` of a stage into `dst` at `dst_off` (added when `add`).
-        let decode = |params: &mut ParamBlocks,
-                      s: &GroupStage,
-                      i: usize,
-                      dst_off: usize,
-                      add: bool|
-         -> Result<(u64, u32), GpuError> {
-            let member: usize = s.mats.iter().map(|&(_, l)| spec.m * l).sum();
-            let mat_off: usize = s.mats[..i].iter().map(|&(_, l)| spec.m * l).sum();
-            let (out, l) = s.mats[i];
-            let offset = params.push([
-                u32_of(out, "rows")?,
-                u32_of(l, "block length")?,
-                u32_of(km, "k·m")?,
-                u32_of(spec.m, "m")?,
-                u32_of(member, "answer")?,
-                u32_of(mat_off, "offset")?,
-                u32_of(dst_off, "offset")?,
-                u32::from(add),
-            ]);
-            Ok((offset, u32_of(out, "rows")?.div_ceil(FLAT)))
-        };
         let attn_params = params.push([
-            u32_of(cfg.heads, "heads")?,
-            u32_of(cfg.kv_heads, "kv heads")?,
-            u32_of(hd, "head dim")?,
-            u32_of(q_dim, "q dim")?,
-            u32_of(kv_dim, "kv dim")?,
-            u32_of(max_ctx, "context")?,
+            heads,
+            kv_heads,
+            u(hd)?,
+            u(q_dim)?,
+            u(kv_dim)?,
+            u(max_ctx)?,
             (1.0 / (hd as f32).sqrt()).to_bits(),
             0,
         ]);
-        let rope_groups =
-            u32_of((cfg.heads + cfg.kv_heads) * half + kv_dim, "rope")?.div_ceil(ROPE_GROUP);
-        let swiglu_params = params.push([u32_of(inter, "intermediate")?, 0, 0, 0, 0, 0, 0, 0]);
+        let qkv_groups = u((cfg.heads + cfg.kv_heads) * half + kv_dim)?.div_ceil(ROPE_GROUP);
+        let mut ops: Vec<(Op, u64)> = Vec::new();
+        // The first layer's attention norm; every later norm follows a residual's decoding.
+        let off = params.push([u(d)?, eps, 0, 0, 0, 0, 0, 0]);
+        ops.push((Op::Norm, off));
         let mut stages = spec.stages.iter();
         let mut next = || {
             stages
                 .next()
                 .ok_or_else(|| GpuError::Shape("too few stages".into()))
         };
+        // Decodes a single-matrix stage into the residual stream, then the norm at `goff`.
+        let residual = |params: &mut ParamBlocks, s: &GroupStage, goff: usize| {
+            Ok::<_, GpuError>(params.push([u(d)?, kmu, mu, u(s.mats[0].1)?, eps, u(goff)?, 0, 0]))
+        };
         for l in 0..cfg.layers {
-            let off = norm(&mut params, l * d)?;
-            ops.push((Op::Four(P_RMS_NORM, [&gains, &x, &h], 1), off));
             let s = next()?;
-            for (f16, w, offset, groups) in gpu.gemv_dispatches(&s.matrix, &mut params)? {
-                ops.push((Op::Gemv(f16, w, &h, groups), offset));
-            }
-            for (i, dst_off) in [(0, 0), (1, q_dim), (2, q_dim + kv_dim)] {
-                let (off, n) = decode(&mut params, s, i, dst_off, false)?;
-                ops.push((Op::Four(P_DECODE, [&coef, &answers, &qkv], n), off));
-            }
-            ops.push((Op::Rope(l, rope_groups), attn_params));
+            gemv(&gpu, &mut params, &mut ops, s, Input::H)?;
+            let member: usize = s.mats.iter().map(|&(_, l)| spec.m * l).sum();
+            let off = params.push_words(&[
+                heads,
+                kv_heads,
+                u(hd)?,
+                u(q_dim)?,
+                u(kv_dim)?,
+                u(max_ctx)?,
+                kmu,
+                mu,
+                u(member)?,
+                u(s.mats[0].1)?,
+                u(s.mats[1].1)?,
+                u(s.mats[2].1)?,
+            ]);
+            ops.push((Op::QkvRope(l, qkv_groups), off));
             ops.push((Op::Attention(l), attn_params));
             let s = next()?;
-            for (f16, w, offset, groups) in gpu.gemv_dispatches(&s.matrix, &mut params)? {
-                ops.push((Op::Gemv(f16, w, &attn, groups), offset));
-            }
-            let (off, n) = decode(&mut params, s, 0, 0, true)?;
-            ops.push((Op::Four(P_DECODE, [&coef, &answers, &x], n), off));
-            let off = norm(&mut params, (cfg.layers + l) * d)?;
-            ops.push((Op::Four(P_RMS_NORM, [&gains, &x, &h], 1), off));
+            gemv(&gpu, &mut params, &mut ops, s, Input::Attn)?;
+            let off = residual(&mut params, s, (cfg.layers + l) * d)?;
+            ops.push((Op::Residual, off));
             let s = next()?;
-            for (f16, w, offset, groups) in gpu.gemv_dispatches(&s.matrix, &mut params)? {
-                ops.push((Op::Gemv(f16, w, &h, groups), offset));
-            }
-            for (i, dst_off) in [(0, 0), (1, inter)] {
-                let (off, n) = decode(&mut params, s, i, dst_off, false)?;
-                ops.push((Op::Four(P_DECODE, [&coef, &answers, &gu], n), off));
-            }
-            ops.push((
-                Op::Swiglu(u32_of(inter, "intermediate")?.div_ceil(FLAT)),
-                swiglu_params,
-            ));
+            gemv(&gpu, &mut params, &mut ops, s, Input::H)?;
+            let member: usize = s.mats.iter().map(|&(_, l)| spec.m * l).sum();
+            let off = params.push([
+                u(ffn)?,
+                kmu,
+                mu,
+                u(member)?,
+                u(s.mats[0].1)?,
+                u(s.mats[1].1)?,
+                0,
+                0,
+            ]);
+            ops.push((Op::Swiglu(u(ffn)?.div_ceil(FLAT)), off));
             let s = next()?;
-            for (f16, w, offset, groups) in gpu.gemv_dispatches(&s.matrix, &mut params)? {
-                ops.push((Op::Gemv(f16, w, &act, groups), offset));
-            }
-            let (off, n) = decode(&mut params, s, 0, 0, true)?;
-            ops.push((Op::Four(P_DECODE, [&coef, &answers, &x], n), off));
+            gemv(&gpu, &mut params, &mut ops, s, Input::Act)?;
+            // The next layer's attention norm, or the final norm after the last layer.
+            let goff = if l + 1 < cfg.layers {
+                (l + 1) * d
+            } else {
+                2 * cfg.layers * d
+            };
+            let off = residual(&mut params, s, goff)?;
+            ops.push((Op::Residual, off));
         }
-        let off = norm(&mut params, 2 * cfg.layers * d)?;
-        ops.push((Op::Four(P_RMS_NORM, [&gains, &x, &h], 1), off));
         let s = next()?;
-        for (f16, w, offset, groups) in gpu.gemv_dispatches(&s.matrix, &mut params)? {
-            ops.push((Op::Gemv(f16, w, &h, groups), offset));
-        }
-        let (off, n) = decode(&mut params, s, 0, 0, false)?;
-        ops.push((Op::Four(P_DECODE, [&coef, &answers, &logits], n), off));
+        gemv(&gpu, &mut params, &mut ops, s, Input::H)?;
+        let (out, l) = s.mats[0];
+        let off = params.push([u(out)?, u(l)?, kmu, mu, u(spec.m * l)?, 0, 0, 0]);
+        ops.push((Op::Logits(u(out)?.div_ceil(FLAT)), off));
 
         let pbuf = gpu.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("token params"),
@@ -343,56 +370,57 @@ impl GpuToken {
             mapped_at_creation: false,
         });
         gpu.queue.write_buffer(&pbuf, 0, params.bytes());
-        let p32 = |offset: u64| part(&pbuf, offset, Some(32));
+        let p32 = |offset: u64| part(&pbuf, offset, Some(64));
+        let step16 = || part(&step, 0, Some(16));
         let mut dispatches = Vec::with_capacity(ops.len());
         for (op, offset) in ops {
             let (pipeline, group, groups) = match op {
-                Op::Gemv(f16, w, input, n) => (
-                    if f16 { P_GEMV_F16 } else { P_GEMV_F32 },
+                Op::Gemv(f16, w, input, n) => {
+                    let input = match input {
+                        Input::H => &h,
+                        Input::Attn => &attn,
+                        Input::Act => &act,
+                    };
+                    (
+                        if f16 { P_GEMV_F16 } else { P_GEMV_F32 },
+                        bind(
+                            dev,
+                            k4,
+                            vec![
+                                part_all(w),
+                                part_all(input),
+                                part_all(&answers),
+                                p32(offset),
+                            ],
+                        ),
+                        n,
+                    )
+                }
+                Op::Norm => (
+                    P_RMS_NORM,
                     bind(
                         dev,
                         k4,
+                        vec![part_all(&gains), part_all(&x), part_all(&h), p32(offset)],
+                    ),
+                    1,
+                ),
+                Op::QkvRope(l, n) => (
+                    P_QKV_ROPE,
+                    bind(
+                        dev,
+                        &qkv_layout,
                         vec![
-                            part_all(w),
-                            part_all(input),
+                            part_all(&coef),
                             part_all(&answers),
-                            p32(offset),
-                        ],
-                    ),
-                    (n, 1),
-                ),
-                Op::Four(p, [a, b, c], n) => (
-                    p,
-                    bind(
-                        dev,
-                        k4,
-                        vec![part_all(a), part_all(b), part_all(c), p32(offset)],
-                    ),
-                    (n, 1),
-                ),
-                Op::Swiglu(n) => (
-                    P_SWIGLU,
-                    bind(
-                        dev,
-                        &gpu.kernels.three,
-                        vec![part_all(&gu), part_all(&act), p32(offset)],
-                    ),
-                    (n, 1),
-                ),
-                Op::Rope(l, n) => (
-                    P_ROPE_KV,
-                    bind(
-                        dev,
-                        &rope_layout,
-                        vec![
                             part_all(&table),
-                            part_all(&qkv),
+                            part_all(&q),
                             part_all(&caches[l]),
                             p32(offset),
-                            part(&step, 0, Some(16)),
+                            step16(),
                         ],
                     ),
-                    (n, 1),
+                    n,
                 ),
                 Op::Attention(l) => (
                     P_ATTENTION,
@@ -401,25 +429,67 @@ impl GpuToken {
                         &attn_layout,
                         vec![
                             part_all(&caches[l]),
-                            part_all(&qkv),
+                            part_all(&q),
                             part_all(&attn),
                             part_all(&scores),
                             p32(offset),
-                            part(&step, 0, Some(16)),
+                            step16(),
                         ],
                     ),
-                    (u32_of(cfg.heads, "heads")?, 1),
+                    heads,
+                ),
+                Op::Residual => (
+                    P_RESIDUAL_NORM,
+                    bind(
+                        dev,
+                        &norm_layout,
+                        vec![
+                            part_all(&coef),
+                            part_all(&answers),
+                            part_all(&x),
+                            part_all(&gains),
+                            part_all(&h),
+                            p32(offset),
+                        ],
+                    ),
+                    1,
+                ),
+                Op::Swiglu(n) => (
+                    P_SWIGLU,
+                    bind(
+                        dev,
+                        k4,
+                        vec![
+                            part_all(&coef),
+                            part_all(&answers),
+                            part_all(&act),
+                            p32(offset),
+                        ],
+                    ),
+                    n,
+                ),
+                Op::Logits(n) => (
+                    P_DECODE,
+                    bind(
+                        dev,
+                        k4,
+                        vec![
+                            part_all(&coef),
+                            part_all(&answers),
+                            part_all(&logits),
+                            p32(offset),
+                        ],
+                    ),
+                    n,
                 ),
             };
             dispatches.push(Dispatch {
                 pipeline,
                 group,
-                groups,
+                groups: (groups, 1),
             });
         }
-        let mut buffers = vec![
-            h, attn, act, qkv, gu, answers, coef, gains, table, scores, pbuf,
-        ];
+        let mut buffers = vec![h, q, attn, act, answers, coef, gains, table, scores, pbuf];
         buffers.extend(caches);
         Ok(Self {
             gpu,

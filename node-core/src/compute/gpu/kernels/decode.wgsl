@@ -1,7 +1,6 @@
-// Decodes one matrix of a stage from the k members' answers: output row o = j·L + r is
-// Σ_a coef[j][a] · answer_a[r], where answer a is sub-block a % m of member a / m. The answers
-// lie member after member, each [matrix][sub-block][local row]. Writes the rows into `dst`
-// or, for the residual stream, adds them.
+// Decodes one matrix of a stage from the k members' answers (the LM head's logits): output
+// row o = j·L + r is Σ_a coef[j][a] · answer_a[r], where answer a is sub-block a % m of member
+// a / m. The answers lie member after member, each [matrix][sub-block][local row].
 
 struct Params {
     out: u32,     // rows of the matrix
@@ -11,7 +10,7 @@ struct Params {
     member: u32,  // values of one member's answer
     mat_off: u32, // this matrix's first value inside a member's answer
     dst_off: u32, // first value written in dst
-    add: u32,     // 1: add into dst
+    _pad0: u32,
 }
 
 @group(0) @binding(0) var<storage, read> coef: array<f32>;
@@ -31,9 +30,5 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
     for (var a = 0u; a < p.km; a += 1u) {
         acc += coef[j * p.km + a] * ans[(a / p.m) * p.member + p.mat_off + (a % p.m) * p.l + r];
     }
-    if p.add != 0u {
-        dst[p.dst_off + o] += acc;
-    } else {
-        dst[p.dst_off + o] = acc;
-    }
+    dst[p.dst_off + o] = acc;
 }
