@@ -172,8 +172,7 @@ impl GpuToken {
                 "decoding coefficients are not k·m × k·m".into(),
             ));
         }
-        if hd < 2
-            || hd > 256
+        if !(2..=256).contains(&hd)
             || !256usize.is_multiple_of(hd)
             || cfg.kv_heads == 0
             || !cfg.heads.is_multiple_of(cfg.kv_heads)
