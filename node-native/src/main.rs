@@ -634,6 +634,11 @@ fn print_coded_stats(
 /// `generate --bootstrap`: a leader on the mesh; with `--repeat`, the same request again on a
 /// fresh group each time, learning after each.
 fn run_generate_mesh(args: GenerateArgs, bootstrap: libp2p::Multiaddr) -> Result<()> {
+    if args.device != node_core::compute::gpu::DeviceChoice::Cpu {
+        bail!(
+            "--device runs a generation in this process; on a mesh each node chooses its own (codedmesh node --device gpu|auto)"
+        );
+    }
     let rt = runtime()?;
     let mut args = args;
     let mut learner: Option<Learner> = None;

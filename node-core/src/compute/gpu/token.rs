@@ -9,6 +9,8 @@ use super::kernels::{ParamBlocks, bind, layout, part, pipeline, read_back};
 use super::{Gpu, GpuError, GpuMatrix};
 use crate::model::{LeaderWeights, LlamaConfig, Stage};
 
+const DECODING: &str = include_str!("kernels/decoding.wgsl");
+const REDUCE: &str = include_str!("kernels/reduce.wgsl");
 const RMS_NORM: &str = include_str!("kernels/rms_norm.wgsl");
 const DECODE: &str = include_str!("kernels/decode.wgsl");
 const QKV_ROPE: &str = include_str!("kernels/decode_qkv_rope.wgsl");
@@ -202,15 +204,33 @@ impl GpuToken {
         let pipelines = vec![
             gpu.kernels.matmul[0][0].clone(),
             gpu.kernels.matmul[1][0].clone(),
-            pipeline(dev, "rms_norm", RMS_NORM.into(), k4, None),
-            pipeline(dev, "decode", DECODE.into(), k4, None),
-            pipeline(dev, "decode_qkv_rope", QKV_ROPE.into(), &qkv_layout, None),
-            pipeline(dev, "attention", ATTENTION.into(), &attn_layout, None),
-            pipeline(dev, "decode_swiglu", SWIGLU.into(), k4, None),
+            pipeline(dev, "rms_norm", format!("{REDUCE}\n{RMS_NORM}"), k4, None),
+            pipeline(dev, "decode", format!("{DECODING}\n{DECODE}"), k4, None),
+            pipeline(
+                dev,
+                "decode_qkv_rope",
+                format!("{DECODING}\n{QKV_ROPE}"),
+                &qkv_layout,
+                None,
+            ),
+            pipeline(
+                dev,
+                "attention",
+                format!("{REDUCE}\n{ATTENTION}"),
+                &attn_layout,
+                None,
+            ),
+            pipeline(
+                dev,
+                "decode_swiglu",
+                format!("{DECODING}\n{SWIGLU}"),
+                k4,
+                None,
+            ),
             pipeline(
                 dev,
                 "decode_residual_norm",
-                RESIDUAL_NORM.into(),
+                format!("{DECODING}\n{REDUCE}\n{RESIDUAL_NORM}"),
                 &norm_layout,
                 None,
             ),
@@ -282,16 +302,10 @@ impl GpuToken {
         let (heads, kv_heads) = (u(cfg.heads)?, u(cfg.kv_heads)?);
         let (kmu, mu) = (u(km)?, u(spec.m)?);
         let eps = cfg.norm_eps.to_bits();
-        let attn_params = params.push([
-            heads,
-            kv_heads,
-            u(hd)?,
-            u(q_dim)?,
-            u(kv_dim)?,
-            u(max_ctx)?,
-            (1.0 / (hd as f32).sqrt()).to_bits(),
-            0,
-        ]);
+        // The attention shape both attention.wgsl and decode_qkv_rope.wgsl start with.
+        let shape = [heads, kv_heads, u(hd)?, u(q_dim)?, u(kv_dim)?, u(max_ctx)?];
+        let attn_params =
+            params.push_words(&[&shape[..], &[(1.0 / (hd as f32).sqrt()).to_bits()]].concat());
         let qkv_groups = u((cfg.heads + cfg.kv_heads) * half + kv_dim)?.div_ceil(ROPE_GROUP);
         let mut ops: Vec<(Op, u64)> = Vec::new();
         // The first layer's attention norm; every later norm follows a residual's decoding.
@@ -311,20 +325,15 @@ impl GpuToken {
             let s = next()?;
             gemv(&gpu, &mut params, &mut ops, s, Input::H)?;
             let member: usize = s.mats.iter().map(|&(_, l)| spec.m * l).sum();
-            let off = params.push_words(&[
-                heads,
-                kv_heads,
-                u(hd)?,
-                u(q_dim)?,
-                u(kv_dim)?,
-                u(max_ctx)?,
+            let layout = [
                 kmu,
                 mu,
                 u(member)?,
                 u(s.mats[0].1)?,
                 u(s.mats[1].1)?,
                 u(s.mats[2].1)?,
-            ]);
+            ];
+            let off = params.push_words(&[&shape[..], &layout[..]].concat());
             ops.push((Op::QkvRope(l, qkv_groups), off));
             ops.push((Op::Attention(l), attn_params));
             let s = next()?;

@@ -1,6 +1,6 @@
 // Causal grouped-query attention of the new token over the cache, one workgroup per query
 // head: scores, softmax and the weighted sum of values. Scores go through a scratch buffer, so
-// the context is not bounded by workgroup memory.
+// the context is not bounded by workgroup memory. Prefixed with reduce.wgsl.
 
 struct Params {
     heads: u32,
@@ -21,41 +21,11 @@ struct Step {
 }
 
 @group(0) @binding(0) var<storage, read> cache: array<f32>;
-@group(0) @binding(1) var<storage, read> qkv: array<f32>;
+@group(0) @binding(1) var<storage, read> q: array<f32>;
 @group(0) @binding(2) var<storage, read_write> out: array<f32>;
 @group(0) @binding(3) var<storage, read_write> scores: array<f32>;
 @group(0) @binding(4) var<uniform> p: Params;
 @group(0) @binding(5) var<uniform> step: Step;
-
-var<workgroup> red: array<f32, 256>;
-
-fn reduce_max(li: u32, v: f32) -> f32 {
-    red[li] = v;
-    workgroupBarrier();
-    for (var w = 128u; w > 0u; w >>= 1u) {
-        if li < w {
-            red[li] = max(red[li], red[li + w]);
-        }
-        workgroupBarrier();
-    }
-    let r = red[0];
-    workgroupBarrier();
-    return r;
-}
-
-fn reduce_sum(li: u32, v: f32) -> f32 {
-    red[li] = v;
-    workgroupBarrier();
-    for (var w = 128u; w > 0u; w >>= 1u) {
-        if li < w {
-            red[li] += red[li + w];
-        }
-        workgroupBarrier();
-    }
-    let r = red[0];
-    workgroupBarrier();
-    return r;
-}
 
 @compute @workgroup_size(256)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
@@ -70,7 +40,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     for (var t = li; t < n; t += 256u) {
         var s = 0.0;
         for (var d = 0u; d < p.hd; d += 1u) {
-            s += qkv[q0 + d] * cache[t * p.kv_dim + k0 + d];
+            s += q[q0 + d] * cache[t * p.kv_dim + k0 + d];
         }
         s *= scale;
         scores[s0 + t] = s;

@@ -1,9 +1,7 @@
 // Decodes the new token's query, key and value from the k members' answers, applies RoPE to
 // the query and key heads (adjacent pairs, GGML's normal layout) and appends the key and value
 // to the layer's cache at the token's position. One invocation per query pair, key pair and
-// value. The answers lie member after member, each [q, k, v][sub-block][local row]; output row
-// o = j·L + r of a matrix is Σ_a coef[j][a] · answer_a[r] (answer a: sub-block a % m of member
-// a / m).
+// value. Prefixed with decoding.wgsl; a member's answer is [q, k, v][sub-block][local row].
 
 struct Params {
     heads: u32,
@@ -31,29 +29,16 @@ struct Step {
     _pad2: u32,
 }
 
-@group(0) @binding(0) var<storage, read> coef: array<f32>;
-@group(0) @binding(1) var<storage, read> ans: array<f32>;
 @group(0) @binding(2) var<storage, read> table: array<vec2<f32>>; // [pos][pair]: (cos, sin)
 @group(0) @binding(3) var<storage, read_write> q: array<f32>;
 @group(0) @binding(4) var<storage, read_write> cache: array<f32>;
 @group(0) @binding(5) var<uniform> p: Params;
 @group(0) @binding(6) var<uniform> step: Step;
 
-// Row o of the matrix whose sub-blocks have l rows and start at `off` in a member's answer.
-fn decoded(o: u32, l: u32, off: u32) -> f32 {
-    let j = o / l;
-    let r = o % l;
-    var acc = 0.0;
-    for (var a = 0u; a < p.km; a += 1u) {
-        acc += coef[j * p.km + a] * ans[(a / p.m) * p.member + off + (a % p.m) * l + r];
-    }
-    return acc;
-}
-
 fn rotated(o: u32, l: u32, off: u32, pair: u32) -> vec2<f32> {
     let cs = table[step.pos * (p.hd / 2u) + pair];
-    let a = decoded(o, l, off);
-    let b = decoded(o + 1u, l, off);
+    let a = decoded(o, l, off, p.km, p.m, p.member);
+    let b = decoded(o + 1u, l, off, p.km, p.m, p.member);
     return vec2<f32>(a * cs.x - b * cs.y, a * cs.y + b * cs.x);
 }
 
@@ -81,6 +66,6 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
         cache[at + 1u] = r.y;
     } else if i < q_pairs + k_pairs + p.kv_dim {
         let v = i - q_pairs - k_pairs;
-        cache[p.max_ctx * p.kv_dim + step.pos * p.kv_dim + v] = decoded(v, p.lv, off_v);
+        cache[p.max_ctx * p.kv_dim + step.pos * p.kv_dim + v] = decoded(v, p.lv, off_v, p.km, p.m, p.member);
     }
 }

@@ -1,5 +1,5 @@
 // RMSNorm of one row: y = x / sqrt(mean(x²) + eps) · gain, by one workgroup (the leader's
-// hidden state is one token of a few thousand values at most).
+// hidden state is one token of a few thousand values at most). Prefixed with reduce.wgsl.
 
 struct Params {
     d: u32,        // values in the row
@@ -17,8 +17,6 @@ struct Params {
 @group(0) @binding(2) var<storage, read_write> y: array<f32>;
 @group(0) @binding(3) var<uniform> p: Params;
 
-var<workgroup> red: array<f32, 256>;
-
 @compute @workgroup_size(256)
 fn main(@builtin(local_invocation_index) li: u32) {
     var s = 0.0;
@@ -26,15 +24,7 @@ fn main(@builtin(local_invocation_index) li: u32) {
         let v = x[i];
         s += v * v;
     }
-    red[li] = s;
-    workgroupBarrier();
-    for (var w = 128u; w > 0u; w >>= 1u) {
-        if li < w {
-            red[li] += red[li + w];
-        }
-        workgroupBarrier();
-    }
-    let inv = inverseSqrt(red[0] / f32(p.d) + bitcast<f32>(p.eps_bits));
+    let inv = inverseSqrt(reduce_sum(li, s) / f32(p.d) + bitcast<f32>(p.eps_bits));
     for (var i = li; i < p.d; i += 256u) {
         y[i] = x[i] * inv * gain[p.goff + i];
     }
