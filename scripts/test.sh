@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The project's test command: sets up what it needs, then checks formatting, lints (native and
-# wasm32), builds node-core for wasm32 and runs every test. Run from anywhere in the repository.
+# wasm32) and runs every test, natively and (the WebGPU kernels) in headless Chromium. Run from
+# anywhere in the repository.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -29,6 +30,21 @@ if ! ls /usr/share/vulkan/icd.d/lvp_icd*.json >/dev/null 2>&1; then
   fi
 fi
 
+step "headless Chromium and wasm-bindgen's test runner (the WebGPU tests)"
+if ! command -v chromedriver >/dev/null || ! command -v chromium >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    if ! apt-get install -y -q chromium chromium-driver >/dev/null; then
+      apt-get update -q >/dev/null
+      apt-get install -y -q chromium chromium-driver >/dev/null
+    fi
+  fi
+fi
+# The runner must be the release of the wasm-bindgen in Cargo.lock.
+wasm_bindgen=$(sed -n '/^name = "wasm-bindgen"$/{n;s/^version = "\(.*\)"/\1/p}' Cargo.lock)
+if ! wasm-bindgen-test-runner --version 2>/dev/null | grep -q " $wasm_bindgen\b"; then
+  cargo install --locked -q wasm-bindgen-cli --version "$wasm_bindgen"
+fi
+
 step "cargo fmt --check"
 cargo fmt --all -- --check
 
@@ -44,6 +60,14 @@ cargo run --release --locked -q -p node-native -- fetch-model
 
 step "tests"
 cargo test --workspace --locked --release
+
+step "WebGPU tests in headless Chromium (node-core/tests/webgpu.rs)"
+if command -v chromedriver >/dev/null; then
+  CHROMEDRIVER=$(command -v chromedriver) \
+    cargo test -p node-core --target wasm32-unknown-unknown --test webgpu --locked --release
+else
+  echo "SKIPPING the WebGPU tests: no chromium-driver (install chromium and chromium-driver)"
+fi
 
 echo
 echo "all checks passed"
