@@ -380,6 +380,19 @@ impl GpuToken {
         gpu.queue.write_buffer(&pbuf, 0, params.bytes());
         let p32 = |offset: u64| part(&pbuf, offset, Some(64));
         let step16 = || part(&step, 0, Some(16));
+        // A decoding kernel's bind group: the coefficients and answers into `dst`.
+        let decode_into = |dst: &wgpu::Buffer, offset: u64| {
+            bind(
+                dev,
+                k4,
+                vec![
+                    part_all(&coef),
+                    part_all(&answers),
+                    part_all(dst),
+                    p32(offset),
+                ],
+            )
+        };
         let mut dispatches = Vec::with_capacity(ops.len());
         for (op, offset) in ops {
             let (pipeline, group, groups) = match op {
@@ -462,34 +475,8 @@ impl GpuToken {
                     ),
                     1,
                 ),
-                Op::Swiglu(n) => (
-                    P_SWIGLU,
-                    bind(
-                        dev,
-                        k4,
-                        vec![
-                            part_all(&coef),
-                            part_all(&answers),
-                            part_all(&act),
-                            p32(offset),
-                        ],
-                    ),
-                    n,
-                ),
-                Op::Logits(n) => (
-                    P_DECODE,
-                    bind(
-                        dev,
-                        k4,
-                        vec![
-                            part_all(&coef),
-                            part_all(&answers),
-                            part_all(&logits),
-                            p32(offset),
-                        ],
-                    ),
-                    n,
-                ),
+                Op::Swiglu(n) => (P_SWIGLU, decode_into(&act, offset), n),
+                Op::Logits(n) => (P_DECODE, decode_into(&logits, offset), n),
             };
             dispatches.push(Dispatch {
                 pipeline,
