@@ -6,7 +6,7 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use node_core::coded::{AUTO_GPU_MIN_WORK, GpuGroup, InProcess, ShardFormat, ShardSet};
 use node_core::compute::gpu::{Gpu, GpuMatrix, Placement, Weights};
-use node_core::model::{LeaderWeights, Llama, ModelWeights};
+use node_core::model::{LeaderWeights, Llama, ModelWeights, argmax};
 
 use crate::bench::{Row, model_speed, row};
 
@@ -142,15 +142,6 @@ pub fn kernel_rows(gpu: &Gpu, big_bytes: u64) -> Result<(Vec<Row>, f64)> {
         format!("{:.1} µs ({:.0} MB)", floor * 1e6, weight_bytes(&cfg) / 1e6),
     ));
     Ok((rows, copy_bw))
-}
-
-fn argmax(v: &[f32]) -> u32 {
-    v.iter()
-        .enumerate()
-        .fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &x)| {
-            if x > bv { (i, x) } else { (bi, bv) }
-        })
-        .0 as u32
 }
 
 /// Bytes of f32 weights one token reads: every linear matrix once.

@@ -429,7 +429,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
     );
 
     let gpu = pollster::block_on(Gpu::for_choice(args.device)).context("--device gpu")?;
-    if let Some(gpu) = gpu {
+    let (out, prompt) = if let Some(gpu) = gpu {
         // The whole token on the GPU: the k members' products and the leader's work, one
         // submission each.
         let started = std::time::Instant::now();
@@ -458,30 +458,18 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             }
             Ok(logits)
         };
-        let (out, _) = generate_and_print(&mut forward, max_ctx, &model.tokenizer, &args, &mut 0)?;
-        eprintln!(
-            "prompt {} tokens: prefill {:.1} tok/s (one token at a time); generated {} tokens: decode {:.1} tok/s ({:?})",
-            out.prompt_tokens,
-            out.prefill_tokens_per_s(),
-            out.tokens.len(),
-            out.decode_tokens_per_s(),
-            out.stop
-        );
-        if args.verify {
-            let prompt = prompt_ids(&model.tokenizer, &args)?;
-            let opts = generate_options(&model.tokenizer, &args);
-            verify_against_uncoded(&model.weights, &llama, &prompt, &opts, &out.tokens)?;
-        }
-        return Ok(());
-    }
-    let mut cache = KvCache::new(&cfg);
-    let mut forward = |t: &[u32]| llama.forward(&mut group, t, &mut cache);
-    let (out, _) = generate_and_print(&mut forward, cfg.max_seq, &model.tokenizer, &args, &mut 0)?;
-    let stats = group.stats().clone();
-    print_coded_stats(&args, &out, &stats, None);
-    let prompt = prompt_ids(&model.tokenizer, &args)?;
-    let opts = generate_options(&model.tokenizer, &args);
+        let done = generate_and_print(&mut forward, max_ctx, &model.tokenizer, &args, &mut 0)?;
+        print_speed(&done.0, " (one token at a time)");
+        done
+    } else {
+        let mut cache = KvCache::new(&cfg);
+        let mut forward = |t: &[u32]| llama.forward(&mut group, t, &mut cache);
+        let done = generate_and_print(&mut forward, cfg.max_seq, &model.tokenizer, &args, &mut 0)?;
+        print_coded_stats(&args, &done.0, group.stats(), None);
+        done
+    };
     if args.verify {
+        let opts = generate_options(&model.tokenizer, &args);
         verify_against_uncoded(&model.weights, &llama, &prompt, &opts, &out.tokens)?;
     }
     Ok(())
@@ -583,6 +571,18 @@ fn generate_and_print(
     Ok((out, prompt))
 }
 
+/// Prints the prefill and decode speed; `how` notes how the prompt ran.
+fn print_speed(out: &Generation, how: &str) {
+    eprintln!(
+        "prompt {} tokens: prefill {:.1} tok/s{how}; generated {} tokens: decode {:.1} tok/s ({:?})",
+        out.prompt_tokens,
+        out.prefill_tokens_per_s(),
+        out.tokens.len(),
+        out.decode_tokens_per_s(),
+        out.stop
+    );
+}
+
 /// Prints speed, rounds, bytes per member and where the time went.
 fn print_coded_stats(
     args: &GenerateArgs,
@@ -591,14 +591,7 @@ fn print_coded_stats(
     member_compute: Option<Duration>,
 ) {
     let k = args.k.max(1) as u64;
-    eprintln!(
-        "prompt {} tokens: prefill {:.1} tok/s; generated {} tokens: decode {:.1} tok/s ({:?})",
-        out.prompt_tokens,
-        out.prefill_tokens_per_s(),
-        out.tokens.len(),
-        out.decode_tokens_per_s(),
-        out.stop
-    );
+    print_speed(out, "");
     let forward_passes = (out.forward_passes as u64).max(1);
     let total_tokens = (out.prompt_tokens + out.tokens.len()).max(1) as u64;
     // Per member asked (spares included), per token position.

@@ -110,8 +110,7 @@ pub struct GpuGroup {
     token: GpuToken,
     /// The members' embedding shards, in decoding order.
     embeds: Vec<Shard>,
-    /// The decoding coefficients, `k·m × k·m`.
-    coef: Vec<f64>,
+    decoder: Decoder,
     m: usize,
     vocab: usize,
 }
@@ -197,7 +196,7 @@ impl GpuGroup {
         Ok(Self {
             token,
             embeds: members.iter().map(|s| s.embed.clone()).collect(),
-            coef: decoder.inverse().to_vec(),
+            decoder,
             m: g.sub_blocks(),
             vocab: cfg.vocab,
         })
@@ -227,31 +226,26 @@ impl GpuGroup {
             }
             .into());
         }
-        let km = self.coef.len().isqrt();
         let first = self
             .embeds
             .first()
             .ok_or_else(|| CodedError::BadRequest("no members".into()))?;
         let (l, cols) = (first.block_len, first.cols);
         let (j, r) = (token as usize / l, token as usize % l);
-        let mut x = vec![0.0f64; cols];
-        for (a, &c) in self.coef[j * km..(j + 1) * km].iter().enumerate() {
-            let shard = &self.embeds[a / self.m];
-            let row = ((a % self.m) * l + r) * cols;
-            match &shard.values {
-                ShardValues::F32(v) => {
-                    x.iter_mut()
-                        .zip(&v[row..row + cols])
-                        .for_each(|(x, &w)| *x += c * w as f64);
-                }
-                ShardValues::F16(v) => {
-                    x.iter_mut()
-                        .zip(&v[row..row + cols])
-                        .for_each(|(x, &w)| *x += c * w.to_f64());
-                }
-            }
-        }
-        Ok(x.into_iter().map(|v| v as f32).collect())
+        // Each member's answer to the lookup of local row r, decoded; block j is the token's.
+        let answers: Vec<Vec<f32>> = self
+            .embeds
+            .iter()
+            .map(|e| {
+                let mut out = Vec::with_capacity(self.m * cols);
+                (0..self.m).for_each(|s| e.push_row(s, r, &mut out));
+                out
+            })
+            .collect();
+        let refs: Vec<&[f32]> = answers.iter().map(Vec::as_slice).collect();
+        let mut blocks = vec![0.0f32; self.embeds.len() * self.m * cols];
+        self.decoder.decode(&refs, &mut blocks)?;
+        Ok(blocks[j * cols..(j + 1) * cols].to_vec())
     }
 
     /// The logits after `token` at position `pos`; the cache must hold positions `0..pos` of

@@ -203,6 +203,10 @@ pub struct CodedGroup<T: Transport> {
 /// Answers of one round: `(node, values)`.
 type Parts = Vec<(usize, Vec<f32>)>;
 
+/// The decoded blocks of a round, the decoding's condition number, and the predictions of the
+/// answers beyond the first k.
+type Predicted = (Vec<f32>, f64, Vec<Vec<f32>>);
+
 /// A round's decode and its threshold, or the largest residual and the threshold it broke.
 type Checked = Result<(Vec<f32>, f64), (f64, f64)>;
 
@@ -333,20 +337,14 @@ impl<T: Transport> CodedGroup<T> {
     /// The residuals of the answers beyond the first k (in order) against the decode of the
     /// first k, one after another.
     fn residuals(&mut self, parts: &[(usize, &[f32])], c: usize) -> Result<Vec<f32>, CodedError> {
-        let (k, m) = (self.generator.k(), self.generator.sub_blocks());
-        let mut decode: Vec<(usize, &[f32])> = parts.iter().take(k).copied().collect();
-        decode.sort_by_key(|(n, _)| *n);
-        let rows: Vec<usize> = decode.iter().map(|(n, _)| *n).collect();
-        let refs: Vec<&[f32]> = decode.iter().map(|(_, v)| *v).collect();
-        let mut out = vec![0.0f32; k * m * c];
-        self.decoder_for(&rows)?.decode(&refs, &mut out)?;
-        let mut res = Vec::with_capacity(parts.len().saturating_sub(k) * m * c);
-        let mut predicted = vec![0.0f32; m * c];
-        for (node, actual) in parts.iter().skip(k) {
-            self.generator.predict_part(*node, &out, &mut predicted)?;
-            res.extend(actual.iter().zip(&predicted).map(|(a, p)| a - p));
-        }
-        Ok(res)
+        let k = self.generator.k();
+        let (_, _, predicted) = self.decode_and_predict(parts, c)?;
+        Ok(parts
+            .iter()
+            .skip(k)
+            .zip(&predicted)
+            .flat_map(|((_, actual), p)| actual.iter().zip(p).map(|(a, p)| a - p))
+            .collect())
     }
 
     /// Fits a checked round's residuals against the learning updates under test; when a member
@@ -559,22 +557,15 @@ impl<T: Transport> CodedGroup<T> {
         c: usize,
     ) -> Result<Checked, CodedError> {
         let k = self.generator.k();
-        let m = self.generator.sub_blocks();
-        let mut decode: Vec<&(usize, Vec<f32>)> = parts.iter().take(k).copied().collect();
-        decode.sort_by_key(|(n, _)| *n);
-        let rows: Vec<usize> = decode.iter().map(|(n, _)| *n).collect();
-        let refs: Vec<&[f32]> = decode.iter().map(|(_, v)| v.as_slice()).collect();
-        let mut out = vec![0.0f32; k * m * c];
-        let verify = self.verify;
-        let decoder = self.decoder_for(&rows)?;
-        decoder.decode(&refs, &mut out)?;
-        let threshold = verify.threshold(decoder.condition_number());
-        let mut worst = 0.0f64;
-        let mut predicted = vec![0.0f32; m * c];
-        for (node, actual) in parts.iter().skip(k) {
-            self.generator.predict_part(*node, &out, &mut predicted)?;
-            worst = worst.max(residual(actual, &predicted));
-        }
+        let refs: Vec<(usize, &[f32])> = parts.iter().map(|(n, v)| (*n, v.as_slice())).collect();
+        let (out, kappa, predicted) = self.decode_and_predict(&refs, c)?;
+        let threshold = self.verify.threshold(kappa);
+        let worst = refs
+            .iter()
+            .skip(k)
+            .zip(&predicted)
+            .map(|((_, actual), p)| residual(actual, p))
+            .fold(0.0f64, f64::max);
         if worst > threshold || worst.is_nan() {
             return Ok(Err((worst, threshold)));
         }
@@ -582,6 +573,33 @@ impl<T: Transport> CodedGroup<T> {
             self.stats.max_pass_ratio = self.stats.max_pass_ratio.max(worst / threshold);
         }
         Ok(Ok((out, threshold)))
+    }
+
+    /// Decodes the first k of `parts` (in order; decoded sorted by row) and predicts each later
+    /// answer from them: the decoded blocks, the decoding's condition number, the predictions.
+    fn decode_and_predict(
+        &mut self,
+        parts: &[(usize, &[f32])],
+        c: usize,
+    ) -> Result<Predicted, CodedError> {
+        let (k, m) = (self.generator.k(), self.generator.sub_blocks());
+        let mut decode: Vec<(usize, &[f32])> = parts.iter().take(k).copied().collect();
+        decode.sort_by_key(|(n, _)| *n);
+        let rows: Vec<usize> = decode.iter().map(|(n, _)| *n).collect();
+        let refs: Vec<&[f32]> = decode.iter().map(|(_, v)| *v).collect();
+        let mut out = vec![0.0f32; k * m * c];
+        let decoder = self.decoder_for(&rows)?;
+        decoder.decode(&refs, &mut out)?;
+        let kappa = decoder.condition_number();
+        let predicted = parts
+            .iter()
+            .skip(k)
+            .map(|(node, _)| {
+                let mut p = vec![0.0f32; m * c];
+                self.generator.predict_part(*node, &out, &mut p).map(|()| p)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok((out, kappa, predicted))
     }
 
     /// The decoded blocks of a round, checked: a member whose answer disagrees is located

@@ -86,11 +86,6 @@ impl UpdateProbe {
         Self { updates, n }
     }
 
-    /// The ids under test.
-    pub fn ids(&self) -> Vec<u64> {
-        self.updates.iter().map(|p| p.id).collect()
-    }
-
     /// Updates whose test is not settled for every one of `rows`.
     pub(super) fn open(&self, rows: &[usize]) -> Vec<usize> {
         (0..self.updates.len())

@@ -110,7 +110,8 @@ impl Placement {
     }
 }
 
-fn u32_of(v: usize, what: &str) -> Result<u32, GpuError> {
+/// `v` as a shader's u32, or a shape error naming `what`.
+pub(super) fn u32_of(v: usize, what: &str) -> Result<u32, GpuError> {
     u32::try_from(v).map_err(|_| GpuError::Shape(format!("{what} {v} is past 2³²")))
 }
 

@@ -6,6 +6,7 @@
 use std::sync::Arc;
 
 use super::kernels::{ParamBlocks, bind, layout, part, pipeline, read_back};
+use super::matrix::u32_of;
 use super::{Gpu, GpuError, GpuMatrix};
 use crate::model::{LeaderWeights, LlamaConfig, Stage};
 
@@ -138,10 +139,6 @@ fn gemv<'b>(
 /// A binding of a whole buffer.
 fn part_all(b: &wgpu::Buffer) -> wgpu::BindingResource<'_> {
     part(b, 0, None)
-}
-
-fn u32_of(v: usize, what: &str) -> Result<u32, GpuError> {
-    u32::try_from(v).map_err(|_| GpuError::Shape(format!("{what} {v} is past 2³²")))
 }
 
 impl Gpu {
