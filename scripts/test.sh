@@ -30,7 +30,7 @@ if ! ls /usr/share/vulkan/icd.d/lvp_icd*.json >/dev/null 2>&1; then
   fi
 fi
 
-step "headless Chromium and wasm-bindgen's test runner (the WebGPU tests)"
+step "headless Chromium and wasm-bindgen's test runner (the wasm and browser tests)"
 if ! command -v chromedriver >/dev/null || ! command -v chromium >/dev/null; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     if ! apt-get install -y -q chromium chromium-driver >/dev/null; then
@@ -45,14 +45,18 @@ if ! wasm-bindgen-test-runner --version 2>/dev/null | grep -q " $wasm_bindgen\b"
   cargo install --locked -q wasm-bindgen-cli --version "$wasm_bindgen"
 fi
 
+step "the dashboard (web-ui, trunk): native nodes serve it, the browser test opens it"
+bash scripts/build-web.sh
+
 step "cargo fmt --check"
 cargo fmt --all -- --check
 
 step "clippy (native, all targets, -D warnings)"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 
-step "clippy (wasm32: node-core)"
+step "clippy (wasm32: node-core, the browser node, the dashboard)"
 cargo clippy -p node-core --target wasm32-unknown-unknown --locked -- -D warnings
+cargo clippy -p node-web -p web-ui --target wasm32-unknown-unknown --all-targets --locked -- -D warnings
 
 step "codedmesh binary (the multi-process tests run it) and the model (cached after the first run)"
 cargo build --release --locked -p node-native
@@ -61,12 +65,14 @@ cargo run --release --locked -q -p node-native -- fetch-model
 step "tests"
 cargo test --workspace --locked --release
 
-step "WebGPU tests in headless Chromium (node-core/tests/webgpu.rs)"
+step "wasm tests in headless Chromium: WebGPU kernels, the browser node, the dashboard's components"
 if command -v chromedriver >/dev/null; then
-  CHROMEDRIVER=$(command -v chromedriver) \
-    cargo test -p node-core --target wasm32-unknown-unknown --test webgpu --locked --release
+  export CHROMEDRIVER
+  CHROMEDRIVER=$(command -v chromedriver)
+  cargo test -p node-core --target wasm32-unknown-unknown --test webgpu --locked --release
+  cargo test -p node-web -p web-ui --target wasm32-unknown-unknown --locked --release
 else
-  echo "SKIPPING the WebGPU tests: no chromium-driver (install chromium and chromium-driver)"
+  echo "SKIPPING the wasm tests: no chromium-driver (install chromium and chromium-driver)"
 fi
 
 echo

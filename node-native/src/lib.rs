@@ -3,6 +3,7 @@
 pub mod bench;
 pub mod fetch;
 pub mod gpubench;
+pub mod http;
 pub mod learning;
 pub mod load;
 pub mod localmesh;

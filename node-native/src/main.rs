@@ -107,6 +107,17 @@ struct NetArgs {
     /// auto (a hardware GPU when there is one, else the CPU).
     #[arg(long, default_value = "cpu")]
     device: node_core::compute::gpu::DeviceChoice,
+    /// Where to serve HTTP: the dashboard at `/` and the status at `/api/status` (port 0 picks
+    /// a free one; the node prints the URL).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    http: std::net::SocketAddr,
+    /// Serve no HTTP.
+    #[arg(long, conflicts_with = "http")]
+    no_http: bool,
+    /// The dashboard's built files (trunk's dist); default: $CODEDMESH_WEB, else web-ui/dist
+    /// of the checkout the binary was built in.
+    #[arg(long)]
+    web_dir: Option<PathBuf>,
 }
 
 impl NetArgs {
@@ -126,6 +137,8 @@ impl NetArgs {
             health,
             fault: None,
             device: self.device,
+            http: (!self.no_http).then_some(self.http),
+            web_dir: self.web_dir.clone(),
         })
     }
 }
@@ -796,6 +809,9 @@ fn run_status(args: StatusArgs) -> Result<()> {
         }
     }
     println!("{}", info.summary());
+    if let Some(url) = &info.dashboard {
+        println!("dashboard: {url}");
+    }
     Ok(())
 }
 

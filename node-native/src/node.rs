@@ -11,13 +11,15 @@ use node_core::code::Generator;
 use node_core::coded::{InProcess, Member, ShardFormat, ShardSet};
 use node_core::compute::gpu::{DeviceChoice, Gpu};
 use node_core::mesh::{
-    CHUNK_BYTES, HealthConfig, Heartbeat, JoinOffer, LearningConfig, MAX_CHUNK_BYTES, MeshEvent,
-    MeshRequest, MeshResponse, MeshView, ModelManifest, ShardVersion,
+    BrowserBootstrap, CHUNK_BYTES, HealthConfig, Heartbeat, JoinOffer, LearningConfig,
+    MAX_CHUNK_BYTES, MeshEvent, MeshInfo, MeshRequest, MeshResponse, MeshView, ModelManifest,
+    ShardVersion,
 };
 use node_core::model::LeaderWeights;
 use node_core::protocol;
 use std::time::Instant;
 
+use crate::http::InfoRequest;
 use crate::learning::{Rules, ShardState, UpdateStore};
 use crate::store::{DataDir, shard_from_blob, shard_to_blob};
 use crate::swarm::{self, Client, Inbound, NetConfig, with_peer};
@@ -42,6 +44,10 @@ pub struct NodeOptions {
     pub fault: Option<InjectedFault>,
     /// Where the shard products run.
     pub device: DeviceChoice,
+    /// Where to serve HTTP (the dashboard and the status JSON); `None` serves none.
+    pub http: Option<std::net::SocketAddr>,
+    /// The dashboard's built files; `None` looks for them (see [`crate::http::find_web_dir`]).
+    pub web_dir: Option<PathBuf>,
 }
 
 /// A fault a node injects into its own answers or shard, on purpose.
@@ -688,6 +694,18 @@ async fn run_server(
         local,
     )?;
     eprintln!("serving row {row} as {}", client.peer_id());
+    let (info_tx, info_rx) = tokio::sync::mpsc::channel(16);
+    let dashboard = match opts.http {
+        Some(addr) => {
+            let bootstrap =
+                BrowserBootstrap::from_addrs(client.peer_id().to_string(), &view.local().addrs);
+            let web = crate::http::find_web_dir(opts.web_dir.as_deref());
+            let server = crate::http::start(addr, web, info_tx, bootstrap).await?;
+            println!("dashboard: {}", server.url);
+            Some(server.url)
+        }
+        None => None,
+    };
     let (internal_tx, internal_rx) = tokio::sync::mpsc::channel(64);
     Server {
         client,
@@ -702,8 +720,9 @@ async fn run_server(
         snapshot: Arc::new(Mutex::new(None)),
         internal_tx,
         syncing: false,
+        dashboard,
     }
-    .run(inbound, internal_rx)
+    .run(inbound, internal_rx, info_rx)
     .await
 }
 
@@ -733,6 +752,8 @@ struct Server {
     snapshot: Snapshot,
     internal_tx: tokio::sync::mpsc::Sender<Internal>,
     syncing: bool,
+    /// This node's dashboard URL, when it serves HTTP.
+    dashboard: Option<String>,
 }
 
 fn hex8(d: &[u8; 32]) -> String {
@@ -744,6 +765,7 @@ impl Server {
         mut self,
         mut inbound: tokio::sync::mpsc::Receiver<Inbound>,
         mut internal: tokio::sync::mpsc::Receiver<Internal>,
+        mut info: tokio::sync::mpsc::Receiver<InfoRequest>,
     ) -> Result<()> {
         loop {
             let deadline = tokio::time::Instant::from_std(self.view.poll_timeout());
@@ -753,6 +775,9 @@ impl Server {
                     None => bail!("the network task stopped"),
                 },
                 Some(msg) = internal.recv() => self.on_internal(msg)?,
+                Some(InfoRequest(reply)) = info.recv() => {
+                    let _ = reply.send(self.info(Instant::now()));
+                }
                 _ = tokio::time::sleep_until(deadline) => self.view.handle_timeout(Instant::now()),
                 _ = tokio::signal::ctrl_c() => {
                     eprintln!("stopping");
@@ -766,6 +791,13 @@ impl Server {
                 self.on_event(ev);
             }
         }
+    }
+
+    /// The mesh as this node sees it, with its dashboard's URL.
+    fn info(&self, now: Instant) -> MeshInfo {
+        let mut info = self.view.info(now);
+        info.dashboard = self.dashboard.clone();
+        info
     }
 
     fn on_internal(&mut self, msg: Internal) -> Result<()> {
@@ -884,7 +916,7 @@ impl Server {
                 let client = self.client.clone();
                 let job: Box<dyn FnOnce() -> MeshResponse + Send> = match request {
                     MeshRequest::Info => {
-                        let info = self.view.info(now);
+                        let info = self.info(now);
                         Box::new(move || MeshResponse::Info(info))
                     }
                     MeshRequest::Manifest => {

@@ -1,1 +1,33 @@
-//! Coded Mesh browser node.
+//! Coded Mesh in the browser: a libp2p node that dials the native node that served the page
+//! (WebSocket first, WebRTC-direct next), follows the mesh's heartbeats and keeps a live view
+//! of every row's health.
+//!
+//! From Rust (the dashboard uses it this way):
+//!
+//! ```ignore
+//! let node = node_web::BrowserNode::start_from_page().await?;
+//! node.on_change(move |info| render(info));
+//! ```
+//!
+//! From JavaScript (the package `wasm-pack build node-web` makes):
+//!
+//! ```js
+//! import init, { Node } from "./pkg/node_web.js";
+//! await init();
+//! const node = await Node.connect("http://127.0.0.1:8080/");
+//! node.onChange(status => console.log(status.summary));
+//! ```
+//!
+//! Natively this crate is empty: the node needs a browser.
+
+#[cfg(wasm_browser)]
+mod js;
+#[cfg(wasm_browser)]
+mod node;
+#[cfg(wasm_browser)]
+mod transport;
+
+#[cfg(wasm_browser)]
+pub use js::init_logging;
+#[cfg(wasm_browser)]
+pub use node::{BrowserNode, Connection, NodeSnapshot, WebError};

@@ -1,1 +1,14 @@
-//! Coded Mesh dashboard.
+//! Coded Mesh dashboard: the health of every shard of the model, live, from the page's own
+//! browser node (`node-web`), which follows the mesh's heartbeats.
+//!
+//! Build it with `trunk build --release` in this folder (or `bash scripts/build-web.sh`);
+//! every native node serves the result at `/`. Natively only the view model is built.
+
+pub mod model;
+
+#[cfg(wasm_browser)]
+pub mod app;
+#[cfg(wasm_browser)]
+pub mod components;
+#[cfg(wasm_browser)]
+pub mod pages;

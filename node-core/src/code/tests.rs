@@ -47,16 +47,6 @@ fn coded_product(
     y
 }
 
-fn rel_err(a: &[f32], exact: &[f64]) -> f64 {
-    let num: f64 = a
-        .iter()
-        .zip(exact)
-        .map(|(&x, &e)| (x as f64 - e).powi(2))
-        .sum();
-    let den: f64 = exact.iter().map(|e| e * e).sum();
-    (num / den).sqrt()
-}
-
 #[test]
 fn uncoded_decode_is_bit_exact() {
     let (out, inp) = (37, 29);

@@ -88,6 +88,43 @@ pub struct MeshInfo {
     pub version_digest: String,
     /// Every node known, the answering node included.
     pub nodes: Vec<NodeStatus>,
+    /// The answering node's dashboard URL, when it serves HTTP.
+    #[serde(default)]
+    pub dashboard: Option<String>,
+}
+
+/// What a page needs to dial the native node that served it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BrowserBootstrap {
+    /// The node's peer id.
+    pub peer: String,
+    /// Its addresses a browser can dial (WebSocket, WebRTC-direct), each ending in `/p2p/<peer>`.
+    pub addrs: Vec<String>,
+}
+
+impl BrowserBootstrap {
+    /// Keeps the addresses of `addrs` a browser can dial, best first: WebSocket (it connects
+    /// reliably), then WebRTC-direct.
+    pub fn from_addrs(peer: String, addrs: &[String]) -> Self {
+        let rank = |a: &str| {
+            if a.contains("/ws/") || a.ends_with("/ws") {
+                Some(0)
+            } else if a.contains("/webrtc-direct/") {
+                Some(1)
+            } else {
+                None
+            }
+        };
+        let mut keep: Vec<(u8, String)> = addrs
+            .iter()
+            .filter_map(|a| rank(a).map(|r| (r, a.clone())))
+            .collect();
+        keep.sort();
+        Self {
+            peer,
+            addrs: keep.into_iter().map(|(_, a)| a).collect(),
+        }
+    }
 }
 
 impl MeshInfo {
@@ -241,6 +278,27 @@ mod tests {
     use super::*;
     use crate::protocol::{decode, encode};
     use proptest::prelude::*;
+
+    #[test]
+    fn a_browser_gets_websocket_then_webrtc_addresses_only() {
+        let p = "/p2p/12D3KooWEtyUq8sdqhwmBW54jBQPPUQLqtrFcby7Zbj2unjEijzU";
+        let addrs = [
+            format!("/ip4/127.0.0.1/tcp/4001{p}"),
+            format!("/ip4/127.0.0.1/udp/4002/webrtc-direct/certhash/uEiB{p}"),
+            format!("/ip4/127.0.0.1/udp/4003/quic-v1{p}"),
+            format!("/ip4/127.0.0.1/tcp/4004/ws{p}"),
+        ];
+        let b = BrowserBootstrap::from_addrs("peer".into(), &addrs);
+        assert_eq!(b.addrs, [addrs[3].clone(), addrs[1].clone()]);
+    }
+
+    #[test]
+    fn digests_round_trip_through_hex() {
+        let d: [u8; 32] = std::array::from_fn(|i| (i * 37 + 5) as u8);
+        assert_eq!(crate::mesh::unhex32(&crate::mesh::hex(&d)), Some(d));
+        assert_eq!(crate::mesh::unhex32("ab"), None);
+        assert_eq!(crate::mesh::unhex32(&"zz".repeat(32)), None);
+    }
 
     #[test]
     fn requests_round_trip() {

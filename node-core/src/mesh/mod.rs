@@ -12,8 +12,8 @@ mod view;
 pub use health::{Health, HealthConfig};
 pub use manifest::{DEFAULT_RANK, LearningConfig, MAX_ACCUMULATE, ModelManifest};
 pub use messages::{
-    CHUNK_BYTES, HEARTBEAT_TOPIC, Heartbeat, JoinOffer, MAX_CHUNK_BYTES, MeshInfo, MeshRequest,
-    MeshResponse, NodeStatus, SourceRow,
+    BrowserBootstrap, CHUNK_BYTES, HEARTBEAT_TOPIC, Heartbeat, JoinOffer, MAX_CHUNK_BYTES,
+    MeshInfo, MeshRequest, MeshResponse, NodeStatus, SourceRow,
 };
 pub use round::{GroupPlan, MemberPool, RoundConfig, RoundDriver, RoundError, plan_group};
 pub use version::ShardVersion;
@@ -48,4 +48,18 @@ pub enum MeshError {
 /// Lower-case hex of bytes.
 pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Parses 64 hex digits (as [`hex`] writes a digest) back into 32 bytes.
+pub fn unhex32(s: &str) -> Option<[u8; 32]> {
+    let s = s.as_bytes();
+    if s.len() != 64 {
+        return None;
+    }
+    let digit = |c: u8| (c as char).to_digit(16);
+    let mut out = [0u8; 32];
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = (digit(s[2 * i])? * 16 + digit(s[2 * i + 1])?) as u8;
+    }
+    Some(out)
 }

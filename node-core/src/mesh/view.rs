@@ -412,6 +412,7 @@ impl<P: Ord + Clone + Display> MeshView<P> {
             version_count,
             version_digest: hex(&version),
             nodes,
+            dashboard: None,
         }
     }
 }

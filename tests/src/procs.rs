@@ -1,0 +1,399 @@
+//! Real processes on 127.0.0.1 for the end-to-end tests: `codedmesh seed`, `node`, `status`
+//! and `generate`, each killed when its handle drops.
+
+use std::io::{BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+
+/// The `codedmesh` binary built next to this test (or `$CODEDMESH_BIN`).
+pub fn bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("CODEDMESH_BIN") {
+        return PathBuf::from(p);
+    }
+    let exe = std::env::current_exe().expect("test executable path");
+    let dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target directory");
+    let p = dir.join("codedmesh");
+    assert!(
+        p.exists(),
+        "{} is missing: build it first (cargo build --release -p node-native)",
+        p.display()
+    );
+    p
+}
+
+/// The small Hugging Face model in testdata.
+pub fn tiny_model() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("testdata/tiny-llama-hf")
+}
+
+/// Fast health timing so dead rows show within seconds.
+pub const HEALTH: [&str; 6] = [
+    "--heartbeat-ms",
+    "200",
+    "--suspect-ms",
+    "800",
+    "--dead-ms",
+    "2000",
+];
+
+/// A process of the mesh, killed when dropped; its stderr collected in a file.
+#[derive(Debug)]
+pub struct Proc {
+    /// The process.
+    pub child: Child,
+    /// Its stderr, in a file.
+    pub log: PathBuf,
+    /// A name for messages.
+    pub name: String,
+}
+
+impl Proc {
+    /// Its process id.
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    /// Sends it a signal (`STOP`, `CONT`, `KILL`…).
+    pub fn signal(&self, sig: &str) {
+        let _ = Command::new("kill")
+            .arg(format!("-{sig}"))
+            .arg(self.pid().to_string())
+            .status();
+    }
+
+    /// Its stderr so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Waits until the log contains `needle`.
+    pub fn wait_log(&mut self, needle: &str, timeout: Duration) -> Result<String> {
+        let start = Instant::now();
+        loop {
+            let log = self.log();
+            if log.contains(needle) {
+                return Ok(log);
+            }
+            if let Ok(Some(status)) = self.child.try_wait() {
+                bail!("{} exited ({status}) before {needle:?}:\n{log}", self.name);
+            }
+            if start.elapsed() > timeout {
+                bail!(
+                    "{} did not log {needle:?} in {timeout:?}:\n{log}",
+                    self.name
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.signal("CONT");
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A temporary directory for one mesh, removed at the end.
+#[derive(Debug)]
+pub struct Scratch(pub PathBuf);
+
+impl Scratch {
+    /// A fresh directory named after `name` and this process.
+    pub fn new(name: &str) -> Self {
+        let p = std::env::temp_dir().join(format!("codedmesh-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).expect("scratch dir");
+        Self(p)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+#[derive(Debug)]
+pub struct Mesh {
+    /// Its scratch directory.
+    pub dir: Scratch,
+    /// The seed process.
+    pub seed: Proc,
+    /// The other nodes.
+    pub nodes: Vec<Proc>,
+    /// The seed's TCP address.
+    pub bootstrap: String,
+    /// The seed's dashboard URL.
+    pub dashboard: String,
+}
+
+/// A `codedmesh node` with data dir `dir/<data>`, joining through `bootstrap`.
+pub fn spawn_node(dir: &Path, name: &str, data: &str, bootstrap: &str) -> Result<Proc> {
+    spawn_node_with(dir, name, data, bootstrap, &[])
+}
+
+/// [`spawn_node`] with extra arguments.
+pub fn spawn_node_with(
+    dir: &Path,
+    name: &str,
+    data: &str,
+    bootstrap: &str,
+    extra: &[&str],
+) -> Result<Proc> {
+    let d = dir.join(data);
+    let mut a = vec!["node", "--tcp-only", "--bootstrap", bootstrap, "--data"];
+    a.push(d.to_str().context("path")?);
+    a.extend(HEALTH);
+    a.extend(extra);
+    spawn(dir, name, &a)
+}
+
+/// Whether this machine has any wgpu adapter (a GPU, or Mesa's lavapipe as in CI).
+pub fn have_gpu() -> bool {
+    match pollster::block_on(node_core::compute::gpu::Gpu::open(false)) {
+        Ok(_) => true,
+        Err(e) => {
+            eprintln!("SKIPPING the GPU node: {e}");
+            false
+        }
+    }
+}
+
+/// Starts `codedmesh ARGS`, its stderr in `dir/<name>.log`.
+pub fn spawn(dir: &Path, name: &str, args: &[&str]) -> Result<Proc> {
+    let log = dir.join(format!("{name}.log"));
+    let child = Command::new(bin())
+        .args(args)
+        .env("RUST_LOG", "warn,libp2p_kad=error")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log)?)
+        .spawn()
+        .with_context(|| format!("starting {name}"))?;
+    Ok(Proc {
+        child,
+        log,
+        name: name.into(),
+    })
+}
+
+impl Mesh {
+    /// Seed plus n − 1 nodes, every row handed out and seen healthy; `learning` is the
+    /// seed's learning flags (`["--no-learning"]` for a frozen model).
+    pub fn start(name: &str, model: Option<&Path>, learning: &[&str]) -> Result<Self> {
+        Self::start_with(name, model, learning, &["--tcp-only"])
+    }
+
+    /// [`Mesh::start`] with more arguments for the seed (the nodes listen on TCP only).
+    pub fn start_with(
+        name: &str,
+        model: Option<&Path>,
+        learning: &[&str],
+        seed_args: &[&str],
+    ) -> Result<Self> {
+        let dir = Scratch::new(name);
+        let d0 = dir.0.join("d0");
+        let mut args = vec!["seed", "--k", "3", "--n", "5", "--data"];
+        args.push(d0.to_str().context("path")?);
+        args.extend(seed_args);
+        args.extend(learning);
+        args.extend(HEALTH);
+        let model_s;
+        if let Some(m) = model {
+            model_s = m.display().to_string();
+            args.extend(["--model", &model_s]);
+        }
+        // The seed's stdout carries its address: read it from a pipe.
+        let log = dir.0.join("seed.log");
+        let mut child = Command::new(bin())
+            .args(&args)
+            .env("RUST_LOG", "warn,libp2p_kad=error")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&log)?)
+            .spawn()?;
+        let stdout = child.stdout.take().context("seed stdout")?;
+        let mut seed = Proc {
+            child,
+            log,
+            name: "seed".into(),
+        };
+        let mut lines = BufReader::new(stdout).lines();
+        let (mut bootstrap, mut dashboard) = (None, None);
+        while bootstrap.is_none() || dashboard.is_none() {
+            match lines.next() {
+                Some(line) => {
+                    let line = line?;
+                    // The TCP address: the nodes listen and dial on TCP only.
+                    if let Some(a) = line.strip_prefix("listening: ")
+                        && bootstrap.is_none()
+                        && a.contains("/tcp/")
+                        && !a.contains("/ws")
+                    {
+                        bootstrap = Some(a.to_string());
+                    }
+                    if let Some(a) = line.strip_prefix("dashboard: ") {
+                        dashboard = Some(a.to_string());
+                    }
+                }
+                None => bail!("the seed exited:\n{}", seed.log()),
+            }
+        }
+        let (bootstrap, dashboard) = (
+            bootstrap.context("no address")?,
+            dashboard.context("no dashboard")?,
+        );
+        std::thread::spawn(move || for _ in lines {});
+        seed.wait_log("serving row 0", Duration::from_secs(120))?;
+        let mut nodes = Vec::new();
+        for i in 1..5 {
+            nodes.push(spawn_node(
+                &dir.0,
+                &format!("node{i}"),
+                &format!("d{i}"),
+                &bootstrap,
+            )?);
+        }
+        for n in &mut nodes {
+            n.wait_log("serving row", Duration::from_secs(180))?;
+        }
+        let mut mesh = Self {
+            dir,
+            seed,
+            nodes,
+            bootstrap,
+            dashboard,
+        };
+        mesh.wait_healthy(5)?;
+        Ok(mesh)
+    }
+
+    /// `codedmesh status --json` through the seed.
+    pub fn status(&self) -> Result<serde_json::Value> {
+        let out = Command::new(bin())
+            .args(["status", "--json", "--bootstrap", &self.bootstrap])
+            .output()?;
+        if !out.status.success() {
+            bail!("status failed: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        Ok(serde_json::from_slice(&out.stdout)?)
+    }
+
+    /// Waits until the seed sees `rows` healthy rows.
+    pub fn wait_healthy(&mut self, rows: u64) -> Result<serde_json::Value> {
+        let start = Instant::now();
+        loop {
+            let s = self.status()?;
+            if s["healthy_rows"] == rows {
+                return Ok(s);
+            }
+            if start.elapsed() > Duration::from_secs(60) {
+                bail!("never saw {rows} healthy rows: {s}");
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    /// The node process holding `row`.
+    pub fn holder(&self, row: u64) -> Result<usize> {
+        let s = self.status()?;
+        let peer = s["nodes"]
+            .as_array()
+            .context("nodes")?
+            .iter()
+            .find(|n| n["row"] == row && n["health"] == "Healthy")
+            .and_then(|n| n["peer"].as_str())
+            .context("no healthy holder")?
+            .to_string();
+        self.nodes
+            .iter()
+            .position(|n| n.log().contains(&format!("serving row {row} as {peer}")))
+            .with_context(|| format!("no node process logs peer {peer}"))
+    }
+
+    /// Waits until all five nodes hold one version of `count` updates.
+    pub fn wait_version(&mut self, count: u64) -> Result<()> {
+        let start = Instant::now();
+        loop {
+            let s = self.status()?;
+            let nodes = s["nodes"].as_array().context("nodes")?;
+            let digests: Vec<&str> = nodes
+                .iter()
+                .filter_map(|n| n["version_digest"].as_str())
+                .collect();
+            if nodes.len() == 5
+                && s["version_count"] == count
+                && digests.iter().all(|d| *d == digests[0])
+                && nodes.iter().all(|n| n["lag"] == 0)
+            {
+                return Ok(());
+            }
+            if start.elapsed() > Duration::from_secs(30) {
+                bail!("versions did not converge: {s}");
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    /// Runs `generate` on the mesh; `during` is called once the first text arrives.
+    pub fn generate(
+        &self,
+        prompt: &str,
+        tokens: usize,
+        during: impl FnOnce(),
+    ) -> Result<(String, String)> {
+        let mut child = Command::new(bin())
+            .args([
+                "generate",
+                "--bootstrap",
+                &self.bootstrap,
+                "--prompt",
+                prompt,
+            ])
+            .args(["--max-tokens", &tokens.to_string()])
+            .env("RUST_LOG", "warn,libp2p_kad=error")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()?;
+        let mut stdout = child.stdout.take().context("stdout")?;
+        let mut stderr = child.stderr.take().context("stderr")?;
+        let (tx, rx) = mpsc::channel();
+        let reader = std::thread::spawn(move || {
+            let mut all = Vec::new();
+            let mut buf = [0u8; 256];
+            while let Ok(n) = stdout.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                all.extend_from_slice(&buf[..n]);
+                let _ = tx.send(());
+            }
+            all
+        });
+        let err_reader = std::thread::spawn(move || {
+            let mut s = String::new();
+            let _ = stderr.read_to_string(&mut s);
+            s
+        });
+        // Wait for the first token, then disturb.
+        let _ = rx.recv_timeout(Duration::from_secs(120));
+        during();
+        let status = child.wait()?;
+        let out = String::from_utf8_lossy(&reader.join().unwrap_or_default()).into_owned();
+        let err = err_reader.join().unwrap_or_default();
+        if !status.success() {
+            bail!("generate failed ({status}):\n{err}");
+        }
+        Ok((out, err))
+    }
+}

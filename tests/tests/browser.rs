@@ -1,0 +1,262 @@
+//! The dashboard in headless Chromium: a native mesh on 127.0.0.1 serves the page, the page's
+//! own browser node dials the mesh over WebSocket, follows its heartbeats, and shows every row
+//! healthy; when a node stops, its row turns Dead on the page without a reload.
+//!
+//! Needs Debian's `chromium` and `chromium-driver` and the dashboard built by trunk
+//! (`scripts/test.sh` does both); `$CHROMEDRIVER` and `$CHROMIUM` override where they are.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use fantoccini::{Client, ClientBuilder, Locator};
+use tests::procs::{Mesh, tiny_model};
+
+/// An executable named by `$var`, else found on `PATH`.
+fn tool(var: &str, name: &str) -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os(var) {
+        return Ok(PathBuf::from(p));
+    }
+    std::env::var_os("PATH")
+        .iter()
+        .flat_map(std::env::split_paths)
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+        .with_context(|| {
+            format!(
+                "{name} not found: install Debian's chromium and chromium-driver (bash scripts/test.sh does), or set {var}"
+            )
+        })
+}
+
+/// chromedriver on a free port of 127.0.0.1, killed when dropped.
+struct Driver {
+    child: Child,
+    url: String,
+    _profile: tempdir::Dir,
+}
+
+mod tempdir {
+    /// A directory removed when dropped.
+    pub struct Dir(pub std::path::PathBuf);
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+fn start_driver(dir: &Path) -> Result<Driver> {
+    let driver = tool("CHROMEDRIVER", "chromedriver")?;
+    let port = free_port()?;
+    let log = std::fs::File::create(dir.join("chromedriver.log"))?;
+    let child = Command::new(&driver)
+        .arg(format!("--port={port}"))
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .with_context(|| format!("starting {}", driver.display()))?;
+    let profile = dir.join("chromium-profile");
+    std::fs::create_dir_all(&profile)?;
+    let url = format!("http://127.0.0.1:{port}");
+    let start = Instant::now();
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        if start.elapsed() > Duration::from_secs(20) {
+            bail!("chromedriver did not listen on {url}");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    Ok(Driver {
+        child,
+        url,
+        _profile: tempdir::Dir(profile),
+    })
+}
+
+async fn open_browser(driver: &Driver) -> Result<Client> {
+    let chromium = tool("CHROMIUM", "chromium")?;
+    let profile = driver._profile.0.display().to_string();
+    let caps = serde_json::json!({
+        "goog:chromeOptions": {
+            "binary": chromium.display().to_string(),
+            "args": [
+                "--headless", "--no-sandbox", "--no-first-run",
+                "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                "--disable-dev-shm-usage", "--enable-unsafe-webgpu", "--disable-gpu",
+                format!("--user-data-dir={profile}"), "--window-size=1200,900",
+            ]
+        }
+    });
+    let serde_json::Value::Object(caps) = caps else {
+        bail!("capabilities are not an object");
+    };
+    ClientBuilder::new(hyper_util::client::legacy::connect::HttpConnector::new())
+        .capabilities(caps)
+        .connect(&driver.url)
+        .await
+        .context("connecting to chromedriver")
+}
+
+/// The page's text of `css`, or "" while it is not there.
+async fn text(c: &Client, css: &str) -> String {
+    match c.find(Locator::Css(css)).await {
+        Ok(e) => e.text().await.unwrap_or_default(),
+        Err(_) => String::new(),
+    }
+}
+
+/// Waits until `css`'s text satisfies `ok`; returns it.
+async fn wait_text(c: &Client, css: &str, ok: impl Fn(&str) -> bool, what: &str) -> Result<String> {
+    let start = Instant::now();
+    loop {
+        let t = text(c, css).await;
+        if ok(&t) {
+            return Ok(t);
+        }
+        if start.elapsed() > Duration::from_secs(90) {
+            let page = text(c, "body").await;
+            bail!("the page never showed {what}; {css} says {t:?}; the page:\n{page}");
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+/// Health of every row in the table, in row order.
+async fn row_health(c: &Client) -> Result<Vec<String>> {
+    let mut out = Vec::new();
+    for row in c.find_all(Locator::Css("#rows tbody tr")).await? {
+        let cells = row.find_all(Locator::Css("td")).await?;
+        let Some(cell) = cells.get(3) else {
+            bail!("a row of the table has {} cells", cells.len());
+        };
+        out.push(cell.text().await?);
+    }
+    Ok(out)
+}
+
+fn screenshot_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join("target")
+        .join("browser-e2e")
+}
+
+#[test]
+fn the_dashboard_follows_the_mesh_live_from_its_own_browser_node() -> Result<()> {
+    let dist = Path::new(env!("CARGO_MANIFEST_DIR")).join("../web-ui/dist/index.html");
+    if !dist.is_file() {
+        bail!(
+            "{} is missing: build the dashboard first (bash scripts/build-web.sh)",
+            dist.display()
+        );
+    }
+    // The seed listens on WebSocket and WebRTC-direct too: the page dials it.
+    let mut mesh = Mesh::start_with("browser", Some(&tiny_model()), &["--no-learning"], &[])?;
+    let status = mesh.status()?;
+    assert_eq!(
+        status["dashboard"].as_str(),
+        Some(mesh.dashboard.as_str()),
+        "status --json names the seed's dashboard: {status}"
+    );
+    let driver = start_driver(&mesh.dir.0)?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let result = rt.block_on(async {
+        let c = open_browser(&driver).await?;
+        let r = drive(&c, &mut mesh).await;
+        let _ = c.close().await;
+        r
+    });
+    if result.is_err() {
+        eprintln!(
+            "chromedriver log:\n{}",
+            std::fs::read_to_string(mesh.dir.0.join("chromedriver.log")).unwrap_or_default()
+        );
+    }
+    result
+}
+
+async fn drive(c: &Client, mesh: &mut Mesh) -> Result<()> {
+    c.goto(&mesh.dashboard).await?;
+    let connection = wait_text(
+        c,
+        "#connection",
+        |t| t.contains("follows the mesh through"),
+        "a connection",
+    )
+    .await?;
+    assert!(
+        connection.contains("/ws/"),
+        "the page's node dials WebSocket first: {connection}"
+    );
+    let summary = wait_text(
+        c,
+        "#summary",
+        |t| {
+            t.starts_with(
+                "model available: yes — 5 of 5 rows healthy, k = 3, tolerates 2 more failures",
+            )
+        },
+        "five healthy rows",
+    )
+    .await?;
+    eprintln!("the page says: {summary}");
+    // Heartbeats, not the first answer, keep the page live: wait until the rows age correctly.
+    let start = Instant::now();
+    while row_health(c).await? != ["Healthy"; 5] {
+        if start.elapsed() > Duration::from_secs(60) {
+            bail!("rows never all Healthy: {:?}", row_health(c).await?);
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let dir = screenshot_dir();
+    std::fs::create_dir_all(&dir)?;
+    std::fs::write(dir.join("dashboard.png"), c.screenshot().await?)?;
+    // A node stops: its row turns Dead on the page, through heartbeats alone.
+    let row = 2;
+    let i = mesh.holder(row)?;
+    mesh.nodes[i].signal("KILL");
+    wait_text(
+        c,
+        "#summary",
+        |t| {
+            t.starts_with(
+                "model available: yes — 4 of 5 rows healthy, k = 3, tolerates 1 more failure",
+            )
+        },
+        "four healthy rows after a kill",
+    )
+    .await?;
+    // Suspect first, Dead once silent for the health timeout.
+    let start = Instant::now();
+    let mut health = row_health(c).await?;
+    while health[row as usize] != "Dead" {
+        if start.elapsed() > Duration::from_secs(60) {
+            bail!("row {row} never turned Dead after its node was killed: {health:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        health = row_health(c).await?;
+    }
+    assert_eq!(
+        health.iter().filter(|h| *h == "Healthy").count(),
+        4,
+        "only row {row} is down: {health:?}"
+    );
+    std::fs::write(dir.join("dashboard-row-dead.png"), c.screenshot().await?)?;
+    Ok(())
+}

@@ -1,0 +1,310 @@
+//! What the dashboard shows, computed from the node's snapshots: plain data, no DOM.
+
+use node_core::mesh::{Health, MeshInfo, NodeStatus};
+
+/// Where a row's holder computes, as a person reads it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceKind {
+    /// The CPU of a native node.
+    Cpu,
+    /// A GPU of a native node.
+    Gpu,
+    /// WebGPU in a browser.
+    BrowserWebGpu,
+    /// The CPU (wasm) of a browser.
+    BrowserCpu,
+}
+
+impl DeviceKind {
+    /// Classifies a heartbeat's device string.
+    pub fn of(device: &str) -> Self {
+        let d = device.to_ascii_lowercase();
+        let browser = d.contains("browser");
+        match (
+            browser,
+            d == "cpu" || d.is_empty() || d.contains("wasm cpu"),
+        ) {
+            (true, true) => Self::BrowserCpu,
+            (true, false) => Self::BrowserWebGpu,
+            (false, true) => Self::Cpu,
+            (false, false) => Self::Gpu,
+        }
+    }
+
+    /// A short label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Cpu => "CPU",
+            Self::Gpu => "GPU",
+            Self::BrowserWebGpu => "browser WebGPU",
+            Self::BrowserCpu => "browser CPU",
+        }
+    }
+}
+
+/// One row of the code, as the table shows it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RowView {
+    /// The row.
+    pub row: u32,
+    /// Its holders (normally one), best first.
+    pub holders: Vec<NodeStatus>,
+    /// The best holder's health; Dead when nobody holds it.
+    pub health: Health,
+}
+
+impl RowView {
+    /// The holders' peer ids, shortened.
+    pub fn holder_label(&self) -> String {
+        if self.holders.is_empty() {
+            return "nobody".into();
+        }
+        self.holders
+            .iter()
+            .map(|h| short_peer(&h.peer))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
+    /// The best holder's device.
+    pub fn device(&self) -> String {
+        self.holders.first().map_or("—".into(), |h| {
+            let kind = DeviceKind::of(&h.device);
+            match kind {
+                DeviceKind::Gpu | DeviceKind::BrowserWebGpu => {
+                    format!("{} ({})", kind.label(), h.device)
+                }
+                _ => kind.label().into(),
+            }
+        })
+    }
+
+    /// The best holder's version lag, in updates.
+    pub fn lag(&self) -> Option<u64> {
+        self.holders.first().map(|h| h.lag)
+    }
+
+    /// The last verification result: the evidence if a leader caught a holder.
+    pub fn verification(&self) -> String {
+        match self.holders.iter().find_map(|h| h.caught.clone()) {
+            Some(evidence) => format!("caught: {evidence}"),
+            None if self.holders.is_empty() => "—".into(),
+            None => "not caught".into(),
+        }
+    }
+}
+
+/// Every row `0..n` with its holders, rows nobody holds included.
+pub fn rows(info: &MeshInfo) -> Vec<RowView> {
+    (0..info.n)
+        .map(|row| {
+            let mut holders: Vec<NodeStatus> = info
+                .nodes
+                .iter()
+                .filter(|n| n.row == Some(row))
+                .cloned()
+                .collect();
+            holders.sort_by_key(|h| (rank(h.health), h.lag));
+            let health = holders.first().map_or(Health::Dead, |h| h.health);
+            RowView {
+                row,
+                holders,
+                health,
+            }
+        })
+        .collect()
+}
+
+/// "Healthy", "Suspect" or "Dead".
+pub fn health_label(h: Health) -> &'static str {
+    match h {
+        Health::Healthy => "Healthy",
+        Health::Suspect => "Suspect",
+        Health::Dead => "Dead",
+    }
+}
+
+fn rank(h: Health) -> u8 {
+    match h {
+        Health::Healthy => 0,
+        Health::Suspect => 1,
+        Health::Dead => 2,
+    }
+}
+
+/// `12D3KooW…` ids shortened to their last 8 characters.
+pub fn short_peer(peer: &str) -> String {
+    let tail: String = peer
+        .chars()
+        .rev()
+        .take(8)
+        .collect::<Vec<_>>()
+        .into_iter()
+        .rev()
+        .collect();
+    format!("…{tail}")
+}
+
+/// Rates derived from two snapshots' counters.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Sample {
+    /// Seconds since the page opened.
+    pub t: f64,
+    /// Gossip bytes received per second.
+    pub gossip_bytes_per_s: f64,
+    /// Heartbeats received per second.
+    pub heartbeats_per_s: f64,
+    /// Healthy rows.
+    pub healthy_rows: u32,
+    /// Updates applied at the mesh version.
+    pub updates: u64,
+}
+
+/// A bounded history of samples, for the live numbers and the chart.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct History {
+    samples: std::collections::VecDeque<Sample>,
+    last: Option<(f64, u64, u64)>,
+}
+
+/// Samples the history keeps (a minute at two a second).
+pub const HISTORY_LEN: usize = 120;
+
+impl History {
+    /// Adds a sample at `t` seconds from the snapshot's counters.
+    pub fn push(&mut self, t: f64, gossip_bytes: u64, heartbeats: u64, info: Option<&MeshInfo>) {
+        let (gossip_bytes_per_s, heartbeats_per_s) = match self.last {
+            Some((t0, g0, h0)) if t > t0 => (
+                gossip_bytes.saturating_sub(g0) as f64 / (t - t0),
+                heartbeats.saturating_sub(h0) as f64 / (t - t0),
+            ),
+            _ => (0.0, 0.0),
+        };
+        self.last = Some((t, gossip_bytes, heartbeats));
+        self.samples.push_back(Sample {
+            t,
+            gossip_bytes_per_s,
+            heartbeats_per_s,
+            healthy_rows: info.map_or(0, |i| i.healthy_rows),
+            updates: info.map_or(0, |i| i.version_count),
+        });
+        while self.samples.len() > HISTORY_LEN {
+            self.samples.pop_front();
+        }
+    }
+
+    /// The newest sample.
+    pub fn latest(&self) -> Option<Sample> {
+        self.samples.back().copied()
+    }
+
+    /// SVG polyline points of `f` over the history, scaled into `w × h` (0 at the bottom).
+    pub fn polyline(&self, w: f64, h: f64, f: impl Fn(&Sample) -> f64) -> String {
+        let max = self.samples.iter().map(&f).fold(0.0f64, f64::max).max(1e-9);
+        let n = HISTORY_LEN.max(2) - 1;
+        let skip = HISTORY_LEN - self.samples.len();
+        self.samples
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                let x = (i + skip) as f64 * w / n as f64;
+                let y = h - f(s) / max * h;
+                format!("{x:.1},{y:.1}")
+            })
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(peer: &str, row: Option<u32>, health: Health, device: &str) -> NodeStatus {
+        NodeStatus {
+            peer: peer.into(),
+            row,
+            health,
+            version_count: 0,
+            version_digest: String::new(),
+            addrs: vec![],
+            silent_for_s: 0.0,
+            lag: 0,
+            caught: None,
+            device: device.into(),
+        }
+    }
+
+    fn info(nodes: Vec<NodeStatus>) -> MeshInfo {
+        MeshInfo {
+            k: 2,
+            n: 3,
+            model: String::new(),
+            model_name: "m".into(),
+            available: true,
+            healthy_rows: 2,
+            tolerates: 0,
+            version_count: 3,
+            version_digest: String::new(),
+            nodes,
+            dashboard: None,
+        }
+    }
+
+    #[test]
+    fn every_row_is_listed_with_its_best_holder() {
+        let mut caught = node("12D3KooWcaught01", Some(1), Health::Dead, "cpu");
+        caught.caught = Some("row 1 caught on Qkv(0)".into());
+        let i = info(vec![
+            node("12D3KooWaaaaaaaa", Some(0), Health::Healthy, "cpu"),
+            caught,
+            node(
+                "12D3KooWbbbbbbbb",
+                Some(1),
+                Health::Healthy,
+                "NVIDIA H200 (Vulkan)",
+            ),
+            node("12D3KooWwatching", None, Health::Healthy, "cpu"),
+        ]);
+        let rows = rows(&i);
+        assert_eq!(rows.len(), 3);
+        assert_eq!(rows[0].health, Health::Healthy);
+        assert_eq!(rows[1].holders.len(), 2);
+        assert_eq!(rows[1].holders[0].peer, "12D3KooWbbbbbbbb");
+        assert_eq!(rows[1].device(), "GPU (NVIDIA H200 (Vulkan))");
+        assert_eq!(rows[1].verification(), "caught: row 1 caught on Qkv(0)");
+        assert_eq!(rows[2].health, Health::Dead);
+        assert_eq!(rows[2].holder_label(), "nobody");
+        assert_eq!(rows[0].verification(), "not caught");
+    }
+
+    #[test]
+    fn devices_are_classified() {
+        assert_eq!(DeviceKind::of("cpu"), DeviceKind::Cpu);
+        assert_eq!(
+            DeviceKind::of("browser WebGPU: SwiftShader"),
+            DeviceKind::BrowserWebGpu
+        );
+        assert_eq!(DeviceKind::of("browser wasm cpu"), DeviceKind::BrowserCpu);
+        assert_eq!(DeviceKind::of("llvmpipe (Vulkan)"), DeviceKind::Gpu);
+    }
+
+    #[test]
+    fn history_rates_come_from_counter_deltas_and_stay_bounded() {
+        let mut h = History::default();
+        h.push(0.0, 0, 0, None);
+        h.push(2.0, 1000, 10, None);
+        let s = h.latest().unwrap_or_default();
+        assert_eq!(s.gossip_bytes_per_s, 500.0);
+        assert_eq!(s.heartbeats_per_s, 5.0);
+        for i in 0..500 {
+            h.push(3.0 + i as f64, 2000 + i, 20, None);
+        }
+        assert_eq!(
+            h.polyline(100.0, 10.0, |s| s.gossip_bytes_per_s)
+                .split(' ')
+                .count(),
+            HISTORY_LEN
+        );
+    }
+}

@@ -1,0 +1,116 @@
+//! The dashboard's components in headless Chromium (wasm-bindgen-test): mounted with a mesh
+//! snapshot, they show it, and follow a new one without a reload.
+
+#![cfg(target_arch = "wasm32")]
+#![allow(clippy::unwrap_used)] // a test: a failed unwrap is a failed test
+
+use leptos::prelude::*;
+use leptos::wasm_bindgen::JsCast;
+use node_core::mesh::{Health, MeshInfo, NodeStatus};
+use node_web::{Connection, NodeSnapshot};
+use wasm_bindgen_test::{wasm_bindgen_test, wasm_bindgen_test_configure};
+use web_ui::app::Live;
+use web_ui::components::{RowsTable, Summary};
+use web_ui::model::History;
+
+wasm_bindgen_test_configure!(run_in_browser);
+
+fn node(row: u32, health: Health, device: &str) -> NodeStatus {
+    NodeStatus {
+        peer: format!("12D3KooWpeer000{row}"),
+        row: Some(row),
+        health,
+        version_count: 2,
+        version_digest: "ab".repeat(32),
+        addrs: vec![],
+        silent_for_s: 0.1,
+        lag: 0,
+        caught: None,
+        device: device.into(),
+    }
+}
+
+fn snapshot(healths: [Health; 3]) -> NodeSnapshot {
+    let healthy = healths.iter().filter(|h| **h == Health::Healthy).count() as u32;
+    NodeSnapshot {
+        peer: "12D3KooWbrowser".into(),
+        connection: Connection::Connected {
+            via: "/ip4/127.0.0.1/tcp/1/ws".into(),
+        },
+        info: Some(MeshInfo {
+            k: 2,
+            n: 3,
+            model: "cd".repeat(32),
+            model_name: "SmolLM2".into(),
+            available: healthy >= 2,
+            healthy_rows: healthy,
+            tolerates: healthy.saturating_sub(2),
+            version_count: 2,
+            version_digest: "ab".repeat(32),
+            nodes: vec![
+                node(0, healths[0], "cpu"),
+                node(1, healths[1], "NVIDIA H200 (Vulkan)"),
+                node(2, healths[2], "browser WebGPU: SwiftShader"),
+            ],
+            dashboard: None,
+        }),
+        heartbeats: 10,
+        gossip_bytes: 1000,
+    }
+}
+
+fn cell(root: &web_sys::Element, row: u32, col: usize) -> String {
+    root.query_selector(&format!("tr[data-row='{row}'] td:nth-child({})", col + 1))
+        .unwrap()
+        .map(|e| e.text_content().unwrap_or_default())
+        .unwrap_or_default()
+}
+
+#[wasm_bindgen_test]
+async fn the_summary_and_rows_show_the_mesh_and_follow_it_live() {
+    let (snap, set_snap) = signal(Some(snapshot([Health::Healthy; 3])));
+    let (history, _) = signal(History::default());
+    let (error, _) = signal(None::<String>);
+    let document = document();
+    let root = document.create_element("div").unwrap();
+    document.body().unwrap().append_child(&root).unwrap();
+    let _mounted = mount_to(root.clone().unchecked_into(), move || {
+        provide_context(Live {
+            snapshot: snap,
+            history,
+            error,
+        });
+        view! {
+            <Summary />
+            <RowsTable />
+        }
+    });
+    let text = root.text_content().unwrap_or_default();
+    assert!(
+        text.contains(
+            "model available: yes — 3 of 3 rows healthy, k = 2, tolerates 1 more failure"
+        ),
+        "{text}"
+    );
+    assert_eq!(cell(&root, 1, 2), "GPU (NVIDIA H200 (Vulkan))");
+    assert_eq!(
+        cell(&root, 2, 2),
+        "browser WebGPU (browser WebGPU: SwiftShader)"
+    );
+    assert_eq!(cell(&root, 1, 3), "Healthy");
+
+    // Two rows go down: the page follows, and the model is no longer available.
+    set_snap.set(Some(snapshot([
+        Health::Healthy,
+        Health::Dead,
+        Health::Suspect,
+    ])));
+    leptos::task::tick().await;
+    let text = root.text_content().unwrap_or_default();
+    assert!(
+        text.contains("model available: no — 1 of 3 rows healthy"),
+        "{text}"
+    );
+    assert_eq!(cell(&root, 1, 3), "Dead");
+    assert_eq!(cell(&root, 2, 3), "Suspect");
+}
