@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, bail, ensure};
 use fantoccini::{Client, ClientBuilder, Locator};
 use tests::procs::{Mesh, tiny_model};
 
@@ -200,7 +200,8 @@ async fn drive(c: &Client, mesh: &mut Mesh) -> Result<()> {
         "a connection",
     )
     .await?;
-    assert!(
+    // Errors, not panics, inside the session: the caller closes the browser either way.
+    ensure!(
         connection.contains("/ws/"),
         "the page's node dials WebSocket first: {connection}"
     );
@@ -252,9 +253,8 @@ async fn drive(c: &Client, mesh: &mut Mesh) -> Result<()> {
         tokio::time::sleep(Duration::from_millis(250)).await;
         health = row_health(c).await?;
     }
-    assert_eq!(
-        health.iter().filter(|h| *h == "Healthy").count(),
-        4,
+    ensure!(
+        health.iter().filter(|h| *h == "Healthy").count() == 4,
         "only row {row} is down: {health:?}"
     );
     std::fs::write(dir.join("dashboard-row-dead.png"), c.screenshot().await?)?;
