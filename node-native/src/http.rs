@@ -118,12 +118,13 @@ fn html_escape(s: &str) -> String {
 
 async fn status(State(state): State<AppState>) -> Response {
     let (tx, rx) = oneshot::channel();
-    if state.info.send(InfoRequest(tx)).await.is_err() {
-        return (StatusCode::SERVICE_UNAVAILABLE, "the node is stopping").into_response();
-    }
-    match rx.await {
-        Ok(info) => Json(info).into_response(),
-        Err(_) => (StatusCode::SERVICE_UNAVAILABLE, "the node is stopping").into_response(),
+    let info = match state.info.send(InfoRequest(tx)).await {
+        Ok(()) => rx.await.ok(),
+        Err(_) => None,
+    };
+    match info {
+        Some(info) => Json(info).into_response(),
+        None => (StatusCode::SERVICE_UNAVAILABLE, "the node is stopping").into_response(),
     }
 }
 

@@ -21,8 +21,6 @@ use web_time::{Duration, Instant};
 
 /// How long one dial may take before the next address is tried.
 const DIAL_TIMEOUT: Duration = Duration::from_secs(15);
-/// How long a request to a peer may take.
-const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
 /// How often the page's snapshot is refreshed (health ages with time, not only on messages).
 const SNAPSHOT_EVERY: Duration = Duration::from_millis(500);
 
@@ -97,6 +95,7 @@ struct Shared {
 }
 
 impl Shared {
+    /// Changes the snapshot and tells every watcher.
     fn set(shared: &RefCell<Shared>, f: impl FnOnce(&mut NodeSnapshot)) {
         let (snapshot, watchers) = {
             let mut s = shared.borrow_mut();
@@ -106,6 +105,11 @@ impl Shared {
         for w in watchers {
             w(&snapshot);
         }
+    }
+
+    /// Changes the snapshot without telling the watchers (the next tick does).
+    fn set_quiet(shared: &RefCell<Shared>, f: impl FnOnce(&mut NodeSnapshot)) {
+        f(&mut shared.borrow_mut().snapshot);
     }
 }
 
@@ -334,7 +338,8 @@ struct Task {
     shared: Rc<RefCell<Shared>>,
     view: Option<MeshView<PeerId>>,
     dials: HashMap<ConnectionId, Reply<PeerId>>,
-    requests: HashMap<request_response::OutboundRequestId, (Instant, Reply<MeshResponse>)>,
+    /// Requests in flight; request-response's own timeout ends each with a failure event.
+    requests: HashMap<request_response::OutboundRequestId, Reply<MeshResponse>>,
 }
 
 impl Task {
@@ -358,8 +363,6 @@ impl Task {
 
     fn on_tick(&mut self) {
         let now = Instant::now();
-        self.requests
-            .retain(|_, (at, _)| now.duration_since(*at) < REQUEST_TIMEOUT);
         let Some(view) = self.view.as_mut() else {
             return;
         };
@@ -421,7 +424,7 @@ impl Task {
                 reply,
             } => {
                 let id = self.swarm.behaviour_mut().mesh.send_request(&peer, request);
-                self.requests.insert(id, (Instant::now(), reply));
+                self.requests.insert(id, reply);
             }
             Command::Watch { info } => match watch_view(&info, *self.swarm.local_peer_id()) {
                 Ok(view) => self.view = Some(view),
@@ -495,7 +498,7 @@ impl Task {
                     },
                 ..
             } => {
-                if let Some((_, reply)) = self.requests.remove(&request_id) {
+                if let Some(reply) = self.requests.remove(&request_id) {
                     let _ = reply.send(Ok(response));
                 }
             }
@@ -519,19 +522,12 @@ impl Task {
             request_response::Event::OutboundFailure {
                 request_id, error, ..
             } => {
-                if let Some((_, reply)) = self.requests.remove(&request_id) {
+                if let Some(reply) = self.requests.remove(&request_id) {
                     let _ = reply.send(Err(error.to_string()));
                 }
             }
             _ => {}
         }
-    }
-}
-
-impl Shared {
-    /// Changes the snapshot without telling the watchers (the next tick does).
-    fn set_quiet(shared: &RefCell<Shared>, f: impl FnOnce(&mut NodeSnapshot)) {
-        f(&mut shared.borrow_mut().snapshot);
     }
 }
 

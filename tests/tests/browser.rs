@@ -34,17 +34,8 @@ fn tool(var: &str, name: &str) -> Result<PathBuf> {
 struct Driver {
     child: Child,
     url: String,
-    _profile: tempdir::Dir,
-}
-
-mod tempdir {
-    /// A directory removed when dropped.
-    pub struct Dir(pub std::path::PathBuf);
-    impl Drop for Dir {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
+    /// Chromium's fresh profile, inside the mesh's scratch directory (removed with it).
+    profile: PathBuf,
 }
 
 impl Drop for Driver {
@@ -83,13 +74,13 @@ fn start_driver(dir: &Path) -> Result<Driver> {
     Ok(Driver {
         child,
         url,
-        _profile: tempdir::Dir(profile),
+        profile,
     })
 }
 
 async fn open_browser(driver: &Driver) -> Result<Client> {
     let chromium = tool("CHROMIUM", "chromium")?;
-    let profile = driver._profile.0.display().to_string();
+    let profile = driver.profile.display().to_string();
     let caps = serde_json::json!({
         "goog:chromeOptions": {
             "binary": chromium.display().to_string(),

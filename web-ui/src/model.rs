@@ -134,15 +134,8 @@ fn rank(h: Health) -> u8 {
 
 /// `12D3KooW…` ids shortened to their last 8 characters.
 pub fn short_peer(peer: &str) -> String {
-    let tail: String = peer
-        .chars()
-        .rev()
-        .take(8)
-        .collect::<Vec<_>>()
-        .into_iter()
-        .rev()
-        .collect();
-    format!("…{tail}")
+    let start = peer.char_indices().rev().nth(7).map_or(0, |(i, _)| i);
+    format!("…{}", &peer[start..])
 }
 
 /// Rates derived from two snapshots' counters.
