@@ -35,6 +35,7 @@ pub mod coded;
 pub mod compute;
 pub mod fuzzing;
 pub mod gguf;
+pub mod holder;
 pub mod learn;
 pub mod mesh;
 pub mod model;

@@ -8,101 +8,11 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use node_core::coded::Member;
-use node_core::learn::Update;
-use node_core::mesh::{LearningConfig, ShardVersion};
-use node_core::model::{LeaderWeights, LlamaConfig};
+pub use node_core::holder::{MAX_UPDATE_BYTES, Rules, ShardState};
+use node_core::mesh::ShardVersion;
+use node_core::model::LeaderWeights;
 
 use crate::store::DataDir;
-
-/// Largest update payload accepted (a long sequence's factors, with room).
-pub const MAX_UPDATE_BYTES: u64 = 256 << 20;
-
-/// A shard and the updates applied to it.
-#[derive(Debug)]
-pub struct ShardState {
-    /// The member serving the shard.
-    pub member: Member,
-    /// Updates applied.
-    pub version: ShardVersion,
-    /// The replicated norm gains at this version (every node updates its own copy).
-    pub norms: LeaderWeights,
-    /// Updates still to record without applying to the shard (an injected fault).
-    pub skip_updates: u64,
-}
-
-impl ShardState {
-    /// Applies a checked update once: true when applied now, false when it already was.
-    pub fn apply(&mut self, update: &Update, id: u64) -> Result<bool> {
-        if self.version.contains(id) {
-            return Ok(false);
-        }
-        if self.skip_updates > 0 {
-            // An injected fault: the version claims the update, the shard does not have it.
-            self.skip_updates -= 1;
-            update.validate(&self.member.shards().cfg)?;
-            tracing::warn!(
-                id = format!("{id:016x}"),
-                "fault injected: recording an update without applying it"
-            );
-        } else {
-            update.apply_to_shards(self.member.shards_mut())?;
-            self.member.sync_gpu()?;
-        }
-        update.apply_to_norms(&mut self.norms);
-        self.version.insert(id);
-        Ok(true)
-    }
-}
-
-/// What an update must satisfy on this mesh.
-#[derive(Debug, Clone)]
-pub struct Rules {
-    /// The model's shape.
-    pub cfg: LlamaConfig,
-    /// The mesh's learning settings.
-    pub learning: LearningConfig,
-}
-
-/// Updates dropped for a missing or broken signature, since the node started.
-pub static BAD_SIGNATURES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-
-/// A checked update: its id (the hash of the signed payload) and who signed it.
-#[derive(Debug)]
-pub struct Checked {
-    /// The update.
-    pub update: Update,
-    /// Its id.
-    pub id: u64,
-    /// The signer's peer id.
-    pub signer: libp2p::PeerId,
-}
-
-impl Rules {
-    /// Opens, parses and checks a signed update from untrusted bytes.
-    pub fn check(&self, bytes: &[u8]) -> Result<Checked> {
-        if bytes.len() as u64 > MAX_UPDATE_BYTES {
-            bail!(
-                "update of {} bytes exceeds the limit of {MAX_UPDATE_BYTES}",
-                bytes.len()
-            );
-        }
-        let (signer, payload) = match node_core::learn::open(bytes) {
-            Ok(v) => v,
-            Err(e) => {
-                let n = BAD_SIGNATURES.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
-                tracing::warn!("dropped an update: {e} ({n} dropped so far)");
-                return Err(e.into());
-            }
-        };
-        let update = Update::decode(&payload).context("parsing an update")?;
-        update.validate_for(&self.cfg, &self.learning)?;
-        Ok(Checked {
-            update,
-            id: Update::id_of(&payload),
-            signer,
-        })
-    }
-}
 
 /// Where a node keeps update payloads and its version.
 #[derive(Debug, Clone)]
@@ -249,41 +159,5 @@ impl UpdateStore {
             state.version.insert(id);
         }
         Ok(state)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    #![allow(clippy::unwrap_used)] // a test: a failed unwrap is a failed test
-
-    use super::*;
-
-    fn rules() -> Rules {
-        Rules {
-            cfg: node_core::fuzzing::small_config(),
-            learning: LearningConfig::default(),
-        }
-    }
-
-    #[test]
-    fn unsigned_and_badly_signed_updates_are_dropped_and_counted() {
-        let rules = rules();
-        let before = BAD_SIGNATURES.load(std::sync::atomic::Ordering::Relaxed);
-        let err = rules.check(b"not signed at all").unwrap_err().to_string();
-        assert!(err.contains("signature"), "{err}");
-        let key = libp2p::identity::Keypair::generate_ed25519();
-        let mut sealed = node_core::learn::seal(b"payload".to_vec(), &key).unwrap();
-        let last = sealed.len() - 1;
-        sealed[last] ^= 1;
-        let err = rules.check(&sealed).unwrap_err().to_string();
-        assert!(err.contains("signature"), "{err}");
-        assert!(BAD_SIGNATURES.load(std::sync::atomic::Ordering::Relaxed) >= before + 2);
-        // A good signature over a payload that is not an update gets past the signature only.
-        let sealed = node_core::learn::seal(b"payload".to_vec(), &key).unwrap();
-        let err = format!("{:#}", rules.check(&sealed).unwrap_err());
-        assert!(
-            !err.contains("signature") && err.contains("update"),
-            "{err}"
-        );
     }
 }

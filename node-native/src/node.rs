@@ -11,9 +11,8 @@ use node_core::code::Generator;
 use node_core::coded::{InProcess, Member, ShardFormat, ShardSet};
 use node_core::compute::gpu::{DeviceChoice, Gpu};
 use node_core::mesh::{
-    BrowserBootstrap, CHUNK_BYTES, HealthConfig, Heartbeat, JoinOffer, LearningConfig,
-    MAX_CHUNK_BYTES, MeshEvent, MeshInfo, MeshRequest, MeshResponse, MeshView, ModelManifest,
-    ShardVersion,
+    BrowserBootstrap, HealthConfig, Heartbeat, JoinOffer, LearningConfig, MAX_CHUNK_BYTES,
+    MeshEvent, MeshInfo, MeshRequest, MeshResponse, MeshView, ModelManifest, ShardVersion,
 };
 use node_core::model::LeaderWeights;
 use node_core::protocol;
@@ -24,6 +23,9 @@ use crate::learning::{Rules, ShardState, UpdateStore};
 use crate::store::{DataDir, shard_from_blob, shard_to_blob};
 use crate::swarm::{self, Client, Inbound, NetConfig, with_peer};
 use crate::{load, progress};
+use node_core::holder::{
+    Download, MAX_BLOB_BYTES, chunk_of, describe, shard_chunk_request, update_chunk_request,
+};
 
 /// How a node connects.
 #[derive(Debug, Clone)]
@@ -417,20 +419,7 @@ pub async fn node(opts: NodeOptions) -> Result<()> {
 
 /// The shard belongs to this manifest and row.
 fn check_shard(shard: &ShardSet, manifest: &ModelManifest, row: u32) -> Result<()> {
-    ensure!(
-        shard.node == row as usize,
-        "the shard is row {}, expected row {row}",
-        shard.node
-    );
-    ensure!(
-        shard.generator == manifest.generator,
-        "the shard was encoded with another code than the mesh's"
-    );
-    ensure!(
-        shard.cfg == manifest.cfg,
-        "the shard belongs to another model"
-    );
-    Ok(())
+    Ok(node_core::holder::check_shard(shard, manifest, row)?)
 }
 
 /// A TCP address if there is one (the fastest to set up), else the first.
@@ -453,21 +442,6 @@ pub async fn ask(client: &Client, peer: PeerId, req: MeshRequest) -> Result<Mesh
     }
 }
 
-fn describe(r: &MeshResponse) -> &'static str {
-    match r {
-        MeshResponse::Info(_) => "info",
-        MeshResponse::Manifest(_) => "manifest",
-        MeshResponse::Join(_) => "join offer",
-        MeshResponse::Chunk { .. } => "chunk",
-        MeshResponse::Step { .. } => "step",
-        MeshResponse::Versions { .. } => "version list",
-        MeshResponse::Learned { .. } => "learning receipt",
-        MeshResponse::Norms { .. } => "norm gains",
-        MeshResponse::Reported => "report receipt",
-        MeshResponse::Error(_) => "error",
-    }
-}
-
 /// The model manifest from a peer, checked.
 pub async fn fetch_manifest(client: &Client, peer: PeerId) -> Result<(ModelManifest, Vec<u8>)> {
     match ask(client, peer, MeshRequest::Manifest).await? {
@@ -479,18 +453,11 @@ pub async fn fetch_manifest(client: &Client, peer: PeerId) -> Result<(ModelManif
     }
 }
 
-/// Largest shard blob accepted from a peer.
-const MAX_BLOB: u64 = 1 << 36;
-
 /// Downloads a row's shard blob from a peer, with progress.
 async fn fetch_blob(client: &Client, peer: PeerId, row: u32) -> Result<(Vec<u8>, [u8; 32])> {
     let pb = progress::bar(0, &format!("row {row} from {peer}"));
-    let got = fetch_chunked(client, peer, MAX_BLOB, Some(&pb), |offset| {
-        MeshRequest::Chunk {
-            row,
-            offset,
-            len: CHUNK_BYTES,
-        }
+    let got = fetch_chunked(client, peer, MAX_BLOB_BYTES, Some(&pb), |offset| {
+        shard_chunk_request(row, offset)
     })
     .await;
     pb.finish_and_clear();
@@ -506,51 +473,16 @@ async fn fetch_chunked(
     pb: Option<&indicatif::ProgressBar>,
     request: impl Fn(u64) -> MeshRequest,
 ) -> Result<(Vec<u8>, [u8; 32])> {
-    let mut out: Vec<u8> = Vec::new();
-    let mut total = None;
-    let mut version = None;
+    let mut download = Download::new(limit);
     loop {
-        let offset = out.len() as u64;
-        let resp = ask(client, peer, request(offset)).await?;
-        let MeshResponse::Chunk {
-            total: t,
-            bytes,
-            version: v,
-        } = resp
-        else {
-            bail!("asked for a chunk, got a {}", describe(&resp));
-        };
-        ensure!(
-            *version.get_or_insert(v) == v,
-            "the peer's data changed version mid-transfer"
-        );
-        ensure!(
-            t <= limit,
-            "the peer announces {t} bytes, over the limit of {limit}"
-        );
-        ensure!(
-            *total.get_or_insert(t) == t,
-            "the peer changed the size mid-transfer"
-        );
-        ensure!(
-            bytes.len() <= MAX_CHUNK_BYTES as usize,
-            "the peer sent an oversized chunk"
-        );
-        if out.is_empty() {
-            out.reserve(t.min(1 << 30) as usize);
-            if let Some(pb) = pb {
-                pb.set_length(t);
-            }
+        let resp = client.request(peer, request(download.offset())).await?;
+        let done = download.accept(resp)?;
+        if let (Some(pb), Some(total)) = (pb, download.total()) {
+            pb.set_length(total);
+            pb.set_position(download.offset());
         }
-        if bytes.is_empty() && offset < t {
-            bail!("the peer sent an empty chunk at {offset} of {t}");
-        }
-        out.extend_from_slice(&bytes);
-        if let Some(pb) = pb {
-            pb.set_position(out.len() as u64);
-        }
-        if out.len() as u64 >= t {
-            return Ok((out, version.unwrap_or_default()));
+        if done {
+            return Ok(download.finish());
         }
     }
 }
@@ -1115,11 +1047,7 @@ async fn catch_up(
 /// Downloads an update's payload in chunks.
 pub(crate) async fn fetch_update(client: &Client, peer: PeerId, id: u64) -> Result<Vec<u8>> {
     let limit = crate::learning::MAX_UPDATE_BYTES;
-    let req = |offset| MeshRequest::UpdateChunk {
-        id,
-        offset,
-        len: CHUNK_BYTES,
-    };
+    let req = |offset| update_chunk_request(id, offset);
     Ok(fetch_chunked(client, peer, limit, None, req).await?.0)
 }
 
@@ -1137,16 +1065,7 @@ fn chunk(
     offset: u64,
     len: u32,
 ) -> MeshResponse {
-    let slice = |blob: &[u8], version: [u8; 32]| {
-        let total = blob.len() as u64;
-        let start = offset.min(total) as usize;
-        let end = (start + len as usize).min(blob.len());
-        MeshResponse::Chunk {
-            total,
-            version,
-            bytes: blob[start..end].to_vec(),
-        }
-    };
+    let slice = |blob: &[u8], version: [u8; 32]| chunk_of(blob, version, offset, len);
     if let Some(blob) = genesis {
         return slice(&blob, ShardVersion::default().digest());
     }
@@ -1180,14 +1099,8 @@ fn chunk(
 fn step(state: &RwLock<ShardState>, version: &[u8; 32], bytes: &[u8]) -> MeshResponse {
     let started = std::time::Instant::now();
     let s = read(state);
-    let ours = s.version.digest();
-    if ours != *version {
-        return MeshResponse::Error(format!(
-            "shard version mismatch: this node is at {} ({} updates), the request expects {}",
-            hex8(&ours),
-            s.version.count(),
-            hex8(version)
-        ));
+    if let Some(e) = s.version_mismatch(version) {
+        return MeshResponse::Error(e);
     }
     let answer = s.member.handle_bytes(bytes);
     let compute_us = started.elapsed().as_micros() as u64;

@@ -131,21 +131,4 @@ fn read_chunk(path: &Path, offset: u64, len: u32) -> Result<(u64, Vec<u8>)> {
     Ok((total, buf))
 }
 
-/// A shard set as a blob.
-pub fn shard_to_blob(shard: &ShardSet) -> Result<Vec<u8>> {
-    let payload = postcard::to_allocvec(shard).context("serializing the shard")?;
-    Ok(blob::encode_blob(&payload, &BlobParams::default())?)
-}
-
-/// A shard set from a blob (untrusted bytes: checked, repaired where parity allows).
-pub fn shard_from_blob(bytes: &[u8]) -> Result<ShardSet> {
-    let decoded = blob::decode_blob(bytes)?;
-    if decoded.repaired_chunks > 0 {
-        tracing::warn!(
-            chunks = decoded.repaired_chunks,
-            "repaired damaged chunks of a shard blob"
-        );
-    }
-    let shard: ShardSet = postcard::from_bytes(&decoded.payload).context("parsing the shard")?;
-    Ok(shard)
-}
+pub use node_core::holder::{shard_from_blob, shard_to_blob};

@@ -1,0 +1,397 @@
+//! What a row holder keeps and answers with, shared by the native and the browser node: its
+//! shard and the updates applied to it, the rules an update must satisfy, shard blobs, and the
+//! piece-by-piece download of a blob from a peer (sans I/O: the shells send the requests).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::blob::{self, BlobError, BlobParams};
+use crate::coded::{CodedError, Member, ShardSet};
+use crate::learn::{Update, UpdateError};
+use crate::mesh::{
+    LearningConfig, MAX_CHUNK_BYTES, MeshRequest, MeshResponse, ModelManifest, ShardVersion, hex,
+};
+use crate::model::{LeaderWeights, LlamaConfig};
+
+/// Largest update payload accepted (a long sequence's factors, with room).
+pub const MAX_UPDATE_BYTES: u64 = 256 << 20;
+
+/// Largest shard blob accepted from a peer.
+pub const MAX_BLOB_BYTES: u64 = 1 << 36;
+
+/// Errors of a row holder.
+#[derive(Debug, thiserror::Error)]
+pub enum HolderError {
+    /// A learning update is malformed, badly signed or breaks the mesh's rules.
+    #[error(transparent)]
+    Update(#[from] UpdateError),
+    /// An update payload is over [`MAX_UPDATE_BYTES`].
+    #[error("update of {0} bytes exceeds the limit of {MAX_UPDATE_BYTES}")]
+    UpdateTooLarge(usize),
+    /// A shard blob is damaged beyond repair.
+    #[error("shard blob: {0}")]
+    Blob(#[from] BlobError),
+    /// The shard could not be (de)serialized.
+    #[error("{0}")]
+    Shard(String),
+    /// The shard does not belong where it is used.
+    #[error("{0}")]
+    Mismatch(String),
+    /// Uploading the changed shard to the GPU failed.
+    #[error(transparent)]
+    Coded(#[from] CodedError),
+    /// A peer's answer broke the download protocol.
+    #[error("{0}")]
+    Download(String),
+}
+
+/// A shard and the updates applied to it.
+#[derive(Debug)]
+pub struct ShardState {
+    /// The member serving the shard.
+    pub member: Member,
+    /// Updates applied.
+    pub version: ShardVersion,
+    /// The replicated norm gains at this version (every node updates its own copy).
+    pub norms: LeaderWeights,
+    /// Updates still to record without applying to the shard (an injected fault).
+    pub skip_updates: u64,
+}
+
+impl ShardState {
+    /// Applies a checked update once: true when applied now, false when it already was.
+    pub fn apply(&mut self, update: &Update, id: u64) -> Result<bool, HolderError> {
+        if self.version.contains(id) {
+            return Ok(false);
+        }
+        if self.skip_updates > 0 {
+            // An injected fault: the version claims the update, the shard does not have it.
+            self.skip_updates -= 1;
+            update.validate(&self.member.shards().cfg)?;
+            tracing::warn!(
+                id = format!("{id:016x}"),
+                "fault injected: recording an update without applying it"
+            );
+        } else {
+            update.apply_to_shards(self.member.shards_mut())?;
+            self.member.sync_gpu()?;
+        }
+        update.apply_to_norms(&mut self.norms);
+        self.version.insert(id);
+        Ok(true)
+    }
+
+    /// Why a step at `version` cannot be computed here, if it cannot.
+    pub fn version_mismatch(&self, version: &[u8; 32]) -> Option<String> {
+        let ours = self.version.digest();
+        (ours != *version).then(|| {
+            format!(
+                "shard version mismatch: this node is at {} ({} updates), the request expects {}",
+                hex(&ours[..8]),
+                self.version.count(),
+                hex(&version[..8])
+            )
+        })
+    }
+}
+
+/// What an update must satisfy on this mesh.
+#[derive(Debug, Clone)]
+pub struct Rules {
+    /// The model's shape.
+    pub cfg: LlamaConfig,
+    /// The mesh's learning settings.
+    pub learning: LearningConfig,
+}
+
+/// Updates dropped for a missing or broken signature, since the process started.
+pub static BAD_SIGNATURES: AtomicU64 = AtomicU64::new(0);
+
+/// A checked update: its id (the hash of the signed payload) and who signed it.
+#[derive(Debug)]
+pub struct Checked {
+    /// The update.
+    pub update: Update,
+    /// Its id.
+    pub id: u64,
+    /// The signer's peer id.
+    pub signer: libp2p::PeerId,
+}
+
+impl Rules {
+    /// The rules of the mesh `manifest` describes.
+    pub fn of(manifest: &ModelManifest) -> Self {
+        Self {
+            cfg: manifest.cfg.clone(),
+            learning: manifest.learning,
+        }
+    }
+
+    /// Opens, parses and checks a signed update from untrusted bytes.
+    pub fn check(&self, bytes: &[u8]) -> Result<Checked, HolderError> {
+        if bytes.len() as u64 > MAX_UPDATE_BYTES {
+            return Err(HolderError::UpdateTooLarge(bytes.len()));
+        }
+        let (signer, payload) = match crate::learn::open(bytes) {
+            Ok(v) => v,
+            Err(e) => {
+                let n = BAD_SIGNATURES.fetch_add(1, Ordering::Relaxed) + 1;
+                tracing::warn!("dropped an update: {e} ({n} dropped so far)");
+                return Err(e.into());
+            }
+        };
+        let update = Update::decode(&payload)?;
+        update.validate_for(&self.cfg, &self.learning)?;
+        Ok(Checked {
+            update,
+            id: Update::id_of(&payload),
+            signer,
+        })
+    }
+}
+
+/// A shard set as a blob (hashed chunks with parity).
+pub fn shard_to_blob(shard: &ShardSet) -> Result<Vec<u8>, HolderError> {
+    let payload = postcard::to_allocvec(shard)
+        .map_err(|e| HolderError::Shard(format!("serializing: {e}")))?;
+    Ok(blob::encode_blob(&payload, &BlobParams::default())?)
+}
+
+/// A shard set from a blob (untrusted bytes: checked, repaired where parity allows).
+pub fn shard_from_blob(bytes: &[u8]) -> Result<ShardSet, HolderError> {
+    let decoded = blob::decode_blob(bytes)?;
+    if decoded.repaired_chunks > 0 {
+        tracing::warn!(
+            chunks = decoded.repaired_chunks,
+            "repaired damaged chunks of a shard blob"
+        );
+    }
+    postcard::from_bytes(&decoded.payload)
+        .map_err(|e| HolderError::Shard(format!("parsing the shard: {e}")))
+}
+
+/// Checks that `shard` is row `row` of the mesh `manifest` describes.
+pub fn check_shard(
+    shard: &ShardSet,
+    manifest: &ModelManifest,
+    row: u32,
+) -> Result<(), HolderError> {
+    let fail = |s: String| Err(HolderError::Mismatch(s));
+    if shard.node != row as usize {
+        return fail(format!(
+            "the shard is row {}, expected row {row}",
+            shard.node
+        ));
+    }
+    if shard.generator != manifest.generator {
+        return fail("the shard was encoded with another code than the mesh's".into());
+    }
+    if shard.cfg != manifest.cfg {
+        return fail("the shard belongs to another model".into());
+    }
+    Ok(())
+}
+
+/// The piece of `blob` a `Chunk` request asks for, as the answer.
+pub fn chunk_of(blob: &[u8], version: [u8; 32], offset: u64, len: u32) -> MeshResponse {
+    let len = len.min(MAX_CHUNK_BYTES);
+    let total = blob.len() as u64;
+    let start = offset.min(total) as usize;
+    let end = (start + len as usize).min(blob.len());
+    MeshResponse::Chunk {
+        total,
+        version,
+        bytes: blob[start..end].to_vec(),
+    }
+}
+
+/// A short name of an answer's kind, for errors.
+pub fn describe(r: &MeshResponse) -> &'static str {
+    match r {
+        MeshResponse::Info(_) => "info",
+        MeshResponse::Manifest(_) => "manifest",
+        MeshResponse::Join(_) => "join offer",
+        MeshResponse::Chunk { .. } => "chunk",
+        MeshResponse::Step { .. } => "step",
+        MeshResponse::Versions { .. } => "version list",
+        MeshResponse::Learned { .. } => "learning receipt",
+        MeshResponse::Norms { .. } => "norm gains",
+        MeshResponse::Reported => "report receipt",
+        MeshResponse::Error(_) => "error",
+    }
+}
+
+/// A blob downloaded piece by piece from one peer: the total and the version must stay the
+/// same throughout, and the total under a limit.
+#[derive(Debug)]
+pub struct Download {
+    out: Vec<u8>,
+    total: Option<u64>,
+    version: Option<[u8; 32]>,
+    limit: u64,
+}
+
+impl Download {
+    /// A download of at most `limit` bytes.
+    pub fn new(limit: u64) -> Self {
+        Self {
+            out: Vec::new(),
+            total: None,
+            version: None,
+            limit,
+        }
+    }
+
+    /// The offset the next request asks for.
+    pub fn offset(&self) -> u64 {
+        self.out.len() as u64
+    }
+
+    /// The size the peer announced, once it answered.
+    pub fn total(&self) -> Option<u64> {
+        self.total
+    }
+
+    /// Takes the peer's answer to the request at [`Self::offset`]: true once complete.
+    pub fn accept(&mut self, resp: MeshResponse) -> Result<bool, HolderError> {
+        let fail = |s: String| Err(HolderError::Download(s));
+        let offset = self.offset();
+        let (t, bytes, v) = match resp {
+            MeshResponse::Chunk {
+                total,
+                bytes,
+                version,
+            } => (total, bytes, version),
+            MeshResponse::Error(e) => return fail(format!("the peer answered: {e}")),
+            other => return fail(format!("asked for a chunk, got a {}", describe(&other))),
+        };
+        if *self.version.get_or_insert(v) != v {
+            return fail("the peer's data changed version mid-transfer".into());
+        }
+        if t > self.limit {
+            return fail(format!(
+                "the peer announces {t} bytes, over the limit of {}",
+                self.limit
+            ));
+        }
+        if *self.total.get_or_insert(t) != t {
+            return fail("the peer changed the size mid-transfer".into());
+        }
+        if bytes.len() > MAX_CHUNK_BYTES as usize {
+            return fail("the peer sent an oversized chunk".into());
+        }
+        if bytes.is_empty() && offset < t {
+            return fail(format!("the peer sent an empty chunk at {offset} of {t}"));
+        }
+        if self.out.is_empty() {
+            self.out.reserve(t.min(1 << 30) as usize);
+        }
+        self.out.extend_from_slice(&bytes);
+        Ok(self.out.len() as u64 >= t)
+    }
+
+    /// The bytes and the version they are at.
+    pub fn finish(self) -> (Vec<u8>, [u8; 32]) {
+        (self.out, self.version.unwrap_or_default())
+    }
+}
+
+/// The request for piece `offset` of row `row`'s shard blob.
+pub fn shard_chunk_request(row: u32, offset: u64) -> MeshRequest {
+    MeshRequest::Chunk {
+        row,
+        offset,
+        len: crate::mesh::CHUNK_BYTES,
+    }
+}
+
+/// The request for piece `offset` of update `id`'s payload.
+pub fn update_chunk_request(id: u64, offset: u64) -> MeshRequest {
+    MeshRequest::UpdateChunk {
+        id,
+        offset,
+        len: crate::mesh::CHUNK_BYTES,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // a test: a failed unwrap is a failed test
+
+    use super::*;
+
+    fn rules() -> Rules {
+        Rules {
+            cfg: crate::fuzzing::small_config(),
+            learning: LearningConfig::default(),
+        }
+    }
+
+    #[test]
+    fn unsigned_and_badly_signed_updates_are_dropped_and_counted() {
+        let rules = rules();
+        let before = BAD_SIGNATURES.load(Ordering::Relaxed);
+        let err = rules.check(b"not signed at all").unwrap_err().to_string();
+        assert!(err.contains("signature"), "{err}");
+        let key = libp2p::identity::Keypair::generate_ed25519();
+        let mut sealed = crate::learn::seal(b"payload".to_vec(), &key).unwrap();
+        let last = sealed.len() - 1;
+        sealed[last] ^= 1;
+        let err = rules.check(&sealed).unwrap_err().to_string();
+        assert!(err.contains("signature"), "{err}");
+        assert!(BAD_SIGNATURES.load(Ordering::Relaxed) >= before + 2);
+        // A good signature over a payload that is not an update gets past the signature only.
+        let sealed = crate::learn::seal(b"payload".to_vec(), &key).unwrap();
+        let err = rules.check(&sealed).unwrap_err().to_string();
+        assert!(!err.contains("signature"), "{err}");
+    }
+
+    fn chunk(total: u64, version: u8, bytes: &[u8]) -> MeshResponse {
+        MeshResponse::Chunk {
+            total,
+            version: [version; 32],
+            bytes: bytes.to_vec(),
+        }
+    }
+
+    #[test]
+    fn a_download_assembles_pieces_and_refuses_a_peer_that_changes_its_story() {
+        let blob: Vec<u8> = (0..10u8).collect();
+        let mut d = Download::new(100);
+        assert!(!d.accept(chunk_of(&blob, [7; 32], d.offset(), 4)).unwrap());
+        assert!(!d.accept(chunk_of(&blob, [7; 32], d.offset(), 4)).unwrap());
+        assert!(d.accept(chunk_of(&blob, [7; 32], d.offset(), 4)).unwrap());
+        assert_eq!(d.finish(), (blob, [7; 32]));
+
+        let mut d = Download::new(100);
+        d.accept(chunk(10, 1, &[0; 4])).unwrap();
+        let e = d.accept(chunk(10, 2, &[0; 4])).unwrap_err().to_string();
+        assert!(e.contains("changed version"), "{e}");
+
+        let mut d = Download::new(100);
+        d.accept(chunk(10, 1, &[0; 4])).unwrap();
+        let e = d.accept(chunk(12, 1, &[0; 4])).unwrap_err().to_string();
+        assert!(e.contains("changed the size"), "{e}");
+
+        let e = Download::new(5).accept(chunk(10, 1, &[0; 4])).unwrap_err();
+        assert!(e.to_string().contains("over the limit"), "{e}");
+        let e = Download::new(100).accept(chunk(10, 1, &[])).unwrap_err();
+        assert!(e.to_string().contains("empty chunk"), "{e}");
+        let e = Download::new(100)
+            .accept(MeshResponse::Error("no".into()))
+            .unwrap_err();
+        assert!(e.to_string().contains("answered: no"), "{e}");
+    }
+
+    #[test]
+    fn a_shard_blob_round_trips_and_a_cut_one_is_refused() {
+        let w = crate::model::ModelWeights::synthetic(crate::fuzzing::small_config(), 1).unwrap();
+        let g = crate::code::Generator::cauchy(5, 3).unwrap();
+        let shard = ShardSet::encode(&w, &g, 1, Default::default(), &mut |_, _| {}).unwrap();
+        let blob = shard_to_blob(&shard).unwrap();
+        let back = shard_from_blob(&blob).unwrap();
+        assert_eq!(shard_to_blob(&back).unwrap(), blob);
+        let mut bad = blob.clone();
+        bad.truncate(bad.len() / 2);
+        assert!(shard_from_blob(&bad).is_err());
+    }
+}
