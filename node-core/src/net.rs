@@ -5,7 +5,7 @@ use std::io;
 
 use futures::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use libp2p::swarm::{NetworkBehaviour, behaviour::toggle::Toggle};
-use libp2p::{StreamProtocol, gossipsub, identify, identity, kad, ping, request_response};
+use libp2p::{StreamProtocol, gossipsub, identify, identity, kad, ping, relay, request_response};
 use web_time::Duration;
 
 use crate::mesh::{HEARTBEAT_TOPIC, MeshRequest, MeshResponse};
@@ -15,6 +15,12 @@ use crate::protocol::{self, MAX_MESSAGE_BYTES, PROTOCOL_VERSION};
 pub const MESH_PROTOCOL: &str = "/codedmesh/mesh/1";
 /// Prefix every version of the mesh protocol shares.
 const MESH_PROTOCOL_PREFIX: &str = "/codedmesh/mesh/";
+
+/// Reservations and circuits one peer may ask a relay for per minute.
+const RELAY_PER_MINUTE: std::num::NonZeroU32 = match std::num::NonZeroU32::new(60) {
+    Some(n) => n,
+    None => std::num::NonZeroU32::MIN,
+};
 
 /// Pieces a message is written in (WebRTC data channels fail on larger single writes).
 const WRITE_PIECE: usize = 4 << 10;
@@ -40,6 +46,10 @@ pub struct MeshBehaviour {
     pub kad: kad::Behaviour<kad::store::MemoryStore>,
     /// Peer discovery on the local network (feature `mdns`, native only).
     pub mdns: Mdns,
+    /// Relaying for peers nobody can dial (browsers): on for native nodes.
+    pub relay: Toggle<relay::Behaviour>,
+    /// Reaching peers through a relay, and being reached through one.
+    pub relay_client: Toggle<relay::client::Behaviour>,
 }
 
 /// Errors building the behaviour.
@@ -56,6 +66,16 @@ pub enum NetError {
 impl MeshBehaviour {
     /// Builds the behaviour for a node with `key`; `mdns` turns on local discovery where built.
     pub fn new(key: &identity::Keypair, mdns: bool) -> Result<Self, NetError> {
+        Self::build(key, mdns, true)
+    }
+
+    /// The behaviour of a browser node: no DHT queries of its own (their dials would open
+    /// WebRTC connections beside its WebSocket ones); the native nodes it dials tell it the mesh.
+    pub fn for_browser(key: &identity::Keypair) -> Result<Self, NetError> {
+        Self::build(key, false, false)
+    }
+
+    fn build(key: &identity::Keypair, mdns: bool, dht_queries: bool) -> Result<Self, NetError> {
         let peer_id = key.public().to_peer_id();
         let gossip_cfg = gossipsub::ConfigBuilder::default()
             .heartbeat_interval(Duration::from_millis(500))
@@ -83,6 +103,11 @@ impl MeshBehaviour {
         );
         let mut kad_cfg = kad::Config::new(StreamProtocol::new("/codedmesh/kad/1"));
         kad_cfg.set_query_timeout(Duration::from_secs(30));
+        if !dht_queries {
+            // An empty routing table: nothing to bootstrap from, so nothing dialed.
+            kad_cfg.set_periodic_bootstrap_interval(None);
+            kad_cfg.set_kbucket_inserts(kad::BucketInserts::Manual);
+        }
         let kad =
             kad::Behaviour::with_config(peer_id, kad::store::MemoryStore::new(peer_id), kad_cfg);
         Ok(Self {
@@ -95,7 +120,36 @@ impl MeshBehaviour {
             mesh,
             kad,
             mdns: build_mdns(peer_id, mdns)?,
+            relay: Toggle::from(None),
+            relay_client: Toggle::from(None),
         })
+    }
+
+    /// Relays circuits for others, with limits raised for coded steps: a browser row answers
+    /// every step of a request through its relay.
+    pub fn with_relay_server(mut self, peer_id: libp2p::PeerId) -> Self {
+        let cfg = relay::Config {
+            max_reservations: 1024,
+            max_reservations_per_peer: 8,
+            reservation_duration: Duration::from_secs(3600),
+            reservation_rate_limiters: Vec::new(),
+            max_circuits: 1024,
+            max_circuits_per_peer: 64,
+            max_circuit_duration: Duration::from_secs(24 * 3600),
+            // No byte limit: a shard is hundreds of megabytes.
+            max_circuit_bytes: 0,
+            circuit_src_rate_limiters: Vec::new(),
+        }
+        .reservation_rate_per_peer(RELAY_PER_MINUTE, Duration::from_secs(60))
+        .circuit_src_per_peer(RELAY_PER_MINUTE, Duration::from_secs(60));
+        self.relay = Toggle::from(Some(relay::Behaviour::new(peer_id, cfg)));
+        self
+    }
+
+    /// Dials through relays and listens on them with `client` (the swarm builder's).
+    pub fn with_relay_client(mut self, client: relay::client::Behaviour) -> Self {
+        self.relay_client = Toggle::from(Some(client));
+        self
     }
 }
 

@@ -191,6 +191,7 @@ pub async fn build(cfg: NetConfig) -> Result<Swarm<MeshBehaviour>> {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let mdns = cfg.mdns;
     let webrtc = cfg.webrtc;
+    let relays = !cfg.listen.is_empty();
     let swarm = libp2p::SwarmBuilder::with_existing_identity(cfg.key)
         .with_tokio()
         .with_tcp(
@@ -209,9 +210,17 @@ pub async fn build(cfg: NetConfig) -> Result<Swarm<MeshBehaviour>> {
         .with_dns()?
         .with_websocket(noise::Config::new, yamux::Config::default)
         .await?
-        .with_behaviour(|key| {
-            MeshBehaviour::new(key, mdns)
-                .map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)
+        .with_relay_client(noise::Config::new, yamux::Config::default)?
+        .with_behaviour(|key, relay_client| {
+            let b = MeshBehaviour::new(key, mdns)
+                .map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)?
+                .with_relay_client(relay_client);
+            // Nodes relay for browsers; a leader that listens nowhere relays nothing.
+            Ok(if relays {
+                b.with_relay_server(key.public().to_peer_id())
+            } else {
+                b
+            })
         })?
         .with_swarm_config(|c| c.with_idle_connection_timeout(Duration::from_secs(600)))
         .build();
@@ -344,6 +353,9 @@ impl EventLoop {
         match event {
             SwarmEvent::NewListenAddr { address, .. } => {
                 tracing::debug!(%address, "listening");
+                // The addresses a node announces in heartbeats are the ones peers reach it at;
+                // the relay serves browsers only once the node has external addresses.
+                self.swarm.add_external_address(address);
             }
             SwarmEvent::ConnectionEstablished {
                 peer_id,

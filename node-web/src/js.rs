@@ -18,6 +18,19 @@ impl JsNode {
         Ok(JsNode(BrowserNode::connect(&origin).await?))
     }
 
+    /// Takes a row of the code (from this browser's storage, or from the mesh with progress in
+    /// `status().contribution`) and serves coded steps on WebGPU, or on the wasm CPU path where
+    /// the browser has none; resolves once the row is obtained (`status().contribution` says
+    /// when it serves).
+    /// `webgpu` is `"auto"` (the default: large products on WebGPU), `"all"` or `"off"`.
+    pub async fn contribute(&self, webgpu: Option<String>) -> Result<(), JsError> {
+        let webgpu = match webgpu {
+            Some(w) => w.parse()?,
+            None => crate::WebGpuUse::Auto,
+        };
+        Ok(self.0.contribute_with(webgpu).await?)
+    }
+
     /// This node's peer id.
     #[wasm_bindgen(js_name = peerId)]
     pub fn peer_id(&self) -> String {

@@ -21,13 +21,21 @@
 //! Natively this crate is empty: the node needs a browser.
 
 #[cfg(wasm_browser)]
+mod holder;
+#[cfg(wasm_browser)]
 mod js;
 #[cfg(wasm_browser)]
 mod node;
 #[cfg(wasm_browser)]
+mod store;
+#[cfg(wasm_browser)]
 mod transport;
 
+#[cfg(wasm_browser)]
+pub use holder::{BROWSER_GPU_MIN_WORK, Contribution, WebGpuUse};
 #[cfg(wasm_browser)]
 pub use js::init_logging;
 #[cfg(wasm_browser)]
 pub use node::{BrowserNode, Connection, NodeSnapshot, WebError};
+#[cfg(wasm_browser)]
+pub use store::{ShardStore, StoreError, Stored, identity};

@@ -2,13 +2,16 @@
 //! sends it commands and reads the latest snapshot.
 
 use std::cell::RefCell;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::rc::Rc;
 
 use futures::channel::{mpsc, oneshot};
 use futures::{FutureExt, SinkExt, StreamExt};
+use libp2p::multiaddr::Protocol;
+use libp2p::request_response::ResponseChannel;
 use libp2p::swarm::{ConnectionId, SwarmEvent};
 use libp2p::{Multiaddr, PeerId, Swarm, gossipsub, identity, request_response};
+use node_core::mesh::HEARTBEAT_TOPIC;
 use node_core::mesh::{
     BrowserBootstrap, HealthConfig, Heartbeat, MeshEvent, MeshInfo, MeshRequest, MeshResponse,
     MeshView, unhex32,
@@ -18,6 +21,8 @@ use node_core::protocol;
 use serde::Serialize;
 use wasm_bindgen::JsCast;
 use web_time::{Duration, Instant};
+
+use crate::holder::{Answer, Contribution, Holding};
 
 /// How long one dial may take before the next address is tried.
 const DIAL_TIMEOUT: Duration = Duration::from_secs(15);
@@ -85,6 +90,8 @@ pub struct NodeSnapshot {
     pub heartbeats: u64,
     /// Bytes of gossip received since the page opened.
     pub gossip_bytes: u64,
+    /// What this node does for the mesh: watching, or serving a row.
+    pub contribution: Contribution,
 }
 
 type Watcher = Rc<dyn Fn(&NodeSnapshot)>;
@@ -115,7 +122,7 @@ impl Shared {
 
 type Reply<T> = oneshot::Sender<Result<T, String>>;
 
-enum Command {
+pub(crate) enum Command {
     Dial {
         addr: Multiaddr,
         reply: Reply<PeerId>,
@@ -127,7 +134,18 @@ enum Command {
     },
     Watch {
         info: Box<MeshInfo>,
+        /// The native node's address: the relay this node listens through once it holds a row.
+        via: Multiaddr,
     },
+    /// Serve this row from now on.
+    Hold(Box<Holding>),
+    /// A computed answer to an inbound request.
+    Respond {
+        channel: ResponseChannel<MeshResponse>,
+        response: MeshResponse,
+    },
+    /// Updates fetched from a peer this node lagged behind.
+    CaughtUp(Result<Vec<Vec<u8>>, String>),
 }
 
 /// A handle on the browser node; cheap to clone.
@@ -166,9 +184,13 @@ impl BrowserNode {
         Self::connect_to(boot).await
     }
 
-    /// Starts a node that dials the native node `boot` describes.
+    /// Starts a node that dials the native node `boot` describes, with this browser's
+    /// identity (kept in localStorage).
     pub async fn connect_to(boot: BrowserBootstrap) -> Result<Self, WebError> {
-        let key = identity::Keypair::generate_ed25519();
+        let key = crate::store::identity().unwrap_or_else(|e| {
+            tracing::warn!("a new identity for this page only: {e}");
+            identity::Keypair::generate_ed25519()
+        });
         let me = key.public().to_peer_id();
         let swarm = crate::transport::build(key)?;
         let bootstrap: PeerId = boot
@@ -182,24 +204,30 @@ impl BrowserNode {
                 info: None,
                 heartbeats: 0,
                 gossip_bytes: 0,
+                contribution: Contribution::Watching,
             },
             watchers: Vec::new(),
         }));
         let (tx, rx) = mpsc::channel(64);
+        let node = Self {
+            commands: tx,
+            shared: shared.clone(),
+            bootstrap,
+        };
         let task = Task {
             swarm,
             commands: rx,
-            shared: shared.clone(),
+            shared,
             view: None,
             dials: HashMap::new(),
             requests: HashMap::new(),
+            node: node.clone(),
+            relay: None,
+            holding: None,
+            circuits: Vec::new(),
+            learning: VecDeque::new(),
         };
         wasm_bindgen_futures::spawn_local(task.run());
-        let node = Self {
-            commands: tx,
-            shared,
-            bootstrap,
-        };
         let via = node.dial_any(&boot.addrs).await;
         let via = match via {
             Ok(via) => via,
@@ -221,12 +249,18 @@ impl BrowserNode {
                 ));
             }
         };
+        let relay = with_peer(
+            via.parse()
+                .map_err(|e| WebError::Mesh(format!("{via}: {e}")))?,
+            bootstrap,
+        );
         Shared::set(&node.shared, |s| {
             s.connection = Connection::Connected { via };
             s.info = Some(info.clone());
         });
         node.send(Command::Watch {
             info: Box::new(info),
+            via: relay,
         })
         .await?;
         Ok(node)
@@ -247,7 +281,30 @@ impl BrowserNode {
         self.request(self.bootstrap, request).await
     }
 
-    async fn dial_any(&self, addrs: &[String]) -> Result<String, WebError> {
+    /// The native node this node dialed first.
+    pub(crate) fn bootstrap(&self) -> PeerId {
+        self.bootstrap
+    }
+
+    /// Shows what the node does for the mesh.
+    pub(crate) fn set_contribution(&self, c: Contribution) {
+        Shared::set(&self.shared, |s| s.contribution = c);
+    }
+
+    /// Hands a row to the node's task, which announces and serves it.
+    pub(crate) async fn hold(&self, holding: Holding) -> Result<(), WebError> {
+        self.set_contribution(Contribution::Preparing {
+            what: format!(
+                "row {} is ready; reserving a slot on the relay",
+                holding.row
+            ),
+            done: 0,
+            total: 0,
+        });
+        self.send(Command::Hold(Box::new(holding))).await
+    }
+
+    pub(crate) async fn dial_any(&self, addrs: &[String]) -> Result<String, WebError> {
         let mut reason = "the node offers no address a browser can dial".to_string();
         for a in addrs {
             let addr: Multiaddr = match a.parse() {
@@ -278,7 +335,11 @@ impl BrowserNode {
         })
     }
 
-    async fn request(&self, peer: PeerId, request: MeshRequest) -> Result<MeshResponse, WebError> {
+    pub(crate) async fn request(
+        &self,
+        peer: PeerId,
+        request: MeshRequest,
+    ) -> Result<MeshResponse, WebError> {
         let (reply, rx) = oneshot::channel();
         self.send(Command::Request {
             peer,
@@ -293,7 +354,7 @@ impl BrowserNode {
         }
     }
 
-    async fn send(&self, cmd: Command) -> Result<(), WebError> {
+    pub(crate) async fn send(&self, cmd: Command) -> Result<(), WebError> {
         self.commands
             .clone()
             .send(cmd)
@@ -340,6 +401,16 @@ struct Task {
     dials: HashMap<ConnectionId, Reply<PeerId>>,
     /// Requests in flight; request-response's own timeout ends each with a failure event.
     requests: HashMap<request_response::OutboundRequestId, Reply<MeshResponse>>,
+    /// A handle on this node, for the work the task starts (steps, catch-ups).
+    node: BrowserNode,
+    /// The native node this node listens through once it holds a row.
+    relay: Option<Multiaddr>,
+    /// The row this node serves, once it contributes.
+    holding: Option<Holding>,
+    /// Relayed addresses peers reach this node at.
+    circuits: Vec<String>,
+    /// Updates waiting until no step uses the shard, with the leader waiting for each.
+    learning: VecDeque<(Vec<u8>, Option<ResponseChannel<MeshResponse>>)>,
 }
 
 impl Task {
@@ -358,6 +429,7 @@ impl Task {
                     self.on_tick();
                 }
             }
+            self.apply_learning();
         }
     }
 
@@ -367,8 +439,25 @@ impl Task {
             return;
         };
         view.handle_timeout(now);
-        // An observer announces nothing: its heartbeats would list it as a node without a row.
-        while view.poll_transmit().is_some() {}
+        while let Some(hb) = view.poll_transmit() {
+            // An observer announces nothing: its heartbeats would list it as a node without a
+            // row. A holder announces its row once peers can reach it through its relay.
+            if hb.row.is_none() {
+                continue;
+            }
+            let sent = protocol::encode(&hb)
+                .map_err(|e| e.to_string())
+                .and_then(|data| {
+                    self.swarm
+                        .behaviour_mut()
+                        .gossipsub
+                        .publish(gossipsub::IdentTopic::new(HEARTBEAT_TOPIC), data)
+                        .map_err(|e| e.to_string())
+                });
+            if let Err(e) = sent {
+                tracing::debug!("heartbeat not sent: {e}");
+            }
+        }
         while let Some(ev) = view.poll_event() {
             match ev {
                 MeshEvent::HealthChanged { peer, row, health } => {
@@ -380,10 +469,23 @@ impl Task {
         }
         let info = view.info(now);
         let me = view.me().to_string();
+        let contribution = self
+            .holding
+            .as_ref()
+            .map(|h| match self.circuits.is_empty() {
+                true => Contribution::Preparing {
+                    what: format!("row {} is ready; reserving a slot on the relay", h.row),
+                    done: 0,
+                    total: 0,
+                },
+                false => h.contribution(),
+            });
         Shared::set(&self.shared, |s| {
             let mut info = info;
-            // Show the mesh's nodes; this observer is the page itself.
-            info.nodes.retain(|n| n.peer != me);
+            // Show the mesh's nodes; a watching page is not one of them.
+            if contribution.is_none() {
+                info.nodes.retain(|n| n.peer != me);
+            }
             if let Some(old) = &s.info {
                 info.dashboard = old.dashboard.clone();
                 // Evidence of caught nodes reaches the node a leader reports to; keep what
@@ -399,7 +501,26 @@ impl Task {
                 }
             }
             s.info = Some(info);
+            if let Some(c) = contribution {
+                s.contribution = c;
+            }
         });
+    }
+
+    /// Announces the row, version and addresses this node holds now.
+    fn announce(&mut self) {
+        let (Some(view), Some(h)) = (self.view.as_mut(), self.holding.as_ref()) else {
+            return;
+        };
+        let mut local = view.local().clone();
+        // A row nobody can reach would only fail the leaders that pick it.
+        local.row = (!self.circuits.is_empty()).then_some(h.row);
+        local.version_count = h.state.version.count();
+        local.version_digest = h.state.version.digest();
+        local.addrs = self.circuits.clone();
+        local.device = h.device.clone();
+        view.set_local(local);
+        view.handle_timeout(Instant::now());
     }
 
     fn on_command(&mut self, cmd: Command) {
@@ -426,8 +547,11 @@ impl Task {
                 let id = self.swarm.behaviour_mut().mesh.send_request(&peer, request);
                 self.requests.insert(id, reply);
             }
-            Command::Watch { info } => match watch_view(&info, *self.swarm.local_peer_id()) {
-                Ok(view) => self.view = Some(view),
+            Command::Watch { info, via } => match watch_view(&info, *self.swarm.local_peer_id()) {
+                Ok(view) => {
+                    self.view = Some(view);
+                    self.relay = Some(via);
+                }
                 Err(e) => {
                     tracing::error!("cannot follow the mesh: {e}");
                     Shared::set(&self.shared, |s| {
@@ -437,6 +561,101 @@ impl Task {
                     });
                 }
             },
+            Command::Hold(holding) => self.hold(*holding),
+            Command::Respond { channel, response } => {
+                if let Some(h) = self.holding.as_mut() {
+                    h.answered(&response);
+                }
+                self.respond(channel, response)
+            }
+            Command::CaughtUp(got) => {
+                if let Some(h) = self.holding.as_mut() {
+                    h.syncing = false;
+                }
+                match got {
+                    Ok(updates) => self
+                        .learning
+                        .extend(updates.into_iter().map(|bytes| (bytes, None))),
+                    Err(e) => tracing::warn!("catching up: {e}"),
+                }
+            }
+        }
+    }
+
+    /// Starts serving a row: listens through the relay and announces it.
+    fn hold(&mut self, holding: Holding) {
+        let Some(relay) = self.relay.clone() else {
+            let reason = "not connected to the mesh".to_string();
+            Shared::set(&self.shared, |s| {
+                s.contribution = Contribution::Failed { reason }
+            });
+            return;
+        };
+        let circuit = relay.with(Protocol::P2pCircuit);
+        if let Err(e) = self.swarm.listen_on(circuit.clone()) {
+            let reason = format!("listening through the relay {circuit}: {e}");
+            Shared::set(&self.shared, |s| {
+                s.contribution = Contribution::Failed { reason }
+            });
+            return;
+        }
+        self.holding = Some(holding);
+        self.announce();
+    }
+
+    fn respond(&mut self, channel: ResponseChannel<MeshResponse>, response: MeshResponse) {
+        if self
+            .swarm
+            .behaviour_mut()
+            .mesh
+            .send_response(channel, response)
+            .is_err()
+        {
+            tracing::debug!("the peer left before the answer");
+        }
+    }
+
+    /// Applies waiting updates while no step uses the shard.
+    fn apply_learning(&mut self) {
+        let Some(h) = self.holding.as_mut() else {
+            self.learning.clear();
+            return;
+        };
+        let mut changed = false;
+        while let Some((bytes, channel)) = self.learning.pop_front() {
+            let answer = match h.learn(&bytes) {
+                Ok(None) => {
+                    self.learning.push_front((bytes, channel));
+                    break;
+                }
+                Ok(Some((id, applied))) => {
+                    if applied {
+                        tracing::info!(id = format!("{id:016x}"), "applied an update");
+                        changed = true;
+                    }
+                    MeshResponse::Learned {
+                        id,
+                        version_count: h.state.version.count(),
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!("refused an update: {e}");
+                    MeshResponse::Error(e.to_string())
+                }
+            };
+            if let Some(channel) = channel
+                && self
+                    .swarm
+                    .behaviour_mut()
+                    .mesh
+                    .send_response(channel, answer)
+                    .is_err()
+            {
+                tracing::debug!("the leader left before the receipt");
+            }
+        }
+        if changed {
+            self.announce();
         }
     }
 
@@ -460,6 +679,21 @@ impl Task {
                     let _ = reply.send(Err(error.to_string()));
                 }
             }
+            SwarmEvent::NewListenAddr { address, .. } => {
+                tracing::info!(%address, "reachable through the relay");
+                let me = *self.swarm.local_peer_id();
+                self.circuits.push(with_peer(address, me).to_string());
+                self.announce();
+            }
+            SwarmEvent::ExpiredListenAddr { address, .. } => {
+                let me = *self.swarm.local_peer_id();
+                let gone = with_peer(address, me).to_string();
+                self.circuits.retain(|a| *a != gone);
+                self.announce();
+            }
+            SwarmEvent::ListenerClosed { reason, .. } => {
+                tracing::warn!("the relay listener closed: {reason:?}");
+            }
             SwarmEvent::Behaviour(MeshBehaviourEvent::Gossipsub(gossipsub::Event::Message {
                 message,
                 ..
@@ -476,16 +710,41 @@ impl Task {
         let Some(peer) = message.source else {
             return;
         };
-        let Some(view) = self.view.as_mut() else {
-            return;
-        };
         match protocol::decode::<Heartbeat>(&message.data) {
             Ok(hb) => {
+                self.maybe_sync(peer, &hb);
+                let Some(view) = self.view.as_mut() else {
+                    return;
+                };
                 view.handle_heartbeat(Instant::now(), peer, hb);
                 Shared::set_quiet(&self.shared, |s| s.heartbeats += 1);
             }
             Err(e) => tracing::warn!(%peer, "bad heartbeat: {e}"),
         }
+    }
+
+    /// A peer announces updates this node's row lacks: fetch them from it.
+    fn maybe_sync(&mut self, peer: PeerId, hb: &Heartbeat) {
+        let (Some(view), Some(h)) = (self.view.as_ref(), self.holding.as_mut()) else {
+            return;
+        };
+        let local = view.local();
+        if h.syncing
+            || hb.model != local.model
+            || hb.version_digest == local.version_digest
+            || hb.version_count < local.version_count
+        {
+            return;
+        }
+        h.syncing = true;
+        let (node, have) = (self.node.clone(), h.state.version.clone());
+        wasm_bindgen_futures::spawn_local(async move {
+            let got = node
+                .missing_updates(peer, &have)
+                .await
+                .map_err(|e| e.to_string());
+            let _ = node.send(Command::CaughtUp(got)).await;
+        });
     }
 
     fn on_mesh(&mut self, event: request_response::Event<MeshRequest, MeshResponse>) {
@@ -504,21 +763,12 @@ impl Task {
             }
             request_response::Event::Message {
                 peer,
-                message: request_response::Message::Request { channel, .. },
+                message:
+                    request_response::Message::Request {
+                        channel, request, ..
+                    },
                 ..
-            } => {
-                let answer =
-                    MeshResponse::Error("this browser node holds no row: it only watches".into());
-                if self
-                    .swarm
-                    .behaviour_mut()
-                    .mesh
-                    .send_response(channel, answer)
-                    .is_err()
-                {
-                    tracing::debug!(%peer, "the peer left before the answer");
-                }
-            }
+            } => self.on_request(peer, request, channel),
             request_response::Event::OutboundFailure {
                 request_id, error, ..
             } => {
@@ -528,6 +778,54 @@ impl Task {
             }
             _ => {}
         }
+    }
+
+    fn on_request(
+        &mut self,
+        peer: PeerId,
+        request: MeshRequest,
+        channel: ResponseChannel<MeshResponse>,
+    ) {
+        let now = Instant::now();
+        let (Some(view), Some(h)) = (self.view.as_mut(), self.holding.as_mut()) else {
+            let answer =
+                MeshResponse::Error("this browser node holds no row: it only watches".into());
+            return self.respond(channel, answer);
+        };
+        let answer = match request {
+            MeshRequest::Info => Answer::Now(MeshResponse::Info(view.info(now))),
+            MeshRequest::Join => Answer::Now(MeshResponse::Join(view.offer_row(now, peer))),
+            MeshRequest::Report {
+                peer: caught,
+                evidence,
+            } => Answer::Now(match caught.parse::<PeerId>() {
+                Ok(p) => {
+                    view.report_caught(p, format!("{evidence}; reported by {peer}"));
+                    MeshResponse::Reported
+                }
+                Err(e) => MeshResponse::Error(format!("peer id {caught:?}: {e}")),
+            }),
+            other => h.answer(other),
+        };
+        match answer {
+            Answer::Now(response) => self.respond(channel, response),
+            Answer::Learn(bytes) => self.learning.push_back((bytes, Some(channel))),
+            Answer::Later(work) => {
+                let node = self.node.clone();
+                wasm_bindgen_futures::spawn_local(async move {
+                    let response = work.await;
+                    let _ = node.send(Command::Respond { channel, response }).await;
+                });
+            }
+        }
+    }
+}
+
+/// `addr` ending in `/p2p/peer`.
+fn with_peer(addr: Multiaddr, peer: PeerId) -> Multiaddr {
+    match addr.iter().last() {
+        Some(Protocol::P2p(_)) => addr,
+        _ => addr.with(Protocol::P2p(peer)),
     }
 }
 

@@ -1,4 +1,5 @@
-//! The browser's swarm: WebSocket (noise, yamux) and WebRTC-direct to native nodes.
+//! The browser's swarm: WebSocket (noise, yamux) and WebRTC-direct to native nodes, and
+//! circuits through them (relay v2), so native leaders can reach it.
 
 use futures::future::Either;
 use libp2p::core::muxing::StreamMuxerBox;
@@ -27,9 +28,12 @@ pub fn build(key: identity::Keypair) -> Result<Swarm<MeshBehaviour>, WebError> {
             ))
         })
         .map_err(|e| WebError::Transport(e.to_string()))?
-        .with_behaviour(|key| {
-            MeshBehaviour::new(key, false)
-                .map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)
+        .with_relay_client(noise::Config::new, yamux::Config::default)
+        .map_err(|e| WebError::Transport(e.to_string()))?
+        .with_behaviour(|key, relay_client| {
+            Ok(MeshBehaviour::for_browser(key)
+                .map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)?
+                .with_relay_client(relay_client))
         })
         .map_err(|e| WebError::Transport(e.to_string()))?
         .with_swarm_config(|c| c.with_idle_connection_timeout(Duration::from_secs(600)))

@@ -137,12 +137,13 @@ pub struct Mesh {
     pub dashboard: String,
 }
 
-/// A `codedmesh node` with data dir `dir/<data>`, joining through `bootstrap`.
+/// A `codedmesh node` on TCP only with data dir `dir/<data>`, joining through `bootstrap`.
 pub fn spawn_node(dir: &Path, name: &str, data: &str, bootstrap: &str) -> Result<Proc> {
-    spawn_node_with(dir, name, data, bootstrap, &[])
+    spawn_node_with(dir, name, data, bootstrap, &["--tcp-only"])
 }
 
-/// [`spawn_node`] with extra arguments.
+/// A `codedmesh node` with these arguments (on every transport unless they say
+/// `--tcp-only`).
 pub fn spawn_node_with(
     dir: &Path,
     name: &str,
@@ -151,7 +152,7 @@ pub fn spawn_node_with(
     extra: &[&str],
 ) -> Result<Proc> {
     let d = dir.join(data);
-    let mut a = vec!["node", "--tcp-only", "--bootstrap", bootstrap, "--data"];
+    let mut a = vec!["node", "--bootstrap", bootstrap, "--data"];
     a.push(d.to_str().context("path")?);
     a.extend(HEALTH);
     a.extend(extra);
@@ -194,7 +195,8 @@ impl Mesh {
         Self::start_with(name, model, learning, &["--tcp-only"])
     }
 
-    /// [`Mesh::start`] with more arguments for the seed (the nodes listen on TCP only).
+    /// [`Mesh::start`] with more arguments for the seed; the nodes listen on TCP only when the
+    /// seed does, else on every transport (browsers dial them over WebSocket).
     pub fn start_with(
         name: &str,
         model: Option<&Path>,
@@ -255,13 +257,19 @@ impl Mesh {
         );
         std::thread::spawn(move || for _ in lines {});
         seed.wait_log("serving row 0", Duration::from_secs(120))?;
+        let transports: &[&str] = if seed_args.contains(&"--tcp-only") {
+            &["--tcp-only"]
+        } else {
+            &[]
+        };
         let mut nodes = Vec::new();
         for i in 1..5 {
-            nodes.push(spawn_node(
+            nodes.push(spawn_node_with(
                 &dir.0,
                 &format!("node{i}"),
                 &format!("d{i}"),
                 &bootstrap,
+                transports,
             )?);
         }
         for n in &mut nodes {
@@ -352,6 +360,17 @@ impl Mesh {
         tokens: usize,
         during: impl FnOnce(),
     ) -> Result<(String, String)> {
+        self.generate_with(prompt, tokens, &[], during)
+    }
+
+    /// [`Self::generate`] with more arguments.
+    pub fn generate_with(
+        &self,
+        prompt: &str,
+        tokens: usize,
+        extra: &[&str],
+        during: impl FnOnce(),
+    ) -> Result<(String, String)> {
         let mut child = Command::new(bin())
             .args([
                 "generate",
@@ -361,6 +380,7 @@ impl Mesh {
                 prompt,
             ])
             .args(["--max-tokens", &tokens.to_string()])
+            .args(extra)
             .env("RUST_LOG", "warn,libp2p_kad=error")
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())

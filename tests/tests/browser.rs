@@ -1,6 +1,8 @@
 //! The dashboard in headless Chromium: a native mesh on 127.0.0.1 serves the page, the page's
 //! own browser node dials the mesh over WebSocket, follows its heartbeats, and shows every row
-//! healthy; when a node stops, its row turns Dead on the page without a reload.
+//! healthy; when a node stops, its row turns Dead on the page without a reload. Then the page
+//! contributes: its node re-encodes the dead row, serves it on WebGPU, and a native leader's
+//! request is computed partly by it, through a relay.
 //!
 //! Needs Debian's `chromium` and `chromium-driver` and the dashboard built by trunk
 //! (`scripts/test.sh` does both); `$CHROMEDRIVER` and `$CHROMIUM` override where they are.
@@ -249,5 +251,61 @@ async fn drive(c: &Client, mesh: &mut Mesh) -> Result<()> {
         "only row {row} is down: {health:?}"
     );
     std::fs::write(dir.join("dashboard-row-dead.png"), c.screenshot().await?)?;
+
+    // "Contribute this GPU": the page's node takes the dead row, re-encoding its shard from k
+    // live rows it dials itself, and serves it on WebGPU (SwiftShader here).
+    c.find(Locator::Css("#contribute")).await?.click().await?;
+    let serving = wait_text(
+        c,
+        "#contribution",
+        |t| t.starts_with(&format!("serving row {row} on browser")) || t.contains("could not"),
+        "the browser serving the dead row",
+    )
+    .await?;
+    eprintln!("the page says: {serving}");
+    ensure!(
+        serving.starts_with(&format!("serving row {row} on browser WebGPU"))
+            && serving.contains(&format!("row {row} re-encoded from rows")),
+        "the browser re-encodes row {row} and serves it on WebGPU: {serving}"
+    );
+    // The native mesh sees the browser's row healthy, with its device.
+    let status = mesh.wait_healthy(5)?;
+    let holder = status["nodes"]
+        .as_array()
+        .and_then(|nodes| {
+            nodes
+                .iter()
+                .find(|n| n["row"] == row && n["health"] == "Healthy")
+        })
+        .cloned()
+        .unwrap_or_default();
+    ensure!(
+        holder["device"]
+            .as_str()
+            .is_some_and(|d| d.starts_with("browser WebGPU")),
+        "status --json shows row {row} held by the browser, Healthy, with its device: {status}"
+    );
+    // A native leader's request on all five rows (k = 3 decoded, 2 checked): the browser's
+    // answers come through its relay and must agree with the code in every round.
+    let (out, err) = mesh.generate_with(
+        "The history of the printing press begins",
+        8,
+        &["--check", "2", "--spares", "0"],
+        || {},
+    )?;
+    eprintln!("generated through the browser's row: {out:?}\n{err}");
+    ensure!(
+        err.contains(", 0 unchecked") && !err.contains(" caught on "),
+        "every round checked, nobody caught:\n{err}"
+    );
+    let answered = wait_text(
+        c,
+        "#contribution",
+        |t| !t.contains(": 0 coded steps"),
+        "coded steps answered by the browser",
+    )
+    .await?;
+    eprintln!("the page says: {answered}");
+    std::fs::write(dir.join("dashboard-browser-row.png"), c.screenshot().await?)?;
     Ok(())
 }

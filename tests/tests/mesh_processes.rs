@@ -98,7 +98,11 @@ fn tiny_mesh_status_generate_straggler_restart_and_rejoin() -> Result<()> {
         &format!("{name}-again"),
         &data,
         &mesh.bootstrap,
-        if gpu { &["--device", "gpu"] } else { &[] },
+        if gpu {
+            &["--tcp-only", "--device", "gpu"]
+        } else {
+            &["--tcp-only"]
+        },
     )?;
     let log = p.wait_log("serving row 3", Duration::from_secs(60))?;
     assert!(log.contains("restarting with row 3"), "{log}");

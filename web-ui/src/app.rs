@@ -15,6 +15,8 @@ pub struct Live {
     pub history: ReadSignal<History>,
     /// Why the node could not start, if it could not.
     pub error: ReadSignal<Option<String>>,
+    /// The page's node, once started.
+    pub node: StoredValue<Option<BrowserNode>, LocalStorage>,
 }
 
 /// The whole page.
@@ -46,6 +48,7 @@ pub fn App() -> impl IntoView {
         snapshot,
         history,
         error,
+        node,
     });
     view! { <Dashboard /> }
 }

@@ -7,10 +7,10 @@
 use leptos::prelude::*;
 use leptos::wasm_bindgen::JsCast;
 use node_core::mesh::{Health, MeshInfo, NodeStatus};
-use node_web::{Connection, NodeSnapshot};
+use node_web::{Connection, Contribution, NodeSnapshot};
 use wasm_bindgen_test::{wasm_bindgen_test, wasm_bindgen_test_configure};
 use web_ui::app::Live;
-use web_ui::components::{RowsTable, Summary};
+use web_ui::components::{Contribute, RowsTable, Summary};
 use web_ui::model::History;
 
 wasm_bindgen_test_configure!(run_in_browser);
@@ -56,6 +56,7 @@ fn snapshot(healths: [Health; 3]) -> NodeSnapshot {
         }),
         heartbeats: 10,
         gossip_bytes: 1000,
+        contribution: Contribution::Watching,
     }
 }
 
@@ -63,6 +64,13 @@ fn cell(root: &web_sys::Element, row: u32, col: usize) -> String {
     root.query_selector(&format!("tr[data-row='{row}'] td:nth-child({})", col + 1))
         .unwrap()
         .map(|e| e.text_content().unwrap_or_default())
+        .unwrap_or_default()
+}
+
+fn text_of(root: &web_sys::Element, css: &str) -> String {
+    root.query_selector(css)
+        .unwrap()
+        .and_then(|e| e.text_content())
         .unwrap_or_default()
 }
 
@@ -79,9 +87,11 @@ async fn the_summary_and_rows_show_the_mesh_and_follow_it_live() {
             snapshot: snap,
             history,
             error,
+            node: StoredValue::new_local(None),
         });
         view! {
             <Summary />
+            <Contribute />
             <RowsTable />
         }
     });
@@ -98,6 +108,57 @@ async fn the_summary_and_rows_show_the_mesh_and_follow_it_live() {
         "browser WebGPU (browser WebGPU: SwiftShader)"
     );
     assert_eq!(cell(&root, 1, 3), "Healthy");
+    assert_eq!(
+        text_of(&root, "#contribution"),
+        "this browser watches the mesh; it holds no row"
+    );
+    assert!(
+        root.query_selector("#contribute-progress")
+            .unwrap()
+            .is_none()
+    );
+
+    // The browser takes a row: a progress bar while its shard arrives, then what it serves.
+    let mut s = snapshot([Health::Healthy; 3]);
+    s.contribution = Contribution::Preparing {
+        what: "downloading row 2".into(),
+        done: 1 << 20,
+        total: 4 << 20,
+    };
+    set_snap.set(Some(s.clone()));
+    leptos::task::tick().await;
+    assert_eq!(
+        text_of(&root, "#contribution"),
+        "downloading row 2: 1.0 of 4.0 MiB"
+    );
+    let bar = root
+        .query_selector("#contribute-progress")
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        bar.get_attribute("value").as_deref(),
+        Some(&*(1u64 << 20).to_string())
+    );
+    s.contribution = Contribution::Serving {
+        row: 2,
+        device: "browser WebGPU: SwiftShader".into(),
+        source: "genesis row 2".into(),
+        steps: 7,
+        gpu_steps: 3,
+        step_ms: 2.25,
+        version_count: 1,
+    };
+    set_snap.set(Some(s));
+    leptos::task::tick().await;
+    assert_eq!(
+        text_of(&root, "#contribution"),
+        "serving row 2 on browser WebGPU: SwiftShader (genesis row 2): 7 coded steps answered (3 on WebGPU, 2.2 ms each), 1 updates applied"
+    );
+    assert!(
+        root.query_selector("#contribute-progress")
+            .unwrap()
+            .is_none()
+    );
 
     // Two rows go down: the page follows, and the model is no longer available.
     set_snap.set(Some(snapshot([

@@ -124,7 +124,22 @@ impl Member {
 
     /// Answers one request; failures become a `Failed` answer, never a panic.
     pub fn handle(&self, req: &StepRequest) -> StepResponse {
-        match self.compute(req) {
+        self.answer(self.compute(req))
+    }
+
+    /// [`Self::handle`] for callers that cannot block (the browser, on WebGPU).
+    pub async fn handle_async(&self, req: &StepRequest) -> StepResponse {
+        self.answer(self.compute_async(req).await)
+    }
+
+    /// Whether `req` is computed on the GPU.
+    pub fn on_gpu(&self, req: &StepRequest) -> bool {
+        self.gpu_for(req).is_some()
+    }
+
+    /// The answer carrying a computed result (scrambled if this member lies).
+    fn answer(&self, computed: Result<Vec<f32>, CodedError>) -> StepResponse {
+        match computed {
             Ok(mut values) => {
                 if let Some(counter) = &self.garbage {
                     scramble(&mut values, counter);
@@ -168,6 +183,33 @@ impl Member {
             }
         }
         self.compute_cpu(req)
+    }
+
+    /// Runs one product of every kind of stage, for one token and for a prompt's `t`, so the
+    /// GPU compiles its kernels before the first request waits on them (a browser's WebGPU
+    /// compiles on first use, for seconds).
+    pub async fn warm_up(&self, t: u32) -> Result<(), CodedError> {
+        use crate::model::Stage;
+        let stages = [
+            Stage::Qkv(0),
+            Stage::AttnOut(0),
+            Stage::GateUp(0),
+            Stage::Down(0),
+            Stage::LmHead,
+        ];
+        for stage in stages {
+            let cols = self
+                .shards
+                .stage_shards(stage)?
+                .first()
+                .map_or(0, |s| s.cols);
+            for t in [1, t.max(1)] {
+                let x = vec![0.5f32; t as usize * cols];
+                self.compute_async(&StepRequest::Matmul { stage, t, x })
+                    .await?;
+            }
+        }
+        Ok(())
     }
 
     /// The CPU reference of [`Self::compute`].

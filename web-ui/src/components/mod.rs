@@ -1,9 +1,11 @@
 //! The dashboard's parts, each reading the shared [`crate::app::Live`] context.
 
 mod chart;
+mod contribute;
 mod rows;
 mod summary;
 
 pub use chart::{HistoryChart, LiveNumbers};
+pub use contribute::{Contribute, contribution_text};
 pub use rows::RowsTable;
 pub use summary::Summary;

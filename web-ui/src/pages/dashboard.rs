@@ -3,7 +3,7 @@
 use leptos::prelude::*;
 
 use crate::app::Live;
-use crate::components::{HistoryChart, LiveNumbers, RowsTable, Summary};
+use crate::components::{Contribute, HistoryChart, LiveNumbers, RowsTable, Summary};
 
 /// The dashboard page.
 #[component]
@@ -32,6 +32,7 @@ pub fn Dashboard() -> impl IntoView {
         </header>
         <main>
             <Summary />
+            <Contribute />
             <RowsTable />
             <LiveNumbers />
             <HistoryChart />

@@ -1,0 +1,618 @@
+//! "Contribute this GPU": the browser node takes a row of the code, keeps its shard in
+//! IndexedDB, and answers peers' requests for it (coded steps on WebGPU, the wasm CPU path
+//! where there is none).
+
+use std::collections::HashMap;
+use std::rc::Rc;
+use std::sync::Arc;
+
+use libp2p::PeerId;
+use node_core::coded::{Member, ShardSet};
+use node_core::compute::gpu::Gpu;
+use node_core::holder::{
+    self, Download, MAX_BLOB_BYTES, MAX_UPDATE_BYTES, Rules, ShardState, chunk_of,
+    shard_chunk_request, update_chunk_request,
+};
+use node_core::mesh::{
+    BrowserBootstrap, JoinOffer, MeshRequest, MeshResponse, ModelManifest, ShardVersion, hex,
+};
+use node_core::model::LeaderWeights;
+use node_core::protocol::{self, StepRequest};
+use serde::{Deserialize, Serialize};
+
+use crate::node::{BrowserNode, WebError};
+use crate::store::ShardStore;
+
+/// What the browser node does for the mesh.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(tag = "state", rename_all = "snake_case")]
+pub enum Contribution {
+    /// It only watches.
+    Watching,
+    /// It is obtaining a row: `done` of `total` (0 when unknown) of the current part.
+    Preparing {
+        /// What it is doing.
+        what: String,
+        /// Progress.
+        done: u64,
+        /// The total, when known.
+        total: u64,
+    },
+    /// It holds a row and serves it.
+    Serving {
+        /// The row.
+        row: u32,
+        /// Where it computes: "browser WebGPU: adapter" or "browser wasm cpu".
+        device: String,
+        /// Where the shard came from.
+        source: String,
+        /// Coded steps answered.
+        steps: u64,
+        /// Of those, products computed on WebGPU.
+        gpu_steps: u64,
+        /// Their mean compute time, in milliseconds.
+        step_ms: f64,
+        /// Learning updates applied to the shard.
+        version_count: u64,
+    },
+    /// Obtaining a row failed.
+    Failed {
+        /// Why.
+        reason: String,
+    },
+}
+
+/// Tokens of the prompt-sized product run once before serving, to compile the kernels.
+const WARM_UP_TOKENS: u32 = 32;
+
+/// What the page says while the shard goes to the GPU.
+const GPU_STEP: &str = "opening WebGPU and compiling its kernels";
+
+/// What is kept beside the shard blob in IndexedDB.
+#[derive(Debug, Serialize, Deserialize)]
+struct StoredRow {
+    row: u32,
+    /// Updates inside the blob.
+    version: Vec<u64>,
+    /// The norm gains at that version.
+    norms: LeaderWeights,
+}
+
+/// A row this node holds and serves.
+pub(crate) struct Holding {
+    pub(crate) manifest_bytes: Rc<Vec<u8>>,
+    pub(crate) rules: Rules,
+    /// Shared with the steps in flight; updates wait until it is free again.
+    pub(crate) state: Rc<ShardState>,
+    pub(crate) row: u32,
+    pub(crate) device: String,
+    pub(crate) source: String,
+    /// Update payloads applied here, for peers that missed them.
+    pub(crate) updates: HashMap<u64, Rc<Vec<u8>>>,
+    /// The shard as a blob at one version (its digest), for peers that download it.
+    pub(crate) snapshot: Option<([u8; 32], Rc<Vec<u8>>)>,
+    pub(crate) steps: u64,
+    /// Compute time of those steps, in microseconds.
+    pub(crate) step_us: u64,
+    /// Products sent to WebGPU.
+    pub(crate) gpu_steps: u64,
+    /// A catch-up with a peer is running.
+    pub(crate) syncing: bool,
+}
+
+impl std::fmt::Debug for Holding {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Holding")
+            .field("row", &self.row)
+            .field("device", &self.device)
+            .finish()
+    }
+}
+
+/// How a request to a holder is answered.
+pub(crate) enum Answer {
+    /// At once.
+    Now(MeshResponse),
+    /// When the computation ends.
+    Later(std::pin::Pin<Box<dyn std::future::Future<Output = MeshResponse>>>),
+    /// After the update is applied (the shard may be in use by a step).
+    Learn(Vec<u8>),
+}
+
+fn mesh_err(e: impl std::fmt::Display) -> WebError {
+    WebError::Mesh(e.to_string())
+}
+
+impl Holding {
+    /// The contribution as the page shows it.
+    pub(crate) fn contribution(&self) -> Contribution {
+        Contribution::Serving {
+            row: self.row,
+            device: self.device.clone(),
+            source: self.source.clone(),
+            steps: self.steps,
+            gpu_steps: self.gpu_steps,
+            step_ms: self.step_us as f64 / 1000.0 / self.steps.max(1) as f64,
+            version_count: self.state.version.count(),
+        }
+    }
+
+    /// Counts an answered step.
+    pub(crate) fn answered(&mut self, response: &MeshResponse) {
+        if let MeshResponse::Step { compute_us, .. } = response {
+            self.steps += 1;
+            self.step_us += compute_us;
+        }
+    }
+
+    /// Answers a peer's request for this row (requests about the mesh go to the view).
+    pub(crate) fn answer(&mut self, request: MeshRequest) -> Answer {
+        let now = |r| Answer::Now(r);
+        match request {
+            MeshRequest::Manifest => now(MeshResponse::Manifest(self.manifest_bytes.to_vec())),
+            MeshRequest::Chunk { row, offset, len } if row == self.row => {
+                now(self.chunk(offset, len))
+            }
+            MeshRequest::Chunk { row, .. } => now(MeshResponse::Error(format!(
+                "this node does not hold row {row}"
+            ))),
+            MeshRequest::Norms => now(MeshResponse::Norms {
+                version: self.state.version.digest(),
+                norms: self.state.norms.clone(),
+            }),
+            MeshRequest::Versions => now(MeshResponse::Versions {
+                ids: self.state.version.ids().collect(),
+            }),
+            MeshRequest::UpdateChunk { id, offset, len } => match self.updates.get(&id) {
+                Some(bytes) => now(chunk_of(bytes, [0; 32], offset, len)),
+                None => now(MeshResponse::Error(format!(
+                    "update {id:016x} is not kept here"
+                ))),
+            },
+            MeshRequest::Learn(bytes) => Answer::Learn(bytes),
+            MeshRequest::Step { version, bytes } => {
+                if let Some(e) = self.state.version_mismatch(&version) {
+                    return now(MeshResponse::Error(e));
+                }
+                let req = match protocol::decode::<StepRequest>(&bytes) {
+                    Ok(req) => req,
+                    Err(e) => return now(MeshResponse::Error(format!("a step request: {e}"))),
+                };
+                if self.state.member.on_gpu(&req) {
+                    self.gpu_steps += 1;
+                }
+                let state = self.state.clone();
+                Answer::Later(Box::pin(async move {
+                    let started = web_time::Instant::now();
+                    let answer = state.member.handle_async(&req).await;
+                    let compute_us = started.elapsed().as_micros() as u64;
+                    match protocol::encode(&answer) {
+                        Ok(bytes) => MeshResponse::Step { bytes, compute_us },
+                        Err(e) => MeshResponse::Error(e.to_string()),
+                    }
+                }))
+            }
+            other => now(MeshResponse::Error(format!(
+                "a browser node does not answer a {other:?} request"
+            ))),
+        }
+    }
+
+    /// A piece of the shard's blob at the current version.
+    fn chunk(&mut self, offset: u64, len: u32) -> MeshResponse {
+        let digest = self.state.version.digest();
+        let fresh = self.snapshot.as_ref().is_some_and(|(d, _)| *d == digest);
+        if !fresh {
+            if offset != 0 {
+                return MeshResponse::Error(
+                    "the shard changed version during the transfer; start again".into(),
+                );
+            }
+            match holder::shard_to_blob(self.state.member.shards()) {
+                Ok(blob) => self.snapshot = Some((digest, Rc::new(blob))),
+                Err(e) => return MeshResponse::Error(e.to_string()),
+            }
+        }
+        match &self.snapshot {
+            Some((d, blob)) => chunk_of(blob, *d, offset, len),
+            None => MeshResponse::Error("no snapshot".into()),
+        }
+    }
+
+    /// Checks and applies an update: `Ok(None)` while a step still uses the shard (try again
+    /// later), else its id and whether it was new.
+    pub(crate) fn learn(&mut self, bytes: &[u8]) -> Result<Option<(u64, bool)>, WebError> {
+        let checked = self.rules.check(bytes).map_err(mesh_err)?;
+        if self.state.version.contains(checked.id) {
+            return Ok(Some((checked.id, false)));
+        }
+        let Some(state) = Rc::get_mut(&mut self.state) else {
+            return Ok(None);
+        };
+        let applied = state.apply(&checked.update, checked.id).map_err(mesh_err)?;
+        self.updates.insert(checked.id, Rc::new(bytes.to_vec()));
+        Ok(Some((checked.id, applied)))
+    }
+}
+
+impl BrowserNode {
+    /// Takes a row of the code: from this browser's storage when it kept one for this model,
+    /// else from the mesh (a genesis shard, or re-encoded from k rows), with progress in the
+    /// snapshot's `contribution`; resolves once the row is obtained. The node then reserves a
+    /// slot on the native node it dialed (relay v2), so peers can reach it, and announces the
+    /// row and serves it (`contribution` turns to `Serving`).
+    pub async fn contribute(&self) -> Result<(), WebError> {
+        self.contribute_with(WebGpuUse::Auto).await
+    }
+
+    /// [`Self::contribute`], computing on WebGPU as `webgpu` says.
+    pub async fn contribute_with(&self, webgpu: WebGpuUse) -> Result<(), WebError> {
+        if matches!(
+            self.snapshot().contribution,
+            Contribution::Preparing { .. } | Contribution::Serving { .. }
+        ) {
+            return Err(WebError::Mesh("this node already contributes".into()));
+        }
+        self.progress("asking the mesh for a row", 0, 0);
+        match self.obtain_row().await {
+            Ok(mut holding) => {
+                self.progress(GPU_STEP, 0, 0);
+                holding.use_webgpu(webgpu).await;
+                tracing::info!(row = holding.row, device = %holding.device, source = %holding.source, "serving a row");
+                self.hold(holding).await
+            }
+            Err(e) => {
+                let reason = e.to_string();
+                tracing::error!("contributing: {reason}");
+                self.set_contribution(Contribution::Failed { reason });
+                Err(e)
+            }
+        }
+    }
+
+    fn progress(&self, what: &str, done: u64, total: u64) {
+        self.set_contribution(Contribution::Preparing {
+            what: what.to_string(),
+            done,
+            total,
+        });
+    }
+
+    async fn obtain_row(&self) -> Result<Holding, WebError> {
+        let MeshResponse::Manifest(bytes) = self.ask_bootstrap(MeshRequest::Manifest).await? else {
+            return Err(mesh_err("asked for the manifest, got something else"));
+        };
+        let manifest = ModelManifest::from_bytes(&bytes).map_err(mesh_err)?;
+        let key = hex(&manifest.digest().map_err(mesh_err)?);
+        let store = match ShardStore::open().await {
+            Ok(s) => Some(s),
+            Err(e) => {
+                tracing::warn!("no browser storage, the shard will not survive a reload: {e}");
+                None
+            }
+        };
+        if let Some(store) = &store {
+            match store.load(&key).await {
+                Ok(Some(stored)) => {
+                    self.progress("checking the stored shard", 0, 0);
+                    match restore(&manifest, &stored.meta, &stored.blob) {
+                        Ok((shard, version, norms)) => {
+                            tracing::info!(
+                                row = shard.node,
+                                "the shard from this browser's storage"
+                            );
+                            return Ok(Holding::open(
+                                manifest,
+                                bytes,
+                                shard,
+                                version,
+                                norms,
+                                "browser storage".into(),
+                            ));
+                        }
+                        Err(e) => {
+                            tracing::warn!("the stored shard is unusable ({e}); downloading again")
+                        }
+                    }
+                }
+                Ok(None) => {}
+                Err(e) => tracing::warn!("the stored shard is unreadable ({e}); downloading again"),
+            }
+            let _ = store.remove(&key).await;
+        }
+        let (shard, blob, version, norms, source) = self.join(&manifest).await?;
+        if let Some(store) = &store {
+            self.progress("saving the shard in this browser", 0, 0);
+            let meta = StoredRow {
+                row: shard.node as u32,
+                version: version.ids().collect(),
+                norms: norms.clone(),
+            };
+            let saved = match protocol::encode(&meta) {
+                Ok(meta) => store.save(&key, &meta, &blob).await.map_err(mesh_err),
+                Err(e) => Err(mesh_err(e)),
+            };
+            if let Err(e) = saved {
+                tracing::warn!("could not keep the shard in this browser: {e}");
+            }
+        }
+        Ok(Holding::open(
+            manifest, bytes, shard, version, norms, source,
+        ))
+    }
+
+    /// Asks for a row and obtains its shard: (shard, blob, version, norm gains, source).
+    async fn join(
+        &self,
+        manifest: &ModelManifest,
+    ) -> Result<(ShardSet, Vec<u8>, ShardVersion, LeaderWeights, String), WebError> {
+        let MeshResponse::Join(offer) = self.ask_bootstrap(MeshRequest::Join).await? else {
+            return Err(mesh_err("asked to join, got something else"));
+        };
+        match offer {
+            JoinOffer::Genesis { row } => {
+                let from = self.bootstrap();
+                let what = format!("downloading row {row}");
+                let (blob, at) = self
+                    .download(from, MAX_BLOB_BYTES, &what, |o| shard_chunk_request(row, o))
+                    .await?;
+                if at != ShardVersion::default().digest() {
+                    return Err(mesh_err("the genesis shard is not at the genesis version"));
+                }
+                self.progress("checking the shard", 0, 0);
+                let shard = holder::shard_from_blob(&blob).map_err(mesh_err)?;
+                holder::check_shard(&shard, manifest, row).map_err(mesh_err)?;
+                Ok((
+                    shard,
+                    blob,
+                    ShardVersion::default(),
+                    manifest.leader.clone(),
+                    format!("genesis row {row}"),
+                ))
+            }
+            JoinOffer::Reencode { row, sources } => {
+                let mut sets = Vec::new();
+                let mut at = None;
+                let mut first = None;
+                for (i, src) in sources.iter().enumerate() {
+                    let from: PeerId = src
+                        .peer
+                        .parse()
+                        .map_err(|e| mesh_err(format!("peer id {:?}: {e}", src.peer)))?;
+                    let addrs = BrowserBootstrap::from_addrs(src.peer.clone(), &src.addrs).addrs;
+                    if from != self.bootstrap() {
+                        self.dial_any(&addrs).await?;
+                    }
+                    let what = format!(
+                        "re-encoding row {row}: source {} of {} (row {})",
+                        i + 1,
+                        sources.len(),
+                        src.row
+                    );
+                    let (blob, version) = self
+                        .download(from, MAX_BLOB_BYTES, &what, |o| {
+                            shard_chunk_request(src.row, o)
+                        })
+                        .await?;
+                    if *at.get_or_insert(version) != version {
+                        return Err(mesh_err(
+                            "the source rows are at different versions (an update is spreading); try again in a few seconds",
+                        ));
+                    }
+                    first.get_or_insert(from);
+                    let set = holder::shard_from_blob(&blob).map_err(mesh_err)?;
+                    holder::check_shard(&set, manifest, src.row).map_err(mesh_err)?;
+                    sets.push(set);
+                }
+                self.progress(&format!("re-encoding row {row}"), 0, 0);
+                let refs: Vec<&ShardSet> = sets.iter().collect();
+                let shard = ShardSet::reencode(row as usize, &refs).map_err(mesh_err)?;
+                drop(sets);
+                let blob = holder::shard_to_blob(&shard).map_err(mesh_err)?;
+                let (mut version, mut norms) = (ShardVersion::default(), manifest.leader.clone());
+                if let Some(from) = first {
+                    let MeshResponse::Norms {
+                        version: nv,
+                        norms: n,
+                    } = self.request(from, MeshRequest::Norms).await?
+                    else {
+                        return Err(mesh_err("asked for the norm gains, got something else"));
+                    };
+                    if Some(nv) != at || !n.fits(&manifest.cfg) {
+                        return Err(mesh_err(
+                            "the source's norm gains are not at the shard's version; try again",
+                        ));
+                    }
+                    norms = n;
+                    let MeshResponse::Versions { ids } =
+                        self.request(from, MeshRequest::Versions).await?
+                    else {
+                        return Err(mesh_err("asked for versions, got something else"));
+                    };
+                    ids.into_iter().for_each(|id| {
+                        version.insert(id);
+                    });
+                }
+                if Some(version.digest()) != at {
+                    return Err(mesh_err(
+                        "the source's version moved while this node re-encoded; try again",
+                    ));
+                }
+                let rows: Vec<u32> = sources.iter().map(|s| s.row).collect();
+                Ok((
+                    shard,
+                    blob,
+                    version,
+                    norms,
+                    format!("row {row} re-encoded from rows {rows:?}"),
+                ))
+            }
+            JoinOffer::Full => Err(mesh_err(format!(
+                "every one of the n = {} rows is held by a live node: there is no row for this browser (a dead node's row frees up after the health timeout)",
+                manifest.generator.n()
+            ))),
+        }
+    }
+
+    /// Downloads a blob from `peer` piece by piece, with progress.
+    pub(crate) async fn download(
+        &self,
+        peer: PeerId,
+        limit: u64,
+        what: &str,
+        request: impl Fn(u64) -> MeshRequest,
+    ) -> Result<(Vec<u8>, [u8; 32]), WebError> {
+        let mut d = Download::new(limit);
+        loop {
+            let resp = self.request(peer, request(d.offset())).await?;
+            let done = d.accept(resp).map_err(mesh_err)?;
+            if !what.is_empty() {
+                self.progress(what, d.offset(), d.total().unwrap_or(0));
+            }
+            if done {
+                return Ok(d.finish());
+            }
+        }
+    }
+
+    /// The payloads of every update `peer` applied and `have` lacks, in its order.
+    pub(crate) async fn missing_updates(
+        &self,
+        peer: PeerId,
+        have: &ShardVersion,
+    ) -> Result<Vec<Vec<u8>>, WebError> {
+        let MeshResponse::Versions { ids } = self.request(peer, MeshRequest::Versions).await?
+        else {
+            return Err(mesh_err("asked for versions, got something else"));
+        };
+        let mut out = Vec::new();
+        for id in ids.into_iter().filter(|id| !have.contains(*id)) {
+            let (bytes, _) = self
+                .download(peer, MAX_UPDATE_BYTES, "", |o| update_chunk_request(id, o))
+                .await?;
+            out.push(bytes);
+        }
+        Ok(out)
+    }
+}
+
+/// The shard, version and norm gains of a stored record (checksums already verified).
+fn restore(
+    manifest: &ModelManifest,
+    meta: &[u8],
+    blob: &[u8],
+) -> Result<(ShardSet, ShardVersion, LeaderWeights), WebError> {
+    let meta: StoredRow = protocol::decode(meta).map_err(mesh_err)?;
+    let shard = holder::shard_from_blob(blob).map_err(mesh_err)?;
+    holder::check_shard(&shard, manifest, meta.row).map_err(mesh_err)?;
+    if !meta.norms.fits(&manifest.cfg) {
+        return Err(mesh_err("the stored norm gains do not fit the model"));
+    }
+    let mut version = ShardVersion::default();
+    meta.version.into_iter().for_each(|id| {
+        version.insert(id);
+    });
+    Ok((shard, version, meta.norms))
+}
+
+/// Which products the browser node computes on WebGPU (`?webgpu=auto|all|off` on the page).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WebGpuUse {
+    /// Products of at least [`BROWSER_GPU_MIN_WORK`] weight bytes × tokens; smaller ones are
+    /// faster on the wasm CPU path (a WebGPU readback costs milliseconds).
+    #[default]
+    Auto,
+    /// Every product.
+    All,
+    /// None: the wasm CPU path only.
+    Off,
+}
+
+impl std::str::FromStr for WebGpuUse {
+    type Err = WebError;
+
+    fn from_str(s: &str) -> Result<Self, WebError> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "all" => Ok(Self::All),
+            "off" => Ok(Self::Off),
+            other => Err(WebError::Mesh(format!(
+                "webgpu={other:?}: expected auto, all or off"
+            ))),
+        }
+    }
+}
+
+/// The work (weight bytes × tokens) from which `WebGpuUse::Auto` sends a product to WebGPU.
+pub const BROWSER_GPU_MIN_WORK: usize = 4 << 20;
+
+const CPU_DEVICE: &str = "browser wasm cpu";
+
+impl Holding {
+    /// Computes products on WebGPU as `choice` says, where the browser has it; compiles the
+    /// kernels first. Without WebGPU (or with `Off`) the row stays on the wasm CPU path.
+    async fn use_webgpu(&mut self, choice: WebGpuUse) {
+        let Some(state) = Rc::get_mut(&mut self.state) else {
+            return;
+        };
+        let min_work = match choice {
+            WebGpuUse::Off => return,
+            WebGpuUse::All => 0,
+            WebGpuUse::Auto => BROWSER_GPU_MIN_WORK,
+        };
+        let gpu = match Gpu::open(false).await {
+            Ok(gpu) => gpu,
+            Err(e) => {
+                tracing::info!("no WebGPU ({e}); computing on the wasm CPU path");
+                return;
+            }
+        };
+        let name = gpu.info().name.clone();
+        let ready = match state.member.use_gpu(Arc::new(gpu), min_work) {
+            Ok(()) => state.member.warm_up(WARM_UP_TOKENS).await,
+            Err(e) => Err(e),
+        };
+        self.device = match ready {
+            Ok(()) if name.is_empty() => "browser WebGPU".to_string(),
+            Ok(()) => format!("browser WebGPU: {name}"),
+            Err(e) => {
+                tracing::warn!("WebGPU cannot serve the shard ({e}); computing on the CPU");
+                state.member = Member::new(state.member.shards().clone());
+                CPU_DEVICE.to_string()
+            }
+        };
+    }
+
+    /// A row ready to serve on the wasm CPU path.
+    fn open(
+        manifest: ModelManifest,
+        manifest_bytes: Vec<u8>,
+        shard: ShardSet,
+        version: ShardVersion,
+        norms: LeaderWeights,
+        source: String,
+    ) -> Self {
+        let row = shard.node as u32;
+        let member = Member::new(shard);
+        let device = CPU_DEVICE.to_string();
+        Self {
+            rules: Rules::of(&manifest),
+            manifest_bytes: Rc::new(manifest_bytes),
+            state: Rc::new(ShardState {
+                member,
+                version,
+                norms,
+                skip_updates: 0,
+            }),
+            row,
+            device,
+            source,
+            updates: HashMap::new(),
+            snapshot: None,
+            steps: 0,
+            step_us: 0,
+            gpu_steps: 0,
+            syncing: false,
+        }
+    }
+}
