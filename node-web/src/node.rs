@@ -584,23 +584,25 @@ impl Task {
 
     /// Starts serving a row: listens through the relay and announces it.
     fn hold(&mut self, holding: Holding) {
-        let Some(relay) = self.relay.clone() else {
-            let reason = "not connected to the mesh".to_string();
-            Shared::set(&self.shared, |s| {
-                s.contribution = Contribution::Failed { reason }
-            });
-            return;
+        let listening = match self.relay.clone() {
+            None => Err("not connected to the mesh".to_string()),
+            Some(relay) => {
+                let circuit = relay.with(Protocol::P2pCircuit);
+                self.swarm
+                    .listen_on(circuit.clone())
+                    .map(drop)
+                    .map_err(|e| format!("listening through the relay {circuit}: {e}"))
+            }
         };
-        let circuit = relay.with(Protocol::P2pCircuit);
-        if let Err(e) = self.swarm.listen_on(circuit.clone()) {
-            let reason = format!("listening through the relay {circuit}: {e}");
-            Shared::set(&self.shared, |s| {
+        match listening {
+            Ok(()) => {
+                self.holding = Some(holding);
+                self.announce();
+            }
+            Err(reason) => Shared::set(&self.shared, |s| {
                 s.contribution = Contribution::Failed { reason }
-            });
-            return;
+            }),
         }
-        self.holding = Some(holding);
-        self.announce();
     }
 
     fn respond(&mut self, channel: ResponseChannel<MeshResponse>, response: MeshResponse) {
@@ -622,6 +624,7 @@ impl Task {
             return;
         };
         let mut changed = false;
+        let mut receipts = Vec::new();
         while let Some((bytes, channel)) = self.learning.pop_front() {
             let answer = match h.learn(&bytes) {
                 Ok(None) => {
@@ -643,16 +646,12 @@ impl Task {
                     MeshResponse::Error(e.to_string())
                 }
             };
-            if let Some(channel) = channel
-                && self
-                    .swarm
-                    .behaviour_mut()
-                    .mesh
-                    .send_response(channel, answer)
-                    .is_err()
-            {
-                tracing::debug!("the leader left before the receipt");
+            if let Some(channel) = channel {
+                receipts.push((channel, answer));
             }
+        }
+        for (channel, answer) in receipts {
+            self.respond(channel, answer);
         }
         if changed {
             self.announce();
