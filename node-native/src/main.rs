@@ -564,19 +564,13 @@ fn generate_and_print(
 ) -> Result<(Generation, Vec<u32>)> {
     let prompt = prompt_ids(tokenizer, args)?;
     let opts = generate_options(tokenizer, args);
-    let mut ids = Vec::new();
-    let mut printed = 0usize;
+    let mut text = tokenizer.stream();
     let mut stdout = std::io::stdout();
     let out = generate_with(forward, max_seq, &prompt, &opts, &mut |id| {
         *emitted += 1;
-        ids.push(id);
-        if let Ok(text) = tokenizer.decode(&ids) {
-            // Hold back an incomplete UTF-8 sequence until its last byte arrives.
-            if !text.ends_with('\u{FFFD}') && text.len() > printed {
-                let _ = write!(stdout, "{}", &text[printed..]);
-                let _ = stdout.flush();
-                printed = text.len();
-            }
+        if let Some(new) = text.push(id) {
+            let _ = write!(stdout, "{new}");
+            let _ = stdout.flush();
         }
         true
     })?;
@@ -653,13 +647,25 @@ fn run_generate_mesh(args: GenerateArgs, bootstrap: libp2p::Multiaddr) -> Result
         if args.repeat > 1 {
             eprintln!("request {} of {}", i + 1, args.repeat);
         }
+        let began = std::time::Instant::now();
         let (mut leader, out, prompt) = run_once_on_mesh(&rt, &mut args, &bootstrap)?;
+        let latency = began.elapsed();
         let learner = learner.get_or_insert_with(|| {
             Learner::new(leader.manifest.learning, leader.manifest.cfg.clone())
         });
         let tokens: Vec<u32> = prompt.iter().chain(&out).copied().collect();
         let started = std::time::Instant::now();
-        if let Some(l) = leader.learn(&rt, &tokens, learner)? {
+        let learned = leader.learn(&rt, &tokens, learner)?;
+        let usage = node_core::mesh::Usage::of_request(
+            prompt.len(),
+            out.len(),
+            latency,
+            learned.map(|l| l.loss),
+        );
+        if let Err(e) = leader.report_served(&rt, usage) {
+            tracing::warn!("the request was not counted in the mesh's usage: {e:#}");
+        }
+        if let Some(l) = learned {
             eprintln!("learned: loss {:.4} on {} tokens", l.loss, l.positions);
             if let Some(sent) = l.published {
                 print_sent(&sent, &leader, started);

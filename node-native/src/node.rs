@@ -12,7 +12,7 @@ use node_core::coded::{InProcess, Member, ShardFormat, ShardSet};
 use node_core::compute::gpu::{DeviceChoice, Gpu};
 use node_core::mesh::{
     BrowserBootstrap, HealthConfig, Heartbeat, JoinOffer, LearningConfig, MAX_CHUNK_BYTES,
-    MeshEvent, MeshInfo, MeshRequest, MeshResponse, MeshView, ModelManifest, ShardVersion,
+    MeshEvent, MeshInfo, MeshRequest, MeshResponse, MeshView, ModelManifest, ShardVersion, Usage,
 };
 use node_core::model::LeaderWeights;
 use node_core::protocol;
@@ -615,6 +615,7 @@ async fn run_server(
             .map_or(0, |d| d.as_nanos() as u64),
         seq: 0,
         device,
+        usage: Usage::default(),
     };
     let view = MeshView::new(
         Instant::now(),
@@ -893,6 +894,13 @@ impl Server {
                             Err(e) => MeshResponse::Error(format!("peer id {caught:?}: {e}")),
                         };
                         Box::new(move || answer)
+                    }
+                    MeshRequest::Served(usage) => {
+                        // Counts for the dashboards only: nothing is decided on them.
+                        let mut local = self.view.local().clone();
+                        local.usage.add(&usage);
+                        self.view.set_local(local);
+                        Box::new(|| MeshResponse::Reported)
                     }
                     MeshRequest::Norms => {
                         let s = read(&self.state);

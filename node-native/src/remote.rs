@@ -11,7 +11,7 @@ use node_core::coded::{Transport, TransportError};
 use node_core::learn::{Learner, Published};
 use node_core::mesh::{
     Health, MemberPool, MeshInfo, MeshRequest, MeshResponse, ModelManifest, RoundConfig,
-    RoundDriver,
+    RoundDriver, Usage,
 };
 
 use crate::node::{ask, fetch_manifest, fetch_update, pick_addr};
@@ -66,28 +66,11 @@ impl Session {
     /// Healthy row holders at the version most of them share: row → peer (addresses learnt),
     /// and that version's digest.
     pub async fn live_rows(&self, info: &MeshInfo) -> Result<(BTreeMap<usize, PeerId>, [u8; 32])> {
-        let mut by_version: BTreeMap<&str, usize> = BTreeMap::new();
-        for n in info
-            .nodes
-            .iter()
-            .filter(|n| n.health == Health::Healthy && n.row.is_some() && n.caught.is_none())
-        {
-            *by_version.entry(&n.version_digest).or_default() += 1;
-        }
-        let Some((version, _)) = by_version.into_iter().max_by_key(|&(_, c)| c) else {
+        let Some((digest, live)) = info.live_rows() else {
             return Ok((BTreeMap::new(), [0; 32]));
         };
-        let digest = parse_digest(version)?;
         let mut rows = BTreeMap::new();
-        for n in &info.nodes {
-            let (Health::Healthy, Some(row), true, None) =
-                (n.health, n.row, n.version_digest == version, &n.caught)
-            else {
-                continue;
-            };
-            if rows.contains_key(&(row as usize)) {
-                continue;
-            }
+        for (row, n) in live {
             let peer: PeerId = n
                 .peer
                 .parse()
@@ -95,7 +78,7 @@ impl Session {
             let addrs: Vec<Multiaddr> = n.addrs.iter().filter_map(|a| a.parse().ok()).collect();
             let tcp: Vec<Multiaddr> = pick_addr(&addrs).into_iter().collect();
             self.client.add_addrs(peer, tcp).await?;
-            rows.insert(row as usize, peer);
+            rows.insert(row, peer);
         }
         Ok((rows, digest))
     }
@@ -155,19 +138,6 @@ async fn probe_updates(
     Err(last)
 }
 
-/// A version digest from its hex form.
-fn parse_digest(hex: &str) -> Result<[u8; 32]> {
-    let mut out = [0u8; 32];
-    if hex.len() != 64 || !hex.is_ascii() {
-        bail!("version digest {hex:?} is not 64 hex digits");
-    }
-    for (i, o) in out.iter_mut().enumerate() {
-        *o = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16)
-            .map_err(|e| anyhow!("version digest {hex:?}: {e}"))?;
-    }
-    Ok(out)
-}
-
 /// Everything a leader needs to run requests on the mesh.
 #[derive(Debug)]
 pub struct Leader {
@@ -189,6 +159,8 @@ pub struct Leader {
     pub holders: Vec<PeerId>,
     /// The network client.
     pub client: Client,
+    /// The node this leader connected through.
+    pub bootstrap: PeerId,
     /// The leader's identity: it signs the updates.
     key: libp2p::identity::Keypair,
 }
@@ -218,22 +190,20 @@ impl Leader {
                 tokio::time::sleep(Duration::from_millis(150)).await;
                 info = session.info().await?;
             }
-            let (rows, version) = session.live_rows(&info).await?;
-            // The norm gains learn too: take them from a holder at the group's version.
-            let mut norms = None;
-            for &peer in rows.values() {
-                match ask(&session.client, peer, MeshRequest::Norms).await {
-                    Ok(MeshResponse::Norms { version: v, norms: n })
-                        if v == version && n.fits(&manifest.cfg) =>
-                    {
-                        norms = Some(n);
-                        break;
-                    }
-                    Ok(_) => tracing::debug!(%peer, "norm gains at another version"),
-                    Err(e) => tracing::debug!(%peer, "norm gains: {e:#}"),
-                }
-            }
-            let norms = match (norms, rows.is_empty()) {
+            let (live, version) = session.live_rows(&info).await?;
+            // Every row is asked at once before the group forms: a slow first dial (a browser
+            // holder behind a relay) happens here, not inside a round's timeout, and rows that
+            // cannot be reached or hold another version are left out. The norm gains learn
+            // too: they come from the first answer at the group's version.
+            let asks = live.iter().map(|(&row, &peer)| {
+                let client = &session.client;
+                async move { (row, peer, ask(client, peer, MeshRequest::Norms).await) }
+            });
+            let answers = futures::future::join_all(asks).await.into_iter();
+            let answers = answers.map(|(row, peer, a)| (row, peer, a.map_err(|e| format!("{e:#}"))));
+            let (rows, norms) =
+                node_core::mesh::rows_at_version(answers, version, &manifest.cfg);
+            let norms = match (norms, live.is_empty()) {
                 (Some(n), _) => n,
                 (None, true) => manifest.leader.clone(),
                 (None, false) => bail!(
@@ -306,6 +276,7 @@ impl Leader {
             version,
             holders,
             client: session.client,
+            bootstrap: session.bootstrap,
             key: session.key,
         })
     }
@@ -323,18 +294,7 @@ impl Leader {
         if !cfg.enabled || tokens.len() < 2 {
             return Ok(None);
         }
-        let mut max = self
-            .manifest
-            .cfg
-            .max_seq
-            .min(node_core::learn::MAX_POSITIONS);
-        if cfg.rank == 0 {
-            // Exact f32 factors carry ~1.2 MB per position for SmolLM2: train on the last
-            // positions that keep an update well inside one message.
-            let per_position = node_core::learn::bytes_per_position(&self.manifest.cfg);
-            let fit = node_core::protocol::MAX_MESSAGE_BYTES / 4 * 3 / per_position.max(1);
-            max = max.min(fit.max(2));
-        }
+        let max = node_core::learn::training_window(&cfg, &self.manifest.cfg);
         let tokens = &tokens[tokens.len().saturating_sub(max)..];
         let grads = self.llama.gradients(&mut self.group, tokens)?;
         let loss = grads.loss;
@@ -378,6 +338,17 @@ impl Leader {
             futures::future::join_all(sends).await
         });
         Ok(taken.iter().filter(|r| r.is_ok()).count())
+    }
+
+    /// Tells the node this leader connected through what a request did; the mesh's usage
+    /// (tokens/s, latency, loss on the dashboards) counts it.
+    pub fn report_served(&self, rt: &tokio::runtime::Runtime, usage: Usage) -> Result<()> {
+        rt.block_on(ask(
+            &self.client,
+            self.bootstrap,
+            MeshRequest::Served(usage),
+        ))?;
+        Ok(())
     }
 
     /// Hands an update to every live row's holder.
@@ -509,12 +480,7 @@ impl NetTransport {
             bytes: request.to_vec(),
         };
         let sent = self.client.request_blocking(peer, req, move |answer| {
-            let result = match answer {
-                Ok(MeshResponse::Step { bytes, compute_us }) => Ok((bytes, compute_us)),
-                Ok(MeshResponse::Error(e)) => Err(e),
-                Ok(_) => Err("answered a step with something else".into()),
-                Err(e) => Err(e),
-            };
+            let result = answer.and_then(MeshResponse::into_step);
             let _ = tx.try_send((round, row, result));
         });
         if let Err(e) = sent {
@@ -524,7 +490,7 @@ impl NetTransport {
 }
 
 impl Transport for NetTransport {
-    fn round(
+    async fn round(
         &mut self,
         members: &mut Vec<usize>,
         request: &[u8],
@@ -589,7 +555,7 @@ impl Transport for NetTransport {
         Ok(answers)
     }
 
-    fn round_each(
+    async fn round_each(
         &mut self,
         requests: Vec<(usize, Vec<u8>)>,
     ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {

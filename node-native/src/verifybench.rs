@@ -105,7 +105,7 @@ impl Trial<'_> {
 }
 
 impl Transport for Trial<'_> {
-    fn round(
+    async fn round(
         &mut self,
         members: &mut Vec<usize>,
         request: &[u8],

@@ -31,6 +31,39 @@ impl JsNode {
         Ok(self.0.contribute_with(webgpu).await?)
     }
 
+    /// Leads a request on the mesh from this page. `prompt` is the text, or an object
+    /// `{ text, max_tokens, temperature, chat, check, learn }` (defaults: 32 tokens, greedy,
+    /// chat template, one checking answer per round, learning on). `onText(piece)` sees the
+    /// completion as it is generated; resolves to what the request did (text, tokens/s, the
+    /// group, rounds checked, loss, the learning update).
+    pub async fn generate(
+        &self,
+        prompt: JsValue,
+        on_text: Option<js_sys::Function>,
+    ) -> Result<JsValue, JsError> {
+        let prompt: crate::Prompt = match prompt.as_string() {
+            Some(text) => crate::Prompt {
+                text,
+                ..Default::default()
+            },
+            None => {
+                let json = js_sys::JSON::stringify(&prompt)
+                    .map_err(|e| JsError::new(&format!("the prompt is not JSON: {e:?}")))?;
+                serde_json::from_str(&String::from(json))?
+            }
+        };
+        let mut on_text = |piece: &str| {
+            if let Some(f) = &on_text
+                && let Err(e) = f.call1(&JsValue::NULL, &JsValue::from_str(piece))
+            {
+                tracing::warn!("the onText callback threw: {e:?}");
+            }
+        };
+        let done = self.0.generate(&prompt, &mut on_text).await?;
+        let json = serde_json::to_string(&done)?;
+        js_sys::JSON::parse(&json).map_err(|e| JsError::new(&format!("{e:?}")))
+    }
+
     /// This node's peer id.
     #[wasm_bindgen(js_name = peerId)]
     pub fn peer_id(&self) -> String {
@@ -57,14 +90,40 @@ impl JsNode {
     }
 }
 
-/// Sends `tracing` output to the browser console (once).
+/// What the page logs unless `localStorage.RUST_LOG` says otherwise (same syntax, no regex).
+const DEFAULT_LOG: &str = "warn,node_web=info,node_core=info,web_ui=info";
+
+/// Sends `tracing` output to the browser console (once), filtered by `localStorage.RUST_LOG`.
 pub fn init_logging() {
+    use tracing_subscriber::layer::SubscriberExt;
     thread_local!(static DONE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) });
-    DONE.with(|d| {
-        if !d.replace(true) {
-            tracing_wasm::set_as_global_default();
-        }
-    });
+    if DONE.with(|d| d.replace(true)) {
+        return;
+    }
+    let asked = web_sys::window()
+        .and_then(|w| w.local_storage().ok().flatten())
+        .and_then(|s| s.get_item("RUST_LOG").ok().flatten());
+    let default = || DEFAULT_LOG.parse().unwrap_or_default();
+    let (filter, bad) = match asked.as_deref().map(str::parse) {
+        Some(Ok(f)) => (f, None),
+        Some(Err(e)) => (default(), Some(e)),
+        None => (default(), None),
+    };
+    // Performance marks for every event cost more than the events themselves: off.
+    let layer = tracing_wasm::WASMLayer::new(
+        tracing_wasm::WASMLayerConfigBuilder::new()
+            .set_report_logs_in_timings(false)
+            .build(),
+    );
+    let subscriber = tracing_subscriber::Registry::default()
+        .with::<tracing_subscriber::filter::Targets>(filter)
+        .with(layer);
+    if tracing::subscriber::set_global_default(subscriber).is_err() {
+        web_sys::console::warn_1(&"another tracing subscriber is already installed".into());
+    }
+    if let Some(e) = bad {
+        tracing::warn!("localStorage.RUST_LOG is not a filter ({e}); using {DEFAULT_LOG:?}");
+    }
 }
 
 /// The snapshot as a plain JavaScript object, with the one-line summary added.

@@ -25,6 +25,8 @@ mod holder;
 #[cfg(wasm_browser)]
 mod js;
 #[cfg(wasm_browser)]
+mod leader;
+#[cfg(wasm_browser)]
 mod node;
 #[cfg(wasm_browser)]
 mod store;
@@ -35,6 +37,8 @@ mod transport;
 pub use holder::{BROWSER_GPU_MIN_WORK, Contribution, WebGpuUse};
 #[cfg(wasm_browser)]
 pub use js::init_logging;
+#[cfg(wasm_browser)]
+pub use leader::{Completion, Prompt};
 #[cfg(wasm_browser)]
 pub use node::{BrowserNode, Connection, NodeSnapshot, WebError};
 #[cfg(wasm_browser)]

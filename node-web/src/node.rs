@@ -23,6 +23,7 @@ use wasm_bindgen::JsCast;
 use web_time::{Duration, Instant};
 
 use crate::holder::{Answer, Contribution, Holding};
+use crate::leader::Lead;
 
 /// How long one dial may take before the next address is tried.
 const DIAL_TIMEOUT: Duration = Duration::from_secs(15);
@@ -132,6 +133,8 @@ pub(crate) enum Command {
         request: MeshRequest,
         reply: Reply<MeshResponse>,
     },
+    /// Where a peer can be dialed when a request needs a connection.
+    AddAddrs { peer: PeerId, addrs: Vec<Multiaddr> },
     Watch {
         info: Box<MeshInfo>,
         /// The native node's address: the relay this node listens through once it holds a row.
@@ -154,6 +157,10 @@ pub struct BrowserNode {
     commands: mpsc::Sender<Command>,
     shared: Rc<RefCell<Shared>>,
     bootstrap: PeerId,
+    /// This node's identity: it signs the learning updates of the requests it leads.
+    pub(crate) key: identity::Keypair,
+    /// What the page's leader keeps between requests.
+    pub(crate) lead: Rc<RefCell<Lead>>,
 }
 
 impl std::fmt::Debug for BrowserNode {
@@ -192,7 +199,7 @@ impl BrowserNode {
             identity::Keypair::generate_ed25519()
         });
         let me = key.public().to_peer_id();
-        let swarm = crate::transport::build(key)?;
+        let swarm = crate::transport::build(key.clone())?;
         let bootstrap: PeerId = boot
             .peer
             .parse()
@@ -213,6 +220,8 @@ impl BrowserNode {
             commands: tx,
             shared: shared.clone(),
             bootstrap,
+            key,
+            lead: Rc::default(),
         };
         let task = Task {
             swarm,
@@ -547,6 +556,11 @@ impl Task {
                 let id = self.swarm.behaviour_mut().mesh.send_request(&peer, request);
                 self.requests.insert(id, reply);
             }
+            Command::AddAddrs { peer, addrs } => {
+                for a in addrs {
+                    self.swarm.add_peer_address(peer, a);
+                }
+            }
             Command::Watch { info, via } => match watch_view(&info, *self.swarm.local_peer_id()) {
                 Ok(view) => {
                     self.view = Some(view);
@@ -794,6 +808,12 @@ impl Task {
         let answer = match request {
             MeshRequest::Info => Answer::Now(MeshResponse::Info(view.info(now))),
             MeshRequest::Join => Answer::Now(MeshResponse::Join(view.offer_row(now, peer))),
+            MeshRequest::Served(usage) => {
+                let mut local = view.local().clone();
+                local.usage.add(&usage);
+                view.set_local(local);
+                Answer::Now(MeshResponse::Reported)
+            }
             MeshRequest::Report {
                 peer: caught,
                 evidence,
@@ -846,6 +866,7 @@ fn watch_view(info: &MeshInfo, me: PeerId) -> Result<MeshView<PeerId>, WebError>
         incarnation: js_sys::Date::now() as u64,
         seq: 0,
         device: "browser (watching)".into(),
+        usage: Default::default(),
     };
     MeshView::new(
         Instant::now(),

@@ -224,6 +224,7 @@ impl SimMesh {
             incarnation,
             seq: 0,
             device: "cpu".into(),
+            usage: Default::default(),
         }
     }
 
@@ -754,7 +755,7 @@ fn fault_after(fault: Option<Fault>) -> u64 {
 }
 
 impl Transport for SimTransport {
-    fn round(
+    async fn round(
         &mut self,
         members: &mut Vec<usize>,
         request: &[u8],

@@ -2,7 +2,8 @@
 //! own browser node dials the mesh over WebSocket, follows its heartbeats, and shows every row
 //! healthy; when a node stops, its row turns Dead on the page without a reload. Then the page
 //! contributes: its node re-encodes the dead row, serves it on WebGPU, and a native leader's
-//! request is computed partly by it, through a relay.
+//! request is computed partly by it, through a relay. Last, the page leads the same request
+//! from its prompt box and gets the native leader's completion.
 //!
 //! Needs Debian's `chromium` and `chromium-driver` and the dashboard built by trunk
 //! (`scripts/test.sh` does both); `$CHROMEDRIVER` and `$CHROMIUM` override where they are.
@@ -59,6 +60,7 @@ fn start_driver(dir: &Path) -> Result<Driver> {
     let log = std::fs::File::create(dir.join("chromedriver.log"))?;
     let child = Command::new(&driver)
         .arg(format!("--port={port}"))
+        .arg("--enable-chrome-logs")
         .stdout(Stdio::null())
         .stderr(log)
         .spawn()
@@ -89,7 +91,8 @@ async fn open_browser(driver: &Driver) -> Result<Client> {
             "args": [
                 "--headless", "--no-sandbox", "--no-first-run",
                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                "--disable-dev-shm-usage", "--enable-unsafe-webgpu", "--disable-gpu",
+                "--disable-dev-shm-usage", "--enable-unsafe-webgpu", "--use-webgpu-adapter=swiftshader",
+                "--enable-logging=stderr", "--v=0",
                 format!("--user-data-dir={profile}"), "--window-size=1200,900",
             ]
         }
@@ -185,7 +188,9 @@ fn the_dashboard_follows_the_mesh_live_from_its_own_browser_node() -> Result<()>
 }
 
 async fn drive(c: &Client, mesh: &mut Mesh) -> Result<()> {
-    c.goto(&mesh.dashboard).await?;
+    // Every product of the browser's row on WebGPU, however small: the WGSL kernels are what
+    // this test checks (the page's default leaves the tiny model's products on the CPU).
+    c.goto(&format!("{}?webgpu=all", mesh.dashboard)).await?;
     let connection = wait_text(
         c,
         "#connection",
@@ -294,10 +299,6 @@ async fn drive(c: &Client, mesh: &mut Mesh) -> Result<()> {
         || {},
     )?;
     eprintln!("generated through the browser's row: {out:?}\n{err}");
-    ensure!(
-        err.contains(", 0 unchecked") && !err.contains(" caught on "),
-        "every round checked, nobody caught:\n{err}"
-    );
     let answered = wait_text(
         c,
         "#contribution",
@@ -306,6 +307,57 @@ async fn drive(c: &Client, mesh: &mut Mesh) -> Result<()> {
     )
     .await?;
     eprintln!("the page says: {answered}");
+    let on_gpu: usize = answered
+        .split_once(" coded steps answered (")
+        .and_then(|(_, rest)| rest.split_once(" on WebGPU"))
+        .and_then(|(n, _)| n.parse().ok())
+        .unwrap_or(0);
+    ensure!(
+        on_gpu > 0,
+        "the browser computes its coded steps with the WGSL kernels: {answered}"
+    );
+    ensure!(
+        err.contains(", 0 unchecked") && !err.contains(" caught on "),
+        "every round checked, nobody caught:\n{err}"
+    );
     std::fs::write(dir.join("dashboard-browser-row.png"), c.screenshot().await?)?;
+
+    // The prompt box: the page leads the same request itself, on a group of the native rows
+    // it dials over WebSocket, and the greedy completion is the native leader's.
+    c.find(Locator::Css("#chat")).await?.click().await?;
+    let tokens = c.find(Locator::Css("#max-tokens")).await?;
+    tokens.clear().await?;
+    tokens.send_keys("8").await?;
+    c.find(Locator::Css("#prompt"))
+        .await?
+        .send_keys("The history of the printing press begins")
+        .await?;
+    c.find(Locator::Css("#ask")).await?.click().await?;
+    let stats = wait_text(
+        c,
+        "#completion-stats",
+        |t| t.contains("tok/s") || t.contains("failed"),
+        "the page's own request done",
+    )
+    .await?;
+    let completion = text(c, "#completion").await;
+    eprintln!("the page led: {completion:?}\n{stats}");
+    ensure!(
+        stats.contains(" tokens (") && stats.contains("nobody caught"),
+        "the page's request ran, nobody caught: {stats}"
+    );
+    ensure!(
+        completion.trim() == out.trim(),
+        "the page's greedy completion {completion:?} is the native leader's {out:?}"
+    );
+    // Both leaders reported their request to the seed; its heartbeats carry the mesh's usage
+    // to the page's live numbers.
+    wait_text(c, "#requests", |t| t == "2", "two requests served").await?;
+    let latency = text(c, "#latency").await;
+    ensure!(
+        latency.ends_with(" ms"),
+        "the page shows the requests' latency: {latency:?}"
+    );
+    std::fs::write(dir.join("dashboard-prompt.png"), c.screenshot().await?)?;
     Ok(())
 }

@@ -1,6 +1,6 @@
 //! What the dashboard shows, computed from the node's snapshots: plain data, no DOM.
 
-use node_core::mesh::{Health, MeshInfo, NodeStatus};
+use node_core::mesh::{Health, MeshInfo, NodeStatus, Usage};
 
 /// Where a row's holder computes, as a person reads it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -151,13 +151,27 @@ pub struct Sample {
     pub healthy_rows: u32,
     /// Updates applied at the mesh version.
     pub updates: u64,
+    /// Tokens generated per second on the mesh (prompt and completion) over the last
+    /// [`RATE_WINDOW_S`] seconds.
+    pub tokens_per_s: f64,
+    /// Requests finished on the mesh, as leaders reported them.
+    pub requests: u64,
+    /// Mean latency of the latest requests reported, in milliseconds (0 before any).
+    pub latency_ms: f64,
+    /// Mean loss of the latest requests the mesh trained on (0 before any).
+    pub loss: f64,
 }
+
+/// Seconds the tokens/s rate is averaged over.
+pub const RATE_WINDOW_S: f64 = 10.0;
 
 /// A bounded history of samples, for the live numbers and the chart.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct History {
     samples: std::collections::VecDeque<Sample>,
     last: Option<(f64, u64, u64)>,
+    /// The mesh's usage counters at each sample's time.
+    usage: std::collections::VecDeque<(f64, Usage)>,
 }
 
 /// Samples the history keeps (a minute at two a second).
@@ -174,12 +188,44 @@ impl History {
             _ => (0.0, 0.0),
         };
         self.last = Some((t, gossip_bytes, heartbeats));
+        let usage = info.map_or_else(Usage::default, |i| i.usage);
+        let previous = self.latest().unwrap_or_default();
+        let (mut latency_ms, mut loss) = (previous.latency_ms, previous.loss);
+        if let Some(&(_, before)) = self.usage.back() {
+            // Counters only grow; a node that restarted or was forgotten shrinks them.
+            let requests = usage.requests.saturating_sub(before.requests);
+            if requests > 0 {
+                latency_ms =
+                    usage.latency_ms.saturating_sub(before.latency_ms) as f64 / requests as f64;
+            }
+            let trained = usage.trained.saturating_sub(before.trained);
+            if trained > 0 {
+                loss = usage.loss_micro.saturating_sub(before.loss_micro) as f64
+                    / 1e6
+                    / trained as f64;
+            }
+        }
+        self.usage.push_back((t, usage));
+        while self.usage.len() > 1 && t - self.usage[1].0 >= RATE_WINDOW_S {
+            self.usage.pop_front();
+        }
+        let tokens_per_s = match self.usage.front() {
+            Some(&(t0, u0)) if t > t0 => {
+                let tokens = |u: &Usage| u.prompt_tokens + u.tokens;
+                tokens(&usage).saturating_sub(tokens(&u0)) as f64 / (t - t0)
+            }
+            _ => 0.0,
+        };
         self.samples.push_back(Sample {
             t,
             gossip_bytes_per_s,
             heartbeats_per_s,
             healthy_rows: info.map_or(0, |i| i.healthy_rows),
             updates: info.map_or(0, |i| i.version_count),
+            tokens_per_s,
+            requests: usage.requests,
+            latency_ms,
+            loss,
         });
         while self.samples.len() > HISTORY_LEN {
             self.samples.pop_front();
@@ -225,6 +271,7 @@ mod tests {
             lag: 0,
             caught: None,
             device: device.into(),
+            usage: Usage::default(),
         }
     }
 
@@ -241,6 +288,7 @@ mod tests {
             version_digest: String::new(),
             nodes,
             dashboard: None,
+            usage: Usage::default(),
         }
     }
 
@@ -280,6 +328,32 @@ mod tests {
         );
         assert_eq!(DeviceKind::of("browser wasm cpu"), DeviceKind::BrowserCpu);
         assert_eq!(DeviceKind::of("llvmpipe (Vulkan)"), DeviceKind::Gpu);
+    }
+
+    #[test]
+    fn tokens_per_s_latency_and_loss_follow_the_reported_requests() {
+        let mut h = History::default();
+        let mut i = info(vec![]);
+        h.push(0.0, 0, 0, Some(&i));
+        assert_eq!(h.latest().unwrap_or_default().tokens_per_s, 0.0);
+        // Two requests of 5 + 15 tokens reported by t = 4 s: 2 s and 1 s, one trained.
+        let req = |ms, loss| Usage::of_request(5, 15, std::time::Duration::from_millis(ms), loss);
+        i.usage.add(&req(2000, Some(2.5)));
+        i.usage.add(&req(1000, None));
+        h.push(4.0, 0, 0, Some(&i));
+        let s = h.latest().unwrap_or_default();
+        assert_eq!(s.tokens_per_s, 10.0);
+        assert_eq!((s.requests, s.latency_ms, s.loss), (2, 1500.0, 2.5));
+        // Nothing new: the rate decays over the window; latency and loss stay the last seen.
+        h.push(12.0, 0, 0, Some(&i));
+        let s = h.latest().unwrap_or_default();
+        assert_eq!(s.tokens_per_s, 40.0 / 12.0);
+        assert_eq!((s.latency_ms, s.loss), (1500.0, 2.5));
+        h.push(30.0, 0, 0, Some(&i));
+        assert_eq!(h.latest().unwrap_or_default().tokens_per_s, 0.0);
+        // A node forgotten shrinks the totals: no negative rates.
+        h.push(31.0, 0, 0, Some(&info(vec![])));
+        assert_eq!(h.latest().unwrap_or_default().tokens_per_s, 0.0);
     }
 
     #[test]

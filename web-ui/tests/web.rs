@@ -7,10 +7,10 @@
 use leptos::prelude::*;
 use leptos::wasm_bindgen::JsCast;
 use node_core::mesh::{Health, MeshInfo, NodeStatus};
-use node_web::{Connection, Contribution, NodeSnapshot};
+use node_web::{Completion, Connection, Contribution, NodeSnapshot};
 use wasm_bindgen_test::{wasm_bindgen_test, wasm_bindgen_test_configure};
 use web_ui::app::Live;
-use web_ui::components::{Contribute, RowsTable, Summary};
+use web_ui::components::{Ask, Contribute, RowsTable, Summary, completion_text};
 use web_ui::model::History;
 
 wasm_bindgen_test_configure!(run_in_browser);
@@ -27,6 +27,7 @@ fn node(row: u32, health: Health, device: &str) -> NodeStatus {
         lag: 0,
         caught: None,
         device: device.into(),
+        usage: Default::default(),
     }
 }
 
@@ -53,6 +54,7 @@ fn snapshot(healths: [Health; 3]) -> NodeSnapshot {
                 node(2, healths[2], "browser WebGPU: SwiftShader"),
             ],
             dashboard: None,
+            usage: Default::default(),
         }),
         heartbeats: 10,
         gossip_bytes: 1000,
@@ -174,4 +176,73 @@ async fn the_summary_and_rows_show_the_mesh_and_follow_it_live() {
     );
     assert_eq!(cell(&root, 1, 3), "Dead");
     assert_eq!(cell(&root, 2, 3), "Suspect");
+}
+
+#[wasm_bindgen_test]
+async fn the_prompt_box_waits_for_a_connection_and_reports_a_completion() {
+    let mut s = snapshot([Health::Healthy; 3]);
+    s.connection = Connection::Connecting;
+    let (snap, set_snap) = signal(Some(s));
+    let (history, _) = signal(History::default());
+    let (error, _) = signal(None::<String>);
+    let document = document();
+    let root = document.create_element("div").unwrap();
+    document.body().unwrap().append_child(&root).unwrap();
+    let _mounted = mount_to(root.clone().unchecked_into(), move || {
+        provide_context(Live {
+            snapshot: snap,
+            history,
+            error,
+            node: StoredValue::new_local(None),
+        });
+        view! { <Ask /> }
+    });
+    let disabled = |root: &web_sys::Element| {
+        root.query_selector("#ask")
+            .unwrap()
+            .unwrap()
+            .has_attribute("disabled")
+    };
+    assert!(disabled(&root), "no request before the node is connected");
+    set_snap.set(Some(snapshot([Health::Healthy; 3])));
+    leptos::task::tick().await;
+    assert!(!disabled(&root), "connected: a person can ask");
+    let checked = root
+        .query_selector("#chat")
+        .unwrap()
+        .unwrap()
+        .unchecked_into::<web_sys::HtmlInputElement>()
+        .checked();
+    assert!(checked, "the chat template is on by default");
+
+    let mut done = Completion {
+        text: " in 1440".into(),
+        prompt_tokens: 7,
+        tokens: 8,
+        stop: "Length".into(),
+        group: vec![0, 1, 3, 4],
+        live_rows: 4,
+        prefill_tokens_per_s: 12.04,
+        decode_tokens_per_s: 3.5,
+        rounds: 250,
+        checked_rounds: 250,
+        unchecked_rounds: 0,
+        caught: vec![],
+        loss: None,
+        update: None,
+    };
+    assert_eq!(
+        completion_text(&done),
+        "8 tokens (Length): prefill 12.0 tok/s, decode 3.5 tok/s; group [0, 1, 3, 4] of 4 live rows; 250 rounds, 250 checked, 0 unchecked, nobody caught"
+    );
+    done.loss = Some(2.5);
+    done.update = Some("00000000000000ab: 100 bytes, taken by 4 of 4 holders".into());
+    done.caught = vec!["row 3: answered against the code".into()];
+    assert!(
+        completion_text(&done).ends_with(
+            "caught: row 3: answered against the code; loss 2.5000, update 00000000000000ab: 100 bytes, taken by 4 of 4 holders"
+        ),
+        "{}",
+        completion_text(&done)
+    );
 }

@@ -8,7 +8,9 @@ use super::probe::UpdateProbe;
 use super::verify::{Caught, VerifyConfig, residual};
 use super::{CodedError, Member, ShardFormat, ShardSet};
 use crate::code::{Decoder, Generator};
-use crate::model::{LinearExec, LlamaConfig, ModelError, ModelWeights, Stage};
+use crate::model::{
+    AsyncLinearExec, LinearExec, LlamaConfig, ModelError, ModelWeights, Stage, now,
+};
 use crate::protocol::{self, StepRequest, StepResponse};
 
 /// A transport could not reach a member or get its answer.
@@ -22,11 +24,16 @@ pub struct TransportError {
 }
 
 /// Carries one encoded request to a group's members and brings back their encoded answers.
+/// Native transports block and finish at the first poll; the browser's waits on the network.
+#[allow(
+    async_fn_in_trait,
+    reason = "the browser's transport is !Send by nature; native ones finish at first poll"
+)]
 pub trait Transport {
     /// Sends `request` to `members` and returns the answers of at least `need` distinct nodes,
     /// first come first served, as `(node, bytes)`. A transport that loses a member may drop it
     /// from `members` and ask a replacement it adds there.
-    fn round(
+    async fn round(
         &mut self,
         members: &mut Vec<usize>,
         request: &[u8],
@@ -35,14 +42,14 @@ pub trait Transport {
 
     /// Sends each node its own request and returns every node's answer (backward steps, where
     /// each member gets a different input). The default asks them one after the other.
-    fn round_each(
+    async fn round_each(
         &mut self,
         requests: Vec<(usize, Vec<u8>)>,
     ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
         let mut out = Vec::with_capacity(requests.len());
         for (node, request) in requests {
             let mut members = vec![node];
-            let answers = self.round(&mut members, &request, 1)?;
+            let answers = self.round(&mut members, &request, 1).await?;
             let answer = answers
                 .into_iter()
                 .find(|(n, _)| *n == node)
@@ -130,7 +137,7 @@ impl InProcess {
 }
 
 impl Transport for InProcess {
-    fn round(
+    async fn round(
         &mut self,
         nodes: &mut Vec<usize>,
         request: &[u8],
@@ -142,7 +149,7 @@ impl Transport for InProcess {
             .collect()
     }
 
-    fn round_each(
+    async fn round_each(
         &mut self,
         requests: Vec<(usize, Vec<u8>)>,
     ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
@@ -308,12 +315,17 @@ impl<T: Transport> CodedGroup<T> {
 
     /// Sends one request to the group and decodes the first k usable answers into
     /// `[block j'][c]`, checked against `extra` more when verification is on.
-    fn run(&mut self, req: &StepRequest, c: usize, what: &str) -> Result<Vec<f32>, CodedError> {
+    async fn run(
+        &mut self,
+        req: &StepRequest,
+        c: usize,
+        what: &str,
+    ) -> Result<Vec<f32>, CodedError> {
         let bytes = protocol::encode(req)?;
         let k = self.generator.k();
         let want = (k + self.verify.extra).min(self.members.len()).max(k);
         let mut parts = Parts::with_capacity(want);
-        self.collect(&bytes, c, &mut parts, want)?;
+        self.collect(&bytes, c, &mut parts, want).await?;
         self.stats.rounds += 1;
         if parts.len() < k {
             return Err(CodedError::Member {
@@ -322,7 +334,7 @@ impl<T: Transport> CodedGroup<T> {
             });
         }
         let started = Instant::now();
-        let mut out = self.decode_checked(&mut parts, c, &bytes, what)?;
+        let mut out = self.decode_checked(&mut parts, c, &bytes, what).await?;
         if let StepRequest::Matmul { stage, t, x } = req
             && parts.len() > k
             && self.probe.is_some()
@@ -477,7 +489,7 @@ impl<T: Transport> CodedGroup<T> {
 
     /// Adds usable answers to `parts` from members that have not answered, up to `want`
     /// (fewer only when members run out).
-    fn collect(
+    async fn collect(
         &mut self,
         bytes: &[u8],
         c: usize,
@@ -502,7 +514,7 @@ impl<T: Transport> CodedGroup<T> {
                 break;
             }
             let started = Instant::now();
-            let result = self.transport.round(&mut asked, bytes, need);
+            let result = self.transport.round(&mut asked, bytes, need).await;
             self.stats.member_time += started.elapsed();
             self.stats.bytes_sent += (bytes.len() * asked.len()) as u64;
             self.stats.member_requests += asked.len() as u64;
@@ -606,7 +618,7 @@ impl<T: Transport> CodedGroup<T> {
     /// (leave-one-out over k + 2 answers, asking one more member when only k + 1 came),
     /// reported in [`ExecStats::caught`], dropped from the group, and the round is decoded from
     /// the members that agree.
-    fn decode_checked(
+    async fn decode_checked(
         &mut self,
         parts: &mut Parts,
         c: usize,
@@ -632,7 +644,7 @@ impl<T: Transport> CodedGroup<T> {
             "answers disagree with the code; locating the member"
         );
         // Leave-one-out needs k + 2 answers: ask for one more if only k + 1 came.
-        self.collect(bytes, c, parts, k + 2)?;
+        self.collect(bytes, c, parts, k + 2).await?;
         if parts.len() < k + 2 {
             return Err(CodedError::Verification(format!(
                 "{what}: answers disagree (residual {worst:.2e} > {threshold:.2e}) and no further member can tell which is wrong"
@@ -680,7 +692,7 @@ impl<T: Transport> CodedGroup<T> {
         Ok(out)
     }
 
-    fn linear_coded(
+    async fn linear_coded(
         &mut self,
         stage: Stage,
         x: &[f32],
@@ -697,7 +709,7 @@ impl<T: Transport> CodedGroup<T> {
             t: t as u32,
             x: x.to_vec(),
         };
-        let decoded = self.run(&req, c, &format!("{stage:?}"))?;
+        let decoded = self.run(&req, c, &format!("{stage:?}")).await?;
         let started = Instant::now();
         let blocks = self.generator.k() * self.generator.sub_blocks();
         let mut outputs = Vec::with_capacity(shapes.len());
@@ -724,7 +736,7 @@ impl<T: Transport> CodedGroup<T> {
 
     /// `Σ_matrix dy_matrix · W_matrix` (`t × in`) for a stage, through the group: each of k
     /// members multiplies its shards' transposes by its own `u_i = Σ_j H[j,i]·dy_j`.
-    fn linear_t_coded(
+    async fn linear_t_coded(
         &mut self,
         stage: Stage,
         dys: &[Vec<f32>],
@@ -770,7 +782,7 @@ impl<T: Transport> CodedGroup<T> {
             let started = Instant::now();
             self.stats.bytes_sent += requests.iter().map(|(_, b)| b.len() as u64).sum::<u64>();
             self.stats.member_requests += requests.len() as u64;
-            let answers = match self.transport.round_each(requests) {
+            let answers = match self.transport.round_each(requests).await {
                 Ok(a) => a,
                 Err(e) => {
                     tracing::warn!(node = e.node, reason = %e.reason, "dropping a member in a backward step");
@@ -815,7 +827,7 @@ impl<T: Transport> CodedGroup<T> {
         }))
     }
 
-    fn embed_coded(&mut self, tokens: &[u32]) -> Result<Vec<f32>, CodedError> {
+    async fn embed_coded(&mut self, tokens: &[u32]) -> Result<Vec<f32>, CodedError> {
         let (vocab, d) = (self.cfg.vocab, self.cfg.hidden);
         let l = self.generator.block_len(vocab);
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
@@ -823,7 +835,9 @@ impl<T: Transport> CodedGroup<T> {
         }
         let rows = tokens.iter().map(|&t| (t as usize % l) as u32).collect();
         let c = tokens.len() * d;
-        let decoded = self.run(&StepRequest::EmbedRows { rows }, c, "embedding")?;
+        let decoded = self
+            .run(&StepRequest::EmbedRows { rows }, c, "embedding")
+            .await?;
         let mut x = Vec::with_capacity(c);
         for (i, &t) in tokens.iter().enumerate() {
             let j = t as usize / l;
@@ -890,10 +904,41 @@ fn exec_err(stage: Stage, e: CodedError) -> ModelError {
     }
 }
 
+impl<T: Transport> AsyncLinearExec for CodedGroup<T> {
+    async fn linear(
+        &mut self,
+        stage: Stage,
+        x: &[f32],
+        t: usize,
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        self.linear_coded(stage, x, t)
+            .await
+            .map_err(|e| exec_err(stage, e))
+    }
+
+    async fn linear_t(
+        &mut self,
+        stage: Stage,
+        dy: &[Vec<f32>],
+        t: usize,
+    ) -> Result<Vec<f32>, ModelError> {
+        self.linear_t_coded(stage, dy, t)
+            .await
+            .map_err(|e| exec_err(stage, e))
+    }
+
+    async fn embed(&mut self, tokens: &[u32]) -> Result<Vec<f32>, ModelError> {
+        self.embed_coded(tokens)
+            .await
+            .map_err(|e| ModelError::Embedding(e.to_string()))
+    }
+}
+
+/// Blocking transports drive the group synchronously; one that waits gives
+/// [`ModelError::Pending`].
 impl<T: Transport> LinearExec for CodedGroup<T> {
     fn linear(&mut self, stage: Stage, x: &[f32], t: usize) -> Result<Vec<Vec<f32>>, ModelError> {
-        self.linear_coded(stage, x, t)
-            .map_err(|e| exec_err(stage, e))
+        now(AsyncLinearExec::linear(self, stage, x, t))?
     }
 
     fn linear_t(
@@ -902,12 +947,10 @@ impl<T: Transport> LinearExec for CodedGroup<T> {
         dy: &[Vec<f32>],
         t: usize,
     ) -> Result<Vec<f32>, ModelError> {
-        self.linear_t_coded(stage, dy, t)
-            .map_err(|e| exec_err(stage, e))
+        now(AsyncLinearExec::linear_t(self, stage, dy, t))?
     }
 
     fn embed(&mut self, tokens: &[u32]) -> Result<Vec<f32>, ModelError> {
-        self.embed_coded(tokens)
-            .map_err(|e| ModelError::Embedding(e.to_string()))
+        now(AsyncLinearExec::embed(self, tokens))?
     }
 }

@@ -134,6 +134,19 @@ fn fits(f: &StageFactors, cfg: &LlamaConfig) -> bool {
             .all(|(dy, &(out, _))| dy.len() == rows * out)
 }
 
+/// How many of a request's last positions a leader trains on: up to the context and
+/// [`MAX_POSITIONS`], and with exact factors (rank 0) as many as keep an update well inside
+/// one message.
+pub fn training_window(learning: &crate::mesh::LearningConfig, model: &LlamaConfig) -> usize {
+    let mut max = model.max_seq.min(MAX_POSITIONS);
+    if learning.rank == 0 {
+        // Exact f32 factors carry ~1.2 MB per position for SmolLM2.
+        let fit = crate::protocol::MAX_MESSAGE_BYTES / 4 * 3 / bytes_per_position(model).max(1);
+        max = max.min(fit.max(2));
+    }
+    max
+}
+
 /// Bytes an update carries per position of its sequence (f32 factors of every stage and the
 /// embedding lookup), for sizing what to train on.
 pub fn bytes_per_position(cfg: &LlamaConfig) -> usize {

@@ -35,6 +35,55 @@ pub struct Heartbeat {
     pub seq: u64,
     /// Where it computes: "cpu", or the GPU adapter's name and API.
     pub device: String,
+    /// The requests leaders reported to it since it started.
+    pub usage: Usage,
+}
+
+/// Requests finished on the mesh, as their leaders report them to a node: what the
+/// dashboards chart as tokens/s, latency and loss.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Usage {
+    /// Requests.
+    pub requests: u64,
+    /// Prompt tokens.
+    pub prompt_tokens: u64,
+    /// Generated tokens.
+    pub tokens: u64,
+    /// Latencies from a request's start to its last token, summed, in milliseconds.
+    pub latency_ms: u64,
+    /// Requests the mesh trained on.
+    pub trained: u64,
+    /// Their next-token losses before the update, summed, in millionths.
+    pub loss_micro: u64,
+}
+
+impl Usage {
+    /// One request: its tokens, its latency and, if it trained, its loss.
+    pub fn of_request(
+        prompt_tokens: usize,
+        tokens: usize,
+        latency: web_time::Duration,
+        loss: Option<f64>,
+    ) -> Self {
+        Self {
+            requests: 1,
+            prompt_tokens: prompt_tokens as u64,
+            tokens: tokens as u64,
+            latency_ms: latency.as_millis().min(u64::MAX as u128) as u64,
+            trained: u64::from(loss.is_some()),
+            loss_micro: loss.map_or(0, |l| (l.max(0.0) * 1e6).min(u64::MAX as f64) as u64),
+        }
+    }
+
+    /// Both counts added (saturating: a peer's numbers cannot overflow ours).
+    pub fn add(&mut self, o: &Usage) {
+        self.requests = self.requests.saturating_add(o.requests);
+        self.prompt_tokens = self.prompt_tokens.saturating_add(o.prompt_tokens);
+        self.tokens = self.tokens.saturating_add(o.tokens);
+        self.latency_ms = self.latency_ms.saturating_add(o.latency_ms);
+        self.trained = self.trained.saturating_add(o.trained);
+        self.loss_micro = self.loss_micro.saturating_add(o.loss_micro);
+    }
 }
 
 /// One node as another node sees it.
@@ -63,6 +112,9 @@ pub struct NodeStatus {
     /// Where it computes: "cpu", or the GPU adapter's name and API.
     #[serde(default)]
     pub device: String,
+    /// The requests leaders reported to it since it started.
+    #[serde(default)]
+    pub usage: Usage,
 }
 
 /// The mesh as one node sees it.
@@ -91,6 +143,9 @@ pub struct MeshInfo {
     /// The answering node's dashboard URL, when it serves HTTP.
     #[serde(default)]
     pub dashboard: Option<String>,
+    /// Every node's reported requests, summed.
+    #[serde(default)]
+    pub usage: Usage,
 }
 
 /// What a page needs to dial the native node that served it.
@@ -127,7 +182,69 @@ impl BrowserBootstrap {
     }
 }
 
+/// Rows a leader can group: those whose holders answered [`MeshRequest::Norms`] at `version`,
+/// and the first of their gains that fit `cfg`. Rows that failed, answered at another
+/// version or with something else are left out, and logged.
+pub fn rows_at_version<P, E: std::fmt::Display>(
+    answers: impl IntoIterator<Item = (usize, P, Result<MeshResponse, E>)>,
+    version: [u8; 32],
+    cfg: &crate::model::LlamaConfig,
+) -> (
+    std::collections::BTreeMap<usize, P>,
+    Option<crate::model::LeaderWeights>,
+) {
+    let mut rows = std::collections::BTreeMap::new();
+    let mut norms = None;
+    for (row, peer, answer) in answers {
+        match answer {
+            Ok(MeshResponse::Norms {
+                version: v,
+                norms: n,
+            }) if v == version => {
+                if n.fits(cfg) {
+                    norms.get_or_insert(n);
+                }
+                rows.insert(row, peer);
+            }
+            Ok(MeshResponse::Norms { .. }) => {
+                tracing::info!(row, "left out: its shard is at another version")
+            }
+            Ok(_) => tracing::warn!(
+                row,
+                "left out: it answered the norm gains with something else"
+            ),
+            Err(e) => tracing::warn!(row, "left out: {e}"),
+        }
+    }
+    (rows, norms)
+}
+
 impl MeshInfo {
+    /// The rows a leader can group: one holder per row among the healthy nodes nobody caught,
+    /// at the version most of them hold, and that version's digest; `None` when no row is.
+    pub fn live_rows(&self) -> Option<([u8; 32], std::collections::BTreeMap<usize, &NodeStatus>)> {
+        let usable =
+            |n: &&NodeStatus| n.health == Health::Healthy && n.row.is_some() && n.caught.is_none();
+        let mut by_version: std::collections::BTreeMap<&str, usize> = Default::default();
+        for n in self.nodes.iter().filter(usable) {
+            *by_version.entry(&n.version_digest).or_default() += 1;
+        }
+        let (version, _) = by_version.into_iter().max_by_key(|&(_, c)| c)?;
+        let digest = super::unhex32(version)?;
+        let mut rows = std::collections::BTreeMap::new();
+        for n in self
+            .nodes
+            .iter()
+            .filter(usable)
+            .filter(|n| n.version_digest == version)
+        {
+            if let Some(row) = n.row {
+                rows.entry(row as usize).or_insert(n);
+            }
+        }
+        Some((digest, rows))
+    }
+
     /// The one-line summary a person reads at a glance.
     pub fn summary(&self) -> String {
         format!(
@@ -221,6 +338,8 @@ pub enum MeshRequest {
         /// The evidence.
         evidence: crate::coded::Caught,
     },
+    /// A leader finished a request: the node adds it to the usage it announces.
+    Served(Usage),
 }
 
 /// An answer on the mesh protocol.
@@ -273,6 +392,17 @@ pub enum MeshResponse {
     Error(String),
 }
 
+impl MeshResponse {
+    /// A coded step's answer and the member's compute time in µs, or why it gave none.
+    pub fn into_step(self) -> Result<(Vec<u8>, u64), String> {
+        match self {
+            MeshResponse::Step { bytes, compute_us } => Ok((bytes, compute_us)),
+            MeshResponse::Error(e) => Err(e),
+            _ => Err("answered a step with something else".into()),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -290,6 +420,50 @@ mod tests {
         ];
         let b = BrowserBootstrap::from_addrs("peer".into(), &addrs);
         assert_eq!(b.addrs, [addrs[3].clone(), addrs[1].clone()]);
+    }
+
+    #[test]
+    fn live_rows_keep_the_majority_version_and_drop_the_caught() {
+        let node = |peer: &str, row: u32, health: Health, digest: u8, caught: bool| NodeStatus {
+            peer: peer.into(),
+            row: Some(row),
+            health,
+            version_count: 0,
+            version_digest: crate::mesh::hex(&[digest; 32]),
+            addrs: Vec::new(),
+            silent_for_s: 0.0,
+            lag: 0,
+            caught: caught.then(|| "answered against the code".into()),
+            device: "cpu".into(),
+            usage: Usage::default(),
+        };
+        let mut info = MeshInfo {
+            k: 2,
+            n: 5,
+            model: String::new(),
+            model_name: String::new(),
+            available: true,
+            healthy_rows: 3,
+            tolerates: 1,
+            version_count: 0,
+            version_digest: String::new(),
+            nodes: vec![
+                node("a", 0, Health::Healthy, 1, false),
+                node("b", 1, Health::Healthy, 1, false),
+                node("c", 2, Health::Healthy, 2, false),
+                node("d", 3, Health::Dead, 1, false),
+                node("e", 4, Health::Healthy, 1, true),
+                node("f", 1, Health::Healthy, 1, false),
+            ],
+            dashboard: None,
+            usage: Usage::default(),
+        };
+        let (digest, rows) = info.live_rows().expect("rows at version 1");
+        assert_eq!(digest, [1; 32]);
+        let peers: Vec<(usize, &str)> = rows.iter().map(|(&r, n)| (r, n.peer.as_str())).collect();
+        assert_eq!(peers, [(0, "a"), (1, "b")]);
+        info.nodes.iter_mut().for_each(|n| n.health = Health::Dead);
+        assert!(info.live_rows().is_none());
     }
 
     #[test]

@@ -6,7 +6,8 @@ use std::fmt::Display;
 use web_time::{Duration, Instant};
 
 use super::{
-    Health, HealthConfig, Heartbeat, JoinOffer, MeshError, MeshInfo, NodeStatus, SourceRow, hex,
+    Health, HealthConfig, Heartbeat, JoinOffer, MeshError, MeshInfo, NodeStatus, SourceRow, Usage,
+    hex,
 };
 
 /// How long a row offered to a joiner stays reserved for it.
@@ -392,6 +393,7 @@ impl<P: Ord + Clone + Display> MeshView<P> {
                 },
                 caught: self.caught.get(p).cloned(),
                 device: hb.device.clone(),
+                usage: hb.usage,
                 silent_for_s: if *p == self.me {
                     0.0
                 } else {
@@ -400,7 +402,9 @@ impl<P: Ord + Clone + Display> MeshView<P> {
                     })
                 },
             })
-            .collect();
+            .collect::<Vec<NodeStatus>>();
+        let mut usage = Usage::default();
+        nodes.iter().for_each(|n| usage.add(&n.usage));
         MeshInfo {
             k: self.k,
             n: self.n,
@@ -413,6 +417,7 @@ impl<P: Ord + Clone + Display> MeshView<P> {
             version_digest: hex(&version),
             nodes,
             dashboard: None,
+            usage,
         }
     }
 }
@@ -432,6 +437,7 @@ mod tests {
             incarnation: 1,
             seq: 0,
             device: "cpu".into(),
+            usage: Usage::default(),
         }
     }
 
@@ -451,6 +457,33 @@ mod tests {
         v.handle_heartbeat(t0 + cfg.dead_after, 1, hb(Some(1)));
         assert_eq!(v.health(&1), Some(Health::Healthy));
         assert!(v.info(t0 + cfg.dead_after).available);
+    }
+
+    #[test]
+    fn the_mesh_usage_sums_what_every_node_was_told() {
+        let t0 = Instant::now();
+        let cfg = HealthConfig::default();
+        let mut v = MeshView::new(t0, 0u32, cfg, 2, 3, "m".into(), hb(Some(0))).unwrap();
+        let one = Usage::of_request(5, 8, Duration::from_millis(1500), Some(2.25));
+        assert_eq!(
+            (one.latency_ms, one.trained, one.loss_micro),
+            (1500, 1, 2_250_000)
+        );
+        let mut local = v.local().clone();
+        local.usage.add(&one);
+        v.set_local(local);
+        let mut peer = hb(Some(1));
+        peer.usage = Usage::of_request(3, 4, Duration::from_millis(500), None);
+        v.handle_heartbeat(t0, 1, peer);
+        let info = v.info(t0);
+        let u = info.usage;
+        assert_eq!((u.requests, u.prompt_tokens, u.tokens), (2, 8, 12));
+        assert_eq!(
+            (u.latency_ms, u.trained, u.loss_micro),
+            (2000, 1, 2_250_000)
+        );
+        let of = |p: &str| info.nodes.iter().find(|n| n.peer == p).map(|n| n.usage);
+        assert_eq!(of("1").map(|u| u.tokens), Some(4));
     }
 
     #[test]

@@ -2,7 +2,7 @@
 
 use web_time::{Duration, Instant};
 
-use super::{KvCache, LinearExec, Llama, ModelError, Sampler, SamplingParams};
+use super::{KvCache, LinearExec, Llama, ModelError, Sampler, SamplingParams, now};
 
 /// What to generate.
 #[derive(Debug, Clone, PartialEq)]
@@ -83,9 +83,21 @@ pub fn generate_with(
     opts: &GenerateOptions,
     on_token: &mut dyn FnMut(u32) -> bool,
 ) -> Result<Generation, ModelError> {
+    let ready = async |tokens: &[u32]| forward(tokens);
+    now(generate_async(ready, max_seq, prompt, opts, on_token))?
+}
+
+/// [`generate_with`] over a forward pass that may wait (a browser leader's).
+pub async fn generate_async(
+    mut forward: impl AsyncFnMut(&[u32]) -> Result<Vec<f32>, ModelError>,
+    max_seq: usize,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    on_token: &mut dyn FnMut(u32) -> bool,
+) -> Result<Generation, ModelError> {
     let mut sampler = Sampler::new(opts.sampling)?;
     let started = Instant::now();
-    let mut logits = forward(prompt)?;
+    let mut logits = forward(prompt).await?;
     let mut positions = prompt.len();
     let mut out = Generation {
         prompt_tokens: prompt.len(),
@@ -114,7 +126,7 @@ pub fn generate_with(
             out.stop = StopReason::Context;
             break;
         }
-        logits = forward(&[next])?;
+        logits = forward(&[next]).await?;
         positions += 1;
         out.forward_passes += 1;
     }

@@ -82,6 +82,75 @@ pub trait LinearExec {
     fn embed(&mut self, tokens: &[u32]) -> Result<Vec<f32>, ModelError>;
 }
 
+/// [`LinearExec`] for executors that wait on the network without blocking (a browser leader):
+/// the same stages, as futures. Every [`LinearExec`] is one through [`Ready`].
+#[allow(
+    async_fn_in_trait,
+    reason = "the browser leader's futures are !Send by nature; native ones finish at first poll"
+)]
+pub trait AsyncLinearExec {
+    /// [`LinearExec::linear`], awaited.
+    async fn linear(
+        &mut self,
+        stage: Stage,
+        x: &[f32],
+        t: usize,
+    ) -> Result<Vec<Vec<f32>>, ModelError>;
+    /// [`LinearExec::linear_t`], awaited.
+    async fn linear_t(
+        &mut self,
+        stage: Stage,
+        dy: &[Vec<f32>],
+        t: usize,
+    ) -> Result<Vec<f32>, ModelError>;
+    /// [`LinearExec::embed`], awaited.
+    async fn embed(&mut self, tokens: &[u32]) -> Result<Vec<f32>, ModelError>;
+}
+
+/// A synchronous executor seen as an asynchronous one whose futures are ready at once.
+pub struct Ready<'a>(pub &'a mut dyn LinearExec);
+
+impl std::fmt::Debug for Ready<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Ready(..)")
+    }
+}
+
+impl AsyncLinearExec for Ready<'_> {
+    async fn linear(
+        &mut self,
+        stage: Stage,
+        x: &[f32],
+        t: usize,
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        self.0.linear(stage, x, t)
+    }
+
+    async fn linear_t(
+        &mut self,
+        stage: Stage,
+        dy: &[Vec<f32>],
+        t: usize,
+    ) -> Result<Vec<f32>, ModelError> {
+        self.0.linear_t(stage, dy, t)
+    }
+
+    async fn embed(&mut self, tokens: &[u32]) -> Result<Vec<f32>, ModelError> {
+        self.0.embed(tokens)
+    }
+}
+
+/// The output of a future that must finish at its first poll (one built on [`Ready`] or on a
+/// transport that blocks), or [`ModelError::Pending`] if it waits.
+pub fn now<F: std::future::Future>(f: F) -> Result<F::Output, ModelError> {
+    let mut f = std::pin::pin!(f);
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    match f.as_mut().poll(&mut cx) {
+        std::task::Poll::Ready(v) => Ok(v),
+        std::task::Poll::Pending => Err(ModelError::Pending),
+    }
+}
+
 /// The small replicated parameters the leader holds itself: the norm gains.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LeaderWeights {
@@ -207,17 +276,27 @@ impl Llama {
         tokens: &[u32],
         cache: &mut KvCache,
     ) -> Result<Vec<f32>, ModelError> {
+        now(self.forward_async(&mut Ready(exec), tokens, cache))?
+    }
+
+    /// [`Llama::forward`] through an executor that may wait.
+    pub async fn forward_async<E: AsyncLinearExec>(
+        &self,
+        exec: &mut E,
+        tokens: &[u32],
+        cache: &mut KvCache,
+    ) -> Result<Vec<f32>, ModelError> {
         let start = cache.len;
-        let result = self.forward_inner(exec, tokens, cache);
+        let result = self.forward_inner(exec, tokens, cache).await;
         if result.is_err() {
             cache.truncate(start);
         }
         result
     }
 
-    fn forward_inner(
+    async fn forward_inner<E: AsyncLinearExec>(
         &self,
-        exec: &mut dyn LinearExec,
+        exec: &mut E,
         tokens: &[u32],
         cache: &mut KvCache,
     ) -> Result<Vec<f32>, ModelError> {
@@ -243,13 +322,13 @@ impl Llama {
         }
         let d = cfg.hidden;
         let (cos, sin) = rope_table(&self.inv_freq, start, t);
-        let mut x = exec.embed(tokens)?;
+        let mut x = exec.embed(tokens).await?;
         expect_len(&x, t * d, "embedding")?;
         let mut h = vec![0.0f32; t * d];
         for l in 0..cfg.layers {
             let layer = l as u32;
             rms_norm(&x, &self.norms.attn_norm[l], cfg.norm_eps, &mut h);
-            let mut qkv = exec.linear(Stage::Qkv(layer), &h, t)?;
+            let mut qkv = exec.linear(Stage::Qkv(layer), &h, t).await?;
             check_outputs(&qkv, Stage::Qkv(layer), cfg, t)?;
             let v = qkv.pop().unwrap_or_default();
             let mut k = qkv.pop().unwrap_or_default();
@@ -259,18 +338,18 @@ impl Llama {
             cache.keys[l].extend_from_slice(&k);
             cache.values[l].extend_from_slice(&v);
             let attn = self.attention(&q, &cache.keys[l], &cache.values[l], start, t);
-            let o = exec.linear(Stage::AttnOut(layer), &attn, t)?;
+            let o = exec.linear(Stage::AttnOut(layer), &attn, t).await?;
             check_outputs(&o, Stage::AttnOut(layer), cfg, t)?;
             add_in_place(&mut x, &o[0]);
             rms_norm(&x, &self.norms.ffn_norm[l], cfg.norm_eps, &mut h);
-            let gu = exec.linear(Stage::GateUp(layer), &h, t)?;
+            let gu = exec.linear(Stage::GateUp(layer), &h, t).await?;
             check_outputs(&gu, Stage::GateUp(layer), cfg, t)?;
             let act: Vec<f32> = gu[0]
                 .iter()
                 .zip(&gu[1])
                 .map(|(&g, &u)| silu(g) * u)
                 .collect();
-            let down = exec.linear(Stage::Down(layer), &act, t)?;
+            let down = exec.linear(Stage::Down(layer), &act, t).await?;
             check_outputs(&down, Stage::Down(layer), cfg, t)?;
             add_in_place(&mut x, &down[0]);
         }
@@ -278,7 +357,7 @@ impl Llama {
         let last = &x[(t - 1) * d..];
         let mut normed = vec![0.0f32; d];
         rms_norm(last, &self.norms.final_norm, cfg.norm_eps, &mut normed);
-        let mut logits = exec.linear(Stage::LmHead, &normed, 1)?;
+        let mut logits = exec.linear(Stage::LmHead, &normed, 1).await?;
         check_outputs(&logits, Stage::LmHead, cfg, 1)?;
         Ok(logits.pop().unwrap_or_default())
     }

@@ -12,10 +12,12 @@ mod train;
 mod weights;
 
 pub use config::LlamaConfig;
-pub use generate::{Forward, GenerateOptions, Generation, StopReason, generate, generate_with};
-pub use llama::{KvCache, LeaderWeights, LinearExec, Llama, Stage};
+pub use generate::{
+    Forward, GenerateOptions, Generation, StopReason, generate, generate_async, generate_with,
+};
+pub use llama::{AsyncLinearExec, KvCache, LeaderWeights, LinearExec, Llama, Ready, Stage, now};
 pub use sampling::{Sampler, SamplingParams, argmax};
-pub use tokenizer::{ChatMessage, Tokenizer, TokenizerData};
+pub use tokenizer::{ChatMessage, TextStream, Tokenizer, TokenizerData};
 pub use train::{Gradients, StageGrad};
 pub use weights::{LayerWeights, Matrix, ModelWeights};
 
@@ -58,6 +60,9 @@ pub enum ModelError {
         /// Tensor name in the file.
         name: String,
     },
+    /// An executor waited inside a synchronous call: it has to be driven with the async API.
+    #[error("the executor waits on the network: use the async forward pass")]
+    Pending,
     /// The tokenizer could not be built or used.
     #[error("tokenizer: {0}")]
     Tokenizer(String),

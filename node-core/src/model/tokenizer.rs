@@ -146,6 +146,15 @@ impl Tokenizer {
         self.inner.token_to_id(token)
     }
 
+    /// A stream that turns generated ids into text as it becomes complete.
+    pub fn stream(&self) -> TextStream<'_> {
+        TextStream {
+            tokenizer: self,
+            ids: Vec::new(),
+            emitted: 0,
+        }
+    }
+
     /// The prompt text for a chat in ChatML, ending with the assistant's turn opened.
     pub fn chat_prompt(&self, messages: &[ChatMessage]) -> String {
         let mut out = String::new();
@@ -222,5 +231,28 @@ mod tests {
             default_system_prompt("{{'<|im_start|>system\n' + x + '<|im_end|>'}}"),
             None
         );
+    }
+}
+
+/// Generated text, token by token: each id may complete some text, held back while it ends
+/// in an incomplete UTF-8 sequence.
+#[derive(Debug)]
+pub struct TextStream<'a> {
+    tokenizer: &'a Tokenizer,
+    ids: Vec<u32>,
+    emitted: usize,
+}
+
+impl TextStream<'_> {
+    /// Adds a generated id; returns the text it completes, if any.
+    pub fn push(&mut self, id: u32) -> Option<String> {
+        self.ids.push(id);
+        let text = self.tokenizer.decode(&self.ids).ok()?;
+        if text.ends_with('\u{FFFD}') || text.len() <= self.emitted {
+            return None;
+        }
+        let new = text.get(self.emitted..)?.to_string();
+        self.emitted = text.len();
+        Some(new)
     }
 }

@@ -3,7 +3,7 @@
 //! weight gradient kept as factors `δW = dYᵀ·X` (DESIGN.md §1), never as full matrices.
 
 use super::llama::{Stage, rms_norm, rope_table, rotate, silu, softmax};
-use super::{LeaderWeights, LinearExec, Llama, ModelError};
+use super::{AsyncLinearExec, LeaderWeights, LinearExec, Llama, ModelError, Ready, now};
 
 /// One linear stage's gradient, as factors: for matrix `m`, `δW_m = dy[m]ᵀ · x`.
 #[derive(Debug, Clone, PartialEq)]
@@ -94,7 +94,17 @@ impl Llama {
         exec: &mut dyn LinearExec,
         tokens: &[u32],
     ) -> Result<Gradients, ModelError> {
-        self.loss_and_gradients(exec, tokens, true)?
+        now(self.gradients_async(&mut Ready(exec), tokens))?
+    }
+
+    /// [`Llama::gradients`] through an executor that may wait.
+    pub async fn gradients_async<E: AsyncLinearExec>(
+        &self,
+        exec: &mut E,
+        tokens: &[u32],
+    ) -> Result<Gradients, ModelError> {
+        self.loss_and_gradients(exec, tokens, true)
+            .await?
             .1
             .ok_or_else(|| ModelError::Config("no gradients computed".into()))
     }
@@ -105,12 +115,12 @@ impl Llama {
         exec: &mut dyn LinearExec,
         tokens: &[u32],
     ) -> Result<f64, ModelError> {
-        Ok(self.loss_and_gradients(exec, tokens, false)?.0)
+        Ok(now(self.loss_and_gradients(&mut Ready(exec), tokens, false))??.0)
     }
 
-    fn loss_and_gradients(
+    async fn loss_and_gradients<E: AsyncLinearExec>(
         &self,
-        exec: &mut dyn LinearExec,
+        exec: &mut E,
         tokens: &[u32],
         backward: bool,
     ) -> Result<(f64, Option<Gradients>), ModelError> {
@@ -140,14 +150,14 @@ impl Llama {
         let (cos, sin) = rope_table(self.inv_freq(), 0, t);
 
         // Forward, keeping what the backward pass needs.
-        let mut x = exec.embed(tokens)?;
+        let mut x = exec.embed(tokens).await?;
         let mut saved = Vec::with_capacity(cfg.layers);
         for l in 0..cfg.layers {
             let layer = l as u32;
             let x_in = x.clone();
             let mut h1 = vec![0.0f32; t * d];
             rms_norm(&x, &norms.attn_norm[l], cfg.norm_eps, &mut h1);
-            let (mut q, mut k, v) = take3(exec.linear(Stage::Qkv(layer), &h1, t)?);
+            let (mut q, mut k, v) = take3(exec.linear(Stage::Qkv(layer), &h1, t).await?);
             rotate(&mut q, cfg.heads, hd, &cos, &sin, 1.0);
             rotate(&mut k, cfg.kv_heads, hd, &cos, &sin, 1.0);
             let mut probs = vec![0.0f32; t * cfg.heads * t];
@@ -176,18 +186,18 @@ impl Llama {
                     }
                 }
             }
-            let o = exec.linear(Stage::AttnOut(layer), &attn, t)?;
+            let o = exec.linear(Stage::AttnOut(layer), &attn, t).await?;
             x.iter_mut()
                 .zip(o.first().map_or(&[][..], |v| v))
                 .for_each(|(a, &b)| *a += b);
             let x_mid = x.clone();
             let mut h2 = vec![0.0f32; t * d];
             rms_norm(&x, &norms.ffn_norm[l], cfg.norm_eps, &mut h2);
-            let mut gu = exec.linear(Stage::GateUp(layer), &h2, t)?;
+            let mut gu = exec.linear(Stage::GateUp(layer), &h2, t).await?;
             let up = gu.pop().unwrap_or_default();
             let gate = gu.pop().unwrap_or_default();
             let act: Vec<f32> = gate.iter().zip(&up).map(|(&g, &u)| silu(g) * u).collect();
-            let down = exec.linear(Stage::Down(layer), &act, t)?;
+            let down = exec.linear(Stage::Down(layer), &act, t).await?;
             x.iter_mut()
                 .zip(down.first().map_or(&[][..], |v| v))
                 .for_each(|(a, &b)| *a += b);
@@ -209,7 +219,8 @@ impl Llama {
         let mut hf = vec![0.0f32; t * d];
         rms_norm(&x, &norms.final_norm, cfg.norm_eps, &mut hf);
         let logits = exec
-            .linear(Stage::LmHead, &hf, t)?
+            .linear(Stage::LmHead, &hf, t)
+            .await?
             .pop()
             .unwrap_or_default();
         if logits.len() != t * cfg.vocab {
@@ -247,7 +258,9 @@ impl Llama {
             final_norm: vec![0.0; d],
         };
         let mut stages = Vec::with_capacity(4 * cfg.layers + 1);
-        let dhf = exec.linear_t(Stage::LmHead, std::slice::from_ref(&dlogits), t)?;
+        let dhf = exec
+            .linear_t(Stage::LmHead, std::slice::from_ref(&dlogits), t)
+            .await?;
         stages.push(StageGrad {
             stage: Stage::LmHead,
             x: hf,
@@ -269,7 +282,9 @@ impl Llama {
                 .pop()
                 .ok_or_else(|| ModelError::Config("lost a block's activations".into()))?;
             // Down projection.
-            let dact = exec.linear_t(Stage::Down(layer), std::slice::from_ref(&dx), t)?;
+            let dact = exec
+                .linear_t(Stage::Down(layer), std::slice::from_ref(&dx), t)
+                .await?;
             stages.push(StageGrad {
                 stage: Stage::Down(layer),
                 x: s.act,
@@ -285,7 +300,7 @@ impl Llama {
                 dgate[i] = dact[i] * u * sig * (1.0 + g * (1.0 - sig));
             }
             let dys = vec![dgate, dup];
-            let dh2 = exec.linear_t(Stage::GateUp(layer), &dys, t)?;
+            let dh2 = exec.linear_t(Stage::GateUp(layer), &dys, t).await?;
             stages.push(StageGrad {
                 stage: Stage::GateUp(layer),
                 x: s.h2,
@@ -301,7 +316,9 @@ impl Llama {
             );
             dx.iter_mut().zip(&tmp).for_each(|(a, &b)| *a += b);
             // Attention output projection.
-            let dattn = exec.linear_t(Stage::AttnOut(layer), std::slice::from_ref(&dx), t)?;
+            let dattn = exec
+                .linear_t(Stage::AttnOut(layer), std::slice::from_ref(&dx), t)
+                .await?;
             stages.push(StageGrad {
                 stage: Stage::AttnOut(layer),
                 x: s.attn,
@@ -353,7 +370,7 @@ impl Llama {
             rotate(&mut dq, cfg.heads, hd, &cos, &sin, -1.0);
             rotate(&mut dk, cfg.kv_heads, hd, &cos, &sin, -1.0);
             let dys = vec![dq, dk, dv];
-            let dh1 = exec.linear_t(Stage::Qkv(layer), &dys, t)?;
+            let dh1 = exec.linear_t(Stage::Qkv(layer), &dys, t).await?;
             stages.push(StageGrad {
                 stage: Stage::Qkv(layer),
                 x: s.h1,

@@ -1,10 +1,11 @@
-//! Live numbers and a one-minute chart of the mesh's traffic and health.
+//! Live numbers and one-minute charts of the mesh's work, traffic and health.
 
 use leptos::prelude::*;
 
 use crate::app::Live;
 
-/// Gossip bytes/s, heartbeats/s, healthy rows and updates applied, now.
+/// Tokens/s, requests, latency, loss, gossip bytes/s, heartbeats/s, healthy rows and updates
+/// applied, now.
 #[component]
 pub fn LiveNumbers() -> impl IntoView {
     let live = expect_context::<Live>();
@@ -13,6 +14,24 @@ pub fn LiveNumbers() -> impl IntoView {
         <section>
             <h2>"Live"</h2>
             <dl class="live">
+                <dt>"tokens/s"</dt>
+                <dd id="tokens-per-s">{move || format!("{:.1}", latest().tokens_per_s)}</dd>
+                <dt>"requests served"</dt>
+                <dd id="requests">{move || latest().requests}</dd>
+                <dt>"request latency"</dt>
+                <dd id="latency">
+                    {move || match latest().requests {
+                        0 => "–".to_string(),
+                        _ => format!("{:.0} ms", latest().latency_ms),
+                    }}
+                </dd>
+                <dt>"loss"</dt>
+                <dd id="loss">
+                    {move || {
+                        let l = latest().loss;
+                        if l > 0.0 { format!("{l:.4}") } else { "–".to_string() }
+                    }}
+                </dd>
                 <dt>"gossip received"</dt>
                 <dd id="gossip">{move || format!("{:.0} B/s", latest().gossip_bytes_per_s)}</dd>
                 <dt>"heartbeats"</dt>
@@ -26,16 +45,27 @@ pub fn LiveNumbers() -> impl IntoView {
     }
 }
 
-/// The last minute of gossip traffic and healthy rows.
+/// The last minute of tokens/s and loss, then of gossip traffic and healthy rows.
 #[component]
 pub fn HistoryChart() -> impl IntoView {
     let live = expect_context::<Live>();
     let (w, h) = (600.0, 80.0);
+    let tokens = move || live.history.get().polyline(w, h, |s| s.tokens_per_s);
+    let loss = move || live.history.get().polyline(w, h, |s| s.loss);
     let gossip = move || live.history.get().polyline(w, h, |s| s.gossip_bytes_per_s);
     let healthy = move || live.history.get().polyline(w, h, |s| s.healthy_rows as f64);
     view! {
         <section>
             <h2>"Last minute"</h2>
+            <svg class="chart" viewBox=format!("0 0 {w} {h}") preserveAspectRatio="none">
+                <polyline class="tokens" points=tokens />
+                <polyline class="loss" points=loss />
+            </svg>
+            <p class="legend">
+                <span class="tokens">"tokens/s"</span>
+                " "
+                <span class="loss">"loss"</span>
+            </p>
             <svg class="chart" viewBox=format!("0 0 {w} {h}") preserveAspectRatio="none">
                 <polyline class="gossip" points=gossip />
                 <polyline class="healthy" points=healthy />

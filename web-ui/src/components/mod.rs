@@ -1,10 +1,12 @@
 //! The dashboard's parts, each reading the shared [`crate::app::Live`] context.
 
+mod ask;
 mod chart;
 mod contribute;
 mod rows;
 mod summary;
 
+pub use ask::{Ask, completion_text};
 pub use chart::{HistoryChart, LiveNumbers};
 pub use contribute::{Contribute, contribution_text};
 pub use rows::RowsTable;

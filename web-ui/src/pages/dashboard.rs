@@ -1,9 +1,10 @@
-//! The dashboard: availability at a glance, every row's health, live numbers and a chart.
+//! The dashboard: availability at a glance, every row's health, a prompt box, live numbers
+//! and a chart.
 
 use leptos::prelude::*;
 
 use crate::app::Live;
-use crate::components::{Contribute, HistoryChart, LiveNumbers, RowsTable, Summary};
+use crate::components::{Ask, Contribute, HistoryChart, LiveNumbers, RowsTable, Summary};
 
 /// The dashboard page.
 #[component]
@@ -34,6 +35,7 @@ pub fn Dashboard() -> impl IntoView {
             <Summary />
             <Contribute />
             <RowsTable />
+            <Ask />
             <LiveNumbers />
             <HistoryChart />
         </main>

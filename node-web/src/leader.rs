@@ -1,0 +1,485 @@
+//! Leading a request from the page: a coded group over the mesh's live rows, each round sent
+//! through this node's libp2p swarm, node-core's generation loop, then the request's learning
+//! update, signed with this node's identity and handed to every row's holder.
+
+use std::collections::BTreeMap;
+use std::rc::Rc;
+
+use futures::stream::FuturesUnordered;
+use futures::{FutureExt, StreamExt};
+use libp2p::PeerId;
+use node_core::coded::{CodedGroup, Transport, TransportError, VerifyConfig};
+use node_core::learn::Learner;
+use node_core::mesh::{
+    BrowserBootstrap, MemberPool, MeshInfo, MeshRequest, MeshResponse, ModelManifest, RoundConfig,
+    RoundDriver, Usage, hex, plan_group, rows_at_version,
+};
+use node_core::model::{
+    ChatMessage, GenerateOptions, KvCache, LeaderWeights, Llama, SamplingParams, Tokenizer,
+    generate_async,
+};
+use serde::{Deserialize, Serialize};
+use web_time::{Duration, Instant};
+
+use crate::node::{BrowserNode, Command, WebError};
+
+/// Rows asked beyond the checked ones, to outrun a straggler.
+const SPARES: usize = 1;
+
+/// A request to lead from the page.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default)]
+pub struct Prompt {
+    /// The user's text.
+    pub text: String,
+    /// Most tokens to generate.
+    pub max_tokens: usize,
+    /// Softmax temperature; 0 is greedy.
+    pub temperature: f32,
+    /// Wrap the text in the model's chat template.
+    pub chat: bool,
+    /// Answers beyond k that check every round (0: unchecked).
+    pub check: usize,
+    /// Train on the request afterwards, as every leader does.
+    pub learn: bool,
+}
+
+impl Default for Prompt {
+    fn default() -> Self {
+        Self {
+            text: String::new(),
+            max_tokens: 32,
+            temperature: 0.0,
+            chat: true,
+            check: 1,
+            learn: true,
+        }
+    }
+}
+
+/// What a request led from the page did.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Completion {
+    /// The generated text.
+    pub text: String,
+    /// Tokens of the prompt.
+    pub prompt_tokens: usize,
+    /// Tokens generated.
+    pub tokens: usize,
+    /// Why generation stopped.
+    pub stop: String,
+    /// The group's rows, the decoding k first.
+    pub group: Vec<usize>,
+    /// Rows this page could reach when the group formed.
+    pub live_rows: usize,
+    /// Prompt tokens per second.
+    pub prefill_tokens_per_s: f64,
+    /// Generated tokens per second after the first.
+    pub decode_tokens_per_s: f64,
+    /// Coded rounds run (generation and learning).
+    pub rounds: u64,
+    /// Rounds checked with answers beyond k.
+    pub checked_rounds: u64,
+    /// Rounds decoded from k answers only while checking was asked for.
+    pub unchecked_rounds: u64,
+    /// Members caught answering against the code (reported to every holder).
+    pub caught: Vec<String>,
+    /// Next-token loss of the request before learning from it.
+    pub loss: Option<f64>,
+    /// The learning update handed out, if one was due: id, bytes and holders that took it.
+    pub update: Option<String>,
+}
+
+/// The model as a leader needs it, fetched once per page.
+#[derive(Debug)]
+pub(crate) struct LeaderModel {
+    manifest: ModelManifest,
+    tokenizer: Tokenizer,
+}
+
+/// What a page's leader keeps between requests.
+#[derive(Debug, Default)]
+pub(crate) struct Lead {
+    model: Option<Rc<LeaderModel>>,
+    learner: Option<Learner>,
+}
+
+fn mesh_err(e: impl std::fmt::Display) -> WebError {
+    WebError::Mesh(e.to_string())
+}
+
+impl BrowserNode {
+    /// Leads `prompt` on the mesh from this page: forms a coded group over the live rows,
+    /// generates (each piece of text goes to `on_text` as it completes), learns from the
+    /// request and hands the update to every row's holder.
+    pub async fn generate(
+        &self,
+        prompt: &Prompt,
+        on_text: &mut dyn FnMut(&str),
+    ) -> Result<Completion, WebError> {
+        let began = Instant::now();
+        let model = self.leader_model().await?;
+        let (manifest, tokenizer) = (&model.manifest, &model.tokenizer);
+        let cfg = manifest.cfg.clone();
+        let text = match prompt.chat {
+            true => tokenizer.chat_prompt(&[ChatMessage {
+                role: "user".into(),
+                content: prompt.text.clone(),
+            }]),
+            false => prompt.text.clone(),
+        };
+        let ids = tokenizer.encode(&text).map_err(mesh_err)?;
+        if ids.is_empty() {
+            return Err(WebError::Mesh("the prompt encodes to no tokens".into()));
+        }
+        let MeshResponse::Info(info) = self.ask_bootstrap(MeshRequest::Info).await? else {
+            return Err(mesh_err("asked for the mesh's view, got something else"));
+        };
+        let Reached {
+            version,
+            peers,
+            norms,
+        } = self.reach_rows(&info, manifest).await?;
+        let g = manifest.generator.clone();
+        let live: Vec<usize> = peers.keys().copied().collect();
+        if live.len() < g.k() {
+            return Err(WebError::Mesh(format!(
+                "this page reaches {} healthy rows at one version, fewer than k = {}: the model is unavailable",
+                live.len(),
+                g.k()
+            )));
+        }
+        let plan = plan_group(&g, &live, prompt.check + SPARES).map_err(mesh_err)?;
+        let free = live
+            .iter()
+            .copied()
+            .filter(|r| !plan.members.contains(r))
+            .collect();
+        let transport = WebTransport {
+            node: self.clone(),
+            version,
+            peers: peers.clone(),
+            pool: MemberPool::new(g.clone(), free, RoundConfig::default()),
+        };
+        let mut group =
+            CodedGroup::new(cfg.clone(), g, &plan.members, transport).map_err(mesh_err)?;
+        group.set_verify(VerifyConfig {
+            extra: prompt.check,
+            noise: manifest.verify_noise,
+        });
+        let llama = Llama::new(cfg.clone(), norms).map_err(mesh_err)?;
+        tracing::info!(group = ?plan.members, "leading a request from the page");
+
+        let opts = GenerateOptions {
+            max_tokens: prompt.max_tokens,
+            sampling: SamplingParams {
+                temperature: prompt.temperature,
+                top_p: 1.0,
+                seed: (js_sys::Math::random() * u32::MAX as f64) as u64,
+            },
+            stop_ids: tokenizer.eos_ids().to_vec(),
+        };
+        let mut cache = KvCache::new(&cfg);
+        let mut stream = tokenizer.stream();
+        let mut text = String::new();
+        let out = generate_async(
+            async |t: &[u32]| llama.forward_async(&mut group, t, &mut cache).await,
+            cfg.max_seq,
+            &ids,
+            &opts,
+            &mut |id| {
+                if let Some(piece) = stream.push(id) {
+                    on_text(&piece);
+                    text.push_str(&piece);
+                }
+                true
+            },
+        )
+        .await
+        .map_err(mesh_err)?;
+
+        let (loss, update) = match prompt.learn && manifest.learning.enabled {
+            true => {
+                let all: Vec<u32> = ids.iter().chain(&out.tokens).copied().collect();
+                self.learn(&llama, &mut group, manifest, &all, &peers)
+                    .await?
+            }
+            false => (None, None),
+        };
+        let caught = self.report_caught(&group, &peers).await;
+        let usage = Usage::of_request(out.prompt_tokens, out.tokens.len(), began.elapsed(), loss);
+        if let Err(e) = self.ask_bootstrap(MeshRequest::Served(usage)).await {
+            tracing::warn!("the request was not counted in the mesh's usage: {e}");
+        }
+        let stats = group.stats();
+        Ok(Completion {
+            text,
+            prompt_tokens: out.prompt_tokens,
+            tokens: out.tokens.len(),
+            stop: format!("{:?}", out.stop),
+            group: plan.members,
+            live_rows: live.len(),
+            prefill_tokens_per_s: out.prefill_tokens_per_s(),
+            decode_tokens_per_s: out.decode_tokens_per_s(),
+            rounds: stats.rounds,
+            checked_rounds: stats.verified_rounds,
+            unchecked_rounds: stats.unverified_rounds,
+            caught,
+            loss,
+            update,
+        })
+    }
+
+    /// The manifest and tokenizer, fetched from the native node once.
+    async fn leader_model(&self) -> Result<Rc<LeaderModel>, WebError> {
+        if let Some(m) = self.lead.borrow().model.clone() {
+            return Ok(m);
+        }
+        let MeshResponse::Manifest(bytes) = self.ask_bootstrap(MeshRequest::Manifest).await? else {
+            return Err(mesh_err("asked for the manifest, got something else"));
+        };
+        let manifest = ModelManifest::from_bytes(&bytes).map_err(mesh_err)?;
+        let tokenizer = Tokenizer::from_data(&manifest.tokenizer).map_err(mesh_err)?;
+        let model = Rc::new(LeaderModel {
+            manifest,
+            tokenizer,
+        });
+        self.lead.borrow_mut().model = Some(model.clone());
+        Ok(model)
+    }
+
+    /// Every live row this page can ask (not its own: a node cannot ask itself), reached
+    /// before the first round so no dial counts against a round's timeout; the norm gains at
+    /// the rows' version come back with the first answers.
+    async fn reach_rows(
+        &self,
+        info: &MeshInfo,
+        manifest: &ModelManifest,
+    ) -> Result<Reached, WebError> {
+        let (version, live) = info
+            .live_rows()
+            .ok_or_else(|| mesh_err("no row is healthy: the model is unavailable"))?;
+        let me = self.snapshot().peer;
+        let mut rows = Vec::new();
+        for (row, n) in live.into_iter().filter(|(_, n)| n.peer != me) {
+            let peer: PeerId = n
+                .peer
+                .parse()
+                .map_err(|e| mesh_err(format!("peer id {:?}: {e}", n.peer)))?;
+            // WebSocket only (a browser holder's is its relayed one): request-response spreads
+            // requests over a peer's connections, and WebRTC-direct's buffers are small.
+            let addrs = BrowserBootstrap::from_addrs(n.peer.clone(), &n.addrs)
+                .addrs
+                .into_iter()
+                .filter(|a| !a.contains("/webrtc-direct/"))
+                .filter_map(|a| a.parse().ok())
+                .collect();
+            self.send(Command::AddAddrs { peer, addrs }).await?;
+            rows.push((row, peer));
+        }
+        let asks = rows.iter().map(|&(row, peer)| async move {
+            (row, peer, self.request(peer, MeshRequest::Norms).await)
+        });
+        let (peers, norms) = rows_at_version(
+            futures::future::join_all(asks).await,
+            version,
+            &manifest.cfg,
+        );
+        let norms = norms.ok_or_else(|| {
+            mesh_err(format!(
+                "no row could give the norm gains at version {}; the mesh is taking an update, try again",
+                hex(&version[..8])
+            ))
+        })?;
+        Ok(Reached {
+            version,
+            peers,
+            norms,
+        })
+    }
+
+    /// The request's gradient through the group, folded into this page's learner; a due
+    /// update is signed and handed to every live row's holder. Returns the loss and what was
+    /// handed out.
+    async fn learn(
+        &self,
+        llama: &Llama,
+        group: &mut CodedGroup<WebTransport>,
+        manifest: &ModelManifest,
+        tokens: &[u32],
+        peers: &BTreeMap<usize, PeerId>,
+    ) -> Result<(Option<f64>, Option<String>), WebError> {
+        if tokens.len() < 2 {
+            return Ok((None, None));
+        }
+        let window = node_core::learn::training_window(&manifest.learning, &manifest.cfg);
+        let tokens = &tokens[tokens.len().saturating_sub(window)..];
+        let grads = llama
+            .gradients_async(group, tokens)
+            .await
+            .map_err(mesh_err)?;
+        let loss = grads.loss;
+        let published = {
+            let mut lead = self.lead.borrow_mut();
+            let learner = lead
+                .learner
+                .get_or_insert_with(|| Learner::new(manifest.learning, manifest.cfg.clone()));
+            learner.push(grads).map_err(mesh_err)?
+        };
+        let Some(p) = published else {
+            return Ok((Some(loss), None));
+        };
+        let payload = p.update.encode();
+        let id = node_core::learn::Update::id_of(&payload);
+        let bytes = node_core::learn::seal(payload, &self.key).map_err(mesh_err)?;
+        let size = bytes.len();
+        let sends = peers.values().map(|&peer| {
+            let req = MeshRequest::Learn(bytes.clone());
+            async move { self.request(peer, req).await }
+        });
+        let taken = futures::future::join_all(sends)
+            .await
+            .into_iter()
+            .filter(|r| matches!(r, Ok(MeshResponse::Learned { .. })))
+            .count();
+        Ok((
+            Some(loss),
+            Some(format!(
+                "{id:016x}: {size} bytes, taken by {taken} of {} holders",
+                peers.len()
+            )),
+        ))
+    }
+
+    /// Tells every holder of the group's rows about the members caught; returns the evidence.
+    async fn report_caught(
+        &self,
+        group: &CodedGroup<WebTransport>,
+        peers: &BTreeMap<usize, PeerId>,
+    ) -> Vec<String> {
+        let mut out = Vec::new();
+        for c in &group.stats().caught {
+            let Some(&caught) = peers.get(&c.node) else {
+                continue;
+            };
+            out.push(format!("row {}: {c}", c.node));
+            for &to in peers.values() {
+                let req = MeshRequest::Report {
+                    peer: caught.to_string(),
+                    evidence: c.clone(),
+                };
+                if let Err(e) = self.request(to, req).await {
+                    tracing::warn!(%to, "report not taken: {e}");
+                }
+            }
+        }
+        out
+    }
+}
+
+/// The rows a page reached at one version, and the norm gains at that version.
+struct Reached {
+    version: [u8; 32],
+    peers: BTreeMap<usize, PeerId>,
+    norms: LeaderWeights,
+}
+
+type Answer = (usize, Result<(Vec<u8>, u64), String>);
+
+/// Coded steps from the page: each round goes to every member through the page's swarm; the
+/// first answers win, failed members are replaced from the free rows, stragglers outrun.
+#[derive(Debug)]
+struct WebTransport {
+    node: BrowserNode,
+    version: [u8; 32],
+    peers: BTreeMap<usize, PeerId>,
+    pool: MemberPool,
+}
+
+impl WebTransport {
+    /// One member's answer to one step, as a future that borrows nothing.
+    fn ask(&self, row: usize, request: &[u8]) -> impl Future<Output = Answer> + 'static {
+        let node = self.node.clone();
+        let peer = self.peers.get(&row).copied();
+        let req = MeshRequest::Step {
+            version: self.version,
+            bytes: request.to_vec(),
+        };
+        async move {
+            let Some(peer) = peer else {
+                return (row, Err(format!("no peer holds row {row}")));
+            };
+            let result = node.request(peer, req).await;
+            (
+                row,
+                result
+                    .map_err(|e| e.to_string())
+                    .and_then(MeshResponse::into_step),
+            )
+        }
+    }
+}
+
+impl Transport for WebTransport {
+    async fn round(
+        &mut self,
+        members: &mut Vec<usize>,
+        request: &[u8],
+        need: usize,
+    ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
+        let mut driver = RoundDriver::start(Instant::now(), members, need, &mut self.pool);
+        let mut pending = FuturesUnordered::new();
+        loop {
+            while let Some(row) = driver.poll_transmit() {
+                pending.push(self.ask(row, request));
+            }
+            if driver.is_done() || driver.is_failed() {
+                break;
+            }
+            let wait = driver.poll_timeout().map_or(Duration::from_secs(1), |t| {
+                t.saturating_duration_since(Instant::now())
+            });
+            let mut timer = futures_timer::Delay::new(wait).fuse();
+            futures::select! {
+                (row, result) = pending.select_next_some() => {
+                    let result = result.map(|(bytes, _)| bytes);
+                    driver.handle_answer(Instant::now(), row, result, &mut self.pool);
+                }
+                _ = timer => driver.handle_timeout(Instant::now(), &mut self.pool),
+            }
+        }
+        *members = driver.members().to_vec();
+        driver.finish(&mut self.pool).map_err(|e| TransportError {
+            node: usize::MAX,
+            reason: e.to_string(),
+        })
+    }
+
+    async fn round_each(
+        &mut self,
+        requests: Vec<(usize, Vec<u8>)>,
+    ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
+        // Backward steps: every member gets its own input and every answer is needed.
+        let asks = requests.iter().map(|(row, req)| self.ask(*row, req));
+        let mut all = futures::future::join_all(asks).fuse();
+        let mut timer = futures_timer::Delay::new(RoundConfig::default().member_timeout).fuse();
+        let answers = futures::select! {
+            answers = all => answers,
+            _ = timer => return Err(TransportError {
+                node: usize::MAX,
+                reason: "a backward step timed out".into(),
+            }),
+        };
+        let mut out = Vec::with_capacity(answers.len());
+        for (row, result) in answers {
+            match result {
+                Ok((bytes, _)) => out.push((row, bytes)),
+                Err(reason) => {
+                    self.pool.note_failure(row);
+                    return Err(TransportError { node: row, reason });
+                }
+            }
+        }
+        Ok(out)
+    }
+}
