@@ -5,7 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-step() { printf '\n==> %s\n' "$*"; }
+began=$SECONDS
+step() { printf '\n==> %s (at %dm%02ds)\n' "$*" $(((SECONDS - began) / 60)) $(((SECONDS - began) % 60)); }
 
 step "toolchain (rust-toolchain.toml)"
 if ! rustup toolchain install 2>/dev/null; then
@@ -58,9 +59,15 @@ step "clippy (wasm32: node-core, the browser node, the dashboard)"
 cargo clippy -p node-core --target wasm32-unknown-unknown --locked -- -D warnings
 cargo clippy -p node-web -p web-ui --target wasm32-unknown-unknown --all-targets --locked -- -D warnings
 
-step "codedmesh binary (the multi-process tests run it) and the model (cached after the first run)"
-cargo build --release --locked -p node-native
-cargo run --release --locked -q -p node-native -- fetch-model
+step "every test and the codedmesh binary (the multi-process tests run it), in one build"
+# One feature resolution for all of them (dev-dependencies included), so `cargo test` below
+# reuses this build instead of compiling the workspace a second time.
+cargo build --workspace --all-targets --release --locked
+target=$(cargo metadata --format-version 1 --no-deps --locked |
+  python3 -c 'import json, sys; print(json.load(sys.stdin)["target_directory"])')
+
+step "the default model (fetched once, then cached)"
+"$target/release/codedmesh" fetch-model
 
 step "tests"
 cargo test --workspace --locked --release
@@ -69,6 +76,8 @@ step "wasm tests in headless Chromium: WebGPU kernels, the browser node, the das
 if command -v chromedriver >/dev/null; then
   export CHROMEDRIVER
   CHROMEDRIVER=$(command -v chromedriver)
+  # A whole token on SwiftShader's WebGPU takes ~25 s here; the runner's default is 20 s.
+  export WASM_BINDGEN_TEST_TIMEOUT=${WASM_BINDGEN_TEST_TIMEOUT:-180}
   cargo test -p node-core --target wasm32-unknown-unknown --test webgpu --locked --release
   cargo test -p node-web -p web-ui --target wasm32-unknown-unknown --locked --release
 else

@@ -12,10 +12,15 @@ pub struct JsNode(BrowserNode);
 #[wasm_bindgen(js_class = Node)]
 impl JsNode {
     /// Joins the mesh of the native node serving HTTP at `origin` (e.g.
-    /// `"http://127.0.0.1:8080"`); resolves once connected.
-    pub async fn connect(origin: String) -> Result<JsNode, JsError> {
+    /// `"http://127.0.0.1:8080"`); resolves once connected. `transport` is the one tried
+    /// first: `"websocket"` (the default) or `"webrtc-direct"`; the other is the fallback.
+    pub async fn connect(origin: String, transport: Option<String>) -> Result<JsNode, JsError> {
         init_logging();
-        Ok(JsNode(BrowserNode::connect(&origin).await?))
+        let dial = match transport {
+            Some(t) => t.parse()?,
+            None => crate::Dial::default(),
+        };
+        Ok(JsNode(BrowserNode::connect(&origin, dial).await?))
     }
 
     /// Takes a row of the code (from this browser's storage, or from the mesh with progress in

@@ -277,6 +277,10 @@ impl BrowserNode {
             self.send(Command::AddAddrs { peer, addrs }).await?;
             rows.push((row, peer));
         }
+        tracing::info!(
+            rows = ?rows.iter().map(|(r, _)| r).collect::<Vec<_>>(),
+            "asking the live rows for their norm gains"
+        );
         let asks = rows.iter().map(|&(row, peer)| async move {
             (row, peer, self.request(peer, MeshRequest::Norms).await)
         });

@@ -40,6 +40,6 @@ pub use js::init_logging;
 #[cfg(wasm_browser)]
 pub use leader::{Completion, Prompt};
 #[cfg(wasm_browser)]
-pub use node::{BrowserNode, Connection, NodeSnapshot, WebError};
+pub use node::{BrowserNode, Connection, Dial, NodeSnapshot, WebError};
 #[cfg(wasm_browser)]
 pub use store::{ShardStore, StoreError, Stored, identity};

@@ -60,6 +60,30 @@ pub enum WebError {
     Stopped,
 }
 
+/// Which of a native node's addresses a page tries first (the other is the fallback).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Dial {
+    /// WebSocket, then WebRTC-direct.
+    #[default]
+    WebSocketFirst,
+    /// WebRTC-direct (no domain certificate needed), then WebSocket.
+    WebRtcFirst,
+}
+
+impl std::str::FromStr for Dial {
+    type Err = WebError;
+
+    fn from_str(s: &str) -> Result<Self, WebError> {
+        match s {
+            "websocket" => Ok(Self::WebSocketFirst),
+            "webrtc-direct" => Ok(Self::WebRtcFirst),
+            other => Err(WebError::Mesh(format!(
+                "transport {other:?}: expected websocket or webrtc-direct"
+            ))),
+        }
+    }
+}
+
 /// The state of the node's link to the mesh.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(tag = "state", rename_all = "snake_case")]
@@ -179,16 +203,21 @@ impl BrowserNode {
             .location()
             .origin()
             .map_err(|e| fetch_error("/", &format!("{e:?}")))?;
-        Self::connect(&origin).await
+        Self::connect(&origin, Dial::WebSocketFirst).await
     }
 
-    /// Starts a node that joins the mesh of the native node serving HTTP at `origin`.
-    pub async fn connect(origin: &str) -> Result<Self, WebError> {
+    /// Starts a node that joins the mesh of the native node serving HTTP at `origin`,
+    /// trying its addresses in the order `dial` says.
+    pub async fn connect(origin: &str, dial: Dial) -> Result<Self, WebError> {
         let url = format!("{}/api/bootstrap", origin.trim_end_matches('/'));
         let text = fetch_text(&url).await?;
         let boot: BrowserBootstrap = serde_json::from_str(&text)
             .map_err(|e| fetch_error(&url, &format!("not a bootstrap answer: {e}")))?;
-        Self::connect_to(boot).await
+        Self::connect_to(match dial {
+            Dial::WebSocketFirst => boot,
+            Dial::WebRtcFirst => boot.webrtc_first(),
+        })
+        .await
     }
 
     /// Starts a node that dials the native node `boot` describes, with this browser's

@@ -13,7 +13,7 @@ wasm_bindgen_test_configure!(run_in_browser);
 #[wasm_bindgen_test]
 async fn an_origin_without_a_node_is_a_fetch_error() {
     // Port 9 (discard) on loopback: nothing answers HTTP there.
-    match BrowserNode::connect("http://127.0.0.1:9").await {
+    match BrowserNode::connect("http://127.0.0.1:9", node_web::Dial::default()).await {
         Err(WebError::Fetch { url, .. }) => assert_eq!(url, "http://127.0.0.1:9/api/bootstrap"),
         other => panic!("expected a fetch error, got {other:?}"),
     }
@@ -44,5 +44,23 @@ async fn a_refused_websocket_is_a_dial_error_naming_the_address() {
             assert!(reason.starts_with(&addr), "{reason}");
         }
         other => panic!("expected a dial error, got {other:?}"),
+    }
+}
+
+#[wasm_bindgen_test]
+fn the_first_transport_is_named_or_refused() {
+    use node_web::Dial;
+    assert_eq!(
+        "webrtc-direct".parse::<Dial>().ok(),
+        Some(Dial::WebRtcFirst)
+    );
+    assert_eq!("websocket".parse::<Dial>().ok(), Some(Dial::WebSocketFirst));
+    match "carrier-pigeon".parse::<Dial>() {
+        Err(e) => assert!(
+            e.to_string()
+                .contains("expected websocket or webrtc-direct"),
+            "{e}"
+        ),
+        Ok(d) => panic!("an unknown transport was taken as {d:?}"),
     }
 }

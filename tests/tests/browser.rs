@@ -3,10 +3,12 @@
 //! healthy; when a node stops, its row turns Dead on the page without a reload. Then the page
 //! contributes: its node re-encodes the dead row, serves it on WebGPU, and a native leader's
 //! request is computed partly by it, through a relay. Last, the page leads the same request
-//! from its prompt box and gets the native leader's completion.
+//! from its prompt box and gets the native leader's completion. So does a second browser, on a
+//! page of its own that embeds the wasm-pack package (`/embed.html`) and dials WebRTC-direct:
+//! its group holds the first browser's row, reached browser to browser through the relay.
 //!
-//! Needs Debian's `chromium` and `chromium-driver` and the dashboard built by trunk
-//! (`scripts/test.sh` does both); `$CHROMEDRIVER` and `$CHROMIUM` override where they are.
+//! Needs Debian's `chromium` and `chromium-driver`, the dashboard built by trunk and the
+//! package by wasm-pack (`scripts/test.sh` does all); `$CHROMEDRIVER` and `$CHROMIUM` override where they are.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -37,8 +39,8 @@ fn tool(var: &str, name: &str) -> Result<PathBuf> {
 struct Driver {
     child: Child,
     url: String,
-    /// Chromium's fresh profile, inside the mesh's scratch directory (removed with it).
-    profile: PathBuf,
+    /// Where each browser gets a fresh profile: the mesh's scratch directory (removed with it).
+    profiles: PathBuf,
 }
 
 impl Drop for Driver {
@@ -65,8 +67,6 @@ fn start_driver(dir: &Path) -> Result<Driver> {
         .stderr(log)
         .spawn()
         .with_context(|| format!("starting {}", driver.display()))?;
-    let profile = dir.join("chromium-profile");
-    std::fs::create_dir_all(&profile)?;
     let url = format!("http://127.0.0.1:{port}");
     let start = Instant::now();
     while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
@@ -78,13 +78,17 @@ fn start_driver(dir: &Path) -> Result<Driver> {
     Ok(Driver {
         child,
         url,
-        profile,
+        profiles: dir.to_path_buf(),
     })
 }
 
-async fn open_browser(driver: &Driver) -> Result<Client> {
+/// A headless Chromium with a fresh profile of its own (`name`), so two browsers are two
+/// nodes with two identities.
+async fn open_browser(driver: &Driver, name: &str) -> Result<Client> {
     let chromium = tool("CHROMIUM", "chromium")?;
-    let profile = driver.profile.display().to_string();
+    let profile = driver.profiles.join(format!("chromium-{name}"));
+    std::fs::create_dir_all(&profile)?;
+    let profile = profile.display().to_string();
     let caps = serde_json::json!({
         "goog:chromeOptions": {
             "binary": chromium.display().to_string(),
@@ -173,8 +177,16 @@ fn the_dashboard_follows_the_mesh_live_from_its_own_browser_node() -> Result<()>
         .enable_all()
         .build()?;
     let result = rt.block_on(async {
-        let c = open_browser(&driver).await?;
-        let r = drive(&c, &mut mesh).await;
+        let c = open_browser(&driver, "dashboard").await?;
+        let r = async {
+            let out = drive(&c, &mut mesh).await?;
+            // A second browser, a page of its own that embeds the package.
+            let e = open_browser(&driver, "embedded").await?;
+            let r = embedded(&e, &c, &mesh, &out).await;
+            let _ = e.close().await;
+            r
+        }
+        .await;
         let _ = c.close().await;
         r
     });
@@ -187,7 +199,8 @@ fn the_dashboard_follows_the_mesh_live_from_its_own_browser_node() -> Result<()>
     result
 }
 
-async fn drive(c: &Client, mesh: &mut Mesh) -> Result<()> {
+/// The dashboard's page through the whole story; returns the native leader's completion.
+async fn drive(c: &Client, mesh: &mut Mesh) -> Result<String> {
     // Every product of the browser's row on WebGPU, however small: the WGSL kernels are what
     // this test checks (the page's default leaves the tiny model's products on the CPU).
     c.goto(&format!("{}?webgpu=all", mesh.dashboard)).await?;
@@ -359,5 +372,71 @@ async fn drive(c: &Client, mesh: &mut Mesh) -> Result<()> {
         "the page shows the requests' latency: {latency:?}"
     );
     std::fs::write(dir.join("dashboard-prompt.png"), c.screenshot().await?)?;
+    Ok(out)
+}
+
+/// The steps the dashboard's row has answered, from its contribution line.
+fn steps_answered(contribution: &str) -> usize {
+    contribution
+        .split_once("): ")
+        .and_then(|(_, rest)| rest.split_once(" coded steps answered"))
+        .and_then(|(n, _)| n.parse().ok())
+        .unwrap_or(0)
+}
+
+/// The wasm-pack package in a page of its own (web-ui/embed.html, a few lines of JavaScript),
+/// in a second browser: it connects over WebRTC-direct, follows the mesh and leads the same
+/// request on every row, the first browser's among them: browser to browser, through the
+/// native relay.
+async fn embedded(e: &Client, dashboard: &Client, mesh: &Mesh, out: &str) -> Result<()> {
+    let before = steps_answered(&text(dashboard, "#contribution").await);
+    e.goto(&format!(
+        "{}embed.html?transport=webrtc-direct",
+        mesh.dashboard
+    ))
+    .await?;
+    // All five rows healthy in the embedded node's view too, the first browser's among them.
+    wait_text(
+        e,
+        "#summary",
+        |t| t.starts_with("model available: yes — 5 of 5 rows healthy") || t.starts_with("failed"),
+        "the embedded node's view of the mesh",
+    )
+    .await?;
+    let via = text(e, "#via").await;
+    ensure!(
+        via.contains("/webrtc-direct/certhash/"),
+        "the embedded node dials WebRTC-direct when asked: {via:?}"
+    );
+    e.find(Locator::Css("#ask")).await?.click().await?;
+    let done = wait_text(e, "#done", |t| !t.is_empty(), "the embedded node's request").await?;
+    let completion = text(e, "#out").await;
+    eprintln!("the embedded node led: {completion:?}\n{done}");
+    ensure!(
+        done.starts_with("8 tokens at ") && done.ends_with(", 0 rounds unchecked"),
+        "the embedded node's request ran, every round checked: {done}"
+    );
+    let group: Vec<usize> = done
+        .split_once("group [")
+        .and_then(|(_, rest)| rest.split_once(']'))
+        .map(|(g, _)| g.split(',').filter_map(|r| r.parse().ok()).collect())
+        .unwrap_or_default();
+    ensure!(
+        group.contains(&2),
+        "the embedded node's group holds the other browser's row 2: {done}"
+    );
+    ensure!(
+        completion.trim() == out.trim(),
+        "the embedded node's greedy completion {completion:?} is the native leader's {out:?}"
+    );
+    let after = wait_text(
+        dashboard,
+        "#contribution",
+        |t| steps_answered(t) > before,
+        "the dashboard's row answering the embedded node",
+    )
+    .await?;
+    eprintln!("the first browser says: {after}");
+    std::fs::write(screenshot_dir().join("embedded.png"), e.screenshot().await?)?;
     Ok(())
 }

@@ -180,6 +180,12 @@ impl BrowserBootstrap {
             addrs: keep.into_iter().map(|(_, a)| a).collect(),
         }
     }
+
+    /// The same addresses with WebRTC-direct ones first (the others stay as fallbacks).
+    pub fn webrtc_first(mut self) -> Self {
+        self.addrs.sort_by_key(|a| !a.contains("/webrtc-direct/"));
+        self
+    }
 }
 
 /// Rows a leader can group: those whose holders answered [`MeshRequest::Norms`] at `version`,
@@ -420,6 +426,11 @@ mod tests {
         ];
         let b = BrowserBootstrap::from_addrs("peer".into(), &addrs);
         assert_eq!(b.addrs, [addrs[3].clone(), addrs[1].clone()]);
+        assert_eq!(
+            b.webrtc_first().addrs,
+            [addrs[1].clone(), addrs[3].clone()],
+            "asked for, WebRTC-direct comes first and WebSocket stays the fallback"
+        );
     }
 
     #[test]
