@@ -27,7 +27,10 @@ pub struct Learner {
     cfg: LearningConfig,
     model: LlamaConfig,
     pending: Option<Update>,
+    /// Gradients folded in since the last update (what `accumulate` counts).
     requests: u32,
+    /// Sequences those gradients were the means over.
+    sequences: u32,
     momentum: Option<Update>,
     kept: (f64, f64),
 }
@@ -40,6 +43,7 @@ impl Learner {
             model,
             pending: None,
             requests: 0,
+            sequences: 0,
             momentum: None,
             kept: (0.0, 0.0),
         }
@@ -55,11 +59,12 @@ impl Learner {
         if !self.cfg.enabled {
             return Ok(None);
         }
+        let sequences = u32::try_from(g.sequences.max(1)).unwrap_or(u32::MAX);
         let exact = Update::from_gradients(g, self.cfg.lr, self.cfg.clip);
         if self.cfg.rank == 0 {
             return Ok(Some(Published {
                 update: exact,
-                requests: 1,
+                requests: sequences,
                 kept: 1.0,
             }));
         }
@@ -70,6 +75,7 @@ impl Learner {
         self.compress(&mut u);
         self.pending = Some(u);
         self.requests += 1;
+        self.sequences = self.sequences.saturating_add(sequences);
         if self.requests >= self.cfg.accumulate.max(1) {
             return self.flush();
         }
@@ -99,7 +105,8 @@ impl Learner {
         if self.cfg.momentum > 0.0 {
             self.momentum = Some(out.clone());
         }
-        let requests = std::mem::take(&mut self.requests);
+        self.requests = 0;
+        let requests = std::mem::take(&mut self.sequences);
         let (kept, energy) = std::mem::take(&mut self.kept);
         Ok(Some(Published {
             update: out,

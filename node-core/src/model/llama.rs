@@ -215,15 +215,24 @@ impl KvCache {
         self.len == 0
     }
 
-    /// Forgets everything after the first `len` positions.
+    /// Forgets everything after the first `len` positions (and any keys and values a failed
+    /// pass left past the positions held).
     pub fn truncate(&mut self, len: usize) {
-        if len < self.len {
-            for layer in self.keys.iter_mut().chain(self.values.iter_mut()) {
-                layer.truncate(len * self.kv_dim);
-            }
-            self.len = len;
+        let len = len.min(self.len);
+        for layer in self.keys.iter_mut().chain(self.values.iter_mut()) {
+            layer.truncate(len * self.kv_dim);
         }
+        self.len = len;
     }
+}
+
+/// One sequence of a batched forward pass: tokens to run after what its cache holds.
+#[derive(Debug)]
+pub struct BatchItem<'a> {
+    /// The tokens to run.
+    pub tokens: &'a [u32],
+    /// The sequence's keys and values so far.
+    pub cache: &'a mut KvCache,
 }
 
 /// The leader's part of a Llama model.
@@ -286,10 +295,36 @@ impl Llama {
         tokens: &[u32],
         cache: &mut KvCache,
     ) -> Result<Vec<f32>, ModelError> {
-        let start = cache.len;
-        let result = self.forward_inner(exec, tokens, cache).await;
+        let mut items = [BatchItem { tokens, cache }];
+        let mut logits = self.forward_batch_async(exec, &mut items).await?;
+        logits
+            .pop()
+            .ok_or_else(|| ModelError::Config("no logits".into()))
+    }
+
+    /// Runs each item's tokens after its cache, the rows of every item through one round per
+    /// stage, and returns each item's last-position logits. On error every cache is left as
+    /// it was.
+    pub fn forward_batch(
+        &self,
+        exec: &mut dyn LinearExec,
+        items: &mut [BatchItem<'_>],
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        now(self.forward_batch_async(&mut Ready(exec), items))?
+    }
+
+    /// [`Llama::forward_batch`] through an executor that may wait.
+    pub async fn forward_batch_async<E: AsyncLinearExec>(
+        &self,
+        exec: &mut E,
+        items: &mut [BatchItem<'_>],
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        let starts: Vec<usize> = items.iter().map(|i| i.cache.len).collect();
+        let result = self.forward_inner(exec, items).await;
         if result.is_err() {
-            cache.truncate(start);
+            for (item, &start) in items.iter_mut().zip(&starts) {
+                item.cache.truncate(start);
+            }
         }
         result
     }
@@ -297,32 +332,49 @@ impl Llama {
     async fn forward_inner<E: AsyncLinearExec>(
         &self,
         exec: &mut E,
-        tokens: &[u32],
-        cache: &mut KvCache,
-    ) -> Result<Vec<f32>, ModelError> {
+        items: &mut [BatchItem<'_>],
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
         let cfg = &self.cfg;
-        let t = tokens.len();
-        if t == 0 {
+        if items.is_empty() {
             return Err(ModelError::Config(
-                "forward needs at least one token".into(),
+                "a batch needs at least one sequence".into(),
             ));
         }
-        if let Some(&id) = tokens.iter().find(|&&id| id as usize >= cfg.vocab) {
-            return Err(ModelError::TokenOutOfRange {
-                id,
-                vocab: cfg.vocab,
-            });
+        for item in items.iter() {
+            let t = item.tokens.len();
+            if t == 0 {
+                return Err(ModelError::Config(
+                    "forward needs at least one token".into(),
+                ));
+            }
+            if let Some(&id) = item.tokens.iter().find(|&&id| id as usize >= cfg.vocab) {
+                return Err(ModelError::TokenOutOfRange {
+                    id,
+                    vocab: cfg.vocab,
+                });
+            }
+            if item.cache.len + t > cfg.max_seq {
+                return Err(ModelError::ContextFull {
+                    len: item.cache.len + t,
+                    max: cfg.max_seq,
+                });
+            }
         }
-        let start = cache.len;
-        if start + t > cfg.max_seq {
-            return Err(ModelError::ContextFull {
-                len: start + t,
-                max: cfg.max_seq,
-            });
+        let (d, q_dim, kv_dim) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim());
+        let n = items.len();
+        let t: usize = items.iter().map(|i| i.tokens.len()).sum();
+        let tokens: Vec<u32> = items
+            .iter()
+            .flat_map(|i| i.tokens.iter().copied())
+            .collect();
+        // Each row rotates by its own position: its sequence's cache length plus its index.
+        let (mut cos, mut sin) = (Vec::new(), Vec::new());
+        for item in items.iter() {
+            let (c, s) = rope_table(&self.inv_freq, item.cache.len, item.tokens.len());
+            cos.extend(c);
+            sin.extend(s);
         }
-        let d = cfg.hidden;
-        let (cos, sin) = rope_table(&self.inv_freq, start, t);
-        let mut x = exec.embed(tokens).await?;
+        let mut x = exec.embed(&tokens).await?;
         expect_len(&x, t * d, "embedding")?;
         let mut h = vec![0.0f32; t * d];
         for l in 0..cfg.layers {
@@ -335,9 +387,24 @@ impl Llama {
             let mut q = qkv.pop().unwrap_or_default();
             rotate(&mut q, cfg.heads, cfg.head_dim, &cos, &sin, 1.0);
             rotate(&mut k, cfg.kv_heads, cfg.head_dim, &cos, &sin, 1.0);
-            cache.keys[l].extend_from_slice(&k);
-            cache.values[l].extend_from_slice(&v);
-            let attn = self.attention(&q, &cache.keys[l], &cache.values[l], start, t);
+            // Attention within each sequence, over its own cache.
+            let mut attn = vec![0.0f32; t * q_dim];
+            let mut row = 0;
+            for item in items.iter_mut() {
+                let ti = item.tokens.len();
+                let cache = &mut *item.cache;
+                cache.keys[l].extend_from_slice(&k[row * kv_dim..(row + ti) * kv_dim]);
+                cache.values[l].extend_from_slice(&v[row * kv_dim..(row + ti) * kv_dim]);
+                self.attention(
+                    &q[row * q_dim..(row + ti) * q_dim],
+                    &cache.keys[l],
+                    &cache.values[l],
+                    cache.len,
+                    ti,
+                    &mut attn[row * q_dim..(row + ti) * q_dim],
+                );
+                row += ti;
+            }
             let o = exec.linear(Stage::AttnOut(layer), &attn, t).await?;
             check_outputs(&o, Stage::AttnOut(layer), cfg, t)?;
             add_in_place(&mut x, &o[0]);
@@ -353,13 +420,20 @@ impl Llama {
             check_outputs(&down, Stage::Down(layer), cfg, t)?;
             add_in_place(&mut x, &down[0]);
         }
-        cache.len = start + t;
-        let last = &x[(t - 1) * d..];
-        let mut normed = vec![0.0f32; d];
-        rms_norm(last, &self.norms.final_norm, cfg.norm_eps, &mut normed);
-        let mut logits = exec.linear(Stage::LmHead, &normed, 1).await?;
-        check_outputs(&logits, Stage::LmHead, cfg, 1)?;
-        Ok(logits.pop().unwrap_or_default())
+        // The last row of each sequence goes to the LM head, all in one round.
+        let mut last = Vec::with_capacity(n * d);
+        let mut end = 0;
+        for item in items.iter_mut() {
+            end += item.tokens.len();
+            last.extend_from_slice(&x[(end - 1) * d..end * d]);
+            item.cache.len += item.tokens.len();
+        }
+        let mut normed = vec![0.0f32; n * d];
+        rms_norm(&last, &self.norms.final_norm, cfg.norm_eps, &mut normed);
+        let mut logits = exec.linear(Stage::LmHead, &normed, n).await?;
+        check_outputs(&logits, Stage::LmHead, cfg, n)?;
+        let all = logits.pop().unwrap_or_default();
+        Ok(all.chunks_exact(cfg.vocab).map(<[f32]>::to_vec).collect())
     }
 
     /// The norm gains.
@@ -372,7 +446,8 @@ impl Llama {
         &self.inv_freq
     }
 
-    /// Causal grouped-query attention of `t` new queries over the cached keys and values.
+    /// Causal grouped-query attention of `t` new queries over the cached keys and values,
+    /// written into `out` (`t × q_dim`, zeroed).
     fn attention(
         &self,
         q: &[f32],
@@ -380,12 +455,12 @@ impl Llama {
         values: &[f32],
         start: usize,
         t: usize,
-    ) -> Vec<f32> {
+        out: &mut [f32],
+    ) {
         let cfg = &self.cfg;
         let (hd, kv_dim, q_dim) = (cfg.head_dim, cfg.kv_dim(), cfg.q_dim());
         let group = cfg.heads / cfg.kv_heads;
         let scale = 1.0 / (hd as f32).sqrt();
-        let mut out = vec![0.0f32; t * q_dim];
         let mut scores = Vec::with_capacity(start + t);
         for i in 0..t {
             let positions = start + i + 1;
@@ -407,7 +482,6 @@ impl Llama {
                 }
             }
         }
-        out
     }
 }
 

@@ -15,7 +15,9 @@ pub use config::LlamaConfig;
 pub use generate::{
     Forward, GenerateOptions, Generation, StopReason, generate, generate_async, generate_with,
 };
-pub use llama::{AsyncLinearExec, KvCache, LeaderWeights, LinearExec, Llama, Ready, Stage, now};
+pub use llama::{
+    AsyncLinearExec, BatchItem, KvCache, LeaderWeights, LinearExec, Llama, Ready, Stage, now,
+};
 pub use sampling::{Sampler, SamplingParams, argmax};
 pub use tokenizer::{ChatMessage, TextStream, Tokenizer, TokenizerData};
 pub use train::{Gradients, StageGrad};

@@ -16,7 +16,7 @@ pub struct StageGrad {
     pub dy: Vec<Vec<f32>>,
 }
 
-/// The gradient of the loss on one sequence.
+/// The gradient of the mean loss on one sequence, or on a batch of them (rows stacked).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Gradients {
     /// Mean next-token cross-entropy (nats per predicted token).
@@ -27,10 +27,12 @@ pub struct Gradients {
     pub stages: Vec<StageGrad>,
     /// Gradient of the embedding lookup: row `tokens[i]` of the embedding gets `embed_dx[i]`.
     pub embed_dx: Vec<f32>,
-    /// The sequence's tokens.
+    /// The sequence's tokens (a batch's, one sequence after another).
     pub tokens: Vec<u32>,
     /// Gradients of the norm gains (replicated on every node).
     pub norms: LeaderWeights,
+    /// Sequences the gradient is the mean over (1 for one request).
+    pub sequences: usize,
 }
 
 /// What the forward pass keeps of one block for the backward pass.
@@ -103,7 +105,26 @@ impl Llama {
         exec: &mut E,
         tokens: &[u32],
     ) -> Result<Gradients, ModelError> {
-        self.loss_and_gradients(exec, tokens, true)
+        self.gradients_batch_async(exec, &[tokens]).await
+    }
+
+    /// The minibatch gradient of independent sequences: the mean next-token cross-entropy over
+    /// every predicted position of every sequence, all rows through one round per stage.
+    pub fn gradients_batch(
+        &self,
+        exec: &mut dyn LinearExec,
+        seqs: &[&[u32]],
+    ) -> Result<Gradients, ModelError> {
+        now(self.gradients_batch_async(&mut Ready(exec), seqs))?
+    }
+
+    /// [`Llama::gradients_batch`] through an executor that may wait.
+    pub async fn gradients_batch_async<E: AsyncLinearExec>(
+        &self,
+        exec: &mut E,
+        seqs: &[&[u32]],
+    ) -> Result<Gradients, ModelError> {
+        self.loss_and_gradients(exec, seqs, true)
             .await?
             .1
             .ok_or_else(|| ModelError::Config("no gradients computed".into()))
@@ -115,42 +136,64 @@ impl Llama {
         exec: &mut dyn LinearExec,
         tokens: &[u32],
     ) -> Result<f64, ModelError> {
-        Ok(now(self.loss_and_gradients(&mut Ready(exec), tokens, false))??.0)
+        Ok(now(self.loss_and_gradients(&mut Ready(exec), &[tokens], false))??.0)
     }
 
     async fn loss_and_gradients<E: AsyncLinearExec>(
         &self,
         exec: &mut E,
-        tokens: &[u32],
+        seqs: &[&[u32]],
         backward: bool,
     ) -> Result<(f64, Option<Gradients>), ModelError> {
         let cfg = self.config().clone();
-        let t = tokens.len();
-        if t < 2 {
+        if seqs.is_empty() {
             return Err(ModelError::Config(
-                "training needs at least two tokens".into(),
+                "training needs at least one sequence".into(),
             ));
         }
-        if t > cfg.max_seq {
-            return Err(ModelError::ContextFull {
-                len: t,
-                max: cfg.max_seq,
-            });
+        for tokens in seqs {
+            if tokens.len() < 2 {
+                return Err(ModelError::Config(
+                    "training needs at least two tokens per sequence".into(),
+                ));
+            }
+            if tokens.len() > cfg.max_seq {
+                return Err(ModelError::ContextFull {
+                    len: tokens.len(),
+                    max: cfg.max_seq,
+                });
+            }
+            if let Some(&id) = tokens.iter().find(|&&id| id as usize >= cfg.vocab) {
+                return Err(ModelError::TokenOutOfRange {
+                    id,
+                    vocab: cfg.vocab,
+                });
+            }
         }
-        if let Some(&id) = tokens.iter().find(|&&id| id as usize >= cfg.vocab) {
-            return Err(ModelError::TokenOutOfRange {
-                id,
-                vocab: cfg.vocab,
-            });
-        }
-        let (d, hd, qd, kvd) = (cfg.hidden, cfg.head_dim, cfg.q_dim(), cfg.kv_dim());
-        let group = cfg.heads / cfg.kv_heads;
-        let scale = 1.0 / (hd as f32).sqrt();
+        let (d, qd, kvd) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim());
         let norms = self.norms();
-        let (cos, sin) = rope_table(self.inv_freq(), 0, t);
+        // Rows of every sequence, stacked; each sequence's positions start at 0.
+        let tokens: Vec<u32> = seqs.iter().flat_map(|s| s.iter().copied()).collect();
+        let t = tokens.len();
+        let spans: Vec<(usize, usize)> = seqs
+            .iter()
+            .scan(0, |row, s| {
+                let span = (*row, s.len());
+                *row += s.len();
+                Some(span)
+            })
+            .collect();
+        let (mut cos, mut sin) = (Vec::new(), Vec::new());
+        for s in seqs {
+            let (c, sn) = rope_table(self.inv_freq(), 0, s.len());
+            cos.extend(c);
+            sin.extend(sn);
+        }
+        // Each sequence's attention probabilities: `ti × heads × ti`, one after another.
+        let probs_len: usize = spans.iter().map(|&(_, ti)| ti * cfg.heads * ti).sum();
 
         // Forward, keeping what the backward pass needs.
-        let mut x = exec.embed(tokens).await?;
+        let mut x = exec.embed(&tokens).await?;
         let mut saved = Vec::with_capacity(cfg.layers);
         for l in 0..cfg.layers {
             let layer = l as u32;
@@ -158,33 +201,23 @@ impl Llama {
             let mut h1 = vec![0.0f32; t * d];
             rms_norm(&x, &norms.attn_norm[l], cfg.norm_eps, &mut h1);
             let (mut q, mut k, v) = take3(exec.linear(Stage::Qkv(layer), &h1, t).await?);
-            rotate(&mut q, cfg.heads, hd, &cos, &sin, 1.0);
-            rotate(&mut k, cfg.kv_heads, hd, &cos, &sin, 1.0);
-            let mut probs = vec![0.0f32; t * cfg.heads * t];
+            rotate(&mut q, cfg.heads, cfg.head_dim, &cos, &sin, 1.0);
+            rotate(&mut k, cfg.kv_heads, cfg.head_dim, &cos, &sin, 1.0);
+            let mut probs = vec![0.0f32; probs_len];
             let mut attn = vec![0.0f32; t * qd];
-            for i in 0..t {
-                for head in 0..cfg.heads {
-                    let kvh = head / group;
-                    let qv = &q[i * qd + head * hd..i * qd + (head + 1) * hd];
-                    let p =
-                        &mut probs[(i * cfg.heads + head) * t..(i * cfg.heads + head) * t + i + 1];
-                    for (pos, s) in p.iter_mut().enumerate() {
-                        *s = crate::compute::dot(
-                            qv,
-                            &k[pos * kvd + kvh * hd..pos * kvd + (kvh + 1) * hd],
-                        ) * scale;
-                    }
-                    softmax(p);
-                    let o = &mut attn[i * qd + head * hd..i * qd + (head + 1) * hd];
-                    for (pos, &w) in p.iter().enumerate() {
-                        for (a, &b) in o
-                            .iter_mut()
-                            .zip(&v[pos * kvd + kvh * hd..pos * kvd + (kvh + 1) * hd])
-                        {
-                            *a += w * b;
-                        }
-                    }
-                }
+            let mut p_at = 0;
+            for &(row, ti) in &spans {
+                let p_len = ti * cfg.heads * ti;
+                attention_forward(
+                    &cfg,
+                    &q[row * qd..(row + ti) * qd],
+                    &k[row * kvd..(row + ti) * kvd],
+                    &v[row * kvd..(row + ti) * kvd],
+                    ti,
+                    &mut probs[p_at..p_at + p_len],
+                    &mut attn[row * qd..(row + ti) * qd],
+                );
+                p_at += p_len;
             }
             let o = exec.linear(Stage::AttnOut(layer), &attn, t).await?;
             x.iter_mut()
@@ -229,22 +262,25 @@ impl Llama {
             ));
         }
 
-        // Loss and its gradient on the logits.
+        // Loss and its gradient on the logits: every position but each sequence's last
+        // predicts the next token of its sequence.
         let v_n = cfg.vocab;
-        let predicted = (t - 1) as f64;
+        let predicted: f64 = spans.iter().map(|&(_, ti)| (ti - 1) as f64).sum();
         let mut dlogits = vec![0.0f32; t * v_n];
         let mut loss = 0.0f64;
-        for i in 0..t - 1 {
-            let row = &logits[i * v_n..(i + 1) * v_n];
-            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-            let sum: f64 = row.iter().map(|&z| (z as f64 - max).exp()).sum();
-            let target = tokens[i + 1] as usize;
-            loss += sum.ln() + max - row[target] as f64;
-            let drow = &mut dlogits[i * v_n..(i + 1) * v_n];
-            for (dz, &z) in drow.iter_mut().zip(row) {
-                *dz = (((z as f64 - max).exp() / sum) / predicted) as f32;
+        for &(start, ti) in &spans {
+            for i in start..start + ti - 1 {
+                let row = &logits[i * v_n..(i + 1) * v_n];
+                let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+                let sum: f64 = row.iter().map(|&z| (z as f64 - max).exp()).sum();
+                let target = tokens[i + 1] as usize;
+                loss += sum.ln() + max - row[target] as f64;
+                let drow = &mut dlogits[i * v_n..(i + 1) * v_n];
+                for (dz, &z) in drow.iter_mut().zip(row) {
+                    *dz = (((z as f64 - max).exp() / sum) / predicted) as f32;
+                }
+                drow[target] -= (1.0 / predicted) as f32;
             }
-            drow[target] -= (1.0 / predicted) as f32;
         }
         loss /= predicted;
         if !backward {
@@ -324,51 +360,35 @@ impl Llama {
                 x: s.attn,
                 dy: vec![dx.clone()],
             });
-            // Attention.
+            // Attention, within each sequence.
             let mut dq = vec![0.0f32; t * qd];
             let mut dk = vec![0.0f32; t * kvd];
             let mut dv = vec![0.0f32; t * kvd];
-            let mut dp = vec![0.0f32; t];
-            for i in 0..t {
-                for head in 0..cfg.heads {
-                    let kvh = head / group;
-                    let p =
-                        &s.probs[(i * cfg.heads + head) * t..(i * cfg.heads + head) * t + i + 1];
-                    let dout = &dattn[i * qd + head * hd..i * qd + (head + 1) * hd];
-                    let mut sum = 0.0f32;
-                    for pos in 0..=i {
-                        let vv = &s.v[pos * kvd + kvh * hd..pos * kvd + (kvh + 1) * hd];
-                        dp[pos] = crate::compute::dot(dout, vv);
-                        sum += p[pos] * dp[pos];
-                        for (a, &b) in dv[pos * kvd + kvh * hd..pos * kvd + (kvh + 1) * hd]
-                            .iter_mut()
-                            .zip(dout)
-                        {
-                            *a += p[pos] * b;
-                        }
-                    }
-                    let qv = &s.q[i * qd + head * hd..i * qd + (head + 1) * hd];
-                    for pos in 0..=i {
-                        let ds = p[pos] * (dp[pos] - sum) * scale;
-                        let kv = &s.k[pos * kvd + kvh * hd..pos * kvd + (kvh + 1) * hd];
-                        for (a, &b) in dq[i * qd + head * hd..i * qd + (head + 1) * hd]
-                            .iter_mut()
-                            .zip(kv)
-                        {
-                            *a += ds * b;
-                        }
-                        for (a, &b) in dk[pos * kvd + kvh * hd..pos * kvd + (kvh + 1) * hd]
-                            .iter_mut()
-                            .zip(qv)
-                        {
-                            *a += ds * b;
-                        }
-                    }
-                }
+            let mut p_at = 0;
+            for &(row, ti) in &spans {
+                let p_len = ti * cfg.heads * ti;
+                let (q, kv) = (row * qd..(row + ti) * qd, row * kvd..(row + ti) * kvd);
+                attention_backward(
+                    &cfg,
+                    AttentionSaved {
+                        q: &s.q[q.clone()],
+                        k: &s.k[kv.clone()],
+                        v: &s.v[kv.clone()],
+                        probs: &s.probs[p_at..p_at + p_len],
+                    },
+                    &dattn[q.clone()],
+                    ti,
+                    AttentionGrads {
+                        dq: &mut dq[q],
+                        dk: &mut dk[kv.clone()],
+                        dv: &mut dv[kv],
+                    },
+                );
+                p_at += p_len;
             }
             // RoPE is a rotation: its transpose rotates back.
-            rotate(&mut dq, cfg.heads, hd, &cos, &sin, -1.0);
-            rotate(&mut dk, cfg.kv_heads, hd, &cos, &sin, -1.0);
+            rotate(&mut dq, cfg.heads, cfg.head_dim, &cos, &sin, -1.0);
+            rotate(&mut dk, cfg.kv_heads, cfg.head_dim, &cos, &sin, -1.0);
             let dys = vec![dq, dk, dv];
             let dh1 = exec.linear_t(Stage::Qkv(layer), &dys, t).await?;
             stages.push(StageGrad {
@@ -393,9 +413,112 @@ impl Llama {
             t,
             stages,
             embed_dx: dx,
-            tokens: tokens.to_vec(),
+            tokens,
             norms: grads,
+            sequences: seqs.len(),
         };
         Ok((loss, Some(grads)))
+    }
+}
+
+/// What the backward pass of one sequence's attention reads.
+struct AttentionSaved<'a> {
+    q: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
+    probs: &'a [f32],
+}
+
+/// Where it adds its gradients.
+struct AttentionGrads<'a> {
+    dq: &'a mut [f32],
+    dk: &'a mut [f32],
+    dv: &'a mut [f32],
+}
+
+/// Causal attention of one sequence of `t` positions (rotated `q`, `k`): keeps the
+/// probabilities (`t × heads × t`) and writes the output (`t × q_dim`).
+fn attention_forward(
+    cfg: &super::LlamaConfig,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    t: usize,
+    probs: &mut [f32],
+    attn: &mut [f32],
+) {
+    let (hd, qd, kvd) = (cfg.head_dim, cfg.q_dim(), cfg.kv_dim());
+    let group = cfg.heads / cfg.kv_heads;
+    let scale = 1.0 / (hd as f32).sqrt();
+    for i in 0..t {
+        for head in 0..cfg.heads {
+            let kvh = head / group;
+            let qv = &q[i * qd + head * hd..i * qd + (head + 1) * hd];
+            let p = &mut probs[(i * cfg.heads + head) * t..(i * cfg.heads + head) * t + i + 1];
+            for (pos, s) in p.iter_mut().enumerate() {
+                *s = crate::compute::dot(qv, &k[pos * kvd + kvh * hd..pos * kvd + (kvh + 1) * hd])
+                    * scale;
+            }
+            softmax(p);
+            let o = &mut attn[i * qd + head * hd..i * qd + (head + 1) * hd];
+            for (pos, &w) in p.iter().enumerate() {
+                for (a, &b) in o
+                    .iter_mut()
+                    .zip(&v[pos * kvd + kvh * hd..pos * kvd + (kvh + 1) * hd])
+                {
+                    *a += w * b;
+                }
+            }
+        }
+    }
+}
+
+/// The gradients of one sequence's attention given its output's gradient `dattn`.
+fn attention_backward(
+    cfg: &super::LlamaConfig,
+    s: AttentionSaved<'_>,
+    dattn: &[f32],
+    t: usize,
+    g: AttentionGrads<'_>,
+) {
+    let (hd, qd, kvd) = (cfg.head_dim, cfg.q_dim(), cfg.kv_dim());
+    let group = cfg.heads / cfg.kv_heads;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let mut dp = vec![0.0f32; t];
+    for i in 0..t {
+        for head in 0..cfg.heads {
+            let kvh = head / group;
+            let p = &s.probs[(i * cfg.heads + head) * t..(i * cfg.heads + head) * t + i + 1];
+            let dout = &dattn[i * qd + head * hd..i * qd + (head + 1) * hd];
+            let mut sum = 0.0f32;
+            for pos in 0..=i {
+                let vv = &s.v[pos * kvd + kvh * hd..pos * kvd + (kvh + 1) * hd];
+                dp[pos] = crate::compute::dot(dout, vv);
+                sum += p[pos] * dp[pos];
+                for (a, &b) in g.dv[pos * kvd + kvh * hd..pos * kvd + (kvh + 1) * hd]
+                    .iter_mut()
+                    .zip(dout)
+                {
+                    *a += p[pos] * b;
+                }
+            }
+            let qv = &s.q[i * qd + head * hd..i * qd + (head + 1) * hd];
+            for pos in 0..=i {
+                let ds = p[pos] * (dp[pos] - sum) * scale;
+                let kv = &s.k[pos * kvd + kvh * hd..pos * kvd + (kvh + 1) * hd];
+                for (a, &b) in g.dq[i * qd + head * hd..i * qd + (head + 1) * hd]
+                    .iter_mut()
+                    .zip(kv)
+                {
+                    *a += ds * b;
+                }
+                for (a, &b) in g.dk[pos * kvd + kvh * hd..pos * kvd + (kvh + 1) * hd]
+                    .iter_mut()
+                    .zip(qv)
+                {
+                    *a += ds * b;
+                }
+            }
+        }
     }
 }

@@ -1,0 +1,219 @@
+//! Batched (continuous-batching) forward passes and minibatch gradients against the same
+//! sequences run one at a time, through a coded group (k = 3 of n = 5) on a synthetic model.
+
+#![allow(clippy::unwrap_used)] // a test: a failed unwrap is a failed test
+
+mod common;
+
+use common::max_rel_diff;
+use node_core::code::Generator;
+use node_core::coded::{CodedGroup, InProcess, ShardFormat};
+use node_core::learn::Update;
+use node_core::model::{
+    BatchItem, Gradients, KvCache, LeaderWeights, Llama, ModelError, ModelWeights, Stage,
+};
+
+fn setup(w: &ModelWeights) -> (Llama, CodedGroup<InProcess>) {
+    let g = Generator::cauchy(5, 3).unwrap();
+    let mesh = InProcess::encode(w, &g, ShardFormat::F32, &|_, _| {}).unwrap();
+    let group = CodedGroup::new(w.cfg.clone(), g, &[0, 2, 4], mesh).unwrap();
+    let llama = Llama::new(w.cfg.clone(), LeaderWeights::from_model(w)).unwrap();
+    (llama, group)
+}
+
+/// `Σ_rows dy[m]ᵀ·x` of one stage: the weight gradient its factors stand for.
+fn weight_grad(g: &Gradients, stage: Stage, m: usize) -> Vec<f32> {
+    let s = g.stages.iter().find(|s| s.stage == stage).unwrap();
+    let (inp, out) = (s.x.len() / g.t, s.dy[m].len() / g.t);
+    let mut w = vec![0.0f32; out * inp];
+    for row in 0..g.t {
+        for r in 0..out {
+            let dy = s.dy[m][row * out + r];
+            for c in 0..inp {
+                w[r * inp + c] += dy * s.x[row * inp + c];
+            }
+        }
+    }
+    w
+}
+
+#[test]
+fn a_batch_gives_each_sequence_its_own_logits_in_one_round_per_stage() {
+    let w = ModelWeights::synthetic(common::train_config(true), 11).unwrap();
+    let (llama, mut group) = setup(&w);
+    let prompts: [&[u32]; 3] = [&[3, 17, 60, 42], &[9, 5], &[1, 2, 3]];
+    // Sequence 1 already holds two positions; sequence 2 one; sequence 0 is fresh.
+    let mut caches: Vec<KvCache> = (0..3).map(|_| KvCache::new(&w.cfg)).collect();
+    let history: [&[u32]; 3] = [&[], &[33, 7], &[12]];
+    for (cache, h) in caches.iter_mut().zip(history) {
+        if !h.is_empty() {
+            llama.forward(&mut group, h, cache).unwrap();
+        }
+    }
+    let mut alone = caches.clone();
+    let expected: Vec<Vec<f32>> = alone
+        .iter_mut()
+        .zip(prompts)
+        .map(|(c, p)| llama.forward(&mut group, p, c).unwrap())
+        .collect();
+    group.reset_stats();
+    let mut items: Vec<BatchItem<'_>> = caches
+        .iter_mut()
+        .zip(prompts)
+        .map(|(cache, tokens)| BatchItem { tokens, cache })
+        .collect();
+    let got = llama.forward_batch(&mut group, &mut items).unwrap();
+    // Embedding, four stages per block, the LM head: once for the whole batch.
+    let rounds = 1 + 4 * w.cfg.layers as u64 + 1;
+    assert_eq!(
+        group.stats().rounds,
+        rounds,
+        "one round per stage for the batch"
+    );
+    for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
+        let err = max_rel_diff(g, e);
+        assert!(
+            err < 1e-5,
+            "sequence {i}: batched logits differ by {err:.2e}"
+        );
+    }
+    // The caches now hold what the sequences alone would hold: continuing each gives the
+    // same next logits.
+    for (i, (c, a)) in caches.iter_mut().zip(alone.iter_mut()).enumerate() {
+        assert_eq!(c.len(), a.len(), "sequence {i}: cache length");
+        let next = llama.forward(&mut group, &[8], c).unwrap();
+        let want = llama.forward(&mut group, &[8], a).unwrap();
+        assert!(
+            max_rel_diff(&next, &want) < 1e-5,
+            "sequence {i}: the cache continues like the single run's"
+        );
+    }
+}
+
+#[test]
+fn a_bad_item_fails_the_batch_and_leaves_every_cache_as_it_was() {
+    let w = ModelWeights::synthetic(common::train_config(false), 3).unwrap();
+    let (llama, mut group) = setup(&w);
+    let mut a = KvCache::new(&w.cfg);
+    llama.forward(&mut group, &[4, 5, 6], &mut a).unwrap();
+    let mut b = KvCache::new(&w.cfg);
+    let long: Vec<u32> = (0..=w.cfg.max_seq as u32).collect();
+    let before = a.len();
+    let err = llama
+        .forward_batch(
+            &mut group,
+            &mut [
+                BatchItem {
+                    tokens: &[7],
+                    cache: &mut a,
+                },
+                BatchItem {
+                    tokens: &long,
+                    cache: &mut b,
+                },
+            ],
+        )
+        .unwrap_err();
+    assert!(matches!(err, ModelError::ContextFull { .. }), "{err}");
+    let err = llama
+        .forward_batch(
+            &mut group,
+            &mut [
+                BatchItem {
+                    tokens: &[7],
+                    cache: &mut a,
+                },
+                BatchItem {
+                    tokens: &[9999],
+                    cache: &mut b,
+                },
+            ],
+        )
+        .unwrap_err();
+    assert!(matches!(err, ModelError::TokenOutOfRange { .. }), "{err}");
+    assert_eq!((a.len(), b.len()), (before, 0));
+    // Still usable: the same as a cache that never saw the failed batches.
+    let mut fresh = KvCache::new(&w.cfg);
+    llama.forward(&mut group, &[4, 5, 6], &mut fresh).unwrap();
+    let x = llama.forward(&mut group, &[7], &mut a).unwrap();
+    let y = llama.forward(&mut group, &[7], &mut fresh).unwrap();
+    assert!(max_rel_diff(&x, &y) < 1e-6);
+}
+
+#[test]
+fn the_minibatch_gradient_is_the_weighted_mean_of_the_sequences_gradients() {
+    for tied in [true, false] {
+        let w = ModelWeights::synthetic(common::train_config(tied), 5).unwrap();
+        let (llama, mut group) = setup(&w);
+        let seqs: [&[u32]; 3] = [&[3, 17, 60, 42, 9], &[5, 6], &[40, 41, 2, 8]];
+        let alone: Vec<Gradients> = seqs
+            .iter()
+            .map(|s| llama.gradients(&mut group, s).unwrap())
+            .collect();
+        group.reset_stats();
+        let batch = llama.gradients_batch(&mut group, &seqs).unwrap();
+        let forward_and_back = 2 * (1 + 4 * w.cfg.layers as u64 + 1) - 1;
+        assert!(
+            group.stats().rounds <= forward_and_back,
+            "one round per stage each way for the batch, got {}",
+            group.stats().rounds
+        );
+        assert_eq!(batch.sequences, 3);
+        assert_eq!(batch.t, 11);
+        let predicted: Vec<f64> = seqs.iter().map(|s| (s.len() - 1) as f64).collect();
+        let total: f64 = predicted.iter().sum();
+        let weights: Vec<f32> = predicted.iter().map(|p| (p / total) as f32).collect();
+        let loss: f64 = alone
+            .iter()
+            .zip(&predicted)
+            .map(|(g, p)| g.loss * p / total)
+            .sum();
+        assert!(
+            (batch.loss - loss).abs() < 1e-5 * loss,
+            "loss {} vs {loss}",
+            batch.loss
+        );
+        for (stage, m) in [
+            (Stage::Qkv(0), 0),
+            (Stage::Qkv(1), 2),
+            (Stage::AttnOut(1), 0),
+            (Stage::GateUp(0), 1),
+            (Stage::Down(1), 0),
+            (Stage::LmHead, 0),
+        ] {
+            let got = weight_grad(&batch, stage, m);
+            let mut want = vec![0.0f32; got.len()];
+            for (g, wt) in alone.iter().zip(&weights) {
+                for (a, b) in want.iter_mut().zip(weight_grad(g, stage, m)) {
+                    *a += wt * b;
+                }
+            }
+            let err = max_rel_diff(&got, &want);
+            assert!(err < 1e-4, "{stage:?} matrix {m} (tied {tied}): {err:.2e}");
+        }
+        let mut want = vec![0.0f32; w.cfg.hidden];
+        for (g, wt) in alone.iter().zip(&weights) {
+            for (a, b) in want.iter_mut().zip(&g.norms.attn_norm[1]) {
+                *a += wt * b;
+            }
+        }
+        assert!(max_rel_diff(&batch.norms.attn_norm[1], &want) < 1e-4);
+    }
+}
+
+#[test]
+fn an_sgd_step_on_a_batch_lowers_its_loss() {
+    let mut w = ModelWeights::synthetic(common::train_config(true), 9).unwrap();
+    let seqs: [&[u32]; 2] = [&[3, 17, 60, 42, 9, 17], &[8, 8, 1, 2]];
+    let before = {
+        let (llama, mut group) = setup(&w);
+        llama.gradients_batch(&mut group, &seqs).unwrap()
+    };
+    let loss = before.loss;
+    Update::from_gradients(before, 0.5, 10.0)
+        .apply_to_weights(&mut w)
+        .unwrap();
+    let (llama, mut group) = setup(&w);
+    let after = llama.gradients_batch(&mut group, &seqs).unwrap().loss;
+    assert!(after < loss - 1e-3, "loss {loss:.4} → {after:.4}");
+}
