@@ -69,6 +69,10 @@ target=$(cargo metadata --format-version 1 --no-deps --locked |
 step "the default model (fetched once, then cached)"
 "$target/release/codedmesh" fetch-model
 
+step "the official openai Python client (the API test drives the API with it)"
+export CODEDMESH_PYTHON
+CODEDMESH_PYTHON=$(bash scripts/python-env.sh)
+
 step "tests"
 cargo test --workspace --locked --release
 

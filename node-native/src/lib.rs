@@ -1,15 +1,21 @@
 //! Coded Mesh native node: model files on disk, the default model's fetcher, the CLI's parts.
 
+pub mod api;
 pub mod bench;
+pub mod engine;
 pub mod fetch;
 pub mod gpubench;
 pub mod http;
 pub mod learning;
 pub mod load;
 pub mod localmesh;
+pub mod metrics;
 pub mod node;
 pub mod progress;
 pub mod remote;
+pub mod steplog;
 pub mod store;
+pub mod supervise;
 pub mod swarm;
+pub mod up;
 pub mod verifybench;

@@ -46,6 +46,74 @@ enum Command {
     FetchModel,
     /// Measure kernel bandwidth and model tokens/s, uncoded and coded; print a table.
     Bench(BenchArgs),
+    /// Start a whole local mesh (n nodes on 127.0.0.1) and serve the OpenAI API and the
+    /// dashboard: fetches and encodes the model the first time, then starts in seconds.
+    Up(UpArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct UpArgs {
+    /// Nodes to start, one coded row each (n).
+    #[arg(long, default_value_t = 5)]
+    nodes: usize,
+    /// Rows needed to compute (k ≤ nodes).
+    #[arg(long, default_value_t = 3)]
+    k: usize,
+    /// A GGUF file or a Hugging Face directory; default: SmolLM2-135M-Instruct, fetched once.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Where the mesh's rows and logs live; default: $CODEDMESH_DATA, else the user's data
+    /// dir + codedmesh/up/<model>-k<k>-n<n>.
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Port of the OpenAI API and the dashboard.
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Address the API and the dashboard listen on (127.0.0.1: this machine only).
+    #[arg(long, default_value = "127.0.0.1")]
+    api_listen: std::net::IpAddr,
+    /// Bearer key the API asks for.
+    #[arg(long, env = "CODEDMESH_API_KEY")]
+    api_key: Option<String>,
+    /// Requests do not train the model.
+    #[arg(long)]
+    no_learning: bool,
+    /// Write every coded step of the API's requests to this file (JSON lines).
+    #[arg(long)]
+    trace_steps: Option<PathBuf>,
+    /// The dashboard's built files (trunk's dist).
+    #[arg(long)]
+    web_dir: Option<PathBuf>,
+    /// Do not build the dashboard when it is missing.
+    #[arg(long)]
+    no_build_web: bool,
+    /// Most requests generated together by the API's node.
+    #[arg(long, default_value_t = 16)]
+    max_batch: usize,
+    /// Most requests waiting beyond the batch before the API answers 429.
+    #[arg(long, default_value_t = 64)]
+    queue: usize,
+}
+
+/// How a node serves the requests it leads (its OpenAI API).
+#[derive(Debug, clap::Args)]
+struct ServeArgs {
+    /// Bearer key the API asks for (`Authorization: Bearer KEY`).
+    #[arg(long, env = "CODEDMESH_API_KEY")]
+    api_key: Option<String>,
+    /// Most requests generated together (one coded round per stage for all of them).
+    #[arg(long, default_value_t = 16)]
+    max_batch: usize,
+    /// Most requests waiting beyond the batch before the API answers 429.
+    #[arg(long, default_value_t = 64)]
+    queue: usize,
+    /// The requests this node leads do not train the mesh.
+    #[arg(long)]
+    no_learn: bool,
+    /// Write every coded step of the requests this node leads to this file (JSON lines:
+    /// time, request, step, member, bytes, duration).
+    #[arg(long)]
+    trace_steps: Option<PathBuf>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -107,9 +175,13 @@ struct NetArgs {
     /// auto (a hardware GPU when there is one, else the CPU).
     #[arg(long, default_value = "cpu")]
     device: node_core::compute::gpu::DeviceChoice,
-    /// Where to serve HTTP: the dashboard at `/` and the status at `/api/status` (port 0 picks
-    /// a free one; the node prints the URL).
-    #[arg(long, default_value = "127.0.0.1:0")]
+    /// Where to serve HTTP: the OpenAI API at `/v1`, the dashboard at `/`, the status at
+    /// `/api/status`, metrics at `/metrics` (port 0 picks a free one; the node prints the URL).
+    #[arg(
+        long = "api-listen",
+        visible_alias = "http",
+        default_value = "127.0.0.1:0"
+    )]
     http: std::net::SocketAddr,
     /// Serve no HTTP.
     #[arg(long, conflicts_with = "http")]
@@ -118,6 +190,8 @@ struct NetArgs {
     /// of the checkout the binary was built in.
     #[arg(long)]
     web_dir: Option<PathBuf>,
+    #[command(flatten)]
+    serve: ServeArgs,
 }
 
 impl NetArgs {
@@ -139,6 +213,14 @@ impl NetArgs {
             device: self.device,
             http: (!self.no_http).then_some(self.http),
             web_dir: self.web_dir.clone(),
+            serve: node_native::engine::EngineConfig {
+                max_batch: self.serve.max_batch,
+                queue: self.serve.queue,
+                learn: !self.serve.no_learn,
+                trace_steps: self.serve.trace_steps.clone(),
+                ..Default::default()
+            },
+            api_key: self.serve.api_key.clone(),
         })
     }
 }
@@ -189,6 +271,10 @@ struct NodeArgs {
     /// every update while applying none (lie-version).
     #[arg(long, value_enum)]
     inject_fault: Option<node::InjectedFault>,
+    /// Run the node as a child process and start it again when it crashes (with a growing
+    /// wait between crashes in a row).
+    #[arg(long)]
+    supervise: bool,
     #[command(flatten)]
     net: NetArgs,
 }
@@ -271,6 +357,10 @@ struct GenerateArgs {
     /// Run the request this many times on the mesh, learning after each (mesh only).
     #[arg(long, default_value_t = 1)]
     repeat: usize,
+    /// Write every coded step to this file, one JSON line each: time, step, member, bytes,
+    /// duration (mesh only).
+    #[arg(long)]
+    trace_steps: Option<PathBuf>,
 }
 
 fn main() {
@@ -307,11 +397,18 @@ fn main() {
                 learning,
             ))
         }),
+        Command::Node(args) if args.supervise => runtime().and_then(|rt| {
+            rt.block_on(node_native::supervise::supervise_self(
+                "--supervise",
+                &format!("node {}", args.net.data.display()),
+            ))
+        }),
         Command::Node(args) => runtime().and_then(|rt| {
             let mut opts = args.net.options(args.bootstrap.clone())?;
             opts.fault = args.inject_fault;
             rt.block_on(node::node(opts))
         }),
+        Command::Up(args) => runtime().and_then(|rt| rt.block_on(run_up(args))),
         Command::Status(args) => run_status(args),
         Command::Eval(args) => run_eval(args),
         Command::Bench(args) => run_bench(args),
@@ -321,6 +418,31 @@ fn main() {
         eprintln!("error: {e:#}");
         std::process::exit(1);
     }
+}
+
+/// `codedmesh up`.
+async fn run_up(args: UpArgs) -> Result<()> {
+    let node_args = vec![
+        "--max-batch".into(),
+        args.max_batch.to_string().into(),
+        "--queue".into(),
+        args.queue.to_string().into(),
+    ];
+    node_native::up::up(node_native::up::UpOptions {
+        nodes: args.nodes,
+        k: args.k,
+        model: args.model,
+        data: args.data,
+        port: args.port,
+        api_listen: args.api_listen,
+        api_key: args.api_key,
+        no_learning: args.no_learning,
+        trace_steps: args.trace_steps,
+        web_dir: args.web_dir,
+        no_build_web: args.no_build_web,
+        node_args,
+    })
+    .await
 }
 
 fn model_path(model: &Option<PathBuf>) -> Result<PathBuf> {
@@ -699,7 +821,19 @@ fn run_once_on_mesh(
     let mut attempt = 0;
     let (leader, out, prompt) = loop {
         attempt += 1;
-        let mut leader = Leader::connect(rt, bootstrap.clone(), args.check, args.spares)?;
+        let opts = node_native::remote::GroupOptions {
+            trace: args
+                .trace_steps
+                .as_deref()
+                .map(node_native::steplog::StepLog::create)
+                .transpose()?,
+            ..node_native::remote::GroupOptions::new(args.check, args.spares)
+        };
+        let mut leader = Leader::connect_with(rt, bootstrap.clone(), &opts)?;
+        leader
+            .group
+            .transport_mut()
+            .set_context(format!("request {attempt}"));
         let g = &leader.manifest.generator;
         eprintln!(
             "mesh {}: k = {}, n = {}, {} live rows; group {:?} (first k decode, condition number {:.2})",

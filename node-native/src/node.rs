@@ -50,6 +50,10 @@ pub struct NodeOptions {
     pub http: Option<std::net::SocketAddr>,
     /// The dashboard's built files; `None` looks for them (see [`crate::http::find_web_dir`]).
     pub web_dir: Option<PathBuf>,
+    /// How the requests this node leads (its OpenAI API) are served.
+    pub serve: crate::engine::EngineConfig,
+    /// The bearer key its API asks for, if any.
+    pub api_key: Option<String>,
 }
 
 /// A fault a node injects into its own answers or shard, on purpose.
@@ -201,8 +205,9 @@ pub async fn seed(
     serve(opts, data, holding, gpu).await
 }
 
-/// Loads a model and encodes every row's shard blob.
-fn encode_genesis(
+/// Loads a model and encodes every row's shard blob (with the verification threshold measured
+/// on them).
+pub(crate) fn encode_genesis(
     model: &std::path::Path,
     k: usize,
     n: usize,
@@ -628,23 +633,51 @@ async fn run_server(
     )?;
     eprintln!("serving row {row} as {}", client.peer_id());
     let (info_tx, info_rx) = tokio::sync::mpsc::channel(16);
+    let (internal_tx, internal_rx) = tokio::sync::mpsc::channel(64);
+    let state = Arc::new(RwLock::new(state));
+    let metrics = crate::metrics::Metrics::new();
     let dashboard = match opts.http {
         Some(addr) => {
-            let bootstrap =
-                BrowserBootstrap::from_addrs(client.peer_id().to_string(), &view.local().addrs);
-            let web = crate::http::find_web_dir(opts.web_dir.as_deref());
-            let server = crate::http::start(addr, web, info_tx, bootstrap).await?;
+            let local_row = LocalRow {
+                row: row as usize,
+                peer: client.peer_id(),
+                state: state.clone(),
+                store: store.clone(),
+                rules: rules.clone(),
+                internal: internal_tx.clone(),
+            };
+            let engine = crate::engine::Engine::start(crate::engine::EngineContext {
+                client: client.clone(),
+                key: data.identity()?,
+                manifest: manifest.clone(),
+                local: local_row,
+                info: info_tx.clone(),
+                cfg: opts.serve.clone(),
+                metrics: metrics.clone(),
+                runtime: tokio::runtime::Handle::current(),
+            })?;
+            let parts = crate::http::Parts {
+                web: crate::http::find_web_dir(opts.web_dir.as_deref()),
+                info: info_tx,
+                bootstrap: BrowserBootstrap::from_addrs(
+                    client.peer_id().to_string(),
+                    &view.local().addrs,
+                ),
+                api: crate::api::Api::new(engine, &manifest, opts.api_key.clone())?,
+                metrics: metrics.clone(),
+            };
+            let server = crate::http::start(addr, parts).await?;
             println!("dashboard: {}", server.url);
+            println!("api: {}v1", server.url);
             Some(server.url)
         }
         None => None,
     };
-    let (internal_tx, internal_rx) = tokio::sync::mpsc::channel(64);
     Server {
         client,
         view,
         manifest_bytes: Arc::new(manifest_bytes),
-        state: Arc::new(RwLock::new(state)),
+        state,
         rules,
         row,
         learn_times: Default::default(),
@@ -654,6 +687,7 @@ async fn run_server(
         internal_tx,
         syncing: false,
         dashboard,
+        metrics,
     }
     .run(inbound, internal_rx, info_rx)
     .await
@@ -668,6 +702,69 @@ enum Internal {
     Applied(u64),
     /// A catch-up with a peer ended.
     SyncDone,
+    /// A request this node led finished: count it in the usage it announces.
+    Served(Usage),
+    /// A leader in this node caught a member answering against the code.
+    Caught {
+        /// The member.
+        peer: PeerId,
+        /// The evidence.
+        evidence: String,
+    },
+}
+
+/// This node's own row as a leader inside the node uses it: its coded steps are computed and
+/// its learning updates applied here, without a network hop (a libp2p node cannot send a
+/// request to itself).
+#[derive(Clone)]
+pub struct LocalRow {
+    /// The row.
+    pub row: usize,
+    /// The node's peer id.
+    pub peer: PeerId,
+    state: Arc<RwLock<ShardState>>,
+    store: UpdateStore,
+    rules: Rules,
+    internal: tokio::sync::mpsc::Sender<Internal>,
+}
+
+impl std::fmt::Debug for LocalRow {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LocalRow").field("row", &self.row).finish()
+    }
+}
+
+impl LocalRow {
+    /// Computes a coded step at `version` (an error when the shard is at another).
+    pub fn step(&self, version: &[u8; 32], bytes: &[u8]) -> MeshResponse {
+        step(&self.state, version, bytes)
+    }
+
+    /// Checks, keeps and applies a sealed learning update, as a peer handing it over would.
+    /// Blocks: call it from a blocking thread.
+    pub fn learn(&self, bytes: &[u8]) -> MeshResponse {
+        learn(&self.state, &self.store, &self.rules, &self.internal, bytes)
+    }
+
+    /// The shard's version (digest) and the norm gains at it.
+    pub fn norms(&self) -> ([u8; 32], LeaderWeights) {
+        let s = read(&self.state);
+        (s.version.digest(), s.norms.clone())
+    }
+
+    /// Counts a finished request in the usage this node announces. Blocks: call it from a
+    /// blocking thread.
+    pub fn served(&self, usage: Usage) {
+        let _ = self.internal.blocking_send(Internal::Served(usage));
+    }
+
+    /// Records a member caught answering against the code, as a peer's report would. Blocks:
+    /// call it from a blocking thread.
+    pub fn caught(&self, peer: PeerId, evidence: String) {
+        let _ = self
+            .internal
+            .blocking_send(Internal::Caught { peer, evidence });
+    }
 }
 
 struct Server {
@@ -687,6 +784,8 @@ struct Server {
     syncing: bool,
     /// This node's dashboard URL, when it serves HTTP.
     dashboard: Option<String>,
+    /// What `/metrics` reports.
+    metrics: crate::metrics::Metrics,
 }
 
 fn hex8(d: &[u8; 32]) -> String {
@@ -700,6 +799,8 @@ impl Server {
         mut internal: tokio::sync::mpsc::Receiver<Internal>,
         mut info: tokio::sync::mpsc::Receiver<InfoRequest>,
     ) -> Result<()> {
+        let stop = stop_signal();
+        tokio::pin!(stop);
         loop {
             let deadline = tokio::time::Instant::from_std(self.view.poll_timeout());
             tokio::select! {
@@ -712,7 +813,7 @@ impl Server {
                     let _ = reply.send(self.info(Instant::now()));
                 }
                 _ = tokio::time::sleep_until(deadline) => self.view.handle_timeout(Instant::now()),
-                _ = tokio::signal::ctrl_c() => {
+                _ = &mut stop => {
                     eprintln!("stopping");
                     return Ok(());
                 }
@@ -738,6 +839,7 @@ impl Server {
             Internal::Applied(id) => {
                 let version = read(&self.state).version.clone();
                 self.store.save_version(&version)?;
+                self.metrics.updates_applied.inc();
                 let mut local = self.view.local().clone();
                 local.version_count = version.count();
                 local.version_digest = version.digest();
@@ -750,6 +852,18 @@ impl Server {
                 );
             }
             Internal::SyncDone => self.syncing = false,
+            Internal::Served(usage) => {
+                let mut local = self.view.local().clone();
+                local.usage.add(&usage);
+                self.view.set_local(local);
+            }
+            Internal::Caught { peer, evidence } => {
+                let text = format!(
+                    "{evidence}; reported by {} (this node)",
+                    self.client.peer_id()
+                );
+                self.view.report_caught(peer, text);
+            }
         }
         Ok(())
     }
@@ -820,6 +934,9 @@ impl Server {
 
     fn on_inbound(&mut self, msg: Inbound) {
         let now = Instant::now();
+        if let Inbound::Gossip { data, .. } = &msg {
+            self.metrics.gossip_bytes.inc_by(data.len() as u64);
+        }
         match msg {
             Inbound::Gossip { peer, data } => match protocol::decode::<Heartbeat>(&data) {
                 Ok(hb) => {
@@ -958,6 +1075,30 @@ impl Server {
                 });
             }
         }
+    }
+}
+
+/// Resolves when the process is asked to stop: Ctrl-C (SIGINT) or SIGTERM.
+pub async fn stop_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(e) => {
+                tracing::warn!("cannot listen for SIGTERM: {e}");
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
     }
 }
 

@@ -14,7 +14,7 @@ use node_core::mesh::{
     RoundDriver, Usage,
 };
 
-use crate::node::{ask, fetch_manifest, fetch_update, pick_addr};
+use crate::node::{LocalRow, ask, fetch_manifest, fetch_update, pick_addr};
 use crate::swarm::{self, Client, NetConfig};
 
 /// A connection to the mesh through one node.
@@ -62,26 +62,26 @@ impl Session {
     pub async fn manifest(&self) -> Result<ModelManifest> {
         Ok(fetch_manifest(&self.client, self.bootstrap).await?.0)
     }
+}
 
-    /// Healthy row holders at the version most of them share: row → peer (addresses learnt),
-    /// and that version's digest.
-    pub async fn live_rows(&self, info: &MeshInfo) -> Result<(BTreeMap<usize, PeerId>, [u8; 32])> {
-        let Some((digest, live)) = info.live_rows() else {
-            return Ok((BTreeMap::new(), [0; 32]));
-        };
-        let mut rows = BTreeMap::new();
-        for (row, n) in live {
-            let peer: PeerId = n
-                .peer
-                .parse()
-                .map_err(|e| anyhow!("peer id {:?}: {e}", n.peer))?;
-            let addrs: Vec<Multiaddr> = n.addrs.iter().filter_map(|a| a.parse().ok()).collect();
-            let tcp: Vec<Multiaddr> = pick_addr(&addrs).into_iter().collect();
-            self.client.add_addrs(peer, tcp).await?;
-            rows.insert(row, peer);
+/// The mesh's view once it has settled: right after an update the view may still mix versions,
+/// so heartbeats get a moment (up to 3 s) to bring every healthy node to one.
+pub async fn settled_info<F: std::future::Future<Output = Result<MeshInfo>>>(
+    mut info: impl FnMut() -> F,
+) -> Result<MeshInfo> {
+    let mut now = info().await?;
+    for _ in 0..20 {
+        if now
+            .nodes
+            .iter()
+            .all(|n| n.health != Health::Healthy || n.lag == 0)
+        {
+            break;
         }
-        Ok((rows, digest))
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        now = info().await?;
     }
+    Ok(now)
 }
 
 /// Learning updates of a version a leader checks its members against: a random few.
@@ -92,13 +92,13 @@ pub const PROBE_UPDATES: usize = 4;
 /// signed and fit the mesh's rules.
 async fn probe_updates(
     client: &Client,
-    holders: &BTreeMap<usize, PeerId>,
+    holders: &[PeerId],
     version: [u8; 32],
     rules: &crate::learning::Rules,
 ) -> Result<Vec<(u64, std::sync::Arc<node_core::learn::Update>)>> {
     use std::hash::BuildHasher;
     let mut last = anyhow!("no row holder to ask");
-    for &peer in holders.values() {
+    for &peer in holders {
         let ids = match ask(client, peer, MeshRequest::Versions).await {
             Ok(MeshResponse::Versions { ids }) => ids,
             Ok(_) => {
@@ -138,6 +138,164 @@ async fn probe_updates(
     Err(last)
 }
 
+/// How a leader's group is formed and run.
+#[derive(Debug, Clone)]
+pub struct GroupOptions {
+    /// Answers checked beyond the k decoded in every forward round.
+    pub verify: usize,
+    /// Spare members asked beside the k (and the checked ones).
+    pub spares: usize,
+    /// Round timing.
+    pub round: RoundConfig,
+    /// Where every coded step is written, if anywhere (`--trace-steps`).
+    pub trace: Option<crate::steplog::StepLog>,
+}
+
+impl GroupOptions {
+    /// `verify` checked answers and `spares` spares, default timing, no step trace.
+    pub fn new(verify: usize, spares: usize) -> Self {
+        Self {
+            verify,
+            spares,
+            round: RoundConfig::default(),
+            trace: None,
+        }
+    }
+}
+
+/// A group formed for a leader, with what it needs to run the model on it.
+#[derive(Debug)]
+pub struct Formed {
+    /// The group, over the network.
+    pub group: node_core::coded::CodedGroup<NetTransport>,
+    /// The leader's side of the model, with the norm gains at the group's version.
+    pub llama: node_core::model::Llama,
+    /// The version the group decodes at.
+    pub version: [u8; 32],
+    /// The holders of the live rows at that version, this node excluded (learning updates
+    /// go to all of them).
+    pub holders: Vec<PeerId>,
+    /// Rows healthy at that version when the group was formed.
+    pub live_rows: usize,
+    /// Condition number of the decoding k.
+    pub condition_number: f64,
+}
+
+/// Forms a group over the rows `info` shows healthy: every row's holder is asked for its norm
+/// gains at once (a slow first dial happens here, not inside a round's timeout, and rows that
+/// cannot be reached or hold another version are left out), then the best-conditioned k plus
+/// checks and spares are chosen. `local` is the calling node's own row, computed in process.
+pub async fn form_group(
+    client: &Client,
+    manifest: &ModelManifest,
+    info: &MeshInfo,
+    local: Option<&LocalRow>,
+    opts: &GroupOptions,
+) -> Result<Formed> {
+    let Some((version, live)) = info.live_rows() else {
+        bail!("no healthy row holder is known: the model is unavailable");
+    };
+    let mut peers = BTreeMap::new();
+    for (row, n) in live {
+        let peer: PeerId = n
+            .peer
+            .parse()
+            .map_err(|e| anyhow!("peer id {:?}: {e}", n.peer))?;
+        if local.is_none_or(|l| l.peer != peer) {
+            let addrs: Vec<Multiaddr> = n.addrs.iter().filter_map(|a| a.parse().ok()).collect();
+            client
+                .add_addrs(peer, pick_addr(&addrs).into_iter().collect())
+                .await?;
+        }
+        peers.insert(row, peer);
+    }
+    let asks = peers.iter().map(|(&row, &peer)| async move {
+        let answer = match local.filter(|l| l.peer == peer) {
+            Some(l) => {
+                let (version, norms) = l.norms();
+                Ok(MeshResponse::Norms { version, norms })
+            }
+            None => ask(client, peer, MeshRequest::Norms)
+                .await
+                .map_err(|e| format!("{e:#}")),
+        };
+        (row, peer, answer)
+    });
+    let answers = futures::future::join_all(asks).await;
+    let (rows, norms) = node_core::mesh::rows_at_version(answers, version, &manifest.cfg);
+    let Some(norms) = norms else {
+        bail!(
+            "no row holder could give the norm gains at version {}; the mesh is taking an update, try again",
+            node_core::mesh::hex(&version[..8])
+        );
+    };
+    let g = manifest.generator.clone();
+    let live: Vec<usize> = rows.keys().copied().collect();
+    if live.len() < g.k() {
+        bail!(
+            "the mesh has {} healthy rows at one version, fewer than k = {}: the model is unavailable",
+            live.len(),
+            g.k()
+        );
+    }
+    let plan = node_core::mesh::plan_group(&g, &live, opts.verify + opts.spares)?;
+    let holders: Vec<PeerId> = rows
+        .values()
+        .copied()
+        .filter(|p| local.is_none_or(|l| l.peer != *p))
+        .collect();
+    // Members that claim updates they do not hold are caught by fitting the residuals
+    // against a few updates of the version (docs/verification.md).
+    let probe = if opts.verify > 0 && manifest.learning.enabled {
+        let rules = crate::learning::Rules {
+            cfg: manifest.cfg.clone(),
+            learning: manifest.learning,
+        };
+        match probe_updates(client, &holders, version, &rules).await {
+            Ok(list) if list.is_empty() => None,
+            Ok(list) => {
+                tracing::info!(
+                    updates = list.len(),
+                    "checking members against learning updates of their version"
+                );
+                Some(node_core::coded::UpdateProbe::new(list, g.n()))
+            }
+            Err(e) => {
+                tracing::warn!("members are not checked against learning updates: {e:#}");
+                None
+            }
+        }
+    } else {
+        None
+    };
+    let llama = node_core::model::Llama::new(manifest.cfg.clone(), norms)?;
+    let mut transport = NetTransport::new(
+        client.clone(),
+        version,
+        rows,
+        &plan.members,
+        g.clone(),
+        opts.round,
+    );
+    transport.local = local.cloned();
+    transport.trace = opts.trace.clone();
+    let mut group =
+        node_core::coded::CodedGroup::new(manifest.cfg.clone(), g, &plan.members, transport)?;
+    group.set_verify(node_core::coded::VerifyConfig {
+        extra: opts.verify,
+        noise: manifest.verify_noise,
+    });
+    group.set_probe(probe);
+    Ok(Formed {
+        group,
+        llama,
+        version,
+        holders,
+        live_rows: live.len(),
+        condition_number: plan.condition_number,
+    })
+}
+
 /// Everything a leader needs to run requests on the mesh.
 #[derive(Debug)]
 pub struct Leader {
@@ -174,107 +332,32 @@ impl Leader {
         verify: usize,
         spares: usize,
     ) -> Result<Self> {
-        let (session, manifest, rows) = rt.block_on(async {
+        Self::connect_with(rt, bootstrap, &GroupOptions::new(verify, spares))
+    }
+
+    /// [`Leader::connect`] with every option of the group.
+    pub fn connect_with(
+        rt: &tokio::runtime::Runtime,
+        bootstrap: Multiaddr,
+        opts: &GroupOptions,
+    ) -> Result<Self> {
+        let (session, manifest, formed) = rt.block_on(async {
             let session = Session::connect(bootstrap).await?;
             let manifest = session.manifest().await?;
-            // Right after an update the view may still mix versions: give heartbeats a moment.
-            let mut info = session.info().await?;
-            for _ in 0..20 {
-                if info
-                    .nodes
-                    .iter()
-                    .all(|n| n.health != Health::Healthy || n.lag == 0)
-                {
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(150)).await;
-                info = session.info().await?;
-            }
-            let (live, version) = session.live_rows(&info).await?;
-            // Every row is asked at once before the group forms: a slow first dial (a browser
-            // holder behind a relay) happens here, not inside a round's timeout, and rows that
-            // cannot be reached or hold another version are left out. The norm gains learn
-            // too: they come from the first answer at the group's version.
-            let asks = live.iter().map(|(&row, &peer)| {
-                let client = &session.client;
-                async move { (row, peer, ask(client, peer, MeshRequest::Norms).await) }
-            });
-            let answers = futures::future::join_all(asks).await.into_iter();
-            let answers = answers.map(|(row, peer, a)| (row, peer, a.map_err(|e| format!("{e:#}"))));
-            let (rows, norms) =
-                node_core::mesh::rows_at_version(answers, version, &manifest.cfg);
-            let norms = match (norms, live.is_empty()) {
-                (Some(n), _) => n,
-                (None, true) => manifest.leader.clone(),
-                (None, false) => bail!(
-                    "no row holder could give the norm gains at version {}; the mesh is taking an update, try again",
-                    node_core::mesh::hex(&version[..8])
-                ),
-            };
-            anyhow::Ok((session, manifest, (rows, version, norms)))
+            let info = settled_info(|| session.info()).await?;
+            let formed = form_group(&session.client, &manifest, &info, None, opts).await?;
+            anyhow::Ok((session, manifest, formed))
         })?;
-        let (rows, version, norms) = rows;
-        let holders = rows.values().copied().collect();
-        let g = manifest.generator.clone();
-        let live: Vec<usize> = rows.keys().copied().collect();
-        if live.len() < g.k() {
-            bail!(
-                "the mesh has {} healthy rows at one version, fewer than k = {}: the model is unavailable",
-                live.len(),
-                g.k()
-            );
-        }
-        let plan = node_core::mesh::plan_group(&g, &live, verify + spares)?;
-        // Members that claim updates they do not hold are caught by fitting the residuals
-        // against a few updates of the version (docs/verification.md).
-        let probe = if verify > 0 && manifest.learning.enabled {
-            let rules = crate::learning::Rules {
-                cfg: manifest.cfg.clone(),
-                learning: manifest.learning,
-            };
-            match rt.block_on(probe_updates(&session.client, &rows, version, &rules)) {
-                Ok(list) if list.is_empty() => None,
-                Ok(list) => {
-                    tracing::info!(
-                        updates = list.len(),
-                        "checking members against learning updates of their version"
-                    );
-                    Some(node_core::coded::UpdateProbe::new(list, g.n()))
-                }
-                Err(e) => {
-                    tracing::warn!("members are not checked against learning updates: {e:#}");
-                    None
-                }
-            }
-        } else {
-            None
-        };
         let tokenizer = node_core::model::Tokenizer::from_data(&manifest.tokenizer)?;
-        let llama = node_core::model::Llama::new(manifest.cfg.clone(), norms)?;
-        let transport = NetTransport::new(
-            session.client.clone(),
-            version,
-            rows,
-            &plan.members,
-            g.clone(),
-            RoundConfig::default(),
-        );
-        let mut group =
-            node_core::coded::CodedGroup::new(manifest.cfg.clone(), g, &plan.members, transport)?;
-        group.set_verify(node_core::coded::VerifyConfig {
-            extra: verify,
-            noise: manifest.verify_noise,
-        });
-        group.set_probe(probe);
         Ok(Self {
             manifest,
             tokenizer,
-            llama,
-            group,
-            live_rows: live.len(),
-            condition_number: plan.condition_number,
-            version,
-            holders,
+            llama: formed.llama,
+            group: formed.group,
+            live_rows: formed.live_rows,
+            condition_number: formed.condition_number,
+            version: formed.version,
+            holders: formed.holders,
             client: session.client,
             bootstrap: session.bootstrap,
             key: session.key,
@@ -418,6 +501,7 @@ type Answer = (u64, usize, Result<(Vec<u8>, u64), String>);
 
 /// Coded steps over the network: each round goes to every member, the first k answers win,
 /// failed members are replaced from the free rows, stragglers are outrun and swapped out.
+/// A leader inside a node computes its own row's steps in process.
 #[derive(Debug)]
 pub struct NetTransport {
     client: Client,
@@ -428,6 +512,14 @@ pub struct NetTransport {
     rx: std_mpsc::Receiver<Answer>,
     round: u64,
     stats: NetStats,
+    local: Option<LocalRow>,
+    trace: Option<crate::steplog::StepLog>,
+    /// The step the rounds belong to.
+    label: String,
+    /// What the rounds are for (the requests of a batch), for the step trace.
+    context: String,
+    /// When each member of the current round was asked, and with how many bytes.
+    asked: BTreeMap<usize, (Instant, usize)>,
 }
 
 impl NetTransport {
@@ -455,6 +547,11 @@ impl NetTransport {
             rx,
             round: 0,
             stats: NetStats::default(),
+            local: None,
+            trace: None,
+            label: String::new(),
+            context: String::new(),
+            asked: BTreeMap::new(),
         }
     }
 
@@ -468,7 +565,28 @@ impl NetTransport {
         &self.stats
     }
 
-    fn send(&self, row: usize, request: &[u8]) {
+    /// The version the members are asked at.
+    pub fn version(&self) -> [u8; 32] {
+        self.version
+    }
+
+    /// Asks the members at another version from now on (after this leader's own update,
+    /// which every member has applied).
+    pub fn set_version(&mut self, version: [u8; 32]) {
+        self.version = version;
+    }
+
+    /// What the next rounds are for (written with each step in the step trace).
+    pub fn set_context(&mut self, context: String) {
+        self.context = context;
+    }
+
+    fn is_local(&self, row: usize) -> bool {
+        self.local.as_ref().is_some_and(|l| l.row == row)
+    }
+
+    fn send(&mut self, row: usize, request: &[u8]) {
+        self.asked.insert(row, (Instant::now(), request.len()));
         let tx = self.tx.clone();
         let round = self.round;
         let Some(&peer) = self.peers.get(&row) else {
@@ -486,6 +604,72 @@ impl NetTransport {
         if let Err(e) = sent {
             let _ = self.tx.try_send((round, row, Err(format!("{e:#}"))));
         }
+    }
+
+    /// Computes this node's own row's answer here (while the others compute theirs).
+    fn answer_locally(&mut self, row: usize, request: &[u8]) {
+        self.asked.insert(row, (Instant::now(), request.len()));
+        let result = match &self.local {
+            Some(l) => l.step(&self.version, request).into_step(),
+            None => Err("no local row".into()),
+        };
+        let _ = self.tx.try_send((self.round, row, result));
+    }
+
+    /// Sends `request` to each of `rows`, computing the local one last.
+    fn send_all(&mut self, rows: impl IntoIterator<Item = (usize, Vec<u8>)>) {
+        let mut local = None;
+        for (row, request) in rows {
+            if self.is_local(row) {
+                local = Some((row, request));
+            } else {
+                self.send(row, &request);
+            }
+        }
+        if let Some((row, request)) = local {
+            self.answer_locally(row, &request);
+        }
+    }
+
+    /// Writes one member's part of the round to the step trace.
+    fn trace_answer(&mut self, row: usize, result: Result<(usize, u64), &str>) {
+        let Some(trace) = &self.trace else {
+            return;
+        };
+        let Some((at, sent)) = self.asked.remove(&row) else {
+            return;
+        };
+        let (received, compute_us, outcome) = match result {
+            Ok((bytes, us)) => (bytes, us, "ok".to_string()),
+            Err(e) => (0, 0, e.to_string()),
+        };
+        trace.record(&crate::steplog::StepRecord {
+            unix_ms: crate::steplog::unix_ms(),
+            context: &self.context,
+            step: &self.label,
+            round: self.round,
+            member: row,
+            peer: self
+                .peers
+                .get(&row)
+                .map(|p| p.to_string())
+                .unwrap_or_default(),
+            local: self.is_local(row),
+            bytes_sent: sent,
+            bytes_received: received,
+            ms: at.elapsed().as_secs_f64() * 1e3,
+            compute_ms: compute_us as f64 / 1e3,
+            outcome: &outcome,
+        });
+    }
+
+    /// Ends a round in the step trace: members still unanswered were not needed.
+    fn trace_round_end(&mut self) {
+        let rows: Vec<usize> = self.asked.keys().copied().collect();
+        for row in rows {
+            self.trace_answer(row, Err("not needed (outrun)"));
+        }
+        self.asked.clear();
     }
 }
 
@@ -507,9 +691,11 @@ impl Transport for NetTransport {
         let mut driver = RoundDriver::start(Instant::now(), members, need, &mut self.pool);
         let mut compute: BTreeMap<usize, u64> = BTreeMap::new();
         loop {
+            let mut due = Vec::new();
             while let Some(row) = driver.poll_transmit() {
-                self.send(row, request);
+                due.push((row, request.to_vec()));
             }
+            self.send_all(due);
             if driver.is_done() || driver.is_failed() {
                 break;
             }
@@ -518,6 +704,13 @@ impl Transport for NetTransport {
             });
             match self.rx.recv_timeout(wait) {
                 Ok((round, row, result)) if round == self.round => {
+                    self.trace_answer(
+                        row,
+                        result
+                            .as_ref()
+                            .map(|(b, us)| (b.len(), *us))
+                            .map_err(String::as_str),
+                    );
                     let result = result.map(|(bytes, us)| {
                         compute.insert(row, us);
                         bytes
@@ -540,6 +733,7 @@ impl Transport for NetTransport {
                 }
             }
         }
+        self.trace_round_end();
         *members = driver.members().to_vec();
         let answers = driver.finish(&mut self.pool).map_err(|e| TransportError {
             node: usize::MAX,
@@ -562,35 +756,46 @@ impl Transport for NetTransport {
         // Backward steps: every member gets its own input and every answer is needed.
         self.round += 1;
         let round = self.round;
-        for (row, request) in &requests {
-            self.send(*row, request);
-        }
+        let rows: Vec<usize> = requests.iter().map(|(r, _)| *r).collect();
+        self.send_all(requests);
         let deadline = Instant::now() + RoundConfig::default().member_timeout;
-        let mut answers = Vec::with_capacity(requests.len());
-        while answers.len() < requests.len() {
+        let mut answers = Vec::with_capacity(rows.len());
+        let result = loop {
+            if answers.len() == rows.len() {
+                break Ok(answers);
+            }
             let wait = deadline.saturating_duration_since(Instant::now());
             match self.rx.recv_timeout(wait) {
                 Ok((r, row, result)) if r == round => match result {
-                    Ok((bytes, _)) => answers.push((row, bytes)),
+                    Ok((bytes, us)) => {
+                        self.trace_answer(row, Ok((bytes.len(), us)));
+                        answers.push((row, bytes));
+                    }
                     Err(reason) => {
+                        self.trace_answer(row, Err(&reason));
                         self.pool.note_failure(row);
-                        return Err(TransportError { node: row, reason });
+                        break Err(TransportError { node: row, reason });
                     }
                 },
                 Ok(_) => {}
                 Err(_) => {
-                    let missing = requests
+                    let missing = rows
                         .iter()
-                        .map(|(r, _)| *r)
+                        .copied()
                         .find(|r| answers.iter().all(|(a, _)| a != r))
                         .unwrap_or(usize::MAX);
-                    return Err(TransportError {
+                    break Err(TransportError {
                         node: missing,
                         reason: "timed out".into(),
                     });
                 }
             }
-        }
-        Ok(answers)
+        };
+        self.trace_round_end();
+        result
+    }
+
+    fn label(&mut self, what: &str) {
+        what.clone_into(&mut self.label);
     }
 }

@@ -61,6 +61,10 @@ pub trait Transport {
         }
         Ok(out)
     }
+
+    /// Names the step the next rounds belong to (`Qkv(3)`, `LmHead backward`…), for logs and
+    /// step traces; the default ignores it.
+    fn label(&mut self, _what: &str) {}
 }
 
 /// Members living in this process, indexed by node; messages still go through the codec.
@@ -316,6 +320,18 @@ impl<T: Transport> CodedGroup<T> {
     /// Sends one request to the group and decodes the first k usable answers into
     /// `[block j'][c]`, checked against `extra` more when verification is on.
     async fn run(
+        &mut self,
+        req: &StepRequest,
+        c: usize,
+        what: &str,
+    ) -> Result<Vec<f32>, CodedError> {
+        use tracing::Instrument;
+        self.transport.label(what);
+        let span = tracing::debug_span!("coded_step", step = what);
+        self.run_inner(req, c, what).instrument(span).await
+    }
+
+    async fn run_inner(
         &mut self,
         req: &StepRequest,
         c: usize,
@@ -756,6 +772,7 @@ impl<T: Transport> CodedGroup<T> {
         let inp = shapes.first().map_or(0, |&(_, i)| i);
         let k = self.generator.k();
         let dy = to_blocks(dys, &shapes, &self.generator, t);
+        self.transport.label(&format!("{stage:?} backward"));
         let mut last_error = None;
         for _ in 0..MAX_ROUND_ATTEMPTS {
             // The rows decoded last, if all are still members; else the first k members.

@@ -1,0 +1,227 @@
+//! What a node reports at `/metrics`, in Prometheus' text format: the requests it leads
+//! (tokens/s, latency, time to first token), its coded groups (formed, members replaced,
+//! decode residuals, rounds checked, members caught), learning (updates published and applied),
+//! gossip traffic and the mesh's health.
+
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+/// A node's metrics; clones share the same values.
+#[derive(Clone)]
+pub struct Metrics {
+    registry: Arc<Registry>,
+    /// Requests finished (any outcome but an error).
+    pub requests: Counter,
+    /// Requests that failed after they were admitted.
+    pub request_errors: Counter,
+    /// Requests turned away with 429 because the queue was full.
+    pub requests_rejected: Counter,
+    /// Prompt tokens of finished requests.
+    pub prompt_tokens: Counter,
+    /// Tokens generated.
+    pub tokens_generated: Counter,
+    /// Tokens generated per second over the last 10 s.
+    pub tokens_per_second: Gauge<f64, AtomicU64>,
+    /// Seconds from a request's arrival to its last token.
+    pub request_latency: Histogram,
+    /// Seconds from a request's arrival to its first token.
+    pub time_to_first_token: Histogram,
+    /// Requests waiting for a place in the batch.
+    pub queue_depth: Gauge,
+    /// Sequences being generated together.
+    pub active_sequences: Gauge,
+    /// Forward steps run (one coded round per stage for the whole batch).
+    pub forward_steps: Counter,
+    /// Coded groups formed.
+    pub groups_formed: Counter,
+    /// Members dropped from a group and replaced (failed, stalled or caught).
+    pub members_replaced: Counter,
+    /// Coded rounds checked against the code with extra answers.
+    pub rounds_checked: Counter,
+    /// Per forward step, the largest residual of a passing check over its threshold.
+    pub decode_residual_ratio: Histogram,
+    /// Members caught answering against the code.
+    pub members_caught: Counter,
+    /// Learning updates this node published as a leader.
+    pub updates_published: Counter,
+    /// Learning updates applied to this node's shard.
+    pub updates_applied: Counter,
+    /// Mean next-token loss of the last training batch.
+    pub loss: Gauge<f64, AtomicU64>,
+    /// Bytes of gossip received.
+    pub gossip_bytes: Counter,
+    /// Healthy rows at the mesh version (set when scraped).
+    pub healthy_rows: Gauge,
+    /// Rows of the code.
+    pub rows: Gauge,
+    /// Rows needed to compute.
+    pub k: Gauge,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Metrics")
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Every metric at zero, registered under the `codedmesh` prefix.
+    pub fn new() -> Self {
+        let mut r = Registry::with_prefix("codedmesh");
+        let seconds = || Histogram::new(exponential_buckets(0.005, 2.0, 16));
+        let m = Self {
+            registry: Arc::new(Registry::default()),
+            requests: Counter::default(),
+            request_errors: Counter::default(),
+            requests_rejected: Counter::default(),
+            prompt_tokens: Counter::default(),
+            tokens_generated: Counter::default(),
+            tokens_per_second: Gauge::default(),
+            request_latency: seconds(),
+            time_to_first_token: seconds(),
+            queue_depth: Gauge::default(),
+            active_sequences: Gauge::default(),
+            forward_steps: Counter::default(),
+            groups_formed: Counter::default(),
+            members_replaced: Counter::default(),
+            rounds_checked: Counter::default(),
+            decode_residual_ratio: Histogram::new(exponential_buckets(1e-4, 4.0, 10)),
+            members_caught: Counter::default(),
+            updates_published: Counter::default(),
+            updates_applied: Counter::default(),
+            loss: Gauge::default(),
+            gossip_bytes: Counter::default(),
+            healthy_rows: Gauge::default(),
+            rows: Gauge::default(),
+            k: Gauge::default(),
+        };
+        r.register("requests", "Requests finished", m.requests.clone());
+        r.register(
+            "request_errors",
+            "Requests that failed after they were admitted",
+            m.request_errors.clone(),
+        );
+        r.register(
+            "requests_rejected",
+            "Requests turned away with 429 because the queue was full",
+            m.requests_rejected.clone(),
+        );
+        r.register(
+            "prompt_tokens",
+            "Prompt tokens of finished requests",
+            m.prompt_tokens.clone(),
+        );
+        r.register(
+            "tokens_generated",
+            "Tokens generated",
+            m.tokens_generated.clone(),
+        );
+        r.register(
+            "tokens_per_second",
+            "Tokens generated per second over the last 10 s",
+            m.tokens_per_second.clone(),
+        );
+        r.register(
+            "request_latency_seconds",
+            "Seconds from a request's arrival to its last token",
+            m.request_latency.clone(),
+        );
+        r.register(
+            "time_to_first_token_seconds",
+            "Seconds from a request's arrival to its first token",
+            m.time_to_first_token.clone(),
+        );
+        r.register(
+            "queue_depth",
+            "Requests waiting for a place in the batch",
+            m.queue_depth.clone(),
+        );
+        r.register(
+            "active_sequences",
+            "Sequences being generated together",
+            m.active_sequences.clone(),
+        );
+        r.register(
+            "forward_steps",
+            "Forward steps run, one coded round per stage for the whole batch",
+            m.forward_steps.clone(),
+        );
+        r.register(
+            "groups_formed",
+            "Coded groups formed",
+            m.groups_formed.clone(),
+        );
+        r.register(
+            "members_replaced",
+            "Members dropped from a group and replaced",
+            m.members_replaced.clone(),
+        );
+        r.register(
+            "rounds_checked",
+            "Coded rounds checked against the code with extra answers",
+            m.rounds_checked.clone(),
+        );
+        r.register(
+            "decode_residual_ratio",
+            "Per forward step, the largest residual of a passing check over its threshold",
+            m.decode_residual_ratio.clone(),
+        );
+        r.register(
+            "members_caught",
+            "Members caught answering against the code",
+            m.members_caught.clone(),
+        );
+        r.register(
+            "updates_published",
+            "Learning updates this node published as a leader",
+            m.updates_published.clone(),
+        );
+        r.register(
+            "updates_applied",
+            "Learning updates applied to this node's shard",
+            m.updates_applied.clone(),
+        );
+        r.register(
+            "loss",
+            "Mean next-token loss of the last training batch",
+            m.loss.clone(),
+        );
+        r.register(
+            "gossip_bytes",
+            "Bytes of gossip received",
+            m.gossip_bytes.clone(),
+        );
+        r.register(
+            "healthy_rows",
+            "Healthy rows at the mesh version",
+            m.healthy_rows.clone(),
+        );
+        r.register("rows", "Rows of the code", m.rows.clone());
+        r.register("k", "Rows needed to compute", m.k.clone());
+        Self {
+            registry: Arc::new(r),
+            ..m
+        }
+    }
+
+    /// The metrics in Prometheus' text exposition format.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        if let Err(e) = encode(&mut out, &self.registry) {
+            tracing::warn!("encoding metrics: {e}");
+        }
+        out
+    }
+}

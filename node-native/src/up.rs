@@ -1,0 +1,385 @@
+//! `codedmesh up`: a whole local mesh from one command. It fetches the model if the cache does
+//! not hold it, encodes it into n coded rows (once: the data dir keeps them), starts n node
+//! processes on 127.0.0.1 under a supervisor (real libp2p between them), waits until every row
+//! is healthy, and prints one ready line with the OpenAI API's and the dashboard's URLs.
+//! Ctrl-C stops every node cleanly and keeps the data, so the next `up` starts in seconds.
+
+use std::ffi::OsString;
+use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail, ensure};
+use node_core::coded::ShardFormat;
+use node_core::mesh::{LearningConfig, MeshInfo};
+use serde::{Deserialize, Serialize};
+
+use crate::store::DataDir;
+use crate::supervise::{ChildSpec, log_tail, supervise};
+
+/// What `up` starts.
+#[derive(Debug, Clone)]
+pub struct UpOptions {
+    /// Nodes, one row each (n).
+    pub nodes: usize,
+    /// Rows needed to compute.
+    pub k: usize,
+    /// The model; `None` is the default model, fetched once.
+    pub model: Option<PathBuf>,
+    /// Where the mesh's data lives; `None` picks a folder per model and code.
+    pub data: Option<PathBuf>,
+    /// Port of the API and the dashboard.
+    pub port: u16,
+    /// Address the API and the dashboard listen on.
+    pub api_listen: IpAddr,
+    /// Bearer key the API asks for.
+    pub api_key: Option<String>,
+    /// The mesh does not learn from requests.
+    pub no_learning: bool,
+    /// Where the API node writes every coded step (`--trace-steps`).
+    pub trace_steps: Option<PathBuf>,
+    /// The dashboard's built files.
+    pub web_dir: Option<PathBuf>,
+    /// Do not build the dashboard when it is missing.
+    pub no_build_web: bool,
+    /// Extra arguments for every node (`--max-batch`, `--queue`, `--device` …).
+    pub node_args: Vec<OsString>,
+}
+
+/// What a data dir holds about the mesh `up` made there.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct MeshFile {
+    model: String,
+    k: usize,
+    n: usize,
+    /// Each node's libp2p TCP port, kept so a restarted node is found where it was.
+    ports: Vec<u16>,
+}
+
+const MESH_FILE: &str = "mesh.json";
+
+/// The default data dir for a model and code: `$CODEDMESH_DATA`, else the user's data dir.
+fn default_data(model: &Path, k: usize, n: usize) -> Result<PathBuf> {
+    let base = match std::env::var_os("CODEDMESH_DATA") {
+        Some(d) => PathBuf::from(d),
+        None => dirs::data_local_dir()
+            .context("no data directory on this system; pass --data DIR")?
+            .join("codedmesh"),
+    };
+    let stem = model
+        .file_stem()
+        .map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned());
+    Ok(base.join("up").join(format!("{stem}-k{k}-n{n}")))
+}
+
+/// `n` free TCP ports on 127.0.0.1.
+fn free_ports(n: usize) -> Result<Vec<u16>> {
+    let listeners = (0..n)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0"))
+        .collect::<std::io::Result<Vec<_>>>()
+        .context("finding free ports")?;
+    listeners
+        .iter()
+        .map(|l| Ok(l.local_addr()?.port()))
+        .collect()
+}
+
+/// The mesh of `data`: read when `up` made it before, else encoded now.
+fn prepare(opts: &UpOptions, model: &Path, data: &Path) -> Result<MeshFile> {
+    let file = data.join(MESH_FILE);
+    let name = model.file_name().map_or_else(
+        || model.display().to_string(),
+        |f| f.to_string_lossy().into_owned(),
+    );
+    if file.exists() {
+        let mesh: MeshFile = serde_json::from_slice(&std::fs::read(&file)?)
+            .with_context(|| format!("reading {}", file.display()))?;
+        ensure!(
+            mesh.model == name && mesh.k == opts.k && mesh.n == opts.nodes,
+            "{} holds a mesh of {} with k = {}, n = {}, not {name} with k = {}, n = {}: pass --data DIR for another",
+            data.display(),
+            mesh.model,
+            mesh.k,
+            mesh.n,
+            opts.k,
+            opts.nodes
+        );
+        eprintln!(
+            "using the mesh in {} ({} nodes, k = {})",
+            data.display(),
+            mesh.n,
+            mesh.k
+        );
+        return Ok(mesh);
+    }
+    ensure!(
+        opts.k >= 1 && opts.nodes >= opts.k,
+        "need 1 ≤ k ≤ nodes, got k = {}, nodes = {}",
+        opts.k,
+        opts.nodes
+    );
+    let learning = LearningConfig {
+        enabled: !opts.no_learning,
+        ..LearningConfig::default()
+    };
+    let started = Instant::now();
+    eprintln!(
+        "encoding {} into {} coded rows (k = {}), once: the data dir keeps them",
+        model.display(),
+        opts.nodes,
+        opts.k
+    );
+    let (manifest, blobs) =
+        crate::node::encode_genesis(model, opts.k, opts.nodes, ShardFormat::F32, learning)?;
+    let manifest_bytes = manifest.to_bytes()?;
+    for (row, blob) in &blobs {
+        let dir = DataDir::open(&node_dir(data, *row as usize))?;
+        dir.save_manifest(&manifest_bytes)?;
+        dir.save_shard_blob(blob)?;
+    }
+    let mesh = MeshFile {
+        model: name,
+        k: opts.k,
+        n: opts.nodes,
+        ports: free_ports(opts.nodes)?,
+    };
+    // Written last: a mesh file means every row is in place.
+    std::fs::write(&file, serde_json::to_vec_pretty(&mesh)?)?;
+    eprintln!(
+        "encoded and saved {} rows in {:.1} s",
+        blobs.len(),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(mesh)
+}
+
+fn node_dir(data: &Path, i: usize) -> PathBuf {
+    data.join(format!("node{i}"))
+}
+
+/// The checkout this program was built in (the folder holding `scripts/build-web.sh`).
+fn checkout() -> Option<PathBuf> {
+    let starts = [std::env::current_exe().ok(), std::env::current_dir().ok()];
+    starts.into_iter().flatten().find_map(|s| {
+        s.ancestors()
+            .find(|a| a.join("scripts").join("build-web.sh").is_file())
+            .map(Path::to_path_buf)
+    })
+}
+
+/// Where the dashboard is (or will be), and a build of it started in the background when it
+/// is missing and this is a checkout.
+fn dashboard(opts: &UpOptions, data: &Path) -> (Option<PathBuf>, Option<tokio::process::Child>) {
+    if let Some(dir) = crate::http::find_web_dir(opts.web_dir.as_deref()) {
+        return (Some(dir), None);
+    }
+    let Some(root) = checkout() else {
+        eprintln!(
+            "the dashboard is not built and no checkout was found: the API works, `/` says how to build it"
+        );
+        return (None, None);
+    };
+    let dist = root.join("web-ui").join("dist");
+    if opts.no_build_web {
+        return (Some(dist), None);
+    }
+    let log = data.join("build-web.log");
+    let spec = ChildSpec {
+        name: "the dashboard's build".into(),
+        program: "bash".into(),
+        args: vec![root.join("scripts").join("build-web.sh").into_os_string()],
+        log: Some(log.clone()),
+    };
+    match spec.spawn() {
+        Ok(child) => {
+            eprintln!(
+                "the dashboard is not built yet: building it in the background (scripts/build-web.sh; the first time it installs trunk, wasm-pack and wasm-bindgen-cli, which takes a while). The API works meanwhile; log: {}",
+                log.display()
+            );
+            (Some(dist), Some(child))
+        }
+        Err(e) => {
+            eprintln!("could not build the dashboard: {e:#}");
+            (Some(dist), None)
+        }
+    }
+}
+
+/// `codedmesh up`.
+pub async fn up(opts: UpOptions) -> Result<()> {
+    let model = match &opts.model {
+        Some(p) => p.clone(),
+        None => tokio::task::spawn_blocking(crate::fetch::default_model).await??,
+    };
+    let model = model.canonicalize().unwrap_or(model);
+    let data = match &opts.data {
+        Some(d) => d.clone(),
+        None => default_data(&model, opts.k, opts.nodes)?,
+    };
+    std::fs::create_dir_all(&data).with_context(|| format!("creating {}", data.display()))?;
+    let http = SocketAddr::new(opts.api_listen, opts.port);
+    // A taken port fails here, with a clear message, rather than in a child's log.
+    drop(
+        std::net::TcpListener::bind(http)
+            .with_context(|| format!("the API's address {http} is taken: pass --port PORT"))?,
+    );
+    let mesh = {
+        let (o, m, d) = (opts.clone(), model.clone(), data.clone());
+        tokio::task::spawn_blocking(move || prepare(&o, &m, &d)).await??
+    };
+    let (web, mut build) = dashboard(&opts, &data);
+    let program = crate::supervise::this_program()?;
+    let tcp = |i: usize| format!("/ip4/127.0.0.1/tcp/{}", mesh.ports[i]);
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let mut tasks = Vec::new();
+    for i in 0..mesh.n {
+        let bootstrap = if i == 0 { tcp(1 % mesh.n) } else { tcp(0) };
+        let mut args: Vec<OsString> = vec!["node".into(), "--data".into()];
+        args.push(node_dir(&data, i).into_os_string());
+        for a in ["--listen".to_string(), tcp(i)] {
+            args.push(a.into());
+        }
+        if mesh.n > 1 {
+            args.push("--bootstrap".into());
+            args.push(bootstrap.into());
+        }
+        args.push("--http".into());
+        let addr = if i == 0 {
+            http
+        } else {
+            SocketAddr::from(([127, 0, 0, 1], 0))
+        };
+        args.push(addr.to_string().into());
+        if let Some(w) = &web {
+            args.push("--web-dir".into());
+            args.push(w.clone().into_os_string());
+        }
+        if let Some(k) = &opts.api_key {
+            args.push("--api-key".into());
+            args.push(k.into());
+        }
+        if opts.no_learning {
+            args.push("--no-learn".into());
+        }
+        if i == 0
+            && let Some(t) = &opts.trace_steps
+        {
+            args.push("--trace-steps".into());
+            args.push(t.clone().into_os_string());
+        }
+        args.extend(opts.node_args.iter().cloned());
+        let spec = ChildSpec {
+            name: format!("node {i}"),
+            program: program.clone(),
+            args,
+            log: Some(data.join(format!("node{i}.log"))),
+        };
+        let stop = stop_rx.clone();
+        tasks.push(tokio::spawn(async move {
+            if let Err(e) = supervise(spec, stop).await {
+                eprintln!("{e:#}");
+            }
+        }));
+        // The first node is up before the others dial it.
+        if i == 0 {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+    }
+    let stop_signal = crate::node::stop_signal();
+    tokio::pin!(stop_signal);
+    let first = tcp(0);
+    let ready = tokio::select! {
+        r = wait_ready(&first, &mesh, &data) => r,
+        _ = &mut stop_signal => Err(anyhow::anyhow!("stopped before the mesh was ready")),
+    };
+    let result = match ready {
+        Ok(info) => {
+            let host = if opts.api_listen.is_unspecified() {
+                "127.0.0.1".to_string()
+            } else {
+                http.ip().to_string()
+            };
+            let base = format!("http://{host}:{}", http.port());
+            let model_id = model
+                .file_stem()
+                .map_or_else(String::new, |s| s.to_string_lossy().into_owned());
+            println!(
+                "ready: OpenAI API {base}/v1 · dashboard {base}/ · model {model_id} · {} nodes, k = {}, {} of {} rows healthy · bootstrap {first} · data {} · Ctrl-C stops",
+                mesh.n,
+                mesh.k,
+                info.healthy_rows,
+                info.n,
+                data.display()
+            );
+            eprintln!(
+                "try: curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' -d '{{\"model\": \"{model_id}\", \"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}]}}'"
+            );
+            loop {
+                tokio::select! {
+                    _ = &mut stop_signal => break Ok(()),
+                    status = async { match build.as_mut() { Some(b) => b.wait().await, None => std::future::pending().await } } => {
+                        build = None;
+                        match status {
+                            Ok(s) if s.success() => eprintln!("the dashboard is built: {base}/"),
+                            other => eprintln!("building the dashboard failed ({other:?}); see {}", data.join("build-web.log").display()),
+                        }
+                    }
+                }
+            }
+        }
+        Err(e) => Err(e),
+    };
+    eprintln!("stopping {} nodes", mesh.n);
+    let _ = stop_tx.send(true);
+    for t in tasks {
+        let _ = t.await;
+    }
+    if let Some(mut b) = build {
+        crate::supervise::stop_child(&mut b, Duration::from_secs(2)).await;
+    }
+    eprintln!("stopped; the data is kept in {}", data.display());
+    result
+}
+
+/// Waits until every row is healthy (or, after a minute, at least k), showing progress.
+async fn wait_ready(first: &str, mesh: &MeshFile, data: &Path) -> Result<MeshInfo> {
+    let pb = crate::progress::bar(mesh.n as u64, "rows healthy");
+    let started = Instant::now();
+    let addr: libp2p::Multiaddr = first.parse()?;
+    let mut session = None;
+    let mut last_error = String::new();
+    loop {
+        if session.is_none() {
+            match crate::remote::Session::connect(addr.clone()).await {
+                Ok(s) => session = Some(s),
+                Err(e) => last_error = format!("{e:#}"),
+            }
+        }
+        if let Some(s) = &session {
+            match s.info().await {
+                Ok(info) => {
+                    pb.set_position(u64::from(info.healthy_rows));
+                    let all = info.healthy_rows as usize >= mesh.n;
+                    let enough = info.available && started.elapsed() > Duration::from_secs(60);
+                    if all || enough {
+                        pb.finish_and_clear();
+                        return Ok(info);
+                    }
+                    last_error = info.summary();
+                }
+                Err(e) => {
+                    last_error = format!("{e:#}");
+                    session = None;
+                }
+            }
+        }
+        if started.elapsed() > Duration::from_secs(180) {
+            pb.finish_and_clear();
+            bail!(
+                "the mesh did not come up in 3 minutes ({last_error}); the first node's log ends:\n{}",
+                log_tail(&data.join("node0.log"), 20)
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}

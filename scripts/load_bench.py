@@ -1,0 +1,204 @@
+"""Load benchmark of a Coded Mesh API: many concurrent streaming chat clients.
+
+    python scripts/load_bench.py --base http://127.0.0.1:8000/v1 --model MODEL \
+        [--clients 64] [--requests 2] [--max-tokens 32] [--time-limit 900] [--pid PID ...]
+
+Each client sends --requests streamed chat completions one after another (different
+prompts). A 429 is an explicit "busy": the client waits for its Retry-After and sends the
+request again (counted). Anything else that is not a finished stream is an error. The run
+stops at --time-limit. While it runs, the resident memory of the given processes (and their
+children) is sampled. Prints a Markdown table of throughput, latency percentiles and memory;
+exits non-zero if any request failed other than with 429. scripts/load-bench.sh runs it
+against `codedmesh up`.
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+
+import openai
+
+PROMPTS = [
+    "Write one sentence about the sea.",
+    "Name three colours.",
+    "What is 12 times 12?",
+    "Give me a short tip for learning to code.",
+    "Describe a cat in a few words.",
+    "What is the capital of Italy?",
+    "Say hello in French.",
+    "Why is the sky blue? Answer briefly.",
+]
+
+
+def percentile(values, p):
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    k = (len(values) - 1) * p / 100
+    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+
+
+def descendants(pid):
+    """pid and every process below it."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+        except OSError:
+            pass
+    return out
+
+
+def rss_kib(pid):
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+class MemorySampler(threading.Thread):
+    def __init__(self, pids):
+        super().__init__(daemon=True)
+        self.pids = pids
+        self.peak = {}
+        self.peak_total = 0
+        self.stop = threading.Event()
+
+    def run(self):
+        while not self.stop.is_set():
+            total = 0
+            for root in self.pids:
+                for p in descendants(root):
+                    r = rss_kib(p)
+                    total += r
+                    self.peak[p] = max(self.peak.get(p, 0), r)
+            self.peak_total = max(self.peak_total, total)
+            self.stop.wait(0.5)
+
+
+async def client(i, args, aclient, results, deadline):
+    for j in range(args.requests):
+        prompt = PROMPTS[(i + j) % len(PROMPTS)]
+        retries_429 = 0
+        while True:
+            if time.monotonic() > deadline:
+                results.append({"status": "timeout"})
+                return
+            start = time.monotonic()
+            first = None
+            stamps = []
+            tokens = 0
+            try:
+                stream = await aclient.chat.completions.create(
+                    model=args.model,
+                    messages=[{"role": "user", "content": prompt}],
+                    max_tokens=args.max_tokens,
+                    temperature=0.7,
+                    seed=i * 1000 + j,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+                async for chunk in stream:
+                    now = time.monotonic()
+                    if chunk.usage is not None:
+                        tokens = chunk.usage.completion_tokens
+                    if any(c.delta.content for c in chunk.choices):
+                        if first is None:
+                            first = now - start
+                        stamps.append(now)
+                end = time.monotonic()
+                gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+                results.append({
+                    "status": "ok", "ttft": first if first is not None else end - start,
+                    "latency": end - start, "tokens": tokens, "gaps": gaps,
+                    "retries_429": retries_429,
+                })
+                break
+            except openai.RateLimitError as e:
+                retries_429 += 1
+                results.append({"status": "429"})
+                wait = float(e.response.headers.get("retry-after") or 1)
+                await asyncio.sleep(min(wait, 30))
+            except Exception as e:  # anything else is a failure of the run
+                results.append({"status": "error", "error": repr(e)})
+                break
+
+
+async def run(args):
+    aclient = openai.AsyncOpenAI(base_url=args.base, api_key=args.api_key or "none",
+                                 max_retries=0, timeout=args.time_limit)
+    results = []
+    deadline = time.monotonic() + args.time_limit
+    start = time.monotonic()
+    await asyncio.gather(*(client(i, args, aclient, results, deadline) for i in range(args.clients)))
+    return results, time.monotonic() - start
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--base", required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--clients", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--time-limit", type=float, default=900)
+    ap.add_argument("--pid", type=int, action="append", default=[])
+    ap.add_argument("--json", help="also write the raw numbers here")
+    args = ap.parse_args()
+
+    sampler = MemorySampler(args.pid)
+    sampler.start()
+    results, wall = asyncio.run(run(args))
+    sampler.stop.set()
+    sampler.join()
+
+    ok = [r for r in results if r["status"] == "ok"]
+    refused = [r for r in results if r["status"] == "429"]
+    errors = [r for r in results if r["status"] not in ("ok", "429")]
+    tokens = sum(r["tokens"] for r in ok)
+    ttft = [r["ttft"] for r in ok]
+    latency = [r["latency"] for r in ok]
+    gaps = [g for r in ok for g in r["gaps"]]
+    ms = lambda v: f"{v * 1000:.0f} ms"
+    rows = [
+        ("clients × requests each", f"{args.clients} × {args.requests}, {args.max_tokens} tokens max"),
+        ("requests finished", f"{len(ok)} of {args.clients * args.requests}"),
+        ("429 answers (retried after Retry-After)", str(len(refused))),
+        ("errors other than 429", str(len(errors))),
+        ("wall time", f"{wall:.1f} s"),
+        ("completion tokens", str(tokens)),
+        ("throughput", f"{tokens / wall:.1f} tok/s, {len(ok) / wall:.2f} requests/s"),
+        ("time to first token p50 / p90 / p99", " / ".join(ms(percentile(ttft, p)) for p in (50, 90, 99))),
+        ("request latency p50 / p90 / p99", " / ".join(ms(percentile(latency, p)) for p in (50, 90, 99))),
+        ("gap between streamed chunks p50 / p99", " / ".join(ms(percentile(gaps, p)) for p in (50, 99))),
+        ("peak resident memory, all processes", f"{sampler.peak_total / 1024:.0f} MiB"),
+        ("peak resident memory, largest process", f"{max(sampler.peak.values(), default=0) / 1024:.0f} MiB"),
+    ]
+    print("| measurement | value |\n|---|---|")
+    for k, v in rows:
+        print(f"| {k} | {v} |")
+    for e in errors[:5]:
+        print("error:", e.get("error", e["status"]), file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "results": results}, f)
+    sys.exit(1 if errors else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,227 @@
+"""Drives a Coded Mesh node's OpenAI-compatible API with the official `openai` client.
+
+Run by tests/tests/api.rs against `codedmesh up` on the tiny test model:
+
+    python openai_api.py BASE_URL API_KEY MODEL EXPECTED_JSON
+
+BASE_URL is the API's root (http://127.0.0.1:PORT/v1). EXPECTED_JSON names a prompt, its token
+ids and the greedy completion's token ids of the uncoded model at the mesh's first version,
+computed in process by the Rust test: the first request must reproduce it through the mesh.
+Every check raises on failure; the last line printed is a JSON summary for the Rust side.
+"""
+
+import asyncio
+import json
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import websockets
+
+
+def check(cond, what):
+    if not cond:
+        raise AssertionError(what)
+    print(f"ok: {what}", flush=True)
+
+
+def raw(base, path, key=None, data=None):
+    """A plain HTTP request, a POST when there is `data` (bytes): (status, headers, text)."""
+    url = base.rsplit("/v1", 1)[0] + path
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(url, data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, {k.lower(): v for k, v in r.headers.items()}, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, {k.lower(): v for k, v in e.headers.items()}, e.read().decode()
+
+
+def main():
+    base, key, model, expected_path = sys.argv[1:5]
+    expected = json.load(open(expected_path))
+    client = openai.OpenAI(base_url=base, api_key=key, max_retries=0, timeout=300)
+    summary = {}
+
+    # The first request of the mesh, at the genesis version: a greedy completion cut by a stop
+    # string must be the uncoded model's greedy completion up to that string.
+    text = expected["completion_text"]
+    at = next((i for i in range(2, len(text) - 1) if text.find(text[i:i + 2]) == i), None)
+    if at is None:
+        raise AssertionError(f"no usable stop string in {text!r}")
+    stop = text[at:at + 2]
+    first = client.completions.create(
+        model=model,
+        prompt=expected["prompt"],
+        max_tokens=len(expected["completion_ids"]),
+        temperature=0,
+        stop=[stop],
+    )
+    check(first.object == "text_completion", "a completion object")
+    check(first.choices[0].text == text[:at],
+          f"greedy completion through the mesh, cut at {stop!r}: {first.choices[0].text!r} is the uncoded model's {text[:at]!r}")
+    check(first.choices[0].finish_reason == "stop", "finish_reason is stop at the stop string")
+    check(first.usage.prompt_tokens == len(expected["prompt_ids"]),
+          f"usage counts the prompt's {len(expected['prompt_ids'])} tokens")
+    check(1 <= first.usage.completion_tokens <= len(expected["completion_ids"]),
+          f"usage counts {first.usage.completion_tokens} completion tokens")
+    summary["first_text"] = first.choices[0].text
+
+    # max_tokens ends a completion with finish_reason length.
+    short = client.completions.create(model=model, prompt=expected["prompt"], max_tokens=3,
+                                      temperature=0)
+    check(short.choices[0].finish_reason == "length" and short.usage.completion_tokens == 3,
+          "max_tokens = 3 gives 3 tokens and finish_reason length")
+
+    # Models.
+    models = client.models.list()
+    ids = [m.id for m in models.data]
+    check(ids == [model], f"/v1/models lists the served model {ids}")
+
+    # A streamed chat completion: chunks arrive one by one, usage at the end when asked.
+    started = time.monotonic()
+    stream = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "system", "content": "You are terse."},
+                  {"role": "user", "content": "Say something."}],
+        max_tokens=12,
+        temperature=0.8,
+        seed=7,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks, text, finish, usage, times = 0, "", None, None, []
+    for chunk in stream:
+        chunks += 1
+        times.append(time.monotonic() - started)
+        check_obj = chunk.object == "chat.completion.chunk"
+        if not check_obj:
+            raise AssertionError(f"chunk object {chunk.object}")
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            if c.delta.content:
+                text += c.delta.content
+            if c.finish_reason:
+                finish = c.finish_reason
+    check(chunks >= 3, f"the chat streamed in {chunks} chunks")
+    check(finish in ("stop", "length"), f"the stream ended with finish_reason {finish}")
+    check(usage is not None and usage.completion_tokens >= 1 and usage.completion_tokens <= 12,
+          f"the last chunk carries usage {usage}")
+    summary["chat_stream_text"] = text
+    summary["chat_stream_chunks"] = chunks
+
+    # The same seed gives the same sampled text (non-streamed this time).
+    again = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "system", "content": "You are terse."},
+                  {"role": "user", "content": "Say something."}],
+        max_tokens=12,
+        temperature=0.8,
+        seed=7,
+    )
+    check(again.object == "chat.completion", "a chat.completion object")
+    check(again.choices[0].message.role == "assistant", "the answer is the assistant's")
+    summary["chat_text"] = again.choices[0].message.content
+
+    # Errors, in OpenAI's shape and status codes.
+    try:
+        client.completions.create(model="no-such-model", prompt="x", max_tokens=2)
+        raise AssertionError("an unknown model was accepted")
+    except openai.NotFoundError as e:
+        check(e.status_code == 404 and e.code == "model_not_found", f"unknown model: 404 {e.code}")
+    try:
+        client.completions.create(model=model, prompt="x", max_tokens=2, temperature=5)
+        raise AssertionError("temperature 5 was accepted")
+    except openai.BadRequestError as e:
+        check(e.status_code == 400 and e.param == "temperature", "temperature out of range: 400 on param temperature")
+    try:
+        client.completions.create(model=model, prompt="x", max_tokens=100000)
+        raise AssertionError("max_tokens beyond the context was accepted")
+    except openai.BadRequestError as e:
+        check(e.code == "context_length_exceeded", "max_tokens beyond the context: context_length_exceeded")
+    try:
+        openai.OpenAI(base_url=base, api_key="wrong", max_retries=0).models.list()
+        raise AssertionError("a wrong key was accepted")
+    except openai.AuthenticationError as e:
+        check(e.status_code == 401, "a wrong key: 401")
+    status, _, body = raw(base, "/v1/chat/completions", key, data=b"")
+    check(status == 400 and "error" in json.loads(body), "an empty body: 400 with an error object")
+    status, _, body = raw(base, "/v1/chat/completions", key, data=b'{"model": "%s", "messages": "hi"}' % model.encode())
+    check(status == 400 and json.loads(body)["error"]["type"] == "invalid_request_error",
+          "messages of the wrong type: 400 invalid_request_error")
+
+    # Overload: more concurrent requests than batch + queue; the rest get 429 with Retry-After.
+    async def burst(n):
+        aclient = openai.AsyncOpenAI(base_url=base, api_key=key, max_retries=0, timeout=300)
+
+        async def one(i):
+            try:
+                r = await aclient.completions.create(model=model, prompt=f"burst {i}",
+                                                     max_tokens=32, temperature=0)
+                return ("ok", r.usage.completion_tokens)
+            except openai.RateLimitError as e:
+                return ("429", e.response.headers.get("retry-after"))
+
+        return await asyncio.gather(*(one(i) for i in range(n)))
+
+    results = asyncio.run(burst(int(expected["burst"])))
+    served = [r for r in results if r[0] == "ok"]
+    refused = [r for r in results if r[0] == "429"]
+    check(len(served) + len(refused) == len(results), "every burst request was served or refused with 429")
+    check(len(served) >= 1, f"{len(served)} burst requests served")
+    check(len(refused) >= 1, f"{len(refused)} burst requests refused with 429")
+    check(all(r[1] and int(r[1]) >= 1 for r in refused), "every 429 says Retry-After")
+    summary["burst_served"] = len(served)
+    summary["burst_refused"] = len(refused)
+
+    # The WebSocket streams the same chunks, then [DONE]; two requests on one socket.
+    async def socket():
+        url = base.replace("http://", "ws://") + f"/stream?api_key={key}"
+        out = []
+        async with websockets.connect(url) as ws:
+            for req in ({"model": model, "prompt": "ws", "max_tokens": 5, "temperature": 0},
+                        {"model": model, "messages": [{"role": "user", "content": "hi"}],
+                         "max_tokens": 5, "temperature": 0}):
+                await ws.send(json.dumps(req))
+                msgs = []
+                while True:
+                    m = await asyncio.wait_for(ws.recv(), 120)
+                    if m == "[DONE]":
+                        break
+                    msgs.append(json.loads(m))
+                out.append(msgs)
+        return out
+
+    ws_runs = asyncio.run(socket())
+    for msgs in ws_runs:
+        check(all("error" not in m for m in msgs), "the WebSocket answered without errors")
+        check(any(m.get("usage") for m in msgs), "the WebSocket's last chunk carries usage")
+    summary["ws_text"] = "".join(c.get("text", "") for m in ws_runs[0] for c in m["choices"])
+    check(ws_runs[1][0]["object"] == "chat.completion.chunk", "a chat over the WebSocket streams chat chunks")
+
+    # Metrics in Prometheus' text format, counting what happened.
+    status, headers, metrics = raw(base, "/metrics")
+    check(status == 200 and "text/plain" in headers.get("content-type", ""), "/metrics answers in text")
+    values = {}
+    for line in metrics.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    for name in ["codedmesh_tokens_generated_total", "codedmesh_requests_total",
+                 "codedmesh_groups_formed_total", "codedmesh_rounds_checked_total",
+                 "codedmesh_request_latency_seconds_count", "codedmesh_time_to_first_token_seconds_count",
+                 "codedmesh_requests_rejected_total", "codedmesh_healthy_rows",
+                 "codedmesh_gossip_bytes_total", "codedmesh_updates_published_total",
+                 "codedmesh_updates_applied_total"]:
+        check(values.get(name, 0) > 0, f"{name} = {values.get(name)}")
+    summary["metrics"] = values
+    print(json.dumps(summary), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,390 @@
+//! `codedmesh up` end to end, on the tiny test model: five node processes under a supervisor,
+//! driven through the OpenAI-compatible API by the official `openai` Python client
+//! (tests/python/openai_api.py: a greedy completion equal to the uncoded model's, a streamed
+//! chat, errors, 429s under a burst, the WebSocket, /metrics), then the step trace, learning
+//! through the API, a clean Ctrl-C, a restart from the kept data, and a crashed node restarted
+//! by the supervisor.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail, ensure};
+use node_core::code::Generator;
+use node_core::coded::{CodedGroup, InProcess, ShardFormat};
+use node_core::model::{GenerateOptions, Llama, SamplingParams, generate};
+use tests::procs::{Scratch, bin, tiny_model};
+
+const KEY: &str = "test-key";
+
+/// A Python with the `openai` and `websockets` packages: `$CODEDMESH_PYTHON` (the test
+/// command makes one), else `python3` if it has them.
+fn python() -> Option<PathBuf> {
+    let candidates = std::env::var_os("CODEDMESH_PYTHON")
+        .map(PathBuf::from)
+        .into_iter()
+        .chain([PathBuf::from("python3")]);
+    for p in candidates {
+        let ok = Command::new(&p)
+            .args(["-c", "import openai, websockets"])
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if ok {
+            return Some(p);
+        }
+    }
+    None
+}
+
+/// `codedmesh up`, its stdout read line by line, its stderr in a file.
+struct Up {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+    log: PathBuf,
+}
+
+impl Up {
+    fn start(dir: &Path, data: &Path, port: u16, steps: &Path, name: &str) -> Result<Self> {
+        let log = dir.join(format!("{name}.log"));
+        let web = Path::new(env!("CARGO_MANIFEST_DIR")).join("../web-ui/dist");
+        let mut child = Command::new(bin())
+            .args(["up", "--nodes", "5", "--k", "3", "--no-build-web"])
+            .args(["--max-batch", "2", "--queue", "2", "--api-key", KEY])
+            .arg("--model")
+            .arg(tiny_model())
+            .arg("--data")
+            .arg(data)
+            .args(["--port", &port.to_string()])
+            .arg("--trace-steps")
+            .arg(steps)
+            .arg("--web-dir")
+            .arg(web)
+            .env("RUST_LOG", "warn,libp2p_kad=error")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&log)?)
+            .spawn()
+            .context("starting codedmesh up")?;
+        let stdout = child.stdout.take().context("stdout")?;
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        Ok(Self { child, lines, log })
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// The ready line, once it comes.
+    fn ready(&mut self, timeout: Duration) -> Result<String> {
+        let start = Instant::now();
+        loop {
+            match self.lines.recv_timeout(Duration::from_millis(200)) {
+                Ok(line) if line.starts_with("ready: ") => return Ok(line),
+                Ok(_) => {}
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    bail!("up ended before it was ready:\n{}", self.log())
+                }
+            }
+            if start.elapsed() > timeout {
+                bail!("up was not ready in {timeout:?}:\n{}", self.log());
+            }
+        }
+    }
+
+    fn signal(&self, sig: &str) {
+        let _ = Command::new("kill")
+            .arg(format!("-{sig}"))
+            .arg(self.child.id().to_string())
+            .status();
+    }
+
+    /// Sends `sig` and waits for a clean exit.
+    fn stop(&mut self, sig: &str) -> Result<()> {
+        self.signal(sig);
+        let start = Instant::now();
+        loop {
+            if let Some(status) = self.child.try_wait()? {
+                ensure!(status.success(), "up exited with {status}:\n{}", self.log());
+                return Ok(());
+            }
+            if start.elapsed() > Duration::from_secs(40) {
+                bail!("up did not stop within 40 s of {sig}:\n{}", self.log());
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// The pids of the nodes it started, by node, latest first.
+    fn node_pids(&self) -> Vec<(usize, i32)> {
+        let mut out: Vec<(usize, i32)> = self
+            .log()
+            .lines()
+            .filter_map(|l| {
+                let rest = l.strip_prefix("supervisor: started node ")?;
+                let (node, pid) = rest.split_once(" (pid ")?;
+                Some((node.parse().ok()?, pid.trim_end_matches(')').parse().ok()?))
+            })
+            .collect();
+        out.reverse();
+        out
+    }
+}
+
+impl Drop for Up {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            self.signal("TERM");
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while Instant::now() < deadline && matches!(self.child.try_wait(), Ok(None)) {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+/// A field of the ready line: the word after `key`.
+fn field<'a>(line: &'a str, key: &str) -> Result<&'a str> {
+    line.split(key)
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .with_context(|| format!("no {key:?} in {line:?}"))
+}
+
+fn status(bootstrap: &str) -> Result<serde_json::Value> {
+    let out = Command::new(bin())
+        .args(["status", "--json", "--bootstrap", bootstrap])
+        .output()?;
+    ensure!(
+        out.status.success(),
+        "status failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(serde_json::from_slice(&out.stdout)?)
+}
+
+/// Waits until `status` shows `rows` healthy rows at one version; returns that version count.
+fn wait_healthy(bootstrap: &str, rows: u64, timeout: Duration) -> Result<u64> {
+    let start = Instant::now();
+    loop {
+        let s = status(bootstrap)?;
+        let healthy = s["healthy_rows"].as_u64().unwrap_or(0);
+        let lag_free = s["nodes"]
+            .as_array()
+            .is_some_and(|n| n.iter().all(|n| n["lag"].as_u64() == Some(0)));
+        if healthy == rows && lag_free {
+            return Ok(s["version_count"].as_u64().unwrap_or(0));
+        }
+        if start.elapsed() > timeout {
+            bail!("not {rows} healthy rows at one version within {timeout:?}: {s}");
+        }
+        std::thread::sleep(Duration::from_millis(300));
+    }
+}
+
+/// The uncoded tiny model's greedy completion of `prompt`: (prompt ids, completion ids, text).
+fn uncoded_greedy(prompt: &str, tokens: usize) -> Result<(Vec<u32>, Vec<u32>, String)> {
+    let model = node_native::load::load_model(&tiny_model())?;
+    let ids = model.tokenizer.encode(prompt)?;
+    let g = Generator::uncoded();
+    let mesh = InProcess::encode(&model.weights, &g, ShardFormat::F32, &|_, _| {})?;
+    let mut group = CodedGroup::new(model.weights.cfg.clone(), g, &[0], mesh)?;
+    let llama = Llama::new(
+        model.weights.cfg.clone(),
+        node_core::model::LeaderWeights::from_model(&model.weights),
+    )?;
+    let opts = GenerateOptions {
+        max_tokens: tokens,
+        sampling: SamplingParams::default(),
+        stop_ids: model.tokenizer.eos_ids().to_vec(),
+    };
+    let out = generate(&llama, &mut group, &ids, &opts, &mut |_| true)?;
+    let text = model.tokenizer.decode(&out.tokens)?;
+    Ok((ids, out.tokens, text))
+}
+
+#[test]
+fn up_serves_the_openai_api_learns_stops_restarts_and_supervises() -> Result<()> {
+    let Some(python) = python() else {
+        ensure!(
+            std::env::var_os("CI").is_none(),
+            "CI needs a Python with openai and websockets (scripts/test.sh makes one)"
+        );
+        eprintln!(
+            "SKIPPING: no Python with the openai and websockets packages (run scripts/test.sh, or set CODEDMESH_PYTHON)"
+        );
+        return Ok(());
+    };
+    let scratch = Scratch::new("api");
+    let dir = scratch.0.clone();
+    let data = dir.join("mesh");
+    let steps = dir.join("steps.jsonl");
+    let port = free_port()?;
+    let mut up = Up::start(&dir, &data, port, &steps, "up")?;
+    let ready = up.ready(Duration::from_secs(180))?;
+    eprintln!("{ready}");
+    let api = field(&ready, "OpenAI API ")?.to_string();
+    let model = field(&ready, "model ")?.to_string();
+    let bootstrap = field(&ready, "bootstrap ")?.to_string();
+    ensure!(
+        api == format!("http://127.0.0.1:{port}/v1"),
+        "the API is on the asked port: {api}"
+    );
+    ensure!(
+        up.log().contains("encoding"),
+        "the first up encodes the model:\n{}",
+        up.log()
+    );
+
+    // The official client, against the mesh.
+    let prompt = "The mesh";
+    let (prompt_ids, completion_ids, completion_text) = uncoded_greedy(prompt, 16)?;
+    let expected = dir.join("expected.json");
+    std::fs::write(
+        &expected,
+        serde_json::json!({
+            "prompt": prompt,
+            "prompt_ids": prompt_ids,
+            "completion_ids": completion_ids,
+            "completion_text": completion_text,
+            "burst": 12,
+        })
+        .to_string(),
+    )?;
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("python/openai_api.py");
+    let out = Command::new(&python)
+        .arg(&script)
+        .arg(&api)
+        .arg(KEY)
+        .arg(&model)
+        .arg(&expected)
+        .output()?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    eprintln!("{stdout}");
+    ensure!(
+        out.status.success(),
+        "the openai client's checks failed:\n{stdout}\n{}\nup's log:\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        up.log()
+    );
+
+    // The step trace: every coded step of the requests, with member, bytes and duration.
+    let trace = std::fs::read_to_string(&steps)?;
+    let records: Vec<serde_json::Value> = trace
+        .lines()
+        .map(serde_json::from_str)
+        .collect::<Result<_, _>>()
+        .context("the step trace is JSON lines")?;
+    let with = |step: &str| records.iter().filter(|r| r["step"] == step).count();
+    ensure!(
+        with("embedding") > 0 && with("Qkv(0)") > 0 && with("LmHead") > 0,
+        "the trace has forward steps ({} records)",
+        records.len()
+    );
+    ensure!(
+        with("Down(1) backward") > 0,
+        "the trace has the training's backward steps"
+    );
+    ensure!(
+        records.iter().any(|r| r["local"] == true) && records.iter().any(|r| r["local"] == false),
+        "the trace shows the API node's own row and remote members"
+    );
+    ensure!(
+        records
+            .iter()
+            .all(|r| r["ms"].as_f64().is_some_and(|m| m >= 0.0)
+                && r["bytes_sent"].as_u64().is_some_and(|b| b > 0)
+                && r["member"].as_u64().is_some_and(|m| m < 5)),
+        "every record has a duration, bytes and a member"
+    );
+    ensure!(
+        records
+            .iter()
+            .any(|r| r["context"].as_str().is_some_and(|c| c.contains("req"))),
+        "records name their requests"
+    );
+
+    // Every request trained the mesh: all five rows hold the same updates.
+    let learned = wait_healthy(&bootstrap, 5, Duration::from_secs(60))?;
+    ensure!(
+        learned >= 1,
+        "the API's requests trained the mesh ({learned} updates)"
+    );
+
+    // Ctrl-C stops every node cleanly.
+    let pids: Vec<i32> = up.node_pids().iter().map(|&(_, p)| p).collect();
+    ensure!(pids.len() == 5, "up started five nodes: {pids:?}");
+    up.stop("INT")?;
+    for pid in &pids {
+        ensure!(
+            !Path::new(&format!("/proc/{pid}")).exists(),
+            "node process {pid} is gone after Ctrl-C"
+        );
+    }
+    ensure!(
+        up.log().contains("stopped; the data is kept"),
+        "up says it stopped:\n{}",
+        up.log()
+    );
+    drop(up);
+
+    // The next `up` starts from the kept data, at the learnt version.
+    let started = Instant::now();
+    let mut up = Up::start(&dir, &data, port, &steps, "up2")?;
+    up.ready(Duration::from_secs(120))?;
+    let restart = started.elapsed();
+    ensure!(
+        up.log().contains("using the mesh in") && !up.log().contains("encoding"),
+        "the second up reuses the rows:\n{}",
+        up.log()
+    );
+    let version = wait_healthy(&bootstrap, 5, Duration::from_secs(30))?;
+    ensure!(
+        version == learned,
+        "the restarted mesh is at the learnt version ({version} updates, was {learned})"
+    );
+    eprintln!("restarted in {:.1} s", restart.as_secs_f64());
+
+    // A node that crashes is started again by the supervisor and its row comes back.
+    let &(node, pid) = up
+        .node_pids()
+        .iter()
+        .find(|(n, _)| *n == 2)
+        .context("node 2's pid")?;
+    let _ = Command::new("kill")
+        .args(["-KILL", &pid.to_string()])
+        .status();
+    let start = Instant::now();
+    while !up.node_pids().iter().any(|&(n, p)| n == node && p != pid) {
+        ensure!(
+            start.elapsed() < Duration::from_secs(30),
+            "node {node} was not restarted:\n{}",
+            up.log()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    ensure!(
+        up.log().contains(&format!("node {node} crashed")),
+        "the supervisor saw the crash:\n{}",
+        up.log()
+    );
+    wait_healthy(&bootstrap, 5, Duration::from_secs(60))?;
+    up.stop("TERM")?;
+    Ok(())
+}
