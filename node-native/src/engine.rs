@@ -1,25 +1,31 @@
-//! Serving the requests a node leads (its OpenAI API): a bounded queue, and one thread that
+//! Serving the requests a node leads (its OpenAI API): a bounded queue, a serving thread that
 //! runs every admitted request through one coded group, all of their new tokens in each round
-//! (continuous batching: one coded round per stage for the whole batch), then trains the mesh
-//! on the finished requests as one minibatch and publishes the update.
+//! (continuous batching: one coded round per stage for the whole batch), and a training thread
+//! that trains the mesh on the finished requests, a minibatch at a time, through a group of its
+//! own. The training runs beside the serving, so streams do not stop for it; the serving thread
+//! publishes each update between two steps, so neither group ever sees members at two versions.
+//! When training falls behind, the serving thread takes no new requests until it catches up:
+//! the queue fills and the API answers 429, and memory stays bounded.
 //!
-//! The group is formed when the first request comes and kept while it works: after this node's
-//! own update every member holds it, so the group moves to the new version in place. A step
-//! that fails (a member died, another leader's update moved the mesh) forms the group again and
-//! runs the step again; the requests' KV caches are kept (a cache computed before an update is
-//! used after it: the model changed under the request, and the step trace shows where).
+//! A group is formed when first needed and kept while it works: after this node's own update
+//! every member holds it, so both groups move to the new version in place. A step that fails (a
+//! member died, another leader's update moved the mesh) forms the group again and runs the step
+//! again; the requests' KV caches are kept (a cache computed before an update is used after it:
+//! the model changed under the request, and the step trace shows where).
 
 use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, anyhow};
 use libp2p::PeerId;
 use node_core::learn::{Learner, Published, Update, seal};
 use node_core::mesh::{MeshInfo, MeshRequest, MeshResponse, ModelManifest, Usage};
-use node_core::model::{BatchItem, KvCache, Llama, Sampler, SamplingParams, StopReason};
+use node_core::model::{
+    BatchItem, KvCache, LeaderWeights, Llama, Sampler, SamplingParams, StopReason,
+};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::http::InfoRequest;
@@ -161,7 +167,7 @@ struct Job {
 }
 
 /// What the engine needs from its node.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct EngineContext {
     /// The node's network client.
     pub client: Client,
@@ -211,21 +217,33 @@ impl Engine {
             .as_deref()
             .map(StepLog::create)
             .transpose()?;
-        let learner = Learner::new(ctx.manifest.learning, ctx.manifest.cfg.clone());
+        let learns = ctx.cfg.learn && ctx.manifest.learning.enabled;
+        let (to_train, train_rx) = std::sync::mpsc::channel();
+        let (publish_tx, publish_rx) = std::sync::mpsc::channel();
+        let backlog = Arc::new(AtomicUsize::new(0));
+        if learns {
+            let trainer = Trainer {
+                lead: Lead::new(ctx.clone(), trace.clone()),
+                learner: Learner::new(ctx.manifest.learning, ctx.manifest.cfg.clone()),
+                requests: train_rx,
+                publish: publish_tx,
+                backlog: backlog.clone(),
+            };
+            std::thread::Builder::new()
+                .name("trainer".into())
+                .spawn(move || trainer.run())?;
+        }
         let worker = Worker {
-            ctx,
+            lead: Lead::new(ctx, trace),
             jobs: rx,
-            formed: None,
-            formed_failed: None,
             active: Vec::new(),
             held: None,
-            to_learn: VecDeque::new(),
-            learner,
-            last_learn: Instant::now(),
+            to_train: learns.then_some(to_train),
+            publishes: publish_rx,
+            backlog,
             failures: 0,
             recent: VecDeque::new(),
             latency_ms,
-            trace,
             steps: 0,
         };
         std::thread::Builder::new()
@@ -289,129 +307,48 @@ struct ToLearn {
     latency: Duration,
 }
 
+/// An update the trainer made, for the serving thread to publish between two steps; the
+/// answer is the new version and its norm gains (`None`: form the group again).
+struct PublishRequest {
+    published: Published,
+    holders: Vec<PeerId>,
+    done: std::sync::mpsc::SyncSender<Option<([u8; 32], LeaderWeights)>>,
+}
+
 /// A run of failed steps this long fails the requests in the batch.
 const MAX_STEP_FAILURES: u32 = 3;
 /// How long a failed group formation is trusted before trying again.
 const FORM_RETRY: Duration = Duration::from_secs(1);
-/// Finished requests wait at most this long to be trained on while others are generating.
-const LEARN_EVERY: Duration = Duration::from_secs(5);
 /// Most tokens in one training minibatch.
 const LEARN_TOKENS: usize = 1024;
-/// An idle engine publishes what its learner accumulated after this long.
+/// Finished requests waiting to be trained on, per place in the batch, before the serving
+/// thread stops taking new ones.
+const BACKLOG_PER_SLOT: usize = 2;
+/// An idle trainer publishes what its learner accumulated after this long.
 const IDLE_FLUSH: Duration = Duration::from_secs(10);
+/// How often an idle serving thread looks for updates to publish.
+const IDLE_POLL: Duration = Duration::from_millis(50);
 /// Window of the tokens/s gauge.
 const RATE_WINDOW: Duration = Duration::from_secs(10);
 
-struct Worker {
+/// A leader's group inside the node, formed when needed and kept while it works: what the
+/// serving and the training thread each hold.
+struct Lead {
     ctx: EngineContext,
-    jobs: mpsc::Receiver<Job>,
     formed: Option<Formed>,
     /// When forming last failed, and why.
     formed_failed: Option<(Instant, String)>,
-    active: Vec<Seq>,
-    /// A request taken from the queue that did not fit the step's token budget.
-    held: Option<Job>,
-    to_learn: VecDeque<ToLearn>,
-    learner: Learner,
-    last_learn: Instant,
-    failures: u32,
-    /// Tokens generated lately, for the tokens/s gauge.
-    recent: VecDeque<(Instant, u64)>,
-    latency_ms: Arc<AtomicU64>,
     trace: Option<StepLog>,
-    steps: u64,
 }
 
-impl Worker {
-    fn run(mut self) {
-        // Timers and network futures below need the node's runtime as their context.
-        let runtime = self.ctx.runtime.clone();
-        let _context = runtime.enter();
-        loop {
-            if !self.admit() {
-                break;
-            }
-            if self.active.is_empty() {
-                if !self.to_learn.is_empty() {
-                    self.learn();
-                    continue;
-                }
-                let next = runtime
-                    .block_on(async { tokio::time::timeout(IDLE_FLUSH, self.jobs.recv()).await });
-                match next {
-                    Ok(Some(job)) => {
-                        self.ctx.metrics.queue_depth.dec();
-                        self.held = Some(job);
-                    }
-                    Ok(None) => break,
-                    Err(_) => self.flush_learner(),
-                }
-                self.update_rate();
-                continue;
-            }
-            self.step();
-            if self.learning_due() {
-                self.learn();
-            }
+impl Lead {
+    fn new(ctx: EngineContext, trace: Option<StepLog>) -> Self {
+        Self {
+            ctx,
+            formed: None,
+            formed_failed: None,
+            trace,
         }
-        tracing::info!("the engine stopped");
-    }
-
-    /// Takes queued requests into the batch while there is room; false once the queue is
-    /// closed and nothing is left to do.
-    fn admit(&mut self) -> bool {
-        let mut budget = self
-            .ctx
-            .cfg
-            .step_tokens
-            .saturating_sub(self.active.iter().map(|s| s.input.len()).sum());
-        while self.active.len() < self.ctx.cfg.max_batch {
-            let job = match self.held.take() {
-                Some(j) => j,
-                None => match self.jobs.try_recv() {
-                    Ok(j) => {
-                        self.ctx.metrics.queue_depth.dec();
-                        j
-                    }
-                    Err(mpsc::error::TryRecvError::Empty) => break,
-                    Err(mpsc::error::TryRecvError::Disconnected) => {
-                        return !self.active.is_empty() || !self.to_learn.is_empty();
-                    }
-                },
-            };
-            if job.events.is_closed() {
-                continue;
-            }
-            let len = job.req.prompt.len();
-            if len > budget && !self.active.is_empty() {
-                self.held = Some(job);
-                break;
-            }
-            budget = budget.saturating_sub(len);
-            match Sampler::new(job.req.sampling) {
-                Ok(sampler) => {
-                    job.span.in_scope(|| tracing::debug!("admitted"));
-                    self.active.push(Seq {
-                        cache: KvCache::new(&self.ctx.manifest.cfg),
-                        sampler,
-                        input: job.req.prompt.clone(),
-                        generated: Vec::new(),
-                        first_token: None,
-                        job,
-                    });
-                }
-                Err(e) => {
-                    let _ = job
-                        .events
-                        .send(Event::Failed(EngineError::Failed(e.to_string())));
-                }
-            }
-        }
-        self.ctx
-            .metrics
-            .active_sequences
-            .set(self.active.len() as i64);
-        true
     }
 
     /// The mesh's view from the node's loop.
@@ -429,347 +366,61 @@ impl Worker {
         }))
     }
 
-    /// The group, formed now if there is none; `None` (every request in the batch failed)
-    /// when the mesh cannot give one.
-    fn ensure_group(&mut self) -> bool {
-        if self.formed.is_some() {
-            return true;
-        }
-        let error = match &self.formed_failed {
-            Some((at, why)) if at.elapsed() < FORM_RETRY => why.clone(),
-            _ => {
-                let opts = GroupOptions {
-                    trace: self.trace.clone(),
-                    ..GroupOptions::new(self.ctx.cfg.verify, self.ctx.cfg.spares)
-                };
-                let formed = self.info().and_then(|info| {
-                    self.ctx.runtime.block_on(form_group(
-                        &self.ctx.client,
-                        &self.ctx.manifest,
-                        &info,
-                        Some(&self.ctx.local),
-                        &opts,
-                    ))
-                });
-                match formed {
-                    Ok(f) => {
-                        tracing::info!(
-                            members = ?f.group.nodes(),
-                            live = f.live_rows,
-                            condition_number = f.condition_number,
-                            version = node_core::mesh::hex(&f.version[..8]),
-                            "formed a group"
-                        );
-                        self.ctx.metrics.groups_formed.inc();
-                        self.formed = Some(f);
-                        self.formed_failed = None;
-                        return true;
-                    }
-                    Err(e) => {
-                        let why = format!("{e:#}");
-                        tracing::warn!("no group: {why}");
-                        self.formed_failed = Some((Instant::now(), why.clone()));
-                        why
-                    }
-                }
+    /// The group, formed now if there is none; why not when the mesh cannot give one.
+    fn group(&mut self) -> Result<&mut Formed, String> {
+        if self.formed.is_none() {
+            if let Some((at, why)) = &self.formed_failed
+                && at.elapsed() < FORM_RETRY
+            {
+                return Err(why.clone());
             }
-        };
-        for seq in self.active.drain(..) {
-            self.ctx.metrics.request_errors.inc();
-            let _ = seq
-                .job
-                .events
-                .send(Event::Failed(EngineError::Unavailable(error.clone())));
-        }
-        false
-    }
-
-    /// One forward step of every sequence in the batch, then a token for each.
-    fn step(&mut self) {
-        if !self.ensure_group() {
-            return;
-        }
-        self.steps += 1;
-        let rows: usize = self.active.iter().map(|s| s.input.len()).sum();
-        let span = tracing::info_span!(
-            "forward_step",
-            step = self.steps,
-            batch = self.active.len(),
-            rows
-        );
-        let _entered = span.enter();
-        let Some(f) = self.formed.as_mut() else {
-            return;
-        };
-        let ids: Vec<String> = self.active.iter().map(|s| s.job.id.to_string()).collect();
-        f.group
-            .transport_mut()
-            .set_context(format!("step {} req {}", self.steps, ids.join(",")));
-        let mut items: Vec<BatchItem<'_>> = self
-            .active
-            .iter_mut()
-            .map(|s| BatchItem {
-                tokens: &s.input,
-                cache: &mut s.cache,
-            })
-            .collect();
-        let result = f.llama.forward_batch(&mut f.group, &mut items);
-        drop(items);
-        self.after_rounds();
-        if let Some(t) = &self.trace {
-            t.flush();
-        }
-        self.ctx.metrics.forward_steps.inc();
-        match result {
-            Ok(logits) => {
-                self.failures = 0;
-                let active = std::mem::take(&mut self.active);
-                for (mut seq, logits) in active.into_iter().zip(logits) {
-                    match self.advance(&mut seq, &logits) {
-                        Some(stop) => self.finish(seq, stop),
-                        None => self.active.push(seq),
-                    }
-                }
-            }
-            Err(e) => {
-                self.failures += 1;
-                tracing::warn!(attempt = self.failures, "a forward step failed: {e}");
-                // Form the group again (a member died, or the mesh moved to another version).
-                self.formed = None;
-                if self.failures >= MAX_STEP_FAILURES {
-                    self.failures = 0;
-                    for seq in self.active.drain(..) {
-                        self.ctx.metrics.request_errors.inc();
-                        let _ = seq
-                            .job
-                            .events
-                            .send(Event::Failed(EngineError::Failed(e.to_string())));
-                    }
-                }
-            }
-        }
-        self.ctx
-            .metrics
-            .active_sequences
-            .set(self.active.len() as i64);
-        self.update_rate();
-    }
-
-    /// Samples a sequence's next token; `Some` when the sequence is done.
-    fn advance(&mut self, seq: &mut Seq, logits: &[f32]) -> Option<StopReason> {
-        let next = seq.sampler.sample(logits);
-        if seq.first_token.is_none() {
-            let t = seq.job.arrived.elapsed();
-            seq.first_token = Some(t);
-            self.ctx
-                .metrics
-                .time_to_first_token
-                .observe(t.as_secs_f64());
-        }
-        if seq.job.req.stop_ids.contains(&next) {
-            return Some(StopReason::Stop);
-        }
-        seq.generated.push(next);
-        self.ctx.metrics.tokens_generated.inc();
-        self.recent.push_back((Instant::now(), 1));
-        if seq.job.events.send(Event::Token(next)).is_err() {
-            return Some(StopReason::Cancelled);
-        }
-        if seq.generated.len() >= seq.job.req.max_tokens {
-            return Some(StopReason::Length);
-        }
-        if seq.cache.len() >= self.ctx.manifest.cfg.max_seq {
-            return Some(StopReason::Context);
-        }
-        seq.input = vec![next];
-        None
-    }
-
-    /// Ends a sequence: tells its submitter, counts it, and keeps it to train on.
-    fn finish(&mut self, seq: Seq, stop: StopReason) {
-        let latency = seq.job.arrived.elapsed();
-        let m = &self.ctx.metrics;
-        m.requests.inc();
-        m.prompt_tokens.inc_by(seq.job.req.prompt.len() as u64);
-        m.request_latency.observe(latency.as_secs_f64());
-        let old = self.latency_ms.load(Ordering::Relaxed);
-        let ms = latency.as_millis() as u64;
-        self.latency_ms.store((old * 7 + ms) / 8, Ordering::Relaxed);
-        let done = Finished {
-            prompt_tokens: seq.job.req.prompt.len(),
-            tokens: seq.generated.len(),
-            stop,
-            first_token: seq.first_token,
-            latency,
-        };
-        seq.job.span.in_scope(|| {
-            tracing::info!(
-                tokens = done.tokens,
-                stop = ?stop,
-                latency_ms = latency.as_millis() as u64,
-                "finished"
-            )
-        });
-        let _ = seq.job.events.send(Event::Done(done));
-        let learns = self.ctx.cfg.learn && self.ctx.manifest.learning.enabled;
-        let mut tokens = seq.job.req.prompt;
-        tokens.extend_from_slice(&seq.generated);
-        let window =
-            node_core::learn::training_window(&self.ctx.manifest.learning, &self.ctx.manifest.cfg)
-                .min(LEARN_TOKENS);
-        if learns && tokens.len() >= 2 {
-            let tokens = tokens[tokens.len().saturating_sub(window)..].to_vec();
-            self.to_learn.push_back(ToLearn {
-                tokens,
-                prompt_tokens: done.prompt_tokens,
-                generated: done.tokens,
-                latency,
+            let opts = GroupOptions {
+                trace: self.trace.clone(),
+                ..GroupOptions::new(self.ctx.cfg.verify, self.ctx.cfg.spares)
+            };
+            let formed = self.info().and_then(|info| {
+                self.ctx.runtime.block_on(form_group(
+                    &self.ctx.client,
+                    &self.ctx.manifest,
+                    &info,
+                    Some(&self.ctx.local),
+                    &opts,
+                ))
             });
-        } else {
-            self.ctx.local.served(Usage::of_request(
-                done.prompt_tokens,
-                done.tokens,
-                latency,
-                None,
-            ));
-        }
-    }
-
-    fn learning_due(&self) -> bool {
-        !self.to_learn.is_empty()
-            && (self.to_learn.len() >= self.ctx.cfg.max_batch
-                || self.last_learn.elapsed() >= LEARN_EVERY)
-    }
-
-    /// Trains on finished requests as one minibatch through the group, and publishes the
-    /// update when one is due.
-    fn learn(&mut self) {
-        self.last_learn = Instant::now();
-        let mut batch = Vec::new();
-        let mut tokens = 0;
-        while let Some(next) = self.to_learn.front() {
-            if !batch.is_empty() && tokens + next.tokens.len() > LEARN_TOKENS {
-                break;
+            match formed {
+                Ok(f) => {
+                    tracing::info!(
+                        members = ?f.group.nodes(),
+                        live = f.live_rows,
+                        condition_number = f.condition_number,
+                        version = node_core::mesh::hex(&f.version[..8]),
+                        "formed a group"
+                    );
+                    self.ctx.metrics.groups_formed.inc();
+                    self.formed = Some(f);
+                    self.formed_failed = None;
+                }
+                Err(e) => {
+                    let why = format!("{e:#}");
+                    tracing::warn!("no group: {why}");
+                    self.formed_failed = Some((Instant::now(), why.clone()));
+                    return Err(why);
+                }
             }
-            tokens += next.tokens.len();
-            batch.extend(self.to_learn.pop_front());
         }
-        let loss = if self.ensure_group() {
-            self.train(&batch)
-        } else {
-            None
-        };
-        for r in batch {
-            self.ctx.local.served(Usage::of_request(
-                r.prompt_tokens,
-                r.generated,
-                r.latency,
-                loss,
-            ));
-        }
+        self.formed.as_mut().ok_or_else(|| "no group".to_string())
     }
 
-    /// The minibatch's loss, once its gradient went into the learner (and out, if due).
-    fn train(&mut self, batch: &[ToLearn]) -> Option<f64> {
-        let f = self.formed.as_mut()?;
-        let span = tracing::info_span!("train", sequences = batch.len());
-        let _entered = span.enter();
-        f.group
-            .transport_mut()
-            .set_context(format!("train {} sequences", batch.len()));
-        let seqs: Vec<&[u32]> = batch.iter().map(|r| r.tokens.as_slice()).collect();
-        let started = Instant::now();
-        let grads = f.llama.gradients_batch(&mut f.group, &seqs);
-        self.after_rounds();
+    /// Writes out the step trace.
+    fn flush_trace(&self) {
         if let Some(t) = &self.trace {
             t.flush();
-        }
-        let grads = match grads {
-            Ok(g) => g,
-            Err(e) => {
-                tracing::warn!("training on {} requests failed: {e}", batch.len());
-                self.formed = None;
-                return None;
-            }
-        };
-        let loss = grads.loss;
-        self.ctx.metrics.loss.set(loss);
-        tracing::info!(
-            loss,
-            sequences = batch.len(),
-            seconds = started.elapsed().as_secs_f64(),
-            "trained"
-        );
-        match self.learner.push(grads) {
-            Ok(Some(p)) => self.publish(p),
-            Ok(None) => {}
-            Err(e) => tracing::warn!("the update could not be made: {e}"),
-        }
-        Some(loss)
-    }
-
-    /// Publishes what the learner accumulated, at the end of a busy spell.
-    fn flush_learner(&mut self) {
-        match self.learner.flush() {
-            Ok(Some(p)) if self.ensure_group() => self.publish(p),
-            Ok(_) => {}
-            Err(e) => tracing::warn!("the update could not be made: {e}"),
-        }
-    }
-
-    /// Hands an update to every live row's holder and to this node's own row, then moves the
-    /// group to the new version.
-    fn publish(&mut self, p: Published) {
-        let Some(f) = self.formed.as_mut() else {
-            return;
-        };
-        let payload = p.update.encode();
-        let id = Update::id_of(&payload);
-        let bytes = match seal(payload, &self.ctx.key) {
-            Ok(b) => b,
-            Err(e) => {
-                tracing::warn!("signing the update: {e}");
-                return;
-            }
-        };
-        let (before, _) = self.ctx.local.norms();
-        let client = &self.ctx.client;
-        let sends = f.holders.iter().map(|&peer| {
-            let req = MeshRequest::Learn(bytes.clone());
-            async move { (peer, ask(client, peer, req).await) }
-        });
-        let remote = self.ctx.runtime.block_on(futures::future::join_all(sends));
-        let local = self.ctx.local.learn(&bytes);
-        let took = remote.iter().filter(|(_, r)| r.is_ok()).count()
-            + usize::from(matches!(local, MeshResponse::Learned { .. }));
-        for (peer, e) in remote
-            .iter()
-            .filter_map(|(p, r)| Some((p, r.as_ref().err()?)))
-        {
-            tracing::warn!(%peer, "a node refused the update: {e:#}");
-        }
-        self.ctx.metrics.updates_published.inc();
-        tracing::info!(
-            id = format!("{id:016x}"),
-            requests = p.requests,
-            bytes = bytes.len(),
-            taken_by = took,
-            "published an update"
-        );
-        let (after, norms) = self.ctx.local.norms();
-        let moved = before == f.version && matches!(local, MeshResponse::Learned { .. });
-        match Llama::new(self.ctx.manifest.cfg.clone(), norms) {
-            Ok(llama) if moved => {
-                f.group.transport_mut().set_version(after);
-                f.version = after;
-                f.llama = llama;
-            }
-            _ => self.formed = None,
         }
     }
 
     /// Counts what the group's rounds did since the last call, and reports members it caught.
     fn after_rounds(&mut self) {
+        self.flush_trace();
         let Some(f) = self.formed.as_mut() else {
             return;
         };
@@ -811,6 +462,346 @@ impl Worker {
         });
     }
 
+    /// Moves the group to a version every member now holds, with its norm gains; forms it
+    /// again when that is not possible.
+    fn move_to(&mut self, moved: Option<&([u8; 32], LeaderWeights)>) {
+        let Some(f) = self.formed.as_mut() else {
+            return;
+        };
+        match moved.map(|(v, n)| (v, Llama::new(self.ctx.manifest.cfg.clone(), n.clone()))) {
+            Some((version, Ok(llama))) => {
+                f.group.transport_mut().set_version(*version);
+                f.version = *version;
+                f.llama = llama;
+            }
+            _ => self.formed = None,
+        }
+    }
+}
+
+/// The serving thread: the batch, the queue, and publishing the trainer's updates.
+struct Worker {
+    lead: Lead,
+    jobs: mpsc::Receiver<Job>,
+    active: Vec<Seq>,
+    /// A request taken from the queue that did not fit the step's token budget.
+    held: Option<Job>,
+    /// Where finished requests go to be trained on (when the mesh learns).
+    to_train: Option<std::sync::mpsc::Sender<ToLearn>>,
+    publishes: std::sync::mpsc::Receiver<PublishRequest>,
+    /// Finished requests not yet trained on.
+    backlog: Arc<AtomicUsize>,
+    failures: u32,
+    /// Tokens generated lately, for the tokens/s gauge.
+    recent: VecDeque<(Instant, u64)>,
+    latency_ms: Arc<AtomicU64>,
+    steps: u64,
+}
+
+impl Worker {
+    fn run(mut self) {
+        // Timers and network futures below need the node's runtime as their context.
+        let runtime = self.lead.ctx.runtime.clone();
+        let _context = runtime.enter();
+        loop {
+            self.publish_due();
+            if !self.admit() {
+                break;
+            }
+            if self.active.is_empty() {
+                let next = runtime
+                    .block_on(async { tokio::time::timeout(IDLE_POLL, self.jobs.recv()).await });
+                match next {
+                    Ok(Some(job)) => {
+                        self.lead.ctx.metrics.queue_depth.dec();
+                        self.held = Some(job);
+                    }
+                    Ok(None) => break,
+                    Err(_) => {}
+                }
+                self.update_rate();
+                continue;
+            }
+            self.step();
+        }
+        tracing::info!("the engine stopped");
+    }
+
+    /// Whether finished requests wait so long to be trained on that no new one is taken.
+    fn training_behind(&self) -> bool {
+        self.to_train.is_some()
+            && self.backlog.load(Ordering::Relaxed)
+                >= BACKLOG_PER_SLOT * self.lead.ctx.cfg.max_batch
+    }
+
+    /// Takes queued requests into the batch while there is room; false once the queue is
+    /// closed and nothing is left to do.
+    fn admit(&mut self) -> bool {
+        let mut budget = self
+            .lead
+            .ctx
+            .cfg
+            .step_tokens
+            .saturating_sub(self.active.iter().map(|s| s.input.len()).sum());
+        while self.active.len() < self.lead.ctx.cfg.max_batch && !self.training_behind() {
+            let job = match self.held.take() {
+                Some(j) => j,
+                None => match self.jobs.try_recv() {
+                    Ok(j) => {
+                        self.lead.ctx.metrics.queue_depth.dec();
+                        j
+                    }
+                    Err(mpsc::error::TryRecvError::Empty) => break,
+                    Err(mpsc::error::TryRecvError::Disconnected) => {
+                        return !self.active.is_empty();
+                    }
+                },
+            };
+            if job.events.is_closed() {
+                continue;
+            }
+            let len = job.req.prompt.len();
+            if len > budget && !self.active.is_empty() {
+                self.held = Some(job);
+                break;
+            }
+            budget = budget.saturating_sub(len);
+            match Sampler::new(job.req.sampling) {
+                Ok(sampler) => {
+                    job.span.in_scope(|| tracing::debug!("admitted"));
+                    self.active.push(Seq {
+                        cache: KvCache::new(&self.lead.ctx.manifest.cfg),
+                        sampler,
+                        input: job.req.prompt.clone(),
+                        generated: Vec::new(),
+                        first_token: None,
+                        job,
+                    });
+                }
+                Err(e) => {
+                    let _ = job
+                        .events
+                        .send(Event::Failed(EngineError::Failed(e.to_string())));
+                }
+            }
+        }
+        self.lead
+            .ctx
+            .metrics
+            .active_sequences
+            .set(self.active.len() as i64);
+        true
+    }
+
+    /// One forward step of every sequence in the batch, then a token for each.
+    fn step(&mut self) {
+        let f = match self.lead.group() {
+            Ok(f) => f,
+            Err(why) => {
+                for seq in self.active.drain(..) {
+                    self.lead.ctx.metrics.request_errors.inc();
+                    let _ = seq
+                        .job
+                        .events
+                        .send(Event::Failed(EngineError::Unavailable(why.clone())));
+                }
+                return;
+            }
+        };
+        self.steps += 1;
+        let rows: usize = self.active.iter().map(|s| s.input.len()).sum();
+        let span = tracing::info_span!(
+            "forward_step",
+            step = self.steps,
+            batch = self.active.len(),
+            rows
+        );
+        let _entered = span.enter();
+        let ids: Vec<String> = self.active.iter().map(|s| s.job.id.to_string()).collect();
+        f.group
+            .transport_mut()
+            .set_context(format!("step {} req {}", self.steps, ids.join(",")));
+        let mut items: Vec<BatchItem<'_>> = self
+            .active
+            .iter_mut()
+            .map(|s| BatchItem {
+                tokens: &s.input,
+                cache: &mut s.cache,
+            })
+            .collect();
+        let result = f.llama.forward_batch(&mut f.group, &mut items);
+        drop(items);
+        self.lead.after_rounds();
+        self.lead.ctx.metrics.forward_steps.inc();
+        match result {
+            Ok(logits) => {
+                self.failures = 0;
+                let active = std::mem::take(&mut self.active);
+                for (mut seq, logits) in active.into_iter().zip(logits) {
+                    match self.advance(&mut seq, &logits) {
+                        Some(stop) => self.finish(seq, stop),
+                        None => self.active.push(seq),
+                    }
+                }
+            }
+            Err(e) => {
+                self.failures += 1;
+                tracing::warn!(attempt = self.failures, "a forward step failed: {e}");
+                // Form the group again (a member died, or the mesh moved to another version).
+                self.lead.formed = None;
+                if self.failures >= MAX_STEP_FAILURES {
+                    self.failures = 0;
+                    for seq in self.active.drain(..) {
+                        self.lead.ctx.metrics.request_errors.inc();
+                        let _ = seq
+                            .job
+                            .events
+                            .send(Event::Failed(EngineError::Failed(e.to_string())));
+                    }
+                }
+            }
+        }
+        self.lead
+            .ctx
+            .metrics
+            .active_sequences
+            .set(self.active.len() as i64);
+        self.update_rate();
+    }
+
+    /// Samples a sequence's next token; `Some` when the sequence is done.
+    fn advance(&mut self, seq: &mut Seq, logits: &[f32]) -> Option<StopReason> {
+        let next = seq.sampler.sample(logits);
+        let m = &self.lead.ctx.metrics;
+        if seq.first_token.is_none() {
+            let t = seq.job.arrived.elapsed();
+            seq.first_token = Some(t);
+            m.time_to_first_token.observe(t.as_secs_f64());
+        }
+        if seq.job.req.stop_ids.contains(&next) {
+            return Some(StopReason::Stop);
+        }
+        seq.generated.push(next);
+        m.tokens_generated.inc();
+        self.recent.push_back((Instant::now(), 1));
+        if seq.job.events.send(Event::Token(next)).is_err() {
+            return Some(StopReason::Cancelled);
+        }
+        if seq.generated.len() >= seq.job.req.max_tokens {
+            return Some(StopReason::Length);
+        }
+        if seq.cache.len() >= self.lead.ctx.manifest.cfg.max_seq {
+            return Some(StopReason::Context);
+        }
+        seq.input = vec![next];
+        None
+    }
+
+    /// Ends a sequence: tells its submitter, counts it, and hands it to the trainer.
+    fn finish(&mut self, seq: Seq, stop: StopReason) {
+        let latency = seq.job.arrived.elapsed();
+        let m = &self.lead.ctx.metrics;
+        m.requests.inc();
+        m.prompt_tokens.inc_by(seq.job.req.prompt.len() as u64);
+        m.request_latency.observe(latency.as_secs_f64());
+        let old = self.latency_ms.load(Ordering::Relaxed);
+        let ms = latency.as_millis() as u64;
+        self.latency_ms.store((old * 7 + ms) / 8, Ordering::Relaxed);
+        let done = Finished {
+            prompt_tokens: seq.job.req.prompt.len(),
+            tokens: seq.generated.len(),
+            stop,
+            first_token: seq.first_token,
+            latency,
+        };
+        seq.job.span.in_scope(|| {
+            tracing::info!(
+                tokens = done.tokens,
+                stop = ?stop,
+                latency_ms = latency.as_millis() as u64,
+                "finished"
+            )
+        });
+        let _ = seq.job.events.send(Event::Done(done));
+        let mut tokens = seq.job.req.prompt;
+        tokens.extend_from_slice(&seq.generated);
+        let ctx = &self.lead.ctx;
+        let window = node_core::learn::training_window(&ctx.manifest.learning, &ctx.manifest.cfg)
+            .min(LEARN_TOKENS);
+        let item = ToLearn {
+            tokens: tokens[tokens.len().saturating_sub(window)..].to_vec(),
+            prompt_tokens: done.prompt_tokens,
+            generated: done.tokens,
+            latency,
+        };
+        match &self.to_train {
+            Some(tx) if item.tokens.len() >= 2 => {
+                self.backlog.fetch_add(1, Ordering::Relaxed);
+                m.train_backlog.inc();
+                if tx.send(item).is_err() {
+                    self.backlog.fetch_sub(1, Ordering::Relaxed);
+                    m.train_backlog.dec();
+                }
+            }
+            _ => ctx.local.served(Usage::of_request(
+                done.prompt_tokens,
+                done.tokens,
+                latency,
+                None,
+            )),
+        }
+    }
+
+    /// Publishes the trainer's updates, if any wait.
+    fn publish_due(&mut self) {
+        while let Ok(req) = self.publishes.try_recv() {
+            let moved = self.publish(req.published, &req.holders);
+            self.lead.move_to(moved.as_ref());
+            let _ = req.done.send(moved);
+        }
+    }
+
+    /// Hands an update to every live row's holder and to this node's own row; the version
+    /// that makes and its norm gains when this node's row took it.
+    fn publish(&mut self, p: Published, holders: &[PeerId]) -> Option<([u8; 32], LeaderWeights)> {
+        let ctx = &self.lead.ctx;
+        let payload = p.update.encode();
+        let id = Update::id_of(&payload);
+        let bytes = match seal(payload, &ctx.key) {
+            Ok(b) => b,
+            Err(e) => {
+                tracing::warn!("signing the update: {e}");
+                return None;
+            }
+        };
+        let (before, _) = ctx.local.norms();
+        let client = &ctx.client;
+        let sends = holders.iter().map(|&peer| {
+            let req = MeshRequest::Learn(bytes.clone());
+            async move { (peer, ask(client, peer, req).await) }
+        });
+        let remote = ctx.runtime.block_on(futures::future::join_all(sends));
+        let local = ctx.local.learn(&bytes);
+        let took_here = matches!(local, MeshResponse::Learned { .. });
+        let took = remote.iter().filter(|(_, r)| r.is_ok()).count() + usize::from(took_here);
+        for (peer, e) in remote
+            .iter()
+            .filter_map(|(p, r)| Some((p, r.as_ref().err()?)))
+        {
+            tracing::warn!(%peer, "a node refused the update: {e:#}");
+        }
+        ctx.metrics.updates_published.inc();
+        tracing::info!(
+            id = format!("{id:016x}"),
+            requests = p.requests,
+            bytes = bytes.len(),
+            taken_by = took,
+            "published an update"
+        );
+        let was_at = self.lead.formed.as_ref().map_or(before, |f| f.version);
+        (took_here && before == was_at).then(|| ctx.local.norms())
+    }
+
     /// Sets the tokens/s gauge from the tokens of the last [`RATE_WINDOW`].
     fn update_rate(&mut self) {
         let now = Instant::now();
@@ -822,9 +813,132 @@ impl Worker {
             self.recent.pop_front();
         }
         let tokens: u64 = self.recent.iter().map(|(_, n)| n).sum();
-        self.ctx
+        self.lead
+            .ctx
             .metrics
             .tokens_per_second
             .set(tokens as f64 / RATE_WINDOW.as_secs_f64());
+    }
+}
+
+/// The training thread: finished requests in, minibatch gradients through its own group,
+/// updates out to the serving thread.
+struct Trainer {
+    lead: Lead,
+    learner: Learner,
+    requests: std::sync::mpsc::Receiver<ToLearn>,
+    publish: std::sync::mpsc::Sender<PublishRequest>,
+    backlog: Arc<AtomicUsize>,
+}
+
+impl Trainer {
+    fn run(mut self) {
+        let runtime = self.lead.ctx.runtime.clone();
+        let _context = runtime.enter();
+        loop {
+            let first = match self.requests.recv_timeout(IDLE_FLUSH) {
+                Ok(r) => r,
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                    // Accumulated gradients (accumulate > 1) go out once requests stop.
+                    match self.learner.flush() {
+                        Ok(Some(p)) => self.hand_over(p),
+                        Ok(None) => {}
+                        Err(e) => tracing::warn!("the update could not be made: {e}"),
+                    }
+                    continue;
+                }
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
+            };
+            let mut tokens = first.tokens.len();
+            let mut batch = vec![first];
+            while tokens < LEARN_TOKENS {
+                match self.requests.try_recv() {
+                    Ok(r) => {
+                        tokens += r.tokens.len();
+                        batch.push(r);
+                    }
+                    Err(_) => break,
+                }
+            }
+            let loss = self.train(&batch);
+            for r in &batch {
+                self.lead.ctx.local.served(Usage::of_request(
+                    r.prompt_tokens,
+                    r.generated,
+                    r.latency,
+                    loss,
+                ));
+            }
+            self.backlog.fetch_sub(batch.len(), Ordering::Relaxed);
+            self.lead
+                .ctx
+                .metrics
+                .train_backlog
+                .dec_by(batch.len() as i64);
+        }
+    }
+
+    /// The minibatch's loss, once its gradient went into the learner (and out, if due).
+    fn train(&mut self, batch: &[ToLearn]) -> Option<f64> {
+        let span = tracing::info_span!("train", sequences = batch.len());
+        let _entered = span.enter();
+        let f = match self.lead.group() {
+            Ok(f) => f,
+            Err(why) => {
+                tracing::warn!("not trained on {} requests: {why}", batch.len());
+                return None;
+            }
+        };
+        f.group
+            .transport_mut()
+            .set_context(format!("train {} requests", batch.len()));
+        let seqs: Vec<&[u32]> = batch.iter().map(|r| r.tokens.as_slice()).collect();
+        let started = Instant::now();
+        let grads = f.llama.gradients_batch(&mut f.group, &seqs);
+        self.lead.after_rounds();
+        let grads = match grads {
+            Ok(g) => g,
+            Err(e) => {
+                tracing::warn!("training on {} requests failed: {e}", batch.len());
+                self.lead.formed = None;
+                return None;
+            }
+        };
+        let loss = grads.loss;
+        self.lead.ctx.metrics.loss.set(loss);
+        tracing::info!(
+            loss,
+            sequences = batch.len(),
+            seconds = started.elapsed().as_secs_f64(),
+            "trained"
+        );
+        match self.learner.push(grads) {
+            Ok(Some(p)) => self.hand_over(p),
+            Ok(None) => {}
+            Err(e) => tracing::warn!("the update could not be made: {e}"),
+        }
+        Some(loss)
+    }
+
+    /// Has the serving thread publish an update, and follows the mesh to the new version.
+    fn hand_over(&mut self, published: Published) {
+        let holders = match self.lead.group() {
+            Ok(f) => f.holders.clone(),
+            Err(why) => {
+                tracing::warn!("an update is lost: {why}");
+                return;
+            }
+        };
+        let (done, answer) = std::sync::mpsc::sync_channel(1);
+        let req = PublishRequest {
+            published,
+            holders,
+            done,
+        };
+        if self.publish.send(req).is_err() {
+            return;
+        }
+        let moved = answer.recv().ok().flatten();
+        self.lead.move_to(moved.as_ref());
     }
 }

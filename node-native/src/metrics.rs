@@ -52,6 +52,8 @@ pub struct Metrics {
     pub updates_published: Counter,
     /// Learning updates applied to this node's shard.
     pub updates_applied: Counter,
+    /// Finished requests waiting to be trained on.
+    pub train_backlog: Gauge,
     /// Mean next-token loss of the last training batch.
     pub loss: Gauge<f64, AtomicU64>,
     /// Bytes of gossip received.
@@ -101,6 +103,7 @@ impl Metrics {
             members_caught: Counter::default(),
             updates_published: Counter::default(),
             updates_applied: Counter::default(),
+            train_backlog: Gauge::default(),
             loss: Gauge::default(),
             gossip_bytes: Counter::default(),
             healthy_rows: Gauge::default(),
@@ -192,6 +195,11 @@ impl Metrics {
             "updates_applied",
             "Learning updates applied to this node's shard",
             m.updates_applied.clone(),
+        );
+        r.register(
+            "train_backlog",
+            "Finished requests waiting to be trained on",
+            m.train_backlog.clone(),
         );
         r.register(
             "loss",

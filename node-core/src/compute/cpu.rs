@@ -7,12 +7,18 @@ use super::par;
 pub trait WeightElem: Copy + Send + Sync + 'static {
     /// Calls `f` with `row` as f32 values, converting into `buf` when needed.
     fn with_row<R>(row: &[Self], buf: &mut Vec<f32>, f: impl FnOnce(&[f32]) -> R) -> R;
+    /// `values` as f32, converted into `buf` when needed.
+    fn as_f32<'a>(values: &'a [Self], buf: &'a mut Vec<f32>) -> &'a [f32];
 }
 
 impl WeightElem for f32 {
     #[inline(always)]
     fn with_row<R>(row: &[f32], _buf: &mut Vec<f32>, f: impl FnOnce(&[f32]) -> R) -> R {
         f(row)
+    }
+
+    fn as_f32<'a>(values: &'a [f32], _buf: &'a mut Vec<f32>) -> &'a [f32] {
+        values
     }
 }
 
@@ -22,6 +28,12 @@ impl WeightElem for half::f16 {
         buf.resize(row.len(), 0.0);
         f16_to_f32(row, buf);
         f(buf)
+    }
+
+    fn as_f32<'a>(values: &'a [half::f16], buf: &'a mut Vec<f32>) -> &'a [f32] {
+        buf.resize(values.len(), 0.0);
+        f16_to_f32(values, buf);
+        buf
     }
 }
 
@@ -183,6 +195,46 @@ fn rows_times_inputs_portable<W: WeightElem>(
     }
 }
 
+/// From this many tokens on, products go through a blocked SGEMM (`matrixmultiply`): it keeps
+/// tiles of weights and inputs in cache and uses FMA, where the row kernel re-reads every
+/// input for each weight row (prefill, batches of requests, training).
+const GEMM_MIN_TOKENS: usize = 8;
+
+/// [`rows_times_inputs`] through SGEMM: `yt (rows × t) = W[first..] · xᵀ`.
+fn rows_times_inputs_gemm<W: WeightElem>(
+    w: &[W],
+    cols: usize,
+    x: &[f32],
+    t: usize,
+    first: usize,
+    yt: &mut [f32],
+) {
+    let rows = yt.len() / t;
+    let mut buf = Vec::new();
+    let block = &w[first * cols..(first + rows) * cols];
+    let weights: &[f32] = W::as_f32(block, &mut buf);
+    // SAFETY: `weights` is rows × cols, `x` t × cols and `yt` rows × t, all row-major; the
+    // strides below describe exactly those shapes, so every access is in bounds.
+    unsafe {
+        matrixmultiply::sgemm(
+            rows,
+            cols,
+            t,
+            1.0,
+            weights.as_ptr(),
+            cols as isize,
+            1,
+            x.as_ptr(),
+            1,
+            cols as isize,
+            0.0,
+            yt.as_mut_ptr(),
+            t as isize,
+            1,
+        );
+    }
+}
+
 /// `y (t × rows) = x (t × cols) · Wᵀ` where `W` is `rows × cols` row-major (f32 or f16).
 pub fn matmul<W: WeightElem>(
     w: &[W],
@@ -213,13 +265,20 @@ pub fn matmul<W: WeightElem>(
     }
     // Compute rows × t, then transpose into t × rows.
     let mut yt = vec![0.0f32; rows * t];
+    let kernel = |first: usize, out: &mut [f32]| {
+        if t >= GEMM_MIN_TOKENS {
+            rows_times_inputs_gemm(w, cols, x, t, first, out)
+        } else {
+            rows_times_inputs(w, cols, x, t, first, out)
+        }
+    };
     if parallel {
         let chunk_rows = rows.div_ceil(threads * 4).max(4);
         par::for_each_chunk(&mut yt, chunk_rows * t, |i, out| {
-            rows_times_inputs(w, cols, x, t, i * chunk_rows, out)
+            kernel(i * chunk_rows, out)
         });
     } else {
-        rows_times_inputs(w, cols, x, t, 0, &mut yt);
+        kernel(0, &mut yt);
     }
     for (r, vals) in yt.chunks_exact(t).enumerate() {
         for (tok, &v) in vals.iter().enumerate() {
@@ -233,6 +292,39 @@ pub fn matmul_transpose(w: &[f32], rows: usize, cols: usize, x: &[f32], t: usize
     debug_assert_eq!(w.len(), rows * cols);
     debug_assert_eq!(x.len(), t * rows);
     debug_assert_eq!(y.len(), t * cols);
+    if t >= GEMM_MIN_TOKENS && cols > 0 && rows > 0 {
+        let gemm = |first: usize, out: &mut [f32]| {
+            let m = out.len() / cols;
+            // SAFETY: `x[first..]` holds m × rows, `w` rows × cols and `out` m × cols, all
+            // row-major, as the strides say.
+            unsafe {
+                matrixmultiply::sgemm(
+                    m,
+                    rows,
+                    cols,
+                    1.0,
+                    x[first * rows..].as_ptr(),
+                    rows as isize,
+                    1,
+                    w.as_ptr(),
+                    cols as isize,
+                    1,
+                    0.0,
+                    out.as_mut_ptr(),
+                    cols as isize,
+                    1,
+                );
+            }
+        };
+        let threads = par::threads();
+        if threads > 1 && rows * cols >= PARALLEL_MIN_WEIGHTS {
+            let chunk = t.div_ceil(threads).max(1);
+            par::for_each_chunk(y, chunk * cols, |i, out| gemm(i * chunk, out));
+        } else {
+            gemm(0, y);
+        }
+        return;
+    }
     let work = |tok: usize, out: &mut [f32]| {
         out.fill(0.0);
         for (r, row) in w.chunks_exact(cols).enumerate() {
@@ -295,7 +387,7 @@ mod tests {
     #[test]
     fn matmul_matches_naive_on_ragged_shapes() {
         for &(rows, cols) in &[(1, 1), (3, 7), (17, 33), (64, 576), (300, 250), (513, 100)] {
-            for t in 1..=9 {
+            for t in (1..=9).chain([16, 37]) {
                 let w = data(rows * cols, (rows * 31 + cols) as u32);
                 let x = data(t * cols, t as u32);
                 let mut y = vec![0.0f32; t * rows];
@@ -320,7 +412,7 @@ mod tests {
     #[test]
     fn f16_weights_match_their_f32_values() {
         let (rows, cols) = (70, 130);
-        for t in [1, 3, 6] {
+        for t in [1, 3, 6, 12] {
             let w = data(rows * cols, 12);
             let w16: Vec<half::f16> = w.iter().map(|&v| half::f16::from_f32(v)).collect();
             let w32: Vec<f32> = w16.iter().map(|v| v.to_f32()).collect();
@@ -333,8 +425,13 @@ mod tests {
 
     #[test]
     fn transpose_product_matches_naive() {
-        let (rows, cols) = (37, 300);
-        for t in [1, 2, 5] {
+        for (rows, cols, t) in [
+            (37, 300, 1),
+            (37, 300, 2),
+            (37, 300, 5),
+            (37, 300, 9),
+            (300, 290, 33),
+        ] {
             let w = data(rows * cols, 9);
             let x = data(t * rows, 4);
             let mut y = vec![0.0f32; t * cols];
