@@ -17,7 +17,16 @@ port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0));
 "$target/release/codedmesh" up --data "$scratch/mesh" --port "$port" --no-build-web ${UP_ARGS:-} \
   >"$scratch/up.out" 2>"$scratch/up.log" &
 up=$!
-stop() { kill -TERM "$up" 2>/dev/null || true; wait "$up" 2>/dev/null || true; rm -rf "$scratch"; }
+# The logs (up's, each node's) are kept in target/load-bench/; the mesh's data is not.
+logs="$target/load-bench"
+stop() {
+  kill -TERM "$up" 2>/dev/null || true
+  wait "$up" 2>/dev/null || true
+  rm -rf "$logs" && mkdir -p "$logs"
+  cp "$scratch"/up.* "$scratch"/mesh/*.log "$logs"/ 2>/dev/null || true
+  rm -rf "$scratch"
+  echo "logs: $logs"
+}
 trap stop EXIT
 for _ in $(seq 1 900); do
   grep -q '^ready: ' "$scratch/up.out" && break

@@ -226,6 +226,7 @@ impl Engine {
                 lead: Lead::new(ctx.clone(), trace.clone()),
                 learner: Learner::new(ctx.manifest.learning, ctx.manifest.cfg.clone()),
                 requests: train_rx,
+                waiting: None,
                 publish: publish_tx,
                 backlog: backlog.clone(),
             };
@@ -319,8 +320,23 @@ struct PublishRequest {
 const MAX_STEP_FAILURES: u32 = 3;
 /// How long a failed group formation is trusted before trying again.
 const FORM_RETRY: Duration = Duration::from_secs(1);
-/// Most tokens in one training minibatch.
+/// Most tokens in one training minibatch, whatever the model.
 const LEARN_TOKENS: usize = 1024;
+
+/// Most tokens one training minibatch can carry on this mesh: every row of the batch goes
+/// through the LM head, whose answers (`rows × vocab / k` values per member) must stay well
+/// inside one message; exact updates (rank 0) carry every row, at most the training window.
+fn learn_tokens(manifest: &ModelManifest) -> usize {
+    let per_row = 2 * 4 * manifest.cfg.vocab.div_ceil(manifest.generator.k().max(1));
+    let by_message = node_core::protocol::MAX_MESSAGE_BYTES / per_row.max(1);
+    let window = node_core::learn::training_window(&manifest.learning, &manifest.cfg);
+    let limit = if manifest.learning.rank == 0 {
+        window
+    } else {
+        LEARN_TOKENS
+    };
+    limit.min(by_message).max(2)
+}
 /// Finished requests waiting to be trained on, per place in the batch, before the serving
 /// thread stops taking new ones.
 const BACKLOG_PER_SLOT: usize = 2;
@@ -827,6 +843,8 @@ struct Trainer {
     lead: Lead,
     learner: Learner,
     requests: std::sync::mpsc::Receiver<ToLearn>,
+    /// A request taken that did not fit the last minibatch: the next one starts with it.
+    waiting: Option<ToLearn>,
     publish: std::sync::mpsc::Sender<PublishRequest>,
     backlog: Arc<AtomicUsize>,
 }
@@ -836,7 +854,11 @@ impl Trainer {
         let runtime = self.lead.ctx.runtime.clone();
         let _context = runtime.enter();
         loop {
-            let first = match self.requests.recv_timeout(IDLE_FLUSH) {
+            let next = match self.waiting.take() {
+                Some(w) => Ok(w),
+                None => self.requests.recv_timeout(IDLE_FLUSH),
+            };
+            let first = match next {
                 Ok(r) => r,
                 Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
                     // Accumulated gradients (accumulate > 1) go out once requests stop.
@@ -849,16 +871,20 @@ impl Trainer {
                 }
                 Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
             };
+            let limit = learn_tokens(&self.lead.ctx.manifest);
             let mut tokens = first.tokens.len();
             let mut batch = vec![first];
-            while tokens < LEARN_TOKENS {
-                match self.requests.try_recv() {
-                    Ok(r) => {
-                        tokens += r.tokens.len();
-                        batch.push(r);
-                    }
-                    Err(_) => break,
+            while let Some(next) = self
+                .waiting
+                .take()
+                .or_else(|| self.requests.try_recv().ok())
+            {
+                if tokens + next.tokens.len() > limit {
+                    self.waiting = Some(next);
+                    break;
                 }
+                tokens += next.tokens.len();
+                batch.push(next);
             }
             let loss = self.train(&batch);
             for r in &batch {

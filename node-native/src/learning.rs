@@ -40,11 +40,14 @@ impl UpdateStore {
         self.dir.join(format!("{id:016x}.update"))
     }
 
-    /// Keeps an update's payload.
+    /// Keeps an update's payload (two threads may save the same one at once: a catch-up and
+    /// this node's own leader; each writes its own temporary file).
     pub fn save(&self, id: u64, bytes: &[u8]) -> Result<()> {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let path = self.path(id);
         if !path.exists() {
-            let tmp = path.with_extension("tmp");
+            let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let tmp = path.with_extension(format!("tmp{n}"));
             fs::write(&tmp, bytes)?;
             fs::rename(&tmp, &path)?;
         }

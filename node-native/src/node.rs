@@ -511,10 +511,31 @@ async fn serve(
     if let Some(b) = &opts.bootstrap
         && let Err(e) = net.client.dial(b.clone()).await
     {
-        tracing::warn!("bootstrap {b}: {e:#}; waiting for peers to find this node");
+        tracing::warn!("bootstrap {b}: {e:#}; trying again in the background");
+        // The bootstrap may be starting too (a whole mesh restarted at once): keep trying,
+        // waiting longer each time, until it answers.
+        let (client, b) = (net.client.clone(), b.clone());
+        tokio::spawn(async move {
+            let mut wait = Duration::from_millis(500);
+            for _ in 0..BOOTSTRAP_TRIES {
+                tokio::time::sleep(wait).await;
+                match client.dial(b.clone()).await {
+                    Ok(peer) => {
+                        tracing::info!(%peer, "reached the bootstrap node");
+                        return;
+                    }
+                    Err(e) => tracing::debug!("bootstrap {b}: {e:#}"),
+                }
+                wait = (wait * 2).min(Duration::from_secs(15));
+            }
+            tracing::warn!("bootstrap {b} never answered; waiting for peers to find this node");
+        });
     }
     run_server(&opts, gpu, net, data, holding).await
 }
+
+/// Times a restarted node tries its bootstrap address before waiting to be found.
+const BOOTSTRAP_TRIES: u32 = 40;
 
 /// Announces the node's row and answers peers until stopped.
 async fn run_server(

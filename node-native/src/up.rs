@@ -280,9 +280,15 @@ pub async fn up(opts: UpOptions) -> Result<()> {
                 eprintln!("{e:#}");
             }
         }));
-        // The first node is up before the others dial it.
+        // The first node listens before the others dial it (they retry, but need not).
         if i == 0 {
-            tokio::time::sleep(Duration::from_millis(300)).await;
+            let addr = SocketAddr::from(([127, 0, 0, 1], mesh.ports[0]));
+            let started = Instant::now();
+            while tokio::net::TcpStream::connect(addr).await.is_err()
+                && started.elapsed() < Duration::from_secs(60)
+            {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
         }
     }
     let stop_signal = crate::node::stop_signal();

@@ -1,7 +1,10 @@
-//! Low-rank compression of a factored gradient `Dᵀ·X` (`D`: `p × out`, `X`: `p × in`) to the
-//! best rank-`r` factors `D'ᵀ·X'` (Eckart–Young), computed in the `p × p` row space: two Gram
-//! matrices, their eigendecompositions and the SVD of a small core. The result is again a pair of
-//! factors, `D' = A·D` and `X' = B·X`, so every node applies it like any other update.
+//! Low-rank compression of a factored gradient `Dᵀ·X` (`D`: `p × out`, `X`: `p × in`) to
+//! rank-`r` factors `D'ᵀ·X'`. Up to [`RANDOMIZED_MIN_ROWS`] rows it is the best approximation
+//! (Eckart–Young), computed in the `p × p` row space: two Gram matrices, their
+//! eigendecompositions and the SVD of a small core. Longer factors (a minibatch of requests)
+//! go through a randomized range finder with power iterations (Halko, Martinsson and Tropp),
+//! whose cost grows linearly with `p` instead of as `p²` and `p³`. Either way the result is
+//! again a pair of factors, so every node applies it like any other update.
 
 use nalgebra::{DMatrix, SymmetricEigen};
 
@@ -94,10 +97,207 @@ fn combine(a: &DMatrix<f64>, m: &[f32], w: usize) -> Vec<f32> {
     .concat()
 }
 
-/// The best rank-`rank` factors of `Σ_m dy_mᵀ·x` over a stage's matrices, which share `x`
-/// (`rows × in`; each `dy_m` is `rows × out_m`). Factors with at most `rank` rows come back
-/// as they are.
+/// Factors with more rows than this are compressed with the randomized range finder.
+pub const RANDOMIZED_MIN_ROWS: usize = 64;
+
+/// Extra directions the randomized range finder samples beyond the rank.
+const OVERSAMPLE: usize = 8;
+
+/// Power iterations of the randomized range finder (each sharpens the captured subspace).
+const POWER_ITERATIONS: usize = 2;
+
+/// Rank-`rank` factors of `Σ_m dy_mᵀ·x` over a stage's matrices, which share `x` (`rows × in`;
+/// each `dy_m` is `rows × out_m`): the best ones up to [`RANDOMIZED_MIN_ROWS`] rows, a
+/// randomized near-best beyond. Factors with at most `rank` rows come back as they are.
 pub fn low_rank(x: &[f32], dys: &[Vec<f32>], rows: usize, rank: usize) -> LowRank {
+    if rows > RANDOMIZED_MIN_ROWS && rows > rank {
+        return low_rank_randomized(x, dys, rows, rank);
+    }
+    low_rank_exact(x, dys, rows, rank)
+}
+
+/// `c (m × n) = a · b` for row-major `a` and `b`, where `a` is `m × k` (or, with
+/// `a_transposed`, stored as `k × m`) and `b` is `k × n`.
+fn gemm(a: &[f32], a_transposed: bool, b: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
+    let mut c = vec![0.0f32; m * n];
+    if m == 0 || n == 0 || k == 0 {
+        return c;
+    }
+    let (rsa, csa) = if a_transposed {
+        (1, m as isize)
+    } else {
+        (k as isize, 1)
+    };
+    debug_assert!(a.len() >= m * k && b.len() >= k * n);
+    // SAFETY: `a` holds m × k values (k × m when transposed), `b` k × n and `c` m × n, all
+    // row-major, as the strides describe; the lengths are checked by the callers' shapes.
+    unsafe {
+        matrixmultiply::sgemm(
+            m,
+            k,
+            n,
+            1.0,
+            a.as_ptr(),
+            rsa,
+            csa,
+            b.as_ptr(),
+            n as isize,
+            1,
+            0.0,
+            c.as_mut_ptr(),
+            n as isize,
+            1,
+        );
+    }
+    c
+}
+
+/// Makes the `s` columns of a row-major `n × s` matrix orthonormal (modified Gram–Schmidt in
+/// f64, twice for stability); a column that vanishes becomes zero.
+fn orthonormalize(m: &mut [f32], n: usize, s: usize) {
+    let mut cols: Vec<Vec<f64>> = (0..s)
+        .map(|j| (0..n).map(|i| m[i * s + j] as f64).collect())
+        .collect();
+    for j in 0..s {
+        for _ in 0..2 {
+            for p in 0..j {
+                let dot: f64 = cols[j].iter().zip(&cols[p]).map(|(a, b)| a * b).sum();
+                let (before, rest) = cols.split_at_mut(j);
+                rest[0]
+                    .iter_mut()
+                    .zip(&before[p])
+                    .for_each(|(a, b)| *a -= dot * b);
+            }
+        }
+        let norm = cols[j].iter().map(|v| v * v).sum::<f64>().sqrt();
+        let inv = if norm > 1e-30 { 1.0 / norm } else { 0.0 };
+        cols[j].iter_mut().for_each(|v| *v *= inv);
+    }
+    for (j, col) in cols.iter().enumerate() {
+        for (i, v) in col.iter().enumerate() {
+            m[i * s + j] = *v as f32;
+        }
+    }
+}
+
+/// `‖Dᵀ·X‖²` from the Gram matrices `X·Xᵀ` and `D·Dᵀ` (`rows × rows`, through SGEMM).
+fn energy(x: &[f32], d: &[f32], rows: usize, inp: usize, out: usize) -> f64 {
+    let transpose = |m: &[f32], w: usize| -> Vec<f32> {
+        let mut t = vec![0.0f32; m.len()];
+        for r in 0..rows {
+            for c in 0..w {
+                t[c * rows + r] = m[r * w + c];
+            }
+        }
+        t
+    };
+    let gx = gemm(x, false, &transpose(x, inp), rows, inp, rows);
+    let gd = gemm(d, false, &transpose(d, out), rows, out, rows);
+    gx.iter().zip(&gd).map(|(&a, &b)| a as f64 * b as f64).sum()
+}
+
+/// [`low_rank`] for long factors: a randomized range finder with power iterations on the
+/// column space of `Dᵀ·X`, then the SVD of its small projection.
+fn low_rank_randomized(x: &[f32], dys: &[Vec<f32>], rows: usize, rank: usize) -> LowRank {
+    use rand::{Rng, SeedableRng};
+    let inp = x.len() / rows;
+    let outs: Vec<usize> = dys.iter().map(|d| d.len() / rows).collect();
+    let out: usize = outs.iter().sum();
+    // D = [dy_0 | dy_1 | …], rows × out.
+    let mut d = Vec::with_capacity(rows * out);
+    for r in 0..rows {
+        for (dy, &w) in dys.iter().zip(&outs) {
+            d.extend_from_slice(&dy[r * w..(r + 1) * w]);
+        }
+    }
+    let s = (rank + OVERSAMPLE).min(inp).min(out).min(rows);
+    if s == 0 {
+        return LowRank::empty(dys.len(), 1.0, 0.0);
+    }
+    // A fixed seed: the leader's compression is reproducible.
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0x636f_6465_646d_6573);
+    let omega: Vec<f32> = (0..inp * s)
+        .map(|_| if rng.random::<bool>() { 1.0 } else { -1.0 })
+        .collect();
+    // Y = Dᵀ·X·Ω (out × s), sharpened by power iterations Y ← (Dᵀ·X)(Xᵀ·D)·Y.
+    let mut y = gemm(
+        &d,
+        true,
+        &gemm(x, false, &omega, rows, inp, s),
+        out,
+        rows,
+        s,
+    );
+    for _ in 0..POWER_ITERATIONS {
+        orthonormalize(&mut y, out, s);
+        let mut v = gemm(x, true, &gemm(&d, false, &y, rows, out, s), inp, rows, s);
+        orthonormalize(&mut v, inp, s);
+        y = gemm(&d, true, &gemm(x, false, &v, rows, inp, s), out, rows, s);
+    }
+    orthonormalize(&mut y, out, s);
+    // B = Qᵀ·Dᵀ·X = (D·Q)ᵀ·X, s × in; Dᵀ·X ≈ Q·B.
+    let dq = gemm(&d, false, &y, rows, out, s);
+    let b = gemm(&dq, true, x, s, rows, inp);
+    let total = energy(x, &d, rows, inp, out);
+    let bm = DMatrix::from_fn(s, inp, |i, j| b[i * inp + j] as f64);
+    let Some(svd) = bm.try_svd(true, true, f64::EPSILON, 0) else {
+        return LowRank::empty(dys.len(), 0.0, total);
+    };
+    let (Some(u), Some(vt)) = (svd.u, svd.v_t) else {
+        return LowRank::empty(dys.len(), 0.0, total);
+    };
+    let mut order: Vec<usize> = (0..svd.singular_values.len()).collect();
+    order.sort_by(|&a, &b| svd.singular_values[b].total_cmp(&svd.singular_values[a]));
+    order.retain(|&i| svd.singular_values[i] > 0.0);
+    order.truncate(rank);
+    let r = order.len();
+    if r == 0 {
+        return LowRank::empty(dys.len(), 1.0, total);
+    }
+    let kept_sq: f64 = order.iter().map(|&i| svd.singular_values[i].powi(2)).sum();
+    // Term k: √σ·(Q·u_k) as the output factor's row, √σ·v_kᵀ as the input factor's row.
+    let mut new_x = vec![0.0f32; r * inp];
+    let mut new_d = vec![0.0f64; r * out];
+    for (k, &i) in order.iter().enumerate() {
+        let root = svd.singular_values[i].sqrt();
+        for c in 0..inp {
+            new_x[k * inp + c] = (root * vt[(i, c)]) as f32;
+        }
+        for o in 0..out {
+            let q: f64 = (0..s).map(|j| y[o * s + j] as f64 * u[(j, i)]).sum();
+            new_d[k * out + o] = root * q;
+        }
+    }
+    let mut new_dy: Vec<Vec<f32>> = Vec::with_capacity(dys.len());
+    let mut first = 0;
+    for &w in &outs {
+        let mut m = Vec::with_capacity(r * w);
+        for k in 0..r {
+            m.extend(
+                new_d[k * out + first..k * out + first + w]
+                    .iter()
+                    .map(|&v| v as f32),
+            );
+        }
+        new_dy.push(m);
+        first += w;
+    }
+    balance(&mut new_x, &mut new_dy, r);
+    LowRank {
+        rows: r,
+        x: new_x,
+        dy: new_dy,
+        kept: if total > 0.0 {
+            (kept_sq / total).min(1.0)
+        } else {
+            1.0
+        },
+        energy: total,
+    }
+}
+
+/// [`low_rank`] by the exact row-space method: the best rank-`rank` factors.
+fn low_rank_exact(x: &[f32], dys: &[Vec<f32>], rows: usize, rank: usize) -> LowRank {
     if rows <= rank || rows == 0 {
         return LowRank {
             rows,
@@ -295,6 +495,43 @@ mod tests {
             );
             let kept = sv[..rank].iter().map(|s| s * s).sum::<f64>() / want.norm_squared();
             assert!((c.kept - kept).abs() < 1e-6, "kept {} vs {kept}", c.kept);
+        }
+    }
+
+    #[test]
+    fn long_factors_get_a_near_best_approximation_in_linear_time() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
+        let rows = 200;
+        // A decaying spectrum, as gradients have: a strong rank-6 part plus weak noise.
+        let mut x = of_rank(&mut rng, rows, 40, 6);
+        let noise = random(&mut rng, rows * 40);
+        x.iter_mut().zip(&noise).for_each(|(a, n)| *a += 0.05 * n);
+        let dys = vec![random(&mut rng, rows * 30), random(&mut rng, rows * 25)];
+        let want = dense(&x, &dys, rows);
+        let mut sv: Vec<f64> = want
+            .clone()
+            .svd(false, false)
+            .singular_values
+            .iter()
+            .copied()
+            .collect();
+        sv.sort_by(|a, b| b.total_cmp(a));
+        for rank in [2, 6, 8] {
+            let c = low_rank(&x, &dys, rows, rank);
+            assert_eq!(c.rows, rank);
+            let err = (&want - dense(&c.x, &c.dy, c.rows)).norm();
+            let best = sv[rank..].iter().map(|s| s * s).sum::<f64>().sqrt();
+            assert!(
+                err <= best * 1.02 + 1e-4 * want.norm(),
+                "rank {rank}: error {err} against the best {best}"
+            );
+            let kept = sv[..rank].iter().map(|s| s * s).sum::<f64>() / want.norm_squared();
+            assert!(
+                (c.kept - kept).abs() < 1e-3 && c.kept <= 1.0,
+                "kept {} vs the best {kept}",
+                c.kept
+            );
+            assert!((c.energy - want.norm_squared()).abs() < 1e-4 * want.norm_squared());
         }
     }
 
