@@ -525,15 +525,21 @@ impl Worker {
                 break;
             }
             if self.active.is_empty() {
-                let next = runtime
-                    .block_on(async { tokio::time::timeout(IDLE_POLL, self.jobs.recv()).await });
-                match next {
-                    Ok(Some(job)) => {
-                        self.lead.ctx.metrics.queue_depth.dec();
-                        self.held = Some(job);
+                if self.held.is_some() {
+                    // A request waits for the trainer to catch up: wait with it.
+                    std::thread::sleep(IDLE_POLL);
+                } else {
+                    let next = runtime.block_on(async {
+                        tokio::time::timeout(IDLE_POLL, self.jobs.recv()).await
+                    });
+                    match next {
+                        Ok(Some(job)) => {
+                            self.lead.ctx.metrics.queue_depth.dec();
+                            self.held = Some(job);
+                        }
+                        Ok(None) => break,
+                        Err(_) => {}
                     }
-                    Ok(None) => break,
-                    Err(_) => {}
                 }
                 self.update_rate();
                 continue;
@@ -601,12 +607,25 @@ impl Worker {
                 }
             }
         }
+        self.count_active();
+        true
+    }
+
+    /// Sets the active-sequences gauge.
+    fn count_active(&self) {
         self.lead
             .ctx
             .metrics
             .active_sequences
             .set(self.active.len() as i64);
-        true
+    }
+
+    /// Fails every request in the batch.
+    fn fail_all(&mut self, error: &EngineError) {
+        for seq in self.active.drain(..) {
+            self.lead.ctx.metrics.request_errors.inc();
+            let _ = seq.job.events.send(Event::Failed(error.clone()));
+        }
     }
 
     /// One forward step of every sequence in the batch, then a token for each.
@@ -614,13 +633,7 @@ impl Worker {
         let f = match self.lead.group() {
             Ok(f) => f,
             Err(why) => {
-                for seq in self.active.drain(..) {
-                    self.lead.ctx.metrics.request_errors.inc();
-                    let _ = seq
-                        .job
-                        .events
-                        .send(Event::Failed(EngineError::Unavailable(why.clone())));
-                }
+                self.fail_all(&EngineError::Unavailable(why));
                 return;
             }
         };
@@ -667,21 +680,11 @@ impl Worker {
                 self.lead.formed = None;
                 if self.failures >= MAX_STEP_FAILURES {
                     self.failures = 0;
-                    for seq in self.active.drain(..) {
-                        self.lead.ctx.metrics.request_errors.inc();
-                        let _ = seq
-                            .job
-                            .events
-                            .send(Event::Failed(EngineError::Failed(e.to_string())));
-                    }
+                    self.fail_all(&EngineError::Failed(e.to_string()));
                 }
             }
         }
-        self.lead
-            .ctx
-            .metrics
-            .active_sequences
-            .set(self.active.len() as i64);
+        self.count_active();
         self.update_rate();
     }
 

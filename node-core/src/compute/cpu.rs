@@ -200,6 +200,81 @@ fn rows_times_inputs_portable<W: WeightElem>(
 /// input for each weight row (prefill, batches of requests, training).
 const GEMM_MIN_TOKENS: usize = 8;
 
+/// A strided matrix for [`sgemm`]: its values, row stride and column stride.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct View<'a> {
+    /// The values.
+    pub data: &'a [f32],
+    /// Distance between two rows.
+    pub rs: usize,
+    /// Distance between two columns.
+    pub cs: usize,
+}
+
+impl<'a> View<'a> {
+    /// A row-major matrix with `cols` columns.
+    pub fn rows(data: &'a [f32], cols: usize) -> Self {
+        Self {
+            data,
+            rs: cols,
+            cs: 1,
+        }
+    }
+
+    /// The transpose of a row-major matrix with `cols` columns.
+    pub fn transposed(data: &'a [f32], cols: usize) -> Self {
+        Self {
+            data,
+            rs: 1,
+            cs: cols,
+        }
+    }
+
+    /// Whether an `r × c` matrix with these strides fits in the values.
+    fn holds(&self, r: usize, c: usize) -> bool {
+        r == 0 || c == 0 || (r - 1) * self.rs + (c - 1) * self.cs < self.data.len()
+    }
+}
+
+/// `c (m × n, row-major with row stride ldc) = a (m × k) · b (k × n)`: `matrixmultiply`'s
+/// blocked SGEMM, the one place its raw pointers are used.
+pub(crate) fn sgemm(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: View<'_>,
+    b: View<'_>,
+    c: &mut [f32],
+    ldc: usize,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    assert!(
+        a.holds(m, k) && b.holds(k, n) && (m - 1) * ldc + n <= c.len() && n <= ldc,
+        "sgemm shapes out of bounds"
+    );
+    // SAFETY: the assertion above keeps every element the strides reach inside its slice.
+    unsafe {
+        matrixmultiply::sgemm(
+            m,
+            k,
+            n,
+            1.0,
+            a.data.as_ptr(),
+            a.rs as isize,
+            a.cs as isize,
+            b.data.as_ptr(),
+            b.rs as isize,
+            b.cs as isize,
+            0.0,
+            c.as_mut_ptr(),
+            ldc as isize,
+            1,
+        );
+    }
+}
+
 /// [`rows_times_inputs`] through SGEMM: `yt (rows × t) = W[first..] · xᵀ`.
 fn rows_times_inputs_gemm<W: WeightElem>(
     w: &[W],
@@ -213,26 +288,15 @@ fn rows_times_inputs_gemm<W: WeightElem>(
     let mut buf = Vec::new();
     let block = &w[first * cols..(first + rows) * cols];
     let weights: &[f32] = W::as_f32(block, &mut buf);
-    // SAFETY: `weights` is rows × cols, `x` t × cols and `yt` rows × t, all row-major; the
-    // strides below describe exactly those shapes, so every access is in bounds.
-    unsafe {
-        matrixmultiply::sgemm(
-            rows,
-            cols,
-            t,
-            1.0,
-            weights.as_ptr(),
-            cols as isize,
-            1,
-            x.as_ptr(),
-            1,
-            cols as isize,
-            0.0,
-            yt.as_mut_ptr(),
-            t as isize,
-            1,
-        );
-    }
+    sgemm(
+        rows,
+        cols,
+        t,
+        View::rows(weights, cols),
+        View::transposed(x, cols),
+        yt,
+        t,
+    );
 }
 
 /// `y (t × rows) = x (t × cols) · Wᵀ` where `W` is `rows × cols` row-major (f32 or f16).
@@ -295,26 +359,8 @@ pub fn matmul_transpose(w: &[f32], rows: usize, cols: usize, x: &[f32], t: usize
     if t >= GEMM_MIN_TOKENS && cols > 0 && rows > 0 {
         let gemm = |first: usize, out: &mut [f32]| {
             let m = out.len() / cols;
-            // SAFETY: `x[first..]` holds m × rows, `w` rows × cols and `out` m × cols, all
-            // row-major, as the strides say.
-            unsafe {
-                matrixmultiply::sgemm(
-                    m,
-                    rows,
-                    cols,
-                    1.0,
-                    x[first * rows..].as_ptr(),
-                    rows as isize,
-                    1,
-                    w.as_ptr(),
-                    cols as isize,
-                    1,
-                    0.0,
-                    out.as_mut_ptr(),
-                    cols as isize,
-                    1,
-                );
-            }
+            let inputs = View::rows(&x[first * rows..], rows);
+            sgemm(m, rows, cols, inputs, View::rows(w, cols), out, cols);
         };
         let threads = par::threads();
         if threads > 1 && rows * cols >= PARALLEL_MIN_WEIGHTS {

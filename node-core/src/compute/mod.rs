@@ -1,7 +1,7 @@
 //! Compute kernels: the CPU reference backend, threaded on native targets, and the wgpu backend
 //! (WGSL kernels for native GPUs and WebGPU).
 
-mod cpu;
+pub(crate) mod cpu;
 pub mod gpu;
 pub mod par;
 

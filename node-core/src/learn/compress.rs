@@ -116,39 +116,17 @@ pub fn low_rank(x: &[f32], dys: &[Vec<f32>], rows: usize, rank: usize) -> LowRan
     low_rank_exact(x, dys, rows, rank)
 }
 
-/// `c (m × n) = a · b` for row-major `a` and `b`, where `a` is `m × k` (or, with
-/// `a_transposed`, stored as `k × m`) and `b` is `k × n`.
+/// `a · b` (`m × n`) for row-major `a` (`m × k`, or stored `k × m` when `a_transposed`) and
+/// row-major `b` (`k × n`).
 fn gemm(a: &[f32], a_transposed: bool, b: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
+    use crate::compute::cpu::{View, sgemm};
     let mut c = vec![0.0f32; m * n];
-    if m == 0 || n == 0 || k == 0 {
-        return c;
-    }
-    let (rsa, csa) = if a_transposed {
-        (1, m as isize)
+    let a = if a_transposed {
+        View::transposed(a, m)
     } else {
-        (k as isize, 1)
+        View::rows(a, k)
     };
-    debug_assert!(a.len() >= m * k && b.len() >= k * n);
-    // SAFETY: `a` holds m × k values (k × m when transposed), `b` k × n and `c` m × n, all
-    // row-major, as the strides describe; the lengths are checked by the callers' shapes.
-    unsafe {
-        matrixmultiply::sgemm(
-            m,
-            k,
-            n,
-            1.0,
-            a.as_ptr(),
-            rsa,
-            csa,
-            b.as_ptr(),
-            n as isize,
-            1,
-            0.0,
-            c.as_mut_ptr(),
-            n as isize,
-            1,
-        );
-    }
+    sgemm(m, k, n, a, View::rows(b, n), &mut c, n);
     c
 }
 
@@ -439,6 +417,19 @@ mod tests {
         g
     }
 
+    /// Singular values of `m`, largest first.
+    fn singular_values(m: &DMatrix<f64>) -> Vec<f64> {
+        let mut sv: Vec<f64> = m
+            .clone()
+            .svd(false, false)
+            .singular_values
+            .iter()
+            .copied()
+            .collect();
+        sv.sort_by(|a, b| b.total_cmp(a));
+        sv
+    }
+
     /// Rows that are combinations of `rank` random rows: a gradient of that rank.
     fn of_rank(rng: &mut rand_chacha::ChaCha8Rng, rows: usize, w: usize, basis: usize) -> Vec<f32> {
         let base = random(rng, basis * w);
@@ -475,14 +466,7 @@ mod tests {
         let x = random(&mut rng, rows * 16);
         let dys = vec![random(&mut rng, rows * 9)];
         let want = dense(&x, &dys, rows);
-        let mut sv: Vec<f64> = want
-            .clone()
-            .svd(false, false)
-            .singular_values
-            .iter()
-            .copied()
-            .collect();
-        sv.sort_by(|a, b| b.total_cmp(a));
+        let sv = singular_values(&want);
         for rank in [1, 4, 7] {
             let c = low_rank(&x, &dys, rows, rank);
             assert_eq!(c.rows, rank);
@@ -508,14 +492,7 @@ mod tests {
         x.iter_mut().zip(&noise).for_each(|(a, n)| *a += 0.05 * n);
         let dys = vec![random(&mut rng, rows * 30), random(&mut rng, rows * 25)];
         let want = dense(&x, &dys, rows);
-        let mut sv: Vec<f64> = want
-            .clone()
-            .svd(false, false)
-            .singular_values
-            .iter()
-            .copied()
-            .collect();
-        sv.sort_by(|a, b| b.total_cmp(a));
+        let sv = singular_values(&want);
         for rank in [2, 6, 8] {
             let c = low_rank(&x, &dys, rows, rank);
             assert_eq!(c.rows, rank);
