@@ -93,6 +93,14 @@ struct UpArgs {
     /// Most requests waiting beyond the batch before the API answers 429.
     #[arg(long, default_value_t = 64)]
     queue: usize,
+    /// Answers checked beyond the k decoded in every round (1 detects a wrong member).
+    #[arg(long, default_value_t = 1)]
+    check: usize,
+    /// Spare members asked beside them. None by default: on one machine a spare adds work
+    /// (throughput -17%, docs/perf.md) and rarely beats a local straggler; with `--check 1`
+    /// a failed member still leaves k answers.
+    #[arg(long, default_value_t = 0)]
+    spares: usize,
 }
 
 /// How a node serves the requests it leads (its OpenAI API).
@@ -110,6 +118,14 @@ struct ServeArgs {
     /// The requests this node leads do not train the mesh.
     #[arg(long)]
     no_learn: bool,
+    /// Answers checked beyond the k decoded in every round of the requests this node leads:
+    /// 1 detects a wrong member, 2 also locates it; 0 turns checking off.
+    #[arg(long, default_value_t = 1)]
+    check: usize,
+    /// Spare members asked beside them: a straggler or a failure costs nothing, at the price
+    /// of their compute.
+    #[arg(long, default_value_t = 1)]
+    spares: usize,
     /// Write every coded step of the requests this node leads to this file (JSON lines:
     /// time, request, step, member, bytes, duration).
     #[arg(long)]
@@ -217,6 +233,8 @@ impl NetArgs {
                 max_batch: self.serve.max_batch,
                 queue: self.serve.queue,
                 learn: !self.serve.no_learn,
+                verify: self.serve.check,
+                spares: self.serve.spares,
                 trace_steps: self.serve.trace_steps.clone(),
                 ..Default::default()
             },
@@ -427,6 +445,10 @@ async fn run_up(args: UpArgs) -> Result<()> {
         args.max_batch.to_string().into(),
         "--queue".into(),
         args.queue.to_string().into(),
+        "--check".into(),
+        args.check.to_string().into(),
+        "--spares".into(),
+        args.spares.to_string().into(),
     ];
     node_native::up::up(node_native::up::UpOptions {
         nodes: args.nodes,

@@ -159,6 +159,13 @@ pub fn spawn_node_with(
     spawn(dir, name, &a)
 }
 
+/// A free TCP port on 127.0.0.1.
+pub fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
 /// Whether this machine has any wgpu adapter (a GPU, or Mesa's lavapipe as in CI).
 pub fn have_gpu() -> bool {
     match pollster::block_on(node_core::compute::gpu::Gpu::open(false)) {

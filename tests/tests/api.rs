@@ -15,7 +15,7 @@ use anyhow::{Context, Result, bail, ensure};
 use node_core::code::Generator;
 use node_core::coded::{CodedGroup, InProcess, ShardFormat};
 use node_core::model::{GenerateOptions, Llama, SamplingParams, generate};
-use tests::procs::{Scratch, bin, tiny_model};
+use tests::procs::{Scratch, bin, free_port, tiny_model};
 
 const KEY: &str = "test-key";
 
@@ -151,12 +151,6 @@ impl Drop for Up {
             let _ = self.child.wait();
         }
     }
-}
-
-fn free_port() -> Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
 }
 
 /// A field of the ready line: the word after `key`.

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
 use fantoccini::{Client, ClientBuilder, Locator};
-use tests::procs::{Mesh, tiny_model};
+use tests::procs::{Mesh, free_port, tiny_model};
 
 /// An executable named by `$var`, else found on `PATH`.
 fn tool(var: &str, name: &str) -> Result<PathBuf> {
@@ -48,12 +48,6 @@ impl Drop for Driver {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
-}
-
-fn free_port() -> Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
 }
 
 fn start_driver(dir: &Path) -> Result<Driver> {

@@ -174,6 +174,36 @@ fn energy(x: &[f32], d: &[f32], rows: usize, inp: usize, out: usize) -> f64 {
     gx.iter().zip(&gd).map(|(&a, &b)| a as f64 * b as f64).sum()
 }
 
+/// The SVD of a small matrix with its `rank` largest non-zero singular directions picked out.
+struct Top {
+    u: DMatrix<f64>,
+    vt: DMatrix<f64>,
+    sigma: nalgebra::DVector<f64>,
+    /// Indices of the kept singular values, largest first.
+    order: Vec<usize>,
+    /// Sum of the kept singular values squared.
+    kept_sq: f64,
+}
+
+/// [`Top`] of `m`, or `None` when its SVD does not converge.
+fn top(m: DMatrix<f64>, rank: usize) -> Option<Top> {
+    let svd = m.try_svd(true, true, f64::EPSILON, 0)?;
+    let (u, vt) = (svd.u?, svd.v_t?);
+    let sigma = svd.singular_values;
+    let mut order: Vec<usize> = (0..sigma.len()).collect();
+    order.sort_by(|&a, &b| sigma[b].total_cmp(&sigma[a]));
+    order.retain(|&i| sigma[i] > 0.0);
+    order.truncate(rank);
+    let kept_sq = order.iter().map(|&i| sigma[i].powi(2)).sum();
+    Some(Top {
+        u,
+        vt,
+        sigma,
+        order,
+        kept_sq,
+    })
+}
+
 /// [`low_rank`] for long factors: a randomized range finder with power iterations on the
 /// column space of `Dᵀ·X`, then the SVD of its small projection.
 fn low_rank_randomized(x: &[f32], dys: &[Vec<f32>], rows: usize, rank: usize) -> LowRank {
@@ -218,26 +248,25 @@ fn low_rank_randomized(x: &[f32], dys: &[Vec<f32>], rows: usize, rank: usize) ->
     let b = gemm(&dq, true, x, s, rows, inp);
     let total = energy(x, &d, rows, inp, out);
     let bm = DMatrix::from_fn(s, inp, |i, j| b[i * inp + j] as f64);
-    let Some(svd) = bm.try_svd(true, true, f64::EPSILON, 0) else {
+    let Some(Top {
+        u,
+        vt,
+        sigma,
+        order,
+        kept_sq,
+    }) = top(bm, rank)
+    else {
         return LowRank::empty(dys.len(), 0.0, total);
     };
-    let (Some(u), Some(vt)) = (svd.u, svd.v_t) else {
-        return LowRank::empty(dys.len(), 0.0, total);
-    };
-    let mut order: Vec<usize> = (0..svd.singular_values.len()).collect();
-    order.sort_by(|&a, &b| svd.singular_values[b].total_cmp(&svd.singular_values[a]));
-    order.retain(|&i| svd.singular_values[i] > 0.0);
-    order.truncate(rank);
     let r = order.len();
     if r == 0 {
         return LowRank::empty(dys.len(), 1.0, total);
     }
-    let kept_sq: f64 = order.iter().map(|&i| svd.singular_values[i].powi(2)).sum();
     // Term k: √σ·(Q·u_k) as the output factor's row, √σ·v_kᵀ as the input factor's row.
     let mut new_x = vec![0.0f32; r * inp];
     let mut new_d = vec![0.0f64; r * out];
     for (k, &i) in order.iter().enumerate() {
-        let root = svd.singular_values[i].sqrt();
+        let root = sigma[i].sqrt();
         for c in 0..inp {
             new_x[k * inp + c] = (root * vt[(i, c)]) as f32;
         }
@@ -309,23 +338,22 @@ fn low_rank_exact(x: &[f32], dys: &[Vec<f32>], rows: usize, rank: usize) -> LowR
         core.column_mut(j).scale_mut(*s);
     }
     let total: f64 = core.iter().map(|v| v * v).sum();
-    let Some(svd) = core.try_svd(true, true, f64::EPSILON, 0) else {
+    let Some(Top {
+        u,
+        vt,
+        sigma,
+        order,
+        kept_sq,
+    }) = top(core, rank)
+    else {
         return LowRank::empty(dys.len(), 0.0, total);
     };
-    let (Some(u), Some(vt)) = (svd.u, svd.v_t) else {
-        return LowRank::empty(dys.len(), 0.0, total);
-    };
-    let mut order: Vec<usize> = (0..svd.singular_values.len()).collect();
-    order.sort_by(|&a, &b| svd.singular_values[b].total_cmp(&svd.singular_values[a]));
-    order.retain(|&i| svd.singular_values[i] > 0.0);
-    order.truncate(rank);
     let r = order.len();
-    let kept_sq: f64 = order.iter().map(|&i| svd.singular_values[i].powi(2)).sum();
     // D' = √S·Uᵣᵀ·Λd^{-1/2}·Vdᵀ·D and X' = √S·Vᵣᵀ·Λx^{-1/2}·Vxᵀ·X.
     let mut ad = DMatrix::zeros(r, rows);
     let mut ax = DMatrix::zeros(r, rows);
     for (k, &i) in order.iter().enumerate() {
-        let root = svd.singular_values[i].sqrt();
+        let root = sigma[i].sqrt();
         for (q, s) in sd.iter().enumerate() {
             let c = root * u[(q, i)] / s;
             for j in 0..rows {
