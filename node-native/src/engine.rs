@@ -26,6 +26,7 @@ use node_core::mesh::{MeshInfo, MeshRequest, MeshResponse, ModelManifest, Usage}
 use node_core::model::{
     BatchItem, KvCache, LeaderWeights, Llama, Sampler, SamplingParams, StopReason,
 };
+use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::http::InfoRequest;
@@ -234,11 +235,15 @@ impl Engine {
                 .name("trainer".into())
                 .spawn(move || trainer.run())?;
         }
+        let queue_depth = ctx.metrics.queue_depth.clone();
         let worker = Worker {
             lead: Lead::new(ctx, trace),
-            jobs: rx,
+            intake: Intake {
+                jobs: rx,
+                held: None,
+                queue_depth,
+            },
             active: Vec::new(),
-            held: None,
             to_train: learns.then_some(to_train),
             publishes: publish_rx,
             backlog,
@@ -495,13 +500,73 @@ impl Lead {
     }
 }
 
+/// The serving thread's end of the queue: requests in order, one of them possibly held back
+/// until the batch has room for it.
+struct Intake {
+    jobs: mpsc::Receiver<Job>,
+    /// A request taken from the queue that did not fit yet (the step's token budget, or the
+    /// trainer being behind); it comes out first.
+    held: Option<Job>,
+    queue_depth: Gauge,
+}
+
+/// What the queue gives next.
+enum Next {
+    /// A request to admit.
+    Job(Job),
+    /// Nothing waits now.
+    Empty,
+    /// The queue is closed and empty.
+    Closed,
+}
+
+impl Intake {
+    /// The next request: the held one, else one from the queue.
+    fn next(&mut self) -> Next {
+        if let Some(job) = self.held.take() {
+            return Next::Job(job);
+        }
+        match self.jobs.try_recv() {
+            Ok(job) => {
+                self.queue_depth.dec();
+                Next::Job(job)
+            }
+            Err(mpsc::error::TryRecvError::Empty) => Next::Empty,
+            Err(mpsc::error::TryRecvError::Disconnected) => Next::Closed,
+        }
+    }
+
+    /// Holds a request back: `next` gives it first.
+    fn hold(&mut self, job: Job) {
+        debug_assert!(self.held.is_none(), "one request is held at a time");
+        self.held = Some(job);
+    }
+
+    /// Waits up to `wait` while nothing runs: with the held request if there is one (it waits
+    /// for room), else for a request to come, which is then held. False once the queue is
+    /// closed and nothing is held.
+    fn idle(&mut self, runtime: &tokio::runtime::Handle, wait: Duration) -> bool {
+        if self.held.is_some() {
+            std::thread::sleep(wait);
+            return true;
+        }
+        match runtime.block_on(async { tokio::time::timeout(wait, self.jobs.recv()).await }) {
+            Ok(Some(job)) => {
+                self.queue_depth.dec();
+                self.held = Some(job);
+                true
+            }
+            Ok(None) => false,
+            Err(_) => true,
+        }
+    }
+}
+
 /// The serving thread: the batch, the queue, and publishing the trainer's updates.
 struct Worker {
     lead: Lead,
-    jobs: mpsc::Receiver<Job>,
+    intake: Intake,
     active: Vec<Seq>,
-    /// A request taken from the queue that did not fit the step's token budget.
-    held: Option<Job>,
     /// Where finished requests go to be trained on (when the mesh learns).
     to_train: Option<std::sync::mpsc::Sender<ToLearn>>,
     publishes: std::sync::mpsc::Receiver<PublishRequest>,
@@ -525,21 +590,8 @@ impl Worker {
                 break;
             }
             if self.active.is_empty() {
-                if self.held.is_some() {
-                    // A request waits for the trainer to catch up: wait with it.
-                    std::thread::sleep(IDLE_POLL);
-                } else {
-                    let next = runtime.block_on(async {
-                        tokio::time::timeout(IDLE_POLL, self.jobs.recv()).await
-                    });
-                    match next {
-                        Ok(Some(job)) => {
-                            self.lead.ctx.metrics.queue_depth.dec();
-                            self.held = Some(job);
-                        }
-                        Ok(None) => break,
-                        Err(_) => {}
-                    }
+                if !self.intake.idle(&runtime, IDLE_POLL) {
+                    break;
                 }
                 self.update_rate();
                 continue;
@@ -566,25 +618,17 @@ impl Worker {
             .step_tokens
             .saturating_sub(self.active.iter().map(|s| s.input.len()).sum());
         while self.active.len() < self.lead.ctx.cfg.max_batch && !self.training_behind() {
-            let job = match self.held.take() {
-                Some(j) => j,
-                None => match self.jobs.try_recv() {
-                    Ok(j) => {
-                        self.lead.ctx.metrics.queue_depth.dec();
-                        j
-                    }
-                    Err(mpsc::error::TryRecvError::Empty) => break,
-                    Err(mpsc::error::TryRecvError::Disconnected) => {
-                        return !self.active.is_empty();
-                    }
-                },
+            let job = match self.intake.next() {
+                Next::Job(j) => j,
+                Next::Empty => break,
+                Next::Closed => return !self.active.is_empty(),
             };
             if job.events.is_closed() {
                 continue;
             }
             let len = job.req.prompt.len();
             if len > budget && !self.active.is_empty() {
-                self.held = Some(job);
+                self.intake.hold(job);
                 break;
             }
             budget = budget.saturating_sub(len);
@@ -969,5 +1013,118 @@ impl Trainer {
         }
         let moved = answer.recv().ok().flatten();
         self.lead.move_to(moved.as_ref());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A queued request with `prompt` as its prompt, and where its events would go.
+    fn job(prompt: u32) -> (Job, mpsc::UnboundedReceiver<Event>) {
+        let (events, rx) = mpsc::unbounded_channel();
+        let req = GenRequest {
+            prompt: vec![prompt],
+            max_tokens: 1,
+            sampling: SamplingParams::default(),
+            stop_ids: Vec::new(),
+        };
+        let job = Job {
+            id: u64::from(prompt),
+            req,
+            events,
+            arrived: Instant::now(),
+            span: tracing::Span::none(),
+        };
+        (job, rx)
+    }
+
+    /// An intake over a queue holding requests with these prompts, as `Engine::submit` leaves it.
+    fn intake(
+        prompts: &[u32],
+    ) -> (
+        Intake,
+        mpsc::Sender<Job>,
+        Vec<mpsc::UnboundedReceiver<Event>>,
+    ) {
+        let (tx, jobs) = mpsc::channel(8);
+        let queue_depth = Gauge::default();
+        let mut events = Vec::new();
+        for &p in prompts {
+            let (j, rx) = job(p);
+            tx.try_send(j).unwrap();
+            queue_depth.inc();
+            events.push(rx);
+        }
+        let intake = Intake {
+            jobs,
+            held: None,
+            queue_depth,
+        };
+        (intake, tx, events)
+    }
+
+    fn prompt(next: Next) -> Option<u32> {
+        match next {
+            Next::Job(j) => Some(j.req.prompt[0]),
+            Next::Empty | Next::Closed => None,
+        }
+    }
+
+    #[test]
+    fn waiting_idle_with_a_held_request_keeps_it_and_the_queue() {
+        // The load benchmark's lost requests: while the trainer was behind, every idle wait
+        // took the next request into the one held slot, dropping the request already there.
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let (mut intake, _tx, events) = intake(&[1, 2, 3]);
+        assert!(intake.idle(rt.handle(), Duration::from_millis(1)));
+        assert_eq!(intake.queue_depth.get(), 2, "one request left the queue");
+        for _ in 0..3 {
+            assert!(intake.idle(rt.handle(), Duration::from_millis(1)));
+        }
+        assert_eq!(intake.queue_depth.get(), 2, "no other request was taken");
+        for rx in &events {
+            assert!(
+                !rx.is_closed(),
+                "every request is still alive to be answered"
+            );
+        }
+        let order: Vec<_> = (0..4).map(|_| prompt(intake.next())).collect();
+        assert_eq!(order, [Some(1), Some(2), Some(3), None]);
+        assert_eq!(intake.queue_depth.get(), 0);
+    }
+
+    #[test]
+    fn a_request_held_back_for_room_comes_first() {
+        let (mut intake, _tx, _events) = intake(&[1, 2]);
+        let Next::Job(first) = intake.next() else {
+            panic!("a queued request")
+        };
+        intake.hold(first);
+        let order: Vec<_> = (0..3).map(|_| prompt(intake.next())).collect();
+        assert_eq!(order, [Some(1), Some(2), None]);
+    }
+
+    #[test]
+    fn a_closed_queue_ends_the_intake_only_once_the_held_request_is_out() {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let (mut intake, tx, _events) = intake(&[7]);
+        drop(tx);
+        assert!(intake.idle(rt.handle(), Duration::from_millis(1)));
+        assert!(
+            intake.idle(rt.handle(), Duration::from_millis(1)),
+            "7 is held"
+        );
+        assert_eq!(prompt(intake.next()), Some(7));
+        assert!(matches!(intake.next(), Next::Closed));
+        assert!(!intake.idle(rt.handle(), Duration::from_millis(1)));
+    }
+
+    #[test]
+    fn an_idle_wait_with_nothing_queued_takes_nothing() {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let (mut intake, _tx, _events) = intake(&[]);
+        assert!(intake.idle(rt.handle(), Duration::from_millis(1)));
+        assert!(matches!(intake.next(), Next::Empty));
     }
 }
