@@ -282,7 +282,7 @@ impl Mesh {
         for n in &mut nodes {
             n.wait_log("serving row", Duration::from_secs(180))?;
         }
-        let mut mesh = Self {
+        let mesh = Self {
             dir,
             seed,
             nodes,
@@ -305,7 +305,7 @@ impl Mesh {
     }
 
     /// Waits until the seed sees `rows` healthy rows.
-    pub fn wait_healthy(&mut self, rows: u64) -> Result<serde_json::Value> {
+    pub fn wait_healthy(&self, rows: u64) -> Result<serde_json::Value> {
         let start = Instant::now();
         loop {
             let s = self.status()?;

@@ -410,15 +410,7 @@ async fn embedded(e: &Client, dashboard: &Client, mesh: &Mesh, out: &str) -> Res
     let mut done = String::new();
     let mut completion = String::new();
     for attempt in 1..=5 {
-        let start = Instant::now();
-        while mesh.status()?["healthy_rows"] != 5 {
-            ensure!(
-                start.elapsed() < Duration::from_secs(60),
-                "the seed never saw five healthy rows again: {}",
-                mesh.status()?
-            );
-            tokio::time::sleep(Duration::from_millis(250)).await;
-        }
+        mesh.wait_healthy(5)?;
         e.execute("document.getElementById('done').textContent = ''", vec![])
             .await?;
         e.find(Locator::Css("#ask")).await?.click().await?;

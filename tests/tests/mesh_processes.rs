@@ -162,7 +162,7 @@ fn tiny_mesh_status_generate_straggler_restart_and_rejoin() -> Result<()> {
 
 #[test]
 fn real_model_survives_n_minus_k_kills_mid_generation() -> Result<()> {
-    let mut mesh = Mesh::start("real", None, &["--no-learning"])?;
+    let mesh = Mesh::start("real", None, &["--no-learning"])?;
     let (undisturbed, err) = mesh.generate(PROMPT, 32, || {})?;
     assert!(undisturbed.contains("Gutenberg"), "{undisturbed}\n{err}");
     // Kill two members of the decoding group (rows 2 and 4; the seed, row 0, is the bootstrap).
