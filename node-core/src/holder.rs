@@ -191,6 +191,44 @@ pub fn check_shard(
     Ok(())
 }
 
+/// The version and norm gains of a shard copied or re-encoded from a source whose blob was at
+/// `at`, from that source's answers to [`MeshRequest::Norms`] and [`MeshRequest::Versions`]:
+/// both must still be at `at`.
+pub fn version_from_source(
+    at: [u8; 32],
+    norms: MeshResponse,
+    versions: MeshResponse,
+    cfg: &LlamaConfig,
+) -> Result<(ShardVersion, LeaderWeights), HolderError> {
+    let MeshResponse::Norms { version, norms } = norms else {
+        return Err(HolderError::Download(format!(
+            "asked for the norm gains, got {}",
+            describe(&norms)
+        )));
+    };
+    if version != at || !norms.fits(cfg) {
+        return Err(HolderError::Download(
+            "the source's norm gains are not at the shard's version; try again".into(),
+        ));
+    }
+    let MeshResponse::Versions { ids } = versions else {
+        return Err(HolderError::Download(format!(
+            "asked for versions, got {}",
+            describe(&versions)
+        )));
+    };
+    let mut applied = ShardVersion::default();
+    ids.into_iter().for_each(|id| {
+        applied.insert(id);
+    });
+    if applied.digest() != at {
+        return Err(HolderError::Download(
+            "the source's version moved while this node copied its row; try again".into(),
+        ));
+    }
+    Ok((applied, norms))
+}
+
 /// The piece of `blob` a `Chunk` request asks for, as the answer.
 pub fn chunk_of(blob: &[u8], version: [u8; 32], offset: u64, len: u32) -> MeshResponse {
     let len = len.min(MAX_CHUNK_BYTES);

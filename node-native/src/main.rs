@@ -59,6 +59,10 @@ struct UpArgs {
     /// Rows needed to compute (k ≤ nodes).
     #[arg(long, default_value_t = 3)]
     k: usize,
+    /// Most rows the mesh may grow to as nodes join (then joiners become replicas); default:
+    /// as many as keep every group of k within the numerics goal (docs/coding.md).
+    #[arg(long)]
+    max_rows: Option<usize>,
     /// A GGUF file or a Hugging Face directory; default: SmolLM2-135M-Instruct, fetched once.
     #[arg(long)]
     model: Option<PathBuf>,
@@ -251,9 +255,13 @@ struct SeedArgs {
     /// Shards needed to compute (k).
     #[arg(long, default_value_t = 3)]
     k: usize,
-    /// Rows of the code (n ≥ k), one per node.
+    /// Rows of the code encoded at genesis (n ≥ k), one per node.
     #[arg(long, default_value_t = 5)]
     n: usize,
+    /// Most rows the mesh may grow to as nodes join (then joiners become replicas); default:
+    /// as many as keep every group of k within the numerics goal (docs/coding.md).
+    #[arg(long)]
+    max_rows: Option<usize>,
     /// Shard storage: f32 or f16.
     #[arg(long, default_value = "f32")]
     shard_format: ShardFormat,
@@ -411,6 +419,7 @@ fn main() {
                 model,
                 args.k,
                 args.n,
+                args.max_rows,
                 args.shard_format,
                 learning,
             ))
@@ -453,6 +462,7 @@ async fn run_up(args: UpArgs) -> Result<()> {
     node_native::up::up(node_native::up::UpOptions {
         nodes: args.nodes,
         k: args.k,
+        max_rows: args.max_rows,
         model: args.model,
         data: args.data,
         port: args.port,
@@ -940,11 +950,12 @@ fn run_status(args: StatusArgs) -> Result<()> {
         return Ok(());
     }
     println!(
-        "model {} ({}), k = {}, n = {}",
+        "model {} ({}), k = {}, n = {} rows (room for {})",
         info.model_name,
         &info.model[..16],
         info.k,
-        info.n
+        info.n,
+        info.n_max.max(info.n)
     );
     println!(
         "{:<54} {:>4} {:<8} {:>8} {:<16} {:>4} {:>7}",
@@ -962,6 +973,20 @@ fn run_status(args: StatusArgs) -> Result<()> {
             n.silent_for_s
         );
     }
+    println!("rows × holders (healthy/known):");
+    for r in &info.rows {
+        println!(
+            "  row {:>3}: {}/{} {}",
+            r.row,
+            r.healthy,
+            r.holders.len(),
+            r.holders
+                .iter()
+                .map(|p| short_peer(p))
+                .collect::<Vec<_>>()
+                .join(" ")
+        );
+    }
     for n in info.nodes.iter() {
         if let Some(c) = &n.caught {
             println!(
@@ -975,6 +1000,14 @@ fn run_status(args: StatusArgs) -> Result<()> {
         println!("dashboard: {url}");
     }
     Ok(())
+}
+
+/// The last characters of a peer id, enough to tell peers apart in a table.
+fn short_peer(peer: &str) -> &str {
+    peer.char_indices()
+        .rev()
+        .nth(7)
+        .map_or(peer, |(i, _)| &peer[i..])
 }
 
 /// `eval`: perplexity of the mesh's model on held-out text.

@@ -12,7 +12,8 @@ use node_core::coded::{InProcess, Member, ShardFormat, ShardSet};
 use node_core::compute::gpu::{DeviceChoice, Gpu};
 use node_core::mesh::{
     BrowserBootstrap, HealthConfig, Heartbeat, JoinOffer, LearningConfig, MAX_CHUNK_BYTES,
-    MeshEvent, MeshInfo, MeshRequest, MeshResponse, MeshView, ModelManifest, ShardVersion, Usage,
+    MeshEvent, MeshInfo, MeshRequest, MeshResponse, MeshView, ModelManifest, ShardVersion,
+    SourceRow, Usage,
 };
 use node_core::model::LeaderWeights;
 use node_core::protocol;
@@ -25,6 +26,7 @@ use crate::swarm::{self, Client, Inbound, NetConfig, with_peer};
 use crate::{load, progress};
 use node_core::holder::{
     Download, MAX_BLOB_BYTES, chunk_of, describe, shard_chunk_request, update_chunk_request,
+    version_from_source,
 };
 
 /// How a node connects.
@@ -162,6 +164,7 @@ pub async fn seed(
     model: PathBuf,
     k: usize,
     n: usize,
+    max_rows: Option<usize>,
     format: ShardFormat,
     learning: LearningConfig,
 ) -> Result<()> {
@@ -177,10 +180,11 @@ pub async fn seed(
     let gpu = open_device(opts.device).await?;
     ensure!(k >= 1 && n >= k, "need 1 ≤ k ≤ n, got k = {k}, n = {n}");
     let started = std::time::Instant::now();
-    let (manifest, blobs) =
-        tokio::task::spawn_blocking(move || encode_genesis(&model, k, n, format, learning))
-            .await
-            .map_err(|e| anyhow!("encoding task: {e}"))??;
+    let (manifest, blobs) = tokio::task::spawn_blocking(move || {
+        encode_genesis(&model, k, n, max_rows, format, learning)
+    })
+    .await
+    .map_err(|e| anyhow!("encoding task: {e}"))??;
     let manifest_bytes = manifest.to_bytes()?;
     data.save_manifest(&manifest_bytes)?;
     let mut blobs = blobs;
@@ -189,10 +193,11 @@ pub async fn seed(
         .ok_or_else(|| anyhow!("row 0 was not encoded"))?;
     data.save_shard_blob(&own)?;
     eprintln!(
-        "genesis: {} encoded into n = {n} rows (k = {k}) in {:.1} s; this node keeps row 0, {} rows to hand out",
+        "genesis: {} encoded into n = {n} rows (k = {k}) in {:.1} s; this node keeps row 0, {} rows to hand out; the mesh may grow to {} rows, then adds replicas",
         manifest.name,
         started.elapsed().as_secs_f64(),
-        blobs.len()
+        blobs.len(),
+        manifest.generator.n()
     );
     let shard = shard_from_blob(&own)?;
     let genesis = blobs.into_iter().map(|(r, b)| (r, Arc::new(b))).collect();
@@ -211,11 +216,12 @@ pub(crate) fn encode_genesis(
     model: &std::path::Path,
     k: usize,
     n: usize,
+    max_rows: Option<usize>,
     format: ShardFormat,
     learning: LearningConfig,
 ) -> Result<(ModelManifest, BTreeMap<u32, Vec<u8>>)> {
     let loaded = load::load_model(model)?;
-    let generator = Generator::cauchy(n, k)?;
+    let generator = Generator::growing(n, k, max_rows)?;
     let mut manifest = ModelManifest {
         name: model.file_name().map_or_else(
             || model.display().to_string(),
@@ -324,16 +330,7 @@ pub async fn node(opts: NodeOptions) -> Result<()> {
             let mut at = None;
             let mut first_peer = None;
             for src in &sources {
-                let from: PeerId = src
-                    .peer
-                    .parse()
-                    .map_err(|e| anyhow!("peer id {:?}: {e}", src.peer))?;
-                let addrs: Vec<Multiaddr> =
-                    src.addrs.iter().filter_map(|a| a.parse().ok()).collect();
-                client.add_addrs(from, addrs.clone()).await?;
-                if let Some(a) = pick_addr(&addrs) {
-                    client.dial(with_peer(&a, from)).await?;
-                }
+                let from = dial_source(&client, src).await?;
                 let (blob, version) = fetch_blob(&client, from, src.row).await?;
                 ensure!(
                     *at.get_or_insert(version) == version,
@@ -359,46 +356,58 @@ pub async fn node(opts: NodeOptions) -> Result<()> {
             let rows: Vec<u32> = sources.iter().map(|s| s.row).collect();
             // The new shard is at the sources' version: learn which updates that is, and the
             // norm gains there.
-            let mut version = ShardVersion::default();
-            let mut norms = manifest.leader.clone();
-            if let Some(from) = first_peer {
-                let MeshResponse::Norms {
-                    version: nv,
-                    norms: n,
-                } = ask(&client, from, MeshRequest::Norms).await?
-                else {
-                    bail!("asked for the norm gains, got something else");
-                };
-                ensure!(
-                    Some(nv) == at && n.fits(&manifest.cfg),
-                    "the source's norm gains are not at the shard's version; try again"
-                );
-                norms = n;
-                let MeshResponse::Versions { ids } =
-                    ask(&client, from, MeshRequest::Versions).await?
-                else {
-                    bail!("asked for versions, got something else");
-                };
-                ids.into_iter().for_each(|id| {
-                    version.insert(id);
-                });
-            }
-            ensure!(
-                Some(version.digest()) == at,
-                "the source's version moved while this node re-encoded; try again"
-            );
+            let (Some(from), Some(at)) = (first_peer, at) else {
+                bail!("the join offer named no source rows");
+            };
+            let (version, norms) = version_at(&client, from, at, &manifest).await?;
+            let how = if row as usize >= manifest.generator.genesis_rows() {
+                "a new row, encoded"
+            } else {
+                "re-encoded"
+            };
             (
                 shard,
                 blob,
                 version,
                 norms,
-                format!("re-encoded from rows {rows:?}"),
+                format!("{how} from rows {rows:?}"),
+                bytes,
+            )
+        }
+        MeshResponse::Join(JoinOffer::Replica { row, holders }) => {
+            let mut failures = Vec::new();
+            let mut got = None;
+            for src in holders.iter().filter(|s| s.row == row) {
+                match fetch_replica(&client, &manifest, src).await {
+                    Ok(replica) => {
+                        got = Some(replica);
+                        break;
+                    }
+                    Err(e) => {
+                        tracing::warn!(peer = %src.peer, "could not copy row {row}: {e:#}");
+                        failures.push(format!("{}: {e:#}", src.peer));
+                    }
+                }
+            }
+            let Some((shard, blob, version, norms, from)) = got else {
+                bail!(
+                    "could not copy row {row} from any of its holders: {}",
+                    failures.join("; ")
+                );
+            };
+            let bytes = blob.len();
+            (
+                shard,
+                blob,
+                version,
+                norms,
+                format!("a replica of row {row}, copied from {from}"),
                 bytes,
             )
         }
         MeshResponse::Join(JoinOffer::Full) => bail!(
-            "every one of the n = {} rows is held by a live node: there is no row for this node (a dead node's row frees up after the health timeout)",
-            manifest.generator.n()
+            "the mesh has fewer than k = {} live rows to build a row from: try again once it is available",
+            manifest.generator.k()
         ),
         other => bail!("unexpected answer to a join request: {}", describe(&other)),
     };
@@ -425,6 +434,49 @@ pub async fn node(opts: NodeOptions) -> Result<()> {
 /// The shard belongs to this manifest and row.
 fn check_shard(shard: &ShardSet, manifest: &ModelManifest, row: u32) -> Result<()> {
     Ok(node_core::holder::check_shard(shard, manifest, row)?)
+}
+
+/// Dials the holder a join offer names, with the addresses it gave.
+async fn dial_source(client: &Client, src: &SourceRow) -> Result<PeerId> {
+    let from: PeerId = src
+        .peer
+        .parse()
+        .map_err(|e| anyhow!("peer id {:?}: {e}", src.peer))?;
+    let addrs: Vec<Multiaddr> = src.addrs.iter().filter_map(|a| a.parse().ok()).collect();
+    client.add_addrs(from, addrs.clone()).await?;
+    if let Some(a) = pick_addr(&addrs) {
+        client.dial(with_peer(&a, from)).await?;
+    }
+    Ok(from)
+}
+
+/// Which updates make version `at` on `from`, and its norm gains there.
+async fn version_at(
+    client: &Client,
+    from: PeerId,
+    at: [u8; 32],
+    manifest: &ModelManifest,
+) -> Result<(ShardVersion, LeaderWeights)> {
+    let norms = ask(client, from, MeshRequest::Norms).await?;
+    let versions = ask(client, from, MeshRequest::Versions).await?;
+    Ok(version_from_source(at, norms, versions, &manifest.cfg)?)
+}
+
+/// Copies one holder's shard of its row, with the version and norm gains it is at.
+async fn fetch_replica(
+    client: &Client,
+    manifest: &ModelManifest,
+    src: &SourceRow,
+) -> Result<(ShardSet, Vec<u8>, ShardVersion, LeaderWeights, PeerId)> {
+    let from = dial_source(client, src).await?;
+    let (blob, at) = fetch_blob(client, from, src.row).await?;
+    let (shard, blob) =
+        tokio::task::spawn_blocking(move || shard_from_blob(&blob).map(|s| (s, blob)))
+            .await
+            .map_err(|e| anyhow!("{e}"))??;
+    check_shard(&shard, manifest, src.row)?;
+    let (version, norms) = version_at(client, from, at, manifest).await?;
+    Ok((shard, blob, version, norms, from))
 }
 
 /// A TCP address if there is one (the fastest to set up), else the first.
@@ -587,7 +639,7 @@ async fn run_server(
             InjectedFault::LieVersion => state.skip_updates = u64::MAX,
             InjectedFault::WrongRow => {
                 let shards = state.member.shards().clone();
-                let claimed = (row + 1) % shards.generator.n() as u32;
+                let claimed = (row + 1) % shards.generator.genesis_rows() as u32;
                 eprintln!("claiming row {claimed} while computing with row {row}'s shard");
                 state.member = Member::misbehaving(
                     shards,
@@ -648,7 +700,10 @@ async fn run_server(
         client.peer_id(),
         health,
         manifest.generator.k() as u32,
-        manifest.generator.n() as u32,
+        (
+            manifest.generator.genesis_rows() as u32,
+            manifest.generator.n() as u32,
+        ),
         manifest.name.clone(),
         local,
     )?;

@@ -24,6 +24,8 @@ pub struct UpOptions {
     pub nodes: usize,
     /// Rows needed to compute.
     pub k: usize,
+    /// Most rows the mesh may grow to (`None`: the code's own limit).
+    pub max_rows: Option<usize>,
     /// The model; `None` is the default model, fetched once.
     pub model: Option<PathBuf>,
     /// Where the mesh's data lives; `None` picks a folder per model and code.
@@ -129,8 +131,14 @@ fn prepare(opts: &UpOptions, model: &Path, data: &Path) -> Result<MeshFile> {
         opts.nodes,
         opts.k
     );
-    let (manifest, blobs) =
-        crate::node::encode_genesis(model, opts.k, opts.nodes, ShardFormat::F32, learning)?;
+    let (manifest, blobs) = crate::node::encode_genesis(
+        model,
+        opts.k,
+        opts.nodes,
+        opts.max_rows,
+        ShardFormat::F32,
+        learning,
+    )?;
     let manifest_bytes = manifest.to_bytes()?;
     for (row, blob) in &blobs {
         let dir = DataDir::open(&node_dir(data, *row as usize))?;

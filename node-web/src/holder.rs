@@ -14,7 +14,8 @@ use node_core::holder::{
     shard_chunk_request, update_chunk_request,
 };
 use node_core::mesh::{
-    BrowserBootstrap, JoinOffer, MeshRequest, MeshResponse, ModelManifest, ShardVersion, hex,
+    BrowserBootstrap, JoinOffer, MeshRequest, MeshResponse, ModelManifest, ShardVersion, SourceRow,
+    hex,
 };
 use node_core::model::LeaderWeights;
 use node_core::protocol::{self, StepRequest};
@@ -375,16 +376,9 @@ impl BrowserNode {
                 let mut at = None;
                 let mut first = None;
                 for (i, src) in sources.iter().enumerate() {
-                    let from: PeerId = src
-                        .peer
-                        .parse()
-                        .map_err(|e| mesh_err(format!("peer id {:?}: {e}", src.peer)))?;
-                    let addrs = BrowserBootstrap::from_addrs(src.peer.clone(), &src.addrs).addrs;
-                    if from != self.bootstrap() {
-                        self.dial_any(&addrs).await?;
-                    }
+                    let from = self.dial_source(src).await?;
                     let what = format!(
-                        "re-encoding row {row}: source {} of {} (row {})",
+                        "encoding row {row}: source {} of {} (row {})",
                         i + 1,
                         sources.len(),
                         src.row
@@ -404,54 +398,98 @@ impl BrowserNode {
                     holder::check_shard(&set, manifest, src.row).map_err(mesh_err)?;
                     sets.push(set);
                 }
-                self.progress(&format!("re-encoding row {row}"), 0, 0);
+                self.progress(&format!("encoding row {row}"), 0, 0);
                 let refs: Vec<&ShardSet> = sets.iter().collect();
                 let shard = ShardSet::reencode(row as usize, &refs).map_err(mesh_err)?;
                 drop(sets);
                 let blob = holder::shard_to_blob(&shard).map_err(mesh_err)?;
-                let (mut version, mut norms) = (ShardVersion::default(), manifest.leader.clone());
-                if let Some(from) = first {
-                    let MeshResponse::Norms {
-                        version: nv,
-                        norms: n,
-                    } = self.request(from, MeshRequest::Norms).await?
-                    else {
-                        return Err(mesh_err("asked for the norm gains, got something else"));
-                    };
-                    if Some(nv) != at || !n.fits(&manifest.cfg) {
-                        return Err(mesh_err(
-                            "the source's norm gains are not at the shard's version; try again",
-                        ));
-                    }
-                    norms = n;
-                    let MeshResponse::Versions { ids } =
-                        self.request(from, MeshRequest::Versions).await?
-                    else {
-                        return Err(mesh_err("asked for versions, got something else"));
-                    };
-                    ids.into_iter().for_each(|id| {
-                        version.insert(id);
-                    });
-                }
-                if Some(version.digest()) != at {
-                    return Err(mesh_err(
-                        "the source's version moved while this node re-encoded; try again",
-                    ));
-                }
+                let (Some(from), Some(at)) = (first, at) else {
+                    return Err(mesh_err("the join offer named no source rows"));
+                };
+                let (version, norms) = self.version_at(from, at, manifest).await?;
                 let rows: Vec<u32> = sources.iter().map(|s| s.row).collect();
                 Ok((
                     shard,
                     blob,
                     version,
                     norms,
-                    format!("row {row} re-encoded from rows {rows:?}"),
+                    format!("row {row} encoded from rows {rows:?}"),
                 ))
             }
+            JoinOffer::Replica { row, holders } => {
+                let mut failures = Vec::new();
+                for src in holders.iter().filter(|s| s.row == row) {
+                    match self.copy_row(src, manifest).await {
+                        Ok((shard, blob, version, norms)) => {
+                            return Ok((
+                                shard,
+                                blob,
+                                version,
+                                norms,
+                                format!("a replica of row {row}, copied from {}", src.peer),
+                            ));
+                        }
+                        Err(e) => {
+                            tracing::warn!("could not copy row {row} from {}: {e}", src.peer);
+                            failures.push(format!("{}: {e}", src.peer));
+                        }
+                    }
+                }
+                Err(mesh_err(format!(
+                    "could not copy row {row} from any of its holders: {}",
+                    failures.join("; ")
+                )))
+            }
             JoinOffer::Full => Err(mesh_err(format!(
-                "every one of the n = {} rows is held by a live node: there is no row for this browser (a dead node's row frees up after the health timeout)",
-                manifest.generator.n()
+                "the mesh has fewer than k = {} live rows to build a row from: try again once it is available",
+                manifest.generator.k()
             ))),
         }
+    }
+
+    /// Dials the holder a join offer names (the bootstrap node is already connected).
+    async fn dial_source(&self, src: &SourceRow) -> Result<PeerId, WebError> {
+        let from: PeerId = src
+            .peer
+            .parse()
+            .map_err(|e| mesh_err(format!("peer id {:?}: {e}", src.peer)))?;
+        if from != self.bootstrap() {
+            let addrs = BrowserBootstrap::from_addrs(src.peer.clone(), &src.addrs).addrs;
+            self.dial_any(&addrs).await?;
+        }
+        Ok(from)
+    }
+
+    /// Which updates make version `at` on `from`, and its norm gains there.
+    async fn version_at(
+        &self,
+        from: PeerId,
+        at: [u8; 32],
+        manifest: &ModelManifest,
+    ) -> Result<(ShardVersion, LeaderWeights), WebError> {
+        let norms = self.request(from, MeshRequest::Norms).await?;
+        let versions = self.request(from, MeshRequest::Versions).await?;
+        holder::version_from_source(at, norms, versions, &manifest.cfg).map_err(mesh_err)
+    }
+
+    /// Copies one holder's shard of its row, with the version and norm gains it is at.
+    async fn copy_row(
+        &self,
+        src: &SourceRow,
+        manifest: &ModelManifest,
+    ) -> Result<(ShardSet, Vec<u8>, ShardVersion, LeaderWeights), WebError> {
+        let from = self.dial_source(src).await?;
+        let what = format!("copying row {}", src.row);
+        let (blob, at) = self
+            .download(from, MAX_BLOB_BYTES, &what, |o| {
+                shard_chunk_request(src.row, o)
+            })
+            .await?;
+        self.progress("checking the shard", 0, 0);
+        let shard = holder::shard_from_blob(&blob).map_err(mesh_err)?;
+        holder::check_shard(&shard, manifest, src.row).map_err(mesh_err)?;
+        let (version, norms) = self.version_at(from, at, manifest).await?;
+        Ok((shard, blob, version, norms))
     }
 
     /// Downloads a blob from `peer` piece by piece, with progress.

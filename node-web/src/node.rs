@@ -902,7 +902,8 @@ fn watch_view(info: &MeshInfo, me: PeerId) -> Result<MeshView<PeerId>, WebError>
         me,
         HealthConfig::default(),
         info.k,
-        info.n,
+        // The rows that exist now stand for the genesis rows: the browser only watches.
+        (info.n.max(info.k), info.n_max.max(info.n).max(info.k)),
         info.model_name.clone(),
         local,
     )

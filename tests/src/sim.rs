@@ -185,6 +185,8 @@ pub struct SimMesh {
     health: HealthConfig,
     k: u32,
     n: u32,
+    /// Rows the code has room for (`n` unless [`SimMesh::with_room`] says more).
+    room: u32,
     nodes: BTreeMap<u32, SimNode>,
     wire: BTreeMap<(Instant, u64), Packet>,
     sent: u64,
@@ -203,6 +205,7 @@ impl SimMesh {
             health,
             k,
             n,
+            room: n,
             nodes: BTreeMap::new(),
             wire: BTreeMap::new(),
             sent: 0,
@@ -210,6 +213,12 @@ impl SimMesh {
             events: Vec::new(),
             stats: NetStats::default(),
         }
+    }
+
+    /// The same mesh with a growing code: `n` genesis rows and room for `rows`.
+    pub fn with_room(mut self, rows: u32) -> Self {
+        self.room = rows.max(self.n);
+        self
     }
 
     /// What node `id` holding `row` announces in a process started at `incarnation`.
@@ -234,7 +243,7 @@ impl SimMesh {
             id,
             self.health,
             self.k,
-            self.n,
+            (self.n, self.room),
             "sim".into(),
             // The start time tells a restarted process from its earlier self.
             Self::heartbeat(id, row, self.clock.elapsed().as_nanos() as u64 + 1),

@@ -469,3 +469,111 @@ fn a_member_that_skips_an_update_it_claims_is_caught_by_the_update_probe() -> Re
     );
     Ok(())
 }
+
+#[test]
+fn the_mesh_grows_new_rows_then_replicas_and_survives_two_holders_killed() -> Result<()> {
+    let model = tiny_model();
+    // Room for two rows past genesis: of four joiners, two get new rows and two replicas.
+    let mut mesh = Mesh::start_with(
+        "grow",
+        Some(&model),
+        &["--no-learning"],
+        &["--tcp-only", "--max-rows", "7"],
+    )?;
+    let expected = local_generate(&model, PROMPT, 24, &[])?;
+    let mut joiners = Vec::new();
+    for i in 5..9 {
+        joiners.push(spawn_node(
+            &mesh.dir.0,
+            &format!("node{i}"),
+            &format!("d{i}"),
+            &mesh.bootstrap,
+        )?);
+    }
+    let mut how = Vec::new();
+    for j in &mut joiners {
+        let log = j.wait_log("serving row", Duration::from_secs(120))?;
+        let line = log
+            .lines()
+            .find(|l| l.starts_with("joined as row"))
+            .with_context(|| format!("no join line:\n{log}"))?;
+        how.push(line.to_string());
+    }
+    let new_rows = how
+        .iter()
+        .filter(|l| l.contains("a new row, encoded"))
+        .count();
+    let replicas = how
+        .iter()
+        .filter(|l| l.contains("a replica of row"))
+        .count();
+    assert_eq!((new_rows, replicas), (2, 2), "{how:#?}");
+    mesh.nodes.extend(joiners);
+
+    // Nine holders of seven rows, every one healthy; nobody was turned away.
+    let start = std::time::Instant::now();
+    let s = loop {
+        let s = mesh.status()?;
+        let healthy = s["nodes"]
+            .as_array()
+            .context("nodes")?
+            .iter()
+            .filter(|n| n["health"] == "Healthy")
+            .count();
+        if healthy == 9 && s["healthy_rows"] == 7 {
+            break s;
+        }
+        if start.elapsed() > Duration::from_secs(60) {
+            bail!("never saw 9 healthy holders of 7 rows: {s}");
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert_eq!((s["n"].as_u64(), s["n_max"].as_u64()), (Some(7), Some(7)));
+    let holders: Vec<usize> = s["rows"]
+        .as_array()
+        .context("rows")?
+        .iter()
+        .map(|r| r["holders"].as_array().map_or(0, Vec::len))
+        .collect();
+    assert_eq!(holders.iter().sum::<usize>(), 9, "{s}");
+    assert!(holders.iter().all(|&h| h >= 1), "{s}");
+    let text = Command::new(bin())
+        .args(["status", "--bootstrap", &mesh.bootstrap])
+        .output()?;
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(text.contains("n = 7 rows (room for 7)"), "{text}");
+    assert!(text.contains("rows × holders"), "{text}");
+    let (out, err) = mesh.generate(PROMPT, 24, || {})?;
+    assert_eq!(out, expected, "{err}");
+
+    // Two holders die: a row with a replica and a row without. Its replica keeps the first
+    // row; the mesh still computes the same tokens.
+    let doubled = holders
+        .iter()
+        .rposition(|&h| h == 2)
+        .context("a replicated row")? as u64;
+    let single = holders
+        .iter()
+        .rposition(|&h| h == 1)
+        .context("a single row")? as u64;
+    for row in [doubled, single] {
+        let peer = s["nodes"]
+            .as_array()
+            .context("nodes")?
+            .iter()
+            .find(|n| n["row"] == row)
+            .and_then(|n| n["peer"].as_str())
+            .context("holder")?
+            .to_string();
+        let i = mesh
+            .nodes
+            .iter()
+            .position(|n| n.log().contains(&format!("serving row {row} as {peer}")))
+            .with_context(|| format!("no process serves row {row} as {peer}"))?;
+        mesh.nodes[i].signal("KILL");
+    }
+    mesh.wait_healthy(6)?;
+    let (out, err) = mesh.generate(PROMPT, 24, || {})?;
+    assert_eq!(out, expected, "{err}");
+    Ok(())
+}

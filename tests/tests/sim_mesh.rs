@@ -396,8 +396,14 @@ fn a_crashed_node_goes_suspect_then_dead_and_rejoins_on_restart() {
                 (info.available, info.healthy_rows, info.tolerates),
                 (true, 4, 1)
             );
-            // A suspect's row is not free yet: no row for a newcomer.
-            assert_eq!(m.offer_row(o, 99).unwrap(), JoinOffer::Full);
+            // A suspect's row is not free yet: a newcomer copies a live row instead.
+            match m.offer_row(o, 99).unwrap() {
+                JoinOffer::Replica { row, holders } => {
+                    assert_ne!(row, crashed, "seed {seed}");
+                    assert!(holders.iter().all(|h| h.row == row));
+                }
+                other => panic!("seed {seed}: expected a replica, got {other:?}"),
+            }
         }
 
         // Dead everywhere no later than `dead_after` past its last heartbeat.
@@ -559,5 +565,100 @@ fn a_partition_of_three_and_two_heals_and_converges() {
             "seed {seed}: split at {t_split:?}, seen at {seen:?}, healed at {t_heal:?}, \
              converged at {back:?}"
         );
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 4. Growing the code
+// ---------------------------------------------------------------------------------------------
+
+/// The f32 values of a shard.
+fn values(s: &node_core::coded::Shard) -> &[f32] {
+    match &s.values {
+        node_core::coded::ShardValues::F32(v) => v,
+        node_core::coded::ShardValues::F16(_) => panic!("the test encodes f32 shards"),
+    }
+}
+
+#[test]
+fn joiners_on_two_sides_of_a_partition_get_one_new_row_with_one_content() {
+    // Six genesis rows (k = 3), room for eight: each side of a 3 + 3 split can build a row.
+    let (genesis, room) = (6u32, 8u32);
+    for seed in 0..4 {
+        let mut m = SimMesh::new(
+            seed,
+            K,
+            genesis,
+            HealthConfig::default(),
+            NetConfig::default(),
+        )
+        .with_room(room);
+        for id in 0..genesis {
+            m.add_node(id, Some(id)).unwrap();
+        }
+        m.run_until(secs(10.0), SimMesh::converged).unwrap();
+        let (a, b) = ([0u32, 1, 2], [3u32, 4, 5]);
+        m.partition(&[&a, &b]);
+        m.run_for(secs(0.5));
+        // Both sides still count every row as held, so each offers the first new row.
+        let mut offered = Vec::new();
+        for (observer, joiner) in [(0u32, 10u32), (3, 11)] {
+            match m.offer_row(observer, joiner).unwrap() {
+                JoinOffer::Reencode { row, sources } => {
+                    assert_eq!(row, genesis, "seed {seed}: the lowest new row");
+                    assert_eq!(sources.len(), K as usize);
+                    offered.push(sources.iter().map(|s| s.row).collect::<Vec<_>>());
+                }
+                other => panic!("seed {seed}: expected a new row, got {other:?}"),
+            }
+        }
+        m.add_node(10, Some(genesis)).unwrap();
+        m.add_node(11, Some(genesis)).unwrap();
+        m.partition(&[&[0, 1, 2, 10], &[3, 4, 5, 11]]);
+        m.run_for(secs(1.0));
+        m.heal();
+        m.run_until(secs(10.0), SimMesh::converged)
+            .unwrap_or_else(|| panic!("seed {seed}: no convergence after healing"));
+        // One row with two holders, seen alike everywhere; the next joiner gets the next row.
+        for o in m.up_nodes() {
+            let info = m.view(o).unwrap().info(m.now());
+            assert_eq!((info.n, info.n_max), (genesis + 1, room), "seed {seed}");
+            let new = info.rows.iter().find(|r| r.row == genesis).unwrap();
+            assert_eq!((new.holders.len(), new.healthy), (2, 2), "seed {seed}");
+        }
+        assert!(matches!(
+            m.offer_row(0, 12).unwrap(),
+            JoinOffer::Reencode { row, .. } if row == genesis + 1
+        ));
+        if seed == 0 {
+            // Whatever sources each side used, the new row's shard is the same codeword.
+            let weights = ModelWeights::synthetic(tiny_config(), 5).unwrap();
+            let g = Generator::growing(genesis as usize, K as usize, Some(room as usize)).unwrap();
+            let shards = InProcess::encode(&weights, &g, ShardFormat::F32, &|_, _| {}).unwrap();
+            assert_eq!(shards.members().len(), genesis as usize);
+            let direct = node_core::coded::ShardSet::encode(
+                &weights,
+                &g,
+                genesis as usize,
+                ShardFormat::F32,
+                &mut |_, _| {},
+            )
+            .unwrap();
+            for rows in &offered {
+                let sources: Vec<_> = rows
+                    .iter()
+                    .map(|&r| shards.members()[r as usize].shards())
+                    .collect();
+                let built =
+                    node_core::coded::ShardSet::reencode(genesis as usize, &sources).unwrap();
+                let err = relative_error(values(&built.embed), values(&direct.embed));
+                assert!(err < 1e-5, "rows {rows:?}: {err:e}");
+                for (bb, db) in built.blocks.iter().zip(&direct.blocks) {
+                    for (b, d) in bb.iter().zip(db) {
+                        assert!(relative_error(values(b), values(d)) < 1e-5);
+                    }
+                }
+            }
+        }
     }
 }

@@ -96,7 +96,14 @@ impl RowView {
 
 /// Every row `0..n` with its holders, rows nobody holds included.
 pub fn rows(info: &MeshInfo) -> Vec<RowView> {
-    (0..info.n)
+    // Rows of a grown code need not be 0..n; older nodes send no row list.
+    let indices: Vec<u32> = if info.rows.is_empty() {
+        (0..info.n).collect()
+    } else {
+        info.rows.iter().map(|r| r.row).collect()
+    };
+    indices
+        .into_iter()
         .map(|row| {
             let mut holders: Vec<NodeStatus> = info
                 .nodes
@@ -279,6 +286,8 @@ mod tests {
         MeshInfo {
             k: 2,
             n: 3,
+            n_max: 3,
+            rows: Vec::new(),
             model: String::new(),
             model_name: "m".into(),
             available: true,
@@ -317,6 +326,28 @@ mod tests {
         assert_eq!(rows[2].health, Health::Dead);
         assert_eq!(rows[2].holder_label(), "nobody");
         assert_eq!(rows[0].verification(), "not caught");
+    }
+
+    #[test]
+    fn a_grown_mesh_lists_the_rows_it_reports_with_every_holder() {
+        let mut i = info(vec![
+            node("12D3KooWaaaaaaaa", Some(0), Health::Healthy, "cpu"),
+            node("12D3KooWreplica0", Some(0), Health::Healthy, "cpu"),
+            node(
+                "12D3KooWnewrow07",
+                Some(7),
+                Health::Healthy,
+                "browser wasm cpu",
+            ),
+        ]);
+        i.rows = [0, 1, 2, 7].map(node_core::mesh::RowHolders::new).to_vec();
+        let rows = rows(&i);
+        assert_eq!(
+            rows.iter().map(|r| r.row).collect::<Vec<_>>(),
+            vec![0, 1, 2, 7]
+        );
+        assert_eq!(rows[0].holders.len(), 2);
+        assert_eq!(rows[3].device(), "browser CPU");
     }
 
     #[test]

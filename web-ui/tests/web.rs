@@ -41,6 +41,8 @@ fn snapshot(healths: [Health; 3]) -> NodeSnapshot {
         info: Some(MeshInfo {
             k: 2,
             n: 3,
+            n_max: 3,
+            rows: Vec::new(),
             model: "cd".repeat(32),
             model_name: "SmolLM2".into(),
             available: healthy >= 2,

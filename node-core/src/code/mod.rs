@@ -17,6 +17,16 @@ pub const MAX_NODES: usize = 256;
 /// Largest condition number accepted for a decoding group (beyond it f32 results are noise).
 pub const MAX_CONDITION: f64 = 1e7;
 
+/// Largest condition number of any k rows of a grown code: with f32 shard products the decode
+/// error is about `1e-7 · κ`, so every group of live rows stays within 1e-4 (DESIGN.md).
+pub const GROWTH_MAX_CONDITION: f64 = 900.0;
+
+/// Most rows a grown code may reach, whatever its conditioning.
+pub const GROWTH_MAX_ROWS: usize = 64;
+
+/// Most k-subsets [`Generator::growing`] checks before it stops adding rows.
+const GROWTH_SUBSET_BUDGET: u64 = 400_000;
+
 /// Subsets searched exhaustively by [`select_nodes`] before it switches to greedy selection.
 const EXHAUSTIVE_LIMIT: u64 = 20_000;
 
@@ -90,6 +100,14 @@ pub enum Construction {
     },
     /// The uncoded identity, n = k = 1.
     Identity,
+    /// Complex Cauchy that can grow: rows `0..seeded` are [`Construction::ComplexCauchy`]'s
+    /// for `seeded` rows, and each later row's point fills the widest gap left on the unit
+    /// circle. The generator has room for every row the mesh may add ([`max_rows`]); the
+    /// first `seeded` are encoded at genesis, the rest on demand.
+    GrowingCauchy {
+        /// Rows encoded at genesis.
+        seeded: u32,
+    },
 }
 
 /// A generator matrix `G` of `n·m × k·m` real coefficients.
@@ -104,6 +122,60 @@ pub struct Generator {
 
 fn gcd(a: usize, b: usize) -> usize {
     if b == 0 { a } else { gcd(b, a % b) }
+}
+
+/// The poles `b_j` of the complex Cauchy code for `seeded` rows, in turns: the k-th roots of
+/// unity turned by half the finest grid step, so no row point meets a pole.
+fn poles(seeded: usize, k: usize) -> Vec<f64> {
+    let lcm = seeded / gcd(seeded, k) * k;
+    (0..k)
+        .map(|j| j as f64 / k as f64 + 0.5 / lcm as f64)
+        .collect()
+}
+
+/// The points `a_i` (in turns) of `n` rows of the complex Cauchy code seeded with `seeded`
+/// rows: the `seeded`-th roots of unity, then one point at a time in the middle of the widest
+/// gap between the points and poles placed so far (the lowest such gap on a tie).
+fn row_points(seeded: usize, k: usize, n: usize) -> Vec<f64> {
+    let mut points: Vec<f64> = (0..seeded.min(n))
+        .map(|i| i as f64 / seeded as f64)
+        .collect();
+    let poles = poles(seeded, k);
+    while points.len() < n {
+        let mut taken: Vec<f64> = points.iter().chain(&poles).copied().collect();
+        taken.sort_by(f64::total_cmp);
+        let mut best = (0.0f64, 0.0f64);
+        for (i, &start) in taken.iter().enumerate() {
+            let end = taken.get(i + 1).copied().unwrap_or(taken[0] + 1.0);
+            // A gap must be wider by more than rounding to win, so ties go to the lowest start.
+            if end - start > best.1 + 1e-12 {
+                best = (start, end - start);
+            }
+        }
+        points.push((best.0 + best.1 / 2.0).rem_euclid(1.0));
+    }
+    points
+}
+
+/// Real rotation-block coefficients `1/(e^{2πi·a} − e^{2πi·b_j})` for each row point `a`.
+fn complex_cauchy(points: &[f64], poles: &[f64]) -> Vec<f64> {
+    let tau = std::f64::consts::TAU;
+    let w = 2 * poles.len();
+    let mut real = vec![0.0; 2 * points.len() * w];
+    for (i, &pa) in points.iter().enumerate() {
+        let a = tau * pa;
+        for (j, &pb) in poles.iter().enumerate() {
+            let b = tau * pb;
+            let (re, im) = (a.cos() - b.cos(), a.sin() - b.sin());
+            let d = re * re + im * im;
+            let (cr, ci) = (re / d, -im / d);
+            real[(2 * i) * w + 2 * j] = cr;
+            real[(2 * i) * w + 2 * j + 1] = -ci;
+            real[(2 * i + 1) * w + 2 * j] = ci;
+            real[(2 * i + 1) * w + 2 * j + 1] = cr;
+        }
+    }
+    real
 }
 
 impl Generator {
@@ -138,26 +210,16 @@ impl Generator {
                     .collect();
                 (1, c)
             }
-            Construction::ComplexCauchy => {
-                let lcm = n / gcd(n, k) * k;
-                let tau = std::f64::consts::TAU;
-                let mut real = vec![0.0; 2 * n * 2 * k];
-                for i in 0..n {
-                    let a = tau * i as f64 / n as f64;
-                    for j in 0..k {
-                        let b = tau * (j as f64 / k as f64 + 0.5 / lcm as f64);
-                        // 1 / (e^{ia} − e^{ib})
-                        let (re, im) = (a.cos() - b.cos(), a.sin() - b.sin());
-                        let d = re * re + im * im;
-                        let (cr, ci) = (re / d, -im / d);
-                        let w = 2 * k;
-                        real[(2 * i) * w + 2 * j] = cr;
-                        real[(2 * i) * w + 2 * j + 1] = -ci;
-                        real[(2 * i + 1) * w + 2 * j] = ci;
-                        real[(2 * i + 1) * w + 2 * j + 1] = cr;
-                    }
+            Construction::ComplexCauchy => (2, complex_cauchy(&row_points(n, k, n), &poles(n, k))),
+            Construction::GrowingCauchy { seeded } => {
+                let seeded = seeded as usize;
+                if seeded < k || seeded > n {
+                    return Err(CodeError::Params { k, n: seeded });
                 }
-                (2, real)
+                (
+                    2,
+                    complex_cauchy(&row_points(seeded, k, n), &poles(seeded, k)),
+                )
             }
         };
         // Unit-norm rows (for the complex code each real row has the complex row's norm).
@@ -180,6 +242,57 @@ impl Generator {
     /// The default sound code: complex Cauchy on the unit circle (see docs/coding.md).
     pub fn cauchy(n: usize, k: usize) -> Result<Self, CodeError> {
         Self::new(Construction::ComplexCauchy, n, k)
+    }
+
+    /// A complex Cauchy code of `seeded` genesis rows with room to grow: as many rows
+    /// (up to `cap` and [`GROWTH_MAX_ROWS`]) as keep every k of them within
+    /// [`GROWTH_MAX_CONDITION`]. Rows past `seeded` are encoded when the mesh adds them.
+    pub fn growing(seeded: usize, k: usize, cap: Option<usize>) -> Result<Self, CodeError> {
+        let most = cap
+            .unwrap_or(GROWTH_MAX_ROWS)
+            .clamp(seeded, GROWTH_MAX_ROWS.max(seeded));
+        let construction = Construction::GrowingCauchy {
+            seeded: u32::try_from(seeded).map_err(|_| CodeError::Params { k, n: seeded })?,
+        };
+        let full = Self::new(construction, most, k)?;
+        let mut rows = seeded;
+        let mut checked = 0u64;
+        while rows < most {
+            // Every k-subset of rows + 1 rows that holds the new row.
+            let cost = binomial(rows, k - 1);
+            checked = checked.saturating_add(cost);
+            if checked > GROWTH_SUBSET_BUDGET {
+                break;
+            }
+            let mut worst = 0.0f64;
+            let mut idx: Vec<usize> = (0..k - 1).collect();
+            loop {
+                let mut group: Vec<usize> = idx.clone();
+                group.push(rows);
+                worst = worst.max(full.condition_number(&group)?);
+                let Some(p) = (0..k - 1).rev().find(|&p| idx[p] < rows - (k - 1) + p) else {
+                    break;
+                };
+                idx[p] += 1;
+                for q in p + 1..k - 1 {
+                    idx[q] = idx[q - 1] + 1;
+                }
+            }
+            if worst > GROWTH_MAX_CONDITION {
+                break;
+            }
+            rows += 1;
+        }
+        Self::new(construction, rows, k)
+    }
+
+    /// Rows encoded at genesis: all `n` but for a growing code, whose later rows the mesh
+    /// adds on demand.
+    pub fn genesis_rows(&self) -> usize {
+        match self.construction {
+            Construction::GrowingCauchy { seeded } => seeded as usize,
+            _ => self.n,
+        }
     }
 
     /// The uncoded model: one node holding `W` itself.

@@ -171,3 +171,52 @@ proptest! {
         prop_assert!(err <= 1e-6 * kappa + 1e-6, "k={k} n={n} nodes={nodes:?} κ={kappa:.2} err={err:.3e}");
     }
 }
+
+#[test]
+fn a_grown_code_keeps_its_genesis_rows_and_every_group_well_conditioned() {
+    let (seeded, k) = (5, 3);
+    let g = Generator::growing(seeded, k, None).unwrap();
+    let plain = Generator::cauchy(seeded, k).unwrap();
+    assert_eq!(g.genesis_rows(), seeded);
+    assert_eq!(plain.genesis_rows(), seeded);
+    assert!(g.n() > seeded, "the default code must have room to grow");
+    for row in 0..seeded {
+        assert_eq!(g.coeffs(row), plain.coeffs(row), "genesis row {row} moved");
+    }
+    // Every k of the n rows, not only the ones the selector would pick.
+    let mut worst = 0.0f64;
+    let mut idx: Vec<usize> = (0..k).collect();
+    loop {
+        worst = worst.max(g.condition_number(&idx).unwrap());
+        let Some(p) = (0..k).rev().find(|&p| idx[p] < g.n() - k + p) else {
+            break;
+        };
+        idx[p] += 1;
+        for q in p + 1..k {
+            idx[q] = idx[q - 1] + 1;
+        }
+    }
+    assert!(worst <= GROWTH_MAX_CONDITION, "worst κ {worst}");
+    // A grown row decodes like a genesis row: a group of new rows only.
+    let (out, inp) = (36, 20);
+    let w = random(out * inp, 3);
+    let x = random(inp, 4);
+    let (exact, _) = products(&w, out, inp, &x);
+    let nodes: Vec<usize> = (g.n() - k..g.n()).collect();
+    let y = coded_product(&g, &w, out, inp, &x, &nodes);
+    for (a, e) in y.iter().zip(&exact) {
+        assert!((*a as f64 - e).abs() < 1e-4, "{a} vs {e}");
+    }
+}
+
+#[test]
+fn growth_stops_at_the_cap_and_the_prefix_is_stable() {
+    let small = Generator::growing(5, 3, Some(7)).unwrap();
+    let big = Generator::growing(5, 3, None).unwrap();
+    assert_eq!(small.n(), 7);
+    for row in 0..7 {
+        assert_eq!(small.coeffs(row), big.coeffs(row), "row {row}");
+    }
+    assert_eq!(Generator::growing(5, 3, Some(2)).unwrap().n(), 5);
+    assert!(Generator::growing(2, 3, None).is_err());
+}

@@ -87,15 +87,15 @@ impl InProcess {
         Ok(Self { members })
     }
 
-    /// Encodes every node's shards of a model (nodes in parallel) and serves them in process;
-    /// `progress(done, total)` counts matrices over all nodes.
+    /// Encodes every genesis row's shards of a model (rows in parallel) and serves them in
+    /// process; `progress(done, total)` counts matrices over all rows.
     pub fn encode(
         weights: &ModelWeights,
         generator: &Generator,
         format: ShardFormat,
         progress: &(dyn Fn(usize, usize) + Sync),
     ) -> Result<Self, CodedError> {
-        let nodes: Vec<usize> = (0..generator.n()).collect();
+        let nodes: Vec<usize> = (0..generator.genesis_rows()).collect();
         let done = AtomicUsize::new(0);
         let sets = crate::compute::par::map(&nodes, |&node| {
             ShardSet::encode(weights, generator, node, format, &mut |_, total| {

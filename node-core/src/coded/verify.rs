@@ -106,7 +106,7 @@ pub fn measure_noise(
     mesh: super::InProcess,
     requests: usize,
 ) -> Result<(f64, super::InProcess), crate::model::ModelError> {
-    let (n, k) = (generator.n(), generator.k());
+    let (n, k) = (generator.genesis_rows(), generator.k());
     let llama = crate::model::Llama::new(cfg.clone(), norms.clone())?;
     let mut worst = 0.0f64;
     let mut transport = Some(mesh);

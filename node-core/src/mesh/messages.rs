@@ -117,13 +117,41 @@ pub struct NodeStatus {
     pub usage: Usage,
 }
 
+/// One row of the code and the nodes that hold it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RowHolders {
+    /// The row.
+    pub row: u32,
+    /// Peer ids of every known holder, whatever its health.
+    pub holders: Vec<String>,
+    /// Holders that are healthy and not caught.
+    pub healthy: u32,
+}
+
+impl RowHolders {
+    /// A row nobody is known to hold.
+    pub fn new(row: u32) -> Self {
+        Self {
+            row,
+            holders: Vec::new(),
+            healthy: 0,
+        }
+    }
+}
+
 /// The mesh as one node sees it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct MeshInfo {
     /// Shards needed to compute.
     pub k: u32,
-    /// Rows of the code.
+    /// Rows that exist: the genesis rows and every row a node holds.
     pub n: u32,
+    /// Rows the code has room for: the mesh adds rows up to this, then replicas.
+    #[serde(default)]
+    pub n_max: u32,
+    /// Every row with its holders, by row.
+    #[serde(default)]
+    pub rows: Vec<RowHolders>,
     /// Digest of the model manifest (hex).
     pub model: String,
     /// A person-readable model name.
@@ -254,7 +282,7 @@ impl MeshInfo {
     /// The one-line summary a person reads at a glance.
     pub fn summary(&self) -> String {
         format!(
-            "model available: {} — {} of {} rows healthy, k = {}, tolerates {} more failure{}; version {} ({} updates)",
+            "model available: {} — {} of {} rows healthy, k = {}, tolerates {} more failure{}; version {} ({} updates); {} holders, room for {} rows",
             if self.available { "yes" } else { "no" },
             self.healthy_rows,
             self.n,
@@ -262,7 +290,9 @@ impl MeshInfo {
             self.tolerates,
             if self.tolerates == 1 { "" } else { "s" },
             &self.version_digest[..self.version_digest.len().min(16)],
-            self.version_count
+            self.version_count,
+            self.rows.iter().map(|r| r.holders.len()).sum::<usize>(),
+            self.n_max.max(self.n)
         )
     }
 }
@@ -293,8 +323,16 @@ pub enum JoinOffer {
         /// k rows to fetch.
         sources: Vec<SourceRow>,
     },
-    /// Every row is held by a live node.
+    /// No row can be offered now (fewer than k live rows to build one from).
     Full,
+    /// Every row is held by a live node: take this row as one more holder, downloading its
+    /// shard from one of these holders (at the mesh version).
+    Replica {
+        /// The row.
+        row: u32,
+        /// Its live holders, to download from.
+        holders: Vec<SourceRow>,
+    },
 }
 
 /// A request on the mesh protocol.
@@ -451,6 +489,8 @@ mod tests {
         let mut info = MeshInfo {
             k: 2,
             n: 5,
+            n_max: 5,
+            rows: Vec::new(),
             model: String::new(),
             model_name: String::new(),
             available: true,

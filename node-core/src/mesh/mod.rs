@@ -13,7 +13,7 @@ pub use health::{Health, HealthConfig};
 pub use manifest::{DEFAULT_RANK, LearningConfig, MAX_ACCUMULATE, ModelManifest};
 pub use messages::{
     BrowserBootstrap, CHUNK_BYTES, HEARTBEAT_TOPIC, Heartbeat, JoinOffer, MAX_CHUNK_BYTES,
-    MeshInfo, MeshRequest, MeshResponse, NodeStatus, SourceRow, Usage, rows_at_version,
+    MeshInfo, MeshRequest, MeshResponse, NodeStatus, RowHolders, SourceRow, Usage, rows_at_version,
 };
 pub use round::{GroupPlan, MemberPool, RoundConfig, RoundDriver, RoundError, plan_group};
 pub use version::ShardVersion;

@@ -6,8 +6,8 @@ use std::fmt::Display;
 use web_time::{Duration, Instant};
 
 use super::{
-    Health, HealthConfig, Heartbeat, JoinOffer, MeshError, MeshInfo, NodeStatus, SourceRow, Usage,
-    hex,
+    Health, HealthConfig, Heartbeat, JoinOffer, MeshError, MeshInfo, NodeStatus, RowHolders,
+    SourceRow, Usage, hex,
 };
 
 /// How long a row offered to a joiner stays reserved for it.
@@ -41,6 +41,15 @@ pub enum MeshEvent<P> {
     },
 }
 
+/// A row held for a joiner while it downloads: a free row it will create, or a replica.
+#[derive(Debug, Clone)]
+struct Reservation<P> {
+    row: u32,
+    joiner: P,
+    until: Instant,
+    replica: bool,
+}
+
 #[derive(Debug, Clone)]
 struct Entry {
     hb: Heartbeat,
@@ -53,12 +62,15 @@ struct Entry {
 pub struct MeshView<P> {
     cfg: HealthConfig,
     k: u32,
+    /// Rows the code has room for (a growing code adds rows up to this on demand).
     n: u32,
+    /// Rows encoded at genesis.
+    genesis: u32,
     model_name: String,
     me: P,
     local: Heartbeat,
     peers: BTreeMap<P, Entry>,
-    reservations: Vec<(u32, P, Instant)>,
+    reservations: Vec<Reservation<P>>,
     next_heartbeat: Instant,
     /// When the view was made (a time that is always past).
     created: Instant,
@@ -69,26 +81,28 @@ pub struct MeshView<P> {
 }
 
 impl<P: Ord + Clone + Display> MeshView<P> {
-    /// A view for node `me` of a mesh of `n` rows needing `k`, serving the model `local.model`.
+    /// A view for node `me` of a mesh needing `k` rows, whose code has room for `n` rows of
+    /// which the first `genesis` were encoded at genesis, serving the model `local.model`.
     pub fn new(
         now: Instant,
         me: P,
         cfg: HealthConfig,
         k: u32,
-        n: u32,
+        (genesis, n): (u32, u32),
         model_name: String,
         local: Heartbeat,
     ) -> Result<Self, MeshError> {
         cfg.validate()?;
-        if k == 0 || n < k {
+        if k == 0 || genesis < k || n < genesis {
             return Err(MeshError::Config(format!(
-                "need 1 ≤ k ≤ n, got k = {k}, n = {n}"
+                "need 1 ≤ k ≤ genesis rows ≤ n, got k = {k}, {genesis} genesis rows, n = {n}"
             )));
         }
         Ok(Self {
             cfg,
             k,
             n,
+            genesis,
             model_name,
             me,
             local,
@@ -162,7 +176,7 @@ impl<P: Ord + Clone + Display> MeshView<P> {
         }
         if let Some(row) = hb.row {
             self.reservations
-                .retain(|(r, p, _)| !(*r == row && *p == from));
+                .retain(|r| !(r.row == row && r.joiner == from));
         }
         match self.peers.get_mut(&from) {
             Some(e) => {
@@ -210,7 +224,7 @@ impl<P: Ord + Clone + Display> MeshView<P> {
                 });
             }
         }
-        self.reservations.retain(|(_, _, until)| *until > now);
+        self.reservations.retain(|r| r.until > now);
         if now >= self.next_heartbeat {
             self.local.seq += 1;
             self.transmits.push_back(self.local.clone());
@@ -283,27 +297,20 @@ impl<P: Ord + Clone + Display> MeshView<P> {
 
     /// Healthy rows at the majority version, one holder each (the lowest peer id), by row.
     pub fn live_rows(&self) -> Vec<(u32, P)> {
-        let Some(version) = self.majority_version() else {
-            return Vec::new();
-        };
-        let mut rows: BTreeMap<u32, P> = BTreeMap::new();
-        for (p, hb, h) in self.all() {
-            if let (true, Some(row), true) =
-                (self.usable(p, h), hb.row, hb.version_digest == version)
-            {
-                let slot = rows.entry(row).or_insert_with(|| p.clone());
-                if p < slot {
-                    *slot = p.clone();
-                }
-            }
-        }
-        rows.into_iter().collect()
+        self.holders_at_majority()
+            .into_iter()
+            .filter_map(|(row, peers)| peers.into_iter().next().map(|p| (row, p)))
+            .collect()
     }
 
     /// Offers a row to a joining peer and reserves it: a genesis row this node holds back,
-    /// else the lowest row no live node holds, re-encoded from k live rows.
+    /// else the lowest row no live node holds (a dead node's row, or a new row of a growing
+    /// code), re-encoded from k live rows; once the code has no room left, a replica of the
+    /// row with the fewest live holders. A new row's contents follow from its index alone
+    /// (its generator row), so two nodes that offer the same new row to two joiners at once
+    /// make two holders of one row, never two different rows under one index.
     pub fn offer_row(&mut self, now: Instant, joiner: P) -> JoinOffer {
-        self.reservations.retain(|(_, _, until)| *until > now);
+        self.reservations.retain(|r| r.until > now);
         // Rows held by a node that is not dead (a holder may have come back since).
         let held: Vec<u32> = self
             .all()
@@ -313,34 +320,112 @@ impl<P: Ord + Clone + Display> MeshView<P> {
             .filter_map(|(_, hb, _)| hb.row)
             .collect();
         self.reservations
-            .retain(|(r, p, _)| *p != joiner || !held.contains(r));
-        if let Some((row, _, until)) = self.reservations.iter_mut().find(|(_, p, _)| *p == joiner) {
-            *until = now + RESERVATION;
-            let row = *row;
+            .retain(|r| r.joiner != joiner || r.replica || !held.contains(&r.row));
+        if let Some(r) = self
+            .reservations
+            .iter_mut()
+            .find(|r| r.joiner == joiner && !r.replica)
+        {
+            r.until = now + RESERVATION;
+            let row = r.row;
             return self.offer_for(row);
         }
         let taken: Vec<u32> = held
             .iter()
             .copied()
-            .chain(self.reservations.iter().map(|(r, _, _)| *r))
+            .chain(self.reservations.iter().map(|r| r.row))
             .collect();
         let free = |r: &u32| !taken.contains(r);
-        let row = self
+        let free_row = self
             .local
             .offers
             .iter()
             .copied()
             .find(free)
             .or_else(|| (0..self.n).find(free));
-        match row {
-            Some(row) => {
-                let offer = self.offer_for(row);
-                if !matches!(offer, JoinOffer::Full) {
-                    self.reservations.push((row, joiner, now + RESERVATION));
-                }
-                offer
+        if let Some(row) = free_row {
+            // A free row beats a replica this joiner was offered before.
+            self.reservations.retain(|r| r.joiner != joiner);
+            let offer = self.offer_for(row);
+            if !matches!(offer, JoinOffer::Full) {
+                self.reservations.push(Reservation {
+                    row,
+                    joiner,
+                    until: now + RESERVATION,
+                    replica: false,
+                });
             }
-            None => JoinOffer::Full,
+            return offer;
+        }
+        if let Some(r) = self.reservations.iter_mut().find(|r| r.joiner == joiner) {
+            r.until = now + RESERVATION;
+            let row = r.row;
+            return self.replica_of(row);
+        }
+        let Some(row) = self.thinnest_row() else {
+            return JoinOffer::Full;
+        };
+        let offer = self.replica_of(row);
+        if !matches!(offer, JoinOffer::Full) {
+            self.reservations.push(Reservation {
+                row,
+                joiner,
+                until: now + RESERVATION,
+                replica: true,
+            });
+        }
+        offer
+    }
+
+    /// The live row with the fewest holders (reservations count), the lowest on a tie.
+    fn thinnest_row(&self) -> Option<u32> {
+        let holders = self.holders_at_majority();
+        holders
+            .iter()
+            .map(|(row, peers)| {
+                let reserved = self.reservations.iter().filter(|r| r.row == *row).count();
+                (peers.len() + reserved, *row)
+            })
+            .min()
+            .map(|(_, row)| row)
+    }
+
+    /// Usable holders of every row at the majority version, each row's lowest peer first.
+    fn holders_at_majority(&self) -> BTreeMap<u32, Vec<P>> {
+        let mut rows: BTreeMap<u32, Vec<P>> = BTreeMap::new();
+        let Some(version) = self.majority_version() else {
+            return rows;
+        };
+        for (p, hb, h) in self.all() {
+            if let (true, Some(row), true) =
+                (self.usable(p, h), hb.row, hb.version_digest == version)
+            {
+                rows.entry(row).or_default().push(p.clone());
+            }
+        }
+        rows.values_mut().for_each(|peers| peers.sort());
+        rows
+    }
+
+    fn source(&self, row: u32, p: &P) -> SourceRow {
+        SourceRow {
+            row,
+            addrs: if *p == self.me {
+                self.local.addrs.clone()
+            } else {
+                self.addrs(p).map(<[String]>::to_vec).unwrap_or_default()
+            },
+            peer: p.to_string(),
+        }
+    }
+
+    fn replica_of(&self, row: u32) -> JoinOffer {
+        match self.holders_at_majority().remove(&row) {
+            Some(peers) if !peers.is_empty() => JoinOffer::Replica {
+                row,
+                holders: peers.iter().map(|p| self.source(row, p)).collect(),
+            },
+            _ => JoinOffer::Full,
         }
     }
 
@@ -353,17 +438,9 @@ impl<P: Ord + Clone + Display> MeshView<P> {
             return JoinOffer::Full;
         }
         let sources = live
-            .into_iter()
+            .iter()
             .take(self.k as usize)
-            .map(|(r, p)| SourceRow {
-                row: r,
-                addrs: if p == self.me {
-                    self.local.addrs.clone()
-                } else {
-                    self.addrs(&p).map(<[String]>::to_vec).unwrap_or_default()
-                },
-                peer: p.to_string(),
-            })
+            .map(|(r, p)| self.source(*r, p))
             .collect();
         JoinOffer::Reencode { row, sources }
     }
@@ -405,9 +482,23 @@ impl<P: Ord + Clone + Display> MeshView<P> {
             .collect::<Vec<NodeStatus>>();
         let mut usage = Usage::default();
         nodes.iter().for_each(|n| usage.add(&n.usage));
+        let mut rows: BTreeMap<u32, RowHolders> = (0..self.genesis)
+            .map(|row| (row, RowHolders::new(row)))
+            .collect();
+        for node in &nodes {
+            if let Some(row) = node.row {
+                let r = rows.entry(row).or_insert_with(|| RowHolders::new(row));
+                r.holders.push(node.peer.clone());
+                if node.health == Health::Healthy && node.caught.is_none() {
+                    r.healthy += 1;
+                }
+            }
+        }
         MeshInfo {
             k: self.k,
-            n: self.n,
+            n: rows.len() as u32,
+            n_max: self.n,
+            rows: rows.into_values().collect(),
             model: hex(&self.local.model),
             model_name: self.model_name.clone(),
             available: healthy >= self.k,
@@ -445,7 +536,7 @@ mod tests {
     fn health_moves_with_silence_and_recovers() {
         let t0 = Instant::now();
         let cfg = HealthConfig::default();
-        let mut v = MeshView::new(t0, 0u32, cfg, 2, 3, "m".into(), hb(Some(0))).unwrap();
+        let mut v = MeshView::new(t0, 0u32, cfg, 2, (3, 3), "m".into(), hb(Some(0))).unwrap();
         v.handle_heartbeat(t0, 1, hb(Some(1)));
         assert_eq!(v.live_rows(), vec![(0, 0), (1, 1)]);
         v.handle_timeout(t0 + cfg.suspect_after);
@@ -463,7 +554,7 @@ mod tests {
     fn the_mesh_usage_sums_what_every_node_was_told() {
         let t0 = Instant::now();
         let cfg = HealthConfig::default();
-        let mut v = MeshView::new(t0, 0u32, cfg, 2, 3, "m".into(), hb(Some(0))).unwrap();
+        let mut v = MeshView::new(t0, 0u32, cfg, 2, (3, 3), "m".into(), hb(Some(0))).unwrap();
         let one = Usage::of_request(5, 8, Duration::from_millis(1500), Some(2.25));
         assert_eq!(
             (one.latency_ms, one.trained, one.loss_micro),
@@ -494,7 +585,7 @@ mod tests {
             0u32,
             HealthConfig::default(),
             1,
-            2,
+            (2, 2),
             "m".into(),
             hb(None),
         )
@@ -510,7 +601,7 @@ mod tests {
     fn a_reservation_ends_when_the_old_holder_returns() {
         let t0 = Instant::now();
         let cfg = HealthConfig::default();
-        let mut v = MeshView::new(t0, 0u32, cfg, 2, 3, "m".into(), hb(Some(0))).unwrap();
+        let mut v = MeshView::new(t0, 0u32, cfg, 2, (3, 3), "m".into(), hb(Some(0))).unwrap();
         v.handle_heartbeat(t0, 1, hb(Some(1)));
         v.handle_heartbeat(t0, 2, hb(Some(2)));
         let later = t0 + cfg.dead_after;
@@ -520,9 +611,13 @@ mod tests {
             v.offer_row(later, 9),
             JoinOffer::Reencode { row: 2, .. }
         ));
-        // Row 2's holder comes back before the joiner took the row: no row is free any more.
+        // Row 2's holder comes back before the joiner took the row: no row is free any more,
+        // so the joiner becomes a second holder of a row.
         v.handle_heartbeat(later, 2, hb(Some(2)));
-        assert_eq!(v.offer_row(later, 9), JoinOffer::Full);
+        assert!(matches!(
+            v.offer_row(later, 9),
+            JoinOffer::Replica { row: 0, .. }
+        ));
     }
 
     #[test]
@@ -531,7 +626,7 @@ mod tests {
         let cfg = HealthConfig::default();
         let mut local = hb(Some(0));
         local.offers = vec![1, 2];
-        let mut v = MeshView::new(t0, 0u32, cfg, 2, 3, "m".into(), local).unwrap();
+        let mut v = MeshView::new(t0, 0u32, cfg, 2, (3, 3), "m".into(), local).unwrap();
         assert_eq!(v.offer_row(t0, 10), JoinOffer::Genesis { row: 1 });
         assert_eq!(
             v.offer_row(t0, 10),
@@ -539,7 +634,11 @@ mod tests {
             "same joiner, same row"
         );
         assert_eq!(v.offer_row(t0, 11), JoinOffer::Genesis { row: 2 });
-        assert_eq!(v.offer_row(t0, 12), JoinOffer::Full);
+        // Rows 1 and 2 are reserved: the third joiner copies the only row that has a holder.
+        assert!(matches!(
+            v.offer_row(t0, 12),
+            JoinOffer::Replica { row: 0, .. }
+        ));
         v.handle_heartbeat(t0, 10, hb(Some(1)));
         v.handle_heartbeat(t0, 11, hb(Some(2)));
         // The seed hands out its last rows and stops offering; node 11 dies.
@@ -565,12 +664,15 @@ mod tests {
     fn a_caught_node_leaves_the_live_rows_and_its_row_is_offered_again() {
         let t0 = Instant::now();
         let cfg = HealthConfig::default();
-        let mut v = MeshView::new(t0, 0u32, cfg, 2, 4, "m".into(), hb(Some(0))).unwrap();
+        let mut v = MeshView::new(t0, 0u32, cfg, 2, (4, 4), "m".into(), hb(Some(0))).unwrap();
         for p in 1..4 {
             v.handle_heartbeat(t0, p, hb(Some(p)));
         }
         assert_eq!(v.live_rows().len(), 4);
-        assert_eq!(v.offer_row(t0, 9), JoinOffer::Full);
+        assert!(matches!(
+            v.offer_row(t0, 9),
+            JoinOffer::Replica { row: 0, .. }
+        ));
         v.report_caught(2, "residual 1e-3 > 1e-5".into());
         let rows: Vec<u32> = v.live_rows().iter().map(|(r, _)| *r).collect();
         assert_eq!(rows, vec![0, 1, 3]);
@@ -586,5 +688,64 @@ mod tests {
         assert_eq!(caught.len(), 1);
         assert_eq!(caught[0].row, Some(2));
         assert_eq!(info.healthy_rows, 3);
+    }
+
+    #[test]
+    fn a_full_code_grows_a_row_then_adds_replicas_to_the_thinnest_rows() {
+        let t0 = Instant::now();
+        let cfg = HealthConfig::default();
+        // k = 2, three genesis rows, room for five.
+        let mut v = MeshView::new(t0, 0u32, cfg, 2, (3, 5), "m".into(), hb(Some(0))).unwrap();
+        v.handle_heartbeat(t0, 1, hb(Some(1)));
+        v.handle_heartbeat(t0, 2, hb(Some(2)));
+        for (joiner, row) in [(10, 3), (11, 4)] {
+            match v.offer_row(t0, joiner) {
+                JoinOffer::Reencode { row: r, sources } => {
+                    assert_eq!(r, row);
+                    assert_eq!(sources.len(), 2);
+                }
+                other => panic!("joiner {joiner}: expected a new row, got {other:?}"),
+            }
+        }
+        // No room left: replicas, spread over the rows with the fewest holders.
+        let replica = |v: &mut MeshView<u32>, joiner| match v.offer_row(t0, joiner) {
+            JoinOffer::Replica { row, holders } => (row, holders.len()),
+            other => panic!("joiner {joiner}: expected a replica, got {other:?}"),
+        };
+        assert_eq!(replica(&mut v, 12), (0, 1));
+        assert_eq!(replica(&mut v, 13), (1, 1));
+        assert_eq!(replica(&mut v, 12), (0, 1), "same joiner, same row");
+        v.handle_heartbeat(t0, 10, hb(Some(3)));
+        v.handle_heartbeat(t0, 11, hb(Some(4)));
+        v.handle_heartbeat(t0, 12, hb(Some(0)));
+        v.handle_heartbeat(t0, 13, hb(Some(1)));
+        assert_eq!(replica(&mut v, 14), (2, 1));
+        let info = v.info(t0);
+        assert_eq!((info.n, info.n_max, info.healthy_rows), (5, 5, 5));
+        let holders: Vec<usize> = info.rows.iter().map(|r| r.holders.len()).collect();
+        assert_eq!(holders, vec![2, 2, 1, 1, 1]);
+        // A row beyond the code's room is refused.
+        v.handle_heartbeat(t0, 20, hb(Some(5)));
+        assert!(v.health(&20).is_none());
+    }
+
+    #[test]
+    fn a_dead_holder_costs_nothing_while_its_row_has_another() {
+        let t0 = Instant::now();
+        let cfg = HealthConfig::default();
+        let mut v = MeshView::new(t0, 0u32, cfg, 2, (3, 3), "m".into(), hb(Some(0))).unwrap();
+        v.handle_heartbeat(t0, 1, hb(Some(1)));
+        v.handle_heartbeat(t0, 2, hb(Some(1)));
+        v.handle_heartbeat(t0, 3, hb(Some(2)));
+        assert_eq!(v.live_rows(), vec![(0, 0), (1, 1), (2, 3)]);
+        let later = t0 + cfg.dead_after;
+        for p in [2, 3] {
+            v.handle_heartbeat(later, p, hb(Some(if p == 2 { 1 } else { 2 })));
+        }
+        v.handle_timeout(later);
+        assert_eq!(v.health(&1), Some(Health::Dead));
+        assert_eq!(v.live_rows(), vec![(0, 0), (1, 2), (2, 3)]);
+        let info = v.info(later);
+        assert_eq!((info.healthy_rows, info.rows[1].healthy), (3, 1));
     }
 }
