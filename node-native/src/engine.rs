@@ -53,6 +53,9 @@ pub struct EngineConfig {
     pub learn: bool,
     /// Where every coded step is written (`--trace-steps`).
     pub trace_steps: Option<PathBuf>,
+    /// Most serving groups run side by side, each over holders no other uses; a group past
+    /// the first forms only when the mesh has holders enough for it.
+    pub groups: usize,
 }
 
 impl Default for EngineConfig {
@@ -65,6 +68,7 @@ impl Default for EngineConfig {
             spares: 1,
             learn: true,
             trace_steps: None,
+            groups: 4,
         }
     }
 }
@@ -79,6 +83,11 @@ impl EngineConfig {
         anyhow::ensure!(
             self.step_tokens >= 1,
             "a step must admit at least one token"
+        );
+        anyhow::ensure!(
+            (1..=MAX_GROUPS).contains(&self.groups),
+            "serving groups must be 1 to {MAX_GROUPS}, got {}",
+            self.groups
         );
         Ok(())
     }
@@ -236,25 +245,36 @@ impl Engine {
                 .spawn(move || trainer.run())?;
         }
         let queue_depth = ctx.metrics.queue_depth.clone();
-        let worker = Worker {
-            lead: Lead::new(ctx, trace),
-            intake: Intake {
-                jobs: rx,
-                held: None,
-                queue_depth,
-            },
-            active: Vec::new(),
-            to_train: learns.then_some(to_train),
-            publishes: publish_rx,
-            backlog,
-            failures: 0,
-            recent: VecDeque::new(),
-            latency_ms,
-            steps: 0,
-        };
-        std::thread::Builder::new()
-            .name("leader".into())
-            .spawn(move || worker.run())?;
+        let jobs = Arc::new(tokio::sync::Mutex::new(rx));
+        let shared = Arc::new(Shared::new(ctx.cfg.groups));
+        let mut publishes = Some(publish_rx);
+        for slot in 0..ctx.cfg.groups {
+            // Only the first serving thread publishes the trainer's updates.
+            let publishes = publishes
+                .take()
+                .unwrap_or_else(|| std::sync::mpsc::channel().1);
+            let mut lead = Lead::new(ctx.clone(), trace.clone());
+            lead.slot = Some((slot, shared.clone()));
+            let worker = Worker {
+                lead,
+                intake: Intake {
+                    jobs: jobs.clone(),
+                    held: None,
+                    queue_depth: queue_depth.clone(),
+                },
+                active: Vec::new(),
+                to_train: learns.then(|| to_train.clone()),
+                publishes,
+                backlog: backlog.clone(),
+                failures: 0,
+                latency_ms: latency_ms.clone(),
+                steps: 0,
+                shared: shared.clone(),
+            };
+            std::thread::Builder::new()
+                .name(format!("leader-{slot}"))
+                .spawn(move || worker.run())?;
+        }
         Ok(engine)
     }
 
@@ -356,6 +376,8 @@ const RATE_WINDOW: Duration = Duration::from_secs(10);
 /// serving and the training thread each hold.
 struct Lead {
     ctx: EngineContext,
+    /// A serving group's place among the node's serving groups (the trainer's has none).
+    slot: Option<(usize, Arc<Shared>)>,
     formed: Option<Formed>,
     /// When forming last failed, and why.
     formed_failed: Option<(Instant, String)>,
@@ -366,6 +388,7 @@ impl Lead {
     fn new(ctx: EngineContext, trace: Option<StepLog>) -> Self {
         Self {
             ctx,
+            slot: None,
             formed: None,
             formed_failed: None,
             trace,
@@ -395,8 +418,15 @@ impl Lead {
             {
                 return Err(why.clone());
             }
+            // The first serving group takes the best holders; every other one leaves out the
+            // holders the others compute with.
+            let avoid = match &self.slot {
+                Some((slot, shared)) if *slot > 0 => shared.busy_except(*slot),
+                _ => Default::default(),
+            };
             let opts = GroupOptions {
                 trace: self.trace.clone(),
+                avoid,
                 ..GroupOptions::new(self.ctx.cfg.verify, self.ctx.cfg.spares)
             };
             let formed = self.info().and_then(|info| {
@@ -418,18 +448,33 @@ impl Lead {
                         "formed a group"
                     );
                     self.ctx.metrics.groups_formed.inc();
+                    if let Some((slot, shared)) = &self.slot {
+                        shared.set_busy(*slot, f.members.clone());
+                    }
                     self.formed = Some(f);
                     self.formed_failed = None;
                 }
                 Err(e) => {
                     let why = format!("{e:#}");
-                    tracing::warn!("no group: {why}");
+                    if matches!(self.slot, Some((slot, _)) if slot > 0) {
+                        tracing::debug!("no further group: {why}");
+                    } else {
+                        tracing::warn!("no group: {why}");
+                    }
                     self.formed_failed = Some((Instant::now(), why.clone()));
                     return Err(why);
                 }
             }
         }
         self.formed.as_mut().ok_or_else(|| "no group".to_string())
+    }
+
+    /// Lets the group go (it is formed again when next needed).
+    fn drop_group(&mut self) {
+        self.formed = None;
+        if let Some((slot, shared)) = &self.slot {
+            shared.set_busy(*slot, Vec::new());
+        }
     }
 
     /// Writes out the step trace.
@@ -495,15 +540,95 @@ impl Lead {
                 f.version = *version;
                 f.llama = llama;
             }
-            _ => self.formed = None,
+            _ => self.drop_group(),
         }
+    }
+}
+
+/// Most serving groups a node runs side by side.
+pub const MAX_GROUPS: usize = 16;
+
+/// What the serving threads share: who computes with which holders, who waits for work, and
+/// the recent tokens for the tokens/s gauge.
+#[derive(Debug)]
+struct Shared {
+    /// Each serving group's member holders (empty while it has no group).
+    busy: std::sync::Mutex<Vec<Vec<PeerId>>>,
+    /// Sequences each serving thread is generating.
+    active: std::sync::Mutex<Vec<usize>>,
+    /// Serving threads waiting for a request.
+    idle: AtomicUsize,
+    /// Tokens generated lately (when, how many).
+    recent: std::sync::Mutex<VecDeque<(Instant, u64)>>,
+}
+
+impl Shared {
+    fn new(groups: usize) -> Self {
+        Self {
+            busy: std::sync::Mutex::new(vec![Vec::new(); groups]),
+            active: std::sync::Mutex::new(vec![0; groups]),
+            idle: AtomicUsize::new(0),
+            recent: std::sync::Mutex::new(VecDeque::new()),
+        }
+    }
+
+    /// The holders every serving group but `slot` computes with.
+    fn busy_except(&self, slot: usize) -> std::collections::BTreeSet<PeerId> {
+        let busy = self.busy.lock().unwrap_or_else(|e| e.into_inner());
+        busy.iter()
+            .enumerate()
+            .filter(|(i, _)| *i != slot)
+            .flat_map(|(_, peers)| peers.iter().copied())
+            .collect()
+    }
+
+    /// Records the holders serving group `slot` computes with now.
+    fn set_busy(&self, slot: usize, peers: Vec<PeerId>) {
+        let mut busy = self.busy.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(b) = busy.get_mut(slot) {
+            *b = peers;
+        }
+    }
+
+    /// Whether every serving group before `slot` has a group.
+    fn formed_before(&self, slot: usize) -> bool {
+        let busy = self.busy.lock().unwrap_or_else(|e| e.into_inner());
+        busy.iter().take(slot).all(|b| !b.is_empty())
+    }
+
+    /// Sets serving thread `slot`'s sequence count; the node's total.
+    fn set_active(&self, slot: usize, n: usize) -> usize {
+        let mut active = self.active.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(a) = active.get_mut(slot) {
+            *a = n;
+        }
+        active.iter().sum()
+    }
+
+    fn record_token(&self) {
+        let mut recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
+        recent.push_back((Instant::now(), 1));
+    }
+
+    /// Tokens generated in the last [`RATE_WINDOW`].
+    fn recent_tokens(&self) -> u64 {
+        let now = Instant::now();
+        let mut recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
+        while recent
+            .front()
+            .is_some_and(|(t, _)| now.duration_since(*t) > RATE_WINDOW)
+        {
+            recent.pop_front();
+        }
+        recent.iter().map(|(_, n)| n).sum()
     }
 }
 
 /// The serving thread's end of the queue: requests in order, one of them possibly held back
 /// until the batch has room for it.
 struct Intake {
-    jobs: mpsc::Receiver<Job>,
+    /// The queue, shared by the serving threads.
+    jobs: Arc<tokio::sync::Mutex<mpsc::Receiver<Job>>>,
     /// A request taken from the queue that did not fit yet (the step's token budget, or the
     /// trainer being behind); it comes out first.
     held: Option<Job>,
@@ -526,7 +651,11 @@ impl Intake {
         if let Some(job) = self.held.take() {
             return Next::Job(job);
         }
-        match self.jobs.try_recv() {
+        // Another serving thread waiting on the queue takes what comes.
+        let Ok(mut jobs) = self.jobs.try_lock() else {
+            return Next::Empty;
+        };
+        match jobs.try_recv() {
             Ok(job) => {
                 self.queue_depth.dec();
                 Next::Job(job)
@@ -534,6 +663,11 @@ impl Intake {
             Err(mpsc::error::TryRecvError::Empty) => Next::Empty,
             Err(mpsc::error::TryRecvError::Disconnected) => Next::Closed,
         }
+    }
+
+    /// Whether a request is held back for this thread.
+    fn holds(&self) -> bool {
+        self.held.is_some()
     }
 
     /// Holds a request back: `next` gives it first.
@@ -550,7 +684,11 @@ impl Intake {
             std::thread::sleep(wait);
             return true;
         }
-        match runtime.block_on(async { tokio::time::timeout(wait, self.jobs.recv()).await }) {
+        let jobs = self.jobs.clone();
+        let next = runtime.block_on(async move {
+            tokio::time::timeout(wait, async move { jobs.lock().await.recv().await }).await
+        });
+        match next {
             Ok(Some(job)) => {
                 self.queue_depth.dec();
                 self.held = Some(job);
@@ -573,10 +711,10 @@ struct Worker {
     /// Finished requests not yet trained on.
     backlog: Arc<AtomicUsize>,
     failures: u32,
-    /// Tokens generated lately, for the tokens/s gauge.
-    recent: VecDeque<(Instant, u64)>,
     latency_ms: Arc<AtomicU64>,
     steps: u64,
+    /// What the serving threads share.
+    shared: Arc<Shared>,
 }
 
 impl Worker {
@@ -584,13 +722,26 @@ impl Worker {
         // Timers and network futures below need the node's runtime as their context.
         let runtime = self.lead.ctx.runtime.clone();
         let _context = runtime.enter();
+        let slot = self.slot();
         loop {
             self.publish_due();
+            if slot > 0 && self.active.is_empty() && !self.ready() {
+                // A further group waits until the groups before it hold theirs and the mesh
+                // has holders for one more; only then does it take requests.
+                if self.lead.ctx.info.is_closed() {
+                    break;
+                }
+                std::thread::sleep(IDLE_POLL);
+                continue;
+            }
             if !self.admit() {
                 break;
             }
             if self.active.is_empty() {
-                if !self.intake.idle(&runtime, IDLE_POLL) {
+                self.shared.idle.fetch_add(1, Ordering::SeqCst);
+                let open = self.intake.idle(&runtime, IDLE_POLL);
+                self.shared.idle.fetch_sub(1, Ordering::SeqCst);
+                if !open {
                     break;
                 }
                 self.update_rate();
@@ -598,7 +749,25 @@ impl Worker {
             }
             self.step();
         }
-        tracing::info!("the engine stopped");
+        tracing::info!(slot, "a serving thread stopped");
+    }
+
+    /// This serving thread's place among the node's serving groups.
+    fn slot(&self) -> usize {
+        self.lead.slot.as_ref().map_or(0, |(slot, _)| *slot)
+    }
+
+    /// Whether a further serving thread holds a group it can serve with: formed once every
+    /// group before it has one.
+    fn ready(&mut self) -> bool {
+        let slot = self.slot();
+        if self.lead.formed.is_some() {
+            return true;
+        }
+        if !self.shared.formed_before(slot) {
+            return false;
+        }
+        self.lead.group().is_ok()
     }
 
     /// Whether finished requests wait so long to be trained on that no new one is taken.
@@ -618,6 +787,13 @@ impl Worker {
             .step_tokens
             .saturating_sub(self.active.iter().map(|s| s.input.len()).sum());
         while self.active.len() < self.lead.ctx.cfg.max_batch && !self.training_behind() {
+            // A busy thread leaves new requests to an idle one: its own group runs them.
+            if !self.active.is_empty()
+                && !self.intake.holds()
+                && self.shared.idle.load(Ordering::SeqCst) > 0
+            {
+                break;
+            }
             let job = match self.intake.next() {
                 Next::Job(j) => j,
                 Next::Empty => break,
@@ -657,11 +833,9 @@ impl Worker {
 
     /// Sets the active-sequences gauge.
     fn count_active(&self) {
-        self.lead
-            .ctx
-            .metrics
-            .active_sequences
-            .set(self.active.len() as i64);
+        let slot = self.slot();
+        let all = self.shared.set_active(slot, self.active.len());
+        self.lead.ctx.metrics.active_sequences.set(all as i64);
     }
 
     /// Fails every request in the batch.
@@ -721,7 +895,7 @@ impl Worker {
                 self.failures += 1;
                 tracing::warn!(attempt = self.failures, "a forward step failed: {e}");
                 // Form the group again (a member died, or the mesh moved to another version).
-                self.lead.formed = None;
+                self.lead.drop_group();
                 if self.failures >= MAX_STEP_FAILURES {
                     self.failures = 0;
                     self.fail_all(&EngineError::Failed(e.to_string()));
@@ -746,7 +920,7 @@ impl Worker {
         }
         seq.generated.push(next);
         m.tokens_generated.inc();
-        self.recent.push_back((Instant::now(), 1));
+        self.shared.record_token();
         if seq.job.events.send(Event::Token(next)).is_err() {
             return Some(StopReason::Cancelled);
         }
@@ -867,15 +1041,7 @@ impl Worker {
 
     /// Sets the tokens/s gauge from the tokens of the last [`RATE_WINDOW`].
     fn update_rate(&mut self) {
-        let now = Instant::now();
-        while self
-            .recent
-            .front()
-            .is_some_and(|(t, _)| now.duration_since(*t) > RATE_WINDOW)
-        {
-            self.recent.pop_front();
-        }
-        let tokens: u64 = self.recent.iter().map(|(_, n)| n).sum();
+        let tokens = self.shared.recent_tokens();
         self.lead
             .ctx
             .metrics
@@ -973,7 +1139,7 @@ impl Trainer {
             Ok(g) => g,
             Err(e) => {
                 tracing::warn!("training on {} requests failed: {e}", batch.len());
-                self.lead.formed = None;
+                self.lead.drop_group();
                 return None;
             }
         };
@@ -1057,7 +1223,7 @@ mod tests {
             events.push(rx);
         }
         let intake = Intake {
-            jobs,
+            jobs: Arc::new(tokio::sync::Mutex::new(jobs)),
             held: None,
             queue_depth,
         };

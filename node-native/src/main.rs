@@ -105,6 +105,10 @@ struct UpArgs {
     /// a failed member still leaves k answers.
     #[arg(long, default_value_t = 0)]
     spares: usize,
+    /// Most coded groups the API's node serves with side by side, each over its own holders
+    /// (more form only when the mesh has holders for them, e.g. with `--nodes 10`).
+    #[arg(long, default_value_t = 4)]
+    groups: usize,
 }
 
 /// How a node serves the requests it leads (its OpenAI API).
@@ -122,6 +126,10 @@ struct ServeArgs {
     /// The requests this node leads do not train the mesh.
     #[arg(long)]
     no_learn: bool,
+    /// Most coded groups this node serves with side by side, each over holders the others do
+    /// not use; a further group forms only when the mesh has holders for it.
+    #[arg(long, default_value_t = 4)]
+    groups: usize,
     /// Answers checked beyond the k decoded in every round of the requests this node leads:
     /// 1 detects a wrong member, 2 also locates it; 0 turns checking off.
     #[arg(long, default_value_t = 1)]
@@ -240,6 +248,7 @@ impl NetArgs {
                 verify: self.serve.check,
                 spares: self.serve.spares,
                 trace_steps: self.serve.trace_steps.clone(),
+                groups: self.serve.groups,
                 ..Default::default()
             },
             api_key: self.serve.api_key.clone(),
@@ -458,6 +467,8 @@ async fn run_up(args: UpArgs) -> Result<()> {
         args.check.to_string().into(),
         "--spares".into(),
         args.spares.to_string().into(),
+        "--groups".into(),
+        args.groups.to_string().into(),
     ];
     node_native::up::up(node_native::up::UpOptions {
         nodes: args.nodes,

@@ -1,7 +1,7 @@
 //! A leader on the mesh: connect through one node, learn the rows and the model, and run coded
 //! steps over a group of k + s members with the first k answers.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::mpsc as std_mpsc;
 use std::time::{Duration, Instant};
 
@@ -149,6 +149,9 @@ pub struct GroupOptions {
     pub round: RoundConfig,
     /// Where every coded step is written, if anywhere (`--trace-steps`).
     pub trace: Option<crate::steplog::StepLog>,
+    /// Holders to leave out (another group of this leader computes with them), when the row
+    /// has another holder or the group can do without the row.
+    pub avoid: BTreeSet<PeerId>,
 }
 
 impl GroupOptions {
@@ -159,6 +162,7 @@ impl GroupOptions {
             spares,
             round: RoundConfig::default(),
             trace: None,
+            avoid: BTreeSet::new(),
         }
     }
 }
@@ -172,9 +176,11 @@ pub struct Formed {
     pub llama: node_core::model::Llama,
     /// The version the group decodes at.
     pub version: [u8; 32],
-    /// The holders of the live rows at that version, this node excluded (learning updates
-    /// go to all of them).
+    /// Every live holder at that version, replicas included, this node excluded (learning
+    /// updates go to all of them).
     pub holders: Vec<PeerId>,
+    /// The holders the group computes with (k, the checked ones and the spares).
+    pub members: Vec<PeerId>,
     /// Rows healthy at that version when the group was formed.
     pub live_rows: usize,
     /// Condition number of the decoding k.
@@ -192,11 +198,31 @@ pub async fn form_group(
     local: Option<&LocalRow>,
     opts: &GroupOptions,
 ) -> Result<Formed> {
-    let Some((version, live)) = info.live_rows() else {
+    let Some((version, live)) = info.live_holders() else {
         bail!("no healthy row holder is known: the model is unavailable");
     };
+    // Every holder at the version gets the learning updates; the group takes one per row,
+    // the first that no other group of this leader uses.
+    let mut everyone = Vec::new();
+    let mut chosen = Vec::new();
+    for (row, holders) in &live {
+        let mut free = None;
+        for n in holders {
+            let peer: PeerId = n
+                .peer
+                .parse()
+                .map_err(|e| anyhow!("peer id {:?}: {e}", n.peer))?;
+            everyone.push(peer);
+            if free.is_none() && !opts.avoid.contains(&peer) {
+                free = Some(*n);
+            }
+        }
+        if let Some(n) = free {
+            chosen.push((*row, n));
+        }
+    }
     let mut peers = BTreeMap::new();
-    for (row, n) in live {
+    for (row, n) in chosen {
         let peer: PeerId = n
             .peer
             .parse()
@@ -239,9 +265,13 @@ pub async fn form_group(
         );
     }
     let plan = node_core::mesh::plan_group(&g, &live, opts.verify + opts.spares)?;
-    let holders: Vec<PeerId> = rows
-        .values()
-        .copied()
+    let members: Vec<PeerId> = plan
+        .members
+        .iter()
+        .filter_map(|r| rows.get(r).copied())
+        .collect();
+    let holders: Vec<PeerId> = everyone
+        .into_iter()
         .filter(|p| local.is_none_or(|l| l.peer != *p))
         .collect();
     // Members that claim updates they do not hold are caught by fitting the residuals
@@ -291,6 +321,7 @@ pub async fn form_group(
         llama,
         version,
         holders,
+        members,
         live_rows: live.len(),
         condition_number: plan.condition_number,
     })

@@ -5,6 +5,7 @@
 //! through the API, a clean Ctrl-C, a restart from the kept data, and a crashed node restarted
 //! by the supervisor.
 
+use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -48,11 +49,40 @@ struct Up {
 
 impl Up {
     fn start(dir: &Path, data: &Path, port: u16, steps: &Path, name: &str) -> Result<Self> {
+        let args = [
+            "--nodes",
+            "5",
+            "--k",
+            "3",
+            "--max-batch",
+            "2",
+            "--queue",
+            "2",
+        ];
+        Self::start_with(
+            dir,
+            data,
+            port,
+            steps,
+            name,
+            &[&args[..], &["--api-key", KEY]].concat(),
+        )
+    }
+
+    /// `codedmesh up` on the tiny model with these arguments.
+    fn start_with(
+        dir: &Path,
+        data: &Path,
+        port: u16,
+        steps: &Path,
+        name: &str,
+        args: &[&str],
+    ) -> Result<Self> {
         let log = dir.join(format!("{name}.log"));
         let web = Path::new(env!("CARGO_MANIFEST_DIR")).join("../web-ui/dist");
         let mut child = Command::new(bin())
-            .args(["up", "--nodes", "5", "--k", "3", "--no-build-web"])
-            .args(["--max-batch", "2", "--queue", "2", "--api-key", KEY])
+            .args(["up", "--no-build-web"])
+            .args(args)
             .arg("--model")
             .arg(tiny_model())
             .arg("--data")
@@ -380,5 +410,128 @@ fn up_serves_the_openai_api_learns_stops_restarts_and_supervises() -> Result<()>
     );
     wait_healthy(&bootstrap, 5, Duration::from_secs(60))?;
     up.stop("TERM")?;
+    Ok(())
+}
+
+/// POSTs a JSON body to the API on 127.0.0.1 and returns the response's body (HTTP/1.1,
+/// `Connection: close`: the whole answer is read until the server closes).
+fn post(port: u16, path: &str, body: &str) -> Result<String> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port))?;
+    write!(
+        s,
+        "POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )?;
+    let mut answer = String::new();
+    s.read_to_string(&mut answer)?;
+    let (head, body) = answer.split_once("\r\n\r\n").context("no HTTP header")?;
+    ensure!(head.starts_with("HTTP/1.1 200"), "{head}\n{body}");
+    Ok(body.to_string())
+}
+
+/// A GET of `/metrics`: one metric's value.
+fn metric(port: u16, name: &str) -> Result<f64> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port))?;
+    write!(
+        s,
+        "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut answer = String::new();
+    s.read_to_string(&mut answer)?;
+    answer
+        .lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+        .with_context(|| format!("no {name} in /metrics"))
+}
+
+#[test]
+fn up_with_ten_nodes_serves_two_requests_at_once_through_disjoint_holders() -> Result<()> {
+    let scratch = Scratch::new("api-groups");
+    let dir = scratch.0.clone();
+    let data = dir.join("mesh");
+    let steps = dir.join("steps.jsonl");
+    let port = free_port()?;
+    // Ten rows; a group is k = 3 plus one checked row, so two groups fit side by side.
+    let args = [
+        "--nodes",
+        "10",
+        "--k",
+        "3",
+        "--no-learning",
+        "--check",
+        "1",
+        "--spares",
+        "0",
+    ];
+    let mut up = Up::start_with(&dir, &data, port, &steps, "up10", &args)?;
+    let ready = up.ready(Duration::from_secs(300))?;
+    let model = field(&ready, "model ")?.to_string();
+    let ask = move |max_tokens: usize| -> Result<String> {
+        let body = format!(
+            r#"{{"model": "{model}", "prompt": "The history of the printing press", "max_tokens": {max_tokens}, "temperature": 0}}"#
+        );
+        post(port, "/v1/completions", &body)
+    };
+    // The first request forms the first group; the second serving group forms beside it.
+    ask(4)?;
+    let start = Instant::now();
+    while metric(port, "codedmesh_groups_formed_total")? < 2.0 {
+        ensure!(
+            start.elapsed() < Duration::from_secs(60),
+            "the second group never formed:\n{}",
+            up.log()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let both: Vec<_> = (0..2)
+        .map(|_| {
+            let ask = ask.clone();
+            std::thread::spawn(move || ask(48))
+        })
+        .collect();
+    for t in both {
+        t.join()
+            .map_err(|_| anyhow::anyhow!("a request thread panicked"))??;
+    }
+    up.stop("INT")?;
+    // Requests 2 and 3 ran at once, each on its own group: no holder served both.
+    let trace = std::fs::read_to_string(&steps)?;
+    let mut peers: [BTreeSet<String>; 2] = Default::default();
+    let mut spans = [(f64::MAX, 0.0f64); 2];
+    for line in trace.lines() {
+        let r: serde_json::Value = serde_json::from_str(line)?;
+        let context = r["context"].as_str().unwrap_or_default();
+        let Some(reqs) = context.split("req ").nth(1) else {
+            continue;
+        };
+        let reqs: Vec<&str> = reqs.split(',').collect();
+        ensure!(
+            !(reqs.contains(&"2") && reqs.contains(&"3")),
+            "requests 2 and 3 shared a step: {line}"
+        );
+        for (i, id) in ["2", "3"].iter().enumerate() {
+            if reqs.contains(id) {
+                peers[i].insert(r["peer"].as_str().unwrap_or_default().to_string());
+                let t = r["unix_ms"].as_f64().unwrap_or_default();
+                spans[i] = (spans[i].0.min(t), spans[i].1.max(t));
+            }
+        }
+    }
+    eprintln!("request 2 on {:?} during {:?}", peers[0], spans[0]);
+    eprintln!("request 3 on {:?} during {:?}", peers[1], spans[1]);
+    ensure!(
+        peers.iter().all(|p| p.len() >= 4),
+        "each request ran on k + 1 holders: {peers:?}"
+    );
+    ensure!(
+        peers[0].is_disjoint(&peers[1]),
+        "the two requests' groups share holders: {peers:?}"
+    );
+    ensure!(
+        spans[0].0 < spans[1].1 && spans[1].0 < spans[0].1,
+        "the two requests ran at once: {spans:?}"
+    );
     Ok(())
 }

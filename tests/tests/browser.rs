@@ -1,8 +1,9 @@
 //! The dashboard in headless Chromium: a native mesh on 127.0.0.1 serves the page, the page's
 //! own browser node dials the mesh over WebSocket, follows its heartbeats, and shows every row
-//! healthy; when a node stops, its row turns Dead on the page without a reload. Then the page
-//! contributes: its node re-encodes the dead row, serves it on WebGPU, and a native leader's
-//! request is computed partly by it, through a relay. Last, the page leads the same request
+//! healthy. Then the page contributes on a mesh whose every row is held: the mesh grows a row,
+//! the page's node encodes it from k live rows, serves it on WebGPU, and a native leader's
+//! request is computed partly by it, through a relay. When a node stops, its row turns Dead on
+//! the page without a reload. Last, the page leads the same request
 //! from its prompt box and gets the native leader's completion. So does a second browser, on a
 //! page of its own that embeds the wasm-pack package (`/embed.html`) and dials WebRTC-direct:
 //! its group holds the first browser's row, reached browser to browser through the relay.
@@ -233,61 +234,32 @@ async fn drive(c: &Client, mesh: &mut Mesh) -> Result<String> {
     let dir = screenshot_dir();
     std::fs::create_dir_all(&dir)?;
     std::fs::write(dir.join("dashboard.png"), c.screenshot().await?)?;
-    // A node stops: its row turns Dead on the page, through heartbeats alone.
-    let row = 2;
-    let i = mesh.holder(row)?;
-    mesh.nodes[i].signal("KILL");
-    wait_text(
-        c,
-        "#summary",
-        |t| {
-            t.starts_with(
-                "model available: yes — 4 of 5 rows healthy, k = 3, tolerates 1 more failure",
-            )
-        },
-        "four healthy rows after a kill",
-    )
-    .await?;
-    // Suspect first, Dead once silent for the health timeout.
-    let start = Instant::now();
-    let mut health = row_health(c).await?;
-    while health[row as usize] != "Dead" {
-        if start.elapsed() > Duration::from_secs(60) {
-            bail!("row {row} never turned Dead after its node was killed: {health:?}");
-        }
-        tokio::time::sleep(Duration::from_millis(250)).await;
-        health = row_health(c).await?;
-    }
-    ensure!(
-        health.iter().filter(|h| *h == "Healthy").count() == 4,
-        "only row {row} is down: {health:?}"
-    );
-    std::fs::write(dir.join("dashboard-row-dead.png"), c.screenshot().await?)?;
-
-    // "Contribute this GPU": the page's node takes the dead row, re-encoding its shard from k
-    // live rows it dials itself, and serves it on WebGPU (SwiftShader here).
+    // "Contribute this GPU" on a mesh whose every row is held: the mesh grows a row for the
+    // page's node, which encodes it from k live rows it dials itself, and serves it on WebGPU
+    // (SwiftShader here).
+    let new_row = 5;
     c.find(Locator::Css("#contribute")).await?.click().await?;
     let serving = wait_text(
         c,
         "#contribution",
-        |t| t.starts_with(&format!("serving row {row} on browser")) || t.contains("could not"),
-        "the browser serving the dead row",
+        |t| t.starts_with(&format!("serving row {new_row} on browser")) || t.contains("could not"),
+        "the browser serving a new row",
     )
     .await?;
     eprintln!("the page says: {serving}");
     ensure!(
-        serving.starts_with(&format!("serving row {row} on browser WebGPU"))
-            && serving.contains(&format!("row {row} re-encoded from rows")),
-        "the browser re-encodes row {row} and serves it on WebGPU: {serving}"
+        serving.starts_with(&format!("serving row {new_row} on browser WebGPU"))
+            && serving.contains(&format!("row {new_row} encoded from rows")),
+        "the browser encodes the new row {new_row} and serves it on WebGPU: {serving}"
     );
     // The native mesh sees the browser's row healthy, with its device.
-    let status = mesh.wait_healthy(5)?;
+    let status = mesh.wait_healthy(6)?;
     let holder = status["nodes"]
         .as_array()
         .and_then(|nodes| {
             nodes
                 .iter()
-                .find(|n| n["row"] == row && n["health"] == "Healthy")
+                .find(|n| n["row"] == new_row && n["health"] == "Healthy")
         })
         .cloned()
         .unwrap_or_default();
@@ -295,14 +267,14 @@ async fn drive(c: &Client, mesh: &mut Mesh) -> Result<String> {
         holder["device"]
             .as_str()
             .is_some_and(|d| d.starts_with("browser WebGPU")),
-        "status --json shows row {row} held by the browser, Healthy, with its device: {status}"
+        "status --json shows row {new_row} held by the browser, Healthy, with its device: {status}"
     );
-    // A native leader's request on all five rows (k = 3 decoded, 2 checked): the browser's
+    // A native leader's request on all six rows (k = 3 decoded, 3 checked): the browser's
     // answers come through its relay and must agree with the code in every round.
     let (out, err) = mesh.generate_with(
         "The history of the printing press begins",
         8,
-        &["--check", "2", "--spares", "0"],
+        &["--check", "3", "--spares", "0"],
         || {},
     )?;
     eprintln!("generated through the browser's row: {out:?}\n{err}");
@@ -328,6 +300,37 @@ async fn drive(c: &Client, mesh: &mut Mesh) -> Result<String> {
         "every round checked, nobody caught:\n{err}"
     );
     std::fs::write(dir.join("dashboard-browser-row.png"), c.screenshot().await?)?;
+
+    // A node stops: its row turns Dead on the page, through heartbeats alone.
+    let row = 2;
+    let i = mesh.holder(row)?;
+    mesh.nodes[i].signal("KILL");
+    wait_text(
+        c,
+        "#summary",
+        |t| {
+            t.starts_with(
+                "model available: yes — 5 of 6 rows healthy, k = 3, tolerates 2 more failures",
+            )
+        },
+        "five healthy rows of six after a kill",
+    )
+    .await?;
+    // Suspect first, Dead once silent for the health timeout.
+    let start = Instant::now();
+    let mut health = row_health(c).await?;
+    while health[row as usize] != "Dead" {
+        if start.elapsed() > Duration::from_secs(60) {
+            bail!("row {row} never turned Dead after its node was killed: {health:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        health = row_health(c).await?;
+    }
+    ensure!(
+        health.iter().filter(|h| *h == "Healthy").count() == 5,
+        "only row {row} is down: {health:?}"
+    );
+    std::fs::write(dir.join("dashboard-row-dead.png"), c.screenshot().await?)?;
 
     // The prompt box: the page leads the same request itself, on a group of the native rows
     // it dials over WebSocket, and the greedy completion is the native leader's.
@@ -389,11 +392,11 @@ async fn embedded(e: &Client, dashboard: &Client, mesh: &Mesh, out: &str) -> Res
         mesh.dashboard
     ))
     .await?;
-    // All five rows healthy in the embedded node's view too, the first browser's among them.
+    // The five healthy rows in the embedded node's view too, the first browser's among them.
     wait_text(
         e,
         "#summary",
-        |t| t.starts_with("model available: yes — 5 of 5 rows healthy") || t.starts_with("failed"),
+        |t| t.starts_with("model available: yes — 5 of 6 rows healthy") || t.starts_with("failed"),
         "the embedded node's view of the mesh",
     )
     .await?;
@@ -432,8 +435,8 @@ async fn embedded(e: &Client, dashboard: &Client, mesh: &Mesh, out: &str) -> Res
         .map(|(g, _)| g.split(',').filter_map(|r| r.parse().ok()).collect())
         .unwrap_or_default();
     ensure!(
-        group.contains(&2),
-        "the embedded node's group holds the other browser's row 2: {done}"
+        group.contains(&5),
+        "the embedded node's group holds the other browser's row 5: {done}"
     );
     ensure!(
         completion.trim() == out.trim(),

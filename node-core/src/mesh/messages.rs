@@ -117,6 +117,9 @@ pub struct NodeStatus {
     pub usage: Usage,
 }
 
+/// Every live holder of each row, by row.
+pub type HoldersByRow<'a> = std::collections::BTreeMap<usize, Vec<&'a NodeStatus>>;
+
 /// One row of the code and the nodes that hold it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RowHolders {
@@ -254,9 +257,9 @@ pub fn rows_at_version<P, E: std::fmt::Display>(
 }
 
 impl MeshInfo {
-    /// The rows a leader can group: one holder per row among the healthy nodes nobody caught,
-    /// at the version most of them hold, and that version's digest; `None` when no row is.
-    pub fn live_rows(&self) -> Option<([u8; 32], std::collections::BTreeMap<usize, &NodeStatus>)> {
+    /// The version most healthy holders share, and every healthy, uncaught holder at it, by
+    /// row (each row's holders in the order the nodes are listed).
+    pub fn live_holders(&self) -> Option<([u8; 32], HoldersByRow<'_>)> {
         let usable =
             |n: &&NodeStatus| n.health == Health::Healthy && n.row.is_some() && n.caught.is_none();
         let mut by_version: std::collections::BTreeMap<&str, usize> = Default::default();
@@ -265,7 +268,7 @@ impl MeshInfo {
         }
         let (version, _) = by_version.into_iter().max_by_key(|&(_, c)| c)?;
         let digest = super::unhex32(version)?;
-        let mut rows = std::collections::BTreeMap::new();
+        let mut rows: std::collections::BTreeMap<usize, Vec<&NodeStatus>> = Default::default();
         for n in self
             .nodes
             .iter()
@@ -273,10 +276,20 @@ impl MeshInfo {
             .filter(|n| n.version_digest == version)
         {
             if let Some(row) = n.row {
-                rows.entry(row as usize).or_insert(n);
+                rows.entry(row as usize).or_default().push(n);
             }
         }
         Some((digest, rows))
+    }
+
+    /// The version most healthy holders share, and one healthy holder of each row at it.
+    pub fn live_rows(&self) -> Option<([u8; 32], std::collections::BTreeMap<usize, &NodeStatus>)> {
+        let (version, rows) = self.live_holders()?;
+        let rows = rows
+            .into_iter()
+            .filter_map(|(row, holders)| Some((row, *holders.first()?)))
+            .collect();
+        Some((version, rows))
     }
 
     /// The one-line summary a person reads at a glance.

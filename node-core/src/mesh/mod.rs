@@ -12,8 +12,9 @@ mod view;
 pub use health::{Health, HealthConfig};
 pub use manifest::{DEFAULT_RANK, LearningConfig, MAX_ACCUMULATE, ModelManifest};
 pub use messages::{
-    BrowserBootstrap, CHUNK_BYTES, HEARTBEAT_TOPIC, Heartbeat, JoinOffer, MAX_CHUNK_BYTES,
-    MeshInfo, MeshRequest, MeshResponse, NodeStatus, RowHolders, SourceRow, Usage, rows_at_version,
+    BrowserBootstrap, CHUNK_BYTES, HEARTBEAT_TOPIC, Heartbeat, HoldersByRow, JoinOffer,
+    MAX_CHUNK_BYTES, MeshInfo, MeshRequest, MeshResponse, NodeStatus, RowHolders, SourceRow, Usage,
+    rows_at_version,
 };
 pub use round::{GroupPlan, MemberPool, RoundConfig, RoundDriver, RoundError, plan_group};
 pub use version::ShardVersion;
