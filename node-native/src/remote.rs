@@ -203,37 +203,30 @@ pub async fn form_group(
     };
     // Every holder at the version gets the learning updates; the group takes one per row,
     // the first that no other group of this leader uses.
-    let mut everyone = Vec::new();
-    let mut chosen = Vec::new();
+    let mut by_row: BTreeMap<usize, Vec<PeerId>> = BTreeMap::new();
+    let mut addrs_of: BTreeMap<PeerId, &[String]> = BTreeMap::new();
     for (row, holders) in &live {
-        let mut free = None;
         for n in holders {
             let peer: PeerId = n
                 .peer
                 .parse()
                 .map_err(|e| anyhow!("peer id {:?}: {e}", n.peer))?;
-            everyone.push(peer);
-            if free.is_none() && !opts.avoid.contains(&peer) {
-                free = Some(*n);
-            }
-        }
-        if let Some(n) = free {
-            chosen.push((*row, n));
+            by_row.entry(*row).or_default().push(peer);
+            addrs_of.insert(peer, n.addrs.as_slice());
         }
     }
-    let mut peers = BTreeMap::new();
-    for (row, n) in chosen {
-        let peer: PeerId = n
-            .peer
-            .parse()
-            .map_err(|e| anyhow!("peer id {:?}: {e}", n.peer))?;
-        if local.is_none_or(|l| l.peer != peer) {
-            let addrs: Vec<Multiaddr> = n.addrs.iter().filter_map(|a| a.parse().ok()).collect();
+    let everyone: Vec<PeerId> = by_row.values().flatten().copied().collect();
+    let peers = node_core::mesh::pick_holders(&by_row, &opts.avoid);
+    for peer in peers.values() {
+        if local.is_none_or(|l| l.peer != *peer) {
+            let addrs: Vec<Multiaddr> = addrs_of
+                .get(peer)
+                .map(|a| a.iter().filter_map(|a| a.parse().ok()).collect())
+                .unwrap_or_default();
             client
-                .add_addrs(peer, pick_addr(&addrs).into_iter().collect())
+                .add_addrs(*peer, pick_addr(&addrs).into_iter().collect())
                 .await?;
         }
-        peers.insert(row, peer);
     }
     let asks = peers.iter().map(|(&row, &peer)| async move {
         let answer = match local.filter(|l| l.peer == peer) {

@@ -1,6 +1,7 @@
 //! Shared helpers for the end-to-end tests: the real model, loaded once per test binary.
 
 pub mod procs;
+pub mod scale;
 pub mod sim;
 use std::path::{Path, PathBuf};
 

@@ -16,7 +16,9 @@ pub use messages::{
     MAX_CHUNK_BYTES, MeshInfo, MeshRequest, MeshResponse, NodeStatus, RowHolders, SourceRow, Usage,
     rows_at_version,
 };
-pub use round::{GroupPlan, MemberPool, RoundConfig, RoundDriver, RoundError, plan_group};
+pub use round::{
+    GroupPlan, MemberPool, RoundConfig, RoundDriver, RoundError, pick_holders, plan_group,
+};
 pub use version::ShardVersion;
 pub use view::{MeshEvent, MeshView};
 

@@ -16,6 +16,18 @@ pub struct GroupPlan {
     pub condition_number: f64,
 }
 
+/// One holder of each row for a group: the first of the row's holders that `avoid` leaves
+/// free (another group computes with the others); rows with no free holder are left out.
+pub fn pick_holders<P: Ord + Clone>(
+    holders: &std::collections::BTreeMap<usize, Vec<P>>,
+    avoid: &std::collections::BTreeSet<P>,
+) -> std::collections::BTreeMap<usize, P> {
+    holders
+        .iter()
+        .filter_map(|(&row, peers)| Some((row, peers.iter().find(|p| !avoid.contains(p))?.clone())))
+        .collect()
+}
+
 /// Picks k well-conditioned rows of `live` and up to `spares` more.
 pub fn plan_group(g: &Generator, live: &[usize], spares: usize) -> Result<GroupPlan, CodeError> {
     let sel = select_nodes(g, live)?;
@@ -382,6 +394,23 @@ impl RoundDriver {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn each_row_gives_its_first_free_holder() {
+        let holders = std::collections::BTreeMap::from([
+            (0, vec!["a", "b"]),
+            (1, vec!["c"]),
+            (2, vec!["d", "e"]),
+        ]);
+        let avoid = std::collections::BTreeSet::from(["a", "c", "d", "e"]);
+        let picked = pick_holders(&holders, &avoid);
+        assert_eq!(picked, std::collections::BTreeMap::from([(0, "b")]));
+        let all = pick_holders(&holders, &Default::default());
+        assert_eq!(
+            all.values().copied().collect::<Vec<_>>(),
+            vec!["a", "c", "d"]
+        );
+    }
 
     fn pool(free: Vec<usize>) -> (Generator, MemberPool) {
         let g = Generator::cauchy(5, 3).unwrap();

@@ -1,0 +1,440 @@
+//! The mesh at scale, in virtual time: many holders join a grown code through a leader's
+//! [`MeshView`] (`offer_row`: new rows up to `n_max`, then replicas of the thinnest row) and
+//! leave again (churn), while the leader serves back-to-back requests with many coded groups
+//! of disjoint holders ([`pick_holders`] and [`plan_group`], as `form_group` does).
+//!
+//! What is modelled, and what is not: a round of a group costs the leader's decode time plus
+//! the time until the k-th of its k + 1 members answers, each member's answer taking its
+//! compute time plus a round trip over its own link (one-way latency drawn per holder). A
+//! member that left answers never: the round completes on the other k when they are there,
+//! else it is asked again after the leader re-plans the group; either way the leader re-plans
+//! with holders nobody else uses. Heartbeats reach the leader every second from every live
+//! holder (their latency is ignored at this time scale). Bandwidth, the download a joiner makes
+//! and the leader's own CPU limits are not modelled: the leader is assumed to have a core per
+//! group.
+
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
+use std::time::Duration;
+
+use node_core::code::Generator;
+use node_core::mesh::{
+    HealthConfig, Heartbeat, JoinOffer, MeshError, MeshView, pick_holders, plan_group,
+};
+
+use crate::sim::{SIM_MODEL, SimRng, VirtualClock};
+
+/// One run's settings.
+#[derive(Debug, Clone)]
+pub struct ScaleConfig {
+    /// Seed of every random choice.
+    pub seed: u64,
+    /// Rows needed to decode.
+    pub k: usize,
+    /// Rows encoded at genesis (the leader holds row 0, one node each of the others).
+    pub genesis: usize,
+    /// Holders that join after genesis, and the population churn keeps.
+    pub holders: usize,
+    /// Groups the leader serves with side by side.
+    pub groups: usize,
+    /// Fraction of the holders that leave (and as many that join) per simulated minute.
+    pub churn_per_minute: f64,
+    /// Simulated serving time, after every holder joined.
+    pub duration: Duration,
+    /// Tokens each request generates.
+    pub tokens_per_request: u32,
+    /// Coded rounds per token (4 per layer, the embedding and the LM head: 122 for SmolLM2).
+    pub rounds_per_token: u32,
+    /// A member's compute time per round, drawn uniformly from this range each round.
+    pub compute: (Duration, Duration),
+    /// A holder's one-way link latency, drawn once per holder from this range.
+    pub latency: (Duration, Duration),
+    /// The leader's decode and non-linear work per round.
+    pub leader_per_round: Duration,
+}
+
+impl Default for ScaleConfig {
+    fn default() -> Self {
+        Self {
+            seed: 1,
+            k: 3,
+            genesis: 5,
+            holders: 1000,
+            groups: 1,
+            churn_per_minute: 0.10,
+            duration: Duration::from_secs(120),
+            tokens_per_request: 32,
+            rounds_per_token: 122,
+            compute: (Duration::from_micros(300), Duration::from_micros(700)),
+            latency: (Duration::from_millis(2), Duration::from_millis(4)),
+            leader_per_round: Duration::from_micros(100),
+        }
+    }
+}
+
+/// What a run measured.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScaleReport {
+    /// Groups the leader ran.
+    pub groups: usize,
+    /// Rows of the grown code at the end, and its room.
+    pub rows: (usize, usize),
+    /// Tokens generated in the serving time.
+    pub tokens: u64,
+    /// Tokens per simulated second.
+    pub tokens_per_s: f64,
+    /// Requests finished.
+    pub requests: u64,
+    /// Requests that failed (no group could be formed for them).
+    pub failed: u64,
+    /// Rounds asked again because fewer than k members answered.
+    pub retried_rounds: u64,
+    /// Members replaced after they left.
+    pub replaced: u64,
+    /// Holders that left and joined during the serving time.
+    pub churned: (u64, u64),
+    /// Joiners the mesh turned away.
+    pub turned_away: u64,
+    /// Seconds at which some existing row had no live holder while fewer than k rows had one
+    /// (the row could not have been re-encoded).
+    pub unrecoverable_seconds: u64,
+    /// The fewest live holders any row had at a one-second check while serving.
+    pub min_holders: usize,
+}
+
+#[derive(Debug)]
+struct Holder {
+    row: u32,
+    latency: Duration,
+    alive: bool,
+    incarnation: u64,
+    seq: u64,
+}
+
+#[derive(Debug, Default)]
+struct Group {
+    /// (row, holder) of the k + 1 members.
+    members: Vec<(usize, u32)>,
+    /// Tokens done of the request in progress.
+    done: u32,
+    /// Rounds done of the token in progress.
+    rounds: u32,
+}
+
+/// The simulation state.
+#[derive(Debug)]
+struct Scale {
+    cfg: ScaleConfig,
+    g: Generator,
+    rng: SimRng,
+    clock: VirtualClock,
+    view: MeshView<u32>,
+    holders: BTreeMap<u32, Holder>,
+    next_id: u32,
+    /// Holders the leader saw fail to answer.
+    known_gone: BTreeSet<u32>,
+    report: ScaleReport,
+}
+
+fn heartbeat(row: u32, incarnation: u64, seq: u64) -> Heartbeat {
+    Heartbeat {
+        model: SIM_MODEL,
+        row: Some(row),
+        version_count: 0,
+        version_digest: [0; 32],
+        addrs: Vec::new(),
+        offers: Vec::new(),
+        incarnation,
+        seq,
+        device: "sim".into(),
+        usage: Default::default(),
+    }
+}
+
+impl Scale {
+    fn new(cfg: ScaleConfig) -> Result<Self, MeshError> {
+        let g = Generator::growing(cfg.genesis, cfg.k, None)
+            .map_err(|e| MeshError::Config(e.to_string()))?;
+        let clock = VirtualClock::new();
+        let view = MeshView::new(
+            clock.now(),
+            0,
+            HealthConfig::default(),
+            cfg.k as u32,
+            (cfg.genesis as u32, g.n() as u32),
+            "scale".into(),
+            heartbeat(0, 1, 0),
+        )?;
+        let report = ScaleReport {
+            groups: cfg.groups,
+            rows: (0, g.n()),
+            tokens: 0,
+            tokens_per_s: 0.0,
+            requests: 0,
+            failed: 0,
+            retried_rounds: 0,
+            replaced: 0,
+            churned: (0, 0),
+            turned_away: 0,
+            unrecoverable_seconds: 0,
+            min_holders: usize::MAX,
+        };
+        let mut s = Self {
+            rng: SimRng::new(cfg.seed),
+            cfg,
+            g,
+            clock,
+            view,
+            holders: BTreeMap::new(),
+            next_id: 1,
+            known_gone: BTreeSet::new(),
+            report,
+        };
+        for row in 1..s.cfg.genesis as u32 {
+            s.add_holder(row);
+        }
+        Ok(s)
+    }
+
+    fn add_holder(&mut self, row: u32) {
+        let id = self.next_id;
+        self.next_id += 1;
+        let latency = self.rng.duration(self.cfg.latency.0, self.cfg.latency.1);
+        let incarnation = 1 + u64::from(id);
+        self.view
+            .handle_heartbeat(self.clock.now(), id, heartbeat(row, incarnation, 0));
+        self.holders.insert(
+            id,
+            Holder {
+                row,
+                latency,
+                alive: true,
+                incarnation,
+                seq: 0,
+            },
+        );
+    }
+
+    /// A newcomer asks the leader for a row and takes what it is offered.
+    fn join(&mut self) {
+        let joiner = self.next_id;
+        match self.view.offer_row(self.clock.now(), joiner) {
+            JoinOffer::Genesis { row }
+            | JoinOffer::Reencode { row, .. }
+            | JoinOffer::Replica { row, .. } => self.add_holder(row),
+            JoinOffer::Full => {
+                self.next_id += 1;
+                self.report.turned_away += 1;
+            }
+        }
+    }
+
+    /// One second passes for the mesh: heartbeats, health, churn, and the row check.
+    fn tick(&mut self, churn: bool) {
+        let now = self.clock.now();
+        for (&id, h) in self.holders.iter_mut().filter(|(_, h)| h.alive) {
+            h.seq += 1;
+            self.view
+                .handle_heartbeat(now, id, heartbeat(h.row, h.incarnation, h.seq));
+        }
+        self.view.handle_timeout(now);
+        while self.view.poll_transmit().is_some() {}
+        while self.view.poll_event().is_some() {}
+        if churn {
+            let p = self.cfg.churn_per_minute / 60.0;
+            let alive: Vec<u32> = self
+                .holders
+                .iter()
+                .filter(|(_, h)| h.alive)
+                .map(|(&id, _)| id)
+                .collect();
+            let mut left = 0;
+            for id in alive {
+                if self.rng.chance(p)
+                    && let Some(h) = self.holders.get_mut(&id)
+                {
+                    h.alive = false;
+                    left += 1;
+                }
+            }
+            for _ in 0..left {
+                self.join();
+            }
+            self.report.churned.0 += left;
+            self.report.churned.1 += left;
+        }
+        // Every row that exists is held by a live node, or can be re-encoded from k that are.
+        let mut live: BTreeMap<u32, usize> = BTreeMap::new();
+        for h in self.holders.values().filter(|h| h.alive) {
+            *live.entry(h.row).or_default() += 1;
+        }
+        *live.entry(0).or_default() += 1; // the leader
+        let mut rows: BTreeSet<u32> = self.holders.values().map(|h| h.row).collect();
+        rows.insert(0);
+        let missing = rows.iter().filter(|r| !live.contains_key(r)).count();
+        if missing > 0 && live.len() < self.cfg.k {
+            self.report.unrecoverable_seconds += 1;
+        }
+        let fewest = rows
+            .iter()
+            .map(|r| live.get(r).copied().unwrap_or(0))
+            .min()
+            .unwrap_or(0);
+        if churn {
+            self.report.min_holders = self.report.min_holders.min(fewest);
+        }
+        self.report.rows.0 = rows.len().max(self.cfg.genesis);
+    }
+
+    /// Plans group `i` over holders no other group uses and the leader did not see fail.
+    fn plan(&mut self, groups: &[Group], i: usize) -> Option<Vec<(usize, u32)>> {
+        let info = self.view.info(self.clock.now());
+        let (_, live) = info.live_holders()?;
+        let by_row: BTreeMap<usize, Vec<u32>> = live
+            .into_iter()
+            .map(|(row, nodes)| {
+                let ids = nodes.iter().filter_map(|n| n.peer.parse().ok()).collect();
+                (row, ids)
+            })
+            .collect();
+        let mut avoid: BTreeSet<u32> = self.known_gone.clone();
+        for (j, other) in groups.iter().enumerate() {
+            if j != i {
+                avoid.extend(other.members.iter().map(|&(_, id)| id));
+            }
+        }
+        // The leader's own row computes in process: only the first group uses it.
+        if i > 0 {
+            avoid.insert(0);
+        }
+        let peers = pick_holders(&by_row, &avoid);
+        let rows: Vec<usize> = peers.keys().copied().collect();
+        let plan = plan_group(&self.g, &rows, 1).ok()?;
+        if plan.members.len() < self.cfg.k + 1 {
+            return None;
+        }
+        Some(
+            plan.members
+                .iter()
+                .filter_map(|r| Some((*r, *peers.get(r)?)))
+                .collect(),
+        )
+    }
+
+    /// One round of a group: how long it took, or `None` when fewer than k answered.
+    fn round(&mut self, group: &Group) -> (Duration, bool) {
+        let mut answers: Vec<Duration> = Vec::new();
+        let mut slowest_wait = Duration::ZERO;
+        for &(_, id) in &group.members {
+            let compute = self.rng.duration(self.cfg.compute.0, self.cfg.compute.1);
+            match self.holders.get(&id) {
+                Some(h) if h.alive => answers.push(compute + h.latency * 2),
+                Some(h) => {
+                    // A lost connection is noticed after about a round trip.
+                    slowest_wait = slowest_wait.max(h.latency * 2);
+                }
+                None => answers.push(compute), // the leader's own row
+            }
+        }
+        answers.sort();
+        match answers.get(self.cfg.k - 1) {
+            Some(&kth) => (self.cfg.leader_per_round + kth, true),
+            None => (
+                self.cfg.leader_per_round
+                    + slowest_wait.max(answers.last().copied().unwrap_or_default()),
+                false,
+            ),
+        }
+    }
+
+    /// Marks members that left as seen by the leader; whether any did.
+    fn notice_gone(&mut self, group: &Group) -> bool {
+        let gone: Vec<u32> = group
+            .members
+            .iter()
+            .map(|&(_, id)| id)
+            .filter(|id| self.holders.get(id).is_some_and(|h| !h.alive))
+            .collect();
+        let any = !gone.is_empty();
+        self.known_gone.extend(gone);
+        any
+    }
+
+    fn run(mut self) -> ScaleReport {
+        // Genesis rows are held; everyone else joins, one every 10 ms, heartbeats each second.
+        let mut joined = 0;
+        while joined < self.cfg.holders {
+            for _ in 0..100.min(self.cfg.holders - joined) {
+                self.join();
+                joined += 1;
+            }
+            let t = self.clock.now() + Duration::from_secs(1);
+            self.clock.advance_to(t);
+            self.tick(false);
+        }
+        let start = self.clock.elapsed();
+        let end = start + self.cfg.duration;
+        let mut groups: Vec<Group> = (0..self.cfg.groups).map(|_| Group::default()).collect();
+        // (when a group's next round ends, group)
+        let mut queue: BinaryHeap<Reverse<(Duration, usize)>> = BinaryHeap::new();
+        for i in 0..groups.len() {
+            queue.push(Reverse((start, i)));
+        }
+        let mut next_tick = start + Duration::from_secs(1);
+        while let Some(Reverse((at, i))) = queue.pop() {
+            while next_tick <= at && next_tick <= end {
+                self.clock.advance_to(self.clock.at(next_tick));
+                self.tick(true);
+                next_tick += Duration::from_secs(1);
+            }
+            if at >= end {
+                continue;
+            }
+            self.clock.advance_to(self.clock.at(at));
+            if groups[i].members.is_empty() || self.notice_gone(&groups[i]) {
+                let was = groups[i].members.len();
+                match self.plan(&groups, i) {
+                    Some(members) => {
+                        if was > 0 {
+                            self.report.replaced += 1;
+                        }
+                        groups[i].members = members;
+                    }
+                    None => {
+                        // No group can be formed now: the request in progress fails.
+                        if groups[i].done > 0 || groups[i].rounds > 0 {
+                            self.report.failed += 1;
+                        }
+                        groups[i] = Group::default();
+                        queue.push(Reverse((at + Duration::from_secs(1), i)));
+                        continue;
+                    }
+                }
+            }
+            let (took, ok) = self.round(&groups[i]);
+            if ok {
+                let group = &mut groups[i];
+                group.rounds += 1;
+                if group.rounds == self.cfg.rounds_per_token {
+                    group.rounds = 0;
+                    group.done += 1;
+                    self.report.tokens += 1;
+                    if group.done == self.cfg.tokens_per_request {
+                        group.done = 0;
+                        self.report.requests += 1;
+                    }
+                }
+            } else {
+                self.report.retried_rounds += 1;
+            }
+            queue.push(Reverse((at + took, i)));
+        }
+        self.report.tokens_per_s = self.report.tokens as f64 / self.cfg.duration.as_secs_f64();
+        self.report
+    }
+}
+
+/// Runs one simulation.
+pub fn run_scale(cfg: ScaleConfig) -> Result<ScaleReport, MeshError> {
+    Ok(Scale::new(cfg)?.run())
+}
