@@ -296,7 +296,20 @@ pub async fn node(opts: NodeOptions) -> Result<()> {
     };
     let net = start_network(&opts, &data).await?;
     let client = net.client.clone();
-    let peer = client.dial(bootstrap.clone()).await?;
+    // The bootstrap node may still be starting (a mesh started in any order): keep trying.
+    let peer = match client.dial(bootstrap.clone()).await {
+        Ok(peer) => peer,
+        Err(e) => {
+            eprintln!(
+                "bootstrap {bootstrap} does not answer yet ({e:#}); trying again for about 2 minutes"
+            );
+            dial_with_backoff(&client, &bootstrap, JOIN_TRIES)
+                .await
+                .with_context(|| {
+                    format!("bootstrap {bootstrap} did not answer for about 2 minutes: is a mesh node listening there?")
+                })?
+        }
+    };
     let (manifest, manifest_bytes) = fetch_manifest(&client, peer).await?;
     data.save_manifest(&manifest_bytes)?;
     let started = std::time::Instant::now();
@@ -568,19 +581,12 @@ async fn serve(
         // waiting longer each time, until it answers.
         let (client, b) = (net.client.clone(), b.clone());
         tokio::spawn(async move {
-            let mut wait = Duration::from_millis(500);
-            for _ in 0..BOOTSTRAP_TRIES {
-                tokio::time::sleep(wait).await;
-                match client.dial(b.clone()).await {
-                    Ok(peer) => {
-                        tracing::info!(%peer, "reached the bootstrap node");
-                        return;
-                    }
-                    Err(e) => tracing::debug!("bootstrap {b}: {e:#}"),
-                }
-                wait = (wait * 2).min(Duration::from_secs(15));
+            if dial_with_backoff(&client, &b, BOOTSTRAP_TRIES)
+                .await
+                .is_err()
+            {
+                tracing::warn!("bootstrap {b} never answered; waiting for peers to find this node");
             }
-            tracing::warn!("bootstrap {b} never answered; waiting for peers to find this node");
         });
     }
     run_server(&opts, gpu, net, data, holding).await
@@ -588,6 +594,32 @@ async fn serve(
 
 /// Times a restarted node tries its bootstrap address before waiting to be found.
 const BOOTSTRAP_TRIES: u32 = 40;
+
+/// Times a new node tries its bootstrap address before it gives up (about 2 minutes).
+const JOIN_TRIES: u32 = 12;
+
+/// Dials `addr` until it answers, waiting twice as long after each failure (0.5 s up to 15 s),
+/// at most `tries` more times after a first failure; the last error when it never answers.
+async fn dial_with_backoff(client: &Client, addr: &Multiaddr, tries: u32) -> Result<PeerId> {
+    let mut wait = Duration::from_millis(500);
+    let mut last = match client.dial(addr.clone()).await {
+        Ok(peer) => return Ok(peer),
+        Err(e) => e,
+    };
+    for _ in 0..tries {
+        tracing::debug!("bootstrap {addr}: {last:#}; trying again in {wait:?}");
+        tokio::time::sleep(wait).await;
+        match client.dial(addr.clone()).await {
+            Ok(peer) => {
+                tracing::info!(%peer, "reached the bootstrap node");
+                return Ok(peer);
+            }
+            Err(e) => last = e,
+        }
+        wait = (wait * 2).min(Duration::from_secs(15));
+    }
+    Err(last)
+}
 
 /// Announces the node's row and answers peers until stopped.
 async fn run_server(

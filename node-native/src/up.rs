@@ -192,10 +192,16 @@ fn dashboard(opts: &UpOptions, data: &Path) -> (Option<PathBuf>, Option<tokio::p
         return (Some(dist), None);
     }
     let log = data.join("build-web.log");
+    // At the lowest CPU priority: the API serves meanwhile and must not slow down for it.
     let spec = ChildSpec {
         name: "the dashboard's build".into(),
-        program: "bash".into(),
-        args: vec![root.join("scripts").join("build-web.sh").into_os_string()],
+        program: "nice".into(),
+        args: vec![
+            "-n".into(),
+            "19".into(),
+            "bash".into(),
+            root.join("scripts").join("build-web.sh").into_os_string(),
+        ],
         log: Some(log.clone()),
     };
     match spec.spawn() {
@@ -317,8 +323,15 @@ pub async fn up(opts: UpOptions) -> Result<()> {
             let model_id = model
                 .file_stem()
                 .map_or_else(String::new, |s| s.to_string_lossy().into_owned());
+            let dashboard = if build.is_some() {
+                format!(
+                    "dashboard {base}/ (building at low priority: the first build installs its tools, 15–30 minutes on 2 cores; a line says when it is there)"
+                )
+            } else {
+                format!("dashboard {base}/")
+            };
             println!(
-                "ready: OpenAI API {base}/v1 · dashboard {base}/ · model {model_id} · {} nodes, k = {}, {} of {} rows healthy · bootstrap {first} · data {} · Ctrl-C stops",
+                "ready: OpenAI API {base}/v1 · {dashboard} · model {model_id} · {} nodes, k = {}, {} of {} rows healthy · bootstrap {first} · data {} · Ctrl-C stops",
                 mesh.n,
                 mesh.k,
                 info.healthy_rows,

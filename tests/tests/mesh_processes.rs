@@ -577,3 +577,31 @@ fn the_mesh_grows_new_rows_then_replicas_and_survives_two_holders_killed() -> Re
     assert_eq!(out, expected, "{err}");
     Ok(())
 }
+
+#[test]
+fn a_node_started_before_its_bootstrap_keeps_trying_and_joins() -> Result<()> {
+    let dir = tests::procs::Scratch::new("order");
+    let port = tests::procs::free_port()?;
+    let addr = format!("/ip4/127.0.0.1/tcp/{port}");
+    // The node first: nothing listens at its bootstrap address yet.
+    let mut node = spawn_node(&dir.0, "node1", "d1", &addr)?;
+    node.wait_log("does not answer yet", Duration::from_secs(60))?;
+    let d0 = dir.0.join("d0");
+    let model = tiny_model();
+    let mut args = vec![
+        "seed",
+        "--k",
+        "3",
+        "--n",
+        "5",
+        "--no-learning",
+        "--tcp-only",
+    ];
+    args.extend(["--listen", &addr, "--data", d0.to_str().context("path")?]);
+    args.extend(["--model", model.to_str().context("path")?]);
+    args.extend(HEALTH);
+    let _seed = spawn(&dir.0, "seed", &args)?;
+    let log = node.wait_log("serving row", Duration::from_secs(120))?;
+    assert!(log.contains("joined as row 1 (genesis shard"), "{log}");
+    Ok(())
+}
