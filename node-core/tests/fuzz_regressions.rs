@@ -49,6 +49,12 @@ fn saved_regressions_replay_without_panicking() {
         }
     }
     eprintln!("replayed {replayed} saved inputs");
+    // Two inputs are committed (manifest, gguf_header): fewer means they went missing.
+    assert!(
+        replayed >= 2,
+        "only {replayed} saved inputs under {}",
+        root.display()
+    );
 }
 
 #[test]

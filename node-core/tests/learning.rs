@@ -83,7 +83,9 @@ fn coded_sgd_keeps_every_shard_a_codeword_and_lowers_the_loss() {
         .forward(&mut uncoded, &SEQ, &mut KvCache::new(&reference.cfg))
         .unwrap();
     let members: Vec<_> = group.transport().members().to_vec();
-    for nodes in [[0, 1, 2], [0, 3, 4], [1, 2, 4], [2, 3, 4]] {
+    let all = common::groups(5, 3);
+    assert_eq!(all.len(), 10);
+    for nodes in all {
         let mesh = InProcess::new(members.clone()).unwrap();
         let mut coded = CodedGroup::new(reference.cfg.clone(), g.clone(), &nodes, mesh).unwrap();
         let got = llama
