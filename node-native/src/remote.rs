@@ -217,6 +217,15 @@ pub async fn form_group(
     }
     let everyone: Vec<PeerId> = by_row.values().flatten().copied().collect();
     let peers = node_core::mesh::pick_holders(&by_row, &opts.avoid);
+    // A further group of a leader needs its decoded and checked rows free: say so before
+    // asking anyone anything.
+    let needed = manifest.generator.k() + opts.verify;
+    if !opts.avoid.is_empty() && peers.len() < needed {
+        bail!(
+            "{} rows have a holder no other group uses, fewer than the {needed} a further group needs",
+            peers.len()
+        );
+    }
     for peer in peers.values() {
         if local.is_none_or(|l| l.peer != *peer) {
             let addrs: Vec<Multiaddr> = addrs_of
