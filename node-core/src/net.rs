@@ -12,7 +12,7 @@ use crate::mesh::{HEARTBEAT_TOPIC, MeshRequest, MeshResponse};
 use crate::protocol::{self, MAX_MESSAGE_BYTES, PROTOCOL_VERSION};
 
 /// Name of the mesh request-response protocol; the version is part of it.
-pub const MESH_PROTOCOL: &str = "/codedmesh/mesh/1";
+pub const MESH_PROTOCOL: &str = "/codedmesh/mesh/2";
 /// Prefix every version of the mesh protocol shares.
 const MESH_PROTOCOL_PREFIX: &str = "/codedmesh/mesh/";
 
@@ -307,9 +307,9 @@ mod tests {
 
     #[test]
     fn another_version_is_named() {
-        let msg = version_mismatch(&[StreamProtocol::new("/codedmesh/mesh/2")]).unwrap();
+        let msg = version_mismatch(&[StreamProtocol::new("/codedmesh/mesh/1")]).unwrap();
         assert!(
-            msg.contains("/codedmesh/mesh/2") && msg.contains("/codedmesh/mesh/1"),
+            msg.contains("/codedmesh/mesh/1") && msg.contains("/codedmesh/mesh/2"),
             "{msg}"
         );
         assert!(version_mismatch(&[StreamProtocol::new(MESH_PROTOCOL)]).is_none());

@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize, de::DeserializeOwned};
 use crate::model::Stage;
 
 /// Version of the step protocol; a peer on another version is refused with both named.
-pub const PROTOCOL_VERSION: u16 = 1;
+pub const PROTOCOL_VERSION: u16 = 2;
 
 /// Largest encoded message accepted (a prefill of a few thousand tokens fits).
 pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
@@ -156,7 +156,10 @@ mod tests {
         other.extend_from_slice(&bytes[1..]);
         let err = decode::<StepRequest>(&other).unwrap_err();
         assert!(
-            err.to_string().contains("ours is 1, the peer's is 2"),
+            err.to_string().contains(&format!(
+                "ours is {PROTOCOL_VERSION}, the peer's is {}",
+                PROTOCOL_VERSION + 1
+            )),
             "{err}"
         );
         let mut trailing = bytes.clone();

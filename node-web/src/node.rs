@@ -877,6 +877,20 @@ fn with_peer(addr: Multiaddr, peer: PeerId) -> Multiaddr {
     }
 }
 
+/// This browser's health timing: it heartbeats as often as the mesh's native node does (at
+/// most every 100 ms, at least every second), since a browser that announced itself more
+/// slowly than the mesh expects would be seen Suspect between two heartbeats and left out of
+/// groups; it judges its peers with the default, lenient, timeouts.
+fn mesh_health(told: &HealthConfig) -> HealthConfig {
+    let mut cfg = HealthConfig::default();
+    if told.validate().is_ok() {
+        cfg.heartbeat_interval = told
+            .heartbeat_interval
+            .clamp(Duration::from_millis(100), cfg.heartbeat_interval);
+    }
+    cfg
+}
+
 /// A view that follows the mesh `info` describes, as an observer holding no row.
 fn watch_view(info: &MeshInfo, me: PeerId) -> Result<MeshView<PeerId>, WebError> {
     let model = unhex32(&info.model).ok_or_else(|| {
@@ -900,7 +914,7 @@ fn watch_view(info: &MeshInfo, me: PeerId) -> Result<MeshView<PeerId>, WebError>
     MeshView::new(
         Instant::now(),
         me,
-        HealthConfig::default(),
+        mesh_health(&info.health),
         info.k,
         // The rows that exist now stand for the genesis rows: the browser only watches.
         (info.n.max(info.k), info.n_max.max(info.n).max(info.k)),

@@ -288,6 +288,7 @@ mod tests {
             n: 3,
             n_max: 3,
             rows: Vec::new(),
+            health: Default::default(),
             model: String::new(),
             model_name: "m".into(),
             available: true,

@@ -43,6 +43,7 @@ fn snapshot(healths: [Health; 3]) -> NodeSnapshot {
             n: 3,
             n_max: 3,
             rows: Vec::new(),
+            health: Default::default(),
             model: "cd".repeat(32),
             model_name: "SmolLM2".into(),
             available: healthy >= 2,

@@ -155,6 +155,10 @@ pub struct MeshInfo {
     /// Every row with its holders, by row.
     #[serde(default)]
     pub rows: Vec<RowHolders>,
+    /// The answering node's health timing: a browser that joins heartbeats at this pace,
+    /// so the mesh does not see it fall silent between two heartbeats.
+    #[serde(default)]
+    pub health: super::HealthConfig,
     /// Digest of the model manifest (hex).
     pub model: String,
     /// A person-readable model name.
@@ -504,6 +508,7 @@ mod tests {
             n: 5,
             n_max: 5,
             rows: Vec::new(),
+            health: Default::default(),
             model: String::new(),
             model_name: String::new(),
             available: true,

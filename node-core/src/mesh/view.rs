@@ -499,6 +499,7 @@ impl<P: Ord + Clone + Display> MeshView<P> {
             n: rows.len() as u32,
             n_max: self.n,
             rows: rows.into_values().collect(),
+            health: self.cfg,
             model: hex(&self.local.model),
             model_name: self.model_name.clone(),
             available: healthy >= self.k,
