@@ -4,7 +4,7 @@
 //! construction, k = 1..=8 and n = k..=2k, the worst condition number and the worst relative
 //! error over every k-subset of nodes, the selected group's κ, and the uncoded f32 error.
 
-use node_core::code::{Construction, Decoder, Generator, select_nodes};
+use node_core::code::{Construction, Decoder, Generator, select_nodes, subsets};
 use node_core::compute::matmul;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -20,20 +20,6 @@ fn rel_err(y: &[f32], exact: &[f64]) -> f64 {
         .sum();
     let den: f64 = exact.iter().map(|e| e * e).sum();
     (num / den).sqrt()
-}
-
-fn subsets(n: usize, k: usize, f: &mut dyn FnMut(&[usize])) {
-    let mut idx: Vec<usize> = (0..k).collect();
-    loop {
-        f(&idx);
-        let Some(p) = (0..k).rev().find(|&p| idx[p] < n - k + p) else {
-            return;
-        };
-        idx[p] += 1;
-        for q in p + 1..k {
-            idx[q] = idx[q - 1] + 1;
-        }
-    }
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -152,10 +138,10 @@ fn measure(
         Some(rel_err(&y[..OUT], exact))
     };
     let (mut worst_k, mut worst_e) = (0.0f64, 0.0f64);
-    subsets(n, k, &mut |nodes| {
-        worst_k = worst_k.max(g.condition_number(nodes).unwrap_or(f64::INFINITY));
-        worst_e = worst_e.max(decode(nodes).unwrap_or(f64::INFINITY));
-    });
+    for nodes in subsets(n, k) {
+        worst_k = worst_k.max(g.condition_number(&nodes).unwrap_or(f64::INFINITY));
+        worst_e = worst_e.max(decode(&nodes).unwrap_or(f64::INFINITY));
+    }
     let all: Vec<usize> = (0..n).collect();
     let (sel_k, sel_e) = match select_nodes(g, &all) {
         Ok(s) => (

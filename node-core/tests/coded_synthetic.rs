@@ -45,16 +45,6 @@ fn rel_err(a: &[Vec<f32>], b: &[Vec<f32>]) -> f64 {
     (num / den).sqrt()
 }
 
-fn subsets(n: usize, k: usize) -> Vec<Vec<usize>> {
-    let mut all = Vec::new();
-    for mask in 0u32..(1 << n) {
-        if mask.count_ones() as usize == k {
-            all.push((0..n).filter(|i| mask >> i & 1 == 1).collect());
-        }
-    }
-    all
-}
-
 #[test]
 fn every_group_of_k_rows_matches_the_uncoded_model() {
     for tied in [true, false] {
@@ -69,7 +59,7 @@ fn every_group_of_k_rows_matches_the_uncoded_model() {
             let g = Generator::cauchy(n, k).unwrap();
             let mesh = InProcess::encode(&weights, &g, ShardFormat::F32, &|_, _| {}).unwrap();
             let mut worst = 0.0f64;
-            for nodes in subsets(n, k) {
+            for nodes in node_core::code::subsets(n, k) {
                 let mut group =
                     CodedGroup::new(weights.cfg.clone(), g.clone(), &nodes, mesh.clone()).unwrap();
                 let kappa = group.condition_number();

@@ -174,7 +174,7 @@ fn coded_backward_matches_the_uncoded_one_for_every_group() {
     let w = ModelWeights::synthetic(common::train_config(true), 11).unwrap();
     let reference = grads(&w, 1, 1, &[0]);
     let mut worst = 0.0f64;
-    let all = common::groups(5, 3);
+    let all: Vec<Vec<usize>> = node_core::code::subsets(5, 3).collect();
     assert_eq!(all.len(), 10);
     for nodes in all {
         let coded = grads(&w, 5, 3, &nodes);

@@ -83,7 +83,7 @@ fn coded_sgd_keeps_every_shard_a_codeword_and_lowers_the_loss() {
         .forward(&mut uncoded, &SEQ, &mut KvCache::new(&reference.cfg))
         .unwrap();
     let members: Vec<_> = group.transport().members().to_vec();
-    let all = common::groups(5, 3);
+    let all: Vec<Vec<usize>> = node_core::code::subsets(5, 3).collect();
     assert_eq!(all.len(), 10);
     for nodes in all {
         let mesh = InProcess::new(members.clone()).unwrap();

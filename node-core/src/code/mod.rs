@@ -265,18 +265,9 @@ impl Generator {
                 break;
             }
             let mut worst = 0.0f64;
-            let mut idx: Vec<usize> = (0..k - 1).collect();
-            loop {
-                let mut group: Vec<usize> = idx.clone();
+            for mut group in subsets(rows, k - 1) {
                 group.push(rows);
                 worst = worst.max(full.condition_number(&group)?);
-                let Some(p) = (0..k - 1).rev().find(|&p| idx[p] < rows - (k - 1) + p) else {
-                    break;
-                };
-                idx[p] += 1;
-                for q in p + 1..k - 1 {
-                    idx[q] = idx[q - 1] + 1;
-                }
             }
             if worst > GROWTH_MAX_CONDITION {
                 break;
@@ -628,6 +619,39 @@ pub struct Selection {
     pub condition_number: f64,
 }
 
+/// Every k-subset of `0..n` in lexicographic order (none when `k > n`; one, empty, for k = 0).
+pub fn subsets(n: usize, k: usize) -> Subsets {
+    Subsets {
+        n,
+        next: (k <= n).then(|| (0..k).collect()),
+    }
+}
+
+/// The iterator of [`subsets`].
+#[derive(Debug, Clone)]
+pub struct Subsets {
+    n: usize,
+    next: Option<Vec<usize>>,
+}
+
+impl Iterator for Subsets {
+    type Item = Vec<usize>;
+
+    fn next(&mut self) -> Option<Vec<usize>> {
+        let current = self.next.take()?;
+        let k = current.len();
+        let mut idx = current.clone();
+        if let Some(p) = (0..k).rev().find(|&p| idx[p] < self.n - k + p) {
+            idx[p] += 1;
+            for q in p + 1..k {
+                idx[q] = idx[q - 1] + 1;
+            }
+            self.next = Some(idx);
+        }
+        Some(current)
+    }
+}
+
 fn binomial(n: usize, k: usize) -> u64 {
     let mut r = 1u64;
     for i in 0..k.min(n - k) {
@@ -663,17 +687,8 @@ pub fn select_nodes(g: &Generator, available: &[usize]) -> Result<Selection, Cod
         Ok(())
     };
     if binomial(avail.len(), k) <= EXHAUSTIVE_LIMIT {
-        let mut idx: Vec<usize> = (0..k).collect();
-        loop {
+        for idx in subsets(avail.len(), k) {
             consider(idx.iter().map(|&i| avail[i]).collect(), &mut best)?;
-            // Next combination in lexicographic order.
-            let Some(pos) = (0..k).rev().find(|&p| idx[p] < avail.len() - k + p) else {
-                break;
-            };
-            idx[pos] += 1;
-            for p in pos + 1..k {
-                idx[p] = idx[p - 1] + 1;
-            }
         }
     } else {
         // Greedy volume growth (pivoted-QR-like): add the node whose rows keep the smallest

@@ -347,15 +347,7 @@ impl<P: Ord + Clone + Display> MeshView<P> {
             // A free row beats a replica this joiner was offered before.
             self.reservations.retain(|r| r.joiner != joiner);
             let offer = self.offer_for(row);
-            if !matches!(offer, JoinOffer::Full) {
-                self.reservations.push(Reservation {
-                    row,
-                    joiner,
-                    until: now + RESERVATION,
-                    replica: false,
-                });
-            }
-            return offer;
+            return self.reserve(offer, joiner, now);
         }
         if let Some(r) = self.reservations.iter_mut().find(|r| r.joiner == joiner) {
             r.until = now + RESERVATION;
@@ -366,14 +358,22 @@ impl<P: Ord + Clone + Display> MeshView<P> {
             return JoinOffer::Full;
         };
         let offer = self.replica_of(row);
-        if !matches!(offer, JoinOffer::Full) {
-            self.reservations.push(Reservation {
-                row,
-                joiner,
-                until: now + RESERVATION,
-                replica: true,
-            });
-        }
+        self.reserve(offer, joiner, now)
+    }
+
+    /// Holds the row of `offer` for `joiner` (nothing for [`JoinOffer::Full`]); the offer.
+    fn reserve(&mut self, offer: JoinOffer, joiner: P, now: Instant) -> JoinOffer {
+        let (row, replica) = match &offer {
+            JoinOffer::Genesis { row } | JoinOffer::Reencode { row, .. } => (*row, false),
+            JoinOffer::Replica { row, .. } => (*row, true),
+            JoinOffer::Full => return offer,
+        };
+        self.reservations.push(Reservation {
+            row,
+            joiner,
+            until: now + RESERVATION,
+            replica,
+        });
         offer
     }
 

@@ -29,20 +29,3 @@ pub fn max_rel_diff(a: &[f32], b: &[f32]) -> f64 {
         .fold(0.0, f64::max)
         / scale
 }
-
-/// Every k-subset of `0..n`, in lexicographic order.
-#[allow(dead_code)] // not every test binary that includes this module uses it
-pub fn groups(n: usize, k: usize) -> Vec<Vec<usize>> {
-    let mut out = Vec::new();
-    let mut idx: Vec<usize> = (0..k).collect();
-    loop {
-        out.push(idx.clone());
-        let Some(p) = (0..k).rev().find(|&p| idx[p] < n - k + p) else {
-            return out;
-        };
-        idx[p] += 1;
-        for q in p + 1..k {
-            idx[q] = idx[q - 1] + 1;
-        }
-    }
-}
