@@ -30,6 +30,7 @@
 //! ```
 
 pub mod blob;
+pub mod chain;
 pub mod code;
 pub mod coded;
 pub mod compute;

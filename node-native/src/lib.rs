@@ -7,6 +7,7 @@ pub mod fetch;
 pub mod gpubench;
 pub mod http;
 pub mod learning;
+pub mod link;
 pub mod load;
 pub mod localmesh;
 pub mod metrics;

@@ -58,6 +58,8 @@ pub struct Metrics {
     pub loss: Gauge<f64, AtomicU64>,
     /// Bytes of gossip received.
     pub gossip_bytes: Counter,
+    /// Bytes of running sums received while building other nodes' rows along a chain.
+    pub chain_bytes: Counter,
     /// Healthy rows at the mesh version (set when scraped).
     pub healthy_rows: Gauge,
     /// Rows of the code.
@@ -106,6 +108,7 @@ impl Metrics {
             train_backlog: Gauge::default(),
             loss: Gauge::default(),
             gossip_bytes: Counter::default(),
+            chain_bytes: Counter::default(),
             healthy_rows: Gauge::default(),
             rows: Gauge::default(),
             k: Gauge::default(),
@@ -210,6 +213,11 @@ impl Metrics {
             "gossip_bytes",
             "Bytes of gossip received",
             m.gossip_bytes.clone(),
+        );
+        r.register(
+            "chain_bytes",
+            "Bytes of running sums received while building other nodes' rows along a chain",
+            m.chain_bytes.clone(),
         );
         r.register(
             "healthy_rows",

@@ -11,9 +11,8 @@ use node_core::code::Generator;
 use node_core::coded::{InProcess, Member, ShardFormat, ShardSet};
 use node_core::compute::gpu::{DeviceChoice, Gpu};
 use node_core::mesh::{
-    BrowserBootstrap, HealthConfig, Heartbeat, JoinOffer, LearningConfig, MAX_CHUNK_BYTES,
-    MeshEvent, MeshInfo, MeshRequest, MeshResponse, MeshView, ModelManifest, ShardVersion,
-    SourceRow, Usage,
+    BrowserBootstrap, HealthConfig, Heartbeat, LearningConfig, MAX_CHUNK_BYTES, MeshEvent,
+    MeshInfo, MeshRequest, MeshResponse, MeshView, ModelManifest, ShardVersion, Usage,
 };
 use node_core::model::LeaderWeights;
 use node_core::protocol;
@@ -21,13 +20,12 @@ use std::time::Instant;
 
 use crate::http::InfoRequest;
 use crate::learning::{Rules, ShardState, UpdateStore};
+use crate::link::{NativeLink, pick_addr};
 use crate::store::{DataDir, shard_from_blob, shard_to_blob};
 use crate::swarm::{self, Client, Inbound, NetConfig, with_peer};
 use crate::{load, progress};
-use node_core::holder::{
-    Download, MAX_BLOB_BYTES, chunk_of, describe, shard_chunk_request, update_chunk_request,
-    version_from_source,
-};
+use node_core::holder::Link as _;
+use node_core::holder::{self, Download, Joined, chunk_of, describe, update_chunk_request};
 
 /// How a node connects.
 #[derive(Debug, Clone)]
@@ -313,126 +311,27 @@ pub async fn node(opts: NodeOptions) -> Result<()> {
     let (manifest, manifest_bytes) = fetch_manifest(&client, peer).await?;
     data.save_manifest(&manifest_bytes)?;
     let started = std::time::Instant::now();
-    let (shard, blob, version, norms, how, downloaded) = match ask(&client, peer, MeshRequest::Join)
-        .await?
-    {
-        MeshResponse::Join(JoinOffer::Genesis { row }) => {
-            let (blob, version) = fetch_blob(&client, peer, row).await?;
-            ensure!(
-                version == ShardVersion::default().digest(),
-                "the genesis shard is not at the genesis version"
-            );
-            let bytes = blob.len();
-            let (shard, blob) =
-                tokio::task::spawn_blocking(move || shard_from_blob(&blob).map(|s| (s, blob)))
-                    .await
-                    .map_err(|e| anyhow!("{e}"))??;
-            check_shard(&shard, &manifest, row)?;
-            (
-                shard,
-                blob,
-                ShardVersion::default(),
-                manifest.leader.clone(),
-                format!("genesis shard from {peer}"),
-                bytes,
-            )
-        }
-        MeshResponse::Join(JoinOffer::Reencode { row, sources }) => {
-            let mut sets = Vec::new();
-            let mut bytes = 0;
-            let mut at = None;
-            let mut first_peer = None;
-            for src in &sources {
-                let from = dial_source(&client, src).await?;
-                let (blob, version) = fetch_blob(&client, from, src.row).await?;
-                ensure!(
-                    *at.get_or_insert(version) == version,
-                    "the source rows are at different versions (an update is spreading); try again in a few seconds"
-                );
-                first_peer.get_or_insert(from);
-                bytes += blob.len();
-                let set = tokio::task::spawn_blocking(move || shard_from_blob(&blob))
-                    .await
-                    .map_err(|e| anyhow!("{e}"))??;
-                check_shard(&set, &manifest, src.row)?;
-                sets.push(set);
-            }
-            let (shard, blob) =
-                tokio::task::spawn_blocking(move || -> Result<(ShardSet, Vec<u8>)> {
-                    let refs: Vec<&ShardSet> = sets.iter().collect();
-                    let shard = ShardSet::reencode(row as usize, &refs)?;
-                    let blob = shard_to_blob(&shard)?;
-                    Ok((shard, blob))
-                })
-                .await
-                .map_err(|e| anyhow!("{e}"))??;
-            let rows: Vec<u32> = sources.iter().map(|s| s.row).collect();
-            // The new shard is at the sources' version: learn which updates that is, and the
-            // norm gains there.
-            let (Some(from), Some(at)) = (first_peer, at) else {
-                bail!("the join offer named no source rows");
-            };
-            let (version, norms) = version_at(&client, from, at, &manifest).await?;
-            let how = if row as usize >= manifest.generator.genesis_rows() {
-                "a new row, encoded"
-            } else {
-                "re-encoded"
-            };
-            (
-                shard,
-                blob,
-                version,
-                norms,
-                format!("{how} from rows {rows:?}"),
-                bytes,
-            )
-        }
-        MeshResponse::Join(JoinOffer::Replica { row, holders }) => {
-            let mut failures = Vec::new();
-            let mut got = None;
-            for src in holders.iter().filter(|s| s.row == row) {
-                match fetch_replica(&client, &manifest, src).await {
-                    Ok(replica) => {
-                        got = Some(replica);
-                        break;
-                    }
-                    Err(e) => {
-                        tracing::warn!(peer = %src.peer, "could not copy row {row}: {e:#}");
-                        failures.push(format!("{}: {e:#}", src.peer));
-                    }
-                }
-            }
-            let Some((shard, blob, version, norms, from)) = got else {
-                bail!(
-                    "could not copy row {row} from any of its holders: {}",
-                    failures.join("; ")
-                );
-            };
-            let bytes = blob.len();
-            (
-                shard,
-                blob,
-                version,
-                norms,
-                format!("a replica of row {row}, copied from {from}"),
-                bytes,
-            )
-        }
-        MeshResponse::Join(JoinOffer::Full) => bail!(
-            "the mesh has fewer than k = {} live rows to build a row from: try again once it is available",
-            manifest.generator.k()
-        ),
-        other => bail!("unexpected answer to a join request: {}", describe(&other)),
-    };
+    let link = NativeLink::new(client.clone());
+    let joined = holder::join(&link, &peer, &manifest).await;
+    link.finish();
+    let Joined {
+        shard,
+        blob,
+        version,
+        norms,
+        how,
+        received,
+    } = joined?;
     let store = UpdateStore::open(&data)?;
     store.save_base(&version, &norms)?;
     store.save_version(&version)?;
     data.save_shard_blob(&blob)?;
     drop(blob);
     eprintln!(
-        "joined as row {} ({how}): downloaded {:.1} MiB in {:.1} s",
+        "joined as row {} ({how}): received {:.1} MiB ({received} bytes; the row's shard holds {}) in {:.1} s",
         shard.node,
-        downloaded as f64 / 1048576.0,
+        received as f64 / 1048576.0,
+        shard.bytes(),
         started.elapsed().as_secs_f64()
     );
     let holding = Holding {
@@ -447,61 +346,6 @@ pub async fn node(opts: NodeOptions) -> Result<()> {
 /// The shard belongs to this manifest and row.
 fn check_shard(shard: &ShardSet, manifest: &ModelManifest, row: u32) -> Result<()> {
     Ok(node_core::holder::check_shard(shard, manifest, row)?)
-}
-
-/// Dials the holder a join offer names, with the addresses it gave.
-async fn dial_source(client: &Client, src: &SourceRow) -> Result<PeerId> {
-    let from: PeerId = src
-        .peer
-        .parse()
-        .map_err(|e| anyhow!("peer id {:?}: {e}", src.peer))?;
-    let addrs: Vec<Multiaddr> = src.addrs.iter().filter_map(|a| a.parse().ok()).collect();
-    client.add_addrs(from, addrs.clone()).await?;
-    if let Some(a) = pick_addr(&addrs) {
-        client.dial(with_peer(&a, from)).await?;
-    }
-    Ok(from)
-}
-
-/// Which updates make version `at` on `from`, and its norm gains there.
-async fn version_at(
-    client: &Client,
-    from: PeerId,
-    at: [u8; 32],
-    manifest: &ModelManifest,
-) -> Result<(ShardVersion, LeaderWeights)> {
-    let norms = ask(client, from, MeshRequest::Norms).await?;
-    let versions = ask(client, from, MeshRequest::Versions).await?;
-    Ok(version_from_source(at, norms, versions, &manifest.cfg)?)
-}
-
-/// Copies one holder's shard of its row, with the version and norm gains it is at.
-async fn fetch_replica(
-    client: &Client,
-    manifest: &ModelManifest,
-    src: &SourceRow,
-) -> Result<(ShardSet, Vec<u8>, ShardVersion, LeaderWeights, PeerId)> {
-    let from = dial_source(client, src).await?;
-    let (blob, at) = fetch_blob(client, from, src.row).await?;
-    let (shard, blob) =
-        tokio::task::spawn_blocking(move || shard_from_blob(&blob).map(|s| (s, blob)))
-            .await
-            .map_err(|e| anyhow!("{e}"))??;
-    check_shard(&shard, manifest, src.row)?;
-    let (version, norms) = version_at(client, from, at, manifest).await?;
-    Ok((shard, blob, version, norms, from))
-}
-
-/// A TCP address if there is one (the fastest to set up), else the first.
-pub fn pick_addr(addrs: &[Multiaddr]) -> Option<Multiaddr> {
-    use libp2p::multiaddr::Protocol;
-    let plain_tcp = |a: &&Multiaddr| {
-        a.iter().any(|p| matches!(p, Protocol::Tcp(_)))
-            && !a
-                .iter()
-                .any(|p| matches!(p, Protocol::Ws(_) | Protocol::Wss(_)))
-    };
-    addrs.iter().find(plain_tcp).or(addrs.first()).cloned()
 }
 
 /// One request, with the answer's `Error` turned into an error.
@@ -523,34 +367,18 @@ pub async fn fetch_manifest(client: &Client, peer: PeerId) -> Result<(ModelManif
     }
 }
 
-/// Downloads a row's shard blob from a peer, with progress.
-async fn fetch_blob(client: &Client, peer: PeerId, row: u32) -> Result<(Vec<u8>, [u8; 32])> {
-    let pb = progress::bar(0, &format!("row {row} from {peer}"));
-    let got = fetch_chunked(client, peer, MAX_BLOB_BYTES, Some(&pb), |offset| {
-        shard_chunk_request(row, offset)
-    })
-    .await;
-    pb.finish_and_clear();
-    got
-}
-
 /// Downloads a blob piece by piece (`request(offset)` asks for the piece at `offset`): the
 /// total and the version must stay the same throughout, and the total under `limit`.
 async fn fetch_chunked(
     client: &Client,
     peer: PeerId,
     limit: u64,
-    pb: Option<&indicatif::ProgressBar>,
     request: impl Fn(u64) -> MeshRequest,
 ) -> Result<(Vec<u8>, [u8; 32])> {
     let mut download = Download::new(limit);
     loop {
         let resp = client.request(peer, request(download.offset())).await?;
         let done = download.accept(resp)?;
-        if let (Some(pb), Some(total)) = (pb, download.total()) {
-            pb.set_length(total);
-            pb.set_position(download.offset());
-        }
         if done {
             return Ok(download.finish());
         }
@@ -1174,6 +1002,36 @@ impl Server {
                         let state = self.state.clone();
                         Box::new(move || step(&state, &version, &bytes))
                     }
+                    MeshRequest::Chain(part) => {
+                        let (state, chain_bytes) =
+                            (self.state.clone(), self.metrics.chain_bytes.clone());
+                        let (g, cfg) = {
+                            let s = read(&self.state);
+                            let set = s.member.shards();
+                            (set.generator.clone(), set.cfg.clone())
+                        };
+                        tokio::spawn(async move {
+                            let link = NativeLink::quiet(client.clone());
+                            let resp = match holder::answer_chain(&link, &part, &g, &cfg).await {
+                                Ok(before) => {
+                                    let got = before.as_ref().map_or(0, |s| s.len() as u64 * 4);
+                                    chain_bytes.inc_by(got);
+                                    link.blocking(move || {
+                                        let s = read(&state);
+                                        let version = s.version.digest();
+                                        match part.contribute(s.member.shards(), &version, before) {
+                                            Ok(sum) => MeshResponse::Partial(sum),
+                                            Err(e) => MeshResponse::Error(e.to_string()),
+                                        }
+                                    })
+                                    .await
+                                }
+                                Err(e) => MeshResponse::Error(e.to_string()),
+                            };
+                            client.respond(channel, resp).await;
+                        });
+                        return;
+                    }
                 };
                 tokio::spawn(async move {
                     let resp = tokio::task::spawn_blocking(job)
@@ -1305,7 +1163,7 @@ async fn catch_up(
 pub(crate) async fn fetch_update(client: &Client, peer: PeerId, id: u64) -> Result<Vec<u8>> {
     let limit = crate::learning::MAX_UPDATE_BYTES;
     let req = |offset| update_chunk_request(id, offset);
-    Ok(fetch_chunked(client, peer, limit, None, req).await?.0)
+    Ok(fetch_chunked(client, peer, limit, req).await?.0)
 }
 
 /// Updates one peer may hand over per minute.

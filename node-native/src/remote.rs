@@ -14,7 +14,8 @@ use node_core::mesh::{
     RoundDriver, Usage,
 };
 
-use crate::node::{LocalRow, ask, fetch_manifest, fetch_update, pick_addr};
+use crate::link::pick_addr;
+use crate::node::{LocalRow, ask, fetch_manifest, fetch_update};
 use crate::swarm::{self, Client, NetConfig};
 
 /// A connection to the mesh through one node.

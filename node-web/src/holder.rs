@@ -7,15 +7,15 @@ use std::rc::Rc;
 use std::sync::Arc;
 
 use libp2p::PeerId;
+use node_core::chain::ChainPart;
 use node_core::coded::{Member, ShardSet};
 use node_core::compute::gpu::Gpu;
 use node_core::holder::{
-    self, Download, MAX_BLOB_BYTES, MAX_UPDATE_BYTES, Rules, ShardState, chunk_of,
-    shard_chunk_request, update_chunk_request,
+    self, Download, HolderError, Joined, Link, MAX_UPDATE_BYTES, Rules, ShardState, chunk_of,
+    update_chunk_request,
 };
 use node_core::mesh::{
-    BrowserBootstrap, JoinOffer, MeshRequest, MeshResponse, ModelManifest, ShardVersion, SourceRow,
-    hex,
+    BrowserBootstrap, MeshRequest, MeshResponse, ModelManifest, ShardVersion, SourceRow, hex,
 };
 use node_core::model::LeaderWeights;
 use node_core::protocol::{self, StepRequest};
@@ -321,7 +321,17 @@ impl BrowserNode {
             }
             let _ = store.remove(&key).await;
         }
-        let (shard, blob, version, norms, source) = self.join(&manifest).await?;
+        let bootstrap = self.bootstrap();
+        let Joined {
+            shard,
+            blob,
+            version,
+            norms,
+            how: source,
+            ..
+        } = holder::join(self, &bootstrap, &manifest)
+            .await
+            .map_err(mesh_err)?;
         if let Some(store) = &store {
             self.progress("saving the shard in this browser", 0, 0);
             let meta = StoredRow {
@@ -342,154 +352,17 @@ impl BrowserNode {
         ))
     }
 
-    /// Asks for a row and obtains its shard: (shard, blob, version, norm gains, source).
-    async fn join(
-        &self,
-        manifest: &ModelManifest,
-    ) -> Result<(ShardSet, Vec<u8>, ShardVersion, LeaderWeights, String), WebError> {
-        let MeshResponse::Join(offer) = self.ask_bootstrap(MeshRequest::Join).await? else {
-            return Err(mesh_err("asked to join, got something else"));
-        };
-        match offer {
-            JoinOffer::Genesis { row } => {
-                let from = self.bootstrap();
-                let what = format!("downloading row {row}");
-                let (blob, at) = self
-                    .download(from, MAX_BLOB_BYTES, &what, |o| shard_chunk_request(row, o))
-                    .await?;
-                if at != ShardVersion::default().digest() {
-                    return Err(mesh_err("the genesis shard is not at the genesis version"));
-                }
-                self.progress("checking the shard", 0, 0);
-                let shard = holder::shard_from_blob(&blob).map_err(mesh_err)?;
-                holder::check_shard(&shard, manifest, row).map_err(mesh_err)?;
-                Ok((
-                    shard,
-                    blob,
-                    ShardVersion::default(),
-                    manifest.leader.clone(),
-                    format!("genesis row {row}"),
-                ))
-            }
-            JoinOffer::Reencode { row, sources } => {
-                let mut sets = Vec::new();
-                let mut at = None;
-                let mut first = None;
-                for (i, src) in sources.iter().enumerate() {
-                    let from = self.dial_source(src).await?;
-                    let what = format!(
-                        "encoding row {row}: source {} of {} (row {})",
-                        i + 1,
-                        sources.len(),
-                        src.row
-                    );
-                    let (blob, version) = self
-                        .download(from, MAX_BLOB_BYTES, &what, |o| {
-                            shard_chunk_request(src.row, o)
-                        })
-                        .await?;
-                    if *at.get_or_insert(version) != version {
-                        return Err(mesh_err(
-                            "the source rows are at different versions (an update is spreading); try again in a few seconds",
-                        ));
-                    }
-                    first.get_or_insert(from);
-                    let set = holder::shard_from_blob(&blob).map_err(mesh_err)?;
-                    holder::check_shard(&set, manifest, src.row).map_err(mesh_err)?;
-                    sets.push(set);
-                }
-                self.progress(&format!("encoding row {row}"), 0, 0);
-                let refs: Vec<&ShardSet> = sets.iter().collect();
-                let shard = ShardSet::reencode(row as usize, &refs).map_err(mesh_err)?;
-                drop(sets);
-                let blob = holder::shard_to_blob(&shard).map_err(mesh_err)?;
-                let (Some(from), Some(at)) = (first, at) else {
-                    return Err(mesh_err("the join offer named no source rows"));
-                };
-                let (version, norms) = self.version_at(from, at, manifest).await?;
-                let rows: Vec<u32> = sources.iter().map(|s| s.row).collect();
-                Ok((
-                    shard,
-                    blob,
-                    version,
-                    norms,
-                    format!("row {row} encoded from rows {rows:?}"),
-                ))
-            }
-            JoinOffer::Replica { row, holders } => {
-                let mut failures = Vec::new();
-                for src in holders.iter().filter(|s| s.row == row) {
-                    match self.copy_row(src, manifest).await {
-                        Ok((shard, blob, version, norms)) => {
-                            return Ok((
-                                shard,
-                                blob,
-                                version,
-                                norms,
-                                format!("a replica of row {row}, copied from {}", src.peer),
-                            ));
-                        }
-                        Err(e) => {
-                            tracing::warn!("could not copy row {row} from {}: {e}", src.peer);
-                            failures.push(format!("{}: {e}", src.peer));
-                        }
-                    }
-                }
-                Err(mesh_err(format!(
-                    "could not copy row {row} from any of its holders: {}",
-                    failures.join("; ")
-                )))
-            }
-            JoinOffer::Full => Err(mesh_err(format!(
-                "the mesh has fewer than k = {} live rows to build a row from: try again once it is available",
-                manifest.generator.k()
-            ))),
+    /// A chained piece of someone else's row ([`node_core::chain`]): the running sum of the
+    /// sources before this row's holder, plus this row's term.
+    pub(crate) async fn chain_piece(&self, state: Rc<ShardState>, part: ChainPart) -> MeshResponse {
+        let set = state.member.shards();
+        match holder::answer_chain(self, &part, &set.generator, &set.cfg).await {
+            Ok(before) => match part.contribute(set, &state.version.digest(), before) {
+                Ok(sum) => MeshResponse::Partial(sum),
+                Err(e) => MeshResponse::Error(e.to_string()),
+            },
+            Err(e) => MeshResponse::Error(e.to_string()),
         }
-    }
-
-    /// Dials the holder a join offer names (the bootstrap node is already connected).
-    async fn dial_source(&self, src: &SourceRow) -> Result<PeerId, WebError> {
-        let from: PeerId = src
-            .peer
-            .parse()
-            .map_err(|e| mesh_err(format!("peer id {:?}: {e}", src.peer)))?;
-        if from != self.bootstrap() {
-            let addrs = BrowserBootstrap::from_addrs(src.peer.clone(), &src.addrs).addrs;
-            self.dial_any(&addrs).await?;
-        }
-        Ok(from)
-    }
-
-    /// Which updates make version `at` on `from`, and its norm gains there.
-    async fn version_at(
-        &self,
-        from: PeerId,
-        at: [u8; 32],
-        manifest: &ModelManifest,
-    ) -> Result<(ShardVersion, LeaderWeights), WebError> {
-        let norms = self.request(from, MeshRequest::Norms).await?;
-        let versions = self.request(from, MeshRequest::Versions).await?;
-        holder::version_from_source(at, norms, versions, &manifest.cfg).map_err(mesh_err)
-    }
-
-    /// Copies one holder's shard of its row, with the version and norm gains it is at.
-    async fn copy_row(
-        &self,
-        src: &SourceRow,
-        manifest: &ModelManifest,
-    ) -> Result<(ShardSet, Vec<u8>, ShardVersion, LeaderWeights), WebError> {
-        let from = self.dial_source(src).await?;
-        let what = format!("copying row {}", src.row);
-        let (blob, at) = self
-            .download(from, MAX_BLOB_BYTES, &what, |o| {
-                shard_chunk_request(src.row, o)
-            })
-            .await?;
-        self.progress("checking the shard", 0, 0);
-        let shard = holder::shard_from_blob(&blob).map_err(mesh_err)?;
-        holder::check_shard(&shard, manifest, src.row).map_err(mesh_err)?;
-        let (version, norms) = self.version_at(from, at, manifest).await?;
-        Ok((shard, blob, version, norms))
     }
 
     /// Downloads a blob from `peer` piece by piece, with progress.
@@ -652,5 +525,41 @@ impl Holding {
             gpu_steps: 0,
             syncing: false,
         }
+    }
+}
+
+/// The browser node's link for the holder logic of `node_core::holder`: requests through its
+/// swarm task, progress on the page; the wasm page has one thread, so heavy work runs in place.
+impl Link for BrowserNode {
+    type Peer = PeerId;
+
+    async fn ask(&self, peer: &PeerId, request: MeshRequest) -> Result<MeshResponse, HolderError> {
+        self.request(*peer, request)
+            .await
+            .map_err(|e| HolderError::Link(format!("{peer}: {e}")))
+    }
+
+    async fn dial(&self, src: &SourceRow) -> Result<PeerId, HolderError> {
+        let link =
+            |e: String| HolderError::Link(format!("row {}'s holder {}: {e}", src.row, src.peer));
+        let from: PeerId = src
+            .peer
+            .parse()
+            .map_err(|e| link(format!("peer id: {e}")))?;
+        if from != self.bootstrap() {
+            let addrs = BrowserBootstrap::from_addrs(src.peer.clone(), &src.addrs).addrs;
+            self.dial_any(&addrs)
+                .await
+                .map_err(|e| link(e.to_string()))?;
+        }
+        Ok(from)
+    }
+
+    async fn blocking<R: Send + 'static>(&self, work: impl FnOnce() -> R + Send + 'static) -> R {
+        work()
+    }
+
+    fn progress(&self, what: &str, done: u64, total: u64) {
+        BrowserNode::progress(self, what, done, total);
     }
 }

@@ -853,6 +853,10 @@ impl Task {
                 }
                 Err(e) => MeshResponse::Error(format!("peer id {caught:?}: {e}")),
             }),
+            MeshRequest::Chain(part) => {
+                let (node, state) = (self.node.clone(), h.state.clone());
+                Answer::Later(Box::pin(async move { node.chain_piece(state, part).await }))
+            }
             other => h.answer(other),
         };
         match answer {

@@ -25,8 +25,8 @@ use std::time::{Duration, Instant};
 use node_core::code::Generator;
 use node_core::coded::{CodedError, CodedGroup, InProcess, Member, Transport, TransportError};
 use node_core::mesh::{
-    Health, HealthConfig, Heartbeat, JoinOffer, MemberPool, MeshError, MeshEvent, MeshView,
-    RoundConfig, RoundDriver, plan_group,
+    Health, HealthConfig, Heartbeat, JoinOffer, MemberPool, MeshError, MeshEvent, MeshRequest,
+    MeshResponse, MeshView, RoundConfig, RoundDriver, plan_group,
 };
 use node_core::model::{LinearExec, LlamaConfig, ModelError, Stage};
 use node_core::protocol::{self, StepRequest, StepResponse};
@@ -915,4 +915,120 @@ impl<E: LinearExec + ?Sized> LinearExec for LogitsTap<'_, E> {
     fn embed(&mut self, tokens: &[u32]) -> Result<Vec<f32>, ModelError> {
         self.inner.embed(tokens)
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Holders in memory
+// ---------------------------------------------------------------------------------------------
+
+/// Row holders answering each other in memory through [`node_core::holder`]'s own code (joins,
+/// chains, version queries), counting the bytes of answers each of them receives.
+#[derive(Debug)]
+pub struct MemoryHolders {
+    manifest: node_core::mesh::ModelManifest,
+    /// Holder id → its shard set.
+    holders: BTreeMap<u32, node_core::coded::ShardSet>,
+    /// What a join request to any holder is answered with.
+    offer: JoinOffer,
+    received: std::cell::RefCell<BTreeMap<u32, u64>>,
+}
+
+/// One holder's (or the joiner's) [`node_core::holder::Link`] into [`MemoryHolders`].
+#[derive(Debug)]
+pub struct MemoryLink<'a> {
+    mesh: &'a MemoryHolders,
+    me: u32,
+}
+
+impl MemoryHolders {
+    /// Holders of `manifest`'s mesh, each with its shard set, answering joins with `offer`.
+    pub fn new(
+        manifest: node_core::mesh::ModelManifest,
+        holders: BTreeMap<u32, node_core::coded::ShardSet>,
+        offer: JoinOffer,
+    ) -> Self {
+        Self {
+            manifest,
+            holders,
+            offer,
+            received: Default::default(),
+        }
+    }
+
+    /// The link of node `me` (a holder or a joiner).
+    pub fn link(&self, me: u32) -> MemoryLink<'_> {
+        MemoryLink { mesh: self, me }
+    }
+
+    /// Bytes of answers node `id` received.
+    pub fn received(&self, id: u32) -> u64 {
+        self.received.borrow().get(&id).copied().unwrap_or(0)
+    }
+
+    /// Holder `id`'s answer to `request`, asking others through its own link where it must.
+    async fn answer(&self, id: u32, request: MeshRequest) -> MeshResponse {
+        let Some(set) = self.holders.get(&id) else {
+            return MeshResponse::Error(format!("no holder {id}"));
+        };
+        let version = node_core::mesh::ShardVersion::default();
+        match request {
+            MeshRequest::Join => MeshResponse::Join(self.offer.clone()),
+            MeshRequest::Norms => MeshResponse::Norms {
+                version: version.digest(),
+                norms: self.manifest.leader.clone(),
+            },
+            MeshRequest::Versions => MeshResponse::Versions { ids: Vec::new() },
+            MeshRequest::Chain(part) => {
+                let link = self.link(id);
+                let g = &self.manifest.generator;
+                match node_core::holder::answer_chain(&link, &part, g, &self.manifest.cfg).await {
+                    Ok(before) => match part.contribute(set, &version.digest(), before) {
+                        Ok(sum) => MeshResponse::Partial(sum),
+                        Err(e) => MeshResponse::Error(e.to_string()),
+                    },
+                    Err(e) => MeshResponse::Error(e.to_string()),
+                }
+            }
+            other => MeshResponse::Error(format!("a memory holder does not answer {other:?}")),
+        }
+    }
+}
+
+impl node_core::holder::Link for MemoryLink<'_> {
+    type Peer = u32;
+
+    fn ask(
+        &self,
+        peer: &u32,
+        request: MeshRequest,
+    ) -> impl std::future::Future<Output = Result<MeshResponse, node_core::holder::HolderError>>
+    {
+        let (mesh, me, peer) = (self.mesh, self.me, *peer);
+        // Boxed: a chain's answers recurse through the holders before it.
+        let answer: std::pin::Pin<Box<dyn std::future::Future<Output = _> + '_>> =
+            Box::pin(async move {
+                let resp = mesh.answer(peer, request).await;
+                let bytes = protocol::encode(&resp)
+                    .map_err(|e| node_core::holder::HolderError::Link(e.to_string()))?
+                    .len() as u64;
+                *mesh.received.borrow_mut().entry(me).or_default() += bytes;
+                Ok(resp)
+            });
+        answer
+    }
+
+    async fn dial(
+        &self,
+        src: &node_core::mesh::SourceRow,
+    ) -> Result<u32, node_core::holder::HolderError> {
+        src.peer
+            .parse()
+            .map_err(|e| node_core::holder::HolderError::Link(format!("{:?}: {e}", src.peer)))
+    }
+
+    async fn blocking<R: Send + 'static>(&self, work: impl FnOnce() -> R + Send + 'static) -> R {
+        work()
+    }
+
+    fn progress(&self, _what: &str, _done: u64, _total: u64) {}
 }

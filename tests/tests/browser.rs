@@ -249,7 +249,8 @@ async fn drive(c: &Client, mesh: &mut Mesh) -> Result<String> {
     eprintln!("the page says: {serving}");
     ensure!(
         serving.starts_with(&format!("serving row {new_row} on browser WebGPU"))
-            && serving.contains(&format!("row {new_row} encoded from rows")),
+            && serving.contains("a new row, encoded from rows")
+            && serving.contains("along a chain"),
         "the browser encodes the new row {new_row} and serves it on WebGPU: {serving}"
     );
     // The native mesh sees the browser's row healthy, with its device.

@@ -6,7 +6,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, bail, ensure};
 use tests::procs::{HEALTH, Mesh, bin, have_gpu, spawn, spawn_node, spawn_node_with, tiny_model};
 
 /// The same request in one process, uncoded-equivalent reference for the tiny model.
@@ -137,6 +137,7 @@ fn tiny_mesh_status_generate_straggler_restart_and_rejoin() -> Result<()> {
         log.contains("joined as row 4 (re-encoded from rows"),
         "{log}"
     );
+    one_shard_received(&log)?;
     mesh.nodes[gone] = fresh;
     mesh.wait_healthy(5)?;
     let (out, err) = mesh.generate(PROMPT, 24, || {})?;
@@ -508,6 +509,9 @@ fn the_mesh_grows_new_rows_then_replicas_and_survives_two_holders_killed() -> Re
         .filter(|l| l.contains("a replica of row"))
         .count();
     assert_eq!((new_rows, replicas), (2, 2), "{how:#?}");
+    for line in how.iter().filter(|l| l.contains("along a chain")) {
+        one_shard_received(line)?;
+    }
     mesh.nodes.extend(joiners);
 
     // Nine holders of seven rows, every one healthy; nobody was turned away.
@@ -602,6 +606,29 @@ fn a_node_started_before_its_bootstrap_keeps_trying_and_joins() -> Result<()> {
     args.extend(HEALTH);
     let _seed = spawn(&dir.0, "seed", &args)?;
     let log = node.wait_log("serving row", Duration::from_secs(120))?;
-    assert!(log.contains("joined as row 1 (genesis shard"), "{log}");
+    assert!(log.contains("joined as row 1 (a genesis shard"), "{log}");
+    Ok(())
+}
+
+/// A joiner that built its row along a chain received exactly its shard's bytes (not the k
+/// shards a local re-encoding would download): its join line says both.
+fn one_shard_received(log: &str) -> Result<()> {
+    let line = log
+        .lines()
+        .find(|l| l.starts_with("joined as row") && l.contains("along a chain"))
+        .with_context(|| format!("no chained join line:\n{log}"))?;
+    let number_after = |key: &str| -> Result<u64> {
+        let rest = &line[line
+            .find(key)
+            .with_context(|| format!("{key:?} in {line}"))?
+            + key.len()..];
+        let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+        digits.parse().with_context(|| format!("{key:?} in {line}"))
+    };
+    let (received, holds) = (
+        number_after("MiB (")?,
+        number_after("the row's shard holds ")?,
+    );
+    ensure!(received == holds && holds > 0, "{line}");
     Ok(())
 }

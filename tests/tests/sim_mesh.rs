@@ -4,17 +4,23 @@
 
 #![allow(clippy::unwrap_used)] // a test: a failed unwrap is a failed test
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use node_core::code::Generator;
-use node_core::coded::{CodedGroup, InProcess, ShardFormat};
-use node_core::mesh::{Health, HealthConfig, JoinOffer, RoundConfig, plan_group};
+use node_core::coded::{CodedGroup, InProcess, ShardFormat, ShardSet};
+use node_core::mesh::{
+    Health, HealthConfig, JoinOffer, LearningConfig, ModelManifest, RoundConfig, SourceRow,
+    plan_group,
+};
 use node_core::model::{
-    GenerateOptions, LeaderWeights, Llama, LlamaConfig, ModelWeights, SamplingParams, generate,
+    GenerateOptions, LeaderWeights, Llama, LlamaConfig, ModelWeights, SamplingParams,
+    TokenizerData, generate,
 };
 use tests::relative_error;
-use tests::sim::{Fault, LeaderConfig, LogitsTap, NetConfig, SimMesh, SimTransport, sim_group};
+use tests::sim::{
+    Fault, LeaderConfig, LogitsTap, MemoryHolders, NetConfig, SimMesh, SimTransport, sim_group,
+};
 
 const K: u32 = 3;
 const N: u32 = 5;
@@ -631,7 +637,8 @@ fn joiners_on_two_sides_of_a_partition_get_one_new_row_with_one_content() {
             JoinOffer::Reencode { row, .. } if row == genesis + 1
         ));
         if seed == 0 {
-            // Whatever sources each side used, the new row's shard is the same codeword.
+            // Whatever sources each side used, the new row built along their chain is the same
+            // codeword, and no node of the chain received more than one shard's worth.
             let weights = ModelWeights::synthetic(tiny_config(), 5).unwrap();
             let g = Generator::growing(genesis as usize, K as usize, Some(room as usize)).unwrap();
             let shards = InProcess::encode(&weights, &g, ShardFormat::F32, &|_, _| {}).unwrap();
@@ -644,19 +651,80 @@ fn joiners_on_two_sides_of_a_partition_get_one_new_row_with_one_content() {
                 &mut |_, _| {},
             )
             .unwrap();
+            let manifest = ModelManifest {
+                name: "tiny".into(),
+                cfg: tiny_config(),
+                leader: LeaderWeights::from_model(&weights),
+                tokenizer: TokenizerData {
+                    json: String::new(),
+                    eos: Vec::new(),
+                    default_system: None,
+                },
+                generator: g.clone(),
+                format: ShardFormat::F32,
+                learning: LearningConfig::default(),
+                verify_noise: node_core::coded::DEFAULT_NOISE,
+            };
+            let holders: BTreeMap<u32, ShardSet> = (0..genesis)
+                .map(|r| (r, shards.members()[r as usize].shards().clone()))
+                .collect();
+            let shard_bytes = direct.bytes() as u64;
+            let pieces = node_core::chain::pieces(
+                &node_core::chain::shapes(&manifest.cfg, &g),
+                g.sub_blocks(),
+            )
+            .len() as u64;
+            // Framing of each answer: a few bytes of protocol header and length prefix.
+            let one_shard = shard_bytes..=shard_bytes + 16 * pieces;
             for rows in &offered {
-                let sources: Vec<_> = rows
+                // The joiner (id 100) asks holder 0, which offers the row built along `rows`.
+                let sources = rows
                     .iter()
-                    .map(|&r| shards.members()[r as usize].shards())
+                    .map(|&r| SourceRow {
+                        row: r,
+                        peer: r.to_string(),
+                        addrs: Vec::new(),
+                    })
                     .collect();
-                let built =
-                    node_core::coded::ShardSet::reencode(genesis as usize, &sources).unwrap();
+                let net = MemoryHolders::new(
+                    manifest.clone(),
+                    holders.clone(),
+                    JoinOffer::Reencode {
+                        row: genesis,
+                        sources,
+                    },
+                );
+                let joined =
+                    pollster::block_on(node_core::holder::join(&net.link(100), &0, &manifest))
+                        .unwrap();
+                assert!(joined.how.contains("a new row"), "{}", joined.how);
+                let built = joined.shard;
+                assert_eq!(built.node, genesis as usize);
                 let err = relative_error(values(&built.embed), values(&direct.embed));
                 assert!(err < 1e-5, "rows {rows:?}: {err:e}");
                 for (bb, db) in built.blocks.iter().zip(&direct.blocks) {
                     for (b, d) in bb.iter().zip(db) {
                         assert!(relative_error(values(b), values(d)) < 1e-5);
                     }
+                }
+                // Bytes received: the joiner one shard's worth (and a few small answers), each
+                // source after the first one shard's worth of running sums, nobody else any.
+                let joiner = net.received(100);
+                assert!(
+                    joiner >= shard_bytes && joiner <= *one_shard.end() + 4096,
+                    "rows {rows:?}: the joiner received {joiner}, one shard is {shard_bytes}"
+                );
+                assert_eq!(joined.received, shard_bytes);
+                assert_eq!(net.received(rows[0]), 0, "rows {rows:?}: the chain's first");
+                for &r in &rows[1..] {
+                    assert!(
+                        one_shard.contains(&net.received(r)),
+                        "rows {rows:?}: row {r} received {}, one shard is {shard_bytes}",
+                        net.received(r)
+                    );
+                }
+                for r in (0..genesis).filter(|r| !rows.contains(r)) {
+                    assert_eq!(net.received(r), 0, "row {r} is not in the chain");
                 }
             }
         }

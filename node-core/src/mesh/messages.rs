@@ -333,11 +333,11 @@ pub enum JoinOffer {
         /// The row.
         row: u32,
     },
-    /// Take this row: fetch these k shards and re-encode locally.
+    /// Take this row: these k holders build it along a chain ([`crate::chain`]).
     Reencode {
         /// The row.
         row: u32,
-        /// k rows to fetch.
+        /// k source rows, in chain order.
         sources: Vec<SourceRow>,
     },
     /// No row can be offered now (fewer than k live rows to build one from).
@@ -401,6 +401,8 @@ pub enum MeshRequest {
     },
     /// A leader finished a request: the node adds it to the usage it announces.
     Served(Usage),
+    /// A piece of a row being built along a chain of holders ([`crate::chain`]).
+    Chain(crate::chain::ChainPart),
 }
 
 /// An answer on the mesh protocol.
@@ -451,6 +453,8 @@ pub enum MeshResponse {
     Reported,
     /// The request could not be served.
     Error(String),
+    /// A chained piece's running sum, as f32 values ([`crate::chain`]).
+    Partial(Vec<f32>),
 }
 
 impl MeshResponse {

@@ -1,6 +1,11 @@
 //! What a row holder keeps and answers with, shared by the native and the browser node: its
-//! shard and the updates applied to it, the rules an update must satisfy, shard blobs, and the
-//! piece-by-piece download of a blob from a peer (sans I/O: the shells send the requests).
+//! shard and the updates applied to it, the rules an update must satisfy, shard blobs, the
+//! piece-by-piece download of a blob from a peer, and how a node obtains its row ([`join`]),
+//! written once over the [`Link`] each shell implements.
+
+mod join;
+
+pub use join::{Joined, Link, answer_chain, join};
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -42,6 +47,12 @@ pub enum HolderError {
     /// A peer's answer broke the download protocol.
     #[error("{0}")]
     Download(String),
+    /// A peer could not be reached or did not answer.
+    #[error("{0}")]
+    Link(String),
+    /// Building a row along a chain of holders failed.
+    #[error(transparent)]
+    Chain(#[from] crate::chain::ChainError),
 }
 
 /// A shard and the updates applied to it.
@@ -254,6 +265,7 @@ pub fn describe(r: &MeshResponse) -> &'static str {
         MeshResponse::Learned { .. } => "learning receipt",
         MeshResponse::Norms { .. } => "norm gains",
         MeshResponse::Reported => "report receipt",
+        MeshResponse::Partial(_) => "running sum",
         MeshResponse::Error(_) => "error",
     }
 }

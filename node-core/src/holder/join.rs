@@ -1,0 +1,313 @@
+//! How a node obtains its row — a genesis shard, a row built along a chain of k holders, or a
+//! replica copied from a holder — and a holder's part in someone else's chain; written once for
+//! the native and the browser node, over the [`Link`] each of them implements.
+
+use std::future::Future;
+
+use futures::StreamExt;
+
+use super::{
+    Download, HolderError, MAX_BLOB_BYTES, check_shard, describe, shard_chunk_request,
+    shard_from_blob, shard_to_blob, version_from_source,
+};
+use crate::chain::{Assembly, ChainPart};
+use crate::code::Generator;
+use crate::coded::ShardSet;
+use crate::mesh::{JoinOffer, MeshRequest, MeshResponse, ModelManifest, ShardVersion, SourceRow};
+use crate::model::{LeaderWeights, LlamaConfig};
+
+/// Chained pieces a joiner asks for at once: enough to keep every link of the chain busy.
+const CHAIN_IN_FLIGHT: usize = 4;
+
+/// What a holder needs of its node's networking.
+pub trait Link {
+    /// A peer this node can ask.
+    type Peer: Clone + std::fmt::Display;
+
+    /// Asks `peer` and waits for its answer (an `Error` answer is an answer).
+    fn ask(
+        &self,
+        peer: &Self::Peer,
+        request: MeshRequest,
+    ) -> impl Future<Output = Result<MeshResponse, HolderError>>;
+
+    /// Connects to the holder `src` names, at the addresses it gives.
+    fn dial(&self, src: &SourceRow) -> impl Future<Output = Result<Self::Peer, HolderError>>;
+
+    /// Runs CPU-heavy work where it does not hold up the node's networking.
+    fn blocking<R: Send + 'static>(
+        &self,
+        work: impl FnOnce() -> R + Send + 'static,
+    ) -> impl Future<Output = R>;
+
+    /// Shows how far a long step is (`total` 0: not known yet).
+    fn progress(&self, what: &str, done: u64, total: u64);
+}
+
+/// A row obtained from the mesh.
+#[derive(Debug)]
+pub struct Joined {
+    /// The shard set.
+    pub shard: ShardSet,
+    /// The same as a blob, to store.
+    pub blob: Vec<u8>,
+    /// The updates it includes.
+    pub version: ShardVersion,
+    /// The norm gains at that version.
+    pub norms: LeaderWeights,
+    /// Where it came from, for people.
+    pub how: String,
+    /// Bytes of shard data this node received to obtain it.
+    pub received: u64,
+}
+
+/// `link.ask`, with an `Error` answer as an error.
+async fn ask_ok<L: Link>(
+    link: &L,
+    peer: &L::Peer,
+    request: MeshRequest,
+) -> Result<MeshResponse, HolderError> {
+    match link.ask(peer, request).await? {
+        MeshResponse::Error(e) => Err(HolderError::Link(format!("{peer} answered: {e}"))),
+        other => Ok(other),
+    }
+}
+
+/// Asks `bootstrap` for a row of the mesh `manifest` describes and obtains its shard.
+pub async fn join<L: Link>(
+    link: &L,
+    bootstrap: &L::Peer,
+    manifest: &ModelManifest,
+) -> Result<Joined, HolderError> {
+    let offer = match ask_ok(link, bootstrap, MeshRequest::Join).await? {
+        MeshResponse::Join(offer) => offer,
+        other => {
+            return Err(HolderError::Download(format!(
+                "asked to join, got a {}",
+                describe(&other)
+            )));
+        }
+    };
+    match offer {
+        JoinOffer::Genesis { row } => {
+            let what = format!("row {row} from {bootstrap}");
+            let (blob, at) = download(link, bootstrap, &what, row).await?;
+            if at != ShardVersion::default().digest() {
+                return Err(HolderError::Download(
+                    "the genesis shard is not at the genesis version".into(),
+                ));
+            }
+            let received = blob.len() as u64;
+            let (shard, blob) = decode(link, manifest, row, blob).await?;
+            Ok(Joined {
+                shard,
+                blob,
+                version: ShardVersion::default(),
+                norms: manifest.leader.clone(),
+                how: format!("a genesis shard from {bootstrap}"),
+                received,
+            })
+        }
+        JoinOffer::Reencode { row, sources } => build_row(link, manifest, row, &sources).await,
+        JoinOffer::Replica { row, holders } => {
+            let mut failures = Vec::new();
+            for src in holders.iter().filter(|s| s.row == row) {
+                match copy_row(link, manifest, src).await {
+                    Ok(joined) => return Ok(joined),
+                    Err(e) => {
+                        tracing::warn!(peer = %src.peer, "could not copy row {row}: {e}");
+                        failures.push(format!("{}: {e}", src.peer));
+                    }
+                }
+            }
+            Err(HolderError::Link(format!(
+                "could not copy row {row} from any of its holders: {}",
+                failures.join("; ")
+            )))
+        }
+        JoinOffer::Full => Err(HolderError::Link(format!(
+            "the mesh has fewer than k = {} live rows to build a row from: try again once it is available",
+            manifest.generator.k()
+        ))),
+    }
+}
+
+/// Downloads row `row`'s shard blob from `peer`: the bytes and the version they are at.
+async fn download<L: Link>(
+    link: &L,
+    peer: &L::Peer,
+    what: &str,
+    row: u32,
+) -> Result<(Vec<u8>, [u8; 32]), HolderError> {
+    let mut d = Download::new(MAX_BLOB_BYTES);
+    loop {
+        let answer = link.ask(peer, shard_chunk_request(row, d.offset())).await?;
+        let done = d.accept(answer)?;
+        link.progress(what, d.offset(), d.total().unwrap_or(0));
+        if done {
+            return Ok(d.finish());
+        }
+    }
+}
+
+/// A downloaded blob as row `row`'s shard set of this mesh, with the blob.
+async fn decode<L: Link>(
+    link: &L,
+    manifest: &ModelManifest,
+    row: u32,
+    blob: Vec<u8>,
+) -> Result<(ShardSet, Vec<u8>), HolderError> {
+    link.progress("checking the shard", 0, 0);
+    let (shard, blob) = link
+        .blocking(move || shard_from_blob(&blob).map(|s| (s, blob)))
+        .await?;
+    check_shard(&shard, manifest, row)?;
+    Ok((shard, blob))
+}
+
+/// Which updates make version `at` on `from`, and its norm gains there.
+async fn version_at<L: Link>(
+    link: &L,
+    from: &L::Peer,
+    at: [u8; 32],
+    cfg: &LlamaConfig,
+) -> Result<(ShardVersion, LeaderWeights), HolderError> {
+    let norms = link.ask(from, MeshRequest::Norms).await?;
+    let versions = link.ask(from, MeshRequest::Versions).await?;
+    version_from_source(at, norms, versions, cfg)
+}
+
+/// Copies one holder's shard of its row, at the version it is at.
+async fn copy_row<L: Link>(
+    link: &L,
+    manifest: &ModelManifest,
+    src: &SourceRow,
+) -> Result<Joined, HolderError> {
+    let from = link.dial(src).await?;
+    let what = format!("copying row {} from {from}", src.row);
+    let (blob, at) = download(link, &from, &what, src.row).await?;
+    let received = blob.len() as u64;
+    let (shard, blob) = decode(link, manifest, src.row, blob).await?;
+    let (version, norms) = version_at(link, &from, at, &manifest.cfg).await?;
+    Ok(Joined {
+        shard,
+        blob,
+        version,
+        norms,
+        how: format!("a replica of row {}, copied from {from}", src.row),
+        received,
+    })
+}
+
+/// Builds row `target` along the chain `sources` ([`crate::chain`]): this node receives one
+/// shard's worth of running sums from the last source and nothing else.
+async fn build_row<L: Link>(
+    link: &L,
+    manifest: &ModelManifest,
+    target: u32,
+    sources: &[SourceRow],
+) -> Result<Joined, HolderError> {
+    let rows: Vec<u32> = sources.iter().map(|s| s.row).collect();
+    let last = sources
+        .last()
+        .ok_or_else(|| HolderError::Download("the join offer named no source rows".into()))?;
+    let tail = &link.dial(last).await?;
+    // The chain builds the row at the version its last source is at now; a source at another
+    // version refuses its piece, and the join is tried again.
+    let at = match ask_ok(link, tail, MeshRequest::Norms).await? {
+        MeshResponse::Norms { version, .. } => version,
+        other => {
+            return Err(HolderError::Download(format!(
+                "asked for the version, got a {}",
+                describe(&other)
+            )));
+        }
+    };
+    let mut asm = Assembly::new(
+        &manifest.cfg,
+        &manifest.generator,
+        target as usize,
+        manifest.format,
+    );
+    let pieces = asm.pieces();
+    let total = pieces.len() as u64;
+    let part = |piece| ChainPart {
+        target,
+        chain: sources.to_vec(),
+        at: (sources.len() - 1) as u32,
+        version: at,
+        piece,
+    };
+    let mut answers = futures::stream::iter(pieces.into_iter().map(|piece| {
+        let request = MeshRequest::Chain(part(piece));
+        async move { (piece, ask_ok(link, tail, request).await) }
+    }))
+    .buffered(CHAIN_IN_FLIGHT);
+    let what = format!("row {target} from rows {rows:?} along a chain");
+    let mut done = 0;
+    while let Some((piece, answer)) = answers.next().await {
+        match answer? {
+            MeshResponse::Partial(sum) => asm.add(&piece, &sum)?,
+            other => {
+                return Err(HolderError::Download(format!(
+                    "asked for a running sum, got a {}",
+                    describe(&other)
+                )));
+            }
+        }
+        done += 1;
+        link.progress(&what, done, total);
+    }
+    drop(answers);
+    let received = asm.received();
+    link.progress("storing the row", 0, 0);
+    let (shard, blob) = link
+        .blocking(move || {
+            let shard = asm.finish();
+            shard_to_blob(&shard).map(|blob| (shard, blob))
+        })
+        .await?;
+    let (version, norms) = version_at(link, tail, at, &manifest.cfg).await?;
+    let how = if target as usize >= manifest.generator.genesis_rows() {
+        "a new row, encoded"
+    } else {
+        "re-encoded"
+    };
+    Ok(Joined {
+        shard,
+        blob,
+        version,
+        norms,
+        how: format!("{how} from rows {rows:?} along a chain"),
+        received,
+    })
+}
+
+/// A holder's part in a chain: the running sum of the sources before it (`None` for the first),
+/// checked against the mesh's code `g` and model `cfg` before anything is asked. The holder then
+/// adds its own term with [`ChainPart::contribute`].
+pub async fn answer_chain<L: Link>(
+    link: &L,
+    part: &ChainPart,
+    g: &Generator,
+    cfg: &LlamaConfig,
+) -> Result<Option<Vec<f32>>, HolderError> {
+    let (_, len) = part.check(g, cfg)?;
+    let Some((src, before)) = part.before() else {
+        return Ok(None);
+    };
+    let peer = link.dial(&src).await?;
+    match ask_ok(link, &peer, MeshRequest::Chain(before)).await? {
+        MeshResponse::Partial(sum) if sum.len() == len => Ok(Some(sum)),
+        MeshResponse::Partial(sum) => Err(HolderError::Download(format!(
+            "row {}'s holder sent a running sum of {} values where {len} were due",
+            src.row,
+            sum.len()
+        ))),
+        other => Err(HolderError::Download(format!(
+            "asked row {} for a running sum, got a {}",
+            src.row,
+            describe(&other)
+        ))),
+    }
+}
