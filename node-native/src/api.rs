@@ -253,6 +253,8 @@ struct Common {
     stop: Option<Stop>,
     seed: Option<u64>,
     n: Option<u64>,
+    /// Coded Mesh's own field: `false` keeps this request out of the mesh's learning.
+    learn: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -401,6 +403,7 @@ impl Api {
                     seed,
                 },
                 stop_ids: self.tokenizer.eos_ids().to_vec(),
+                learn: c.learn.unwrap_or(true),
             },
             stops,
             stream: c.stream,

@@ -104,6 +104,8 @@ pub struct GenRequest {
     pub sampling: SamplingParams,
     /// Token ids that end the completion (not emitted).
     pub stop_ids: Vec<u32>,
+    /// The mesh may train on it (when the mesh learns at all).
+    pub learn: bool,
 }
 
 /// What a request's submitter hears, in order: tokens, then one `Done` or `Failed`.
@@ -972,7 +974,7 @@ impl Worker {
             latency,
         };
         match &self.to_train {
-            Some(tx) if item.tokens.len() >= 2 => {
+            Some(tx) if item.tokens.len() >= 2 && seq.job.req.learn => {
                 self.backlog.fetch_add(1, Ordering::Relaxed);
                 m.train_backlog.inc();
                 if tx.send(item).is_err() {
@@ -1194,6 +1196,7 @@ mod tests {
             max_tokens: 1,
             sampling: SamplingParams::default(),
             stop_ids: Vec::new(),
+            learn: true,
         };
         let job = Job {
             id: u64::from(prompt),

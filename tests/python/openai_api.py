@@ -47,8 +47,63 @@ def main():
     client = openai.OpenAI(base_url=base, api_key=key, max_retries=0, timeout=300)
     summary = {}
 
-    # The first request of the mesh, at the genesis version: a greedy completion cut by a stop
-    # string must be the uncoded model's greedy completion up to that string.
+    # A streamed chat completion: chunks arrive one by one, usage at the end when asked. It is
+    # the mesh's first request; with the one after it, a seeded repeat.
+    started = time.monotonic()
+    stream = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "system", "content": "You are terse."},
+                  {"role": "user", "content": "Say something."}],
+        max_tokens=12,
+        temperature=0.8,
+        seed=7,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"learn": False},
+    )
+    chunks, text, finish, usage, times = 0, "", None, None, []
+    for chunk in stream:
+        chunks += 1
+        times.append(time.monotonic() - started)
+        check_obj = chunk.object == "chat.completion.chunk"
+        if not check_obj:
+            raise AssertionError(f"chunk object {chunk.object}")
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            if c.delta.content:
+                text += c.delta.content
+            if c.finish_reason:
+                finish = c.finish_reason
+    check(chunks >= 3, f"the chat streamed in {chunks} chunks")
+    check(finish in ("stop", "length"), f"the stream ended with finish_reason {finish}")
+    check(usage is not None and usage.completion_tokens >= 1 and usage.completion_tokens <= 12,
+          f"the last chunk carries usage {usage}")
+    summary["chat_stream_text"] = text
+    summary["chat_stream_chunks"] = chunks
+
+    # The same seed gives the same sampled text (non-streamed this time): neither request
+    # trains the mesh (`learn: false`) and nothing did before them, so both run at the genesis
+    # version.
+    again = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "system", "content": "You are terse."},
+                  {"role": "user", "content": "Say something."}],
+        max_tokens=12,
+        temperature=0.8,
+        seed=7,
+        extra_body={"learn": False},
+    )
+    check(again.object == "chat.completion", "a chat.completion object")
+    check(again.choices[0].message.role == "assistant", "the answer is the assistant's")
+    check(again.choices[0].message.content == text,
+          f"seed 7 at one version gives the same text: {again.choices[0].message.content!r} == {text!r}")
+    summary["chat_text"] = again.choices[0].message.content
+    # Requests the mesh was told not to learn from.
+    summary["untrained"] = 2
+
+    # The first request the mesh learns from, still at the genesis version: a greedy completion
+    # cut by a stop string must be the uncoded model's greedy completion up to that string.
     text = expected["completion_text"]
     at = next((i for i in range(2, len(text) - 1) if text.find(text[i:i + 2]) == i), None)
     if at is None:
@@ -81,52 +136,6 @@ def main():
     models = client.models.list()
     ids = [m.id for m in models.data]
     check(ids == [model], f"/v1/models lists the served model {ids}")
-
-    # A streamed chat completion: chunks arrive one by one, usage at the end when asked.
-    started = time.monotonic()
-    stream = client.chat.completions.create(
-        model=model,
-        messages=[{"role": "system", "content": "You are terse."},
-                  {"role": "user", "content": "Say something."}],
-        max_tokens=12,
-        temperature=0.8,
-        seed=7,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
-    chunks, text, finish, usage, times = 0, "", None, None, []
-    for chunk in stream:
-        chunks += 1
-        times.append(time.monotonic() - started)
-        check_obj = chunk.object == "chat.completion.chunk"
-        if not check_obj:
-            raise AssertionError(f"chunk object {chunk.object}")
-        if chunk.usage is not None:
-            usage = chunk.usage
-        for c in chunk.choices:
-            if c.delta.content:
-                text += c.delta.content
-            if c.finish_reason:
-                finish = c.finish_reason
-    check(chunks >= 3, f"the chat streamed in {chunks} chunks")
-    check(finish in ("stop", "length"), f"the stream ended with finish_reason {finish}")
-    check(usage is not None and usage.completion_tokens >= 1 and usage.completion_tokens <= 12,
-          f"the last chunk carries usage {usage}")
-    summary["chat_stream_text"] = text
-    summary["chat_stream_chunks"] = chunks
-
-    # The same seed gives the same sampled text (non-streamed this time).
-    again = client.chat.completions.create(
-        model=model,
-        messages=[{"role": "system", "content": "You are terse."},
-                  {"role": "user", "content": "Say something."}],
-        max_tokens=12,
-        temperature=0.8,
-        seed=7,
-    )
-    check(again.object == "chat.completion", "a chat.completion object")
-    check(again.choices[0].message.role == "assistant", "the answer is the assistant's")
-    summary["chat_text"] = again.choices[0].message.content
 
     # Errors, in OpenAI's shape and status codes.
     try:

@@ -344,7 +344,35 @@ fn up_serves_the_openai_api_learns_stops_restarts_and_supervises() -> Result<()>
         "records name their requests"
     );
 
-    // Every request trained the mesh: all five rows hold the same updates.
+    // Every request trained the mesh (but the two that asked not to): the mesh's usage counts
+    // each trained request once its minibatch went into an update, and all five rows hold the
+    // same updates.
+    let summary: serde_json::Value = stdout
+        .lines()
+        .last()
+        .and_then(|l| serde_json::from_str(l).ok())
+        .context("the script's last line is its JSON summary")?;
+    let served = summary["metrics"]["codedmesh_requests_total"]
+        .as_f64()
+        .context("requests_total in the summary")? as u64;
+    let untrained = summary["untrained"].as_u64().context("untrained")?;
+    let start = Instant::now();
+    loop {
+        let s = status(&bootstrap)?;
+        let u = &s["usage"];
+        let (requests, trained) = (
+            u["requests"].as_u64().unwrap_or(0),
+            u["trained"].as_u64().unwrap_or(0),
+        );
+        if requests >= served && trained + untrained == requests {
+            break;
+        }
+        ensure!(
+            start.elapsed() < Duration::from_secs(90),
+            "not every request trained: {requests} served ({served} by the script's count), {trained} trained, {untrained} asked not to: {u}"
+        );
+        std::thread::sleep(Duration::from_millis(300));
+    }
     let learned = wait_healthy(&bootstrap, 5, Duration::from_secs(60))?;
     ensure!(
         learned >= 1,
