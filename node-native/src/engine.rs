@@ -29,10 +29,10 @@ use node_core::model::{
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::{mpsc, oneshot};
 
-use crate::http::InfoRequest;
 use crate::metrics::Metrics;
-use crate::node::{LocalRow, ask};
 use crate::remote::{Formed, GroupOptions, form_group, settled_info};
+use crate::row::{InfoRequest, LocalRow};
+use crate::rpc::ask;
 use crate::steplog::StepLog;
 use crate::swarm::Client;
 

@@ -11,16 +11,14 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::get;
-use node_core::mesh::{BrowserBootstrap, MeshInfo};
+use node_core::mesh::BrowserBootstrap;
 use tokio::sync::{mpsc, oneshot};
 use tower_http::services::ServeDir;
 
 /// Environment variable naming the dashboard's built files (trunk's `dist`).
 pub const WEB_DIR_ENV: &str = "CODEDMESH_WEB";
 
-/// Asks the node's loop for the mesh as it sees it.
-#[derive(Debug)]
-pub struct InfoRequest(pub oneshot::Sender<MeshInfo>);
+pub use crate::row::InfoRequest;
 
 #[derive(Clone)]
 struct AppState {

@@ -14,6 +14,8 @@ pub mod metrics;
 pub mod node;
 pub mod progress;
 pub mod remote;
+pub mod row;
+pub mod rpc;
 pub mod steplog;
 pub mod store;
 pub mod supervise;

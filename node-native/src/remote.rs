@@ -15,7 +15,8 @@ use node_core::mesh::{
 };
 
 use crate::link::pick_addr;
-use crate::node::{LocalRow, ask, fetch_manifest, fetch_update};
+use crate::row::LocalRow;
+use crate::rpc::{ask, fetch_manifest, fetch_update};
 use crate::swarm::{self, Client, NetConfig};
 
 /// A connection to the mesh through one node.

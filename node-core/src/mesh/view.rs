@@ -180,8 +180,13 @@ impl<P: Ord + Clone + Display> MeshView<P> {
         }
         match self.peers.get_mut(&from) {
             Some(e) => {
-                if hb.incarnation == e.hb.incarnation && hb.seq < e.hb.seq {
-                    return; // reordered: an older heartbeat
+                // Reordered: an older heartbeat of this incarnation, or one of an earlier
+                // incarnation that gossip delivers late (a peer that just subscribed asks for the
+                // recent messages it missed). An earlier incarnation counts again only once this
+                // one is dead (a restart with a clock set back).
+                let older = (hb.incarnation, hb.seq) < (e.hb.incarnation, e.hb.seq);
+                if older && (hb.incarnation == e.hb.incarnation || e.health != Health::Dead) {
+                    return;
                 }
                 e.hb = hb;
                 e.last_seen = now;
@@ -549,6 +554,39 @@ mod tests {
         v.handle_heartbeat(t0 + cfg.dead_after, 1, hb(Some(1)));
         assert_eq!(v.health(&1), Some(Health::Healthy));
         assert!(v.info(t0 + cfg.dead_after).available);
+    }
+
+    #[test]
+    fn a_late_heartbeat_of_an_earlier_incarnation_does_not_overwrite_a_restart() {
+        let t0 = Instant::now();
+        let cfg = HealthConfig::default();
+        let mut v = MeshView::new(t0, 0u32, cfg, 2, (3, 3), "m".into(), hb(Some(0))).unwrap();
+        let restarted = Heartbeat {
+            incarnation: 2,
+            device: "gpu".into(),
+            ..hb(Some(1))
+        };
+        let old = Heartbeat {
+            seq: 40,
+            ..hb(Some(1))
+        };
+        v.handle_heartbeat(t0, 1, restarted.clone());
+        // Gossip hands a peer that just joined the old process's last heartbeat after the new.
+        v.handle_heartbeat(t0, 1, old.clone());
+        let device = |v: &MeshView<u32>| {
+            v.info(t0)
+                .nodes
+                .iter()
+                .find(|n| n.peer == "1")
+                .map(|n| n.device.clone())
+        };
+        assert_eq!(device(&v).as_deref(), Some("gpu"));
+        // Once the newer incarnation is dead, an earlier one counts again (a clock set back).
+        v.handle_timeout(t0 + cfg.dead_after);
+        assert_eq!(v.health(&1), Some(Health::Dead));
+        v.handle_heartbeat(t0 + cfg.dead_after, 1, old);
+        assert_eq!(device(&v).as_deref(), Some("cpu"));
+        assert_eq!(v.health(&1), Some(Health::Healthy));
     }
 
     #[test]

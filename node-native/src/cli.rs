@@ -1,0 +1,391 @@
+//! The command line's arguments: one struct per command, apart from what the commands do
+//! (main.rs).
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+use node_core::coded::ShardFormat;
+use node_core::mesh::HealthConfig;
+use node_native::node;
+
+/// Coded Mesh: a transformer served by Cauchy-coded shards, any k of n nodes.
+#[derive(Debug, Parser)]
+#[command(name = "codedmesh", version, about)]
+pub(crate) struct Cli {
+    #[command(subcommand)]
+    pub(crate) command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum Command {
+    /// Generate a completion: on the mesh with --bootstrap, else through k of n coded shards in
+    /// this process.
+    Generate(GenerateArgs),
+    /// Start a mesh: encode a model into n rows, keep row 0, hand the others to joining nodes.
+    Seed(SeedArgs),
+    /// Run a node: restart from its data dir, or join through --bootstrap and take a row.
+    Node(NodeArgs),
+    /// Show the mesh: rows, holders, health, versions.
+    Status(StatusArgs),
+    /// Perplexity of the mesh's model on a text file (forward only: it does not learn).
+    Eval(EvalArgs),
+    /// Fetch the default model into the cache (if needed) and print its path.
+    FetchModel,
+    /// Measure kernel bandwidth and model tokens/s, uncoded and coded; print a table.
+    Bench(BenchArgs),
+    /// Start a whole local mesh (n nodes on 127.0.0.1) and serve the OpenAI API and the
+    /// dashboard: fetches and encodes the model the first time, then starts in seconds.
+    Up(UpArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub(crate) struct UpArgs {
+    /// Nodes to start, one coded row each (n).
+    #[arg(long, default_value_t = 5)]
+    pub(crate) nodes: usize,
+    /// Rows needed to compute (k ≤ nodes).
+    #[arg(long, default_value_t = 3)]
+    pub(crate) k: usize,
+    /// Most rows the mesh may grow to as nodes join (then joiners become replicas); default:
+    /// as many as keep every group of k within the numerics goal (docs/coding.md).
+    #[arg(long)]
+    pub(crate) max_rows: Option<usize>,
+    /// A GGUF file or a Hugging Face directory; default: SmolLM2-135M-Instruct, fetched once.
+    #[arg(long)]
+    pub(crate) model: Option<PathBuf>,
+    /// Where the mesh's rows and logs live; default: $CODEDMESH_DATA, else the user's data
+    /// dir + codedmesh/up/<model>-k<k>-n<n>.
+    #[arg(long)]
+    pub(crate) data: Option<PathBuf>,
+    /// Port of the OpenAI API and the dashboard.
+    #[arg(long, default_value_t = 8000)]
+    pub(crate) port: u16,
+    /// Address the API and the dashboard listen on (127.0.0.1: this machine only).
+    #[arg(long, default_value = "127.0.0.1")]
+    pub(crate) api_listen: std::net::IpAddr,
+    /// Bearer key the API asks for.
+    #[arg(long, env = "CODEDMESH_API_KEY")]
+    pub(crate) api_key: Option<String>,
+    /// Requests do not train the model.
+    #[arg(long)]
+    pub(crate) no_learning: bool,
+    /// Write every coded step of the API's requests to this file (JSON lines).
+    #[arg(long)]
+    pub(crate) trace_steps: Option<PathBuf>,
+    /// The dashboard's built files (trunk's dist).
+    #[arg(long)]
+    pub(crate) web_dir: Option<PathBuf>,
+    /// Do not build the dashboard when it is missing.
+    #[arg(long)]
+    pub(crate) no_build_web: bool,
+    /// Most requests generated together by the API's node.
+    #[arg(long, default_value_t = 16)]
+    pub(crate) max_batch: usize,
+    /// Most requests waiting beyond the batch before the API answers 429.
+    #[arg(long, default_value_t = 64)]
+    pub(crate) queue: usize,
+    /// Answers checked beyond the k decoded in every round (1 detects a wrong member).
+    #[arg(long, default_value_t = 1)]
+    pub(crate) check: usize,
+    /// Spare members asked beside them. None by default: on one machine a spare adds work
+    /// (throughput -17%, docs/perf.md) and rarely beats a local straggler; with `--check 1`
+    /// a failed member still leaves k answers.
+    #[arg(long, default_value_t = 0)]
+    pub(crate) spares: usize,
+    /// Most coded groups the API's node serves with side by side, each over its own holders
+    /// (more form only when the mesh has holders for them, e.g. with `--nodes 10`).
+    #[arg(long, default_value_t = 4)]
+    pub(crate) groups: usize,
+}
+
+/// How a node serves the requests it leads (its OpenAI API).
+#[derive(Debug, clap::Args)]
+pub(crate) struct ServeArgs {
+    /// Bearer key the API asks for (`Authorization: Bearer KEY`).
+    #[arg(long, env = "CODEDMESH_API_KEY")]
+    pub(crate) api_key: Option<String>,
+    /// Most requests generated together (one coded round per stage for all of them).
+    #[arg(long, default_value_t = 16)]
+    pub(crate) max_batch: usize,
+    /// Most requests waiting beyond the batch before the API answers 429.
+    #[arg(long, default_value_t = 64)]
+    pub(crate) queue: usize,
+    /// The requests this node leads do not train the mesh.
+    #[arg(long)]
+    pub(crate) no_learn: bool,
+    /// Most coded groups this node serves with side by side, each over holders the others do
+    /// not use; a further group forms only when the mesh has holders for it.
+    #[arg(long, default_value_t = 4)]
+    pub(crate) groups: usize,
+    /// Answers checked beyond the k decoded in every round of the requests this node leads:
+    /// 1 detects a wrong member, 2 also locates it; 0 turns checking off.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) check: usize,
+    /// Spare members asked beside them: a straggler or a failure costs nothing, at the price
+    /// of their compute.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) spares: usize,
+    /// Write every coded step of the requests this node leads to this file (JSON lines:
+    /// time, request, step, member, bytes, duration).
+    #[arg(long)]
+    pub(crate) trace_steps: Option<PathBuf>,
+}
+
+#[derive(Debug, clap::Args)]
+pub(crate) struct BenchArgs {
+    /// A GGUF file or a Hugging Face directory; default: SmolLM2-135M-Instruct.
+    #[arg(long)]
+    pub(crate) model: Option<PathBuf>,
+    /// Tokens to generate per measured run.
+    #[arg(long, default_value_t = 32)]
+    pub(crate) tokens: usize,
+    /// Also start 5 processes on this machine (k = 3) and measure generation over loopback.
+    #[arg(long)]
+    pub(crate) mesh: bool,
+    /// Measure verification instead: false positives, detection and location of faults.
+    #[arg(long)]
+    pub(crate) verify: bool,
+    /// Trials per kind of fault (with --verify).
+    #[arg(long, default_value_t = 1000)]
+    pub(crate) trials: usize,
+    /// Honest requests checked for false positives (with --verify).
+    #[arg(long, default_value_t = 10_000)]
+    pub(crate) honest: usize,
+    /// Measure the GPU instead: WGSL kernels against the copy kernel, and tokens/s with the
+    /// members on the GPU against the CPU.
+    #[arg(long)]
+    pub(crate) gpu: bool,
+    /// Size of the large copy and GEMV buffers in MiB (with --gpu).
+    #[arg(long, default_value_t = 1024)]
+    pub(crate) gpu_mib: u64,
+    /// Use random weights of SmolLM2-135M's shape instead of a model file (speed only).
+    #[arg(long)]
+    pub(crate) synthetic: bool,
+}
+
+#[derive(Debug, clap::Args)]
+pub(crate) struct NetArgs {
+    /// Data directory (identity, manifest, shard).
+    #[arg(long)]
+    pub(crate) data: PathBuf,
+    /// Address to listen on; QUIC, WebSocket and WebRTC-direct listen beside each TCP one.
+    #[arg(long, default_value = "/ip4/127.0.0.1/tcp/0")]
+    pub(crate) listen: Vec<libp2p::Multiaddr>,
+    /// Listen on TCP only.
+    #[arg(long)]
+    pub(crate) tcp_only: bool,
+    /// Discover peers on the local network with mDNS.
+    #[arg(long)]
+    pub(crate) mdns: bool,
+    /// Heartbeat interval, milliseconds.
+    #[arg(long, default_value_t = 1000)]
+    pub(crate) heartbeat_ms: u64,
+    /// Silence before a peer is Suspect, milliseconds.
+    #[arg(long, default_value_t = 4000)]
+    pub(crate) suspect_ms: u64,
+    /// Silence before a peer is Dead, milliseconds.
+    #[arg(long, default_value_t = 10000)]
+    pub(crate) dead_ms: u64,
+    /// Where to compute the shard products: cpu, gpu (any wgpu adapter; fails without one) or
+    /// auto (a hardware GPU when there is one, else the CPU).
+    #[arg(long, default_value = "cpu")]
+    pub(crate) device: node_core::compute::gpu::DeviceChoice,
+    /// Where to serve HTTP: the OpenAI API at `/v1`, the dashboard at `/`, the status at
+    /// `/api/status`, metrics at `/metrics` (port 0 picks a free one; the node prints the URL).
+    #[arg(
+        long = "api-listen",
+        visible_alias = "http",
+        default_value = "127.0.0.1:0"
+    )]
+    pub(crate) http: std::net::SocketAddr,
+    /// Serve no HTTP.
+    #[arg(long, conflicts_with = "http")]
+    pub(crate) no_http: bool,
+    /// The dashboard's built files (trunk's dist); default: $CODEDMESH_WEB, else web-ui/dist
+    /// of the checkout the binary was built in.
+    #[arg(long)]
+    pub(crate) web_dir: Option<PathBuf>,
+    #[command(flatten)]
+    pub(crate) serve: ServeArgs,
+}
+
+impl NetArgs {
+    pub(crate) fn options(
+        &self,
+        bootstrap: Option<libp2p::Multiaddr>,
+    ) -> Result<node::NodeOptions> {
+        let health = HealthConfig {
+            heartbeat_interval: Duration::from_millis(self.heartbeat_ms),
+            suspect_after: Duration::from_millis(self.suspect_ms),
+            dead_after: Duration::from_millis(self.dead_ms),
+        };
+        health.validate()?;
+        Ok(node::NodeOptions {
+            data: self.data.clone(),
+            bootstrap,
+            listen: self.listen.clone(),
+            all_transports: !self.tcp_only,
+            mdns: self.mdns,
+            health,
+            fault: None,
+            device: self.device,
+            http: (!self.no_http).then_some(self.http),
+            web_dir: self.web_dir.clone(),
+            serve: node_native::engine::EngineConfig {
+                max_batch: self.serve.max_batch,
+                queue: self.serve.queue,
+                learn: !self.serve.no_learn,
+                verify: self.serve.check,
+                spares: self.serve.spares,
+                trace_steps: self.serve.trace_steps.clone(),
+                groups: self.serve.groups,
+                ..Default::default()
+            },
+            api_key: self.serve.api_key.clone(),
+        })
+    }
+}
+
+#[derive(Debug, clap::Args)]
+pub(crate) struct SeedArgs {
+    /// A GGUF file or a Hugging Face directory; default: SmolLM2-135M-Instruct, fetched once.
+    #[arg(long)]
+    pub(crate) model: Option<PathBuf>,
+    /// Shards needed to compute (k).
+    #[arg(long, default_value_t = 3)]
+    pub(crate) k: usize,
+    /// Rows of the code encoded at genesis (n ≥ k), one per node.
+    #[arg(long, default_value_t = 5)]
+    pub(crate) n: usize,
+    /// Most rows the mesh may grow to as nodes join (then joiners become replicas); default:
+    /// as many as keep every group of k within the numerics goal (docs/coding.md).
+    #[arg(long)]
+    pub(crate) max_rows: Option<usize>,
+    /// Shard storage: f32 or f16.
+    #[arg(long, default_value = "f32")]
+    pub(crate) shard_format: ShardFormat,
+    /// Requests do not train the model.
+    #[arg(long)]
+    pub(crate) no_learning: bool,
+    /// SGD learning rate of the mesh.
+    #[arg(long, default_value_t = 1e-4)]
+    pub(crate) lr: f32,
+    /// Gradient clipping norm.
+    #[arg(long, default_value_t = 1.0)]
+    pub(crate) clip: f32,
+    /// Rank each update is compressed to, sent as f16; 0 sends exact f32 factors.
+    #[arg(long, default_value_t = node_core::mesh::DEFAULT_RANK)]
+    pub(crate) rank: u32,
+    /// Requests a leader folds into one update (low-communication mode, needs rank > 0).
+    #[arg(long, default_value_t = 1)]
+    pub(crate) accumulate: u32,
+    /// Linear outer momentum of a leader's updates (needs rank > 0).
+    #[arg(long, default_value_t = 0.0)]
+    pub(crate) momentum: f32,
+    #[command(flatten)]
+    pub(crate) net: NetArgs,
+}
+
+#[derive(Debug, clap::Args)]
+pub(crate) struct NodeArgs {
+    /// A mesh node's address (a peer id is optional).
+    #[arg(long)]
+    pub(crate) bootstrap: Option<libp2p::Multiaddr>,
+    /// Misbehave on purpose, to test and demonstrate verification: garbage answers, a shard
+    /// scaled by 1 + 1e-3, a shard missing the first update received (stale), or claiming
+    /// every update while applying none (lie-version).
+    #[arg(long, value_enum)]
+    pub(crate) inject_fault: Option<node::InjectedFault>,
+    /// Run the node as a child process and start it again when it crashes (with a growing
+    /// wait between crashes in a row).
+    #[arg(long)]
+    pub(crate) supervise: bool,
+    #[command(flatten)]
+    pub(crate) net: NetArgs,
+}
+
+#[derive(Debug, clap::Args)]
+pub(crate) struct EvalArgs {
+    /// A mesh node's address.
+    #[arg(long)]
+    pub(crate) bootstrap: libp2p::Multiaddr,
+    /// A UTF-8 text file.
+    #[arg(long)]
+    pub(crate) file: PathBuf,
+    /// Tokens per chunk.
+    #[arg(long, default_value_t = 64)]
+    pub(crate) chunk: usize,
+    /// Most chunks evaluated (from the start of the file).
+    #[arg(long, default_value_t = 16)]
+    pub(crate) max_chunks: usize,
+}
+
+#[derive(Debug, clap::Args)]
+pub(crate) struct StatusArgs {
+    /// A mesh node's address.
+    #[arg(long)]
+    pub(crate) bootstrap: libp2p::Multiaddr,
+    /// Print one JSON object.
+    #[arg(long)]
+    pub(crate) json: bool,
+}
+
+#[derive(Debug, clap::Args)]
+pub(crate) struct GenerateArgs {
+    /// Run on the mesh reached through this node, instead of in this process.
+    #[arg(long)]
+    pub(crate) bootstrap: Option<libp2p::Multiaddr>,
+    /// Spare members asked beside the k (mesh only): stragglers and failures cost nothing.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) spares: usize,
+    /// Answers checked beyond the k decoded in every round (mesh only): 1 detects a wrong
+    /// member, 2 also locates it without asking anyone else; 0 turns checking off.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) check: usize,
+    /// The prompt.
+    #[arg(long)]
+    pub(crate) prompt: String,
+    /// Shards needed to compute (k).
+    #[arg(long, default_value_t = 3)]
+    pub(crate) k: usize,
+    /// Shards encoded (n ≥ k).
+    #[arg(long, default_value_t = 5)]
+    pub(crate) n: usize,
+    /// Most tokens to generate.
+    #[arg(long, default_value_t = 32)]
+    pub(crate) max_tokens: usize,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub(crate) temperature: f32,
+    /// Nucleus sampling mass.
+    #[arg(long, default_value_t = 1.0)]
+    pub(crate) top_p: f32,
+    /// Seed of the sampler.
+    #[arg(long, default_value_t = 0)]
+    pub(crate) seed: u64,
+    /// Wrap the prompt in the model's chat template as a user message.
+    #[arg(long)]
+    pub(crate) chat: bool,
+    /// A GGUF file or a Hugging Face directory; default: SmolLM2-135M-Instruct, fetched once.
+    #[arg(long)]
+    pub(crate) model: Option<PathBuf>,
+    /// Also run the uncoded model and report whether the tokens agree.
+    #[arg(long)]
+    pub(crate) verify: bool,
+    /// Where to run (in this process only): cpu, gpu (the whole token on any wgpu adapter;
+    /// fails without one) or auto (a hardware GPU when there is one, else the CPU).
+    #[arg(long, default_value = "cpu")]
+    pub(crate) device: node_core::compute::gpu::DeviceChoice,
+    /// Shard storage: f32 (exact to the code's error) or f16 (half the bytes, see docs/perf.md).
+    #[arg(long, default_value = "f32")]
+    pub(crate) shard_format: ShardFormat,
+    /// Run the request this many times on the mesh, learning after each (mesh only).
+    #[arg(long, default_value_t = 1)]
+    pub(crate) repeat: usize,
+    /// Write every coded step to this file, one JSON line each: time, step, member, bytes,
+    /// duration (mesh only).
+    #[arg(long)]
+    pub(crate) trace_steps: Option<PathBuf>,
+}

@@ -1,0 +1,197 @@
+//! The row this node holds: its shard's state, coded steps on it, and the learning updates
+//! applied to it (handed over by leaders or caught up from peers), with the handle a leader
+//! inside the node uses for it ([`LocalRow`]).
+
+use std::sync::{Arc, RwLock};
+
+use anyhow::{Result, anyhow, bail, ensure};
+use libp2p::PeerId;
+use node_core::mesh::{MeshInfo, MeshRequest, MeshResponse, Usage};
+use node_core::model::LeaderWeights;
+use node_core::protocol;
+use tokio::sync::oneshot;
+
+use crate::learning::{Rules, ShardState, UpdateStore};
+use crate::rpc::{ask, fetch_update};
+use crate::swarm::Client;
+
+/// Asks the node's loop for the mesh as it sees it.
+#[derive(Debug)]
+pub struct InfoRequest(pub oneshot::Sender<MeshInfo>);
+
+/// What the node's helper tasks report back to its loop.
+pub(crate) enum Internal {
+    /// An update was applied (and its payload saved).
+    Applied(u64),
+    /// A catch-up with a peer ended.
+    SyncDone,
+    /// A request this node led finished: count it in the usage it announces.
+    Served(Usage),
+    /// A leader in this node caught a member answering against the code.
+    Caught {
+        /// The member.
+        peer: PeerId,
+        /// The evidence.
+        evidence: String,
+    },
+}
+
+/// This node's own row as a leader inside the node uses it: its coded steps are computed and
+/// its learning updates applied here, without a network hop (a libp2p node cannot send a
+/// request to itself).
+#[derive(Clone)]
+pub struct LocalRow {
+    /// The row.
+    pub row: usize,
+    /// The node's peer id.
+    pub peer: PeerId,
+    pub(crate) state: Arc<RwLock<ShardState>>,
+    pub(crate) store: UpdateStore,
+    pub(crate) rules: Rules,
+    pub(crate) internal: tokio::sync::mpsc::Sender<Internal>,
+}
+
+impl std::fmt::Debug for LocalRow {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LocalRow").field("row", &self.row).finish()
+    }
+}
+
+impl LocalRow {
+    /// Computes a coded step at `version` (an error when the shard is at another).
+    pub fn step(&self, version: &[u8; 32], bytes: &[u8]) -> MeshResponse {
+        step(&self.state, version, bytes)
+    }
+
+    /// Checks, keeps and applies a sealed learning update, as a peer handing it over would.
+    /// Blocks: call it from a blocking thread.
+    pub fn learn(&self, bytes: &[u8]) -> MeshResponse {
+        learn(&self.state, &self.store, &self.rules, &self.internal, bytes)
+    }
+
+    /// The shard's version (digest) and the norm gains at it.
+    pub fn norms(&self) -> ([u8; 32], LeaderWeights) {
+        let s = read(&self.state);
+        (s.version.digest(), s.norms.clone())
+    }
+
+    /// Counts a finished request in the usage this node announces. Blocks: call it from a
+    /// blocking thread.
+    pub fn served(&self, usage: Usage) {
+        let _ = self.internal.blocking_send(Internal::Served(usage));
+    }
+
+    /// Records a member caught answering against the code, as a peer's report would. Blocks:
+    /// call it from a blocking thread.
+    pub fn caught(&self, peer: PeerId, evidence: String) {
+        let _ = self
+            .internal
+            .blocking_send(Internal::Caught { peer, evidence });
+    }
+}
+
+pub(crate) fn read(state: &RwLock<ShardState>) -> std::sync::RwLockReadGuard<'_, ShardState> {
+    state
+        .read()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+pub(crate) fn write(state: &RwLock<ShardState>) -> std::sync::RwLockWriteGuard<'_, ShardState> {
+    state
+        .write()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Saves and applies an update a leader hands over.
+pub(crate) fn learn(
+    state: &RwLock<ShardState>,
+    store: &UpdateStore,
+    rules: &Rules,
+    tx: &tokio::sync::mpsc::Sender<Internal>,
+    bytes: &[u8],
+) -> MeshResponse {
+    match apply_and_keep(state, store, rules, bytes) {
+        Ok((id, applied)) => {
+            if applied {
+                let _ = tx.blocking_send(Internal::Applied(id));
+            }
+            MeshResponse::Learned {
+                id,
+                version_count: read(state).version.count(),
+            }
+        }
+        Err(e) => MeshResponse::Error(format!("{e:#}")),
+    }
+}
+
+/// Validates, saves the payload, then applies: `(id, applied now)`.
+fn apply_and_keep(
+    state: &RwLock<ShardState>,
+    store: &UpdateStore,
+    rules: &Rules,
+    bytes: &[u8],
+) -> Result<(u64, bool)> {
+    let checked = rules.check(bytes)?;
+    let id = checked.id;
+    tracing::debug!(id = format!("{id:016x}"), signer = %checked.signer, "a signed update");
+    let update = checked.update;
+    if read(state).version.contains(id) {
+        return Ok((id, false));
+    }
+    store.save(id, bytes)?;
+    let applied = write(state).apply(&update, id)?;
+    Ok((id, applied))
+}
+
+/// Fetches and applies every update `peer` has applied and this node has not.
+pub(crate) async fn catch_up(
+    client: &Client,
+    peer: PeerId,
+    state: &Arc<RwLock<ShardState>>,
+    store: &UpdateStore,
+    rules: &Rules,
+    tx: &tokio::sync::mpsc::Sender<Internal>,
+) -> Result<()> {
+    let MeshResponse::Versions { ids } = ask(client, peer, MeshRequest::Versions).await? else {
+        bail!("asked for versions, got something else");
+    };
+    let missing: Vec<u64> = {
+        let s = read(state);
+        ids.into_iter()
+            .filter(|id| !s.version.contains(*id))
+            .collect()
+    };
+    for id in missing {
+        let bytes = fetch_update(client, peer, id).await?;
+        let (state, store, rules) = (state.clone(), store.clone(), rules.clone());
+        let (got, applied) =
+            tokio::task::spawn_blocking(move || apply_and_keep(&state, &store, &rules, &bytes))
+                .await
+                .map_err(|e| anyhow!("{e}"))??;
+        ensure!(
+            got == id,
+            "the peer's update {id:016x} hashes to {got:016x}"
+        );
+        if applied {
+            tx.send(Internal::Applied(id))
+                .await
+                .map_err(|_| anyhow!("the node stopped"))?;
+        }
+    }
+    Ok(())
+}
+
+/// Computes a coded step at the leader's version; the answer carries the compute time.
+pub(crate) fn step(state: &RwLock<ShardState>, version: &[u8; 32], bytes: &[u8]) -> MeshResponse {
+    let started = std::time::Instant::now();
+    let s = read(state);
+    if let Some(e) = s.version_mismatch(version) {
+        return MeshResponse::Error(e);
+    }
+    let answer = s.member.handle_bytes(bytes);
+    let compute_us = started.elapsed().as_micros() as u64;
+    match protocol::encode(&answer) {
+        Ok(bytes) => MeshResponse::Step { bytes, compute_us },
+        Err(e) => MeshResponse::Error(e.to_string()),
+    }
+}
