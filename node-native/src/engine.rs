@@ -497,6 +497,20 @@ impl Lead {
         let m = &self.ctx.metrics;
         m.rounds_checked.inc_by(s.verified_rounds);
         m.members_replaced.inc_by(s.members_dropped);
+        if s.members_dropped > 0 {
+            // Replacements came from free rows: the other serving groups must now avoid them
+            // (and may use the holders this one let go).
+            let t = f.group.transport();
+            f.members = f
+                .group
+                .nodes()
+                .iter()
+                .filter_map(|&r| t.peer_of(r))
+                .collect();
+            if let Some((slot, shared)) = &self.slot {
+                shared.set_busy(*slot, f.members.clone());
+            }
+        }
         if s.verified_rounds > 0 {
             m.decode_residual_ratio.observe(s.max_pass_ratio);
         }

@@ -912,6 +912,7 @@ fn watch_view(info: &MeshInfo, me: PeerId) -> Result<MeshView<PeerId>, WebError>
         offers: Vec::new(),
         incarnation: js_sys::Date::now() as u64,
         seq: 0,
+        uptime_ms: 0,
         device: "browser (watching)".into(),
         usage: Default::default(),
     };

@@ -146,6 +146,8 @@ fn heartbeat(row: u32, incarnation: u64, seq: u64) -> Heartbeat {
         offers: Vec::new(),
         incarnation,
         seq,
+        // One heartbeat a simulated second.
+        uptime_ms: seq * 1000,
         device: "sim".into(),
         usage: Default::default(),
     }

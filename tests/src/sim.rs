@@ -232,6 +232,7 @@ impl SimMesh {
             offers: Vec::new(),
             incarnation,
             seq: 0,
+            uptime_ms: 0,
             device: "cpu".into(),
             usage: Default::default(),
         }

@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 use super::Health;
 
 /// Gossipsub topic of heartbeats (the protocol version is part of it).
-pub const HEARTBEAT_TOPIC: &str = "codedmesh/heartbeat/1";
+pub const HEARTBEAT_TOPIC: &str = "codedmesh/heartbeat/2";
 
 /// Bytes of a shard blob sent per chunk request.
 pub const CHUNK_BYTES: u32 = 4 << 20;
@@ -33,6 +33,9 @@ pub struct Heartbeat {
     pub incarnation: u64,
     /// Increases with every heartbeat it sends within one incarnation.
     pub seq: u64,
+    /// Milliseconds since this incarnation started, when it was sent: a receiver tells a
+    /// heartbeat that gossip delivers late from a fresh one.
+    pub uptime_ms: u64,
     /// Where it computes: "cpu", or the GPU adapter's name and API.
     pub device: String,
     /// The requests leaders reported to it since it started.

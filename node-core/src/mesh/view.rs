@@ -55,6 +55,44 @@ struct Entry {
     hb: Heartbeat,
     last_seen: Instant,
     health: Health,
+    /// When the peer's incarnation started, as the last few heartbeats of it place it on this
+    /// node's clock (arrival minus uptime): the earliest is the least delayed.
+    started: VecDeque<Instant>,
+}
+
+/// Heartbeats of one incarnation whose timing a view keeps (a few intervals: clocks drift
+/// apart too little in that time to matter).
+const TIMING_WINDOW: usize = 16;
+
+impl Entry {
+    /// Whether `hb` (arriving `now`) left its sender more than `late` after it would have if
+    /// it had come as fast as the recent ones: gossip hands a peer that missed a message the
+    /// old message seconds later, and a late heartbeat says nothing about the sender now.
+    fn is_late(&self, now: Instant, hb: &Heartbeat, late: Duration) -> bool {
+        let (Some(started), Some(first)) = (started_at(now, hb), self.started.iter().min()) else {
+            return false;
+        };
+        hb.incarnation == self.hb.incarnation && started.saturating_duration_since(*first) > late
+    }
+
+    /// Keeps the timing of an accepted heartbeat.
+    fn note_timing(&mut self, now: Instant, hb: &Heartbeat) {
+        if hb.incarnation != self.hb.incarnation {
+            self.started.clear();
+        }
+        if let Some(s) = started_at(now, hb) {
+            if self.started.len() == TIMING_WINDOW {
+                self.started.pop_front();
+            }
+            self.started.push_back(s);
+        }
+    }
+}
+
+/// When `hb`'s sender started its incarnation, on this node's clock (`None` before the clock's
+/// origin).
+fn started_at(now: Instant, hb: &Heartbeat) -> Option<Instant> {
+    now.checked_sub(Duration::from_millis(hb.uptime_ms))
 }
 
 /// A node's view of the mesh, driven by heartbeats and time.
@@ -188,6 +226,10 @@ impl<P: Ord + Clone + Display> MeshView<P> {
                 if older && (hb.incarnation == e.hb.incarnation || e.health != Health::Dead) {
                     return;
                 }
+                if e.is_late(now, &hb, self.cfg.suspect_after) {
+                    return;
+                }
+                e.note_timing(now, &hb);
                 e.hb = hb;
                 e.last_seen = now;
                 if e.health != Health::Healthy {
@@ -204,14 +246,15 @@ impl<P: Ord + Clone + Display> MeshView<P> {
                     peer: from.clone(),
                     addrs: hb.addrs.clone(),
                 });
-                self.peers.insert(
-                    from,
-                    Entry {
-                        hb,
-                        last_seen: now,
-                        health: Health::Healthy,
-                    },
-                );
+                let mut entry = Entry {
+                    hb,
+                    last_seen: now,
+                    health: Health::Healthy,
+                    started: VecDeque::new(),
+                };
+                let hb = entry.hb.clone();
+                entry.note_timing(now, &hb);
+                self.peers.insert(from, entry);
             }
         }
     }
@@ -232,6 +275,7 @@ impl<P: Ord + Clone + Display> MeshView<P> {
         self.reservations.retain(|r| r.until > now);
         if now >= self.next_heartbeat {
             self.local.seq += 1;
+            self.local.uptime_ms = now.saturating_duration_since(self.created).as_millis() as u64;
             self.transmits.push_back(self.local.clone());
             self.next_heartbeat = now + self.cfg.heartbeat_interval;
         }
@@ -533,9 +577,16 @@ mod tests {
             offers: vec![],
             incarnation: 1,
             seq: 0,
+            uptime_ms: 0,
             device: "cpu".into(),
             usage: Usage::default(),
         }
+    }
+
+    /// `hb` from `from`, arriving at `now` as it would from a peer started at `t0`.
+    fn beat(v: &mut MeshView<u32>, t0: Instant, now: Instant, from: u32, hb: Heartbeat) {
+        let uptime_ms = now.saturating_duration_since(t0).as_millis() as u64;
+        v.handle_heartbeat(now, from, Heartbeat { uptime_ms, ..hb });
     }
 
     #[test]
@@ -543,7 +594,7 @@ mod tests {
         let t0 = Instant::now();
         let cfg = HealthConfig::default();
         let mut v = MeshView::new(t0, 0u32, cfg, 2, (3, 3), "m".into(), hb(Some(0))).unwrap();
-        v.handle_heartbeat(t0, 1, hb(Some(1)));
+        beat(&mut v, t0, t0, 1, hb(Some(1)));
         assert_eq!(v.live_rows(), vec![(0, 0), (1, 1)]);
         v.handle_timeout(t0 + cfg.suspect_after);
         assert_eq!(v.health(&1), Some(Health::Suspect));
@@ -551,7 +602,7 @@ mod tests {
         v.handle_timeout(t0 + cfg.dead_after);
         assert_eq!(v.health(&1), Some(Health::Dead));
         assert!(!v.info(t0 + cfg.dead_after).available);
-        v.handle_heartbeat(t0 + cfg.dead_after, 1, hb(Some(1)));
+        beat(&mut v, t0, t0 + cfg.dead_after, 1, hb(Some(1)));
         assert_eq!(v.health(&1), Some(Health::Healthy));
         assert!(v.info(t0 + cfg.dead_after).available);
     }
@@ -590,6 +641,41 @@ mod tests {
     }
 
     #[test]
+    fn a_heartbeat_gossip_delivers_late_does_not_revive_a_silent_peer() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let cfg = HealthConfig {
+            heartbeat_interval: ms(200),
+            suspect_after: ms(800),
+            dead_after: ms(2000),
+        };
+        let mut v = MeshView::new(t0, 0u32, cfg, 2, (3, 3), "m".into(), hb(Some(0))).unwrap();
+        let sent = |seq: u64, uptime: u64| Heartbeat {
+            seq,
+            uptime_ms: uptime,
+            ..hb(Some(1))
+        };
+        // A heartbeat every 200 ms, each 3 ms on the way.
+        for i in 0..5 {
+            v.handle_heartbeat(t0 + ms(200 * i + 3), 1, sent(i, 200 * i));
+        }
+        // The peer dies after the one it sent at 1 s, which reaches this node only at 3.5 s,
+        // through gossip.
+        let later = t0 + ms(3500);
+        v.handle_timeout(later);
+        assert_eq!(v.health(&1), Some(Health::Dead));
+        v.handle_heartbeat(later, 1, sent(5, 1000));
+        assert_eq!(
+            v.health(&1),
+            Some(Health::Dead),
+            "a late heartbeat is no news"
+        );
+        // One sent now counts.
+        v.handle_heartbeat(later + ms(2), 1, sent(6, 3500));
+        assert_eq!(v.health(&1), Some(Health::Healthy));
+    }
+
+    #[test]
     fn the_mesh_usage_sums_what_every_node_was_told() {
         let t0 = Instant::now();
         let cfg = HealthConfig::default();
@@ -604,7 +690,7 @@ mod tests {
         v.set_local(local);
         let mut peer = hb(Some(1));
         peer.usage = Usage::of_request(3, 4, Duration::from_millis(500), None);
-        v.handle_heartbeat(t0, 1, peer);
+        beat(&mut v, t0, t0, 1, peer);
         let info = v.info(t0);
         let u = info.usage;
         assert_eq!((u.requests, u.prompt_tokens, u.tokens), (2, 8, 12));
@@ -631,7 +717,7 @@ mod tests {
         .unwrap();
         let mut other = hb(Some(1));
         other.model = [9; 32];
-        v.handle_heartbeat(t0, 5, other);
+        beat(&mut v, t0, t0, 5, other);
         assert!(matches!(v.poll_event(), Some(MeshEvent::Refused { .. })));
         assert!(v.live_rows().is_empty());
     }
@@ -641,10 +727,10 @@ mod tests {
         let t0 = Instant::now();
         let cfg = HealthConfig::default();
         let mut v = MeshView::new(t0, 0u32, cfg, 2, (3, 3), "m".into(), hb(Some(0))).unwrap();
-        v.handle_heartbeat(t0, 1, hb(Some(1)));
-        v.handle_heartbeat(t0, 2, hb(Some(2)));
+        beat(&mut v, t0, t0, 1, hb(Some(1)));
+        beat(&mut v, t0, t0, 2, hb(Some(2)));
         let later = t0 + cfg.dead_after;
-        v.handle_heartbeat(later, 1, hb(Some(1)));
+        beat(&mut v, t0, later, 1, hb(Some(1)));
         v.handle_timeout(later);
         assert!(matches!(
             v.offer_row(later, 9),
@@ -652,7 +738,7 @@ mod tests {
         ));
         // Row 2's holder comes back before the joiner took the row: no row is free any more,
         // so the joiner becomes a second holder of a row.
-        v.handle_heartbeat(later, 2, hb(Some(2)));
+        beat(&mut v, t0, later, 2, hb(Some(2)));
         assert!(matches!(
             v.offer_row(later, 9),
             JoinOffer::Replica { row: 0, .. }
@@ -678,14 +764,14 @@ mod tests {
             v.offer_row(t0, 12),
             JoinOffer::Replica { row: 0, .. }
         ));
-        v.handle_heartbeat(t0, 10, hb(Some(1)));
-        v.handle_heartbeat(t0, 11, hb(Some(2)));
+        beat(&mut v, t0, t0, 10, hb(Some(1)));
+        beat(&mut v, t0, t0, 11, hb(Some(2)));
         // The seed hands out its last rows and stops offering; node 11 dies.
         let mut local = hb(Some(0));
         local.offers.clear();
         v.set_local(local);
         let later = t0 + cfg.dead_after;
-        v.handle_heartbeat(later, 10, hb(Some(1)));
+        beat(&mut v, t0, later, 10, hb(Some(1)));
         v.handle_timeout(later);
         match v.offer_row(later, 13) {
             JoinOffer::Reencode { row, sources } => {
@@ -705,7 +791,7 @@ mod tests {
         let cfg = HealthConfig::default();
         let mut v = MeshView::new(t0, 0u32, cfg, 2, (4, 4), "m".into(), hb(Some(0))).unwrap();
         for p in 1..4 {
-            v.handle_heartbeat(t0, p, hb(Some(p)));
+            beat(&mut v, t0, t0, p, hb(Some(p)));
         }
         assert_eq!(v.live_rows().len(), 4);
         assert!(matches!(
@@ -735,8 +821,8 @@ mod tests {
         let cfg = HealthConfig::default();
         // k = 2, three genesis rows, room for five.
         let mut v = MeshView::new(t0, 0u32, cfg, 2, (3, 5), "m".into(), hb(Some(0))).unwrap();
-        v.handle_heartbeat(t0, 1, hb(Some(1)));
-        v.handle_heartbeat(t0, 2, hb(Some(2)));
+        beat(&mut v, t0, t0, 1, hb(Some(1)));
+        beat(&mut v, t0, t0, 2, hb(Some(2)));
         for (joiner, row) in [(10, 3), (11, 4)] {
             match v.offer_row(t0, joiner) {
                 JoinOffer::Reencode { row: r, sources } => {
@@ -754,17 +840,17 @@ mod tests {
         assert_eq!(replica(&mut v, 12), (0, 1));
         assert_eq!(replica(&mut v, 13), (1, 1));
         assert_eq!(replica(&mut v, 12), (0, 1), "same joiner, same row");
-        v.handle_heartbeat(t0, 10, hb(Some(3)));
-        v.handle_heartbeat(t0, 11, hb(Some(4)));
-        v.handle_heartbeat(t0, 12, hb(Some(0)));
-        v.handle_heartbeat(t0, 13, hb(Some(1)));
+        beat(&mut v, t0, t0, 10, hb(Some(3)));
+        beat(&mut v, t0, t0, 11, hb(Some(4)));
+        beat(&mut v, t0, t0, 12, hb(Some(0)));
+        beat(&mut v, t0, t0, 13, hb(Some(1)));
         assert_eq!(replica(&mut v, 14), (2, 1));
         let info = v.info(t0);
         assert_eq!((info.n, info.n_max, info.healthy_rows), (5, 5, 5));
         let holders: Vec<usize> = info.rows.iter().map(|r| r.holders.len()).collect();
         assert_eq!(holders, vec![2, 2, 1, 1, 1]);
         // A row beyond the code's room is refused.
-        v.handle_heartbeat(t0, 20, hb(Some(5)));
+        beat(&mut v, t0, t0, 20, hb(Some(5)));
         assert!(v.health(&20).is_none());
     }
 
@@ -773,13 +859,13 @@ mod tests {
         let t0 = Instant::now();
         let cfg = HealthConfig::default();
         let mut v = MeshView::new(t0, 0u32, cfg, 2, (3, 3), "m".into(), hb(Some(0))).unwrap();
-        v.handle_heartbeat(t0, 1, hb(Some(1)));
-        v.handle_heartbeat(t0, 2, hb(Some(1)));
-        v.handle_heartbeat(t0, 3, hb(Some(2)));
+        beat(&mut v, t0, t0, 1, hb(Some(1)));
+        beat(&mut v, t0, t0, 2, hb(Some(1)));
+        beat(&mut v, t0, t0, 3, hb(Some(2)));
         assert_eq!(v.live_rows(), vec![(0, 0), (1, 1), (2, 3)]);
         let later = t0 + cfg.dead_after;
         for p in [2, 3] {
-            v.handle_heartbeat(later, p, hb(Some(if p == 2 { 1 } else { 2 })));
+            beat(&mut v, t0, later, p, hb(Some(if p == 2 { 1 } else { 2 })));
         }
         v.handle_timeout(later);
         assert_eq!(v.health(&1), Some(Health::Dead));

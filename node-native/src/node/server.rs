@@ -126,6 +126,7 @@ pub(super) async fn run_server(
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64),
         seq: 0,
+        uptime_ms: 0,
         device,
         usage: Usage::default(),
     };
