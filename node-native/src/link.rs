@@ -4,7 +4,7 @@
 use std::sync::Mutex;
 
 use libp2p::{Multiaddr, PeerId};
-use node_core::holder::{HolderError, Link};
+use node_core::holder::{HolderError, Link, source_error, source_peer};
 use node_core::mesh::{MeshRequest, MeshResponse, SourceRow};
 
 use crate::progress;
@@ -63,12 +63,8 @@ impl Link for NativeLink {
     }
 
     async fn dial(&self, src: &SourceRow) -> Result<PeerId, HolderError> {
-        let link =
-            |e: String| HolderError::Link(format!("row {}'s holder {}: {e}", src.row, src.peer));
-        let from: PeerId = src
-            .peer
-            .parse()
-            .map_err(|e| link(format!("peer id: {e}")))?;
+        let link = |e: String| source_error(src, e);
+        let from = source_peer(src)?;
         if from == self.client.peer_id() {
             return Err(link("that is this node".into()));
         }

@@ -4,15 +4,17 @@
 
 use std::sync::{Arc, RwLock};
 
-use anyhow::{Result, anyhow, bail, ensure};
+use anyhow::{Result, anyhow, ensure};
 use libp2p::PeerId;
-use node_core::mesh::{MeshInfo, MeshRequest, MeshResponse, Usage};
+use node_core::mesh::{MeshInfo, MeshResponse, Usage};
 use node_core::model::LeaderWeights;
 use node_core::protocol;
 use tokio::sync::oneshot;
 
+use node_core::holder;
+
 use crate::learning::{Rules, ShardState, UpdateStore};
-use crate::rpc::{ask, fetch_update};
+use crate::link::NativeLink;
 use crate::swarm::Client;
 
 /// Asks the node's loop for the mesh as it sees it.
@@ -152,17 +154,10 @@ pub(crate) async fn catch_up(
     rules: &Rules,
     tx: &tokio::sync::mpsc::Sender<Internal>,
 ) -> Result<()> {
-    let MeshResponse::Versions { ids } = ask(client, peer, MeshRequest::Versions).await? else {
-        bail!("asked for versions, got something else");
-    };
-    let missing: Vec<u64> = {
-        let s = read(state);
-        ids.into_iter()
-            .filter(|id| !s.version.contains(*id))
-            .collect()
-    };
-    for id in missing {
-        let bytes = fetch_update(client, peer, id).await?;
+    let link = NativeLink::quiet(client.clone());
+    let have = read(state).version.clone();
+    for id in holder::missing_update_ids(&link, &peer, &have).await? {
+        let bytes = holder::fetch_update(&link, &peer, id).await?;
         let (state, store, rules) = (state.clone(), store.clone(), rules.clone());
         let (got, applied) =
             tokio::task::spawn_blocking(move || apply_and_keep(&state, &store, &rules, &bytes))

@@ -10,10 +10,7 @@ use libp2p::PeerId;
 use node_core::chain::ChainPart;
 use node_core::coded::{Member, ShardSet};
 use node_core::compute::gpu::Gpu;
-use node_core::holder::{
-    self, Download, HolderError, Joined, Link, MAX_UPDATE_BYTES, Rules, ShardState, chunk_of,
-    update_chunk_request,
-};
+use node_core::holder::{self, HolderError, Joined, Link, Rules, ShardState, chunk_of};
 use node_core::mesh::{
     BrowserBootstrap, MeshRequest, MeshResponse, ModelManifest, ShardVersion, SourceRow, hex,
 };
@@ -365,43 +362,22 @@ impl BrowserNode {
         }
     }
 
-    /// Downloads a blob from `peer` piece by piece, with progress.
-    pub(crate) async fn download(
-        &self,
-        peer: PeerId,
-        limit: u64,
-        what: &str,
-        request: impl Fn(u64) -> MeshRequest,
-    ) -> Result<(Vec<u8>, [u8; 32]), WebError> {
-        let mut d = Download::new(limit);
-        loop {
-            let resp = self.request(peer, request(d.offset())).await?;
-            let done = d.accept(resp).map_err(mesh_err)?;
-            if !what.is_empty() {
-                self.progress(what, d.offset(), d.total().unwrap_or(0));
-            }
-            if done {
-                return Ok(d.finish());
-            }
-        }
-    }
-
     /// The payloads of every update `peer` applied and `have` lacks, in its order.
     pub(crate) async fn missing_updates(
         &self,
         peer: PeerId,
         have: &ShardVersion,
     ) -> Result<Vec<Vec<u8>>, WebError> {
-        let MeshResponse::Versions { ids } = self.request(peer, MeshRequest::Versions).await?
-        else {
-            return Err(mesh_err("asked for versions, got something else"));
-        };
         let mut out = Vec::new();
-        for id in ids.into_iter().filter(|id| !have.contains(*id)) {
-            let (bytes, _) = self
-                .download(peer, MAX_UPDATE_BYTES, "", |o| update_chunk_request(id, o))
-                .await?;
-            out.push(bytes);
+        for id in holder::missing_update_ids(self, &peer, have)
+            .await
+            .map_err(mesh_err)?
+        {
+            out.push(
+                holder::fetch_update(self, &peer, id)
+                    .await
+                    .map_err(mesh_err)?,
+            );
         }
         Ok(out)
     }
@@ -540,17 +516,12 @@ impl Link for BrowserNode {
     }
 
     async fn dial(&self, src: &SourceRow) -> Result<PeerId, HolderError> {
-        let link =
-            |e: String| HolderError::Link(format!("row {}'s holder {}: {e}", src.row, src.peer));
-        let from: PeerId = src
-            .peer
-            .parse()
-            .map_err(|e| link(format!("peer id: {e}")))?;
+        let from = holder::source_peer(src)?;
         if from != self.bootstrap() {
             let addrs = BrowserBootstrap::from_addrs(src.peer.clone(), &src.addrs).addrs;
             self.dial_any(&addrs)
                 .await
-                .map_err(|e| link(e.to_string()))?;
+                .map_err(|e| holder::source_error(src, e))?;
         }
         Ok(from)
     }

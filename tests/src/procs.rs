@@ -324,6 +324,31 @@ impl Mesh {
         }
     }
 
+    /// Kills (SIGKILL) the node process holding `row` and waits until the mesh no longer counts
+    /// the row healthy: its index. (Waiting for one healthy row fewer is not the same: another
+    /// row that was down, say a stopped member that just resumed, may be the one still
+    /// counted out while the killed holder's last heartbeat is still fresh.)
+    pub fn kill_holder(&self, row: u64) -> Result<usize> {
+        let i = self.holder(row)?;
+        self.nodes[i].signal("KILL");
+        let start = Instant::now();
+        loop {
+            let s = self.status()?;
+            let up = s["nodes"].as_array().is_some_and(|nodes| {
+                nodes
+                    .iter()
+                    .any(|n| n["row"] == row && n["health"] == "Healthy")
+            });
+            if !up {
+                return Ok(i);
+            }
+            if start.elapsed() > Duration::from_secs(60) {
+                bail!("row {row} stays healthy after its holder was killed: {s}");
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
     /// The node process holding `row`.
     pub fn holder(&self, row: u64) -> Result<usize> {
         let s = self.status()?;

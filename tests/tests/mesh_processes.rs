@@ -87,8 +87,7 @@ fn tiny_mesh_status_generate_straggler_restart_and_rejoin() -> Result<()> {
 
     // A node restarted from its data dir comes back with its row, without downloading; it
     // comes back computing on the GPU (lavapipe in CI) and the mesh computes the same.
-    let restarted = mesh.holder(3)?;
-    mesh.nodes[restarted].signal("KILL");
+    let restarted = mesh.kill_holder(3)?;
     mesh.wait_healthy(4)?;
     let name = format!("node{}", restarted + 1);
     let data = format!("d{}", restarted + 1);
@@ -120,15 +119,15 @@ fn tiny_mesh_status_generate_straggler_restart_and_rejoin() -> Result<()> {
             .clone();
         assert!(
             row3["device"].as_str().is_some_and(|d| d != "cpu"),
-            "{row3}"
+            "{row3}\nthe whole status: {s}\nthe restarted node's log:\n{log}\nthe seed's log:\n{}",
+            mesh.nodes[0].log()
         );
         let (out, err) = mesh.generate(PROMPT, 24, || {})?;
         assert_eq!(out, expected, "{err}");
     }
 
     // A dead row is re-created by a new node from k live shards; the mesh computes the same.
-    let gone = mesh.holder(4)?;
-    mesh.nodes[gone].signal("KILL");
+    let gone = mesh.kill_holder(4)?;
     mesh.wait_healthy(4)?;
     std::thread::sleep(Duration::from_millis(2500)); // past --dead-ms: row 4 is free
     let mut fresh = spawn_node(&mesh.dir.0, "node5", "d5", &mesh.bootstrap)?;
@@ -358,8 +357,7 @@ fn a_member_that_answers_wrongly_is_caught_outvoted_and_replaced() -> Result<()>
         // Restart the row's holder from its data dir, misbehaving on purpose. For wrong-row,
         // the holder of the row before takes its place instead: a copy of that holder's
         // shard (not its identity) that claims this row and answers with its own.
-        let i = mesh.holder(row)?;
-        mesh.nodes[i].signal("KILL");
+        let i = mesh.kill_holder(row)?;
         mesh.wait_healthy(4)?;
         let mut data = mesh.dir.0.join(format!("d{}", i + 1));
         if fault == "wrong-row" {
@@ -430,8 +428,7 @@ fn a_member_that_skips_an_update_it_claims_is_caught_by_the_update_probe() -> Re
     // only the fit against the update itself finds it.
     let mut mesh = Mesh::start("stale", Some(&model), &["--lr", "5e-6"])?;
     let row = 3u64;
-    let i = mesh.holder(row)?;
-    mesh.nodes[i].signal("KILL");
+    let i = mesh.kill_holder(row)?;
     mesh.wait_healthy(4)?;
     let data = mesh.dir.0.join(format!("d{}", i + 1));
     let mut args = vec![

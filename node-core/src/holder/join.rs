@@ -44,6 +44,18 @@ pub trait Link {
     fn progress(&self, what: &str, done: u64, total: u64);
 }
 
+/// The peer id of the holder `src` names.
+pub fn source_peer(src: &SourceRow) -> Result<libp2p::PeerId, HolderError> {
+    src.peer
+        .parse()
+        .map_err(|e| source_error(src, format!("peer id: {e}")))
+}
+
+/// An error reaching the holder `src` names.
+pub fn source_error(src: &SourceRow, e: impl std::fmt::Display) -> HolderError {
+    HolderError::Link(format!("row {}'s holder {}: {e}", src.row, src.peer))
+}
+
 /// A row obtained from the mesh.
 #[derive(Debug)]
 pub struct Joined {

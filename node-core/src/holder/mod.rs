@@ -3,9 +3,11 @@
 //! piece-by-piece download of a blob from a peer, and how a node obtains its row ([`join`]),
 //! written once over the [`Link`] each shell implements.
 
+mod catchup;
 mod join;
 
-pub use join::{Joined, Link, answer_chain, join};
+pub use catchup::{fetch_update, missing_update_ids};
+pub use join::{Joined, Link, answer_chain, join, source_error, source_peer};
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
