@@ -47,7 +47,7 @@ if ! wasm-bindgen-test-runner --version 2>/dev/null | grep -q " $wasm_bindgen\b"
   cargo install --locked -q wasm-bindgen-cli --version "$wasm_bindgen"
 fi
 
-step "the dashboard (web-ui, trunk): native nodes serve it, the browser test opens it"
+step "the dashboard (web-ui) and the browser node's package: native nodes serve them, the browser test opens them"
 bash scripts/build-web.sh
 
 step "cargo fmt --check"

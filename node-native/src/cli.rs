@@ -74,7 +74,7 @@ pub(crate) struct UpArgs {
     /// Write every coded step of the API's requests to this file (JSON lines).
     #[arg(long)]
     pub(crate) trace_steps: Option<PathBuf>,
-    /// The dashboard's built files (trunk's dist).
+    /// The dashboard's built files (web-ui/dist).
     #[arg(long)]
     pub(crate) web_dir: Option<PathBuf>,
     /// Do not build the dashboard when it is missing.
@@ -203,7 +203,7 @@ pub(crate) struct NetArgs {
     /// Serve no HTTP.
     #[arg(long, conflicts_with = "http")]
     pub(crate) no_http: bool,
-    /// The dashboard's built files (trunk's dist); default: $CODEDMESH_WEB, else web-ui/dist
+    /// The dashboard's built files (web-ui/dist); default: $CODEDMESH_WEB, else web-ui/dist
     /// of the checkout the binary was built in.
     #[arg(long)]
     pub(crate) web_dir: Option<PathBuf>,

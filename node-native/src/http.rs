@@ -15,7 +15,7 @@ use node_core::mesh::BrowserBootstrap;
 use tokio::sync::{mpsc, oneshot};
 use tower_http::services::ServeDir;
 
-/// Environment variable naming the dashboard's built files (trunk's `dist`).
+/// Environment variable naming the dashboard's built files (`web-ui/dist`, scripts/build-web.sh).
 pub const WEB_DIR_ENV: &str = "CODEDMESH_WEB";
 
 pub use crate::row::InfoRequest;
@@ -149,7 +149,7 @@ async fn not_built(why: String) -> Response {
          <p>This node serves the API (<a href=\"/v1/models\">/v1</a>), but its dashboard is not built ({}).</p>\
          <p>Build it with <code>bash scripts/build-web.sh</code> (<code>codedmesh up</code> does it for you), \
          then reload this page; or point <code>--web-dir</code> \
-         or <code>{WEB_DIR_ENV}</code> at trunk's <code>dist</code> folder. \
+         or <code>{WEB_DIR_ENV}</code> at a built <code>web-ui/dist</code> folder. \
          The mesh's status is at <a href=\"/api/status\">/api/status</a>.</p>",
         html_escape(&why)
     );

@@ -207,7 +207,7 @@ fn dashboard(opts: &UpOptions, data: &Path) -> (Option<PathBuf>, Option<tokio::p
     match spec.spawn() {
         Ok(child) => {
             eprintln!(
-                "the dashboard is not built yet: building it in the background (scripts/build-web.sh; the first time it installs trunk, wasm-pack and wasm-bindgen-cli, which takes a while). The API works meanwhile; log: {}",
+                "the dashboard is not built yet: building it in the background (scripts/build-web.sh; the first time it installs wasm-bindgen-cli, a few minutes). The API works meanwhile; log: {}",
                 log.display()
             );
             (Some(dist), Some(child))

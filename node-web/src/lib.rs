@@ -9,7 +9,7 @@
 //! node.on_change(move |info| render(info));
 //! ```
 //!
-//! From JavaScript (the package `wasm-pack build node-web` makes):
+//! From JavaScript (the package `scripts/build-web.sh` makes with wasm-bindgen):
 //!
 //! ```js
 //! import init, { Node } from "./pkg/node_web.js";

@@ -5,11 +5,11 @@
 //! request is computed partly by it, through a relay. When a node stops, its row turns Dead on
 //! the page without a reload. Last, the page leads the same request
 //! from its prompt box and gets the native leader's completion. So does a second browser, on a
-//! page of its own that embeds the wasm-pack package (`/embed.html`) and dials WebRTC-direct:
+//! page of its own that embeds the browser node's package (`/embed.html`) and dials WebRTC-direct:
 //! its group holds the first browser's row, reached browser to browser through the relay.
 //!
-//! Needs Debian's `chromium` and `chromium-driver`, the dashboard built by trunk and the
-//! package by wasm-pack (`scripts/test.sh` does all); `$CHROMEDRIVER` and `$CHROMIUM` override where they are.
+//! Needs Debian's `chromium` and `chromium-driver`, the dashboard and the
+//! package built (`scripts/build-web.sh`; `scripts/test.sh` does all); `$CHROMEDRIVER` and `$CHROMIUM` override where they are.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -382,7 +382,7 @@ fn steps_answered(contribution: &str) -> usize {
         .unwrap_or(0)
 }
 
-/// The wasm-pack package in a page of its own (web-ui/embed.html, a few lines of JavaScript),
+/// The browser node's package in a page of its own (web-ui/embed.html, a few lines of JavaScript),
 /// in a second browser: it connects over WebRTC-direct, follows the mesh and leads the same
 /// request on every row, the first browser's among them: browser to browser, through the
 /// native relay.

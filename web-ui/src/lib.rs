@@ -1,7 +1,7 @@
 //! Coded Mesh dashboard: the health of every shard of the model, live, from the page's own
 //! browser node (`node-web`), which follows the mesh's heartbeats.
 //!
-//! Build it with `trunk build --release` in this folder (or `bash scripts/build-web.sh`);
+//! Build it with `bash scripts/build-web.sh` (cargo for wasm32, then wasm-bindgen);
 //! every native node serves the result at `/`. Natively only the view model is built.
 
 pub mod model;
