@@ -232,14 +232,15 @@ impl ChainPart {
             self.piece.rows as usize,
             shape.cols,
         );
+        // Each of this shard's rows is read once and added into every target sub-block.
         let mut own = Vec::with_capacity(cols);
-        for s in 0..m {
-            for r in 0..n {
-                let dst = &mut sum[(s * n + r) * cols..(s * n + r + 1) * cols];
-                for sub in 0..m {
+        for r in 0..n {
+            for sub in 0..m {
+                own.clear();
+                shard.push_row(sub, first + r, &mut own);
+                for s in 0..m {
                     let c = coeffs[s * km + at * m + sub];
-                    own.clear();
-                    shard.push_row(sub, first + r, &mut own);
+                    let dst = &mut sum[(s * n + r) * cols..(s * n + r + 1) * cols];
                     for (d, &v) in dst.iter_mut().zip(&own) {
                         *d = (*d as f64 + c * v as f64) as f32;
                     }
@@ -320,23 +321,12 @@ impl Assembly {
     /// The finished row.
     pub fn finish(self) -> ShardSet {
         let format = self.format;
-        let mut shards = self
-            .shapes
-            .iter()
-            .zip(self.values)
-            .map(|(s, v)| Shard {
-                out: s.out,
-                block_len: s.block_len,
-                cols: s.cols,
-                values: match format {
-                    ShardFormat::F32 => ShardValues::F32(v),
-                    ShardFormat::F16 => {
-                        ShardValues::F16(v.iter().map(|&x| half::f16::from_f32(x)).collect())
-                    }
-                },
-            })
-            .collect::<Vec<_>>()
-            .into_iter();
+        let mut shards = self.shapes.iter().zip(self.values).map(|(s, v)| Shard {
+            out: s.out,
+            block_len: s.block_len,
+            cols: s.cols,
+            values: ShardValues::from_f32(v, format),
+        });
         let blocks = (0..self.cfg.layers)
             .map(|_| shards.by_ref().take(7).collect())
             .collect();

@@ -38,6 +38,16 @@ pub enum ShardValues {
     F16(Vec<half::f16>),
 }
 
+impl ShardValues {
+    /// f32 values stored in `format` (rounded to f16 for [`ShardFormat::F16`]).
+    pub fn from_f32(data: Vec<f32>, format: ShardFormat) -> Self {
+        match format {
+            ShardFormat::F32 => Self::F32(data),
+            ShardFormat::F16 => Self::F16(data.iter().map(|&v| half::f16::from_f32(v)).collect()),
+        }
+    }
+}
+
 /// One coded matrix: `m·L` rows of `cols`, where the uncoded matrix had `out` rows.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Shard {
@@ -60,17 +70,11 @@ impl Shard {
         format: ShardFormat,
     ) -> Result<Self, CodedError> {
         let data = g.encode_shard(node, &m.data, m.rows, m.cols)?;
-        let values = match format {
-            ShardFormat::F32 => ShardValues::F32(data),
-            ShardFormat::F16 => {
-                ShardValues::F16(data.iter().map(|&v| half::f16::from_f32(v)).collect())
-            }
-        };
         Ok(Self {
             out: m.rows,
             block_len: g.block_len(m.rows),
             cols: m.cols,
-            values,
+            values: ShardValues::from_f32(data, format),
         })
     }
 
@@ -178,17 +182,11 @@ impl Shard {
                 *d = a as f32;
             }
         }
-        let values = match format {
-            ShardFormat::F32 => ShardValues::F32(data),
-            ShardFormat::F16 => {
-                ShardValues::F16(data.iter().map(|&v| half::f16::from_f32(v)).collect())
-            }
-        };
         Ok(Self {
             out: first.out,
             block_len: first.block_len,
             cols: first.cols,
-            values,
+            values: ShardValues::from_f32(data, format),
         })
     }
 

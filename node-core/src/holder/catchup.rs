@@ -2,7 +2,8 @@
 //! holder's [`Link`]; written once for the native and the browser node, which apply them their
 //! own way (the native node as each arrives, the browser once no step uses its shard).
 
-use super::{Download, HolderError, Link, MAX_UPDATE_BYTES, describe, update_chunk_request};
+use super::join::fetch_pieces;
+use super::{HolderError, Link, MAX_UPDATE_BYTES, describe, update_chunk_request};
 use crate::mesh::{MeshRequest, MeshResponse, ShardVersion};
 
 /// The ids of the updates `peer` applied and `have` lacks, in `peer`'s order.
@@ -28,11 +29,8 @@ pub async fn fetch_update<L: Link>(
     peer: &L::Peer,
     id: u64,
 ) -> Result<Vec<u8>, HolderError> {
-    let mut d = Download::new(MAX_UPDATE_BYTES);
-    loop {
-        let answer = link.ask(peer, update_chunk_request(id, d.offset())).await?;
-        if d.accept(answer)? {
-            return Ok(d.finish().0);
-        }
-    }
+    let request = |offset| update_chunk_request(id, offset);
+    Ok(fetch_pieces(link, peer, MAX_UPDATE_BYTES, None, request)
+        .await?
+        .0)
 }

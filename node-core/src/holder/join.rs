@@ -151,11 +151,28 @@ async fn download<L: Link>(
     what: &str,
     row: u32,
 ) -> Result<(Vec<u8>, [u8; 32]), HolderError> {
-    let mut d = Download::new(MAX_BLOB_BYTES);
+    fetch_pieces(link, peer, MAX_BLOB_BYTES, Some(what), |offset| {
+        shard_chunk_request(row, offset)
+    })
+    .await
+}
+
+/// Fetches a blob of at most `limit` bytes from `peer` piece by piece (`request(offset)` asks
+/// for the piece at `offset`), showing progress as `what` when given: the bytes and the version
+/// they are at.
+pub(super) async fn fetch_pieces<L: Link>(
+    link: &L,
+    peer: &L::Peer,
+    limit: u64,
+    what: Option<&str>,
+    request: impl Fn(u64) -> MeshRequest,
+) -> Result<(Vec<u8>, [u8; 32]), HolderError> {
+    let mut d = Download::new(limit);
     loop {
-        let answer = link.ask(peer, shard_chunk_request(row, d.offset())).await?;
-        let done = d.accept(answer)?;
-        link.progress(what, d.offset(), d.total().unwrap_or(0));
+        let done = d.accept(link.ask(peer, request(d.offset())).await?)?;
+        if let Some(what) = what {
+            link.progress(what, d.offset(), d.total().unwrap_or(0));
+        }
         if done {
             return Ok(d.finish());
         }
@@ -270,7 +287,6 @@ async fn build_row<L: Link>(
         done += 1;
         link.progress(&what, done, total);
     }
-    drop(answers);
     let received = asm.received();
     link.progress("storing the row", 0, 0);
     let (shard, blob) = link

@@ -246,15 +246,16 @@ impl<P: Ord + Clone + Display> MeshView<P> {
                     peer: from.clone(),
                     addrs: hb.addrs.clone(),
                 });
-                let mut entry = Entry {
-                    hb,
-                    last_seen: now,
-                    health: Health::Healthy,
-                    started: VecDeque::new(),
-                };
-                let hb = entry.hb.clone();
-                entry.note_timing(now, &hb);
-                self.peers.insert(from, entry);
+                let started = started_at(now, &hb).into_iter().collect();
+                self.peers.insert(
+                    from,
+                    Entry {
+                        hb,
+                        last_seen: now,
+                        health: Health::Healthy,
+                        started,
+                    },
+                );
             }
         }
     }
