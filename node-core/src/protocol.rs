@@ -43,6 +43,15 @@ pub enum StepRequest {
 }
 
 impl StepRequest {
+    /// The number of values the request carries (its inputs, or its embedding rows).
+    pub fn values(&self) -> usize {
+        match self {
+            Self::Matmul { x, .. } => x.len(),
+            Self::MatmulT { u, .. } => u.len(),
+            Self::EmbedRows { rows } => rows.len(),
+        }
+    }
+
     /// The stage and token count of a product request (`Matmul`, `MatmulT`); `None` for an
     /// embedding lookup.
     pub fn product(&self) -> Option<(Stage, usize)> {

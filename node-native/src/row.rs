@@ -112,18 +112,15 @@ pub(crate) fn learn(
     tx: &tokio::sync::mpsc::Sender<Internal>,
     bytes: &[u8],
 ) -> MeshResponse {
-    match apply_and_keep(state, store, rules, bytes) {
-        Ok((id, applied)) => {
+    let applied = apply_and_keep(state, store, rules, bytes)
+        .map(|(id, applied)| {
             if applied {
                 let _ = tx.blocking_send(Internal::Applied(id));
             }
-            MeshResponse::Learned {
-                id,
-                version_count: read(state).version.count(),
-            }
-        }
-        Err(e) => MeshResponse::Error(format!("{e:#}")),
-    }
+            id
+        })
+        .map_err(|e| format!("{e:#}"));
+    holder::receipt(applied, &read(state).version)
 }
 
 /// Validates, saves the payload, then applies: `(id, applied now)`.
@@ -178,15 +175,8 @@ pub(crate) async fn catch_up(
 
 /// Computes a coded step at the leader's version; the answer carries the compute time.
 pub(crate) fn step(state: &RwLock<ShardState>, version: &[u8; 32], bytes: &[u8]) -> MeshResponse {
-    let started = std::time::Instant::now();
-    let s = read(state);
-    if let Some(e) = s.version_mismatch(version) {
-        return MeshResponse::Error(e);
-    }
-    let answer = s.member.handle_bytes(bytes);
-    let compute_us = started.elapsed().as_micros() as u64;
-    match protocol::encode(&answer) {
-        Ok(bytes) => MeshResponse::Step { bytes, compute_us },
-        Err(e) => MeshResponse::Error(e.to_string()),
+    match protocol::decode(bytes) {
+        Ok(request) => holder::step(&read(state), version, &request),
+        Err(e) => MeshResponse::Error(format!("a step request: {e}")),
     }
 }

@@ -10,7 +10,9 @@ use libp2p::PeerId;
 use node_core::chain::ChainPart;
 use node_core::coded::{Member, ShardSet};
 use node_core::compute::gpu::Gpu;
-use node_core::holder::{self, HolderError, Joined, Link, Rules, ShardState, chunk_of};
+use node_core::holder::{
+    self, Held, HolderError, Joined, LearnLimit, Link, Route, Rules, ShardState, chunk_of,
+};
 use node_core::mesh::{
     BrowserBootstrap, MeshRequest, MeshResponse, ModelManifest, ShardVersion, SourceRow, hex,
 };
@@ -87,8 +89,10 @@ pub(crate) struct Holding {
     pub(crate) source: String,
     /// Update payloads applied here, for peers that missed them.
     pub(crate) updates: HashMap<u64, Rc<Vec<u8>>>,
-    /// The shard as a blob at one version (its digest), for peers that download it.
-    pub(crate) snapshot: Option<([u8; 32], Rc<Vec<u8>>)>,
+    /// The shard as a blob at one version, for peers that download it.
+    pub(crate) snapshot: holder::Snapshot,
+    /// Updates each peer handed over lately.
+    pub(crate) limit: LearnLimit<PeerId>,
     pub(crate) steps: u64,
     /// Compute time of those steps, in microseconds.
     pub(crate) step_us: u64,
@@ -105,16 +109,6 @@ impl std::fmt::Debug for Holding {
             .field("device", &self.device)
             .finish()
     }
-}
-
-/// How a request to a holder is answered.
-pub(crate) enum Answer {
-    /// At once.
-    Now(MeshResponse),
-    /// When the computation ends.
-    Later(std::pin::Pin<Box<dyn std::future::Future<Output = MeshResponse>>>),
-    /// After the update is applied (the shard may be in use by a step).
-    Learn(Vec<u8>),
 }
 
 fn mesh_err(e: impl std::fmt::Display) -> WebError {
@@ -143,77 +137,42 @@ impl Holding {
         }
     }
 
-    /// Answers a peer's request for this row (requests about the mesh go to the view).
-    pub(crate) fn answer(&mut self, request: MeshRequest) -> Answer {
-        let now = |r| Answer::Now(r);
-        match request {
-            MeshRequest::Manifest => now(MeshResponse::Manifest(self.manifest_bytes.to_vec())),
-            MeshRequest::Chunk { row, offset, len } if row == self.row => {
-                now(self.chunk(offset, len))
-            }
-            MeshRequest::Chunk { row, .. } => now(MeshResponse::Error(format!(
-                "this node does not hold row {row}"
-            ))),
-            MeshRequest::Norms => now(MeshResponse::Norms {
-                version: self.state.version.digest(),
-                norms: self.state.norms.clone(),
-            }),
-            MeshRequest::Versions => now(MeshResponse::Versions {
-                ids: self.state.version.ids().collect(),
-            }),
-            MeshRequest::UpdateChunk { id, offset, len } => match self.updates.get(&id) {
-                Some(bytes) => now(chunk_of(bytes, [0; 32], offset, len)),
-                None => now(MeshResponse::Error(format!(
-                    "update {id:016x} is not kept here"
-                ))),
-            },
-            MeshRequest::Learn(bytes) => Answer::Learn(bytes),
-            MeshRequest::Step { version, bytes } => {
-                if let Some(e) = self.state.version_mismatch(&version) {
-                    return now(MeshResponse::Error(e));
-                }
-                let req = match protocol::decode::<StepRequest>(&bytes) {
-                    Ok(req) => req,
-                    Err(e) => return now(MeshResponse::Error(format!("a step request: {e}"))),
-                };
-                if self.state.member.on_gpu(&req) {
-                    self.gpu_steps += 1;
-                }
-                let state = self.state.clone();
-                Answer::Later(Box::pin(async move {
-                    let started = web_time::Instant::now();
-                    let answer = state.member.handle_async(&req).await;
-                    let compute_us = started.elapsed().as_micros() as u64;
-                    match protocol::encode(&answer) {
-                        Ok(bytes) => MeshResponse::Step { bytes, compute_us },
-                        Err(e) => MeshResponse::Error(e.to_string()),
-                    }
-                }))
-            }
-            other => now(MeshResponse::Error(format!(
-                "a browser node does not answer a {other:?} request"
-            ))),
-        }
+    /// What a peer's request for this row needs ([`holder::route`]).
+    pub(crate) fn route(&mut self, peer: &PeerId, request: MeshRequest) -> Route {
+        let held = Held {
+            row: self.row,
+            state: &self.state,
+            manifest: &self.manifest_bytes,
+            // A browser hands out no genesis shards: it never seeds a mesh.
+            genesis: &std::collections::BTreeMap::new(),
+        };
+        holder::route(
+            &held,
+            &mut self.limit,
+            peer,
+            web_time::Instant::now(),
+            request,
+        )
     }
 
-    /// A piece of the shard's blob at the current version.
-    fn chunk(&mut self, offset: u64, len: u32) -> MeshResponse {
-        let digest = self.state.version.digest();
-        let fresh = self.snapshot.as_ref().is_some_and(|(d, _)| *d == digest);
-        if !fresh {
-            if offset != 0 {
-                return MeshResponse::Error(
-                    "the shard changed version during the transfer; start again".into(),
-                );
-            }
-            match holder::shard_to_blob(self.state.member.shards()) {
-                Ok(blob) => self.snapshot = Some((digest, Rc::new(blob))),
-                Err(e) => return MeshResponse::Error(e.to_string()),
-            }
+    /// A coded step, computed on WebGPU where the product goes there.
+    pub(crate) fn step(
+        &mut self,
+        version: [u8; 32],
+        request: StepRequest,
+    ) -> impl std::future::Future<Output = MeshResponse> + 'static {
+        if self.state.member.on_gpu(&request) {
+            self.gpu_steps += 1;
         }
-        match &self.snapshot {
-            Some((d, blob)) => chunk_of(blob, *d, offset, len),
-            None => MeshResponse::Error("no snapshot".into()),
+        let state = self.state.clone();
+        async move { holder::step_async(&state, &version, &request).await }
+    }
+
+    /// A piece of a kept update's payload.
+    pub(crate) fn update_piece(&self, id: u64, offset: u64, len: u32) -> MeshResponse {
+        match self.updates.get(&id) {
+            Some(bytes) => chunk_of(bytes, [0; 32], offset, len),
+            None => MeshResponse::Error(format!("update {id:016x} is not kept here")),
         }
     }
 
@@ -353,13 +312,10 @@ impl BrowserNode {
     /// sources before this row's holder, plus this row's term.
     pub(crate) async fn chain_piece(&self, state: Rc<ShardState>, part: ChainPart) -> MeshResponse {
         let set = state.member.shards();
-        match holder::answer_chain(self, &part, &set.generator, &set.cfg).await {
-            Ok(before) => match part.contribute(set, &state.version.digest(), before) {
-                Ok(sum) => MeshResponse::Partial(sum),
-                Err(e) => MeshResponse::Error(e.to_string()),
-            },
-            Err(e) => MeshResponse::Error(e.to_string()),
-        }
+        holder::chain(self, part, &set.generator, &set.cfg, |part, before| {
+            std::future::ready(holder::contribute(&state, &part, before))
+        })
+        .await
     }
 
     /// The payloads of every update `peer` applied and `have` lacks, in its order.
@@ -495,7 +451,8 @@ impl Holding {
             device,
             source,
             updates: HashMap::new(),
-            snapshot: None,
+            snapshot: holder::Snapshot::default(),
+            limit: LearnLimit::default(),
             steps: 0,
             step_us: 0,
             gpu_steps: 0,

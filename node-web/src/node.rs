@@ -11,6 +11,7 @@ use libp2p::multiaddr::Protocol;
 use libp2p::request_response::ResponseChannel;
 use libp2p::swarm::{ConnectionId, SwarmEvent};
 use libp2p::{Multiaddr, PeerId, Swarm, gossipsub, identity, request_response};
+use node_core::holder::{self, Route};
 use node_core::mesh::HEARTBEAT_TOPIC;
 use node_core::mesh::{
     BrowserBootstrap, HealthConfig, Heartbeat, MeshEvent, MeshInfo, MeshRequest, MeshResponse,
@@ -22,7 +23,7 @@ use serde::Serialize;
 use wasm_bindgen::JsCast;
 use web_time::{Duration, Instant};
 
-use crate::holder::{Answer, Contribution, Holding};
+use crate::holder::{Contribution, Holding};
 use crate::leader::Lead;
 
 /// How long one dial may take before the next address is tried.
@@ -834,43 +835,44 @@ impl Task {
                 MeshResponse::Error("this browser node holds no row: it only watches".into());
             return self.respond(channel, answer);
         };
-        let answer = match request {
-            MeshRequest::Info => Answer::Now(MeshResponse::Info(view.info(now))),
-            MeshRequest::Join => Answer::Now(MeshResponse::Join(view.offer_row(now, peer))),
-            MeshRequest::Served(usage) => {
-                let mut local = view.local().clone();
-                local.usage.add(&usage);
-                view.set_local(local);
-                Answer::Now(MeshResponse::Reported)
+        match h.route(&peer, request) {
+            Route::Answer(response) => self.respond(channel, response),
+            Route::View(query) => {
+                let response = holder::answer_view(view, &peer, query, now);
+                self.respond(channel, response)
             }
-            MeshRequest::Report {
-                peer: caught,
-                evidence,
-            } => Answer::Now(match caught.parse::<PeerId>() {
-                Ok(p) => {
-                    view.report_caught(p, format!("{evidence}; reported by {peer}"));
-                    MeshResponse::Reported
-                }
-                Err(e) => MeshResponse::Error(format!("peer id {caught:?}: {e}")),
-            }),
-            MeshRequest::Chain(part) => {
+            Route::Learn(bytes) => self.learning.push_back((bytes, Some(channel))),
+            Route::ShardPiece { offset, len } => {
+                let response = h.snapshot.piece(&h.state, offset, len);
+                self.respond(channel, response)
+            }
+            Route::UpdatePiece { id, offset, len } => {
+                let response = h.update_piece(id, offset, len);
+                self.respond(channel, response)
+            }
+            Route::Step { version, request } => {
+                let work = h.step(version, request);
+                respond_later(self.node.clone(), channel, work)
+            }
+            Route::Chain(part) => {
                 let (node, state) = (self.node.clone(), h.state.clone());
-                Answer::Later(Box::pin(async move { node.chain_piece(state, part).await }))
-            }
-            other => h.answer(other),
-        };
-        match answer {
-            Answer::Now(response) => self.respond(channel, response),
-            Answer::Learn(bytes) => self.learning.push_back((bytes, Some(channel))),
-            Answer::Later(work) => {
-                let node = self.node.clone();
-                wasm_bindgen_futures::spawn_local(async move {
-                    let response = work.await;
-                    let _ = node.send(Command::Respond { channel, response }).await;
-                });
+                let work = async move { node.chain_piece(state, part).await };
+                respond_later(self.node.clone(), channel, work)
             }
         }
     }
+}
+
+/// Runs `work` and sends its answer to the peer waiting on `channel`.
+fn respond_later(
+    node: BrowserNode,
+    channel: ResponseChannel<MeshResponse>,
+    work: impl std::future::Future<Output = MeshResponse> + 'static,
+) {
+    wasm_bindgen_futures::spawn_local(async move {
+        let response = work.await;
+        let _ = node.send(Command::Respond { channel, response }).await;
+    })
 }
 
 /// `addr` ending in `/p2p/peer`.

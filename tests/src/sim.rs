@@ -927,8 +927,14 @@ impl<E: LinearExec + ?Sized> LinearExec for LogitsTap<'_, E> {
 #[derive(Debug)]
 pub struct MemoryHolders {
     manifest: node_core::mesh::ModelManifest,
-    /// Holder id → its shard set.
-    holders: BTreeMap<u32, node_core::coded::ShardSet>,
+    /// Holder id → its shard.
+    holders: BTreeMap<u32, node_core::holder::ShardState>,
+    /// The manifest, serialized.
+    manifest_bytes: Vec<u8>,
+    /// Updates each holder let each peer hand over.
+    limits: std::cell::RefCell<BTreeMap<u32, node_core::holder::LearnLimit<u32>>>,
+    /// Each holder's shard blob, while peers download it.
+    snapshots: std::cell::RefCell<BTreeMap<u32, node_core::holder::Snapshot>>,
     /// What a join request to any holder is answered with.
     offer: JoinOffer,
     received: std::cell::RefCell<BTreeMap<u32, u64>>,
@@ -948,9 +954,24 @@ impl MemoryHolders {
         holders: BTreeMap<u32, node_core::coded::ShardSet>,
         offer: JoinOffer,
     ) -> Self {
+        let holders = holders
+            .into_iter()
+            .map(|(id, set)| {
+                let state = node_core::holder::ShardState {
+                    member: node_core::coded::Member::new(set),
+                    version: node_core::mesh::ShardVersion::default(),
+                    norms: manifest.leader.clone(),
+                    skip_updates: 0,
+                };
+                (id, state)
+            })
+            .collect();
         Self {
+            manifest_bytes: manifest.to_bytes().unwrap_or_default(),
             manifest,
             holders,
+            limits: Default::default(),
+            snapshots: Default::default(),
             offer,
             received: Default::default(),
         }
@@ -966,30 +987,39 @@ impl MemoryHolders {
         self.received.borrow().get(&id).copied().unwrap_or(0)
     }
 
-    /// Holder `id`'s answer to `request`, asking others through its own link where it must.
-    async fn answer(&self, id: u32, request: MeshRequest) -> MeshResponse {
-        let Some(set) = self.holders.get(&id) else {
+    /// Holder `id`'s answer to `from`'s `request` ([`node_core::holder::route`]), asking others
+    /// through its own link where it must.
+    async fn answer(&self, id: u32, from: u32, request: MeshRequest) -> MeshResponse {
+        use node_core::holder::{self, Held, Route, ViewQuery};
+        let Some(state) = self.holders.get(&id) else {
             return MeshResponse::Error(format!("no holder {id}"));
         };
-        let version = node_core::mesh::ShardVersion::default();
-        match request {
-            MeshRequest::Join => MeshResponse::Join(self.offer.clone()),
-            MeshRequest::Norms => MeshResponse::Norms {
-                version: version.digest(),
-                norms: self.manifest.leader.clone(),
-            },
-            MeshRequest::Versions => MeshResponse::Versions { ids: Vec::new() },
-            MeshRequest::Chain(part) => {
-                let link = self.link(id);
-                let g = &self.manifest.generator;
-                match node_core::holder::answer_chain(&link, &part, g, &self.manifest.cfg).await {
-                    Ok(before) => match part.contribute(set, &version.digest(), before) {
-                        Ok(sum) => MeshResponse::Partial(sum),
-                        Err(e) => MeshResponse::Error(e.to_string()),
-                    },
-                    Err(e) => MeshResponse::Error(e.to_string()),
-                }
+        let route = {
+            let held = Held {
+                row: state.member.shards().node as u32,
+                state,
+                manifest: &self.manifest_bytes,
+                genesis: &BTreeMap::new(),
+            };
+            let mut limits = self.limits.borrow_mut();
+            let limit = limits.entry(id).or_default();
+            holder::route(&held, limit, &from, std::time::Instant::now(), request)
+        };
+        match route {
+            Route::Answer(resp) => resp,
+            Route::View(ViewQuery::Join) => MeshResponse::Join(self.offer.clone()),
+            Route::Chain(part) => {
+                let (link, g) = (self.link(id), &self.manifest.generator);
+                holder::chain(&link, part, g, &self.manifest.cfg, |part, before| {
+                    std::future::ready(holder::contribute(state, &part, before))
+                })
+                .await
             }
+            Route::ShardPiece { offset, len } => {
+                let mut snapshots = self.snapshots.borrow_mut();
+                snapshots.entry(id).or_default().piece(state, offset, len)
+            }
+            Route::Step { version, request } => holder::step(state, &version, &request),
             other => MeshResponse::Error(format!("a memory holder does not answer {other:?}")),
         }
     }
@@ -1008,7 +1038,7 @@ impl node_core::holder::Link for MemoryLink<'_> {
         // Boxed: a chain's answers recurse through the holders before it.
         let answer: std::pin::Pin<Box<dyn std::future::Future<Output = _> + '_>> =
             Box::pin(async move {
-                let resp = mesh.answer(peer, request).await;
+                let resp = mesh.answer(peer, me, request).await;
                 let bytes = protocol::encode(&resp)
                     .map_err(|e| node_core::holder::HolderError::Link(e.to_string()))?
                     .len() as u64;

@@ -1,13 +1,18 @@
 //! What a row holder keeps and answers with, shared by the native and the browser node: its
 //! shard and the updates applied to it, the rules an update must satisfy, shard blobs, the
-//! piece-by-piece download of a blob from a peer, and how a node obtains its row ([`join`]),
-//! written once over the [`Link`] each shell implements.
+//! piece-by-piece download of a blob from a peer, how a node obtains its row ([`join`]) and how
+//! it answers its peers ([`route`]), written once over the [`Link`] each shell implements.
 
 mod catchup;
 mod join;
+mod serve;
 
 pub use catchup::{fetch_update, missing_update_ids};
 pub use join::{Joined, Link, answer_chain, join, source_error, source_peer};
+pub use serve::{
+    Held, LEARN_PER_MINUTE, LearnLimit, Route, Snapshot, ViewQuery, answer_view, chain, contribute,
+    receipt, route, step, step_async,
+};
 
 use std::sync::atomic::{AtomicU64, Ordering};
 

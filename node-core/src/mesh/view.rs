@@ -105,6 +105,8 @@ pub struct MeshView<P> {
     /// Rows encoded at genesis.
     genesis: u32,
     model_name: String,
+    /// This node's dashboard URL, when it serves HTTP.
+    dashboard: Option<String>,
     me: P,
     local: Heartbeat,
     peers: BTreeMap<P, Entry>,
@@ -142,6 +144,7 @@ impl<P: Ord + Clone + Display> MeshView<P> {
             n,
             genesis,
             model_name,
+            dashboard: None,
             me,
             local,
             peers: BTreeMap::new(),
@@ -177,6 +180,16 @@ impl<P: Ord + Clone + Display> MeshView<P> {
             seq,
             ..hb
         };
+    }
+
+    /// Adds a finished request to the usage this node announces.
+    pub fn add_usage(&mut self, usage: &Usage) {
+        self.local.usage.add(usage);
+    }
+
+    /// Sets the dashboard URL [`Self::info`] reports for this node.
+    pub fn set_dashboard(&mut self, url: Option<String>) {
+        self.dashboard = url;
     }
 
     /// Health timing.
@@ -558,7 +571,7 @@ impl<P: Ord + Clone + Display> MeshView<P> {
             version_count,
             version_digest: hex(&version),
             nodes,
-            dashboard: None,
+            dashboard: self.dashboard.clone(),
             usage,
         }
     }

@@ -2,25 +2,26 @@
 //! its part in others' chains, learning updates — and runs the API's engine when it serves HTTP.
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex, RwLock};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::time::Instant;
 
 use anyhow::{Result, anyhow, bail};
+use libp2p::request_response::ResponseChannel;
 use libp2p::{Multiaddr, PeerId};
+use node_core::code::Generator;
 use node_core::coded::Member;
 use node_core::compute::gpu::{DeviceChoice, Gpu};
-use node_core::holder::{self, Link as _, chunk_of};
+use node_core::holder::{self, Held, LearnLimit, Link as _, Route, Snapshot};
 use node_core::mesh::{
-    BrowserBootstrap, Heartbeat, MAX_CHUNK_BYTES, MeshEvent, MeshInfo, MeshRequest, MeshResponse,
-    MeshView, ShardVersion, Usage,
+    BrowserBootstrap, Heartbeat, MeshEvent, MeshRequest, MeshResponse, MeshView, Usage,
 };
 use node_core::protocol;
 
 use super::{Holding, InjectedFault, Net, NodeOptions, stop_signal};
 use crate::learning::{Rules, ShardState, UpdateStore};
 use crate::link::{NativeLink, pick_addr};
-use crate::row::{InfoRequest, Internal, LocalRow, catch_up, learn, read, step};
-use crate::store::{DataDir, shard_to_blob};
+use crate::row::{InfoRequest, Internal, LocalRow, catch_up, learn, read};
+use crate::store::DataDir;
 use crate::swarm::{Client, Inbound, with_peer};
 
 /// Announces the node's row and answers peers until stopped.
@@ -130,7 +131,7 @@ pub(super) async fn run_server(
         device,
         usage: Usage::default(),
     };
-    let view = MeshView::new(
+    let mut view = MeshView::new(
         Instant::now(),
         client.peer_id(),
         health,
@@ -147,43 +148,40 @@ pub(super) async fn run_server(
     let (internal_tx, internal_rx) = tokio::sync::mpsc::channel(64);
     let state = Arc::new(RwLock::new(state));
     let metrics = crate::metrics::Metrics::new();
-    let dashboard = match opts.http {
-        Some(addr) => {
-            let local_row = LocalRow {
-                row: row as usize,
-                peer: client.peer_id(),
-                state: state.clone(),
-                store: store.clone(),
-                rules: rules.clone(),
-                internal: internal_tx.clone(),
-            };
-            let engine = crate::engine::Engine::start(crate::engine::EngineContext {
-                client: client.clone(),
-                key: data.identity()?,
-                manifest: manifest.clone(),
-                local: local_row,
-                info: info_tx.clone(),
-                cfg: opts.serve.clone(),
-                metrics: metrics.clone(),
-                runtime: tokio::runtime::Handle::current(),
-            })?;
-            let parts = crate::http::Parts {
-                web: crate::http::find_web_dir(opts.web_dir.as_deref()),
-                info: info_tx,
-                bootstrap: BrowserBootstrap::from_addrs(
-                    client.peer_id().to_string(),
-                    &view.local().addrs,
-                ),
-                api: crate::api::Api::new(engine, &manifest, opts.api_key.clone())?,
-                metrics: metrics.clone(),
-            };
-            let server = crate::http::start(addr, parts).await?;
-            println!("dashboard: {}", server.url);
-            println!("api: {}v1", server.url);
-            Some(server.url)
-        }
-        None => None,
-    };
+    if let Some(addr) = opts.http {
+        let local_row = LocalRow {
+            row: row as usize,
+            peer: client.peer_id(),
+            state: state.clone(),
+            store: store.clone(),
+            rules: rules.clone(),
+            internal: internal_tx.clone(),
+        };
+        let engine = crate::engine::Engine::start(crate::engine::EngineContext {
+            client: client.clone(),
+            key: data.identity()?,
+            manifest: manifest.clone(),
+            local: local_row,
+            info: info_tx.clone(),
+            cfg: opts.serve.clone(),
+            metrics: metrics.clone(),
+            runtime: tokio::runtime::Handle::current(),
+        })?;
+        let parts = crate::http::Parts {
+            web: crate::http::find_web_dir(opts.web_dir.as_deref()),
+            info: info_tx,
+            bootstrap: BrowserBootstrap::from_addrs(
+                client.peer_id().to_string(),
+                &view.local().addrs,
+            ),
+            api: crate::api::Api::new(engine, &manifest, opts.api_key.clone())?,
+            metrics: metrics.clone(),
+        };
+        let server = crate::http::start(addr, parts).await?;
+        println!("dashboard: {}", server.url);
+        println!("api: {}v1", server.url);
+        view.set_dashboard(Some(server.url));
+    }
     Server {
         client,
         view,
@@ -191,21 +189,18 @@ pub(super) async fn run_server(
         state,
         rules,
         row,
-        learn_times: Default::default(),
+        limit: LearnLimit::default(),
+        generator: manifest.generator.clone(),
         store,
         genesis,
-        snapshot: Arc::new(Mutex::new(None)),
+        snapshot: Arc::new(Mutex::new(Snapshot::default())),
         internal_tx,
         syncing: false,
-        dashboard,
         metrics,
     }
     .run(inbound, internal_rx, info_rx)
     .await
 }
-
-/// This node's shard as a blob at one version (digest), made when a peer starts a download.
-type Snapshot = Arc<Mutex<Option<([u8; 32], Arc<Vec<u8>>)>>>;
 
 struct Server {
     client: Client,
@@ -214,16 +209,16 @@ struct Server {
     state: Arc<RwLock<ShardState>>,
     rules: Rules,
     row: u32,
-    /// When each peer last handed over updates (a rate limit).
-    learn_times: std::collections::HashMap<PeerId, std::collections::VecDeque<Instant>>,
+    /// Updates each peer handed over lately.
+    limit: LearnLimit<PeerId>,
+    /// The mesh's code.
+    generator: Generator,
     store: UpdateStore,
     genesis: BTreeMap<u32, Arc<Vec<u8>>>,
     /// This node's shard as a blob at one version, while a peer downloads it.
-    snapshot: Snapshot,
+    snapshot: Arc<Mutex<Snapshot>>,
     internal_tx: tokio::sync::mpsc::Sender<Internal>,
     syncing: bool,
-    /// This node's dashboard URL, when it serves HTTP.
-    dashboard: Option<String>,
     /// What `/metrics` reports.
     metrics: crate::metrics::Metrics,
 }
@@ -250,7 +245,7 @@ impl Server {
                 },
                 Some(msg) = internal.recv() => self.on_internal(msg)?,
                 Some(InfoRequest(reply)) = info.recv() => {
-                    let _ = reply.send(self.info(Instant::now()));
+                    let _ = reply.send(self.view.info(Instant::now()));
                 }
                 _ = tokio::time::sleep_until(deadline) => self.view.handle_timeout(Instant::now()),
                 _ = &mut stop => {
@@ -265,13 +260,6 @@ impl Server {
                 self.on_event(ev);
             }
         }
-    }
-
-    /// The mesh as this node sees it, with its dashboard's URL.
-    fn info(&self, now: Instant) -> MeshInfo {
-        let mut info = self.view.info(now);
-        info.dashboard = self.dashboard.clone();
-        info
     }
 
     fn on_internal(&mut self, msg: Internal) -> Result<()> {
@@ -292,11 +280,7 @@ impl Server {
                 );
             }
             Internal::SyncDone => self.syncing = false,
-            Internal::Served(usage) => {
-                let mut local = self.view.local().clone();
-                local.usage.add(&usage);
-                self.view.set_local(local);
-            }
+            Internal::Served(usage) => self.view.add_usage(&usage),
             Internal::Caught { peer, evidence } => {
                 let text = format!(
                     "{evidence}; reported by {} (this node)",
@@ -356,22 +340,6 @@ impl Server {
         });
     }
 
-    /// Counts a peer's update hand-over; false past the rate limit.
-    fn within_rate(&mut self, peer: PeerId, now: Instant) -> bool {
-        let times = self.learn_times.entry(peer).or_default();
-        while times
-            .front()
-            .is_some_and(|t| now.duration_since(*t) > Duration::from_secs(60))
-        {
-            times.pop_front();
-        }
-        if times.len() >= LEARN_PER_MINUTE {
-            return false;
-        }
-        times.push_back(now);
-        true
-    }
-
     fn on_inbound(&mut self, msg: Inbound) {
         let now = Instant::now();
         if let Inbound::Gossip { data, .. } = &msg {
@@ -402,192 +370,102 @@ impl Server {
                 peer,
                 request,
                 channel,
-            } => {
-                let client = self.client.clone();
-                let job: Box<dyn FnOnce() -> MeshResponse + Send> = match request {
-                    MeshRequest::Info => {
-                        let info = self.info(now);
-                        Box::new(move || MeshResponse::Info(info))
-                    }
-                    MeshRequest::Manifest => {
-                        let bytes = self.manifest_bytes.clone();
-                        Box::new(move || MeshResponse::Manifest(bytes.as_ref().clone()))
-                    }
-                    MeshRequest::Join => {
-                        let offer = self.view.offer_row(now, peer);
-                        tracing::info!(%peer, ?offer, "join");
-                        Box::new(move || MeshResponse::Join(offer))
-                    }
-                    MeshRequest::Chunk { row, offset, len } => {
-                        let len = len.min(MAX_CHUNK_BYTES);
-                        let genesis = self.genesis.get(&row).cloned();
-                        let own = row == self.row;
-                        let (state, snapshot) = (self.state.clone(), self.snapshot.clone());
-                        Box::new(move || {
-                            chunk(
-                                genesis,
-                                own.then_some((&state, &snapshot)),
-                                row,
-                                offset,
-                                len,
-                            )
-                        })
-                    }
-                    MeshRequest::Report {
-                        peer: caught,
-                        evidence,
-                    } => {
-                        let answer = match caught.parse::<PeerId>() {
-                            Ok(p) => {
-                                let text = format!("{evidence}; reported by {peer}");
-                                if p == self.client.peer_id() {
-                                    eprintln!(
-                                        "this node was caught answering against the code: {text}"
-                                    );
-                                }
-                                self.view.report_caught(p, text);
-                                MeshResponse::Reported
-                            }
-                            Err(e) => MeshResponse::Error(format!("peer id {caught:?}: {e}")),
-                        };
-                        Box::new(move || answer)
-                    }
-                    MeshRequest::Served(usage) => {
-                        // Counts for the dashboards only: nothing is decided on them.
-                        let mut local = self.view.local().clone();
-                        local.usage.add(&usage);
-                        self.view.set_local(local);
-                        Box::new(|| MeshResponse::Reported)
-                    }
-                    MeshRequest::Norms => {
-                        let s = read(&self.state);
-                        let (version, norms) = (s.version.digest(), s.norms.clone());
-                        Box::new(move || MeshResponse::Norms { version, norms })
-                    }
-                    MeshRequest::Versions => {
-                        let ids = read(&self.state).version.ids().collect();
-                        Box::new(move || MeshResponse::Versions { ids })
-                    }
-                    MeshRequest::UpdateChunk { id, offset, len } => {
-                        let store = self.store.clone();
-                        let len = len.min(MAX_CHUNK_BYTES);
-                        Box::new(move || match store.chunk(id, offset, len) {
-                            Ok((total, bytes)) => MeshResponse::Chunk {
-                                total,
-                                version: [0; 32],
-                                bytes,
-                            },
-                            Err(e) => MeshResponse::Error(format!("{e:#}")),
-                        })
-                    }
-                    MeshRequest::Learn(_) if !self.within_rate(peer, now) => {
-                        let msg = format!(
-                            "rate limit: at most {LEARN_PER_MINUTE} updates a minute from one peer"
-                        );
-                        Box::new(move || MeshResponse::Error(msg))
-                    }
-                    MeshRequest::Learn(bytes) => {
-                        let (state, store, rules, tx) = (
-                            self.state.clone(),
-                            self.store.clone(),
-                            self.rules.clone(),
-                            self.internal_tx.clone(),
-                        );
-                        Box::new(move || learn(&state, &store, &rules, &tx, &bytes))
-                    }
-                    // A decode step is a fraction of a millisecond of work: computing it here
-                    // saves two thread hand-offs per round. Prefill steps go to the pool.
-                    MeshRequest::Step { version, bytes } if bytes.len() <= INLINE_STEP_BYTES => {
-                        let resp = step(&self.state, &version, &bytes);
-                        tokio::spawn(async move { client.respond(channel, resp).await });
-                        return;
-                    }
-                    MeshRequest::Step { version, bytes } => {
-                        let state = self.state.clone();
-                        Box::new(move || step(&state, &version, &bytes))
-                    }
-                    MeshRequest::Chain(part) => {
-                        let (state, chain_bytes) =
-                            (self.state.clone(), self.metrics.chain_bytes.clone());
-                        let (g, cfg) = {
-                            let s = read(&self.state);
-                            let set = s.member.shards();
-                            (set.generator.clone(), set.cfg.clone())
-                        };
-                        tokio::spawn(async move {
-                            let link = NativeLink::quiet(client.clone());
-                            let resp = match holder::answer_chain(&link, &part, &g, &cfg).await {
-                                Ok(before) => {
-                                    let got = before.as_ref().map_or(0, |s| s.len() as u64 * 4);
-                                    chain_bytes.inc_by(got);
-                                    link.blocking(move || {
-                                        let s = read(&state);
-                                        let version = s.version.digest();
-                                        match part.contribute(s.member.shards(), &version, before) {
-                                            Ok(sum) => MeshResponse::Partial(sum),
-                                            Err(e) => MeshResponse::Error(e.to_string()),
-                                        }
-                                    })
-                                    .await
-                                }
-                                Err(e) => MeshResponse::Error(e.to_string()),
-                            };
-                            client.respond(channel, resp).await;
-                        });
-                        return;
-                    }
-                };
-                tokio::spawn(async move {
-                    let resp = tokio::task::spawn_blocking(job)
-                        .await
-                        .unwrap_or_else(|e| MeshResponse::Error(e.to_string()));
-                    client.respond(channel, resp).await;
-                });
+            } => self.on_request(peer, request, channel, now),
+        }
+    }
+
+    /// Answers a peer: at once where [`holder::route`] can, else on the pool or a task.
+    fn on_request(
+        &mut self,
+        peer: PeerId,
+        request: MeshRequest,
+        channel: ResponseChannel<MeshResponse>,
+        now: Instant,
+    ) {
+        let route = {
+            let state = read(&self.state);
+            let held = Held {
+                row: self.row,
+                state: &state,
+                manifest: &self.manifest_bytes,
+                genesis: &self.genesis,
+            };
+            holder::route(&held, &mut self.limit, &peer, now, request)
+        };
+        let client = self.client.clone();
+        let respond = move |resp| async move { client.respond(channel, resp).await };
+        let job: Box<dyn FnOnce() -> MeshResponse + Send> = match route {
+            Route::Answer(resp) => {
+                tokio::spawn(respond(resp));
+                return;
             }
-        }
+            Route::View(query) => {
+                let resp = holder::answer_view(&mut self.view, &peer, query, now);
+                tokio::spawn(respond(resp));
+                return;
+            }
+            // A decode step is a fraction of a millisecond of work: computing it here saves
+            // two thread hand-offs per round. Prefill steps go to the pool.
+            Route::Step { version, request } if request.values() <= INLINE_STEP_VALUES => {
+                let resp = holder::step(&read(&self.state), &version, &request);
+                tokio::spawn(respond(resp));
+                return;
+            }
+            Route::Step { version, request } => {
+                let state = self.state.clone();
+                Box::new(move || holder::step(&read(&state), &version, &request))
+            }
+            Route::Learn(bytes) => {
+                let (state, store, rules, tx) = (
+                    self.state.clone(),
+                    self.store.clone(),
+                    self.rules.clone(),
+                    self.internal_tx.clone(),
+                );
+                Box::new(move || learn(&state, &store, &rules, &tx, &bytes))
+            }
+            Route::ShardPiece { offset, len } => {
+                let (state, snapshot) = (self.state.clone(), self.snapshot.clone());
+                Box::new(move || {
+                    let mut snap = snapshot.lock().unwrap_or_else(PoisonError::into_inner);
+                    snap.piece(&read(&state), offset, len)
+                })
+            }
+            Route::UpdatePiece { id, offset, len } => {
+                let store = self.store.clone();
+                Box::new(move || match store.chunk(id, offset, len) {
+                    Ok((total, bytes)) => MeshResponse::Chunk {
+                        total,
+                        version: [0; 32],
+                        bytes,
+                    },
+                    Err(e) => MeshResponse::Error(format!("{e:#}")),
+                })
+            }
+            Route::Chain(part) => {
+                let (state, chain_bytes) = (self.state.clone(), self.metrics.chain_bytes.clone());
+                let (g, cfg) = (self.generator.clone(), self.rules.cfg.clone());
+                let link = NativeLink::quiet(self.client.clone());
+                tokio::spawn(async move {
+                    let resp = holder::chain(&link, part, &g, &cfg, |part, before| {
+                        chain_bytes.inc_by(before.as_ref().map_or(0, |s| s.len() as u64 * 4));
+                        link.blocking(move || holder::contribute(&read(&state), &part, before))
+                    })
+                    .await;
+                    respond(resp).await;
+                });
+                return;
+            }
+        };
+        tokio::spawn(async move {
+            let resp = tokio::task::spawn_blocking(job)
+                .await
+                .unwrap_or_else(|e| MeshResponse::Error(e.to_string()));
+            respond(resp).await;
+        });
     }
 }
 
-/// Updates one peer may hand over per minute.
-const LEARN_PER_MINUTE: usize = 120;
-
-/// Step requests up to this size (one token's activations) are computed on the node's task.
-const INLINE_STEP_BYTES: usize = 16 << 10;
-
-/// A piece of a genesis blob, or of a snapshot of this node's shard at its current version.
-fn chunk(
-    genesis: Option<Arc<Vec<u8>>>,
-    own: Option<(&Arc<RwLock<ShardState>>, &Snapshot)>,
-    row: u32,
-    offset: u64,
-    len: u32,
-) -> MeshResponse {
-    let slice = |blob: &[u8], version: [u8; 32]| chunk_of(blob, version, offset, len);
-    if let Some(blob) = genesis {
-        return slice(&blob, ShardVersion::default().digest());
-    }
-    let Some((state, snapshot)) = own else {
-        return MeshResponse::Error(format!("this node does not hold row {row}"));
-    };
-    let mut snap = snapshot
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    let s = read(state);
-    let digest = s.version.digest();
-    let fresh = snap.as_ref().is_some_and(|(d, _)| *d == digest);
-    if !fresh {
-        if offset != 0 {
-            return MeshResponse::Error(
-                "the shard changed version during the transfer; start again".into(),
-            );
-        }
-        match shard_to_blob(s.member.shards()) {
-            Ok(blob) => *snap = Some((digest, Arc::new(blob))),
-            Err(e) => return MeshResponse::Error(format!("{e:#}")),
-        }
-    }
-    match snap.as_ref() {
-        Some((d, blob)) => slice(blob, *d),
-        None => MeshResponse::Error("no snapshot".into()),
-    }
-}
+/// Step requests carrying up to this many values (one token's activations) are computed on the
+/// node's task.
+const INLINE_STEP_VALUES: usize = 4 << 10;

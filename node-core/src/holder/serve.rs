@@ -1,0 +1,475 @@
+//! How a row holder answers its peers, written once for the native node, the browser node and
+//! the simulation: [`route`] decides what a request means and answers what it can at once;
+//! the shell runs the rest (a coded step, an update, its part in a chain, a piece of its shard)
+//! with the executors here, where its own threads or tasks allow.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::future::Future;
+use std::hash::Hash;
+use std::sync::Arc;
+
+use web_time::{Duration, Instant};
+
+use super::{Link, ShardState, answer_chain, chunk_of, shard_to_blob};
+use crate::chain::{ChainError, ChainPart};
+use crate::code::Generator;
+use crate::mesh::{MAX_CHUNK_BYTES, MeshRequest, MeshResponse, MeshView, ShardVersion, Usage};
+use crate::model::LlamaConfig;
+use crate::protocol::{self, StepRequest};
+
+/// Updates one peer may hand over per minute.
+pub const LEARN_PER_MINUTE: usize = 120;
+
+/// What a holder must do to answer a request.
+#[derive(Debug)]
+pub enum Route {
+    /// Send this answer.
+    Answer(MeshResponse),
+    /// A question about the mesh, answered from the node's view ([`answer_view`]).
+    View(ViewQuery),
+    /// Compute a coded step ([`step`] or [`step_async`]): the version is checked with the same
+    /// read of the shard that computes it.
+    Step {
+        /// The version the leader's group decodes at.
+        version: [u8; 32],
+        /// The step.
+        request: StepRequest,
+    },
+    /// Check, keep and apply a learning update, then send its receipt ([`receipt`]).
+    Learn(Vec<u8>),
+    /// Take part in a chain ([`chain`]).
+    Chain(ChainPart),
+    /// Send a piece of this row's shard blob at its current version ([`Snapshot::piece`]).
+    ShardPiece {
+        /// First byte.
+        offset: u64,
+        /// Bytes wanted (already at most [`MAX_CHUNK_BYTES`]).
+        len: u32,
+    },
+    /// Send a piece of a kept update's payload.
+    UpdatePiece {
+        /// The update.
+        id: u64,
+        /// First byte.
+        offset: u64,
+        /// Bytes wanted (already at most [`MAX_CHUNK_BYTES`]).
+        len: u32,
+    },
+}
+
+/// A request about the mesh rather than the row.
+#[derive(Debug)]
+pub enum ViewQuery {
+    /// The node's view of the mesh.
+    Info,
+    /// A row for the asking node.
+    Join,
+    /// A leader caught a holder answering against the code.
+    Report {
+        /// The caught node's peer id, as sent.
+        peer: String,
+        /// The evidence.
+        evidence: crate::coded::Caught,
+    },
+    /// A leader finished a request.
+    Served(Usage),
+}
+
+/// The row a holder answers for, as its shell keeps it.
+#[derive(Debug)]
+pub struct Held<'a> {
+    /// The row it announces.
+    pub row: u32,
+    /// Its shard now.
+    pub state: &'a ShardState,
+    /// The mesh's manifest, serialized.
+    pub manifest: &'a [u8],
+    /// Genesis blobs this node still hands out (the seeding node only), by row.
+    pub genesis: &'a BTreeMap<u32, Arc<Vec<u8>>>,
+}
+
+/// How many updates each peer handed over in the last minute.
+#[derive(Debug)]
+pub struct LearnLimit<P> {
+    times: HashMap<P, VecDeque<Instant>>,
+}
+
+impl<P> Default for LearnLimit<P> {
+    fn default() -> Self {
+        Self {
+            times: HashMap::new(),
+        }
+    }
+}
+
+impl<P: Hash + Eq + Clone> LearnLimit<P> {
+    /// Counts a hand-over from `peer`: false past [`LEARN_PER_MINUTE`].
+    pub fn allow(&mut self, peer: &P, now: Instant) -> bool {
+        let times = self.times.entry(peer.clone()).or_default();
+        while times
+            .front()
+            .is_some_and(|t| now.duration_since(*t) > Duration::from_secs(60))
+        {
+            times.pop_front();
+        }
+        if times.len() >= LEARN_PER_MINUTE {
+            return false;
+        }
+        times.push_back(now);
+        true
+    }
+}
+
+/// Decides what `request` from `peer` means for the row `held`, answering at once what needs
+/// no work.
+pub fn route<P: Hash + Eq + Clone>(
+    held: &Held<'_>,
+    limit: &mut LearnLimit<P>,
+    peer: &P,
+    now: Instant,
+    request: MeshRequest,
+) -> Route {
+    let answer = Route::Answer;
+    let error = |e: String| Route::Answer(MeshResponse::Error(e));
+    match request {
+        MeshRequest::Info => Route::View(ViewQuery::Info),
+        MeshRequest::Join => Route::View(ViewQuery::Join),
+        MeshRequest::Report { peer, evidence } => Route::View(ViewQuery::Report { peer, evidence }),
+        MeshRequest::Served(usage) => Route::View(ViewQuery::Served(usage)),
+        MeshRequest::Manifest => answer(MeshResponse::Manifest(held.manifest.to_vec())),
+        MeshRequest::Norms => answer(MeshResponse::Norms {
+            version: held.state.version.digest(),
+            norms: held.state.norms.clone(),
+        }),
+        MeshRequest::Versions => answer(MeshResponse::Versions {
+            ids: held.state.version.ids().collect(),
+        }),
+        MeshRequest::Chunk { row, offset, len } => {
+            let len = len.min(MAX_CHUNK_BYTES);
+            match held.genesis.get(&row) {
+                Some(blob) => answer(chunk_of(
+                    blob,
+                    ShardVersion::default().digest(),
+                    offset,
+                    len,
+                )),
+                None if row == held.row => Route::ShardPiece { offset, len },
+                None => error(format!("this node does not hold row {row}")),
+            }
+        }
+        MeshRequest::UpdateChunk { id, offset, len } => {
+            if held.state.version.contains(id) {
+                let len = len.min(MAX_CHUNK_BYTES);
+                Route::UpdatePiece { id, offset, len }
+            } else {
+                error(format!("update {id:016x} is not applied here"))
+            }
+        }
+        MeshRequest::Learn(_) if !limit.allow(peer, now) => error(format!(
+            "rate limit: at most {LEARN_PER_MINUTE} updates a minute from one peer"
+        )),
+        MeshRequest::Learn(bytes) => Route::Learn(bytes),
+        MeshRequest::Step { version, bytes } => match protocol::decode::<StepRequest>(&bytes) {
+            Ok(request) => Route::Step { version, request },
+            Err(e) => error(format!("a step request: {e}")),
+        },
+        MeshRequest::Chain(part) => Route::Chain(part),
+    }
+}
+
+/// Answers a question about the mesh from `view`; `peer` asked it.
+pub fn answer_view<P>(
+    view: &mut MeshView<P>,
+    peer: &P,
+    query: ViewQuery,
+    now: Instant,
+) -> MeshResponse
+where
+    P: Clone + Ord + std::fmt::Display + std::str::FromStr,
+    P::Err: std::fmt::Display,
+{
+    match query {
+        ViewQuery::Info => MeshResponse::Info(view.info(now)),
+        ViewQuery::Join => {
+            let offer = view.offer_row(now, peer.clone());
+            tracing::info!(%peer, ?offer, "join");
+            MeshResponse::Join(offer)
+        }
+        ViewQuery::Report {
+            peer: caught,
+            evidence,
+        } => match caught.parse::<P>() {
+            Ok(p) => {
+                if p == *view.me() {
+                    tracing::warn!(
+                        "this node was caught answering against the code: {evidence}; reported by {peer}"
+                    );
+                }
+                view.report_caught(p, format!("{evidence}; reported by {peer}"));
+                MeshResponse::Reported
+            }
+            Err(e) => MeshResponse::Error(format!("peer id {caught:?}: {e}")),
+        },
+        ViewQuery::Served(usage) => {
+            // Counts for the dashboards only: nothing is decided on them.
+            view.add_usage(&usage);
+            MeshResponse::Reported
+        }
+    }
+}
+
+/// A coded step on `state` at the leader's `version`; the answer carries the compute time.
+pub fn step(state: &ShardState, version: &[u8; 32], request: &StepRequest) -> MeshResponse {
+    let started = Instant::now();
+    if let Some(e) = state.version_mismatch(version) {
+        return MeshResponse::Error(e);
+    }
+    let answer = state.member.handle(request);
+    step_answer(&answer, started)
+}
+
+/// [`step`] for callers that cannot block (the browser, on WebGPU).
+pub async fn step_async(
+    state: &ShardState,
+    version: &[u8; 32],
+    request: &StepRequest,
+) -> MeshResponse {
+    let started = Instant::now();
+    if let Some(e) = state.version_mismatch(version) {
+        return MeshResponse::Error(e);
+    }
+    let answer = state.member.handle_async(request).await;
+    step_answer(&answer, started)
+}
+
+fn step_answer(answer: &protocol::StepResponse, started: Instant) -> MeshResponse {
+    let compute_us = started.elapsed().as_micros() as u64;
+    match protocol::encode(answer) {
+        Ok(bytes) => MeshResponse::Step { bytes, compute_us },
+        Err(e) => MeshResponse::Error(e.to_string()),
+    }
+}
+
+/// The receipt of a learning update: its id and the shard's update count after it, or why it
+/// was refused.
+pub fn receipt(
+    applied: Result<u64, impl std::fmt::Display>,
+    version: &ShardVersion,
+) -> MeshResponse {
+    match applied {
+        Ok(id) => MeshResponse::Learned {
+            id,
+            version_count: version.count(),
+        },
+        Err(e) => MeshResponse::Error(e.to_string()),
+    }
+}
+
+/// This holder's turn in a chain: the running sum of the sources before it (asked through
+/// `link`), plus its own term, which `contribute` adds (where the shell lets heavy work run).
+pub async fn chain<L, F, Fut>(
+    link: &L,
+    part: ChainPart,
+    g: &Generator,
+    cfg: &LlamaConfig,
+    contribute: F,
+) -> MeshResponse
+where
+    L: Link,
+    F: FnOnce(ChainPart, Option<Vec<f32>>) -> Fut,
+    Fut: Future<Output = Result<Vec<f32>, ChainError>>,
+{
+    let before = match answer_chain(link, &part, g, cfg).await {
+        Ok(before) => before,
+        Err(e) => return MeshResponse::Error(e.to_string()),
+    };
+    match contribute(part, before).await {
+        Ok(sum) => MeshResponse::Partial(sum),
+        Err(e) => MeshResponse::Error(e.to_string()),
+    }
+}
+
+/// Adds the term of the row `state` holds to a chain's running sum.
+pub fn contribute(
+    state: &ShardState,
+    part: &ChainPart,
+    before: Option<Vec<f32>>,
+) -> Result<Vec<f32>, ChainError> {
+    part.contribute(state.member.shards(), &state.version.digest(), before)
+}
+
+/// The row's shard as a blob at one version, made when a peer starts downloading it and kept
+/// while the row stays at that version.
+#[derive(Debug, Default)]
+pub struct Snapshot {
+    at: Option<([u8; 32], Arc<Vec<u8>>)>,
+}
+
+impl Snapshot {
+    /// A piece of the blob of `state`'s shard at its current version.
+    pub fn piece(&mut self, state: &ShardState, offset: u64, len: u32) -> MeshResponse {
+        let digest = state.version.digest();
+        let fresh = self.at.as_ref().is_some_and(|(d, _)| *d == digest);
+        if !fresh {
+            if offset != 0 {
+                return MeshResponse::Error(
+                    "the shard changed version during the transfer; start again".into(),
+                );
+            }
+            match shard_to_blob(state.member.shards()) {
+                Ok(blob) => self.at = Some((digest, Arc::new(blob))),
+                Err(e) => return MeshResponse::Error(e.to_string()),
+            }
+        }
+        match &self.at {
+            Some((d, blob)) => chunk_of(blob, *d, offset, len),
+            None => MeshResponse::Error("no snapshot".into()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // a test: a failed unwrap is a failed test
+
+    use super::*;
+    use crate::coded::{Member, ShardSet};
+    use crate::holder::Download;
+
+    fn state() -> ShardState {
+        let cfg = crate::fuzzing::small_config();
+        let w = crate::model::ModelWeights::synthetic(cfg, 1).unwrap();
+        let g = crate::code::Generator::cauchy(5, 3).unwrap();
+        let shard = ShardSet::encode(&w, &g, 1, Default::default(), &mut |_, _| {}).unwrap();
+        ShardState {
+            member: Member::new(shard),
+            version: ShardVersion::default(),
+            norms: crate::model::LeaderWeights::from_model(&w),
+            skip_updates: 0,
+        }
+    }
+
+    fn error_of(r: Route) -> String {
+        match r {
+            Route::Answer(MeshResponse::Error(e)) => e,
+            other => panic!("expected an error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn requests_are_routed_by_what_they_need() {
+        let s = state();
+        let genesis = BTreeMap::from([(4u32, Arc::new(vec![9u8; 10]))]);
+        let held = Held {
+            row: 1,
+            state: &s,
+            manifest: b"manifest",
+            genesis: &genesis,
+        };
+        let mut limit = LearnLimit::default();
+        let now = Instant::now();
+        let mut go = |r| route(&held, &mut limit, &7u32, now, r);
+        assert!(matches!(
+            go(MeshRequest::Manifest),
+            Route::Answer(MeshResponse::Manifest(m)) if m == b"manifest"
+        ));
+        let own = go(MeshRequest::Chunk {
+            row: 1,
+            offset: 3,
+            len: u32::MAX,
+        });
+        assert!(
+            matches!(own, Route::ShardPiece { offset: 3, len } if len == MAX_CHUNK_BYTES),
+            "{own:?}"
+        );
+        let given = go(MeshRequest::Chunk {
+            row: 4,
+            offset: 8,
+            len: 100,
+        });
+        assert!(
+            matches!(given, Route::Answer(MeshResponse::Chunk { total: 10, ref bytes, .. }) if bytes.len() == 2),
+            "{given:?}"
+        );
+        let e = error_of(go(MeshRequest::Chunk {
+            row: 2,
+            offset: 0,
+            len: 1,
+        }));
+        assert!(e.contains("does not hold row 2"), "{e}");
+        let e = error_of(go(MeshRequest::UpdateChunk {
+            id: 5,
+            offset: 0,
+            len: 1,
+        }));
+        assert!(e.contains("not applied here"), "{e}");
+        let e = error_of(go(MeshRequest::Step {
+            version: [0; 32],
+            bytes: vec![0xff; 3],
+        }));
+        assert!(e.contains("a step request"), "{e}");
+        assert!(matches!(
+            go(MeshRequest::Join),
+            Route::View(ViewQuery::Join)
+        ));
+    }
+
+    #[test]
+    fn a_peer_handing_over_too_many_updates_is_refused_for_a_minute() {
+        let s = state();
+        let genesis = BTreeMap::new();
+        let held = Held {
+            row: 1,
+            state: &s,
+            manifest: &[],
+            genesis: &genesis,
+        };
+        let mut limit = LearnLimit::default();
+        let t0 = Instant::now();
+        for _ in 0..LEARN_PER_MINUTE {
+            let r = route(&held, &mut limit, &1u32, t0, MeshRequest::Learn(vec![1]));
+            assert!(matches!(r, Route::Learn(_)));
+        }
+        let e = error_of(route(
+            &held,
+            &mut limit,
+            &1u32,
+            t0,
+            MeshRequest::Learn(vec![1]),
+        ));
+        assert!(e.contains("rate limit"), "{e}");
+        // Another peer is not held back; the first is again a minute later.
+        let r = route(&held, &mut limit, &2u32, t0, MeshRequest::Learn(vec![1]));
+        assert!(matches!(r, Route::Learn(_)));
+        let later = t0 + Duration::from_secs(61);
+        let r = route(&held, &mut limit, &1u32, later, MeshRequest::Learn(vec![1]));
+        assert!(matches!(r, Route::Learn(_)));
+    }
+
+    #[test]
+    fn a_step_is_computed_only_at_the_leaders_version_and_a_snapshot_downloads_whole() {
+        let s = state();
+        let at = s.version.digest();
+        let cfg = &s.member.shards().cfg;
+        let request = StepRequest::Matmul {
+            stage: crate::model::Stage::Qkv(0),
+            t: 1,
+            x: vec![0.5; cfg.hidden],
+        };
+        assert!(matches!(step(&s, &at, &request), MeshResponse::Step { .. }));
+        match step(&s, &[1; 32], &request) {
+            MeshResponse::Error(e) => assert!(e.contains("version mismatch"), "{e}"),
+            other => panic!("{other:?}"),
+        }
+        let mut snap = Snapshot::default();
+        let mut d = Download::new(u64::MAX);
+        while !d.accept(snap.piece(&s, d.offset(), 1 << 12)).unwrap() {}
+        let (blob, version) = d.finish();
+        assert_eq!(version, at);
+        assert_eq!(blob, shard_to_blob(s.member.shards()).unwrap());
+        match snap.piece(&s, 0, 10) {
+            MeshResponse::Chunk { bytes, .. } => assert_eq!(bytes, blob[..10]),
+            other => panic!("{other:?}"),
+        }
+    }
+}
