@@ -1,7 +1,6 @@
 //! The task that owns the libp2p swarm, and the cloneable client every other part talks to it
 //! through (bounded channels; answers come back on oneshots, errors included).
 
-use std::collections::HashMap;
 use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow};
@@ -10,16 +9,11 @@ use libp2p::core::Transport as _;
 use libp2p::core::muxing::StreamMuxerBox;
 use libp2p::identity::Keypair;
 use libp2p::multiaddr::Protocol;
-use libp2p::request_response::{self, OutboundRequestId, ResponseChannel};
-use libp2p::swarm::dial_opts::DialOpts;
-use libp2p::swarm::{ConnectionId, SwarmEvent};
-use libp2p::{Multiaddr, PeerId, Swarm, gossipsub, identify, noise, tcp, yamux};
-use node_core::mesh::{HEARTBEAT_TOPIC, MeshRequest, MeshResponse};
-use node_core::net::{MeshBehaviour, MeshBehaviourEvent, version_mismatch};
+use libp2p::request_response::ResponseChannel;
+use libp2p::{Multiaddr, PeerId, Swarm, noise, tcp, yamux};
+use node_core::mesh::{MeshRequest, MeshResponse};
+use node_core::net::{Driver, MeshBehaviour, NetEvent};
 use tokio::sync::{mpsc, oneshot};
-
-/// Gossip messages dropped for having no signed author, since the node started.
-pub static UNSIGNED_GOSSIP: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// How the swarm is built.
 #[derive(Debug)]
@@ -56,7 +50,7 @@ pub enum Inbound {
 }
 
 /// Where the answer to an outbound request goes.
-type Reply = Box<dyn FnOnce(Result<MeshResponse, String>) + Send>;
+type Reply = node_core::net::Reply<MeshResponse>;
 
 enum Command {
     Dial {
@@ -249,9 +243,7 @@ struct EventLoop {
     swarm: Swarm<MeshBehaviour>,
     commands: mpsc::Receiver<Command>,
     inbound: mpsc::Sender<Inbound>,
-    dials: HashMap<ConnectionId, oneshot::Sender<Result<PeerId, String>>>,
-    requests: HashMap<OutboundRequestId, Reply>,
-    topic: gossipsub::IdentTopic,
+    driver: Driver,
 }
 
 impl EventLoop {
@@ -264,16 +256,18 @@ impl EventLoop {
             swarm,
             commands,
             inbound,
-            dials: HashMap::new(),
-            requests: HashMap::new(),
-            topic: gossipsub::IdentTopic::new(HEARTBEAT_TOPIC),
+            driver: Driver::new(true),
         }
     }
 
     async fn run(mut self) {
         loop {
             tokio::select! {
-                event = self.swarm.select_next_some() => self.on_event(event).await,
+                event = self.swarm.select_next_some() => {
+                    if let Some(event) = self.driver.on_event(&mut self.swarm, event) {
+                        self.on_net(event).await;
+                    }
+                }
                 cmd = self.commands.recv() => match cmd {
                     Some(cmd) => self.on_command(cmd),
                     None => return, // every client is gone
@@ -283,198 +277,55 @@ impl EventLoop {
     }
 
     fn on_command(&mut self, cmd: Command) {
+        let swarm = &mut self.swarm;
         match cmd {
-            Command::Dial { addr, reply } => {
-                let peer = addr.iter().find_map(|p| match p {
-                    Protocol::P2p(id) => Some(id),
-                    _ => None,
-                });
-                if let Some(peer) = peer.filter(|p| self.swarm.is_connected(p)) {
-                    let _ = reply.send(Ok(peer));
-                    return;
-                }
-                let opts = match peer {
-                    Some(peer) => DialOpts::peer_id(peer).addresses(vec![addr]).build(),
-                    None => DialOpts::unknown_peer_id().address(addr).build(),
-                };
-                let id = opts.connection_id();
-                match self.swarm.dial(opts) {
-                    Ok(()) => {
-                        self.dials.insert(id, reply);
-                    }
-                    Err(e) => {
-                        let _ = reply.send(Err(e.to_string()));
-                    }
-                }
-            }
-            Command::AddAddrs { peer, addrs } => {
-                for a in addrs {
-                    self.swarm.add_peer_address(peer, a.clone());
-                    self.swarm.behaviour_mut().kad.add_address(&peer, a);
-                }
-            }
+            Command::Dial { addr, reply } => self.driver.dial(
+                swarm,
+                addr,
+                Box::new(move |r| {
+                    let _ = reply.send(r);
+                }),
+            ),
+            Command::AddAddrs { peer, addrs } => self.driver.add_addrs(swarm, peer, addrs),
             Command::Request {
                 peer,
                 request,
                 reply,
-            } => {
-                let id = self.swarm.behaviour_mut().mesh.send_request(&peer, request);
-                self.requests.insert(id, reply);
-            }
-            Command::Respond { channel, response } => {
-                if self
-                    .swarm
-                    .behaviour_mut()
-                    .mesh
-                    .send_response(channel, response)
-                    .is_err()
-                {
-                    tracing::debug!("a peer left before its answer was sent");
-                }
-            }
-            Command::Publish { data } => {
-                if let Err(e) = self
-                    .swarm
-                    .behaviour_mut()
-                    .gossipsub
-                    .publish(self.topic.clone(), data)
-                {
-                    // No subscribed peer yet is normal for a lone node.
-                    tracing::debug!(error = %e, "heartbeat not published");
-                }
-            }
+            } => self.driver.request(swarm, peer, request, reply),
+            Command::Respond { channel, response } => Driver::respond(swarm, channel, response),
+            Command::Publish { data } => self.driver.publish(swarm, data),
             Command::ListenAddrs { reply } => {
-                let _ = reply.send(self.swarm.listeners().cloned().collect());
+                let _ = reply.send(swarm.listeners().cloned().collect());
             }
         }
     }
 
-    async fn on_event(&mut self, event: SwarmEvent<MeshBehaviourEvent>) {
+    async fn on_net(&mut self, event: NetEvent) {
         match event {
-            SwarmEvent::NewListenAddr { address, .. } => {
+            NetEvent::Listening(address) => {
                 tracing::debug!(%address, "listening");
                 // The addresses a node announces in heartbeats are the ones peers reach it at;
                 // the relay serves browsers only once the node has external addresses.
                 self.swarm.add_external_address(address);
             }
-            SwarmEvent::ConnectionEstablished {
-                peer_id,
-                connection_id,
-                ..
+            NetEvent::Expired(_) => {}
+            NetEvent::Gossip { peer, data } => {
+                let _ = self.inbound.try_send(Inbound::Gossip { peer, data });
+            }
+            NetEvent::Request {
+                peer,
+                request,
+                channel,
             } => {
-                if let Some(reply) = self.dials.remove(&connection_id) {
-                    let _ = reply.send(Ok(peer_id));
+                let msg = Inbound::Request {
+                    peer,
+                    request,
+                    channel,
+                };
+                if self.inbound.send(msg).await.is_err() {
+                    tracing::debug!("no node is listening for requests");
                 }
             }
-            SwarmEvent::OutgoingConnectionError {
-                connection_id,
-                error,
-                ..
-            } => {
-                if let Some(reply) = self.dials.remove(&connection_id) {
-                    let _ = reply.send(Err(error.to_string()));
-                }
-            }
-            SwarmEvent::Behaviour(MeshBehaviourEvent::Mesh(event)) => self.on_mesh(event).await,
-            SwarmEvent::Behaviour(MeshBehaviourEvent::Gossipsub(gossipsub::Event::Message {
-                propagation_source,
-                message,
-                ..
-            })) => {
-                // Gossipsub runs in strict mode: it drops badly signed messages itself, and a
-                // message without an author is dropped here.
-                match message.source {
-                    Some(peer) => {
-                        let _ = self.inbound.try_send(Inbound::Gossip {
-                            peer,
-                            data: message.data,
-                        });
-                    }
-                    None => {
-                        let n =
-                            UNSIGNED_GOSSIP.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
-                        tracing::warn!(%propagation_source, "dropped an unsigned gossip message ({n} so far)");
-                    }
-                }
-            }
-            SwarmEvent::Behaviour(MeshBehaviourEvent::Identify(identify::Event::Received {
-                peer_id,
-                info,
-                ..
-            })) => {
-                if let Some(msg) = version_mismatch(&info.protocols) {
-                    tracing::error!(peer = %peer_id, "{msg}");
-                }
-                for addr in info.listen_addrs {
-                    self.swarm.behaviour_mut().kad.add_address(&peer_id, addr);
-                }
-            }
-            #[cfg(feature = "mdns")]
-            SwarmEvent::Behaviour(MeshBehaviourEvent::Mdns(libp2p::mdns::Event::Discovered(
-                found,
-            ))) => {
-                for (peer, addr) in found {
-                    self.swarm
-                        .behaviour_mut()
-                        .kad
-                        .add_address(&peer, addr.clone());
-                    if !self.swarm.is_connected(&peer) {
-                        let _ = self
-                            .swarm
-                            .dial(DialOpts::peer_id(peer).addresses(vec![addr]).build());
-                    }
-                }
-            }
-            _ => {}
-        }
-    }
-
-    async fn on_mesh(&mut self, event: request_response::Event<MeshRequest, MeshResponse>) {
-        match event {
-            request_response::Event::Message { peer, message, .. } => match message {
-                request_response::Message::Request {
-                    request, channel, ..
-                } => {
-                    if self
-                        .inbound
-                        .send(Inbound::Request {
-                            peer,
-                            request,
-                            channel,
-                        })
-                        .await
-                        .is_err()
-                    {
-                        tracing::debug!("no node is listening for requests");
-                    }
-                }
-                request_response::Message::Response {
-                    request_id,
-                    response,
-                } => {
-                    if let Some(reply) = self.requests.remove(&request_id) {
-                        reply(Ok(response));
-                    }
-                }
-            },
-            request_response::Event::OutboundFailure {
-                request_id, error, ..
-            } => {
-                if let Some(reply) = self.requests.remove(&request_id) {
-                    let msg = match error {
-                        request_response::OutboundFailure::UnsupportedProtocols => format!(
-                            "the peer does not speak {} (another Coded Mesh version?)",
-                            node_core::net::MESH_PROTOCOL
-                        ),
-                        other => other.to_string(),
-                    };
-                    reply(Err(msg));
-                }
-            }
-            request_response::Event::InboundFailure { peer, error, .. } => {
-                tracing::debug!(%peer, %error, "inbound request failed");
-            }
-            request_response::Event::ResponseSent { .. } => {}
         }
     }
 }

@@ -2,22 +2,20 @@
 //! sends it commands and reads the latest snapshot.
 
 use std::cell::RefCell;
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::rc::Rc;
 
 use futures::channel::{mpsc, oneshot};
 use futures::{FutureExt, SinkExt, StreamExt};
 use libp2p::multiaddr::Protocol;
 use libp2p::request_response::ResponseChannel;
-use libp2p::swarm::{ConnectionId, SwarmEvent};
-use libp2p::{Multiaddr, PeerId, Swarm, gossipsub, identity, request_response};
+use libp2p::{Multiaddr, PeerId, Swarm, identity};
 use node_core::holder::{self, Route};
-use node_core::mesh::HEARTBEAT_TOPIC;
 use node_core::mesh::{
     BrowserBootstrap, HealthConfig, Heartbeat, MeshEvent, MeshInfo, MeshRequest, MeshResponse,
     MeshView, unhex32,
 };
-use node_core::net::{MeshBehaviour, MeshBehaviourEvent};
+use node_core::net::{Driver, MeshBehaviour, NetEvent};
 use node_core::protocol;
 use serde::Serialize;
 use wasm_bindgen::JsCast;
@@ -258,8 +256,7 @@ impl BrowserNode {
             commands: rx,
             shared,
             view: None,
-            dials: HashMap::new(),
-            requests: HashMap::new(),
+            driver: Driver::new(false),
             node: node.clone(),
             relay: None,
             holding: None,
@@ -437,9 +434,8 @@ struct Task {
     commands: mpsc::Receiver<Command>,
     shared: Rc<RefCell<Shared>>,
     view: Option<MeshView<PeerId>>,
-    dials: HashMap<ConnectionId, Reply<PeerId>>,
-    /// Requests in flight; request-response's own timeout ends each with a failure event.
-    requests: HashMap<request_response::OutboundRequestId, Reply<MeshResponse>>,
+    /// Dials and requests in flight (request-response's own timeout ends each request).
+    driver: Driver,
     /// A handle on this node, for the work the task starts (steps, catch-ups).
     node: BrowserNode,
     /// The native node this node listens through once it holds a row.
@@ -457,7 +453,11 @@ impl Task {
         let mut tick = futures_timer::Delay::new(SNAPSHOT_EVERY).fuse();
         loop {
             futures::select! {
-                ev = self.swarm.select_next_some() => self.on_event(ev),
+                ev = self.swarm.select_next_some() => {
+                    if let Some(ev) = self.driver.on_event(&mut self.swarm, ev) {
+                        self.on_net(ev);
+                    }
+                }
                 cmd = self.commands.next() => match cmd {
                     Some(cmd) => self.on_command(cmd),
                     // Every handle is gone: the page dropped the node.
@@ -484,17 +484,9 @@ impl Task {
             if hb.row.is_none() {
                 continue;
             }
-            let sent = protocol::encode(&hb)
-                .map_err(|e| e.to_string())
-                .and_then(|data| {
-                    self.swarm
-                        .behaviour_mut()
-                        .gossipsub
-                        .publish(gossipsub::IdentTopic::new(HEARTBEAT_TOPIC), data)
-                        .map_err(|e| e.to_string())
-                });
-            if let Err(e) = sent {
-                tracing::debug!("heartbeat not sent: {e}");
+            match protocol::encode(&hb) {
+                Ok(data) => self.driver.publish(&mut self.swarm, data),
+                Err(e) => tracing::debug!("heartbeat not sent: {e}"),
             }
         }
         while let Some(ev) = view.poll_event() {
@@ -564,32 +556,27 @@ impl Task {
 
     fn on_command(&mut self, cmd: Command) {
         match cmd {
-            Command::Dial { addr, reply } => {
-                let opts = libp2p::swarm::dial_opts::DialOpts::unknown_peer_id()
-                    .address(addr)
-                    .build();
-                let id = opts.connection_id();
-                match self.swarm.dial(opts) {
-                    Ok(()) => {
-                        self.dials.insert(id, reply);
-                    }
-                    Err(e) => {
-                        let _ = reply.send(Err(e.to_string()));
-                    }
-                }
-            }
+            Command::Dial { addr, reply } => self.driver.dial(
+                &mut self.swarm,
+                addr,
+                Box::new(move |r| {
+                    let _ = reply.send(r);
+                }),
+            ),
             Command::Request {
                 peer,
                 request,
                 reply,
-            } => {
-                let id = self.swarm.behaviour_mut().mesh.send_request(&peer, request);
-                self.requests.insert(id, reply);
-            }
+            } => self.driver.request(
+                &mut self.swarm,
+                peer,
+                request,
+                Box::new(move |r| {
+                    let _ = reply.send(r);
+                }),
+            ),
             Command::AddAddrs { peer, addrs } => {
-                for a in addrs {
-                    self.swarm.add_peer_address(peer, a);
-                }
+                self.driver.add_addrs(&mut self.swarm, peer, addrs)
             }
             Command::Watch { info, via } => match watch_view(&info, *self.swarm.local_peer_id()) {
                 Ok(view) => {
@@ -650,15 +637,7 @@ impl Task {
     }
 
     fn respond(&mut self, channel: ResponseChannel<MeshResponse>, response: MeshResponse) {
-        if self
-            .swarm
-            .behaviour_mut()
-            .mesh
-            .send_response(channel, response)
-            .is_err()
-        {
-            tracing::debug!("the peer left before the answer");
-        }
+        Driver::respond(&mut self.swarm, channel, response)
     }
 
     /// Applies waiting updates while no step uses the shard.
@@ -702,58 +681,33 @@ impl Task {
         }
     }
 
-    fn on_event(&mut self, event: SwarmEvent<MeshBehaviourEvent>) {
+    fn on_net(&mut self, event: NetEvent) {
         match event {
-            SwarmEvent::ConnectionEstablished {
-                peer_id,
-                connection_id,
-                ..
-            } => {
-                if let Some(reply) = self.dials.remove(&connection_id) {
-                    let _ = reply.send(Ok(peer_id));
-                }
-            }
-            SwarmEvent::OutgoingConnectionError {
-                connection_id,
-                error,
-                ..
-            } => {
-                if let Some(reply) = self.dials.remove(&connection_id) {
-                    let _ = reply.send(Err(error.to_string()));
-                }
-            }
-            SwarmEvent::NewListenAddr { address, .. } => {
+            NetEvent::Listening(address) => {
                 tracing::info!(%address, "reachable through the relay");
                 let me = *self.swarm.local_peer_id();
                 self.circuits.push(with_peer(address, me).to_string());
                 self.announce();
             }
-            SwarmEvent::ExpiredListenAddr { address, .. } => {
+            NetEvent::Expired(address) => {
                 let me = *self.swarm.local_peer_id();
                 let gone = with_peer(address, me).to_string();
                 self.circuits.retain(|a| *a != gone);
                 self.announce();
             }
-            SwarmEvent::ListenerClosed { reason, .. } => {
-                tracing::warn!("the relay listener closed: {reason:?}");
-            }
-            SwarmEvent::Behaviour(MeshBehaviourEvent::Gossipsub(gossipsub::Event::Message {
-                message,
-                ..
-            })) => self.on_gossip(message),
-            SwarmEvent::Behaviour(MeshBehaviourEvent::Mesh(event)) => self.on_mesh(event),
-            _ => {}
+            NetEvent::Gossip { peer, data } => self.on_gossip(peer, &data),
+            NetEvent::Request {
+                peer,
+                request,
+                channel,
+            } => self.on_request(peer, request, channel),
         }
     }
 
-    fn on_gossip(&mut self, message: gossipsub::Message) {
-        let bytes = message.data.len() as u64;
+    fn on_gossip(&mut self, peer: PeerId, data: &[u8]) {
+        let bytes = data.len() as u64;
         Shared::set_quiet(&self.shared, |s| s.gossip_bytes += bytes);
-        // Strict validation drops badly signed messages; one without an author is dropped here.
-        let Some(peer) = message.source else {
-            return;
-        };
-        match protocol::decode::<Heartbeat>(&message.data) {
+        match protocol::decode::<Heartbeat>(data) {
             Ok(hb) => {
                 self.maybe_sync(peer, &hb);
                 let Some(view) = self.view.as_mut() else {
@@ -788,39 +742,6 @@ impl Task {
                 .map_err(|e| e.to_string());
             let _ = node.send(Command::CaughtUp(got)).await;
         });
-    }
-
-    fn on_mesh(&mut self, event: request_response::Event<MeshRequest, MeshResponse>) {
-        match event {
-            request_response::Event::Message {
-                message:
-                    request_response::Message::Response {
-                        request_id,
-                        response,
-                    },
-                ..
-            } => {
-                if let Some(reply) = self.requests.remove(&request_id) {
-                    let _ = reply.send(Ok(response));
-                }
-            }
-            request_response::Event::Message {
-                peer,
-                message:
-                    request_response::Message::Request {
-                        channel, request, ..
-                    },
-                ..
-            } => self.on_request(peer, request, channel),
-            request_response::Event::OutboundFailure {
-                request_id, error, ..
-            } => {
-                if let Some(reply) = self.requests.remove(&request_id) {
-                    let _ = reply.send(Err(error.to_string()));
-                }
-            }
-            _ => {}
-        }
     }
 
     fn on_request(

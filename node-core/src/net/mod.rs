@@ -1,5 +1,10 @@
-//! The libp2p side of a node, shared by native and browser shells: one behaviour struct and
-//! the request-response codec. Swarms, transports and event loops live in the shells.
+//! The libp2p side of a node, shared by native and browser shells: one behaviour struct, the
+//! request-response codec and the swarm task's [`Driver`]. Transports and the loops that drive
+//! a swarm on each runtime live in the shells.
+
+mod driver;
+
+pub use driver::{Driver, NetEvent, Reply, UNSIGNED_GOSSIP};
 
 use std::io;
 

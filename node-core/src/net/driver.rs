@@ -1,0 +1,281 @@
+//! What a swarm task does alike in the native and the browser node: the dials and requests it
+//! waits on, answers, heartbeats, and the swarm events it handles itself. Each shell keeps only
+//! its loop (its runtime, its channels) and what an event means to it.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use libp2p::multiaddr::Protocol;
+use libp2p::request_response::{self, OutboundRequestId, ResponseChannel};
+use libp2p::swarm::dial_opts::DialOpts;
+use libp2p::swarm::{ConnectionId, SwarmEvent};
+use libp2p::{Multiaddr, PeerId, Swarm, gossipsub, identify};
+
+use super::{MESH_PROTOCOL, MeshBehaviour, MeshBehaviourEvent, version_mismatch};
+use crate::mesh::{HEARTBEAT_TOPIC, MeshRequest, MeshResponse};
+
+/// Gossip messages dropped for having no signed author, since the process started.
+pub static UNSIGNED_GOSSIP: AtomicU64 = AtomicU64::new(0);
+
+/// Where the outcome of a dial or an outbound request goes (it runs on the swarm task, so it
+/// must be quick: hand the value to a channel).
+pub type Reply<T> = Box<dyn FnOnce(Result<T, String>) + Send>;
+
+/// What the swarm hands to the node.
+#[derive(Debug)]
+pub enum NetEvent {
+    /// A peer asks something; answer on `channel` ([`Driver::respond`]).
+    Request {
+        /// Who.
+        peer: PeerId,
+        /// What.
+        request: MeshRequest,
+        /// Where the answer goes.
+        channel: ResponseChannel<MeshResponse>,
+    },
+    /// A heartbeat's bytes arrived on gossipsub from its signed author.
+    Gossip {
+        /// The author.
+        peer: PeerId,
+        /// Its bytes.
+        data: Vec<u8>,
+    },
+    /// The swarm listens on a new address.
+    Listening(Multiaddr),
+    /// The swarm no longer listens on an address.
+    Expired(Multiaddr),
+}
+
+/// The dials and requests a swarm task waits on, and how it handles the swarm's events.
+pub struct Driver {
+    dials: HashMap<ConnectionId, Reply<PeerId>>,
+    requests: HashMap<OutboundRequestId, Reply<MeshResponse>>,
+    topic: gossipsub::IdentTopic,
+    /// Whether peers' addresses go into the DHT's routing table (not in a browser).
+    dht: bool,
+}
+
+impl std::fmt::Debug for Driver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Driver")
+            .field("dials", &self.dials.len())
+            .field("requests", &self.requests.len())
+            .finish()
+    }
+}
+
+impl Driver {
+    /// A driver; `dht`: add the addresses peers tell to the DHT's routing table.
+    pub fn new(dht: bool) -> Self {
+        Self {
+            dials: HashMap::new(),
+            requests: HashMap::new(),
+            topic: gossipsub::IdentTopic::new(HEARTBEAT_TOPIC),
+            dht,
+        }
+    }
+
+    /// Dials `addr` (with or without `/p2p/…`); `reply` gets the peer reached.
+    pub fn dial(
+        &mut self,
+        swarm: &mut Swarm<MeshBehaviour>,
+        addr: Multiaddr,
+        reply: Reply<PeerId>,
+    ) {
+        let peer = addr.iter().find_map(|p| match p {
+            Protocol::P2p(id) => Some(id),
+            _ => None,
+        });
+        if let Some(peer) = peer.filter(|p| swarm.is_connected(p)) {
+            return reply(Ok(peer));
+        }
+        let opts = match peer {
+            Some(peer) => DialOpts::peer_id(peer).addresses(vec![addr]).build(),
+            None => DialOpts::unknown_peer_id().address(addr).build(),
+        };
+        let id = opts.connection_id();
+        match swarm.dial(opts) {
+            Ok(()) => {
+                self.dials.insert(id, reply);
+            }
+            Err(e) => reply(Err(e.to_string())),
+        }
+    }
+
+    /// Remembers addresses of `peer` for later requests.
+    pub fn add_addrs(&self, swarm: &mut Swarm<MeshBehaviour>, peer: PeerId, addrs: Vec<Multiaddr>) {
+        for a in addrs {
+            swarm.add_peer_address(peer, a.clone());
+            if self.dht {
+                swarm.behaviour_mut().kad.add_address(&peer, a);
+            }
+        }
+    }
+
+    /// Sends `request` to `peer`; `reply` gets the answer or why there is none.
+    pub fn request(
+        &mut self,
+        swarm: &mut Swarm<MeshBehaviour>,
+        peer: PeerId,
+        request: MeshRequest,
+        reply: Reply<MeshResponse>,
+    ) {
+        let id = swarm.behaviour_mut().mesh.send_request(&peer, request);
+        self.requests.insert(id, reply);
+    }
+
+    /// Answers an inbound request.
+    pub fn respond(
+        swarm: &mut Swarm<MeshBehaviour>,
+        channel: ResponseChannel<MeshResponse>,
+        response: MeshResponse,
+    ) {
+        if swarm
+            .behaviour_mut()
+            .mesh
+            .send_response(channel, response)
+            .is_err()
+        {
+            tracing::debug!("a peer left before its answer was sent");
+        }
+    }
+
+    /// Publishes a heartbeat's bytes.
+    pub fn publish(&self, swarm: &mut Swarm<MeshBehaviour>, data: Vec<u8>) {
+        if let Err(e) = swarm
+            .behaviour_mut()
+            .gossipsub
+            .publish(self.topic.clone(), data)
+        {
+            // No subscribed peer yet is normal for a lone node.
+            tracing::debug!(error = %e, "heartbeat not published");
+        }
+    }
+
+    /// Handles a swarm event: what concerns the node comes back.
+    pub fn on_event(
+        &mut self,
+        swarm: &mut Swarm<MeshBehaviour>,
+        event: SwarmEvent<MeshBehaviourEvent>,
+    ) -> Option<NetEvent> {
+        match event {
+            SwarmEvent::NewListenAddr { address, .. } => return Some(NetEvent::Listening(address)),
+            SwarmEvent::ExpiredListenAddr { address, .. } => {
+                return Some(NetEvent::Expired(address));
+            }
+            SwarmEvent::ListenerClosed { reason, .. } => {
+                tracing::warn!("a listener closed: {reason:?}");
+            }
+            SwarmEvent::ConnectionEstablished {
+                peer_id,
+                connection_id,
+                ..
+            } => {
+                if let Some(reply) = self.dials.remove(&connection_id) {
+                    reply(Ok(peer_id));
+                }
+            }
+            SwarmEvent::OutgoingConnectionError {
+                connection_id,
+                error,
+                ..
+            } => {
+                if let Some(reply) = self.dials.remove(&connection_id) {
+                    reply(Err(error.to_string()));
+                }
+            }
+            SwarmEvent::Behaviour(MeshBehaviourEvent::Mesh(event)) => return self.on_mesh(event),
+            SwarmEvent::Behaviour(MeshBehaviourEvent::Gossipsub(gossipsub::Event::Message {
+                propagation_source,
+                message,
+                ..
+            })) => {
+                // Gossipsub runs in strict mode: it drops badly signed messages itself, and a
+                // message without an author is dropped here.
+                match message.source {
+                    Some(peer) => {
+                        return Some(NetEvent::Gossip {
+                            peer,
+                            data: message.data,
+                        });
+                    }
+                    None => {
+                        let n = UNSIGNED_GOSSIP.fetch_add(1, Ordering::Relaxed) + 1;
+                        tracing::warn!(%propagation_source, "dropped an unsigned gossip message ({n} so far)");
+                    }
+                }
+            }
+            SwarmEvent::Behaviour(MeshBehaviourEvent::Identify(identify::Event::Received {
+                peer_id,
+                info,
+                ..
+            })) => {
+                if let Some(msg) = version_mismatch(&info.protocols) {
+                    tracing::error!(peer = %peer_id, "{msg}");
+                }
+                if self.dht {
+                    for addr in info.listen_addrs {
+                        swarm.behaviour_mut().kad.add_address(&peer_id, addr);
+                    }
+                }
+            }
+            #[cfg(all(native, feature = "mdns"))]
+            SwarmEvent::Behaviour(MeshBehaviourEvent::Mdns(libp2p::mdns::Event::Discovered(
+                found,
+            ))) => {
+                for (peer, addr) in found {
+                    swarm.behaviour_mut().kad.add_address(&peer, addr.clone());
+                    if !swarm.is_connected(&peer) {
+                        let _ = swarm.dial(DialOpts::peer_id(peer).addresses(vec![addr]).build());
+                    }
+                }
+            }
+            _ => {}
+        }
+        None
+    }
+
+    fn on_mesh(
+        &mut self,
+        event: request_response::Event<MeshRequest, MeshResponse>,
+    ) -> Option<NetEvent> {
+        match event {
+            request_response::Event::Message { peer, message, .. } => match message {
+                request_response::Message::Request {
+                    request, channel, ..
+                } => {
+                    return Some(NetEvent::Request {
+                        peer,
+                        request,
+                        channel,
+                    });
+                }
+                request_response::Message::Response {
+                    request_id,
+                    response,
+                } => {
+                    if let Some(reply) = self.requests.remove(&request_id) {
+                        reply(Ok(response));
+                    }
+                }
+            },
+            request_response::Event::OutboundFailure {
+                request_id, error, ..
+            } => {
+                if let Some(reply) = self.requests.remove(&request_id) {
+                    reply(Err(match error {
+                        request_response::OutboundFailure::UnsupportedProtocols => format!(
+                            "the peer does not speak {MESH_PROTOCOL} (another Coded Mesh version?)"
+                        ),
+                        other => other.to_string(),
+                    }));
+                }
+            }
+            request_response::Event::InboundFailure { peer, error, .. } => {
+                tracing::debug!(%peer, %error, "inbound request failed");
+            }
+            request_response::Event::ResponseSent { .. } => {}
+        }
+        None
+    }
+}
