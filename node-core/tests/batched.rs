@@ -60,7 +60,7 @@ fn a_batch_gives_each_sequence_its_own_logits_in_one_round_per_stage() {
     let mut items: Vec<BatchItem<'_>> = caches
         .iter_mut()
         .zip(prompts)
-        .map(|(cache, tokens)| BatchItem { tokens, cache })
+        .map(|(cache, tokens)| BatchItem::new(tokens, cache))
         .collect();
     let got = llama.forward_batch(&mut group, &mut items).unwrap();
     // Embedding, four stages per block, the LM head: once for the whole batch.
@@ -102,16 +102,7 @@ fn a_bad_item_fails_the_batch_and_leaves_every_cache_as_it_was() {
     let err = llama
         .forward_batch(
             &mut group,
-            &mut [
-                BatchItem {
-                    tokens: &[7],
-                    cache: &mut a,
-                },
-                BatchItem {
-                    tokens: &long,
-                    cache: &mut b,
-                },
-            ],
+            &mut [BatchItem::new(&[7], &mut a), BatchItem::new(&long, &mut b)],
         )
         .unwrap_err();
     assert!(matches!(err, ModelError::ContextFull { .. }), "{err}");
@@ -119,14 +110,8 @@ fn a_bad_item_fails_the_batch_and_leaves_every_cache_as_it_was() {
         .forward_batch(
             &mut group,
             &mut [
-                BatchItem {
-                    tokens: &[7],
-                    cache: &mut a,
-                },
-                BatchItem {
-                    tokens: &[9999],
-                    cache: &mut b,
-                },
+                BatchItem::new(&[7], &mut a),
+                BatchItem::new(&[9999], &mut b),
             ],
         )
         .unwrap_err();
@@ -216,4 +201,43 @@ fn an_sgd_step_on_a_batch_lowers_its_loss() {
     let (llama, mut group) = setup(&w);
     let after = llama.gradients_batch(&mut group, &seqs).unwrap().loss;
     assert!(after < loss - 1e-3, "loss {loss:.4} → {after:.4}");
+}
+
+#[test]
+fn the_logits_of_several_last_positions_are_those_of_running_them_one_by_one() {
+    // What drafted decoding relies on: one pass over a token and its draft gives, row by
+    // row, the logits a token-by-token decode would, and the cache can drop what was not kept.
+    let w = ModelWeights::synthetic(common::train_config(false), 5).unwrap();
+    let (llama, mut group) = setup(&w);
+    let mut one = KvCache::new(&w.cfg);
+    llama.forward(&mut group, &[1, 2, 3], &mut one).unwrap();
+    let mut many = one.clone();
+    let run = [4u32, 5, 6, 7];
+    let expected: Vec<Vec<f32>> = run
+        .iter()
+        .map(|&t| llama.forward(&mut group, &[t], &mut one).unwrap())
+        .collect();
+    let mut items = [BatchItem {
+        logits: run.len(),
+        ..BatchItem::new(&run, &mut many)
+    }];
+    let got = llama.forward_batch(&mut group, &mut items).unwrap();
+    let rows: Vec<&[f32]> = got[0].chunks_exact(w.cfg.vocab).collect();
+    assert_eq!(rows.len(), run.len());
+    for (i, (g, e)) in rows.iter().zip(&expected).enumerate() {
+        let err = max_rel_diff(g, e);
+        assert!(err < 1e-5, "position {i}: logits differ by {err:.2e}");
+    }
+    // Keep two of the four, then go on: the same as having run only those two.
+    many.truncate(many.len() - 2);
+    let mut two = KvCache::new(&w.cfg);
+    llama
+        .forward(&mut group, &[1, 2, 3, 4, 5], &mut two)
+        .unwrap();
+    let next = llama.forward(&mut group, &[9], &mut many).unwrap();
+    let want = llama.forward(&mut group, &[9], &mut two).unwrap();
+    assert!(
+        max_rel_diff(&next, &want) < 1e-5,
+        "a truncated cache goes on like a short one"
+    );
 }

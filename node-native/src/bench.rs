@@ -111,6 +111,7 @@ pub fn model_speed(
         max_tokens: tokens,
         sampling: Default::default(),
         stop_ids: Vec::new(),
+        draft: 0,
     };
     // Warm-up, then the measured run.
     generate(llama, &mut group, prompt, &opts, &mut |_| true)?;
@@ -250,6 +251,7 @@ pub fn mesh_rows(model: &std::path::Path, prompt: &[u32], tokens: usize) -> Resu
         max_tokens: tokens,
         sampling: Default::default(),
         stop_ids: Vec::new(),
+        draft: 0,
     };
     generate(&leader.llama, &mut leader.group, prompt, &opts, &mut |_| {
         true
@@ -261,6 +263,14 @@ pub fn mesh_rows(model: &std::path::Path, prompt: &[u32], tokens: usize) -> Resu
     })?;
     let stats = leader.group.stats().clone();
     let compute = leader.group.transport().stats().compute - compute_before;
+    let draft = node_core::model::speculate::DEFAULT_DRAFT;
+    let drafted = generate(
+        &leader.llama,
+        &mut leader.group,
+        prompt,
+        &GenerateOptions { draft, ..opts },
+        &mut |_| true,
+    )?;
     drop(mesh);
     let _ = std::fs::remove_dir_all(&dir);
     let label = "5 processes over loopback, coded k=3";
@@ -281,6 +291,22 @@ pub fn mesh_rows(model: &std::path::Path, prompt: &[u32], tokens: usize) -> Resu
                 "{:.1} tok/s ({:.1} ms/token)",
                 run.decode_tokens_per_s(),
                 1e3 / run.decode_tokens_per_s()
+            ),
+        ),
+        row(
+            format!("{label}: decode with drafts of {draft} (prompt lookup)"),
+            format!(
+                "{:.1} tok/s ({:.1} ms/token), {:.2} tokens per forward pass, {:.0}% of drafts kept, {}",
+                drafted.decode_tokens_per_s(),
+                1e3 / drafted.decode_tokens_per_s(),
+                drafted.tokens.len() as f64
+                    / drafted.forward_passes.saturating_sub(1).max(1) as f64,
+                100.0 * drafted.speculation.acceptance(),
+                if drafted.tokens == run.tokens {
+                    "the same tokens"
+                } else {
+                    "DIFFERENT tokens"
+                }
             ),
         ),
         row(
@@ -305,4 +331,89 @@ pub fn mesh_rows(model: &std::path::Path, prompt: &[u32], tokens: usize) -> Resu
             ),
         ),
     ])
+}
+
+/// Kinds of text drafts are measured on: code, summarising a given passage, open chat.
+const SPECULATION_PROMPTS: [(&str, &str); 3] = [
+    (
+        "code",
+        "Write Python functions add(a, b), subtract(a, b), multiply(a, b) and divide(a, b), \
+         each with a one-line docstring.",
+    ),
+    (
+        "summary",
+        "Summarise this passage in three sentences, keeping its words where you can.\n\n\
+         The history of the printing press begins in the fifteenth century, when Johannes \
+         Gutenberg combined movable metal type, oil-based ink and a screw press into a system \
+         that could produce books far faster than scribes. Within fifty years printing shops \
+         had opened in more than two hundred European cities, and the price of books fell so \
+         far that merchants, students and craftsmen could own them. The press spread news, \
+         pamphlets and scientific results, and it fixed spelling and grammar in print.",
+    ),
+    (
+        "chat",
+        "I have rice, eggs, spinach and a lemon. What could I cook for dinner tonight?",
+    ),
+];
+
+/// Drafted decoding (prompt lookup) against a token a pass, in process (coded k = 3 of 5,
+/// greedy): acceptance, tokens per forward pass, speed, and whether the tokens are the same.
+pub fn speculation_rows(
+    weights: &ModelWeights,
+    tokenizer: &node_core::model::Tokenizer,
+    tokens: usize,
+) -> Result<Vec<Row>> {
+    let llama = Llama::new(weights.cfg.clone(), LeaderWeights::from_model(weights))?;
+    let g = Generator::cauchy(5, 3)?;
+    let mesh = InProcess::encode(weights, &g, ShardFormat::F32, &|_, _| {})?;
+    let nodes = select_nodes(&g, &[0, 1, 2, 3, 4])?.nodes;
+    let mut group = CodedGroup::new(weights.cfg.clone(), g, &nodes, mesh)?;
+    let draft = node_core::model::speculate::DEFAULT_DRAFT;
+    let mut rows = Vec::new();
+    for (kind, text) in SPECULATION_PROMPTS {
+        let chat = [node_core::model::ChatMessage {
+            role: "user".into(),
+            content: text.into(),
+        }];
+        let prompt = tokenizer.encode(&tokenizer.chat_prompt(&chat))?;
+        let run = |group: &mut CodedGroup<InProcess>, draft: usize| {
+            let opts = GenerateOptions {
+                max_tokens: tokens,
+                sampling: Default::default(),
+                stop_ids: tokenizer.eos_ids().to_vec(),
+                draft,
+            };
+            generate(&llama, group, &prompt, &opts, &mut |_| true)
+        };
+        run(&mut group, 0)?;
+        let plain = run(&mut group, 0)?;
+        let drafted = run(&mut group, draft)?;
+        let spec = drafted.speculation;
+        let per_pass =
+            drafted.tokens.len() as f64 / drafted.forward_passes.saturating_sub(1).max(1) as f64;
+        rows.push(row(
+            format!("drafts of {draft} (prompt lookup), {kind}: acceptance"),
+            format!(
+                "{:.0}% ({} of {} drafted), {per_pass:.2} tokens per forward pass",
+                100.0 * spec.acceptance(),
+                spec.accepted,
+                spec.drafted
+            ),
+        ));
+        rows.push(row(
+            format!("drafts of {draft}, {kind}: decode in process, coded k=3"),
+            format!(
+                "{:.1} tok/s against {:.1} a token a pass; {} tokens, {}",
+                drafted.decode_tokens_per_s(),
+                plain.decode_tokens_per_s(),
+                drafted.tokens.len(),
+                if drafted.tokens == plain.tokens {
+                    "the same tokens"
+                } else {
+                    "DIFFERENT tokens"
+                }
+            ),
+        ));
+    }
+    Ok(rows)
 }

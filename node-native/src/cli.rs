@@ -98,6 +98,10 @@ pub(crate) struct UpArgs {
     /// (more form only when the mesh has holders for them, e.g. with `--nodes 10`).
     #[arg(long, default_value_t = 4)]
     pub(crate) groups: usize,
+    /// Most drafted tokens the API's node checks in one forward pass (prompt lookup); 0
+    /// decodes a token a pass.
+    #[arg(long, default_value_t = node_core::model::speculate::DEFAULT_DRAFT)]
+    pub(crate) draft: usize,
 }
 
 /// How a node serves the requests it leads (its OpenAI API).
@@ -119,6 +123,11 @@ pub(crate) struct ServeArgs {
     /// not use; a further group forms only when the mesh has holders for it.
     #[arg(long, default_value_t = 4)]
     pub(crate) groups: usize,
+    /// Most drafted tokens checked in one forward pass of a request (prompt lookup: tokens
+    /// that followed the text's last words where they occurred before); 0 decodes a token a
+    /// pass.
+    #[arg(long, default_value_t = node_core::model::speculate::DEFAULT_DRAFT)]
+    pub(crate) draft: usize,
     /// Answers checked beyond the k decoded in every round of the requests this node leads:
     /// 1 detects a wrong member, 2 also locates it; 0 turns checking off.
     #[arg(long, default_value_t = 1)]
@@ -144,6 +153,9 @@ pub(crate) struct BenchArgs {
     /// Also start 5 processes on this machine (k = 3) and measure generation over loopback.
     #[arg(long)]
     pub(crate) mesh: bool,
+    /// Also measure drafted decoding (prompt lookup) on code, a summary and open chat.
+    #[arg(long)]
+    pub(crate) speculate: bool,
     /// Measure verification instead: false positives, detection and location of faults.
     #[arg(long)]
     pub(crate) verify: bool,
@@ -241,6 +253,7 @@ impl NetArgs {
                 spares: self.serve.spares,
                 trace_steps: self.serve.trace_steps.clone(),
                 groups: self.serve.groups,
+                draft: self.serve.draft,
                 ..Default::default()
             },
             api_key: self.serve.api_key.clone(),
@@ -332,7 +345,7 @@ pub(crate) struct StatusArgs {
     pub(crate) json: bool,
 }
 
-#[derive(Debug, clap::Args)]
+#[derive(Debug, Clone, clap::Args)]
 pub(crate) struct GenerateArgs {
     /// Run on the mesh reached through this node, instead of in this process.
     #[arg(long)]
@@ -365,6 +378,12 @@ pub(crate) struct GenerateArgs {
     /// Seed of the sampler.
     #[arg(long, default_value_t = 0)]
     pub(crate) seed: u64,
+    /// Most drafted tokens checked in one forward pass (prompt lookup: tokens that followed
+    /// the text's last words where they occurred before); 0 decodes a token a pass. By
+    /// default 4 on a mesh, where a pass costs round trips, and 0 in this process, where a
+    /// pass costs compute and drafts gain nothing (docs/perf.md).
+    #[arg(long)]
+    pub(crate) draft: Option<usize>,
     /// Wrap the prompt in the model's chat template as a user message.
     #[arg(long)]
     pub(crate) chat: bool,

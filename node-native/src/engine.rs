@@ -23,6 +23,7 @@ use anyhow::{Result, anyhow};
 use libp2p::PeerId;
 use node_core::learn::{Learner, Published, Update, seal};
 use node_core::mesh::{MeshInfo, MeshRequest, MeshResponse, ModelManifest, Usage};
+use node_core::model::speculate;
 use node_core::model::{
     BatchItem, KvCache, LeaderWeights, Llama, Sampler, SamplingParams, StopReason,
 };
@@ -56,6 +57,8 @@ pub struct EngineConfig {
     /// Most serving groups run side by side, each over holders no other uses; a group past
     /// the first forms only when the mesh has holders enough for it.
     pub groups: usize,
+    /// Most drafted tokens checked in one forward pass of a sequence (prompt lookup).
+    pub draft: usize,
 }
 
 impl Default for EngineConfig {
@@ -69,6 +72,7 @@ impl Default for EngineConfig {
             learn: true,
             trace_steps: None,
             groups: 4,
+            draft: node_core::model::speculate::DEFAULT_DRAFT,
         }
     }
 }
@@ -321,8 +325,10 @@ struct Seq {
     job: Job,
     cache: KvCache,
     sampler: Sampler,
-    /// Tokens to run in the next step: the prompt, then each new token.
+    /// Tokens to run in the next step: the prompt, then each new token and its draft.
     input: Vec<u32>,
+    /// The drafted tokens at the end of `input`.
+    draft: usize,
     generated: Vec<u32>,
     first_token: Option<Duration>,
 }
@@ -831,6 +837,7 @@ impl Worker {
                         cache: KvCache::new(&self.lead.ctx.manifest.cfg),
                         sampler,
                         input: job.req.prompt.clone(),
+                        draft: 0,
                         generated: Vec::new(),
                         first_token: None,
                         job,
@@ -888,8 +895,8 @@ impl Worker {
             .active
             .iter_mut()
             .map(|s| BatchItem {
-                tokens: &s.input,
-                cache: &mut s.cache,
+                logits: 1 + s.draft,
+                ..BatchItem::new(&s.input, &mut s.cache)
             })
             .collect();
         let result = f.llama.forward_batch(&mut f.group, &mut items);
@@ -922,31 +929,50 @@ impl Worker {
         self.update_rate();
     }
 
-    /// Samples a sequence's next token; `Some` when the sequence is done.
+    /// Takes a sequence's next tokens (its draft's agreeing prefix, then one the model
+    /// picked) and drafts the next; `Some` when the sequence is done.
     fn advance(&mut self, seq: &mut Seq, logits: &[f32]) -> Option<StopReason> {
-        let next = seq.sampler.sample(logits);
+        let cfg = &self.lead.ctx.manifest.cfg;
+        let drafted = &seq.input[seq.input.len() - seq.draft..];
+        let emitted = speculate::accept(&mut seq.sampler, logits, cfg.vocab, drafted);
+        // Forget the drafted positions the model did not keep.
+        let rejected = seq.draft - (emitted.len() - 1);
+        seq.cache.truncate(seq.cache.len() - rejected);
         let m = &self.lead.ctx.metrics;
+        m.draft_tokens.inc_by(seq.draft as u64);
+        m.draft_accepted.inc_by((emitted.len() - 1) as u64);
         if seq.first_token.is_none() {
             let t = seq.job.arrived.elapsed();
             seq.first_token = Some(t);
             m.time_to_first_token.observe(t.as_secs_f64());
         }
-        if seq.job.req.stop_ids.contains(&next) {
-            return Some(StopReason::Stop);
+        for next in emitted {
+            if seq.job.req.stop_ids.contains(&next) {
+                return Some(StopReason::Stop);
+            }
+            seq.generated.push(next);
+            m.tokens_generated.inc();
+            self.shared.record_token();
+            if seq.job.events.send(Event::Token(next)).is_err() {
+                return Some(StopReason::Cancelled);
+            }
+            if seq.generated.len() >= seq.job.req.max_tokens {
+                return Some(StopReason::Length);
+            }
         }
-        seq.generated.push(next);
-        m.tokens_generated.inc();
-        self.shared.record_token();
-        if seq.job.events.send(Event::Token(next)).is_err() {
-            return Some(StopReason::Cancelled);
-        }
-        if seq.generated.len() >= seq.job.req.max_tokens {
-            return Some(StopReason::Length);
-        }
-        if seq.cache.len() >= self.lead.ctx.manifest.cfg.max_seq {
+        if seq.cache.len() >= cfg.max_seq {
             return Some(StopReason::Context);
         }
-        seq.input = vec![next];
+        let last = *seq.generated.last()?;
+        let room = (cfg.max_seq - seq.cache.len() - 1)
+            .min(seq.job.req.max_tokens - seq.generated.len() - 1)
+            .min(self.lead.ctx.cfg.draft);
+        let mut context = Vec::with_capacity(seq.job.req.prompt.len() + seq.generated.len());
+        context.extend_from_slice(&seq.job.req.prompt);
+        context.extend_from_slice(&seq.generated);
+        let draft = speculate::draft(&context, room);
+        seq.draft = draft.len();
+        seq.input = std::iter::once(last).chain(draft).collect();
         None
     }
 

@@ -10,8 +10,8 @@ use node_core::coded::{CodedGroup, GpuGroup, InProcess, ShardFormat};
 use node_core::compute::gpu::Gpu;
 use node_core::learn::Learner;
 use node_core::model::{
-    ChatMessage, GenerateOptions, KvCache, LeaderWeights, Llama, SamplingParams, generate,
-    generate_with,
+    ChatMessage, GenerateOptions, KvCache, LeaderWeights, Llama, Pass, SamplingParams, generate,
+    generate_with, run_pass_now,
 };
 use node_core::model::{Generation, LlamaConfig, ModelWeights, Tokenizer};
 use node_native::remote::{Leader, Session};
@@ -95,6 +95,8 @@ async fn run_up(args: UpArgs) -> Result<()> {
         args.spares.to_string().into(),
         "--groups".into(),
         args.groups.to_string().into(),
+        "--draft".into(),
+        args.draft.to_string().into(),
     ];
     node_native::up::up(node_native::up::UpOptions {
         nodes: args.nodes,
@@ -146,6 +148,12 @@ fn run_bench(args: BenchArgs) -> Result<()> {
         .collect::<Result<Vec<_>, _>>()?;
         let rows =
             node_native::verifybench::run(&model.weights, &prompts, args.trials, args.honest)?;
+        node_native::bench::print_table(&rows);
+        return Ok(());
+    }
+    if args.speculate {
+        let rows =
+            node_native::bench::speculation_rows(&model.weights, &model.tokenizer, args.tokens)?;
         node_native::bench::print_table(&rows);
         return Ok(());
     }
@@ -252,9 +260,15 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             started.elapsed().as_secs_f64()
         );
         let mut pos = 0;
-        let mut forward = |tokens: &[u32]| {
+        // The GPU group keeps its own cache and gives the last position's logits: no drafts.
+        let mut forward = |pass: Pass<'_>| {
+            if pass.start != pos || pass.logits != 1 {
+                return Err(node_core::model::ModelError::Config(
+                    "the GPU group runs one position after another".into(),
+                ));
+            }
             let mut logits = Vec::new();
-            for &t in tokens {
+            for &t in pass.tokens {
                 logits = gpu_group.step(t, pos).map_err(|e| {
                     node_core::model::ModelError::Embedding(format!("GPU step: {e}"))
                 })?;
@@ -262,12 +276,17 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             }
             Ok(logits)
         };
-        let done = generate_and_print(&mut forward, max_ctx, &model.tokenizer, &args, &mut 0)?;
+        let one_by_one = GenerateArgs {
+            draft: Some(0),
+            ..args.clone()
+        };
+        let done =
+            generate_and_print(&mut forward, max_ctx, &model.tokenizer, &one_by_one, &mut 0)?;
         print_speed(&done.0, " (one token at a time)");
         done
     } else {
         let mut cache = KvCache::new(&cfg);
-        let mut forward = |t: &[u32]| llama.forward(&mut group, t, &mut cache);
+        let mut forward = |pass: Pass<'_>| run_pass_now(&llama, &mut group, &mut cache, pass);
         let done = generate_and_print(&mut forward, cfg.max_seq, &model.tokenizer, &args, &mut 0)?;
         print_coded_stats(&args, &done.0, group.stats(), None);
         done
@@ -340,6 +359,10 @@ fn generate_options(tokenizer: &Tokenizer, args: &GenerateArgs) -> GenerateOptio
             seed: args.seed,
         },
         stop_ids: tokenizer.eos_ids().to_vec(),
+        draft: args.draft.unwrap_or(match args.bootstrap {
+            Some(_) => node_core::model::speculate::DEFAULT_DRAFT,
+            None => 0,
+        }),
     }
 }
 
@@ -517,7 +540,7 @@ fn run_once_on_mesh(
         let mut emitted = 0;
         let mut cache = KvCache::new(&leader.manifest.cfg);
         let (llama, group) = (&leader.llama, &mut leader.group);
-        let mut forward = |t: &[u32]| llama.forward(group, t, &mut cache);
+        let mut forward = |pass: Pass<'_>| run_pass_now(llama, group, &mut cache, pass);
         let max_seq = leader.manifest.cfg.max_seq;
         match generate_and_print(&mut forward, max_seq, &leader.tokenizer, args, &mut emitted) {
             Ok((out, prompt)) => break (leader, out, prompt),

@@ -60,6 +60,10 @@ pub struct Metrics {
     pub gossip_bytes: Counter,
     /// Bytes of running sums received while building other nodes' rows along a chain.
     pub chain_bytes: Counter,
+    /// Tokens drafted by prompt lookup and checked in forward passes.
+    pub draft_tokens: Counter,
+    /// Of those, the tokens kept.
+    pub draft_accepted: Counter,
     /// Healthy rows at the mesh version (set when scraped).
     pub healthy_rows: Gauge,
     /// Rows of the code.
@@ -109,6 +113,8 @@ impl Metrics {
             loss: Gauge::default(),
             gossip_bytes: Counter::default(),
             chain_bytes: Counter::default(),
+            draft_tokens: Counter::default(),
+            draft_accepted: Counter::default(),
             healthy_rows: Gauge::default(),
             rows: Gauge::default(),
             k: Gauge::default(),
@@ -218,6 +224,16 @@ impl Metrics {
             "chain_bytes",
             "Bytes of running sums received while building other nodes' rows along a chain",
             m.chain_bytes.clone(),
+        );
+        r.register(
+            "draft_tokens",
+            "Tokens drafted by prompt lookup and checked in forward passes",
+            m.draft_tokens.clone(),
+        );
+        r.register(
+            "draft_accepted",
+            "Drafted tokens the model agreed with and kept",
+            m.draft_accepted.clone(),
         );
         r.register(
             "healthy_rows",

@@ -15,8 +15,8 @@ use node_core::mesh::{
     RoundDriver, Usage, hex, plan_group, rows_at_version,
 };
 use node_core::model::{
-    ChatMessage, GenerateOptions, KvCache, LeaderWeights, Llama, SamplingParams, Tokenizer,
-    generate_async,
+    ChatMessage, GenerateOptions, KvCache, LeaderWeights, Llama, Pass, SamplingParams, Tokenizer,
+    generate_async, run_pass,
 };
 use serde::{Deserialize, Serialize};
 use web_time::{Duration, Instant};
@@ -178,12 +178,13 @@ impl BrowserNode {
                 seed: (js_sys::Math::random() * u32::MAX as f64) as u64,
             },
             stop_ids: tokenizer.eos_ids().to_vec(),
+            draft: node_core::model::speculate::DEFAULT_DRAFT,
         };
         let mut cache = KvCache::new(&cfg);
         let mut stream = tokenizer.stream();
         let mut text = String::new();
         let out = generate_async(
-            async |t: &[u32]| llama.forward_async(&mut group, t, &mut cache).await,
+            async |pass: Pass<'_>| run_pass(&llama, &mut group, &mut cache, pass).await,
             cfg.max_seq,
             &ids,
             &opts,

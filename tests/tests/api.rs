@@ -237,6 +237,7 @@ fn uncoded_greedy(prompt: &str, tokens: usize) -> Result<(Vec<u32>, Vec<u32>, St
         max_tokens: tokens,
         sampling: SamplingParams::default(),
         stop_ids: model.tokenizer.eos_ids().to_vec(),
+        draft: 0,
     };
     let out = generate(&llama, &mut group, &ids, &opts, &mut |_| true)?;
     let text = model.tokenizer.decode(&out.tokens)?;

@@ -25,6 +25,7 @@ fn every_three_of_five_rows_give_the_uncoded_greedy_tokens() -> anyhow::Result<(
         max_tokens: TOKENS,
         sampling: SamplingParams::default(),
         stop_ids: Vec::new(),
+        draft: 0,
     };
     let mut cases = Vec::new();
     for p in PROMPTS {
@@ -83,6 +84,7 @@ fn f16_shards_stay_close_to_the_uncoded_model() -> anyhow::Result<()> {
         max_tokens: TOKENS,
         sampling: SamplingParams::default(),
         stop_ids: Vec::new(),
+        draft: 0,
     };
     let (mut worst, mut agree, mut total) = (0.0f64, 0usize, 0usize);
     for p in PROMPTS {
@@ -106,5 +108,49 @@ fn f16_shards_stay_close_to_the_uncoded_model() -> anyhow::Result<()> {
         agree * 10 >= total * 9,
         "only {agree}/{total} greedy tokens agree"
     );
+    Ok(())
+}
+
+#[test]
+fn drafted_decoding_gives_the_same_greedy_tokens_in_fewer_passes() -> anyhow::Result<()> {
+    // Prompt lookup drafts what followed the text's last words before; the coded group checks
+    // each draft in one pass. Greedy output must be the plain loop's, token for token.
+    let model = real_model()?;
+    let w = &model.weights;
+    let llama = leader(w)?;
+    let g = Generator::cauchy(5, 3)?;
+    let mesh = InProcess::encode(w, &g, ShardFormat::F32, &|_, _| {})?;
+    let mut group = CodedGroup::new(w.cfg.clone(), g, &[0, 2, 4], mesh)?;
+    let prompts = [
+        "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):",
+        "Repeat after me: the quick brown fox jumps over the lazy dog. \
+         The quick brown fox jumps over the lazy dog. The quick",
+        PROMPTS[2],
+    ];
+    let (mut accepted, mut plain_passes, mut drafted_passes) = (0, 0, 0);
+    for p in prompts {
+        let prompt = model.tokenizer.encode(p)?;
+        let opts = |draft| GenerateOptions {
+            max_tokens: 32,
+            sampling: SamplingParams::default(),
+            stop_ids: Vec::new(),
+            draft,
+        };
+        let plain = generate(&llama, &mut group, &prompt, &opts(0), &mut |_| true)?;
+        let drafted = generate(&llama, &mut group, &prompt, &opts(4), &mut |_| true)?;
+        assert_eq!(drafted.tokens, plain.tokens, "prompt {p:?}");
+        accepted += drafted.speculation.accepted;
+        plain_passes += plain.forward_passes;
+        drafted_passes += drafted.forward_passes;
+        eprintln!(
+            "{p:?}: {} of {} drafted tokens kept, {} passes against {}",
+            drafted.speculation.accepted,
+            drafted.speculation.drafted,
+            drafted.forward_passes,
+            plain.forward_passes
+        );
+    }
+    assert!(accepted > 0, "no draft was ever kept");
+    assert!(drafted_passes < plain_passes);
     Ok(())
 }

@@ -46,6 +46,7 @@ fn logits_tokens_and_greedy_text_match_the_numpy_reference() -> Result<()> {
             max_tokens: greedy.len(),
             sampling: SamplingParams::default(),
             stop_ids: Vec::new(),
+            draft: 0,
         };
         let mut cache = node_core::model::KvCache::new(llama.config());
         let logits = llama.forward(&mut exec, &got_ids, &mut cache)?;
@@ -82,6 +83,7 @@ fn the_capital_of_france_is_paris() -> Result<()> {
         max_tokens: 4,
         sampling: SamplingParams::default(),
         stop_ids: Vec::new(),
+        draft: 0,
     };
     let out = generate(&llama, &mut exec, &prompt, &opts, &mut |_| true)?;
     let text = model.tokenizer.decode(&out.tokens)?;

@@ -163,6 +163,7 @@ fn greedy(f: &Fixture, group: &mut CodedGroup<SimTransport>) -> (Vec<u32>, Vec<V
         max_tokens: TOKENS,
         sampling: SamplingParams::default(),
         stop_ids: Vec::new(),
+        draft: 0,
     };
     let mut tap = LogitsTap::new(group);
     let out = generate(&f.llama, &mut tap, &PROMPT, &opts, &mut |_| true).unwrap();

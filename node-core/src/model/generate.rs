@@ -1,8 +1,13 @@
-//! The generation loop: prefill the prompt in one batch, then decode token by token.
+//! The generation loop: prefill the prompt in one batch, then decode, a token a pass or, with
+//! drafts ([`super::speculate`]), several.
 
 use web_time::{Duration, Instant};
 
-use super::{KvCache, LinearExec, Llama, ModelError, Sampler, SamplingParams, now};
+use super::speculate::{self, SpecStats};
+use super::{
+    AsyncLinearExec, BatchItem, KvCache, LinearExec, Llama, ModelError, Ready, Sampler,
+    SamplingParams, now,
+};
 
 /// What to generate.
 #[derive(Debug, Clone, PartialEq)]
@@ -13,6 +18,9 @@ pub struct GenerateOptions {
     pub sampling: SamplingParams,
     /// Token ids that end the completion (not emitted).
     pub stop_ids: Vec<u32>,
+    /// Most drafted tokens checked in one forward pass (prompt lookup); 0 decodes a token a
+    /// pass.
+    pub draft: usize,
 }
 
 /// Why generation stopped.
@@ -43,6 +51,8 @@ pub struct Generation {
     pub prefill_time: Duration,
     /// Time of the later forward passes.
     pub decode_time: Duration,
+    /// How the drafts did.
+    pub speculation: SpecStats,
 }
 
 impl Generation {
@@ -67,15 +77,61 @@ pub fn generate(
     on_token: &mut dyn FnMut(u32) -> bool,
 ) -> Result<Generation, ModelError> {
     let mut cache = KvCache::new(llama.config());
-    let mut forward = |tokens: &[u32]| llama.forward(exec, tokens, &mut cache);
-    generate_with(&mut forward, llama.config().max_seq, prompt, opts, on_token)
+    let mut exec = Ready(exec);
+    let forward = async |pass: Pass<'_>| run_pass(llama, &mut exec, &mut cache, pass).await;
+    now(generate_async(
+        forward,
+        llama.config().max_seq,
+        prompt,
+        opts,
+        on_token,
+    ))?
 }
 
-/// A forward pass: runs tokens after every token given before, returns the last one's logits.
-pub type Forward<'a> = dyn FnMut(&[u32]) -> Result<Vec<f32>, ModelError> + 'a;
+/// One forward pass of the generation loop: `tokens` run at positions `start..` (whatever the
+/// model held from `start` on is forgotten: drafted tokens it did not keep).
+#[derive(Debug, Clone, Copy)]
+pub struct Pass<'a> {
+    /// The position of the first token.
+    pub start: usize,
+    /// The tokens.
+    pub tokens: &'a [u32],
+    /// How many of the last positions' logits come back, row after row.
+    pub logits: usize,
+}
 
-/// The generation loop over any forward pass: `forward(tokens)` runs `tokens` after every
-/// token given before and returns the logits of the last; at most `max_seq` positions.
+/// A forward pass ([`Pass`]) returning the logits it asks for.
+pub type Forward<'a> = dyn FnMut(Pass<'_>) -> Result<Vec<f32>, ModelError> + 'a;
+
+/// Runs `pass` through `llama` over `cache`.
+pub async fn run_pass<E: AsyncLinearExec>(
+    llama: &Llama,
+    exec: &mut E,
+    cache: &mut KvCache,
+    pass: Pass<'_>,
+) -> Result<Vec<f32>, ModelError> {
+    cache.truncate(pass.start);
+    let mut items = [BatchItem {
+        logits: pass.logits,
+        ..BatchItem::new(pass.tokens, cache)
+    }];
+    let mut logits = llama.forward_batch_async(exec, &mut items).await?;
+    logits
+        .pop()
+        .ok_or_else(|| ModelError::Config("no logits".into()))
+}
+
+/// [`run_pass`] through an executor that answers at once.
+pub fn run_pass_now(
+    llama: &Llama,
+    exec: &mut dyn LinearExec,
+    cache: &mut KvCache,
+    pass: Pass<'_>,
+) -> Result<Vec<f32>, ModelError> {
+    now(run_pass(llama, &mut Ready(exec), cache, pass))?
+}
+
+/// The generation loop over any forward pass ([`Pass`]); at most `max_seq` positions.
 pub fn generate_with(
     forward: &mut Forward<'_>,
     max_seq: usize,
@@ -83,13 +139,13 @@ pub fn generate_with(
     opts: &GenerateOptions,
     on_token: &mut dyn FnMut(u32) -> bool,
 ) -> Result<Generation, ModelError> {
-    let ready = async |tokens: &[u32]| forward(tokens);
+    let ready = async |pass: Pass<'_>| forward(pass);
     now(generate_async(ready, max_seq, prompt, opts, on_token))?
 }
 
 /// [`generate_with`] over a forward pass that may wait (a browser leader's).
 pub async fn generate_async(
-    mut forward: impl AsyncFnMut(&[u32]) -> Result<Vec<f32>, ModelError>,
+    mut forward: impl AsyncFnMut(Pass<'_>) -> Result<Vec<f32>, ModelError>,
     max_seq: usize,
     prompt: &[u32],
     opts: &GenerateOptions,
@@ -97,8 +153,17 @@ pub async fn generate_async(
 ) -> Result<Generation, ModelError> {
     let mut sampler = Sampler::new(opts.sampling)?;
     let started = Instant::now();
-    let mut logits = forward(prompt).await?;
+    let first = forward(Pass {
+        start: 0,
+        tokens: prompt,
+        logits: 1,
+    })
+    .await?;
+    let vocab = first.len();
+    let mut context = prompt.to_vec();
+    // Positions the model holds: the prompt, then every emitted token but the last.
     let mut positions = prompt.len();
+    let mut emit = vec![sampler.sample(&first)];
     let mut out = Generation {
         prompt_tokens: prompt.len(),
         tokens: Vec::new(),
@@ -106,28 +171,55 @@ pub async fn generate_async(
         forward_passes: 1,
         prefill_time: started.elapsed(),
         decode_time: Duration::ZERO,
+        speculation: SpecStats::default(),
     };
     let decode_start = Instant::now();
-    while out.tokens.len() < opts.max_tokens {
-        let next = sampler.sample(&logits);
-        if opts.stop_ids.contains(&next) {
-            out.stop = StopReason::Stop;
-            break;
+    'outer: loop {
+        for next in emit {
+            if out.tokens.len() >= opts.max_tokens {
+                break 'outer;
+            }
+            if opts.stop_ids.contains(&next) {
+                out.stop = StopReason::Stop;
+                break 'outer;
+            }
+            out.tokens.push(next);
+            context.push(next);
+            if !on_token(next) {
+                out.stop = StopReason::Cancelled;
+                break 'outer;
+            }
         }
-        out.tokens.push(next);
-        if !on_token(next) {
-            out.stop = StopReason::Cancelled;
-            break;
-        }
-        if out.tokens.len() == opts.max_tokens {
+        if out.tokens.len() >= opts.max_tokens {
             break;
         }
         if positions >= max_seq {
             out.stop = StopReason::Context;
             break;
         }
-        logits = forward(&[next]).await?;
-        positions += 1;
+        // The last token, then drafts that fit the context and the tokens still wanted.
+        let room = (max_seq - positions - 1).min(opts.max_tokens - out.tokens.len() - 1);
+        let draft = speculate::draft(&context, opts.draft.min(room));
+        let mut input = vec![*context.last().unwrap_or(&0)];
+        input.extend_from_slice(&draft);
+        let logits = forward(Pass {
+            start: positions,
+            tokens: &input,
+            logits: input.len(),
+        })
+        .await?;
+        if logits.len() != input.len() * vocab {
+            return Err(ModelError::Config(format!(
+                "a forward pass gave {} logits for {} positions of {vocab}",
+                logits.len(),
+                input.len()
+            )));
+        }
+        emit = speculate::accept(&mut sampler, &logits, vocab, &draft);
+        let kept = emit.len() - 1;
+        out.speculation.drafted += draft.len() as u64;
+        out.speculation.accepted += kept as u64;
+        positions += 1 + kept;
         out.forward_passes += 1;
     }
     out.decode_time = decode_start.elapsed();

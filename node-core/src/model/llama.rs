@@ -233,6 +233,19 @@ pub struct BatchItem<'a> {
     pub tokens: &'a [u32],
     /// The sequence's keys and values so far.
     pub cache: &'a mut KvCache,
+    /// How many of the last positions' logits come back (1 to the number of tokens).
+    pub logits: usize,
+}
+
+impl<'a> BatchItem<'a> {
+    /// `tokens` after what `cache` holds, returning the last position's logits.
+    pub fn new(tokens: &'a [u32], cache: &'a mut KvCache) -> Self {
+        Self {
+            tokens,
+            cache,
+            logits: 1,
+        }
+    }
 }
 
 /// The leader's part of a Llama model.
@@ -295,7 +308,7 @@ impl Llama {
         tokens: &[u32],
         cache: &mut KvCache,
     ) -> Result<Vec<f32>, ModelError> {
-        let mut items = [BatchItem { tokens, cache }];
+        let mut items = [BatchItem::new(tokens, cache)];
         let mut logits = self.forward_batch_async(exec, &mut items).await?;
         logits
             .pop()
@@ -303,8 +316,8 @@ impl Llama {
     }
 
     /// Runs each item's tokens after its cache, the rows of every item through one round per
-    /// stage, and returns each item's last-position logits. On error every cache is left as
-    /// it was.
+    /// stage, and returns each item's logits: of its last `logits` positions, row after row.
+    /// On error every cache is left as it was.
     pub fn forward_batch(
         &self,
         exec: &mut dyn LinearExec,
@@ -420,20 +433,31 @@ impl Llama {
             check_outputs(&down, Stage::Down(layer), cfg, t)?;
             add_in_place(&mut x, &down[0]);
         }
-        // The last row of each sequence goes to the LM head, all in one round.
-        let mut last = Vec::with_capacity(n * d);
+        // The last rows of each sequence go to the LM head, all in one round.
+        let wanted: Vec<usize> = items
+            .iter()
+            .map(|i| i.logits.clamp(1, i.tokens.len()))
+            .collect();
+        let rows: usize = wanted.iter().sum();
+        let mut last = Vec::with_capacity(rows * d);
         let mut end = 0;
-        for item in items.iter_mut() {
+        for (item, &w) in items.iter_mut().zip(&wanted) {
             end += item.tokens.len();
-            last.extend_from_slice(&x[(end - 1) * d..end * d]);
+            last.extend_from_slice(&x[(end - w) * d..end * d]);
             item.cache.len += item.tokens.len();
         }
-        let mut normed = vec![0.0f32; n * d];
+        let mut normed = vec![0.0f32; rows * d];
         rms_norm(&last, &self.norms.final_norm, cfg.norm_eps, &mut normed);
-        let mut logits = exec.linear(Stage::LmHead, &normed, n).await?;
-        check_outputs(&logits, Stage::LmHead, cfg, n)?;
+        let mut logits = exec.linear(Stage::LmHead, &normed, rows).await?;
+        check_outputs(&logits, Stage::LmHead, cfg, rows)?;
         let all = logits.pop().unwrap_or_default();
-        Ok(all.chunks_exact(cfg.vocab).map(<[f32]>::to_vec).collect())
+        let mut out = Vec::with_capacity(n);
+        let mut at = 0;
+        for w in wanted {
+            out.push(all[at * cfg.vocab..(at + w) * cfg.vocab].to_vec());
+            at += w;
+        }
+        Ok(out)
     }
 
     /// The norm gains.

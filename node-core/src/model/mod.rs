@@ -7,13 +7,15 @@ mod config;
 mod generate;
 mod llama;
 mod sampling;
+pub mod speculate;
 mod tokenizer;
 mod train;
 mod weights;
 
 pub use config::LlamaConfig;
 pub use generate::{
-    Forward, GenerateOptions, Generation, StopReason, generate, generate_async, generate_with,
+    Forward, GenerateOptions, Generation, Pass, StopReason, generate, generate_async,
+    generate_with, run_pass, run_pass_now,
 };
 pub use llama::{
     AsyncLinearExec, BatchItem, KvCache, LeaderWeights, LinearExec, Llama, Ready, Stage, now,

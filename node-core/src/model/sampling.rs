@@ -65,8 +65,42 @@ impl Sampler {
 
     /// Picks a token id from a row of logits.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        let probs = match self.distribution(logits) {
+            Some(probs) => probs,
+            None => return argmax(logits),
+        };
+        let kept: f64 = probs.iter().map(|p| p.1).sum();
+        let r = self.rng.random::<f64>() * kept;
+        draw(&probs, r, None)
+    }
+
+    /// Whether the drafted token `draft` is kept as the next token ([`super::speculate`]):
+    /// `Err` with the token drawn instead when it is not. Greedy keeps it when it is the
+    /// largest logit; sampling keeps it with its probability and otherwise draws from the
+    /// distribution without it, so the token is distributed exactly as [`Self::sample`]'s.
+    pub fn verify(&mut self, logits: &[f32], draft: u32) -> Result<(), u32> {
+        let probs = match self.distribution(logits) {
+            Some(probs) => probs,
+            None => {
+                let best = argmax(logits);
+                return if best == draft { Ok(()) } else { Err(best) };
+            }
+        };
+        let kept: f64 = probs.iter().map(|p| p.1).sum();
+        let mass = probs.iter().find(|p| p.0 == draft).map_or(0.0, |p| p.1);
+        if self.rng.random::<f64>() * kept < mass {
+            return Ok(());
+        }
+        let rest = kept - mass;
+        let r = self.rng.random::<f64>() * rest;
+        Err(draw(&probs, r, Some(draft)))
+    }
+
+    /// The tokens sampling may pick with their weights (unnormalised, largest first, cut to
+    /// the nucleus); `None` for greedy, or when no logit is finite.
+    fn distribution(&self, logits: &[f32]) -> Option<Vec<(u32, f64)>> {
         if self.params.temperature == 0.0 {
-            return argmax(logits);
+            return None;
         }
         let inv_t = 1.0 / self.params.temperature as f64;
         let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
@@ -77,7 +111,7 @@ impl Sampler {
             .map(|(i, &l)| (i as u32, ((l as f64 - max) * inv_t).exp()))
             .collect();
         if probs.is_empty() {
-            return argmax(logits);
+            return None;
         }
         probs.sort_by(|a, b| b.1.total_cmp(&a.1));
         let total: f64 = probs.iter().map(|p| p.1).sum();
@@ -92,15 +126,21 @@ impl Sampler {
             }
         }
         probs.truncate(cut);
-        let mut r = self.rng.random::<f64>() * kept;
-        for &(id, p) in &probs {
-            if r < p {
-                return id;
-            }
-            r -= p;
-        }
-        probs.last().map_or(0, |p| p.0)
+        Some(probs)
     }
+}
+
+/// The token at `r` along the weights of `probs` (without `skip`).
+fn draw(probs: &[(u32, f64)], mut r: f64, skip: Option<u32>) -> u32 {
+    let mut last = probs.first().map_or(0, |p| p.0);
+    for &(id, p) in probs.iter().filter(|p| Some(p.0) != skip) {
+        if r < p {
+            return id;
+        }
+        r -= p;
+        last = id;
+    }
+    last
 }
 
 /// Index of the largest finite logit (the first one on ties).

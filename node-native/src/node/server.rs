@@ -466,6 +466,6 @@ impl Server {
     }
 }
 
-/// Step requests carrying up to this many values (one token's activations) are computed on the
-/// node's task.
-const INLINE_STEP_VALUES: usize = 4 << 10;
+/// Step requests carrying up to this many values (a decode step's activations, drafted tokens
+/// included) are computed on the node's task.
+const INLINE_STEP_VALUES: usize = 16 << 10;
