@@ -28,26 +28,9 @@ pub struct NetConfig {
     pub mdns: bool,
 }
 
-/// Something the network hands to the node.
-#[derive(Debug)]
-pub enum Inbound {
-    /// A peer asks something.
-    Request {
-        /// Who.
-        peer: PeerId,
-        /// What.
-        request: MeshRequest,
-        /// Where the answer goes ([`Client::respond`]).
-        channel: ResponseChannel<MeshResponse>,
-    },
-    /// A heartbeat arrived on gossipsub.
-    Gossip {
-        /// From whom.
-        peer: PeerId,
-        /// Its bytes.
-        data: Vec<u8>,
-    },
-}
+/// Something the network hands to the node: a request or a heartbeat (the swarm task keeps
+/// listen addresses to itself).
+pub type Inbound = NetEvent;
 
 /// Where the answer to an outbound request goes.
 type Reply = node_core::net::Reply<MeshResponse>;
@@ -309,20 +292,11 @@ impl EventLoop {
                 self.swarm.add_external_address(address);
             }
             NetEvent::Expired(_) => {}
-            NetEvent::Gossip { peer, data } => {
-                let _ = self.inbound.try_send(Inbound::Gossip { peer, data });
+            gossip @ NetEvent::Gossip { .. } => {
+                let _ = self.inbound.try_send(gossip);
             }
-            NetEvent::Request {
-                peer,
-                request,
-                channel,
-            } => {
-                let msg = Inbound::Request {
-                    peer,
-                    request,
-                    channel,
-                };
-                if self.inbound.send(msg).await.is_err() {
+            request @ NetEvent::Request { .. } => {
+                if self.inbound.send(request).await.is_err() {
                     tracing::debug!("no node is listening for requests");
                 }
             }

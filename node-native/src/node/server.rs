@@ -371,6 +371,7 @@ impl Server {
                 request,
                 channel,
             } => self.on_request(peer, request, channel, now),
+            Inbound::Listening(_) | Inbound::Expired(_) => {}
         }
     }
 
