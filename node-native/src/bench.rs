@@ -224,29 +224,134 @@ pub fn print_table(rows: &[Row]) {
     }
 }
 
-/// Five `codedmesh` processes over loopback (seed + 4 nodes, k = 3): a leader in this process
-/// runs the same generation as the in-process rows; time split into compute, network, decode.
-pub fn mesh_rows(model: &std::path::Path, prompt: &[u32], tokens: usize) -> Result<Vec<Row>> {
-    let dir = std::env::temp_dir().join(format!("codedmesh-bench-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let mut mesh = crate::localmesh::LocalMesh::start(model, 3, 5, &dir)?;
-    mesh.wait_serving(&dir, Duration::from_secs(300))?;
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?;
-    let bootstrap: libp2p::Multiaddr = mesh.bootstrap.parse()?;
-    // Heartbeats need a moment to reach the seed before it reports every row.
-    let mut leader = None;
-    for _ in 0..50 {
-        let l = crate::remote::Leader::connect(&rt, bootstrap.clone(), 0, 1)?;
-        if l.live_rows == 5 {
-            leader = Some(l);
-            break;
+/// What `bench --mesh` runs.
+#[derive(Debug)]
+pub struct MeshBench<'a> {
+    /// The model file.
+    pub model: &'a std::path::Path,
+    /// The prompt of the loopback rows.
+    pub prompt: &'a [u32],
+    /// The prompt of the delay rows, a text drafts can follow (a summary of a given passage).
+    pub summary: &'a [u32],
+    /// Tokens generated per loopback run.
+    pub tokens: usize,
+    /// One-way delays to measure at, in milliseconds (a fresh mesh for each).
+    pub delays: &'a [f64],
+}
+
+/// Tokens generated per run of a delay row (a pass costs 244 delays).
+const DELAY_TOKENS: usize = 16;
+
+/// Five `codedmesh` processes on this machine (seed + 4 nodes, k = 3) for each delay: at 0, the
+/// loopback rows (the same generation as the in-process rows; time split into compute,
+/// network, decode); at every delay, ms per token against the floor the delay sets, a token a
+/// pass and with drafts.
+pub fn mesh_rows(b: &MeshBench<'_>) -> Result<Vec<Row>> {
+    let mut rows = Vec::new();
+    for &ms in b.delays {
+        let delay = Duration::from_secs_f64(ms.max(0.0) / 1e3);
+        // The leader's swarm holds back what it sends as the nodes' do.
+        crate::swarm::set_one_way_delay(delay);
+        let dir = std::env::temp_dir().join(format!("codedmesh-bench-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let mut mesh = crate::localmesh::LocalMesh::start(b.model, 3, 5, &dir, delay)?;
+        mesh.wait_serving(&dir, Duration::from_secs(300))?;
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()?;
+        let bootstrap: libp2p::Multiaddr = mesh.bootstrap.parse()?;
+        // Heartbeats need a moment to reach the seed before it reports every row.
+        let mut leader = None;
+        let mut last = String::from("fewer than 5 live rows");
+        for _ in 0..50 {
+            // Until every heartbeat has reached the seed, it may not even see k rows.
+            match crate::remote::Leader::connect(&rt, bootstrap.clone(), 0, 1) {
+                Ok(l) if l.live_rows == 5 => {
+                    leader = Some(l);
+                    break;
+                }
+                Ok(l) => last = format!("{} live rows", l.live_rows),
+                Err(e) => last = format!("{e:#}"),
+            }
+            std::thread::sleep(Duration::from_millis(200));
         }
-        std::thread::sleep(Duration::from_millis(200));
+        let mut leader = leader.ok_or_else(|| {
+            anyhow::anyhow!("the local mesh never showed 5 live rows (last: {last})")
+        })?;
+        if ms == 0.0 {
+            rows.extend(loopback_rows(&mut leader, b.prompt, b.tokens)?);
+        }
+        rows.extend(delay_rows(&mut leader, b.summary, ms)?);
+        drop(leader);
+        drop(mesh);
+        let _ = std::fs::remove_dir_all(&dir);
     }
-    let mut leader =
-        leader.ok_or_else(|| anyhow::anyhow!("the local mesh never showed 5 live rows"))?;
+    crate::swarm::set_one_way_delay(Duration::ZERO);
+    Ok(rows)
+}
+
+/// At a one-way delay of `ms`: ms per token, rounds per token and the floor (two hops a round),
+/// a token a pass and with drafts of the default length.
+fn delay_rows(leader: &mut crate::remote::Leader, prompt: &[u32], ms: f64) -> Result<Vec<Row>> {
+    let mut rows = Vec::new();
+    let plain = GenerateOptions {
+        max_tokens: DELAY_TOKENS,
+        sampling: Default::default(),
+        stop_ids: Vec::new(),
+        draft: 0,
+    };
+    // Forms the group and opens every connection.
+    generate(
+        &leader.llama,
+        &mut leader.group,
+        prompt,
+        &GenerateOptions {
+            max_tokens: 2,
+            ..plain.clone()
+        },
+        &mut |_| true,
+    )?;
+    let draft = node_core::model::speculate::DEFAULT_DRAFT;
+    let mut first: Option<Vec<u32>> = None;
+    for (what, draft) in [("a token a pass", 0), ("drafts of 4", draft)] {
+        leader.group.reset_stats();
+        let opts = GenerateOptions {
+            draft,
+            ..plain.clone()
+        };
+        let run = generate(&leader.llama, &mut leader.group, prompt, &opts, &mut |_| {
+            true
+        })?;
+        let passes = run.forward_passes.max(1) as u64;
+        let per_pass = leader.group.stats().rounds as f64 / passes as f64;
+        let decode_tokens = run.tokens.len().saturating_sub(1).max(1) as f64;
+        let rounds = per_pass * run.forward_passes.saturating_sub(1) as f64 / decode_tokens;
+        let same = match &first {
+            None => {
+                first = Some(run.tokens.clone());
+                String::new()
+            }
+            Some(t) if *t == run.tokens => ", the same tokens".into(),
+            Some(_) => ", DIFFERENT tokens".into(),
+        };
+        rows.push(row(
+            format!("one-way delay {ms} ms, summary, {what}"),
+            format!(
+                "{:.0} ms/token, {rounds:.0} rounds/token, floor {:.0} ms/token (2 hops × rounds × delay){same}",
+                1e3 / run.decode_tokens_per_s(),
+                2.0 * rounds * ms,
+            ),
+        ));
+    }
+    Ok(rows)
+}
+
+/// The loopback rows: prefill, decode, drafts, rounds, bytes and the time split.
+fn loopback_rows(
+    leader: &mut crate::remote::Leader,
+    prompt: &[u32],
+    tokens: usize,
+) -> Result<Vec<Row>> {
     let opts = GenerateOptions {
         max_tokens: tokens,
         sampling: Default::default(),
@@ -271,8 +376,6 @@ pub fn mesh_rows(model: &std::path::Path, prompt: &[u32], tokens: usize) -> Resu
         &GenerateOptions { draft, ..opts },
         &mut |_| true,
     )?;
-    drop(mesh);
-    let _ = std::fs::remove_dir_all(&dir);
     let label = "5 processes over loopback, coded k=3";
     let positions = (run.prompt_tokens + run.tokens.len()).max(1) as u64;
     let per_member = stats.bytes_sent / stats.member_requests.max(1) * stats.rounds / positions;
@@ -371,11 +474,7 @@ pub fn speculation_rows(
     let draft = node_core::model::speculate::DEFAULT_DRAFT;
     let mut rows = Vec::new();
     for (kind, text) in SPECULATION_PROMPTS {
-        let chat = [node_core::model::ChatMessage {
-            role: "user".into(),
-            content: text.into(),
-        }];
-        let prompt = tokenizer.encode(&tokenizer.chat_prompt(&chat))?;
+        let prompt = chat_prompt(tokenizer, text)?;
         let run = |group: &mut CodedGroup<InProcess>, draft: usize| {
             let opts = GenerateOptions {
                 max_tokens: tokens,
@@ -416,4 +515,18 @@ pub fn speculation_rows(
         ));
     }
     Ok(rows)
+}
+
+/// `text` as a user's chat turn in the model's template, as tokens.
+fn chat_prompt(tokenizer: &node_core::model::Tokenizer, text: &str) -> Result<Vec<u32>> {
+    let chat = [node_core::model::ChatMessage {
+        role: "user".into(),
+        content: text.into(),
+    }];
+    Ok(tokenizer.encode(&tokenizer.chat_prompt(&chat))?)
+}
+
+/// The summarising prompt of [`speculation_rows`], as tokens (the delay rows' prompt).
+pub fn summary_prompt(tokenizer: &node_core::model::Tokenizer) -> Result<Vec<u32>> {
+    chat_prompt(tokenizer, SPECULATION_PROMPTS[1].1)
 }

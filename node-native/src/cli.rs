@@ -153,6 +153,11 @@ pub(crate) struct BenchArgs {
     /// Also start 5 processes on this machine (k = 3) and measure generation over loopback.
     #[arg(long)]
     pub(crate) mesh: bool,
+    /// With --mesh: one-way delays in milliseconds to measure at (comma-separated; a fresh
+    /// mesh for each). Every request and answer between the processes waits this long before
+    /// it leaves: a bench-only model of a network, not a network.
+    #[arg(long, value_delimiter = ',', default_value = "0")]
+    pub(crate) one_way_delay_ms: Vec<f64>,
     /// Also measure drafted decoding (prompt lookup) on code, a summary and open chat.
     #[arg(long)]
     pub(crate) speculate: bool,

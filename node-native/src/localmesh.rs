@@ -17,8 +17,10 @@ pub struct LocalMesh {
 }
 
 impl LocalMesh {
-    /// Starts a seed encoding `model` (k of n) and n − 1 nodes, data dirs under `dir`.
-    pub fn start(model: &Path, k: usize, n: usize, dir: &Path) -> Result<Self> {
+    /// Starts a seed encoding `model` (k of n) and n − 1 nodes, data dirs under `dir`; each
+    /// process holds back what it sends by `delay` (bench only, [`crate::swarm::one_way_delay`]).
+    pub fn start(model: &Path, k: usize, n: usize, dir: &Path, delay: Duration) -> Result<Self> {
+        let delay_ms = (delay.as_secs_f64() * 1e3).to_string();
         let exe = std::env::current_exe().context("locating this program")?;
         std::fs::create_dir_all(dir)?;
         let data = |i: usize| dir.join(format!("node{i}"));
@@ -38,6 +40,7 @@ impl LocalMesh {
             .arg(model)
             .arg("--data")
             .arg(data(0))
+            .env(crate::swarm::DELAY_VAR, &delay_ms)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(log(0)?)
@@ -65,6 +68,7 @@ impl LocalMesh {
                 .args(["node", "--tcp-only", "--bootstrap", &mesh.bootstrap])
                 .arg("--data")
                 .arg(data(i))
+                .env(crate::swarm::DELAY_VAR, &delay_ms)
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
                 .stderr(log(i)?)

@@ -159,8 +159,17 @@ fn run_bench(args: BenchArgs) -> Result<()> {
     }
     let mut rows = node_native::bench::run(&model.weights, &prompt, args.tokens)?;
     if args.mesh {
+        let summary = node_native::bench::summary_prompt(&model.tokenizer)?;
         drop(model);
-        rows.extend(node_native::bench::mesh_rows(&path, &prompt, args.tokens)?);
+        rows.extend(node_native::bench::mesh_rows(
+            &node_native::bench::MeshBench {
+                model: &path,
+                prompt: &prompt,
+                summary: &summary,
+                tokens: args.tokens,
+                delays: &args.one_way_delay_ms,
+            },
+        )?);
     }
     node_native::bench::print_table(&rows);
     Ok(())

@@ -222,11 +222,48 @@ pub fn spawn(swarm: Swarm<MeshBehaviour>) -> (Client, mpsc::Receiver<Inbound>) {
     (client, in_rx)
 }
 
+/// The environment variable that sets [`one_way_delay`] for a process (the nodes
+/// `codedmesh bench --mesh --one-way-delay-ms` starts).
+pub const DELAY_VAR: &str = "CODEDMESH_BENCH_ONE_WAY_DELAY_MS";
+
+/// Microseconds of the delay set in this process; `u64::MAX` until read from [`DELAY_VAR`].
+static DELAY_US: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(u64::MAX);
+
+/// Bench and test only: how long every request and answer this process sends waits before it
+/// leaves, a modelled one-way network delay (0 normally). Swarm tasks started afterwards use it.
+pub fn one_way_delay() -> Duration {
+    use std::sync::atomic::Ordering;
+    let mut us = DELAY_US.load(Ordering::Relaxed);
+    if us == u64::MAX {
+        us = std::env::var(DELAY_VAR)
+            .ok()
+            .and_then(|v| v.parse::<f64>().ok())
+            .filter(|ms| ms.is_finite() && *ms >= 0.0)
+            .map_or(0, |ms| (ms * 1e3) as u64);
+        DELAY_US.store(us, Ordering::Relaxed);
+    }
+    Duration::from_micros(us)
+}
+
+/// Bench and test only: sets [`one_way_delay`] for the swarm tasks this process starts next.
+pub fn set_one_way_delay(delay: Duration) {
+    DELAY_US.store(
+        delay.as_micros() as u64,
+        std::sync::atomic::Ordering::Relaxed,
+    );
+}
+
 struct EventLoop {
     swarm: Swarm<MeshBehaviour>,
     commands: mpsc::Receiver<Command>,
     inbound: mpsc::Sender<Inbound>,
     driver: Driver,
+    /// Requests and answers held back by [`one_way_delay`], when it is set.
+    delayed: (
+        mpsc::UnboundedSender<Command>,
+        mpsc::UnboundedReceiver<Command>,
+    ),
+    delay: Duration,
 }
 
 impl EventLoop {
@@ -240,6 +277,8 @@ impl EventLoop {
             commands,
             inbound,
             driver: Driver::new(true),
+            delayed: mpsc::unbounded_channel(),
+            delay: one_way_delay(),
         }
     }
 
@@ -255,11 +294,26 @@ impl EventLoop {
                     Some(cmd) => self.on_command(cmd),
                     None => return, // every client is gone
                 },
+                Some(cmd) = self.delayed.1.recv() => self.send_now(cmd),
             }
         }
     }
 
+    /// Runs a command, holding requests and answers back by the bench's delay when it is set.
     fn on_command(&mut self, cmd: Command) {
+        let held = matches!(cmd, Command::Request { .. } | Command::Respond { .. });
+        if held && !self.delay.is_zero() {
+            let (tx, delay) = (self.delayed.0.clone(), self.delay);
+            tokio::spawn(async move {
+                tokio::time::sleep(delay).await;
+                let _ = tx.send(cmd);
+            });
+            return;
+        }
+        self.send_now(cmd);
+    }
+
+    fn send_now(&mut self, cmd: Command) {
         let swarm = &mut self.swarm;
         match cmd {
             Command::Dial { addr, reply } => self.driver.dial(
