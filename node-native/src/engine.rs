@@ -329,8 +329,16 @@ struct Seq {
     input: Vec<u32>,
     /// The drafted tokens at the end of `input`.
     draft: usize,
-    generated: Vec<u32>,
+    /// The prompt, then every token generated (what drafts are looked up in).
+    text: Vec<u32>,
     first_token: Option<Duration>,
+}
+
+impl Seq {
+    /// Tokens generated so far.
+    fn generated(&self) -> usize {
+        self.text.len() - self.job.req.prompt.len()
+    }
 }
 
 /// A finished request waiting to be trained on.
@@ -838,7 +846,7 @@ impl Worker {
                         sampler,
                         input: job.req.prompt.clone(),
                         draft: 0,
-                        generated: Vec::new(),
+                        text: job.req.prompt.clone(),
                         first_token: None,
                         job,
                     });
@@ -950,27 +958,24 @@ impl Worker {
             if seq.job.req.stop_ids.contains(&next) {
                 return Some(StopReason::Stop);
             }
-            seq.generated.push(next);
+            seq.text.push(next);
             m.tokens_generated.inc();
             self.shared.record_token();
             if seq.job.events.send(Event::Token(next)).is_err() {
                 return Some(StopReason::Cancelled);
             }
-            if seq.generated.len() >= seq.job.req.max_tokens {
+            if seq.generated() >= seq.job.req.max_tokens {
                 return Some(StopReason::Length);
             }
         }
         if seq.cache.len() >= cfg.max_seq {
             return Some(StopReason::Context);
         }
-        let last = *seq.generated.last()?;
+        let last = *seq.text.last()?;
         let room = (cfg.max_seq - seq.cache.len() - 1)
-            .min(seq.job.req.max_tokens - seq.generated.len() - 1)
+            .min(seq.job.req.max_tokens - seq.generated() - 1)
             .min(self.lead.ctx.cfg.draft);
-        let mut context = Vec::with_capacity(seq.job.req.prompt.len() + seq.generated.len());
-        context.extend_from_slice(&seq.job.req.prompt);
-        context.extend_from_slice(&seq.generated);
-        let draft = speculate::draft(&context, room);
+        let draft = speculate::draft(&seq.text, room);
         seq.draft = draft.len();
         seq.input = std::iter::once(last).chain(draft).collect();
         None
@@ -988,7 +993,7 @@ impl Worker {
         self.latency_ms.store((old * 7 + ms) / 8, Ordering::Relaxed);
         let done = Finished {
             prompt_tokens: seq.job.req.prompt.len(),
-            tokens: seq.generated.len(),
+            tokens: seq.generated(),
             stop,
             first_token: seq.first_token,
             latency,
@@ -1002,8 +1007,7 @@ impl Worker {
             )
         });
         let _ = seq.job.events.send(Event::Done(done));
-        let mut tokens = seq.job.req.prompt;
-        tokens.extend_from_slice(&seq.generated);
+        let tokens = seq.text;
         let ctx = &self.lead.ctx;
         let window = node_core::learn::training_window(&ctx.manifest.learning, &ctx.manifest.cfg)
             .min(LEARN_TOKENS);

@@ -725,12 +725,7 @@ impl Task {
         let (Some(view), Some(h)) = (self.view.as_ref(), self.holding.as_mut()) else {
             return;
         };
-        let local = view.local();
-        if h.syncing
-            || hb.model != local.model
-            || hb.version_digest == local.version_digest
-            || hb.version_count < local.version_count
-        {
+        if h.syncing || !holder::worth_catching_up(view.local(), hb) {
             return;
         }
         h.syncing = true;

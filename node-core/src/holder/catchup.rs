@@ -4,7 +4,15 @@
 
 use super::join::fetch_pieces;
 use super::{HolderError, Link, MAX_UPDATE_BYTES, describe, update_chunk_request};
-use crate::mesh::{MeshRequest, MeshResponse, ShardVersion};
+use crate::mesh::{Heartbeat, MeshRequest, MeshResponse, ShardVersion};
+
+/// Whether a peer announcing `theirs` holds updates of the same model that a holder announcing
+/// `ours` lacks (the peer is at another version, and not behind).
+pub fn worth_catching_up(ours: &Heartbeat, theirs: &Heartbeat) -> bool {
+    theirs.model == ours.model
+        && theirs.version_digest != ours.version_digest
+        && theirs.version_count >= ours.version_count
+}
 
 /// The ids of the updates `peer` applied and `have` lacks, in `peer`'s order.
 pub async fn missing_update_ids<L: Link>(

@@ -7,7 +7,7 @@ mod catchup;
 mod join;
 mod serve;
 
-pub use catchup::{fetch_update, missing_update_ids};
+pub use catchup::{fetch_update, missing_update_ids, worth_catching_up};
 pub use join::{Joined, Link, answer_chain, join, source_error, source_peer};
 pub use serve::{
     Held, LEARN_PER_MINUTE, LearnLimit, Route, Snapshot, ViewQuery, answer_view, chain, contribute,

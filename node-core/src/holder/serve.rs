@@ -200,12 +200,11 @@ where
             evidence,
         } => match caught.parse::<P>() {
             Ok(p) => {
+                let text = format!("{evidence}; reported by {peer}");
                 if p == *view.me() {
-                    tracing::warn!(
-                        "this node was caught answering against the code: {evidence}; reported by {peer}"
-                    );
+                    tracing::warn!("this node was caught answering against the code: {text}");
                 }
-                view.report_caught(p, format!("{evidence}; reported by {peer}"));
+                view.report_caught(p, text);
                 MeshResponse::Reported
             }
             Err(e) => MeshResponse::Error(format!("peer id {caught:?}: {e}")),

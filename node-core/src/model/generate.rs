@@ -77,15 +77,8 @@ pub fn generate(
     on_token: &mut dyn FnMut(u32) -> bool,
 ) -> Result<Generation, ModelError> {
     let mut cache = KvCache::new(llama.config());
-    let mut exec = Ready(exec);
-    let forward = async |pass: Pass<'_>| run_pass(llama, &mut exec, &mut cache, pass).await;
-    now(generate_async(
-        forward,
-        llama.config().max_seq,
-        prompt,
-        opts,
-        on_token,
-    ))?
+    let mut forward = |pass: Pass<'_>| run_pass_now(llama, exec, &mut cache, pass);
+    generate_with(&mut forward, llama.config().max_seq, prompt, opts, on_token)
 }
 
 /// One forward pass of the generation loop: `tokens` run at positions `start..` (whatever the
@@ -160,7 +153,9 @@ pub async fn generate_async(
     })
     .await?;
     let vocab = first.len();
+    // The prompt, then the tokens emitted (split off into `out.tokens` at the end).
     let mut context = prompt.to_vec();
+    let emitted = |context: &Vec<u32>| context.len() - prompt.len();
     // Positions the model holds: the prompt, then every emitted token but the last.
     let mut positions = prompt.len();
     let mut emit = vec![sampler.sample(&first)];
@@ -176,21 +171,20 @@ pub async fn generate_async(
     let decode_start = Instant::now();
     'outer: loop {
         for next in emit {
-            if out.tokens.len() >= opts.max_tokens {
+            if emitted(&context) >= opts.max_tokens {
                 break 'outer;
             }
             if opts.stop_ids.contains(&next) {
                 out.stop = StopReason::Stop;
                 break 'outer;
             }
-            out.tokens.push(next);
             context.push(next);
             if !on_token(next) {
                 out.stop = StopReason::Cancelled;
                 break 'outer;
             }
         }
-        if out.tokens.len() >= opts.max_tokens {
+        if emitted(&context) >= opts.max_tokens {
             break;
         }
         if positions >= max_seq {
@@ -198,7 +192,7 @@ pub async fn generate_async(
             break;
         }
         // The last token, then drafts that fit the context and the tokens still wanted.
-        let room = (max_seq - positions - 1).min(opts.max_tokens - out.tokens.len() - 1);
+        let room = (max_seq - positions - 1).min(opts.max_tokens - emitted(&context) - 1);
         let draft = speculate::draft(&context, opts.draft.min(room));
         let mut input = vec![*context.last().unwrap_or(&0)];
         input.extend_from_slice(&draft);
@@ -223,5 +217,6 @@ pub async fn generate_async(
         out.forward_passes += 1;
     }
     out.decode_time = decode_start.elapsed();
+    out.tokens = context.split_off(prompt.len());
     Ok(out)
 }

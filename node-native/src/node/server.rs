@@ -317,11 +317,7 @@ impl Server {
 
     /// A peer announces a version this node does not have: fetch what is missing from it.
     fn maybe_sync(&mut self, peer: PeerId, hb: &Heartbeat) {
-        let local = self.view.local();
-        if self.syncing
-            || hb.version_digest == local.version_digest
-            || hb.version_count < local.version_count
-        {
+        if self.syncing || !holder::worth_catching_up(self.view.local(), hb) {
             return;
         }
         self.syncing = true;
@@ -342,30 +338,8 @@ impl Server {
 
     fn on_inbound(&mut self, msg: Inbound) {
         let now = Instant::now();
-        if let Inbound::Gossip { data, .. } = &msg {
-            self.metrics.gossip_bytes.inc_by(data.len() as u64);
-        }
         match msg {
-            Inbound::Gossip { peer, data } => match protocol::decode::<Heartbeat>(&data) {
-                Ok(hb) => {
-                    if let Some(row) = hb.row
-                        && self.genesis.remove(&row).is_some()
-                    {
-                        eprintln!(
-                            "row {row} handed out to {peer}; {} left",
-                            self.genesis.len()
-                        );
-                        let mut local = self.view.local().clone();
-                        local.offers = self.genesis.keys().copied().collect();
-                        self.view.set_local(local);
-                    }
-                    if hb.model == self.view.local().model {
-                        self.maybe_sync(peer, &hb);
-                    }
-                    self.view.handle_heartbeat(now, peer, hb);
-                }
-                Err(e) => tracing::warn!(%peer, "bad heartbeat: {e}"),
-            },
+            Inbound::Gossip { peer, data } => self.on_gossip(peer, &data, now),
             Inbound::Request {
                 peer,
                 request,
@@ -373,6 +347,28 @@ impl Server {
             } => self.on_request(peer, request, channel, now),
             Inbound::Listening(_) | Inbound::Expired(_) => {}
         }
+    }
+
+    /// A heartbeat: the rows it takes out of this node's offers, updates to catch up on, the view.
+    fn on_gossip(&mut self, peer: PeerId, data: &[u8], now: Instant) {
+        self.metrics.gossip_bytes.inc_by(data.len() as u64);
+        let hb = match protocol::decode::<Heartbeat>(data) {
+            Ok(hb) => hb,
+            Err(e) => return tracing::warn!(%peer, "bad heartbeat: {e}"),
+        };
+        if let Some(row) = hb.row
+            && self.genesis.remove(&row).is_some()
+        {
+            eprintln!(
+                "row {row} handed out to {peer}; {} left",
+                self.genesis.len()
+            );
+            let mut local = self.view.local().clone();
+            local.offers = self.genesis.keys().copied().collect();
+            self.view.set_local(local);
+        }
+        self.maybe_sync(peer, &hb);
+        self.view.handle_heartbeat(now, peer, hb);
     }
 
     /// Answers a peer: at once where [`holder::route`] can, else on the pool or a task.
