@@ -433,6 +433,15 @@ fn loopback_rows(
                 pct(stats.decode_time)
             ),
         ),
+        row(
+            format!("{label}: overhead per round (wait beyond the slowest used member's compute)"),
+            format!(
+                "{:.0} µs over {} rounds",
+                stats.member_time.saturating_sub(compute).as_secs_f64() * 1e6
+                    / stats.rounds.max(1) as f64,
+                stats.rounds
+            ),
+        ),
     ])
 }
 

@@ -16,6 +16,7 @@ pub mod progress;
 pub mod remote;
 pub mod row;
 pub mod rpc;
+pub mod session;
 pub mod steplog;
 pub mod store;
 pub mod supervise;

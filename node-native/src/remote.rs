@@ -2,6 +2,7 @@
 //! steps over a group of k + s members with the first k answers.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 use std::sync::mpsc as std_mpsc;
 use std::time::{Duration, Instant};
 
@@ -13,6 +14,7 @@ use node_core::mesh::{
     Health, MemberPool, MeshInfo, MeshRequest, MeshResponse, ModelManifest, RoundConfig,
     RoundDriver, Usage,
 };
+use node_core::net::session::Ask;
 
 use crate::link::pick_addr;
 use crate::row::LocalRow;
@@ -555,10 +557,16 @@ pub struct NetTransport {
     context: String,
     /// When each member of the current round was asked, and with how many bytes.
     asked: BTreeMap<usize, (Instant, usize)>,
+    /// The session with each row asked so far (opened when the group forms, or when a row is
+    /// first asked as a replacement).
+    links: BTreeMap<usize, crate::session::Link>,
+    /// The runtime the sessions run on (rounds are driven from a thread outside it).
+    runtime: tokio::runtime::Handle,
 }
 
 impl NetTransport {
     /// A transport to the holders of `peers` (row → peer); rows not in `members` are free.
+    /// Called inside the runtime the members' sessions will run on.
     pub fn new(
         client: Client,
         version: [u8; 32],
@@ -573,7 +581,7 @@ impl NetTransport {
             .filter(|r| !members.contains(r))
             .collect();
         let (tx, rx) = std_mpsc::sync_channel(4096);
-        Self {
+        let mut transport = Self {
             client,
             version,
             peers,
@@ -587,7 +595,27 @@ impl NetTransport {
             label: String::new(),
             context: String::new(),
             asked: BTreeMap::new(),
+            links: BTreeMap::new(),
+            runtime: tokio::runtime::Handle::current(),
+        };
+        for &row in members {
+            transport.link(row);
         }
+        transport
+    }
+
+    /// The session with a row's holder, opened now if there is none yet.
+    fn link(&mut self, row: usize) -> Option<&crate::session::Link> {
+        let peer = *self.peers.get(&row)?;
+        let (client, tx, runtime) = (&self.client, &self.tx, &self.runtime);
+        Some(self.links.entry(row).or_insert_with(|| {
+            let tx = tx.clone();
+            let deliver: crate::session::Deliver = Arc::new(move |round, result| {
+                let _ = tx.try_send((round, row, result));
+            });
+            let delay = crate::swarm::one_way_delay();
+            crate::session::Link::open(runtime, client, peer, deliver, delay)
+        }))
     }
 
     /// The peer holding a row, as this transport knows it.
@@ -622,22 +650,17 @@ impl NetTransport {
 
     fn send(&mut self, row: usize, request: &[u8]) {
         self.asked.insert(row, (Instant::now(), request.len()));
-        let tx = self.tx.clone();
-        let round = self.round;
-        let Some(&peer) = self.peers.get(&row) else {
-            let _ = tx.try_send((round, row, Err(format!("no peer holds row {row}"))));
-            return;
-        };
-        let req = MeshRequest::Step {
+        let ask = Ask {
+            id: self.round,
             version: self.version,
-            bytes: request.to_vec(),
+            step: request.to_vec(),
         };
-        let sent = self.client.request_blocking(peer, req, move |answer| {
-            let result = answer.and_then(MeshResponse::into_step);
-            let _ = tx.try_send((round, row, result));
-        });
+        let sent = match self.link(row) {
+            Some(link) => link.ask(ask),
+            None => Err(format!("no peer holds row {row}")),
+        };
         if let Err(e) = sent {
-            let _ = self.tx.try_send((round, row, Err(format!("{e:#}"))));
+            let _ = self.tx.try_send((self.round, row, Err(e)));
         }
     }
 

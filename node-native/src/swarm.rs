@@ -62,10 +62,20 @@ enum Command {
 }
 
 /// A handle on the swarm task.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct Client {
     tx: mpsc::Sender<Command>,
     peer_id: PeerId,
+    /// Opens and accepts session streams without the swarm task.
+    control: libp2p_stream::Control,
+}
+
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Client")
+            .field("peer_id", &self.peer_id)
+            .finish_non_exhaustive()
+    }
 }
 
 impl std::fmt::Debug for Command {
@@ -91,6 +101,11 @@ impl Client {
 
     async fn send(&self, cmd: Command) -> Result<()> {
         self.tx.send(cmd).await.map_err(|_| anyhow!(GONE))
+    }
+
+    /// Opens and accepts the streams of group sessions ([`crate::session`]).
+    pub fn control(&self) -> libp2p_stream::Control {
+        self.control.clone()
     }
 
     /// Dials an address (with or without `/p2p/…`) and returns the peer reached.
@@ -125,23 +140,6 @@ impl Client {
         rx.await
             .map_err(|_| anyhow!(GONE))?
             .map_err(|e| anyhow!("request to {peer}: {e}"))
-    }
-
-    /// Sends a request from outside the runtime (a blocking thread); `reply` gets the answer
-    /// on the network task, so it must be quick (hand it to a channel).
-    pub fn request_blocking(
-        &self,
-        peer: PeerId,
-        request: MeshRequest,
-        reply: impl FnOnce(Result<MeshResponse, String>) + Send + 'static,
-    ) -> Result<()> {
-        self.tx
-            .blocking_send(Command::Request {
-                peer,
-                request,
-                reply: Box::new(reply),
-            })
-            .map_err(|_| anyhow!(GONE))
     }
 
     /// Answers an inbound request.
@@ -217,6 +215,7 @@ pub fn spawn(swarm: Swarm<MeshBehaviour>) -> (Client, mpsc::Receiver<Inbound>) {
     let client = Client {
         tx,
         peer_id: *swarm.local_peer_id(),
+        control: swarm.behaviour().session.new_control(),
     };
     tokio::spawn(EventLoop::new(swarm, rx, in_tx).run());
     (client, in_rx)

@@ -3,6 +3,7 @@
 //! a swarm on each runtime live in the shells.
 
 mod driver;
+pub mod session;
 
 pub use driver::{Driver, NetEvent, Reply, UNSIGNED_GOSSIP};
 
@@ -47,6 +48,8 @@ pub struct MeshBehaviour {
     pub gossipsub: gossipsub::Behaviour,
     /// Coded steps, manifests, joins and shard transfer.
     pub mesh: request_response::Behaviour<MeshCodec>,
+    /// Long-lived streams of group sessions ([`session`]).
+    pub session: libp2p_stream::Behaviour,
     /// Peer discovery over the DHT.
     pub kad: kad::Behaviour<kad::store::MemoryStore>,
     /// Peer discovery on the local network (feature `mdns`, native only).
@@ -123,6 +126,7 @@ impl MeshBehaviour {
             ping: ping::Behaviour::default(),
             gossipsub,
             mesh,
+            session: libp2p_stream::Behaviour::new(),
             kad,
             mdns: build_mdns(peer_id, mdns)?,
             relay: Toggle::from(None),

@@ -147,6 +147,7 @@ pub(super) async fn run_server(
     let (info_tx, info_rx) = tokio::sync::mpsc::channel(16);
     let (internal_tx, internal_rx) = tokio::sync::mpsc::channel(64);
     let state = Arc::new(RwLock::new(state));
+    crate::session::serve(&client, state.clone())?;
     let metrics = crate::metrics::Metrics::new();
     if let Some(addr) = opts.http {
         let local_row = LocalRow {
@@ -403,7 +404,9 @@ impl Server {
             }
             // A decode step is a fraction of a millisecond of work: computing it here saves
             // two thread hand-offs per round. Prefill steps go to the pool.
-            Route::Step { version, request } if request.values() <= INLINE_STEP_VALUES => {
+            Route::Step { version, request }
+                if request.values() <= crate::session::INLINE_STEP_VALUES =>
+            {
                 let resp = holder::step(&read(&self.state), &version, &request);
                 tokio::spawn(respond(resp));
                 return;
@@ -462,7 +465,3 @@ impl Server {
         });
     }
 }
-
-/// Step requests carrying up to this many values (a decode step's activations, drafted tokens
-/// included) are computed on the node's task.
-const INLINE_STEP_VALUES: usize = 16 << 10;
