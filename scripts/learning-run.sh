@@ -24,7 +24,8 @@ if [[ ! -f "$heldout" ]]; then
     fi
 fi
 
-cargo build --release -p node-native >&2
+# The test command's build (same features), so it is reused rather than compiled again.
+cargo build --workspace --all-targets --release --locked >&2
 bin="${CARGO_TARGET_DIR:-target}/release/codedmesh"
 "$bin" fetch-model >&2
 dir="$(mktemp -d)"

@@ -8,7 +8,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=$(bash scripts/python-env.sh)
-cargo build --release --locked -p node-native
+# The test command's build (same features), so it is reused rather than compiled again.
+cargo build --workspace --all-targets --release --locked
 target=$(cargo metadata --format-version 1 --no-deps --locked |
   python3 -c 'import json, sys; print(json.load(sys.stdin)["target_directory"])')
 scratch=$(mktemp -d)
