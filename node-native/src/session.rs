@@ -1,7 +1,8 @@
 //! Group sessions on a native node ([`node_core::net::session`]): a member answers a leader's
 //! steps on one long-lived stream, and a leader keeps one such stream per member while its group
 //! works. A holder that does not speak the protocol (an older node, a browser) is asked over
-//! request-response instead, one request a step, as before.
+//! request-response instead, one request a step, as before. Browser holders serve sessions too
+//! (node-web/src/node.rs).
 
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::{Duration, Instant};

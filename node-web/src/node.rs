@@ -9,14 +9,14 @@ use futures::channel::{mpsc, oneshot};
 use futures::{FutureExt, SinkExt, StreamExt};
 use libp2p::multiaddr::Protocol;
 use libp2p::request_response::ResponseChannel;
-use libp2p::{Multiaddr, PeerId, Swarm, identity};
+use libp2p::{Multiaddr, PeerId, StreamProtocol, Swarm, identity};
 use node_core::holder::{self, Route};
 use node_core::mesh::{
     BrowserBootstrap, HealthConfig, Heartbeat, MeshEvent, MeshInfo, MeshRequest, MeshResponse,
     MeshView, unhex32,
 };
-use node_core::net::{Driver, MeshBehaviour, NetEvent};
-use node_core::protocol;
+use node_core::net::{Driver, MeshBehaviour, NetEvent, session};
+use node_core::protocol::{self, StepRequest};
 use serde::Serialize;
 use wasm_bindgen::JsCast;
 use web_time::{Duration, Instant};
@@ -172,6 +172,17 @@ pub(crate) enum Command {
     },
     /// Updates fetched from a peer this node lagged behind.
     CaughtUp(Result<Vec<Vec<u8>>, String>),
+    /// A step asked on a leader's session.
+    Step {
+        version: [u8; 32],
+        request: StepRequest,
+        reply: oneshot::Sender<MeshResponse>,
+    },
+    /// A session's step computed: counted, then handed back to the session.
+    Stepped {
+        response: MeshResponse,
+        reply: oneshot::Sender<MeshResponse>,
+    },
 }
 
 /// A handle on the browser node; cheap to clone.
@@ -243,6 +254,11 @@ impl BrowserNode {
             },
             watchers: Vec::new(),
         }));
+        let sessions = swarm
+            .behaviour()
+            .session
+            .new_control()
+            .accept(StreamProtocol::new(session::SESSION_PROTOCOL));
         let (tx, rx) = mpsc::channel(64);
         let node = Self {
             commands: tx,
@@ -264,6 +280,12 @@ impl BrowserNode {
             learning: VecDeque::new(),
         };
         wasm_bindgen_futures::spawn_local(task.run());
+        match sessions {
+            Ok(incoming) => {
+                wasm_bindgen_futures::spawn_local(serve_sessions(node.clone(), incoming))
+            }
+            Err(e) => tracing::warn!("leaders will ask a request a step: {e}"),
+        }
         let via = node.dial_any(&boot.addrs).await;
         let via = match via {
             Ok(via) => via,
@@ -388,6 +410,24 @@ impl BrowserNode {
             Ok(Err(e)) => Err(WebError::Mesh(e)),
             Err(_) => Err(WebError::Stopped),
         }
+    }
+
+    /// A step asked on a session, answered by the row this node holds (an error if none).
+    async fn step(&self, version: [u8; 32], request: StepRequest) -> MeshResponse {
+        let (reply, rx) = oneshot::channel();
+        if self
+            .send(Command::Step {
+                version,
+                request,
+                reply,
+            })
+            .await
+            .is_err()
+        {
+            return MeshResponse::Error(WebError::Stopped.to_string());
+        }
+        rx.await
+            .unwrap_or_else(|_| MeshResponse::Error(WebError::Stopped.to_string()))
     }
 
     pub(crate) async fn send(&self, cmd: Command) -> Result<(), WebError> {
@@ -599,6 +639,28 @@ impl Task {
                 }
                 self.respond(channel, response)
             }
+            Command::Step {
+                version,
+                request,
+                reply,
+            } => {
+                let Some(h) = self.holding.as_mut() else {
+                    let _ = reply.send(MeshResponse::Error(NO_ROW.into()));
+                    return;
+                };
+                let work = h.step(version, request);
+                let node = self.node.clone();
+                wasm_bindgen_futures::spawn_local(async move {
+                    let response = work.await;
+                    let _ = node.send(Command::Stepped { response, reply }).await;
+                });
+            }
+            Command::Stepped { response, reply } => {
+                if let Some(h) = self.holding.as_mut() {
+                    h.answered(&response);
+                }
+                let _ = reply.send(response);
+            }
             Command::CaughtUp(got) => {
                 if let Some(h) = self.holding.as_mut() {
                     h.syncing = false;
@@ -747,9 +809,7 @@ impl Task {
     ) {
         let now = Instant::now();
         let (Some(view), Some(h)) = (self.view.as_mut(), self.holding.as_mut()) else {
-            let answer =
-                MeshResponse::Error("this browser node holds no row: it only watches".into());
-            return self.respond(channel, answer);
+            return self.respond(channel, MeshResponse::Error(NO_ROW.into()));
         };
         match h.route(&peer, request) {
             Route::Answer(response) => self.respond(channel, response),
@@ -776,6 +836,28 @@ impl Task {
                 respond_later(self.node.clone(), channel, work)
             }
         }
+    }
+}
+
+/// The answer of a browser node that holds no row.
+const NO_ROW: &str = "this browser node holds no row: it only watches";
+
+/// Answers the steps of every leader that opens a session with this node
+/// ([`node_core::net::session`]), through the node's task, in order per session.
+async fn serve_sessions(node: BrowserNode, mut incoming: libp2p_stream::IncomingStreams) {
+    while let Some((peer, stream)) = incoming.next().await {
+        let node = node.clone();
+        wasm_bindgen_futures::spawn_local(async move {
+            let (reader, writer) = futures::AsyncReadExt::split(stream);
+            let served = session::serve(reader, writer, |version, request| {
+                let node = node.clone();
+                async move { node.step(version, request).await }
+            })
+            .await;
+            if let Err(e) = served {
+                tracing::debug!(%peer, "session ended: {e}");
+            }
+        });
     }
 }
 
