@@ -1,8 +1,7 @@
 //! Group sessions on a native node ([`node_core::net::session`]): a member answers a leader's
 //! steps on one long-lived stream, and a leader keeps one such stream per member while its group
-//! works. A holder that does not speak the protocol (an older node, a browser) is asked over
-//! request-response instead, one request a step, as before. Browser holders serve sessions too
-//! (node-web/src/node.rs).
+//! works. Browser holders serve sessions too (node-web/src/node.rs); a holder that does not
+//! speak the protocol (an older release) fails as a member, naming the protocol, and is replaced.
 
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::{Duration, Instant};
@@ -11,7 +10,7 @@ use futures::{AsyncReadExt, StreamExt};
 use libp2p::{PeerId, StreamProtocol};
 use libp2p_stream::OpenStreamError;
 use node_core::holder;
-use node_core::mesh::{MeshRequest, MeshResponse};
+use node_core::mesh::MeshResponse;
 use node_core::net::session::{self, Answer, Ask, Outstanding, SESSION_PROTOCOL, SessionError};
 use node_core::protocol::StepRequest;
 use tokio::sync::mpsc;
@@ -82,8 +81,8 @@ async fn compute(
 /// member's compute time (µs), or why there is none.
 pub type Deliver = Arc<dyn Fn(u64, Result<(Vec<u8>, u64), String>) + Send + Sync>;
 
-/// A leader's link to one member: asks go out in order on the member's session, or as single
-/// requests where the member has no sessions. Dropping it closes the session.
+/// A leader's link to one member: asks go out in order on the member's session. Dropping it
+/// closes the session.
 #[derive(Debug, Clone)]
 pub struct Link {
     tx: mpsc::UnboundedSender<(Instant, Ask)>,
@@ -124,9 +123,8 @@ async fn run(
             Ok(()) => return, // the leader is done with the member
             Err(e) => e,
         },
-        Err(OpenStreamError::UnsupportedProtocol(_)) => {
-            tracing::debug!(%peer, "no sessions: a request a step");
-            return requests(client, peer, asks, deliver).await;
+        Err(OpenStreamError::UnsupportedProtocol(p)) => {
+            format!("the holder does not speak {p}: it runs another release")
         }
         Err(e) => e.to_string(),
     };
@@ -191,32 +189,6 @@ async fn converse(
         deliver(id, Err(why.clone()));
     }
     Err(why)
-}
-
-/// A request a step, for a member without sessions (the swarm task applies the bench's delay).
-async fn requests(
-    client: Client,
-    peer: PeerId,
-    mut asks: mpsc::UnboundedReceiver<(Instant, Ask)>,
-    deliver: Deliver,
-) {
-    while let Some((_, Ask { id, version, step })) = asks.recv().await {
-        let (client, deliver) = (client.clone(), deliver.clone());
-        tokio::spawn(async move {
-            let answer = client
-                .request(
-                    peer,
-                    MeshRequest::Step {
-                        version,
-                        bytes: step,
-                    },
-                )
-                .await
-                .map_err(|e| format!("{e:#}"))
-                .and_then(MeshResponse::into_step);
-            deliver(id, answer);
-        });
-    }
 }
 
 /// Delivers an answer, after the bench's delay when one is set.
