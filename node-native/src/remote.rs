@@ -598,8 +598,12 @@ impl NetTransport {
             links: BTreeMap::new(),
             runtime: tokio::runtime::Handle::current(),
         };
+        // This node's own row (a leader inside a node) is computed here, not over a session.
+        let me = transport.client.peer_id();
         for &row in members {
-            transport.link(row);
+            if transport.peers.get(&row) != Some(&me) {
+                transport.link(row);
+            }
         }
         transport
     }
