@@ -7,11 +7,11 @@ use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
 use futures::{AsyncReadExt, StreamExt};
-use libp2p::{PeerId, StreamProtocol};
+use libp2p::PeerId;
 use libp2p_stream::OpenStreamError;
 use node_core::holder;
 use node_core::mesh::MeshResponse;
-use node_core::net::session::{self, Answer, Ask, Outstanding, SESSION_PROTOCOL, SessionError};
+use node_core::net::session::{self, Answer, Ask, Outstanding, SessionError, protocol};
 use node_core::protocol::StepRequest;
 use tokio::sync::mpsc;
 
@@ -24,13 +24,8 @@ use crate::swarm::Client;
 const MAX_SESSIONS: usize = 256;
 
 /// Step requests carrying up to this many values (a decode step's activations, drafted tokens
-/// included) are computed on the session's task; larger ones (prefill) on the blocking pool.
-pub const INLINE_STEP_VALUES: usize = 16 << 10;
-
-/// The session protocol's name.
-pub fn protocol() -> StreamProtocol {
-    StreamProtocol::new(SESSION_PROTOCOL)
-}
+/// included) are computed on the asking task; larger ones (prefill) on the blocking pool.
+const INLINE_STEP_VALUES: usize = 16 << 10;
 
 /// Answers the steps of every leader that opens a session with this node, on `state`.
 pub fn serve(client: &Client, state: Arc<RwLock<ShardState>>) -> anyhow::Result<()> {
@@ -63,8 +58,9 @@ pub fn serve(client: &Client, state: Arc<RwLock<ShardState>>) -> anyhow::Result<
     Ok(())
 }
 
-/// One step on this node's shard: decode steps here, prefill steps on the blocking pool.
-async fn compute(
+/// One step on this node's shard, asked on a session or in a request: decode steps on the
+/// calling task (a fraction of a millisecond; no thread hand-off), prefill steps on the pool.
+pub async fn compute(
     state: Arc<RwLock<ShardState>>,
     version: [u8; 32],
     request: StepRequest,

@@ -9,7 +9,7 @@ use futures::channel::{mpsc, oneshot};
 use futures::{FutureExt, SinkExt, StreamExt};
 use libp2p::multiaddr::Protocol;
 use libp2p::request_response::ResponseChannel;
-use libp2p::{Multiaddr, PeerId, StreamProtocol, Swarm, identity};
+use libp2p::{Multiaddr, PeerId, Swarm, identity};
 use node_core::holder::{self, Route};
 use node_core::mesh::{
     BrowserBootstrap, HealthConfig, Heartbeat, MeshEvent, MeshInfo, MeshRequest, MeshResponse,
@@ -165,9 +165,9 @@ pub(crate) enum Command {
     },
     /// Serve this row from now on.
     Hold(Box<Holding>),
-    /// A computed answer to an inbound request.
+    /// A computed answer to an inbound request or a session's ask.
     Respond {
-        channel: ResponseChannel<MeshResponse>,
+        to: AnswerTo,
         response: MeshResponse,
     },
     /// Updates fetched from a peer this node lagged behind.
@@ -178,11 +178,14 @@ pub(crate) enum Command {
         request: StepRequest,
         reply: oneshot::Sender<MeshResponse>,
     },
-    /// A session's step computed: counted, then handed back to the session.
-    Stepped {
-        response: MeshResponse,
-        reply: oneshot::Sender<MeshResponse>,
-    },
+}
+
+/// Where a computed answer goes.
+pub(crate) enum AnswerTo {
+    /// The peer waiting on a request.
+    Request(ResponseChannel<MeshResponse>),
+    /// A leader's session (which writes it in order).
+    Session(oneshot::Sender<MeshResponse>),
 }
 
 /// A handle on the browser node; cheap to clone.
@@ -258,7 +261,7 @@ impl BrowserNode {
             .behaviour()
             .session
             .new_control()
-            .accept(StreamProtocol::new(session::SESSION_PROTOCOL));
+            .accept(session::protocol());
         let (tx, rx) = mpsc::channel(64);
         let node = Self {
             commands: tx,
@@ -633,11 +636,16 @@ impl Task {
                 }
             },
             Command::Hold(holding) => self.hold(*holding),
-            Command::Respond { channel, response } => {
+            Command::Respond { to, response } => {
                 if let Some(h) = self.holding.as_mut() {
                     h.answered(&response);
                 }
-                self.respond(channel, response)
+                match to {
+                    AnswerTo::Request(channel) => self.respond(channel, response),
+                    AnswerTo::Session(reply) => {
+                        let _ = reply.send(response);
+                    }
+                }
             }
             Command::Step {
                 version,
@@ -649,17 +657,7 @@ impl Task {
                     return;
                 };
                 let work = h.step(version, request);
-                let node = self.node.clone();
-                wasm_bindgen_futures::spawn_local(async move {
-                    let response = work.await;
-                    let _ = node.send(Command::Stepped { response, reply }).await;
-                });
-            }
-            Command::Stepped { response, reply } => {
-                if let Some(h) = self.holding.as_mut() {
-                    h.answered(&response);
-                }
-                let _ = reply.send(response);
+                respond_later(self.node.clone(), AnswerTo::Session(reply), work)
             }
             Command::CaughtUp(got) => {
                 if let Some(h) = self.holding.as_mut() {
@@ -828,12 +826,12 @@ impl Task {
             }
             Route::Step { version, request } => {
                 let work = h.step(version, request);
-                respond_later(self.node.clone(), channel, work)
+                respond_later(self.node.clone(), AnswerTo::Request(channel), work)
             }
             Route::Chain(part) => {
                 let (node, state) = (self.node.clone(), h.state.clone());
                 let work = async move { node.chain_piece(state, part).await };
-                respond_later(self.node.clone(), channel, work)
+                respond_later(self.node.clone(), AnswerTo::Request(channel), work)
             }
         }
     }
@@ -861,15 +859,15 @@ async fn serve_sessions(node: BrowserNode, mut incoming: libp2p_stream::Incoming
     }
 }
 
-/// Runs `work` and sends its answer to the peer waiting on `channel`.
+/// Runs `work` and sends its answer where it goes, through the node's task (which counts it).
 fn respond_later(
     node: BrowserNode,
-    channel: ResponseChannel<MeshResponse>,
+    to: AnswerTo,
     work: impl std::future::Future<Output = MeshResponse> + 'static,
 ) {
     wasm_bindgen_futures::spawn_local(async move {
         let response = work.await;
-        let _ = node.send(Command::Respond { channel, response }).await;
+        let _ = node.send(Command::Respond { to, response }).await;
     })
 }
 

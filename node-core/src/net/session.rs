@@ -17,6 +17,11 @@ use crate::protocol::{self, MAX_MESSAGE_BYTES, ProtocolError, StepRequest};
 /// Name of the session protocol; the version is part of it.
 pub const SESSION_PROTOCOL: &str = "/codedmesh/session/1";
 
+/// The session protocol's name, as libp2p takes it.
+pub fn protocol() -> libp2p::StreamProtocol {
+    libp2p::StreamProtocol::new(SESSION_PROTOCOL)
+}
+
 /// Largest frame either side accepts (a prefill step of a few thousand tokens fits).
 pub const MAX_FRAME_BYTES: usize = MAX_MESSAGE_BYTES;
 
@@ -76,6 +81,9 @@ pub enum SessionError {
         /// The id due.
         want: u64,
     },
+    /// The peer answered with nothing asked.
+    #[error("session answer {0} with nothing asked")]
+    Unasked(u64),
 }
 
 /// One message as a frame: its length, then its versioned encoding.
@@ -187,7 +195,7 @@ impl Outstanding {
                 Ok(())
             }
             Some(&want) => Err(SessionError::OutOfOrder { got: id, want }),
-            None => Err(SessionError::OutOfOrder { got: id, want: 0 }),
+            None => Err(SessionError::Unasked(id)),
         }
     }
 

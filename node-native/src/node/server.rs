@@ -402,18 +402,10 @@ impl Server {
                 tokio::spawn(respond(resp));
                 return;
             }
-            // A decode step is a fraction of a millisecond of work: computing it here saves
-            // two thread hand-offs per round. Prefill steps go to the pool.
-            Route::Step { version, request }
-                if request.values() <= crate::session::INLINE_STEP_VALUES =>
-            {
-                let resp = holder::step(&read(&self.state), &version, &request);
-                tokio::spawn(respond(resp));
-                return;
-            }
             Route::Step { version, request } => {
-                let state = self.state.clone();
-                Box::new(move || holder::step(&read(&state), &version, &request))
+                let work = crate::session::compute(self.state.clone(), version, request);
+                tokio::spawn(async move { respond(work.await).await });
+                return;
             }
             Route::Learn(bytes) => {
                 let (state, store, rules, tx) = (
