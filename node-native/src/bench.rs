@@ -7,7 +7,9 @@ use anyhow::Result;
 use node_core::code::{Generator, select_nodes};
 use node_core::coded::{CodedGroup, InProcess, ShardFormat};
 use node_core::compute::{self, WeightElem};
-use node_core::model::{GenerateOptions, LeaderWeights, Llama, ModelWeights, generate};
+use node_core::model::{
+    GenerateOptions, LeaderWeights, Llama, ModelWeights, Pass, generate, generate_with,
+};
 
 /// Best time of `f` over repeated runs lasting at least `budget`.
 fn best_time(budget: Duration, mut f: impl FnMut()) -> Duration {
@@ -281,7 +283,7 @@ pub fn mesh_rows(b: &MeshBench<'_>) -> Result<Vec<Row>> {
         if ms == 0.0 {
             rows.extend(loopback_rows(&mut leader, b.prompt, b.tokens)?);
         }
-        rows.extend(delay_rows(&mut leader, b.summary, ms)?);
+        rows.extend(delay_rows(&mut leader, rt.handle(), b.summary, ms)?);
         drop(leader);
         drop(mesh);
         let _ = std::fs::remove_dir_all(&dir);
@@ -290,9 +292,15 @@ pub fn mesh_rows(b: &MeshBench<'_>) -> Result<Vec<Row>> {
     Ok(rows)
 }
 
-/// At a one-way delay of `ms`: ms per token, rounds per token and the floor (two hops a round),
-/// a token a pass and with drafts of the default length.
-fn delay_rows(leader: &mut crate::remote::Leader, prompt: &[u32], ms: f64) -> Result<Vec<Row>> {
+/// At a one-way delay of `ms`: ms per token, hops per token and the floor they set, a token a
+/// pass and with drafts of the default length, with the leader's rounds (two hops a round) and
+/// with one hop per stage.
+fn delay_rows(
+    leader: &mut crate::remote::Leader,
+    runtime: &tokio::runtime::Handle,
+    prompt: &[u32],
+    ms: f64,
+) -> Result<Vec<Row>> {
     let mut rows = Vec::new();
     let plain = GenerateOptions {
         max_tokens: DELAY_TOKENS,
@@ -343,6 +351,37 @@ fn delay_rows(leader: &mut crate::remote::Leader, prompt: &[u32], ms: f64) -> Re
             ),
         ));
     }
+    let mut hop = crate::hop::lead_group(leader, runtime, 1)?;
+    let cfg = leader.llama.config().clone();
+    // A pass is the feed, the embedding lookup, four stages a layer and the LM head: a hop each.
+    let hops_per_pass = (4 * cfg.layers + 3) as f64;
+    for (what, draft) in [("a token a pass", 0), ("drafts of 4", draft)] {
+        let opts = GenerateOptions {
+            draft,
+            ..plain.clone()
+        };
+        let mut forward = |pass: Pass<'_>| crate::hop::forward(runtime, &mut hop, pass);
+        let run = generate_with(&mut forward, cfg.max_seq, prompt, &opts, &mut |_| true)?;
+        let decode_tokens = run.tokens.len().saturating_sub(1).max(1) as f64;
+        let hops = hops_per_pass * run.forward_passes.saturating_sub(1) as f64 / decode_tokens;
+        let same = match &first {
+            Some(t) if *t == run.tokens => ", the same tokens",
+            _ => ", DIFFERENT tokens",
+        };
+        rows.push(row(
+            format!("one-way delay {ms} ms, summary, one hop per stage, {what}"),
+            format!(
+                "{:.0} ms/token, {hops:.0} hops/token, floor {:.0} ms/token (hops × delay){same}",
+                1e3 / run.decode_tokens_per_s(),
+                hops * ms,
+            ),
+        ));
+    }
+    let caught = &hop.stats().caught;
+    anyhow::ensure!(
+        caught.is_empty(),
+        "the hop group's leader caught {caught:?}"
+    );
     Ok(rows)
 }
 

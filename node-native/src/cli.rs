@@ -362,6 +362,11 @@ pub(crate) struct GenerateArgs {
     /// member, 2 also locates it without asking anyone else; 0 turns checking off.
     #[arg(long, default_value_t = 1)]
     pub(crate) check: usize,
+    /// One hop per stage (mesh only): the group's members send their coded outputs straight to
+    /// each other and run the model between stages themselves; this process feeds the tokens
+    /// and decodes the logits. A stage costs one network delay instead of a round trip.
+    #[arg(long)]
+    pub(crate) hop: bool,
     /// The prompt.
     #[arg(long)]
     pub(crate) prompt: String,

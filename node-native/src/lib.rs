@@ -5,6 +5,7 @@ pub mod bench;
 pub mod engine;
 pub mod fetch;
 pub mod gpubench;
+pub mod hop;
 pub mod http;
 pub mod learning;
 pub mod link;

@@ -547,11 +547,32 @@ fn run_once_on_mesh(
         );
         (args.k, args.n) = (g.k(), g.n());
         let mut emitted = 0;
-        let mut cache = KvCache::new(&leader.manifest.cfg);
-        let (llama, group) = (&leader.llama, &mut leader.group);
-        let mut forward = |pass: Pass<'_>| run_pass_now(llama, group, &mut cache, pass);
         let max_seq = leader.manifest.cfg.max_seq;
-        match generate_and_print(&mut forward, max_seq, &leader.tokenizer, args, &mut emitted) {
+        let generated = if args.hop {
+            let mut hop = node_native::hop::lead_group(&leader, rt.handle(), args.check)?;
+            eprintln!("one hop per stage, members {:?}", hop.rows());
+            let mut forward =
+                |pass: Pass<'_>| node_native::hop::forward(rt.handle(), &mut hop, pass);
+            let out =
+                generate_and_print(&mut forward, max_seq, &leader.tokenizer, args, &mut emitted);
+            let s = hop.stats();
+            eprintln!(
+                "one hop per stage: the members check every round among themselves; this leader checked {} LM head rounds ({} unchecked), members at the end {:?}",
+                s.verified_rounds,
+                s.unverified_rounds,
+                hop.rows()
+            );
+            for c in &s.caught {
+                eprintln!("{c}");
+            }
+            out
+        } else {
+            let mut cache = KvCache::new(&leader.manifest.cfg);
+            let (llama, group) = (&leader.llama, &mut leader.group);
+            let mut forward = |pass: Pass<'_>| run_pass_now(llama, group, &mut cache, pass);
+            generate_and_print(&mut forward, max_seq, &leader.tokenizer, args, &mut emitted)
+        };
+        match generated {
             Ok((out, prompt)) => break (leader, out, prompt),
             // The mesh took an update between the group's forming and its first step: form
             // the group again at the new version (nothing was printed yet).
@@ -568,6 +589,10 @@ fn run_once_on_mesh(
             Err(e) => return Err(e),
         }
     };
+    if args.hop {
+        print_speed(&out, " (one hop per stage)");
+        return Ok((leader, out.tokens, prompt));
+    }
     let compute = leader.group.transport().stats().compute;
     print_coded_stats(args, &out, leader.group.stats(), Some(compute));
     let s = leader.group.stats();

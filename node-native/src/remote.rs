@@ -189,6 +189,8 @@ pub struct Formed {
     pub live_rows: usize,
     /// Condition number of the decoding k.
     pub condition_number: f64,
+    /// The address each chosen holder is dialed at.
+    pub addrs: BTreeMap<PeerId, Vec<Multiaddr>>,
 }
 
 /// Forms a group over the rows `info` shows healthy: every row's holder is asked for its norm
@@ -230,15 +232,16 @@ pub async fn form_group(
             peers.len()
         );
     }
+    let mut dialed = BTreeMap::new();
     for peer in peers.values() {
         if local.is_none_or(|l| l.peer != *peer) {
             let addrs: Vec<Multiaddr> = addrs_of
                 .get(peer)
                 .map(|a| a.iter().filter_map(|a| a.parse().ok()).collect())
                 .unwrap_or_default();
-            client
-                .add_addrs(*peer, pick_addr(&addrs).into_iter().collect())
-                .await?;
+            let picked: Vec<Multiaddr> = pick_addr(&addrs).into_iter().collect();
+            client.add_addrs(*peer, picked.clone()).await?;
+            dialed.insert(*peer, picked);
         }
     }
     let asks = peers.iter().map(|(&row, &peer)| async move {
@@ -330,6 +333,7 @@ pub async fn form_group(
         members,
         live_rows: live.len(),
         condition_number: plan.condition_number,
+        addrs: dialed,
     })
 }
 
@@ -356,6 +360,8 @@ pub struct Leader {
     pub client: Client,
     /// The node this leader connected through.
     pub bootstrap: PeerId,
+    /// The address each member is dialed at.
+    pub addrs: BTreeMap<PeerId, Vec<Multiaddr>>,
     /// The leader's identity: it signs the updates.
     key: libp2p::identity::Keypair,
 }
@@ -397,6 +403,7 @@ impl Leader {
             holders: formed.holders,
             client: session.client,
             bootstrap: session.bootstrap,
+            addrs: formed.addrs,
             key: session.key,
         })
     }

@@ -72,6 +72,12 @@ fn tiny_mesh_status_generate_straggler_restart_and_rejoin() -> Result<()> {
     assert_eq!(out, expected, "{err}");
     assert!(err.contains("rounds per forward pass 10"), "{err}");
 
+    // One hop per stage: the members pass their parts to each other and run the model between
+    // stages; the same tokens come out, every LM head round checked by the leader.
+    let (out, err) = mesh.generate_with(PROMPT, 24, &["--hop"], || {})?;
+    assert_eq!(out, expected, "--hop\n{err}");
+    assert!(err.contains("LM head rounds (0 unchecked)"), "{err}");
+
     // A SIGSTOP-ed member of the decoding group: the others answer without it. (The group is
     // k + 1 checked + 1 spare = all five rows, so there is no free row to swap it for; every
     // round still gets the k + 1 answers it checks.)
@@ -83,6 +89,9 @@ fn tiny_mesh_status_generate_straggler_restart_and_rejoin() -> Result<()> {
         err.contains(", 0 unchecked"),
         "rounds went unchecked:\n{err}"
     );
+    // With one hop per stage, the others leave the silent member out and decode without it.
+    let (out, err) = mesh.generate_with(PROMPT, 24, &["--hop"], || {})?;
+    assert_eq!(out, expected, "--hop\n{err}");
     mesh.nodes[stalled].signal("CONT");
 
     // A node restarted from its data dir comes back with its row, without downloading; it

@@ -3,6 +3,7 @@
 //! a swarm on each runtime live in the shells.
 
 mod driver;
+pub mod hop;
 pub mod session;
 
 pub use driver::{Driver, NetEvent, Reply, UNSIGNED_GOSSIP};

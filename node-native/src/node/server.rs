@@ -148,6 +148,7 @@ pub(super) async fn run_server(
     let (internal_tx, internal_rx) = tokio::sync::mpsc::channel(64);
     let state = Arc::new(RwLock::new(state));
     crate::session::serve(&client, state.clone())?;
+    crate::hop::serve(&client, state.clone())?;
     let metrics = crate::metrics::Metrics::new();
     if let Some(addr) = opts.http {
         let local_row = LocalRow {

@@ -1,0 +1,813 @@
+//! One hop per stage: the members of a group send their coded outputs straight to each other,
+//! and each member decodes, checks and runs the model's non-linear part itself, so a stage costs
+//! one one-way delay instead of a leader's round trip. The leader only feeds tokens and reads
+//! the LM head's coded outputs, which it decodes and checks as in any round.
+//!
+//! Every member keeps its own copy of the sequence's keys and values (the attention runs on each
+//! member), and waits for every member's part of a round before it decodes, in the group's order:
+//! so all members decode the same rows the same way and compute on bit-identical inputs, and
+//! every round is checked with the answers beyond the first k, on every member.
+//!
+//! Frames are [`crate::net::session`]'s: length-prefixed, versioned postcard, size-limited.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use web_time::{Duration, Instant};
+
+use crate::code::Generator;
+use crate::coded::{CodedError, CodedGroup, ExecStats, Transport, TransportError, VerifyConfig};
+use crate::model::{
+    AsyncLinearExec, BatchItem, KvCache, Llama, LlamaConfig, ModelError, Pass, Stage,
+};
+use crate::protocol::{self, StepRequest};
+
+/// Name of the hop protocol; the version is part of it.
+pub const HOP_PROTOCOL: &str = "/codedmesh/hop/1";
+
+/// The hop protocol's name, as libp2p takes it.
+pub fn protocol() -> libp2p::StreamProtocol {
+    libp2p::StreamProtocol::new(HOP_PROTOCOL)
+}
+
+/// What travels on a hop stream. A leader's stream to a member opens with [`HopFrame::Join`]
+/// and then carries [`HopFrame::Feed`]s (each answered with a [`Fed`]); a member's stream to
+/// another member carries only [`HopFrame::Part`]s.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum HopFrame {
+    /// A leader forms a hop group.
+    Join(Join),
+    /// A leader's forward pass.
+    Feed(Feed),
+    /// A member's coded output of one round, for the other members.
+    Part(Part),
+}
+
+/// A hop group, as its leader tells each member.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Join {
+    /// The leader's number for the group; parts carry it.
+    pub group: u64,
+    /// The version every member computes at.
+    pub version: [u8; 32],
+    /// The members' rows, in the order every member decodes them (the first k decode).
+    pub rows: Vec<u32>,
+    /// The members' peer ids (libp2p's bytes), by position in `rows`.
+    pub peers: Vec<Vec<u8>>,
+    /// Addresses each member may be dialed at, by position in `rows`.
+    pub addrs: Vec<Vec<String>>,
+    /// The row of the member this frame goes to.
+    pub row: u32,
+    /// How long a member waits for another's part before it leaves it out (ms).
+    pub wait_ms: u32,
+    /// Answers beyond the k decoded that every round is checked with.
+    pub extra: u32,
+    /// Residual allowed per unit of condition number.
+    pub noise: f64,
+}
+
+/// One forward pass, as the leader feeds it: `tokens` at positions `start..`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Feed {
+    /// The leader's number for the pass; the answer carries it back.
+    pub pass: u64,
+    /// The position of the first token (what members held from there on is forgotten).
+    pub start: u32,
+    /// The tokens.
+    pub tokens: Vec<u32>,
+    /// How many of the last positions' logits the leader wants.
+    pub logits: u32,
+    /// The members the leader feeds this pass: the others have left the group.
+    pub rows: Vec<u32>,
+}
+
+/// A member's coded output of one round of a pass.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Part {
+    /// The group.
+    pub group: u64,
+    /// The pass.
+    pub pass: u64,
+    /// The round within the pass (the embedding lookup is 1).
+    pub round: u32,
+    /// The sender's row.
+    pub row: u32,
+    /// Its encoded [`crate::protocol::StepResponse`].
+    pub answer: Vec<u8>,
+}
+
+/// A member's answer to a [`Feed`]: its coded part of the LM head's output, or why it has none.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Fed {
+    /// The pass.
+    pub pass: u64,
+    /// The encoded [`crate::protocol::StepResponse`] of the LM head round, or the error.
+    pub result: Result<Vec<u8>, String>,
+}
+
+/// Why a hop pass failed on a member.
+#[derive(Debug, thiserror::Error)]
+pub enum HopError {
+    /// The pass starts past what this member holds (it missed a pass).
+    #[error("the pass starts at position {start}, this member holds {held}")]
+    Gap {
+        /// Where the pass starts.
+        start: usize,
+        /// Positions held.
+        held: usize,
+    },
+    /// The forward pass failed.
+    #[error("{0}")]
+    Model(#[from] ModelError),
+    /// The group could not be set up.
+    #[error("{0}")]
+    Coded(#[from] CodedError),
+    /// The pass ended without an LM head round.
+    #[error("the pass ended without an LM head round")]
+    NoHead,
+}
+
+/// What a member's exchange needs from its shell: its own shard, and streams to the others.
+#[allow(
+    async_fn_in_trait,
+    reason = "a shell's streams and shard may be !Send (a browser's)"
+)]
+pub trait HopLink {
+    /// This member's own encoded answer to a step (a [`crate::protocol::StepResponse`]).
+    async fn compute(&mut self, step: StepRequest) -> Result<Vec<u8>, String>;
+    /// Sends a part to the member holding `row` (a lost part shows as that member's silence).
+    fn send(&mut self, row: usize, part: &Part);
+    /// What comes next from the other members, or `None` if nothing comes within `wait`.
+    async fn next(&mut self, wait: Duration) -> Option<Heard>;
+}
+
+/// What a member hears from the others.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Heard {
+    /// A member's part.
+    Part(Part),
+    /// The member holding this row left (its stream ended): no part of it will come.
+    Gone(usize),
+}
+
+/// A member's side of the rounds: its own answer goes to every other member, and the round
+/// returns once the parts asked for are in, in the group's order.
+#[derive(Debug)]
+pub struct Exchange<L> {
+    link: L,
+    group: u64,
+    row: usize,
+    rows: Vec<usize>,
+    wait: Duration,
+    pass: u64,
+    round: u32,
+    request: Vec<u8>,
+    got: BTreeMap<usize, Vec<u8>>,
+    /// Parts of rounds this member has not reached yet (a faster member is one round ahead).
+    early: Vec<Part>,
+    head: Option<Vec<u8>>,
+    /// Members that left the group.
+    gone: std::collections::BTreeSet<usize>,
+    /// Members left out of rounds, and why.
+    dropped: Vec<(usize, String)>,
+}
+
+impl<L: HopLink> Exchange<L> {
+    fn start_pass(&mut self, pass: u64, rows: &[u32]) {
+        let fed: Vec<usize> = rows.iter().map(|&r| r as usize).collect();
+        self.gone
+            .extend(self.rows.iter().filter(|r| !fed.contains(r)).copied());
+        self.pass = pass;
+        self.round = 0;
+        self.request.clear();
+        self.got.clear();
+        self.head = None;
+        self.early.retain(|p| p.pass >= pass);
+    }
+
+    fn take(&mut self, part: Part) {
+        let row = part.row as usize;
+        if part.group != self.group || !self.rows.contains(&row) || row == self.row {
+            return;
+        }
+        match (part.pass, part.round).cmp(&(self.pass, self.round)) {
+            std::cmp::Ordering::Equal => {
+                self.got.entry(row).or_insert(part.answer);
+            }
+            std::cmp::Ordering::Greater => self.early.push(part),
+            std::cmp::Ordering::Less => {} // a round already decoded without it
+        }
+    }
+
+    /// The shell's link.
+    pub fn link(&self) -> &L {
+        &self.link
+    }
+}
+
+impl<L: HopLink> Transport for Exchange<L> {
+    async fn round(
+        &mut self,
+        members: &mut Vec<usize>,
+        request: &[u8],
+        need: usize,
+    ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
+        if request != self.request.as_slice() {
+            // A new round: compute this member's part and send it to the others. (The group
+            // asks again with the same request for more answers of the same round.)
+            self.round += 1;
+            self.request = request.to_vec();
+            self.got.clear();
+            let step: StepRequest = protocol::decode(request).map_err(|e| TransportError {
+                node: self.row,
+                reason: format!("bad step: {e}"),
+            })?;
+            let head = matches!(
+                step,
+                StepRequest::Matmul {
+                    stage: Stage::LmHead,
+                    ..
+                }
+            );
+            let own = self
+                .link
+                .compute(step)
+                .await
+                .map_err(|reason| TransportError {
+                    node: self.row,
+                    reason,
+                })?;
+            let part = Part {
+                group: self.group,
+                pass: self.pass,
+                round: self.round,
+                row: self.row as u32,
+                answer: own,
+            };
+            for &row in &self.rows {
+                if row != self.row {
+                    self.link.send(row, &part);
+                }
+            }
+            if head {
+                self.head = Some(part.answer.clone());
+            }
+            self.got.insert(self.row, part.answer);
+            for early in std::mem::take(&mut self.early) {
+                self.take(early);
+            }
+        }
+        let deadline = Instant::now() + self.wait;
+        loop {
+            let have = members.iter().filter(|r| self.got.contains_key(r)).count();
+            if have >= need.min(members.len()) {
+                return Ok(members
+                    .iter()
+                    .filter_map(|r| Some((*r, self.got.get(r)?.clone())))
+                    .collect());
+            }
+            if let Some(gone) = members
+                .iter()
+                .copied()
+                .find(|r| self.gone.contains(r) && !self.got.contains_key(r))
+            {
+                members.retain(|&r| r != gone);
+                let reason = "left the group".to_string();
+                self.dropped.push((gone, reason.clone()));
+                return Err(TransportError { node: gone, reason });
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.link.next(left).await {
+                Some(Heard::Part(part)) => self.take(part),
+                Some(Heard::Gone(row)) => {
+                    self.gone.insert(row);
+                }
+                None => {
+                    let missing = members
+                        .iter()
+                        .copied()
+                        .find(|r| !self.got.contains_key(r))
+                        .unwrap_or(usize::MAX);
+                    members.retain(|r| self.got.contains_key(r));
+                    let reason = format!("no part of round {} within {:?}", self.round, self.wait);
+                    self.dropped.push((missing, reason.clone()));
+                    return Err(TransportError {
+                        node: missing,
+                        reason,
+                    });
+                }
+            }
+        }
+    }
+}
+
+/// A member of a hop group: its copy of the sequence, and the group it decodes with.
+#[derive(Debug)]
+pub struct HopMember<L: HopLink> {
+    llama: Llama,
+    group: CodedGroup<Exchange<L>>,
+    cache: KvCache,
+}
+
+impl<L: HopLink> HopMember<L> {
+    /// The member holding `join.row` of a group, computing with `llama` (the norm gains at the
+    /// group's version) and decoding with `generator`.
+    pub fn new(llama: Llama, generator: Generator, join: &Join, link: L) -> Result<Self, HopError> {
+        let rows: Vec<usize> = join.rows.iter().map(|&r| r as usize).collect();
+        let row = join.row as usize;
+        if !rows.contains(&row) {
+            return Err(CodedError::BadRequest(format!("row {row} is not in the group")).into());
+        }
+        let exchange = Exchange {
+            link,
+            group: join.group,
+            row,
+            rows: rows.clone(),
+            wait: Duration::from_millis(join.wait_ms.into()),
+            pass: 0,
+            round: 0,
+            request: Vec::new(),
+            got: BTreeMap::new(),
+            early: Vec::new(),
+            head: None,
+            gone: Default::default(),
+            dropped: Vec::new(),
+        };
+        let cfg = llama.config().clone();
+        let mut group = CodedGroup::new(cfg.clone(), generator, &rows, exchange)?;
+        group.set_verify(VerifyConfig {
+            extra: join.extra as usize,
+            noise: join.noise,
+        });
+        Ok(Self {
+            cache: KvCache::new(&cfg),
+            llama,
+            group,
+        })
+    }
+
+    /// Runs a pass with the other members; returns this member's coded part of the logits.
+    pub async fn feed(&mut self, feed: &Feed) -> Result<Vec<u8>, HopError> {
+        let start = feed.start as usize;
+        if start > self.cache.len() {
+            return Err(HopError::Gap {
+                start,
+                held: self.cache.len(),
+            });
+        }
+        self.cache.truncate(start);
+        self.group.transport_mut().start_pass(feed.pass, &feed.rows);
+        let mut items = [BatchItem {
+            logits: feed.logits as usize,
+            ..BatchItem::new(&feed.tokens, &mut self.cache)
+        }];
+        self.llama
+            .forward_batch_async(&mut self.group, &mut items)
+            .await?;
+        self.group
+            .transport_mut()
+            .head
+            .take()
+            .ok_or(HopError::NoHead)
+    }
+
+    /// What this member's checks found so far (members caught, rounds checked).
+    pub fn stats(&self) -> &ExecStats {
+        self.group.stats()
+    }
+
+    /// Members this member left out of rounds, and why.
+    pub fn dropped(&self) -> &[(usize, String)] {
+        &self.group.transport().dropped
+    }
+
+    /// The shell's link.
+    pub fn link(&self) -> &L {
+        self.group.transport().link()
+    }
+}
+
+/// What a hop leader needs from its shell: streams to the members.
+#[allow(
+    async_fn_in_trait,
+    reason = "a shell's streams may be !Send (a browser's)"
+)]
+pub trait FeedLink {
+    /// Sends a pass to the member holding `row`.
+    fn feed(&mut self, row: usize, feed: &Feed);
+    /// The next member's answer, or `None` if none comes within `wait`.
+    async fn next(&mut self, wait: Duration) -> Option<(usize, Fed)>;
+}
+
+/// The leader's side of the LM head round: the members' answers to the current pass.
+#[derive(Debug)]
+pub struct Gather<L> {
+    link: L,
+    wait: Duration,
+    pass: u64,
+    got: BTreeMap<usize, Vec<u8>>,
+}
+
+impl<L: FeedLink> Transport for Gather<L> {
+    async fn round(
+        &mut self,
+        members: &mut Vec<usize>,
+        _request: &[u8],
+        need: usize,
+    ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
+        let deadline = Instant::now() + self.wait;
+        loop {
+            let have = members.iter().filter(|r| self.got.contains_key(r)).count();
+            if have >= need.min(members.len()) {
+                return Ok(members
+                    .iter()
+                    .filter_map(|r| Some((*r, self.got.get(r)?.clone())))
+                    .collect());
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.link.next(left).await {
+                Some((row, fed)) if fed.pass == self.pass && members.contains(&row) => {
+                    match fed.result {
+                        Ok(answer) => {
+                            self.got.entry(row).or_insert(answer);
+                        }
+                        Err(reason) => {
+                            members.retain(|&r| r != row);
+                            return Err(TransportError { node: row, reason });
+                        }
+                    }
+                }
+                Some(_) => {} // an earlier pass's answer come late, or a member left out
+                None => {
+                    let missing = members
+                        .iter()
+                        .copied()
+                        .find(|r| !self.got.contains_key(r))
+                        .unwrap_or(usize::MAX);
+                    members.retain(|r| self.got.contains_key(r));
+                    return Err(TransportError {
+                        node: missing,
+                        reason: format!("no answer to pass {} within {:?}", self.pass, self.wait),
+                    });
+                }
+            }
+        }
+    }
+}
+
+/// A hop group's leader: feeds each pass's tokens to the members and decodes (and checks) the
+/// logits from their LM head parts.
+#[derive(Debug)]
+pub struct HopLeader<L: FeedLink> {
+    cfg: LlamaConfig,
+    group: CodedGroup<Gather<L>>,
+}
+
+impl<L: FeedLink> HopLeader<L> {
+    /// Leads the members of `join` (its `row` is ignored); each must already have its own
+    /// [`Join`]. `link` reaches them.
+    pub fn new(
+        cfg: LlamaConfig,
+        generator: Generator,
+        join: &Join,
+        link: L,
+    ) -> Result<Self, CodedError> {
+        let rows: Vec<usize> = join.rows.iter().map(|&r| r as usize).collect();
+        let gather = Gather {
+            link,
+            wait: Duration::from_millis(join.wait_ms.into()),
+            pass: 0,
+            got: BTreeMap::new(),
+        };
+        let mut group = CodedGroup::new(cfg.clone(), generator, &rows, gather)?;
+        group.set_verify(VerifyConfig {
+            extra: join.extra as usize,
+            noise: join.noise,
+        });
+        Ok(Self { cfg, group })
+    }
+
+    /// One forward pass through the group: the logits it asks for, row after row.
+    pub async fn forward(&mut self, pass: Pass<'_>) -> Result<Vec<f32>, ModelError> {
+        let rows = self.group.nodes().to_vec();
+        let gather = self.group.transport_mut();
+        gather.pass += 1;
+        gather.got.clear();
+        let feed = Feed {
+            pass: gather.pass,
+            start: pass.start as u32,
+            tokens: pass.tokens.to_vec(),
+            logits: pass.logits as u32,
+            rows: rows.iter().map(|&r| r as u32).collect(),
+        };
+        for row in rows {
+            gather.link.feed(row, &feed);
+        }
+        // The LM head's input lives on the members; the leader only decodes their answers.
+        let rows = pass.logits.clamp(1, pass.tokens.len().max(1));
+        let x = vec![0.0; rows * self.cfg.hidden];
+        let mut out = self.group.linear(Stage::LmHead, &x, rows).await?;
+        out.pop()
+            .ok_or_else(|| ModelError::Config("no logits".into()))
+    }
+
+    /// Counters of the leader's decoding (LM head rounds, caught members).
+    pub fn stats(&self) -> &ExecStats {
+        self.group.stats()
+    }
+
+    /// Clears the counters.
+    pub fn reset_stats(&mut self) {
+        self.group.reset_stats();
+    }
+
+    /// The members still in the group (one that failed is left out).
+    pub fn rows(&self) -> &[usize] {
+        self.group.nodes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+    use std::sync::mpsc::{Receiver, Sender, channel};
+
+    use futures::executor::block_on;
+
+    use super::*;
+    use crate::coded::{InProcess, Member, Misbehaviour, ShardFormat, ShardSet};
+    use crate::model::{GenerateOptions, LeaderWeights, ModelWeights, generate, generate_with};
+
+    fn config() -> LlamaConfig {
+        LlamaConfig {
+            hidden: 64,
+            ffn: 160,
+            layers: 3,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 16,
+            vocab: 250,
+            norm_eps: 1e-5,
+            rope_theta: 10_000.0,
+            max_seq: 64,
+            tied_embeddings: false,
+        }
+    }
+
+    struct MemberLink {
+        member: Member,
+        to: HashMap<usize, Sender<Heard>>,
+        from: Receiver<Heard>,
+    }
+
+    impl HopLink for MemberLink {
+        async fn compute(&mut self, step: StepRequest) -> Result<Vec<u8>, String> {
+            protocol::encode(&self.member.handle(&step)).map_err(|e| e.to_string())
+        }
+
+        fn send(&mut self, row: usize, part: &Part) {
+            if let Some(tx) = self.to.get(&row) {
+                let _ = tx.send(Heard::Part(part.clone()));
+            }
+        }
+
+        async fn next(&mut self, wait: Duration) -> Option<Heard> {
+            self.from.recv_timeout(wait).ok()
+        }
+    }
+
+    struct LeadLink {
+        to: HashMap<usize, Sender<Feed>>,
+        from: Receiver<(usize, Fed)>,
+        /// Where a feed to a member that has gone is answered, as a failed stream would.
+        failed: Sender<(usize, Fed)>,
+    }
+
+    impl FeedLink for LeadLink {
+        fn feed(&mut self, row: usize, feed: &Feed) {
+            if let Some(tx) = self.to.get(&row)
+                && tx.send(feed.clone()).is_err()
+            {
+                let result = Err("the member's stream closed".into());
+                let _ = self.failed.send((
+                    row,
+                    Fed {
+                        pass: feed.pass,
+                        result,
+                    },
+                ));
+            }
+        }
+
+        async fn next(&mut self, wait: Duration) -> Option<(usize, Fed)> {
+            self.from.recv_timeout(wait).ok()
+        }
+    }
+
+    /// How a test's hop group goes wrong.
+    #[derive(Clone, Copy, Default)]
+    struct Faults {
+        /// This row answers with garbage.
+        liar: Option<usize>,
+        /// This row leaves after this many passes.
+        quits: Option<(usize, u64)>,
+    }
+
+    /// What each member of a test's hop group saw: the rows it caught, and those it left out.
+    type Seen = (Vec<usize>, Vec<(usize, String)>);
+
+    /// Greedy tokens of `prompt` through a hop group of `rows` (k = 3 of 5, checked with the
+    /// rows beyond k), what each member saw, and the leader's counters.
+    fn hop_generate(
+        weights: &ModelWeights,
+        rows: &[usize],
+        faults: Faults,
+        draft: usize,
+    ) -> (Vec<u32>, Vec<Seen>, ExecStats) {
+        let g = Generator::cauchy(5, 3).unwrap();
+        let norms = LeaderWeights::from_model(weights);
+        let join = Join {
+            group: 7,
+            version: [0; 32],
+            rows: rows.iter().map(|&r| r as u32).collect(),
+            peers: vec![Vec::new(); rows.len()],
+            addrs: vec![Vec::new(); rows.len()],
+            row: 0,
+            wait_ms: 10_000,
+            extra: (rows.len() - 3) as u32,
+            noise: crate::coded::DEFAULT_NOISE,
+        };
+        let mut part_tx = HashMap::new();
+        let mut part_rx = HashMap::new();
+        for &r in rows {
+            let (tx, rx) = channel();
+            part_tx.insert(r, tx);
+            part_rx.insert(r, rx);
+        }
+        let (fed_tx, fed_rx) = channel();
+        let mut feed_tx = HashMap::new();
+        let mut threads = Vec::new();
+        for &r in rows {
+            let set = ShardSet::encode(weights, &g, r, ShardFormat::F32, &mut |_, _| {}).unwrap();
+            let member = match faults.liar {
+                Some(l) if l == r => Member::misbehaving(set, r, Misbehaviour::Garbage),
+                _ => Member::new(set),
+            };
+            let quits = faults
+                .quits
+                .and_then(|(q, passes)| (q == r).then_some(passes));
+            let others = part_tx.clone();
+            let link = MemberLink {
+                member,
+                to: part_tx.clone(),
+                from: part_rx.remove(&r).unwrap(),
+            };
+            let llama = Llama::new(weights.cfg.clone(), norms.clone()).unwrap();
+            let mut hop = HopMember::new(
+                llama,
+                g.clone(),
+                &Join {
+                    row: r as u32,
+                    ..join.clone()
+                },
+                link,
+            )
+            .unwrap();
+            let (tx, rx) = channel::<Feed>();
+            feed_tx.insert(r, tx);
+            let fed = fed_tx.clone();
+            threads.push(std::thread::spawn(move || {
+                for feed in rx {
+                    if quits.is_some_and(|q| feed.pass > q) {
+                        // Its streams close: the others hear it, and the leader's link answers
+                        // the pass it was fed (and every later one) with the failure.
+                        for tx in others.values() {
+                            let _ = tx.send(Heard::Gone(r));
+                        }
+                        let result = Err("the member's stream closed".into());
+                        let _ = fed.send((
+                            r,
+                            Fed {
+                                pass: feed.pass,
+                                result,
+                            },
+                        ));
+                        break;
+                    }
+                    let result = block_on(hop.feed(&feed)).map_err(|e| e.to_string());
+                    let _ = fed.send((
+                        r,
+                        Fed {
+                            pass: feed.pass,
+                            result,
+                        },
+                    ));
+                }
+                let caught = hop.stats().caught.iter().map(|c| c.node).collect();
+                (caught, hop.dropped().to_vec())
+            }));
+        }
+        drop(part_tx);
+        let link = LeadLink {
+            to: feed_tx,
+            from: fed_rx,
+            failed: fed_tx,
+        };
+        let mut leader = HopLeader::new(weights.cfg.clone(), g, &join, link).unwrap();
+        let opts = GenerateOptions {
+            max_tokens: 12,
+            sampling: Default::default(),
+            stop_ids: Vec::new(),
+            draft,
+        };
+        let mut forward = |pass: Pass<'_>| block_on(leader.forward(pass));
+        let out = generate_with(
+            &mut forward,
+            64,
+            &[3, 17, 200, 42, 3, 17],
+            &opts,
+            &mut |_| true,
+        )
+        .unwrap();
+        let stats = leader.stats().clone();
+        drop(leader);
+        let caught = threads.into_iter().map(|t| t.join().unwrap()).collect();
+        (out.tokens, caught, stats)
+    }
+
+    fn round_generate(weights: &ModelWeights, draft: usize) -> Vec<u32> {
+        let g = Generator::cauchy(5, 3).unwrap();
+        let mesh = InProcess::encode(weights, &g, ShardFormat::F32, &|_, _| {}).unwrap();
+        let mut group = CodedGroup::new(weights.cfg.clone(), g, &[0, 1, 2], mesh).unwrap();
+        let llama = Llama::new(weights.cfg.clone(), LeaderWeights::from_model(weights)).unwrap();
+        let opts = GenerateOptions {
+            max_tokens: 12,
+            sampling: Default::default(),
+            stop_ids: Vec::new(),
+            draft,
+        };
+        generate(
+            &llama,
+            &mut group,
+            &[3, 17, 200, 42, 3, 17],
+            &opts,
+            &mut |_| true,
+        )
+        .unwrap()
+        .tokens
+    }
+
+    #[test]
+    fn a_hop_group_generates_the_tokens_a_leader_does() {
+        let weights = ModelWeights::synthetic(config(), 5).unwrap();
+        for draft in [0, 4] {
+            let want = round_generate(&weights, draft);
+            let (tokens, seen, stats) =
+                hop_generate(&weights, &[0, 1, 2, 3], Faults::default(), draft);
+            assert_eq!(tokens, want, "drafts of {draft}");
+            assert!(
+                seen.iter().all(|(c, d)| c.is_empty() && d.is_empty()),
+                "{seen:?}"
+            );
+            assert!(stats.verified_rounds > 0 && stats.unverified_rounds == 0);
+            assert!(stats.caught.is_empty());
+        }
+    }
+
+    #[test]
+    fn every_member_and_the_leader_catch_a_member_that_lies() {
+        let weights = ModelWeights::synthetic(config(), 5).unwrap();
+        let want = round_generate(&weights, 0);
+        let faults = Faults {
+            liar: Some(2),
+            ..Faults::default()
+        };
+        let (tokens, seen, stats) = hop_generate(&weights, &[0, 1, 2, 3, 4], faults, 0);
+        assert_eq!(tokens, want);
+        for (i, (caught, _)) in seen.iter().enumerate() {
+            if i != 2 {
+                assert_eq!(caught, &[2], "member {i} caught {caught:?}");
+            }
+        }
+        assert_eq!(stats.caught.iter().map(|c| c.node).collect::<Vec<_>>(), [2]);
+    }
+
+    #[test]
+    fn a_member_that_leaves_is_left_out_at_once_and_the_rest_decode_from_k() {
+        let weights = ModelWeights::synthetic(config(), 5).unwrap();
+        let want = round_generate(&weights, 0);
+        let faults = Faults {
+            quits: Some((3, 4)),
+            ..Faults::default()
+        };
+        let (tokens, seen, stats) = hop_generate(&weights, &[0, 1, 2, 3], faults, 0);
+        assert_eq!(tokens, want);
+        for (caught, dropped) in &seen[..3] {
+            assert!(caught.is_empty());
+            // Heard leaving, not waited out (the wait is 10 s).
+            assert_eq!(dropped, &[(3, "left the group".to_string())]);
+        }
+        assert!(stats.verified_rounds >= 4 && stats.unverified_rounds > 0);
+        assert!(stats.caught.is_empty());
+    }
+}
