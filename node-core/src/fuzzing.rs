@@ -22,13 +22,17 @@ pub const TARGETS: [(&str, Target); 6] = [
     ("manifest", manifest),
 ];
 
-/// Every message of the mesh and step protocols.
+/// Every message of the mesh, step, session and hop protocols.
 pub fn mesh_messages(data: &[u8]) {
     let _ = protocol::decode::<MeshRequest>(data);
     let _ = protocol::decode::<MeshResponse>(data);
     let _ = protocol::decode::<Heartbeat>(data);
     let _ = protocol::decode::<StepRequest>(data);
     let _ = protocol::decode::<StepResponse>(data);
+    let _ = protocol::decode::<crate::net::session::Ask>(data);
+    let _ = protocol::decode::<crate::net::session::Answer>(data);
+    let _ = protocol::decode::<crate::net::hop::HopFrame>(data);
+    let _ = protocol::decode::<crate::net::hop::Fed>(data);
 }
 
 /// A shard blob: the erasure-coded container, then the shard set inside.

@@ -403,10 +403,22 @@ pub trait FeedLink {
 #[derive(Debug)]
 pub struct Gather<L> {
     link: L,
+    /// How long answers beyond the first k are waited for once those are in.
     wait: Duration,
+    /// The answers needed to decode.
+    k: usize,
     pass: u64,
+    /// When the current pass was fed.
+    fed_at: Instant,
+    /// When its k-th answer came.
+    decodable_at: Option<Instant>,
     got: BTreeMap<usize, Vec<u8>>,
 }
+
+/// How long a leader waits for the first k answers to a pass: a whole forward pass runs in
+/// between (every stage's compute and one network delay), so a silent group fails only after
+/// this. A member that fails is heard at once (its stream ends).
+pub const PASS_WAIT: Duration = Duration::from_secs(120);
 
 impl<L: FeedLink> Transport for Gather<L> {
     async fn round(
@@ -415,7 +427,6 @@ impl<L: FeedLink> Transport for Gather<L> {
         _request: &[u8],
         need: usize,
     ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
-        let deadline = Instant::now() + self.wait;
         loop {
             let have = members.iter().filter(|r| self.got.contains_key(r)).count();
             if have >= need.min(members.len()) {
@@ -424,12 +435,20 @@ impl<L: FeedLink> Transport for Gather<L> {
                     .filter_map(|r| Some((*r, self.got.get(r)?.clone())))
                     .collect());
             }
+            // The first k answers may take a whole pass; the checking ones only a wait more.
+            let deadline = match self.decodable_at {
+                Some(at) => at + self.wait,
+                None => self.fed_at + PASS_WAIT,
+            };
             let left = deadline.saturating_duration_since(Instant::now());
             match self.link.next(left).await {
                 Some((row, fed)) if fed.pass == self.pass && members.contains(&row) => {
                     match fed.result {
                         Ok(answer) => {
                             self.got.entry(row).or_insert(answer);
+                            if self.decodable_at.is_none() && self.got.len() >= self.k {
+                                self.decodable_at = Some(Instant::now());
+                            }
                         }
                         Err(reason) => {
                             members.retain(|&r| r != row);
@@ -447,7 +466,11 @@ impl<L: FeedLink> Transport for Gather<L> {
                     members.retain(|r| self.got.contains_key(r));
                     return Err(TransportError {
                         node: missing,
-                        reason: format!("no answer to pass {} within {:?}", self.pass, self.wait),
+                        reason: format!(
+                            "no answer to pass {} within {:?}",
+                            self.pass,
+                            self.fed_at.elapsed()
+                        ),
                     });
                 }
             }
@@ -476,7 +499,10 @@ impl<L: FeedLink> HopLeader<L> {
         let gather = Gather {
             link,
             wait: Duration::from_millis(join.wait_ms.into()),
+            k: generator.k(),
             pass: 0,
+            fed_at: Instant::now(),
+            decodable_at: None,
             got: BTreeMap::new(),
         };
         let mut group = CodedGroup::new(cfg.clone(), generator, &rows, gather)?;
@@ -493,6 +519,8 @@ impl<L: FeedLink> HopLeader<L> {
         let gather = self.group.transport_mut();
         gather.pass += 1;
         gather.got.clear();
+        gather.fed_at = Instant::now();
+        gather.decodable_at = None;
         let feed = Feed {
             pass: gather.pass,
             start: pass.start as u32,
@@ -755,6 +783,17 @@ mod tests {
         )
         .unwrap()
         .tokens
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn any_bytes_on_a_hop_stream_are_a_frame_or_an_error(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..512)) {
+            let mut reader = futures::io::Cursor::new(bytes);
+            let mut buf = Vec::new();
+            while let Ok(Some(_)) =
+                block_on(crate::net::session::read_frame::<HopFrame, _>(&mut reader, &mut buf))
+            {}
+        }
     }
 
     #[test]
