@@ -261,10 +261,7 @@ impl<L: HopLink> Transport for Exchange<L> {
         loop {
             let have = members.iter().filter(|r| self.got.contains_key(r)).count();
             if have >= need.min(members.len()) {
-                return Ok(members
-                    .iter()
-                    .filter_map(|r| Some((*r, self.got.get(r)?.clone())))
-                    .collect());
+                return Ok(in_order(members, &self.got));
             }
             if let Some(gone) = members
                 .iter()
@@ -283,12 +280,7 @@ impl<L: HopLink> Transport for Exchange<L> {
                     self.gone.insert(row);
                 }
                 None => {
-                    let missing = members
-                        .iter()
-                        .copied()
-                        .find(|r| !self.got.contains_key(r))
-                        .unwrap_or(usize::MAX);
-                    members.retain(|r| self.got.contains_key(r));
+                    let missing = leave_out_silent(members, &self.got);
                     let reason = format!("no part of round {} within {:?}", self.round, self.wait);
                     self.dropped.push((missing, reason.clone()));
                     return Err(TransportError {
@@ -299,6 +291,25 @@ impl<L: HopLink> Transport for Exchange<L> {
             }
         }
     }
+}
+
+/// The answers in, in the members' order.
+fn in_order(members: &[usize], got: &BTreeMap<usize, Vec<u8>>) -> Vec<(usize, Vec<u8>)> {
+    members
+        .iter()
+        .filter_map(|r| Some((*r, got.get(r)?.clone())))
+        .collect()
+}
+
+/// Leaves out the members that have not answered; returns the first of them.
+fn leave_out_silent(members: &mut Vec<usize>, got: &BTreeMap<usize, Vec<u8>>) -> usize {
+    let missing = members
+        .iter()
+        .copied()
+        .find(|r| !got.contains_key(r))
+        .unwrap_or(usize::MAX);
+    members.retain(|r| got.contains_key(r));
+    missing
 }
 
 /// A member of a hop group: its copy of the sequence, and the group it decodes with.
@@ -430,10 +441,7 @@ impl<L: FeedLink> Transport for Gather<L> {
         loop {
             let have = members.iter().filter(|r| self.got.contains_key(r)).count();
             if have >= need.min(members.len()) {
-                return Ok(members
-                    .iter()
-                    .filter_map(|r| Some((*r, self.got.get(r)?.clone())))
-                    .collect());
+                return Ok(in_order(members, &self.got));
             }
             // The first k answers may take a whole pass; the checking ones only a wait more.
             let deadline = match self.decodable_at {
@@ -458,12 +466,7 @@ impl<L: FeedLink> Transport for Gather<L> {
                 }
                 Some(_) => {} // an earlier pass's answer come late, or a member left out
                 None => {
-                    let missing = members
-                        .iter()
-                        .copied()
-                        .find(|r| !self.got.contains_key(r))
-                        .unwrap_or(usize::MAX);
-                    members.retain(|r| self.got.contains_key(r));
+                    let missing = leave_out_silent(members, &self.got);
                     return Err(TransportError {
                         node: missing,
                         reason: format!(
