@@ -1,4 +1,4 @@
-//! The WGSL kernels on WebGPU in a browser: the bodies of tests/gpu.rs, run by
+//! The WGSL kernels on WebGPU in a browser: the bodies of tests/native/gpu.rs, run by
 //! wasm-bindgen-test in headless Chromium (its WebGPU adapter is SwiftShader, on the CPU).
 //! `bash scripts/test.sh` installs the runner and Chromium and runs them:
 //! `cargo test -p node-core --target wasm32-unknown-unknown --test webgpu`.

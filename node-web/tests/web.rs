@@ -1,6 +1,6 @@
 //! The browser node in headless Chromium (wasm-bindgen-test): it refuses what it cannot use
 //! with errors that say what went wrong, and never panics. The end-to-end path — dialing a real
-//! mesh and following it — is `tests/tests/browser.rs`.
+//! mesh and following it — is `tests/tests/e2e/browser.rs`.
 
 #![cfg(target_arch = "wasm32")]
 

@@ -108,7 +108,8 @@ impl Drop for Proc {
 pub struct Scratch(pub PathBuf);
 
 impl Scratch {
-    /// A fresh directory named after `name` and this process.
+    /// A fresh directory named after `name` and this process. The tests share one process
+    /// (one test binary), so each names its own.
     pub fn new(name: &str) -> Self {
         let p = std::env::temp_dir().join(format!("codedmesh-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&p);

@@ -1,6 +1,6 @@
-//! Test bodies shared by the native GPU tests (tests/gpu.rs, Vulkan, Metal, DX12 or lavapipe)
-//! and the browser ones (tests/webgpu.rs, WebGPU in headless Chromium): the same checks on
-//! every backend.
+//! Test bodies shared by the native GPU tests (tests/native/gpu.rs, Vulkan, Metal, DX12 or
+//! lavapipe) and the browser ones (tests/webgpu.rs, WebGPU in headless Chromium): the same
+//! checks on every backend.
 
 #![allow(dead_code)] // each test crate uses some of them
 

@@ -48,6 +48,7 @@ fn mesh(seed: u64, drop: f64) -> SimMesh {
 
 #[test]
 fn five_nodes_form_a_group_over_a_lossy_network() {
+    let _machine = crate::machine::share();
     let g = Generator::cauchy(N as usize, K as usize).unwrap();
     for seed in 0..8 {
         let mut m = mesh(seed, 0.2);
@@ -105,6 +106,7 @@ fn five_nodes_form_a_group_over_a_lossy_network() {
 
 #[test]
 fn the_same_seed_replays_the_same_history() {
+    let _machine = crate::machine::share();
     let run = |seed| {
         let mut m = mesh(seed, 0.2);
         m.run_for(secs(5.0));
@@ -189,6 +191,7 @@ fn assert_same_run(
 
 #[test]
 fn a_generation_survives_two_members_crashing_mid_request() {
+    let _machine = crate::machine::share();
     for seed in 0..4 {
         let f = fixture(seed);
         let cfg = LeaderConfig {
@@ -270,6 +273,7 @@ fn a_generation_survives_two_members_crashing_mid_request() {
 
 #[test]
 fn a_stalled_member_is_outrun_and_swapped_out() {
+    let _machine = crate::machine::share();
     let round = RoundConfig::default();
     for seed in 0..4 {
         let f = fixture(seed);
@@ -368,6 +372,7 @@ fn a_stalled_member_is_outrun_and_swapped_out() {
 
 #[test]
 fn a_crashed_node_goes_suspect_then_dead_and_rejoins_on_restart() {
+    let _machine = crate::machine::share();
     let hc = HealthConfig::default();
     for seed in 0..6 {
         let mut m = mesh(seed, 0.1);
@@ -474,6 +479,7 @@ fn a_crashed_node_goes_suspect_then_dead_and_rejoins_on_restart() {
 
 #[test]
 fn a_quick_restart_converges_again() {
+    let _machine = crate::machine::share();
     let hc = HealthConfig::default();
     for seed in 0..6 {
         let mut m = mesh(seed, 0.1);
@@ -515,6 +521,7 @@ fn a_quick_restart_converges_again() {
 
 #[test]
 fn a_partition_of_three_and_two_heals_and_converges() {
+    let _machine = crate::machine::share();
     let hc = HealthConfig::default();
     for seed in 0..6 {
         let mut m = mesh(seed, 0.1);
@@ -589,6 +596,7 @@ fn values(s: &node_core::coded::Shard) -> &[f32] {
 
 #[test]
 fn joiners_on_two_sides_of_a_partition_get_one_new_row_with_one_content() {
+    let _machine = crate::machine::share();
     // Six genesis rows (k = 3), room for eight: each side of a 3 + 3 split can build a row.
     let (genesis, room) = (6u32, 8u32);
     for seed in 0..4 {

@@ -1,11 +1,7 @@
 //! Verification in one process: with k + r answers a member that answers against the code is
 //! caught, located, dropped, and the request still gets the honest result.
 
-#![allow(clippy::unwrap_used)] // a test: a failed unwrap is a failed test
-
-mod common;
-
-use common::max_rel_diff;
+use crate::common::{self, max_rel_diff};
 
 use node_core::code::Generator;
 use node_core::coded::{

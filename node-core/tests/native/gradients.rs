@@ -1,9 +1,7 @@
 //! The backward pass against finite differences on a small synthetic model, and the coded
 //! backward pass (transpose steps through k of n members) against the uncoded one.
 
-#![allow(clippy::unwrap_used)] // a test: a failed unwrap is a failed test
-
-mod common;
+use crate::common;
 
 use node_core::code::Generator;
 use node_core::coded::{CodedGroup, InProcess, ShardFormat};

@@ -26,6 +26,7 @@ fn read_f32(path: &std::path::Path) -> Result<Vec<f32>> {
 
 #[test]
 fn logits_tokens_and_greedy_text_match_the_numpy_reference() -> Result<()> {
+    let _machine = crate::machine::share();
     let dir = testdata();
     let index: Value = serde_json::from_slice(&std::fs::read(dir.join("smollm2_reference.json"))?)?;
     let model = real_model()?;
@@ -75,6 +76,7 @@ fn logits_tokens_and_greedy_text_match_the_numpy_reference() -> Result<()> {
 
 #[test]
 fn the_capital_of_france_is_paris() -> Result<()> {
+    let _machine = crate::machine::share();
     let model = real_model()?;
     let llama = leader(&model.weights)?;
     let mut exec = uncoded_group(&model.weights)?;
@@ -93,6 +95,7 @@ fn the_capital_of_france_is_paris() -> Result<()> {
 
 #[test]
 fn chat_template_special_tokens_are_single_ids() -> Result<()> {
+    let _machine = crate::machine::share();
     let model = real_model()?;
     let t = &model.tokenizer;
     let prompt = t.chat_prompt(&[node_core::model::ChatMessage {

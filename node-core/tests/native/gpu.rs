@@ -2,14 +2,10 @@
 //! stated tolerance. Where no adapter exists (no GPU and no Mesa lavapipe), the GPU half is
 //! skipped and says so; CI installs lavapipe, so there it runs.
 
-#![allow(clippy::unwrap_used)] // a test: a failed unwrap is a failed test
-
-mod common;
-mod gpu_bodies;
-
 use std::sync::Arc;
 
-use gpu_bodies::{random, rel_err};
+use crate::common;
+use crate::gpu_bodies::{self, random, rel_err};
 use node_core::code::Generator;
 use node_core::coded::{Member, ShardFormat, ShardSet};
 use node_core::compute::gpu::{Gpu, GpuError, Placement, Weights};

@@ -8,6 +8,7 @@ use tests::scale::{ScaleConfig, run_scale};
 
 #[test]
 fn throughput_grows_with_groups_and_churn_fails_no_request() {
+    let _machine = crate::machine::share();
     println!(
         "| groups | rows (room) | tokens/s | × one group | requests | failed | rounds asked again | members replaced | left / joined | fewest holders of a row |"
     );

@@ -2,8 +2,6 @@
 //! node-core/fuzz/regressions/) and on every truncation and many one-byte changes of valid
 //! inputs: each must return an error or a value, never panic.
 
-#![allow(clippy::unwrap_used)] // a test: a failed unwrap is a failed test
-
 use std::path::Path;
 
 use node_core::code::Generator;

@@ -2,11 +2,7 @@
 //! node to its own shard; the shards stay the codeword of the uncoded model that applied the
 //! same updates, every k-group decodes the same logits, and the loss on the sequence falls.
 
-#![allow(clippy::unwrap_used)] // a test: a failed unwrap is a failed test
-
-mod common;
-
-use common::max_rel_diff;
+use crate::common::{self, max_rel_diff};
 
 use node_core::code::Generator;
 use node_core::coded::{CodedGroup, InProcess, ShardFormat, ShardSet, ShardValues};

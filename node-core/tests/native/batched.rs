@@ -1,11 +1,7 @@
 //! Batched (continuous-batching) forward passes and minibatch gradients against the same
 //! sequences run one at a time, through a coded group (k = 3 of n = 5) on a synthetic model.
 
-#![allow(clippy::unwrap_used)] // a test: a failed unwrap is a failed test
-
-mod common;
-
-use common::max_rel_diff;
+use crate::common::{self, max_rel_diff};
 use node_core::code::Generator;
 use node_core::coded::{CodedGroup, InProcess, ShardFormat};
 use node_core::learn::Update;

@@ -1,7 +1,5 @@
 //! Coded execution of a small synthetic model matches the uncoded model for every group.
 
-#![allow(clippy::unwrap_used)] // a test: a failed unwrap is a failed test
-
 use node_core::code::{Generator, select_nodes};
 use node_core::coded::{CodedGroup, InProcess, ShardFormat};
 use node_core::model::{KvCache, LeaderWeights, Llama, LlamaConfig, ModelWeights};

@@ -29,6 +29,7 @@ const PROMPT: &str = "The history of the printing press begins";
 
 #[test]
 fn tiny_mesh_status_generate_straggler_restart_and_rejoin() -> Result<()> {
+    let _machine = crate::machine::share();
     let model = tiny_model();
     let mut mesh = Mesh::start("tiny", Some(&model), &["--no-learning"])?;
 
@@ -171,6 +172,7 @@ fn tiny_mesh_status_generate_straggler_restart_and_rejoin() -> Result<()> {
 
 #[test]
 fn real_model_survives_n_minus_k_kills_mid_generation() -> Result<()> {
+    let _machine = crate::machine::share();
     let mesh = Mesh::start("real", None, &["--no-learning"])?;
     let (undisturbed, err) = mesh.generate(PROMPT, 32, || {})?;
     assert!(undisturbed.contains("Gutenberg"), "{undisturbed}\n{err}");
@@ -214,6 +216,7 @@ fn learned_loss(err: &str) -> Result<f64> {
 
 #[test]
 fn every_request_trains_and_a_restarted_node_catches_up() -> Result<()> {
+    let _machine = crate::machine::share();
     let model = tiny_model();
     let mut mesh = Mesh::start("learn", Some(&model), &["--lr", "0.05"])?;
     let prompt = "hello world, this is a test";
@@ -359,6 +362,7 @@ fn shard_diff(a: &node_core::coded::ShardSet, b: &node_core::coded::ShardSet) ->
 
 #[test]
 fn a_member_that_answers_wrongly_is_caught_outvoted_and_replaced() -> Result<()> {
+    let _machine = crate::machine::share();
     let model = tiny_model();
     let mut mesh = Mesh::start("fault", Some(&model), &["--no-learning"])?;
     let (undisturbed, _) = mesh.generate("hello world", 8, || {})?;
@@ -432,6 +436,7 @@ fn a_member_that_answers_wrongly_is_caught_outvoted_and_replaced() -> Result<()>
 
 #[test]
 fn a_member_that_skips_an_update_it_claims_is_caught_by_the_update_probe() -> Result<()> {
+    let _machine = crate::machine::share();
     let model = tiny_model();
     // A rate small enough that the missing update hides below the residual check's threshold:
     // only the fit against the update itself finds it.
@@ -479,6 +484,7 @@ fn a_member_that_skips_an_update_it_claims_is_caught_by_the_update_probe() -> Re
 
 #[test]
 fn the_mesh_grows_new_rows_then_replicas_and_survives_two_holders_killed() -> Result<()> {
+    let _machine = crate::machine::share();
     let model = tiny_model();
     // Room for two rows past genesis: of four joiners, two get new rows and two replicas.
     let mut mesh = Mesh::start_with(
@@ -590,6 +596,7 @@ fn the_mesh_grows_new_rows_then_replicas_and_survives_two_holders_killed() -> Re
 
 #[test]
 fn a_node_started_before_its_bootstrap_keeps_trying_and_joins() -> Result<()> {
+    let _machine = crate::machine::share();
     let dir = tests::procs::Scratch::new("order");
     let port = tests::procs::free_port()?;
     let addr = format!("/ip4/127.0.0.1/tcp/{port}");

@@ -159,6 +159,8 @@ fn the_dashboard_follows_the_mesh_live_from_its_own_browser_node() -> Result<()>
             dist.display()
         );
     }
+    // Nothing else runs until this test ends (crate::machine).
+    let _machine = crate::machine::alone();
     // The seed listens on WebSocket and WebRTC-direct too: the page dials it.
     let mut mesh = Mesh::start_with("browser", Some(&tiny_model()), &["--no-learning"], &[])?;
     let status = mesh.status()?;

@@ -8,6 +8,7 @@ use tests::{leader, relative_error, testdata, uncoded_group};
 
 #[test]
 fn tiny_hf_llama_matches_the_reference() -> Result<()> {
+    let _machine = crate::machine::share();
     let dir = testdata().join("tiny-llama-hf");
     let model = load_model(&dir)?;
     let reference: Value = serde_json::from_slice(&std::fs::read(dir.join("reference.json"))?)?;

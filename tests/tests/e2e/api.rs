@@ -246,6 +246,7 @@ fn uncoded_greedy(prompt: &str, tokens: usize) -> Result<(Vec<u32>, Vec<u32>, St
 
 #[test]
 fn up_serves_the_openai_api_learns_stops_restarts_and_supervises() -> Result<()> {
+    let _machine = crate::machine::share();
     let Some(python) = python() else {
         ensure!(
             std::env::var_os("CI").is_none(),
@@ -477,6 +478,7 @@ fn metric(port: u16, name: &str) -> Result<f64> {
 
 #[test]
 fn up_with_ten_nodes_serves_two_requests_at_once_through_disjoint_holders() -> Result<()> {
+    let _machine = crate::machine::share();
     let scratch = Scratch::new("api-groups");
     let dir = scratch.0.clone();
     let data = dir.join("mesh");

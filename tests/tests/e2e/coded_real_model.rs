@@ -17,6 +17,7 @@ const TOKENS: usize = 16;
 
 #[test]
 fn every_three_of_five_rows_give_the_uncoded_greedy_tokens() -> anyhow::Result<()> {
+    let _machine = crate::machine::share();
     let model = real_model()?;
     let w = &model.weights;
     let llama = leader(w)?;
@@ -72,6 +73,7 @@ fn every_three_of_five_rows_give_the_uncoded_greedy_tokens() -> anyhow::Result<(
 
 #[test]
 fn f16_shards_stay_close_to_the_uncoded_model() -> anyhow::Result<()> {
+    let _machine = crate::machine::share();
     let model = real_model()?;
     let w = &model.weights;
     let llama = leader(w)?;
@@ -113,6 +115,7 @@ fn f16_shards_stay_close_to_the_uncoded_model() -> anyhow::Result<()> {
 
 #[test]
 fn drafted_decoding_gives_the_same_greedy_tokens_in_fewer_passes() -> anyhow::Result<()> {
+    let _machine = crate::machine::share();
     // Prompt lookup drafts what followed the text's last words before; the coded group checks
     // each draft in one pass. Greedy output must be the plain loop's, token for token.
     let model = real_model()?;
