@@ -14,7 +14,11 @@ if ! wasm-bindgen --version 2>/dev/null | grep -q " $wasm_bindgen\b"; then
   echo "installing wasm-bindgen-cli $wasm_bindgen (once; a build from crates.io)"
   cargo install --locked -q wasm-bindgen-cli --version "$wasm_bindgen"
 fi
-cargo build --release --locked --target wasm32-unknown-unknown -p web-ui -p node-web
+# `--examples` (neither package has one) makes cargo resolve features as `cargo test` does, with
+# the dev-dependencies' (wasm-bindgen-test turns on num-traits/libm and serde_json/alloc). So
+# the wasm tests of scripts/test.sh reuse this build: without it they compiled everything above
+# those two crates again (nalgebra, tokenizers, leptos, server_fn, node-core, the two packages).
+cargo build --release --locked --target wasm32-unknown-unknown -p web-ui -p node-web --lib --bins --examples
 target_dir=$(cargo metadata --format-version 1 --no-deps --locked |
   sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')
 wasm="$target_dir/wasm32-unknown-unknown/release"

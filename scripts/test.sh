@@ -57,7 +57,9 @@ step "clippy (native, all targets, -D warnings)"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 
 step "clippy (wasm32: node-core, the browser node, the dashboard)"
-cargo clippy -p node-core --target wasm32-unknown-unknown --locked -- -D warnings
+# Both name all three packages, so they resolve one set of features and check each dependency
+# once. node-core's unit tests and example are native-only, so it gets its lib and webgpu test.
+cargo clippy -p node-core -p node-web -p web-ui --target wasm32-unknown-unknown --lib --test webgpu --locked -- -D warnings
 cargo clippy -p node-web -p web-ui --target wasm32-unknown-unknown --all-targets --locked -- -D warnings
 
 step "every test and the codedmesh binary (the multi-process tests run it), in one build"
@@ -83,7 +85,9 @@ if command -v chromedriver >/dev/null; then
   CHROMEDRIVER=$(command -v chromedriver)
   # A whole token on SwiftShader's WebGPU takes ~25 s here; the runner's default is 20 s.
   export WASM_BINDGEN_TEST_TIMEOUT=${WASM_BINDGEN_TEST_TIMEOUT:-180}
-  cargo test -p node-core --target wasm32-unknown-unknown --test webgpu --locked --release
+  # The same packages as scripts/build-web.sh and the next command, so the three resolve one set
+  # of features and share their compiled dependencies: only the test crates are compiled here.
+  cargo test -p node-core -p node-web -p web-ui --target wasm32-unknown-unknown --test webgpu --locked --release
   cargo test -p node-web -p web-ui --target wasm32-unknown-unknown --locked --release
 else
   if [ "${CI:-}" = true ]; then
