@@ -37,6 +37,7 @@ pub mod compute;
 pub mod fuzzing;
 pub mod gguf;
 pub mod holder;
+pub mod lead;
 pub mod learn;
 pub mod mesh;
 pub mod model;

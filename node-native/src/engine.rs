@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Result, anyhow};
 use libp2p::PeerId;
-use node_core::learn::{Learner, Published, Update, seal};
+use node_core::learn::{Learner, Published};
 use node_core::mesh::{MeshInfo, MeshRequest, MeshResponse, ModelManifest, Usage};
 use node_core::model::speculate;
 use node_core::model::{
@@ -1048,36 +1048,26 @@ impl Worker {
     /// that makes and its norm gains when this node's row took it.
     fn publish(&mut self, p: Published, holders: &[PeerId]) -> Option<([u8; 32], LeaderWeights)> {
         let ctx = &self.lead.ctx;
-        let payload = p.update.encode();
-        let id = Update::id_of(&payload);
-        let bytes = match seal(payload, &ctx.key) {
-            Ok(b) => b,
+        let sealed = match node_core::lead::seal_update(&p, &ctx.key) {
+            Ok(s) => s,
             Err(e) => {
                 tracing::warn!("signing the update: {e}");
                 return None;
             }
         };
         let (before, _) = ctx.local.norms();
-        let client = &ctx.client;
-        let sends = holders.iter().map(|&peer| {
-            let req = MeshRequest::Learn(bytes.clone());
-            async move { (peer, ask(client, peer, req).await) }
-        });
-        let remote = ctx.runtime.block_on(futures::future::join_all(sends));
-        let local = ctx.local.learn(&bytes);
+        let link = crate::link::NativeLink::quiet(ctx.client.clone());
+        let remote = ctx
+            .runtime
+            .block_on(node_core::lead::hand_out(&link, holders, &sealed));
+        let local = ctx.local.learn(&sealed.bytes);
         let took_here = matches!(local, MeshResponse::Learned { .. });
-        let took = remote.iter().filter(|(_, r)| r.is_ok()).count() + usize::from(took_here);
-        for (peer, e) in remote
-            .iter()
-            .filter_map(|(p, r)| Some((p, r.as_ref().err()?)))
-        {
-            tracing::warn!(%peer, "a node refused the update: {e:#}");
-        }
+        let took = remote + usize::from(took_here);
         ctx.metrics.updates_published.inc();
         tracing::info!(
-            id = format!("{id:016x}"),
+            id = format!("{:016x}", sealed.id),
             requests = p.requests,
-            bytes = bytes.len(),
+            bytes = sealed.bytes.len(),
             taken_by = took,
             "published an update"
         );

@@ -6,19 +6,22 @@ use std::sync::Arc;
 use std::sync::mpsc as std_mpsc;
 use std::time::{Duration, Instant};
 
-use anyhow::{Result, anyhow, bail};
+use anyhow::{Result, bail};
 use libp2p::{Multiaddr, PeerId};
+use node_core::code::Generator;
 use node_core::coded::{Transport, TransportError};
+use node_core::holder::{HolderError, Link};
+use node_core::lead::{LeadLink, OwnRow};
 use node_core::learn::{Learner, Published};
 use node_core::mesh::{
     Health, MemberPool, MeshInfo, MeshRequest, MeshResponse, ModelManifest, RoundConfig,
-    RoundDriver, Usage,
+    RoundDriver, SourceRow, Usage,
 };
 use node_core::net::session::Ask;
 
-use crate::link::pick_addr;
+use crate::link::{NativeLink, pick_addr};
 use crate::row::LocalRow;
-use crate::rpc::{ask, fetch_manifest, fetch_update};
+use crate::rpc::{ask, fetch_manifest};
 use crate::swarm::{self, Client, NetConfig};
 
 /// A connection to the mesh through one node.
@@ -88,60 +91,6 @@ pub async fn settled_info<F: std::future::Future<Output = Result<MeshInfo>>>(
     Ok(now)
 }
 
-/// Learning updates of a version a leader checks its members against: a random few.
-pub const PROBE_UPDATES: usize = 4;
-
-/// A random few of the updates that make `version`, fetched from a holder and checked: the
-/// list of ids must hash to the version's digest, each payload to its id, and each must be
-/// signed and fit the mesh's rules.
-async fn probe_updates(
-    client: &Client,
-    holders: &[PeerId],
-    version: [u8; 32],
-    rules: &crate::learning::Rules,
-) -> Result<Vec<(u64, std::sync::Arc<node_core::learn::Update>)>> {
-    use std::hash::BuildHasher;
-    let mut last = anyhow!("no row holder to ask");
-    for &peer in holders {
-        let ids = match ask(client, peer, MeshRequest::Versions).await {
-            Ok(MeshResponse::Versions { ids }) => ids,
-            Ok(_) => {
-                last = anyhow!("{peer} answered the version list with something else");
-                continue;
-            }
-            Err(e) => {
-                last = e;
-                continue;
-            }
-        };
-        let mut listed = node_core::mesh::ShardVersion::default();
-        ids.iter().for_each(|&id| {
-            listed.insert(id);
-        });
-        if listed.digest() != version {
-            last = anyhow!("{peer}'s update list is not the group's version");
-            continue;
-        }
-        // A random choice per leader (the hasher's keys are random), so no member can know
-        // which updates will be checked.
-        let order = std::collections::hash_map::RandomState::new();
-        let mut ids = ids;
-        ids.sort_by_key(|&id| order.hash_one(id));
-        ids.truncate(PROBE_UPDATES);
-        let mut out = Vec::with_capacity(ids.len());
-        for id in ids {
-            let bytes = fetch_update(client, peer, id).await?;
-            let checked = rules.check(&bytes)?;
-            if checked.id != id {
-                bail!("{peer}'s update {id:016x} hashes to {:016x}", checked.id);
-            }
-            out.push((id, std::sync::Arc::new(checked.update)));
-        }
-        return Ok(out);
-    }
-    Err(last)
-}
-
 /// How a leader's group is formed and run.
 #[derive(Debug, Clone)]
 pub struct GroupOptions {
@@ -171,32 +120,11 @@ impl GroupOptions {
     }
 }
 
-/// A group formed for a leader, with what it needs to run the model on it.
-#[derive(Debug)]
-pub struct Formed {
-    /// The group, over the network.
-    pub group: node_core::coded::CodedGroup<NetTransport>,
-    /// The leader's side of the model, with the norm gains at the group's version.
-    pub llama: node_core::model::Llama,
-    /// The version the group decodes at.
-    pub version: [u8; 32],
-    /// Every live holder at that version, replicas included, this node excluded (learning
-    /// updates go to all of them).
-    pub holders: Vec<PeerId>,
-    /// The holders the group computes with (k, the checked ones and the spares).
-    pub members: Vec<PeerId>,
-    /// Rows healthy at that version when the group was formed.
-    pub live_rows: usize,
-    /// Condition number of the decoding k.
-    pub condition_number: f64,
-    /// The address each chosen holder is dialed at.
-    pub addrs: BTreeMap<PeerId, Vec<Multiaddr>>,
-}
+/// A group formed for a leader over the network, with what it needs to run the model on it.
+pub type Formed = node_core::lead::Formed<NetTransport>;
 
-/// Forms a group over the rows `info` shows healthy: every row's holder is asked for its norm
-/// gains at once (a slow first dial happens here, not inside a round's timeout, and rows that
-/// cannot be reached or hold another version are left out), then the best-conditioned k plus
-/// checks and spares are chosen. `local` is the calling node's own row, computed in process.
+/// Forms a group over the rows `info` shows healthy ([`node_core::lead::form`]); `local` is the
+/// calling node's own row, computed in process.
 pub async fn form_group(
     client: &Client,
     manifest: &ModelManifest,
@@ -204,137 +132,90 @@ pub async fn form_group(
     local: Option<&LocalRow>,
     opts: &GroupOptions,
 ) -> Result<Formed> {
-    let Some((version, live)) = info.live_holders() else {
-        bail!("no healthy row holder is known: the model is unavailable");
+    let link = NetLead {
+        link: NativeLink::quiet(client.clone()),
+        client,
+        local,
+        trace: opts.trace.clone(),
     };
-    // Every holder at the version gets the learning updates; the group takes one per row,
-    // the first that no other group of this leader uses.
-    let mut by_row: BTreeMap<usize, Vec<PeerId>> = BTreeMap::new();
-    let mut addrs_of: BTreeMap<PeerId, &[String]> = BTreeMap::new();
-    for (row, holders) in &live {
-        for n in holders {
-            let peer: PeerId = n
-                .peer
-                .parse()
-                .map_err(|e| anyhow!("peer id {:?}: {e}", n.peer))?;
-            by_row.entry(*row).or_default().push(peer);
-            addrs_of.insert(peer, n.addrs.as_slice());
-        }
-    }
-    let everyone: Vec<PeerId> = by_row.values().flatten().copied().collect();
-    let peers = node_core::mesh::pick_holders(&by_row, &opts.avoid);
-    // A further group of a leader needs its decoded and checked rows free: say so before
-    // asking anyone anything.
-    let needed = manifest.generator.k() + opts.verify;
-    if !opts.avoid.is_empty() && peers.len() < needed {
-        bail!(
-            "{} rows have a holder no other group uses, fewer than the {needed} a further group needs",
-            peers.len()
-        );
-    }
-    let mut dialed = BTreeMap::new();
-    for peer in peers.values() {
-        if local.is_none_or(|l| l.peer != *peer) {
-            let addrs: Vec<Multiaddr> = addrs_of
-                .get(peer)
-                .map(|a| a.iter().filter_map(|a| a.parse().ok()).collect())
-                .unwrap_or_default();
-            let picked: Vec<Multiaddr> = pick_addr(&addrs).into_iter().collect();
-            client.add_addrs(*peer, picked.clone()).await?;
-            dialed.insert(*peer, picked);
-        }
-    }
-    let asks = peers.iter().map(|(&row, &peer)| async move {
-        let answer = match local.filter(|l| l.peer == peer) {
-            Some(l) => {
-                let (version, norms) = l.norms();
-                Ok(MeshResponse::Norms { version, norms })
-            }
-            None => ask(client, peer, MeshRequest::Norms)
-                .await
-                .map_err(|e| format!("{e:#}")),
-        };
-        (row, peer, answer)
-    });
-    let answers = futures::future::join_all(asks).await;
-    let (rows, norms) = node_core::mesh::rows_at_version(answers, version, &manifest.cfg);
-    let Some(norms) = norms else {
-        bail!(
-            "no row holder could give the norm gains at version {}; the mesh is taking an update, try again",
-            node_core::mesh::hex(&version[..8])
-        );
+    let group = node_core::lead::GroupOptions {
+        verify: opts.verify,
+        spares: opts.spares,
+        round: opts.round,
+        avoid: opts.avoid.clone(),
+        probe: true,
     };
-    let g = manifest.generator.clone();
-    let live: Vec<usize> = rows.keys().copied().collect();
-    if live.len() < g.k() {
-        bail!(
-            "the mesh has {} healthy rows at one version, fewer than k = {}: the model is unavailable",
-            live.len(),
-            g.k()
-        );
+    Ok(node_core::lead::form(&link, manifest, info, &group).await?)
+}
+
+/// A leader's networking through this node's swarm; its own row, if any, computes in process.
+struct NetLead<'a> {
+    link: NativeLink,
+    client: &'a Client,
+    local: Option<&'a LocalRow>,
+    trace: Option<crate::steplog::StepLog>,
+}
+
+impl Link for NetLead<'_> {
+    type Peer = PeerId;
+
+    async fn ask(&self, peer: &PeerId, request: MeshRequest) -> Result<MeshResponse, HolderError> {
+        self.link.ask(peer, request).await
     }
-    let plan = node_core::mesh::plan_group(&g, &live, opts.verify + opts.spares)?;
-    let members: Vec<PeerId> = plan
-        .members
-        .iter()
-        .filter_map(|r| rows.get(r).copied())
-        .collect();
-    let holders: Vec<PeerId> = everyone
-        .into_iter()
-        .filter(|p| local.is_none_or(|l| l.peer != *p))
-        .collect();
-    // Members that claim updates they do not hold are caught by fitting the residuals
-    // against a few updates of the version (docs/verification.md).
-    let probe = if opts.verify > 0 && manifest.learning.enabled {
-        let rules = crate::learning::Rules {
-            cfg: manifest.cfg.clone(),
-            learning: manifest.learning,
-        };
-        match probe_updates(client, &holders, version, &rules).await {
-            Ok(list) if list.is_empty() => None,
-            Ok(list) => {
-                tracing::info!(
-                    updates = list.len(),
-                    "checking members against learning updates of their version"
-                );
-                Some(node_core::coded::UpdateProbe::new(list, g.n()))
-            }
-            Err(e) => {
-                tracing::warn!("members are not checked against learning updates: {e:#}");
-                None
-            }
-        }
-    } else {
-        None
-    };
-    let llama = node_core::model::Llama::new(manifest.cfg.clone(), norms)?;
-    let mut transport = NetTransport::new(
-        client.clone(),
-        version,
-        rows,
-        &plan.members,
-        g.clone(),
-        opts.round,
-    );
-    transport.local = local.cloned();
-    transport.trace = opts.trace.clone();
-    let mut group =
-        node_core::coded::CodedGroup::new(manifest.cfg.clone(), g, &plan.members, transport)?;
-    group.set_verify(node_core::coded::VerifyConfig {
-        extra: opts.verify,
-        noise: manifest.verify_noise,
-    });
-    group.set_probe(probe);
-    Ok(Formed {
-        group,
-        llama,
-        version,
-        holders,
-        members,
-        live_rows: live.len(),
-        condition_number: plan.condition_number,
-        addrs: dialed,
-    })
+
+    async fn dial(&self, src: &SourceRow) -> Result<PeerId, HolderError> {
+        self.link.dial(src).await
+    }
+
+    async fn blocking<R: Send + 'static>(&self, work: impl FnOnce() -> R + Send + 'static) -> R {
+        self.link.blocking(work).await
+    }
+
+    fn progress(&self, what: &str, done: u64, total: u64) {
+        self.link.progress(what, done, total);
+    }
+}
+
+impl LeadLink for NetLead<'_> {
+    type Net = NetTransport;
+
+    fn own_row(&self) -> Option<OwnRow> {
+        self.local.map(|l| OwnRow {
+            peer: l.peer,
+            norms: Some(l.norms()),
+        })
+    }
+
+    async fn reach(&self, peer: PeerId, addrs: &[String]) -> Result<Vec<Multiaddr>, HolderError> {
+        let addrs: Vec<Multiaddr> = addrs.iter().filter_map(|a| a.parse().ok()).collect();
+        let picked: Vec<Multiaddr> = pick_addr(&addrs).into_iter().collect();
+        self.client
+            .add_addrs(peer, picked.clone())
+            .await
+            .map_err(|e| HolderError::Link(format!("{peer}: {e:#}")))?;
+        Ok(picked)
+    }
+
+    fn transport(
+        &self,
+        version: [u8; 32],
+        rows: &BTreeMap<usize, PeerId>,
+        members: &[usize],
+        generator: &Generator,
+        round: RoundConfig,
+    ) -> NetTransport {
+        let mut transport = NetTransport::new(
+            self.client.clone(),
+            version,
+            rows.clone(),
+            members,
+            generator.clone(),
+            round,
+        );
+        transport.local = self.local.cloned();
+        transport.trace = self.trace.clone();
+        transport
+    }
 }
 
 /// Everything a leader needs to run requests on the mesh.
@@ -362,6 +243,8 @@ pub struct Leader {
     pub bootstrap: PeerId,
     /// The address each member is dialed at.
     pub addrs: BTreeMap<PeerId, Vec<Multiaddr>>,
+    /// The holder asked for each row.
+    pub rows: BTreeMap<usize, PeerId>,
     /// The leader's identity: it signs the updates.
     key: libp2p::identity::Keypair,
 }
@@ -404,6 +287,7 @@ impl Leader {
             client: session.client,
             bootstrap: session.bootstrap,
             addrs: formed.addrs,
+            rows: formed.rows,
             key: session.key,
         })
     }
@@ -439,32 +323,15 @@ impl Leader {
     /// Tells every live row's holder about the members this leader caught; returns how many
     /// nodes took the reports.
     pub fn report_caught(&self, rt: &tokio::runtime::Runtime) -> Result<usize> {
-        let caught = self.group.stats().caught.clone();
-        if caught.is_empty() {
-            return Ok(0);
-        }
-        let reports: Vec<(String, node_core::coded::Caught)> = caught
-            .into_iter()
-            .filter_map(|c| {
-                let peer = self.group.transport().peer_of(c.node)?;
-                Some((peer.to_string(), c))
-            })
-            .collect();
-        let client = self.client.clone();
-        let holders = self.holders.clone();
-        let taken = rt.block_on(async move {
-            let sends = holders.into_iter().map(|to| {
-                let (client, reports) = (client.clone(), reports.clone());
-                async move {
-                    for (peer, evidence) in reports {
-                        ask(&client, to, MeshRequest::Report { peer, evidence }).await?;
-                    }
-                    anyhow::Ok(())
-                }
-            });
-            futures::future::join_all(sends).await
-        });
-        Ok(taken.iter().filter(|r| r.is_ok()).count())
+        let link = NativeLink::quiet(self.client.clone());
+        let caught = &self.group.stats().caught;
+        let reported = rt.block_on(node_core::lead::report_caught(
+            &link,
+            caught,
+            &self.rows,
+            &self.holders,
+        ));
+        Ok(reported.taken_by)
     }
 
     /// Tells the node this leader connected through what a request did; the mesh's usage
@@ -480,31 +347,13 @@ impl Leader {
 
     /// Hands an update to every live row's holder.
     pub fn publish(&self, rt: &tokio::runtime::Runtime, p: Published) -> Result<Sent> {
-        let payload = p.update.encode();
-        let id = node_core::learn::Update::id_of(&payload);
-        let bytes = node_core::learn::seal(payload, &self.key)?;
-        let size = bytes.len();
-        let client = self.client.clone();
-        let holders = self.holders.clone();
-        let applied = rt.block_on(async move {
-            let sends = holders.into_iter().map(|peer| {
-                let client = client.clone();
-                let req = MeshRequest::Learn(bytes.clone());
-                async move { ask(&client, peer, req).await }
-            });
-            futures::future::join_all(sends).await
-        });
-        let ok = applied.iter().filter(|r| r.is_ok()).count();
-        for e in applied.iter().filter_map(|r| r.as_ref().err()) {
-            tracing::warn!("a node refused the update: {e:#}");
-        }
-        Ok(Sent {
-            id,
-            bytes: size,
-            applied_by: ok,
-            requests: p.requests,
-            kept: p.kept,
-        })
+        let link = NativeLink::quiet(self.client.clone());
+        Ok(rt.block_on(node_core::lead::publish(
+            &link,
+            &self.key,
+            &self.holders,
+            &p,
+        ))?)
     }
 }
 
@@ -519,20 +368,7 @@ pub struct Learned {
     pub published: Option<Sent>,
 }
 
-/// An update handed to the mesh.
-#[derive(Debug, Clone, Copy)]
-pub struct Sent {
-    /// The update's id.
-    pub id: u64,
-    /// Its size on the wire.
-    pub bytes: usize,
-    /// Nodes that took it directly.
-    pub applied_by: usize,
-    /// Requests folded into it.
-    pub requests: u32,
-    /// Share of the gradient's energy the compression kept.
-    pub kept: f64,
-}
+pub use node_core::lead::Sent;
 
 /// Time the members spent computing, as they reported it.
 #[derive(Debug, Clone, Default)]

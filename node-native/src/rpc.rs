@@ -25,9 +25,3 @@ pub async fn fetch_manifest(client: &Client, peer: PeerId) -> Result<(ModelManif
         other => bail!("asked for the manifest, got a {}", describe(&other)),
     }
 }
-
-/// Downloads an update's payload in chunks.
-pub(crate) async fn fetch_update(client: &Client, peer: PeerId, id: u64) -> Result<Vec<u8>> {
-    let link = crate::link::NativeLink::quiet(client.clone());
-    Ok(node_core::holder::fetch_update(&link, &peer, id).await?)
-}

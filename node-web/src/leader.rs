@@ -7,16 +7,20 @@ use std::rc::Rc;
 
 use futures::stream::FuturesUnordered;
 use futures::{FutureExt, StreamExt};
+use libp2p::Multiaddr;
 use libp2p::PeerId;
-use node_core::coded::{CodedGroup, Transport, TransportError, VerifyConfig};
+use node_core::code::Generator;
+use node_core::coded::{CodedGroup, Transport, TransportError};
+use node_core::holder::HolderError;
+use node_core::lead::{Formed, GroupOptions, LeadLink, OwnRow};
 use node_core::learn::Learner;
 use node_core::mesh::{
-    BrowserBootstrap, MemberPool, MeshInfo, MeshRequest, MeshResponse, ModelManifest, RoundConfig,
-    RoundDriver, Usage, hex, plan_group, rows_at_version,
+    BrowserBootstrap, MemberPool, MeshRequest, MeshResponse, ModelManifest, RoundConfig,
+    RoundDriver, Usage,
 };
 use node_core::model::{
-    ChatMessage, GenerateOptions, KvCache, LeaderWeights, Llama, Pass, SamplingParams, Tokenizer,
-    generate_async, run_pass,
+    ChatMessage, GenerateOptions, KvCache, Llama, Pass, SamplingParams, Tokenizer, generate_async,
+    run_pass,
 };
 use serde::{Deserialize, Serialize};
 use web_time::{Duration, Instant};
@@ -135,40 +139,24 @@ impl BrowserNode {
         let MeshResponse::Info(info) = self.ask_bootstrap(MeshRequest::Info).await? else {
             return Err(mesh_err("asked for the mesh's view, got something else"));
         };
-        let Reached {
-            version,
-            peers,
-            norms,
-        } = self.reach_rows(&info, manifest).await?;
-        let g = manifest.generator.clone();
-        let live: Vec<usize> = peers.keys().copied().collect();
-        if live.len() < g.k() {
-            return Err(WebError::Mesh(format!(
-                "this page reaches {} healthy rows at one version, fewer than k = {}: the model is unavailable",
-                live.len(),
-                g.k()
-            )));
-        }
-        let plan = plan_group(&g, &live, prompt.check + SPARES).map_err(mesh_err)?;
-        let free = live
-            .iter()
-            .copied()
-            .filter(|r| !plan.members.contains(r))
-            .collect();
-        let transport = WebTransport {
-            node: self.clone(),
-            version,
-            peers: peers.clone(),
-            pool: MemberPool::new(g.clone(), free, RoundConfig::default()),
+        let opts = GroupOptions {
+            // A page forms a group per request: fetching updates to probe with would cost
+            // more than the request.
+            probe: false,
+            ..GroupOptions::new(prompt.check, SPARES)
         };
-        let mut group =
-            CodedGroup::new(cfg.clone(), g, &plan.members, transport).map_err(mesh_err)?;
-        group.set_verify(VerifyConfig {
-            extra: prompt.check,
-            noise: manifest.verify_noise,
-        });
-        let llama = Llama::new(cfg.clone(), norms).map_err(mesh_err)?;
-        tracing::info!(group = ?plan.members, "leading a request from the page");
+        let Formed {
+            mut group,
+            llama,
+            holders,
+            rows,
+            live_rows,
+            ..
+        } = node_core::lead::form(self, manifest, &info, &opts)
+            .await
+            .map_err(mesh_err)?;
+        let members = group.nodes().to_vec();
+        tracing::info!(group = ?members, "leading a request from the page");
 
         let opts = GenerateOptions {
             max_tokens: prompt.max_tokens,
@@ -202,12 +190,18 @@ impl BrowserNode {
         let (loss, update) = match prompt.learn && manifest.learning.enabled {
             true => {
                 let all: Vec<u32> = ids.iter().chain(&out.tokens).copied().collect();
-                self.learn(&llama, &mut group, manifest, &all, &peers)
+                self.learn(&llama, &mut group, manifest, &all, &holders)
                     .await?
             }
             false => (None, None),
         };
-        let caught = self.report_caught(&group, &peers).await;
+        let reported =
+            node_core::lead::report_caught(self, &group.stats().caught, &rows, &holders).await;
+        let caught = reported
+            .caught
+            .iter()
+            .map(|(row, _, c)| format!("row {row}: {c}"))
+            .collect();
         let usage = Usage::of_request(out.prompt_tokens, out.tokens.len(), began.elapsed(), loss);
         if let Err(e) = self.ask_bootstrap(MeshRequest::Served(usage)).await {
             tracing::warn!("the request was not counted in the mesh's usage: {e}");
@@ -218,8 +212,8 @@ impl BrowserNode {
             prompt_tokens: out.prompt_tokens,
             tokens: out.tokens.len(),
             stop: format!("{:?}", out.stop),
-            group: plan.members,
-            live_rows: live.len(),
+            group: members,
+            live_rows,
             prefill_tokens_per_s: out.prefill_tokens_per_s(),
             decode_tokens_per_s: out.decode_tokens_per_s(),
             rounds: stats.rounds,
@@ -249,60 +243,6 @@ impl BrowserNode {
         Ok(model)
     }
 
-    /// Every live row this page can ask (not its own: a node cannot ask itself), reached
-    /// before the first round so no dial counts against a round's timeout; the norm gains at
-    /// the rows' version come back with the first answers.
-    async fn reach_rows(
-        &self,
-        info: &MeshInfo,
-        manifest: &ModelManifest,
-    ) -> Result<Reached, WebError> {
-        let (version, live) = info
-            .live_rows()
-            .ok_or_else(|| mesh_err("no row is healthy: the model is unavailable"))?;
-        let me = self.snapshot().peer;
-        let mut rows = Vec::new();
-        for (row, n) in live.into_iter().filter(|(_, n)| n.peer != me) {
-            let peer: PeerId = n
-                .peer
-                .parse()
-                .map_err(|e| mesh_err(format!("peer id {:?}: {e}", n.peer)))?;
-            // WebSocket only (a browser holder's is its relayed one): request-response spreads
-            // requests over a peer's connections, and WebRTC-direct's buffers are small.
-            let addrs = BrowserBootstrap::from_addrs(n.peer.clone(), &n.addrs)
-                .addrs
-                .into_iter()
-                .filter(|a| !a.contains("/webrtc-direct/"))
-                .filter_map(|a| a.parse().ok())
-                .collect();
-            self.send(Command::AddAddrs { peer, addrs }).await?;
-            rows.push((row, peer));
-        }
-        tracing::info!(
-            rows = ?rows.iter().map(|(r, _)| r).collect::<Vec<_>>(),
-            "asking the live rows for their norm gains"
-        );
-        let asks = rows.iter().map(|&(row, peer)| async move {
-            (row, peer, self.request(peer, MeshRequest::Norms).await)
-        });
-        let (peers, norms) = rows_at_version(
-            futures::future::join_all(asks).await,
-            version,
-            &manifest.cfg,
-        );
-        let norms = norms.ok_or_else(|| {
-            mesh_err(format!(
-                "no row could give the norm gains at version {}; the mesh is taking an update, try again",
-                hex(&version[..8])
-            ))
-        })?;
-        Ok(Reached {
-            version,
-            peers,
-            norms,
-        })
-    }
-
     /// The request's gradient through the group, folded into this page's learner; a due
     /// update is signed and handed to every live row's holder. Returns the loss and what was
     /// handed out.
@@ -312,7 +252,7 @@ impl BrowserNode {
         group: &mut CodedGroup<WebTransport>,
         manifest: &ModelManifest,
         tokens: &[u32],
-        peers: &BTreeMap<usize, PeerId>,
+        holders: &[PeerId],
     ) -> Result<(Option<f64>, Option<String>), WebError> {
         if tokens.len() < 2 {
             return Ok((None, None));
@@ -334,59 +274,72 @@ impl BrowserNode {
         let Some(p) = published else {
             return Ok((Some(loss), None));
         };
-        let payload = p.update.encode();
-        let id = node_core::learn::Update::id_of(&payload);
-        let bytes = node_core::learn::seal(payload, &self.key).map_err(mesh_err)?;
-        let size = bytes.len();
-        let sends = peers.values().map(|&peer| {
-            let req = MeshRequest::Learn(bytes.clone());
-            async move { self.request(peer, req).await }
-        });
-        let taken = futures::future::join_all(sends)
+        let sent = node_core::lead::publish(self, &self.key, holders, &p)
             .await
-            .into_iter()
-            .filter(|r| matches!(r, Ok(MeshResponse::Learned { .. })))
-            .count();
+            .map_err(mesh_err)?;
         Ok((
             Some(loss),
             Some(format!(
-                "{id:016x}: {size} bytes, taken by {taken} of {} holders",
-                peers.len()
+                "{:016x}: {} bytes, taken by {} of {} holders",
+                sent.id,
+                sent.bytes,
+                sent.applied_by,
+                holders.len()
             )),
         ))
     }
-
-    /// Tells every holder of the group's rows about the members caught; returns the evidence.
-    async fn report_caught(
-        &self,
-        group: &CodedGroup<WebTransport>,
-        peers: &BTreeMap<usize, PeerId>,
-    ) -> Vec<String> {
-        let mut out = Vec::new();
-        for c in &group.stats().caught {
-            let Some(&caught) = peers.get(&c.node) else {
-                continue;
-            };
-            out.push(format!("row {}: {c}", c.node));
-            for &to in peers.values() {
-                let req = MeshRequest::Report {
-                    peer: caught.to_string(),
-                    evidence: c.clone(),
-                };
-                if let Err(e) = self.request(to, req).await {
-                    tracing::warn!(%to, "report not taken: {e}");
-                }
-            }
-        }
-        out
-    }
 }
 
-/// The rows a page reached at one version, and the norm gains at that version.
-struct Reached {
-    version: [u8; 32],
-    peers: BTreeMap<usize, PeerId>,
-    norms: LeaderWeights,
+/// The page's networking for the leader's role written once in node-core.
+impl LeadLink for BrowserNode {
+    type Net = WebTransport;
+
+    fn own_row(&self) -> Option<OwnRow> {
+        // A node cannot ask itself: the page's own row is left to its other holders.
+        Some(OwnRow {
+            peer: self.key.public().to_peer_id(),
+            norms: None,
+        })
+    }
+
+    async fn reach(&self, peer: PeerId, addrs: &[String]) -> Result<Vec<Multiaddr>, HolderError> {
+        // WebSocket only (a browser holder's is its relayed one): request-response spreads
+        // requests over a peer's connections, and WebRTC-direct's buffers are small.
+        let addrs: Vec<Multiaddr> = BrowserBootstrap::from_addrs(peer.to_string(), addrs)
+            .addrs
+            .into_iter()
+            .filter(|a| !a.contains("/webrtc-direct/"))
+            .filter_map(|a| a.parse().ok())
+            .collect();
+        self.send(Command::AddAddrs {
+            peer,
+            addrs: addrs.clone(),
+        })
+        .await
+        .map_err(|e| HolderError::Link(format!("{peer}: {e}")))?;
+        Ok(addrs)
+    }
+
+    fn transport(
+        &self,
+        version: [u8; 32],
+        rows: &BTreeMap<usize, PeerId>,
+        members: &[usize],
+        generator: &Generator,
+        round: RoundConfig,
+    ) -> WebTransport {
+        let free = rows
+            .keys()
+            .copied()
+            .filter(|r| !members.contains(r))
+            .collect();
+        WebTransport {
+            node: self.clone(),
+            version,
+            peers: rows.clone(),
+            pool: MemberPool::new(generator.clone(), free, round),
+        }
+    }
 }
 
 type Answer = (usize, Result<(Vec<u8>, u64), String>);
@@ -394,7 +347,7 @@ type Answer = (usize, Result<(Vec<u8>, u64), String>);
 /// Coded steps from the page: each round goes to every member through the page's swarm; the
 /// first answers win, failed members are replaced from the free rows, stragglers outrun.
 #[derive(Debug)]
-struct WebTransport {
+pub struct WebTransport {
     node: BrowserNode,
     version: [u8; 32],
     peers: BTreeMap<usize, PeerId>,

@@ -1,0 +1,724 @@
+//! The leader's role, written once for the native and the browser node: forming a coded group
+//! over the mesh's live rows (checked against learning updates of their version), handing a
+//! learning update to every holder, and reporting the members a group caught. Each shell
+//! implements [`LeadLink`] over its own networking.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::future::Future;
+use std::sync::Arc;
+
+use libp2p::{Multiaddr, PeerId};
+
+use crate::code::{CodeError, Generator};
+use crate::coded::{Caught, CodedError, CodedGroup, Transport, UpdateProbe, VerifyConfig};
+use crate::holder::{HolderError, Link, Rules, fetch_update};
+use crate::learn::{Published, Update, UpdateError, seal};
+use crate::mesh::{
+    MeshInfo, MeshRequest, MeshResponse, ModelManifest, RoundConfig, ShardVersion, hex,
+    pick_holders, plan_group, rows_at_version,
+};
+use crate::model::{LeaderWeights, Llama, ModelError};
+
+/// Learning updates of a version a leader checks its members against: a random few.
+pub const PROBE_UPDATES: usize = 4;
+
+/// What a leader needs of its node's networking, beyond a holder's [`Link`].
+pub trait LeadLink: Link<Peer = PeerId> {
+    /// The transport a formed group computes over.
+    type Net: Transport;
+
+    /// This node's own row, if it holds one.
+    fn own_row(&self) -> Option<OwnRow>;
+
+    /// Makes `peer` reachable at the addresses the mesh lists for it; returns the ones it will
+    /// be dialed at.
+    fn reach(
+        &self,
+        peer: PeerId,
+        addrs: &[String],
+    ) -> impl Future<Output = Result<Vec<Multiaddr>, HolderError>>;
+
+    /// The transport of a group at `version` over `rows`, asking `members` (the decoding k
+    /// first) in every round.
+    fn transport(
+        &self,
+        version: [u8; 32],
+        rows: &BTreeMap<usize, PeerId>,
+        members: &[usize],
+        generator: &Generator,
+        round: RoundConfig,
+    ) -> Self::Net;
+}
+
+/// The leading node's own row.
+#[derive(Debug, Clone)]
+pub struct OwnRow {
+    /// The node's peer id.
+    pub peer: PeerId,
+    /// Its version and norm gains, when the row computes in the group in process (`None`: the
+    /// group does without it).
+    pub norms: Option<([u8; 32], LeaderWeights)>,
+}
+
+/// Why a leader could not form a group or hand out an update.
+#[derive(Debug, thiserror::Error)]
+pub enum LeadError {
+    /// Too few rows can be used now.
+    #[error("{0}")]
+    Unavailable(String),
+    /// The rows are between versions: asking again shortly will do.
+    #[error("{0}")]
+    Moving(String),
+    /// The mesh's view names a peer id that does not parse.
+    #[error("peer id {0:?} in the mesh's view: {1}")]
+    PeerId(String, String),
+    /// Reaching a peer failed.
+    #[error(transparent)]
+    Link(#[from] HolderError),
+    /// The generator cannot give a group.
+    #[error(transparent)]
+    Code(#[from] CodeError),
+    /// The group could not be set up.
+    #[error(transparent)]
+    Coded(#[from] CodedError),
+    /// The leader's side of the model could not be set up.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    /// The update could not be signed.
+    #[error(transparent)]
+    Update(#[from] UpdateError),
+}
+
+/// How a leader's group is formed.
+#[derive(Debug, Clone)]
+pub struct GroupOptions {
+    /// Answers checked beyond the k decoded in every forward round.
+    pub verify: usize,
+    /// Spare members asked beside the k (and the checked ones).
+    pub spares: usize,
+    /// Round timing.
+    pub round: RoundConfig,
+    /// Holders to leave out (another group of this leader computes with them), when the row
+    /// has another holder or the group can do without the row.
+    pub avoid: BTreeSet<PeerId>,
+    /// Check members against a few learning updates of their version (when checked and the
+    /// mesh learns); costs fetching those updates when the group forms.
+    pub probe: bool,
+}
+
+impl GroupOptions {
+    /// `verify` checked answers and `spares` spares, default timing, members probed.
+    pub fn new(verify: usize, spares: usize) -> Self {
+        Self {
+            verify,
+            spares,
+            round: RoundConfig::default(),
+            avoid: BTreeSet::new(),
+            probe: true,
+        }
+    }
+}
+
+/// A group formed for a leader, with what it needs to run the model on it.
+#[derive(Debug)]
+pub struct Formed<T: Transport> {
+    /// The group.
+    pub group: CodedGroup<T>,
+    /// The leader's side of the model, with the norm gains at the group's version.
+    pub llama: Llama,
+    /// The version the group decodes at.
+    pub version: [u8; 32],
+    /// Every live holder at that version, replicas included, this node excluded (learning
+    /// updates and reports go to all of them).
+    pub holders: Vec<PeerId>,
+    /// The holders the group computes with (k, the checked ones and the spares).
+    pub members: Vec<PeerId>,
+    /// The holder asked for each row that answered at the version.
+    pub rows: BTreeMap<usize, PeerId>,
+    /// Rows healthy at that version when the group was formed.
+    pub live_rows: usize,
+    /// Condition number of the decoding k.
+    pub condition_number: f64,
+    /// The addresses each asked holder is dialed at.
+    pub addrs: BTreeMap<PeerId, Vec<Multiaddr>>,
+}
+
+/// Forms a group over the rows `info` shows healthy: every row's holder is asked for its norm
+/// gains at once (a slow first dial happens here, not inside a round's timeout, and rows that
+/// cannot be reached or hold another version are left out), then the best-conditioned k plus
+/// checks and spares are chosen.
+pub async fn form<L: LeadLink>(
+    link: &L,
+    manifest: &ModelManifest,
+    info: &MeshInfo,
+    opts: &GroupOptions,
+) -> Result<Formed<L::Net>, LeadError> {
+    let Some((version, live)) = info.live_holders() else {
+        return Err(LeadError::Unavailable(
+            "no healthy row holder is known: the model is unavailable".into(),
+        ));
+    };
+    let own = link.own_row();
+    let own_peer = own.as_ref().map(|o| o.peer);
+    // Every holder at the version gets the learning updates; the group takes one per row,
+    // the first that no other group of this leader uses.
+    let mut by_row: BTreeMap<usize, Vec<PeerId>> = BTreeMap::new();
+    let mut addrs_of: BTreeMap<PeerId, &[String]> = BTreeMap::new();
+    for (row, holders) in &live {
+        for n in holders {
+            let peer = n
+                .peer
+                .parse::<PeerId>()
+                .map_err(|e| LeadError::PeerId(n.peer.clone(), e.to_string()))?;
+            by_row.entry(*row).or_default().push(peer);
+            addrs_of.insert(peer, n.addrs.as_slice());
+        }
+    }
+    let holders: Vec<PeerId> = by_row
+        .values()
+        .flatten()
+        .copied()
+        .filter(|p| Some(*p) != own_peer)
+        .collect();
+    // A row this node holds but cannot compute in the group is left to its other holders.
+    let mut avoid = opts.avoid.clone();
+    if let Some(o) = own.as_ref().filter(|o| o.norms.is_none()) {
+        avoid.insert(o.peer);
+    }
+    let peers = pick_holders(&by_row, &avoid);
+    // A further group of a leader needs its decoded and checked rows free: say so before
+    // asking anyone anything.
+    let needed = manifest.generator.k() + opts.verify;
+    if !opts.avoid.is_empty() && peers.len() < needed {
+        return Err(LeadError::Unavailable(format!(
+            "{} rows have a holder no other group uses, fewer than the {needed} a further group needs",
+            peers.len()
+        )));
+    }
+    let mut dialed = BTreeMap::new();
+    for &peer in peers.values().filter(|&&p| Some(p) != own_peer) {
+        let at = addrs_of.get(&peer).copied().unwrap_or_default();
+        dialed.insert(peer, link.reach(peer, at).await?);
+    }
+    let asks = peers.iter().map(|(&row, &peer)| {
+        let own = own.as_ref().filter(|o| o.peer == peer);
+        async move {
+            let answer = match own.and_then(|o| o.norms.clone()) {
+                Some((version, norms)) => Ok(MeshResponse::Norms { version, norms }),
+                None => link.ask(&peer, MeshRequest::Norms).await,
+            };
+            (row, peer, answer)
+        }
+    });
+    let answers = futures::future::join_all(asks).await;
+    let (rows, norms) = rows_at_version(answers, version, &manifest.cfg);
+    let Some(norms) = norms else {
+        return Err(LeadError::Moving(format!(
+            "no row holder could give the norm gains at version {}; the mesh is taking an update, try again",
+            hex(&version[..8])
+        )));
+    };
+    let g = manifest.generator.clone();
+    let live: Vec<usize> = rows.keys().copied().collect();
+    if live.len() < g.k() {
+        return Err(LeadError::Unavailable(format!(
+            "the mesh has {} healthy rows at one version that this node can ask, fewer than k = {}: the model is unavailable",
+            live.len(),
+            g.k()
+        )));
+    }
+    let plan = plan_group(&g, &live, opts.verify + opts.spares)?;
+    let members: Vec<PeerId> = plan
+        .members
+        .iter()
+        .filter_map(|r| rows.get(r).copied())
+        .collect();
+    // Members that claim updates they do not hold are caught by fitting the residuals
+    // against a few updates of the version (docs/verification.md).
+    let probe = match opts.probe && opts.verify > 0 && manifest.learning.enabled {
+        true => match probe_updates(link, &holders, version, &Rules::of(manifest)).await {
+            Ok(list) if list.is_empty() => None,
+            Ok(list) => {
+                tracing::info!(
+                    updates = list.len(),
+                    "checking members against learning updates of their version"
+                );
+                Some(UpdateProbe::new(list, g.n()))
+            }
+            Err(e) => {
+                tracing::warn!("members are not checked against learning updates: {e}");
+                None
+            }
+        },
+        false => None,
+    };
+    let llama = Llama::new(manifest.cfg.clone(), norms)?;
+    let transport = link.transport(version, &rows, &plan.members, &g, opts.round);
+    let mut group = CodedGroup::new(manifest.cfg.clone(), g, &plan.members, transport)?;
+    group.set_verify(VerifyConfig {
+        extra: opts.verify,
+        noise: manifest.verify_noise,
+    });
+    group.set_probe(probe);
+    Ok(Formed {
+        group,
+        llama,
+        version,
+        holders,
+        members,
+        rows,
+        live_rows: live.len(),
+        condition_number: plan.condition_number,
+        addrs: dialed,
+    })
+}
+
+/// A random few of the updates that make `version`, fetched from a holder and checked: the
+/// list of ids must hash to the version's digest, each payload to its id, and each must be
+/// signed and fit the mesh's rules.
+pub async fn probe_updates<L: Link<Peer = PeerId>>(
+    link: &L,
+    holders: &[PeerId],
+    version: [u8; 32],
+    rules: &Rules,
+) -> Result<Vec<(u64, Arc<Update>)>, HolderError> {
+    use std::hash::BuildHasher;
+    let mut last = HolderError::Link("no row holder to ask".into());
+    for peer in holders {
+        let ids = match link.ask(peer, MeshRequest::Versions).await {
+            Ok(MeshResponse::Versions { ids }) => ids,
+            Ok(_) => {
+                last = HolderError::Download(format!(
+                    "{peer} answered the version list with something else"
+                ));
+                continue;
+            }
+            Err(e) => {
+                last = e;
+                continue;
+            }
+        };
+        let mut listed = ShardVersion::default();
+        ids.iter().for_each(|&id| {
+            listed.insert(id);
+        });
+        if listed.digest() != version {
+            last =
+                HolderError::Mismatch(format!("{peer}'s update list is not the group's version"));
+            continue;
+        }
+        // A random choice per leader (the hasher's keys are random), so no member can know
+        // which updates will be checked.
+        let order = std::collections::hash_map::RandomState::new();
+        let mut ids = ids;
+        ids.sort_by_key(|&id| order.hash_one(id));
+        ids.truncate(PROBE_UPDATES);
+        let mut out = Vec::with_capacity(ids.len());
+        for id in ids {
+            let bytes = fetch_update(link, peer, id).await?;
+            let checked = rules.check(&bytes)?;
+            if checked.id != id {
+                return Err(HolderError::Mismatch(format!(
+                    "{peer}'s update {id:016x} hashes to {:016x}",
+                    checked.id
+                )));
+            }
+            out.push((id, Arc::new(checked.update)));
+        }
+        return Ok(out);
+    }
+    Err(last)
+}
+
+/// An update signed by a leader, ready to hand out.
+#[derive(Debug, Clone)]
+pub struct Sealed {
+    /// Its id (the hash of its payload).
+    pub id: u64,
+    /// The signed bytes a holder takes.
+    pub bytes: Vec<u8>,
+}
+
+/// Signs a published update with the leader's key.
+pub fn seal_update(p: &Published, key: &libp2p::identity::Keypair) -> Result<Sealed, LeadError> {
+    let payload = p.update.encode();
+    let id = Update::id_of(&payload);
+    Ok(Sealed {
+        id,
+        bytes: seal(payload, key)?,
+    })
+}
+
+/// Hands a sealed update to every one of `holders` at once; returns how many took it (the
+/// others are logged: they catch up from those that did).
+pub async fn hand_out<L: Link<Peer = PeerId>>(
+    link: &L,
+    holders: &[PeerId],
+    update: &Sealed,
+) -> usize {
+    let sends = holders.iter().map(|peer| async move {
+        let req = MeshRequest::Learn(update.bytes.clone());
+        (peer, link.ask(peer, req).await)
+    });
+    let mut taken = 0;
+    for (peer, answer) in futures::future::join_all(sends).await {
+        match answer {
+            Ok(MeshResponse::Learned { .. }) => taken += 1,
+            Ok(MeshResponse::Error(e)) => tracing::warn!(%peer, "a node refused the update: {e}"),
+            Ok(_) => tracing::warn!(%peer, "a node answered the update with something else"),
+            Err(e) => tracing::warn!(%peer, "the update did not reach a node: {e}"),
+        }
+    }
+    taken
+}
+
+/// What handing out an update did.
+#[derive(Debug, Clone, Copy)]
+pub struct Sent {
+    /// Its id.
+    pub id: u64,
+    /// Its size, signed.
+    pub bytes: usize,
+    /// How many holders took it.
+    pub applied_by: usize,
+    /// Requests folded into it.
+    pub requests: u32,
+    /// Share of the gradient energy its compression kept.
+    pub kept: f64,
+}
+
+/// Signs `p` and hands it to every one of `holders`.
+pub async fn publish<L: Link<Peer = PeerId>>(
+    link: &L,
+    key: &libp2p::identity::Keypair,
+    holders: &[PeerId],
+    p: &Published,
+) -> Result<Sent, LeadError> {
+    let sealed = seal_update(p, key)?;
+    let applied_by = hand_out(link, holders, &sealed).await;
+    Ok(Sent {
+        id: sealed.id,
+        bytes: sealed.bytes.len(),
+        applied_by,
+        requests: p.requests,
+        kept: p.kept,
+    })
+}
+
+/// Members a group caught, reported.
+#[derive(Debug, Clone, Default)]
+pub struct Reported {
+    /// Each caught member: its row, its holder and the evidence.
+    pub caught: Vec<(usize, PeerId, Caught)>,
+    /// How many of the holders told took every report.
+    pub taken_by: usize,
+}
+
+/// Tells every one of `holders` about the members in `caught` (rows of a group over `rows`),
+/// with the evidence; a row with no known holder is skipped.
+pub async fn report_caught<L: Link<Peer = PeerId>>(
+    link: &L,
+    caught: &[Caught],
+    rows: &BTreeMap<usize, PeerId>,
+    holders: &[PeerId],
+) -> Reported {
+    let caught: Vec<(usize, PeerId, Caught)> = caught
+        .iter()
+        .filter_map(|c| Some((c.node, *rows.get(&c.node)?, c.clone())))
+        .collect();
+    if caught.is_empty() {
+        return Reported::default();
+    }
+    let sends = holders.iter().map(|to| {
+        let caught = &caught;
+        async move {
+            for (_, peer, evidence) in caught {
+                let req = MeshRequest::Report {
+                    peer: peer.to_string(),
+                    evidence: evidence.clone(),
+                };
+                match link.ask(to, req).await {
+                    Ok(MeshResponse::Error(e)) => {
+                        tracing::warn!(%to, "report not taken: {e}");
+                        return false;
+                    }
+                    Ok(_) => {}
+                    Err(e) => {
+                        tracing::warn!(%to, "report not taken: {e}");
+                        return false;
+                    }
+                }
+            }
+            true
+        }
+    });
+    let taken_by = futures::future::join_all(sends)
+        .await
+        .into_iter()
+        .filter(|&ok| ok)
+        .count();
+    Reported { caught, taken_by }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::coded::{ShardFormat, TransportError};
+    use crate::mesh::{Health, LearningConfig, NodeStatus, Usage};
+    use crate::model::{LlamaConfig, TokenizerData};
+
+    /// A group's transport that is never asked: these tests only form groups.
+    #[derive(Debug)]
+    struct Unused;
+
+    impl Transport for Unused {
+        async fn round(
+            &mut self,
+            _: &mut Vec<usize>,
+            _: &[u8],
+            _: usize,
+        ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
+            unreachable!("a group formed in a test computes nothing")
+        }
+
+        async fn round_each(
+            &mut self,
+            _: Vec<(usize, Vec<u8>)>,
+        ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
+            unreachable!("a group formed in a test computes nothing")
+        }
+    }
+
+    /// Holders that answer the norm gains at a version of their own; the peers reached and
+    /// asked are recorded.
+    struct Mesh {
+        cfg: LlamaConfig,
+        at: BTreeMap<PeerId, [u8; 32]>,
+        own: Option<OwnRow>,
+        asked: std::cell::RefCell<Vec<PeerId>>,
+        reached: std::cell::RefCell<Vec<PeerId>>,
+    }
+
+    impl Link for Mesh {
+        type Peer = PeerId;
+
+        async fn ask(&self, peer: &PeerId, req: MeshRequest) -> Result<MeshResponse, HolderError> {
+            assert!(matches!(req, MeshRequest::Norms), "only norms are asked");
+            self.asked.borrow_mut().push(*peer);
+            match self.at.get(peer) {
+                Some(&version) => Ok(MeshResponse::Norms {
+                    version,
+                    norms: norms(&self.cfg),
+                }),
+                None => Err(HolderError::Link(format!("{peer}: unreachable"))),
+            }
+        }
+
+        async fn dial(&self, _: &crate::mesh::SourceRow) -> Result<PeerId, HolderError> {
+            unreachable!("forming a group dials through reach")
+        }
+
+        async fn blocking<R: Send + 'static>(
+            &self,
+            work: impl FnOnce() -> R + Send + 'static,
+        ) -> R {
+            work()
+        }
+
+        fn progress(&self, _: &str, _: u64, _: u64) {}
+    }
+
+    impl LeadLink for Mesh {
+        type Net = Unused;
+
+        fn own_row(&self) -> Option<OwnRow> {
+            self.own.clone()
+        }
+
+        async fn reach(
+            &self,
+            peer: PeerId,
+            addrs: &[String],
+        ) -> Result<Vec<Multiaddr>, HolderError> {
+            self.reached.borrow_mut().push(peer);
+            Ok(addrs.iter().filter_map(|a| a.parse().ok()).collect())
+        }
+
+        fn transport(
+            &self,
+            _: [u8; 32],
+            _: &BTreeMap<usize, PeerId>,
+            _: &[usize],
+            _: &Generator,
+            _: RoundConfig,
+        ) -> Unused {
+            Unused
+        }
+    }
+
+    fn norms(cfg: &LlamaConfig) -> LeaderWeights {
+        LeaderWeights {
+            attn_norm: vec![vec![1.0; cfg.hidden]; cfg.layers],
+            ffn_norm: vec![vec![1.0; cfg.hidden]; cfg.layers],
+            final_norm: vec![1.0; cfg.hidden],
+        }
+    }
+
+    fn manifest() -> ModelManifest {
+        let cfg = crate::fuzzing::small_config();
+        ModelManifest {
+            name: "small".into(),
+            leader: norms(&cfg),
+            tokenizer: TokenizerData {
+                json: String::new(),
+                eos: Vec::new(),
+                default_system: None,
+            },
+            generator: Generator::cauchy(5, 3).expect("a 3-of-5 code"),
+            format: ShardFormat::F32,
+            learning: LearningConfig::default(),
+            verify_noise: 1e-3,
+            cfg,
+        }
+    }
+
+    const V: [u8; 32] = [7; 32];
+
+    /// A mesh view: (peer, row) pairs, every one healthy at `V`.
+    fn view(holders: &[(PeerId, u32)]) -> MeshInfo {
+        let nodes = holders
+            .iter()
+            .map(|&(peer, row)| NodeStatus {
+                peer: peer.to_string(),
+                row: Some(row),
+                health: Health::Healthy,
+                version_count: 0,
+                version_digest: hex(&V),
+                addrs: vec!["/ip4/127.0.0.1/tcp/4001".into()],
+                silent_for_s: 0.0,
+                lag: 0,
+                caught: None,
+                device: "cpu".into(),
+                usage: Usage::default(),
+            })
+            .collect();
+        MeshInfo {
+            k: 3,
+            n: 5,
+            n_max: 5,
+            rows: Vec::new(),
+            health: Default::default(),
+            model: String::new(),
+            model_name: String::new(),
+            available: true,
+            healthy_rows: 5,
+            tolerates: 2,
+            version_count: 0,
+            version_digest: hex(&V),
+            nodes,
+            dashboard: None,
+            usage: Usage::default(),
+        }
+    }
+
+    fn mesh(at: BTreeMap<PeerId, [u8; 32]>, own: Option<OwnRow>) -> Mesh {
+        Mesh {
+            cfg: crate::fuzzing::small_config(),
+            at,
+            own,
+            asked: Default::default(),
+            reached: Default::default(),
+        }
+    }
+
+    fn options(verify: usize) -> GroupOptions {
+        GroupOptions {
+            probe: false,
+            ..GroupOptions::new(verify, 0)
+        }
+    }
+
+    #[test]
+    fn a_row_this_node_cannot_ask_goes_to_its_other_holder_and_other_versions_are_left_out() {
+        let peers: Vec<PeerId> = (0..6).map(|_| PeerId::random()).collect();
+        let me = peers[5];
+        // Row 1 is held by this node (which cannot ask itself) and by peers[1]; peers[4]
+        // holds row 4 at another version than its heartbeat says.
+        let info = view(&[
+            (peers[0], 0),
+            (me, 1),
+            (peers[1], 1),
+            (peers[2], 2),
+            (peers[3], 3),
+            (peers[4], 4),
+        ]);
+        let mut at: BTreeMap<PeerId, [u8; 32]> = peers[..4].iter().map(|&p| (p, V)).collect();
+        at.insert(peers[4], [9; 32]);
+        let link = mesh(
+            at,
+            Some(OwnRow {
+                peer: me,
+                norms: None,
+            }),
+        );
+        let formed = futures::executor::block_on(form(&link, &manifest(), &info, &options(1)))
+            .expect("four rows at the version are enough for k = 3 and a check");
+        assert!(
+            !link.asked.borrow().contains(&me),
+            "a node never asks itself"
+        );
+        assert!(!link.reached.borrow().contains(&me));
+        assert_eq!(formed.rows.get(&1), Some(&peers[1]));
+        assert!(!formed.rows.contains_key(&4), "row 4 is at another version");
+        assert_eq!(formed.live_rows, 4);
+        assert_eq!(formed.group.nodes().len(), 4, "k = 3 and one check");
+        assert_eq!(formed.version, V);
+        assert!(
+            !formed.holders.contains(&me),
+            "updates are not sent to itself"
+        );
+        assert_eq!(formed.holders.len(), 5, "every other holder at the version");
+    }
+
+    #[test]
+    fn a_row_computed_in_process_joins_the_group_without_being_asked() {
+        let peers: Vec<PeerId> = (0..3).map(|_| PeerId::random()).collect();
+        let me = PeerId::random();
+        let info = view(&[(peers[0], 0), (peers[1], 1), (peers[2], 2), (me, 3)]);
+        let link = mesh(
+            peers.iter().map(|&p| (p, V)).collect(),
+            Some(OwnRow {
+                peer: me,
+                norms: Some((V, norms(&crate::fuzzing::small_config()))),
+            }),
+        );
+        let formed = futures::executor::block_on(form(&link, &manifest(), &info, &options(1)))
+            .expect("four rows at the version");
+        assert_eq!(formed.rows.get(&3), Some(&me));
+        assert!(!link.asked.borrow().contains(&me));
+        assert!(!formed.addrs.contains_key(&me), "its own row is not dialed");
+        assert_eq!(formed.holders, peers, "updates go to the others");
+    }
+
+    #[test]
+    fn fewer_rows_than_k_at_one_version_is_unavailable_and_says_so() {
+        let peers: Vec<PeerId> = (0..3).map(|_| PeerId::random()).collect();
+        let info = view(&[(peers[0], 0), (peers[1], 1), (peers[2], 2)]);
+        // One of the three is unreachable.
+        let link = mesh(peers[..2].iter().map(|&p| (p, V)).collect(), None);
+        let err = futures::executor::block_on(form(&link, &manifest(), &info, &options(0)))
+            .expect_err("two rows cannot decode k = 3");
+        assert!(matches!(err, LeadError::Unavailable(_)), "{err}");
+        assert!(err.to_string().contains("fewer than k = 3"), "{err}");
+    }
+
+    #[test]
+    fn rows_answering_at_another_version_only_is_a_moving_mesh() {
+        let peers: Vec<PeerId> = (0..3).map(|_| PeerId::random()).collect();
+        let info = view(&[(peers[0], 0), (peers[1], 1), (peers[2], 2)]);
+        let link = mesh(peers.iter().map(|&p| (p, [1; 32])).collect(), None);
+        let err = futures::executor::block_on(form(&link, &manifest(), &info, &options(0)))
+            .expect_err("no row is at the version the view shows");
+        assert!(matches!(err, LeadError::Moving(_)), "{err}");
+    }
+}
