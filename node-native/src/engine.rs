@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Result, anyhow};
 use libp2p::PeerId;
 use node_core::learn::{Learner, Published};
-use node_core::mesh::{MeshInfo, MeshRequest, MeshResponse, ModelManifest, Usage};
+use node_core::mesh::{MeshInfo, MeshResponse, ModelManifest, Usage};
 use node_core::model::speculate;
 use node_core::model::{
     BatchItem, KvCache, LeaderWeights, Llama, Sampler, SamplingParams, StopReason,
@@ -33,7 +33,6 @@ use tokio::sync::{mpsc, oneshot};
 use crate::metrics::Metrics;
 use crate::remote::{Formed, GroupOptions, form_group, settled_info};
 use crate::row::{InfoRequest, LocalRow};
-use crate::rpc::ask;
 use crate::steplog::StepLog;
 use crate::swarm::Client;
 
@@ -528,33 +527,20 @@ impl Lead {
         if s.verified_rounds > 0 {
             m.decode_residual_ratio.observe(s.max_pass_ratio);
         }
-        let reports: Vec<(PeerId, node_core::coded::Caught)> = s
-            .caught
-            .iter()
-            .filter_map(|c| Some((f.group.transport().peer_of(c.node)?, c.clone())))
-            .collect();
-        if reports.is_empty() {
+        if s.caught.is_empty() {
             return;
         }
-        m.members_caught.inc_by(reports.len() as u64);
-        let holders = f.holders.clone();
-        for (peer, evidence) in &reports {
-            tracing::warn!(%peer, "caught: {evidence}");
-            self.ctx.local.caught(*peer, evidence.to_string());
-        }
-        let client = self.ctx.client.clone();
-        self.ctx.runtime.spawn(async move {
-            for to in holders {
-                for (peer, evidence) in &reports {
-                    let req = MeshRequest::Report {
-                        peer: peer.to_string(),
-                        evidence: evidence.clone(),
-                    };
-                    if let Err(e) = ask(&client, to, req).await {
-                        tracing::debug!(%to, "reporting a caught member: {e:#}");
-                    }
-                }
+        m.members_caught.inc_by(s.caught.len() as u64);
+        for c in &s.caught {
+            if let Some(&peer) = f.rows.get(&c.node) {
+                tracing::warn!(%peer, "caught: {c}");
+                self.ctx.local.caught(peer, c.to_string());
             }
+        }
+        let link = crate::link::NativeLink::quiet(self.ctx.client.clone());
+        let (rows, holders) = (f.rows.clone(), f.holders.clone());
+        self.ctx.runtime.spawn(async move {
+            node_core::lead::report_caught(&link, &s.caught, &rows, &holders).await;
         });
     }
 
