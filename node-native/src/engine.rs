@@ -31,7 +31,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::metrics::Metrics;
-use crate::remote::{Formed, GroupOptions, form_group, settled_info};
+use crate::remote::{Formed, Gate, GroupOptions, form_group, settled_info};
 use crate::row::{InfoRequest, LocalRow};
 use crate::steplog::StepLog;
 use crate::swarm::Client;
@@ -236,9 +236,12 @@ impl Engine {
         let (to_train, train_rx) = std::sync::mpsc::channel();
         let (publish_tx, publish_rx) = std::sync::mpsc::channel();
         let backlog = Arc::new(AtomicUsize::new(0));
+        let shared = Arc::new(Shared::new(ctx.cfg.groups));
         if learns {
+            let mut lead = Lead::new(ctx.clone(), trace.clone());
+            lead.yield_to = Some(shared.clone());
             let trainer = Trainer {
-                lead: Lead::new(ctx.clone(), trace.clone()),
+                lead,
                 learner: Learner::new(ctx.manifest.learning, ctx.manifest.cfg.clone()),
                 requests: train_rx,
                 waiting: None,
@@ -251,7 +254,6 @@ impl Engine {
         }
         let queue_depth = ctx.metrics.queue_depth.clone();
         let jobs = Arc::new(tokio::sync::Mutex::new(rx));
-        let shared = Arc::new(Shared::new(ctx.cfg.groups));
         let mut publishes = Some(publish_rx);
         for slot in 0..ctx.cfg.groups {
             // Only the first serving thread publishes the trainer's updates.
@@ -377,9 +379,9 @@ fn learn_tokens(manifest: &ModelManifest) -> usize {
     };
     limit.min(by_message).max(2)
 }
-/// Finished requests waiting to be trained on, per place in the batch, before the serving
-/// thread stops taking new ones.
-const BACKLOG_PER_SLOT: usize = 2;
+/// Finished requests waiting to be trained on, at most: serving comes first, so requests that
+/// finish while the trainer is this far behind are served but not trained on.
+const MAX_TRAIN_BACKLOG: usize = 64;
 /// An idle trainer publishes what its learner accumulated after this long.
 const IDLE_FLUSH: Duration = Duration::from_secs(10);
 /// How often an idle serving thread looks for updates to publish.
@@ -397,6 +399,9 @@ struct Lead {
     /// When forming last failed, and why.
     formed_failed: Option<(Instant, String)>,
     trace: Option<StepLog>,
+    /// The serving threads this group's rounds wait for (the trainer's: it computes only
+    /// while they have nothing to serve).
+    yield_to: Option<Arc<Shared>>,
 }
 
 impl Lead {
@@ -407,6 +412,7 @@ impl Lead {
             formed: None,
             formed_failed: None,
             trace,
+            yield_to: None,
         }
     }
 
@@ -454,7 +460,13 @@ impl Lead {
                 ))
             });
             match formed {
-                Ok(f) => {
+                Ok(mut f) => {
+                    if let Some(serving) = &self.yield_to {
+                        let serving = serving.clone();
+                        f.group
+                            .transport_mut()
+                            .set_gate(Gate(Arc::new(move || serving.wait_idle())));
+                    }
                     tracing::info!(
                         members = ?f.group.nodes(),
                         live = f.live_rows,
@@ -572,6 +584,8 @@ struct Shared {
     busy: std::sync::Mutex<Vec<Vec<PeerId>>>,
     /// Sequences each serving thread is generating.
     active: std::sync::Mutex<Vec<usize>>,
+    /// Signalled when no serving thread has a sequence left.
+    quiet: std::sync::Condvar,
     /// Serving threads waiting for a request.
     idle: AtomicUsize,
     /// Tokens generated lately (when, how many).
@@ -583,6 +597,7 @@ impl Shared {
         Self {
             busy: std::sync::Mutex::new(vec![Vec::new(); groups]),
             active: std::sync::Mutex::new(vec![0; groups]),
+            quiet: std::sync::Condvar::new(),
             idle: AtomicUsize::new(0),
             recent: std::sync::Mutex::new(VecDeque::new()),
         }
@@ -618,7 +633,19 @@ impl Shared {
         if let Some(a) = active.get_mut(slot) {
             *a = n;
         }
-        active.iter().sum()
+        let all = active.iter().sum();
+        if all == 0 {
+            self.quiet.notify_all();
+        }
+        all
+    }
+
+    /// Waits until no serving thread has a sequence: training takes only idle capacity.
+    fn wait_idle(&self) {
+        let mut active = self.active.lock().unwrap_or_else(|e| e.into_inner());
+        while active.iter().sum::<usize>() > 0 {
+            active = self.quiet.wait(active).unwrap_or_else(|e| e.into_inner());
+        }
     }
 
     fn record_token(&self) {
@@ -645,8 +672,8 @@ impl Shared {
 struct Intake {
     /// The queue, shared by the serving threads.
     jobs: Arc<tokio::sync::Mutex<mpsc::Receiver<Job>>>,
-    /// A request taken from the queue that did not fit yet (the step's token budget, or the
-    /// trainer being behind); it comes out first.
+    /// A request taken from the queue that did not fit yet (the step's token budget); it
+    /// comes out first.
     held: Option<Job>,
     queue_depth: Gauge,
 }
@@ -786,13 +813,6 @@ impl Worker {
         self.lead.group().is_ok()
     }
 
-    /// Whether finished requests wait so long to be trained on that no new one is taken.
-    fn training_behind(&self) -> bool {
-        self.to_train.is_some()
-            && self.backlog.load(Ordering::Relaxed)
-                >= BACKLOG_PER_SLOT * self.lead.ctx.cfg.max_batch
-    }
-
     /// Takes queued requests into the batch while there is room; false once the queue is
     /// closed and nothing is left to do.
     fn admit(&mut self) -> bool {
@@ -802,7 +822,7 @@ impl Worker {
             .cfg
             .step_tokens
             .saturating_sub(self.active.iter().map(|s| s.input.len()).sum());
-        while self.active.len() < self.lead.ctx.cfg.max_batch && !self.training_behind() {
+        while self.active.len() < self.lead.ctx.cfg.max_batch {
             // A busy thread leaves new requests to an idle one: its own group runs them.
             if !self.active.is_empty()
                 && !self.intake.holds()
@@ -1003,8 +1023,17 @@ impl Worker {
             generated: done.tokens,
             latency,
         };
+        let learn = item.tokens.len() >= 2 && seq.job.req.learn;
+        let behind = self.backlog.load(Ordering::Relaxed) >= MAX_TRAIN_BACKLOG;
+        if learn && behind && self.to_train.is_some() {
+            m.train_dropped.inc();
+            tracing::info!(
+                backlog = MAX_TRAIN_BACKLOG,
+                "served, not trained on: the trainer is that many requests behind and serving comes first"
+            );
+        }
         match &self.to_train {
-            Some(tx) if item.tokens.len() >= 2 && seq.job.req.learn => {
+            Some(tx) if learn && !behind => {
                 self.backlog.fetch_add(1, Ordering::Relaxed);
                 m.train_backlog.inc();
                 if tx.send(item).is_err() {
@@ -1258,6 +1287,31 @@ mod tests {
             Next::Job(j) => Some(j.req.prompt[0]),
             Next::Empty | Next::Closed => None,
         }
+    }
+
+    #[test]
+    fn training_waits_until_no_serving_thread_has_a_sequence() {
+        let shared = Arc::new(Shared::new(2));
+        shared.wait_idle(); // nothing served yet: no wait
+        shared.set_active(0, 2);
+        shared.set_active(1, 1);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let waiter = {
+            let shared = shared.clone();
+            std::thread::spawn(move || {
+                shared.wait_idle();
+                tx.send(()).expect("the test waits for it");
+            })
+        };
+        shared.set_active(0, 0);
+        assert!(
+            rx.recv_timeout(Duration::from_millis(200)).is_err(),
+            "one serving thread still has a sequence: the trainer must still wait"
+        );
+        shared.set_active(1, 0);
+        rx.recv()
+            .expect("every serving thread is idle: the trainer goes on");
+        waiter.join().expect("the waiter ends");
     }
 
     #[test]

@@ -54,6 +54,8 @@ pub struct Metrics {
     pub updates_applied: Counter,
     /// Finished requests waiting to be trained on.
     pub train_backlog: Gauge,
+    /// Finished requests served but not trained on: the trainer was too far behind.
+    pub train_dropped: Counter,
     /// Mean next-token loss of the last training batch.
     pub loss: Gauge<f64, AtomicU64>,
     /// Bytes of gossip received.
@@ -110,6 +112,7 @@ impl Metrics {
             updates_published: Counter::default(),
             updates_applied: Counter::default(),
             train_backlog: Gauge::default(),
+            train_dropped: Counter::default(),
             loss: Gauge::default(),
             gossip_bytes: Counter::default(),
             chain_bytes: Counter::default(),
@@ -209,6 +212,11 @@ impl Metrics {
             "train_backlog",
             "Finished requests waiting to be trained on",
             m.train_backlog.clone(),
+        );
+        r.register(
+            "train_dropped",
+            "Finished requests served but not trained on: the trainer was too far behind",
+            m.train_dropped.clone(),
         );
         r.register(
             "loss",

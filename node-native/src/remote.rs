@@ -405,6 +405,19 @@ pub struct NetTransport {
     links: BTreeMap<usize, crate::session::Link>,
     /// The runtime the sessions run on (rounds are driven from a thread outside it).
     runtime: tokio::runtime::Handle,
+    /// What every round waits for before it goes out, if anything (a trainer's group waits
+    /// until serving is idle).
+    gate: Option<Gate>,
+}
+
+/// A wait a group's rounds make before they go out.
+#[derive(Clone)]
+pub struct Gate(pub Arc<dyn Fn() + Send + Sync>);
+
+impl std::fmt::Debug for Gate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Gate(..)")
+    }
 }
 
 impl NetTransport {
@@ -440,6 +453,7 @@ impl NetTransport {
             asked: BTreeMap::new(),
             links: BTreeMap::new(),
             runtime: tokio::runtime::Handle::current(),
+            gate: None,
         };
         // This node's own row (a leader inside a node) is computed here, not over a session.
         let me = transport.client.peer_id();
@@ -489,6 +503,17 @@ impl NetTransport {
     /// What the next rounds are for (written with each step in the step trace).
     pub fn set_context(&mut self, context: String) {
         self.context = context;
+    }
+
+    /// Makes every later round wait for `gate` first.
+    pub fn set_gate(&mut self, gate: Gate) {
+        self.gate = Some(gate);
+    }
+
+    fn wait_gate(&self) {
+        if let Some(Gate(wait)) = &self.gate {
+            wait();
+        }
     }
 
     fn is_local(&self, row: usize) -> bool {
@@ -585,6 +610,7 @@ impl Transport for NetTransport {
         request: &[u8],
         need: usize,
     ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
+        self.wait_gate();
         self.round += 1;
         // Late answers to earlier rounds show who is slow but alive.
         while let Ok((_, row, result)) = self.rx.try_recv() {
@@ -659,6 +685,7 @@ impl Transport for NetTransport {
         requests: Vec<(usize, Vec<u8>)>,
     ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
         // Backward steps: every member gets its own input and every answer is needed.
+        self.wait_gate();
         self.round += 1;
         let round = self.round;
         let rows: Vec<usize> = requests.iter().map(|(r, _)| *r).collect();
