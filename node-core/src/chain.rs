@@ -326,6 +326,7 @@ impl Assembly {
             block_len: s.block_len,
             cols: s.cols,
             values: ShardValues::from_f32(v, format),
+            carry: Vec::new(),
         });
         let blocks = (0..self.cfg.layers)
             .map(|_| shards.by_ref().take(7).collect())

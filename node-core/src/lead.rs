@@ -11,11 +11,11 @@ use libp2p::{Multiaddr, PeerId};
 
 use crate::code::{CodeError, Generator};
 use crate::coded::{Caught, CodedError, CodedGroup, Transport, UpdateProbe, VerifyConfig};
-use crate::holder::{HolderError, Link, Rules, fetch_update};
+use crate::holder::{HolderError, Link, Rules, fetch_update, version_of};
 use crate::learn::{Published, Update, UpdateError, seal};
 use crate::mesh::{
-    MeshInfo, MeshRequest, MeshResponse, ModelManifest, RoundConfig, ShardVersion, hex,
-    pick_holders, plan_group, rows_at_version,
+    MeshInfo, MeshRequest, MeshResponse, ModelManifest, RoundConfig, hex, pick_holders, plan_group,
+    rows_at_version,
 };
 use crate::model::{LeaderWeights, Llama, ModelError};
 
@@ -273,9 +273,10 @@ pub async fn form<L: LeadLink>(
     })
 }
 
-/// A random few of the updates that make `version`, fetched from a holder and checked: the
-/// list of ids must hash to the version's digest, each payload to its id, and each must be
-/// signed and fit the mesh's rules.
+/// A random few of the updates a holder keeps since its snapshot at `version`, fetched and
+/// checked: its version must have the group's digest, each payload hash to its id, and each
+/// must be signed and fit the mesh's rules. (Folded updates are no longer kept anywhere, so
+/// only the updates since a snapshot can be probed.)
 pub async fn probe_updates<L: Link<Peer = PeerId>>(
     link: &L,
     holders: &[PeerId],
@@ -285,23 +286,13 @@ pub async fn probe_updates<L: Link<Peer = PeerId>>(
     use std::hash::BuildHasher;
     let mut last = HolderError::Link("no row holder to ask".into());
     for peer in holders {
-        let ids = match link.ask(peer, MeshRequest::Versions).await {
-            Ok(MeshResponse::Versions { ids }) => ids,
-            Ok(_) => {
-                last = HolderError::Download(format!(
-                    "{peer} answered the version list with something else"
-                ));
-                continue;
-            }
+        let listed = match version_of(link, peer).await {
+            Ok(v) => v,
             Err(e) => {
                 last = e;
                 continue;
             }
         };
-        let mut listed = ShardVersion::default();
-        ids.iter().for_each(|&id| {
-            listed.insert(id);
-        });
         if listed.digest() != version {
             last =
                 HolderError::Mismatch(format!("{peer}'s update list is not the group's version"));
@@ -310,7 +301,8 @@ pub async fn probe_updates<L: Link<Peer = PeerId>>(
         // A random choice per leader (the hasher's keys are random), so no member can know
         // which updates will be checked.
         let order = std::collections::hash_map::RandomState::new();
-        let mut ids = ids;
+        // Only updates since the holder's snapshot are kept (and so can be probed).
+        let mut ids: Vec<u64> = listed.since().collect();
         ids.sort_by_key(|&id| order.hash_one(id));
         ids.truncate(PROBE_UPDATES);
         let mut out = Vec::with_capacity(ids.len());

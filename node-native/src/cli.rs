@@ -413,6 +413,11 @@ pub(crate) struct GenerateArgs {
     /// Run the request this many times on the mesh, learning after each (mesh only).
     #[arg(long, default_value_t = 1)]
     pub(crate) repeat: usize,
+    /// Keep a copy of every learning update this leader publishes in this directory (signed,
+    /// as holders take it; mesh only): holders fold updates into their snapshots and drop
+    /// them, so this is the record of what a leader taught the mesh.
+    #[arg(long)]
+    pub(crate) keep_published: Option<PathBuf>,
     /// Write every coded step to this file, one JSON line each: time, step, member, bytes,
     /// duration (mesh only).
     #[arg(long)]

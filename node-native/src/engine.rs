@@ -277,6 +277,7 @@ impl Engine {
                 latency_ms: latency_ms.clone(),
                 steps: 0,
                 shared: shared.clone(),
+                counted_idle: false,
             };
             std::thread::Builder::new()
                 .name(format!("leader-{slot}"))
@@ -758,9 +759,25 @@ struct Worker {
     steps: u64,
     /// What the serving threads share.
     shared: Arc<Shared>,
+    /// Whether this thread counts among the idle ones ([`Shared::idle`]).
+    counted_idle: bool,
 }
 
 impl Worker {
+    /// Counts this thread among the idle ones, or not: from the moment its batch empties
+    /// until it takes a request, whatever it does meanwhile (publishing, polling), so a busy
+    /// thread never takes a request that an idle one's group would run at once.
+    fn mark_idle(&mut self, idle: bool) {
+        if idle != self.counted_idle {
+            if idle {
+                self.shared.idle.fetch_add(1, Ordering::SeqCst);
+            } else {
+                self.shared.idle.fetch_sub(1, Ordering::SeqCst);
+            }
+            self.counted_idle = idle;
+        }
+    }
+
     fn run(mut self) {
         // Timers and network futures below need the node's runtime as their context.
         let runtime = self.lead.ctx.runtime.clone();
@@ -781,10 +798,8 @@ impl Worker {
                 break;
             }
             if self.active.is_empty() {
-                self.shared.idle.fetch_add(1, Ordering::SeqCst);
-                let open = self.intake.idle(&runtime, IDLE_POLL);
-                self.shared.idle.fetch_sub(1, Ordering::SeqCst);
-                if !open {
+                self.mark_idle(true);
+                if !self.intake.idle(&runtime, IDLE_POLL) {
                     break;
                 }
                 self.update_rate();
@@ -792,6 +807,7 @@ impl Worker {
             }
             self.step();
         }
+        self.mark_idle(false);
         tracing::info!(slot, "a serving thread stopped");
     }
 
@@ -835,6 +851,7 @@ impl Worker {
                 Next::Empty => break,
                 Next::Closed => return !self.active.is_empty(),
             };
+            self.mark_idle(false);
             if job.events.is_closed() {
                 continue;
             }

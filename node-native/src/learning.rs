@@ -1,26 +1,43 @@
-//! A node's learning state: its shard with the set of updates applied to it, the update
-//! payloads kept on disk (so peers that missed them can fetch them), and restoring it all at
-//! start-up.
+//! A node's learning state: its shard with the set of updates applied to it, the payloads of
+//! the updates applied since its last snapshot (so peers that missed them can fetch them), the
+//! snapshots that fold them into the shard blob, and restoring it all at start-up.
+//!
+//! On disk: `shard.blob` (the row at its snapshot) and `base.bin` (that snapshot's version and
+//! norm gains), always saved as a pair ([`DataDir::save_row`]); `updates/` (the payloads kept
+//! since, and the latest folded ones while they fit) and `version.json` (the ids applied since).
+//! Disk stays at the shard blob plus at most [`node_core::mesh::KEEP_SHARE`] of it in payloads,
+//! whatever the history, and a restart replays at most [`node_core::mesh::MAX_SINCE`] updates.
 
 use std::collections::BTreeSet;
 use std::fs;
 use std::path::PathBuf;
+use std::sync::RwLock;
 
 use anyhow::{Context, Result, bail};
-use node_core::coded::Member;
+use node_core::coded::{Member, ShardSet};
+use node_core::holder::shard_to_blob;
 pub use node_core::holder::{MAX_UPDATE_BYTES, Rules, ShardState};
 use node_core::mesh::ShardVersion;
 use node_core::model::LeaderWeights;
+use serde::{Deserialize, Serialize};
 
+use crate::row::{read, write};
 use crate::store::DataDir;
 
-/// Where a node keeps update payloads and its version.
+/// What the saved shard blob holds: its version (every update in it folded) and the norm
+/// gains at that version.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Base {
+    version: ShardVersion,
+    norms: LeaderWeights,
+}
+
+/// Where a node keeps its snapshot, the update payloads since, and its version.
 #[derive(Debug, Clone)]
 pub struct UpdateStore {
+    data: DataDir,
     dir: PathBuf,
     version_file: PathBuf,
-    base_file: PathBuf,
-    base_norms: PathBuf,
 }
 
 impl UpdateStore {
@@ -29,10 +46,9 @@ impl UpdateStore {
         let dir = data.path().join("updates");
         fs::create_dir_all(&dir)?;
         Ok(Self {
+            data: data.clone(),
             dir,
             version_file: data.path().join("version.json"),
-            base_file: data.path().join("base-version.json"),
-            base_norms: data.path().join("base-norms.bin"),
         })
     }
 
@@ -74,6 +90,15 @@ impl UpdateStore {
         Ok((total, bytes[start..end].to_vec()))
     }
 
+    /// Records the updates applied since the snapshot (after their payloads are saved).
+    pub fn save_version(&self, v: &ShardVersion) -> Result<()> {
+        let ids: Vec<u64> = v.since().collect();
+        let tmp = self.version_file.with_extension("tmp");
+        fs::write(&tmp, serde_json::to_string(&ids)?)?;
+        fs::rename(&tmp, &self.version_file)?;
+        Ok(())
+    }
+
     fn read_ids(path: &PathBuf) -> Result<BTreeSet<u64>> {
         if !path.exists() {
             return Ok(BTreeSet::new());
@@ -82,85 +107,177 @@ impl UpdateStore {
         serde_json::from_str(&text).with_context(|| format!("reading {}", path.display()))
     }
 
-    fn write_ids(path: &PathBuf, ids: impl Iterator<Item = u64>) -> Result<()> {
-        let ids: Vec<u64> = ids.collect();
-        let tmp = path.with_extension("tmp");
-        fs::write(&tmp, serde_json::to_string(&ids)?)?;
-        fs::rename(&tmp, path)?;
+    /// Bytes of a kept payload (0 when it is not kept).
+    fn size(&self, id: u64) -> u64 {
+        fs::metadata(self.path(id)).map_or(0, |m| m.len())
+    }
+
+    /// Whether the updates applied since the snapshot should be folded now.
+    pub fn fold_due(&self, v: &ShardVersion) -> bool {
+        let since: u64 = v.since().map(|id| self.size(id)).sum();
+        v.fold_due(since, self.data.shard_bytes())
+    }
+
+    /// Saves `shard` (with every update of `version` in it) as the node's snapshot and drops
+    /// the payloads it folded: after joining, rebuilding or folding.
+    pub fn save_snapshot(
+        &self,
+        blob: &[u8],
+        version: &ShardVersion,
+        norms: &LeaderWeights,
+    ) -> Result<()> {
+        let mut version = version.clone();
+        version.fold_all();
+        let base = Base {
+            version,
+            norms: norms.clone(),
+        };
+        self.data.save_row(blob, &postcard::to_allocvec(&base)?)?;
+        self.save_version(&base.version)?;
+        self.drop_payloads_beyond(&base.version)
+    }
+
+    /// Removes every payload (and interrupted save) that `v` does not keep or serve.
+    fn drop_payloads_beyond(&self, v: &ShardVersion) -> Result<()> {
+        for entry in fs::read_dir(&self.dir)? {
+            let path = entry?.path();
+            let kept = path
+                .file_stem()
+                .and_then(|s| s.to_str())
+                .and_then(|s| u64::from_str_radix(s, 16).ok())
+                .is_some_and(|id| v.keeps(id))
+                && path.extension().is_some_and(|e| e == "update");
+            if !kept {
+                fs::remove_file(&path).with_context(|| format!("removing {}", path.display()))?;
+            }
+        }
         Ok(())
     }
 
-    /// Records the applied set (after the payloads are saved).
-    pub fn save_version(&self, v: &ShardVersion) -> Result<()> {
-        Self::write_ids(&self.version_file, v.ids())
+    /// Folds the updates applied since the snapshot into a new one: the shard as it is now is
+    /// saved as the blob; their payloads stay for peers a little behind while every kept
+    /// payload fits [`node_core::mesh::KEEP_SHARE`] of the blob, the oldest going first. Steps
+    /// go on meanwhile; updates wait. Returns how many updates it folded.
+    pub fn fold(&self, state: &RwLock<ShardState>) -> Result<usize> {
+        let (blob, version, norms) = {
+            let s = read(state);
+            let blob = shard_to_blob(s.member.shards())?;
+            (blob, s.version.clone(), s.norms.clone())
+        };
+        let ids: Vec<u64> = version.since().collect();
+        let mut base = version;
+        base.fold(ids.iter().copied());
+        let saved = Base {
+            version: base,
+            norms,
+        };
+        self.data.save_row(&blob, &postcard::to_allocvec(&saved)?)?;
+        let blob_bytes = blob.len() as u64;
+        drop(blob);
+        let mut s = write(state);
+        s.version.fold(ids.iter().copied());
+        self.save_version(&s.version)?;
+        self.release(&mut s.version, blob_bytes, 0)?;
+        Ok(ids.len())
     }
 
-    /// Records the updates already inside the shard blob on disk, and the norm gains at that
-    /// version.
-    pub fn save_base(&self, v: &ShardVersion, norms: &LeaderWeights) -> Result<()> {
-        let tmp = self.base_norms.with_extension("tmp");
-        fs::write(&tmp, postcard::to_allocvec(norms)?)?;
-        fs::rename(&tmp, &self.base_norms)?;
-        Self::write_ids(&self.base_file, v.ids())
+    /// Drops the oldest folded payloads until those kept and one more of `incoming` bytes fit
+    /// the budget ([`ShardVersion::to_release`]).
+    fn release(&self, v: &mut ShardVersion, blob_bytes: u64, incoming: u64) -> Result<()> {
+        for id in v.to_release(blob_bytes, incoming, |id| self.size(id)) {
+            v.release(id);
+            let path = self.path(id);
+            fs::remove_file(&path).with_context(|| format!("removing {}", path.display()))?;
+        }
+        Ok(())
     }
 
-    /// The norm gains of the base version: saved with it, or the genesis ones when the base is
-    /// the genesis version.
-    fn base_norms(&self, base: &BTreeSet<u64>, genesis: &LeaderWeights) -> Result<LeaderWeights> {
-        if !self.base_norms.exists() {
-            if base.is_empty() {
-                return Ok(genesis.clone());
-            }
+    /// Makes room for a new payload of `bytes` by dropping the oldest folded ones beyond the
+    /// budget, so that disk never holds more.
+    pub fn make_room(&self, state: &RwLock<ShardState>, bytes: usize) -> Result<()> {
+        let blob_bytes = self.data.shard_bytes();
+        self.release(&mut write(state).version, blob_bytes, bytes as u64)
+    }
+
+    /// The snapshot's version and norm gains: saved with it, or the genesis ones when the blob
+    /// is a genesis shard.
+    fn base(&self, genesis: &LeaderWeights) -> Result<Base> {
+        let Some(bytes) = self.data.base()? else {
+            return self.legacy_base(genesis);
+        };
+        postcard::from_bytes(&bytes).context("reading base.bin")
+    }
+
+    /// A data dir of an earlier release (`base-version.json` and `base-norms.bin` beside the
+    /// blob), or a genesis blob when it has neither.
+    fn legacy_base(&self, genesis: &LeaderWeights) -> Result<Base> {
+        let ids = Self::read_ids(&self.data.path().join("base-version.json"))?;
+        let mut version = ShardVersion::default();
+        for id in ids {
+            version.insert(id);
+        }
+        version.fold_all();
+        let norms_file = self.data.path().join("base-norms.bin");
+        let norms = if norms_file.exists() {
+            let bytes = fs::read(&norms_file)?;
+            postcard::from_bytes(&bytes)
+                .with_context(|| format!("reading {}", norms_file.display()))?
+        } else if version.count() == 0 {
+            genesis.clone()
+        } else {
             bail!(
                 "{} is missing: the norm gains at the shard's version are unknown",
-                self.base_norms.display()
+                norms_file.display()
             );
-        }
-        let bytes = fs::read(&self.base_norms)?;
-        let norms: LeaderWeights = postcard::from_bytes(&bytes)
-            .with_context(|| format!("reading {}", self.base_norms.display()))?;
-        Ok(norms)
+        };
+        Ok(Base { version, norms })
     }
 
-    /// Rebuilds the state at start-up: the blob's shard plus every recorded update not in it.
+    /// Rebuilds the state at start-up: the snapshot's shard plus every update kept since.
     pub fn restore(
         &self,
-        member: Member,
+        shard: ShardSet,
         rules: &Rules,
         genesis: &LeaderWeights,
     ) -> Result<ShardState> {
-        let base = Self::read_ids(&self.base_file)?;
-        let applied = Self::read_ids(&self.version_file)?;
-        let norms = self.base_norms(&base, genesis)?;
+        let Base { version, norms } = self.base(genesis)?;
         if !norms.fits(&rules.cfg) {
             bail!("the saved norm gains do not fit the model");
         }
-        let mut version = ShardVersion::default();
-        for &id in &base {
-            version.insert(id);
+        let mut version = version;
+        for id in version.releasable() {
+            if !self.path(id).exists() {
+                version.release(id);
+            }
         }
         let mut state = ShardState {
-            member,
+            member: Member::new(shard),
             version,
             norms,
             skip_updates: 0,
         };
-        for id in applied.difference(&base) {
-            let bytes = self.load(*id)?.with_context(|| {
-                format!("update {id:016x} is recorded as applied but its payload is missing")
-            })?;
+        for id in Self::read_ids(&self.version_file)? {
+            if state.version.contains(id) {
+                continue; // folded (a fold stopped before it rewrote the list)
+            }
+            let Some(bytes) = self.load(id)? else {
+                tracing::warn!(
+                    id = format!("{id:016x}"),
+                    "an update recorded as applied has no payload: leaving it out (the node catches up)"
+                );
+                continue;
+            };
             let checked = rules.check(&bytes)?;
-            if checked.id != *id {
+            if checked.id != id {
                 bail!(
                     "the payload kept as update {id:016x} hashes to {:016x}",
                     checked.id
                 );
             }
-            state.apply(&checked.update, *id)?;
+            state.apply(&checked.update, id)?;
         }
-        for id in applied {
-            state.version.insert(id);
-        }
+        self.save_version(&state.version)?;
+        self.drop_payloads_beyond(&state.version)?;
         Ok(state)
     }
 }

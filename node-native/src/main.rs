@@ -531,6 +531,7 @@ fn run_once_on_mesh(
             ..node_native::remote::GroupOptions::new(args.check, args.spares)
         };
         let mut leader = Leader::connect_with(rt, bootstrap.clone(), &opts)?;
+        leader.archive.clone_from(&args.keep_published);
         leader
             .group
             .transport_mut()

@@ -52,6 +52,8 @@ pub struct Metrics {
     pub updates_published: Counter,
     /// Learning updates applied to this node's shard.
     pub updates_applied: Counter,
+    /// Snapshots saved: kept updates folded into the shard blob.
+    pub snapshots: Counter,
     /// Finished requests waiting to be trained on.
     pub train_backlog: Gauge,
     /// Finished requests served but not trained on: the trainer was too far behind.
@@ -111,6 +113,7 @@ impl Metrics {
             members_caught: Counter::default(),
             updates_published: Counter::default(),
             updates_applied: Counter::default(),
+            snapshots: Counter::default(),
             train_backlog: Gauge::default(),
             train_dropped: Counter::default(),
             loss: Gauge::default(),
@@ -207,6 +210,11 @@ impl Metrics {
             "updates_applied",
             "Learning updates applied to this node's shard",
             m.updates_applied.clone(),
+        );
+        r.register(
+            "snapshots",
+            "Snapshots saved: kept learning updates folded into the shard blob",
+            m.snapshots.clone(),
         );
         r.register(
             "train_backlog",

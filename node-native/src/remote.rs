@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::mpsc as std_mpsc;
 use std::time::{Duration, Instant};
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use libp2p::{Multiaddr, PeerId};
 use node_core::code::Generator;
 use node_core::coded::{Transport, TransportError};
@@ -247,6 +247,9 @@ pub struct Leader {
     pub rows: BTreeMap<usize, PeerId>,
     /// The leader's identity: it signs the updates.
     key: libp2p::identity::Keypair,
+    /// Where a copy of every update this leader publishes goes (signed, as holders take it),
+    /// if anywhere.
+    pub archive: Option<std::path::PathBuf>,
 }
 
 impl Leader {
@@ -289,6 +292,7 @@ impl Leader {
             addrs: formed.addrs,
             rows: formed.rows,
             key: session.key,
+            archive: None,
         })
     }
 
@@ -345,15 +349,24 @@ impl Leader {
         Ok(())
     }
 
-    /// Hands an update to every live row's holder.
+    /// Hands an update to every live row's holder (and a copy to the archive, if set).
     pub fn publish(&self, rt: &tokio::runtime::Runtime, p: Published) -> Result<Sent> {
         let link = NativeLink::quiet(self.client.clone());
-        Ok(rt.block_on(node_core::lead::publish(
-            &link,
-            &self.key,
-            &self.holders,
-            &p,
-        ))?)
+        let sealed = node_core::lead::seal_update(&p, &self.key)?;
+        if let Some(dir) = &self.archive {
+            std::fs::create_dir_all(dir)?;
+            let path = dir.join(format!("{:016x}.update", sealed.id));
+            std::fs::write(&path, &sealed.bytes)
+                .with_context(|| format!("archiving the update in {}", path.display()))?;
+        }
+        let applied_by = rt.block_on(node_core::lead::hand_out(&link, &self.holders, &sealed));
+        Ok(Sent {
+            id: sealed.id,
+            bytes: sealed.bytes.len(),
+            applied_by,
+            requests: p.requests,
+            kept: p.kept,
+        })
     }
 }
 

@@ -6,7 +6,7 @@ use std::sync::{Arc, RwLock};
 
 use anyhow::{Result, anyhow, ensure};
 use libp2p::PeerId;
-use node_core::mesh::{MeshInfo, MeshResponse, Usage};
+use node_core::mesh::{CatchUp, MeshInfo, MeshResponse, Usage};
 use node_core::model::LeaderWeights;
 use node_core::protocol;
 use tokio::sync::oneshot;
@@ -25,8 +25,13 @@ pub struct InfoRequest(pub oneshot::Sender<MeshInfo>);
 pub(crate) enum Internal {
     /// An update was applied (and its payload saved).
     Applied(u64),
-    /// A catch-up with a peer ended.
-    SyncDone,
+    /// A catch-up with a peer ended; with the peer and its version when this node is behind
+    /// what the peer keeps and must rebuild its row at that version.
+    SyncDone(Option<(PeerId, [u8; 32])>),
+    /// A rebuild of the row ended: how it was obtained, or why not.
+    Rebuilt(Result<String>),
+    /// A fold into a new snapshot ended: how many updates it folded, or why not.
+    Folded(Result<usize>),
     /// A request this node led finished: count it in the usage it announces.
     Served(Usage),
     /// A leader in this node caught a member answering against the code.
@@ -137,12 +142,15 @@ fn apply_and_keep(
     if read(state).version.contains(id) {
         return Ok((id, false));
     }
+    store.make_room(state, bytes.len())?;
     store.save(id, bytes)?;
     let applied = write(state).apply(&update, id)?;
     Ok((id, applied))
 }
 
-/// Fetches and applies every update `peer` has applied and this node has not.
+/// Fetches and applies every update `peer` keeps that this node lacks; the peer's version when
+/// those would not bring this node up to it (the peer folded updates this node lacks: the row
+/// must be rebuilt).
 pub(crate) async fn catch_up(
     client: &Client,
     peer: PeerId,
@@ -150,10 +158,15 @@ pub(crate) async fn catch_up(
     store: &UpdateStore,
     rules: &Rules,
     tx: &tokio::sync::mpsc::Sender<Internal>,
-) -> Result<()> {
+) -> Result<Option<[u8; 32]>> {
     let link = NativeLink::quiet(client.clone());
     let have = read(state).version.clone();
-    for id in holder::missing_update_ids(&link, &peer, &have).await? {
+    let ids = match holder::plan_with(&link, &peer, &have).await? {
+        (CatchUp::Nothing, _) => return Ok(None),
+        (CatchUp::Rebuild, theirs) => return Ok(Some(theirs.digest())),
+        (CatchUp::Replay(ids), _) => ids,
+    };
+    for id in ids {
         let bytes = holder::fetch_update(&link, &peer, id).await?;
         let (state, store, rules) = (state.clone(), store.clone(), rules.clone());
         let (got, applied) =
@@ -170,7 +183,7 @@ pub(crate) async fn catch_up(
                 .map_err(|_| anyhow!("the node stopped"))?;
         }
     }
-    Ok(())
+    Ok(None)
 }
 
 /// Computes a coded step at the leader's version; the answer carries the compute time.

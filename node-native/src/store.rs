@@ -17,6 +17,22 @@ pub struct DataDir {
     root: PathBuf,
 }
 
+/// The shard blob, and what it holds beside it.
+const SHARD: &str = "shard.blob";
+const BASE: &str = "base.bin";
+/// The pair being written by [`DataDir::save_row`].
+const SHARD_NEXT: &str = "shard.blob.next";
+const BASE_NEXT: &str = "base.bin.next";
+
+/// Writes `bytes` to `path` and waits until they are on disk.
+fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
+    use std::io::Write;
+    let mut f = fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
+    f.write_all(bytes)
+        .and_then(|()| f.sync_all())
+        .with_context(|| format!("writing {}", path.display()))
+}
+
 /// Writes `bytes` to `path` through a temporary file and a rename, so a crash leaves either
 /// the old file or the new one.
 fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
@@ -91,16 +107,65 @@ impl DataDir {
 
     /// Path of the shard blob.
     pub fn shard_path(&self) -> PathBuf {
-        self.file("shard.blob")
+        self.file(SHARD)
     }
 
-    /// Saves a shard blob (already encoded).
+    /// Saves a genesis shard blob (already encoded): the row at the genesis version.
     pub fn save_shard_blob(&self, blob: &[u8]) -> Result<()> {
         write_atomic(&self.shard_path(), blob)
     }
 
+    /// Saves a shard blob together with `base` (what the blob holds), so that a crash at any
+    /// point leaves the old pair or the new one: both are written beside the old ones, then
+    /// renamed in turn, and [`Self::recover`] finishes or undoes an interrupted save.
+    pub fn save_row(&self, blob: &[u8], base: &[u8]) -> Result<()> {
+        let (shard_next, base_next) = (self.file(SHARD_NEXT), self.file(BASE_NEXT));
+        write_synced(&shard_next, blob)?;
+        write_synced(&base_next, base)?;
+        fs::rename(&shard_next, self.shard_path())
+            .with_context(|| format!("renaming {}", shard_next.display()))?;
+        fs::rename(&base_next, self.file(BASE))
+            .with_context(|| format!("renaming {}", base_next.display()))?;
+        if let Ok(dir) = fs::File::open(&self.root) {
+            let _ = dir.sync_all();
+        }
+        Ok(())
+    }
+
+    /// Finishes or undoes a [`Self::save_row`] that a crash interrupted.
+    fn recover(&self) -> Result<()> {
+        let (shard_next, base_next) = (self.file(SHARD_NEXT), self.file(BASE_NEXT));
+        if base_next.exists() && !shard_next.exists() {
+            // The blob was renamed into place, its base was not yet.
+            fs::rename(&base_next, self.file(BASE))
+                .with_context(|| format!("renaming {}", base_next.display()))?;
+            tracing::warn!("finished saving a snapshot that a stop interrupted");
+        } else {
+            for f in [shard_next, base_next] {
+                if f.exists() {
+                    fs::remove_file(&f).with_context(|| format!("removing {}", f.display()))?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// What the saved shard blob holds (written by [`Self::save_row`]); `None` for a genesis
+    /// blob.
+    pub fn base(&self) -> Result<Option<Vec<u8>>> {
+        self.recover()?;
+        let path = self.file(BASE);
+        if !path.exists() {
+            return Ok(None);
+        }
+        Ok(Some(
+            fs::read(&path).with_context(|| format!("reading {}", path.display()))?,
+        ))
+    }
+
     /// The saved shard, checked and repaired if damaged, if there is one.
     pub fn shard(&self) -> Result<Option<ShardSet>> {
+        self.recover()?;
         let path = self.shard_path();
         if !path.exists() {
             return Ok(None);
@@ -109,6 +174,11 @@ impl DataDir {
         let shard =
             shard_from_blob(&bytes).with_context(|| format!("reading {}", path.display()))?;
         Ok(Some(shard))
+    }
+
+    /// Bytes of the saved shard blob (0 when there is none).
+    pub fn shard_bytes(&self) -> u64 {
+        fs::metadata(self.shard_path()).map_or(0, |m| m.len())
     }
 
     /// Reads `len` bytes of the shard blob at `offset` (for peers fetching it).

@@ -14,7 +14,8 @@ use node_core::holder::{
     self, Held, HolderError, Joined, LearnLimit, Link, Route, Rules, ShardState, chunk_of,
 };
 use node_core::mesh::{
-    BrowserBootstrap, MeshRequest, MeshResponse, ModelManifest, ShardVersion, SourceRow, hex,
+    BrowserBootstrap, CatchUp, MeshRequest, MeshResponse, ModelManifest, ShardVersion, SourceRow,
+    hex,
 };
 use node_core::model::LeaderWeights;
 use node_core::protocol::{self, StepRequest};
@@ -68,27 +69,42 @@ const WARM_UP_TOKENS: u32 = 32;
 /// What the page says while the shard goes to the GPU.
 const GPU_STEP: &str = "opening WebGPU and compiling its kernels";
 
-/// What is kept beside the shard blob in IndexedDB.
+/// What is kept beside the shard blob in IndexedDB: the blob is the row's snapshot.
 #[derive(Debug, Serialize, Deserialize)]
 struct StoredRow {
     row: u32,
-    /// Updates inside the blob.
-    version: Vec<u64>,
+    /// The updates inside the blob (all folded).
+    version: ShardVersion,
     /// The norm gains at that version.
     norms: LeaderWeights,
+}
+
+/// What a catch-up with a peer brought.
+#[derive(Debug)]
+pub(crate) enum CaughtUp {
+    /// The payloads of the updates the peer keeps and this node lacks, in order.
+    Updates(Vec<Vec<u8>>),
+    /// The peer folded updates this node lacks: the row must be rebuilt at this version.
+    Behind([u8; 32]),
 }
 
 /// A row this node holds and serves.
 pub(crate) struct Holding {
     pub(crate) manifest_bytes: Rc<Vec<u8>>,
+    /// The mesh's manifest (a rebuild obtains the row as a joiner would).
+    pub(crate) manifest: Rc<ModelManifest>,
     pub(crate) rules: Rules,
     /// Shared with the steps in flight; updates wait until it is free again.
     pub(crate) state: Rc<ShardState>,
     pub(crate) row: u32,
     pub(crate) device: String,
     pub(crate) source: String,
-    /// Update payloads applied here, for peers that missed them.
+    /// Payloads of the updates applied since the snapshot, for peers that missed them.
     pub(crate) updates: HashMap<u64, Rc<Vec<u8>>>,
+    /// Where the snapshot is kept (IndexedDB under the manifest's key), if the browser allows.
+    pub(crate) store: Option<(Rc<ShardStore>, String)>,
+    /// A rebuilt row waiting until no step uses the shard.
+    pub(crate) rebuilt: Option<Joined>,
     /// The shard as a blob at one version, for peers that download it.
     pub(crate) snapshot: holder::Snapshot,
     /// Updates each peer handed over lately.
@@ -192,6 +208,95 @@ impl Holding {
     }
 }
 
+impl Holding {
+    /// Folds the updates kept since the snapshot into a new one once they are due (while no
+    /// step uses the shard): the shard as it is now goes to IndexedDB, their payloads are
+    /// dropped. Returns the saving to run, if any.
+    pub(crate) fn fold_if_due(
+        &mut self,
+    ) -> Option<impl std::future::Future<Output = ()> + 'static> {
+        let size = |updates: &HashMap<u64, Rc<Vec<u8>>>, id| {
+            updates.get(&id).map_or(0, |b| b.len() as u64)
+        };
+        let since: u64 = self
+            .state
+            .version
+            .since()
+            .map(|id| size(&self.updates, id))
+            .sum();
+        let shard_bytes = self.state.member.shards().bytes() as u64;
+        if !self.state.version.fold_due(since, shard_bytes) {
+            return None;
+        }
+        let state = Rc::get_mut(&mut self.state)?;
+        let blob = match holder::shard_to_blob(state.member.shards()) {
+            Ok(blob) => blob,
+            Err(e) => {
+                tracing::warn!("could not make a snapshot: {e}");
+                return None;
+            }
+        };
+        let folded: Vec<u64> = state.version.since().collect();
+        state.version.fold(folded.iter().copied());
+        // The latest folded payloads stay for peers a little behind, within the budget.
+        for id in state
+            .version
+            .to_release(shard_bytes, 0, |id| size(&self.updates, id))
+        {
+            state.version.release(id);
+            self.updates.remove(&id);
+        }
+        tracing::info!(
+            folded = folded.len(),
+            "folded the kept updates into a snapshot"
+        );
+        let save = self.save(blob);
+        Some(save)
+    }
+
+    /// Takes the rebuilt row in place of the shard, if one waits and no step uses the shard;
+    /// returns the saving of its snapshot to run.
+    pub(crate) fn take_rebuilt(
+        &mut self,
+    ) -> Option<impl std::future::Future<Output = ()> + 'static> {
+        self.rebuilt.as_ref()?;
+        let state = Rc::get_mut(&mut self.state)?;
+        let joined = self.rebuilt.take()?;
+        let mut version = joined.version;
+        version.fold_all();
+        if let Err(e) = state.replace(joined.shard, version, joined.norms) {
+            tracing::warn!("could not take the rebuilt row: {e}");
+            return None;
+        }
+        self.updates.clear();
+        self.source = joined.how;
+        tracing::info!(source = %self.source, "rebuilt the row");
+        Some(self.save(joined.blob))
+    }
+
+    /// Saves `blob` (the shard at the state's version, every update in it) as the snapshot.
+    fn save(&self, blob: Vec<u8>) -> impl std::future::Future<Output = ()> + 'static {
+        let store = self.store.clone();
+        let meta = StoredRow {
+            row: self.row,
+            version: self.state.version.clone(),
+            norms: self.state.norms.clone(),
+        };
+        async move {
+            let Some((store, key)) = store else {
+                return;
+            };
+            let saved = match protocol::encode(&meta) {
+                Ok(meta) => store.save(&key, &meta, &blob).await.map_err(mesh_err),
+                Err(e) => Err(mesh_err(e)),
+            };
+            if let Err(e) = saved {
+                tracing::warn!("could not keep the snapshot in this browser: {e}");
+            }
+        }
+    }
+}
+
 impl BrowserNode {
     /// Takes a row of the code: from this browser's storage when it kept one for this model,
     /// else from the mesh (a genesis shard, or re-encoded from k rows), with progress in the
@@ -242,7 +347,7 @@ impl BrowserNode {
         let manifest = ModelManifest::from_bytes(&bytes).map_err(mesh_err)?;
         let key = hex(&manifest.digest().map_err(mesh_err)?);
         let store = match ShardStore::open().await {
-            Ok(s) => Some(s),
+            Ok(s) => Some(Rc::new(s)),
             Err(e) => {
                 tracing::warn!("no browser storage, the shard will not survive a reload: {e}");
                 None
@@ -258,14 +363,16 @@ impl BrowserNode {
                                 row = shard.node,
                                 "the shard from this browser's storage"
                             );
-                            return Ok(Holding::open(
+                            let mut holding = Holding::open(
                                 manifest,
                                 bytes,
                                 shard,
                                 version,
                                 norms,
                                 "browser storage".into(),
-                            ));
+                            );
+                            holding.store = Some((store.clone(), key));
+                            return Ok(holding);
                         }
                         Err(e) => {
                             tracing::warn!("the stored shard is unusable ({e}); downloading again")
@@ -288,24 +395,11 @@ impl BrowserNode {
         } = holder::join(self, &bootstrap, &manifest)
             .await
             .map_err(mesh_err)?;
-        if let Some(store) = &store {
-            self.progress("saving the shard in this browser", 0, 0);
-            let meta = StoredRow {
-                row: shard.node as u32,
-                version: version.ids().collect(),
-                norms: norms.clone(),
-            };
-            let saved = match protocol::encode(&meta) {
-                Ok(meta) => store.save(&key, &meta, &blob).await.map_err(mesh_err),
-                Err(e) => Err(mesh_err(e)),
-            };
-            if let Err(e) = saved {
-                tracing::warn!("could not keep the shard in this browser: {e}");
-            }
-        }
-        Ok(Holding::open(
-            manifest, bytes, shard, version, norms, source,
-        ))
+        let mut holding = Holding::open(manifest, bytes, shard, version, norms, source);
+        holding.store = store.map(|s| (s, key));
+        self.progress("saving the shard in this browser", 0, 0);
+        holding.save(blob).await;
+        Ok(holding)
     }
 
     /// A chained piece of someone else's row ([`node_core::chain`]): the running sum of the
@@ -318,24 +412,31 @@ impl BrowserNode {
         .await
     }
 
-    /// The payloads of every update `peer` applied and `have` lacks, in its order.
-    pub(crate) async fn missing_updates(
+    /// What catching up with `peer` brings a holder at `have`: the payloads of the updates the
+    /// peer keeps and it lacks, or the version to rebuild the row at when those cannot reach
+    /// the peer's.
+    pub(crate) async fn catch_up(
         &self,
         peer: PeerId,
         have: &ShardVersion,
-    ) -> Result<Vec<Vec<u8>>, WebError> {
-        let mut out = Vec::new();
-        for id in holder::missing_update_ids(self, &peer, have)
+    ) -> Result<CaughtUp, WebError> {
+        let ids = match holder::plan_with(self, &peer, have)
             .await
             .map_err(mesh_err)?
         {
+            (CatchUp::Nothing, _) => return Ok(CaughtUp::Updates(Vec::new())),
+            (CatchUp::Rebuild, theirs) => return Ok(CaughtUp::Behind(theirs.digest())),
+            (CatchUp::Replay(ids), _) => ids,
+        };
+        let mut out = Vec::new();
+        for id in ids {
             out.push(
                 holder::fetch_update(self, &peer, id)
                     .await
                     .map_err(mesh_err)?,
             );
         }
-        Ok(out)
+        Ok(CaughtUp::Updates(out))
     }
 }
 
@@ -351,10 +452,9 @@ fn restore(
     if !meta.norms.fits(&manifest.cfg) {
         return Err(mesh_err("the stored norm gains do not fit the model"));
     }
-    let mut version = ShardVersion::default();
-    meta.version.into_iter().for_each(|id| {
-        version.insert(id);
-    });
+    // The payloads it kept were in this page's memory only.
+    let mut version = meta.version;
+    version.fold_all();
     Ok((shard, version, meta.norms))
 }
 
@@ -441,6 +541,7 @@ impl Holding {
         Self {
             rules: Rules::of(&manifest),
             manifest_bytes: Rc::new(manifest_bytes),
+            manifest: Rc::new(manifest),
             state: Rc::new(ShardState {
                 member,
                 version,
@@ -451,6 +552,8 @@ impl Holding {
             device,
             source,
             updates: HashMap::new(),
+            store: None,
+            rebuilt: None,
             snapshot: holder::Snapshot::default(),
             limit: LearnLimit::default(),
             steps: 0,

@@ -170,8 +170,10 @@ pub(crate) enum Command {
         to: AnswerTo,
         response: MeshResponse,
     },
-    /// Updates fetched from a peer this node lagged behind.
-    CaughtUp(Result<Vec<Vec<u8>>, String>),
+    /// What a catch-up with a peer this node lagged behind brought.
+    CaughtUp(Result<crate::holder::CaughtUp, String>),
+    /// The row rebuilt at a peer's version (the peer folded updates this node lacked).
+    Rebuilt(Result<Box<node_core::holder::Joined>, String>),
     /// A step asked on a leader's session.
     Step {
         version: [u8; 32],
@@ -660,15 +662,36 @@ impl Task {
                 respond_later(self.node.clone(), AnswerTo::Session(reply), work)
             }
             Command::CaughtUp(got) => {
+                let behind = match got {
+                    Ok(crate::holder::CaughtUp::Updates(updates)) => {
+                        self.learning
+                            .extend(updates.into_iter().map(|bytes| (bytes, None)));
+                        None
+                    }
+                    Ok(crate::holder::CaughtUp::Behind(version)) => Some(version),
+                    Err(e) => {
+                        tracing::warn!("catching up: {e}");
+                        None
+                    }
+                };
+                match behind {
+                    Some(version) => self.rebuild(version),
+                    None => {
+                        if let Some(h) = self.holding.as_mut() {
+                            h.syncing = false;
+                        }
+                    }
+                }
+            }
+            Command::Rebuilt(got) => {
                 if let Some(h) = self.holding.as_mut() {
                     h.syncing = false;
+                    match got {
+                        Ok(joined) => h.rebuilt = Some(*joined),
+                        Err(e) => tracing::warn!("rebuilding the row: {e}"),
+                    }
                 }
-                match got {
-                    Ok(updates) => self
-                        .learning
-                        .extend(updates.into_iter().map(|bytes| (bytes, None))),
-                    Err(e) => tracing::warn!("catching up: {e}"),
-                }
+                self.apply_learning();
             }
         }
     }
@@ -700,13 +723,46 @@ impl Task {
         Driver::respond(&mut self.swarm, channel, response)
     }
 
-    /// Applies waiting updates while no step uses the shard.
+    /// Rebuilds the row at `version`, which a peer is at and which the updates it keeps cannot
+    /// reach: a copy from another holder of the row, else along a chain of k rows.
+    fn rebuild(&mut self, version: [u8; 32]) {
+        let (Some(view), Some(h)) = (self.view.as_ref(), self.holding.as_mut()) else {
+            return;
+        };
+        let offer = view.rebuild_offer(version);
+        if offer == node_core::mesh::JoinOffer::Full {
+            tracing::info!("behind what the mesh keeps, and no holders at its version yet");
+            h.syncing = false;
+            return;
+        }
+        tracing::info!(
+            row = h.row,
+            "behind what the peers keep: rebuilding the row"
+        );
+        let node = self.node.clone();
+        let manifest = h.manifest.clone();
+        wasm_bindgen_futures::spawn_local(async move {
+            let boot = node.bootstrap();
+            let got = holder::obtain(&node, &boot, &manifest, offer)
+                .await
+                .map(Box::new)
+                .map_err(|e| e.to_string());
+            let _ = node.send(Command::Rebuilt(got)).await;
+        });
+    }
+
+    /// Applies waiting updates (and a rebuilt row) while no step uses the shard, then folds
+    /// the kept updates into a snapshot when they are due.
     fn apply_learning(&mut self) {
         let Some(h) = self.holding.as_mut() else {
             self.learning.clear();
             return;
         };
         let mut changed = false;
+        if let Some(save) = h.take_rebuilt() {
+            wasm_bindgen_futures::spawn_local(save);
+            changed = true;
+        }
         let mut receipts = Vec::new();
         while let Some((bytes, channel)) = self.learning.pop_front() {
             let answer = match h.learn(&bytes) {
@@ -732,6 +788,9 @@ impl Task {
             if let Some(channel) = channel {
                 receipts.push((channel, answer));
             }
+        }
+        if changed && let Some(save) = h.fold_if_due() {
+            wasm_bindgen_futures::spawn_local(save);
         }
         for (channel, answer) in receipts {
             self.respond(channel, answer);
@@ -791,10 +850,7 @@ impl Task {
         h.syncing = true;
         let (node, have) = (self.node.clone(), h.state.version.clone());
         wasm_bindgen_futures::spawn_local(async move {
-            let got = node
-                .missing_updates(peer, &have)
-                .await
-                .map_err(|e| e.to_string());
+            let got = node.catch_up(peer, &have).await.map_err(|e| e.to_string());
             let _ = node.send(Command::CaughtUp(got)).await;
         });
     }

@@ -59,6 +59,13 @@ pub struct Shard {
     pub cols: usize,
     /// `m·L × cols` values, row-major.
     pub values: ShardValues,
+    /// What rounding the values to f32 left out of the learning updates applied so far, per
+    /// value (compensated summation; empty until the first update). Kept in memory only:
+    /// without it each update's rounding would add up over the shard's history, and the rows
+    /// of the code, each rounded its own way, would drift apart until the residual check
+    /// failed honest members.
+    #[serde(skip)]
+    pub carry: Vec<f32>,
 }
 
 impl Shard {
@@ -75,6 +82,7 @@ impl Shard {
             block_len: g.block_len(m.rows),
             cols: m.cols,
             values: ShardValues::from_f32(data, format),
+            carry: Vec::new(),
         })
     }
 
@@ -187,6 +195,7 @@ impl Shard {
             block_len: first.block_len,
             cols: first.cols,
             values: ShardValues::from_f32(data, format),
+            carry: Vec::new(),
         })
     }
 

@@ -1,34 +1,40 @@
 //! Catching up: the learning updates a peer applied that this holder lacks, fetched over the
 //! holder's [`Link`]; written once for the native and the browser node, which apply them their
-//! own way (the native node as each arrives, the browser once no step uses its shard).
+//! own way (the native node as each arrives, the browser once no step uses its shard). A holder
+//! further behind than the peer's oldest kept update rebuilds its row instead
+//! ([`crate::mesh::plan_catch_up`], [`super::rebuild`]).
 
 use super::join::fetch_pieces;
 use super::{HolderError, Link, MAX_UPDATE_BYTES, describe, update_chunk_request};
-use crate::mesh::{Heartbeat, MeshRequest, MeshResponse, ShardVersion};
+use crate::mesh::{CatchUp, Heartbeat, MeshRequest, MeshResponse, ShardVersion, plan_catch_up};
 
-/// Whether a peer announcing `theirs` holds updates of the same model that a holder announcing
-/// `ours` lacks (the peer is at another version, and not behind).
+/// Whether a peer announcing `theirs` may hold updates of the same model that a holder
+/// announcing `ours` lacks (the peer is at another version, and not behind).
 pub fn worth_catching_up(ours: &Heartbeat, theirs: &Heartbeat) -> bool {
     theirs.model == ours.model
         && theirs.version_digest != ours.version_digest
         && theirs.version_count >= ours.version_count
 }
 
-/// The ids of the updates `peer` applied and `have` lacks, in `peer`'s order.
-pub async fn missing_update_ids<L: Link>(
-    link: &L,
-    peer: &L::Peer,
-    have: &ShardVersion,
-) -> Result<Vec<u64>, HolderError> {
+/// `peer`'s version.
+pub async fn version_of<L: Link>(link: &L, peer: &L::Peer) -> Result<ShardVersion, HolderError> {
     match link.ask(peer, MeshRequest::Versions).await? {
-        MeshResponse::Versions { ids } => {
-            Ok(ids.into_iter().filter(|id| !have.contains(*id)).collect())
-        }
+        MeshResponse::Versions(v) => Ok(v),
         other => Err(HolderError::Download(format!(
-            "asked {peer} for its versions, got a {}",
+            "asked {peer} for its version, got a {}",
             describe(&other)
         ))),
     }
+}
+
+/// What a holder at `have` does to catch up with `peer`, and the peer's version.
+pub async fn plan_with<L: Link>(
+    link: &L,
+    peer: &L::Peer,
+    have: &ShardVersion,
+) -> Result<(CatchUp, ShardVersion), HolderError> {
+    let theirs = version_of(link, peer).await?;
+    Ok((plan_catch_up(have, &theirs), theirs))
 }
 
 /// Update `id`'s payload from `peer`, piece by piece (at most [`MAX_UPDATE_BYTES`]).

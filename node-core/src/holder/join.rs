@@ -100,6 +100,19 @@ pub async fn join<L: Link>(
             )));
         }
     };
+    obtain(link, bootstrap, manifest, offer).await
+}
+
+/// Obtains the row `offer` names: a genesis shard from `bootstrap` (the node that offered
+/// it), a row built along a chain, or a replica copied from one of its holders. A holder that
+/// fell behind what its peers keep rebuilds its own row the same way
+/// ([`crate::mesh::MeshView::rebuild_offer`]).
+pub async fn obtain<L: Link>(
+    link: &L,
+    bootstrap: &L::Peer,
+    manifest: &ModelManifest,
+    offer: JoinOffer,
+) -> Result<Joined, HolderError> {
     match offer {
         JoinOffer::Genesis { row } => {
             let what = format!("row {row} from {bootstrap}");

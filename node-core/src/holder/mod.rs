@@ -7,8 +7,8 @@ mod catchup;
 mod join;
 mod serve;
 
-pub use catchup::{fetch_update, missing_update_ids, worth_catching_up};
-pub use join::{Joined, Link, answer_chain, join, source_error, source_peer};
+pub use catchup::{fetch_update, plan_with, version_of, worth_catching_up};
+pub use join::{Joined, Link, answer_chain, join, obtain, source_error, source_peer};
 pub use serve::{
     Held, LEARN_PER_MINUTE, LearnLimit, Route, Snapshot, ViewQuery, answer_view, chain, contribute,
     receipt, route, step, step_async,
@@ -96,6 +96,28 @@ impl ShardState {
         update.apply_to_norms(&mut self.norms);
         self.version.insert(id);
         Ok(true)
+    }
+
+    /// Takes a rebuilt row in place of the shard ([`obtain`]): its values, the version they
+    /// are at and the norm gains there.
+    pub fn replace(
+        &mut self,
+        shard: ShardSet,
+        version: ShardVersion,
+        norms: LeaderWeights,
+    ) -> Result<(), HolderError> {
+        let row = self.member.shards().node;
+        if shard.node != row {
+            return Err(HolderError::Mismatch(format!(
+                "a rebuilt row {} cannot replace row {row}",
+                shard.node
+            )));
+        }
+        *self.member.shards_mut() = shard;
+        self.member.sync_gpu()?;
+        self.version = version;
+        self.norms = norms;
+        Ok(())
     }
 
     /// Why a step at `version` cannot be computed here, if it cannot.
@@ -211,7 +233,8 @@ pub fn check_shard(
 
 /// The version and norm gains of a shard copied or re-encoded from a source whose blob was at
 /// `at`, from that source's answers to [`MeshRequest::Norms`] and [`MeshRequest::Versions`]:
-/// both must still be at `at`.
+/// both must still be at `at`. The updates the source kept are folded: they are inside the
+/// copied shard, and this node has none of their payloads.
 pub fn version_from_source(
     at: [u8; 32],
     norms: MeshResponse,
@@ -229,21 +252,18 @@ pub fn version_from_source(
             "the source's norm gains are not at the shard's version; try again".into(),
         ));
     }
-    let MeshResponse::Versions { ids } = versions else {
+    let MeshResponse::Versions(mut applied) = versions else {
         return Err(HolderError::Download(format!(
             "asked for versions, got {}",
             describe(&versions)
         )));
     };
-    let mut applied = ShardVersion::default();
-    ids.into_iter().for_each(|id| {
-        applied.insert(id);
-    });
     if applied.digest() != at {
         return Err(HolderError::Download(
             "the source's version moved while this node copied its row; try again".into(),
         ));
     }
+    applied.fold_all();
     Ok((applied, norms))
 }
 

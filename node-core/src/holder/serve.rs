@@ -141,9 +141,7 @@ pub fn route<P: Hash + Eq + Clone>(
             version: held.state.version.digest(),
             norms: held.state.norms.clone(),
         }),
-        MeshRequest::Versions => answer(MeshResponse::Versions {
-            ids: held.state.version.ids().collect(),
-        }),
+        MeshRequest::Versions => answer(MeshResponse::Versions(held.state.version.clone())),
         MeshRequest::Chunk { row, offset, len } => {
             let len = len.min(MAX_CHUNK_BYTES);
             match held.genesis.get(&row) {
@@ -158,9 +156,13 @@ pub fn route<P: Hash + Eq + Clone>(
             }
         }
         MeshRequest::UpdateChunk { id, offset, len } => {
-            if held.state.version.contains(id) {
+            if held.state.version.keeps(id) {
                 let len = len.min(MAX_CHUNK_BYTES);
                 Route::UpdatePiece { id, offset, len }
+            } else if held.state.version.contains(id) {
+                error(format!(
+                    "update {id:016x} is folded into this node's snapshot: its payload is no longer kept"
+                ))
             } else {
                 error(format!("update {id:016x} is not applied here"))
             }

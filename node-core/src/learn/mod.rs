@@ -378,17 +378,25 @@ impl Update {
                 }
                 None => vec![w.lm_head.as_mut().unwrap_or(&mut w.embed)],
             };
+            // Each value moves by one sum over the factors' rows, computed in f64 and rounded
+            // once, as a shard's values do (`apply_factor`).
+            let step = f64::from(self.step);
             for (m, dy) in mats.into_iter().zip(dys) {
-                for tok in 0..t {
-                    let xr = &x[tok * m.cols..(tok + 1) * m.cols];
-                    for r in 0..m.rows {
-                        let a = self.step * dy[tok * m.rows + r];
+                let mut delta = vec![0.0f64; m.cols];
+                for r in 0..m.rows {
+                    delta.iter_mut().for_each(|d| *d = 0.0);
+                    for tok in 0..t {
+                        let a = f64::from(dy[tok * m.rows + r]);
                         if a != 0.0 {
-                            for (v, &xv) in m.data[r * m.cols..(r + 1) * m.cols].iter_mut().zip(xr)
-                            {
-                                *v -= a * xv;
-                            }
+                            let xr = &x[tok * m.cols..(tok + 1) * m.cols];
+                            delta
+                                .iter_mut()
+                                .zip(xr)
+                                .for_each(|(d, &xv)| *d += a * f64::from(xv));
                         }
+                    }
+                    for (v, d) in m.data[r * m.cols..(r + 1) * m.cols].iter_mut().zip(&delta) {
+                        *v = (f64::from(*v) - step * d) as f32;
                     }
                 }
             }
@@ -466,7 +474,10 @@ fn sub(v: &mut [f32], d: &[f32], step: f32) {
     v.iter_mut().zip(d).for_each(|(a, &b)| *a -= step * b);
 }
 
-/// `S_s −= step · (Σ_j c[s][j]·dY_j)ᵀ·X` for every sub-block `s` of one shard.
+/// `S_s −= step · (Σ_j c[s][j]·dY_j)ᵀ·X` for every sub-block `s` of one shard. Each value
+/// changes by one sum over the factors' rows, computed in f64 and added with the shard's carry
+/// (compensated summation), so a value is within one rounding of the exact sum of every update
+/// it took, however many: the rows of the code stay one codeword.
 #[allow(clippy::too_many_arguments)]
 fn apply_factor(
     shard: &mut Shard,
@@ -487,27 +498,53 @@ fn apply_factor(
     let ShardValues::F32(values) = &mut shard.values else {
         return Err(CodedError::BadRequest("learning needs f32 shards".into()));
     };
-    let mut coded = vec![0.0f64; l];
+    if shard.carry.len() != values.len() {
+        shard.carry = vec![0.0; values.len()];
+    }
+    let step = f64::from(step);
+    // The coded output gradient of each position for one sub-block: `coded[tok·l + r]`.
+    let mut coded = vec![0.0f64; t * l];
+    let mut delta = vec![0.0f64; cols];
     for s in 0..m {
+        coded.iter_mut().for_each(|c| *c = 0.0);
         for tok in 0..t {
-            // The coded output gradient of this sub-block for one position.
-            coded.iter_mut().for_each(|c| *c = 0.0);
+            let row = &mut coded[tok * l..(tok + 1) * l];
             for j in 0..km {
                 let c = coeffs[s * km + j];
                 let first = j * l;
-                for (r, acc) in coded.iter_mut().enumerate() {
+                for (r, acc) in row.iter_mut().enumerate() {
                     if first + r < out {
-                        *acc += c * dy[tok * out + first + r] as f64;
+                        *acc += c * f64::from(dy[tok * out + first + r]);
                     }
                 }
             }
-            let xr = &x[tok * cols..(tok + 1) * cols];
-            for (r, &a) in coded.iter().enumerate() {
-                let a = step * a as f32;
+        }
+        for r in 0..l {
+            delta.iter_mut().for_each(|d| *d = 0.0);
+            let mut touched = false;
+            for tok in 0..t {
+                let a = coded[tok * l + r];
                 if a != 0.0 {
-                    let row = &mut values[(s * l + r) * cols..(s * l + r + 1) * cols];
-                    row.iter_mut().zip(xr).for_each(|(v, &xv)| *v -= a * xv);
+                    touched = true;
+                    let xr = &x[tok * cols..(tok + 1) * cols];
+                    delta
+                        .iter_mut()
+                        .zip(xr)
+                        .for_each(|(d, &xv)| *d += a * f64::from(xv));
                 }
+            }
+            if !touched {
+                continue;
+            }
+            let at = (s * l + r) * cols..(s * l + r + 1) * cols;
+            for ((v, c), d) in values[at.clone()]
+                .iter_mut()
+                .zip(&mut shard.carry[at])
+                .zip(&delta)
+            {
+                let exact = f64::from(*v) + f64::from(*c) - step * d;
+                *v = exact as f32;
+                *c = (exact - f64::from(*v)) as f32;
             }
         }
     }

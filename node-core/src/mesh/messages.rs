@@ -380,7 +380,7 @@ pub enum MeshRequest {
         /// The encoded step.
         bytes: Vec<u8>,
     },
-    /// The ids of every update the answering node has applied.
+    /// The answering node's version: its snapshot's folded updates and the ids kept since.
     Versions,
     /// A piece of an update's payload (an encoded [`crate::learn::Update`]).
     UpdateChunk {
@@ -433,11 +433,8 @@ pub enum MeshResponse {
         /// Microseconds the member spent computing.
         compute_us: u64,
     },
-    /// Applied update ids and the version they make.
-    Versions {
-        /// The ids, ascending.
-        ids: Vec<u64>,
-    },
+    /// The node's version: the updates folded into its snapshot and those kept since.
+    Versions(crate::mesh::ShardVersion),
     /// A learning update was taken: its id and the node's version count after it.
     Learned {
         /// The update's id.

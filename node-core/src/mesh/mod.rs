@@ -19,7 +19,10 @@ pub use messages::{
 pub use round::{
     GroupPlan, MemberPool, RoundConfig, RoundDriver, RoundError, pick_holders, plan_group,
 };
-pub use version::ShardVersion;
+pub use version::{
+    CatchUp, FOLD_SHARE, Folded, KEEP_SHARE, MAX_KEPT, MAX_SINCE, RECENT_FOLDED, SetHash,
+    ShardVersion, VersionError, plan_catch_up,
+};
 pub use view::{MeshEvent, MeshView};
 
 /// Errors of the mesh state machines.

@@ -424,6 +424,41 @@ impl<P: Ord + Clone + Display> MeshView<P> {
         self.reserve(offer, joiner, now)
     }
 
+    /// How this node can rebuild its own row at `version` (a peer's, which it fell behind):
+    /// a copy from another usable holder of the row at that version, else a chain of k other
+    /// rows at it; [`JoinOffer::Full`] while neither exists.
+    pub fn rebuild_offer(&self, version: [u8; 32]) -> JoinOffer {
+        let Some(row) = self.local.row else {
+            return JoinOffer::Full;
+        };
+        let mut rows: BTreeMap<u32, Vec<P>> = BTreeMap::new();
+        for (p, hb, h) in self.all() {
+            if let (true, Some(r), true) = (
+                self.usable(p, h) && *p != self.me,
+                hb.row,
+                hb.version_digest == version,
+            ) {
+                rows.entry(r).or_default().push(p.clone());
+            }
+        }
+        rows.values_mut().for_each(|peers| peers.sort());
+        if let Some(peers) = rows.remove(&row) {
+            return JoinOffer::Replica {
+                row,
+                holders: peers.iter().map(|p| self.source(row, p)).collect(),
+            };
+        }
+        if rows.len() < self.k as usize {
+            return JoinOffer::Full;
+        }
+        let sources = rows
+            .iter()
+            .take(self.k as usize)
+            .filter_map(|(r, peers)| Some(self.source(*r, peers.first()?)))
+            .collect();
+        JoinOffer::Reencode { row, sources }
+    }
+
     /// Holds the row of `offer` for `joiner` (nothing for [`JoinOffer::Full`]); the offer.
     fn reserve(&mut self, offer: JoinOffer, joiner: P, now: Instant) -> JoinOffer {
         let (row, replica) = match &offer {
@@ -796,6 +831,50 @@ mod tests {
                 );
             }
             other => panic!("expected a re-encode offer, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_holder_behind_rebuilds_from_a_replica_else_from_k_other_rows_at_the_version() {
+        let t0 = Instant::now();
+        let cfg = HealthConfig::default();
+        let ahead = |row| Heartbeat {
+            version_count: 40,
+            version_digest: [9; 32],
+            ..hb(Some(row))
+        };
+        // This node holds row 0 at the genesis version; rows 1 and 2 are ahead, row 3 is not.
+        let mut v = MeshView::new(t0, 0u32, cfg, 2, (4, 4), "m".into(), hb(Some(0))).unwrap();
+        assert_eq!(
+            v.rebuild_offer([9; 32]),
+            JoinOffer::Full,
+            "nobody is there yet"
+        );
+        beat(&mut v, t0, t0, 1, ahead(1));
+        beat(&mut v, t0, t0, 3, hb(Some(3)));
+        assert_eq!(
+            v.rebuild_offer([9; 32]),
+            JoinOffer::Full,
+            "one row at the version, k = 2"
+        );
+        beat(&mut v, t0, t0, 2, ahead(2));
+        match v.rebuild_offer([9; 32]) {
+            JoinOffer::Reencode { row, sources } => {
+                assert_eq!(row, 0);
+                let rows: Vec<u32> = sources.iter().map(|s| s.row).collect();
+                assert_eq!(rows, vec![1, 2], "k other rows at the version, not row 3");
+            }
+            other => panic!("expected a chain, got {other:?}"),
+        }
+        // Another holder of row 0 at the version: copy it instead.
+        beat(&mut v, t0, t0, 7, ahead(0));
+        match v.rebuild_offer([9; 32]) {
+            JoinOffer::Replica { row, holders } => {
+                assert_eq!(row, 0);
+                assert_eq!(holders.len(), 1);
+                assert_eq!(holders[0].peer, "7");
+            }
+            other => panic!("expected a replica, got {other:?}"),
         }
     }
 

@@ -53,10 +53,7 @@ pub(super) async fn join(
         how,
         received,
     } = joined?;
-    let store = UpdateStore::open(&data)?;
-    store.save_base(&version, &norms)?;
-    store.save_version(&version)?;
-    data.save_shard_blob(&blob)?;
+    UpdateStore::open(&data)?.save_snapshot(&blob, &version, &norms)?;
     drop(blob);
     eprintln!(
         "joined as row {} ({how}): received {:.1} MiB ({received} bytes; the row's shard holds {}) in {:.1} s",

@@ -13,7 +13,8 @@ use node_core::coded::Member;
 use node_core::compute::gpu::{DeviceChoice, Gpu};
 use node_core::holder::{self, Held, LearnLimit, Link as _, Route, Snapshot};
 use node_core::mesh::{
-    BrowserBootstrap, Heartbeat, MeshEvent, MeshRequest, MeshResponse, MeshView, Usage,
+    BrowserBootstrap, Heartbeat, MeshEvent, MeshRequest, MeshResponse, MeshView, ShardVersion,
+    Usage,
 };
 use node_core::protocol;
 
@@ -54,7 +55,7 @@ pub(super) async fn run_server(
     let restore_rules = rules.clone();
     let genesis_norms = manifest.leader.clone();
     let mut state = tokio::task::spawn_blocking(move || {
-        restore_store.restore(Member::new(shard), &restore_rules, &genesis_norms)
+        restore_store.restore(shard, &restore_rules, &genesis_norms)
     })
     .await
     .map_err(|e| anyhow!("{e}"))??;
@@ -198,6 +199,8 @@ pub(super) async fn run_server(
         snapshot: Arc::new(Mutex::new(Snapshot::default())),
         internal_tx,
         syncing: false,
+        folding: false,
+        manifest: Arc::new(manifest),
         metrics,
     }
     .run(inbound, internal_rx, info_rx)
@@ -220,7 +223,12 @@ struct Server {
     /// This node's shard as a blob at one version, while a peer downloads it.
     snapshot: Arc<Mutex<Snapshot>>,
     internal_tx: tokio::sync::mpsc::Sender<Internal>,
+    /// A catch-up with a peer (or a rebuild after one) is running.
     syncing: bool,
+    /// A fold of the kept updates into a new snapshot is running.
+    folding: bool,
+    /// The mesh's manifest (a rebuild obtains the row as a joiner would).
+    manifest: Arc<node_core::mesh::ModelManifest>,
     /// What `/metrics` reports.
     metrics: crate::metrics::Metrics,
 }
@@ -270,18 +278,46 @@ impl Server {
                 let version = read(&self.state).version.clone();
                 self.store.save_version(&version)?;
                 self.metrics.updates_applied.inc();
-                let mut local = self.view.local().clone();
-                local.version_count = version.count();
-                local.version_digest = version.digest();
-                self.view.set_local(local);
-                self.view.handle_timeout(Instant::now());
+                self.announce_version(&version);
                 tracing::info!(
                     id = format!("{id:016x}"),
                     count = version.count(),
                     "applied an update"
                 );
+                self.maybe_fold(&version);
             }
-            Internal::SyncDone => self.syncing = false,
+            Internal::SyncDone(None) => self.syncing = false,
+            Internal::SyncDone(Some((peer, version))) => self.rebuild(peer, version),
+            Internal::Rebuilt(result) => {
+                self.syncing = false;
+                match result {
+                    Ok(how) => {
+                        let version = read(&self.state).version.clone();
+                        self.announce_version(&version);
+                        eprintln!(
+                            "rebuilt row {} at version {} ({} updates): {how}",
+                            self.row,
+                            hex8(&version.digest()),
+                            version.count()
+                        );
+                    }
+                    Err(e) => tracing::warn!("rebuilding the row: {e:#}"),
+                }
+            }
+            Internal::Folded(result) => {
+                self.folding = false;
+                match result {
+                    Ok(n) => {
+                        self.metrics.snapshots.inc();
+                        let count = read(&self.state).version.count();
+                        eprintln!(
+                            "saved a snapshot of row {} at {count} updates ({n} folded into it)",
+                            self.row
+                        );
+                    }
+                    Err(e) => tracing::warn!("saving a snapshot: {e:#}"),
+                }
+            }
             Internal::Served(usage) => self.view.add_usage(&usage),
             Internal::Caught { peer, evidence } => {
                 let text = format!(
@@ -292,6 +328,81 @@ impl Server {
             }
         }
         Ok(())
+    }
+
+    /// Announces the shard's version in this node's heartbeats from now on.
+    fn announce_version(&mut self, version: &ShardVersion) {
+        let mut local = self.view.local().clone();
+        local.version_count = version.count();
+        local.version_digest = version.digest();
+        self.view.set_local(local);
+        self.view.handle_timeout(Instant::now());
+    }
+
+    /// Folds the kept updates into a new snapshot once they are due, on the blocking pool.
+    fn maybe_fold(&mut self, version: &ShardVersion) {
+        if self.folding || !self.store.fold_due(version) {
+            return;
+        }
+        self.folding = true;
+        let (state, store, tx) = (
+            self.state.clone(),
+            self.store.clone(),
+            self.internal_tx.clone(),
+        );
+        tokio::spawn(async move {
+            let folded = tokio::task::spawn_blocking(move || store.fold(&state))
+                .await
+                .map_err(|e| anyhow!("{e}"))
+                .and_then(|r| r);
+            let _ = tx.send(Internal::Folded(folded)).await;
+        });
+    }
+
+    /// Rebuilds this node's row at `version`, which `peer` is at and which the updates it
+    /// still keeps cannot reach: a copy from another holder of the row, else along a chain.
+    fn rebuild(&mut self, peer: PeerId, version: [u8; 32]) {
+        let offer = self.view.rebuild_offer(version);
+        if offer == node_core::mesh::JoinOffer::Full {
+            tracing::info!(
+                %peer,
+                "behind the updates the mesh keeps, and no holders at its version to rebuild from yet"
+            );
+            self.syncing = false;
+            return;
+        }
+        eprintln!(
+            "row {} is behind what its peers keep: rebuilding it at version {}",
+            self.row,
+            hex8(&version)
+        );
+        let (client, state, store, tx, manifest) = (
+            self.client.clone(),
+            self.state.clone(),
+            self.store.clone(),
+            self.internal_tx.clone(),
+            self.manifest.clone(),
+        );
+        tokio::spawn(async move {
+            let link = NativeLink::quiet(client);
+            let rebuilt = async {
+                let joined = holder::obtain(&link, &peer, &manifest, offer).await?;
+                let how = joined.how.clone();
+                tokio::task::spawn_blocking(move || -> Result<()> {
+                    store.save_snapshot(&joined.blob, &joined.version, &joined.norms)?;
+                    crate::row::write(&state).replace(
+                        joined.shard,
+                        joined.version,
+                        joined.norms,
+                    )?;
+                    Ok(())
+                })
+                .await
+                .map_err(|e| anyhow!("{e}"))??;
+                Ok::<_, anyhow::Error>(how)
+            };
+            let _ = tx.send(Internal::Rebuilt(rebuilt.await)).await;
+        });
     }
 
     fn on_event(&mut self, ev: MeshEvent<PeerId>) {
@@ -331,10 +442,14 @@ impl Server {
             self.internal_tx.clone(),
         );
         tokio::spawn(async move {
-            if let Err(e) = catch_up(&client, peer, &state, &store, &rules, &tx).await {
-                tracing::warn!(%peer, "catching up: {e:#}");
-            }
-            let _ = tx.send(Internal::SyncDone).await;
+            let behind = match catch_up(&client, peer, &state, &store, &rules, &tx).await {
+                Ok(behind) => behind.map(|version| (peer, version)),
+                Err(e) => {
+                    tracing::warn!(%peer, "catching up: {e:#}");
+                    None
+                }
+            };
+            let _ = tx.send(Internal::SyncDone(behind)).await;
         });
     }
 
