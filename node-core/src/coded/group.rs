@@ -2,10 +2,12 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
 use web_time::{Duration, Instant};
 
 use super::probe::UpdateProbe;
-use super::verify::{Caught, VerifyConfig, residual};
+use super::verify::{Caught, VerifyConfig, random_input, residual, transpose_residual};
 use super::{CodedError, Member, ShardFormat, ShardSet};
 use crate::code::{Decoder, Generator};
 use crate::model::{
@@ -192,6 +194,11 @@ pub struct ExecStats {
     pub probed_rounds: u64,
     /// Largest significance, in standard deviations, of a fit that convicted nobody.
     pub max_probe_sigmas: f64,
+    /// Backward rounds whose answers were checked against a forward round at a random input
+    /// (Freivalds' check; that forward round counts among `rounds` and `verified_rounds`).
+    pub checked_backward_rounds: u64,
+    /// Largest Freivalds residual of a backward answer that passed, over its threshold.
+    pub max_backward_pass_ratio: f64,
 }
 
 /// Attempts at one round before the request fails (each drops at least one bad member).
@@ -209,6 +216,9 @@ pub struct CodedGroup<T: Transport> {
     stats: ExecStats,
     verify: VerifyConfig,
     probe: Option<UpdateProbe>,
+    /// Draws the random inputs of backward checks; seeded from the OS, so members cannot
+    /// foresee them.
+    checks: ChaCha8Rng,
 }
 
 /// Answers of one round: `(node, values)`.
@@ -248,7 +258,14 @@ impl<T: Transport> CodedGroup<T> {
                 ..VerifyConfig::default()
             },
             probe: None,
+            checks: ChaCha8Rng::from_rng(&mut rand::rng()),
         })
+    }
+
+    /// Draws the random inputs of backward checks from `seed` (reproducible tests) instead of
+    /// the OS's entropy.
+    pub fn seed_checks(&mut self, seed: u64) {
+        self.checks = ChaCha8Rng::seed_from_u64(seed);
     }
 
     /// Fits the residuals of checked rounds against these learning updates, to catch members
@@ -262,7 +279,8 @@ impl<T: Transport> CodedGroup<T> {
         self.probe.as_ref()
     }
 
-    /// Checks every forward round with `cfg.extra` answers beyond the k decoded.
+    /// Checks every forward round with `cfg.extra` answers beyond the k decoded, and, when
+    /// `cfg.extra > 0`, every backward round by a forward round at a random input.
     pub fn set_verify(&mut self, cfg: VerifyConfig) {
         self.verify = cfg;
     }
@@ -318,13 +336,14 @@ impl<T: Transport> CodedGroup<T> {
     }
 
     /// Sends one request to the group and decodes the first k usable answers into
-    /// `[block j'][c]`, checked against `extra` more when verification is on.
+    /// `[block j'][c]`, checked against `extra` more when verification is on; also hands back
+    /// the answers that agree with the decode.
     async fn run(
         &mut self,
         req: &StepRequest,
         c: usize,
         what: &str,
-    ) -> Result<Vec<f32>, CodedError> {
+    ) -> Result<(Vec<f32>, Parts), CodedError> {
         use tracing::Instrument;
         self.transport.label(what);
         let span = tracing::debug_span!("coded_step", step = what);
@@ -336,7 +355,7 @@ impl<T: Transport> CodedGroup<T> {
         req: &StepRequest,
         c: usize,
         what: &str,
-    ) -> Result<Vec<f32>, CodedError> {
+    ) -> Result<(Vec<f32>, Parts), CodedError> {
         let bytes = protocol::encode(req)?;
         let k = self.generator.k();
         let want = (k + self.verify.extra).min(self.members.len()).max(k);
@@ -359,7 +378,7 @@ impl<T: Transport> CodedGroup<T> {
             out = again;
         }
         self.stats.decode_time += started.elapsed();
-        Ok(out)
+        Ok((out, parts))
     }
 
     /// The residuals of the answers beyond the first k (in order) against the decode of the
@@ -725,7 +744,7 @@ impl<T: Transport> CodedGroup<T> {
             t: t as u32,
             x: x.to_vec(),
         };
-        let decoded = self.run(&req, c, &format!("{stage:?}")).await?;
+        let (decoded, _) = self.run(&req, c, &format!("{stage:?}")).await?;
         let started = Instant::now();
         let blocks = self.generator.k() * self.generator.sub_blocks();
         let mut outputs = Vec::with_capacity(shapes.len());
@@ -751,7 +770,9 @@ impl<T: Transport> CodedGroup<T> {
     }
 
     /// `Σ_matrix dy_matrix · W_matrix` (`t × in`) for a stage, through the group: each of k
-    /// members multiplies its shards' transposes by its own `u_i = Σ_j H[j,i]·dy_j`.
+    /// members multiplies its shards' transposes by its own `u_i = Σ_j H[j,i]·dy_j`. With
+    /// checking on, the answers are checked ([`Self::check_backward`]) and the step is redone
+    /// without a member that fails.
     async fn linear_t_coded(
         &mut self,
         stage: Stage,
@@ -772,9 +793,10 @@ impl<T: Transport> CodedGroup<T> {
         let inp = shapes.first().map_or(0, |&(_, i)| i);
         let k = self.generator.k();
         let dy = to_blocks(dys, &shapes, &self.generator, t);
-        self.transport.label(&format!("{stage:?} backward"));
+        let what = format!("{stage:?} backward");
         let mut last_error = None;
         for _ in 0..MAX_ROUND_ATTEMPTS {
+            self.transport.label(&what);
             // The rows decoded last, if all are still members; else the first k members.
             let mut rows: Vec<usize> = self
                 .decoders
@@ -783,17 +805,20 @@ impl<T: Transport> CodedGroup<T> {
                 .filter(|r| r.iter().all(|n| self.members.contains(n)))
                 .unwrap_or_else(|| self.members.iter().copied().take(k).collect());
             rows.sort_unstable();
-            let us = self.decoder_for(&rows)?.transpose(&dy)?;
-            let requests = rows
+            let inputs: Parts = rows
                 .iter()
-                .zip(us)
-                .map(|(&node, u)| {
+                .copied()
+                .zip(self.decoder_for(&rows)?.transpose(&dy)?)
+                .collect();
+            let requests = inputs
+                .iter()
+                .map(|(node, u)| {
                     protocol::encode(&StepRequest::MatmulT {
                         stage,
                         t: t as u32,
-                        u,
+                        u: u.clone(),
                     })
-                    .map(|b| (node, b))
+                    .map(|b| (*node, b))
                 })
                 .collect::<Result<Vec<_>, _>>()?;
             let started = Instant::now();
@@ -811,17 +836,33 @@ impl<T: Transport> CodedGroup<T> {
             };
             self.stats.member_time += started.elapsed();
             self.stats.rounds += 1;
-            let mut sum = vec![0.0f32; t * inp];
+            let mut parts = Parts::with_capacity(answers.len());
             let mut bad = None;
             for (node, answer) in &answers {
                 self.stats.bytes_received += answer.len() as u64;
                 match parse_answer(*node, answer, t * inp) {
-                    Ok(v) => sum.iter_mut().zip(&v).for_each(|(a, &b)| *a += b),
+                    Ok(v) if rows.contains(node) && parts.iter().all(|(n, _)| n != node) => {
+                        parts.push((*node, v))
+                    }
+                    Ok(_) => {}
                     Err(e) => bad = Some((*node, e)),
                 }
             }
             match bad {
-                None if answers.len() == rows.len() => return Ok(sum),
+                None if parts.len() == rows.len() => {
+                    if self.verify.extra == 0
+                        || self.check_backward(stage, t, &inputs, &parts).await?
+                    {
+                        let mut sum = vec![0.0f32; t * inp];
+                        for (_, v) in &parts {
+                            sum.iter_mut().zip(v).for_each(|(a, &b)| *a += b);
+                        }
+                        return Ok(sum);
+                    }
+                    last_error = Some(CodedError::Verification(format!(
+                        "{what}: members kept failing the check"
+                    )));
+                }
                 None => {
                     last_error = Some(CodedError::Member {
                         node: usize::MAX,
@@ -844,6 +885,97 @@ impl<T: Transport> CodedGroup<T> {
         }))
     }
 
+    /// Freivalds' check of a backward round (docs/verification.md). Now that the answers
+    /// `a_i = S_iᵀ·u_i` are in (`inputs` holds each member's `u_i`), draws a random `r`, runs a
+    /// checked forward round of the stage at `x = r`, predicts each member's `S_i·r` from k
+    /// answers other than its own, and checks `r·a_i[τ] ≈ u_i[τ]·(S_i·r)` for every token τ
+    /// ([`transpose_residual`] within [`VerifyConfig::backward_threshold`]). A member that
+    /// fails is recorded in [`ExecStats::caught`] and dropped; returns whether all passed.
+    async fn check_backward(
+        &mut self,
+        stage: Stage,
+        t: usize,
+        inputs: &Parts,
+        answers: &Parts,
+    ) -> Result<bool, CodedError> {
+        let k = self.generator.k();
+        let shapes = stage.shapes(&self.cfg);
+        let inp = shapes.first().map_or(0, |&(_, i)| i);
+        let lens: Vec<usize> = shapes
+            .iter()
+            .map(|&(out, _)| self.generator.block_len(out))
+            .collect();
+        let c: usize = lens.iter().sum();
+        let r = random_input(&mut self.checks, inp);
+        let req = StepRequest::Matmul {
+            stage,
+            t: 1,
+            x: r.clone(),
+        };
+        let (_, forward) = self
+            .run(&req, c, &format!("{stage:?} backward check"))
+            .await?;
+        let started = Instant::now();
+        self.stats.checked_backward_rounds += 1;
+        let mut passed = true;
+        for (node, a) in answers {
+            let u = inputs
+                .iter()
+                .find(|(n, _)| n == node)
+                .map(|(_, u)| u.as_slice())
+                .ok_or_else(|| CodedError::Member {
+                    node: *node,
+                    reason: "answered a backward step it was not asked".into(),
+                })?;
+            // Its own forward answer must not vouch for its backward one: predict from k others
+            // where the round has them.
+            let others = forward.iter().filter(|(n, _)| n != node).count();
+            let mut refs: Vec<(usize, &[f32])> = forward
+                .iter()
+                .filter(|(n, _)| others < k || n != node)
+                .take(k)
+                .map(|(n, v)| (*n, v.as_slice()))
+                .collect();
+            let witnesses: Vec<usize> = refs.iter().map(|(n, _)| *n).collect();
+            refs.push((*node, &[]));
+            let (_, kappa, predicted) = self.decode_and_predict(&refs, c)?;
+            let p = predicted.first().map_or(&[][..], Vec::as_slice);
+            let threshold = self.verify.backward_threshold(kappa, p.len(), inp);
+            let res = transpose_residual(&r, a, u, p, &lens, t)?;
+            if res <= threshold {
+                let ratio = self.stats.max_backward_pass_ratio.max(res / threshold);
+                self.stats.max_backward_pass_ratio = ratio;
+                continue;
+            }
+            passed = false;
+            let step = format!("{stage:?} backward");
+            tracing::warn!(
+                node,
+                what = step,
+                residual = res,
+                threshold,
+                "caught a member answering a backward step against the code"
+            );
+            self.stats.caught.push(Caught {
+                node: *node,
+                step,
+                residual: res,
+                threshold,
+                witnesses,
+                missing_update: None,
+            });
+            self.members.retain(|n| n != node);
+            self.stats.members_dropped += 1;
+        }
+        // The backward rows stay the ones decoded last, so the next step uses them again.
+        let rows: Vec<usize> = inputs.iter().map(|(n, _)| *n).collect();
+        if passed {
+            self.decoder_for(&rows)?;
+        }
+        self.stats.decode_time += started.elapsed();
+        Ok(passed)
+    }
+
     async fn embed_coded(&mut self, tokens: &[u32]) -> Result<Vec<f32>, CodedError> {
         let (vocab, d) = (self.cfg.vocab, self.cfg.hidden);
         let l = self.generator.block_len(vocab);
@@ -852,7 +984,7 @@ impl<T: Transport> CodedGroup<T> {
         }
         let rows = tokens.iter().map(|&t| (t as usize % l) as u32).collect();
         let c = tokens.len() * d;
-        let decoded = self
+        let (decoded, _) = self
             .run(&StepRequest::EmbedRows { rows }, c, "embedding")
             .await?;
         let mut x = Vec::with_capacity(c);

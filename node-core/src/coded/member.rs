@@ -18,7 +18,17 @@ pub enum Misbehaviour {
         /// The row it really computes with.
         actual: usize,
     },
+    /// Answers forward products and embedding rows honestly and scales its transposed
+    /// (backward) products by 1 + [`SKEW`]: caught only by checking backward rounds.
+    BackwardOnly,
+    /// Answers transposed (backward) products honestly and scales its forward products and
+    /// embedding rows by 1 + [`SKEW`].
+    ForwardOnly,
 }
+
+/// The relative size of the lie of [`Misbehaviour::BackwardOnly`] and
+/// [`Misbehaviour::ForwardOnly`].
+pub const SKEW: f32 = 1e-3;
 
 /// Answers step requests from its shards.
 #[derive(Debug, Clone)]
@@ -26,7 +36,10 @@ pub struct Member {
     shards: ShardSet,
     /// The row it answers as (its shards' own unless it lies).
     row: usize,
-    garbage: Option<Arc<std::sync::atomic::AtomicU64>>,
+    /// How it lies, if it does.
+    lie: Option<Misbehaviour>,
+    /// The stream its garbage is drawn from (shared by clones).
+    garbage: Arc<std::sync::atomic::AtomicU64>,
     /// The GPU it computes products on, if any.
     device: Option<Arc<Gpu>>,
     /// Its shards on that GPU; `None` while they are out of date (products run on the CPU).
@@ -48,7 +61,8 @@ impl Member {
         Self {
             shards,
             row,
-            garbage: None,
+            lie: None,
+            garbage: Arc::default(),
             device: None,
             gpu: None,
             gpu_min_work: 0,
@@ -99,9 +113,7 @@ impl Member {
     pub fn misbehaving(shards: ShardSet, row: usize, how: Misbehaviour) -> Self {
         let mut m = Self::new(shards);
         m.row = row;
-        if how == Misbehaviour::Garbage {
-            m.garbage = Some(Default::default());
-        }
+        m.lie = Some(how);
         m
     }
 
@@ -124,12 +136,12 @@ impl Member {
 
     /// Answers one request; failures become a `Failed` answer, never a panic.
     pub fn handle(&self, req: &StepRequest) -> StepResponse {
-        self.answer(self.compute(req))
+        self.answer(req, self.compute(req))
     }
 
     /// [`Self::handle`] for callers that cannot block (the browser, on WebGPU).
     pub async fn handle_async(&self, req: &StepRequest) -> StepResponse {
-        self.answer(self.compute_async(req).await)
+        self.answer(req, self.compute_async(req).await)
     }
 
     /// Whether `req` is computed on the GPU.
@@ -137,12 +149,20 @@ impl Member {
         self.gpu_for(req).is_some()
     }
 
-    /// The answer carrying a computed result (scrambled if this member lies).
-    fn answer(&self, computed: Result<Vec<f32>, CodedError>) -> StepResponse {
+    /// The answer to `req` carrying a computed result (altered if this member lies).
+    fn answer(&self, req: &StepRequest, computed: Result<Vec<f32>, CodedError>) -> StepResponse {
         match computed {
             Ok(mut values) => {
-                if let Some(counter) = &self.garbage {
-                    scramble(&mut values, counter);
+                let backward = matches!(req, StepRequest::MatmulT { .. });
+                match self.lie {
+                    Some(Misbehaviour::Garbage) => scramble(&mut values, &self.garbage),
+                    Some(Misbehaviour::BackwardOnly) if backward => {
+                        values.iter_mut().for_each(|v| *v *= 1.0 + SKEW);
+                    }
+                    Some(Misbehaviour::ForwardOnly) if !backward => {
+                        values.iter_mut().for_each(|v| *v *= 1.0 + SKEW);
+                    }
+                    _ => {}
                 }
                 StepResponse::Partial {
                     node: self.row as u32,

@@ -15,7 +15,7 @@ mod verify;
 
 pub use gpu::{GpuGroup, GpuShards};
 pub use group::{CodedGroup, ExecStats, InProcess, Transport, TransportError};
-pub use member::{AUTO_GPU_MIN_WORK, Member, Misbehaviour};
+pub use member::{AUTO_GPU_MIN_WORK, Member, Misbehaviour, SKEW};
 pub use probe::{Fit, PROBE_MIN_FIT, PROBE_SIGMAS, UpdateProbe};
 pub use shards::{Shard, ShardFormat, ShardSet, ShardValues};
 pub use verify::{Caught, DEFAULT_NOISE, NOISE_MARGIN, VerifyConfig, measure_noise};

@@ -5,6 +5,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::code::CodeError;
+
 /// How a leader checks answers.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct VerifyConfig {
@@ -35,6 +37,17 @@ impl VerifyConfig {
     /// The residual above which answers disagree, for a decoding group of condition `kappa`.
     pub fn threshold(&self, kappa: f64) -> f64 {
         self.noise * kappa.max(1.0)
+    }
+
+    /// The Freivalds residual ([`transpose_residual`]) above which a member's answer to a
+    /// backward round is wrong, for a prediction decoded with condition `kappa`: the forward
+    /// threshold, times `√(terms / inp)` when the member's transposed product sums more
+    /// `terms` per value than a forward product of the stage does (`inp`), since f32 rounding
+    /// of a sum grows as the square root of its length (the LM head's sums 16384 terms for
+    /// SmolLM2 with k = 3, its forward product 576).
+    pub fn backward_threshold(&self, kappa: f64, terms: usize, inp: usize) -> f64 {
+        let longer = terms.max(inp) as f64 / inp.max(1) as f64;
+        self.threshold(kappa) * longer.sqrt()
     }
 }
 
@@ -96,6 +109,88 @@ pub fn residual(actual: &[f32], predicted: &[f32]) -> f64 {
     if diff == 0.0 { 0.0 } else { diff / scale }
 }
 
+/// `len` standard normal values (Box–Muller): the random input of a backward check.
+pub(super) fn random_input(rng: &mut impl rand::Rng, len: usize) -> Vec<f32> {
+    (0..len)
+        .map(|_| {
+            let radius = (-2.0 * (1.0 - rng.random::<f64>()).ln()).sqrt();
+            (radius * (std::f64::consts::TAU * rng.random::<f64>()).cos()) as f32
+        })
+        .collect()
+}
+
+/// Freivalds' residual of one member's answer to a backward round, the largest over its tokens
+/// τ of `|r·a[τ] − u[τ]·p| / (|r|·|a[τ]|/√in + |u[τ]|·|p|/√len)`: `r` the random input (`in`
+/// values) drawn after the answer came, `a` the answer (`t × in`), `u` the member's input
+/// (`[sub-block][matrix][token][row]`, `lens` rows per matrix and sub-block) and `p` its product
+/// with `r` as predicted from the code (`[sub-block][matrix][row]`, `len` values). Each term of
+/// the denominator is the typical size of a dot product with a random direction, so f32 noise
+/// gives residuals like the forward check's; ∞ when the answer holds a non-finite value.
+pub fn transpose_residual(
+    r: &[f32],
+    a: &[f32],
+    u: &[f32],
+    p: &[f32],
+    lens: &[usize],
+    t: usize,
+) -> Result<f64, CodeError> {
+    let per_sub: usize = lens.iter().sum();
+    let m = p.len() / per_sub.max(1);
+    for (what, expected, got) in [
+        ("predicted product", m * per_sub, p.len()),
+        ("backward input", m * t * per_sub, u.len()),
+        ("backward answer", t * r.len(), a.len()),
+    ] {
+        if expected != got {
+            return Err(CodeError::Length {
+                what,
+                expected,
+                got,
+            });
+        }
+    }
+    if a.iter().any(|v| !v.is_finite()) {
+        return Ok(f64::INFINITY);
+    }
+    let norm = |v: &[f32]| v.iter().map(|&x| x as f64 * x as f64).sum::<f64>().sqrt();
+    let dot = |x: &[f32], y: &[f32]| {
+        x.iter()
+            .zip(y)
+            .map(|(&a, &b)| a as f64 * b as f64)
+            .sum::<f64>()
+    };
+    let (r_norm, p_norm) = (norm(r), norm(p));
+    let (r_dims, p_dims) = (
+        (r.len().max(1) as f64).sqrt(),
+        (p.len().max(1) as f64).sqrt(),
+    );
+    let mut worst = 0.0f64;
+    for (tok, a_tok) in a.chunks_exact(r.len().max(1)).enumerate() {
+        // u[τ]·p and |u[τ]|², matrix by matrix within each sub-block.
+        let (mut up, mut uu) = (0.0f64, 0.0f64);
+        let (u_subs, p_subs) = (
+            u.chunks_exact((t * per_sub).max(1)),
+            p.chunks_exact(per_sub.max(1)),
+        );
+        for (u_sub, p_sub) in u_subs.zip(p_subs) {
+            let (mut u_at, mut p_at) = (0, 0);
+            for &l in lens {
+                let u_row = &u_sub[u_at + tok * l..u_at + (tok + 1) * l];
+                up += dot(u_row, &p_sub[p_at..p_at + l]);
+                uu += dot(u_row, u_row);
+                u_at += t * l;
+                p_at += l;
+            }
+        }
+        let diff = (dot(r, a_tok) - up).abs();
+        if diff > 0.0 {
+            let scale = r_norm * norm(a_tok) / r_dims + uu.sqrt() * p_norm / p_dims;
+            worst = worst.max(diff / scale);
+        }
+    }
+    Ok(worst)
+}
+
 /// The largest honest residual per unit of condition number over `requests` single-token
 /// forward passes through k + 1 members in process (rows rotated, tokens spread over the
 /// vocabulary): the f32 noise floor a threshold must clear. The members come back.
@@ -129,4 +224,86 @@ pub fn measure_noise(
     let mesh = transport
         .ok_or_else(|| crate::model::ModelError::Config("lost the in-process members".into()))?;
     Ok((worst, mesh))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // a test: a failed unwrap is a failed test
+
+    use rand::SeedableRng;
+
+    use super::*;
+
+    /// A member's transposed answer and its product with `r`, from explicit sub-blocks
+    /// `s[sub][matrix]` (`lens[matrix] × inp`, row-major), in the layouts of a round.
+    fn products(
+        s: &[Vec<Vec<f32>>],
+        lens: &[usize],
+        inp: usize,
+        u: &[f32],
+        r: &[f32],
+        t: usize,
+    ) -> (Vec<f32>, Vec<f32>) {
+        let (mut a, mut p) = (vec![0.0f32; t * inp], Vec::new());
+        let per_sub: usize = lens.iter().sum();
+        for (sub, mats) in s.iter().enumerate() {
+            let mut u_at = sub * t * per_sub;
+            for (mat, &l) in mats.iter().zip(lens) {
+                for row in 0..l {
+                    let w = &mat[row * inp..(row + 1) * inp];
+                    p.push(w.iter().zip(r).map(|(a, b)| a * b).sum());
+                    for tok in 0..t {
+                        let coef = u[u_at + tok * l + row];
+                        for (o, &x) in a[tok * inp..(tok + 1) * inp].iter_mut().zip(w) {
+                            *o += coef * x;
+                        }
+                    }
+                }
+                u_at += t * l;
+            }
+        }
+        (a, p)
+    }
+
+    #[test]
+    fn the_transpose_residual_follows_the_round_layout() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
+        let (lens, inp, t) = ([3usize, 1, 2], 7, 4);
+        let s: Vec<Vec<Vec<f32>>> = (0..2)
+            .map(|_| {
+                lens.iter()
+                    .map(|&l| random_input(&mut rng, l * inp))
+                    .collect()
+            })
+            .collect();
+        let u = random_input(&mut rng, 2 * t * lens.iter().sum::<usize>());
+        let r = random_input(&mut rng, inp);
+        let (a, p) = products(&s, &lens, inp, &u, &r, t);
+        let honest = transpose_residual(&r, &a, &u, &p, &lens, t).unwrap();
+        assert!(honest < 1e-6, "honest residual {honest:.2e}");
+        // One token's answer 1e-3 off, a token whose input is zero, a non-finite value.
+        let mut wrong = a.clone();
+        wrong[2 * inp..3 * inp].iter_mut().for_each(|v| *v *= 1.001);
+        let lie = transpose_residual(&r, &wrong, &u, &p, &lens, t).unwrap();
+        assert!(lie > 100.0 * honest.max(1e-8), "lie {lie:.2e}");
+        let mut zero_u = u.clone();
+        let per_sub: usize = lens.iter().sum();
+        for sub in 0..2 {
+            let mut at = sub * t * per_sub;
+            for &l in &lens {
+                zero_u[at + l..at + 2 * l].iter_mut().for_each(|v| *v = 0.0);
+                at += t * l;
+            }
+        }
+        let (a0, _) = products(&s, &lens, inp, &zero_u, &r, t);
+        assert!(a0[inp..2 * inp].iter().all(|&v| v == 0.0));
+        assert!(transpose_residual(&r, &a0, &zero_u, &p, &lens, t).unwrap() < 1e-6);
+        let mut garbage = a0;
+        garbage[inp] = 1e-3;
+        assert!(transpose_residual(&r, &garbage, &zero_u, &p, &lens, t).unwrap() > 1e-2);
+        wrong[0] = f32::NAN;
+        assert!(transpose_residual(&r, &wrong, &u, &p, &lens, t).unwrap() == f64::INFINITY);
+        assert!(transpose_residual(&r, &a, &u[1..], &p, &lens, t).is_err());
+        assert!(transpose_residual(&r, &a[1..], &u, &p, &lens, t).is_err());
+    }
 }

@@ -1,5 +1,7 @@
 //! Verification in one process: with k + r answers a member that answers against the code is
-//! caught, located, dropped, and the request still gets the honest result.
+//! caught, located, dropped, and the request still gets the honest result; a member whose
+//! backward answers are wrong is caught by a forward round at a random input, and the
+//! gradient is the honest one.
 
 use crate::common::{self, max_rel_diff};
 
@@ -9,7 +11,7 @@ use node_core::coded::{
     UpdateProbe, VerifyConfig, measure_noise,
 };
 use node_core::learn::Update;
-use node_core::model::{KvCache, LeaderWeights, Llama, ModelWeights};
+use node_core::model::{Gradients, KvCache, LeaderWeights, Llama, ModelWeights};
 
 const SEQ: [u32; 9] = [3, 17, 60, 42, 9, 17, 5, 33, 12];
 
@@ -256,4 +258,219 @@ fn members_missing_updates_they_claim_are_caught_by_the_probe() {
             }
         }
     }
+}
+
+// Backward rounds: each member's transposed product is checked (Freivalds) against a checked
+// forward round at a random input drawn after its answer came.
+
+/// Relative L2 difference of two gradients over every factor and the embedding's rows.
+fn grad_diff(a: &Gradients, b: &Gradients) -> f64 {
+    let mut pairs: Vec<(&[f32], &[f32])> = vec![(&a.embed_dx, &b.embed_dx)];
+    for (x, y) in a.stages.iter().zip(&b.stages) {
+        assert_eq!(x.stage, y.stage);
+        pairs.push((&x.x, &y.x));
+        pairs.extend(
+            x.dy.iter()
+                .zip(&y.dy)
+                .map(|(p, q)| (p.as_slice(), q.as_slice())),
+        );
+    }
+    pairs
+        .into_iter()
+        .map(|(p, q)| {
+            let num: f64 = p.iter().zip(q).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
+            let den: f64 = q.iter().map(|&y| (y as f64).powi(2)).sum();
+            (num / den.max(1e-30)).sqrt()
+        })
+        .fold(0.0, f64::max)
+}
+
+/// The gradient of `seq` through `rows` of `members`, checked as `check` says; the group
+/// comes back for its counters.
+fn checked_gradients(
+    w: &ModelWeights,
+    g: &Generator,
+    members: Vec<Member>,
+    rows: &[usize],
+    check: VerifyConfig,
+    seq: &[u32],
+) -> (Gradients, CodedGroup<InProcess>) {
+    let mesh = InProcess::new(members).unwrap();
+    let mut group = CodedGroup::new(w.cfg.clone(), g.clone(), rows, mesh).unwrap();
+    group.set_verify(check);
+    group.seed_checks(7);
+    let llama = Llama::new(w.cfg.clone(), LeaderWeights::from_model(w)).unwrap();
+    let grads = llama.gradients(&mut group, seq).unwrap();
+    (grads, group)
+}
+
+/// `members` with row `bad` lying as `how`.
+fn lying(members: &[Member], bad: usize, how: Misbehaviour) -> Vec<Member> {
+    let mut out = members.to_vec();
+    out[bad] = Member::misbehaving(members[bad].shards().clone(), bad, how);
+    out
+}
+
+/// Backward stages of a gradient: the LM head and four per block.
+fn backward_stages(w: &ModelWeights) -> u64 {
+    1 + 4 * w.cfg.layers as u64
+}
+
+#[test]
+fn checked_backward_rounds_give_the_unchecked_gradients_to_honest_members() {
+    let (w, g, members) = honest();
+    let check = calibrated(&w, &g, &members, 1);
+    for rows in [[0, 1, 2, 3, 4], [4, 2, 0, 1, 3]] {
+        let off = VerifyConfig { extra: 0, ..check };
+        let (want, plain) = checked_gradients(&w, &g, members.clone(), &rows, off, &SEQ);
+        assert_eq!(plain.stats().checked_backward_rounds, 0);
+        let (got, group) = checked_gradients(&w, &g, members.clone(), &rows, check, &SEQ);
+        let s = group.stats();
+        assert!(s.caught.is_empty(), "{rows:?}: {:?}", s.caught);
+        // The check only adds rounds: the backward rows and every product are the same.
+        assert_eq!(got, want, "{rows:?}");
+        assert_eq!(s.checked_backward_rounds, backward_stages(&w));
+        assert_eq!(s.rounds, plain.stats().rounds + backward_stages(&w));
+        assert!(
+            s.max_backward_pass_ratio > 0.0 && s.max_backward_pass_ratio < 0.1,
+            "{rows:?}: backward noise at {:.3} of the threshold",
+            s.max_backward_pass_ratio
+        );
+        eprintln!(
+            "honest backward noise at {:.2e} of the threshold",
+            s.max_backward_pass_ratio
+        );
+    }
+}
+
+#[test]
+fn a_member_lying_only_in_backward_rounds_is_caught_dropped_and_outvoted() {
+    let (w, g, members) = honest();
+    let check = calibrated(&w, &g, &members, 1);
+    let off = VerifyConfig { extra: 0, ..check };
+    // k + 1 members are enough: each backward answer is checked on its own.
+    for rows in [&[0, 1, 2, 3][..], &[0, 1, 2, 3, 4]] {
+        // The backward steps go to the first k rows.
+        for bad in [0, 1, 2] {
+            let members = lying(&members, bad, Misbehaviour::BackwardOnly);
+            let what = format!("rows {rows:?}, bad row {bad}");
+            // Unchecked, it poisons every gradient.
+            let honest_rows: Vec<usize> = rows.iter().copied().filter(|&r| r != bad).collect();
+            let (want, _) = checked_gradients(&w, &g, members.clone(), &honest_rows, off, &SEQ);
+            let (poisoned, plain) = checked_gradients(&w, &g, members.clone(), rows, off, &SEQ);
+            assert!(plain.stats().caught.is_empty());
+            let err = grad_diff(&poisoned, &want);
+            assert!(
+                err > 1e-4,
+                "{what}: the lie moved the gradient by only {err:.2e}"
+            );
+
+            let (got, group) = checked_gradients(&w, &g, members, rows, check, &SEQ);
+            let caught = &group.stats().caught;
+            assert_eq!(caught.len(), 1, "{what}: {caught:?}");
+            let c = &caught[0];
+            assert_eq!(c.node, bad, "{what}: {c}");
+            // Caught on the first backward step, with its residual and the threshold.
+            assert_eq!(c.step, "LmHead backward", "{what}: {c}");
+            assert!(c.residual > c.threshold, "{what}: {c}");
+            assert!(!c.witnesses.contains(&bad), "{what}: {c}");
+            assert!(!group.nodes().contains(&bad), "{what}: still a member");
+            let err = grad_diff(&got, &want);
+            assert!(err < 1e-4, "{what}: gradient off by {err:.2e}");
+            eprintln!("{what}: {c}");
+        }
+    }
+}
+
+#[test]
+fn a_member_lying_only_in_forward_rounds_is_still_caught_by_the_forward_check() {
+    let (w, g, members) = honest();
+    let check = calibrated(&w, &g, &members, 1);
+    for bad in [0, 2, 3] {
+        let members = lying(&members, bad, Misbehaviour::ForwardOnly);
+        let honest_rows: Vec<usize> = (0..5).filter(|&r| r != bad).collect();
+        let off = VerifyConfig { extra: 0, ..check };
+        let (want, _) = checked_gradients(&w, &g, members.clone(), &honest_rows, off, &SEQ);
+        let (got, group) = checked_gradients(&w, &g, members, &[0, 1, 2, 3, 4], check, &SEQ);
+        let caught = &group.stats().caught;
+        assert_eq!(caught.len(), 1, "bad row {bad}: {caught:?}");
+        assert_eq!(caught[0].node, bad);
+        // The first forward round finds it: the embedding lookup.
+        assert_eq!(caught[0].step, "embedding", "{}", caught[0]);
+        assert!(!group.nodes().contains(&bad));
+        assert_eq!(
+            group.stats().checked_backward_rounds,
+            backward_stages(&w),
+            "bad row {bad}"
+        );
+        let err = grad_diff(&got, &want);
+        assert!(err < 1e-4, "bad row {bad}: gradient off by {err:.2e}");
+    }
+}
+
+/// SmolLM2-135M's shapes (random weights, two blocks), as a mesh checks them: k = 3 of n = 5,
+/// the threshold measured on the honest members. Honest backward answers stay far below it
+/// for sequences of several lengths; a backward answer 1e-3 off is caught at once.
+#[test]
+fn backward_checks_separate_honest_noise_from_a_lie_on_smollm2_shapes() {
+    let cfg = node_core::model::LlamaConfig {
+        layers: 2,
+        max_seq: 64,
+        ..node_core::model::LlamaConfig::smollm2_135m()
+    };
+    let w = ModelWeights::synthetic(cfg, 3).unwrap();
+    let g = Generator::cauchy(5, 3).unwrap();
+    let members = InProcess::encode(&w, &g, ShardFormat::F32, &|_, _| {})
+        .unwrap()
+        .into_members();
+    let check = calibrated(&w, &g, &members, 1);
+    let seq = |len: usize, salt: u32| -> Vec<u32> {
+        (0..len as u32)
+            .map(|i| (i * 7919 + salt * 104_729) % w.cfg.vocab as u32)
+            .collect()
+    };
+    let mut honest_worst = 0.0f64;
+    for (i, rows) in [[0, 1, 2, 3], [4, 2, 0, 1], [3, 1, 4, 2]]
+        .iter()
+        .enumerate()
+    {
+        for len in [2, 9, 32] {
+            let tokens = seq(len, i as u32);
+            let (_, group) = checked_gradients(&w, &g, members.clone(), rows, check, &tokens);
+            let s = group.stats();
+            assert!(
+                s.caught.is_empty(),
+                "{rows:?}, {len} tokens: {:?}",
+                s.caught
+            );
+            assert_eq!(s.checked_backward_rounds, backward_stages(&w));
+            honest_worst = honest_worst.max(s.max_backward_pass_ratio);
+        }
+    }
+    let mut lie_least = f64::INFINITY;
+    for bad in [0, 1, 2] {
+        for len in [9, 32] {
+            let members = lying(&members, bad, Misbehaviour::BackwardOnly);
+            let rows = [0, 1, 2, 3];
+            let (_, group) = checked_gradients(&w, &g, members, &rows, check, &seq(len, 5));
+            let caught = &group.stats().caught;
+            assert_eq!(caught.len(), 1, "bad row {bad}, {len} tokens: {caught:?}");
+            assert_eq!(caught[0].node, bad);
+            assert_eq!(caught[0].step, "LmHead backward");
+            lie_least = lie_least.min(caught[0].residual / caught[0].threshold);
+        }
+    }
+    eprintln!(
+        "SmolLM2 shapes: honest backward residual up to {honest_worst:.3} of the threshold; \
+         a 1e-3 lie at {lie_least:.1} × the threshold or more (noise {:.2e} per κ)",
+        check.noise
+    );
+    assert!(
+        honest_worst < 0.5,
+        "honest at {honest_worst:.3} of the threshold"
+    );
+    assert!(
+        lie_least > 3.0,
+        "a lie at only {lie_least:.2} of the threshold"
+    );
 }

@@ -66,6 +66,9 @@ pub enum InjectedFault {
     LieVersion,
     /// It claims the next row (`(own + 1) mod n`) and answers with its own row's results.
     WrongRow,
+    /// Answers forward products honestly and scales its backward (transpose) products by
+    /// 1 + 1e-3: only the check of backward rounds catches it.
+    BackwardOnly,
 }
 
 /// Listen addresses: each TCP one, plus QUIC, WebSocket and WebRTC-direct on the same host.

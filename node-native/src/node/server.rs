@@ -70,6 +70,14 @@ pub(super) async fn run_server(
                     node_core::coded::Misbehaviour::Garbage,
                 );
             }
+            InjectedFault::BackwardOnly => {
+                let shards = state.member.shards().clone();
+                state.member = Member::misbehaving(
+                    shards,
+                    row as usize,
+                    node_core::coded::Misbehaviour::BackwardOnly,
+                );
+            }
             InjectedFault::Scale => state.member.shards_mut().scale_values(1.0 + 1e-3),
             InjectedFault::Stale => state.skip_updates = 1,
             InjectedFault::LieVersion => state.skip_updates = u64::MAX,
