@@ -41,4 +41,4 @@ model=$(sed -n 's/.* model \([^ ]*\).*/\1/p' <<<"$ready")
 "$python" scripts/load_bench.py --base "$base" --model "$model" --pid "$up" "$@"
 echo
 echo "metrics after the run:"
-curl -s "${base%/v1}/metrics" | grep -E '^codedmesh_(requests|requests_rejected|tokens_generated|updates_published|forward_steps|groups_formed|members_replaced)_total' || true
+curl -s "${base%/v1}/metrics" | grep -E '^codedmesh_((requests|requests_rejected|tokens_generated|updates_published|train_dropped|forward_steps|groups_formed|members_replaced)_total|train_backlog) ' || true

@@ -383,6 +383,9 @@ fn learn_tokens(manifest: &ModelManifest) -> usize {
 /// Finished requests waiting to be trained on, at most: serving comes first, so requests that
 /// finish while the trainer is this far behind are served but not trained on.
 const MAX_TRAIN_BACKLOG: usize = 64;
+/// The share of the time the trainer may take while requests are being served (all of it while
+/// none are): serving keeps at least `1 − TRAIN_SHARE` of the mesh, and training still moves.
+const TRAIN_SHARE: f64 = 0.15;
 /// An idle trainer publishes what its learner accumulated after this long.
 const IDLE_FLUSH: Duration = Duration::from_secs(10);
 /// How often an idle serving thread looks for updates to publish.
@@ -466,7 +469,7 @@ impl Lead {
                         let serving = serving.clone();
                         f.group
                             .transport_mut()
-                            .set_gate(Gate(Arc::new(move || serving.wait_idle())));
+                            .set_gate(Gate(Arc::new(serving.training_turns())));
                     }
                     tracing::info!(
                         members = ?f.group.nodes(),
@@ -641,11 +644,34 @@ impl Shared {
         all
     }
 
-    /// Waits until no serving thread has a sequence: training takes only idle capacity.
-    fn wait_idle(&self) {
+    /// Waits until the trainer may start its next round, after it worked for `worked` since
+    /// its last one: at once while no serving thread has a sequence, else once it has waited
+    /// long enough that training keeps to [`TRAIN_SHARE`] of the time.
+    fn wait_turn(&self, worked: Duration) {
+        let until = Instant::now() + worked.mul_f64((1.0 - TRAIN_SHARE) / TRAIN_SHARE);
         let mut active = self.active.lock().unwrap_or_else(|e| e.into_inner());
         while active.iter().sum::<usize>() > 0 {
-            active = self.quiet.wait(active).unwrap_or_else(|e| e.into_inner());
+            let now = Instant::now();
+            if now >= until {
+                break;
+            }
+            active = self
+                .quiet
+                .wait_timeout(active, until - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
+    /// What a trainer's group waits for before each round: its turn ([`Self::wait_turn`]),
+    /// counting as its work everything since its previous turn began.
+    fn training_turns(self: Arc<Self>) -> impl Fn() + Send + Sync {
+        let last = std::sync::Mutex::new(None::<Instant>);
+        move || {
+            let mut last = last.lock().unwrap_or_else(|e| e.into_inner());
+            let worked = last.map_or(Duration::ZERO, |t| t.elapsed());
+            self.wait_turn(worked);
+            *last = Some(Instant::now());
         }
     }
 
@@ -1307,16 +1333,27 @@ mod tests {
     }
 
     #[test]
-    fn training_waits_until_no_serving_thread_has_a_sequence() {
+    fn training_waits_its_turn_while_serving_and_goes_on_once_serving_is_idle() {
         let shared = Arc::new(Shared::new(2));
-        shared.wait_idle(); // nothing served yet: no wait
+        // Nothing served: no wait, however long the trainer worked.
+        let t = Instant::now();
+        shared.wait_turn(Duration::from_secs(100));
+        assert!(t.elapsed() < Duration::from_secs(1));
         shared.set_active(0, 2);
         shared.set_active(1, 1);
+        // Serving: after 30 ms of work it waits 30 · 0.85 / 0.15 = 170 ms.
+        let t = Instant::now();
+        shared.wait_turn(Duration::from_millis(30));
+        let waited = t.elapsed();
+        assert!(
+            waited >= Duration::from_millis(170) && waited < Duration::from_secs(5),
+            "{waited:?}"
+        );
         let (tx, rx) = std::sync::mpsc::channel();
         let waiter = {
             let shared = shared.clone();
             std::thread::spawn(move || {
-                shared.wait_idle();
+                shared.wait_turn(Duration::from_secs(100));
                 tx.send(()).expect("the test waits for it");
             })
         };

@@ -478,7 +478,17 @@ fn run_generate_mesh(args: GenerateArgs, bootstrap: libp2p::Multiaddr) -> Result
         });
         let tokens: Vec<u32> = prompt.iter().chain(&out).copied().collect();
         let started = std::time::Instant::now();
+        let caught_before = leader.group.stats().caught.len();
         let learned = leader.learn(&rt, &tokens, learner)?;
+        // Members caught in learning's rounds (a backward lie shows only there).
+        let caught = &leader.group.stats().caught[caught_before..];
+        for c in caught {
+            eprintln!("{c}");
+        }
+        if !caught.is_empty() {
+            let told = leader.report_caught(&rt)?;
+            eprintln!("reported to {told} nodes");
+        }
         let usage = node_core::mesh::Usage::of_request(
             prompt.len(),
             out.len(),

@@ -536,6 +536,61 @@ fn shard_diff(a: &node_core::coded::ShardSet, b: &node_core::coded::ShardSet) ->
 }
 
 #[test]
+fn a_member_lying_only_in_learnings_backward_rounds_is_caught_and_the_update_still_goes_out()
+-> Result<()> {
+    let _machine = crate::machine::share();
+    let model = tiny_model();
+    let mut mesh = Mesh::start("backward", Some(&model), &["--lr", "0.05"])?;
+    let row = 2;
+    let i = mesh.kill_holder(row)?;
+    mesh.wait_healthy(4)?;
+    let data = mesh.dir.0.join(format!("d{}", i + 1));
+    let mut args = vec![
+        "node",
+        "--tcp-only",
+        "--inject-fault",
+        "backward-only",
+        "--bootstrap",
+    ];
+    args.push(&mesh.bootstrap);
+    args.push("--data");
+    args.push(data.to_str().context("path")?);
+    args.extend(HEALTH);
+    let mut p = spawn(&mesh.dir.0, "faulty-backward", &args)?;
+    p.wait_log(&format!("serving row {row}"), Duration::from_secs(60))?;
+    mesh.nodes[i] = p;
+    mesh.wait_healthy(5)?;
+    // Its forward answers are honest, so it is caught only once it is among the k rows a
+    // backward step asks (the first k to answer the forward round before): a few requests.
+    let mut caught = None;
+    for _ in 0..10 {
+        let (_, err) = mesh.generate("hello world", 6, || {})?;
+        if err.contains(&format!("row {row} caught on")) {
+            caught = Some(err);
+            break;
+        }
+    }
+    let err = caught.with_context(|| format!("row {row} was never caught in 10 requests"))?;
+    assert!(
+        err.lines()
+            .any(|l| l.contains(&format!("row {row} caught on")) && l.contains("backward")),
+        "caught on a backward round:\n{err}"
+    );
+    assert!(
+        err.lines().any(|l| l.starts_with("update ")),
+        "the step was redone without it and the update published:\n{err}"
+    );
+    let s = mesh.wait_healthy(4)?;
+    assert!(
+        s["nodes"].as_array().context("nodes")?.iter().any(
+            |n| n["row"] == row && n["caught"].as_str().is_some_and(|e| e.contains("backward"))
+        ),
+        "status shows row {row} caught with the evidence: {s}"
+    );
+    Ok(())
+}
+
+#[test]
 fn a_member_that_answers_wrongly_is_caught_outvoted_and_replaced() -> Result<()> {
     let _machine = crate::machine::share();
     let model = tiny_model();
