@@ -202,3 +202,60 @@ fn read_chunk(path: &Path, offset: u64, len: u32) -> Result<(u64, Vec<u8>)> {
 }
 
 pub use node_core::holder::{shard_from_blob, shard_to_blob};
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A fresh directory under the system's temporary one, removed when dropped.
+    struct Dir(PathBuf);
+
+    impl Dir {
+        fn new(name: &str) -> Self {
+            let p = std::env::temp_dir().join(format!("codedmesh-{name}-{}", std::process::id()));
+            let _ = fs::remove_dir_all(&p);
+            Self(p)
+        }
+    }
+
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn pair(d: &DataDir) -> (Vec<u8>, Vec<u8>) {
+        let blob = fs::read(d.shard_path()).expect("blob");
+        let base = d.base().expect("base").expect("a base");
+        (blob, base)
+    }
+
+    #[test]
+    fn a_saved_row_is_read_back_as_a_pair() {
+        let dir = Dir::new("save-row");
+        let d = DataDir::open(&dir.0).expect("dir");
+        assert!(d.base().expect("base").is_none(), "a genesis blob has no base");
+        d.save_row(b"blob 1", b"base 1").expect("saved");
+        d.save_row(b"blob 2", b"base 2").expect("saved");
+        assert_eq!(pair(&d), (b"blob 2".to_vec(), b"base 2".to_vec()));
+    }
+
+    #[test]
+    fn a_save_stopped_at_any_point_leaves_the_old_pair_or_the_new_one() {
+        let dir = Dir::new("save-crash");
+        let d = DataDir::open(&dir.0).expect("dir");
+        d.save_row(b"old blob", b"old base").expect("saved");
+        // Stopped while writing: both new files beside the old pair (or a part of them).
+        fs::write(dir.0.join(SHARD_NEXT), b"new blob").expect("write");
+        fs::write(dir.0.join(BASE_NEXT), b"new ba").expect("write");
+        assert_eq!(pair(&d), (b"old blob".to_vec(), b"old base".to_vec()));
+        assert!(!dir.0.join(SHARD_NEXT).exists() && !dir.0.join(BASE_NEXT).exists());
+        // Stopped before the base was written at all.
+        fs::write(dir.0.join(SHARD_NEXT), b"new blob").expect("write");
+        assert_eq!(pair(&d), (b"old blob".to_vec(), b"old base".to_vec()));
+        // Stopped between the two renames: the new blob is in place, its base not yet.
+        fs::write(dir.0.join(BASE_NEXT), b"new base").expect("write");
+        fs::write(d.shard_path(), b"new blob").expect("write");
+        assert_eq!(pair(&d), (b"new blob".to_vec(), b"new base".to_vec()));
+    }
+}
