@@ -386,15 +386,24 @@ pub async fn publish<L: Link<Peer = PeerId>>(
     holders: &[PeerId],
     p: &Published,
 ) -> Result<Sent, LeadError> {
-    let sealed = seal_update(p, key)?;
-    let applied_by = hand_out(link, holders, &sealed).await;
-    Ok(Sent {
+    Ok(publish_sealed(link, holders, &seal_update(p, key)?, p).await)
+}
+
+/// Hands `sealed` (the signed form of `p`) to every one of `holders`.
+pub async fn publish_sealed<L: Link<Peer = PeerId>>(
+    link: &L,
+    holders: &[PeerId],
+    sealed: &Sealed,
+    p: &Published,
+) -> Sent {
+    let applied_by = hand_out(link, holders, sealed).await;
+    Sent {
         id: sealed.id,
         bytes: sealed.bytes.len(),
         applied_by,
         requests: p.requests,
         kept: p.kept,
-    })
+    }
 }
 
 /// Members a group caught, reported.

@@ -359,14 +359,12 @@ impl Leader {
             std::fs::write(&path, &sealed.bytes)
                 .with_context(|| format!("archiving the update in {}", path.display()))?;
         }
-        let applied_by = rt.block_on(node_core::lead::hand_out(&link, &self.holders, &sealed));
-        Ok(Sent {
-            id: sealed.id,
-            bytes: sealed.bytes.len(),
-            applied_by,
-            requests: p.requests,
-            kept: p.kept,
-        })
+        Ok(rt.block_on(node_core::lead::publish_sealed(
+            &link,
+            &self.holders,
+            &sealed,
+            &p,
+        )))
     }
 }
 

@@ -234,7 +234,10 @@ mod tests {
     fn a_saved_row_is_read_back_as_a_pair() {
         let dir = Dir::new("save-row");
         let d = DataDir::open(&dir.0).expect("dir");
-        assert!(d.base().expect("base").is_none(), "a genesis blob has no base");
+        assert!(
+            d.base().expect("base").is_none(),
+            "a genesis blob has no base"
+        );
         d.save_row(b"blob 1", b"base 1").expect("saved");
         d.save_row(b"blob 2", b"base 2").expect("saved");
         assert_eq!(pair(&d), (b"blob 2".to_vec(), b"base 2".to_vec()));

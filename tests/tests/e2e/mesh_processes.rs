@@ -493,6 +493,18 @@ fn learning_soak_kills_and_restarts_end_on_one_codeword_in_bounded_disk() -> Res
     Ok(())
 }
 
+/// A node from data dir `data` that injects `fault` (`--inject-fault`), once it serves `row`.
+fn start_faulty(mesh: &Mesh, fault: &str, data: &Path, row: u64) -> Result<tests::procs::Proc> {
+    let mut args = vec!["node", "--tcp-only", "--inject-fault", fault, "--bootstrap"];
+    args.push(&mesh.bootstrap);
+    args.push("--data");
+    args.push(data.to_str().context("path")?);
+    args.extend(HEALTH);
+    let mut p = spawn(&mesh.dir.0, &format!("faulty-{fault}"), &args)?;
+    p.wait_log(&format!("serving row {row}"), Duration::from_secs(60))?;
+    Ok(p)
+}
+
 /// Node `i`'s data dir in a [`Mesh`] scratch dir (the seed's is `d0`).
 fn mesh_data(dir: &Path, i: usize) -> std::path::PathBuf {
     dir.join(format!("d{i}"))
@@ -545,20 +557,7 @@ fn a_member_lying_only_in_learnings_backward_rounds_is_caught_and_the_update_sti
     let i = mesh.kill_holder(row)?;
     mesh.wait_healthy(4)?;
     let data = mesh.dir.0.join(format!("d{}", i + 1));
-    let mut args = vec![
-        "node",
-        "--tcp-only",
-        "--inject-fault",
-        "backward-only",
-        "--bootstrap",
-    ];
-    args.push(&mesh.bootstrap);
-    args.push("--data");
-    args.push(data.to_str().context("path")?);
-    args.extend(HEALTH);
-    let mut p = spawn(&mesh.dir.0, "faulty-backward", &args)?;
-    p.wait_log(&format!("serving row {row}"), Duration::from_secs(60))?;
-    mesh.nodes[i] = p;
+    mesh.nodes[i] = start_faulty(&mesh, "backward-only", &data, row)?;
     mesh.wait_healthy(5)?;
     // Its forward answers are honest, so it is caught only once it is among the k rows a
     // backward step asks (the first k to answer the forward round before): a few requests.
@@ -614,14 +613,7 @@ fn a_member_that_answers_wrongly_is_caught_outvoted_and_replaced() -> Result<()>
                 }
             }
         }
-        let mut args = vec!["node", "--tcp-only", "--inject-fault", fault, "--bootstrap"];
-        args.push(&mesh.bootstrap);
-        args.push("--data");
-        args.push(data.to_str().context("path")?);
-        args.extend(HEALTH);
-        let mut p = spawn(&mesh.dir.0, &format!("faulty-{fault}"), &args)?;
-        p.wait_log(&format!("serving row {row}"), Duration::from_secs(60))?;
-        mesh.nodes[i] = p;
+        mesh.nodes[i] = start_faulty(&mesh, fault, &data, row)?;
         mesh.wait_healthy(5)?;
         let (out, err) = mesh.generate("hello world", 8, || {})?;
         assert_eq!(out, undisturbed, "{fault}: the answer changed:\n{err}");
