@@ -594,3 +594,139 @@ impl Link for BrowserNode {
         BrowserNode::progress(self, what, done, total);
     }
 }
+
+#[cfg(all(test, target_arch = "wasm32"))]
+mod tests {
+    use node_core::code::Generator;
+    use node_core::coded::{InProcess, ShardFormat, ShardValues};
+    use node_core::learn::{Precision, StageFactors, Update, seal};
+    use node_core::mesh::{KEEP_SHARE, LearningConfig};
+    use node_core::model::{ModelWeights, Stage, TokenizerData};
+    use wasm_bindgen_test::{wasm_bindgen_test, wasm_bindgen_test_configure};
+
+    use super::*;
+
+    wasm_bindgen_test_configure!(run_in_browser);
+
+    /// A signed exact (f32) update of `manifest`'s model with small seeded factors.
+    fn update(manifest: &ModelManifest, seed: u32, key: &libp2p::identity::Keypair) -> Vec<u8> {
+        let cfg = &manifest.cfg;
+        let value = |i: usize| ((i as u32 * 2654435761 + seed * 40503) % 1000) as f32 / 1e4 - 0.05;
+        let stages = Stage::all(cfg)
+            .into_iter()
+            .map(|stage| {
+                let shapes = stage.shapes(cfg);
+                let inp = shapes.first().map_or(0, |s| s.1);
+                StageFactors {
+                    stage,
+                    rows: 1,
+                    x: (0..inp).map(value).collect(),
+                    dy: shapes
+                        .iter()
+                        .map(|&(out, _)| (0..out).map(|i| value(i + 7)).collect())
+                        .collect(),
+                }
+            })
+            .collect();
+        let zeros = |n: usize| vec![0.0; n];
+        let update = Update {
+            step: manifest.learning.lr,
+            t: 1,
+            stages,
+            embed_tokens: vec![seed % cfg.vocab as u32],
+            embed_dx: (0..cfg.hidden).map(value).collect(),
+            norms: LeaderWeights {
+                attn_norm: vec![zeros(cfg.hidden); cfg.layers],
+                ffn_norm: vec![zeros(cfg.hidden); cfg.layers],
+                final_norm: zeros(cfg.hidden),
+            },
+            precision: Precision::F32,
+        };
+        seal(update.encode(), key).expect("signed")
+    }
+
+    fn values(s: &ShardSet) -> Vec<u32> {
+        s.blocks
+            .iter()
+            .flatten()
+            .chain([&s.embed])
+            .flat_map(|sh| match &sh.values {
+                ShardValues::F32(v) => v.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                ShardValues::F16(v) => v.iter().map(|x| x.to_bits() as u32).collect(),
+            })
+            .collect()
+    }
+
+    #[wasm_bindgen_test]
+    async fn a_browser_holder_folds_its_updates_into_a_snapshot_that_a_reload_restores() {
+        let cfg = node_core::fuzzing::small_config();
+        let weights = ModelWeights::synthetic(cfg.clone(), 7).expect("a model");
+        let generator = Generator::cauchy(5, 3).expect("a 3-of-5 code");
+        let mesh =
+            InProcess::encode(&weights, &generator, ShardFormat::F32, &|_, _| {}).expect("encoded");
+        let shard = mesh.members()[2].shards().clone();
+        let manifest = ModelManifest {
+            name: "small".into(),
+            leader: LeaderWeights::from_model(&weights),
+            tokenizer: TokenizerData {
+                json: String::new(),
+                eos: Vec::new(),
+                default_system: None,
+            },
+            generator,
+            format: ShardFormat::F32,
+            learning: LearningConfig {
+                rank: 0,
+                ..LearningConfig::default()
+            },
+            verify_noise: 1e-3,
+            cfg,
+        };
+        let bytes = protocol::encode(&manifest).expect("manifest");
+        let norms = manifest.leader.clone();
+        let mut holding = Holding::open(
+            manifest.clone(),
+            bytes,
+            shard,
+            ShardVersion::default(),
+            norms,
+            "a test".into(),
+        );
+        let store = Rc::new(ShardStore::open().await.expect("IndexedDB"));
+        let key = "test-a-browser-holder-folds".to_string();
+        holding.store = Some((store.clone(), key.clone()));
+        let signer = libp2p::identity::Keypair::generate_ed25519();
+        // Updates until one is due to fold (each is a few percent of this small shard).
+        let mut save = None;
+        for seed in 0..64 {
+            let (_, applied) = holding
+                .learn(&update(&manifest, seed, &signer))
+                .expect("a valid update")
+                .expect("no step holds the shard");
+            assert!(applied);
+            save = holding.fold_if_due();
+            if save.is_some() {
+                break;
+            }
+        }
+        save.expect("the updates came due for a snapshot").await;
+        assert_eq!(
+            holding.state.version.since().len(),
+            0,
+            "every update folded"
+        );
+        let kept: usize = holding.updates.values().map(|b| b.len()).sum();
+        let shard_bytes = holding.state.member.shards().bytes();
+        assert!(
+            kept as f64 <= KEEP_SHARE * shard_bytes as f64,
+            "{kept} payload bytes kept beside a {shard_bytes}-byte shard"
+        );
+        // A reload finds the snapshot: the same values, at the same version.
+        let stored = store.load(&key).await.expect("readable").expect("saved");
+        let (shard, version, _) =
+            restore(&manifest, &stored.meta, &stored.blob).expect("a usable snapshot");
+        assert_eq!(version.digest(), holding.state.version.digest());
+        assert_eq!(values(&shard), values(holding.state.member.shards()));
+        store.remove(&key).await.expect("removed");
+    }
+}
