@@ -273,10 +273,10 @@ pub async fn form<L: LeadLink>(
     })
 }
 
-/// A random few of the updates a holder keeps since its snapshot at `version`, fetched and
+/// A random few of the updates of `version` whose payloads a holder still keeps, fetched and
 /// checked: its version must have the group's digest, each payload hash to its id, and each
-/// must be signed and fit the mesh's rules. (Folded updates are no longer kept anywhere, so
-/// only the updates since a snapshot can be probed.)
+/// must be signed and fit the mesh's rules. (Payloads folded long ago are no longer kept
+/// anywhere, so only the latest updates can be probed.)
 pub async fn probe_updates<L: Link<Peer = PeerId>>(
     link: &L,
     holders: &[PeerId],
@@ -301,8 +301,8 @@ pub async fn probe_updates<L: Link<Peer = PeerId>>(
         // A random choice per leader (the hasher's keys are random), so no member can know
         // which updates will be checked.
         let order = std::collections::hash_map::RandomState::new();
-        // Only updates since the holder's snapshot are kept (and so can be probed).
-        let mut ids: Vec<u64> = listed.since().collect();
+        // Only updates whose payloads the holder still keeps can be probed.
+        let mut ids: Vec<u64> = listed.served().collect();
         ids.sort_by_key(|&id| order.hash_one(id));
         ids.truncate(PROBE_UPDATES);
         let mut out = Vec::with_capacity(ids.len());

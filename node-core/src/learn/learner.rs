@@ -102,6 +102,7 @@ impl Learner {
         self.compress(&mut out);
         out.precision = Precision::F16;
         wire::round(&mut out);
+        self.fit_bound(&mut out);
         if self.cfg.momentum > 0.0 {
             self.momentum = Some(out.clone());
         }
@@ -140,6 +141,21 @@ impl Learner {
             u.embed_dx.clear();
         }
         u
+    }
+
+    /// Scales the update down when what nodes will measure of it exceeds the mesh's bound:
+    /// clipping bounds each request's gradient, but a tied embedding's lookup rows moved into
+    /// the LM head (the same matrix, where they can add up) and the f16 rounding can carry the
+    /// published factors past `lr · clip`, and every node would refuse the update.
+    fn fit_bound(&self, u: &mut Update) {
+        let bound = self.cfg.step_norm_bound();
+        let total = u.step as f64 * u.gradient_norm();
+        // Room below the nodes' slack (1e-3) for rounding the scaled factors again.
+        let target = bound * (1.0 - 1e-3);
+        if total > target {
+            scale(u, (target / total) as f32);
+            wire::round(u);
+        }
     }
 
     /// Every stage cut to the mesh's rank.

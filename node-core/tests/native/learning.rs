@@ -307,3 +307,39 @@ fn accumulation_and_momentum_publish_the_sum_of_the_gradients() {
     assert!(p.kept < 0.999 && p.kept > 0.0, "kept {}", p.kept);
     assert!(p.update.stages.iter().all(|f| f.rows <= 1));
 }
+
+/// Every update a leader's learner publishes passes the mesh's own check: clipping bounds each
+/// request's gradient, but the published update is what nodes measure — the tied embedding's
+/// lookup rows moved into the LM head, cut to the rank and rounded to f16 — and that must still
+/// be within `lr · clip`, or every node refuses it and the update is lost (two of 500 on SmolLM2
+/// were, before the learner scaled the published update to fit).
+#[test]
+fn every_update_a_learner_publishes_passes_the_meshs_bound() {
+    let g = Generator::cauchy(5, 3).unwrap();
+    let weights = ModelWeights::synthetic(common::train_config(true), 11).unwrap();
+    let cfg = weights.cfg.clone();
+    let mesh = InProcess::encode(&weights, &g, ShardFormat::F32, &|_, _| {}).unwrap();
+    let mut group = CodedGroup::new(cfg.clone(), g, &[0, 2, 4], mesh).unwrap();
+    let llama = Llama::new(cfg.clone(), LeaderWeights::from_model(&weights)).unwrap();
+    // A small clip, so every request is clipped and sits at the bound.
+    let learning = LearningConfig {
+        clip: 0.05,
+        rank: 2,
+        ..LearningConfig::default()
+    };
+    let mut learner = Learner::new(learning, cfg.clone());
+    let vocab = cfg.vocab as u32;
+    let mut worst = 0.0f64;
+    for seed in 0..40u32 {
+        // Sequences that repeat tokens, so a token's lookup row and its LM head row meet.
+        let seq: Vec<u32> = (0..8).map(|i| (seed * 7 + (i % 3) * 5) % vocab).collect();
+        let grads = llama.gradients(&mut group, &seq).unwrap();
+        let p = learner.push(grads).unwrap().expect("one update a request");
+        let used = p.update.step as f64 * p.update.gradient_norm() / learning.step_norm_bound();
+        worst = worst.max(used);
+        p.update
+            .validate_for(&cfg, &learning)
+            .unwrap_or_else(|e| panic!("request {seed}: {e}"));
+    }
+    assert!(worst > 0.9, "the updates sit near the bound ({worst:.3})");
+}
