@@ -1,4 +1,8 @@
-//! GGUF model file reader and dequantization (F32, F16, Q8_0, Q4_0, Q4_1).
+//! GGUF model file reader and dequantization: F32, F16, the 32-element block types Q4_0, Q4_1,
+//! Q5_0, Q5_1 and Q8_0, and llama.cpp's 256-element K-quants Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and
+//! Q8_K (which cover the tensors of its Q2_K..Q6_K and Q*_K_S/M/L files). The block layouts are
+//! ggml's (`ggml-common.h`); tests check every type bit for bit against vectors made by the
+//! `gguf` Python package (tests/reference/gguf_quants.py).
 //!
 //! The file is hostile input: every count, length and offset is checked against the bytes
 //! that are actually there before anything is allocated, and nothing panics.
@@ -54,6 +58,20 @@ pub enum GgufError {
         /// Its type.
         ty: GgmlType,
     },
+    /// A quantized block whose scale (or minimum) is infinite or NaN.
+    #[error(
+        "tensor {tensor:?}: the {ty:?} block at byte {offset} has a non-finite scale ({value})"
+    )]
+    NonFiniteScale {
+        /// The tensor (empty when [`dequantize`] was called on bare data).
+        tensor: String,
+        /// Its type.
+        ty: GgmlType,
+        /// Where the block starts: in the file, or in the data given to [`dequantize`].
+        offset: usize,
+        /// The scale.
+        value: f32,
+    },
 }
 
 /// A metadata value.
@@ -105,6 +123,10 @@ impl MetaValue {
 
 /// GGML tensor element types.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[allow(
+    non_camel_case_types,
+    reason = "ggml's names (Q4_K), as in llama.cpp's file names and in our error messages"
+)]
 pub enum GgmlType {
     /// 32-bit float.
     F32,
@@ -114,8 +136,24 @@ pub enum GgmlType {
     Q4_0,
     /// 4-bit blocks of 32 with a scale and a minimum.
     Q4_1,
+    /// 5-bit blocks of 32 with a scale.
+    Q5_0,
+    /// 5-bit blocks of 32 with a scale and a minimum.
+    Q5_1,
     /// 8-bit blocks of 32 with a scale.
     Q8_0,
+    /// 2-bit super-blocks of 256: 16 sub-blocks with 4-bit scales and minimums.
+    Q2_K,
+    /// 3-bit super-blocks of 256: 16 sub-blocks with 6-bit scales.
+    Q3_K,
+    /// 4-bit super-blocks of 256: 8 sub-blocks with 6-bit scales and minimums.
+    Q4_K,
+    /// 5-bit super-blocks of 256: 8 sub-blocks with 6-bit scales and minimums.
+    Q5_K,
+    /// 6-bit super-blocks of 256: 16 sub-blocks with 8-bit scales.
+    Q6_K,
+    /// 8-bit super-blocks of 256 with an f32 scale (llama.cpp's activation type; rare in files).
+    Q8_K,
     /// Any other type id.
     Other(u32),
 }
@@ -127,7 +165,15 @@ impl GgmlType {
             1 => Self::F16,
             2 => Self::Q4_0,
             3 => Self::Q4_1,
+            6 => Self::Q5_0,
+            7 => Self::Q5_1,
             8 => Self::Q8_0,
+            10 => Self::Q2_K,
+            11 => Self::Q3_K,
+            12 => Self::Q4_K,
+            13 => Self::Q5_K,
+            14 => Self::Q6_K,
+            15 => Self::Q8_K,
             other => Self::Other(other),
         }
     }
@@ -137,13 +183,36 @@ impl GgmlType {
         match self {
             Self::F32 => Some((1, 4)),
             Self::F16 => Some((1, 2)),
-            Self::Q4_0 => Some((32, 18)),
-            Self::Q4_1 => Some((32, 20)),
-            Self::Q8_0 => Some((32, 34)),
+            Self::Q4_0 => Some((32, Q4_0_BYTES)),
+            Self::Q4_1 => Some((32, Q4_1_BYTES)),
+            Self::Q5_0 => Some((32, Q5_0_BYTES)),
+            Self::Q5_1 => Some((32, Q5_1_BYTES)),
+            Self::Q8_0 => Some((32, Q8_0_BYTES)),
+            Self::Q2_K => Some((QK_K, Q2_K_BYTES)),
+            Self::Q3_K => Some((QK_K, Q3_K_BYTES)),
+            Self::Q4_K => Some((QK_K, Q4_K_BYTES)),
+            Self::Q5_K => Some((QK_K, Q5_K_BYTES)),
+            Self::Q6_K => Some((QK_K, Q6_K_BYTES)),
+            Self::Q8_K => Some((QK_K, Q8_K_BYTES)),
             Self::Other(_) => None,
         }
     }
 }
+
+/// Elements in a K-quant super-block (ggml's `QK_K`).
+const QK_K: usize = 256;
+// Bytes per block, as ggml's `block_*` structs lay them out (`ggml-common.h`).
+const Q4_0_BYTES: usize = 2 + 16;
+const Q4_1_BYTES: usize = 2 + 2 + 16;
+const Q5_0_BYTES: usize = 2 + 4 + 16;
+const Q5_1_BYTES: usize = 2 + 2 + 4 + 16;
+const Q8_0_BYTES: usize = 2 + 32;
+const Q2_K_BYTES: usize = QK_K / 16 + QK_K / 4 + 2 + 2;
+const Q3_K_BYTES: usize = QK_K / 8 + QK_K / 4 + 12 + 2;
+const Q4_K_BYTES: usize = 2 + 2 + 12 + QK_K / 2;
+const Q5_K_BYTES: usize = 2 + 2 + 12 + QK_K / 8 + QK_K / 2;
+const Q6_K_BYTES: usize = QK_K / 2 + QK_K / 4 + QK_K / 16 + 2;
+const Q8_K_BYTES: usize = 4 + QK_K + 2 * QK_K / 16;
 
 /// Where a tensor lives in the file and what it holds.
 #[derive(Debug, Clone, PartialEq)]
@@ -168,6 +237,10 @@ pub struct GgufFile {
     tensors: Vec<TensorInfo>,
 }
 
+/// Bound on a tensor's element count per byte of the file, so that the dimensions of a tensor of
+/// an unknown type cannot promise more than a file could hold (the densest GGML types, IQ1_S and
+/// TQ1_0, pack about 5 elements in a byte; Q2_K about 3).
+const MAX_ELEMENTS_PER_BYTE: u64 = 8;
 /// Deepest nesting of metadata arrays accepted.
 const MAX_ARRAY_DEPTH: usize = 4;
 /// Most dimensions of a tensor.
@@ -363,7 +436,7 @@ impl GgufFile {
             let elements = dims
                 .iter()
                 .try_fold(1u64, |acc, &d| acc.checked_mul(d))
-                .filter(|&e| e <= file_len.saturating_mul(2))
+                .filter(|&e| e <= file_len.saturating_mul(MAX_ELEMENTS_PER_BYTE))
                 .ok_or_else(|| invalid(format!("dimensions {dims:?} are too large")))?;
             let n_bytes = match ty.block() {
                 Some((per_block, block_bytes)) => {
@@ -507,12 +580,6 @@ impl GgufFile {
         let info = self
             .tensor(name)
             .ok_or_else(|| GgufError::MissingTensor(name.to_string()))?;
-        if info.ggml_type.block().is_none() {
-            return Err(GgufError::UnsupportedType {
-                name: name.to_string(),
-                ty: info.ggml_type,
-            });
-        }
         let start = info.offset as usize;
         let data = bytes
             .get(start..start.saturating_add(info.n_bytes as usize))
@@ -529,19 +596,30 @@ impl GgufFile {
                 what: "tensor",
                 detail: format!("{name:?}: dimensions {:?} overflow", info.shape),
             })?;
-        dequantize(info.ggml_type, data, elements)
+        dequantize_from(info.ggml_type, data, elements, name, start)
     }
 }
 
 /// Dequantizes `n_elements` values of type `ty` from `data`.
 pub fn dequantize(ty: GgmlType, data: &[u8], n_elements: usize) -> Result<Vec<f32>, GgufError> {
-    let (per_block, block_bytes) = ty.block().ok_or(GgufError::UnsupportedType {
-        name: String::new(),
+    dequantize_from(ty, data, n_elements, "", 0)
+}
+
+/// [`dequantize`] of tensor `tensor`'s data, which starts at byte `start` of its file (for errors).
+fn dequantize_from(
+    ty: GgmlType,
+    data: &[u8],
+    n_elements: usize,
+    tensor: &str,
+    start: usize,
+) -> Result<Vec<f32>, GgufError> {
+    let (per_block, block_bytes) = ty.block().ok_or_else(|| GgufError::UnsupportedType {
+        name: tensor.to_string(),
         ty,
     })?;
     if !n_elements.is_multiple_of(per_block) || data.len() != n_elements / per_block * block_bytes {
         return Err(GgufError::Invalid {
-            offset: 0,
+            offset: start,
             what: "tensor data",
             detail: format!(
                 "{} bytes do not hold {n_elements} elements of {ty:?}",
@@ -549,8 +627,14 @@ pub fn dequantize(ty: GgmlType, data: &[u8], n_elements: usize) -> Result<Vec<f3
             ),
         });
     }
-    let f16 = |b: &[u8]| half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+    // Bounded by `data`: no type has more than 4 elements in a byte.
     let mut out = Vec::with_capacity(n_elements);
+    let blocks = Blocks {
+        data,
+        ty,
+        tensor,
+        start,
+    };
     match ty {
         GgmlType::F32 => out.extend(
             data.as_chunks::<4>()
@@ -558,33 +642,242 @@ pub fn dequantize(ty: GgmlType, data: &[u8], n_elements: usize) -> Result<Vec<f3
                 .iter()
                 .map(|b| f32::from_le_bytes(*b)),
         ),
-        GgmlType::F16 => out.extend(data.as_chunks::<2>().0.iter().map(|b| f16(b))),
-        GgmlType::Q8_0 => {
-            for b in data.chunks_exact(block_bytes) {
-                let d = f16(&b[0..2]);
-                out.extend(b[2..34].iter().map(|&q| d * (q as i8) as f32));
-            }
-        }
-        GgmlType::Q4_0 => {
-            for b in data.chunks_exact(block_bytes) {
-                let d = f16(&b[0..2]);
-                let qs = &b[2..18];
-                out.extend(qs.iter().map(|&q| d * ((q & 0x0f) as i32 - 8) as f32));
-                out.extend(qs.iter().map(|&q| d * ((q >> 4) as i32 - 8) as f32));
-            }
-        }
-        GgmlType::Q4_1 => {
-            for b in data.chunks_exact(block_bytes) {
-                let (d, m) = (f16(&b[0..2]), f16(&b[2..4]));
-                let qs = &b[4..20];
-                out.extend(qs.iter().map(|&q| d * (q & 0x0f) as f32 + m));
-                out.extend(qs.iter().map(|&q| d * (q >> 4) as f32 + m));
-            }
-        }
-        // `block()` is None for `Other`, so `dequantize` returned above.
+        GgmlType::F16 => out.extend(
+            data.as_chunks::<2>()
+                .0
+                .iter()
+                .map(|b| half::f16::from_le_bytes(*b).to_f32()),
+        ),
+        GgmlType::Q4_0 => blocks.each(&mut out, q4_0)?,
+        GgmlType::Q4_1 => blocks.each(&mut out, q4_1)?,
+        GgmlType::Q5_0 => blocks.each(&mut out, q5_0)?,
+        GgmlType::Q5_1 => blocks.each(&mut out, q5_1)?,
+        GgmlType::Q8_0 => blocks.each(&mut out, q8_0)?,
+        GgmlType::Q2_K => blocks.each(&mut out, q2_k)?,
+        GgmlType::Q3_K => blocks.each(&mut out, q3_k)?,
+        GgmlType::Q4_K => blocks.each(&mut out, q4_k)?,
+        GgmlType::Q5_K => blocks.each(&mut out, q5_k)?,
+        GgmlType::Q6_K => blocks.each(&mut out, q6_k)?,
+        GgmlType::Q8_K => blocks.each(&mut out, q8_k)?,
+        // `block()` is None for `Other`, so this returned above.
         GgmlType::Other(_) => {}
     }
     Ok(out)
+}
+
+/// Data of whole blocks of one type, and where it came from (for errors).
+struct Blocks<'a> {
+    data: &'a [u8],
+    ty: GgmlType,
+    tensor: &'a str,
+    start: usize,
+}
+
+impl Blocks<'_> {
+    /// Dequantizes each `N`-byte block with `block` onto `out`, in order.
+    fn each<const N: usize>(
+        &self,
+        out: &mut Vec<f32>,
+        block: fn(&[u8; N], &mut Vec<f32>) -> Result<(), NonFinite>,
+    ) -> Result<(), GgufError> {
+        for (i, b) in self.data.as_chunks::<N>().0.iter().enumerate() {
+            block(b, out).map_err(|NonFinite(value)| GgufError::NonFiniteScale {
+                tensor: self.tensor.to_string(),
+                ty: self.ty,
+                offset: self.start + i * N,
+                value,
+            })?;
+        }
+        Ok(())
+    }
+}
+
+/// A scale field that is infinite or NaN.
+struct NonFinite(f32);
+
+fn finite(v: f32) -> Result<f32, NonFinite> {
+    if v.is_finite() {
+        Ok(v)
+    } else {
+        Err(NonFinite(v))
+    }
+}
+
+/// The f16 scale at byte `at` of a block.
+fn f16_scale(b: &[u8], at: usize) -> Result<f32, NonFinite> {
+    finite(half::f16::from_le_bytes([b[at], b[at + 1]]).to_f32())
+}
+
+// One function per block type: each appends its block's values in element order, computing
+// them in the order the `gguf` package does (ggml's order too, less any FMA contraction), so
+// that the results match its reference bit for bit.
+
+/// `d: f16, qs: [u8; 16]`: element j is the low nibble of `qs[j]`, element 16 + j the high one;
+/// x = d·(q − 8).
+fn q4_0(b: &[u8; Q4_0_BYTES], out: &mut Vec<f32>) -> Result<(), NonFinite> {
+    let d = f16_scale(b, 0)?;
+    let qs = &b[2..];
+    out.extend(qs.iter().map(|&q| d * ((q & 0x0f) as i32 - 8) as f32));
+    out.extend(qs.iter().map(|&q| d * ((q >> 4) as i32 - 8) as f32));
+    Ok(())
+}
+
+/// `d: f16, m: f16, qs: [u8; 16]`, nibbles as in Q4_0; x = d·q + m.
+fn q4_1(b: &[u8; Q4_1_BYTES], out: &mut Vec<f32>) -> Result<(), NonFinite> {
+    let (d, m) = (f16_scale(b, 0)?, f16_scale(b, 2)?);
+    let qs = &b[4..];
+    out.extend(qs.iter().map(|&q| d * (q & 0x0f) as f32 + m));
+    out.extend(qs.iter().map(|&q| d * (q >> 4) as f32 + m));
+    Ok(())
+}
+
+/// The 5-bit quant j of a Q5_0 or Q5_1 block: its low 4 bits are Q4_0's nibble j of `qs`, its
+/// fifth bit is bit j of the little-endian u32 `qh`.
+fn q5_quant(qh: u32, qs: &[u8], j: usize) -> u32 {
+    let low = (qs[j % 16] >> (4 * (j / 16))) & 0x0f;
+    u32::from(low) | ((qh >> j) & 1) << 4
+}
+
+/// `d: f16, qh: u32, qs: [u8; 16]`; x = d·(q − 16).
+fn q5_0(b: &[u8; Q5_0_BYTES], out: &mut Vec<f32>) -> Result<(), NonFinite> {
+    let d = f16_scale(b, 0)?;
+    let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+    let qs = &b[6..];
+    out.extend((0..32).map(|j| d * (q5_quant(qh, qs, j) as i32 - 16) as f32));
+    Ok(())
+}
+
+/// `d: f16, m: f16, qh: u32, qs: [u8; 16]`; x = d·q + m.
+fn q5_1(b: &[u8; Q5_1_BYTES], out: &mut Vec<f32>) -> Result<(), NonFinite> {
+    let (d, m) = (f16_scale(b, 0)?, f16_scale(b, 2)?);
+    let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
+    let qs = &b[8..];
+    out.extend((0..32).map(|j| d * q5_quant(qh, qs, j) as f32 + m));
+    Ok(())
+}
+
+/// `d: f16, qs: [i8; 32]`; x = d·q.
+fn q8_0(b: &[u8; Q8_0_BYTES], out: &mut Vec<f32>) -> Result<(), NonFinite> {
+    let d = f16_scale(b, 0)?;
+    out.extend(b[2..].iter().map(|&q| d * (q as i8) as f32));
+    Ok(())
+}
+
+/// The 2 bits of element e (< 256) in Q2_K's and Q3_K's `qs: [u8; 64]`: each half of the
+/// super-block (128 elements) has 32 bytes, and their bit pairs 0-1, 2-3, 4-5, 6-7 hold its
+/// elements 0..32, 32..64, 64..96, 96..128.
+fn two_bits(qs: &[u8], e: usize) -> u8 {
+    (qs[e / 128 * 32 + e % 32] >> (2 * (e % 128 / 32))) & 3
+}
+
+/// `scales: [u8; 16], qs: [u8; 64], d: f16, dmin: f16`. Sub-block i (elements 16i..16i + 16)
+/// has scale `d·(scales[i] & 15)` and minimum `dmin·(scales[i] >> 4)`; x = scale·q − minimum.
+fn q2_k(b: &[u8; Q2_K_BYTES], out: &mut Vec<f32>) -> Result<(), NonFinite> {
+    let (scales, qs) = (&b[0..16], &b[16..80]);
+    let (d, dmin) = (f16_scale(b, 80)?, f16_scale(b, 82)?);
+    for (i, &sc) in scales.iter().enumerate() {
+        let (dl, ml) = (d * (sc & 0x0f) as f32, dmin * (sc >> 4) as f32);
+        out.extend((16 * i..16 * i + 16).map(|e| dl * two_bits(qs, e) as f32 - ml));
+    }
+    Ok(())
+}
+
+/// `hmask: [u8; 32], qs: [u8; 64], scales: [u8; 12], d: f16`. Element e's low 2 bits are as in
+/// Q2_K; its high bit, bit e / 32 of `hmask[e % 32]`, clear means −4. Sub-block i's 6-bit scale
+/// (stored + 32) has its low 4 bits in nibble i / 8 of `scales[i % 8]`, its high 2 bits at bit
+/// 2·(i / 4) of `scales[8 + i % 4]`; x = d·scale·q.
+fn q3_k(b: &[u8; Q3_K_BYTES], out: &mut Vec<f32>) -> Result<(), NonFinite> {
+    let (hmask, qs, scales) = (&b[0..32], &b[32..96], &b[96..108]);
+    let d = f16_scale(b, 108)?;
+    let quant = |e: usize| {
+        let high = (hmask[e % 32] >> (e / 32)) & 1;
+        two_bits(qs, e) as i32 - if high == 1 { 0 } else { 4 }
+    };
+    for i in 0..16 {
+        let low = (scales[i % 8] >> (4 * (i / 8))) & 0x0f;
+        let high = (scales[8 + i % 4] >> (2 * (i / 4))) & 3;
+        let dl = d * ((low | high << 4) as i32 - 32) as f32;
+        out.extend((16 * i..16 * i + 16).map(|e| dl * quant(e) as f32));
+    }
+    Ok(())
+}
+
+/// Q4_K's and Q5_K's 6-bit (scale, minimum) of sub-block j (< 8), packed in 12 bytes: for
+/// j < 4 the low 6 bits of bytes j and j + 4; for j ≥ 4 the nibbles of byte j + 4 with the top
+/// 2 bits of bytes j − 4 and j above them.
+fn scale_min_k4(scales: &[u8], j: usize) -> (u8, u8) {
+    if j < 4 {
+        (scales[j] & 63, scales[j + 4] & 63)
+    } else {
+        (
+            (scales[j + 4] & 0x0f) | (scales[j - 4] >> 6) << 4,
+            (scales[j + 4] >> 4) | (scales[j] >> 6) << 4,
+        )
+    }
+}
+
+/// `d: f16, dmin: f16, scales: [u8; 12], qs: [u8; 128]`. Sub-block j (32 elements) is the low
+/// (even j) or high (odd j) nibbles of `qs[32·(j / 2)..][..32]`; x = d·scale·q − dmin·minimum.
+fn q4_k(b: &[u8; Q4_K_BYTES], out: &mut Vec<f32>) -> Result<(), NonFinite> {
+    let (d, dmin) = (f16_scale(b, 0)?, f16_scale(b, 2)?);
+    let (scales, qs) = (&b[4..16], &b[16..]);
+    for j in 0..8 {
+        let bytes = &qs[32 * (j / 2)..][..32];
+        let (sc, m) = scale_min_k4(scales, j);
+        let (dl, ml) = (d * sc as f32, dmin * m as f32);
+        let shift = 4 * (j % 2);
+        out.extend(
+            bytes
+                .iter()
+                .map(|&q| dl * ((q >> shift) & 0x0f) as f32 - ml),
+        );
+    }
+    Ok(())
+}
+
+/// `d: f16, dmin: f16, scales: [u8; 12], qh: [u8; 32], qs: [u8; 128]`: Q4_K with a fifth bit,
+/// bit j of `qh[l]` for element l of sub-block j.
+fn q5_k(b: &[u8; Q5_K_BYTES], out: &mut Vec<f32>) -> Result<(), NonFinite> {
+    let (d, dmin) = (f16_scale(b, 0)?, f16_scale(b, 2)?);
+    let (scales, qh, qs) = (&b[4..16], &b[16..48], &b[48..]);
+    for j in 0..8 {
+        let bytes = &qs[32 * (j / 2)..][..32];
+        let (sc, m) = scale_min_k4(scales, j);
+        let (dl, ml) = (d * sc as f32, dmin * m as f32);
+        let shift = 4 * (j % 2);
+        out.extend(bytes.iter().zip(qh).map(|(&q, &h)| {
+            let q = (q >> shift) & 0x0f | ((h >> j) & 1) << 4;
+            dl * q as f32 - ml
+        }));
+    }
+    Ok(())
+}
+
+/// `ql: [u8; 128], qh: [u8; 64], scales: [i8; 16], d: f16`. In half h of the super-block
+/// (element e = 128h + w), the low 4 bits are nibble w / 64 of `ql[64h + w % 64]`, the high 2
+/// bits are at bit 2·(w / 32) of `qh[32h + w % 32]`, stored + 32. Sub-block i (16 elements) has
+/// scale `d·scales[i]`; x = scale·q.
+fn q6_k(b: &[u8; Q6_K_BYTES], out: &mut Vec<f32>) -> Result<(), NonFinite> {
+    let (ql, qh, scales) = (&b[0..128], &b[128..192], &b[192..208]);
+    let d = f16_scale(b, 208)?;
+    let quant = |e: usize| {
+        let (h, w) = (e / 128, e % 128);
+        let low = (ql[64 * h + w % 64] >> (4 * (w / 64))) & 0x0f;
+        let high = (qh[32 * h + w % 32] >> (2 * (w / 32))) & 3;
+        (low | high << 4) as i32 - 32
+    };
+    for (i, &sc) in scales.iter().enumerate() {
+        let dl = d * (sc as i8) as f32;
+        out.extend((16 * i..16 * i + 16).map(|e| dl * quant(e) as f32));
+    }
+    Ok(())
+}
+
+/// `d: f32, qs: [i8; 256], bsums: [i16; 16]` (sums of 16 quants, for dot products); x = d·q.
+fn q8_k(b: &[u8; Q8_K_BYTES], out: &mut Vec<f32>) -> Result<(), NonFinite> {
+    let d = finite(f32::from_le_bytes([b[0], b[1], b[2], b[3]]))?;
+    out.extend(b[4..4 + QK_K].iter().map(|&q| d * (q as i8) as f32));
+    Ok(())
 }
 
 #[cfg(test)]
@@ -693,10 +986,218 @@ mod tests {
         assert!(GgufFile::parse(&huge).is_err());
     }
 
+    /// Test vectors of tests/reference/gguf_quants.py, one file per quantized type: u32 type id,
+    /// u32 block count, the blocks, then the `gguf` package's dequantization as f32, all
+    /// little-endian.
+    macro_rules! vectors {
+        ($($name:literal),* $(,)?) => {
+            [$(include_bytes!(concat!("../../tests/testdata/gguf-quants/", $name, ".bin")).as_slice()),*]
+        };
+    }
+    const VECTORS: [&[u8]; 11] = vectors![
+        "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q8_k",
+    ];
+
+    /// One vector file: its type, blocks of raw bytes, and the expected values of each.
+    struct Vectors<'a> {
+        id: u32,
+        ty: GgmlType,
+        per_block: usize,
+        blocks: Vec<&'a [u8]>,
+        expected: Vec<Vec<f32>>,
+    }
+
+    fn vectors(file: &[u8]) -> Vectors<'_> {
+        let word = |at: usize| u32::from_le_bytes(file[at..at + 4].try_into().unwrap());
+        let id = word(0);
+        let ty = GgmlType::from_id(id);
+        let n = word(4) as usize;
+        let (per_block, block_bytes) = ty.block().unwrap();
+        let (raw, values) = file[8..].split_at(n * block_bytes);
+        assert_eq!(values.len(), n * per_block * 4, "{ty:?} vector file length");
+        let values: Vec<f32> = values
+            .as_chunks::<4>()
+            .0
+            .iter()
+            .map(|b| f32::from_le_bytes(*b))
+            .collect();
+        Vectors {
+            id,
+            ty,
+            per_block,
+            blocks: raw.chunks_exact(block_bytes).collect(),
+            expected: values
+                .chunks_exact(per_block)
+                .map(<[f32]>::to_vec)
+                .collect(),
+        }
+    }
+
+    /// Bits, so that -0.0 and 0.0 differ too.
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// Bit for bit, not within an ulp: every value is computed with the reference's f32
+    /// operations in its order, with no fused multiply-add, so not even the last bit may differ.
+    /// (Most of them cannot round anyway: an f16 scale times the small integer factors is exact
+    /// in f32. What rounds is subtracting a minimum, adding Q4_1's and Q5_1's, and Q8_K's f32
+    /// scale times its quant.)
+    #[test]
+    fn dequantization_matches_the_gguf_reference_block_by_block() {
+        let mut types = Vec::new();
+        for file in VECTORS {
+            let v = vectors(file);
+            types.push(v.ty);
+            for (i, (block, expected)) in v.blocks.iter().zip(&v.expected).enumerate() {
+                let got = dequantize(v.ty, block, v.per_block).unwrap();
+                assert_eq!(bits(&got), bits(expected), "{:?} block {i}", v.ty);
+            }
+            let all = dequantize(v.ty, &v.blocks.concat(), v.blocks.len() * v.per_block).unwrap();
+            assert_eq!(bits(&all), bits(&v.expected.concat()), "{:?} run", v.ty);
+        }
+        // Every quantized type the reader knows has vectors.
+        let quantized: Vec<GgmlType> = (0..64)
+            .map(GgmlType::from_id)
+            .filter(|t| t.block().is_some_and(|(per_block, _)| per_block > 1))
+            .collect();
+        assert_eq!(types, quantized);
+    }
+
+    /// Byte offsets of each type's scale fields, f16 except Q8_K's f32.
+    fn scale_fields(ty: GgmlType) -> &'static [usize] {
+        match ty {
+            GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 | GgmlType::Q8_K => &[0],
+            GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
+            GgmlType::Q2_K => &[80, 82],
+            GgmlType::Q3_K => &[108],
+            GgmlType::Q6_K => &[208],
+            _ => &[],
+        }
+    }
+
+    #[test]
+    fn damaged_blocks_are_clear_errors() {
+        for file in VECTORS {
+            let v = vectors(file);
+            let (ty, n) = (v.ty, v.per_block);
+            let two = v.blocks[..2].concat();
+            // Truncated: a byte short of two blocks, or of one.
+            for data in [&two[..two.len() - 1], &v.blocks[0][..v.blocks[0].len() - 1]] {
+                let e = dequantize(ty, data, data.len() / v.blocks[0].len() * n + n);
+                assert!(matches!(e, Err(GgufError::Invalid { .. })), "{ty:?}: {e:?}");
+            }
+            // Element counts that two blocks do not hold.
+            for wrong in [n, 3 * n, 2 * n - 1, 2 * n + 1, 0] {
+                let e = dequantize(ty, &two, wrong);
+                assert!(
+                    matches!(e, Err(GgufError::Invalid { .. })),
+                    "{ty:?} {wrong}: {e:?}"
+                );
+            }
+            // A non-finite scale or minimum in the second block.
+            for &at in scale_fields(ty) {
+                let patches: Vec<Vec<u8>> = if ty == GgmlType::Q8_K {
+                    [f32::INFINITY, f32::NEG_INFINITY, f32::NAN]
+                        .map(|x| x.to_le_bytes().to_vec())
+                        .to_vec()
+                } else {
+                    [half::f16::INFINITY, half::f16::NEG_INFINITY, half::f16::NAN]
+                        .map(|x| x.to_le_bytes().to_vec())
+                        .to_vec()
+                };
+                for patch in patches {
+                    let mut bad = two.clone();
+                    let at = v.blocks[0].len() + at;
+                    bad[at..at + patch.len()].copy_from_slice(&patch);
+                    let e = dequantize(ty, &bad, 2 * n);
+                    assert!(
+                        matches!(e, Err(GgufError::NonFiniteScale { offset, value, .. })
+                            if offset == v.blocks[0].len() && !value.is_finite()),
+                        "{ty:?} scale at {at}: {e:?}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// A GGUF v3 file with no metadata and one tensor per `(name, ggml dims, type id, data)`,
+    /// each aligned to 32 bytes.
+    fn file_of(tensors: &[(String, Vec<u64>, u32, Vec<u8>)]) -> Vec<u8> {
+        let mut b = Vec::new();
+        b.extend_from_slice(b"GGUF");
+        b.extend_from_slice(&3u32.to_le_bytes());
+        b.extend_from_slice(&(tensors.len() as u64).to_le_bytes());
+        b.extend_from_slice(&0u64.to_le_bytes()); // kv
+        let mut offset = 0u64;
+        for (name, dims, ty, data) in tensors {
+            b.extend_from_slice(&(name.len() as u64).to_le_bytes());
+            b.extend_from_slice(name.as_bytes());
+            b.extend_from_slice(&(dims.len() as u32).to_le_bytes());
+            for d in dims {
+                b.extend_from_slice(&d.to_le_bytes());
+            }
+            b.extend_from_slice(&ty.to_le_bytes());
+            b.extend_from_slice(&offset.to_le_bytes());
+            offset = (offset + data.len() as u64).div_ceil(32) * 32;
+        }
+        for (_, _, _, data) in tensors {
+            b.resize(b.len().div_ceil(32) * 32, 0);
+            b.extend_from_slice(data);
+        }
+        b
+    }
+
+    /// Each vector file's blocks as a tensor of one row per block.
+    fn vectors_file() -> Vec<u8> {
+        let tensors: Vec<_> = VECTORS
+            .iter()
+            .map(|file| {
+                let v = vectors(file);
+                let dims = vec![v.per_block as u64, v.blocks.len() as u64];
+                (format!("{:?}", v.ty), dims, v.id, v.blocks.concat())
+            })
+            .collect();
+        file_of(&tensors)
+    }
+
+    #[test]
+    fn a_file_of_every_quantized_type_loads() {
+        let bytes = vectors_file();
+        let f = GgufFile::parse(&bytes).unwrap();
+        for file in VECTORS {
+            let v = vectors(file);
+            let name = format!("{:?}", v.ty);
+            let info = f.tensor(&name).unwrap();
+            assert_eq!(info.ggml_type, v.ty);
+            assert_eq!(info.shape, vec![v.blocks.len(), v.per_block]);
+            let got = f.tensor_f32(&bytes, &name).unwrap();
+            assert_eq!(bits(&got), bits(&v.expected.concat()), "{name}");
+        }
+        // A row that is not a whole number of 256-element super-blocks is refused.
+        let q4_k = vectors(VECTORS[7]);
+        assert_eq!(q4_k.ty, GgmlType::Q4_K);
+        let half_rows = file_of(&[("t".into(), vec![128, 2], 12, q4_k.blocks[0].to_vec())]);
+        assert!(matches!(
+            GgufFile::parse(&half_rows),
+            Err(GgufError::Invalid { what: "tensor", .. })
+        ));
+        // A scale made infinite in the file names the tensor and the block's place in the file.
+        let mut inf = file_of(&[("t".into(), vec![256, 2], 12, q4_k.blocks[..2].concat())]);
+        let start = GgufFile::parse(&inf).unwrap().tensors()[0].offset as usize;
+        let second = start + q4_k.blocks[0].len();
+        inf[second..second + 2].copy_from_slice(&[0x00, 0x7c]);
+        let e = GgufFile::parse(&inf).unwrap().tensor_f32(&inf, "t");
+        assert!(
+            matches!(&e, Err(GgufError::NonFiniteScale { tensor, offset, .. }) if tensor == "t" && *offset == second),
+            "{e:?}"
+        );
+    }
+
     proptest! {
         #[test]
-        fn arbitrary_damage_never_panics(flips in proptest::collection::vec((any::<usize>(), any::<u8>()), 0..8), cut in any::<usize>()) {
-            let mut bytes = tiny_file();
+        fn arbitrary_damage_never_panics(flips in proptest::collection::vec((any::<usize>(), any::<u8>()), 0..8), cut in any::<usize>(), every_type in any::<bool>()) {
+            let mut bytes = if every_type { vectors_file() } else { tiny_file() };
             for (i, v) in flips {
                 let n = bytes.len();
                 bytes[i % n] = v;
