@@ -277,7 +277,6 @@ impl Engine {
                 latency_ms: latency_ms.clone(),
                 steps: 0,
                 shared: shared.clone(),
-                counted_idle: false,
             };
             std::thread::Builder::new()
                 .name(format!("leader-{slot}"))
@@ -590,8 +589,6 @@ struct Shared {
     active: std::sync::Mutex<Vec<usize>>,
     /// Signalled when no serving thread has a sequence left.
     quiet: std::sync::Condvar,
-    /// Serving threads waiting for a request.
-    idle: AtomicUsize,
     /// Tokens generated lately (when, how many).
     recent: std::sync::Mutex<VecDeque<(Instant, u64)>>,
 }
@@ -602,7 +599,6 @@ impl Shared {
             busy: std::sync::Mutex::new(vec![Vec::new(); groups]),
             active: std::sync::Mutex::new(vec![0; groups]),
             quiet: std::sync::Condvar::new(),
-            idle: AtomicUsize::new(0),
             recent: std::sync::Mutex::new(VecDeque::new()),
         }
     }
@@ -623,6 +619,22 @@ impl Shared {
         if let Some(b) = busy.get_mut(slot) {
             *b = peers;
         }
+    }
+
+    /// Whether a serving thread other than `slot` holds a group and serves no sequence: it
+    /// takes the next request at once, wherever it is in its loop (waiting on the queue,
+    /// publishing, or just done forming its group).
+    fn another_is_idle(&self, slot: usize) -> bool {
+        let formed: Vec<bool> = {
+            let busy = self.busy.lock().unwrap_or_else(|e| e.into_inner());
+            busy.iter().map(|b| !b.is_empty()).collect()
+        };
+        let active = self.active.lock().unwrap_or_else(|e| e.into_inner());
+        formed
+            .iter()
+            .zip(active.iter())
+            .enumerate()
+            .any(|(i, (&formed, &n))| i != slot && formed && n == 0)
     }
 
     /// Whether every serving group before `slot` has a group.
@@ -785,25 +797,9 @@ struct Worker {
     steps: u64,
     /// What the serving threads share.
     shared: Arc<Shared>,
-    /// Whether this thread counts among the idle ones ([`Shared::idle`]).
-    counted_idle: bool,
 }
 
 impl Worker {
-    /// Counts this thread among the idle ones, or not: from the moment its batch empties
-    /// until it takes a request, whatever it does meanwhile (publishing, polling), so a busy
-    /// thread never takes a request that an idle one's group would run at once.
-    fn mark_idle(&mut self, idle: bool) {
-        if idle != self.counted_idle {
-            if idle {
-                self.shared.idle.fetch_add(1, Ordering::SeqCst);
-            } else {
-                self.shared.idle.fetch_sub(1, Ordering::SeqCst);
-            }
-            self.counted_idle = idle;
-        }
-    }
-
     fn run(mut self) {
         // Timers and network futures below need the node's runtime as their context.
         let runtime = self.lead.ctx.runtime.clone();
@@ -824,7 +820,6 @@ impl Worker {
                 break;
             }
             if self.active.is_empty() {
-                self.mark_idle(true);
                 if !self.intake.idle(&runtime, IDLE_POLL) {
                     break;
                 }
@@ -833,7 +828,6 @@ impl Worker {
             }
             self.step();
         }
-        self.mark_idle(false);
         tracing::info!(slot, "a serving thread stopped");
     }
 
@@ -868,7 +862,7 @@ impl Worker {
             // A busy thread leaves new requests to an idle one: its own group runs them.
             if !self.active.is_empty()
                 && !self.intake.holds()
-                && self.shared.idle.load(Ordering::SeqCst) > 0
+                && self.shared.another_is_idle(self.slot())
             {
                 break;
             }
@@ -877,7 +871,6 @@ impl Worker {
                 Next::Empty => break,
                 Next::Closed => return !self.active.is_empty(),
             };
-            self.mark_idle(false);
             if job.events.is_closed() {
                 continue;
             }
@@ -1330,6 +1323,24 @@ mod tests {
             Next::Job(j) => Some(j.req.prompt[0]),
             Next::Empty | Next::Closed => None,
         }
+    }
+
+    #[test]
+    fn a_busy_thread_leaves_a_request_to_a_thread_with_a_group_and_nothing_to_serve() {
+        let shared = Shared::new(3);
+        let peer = PeerId::random();
+        assert!(!shared.another_is_idle(0), "no other thread has a group");
+        shared.set_busy(1, vec![peer]);
+        assert!(
+            shared.another_is_idle(0),
+            "thread 1 just formed its group: it takes the next request"
+        );
+        assert!(!shared.another_is_idle(1), "not itself");
+        shared.set_active(1, 1);
+        assert!(!shared.another_is_idle(0), "thread 1 is serving");
+        shared.set_active(1, 0);
+        shared.set_busy(1, Vec::new());
+        assert!(!shared.another_is_idle(0), "thread 1 lost its group");
     }
 
     #[test]
