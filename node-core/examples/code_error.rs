@@ -54,7 +54,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     Construction::ComplexCauchy => "complex Cauchy",
                     Construction::RealCauchy => "real Cauchy",
                     Construction::Gaussian { .. } => "Gaussian",
-                    Construction::Identity | Construction::GrowingCauchy { .. } => "other",
+                    Construction::Identity
+                    | Construction::GrowingCauchy { .. }
+                    | Construction::Integer { .. } => "other",
                 };
                 println!("| {name} | {k} | {n} | {m} |");
             }

@@ -265,14 +265,25 @@ pub struct Assembly {
 
 impl Assembly {
     /// An empty row `target` of the model `cfg` under the code `g`, stored in `format`.
-    pub fn new(cfg: &LlamaConfig, g: &Generator, target: usize, format: ShardFormat) -> Self {
+    /// Compact rows are refused: their integers are copied or re-encoded, not summed in f32.
+    pub fn new(
+        cfg: &LlamaConfig,
+        g: &Generator,
+        target: usize,
+        format: ShardFormat,
+    ) -> Result<Self, ChainError> {
+        if format == ShardFormat::Q8 {
+            return Err(ChainError::BadRequest(
+                "a compact (q8) row is not built along a chain: copy it from a holder".into(),
+            ));
+        }
         let shapes = shapes(cfg, g);
         let m = g.sub_blocks();
         let values = shapes
             .iter()
             .map(|s| vec![0.0f32; m * s.block_len * s.cols])
             .collect();
-        Self {
+        Ok(Self {
             cfg: cfg.clone(),
             generator: g.clone(),
             target,
@@ -280,7 +291,7 @@ impl Assembly {
             shapes,
             values,
             received: 0,
-        }
+        })
     }
 
     /// Every piece the row needs.
@@ -325,7 +336,13 @@ impl Assembly {
             out: s.out,
             block_len: s.block_len,
             cols: s.cols,
-            values: ShardValues::from_f32(v, format),
+            // `new` refused the one format f32 sums cannot make.
+            values: match format {
+                ShardFormat::F16 => {
+                    ShardValues::F16(v.iter().map(|&x| half::f16::from_f32(x)).collect())
+                }
+                _ => ShardValues::F32(v),
+            },
             carry: Vec::new(),
         });
         let blocks = (0..self.cfg.layers)
@@ -377,6 +394,7 @@ mod tests {
         match &s.values {
             ShardValues::F32(v) => v.clone(),
             ShardValues::F16(v) => v.iter().map(|h| h.to_f32()).collect(),
+            ShardValues::Q8(_) => unreachable!("the chain tests build f32 rows"),
         }
     }
 
@@ -389,7 +407,7 @@ mod tests {
             .map(|r| ShardSet::encode(&w, &g, r, ShardFormat::F32, &mut |_, _| {}).unwrap())
             .collect();
         let (target, chain) = (6u32, vec![src(4), src(0), src(2)]);
-        let mut asm = Assembly::new(&cfg, &g, target as usize, ShardFormat::F32);
+        let mut asm = Assembly::new(&cfg, &g, target as usize, ShardFormat::F32).unwrap();
         for piece in asm.pieces() {
             let mut sum = None;
             for at in 0..3u32 {
@@ -514,7 +532,7 @@ mod tests {
                 .is_err()
         );
         assert!(ok.contribute(&set, &[0; 32], None).is_err());
-        let mut asm = Assembly::new(&cfg, &g, 6, ShardFormat::F32);
+        let mut asm = Assembly::new(&cfg, &g, 6, ShardFormat::F32).unwrap();
         assert!(asm.add(&ok.piece, &vec![0.0; len - 1]).is_err());
         assert!(
             asm.add(

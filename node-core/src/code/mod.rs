@@ -6,6 +6,10 @@
 //! Cauchy code, `m = 2`: each complex generator entry `c` becomes the real rotation block
 //! `[[Re c, −Im c], [Im c, Re c]]`, so storage and flops per node stay `1/k` of the matrix.
 
+mod integer;
+
+pub use integer::{INTEGER_MAX_K, STORED_MAX};
+
 use nalgebra::DMatrix;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -105,6 +109,13 @@ pub enum Construction {
     /// circle. The generator has room for every row the mesh may add ([`max_rows`]); the
     /// first `seeded` are encoded at genesis, the rest on demand.
     GrowingCauchy {
+        /// Rows encoded at genesis.
+        seeded: u32,
+    },
+    /// The integer code of compact shards: the k unit vectors, then parity rows of small
+    /// integers, every k of them regular. Rows `0..seeded` are encoded at genesis, the rest on
+    /// demand (docs/coding.md, "Compact shards").
+    Integer {
         /// Rows encoded at genesis.
         seeded: u32,
     },
@@ -221,6 +232,25 @@ impl Generator {
                     complex_cauchy(&row_points(seeded, k, n), &poles(seeded, k)),
                 )
             }
+            Construction::Integer { seeded } => {
+                let seeded = seeded as usize;
+                if k > INTEGER_MAX_K || seeded < k || seeded > n {
+                    return Err(CodeError::Params { k, n: seeded });
+                }
+                let (rows, _) = integer::integer_rows(k);
+                if n > rows.len() {
+                    return Err(CodeError::Params { k, n });
+                }
+                let coeffs = rows[..n].iter().flatten().map(|&c| f64::from(c)).collect();
+                // Integer rows stay as they are: normalising them would lose the integers.
+                return Ok(Self {
+                    n,
+                    k,
+                    m: 1,
+                    construction,
+                    coeffs,
+                });
+            }
         };
         // Unit-norm rows (for the complex code each real row has the complex row's norm).
         let width = k * m;
@@ -277,11 +307,38 @@ impl Generator {
         Self::new(construction, rows, k)
     }
 
+    /// The integer code of compact shards with `seeded` genesis rows, holding every row the
+    /// mesh may add (docs/coding.md, "Compact shards"). Refused for k > [`INTEGER_MAX_K`].
+    pub fn integer(seeded: usize, k: usize) -> Result<Self, CodeError> {
+        if k == 0 || k > INTEGER_MAX_K {
+            return Err(CodeError::Params { k, n: seeded });
+        }
+        let rows = integer::integer_rows(k).0.len();
+        let construction = Construction::Integer {
+            seeded: u32::try_from(seeded).map_err(|_| CodeError::Params { k, n: seeded })?,
+        };
+        Self::new(construction, rows.max(seeded), k)
+    }
+
+    /// For an integer code, the largest magnitude a quantised weight may take so that every
+    /// row's coded values fit [`STORED_MAX`]; `None` for codes with real coefficients.
+    pub fn levels(&self) -> Option<i32> {
+        match self.construction {
+            Construction::Integer { .. } => {
+                Some(STORED_MAX / integer::integer_rows(self.k).1)
+            }
+            Construction::Identity => Some(STORED_MAX),
+            _ => None,
+        }
+    }
+
     /// Rows encoded at genesis: all `n` but for a growing code, whose later rows the mesh
     /// adds on demand.
     pub fn genesis_rows(&self) -> usize {
         match self.construction {
-            Construction::GrowingCauchy { seeded } => seeded as usize,
+            Construction::GrowingCauchy { seeded } | Construction::Integer { seeded } => {
+                seeded as usize
+            }
             _ => self.n,
         }
     }

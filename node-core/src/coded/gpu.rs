@@ -25,6 +25,8 @@ fn upload(gpu: &Gpu, s: &Shard) -> Result<GpuMatrix, GpuError> {
     match &s.values {
         ShardValues::F32(v) => gpu.upload(rows, s.cols, Weights::F32(v)),
         ShardValues::F16(v) => gpu.upload(rows, s.cols, Weights::F16(v)),
+        // No WGSL kernel reads compact values yet: the GPU gets them as f32.
+        ShardValues::Q8(v) => gpu.upload(rows, s.cols, Weights::F32(&v.rows_f32(s.cols, 0, rows))),
     }
 }
 
@@ -141,6 +143,7 @@ fn stack(gpu: &Gpu, members: &[&ShardSet], stage: Stage) -> Result<GroupStage, C
             match &s.values {
                 ShardValues::F32(v) => f32s.extend_from_slice(v),
                 ShardValues::F16(v) => f16s.extend_from_slice(v),
+                ShardValues::Q8(v) => f32s.extend(v.rows_f32(s.cols, 0, s.stored_rows())),
             }
         }
     }

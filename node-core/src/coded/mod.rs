@@ -6,6 +6,7 @@
 //! sub-block is one contiguous run of `C = Σ t·L_matrix` values. An embedding lookup answers
 //! `[sub-block s][token][column]` with the requested local rows.
 
+mod compact;
 mod gpu;
 mod group;
 mod member;
@@ -13,6 +14,7 @@ mod probe;
 mod shards;
 mod verify;
 
+pub use compact::{Q8Values, compact_matrix, compact_model, encode_q8};
 pub use gpu::{GpuGroup, GpuShards};
 pub use group::{CodedGroup, ExecStats, InProcess, Transport, TransportError};
 pub use member::{AUTO_GPU_MIN_WORK, Member, Misbehaviour, SKEW};

@@ -3,8 +3,10 @@
 use serde::{Deserialize, Serialize};
 
 use super::CodedError;
+use super::compact::{Q8Values, encode_q8};
 use crate::code::Generator;
 use crate::compute::matmul;
+use crate::compute::q8::matmul_q8;
 use crate::model::{LlamaConfig, Matrix, ModelWeights, Stage};
 
 /// How shard values are stored.
@@ -15,6 +17,9 @@ pub enum ShardFormat {
     F32,
     /// 16-bit floats: half the bytes to read, more rounding error (docs/perf.md).
     F16,
+    /// Compact: 8-bit integers of the integer code with shared f16 scales, an exact codeword
+    /// of the weights on their grid (docs/coding.md, "Compact shards").
+    Q8,
 }
 
 impl std::str::FromStr for ShardFormat {
@@ -24,7 +29,8 @@ impl std::str::FromStr for ShardFormat {
         match s {
             "f32" => Ok(Self::F32),
             "f16" => Ok(Self::F16),
-            other => Err(format!("unknown shard format {other:?} (f32 or f16)")),
+            "q8" => Ok(Self::Q8),
+            other => Err(format!("unknown shard format {other:?} (f32, f16 or q8)")),
         }
     }
 }
@@ -36,15 +42,37 @@ pub enum ShardValues {
     F32(Vec<f32>),
     /// f16 values.
     F16(Vec<half::f16>),
+    /// Compact values: integers of the integer code and their scales.
+    Q8(Q8Values),
 }
 
 impl ShardValues {
-    /// f32 values stored in `format` (rounded to f16 for [`ShardFormat::F16`]).
-    pub fn from_f32(data: Vec<f32>, format: ShardFormat) -> Self {
+    /// f32 values stored in `format` (rounded to f16 for [`ShardFormat::F16`]); compact values
+    /// come from integers, not from f32 sums, so [`ShardFormat::Q8`] is refused.
+    pub fn from_f32(data: Vec<f32>, format: ShardFormat) -> Result<Self, CodedError> {
         match format {
-            ShardFormat::F32 => Self::F32(data),
-            ShardFormat::F16 => Self::F16(data.iter().map(|&v| half::f16::from_f32(v)).collect()),
+            ShardFormat::F32 => Ok(Self::F32(data)),
+            ShardFormat::F16 => Ok(Self::F16(
+                data.iter().map(|&v| half::f16::from_f32(v)).collect(),
+            )),
+            ShardFormat::Q8 => Err(CodedError::BadRequest(
+                "compact (q8) values are built from the integer code, not from f32 values".into(),
+            )),
         }
+    }
+
+    /// Number of values.
+    pub fn len(&self) -> usize {
+        match self {
+            Self::F32(v) => v.len(),
+            Self::F16(v) => v.len(),
+            Self::Q8(v) => v.q.len(),
+        }
+    }
+
+    /// Whether there are no values.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 }
 
@@ -76,23 +104,22 @@ impl Shard {
         m: &Matrix,
         format: ShardFormat,
     ) -> Result<Self, CodedError> {
-        let data = g.encode_shard(node, &m.data, m.rows, m.cols)?;
+        let values = match format {
+            ShardFormat::Q8 => ShardValues::Q8(encode_q8(g, node, &m.data, m.rows, m.cols)?),
+            _ => ShardValues::from_f32(g.encode_shard(node, &m.data, m.rows, m.cols)?, format)?,
+        };
         Ok(Self {
             out: m.rows,
             block_len: g.block_len(m.rows),
             cols: m.cols,
-            values: ShardValues::from_f32(data, format),
+            values,
             carry: Vec::new(),
         })
     }
 
     /// Rows stored: every sub-block's `L` rows.
     pub fn stored_rows(&self) -> usize {
-        let len = match &self.values {
-            ShardValues::F32(v) => v.len(),
-            ShardValues::F16(v) => v.len(),
-        };
-        len / self.cols.max(1)
+        self.values.len() / self.cols.max(1)
     }
 
     /// `y (t × L) = x (t × cols) · S_sᵀ` for sub-block `s` (rows `[s·L, (s+1)·L)`).
@@ -102,6 +129,17 @@ impl Shard {
         match &self.values {
             ShardValues::F32(v) => matmul(&v[range], self.block_len, self.cols, x, t, y),
             ShardValues::F16(v) => matmul(&v[range], self.block_len, self.cols, x, t, y),
+            ShardValues::Q8(v) => {
+                let nb = crate::compute::q8::blocks_per_row(self.cols);
+                let rows = s * self.block_len..(s + 1) * self.block_len;
+                let w = crate::compute::q8::Q8Matrix {
+                    q: &v.q[range],
+                    scales: &v.scales[rows.start * nb..rows.end * nb],
+                    rows: self.block_len,
+                    cols: self.cols,
+                };
+                matmul_q8(w, x, t, y)
+            }
         }
     }
 
@@ -116,6 +154,11 @@ impl Shard {
                 ShardValues::F16(v) => {
                     buf.clear();
                     buf.extend(v[start..start + cols].iter().map(|h| h.to_f32()));
+                    std::borrow::Cow::Borrowed(buf.as_slice())
+                }
+                ShardValues::Q8(v) => {
+                    buf.resize(cols, 0.0);
+                    crate::compute::q8::dequantize_row(&v.q, &v.scales, cols, s * l + r, &mut buf);
                     std::borrow::Cow::Borrowed(buf.as_slice())
                 }
             };
@@ -138,6 +181,7 @@ impl Shard {
             ShardValues::F16(v) => {
                 out.extend(v[start..start + self.cols].iter().map(|h| h.to_f32()))
             }
+            ShardValues::Q8(v) => out.extend(v.rows_f32(self.cols, s * self.block_len + r, 1)),
         }
     }
 
@@ -146,6 +190,9 @@ impl Shard {
         match &self.values {
             ShardValues::F32(v) => std::borrow::Cow::Borrowed(v),
             ShardValues::F16(v) => std::borrow::Cow::Owned(v.iter().map(|h| h.to_f32()).collect()),
+            ShardValues::Q8(v) => {
+                std::borrow::Cow::Owned(v.rows_f32(self.cols, 0, v.q.len() / self.cols.max(1)))
+            }
         }
     }
 
@@ -169,6 +216,9 @@ impl Shard {
         }
         let n = first.block_len * first.cols;
         let km = sources.len() * m;
+        if format == ShardFormat::Q8 {
+            return Self::combine_q8(sources, coeffs, first);
+        }
         let values: Vec<std::borrow::Cow<'_, [f32]>> =
             sources.iter().map(|s| s.values_f32()).collect();
         if values.iter().any(|v| v.len() != m * n) {
@@ -194,7 +244,56 @@ impl Shard {
             out: first.out,
             block_len: first.block_len,
             cols: first.cols,
-            values: ShardValues::from_f32(data, format),
+            values: ShardValues::from_f32(data, format)?,
+            carry: Vec::new(),
+        })
+    }
+
+    /// [`Shard::combine`] for compact shards: the coded integers of the target row are the
+    /// rational combination of the sources' integers, rounded to the integer it must be, so a
+    /// rebuilt row is bit for bit the row encoding gives; the scales are the sources' own.
+    fn combine_q8(sources: &[&Shard], coeffs: &[f64], first: &Shard) -> Result<Self, CodedError> {
+        let values: Vec<&Q8Values> = sources
+            .iter()
+            .map(|s| match &s.values {
+                ShardValues::Q8(v) => Ok(v),
+                _ => Err(CodedError::BadRequest(
+                    "a compact row needs compact sources".into(),
+                )),
+            })
+            .collect::<Result<_, _>>()?;
+        let len = first.block_len * first.cols;
+        for v in &values {
+            v.matrix(first.cols)?;
+            if v.q.len() != len || v.scales != values[0].scales {
+                return Err(CodedError::BadRequest(
+                    "compact sources disagree on their values or scales".into(),
+                ));
+            }
+        }
+        let mut q = vec![0i8; len];
+        for (i, dst) in q.iter_mut().enumerate() {
+            let sum: f64 = coeffs
+                .iter()
+                .zip(&values)
+                .map(|(&c, v)| c * f64::from(v.q[i]))
+                .sum();
+            let z = sum.round();
+            if (sum - z).abs() > 1e-3 || z.abs() > 127.0 {
+                return Err(CodedError::BadRequest(format!(
+                    "the sources' combination is {sum}, not a coded i8: they are not one codeword"
+                )));
+            }
+            *dst = z as i8;
+        }
+        Ok(Self {
+            out: first.out,
+            block_len: first.block_len,
+            cols: first.cols,
+            values: ShardValues::Q8(Q8Values {
+                q,
+                scales: values[0].scales.clone(),
+            }),
             carry: Vec::new(),
         })
     }
@@ -204,6 +303,7 @@ impl Shard {
         match &self.values {
             ShardValues::F32(_) => ShardFormat::F32,
             ShardValues::F16(_) => ShardFormat::F16,
+            ShardValues::Q8(_) => ShardFormat::Q8,
         }
     }
 
@@ -212,6 +312,7 @@ impl Shard {
         match &self.values {
             ShardValues::F32(v) => v.len() * 4,
             ShardValues::F16(v) => v.len() * 2,
+            ShardValues::Q8(v) => v.q.len() + v.scales.len() * 2,
         }
     }
 }
@@ -341,6 +442,50 @@ impl ShardSet {
         })
     }
 
+    /// Checks that every shard has the shape the model and code give it, and every compact
+    /// shard its scales (a set read from a blob or the network is untrusted).
+    pub fn check_shapes(&self) -> Result<(), CodedError> {
+        let shapes = crate::chain::shapes(&self.cfg, &self.generator);
+        let layered = self.blocks.len() * 7;
+        let count = layered + 1 + usize::from(self.lm_head.is_some());
+        if self.blocks.len() != self.cfg.layers
+            || self.blocks.iter().any(|b| b.len() != 7)
+            || count != shapes.len()
+        {
+            return Err(CodedError::BadRequest(
+                "the shard set does not have the model's matrices".into(),
+            ));
+        }
+        let m = self.generator.sub_blocks();
+        let all = self
+            .blocks
+            .iter()
+            .flatten()
+            .chain([&self.embed])
+            .chain(self.lm_head.as_ref());
+        for (i, (shard, want)) in all.zip(&shapes).enumerate() {
+            let len = m * want.block_len * want.cols;
+            if shard.out != want.out
+                || shard.block_len != want.block_len
+                || shard.cols != want.cols
+                || shard.values.len() != len
+            {
+                return Err(CodedError::BadRequest(format!(
+                    "matrix {i} of the shard set has the wrong shape"
+                )));
+            }
+            if shard.format() != self.embed.format() {
+                return Err(CodedError::BadRequest(format!(
+                    "matrix {i} of the shard set is stored in another format"
+                )));
+            }
+            if let ShardValues::Q8(v) = &shard.values {
+                v.matrix(shard.cols)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Bytes of shard data held.
     pub fn bytes(&self) -> usize {
         self.blocks
@@ -364,6 +509,11 @@ impl ShardSet {
             match &mut shard.values {
                 ShardValues::F32(v) => v.iter_mut().for_each(|x| *x *= factor),
                 ShardValues::F16(v) => v
+                    .iter_mut()
+                    .for_each(|x| *x = half::f16::from_f32(x.to_f32() * factor)),
+                // The integers stay; the scales carry the fault (they are the shard's own copy).
+                ShardValues::Q8(v) => v
+                    .scales
                     .iter_mut()
                     .for_each(|x| *x = half::f16::from_f32(x.to_f32() * factor)),
             }

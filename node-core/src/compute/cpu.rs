@@ -80,7 +80,7 @@ mod f16c {
 const LANES: usize = 16;
 
 /// Below this many weights a product runs on one thread (thread hand-off costs more).
-const PARALLEL_MIN_WEIGHTS: usize = 1 << 16;
+pub(crate) const PARALLEL_MIN_WEIGHTS: usize = 1 << 16;
 
 /// `Σ a[i]·b[i]` with 16 independent accumulators.
 #[inline(always)]
@@ -198,7 +198,7 @@ fn rows_times_inputs_portable<W: WeightElem>(
 /// From this many tokens on, products go through a blocked SGEMM (`matrixmultiply`): it keeps
 /// tiles of weights and inputs in cache and uses FMA, where the row kernel re-reads every
 /// input for each weight row (prefill, batches of requests, training).
-const GEMM_MIN_TOKENS: usize = 8;
+pub(crate) const GEMM_MIN_TOKENS: usize = 8;
 
 /// A strided matrix for [`sgemm`]: its values, row stride and column stride.
 #[derive(Debug, Clone, Copy)]

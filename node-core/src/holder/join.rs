@@ -270,7 +270,7 @@ async fn build_row<L: Link>(
         &manifest.generator,
         target as usize,
         manifest.format,
-    );
+    )?;
     let pieces = asm.pieces();
     let total = pieces.len() as u64;
     let part = |piece| ChainPart {

@@ -228,7 +228,16 @@ pub fn check_shard(
     if shard.cfg != manifest.cfg {
         return fail("the shard belongs to another model".into());
     }
-    Ok(())
+    if shard.embed.format() != manifest.format {
+        return fail(format!(
+            "the shard is stored as {:?}, the mesh as {:?}",
+            shard.embed.format(),
+            manifest.format
+        ));
+    }
+    shard
+        .check_shapes()
+        .or_else(|e| fail(format!("the shard is malformed: {e}")))
 }
 
 /// The version and norm gains of a shard copied or re-encoded from a source whose blob was at

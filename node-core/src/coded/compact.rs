@@ -1,0 +1,255 @@
+//! Compact shards: the weights quantised to integers with scales shared by the k blocks of a
+//! row, encoded with the integer code, so every shard is an exact codeword of i8 values
+//! (docs/coding.md, "Compact shards").
+
+use serde::{Deserialize, Serialize};
+
+use super::CodedError;
+use crate::code::Generator;
+use crate::compute::q8::{Q8_BLOCK, Q8Matrix, blocks_per_row, dequantize_row};
+use crate::model::{Matrix, ModelWeights};
+
+/// A compact shard's values: i8 values, row-major, and one f16 scale per [`Q8_BLOCK`] values
+/// of a row (the same scale in every shard of the matrix).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Q8Values {
+    /// The coded integers.
+    pub q: Vec<i8>,
+    /// `rows × ⌈cols / 32⌉` scales.
+    pub scales: Vec<half::f16>,
+}
+
+impl Q8Values {
+    /// The values as a matrix of `cols` columns, checked against their scales.
+    pub fn matrix(&self, cols: usize) -> Result<Q8Matrix<'_>, CodedError> {
+        let rows = self.q.len() / cols.max(1);
+        if rows * cols != self.q.len() || self.scales.len() != rows * blocks_per_row(cols) {
+            return Err(CodedError::BadRequest(format!(
+                "compact shard: {} values and {} scales do not make rows of {cols}",
+                self.q.len(),
+                self.scales.len()
+            )));
+        }
+        Ok(Q8Matrix {
+            q: &self.q,
+            scales: &self.scales,
+            rows,
+            cols,
+        })
+    }
+
+    /// Rows `first..first + n` as f32.
+    pub fn rows_f32(&self, cols: usize, first: usize, n: usize) -> Vec<f32> {
+        let mut out = vec![0.0f32; n * cols];
+        for (i, row) in out.chunks_exact_mut(cols.max(1)).enumerate() {
+            dequantize_row(&self.q, &self.scales, cols, first + i, row);
+        }
+        out
+    }
+}
+
+/// How a compact code cuts one matrix: `k` blocks of `l` rows, `levels` per sign.
+struct Grid {
+    out: usize,
+    inp: usize,
+    k: usize,
+    l: usize,
+    levels: i32,
+}
+
+impl Grid {
+    /// The grid of `g` for an `out × inp` matrix, or why `g` cannot make compact shards.
+    fn new(g: &Generator, out: usize, inp: usize) -> Result<Self, CodedError> {
+        let levels = g.levels().ok_or_else(|| {
+            CodedError::BadRequest(format!(
+                "compact (q8) shards need the integer code, not {:?}",
+                g.construction()
+            ))
+        })?;
+        Ok(Self {
+            out,
+            inp,
+            k: g.k(),
+            l: g.block_len(out),
+            levels,
+        })
+    }
+
+    /// Columns of block `b`.
+    fn columns(&self, b: usize) -> std::ops::Range<usize> {
+        b * Q8_BLOCK..((b + 1) * Q8_BLOCK).min(self.inp)
+    }
+
+    /// The scale shared by rows `r, L + r, …, (k−1)·L + r` of `w` over block `b`.
+    fn scale(&self, w: &[f32], r: usize, b: usize) -> half::f16 {
+        let cols = self.columns(b);
+        let mut most = 0.0f32;
+        for j in 0..self.k {
+            let row = j * self.l + r;
+            if row < self.out {
+                for &v in &w[row * self.inp + cols.start..row * self.inp + cols.end] {
+                    most = most.max(v.abs());
+                }
+            }
+        }
+        half::f16::from_f32(most / self.levels as f32)
+    }
+}
+
+/// `v` on the grid of `scale`, within `±levels`.
+fn quantise(v: f32, scale: half::f16, levels: i32) -> i32 {
+    let s = scale.to_f32();
+    if s == 0.0 || !s.is_finite() {
+        return 0;
+    }
+    ((v / s).round() as i32).clamp(-levels, levels)
+}
+
+/// Node `node`'s compact shard of `w` (`out × inp`).
+pub fn encode_q8(
+    g: &Generator,
+    node: usize,
+    w: &[f32],
+    out: usize,
+    inp: usize,
+) -> Result<Q8Values, CodedError> {
+    let grid = Grid::new(g, out, inp)?;
+    if w.len() != out * inp {
+        return Err(CodedError::BadRequest(format!(
+            "a {out} × {inp} matrix with {} values",
+            w.len()
+        )));
+    }
+    let (l, nb, levels) = (grid.l, blocks_per_row(inp), grid.levels);
+    if node >= g.n() {
+        return Err(crate::code::CodeError::NoSuchNode { node, n: g.n() }.into());
+    }
+    let coeffs: Vec<i32> = g.coeffs(node).iter().map(|&c| c as i32).collect();
+    let mut q = vec![0i8; l * inp];
+    let mut scales = vec![half::f16::ZERO; l * nb];
+    for r in 0..l {
+        for b in 0..nb {
+            let scale = grid.scale(w, r, b);
+            scales[r * nb + b] = scale;
+            for c in grid.columns(b) {
+                let mut z = 0i32;
+                for (j, &gj) in coeffs.iter().enumerate() {
+                    let row = j * l + r;
+                    if row < out && gj != 0 {
+                        z += gj * quantise(w[row * inp + c], scale, levels);
+                    }
+                }
+                // |z| ≤ ‖g‖₁ · levels ≤ 127 by the code's construction.
+                q[r * inp + c] = i8::try_from(z).map_err(|_| {
+                    CodedError::BadRequest(format!("coded value {z} does not fit an i8"))
+                })?;
+            }
+        }
+    }
+    Ok(Q8Values { q, scales })
+}
+
+/// The uncoded matrix a compact code of `g` encodes: `w` on the grid of its shared scales.
+pub fn compact_matrix(g: &Generator, w: &Matrix) -> Result<Matrix, CodedError> {
+    let (out, inp) = (w.rows, w.cols);
+    let grid = Grid::new(g, out, inp)?;
+    let (k, l, nb, levels) = (grid.k, grid.l, blocks_per_row(inp), grid.levels);
+    let mut data = vec![0.0f32; out * inp];
+    for r in 0..l {
+        for b in 0..nb {
+            let scale = grid.scale(&w.data, r, b);
+            for j in 0..k {
+                let row = j * l + r;
+                if row >= out {
+                    continue;
+                }
+                for c in grid.columns(b) {
+                    let v = quantise(w.data[row * inp + c], scale, levels);
+                    data[row * inp + c] = scale.to_f32() * v as f32;
+                }
+            }
+        }
+    }
+    Ok(Matrix {
+        rows: out,
+        cols: inp,
+        data,
+    })
+}
+
+/// The uncoded model a compact code of `g` encodes: every linear matrix on its grid, norms as
+/// they are. Coded compact decoding matches this model up to f32 rounding.
+pub fn compact_model(g: &Generator, w: &ModelWeights) -> Result<ModelWeights, CodedError> {
+    let mut out = w.clone();
+    for layer in &mut out.layers {
+        for m in [
+            &mut layer.q,
+            &mut layer.k,
+            &mut layer.v,
+            &mut layer.o,
+            &mut layer.gate,
+            &mut layer.up,
+            &mut layer.down,
+        ] {
+            *m = compact_matrix(g, m)?;
+        }
+    }
+    out.embed = compact_matrix(g, &out.embed)?;
+    if let Some(h) = &mut out.lm_head {
+        *h = compact_matrix(g, h)?;
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn matrix(rows: usize, cols: usize) -> Matrix {
+        let data = (0..rows * cols)
+            .map(|i| ((i * 7919 % 1009) as f32 / 504.5 - 1.0) * (1.0 + (i % 13) as f32))
+            .collect();
+        Matrix { rows, cols, data }
+    }
+
+    #[test]
+    fn compact_shards_are_an_exact_codeword_of_the_compact_matrix() {
+        let g = Generator::integer(5, 3).unwrap();
+        let w = matrix(100, 70);
+        let reference = compact_matrix(&g, &w).unwrap();
+        let l = g.block_len(w.rows);
+        for node in 0..g.n() {
+            let shard = encode_q8(&g, node, &w.data, w.rows, w.cols).unwrap();
+            let rows = shard.rows_f32(w.cols, 0, l);
+            // The shard equals the code applied to the compact matrix, exactly: each value is
+            // an integer sum times the shared scale.
+            let exact = g.encode_shard(node, &reference.data, w.rows, w.cols).unwrap();
+            for (i, (&a, &b)) in rows.iter().zip(&exact).enumerate() {
+                assert!(
+                    (a - b).abs() <= 1e-6 * b.abs().max(1e-3),
+                    "node {node}, value {i}: {a} vs {b}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn compact_matrices_stay_within_half_a_step_of_the_weights() {
+        let g = Generator::integer(5, 3).unwrap();
+        let w = matrix(96, 64);
+        let c = compact_matrix(&g, &w).unwrap();
+        let grid = Grid::new(&g, w.rows, w.cols).unwrap();
+        for (i, (&a, &b)) in w.data.iter().zip(&c.data).enumerate() {
+            let (row, col) = (i / w.cols, i % w.cols);
+            let scale = grid.scale(&w.data, row % grid.l, col / Q8_BLOCK);
+            assert!((a - b).abs() <= 0.5 * scale.to_f32() * 1.001 + 1e-3 * a.abs(), "value {i}: {a} vs {b}");
+        }
+    }
+
+    #[test]
+    fn a_real_coefficient_code_is_refused_with_a_reason() {
+        let g = Generator::cauchy(5, 3).unwrap();
+        let err = encode_q8(&g, 0, &[0.0; 6], 3, 2).unwrap_err();
+        assert!(err.to_string().contains("integer code"), "{err}");
+    }
+}

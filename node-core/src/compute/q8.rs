@@ -1,0 +1,306 @@
+//! Kernels for compact weights: i8 values with one f16 scale per [`Q8_BLOCK`] values of a row,
+//! multiplied without first converting the matrix (dequantise and multiply fused per block).
+
+use super::cpu::{GEMM_MIN_TOKENS, PARALLEL_MIN_WEIGHTS, View, dot, sgemm};
+use super::par;
+
+/// Values of a row that share one scale.
+pub const Q8_BLOCK: usize = 32;
+
+/// Scales per row of `cols` values.
+pub fn blocks_per_row(cols: usize) -> usize {
+    cols.div_ceil(Q8_BLOCK)
+}
+
+/// Row `r` of a compact matrix as f32, written into `out` (`cols` values).
+pub fn dequantize_row(q: &[i8], scales: &[half::f16], cols: usize, r: usize, out: &mut [f32]) {
+    let nb = blocks_per_row(cols);
+    let row = &q[r * cols..(r + 1) * cols];
+    for ((o, qs), s) in out
+        .chunks_mut(Q8_BLOCK)
+        .zip(row.chunks(Q8_BLOCK))
+        .zip(&scales[r * nb..(r + 1) * nb])
+    {
+        let s = s.to_f32();
+        for (o, &v) in o.iter_mut().zip(qs) {
+            *o = s * f32::from(v);
+        }
+    }
+}
+
+/// `Σ_b s_b · Σ_i q[b·32 + i] · x[b·32 + i]` for one row, the portable way.
+#[inline(always)]
+fn dot_q8_portable(q: &[i8], scales: &[f32], x: &[f32]) -> f32 {
+    let mut total = [0.0f32; 8];
+    let mut tail = 0.0f32;
+    for ((qs, xs), &s) in q.chunks(Q8_BLOCK).zip(x.chunks(Q8_BLOCK)).zip(scales) {
+        if qs.len() == Q8_BLOCK {
+            let mut acc = [0.0f32; 8];
+            for (qc, xc) in qs.chunks_exact(8).zip(xs.chunks_exact(8)) {
+                for i in 0..8 {
+                    acc[i] += f32::from(qc[i]) * xc[i];
+                }
+            }
+            for i in 0..8 {
+                total[i] += s * acc[i];
+            }
+        } else {
+            let part: f32 = qs.iter().zip(xs).map(|(&a, &b)| f32::from(a) * b).sum();
+            tail += s * part;
+        }
+    }
+    total.iter().sum::<f32>() + tail
+}
+
+/// The dot product with AVX2 and FMA: eight i8 widened to f32 per instruction group.
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    /// See [`super::dot_q8_portable`]; the same sum, grouped differently.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn dot_q8(q: &[i8], scales: &[f32], x: &[f32]) -> f32 {
+        let full = q.len() / super::Q8_BLOCK;
+        assert!(x.len() >= q.len() && scales.len() >= full, "dot_q8 shapes");
+        let mut t0 = _mm256_setzero_ps();
+        let mut t1 = _mm256_setzero_ps();
+        let mut b = 0;
+        while b < full {
+            // SAFETY: block `b` is in bounds of `q` and `x` (asserted above); unaligned loads.
+            unsafe {
+                let qp = q.as_ptr().add(b * 32);
+                let xp = x.as_ptr().add(b * 32);
+                let w = |o: usize| {
+                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                        qp.add(o) as *const __m128i
+                    )))
+                };
+                let mut acc = _mm256_mul_ps(w(0), _mm256_loadu_ps(xp));
+                acc = _mm256_fmadd_ps(w(8), _mm256_loadu_ps(xp.add(8)), acc);
+                let mut acc2 = _mm256_mul_ps(w(16), _mm256_loadu_ps(xp.add(16)));
+                acc2 = _mm256_fmadd_ps(w(24), _mm256_loadu_ps(xp.add(24)), acc2);
+                let s = _mm256_set1_ps(scales[b]);
+                if b % 2 == 0 {
+                    t0 = _mm256_fmadd_ps(_mm256_add_ps(acc, acc2), s, t0);
+                } else {
+                    t1 = _mm256_fmadd_ps(_mm256_add_ps(acc, acc2), s, t1);
+                }
+            }
+            b += 1;
+        }
+        let t = _mm256_add_ps(t0, t1);
+        let mut lanes = [0.0f32; 8];
+        // SAFETY: `lanes` holds eight f32.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), t) };
+        let mut sum: f32 = lanes.iter().sum();
+        let done = full * super::Q8_BLOCK;
+        if done < q.len() {
+            let part: f32 = q[done..]
+                .iter()
+                .zip(&x[done..])
+                .map(|(&a, &v)| f32::from(a) * v)
+                .sum();
+            sum += scales[full] * part;
+        }
+        sum
+    }
+}
+
+/// One row's dot product with the best instructions this CPU has.
+#[inline]
+fn dot_q8(q: &[i8], scales: &[f32], x: &[f32], fma: bool) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if fma {
+        // SAFETY: the caller checked AVX2 and FMA ([`has_fma`]).
+        return unsafe { avx2::dot_q8(q, scales, x) };
+    }
+    let _ = fma;
+    dot_q8_portable(q, scales, x)
+}
+
+/// Whether this CPU runs the AVX2/FMA kernel.
+fn has_fma() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// A compact matrix: `rows × cols` i8 values, row-major, and `rows × ⌈cols / 32⌉` scales.
+#[derive(Debug, Clone, Copy)]
+pub struct Q8Matrix<'a> {
+    /// The values.
+    pub q: &'a [i8],
+    /// One scale per block of a row.
+    pub scales: &'a [half::f16],
+    /// Rows.
+    pub rows: usize,
+    /// Columns.
+    pub cols: usize,
+}
+
+/// Rows `first..` of `x · Wᵀ` (`rows × t` into `yt`), fused per row, or through SGEMM on
+/// dequantised rows for many tokens.
+fn rows_times_inputs(w: Q8Matrix<'_>, x: &[f32], t: usize, first: usize, yt: &mut [f32], fma: bool) {
+    let Q8Matrix { q, scales, cols, .. } = w;
+    let nb = blocks_per_row(cols);
+    let rows = yt.len() / t;
+    if t >= GEMM_MIN_TOKENS {
+        let mut w = vec![0.0f32; rows * cols];
+        for (i, out) in w.chunks_exact_mut(cols.max(1)).enumerate() {
+            dequantize_row(q, scales, cols, first + i, out);
+        }
+        sgemm(
+            rows,
+            cols,
+            t,
+            View::rows(&w, cols),
+            View::transposed(x, cols),
+            yt,
+            t,
+        );
+        return;
+    }
+    let mut s = vec![0.0f32; nb];
+    let mut row = Vec::new();
+    for (i, out) in yt.chunks_exact_mut(t).enumerate() {
+        let r = first + i;
+        for (d, h) in s.iter_mut().zip(&scales[r * nb..(r + 1) * nb]) {
+            *d = h.to_f32();
+        }
+        let qr = &q[r * cols..(r + 1) * cols];
+        if t == 1 {
+            out[0] = dot_q8(qr, &s, x, fma);
+        } else {
+            row.resize(cols, 0.0);
+            dequantize_row(q, scales, cols, r, &mut row);
+            for (tok, o) in out.iter_mut().enumerate() {
+                *o = dot(&row, &x[tok * cols..(tok + 1) * cols]);
+            }
+        }
+    }
+}
+
+/// `y (t × rows) = x (t × cols) · Wᵀ` for a compact `W`.
+pub fn matmul_q8(w: Q8Matrix<'_>, x: &[f32], t: usize, y: &mut [f32]) {
+    let Q8Matrix {
+        q,
+        scales,
+        rows,
+        cols,
+    } = w;
+    debug_assert_eq!(q.len(), rows * cols);
+    debug_assert_eq!(scales.len(), rows * blocks_per_row(cols));
+    debug_assert_eq!(x.len(), t * cols);
+    debug_assert_eq!(y.len(), t * rows);
+    if rows == 0 || t == 0 {
+        return;
+    }
+    let fma = has_fma();
+    let threads = par::threads();
+    let parallel = threads > 1 && rows * cols >= PARALLEL_MIN_WEIGHTS;
+    if t == 1 {
+        if parallel {
+            let chunk = rows.div_ceil(threads * 4).max(16);
+            par::for_each_chunk(y, chunk, |i, out| {
+                rows_times_inputs(w, x, 1, i * chunk, out, fma)
+            });
+        } else {
+            rows_times_inputs(w, x, 1, 0, y, fma);
+        }
+        return;
+    }
+    let mut yt = vec![0.0f32; rows * t];
+    if parallel {
+        let chunk_rows = rows.div_ceil(threads * 4).max(4);
+        par::for_each_chunk(&mut yt, chunk_rows * t, |i, out| {
+            rows_times_inputs(w, x, t, i * chunk_rows, out, fma)
+        });
+    } else {
+        rows_times_inputs(w, x, t, 0, &mut yt, fma);
+    }
+    for (r, vals) in yt.chunks_exact(t).enumerate() {
+        for (tok, &v) in vals.iter().enumerate() {
+            y[tok * rows + r] = v;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn compact(rows: usize, cols: usize, seed: u32) -> (Vec<i8>, Vec<half::f16>) {
+        let mut state = seed.wrapping_mul(2654435761).wrapping_add(12345);
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 17;
+            state ^= state << 5;
+            state
+        };
+        let q = (0..rows * cols).map(|_| (next() % 255) as i32 - 127).map(|v| v as i8).collect();
+        let scales = (0..rows * blocks_per_row(cols))
+            .map(|_| half::f16::from_f32(1e-3 * (1 + next() % 100) as f32))
+            .collect();
+        (q, scales)
+    }
+
+    fn naive(q: &[i8], s: &[half::f16], rows: usize, cols: usize, x: &[f32], t: usize) -> Vec<f64> {
+        let mut row = vec![0.0f32; cols];
+        let mut y = vec![0.0f64; t * rows];
+        for r in 0..rows {
+            dequantize_row(q, s, cols, r, &mut row);
+            for tok in 0..t {
+                y[tok * rows + r] = row
+                    .iter()
+                    .zip(&x[tok * cols..(tok + 1) * cols])
+                    .map(|(&a, &b)| f64::from(a) * f64::from(b))
+                    .sum();
+            }
+        }
+        y
+    }
+
+    #[test]
+    fn fused_products_match_the_dequantised_matrix_on_ragged_shapes() {
+        for &(rows, cols) in &[(1, 1), (3, 31), (5, 32), (17, 100), (300, 576), (700, 1536)] {
+            let (q, s) = compact(rows, cols, (rows * 31 + cols) as u32);
+            for t in [1, 2, 5, 9] {
+                let x: Vec<f32> = (0..t * cols).map(|i| ((i * 7919) % 997) as f32 / 500.0 - 1.0).collect();
+                let mut y = vec![0.0f32; t * rows];
+                matmul_q8(Q8Matrix { q: &q, scales: &s, rows, cols }, &x, t, &mut y);
+                let want = naive(&q, &s, rows, cols, &x, t);
+                let scale = want.iter().fold(1e-3f64, |m, v| m.max(v.abs()));
+                for (i, (&g, &w)) in y.iter().zip(&want).enumerate() {
+                    assert!(
+                        (f64::from(g) - w).abs() <= 1e-5 * scale,
+                        "{rows}×{cols}, t = {t}, value {i}: {g} vs {w}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_avx2_kernel_agrees_with_the_portable_one() {
+        if !has_fma() {
+            eprintln!("no AVX2/FMA on this CPU: only the portable kernel runs here");
+            return;
+        }
+        let (rows, cols) = (64, 1000);
+        let (q, s) = compact(rows, cols, 7);
+        let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.37).sin()).collect();
+        let mut y_fast = vec![0.0f32; rows];
+        let mut y_port = vec![0.0f32; rows];
+        let w = Q8Matrix { q: &q, scales: &s, rows, cols };
+        rows_times_inputs(w, &x, 1, 0, &mut y_fast, true);
+        rows_times_inputs(w, &x, 1, 0, &mut y_port, false);
+        for (a, b) in y_fast.iter().zip(&y_port) {
+            assert!((a - b).abs() <= 1e-5 * b.abs().max(1e-2), "{a} vs {b}");
+        }
+    }
+}
