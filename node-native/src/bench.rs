@@ -4,7 +4,7 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
-use node_core::code::{Generator, select_nodes};
+use node_core::code::{Construction, Generator, select_nodes};
 use node_core::coded::{CodedGroup, InProcess, ShardFormat};
 use node_core::compute::{self, WeightElem};
 use node_core::model::{
@@ -78,6 +78,37 @@ pub fn gemv_bandwidth<W: WeightElem>(rows: usize, cols: usize, make: fn(f32) -> 
     (bytes * copies) as f64 / t.as_secs_f64()
 }
 
+/// GEMV bandwidth of a compact `rows × cols` matrix (i8 values and f16 scales per 32), read
+/// cold as in [`gemv_bandwidth`]; bytes counted are values and scales.
+pub fn gemv_q8_bandwidth(rows: usize, cols: usize) -> f64 {
+    use node_core::compute::q8::{Q8Matrix, blocks_per_row, matmul_q8};
+    let nb = blocks_per_row(cols);
+    let bytes = rows * cols + rows * nb * 2;
+    let copies = (256usize << 20).div_ceil(bytes).clamp(1, 256);
+    let ws: Vec<(Vec<i8>, Vec<half::f16>)> = (0..copies)
+        .map(|c| {
+            let q = (0..rows * cols).map(|i| ((i + c) % 97) as i8 - 48).collect();
+            let s = vec![half::f16::from_f32(0.01); rows * nb];
+            (q, s)
+        })
+        .collect();
+    let x = vec![0.5f32; cols];
+    let mut y = vec![0.0f32; rows];
+    let t = best_time(Duration::from_secs(1), || {
+        for (q, s) in &ws {
+            let w = Q8Matrix {
+                q: black_box(q),
+                scales: s,
+                rows,
+                cols,
+            };
+            matmul_q8(w, &x, 1, &mut y);
+            black_box(&y);
+        }
+    });
+    (bytes * copies) as f64 / t.as_secs_f64()
+}
+
 fn half_from_f32(v: f32) -> half::f16 {
     half::f16::from_f32(v)
 }
@@ -95,10 +126,10 @@ pub fn model_speed(
     tokens: usize,
     gpu: Option<(&std::sync::Arc<node_core::compute::gpu::Gpu>, usize)>,
 ) -> Result<(f64, f64, f64)> {
-    let g = if n == 1 {
-        Generator::uncoded()
-    } else {
-        Generator::cauchy(n, k)?
+    let g = match (n, format) {
+        (1, _) => Generator::uncoded(),
+        (_, ShardFormat::Q8) => Generator::new(Construction::Integer { seeded: n as u32 }, n, k)?,
+        _ => Generator::cauchy(n, k)?,
     };
     let mut mesh = InProcess::encode(weights, &g, format, &|_, _| {})?;
     if let Some((gpu, min_work)) = gpu {
@@ -178,6 +209,25 @@ pub fn run(weights: &ModelWeights, prompt: &[u32], tokens: usize) -> Result<Vec<
             ),
         ));
     }
+    for (name, r, c) in [
+        (
+            "GEMV q8 k=3 LM head shard 16384×576",
+            cfg.vocab.div_ceil(3),
+            cfg.hidden,
+        ),
+        ("GEMV q8 4096×4096", 4096, 4096),
+    ] {
+        let bw = gemv_q8_bandwidth(r, c);
+        rows.push(row(
+            name,
+            format!(
+                "{:.1} GB/s ({:.2}× copy), {:.1} G weights/s",
+                bw / 1e9,
+                bw / copy,
+                bw / 1.0625e9
+            ),
+        ));
+    }
     let llama = Llama::new(cfg.clone(), LeaderWeights::from_model(weights))?;
     let weight_bytes = 4.0
         * (weights.layers.len()
@@ -201,6 +251,13 @@ pub fn run(weights: &ModelWeights, prompt: &[u32], tokens: usize) -> Result<Vec<
             5,
             3,
             ShardFormat::F16,
+        ),
+        ("single node, uncoded, q8 weights", 1, 1, ShardFormat::Q8),
+        (
+            "in-process coded k=3 of n=5, q8 shards (integer code)",
+            5,
+            3,
+            ShardFormat::Q8,
         ),
     ] {
         let (prefill, decode, ms) =

@@ -185,8 +185,8 @@ impl Shard {
         }
     }
 
-    /// The values as f32 (a copy for f16 storage).
-    fn values_f32(&self) -> std::borrow::Cow<'_, [f32]> {
+    /// The values as f32 (a copy for f16 and compact storage).
+    pub fn values_f32(&self) -> std::borrow::Cow<'_, [f32]> {
         match &self.values {
             ShardValues::F32(v) => std::borrow::Cow::Borrowed(v),
             ShardValues::F16(v) => std::borrow::Cow::Owned(v.iter().map(|h| h.to_f32()).collect()),

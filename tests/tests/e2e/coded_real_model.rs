@@ -1,8 +1,8 @@
 //! The real model (SmolLM2-135M-Instruct) through k = 3 of n = 5 Cauchy-coded shards:
 //! every group of 3 rows gives the same greedy tokens as the uncoded model.
 
-use node_core::code::Generator;
-use node_core::coded::{CodedGroup, InProcess, ShardFormat};
+use node_core::code::{Construction, Generator};
+use node_core::coded::{CodedGroup, InProcess, ShardFormat, compact_model};
 use node_core::model::{GenerateOptions, SamplingParams, generate};
 use tests::{argmax, leader, logits_along, real_model, relative_error, uncoded_group};
 
@@ -155,5 +155,108 @@ fn drafted_decoding_gives_the_same_greedy_tokens_in_fewer_passes() -> anyhow::Re
     }
     assert!(accepted > 0, "no draft was ever kept");
     assert!(drafted_passes < plain_passes);
+    Ok(())
+}
+
+/// The reference prompts of tests/reference (texts and the numpy model's greedy ids).
+fn reference_prompts() -> anyhow::Result<Vec<(String, Vec<u32>)>> {
+    let index: serde_json::Value = serde_json::from_slice(&std::fs::read(
+        tests::testdata().join("smollm2_reference.json"),
+    )?)?;
+    let mut out = Vec::new();
+    for p in index["prompts"].as_array().into_iter().flatten() {
+        let text = p["text"].as_str().unwrap_or_default().to_string();
+        let ids = p["greedy_ids"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|v| v.as_u64().map(|v| v as u32))
+            .collect();
+        out.push((text, ids));
+    }
+    anyhow::ensure!(out.len() >= 3, "the reference lists {} prompts", out.len());
+    Ok(out)
+}
+
+#[test]
+fn compact_shards_decode_their_model_exactly_and_keep_the_greedy_tokens() -> anyhow::Result<()> {
+    let _machine = crate::machine::share();
+    let model = real_model()?;
+    let w = &model.weights;
+    // The integer code's five genesis rows, every group of three of them.
+    let g = Generator::new(Construction::Integer { seeded: 5 }, 5, 3)?;
+    let compact = compact_model(&g, w)?;
+    let compact_llama = leader(&compact)?;
+    let mut compact_uncoded = uncoded_group(&compact)?;
+    let mesh = InProcess::encode(w, &g, ShardFormat::Q8, &|_, _| {})?;
+    let opts = GenerateOptions {
+        max_tokens: TOKENS,
+        sampling: SamplingParams::default(),
+        stop_ids: Vec::new(),
+        draft: 0,
+    };
+    // 1. The shards are an exact codeword of the compact model: every group decodes it to
+    //    f32 rounding, like f32 shards decode the f32 model.
+    let mut cases = Vec::new();
+    for p in PROMPTS {
+        let prompt = model.tokenizer.encode(p)?;
+        let out = generate(&compact_llama, &mut compact_uncoded, &prompt, &opts, &mut |_| true)?;
+        let reference =
+            logits_along(&compact_llama, &mut compact_uncoded, &prompt, &out.tokens[..TOKENS - 1])?;
+        cases.push((prompt, out.tokens, reference));
+    }
+    let mut exact = 0.0f64;
+    for nodes in node_core::code::subsets(5, 3) {
+        let mut group = CodedGroup::new(w.cfg.clone(), g.clone(), &nodes, mesh.clone())?;
+        for (prompt, tokens, reference) in &cases {
+            let logits = logits_along(&compact_llama, &mut group, prompt, &tokens[..TOKENS - 1])?;
+            for (step, (l, r)) in logits.iter().zip(reference).enumerate() {
+                assert_eq!(argmax(l), tokens[step], "rows {nodes:?}, step {step}");
+                exact = exact.max(relative_error(l, r));
+            }
+        }
+    }
+    // 2. Against the f32 model: greedy continuations of the suite's and the reference's
+    //    prompts, token for token, and the logit error along them.
+    let llama = leader(w)?;
+    let mut uncoded = uncoded_group(w)?;
+    let mut group = CodedGroup::new(w.cfg.clone(), g.clone(), &[0, 1, 2], mesh)?;
+    let mut prompts: Vec<(String, usize)> =
+        PROMPTS.iter().map(|p| (p.to_string(), TOKENS)).collect();
+    for (text, ids) in reference_prompts()? {
+        prompts.push((text, ids.len()));
+    }
+    let (mut worst, mut sum, mut steps, mut same) = (0.0f64, 0.0f64, 0usize, 0usize);
+    for (text, tokens) in &prompts {
+        let prompt = model.tokenizer.encode(text)?;
+        let opts = GenerateOptions {
+            max_tokens: *tokens,
+            ..opts.clone()
+        };
+        let want = generate(&llama, &mut uncoded, &prompt, &opts, &mut |_| true)?.tokens;
+        let got = generate(&compact_llama, &mut group, &prompt, &opts, &mut |_| true)?.tokens;
+        let reference = logits_along(&llama, &mut uncoded, &prompt, &want[..want.len() - 1])?;
+        let coded = logits_along(&compact_llama, &mut group, &prompt, &want[..want.len() - 1])?;
+        for (c, r) in coded.iter().zip(&reference) {
+            let e = relative_error(c, r);
+            worst = worst.max(e);
+            sum += e;
+            steps += 1;
+        }
+        same += usize::from(got == want);
+        eprintln!("{text:?}: {}", if got == want { "same greedy tokens" } else { "differs" });
+        if got != want {
+            eprintln!("  f32 {want:?}\n  q8  {got:?}");
+        }
+    }
+    eprintln!(
+        "q8 shards (integer code, {} levels): coded vs compact model {exact:.3e}; vs the f32 \
+         model: relative logit error mean {:.3e}, max {worst:.3e}; {same}/{} prompts with the \
+         same greedy tokens",
+        g.levels().unwrap_or(0),
+        sum / steps.max(1) as f64,
+        prompts.len()
+    );
+    assert!(exact < 1e-3, "coded vs compact model: relative logit error {exact:.3e}");
     Ok(())
 }

@@ -525,17 +525,13 @@ fn restart(mesh: &Mesh, i: usize, nth: usize) -> Result<tests::procs::Proc> {
 
 /// Largest difference between two shard sets, relative to the largest value.
 fn shard_diff(a: &node_core::coded::ShardSet, b: &node_core::coded::ShardSet) -> f64 {
-    use node_core::coded::ShardValues;
     let all = |s: &node_core::coded::ShardSet| -> Vec<f32> {
         s.blocks
             .iter()
             .flatten()
             .chain([&s.embed])
             .chain(s.lm_head.as_ref())
-            .flat_map(|sh| match &sh.values {
-                ShardValues::F32(v) => v.clone(),
-                ShardValues::F16(v) => v.iter().map(|h| h.to_f32()).collect(),
-            })
+            .flat_map(|sh| sh.values_f32().into_owned())
             .collect()
     };
     let (x, y) = (all(a), all(b));
