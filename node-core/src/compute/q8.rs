@@ -30,10 +30,11 @@ pub fn dequantize_row(q: &[i8], scales: &[half::f16], cols: usize, r: usize, out
 
 /// `Σ_b s_b · Σ_i q[b·32 + i] · x[b·32 + i]` for one row, the portable way.
 #[inline(always)]
-fn dot_q8_portable(q: &[i8], scales: &[f32], x: &[f32]) -> f32 {
+fn dot_q8_portable(q: &[i8], scales: &[half::f16], x: &[f32]) -> f32 {
     let mut total = [0.0f32; 8];
     let mut tail = 0.0f32;
-    for ((qs, xs), &s) in q.chunks(Q8_BLOCK).zip(x.chunks(Q8_BLOCK)).zip(scales) {
+    for ((qs, xs), s) in q.chunks(Q8_BLOCK).zip(x.chunks(Q8_BLOCK)).zip(scales) {
+        let s = s.to_f32();
         if qs.len() == Q8_BLOCK {
             let mut acc = [0.0f32; 8];
             for (qc, xc) in qs.chunks_exact(8).zip(xs.chunks_exact(8)) {
@@ -57,9 +58,18 @@ fn dot_q8_portable(q: &[i8], scales: &[f32], x: &[f32]) -> f32 {
 mod avx2 {
     use std::arch::x86_64::*;
 
+    /// A scale as f32, broadcast (F16C).
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    fn scale(h: half::f16) -> __m256 {
+        _mm256_set1_ps(_mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(
+            h.to_bits(),
+        )))))
+    }
+
     /// See [`super::dot_q8_portable`]; the same sum, grouped differently.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) fn dot_q8(q: &[i8], scales: &[f32], x: &[f32]) -> f32 {
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) fn dot_q8(q: &[i8], scales: &[half::f16], x: &[f32]) -> f32 {
         let full = q.len() / super::Q8_BLOCK;
         assert!(x.len() >= q.len() && scales.len() >= full, "dot_q8 shapes");
         let mut t0 = _mm256_setzero_ps();
@@ -79,7 +89,7 @@ mod avx2 {
                 acc = _mm256_fmadd_ps(w(8), _mm256_loadu_ps(xp.add(8)), acc);
                 let mut acc2 = _mm256_mul_ps(w(16), _mm256_loadu_ps(xp.add(16)));
                 acc2 = _mm256_fmadd_ps(w(24), _mm256_loadu_ps(xp.add(24)), acc2);
-                let s = _mm256_set1_ps(scales[b]);
+                let s = scale(scales[b]);
                 if b % 2 == 0 {
                     t0 = _mm256_fmadd_ps(_mm256_add_ps(acc, acc2), s, t0);
                 } else {
@@ -100,7 +110,7 @@ mod avx2 {
                 .zip(&x[done..])
                 .map(|(&a, &v)| f32::from(a) * v)
                 .sum();
-            sum += scales[full] * part;
+            sum += scales[full].to_f32() * part;
         }
         sum
     }
@@ -108,21 +118,23 @@ mod avx2 {
 
 /// One row's dot product with the best instructions this CPU has.
 #[inline]
-fn dot_q8(q: &[i8], scales: &[f32], x: &[f32], fma: bool) -> f32 {
+fn dot_q8(q: &[i8], scales: &[half::f16], x: &[f32], fma: bool) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if fma {
-        // SAFETY: the caller checked AVX2 and FMA ([`has_fma`]).
+        // SAFETY: the caller checked AVX2, FMA and F16C ([`has_fma`]).
         return unsafe { avx2::dot_q8(q, scales, x) };
     }
     let _ = fma;
     dot_q8_portable(q, scales, x)
 }
 
-/// Whether this CPU runs the AVX2/FMA kernel.
+/// Whether this CPU runs the AVX2/FMA/F16C kernel.
 fn has_fma() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+            && std::arch::is_x86_feature_detected!("f16c")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -165,16 +177,12 @@ fn rows_times_inputs(w: Q8Matrix<'_>, x: &[f32], t: usize, first: usize, yt: &mu
         );
         return;
     }
-    let mut s = vec![0.0f32; nb];
     let mut row = Vec::new();
     for (i, out) in yt.chunks_exact_mut(t).enumerate() {
         let r = first + i;
-        for (d, h) in s.iter_mut().zip(&scales[r * nb..(r + 1) * nb]) {
-            *d = h.to_f32();
-        }
         let qr = &q[r * cols..(r + 1) * cols];
         if t == 1 {
-            out[0] = dot_q8(qr, &s, x, fma);
+            out[0] = dot_q8(qr, &scales[r * nb..(r + 1) * nb], x, fma);
         } else {
             row.resize(cols, 0.0);
             dequantize_row(q, scales, cols, r, &mut row);
