@@ -210,7 +210,8 @@ pub fn matmul_q8(w: Q8Matrix<'_>, x: &[f32], t: usize, y: &mut [f32]) {
     }
     let fma = has_fma();
     let threads = par::threads();
-    let parallel = threads > 1 && rows * cols >= PARALLEL_MIN_WEIGHTS;
+    // The same bytes as the f32 kernel's threshold: a thread hand-off pays off by bytes read.
+    let parallel = threads > 1 && rows * cols >= 4 * PARALLEL_MIN_WEIGHTS;
     if t == 1 {
         if parallel {
             let chunk = rows.div_ceil(threads * 4).max(16);
