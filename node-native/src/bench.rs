@@ -87,7 +87,9 @@ pub fn gemv_q8_bandwidth(rows: usize, cols: usize) -> f64 {
     let copies = (256usize << 20).div_ceil(bytes).clamp(1, 256);
     let ws: Vec<(Vec<i8>, Vec<half::f16>)> = (0..copies)
         .map(|c| {
-            let q = (0..rows * cols).map(|i| ((i + c) % 97) as i8 - 48).collect();
+            let q = (0..rows * cols)
+                .map(|i| ((i + c) % 97) as i8 - 48)
+                .collect();
             let s = vec![half::f16::from_f32(0.01); rows * nb];
             (q, s)
         })
@@ -634,4 +636,105 @@ fn chat_prompt(tokenizer: &node_core::model::Tokenizer, text: &str) -> Result<Ve
 /// The summarising prompt of [`speculation_rows`], as tokens (the delay rows' prompt).
 pub fn summary_prompt(tokenizer: &node_core::model::Tokenizer) -> Result<Vec<u32>> {
     chat_prompt(tokenizer, SPECULATION_PROMPTS[1].1)
+}
+
+/// Prompts of the grid measurement: the test suite's five and a chat turn.
+pub const GRID_PROMPTS: [&str; 6] = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+    "Water boils at a temperature of",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+];
+
+/// Logits after `prompt`, then after each of `forced` fed one at a time.
+fn logits_along(
+    llama: &Llama,
+    exec: &mut dyn node_core::model::LinearExec,
+    prompt: &[u32],
+    forced: &[u32],
+) -> Result<Vec<Vec<f32>>> {
+    let mut cache = node_core::model::KvCache::new(llama.config());
+    let mut out = vec![llama.forward(exec, prompt, &mut cache)?];
+    for &t in forced {
+        out.push(llama.forward(exec, &[t], &mut cache)?);
+    }
+    Ok(out)
+}
+
+/// `‖a − b‖ / ‖b‖`.
+fn relative_error(a: &[f32], b: &[f32]) -> f64 {
+    let (mut num, mut den) = (0.0f64, 0.0f64);
+    for (&x, &y) in a.iter().zip(b) {
+        num += (f64::from(x) - f64::from(y)).powi(2);
+        den += f64::from(y).powi(2);
+    }
+    (num / den.max(f64::MIN_POSITIVE)).sqrt()
+}
+
+/// `codedmesh bench --grids`: what putting the weights on a compact grid costs against the
+/// model as loaded, for the integer code's grids (k blocks, `127 / ‖g‖₁` levels) and a plain
+/// 8-bit one: relative logit error along the model's greedy continuations, argmax agreement
+/// there, and how many whole continuations stay the same.
+pub fn grids(weights: &ModelWeights, prompts: &[Vec<u32>], tokens: usize) -> Result<Vec<Row>> {
+    let uncoded = |w: &ModelWeights| -> Result<(Llama, CodedGroup<InProcess>)> {
+        let g = Generator::uncoded();
+        let mesh = InProcess::encode(w, &g, ShardFormat::F32, &|_, _| {})?;
+        Ok((
+            Llama::new(w.cfg.clone(), LeaderWeights::from_model(w))?,
+            CodedGroup::new(w.cfg.clone(), g, &[0], mesh)?,
+        ))
+    };
+    let opts = GenerateOptions {
+        max_tokens: tokens,
+        sampling: Default::default(),
+        stop_ids: Vec::new(),
+        draft: 0,
+    };
+    let (llama, mut group) = uncoded(weights)?;
+    let mut cases = Vec::new();
+    for p in prompts {
+        let want = generate(&llama, &mut group, p, &opts, &mut |_| true)?.tokens;
+        let logits = logits_along(&llama, &mut group, p, &want[..want.len().saturating_sub(1)])?;
+        cases.push((p, want, logits));
+    }
+    let mut rows = Vec::new();
+    let integer = |k: usize| -> Result<i32> {
+        Generator::integer(k, k)?
+            .levels()
+            .ok_or_else(|| anyhow::anyhow!("the integer code has no levels"))
+    };
+    for (label, k, levels) in [
+        ("integer code k = 3", 3, integer(3)?),
+        ("integer code k = 2", 2, integer(2)?),
+        ("8-bit grid, one row per scale (k = 1)", 1, 127),
+    ] {
+        let w = node_core::coded::grid_model(weights, k, levels);
+        let (llama, mut group) = uncoded(&w)?;
+        let (mut sum, mut worst, mut steps, mut agree, mut same) = (0.0f64, 0.0f64, 0, 0, 0);
+        for (p, want, reference) in &cases {
+            let got = generate(&llama, &mut group, p, &opts, &mut |_| true)?.tokens;
+            same += usize::from(&got == want);
+            let forced = &want[..want.len().saturating_sub(1)];
+            let logits = logits_along(&llama, &mut group, p, forced)?;
+            for (step, (l, r)) in logits.iter().zip(reference).enumerate() {
+                let e = relative_error(l, r);
+                sum += e;
+                worst = worst.max(e);
+                steps += 1;
+                agree += usize::from(want.get(step) == Some(&node_core::model::argmax(l)));
+            }
+        }
+        rows.push(row(
+            format!("{label}, {levels} levels"),
+            format!(
+                "relative logit error mean {:.2e}, max {worst:.2e}; argmax agrees {agree}/{steps}; \
+                 same greedy continuation {same}/{}",
+                sum / steps.max(1) as f64,
+                cases.len()
+            ),
+        ));
+    }
+    Ok(rows)
 }

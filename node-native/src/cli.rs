@@ -180,6 +180,10 @@ pub(crate) struct BenchArgs {
     /// Use random weights of SmolLM2-135M's shape instead of a model file (speed only).
     #[arg(long)]
     pub(crate) synthetic: bool,
+    /// Measure what compact grids cost against the model as loaded (logit error, greedy
+    /// tokens) instead of speed.
+    #[arg(long)]
+    pub(crate) grids: bool,
 }
 
 #[derive(Debug, clap::Args)]

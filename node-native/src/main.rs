@@ -137,6 +137,15 @@ fn run_bench(args: BenchArgs) -> Result<()> {
     let model = load::load_model(&path)?;
     let text = BENCH_TEXT;
     let prompt = model.tokenizer.encode(text)?;
+    if args.grids {
+        let prompts = node_native::bench::GRID_PROMPTS
+            .iter()
+            .map(|p| model.tokenizer.encode(p))
+            .collect::<Result<Vec<_>, _>>()?;
+        let rows = node_native::bench::grids(&model.weights, &prompts, args.tokens)?;
+        node_native::bench::print_table(&rows);
+        return Ok(());
+    }
     if args.verify {
         let prompts = [
             text,

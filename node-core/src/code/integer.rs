@@ -71,7 +71,13 @@ fn candidates(k: usize, norm: i32) -> Vec<Vec<i32>> {
             let v: Vec<i32> = m
                 .iter()
                 .enumerate()
-                .map(|(i, &a)| if i > 0 && signs >> (i - 1) & 1 == 1 { -a } else { a })
+                .map(|(i, &a)| {
+                    if i > 0 && signs >> (i - 1) & 1 == 1 {
+                        -a
+                    } else {
+                        a
+                    }
+                })
                 .collect();
             out.push(v);
         }

@@ -324,9 +324,7 @@ impl Generator {
     /// row's coded values fit [`STORED_MAX`]; `None` for codes with real coefficients.
     pub fn levels(&self) -> Option<i32> {
         match self.construction {
-            Construction::Integer { .. } => {
-                Some(STORED_MAX / integer::integer_rows(self.k).1)
-            }
+            Construction::Integer { .. } => Some(STORED_MAX / integer::integer_rows(self.k).1),
             Construction::Identity => Some(STORED_MAX),
             _ => None,
         }

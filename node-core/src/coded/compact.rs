@@ -66,13 +66,18 @@ impl Grid {
                 g.construction()
             ))
         })?;
-        Ok(Self {
+        Ok(Self::of(out, inp, g.k(), levels))
+    }
+
+    /// The grid of `k` blocks and `levels` per sign for an `out × inp` matrix.
+    fn of(out: usize, inp: usize, k: usize, levels: i32) -> Self {
+        Self {
             out,
             inp,
-            k: g.k(),
-            l: g.block_len(out),
-            levels,
-        })
+            k: k.max(1),
+            l: out.div_ceil(k.max(1)),
+            levels: levels.max(1),
+        }
     }
 
     /// Columns of block `b`.
@@ -151,8 +156,17 @@ pub fn encode_q8(
 
 /// The uncoded matrix a compact code of `g` encodes: `w` on the grid of its shared scales.
 pub fn compact_matrix(g: &Generator, w: &Matrix) -> Result<Matrix, CodedError> {
+    Ok(on_grid(w, &Grid::new(g, w.rows, w.cols)?))
+}
+
+/// `w` on the grid of `k` blocks with `levels` per sign: what a compact code of k blocks with
+/// those levels encodes (the integer code fixes them; other values measure the trade-off).
+pub fn grid_matrix(w: &Matrix, k: usize, levels: i32) -> Matrix {
+    on_grid(w, &Grid::of(w.rows, w.cols, k, levels))
+}
+
+fn on_grid(w: &Matrix, grid: &Grid) -> Matrix {
     let (out, inp) = (w.rows, w.cols);
-    let grid = Grid::new(g, out, inp)?;
     let (k, l, nb, levels) = (grid.k, grid.l, blocks_per_row(inp), grid.levels);
     let mut data = vec![0.0f32; out * inp];
     for r in 0..l {
@@ -170,16 +184,27 @@ pub fn compact_matrix(g: &Generator, w: &Matrix) -> Result<Matrix, CodedError> {
             }
         }
     }
-    Ok(Matrix {
+    Matrix {
         rows: out,
         cols: inp,
         data,
-    })
+    }
 }
 
 /// The uncoded model a compact code of `g` encodes: every linear matrix on its grid, norms as
 /// they are. Coded compact decoding matches this model up to f32 rounding.
 pub fn compact_model(g: &Generator, w: &ModelWeights) -> Result<ModelWeights, CodedError> {
+    let levels = g.levels().ok_or_else(|| {
+        CodedError::BadRequest(format!(
+            "compact (q8) shards need the integer code, not {:?}",
+            g.construction()
+        ))
+    })?;
+    Ok(grid_model(w, g.k(), levels))
+}
+
+/// The model with every linear matrix on the grid of `k` blocks and `levels` per sign.
+pub fn grid_model(w: &ModelWeights, k: usize, levels: i32) -> ModelWeights {
     let mut out = w.clone();
     for layer in &mut out.layers {
         for m in [
@@ -191,14 +216,14 @@ pub fn compact_model(g: &Generator, w: &ModelWeights) -> Result<ModelWeights, Co
             &mut layer.up,
             &mut layer.down,
         ] {
-            *m = compact_matrix(g, m)?;
+            *m = grid_matrix(m, k, levels);
         }
     }
-    out.embed = compact_matrix(g, &out.embed)?;
+    out.embed = grid_matrix(&out.embed, k, levels);
     if let Some(h) = &mut out.lm_head {
-        *h = compact_matrix(g, h)?;
+        *h = grid_matrix(h, k, levels);
     }
-    Ok(out)
+    out
 }
 
 #[cfg(test)]
@@ -223,7 +248,9 @@ mod tests {
             let rows = shard.rows_f32(w.cols, 0, l);
             // The shard equals the code applied to the compact matrix, exactly: each value is
             // an integer sum times the shared scale.
-            let exact = g.encode_shard(node, &reference.data, w.rows, w.cols).unwrap();
+            let exact = g
+                .encode_shard(node, &reference.data, w.rows, w.cols)
+                .unwrap();
             for (i, (&a, &b)) in rows.iter().zip(&exact).enumerate() {
                 assert!(
                     (a - b).abs() <= 1e-6 * b.abs().max(1e-3),
@@ -242,7 +269,10 @@ mod tests {
         for (i, (&a, &b)) in w.data.iter().zip(&c.data).enumerate() {
             let (row, col) = (i / w.cols, i % w.cols);
             let scale = grid.scale(&w.data, row % grid.l, col / Q8_BLOCK);
-            assert!((a - b).abs() <= 0.5 * scale.to_f32() * 1.001 + 1e-3 * a.abs(), "value {i}: {a} vs {b}");
+            assert!(
+                (a - b).abs() <= 0.5 * scale.to_f32() * 1.001 + 1e-3 * a.abs(),
+                "value {i}: {a} vs {b}"
+            );
         }
     }
 

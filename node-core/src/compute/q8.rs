@@ -157,8 +157,17 @@ pub struct Q8Matrix<'a> {
 
 /// Rows `first..` of `x · Wᵀ` (`rows × t` into `yt`), fused per row, or through SGEMM on
 /// dequantised rows for many tokens.
-fn rows_times_inputs(w: Q8Matrix<'_>, x: &[f32], t: usize, first: usize, yt: &mut [f32], fma: bool) {
-    let Q8Matrix { q, scales, cols, .. } = w;
+fn rows_times_inputs(
+    w: Q8Matrix<'_>,
+    x: &[f32],
+    t: usize,
+    first: usize,
+    yt: &mut [f32],
+    fma: bool,
+) {
+    let Q8Matrix {
+        q, scales, cols, ..
+    } = w;
     let nb = blocks_per_row(cols);
     let rows = yt.len() / t;
     if t >= GEMM_MIN_TOKENS {
@@ -251,7 +260,10 @@ mod tests {
             state ^= state << 5;
             state
         };
-        let q = (0..rows * cols).map(|_| (next() % 255) as i32 - 127).map(|v| v as i8).collect();
+        let q = (0..rows * cols)
+            .map(|_| (next() % 255) as i32 - 127)
+            .map(|v| v as i8)
+            .collect();
         let scales = (0..rows * blocks_per_row(cols))
             .map(|_| half::f16::from_f32(1e-3 * (1 + next() % 100) as f32))
             .collect();
@@ -279,9 +291,21 @@ mod tests {
         for &(rows, cols) in &[(1, 1), (3, 31), (5, 32), (17, 100), (300, 576), (700, 1536)] {
             let (q, s) = compact(rows, cols, (rows * 31 + cols) as u32);
             for t in [1, 2, 5, 9] {
-                let x: Vec<f32> = (0..t * cols).map(|i| ((i * 7919) % 997) as f32 / 500.0 - 1.0).collect();
+                let x: Vec<f32> = (0..t * cols)
+                    .map(|i| ((i * 7919) % 997) as f32 / 500.0 - 1.0)
+                    .collect();
                 let mut y = vec![0.0f32; t * rows];
-                matmul_q8(Q8Matrix { q: &q, scales: &s, rows, cols }, &x, t, &mut y);
+                matmul_q8(
+                    Q8Matrix {
+                        q: &q,
+                        scales: &s,
+                        rows,
+                        cols,
+                    },
+                    &x,
+                    t,
+                    &mut y,
+                );
                 let want = naive(&q, &s, rows, cols, &x, t);
                 let scale = want.iter().fold(1e-3f64, |m, v| m.max(v.abs()));
                 for (i, (&g, &w)) in y.iter().zip(&want).enumerate() {
@@ -305,7 +329,12 @@ mod tests {
         let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.37).sin()).collect();
         let mut y_fast = vec![0.0f32; rows];
         let mut y_port = vec![0.0f32; rows];
-        let w = Q8Matrix { q: &q, scales: &s, rows, cols };
+        let w = Q8Matrix {
+            q: &q,
+            scales: &s,
+            rows,
+            cols,
+        };
         rows_times_inputs(w, &x, 1, 0, &mut y_fast, true);
         rows_times_inputs(w, &x, 1, 0, &mut y_port, false);
         for (a, b) in y_fast.iter().zip(&y_port) {

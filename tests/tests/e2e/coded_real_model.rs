@@ -200,9 +200,19 @@ fn compact_shards_decode_their_model_exactly_and_keep_the_greedy_tokens() -> any
     let mut cases = Vec::new();
     for p in PROMPTS {
         let prompt = model.tokenizer.encode(p)?;
-        let out = generate(&compact_llama, &mut compact_uncoded, &prompt, &opts, &mut |_| true)?;
-        let reference =
-            logits_along(&compact_llama, &mut compact_uncoded, &prompt, &out.tokens[..TOKENS - 1])?;
+        let out = generate(
+            &compact_llama,
+            &mut compact_uncoded,
+            &prompt,
+            &opts,
+            &mut |_| true,
+        )?;
+        let reference = logits_along(
+            &compact_llama,
+            &mut compact_uncoded,
+            &prompt,
+            &out.tokens[..TOKENS - 1],
+        )?;
         cases.push((prompt, out.tokens, reference));
     }
     let mut exact = 0.0f64;
@@ -244,7 +254,14 @@ fn compact_shards_decode_their_model_exactly_and_keep_the_greedy_tokens() -> any
             steps += 1;
         }
         same += usize::from(got == want);
-        eprintln!("{text:?}: {}", if got == want { "same greedy tokens" } else { "differs" });
+        eprintln!(
+            "{text:?}: {}",
+            if got == want {
+                "same greedy tokens"
+            } else {
+                "differs"
+            }
+        );
         if got != want {
             eprintln!("  f32 {want:?}\n  q8  {got:?}");
         }
@@ -257,6 +274,9 @@ fn compact_shards_decode_their_model_exactly_and_keep_the_greedy_tokens() -> any
         sum / steps.max(1) as f64,
         prompts.len()
     );
-    assert!(exact < 1e-3, "coded vs compact model: relative logit error {exact:.3e}");
+    assert!(
+        exact < 1e-3,
+        "coded vs compact model: relative logit error {exact:.3e}"
+    );
     Ok(())
 }
