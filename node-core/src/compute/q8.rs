@@ -37,7 +37,7 @@ fn dot_q8_portable(q: &[i8], scales: &[half::f16], x: &[f32]) -> f32 {
         let s = s.to_f32();
         if qs.len() == Q8_BLOCK {
             let mut acc = [0.0f32; 8];
-            for (qc, xc) in qs.chunks_exact(8).zip(xs.chunks_exact(8)) {
+            for (qc, xc) in qs.as_chunks::<8>().0.iter().zip(xs.as_chunks::<8>().0) {
                 for i in 0..8 {
                     acc[i] += f32::from(qc[i]) * xc[i];
                 }
