@@ -701,7 +701,7 @@ pub fn grids(weights: &ModelWeights, prompts: &[Vec<u32>], tokens: usize) -> Res
     }
     let mut rows = Vec::new();
     let integer = |k: usize| -> Result<i32> {
-        Generator::integer(k, k)?
+        Generator::integer(k, k, None)?
             .levels()
             .ok_or_else(|| anyhow::anyhow!("the integer code has no levels"))
     };

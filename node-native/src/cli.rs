@@ -71,6 +71,10 @@ pub(crate) struct UpArgs {
     /// Requests do not train the model.
     #[arg(long)]
     pub(crate) no_learning: bool,
+    /// Shard storage: f32 (exact to the code's error), f16, or q8 (compact: a quarter of the
+    /// bytes on the integer code; needs --no-learning; docs/coding.md, "Compact shards").
+    #[arg(long, default_value = "f32")]
+    pub(crate) shard_format: ShardFormat,
     /// Write every coded step of the API's requests to this file (JSON lines).
     #[arg(long)]
     pub(crate) trace_steps: Option<PathBuf>,
@@ -285,7 +289,7 @@ pub(crate) struct SeedArgs {
     /// as many as keep every group of k within the numerics goal (docs/coding.md).
     #[arg(long)]
     pub(crate) max_rows: Option<usize>,
-    /// Shard storage: f32 or f16.
+    /// Shard storage: f32, f16, or q8 (compact, on the integer code; needs --no-learning).
     #[arg(long, default_value = "f32")]
     pub(crate) shard_format: ShardFormat,
     /// Requests do not train the model.
@@ -411,7 +415,8 @@ pub(crate) struct GenerateArgs {
     /// fails without one) or auto (a hardware GPU when there is one, else the CPU).
     #[arg(long, default_value = "cpu")]
     pub(crate) device: node_core::compute::gpu::DeviceChoice,
-    /// Shard storage: f32 (exact to the code's error) or f16 (half the bytes, see docs/perf.md).
+    /// Shard storage: f32 (exact to the code's error), f16 (half the bytes, see docs/perf.md)
+    /// or q8 (compact, on the integer code).
     #[arg(long, default_value = "f32")]
     pub(crate) shard_format: ShardFormat,
     /// Run the request this many times on the mesh, learning after each (mesh only).

@@ -108,6 +108,7 @@ async fn run_up(args: UpArgs) -> Result<()> {
         api_listen: args.api_listen,
         api_key: args.api_key,
         no_learning: args.no_learning,
+        format: args.shard_format,
         trace_steps: args.trace_steps,
         web_dir: args.web_dir,
         no_build_web: args.no_build_web,
@@ -225,7 +226,16 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         model.weights.parameter_count() as f64 / 1e6,
         started.elapsed().as_secs_f64()
     );
-    let generator = Generator::cauchy(args.n, args.k)?;
+    let generator = match args.shard_format {
+        ShardFormat::Q8 => Generator::new(
+            node_core::code::Construction::Integer {
+                seeded: u32::try_from(args.n)?,
+            },
+            args.n,
+            args.k,
+        )?,
+        _ => Generator::cauchy(args.n, args.k)?,
+    };
     let started = std::time::Instant::now();
     let pb = progress::bar(0, "encoding");
     let mesh = InProcess::encode(

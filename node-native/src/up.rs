@@ -38,6 +38,8 @@ pub struct UpOptions {
     pub api_key: Option<String>,
     /// The mesh does not learn from requests.
     pub no_learning: bool,
+    /// How shards are stored (compact q8 needs `no_learning`).
+    pub format: ShardFormat,
     /// Where the API node writes every coded step (`--trace-steps`).
     pub trace_steps: Option<PathBuf>,
     /// The dashboard's built files.
@@ -54,6 +56,9 @@ struct MeshFile {
     model: String,
     k: usize,
     n: usize,
+    /// How the shards are stored (f32 for mesh files written before compact shards).
+    #[serde(default)]
+    format: ShardFormat,
     /// Each node's libp2p TCP port, kept so a restarted node is found where it was.
     ports: Vec<u16>,
 }
@@ -61,7 +66,7 @@ struct MeshFile {
 const MESH_FILE: &str = "mesh.json";
 
 /// The default data dir for a model and code: `$CODEDMESH_DATA`, else the user's data dir.
-fn default_data(model: &Path, k: usize, n: usize) -> Result<PathBuf> {
+fn default_data(model: &Path, k: usize, n: usize, format: ShardFormat) -> Result<PathBuf> {
     let base = match std::env::var_os("CODEDMESH_DATA") {
         Some(d) => PathBuf::from(d),
         None => dirs::data_local_dir()
@@ -71,7 +76,12 @@ fn default_data(model: &Path, k: usize, n: usize) -> Result<PathBuf> {
     let stem = model
         .file_stem()
         .map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned());
-    Ok(base.join("up").join(format!("{stem}-k{k}-n{n}")))
+    let suffix = match format {
+        ShardFormat::F32 => "",
+        ShardFormat::F16 => "-f16",
+        ShardFormat::Q8 => "-q8",
+    };
+    Ok(base.join("up").join(format!("{stem}-k{k}-n{n}{suffix}")))
 }
 
 /// `n` free TCP ports on 127.0.0.1.
@@ -97,14 +107,19 @@ fn prepare(opts: &UpOptions, model: &Path, data: &Path) -> Result<MeshFile> {
         let mesh: MeshFile = serde_json::from_slice(&std::fs::read(&file)?)
             .with_context(|| format!("reading {}", file.display()))?;
         ensure!(
-            mesh.model == name && mesh.k == opts.k && mesh.n == opts.nodes,
-            "{} holds a mesh of {} with k = {}, n = {}, not {name} with k = {}, n = {}: pass --data DIR for another",
+            mesh.model == name
+                && mesh.k == opts.k
+                && mesh.n == opts.nodes
+                && mesh.format == opts.format,
+            "{} holds a mesh of {} with k = {}, n = {} ({:?} shards), not {name} with k = {}, n = {} ({:?}): pass --data DIR for another",
             data.display(),
             mesh.model,
             mesh.k,
             mesh.n,
+            mesh.format,
             opts.k,
-            opts.nodes
+            opts.nodes,
+            opts.format
         );
         eprintln!(
             "using the mesh in {} ({} nodes, k = {})",
@@ -136,7 +151,7 @@ fn prepare(opts: &UpOptions, model: &Path, data: &Path) -> Result<MeshFile> {
         opts.k,
         opts.nodes,
         opts.max_rows,
-        ShardFormat::F32,
+        opts.format,
         learning,
     )?;
     let manifest_bytes = manifest.to_bytes()?;
@@ -149,6 +164,7 @@ fn prepare(opts: &UpOptions, model: &Path, data: &Path) -> Result<MeshFile> {
         model: name,
         k: opts.k,
         n: opts.nodes,
+        format: opts.format,
         ports: free_ports(opts.nodes)?,
     };
     // Written last: a mesh file means every row is in place.
@@ -228,7 +244,7 @@ pub async fn up(opts: UpOptions) -> Result<()> {
     let model = model.canonicalize().unwrap_or(model);
     let data = match &opts.data {
         Some(d) => d.clone(),
-        None => default_data(&model, opts.k, opts.nodes)?,
+        None => default_data(&model, opts.k, opts.nodes, opts.format)?,
     };
     std::fs::create_dir_all(&data).with_context(|| format!("creating {}", data.display()))?;
     let http = SocketAddr::new(opts.api_listen, opts.port);

@@ -308,8 +308,9 @@ impl Generator {
     }
 
     /// The integer code of compact shards with `seeded` genesis rows, holding every row the
-    /// mesh may add (docs/coding.md, "Compact shards"). Refused for k > [`INTEGER_MAX_K`].
-    pub fn integer(seeded: usize, k: usize) -> Result<Self, CodeError> {
+    /// mesh may add, up to `cap` (docs/coding.md, "Compact shards"). Refused for
+    /// k > [`INTEGER_MAX_K`] and for more genesis rows than the code has.
+    pub fn integer(seeded: usize, k: usize, cap: Option<usize>) -> Result<Self, CodeError> {
         if k == 0 || k > INTEGER_MAX_K {
             return Err(CodeError::Params { k, n: seeded });
         }
@@ -317,7 +318,7 @@ impl Generator {
         let construction = Construction::Integer {
             seeded: u32::try_from(seeded).map_err(|_| CodeError::Params { k, n: seeded })?,
         };
-        Self::new(construction, rows.max(seeded), k)
+        Self::new(construction, cap.unwrap_or(rows).clamp(seeded, rows.max(seeded)), k)
     }
 
     /// For an integer code, the largest magnitude a quantised weight may take so that every

@@ -239,7 +239,7 @@ mod tests {
 
     #[test]
     fn compact_shards_are_an_exact_codeword_of_the_compact_matrix() {
-        let g = Generator::integer(5, 3).unwrap();
+        let g = Generator::integer(5, 3, None).unwrap();
         let w = matrix(100, 70);
         let reference = compact_matrix(&g, &w).unwrap();
         let l = g.block_len(w.rows);
@@ -262,7 +262,7 @@ mod tests {
 
     #[test]
     fn compact_matrices_stay_within_half_a_step_of_the_weights() {
-        let g = Generator::integer(5, 3).unwrap();
+        let g = Generator::integer(5, 3, None).unwrap();
         let w = matrix(96, 64);
         let c = compact_matrix(&g, &w).unwrap();
         let grid = Grid::new(&g, w.rows, w.cols).unwrap();

@@ -12,7 +12,7 @@ use super::{
 };
 use crate::chain::{Assembly, ChainPart};
 use crate::code::Generator;
-use crate::coded::ShardSet;
+use crate::coded::{ShardFormat, ShardSet};
 use crate::mesh::{JoinOffer, MeshRequest, MeshResponse, ModelManifest, ShardVersion, SourceRow};
 use crate::model::{LeaderWeights, LlamaConfig};
 
@@ -133,6 +133,9 @@ pub async fn obtain<L: Link>(
                 received,
             })
         }
+        JoinOffer::Reencode { row, sources } if manifest.format == ShardFormat::Q8 => {
+            rebuild_compact(link, manifest, row, &sources).await
+        }
         JoinOffer::Reencode { row, sources } => build_row(link, manifest, row, &sources).await,
         JoinOffer::Replica { row, holders } => {
             let mut failures = Vec::new();
@@ -155,6 +158,55 @@ pub async fn obtain<L: Link>(
             manifest.generator.k()
         ))),
     }
+}
+
+/// Builds compact row `target` from copies of k other rows: their integers combine exactly
+/// (`ShardSet::reencode`), so the row is bit for bit the one encoding gives. A chain cannot:
+/// it passes f32 sums, and compact rows hold integers and their scales.
+async fn rebuild_compact<L: Link>(
+    link: &L,
+    manifest: &ModelManifest,
+    target: u32,
+    sources: &[SourceRow],
+) -> Result<Joined, HolderError> {
+    let mut copies = Vec::with_capacity(sources.len());
+    for src in sources {
+        copies.push(copy_row(link, manifest, src).await?);
+    }
+    let Some(first) = copies.first() else {
+        return Err(HolderError::Download(
+            "the join offer named no source rows".into(),
+        ));
+    };
+    if copies
+        .iter()
+        .any(|c| c.version.digest() != first.version.digest())
+    {
+        return Err(HolderError::Download(
+            "the source rows are at different versions (an update is spreading); try again".into(),
+        ));
+    }
+    let (version, norms) = (first.version.clone(), first.norms.clone());
+    let received = copies.iter().map(|c| c.received).sum();
+    let rows: Vec<u32> = sources.iter().map(|s| s.row).collect();
+    link.progress(&format!("re-encoding row {target} from rows {rows:?}"), 0, 0);
+    let (shard, blob) = link
+        .blocking(move || {
+            let sets: Vec<&ShardSet> = copies.iter().map(|c| &c.shard).collect();
+            let shard = ShardSet::reencode(target as usize, &sets)?;
+            let blob = shard_to_blob(&shard)?;
+            Ok::<_, HolderError>((shard, blob))
+        })
+        .await?;
+    check_shard(&shard, manifest, target)?;
+    Ok(Joined {
+        shard,
+        blob,
+        version,
+        norms,
+        how: format!("row {target}, re-encoded from copies of rows {rows:?}"),
+        received,
+    })
 }
 
 /// Downloads row `row`'s shard blob from `peer`: the bytes and the version they are at.

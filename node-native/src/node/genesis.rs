@@ -76,8 +76,16 @@ pub(crate) fn encode_genesis(
     format: ShardFormat,
     learning: LearningConfig,
 ) -> Result<(ModelManifest, BTreeMap<u32, Vec<u8>>)> {
+    ensure!(
+        format == ShardFormat::F32 || !learning.enabled,
+        "learning applies updates to f32 shards only: a {format:?} mesh needs --no-learning"
+    );
     let loaded = load::load_model(model)?;
-    let generator = Generator::growing(n, k, max_rows)?;
+    // Compact shards need the integer code, whose coefficients keep them exact i8 values.
+    let generator = match format {
+        ShardFormat::Q8 => Generator::integer(n, k, max_rows)?,
+        _ => Generator::growing(n, k, max_rows)?,
+    };
     let mut manifest = ModelManifest {
         name: model.file_name().map_or_else(
             || model.display().to_string(),
