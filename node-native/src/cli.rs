@@ -174,6 +174,9 @@ pub(crate) struct BenchArgs {
     /// Honest requests checked for false positives (with --verify).
     #[arg(long, default_value_t = 10_000)]
     pub(crate) honest: usize,
+    /// Shard storage the verification runs on (with --verify): f32, f16 or q8.
+    #[arg(long, default_value = "f32")]
+    pub(crate) shard_format: ShardFormat,
     /// Measure the GPU instead: WGSL kernels against the copy kernel, and tokens/s with the
     /// members on the GPU against the CPU.
     #[arg(long)]

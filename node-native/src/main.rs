@@ -157,7 +157,13 @@ fn run_bench(args: BenchArgs) -> Result<()> {
         .map(|p| model.tokenizer.encode(p))
         .collect::<Result<Vec<_>, _>>()?;
         let rows =
-            node_native::verifybench::run(&model.weights, &prompts, args.trials, args.honest)?;
+            node_native::verifybench::run(
+            &model.weights,
+            &prompts,
+            args.trials,
+            args.honest,
+            args.shard_format,
+        )?;
         node_native::bench::print_table(&rows);
         return Ok(());
     }
