@@ -294,9 +294,13 @@ pub fn run(
     });
     rows_out.push(Row {
         what: "update probe".into(),
-        value: format!(
-            "the 3 updates of the group's version; a member is caught when one update's fit reaches {PROBE_SIGMAS} σ, covers at least {PROBE_MIN_FIT} of the update and beats the next row's by {PROBE_SIGMAS}² σ²"
-        ),
+        value: if learns {
+            format!(
+                "the 3 updates of the group's version; a member is caught when one update's fit reaches {PROBE_SIGMAS} σ, covers at least {PROBE_MIN_FIT} of the update and beats the next row's by {PROBE_SIGMAS}² σ²"
+            )
+        } else {
+            "not run: the members hold no updates".into()
+        },
     });
     rows_out.push(Row {
         what: "threshold".into(),
