@@ -156,8 +156,7 @@ fn run_bench(args: BenchArgs) -> Result<()> {
         .iter()
         .map(|p| model.tokenizer.encode(p))
         .collect::<Result<Vec<_>, _>>()?;
-        let rows =
-            node_native::verifybench::run(
+        let rows = node_native::verifybench::run(
             &model.weights,
             &prompts,
             args.trials,

@@ -318,7 +318,11 @@ impl Generator {
         let construction = Construction::Integer {
             seeded: u32::try_from(seeded).map_err(|_| CodeError::Params { k, n: seeded })?,
         };
-        Self::new(construction, cap.unwrap_or(rows).clamp(seeded, rows.max(seeded)), k)
+        Self::new(
+            construction,
+            cap.unwrap_or(rows).clamp(seeded, rows.max(seeded)),
+            k,
+        )
     }
 
     /// For an integer code, the largest magnitude a quantised weight may take so that every

@@ -277,6 +277,36 @@ mod tests {
     }
 
     #[test]
+    fn a_compact_row_rebuilt_from_any_three_others_is_bit_for_bit_the_encoded_one() {
+        use crate::coded::{ShardFormat, ShardSet};
+        let cfg = crate::fuzzing::small_config();
+        let w = ModelWeights::synthetic(cfg, 11).unwrap();
+        let g = Generator::integer(5, 3, None).unwrap();
+        let sets: Vec<ShardSet> = (0..g.n())
+            .map(|r| ShardSet::encode(&w, &g, r, ShardFormat::Q8, &mut |_, _| {}).unwrap())
+            .collect();
+        for target in 0..g.n() {
+            for sources in crate::code::subsets(g.n(), 3) {
+                if sources.contains(&target) {
+                    continue;
+                }
+                let from: Vec<&ShardSet> = sources.iter().map(|&r| &sets[r]).collect();
+                let rebuilt = ShardSet::reencode(target, &from).unwrap();
+                assert_eq!(rebuilt, sets[target], "row {target} from {sources:?}");
+            }
+        }
+        // A source that is not part of the codeword is refused, not rounded into one: row 1 is
+        // a combination in thirds of rows 3, 4 and 5 (determinant 3), so an integer off by one in
+        // row 4 lands between integers.
+        let mut wrong = sets[4].clone();
+        if let crate::coded::ShardValues::Q8(v) = &mut wrong.embed.values {
+            v.q[0] = v.q[0].wrapping_add(1);
+        }
+        let err = ShardSet::reencode(1, &[&sets[3], &wrong, &sets[5]]).unwrap_err();
+        assert!(err.to_string().contains("not one codeword"), "{err}");
+    }
+
+    #[test]
     fn a_real_coefficient_code_is_refused_with_a_reason() {
         let g = Generator::cauchy(5, 3).unwrap();
         let err = encode_q8(&g, 0, &[0.0; 6], 3, 2).unwrap_err();

@@ -189,7 +189,11 @@ async fn rebuild_compact<L: Link>(
     let (version, norms) = (first.version.clone(), first.norms.clone());
     let received = copies.iter().map(|c| c.received).sum();
     let rows: Vec<u32> = sources.iter().map(|s| s.row).collect();
-    link.progress(&format!("re-encoding row {target} from rows {rows:?}"), 0, 0);
+    link.progress(
+        &format!("re-encoding row {target} from rows {rows:?}"),
+        0,
+        0,
+    );
     let (shard, blob) = link
         .blocking(move || {
             let sets: Vec<&ShardSet> = copies.iter().map(|c| &c.shard).collect();
