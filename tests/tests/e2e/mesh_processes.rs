@@ -863,3 +863,38 @@ fn one_shard_received(log: &str) -> Result<()> {
     ensure!(received == holds && holds > 0, "{line}");
     Ok(())
 }
+
+#[test]
+fn a_compact_mesh_serves_its_models_tokens_and_builds_a_new_row_from_copies() -> Result<()> {
+    let _machine = crate::machine::share();
+    let model = tiny_model();
+    // q8 shards on the integer code, with room for one row past genesis.
+    let mut mesh = Mesh::start_with(
+        "compact",
+        Some(&model),
+        &["--no-learning"],
+        &["--tcp-only", "--shard-format", "q8", "--max-rows", "6"],
+    )?;
+    let expected = local_generate(&model, PROMPT, 24, &["--shard-format", "q8"])?;
+    let (out, err) = mesh.generate(PROMPT, 24, || {})?;
+    assert_eq!(out, expected, "{err}");
+    // A joiner gets row 5: it copies three rows and combines their integers.
+    let mut joiner = spawn_node(&mesh.dir.0, "node5", "d5", &mesh.bootstrap)?;
+    let log = joiner.wait_log("serving row", Duration::from_secs(120))?;
+    let line = log
+        .lines()
+        .find(|l| l.starts_with("joined as row 5"))
+        .with_context(|| format!("no join line:\n{log}"))?;
+    assert!(line.contains("re-encoded from copies of rows"), "{line}");
+    mesh.nodes.push(joiner);
+    mesh.wait_healthy(6)?;
+    // Rows 1 and 2 die: a group of three and its check row are the four rows left, row 5
+    // among them, so the same tokens, with no one caught, mean row 5 is the code's row.
+    mesh.kill_holder(1)?;
+    mesh.kill_holder(2)?;
+    mesh.wait_healthy(4)?;
+    let (out, err) = mesh.generate(PROMPT, 24, || {})?;
+    assert_eq!(out, expected, "{err}");
+    assert!(!err.contains("caught"), "{err}");
+    Ok(())
+}
