@@ -78,28 +78,40 @@ pub fn gemv_bandwidth<W: WeightElem>(rows: usize, cols: usize, make: fn(f32) -> 
     (bytes * copies) as f64 / t.as_secs_f64()
 }
 
-/// GEMV bandwidth of a compact `rows × cols` matrix (i8 values and f16 scales per 32), read
-/// cold as in [`gemv_bandwidth`]; bytes counted are values and scales.
-pub fn gemv_q8_bandwidth(rows: usize, cols: usize) -> f64 {
-    use node_core::compute::q8::{Q8Matrix, blocks_per_row, matmul_q8};
+/// GEMV bandwidth of a compact `rows × cols` matrix (i8 values, or i16 for a parity row's
+/// when `wide`, and f16 scales per 32), read cold as in [`gemv_bandwidth`]; bytes counted are
+/// values and scales.
+pub fn gemv_q8_bandwidth(rows: usize, cols: usize, wide: bool) -> f64 {
+    use node_core::compute::q8::{Ints, Q8Matrix, blocks_per_row, matmul_q8};
     let nb = blocks_per_row(cols);
-    let bytes = rows * cols + rows * nb * 2;
+    let bytes = rows * cols * if wide { 2 } else { 1 } + rows * nb * 2;
     let copies = (256usize << 20).div_ceil(bytes).clamp(1, 256);
-    let ws: Vec<(Vec<i8>, Vec<half::f16>)> = (0..copies)
+    let values = |c: usize| (0..rows * cols).map(move |i| ((i + c) % 97) as i16 - 48);
+    let ws: Vec<(Vec<i8>, Vec<i16>, Vec<half::f16>)> = (0..copies)
         .map(|c| {
-            let q = (0..rows * cols)
-                .map(|i| ((i + c) % 97) as i8 - 48)
-                .collect();
-            let s = vec![half::f16::from_f32(0.01); rows * nb];
-            (q, s)
+            let (narrow, wide_values) = if wide {
+                (Vec::new(), values(c).collect())
+            } else {
+                (values(c).map(|v| v as i8).collect(), Vec::new())
+            };
+            (
+                narrow,
+                wide_values,
+                vec![half::f16::from_f32(0.01); rows * nb],
+            )
         })
         .collect();
     let x = vec![0.5f32; cols];
     let mut y = vec![0.0f32; rows];
     let t = best_time(Duration::from_secs(1), || {
-        for (q, s) in &ws {
+        for (narrow, wide_values, s) in &ws {
+            let q = if wide {
+                Ints::I16(black_box(wide_values))
+            } else {
+                Ints::I8(black_box(narrow))
+            };
             let w = Q8Matrix {
-                q: black_box(q),
+                q,
                 scales: s,
                 rows,
                 cols,
@@ -192,41 +204,35 @@ pub fn run(weights: &ModelWeights, prompt: &[u32], tokens: usize) -> Result<Vec<
             format!("{:.1} GB/s ({:.2}× copy)", bw / 1e9, bw / copy),
         ));
     }
-    for (name, r, c) in [
+    // Narrower weights: f16, and compact integers (a data row's i8, a parity row's i16).
+    let shard = (cfg.vocab.div_ceil(3), cfg.hidden);
+    for (name, (r, c), width) in [
+        ("GEMV f16 k=3 LM head shard 16384×576", shard, 0),
+        ("GEMV f16 4096×4096", (4096, 4096), 0),
         (
-            "GEMV f16 k=3 LM head shard 16384×576",
-            cfg.vocab.div_ceil(3),
-            cfg.hidden,
+            "GEMV q8 k=3 LM head shard 16384×576, data row (i8)",
+            shard,
+            1,
         ),
-        ("GEMV f16 4096×4096", 4096, 4096),
+        (
+            "GEMV q8 k=3 LM head shard 16384×576, parity row (i16)",
+            shard,
+            2,
+        ),
+        ("GEMV q8 4096×4096, data row (i8)", (4096, 4096), 1),
     ] {
-        let bw = gemv_bandwidth(r, c, half_from_f32);
+        let (bw, bytes_per_weight) = match width {
+            0 => (gemv_bandwidth(r, c, half_from_f32), 2.0),
+            1 => (gemv_q8_bandwidth(r, c, false), 1.0625),
+            _ => (gemv_q8_bandwidth(r, c, true), 2.0625),
+        };
         rows.push(row(
             name,
             format!(
                 "{:.1} GB/s ({:.2}× copy), {:.1} G weights/s",
                 bw / 1e9,
                 bw / copy,
-                bw / 2e9
-            ),
-        ));
-    }
-    for (name, r, c) in [
-        (
-            "GEMV q8 k=3 LM head shard 16384×576",
-            cfg.vocab.div_ceil(3),
-            cfg.hidden,
-        ),
-        ("GEMV q8 4096×4096", 4096, 4096),
-    ] {
-        let bw = gemv_q8_bandwidth(r, c);
-        rows.push(row(
-            name,
-            format!(
-                "{:.1} GB/s ({:.2}× copy), {:.1} G weights/s",
-                bw / 1e9,
-                bw / copy,
-                bw / 1.0625e9
+                bw / bytes_per_weight / 1e9
             ),
         ));
     }
@@ -700,14 +706,17 @@ pub fn grids(weights: &ModelWeights, prompts: &[Vec<u32>], tokens: usize) -> Res
         cases.push((p, want, logits));
     }
     let mut rows = Vec::new();
-    let integer = |k: usize| -> Result<i32> {
-        Generator::integer(k, k, None)?
-            .levels()
-            .ok_or_else(|| anyhow::anyhow!("the integer code has no levels"))
-    };
+    let integer = Generator::integer(3, 3, None)?
+        .levels()
+        .ok_or_else(|| anyhow::anyhow!("the integer code has no levels"))?;
     for (label, k, levels) in [
-        ("integer code k = 3", 3, integer(3)?),
-        ("integer code k = 2", 2, integer(2)?),
+        (
+            "integer code k = 3 (data rows i8, parity rows i16)",
+            3,
+            integer,
+        ),
+        // Parity rows of i8 would leave 127 / ‖g‖₁ = 127 / 4 levels (the first construction).
+        ("integer code k = 3 with i8 parity rows", 3, integer / 4),
         ("8-bit grid, one row per scale (k = 1)", 1, 127),
     ] {
         let w = node_core::coded::grid_model(weights, k, levels);

@@ -653,7 +653,7 @@ mod tests {
             .flat_map(|sh| match &sh.values {
                 ShardValues::F32(v) => v.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
                 ShardValues::F16(v) => v.iter().map(|x| x.to_bits() as u32).collect(),
-                ShardValues::Q8(v) => v.q.iter().map(|&x| x as u8 as u32).collect(),
+                ShardValues::Q8(v) => (0..v.q.len()).map(|i| v.q.get(i) as u32).collect(),
             })
             .collect()
     }

@@ -2,15 +2,15 @@
 //!
 //! Rows are the k unit vectors followed by parity rows of small nonzero integers, chosen so
 //! that every k rows are linearly independent (checked exactly, in integers). Weights are
-//! quantised to integers in `±levels` with one scale per group of values shared by the k
-//! blocks, so every coded value `Σ_j g_j · q_j` is an integer of magnitude at most
-//! `‖g‖₁ · levels ≤ STORED_MAX`: it fits an i8 exactly, and the shards stay an exact codeword.
+//! quantised to integers in `±STORED_MAX` with one scale per group of values shared by the k
+//! blocks, so every coded value `Σ_j g_j · q_j` is an integer: the weights' own i8 in a unit
+//! row, and a sum of magnitude at most `‖g‖₁ · STORED_MAX` (an i16) in a parity row. The shards
+//! stay an exact codeword.
 
 /// Largest magnitude of a stored compact value (an i8).
 pub const STORED_MAX: i32 = 127;
 
-/// Largest k an integer code is built for: beyond it the parity rows need entries so large that
-/// fewer than 15 levels per sign are left for the weights.
+/// Largest k an integer code is built for (its parity rows' entries grow with k).
 pub const INTEGER_MAX_K: usize = 5;
 
 /// Most rows an integer code has.
@@ -147,12 +147,14 @@ mod tests {
     }
 
     #[test]
-    fn every_k_rows_of_each_integer_code_are_regular_and_fit_an_i8() {
+    fn every_k_rows_of_each_integer_code_are_regular_and_fit_an_i16() {
         for k in 1..=INTEGER_MAX_K {
             let (rows, norm) = integer_rows(k);
             assert!(rows.len() >= k + 2, "k = {k}: {} rows", rows.len());
-            let levels = STORED_MAX / norm;
-            assert!(levels >= 14, "k = {k}: {levels} levels");
+            assert!(
+                norm * STORED_MAX <= i32::from(i16::MAX),
+                "k = {k}: L1 norm {norm}"
+            );
             for r in &rows {
                 assert_eq!(r.len(), k);
                 assert!(r.iter().map(|x| x.abs()).sum::<i32>() <= norm);

@@ -325,12 +325,12 @@ impl Generator {
         )
     }
 
-    /// For an integer code, the largest magnitude a quantised weight may take so that every
-    /// row's coded values fit [`STORED_MAX`]; `None` for codes with real coefficients.
+    /// For an integer code, the largest magnitude a quantised weight may take
+    /// ([`STORED_MAX`]: an i8; a parity row stores its wider sums in an i16); `None` for codes
+    /// with real coefficients.
     pub fn levels(&self) -> Option<i32> {
         match self.construction {
-            Construction::Integer { .. } => Some(STORED_MAX / integer::integer_rows(self.k).1),
-            Construction::Identity => Some(STORED_MAX),
+            Construction::Integer { .. } | Construction::Identity => Some(STORED_MAX),
             _ => None,
         }
     }

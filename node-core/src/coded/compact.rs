@@ -1,25 +1,104 @@
-//! Compact shards: the weights quantised to integers with scales shared by the k blocks of a
-//! row, encoded with the integer code, so every shard is an exact codeword of i8 values
-//! (docs/coding.md, "Compact shards").
+//! Compact shards: the weights quantised to 8-bit integers with scales shared by the k blocks
+//! of a row, encoded with the integer code, so every shard is an exact codeword of integers:
+//! i8 in a data row (a unit row of the code), i16 in a parity row, whose sums need up to
+//! `log₂ ‖g‖₁` more bits (docs/coding.md, "Compact shards").
 
 use serde::{Deserialize, Serialize};
 
 use super::CodedError;
 use crate::code::Generator;
-use crate::compute::q8::{Q8_BLOCK, Q8Matrix, blocks_per_row, dequantize_row};
+use crate::compute::q8::{Ints, Q8_BLOCK, Q8Matrix, blocks_per_row, dequantize_row};
 use crate::model::{Matrix, ModelWeights};
 
-/// A compact shard's values: i8 values, row-major, and one f16 scale per [`Q8_BLOCK`] values
-/// of a row (the same scale in every shard of the matrix).
+/// A compact shard's coded integers, row-major.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum CodedInts {
+    /// A data row's: the weights' own integers.
+    I8(Vec<i8>),
+    /// A parity row's: sums of up to `‖g‖₁ · 127`.
+    I16(Vec<i16>),
+}
+
+impl CodedInts {
+    /// Number of values.
+    pub fn len(&self) -> usize {
+        self.view().len()
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The values, borrowed.
+    pub fn view(&self) -> Ints<'_> {
+        match self {
+            Self::I8(v) => Ints::I8(v),
+            Self::I16(v) => Ints::I16(v),
+        }
+    }
+
+    /// Value `i`.
+    pub fn get(&self, i: usize) -> i32 {
+        match self {
+            Self::I8(v) => i32::from(v[i]),
+            Self::I16(v) => i32::from(v[i]),
+        }
+    }
+
+    /// Bytes the values take.
+    pub fn bytes(&self) -> usize {
+        match self {
+            Self::I8(v) => v.len(),
+            Self::I16(v) => v.len() * 2,
+        }
+    }
+
+    /// `values` stored one byte each when `wide` is false, else two.
+    fn from_i32(values: Vec<i32>, wide: bool) -> Result<Self, CodedError> {
+        let too_big = |z: i32| CodedError::BadRequest(format!("coded value {z} does not fit"));
+        if wide {
+            let v = values
+                .into_iter()
+                .map(|z| i16::try_from(z).map_err(|_| too_big(z)));
+            Ok(Self::I16(v.collect::<Result<_, _>>()?))
+        } else {
+            let v = values
+                .into_iter()
+                .map(|z| i8::try_from(z).map_err(|_| too_big(z)));
+            Ok(Self::I8(v.collect::<Result<_, _>>()?))
+        }
+    }
+}
+
+/// Whether row `node` of `g` stores its integers in two bytes: any row but a unit row.
+pub fn wide_row(g: &Generator, node: usize) -> bool {
+    g.coeffs(node).iter().map(|c| c.abs()).sum::<f64>() > 1.0
+}
+
+/// A compact shard's values: coded integers, row-major, and one f16 scale per [`Q8_BLOCK`]
+/// values of a row (the same scale in every shard of the matrix).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Q8Values {
     /// The coded integers.
-    pub q: Vec<i8>,
+    pub q: CodedInts,
     /// `rows × ⌈cols / 32⌉` scales.
     pub scales: Vec<half::f16>,
 }
 
 impl Q8Values {
+    /// Builds a row's values from its integers, one byte each unless `wide`.
+    pub(crate) fn from_i32(
+        values: Vec<i32>,
+        scales: Vec<half::f16>,
+        wide: bool,
+    ) -> Result<Self, CodedError> {
+        Ok(Self {
+            q: CodedInts::from_i32(values, wide)?,
+            scales,
+        })
+    }
+
     /// The values as a matrix of `cols` columns, checked against their scales.
     pub fn matrix(&self, cols: usize) -> Result<Q8Matrix<'_>, CodedError> {
         let rows = self.q.len() / cols.max(1);
@@ -31,7 +110,7 @@ impl Q8Values {
             )));
         }
         Ok(Q8Matrix {
-            q: &self.q,
+            q: self.q.view(),
             scales: &self.scales,
             rows,
             cols,
@@ -42,7 +121,7 @@ impl Q8Values {
     pub fn rows_f32(&self, cols: usize, first: usize, n: usize) -> Vec<f32> {
         let mut out = vec![0.0f32; n * cols];
         for (i, row) in out.chunks_exact_mut(cols.max(1)).enumerate() {
-            dequantize_row(&self.q, &self.scales, cols, first + i, row);
+            dequantize_row(self.q.view(), &self.scales, cols, first + i, row);
         }
         out
     }
@@ -130,7 +209,7 @@ pub fn encode_q8(
         return Err(crate::code::CodeError::NoSuchNode { node, n: g.n() }.into());
     }
     let coeffs: Vec<i32> = g.coeffs(node).iter().map(|&c| c as i32).collect();
-    let mut q = vec![0i8; l * inp];
+    let mut q = vec![0i32; l * inp];
     let mut scales = vec![half::f16::ZERO; l * nb];
     for r in 0..l {
         for b in 0..nb {
@@ -144,14 +223,12 @@ pub fn encode_q8(
                         z += gj * quantise(w[row * inp + c], scale, levels);
                     }
                 }
-                // |z| ≤ ‖g‖₁ · levels ≤ 127 by the code's construction.
-                q[r * inp + c] = i8::try_from(z).map_err(|_| {
-                    CodedError::BadRequest(format!("coded value {z} does not fit an i8"))
-                })?;
+                // |z| ≤ ‖g‖₁ · levels: one byte in a unit row, two in a parity row.
+                q[r * inp + c] = z;
             }
         }
     }
-    Ok(Q8Values { q, scales })
+    Q8Values::from_i32(q, scales, wide_row(g, node))
 }
 
 /// The uncoded matrix a compact code of `g` encodes: `w` on the grid of its shared scales.
@@ -300,7 +377,10 @@ mod tests {
         // row 4 lands between integers.
         let mut wrong = sets[4].clone();
         if let crate::coded::ShardValues::Q8(v) = &mut wrong.embed.values {
-            v.q[0] = v.q[0].wrapping_add(1);
+            match &mut v.q {
+                CodedInts::I8(q) => q[0] = q[0].wrapping_add(1),
+                CodedInts::I16(q) => q[0] = q[0].wrapping_add(1),
+            }
         }
         let err = ShardSet::reencode(1, &[&sets[3], &wrong, &sets[5]]).unwrap_err();
         assert!(err.to_string().contains("not one codeword"), "{err}");

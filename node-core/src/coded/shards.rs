@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::CodedError;
-use super::compact::{Q8Values, encode_q8};
+use super::compact::{Q8Values, encode_q8, wide_row};
 use crate::code::Generator;
 use crate::compute::matmul;
 use crate::compute::q8::matmul_q8;
@@ -133,7 +133,7 @@ impl Shard {
                 let nb = crate::compute::q8::blocks_per_row(self.cols);
                 let rows = s * self.block_len..(s + 1) * self.block_len;
                 let w = crate::compute::q8::Q8Matrix {
-                    q: &v.q[range],
+                    q: v.q.view().slice(range),
                     scales: &v.scales[rows.start * nb..rows.end * nb],
                     rows: self.block_len,
                     cols: self.cols,
@@ -158,7 +158,13 @@ impl Shard {
                 }
                 ShardValues::Q8(v) => {
                     buf.resize(cols, 0.0);
-                    crate::compute::q8::dequantize_row(&v.q, &v.scales, cols, s * l + r, &mut buf);
+                    crate::compute::q8::dequantize_row(
+                        v.q.view(),
+                        &v.scales,
+                        cols,
+                        s * l + r,
+                        &mut buf,
+                    );
                     std::borrow::Cow::Borrowed(buf.as_slice())
                 }
             };
@@ -196,12 +202,14 @@ impl Shard {
         }
     }
 
-    /// Combines the same matrix's shards of other nodes with `m × k·m` coefficients.
+    /// Combines the same matrix's shards of other nodes with `m × k·m` coefficients; a compact
+    /// target stores two bytes a value when `wide` (a parity row).
     fn combine(
         sources: &[&Shard],
         coeffs: &[f64],
         m: usize,
         format: ShardFormat,
+        wide: bool,
     ) -> Result<Self, CodedError> {
         let first = sources
             .first()
@@ -217,7 +225,7 @@ impl Shard {
         let n = first.block_len * first.cols;
         let km = sources.len() * m;
         if format == ShardFormat::Q8 {
-            return Self::combine_q8(sources, coeffs, first);
+            return Self::combine_q8(sources, coeffs, first, wide);
         }
         let values: Vec<std::borrow::Cow<'_, [f32]>> =
             sources.iter().map(|s| s.values_f32()).collect();
@@ -252,7 +260,12 @@ impl Shard {
     /// [`Shard::combine`] for compact shards: the coded integers of the target row are the
     /// rational combination of the sources' integers, rounded to the integer it must be, so a
     /// rebuilt row is bit for bit the row encoding gives; the scales are the sources' own.
-    fn combine_q8(sources: &[&Shard], coeffs: &[f64], first: &Shard) -> Result<Self, CodedError> {
+    fn combine_q8(
+        sources: &[&Shard],
+        coeffs: &[f64],
+        first: &Shard,
+        wide: bool,
+    ) -> Result<Self, CodedError> {
         let values: Vec<&Q8Values> = sources
             .iter()
             .map(|s| match &s.values {
@@ -271,29 +284,26 @@ impl Shard {
                 ));
             }
         }
-        let mut q = vec![0i8; len];
+        let mut q = vec![0i32; len];
         for (i, dst) in q.iter_mut().enumerate() {
             let sum: f64 = coeffs
                 .iter()
                 .zip(&values)
-                .map(|(&c, v)| c * f64::from(v.q[i]))
+                .map(|(&c, v)| c * f64::from(v.q.get(i)))
                 .sum();
             let z = sum.round();
-            if (sum - z).abs() > 1e-3 || z.abs() > 127.0 {
+            if (sum - z).abs() > 1e-3 || z.abs() > f64::from(i16::MAX) {
                 return Err(CodedError::BadRequest(format!(
-                    "the sources' combination is {sum}, not a coded i8: they are not one codeword"
+                    "the sources' combination is {sum}, not a coded integer: they are not one codeword"
                 )));
             }
-            *dst = z as i8;
+            *dst = z as i32;
         }
         Ok(Self {
             out: first.out,
             block_len: first.block_len,
             cols: first.cols,
-            values: ShardValues::Q8(Q8Values {
-                q,
-                scales: values[0].scales.clone(),
-            }),
+            values: ShardValues::Q8(Q8Values::from_i32(q, values[0].scales.clone(), wide)?),
             carry: Vec::new(),
         })
     }
@@ -312,7 +322,7 @@ impl Shard {
         match &self.values {
             ShardValues::F32(v) => v.len() * 4,
             ShardValues::F16(v) => v.len() * 2,
-            ShardValues::Q8(v) => v.q.len() + v.scales.len() * 2,
+            ShardValues::Q8(v) => v.q.bytes() + v.scales.len() * 2,
         }
     }
 }
@@ -407,10 +417,11 @@ impl ShardSet {
         let coeffs = g.reencode_coeffs(target, &nodes)?;
         let m = g.sub_blocks();
         let format = first.embed.format();
+        let wide = wide_row(g, target);
         let pick = |f: &dyn Fn(&ShardSet) -> Option<&Shard>| -> Result<Option<Shard>, CodedError> {
             let parts: Option<Vec<&Shard>> = sources.iter().map(|s| f(s)).collect();
             parts
-                .map(|p| Shard::combine(&p, &coeffs, m, format))
+                .map(|p| Shard::combine(&p, &coeffs, m, format, wide))
                 .transpose()
         };
         let mut blocks = Vec::with_capacity(first.blocks.len());

@@ -1,5 +1,6 @@
-//! Kernels for compact weights: i8 values with one f16 scale per [`Q8_BLOCK`] values of a row,
-//! multiplied without first converting the matrix (dequantise and multiply fused per block).
+//! Kernels for compact weights: integers (i8, or i16 for the wider sums of a parity row) with
+//! one f16 scale per [`Q8_BLOCK`] values of a row, multiplied without first converting the
+//! matrix (dequantise and multiply fused per block).
 
 use super::cpu::{GEMM_MIN_TOKENS, PARALLEL_MIN_WEIGHTS, View, dot, sgemm};
 use super::par;
@@ -12,8 +13,84 @@ pub fn blocks_per_row(cols: usize) -> usize {
     cols.div_ceil(Q8_BLOCK)
 }
 
+/// An integer type compact values are stored in.
+pub trait CodedInt: Copy + Send + Sync + Into<f32> + 'static {
+    /// Eight values from `p`, widened to f32.
+    ///
+    /// # Safety
+    /// `p` must point at eight readable values, and the CPU must have AVX2.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn widen8(p: *const Self) -> std::arch::x86_64::__m256;
+}
+
+impl CodedInt for i8 {
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn widen8(p: *const Self) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller guarantees eight readable bytes at `p` and AVX2.
+        unsafe { _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p as *const __m128i))) }
+    }
+}
+
+impl CodedInt for i16 {
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn widen8(p: *const Self) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller guarantees sixteen readable bytes at `p` and AVX2.
+        unsafe { _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm_loadu_si128(p as *const __m128i))) }
+    }
+}
+
+/// A compact matrix's integers: i8, or i16 where a parity row's sums need more than 8 bits.
+#[derive(Debug, Clone, Copy)]
+pub enum Ints<'a> {
+    /// One byte each.
+    I8(&'a [i8]),
+    /// Two bytes each.
+    I16(&'a [i16]),
+}
+
+impl<'a> Ints<'a> {
+    /// Number of values.
+    pub fn len(&self) -> usize {
+        match self {
+            Self::I8(v) => v.len(),
+            Self::I16(v) => v.len(),
+        }
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Values `range` of them.
+    pub fn slice(&self, range: std::ops::Range<usize>) -> Ints<'a> {
+        match *self {
+            Self::I8(v) => Self::I8(&v[range]),
+            Self::I16(v) => Self::I16(&v[range]),
+        }
+    }
+}
+
 /// Row `r` of a compact matrix as f32, written into `out` (`cols` values).
-pub fn dequantize_row(q: &[i8], scales: &[half::f16], cols: usize, r: usize, out: &mut [f32]) {
+pub fn dequantize_row(q: Ints<'_>, scales: &[half::f16], cols: usize, r: usize, out: &mut [f32]) {
+    match q {
+        Ints::I8(q) => dequantize_row_of(q, scales, cols, r, out),
+        Ints::I16(q) => dequantize_row_of(q, scales, cols, r, out),
+    }
+}
+
+/// [`dequantize_row`] for values of type `T`.
+fn dequantize_row_of<T: CodedInt>(
+    q: &[T],
+    scales: &[half::f16],
+    cols: usize,
+    r: usize,
+    out: &mut [f32],
+) {
     let nb = blocks_per_row(cols);
     let row = &q[r * cols..(r + 1) * cols];
     for ((o, qs), s) in out
@@ -23,14 +100,14 @@ pub fn dequantize_row(q: &[i8], scales: &[half::f16], cols: usize, r: usize, out
     {
         let s = s.to_f32();
         for (o, &v) in o.iter_mut().zip(qs) {
-            *o = s * f32::from(v);
+            *o = s * v.into();
         }
     }
 }
 
 /// `Σ_b s_b · Σ_i q[b·32 + i] · x[b·32 + i]` for one row, the portable way.
 #[inline(always)]
-fn dot_q8_portable(q: &[i8], scales: &[half::f16], x: &[f32]) -> f32 {
+fn dot_q8_portable<T: CodedInt>(q: &[T], scales: &[half::f16], x: &[f32]) -> f32 {
     let mut total = [0.0f32; 8];
     let mut tail = 0.0f32;
     for ((qs, xs), s) in q.chunks(Q8_BLOCK).zip(x.chunks(Q8_BLOCK)).zip(scales) {
@@ -39,21 +116,21 @@ fn dot_q8_portable(q: &[i8], scales: &[half::f16], x: &[f32]) -> f32 {
             let mut acc = [0.0f32; 8];
             for (qc, xc) in qs.as_chunks::<8>().0.iter().zip(xs.as_chunks::<8>().0) {
                 for i in 0..8 {
-                    acc[i] += f32::from(qc[i]) * xc[i];
+                    acc[i] += qc[i].into() * xc[i];
                 }
             }
             for i in 0..8 {
                 total[i] += s * acc[i];
             }
         } else {
-            let part: f32 = qs.iter().zip(xs).map(|(&a, &b)| f32::from(a) * b).sum();
+            let part: f32 = qs.iter().zip(xs).map(|(&a, &b)| a.into() * b).sum();
             tail += s * part;
         }
     }
     total.iter().sum::<f32>() + tail
 }
 
-/// The dot product with AVX2 and FMA: eight i8 widened to f32 per instruction group.
+/// The dot product with AVX2, FMA and F16C: eight values widened to f32 at a time.
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;
@@ -69,26 +146,21 @@ mod avx2 {
 
     /// See [`super::dot_q8_portable`]; the same sum, grouped differently.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) fn dot_q8(q: &[i8], scales: &[half::f16], x: &[f32]) -> f32 {
+    pub(super) fn dot_q8<T: super::CodedInt>(q: &[T], scales: &[half::f16], x: &[f32]) -> f32 {
         let full = q.len() / super::Q8_BLOCK;
         assert!(x.len() >= q.len() && scales.len() >= full, "dot_q8 shapes");
         let mut t0 = _mm256_setzero_ps();
         let mut t1 = _mm256_setzero_ps();
-        let mut b = 0;
-        while b < full {
-            // SAFETY: block `b` is in bounds of `q` and `x` (asserted above); unaligned loads.
+        for b in 0..full {
+            // SAFETY: block `b` is in bounds of `q` and `x` (asserted above); unaligned loads;
+            // this function runs only where AVX2 is (its callers check).
             unsafe {
                 let qp = q.as_ptr().add(b * 32);
                 let xp = x.as_ptr().add(b * 32);
-                let w = |o: usize| {
-                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
-                        qp.add(o) as *const __m128i
-                    )))
-                };
-                let mut acc = _mm256_mul_ps(w(0), _mm256_loadu_ps(xp));
-                acc = _mm256_fmadd_ps(w(8), _mm256_loadu_ps(xp.add(8)), acc);
-                let mut acc2 = _mm256_mul_ps(w(16), _mm256_loadu_ps(xp.add(16)));
-                acc2 = _mm256_fmadd_ps(w(24), _mm256_loadu_ps(xp.add(24)), acc2);
+                let mut acc = _mm256_mul_ps(T::widen8(qp), _mm256_loadu_ps(xp));
+                acc = _mm256_fmadd_ps(T::widen8(qp.add(8)), _mm256_loadu_ps(xp.add(8)), acc);
+                let mut acc2 = _mm256_mul_ps(T::widen8(qp.add(16)), _mm256_loadu_ps(xp.add(16)));
+                acc2 = _mm256_fmadd_ps(T::widen8(qp.add(24)), _mm256_loadu_ps(xp.add(24)), acc2);
                 let s = scale(scales[b]);
                 if b % 2 == 0 {
                     t0 = _mm256_fmadd_ps(_mm256_add_ps(acc, acc2), s, t0);
@@ -96,7 +168,6 @@ mod avx2 {
                     t1 = _mm256_fmadd_ps(_mm256_add_ps(acc, acc2), s, t1);
                 }
             }
-            b += 1;
         }
         let t = _mm256_add_ps(t0, t1);
         let mut lanes = [0.0f32; 8];
@@ -108,7 +179,7 @@ mod avx2 {
             let part: f32 = q[done..]
                 .iter()
                 .zip(&x[done..])
-                .map(|(&a, &v)| f32::from(a) * v)
+                .map(|(&a, &v)| a.into() * v)
                 .sum();
             sum += scales[full].to_f32() * part;
         }
@@ -118,7 +189,7 @@ mod avx2 {
 
 /// One row's dot product with the best instructions this CPU has.
 #[inline]
-fn dot_q8(q: &[i8], scales: &[half::f16], x: &[f32], fma: bool) -> f32 {
+fn dot_q8<T: CodedInt>(q: &[T], scales: &[half::f16], x: &[f32], fma: bool) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if fma {
         // SAFETY: the caller checked AVX2, FMA and F16C ([`has_fma`]).
@@ -142,11 +213,11 @@ fn has_fma() -> bool {
     }
 }
 
-/// A compact matrix: `rows × cols` i8 values, row-major, and `rows × ⌈cols / 32⌉` scales.
+/// A compact matrix: `rows × cols` integers, row-major, and `rows × ⌈cols / 32⌉` scales.
 #[derive(Debug, Clone, Copy)]
 pub struct Q8Matrix<'a> {
     /// The values.
-    pub q: &'a [i8],
+    pub q: Ints<'a>,
     /// One scale per block of a row.
     pub scales: &'a [half::f16],
     /// Rows.
@@ -165,21 +236,35 @@ fn rows_times_inputs(
     yt: &mut [f32],
     fma: bool,
 ) {
-    let Q8Matrix {
-        q, scales, cols, ..
-    } = w;
+    match w.q {
+        Ints::I8(q) => rows_times_inputs_of(q, w, x, t, first, yt, fma),
+        Ints::I16(q) => rows_times_inputs_of(q, w, x, t, first, yt, fma),
+    }
+}
+
+/// [`rows_times_inputs`] for values of type `T` (`q` is `w`'s values).
+fn rows_times_inputs_of<T: CodedInt>(
+    q: &[T],
+    w: Q8Matrix<'_>,
+    x: &[f32],
+    t: usize,
+    first: usize,
+    yt: &mut [f32],
+    fma: bool,
+) {
+    let Q8Matrix { scales, cols, .. } = w;
     let nb = blocks_per_row(cols);
     let rows = yt.len() / t;
     if t >= GEMM_MIN_TOKENS {
-        let mut w = vec![0.0f32; rows * cols];
-        for (i, out) in w.chunks_exact_mut(cols.max(1)).enumerate() {
-            dequantize_row(q, scales, cols, first + i, out);
+        let mut dense = vec![0.0f32; rows * cols];
+        for (i, out) in dense.chunks_exact_mut(cols.max(1)).enumerate() {
+            dequantize_row_of(q, scales, cols, first + i, out);
         }
         sgemm(
             rows,
             cols,
             t,
-            View::rows(&w, cols),
+            View::rows(&dense, cols),
             View::transposed(x, cols),
             yt,
             t,
@@ -189,12 +274,12 @@ fn rows_times_inputs(
     let mut row = Vec::new();
     for (i, out) in yt.chunks_exact_mut(t).enumerate() {
         let r = first + i;
-        let qr = &q[r * cols..(r + 1) * cols];
         if t == 1 {
+            let qr = &q[r * cols..(r + 1) * cols];
             out[0] = dot_q8(qr, &scales[r * nb..(r + 1) * nb], x, fma);
         } else {
             row.resize(cols, 0.0);
-            dequantize_row(q, scales, cols, r, &mut row);
+            dequantize_row_of(q, scales, cols, r, &mut row);
             for (tok, o) in out.iter_mut().enumerate() {
                 *o = dot(&row, &x[tok * cols..(tok + 1) * cols]);
             }
@@ -252,7 +337,7 @@ pub fn matmul_q8(w: Q8Matrix<'_>, x: &[f32], t: usize, y: &mut [f32]) {
 mod tests {
     use super::*;
 
-    fn compact(rows: usize, cols: usize, seed: u32) -> (Vec<i8>, Vec<half::f16>) {
+    fn compact(rows: usize, cols: usize, seed: u32) -> (Vec<i16>, Vec<half::f16>) {
         let mut state = seed.wrapping_mul(2654435761).wrapping_add(12345);
         let mut next = || {
             state ^= state << 13;
@@ -261,8 +346,7 @@ mod tests {
             state
         };
         let q = (0..rows * cols)
-            .map(|_| (next() % 255) as i32 - 127)
-            .map(|v| v as i8)
+            .map(|_| (next() % 1017) as i16 - 508)
             .collect();
         let scales = (0..rows * blocks_per_row(cols))
             .map(|_| half::f16::from_f32(1e-3 * (1 + next() % 100) as f32))
@@ -270,7 +354,14 @@ mod tests {
         (q, scales)
     }
 
-    fn naive(q: &[i8], s: &[half::f16], rows: usize, cols: usize, x: &[f32], t: usize) -> Vec<f64> {
+    fn naive(
+        q: Ints<'_>,
+        s: &[half::f16],
+        rows: usize,
+        cols: usize,
+        x: &[f32],
+        t: usize,
+    ) -> Vec<f64> {
         let mut row = vec![0.0f32; cols];
         let mut y = vec![0.0f64; t * rows];
         for r in 0..rows {
@@ -286,33 +377,40 @@ mod tests {
         y
     }
 
+    /// The same values as i16 and, clamped to ±127, as i8: both kernels' widths.
+    fn widths(q: &[i16]) -> (Vec<i16>, Vec<i8>) {
+        (
+            q.to_vec(),
+            q.iter().map(|&v| v.clamp(-127, 127) as i8).collect(),
+        )
+    }
+
     #[test]
     fn fused_products_match_the_dequantised_matrix_on_ragged_shapes() {
         for &(rows, cols) in &[(1, 1), (3, 31), (5, 32), (17, 100), (300, 576), (700, 1536)] {
             let (q, s) = compact(rows, cols, (rows * 31 + cols) as u32);
-            for t in [1, 2, 5, 9] {
-                let x: Vec<f32> = (0..t * cols)
-                    .map(|i| ((i * 7919) % 997) as f32 / 500.0 - 1.0)
-                    .collect();
-                let mut y = vec![0.0f32; t * rows];
-                matmul_q8(
-                    Q8Matrix {
-                        q: &q,
+            let (wide, narrow) = widths(&q);
+            for ints in [Ints::I16(&wide), Ints::I8(&narrow)] {
+                for t in [1, 2, 5, 9] {
+                    let x: Vec<f32> = (0..t * cols)
+                        .map(|i| ((i * 7919) % 997) as f32 / 500.0 - 1.0)
+                        .collect();
+                    let mut y = vec![0.0f32; t * rows];
+                    let w = Q8Matrix {
+                        q: ints,
                         scales: &s,
                         rows,
                         cols,
-                    },
-                    &x,
-                    t,
-                    &mut y,
-                );
-                let want = naive(&q, &s, rows, cols, &x, t);
-                let scale = want.iter().fold(1e-3f64, |m, v| m.max(v.abs()));
-                for (i, (&g, &w)) in y.iter().zip(&want).enumerate() {
-                    assert!(
-                        (f64::from(g) - w).abs() <= 1e-5 * scale,
-                        "{rows}×{cols}, t = {t}, value {i}: {g} vs {w}"
-                    );
+                    };
+                    matmul_q8(w, &x, t, &mut y);
+                    let want = naive(ints, &s, rows, cols, &x, t);
+                    let scale = want.iter().fold(1e-3f64, |m, v| m.max(v.abs()));
+                    for (i, (&g, &w)) in y.iter().zip(&want).enumerate() {
+                        assert!(
+                            (f64::from(g) - w).abs() <= 1e-5 * scale,
+                            "{rows}×{cols}, t = {t}, value {i}: {g} vs {w}"
+                        );
+                    }
                 }
             }
         }
@@ -321,24 +419,31 @@ mod tests {
     #[test]
     fn the_avx2_kernel_agrees_with_the_portable_one() {
         if !has_fma() {
-            eprintln!("no AVX2/FMA on this CPU: only the portable kernel runs here");
+            eprintln!("no AVX2/FMA/F16C on this CPU: only the portable kernel runs here");
             return;
         }
         let (rows, cols) = (64, 1000);
         let (q, s) = compact(rows, cols, 7);
+        let (wide, narrow) = widths(&q);
         let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.37).sin()).collect();
-        let mut y_fast = vec![0.0f32; rows];
-        let mut y_port = vec![0.0f32; rows];
-        let w = Q8Matrix {
-            q: &q,
-            scales: &s,
-            rows,
-            cols,
-        };
-        rows_times_inputs(w, &x, 1, 0, &mut y_fast, true);
-        rows_times_inputs(w, &x, 1, 0, &mut y_port, false);
-        for (a, b) in y_fast.iter().zip(&y_port) {
-            assert!((a - b).abs() <= 1e-5 * b.abs().max(1e-2), "{a} vs {b}");
+        for ints in [Ints::I16(&wide), Ints::I8(&narrow)] {
+            let mut y_fast = vec![0.0f32; rows];
+            let mut y_port = vec![0.0f32; rows];
+            let w = Q8Matrix {
+                q: ints,
+                scales: &s,
+                rows,
+                cols,
+            };
+            rows_times_inputs(w, &x, 1, 0, &mut y_fast, true);
+            rows_times_inputs(w, &x, 1, 0, &mut y_port, false);
+            let mut row = vec![0.0f32; cols];
+            for (r, (a, b)) in y_fast.iter().zip(&y_port).enumerate() {
+                // Rounding follows the terms' magnitude, not the (cancelling) sum's.
+                dequantize_row(ints, &s, cols, r, &mut row);
+                let terms: f32 = row.iter().zip(&x).map(|(w, x)| (w * x).abs()).sum();
+                assert!((a - b).abs() <= 1e-6 * terms, "row {r}: {a} vs {b}");
+            }
         }
     }
 }
