@@ -127,8 +127,8 @@ fn half_from_f32(v: f32) -> half::f16 {
     half::f16::from_f32(v)
 }
 
-/// Prefill and decode tokens/s of a model through a group of `k` of `n` rows, members
-/// computing on `gpu` when given one.
+/// Prefill and decode tokens/s of a model through a group of `k` of `n` rows (`rows`, or the
+/// best-conditioned group), members computing on `gpu` when given one.
 #[allow(clippy::too_many_arguments)] // one measurement's whole set-up
 pub fn model_speed(
     weights: &ModelWeights,
@@ -139,6 +139,7 @@ pub fn model_speed(
     prompt: &[u32],
     tokens: usize,
     gpu: Option<(&std::sync::Arc<node_core::compute::gpu::Gpu>, usize)>,
+    rows: Option<&[usize]>,
 ) -> Result<(f64, f64, f64)> {
     let g = match (n, format) {
         (1, _) => Generator::uncoded(),
@@ -152,7 +153,10 @@ pub fn model_speed(
         }
     }
     let all: Vec<usize> = (0..n).collect();
-    let nodes = select_nodes(&g, &all)?.nodes;
+    let nodes = match rows {
+        Some(r) => r.to_vec(),
+        None => select_nodes(&g, &all)?.nodes,
+    };
     let mut group = CodedGroup::new(weights.cfg.clone(), g, &nodes, mesh)?;
     let opts = GenerateOptions {
         max_tokens: tokens,
@@ -251,25 +255,35 @@ pub fn run(weights: &ModelWeights, prompt: &[u32], tokens: usize) -> Result<Vec<
             1e3 * weight_bytes / read_bw.max(1.0)
         ),
     ));
-    for (label, n, k, format) in [
-        ("single node, uncoded", 1, 1, ShardFormat::F32),
-        ("in-process coded k=3 of n=5", 5, 3, ShardFormat::F32),
+    let parity: &[usize] = &[2, 3, 4];
+    for (label, n, k, format, rows_of) in [
+        ("single node, uncoded", 1, 1, ShardFormat::F32, None),
+        ("in-process coded k=3 of n=5", 5, 3, ShardFormat::F32, None),
         (
             "in-process coded k=3 of n=5, f16 shards",
             5,
             3,
             ShardFormat::F16,
+            None,
         ),
-        ("single node, uncoded, q8 weights", 1, 1, ShardFormat::Q8),
+        ("single node, uncoded, q8 weights", 1, 1, ShardFormat::Q8, None),
         (
-            "in-process coded k=3 of n=5, q8 shards (integer code)",
+            "in-process coded k=3 of n=5, q8 shards (integer code; data rows 0, 1, 2)",
             5,
             3,
             ShardFormat::Q8,
+            None,
+        ),
+        (
+            "in-process coded k=3 of n=5, q8 shards, rows 2, 3, 4 (two i16 parity rows)",
+            5,
+            3,
+            ShardFormat::Q8,
+            Some(parity),
         ),
     ] {
         let (prefill, decode, ms) =
-            model_speed(weights, &llama, n, k, format, prompt, tokens, None)?;
+            model_speed(weights, &llama, n, k, format, prompt, tokens, None, rows_of)?;
         rows.push(row(
             format!("{label}: prefill ({} tokens)", prompt.len()),
             format!("{prefill:.1} tok/s"),

@@ -219,7 +219,7 @@ pub fn model_rows(
             ),
         ] {
             let (prefill, decode, ms) =
-                model_speed(weights, &llama, 5, 3, format, prompt, tokens, g)
+                model_speed(weights, &llama, 5, 3, format, prompt, tokens, g, None)
                     .with_context(|| format!("coded model on the {device}"))?;
             rows.push(row(
                 format!("coded k=3 of n=5, {label} shards, members on the {device}"),
