@@ -266,7 +266,13 @@ pub fn run(weights: &ModelWeights, prompt: &[u32], tokens: usize) -> Result<Vec<
             ShardFormat::F16,
             None,
         ),
-        ("single node, uncoded, q8 weights", 1, 1, ShardFormat::Q8, None),
+        (
+            "single node, uncoded, q8 weights",
+            1,
+            1,
+            ShardFormat::Q8,
+            None,
+        ),
         (
             "in-process coded k=3 of n=5, q8 shards (integer code; data rows 0, 1, 2)",
             5,

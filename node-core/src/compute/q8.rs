@@ -151,7 +151,7 @@ mod avx2 {
         assert!(x.len() >= q.len() && scales.len() >= full, "dot_q8 shapes");
         let mut t0 = _mm256_setzero_ps();
         let mut t1 = _mm256_setzero_ps();
-        for b in 0..full {
+        for (b, &h) in scales[..full].iter().enumerate() {
             // SAFETY: block `b` is in bounds of `q` and `x` (asserted above); unaligned loads;
             // this function runs only where AVX2 is (its callers check).
             unsafe {
@@ -161,7 +161,7 @@ mod avx2 {
                 acc = _mm256_fmadd_ps(T::widen8(qp.add(8)), _mm256_loadu_ps(xp.add(8)), acc);
                 let mut acc2 = _mm256_mul_ps(T::widen8(qp.add(16)), _mm256_loadu_ps(xp.add(16)));
                 acc2 = _mm256_fmadd_ps(T::widen8(qp.add(24)), _mm256_loadu_ps(xp.add(24)), acc2);
-                let s = scale(scales[b]);
+                let s = scale(h);
                 if b % 2 == 0 {
                     t0 = _mm256_fmadd_ps(_mm256_add_ps(acc, acc2), s, t0);
                 } else {

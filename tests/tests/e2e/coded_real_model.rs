@@ -15,6 +15,16 @@ const PROMPTS: [&str; 5] = [
 ];
 const TOKENS: usize = 16;
 
+/// Greedy decoding of `max_tokens` tokens, without drafts or stop tokens.
+fn greedy(max_tokens: usize) -> GenerateOptions {
+    GenerateOptions {
+        max_tokens,
+        sampling: SamplingParams::default(),
+        stop_ids: Vec::new(),
+        draft: 0,
+    }
+}
+
 #[test]
 fn every_three_of_five_rows_give_the_uncoded_greedy_tokens() -> anyhow::Result<()> {
     let _machine = crate::machine::share();
@@ -22,12 +32,7 @@ fn every_three_of_five_rows_give_the_uncoded_greedy_tokens() -> anyhow::Result<(
     let w = &model.weights;
     let llama = leader(w)?;
     let mut uncoded = uncoded_group(w)?;
-    let opts = GenerateOptions {
-        max_tokens: TOKENS,
-        sampling: SamplingParams::default(),
-        stop_ids: Vec::new(),
-        draft: 0,
-    };
+    let opts = greedy(TOKENS);
     let mut cases = Vec::new();
     for p in PROMPTS {
         let prompt = model.tokenizer.encode(p)?;
@@ -82,12 +87,7 @@ fn f16_shards_stay_close_to_the_uncoded_model() -> anyhow::Result<()> {
     let mesh = InProcess::encode(w, &g, ShardFormat::F16, &|_, _| {})?;
     let nodes = node_core::code::select_nodes(&g, &[0, 1, 2, 3, 4])?.nodes;
     let mut group = CodedGroup::new(w.cfg.clone(), g, &nodes, mesh)?;
-    let opts = GenerateOptions {
-        max_tokens: TOKENS,
-        sampling: SamplingParams::default(),
-        stop_ids: Vec::new(),
-        draft: 0,
-    };
+    let opts = greedy(TOKENS);
     let (mut worst, mut agree, mut total) = (0.0f64, 0usize, 0usize);
     for p in PROMPTS {
         let prompt = model.tokenizer.encode(p)?;
@@ -191,12 +191,7 @@ fn compact_shards_decode_their_model_exactly_and_keep_the_greedy_tokens() -> any
     let compact_llama = leader(&compact)?;
     let mut compact_uncoded = uncoded_group(&compact)?;
     let mesh = InProcess::encode(w, &g, ShardFormat::Q8, &|_, _| {})?;
-    let opts = GenerateOptions {
-        max_tokens: TOKENS,
-        sampling: SamplingParams::default(),
-        stop_ids: Vec::new(),
-        draft: 0,
-    };
+    let opts = greedy(TOKENS);
     // 1. The shards are an exact codeword of the compact model: every group decodes it to
     //    f32 rounding, like f32 shards decode the f32 model.
     let mut cases = Vec::new();
@@ -242,10 +237,7 @@ fn compact_shards_decode_their_model_exactly_and_keep_the_greedy_tokens() -> any
     let (mut worst, mut sum, mut steps, mut same) = (0.0f64, 0.0f64, 0usize, 0usize);
     for (text, tokens) in &prompts {
         let prompt = model.tokenizer.encode(text)?;
-        let opts = GenerateOptions {
-            max_tokens: *tokens,
-            ..opts.clone()
-        };
+        let opts = greedy(*tokens);
         let want = generate(&llama, &mut uncoded, &prompt, &opts, &mut |_| true)?.tokens;
         let got = generate(&compact_llama, &mut group, &prompt, &opts, &mut |_| true)?.tokens;
         let reference = logits_along(&llama, &mut uncoded, &prompt, &want[..want.len() - 1])?;
