@@ -4,11 +4,12 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
-use node_core::code::{Construction, Generator, select_nodes};
+use node_core::code::{Generator, select_nodes};
 use node_core::coded::{CodedGroup, InProcess, ShardFormat};
 use node_core::compute::{self, WeightElem};
 use node_core::model::{
     GenerateOptions, LeaderWeights, Llama, ModelWeights, Pass, generate, generate_with,
+    logits_along, relative_error,
 };
 
 /// Best time of `f` over repeated runs lasting at least `budget`.
@@ -82,37 +83,30 @@ pub fn gemv_bandwidth<W: WeightElem>(rows: usize, cols: usize, make: fn(f32) -> 
 /// when `wide`, and f16 scales per 32), read cold as in [`gemv_bandwidth`]; bytes counted are
 /// values and scales.
 pub fn gemv_q8_bandwidth(rows: usize, cols: usize, wide: bool) -> f64 {
-    use node_core::compute::q8::{Ints, Q8Matrix, blocks_per_row, matmul_q8};
+    use node_core::coded::CodedInts;
+    use node_core::compute::q8::{Q8Matrix, blocks_per_row, matmul_q8};
     let nb = blocks_per_row(cols);
     let bytes = rows * cols * if wide { 2 } else { 1 } + rows * nb * 2;
     let copies = (256usize << 20).div_ceil(bytes).clamp(1, 256);
-    let values = |c: usize| (0..rows * cols).map(move |i| ((i + c) % 97) as i16 - 48);
-    let ws: Vec<(Vec<i8>, Vec<i16>, Vec<half::f16>)> = (0..copies)
+    // Every copy has its own scales, so they are read cold too.
+    let ws: Vec<(CodedInts, Vec<half::f16>)> = (0..copies)
         .map(|c| {
-            let (narrow, wide_values) = if wide {
-                (Vec::new(), values(c).collect())
+            let values = (0..rows * cols).map(move |i| ((i + c) % 97) as i16 - 48);
+            let q = if wide {
+                CodedInts::I16(values.collect())
             } else {
-                (values(c).map(|v| v as i8).collect(), Vec::new())
+                CodedInts::I8(values.map(|v| v as i8).collect())
             };
-            (
-                narrow,
-                wide_values,
-                vec![half::f16::from_f32(0.01); rows * nb],
-            )
+            (q, vec![half::f16::from_f32(0.01); rows * nb])
         })
         .collect();
     let x = vec![0.5f32; cols];
     let mut y = vec![0.0f32; rows];
     let t = best_time(Duration::from_secs(1), || {
-        for (narrow, wide_values, s) in &ws {
-            let q = if wide {
-                Ints::I16(black_box(wide_values))
-            } else {
-                Ints::I8(black_box(narrow))
-            };
+        for (q, scales) in &ws {
             let w = Q8Matrix {
-                q,
-                scales: s,
+                q: black_box(q).view(),
+                scales,
                 rows,
                 cols,
             };
@@ -141,10 +135,10 @@ pub fn model_speed(
     gpu: Option<(&std::sync::Arc<node_core::compute::gpu::Gpu>, usize)>,
     rows: Option<&[usize]>,
 ) -> Result<(f64, f64, f64)> {
-    let g = match (n, format) {
-        (1, _) => Generator::uncoded(),
-        (_, ShardFormat::Q8) => Generator::new(Construction::Integer { seeded: n as u32 }, n, k)?,
-        _ => Generator::cauchy(n, k)?,
+    let g = if n == 1 {
+        Generator::uncoded()
+    } else {
+        format.code(n, k)?
     };
     let mut mesh = InProcess::encode(weights, &g, format, &|_, _| {})?;
     if let Some((gpu, min_work)) = gpu {
@@ -673,31 +667,6 @@ pub const GRID_PROMPTS: [&str; 6] = [
     "Water boils at a temperature of",
     "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
 ];
-
-/// Logits after `prompt`, then after each of `forced` fed one at a time.
-fn logits_along(
-    llama: &Llama,
-    exec: &mut dyn node_core::model::LinearExec,
-    prompt: &[u32],
-    forced: &[u32],
-) -> Result<Vec<Vec<f32>>> {
-    let mut cache = node_core::model::KvCache::new(llama.config());
-    let mut out = vec![llama.forward(exec, prompt, &mut cache)?];
-    for &t in forced {
-        out.push(llama.forward(exec, &[t], &mut cache)?);
-    }
-    Ok(out)
-}
-
-/// `‖a − b‖ / ‖b‖`.
-fn relative_error(a: &[f32], b: &[f32]) -> f64 {
-    let (mut num, mut den) = (0.0f64, 0.0f64);
-    for (&x, &y) in a.iter().zip(b) {
-        num += (f64::from(x) - f64::from(y)).powi(2);
-        den += f64::from(y).powi(2);
-    }
-    (num / den.max(f64::MIN_POSITIVE)).sqrt()
-}
 
 /// `codedmesh bench --grids`: what putting the weights on a compact grid costs against the
 /// model as loaded, for the integer code's grids (k blocks, `127 / ‖g‖₁` levels) and a plain

@@ -231,16 +231,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         model.weights.parameter_count() as f64 / 1e6,
         started.elapsed().as_secs_f64()
     );
-    let generator = match args.shard_format {
-        ShardFormat::Q8 => Generator::new(
-            node_core::code::Construction::Integer {
-                seeded: u32::try_from(args.n)?,
-            },
-            args.n,
-            args.k,
-        )?,
-        _ => Generator::cauchy(args.n, args.k)?,
-    };
+    let generator = args.shard_format.code(args.n, args.k)?;
     let started = std::time::Instant::now();
     let pb = progress::bar(0, "encoding");
     let mesh = InProcess::encode(

@@ -3,7 +3,6 @@
 //! r = 2 for each kind of fault, and the smallest shard perturbation still caught.
 
 use anyhow::{Result, bail};
-use node_core::code::Generator;
 use node_core::coded::{
     CodedGroup, InProcess, Member, NOISE_MARGIN, PROBE_MIN_FIT, PROBE_SIGMAS, ShardFormat,
     Transport, TransportError, UpdateProbe, VerifyConfig, measure_noise,
@@ -140,10 +139,7 @@ pub fn run(
         bail!("need three prompts to train on");
     }
     let learns = format == ShardFormat::F32;
-    let g = match format {
-        ShardFormat::Q8 => Generator::integer(5, 3, Some(5))?,
-        _ => Generator::cauchy(5, 3)?,
-    };
+    let g = format.code(5, 3)?;
     let cfg = weights.cfg.clone();
     let mut norms = LeaderWeights::from_model(weights);
     eprintln!("encoding 5 rows ({format:?}) and making 3 learning updates at the default rate…");

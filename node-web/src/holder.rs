@@ -598,7 +598,7 @@ impl Link for BrowserNode {
 #[cfg(all(test, target_arch = "wasm32"))]
 mod tests {
     use node_core::code::Generator;
-    use node_core::coded::{InProcess, ShardFormat, ShardValues};
+    use node_core::coded::{InProcess, ShardFormat};
     use node_core::learn::{Precision, StageFactors, Update, seal};
     use node_core::mesh::{KEEP_SHARE, LearningConfig};
     use node_core::model::{ModelWeights, Stage, TokenizerData};
@@ -650,10 +650,11 @@ mod tests {
             .iter()
             .flatten()
             .chain([&s.embed])
-            .flat_map(|sh| match &sh.values {
-                ShardValues::F32(v) => v.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                ShardValues::F16(v) => v.iter().map(|x| x.to_bits() as u32).collect(),
-                ShardValues::Q8(v) => (0..v.q.len()).map(|i| v.q.get(i) as u32).collect(),
+            .flat_map(|sh| {
+                sh.values_f32()
+                    .iter()
+                    .map(|x| x.to_bits())
+                    .collect::<Vec<_>>()
             })
             .collect()
     }

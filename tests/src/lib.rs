@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use node_core::code::Generator;
 use node_core::coded::{CodedGroup, InProcess, ShardFormat};
-use node_core::model::{KvCache, LeaderWeights, LinearExec, Llama, ModelWeights};
+use node_core::model::{LeaderWeights, Llama, ModelWeights};
 use node_native::load::{LoadedModel, load_model};
 
 /// The model the tests run: `$CODEDMESH_MODEL`, else the default model (fetched if needed).
@@ -45,30 +45,7 @@ pub fn uncoded_group(weights: &ModelWeights) -> Result<CodedGroup<InProcess>> {
     Ok(CodedGroup::new(weights.cfg.clone(), g, &[0], mesh)?)
 }
 
-/// Logits after the prompt, then after each of `forced` tokens fed one at a time.
-pub fn logits_along(
-    llama: &Llama,
-    exec: &mut dyn LinearExec,
-    prompt: &[u32],
-    forced: &[u32],
-) -> Result<Vec<Vec<f32>>> {
-    let mut cache = KvCache::new(llama.config());
-    let mut out = vec![llama.forward(exec, prompt, &mut cache)?];
-    for &t in forced {
-        out.push(llama.forward(exec, &[t], &mut cache)?);
-    }
-    Ok(out)
-}
-
-/// ‖a − b‖ / ‖b‖ over one logit row.
-pub fn relative_error(a: &[f32], b: &[f32]) -> f64 {
-    let (mut num, mut den) = (0.0f64, 0.0f64);
-    for (&x, &y) in a.iter().zip(b) {
-        num += (x as f64 - y as f64).powi(2);
-        den += (y as f64).powi(2);
-    }
-    (num / den.max(f64::MIN_POSITIVE)).sqrt()
-}
+pub use node_core::model::{logits_along, relative_error};
 
 /// Index of the largest value.
 pub fn argmax(v: &[f32]) -> u32 {

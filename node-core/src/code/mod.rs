@@ -233,23 +233,10 @@ impl Generator {
                 )
             }
             Construction::Integer { seeded } => {
-                let seeded = seeded as usize;
-                if k > INTEGER_MAX_K || seeded < k || seeded > n {
-                    return Err(CodeError::Params { k, n: seeded });
-                }
-                let (rows, _) = integer::integer_rows(k);
-                if n > rows.len() {
+                if k > INTEGER_MAX_K {
                     return Err(CodeError::Params { k, n });
                 }
-                let coeffs = rows[..n].iter().flatten().map(|&c| f64::from(c)).collect();
-                // Integer rows stay as they are: normalising them would lose the integers.
-                return Ok(Self {
-                    n,
-                    k,
-                    m: 1,
-                    construction,
-                    coeffs,
-                });
+                return Self::of_integer_rows(&integer::integer_rows(k), seeded, n, k);
             }
         };
         // Unit-norm rows (for the complex code each real row has the complex row's norm).
@@ -314,15 +301,33 @@ impl Generator {
         if k == 0 || k > INTEGER_MAX_K {
             return Err(CodeError::Params { k, n: seeded });
         }
-        let rows = integer::integer_rows(k).0.len();
-        let construction = Construction::Integer {
-            seeded: u32::try_from(seeded).map_err(|_| CodeError::Params { k, n: seeded })?,
-        };
-        Self::new(
-            construction,
-            cap.unwrap_or(rows).clamp(seeded, rows.max(seeded)),
+        let rows = integer::integer_rows(k);
+        let n = cap
+            .unwrap_or(rows.len())
+            .clamp(seeded, rows.len().max(seeded));
+        let seeded = u32::try_from(seeded).map_err(|_| CodeError::Params { k, n: seeded })?;
+        Self::of_integer_rows(&rows, seeded, n, k)
+    }
+
+    /// The first `n` of the integer code's `rows`, `seeded` of them encoded at genesis; kept
+    /// as integers (normalising them would lose the integers).
+    fn of_integer_rows(
+        rows: &[Vec<i32>],
+        seeded: u32,
+        n: usize,
+        k: usize,
+    ) -> Result<Self, CodeError> {
+        let genesis = seeded as usize;
+        if genesis < k || genesis > n || n > rows.len() {
+            return Err(CodeError::Params { k, n });
+        }
+        Ok(Self {
+            n,
             k,
-        )
+            m: 1,
+            construction: Construction::Integer { seeded },
+            coeffs: rows[..n].iter().flatten().map(|&c| f64::from(c)).collect(),
+        })
     }
 
     /// For an integer code, the largest magnitude a quantised weight may take

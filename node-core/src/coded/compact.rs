@@ -127,6 +127,33 @@ impl Q8Values {
     }
 }
 
+/// The levels of `g`'s grid, or why `g` cannot make compact shards.
+fn levels(g: &Generator) -> Result<i32, CodedError> {
+    g.levels().ok_or_else(|| {
+        CodedError::BadRequest(format!(
+            "compact (q8) shards need the integer code, not {:?}",
+            g.construction()
+        ))
+    })
+}
+
+/// One weight on the grid: where it sits and its integer.
+struct OnGrid {
+    /// Row within a block (`L` rows each).
+    r: usize,
+    /// Block of the scale along the row.
+    b: usize,
+    /// The block (`j` of k) the weight's row belongs to.
+    j: usize,
+    /// Its row and column in the matrix.
+    row: usize,
+    col: usize,
+    /// The scale it shares with the other k − 1 blocks' rows.
+    scale: half::f16,
+    /// The weight in units of `scale`.
+    q: i32,
+}
+
 /// How a compact code cuts one matrix: `k` blocks of `l` rows, `levels` per sign.
 struct Grid {
     out: usize,
@@ -139,13 +166,7 @@ struct Grid {
 impl Grid {
     /// The grid of `g` for an `out × inp` matrix, or why `g` cannot make compact shards.
     fn new(g: &Generator, out: usize, inp: usize) -> Result<Self, CodedError> {
-        let levels = g.levels().ok_or_else(|| {
-            CodedError::BadRequest(format!(
-                "compact (q8) shards need the integer code, not {:?}",
-                g.construction()
-            ))
-        })?;
-        Ok(Self::of(out, inp, g.k(), levels))
+        Ok(Self::of(out, inp, g.k(), levels(g)?))
     }
 
     /// The grid of `k` blocks and `levels` per sign for an `out × inp` matrix.
@@ -178,6 +199,32 @@ impl Grid {
         }
         half::f16::from_f32(most / self.levels as f32)
     }
+
+    /// Puts every weight of `w` on the grid, one shared scale at a time, and hands each to `f`.
+    fn each(&self, w: &[f32], mut f: impl FnMut(&OnGrid)) {
+        for r in 0..self.l {
+            for b in 0..blocks_per_row(self.inp) {
+                let scale = self.scale(w, r, b);
+                for j in 0..self.k {
+                    let row = j * self.l + r;
+                    if row >= self.out {
+                        continue;
+                    }
+                    for col in self.columns(b) {
+                        f(&OnGrid {
+                            r,
+                            b,
+                            j,
+                            row,
+                            col,
+                            scale,
+                            q: quantise(w[row * self.inp + col], scale, self.levels),
+                        });
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// `v` on the grid of `scale`, within `±levels`.
@@ -204,30 +251,18 @@ pub fn encode_q8(
             w.len()
         )));
     }
-    let (l, nb, levels) = (grid.l, blocks_per_row(inp), grid.levels);
     if node >= g.n() {
         return Err(crate::code::CodeError::NoSuchNode { node, n: g.n() }.into());
     }
+    let (l, nb) = (grid.l, blocks_per_row(inp));
     let coeffs: Vec<i32> = g.coeffs(node).iter().map(|&c| c as i32).collect();
     let mut q = vec![0i32; l * inp];
     let mut scales = vec![half::f16::ZERO; l * nb];
-    for r in 0..l {
-        for b in 0..nb {
-            let scale = grid.scale(w, r, b);
-            scales[r * nb + b] = scale;
-            for c in grid.columns(b) {
-                let mut z = 0i32;
-                for (j, &gj) in coeffs.iter().enumerate() {
-                    let row = j * l + r;
-                    if row < out && gj != 0 {
-                        z += gj * quantise(w[row * inp + c], scale, levels);
-                    }
-                }
-                // |z| ≤ ‖g‖₁ · levels: one byte in a unit row, two in a parity row.
-                q[r * inp + c] = z;
-            }
-        }
-    }
+    grid.each(w, |v| {
+        scales[v.r * nb + v.b] = v.scale;
+        // |Σ| ≤ ‖g‖₁ · levels: one byte in a unit row, two in a parity row.
+        q[v.r * inp + v.col] += coeffs[v.j] * v.q;
+    });
     Q8Values::from_i32(q, scales, wide_row(g, node))
 }
 
@@ -242,28 +277,15 @@ pub fn grid_matrix(w: &Matrix, k: usize, levels: i32) -> Matrix {
     on_grid(w, &Grid::of(w.rows, w.cols, k, levels))
 }
 
+/// `w` with every weight replaced by its value on `grid`.
 fn on_grid(w: &Matrix, grid: &Grid) -> Matrix {
-    let (out, inp) = (w.rows, w.cols);
-    let (k, l, nb, levels) = (grid.k, grid.l, blocks_per_row(inp), grid.levels);
-    let mut data = vec![0.0f32; out * inp];
-    for r in 0..l {
-        for b in 0..nb {
-            let scale = grid.scale(&w.data, r, b);
-            for j in 0..k {
-                let row = j * l + r;
-                if row >= out {
-                    continue;
-                }
-                for c in grid.columns(b) {
-                    let v = quantise(w.data[row * inp + c], scale, levels);
-                    data[row * inp + c] = scale.to_f32() * v as f32;
-                }
-            }
-        }
-    }
+    let mut data = vec![0.0f32; w.rows * w.cols];
+    grid.each(&w.data, |v| {
+        data[v.row * w.cols + v.col] = v.scale.to_f32() * v.q as f32;
+    });
     Matrix {
-        rows: out,
-        cols: inp,
+        rows: w.rows,
+        cols: w.cols,
         data,
     }
 }
@@ -271,13 +293,7 @@ fn on_grid(w: &Matrix, grid: &Grid) -> Matrix {
 /// The uncoded model a compact code of `g` encodes: every linear matrix on its grid, norms as
 /// they are. Coded compact decoding matches this model up to f32 rounding.
 pub fn compact_model(g: &Generator, w: &ModelWeights) -> Result<ModelWeights, CodedError> {
-    let levels = g.levels().ok_or_else(|| {
-        CodedError::BadRequest(format!(
-            "compact (q8) shards need the integer code, not {:?}",
-            g.construction()
-        ))
-    })?;
-    Ok(grid_model(w, g.k(), levels))
+    Ok(grid_model(w, g.k(), levels(g)?))
 }
 
 /// The model with every linear matrix on the grid of `k` blocks and `levels` per sign.

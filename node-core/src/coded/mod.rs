@@ -14,7 +14,9 @@ mod probe;
 mod shards;
 mod verify;
 
-pub use compact::{Q8Values, compact_matrix, compact_model, encode_q8, grid_matrix, grid_model};
+pub use compact::{
+    CodedInts, Q8Values, compact_matrix, compact_model, encode_q8, grid_matrix, grid_model,
+};
 pub use gpu::{GpuGroup, GpuShards};
 pub use group::{CodedGroup, ExecStats, InProcess, Transport, TransportError};
 pub use member::{AUTO_GPU_MIN_WORK, Member, Misbehaviour, SKEW};

@@ -22,6 +22,22 @@ pub enum ShardFormat {
     Q8,
 }
 
+impl ShardFormat {
+    /// The code of `n` rows for `k` blocks that shards of this format are encoded with: the
+    /// integer code for compact shards (their values must stay integers), complex Cauchy
+    /// otherwise.
+    pub fn code(self, n: usize, k: usize) -> Result<Generator, crate::code::CodeError> {
+        match self {
+            Self::Q8 => {
+                let seeded =
+                    u32::try_from(n).map_err(|_| crate::code::CodeError::Params { k, n })?;
+                Generator::new(crate::code::Construction::Integer { seeded }, n, k)
+            }
+            Self::F32 | Self::F16 => Generator::cauchy(n, k),
+        }
+    }
+}
+
 impl std::str::FromStr for ShardFormat {
     type Err = String;
 

@@ -226,24 +226,9 @@ pub struct Q8Matrix<'a> {
     pub cols: usize,
 }
 
-/// Rows `first..` of `x · Wᵀ` (`rows × t` into `yt`), fused per row, or through SGEMM on
-/// dequantised rows for many tokens.
-fn rows_times_inputs(
-    w: Q8Matrix<'_>,
-    x: &[f32],
-    t: usize,
-    first: usize,
-    yt: &mut [f32],
-    fma: bool,
-) {
-    match w.q {
-        Ints::I8(q) => rows_times_inputs_of(q, w, x, t, first, yt, fma),
-        Ints::I16(q) => rows_times_inputs_of(q, w, x, t, first, yt, fma),
-    }
-}
-
-/// [`rows_times_inputs`] for values of type `T` (`q` is `w`'s values).
-fn rows_times_inputs_of<T: CodedInt>(
+/// Rows `first..` of `x · Wᵀ` (`rows × t` into `yt`) for values `q` (`w`'s) of type `T`,
+/// fused per row, or through SGEMM on dequantised rows for many tokens.
+fn rows_times_inputs<T: CodedInt>(
     q: &[T],
     w: Q8Matrix<'_>,
     x: &[f32],
@@ -289,20 +274,23 @@ fn rows_times_inputs_of<T: CodedInt>(
 
 /// `y (t × rows) = x (t × cols) · Wᵀ` for a compact `W`.
 pub fn matmul_q8(w: Q8Matrix<'_>, x: &[f32], t: usize, y: &mut [f32]) {
-    let Q8Matrix {
-        q,
-        scales,
-        rows,
-        cols,
-    } = w;
-    debug_assert_eq!(q.len(), rows * cols);
-    debug_assert_eq!(scales.len(), rows * blocks_per_row(cols));
-    debug_assert_eq!(x.len(), t * cols);
-    debug_assert_eq!(y.len(), t * rows);
+    debug_assert_eq!(w.q.len(), w.rows * w.cols);
+    debug_assert_eq!(w.scales.len(), w.rows * blocks_per_row(w.cols));
+    debug_assert_eq!(x.len(), t * w.cols);
+    debug_assert_eq!(y.len(), t * w.rows);
+    let fma = has_fma();
+    match w.q {
+        Ints::I8(q) => matmul_of(q, w, x, t, y, fma),
+        Ints::I16(q) => matmul_of(q, w, x, t, y, fma),
+    }
+}
+
+/// [`matmul_q8`] for values `q` (`w`'s) of type `T`, with the AVX2 kernel when `fma`.
+fn matmul_of<T: CodedInt>(q: &[T], w: Q8Matrix<'_>, x: &[f32], t: usize, y: &mut [f32], fma: bool) {
+    let (rows, cols) = (w.rows, w.cols);
     if rows == 0 || t == 0 {
         return;
     }
-    let fma = has_fma();
     let threads = par::threads();
     // The same bytes as the f32 kernel's threshold: a thread hand-off pays off by bytes read.
     let parallel = threads > 1 && rows * cols >= 4 * PARALLEL_MIN_WEIGHTS;
@@ -310,10 +298,10 @@ pub fn matmul_q8(w: Q8Matrix<'_>, x: &[f32], t: usize, y: &mut [f32]) {
         if parallel {
             let chunk = rows.div_ceil(threads * 4).max(16);
             par::for_each_chunk(y, chunk, |i, out| {
-                rows_times_inputs(w, x, 1, i * chunk, out, fma)
+                rows_times_inputs(q, w, x, 1, i * chunk, out, fma)
             });
         } else {
-            rows_times_inputs(w, x, 1, 0, y, fma);
+            rows_times_inputs(q, w, x, 1, 0, y, fma);
         }
         return;
     }
@@ -321,10 +309,10 @@ pub fn matmul_q8(w: Q8Matrix<'_>, x: &[f32], t: usize, y: &mut [f32]) {
     if parallel {
         let chunk_rows = rows.div_ceil(threads * 4).max(4);
         par::for_each_chunk(&mut yt, chunk_rows * t, |i, out| {
-            rows_times_inputs(w, x, t, i * chunk_rows, out, fma)
+            rows_times_inputs(q, w, x, t, i * chunk_rows, out, fma)
         });
     } else {
-        rows_times_inputs(w, x, t, 0, &mut yt, fma);
+        rows_times_inputs(q, w, x, t, 0, &mut yt, fma);
     }
     for (r, vals) in yt.chunks_exact(t).enumerate() {
         for (tok, &v) in vals.iter().enumerate() {
@@ -435,8 +423,16 @@ mod tests {
                 rows,
                 cols,
             };
-            rows_times_inputs(w, &x, 1, 0, &mut y_fast, true);
-            rows_times_inputs(w, &x, 1, 0, &mut y_port, false);
+            match ints {
+                Ints::I8(q) => {
+                    matmul_of(q, w, &x, 1, &mut y_fast, true);
+                    matmul_of(q, w, &x, 1, &mut y_port, false);
+                }
+                Ints::I16(q) => {
+                    matmul_of(q, w, &x, 1, &mut y_fast, true);
+                    matmul_of(q, w, &x, 1, &mut y_port, false);
+                }
+            }
             let mut row = vec![0.0f32; cols];
             for (r, (a, b)) in y_fast.iter().zip(&y_port).enumerate() {
                 // Rounding follows the terms' magnitude, not the (cancelling) sum's.

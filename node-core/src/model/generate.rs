@@ -68,6 +68,32 @@ impl Generation {
     }
 }
 
+/// Logits after `prompt`, then after each of `forced` fed one at a time: a run teacher-forced
+/// along a given continuation, to compare two executions of a model step by step.
+pub fn logits_along(
+    llama: &Llama,
+    exec: &mut dyn LinearExec,
+    prompt: &[u32],
+    forced: &[u32],
+) -> Result<Vec<Vec<f32>>, ModelError> {
+    let mut cache = KvCache::new(llama.config());
+    let mut out = vec![llama.forward(exec, prompt, &mut cache)?];
+    for &t in forced {
+        out.push(llama.forward(exec, &[t], &mut cache)?);
+    }
+    Ok(out)
+}
+
+/// `‖a − b‖ / ‖b‖` over one row of logits.
+pub fn relative_error(a: &[f32], b: &[f32]) -> f64 {
+    let (mut num, mut den) = (0.0f64, 0.0f64);
+    for (&x, &y) in a.iter().zip(b) {
+        num += (f64::from(x) - f64::from(y)).powi(2);
+        den += f64::from(y).powi(2);
+    }
+    (num / den.max(f64::MIN_POSITIVE)).sqrt()
+}
+
 /// Generates a completion of `prompt`; `on_token` sees each token and returns false to stop.
 pub fn generate(
     llama: &Llama,

@@ -15,7 +15,7 @@ mod weights;
 pub use config::LlamaConfig;
 pub use generate::{
     Forward, GenerateOptions, Generation, Pass, StopReason, generate, generate_async,
-    generate_with, run_pass, run_pass_now,
+    generate_with, logits_along, relative_error, run_pass, run_pass_now,
 };
 pub use llama::{
     AsyncLinearExec, BatchItem, KvCache, LeaderWeights, LinearExec, Llama, Ready, Stage, now,

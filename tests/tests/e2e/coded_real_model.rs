@@ -1,7 +1,7 @@
 //! The real model (SmolLM2-135M-Instruct) through k = 3 of n = 5 Cauchy-coded shards:
 //! every group of 3 rows gives the same greedy tokens as the uncoded model.
 
-use node_core::code::{Construction, Generator};
+use node_core::code::Generator;
 use node_core::coded::{CodedGroup, InProcess, ShardFormat, compact_model};
 use node_core::model::{GenerateOptions, SamplingParams, generate};
 use tests::{argmax, leader, logits_along, real_model, relative_error, uncoded_group};
@@ -186,7 +186,7 @@ fn compact_shards_decode_their_model_exactly_and_keep_the_greedy_tokens() -> any
     let model = real_model()?;
     let w = &model.weights;
     // The integer code's five genesis rows, every group of three of them.
-    let g = Generator::new(Construction::Integer { seeded: 5 }, 5, 3)?;
+    let g = ShardFormat::Q8.code(5, 3)?;
     let compact = compact_model(&g, w)?;
     let compact_llama = leader(&compact)?;
     let mut compact_uncoded = uncoded_group(&compact)?;
