@@ -131,7 +131,7 @@ pub fn serve(client: &Client, state: Arc<RwLock<ShardState>>) -> anyhow::Result<
                     Err(e) => Err(e.to_string()),
                 };
                 if let Err(e) = result {
-                    tracing::debug!(%peer, "hop stream ended: {e}");
+                    tracing::warn!(%peer, "hop stream ended: {e}");
                 }
                 drop(slot);
             });
