@@ -159,8 +159,10 @@ pub fn model_speed(
         draft: 0,
     };
     // Warm-up, then the measured run.
-    generate(llama, &mut group, prompt, &opts, &mut |_| true)?;
-    let run = generate(llama, &mut group, prompt, &opts, &mut |_| true)?;
+    let run = compute::par::install(|| {
+        generate(llama, &mut group, prompt, &opts, &mut |_| true)?;
+        generate(llama, &mut group, prompt, &opts, &mut |_| true)
+    })?;
     let ms_per_token = 1e3 / run.decode_tokens_per_s();
     Ok((
         run.prefill_tokens_per_s(),

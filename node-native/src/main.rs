@@ -311,7 +311,10 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
     } else {
         let mut cache = KvCache::new(&cfg);
         let mut forward = |pass: Pass<'_>| run_pass_now(&llama, &mut group, &mut cache, pass);
-        let done = generate_and_print(&mut forward, cfg.max_seq, &model.tokenizer, &args, &mut 0)?;
+        // On a kernel thread, so that each round's products start without a hand-off.
+        let done = node_core::compute::par::install(|| {
+            generate_and_print(&mut forward, cfg.max_seq, &model.tokenizer, &args, &mut 0)
+        })?;
         print_coded_stats(&args, &done.0, group.stats(), None);
         done
     };

@@ -9,6 +9,13 @@ mod imp {
         rayon::current_num_threads()
     }
 
+    /// Runs `f` on one of the kernels' worker threads: the parallel kernels it calls then start
+    /// their work on the thread they run on, instead of handing it to the pool and sleeping
+    /// until it is done (a round trip through the scheduler for every product).
+    pub fn install<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+        rayon::scope(|_| f())
+    }
+
     /// `f` applied to every item, in parallel, results in order.
     pub fn map<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sync + Send) -> Vec<R> {
         items.par_iter().map(f).collect()
@@ -27,6 +34,11 @@ mod imp {
     /// Number of threads the kernels use.
     pub fn threads() -> usize {
         1
+    }
+
+    /// Runs `f` (there is one thread).
+    pub fn install<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+        f()
     }
 
     /// `f` applied to every item, results in order.
