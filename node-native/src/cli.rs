@@ -72,9 +72,10 @@ pub(crate) struct UpArgs {
     #[arg(long)]
     pub(crate) no_learning: bool,
     /// Shard storage: f32 (exact to the code's error), f16, or q8 (compact: a quarter of the
-    /// bytes on the integer code; needs --no-learning; docs/coding.md, "Compact shards").
-    #[arg(long, default_value = "f32")]
-    pub(crate) shard_format: ShardFormat,
+    /// bytes on the integer code; needs --no-learning; docs/coding.md, "Compact shards");
+    /// default: q8 with --no-learning (and k ≤ 5), else f32.
+    #[arg(long)]
+    pub(crate) shard_format: Option<ShardFormat>,
     /// Write every coded step of the API's requests to this file (JSON lines).
     #[arg(long)]
     pub(crate) trace_steps: Option<PathBuf>,
@@ -292,9 +293,10 @@ pub(crate) struct SeedArgs {
     /// as many as keep every group of k within the numerics goal (docs/coding.md).
     #[arg(long)]
     pub(crate) max_rows: Option<usize>,
-    /// Shard storage: f32, f16, or q8 (compact, on the integer code; needs --no-learning).
-    #[arg(long, default_value = "f32")]
-    pub(crate) shard_format: ShardFormat,
+    /// Shard storage: f32, f16, or q8 (compact, on the integer code; needs --no-learning);
+    /// default: q8 with --no-learning (and k ≤ 5), else f32.
+    #[arg(long)]
+    pub(crate) shard_format: Option<ShardFormat>,
     /// Requests do not train the model.
     #[arg(long)]
     pub(crate) no_learning: bool,
@@ -434,4 +436,38 @@ pub(crate) struct GenerateArgs {
     /// duration (mesh only).
     #[arg(long)]
     pub(crate) trace_steps: Option<PathBuf>,
+}
+
+/// The shard format a new mesh gets: `chosen`, else compact (q8) where its gates hold (no
+/// learning: updates far below the grid's step would vanish; k within the integer code's
+/// reach), else f32.
+pub(crate) fn mesh_format(chosen: Option<ShardFormat>, no_learning: bool, k: usize) -> ShardFormat {
+    chosen.unwrap_or(if no_learning && k <= node_core::code::INTEGER_MAX_K {
+        ShardFormat::Q8
+    } else {
+        ShardFormat::F32
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_frozen_mesh_defaults_to_compact_shards_where_the_integer_code_reaches() {
+        assert_eq!(mesh_format(None, true, 3), ShardFormat::Q8);
+        assert_eq!(mesh_format(None, true, 5), ShardFormat::Q8);
+        // Learning needs f32; the integer code stops at k = 5.
+        assert_eq!(mesh_format(None, false, 3), ShardFormat::F32);
+        assert_eq!(mesh_format(None, true, 6), ShardFormat::F32);
+        // A chosen format stands (q8 with learning is refused later, with its reason).
+        assert_eq!(
+            mesh_format(Some(ShardFormat::F16), true, 3),
+            ShardFormat::F16
+        );
+        assert_eq!(
+            mesh_format(Some(ShardFormat::Q8), false, 3),
+            ShardFormat::Q8
+        );
+    }
 }

@@ -222,6 +222,15 @@ impl Mesh {
         args.push(d0.to_str().context("path")?);
         args.extend(seed_args);
         args.extend(learning);
+        // A frozen mesh defaults to compact shards; these tests' faults and tolerances are set
+        // for f32 unless a test asks for a format (the compact mesh's test does).
+        if !seed_args
+            .iter()
+            .chain(learning)
+            .any(|a| *a == "--shard-format")
+        {
+            args.extend(["--shard-format", "f32"]);
+        }
         args.extend(HEALTH);
         let model_s;
         if let Some(m) = model {
