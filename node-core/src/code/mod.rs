@@ -45,6 +45,19 @@ pub enum CodeError {
         /// Nodes.
         n: usize,
     },
+    /// More genesis rows, or a larger k, than the integer code of compact shards has.
+    #[error(
+        "compact (q8) shards use the integer code, which has {rows} rows for k = {k} (and \
+         none past k = {INTEGER_MAX_K}); {n} were asked for: use fewer nodes or f32 shards"
+    )]
+    IntegerRows {
+        /// Data blocks.
+        k: usize,
+        /// Rows asked for.
+        n: usize,
+        /// Rows the code has for this k.
+        rows: usize,
+    },
     /// A node index outside the generator.
     #[error("node {node} does not exist in a code of n = {n}")]
     NoSuchNode {
@@ -298,8 +311,13 @@ impl Generator {
     /// mesh may add, up to `cap` (docs/coding.md, "Compact shards"). Refused for
     /// k > [`INTEGER_MAX_K`] and for more genesis rows than the code has.
     pub fn integer(seeded: usize, k: usize, cap: Option<usize>) -> Result<Self, CodeError> {
-        if k == 0 || k > INTEGER_MAX_K {
-            return Err(CodeError::Params { k, n: seeded });
+        let have = Self::integer_capacity(k);
+        if k == 0 || seeded > have {
+            return Err(CodeError::IntegerRows {
+                k,
+                n: seeded,
+                rows: have,
+            });
         }
         let rows = integer::integer_rows(k);
         let n = cap
@@ -307,6 +325,15 @@ impl Generator {
             .clamp(seeded, rows.len().max(seeded));
         let seeded = u32::try_from(seeded).map_err(|_| CodeError::Params { k, n: seeded })?;
         Self::of_integer_rows(&rows, seeded, n, k)
+    }
+
+    /// Rows the integer code of compact shards has for `k` (none past [`INTEGER_MAX_K`]): the
+    /// most nodes a compact mesh can encode.
+    pub fn integer_capacity(k: usize) -> usize {
+        if k == 0 || k > INTEGER_MAX_K {
+            return 0;
+        }
+        integer::integer_rows(k).len()
     }
 
     /// The first `n` of the integer code's `rows`, `seeded` of them encoded at genesis; kept

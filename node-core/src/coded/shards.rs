@@ -29,6 +29,10 @@ impl ShardFormat {
     pub fn code(self, n: usize, k: usize) -> Result<Generator, crate::code::CodeError> {
         match self {
             Self::Q8 => {
+                let rows = Generator::integer_capacity(k);
+                if n > rows {
+                    return Err(crate::code::CodeError::IntegerRows { k, n, rows });
+                }
                 let seeded =
                     u32::try_from(n).map_err(|_| crate::code::CodeError::Params { k, n })?;
                 Generator::new(crate::code::Construction::Integer { seeded }, n, k)
