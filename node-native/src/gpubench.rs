@@ -25,6 +25,20 @@ fn matrix(gpu: &Gpu, rows: usize, cols: usize, f16: bool) -> Result<GpuMatrix> {
     })
 }
 
+/// A compact matrix of the same values on a grid of 127 (i8) or 508 (i16) steps a sign.
+fn matrix_q8(gpu: &Gpu, rows: usize, cols: usize, wide: bool) -> Result<GpuMatrix> {
+    use node_core::compute::q8::{Ints, blocks_per_row};
+    let scales = vec![half::f16::from_f32(1e-3); rows * blocks_per_row(cols)];
+    let ints: Vec<i16> = (0..rows * cols).map(|i| (i % 97) as i16 - 48).collect();
+    let narrow: Vec<i8> = ints.iter().map(|&v| v as i8).collect();
+    let q = if wide {
+        Ints::I16(&ints)
+    } else {
+        Ints::I8(&narrow)
+    };
+    Ok(gpu.upload(rows, cols, Weights::Q8 { q, scales: &scales })?)
+}
+
 /// Kernel rows: copy, GEMV (f32, f16, the model's shard shapes), GEMM, transpose; and the copy
 /// kernel's bandwidth (bytes read + written per second).
 pub fn kernel_rows(gpu: &Gpu, big_bytes: u64) -> Result<(Vec<Row>, f64)> {
@@ -40,11 +54,16 @@ pub fn kernel_rows(gpu: &Gpu, big_bytes: u64) -> Result<(Vec<Row>, f64)> {
     ));
     // A square-ish matrix of `big_bytes`, f32 and f16.
     let side = ((big_bytes / 4) as f64).sqrt() as usize / 64 * 64;
-    for (label, r, c, f16) in [
-        ("GEMV f32", side, side, false),
-        ("GEMV f16", side, 2 * side, true),
+    for (label, r, c, format) in [
+        ("GEMV f32", side, side, ShardFormat::F32),
+        ("GEMV f16", side, 2 * side, ShardFormat::F16),
+        ("GEMV q8 i8 (data row)", side, 4 * side, ShardFormat::Q8),
+        ("GEMV q8 i16 (parity row)", side, 2 * side, ShardFormat::Q8),
     ] {
-        let m = matrix(gpu, r, c, f16)?;
+        let m = match format {
+            ShardFormat::Q8 => matrix_q8(gpu, r, c, c == 2 * side)?,
+            f => matrix(gpu, r, c, f == ShardFormat::F16)?,
+        };
         let s = gpu.time_matmul(&m, 1, RUNS)?;
         let bw = m.bytes() as f64 / s;
         rows.push(row(
@@ -163,13 +182,17 @@ pub fn model_rows(
     let cfg = &weights.cfg;
     let llama = Llama::new(cfg.clone(), LeaderWeights::from_model(weights))?;
     let mut rows = Vec::new();
-    let g = node_core::code::Generator::cauchy(5, 3)?;
-    for (label, format, bytes) in [
-        ("f32", ShardFormat::F32, 4.0),
-        ("f16", ShardFormat::F16, 2.0),
+    // Bytes a weight on the GPU: compact values carry an f32 scale per 32; a group with a
+    // parity row stacks every member's integers as i16.
+    for (label, format, bytes, members) in [
+        ("f32", ShardFormat::F32, 4.0, [0, 2, 4]),
+        ("f16", ShardFormat::F16, 2.0, [0, 2, 4]),
+        ("q8, data rows 0, 1, 2 (i8)", ShardFormat::Q8, 1.125, [0, 1, 2]),
+        ("q8, rows 2, 3, 4 (as i16)", ShardFormat::Q8, 2.125, [2, 3, 4]),
     ] {
+        let g = format.code(5, 3)?;
         let mesh = InProcess::encode(weights, &g, format, &|_, _| {})?;
-        let sets: Vec<&ShardSet> = [0, 2, 4]
+        let sets: Vec<&ShardSet> = members
             .iter()
             .map(|&r| mesh.members()[r].shards())
             .collect();
@@ -209,7 +232,11 @@ pub fn model_rows(
             ),
         ));
     }
-    for (label, format) in [("f32", ShardFormat::F32), ("f16", ShardFormat::F16)] {
+    for (label, format) in [
+        ("f32", ShardFormat::F32),
+        ("f16", ShardFormat::F16),
+        ("q8", ShardFormat::Q8),
+    ] {
         for (device, g) in [
             ("CPU", None),
             ("GPU", Some((&gpu, 0))),

@@ -2,11 +2,12 @@
 
 use std::sync::Arc;
 
-use super::{CodedError, Shard, ShardSet, ShardValues};
+use super::{CodedError, CodedInts, Shard, ShardSet, ShardValues};
 use crate::code::Decoder;
 use crate::compute::gpu::{
     Gpu, GpuError, GpuMatrix, GpuToken, GroupStage, Placement, TokenSpec, Weights,
 };
+use crate::compute::q8::Ints;
 use crate::model::{Llama, ModelError, Stage};
 use crate::protocol::StepRequest;
 
@@ -25,8 +26,14 @@ fn upload(gpu: &Gpu, s: &Shard) -> Result<GpuMatrix, GpuError> {
     match &s.values {
         ShardValues::F32(v) => gpu.upload(rows, s.cols, Weights::F32(v)),
         ShardValues::F16(v) => gpu.upload(rows, s.cols, Weights::F16(v)),
-        // No WGSL kernel reads compact values yet: the GPU gets them as f32.
-        ShardValues::Q8(v) => gpu.upload(rows, s.cols, Weights::F32(&v.rows_f32(s.cols, 0, rows))),
+        ShardValues::Q8(v) => gpu.upload(
+            rows,
+            s.cols,
+            Weights::Q8 {
+                q: v.q.view(),
+                scales: &v.scales,
+            },
+        ),
     }
 }
 
@@ -121,6 +128,9 @@ pub struct GpuGroup {
 fn stack(gpu: &Gpu, members: &[&ShardSet], stage: Stage) -> Result<GroupStage, CodedError> {
     let mut f32s = Vec::new();
     let mut f16s = Vec::new();
+    // Compact members: their integers as i8 while every row is a data row, and as i16 (a
+    // parity row's width) in any case, and their scales, stacked like the rest.
+    let (mut narrow, mut wide, mut scales) = (Some(Vec::new()), Vec::new(), Vec::new());
     let mut rows = 0;
     let mut mats = Vec::new();
     let mut cols = None;
@@ -143,14 +153,36 @@ fn stack(gpu: &Gpu, members: &[&ShardSet], stage: Stage) -> Result<GroupStage, C
             match &s.values {
                 ShardValues::F32(v) => f32s.extend_from_slice(v),
                 ShardValues::F16(v) => f16s.extend_from_slice(v),
-                ShardValues::Q8(v) => f32s.extend(v.rows_f32(s.cols, 0, s.stored_rows())),
+                ShardValues::Q8(v) => {
+                    scales.extend_from_slice(&v.scales);
+                    match &v.q {
+                        CodedInts::I8(q) => {
+                            if let Some(n) = &mut narrow {
+                                n.extend_from_slice(q);
+                            }
+                            wide.extend(q.iter().map(|&v| i16::from(v)));
+                        }
+                        CodedInts::I16(q) => {
+                            narrow = None;
+                            wide.extend_from_slice(q);
+                        }
+                    }
+                }
             }
         }
     }
     let cols = cols.unwrap_or(0);
-    let matrix = match (f32s.is_empty(), f16s.is_empty()) {
-        (false, true) => gpu.upload(rows, cols, Weights::F32(&f32s))?,
-        (true, false) => gpu.upload(rows, cols, Weights::F16(&f16s))?,
+    let compact = !scales.is_empty();
+    let matrix = match (f32s.is_empty(), f16s.is_empty(), compact) {
+        (false, true, false) => gpu.upload(rows, cols, Weights::F32(&f32s))?,
+        (true, false, false) => gpu.upload(rows, cols, Weights::F16(&f16s))?,
+        (true, true, true) => {
+            let q = match &narrow {
+                Some(n) => Ints::I8(n),
+                None => Ints::I16(&wide),
+            };
+            gpu.upload(rows, cols, Weights::Q8 { q, scales: &scales })?
+        }
         _ => {
             return Err(CodedError::BadRequest(format!(
                 "{stage:?}: members hold shards in different formats"

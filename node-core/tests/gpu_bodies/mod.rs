@@ -6,10 +6,10 @@
 
 use std::sync::Arc;
 
-use node_core::code::Generator;
 use node_core::coded::{CodedGroup, GpuGroup, InProcess, ShardFormat, ShardSet};
 use node_core::compute::gpu::{Gpu, Placement, Weights};
 use node_core::compute::matmul;
+use node_core::compute::q8::{Ints, blocks_per_row, dequantize_row};
 use node_core::model::{KvCache, LeaderWeights, Llama, ModelWeights};
 use rand::{Rng, SeedableRng};
 
@@ -33,8 +33,8 @@ pub fn rel_err(a: &[f32], b: &[f32], bound: f32) -> f64 {
     f64::from(worst) / f64::from(bound.max(1e-30))
 }
 
-/// GEMV, GEMM and the transpose product, f32 and f16, whole and split into row chunks, against
-/// the CPU.
+/// GEMV, GEMM and the transpose product, f32, f16 and compact (i8 and i16 with block scales),
+/// whole and split into row chunks, against the CPU.
 pub async fn products_match_the_cpu(gpu: &mut Gpu) {
     let shapes = [(1, 1), (7, 37), (64, 576), (300, 130), (33, 1536)];
     for split in [false, true] {
@@ -46,14 +46,39 @@ pub async fn products_match_the_cpu(gpu: &mut Gpu) {
             let w = random(rows * cols, i as u64);
             let w16: Vec<half::f16> = w.iter().map(|&v| half::f16::from_f32(v)).collect();
             let w16_as_f32: Vec<f32> = w16.iter().map(|h| h.to_f32()).collect();
-            for (f16, mat) in [
-                (false, gpu.upload(rows, cols, Weights::F32(&w)).unwrap()),
-                (true, gpu.upload(rows, cols, Weights::F16(&w16)).unwrap()),
+            // Compact: integers of a data row (±127) and of a parity row (±508), one scale per
+            // row and 32 columns; the reference is their dequantised values.
+            let (i8s, i16s, scales) = compact(&w, rows, cols);
+            let as_f32 = |q: Ints<'_>| {
+                let mut out = vec![0.0f32; rows * cols];
+                for (r, row) in out.chunks_exact_mut(cols).enumerate() {
+                    dequantize_row(q, &scales, cols, r, row);
+                }
+                out
+            };
+            let (i8_as_f32, i16_as_f32) = (as_f32(Ints::I8(&i8s)), as_f32(Ints::I16(&i16s)));
+            let q8 = |q| Weights::Q8 { q, scales: &scales };
+            for (format, mat, reference) in [
+                ("f32", gpu.upload(rows, cols, Weights::F32(&w)).unwrap(), &w),
+                (
+                    "f16",
+                    gpu.upload(rows, cols, Weights::F16(&w16)).unwrap(),
+                    &w16_as_f32,
+                ),
+                (
+                    "i8",
+                    gpu.upload(rows, cols, q8(Ints::I8(&i8s))).unwrap(),
+                    &i8_as_f32,
+                ),
+                (
+                    "i16",
+                    gpu.upload(rows, cols, q8(Ints::I16(&i16s))).unwrap(),
+                    &i16_as_f32,
+                ),
             ] {
                 if split && rows * cols * 4 > 4096 {
-                    assert!(mat.chunks() > 1, "{rows}×{cols} was not split");
+                    assert!(mat.chunks() > 1, "{rows}×{cols} {format} was not split");
                 }
-                let reference = if f16 { &w16_as_f32 } else { &w };
                 for t in [1, 2, 5] {
                     let x = random(t * cols, 100 + t as u64);
                     let mut want = vec![0.0f32; t * rows];
@@ -64,10 +89,7 @@ pub async fn products_match_the_cpu(gpu: &mut Gpu) {
                         .unwrap();
                     let bound = cols as f32; // |w|, |x| ≤ 1
                     let e = rel_err(&got, &want, bound);
-                    assert!(
-                        e < TOL,
-                        "{rows}×{cols} f16={f16} t={t} split={split}: {e:e}"
-                    );
+                    assert!(e < TOL, "{rows}×{cols} {format} t={t} split={split}: {e:e}");
 
                     // Transpose: y (t × cols) = u (t × rows) · W.
                     let u = random(t * rows, 200 + t as u64);
@@ -85,11 +107,21 @@ pub async fn products_match_the_cpu(gpu: &mut Gpu) {
                         .await
                         .unwrap();
                     let e = rel_err(&got_t, &want_t, rows as f32);
-                    assert!(e < TOL, "transpose {rows}×{cols} f16={f16} t={t}: {e:e}");
+                    assert!(e < TOL, "transpose {rows}×{cols} {format} t={t}: {e:e}");
                 }
             }
         }
     }
+}
+
+/// `w` (values within ±1) on compact grids: i8 integers within ±127, i16 ones within ±508 (a
+/// parity row's range), and one scale per row and 32 columns that keeps `|w|` within 1.
+fn compact(w: &[f32], rows: usize, cols: usize) -> (Vec<i8>, Vec<i16>, Vec<half::f16>) {
+    let nb = blocks_per_row(cols);
+    let scales = vec![half::f16::from_f32(1.0 / 508.0); rows * nb];
+    let i8s = w.iter().map(|&v| (v * 127.0).round() as i8).collect();
+    let i16s = w.iter().map(|&v| (v * 508.0).round() as i16).collect();
+    (i8s, i16s, scales)
 }
 
 /// A whole decoded token on the GPU (members' products, decoding, the leader's work) gives the
@@ -98,16 +130,19 @@ pub async fn a_whole_token_matches_the_cpu_group(mut gpu: Gpu) {
     // Small chunks: every stage's stacked matrix is split, as large models' are.
     gpu.limit_chunk(2048);
     let gpu = Arc::new(gpu);
-    for (tied, format, tol) in [
-        (true, ShardFormat::F32, 1e-4),
-        (false, ShardFormat::F32, 1e-4),
-        (true, ShardFormat::F16, 1e-4),
+    // Rows 4, 1, 2 mix a parity row in (compact: stacked as i16); compact data rows 0, 1, 2
+    // stack as i8.
+    for (tied, format, rows, tol) in [
+        (true, ShardFormat::F32, [4, 1, 2], 1e-4),
+        (false, ShardFormat::F32, [4, 1, 2], 1e-4),
+        (true, ShardFormat::F16, [4, 1, 2], 1e-4),
+        (true, ShardFormat::Q8, [4, 1, 2], 1e-4),
+        (false, ShardFormat::Q8, [0, 1, 2], 1e-4),
     ] {
         let w = ModelWeights::synthetic(super::common::train_config(tied), 5).unwrap();
-        let g = Generator::cauchy(5, 3).unwrap();
+        let g = format.code(5, 3).unwrap();
         let mesh = InProcess::encode(&w, &g, format, &|_, _| {}).unwrap();
         let llama = Llama::new(w.cfg.clone(), LeaderWeights::from_model(&w)).unwrap();
-        let rows = [4, 1, 2];
         let sets: Vec<&ShardSet> = rows.iter().map(|&r| mesh.members()[r].shards()).collect();
         let group = GpuGroup::new(gpu.clone(), &llama, &sets, w.cfg.max_seq).unwrap();
         let mut cpu = CodedGroup::new(w.cfg.clone(), g.clone(), &rows, mesh).unwrap();
@@ -119,7 +154,7 @@ pub async fn a_whole_token_matches_the_cpu_group(mut gpu: Gpu) {
             let err = super::common::max_rel_diff(&got, &want);
             assert!(
                 err < tol,
-                "tied {tied}, {format:?}, position {pos}: logits off by {err:.2e}"
+                "tied {tied}, {format:?}, rows {rows:?}, position {pos}: logits off by {err:.2e}"
             );
         }
         // Past the cache, and a token outside the vocabulary: errors, not panics.

@@ -32,7 +32,7 @@ fn open() -> Option<Gpu> {
 }
 
 #[test]
-fn gemv_gemm_and_transpose_match_the_cpu_for_f32_and_f16() {
+fn gemv_gemm_and_transpose_match_the_cpu_in_every_weight_format() {
     let Some(mut gpu) = open() else { return };
     pollster::block_on(gpu_bodies::products_match_the_cpu(&mut gpu));
 }
@@ -42,6 +42,22 @@ fn bad_shapes_are_errors_not_panics() {
     let Some(gpu) = open() else { return };
     assert!(gpu.upload(3, 4, Weights::F32(&[0.0; 11])).is_err());
     assert!(gpu.upload(0, 4, Weights::F32(&[])).is_err());
+    // Compact: a scale short, or integers that are not rows × cols.
+    let one = [half::f16::ONE; 3];
+    let q = node_core::compute::q8::Ints::I8(&[1; 12]);
+    assert!(
+        gpu.upload(
+            3,
+            4,
+            Weights::Q8 {
+                q,
+                scales: &one[..2]
+            }
+        )
+        .is_err()
+    );
+    assert!(gpu.upload(3, 5, Weights::Q8 { q, scales: &one }).is_err());
+    assert!(gpu.upload(3, 4, Weights::Q8 { q, scales: &one }).is_ok());
     let m = gpu.upload(3, 4, Weights::F32(&[0.5; 12])).unwrap();
     let p = Placement::plain(3, 1);
     let run = |x: &[f32], t, len| pollster::block_on(gpu.matmul(&[(&m, p)], x, t, len));
@@ -87,8 +103,15 @@ fn a_member_on_the_gpu_answers_what_it_answers_on_the_cpu() {
         g.sub_blocks() > 1,
         "the layout test needs several sub-blocks"
     );
-    for format in [ShardFormat::F32, ShardFormat::F16] {
-        let shards = ShardSet::encode(&weights, &g, 4, format, &mut |_, _| {}).unwrap();
+    // Compact shards are on the integer code: row 0 holds i8, row 4 (a parity row) i16.
+    let integer = ShardFormat::Q8.code(5, 3).unwrap();
+    for (format, g, node) in [
+        (ShardFormat::F32, &g, 4),
+        (ShardFormat::F16, &g, 4),
+        (ShardFormat::Q8, &integer, 0),
+        (ShardFormat::Q8, &integer, 4),
+    ] {
+        let shards = ShardSet::encode(&weights, g, node, format, &mut |_, _| {}).unwrap();
         let mut member = Member::new(shards);
         member.use_gpu(gpu.clone(), 0).unwrap();
         assert!(member.gpu_info().is_some());
@@ -99,7 +122,10 @@ fn a_member_on_the_gpu_answers_what_it_answers_on_the_cpu() {
                     let got = member.compute(&req).unwrap();
                     let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
                     let e = rel_err(&got, &want, scale);
-                    assert!(e < 1e-5, "{format:?} round {round} t={t} {req:?}: {e:e}");
+                    assert!(
+                        e < 1e-5,
+                        "{format:?} row {node} round {round} t={t} {req:?}: {e:e}"
+                    );
                     assert!(scale > 0.0);
                 }
             }

@@ -4,6 +4,9 @@ use super::GpuError;
 
 const ELEM_F32: &str = include_str!("kernels/elem_f32.wgsl");
 const ELEM_F16: &str = include_str!("kernels/elem_f16.wgsl");
+const ELEM_I8: &str = include_str!("kernels/elem_i8.wgsl");
+const ELEM_I16: &str = include_str!("kernels/elem_i16.wgsl");
+const SCALES: &str = include_str!("kernels/scales.wgsl");
 const PRODUCT_IO: &str = include_str!("kernels/product_io.wgsl");
 const GEMV: &str = include_str!("kernels/gemv.wgsl");
 const GEMM: &str = include_str!("kernels/gemm.wgsl");
@@ -26,7 +29,8 @@ pub(super) const PARAMS_STRIDE: u64 = 256;
 /// Largest workgroup count in one dispatch dimension.
 pub(super) const MAX_GROUPS: u32 = 65535;
 
-/// Every pipeline, per weight format where it reads weights: `[f32, f16][gemv, gemm]`.
+/// Every pipeline, per weight format where it reads weights: `[f32, f16, i8, i16][gemv, gemm]`
+/// (the formats in [`super::matrix::WFormat`]'s order).
 #[derive(Debug)]
 pub(super) struct Kernels {
     /// weights (read), input (read), output (read-write), parameters (uniform).
@@ -36,9 +40,9 @@ pub(super) struct Kernels {
     /// source (read), destination (read-write).
     #[cfg_attr(target_arch = "wasm32", allow(dead_code))] // the benchmark is native
     pub two: wgpu::BindGroupLayout,
-    /// `[f32, f16][GEMV, GEMM]`.
-    pub matmul: [[wgpu::ComputePipeline; 2]; 2],
-    pub matmul_t: [[wgpu::ComputePipeline; 2]; 2],
+    /// `[f32, f16, i8, i16][GEMV, GEMM]`.
+    pub matmul: [[wgpu::ComputePipeline; 2]; 4],
+    pub matmul_t: [[wgpu::ComputePipeline; 2]; 4],
     pub sum_parts: wgpu::ComputePipeline,
     #[cfg_attr(target_arch = "wasm32", allow(dead_code))]
     pub copy: wgpu::ComputePipeline,
@@ -115,8 +119,14 @@ impl Kernels {
         let four = layout(device, &[Some(true), Some(true), Some(false), None]);
         let three = layout(device, &[Some(true), Some(false), None]);
         let two = layout(device, &[Some(true), Some(false)]);
+        let elems = [
+            ELEM_F32.to_string(),
+            ELEM_F16.to_string(),
+            format!("{ELEM_I8}\n{SCALES}"),
+            format!("{ELEM_I16}\n{SCALES}"),
+        ];
         let per_format = |kernels: [(&str, Option<u32>); 2], name: &str| {
-            [ELEM_F32, ELEM_F16].map(|elem| {
+            elems.each_ref().map(|elem| {
                 kernels.map(|(body, tokens)| {
                     pipeline(device, name, format!("{elem}\n{body}"), &four, tokens)
                 })

@@ -11,6 +11,9 @@ use std::borrow::Cow;
 /// Columns are padded to a multiple of this (one f16 weight element is eight columns).
 const COL_ALIGN: usize = 8;
 
+/// Columns of compact weights are padded to whole scale blocks.
+const COMPACT_ALIGN: usize = crate::compute::q8::Q8_BLOCK;
+
 /// Workgroups of the copy kernel's grid stride: enough to fill the largest GPUs (132 SMs ×
 /// 16 resident workgroups × 4).
 #[cfg(not(target_arch = "wasm32"))]
@@ -26,6 +29,49 @@ pub enum Weights<'a> {
     F32(&'a [f32]),
     /// f16 values.
     F16(&'a [half::f16]),
+    /// Compact values: integers (i8, or i16 for a parity row) and one f16 scale per row and
+    /// 32 columns ([`crate::compute::q8`]'s layout).
+    Q8 {
+        /// The integers, row-major.
+        q: crate::compute::q8::Ints<'a>,
+        /// `rows × ⌈cols / 32⌉` scales.
+        scales: &'a [half::f16],
+    },
+}
+
+/// How a resident matrix stores its values: the kernels' weight elements, in the order of
+/// their pipelines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum WFormat {
+    /// f32, four columns an element.
+    F32 = 0,
+    /// f16, eight columns an element.
+    F16 = 1,
+    /// i8 with block scales, sixteen columns an element.
+    I8 = 2,
+    /// i16 with block scales, eight columns an element.
+    I16 = 3,
+}
+
+impl WFormat {
+    /// Index of its pipelines.
+    pub(super) fn index(self) -> usize {
+        self as usize
+    }
+
+    /// Bytes of one value.
+    fn value_bytes(self) -> usize {
+        match self {
+            Self::F32 => 4,
+            Self::F16 | Self::I16 => 2,
+            Self::I8 => 1,
+        }
+    }
+
+    /// Whether block scales follow the values.
+    fn scaled(self) -> bool {
+        matches!(self, Self::I8 | Self::I16)
+    }
 }
 
 /// One row chunk of a matrix: its own buffer, small enough for one binding.
@@ -42,7 +88,7 @@ pub struct GpuMatrix {
     rows: usize,
     cols: usize,
     cols_p: usize,
-    f16: bool,
+    format: WFormat,
     chunks: Vec<Chunk>,
 }
 
@@ -67,13 +113,9 @@ impl GpuMatrix {
         self.chunks.iter().map(|c| c.buffer.size()).sum()
     }
 
-    fn elem_bytes(&self) -> usize {
-        if self.f16 { 2 } else { 4 }
-    }
-
-    /// Weight elements (vec4 of f32 or of packed f16 pairs) per padded row.
+    /// Weight elements (16 bytes: f32s, or packed f16s or integers) per padded row.
     fn cols_w(&self) -> usize {
-        self.cols_p * self.elem_bytes() / 16
+        self.cols_p * self.format.value_bytes() / 16
     }
 }
 
@@ -195,24 +237,43 @@ fn token_groups(t: usize, multi: bool) -> Result<u32, GpuError> {
 impl Gpu {
     /// Uploads a `rows × cols` row-major matrix; it stays on the device until dropped.
     pub fn upload(&self, rows: usize, cols: usize, w: Weights<'_>) -> Result<GpuMatrix, GpuError> {
-        let (len, elem) = match w {
-            Weights::F32(v) => (v.len(), 4),
-            Weights::F16(v) => (v.len(), 2),
+        use crate::compute::q8::{Ints, blocks_per_row};
+        let (len, format) = match w {
+            Weights::F32(v) => (v.len(), WFormat::F32),
+            Weights::F16(v) => (v.len(), WFormat::F16),
+            Weights::Q8 { q, scales } => {
+                check_scales(scales, rows, cols)?;
+                match q {
+                    Ints::I8(v) => (v.len(), WFormat::I8),
+                    Ints::I16(v) => (v.len(), WFormat::I16),
+                }
+            }
         };
         if rows.checked_mul(cols) != Some(len) || rows == 0 || cols == 0 {
             return Err(GpuError::Shape(format!(
                 "{len} values are not {rows} × {cols}"
             )));
         }
-        let cols_p = cols.next_multiple_of(COL_ALIGN);
-        let row_bytes = (cols_p * elem) as u64;
-        if row_bytes > self.max_binding {
+        let cols_p = cols.next_multiple_of(if format.scaled() {
+            COMPACT_ALIGN
+        } else {
+            COL_ALIGN
+        });
+        let row_bytes = cols_p * format.value_bytes();
+        // Compact rows: their block scales, as f32, after all of a chunk's values.
+        let nb = if format.scaled() {
+            blocks_per_row(cols)
+        } else {
+            0
+        };
+        let row_all = (row_bytes + 4 * nb) as u64;
+        if row_all > self.max_binding {
             return Err(GpuError::Shape(format!(
                 "one row of {cols} columns is larger than the adapter's {} byte binding",
                 self.max_binding
             )));
         }
-        let max_rows = (self.chunk_bytes / row_bytes)
+        let max_rows = (self.chunk_bytes / row_all)
             .clamp(1, u64::from(MAX_GROUPS * MATMUL_ROWS_PER_GROUP))
             as usize;
         u32_of(rows * cols_p, "matrix elements")?;
@@ -220,23 +281,28 @@ impl Gpu {
         let mut row0 = 0;
         while row0 < rows {
             let n = max_rows.min(rows - row0);
-            let mut bytes = vec![0u8; n * row_bytes as usize];
-            for (r, dst) in bytes.chunks_exact_mut(row_bytes as usize).enumerate() {
+            // Whole 16-byte elements: the scales are read four to an element.
+            let mut bytes = vec![0u8; (n * row_bytes + 4 * n * nb).next_multiple_of(16)];
+            let (values, scale_bytes) = bytes.split_at_mut(n * row_bytes);
+            for (r, dst) in values.chunks_exact_mut(row_bytes).enumerate() {
                 let start = (row0 + r) * cols;
+                let range = start..start + cols;
                 match w {
-                    Weights::F32(v) => dst[..cols * 4]
-                        .copy_from_slice(bytemuck::cast_slice(&v[start..start + cols])),
-                    Weights::F16(v) => {
-                        for (d, h) in dst
-                            .as_chunks_mut::<2>()
-                            .0
-                            .iter_mut()
-                            .zip(&v[start..start + cols])
-                        {
-                            *d = h.to_bits().to_le_bytes();
-                        }
+                    Weights::F32(v) => {
+                        dst[..cols * 4].copy_from_slice(bytemuck::cast_slice(&v[range]))
                     }
+                    Weights::F16(v) => put_each(dst, &v[range], |h| h.to_bits().to_le_bytes()),
+                    Weights::Q8 { q: Ints::I8(v), .. } => {
+                        put_each(dst, &v[range], |b| b.to_le_bytes())
+                    }
+                    Weights::Q8 {
+                        q: Ints::I16(v), ..
+                    } => put_each(dst, &v[range], |b| b.to_le_bytes()),
                 }
+            }
+            if let Weights::Q8 { scales, .. } = w {
+                let mine = &scales[row0 * nb..(row0 + n) * nb];
+                put_each(scale_bytes, mine, |h| h.to_f32().to_le_bytes());
             }
             let buffer = self.device.create_buffer(&wgpu::BufferDescriptor {
                 label: Some("matrix"),
@@ -256,7 +322,7 @@ impl Gpu {
             rows,
             cols,
             cols_p,
-            f16: elem == 2,
+            format,
             chunks,
         })
     }
@@ -281,20 +347,19 @@ impl Gpu {
     }
 
     /// The GEMV dispatches of one token through `m` into a plain output (row `r` at `r`):
-    /// per chunk, whether it is f16, its buffer, its parameter block in `params` and its
-    /// workgroups.
+    /// per chunk, its format, its buffer, its parameter block in `params` and its workgroups.
     pub(super) fn gemv_dispatches<'m>(
         &self,
         m: &'m GpuMatrix,
         params: &mut ParamBlocks,
-    ) -> Result<Vec<(bool, &'m wgpu::Buffer, u64, u32)>, GpuError> {
+    ) -> Result<Vec<(WFormat, &'m wgpu::Buffer, u64, u32)>, GpuError> {
         let place = Placement::plain(m.rows, 1);
         m.chunks
             .iter()
             .map(|c| {
                 let offset = params.push(product_params(m, c, &place, 1, m.cols_p / 4)?);
                 let groups = u32_of(c.rows, "rows")?.div_ceil(MATMUL_ROWS_PER_GROUP);
-                Ok((m.f16, &c.buffer, offset, groups))
+                Ok((m.format, &c.buffer, offset, groups))
             })
             .collect()
     }
@@ -330,7 +395,7 @@ impl Gpu {
             for c in &m.chunks {
                 let offset = params.push(product_params(m, c, p, t, cols_p / 4)?);
                 let groups = u32_of(c.rows, "rows")?.div_ceil(MATMUL_ROWS_PER_GROUP);
-                dispatches.push((m.f16, &c.buffer, offset, groups));
+                dispatches.push((m.format, &c.buffer, offset, groups));
             }
         }
         Ok(MatmulPlan {
@@ -413,8 +478,8 @@ impl Gpu {
             .collect();
         let mut pass = enc.begin_compute_pass(&Default::default());
         for _ in 0..times {
-            for (&(f16, _, _, n), bg) in plan.dispatches.iter().zip(&groups) {
-                pass.set_pipeline(&self.kernels.matmul[usize::from(f16)][usize::from(plan.gemm)]);
+            for (&(format, _, _, n), bg) in plan.dispatches.iter().zip(&groups) {
+                pass.set_pipeline(&self.kernels.matmul[format.index()][usize::from(plan.gemm)]);
                 pass.set_bind_group(0, bg, &[]);
                 pass.dispatch_workgroups(n, plan.tok_groups, 1);
             }
@@ -542,7 +607,15 @@ impl Gpu {
                 let n4 = u32_of(t * cols_p / 4, "outputs")?;
                 let sum = params.push([n4, u32_of(splits, "splits")?, 0, 0, 0, 0, 0, 0]);
                 let col_groups = u32_of(m.cols_w(), "columns")?.div_ceil(MATMUL_T_GROUP);
-                dispatches.push((m.f16, &c.buffer, prod, sum, col_groups, splits as u32, n4));
+                dispatches.push((
+                    m.format,
+                    &c.buffer,
+                    prod,
+                    sum,
+                    col_groups,
+                    splits as u32,
+                    n4,
+                ));
             }
         }
         let mut scratch = self.scratch.lock().await;
@@ -558,7 +631,7 @@ impl Gpu {
         enc.clear_buffer(output, 0, Some(out_bytes));
         {
             let mut pass = enc.begin_compute_pass(&Default::default());
-            for (f16, w, prod, sum, col_groups, splits, n4) in dispatches {
+            for (format, w, prod, sum, col_groups, splits, n4) in dispatches {
                 let bg = bind(
                     &self.device,
                     &self.kernels.four,
@@ -569,7 +642,7 @@ impl Gpu {
                         part(pbuf, prod, Some(32)),
                     ],
                 );
-                pass.set_pipeline(&self.kernels.matmul_t[usize::from(f16)][usize::from(t > 1)]);
+                pass.set_pipeline(&self.kernels.matmul_t[format.index()][usize::from(t > 1)]);
                 pass.set_bind_group(0, &bg, &[]);
                 pass.dispatch_workgroups(col_groups, tok_groups, splits);
                 let bg = bind(
@@ -607,8 +680,8 @@ struct MatmulPlan<'a> {
     out_bytes: u64,
     tok_groups: u32,
     params: ParamBlocks,
-    /// `(f16 weights, chunk buffer, parameter offset, row workgroups)`.
-    dispatches: Vec<(bool, &'a wgpu::Buffer, u64, u32)>,
+    /// `(weight format, chunk buffer, parameter offset, row workgroups)`.
+    dispatches: Vec<(WFormat, &'a wgpu::Buffer, u64, u32)>,
 }
 
 /// The scratch buffers a product uses.
@@ -622,4 +695,23 @@ struct IoBuffers<'s> {
     staging: &'s wgpu::Buffer,
     /// The transpose product's partial sums, set up by it.
     parts: &'s mut Option<wgpu::Buffer>,
+}
+
+/// Writes `f(v)` of each value one after another into `dst`.
+fn put_each<T: Copy, const N: usize>(dst: &mut [u8], values: &[T], f: impl Fn(T) -> [u8; N]) {
+    for (d, &v) in dst.as_chunks_mut::<N>().0.iter_mut().zip(values) {
+        *d = f(v);
+    }
+}
+
+/// Checks that a `rows × cols` compact matrix has a scale for every row and block.
+fn check_scales(scales: &[half::f16], rows: usize, cols: usize) -> Result<(), GpuError> {
+    let want = rows.saturating_mul(crate::compute::q8::blocks_per_row(cols));
+    if scales.len() != want {
+        return Err(GpuError::Shape(format!(
+            "{} scales for a {rows} × {cols} compact matrix, expected {want}",
+            scales.len()
+        )));
+    }
+    Ok(())
 }

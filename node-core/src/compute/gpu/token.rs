@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use super::kernels::{ParamBlocks, bind, layout, part, pipeline, read_back};
-use super::matrix::u32_of;
+use super::matrix::{WFormat, u32_of};
 use super::{Gpu, GpuError, GpuMatrix};
 use crate::model::{LeaderWeights, LlamaConfig, Stage};
 
@@ -83,14 +83,14 @@ pub struct GpuToken {
 }
 
 /// Pipelines by index in `GpuToken::pipelines`.
-const P_GEMV_F32: usize = 0;
-const P_GEMV_F16: usize = 1;
-const P_RMS_NORM: usize = 2;
-const P_DECODE: usize = 3;
-const P_QKV_ROPE: usize = 4;
-const P_ATTENTION: usize = 5;
-const P_SWIGLU: usize = 6;
-const P_RESIDUAL_NORM: usize = 7;
+/// The GEMVs, one per weight format in [`WFormat`]'s order.
+const P_GEMV: usize = 0;
+const P_RMS_NORM: usize = 4;
+const P_DECODE: usize = 5;
+const P_QKV_ROPE: usize = 6;
+const P_ATTENTION: usize = 7;
+const P_SWIGLU: usize = 8;
+const P_RESIDUAL_NORM: usize = 9;
 
 /// A product's input.
 #[derive(Debug, Clone, Copy)]
@@ -106,8 +106,8 @@ enum Input {
 /// One step of the token, before its bind group exists.
 #[derive(Debug)]
 enum Op<'b> {
-    /// One chunk of a stacked stage: f16, its weights, its input, its workgroups.
-    Gemv(bool, &'b wgpu::Buffer, Input, u32),
+    /// One chunk of a stacked stage: its format, its weights, its input, its workgroups.
+    Gemv(WFormat, &'b wgpu::Buffer, Input, u32),
     /// RMSNorm of x into h.
     Norm,
     /// Decode q, k, v with RoPE and the cache append of a layer; workgroups.
@@ -130,8 +130,8 @@ fn gemv<'b>(
     s: &'b GroupStage,
     input: Input,
 ) -> Result<(), GpuError> {
-    for (f16, w, offset, groups) in gpu.gemv_dispatches(&s.matrix, params)? {
-        ops.push((Op::Gemv(f16, w, input, groups), offset));
+    for (format, w, offset, groups) in gpu.gemv_dispatches(&s.matrix, params)? {
+        ops.push((Op::Gemv(format, w, input, groups), offset));
     }
     Ok(())
 }
@@ -201,6 +201,8 @@ impl GpuToken {
         let pipelines = vec![
             gpu.kernels.matmul[0][0].clone(),
             gpu.kernels.matmul[1][0].clone(),
+            gpu.kernels.matmul[2][0].clone(),
+            gpu.kernels.matmul[3][0].clone(),
             pipeline(dev, "rms_norm", format!("{REDUCE}\n{RMS_NORM}"), k4, None),
             pipeline(dev, "decode", format!("{DECODING}\n{DECODE}"), k4, None),
             pipeline(
@@ -393,14 +395,14 @@ impl GpuToken {
         let mut dispatches = Vec::with_capacity(ops.len());
         for (op, offset) in ops {
             let (pipeline, group, groups) = match op {
-                Op::Gemv(f16, w, input, n) => {
+                Op::Gemv(format, w, input, n) => {
                     let input = match input {
                         Input::H => &h,
                         Input::Attn => &attn,
                         Input::Act => &act,
                     };
                     (
-                        if f16 { P_GEMV_F16 } else { P_GEMV_F32 },
+                        P_GEMV + format.index(),
                         bind(
                             dev,
                             k4,

@@ -3,8 +3,9 @@
 alias WElem = vec4<u32>;
 const X_PER_W: u32 = 2u;
 
-// Columns [4h, 4h + 4) of a weight element.
-fn wcols(wv: WElem, h: u32) -> vec4<f32> {
+// Columns [4h, 4h + 4) of a weight element (element `c` of row `r`: unused here, the
+// compact elements read their block's scale).
+fn wcols(wv: WElem, h: u32, r: u32, c: u32) -> vec4<f32> {
     if h == 0u {
         return vec4<f32>(unpack2x16float(wv.x), unpack2x16float(wv.y));
     }
@@ -13,7 +14,7 @@ fn wcols(wv: WElem, h: u32) -> vec4<f32> {
 
 // Element `c` of a weight row times the matching columns of x (x's token starts at vec4 `xb`),
 // component-wise.
-fn wdot(wv: WElem, xb: u32, c: u32) -> vec4<f32> {
+fn wdot(wv: WElem, xb: u32, c: u32, r: u32) -> vec4<f32> {
     let lo = vec4<f32>(unpack2x16float(wv.x), unpack2x16float(wv.y));
     let hi = vec4<f32>(unpack2x16float(wv.z), unpack2x16float(wv.w));
     return lo * x[xb + 2u * c] + hi * x[xb + 2u * c + 1u];

@@ -1,7 +1,7 @@
 // Shard product y = x · Wᵀ over a row-major matrix chunk for several tokens (GEMM: prefill),
 // written straight into the member's answer layout
-// [sub-block][matrix][token][local row]. Prefixed with elem_f32.wgsl or elem_f16.wgsl, which
-// define the weight element WElem (X_PER_W vec4s of columns) and wcols, and with
+// [sub-block][matrix][token][local row]. Prefixed with a weight element's file (elem_*.wgsl),
+// which defines the weight element WElem (X_PER_W vec4s of columns) and wcols, and with
 // product_io.wgsl.
 //
 // A workgroup is 8 groups of 32 lanes; each group owns 4 rows and its lanes stride over the
@@ -21,12 +21,12 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     let row_base = (wg.x * GROUPS + grp) * ROWS;
     let tok0 = wg.y * TOKENS;
     var acc = array<vec4<f32>, 4>(vec4<f32>(), vec4<f32>(), vec4<f32>(), vec4<f32>());
-    var wrow: array<u32, 4>;
+    var rows: array<u32, 4>;
     for (var r = 0u; r < ROWS; r++) {
-        wrow[r] = min(row_base + r, p.rows - 1u) * p.cols_w;
+        rows[r] = min(row_base + r, p.rows - 1u);
     }
     for (var c = lane; c < p.cols_w; c += LANES) {
-        var xv: array<array<vec4<f32>, 2>, 4>;
+        var xv: array<array<vec4<f32>, X_PER_W>, 4>;
         for (var j = 0u; j < TOKENS; j++) {
             let xi = min(tok0 + j, p.t - 1u) * p.x_stride4 + X_PER_W * c;
             for (var h = 0u; h < X_PER_W; h++) {
@@ -34,9 +34,9 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
             }
         }
         for (var r = 0u; r < ROWS; r++) {
-            let wv = w[wrow[r] + c];
+            let wv = w[rows[r] * p.cols_w + c];
             for (var h = 0u; h < X_PER_W; h++) {
-                let wc = wcols(wv, h);
+                let wc = wcols(wv, h, rows[r], c);
                 for (var j = 0u; j < TOKENS; j++) {
                     acc[r][j] += dot(wc, xv[j][h]);
                 }

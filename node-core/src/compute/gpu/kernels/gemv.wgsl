@@ -1,6 +1,7 @@
 // Shard product y = x · Wᵀ for one token (GEMV: decode) over a row-major matrix chunk, written
 // straight into the member's answer layout [sub-block][matrix][token][local row]. Prefixed with
-// elem_f32.wgsl or elem_f16.wgsl, which define the weight element WElem and wdot, and with
+// elem_f32.wgsl, elem_f16.wgsl, elem_i8.wgsl or elem_i16.wgsl (with scales.wgsl), which define
+// the weight element WElem and wdot, and with
 // product_io.wgsl. Several tokens are separate workgroup rows (grid y), each reading the
 // weights again.
 //
@@ -21,10 +22,14 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     let row_base = (wg.x * GROUPS + grp) * 4u;
     let tok = wg.y;
     let last = p.rows - 1u;
-    let w0 = min(row_base, last) * p.cols_w;
-    let w1 = min(row_base + 1u, last) * p.cols_w;
-    let w2 = min(row_base + 2u, last) * p.cols_w;
-    let w3 = min(row_base + 3u, last) * p.cols_w;
+    let r0 = min(row_base, last);
+    let r1 = min(row_base + 1u, last);
+    let r2 = min(row_base + 2u, last);
+    let r3 = min(row_base + 3u, last);
+    let w0 = r0 * p.cols_w;
+    let w1 = r1 * p.cols_w;
+    let w2 = r2 * p.cols_w;
+    let w3 = r3 * p.cols_w;
     let xb = tok * p.x_stride4;
     var a0 = vec4<f32>();
     var a1 = vec4<f32>();
@@ -41,16 +46,16 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         let f1 = w[w1 + d];
         let f2 = w[w2 + d];
         let f3 = w[w3 + d];
-        a0 += wdot(e0, xb, c) + wdot(f0, xb, d);
-        a1 += wdot(e1, xb, c) + wdot(f1, xb, d);
-        a2 += wdot(e2, xb, c) + wdot(f2, xb, d);
-        a3 += wdot(e3, xb, c) + wdot(f3, xb, d);
+        a0 += wdot(e0, xb, c, r0) + wdot(f0, xb, d, r0);
+        a1 += wdot(e1, xb, c, r1) + wdot(f1, xb, d, r1);
+        a2 += wdot(e2, xb, c, r2) + wdot(f2, xb, d, r2);
+        a3 += wdot(e3, xb, c, r3) + wdot(f3, xb, d, r3);
     }
     if c < p.cols_w {
-        a0 += wdot(w[w0 + c], xb, c);
-        a1 += wdot(w[w1 + c], xb, c);
-        a2 += wdot(w[w2 + c], xb, c);
-        a3 += wdot(w[w3 + c], xb, c);
+        a0 += wdot(w[w0 + c], xb, c, r0);
+        a1 += wdot(w[w1 + c], xb, c, r1);
+        a2 += wdot(w[w2 + c], xb, c, r2);
+        a3 += wdot(w[w3 + c], xb, c, r3);
     }
     let one = vec4<f32>(1.0);
     let base = grp * 128u + lane;

@@ -1,6 +1,6 @@
 // Transpose product y (t × cols) += u · W over a row-major matrix chunk, where u is read from
 // the member's answer layout [sub-block][matrix][token][local row] (the backward pass of step
-// 3). Prefixed with elem_f32.wgsl or elem_f16.wgsl.
+// 3). Prefixed with a weight element's file (elem_*.wgsl).
 //
 // Each invocation owns one weight element's columns for TOKENS tokens of one split of the
 // rows; splits write separate partial sums (part z of y), which sum_parts.wgsl adds up.
@@ -32,7 +32,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
     let tok0 = gid.y * TOKENS;
     let first = gid.z * p.rows_per_split;
     let last = min(first + p.rows_per_split, p.rows);
-    var acc: array<array<vec4<f32>, 2>, 4>;
+    var acc: array<array<vec4<f32>, X_PER_W>, 4>;
     for (var lr = first; lr < last; lr++) {
         let gr = p.row0 + lr;
         let s = gr / p.block_len;
@@ -41,7 +41,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
         for (var j = 0u; j < TOKENS; j++) {
             let a = x[base + min(tok0 + j, p.t - 1u) * p.block_len];
             for (var h = 0u; h < X_PER_W; h++) {
-                acc[j][h] += a * wcols(wv, h);
+                acc[j][h] += a * wcols(wv, h, lr, c);
             }
         }
     }
