@@ -56,6 +56,21 @@ pub fn copy_bandwidth() -> f64 {
     (n * 4) as f64 / t.as_secs_f64()
 }
 
+/// Bytes per second the kernel threads read from memory (256 MiB summed, every thread its
+/// share): the ceiling of a decode that only streams its weights.
+pub fn read_bandwidth() -> f64 {
+    let n: usize = 32 << 20; // 256 MiB of u64
+    let src: Vec<u64> = (0..n as u64).collect();
+    let chunk = n.div_ceil(compute::threads().max(1));
+    let t = best_time(Duration::from_secs(2), || {
+        let parts = compute::par::map(&src.chunks(chunk).collect::<Vec<_>>(), |c| {
+            c.iter().fold(0u64, |a, &v| a.wrapping_add(v))
+        });
+        black_box(parts);
+    });
+    (n * 8) as f64 / t.as_secs_f64()
+}
+
 /// GEMV bandwidth (weight bytes read per second) of a `rows × cols` matrix of `W`, read cold:
 /// calls rotate through copies that together exceed the caches, as a forward pass does.
 pub fn gemv_bandwidth<W: WeightElem>(rows: usize, cols: usize, make: fn(f32) -> W) -> f64 {
@@ -178,6 +193,10 @@ pub fn run(weights: &ModelWeights, prompt: &[u32], tokens: usize) -> Result<Vec<
     rows.push(row(
         "memory copy (256 MiB, bytes read)",
         format!("{:.1} GB/s", copy / 1e9),
+    ));
+    rows.push(row(
+        "memory read, every kernel thread (256 MiB)",
+        format!("{:.1} GB/s", read_bandwidth() / 1e9),
     ));
     let cfg = &weights.cfg;
     let shapes = [

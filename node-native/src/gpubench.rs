@@ -187,8 +187,18 @@ pub fn model_rows(
     for (label, format, bytes, members) in [
         ("f32", ShardFormat::F32, 4.0, [0, 2, 4]),
         ("f16", ShardFormat::F16, 2.0, [0, 2, 4]),
-        ("q8, data rows 0, 1, 2 (i8)", ShardFormat::Q8, 1.125, [0, 1, 2]),
-        ("q8, rows 2, 3, 4 (as i16)", ShardFormat::Q8, 2.125, [2, 3, 4]),
+        (
+            "q8, data rows 0, 1, 2 (i8)",
+            ShardFormat::Q8,
+            1.125,
+            [0, 1, 2],
+        ),
+        (
+            "q8, rows 2, 3, 4 (as i16)",
+            ShardFormat::Q8,
+            2.125,
+            [2, 3, 4],
+        ),
     ] {
         let g = format.code(5, 3)?;
         let mesh = InProcess::encode(weights, &g, format, &|_, _| {})?;
