@@ -292,8 +292,10 @@ fn matmul_of<T: CodedInt>(q: &[T], w: Q8Matrix<'_>, x: &[f32], t: usize, y: &mut
         return;
     }
     let threads = par::threads();
-    // The same bytes as the f32 kernel's threshold: a thread hand-off pays off by bytes read.
-    let parallel = threads > 1 && rows * cols >= 4 * PARALLEL_MIN_WEIGHTS;
+    // The f32 kernel's threshold in weights: a quarter of its bytes, but a member's small
+    // products (q, k, v, o) then split too, so three members share two threads evenly (a 4×
+    // higher one left them whole: 6% slower decode over six paired runs).
+    let parallel = threads > 1 && rows * cols >= PARALLEL_MIN_WEIGHTS;
     if t == 1 {
         if parallel {
             let chunk = rows.div_ceil(threads * 4).max(16);
