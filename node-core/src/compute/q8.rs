@@ -21,6 +21,13 @@ pub trait CodedInt: Copy + Send + Sync + Into<f32> + 'static {
     /// `p` must point at eight readable values, and the CPU must have AVX2.
     #[cfg(target_arch = "x86_64")]
     unsafe fn widen8(p: *const Self) -> std::arch::x86_64::__m256;
+
+    /// Sixteen values from `p`, widened to f32.
+    ///
+    /// # Safety
+    /// `p` must point at sixteen readable values, and the CPU must have AVX-512F.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn widen16(p: *const Self) -> std::arch::x86_64::__m512;
 }
 
 impl CodedInt for i8 {
@@ -31,6 +38,14 @@ impl CodedInt for i8 {
         // SAFETY: the caller guarantees eight readable bytes at `p` and AVX2.
         unsafe { _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p as *const __m128i))) }
     }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn widen16(p: *const Self) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller guarantees sixteen readable bytes at `p` and AVX-512F.
+        unsafe { _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p as *const __m128i))) }
+    }
 }
 
 impl CodedInt for i16 {
@@ -40,6 +55,18 @@ impl CodedInt for i16 {
         use std::arch::x86_64::*;
         // SAFETY: the caller guarantees sixteen readable bytes at `p` and AVX2.
         unsafe { _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm_loadu_si128(p as *const __m128i))) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn widen16(p: *const Self) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller guarantees 32 readable bytes at `p` and AVX-512F.
+        unsafe {
+            _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm256_loadu_si256(
+                p as *const __m256i,
+            )))
+        }
     }
 }
 
@@ -187,29 +214,105 @@ mod avx2 {
     }
 }
 
-/// One row's dot product with the best instructions this CPU has.
-#[inline]
-fn dot_q8<T: CodedInt>(q: &[T], scales: &[half::f16], x: &[f32], fma: bool) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    if fma {
-        // SAFETY: the caller checked AVX2, FMA and F16C ([`has_fma`]).
-        return unsafe { avx2::dot_q8(q, scales, x) };
+/// The dot product with AVX-512F: sixteen values widened to f32 at a time, so half the loads
+/// of the AVX2 kernel.
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    /// See [`super::dot_q8_portable`]; the same sum, grouped differently.
+    #[target_feature(enable = "avx512f,f16c")]
+    pub(super) fn dot_q8<T: super::CodedInt>(q: &[T], scales: &[half::f16], x: &[f32]) -> f32 {
+        let full = q.len() / super::Q8_BLOCK;
+        assert!(x.len() >= q.len() && scales.len() >= full, "dot_q8 shapes");
+        let mut t0 = _mm512_setzero_ps();
+        let mut t1 = _mm512_setzero_ps();
+        for (b, &h) in scales[..full].iter().enumerate() {
+            // SAFETY: block `b` is in bounds of `q` and `x` (asserted above); unaligned loads;
+            // this function runs only where AVX-512F is (its callers check).
+            unsafe {
+                let qp = q.as_ptr().add(b * 32);
+                let xp = x.as_ptr().add(b * 32);
+                let lo = _mm512_mul_ps(T::widen16(qp), _mm512_loadu_ps(xp));
+                let both = _mm512_fmadd_ps(T::widen16(qp.add(16)), _mm512_loadu_ps(xp.add(16)), lo);
+                let s = _mm512_set1_ps(_mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(
+                    h.to_bits(),
+                )))));
+                if b % 2 == 0 {
+                    t0 = _mm512_fmadd_ps(both, s, t0);
+                } else {
+                    t1 = _mm512_fmadd_ps(both, s, t1);
+                }
+            }
+        }
+        let mut sum = _mm512_reduce_add_ps(_mm512_add_ps(t0, t1));
+        let done = full * super::Q8_BLOCK;
+        if done < q.len() {
+            let part: f32 = q[done..]
+                .iter()
+                .zip(&x[done..])
+                .map(|(&a, &v)| a.into() * v)
+                .sum();
+            sum += scales[full].to_f32() * part;
+        }
+        sum
     }
-    let _ = fma;
-    dot_q8_portable(q, scales, x)
 }
 
-/// Whether this CPU runs the AVX2/FMA/F16C kernel.
-fn has_fma() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx2")
-            && std::arch::is_x86_feature_detected!("fma")
-            && std::arch::is_x86_feature_detected!("f16c")
+/// The instructions the kernels use, picked once per product ([`Isa::best`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(
+    not(target_arch = "x86_64"),
+    expect(dead_code, reason = "the x86-64 kernels' variants")
+)]
+enum Isa {
+    /// Plain Rust (any CPU, wasm).
+    Portable,
+    /// AVX2, FMA and F16C.
+    Avx2,
+    /// AVX-512F (with F16C).
+    Avx512,
+}
+
+impl Isa {
+    /// The best this CPU runs.
+    fn best() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let avx2 = std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+                && std::arch::is_x86_feature_detected!("f16c");
+            if avx2 && std::arch::is_x86_feature_detected!("avx512f") {
+                return Self::Avx512;
+            }
+            if avx2 {
+                return Self::Avx2;
+            }
+        }
+        Self::Portable
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
+
+    /// Every kernel this CPU runs (for tests: they must agree).
+    #[cfg(test)]
+    fn available() -> Vec<Self> {
+        [Self::Portable, Self::Avx2, Self::Avx512]
+            .into_iter()
+            .filter(|&k| k == Self::Portable || k as u8 <= Self::best() as u8)
+            .collect()
+    }
+}
+
+/// One row's dot product with the instructions `isa` (which this CPU has).
+#[inline]
+fn dot_q8<T: CodedInt>(q: &[T], scales: &[half::f16], x: &[f32], isa: Isa) -> f32 {
+    match isa {
+        // SAFETY: `isa` is [`Isa::best`] or below it: this CPU has its instructions.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { avx512::dot_q8(q, scales, x) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { avx2::dot_q8(q, scales, x) },
+        _ => dot_q8_portable(q, scales, x),
     }
 }
 
@@ -235,7 +338,7 @@ fn rows_times_inputs<T: CodedInt>(
     t: usize,
     first: usize,
     yt: &mut [f32],
-    fma: bool,
+    isa: Isa,
 ) {
     let Q8Matrix { scales, cols, .. } = w;
     let nb = blocks_per_row(cols);
@@ -261,7 +364,7 @@ fn rows_times_inputs<T: CodedInt>(
         let r = first + i;
         if t == 1 {
             let qr = &q[r * cols..(r + 1) * cols];
-            out[0] = dot_q8(qr, &scales[r * nb..(r + 1) * nb], x, fma);
+            out[0] = dot_q8(qr, &scales[r * nb..(r + 1) * nb], x, isa);
         } else {
             row.resize(cols, 0.0);
             dequantize_row_of(q, scales, cols, r, &mut row);
@@ -278,15 +381,15 @@ pub fn matmul_q8(w: Q8Matrix<'_>, x: &[f32], t: usize, y: &mut [f32]) {
     debug_assert_eq!(w.scales.len(), w.rows * blocks_per_row(w.cols));
     debug_assert_eq!(x.len(), t * w.cols);
     debug_assert_eq!(y.len(), t * w.rows);
-    let fma = has_fma();
+    let isa = Isa::best();
     match w.q {
-        Ints::I8(q) => matmul_of(q, w, x, t, y, fma),
-        Ints::I16(q) => matmul_of(q, w, x, t, y, fma),
+        Ints::I8(q) => matmul_of(q, w, x, t, y, isa),
+        Ints::I16(q) => matmul_of(q, w, x, t, y, isa),
     }
 }
 
-/// [`matmul_q8`] for values `q` (`w`'s) of type `T`, with the AVX2 kernel when `fma`.
-fn matmul_of<T: CodedInt>(q: &[T], w: Q8Matrix<'_>, x: &[f32], t: usize, y: &mut [f32], fma: bool) {
+/// [`matmul_q8`] for values `q` (`w`'s) of type `T`, with the instructions `isa`.
+fn matmul_of<T: CodedInt>(q: &[T], w: Q8Matrix<'_>, x: &[f32], t: usize, y: &mut [f32], isa: Isa) {
     let (rows, cols) = (w.rows, w.cols);
     if rows == 0 || t == 0 {
         return;
@@ -300,10 +403,10 @@ fn matmul_of<T: CodedInt>(q: &[T], w: Q8Matrix<'_>, x: &[f32], t: usize, y: &mut
         if parallel {
             let chunk = rows.div_ceil(threads * 4).max(16);
             par::for_each_chunk(y, chunk, |i, out| {
-                rows_times_inputs(q, w, x, 1, i * chunk, out, fma)
+                rows_times_inputs(q, w, x, 1, i * chunk, out, isa)
             });
         } else {
-            rows_times_inputs(q, w, x, 1, 0, y, fma);
+            rows_times_inputs(q, w, x, 1, 0, y, isa);
         }
         return;
     }
@@ -311,10 +414,10 @@ fn matmul_of<T: CodedInt>(q: &[T], w: Q8Matrix<'_>, x: &[f32], t: usize, y: &mut
     if parallel {
         let chunk_rows = rows.div_ceil(threads * 4).max(4);
         par::for_each_chunk(&mut yt, chunk_rows * t, |i, out| {
-            rows_times_inputs(q, w, x, t, i * chunk_rows, out, fma)
+            rows_times_inputs(q, w, x, t, i * chunk_rows, out, isa)
         });
     } else {
-        rows_times_inputs(q, w, x, t, 0, &mut yt, fma);
+        rows_times_inputs(q, w, x, t, 0, &mut yt, isa);
     }
     for (r, vals) in yt.chunks_exact(t).enumerate() {
         for (tok, &v) in vals.iter().enumerate() {
@@ -407,40 +510,37 @@ mod tests {
     }
 
     #[test]
-    fn the_avx2_kernel_agrees_with_the_portable_one() {
-        if !has_fma() {
-            eprintln!("no AVX2/FMA/F16C on this CPU: only the portable kernel runs here");
-            return;
-        }
+    fn every_kernel_this_cpu_runs_agrees_with_the_portable_one() {
+        let isas = Isa::available();
+        eprintln!("kernels on this CPU: {isas:?}");
         let (rows, cols) = (64, 1000);
         let (q, s) = compact(rows, cols, 7);
         let (wide, narrow) = widths(&q);
         let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.37).sin()).collect();
         for ints in [Ints::I16(&wide), Ints::I8(&narrow)] {
-            let mut y_fast = vec![0.0f32; rows];
-            let mut y_port = vec![0.0f32; rows];
             let w = Q8Matrix {
                 q: ints,
                 scales: &s,
                 rows,
                 cols,
             };
-            match ints {
-                Ints::I8(q) => {
-                    matmul_of(q, w, &x, 1, &mut y_fast, true);
-                    matmul_of(q, w, &x, 1, &mut y_port, false);
+            let run = |isa| {
+                let mut y = vec![0.0f32; rows];
+                match ints {
+                    Ints::I8(q) => matmul_of(q, w, &x, 1, &mut y, isa),
+                    Ints::I16(q) => matmul_of(q, w, &x, 1, &mut y, isa),
                 }
-                Ints::I16(q) => {
-                    matmul_of(q, w, &x, 1, &mut y_fast, true);
-                    matmul_of(q, w, &x, 1, &mut y_port, false);
-                }
-            }
+                y
+            };
+            let portable = run(Isa::Portable);
             let mut row = vec![0.0f32; cols];
-            for (r, (a, b)) in y_fast.iter().zip(&y_port).enumerate() {
-                // Rounding follows the terms' magnitude, not the (cancelling) sum's.
-                dequantize_row(ints, &s, cols, r, &mut row);
-                let terms: f32 = row.iter().zip(&x).map(|(w, x)| (w * x).abs()).sum();
-                assert!((a - b).abs() <= 1e-6 * terms, "row {r}: {a} vs {b}");
+            for &isa in &isas {
+                for (r, (a, b)) in run(isa).iter().zip(&portable).enumerate() {
+                    // Rounding follows the terms' magnitude, not the (cancelling) sum's.
+                    dequantize_row(ints, &s, cols, r, &mut row);
+                    let terms: f32 = row.iter().zip(&x).map(|(w, x)| (w * x).abs()).sum();
+                    assert!((a - b).abs() <= 1e-6 * terms, "{isa:?} row {r}: {a} vs {b}");
+                }
             }
         }
     }
