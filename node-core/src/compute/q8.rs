@@ -157,6 +157,23 @@ fn dot_q8_portable<T: CodedInt>(q: &[T], scales: &[half::f16], x: &[f32]) -> f32
     total.iter().sum::<f32>() + tail
 }
 
+/// The sum of a row's last, partial block (the values past its whole blocks), scaled: what the
+/// vector kernels leave.
+#[cfg(target_arch = "x86_64")]
+fn partial_block<T: CodedInt>(q: &[T], scales: &[half::f16], x: &[f32]) -> f32 {
+    let full = q.len() / Q8_BLOCK;
+    let done = full * Q8_BLOCK;
+    if done == q.len() {
+        return 0.0;
+    }
+    let part: f32 = q[done..]
+        .iter()
+        .zip(&x[done..])
+        .map(|(&a, &v)| a.into() * v)
+        .sum();
+    scales[full].to_f32() * part
+}
+
 /// The dot product with AVX2, FMA and F16C: eight values widened to f32 at a time.
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
@@ -200,17 +217,7 @@ mod avx2 {
         let mut lanes = [0.0f32; 8];
         // SAFETY: `lanes` holds eight f32.
         unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), t) };
-        let mut sum: f32 = lanes.iter().sum();
-        let done = full * super::Q8_BLOCK;
-        if done < q.len() {
-            let part: f32 = q[done..]
-                .iter()
-                .zip(&x[done..])
-                .map(|(&a, &v)| a.into() * v)
-                .sum();
-            sum += scales[full].to_f32() * part;
-        }
-        sum
+        lanes.iter().sum::<f32>() + super::partial_block(q, scales, x)
     }
 }
 
@@ -245,17 +252,7 @@ mod avx512 {
                 }
             }
         }
-        let mut sum = _mm512_reduce_add_ps(_mm512_add_ps(t0, t1));
-        let done = full * super::Q8_BLOCK;
-        if done < q.len() {
-            let part: f32 = q[done..]
-                .iter()
-                .zip(&x[done..])
-                .map(|(&a, &v)| a.into() * v)
-                .sum();
-            sum += scales[full].to_f32() * part;
-        }
-        sum
+        _mm512_reduce_add_ps(_mm512_add_ps(t0, t1)) + super::partial_block(q, scales, x)
     }
 }
 
