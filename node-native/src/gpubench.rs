@@ -13,30 +13,40 @@ use crate::bench::{Row, model_speed, row};
 /// Products per timed submission (the per-submit cost is spread over them).
 const RUNS: usize = 20;
 
-fn matrix(gpu: &Gpu, rows: usize, cols: usize, f16: bool) -> Result<GpuMatrix> {
-    let values: Vec<f32> = (0..rows * cols)
-        .map(|i| ((i % 97) as f32 - 48.0) * 1e-3)
-        .collect();
-    Ok(if f16 {
-        let h: Vec<half::f16> = values.iter().map(|&v| half::f16::from_f32(v)).collect();
-        gpu.upload(rows, cols, Weights::F16(&h))?
-    } else {
-        gpu.upload(rows, cols, Weights::F32(&values))?
-    })
+/// How a benchmark matrix stores its values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Elem {
+    F32,
+    F16,
+    /// A compact data row: i8 with block scales.
+    I8,
+    /// A compact parity row: i16 with block scales.
+    I16,
 }
 
-/// A compact matrix of the same values on a grid of 127 (i8) or 508 (i16) steps a sign.
-fn matrix_q8(gpu: &Gpu, rows: usize, cols: usize, wide: bool) -> Result<GpuMatrix> {
+/// A `rows × cols` matrix of small repeating values, stored as `elem`.
+fn matrix(gpu: &Gpu, rows: usize, cols: usize, elem: Elem) -> Result<GpuMatrix> {
     use node_core::compute::q8::{Ints, blocks_per_row};
-    let scales = vec![half::f16::from_f32(1e-3); rows * blocks_per_row(cols)];
     let ints: Vec<i16> = (0..rows * cols).map(|i| (i % 97) as i16 - 48).collect();
-    let narrow: Vec<i8> = ints.iter().map(|&v| v as i8).collect();
-    let q = if wide {
-        Ints::I16(&ints)
-    } else {
-        Ints::I8(&narrow)
+    let scales = vec![half::f16::from_f32(1e-3); rows * blocks_per_row(cols)];
+    let values = || ints.iter().map(|&v| f32::from(v) * 1e-3);
+    let m = match elem {
+        Elem::F32 => gpu.upload(rows, cols, Weights::F32(&values().collect::<Vec<_>>()))?,
+        Elem::F16 => {
+            let h: Vec<half::f16> = values().map(half::f16::from_f32).collect();
+            gpu.upload(rows, cols, Weights::F16(&h))?
+        }
+        Elem::I8 => {
+            let narrow: Vec<i8> = ints.iter().map(|&v| v as i8).collect();
+            let q = Ints::I8(&narrow);
+            gpu.upload(rows, cols, Weights::Q8 { q, scales: &scales })?
+        }
+        Elem::I16 => {
+            let q = Ints::I16(&ints);
+            gpu.upload(rows, cols, Weights::Q8 { q, scales: &scales })?
+        }
     };
-    Ok(gpu.upload(rows, cols, Weights::Q8 { q, scales: &scales })?)
+    Ok(m)
 }
 
 /// Kernel rows: copy, GEMV (f32, f16, the model's shard shapes), GEMM, transpose; and the copy
@@ -54,16 +64,13 @@ pub fn kernel_rows(gpu: &Gpu, big_bytes: u64) -> Result<(Vec<Row>, f64)> {
     ));
     // A square-ish matrix of `big_bytes`, f32 and f16.
     let side = ((big_bytes / 4) as f64).sqrt() as usize / 64 * 64;
-    for (label, r, c, format) in [
-        ("GEMV f32", side, side, ShardFormat::F32),
-        ("GEMV f16", side, 2 * side, ShardFormat::F16),
-        ("GEMV q8 i8 (data row)", side, 4 * side, ShardFormat::Q8),
-        ("GEMV q8 i16 (parity row)", side, 2 * side, ShardFormat::Q8),
+    for (label, r, c, elem) in [
+        ("GEMV f32", side, side, Elem::F32),
+        ("GEMV f16", side, 2 * side, Elem::F16),
+        ("GEMV q8 i8 (data row)", side, 4 * side, Elem::I8),
+        ("GEMV q8 i16 (parity row)", side, 2 * side, Elem::I16),
     ] {
-        let m = match format {
-            ShardFormat::Q8 => matrix_q8(gpu, r, c, c == 2 * side)?,
-            f => matrix(gpu, r, c, f == ShardFormat::F16)?,
-        };
+        let m = matrix(gpu, r, c, elem)?;
         let s = gpu.time_matmul(&m, 1, RUNS)?;
         let bw = m.bytes() as f64 / s;
         rows.push(row(
@@ -97,7 +104,7 @@ pub fn kernel_rows(gpu: &Gpu, big_bytes: u64) -> Result<(Vec<Row>, f64)> {
             cfg.hidden,
         ),
     ] {
-        let m = matrix(gpu, r, c, false)?;
+        let m = matrix(gpu, r, c, Elem::F32)?;
         let s = gpu.time_matmul(&m, 1, RUNS * 10)?;
         rows.push(row(
             format!("{label} {r}×{c} f32"),
@@ -105,7 +112,7 @@ pub fn kernel_rows(gpu: &Gpu, big_bytes: u64) -> Result<(Vec<Row>, f64)> {
         ));
     }
     // What a member pays per request: upload x, dispatch, read the answer back.
-    let m = matrix(gpu, shard(cfg.hidden), cfg.hidden, false)?;
+    let m = matrix(gpu, shard(cfg.hidden), cfg.hidden, Elem::F32)?;
     let x = vec![0.5f32; cfg.hidden];
     let p = [(&m, Placement::plain(m.rows(), 1))];
     let calls = 200;
@@ -128,7 +135,7 @@ pub fn kernel_rows(gpu: &Gpu, big_bytes: u64) -> Result<(Vec<Row>, f64)> {
             start.elapsed().as_secs_f64() * 1e6 / calls as f64
         ),
     ));
-    let m = matrix(gpu, 4096, 4096, false)?;
+    let m = matrix(gpu, 4096, 4096, Elem::F32)?;
     for t in [4, 16, 64] {
         let s = gpu.time_matmul(&m, t, RUNS)?;
         let flops = 2.0 * 4096.0 * 4096.0 * t as f64;
@@ -137,7 +144,7 @@ pub fn kernel_rows(gpu: &Gpu, big_bytes: u64) -> Result<(Vec<Row>, f64)> {
             format!("{:.0} GFLOP/s, {:.1} µs", flops / s / 1e9, s * 1e6),
         ));
     }
-    let m = matrix(gpu, shard(cfg.vocab), cfg.hidden, false)?;
+    let m = matrix(gpu, shard(cfg.vocab), cfg.hidden, Elem::F32)?;
     let u = vec![0.5f32; m.rows()];
     let p = [(&m, Placement::plain(m.rows(), 1))];
     let start = std::time::Instant::now();

@@ -128,9 +128,9 @@ pub struct GpuGroup {
 fn stack(gpu: &Gpu, members: &[&ShardSet], stage: Stage) -> Result<GroupStage, CodedError> {
     let mut f32s = Vec::new();
     let mut f16s = Vec::new();
-    // Compact members: their integers as i8 while every row is a data row, and as i16 (a
-    // parity row's width) in any case, and their scales, stacked like the rest.
-    let (mut narrow, mut wide, mut scales) = (Some(Vec::new()), Vec::new(), Vec::new());
+    // Compact members: their integers as i8 while every row is a data row, widened to i16 (a
+    // parity row's width) from the first parity row on, and their scales.
+    let (mut narrow, mut wide, mut scales) = (Vec::new(), None::<Vec<i16>>, Vec::new());
     let mut rows = 0;
     let mut mats = Vec::new();
     let mut cols = None;
@@ -155,17 +155,12 @@ fn stack(gpu: &Gpu, members: &[&ShardSet], stage: Stage) -> Result<GroupStage, C
                 ShardValues::F16(v) => f16s.extend_from_slice(v),
                 ShardValues::Q8(v) => {
                     scales.extend_from_slice(&v.scales);
-                    match &v.q {
-                        CodedInts::I8(q) => {
-                            if let Some(n) = &mut narrow {
-                                n.extend_from_slice(q);
-                            }
-                            wide.extend(q.iter().map(|&v| i16::from(v)));
-                        }
-                        CodedInts::I16(q) => {
-                            narrow = None;
-                            wide.extend_from_slice(q);
-                        }
+                    match (&v.q, &mut wide) {
+                        (CodedInts::I8(q), None) => narrow.extend_from_slice(q),
+                        (CodedInts::I8(q), Some(w)) => w.extend(q.iter().map(|&v| i16::from(v))),
+                        (CodedInts::I16(q), w) => w
+                            .get_or_insert_with(|| narrow.drain(..).map(i16::from).collect())
+                            .extend_from_slice(q),
                     }
                 }
             }
@@ -177,9 +172,9 @@ fn stack(gpu: &Gpu, members: &[&ShardSet], stage: Stage) -> Result<GroupStage, C
         (false, true, false) => gpu.upload(rows, cols, Weights::F32(&f32s))?,
         (true, false, false) => gpu.upload(rows, cols, Weights::F16(&f16s))?,
         (true, true, true) => {
-            let q = match &narrow {
-                Some(n) => Ints::I8(n),
-                None => Ints::I16(&wide),
+            let q = match &wide {
+                Some(w) => Ints::I16(w),
+                None => Ints::I8(&narrow),
             };
             gpu.upload(rows, cols, Weights::Q8 { q, scales: &scales })?
         }

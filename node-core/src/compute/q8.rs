@@ -179,13 +179,11 @@ fn partial_block<T: CodedInt>(q: &[T], scales: &[half::f16], x: &[f32]) -> f32 {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    /// A scale as f32, broadcast (F16C).
+    /// A scale as f32 (F16C), inlined into the kernels' loops.
     #[inline]
-    #[target_feature(enable = "avx2,f16c")]
-    fn scale(h: half::f16) -> __m256 {
-        _mm256_set1_ps(_mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(
-            h.to_bits(),
-        )))))
+    #[target_feature(enable = "f16c")]
+    pub(super) fn scale_f32(h: half::f16) -> f32 {
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(h.to_bits()))))
     }
 
     /// See [`super::dot_q8_portable`]; the same sum, grouped differently.
@@ -205,7 +203,7 @@ mod avx2 {
                 acc = _mm256_fmadd_ps(T::widen8(qp.add(8)), _mm256_loadu_ps(xp.add(8)), acc);
                 let mut acc2 = _mm256_mul_ps(T::widen8(qp.add(16)), _mm256_loadu_ps(xp.add(16)));
                 acc2 = _mm256_fmadd_ps(T::widen8(qp.add(24)), _mm256_loadu_ps(xp.add(24)), acc2);
-                let s = scale(h);
+                let s = _mm256_set1_ps(scale_f32(h));
                 if b % 2 == 0 {
                     t0 = _mm256_fmadd_ps(_mm256_add_ps(acc, acc2), s, t0);
                 } else {
@@ -242,9 +240,7 @@ mod avx512 {
                 let xp = x.as_ptr().add(b * 32);
                 let lo = _mm512_mul_ps(T::widen16(qp), _mm512_loadu_ps(xp));
                 let both = _mm512_fmadd_ps(T::widen16(qp.add(16)), _mm512_loadu_ps(xp.add(16)), lo);
-                let s = _mm512_set1_ps(_mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(
-                    h.to_bits(),
-                )))));
+                let s = _mm512_set1_ps(super::avx2::scale_f32(h));
                 if b % 2 == 0 {
                     t0 = _mm512_fmadd_ps(both, s, t0);
                 } else {
