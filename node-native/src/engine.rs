@@ -236,7 +236,10 @@ impl Engine {
         let (to_train, train_rx) = std::sync::mpsc::channel();
         let (publish_tx, publish_rx) = std::sync::mpsc::channel();
         let backlog = Arc::new(AtomicUsize::new(0));
-        let shared = Arc::new(Shared::new(ctx.cfg.groups));
+        let shared = Arc::new(Shared::new(
+            ctx.cfg.groups,
+            ctx.metrics.serving_groups.clone(),
+        ));
         if learns {
             let mut lead = Lead::new(ctx.clone(), trace.clone());
             lead.yield_to = Some(shared.clone());
@@ -585,6 +588,8 @@ pub const MAX_GROUPS: usize = 16;
 struct Shared {
     /// Each serving group's member holders (empty while it has no group).
     busy: std::sync::Mutex<Vec<Vec<PeerId>>>,
+    /// How many serving threads hold a group (the gauge of `busy`).
+    holding: Gauge,
     /// Sequences each serving thread is generating.
     active: std::sync::Mutex<Vec<usize>>,
     /// Signalled when no serving thread has a sequence left.
@@ -594,9 +599,10 @@ struct Shared {
 }
 
 impl Shared {
-    fn new(groups: usize) -> Self {
+    fn new(groups: usize, holding: Gauge) -> Self {
         Self {
             busy: std::sync::Mutex::new(vec![Vec::new(); groups]),
+            holding,
             active: std::sync::Mutex::new(vec![0; groups]),
             quiet: std::sync::Condvar::new(),
             recent: std::sync::Mutex::new(VecDeque::new()),
@@ -619,6 +625,8 @@ impl Shared {
         if let Some(b) = busy.get_mut(slot) {
             *b = peers;
         }
+        self.holding
+            .set(busy.iter().filter(|b| !b.is_empty()).count() as i64);
     }
 
     /// Whether a serving thread other than `slot` holds a group and serves no sequence: it
@@ -966,6 +974,7 @@ impl Worker {
             }
             Err(e) => {
                 self.failures += 1;
+                self.lead.ctx.metrics.forward_step_failures.inc();
                 tracing::warn!(attempt = self.failures, "a forward step failed: {e}");
                 // Form the group again (a member died, or the mesh moved to another version).
                 self.lead.drop_group();
@@ -1327,7 +1336,7 @@ mod tests {
 
     #[test]
     fn a_busy_thread_leaves_a_request_to_a_thread_with_a_group_and_nothing_to_serve() {
-        let shared = Shared::new(3);
+        let shared = Shared::new(3, Gauge::default());
         let peer = PeerId::random();
         assert!(!shared.another_is_idle(0), "no other thread has a group");
         shared.set_busy(1, vec![peer]);
@@ -1345,7 +1354,7 @@ mod tests {
 
     #[test]
     fn training_waits_its_turn_while_serving_and_goes_on_once_serving_is_idle() {
-        let shared = Arc::new(Shared::new(2));
+        let shared = Arc::new(Shared::new(2, Gauge::default()));
         // Nothing served: no wait, however long the trainer worked.
         let t = Instant::now();
         shared.wait_turn(Duration::from_secs(100));

@@ -40,6 +40,10 @@ pub struct Metrics {
     pub forward_steps: Counter,
     /// Coded groups formed.
     pub groups_formed: Counter,
+    /// Serving threads holding a coded group now.
+    pub serving_groups: Gauge,
+    /// Forward steps that failed (the group is then formed again).
+    pub forward_step_failures: Counter,
     /// Members dropped from a group and replaced (failed, stalled or caught).
     pub members_replaced: Counter,
     /// Coded rounds checked against the code with extra answers.
@@ -107,6 +111,8 @@ impl Metrics {
             active_sequences: Gauge::default(),
             forward_steps: Counter::default(),
             groups_formed: Counter::default(),
+            serving_groups: Gauge::default(),
+            forward_step_failures: Counter::default(),
             members_replaced: Counter::default(),
             rounds_checked: Counter::default(),
             decode_residual_ratio: Histogram::new(exponential_buckets(1e-4, 4.0, 10)),
@@ -180,6 +186,16 @@ impl Metrics {
             "groups_formed",
             "Coded groups formed",
             m.groups_formed.clone(),
+        );
+        r.register(
+            "serving_groups",
+            "Serving threads holding a coded group now",
+            m.serving_groups.clone(),
+        );
+        r.register(
+            "forward_step_failures",
+            "Forward steps that failed; the group is formed again",
+            m.forward_step_failures.clone(),
         );
         r.register(
             "members_replaced",

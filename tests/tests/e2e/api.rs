@@ -508,7 +508,7 @@ fn up_with_ten_nodes_serves_two_requests_at_once_through_disjoint_holders() -> R
     // The first request forms the first group; the second serving group forms beside it.
     ask(4)?;
     let start = Instant::now();
-    while metric(port, "codedmesh_groups_formed_total")? < 2.0 {
+    while metric(port, "codedmesh_serving_groups")? < 2.0 {
         ensure!(
             start.elapsed() < Duration::from_secs(60),
             "the second group never formed:\n{}",
@@ -526,6 +526,14 @@ fn up_with_ten_nodes_serves_two_requests_at_once_through_disjoint_holders() -> R
         t.join()
             .map_err(|_| anyhow::anyhow!("a request thread panicked"))??;
     }
+    // Honest holders on loopback: no step fails (a false alarm of the check would fail one,
+    // and its group would be formed again while the other took both requests).
+    let failed = metric(port, "codedmesh_forward_step_failures_total")?;
+    ensure!(
+        failed == 0.0,
+        "{failed} forward steps failed:\n{}",
+        std::fs::read_to_string(data.join("node0.log")).unwrap_or_default()
+    );
     up.stop("INT")?;
     // Requests 2 and 3 ran at once, each on its own group: no holder served both.
     let trace = std::fs::read_to_string(&steps)?;

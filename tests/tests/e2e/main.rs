@@ -10,6 +10,7 @@ mod machine;
 
 mod api;
 mod browser;
+mod calibration;
 mod coded_real_model;
 mod hf_safetensors;
 mod mesh_processes;
