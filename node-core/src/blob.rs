@@ -55,11 +55,13 @@ pub struct BlobParams {
     pub parity_chunks: usize,
 }
 
+/// 64 KiB chunks, 4 parity chunks per 32: any 4 damaged chunks of each 2 MiB are repaired,
+/// for 12.5% more bytes (16 + 4 cost 25%, and pushed compact shards past 60 MB).
 impl Default for BlobParams {
     fn default() -> Self {
         Self {
             chunk_size: 64 << 10,
-            data_chunks: 16,
+            data_chunks: 32,
             parity_chunks: 4,
         }
     }

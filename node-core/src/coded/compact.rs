@@ -15,8 +15,8 @@ use crate::model::{Matrix, ModelWeights};
 pub enum CodedInts {
     /// A data row's: the weights' own integers.
     I8(Vec<i8>),
-    /// A parity row's: sums of up to `‖g‖₁ · 127`.
-    I16(Vec<i16>),
+    /// A parity row's: sums of up to `‖g‖₁ · 127`, stored entropy-coded ([`super::packed`]).
+    I16(#[serde(with = "super::packed::serde_packed")] Vec<i16>),
 }
 
 impl CodedInts {

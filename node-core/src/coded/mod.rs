@@ -10,6 +10,7 @@ mod compact;
 mod gpu;
 mod group;
 mod member;
+pub mod packed;
 mod probe;
 mod shards;
 mod verify;
