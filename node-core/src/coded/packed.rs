@@ -152,6 +152,7 @@ pub fn unpack(bytes: &[u8]) -> Result<Vec<i16>, PackError> {
     if count == 0 {
         return Ok(Vec::new());
     }
+    let count = usize::try_from(count).map_err(|_| bad("more values than this machine holds"))?;
     let model = DefaultContiguousCategoricalEntropyModel::from_nonzero_fixed_point_probabilities(
         probs.as_chunks::<4>().0.iter().map(word),
         false,
@@ -160,7 +161,7 @@ pub fn unpack(bytes: &[u8]) -> Result<Vec<i16>, PackError> {
     let uniform = DefaultUniformModel::new(1 << low);
     let mut coder = DefaultAnsCoder::from_compressed(words)
         .map_err(|_| bad("the words do not end an rANS stream"))?;
-    let mut out = Vec::with_capacity(count as usize);
+    let mut out = Vec::with_capacity(count);
     for _ in 0..count {
         let high = coder
             .decode_symbol(&model)
