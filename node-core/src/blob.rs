@@ -56,8 +56,7 @@ pub struct BlobParams {
 }
 
 /// 64 KiB chunks, 4 parity chunks per 32: any 4 damaged chunks of each 2 MiB are repaired,
-/// for 12.5% more bytes (16 + 4 cost 25%, and pushed compact shards past 60 MB). A payload of
-/// fewer than 32 chunks is better cut with [`BlobParams::for_payload`].
+/// for 12.5% more bytes (16 + 4 cost 25%, and pushed compact shards past 60 MB).
 impl Default for BlobParams {
     fn default() -> Self {
         Self {
@@ -69,20 +68,6 @@ impl Default for BlobParams {
 }
 
 impl BlobParams {
-    /// The default cut for a payload of `len` bytes: groups of as many data chunks as it
-    /// fills, up to the default's 32, with parity in the default's proportion (one chunk at
-    /// least), so a small payload is neither padded to a whole group nor given more parity
-    /// than data.
-    pub fn for_payload(len: usize) -> Self {
-        let d = Self::default();
-        let data_chunks = len.div_ceil(d.chunk_size).clamp(1, d.data_chunks);
-        Self {
-            data_chunks,
-            parity_chunks: (data_chunks * d.parity_chunks).div_ceil(d.data_chunks),
-            ..d
-        }
-    }
-
     /// Checks the ranges.
     pub fn validate(&self) -> Result<(), BlobError> {
         if !(64..=(16 << 20)).contains(&self.chunk_size) {
@@ -306,32 +291,6 @@ mod tests {
 
     fn payload(n: usize) -> Vec<u8> {
         (0..n).map(|i| (i * 7 + i / 13) as u8).collect()
-    }
-
-    #[test]
-    fn a_payload_is_cut_in_proportion_to_its_size() {
-        let cs = BlobParams::default().chunk_size;
-        for (len, data, parity) in [
-            (0, 1, 1),
-            (10, 1, 1),
-            (5 * cs, 5, 1),
-            (9 * cs - 1, 9, 2),
-            (32 * cs, 32, 4),
-            (100 * cs, 32, 4),
-        ] {
-            let p = BlobParams::for_payload(len);
-            assert_eq!(
-                (p.data_chunks, p.parity_chunks),
-                (data, parity),
-                "{len} bytes"
-            );
-            assert!(p.validate().is_ok());
-        }
-        // A small payload takes its own chunks and one of parity, not a whole group.
-        let small = payload(1000);
-        let blob = encode_blob(&small, &BlobParams::for_payload(small.len())).unwrap();
-        assert!(blob.len() < 3 * cs, "{} bytes", blob.len());
-        assert_eq!(decode_blob(&blob).unwrap().payload, small);
     }
 
     #[test]

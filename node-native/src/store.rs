@@ -89,7 +89,7 @@ impl DataDir {
 
     /// Saves the manifest (as a blob).
     pub fn save_manifest(&self, bytes: &[u8]) -> Result<()> {
-        let blob = blob::encode_blob(bytes, &BlobParams::for_payload(bytes.len()))?;
+        let blob = blob::encode_blob(bytes, &BlobParams::default())?;
         write_atomic(&self.file("manifest.blob"), &blob)
     }
 

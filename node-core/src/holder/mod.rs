@@ -193,10 +193,7 @@ impl Rules {
 pub fn shard_to_blob(shard: &ShardSet) -> Result<Vec<u8>, HolderError> {
     let payload = postcard::to_allocvec(shard)
         .map_err(|e| HolderError::Shard(format!("serializing: {e}")))?;
-    Ok(blob::encode_blob(
-        &payload,
-        &BlobParams::for_payload(payload.len()),
-    )?)
+    Ok(blob::encode_blob(&payload, &BlobParams::default())?)
 }
 
 /// A shard set from a blob (untrusted bytes: checked, repaired where parity allows).
