@@ -687,28 +687,12 @@ impl<T: Transport> CodedGroup<T> {
         }
         let mut found = Vec::new();
         for i in 0..parts.len() {
-            let mut rest: Vec<&(usize, Vec<f32>)> = parts
+            let rest: Vec<&(usize, Vec<f32>)> = parts
                 .iter()
                 .enumerate()
                 .filter_map(|(j, p)| (j != i).then_some(p))
                 .collect();
-            // Every member of the rest is checked against the decode of the others in turn: a
-            // set that still holds the wrong member fails at least where that member is the
-            // one checked, however little its error weighs in the prediction of another.
-            let mut agreed = None;
-            for _ in 0..rest.len() {
-                match self.consistent(&rest, c)? {
-                    Ok(a) => {
-                        agreed.get_or_insert(a);
-                    }
-                    Err(_) => {
-                        agreed = None;
-                        break;
-                    }
-                }
-                rest.rotate_left(1);
-            }
-            if let Some(agreed) = agreed {
+            if let Ok(agreed) = self.consistent(&rest, c)? {
                 found.push((i, agreed));
             }
         }
