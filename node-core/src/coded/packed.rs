@@ -46,44 +46,30 @@ fn unzigzag(z: u16) -> i16 {
 }
 
 /// `values`, entropy-coded.
-pub fn pack(values: &[i16]) -> Vec<u8> {
+pub fn pack(values: &[i16]) -> Result<Vec<u8>, PackError> {
+    fn coding(e: impl std::fmt::Debug) -> PackError {
+        PackError(format!("coding: {e:?}"))
+    }
     let max = values.iter().map(|&v| zigzag(v)).max().unwrap_or(0);
     let low = (u16::BITS - max.leading_zeros())
         .saturating_sub(HIGH_BITS)
         .max(1);
-    // The model needs two symbols at least.
+    // The model needs two symbols at least; no values get a flat one.
     let alphabet = ((usize::from(max) >> low) + 1).max(2);
-    let mut counts = vec![0.0f64; alphabet];
+    let mut counts = vec![f64::from(u8::from(values.is_empty())); alphabet];
     for &v in values {
         counts[usize::from(zigzag(v) >> low)] += 1.0;
     }
+    // Leaky: every symbol gets a probability, so any high part can be coded.
+    let model = DefaultContiguousCategoricalEntropyModel::from_floating_point_probabilities_fast(
+        &counts, None,
+    )
+    .map_err(|()| PackError("no distribution of the values".into()))?;
     let mut out = Vec::with_capacity(HEADER + 4 * alphabet + values.len() * 9 / 8);
     out.push(VERSION);
     out.extend_from_slice(&(values.len() as u64).to_le_bytes());
     out.push(low as u8);
     out.extend_from_slice(&(alphabet as u16).to_le_bytes());
-    let model = if values.is_empty() {
-        None
-    } else {
-        // Leaky: every symbol gets a probability, so any high part can be coded.
-        DefaultContiguousCategoricalEntropyModel::from_floating_point_probabilities_fast(
-            &counts, None,
-        )
-        .ok()
-    };
-    let Some(model) = model else {
-        // No values: a flat model and no words.
-        let flat = (1u32 << 24) / alphabet as u32;
-        for i in 0..alphabet {
-            let p = if i == 0 {
-                (1u32 << 24) - flat * (alphabet as u32 - 1)
-            } else {
-                flat
-            };
-            out.extend_from_slice(&p.to_le_bytes());
-        }
-        return out;
-    };
     for (_, _, p) in model.symbol_table() {
         out.extend_from_slice(&p.get().to_le_bytes());
     }
@@ -92,24 +78,24 @@ pub fn pack(values: &[i16]) -> Vec<u8> {
     // The seal goes in first and comes out last: it fills the coder's state, so every value
     // after it costs its bits in words (an empty coder's state codes the first symbols
     // nearly free, which would break the count's bound), and it checks the end.
-    let mut pushed = Ok(());
     for half in SEAL {
-        pushed = pushed.and_then(|()| coder.encode_symbol(usize::from(half), seal_model()));
+        coder
+            .encode_symbol(usize::from(half), seal_model())
+            .map_err(coding)?;
     }
     // A stack: the last value is pushed first, and each value's low bits before its high
     // part, so decoding reads the values in order, high part first.
     for &v in values.iter().rev() {
         let z = usize::from(zigzag(v));
-        pushed = pushed
-            .and_then(|()| coder.encode_symbol(z & ((1 << low) - 1), uniform))
-            .and_then(|()| coder.encode_symbol(z >> low, &model));
+        coder
+            .encode_symbol(z & ((1 << low) - 1), uniform)
+            .and_then(|()| coder.encode_symbol(z >> low, &model))
+            .map_err(coding)?;
     }
-    debug_assert!(pushed.is_ok(), "every symbol is in its model");
-    let words = coder.into_compressed().unwrap_or_default();
-    for w in words {
+    for w in coder.into_compressed().map_err(coding)? {
         out.extend_from_slice(&w.to_le_bytes());
     }
-    out
+    Ok(out)
 }
 
 /// Values [`pack`] wrote, from untrusted bytes.
@@ -193,7 +179,7 @@ pub mod serde_packed {
 
     /// Writes the values packed.
     pub fn serialize<S: Serializer>(values: &[i16], s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_bytes(&super::pack(values))
+        s.serialize_bytes(&super::pack(values).map_err(serde::ser::Error::custom)?)
     }
 
     /// Reads packed values.
@@ -233,7 +219,7 @@ mod tests {
             sums(100_000, 1),
             (i16::MIN..=i16::MAX).collect(),
         ] {
-            assert_eq!(unpack(&pack(&values)).unwrap(), values);
+            assert_eq!(unpack(&pack(&values).unwrap()).unwrap(), values);
         }
     }
 
@@ -249,7 +235,7 @@ mod tests {
             .values()
             .map(|&c| -(c as f64 / n) * (c as f64 / n).log2())
             .sum();
-        let bits = 8.0 * pack(&values).len() as f64 / n;
+        let bits = 8.0 * pack(&values).unwrap().len() as f64 / n;
         assert!(
             bits < entropy + 0.05,
             "{bits:.3} bits a value against an entropy of {entropy:.3}"
@@ -258,7 +244,7 @@ mod tests {
 
     #[test]
     fn damaged_bytes_are_refused_or_decode_without_panic() {
-        let packed = pack(&sums(5_000, 3));
+        let packed = pack(&sums(5_000, 3)).unwrap();
         assert!(unpack(&packed[..packed.len() - 1]).is_err(), "truncated");
         assert!(unpack(&packed[..5]).is_err(), "no header");
         let mut huge = packed.clone();
