@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize, de::DeserializeOwned};
 use crate::model::Stage;
 
 /// Version of the step protocol; a peer on another version is refused with both named.
-pub const PROTOCOL_VERSION: u16 = 2;
+pub const PROTOCOL_VERSION: u16 = 3;
 
 /// Largest encoded message accepted (a prefill of a few thousand tokens fits).
 pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
@@ -23,6 +23,7 @@ pub enum StepRequest {
         /// Number of input rows.
         t: u32,
         /// The inputs, row-major.
+        #[serde(with = "f32_bytes")]
         x: Vec<f32>,
     },
     /// Multiply the transposes of the member's shards of a stage by `u` (backward pass):
@@ -33,6 +34,7 @@ pub enum StepRequest {
         /// Number of rows.
         t: u32,
         /// `[s][matrix][token][local row]`.
+        #[serde(with = "f32_bytes")]
         u: Vec<f32>,
     },
     /// Return rows of the member's coded embedding (for the embedding lookup).
@@ -72,6 +74,7 @@ pub enum StepResponse {
         /// The shard row (node index) that computed it.
         node: u32,
         /// The values.
+        #[serde(with = "f32_bytes")]
         values: Vec<f32>,
     },
     /// The member could not compute it.
@@ -108,12 +111,45 @@ pub enum ProtocolError {
     Trailing(usize),
 }
 
+/// A vector of f32 as one run of little-endian bytes: decoded with one length check and a copy,
+/// where a sequence is decoded a value at a time (postcard writes both as a length and 4 bytes
+/// a value; this length counts bytes).
+mod f32_bytes {
+    use serde::{Deserializer, Serializer, de};
+
+    pub fn serialize<S: Serializer>(v: &[f32], s: S) -> Result<S::Ok, S::Error> {
+        #[cfg(target_endian = "little")]
+        return s.serialize_bytes(bytemuck::cast_slice(v));
+        #[cfg(target_endian = "big")]
+        s.serialize_bytes(&v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<f32>, D::Error> {
+        struct Floats;
+        impl de::Visitor<'_> for Floats {
+            type Value = Vec<f32>;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("f32 values as little-endian bytes")
+            }
+
+            fn visit_bytes<E: de::Error>(self, b: &[u8]) -> Result<Vec<f32>, E> {
+                let (whole, rest) = b.as_chunks::<4>();
+                if !rest.is_empty() {
+                    return Err(E::invalid_length(b.len(), &"a multiple of 4 bytes"));
+                }
+                Ok(whole.iter().map(|&v| f32::from_le_bytes(v)).collect())
+            }
+        }
+        d.deserialize_bytes(Floats)
+    }
+}
+
 /// Encodes a message with the protocol version in front.
 pub fn encode<T: Serialize>(msg: &T) -> Result<Vec<u8>, ProtocolError> {
-    let mut out = postcard::to_allocvec(&PROTOCOL_VERSION)
-        .map_err(|e| ProtocolError::Malformed(e.to_string()))?;
-    let body = postcard::to_allocvec(msg).map_err(|e| ProtocolError::Malformed(e.to_string()))?;
-    out.extend_from_slice(&body);
+    let malformed = |e: postcard::Error| ProtocolError::Malformed(e.to_string());
+    let out = postcard::to_extend(&PROTOCOL_VERSION, Vec::new()).map_err(malformed)?;
+    let out = postcard::to_extend(msg, out).map_err(malformed)?;
     if out.len() > MAX_MESSAGE_BYTES {
         return Err(ProtocolError::TooLarge {
             len: out.len(),
@@ -181,10 +217,38 @@ mod tests {
 
     #[test]
     fn huge_length_prefix_is_an_error_not_an_allocation() {
-        // version 1, variant Matmul, stage LmHead, t = 1, then a vector claiming 2^60 floats.
-        let mut bytes = vec![1u8, 0, 4, 1];
+        // This version, variant Matmul, stage LmHead, t = 1, then a vector claiming 2^60 bytes.
+        let mut bytes = postcard::to_allocvec(&PROTOCOL_VERSION).unwrap();
+        bytes.extend_from_slice(&[0, 4, 1]);
         bytes.extend_from_slice(&[0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x0f]);
-        assert!(decode::<StepRequest>(&bytes).is_err());
+        let err = decode::<StepRequest>(&bytes).unwrap_err();
+        assert!(matches!(err, ProtocolError::Malformed(_)), "{err}");
+    }
+
+    #[test]
+    fn values_are_whole_floats_or_refused() {
+        let msg = StepResponse::Partial {
+            node: 2,
+            values: vec![f32::MIN_POSITIVE, -0.0, 1e30, f32::NAN],
+        };
+        let bytes = encode(&msg).unwrap();
+        let back = decode::<StepResponse>(&bytes).unwrap();
+        let StepResponse::Partial { values, .. } = back else {
+            panic!("{back:?}")
+        };
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let StepResponse::Partial { values: sent, .. } = &msg else {
+            unreachable!()
+        };
+        assert_eq!(bits(&values), bits(sent));
+        // The same message with one byte fewer in its values (the length says 15).
+        let mut cut = bytes.clone();
+        let len_at = cut.len() - 17;
+        assert_eq!(cut[len_at], 16, "the length of the values in bytes");
+        cut[len_at] = 15;
+        cut.pop();
+        let err = decode::<StepResponse>(&cut).unwrap_err();
+        assert!(matches!(err, ProtocolError::Malformed(_)), "{err}");
     }
 
     proptest! {

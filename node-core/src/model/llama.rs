@@ -485,25 +485,21 @@ impl Llama {
         let (hd, kv_dim, q_dim) = (cfg.head_dim, cfg.kv_dim(), cfg.q_dim());
         let group = cfg.heads / cfg.kv_heads;
         let scale = 1.0 / (hd as f32).sqrt();
+        let avx2 = wide_vectors();
         // One (token, head) pair: its slice of `out`.
         let one = |pair: usize, o: &mut [f32]| {
             let (i, head) = (pair / cfg.heads, pair % cfg.heads);
-            let positions = start + i + 1;
             let kvh = head / group;
-            let qv = &q[i * q_dim + head * hd..i * q_dim + (head + 1) * hd];
-            let mut scores: Vec<f32> = (0..positions)
-                .map(|p| {
-                    let kv = &keys[p * kv_dim + kvh * hd..p * kv_dim + (kvh + 1) * hd];
-                    crate::compute::dot(qv, kv) * scale
-                })
-                .collect();
-            softmax(&mut scores);
-            for (p, &w) in scores.iter().enumerate() {
-                let vv = &values[p * kv_dim + kvh * hd..p * kv_dim + (kvh + 1) * hd];
-                for (a, &b) in o.iter_mut().zip(vv) {
-                    *a += w * b;
-                }
-            }
+            let head = Head {
+                q: &q[i * q_dim + head * hd..i * q_dim + (head + 1) * hd],
+                keys,
+                values,
+                stride: kv_dim,
+                offset: kvh * hd,
+                positions: start + i + 1,
+                scale,
+            };
+            head.attend_with(avx2, o);
         };
         let out = &mut out[..t * q_dim];
         // Heads split across the kernel threads once their work outweighs handing it out: the
@@ -518,6 +514,73 @@ impl Llama {
             }
         }
     }
+}
+
+/// One query head's attention over the cached positions of its key/value head.
+struct Head<'a> {
+    /// The query, `head_dim` values.
+    q: &'a [f32],
+    /// Every cached position's keys, `stride` values a position.
+    keys: &'a [f32],
+    /// Every cached position's values, laid out as `keys`.
+    values: &'a [f32],
+    /// Values a position.
+    stride: usize,
+    /// Where this head's `head_dim` values start in a position.
+    offset: usize,
+    /// Positions attended to.
+    positions: usize,
+    /// `1/√head_dim`.
+    scale: f32,
+}
+
+impl Head<'_> {
+    /// Adds the attention-weighted values to `out` (`head_dim` values), with AVX2 when `avx2`
+    /// (this CPU has it): the same operations in the same order, so the same bits.
+    fn attend_with(&self, avx2: bool, out: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if avx2 {
+            // SAFETY: `avx2` comes from `wide_vectors`, which checked this CPU.
+            return unsafe { self.attend_avx2(out) };
+        }
+        let _ = avx2;
+        self.attend(out);
+    }
+
+    /// [`Self::attend`] compiled for AVX2: no fused multiply-adds, so the results are
+    /// the portable build's bit for bit.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    fn attend_avx2(&self, out: &mut [f32]) {
+        self.attend(out);
+    }
+
+    /// See [`Self::attend_with`].
+    #[inline(always)]
+    fn attend(&self, out: &mut [f32]) {
+        let hd = out.len();
+        let at = |p: usize| p * self.stride + self.offset..p * self.stride + self.offset + hd;
+        // A loop, not a collected iterator: the iterator's code would be std's, compiled
+        // without this function's target features.
+        let mut scores = vec![0.0f32; self.positions];
+        for (p, s) in scores.iter_mut().enumerate() {
+            *s = crate::compute::dot(self.q, &self.keys[at(p)]) * self.scale;
+        }
+        softmax(&mut scores);
+        for (p, &w) in scores.iter().enumerate() {
+            for (a, &b) in out.iter_mut().zip(&self.values[at(p)]) {
+                *a += w * b;
+            }
+        }
+    }
+}
+
+/// Whether this CPU runs AVX2 (the attention's wider loops).
+fn wide_vectors() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return std::arch::is_x86_feature_detected!("avx2");
+    #[cfg(not(target_arch = "x86_64"))]
+    false
 }
 
 fn expect_len(v: &[f32], len: usize, what: &str) -> Result<(), ModelError> {
