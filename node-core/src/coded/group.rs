@@ -685,16 +685,41 @@ impl<T: Transport> CodedGroup<T> {
                 "{what}: answers disagree (residual {worst:.2e} > {threshold:.2e}) and no further member can tell which is wrong"
             )));
         }
-        let mut found = Vec::new();
-        for i in 0..parts.len() {
-            let rest: Vec<&(usize, Vec<f32>)> = parts
+        let rest_of = |i: usize| -> Vec<&(usize, Vec<f32>)> {
+            parts
                 .iter()
                 .enumerate()
                 .filter_map(|(j, p)| (j != i).then_some(p))
-                .collect();
-            if let Ok(agreed) = self.consistent(&rest, c)? {
+                .collect()
+        };
+        let mut found = Vec::new();
+        for i in 0..parts.len() {
+            if let Ok(agreed) = self.consistent(&rest_of(i), c)? {
                 found.push((i, agreed));
             }
+        }
+        if found.len() > 1 {
+            // A set that still holds the wrong member can pass when that member weighs little
+            // in the one prediction made: such sets are told apart by checking each of their
+            // members in turn against the decode of the others (it fails where the wrong
+            // member is the one checked). Only then, so a round located at once is located as
+            // before.
+            let mut kept = Vec::new();
+            for (i, agreed) in found {
+                let mut rest = rest_of(i);
+                let mut every = true;
+                for _ in 1..rest.len() {
+                    rest.rotate_left(1);
+                    if self.consistent(&rest, c)?.is_err() {
+                        every = false;
+                        break;
+                    }
+                }
+                if every {
+                    kept.push((i, agreed));
+                }
+            }
+            found = kept;
         }
         let [(i, (out, threshold))] = <[_; 1]>::try_from(found).map_err(|found| {
             CodedError::Verification(format!(
