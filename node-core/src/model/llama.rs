@@ -694,3 +694,38 @@ fn add_in_place(x: &mut [f32], y: &[f32]) {
         *a += b;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    #[test]
+    fn attention_gives_the_same_bits_with_and_without_avx2() {
+        // A hop group's members each run attention on their own: they must agree to the bit
+        // whatever instructions their CPUs have.
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+        let (hd, stride, positions) = (64, 192, 300);
+        let mut v =
+            |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-2.0..2.0)).collect() };
+        let (q, keys, values) = (v(hd), v(stride * positions), v(stride * positions));
+        let head = Head {
+            q: &q,
+            keys: &keys,
+            values: &values,
+            stride,
+            offset: 64,
+            positions,
+            scale: 0.125,
+        };
+        let mut plain = vec![0.5f32; hd];
+        head.attend_with(false, &mut plain);
+        assert!(plain.iter().all(|x| x.is_finite() && *x != 0.5));
+        if wide_vectors() {
+            let mut wide = vec![0.5f32; hd];
+            head.attend_with(true, &mut wide);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&plain), bits(&wide));
+        }
+    }
+}
