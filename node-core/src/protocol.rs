@@ -251,6 +251,17 @@ mod tests {
         assert!(matches!(err, ProtocolError::Malformed(_)), "{err}");
     }
 
+    #[test]
+    fn byte_runs_are_the_bytes_of_a_sequence_of_u8() {
+        // Fields carried as byte runs (serde_bytes: one copy to read) keep the wire form of a
+        // plain Vec<u8>, so nodes before and after the change read each other's messages.
+        let v: Vec<u8> = (0..=255).chain(0..300).map(|i: i32| i as u8).collect();
+        assert_eq!(
+            postcard::to_allocvec(&serde_bytes::Bytes::new(&v)).unwrap(),
+            postcard::to_allocvec(&v).unwrap()
+        );
+    }
+
     proptest! {
         #[test]
         fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {

@@ -10,10 +10,13 @@ use super::UpdateError;
 #[derive(Serialize, Deserialize)]
 struct Envelope {
     /// The signer's public key, protobuf-encoded (libp2p's form).
+    #[serde(with = "serde_bytes")]
     key: Vec<u8>,
     /// Signature over `payload`.
+    #[serde(with = "serde_bytes")]
     signature: Vec<u8>,
     /// The update's wire form.
+    #[serde(with = "serde_bytes")]
     payload: Vec<u8>,
 }
 

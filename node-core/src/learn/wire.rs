@@ -3,6 +3,7 @@
 
 use half::f16;
 use serde::{Deserialize, Serialize};
+use serde_bytes::ByteBuf;
 
 use super::{Precision, StageFactors, Update, UpdateError};
 use crate::model::{LeaderWeights, Stage};
@@ -10,8 +11,9 @@ use crate::model::{LeaderWeights, Stage};
 /// Tag of the wire format, first in every payload.
 const FORMAT: u8 = 2;
 
-/// A stage on the wire: the stage, its rows, the input factor and the output factors.
-type WireStage = (Stage, u32, Vec<u8>, Vec<Vec<u8>>);
+/// A stage on the wire: the stage, its rows, the input factor and the output factors (byte
+/// runs: the same bytes on the wire as a sequence of u8, read with one copy).
+type WireStage = (Stage, u32, ByteBuf, Vec<ByteBuf>);
 
 #[derive(Serialize, Deserialize)]
 struct Wire {
@@ -21,6 +23,7 @@ struct Wire {
     t: u32,
     stages: Vec<WireStage>,
     embed_tokens: Vec<u32>,
+    #[serde(with = "serde_bytes")]
     embed_dx: Vec<u8>,
     norms: LeaderWeights,
 }
@@ -73,8 +76,8 @@ pub(super) fn encode(u: &Update) -> Vec<u8> {
                 (
                     f.stage,
                     f.rows,
-                    pack(&f.x, p),
-                    f.dy.iter().map(|d| pack(d, p)).collect(),
+                    ByteBuf::from(pack(&f.x, p)),
+                    f.dy.iter().map(|d| ByteBuf::from(pack(d, p))).collect(),
                 )
             })
             .collect(),

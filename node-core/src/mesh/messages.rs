@@ -378,6 +378,7 @@ pub enum MeshRequest {
         /// Digest of the shard version the leader's group decodes at.
         version: [u8; 32],
         /// The encoded step.
+        #[serde(with = "serde_bytes")]
         bytes: Vec<u8>,
     },
     /// The answering node's version: its snapshot's folded updates and the ids kept since.
@@ -414,7 +415,7 @@ pub enum MeshResponse {
     /// The mesh view.
     Info(MeshInfo),
     /// The manifest, serialized.
-    Manifest(Vec<u8>),
+    Manifest(#[serde(with = "serde_bytes")] Vec<u8>),
     /// A row offer.
     Join(JoinOffer),
     /// A piece of a shard blob (or of an update's payload).
@@ -424,11 +425,13 @@ pub enum MeshResponse {
         /// Digest of the shard version the blob holds (zero for update payloads).
         version: [u8; 32],
         /// The bytes.
+        #[serde(with = "serde_bytes")]
         bytes: Vec<u8>,
     },
     /// An encoded [`crate::protocol::StepResponse`] and how long computing it took.
     Step {
         /// The encoded answer.
+        #[serde(with = "serde_bytes")]
         bytes: Vec<u8>,
         /// Microseconds the member spent computing.
         compute_us: u64,

@@ -93,6 +93,7 @@ pub struct Part {
     /// The sender's row.
     pub row: u32,
     /// Its encoded [`crate::protocol::StepResponse`].
+    #[serde(with = "serde_bytes")]
     pub answer: Vec<u8>,
 }
 

@@ -36,6 +36,7 @@ pub struct Ask {
     /// The version the leader computes at.
     pub version: [u8; 32],
     /// The encoded [`StepRequest`].
+    #[serde(with = "serde_bytes")]
     pub step: Vec<u8>,
 }
 
