@@ -22,6 +22,8 @@ impl LocalMesh {
     pub fn start(model: &Path, k: usize, n: usize, dir: &Path, delay: Duration) -> Result<Self> {
         let delay_ms = (delay.as_secs_f64() * 1e3).to_string();
         let exe = std::env::current_exe().context("locating this program")?;
+        // Each process its share of the cores, as `up` gives its nodes.
+        let threads = crate::supervise::kernel_threads_env(n);
         std::fs::create_dir_all(dir)?;
         let data = |i: usize| dir.join(format!("node{i}"));
         let log = |i: usize| -> Result<std::fs::File> {
@@ -41,6 +43,7 @@ impl LocalMesh {
             .arg("--data")
             .arg(data(0))
             .env(crate::swarm::DELAY_VAR, &delay_ms)
+            .envs(threads.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(log(0)?)
@@ -69,6 +72,7 @@ impl LocalMesh {
                 .arg("--data")
                 .arg(data(i))
                 .env(crate::swarm::DELAY_VAR, &delay_ms)
+                .envs(threads.iter().map(|(k, v)| (k, v)))
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
                 .stderr(log(i)?)

@@ -219,6 +219,7 @@ fn dashboard(opts: &UpOptions, data: &Path) -> (Option<PathBuf>, Option<tokio::p
             root.join("scripts").join("build-web.sh").into_os_string(),
         ],
         log: Some(log.clone()),
+        env: Vec::new(),
     };
     match spec.spawn() {
         Ok(child) => {
@@ -303,6 +304,7 @@ pub async fn up(opts: UpOptions) -> Result<()> {
             program: program.clone(),
             args,
             log: Some(data.join(format!("node{i}.log"))),
+            env: crate::supervise::kernel_threads_env(mesh.n),
         };
         let stop = stop_rx.clone();
         tasks.push(tokio::spawn(async move {
