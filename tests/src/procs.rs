@@ -328,10 +328,39 @@ impl Mesh {
                 return Ok(s);
             }
             if start.elapsed() > Duration::from_secs(60) {
-                bail!("never saw {rows} healthy rows: {s}");
+                bail!(
+                    "never saw {rows} healthy rows: {s}\n{}",
+                    self.processes_report()
+                );
             }
             std::thread::sleep(Duration::from_millis(200));
         }
+    }
+
+    /// For a failure's message: whether each process still runs, and the end of its log.
+    pub fn processes_report(&self) -> String {
+        std::iter::once(&self.seed)
+            .chain(&self.nodes)
+            .map(|p| {
+                // The process state letter in /proc (Z: exited, not yet reaped).
+                let stat = std::fs::read_to_string(format!("/proc/{}/stat", p.pid()));
+                let state = match stat.as_deref().map(|s| s.rsplit(") ").next()) {
+                    Ok(Some(rest)) if rest.starts_with('Z') => "exited",
+                    Ok(Some(rest)) if rest.starts_with('T') => "stopped",
+                    Ok(_) => "running",
+                    Err(_) => "gone",
+                };
+                let log = p.log();
+                let lines: Vec<&str> = log.lines().collect();
+                let tail = lines[lines.len().saturating_sub(20)..].join("\n");
+                format!(
+                    "--- {} (pid {}): {state}; the end of its log:\n{tail}",
+                    p.name,
+                    p.pid()
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
     }
 
     /// Kills (SIGKILL) the node process holding `row` and waits until the mesh no longer counts
