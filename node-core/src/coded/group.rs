@@ -7,7 +7,9 @@ use rand_chacha::ChaCha8Rng;
 use web_time::{Duration, Instant};
 
 use super::probe::UpdateProbe;
-use super::verify::{Caught, VerifyConfig, random_input, residual, transpose_residual};
+use super::verify::{
+    Caught, VerifyConfig, random_input, residual, residual_over, transpose_residual,
+};
 use super::{CodedError, Member, ShardFormat, ShardSet};
 use crate::code::{Decoder, Generator};
 use crate::model::{
@@ -607,11 +609,12 @@ impl<T: Transport> CodedGroup<T> {
         let refs: Vec<(usize, &[f32])> = parts.iter().map(|(n, v)| (*n, v.as_slice())).collect();
         let (out, kappa, predicted) = self.decode_and_predict(&refs, c)?;
         let threshold = self.verify.threshold(kappa);
+        let floor = out.iter().fold(0.0f64, |m, v| m.max(f64::from(v.abs())));
         let worst = refs
             .iter()
             .skip(k)
             .zip(&predicted)
-            .map(|((_, actual), p)| residual(actual, p))
+            .map(|((_, actual), p)| residual_over(actual, p, floor))
             .fold(0.0f64, f64::max);
         if worst > threshold || worst.is_nan() {
             return Ok(Err((worst, threshold)));

@@ -97,8 +97,16 @@ impl std::fmt::Display for Caught {
 
 /// `max|actual − predicted| / max|actual|` (∞ when the answer holds a non-finite value).
 pub fn residual(actual: &[f32], predicted: &[f32]) -> f64 {
+    residual_over(actual, predicted, 0.0)
+}
+
+/// [`residual`] relative to at least `floor`: the round's decoded values' largest magnitude.
+/// An answer that is legitimately all zeros (a compact data row whose integers round to 0 for
+/// the rows asked) is otherwise compared with the prediction's rounding noise alone, and any
+/// noise over itself is 1.0: an honest mesh failed its first embedding lookup that way.
+pub fn residual_over(actual: &[f32], predicted: &[f32], floor: f64) -> f64 {
     let mut diff = 0.0f64;
-    let mut scale = 0.0f64;
+    let mut scale = floor;
     for (&a, &p) in actual.iter().zip(predicted) {
         if !a.is_finite() {
             return f64::INFINITY;
@@ -283,6 +291,19 @@ mod tests {
             }
         }
         (a, p)
+    }
+
+    #[test]
+    fn an_answer_of_zeros_is_measured_against_the_rounds_scale() {
+        // A data row whose integers are all 0 for the rows asked answers zeros; the prediction
+        // from other rows carries their rounding. Over itself that is a residual of 1.
+        let zeros = [0.0f32; 8];
+        let noise = [1e-9f32, -2e-9, 0.0, 5e-10, 0.0, 0.0, 1e-9, 0.0];
+        assert_eq!(residual(&zeros, &noise), 1.0);
+        assert!(residual_over(&zeros, &noise, 0.5) < 1e-8);
+        // A wrong answer on that row is still far off the round's scale.
+        let wrong = [0.3f32; 8];
+        assert!(residual_over(&wrong, &noise, 0.5) > 0.5);
     }
 
     #[test]
