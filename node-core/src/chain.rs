@@ -343,6 +343,7 @@ impl Assembly {
                 }
                 _ => ShardValues::F32(v),
             },
+            adapter: Default::default(),
             carry: Vec::new(),
         });
         let blocks = (0..self.cfg.layers)

@@ -243,6 +243,14 @@ pub async fn form<L: LeadLink>(
                     updates = list.len(),
                     "checking members against learning updates of their version"
                 );
+                // Compact shards learn each update's projection (docs/coding.md).
+                let list = match manifest.format {
+                    crate::coded::ShardFormat::Q8 => list
+                        .into_iter()
+                        .map(|(id, u)| (id, Arc::new(u.projected())))
+                        .collect(),
+                    _ => list,
+                };
                 Some(UpdateProbe::new(list, g.n()))
             }
             Err(e) => {

@@ -7,8 +7,9 @@ use serde::{Deserialize, Serialize, de::DeserializeOwned};
 
 use crate::model::Stage;
 
-/// Version of the step protocol; a peer on another version is refused with both named.
-pub const PROTOCOL_VERSION: u16 = 3;
+/// Version of the step protocol; a peer on another version is refused with both named (4: shard
+/// sets carry their learnt adapters).
+pub const PROTOCOL_VERSION: u16 = 4;
 
 /// Largest encoded message accepted (a prefill of a few thousand tokens fits).
 pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
@@ -114,17 +115,17 @@ pub enum ProtocolError {
 /// A vector of f32 as one run of little-endian bytes: decoded with one length check and a copy,
 /// where a sequence is decoded a value at a time (postcard writes both as a length and 4 bytes
 /// a value; this length counts bytes).
-mod f32_bytes {
+pub(crate) mod f32_bytes {
     use serde::{Deserializer, Serializer, de};
 
-    pub fn serialize<S: Serializer>(v: &[f32], s: S) -> Result<S::Ok, S::Error> {
+    pub(crate) fn serialize<S: Serializer>(v: &[f32], s: S) -> Result<S::Ok, S::Error> {
         #[cfg(target_endian = "little")]
         return s.serialize_bytes(bytemuck::cast_slice(v));
         #[cfg(target_endian = "big")]
         s.serialize_bytes(&v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>())
     }
 
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<f32>, D::Error> {
+    pub(crate) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<f32>, D::Error> {
         struct Floats;
         impl de::Visitor<'_> for Floats {
             type Value = Vec<f32>;

@@ -71,9 +71,9 @@ pub(crate) struct UpArgs {
     /// Requests do not train the model.
     #[arg(long)]
     pub(crate) no_learning: bool,
-    /// Shard storage: f32 (exact to the code's error), f16, or q8 (compact: a quarter of the
-    /// bytes on the integer code; needs --no-learning; docs/coding.md, "Compact shards");
-    /// default: q8 with --no-learning where the integer code has a row for every node (k ≤ 5;
+    /// Shard storage: f32 (exact to the code's error), f16 (does not learn), or q8 (compact: a
+    /// quarter of the bytes on the integer code, learning in coded adapters; docs/coding.md,
+    /// "Compact shards"); default: q8 where the integer code has a row for every node (k ≤ 5;
     /// 7 rows for k = 3), else f32.
     #[arg(long)]
     pub(crate) shard_format: Option<ShardFormat>,
@@ -294,9 +294,9 @@ pub(crate) struct SeedArgs {
     /// as many as keep every group of k within the numerics goal (docs/coding.md).
     #[arg(long)]
     pub(crate) max_rows: Option<usize>,
-    /// Shard storage: f32, f16, or q8 (compact, on the integer code; needs --no-learning);
-    /// default: q8 with --no-learning where the integer code has a row for every genesis node
-    /// (k ≤ 5; 7 rows for k = 3), else f32.
+    /// Shard storage: f32, f16 (does not learn), or q8 (compact, on the integer code); default:
+    /// q8 where the integer code has a row for every genesis node (k ≤ 5; 7 rows for k = 3),
+    /// else f32.
     #[arg(long)]
     pub(crate) shard_format: Option<ShardFormat>,
     /// Requests do not train the model.
@@ -441,16 +441,10 @@ pub(crate) struct GenerateArgs {
 }
 
 /// The shard format a new mesh of `nodes` genesis rows gets: `chosen`, else compact (q8) where
-/// its gates hold (no learning: updates far below the grid's step would vanish; a row of the
-/// integer code for every node), else f32.
-pub(crate) fn mesh_format(
-    chosen: Option<ShardFormat>,
-    no_learning: bool,
-    k: usize,
-    nodes: usize,
-) -> ShardFormat {
+/// the integer code has a row for every node, else f32.
+pub(crate) fn mesh_format(chosen: Option<ShardFormat>, k: usize, nodes: usize) -> ShardFormat {
     let fits = nodes <= node_core::code::Generator::integer_capacity(k);
-    chosen.unwrap_or(if no_learning && fits {
+    chosen.unwrap_or(if fits {
         ShardFormat::Q8
     } else {
         ShardFormat::F32
@@ -462,21 +456,16 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_frozen_mesh_defaults_to_compact_shards_where_the_integer_code_reaches() {
-        assert_eq!(mesh_format(None, true, 3, 5), ShardFormat::Q8);
-        assert_eq!(mesh_format(None, true, 3, 7), ShardFormat::Q8);
-        // Learning needs f32; the integer code has 7 rows for k = 3 and none past k = 5.
-        assert_eq!(mesh_format(None, false, 3, 5), ShardFormat::F32);
-        assert_eq!(mesh_format(None, true, 3, 10), ShardFormat::F32);
-        assert_eq!(mesh_format(None, true, 6, 8), ShardFormat::F32);
-        // A chosen format stands (q8 with learning, or with too many nodes, is refused later,
-        // with its reason).
+    fn a_mesh_defaults_to_compact_shards_where_the_integer_code_reaches() {
+        assert_eq!(mesh_format(None, 3, 5), ShardFormat::Q8);
+        assert_eq!(mesh_format(None, 3, 7), ShardFormat::Q8);
+        // The integer code has 7 rows for k = 3 and none past k = 5.
+        assert_eq!(mesh_format(None, 3, 10), ShardFormat::F32);
+        assert_eq!(mesh_format(None, 6, 8), ShardFormat::F32);
+        // A chosen format stands (q8 with too many nodes is refused later, with its reason).
         let f16 = Some(ShardFormat::F16);
-        assert_eq!(mesh_format(f16, true, 3, 5), ShardFormat::F16);
-        assert_eq!(
-            mesh_format(Some(ShardFormat::Q8), false, 3, 5),
-            ShardFormat::Q8
-        );
+        assert_eq!(mesh_format(f16, 3, 5), ShardFormat::F16);
+        assert_eq!(mesh_format(Some(ShardFormat::F32), 3, 5), ShardFormat::F32);
         let e = ShardFormat::Q8.code(10, 3).expect_err("10 rows");
         assert!(e.to_string().contains("7 rows for k = 3"), "{e}");
     }

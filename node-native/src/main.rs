@@ -55,7 +55,7 @@ fn main() {
                 args.k,
                 args.n,
                 args.max_rows,
-                cli::mesh_format(args.shard_format, args.no_learning, args.k, args.n),
+                cli::mesh_format(args.shard_format, args.k, args.n),
                 learning,
             ))
         }),
@@ -108,7 +108,7 @@ async fn run_up(args: UpArgs) -> Result<()> {
         api_listen: args.api_listen,
         api_key: args.api_key,
         no_learning: args.no_learning,
-        format: cli::mesh_format(args.shard_format, args.no_learning, args.k, args.nodes),
+        format: cli::mesh_format(args.shard_format, args.k, args.nodes),
         trace_steps: args.trace_steps,
         web_dir: args.web_dir,
         no_build_web: args.no_build_web,

@@ -38,7 +38,7 @@ pub struct UpOptions {
     pub api_key: Option<String>,
     /// The mesh does not learn from requests.
     pub no_learning: bool,
-    /// How shards are stored (compact q8 needs `no_learning`).
+    /// How shards are stored.
     pub format: ShardFormat,
     /// Where the API node writes every coded step (`--trace-steps`).
     pub trace_steps: Option<PathBuf>,
@@ -61,6 +61,10 @@ struct MeshFile {
     format: ShardFormat,
     /// Each node's libp2p TCP port, kept so a restarted node is found where it was.
     ports: Vec<u16>,
+    /// The layout of the shard sets in the blobs ([`node_core::holder::SHARD_LAYOUT`]; 0 for
+    /// mesh files written before it was recorded).
+    #[serde(default)]
+    layout: u32,
 }
 
 const MESH_FILE: &str = "mesh.json";
@@ -121,6 +125,13 @@ fn prepare(opts: &UpOptions, model: &Path, data: &Path) -> Result<MeshFile> {
             opts.nodes,
             opts.format
         );
+        ensure!(
+            mesh.layout == node_core::holder::SHARD_LAYOUT,
+            "{} holds shards written by an older release (layout {}, this release reads {}): delete it to encode the mesh again, or pass --data DIR for another",
+            data.display(),
+            mesh.layout,
+            node_core::holder::SHARD_LAYOUT
+        );
         eprintln!(
             "using the mesh in {} ({} nodes, k = {})",
             data.display(),
@@ -166,6 +177,7 @@ fn prepare(opts: &UpOptions, model: &Path, data: &Path) -> Result<MeshFile> {
         n: opts.nodes,
         format: opts.format,
         ports: free_ports(opts.nodes)?,
+        layout: node_core::holder::SHARD_LAYOUT,
     };
     // Written last: a mesh file means every row is in place.
     std::fs::write(&file, serde_json::to_vec_pretty(&mesh)?)?;

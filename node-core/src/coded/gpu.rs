@@ -149,6 +149,11 @@ fn stack(gpu: &Gpu, members: &[&ShardSet], stage: Stage) -> Result<GroupStage, C
             if i == 0 {
                 mats.push((s.out, s.block_len));
             }
+            if !s.adapter.is_empty() {
+                return Err(CodedError::BadRequest(format!(
+                    "{stage:?}: a whole-token GPU group does not apply learnt adapters"
+                )));
+            }
             rows += s.stored_rows();
             match &s.values {
                 ShardValues::F32(v) => f32s.extend_from_slice(v),

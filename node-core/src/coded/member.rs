@@ -134,6 +134,16 @@ impl Member {
         &mut self.shards
     }
 
+    /// Runs `f` on the shards to apply learning updates. Compact shards learn only in their
+    /// adapters, which products add on the CPU, so their GPU copy stays; other shards run on
+    /// the CPU until [`Self::sync_gpu`].
+    pub fn learn<R>(&mut self, f: impl FnOnce(&mut ShardSet) -> R) -> R {
+        if self.shards.embed.format() != super::ShardFormat::Q8 {
+            self.gpu = None;
+        }
+        f(&mut self.shards)
+    }
+
     /// Answers one request; failures become a `Failed` answer, never a panic.
     pub fn handle(&self, req: &StepRequest) -> StepResponse {
         self.answer(req, self.compute(req))
@@ -199,10 +209,24 @@ impl Member {
         if let Some(gpu) = self.gpu_for(req) {
             let m = self.shards.generator.sub_blocks();
             if let Some(answer) = gpu.compute(m, req).await {
-                return answer;
+                return self.with_adapters(req, answer?);
             }
         }
         self.compute_cpu(req)
+    }
+
+    /// Adds what the shards' adapters learnt to a product's answer `out` (compact shards that
+    /// learn; docs/coding.md).
+    fn with_adapters(&self, req: &StepRequest, mut out: Vec<f32>) -> Result<Vec<f32>, CodedError> {
+        let m = self.shards.generator.sub_blocks();
+        let shards = match req {
+            StepRequest::EmbedRows { .. } => vec![&self.shards.embed],
+            StepRequest::Matmul { stage, .. } | StepRequest::MatmulT { stage, .. } => {
+                self.shards.stage_shards(*stage)?
+            }
+        };
+        super::adapter::add_products(&shards, m, req, &mut out)?;
+        Ok(out)
     }
 
     /// Runs one product of every kind of stage, for one token and for a prompt's `t`, so the
@@ -234,6 +258,12 @@ impl Member {
 
     /// The CPU reference of [`Self::compute`].
     pub fn compute_cpu(&self, req: &StepRequest) -> Result<Vec<f32>, CodedError> {
+        let out = self.products_cpu(req)?;
+        self.with_adapters(req, out)
+    }
+
+    /// [`Self::compute_cpu`] without the adapters.
+    fn products_cpu(&self, req: &StepRequest) -> Result<Vec<f32>, CodedError> {
         let m = self.shards.generator.sub_blocks();
         match req {
             StepRequest::Matmul { stage, t, x } => {

@@ -6,6 +6,7 @@
 //! sub-block is one contiguous run of `C = Σ t·L_matrix` values. An embedding lookup answers
 //! `[sub-block s][token][column]` with the requested local rows.
 
+mod adapter;
 mod compact;
 mod gpu;
 mod group;
@@ -15,6 +16,7 @@ mod probe;
 mod shards;
 mod verify;
 
+pub use adapter::{ADAPTER_RANK, Adapter, Projection, adapter_rank};
 pub use compact::{
     CodedInts, Q8Values, compact_matrix, compact_model, encode_q8, grid_matrix, grid_model,
 };

@@ -3,6 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::CodedError;
+use super::adapter::{Adapter, adapter_rank};
 use super::compact::{Q8Values, encode_q8, wide_row};
 use crate::code::Generator;
 use crate::compute::matmul;
@@ -114,6 +115,9 @@ pub struct Shard {
     /// failed honest members.
     #[serde(skip)]
     pub carry: Vec<f32>,
+    /// What a compact shard has learnt (docs/coding.md, "Learning on compact shards"); empty
+    /// for f32 shards, which learn in their values.
+    pub adapter: Adapter,
 }
 
 impl Shard {
@@ -134,6 +138,7 @@ impl Shard {
             cols: m.cols,
             values,
             carry: Vec::new(),
+            adapter: Adapter::default(),
         })
     }
 
@@ -274,6 +279,7 @@ impl Shard {
             cols: first.cols,
             values: ShardValues::from_f32(data, format)?,
             carry: Vec::new(),
+            adapter: Adapter::default(),
         })
     }
 
@@ -319,12 +325,34 @@ impl Shard {
             }
             *dst = z as i32;
         }
+        // The adapters are f32, combined as f32 shards are (a source that never learnt holds
+        // zeros).
+        let mut adapter = Adapter::default();
+        if sources.iter().any(|s| !s.adapter.is_empty()) {
+            let len = first.stored_rows() * adapter_rank(first.cols);
+            let mut acc = vec![0.0f64; len];
+            for (&c, s) in coeffs.iter().zip(sources) {
+                if s.adapter.is_empty() {
+                    continue;
+                }
+                if s.adapter.a.len() != len {
+                    return Err(CodedError::BadRequest(
+                        "a source's adapter has the wrong length".into(),
+                    ));
+                }
+                acc.iter_mut()
+                    .zip(&s.adapter.a)
+                    .for_each(|(a, &v)| *a += c * f64::from(v));
+            }
+            adapter.a = acc.into_iter().map(|v| v as f32).collect();
+        }
         Ok(Self {
             out: first.out,
             block_len: first.block_len,
             cols: first.cols,
             values: ShardValues::Q8(Q8Values::from_i32(q, values[0].scales.clone(), wide)?),
             carry: Vec::new(),
+            adapter,
         })
     }
 
@@ -337,13 +365,13 @@ impl Shard {
         }
     }
 
-    /// Bytes of values held.
+    /// Bytes of values (and adapter) held.
     pub fn bytes(&self) -> usize {
-        match &self.values {
+        (match &self.values {
             ShardValues::F32(v) => v.len() * 4,
             ShardValues::F16(v) => v.len() * 2,
             ShardValues::Q8(v) => v.q.bytes() + v.scales.len() * 2,
-        }
+        }) + self.adapter.a.len() * 4
     }
 }
 
@@ -513,6 +541,21 @@ impl ShardSet {
             if let ShardValues::Q8(v) = &shard.values {
                 v.matrix(shard.cols)?;
             }
+            let a = &shard.adapter.a;
+            if !a.is_empty() {
+                if shard.format() != ShardFormat::Q8
+                    || a.len() != m * want.block_len * adapter_rank(want.cols)
+                {
+                    return Err(CodedError::BadRequest(format!(
+                        "matrix {i} of the shard set has an adapter of the wrong shape"
+                    )));
+                }
+                if a.iter().any(|v| !v.is_finite()) {
+                    return Err(CodedError::BadRequest(format!(
+                        "matrix {i} of the shard set has a non-finite adapter value"
+                    )));
+                }
+            }
         }
         Ok(())
     }
@@ -548,6 +591,7 @@ impl ShardSet {
                     .iter_mut()
                     .for_each(|x| *x = half::f16::from_f32(x.to_f32() * factor)),
             }
+            shard.adapter.a.iter_mut().for_each(|x| *x *= factor);
         }
     }
 }

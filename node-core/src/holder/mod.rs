@@ -90,7 +90,7 @@ impl ShardState {
                 "fault injected: recording an update without applying it"
             );
         } else {
-            update.apply_to_shards(self.member.shards_mut())?;
+            self.member.learn(|s| update.apply_to_shards(s))?;
             self.member.sync_gpu()?;
         }
         update.apply_to_norms(&mut self.norms);
@@ -189,6 +189,10 @@ impl Rules {
     }
 }
 
+/// The layout of a shard set in a blob; a release that changes it changes this (2: compact
+/// shards carry their learnt adapters).
+pub const SHARD_LAYOUT: u32 = 2;
+
 /// A shard set as a blob (hashed chunks with parity).
 pub fn shard_to_blob(shard: &ShardSet) -> Result<Vec<u8>, HolderError> {
     let payload = postcard::to_allocvec(shard)
@@ -206,7 +210,11 @@ pub fn shard_from_blob(bytes: &[u8]) -> Result<ShardSet, HolderError> {
         );
     }
     postcard::from_bytes(&decoded.payload)
-        .map_err(|e| HolderError::Shard(format!("parsing the shard: {e}")))
+        .map_err(|e| {
+            HolderError::Shard(format!(
+                "parsing the shard (layout {SHARD_LAYOUT}; a blob of another release?): {e}"
+            ))
+        })
 }
 
 /// Checks that `shard` is row `row` of the mesh `manifest` describes.

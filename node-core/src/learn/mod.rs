@@ -13,7 +13,7 @@ pub use compress::{LowRank, low_rank};
 pub use learner::{Learner, Published};
 pub use signed::{open, seal};
 
-use crate::coded::{CodedError, Shard, ShardSet, ShardValues};
+use crate::coded::{CodedError, Projection, Shard, ShardSet, ShardValues};
 use crate::mesh::LearningConfig;
 use crate::model::{Gradients, LeaderWeights, LlamaConfig, ModelWeights, Stage, StageGrad};
 
@@ -346,6 +346,29 @@ impl Update {
             .zip(self.embed_dx.chunks_exact(d.max(1)))
     }
 
+    /// The step compact shards take (docs/coding.md, "Learning on compact shards"): every input
+    /// factor `X` replaced by its projection `X·Vᵀ·V / cols` onto the adapters' subspace, so
+    /// that [`Self::apply_to_weights`] and the update probe see what their adapters learn.
+    pub fn projected(&self) -> Self {
+        let project = |x: &[f32], t: usize| -> Vec<f32> {
+            if t == 0 {
+                return x.to_vec();
+            }
+            let cols = x.len() / t;
+            let proj = Projection::of(cols);
+            let z = proj.down_update(x, t);
+            let mut out = vec![0.0f32; x.len()];
+            proj.up_add(&z, &mut out);
+            out
+        };
+        let mut u = self.clone();
+        for f in &mut u.stages {
+            f.x = project(&f.x, f.rows as usize);
+        }
+        u.embed_dx = project(&self.embed_dx, self.embed_tokens.len());
+        u
+    }
+
     /// Applies the step to uncoded weights (the reference every coded node must match).
     pub fn apply_to_weights(&self, w: &mut ModelWeights) -> Result<(), UpdateError> {
         self.validate(&w.cfg)?;
@@ -474,10 +497,8 @@ fn sub(v: &mut [f32], d: &[f32], step: f32) {
     v.iter_mut().zip(d).for_each(|(a, &b)| *a -= step * b);
 }
 
-/// `S_s −= step · (Σ_j c[s][j]·dY_j)ᵀ·X` for every sub-block `s` of one shard. Each value
-/// changes by one sum over the factors' rows, computed in f64 and added with the shard's carry
-/// (compensated summation), so a value is within one rounding of the exact sum of every update
-/// it took, however many: the rows of the code stay one codeword.
+/// `S_s −= step · (Σ_j c[s][j]·dY_j)ᵀ·X` for every sub-block `s` of one shard: in its values
+/// for f32 shards, in its adapter for compact ones (with `X` projected, `X·Vᵀ / cols`).
 #[allow(clippy::too_many_arguments)]
 fn apply_factor(
     shard: &mut Shard,
@@ -489,22 +510,83 @@ fn apply_factor(
     t: usize,
     step: f32,
 ) -> Result<(), CodedError> {
-    let (out, l, cols) = (shard.out, shard.block_len, shard.cols);
+    let (out, cols) = (shard.out, shard.cols);
     if dy.len() != t * out || x.len() != t * cols {
         return Err(CodedError::BadRequest(
             "update factors do not fit the shard".into(),
         ));
     }
-    let ShardValues::F32(values) = &mut shard.values else {
-        return Err(CodedError::BadRequest("learning needs f32 shards".into()));
+    let rows = Rows {
+        out,
+        l: shard.block_len,
+        m,
+        km,
     };
-    if shard.carry.len() != values.len() {
-        shard.carry = vec![0.0; values.len()];
+    match &mut shard.values {
+        ShardValues::F32(values) => {
+            apply_coded(values, &mut shard.carry, cols, rows, coeffs, dy, x, t, step);
+        }
+        ShardValues::Q8(_) => {
+            let proj = Projection::of(cols);
+            let z = proj.down_update(x, t);
+            let a = &mut shard.adapter;
+            if a.a.is_empty() {
+                a.a = vec![0.0; m * shard.block_len * proj.rank()];
+            }
+            apply_coded(
+                &mut a.a,
+                &mut a.carry,
+                proj.rank(),
+                rows,
+                coeffs,
+                dy,
+                &z,
+                t,
+                step,
+            );
+        }
+        ShardValues::F16(_) => {
+            return Err(CodedError::BadRequest(
+                "f16 shards do not learn (f32 and compact shards do)".into(),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The row layout of a coded matrix: `out` rows uncoded, `m` sub-blocks of `l` rows, each the
+/// combination of `km` uncoded sub-blocks.
+#[derive(Clone, Copy)]
+struct Rows {
+    out: usize,
+    l: usize,
+    m: usize,
+    km: usize,
+}
+
+/// `V_s −= step · (Σ_j c[s][j]·dY_j)ᵀ·X` on coded values `V` of `width` columns. Each value
+/// changes by one sum over the factors' rows, computed in f64 and added with its carry
+/// (compensated summation), so a value is within one rounding of the exact sum of every update
+/// it took, however many: the rows of the code stay one codeword.
+#[allow(clippy::too_many_arguments)]
+fn apply_coded(
+    values: &mut [f32],
+    carry: &mut Vec<f32>,
+    width: usize,
+    Rows { out, l, m, km }: Rows,
+    coeffs: &[f64],
+    dy: &[f32],
+    x: &[f32],
+    t: usize,
+    step: f32,
+) {
+    if carry.len() != values.len() {
+        *carry = vec![0.0; values.len()];
     }
     let step = f64::from(step);
     // The coded output gradient of each position for one sub-block: `coded[tok·l + r]`.
     let mut coded = vec![0.0f64; t * l];
-    let mut delta = vec![0.0f64; cols];
+    let mut delta = vec![0.0f64; width];
     for s in 0..m {
         coded.iter_mut().for_each(|c| *c = 0.0);
         for tok in 0..t {
@@ -526,7 +608,7 @@ fn apply_factor(
                 let a = coded[tok * l + r];
                 if a != 0.0 {
                     touched = true;
-                    let xr = &x[tok * cols..(tok + 1) * cols];
+                    let xr = &x[tok * width..(tok + 1) * width];
                     delta
                         .iter_mut()
                         .zip(xr)
@@ -536,10 +618,10 @@ fn apply_factor(
             if !touched {
                 continue;
             }
-            let at = (s * l + r) * cols..(s * l + r + 1) * cols;
+            let at = (s * l + r) * width..(s * l + r + 1) * width;
             for ((v, c), d) in values[at.clone()]
                 .iter_mut()
-                .zip(&mut shard.carry[at])
+                .zip(&mut carry[at])
                 .zip(&delta)
             {
                 let exact = f64::from(*v) + f64::from(*c) - step * d;
@@ -548,5 +630,4 @@ fn apply_factor(
             }
         }
     }
-    Ok(())
 }

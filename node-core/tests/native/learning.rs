@@ -343,3 +343,105 @@ fn every_update_a_learner_publishes_passes_the_meshs_bound() {
     }
     assert!(worst > 0.9, "the updates sit near the bound ({worst:.3})");
 }
+
+#[test]
+fn compact_shards_learn_in_coded_adapters_and_stay_one_codeword() {
+    let g = ShardFormat::Q8.code(5, 3).unwrap();
+    let base = ModelWeights::synthetic(common::train_config(true), 5).unwrap();
+    // The reference: the model on the grid the shards hold, taking each update's projection.
+    let mut reference = node_core::coded::compact_model(&g, &base).unwrap();
+    let mut norms = LeaderWeights::from_model(&reference);
+    let mesh = InProcess::encode(&base, &g, ShardFormat::Q8, &|_, _| {}).unwrap();
+    let genesis = mesh.members().to_vec();
+    let mut group = CodedGroup::new(reference.cfg.clone(), g.clone(), &[0, 2, 4, 1], mesh).unwrap();
+    let mut losses = Vec::new();
+    for _ in 0..25 {
+        let llama = Llama::new(reference.cfg.clone(), norms.clone()).unwrap();
+        let grads = llama.gradients(&mut group, &SEQ).unwrap();
+        losses.push(grads.loss);
+        let update = Update::from_gradients(grads, 0.2, 5.0);
+        for member in group.transport_mut().members_mut() {
+            update.apply_to_shards(member.shards_mut()).unwrap();
+        }
+        update.apply_to_norms(&mut norms);
+        update.projected().apply_to_weights(&mut reference).unwrap();
+    }
+    let members: Vec<_> = group.transport().members().to_vec();
+    // The integers and scales did not move: only the adapters learnt.
+    for (now, then) in members.iter().zip(&genesis) {
+        let (a, b) = (now.shards(), then.shards());
+        for (x, y) in a.blocks.iter().flatten().zip(b.blocks.iter().flatten()) {
+            assert_eq!(x.values, y.values);
+            assert!(!x.adapter.is_empty() && y.adapter.is_empty());
+        }
+        assert!(!a.embed.adapter.is_empty());
+    }
+    // Every k-group decodes the reference's logits.
+    let llama = Llama::new(reference.cfg.clone(), norms.clone()).unwrap();
+    let uncoded_mesh = InProcess::encode(
+        &reference,
+        &Generator::uncoded(),
+        ShardFormat::F32,
+        &|_, _| {},
+    )
+    .unwrap();
+    let mut uncoded = CodedGroup::new(
+        reference.cfg.clone(),
+        Generator::uncoded(),
+        &[0],
+        uncoded_mesh,
+    )
+    .unwrap();
+    let want = llama
+        .forward(&mut uncoded, &SEQ, &mut KvCache::new(&reference.cfg))
+        .unwrap();
+    for nodes in node_core::code::subsets(5, 3) {
+        let mesh = InProcess::new(members.clone()).unwrap();
+        let mut coded = CodedGroup::new(reference.cfg.clone(), g.clone(), &nodes, mesh).unwrap();
+        let got = llama
+            .forward(&mut coded, &SEQ, &mut KvCache::new(&reference.cfg))
+            .unwrap();
+        let err = max_rel_diff(&got, &want);
+        assert!(err < 1e-4, "group {nodes:?}: logits differ by {err:.2e}");
+    }
+    // A lost row re-created from three others carries the adapters it must.
+    let sources: Vec<&ShardSet> = [0, 1, 4].iter().map(|&i| members[i].shards()).collect();
+    let rebuilt = ShardSet::reencode(3, &sources).unwrap();
+    let held = members[3].shards();
+    for (x, y) in rebuilt
+        .blocks
+        .iter()
+        .flatten()
+        .chain([&rebuilt.embed])
+        .zip(held.blocks.iter().flatten().chain([&held.embed]))
+    {
+        assert_eq!(x.values, y.values);
+        let err = max_rel_diff(&x.adapter.a, &y.adapter.a);
+        assert!(err < 1e-5, "rebuilt adapter differs by {err:.2e}");
+    }
+    // A shard blob keeps them, and a blob with a malformed adapter is refused.
+    let blob = node_core::holder::shard_to_blob(held).unwrap();
+    let back = node_core::holder::shard_from_blob(&blob).unwrap();
+    back.check_shapes().unwrap();
+    for (x, y) in back
+        .blocks
+        .iter()
+        .flatten()
+        .chain([&back.embed])
+        .zip(held.blocks.iter().flatten().chain([&held.embed]))
+    {
+        assert_eq!((&x.values, &x.adapter.a), (&y.values, &y.adapter.a));
+    }
+    let mut bad = held.clone();
+    bad.blocks[0][0].adapter.a.pop();
+    assert!(bad.check_shapes().is_err());
+    bad.blocks[0][0].adapter.a = vec![f32::NAN; held.blocks[0][0].adapter.a.len()];
+    assert!(bad.check_shapes().is_err());
+    // It learns: the loss on the repeated sequence falls.
+    let (first, last) = (losses[0], *losses.last().unwrap());
+    assert!(
+        last < 0.5 * first,
+        "loss {first:.3} → {last:.3}: {losses:?}"
+    );
+    eprintln!("compact: loss {first:.3} → {last:.3}");
+}

@@ -77,8 +77,8 @@ pub(crate) fn encode_genesis(
     learning: LearningConfig,
 ) -> Result<(ModelManifest, BTreeMap<u32, Vec<u8>>)> {
     ensure!(
-        format == ShardFormat::F32 || !learning.enabled,
-        "learning applies updates to f32 shards only: a {format:?} mesh needs --no-learning"
+        format != ShardFormat::F16 || !learning.enabled,
+        "f16 shards do not learn: an f16 mesh needs --no-learning (f32 and q8 shards learn)"
     );
     let loaded = load::load_model(model)?;
     // Compact shards need the integer code, whose coefficients keep them exact i8 values.

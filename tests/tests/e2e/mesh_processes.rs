@@ -551,7 +551,12 @@ fn a_member_lying_only_in_learnings_backward_rounds_is_caught_and_the_update_sti
 -> Result<()> {
     let _machine = crate::machine::share();
     let model = tiny_model();
-    let mut mesh = Mesh::start("backward", Some(&model), &["--lr", "0.05"])?;
+    // Compact shards: their backward products carry what the adapters learnt.
+    let mut mesh = Mesh::start(
+        "backward",
+        Some(&model),
+        &["--lr", "0.05", "--shard-format", "q8"],
+    )?;
     let row = 2;
     let i = mesh.kill_holder(row)?;
     mesh.wait_healthy(4)?;
@@ -660,8 +665,13 @@ fn a_member_that_skips_an_update_it_claims_is_caught_by_the_update_probe() -> Re
     let _machine = crate::machine::share();
     let model = tiny_model();
     // A rate small enough that the missing update hides below the residual check's threshold:
-    // only the fit against the update itself finds it.
-    let mut mesh = Mesh::start("stale", Some(&model), &["--lr", "5e-6"])?;
+    // only the fit against the update itself finds it. Compact shards, which learn each
+    // update's projection in their adapters: the probe fits that projection.
+    let mut mesh = Mesh::start(
+        "stale",
+        Some(&model),
+        &["--lr", "5e-6", "--shard-format", "q8"],
+    )?;
     let row = 3u64;
     let i = mesh.kill_holder(row)?;
     mesh.wait_healthy(4)?;

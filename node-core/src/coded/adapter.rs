@@ -1,0 +1,348 @@
+//! Learning on compact shards: a coded low-rank adapter beside the integers.
+//!
+//! A learning step far below the 8-bit grid's step cannot move the integers, and rounding it
+//! there would need every weight's carry on every node. So a compact shard learns in an
+//! adapter: the matrix it serves is `W + A·V`, where `V` (`rank × cols`, entries ±1, rows
+//! exactly orthogonal) is the same fixed projection on every node and `A` (`rows × rank`, f32)
+//! is coded like the weights (`A_i = Σ_j G[i,j]·A_j`). A step `δW = −step·dYᵀ·X` is applied
+//! as its projection onto `V`'s row space, `δA = −step·dYᵀ·(X·Vᵀ / cols)`: linear in `dY`, so
+//! every row applies its own coded share and the shards stay one codeword, exactly as f32
+//! shards do (docs/coding.md, "Learning on compact shards").
+
+use std::sync::{Arc, Mutex, OnceLock};
+
+use serde::{Deserialize, Serialize};
+
+use super::{CodedError, Shard};
+use crate::protocol::StepRequest;
+
+/// Largest adapter rank: columns of `A`, rows of `V`.
+pub const ADAPTER_RANK: usize = 16;
+
+/// The adapter rank of a matrix with `cols` inputs: [`ADAPTER_RANK`], or the largest power of
+/// two dividing `cols` when that is smaller (the rows of `V` must split the columns evenly).
+pub fn adapter_rank(cols: usize) -> usize {
+    if cols == 0 {
+        return 1;
+    }
+    ADAPTER_RANK.min(1 << cols.trailing_zeros().min(16))
+}
+
+/// What a compact shard has learnt: `rows × rank` f32 values, row-major (empty until its first
+/// update).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Adapter {
+    /// `A`, in the shard's row order; empty while nothing was learnt.
+    #[serde(with = "crate::protocol::f32_bytes")]
+    pub a: Vec<f32>,
+    /// What rounding `a` to f32 left out of the updates so far (compensated summation, as
+    /// [`Shard::carry`]); memory only.
+    #[serde(skip)]
+    pub carry: Vec<f32>,
+}
+
+impl Adapter {
+    /// Whether nothing was learnt.
+    pub fn is_empty(&self) -> bool {
+        self.a.is_empty()
+    }
+}
+
+/// The fixed projection `V` of one width: column `c` of `V` is `sign[c] · H[·][class[c]]`,
+/// where `H` is the Sylvester–Hadamard matrix of order `rank` and each class holds
+/// `cols / rank` columns, so `V·Vᵀ = cols · I` exactly. Classes and signs are a seeded
+/// shuffle: integer arithmetic, the same on every node.
+#[derive(Debug)]
+pub struct Projection {
+    rank: usize,
+    class: Vec<u8>,
+    sign: Vec<f32>,
+}
+
+/// The projections built so far, by width.
+type Widths = Vec<(usize, Arc<Projection>)>;
+
+fn splitmix(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// `H[r][j]` of the Sylvester–Hadamard matrix, ±1.
+fn hadamard(r: usize, j: usize) -> f32 {
+    if (r & j).count_ones().is_multiple_of(2) {
+        1.0
+    } else {
+        -1.0
+    }
+}
+
+impl Projection {
+    fn new(cols: usize) -> Self {
+        let rank = adapter_rank(cols);
+        let mut state = 0x636f_6465_646d_6573 ^ cols as u64;
+        let mut order: Vec<usize> = (0..cols).collect();
+        for i in (1..cols).rev() {
+            let j = (splitmix(&mut state) % (i as u64 + 1)) as usize;
+            order.swap(i, j);
+        }
+        let class = order.iter().map(|&p| (p % rank) as u8).collect();
+        let sign = (0..cols)
+            .map(|_| {
+                if splitmix(&mut state) & 1 == 0 {
+                    1.0
+                } else {
+                    -1.0
+                }
+            })
+            .collect();
+        Self { rank, class, sign }
+    }
+
+    /// The projection for `cols` inputs (built once per width).
+    pub fn of(cols: usize) -> Arc<Self> {
+        static CACHE: OnceLock<Mutex<Widths>> = OnceLock::new();
+        let mut cache = CACHE
+            .get_or_init(Mutex::default)
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some((_, p)) = cache.iter().find(|(c, _)| *c == cols) {
+            return p.clone();
+        }
+        let p = Arc::new(Self::new(cols));
+        cache.push((cols, p.clone()));
+        p
+    }
+
+    /// The rank (rows of `V`).
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn cols(&self) -> usize {
+        self.class.len()
+    }
+
+    /// `x (t × cols) · Vᵀ`, `t × rank`, in f32 (a product's input).
+    pub fn down(&self, x: &[f32], t: usize) -> Vec<f32> {
+        let (cols, rank) = (self.cols(), self.rank);
+        let mut z = vec![0.0f32; t * rank];
+        let mut bucket = vec![0.0f32; rank];
+        for (xr, zr) in x.chunks_exact(cols).zip(z.chunks_exact_mut(rank)) {
+            bucket.iter_mut().for_each(|b| *b = 0.0);
+            for ((&v, &c), &s) in xr.iter().zip(&self.class).zip(&self.sign) {
+                bucket[c as usize] += s * v;
+            }
+            for (r, o) in zr.iter_mut().enumerate() {
+                *o = bucket
+                    .iter()
+                    .enumerate()
+                    .map(|(j, &b)| hadamard(r, j) * b)
+                    .sum();
+            }
+        }
+        z
+    }
+
+    /// `x (t × cols) · Vᵀ / cols`, `t × rank`, summed in f64 (an update's input factor, which
+    /// every node must compute alike).
+    pub fn down_update(&self, x: &[f32], t: usize) -> Vec<f32> {
+        let (cols, rank) = (self.cols(), self.rank);
+        let mut z = vec![0.0f32; t * rank];
+        let mut bucket = vec![0.0f64; rank];
+        for (xr, zr) in x.chunks_exact(cols).zip(z.chunks_exact_mut(rank)) {
+            bucket.iter_mut().for_each(|b| *b = 0.0);
+            for ((&v, &c), &s) in xr.iter().zip(&self.class).zip(&self.sign) {
+                bucket[c as usize] += f64::from(s) * f64::from(v);
+            }
+            for (r, o) in zr.iter_mut().enumerate() {
+                let sum: f64 = bucket
+                    .iter()
+                    .enumerate()
+                    .map(|(j, &b)| f64::from(hadamard(r, j)) * b)
+                    .sum();
+                *o = (sum / cols as f64) as f32;
+            }
+        }
+        z
+    }
+
+    /// `y (t × cols) += w (t × rank) · V`.
+    pub fn up_add(&self, w: &[f32], y: &mut [f32]) {
+        let (cols, rank) = (self.cols(), self.rank);
+        let mut g = vec![0.0f32; rank];
+        for (wr, yr) in w.chunks_exact(rank).zip(y.chunks_exact_mut(cols)) {
+            for (j, gj) in g.iter_mut().enumerate() {
+                *gj = wr
+                    .iter()
+                    .enumerate()
+                    .map(|(r, &a)| hadamard(r, j) * a)
+                    .sum();
+            }
+            for ((o, &c), &s) in yr.iter_mut().zip(&self.class).zip(&self.sign) {
+                *o += s * g[c as usize];
+            }
+        }
+    }
+}
+
+/// `⟨a, b⟩` over the rank.
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(&p, &q)| p * q).sum()
+}
+
+/// Adds the adapters' share to a member's answer `out` to `req` over `shards` (the stage's,
+/// or the embedding for a lookup), laid out as [`super::Member::compute_cpu`] lays it out;
+/// nothing when no shard has learnt.
+pub(crate) fn add_products(
+    shards: &[&Shard],
+    m: usize,
+    req: &StepRequest,
+    out: &mut [f32],
+) -> Result<(), CodedError> {
+    if shards.iter().all(|s| s.adapter.is_empty()) {
+        return Ok(());
+    }
+    let cols = shards.first().map_or(0, |s| s.cols);
+    let proj = Projection::of(cols);
+    let rank = proj.rank();
+    let short = || CodedError::BadRequest("the answer does not fit the adapters".into());
+    match req {
+        StepRequest::Matmul { t, x, .. } => {
+            let t = *t as usize;
+            let z = proj.down(x, t);
+            let per_sub: usize = shards.iter().map(|s| t * s.block_len).sum();
+            for s in 0..m {
+                let mut offset = s * per_sub;
+                for shard in shards {
+                    let l = shard.block_len;
+                    if !shard.adapter.is_empty() {
+                        let y = out.get_mut(offset..offset + t * l).ok_or_else(short)?;
+                        let a = &shard.adapter.a[s * l * rank..(s + 1) * l * rank];
+                        for (yt, zt) in y.chunks_exact_mut(l).zip(z.chunks_exact(rank)) {
+                            for (v, ar) in yt.iter_mut().zip(a.chunks_exact(rank)) {
+                                *v += dot(ar, zt);
+                            }
+                        }
+                    }
+                    offset += t * l;
+                }
+            }
+        }
+        StepRequest::MatmulT { t, u, .. } => {
+            let t = *t as usize;
+            let per_sub: usize = shards.iter().map(|s| t * s.block_len).sum();
+            let mut w = vec![0.0f32; t * rank];
+            for s in 0..m {
+                let mut offset = s * per_sub;
+                for shard in shards {
+                    let l = shard.block_len;
+                    if !shard.adapter.is_empty() {
+                        let us = u.get(offset..offset + t * l).ok_or_else(short)?;
+                        let a = &shard.adapter.a[s * l * rank..(s + 1) * l * rank];
+                        for (ut, wt) in us.chunks_exact(l).zip(w.chunks_exact_mut(rank)) {
+                            for (&c, ar) in ut.iter().zip(a.chunks_exact(rank)) {
+                                if c != 0.0 {
+                                    wt.iter_mut().zip(ar).for_each(|(o, &v)| *o += c * v);
+                                }
+                            }
+                        }
+                    }
+                    offset += t * l;
+                }
+            }
+            proj.up_add(&w, out);
+        }
+        StepRequest::EmbedRows { rows } => {
+            let Some(e) = shards.first() else {
+                return Ok(());
+            };
+            let mut at = 0;
+            for s in 0..m {
+                for &r in rows {
+                    let row = s * e.block_len + r as usize;
+                    let a = e
+                        .adapter
+                        .a
+                        .get(row * rank..(row + 1) * rank)
+                        .ok_or_else(short)?;
+                    let y = out.get_mut(at..at + cols).ok_or_else(short)?;
+                    proj.up_add(a, y);
+                    at += cols;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dense(p: &Projection) -> Vec<f32> {
+        let cols = p.cols();
+        let mut v = vec![0.0f32; p.rank() * cols];
+        for r in 0..p.rank() {
+            let mut e = vec![0.0f32; p.rank()];
+            e[r] = 1.0;
+            p.up_add(&e, &mut v[r * cols..(r + 1) * cols]);
+        }
+        v
+    }
+
+    #[test]
+    fn the_projection_has_orthogonal_rows_of_signs() {
+        for cols in [64usize, 576, 1536, 100, 7] {
+            let p = Projection::new(cols);
+            let v = dense(&p);
+            assert!(v.iter().all(|&x| x == 1.0 || x == -1.0), "{cols}");
+            for a in 0..p.rank() {
+                for b in 0..p.rank() {
+                    let d: f32 = (0..cols).map(|c| v[a * cols + c] * v[b * cols + c]).sum();
+                    let want = if a == b { cols as f32 } else { 0.0 };
+                    assert_eq!(d, want, "cols {cols}, rows {a} and {b}");
+                }
+            }
+        }
+        assert_eq!(Projection::new(576).rank(), 16);
+        assert_eq!(Projection::new(100).rank(), 4);
+        assert_eq!(Projection::new(7).rank(), 1);
+    }
+
+    #[test]
+    fn down_and_up_are_the_dense_products() {
+        let cols = 96;
+        let p = Projection::of(cols);
+        let v = dense(&p);
+        let x: Vec<f32> = (0..2 * cols)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+            .collect();
+        let z = p.down(&x, 2);
+        let zu = p.down_update(&x, 2);
+        for tok in 0..2 {
+            for r in 0..p.rank() {
+                let want: f32 = (0..cols).map(|c| x[tok * cols + c] * v[r * cols + c]).sum();
+                let got = z[tok * p.rank() + r];
+                assert!(
+                    (got - want).abs() <= 1e-3 * want.abs().max(1.0),
+                    "{got} {want}"
+                );
+                let got = zu[tok * p.rank() + r] * cols as f32;
+                assert!(
+                    (got - want).abs() <= 1e-3 * want.abs().max(1.0),
+                    "{got} {want}"
+                );
+            }
+        }
+        // Projecting twice is projecting once: (x·Vᵀ/cols)·V is in V's row space.
+        let mut xp = vec![0.0f32; 2 * cols];
+        p.up_add(&zu, &mut xp);
+        let again = p.down_update(&xp, 2);
+        for (a, b) in zu.iter().zip(&again) {
+            assert!((a - b).abs() <= 1e-5 * a.abs().max(1e-3), "{a} {b}");
+        }
+    }
+}
