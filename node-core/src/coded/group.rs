@@ -7,9 +7,7 @@ use rand_chacha::ChaCha8Rng;
 use web_time::{Duration, Instant};
 
 use super::probe::UpdateProbe;
-use super::verify::{
-    Caught, VerifyConfig, random_input, residual, residual_over, transpose_residual,
-};
+use super::verify::{Caught, VerifyConfig, largest, random_input, residual, transpose_residual};
 use super::{CodedError, Member, ShardFormat, ShardSet};
 use crate::code::{Decoder, Generator};
 use crate::model::{
@@ -609,12 +607,12 @@ impl<T: Transport> CodedGroup<T> {
         let refs: Vec<(usize, &[f32])> = parts.iter().map(|(n, v)| (*n, v.as_slice())).collect();
         let (out, kappa, predicted) = self.decode_and_predict(&refs, c)?;
         let threshold = self.verify.threshold(kappa);
-        let floor = out.iter().fold(0.0f64, |m, v| m.max(f64::from(v.abs())));
+        let floor = largest(&out);
         let worst = refs
             .iter()
             .skip(k)
             .zip(&predicted)
-            .map(|((_, actual), p)| residual_over(actual, p, floor))
+            .map(|((_, actual), p)| residual(actual, p, floor))
             .fold(0.0f64, f64::max);
         if worst > threshold || worst.is_nan() {
             return Ok(Err((worst, threshold)));
@@ -731,10 +729,11 @@ impl<T: Transport> CodedGroup<T> {
             ))
         })?;
         let (node, values) = parts.remove(i);
-        // The evidence: its residual against the decode of the members that agree.
+        // The evidence: its residual against the decode of the members that agree, on the
+        // check's own scale (at least the decoded values', as `consistent` measures).
         let mut predicted = vec![0.0f32; values.len()];
         self.generator.predict_part(node, &out, &mut predicted)?;
-        let own = residual(&values, &predicted);
+        let own = residual(&values, &predicted, largest(&out));
         tracing::warn!(
             node,
             what,

@@ -95,16 +95,13 @@ impl std::fmt::Display for Caught {
     }
 }
 
-/// `max|actual − predicted| / max|actual|` (∞ when the answer holds a non-finite value).
-pub fn residual(actual: &[f32], predicted: &[f32]) -> f64 {
-    residual_over(actual, predicted, 0.0)
-}
-
-/// [`residual`] relative to at least `floor`: the round's decoded values' largest magnitude.
-/// An answer that is legitimately all zeros (a compact data row whose integers round to 0 for
-/// the rows asked) is otherwise compared with the prediction's rounding noise alone, and any
-/// noise over itself is 1.0: an honest mesh failed its first embedding lookup that way.
-pub fn residual_over(actual: &[f32], predicted: &[f32], floor: f64) -> f64 {
+/// `max|actual − predicted|` relative to the largest of `floor` and the values' magnitudes (∞
+/// when the answer holds a non-finite value). `floor` is the round's decoded values' largest
+/// magnitude ([`largest`]): an answer that is legitimately all zeros (a compact data row whose
+/// integers round to 0 for the rows asked) is otherwise compared with the prediction's rounding
+/// noise alone, and any noise over itself is 1.0: an honest mesh failed its first embedding
+/// lookup that way.
+pub fn residual(actual: &[f32], predicted: &[f32], floor: f64) -> f64 {
     let mut diff = 0.0f64;
     let mut scale = floor;
     for (&a, &p) in actual.iter().zip(predicted) {
@@ -115,6 +112,11 @@ pub fn residual_over(actual: &[f32], predicted: &[f32], floor: f64) -> f64 {
         scale = scale.max((a as f64).abs()).max((p as f64).abs());
     }
     if diff == 0.0 { 0.0 } else { diff / scale }
+}
+
+/// The largest magnitude of `v`: a round's scale, the floor of [`residual`].
+pub fn largest(v: &[f32]) -> f64 {
+    v.iter().fold(0.0f64, |m, x| m.max(f64::from(x.abs())))
 }
 
 /// `len` standard normal values (Box–Muller): the random input of a backward check.
@@ -299,11 +301,11 @@ mod tests {
         // from other rows carries their rounding. Over itself that is a residual of 1.
         let zeros = [0.0f32; 8];
         let noise = [1e-9f32, -2e-9, 0.0, 5e-10, 0.0, 0.0, 1e-9, 0.0];
-        assert_eq!(residual(&zeros, &noise), 1.0);
-        assert!(residual_over(&zeros, &noise, 0.5) < 1e-8);
+        assert_eq!(residual(&zeros, &noise, 0.0), 1.0);
+        assert!(residual(&zeros, &noise, 0.5) < 1e-8);
         // A wrong answer on that row is still far off the round's scale.
         let wrong = [0.3f32; 8];
-        assert!(residual_over(&wrong, &noise, 0.5) > 0.5);
+        assert!(residual(&wrong, &noise, 0.5) > 0.5);
     }
 
     #[test]

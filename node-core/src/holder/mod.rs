@@ -209,12 +209,11 @@ pub fn shard_from_blob(bytes: &[u8]) -> Result<ShardSet, HolderError> {
             "repaired damaged chunks of a shard blob"
         );
     }
-    postcard::from_bytes(&decoded.payload)
-        .map_err(|e| {
-            HolderError::Shard(format!(
-                "parsing the shard (layout {SHARD_LAYOUT}; a blob of another release?): {e}"
-            ))
-        })
+    postcard::from_bytes(&decoded.payload).map_err(|e| {
+        HolderError::Shard(format!(
+            "parsing the shard (layout {SHARD_LAYOUT}; a blob of another release?): {e}"
+        ))
+    })
 }
 
 /// Checks that `shard` is row `row` of the mesh `manifest` describes.

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use crate::common;
 use crate::gpu_bodies::{self, random, rel_err};
 use node_core::code::Generator;
-use node_core::coded::{Member, ShardFormat, ShardSet};
+use node_core::coded::{Member, ShardFormat, ShardSet, adapter_rank};
 use node_core::compute::gpu::{Gpu, GpuError, Placement, Weights};
 use node_core::model::{ModelWeights, Stage};
 use node_core::protocol::StepRequest;
@@ -132,6 +132,19 @@ fn a_member_on_the_gpu_answers_what_it_answers_on_the_cpu() {
             // Changed shards: the GPU copy is dropped and uploaded again by sync_gpu.
             member.shards_mut().scale_values(1.5);
             member.sync_gpu().unwrap();
+            if format == ShardFormat::Q8 && round == 0 {
+                // Compact shards that learnt: the integers stay on the GPU and the adapters
+                // are added on the CPU, to the same answer.
+                let before = member.compute_cpu(&requests(&member, 1)[0]).unwrap();
+                member.learn(|s| {
+                    for (i, shard) in s.blocks.iter_mut().flatten().enumerate() {
+                        let len = shard.stored_rows() * adapter_rank(shard.cols);
+                        shard.adapter.a = random(len, 500 + i as u64);
+                    }
+                });
+                let after = member.compute_cpu(&requests(&member, 1)[0]).unwrap();
+                assert!(rel_err(&after, &before, 1.0) > 1e-3, "the adapters count");
+            }
         }
         // An embedding lookup is no product: it still answers (on the CPU).
         let req = StepRequest::EmbedRows { rows: vec![0, 1] };
