@@ -416,36 +416,9 @@ fn learning_soak_kills_and_restarts_end_on_one_codeword_in_bounded_disk() -> Res
     drop(mesh.nodes);
     drop(mesh.seed);
     let mut reference = node_native::load::load_model(&model)?.weights;
-    let mut shards = Vec::new();
-    let mut norms = Vec::new();
-    let mut version = None;
-    for i in 0..5 {
-        let data = node_native::store::DataDir::open(&mesh_data(&dir, i))?;
-        let (manifest, _) = data.manifest()?.context("manifest")?;
-        let shard = data.shard()?.context("shard")?;
-        let rules = node_native::learning::Rules {
-            cfg: manifest.cfg.clone(),
-            learning: manifest.learning,
-        };
-        let store = node_native::learning::UpdateStore::open(&data)?;
-        let state = store.restore(shard, &rules, &manifest.leader)?;
-        assert_eq!(state.version.count(), REQUESTS as u64, "node {i}");
-        if version.is_none() {
-            for entry in std::fs::read_dir(&archive)? {
-                let bytes = std::fs::read(entry?.path())?;
-                rules
-                    .check(&bytes)?
-                    .update
-                    .apply_to_weights(&mut reference)?;
-            }
-        }
-        assert_eq!(
-            version.get_or_insert(state.version.digest()),
-            &state.version.digest(),
-            "node {i} applied other updates"
-        );
-        shards.push(state.member.shards().clone());
-        norms.push(state.norms);
+    let (shards, norms, updates) = restore_rows(&dir, &archive, REQUESTS)?;
+    for update in &updates {
+        update.apply_to_weights(&mut reference)?;
     }
     // The replicated norm gains learnt the same on every node, as on the reference.
     let want = node_core::model::LeaderWeights::from_model(&reference);
@@ -494,6 +467,162 @@ fn learning_soak_kills_and_restarts_end_on_one_codeword_in_bounded_disk() -> Res
         );
     }
     Ok(())
+}
+
+/// Learning on compact shards across restarts: one node down past the peers' folds (it
+/// rebuilds its row, integers and learnt adapters, from k others) and one down briefly (it
+/// replays). Every row ends on one version with its integers as encoded and its adapters
+/// those of a row that applied every published update itself.
+#[test]
+fn compact_rows_learn_across_restarts_and_rebuilds_and_end_on_one_codeword() -> Result<()> {
+    let _machine = crate::machine::share();
+    let model = tiny_model();
+    let mut mesh = Mesh::start(
+        "soak-q8",
+        Some(&model),
+        &["--lr", "0.05", "--shard-format", "q8"],
+    )?;
+    let archive = mesh.dir.0.join("published");
+    let keep = archive.display().to_string();
+    const REQUESTS: usize = 150;
+    // (request, node index in `mesh.nodes`, requests it stays down).
+    let absences = [(20, 0, 60), (110, 2, 3)];
+    let mut down: Option<(usize, usize)> = None;
+    let (mut losses, mut noise, mut restarts) = (Vec::new(), Vec::new(), 0);
+    for i in 0..REQUESTS {
+        if let Some(&(_, node, for_requests)) = absences.iter().find(|a| a.0 == i) {
+            mesh.nodes[node].signal("KILL");
+            mesh.wait_healthy(4)?;
+            down = Some((node, i + for_requests));
+        }
+        if let Some((node, until)) = down
+            && i == until
+        {
+            restarts += 1;
+            mesh.nodes[node] = restart(&mesh, node, restarts)?;
+            mesh.wait_healthy(5)?;
+            down = None;
+        }
+        let (_, err) = mesh
+            .generate_with(
+                "hello world, this is a test",
+                6,
+                &["--keep-published", &keep],
+                || {},
+            )
+            .with_context(|| format!("request {i}"))?;
+        losses.push(learned_loss(&err)?);
+        noise.push(honest_noise(&err)?);
+    }
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+    let (first, last) = (mean(&losses[..5]), mean(&losses[REQUESTS - 5..]));
+    assert!(
+        last < 0.5 * first,
+        "the loss on the repeated prompt should fall: {first:.4} → {last:.4}"
+    );
+    let late = noise[REQUESTS - 50..].iter().copied().fold(0.0, f64::max);
+    assert!(
+        late < 0.5,
+        "honest answers reach {late:.3} of the threshold"
+    );
+    mesh.wait_version(REQUESTS as u64)?;
+    let rebuilt = mesh.nodes[0].log().matches("rebuilt row").count();
+    assert!(rebuilt >= 1, "the long absence rebuilt its row");
+    let dir = mesh.dir.0.clone();
+    drop(mesh.nodes);
+    drop(mesh.seed);
+    let (shards, _, updates) = restore_rows(&dir, &archive, REQUESTS)?;
+    assert_eq!(updates.len(), REQUESTS, "one update per request");
+    let weights = node_native::load::load_model(&model)?.weights;
+    let g = shards[0].generator.clone();
+    for got in &shards {
+        let mut want = node_core::coded::ShardSet::encode(
+            &weights,
+            &g,
+            got.node,
+            node_core::coded::ShardFormat::Q8,
+            &mut |_, _| {},
+        )?;
+        for u in &updates {
+            u.apply_to_shards(&mut want)?;
+        }
+        let pairs = got
+            .blocks
+            .iter()
+            .flatten()
+            .chain([&got.embed])
+            .chain(got.lm_head.as_ref())
+            .zip(
+                want.blocks
+                    .iter()
+                    .flatten()
+                    .chain([&want.embed])
+                    .chain(want.lm_head.as_ref()),
+            );
+        let mut worst = 0.0f64;
+        for (a, b) in pairs {
+            assert_eq!(a.values, b.values, "row {}: the integers moved", got.node);
+            assert!(!a.adapter.is_empty(), "row {} learnt nothing", got.node);
+            let scale = b.adapter.a.iter().fold(0.0f32, |m, v| m.max(v.abs())) as f64;
+            let diff = a
+                .adapter
+                .a
+                .iter()
+                .zip(&b.adapter.a)
+                .map(|(x, y)| (x - y).abs() as f64)
+                .fold(0.0, f64::max);
+            worst = worst.max(diff / scale);
+        }
+        eprintln!("row {}: adapters within {worst:.2e}", got.node);
+        assert!(
+            worst < 1e-4,
+            "row {}: adapters differ by {worst:.2e}",
+            got.node
+        );
+    }
+    Ok(())
+}
+
+/// Every node's row of a stopped [`Mesh`] in `dir`, restored from its data dir with its kept
+/// updates replayed (each at `requests` updates, all on one version), its norm gains, and the
+/// updates published into `archive`.
+fn restore_rows(
+    dir: &Path,
+    archive: &Path,
+    requests: usize,
+) -> Result<(
+    Vec<node_core::coded::ShardSet>,
+    Vec<node_core::model::LeaderWeights>,
+    Vec<node_core::learn::Update>,
+)> {
+    let (mut shards, mut norms, mut updates) = (Vec::new(), Vec::new(), Vec::new());
+    let mut version = None;
+    for i in 0..5 {
+        let data = node_native::store::DataDir::open(&mesh_data(dir, i))?;
+        let (manifest, _) = data.manifest()?.context("manifest")?;
+        let shard = data.shard()?.context("shard")?;
+        let rules = node_native::learning::Rules {
+            cfg: manifest.cfg.clone(),
+            learning: manifest.learning,
+        };
+        let store = node_native::learning::UpdateStore::open(&data)?;
+        let state = store.restore(shard, &rules, &manifest.leader)?;
+        assert_eq!(state.version.count(), requests as u64, "node {i}");
+        if version.is_none() {
+            for entry in std::fs::read_dir(archive)? {
+                let bytes = std::fs::read(entry?.path())?;
+                updates.push(rules.check(&bytes)?.update);
+            }
+        }
+        assert_eq!(
+            version.get_or_insert(state.version.digest()),
+            &state.version.digest(),
+            "node {i} applied other updates"
+        );
+        shards.push(state.member.shards().clone());
+        norms.push(state.norms);
+    }
+    Ok((shards, norms, updates))
 }
 
 /// A node from data dir `data` that injects `fault` (`--inject-fault`), once it serves `row`.
