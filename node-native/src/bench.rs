@@ -149,6 +149,7 @@ pub fn model_speed(
     tokens: usize,
     gpu: Option<(&std::sync::Arc<node_core::compute::gpu::Gpu>, usize)>,
     rows: Option<&[usize]>,
+    learnt: bool,
 ) -> Result<(f64, f64, f64)> {
     let g = if n == 1 {
         Generator::uncoded()
@@ -167,6 +168,16 @@ pub fn model_speed(
         None => select_nodes(&g, &all)?.nodes,
     };
     let mut group = CodedGroup::new(weights.cfg.clone(), g, &nodes, mesh)?;
+    if learnt {
+        // One learning update on the prompt at the default rate, taken by every member: f32
+        // shards learn in their values, compact ones in their adapters.
+        let learning = node_core::mesh::LearningConfig::default();
+        let grads = llama.gradients(&mut group, prompt)?;
+        let update = node_core::learn::Update::from_gradients(grads, learning.lr, learning.clip);
+        for m in group.transport_mut().members_mut() {
+            m.learn(|s| update.apply_to_shards(s))?;
+        }
+    }
     let opts = GenerateOptions {
         max_tokens: tokens,
         sampling: Default::default(),
@@ -276,15 +287,23 @@ pub fn run(weights: &ModelWeights, prompt: &[u32], tokens: usize) -> Result<Vec<
         ),
     ));
     let parity: &[usize] = &[2, 3, 4];
-    for (label, n, k, format, rows_of) in [
-        ("single node, uncoded", 1, 1, ShardFormat::F32, None),
-        ("in-process coded k=3 of n=5", 5, 3, ShardFormat::F32, None),
+    for (label, n, k, format, rows_of, learnt) in [
+        ("single node, uncoded", 1, 1, ShardFormat::F32, None, false),
+        (
+            "in-process coded k=3 of n=5",
+            5,
+            3,
+            ShardFormat::F32,
+            None,
+            false,
+        ),
         (
             "in-process coded k=3 of n=5, f16 shards",
             5,
             3,
             ShardFormat::F16,
             None,
+            false,
         ),
         (
             "single node, uncoded, q8 weights",
@@ -292,6 +311,7 @@ pub fn run(weights: &ModelWeights, prompt: &[u32], tokens: usize) -> Result<Vec<
             1,
             ShardFormat::Q8,
             None,
+            false,
         ),
         (
             "in-process coded k=3 of n=5, q8 shards (integer code; data rows 0, 1, 2)",
@@ -299,6 +319,7 @@ pub fn run(weights: &ModelWeights, prompt: &[u32], tokens: usize) -> Result<Vec<
             3,
             ShardFormat::Q8,
             None,
+            false,
         ),
         (
             "in-process coded k=3 of n=5, q8 shards, rows 2, 3, 4 (two i16 parity rows)",
@@ -306,10 +327,20 @@ pub fn run(weights: &ModelWeights, prompt: &[u32], tokens: usize) -> Result<Vec<
             3,
             ShardFormat::Q8,
             Some(parity),
+            false,
+        ),
+        (
+            "in-process coded k=3 of n=5, q8 shards after a learning update (data rows; adapters added)",
+            5,
+            3,
+            ShardFormat::Q8,
+            None,
+            true,
         ),
     ] {
-        let (prefill, decode, ms) =
-            model_speed(weights, &llama, n, k, format, prompt, tokens, None, rows_of)?;
+        let (prefill, decode, ms) = model_speed(
+            weights, &llama, n, k, format, prompt, tokens, None, rows_of, learnt,
+        )?;
         rows.push(row(
             format!("{label}: prefill ({} tokens, best of {RUNS})", prompt.len()),
             format!("{prefill:.1} tok/s"),
