@@ -5,9 +5,10 @@
 //! adapter: the matrix it serves is `W + A·V`, where `V` (`rank × cols`, entries ±1, rows
 //! exactly orthogonal) is the same fixed projection on every node and `A` (`rows × rank`, f32)
 //! is coded like the weights (`A_i = Σ_j G[i,j]·A_j`). A step `δW = −step·dYᵀ·X` is applied
-//! as its projection onto `V`'s row space, `δA = −step·dYᵀ·(X·Vᵀ / cols)`: linear in `dY`, so
-//! every row applies its own coded share and the shards stay one codeword, exactly as f32
-//! shards do (docs/coding.md, "Learning on compact shards").
+//! in `V`'s row space as `δA = −step·dYᵀ·(X·Vᵀ / rank)`, so `δW` becomes `δW·Vᵀ·V / rank`,
+//! whose mean over the random signs of `V` is `δW` itself. That is linear in `dY`, so every
+//! row applies its own coded share and the shards stay one codeword, exactly as f32 shards do
+//! (docs/coding.md, "Learning on compact shards").
 
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -146,7 +147,7 @@ impl Projection {
         z
     }
 
-    /// `x (t × cols) · Vᵀ / cols`, `t × rank`, summed in f64 (an update's input factor, which
+    /// `x (t × cols) · Vᵀ / rank`, `t × rank`, summed in f64 (an update's input factor, which
     /// every node must compute alike).
     pub fn down_update(&self, x: &[f32], t: usize) -> Vec<f32> {
         let (cols, rank) = (self.cols(), self.rank);
@@ -163,7 +164,7 @@ impl Projection {
                     .enumerate()
                     .map(|(j, &b)| f64::from(hadamard(r, j)) * b)
                     .sum();
-                *o = (sum / cols as f64) as f32;
+                *o = (sum / rank as f64) as f32;
             }
         }
         z
@@ -330,19 +331,21 @@ mod tests {
                     (got - want).abs() <= 1e-3 * want.abs().max(1.0),
                     "{got} {want}"
                 );
-                let got = zu[tok * p.rank() + r] * cols as f32;
+                let got = zu[tok * p.rank() + r] * p.rank() as f32;
                 assert!(
                     (got - want).abs() <= 1e-3 * want.abs().max(1.0),
                     "{got} {want}"
                 );
             }
         }
-        // Projecting twice is projecting once: (x·Vᵀ/cols)·V is in V's row space.
+        // (x·Vᵀ/rank)·V is in V's row space, and V·Vᵀ = cols·I: going round again scales by
+        // cols / rank.
         let mut xp = vec![0.0f32; 2 * cols];
         p.up_add(&zu, &mut xp);
         let again = p.down_update(&xp, 2);
+        let gain = (cols / p.rank()) as f32;
         for (a, b) in zu.iter().zip(&again) {
-            assert!((a - b).abs() <= 1e-5 * a.abs().max(1e-3), "{a} {b}");
+            assert!((a * gain - b).abs() <= 1e-5 * b.abs().max(1e-3), "{a} {b}");
         }
     }
 }

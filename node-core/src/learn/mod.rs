@@ -347,8 +347,8 @@ impl Update {
     }
 
     /// The step compact shards take (docs/coding.md, "Learning on compact shards"): every input
-    /// factor `X` replaced by its projection `X·Vᵀ·V / cols` onto the adapters' subspace, so
-    /// that [`Self::apply_to_weights`] and the update probe see what their adapters learn.
+    /// factor `X` replaced by `X·Vᵀ·V / rank`, which lies in the adapters' subspace, so that
+    /// [`Self::apply_to_weights`] and the update probe see what their adapters learn.
     pub fn projected(&self) -> Self {
         let project = |x: &[f32], t: usize| -> Vec<f32> {
             if t == 0 {
@@ -498,7 +498,7 @@ fn sub(v: &mut [f32], d: &[f32], step: f32) {
 }
 
 /// `S_s −= step · (Σ_j c[s][j]·dY_j)ᵀ·X` for every sub-block `s` of one shard: in its values
-/// for f32 shards, in its adapter for compact ones (with `X` projected, `X·Vᵀ / cols`).
+/// for f32 shards, in its adapter for compact ones (with `X·Vᵀ / rank` for `X`).
 #[allow(clippy::too_many_arguments)]
 fn apply_factor(
     shard: &mut Shard,
