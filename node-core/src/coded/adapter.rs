@@ -194,6 +194,29 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(&p, &q)| p * q).sum()
 }
 
+/// For every sub-block and every shard that learnt: where its `t × L` values lie in a member's
+/// answer to a product of `t` inputs, `L`, and its adapter's rows for that sub-block.
+fn parts<'a>(
+    shards: &[&'a Shard],
+    m: usize,
+    t: usize,
+    rank: usize,
+) -> Vec<(std::ops::Range<usize>, usize, &'a [f32])> {
+    let per_sub: usize = shards.iter().map(|s| t * s.block_len).sum();
+    let mut out = Vec::new();
+    for s in 0..m {
+        let mut offset = s * per_sub;
+        for shard in shards {
+            let l = shard.block_len;
+            if let Some(a) = shard.adapter.a.get(s * l * rank..(s + 1) * l * rank) {
+                out.push((offset..offset + t * l, l, a));
+            }
+            offset += t * l;
+        }
+    }
+    out
+}
+
 /// Adds the adapters' share to a member's answer `out` to `req` over `shards` (the stage's,
 /// or the embedding for a lookup), laid out as [`super::Member::compute_cpu`] lays it out;
 /// nothing when no shard has learnt.
@@ -214,44 +237,26 @@ pub(crate) fn add_products(
         StepRequest::Matmul { t, x, .. } => {
             let t = *t as usize;
             let z = proj.down(x, t);
-            let per_sub: usize = shards.iter().map(|s| t * s.block_len).sum();
-            for s in 0..m {
-                let mut offset = s * per_sub;
-                for shard in shards {
-                    let l = shard.block_len;
-                    if !shard.adapter.is_empty() {
-                        let y = out.get_mut(offset..offset + t * l).ok_or_else(short)?;
-                        let a = &shard.adapter.a[s * l * rank..(s + 1) * l * rank];
-                        for (yt, zt) in y.chunks_exact_mut(l).zip(z.chunks_exact(rank)) {
-                            for (v, ar) in yt.iter_mut().zip(a.chunks_exact(rank)) {
-                                *v += dot(ar, zt);
-                            }
-                        }
+            for (at, l, a) in parts(shards, m, t, rank) {
+                let y = out.get_mut(at).ok_or_else(short)?;
+                for (yt, zt) in y.chunks_exact_mut(l).zip(z.chunks_exact(rank)) {
+                    for (v, ar) in yt.iter_mut().zip(a.chunks_exact(rank)) {
+                        *v += dot(ar, zt);
                     }
-                    offset += t * l;
                 }
             }
         }
         StepRequest::MatmulT { t, u, .. } => {
             let t = *t as usize;
-            let per_sub: usize = shards.iter().map(|s| t * s.block_len).sum();
             let mut w = vec![0.0f32; t * rank];
-            for s in 0..m {
-                let mut offset = s * per_sub;
-                for shard in shards {
-                    let l = shard.block_len;
-                    if !shard.adapter.is_empty() {
-                        let us = u.get(offset..offset + t * l).ok_or_else(short)?;
-                        let a = &shard.adapter.a[s * l * rank..(s + 1) * l * rank];
-                        for (ut, wt) in us.chunks_exact(l).zip(w.chunks_exact_mut(rank)) {
-                            for (&c, ar) in ut.iter().zip(a.chunks_exact(rank)) {
-                                if c != 0.0 {
-                                    wt.iter_mut().zip(ar).for_each(|(o, &v)| *o += c * v);
-                                }
-                            }
+            for (at, l, a) in parts(shards, m, t, rank) {
+                let us = u.get(at).ok_or_else(short)?;
+                for (ut, wt) in us.chunks_exact(l).zip(w.chunks_exact_mut(rank)) {
+                    for (&c, ar) in ut.iter().zip(a.chunks_exact(rank)) {
+                        if c != 0.0 {
+                            wt.iter_mut().zip(ar).for_each(|(o, &v)| *o += c * v);
                         }
                     }
-                    offset += t * l;
                 }
             }
             proj.up_add(&w, out);

@@ -61,23 +61,7 @@ fn coded_sgd_keeps_every_shard_a_codeword_and_lowers_the_loss() {
     // Every k-group decodes the updated model's logits.
     let llama = Llama::new(reference.cfg.clone(), norms.clone()).unwrap();
     assert_eq!(norms, LeaderWeights::from_model(&reference));
-    let uncoded_mesh = InProcess::encode(
-        &reference,
-        &Generator::uncoded(),
-        ShardFormat::F32,
-        &|_, _| {},
-    )
-    .unwrap();
-    let mut uncoded = CodedGroup::new(
-        reference.cfg.clone(),
-        Generator::uncoded(),
-        &[0],
-        uncoded_mesh,
-    )
-    .unwrap();
-    let want = llama
-        .forward(&mut uncoded, &SEQ, &mut KvCache::new(&reference.cfg))
-        .unwrap();
+    let want = uncoded_logits(&llama, &reference);
     let members: Vec<_> = group.transport().members().to_vec();
     let all: Vec<Vec<usize>> = node_core::code::subsets(5, 3).collect();
     assert_eq!(all.len(), 10);
@@ -162,6 +146,15 @@ fn bad_updates_are_refused_before_anything_changes() {
     let before = shard.clone();
     assert!(nan.apply_to_shards(&mut shard).is_err());
     assert_eq!(shard, before);
+}
+
+/// The logits of `SEQ` through `w` uncoded, with `llama`'s norms.
+fn uncoded_logits(llama: &Llama, w: &ModelWeights) -> Vec<f32> {
+    let mesh = InProcess::encode(w, &Generator::uncoded(), ShardFormat::F32, &|_, _| {}).unwrap();
+    let mut uncoded = CodedGroup::new(w.cfg.clone(), Generator::uncoded(), &[0], mesh).unwrap();
+    llama
+        .forward(&mut uncoded, &SEQ, &mut KvCache::new(&w.cfg))
+        .unwrap()
 }
 
 /// Every weight of a model, flat.
@@ -378,23 +371,7 @@ fn compact_shards_learn_in_coded_adapters_and_stay_one_codeword() {
     }
     // Every k-group decodes the reference's logits.
     let llama = Llama::new(reference.cfg.clone(), norms.clone()).unwrap();
-    let uncoded_mesh = InProcess::encode(
-        &reference,
-        &Generator::uncoded(),
-        ShardFormat::F32,
-        &|_, _| {},
-    )
-    .unwrap();
-    let mut uncoded = CodedGroup::new(
-        reference.cfg.clone(),
-        Generator::uncoded(),
-        &[0],
-        uncoded_mesh,
-    )
-    .unwrap();
-    let want = llama
-        .forward(&mut uncoded, &SEQ, &mut KvCache::new(&reference.cfg))
-        .unwrap();
+    let want = uncoded_logits(&llama, &reference);
     for nodes in node_core::code::subsets(5, 3) {
         let mesh = InProcess::new(members.clone()).unwrap();
         let mut coded = CodedGroup::new(reference.cfg.clone(), g.clone(), &nodes, mesh).unwrap();

@@ -318,19 +318,7 @@ fn learning_soak_kills_and_restarts_end_on_one_codeword_in_bounded_disk() -> Res
     let mut noise = Vec::new();
     let mut learning_peak = 0;
     for i in 0..REQUESTS {
-        if let Some(&(_, node, for_requests)) = absences.iter().find(|a| a.0 == i) {
-            mesh.nodes[node].signal("KILL");
-            mesh.wait_healthy(4)?;
-            down = Some((node, i + for_requests));
-        }
-        if let Some((node, until)) = down
-            && i == until
-        {
-            restarts += 1;
-            mesh.nodes[node] = restart(&mesh, node, restarts)?;
-            mesh.wait_healthy(5)?;
-            down = None;
-        }
+        absent(&mut mesh, &absences, i, &mut down, &mut restarts)?;
         let err = if i == mid_request_kill.0 {
             let victim = &mesh.nodes[mid_request_kill.1];
             let (_, err) = mesh.generate_with(prompt, 6, &["--keep-published", &keep], || {
@@ -490,19 +478,7 @@ fn compact_rows_learn_across_restarts_and_rebuilds_and_end_on_one_codeword() -> 
     let mut down: Option<(usize, usize)> = None;
     let (mut losses, mut noise, mut restarts) = (Vec::new(), Vec::new(), 0);
     for i in 0..REQUESTS {
-        if let Some(&(_, node, for_requests)) = absences.iter().find(|a| a.0 == i) {
-            mesh.nodes[node].signal("KILL");
-            mesh.wait_healthy(4)?;
-            down = Some((node, i + for_requests));
-        }
-        if let Some((node, until)) = down
-            && i == until
-        {
-            restarts += 1;
-            mesh.nodes[node] = restart(&mesh, node, restarts)?;
-            mesh.wait_healthy(5)?;
-            down = None;
-        }
+        absent(&mut mesh, &absences, i, &mut down, &mut restarts)?;
         let (_, err) = mesh
             .generate_with(
                 "hello world, this is a test",
@@ -579,6 +555,32 @@ fn compact_rows_learn_across_restarts_and_rebuilds_and_end_on_one_codeword() -> 
             "row {}: adapters differ by {worst:.2e}",
             got.node
         );
+    }
+    Ok(())
+}
+
+/// Before request `i`: kills the node an entry of `absences` (request, node index in
+/// `mesh.nodes`, requests it stays down) names for it, or restarts the node that is `down`
+/// (node index, request it comes back at) when its time has come.
+fn absent(
+    mesh: &mut Mesh,
+    absences: &[(usize, usize, usize)],
+    i: usize,
+    down: &mut Option<(usize, usize)>,
+    restarts: &mut usize,
+) -> Result<()> {
+    if let Some(&(_, node, for_requests)) = absences.iter().find(|a| a.0 == i) {
+        mesh.nodes[node].signal("KILL");
+        mesh.wait_healthy(4)?;
+        *down = Some((node, i + for_requests));
+    }
+    if let Some((node, until)) = *down
+        && i == until
+    {
+        *restarts += 1;
+        mesh.nodes[node] = restart(mesh, node, *restarts)?;
+        mesh.wait_healthy(5)?;
+        *down = None;
     }
     Ok(())
 }
