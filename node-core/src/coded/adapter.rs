@@ -10,11 +10,12 @@
 //! row applies its own coded share and the shards stay one codeword, exactly as f32 shards do
 //! (docs/coding.md, "Learning on compact shards").
 
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock, PoisonError, RwLock};
 
 use serde::{Deserialize, Serialize};
 
 use super::{CodedError, Shard};
+use crate::compute::{matmul, matmul_transpose};
 use crate::protocol::StepRequest;
 
 /// Largest adapter rank: columns of `A`, rows of `V`.
@@ -29,11 +30,13 @@ pub fn adapter_rank(cols: usize) -> usize {
     ADAPTER_RANK.min(1 << cols.trailing_zeros().min(16))
 }
 
-/// What a compact shard has learnt: `rows × rank` f32 values, row-major (empty until its first
-/// update).
+/// What a compact shard has learnt: `rows × rank` f32 values (empty until its first update),
+/// each sub-block's `L × rank` stored column after column, so that products run over `L`
+/// contiguous values.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Adapter {
-    /// `A`, in the shard's row order; empty while nothing was learnt.
+    /// `A`: per sub-block `s`, value `(r, k)` at `(s·rank + k)·L + r`; empty while nothing was
+    /// learnt.
     #[serde(with = "crate::protocol::f32_bytes")]
     pub a: Vec<f32>,
     /// What rounding `a` to f32 left out of the updates so far (compensated summation, as
@@ -58,6 +61,8 @@ pub struct Projection {
     rank: usize,
     class: Vec<u8>,
     sign: Vec<f32>,
+    /// `V` itself, `rank × cols` row-major, for the f32 product kernels.
+    dense: Vec<f32>,
 }
 
 /// The projections built so far, by width.
@@ -99,21 +104,36 @@ impl Projection {
                 }
             })
             .collect();
-        Self { rank, class, sign }
+        let mut p = Self {
+            rank,
+            class,
+            sign,
+            dense: Vec::new(),
+        };
+        p.dense = (0..rank * cols)
+            .map(|i| {
+                let (r, c) = (i / cols, i % cols);
+                p.sign[c] * hadamard(r, usize::from(p.class[c]))
+            })
+            .collect();
+        p
     }
 
-    /// The projection for `cols` inputs (built once per width).
+    /// The projection for `cols` inputs (built once per width). Members of one process look
+    /// it up side by side on every product, so lookups take a read lock only.
     pub fn of(cols: usize) -> Arc<Self> {
-        static CACHE: OnceLock<Mutex<Widths>> = OnceLock::new();
-        let mut cache = CACHE
-            .get_or_init(Mutex::default)
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some((_, p)) = cache.iter().find(|(c, _)| *c == cols) {
-            return p.clone();
+        static CACHE: OnceLock<RwLock<Widths>> = OnceLock::new();
+        let cache = CACHE.get_or_init(RwLock::default);
+        let find = |w: &Widths| w.iter().find(|(c, _)| *c == cols).map(|(_, p)| p.clone());
+        if let Some(p) = find(&cache.read().unwrap_or_else(PoisonError::into_inner)) {
+            return p;
+        }
+        let mut widths = cache.write().unwrap_or_else(PoisonError::into_inner);
+        if let Some(p) = find(&widths) {
+            return p;
         }
         let p = Arc::new(Self::new(cols));
-        cache.push((cols, p.clone()));
+        widths.push((cols, p.clone()));
         p
     }
 
@@ -128,21 +148,9 @@ impl Projection {
 
     /// `x (t × cols) · Vᵀ`, `t × rank`, in f32 (a product's input).
     pub fn down(&self, x: &[f32], t: usize) -> Vec<f32> {
-        let (cols, rank) = (self.cols(), self.rank);
-        let mut z = vec![0.0f32; t * rank];
-        let mut bucket = vec![0.0f32; rank];
-        for (xr, zr) in x.chunks_exact(cols).zip(z.chunks_exact_mut(rank)) {
-            bucket.iter_mut().for_each(|b| *b = 0.0);
-            for ((&v, &c), &s) in xr.iter().zip(&self.class).zip(&self.sign) {
-                bucket[c as usize] += s * v;
-            }
-            for (r, o) in zr.iter_mut().enumerate() {
-                *o = bucket
-                    .iter()
-                    .enumerate()
-                    .map(|(j, &b)| hadamard(r, j) * b)
-                    .sum();
-            }
+        let mut z = vec![0.0f32; t * self.rank];
+        if x.len() == t * self.cols() {
+            matmul(&self.dense, self.rank, self.cols(), x, t, &mut z);
         }
         z
     }
@@ -189,11 +197,6 @@ impl Projection {
     }
 }
 
-/// `⟨a, b⟩` over the rank.
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(&p, &q)| p * q).sum()
-}
-
 /// For every sub-block and every shard that learnt: where its `t × L` values lie in a member's
 /// answer to a product of `t` inputs, `L`, and its adapter's rows for that sub-block.
 fn parts<'a>(
@@ -237,27 +240,22 @@ pub(crate) fn add_products(
         StepRequest::Matmul { t, x, .. } => {
             let t = *t as usize;
             let z = proj.down(x, t);
+            let mut part = Vec::new();
             for (at, l, a) in parts(shards, m, t, rank) {
                 let y = out.get_mut(at).ok_or_else(short)?;
-                for (yt, zt) in y.chunks_exact_mut(l).zip(z.chunks_exact(rank)) {
-                    for (v, ar) in yt.iter_mut().zip(a.chunks_exact(rank)) {
-                        *v += dot(ar, zt);
-                    }
-                }
+                // `t × L` more values, `z · A_sᵀ`: `A_sᵀ` is stored row-major (`rank × L`).
+                part.resize(t * l, 0.0);
+                matmul_transpose(a, rank, l, &z, t, &mut part);
+                y.iter_mut().zip(&part).for_each(|(v, &p)| *v += p);
             }
         }
         StepRequest::MatmulT { t, u, .. } => {
             let t = *t as usize;
-            let mut w = vec![0.0f32; t * rank];
+            let (mut w, mut part) = (vec![0.0f32; t * rank], vec![0.0f32; t * rank]);
             for (at, l, a) in parts(shards, m, t, rank) {
                 let us = u.get(at).ok_or_else(short)?;
-                for (ut, wt) in us.chunks_exact(l).zip(w.chunks_exact_mut(rank)) {
-                    for (&c, ar) in ut.iter().zip(a.chunks_exact(rank)) {
-                        if c != 0.0 {
-                            wt.iter_mut().zip(ar).for_each(|(o, &v)| *o += c * v);
-                        }
-                    }
-                }
+                matmul(a, rank, l, us, t, &mut part);
+                w.iter_mut().zip(&part).for_each(|(v, &p)| *v += p);
             }
             proj.up_add(&w, out);
         }
@@ -265,17 +263,16 @@ pub(crate) fn add_products(
             let Some(e) = shards.first() else {
                 return Ok(());
             };
-            let mut at = 0;
+            let (l, mut at) = (e.block_len, 0);
+            let mut a = vec![0.0f32; rank];
             for s in 0..m {
                 for &r in rows {
-                    let row = s * e.block_len + r as usize;
-                    let a = e
-                        .adapter
-                        .a
-                        .get(row * rank..(row + 1) * rank)
-                        .ok_or_else(short)?;
+                    for (k, v) in a.iter_mut().enumerate() {
+                        let i = (s * rank + k) * l + r as usize;
+                        *v = *e.adapter.a.get(i).ok_or_else(short)?;
+                    }
                     let y = out.get_mut(at..at + cols).ok_or_else(short)?;
-                    proj.up_add(a, y);
+                    proj.up_add(&a, y);
                     at += cols;
                 }
             }

@@ -524,7 +524,18 @@ fn apply_factor(
     };
     match &mut shard.values {
         ShardValues::F32(values) => {
-            apply_coded(values, &mut shard.carry, cols, rows, coeffs, dy, x, t, step);
+            let width = (cols, Layout::Rows);
+            apply_coded(
+                values,
+                &mut shard.carry,
+                width,
+                rows,
+                coeffs,
+                dy,
+                x,
+                t,
+                step,
+            );
         }
         ShardValues::Q8(_) => {
             let proj = Projection::of(cols);
@@ -533,17 +544,9 @@ fn apply_factor(
             if a.a.is_empty() {
                 a.a = vec![0.0; m * shard.block_len * proj.rank()];
             }
-            apply_coded(
-                &mut a.a,
-                &mut a.carry,
-                proj.rank(),
-                rows,
-                coeffs,
-                dy,
-                &z,
-                t,
-                step,
-            );
+            // An adapter's sub-block is stored column after column (`Adapter::a`).
+            let width = (proj.rank(), Layout::Columns);
+            apply_coded(&mut a.a, &mut a.carry, width, rows, coeffs, dy, &z, t, step);
         }
         ShardValues::F16(_) => {
             return Err(CodedError::BadRequest(
@@ -552,6 +555,13 @@ fn apply_factor(
         }
     }
     Ok(())
+}
+
+/// How a sub-block's `l × width` values lie: row after row, or column after column.
+#[derive(Clone, Copy)]
+enum Layout {
+    Rows,
+    Columns,
 }
 
 /// The row layout of a coded matrix: `out` rows uncoded, `m` sub-blocks of `l` rows, each the
@@ -572,7 +582,7 @@ struct Rows {
 fn apply_coded(
     values: &mut [f32],
     carry: &mut Vec<f32>,
-    width: usize,
+    (width, layout): (usize, Layout),
     Rows { out, l, m, km }: Rows,
     coeffs: &[f64],
     dy: &[f32],
@@ -618,12 +628,12 @@ fn apply_coded(
             if !touched {
                 continue;
             }
-            let at = (s * l + r) * width..(s * l + r + 1) * width;
-            for ((v, c), d) in values[at.clone()]
-                .iter_mut()
-                .zip(&mut carry[at])
-                .zip(&delta)
-            {
+            for (col, d) in delta.iter().enumerate() {
+                let at = match layout {
+                    Layout::Rows => (s * l + r) * width + col,
+                    Layout::Columns => (s * width + col) * l + r,
+                };
+                let (v, c) = (&mut values[at], &mut carry[at]);
                 let exact = f64::from(*v) + f64::from(*c) - step * d;
                 *v = exact as f32;
                 *c = (exact - f64::from(*v)) as f32;
