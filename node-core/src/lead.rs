@@ -244,13 +244,15 @@ pub async fn form<L: LeadLink>(
                     "checking members against learning updates of their version"
                 );
                 // Compact shards learn each update's projection (docs/coding.md).
-                let list = match manifest.format {
-                    crate::coded::ShardFormat::Q8 => list
-                        .into_iter()
-                        .map(|(id, u)| (id, Arc::new(u.projected())))
-                        .collect(),
-                    _ => list,
-                };
+                let list = list
+                    .into_iter()
+                    .map(|(id, u)| {
+                        (
+                            id,
+                            Arc::new(Arc::unwrap_or_clone(u).taken_by(manifest.format)),
+                        )
+                    })
+                    .collect();
                 Some(UpdateProbe::new(list, g.n()))
             }
             Err(e) => {

@@ -93,7 +93,7 @@ impl ChildSpec {
     pub fn spawn(&self) -> Result<Child> {
         let mut cmd = Command::new(&self.program);
         cmd.args(&self.args)
-            .envs(self.env.iter().map(|(k, v)| (k, v)))
+            .envs(self.env.clone())
             .stdin(Stdio::null())
             .kill_on_drop(true);
         #[cfg(unix)]

@@ -169,11 +169,7 @@ pub fn run(
         }
         update.apply_to_norms(&mut norms);
         // Compact shards learn each update's projection (docs/coding.md).
-        let probed = match format {
-            ShardFormat::Q8 => update.projected(),
-            _ => update,
-        };
-        made.push((i as u64 + 1, std::sync::Arc::new(probed)));
+        made.push((i as u64 + 1, std::sync::Arc::new(update.taken_by(format))));
         if i == 1 {
             two = current.clone();
         }

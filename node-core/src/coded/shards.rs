@@ -142,6 +142,12 @@ impl Shard {
         })
     }
 
+    /// Values of [`Self::adapter`] once it has learnt: every stored row's
+    /// [`adapter_rank`].
+    pub fn adapter_len(&self) -> usize {
+        self.stored_rows() * adapter_rank(self.cols)
+    }
+
     /// Rows stored: every sub-block's `L` rows.
     pub fn stored_rows(&self) -> usize {
         self.values.len() / self.cols.max(1)
@@ -329,7 +335,7 @@ impl Shard {
         // zeros).
         let mut adapter = Adapter::default();
         if sources.iter().any(|s| !s.adapter.is_empty()) {
-            let len = first.stored_rows() * adapter_rank(first.cols);
+            let len = first.adapter_len();
             let mut acc = vec![0.0f64; len];
             for (&c, s) in coeffs.iter().zip(sources) {
                 if s.adapter.is_empty() {
@@ -543,9 +549,8 @@ impl ShardSet {
             }
             let a = &shard.adapter.a;
             if !a.is_empty() {
-                if shard.format() != ShardFormat::Q8
-                    || a.len() != m * want.block_len * adapter_rank(want.cols)
-                {
+                // The shard's shape is the model's (checked above).
+                if shard.format() != ShardFormat::Q8 || a.len() != shard.adapter_len() {
                     return Err(CodedError::BadRequest(format!(
                         "matrix {i} of the shard set has an adapter of the wrong shape"
                     )));

@@ -13,7 +13,7 @@ pub use compress::{LowRank, low_rank};
 pub use learner::{Learner, Published};
 pub use signed::{open, seal};
 
-use crate::coded::{CodedError, Projection, Shard, ShardSet, ShardValues};
+use crate::coded::{CodedError, Projection, Shard, ShardFormat, ShardSet, ShardValues};
 use crate::mesh::LearningConfig;
 use crate::model::{Gradients, LeaderWeights, LlamaConfig, ModelWeights, Stage, StageGrad};
 
@@ -369,6 +369,15 @@ impl Update {
         u
     }
 
+    /// The step shards in `format` take: [`Self::projected`] for compact shards, which learn
+    /// in adapters; the step itself for f32 ones.
+    pub fn taken_by(self, format: ShardFormat) -> Self {
+        match format {
+            ShardFormat::Q8 => self.projected(),
+            ShardFormat::F32 | ShardFormat::F16 => self,
+        }
+    }
+
     /// Applies the step to uncoded weights (the reference every coded node must match).
     pub fn apply_to_weights(&self, w: &mut ModelWeights) -> Result<(), UpdateError> {
         self.validate(&w.cfg)?;
@@ -540,10 +549,10 @@ fn apply_factor(
         ShardValues::Q8(_) => {
             let proj = Projection::of(cols);
             let z = proj.down_update(x, t);
-            let a = &mut shard.adapter;
-            if a.a.is_empty() {
-                a.a = vec![0.0; m * shard.block_len * proj.rank()];
+            if shard.adapter.is_empty() {
+                shard.adapter.a = vec![0.0; shard.adapter_len()];
             }
+            let a = &mut shard.adapter;
             // An adapter's sub-block is stored column after column (`Adapter::a`).
             let width = (proj.rank(), Layout::Columns);
             apply_coded(&mut a.a, &mut a.carry, width, rows, coeffs, dy, &z, t, step);

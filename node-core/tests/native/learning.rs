@@ -5,7 +5,7 @@
 use crate::common::{self, max_rel_diff};
 
 use node_core::code::Generator;
-use node_core::coded::{CodedGroup, InProcess, ShardFormat, ShardSet, ShardValues};
+use node_core::coded::{CodedGroup, InProcess, Member, ShardFormat, ShardSet, ShardValues};
 use node_core::learn::{Learner, Update, UpdateError};
 use node_core::mesh::LearningConfig;
 use node_core::model::{KvCache, LeaderWeights, Llama, ModelWeights};
@@ -35,19 +35,7 @@ fn coded_sgd_keeps_every_shard_a_codeword_and_lowers_the_loss() {
     let mut norms = LeaderWeights::from_model(&reference);
     let mesh = InProcess::encode(&reference, &g, ShardFormat::F32, &|_, _| {}).unwrap();
     let mut group = CodedGroup::new(reference.cfg.clone(), g.clone(), &[0, 2, 4, 1], mesh).unwrap();
-    let mut losses = Vec::new();
-    for _ in 0..25 {
-        let llama = Llama::new(reference.cfg.clone(), norms.clone()).unwrap();
-        let grads = llama.gradients(&mut group, &SEQ).unwrap();
-        losses.push(grads.loss);
-        let update = Update::from_gradients(grads, 0.2, 5.0);
-        update.validate(&reference.cfg).unwrap();
-        for member in group.transport_mut().members_mut() {
-            update.apply_to_shards(member.shards_mut()).unwrap();
-        }
-        update.apply_to_norms(&mut norms);
-        update.apply_to_weights(&mut reference).unwrap();
-    }
+    let losses = sgd(&mut group, &mut reference, &mut norms, ShardFormat::F32);
     // Every node's shard equals the shard freshly encoded from the updated uncoded model.
     let fresh = InProcess::encode(&reference, &g, ShardFormat::F32, &|_, _| {}).unwrap();
     let mut worst = 0.0f64;
@@ -63,17 +51,8 @@ fn coded_sgd_keeps_every_shard_a_codeword_and_lowers_the_loss() {
     assert_eq!(norms, LeaderWeights::from_model(&reference));
     let want = uncoded_logits(&llama, &reference);
     let members: Vec<_> = group.transport().members().to_vec();
-    let all: Vec<Vec<usize>> = node_core::code::subsets(5, 3).collect();
-    assert_eq!(all.len(), 10);
-    for nodes in all {
-        let mesh = InProcess::new(members.clone()).unwrap();
-        let mut coded = CodedGroup::new(reference.cfg.clone(), g.clone(), &nodes, mesh).unwrap();
-        let got = llama
-            .forward(&mut coded, &SEQ, &mut KvCache::new(&reference.cfg))
-            .unwrap();
-        let err = max_rel_diff(&got, &want);
-        assert!(err < 1e-4, "group {nodes:?}: logits differ by {err:.2e}");
-    }
+    assert_eq!(node_core::code::subsets(5, 3).count(), 10);
+    every_group_decodes(&llama, &members, &g, &want);
     // The loss on the repeated sequence falls.
     let (first, last) = (losses[0], *losses.last().unwrap());
     assert!(
@@ -146,6 +125,44 @@ fn bad_updates_are_refused_before_anything_changes() {
     let before = shard.clone();
     assert!(nan.apply_to_shards(&mut shard).is_err());
     assert_eq!(shard, before);
+}
+
+/// 25 SGD steps on `SEQ` through `group` (lr 0.2, clip 5), each update checked and taken by
+/// every member, by `norms`, and by `reference` as shards in `format` take it: the losses.
+fn sgd(
+    group: &mut CodedGroup<InProcess>,
+    reference: &mut ModelWeights,
+    norms: &mut LeaderWeights,
+    format: ShardFormat,
+) -> Vec<f64> {
+    let mut losses = Vec::new();
+    for _ in 0..25 {
+        let llama = Llama::new(reference.cfg.clone(), norms.clone()).unwrap();
+        let grads = llama.gradients(group, &SEQ).unwrap();
+        losses.push(grads.loss);
+        let update = Update::from_gradients(grads, 0.2, 5.0);
+        update.validate(&reference.cfg).unwrap();
+        for member in group.transport_mut().members_mut() {
+            update.apply_to_shards(member.shards_mut()).unwrap();
+        }
+        update.apply_to_norms(norms);
+        update.taken_by(format).apply_to_weights(reference).unwrap();
+    }
+    losses
+}
+
+/// Asserts that every group of 3 of the 5 `members` decodes `want`, the logits of `SEQ`.
+fn every_group_decodes(llama: &Llama, members: &[Member], g: &Generator, want: &[f32]) {
+    for nodes in node_core::code::subsets(5, 3) {
+        let mesh = InProcess::new(members.to_vec()).unwrap();
+        let cfg = llama.config().clone();
+        let mut coded = CodedGroup::new(cfg.clone(), g.clone(), &nodes, mesh).unwrap();
+        let got = llama
+            .forward(&mut coded, &SEQ, &mut KvCache::new(&cfg))
+            .unwrap();
+        let err = max_rel_diff(&got, want);
+        assert!(err < 1e-4, "group {nodes:?}: logits differ by {err:.2e}");
+    }
 }
 
 /// The logits of `SEQ` through `w` uncoded, with `llama`'s norms.
@@ -347,18 +364,7 @@ fn compact_shards_learn_in_coded_adapters_and_stay_one_codeword() {
     let mesh = InProcess::encode(&base, &g, ShardFormat::Q8, &|_, _| {}).unwrap();
     let genesis = mesh.members().to_vec();
     let mut group = CodedGroup::new(reference.cfg.clone(), g.clone(), &[0, 2, 4, 1], mesh).unwrap();
-    let mut losses = Vec::new();
-    for _ in 0..25 {
-        let llama = Llama::new(reference.cfg.clone(), norms.clone()).unwrap();
-        let grads = llama.gradients(&mut group, &SEQ).unwrap();
-        losses.push(grads.loss);
-        let update = Update::from_gradients(grads, 0.2, 5.0);
-        for member in group.transport_mut().members_mut() {
-            update.apply_to_shards(member.shards_mut()).unwrap();
-        }
-        update.apply_to_norms(&mut norms);
-        update.projected().apply_to_weights(&mut reference).unwrap();
-    }
+    let losses = sgd(&mut group, &mut reference, &mut norms, ShardFormat::Q8);
     let members: Vec<_> = group.transport().members().to_vec();
     // The integers and scales did not move: only the adapters learnt.
     for (now, then) in members.iter().zip(&genesis) {
@@ -372,15 +378,7 @@ fn compact_shards_learn_in_coded_adapters_and_stay_one_codeword() {
     // Every k-group decodes the reference's logits.
     let llama = Llama::new(reference.cfg.clone(), norms.clone()).unwrap();
     let want = uncoded_logits(&llama, &reference);
-    for nodes in node_core::code::subsets(5, 3) {
-        let mesh = InProcess::new(members.clone()).unwrap();
-        let mut coded = CodedGroup::new(reference.cfg.clone(), g.clone(), &nodes, mesh).unwrap();
-        let got = llama
-            .forward(&mut coded, &SEQ, &mut KvCache::new(&reference.cfg))
-            .unwrap();
-        let err = max_rel_diff(&got, &want);
-        assert!(err < 1e-4, "group {nodes:?}: logits differ by {err:.2e}");
-    }
+    every_group_decodes(&llama, &members, &g, &want);
     // A lost row re-created from three others carries the adapters it must.
     let sources: Vec<&ShardSet> = [0, 1, 4].iter().map(|&i| members[i].shards()).collect();
     let rebuilt = ShardSet::reencode(3, &sources).unwrap();
