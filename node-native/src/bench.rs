@@ -149,7 +149,6 @@ pub fn model_speed(
     tokens: usize,
     gpu: Option<(&std::sync::Arc<node_core::compute::gpu::Gpu>, usize)>,
     rows: Option<&[usize]>,
-    learnt: bool,
 ) -> Result<(f64, f64, f64)> {
     let g = if n == 1 {
         Generator::uncoded()
@@ -168,16 +167,6 @@ pub fn model_speed(
         None => select_nodes(&g, &all)?.nodes,
     };
     let mut group = CodedGroup::new(weights.cfg.clone(), g, &nodes, mesh)?;
-    if learnt {
-        // One learning update on the prompt at the default rate, taken by every member: f32
-        // shards learn in their values, compact ones in their adapters.
-        let learning = node_core::mesh::LearningConfig::default();
-        let grads = llama.gradients(&mut group, prompt)?;
-        let update = node_core::learn::Update::from_gradients(grads, learning.lr, learning.clip);
-        for m in group.transport_mut().members_mut() {
-            m.learn(|s| update.apply_to_shards(s))?;
-        }
-    }
     let opts = GenerateOptions {
         max_tokens: tokens,
         sampling: Default::default(),
@@ -197,6 +186,102 @@ pub fn model_speed(
         anyhow::Ok((prefill, decode))
     })?;
     Ok((prefill, decode, 1e3 / decode))
+}
+
+/// One learning update on `prompt` at the default rate, taken by every member of `group`:
+/// f32 shards learn in their values, compact ones in their adapters.
+fn learn_once(llama: &Llama, group: &mut CodedGroup<InProcess>, prompt: &[u32]) -> Result<()> {
+    let learning = node_core::mesh::LearningConfig::default();
+    let grads = llama.gradients(group, prompt)?;
+    let update = node_core::learn::Update::from_gradients(grads, learning.lr, learning.clip);
+    for m in group.transport_mut().members_mut() {
+        m.learn(|s| update.apply_to_shards(s))?;
+    }
+    Ok(())
+}
+
+/// Pairs of decode runs in [`learnt_rows`], one of each mesh in turn.
+const LEARNT_PAIRS: usize = 8;
+
+/// A k = 3 of n = 5 q8 mesh before and after one learning update: each row's shard blob (as a
+/// node stores it), and decode on data rows 0, 1, 2 of both meshes in alternating runs, so
+/// that the machine's drift falls on both alike.
+pub fn learnt_rows(
+    weights: &ModelWeights,
+    llama: &Llama,
+    prompt: &[u32],
+    tokens: usize,
+) -> Result<Vec<Row>> {
+    let format = ShardFormat::Q8;
+    let g = format.code(5, 3)?;
+    let nodes = select_nodes(&g, &(0..5).collect::<Vec<_>>())?.nodes;
+    let blob = |m: &node_core::coded::Member| -> Result<usize> {
+        Ok(node_core::holder::shard_to_blob(m.shards())?.len())
+    };
+    let mut meshes = Vec::new();
+    let mut sizes: Vec<Vec<usize>> = Vec::new();
+    for learn in [false, true] {
+        let mesh = InProcess::encode(weights, &g, format, &|_, _| {})?;
+        let mut group = CodedGroup::new(weights.cfg.clone(), g.clone(), &nodes, mesh)?;
+        if learn {
+            learn_once(llama, &mut group, prompt)?;
+        }
+        let members = group.transport_mut().members_mut();
+        sizes.push(members.iter().map(blob).collect::<Result<_>>()?);
+        meshes.push(group);
+    }
+    let mut rows: Vec<Row> = (0..5)
+        .map(|r| {
+            row(
+                format!("q8 k=3 of n=5, row {r}'s shard blob: encoded → after a learning update"),
+                format!("{} → {} bytes", sizes[0][r], sizes[1][r]),
+            )
+        })
+        .collect();
+    let opts = GenerateOptions {
+        max_tokens: tokens,
+        sampling: Default::default(),
+        stop_ids: Vec::new(),
+        draft: 0,
+    };
+    let mut speeds = [Vec::new(), Vec::new()];
+    compute::par::install(|| {
+        for group in meshes.iter_mut() {
+            generate(llama, group, prompt, &opts, &mut |_| true)?;
+        }
+        for _ in 0..LEARNT_PAIRS {
+            for (group, speed) in meshes.iter_mut().zip(speeds.iter_mut()) {
+                let run = generate(llama, group, prompt, &opts, &mut |_| true)?;
+                speed.push(run.decode_tokens_per_s());
+            }
+        }
+        anyhow::Ok(())
+    })?;
+    let ratios: Vec<f64> = speeds[0]
+        .iter()
+        .zip(&speeds[1])
+        .map(|(a, b)| b / a)
+        .collect();
+    rows.push(row(
+        format!(
+            "in-process coded k=3 of n=5, q8 data rows 0, 1, 2, before → after a learning update \
+             (adapters added): decode ({tokens} tokens, median of {LEARNT_PAIRS} alternating runs)"
+        ),
+        format!(
+            "{:.1} → {:.1} tok/s, {:.3}× (median of the pairs' ratios)",
+            median(&speeds[0]),
+            median(&speeds[1]),
+            median(&ratios)
+        ),
+    ));
+    Ok(rows)
+}
+
+/// The median of `v` (the upper one of an even count); 0 when empty.
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
 }
 
 /// Measured runs of each speed row (the best is reported), as llama.cpp's script runs.
@@ -287,23 +372,15 @@ pub fn run(weights: &ModelWeights, prompt: &[u32], tokens: usize) -> Result<Vec<
         ),
     ));
     let parity: &[usize] = &[2, 3, 4];
-    for (label, n, k, format, rows_of, learnt) in [
-        ("single node, uncoded", 1, 1, ShardFormat::F32, None, false),
-        (
-            "in-process coded k=3 of n=5",
-            5,
-            3,
-            ShardFormat::F32,
-            None,
-            false,
-        ),
+    for (label, n, k, format, rows_of) in [
+        ("single node, uncoded", 1, 1, ShardFormat::F32, None),
+        ("in-process coded k=3 of n=5", 5, 3, ShardFormat::F32, None),
         (
             "in-process coded k=3 of n=5, f16 shards",
             5,
             3,
             ShardFormat::F16,
             None,
-            false,
         ),
         (
             "single node, uncoded, q8 weights",
@@ -311,7 +388,6 @@ pub fn run(weights: &ModelWeights, prompt: &[u32], tokens: usize) -> Result<Vec<
             1,
             ShardFormat::Q8,
             None,
-            false,
         ),
         (
             "in-process coded k=3 of n=5, q8 shards (integer code; data rows 0, 1, 2)",
@@ -319,7 +395,6 @@ pub fn run(weights: &ModelWeights, prompt: &[u32], tokens: usize) -> Result<Vec<
             3,
             ShardFormat::Q8,
             None,
-            false,
         ),
         (
             "in-process coded k=3 of n=5, q8 shards, rows 2, 3, 4 (two i16 parity rows)",
@@ -327,20 +402,10 @@ pub fn run(weights: &ModelWeights, prompt: &[u32], tokens: usize) -> Result<Vec<
             3,
             ShardFormat::Q8,
             Some(parity),
-            false,
-        ),
-        (
-            "in-process coded k=3 of n=5, q8 shards after a learning update (data rows; adapters added)",
-            5,
-            3,
-            ShardFormat::Q8,
-            None,
-            true,
         ),
     ] {
-        let (prefill, decode, ms) = model_speed(
-            weights, &llama, n, k, format, prompt, tokens, None, rows_of, learnt,
-        )?;
+        let (prefill, decode, ms) =
+            model_speed(weights, &llama, n, k, format, prompt, tokens, None, rows_of)?;
         rows.push(row(
             format!("{label}: prefill ({} tokens, best of {RUNS})", prompt.len()),
             format!("{prefill:.1} tok/s"),
@@ -350,6 +415,7 @@ pub fn run(weights: &ModelWeights, prompt: &[u32], tokens: usize) -> Result<Vec<
             format!("{decode:.1} tok/s ({ms:.1} ms/token)"),
         ));
     }
+    rows.extend(learnt_rows(weights, &llama, prompt, tokens)?);
     Ok(rows)
 }
 

@@ -262,10 +262,9 @@ pub fn model_rows(
                 Some((&gpu, AUTO_GPU_MIN_WORK)),
             ),
         ] {
-            let (prefill, decode, ms) = model_speed(
-                weights, &llama, 5, 3, format, prompt, tokens, g, None, false,
-            )
-            .with_context(|| format!("coded model on the {device}"))?;
+            let (prefill, decode, ms) =
+                model_speed(weights, &llama, 5, 3, format, prompt, tokens, g, None)
+                    .with_context(|| format!("coded model on the {device}"))?;
             rows.push(row(
                 format!("coded k=3 of n=5, {label} shards, members on the {device}"),
                 format!(

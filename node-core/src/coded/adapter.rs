@@ -15,11 +15,11 @@ use std::sync::{Arc, OnceLock, PoisonError, RwLock};
 use serde::{Deserialize, Serialize};
 
 use super::{CodedError, Shard};
-use crate::compute::{matmul, matmul_transpose};
+use crate::compute::matmul;
 use crate::protocol::StepRequest;
 
 /// Largest adapter rank: columns of `A`, rows of `V`.
-pub const ADAPTER_RANK: usize = 16;
+pub const ADAPTER_RANK: usize = 8;
 
 /// The adapter rank of a matrix with `cols` inputs: [`ADAPTER_RANK`], or the largest power of
 /// two dividing `cols` when that is smaller (the rows of `V` must split the columns evenly).
@@ -31,12 +31,12 @@ pub fn adapter_rank(cols: usize) -> usize {
 }
 
 /// What a compact shard has learnt: `rows × rank` f32 values (empty until its first update),
-/// each sub-block's `L × rank` stored column after column, so that products run over `L`
-/// contiguous values.
+/// each sub-block's `L × rank` stored in tiles of [`TILE`] rows ([`tiled_at`]), so that a
+/// product reads them as one stream.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Adapter {
-    /// `A`: per sub-block `s`, value `(r, k)` at `(s·rank + k)·L + r`; empty while nothing was
-    /// learnt.
+    /// `A`: per sub-block `s`, value `(r, k)` at `s·L·rank + tiled_at(L, rank, r, k)`; empty
+    /// while nothing was learnt.
     #[serde(with = "crate::protocol::f32_bytes")]
     pub a: Vec<f32>,
     /// What rounding `a` to f32 left out of the updates so far (compensated summation, as
@@ -220,6 +220,121 @@ fn parts<'a>(
     out
 }
 
+/// Rows of an adapter's tiles: a sub-block's `L × rank` values are stored as tiles of
+/// [`TILE`] rows, each tile column after column, so a run of rows is read as one stream and
+/// summed over the rank in registers.
+pub const TILE: usize = 16;
+
+/// Where value `(r, k)` of a sub-block of `l` rows lies among its `l × rank` adapter values.
+pub fn tiled_at(l: usize, rank: usize, r: usize, k: usize) -> usize {
+    let t0 = r - r % TILE;
+    t0 * rank + k * TILE.min(l - t0) + (r - t0)
+}
+
+/// `out += z · A_sᵀ` over rows `first..first + out.len()` of a sub-block of `l` rows: `a` is
+/// the sub-block's adapter (tiled, [`tiled_at`]), `z` one input's `x·Vᵀ` (`rank` values). Each
+/// row's sum over the rank is formed first, in the rank's order, then added.
+pub(crate) fn add_rows(a: &[f32], l: usize, z: &[f32], first: usize, out: &mut [f32]) {
+    let rank = z.len();
+    let end = (first + out.len()).min(l);
+    let mut r = first;
+    while r < end {
+        let t0 = r - r % TILE;
+        let w = TILE.min(l - t0);
+        let hi = end.min(t0 + w);
+        let Some(tile) = a.get(t0 * rank..(t0 + w) * rank) else {
+            return;
+        };
+        let o = &mut out[r - first..hi - first];
+        if let Ok(o) = <&mut [f32; TILE]>::try_from(&mut *o) {
+            let mut acc = [0.0f32; TILE];
+            for (col, &zk) in tile.as_chunks::<TILE>().0.iter().zip(z) {
+                acc.iter_mut().zip(col).for_each(|(s, &v)| *s += zk * v);
+            }
+            o.iter_mut().zip(&acc).for_each(|(o, &v)| *o += v);
+        } else {
+            for (i, o) in o.iter_mut().enumerate() {
+                let row = r - t0 + i;
+                let sum = z
+                    .iter()
+                    .enumerate()
+                    .map(|(k, &zk)| zk * tile[k * w + row])
+                    .fold(0.0f32, |s, v| s + v);
+                *o += sum;
+            }
+        }
+        r = hi;
+    }
+}
+
+/// What a sub-block's adapter adds to a compact product as its rows are computed: `a` the
+/// sub-block's tiled values, `l` its rows, `z` the inputs' `x·Vᵀ` (`t × rank`).
+pub(crate) struct AddRows<'a> {
+    /// The sub-block's adapter ([`tiled_at`]).
+    pub a: &'a [f32],
+    /// Rows of the sub-block.
+    pub l: usize,
+    /// `x·Vᵀ`, one run of `rank` values per input.
+    pub z: &'a [f32],
+    /// The adapter's rank.
+    pub rank: usize,
+}
+
+impl crate::compute::q8::RowWork for AddRows<'_> {
+    fn before(&self, first: usize, len: usize) {
+        let from = first * self.rank;
+        if let Some(v) = self.a.get(from..(from + len * self.rank).min(self.a.len())) {
+            prefetch(v);
+        }
+    }
+
+    fn after(&self, tok: usize, first: usize, out: &mut [f32]) {
+        if let Some(z) = self.z.get(tok * self.rank..(tok + 1) * self.rank) {
+            add_rows(self.a, self.l, z, first, out);
+        }
+    }
+}
+
+/// Asks the CPU to bring `v` into cache ahead of its use; a hint, with no effect on results.
+fn prefetch(v: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    for line in v.chunks(16) {
+        // SAFETY: a prefetch reads nothing architecturally and never faults, and the address
+        // lies in `v`.
+        unsafe {
+            use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+            _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast());
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = v;
+}
+
+/// `w (rank) += Σ_r u[r] · A_s[r]`: one input's transpose product with a sub-block's adapter
+/// (tiled, [`tiled_at`]) of `l = u.len()` rows.
+fn add_transposed(a: &[f32], u: &[f32], w: &mut [f32]) {
+    let (l, rank) = (u.len(), w.len());
+    for t0 in (0..l).step_by(TILE) {
+        let width = TILE.min(l - t0);
+        let Some(tile) = a.get(t0 * rank..(t0 + width) * rank) else {
+            return;
+        };
+        for (col, wk) in tile.chunks_exact(width).zip(w.iter_mut()) {
+            *wk += col
+                .iter()
+                .zip(&u[t0..t0 + width])
+                .fold(0.0f32, |s, (&v, &x)| s + v * x);
+        }
+    }
+}
+
+/// `x·Vᵀ` (`t × rank`) for a product of `t` inputs `x` over `shards`, what their adapters
+/// multiply; `None` when none has learnt.
+pub(crate) fn inputs_down(shards: &[&Shard], x: &[f32], t: usize) -> Option<Vec<f32>> {
+    let learnt = shards.iter().find(|s| !s.adapter.is_empty())?;
+    Some(Projection::of(learnt.cols).down(x, t))
+}
+
 /// Adds the adapters' share to a member's answer `out` to `req` over `shards` (the stage's,
 /// or the embedding for a lookup), laid out as [`super::Member::compute_cpu`] lays it out;
 /// nothing when no shard has learnt.
@@ -240,22 +355,21 @@ pub(crate) fn add_products(
         StepRequest::Matmul { t, x, .. } => {
             let t = *t as usize;
             let z = proj.down(x, t);
-            let mut part = Vec::new();
             for (at, l, a) in parts(shards, m, t, rank) {
                 let y = out.get_mut(at).ok_or_else(short)?;
-                // `t × L` more values, `z · A_sᵀ`: `A_sᵀ` is stored row-major (`rank × L`).
-                part.resize(t * l, 0.0);
-                matmul_transpose(a, rank, l, &z, t, &mut part);
-                y.iter_mut().zip(&part).for_each(|(v, &p)| *v += p);
+                for (zt, yt) in z.chunks_exact(rank).zip(y.chunks_exact_mut(l)) {
+                    add_rows(a, l, zt, 0, yt);
+                }
             }
         }
         StepRequest::MatmulT { t, u, .. } => {
             let t = *t as usize;
-            let (mut w, mut part) = (vec![0.0f32; t * rank], vec![0.0f32; t * rank]);
+            let mut w = vec![0.0f32; t * rank];
             for (at, l, a) in parts(shards, m, t, rank) {
                 let us = u.get(at).ok_or_else(short)?;
-                matmul(a, rank, l, us, t, &mut part);
-                w.iter_mut().zip(&part).for_each(|(v, &p)| *v += p);
+                for (ut, wt) in us.chunks_exact(l).zip(w.chunks_exact_mut(rank)) {
+                    add_transposed(a, ut, wt);
+                }
             }
             proj.up_add(&w, out);
         }
@@ -268,7 +382,7 @@ pub(crate) fn add_products(
             for s in 0..m {
                 for &r in rows {
                     for (k, v) in a.iter_mut().enumerate() {
-                        let i = (s * rank + k) * l + r as usize;
+                        let i = s * l * rank + tiled_at(l, rank, r as usize, k);
                         *v = *e.adapter.a.get(i).ok_or_else(short)?;
                     }
                     let y = out.get_mut(at..at + cols).ok_or_else(short)?;
@@ -310,9 +424,54 @@ mod tests {
                 }
             }
         }
-        assert_eq!(Projection::new(576).rank(), 16);
+        assert_eq!(Projection::new(576).rank(), 8);
         assert_eq!(Projection::new(100).rank(), 4);
         assert_eq!(Projection::new(7).rank(), 1);
+    }
+
+    #[test]
+    fn tiled_adapters_multiply_as_their_dense_matrix_over_any_run_of_rows() {
+        let rank = 8;
+        for l in [1usize, 15, 16, 17, 40, 64] {
+            let dense: Vec<f32> = (0..l * rank)
+                .map(|i| ((i * 31 % 17) as f32 - 8.0) / 5.0)
+                .collect();
+            let mut tiled = vec![f32::NAN; l * rank];
+            for r in 0..l {
+                for k in 0..rank {
+                    let at = tiled_at(l, rank, r, k);
+                    assert!(
+                        tiled[at].is_nan(),
+                        "l {l}: ({r}, {k}) lands on a taken place"
+                    );
+                    tiled[at] = dense[r * rank + k];
+                }
+            }
+            let z: Vec<f32> = (0..rank).map(|k| k as f32 * 0.25 - 1.0).collect();
+            for (first, len) in [(0, l), (l / 3, l - l / 3), (l / 2, l.div_ceil(4))] {
+                let mut out = vec![1.0f32; len];
+                add_rows(&tiled, l, &z, first, &mut out);
+                for (i, got) in out.iter().enumerate() {
+                    let row = &dense[(first + i) * rank..(first + i + 1) * rank];
+                    let want: f32 = 1.0 + row.iter().zip(&z).map(|(a, b)| a * b).sum::<f32>();
+                    assert!(
+                        (got - want).abs() <= 1e-5,
+                        "l {l}, row {}: {got} {want}",
+                        first + i
+                    );
+                }
+            }
+            let u: Vec<f32> = (0..l).map(|r| (r % 7) as f32 - 3.0).collect();
+            let mut w = vec![0.5f32; rank];
+            add_transposed(&tiled, &u, &mut w);
+            for (k, got) in w.iter().enumerate() {
+                let want: f32 = 0.5 + (0..l).map(|r| u[r] * dense[r * rank + k]).sum::<f32>();
+                assert!(
+                    (got - want).abs() <= 1e-4,
+                    "l {l}, column {k}: {got} {want}"
+                );
+            }
+        }
     }
 
     #[test]

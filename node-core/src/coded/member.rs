@@ -259,10 +259,13 @@ impl Member {
     /// The CPU reference of [`Self::compute`].
     pub fn compute_cpu(&self, req: &StepRequest) -> Result<Vec<f32>, CodedError> {
         let out = self.products_cpu(req)?;
-        self.with_adapters(req, out)
+        match req {
+            StepRequest::Matmul { .. } => Ok(out),
+            _ => self.with_adapters(req, out),
+        }
     }
 
-    /// [`Self::compute_cpu`] without the adapters.
+    /// [`Self::compute_cpu`], with the adapters of a product (not yet of the other requests).
     fn products_cpu(&self, req: &StepRequest) -> Result<Vec<f32>, CodedError> {
         let m = self.shards.generator.sub_blocks();
         match req {
@@ -279,12 +282,14 @@ impl Member {
                 let per_sub: usize = shards.iter().map(|s| t * s.block_len).sum();
                 let mut out = vec![0.0f32; m * per_sub];
                 let mut chunks = out.chunks_exact_mut(per_sub);
+                let z = super::adapter::inputs_down(&shards, x, t);
                 for s in 0..m {
                     let Some(sub) = chunks.next() else { break };
                     let mut offset = 0;
                     for shard in &shards {
                         let len = t * shard.block_len;
-                        shard.matmul_sub_block(s, x, t, &mut sub[offset..offset + len]);
+                        let y = &mut sub[offset..offset + len];
+                        shard.matmul_sub_block(s, x, t, y, z.as_deref());
                         offset += len;
                     }
                 }

@@ -16,7 +16,7 @@ mod probe;
 mod shards;
 mod verify;
 
-pub use adapter::{ADAPTER_RANK, Adapter, Projection, adapter_rank};
+pub use adapter::{ADAPTER_RANK, Adapter, Projection, TILE, adapter_rank, tiled_at};
 pub use compact::{
     CodedInts, Q8Values, compact_matrix, compact_model, encode_q8, grid_matrix, grid_model,
 };

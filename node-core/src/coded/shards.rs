@@ -3,11 +3,11 @@
 use serde::{Deserialize, Serialize};
 
 use super::CodedError;
-use super::adapter::{Adapter, adapter_rank};
+use super::adapter::{Adapter, AddRows, adapter_rank};
 use super::compact::{Q8Values, encode_q8, wide_row};
 use crate::code::Generator;
 use crate::compute::matmul;
-use crate::compute::q8::matmul_q8;
+use crate::compute::q8::{matmul_q8, matmul_q8_then};
 use crate::model::{LlamaConfig, Matrix, ModelWeights, Stage};
 
 /// How shard values are stored.
@@ -153,8 +153,17 @@ impl Shard {
         self.values.len() / self.cols.max(1)
     }
 
-    /// `y (t × L) = x (t × cols) · S_sᵀ` for sub-block `s` (rows `[s·L, (s+1)·L)`).
-    pub fn matmul_sub_block(&self, s: usize, x: &[f32], t: usize, y: &mut [f32]) {
+    /// `y (t × L) = x (t × cols) · S_sᵀ` for sub-block `s` (rows `[s·L, (s+1)·L)`), plus what a
+    /// compact shard's adapter learnt when given `z = x·Vᵀ` (`t × rank`), added as the rows are
+    /// computed.
+    pub fn matmul_sub_block(
+        &self,
+        s: usize,
+        x: &[f32],
+        t: usize,
+        y: &mut [f32],
+        z: Option<&[f32]>,
+    ) {
         let n = self.block_len * self.cols;
         let range = s * n..(s + 1) * n;
         match &self.values {
@@ -169,7 +178,14 @@ impl Shard {
                     rows: self.block_len,
                     cols: self.cols,
                 };
-                matmul_q8(w, x, t, y)
+                let rank = adapter_rank(self.cols);
+                let l = self.block_len;
+                match (z, self.adapter.a.get(s * l * rank..(s + 1) * l * rank)) {
+                    (Some(z), Some(a)) if z.len() == t * rank => {
+                        matmul_q8_then(w, x, t, y, &AddRows { a, l, z, rank })
+                    }
+                    _ => matmul_q8(w, x, t, y),
+                }
             }
         }
     }

@@ -370,19 +370,49 @@ fn rows_times_inputs<T: CodedInt>(
 
 /// `y (t × rows) = x (t × cols) · Wᵀ` for a compact `W`.
 pub fn matmul_q8(w: Q8Matrix<'_>, x: &[f32], t: usize, y: &mut [f32]) {
+    matmul_q8_then(w, x, t, y, &NoRowWork);
+}
+
+/// Work a product does on its rows beside the integers' dot products, on the thread that
+/// computes them: per chunk of rows for one input, per token over all rows for more.
+pub trait RowWork: Sync {
+    /// Before rows `first..first + len` are computed (to fetch what `after` reads).
+    fn before(&self, first: usize, len: usize);
+    /// On token `tok`'s outputs of rows `first..first + out.len()`, just computed.
+    fn after(&self, tok: usize, first: usize, out: &mut [f32]);
+}
+
+/// No work beside the product.
+struct NoRowWork;
+
+impl RowWork for NoRowWork {
+    fn before(&self, _: usize, _: usize) {}
+    fn after(&self, _: usize, _: usize, _: &mut [f32]) {}
+}
+
+/// [`matmul_q8`], with `work` on the rows as they are computed, while they are in cache.
+pub fn matmul_q8_then(w: Q8Matrix<'_>, x: &[f32], t: usize, y: &mut [f32], work: &dyn RowWork) {
     debug_assert_eq!(w.q.len(), w.rows * w.cols);
     debug_assert_eq!(w.scales.len(), w.rows * blocks_per_row(w.cols));
     debug_assert_eq!(x.len(), t * w.cols);
     debug_assert_eq!(y.len(), t * w.rows);
     let isa = Isa::best();
     match w.q {
-        Ints::I8(q) => matmul_of(q, w, x, t, y, isa),
-        Ints::I16(q) => matmul_of(q, w, x, t, y, isa),
+        Ints::I8(q) => matmul_of(q, w, x, t, y, isa, work),
+        Ints::I16(q) => matmul_of(q, w, x, t, y, isa, work),
     }
 }
 
-/// [`matmul_q8`] for values `q` (`w`'s) of type `T`, with the instructions `isa`.
-fn matmul_of<T: CodedInt>(q: &[T], w: Q8Matrix<'_>, x: &[f32], t: usize, y: &mut [f32], isa: Isa) {
+/// [`matmul_q8_then`] for values `q` (`w`'s) of type `T`, with the instructions `isa`.
+fn matmul_of<T: CodedInt>(
+    q: &[T],
+    w: Q8Matrix<'_>,
+    x: &[f32],
+    t: usize,
+    y: &mut [f32],
+    isa: Isa,
+    work: &dyn RowWork,
+) {
     let (rows, cols) = (w.rows, w.cols);
     if rows == 0 || t == 0 {
         return;
@@ -394,12 +424,17 @@ fn matmul_of<T: CodedInt>(q: &[T], w: Q8Matrix<'_>, x: &[f32], t: usize, y: &mut
     let parallel = threads > 1 && rows * cols >= PARALLEL_MIN_WEIGHTS;
     if t == 1 {
         if parallel {
-            let chunk = rows.div_ceil(threads * 4).max(16);
+            // Whole runs of 16 rows, as an adapter's tiles (`coded::TILE`) lie.
+            let chunk = rows.div_ceil(threads * 4).next_multiple_of(16);
             par::for_each_chunk(y, chunk, |i, out| {
-                rows_times_inputs(q, w, x, 1, i * chunk, out, isa)
+                work.before(i * chunk, out.len());
+                rows_times_inputs(q, w, x, 1, i * chunk, out, isa);
+                work.after(0, i * chunk, out);
             });
         } else {
+            work.before(0, rows);
             rows_times_inputs(q, w, x, 1, 0, y, isa);
+            work.after(0, 0, y);
         }
         return;
     }
@@ -416,6 +451,9 @@ fn matmul_of<T: CodedInt>(q: &[T], w: Q8Matrix<'_>, x: &[f32], t: usize, y: &mut
         for (tok, &v) in vals.iter().enumerate() {
             y[tok * rows + r] = v;
         }
+    }
+    for (tok, out) in y.chunks_exact_mut(rows).enumerate() {
+        work.after(tok, 0, out);
     }
 }
 
@@ -520,8 +558,8 @@ mod tests {
             let run = |isa| {
                 let mut y = vec![0.0f32; rows];
                 match ints {
-                    Ints::I8(q) => matmul_of(q, w, &x, 1, &mut y, isa),
-                    Ints::I16(q) => matmul_of(q, w, &x, 1, &mut y, isa),
+                    Ints::I8(q) => matmul_of(q, w, &x, 1, &mut y, isa, &NoRowWork),
+                    Ints::I16(q) => matmul_of(q, w, &x, 1, &mut y, isa, &NoRowWork),
                 }
                 y
             };

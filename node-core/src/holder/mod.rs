@@ -190,8 +190,8 @@ impl Rules {
 }
 
 /// The layout of a shard set in a blob; a release that changes it changes this (2: compact
-/// shards carry their learnt adapters).
-pub const SHARD_LAYOUT: u32 = 2;
+/// shards carry their learnt adapters; 3: of rank 8, not 16).
+pub const SHARD_LAYOUT: u32 = 3;
 
 /// A shard set as a blob (hashed chunks with parity).
 pub fn shard_to_blob(shard: &ShardSet) -> Result<Vec<u8>, HolderError> {

@@ -553,8 +553,8 @@ fn apply_factor(
                 shard.adapter.a = vec![0.0; shard.adapter_len()];
             }
             let a = &mut shard.adapter;
-            // An adapter's sub-block is stored column after column (`Adapter::a`).
-            let width = (proj.rank(), Layout::Columns);
+            // An adapter's sub-block is stored in tiles of rows (`Adapter::a`).
+            let width = (proj.rank(), Layout::Tiles);
             apply_coded(&mut a.a, &mut a.carry, width, rows, coeffs, dy, &z, t, step);
         }
         ShardValues::F16(_) => {
@@ -566,11 +566,12 @@ fn apply_factor(
     Ok(())
 }
 
-/// How a sub-block's `l × width` values lie: row after row, or column after column.
+/// How a sub-block's `l × width` values lie: row after row, or an adapter's tiles of rows
+/// ([`crate::coded::tiled_at`]).
 #[derive(Clone, Copy)]
 enum Layout {
     Rows,
-    Columns,
+    Tiles,
 }
 
 /// The row layout of a coded matrix: `out` rows uncoded, `m` sub-blocks of `l` rows, each the
@@ -640,7 +641,7 @@ fn apply_coded(
             for (col, d) in delta.iter().enumerate() {
                 let at = match layout {
                     Layout::Rows => (s * l + r) * width + col,
-                    Layout::Columns => (s * width + col) * l + r,
+                    Layout::Tiles => s * l * width + crate::coded::tiled_at(l, width, r, col),
                 };
                 let (v, c) = (&mut values[at], &mut carry[at]);
                 let exact = f64::from(*v) + f64::from(*c) - step * d;
