@@ -476,11 +476,15 @@ fn backward_checks_separate_honest_noise_from_a_lie_on_smollm2_shapes() {
         check.noise
     );
     assert!(
-        honest_worst < 0.5,
+        honest_worst < 0.2,
         "honest at {honest_worst:.3} of the threshold"
     );
+    // The threshold grows with the backward sums' length as f32 rounding's worst case does
+    // (`VerifyConfig::backward_threshold`), so a lie's margin is smaller than the honest one
+    // here; on these random weights the noise per κ is ten times SmolLM2's, which puts the same
+    // lie far higher there.
     assert!(
-        lie_least > 3.0,
+        lie_least > 1.5,
         "a lie at only {lie_least:.2} of the threshold"
     );
 }
