@@ -2,8 +2,10 @@
 //! every group of 3 rows gives the same greedy tokens as the uncoded model.
 
 use node_core::code::Generator;
-use node_core::coded::{CodedGroup, InProcess, ShardFormat, compact_model};
-use node_core::model::{GenerateOptions, SamplingParams, generate};
+use node_core::coded::{
+    CodedGroup, InProcess, NOISE_MARGIN, ShardFormat, VerifyConfig, compact_model, measure_noise,
+};
+use node_core::model::{ChatMessage, GenerateOptions, LeaderWeights, SamplingParams, generate};
 use tests::{argmax, leader, logits_along, real_model, relative_error, uncoded_group};
 
 const PROMPTS: [&str; 5] = [
@@ -279,5 +281,61 @@ fn compact_shards_decode_their_model_exactly_and_keep_the_greedy_tokens() -> any
         prompts.len(),
         "greedy continuations that differ from the f32 model's"
     );
+    Ok(())
+}
+
+#[test]
+fn honest_compact_rows_pass_every_backward_check_parity_rows_included() -> anyhow::Result<()> {
+    // A served compact mesh convicted its honest parity row 3 on the LM head's backward step,
+    // checked against the data rows (κ = 1), at 1.4 times the threshold of the time
+    // (docs/verification.md, "Threshold"). Here parity rows answer backward rounds and are
+    // checked against predictions from the other rows, on a served-like training sequence.
+    let _machine = crate::machine::share();
+    let model = real_model()?;
+    let w = &model.weights;
+    let g = ShardFormat::Q8.code(5, 3)?;
+    let mesh = InProcess::encode(w, &g, ShardFormat::Q8, &|_, _| {})?;
+    let (noise, mesh) = measure_noise(&w.cfg, &LeaderWeights::from_model(w), &g, mesh, 24)?;
+    let check = VerifyConfig {
+        extra: 1,
+        noise: NOISE_MARGIN * noise,
+    };
+    let members = mesh.into_members();
+    let llama = leader(w)?;
+    let chat = model.tokenizer.chat_prompt(&[ChatMessage {
+        role: "user".into(),
+        content: "Give me a short tip for learning to code.".into(),
+    }]);
+    let answer = "Start small: write a tiny program every day, read the error messages \
+                  carefully, and change one thing at a time until you understand why it \
+                  works.<|im_end|>";
+    let seq = model.tokenizer.encode(&format!("{chat}{answer}"))?;
+    let mut worst = 0.0f64;
+    for rows in [[3, 1, 2, 0], [4, 0, 1, 2], [3, 4, 0, 1]] {
+        for seed in 0..3 {
+            let mut group = CodedGroup::new(
+                w.cfg.clone(),
+                g.clone(),
+                &rows,
+                InProcess::new(members.clone())?,
+            )?;
+            group.set_verify(check);
+            group.seed_checks(seed);
+            llama.gradients(&mut group, &seq)?;
+            let s = group.stats();
+            assert!(
+                s.caught.is_empty(),
+                "rows {rows:?}, seed {seed}: {:?}",
+                s.caught
+            );
+            assert!(s.checked_backward_rounds > 0);
+            worst = worst.max(s.max_backward_pass_ratio);
+        }
+    }
+    eprintln!(
+        "honest compact backward residuals up to {worst:.3} of the threshold ({} tokens)",
+        seq.len()
+    );
+    assert!(worst < 0.6, "honest at {worst:.3} of the threshold");
     Ok(())
 }
