@@ -218,15 +218,16 @@ pub fn learnt_rows(
     let blob = |m: &node_core::coded::Member| -> Result<usize> {
         Ok(node_core::holder::shard_to_blob(m.shards())?.len())
     };
+    let encoded = InProcess::encode(weights, &g, format, &|_, _| {})?.into_members();
     let mut meshes = Vec::new();
     let mut sizes: Vec<Vec<usize>> = Vec::new();
     for learn in [false, true] {
-        let mesh = InProcess::encode(weights, &g, format, &|_, _| {})?;
+        let mesh = InProcess::new(encoded.clone())?;
         let mut group = CodedGroup::new(weights.cfg.clone(), g.clone(), &nodes, mesh)?;
         if learn {
             learn_once(llama, &mut group, prompt)?;
         }
-        let members = group.transport_mut().members_mut();
+        let members = group.transport().members();
         sizes.push(members.iter().map(blob).collect::<Result<_>>()?);
         meshes.push(group);
     }

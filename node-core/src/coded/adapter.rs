@@ -203,7 +203,6 @@ fn parts<'a>(
     shards: &[&'a Shard],
     m: usize,
     t: usize,
-    rank: usize,
 ) -> Vec<(std::ops::Range<usize>, usize, &'a [f32])> {
     let per_sub: usize = shards.iter().map(|s| t * s.block_len).sum();
     let mut out = Vec::new();
@@ -211,7 +210,7 @@ fn parts<'a>(
         let mut offset = s * per_sub;
         for shard in shards {
             let l = shard.block_len;
-            if let Some(a) = shard.adapter.a.get(s * l * rank..(s + 1) * l * rank) {
+            if let Some(a) = shard.adapter_block(s) {
                 out.push((offset..offset + t * l, l, a));
             }
             offset += t * l;
@@ -355,7 +354,7 @@ pub(crate) fn add_products(
         StepRequest::Matmul { t, x, .. } => {
             let t = *t as usize;
             let z = proj.down(x, t);
-            for (at, l, a) in parts(shards, m, t, rank) {
+            for (at, l, a) in parts(shards, m, t) {
                 let y = out.get_mut(at).ok_or_else(short)?;
                 for (zt, yt) in z.chunks_exact(rank).zip(y.chunks_exact_mut(l)) {
                     add_rows(a, l, zt, 0, yt);
@@ -365,7 +364,7 @@ pub(crate) fn add_products(
         StepRequest::MatmulT { t, u, .. } => {
             let t = *t as usize;
             let mut w = vec![0.0f32; t * rank];
-            for (at, l, a) in parts(shards, m, t, rank) {
+            for (at, l, a) in parts(shards, m, t) {
                 let us = u.get(at).ok_or_else(short)?;
                 for (ut, wt) in us.chunks_exact(l).zip(w.chunks_exact_mut(rank)) {
                     add_transposed(a, ut, wt);
@@ -380,10 +379,12 @@ pub(crate) fn add_products(
             let (l, mut at) = (e.block_len, 0);
             let mut a = vec![0.0f32; rank];
             for s in 0..m {
+                let block = e.adapter_block(s).ok_or_else(short)?;
                 for &r in rows {
                     for (k, v) in a.iter_mut().enumerate() {
-                        let i = s * l * rank + tiled_at(l, rank, r as usize, k);
-                        *v = *e.adapter.a.get(i).ok_or_else(short)?;
+                        *v = *block
+                            .get(tiled_at(l, rank, r as usize, k))
+                            .ok_or_else(short)?;
                     }
                     let y = out.get_mut(at..at + cols).ok_or_else(short)?;
                     proj.up_add(&a, y);

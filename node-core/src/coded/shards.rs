@@ -148,6 +148,13 @@ impl Shard {
         self.stored_rows() * adapter_rank(self.cols)
     }
 
+    /// Sub-block `s`'s adapter values (`L × rank`, [`super::tiled_at`]); `None` while nothing
+    /// was learnt.
+    pub fn adapter_block(&self, s: usize) -> Option<&[f32]> {
+        let n = self.block_len * adapter_rank(self.cols);
+        self.adapter.a.get(s * n..(s + 1) * n)
+    }
+
     /// Rows stored: every sub-block's `L` rows.
     pub fn stored_rows(&self) -> usize {
         self.values.len() / self.cols.max(1)
@@ -178,9 +185,8 @@ impl Shard {
                     rows: self.block_len,
                     cols: self.cols,
                 };
-                let rank = adapter_rank(self.cols);
-                let l = self.block_len;
-                match (z, self.adapter.a.get(s * l * rank..(s + 1) * l * rank)) {
+                let (rank, l) = (adapter_rank(self.cols), self.block_len);
+                match (z, self.adapter_block(s)) {
                     (Some(z), Some(a)) if z.len() == t * rank => {
                         matmul_q8_then(w, x, t, y, &AddRows { a, l, z, rank })
                     }
@@ -538,13 +544,7 @@ impl ShardSet {
             ));
         }
         let m = self.generator.sub_blocks();
-        let all = self
-            .blocks
-            .iter()
-            .flatten()
-            .chain([&self.embed])
-            .chain(self.lm_head.as_ref());
-        for (i, (shard, want)) in all.zip(&shapes).enumerate() {
+        for (i, (shard, want)) in self.matrices().zip(&shapes).enumerate() {
             let len = m * want.block_len * want.cols;
             if shard.out != want.out
                 || shard.block_len != want.block_len
@@ -583,13 +583,16 @@ impl ShardSet {
 
     /// Bytes of shard data held.
     pub fn bytes(&self) -> usize {
+        self.matrices().map(Shard::bytes).sum()
+    }
+
+    /// Every matrix's shard: the blocks' in order, then the embedding's and the LM head's.
+    pub fn matrices(&self) -> impl Iterator<Item = &Shard> {
         self.blocks
             .iter()
             .flatten()
-            .map(Shard::bytes)
-            .sum::<usize>()
-            + self.embed.bytes()
-            + self.lm_head.as_ref().map_or(0, Shard::bytes)
+            .chain([&self.embed])
+            .chain(self.lm_head.as_ref())
     }
 
     /// Multiplies every stored value by `factor` (a corrupted shard, for fault injection).

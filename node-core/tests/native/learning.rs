@@ -14,13 +14,7 @@ const SEQ: [u32; 9] = [3, 17, 60, 42, 9, 17, 5, 33, 12];
 
 fn values(s: &ShardSet) -> Vec<f32> {
     let mut v = Vec::new();
-    for shard in s
-        .blocks
-        .iter()
-        .flatten()
-        .chain([&s.embed])
-        .chain(s.lm_head.as_ref())
-    {
+    for shard in s.matrices() {
         if let ShardValues::F32(x) = &shard.values {
             v.extend_from_slice(x);
         }
@@ -383,13 +377,7 @@ fn compact_shards_learn_in_coded_adapters_and_stay_one_codeword() {
     let sources: Vec<&ShardSet> = [0, 1, 4].iter().map(|&i| members[i].shards()).collect();
     let rebuilt = ShardSet::reencode(3, &sources).unwrap();
     let held = members[3].shards();
-    for (x, y) in rebuilt
-        .blocks
-        .iter()
-        .flatten()
-        .chain([&rebuilt.embed])
-        .zip(held.blocks.iter().flatten().chain([&held.embed]))
-    {
+    for (x, y) in rebuilt.matrices().zip(held.matrices()) {
         assert_eq!(x.values, y.values);
         let err = max_rel_diff(&x.adapter.a, &y.adapter.a);
         assert!(err < 1e-5, "rebuilt adapter differs by {err:.2e}");
@@ -398,13 +386,7 @@ fn compact_shards_learn_in_coded_adapters_and_stay_one_codeword() {
     let blob = node_core::holder::shard_to_blob(held).unwrap();
     let back = node_core::holder::shard_from_blob(&blob).unwrap();
     back.check_shapes().unwrap();
-    for (x, y) in back
-        .blocks
-        .iter()
-        .flatten()
-        .chain([&back.embed])
-        .zip(held.blocks.iter().flatten().chain([&held.embed]))
-    {
+    for (x, y) in back.matrices().zip(held.matrices()) {
         assert_eq!((&x.values, &x.adapter.a), (&y.values, &y.adapter.a));
     }
     let mut bad = held.clone();

@@ -522,21 +522,8 @@ fn compact_rows_learn_across_restarts_and_rebuilds_and_end_on_one_codeword() -> 
         for u in &updates {
             u.apply_to_shards(&mut want)?;
         }
-        let pairs = got
-            .blocks
-            .iter()
-            .flatten()
-            .chain([&got.embed])
-            .chain(got.lm_head.as_ref())
-            .zip(
-                want.blocks
-                    .iter()
-                    .flatten()
-                    .chain([&want.embed])
-                    .chain(want.lm_head.as_ref()),
-            );
         let mut worst = 0.0f64;
-        for (a, b) in pairs {
+        for (a, b) in got.matrices().zip(want.matrices()) {
             assert_eq!(a.values, b.values, "row {}: the integers moved", got.node);
             assert!(!a.adapter.is_empty(), "row {} learnt nothing", got.node);
             let scale = b.adapter.a.iter().fold(0.0f32, |m, v| m.max(v.abs())) as f64;
@@ -660,11 +647,7 @@ fn restart(mesh: &Mesh, i: usize, nth: usize) -> Result<tests::procs::Proc> {
 /// Largest difference between two shard sets, relative to the largest value.
 fn shard_diff(a: &node_core::coded::ShardSet, b: &node_core::coded::ShardSet) -> f64 {
     let all = |s: &node_core::coded::ShardSet| -> Vec<f32> {
-        s.blocks
-            .iter()
-            .flatten()
-            .chain([&s.embed])
-            .chain(s.lm_head.as_ref())
+        s.matrices()
             .flat_map(|sh| sh.values_f32().into_owned())
             .collect()
     };
