@@ -484,7 +484,7 @@ pub fn mesh_rows(b: &MeshBench<'_>) -> Result<Vec<Row>> {
             anyhow::anyhow!("the local mesh never showed 5 live rows (last: {last})")
         })?;
         if ms == 0.0 {
-            rows.extend(loopback_rows(&mut leader, b.prompt, b.tokens)?);
+            rows.extend(loopback_rows(&mut leader, rt.handle(), b.prompt, b.tokens)?);
         }
         rows.extend(delay_rows(&mut leader, rt.handle(), b.summary, ms)?);
         drop(leader);
@@ -512,9 +512,8 @@ fn delay_rows(
         draft: 0,
     };
     // Forms the group and opens every connection.
-    generate(
-        &leader.llama,
-        &mut leader.group,
+    leader.generate(
+        runtime,
         prompt,
         &GenerateOptions {
             max_tokens: 2,
@@ -530,9 +529,7 @@ fn delay_rows(
             draft,
             ..plain.clone()
         };
-        let run = generate(&leader.llama, &mut leader.group, prompt, &opts, &mut |_| {
-            true
-        })?;
+        let run = leader.generate(runtime, prompt, &opts, &mut |_| true)?;
         let passes = run.forward_passes.max(1) as u64;
         let per_pass = leader.group.stats().rounds as f64 / passes as f64;
         let decode_tokens = run.tokens.len().saturating_sub(1).max(1) as f64;
@@ -591,6 +588,7 @@ fn delay_rows(
 /// The loopback rows: prefill, decode, drafts, rounds, bytes and the time split.
 fn loopback_rows(
     leader: &mut crate::remote::Leader,
+    runtime: &tokio::runtime::Handle,
     prompt: &[u32],
     tokens: usize,
 ) -> Result<Vec<Row>> {
@@ -600,20 +598,15 @@ fn loopback_rows(
         stop_ids: Vec::new(),
         draft: 0,
     };
-    generate(&leader.llama, &mut leader.group, prompt, &opts, &mut |_| {
-        true
-    })?;
+    leader.generate(runtime, prompt, &opts, &mut |_| true)?;
     leader.group.reset_stats();
     let compute_before = leader.group.transport().stats().compute;
-    let run = generate(&leader.llama, &mut leader.group, prompt, &opts, &mut |_| {
-        true
-    })?;
+    let run = leader.generate(runtime, prompt, &opts, &mut |_| true)?;
     let stats = leader.group.stats().clone();
     let compute = leader.group.transport().stats().compute - compute_before;
     let draft = node_core::model::speculate::DEFAULT_DRAFT;
-    let drafted = generate(
-        &leader.llama,
-        &mut leader.group,
+    let drafted = leader.generate(
+        runtime,
         prompt,
         &GenerateOptions { draft, ..opts },
         &mut |_| true,

@@ -1,11 +1,14 @@
-//! Serving the requests a node leads (its OpenAI API): a bounded queue, a serving thread that
+//! Serving the requests a node leads (its OpenAI API): a bounded queue, a serving task that
 //! runs every admitted request through one coded group, all of their new tokens in each round
-//! (continuous batching: one coded round per stage for the whole batch), and a training thread
+//! (continuous batching: one coded round per stage for the whole batch), and a training task
 //! that trains the mesh on the finished requests, a minibatch at a time, through a group of its
-//! own. The training runs beside the serving, so streams do not stop for it; the serving thread
+//! own. The training runs beside the serving, so streams do not stop for it; the serving task
 //! publishes each update between two steps, so neither group ever sees members at two versions.
-//! When training falls behind, the serving thread takes no new requests until it catches up:
+//! When training falls behind, the serving task takes no new requests until it catches up:
 //! the queue fills and the API answers 429, and memory stays bounded.
+//!
+//! Both are tasks on the node's runtime: a request goes from the API through the engine and
+//! the group's rounds to the members' sessions without leaving async code.
 //!
 //! A group is formed when first needed and kept while it works: after this node's own update
 //! every member holds it, so both groups move to the new version in place. A step that fails (a
@@ -29,6 +32,7 @@ use node_core::model::{
 };
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::{mpsc, oneshot};
+use tracing::Instrument;
 
 use crate::metrics::Metrics;
 use crate::remote::{Formed, Gate, GroupOptions, form_group, settled_info};
@@ -198,7 +202,7 @@ pub struct EngineContext {
     pub cfg: EngineConfig,
     /// Where it counts what it does.
     pub metrics: Metrics,
-    /// The node's runtime (the engine's thread waits on network futures through it).
+    /// The node's runtime (the engine's tasks run on it).
     pub runtime: tokio::runtime::Handle,
 }
 
@@ -214,7 +218,7 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// Starts the engine's thread; it forms a group when the first request comes.
+    /// Starts the engine's tasks; a group is formed when the first request comes.
     pub fn start(ctx: EngineContext) -> Result<Self> {
         ctx.cfg.validate()?;
         let (jobs, rx) = mpsc::channel(ctx.cfg.queue.max(1));
@@ -233,8 +237,8 @@ impl Engine {
             .map(StepLog::create)
             .transpose()?;
         let learns = ctx.cfg.learn && ctx.manifest.learning.enabled;
-        let (to_train, train_rx) = std::sync::mpsc::channel();
-        let (publish_tx, publish_rx) = std::sync::mpsc::channel();
+        let (to_train, train_rx) = mpsc::unbounded_channel();
+        let (publish_tx, publish_rx) = mpsc::unbounded_channel();
         let backlog = Arc::new(AtomicUsize::new(0));
         let shared = Arc::new(Shared::new(
             ctx.cfg.groups,
@@ -251,18 +255,16 @@ impl Engine {
                 publish: publish_tx,
                 backlog: backlog.clone(),
             };
-            std::thread::Builder::new()
-                .name("trainer".into())
-                .spawn(move || trainer.run())?;
+            ctx.runtime.spawn(trainer.run());
         }
         let queue_depth = ctx.metrics.queue_depth.clone();
         let jobs = Arc::new(tokio::sync::Mutex::new(rx));
         let mut publishes = Some(publish_rx);
         for slot in 0..ctx.cfg.groups {
-            // Only the first serving thread publishes the trainer's updates.
+            // Only the first serving task publishes the trainer's updates.
             let publishes = publishes
                 .take()
-                .unwrap_or_else(|| std::sync::mpsc::channel().1);
+                .unwrap_or_else(|| mpsc::unbounded_channel().1);
             let mut lead = Lead::new(ctx.clone(), trace.clone());
             lead.slot = Some((slot, shared.clone()));
             let worker = Worker {
@@ -281,9 +283,7 @@ impl Engine {
                 steps: 0,
                 shared: shared.clone(),
             };
-            std::thread::Builder::new()
-                .name(format!("leader-{slot}"))
-                .spawn(move || worker.run())?;
+            ctx.runtime.spawn(worker.run());
         }
         Ok(engine)
     }
@@ -353,12 +353,12 @@ struct ToLearn {
     latency: Duration,
 }
 
-/// An update the trainer made, for the serving thread to publish between two steps; the
+/// An update the trainer made, for the serving task to publish between two steps; the
 /// answer is the new version and its norm gains (`None`: form the group again).
 struct PublishRequest {
     published: Published,
     holders: Vec<PeerId>,
-    done: std::sync::mpsc::SyncSender<Option<([u8; 32], LeaderWeights)>>,
+    done: oneshot::Sender<Option<([u8; 32], LeaderWeights)>>,
 }
 
 /// A run of failed steps this long fails the requests in the batch.
@@ -390,13 +390,13 @@ const MAX_TRAIN_BACKLOG: usize = 64;
 const TRAIN_SHARE: f64 = 0.15;
 /// An idle trainer publishes what its learner accumulated after this long.
 const IDLE_FLUSH: Duration = Duration::from_secs(10);
-/// How often an idle serving thread looks for updates to publish.
+/// How often an idle serving task looks for updates to publish.
 const IDLE_POLL: Duration = Duration::from_millis(50);
 /// Window of the tokens/s gauge.
 const RATE_WINDOW: Duration = Duration::from_secs(10);
 
 /// A leader's group inside the node, formed when needed and kept while it works: what the
-/// serving and the training thread each hold.
+/// serving and the training task each hold.
 struct Lead {
     ctx: EngineContext,
     /// A serving group's place among the node's serving groups (the trainer's has none).
@@ -405,7 +405,7 @@ struct Lead {
     /// When forming last failed, and why.
     formed_failed: Option<(Instant, String)>,
     trace: Option<StepLog>,
-    /// The serving threads this group's rounds wait for (the trainer's: it computes only
+    /// The serving tasks this group's rounds wait for (the trainer's: it computes only
     /// while they have nothing to serve).
     yield_to: Option<Arc<Shared>>,
 }
@@ -423,9 +423,9 @@ impl Lead {
     }
 
     /// The mesh's view from the node's loop.
-    fn info(&self) -> Result<MeshInfo> {
+    async fn info(&self) -> Result<MeshInfo> {
         let info = self.ctx.info.clone();
-        self.ctx.runtime.block_on(settled_info(|| {
+        settled_info(|| {
             let info = info.clone();
             async move {
                 let (tx, rx) = oneshot::channel();
@@ -434,11 +434,12 @@ impl Lead {
                     .map_err(|_| anyhow!("the node is stopping"))?;
                 rx.await.map_err(|_| anyhow!("the node is stopping"))
             }
-        }))
+        })
+        .await
     }
 
     /// The group, formed now if there is none; why not when the mesh cannot give one.
-    fn group(&mut self) -> Result<&mut Formed, String> {
+    async fn group(&mut self) -> Result<&mut Formed, String> {
         if self.formed.is_none() {
             if let Some((at, why)) = &self.formed_failed
                 && at.elapsed() < FORM_RETRY
@@ -456,22 +457,24 @@ impl Lead {
                 avoid,
                 ..GroupOptions::new(self.ctx.cfg.verify, self.ctx.cfg.spares)
             };
-            let formed = self.info().and_then(|info| {
-                self.ctx.runtime.block_on(form_group(
-                    &self.ctx.client,
-                    &self.ctx.manifest,
-                    &info,
-                    Some(&self.ctx.local),
-                    &opts,
-                ))
-            });
+            let formed = match self.info().await {
+                Ok(info) => {
+                    form_group(
+                        &self.ctx.client,
+                        &self.ctx.manifest,
+                        &info,
+                        Some(&self.ctx.local),
+                        &opts,
+                    )
+                    .await
+                }
+                Err(e) => Err(e),
+            };
             match formed {
                 Ok(mut f) => {
                     if let Some(serving) = &self.yield_to {
                         let serving = serving.clone();
-                        f.group
-                            .transport_mut()
-                            .set_gate(Gate(Arc::new(serving.training_turns())));
+                        f.group.transport_mut().set_gate(serving.training_turns());
                     }
                     tracing::info!(
                         members = ?f.group.nodes(),
@@ -518,7 +521,7 @@ impl Lead {
     }
 
     /// Counts what the group's rounds did since the last call, and reports members it caught.
-    fn after_rounds(&mut self) {
+    async fn after_rounds(&mut self) {
         self.flush_trace();
         let Some(f) = self.formed.as_mut() else {
             return;
@@ -552,7 +555,7 @@ impl Lead {
         for c in &s.caught {
             if let Some(&peer) = f.rows.get(&c.node) {
                 tracing::warn!(%peer, "caught: {c}");
-                self.ctx.local.caught(peer, c.to_string());
+                self.ctx.local.caught(peer, c.to_string()).await;
             }
         }
         let link = crate::link::NativeLink::quiet(self.ctx.client.clone());
@@ -582,18 +585,18 @@ impl Lead {
 /// Most serving groups a node runs side by side.
 pub const MAX_GROUPS: usize = 16;
 
-/// What the serving threads share: who computes with which holders, who waits for work, and
+/// What the serving tasks share: who computes with which holders, who waits for work, and
 /// the recent tokens for the tokens/s gauge.
 #[derive(Debug)]
 struct Shared {
     /// Each serving group's member holders (empty while it has no group).
     busy: std::sync::Mutex<Vec<Vec<PeerId>>>,
-    /// How many serving threads hold a group (the gauge of `busy`).
+    /// How many serving tasks hold a group (the gauge of `busy`).
     holding: Gauge,
-    /// Sequences each serving thread is generating.
+    /// Sequences each serving task is generating.
     active: std::sync::Mutex<Vec<usize>>,
-    /// Signalled when no serving thread has a sequence left.
-    quiet: std::sync::Condvar,
+    /// The sum of `active`, for the trainer to wait on.
+    total: tokio::sync::watch::Sender<usize>,
     /// Tokens generated lately (when, how many).
     recent: std::sync::Mutex<VecDeque<(Instant, u64)>>,
 }
@@ -604,7 +607,7 @@ impl Shared {
             busy: std::sync::Mutex::new(vec![Vec::new(); groups]),
             holding,
             active: std::sync::Mutex::new(vec![0; groups]),
-            quiet: std::sync::Condvar::new(),
+            total: tokio::sync::watch::Sender::new(0),
             recent: std::sync::Mutex::new(VecDeque::new()),
         }
     }
@@ -629,7 +632,7 @@ impl Shared {
             .set(busy.iter().filter(|b| !b.is_empty()).count() as i64);
     }
 
-    /// Whether a serving thread other than `slot` holds a group and serves no sequence: it
+    /// Whether a serving task other than `slot` holds a group and serves no sequence: it
     /// takes the next request at once, wherever it is in its loop (waiting on the queue,
     /// publishing, or just done forming its group).
     fn another_is_idle(&self, slot: usize) -> bool {
@@ -651,48 +654,44 @@ impl Shared {
         busy.iter().take(slot).all(|b| !b.is_empty())
     }
 
-    /// Sets serving thread `slot`'s sequence count; the node's total.
+    /// Sets serving task `slot`'s sequence count; the node's total.
     fn set_active(&self, slot: usize, n: usize) -> usize {
         let mut active = self.active.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(a) = active.get_mut(slot) {
             *a = n;
         }
         let all = active.iter().sum();
-        if all == 0 {
-            self.quiet.notify_all();
-        }
+        self.total
+            .send_if_modified(|t| std::mem::replace(t, all) != all);
         all
     }
 
     /// Waits until the trainer may start its next round, after it worked for `worked` since
-    /// its last one: at once while no serving thread has a sequence, else once it has waited
+    /// its last one: at once while no serving task has a sequence, else once it has waited
     /// long enough that training keeps to [`TRAIN_SHARE`] of the time.
-    fn wait_turn(&self, worked: Duration) {
+    async fn wait_turn(&self, worked: Duration) {
         let until = Instant::now() + worked.mul_f64((1.0 - TRAIN_SHARE) / TRAIN_SHARE);
-        let mut active = self.active.lock().unwrap_or_else(|e| e.into_inner());
-        while active.iter().sum::<usize>() > 0 {
-            let now = Instant::now();
-            if now >= until {
-                break;
-            }
-            active = self
-                .quiet
-                .wait_timeout(active, until - now)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
+        let mut total = self.total.subscribe();
+        let quiet = total.wait_for(|&n| n == 0);
+        // Either the serving tasks went quiet, or the trainer waited long enough.
+        let _ = tokio::time::timeout_at(until.into(), quiet).await;
     }
 
     /// What a trainer's group waits for before each round: its turn ([`Self::wait_turn`]),
     /// counting as its work everything since its previous turn began.
-    fn training_turns(self: Arc<Self>) -> impl Fn() + Send + Sync {
-        let last = std::sync::Mutex::new(None::<Instant>);
-        move || {
-            let mut last = last.lock().unwrap_or_else(|e| e.into_inner());
-            let worked = last.map_or(Duration::ZERO, |t| t.elapsed());
-            self.wait_turn(worked);
-            *last = Some(Instant::now());
-        }
+    fn training_turns(self: Arc<Self>) -> Gate {
+        let last = Arc::new(std::sync::Mutex::new(None::<Instant>));
+        Gate(Arc::new(move || {
+            let (shared, last) = (self.clone(), last.clone());
+            Box::pin(async move {
+                let worked = {
+                    let last = last.lock().unwrap_or_else(|e| e.into_inner());
+                    last.map_or(Duration::ZERO, |t| t.elapsed())
+                };
+                shared.wait_turn(worked).await;
+                *last.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
+            })
+        }))
     }
 
     fn record_token(&self) {
@@ -714,10 +713,10 @@ impl Shared {
     }
 }
 
-/// The serving thread's end of the queue: requests in order, one of them possibly held back
+/// The serving task's end of the queue: requests in order, one of them possibly held back
 /// until the batch has room for it.
 struct Intake {
-    /// The queue, shared by the serving threads.
+    /// The queue, shared by the serving tasks.
     jobs: Arc<tokio::sync::Mutex<mpsc::Receiver<Job>>>,
     /// A request taken from the queue that did not fit yet (the step's token budget); it
     /// comes out first.
@@ -741,7 +740,7 @@ impl Intake {
         if let Some(job) = self.held.take() {
             return Next::Job(job);
         }
-        // Another serving thread waiting on the queue takes what comes.
+        // Another serving task waiting on the queue takes what comes.
         let Ok(mut jobs) = self.jobs.try_lock() else {
             return Next::Empty;
         };
@@ -755,7 +754,7 @@ impl Intake {
         }
     }
 
-    /// Whether a request is held back for this thread.
+    /// Whether a request is held back for this task.
     fn holds(&self) -> bool {
         self.held.is_some()
     }
@@ -769,15 +768,13 @@ impl Intake {
     /// Waits up to `wait` while nothing runs: with the held request if there is one (it waits
     /// for room), else for a request to come, which is then held. False once the queue is
     /// closed and nothing is held.
-    fn idle(&mut self, runtime: &tokio::runtime::Handle, wait: Duration) -> bool {
+    async fn idle(&mut self, wait: Duration) -> bool {
         if self.held.is_some() {
-            std::thread::sleep(wait);
+            tokio::time::sleep(wait).await;
             return true;
         }
         let jobs = self.jobs.clone();
-        let next = runtime.block_on(async move {
-            tokio::time::timeout(wait, async move { jobs.lock().await.recv().await }).await
-        });
+        let next = tokio::time::timeout(wait, async move { jobs.lock().await.recv().await }).await;
         match next {
             Ok(Some(job)) => {
                 self.queue_depth.dec();
@@ -790,63 +787,60 @@ impl Intake {
     }
 }
 
-/// The serving thread: the batch, the queue, and publishing the trainer's updates.
+/// The serving task: the batch, the queue, and publishing the trainer's updates.
 struct Worker {
     lead: Lead,
     intake: Intake,
     active: Vec<Seq>,
     /// Where finished requests go to be trained on (when the mesh learns).
-    to_train: Option<std::sync::mpsc::Sender<ToLearn>>,
-    publishes: std::sync::mpsc::Receiver<PublishRequest>,
+    to_train: Option<mpsc::UnboundedSender<ToLearn>>,
+    publishes: mpsc::UnboundedReceiver<PublishRequest>,
     /// Finished requests not yet trained on.
     backlog: Arc<AtomicUsize>,
     failures: u32,
     latency_ms: Arc<AtomicU64>,
     steps: u64,
-    /// What the serving threads share.
+    /// What the serving tasks share.
     shared: Arc<Shared>,
 }
 
 impl Worker {
-    fn run(mut self) {
-        // Timers and network futures below need the node's runtime as their context.
-        let runtime = self.lead.ctx.runtime.clone();
-        let _context = runtime.enter();
+    async fn run(mut self) {
         let slot = self.slot();
         loop {
-            self.publish_due();
-            if slot > 0 && self.active.is_empty() && !self.ready() {
+            self.publish_due().await;
+            if slot > 0 && self.active.is_empty() && !self.ready().await {
                 // A further group waits until the groups before it hold theirs and the mesh
                 // has holders for one more; only then does it take requests.
                 if self.lead.ctx.info.is_closed() {
                     break;
                 }
-                std::thread::sleep(IDLE_POLL);
+                tokio::time::sleep(IDLE_POLL).await;
                 continue;
             }
             if !self.admit() {
                 break;
             }
             if self.active.is_empty() {
-                if !self.intake.idle(&runtime, IDLE_POLL) {
+                if !self.intake.idle(IDLE_POLL).await {
                     break;
                 }
                 self.update_rate();
                 continue;
             }
-            self.step();
+            self.step().await;
         }
-        tracing::info!(slot, "a serving thread stopped");
+        tracing::info!(slot, "a serving task stopped");
     }
 
-    /// This serving thread's place among the node's serving groups.
+    /// This serving task's place among the node's serving groups.
     fn slot(&self) -> usize {
         self.lead.slot.as_ref().map_or(0, |(slot, _)| *slot)
     }
 
-    /// Whether a further serving thread holds a group it can serve with: formed once every
+    /// Whether a further serving task holds a group it can serve with: formed once every
     /// group before it has one.
-    fn ready(&mut self) -> bool {
+    async fn ready(&mut self) -> bool {
         let slot = self.slot();
         if self.lead.formed.is_some() {
             return true;
@@ -854,7 +848,7 @@ impl Worker {
         if !self.shared.formed_before(slot) {
             return false;
         }
-        self.lead.group().is_ok()
+        self.lead.group().await.is_ok()
     }
 
     /// Takes queued requests into the batch while there is room; false once the queue is
@@ -867,7 +861,7 @@ impl Worker {
             .step_tokens
             .saturating_sub(self.active.iter().map(|s| s.input.len()).sum());
         while self.active.len() < self.lead.ctx.cfg.max_batch {
-            // A busy thread leaves new requests to an idle one: its own group runs them.
+            // A busy task leaves new requests to an idle one: its own group runs them.
             if !self.active.is_empty()
                 && !self.intake.holds()
                 && self.shared.another_is_idle(self.slot())
@@ -928,8 +922,8 @@ impl Worker {
     }
 
     /// One forward step of every sequence in the batch, then a token for each.
-    fn step(&mut self) {
-        let f = match self.lead.group() {
+    async fn step(&mut self) {
+        let f = match self.lead.group().await {
             Ok(f) => f,
             Err(why) => {
                 self.fail_all(&EngineError::Unavailable(why));
@@ -944,7 +938,6 @@ impl Worker {
             batch = self.active.len(),
             rows
         );
-        let _entered = span.enter();
         let ids: Vec<String> = self.active.iter().map(|s| s.job.id.to_string()).collect();
         f.group
             .transport_mut()
@@ -957,9 +950,13 @@ impl Worker {
                 ..BatchItem::new(&s.input, &mut s.cache)
             })
             .collect();
-        let result = f.llama.forward_batch(&mut f.group, &mut items);
+        let result = f
+            .llama
+            .forward_batch_async(&mut f.group, &mut items)
+            .instrument(span)
+            .await;
         drop(items);
-        self.lead.after_rounds();
+        self.lead.after_rounds().await;
         self.lead.ctx.metrics.forward_steps.inc();
         match result {
             Ok(logits) => {
@@ -967,7 +964,7 @@ impl Worker {
                 let active = std::mem::take(&mut self.active);
                 for (mut seq, logits) in active.into_iter().zip(logits) {
                     match self.advance(&mut seq, &logits) {
-                        Some(stop) => self.finish(seq, stop),
+                        Some(stop) => self.finish(seq, stop).await,
                         None => self.active.push(seq),
                     }
                 }
@@ -1033,7 +1030,7 @@ impl Worker {
     }
 
     /// Ends a sequence: tells its submitter, counts it, and hands it to the trainer.
-    fn finish(&mut self, seq: Seq, stop: StopReason) {
+    async fn finish(&mut self, seq: Seq, stop: StopReason) {
         let latency = seq.job.arrived.elapsed();
         let m = &self.lead.ctx.metrics;
         m.requests.inc();
@@ -1086,19 +1083,23 @@ impl Worker {
                     m.train_backlog.dec();
                 }
             }
-            _ => ctx.local.served(Usage::of_request(
-                done.prompt_tokens,
-                done.tokens,
-                latency,
-                None,
-            )),
+            _ => {
+                ctx.local
+                    .served(Usage::of_request(
+                        done.prompt_tokens,
+                        done.tokens,
+                        latency,
+                        None,
+                    ))
+                    .await
+            }
         }
     }
 
     /// Publishes the trainer's updates, if any wait.
-    fn publish_due(&mut self) {
+    async fn publish_due(&mut self) {
         while let Ok(req) = self.publishes.try_recv() {
-            let moved = self.publish(req.published, &req.holders);
+            let moved = self.publish(req.published, &req.holders).await;
             self.lead.move_to(moved.as_ref());
             let _ = req.done.send(moved);
         }
@@ -1106,7 +1107,11 @@ impl Worker {
 
     /// Hands an update to every live row's holder and to this node's own row; the version
     /// that makes and its norm gains when this node's row took it.
-    fn publish(&mut self, p: Published, holders: &[PeerId]) -> Option<([u8; 32], LeaderWeights)> {
+    async fn publish(
+        &mut self,
+        p: Published,
+        holders: &[PeerId],
+    ) -> Option<([u8; 32], LeaderWeights)> {
         let ctx = &self.lead.ctx;
         let sealed = match node_core::lead::seal_update(&p, &ctx.key) {
             Ok(s) => s,
@@ -1117,10 +1122,11 @@ impl Worker {
         };
         let (before, _) = ctx.local.norms();
         let link = crate::link::NativeLink::quiet(ctx.client.clone());
-        let remote = ctx
-            .runtime
-            .block_on(node_core::lead::hand_out(&link, holders, &sealed));
-        let local = ctx.local.learn(&sealed.bytes);
+        let remote = node_core::lead::hand_out(&link, holders, &sealed).await;
+        let (local, bytes) = (ctx.local.clone(), sealed.bytes.clone());
+        let local = tokio::task::spawn_blocking(move || local.learn(&bytes))
+            .await
+            .unwrap_or_else(|e| MeshResponse::Error(e.to_string()));
         let took_here = matches!(local, MeshResponse::Learned { .. });
         let took = remote + usize::from(took_here);
         ctx.metrics.updates_published.inc();
@@ -1146,39 +1152,37 @@ impl Worker {
     }
 }
 
-/// The training thread: finished requests in, minibatch gradients through its own group,
-/// updates out to the serving thread.
+/// The training task: finished requests in, minibatch gradients through its own group,
+/// updates out to the serving task.
 struct Trainer {
     lead: Lead,
     learner: Learner,
-    requests: std::sync::mpsc::Receiver<ToLearn>,
+    requests: mpsc::UnboundedReceiver<ToLearn>,
     /// A request taken that did not fit the last minibatch: the next one starts with it.
     waiting: Option<ToLearn>,
-    publish: std::sync::mpsc::Sender<PublishRequest>,
+    publish: mpsc::UnboundedSender<PublishRequest>,
     backlog: Arc<AtomicUsize>,
 }
 
 impl Trainer {
-    fn run(mut self) {
-        let runtime = self.lead.ctx.runtime.clone();
-        let _context = runtime.enter();
+    async fn run(mut self) {
         loop {
             let next = match self.waiting.take() {
-                Some(w) => Ok(w),
-                None => self.requests.recv_timeout(IDLE_FLUSH),
+                Some(w) => Ok(Some(w)),
+                None => tokio::time::timeout(IDLE_FLUSH, self.requests.recv()).await,
             };
             let first = match next {
-                Ok(r) => r,
-                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                Ok(Some(r)) => r,
+                Err(_) => {
                     // Accumulated gradients (accumulate > 1) go out once requests stop.
-                    match self.learner.flush() {
-                        Ok(Some(p)) => self.hand_over(p),
+                    match tokio::task::block_in_place(|| self.learner.flush()) {
+                        Ok(Some(p)) => self.hand_over(p).await,
                         Ok(None) => {}
                         Err(e) => tracing::warn!("the update could not be made: {e}"),
                     }
                     continue;
                 }
-                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
+                Ok(None) => break,
             };
             let limit = learn_tokens(&self.lead.ctx.manifest);
             let mut tokens = first.tokens.len();
@@ -1195,14 +1199,10 @@ impl Trainer {
                 tokens += next.tokens.len();
                 batch.push(next);
             }
-            let loss = self.train(&batch);
+            let loss = self.train(&batch).await;
             for r in &batch {
-                self.lead.ctx.local.served(Usage::of_request(
-                    r.prompt_tokens,
-                    r.generated,
-                    r.latency,
-                    loss,
-                ));
+                let usage = Usage::of_request(r.prompt_tokens, r.generated, r.latency, loss);
+                self.lead.ctx.local.served(usage).await;
             }
             self.backlog.fetch_sub(batch.len(), Ordering::Relaxed);
             self.lead
@@ -1214,10 +1214,9 @@ impl Trainer {
     }
 
     /// The minibatch's loss, once its gradient went into the learner (and out, if due).
-    fn train(&mut self, batch: &[ToLearn]) -> Option<f64> {
+    async fn train(&mut self, batch: &[ToLearn]) -> Option<f64> {
         let span = tracing::info_span!("train", sequences = batch.len());
-        let _entered = span.enter();
-        let f = match self.lead.group() {
+        let f = match self.lead.group().instrument(span.clone()).await {
             Ok(f) => f,
             Err(why) => {
                 tracing::warn!("not trained on {} requests: {why}", batch.len());
@@ -1229,8 +1228,12 @@ impl Trainer {
             .set_context(format!("train {} requests", batch.len()));
         let seqs: Vec<&[u32]> = batch.iter().map(|r| r.tokens.as_slice()).collect();
         let started = Instant::now();
-        let grads = f.llama.gradients_batch(&mut f.group, &seqs);
-        self.lead.after_rounds();
+        let grads = f
+            .llama
+            .gradients_batch_async(&mut f.group, &seqs)
+            .instrument(span.clone())
+            .await;
+        self.lead.after_rounds().await;
         let grads = match grads {
             Ok(g) => g,
             Err(e) => {
@@ -1241,30 +1244,33 @@ impl Trainer {
         };
         let loss = grads.loss;
         self.lead.ctx.metrics.loss.set(loss);
-        tracing::info!(
-            loss,
-            sequences = batch.len(),
-            seconds = started.elapsed().as_secs_f64(),
-            "trained"
-        );
-        match self.learner.push(grads) {
-            Ok(Some(p)) => self.hand_over(p),
+        span.in_scope(|| {
+            tracing::info!(
+                loss,
+                sequences = batch.len(),
+                seconds = started.elapsed().as_secs_f64(),
+                "trained"
+            )
+        });
+        // Folding in a gradient (and compressing an update) is long work off the network.
+        match tokio::task::block_in_place(|| self.learner.push(grads)) {
+            Ok(Some(p)) => self.hand_over(p).await,
             Ok(None) => {}
             Err(e) => tracing::warn!("the update could not be made: {e}"),
         }
         Some(loss)
     }
 
-    /// Has the serving thread publish an update, and follows the mesh to the new version.
-    fn hand_over(&mut self, published: Published) {
-        let holders = match self.lead.group() {
+    /// Has the serving task publish an update, and follows the mesh to the new version.
+    async fn hand_over(&mut self, published: Published) {
+        let holders = match self.lead.group().await {
             Ok(f) => f.holders.clone(),
             Err(why) => {
                 tracing::warn!("an update is lost: {why}");
                 return;
             }
         };
-        let (done, answer) = std::sync::mpsc::sync_channel(1);
+        let (done, answer) = oneshot::channel();
         let req = PublishRequest {
             published,
             holders,
@@ -1273,7 +1279,7 @@ impl Trainer {
         if self.publish.send(req).is_err() {
             return;
         }
-        let moved = answer.recv().ok().flatten();
+        let moved = answer.await.ok().flatten();
         self.lead.move_to(moved.as_ref());
     }
 }
@@ -1335,69 +1341,66 @@ mod tests {
     }
 
     #[test]
-    fn a_busy_thread_leaves_a_request_to_a_thread_with_a_group_and_nothing_to_serve() {
+    fn a_busy_task_leaves_a_request_to_a_task_with_a_group_and_nothing_to_serve() {
         let shared = Shared::new(3, Gauge::default());
         let peer = PeerId::random();
-        assert!(!shared.another_is_idle(0), "no other thread has a group");
+        assert!(!shared.another_is_idle(0), "no other task has a group");
         shared.set_busy(1, vec![peer]);
         assert!(
             shared.another_is_idle(0),
-            "thread 1 just formed its group: it takes the next request"
+            "task 1 just formed its group: it takes the next request"
         );
         assert!(!shared.another_is_idle(1), "not itself");
         shared.set_active(1, 1);
-        assert!(!shared.another_is_idle(0), "thread 1 is serving");
+        assert!(!shared.another_is_idle(0), "task 1 is serving");
         shared.set_active(1, 0);
         shared.set_busy(1, Vec::new());
-        assert!(!shared.another_is_idle(0), "thread 1 lost its group");
+        assert!(!shared.another_is_idle(0), "task 1 lost its group");
     }
 
-    #[test]
-    fn training_waits_its_turn_while_serving_and_goes_on_once_serving_is_idle() {
+    #[tokio::test]
+    async fn training_waits_its_turn_while_serving_and_goes_on_once_serving_is_idle() {
         let shared = Arc::new(Shared::new(2, Gauge::default()));
         // Nothing served: no wait, however long the trainer worked.
         let t = Instant::now();
-        shared.wait_turn(Duration::from_secs(100));
+        shared.wait_turn(Duration::from_secs(100)).await;
         assert!(t.elapsed() < Duration::from_secs(1));
         shared.set_active(0, 2);
         shared.set_active(1, 1);
         // Serving: after 30 ms of work it waits 30 · 0.85 / 0.15 = 170 ms.
         let t = Instant::now();
-        shared.wait_turn(Duration::from_millis(30));
+        shared.wait_turn(Duration::from_millis(30)).await;
         let waited = t.elapsed();
         assert!(
             waited >= Duration::from_millis(170) && waited < Duration::from_secs(5),
             "{waited:?}"
         );
-        let (tx, rx) = std::sync::mpsc::channel();
-        let waiter = {
+        let mut waiter = tokio::spawn({
             let shared = shared.clone();
-            std::thread::spawn(move || {
-                shared.wait_turn(Duration::from_secs(100));
-                tx.send(()).expect("the test waits for it");
-            })
-        };
+            async move { shared.wait_turn(Duration::from_secs(100)).await }
+        });
         shared.set_active(0, 0);
         assert!(
-            rx.recv_timeout(Duration::from_millis(200)).is_err(),
-            "one serving thread still has a sequence: the trainer must still wait"
+            tokio::time::timeout(Duration::from_millis(200), &mut waiter)
+                .await
+                .is_err(),
+            "one serving task still has a sequence: the trainer must still wait"
         );
         shared.set_active(1, 0);
-        rx.recv()
-            .expect("every serving thread is idle: the trainer goes on");
-        waiter.join().expect("the waiter ends");
+        waiter
+            .await
+            .expect("every serving task is idle: the trainer goes on");
     }
 
-    #[test]
-    fn waiting_idle_with_a_held_request_keeps_it_and_the_queue() {
+    #[tokio::test]
+    async fn waiting_idle_with_a_held_request_keeps_it_and_the_queue() {
         // The load benchmark's lost requests: while the trainer was behind, every idle wait
         // took the next request into the one held slot, dropping the request already there.
-        let rt = tokio::runtime::Runtime::new().unwrap();
         let (mut intake, _tx, events) = intake(&[1, 2, 3]);
-        assert!(intake.idle(rt.handle(), Duration::from_millis(1)));
+        assert!(intake.idle(Duration::from_millis(1)).await);
         assert_eq!(intake.queue_depth.get(), 2, "one request left the queue");
         for _ in 0..3 {
-            assert!(intake.idle(rt.handle(), Duration::from_millis(1)));
+            assert!(intake.idle(Duration::from_millis(1)).await);
         }
         assert_eq!(intake.queue_depth.get(), 2, "no other request was taken");
         for rx in &events {
@@ -1422,26 +1425,21 @@ mod tests {
         assert_eq!(order, [Some(1), Some(2), None]);
     }
 
-    #[test]
-    fn a_closed_queue_ends_the_intake_only_once_the_held_request_is_out() {
-        let rt = tokio::runtime::Runtime::new().unwrap();
+    #[tokio::test]
+    async fn a_closed_queue_ends_the_intake_only_once_the_held_request_is_out() {
         let (mut intake, tx, _events) = intake(&[7]);
         drop(tx);
-        assert!(intake.idle(rt.handle(), Duration::from_millis(1)));
-        assert!(
-            intake.idle(rt.handle(), Duration::from_millis(1)),
-            "7 is held"
-        );
+        assert!(intake.idle(Duration::from_millis(1)).await);
+        assert!(intake.idle(Duration::from_millis(1)).await, "7 is held");
         assert_eq!(prompt(intake.next()), Some(7));
         assert!(matches!(intake.next(), Next::Closed));
-        assert!(!intake.idle(rt.handle(), Duration::from_millis(1)));
+        assert!(!intake.idle(Duration::from_millis(1)).await);
     }
 
-    #[test]
-    fn an_idle_wait_with_nothing_queued_takes_nothing() {
-        let rt = tokio::runtime::Runtime::new().unwrap();
+    #[tokio::test]
+    async fn an_idle_wait_with_nothing_queued_takes_nothing() {
         let (mut intake, _tx, _events) = intake(&[]);
-        assert!(intake.idle(rt.handle(), Duration::from_millis(1)));
+        assert!(intake.idle(Duration::from_millis(1)).await);
         assert!(matches!(intake.next(), Next::Empty));
     }
 }

@@ -11,7 +11,7 @@ use node_core::compute::gpu::Gpu;
 use node_core::learn::Learner;
 use node_core::model::{
     ChatMessage, GenerateOptions, KvCache, LeaderWeights, Llama, Pass, SamplingParams, generate,
-    generate_with, run_pass_now,
+    generate_with, run_pass, run_pass_now,
 };
 use node_core::model::{Generation, LlamaConfig, ModelWeights, Tokenizer};
 use node_native::remote::{Leader, Session};
@@ -598,7 +598,8 @@ fn run_once_on_mesh(
         } else {
             let mut cache = KvCache::new(&leader.manifest.cfg);
             let (llama, group) = (&leader.llama, &mut leader.group);
-            let mut forward = |pass: Pass<'_>| run_pass_now(llama, group, &mut cache, pass);
+            let mut forward =
+                |pass: Pass<'_>| rt.block_on(run_pass(llama, &mut *group, &mut cache, pass));
             generate_and_print(&mut forward, max_seq, &leader.tokenizer, args, &mut emitted)
         };
         match generated {
@@ -750,7 +751,7 @@ fn run_eval(args: EvalArgs) -> Result<()> {
     }
     let mut total = 0.0;
     for c in &chunks {
-        total += leader.llama.sequence_loss(&mut leader.group, c)?;
+        total += leader.sequence_loss(rt.handle(), c)?;
     }
     let loss = total / chunks.len() as f64;
     println!(

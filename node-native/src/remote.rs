@@ -3,7 +3,6 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
-use std::sync::mpsc as std_mpsc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
@@ -17,7 +16,12 @@ use node_core::mesh::{
     Health, MemberPool, MeshInfo, MeshRequest, MeshResponse, ModelManifest, RoundConfig,
     RoundDriver, SourceRow, Usage,
 };
+use node_core::model::{
+    GenerateOptions, Generation, KvCache, ModelError, Pass, generate_with, run_pass,
+};
 use node_core::net::session::Ask;
+
+use tokio::sync::mpsc;
 
 use crate::link::{NativeLink, pick_addr};
 use crate::row::LocalRow;
@@ -311,7 +315,7 @@ impl Leader {
         }
         let max = node_core::learn::training_window(&cfg, &self.manifest.cfg);
         let tokens = &tokens[tokens.len().saturating_sub(max)..];
-        let grads = self.llama.gradients(&mut self.group, tokens)?;
+        let grads = rt.block_on(self.llama.gradients_async(&mut self.group, tokens))?;
         let loss = grads.loss;
         let published = match learner.push(grads)? {
             Some(p) => Some(self.publish(rt, p)?),
@@ -322,6 +326,31 @@ impl Leader {
             positions: tokens.len(),
             published,
         }))
+    }
+
+    /// Generates a completion of `prompt` through the group ([`generate_with`]); `on_token`
+    /// sees each token and returns false to stop.
+    pub fn generate(
+        &mut self,
+        rt: &tokio::runtime::Handle,
+        prompt: &[u32],
+        opts: &GenerateOptions,
+        on_token: &mut dyn FnMut(u32) -> bool,
+    ) -> Result<Generation, ModelError> {
+        let (llama, group) = (&self.llama, &mut self.group);
+        let mut cache = KvCache::new(llama.config());
+        let mut forward =
+            |pass: Pass<'_>| rt.block_on(run_pass(llama, &mut *group, &mut cache, pass));
+        generate_with(&mut forward, llama.config().max_seq, prompt, opts, on_token)
+    }
+
+    /// Mean next-token cross-entropy of `tokens` through the group, forward only.
+    pub fn sequence_loss(
+        &mut self,
+        rt: &tokio::runtime::Handle,
+        tokens: &[u32],
+    ) -> Result<f64, ModelError> {
+        rt.block_on(self.llama.sequence_loss_async(&mut self.group, tokens))
     }
 
     /// Tells every live row's holder about the members this leader caught; returns how many
@@ -399,8 +428,8 @@ pub struct NetTransport {
     version: [u8; 32],
     peers: BTreeMap<usize, PeerId>,
     pool: MemberPool,
-    tx: std_mpsc::SyncSender<Answer>,
-    rx: std_mpsc::Receiver<Answer>,
+    tx: mpsc::UnboundedSender<Answer>,
+    rx: mpsc::UnboundedReceiver<Answer>,
     round: u64,
     stats: NetStats,
     local: Option<LocalRow>,
@@ -414,7 +443,7 @@ pub struct NetTransport {
     /// The session with each row asked so far (opened when the group forms, or when a row is
     /// first asked as a replacement).
     links: BTreeMap<usize, crate::session::Link>,
-    /// The runtime the sessions run on (rounds are driven from a thread outside it).
+    /// The runtime the sessions run on.
     runtime: tokio::runtime::Handle,
     /// What every round waits for before it goes out, if anything (a trainer's group waits
     /// until serving is idle).
@@ -423,13 +452,17 @@ pub struct NetTransport {
 
 /// A wait a group's rounds make before they go out.
 #[derive(Clone)]
-pub struct Gate(pub Arc<dyn Fn() + Send + Sync>);
+pub struct Gate(pub Arc<dyn Fn() -> futures::future::BoxFuture<'static, ()> + Send + Sync>);
 
 impl std::fmt::Debug for Gate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("Gate(..)")
     }
 }
+
+/// Encoded steps up to this size (a decode step's activations) are computed for the leader's
+/// own row on the round's task; larger ones (prefill) on the blocking pool.
+const INLINE_LOCAL_BYTES: usize = 4 * crate::session::INLINE_STEP_VALUES;
 
 impl NetTransport {
     /// A transport to the holders of `peers` (row → peer); rows not in `members` are free.
@@ -447,7 +480,7 @@ impl NetTransport {
             .copied()
             .filter(|r| !members.contains(r))
             .collect();
-        let (tx, rx) = std_mpsc::sync_channel(4096);
+        let (tx, rx) = mpsc::unbounded_channel();
         let mut transport = Self {
             client,
             version,
@@ -483,7 +516,7 @@ impl NetTransport {
         Some(self.links.entry(row).or_insert_with(|| {
             let tx = tx.clone();
             let deliver: crate::session::Deliver = Arc::new(move |round, result| {
-                let _ = tx.try_send((round, row, result));
+                let _ = tx.send((round, row, result));
             });
             let delay = crate::swarm::one_way_delay();
             crate::session::Link::open(runtime, client, peer, deliver, delay)
@@ -521,9 +554,9 @@ impl NetTransport {
         self.gate = Some(gate);
     }
 
-    fn wait_gate(&self) {
+    async fn wait_gate(&self) {
         if let Some(Gate(wait)) = &self.gate {
-            wait();
+            wait().await;
         }
     }
 
@@ -543,18 +576,27 @@ impl NetTransport {
             None => Err(format!("no peer holds row {row}")),
         };
         if let Err(e) = sent {
-            let _ = self.tx.try_send((self.round, row, Err(e)));
+            let _ = self.tx.send((self.round, row, Err(e)));
         }
     }
 
-    /// Computes this node's own row's answer here (while the others compute theirs).
+    /// Computes this node's own row's answer (while the others compute theirs): a decode
+    /// step on this task, a larger one on the blocking pool, answered like any member.
     fn answer_locally(&mut self, row: usize, request: &[u8]) {
         self.asked.insert(row, (Instant::now(), request.len()));
-        let result = match &self.local {
-            Some(l) => l.step(&self.version, request).into_step(),
-            None => Err("no local row".into()),
+        let Some(local) = self.local.clone() else {
+            let _ = self.tx.send((self.round, row, Err("no local row".into())));
+            return;
         };
-        let _ = self.tx.try_send((self.round, row, result));
+        let (version, round, tx) = (self.version, self.round, self.tx.clone());
+        if request.len() <= INLINE_LOCAL_BYTES {
+            let _ = tx.send((round, row, local.step(&version, request).into_step()));
+            return;
+        }
+        let request = request.to_vec();
+        self.runtime.spawn_blocking(move || {
+            let _ = tx.send((round, row, local.step(&version, &request).into_step()));
+        });
     }
 
     /// Sends `request` to each of `rows`, computing the local one last.
@@ -621,7 +663,7 @@ impl Transport for NetTransport {
         request: &[u8],
         need: usize,
     ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
-        self.wait_gate();
+        self.wait_gate().await;
         self.round += 1;
         // Late answers to earlier rounds show who is slow but alive.
         while let Ok((_, row, result)) = self.rx.try_recv() {
@@ -641,11 +683,11 @@ impl Transport for NetTransport {
             if driver.is_done() || driver.is_failed() {
                 break;
             }
-            let wait = driver.poll_timeout().map_or(Duration::from_secs(1), |t| {
-                t.saturating_duration_since(Instant::now())
-            });
-            match self.rx.recv_timeout(wait) {
-                Ok((round, row, result)) if round == self.round => {
+            let until = driver
+                .poll_timeout()
+                .unwrap_or_else(|| Instant::now() + Duration::from_secs(1));
+            match tokio::time::timeout_at(until.into(), self.rx.recv()).await {
+                Ok(Some((round, row, result))) if round == self.round => {
                     self.trace_answer(
                         row,
                         result
@@ -659,15 +701,13 @@ impl Transport for NetTransport {
                     });
                     driver.handle_answer(Instant::now(), row, result, &mut self.pool);
                 }
-                Ok((_, row, result)) => match result {
+                Ok(Some((_, row, result))) => match result {
                     // An answer to an earlier round, already decided: the member is alive.
                     Ok(_) => self.pool.note_answer(row),
                     Err(_) => self.pool.note_failure(row),
                 },
-                Err(std_mpsc::RecvTimeoutError::Timeout) => {
-                    driver.handle_timeout(Instant::now(), &mut self.pool)
-                }
-                Err(std_mpsc::RecvTimeoutError::Disconnected) => {
+                Err(_) => driver.handle_timeout(Instant::now(), &mut self.pool),
+                Ok(None) => {
                     return Err(TransportError {
                         node: usize::MAX,
                         reason: "the answer channel closed".into(),
@@ -696,7 +736,7 @@ impl Transport for NetTransport {
         requests: Vec<(usize, Vec<u8>)>,
     ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
         // Backward steps: every member gets its own input and every answer is needed.
-        self.wait_gate();
+        self.wait_gate().await;
         self.round += 1;
         let round = self.round;
         let rows: Vec<usize> = requests.iter().map(|(r, _)| *r).collect();
@@ -707,9 +747,8 @@ impl Transport for NetTransport {
             if answers.len() == rows.len() {
                 break Ok(answers);
             }
-            let wait = deadline.saturating_duration_since(Instant::now());
-            match self.rx.recv_timeout(wait) {
-                Ok((r, row, result)) if r == round => match result {
+            match tokio::time::timeout_at(deadline.into(), self.rx.recv()).await {
+                Ok(Some((r, row, result))) if r == round => match result {
                     Ok((bytes, us)) => {
                         self.trace_answer(row, Ok((bytes.len(), us)));
                         answers.push((row, bytes));
@@ -720,8 +759,8 @@ impl Transport for NetTransport {
                         break Err(TransportError { node: row, reason });
                     }
                 },
-                Ok(_) => {}
-                Err(_) => {
+                Ok(Some(_)) => {}
+                Ok(None) | Err(_) => {
                     let missing = rows
                         .iter()
                         .copied()

@@ -82,18 +82,17 @@ impl LocalRow {
         (s.version.digest(), s.norms.clone())
     }
 
-    /// Counts a finished request in the usage this node announces. Blocks: call it from a
-    /// blocking thread.
-    pub fn served(&self, usage: Usage) {
-        let _ = self.internal.blocking_send(Internal::Served(usage));
+    /// Counts a finished request in the usage this node announces.
+    pub async fn served(&self, usage: Usage) {
+        let _ = self.internal.send(Internal::Served(usage)).await;
     }
 
-    /// Records a member caught answering against the code, as a peer's report would. Blocks:
-    /// call it from a blocking thread.
-    pub fn caught(&self, peer: PeerId, evidence: String) {
+    /// Records a member caught answering against the code, as a peer's report would.
+    pub async fn caught(&self, peer: PeerId, evidence: String) {
         let _ = self
             .internal
-            .blocking_send(Internal::Caught { peer, evidence });
+            .send(Internal::Caught { peer, evidence })
+            .await;
     }
 }
 

@@ -25,7 +25,7 @@ const MAX_SESSIONS: usize = 256;
 
 /// Step requests carrying up to this many values (a decode step's activations, drafted tokens
 /// included) are computed on the asking task; larger ones (prefill) on the blocking pool.
-const INLINE_STEP_VALUES: usize = 16 << 10;
+pub(crate) const INLINE_STEP_VALUES: usize = 16 << 10;
 
 /// Answers the steps of every leader that opens a session with this node, on `state`.
 pub fn serve(client: &Client, state: Arc<RwLock<ShardState>>) -> anyhow::Result<()> {

@@ -139,6 +139,15 @@ impl Llama {
         Ok(now(self.loss_and_gradients(&mut Ready(exec), &[tokens], false))??.0)
     }
 
+    /// [`Llama::sequence_loss`] through an executor that may wait.
+    pub async fn sequence_loss_async<E: AsyncLinearExec>(
+        &self,
+        exec: &mut E,
+        tokens: &[u32],
+    ) -> Result<f64, ModelError> {
+        Ok(self.loss_and_gradients(exec, &[tokens], false).await?.0)
+    }
+
     async fn loss_and_gradients<E: AsyncLinearExec>(
         &self,
         exec: &mut E,
