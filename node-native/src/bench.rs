@@ -192,7 +192,7 @@ pub fn model_speed(
 /// f32 shards learn in their values, compact ones in their adapters.
 fn learn_once(llama: &Llama, group: &mut CodedGroup<InProcess>, prompt: &[u32]) -> Result<()> {
     let learning = node_core::mesh::LearningConfig::default();
-    let grads = llama.gradients(group, prompt)?;
+    let grads = futures::executor::block_on(llama.gradients(group, prompt))?;
     let update = node_core::learn::Update::from_gradients(grads, learning.lr, learning.clip);
     for m in group.transport_mut().members_mut() {
         m.learn(|s| update.apply_to_shards(s))?;
@@ -808,7 +808,12 @@ pub fn grids(weights: &ModelWeights, prompts: &[Vec<u32>], tokens: usize) -> Res
     let mut cases = Vec::new();
     for p in prompts {
         let want = generate(&llama, &mut group, p, &opts, &mut |_| true)?.tokens;
-        let logits = logits_along(&llama, &mut group, p, &want[..want.len().saturating_sub(1)])?;
+        let logits = futures::executor::block_on(logits_along(
+            &llama,
+            &mut group,
+            p,
+            &want[..want.len().saturating_sub(1)],
+        ))?;
         cases.push((p, want, logits));
     }
     let mut rows = Vec::new();
@@ -832,7 +837,7 @@ pub fn grids(weights: &ModelWeights, prompts: &[Vec<u32>], tokens: usize) -> Res
             let got = generate(&llama, &mut group, p, &opts, &mut |_| true)?.tokens;
             same += usize::from(&got == want);
             let forced = &want[..want.len().saturating_sub(1)];
-            let logits = logits_along(&llama, &mut group, p, forced)?;
+            let logits = futures::executor::block_on(logits_along(&llama, &mut group, p, forced))?;
             for (step, (l, r)) in logits.iter().zip(reference).enumerate() {
                 let e = relative_error(l, r);
                 sum += e;

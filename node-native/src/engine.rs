@@ -952,7 +952,7 @@ impl Worker {
             .collect();
         let result = f
             .llama
-            .forward_batch_async(&mut f.group, &mut items)
+            .forward_batch(&mut f.group, &mut items)
             .instrument(span)
             .await;
         drop(items);
@@ -1230,7 +1230,7 @@ impl Trainer {
         let started = Instant::now();
         let grads = f
             .llama
-            .gradients_batch_async(&mut f.group, &seqs)
+            .gradients_batch(&mut f.group, &seqs)
             .instrument(span.clone())
             .await;
         self.lead.after_rounds().await;

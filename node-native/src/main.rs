@@ -11,7 +11,7 @@ use node_core::compute::gpu::Gpu;
 use node_core::learn::Learner;
 use node_core::model::{
     ChatMessage, GenerateOptions, KvCache, LeaderWeights, Llama, Pass, SamplingParams, generate,
-    generate_with, run_pass, run_pass_now,
+    generate_with, run_pass,
 };
 use node_core::model::{Generation, LlamaConfig, ModelWeights, Tokenizer};
 use node_native::remote::{Leader, Session};
@@ -310,7 +310,9 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         done
     } else {
         let mut cache = KvCache::new(&cfg);
-        let mut forward = |pass: Pass<'_>| run_pass_now(&llama, &mut group, &mut cache, pass);
+        let mut forward = |pass: Pass<'_>| {
+            futures::executor::block_on(run_pass(&llama, &mut group, &mut cache, pass))
+        };
         // On a kernel thread, so that each round's products start without a hand-off.
         let done = node_core::compute::par::install(|| {
             generate_and_print(&mut forward, cfg.max_seq, &model.tokenizer, &args, &mut 0)

@@ -315,7 +315,7 @@ impl Leader {
         }
         let max = node_core::learn::training_window(&cfg, &self.manifest.cfg);
         let tokens = &tokens[tokens.len().saturating_sub(max)..];
-        let grads = rt.block_on(self.llama.gradients_async(&mut self.group, tokens))?;
+        let grads = rt.block_on(self.llama.gradients(&mut self.group, tokens))?;
         let loss = grads.loss;
         let published = match learner.push(grads)? {
             Some(p) => Some(self.publish(rt, p)?),
@@ -350,7 +350,7 @@ impl Leader {
         rt: &tokio::runtime::Handle,
         tokens: &[u32],
     ) -> Result<f64, ModelError> {
-        rt.block_on(self.llama.sequence_loss_async(&mut self.group, tokens))
+        rt.block_on(self.llama.sequence_loss(&mut self.group, tokens))
     }
 
     /// Tells every live row's holder about the members this leader caught; returns how many

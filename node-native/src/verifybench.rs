@@ -162,8 +162,11 @@ pub fn run(
         let mut group = CodedGroup::new(cfg.clone(), g.clone(), &[0, 1, 2], mesh)?;
         let llama = Llama::new(cfg.clone(), norms.clone())?;
         let learning = node_core::mesh::LearningConfig::default();
-        let update =
-            Update::from_gradients(llama.gradients(&mut group, p)?, learning.lr, learning.clip);
+        let update = Update::from_gradients(
+            futures::executor::block_on(llama.gradients(&mut group, p))?,
+            learning.lr,
+            learning.clip,
+        );
         for m in &mut current {
             update.apply_to_shards(m.shards_mut())?;
         }
@@ -194,7 +197,11 @@ pub fn run(
         if !made.is_empty() {
             group.set_probe(Some(UpdateProbe::new(made.clone(), g.n())));
         }
-        let out = llama.forward(&mut group, &[token], &mut KvCache::new(&cfg));
+        let out = futures::executor::block_on(llama.forward(
+            &mut group,
+            &[token],
+            &mut KvCache::new(&cfg),
+        ));
         anyhow::Ok((out, group.stats().clone()))
     };
     let mut rows_out = Vec::new();
@@ -258,10 +265,12 @@ pub fn run(
             .map(|_| rng.below(cfg.vocab) as u32)
             .collect();
         let mut cache = KvCache::new(&cfg);
-        let mut ok = llama.forward(&mut group, &prompt, &mut cache).is_ok();
+        let mut ok =
+            futures::executor::block_on(llama.forward(&mut group, &prompt, &mut cache)).is_ok();
         for _ in 0..SERVED_STEPS {
             let token = rng.below(cfg.vocab) as u32;
-            ok &= llama.forward(&mut group, &[token], &mut cache).is_ok();
+            ok &= futures::executor::block_on(llama.forward(&mut group, &[token], &mut cache))
+                .is_ok();
         }
         if !ok || !group.stats().caught.is_empty() {
             served_pos += 1;

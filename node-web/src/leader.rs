@@ -259,10 +259,7 @@ impl BrowserNode {
         }
         let window = node_core::learn::training_window(&manifest.learning, &manifest.cfg);
         let tokens = &tokens[tokens.len().saturating_sub(window)..];
-        let grads = llama
-            .gradients_async(group, tokens)
-            .await
-            .map_err(mesh_err)?;
+        let grads = llama.gradients(group, tokens).await.map_err(mesh_err)?;
         let loss = grads.loss;
         let published = {
             let mut lead = self.lead.borrow_mut();

@@ -894,8 +894,13 @@ impl<'a, E: LinearExec + ?Sized> LogitsTap<'a, E> {
 }
 
 impl<E: LinearExec + ?Sized> LinearExec for LogitsTap<'_, E> {
-    fn linear(&mut self, stage: Stage, x: &[f32], t: usize) -> Result<Vec<Vec<f32>>, ModelError> {
-        let out = self.inner.linear(stage, x, t)?;
+    async fn linear(
+        &mut self,
+        stage: Stage,
+        x: &[f32],
+        t: usize,
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        let out = self.inner.linear(stage, x, t).await?;
         if stage == Stage::LmHead
             && let Some(logits) = out.first()
         {
@@ -904,17 +909,17 @@ impl<E: LinearExec + ?Sized> LinearExec for LogitsTap<'_, E> {
         Ok(out)
     }
 
-    fn linear_t(
+    async fn linear_t(
         &mut self,
         stage: Stage,
         dy: &[Vec<f32>],
         t: usize,
     ) -> Result<Vec<f32>, ModelError> {
-        self.inner.linear_t(stage, dy, t)
+        self.inner.linear_t(stage, dy, t).await
     }
 
-    fn embed(&mut self, tokens: &[u32]) -> Result<Vec<f32>, ModelError> {
-        self.inner.embed(tokens)
+    async fn embed(&mut self, tokens: &[u32]) -> Result<Vec<f32>, ModelError> {
+        self.inner.embed(tokens).await
     }
 }
 

@@ -10,9 +10,7 @@ use super::probe::UpdateProbe;
 use super::verify::{Caught, VerifyConfig, largest, random_input, residual, transpose_residual};
 use super::{CodedError, Member, ShardFormat, ShardSet};
 use crate::code::{Decoder, Generator};
-use crate::model::{
-    AsyncLinearExec, LinearExec, LlamaConfig, ModelError, ModelWeights, Stage, now,
-};
+use crate::model::{LinearExec, LlamaConfig, ModelError, ModelWeights, Stage};
 use crate::protocol::{self, StepRequest, StepResponse};
 
 /// A transport could not reach a member or get its answer.
@@ -26,10 +24,10 @@ pub struct TransportError {
 }
 
 /// Carries one encoded request to a group's members and brings back their encoded answers.
-/// Native transports block and finish at the first poll; the browser's waits on the network.
+/// In-process transports finish at the first poll; network ones wait on their members.
 #[allow(
     async_fn_in_trait,
-    reason = "the browser's transport is !Send by nature; native ones finish at first poll"
+    reason = "the browser's transport is !Send by nature; native callers name the concrete type"
 )]
 pub trait Transport {
     /// Sends `request` to `members` and returns the answers of at least `need` distinct nodes,
@@ -1080,7 +1078,7 @@ fn exec_err(stage: Stage, e: CodedError) -> ModelError {
     }
 }
 
-impl<T: Transport> AsyncLinearExec for CodedGroup<T> {
+impl<T: Transport> LinearExec for CodedGroup<T> {
     async fn linear(
         &mut self,
         stage: Stage,
@@ -1107,26 +1105,5 @@ impl<T: Transport> AsyncLinearExec for CodedGroup<T> {
         self.embed_coded(tokens)
             .await
             .map_err(|e| ModelError::Embedding(e.to_string()))
-    }
-}
-
-/// Blocking transports drive the group synchronously; one that waits gives
-/// [`ModelError::Pending`].
-impl<T: Transport> LinearExec for CodedGroup<T> {
-    fn linear(&mut self, stage: Stage, x: &[f32], t: usize) -> Result<Vec<Vec<f32>>, ModelError> {
-        now(AsyncLinearExec::linear(self, stage, x, t))?
-    }
-
-    fn linear_t(
-        &mut self,
-        stage: Stage,
-        dy: &[Vec<f32>],
-        t: usize,
-    ) -> Result<Vec<f32>, ModelError> {
-        now(AsyncLinearExec::linear_t(self, stage, dy, t))?
-    }
-
-    fn embed(&mut self, tokens: &[u32]) -> Result<Vec<f32>, ModelError> {
-        now(AsyncLinearExec::embed(self, tokens))?
     }
 }

@@ -246,9 +246,9 @@ pub fn measure_noise(
         let steps = CALIBRATION_STEPS.min(cfg.max_seq - prompt);
         let prompt: Vec<u32> = (0..prompt).map(|_| token()).collect();
         let mut cache = crate::model::KvCache::new(cfg);
-        llama.forward(&mut group, &prompt, &mut cache)?;
+        futures::executor::block_on(llama.forward(&mut group, &prompt, &mut cache))?;
         for _ in 0..steps {
-            llama.forward(&mut group, &[token()], &mut cache)?;
+            futures::executor::block_on(llama.forward(&mut group, &[token()], &mut cache))?;
         }
         worst = worst.max(group.stats().max_pass_ratio);
         transport = Some(group.into_transport());

@@ -1,13 +1,12 @@
 //! The generation loop: prefill the prompt in one batch, then decode, a token a pass or, with
 //! drafts ([`super::speculate`]), several.
 
+use std::future::Future;
+
 use web_time::{Duration, Instant};
 
 use super::speculate::{self, SpecStats};
-use super::{
-    AsyncLinearExec, BatchItem, KvCache, LinearExec, Llama, ModelError, Ready, Sampler,
-    SamplingParams, now,
-};
+use super::{BatchItem, KvCache, LinearExec, Llama, ModelError, Sampler, SamplingParams};
 
 /// What to generate.
 #[derive(Debug, Clone, PartialEq)]
@@ -70,16 +69,16 @@ impl Generation {
 
 /// Logits after `prompt`, then after each of `forced` fed one at a time: a run teacher-forced
 /// along a given continuation, to compare two executions of a model step by step.
-pub fn logits_along(
+pub async fn logits_along<E: LinearExec>(
     llama: &Llama,
-    exec: &mut dyn LinearExec,
+    exec: &mut E,
     prompt: &[u32],
     forced: &[u32],
 ) -> Result<Vec<Vec<f32>>, ModelError> {
     let mut cache = KvCache::new(llama.config());
-    let mut out = vec![llama.forward(exec, prompt, &mut cache)?];
+    let mut out = vec![llama.forward(exec, prompt, &mut cache).await?];
     for &t in forced {
-        out.push(llama.forward(exec, &[t], &mut cache)?);
+        out.push(llama.forward(exec, &[t], &mut cache).await?);
     }
     Ok(out)
 }
@@ -94,16 +93,19 @@ pub fn relative_error(a: &[f32], b: &[f32]) -> f64 {
     (num / den.max(f64::MIN_POSITIVE)).sqrt()
 }
 
-/// Generates a completion of `prompt`; `on_token` sees each token and returns false to stop.
-pub fn generate(
+/// Generates a completion of `prompt` through an executor that computes in process (a CLI, a
+/// bench, a test: each pass blocks until it is done); `on_token` sees each token and returns
+/// false to stop. A leader on a network runs [`generate_async`] over [`run_pass`] instead.
+pub fn generate<E: LinearExec>(
     llama: &Llama,
-    exec: &mut dyn LinearExec,
+    exec: &mut E,
     prompt: &[u32],
     opts: &GenerateOptions,
     on_token: &mut dyn FnMut(u32) -> bool,
 ) -> Result<Generation, ModelError> {
     let mut cache = KvCache::new(llama.config());
-    let mut forward = |pass: Pass<'_>| run_pass_now(llama, exec, &mut cache, pass);
+    let mut forward =
+        |pass: Pass<'_>| futures::executor::block_on(run_pass(llama, exec, &mut cache, pass));
     generate_with(&mut forward, llama.config().max_seq, prompt, opts, on_token)
 }
 
@@ -123,7 +125,7 @@ pub struct Pass<'a> {
 pub type Forward<'a> = dyn FnMut(Pass<'_>) -> Result<Vec<f32>, ModelError> + 'a;
 
 /// Runs `pass` through `llama` over `cache`.
-pub async fn run_pass<E: AsyncLinearExec>(
+pub async fn run_pass<E: LinearExec>(
     llama: &Llama,
     exec: &mut E,
     cache: &mut KvCache,
@@ -134,20 +136,10 @@ pub async fn run_pass<E: AsyncLinearExec>(
         logits: pass.logits,
         ..BatchItem::new(pass.tokens, cache)
     }];
-    let mut logits = llama.forward_batch_async(exec, &mut items).await?;
+    let mut logits = llama.forward_batch(exec, &mut items).await?;
     logits
         .pop()
         .ok_or_else(|| ModelError::Config("no logits".into()))
-}
-
-/// [`run_pass`] through an executor that answers at once.
-pub fn run_pass_now(
-    llama: &Llama,
-    exec: &mut dyn LinearExec,
-    cache: &mut KvCache,
-    pass: Pass<'_>,
-) -> Result<Vec<f32>, ModelError> {
-    now(run_pass(llama, &mut Ready(exec), cache, pass))?
 }
 
 /// The generation loop over any forward pass ([`Pass`]); at most `max_seq` positions.
@@ -158,8 +150,17 @@ pub fn generate_with(
     opts: &GenerateOptions,
     on_token: &mut dyn FnMut(u32) -> bool,
 ) -> Result<Generation, ModelError> {
+    // The loop awaits nothing but these synchronous passes, so its future is done at its
+    // first poll: no executor runs it (the pass itself may run one).
     let ready = async |pass: Pass<'_>| forward(pass);
-    now(generate_async(ready, max_seq, prompt, opts, on_token))?
+    let mut run = std::pin::pin!(generate_async(ready, max_seq, prompt, opts, on_token));
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    match run.as_mut().poll(&mut cx) {
+        std::task::Poll::Ready(out) => out,
+        std::task::Poll::Pending => Err(ModelError::Config(
+            "the generation loop waited on a synchronous forward pass".into(),
+        )),
+    }
 }
 
 /// [`generate_with`] over a forward pass that may wait (a browser leader's).

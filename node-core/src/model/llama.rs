@@ -70,85 +70,30 @@ impl Stage {
     }
 }
 
-/// Computes the model's linear stages: a coded group, or a single uncoded member.
-pub trait LinearExec {
-    /// For each matrix of `stage`, `y = x · Wᵀ` with `x` of `t` rows; returns one `t × out` per matrix.
-    fn linear(&mut self, stage: Stage, x: &[f32], t: usize) -> Result<Vec<Vec<f32>>, ModelError>;
-    /// For a stage, `Σ_matrix dy_matrix · W_matrix` with one `t × out` gradient per matrix:
-    /// the gradient of the stage's shared input (`t × in`), for the backward pass.
-    fn linear_t(&mut self, stage: Stage, dy: &[Vec<f32>], t: usize)
-    -> Result<Vec<f32>, ModelError>;
-    /// The embedding rows of `tokens`, `tokens.len() × hidden`.
-    fn embed(&mut self, tokens: &[u32]) -> Result<Vec<f32>, ModelError>;
-}
-
-/// [`LinearExec`] for executors that wait on the network without blocking (a browser leader):
-/// the same stages, as futures. Every [`LinearExec`] is one through [`Ready`].
+/// Computes the model's linear stages: a coded group (whose rounds may wait on the network),
+/// or a single uncoded member.
 #[allow(
     async_fn_in_trait,
-    reason = "the browser leader's futures are !Send by nature; native ones finish at first poll"
+    reason = "the browser leader's futures are !Send by nature; native callers name the concrete type"
 )]
-pub trait AsyncLinearExec {
-    /// [`LinearExec::linear`], awaited.
+pub trait LinearExec {
+    /// For each matrix of `stage`, `y = x · Wᵀ` with `x` of `t` rows; returns one `t × out` per matrix.
     async fn linear(
         &mut self,
         stage: Stage,
         x: &[f32],
         t: usize,
     ) -> Result<Vec<Vec<f32>>, ModelError>;
-    /// [`LinearExec::linear_t`], awaited.
+    /// For a stage, `Σ_matrix dy_matrix · W_matrix` with one `t × out` gradient per matrix:
+    /// the gradient of the stage's shared input (`t × in`), for the backward pass.
     async fn linear_t(
         &mut self,
         stage: Stage,
         dy: &[Vec<f32>],
         t: usize,
     ) -> Result<Vec<f32>, ModelError>;
-    /// [`LinearExec::embed`], awaited.
+    /// The embedding rows of `tokens`, `tokens.len() × hidden`.
     async fn embed(&mut self, tokens: &[u32]) -> Result<Vec<f32>, ModelError>;
-}
-
-/// A synchronous executor seen as an asynchronous one whose futures are ready at once.
-pub struct Ready<'a>(pub &'a mut dyn LinearExec);
-
-impl std::fmt::Debug for Ready<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Ready(..)")
-    }
-}
-
-impl AsyncLinearExec for Ready<'_> {
-    async fn linear(
-        &mut self,
-        stage: Stage,
-        x: &[f32],
-        t: usize,
-    ) -> Result<Vec<Vec<f32>>, ModelError> {
-        self.0.linear(stage, x, t)
-    }
-
-    async fn linear_t(
-        &mut self,
-        stage: Stage,
-        dy: &[Vec<f32>],
-        t: usize,
-    ) -> Result<Vec<f32>, ModelError> {
-        self.0.linear_t(stage, dy, t)
-    }
-
-    async fn embed(&mut self, tokens: &[u32]) -> Result<Vec<f32>, ModelError> {
-        self.0.embed(tokens)
-    }
-}
-
-/// The output of a future that must finish at its first poll (one built on [`Ready`] or on a
-/// transport that blocks), or [`ModelError::Pending`] if it waits.
-pub fn now<F: std::future::Future>(f: F) -> Result<F::Output, ModelError> {
-    let mut f = std::pin::pin!(f);
-    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-    match f.as_mut().poll(&mut cx) {
-        std::task::Poll::Ready(v) => Ok(v),
-        std::task::Poll::Pending => Err(ModelError::Pending),
-    }
 }
 
 /// The small replicated parameters the leader holds itself: the norm gains.
@@ -292,24 +237,14 @@ impl Llama {
 
     /// Runs `tokens` after what `cache` holds and returns the logits of the last position.
     /// On error the cache is left as it was.
-    pub fn forward(
-        &self,
-        exec: &mut dyn LinearExec,
-        tokens: &[u32],
-        cache: &mut KvCache,
-    ) -> Result<Vec<f32>, ModelError> {
-        now(self.forward_async(&mut Ready(exec), tokens, cache))?
-    }
-
-    /// [`Llama::forward`] through an executor that may wait.
-    pub async fn forward_async<E: AsyncLinearExec>(
+    pub async fn forward<E: LinearExec>(
         &self,
         exec: &mut E,
         tokens: &[u32],
         cache: &mut KvCache,
     ) -> Result<Vec<f32>, ModelError> {
         let mut items = [BatchItem::new(tokens, cache)];
-        let mut logits = self.forward_batch_async(exec, &mut items).await?;
+        let mut logits = self.forward_batch(exec, &mut items).await?;
         logits
             .pop()
             .ok_or_else(|| ModelError::Config("no logits".into()))
@@ -318,16 +253,7 @@ impl Llama {
     /// Runs each item's tokens after its cache, the rows of every item through one round per
     /// stage, and returns each item's logits: of its last `logits` positions, row after row.
     /// On error every cache is left as it was.
-    pub fn forward_batch(
-        &self,
-        exec: &mut dyn LinearExec,
-        items: &mut [BatchItem<'_>],
-    ) -> Result<Vec<Vec<f32>>, ModelError> {
-        now(self.forward_batch_async(&mut Ready(exec), items))?
-    }
-
-    /// [`Llama::forward_batch`] through an executor that may wait.
-    pub async fn forward_batch_async<E: AsyncLinearExec>(
+    pub async fn forward_batch<E: LinearExec>(
         &self,
         exec: &mut E,
         items: &mut [BatchItem<'_>],
@@ -342,7 +268,7 @@ impl Llama {
         result
     }
 
-    async fn forward_inner<E: AsyncLinearExec>(
+    async fn forward_inner<E: LinearExec>(
         &self,
         exec: &mut E,
         items: &mut [BatchItem<'_>],

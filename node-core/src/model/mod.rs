@@ -15,11 +15,9 @@ mod weights;
 pub use config::LlamaConfig;
 pub use generate::{
     Forward, GenerateOptions, Generation, Pass, StopReason, generate, generate_async,
-    generate_with, logits_along, relative_error, run_pass, run_pass_now,
+    generate_with, logits_along, relative_error, run_pass,
 };
-pub use llama::{
-    AsyncLinearExec, BatchItem, KvCache, LeaderWeights, LinearExec, Llama, Ready, Stage, now,
-};
+pub use llama::{BatchItem, KvCache, LeaderWeights, LinearExec, Llama, Stage};
 pub use sampling::{Sampler, SamplingParams, argmax};
 pub use tokenizer::{ChatMessage, TextStream, Tokenizer, TokenizerData};
 pub use train::{Gradients, StageGrad};
@@ -64,9 +62,6 @@ pub enum ModelError {
         /// Tensor name in the file.
         name: String,
     },
-    /// An executor waited inside a synchronous call: it has to be driven with the async API.
-    #[error("the executor waits on the network: use the async forward pass")]
-    Pending,
     /// The tokenizer could not be built or used.
     #[error("tokenizer: {0}")]
     Tokenizer(String),

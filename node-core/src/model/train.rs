@@ -3,7 +3,7 @@
 //! weight gradient kept as factors `δW = dYᵀ·X` (DESIGN.md §1), never as full matrices.
 
 use super::llama::{Stage, rms_norm, rope_table, rotate, silu, softmax};
-use super::{AsyncLinearExec, LeaderWeights, LinearExec, Llama, ModelError, Ready, now};
+use super::{LeaderWeights, LinearExec, Llama, ModelError};
 
 /// One linear stage's gradient, as factors: for matrix `m`, `δW_m = dy[m]ᵀ · x`.
 #[derive(Debug, Clone, PartialEq)]
@@ -91,35 +91,17 @@ fn take3(mut v: Vec<Vec<f32>>) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
 
 impl Llama {
     /// Mean next-token cross-entropy of `tokens` and its gradient (`tokens.len() ≥ 2`).
-    pub fn gradients(
-        &self,
-        exec: &mut dyn LinearExec,
-        tokens: &[u32],
-    ) -> Result<Gradients, ModelError> {
-        now(self.gradients_async(&mut Ready(exec), tokens))?
-    }
-
-    /// [`Llama::gradients`] through an executor that may wait.
-    pub async fn gradients_async<E: AsyncLinearExec>(
+    pub async fn gradients<E: LinearExec>(
         &self,
         exec: &mut E,
         tokens: &[u32],
     ) -> Result<Gradients, ModelError> {
-        self.gradients_batch_async(exec, &[tokens]).await
+        self.gradients_batch(exec, &[tokens]).await
     }
 
     /// The minibatch gradient of independent sequences: the mean next-token cross-entropy over
     /// every predicted position of every sequence, all rows through one round per stage.
-    pub fn gradients_batch(
-        &self,
-        exec: &mut dyn LinearExec,
-        seqs: &[&[u32]],
-    ) -> Result<Gradients, ModelError> {
-        now(self.gradients_batch_async(&mut Ready(exec), seqs))?
-    }
-
-    /// [`Llama::gradients_batch`] through an executor that may wait.
-    pub async fn gradients_batch_async<E: AsyncLinearExec>(
+    pub async fn gradients_batch<E: LinearExec>(
         &self,
         exec: &mut E,
         seqs: &[&[u32]],
@@ -131,16 +113,7 @@ impl Llama {
     }
 
     /// Mean next-token cross-entropy of `tokens` (nats per predicted token), forward only.
-    pub fn sequence_loss(
-        &self,
-        exec: &mut dyn LinearExec,
-        tokens: &[u32],
-    ) -> Result<f64, ModelError> {
-        Ok(now(self.loss_and_gradients(&mut Ready(exec), &[tokens], false))??.0)
-    }
-
-    /// [`Llama::sequence_loss`] through an executor that may wait.
-    pub async fn sequence_loss_async<E: AsyncLinearExec>(
+    pub async fn sequence_loss<E: LinearExec>(
         &self,
         exec: &mut E,
         tokens: &[u32],
@@ -148,7 +121,7 @@ impl Llama {
         Ok(self.loss_and_gradients(exec, &[tokens], false).await?.0)
     }
 
-    async fn loss_and_gradients<E: AsyncLinearExec>(
+    async fn loss_and_gradients<E: LinearExec>(
         &self,
         exec: &mut E,
         seqs: &[&[u32]],

@@ -17,9 +17,7 @@ use web_time::{Duration, Instant};
 
 use crate::code::Generator;
 use crate::coded::{CodedError, CodedGroup, ExecStats, Transport, TransportError, VerifyConfig};
-use crate::model::{
-    AsyncLinearExec, BatchItem, KvCache, Llama, LlamaConfig, ModelError, Pass, Stage,
-};
+use crate::model::{BatchItem, KvCache, LinearExec, Llama, LlamaConfig, ModelError, Pass, Stage};
 use crate::protocol::{self, StepRequest};
 
 /// Name of the hop protocol; the version is part of it.
@@ -374,7 +372,7 @@ impl<L: HopLink> HopMember<L> {
             ..BatchItem::new(&feed.tokens, &mut self.cache)
         }];
         self.llama
-            .forward_batch_async(&mut self.group, &mut items)
+            .forward_batch(&mut self.group, &mut items)
             .await?;
         self.group
             .transport_mut()

@@ -149,7 +149,7 @@ pub async fn a_whole_token_matches_the_cpu_group(mut gpu: Gpu) {
         let mut cache = KvCache::new(&w.cfg);
         let tokens = [3u32, 17, 60, 42, 9, 17, 5, 33, 12, 63, 0];
         for (pos, &tok) in tokens.iter().enumerate() {
-            let want = llama.forward(&mut cpu, &[tok], &mut cache).unwrap();
+            let want = llama.forward(&mut cpu, &[tok], &mut cache).await.unwrap();
             let got = group.step_async(tok, pos).await.unwrap();
             let err = super::common::max_rel_diff(&got, &want);
             assert!(

@@ -43,14 +43,14 @@ fn a_batch_gives_each_sequence_its_own_logits_in_one_round_per_stage() {
     let history: [&[u32]; 3] = [&[], &[33, 7], &[12]];
     for (cache, h) in caches.iter_mut().zip(history) {
         if !h.is_empty() {
-            llama.forward(&mut group, h, cache).unwrap();
+            futures::executor::block_on(llama.forward(&mut group, h, cache)).unwrap();
         }
     }
     let mut alone = caches.clone();
     let expected: Vec<Vec<f32>> = alone
         .iter_mut()
         .zip(prompts)
-        .map(|(c, p)| llama.forward(&mut group, p, c).unwrap())
+        .map(|(c, p)| futures::executor::block_on(llama.forward(&mut group, p, c)).unwrap())
         .collect();
     group.reset_stats();
     let mut items: Vec<BatchItem<'_>> = caches
@@ -58,7 +58,7 @@ fn a_batch_gives_each_sequence_its_own_logits_in_one_round_per_stage() {
         .zip(prompts)
         .map(|(cache, tokens)| BatchItem::new(tokens, cache))
         .collect();
-    let got = llama.forward_batch(&mut group, &mut items).unwrap();
+    let got = futures::executor::block_on(llama.forward_batch(&mut group, &mut items)).unwrap();
     // Embedding, four stages per block, the LM head: once for the whole batch.
     let rounds = 1 + 4 * w.cfg.layers as u64 + 1;
     assert_eq!(
@@ -77,8 +77,8 @@ fn a_batch_gives_each_sequence_its_own_logits_in_one_round_per_stage() {
     // same next logits.
     for (i, (c, a)) in caches.iter_mut().zip(alone.iter_mut()).enumerate() {
         assert_eq!(c.len(), a.len(), "sequence {i}: cache length");
-        let next = llama.forward(&mut group, &[8], c).unwrap();
-        let want = llama.forward(&mut group, &[8], a).unwrap();
+        let next = futures::executor::block_on(llama.forward(&mut group, &[8], c)).unwrap();
+        let want = futures::executor::block_on(llama.forward(&mut group, &[8], a)).unwrap();
         assert!(
             max_rel_diff(&next, &want) < 1e-5,
             "sequence {i}: the cache continues like the single run's"
@@ -91,33 +91,31 @@ fn a_bad_item_fails_the_batch_and_leaves_every_cache_as_it_was() {
     let w = ModelWeights::synthetic(common::train_config(false), 3).unwrap();
     let (llama, mut group) = setup(&w);
     let mut a = KvCache::new(&w.cfg);
-    llama.forward(&mut group, &[4, 5, 6], &mut a).unwrap();
+    futures::executor::block_on(llama.forward(&mut group, &[4, 5, 6], &mut a)).unwrap();
     let mut b = KvCache::new(&w.cfg);
     let long: Vec<u32> = (0..=w.cfg.max_seq as u32).collect();
     let before = a.len();
-    let err = llama
-        .forward_batch(
-            &mut group,
-            &mut [BatchItem::new(&[7], &mut a), BatchItem::new(&long, &mut b)],
-        )
-        .unwrap_err();
+    let err = futures::executor::block_on(llama.forward_batch(
+        &mut group,
+        &mut [BatchItem::new(&[7], &mut a), BatchItem::new(&long, &mut b)],
+    ))
+    .unwrap_err();
     assert!(matches!(err, ModelError::ContextFull { .. }), "{err}");
-    let err = llama
-        .forward_batch(
-            &mut group,
-            &mut [
-                BatchItem::new(&[7], &mut a),
-                BatchItem::new(&[9999], &mut b),
-            ],
-        )
-        .unwrap_err();
+    let err = futures::executor::block_on(llama.forward_batch(
+        &mut group,
+        &mut [
+            BatchItem::new(&[7], &mut a),
+            BatchItem::new(&[9999], &mut b),
+        ],
+    ))
+    .unwrap_err();
     assert!(matches!(err, ModelError::TokenOutOfRange { .. }), "{err}");
     assert_eq!((a.len(), b.len()), (before, 0));
     // Still usable: the same as a cache that never saw the failed batches.
     let mut fresh = KvCache::new(&w.cfg);
-    llama.forward(&mut group, &[4, 5, 6], &mut fresh).unwrap();
-    let x = llama.forward(&mut group, &[7], &mut a).unwrap();
-    let y = llama.forward(&mut group, &[7], &mut fresh).unwrap();
+    futures::executor::block_on(llama.forward(&mut group, &[4, 5, 6], &mut fresh)).unwrap();
+    let x = futures::executor::block_on(llama.forward(&mut group, &[7], &mut a)).unwrap();
+    let y = futures::executor::block_on(llama.forward(&mut group, &[7], &mut fresh)).unwrap();
     assert!(max_rel_diff(&x, &y) < 1e-6);
 }
 
@@ -129,10 +127,10 @@ fn the_minibatch_gradient_is_the_weighted_mean_of_the_sequences_gradients() {
         let seqs: [&[u32]; 3] = [&[3, 17, 60, 42, 9], &[5, 6], &[40, 41, 2, 8]];
         let alone: Vec<Gradients> = seqs
             .iter()
-            .map(|s| llama.gradients(&mut group, s).unwrap())
+            .map(|s| futures::executor::block_on(llama.gradients(&mut group, s)).unwrap())
             .collect();
         group.reset_stats();
-        let batch = llama.gradients_batch(&mut group, &seqs).unwrap();
+        let batch = futures::executor::block_on(llama.gradients_batch(&mut group, &seqs)).unwrap();
         let forward_and_back = 2 * (1 + 4 * w.cfg.layers as u64 + 1) - 1;
         assert!(
             group.stats().rounds <= forward_and_back,
@@ -188,14 +186,16 @@ fn an_sgd_step_on_a_batch_lowers_its_loss() {
     let seqs: [&[u32]; 2] = [&[3, 17, 60, 42, 9, 17], &[8, 8, 1, 2]];
     let before = {
         let (llama, mut group) = setup(&w);
-        llama.gradients_batch(&mut group, &seqs).unwrap()
+        futures::executor::block_on(llama.gradients_batch(&mut group, &seqs)).unwrap()
     };
     let loss = before.loss;
     Update::from_gradients(before, 0.5, 10.0)
         .apply_to_weights(&mut w)
         .unwrap();
     let (llama, mut group) = setup(&w);
-    let after = llama.gradients_batch(&mut group, &seqs).unwrap().loss;
+    let after = futures::executor::block_on(llama.gradients_batch(&mut group, &seqs))
+        .unwrap()
+        .loss;
     assert!(after < loss - 1e-3, "loss {loss:.4} → {after:.4}");
 }
 
@@ -206,18 +206,18 @@ fn the_logits_of_several_last_positions_are_those_of_running_them_one_by_one() {
     let w = ModelWeights::synthetic(common::train_config(false), 5).unwrap();
     let (llama, mut group) = setup(&w);
     let mut one = KvCache::new(&w.cfg);
-    llama.forward(&mut group, &[1, 2, 3], &mut one).unwrap();
+    futures::executor::block_on(llama.forward(&mut group, &[1, 2, 3], &mut one)).unwrap();
     let mut many = one.clone();
     let run = [4u32, 5, 6, 7];
     let expected: Vec<Vec<f32>> = run
         .iter()
-        .map(|&t| llama.forward(&mut group, &[t], &mut one).unwrap())
+        .map(|&t| futures::executor::block_on(llama.forward(&mut group, &[t], &mut one)).unwrap())
         .collect();
     let mut items = [BatchItem {
         logits: run.len(),
         ..BatchItem::new(&run, &mut many)
     }];
-    let got = llama.forward_batch(&mut group, &mut items).unwrap();
+    let got = futures::executor::block_on(llama.forward_batch(&mut group, &mut items)).unwrap();
     let rows: Vec<&[f32]> = got[0].chunks_exact(w.cfg.vocab).collect();
     assert_eq!(rows.len(), run.len());
     for (i, (g, e)) in rows.iter().zip(&expected).enumerate() {
@@ -227,11 +227,9 @@ fn the_logits_of_several_last_positions_are_those_of_running_them_one_by_one() {
     // Keep two of the four, then go on: the same as having run only those two.
     many.truncate(many.len() - 2);
     let mut two = KvCache::new(&w.cfg);
-    llama
-        .forward(&mut group, &[1, 2, 3, 4, 5], &mut two)
-        .unwrap();
-    let next = llama.forward(&mut group, &[9], &mut many).unwrap();
-    let want = llama.forward(&mut group, &[9], &mut two).unwrap();
+    futures::executor::block_on(llama.forward(&mut group, &[1, 2, 3, 4, 5], &mut two)).unwrap();
+    let next = futures::executor::block_on(llama.forward(&mut group, &[9], &mut many)).unwrap();
+    let want = futures::executor::block_on(llama.forward(&mut group, &[9], &mut two)).unwrap();
     assert!(
         max_rel_diff(&next, &want) < 1e-5,
         "a truncated cache goes on like a short one"

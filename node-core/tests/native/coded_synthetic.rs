@@ -21,15 +21,14 @@ fn tiny_config(tied: bool) -> LlamaConfig {
 }
 
 /// Logits of every step: a 5-token prefill, then 3 single-token steps.
-fn run(llama: &Llama, group: &mut dyn node_core::model::LinearExec) -> Vec<Vec<f32>> {
+fn run(llama: &Llama, group: &mut impl node_core::model::LinearExec) -> Vec<Vec<f32>> {
     let mut cache = KvCache::new(llama.config());
     let mut out = vec![
-        llama
-            .forward(group, &[3, 17, 200, 42, 9], &mut cache)
+        futures::executor::block_on(llama.forward(group, &[3, 17, 200, 42, 9], &mut cache))
             .unwrap(),
     ];
     for tok in [5u32, 249, 0] {
-        out.push(llama.forward(group, &[tok], &mut cache).unwrap());
+        out.push(futures::executor::block_on(llama.forward(group, &[tok], &mut cache)).unwrap());
     }
     out
 }
@@ -105,7 +104,7 @@ fn the_coded_group_counts_rounds_and_bytes() {
     let mesh = InProcess::encode(&weights, &g, ShardFormat::F32, &|_, _| {}).unwrap();
     let mut group = CodedGroup::new(weights.cfg.clone(), g, &[0, 2, 4], mesh).unwrap();
     let mut cache = KvCache::new(llama.config());
-    llama.forward(&mut group, &[1, 2, 3], &mut cache).unwrap();
+    futures::executor::block_on(llama.forward(&mut group, &[1, 2, 3], &mut cache)).unwrap();
     // One embedding round, four per layer, one LM head.
     assert_eq!(group.stats().rounds, 4 * 3 + 2);
     assert!(group.stats().bytes_sent > 0 && group.stats().bytes_received > 0);

@@ -113,7 +113,7 @@ fn mutated_updates_and_shard_blobs_never_panic() {
     let shard = mesh.members()[0].shards().clone();
     let mut group = CodedGroup::new(cfg.clone(), g, &[0], mesh).unwrap();
     let llama = Llama::new(cfg.clone(), LeaderWeights::from_model(&w)).unwrap();
-    let grads = llama.gradients(&mut group, &[1, 5, 9, 2]).unwrap();
+    let grads = futures::executor::block_on(llama.gradients(&mut group, &[1, 5, 9, 2])).unwrap();
     let update = Update::from_gradients(grads, 1e-3, 1.0);
     update.validate(&cfg).unwrap();
     let key = libp2p::identity::Keypair::generate_ed25519();

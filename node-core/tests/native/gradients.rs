@@ -18,7 +18,7 @@ fn grads(w: &ModelWeights, n: usize, k: usize, nodes: &[usize]) -> Gradients {
     let mesh = InProcess::encode(w, &g, ShardFormat::F32, &|_, _| {}).unwrap();
     let mut group = CodedGroup::new(w.cfg.clone(), g, nodes, mesh).unwrap();
     let llama = Llama::new(w.cfg.clone(), LeaderWeights::from_model(w)).unwrap();
-    llama.gradients(&mut group, &TOKENS).unwrap()
+    futures::executor::block_on(llama.gradients(&mut group, &TOKENS)).unwrap()
 }
 
 fn loss(w: &ModelWeights) -> f64 {

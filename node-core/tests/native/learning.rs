@@ -63,7 +63,11 @@ fn bad_updates_are_refused_before_anything_changes() {
     let mesh = InProcess::encode(&w, &g, ShardFormat::F32, &|_, _| {}).unwrap();
     let mut group = CodedGroup::new(w.cfg.clone(), g, &[0], mesh).unwrap();
     let llama = Llama::new(w.cfg.clone(), LeaderWeights::from_model(&w)).unwrap();
-    let good = Update::from_gradients(llama.gradients(&mut group, &SEQ).unwrap(), 0.1, 1.0);
+    let good = Update::from_gradients(
+        futures::executor::block_on(llama.gradients(&mut group, &SEQ)).unwrap(),
+        0.1,
+        1.0,
+    );
     good.validate(&w.cfg).unwrap();
     // The size estimate the leader uses to fit an update in one message holds.
     let encoded = good.encode().len();
@@ -73,7 +77,11 @@ fn bad_updates_are_refused_before_anything_changes() {
         encoded <= estimate + 1024 && encoded * 10 >= estimate * 9,
         "{encoded} bytes, estimated {estimate}"
     );
-    let other = Update::from_gradients(llama.gradients(&mut group, &SEQ[..5]).unwrap(), 0.1, 1.0);
+    let other = Update::from_gradients(
+        futures::executor::block_on(llama.gradients(&mut group, &SEQ[..5])).unwrap(),
+        0.1,
+        1.0,
+    );
     assert_ne!(good.id(), other.id());
     assert_eq!(good.id(), good.clone().id());
 
@@ -132,7 +140,7 @@ fn sgd(
     let mut losses = Vec::new();
     for _ in 0..25 {
         let llama = Llama::new(reference.cfg.clone(), norms.clone()).unwrap();
-        let grads = llama.gradients(group, &SEQ).unwrap();
+        let grads = futures::executor::block_on(llama.gradients(group, &SEQ)).unwrap();
         losses.push(grads.loss);
         let update = Update::from_gradients(grads, 0.2, 5.0);
         update.validate(&reference.cfg).unwrap();
@@ -151,9 +159,9 @@ fn every_group_decodes(llama: &Llama, members: &[Member], g: &Generator, want: &
         let mesh = InProcess::new(members.to_vec()).unwrap();
         let cfg = llama.config().clone();
         let mut coded = CodedGroup::new(cfg.clone(), g.clone(), &nodes, mesh).unwrap();
-        let got = llama
-            .forward(&mut coded, &SEQ, &mut KvCache::new(&cfg))
-            .unwrap();
+        let got =
+            futures::executor::block_on(llama.forward(&mut coded, &SEQ, &mut KvCache::new(&cfg)))
+                .unwrap();
         let err = max_rel_diff(&got, want);
         assert!(err < 1e-4, "group {nodes:?}: logits differ by {err:.2e}");
     }
@@ -163,8 +171,7 @@ fn every_group_decodes(llama: &Llama, members: &[Member], g: &Generator, want: &
 fn uncoded_logits(llama: &Llama, w: &ModelWeights) -> Vec<f32> {
     let mesh = InProcess::encode(w, &Generator::uncoded(), ShardFormat::F32, &|_, _| {}).unwrap();
     let mut uncoded = CodedGroup::new(w.cfg.clone(), Generator::uncoded(), &[0], mesh).unwrap();
-    llama
-        .forward(&mut uncoded, &SEQ, &mut KvCache::new(&w.cfg))
+    futures::executor::block_on(llama.forward(&mut uncoded, &SEQ, &mut KvCache::new(&w.cfg)))
         .unwrap()
 }
 
@@ -209,7 +216,7 @@ fn compressed_updates_keep_every_shard_a_codeword_and_lower_the_loss() {
     let (mut losses, mut sizes) = (Vec::new(), Vec::new());
     for _ in 0..25 {
         let llama = Llama::new(reference.cfg.clone(), norms.clone()).unwrap();
-        let grads = llama.gradients(&mut group, &SEQ).unwrap();
+        let grads = futures::executor::block_on(llama.gradients(&mut group, &SEQ)).unwrap();
         losses.push(grads.loss);
         let published = learner
             .push(grads)
@@ -267,7 +274,7 @@ fn accumulation_and_momentum_publish_the_sum_of_the_gradients() {
     let seqs: [&[u32]; 4] = [&SEQ, &SEQ[2..], &[5, 9, 1, 40, 2, 2, 7], &SEQ[..6]];
     let grads: Vec<_> = seqs
         .iter()
-        .map(|s| llama.gradients(&mut group, s).unwrap())
+        .map(|s| futures::executor::block_on(llama.gradients(&mut group, s)).unwrap())
         .collect();
     // H = 2, β = 0.5, a rank large enough to cut nothing: the first update is g1 + g2, the
     // second 0.5·(g1 + g2) + g3 + g4.
@@ -337,7 +344,7 @@ fn every_update_a_learner_publishes_passes_the_meshs_bound() {
     for seed in 0..40u32 {
         // Sequences that repeat tokens, so a token's lookup row and its LM head row meet.
         let seq: Vec<u32> = (0..8).map(|i| (seed * 7 + (i % 3) * 5) % vocab).collect();
-        let grads = llama.gradients(&mut group, &seq).unwrap();
+        let grads = futures::executor::block_on(llama.gradients(&mut group, &seq)).unwrap();
         let p = learner.push(grads).unwrap().expect("one update a request");
         let used = p.update.step as f64 * p.update.gradient_norm() / learning.step_norm_bound();
         worst = worst.max(used);

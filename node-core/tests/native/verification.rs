@@ -40,9 +40,7 @@ fn calibrated(w: &ModelWeights, g: &Generator, members: &[Member], extra: usize)
 
 fn logits(w: &ModelWeights, group: &mut CodedGroup<InProcess>) -> Vec<f32> {
     let llama = Llama::new(w.cfg.clone(), LeaderWeights::from_model(w)).unwrap();
-    llama
-        .forward(group, &SEQ, &mut KvCache::new(&w.cfg))
-        .unwrap()
+    futures::executor::block_on(llama.forward(group, &SEQ, &mut KvCache::new(&w.cfg))).unwrap()
 }
 
 /// The faults of the issue, each made on member `bad`.
@@ -76,8 +74,11 @@ fn faulty(kind: &str, bad: usize, w: &ModelWeights, members: &[Member]) -> Vec<M
                 mesh,
             )
             .unwrap();
-            let update =
-                Update::from_gradients(llama.gradients(&mut group, &SEQ).unwrap(), 1e-4, 1.0);
+            let update = Update::from_gradients(
+                futures::executor::block_on(llama.gradients(&mut group, &SEQ)).unwrap(),
+                1e-4,
+                1.0,
+            );
             for (i, m) in out.iter_mut().enumerate() {
                 if i != bad {
                     update.apply_to_shards(m.shards_mut()).unwrap();
@@ -168,10 +169,10 @@ fn a_fault_with_nobody_left_to_tell_fails_clearly() {
     let mut group = CodedGroup::new(w.cfg.clone(), g, &[0, 1, 2, 3], mesh).unwrap();
     group.set_verify(check);
     let llama = Llama::new(w.cfg.clone(), LeaderWeights::from_model(&w)).unwrap();
-    let err = llama
-        .forward(&mut group, &SEQ, &mut KvCache::new(&w.cfg))
-        .unwrap_err()
-        .to_string();
+    let err =
+        futures::executor::block_on(llama.forward(&mut group, &SEQ, &mut KvCache::new(&w.cfg)))
+            .unwrap_err()
+            .to_string();
     assert!(err.contains("disagree"), "{err}");
 }
 
@@ -184,7 +185,11 @@ fn updates(w: &ModelWeights, members: &[Member], lr: f32, count: usize) -> Vec<U
             let g = Generator::cauchy(5, 3).unwrap();
             let mut group = CodedGroup::new(w.cfg.clone(), g, &[0, 1, 2], mesh).unwrap();
             let seq: Vec<u32> = SEQ.iter().map(|&t| (t + 7 * i as u32) % 64).collect();
-            Update::from_gradients(llama.gradients(&mut group, &seq).unwrap(), lr, 1.0)
+            Update::from_gradients(
+                futures::executor::block_on(llama.gradients(&mut group, &seq)).unwrap(),
+                lr,
+                1.0,
+            )
         })
         .collect()
 }
@@ -310,7 +315,7 @@ fn checked_gradients(
     group.set_verify(check);
     group.seed_checks(7);
     let llama = Llama::new(w.cfg.clone(), LeaderWeights::from_model(w)).unwrap();
-    let grads = llama.gradients(&mut group, seq).unwrap();
+    let grads = futures::executor::block_on(llama.gradients(&mut group, seq)).unwrap();
     (grads, group)
 }
 

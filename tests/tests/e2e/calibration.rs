@@ -49,10 +49,14 @@ fn the_genesis_threshold_clears_honest_served_requests() -> Result<()> {
                 .map(|j| ((i * 31 + j * 17) % w.cfg.vocab) as u32)
                 .collect();
             let mut cache = KvCache::new(&w.cfg);
-            let mut logits = llama.forward(&mut group, &prompt, &mut cache)?;
+            let mut logits = pollster::block_on(llama.forward(&mut group, &prompt, &mut cache))?;
             for _ in 0..5 {
                 let last = &logits[logits.len() - w.cfg.vocab..];
-                logits = llama.forward(&mut group, &[tests::argmax(last)], &mut cache)?;
+                logits = pollster::block_on(llama.forward(
+                    &mut group,
+                    &[tests::argmax(last)],
+                    &mut cache,
+                ))?;
             }
             let s = group.stats();
             assert!(

@@ -40,7 +40,12 @@ fn every_three_of_five_rows_give_the_uncoded_greedy_tokens() -> anyhow::Result<(
         let prompt = model.tokenizer.encode(p)?;
         let out = generate(&llama, &mut uncoded, &prompt, &opts, &mut |_| true)?;
         assert_eq!(out.tokens.len(), TOKENS);
-        let reference = logits_along(&llama, &mut uncoded, &prompt, &out.tokens[..TOKENS - 1])?;
+        let reference = pollster::block_on(logits_along(
+            &llama,
+            &mut uncoded,
+            &prompt,
+            &out.tokens[..TOKENS - 1],
+        ))?;
         cases.push((prompt, out.tokens, reference));
     }
     let g = Generator::cauchy(5, 3)?;
@@ -54,7 +59,12 @@ fn every_three_of_five_rows_give_the_uncoded_greedy_tokens() -> anyhow::Result<(
                 for (prompt, tokens, reference) in &cases {
                     // Teacher-forced along the uncoded completion: equal argmax at every step
                     // is exactly "the same greedy tokens", and the logits are compared too.
-                    let logits = logits_along(&llama, &mut group, prompt, &tokens[..TOKENS - 1])?;
+                    let logits = pollster::block_on(logits_along(
+                        &llama,
+                        &mut group,
+                        prompt,
+                        &tokens[..TOKENS - 1],
+                    ))?;
                     for (step, (l, r)) in logits.iter().zip(reference).enumerate() {
                         assert_eq!(
                             argmax(l),
@@ -94,8 +104,18 @@ fn f16_shards_stay_close_to_the_uncoded_model() -> anyhow::Result<()> {
     for p in PROMPTS {
         let prompt = model.tokenizer.encode(p)?;
         let run = generate(&llama, &mut uncoded, &prompt, &opts, &mut |_| true)?;
-        let reference = logits_along(&llama, &mut uncoded, &prompt, &run.tokens[..TOKENS - 1])?;
-        let coded = logits_along(&llama, &mut group, &prompt, &run.tokens[..TOKENS - 1])?;
+        let reference = pollster::block_on(logits_along(
+            &llama,
+            &mut uncoded,
+            &prompt,
+            &run.tokens[..TOKENS - 1],
+        ))?;
+        let coded = pollster::block_on(logits_along(
+            &llama,
+            &mut group,
+            &prompt,
+            &run.tokens[..TOKENS - 1],
+        ))?;
         for (step, (c, r)) in coded.iter().zip(&reference).enumerate() {
             worst = worst.max(relative_error(c, r));
             agree += usize::from(argmax(c) == run.tokens[step]);
@@ -206,19 +226,24 @@ fn compact_shards_decode_their_model_exactly_and_keep_the_greedy_tokens() -> any
             &opts,
             &mut |_| true,
         )?;
-        let reference = logits_along(
+        let reference = pollster::block_on(logits_along(
             &compact_llama,
             &mut compact_uncoded,
             &prompt,
             &out.tokens[..TOKENS - 1],
-        )?;
+        ))?;
         cases.push((prompt, out.tokens, reference));
     }
     let mut exact = 0.0f64;
     for nodes in node_core::code::subsets(5, 3) {
         let mut group = CodedGroup::new(w.cfg.clone(), g.clone(), &nodes, mesh.clone())?;
         for (prompt, tokens, reference) in &cases {
-            let logits = logits_along(&compact_llama, &mut group, prompt, &tokens[..TOKENS - 1])?;
+            let logits = pollster::block_on(logits_along(
+                &compact_llama,
+                &mut group,
+                prompt,
+                &tokens[..TOKENS - 1],
+            ))?;
             for (step, (l, r)) in logits.iter().zip(reference).enumerate() {
                 assert_eq!(argmax(l), tokens[step], "rows {nodes:?}, step {step}");
                 exact = exact.max(relative_error(l, r));
@@ -242,8 +267,18 @@ fn compact_shards_decode_their_model_exactly_and_keep_the_greedy_tokens() -> any
         let opts = greedy(*tokens);
         let want = generate(&llama, &mut uncoded, &prompt, &opts, &mut |_| true)?.tokens;
         let got = generate(&compact_llama, &mut group, &prompt, &opts, &mut |_| true)?.tokens;
-        let reference = logits_along(&llama, &mut uncoded, &prompt, &want[..want.len() - 1])?;
-        let coded = logits_along(&compact_llama, &mut group, &prompt, &want[..want.len() - 1])?;
+        let reference = pollster::block_on(logits_along(
+            &llama,
+            &mut uncoded,
+            &prompt,
+            &want[..want.len() - 1],
+        ))?;
+        let coded = pollster::block_on(logits_along(
+            &compact_llama,
+            &mut group,
+            &prompt,
+            &want[..want.len() - 1],
+        ))?;
         for (c, r) in coded.iter().zip(&reference) {
             let e = relative_error(c, r);
             worst = worst.max(e);
@@ -321,7 +356,7 @@ fn honest_compact_rows_pass_every_backward_check_parity_rows_included() -> anyho
             )?;
             group.set_verify(check);
             group.seed_checks(seed);
-            llama.gradients(&mut group, &seq)?;
+            pollster::block_on(llama.gradients(&mut group, &seq))?;
             let s = group.stats();
             assert!(
                 s.caught.is_empty(),

@@ -23,7 +23,7 @@ fn tiny_hf_llama_matches_the_reference() -> Result<()> {
         assert_eq!(ids, want, "token ids of {text:?}");
         let logits_ref: Vec<f32> = serde_json::from_value(p["logits"].clone())?;
         let mut cache = node_core::model::KvCache::new(llama.config());
-        let logits = llama.forward(&mut exec, &ids, &mut cache)?;
+        let logits = pollster::block_on(llama.forward(&mut exec, &ids, &mut cache))?;
         let err = relative_error(&logits, &logits_ref);
         eprintln!("{text:?}: relative logit error {err:.3e}");
         // f32 forward vs float64 reference on a 2-layer model: rounding is ~1e-6.

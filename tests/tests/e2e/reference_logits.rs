@@ -50,7 +50,7 @@ fn logits_tokens_and_greedy_text_match_the_numpy_reference() -> Result<()> {
             draft: 0,
         };
         let mut cache = node_core::model::KvCache::new(llama.config());
-        let logits = llama.forward(&mut exec, &got_ids, &mut cache)?;
+        let logits = pollster::block_on(llama.forward(&mut exec, &got_ids, &mut cache))?;
         assert_eq!(logits.len(), reference.len());
         let err = relative_error(&logits, &reference);
         let max_abs = logits
