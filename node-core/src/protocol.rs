@@ -9,7 +9,7 @@ use crate::model::Stage;
 
 /// Version of the step protocol; a peer on another version is refused with both named (4: shard
 /// sets carry their learnt adapters; 5: adapters of rank 8).
-pub const PROTOCOL_VERSION: u16 = 5;
+pub const PROTOCOL_VERSION: u16 = 6;
 
 /// Largest encoded message accepted (a prefill of a few thousand tokens fits).
 pub const MAX_MESSAGE_BYTES: usize = 64 << 20;

@@ -956,6 +956,7 @@ impl Worker {
             .instrument(span)
             .await;
         drop(items);
+        let moved = result.is_err() && f.group.transport().met_another_version();
         self.lead.after_rounds().await;
         self.lead.ctx.metrics.forward_steps.inc();
         match result {
@@ -972,7 +973,14 @@ impl Worker {
             Err(e) => {
                 self.failures += 1;
                 self.lead.ctx.metrics.forward_step_failures.inc();
-                tracing::warn!(attempt = self.failures, "a forward step failed: {e}");
+                if moved {
+                    tracing::info!(
+                        attempt = self.failures,
+                        "members are at another version (the mesh moved on): forming the group again"
+                    );
+                } else {
+                    tracing::warn!(attempt = self.failures, "a forward step failed: {e}");
+                }
                 // Form the group again (a member died, or the mesh moved to another version).
                 self.lead.drop_group();
                 if self.failures >= MAX_STEP_FAILURES {

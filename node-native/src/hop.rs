@@ -306,6 +306,7 @@ impl HopLink for NetHopLink {
             .await
             .into_step()
             .map(|(bytes, _)| bytes)
+            .map_err(|e| e.to_string())
     }
 
     fn send(&mut self, row: usize, part: &Part) {

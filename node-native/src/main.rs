@@ -608,10 +608,10 @@ fn run_once_on_mesh(
             Ok((out, prompt)) => break (leader, out, prompt),
             // The mesh took an update between the group's forming and its first step: form
             // the group again at the new version (nothing was printed yet).
-            Err(e)
+            Err(_)
                 if emitted == 0
                     && attempt < 3
-                    && format!("{e:#}").contains("shard version mismatch") =>
+                    && leader.group.transport().met_another_version() =>
             {
                 eprintln!(
                     "the mesh moved to a new version as the request started; forming the group again"

@@ -14,7 +14,7 @@ use node_core::lead::{LeadLink, OwnRow};
 use node_core::learn::{Learner, Published};
 use node_core::mesh::{
     Health, MemberPool, MeshInfo, MeshRequest, MeshResponse, ModelManifest, RoundConfig,
-    RoundDriver, SourceRow, Usage,
+    RoundDriver, SourceRow, StepRefusal, Usage,
 };
 use node_core::model::{
     GenerateOptions, Generation, KvCache, ModelError, Pass, generate_with, run_pass,
@@ -417,7 +417,7 @@ pub struct NetStats {
     pub compute: Duration,
 }
 
-type Answer = (u64, usize, Result<(Vec<u8>, u64), String>);
+type Answer = (u64, usize, Result<(Vec<u8>, u64), StepRefusal>);
 
 /// Coded steps over the network: each round goes to every member, the first k answers win,
 /// failed members are replaced from the free rows, stragglers are outrun and swapped out.
@@ -448,6 +448,8 @@ pub struct NetTransport {
     /// What every round waits for before it goes out, if anything (a trainer's group waits
     /// until serving is idle).
     gate: Option<Gate>,
+    /// Whether a member of the current round answered at another version.
+    stale: bool,
 }
 
 /// A wait a group's rounds make before they go out.
@@ -498,6 +500,7 @@ impl NetTransport {
             links: BTreeMap::new(),
             runtime: tokio::runtime::Handle::current(),
             gate: None,
+            stale: false,
         };
         // This node's own row (a leader inside a node) is computed here, not over a session.
         let me = transport.client.peer_id();
@@ -560,6 +563,21 @@ impl NetTransport {
         }
     }
 
+    /// Whether a member of the last round was at another version than the group's: the
+    /// mesh moved on (or the member lags), and forming the group again at the mesh's
+    /// settled version may help where asking again would not.
+    pub fn met_another_version(&self) -> bool {
+        self.stale
+    }
+
+    /// Notes a member's refusal; why, in words.
+    fn refused(&mut self, refusal: &StepRefusal) -> String {
+        if matches!(refusal, StepRefusal::Stale { want, .. } if *want == self.version) {
+            self.stale = true;
+        }
+        refusal.to_string()
+    }
+
     fn is_local(&self, row: usize) -> bool {
         self.local.as_ref().is_some_and(|l| l.row == row)
     }
@@ -576,7 +594,7 @@ impl NetTransport {
             None => Err(format!("no peer holds row {row}")),
         };
         if let Err(e) = sent {
-            let _ = self.tx.send((self.round, row, Err(e)));
+            let _ = self.tx.send((self.round, row, Err(e.into())));
         }
     }
 
@@ -585,7 +603,11 @@ impl NetTransport {
     fn answer_locally(&mut self, row: usize, request: &[u8]) {
         self.asked.insert(row, (Instant::now(), request.len()));
         let Some(local) = self.local.clone() else {
-            let _ = self.tx.send((self.round, row, Err("no local row".into())));
+            let _ = self.tx.send((
+                self.round,
+                row,
+                Err(StepRefusal::Failed("no local row".into())),
+            ));
             return;
         };
         let (version, round, tx) = (self.version, self.round, self.tx.clone());
@@ -665,6 +687,7 @@ impl Transport for NetTransport {
     ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
         self.wait_gate().await;
         self.round += 1;
+        self.stale = false;
         // Late answers to earlier rounds show who is slow but alive.
         while let Ok((_, row, result)) = self.rx.try_recv() {
             match result {
@@ -688,6 +711,7 @@ impl Transport for NetTransport {
                 .unwrap_or_else(|| Instant::now() + Duration::from_secs(1));
             match tokio::time::timeout_at(until.into(), self.rx.recv()).await {
                 Ok(Some((round, row, result))) if round == self.round => {
+                    let result = result.map_err(|refusal| self.refused(&refusal));
                     self.trace_answer(
                         row,
                         result
@@ -738,6 +762,7 @@ impl Transport for NetTransport {
         // Backward steps: every member gets its own input and every answer is needed.
         self.wait_gate().await;
         self.round += 1;
+        self.stale = false;
         let round = self.round;
         let rows: Vec<usize> = requests.iter().map(|(r, _)| *r).collect();
         self.send_all(requests);
@@ -753,7 +778,8 @@ impl Transport for NetTransport {
                         self.trace_answer(row, Ok((bytes.len(), us)));
                         answers.push((row, bytes));
                     }
-                    Err(reason) => {
+                    Err(refusal) => {
+                        let reason = self.refused(&refusal);
                         self.trace_answer(row, Err(&reason));
                         self.pool.note_failure(row);
                         break Err(TransportError { node: row, reason });

@@ -10,7 +10,7 @@ use futures::{AsyncReadExt, StreamExt};
 use libp2p::PeerId;
 use libp2p_stream::OpenStreamError;
 use node_core::holder;
-use node_core::mesh::MeshResponse;
+use node_core::mesh::{MeshResponse, StepRefusal};
 use node_core::net::session::{self, Answer, Ask, Outstanding, SessionError, protocol};
 use node_core::protocol::StepRequest;
 use tokio::sync::mpsc;
@@ -75,7 +75,7 @@ pub async fn compute(
 
 /// Where a link hands a member's answer: the ask's id, and the encoded step answer with the
 /// member's compute time (µs), or why there is none.
-pub type Deliver = Arc<dyn Fn(u64, Result<(Vec<u8>, u64), String>) + Send + Sync>;
+pub type Deliver = Arc<dyn Fn(u64, Result<(Vec<u8>, u64), StepRefusal>) + Send + Sync>;
 
 /// A leader's link to one member: asks go out in order on the member's session. Dropping it
 /// closes the session.
@@ -127,7 +127,7 @@ async fn run(
     // A link that failed answers every later ask with why: its member is replaced.
     tracing::debug!(%peer, "session failed: {why}");
     while let Some((_, ask)) = asks.recv().await {
-        deliver(ask.id, Err(why.clone()));
+        deliver(ask.id, Err(why.clone().into()));
     }
 }
 
@@ -148,7 +148,7 @@ async fn converse(
             let frame = match session::frame(&ask) {
                 Ok(frame) => frame,
                 Err(e) => {
-                    deliver(id, Err(e.to_string()));
+                    deliver(id, Err(e.to_string().into()));
                     continue;
                 }
             };
@@ -182,13 +182,18 @@ async fn converse(
         Err(e) = receive => e.to_string(),
     };
     for id in lock().drain() {
-        deliver(id, Err(why.clone()));
+        deliver(id, Err(why.clone().into()));
     }
     Err(why)
 }
 
 /// Delivers an answer, after the bench's delay when one is set.
-fn hand_over(deliver: &Deliver, id: u64, answer: Result<(Vec<u8>, u64), String>, delay: Duration) {
+fn hand_over(
+    deliver: &Deliver,
+    id: u64,
+    answer: Result<(Vec<u8>, u64), StepRefusal>,
+    delay: Duration,
+) {
     if delay.is_zero() {
         return deliver(id, answer);
     }

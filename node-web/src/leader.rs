@@ -369,7 +369,7 @@ impl WebTransport {
                 row,
                 result
                     .map_err(|e| e.to_string())
-                    .and_then(MeshResponse::into_step),
+                    .and_then(|r| r.into_step().map_err(|e| e.to_string())),
             )
         }
     }

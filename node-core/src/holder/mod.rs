@@ -20,7 +20,7 @@ use crate::blob::{self, BlobError, BlobParams};
 use crate::coded::{CodedError, Member, ShardSet};
 use crate::learn::{Update, UpdateError};
 use crate::mesh::{
-    LearningConfig, MAX_CHUNK_BYTES, MeshRequest, MeshResponse, ModelManifest, ShardVersion, hex,
+    LearningConfig, MAX_CHUNK_BYTES, MeshRequest, MeshResponse, ModelManifest, ShardVersion,
 };
 use crate::model::{LeaderWeights, LlamaConfig};
 
@@ -120,16 +120,13 @@ impl ShardState {
         Ok(())
     }
 
-    /// Why a step at `version` cannot be computed here, if it cannot.
-    pub fn version_mismatch(&self, version: &[u8; 32]) -> Option<String> {
-        let ours = self.version.digest();
-        (ours != *version).then(|| {
-            format!(
-                "shard version mismatch: this node is at {} ({} updates), the request expects {}",
-                hex(&ours[..8]),
-                self.version.count(),
-                hex(&version[..8])
-            )
+    /// The refusal of a step at `version` when this node is at another one.
+    pub fn stale(&self, version: &[u8; 32]) -> Option<MeshResponse> {
+        let have = self.version.digest();
+        (have != *version).then(|| MeshResponse::Stale {
+            have,
+            updates: self.version.count(),
+            want: *version,
         })
     }
 }
@@ -310,6 +307,7 @@ pub fn describe(r: &MeshResponse) -> &'static str {
         MeshResponse::Reported => "report receipt",
         MeshResponse::Partial(_) => "running sum",
         MeshResponse::Error(_) => "error",
+        MeshResponse::Stale { .. } => "refusal at another version",
     }
 }
 

@@ -222,8 +222,8 @@ where
 /// A coded step on `state` at the leader's `version`; the answer carries the compute time.
 pub fn step(state: &ShardState, version: &[u8; 32], request: &StepRequest) -> MeshResponse {
     let started = Instant::now();
-    if let Some(e) = state.version_mismatch(version) {
-        return MeshResponse::Error(e);
+    if let Some(stale) = state.stale(version) {
+        return stale;
     }
     let answer = state.member.handle(request);
     step_answer(&answer, started)
@@ -236,8 +236,8 @@ pub async fn step_async(
     request: &StepRequest,
 ) -> MeshResponse {
     let started = Instant::now();
-    if let Some(e) = state.version_mismatch(version) {
-        return MeshResponse::Error(e);
+    if let Some(stale) = state.stale(version) {
+        return stale;
     }
     let answer = state.member.handle_async(request).await;
     step_answer(&answer, started)
@@ -459,7 +459,13 @@ mod tests {
         };
         assert!(matches!(step(&s, &at, &request), MeshResponse::Step { .. }));
         match step(&s, &[1; 32], &request) {
-            MeshResponse::Error(e) => assert!(e.contains("version mismatch"), "{e}"),
+            MeshResponse::Stale {
+                have,
+                updates,
+                want,
+            } => {
+                assert_eq!((have, updates, want), (at, s.version.count(), [1; 32]));
+            }
             other => panic!("{other:?}"),
         }
         let mut snap = Snapshot::default();

@@ -458,15 +458,63 @@ pub enum MeshResponse {
     Error(String),
     /// A chained piece's running sum, as f32 values ([`crate::chain`]).
     Partial(Vec<f32>),
+    /// A step asked at a version this node is not at: the mesh moved on, or this node lags.
+    Stale {
+        /// The version this node is at.
+        have: [u8; 32],
+        /// Updates it has applied.
+        updates: u64,
+        /// The version the step asked for.
+        want: [u8; 32],
+    },
+}
+
+/// Why a member gave no answer to a coded step.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StepRefusal {
+    /// The member is at another version than the step asked for.
+    #[error(
+        "shard version mismatch: this node is at {} ({updates} updates), the request expects {}",
+        super::hex(&have[..8]),
+        super::hex(&want[..8])
+    )]
+    Stale {
+        /// The version the member is at.
+        have: [u8; 32],
+        /// Updates it has applied.
+        updates: u64,
+        /// The version the step asked for.
+        want: [u8; 32],
+    },
+    /// Any other reason (the member's words, or the link's).
+    #[error("{0}")]
+    Failed(String),
+}
+
+impl From<String> for StepRefusal {
+    fn from(why: String) -> Self {
+        StepRefusal::Failed(why)
+    }
 }
 
 impl MeshResponse {
     /// A coded step's answer and the member's compute time in µs, or why it gave none.
-    pub fn into_step(self) -> Result<(Vec<u8>, u64), String> {
+    pub fn into_step(self) -> Result<(Vec<u8>, u64), StepRefusal> {
         match self {
             MeshResponse::Step { bytes, compute_us } => Ok((bytes, compute_us)),
-            MeshResponse::Error(e) => Err(e),
-            _ => Err("answered a step with something else".into()),
+            MeshResponse::Stale {
+                have,
+                updates,
+                want,
+            } => Err(StepRefusal::Stale {
+                have,
+                updates,
+                want,
+            }),
+            MeshResponse::Error(e) => Err(StepRefusal::Failed(e)),
+            _ => Err(StepRefusal::Failed(
+                "answered a step with something else".into(),
+            )),
         }
     }
 }
@@ -476,6 +524,33 @@ mod tests {
     use super::*;
     use crate::protocol::{decode, encode};
     use proptest::prelude::*;
+
+    #[test]
+    fn a_refusal_at_another_version_keeps_its_type_through_the_wire() {
+        let stale = MeshResponse::Stale {
+            have: [0xab; 32],
+            updates: 3,
+            want: [0xcd; 32],
+        };
+        let back: MeshResponse = decode(&encode(&stale).unwrap()).unwrap();
+        let refusal = back.into_step().unwrap_err();
+        assert_eq!(
+            refusal,
+            StepRefusal::Stale {
+                have: [0xab; 32],
+                updates: 3,
+                want: [0xcd; 32]
+            }
+        );
+        assert_eq!(
+            refusal.to_string(),
+            "shard version mismatch: this node is at abababababababab (3 updates), the request expects cdcdcdcdcdcdcdcd"
+        );
+        assert_eq!(
+            MeshResponse::Error("busy".into()).into_step().unwrap_err(),
+            StepRefusal::Failed("busy".into())
+        );
+    }
 
     #[test]
     fn a_browser_gets_websocket_then_webrtc_addresses_only() {

@@ -13,8 +13,8 @@ pub use health::{Health, HealthConfig};
 pub use manifest::{DEFAULT_RANK, LearningConfig, MAX_ACCUMULATE, ModelManifest};
 pub use messages::{
     BrowserBootstrap, CHUNK_BYTES, HEARTBEAT_TOPIC, Heartbeat, HoldersByRow, JoinOffer,
-    MAX_CHUNK_BYTES, MeshInfo, MeshRequest, MeshResponse, NodeStatus, RowHolders, SourceRow, Usage,
-    rows_at_version,
+    MAX_CHUNK_BYTES, MeshInfo, MeshRequest, MeshResponse, NodeStatus, RowHolders, SourceRow,
+    StepRefusal, Usage, rows_at_version,
 };
 pub use round::{
     GroupPlan, MemberPool, RoundConfig, RoundDriver, RoundError, pick_holders, plan_group,

@@ -227,14 +227,19 @@ mod tests {
         }
     }
 
-    /// A member that sums its input; an error for a version it does not hold.
+    /// A member at version [7; 32] that sums its input; a refusal for another version.
     async fn sum(version: [u8; 32], step: StepRequest) -> MeshResponse {
         match step {
-            StepRequest::Matmul { x, .. } if version == [7; 32] => MeshResponse::Step {
+            _ if version != [7; 32] => MeshResponse::Stale {
+                have: [7; 32],
+                updates: 1,
+                want: version,
+            },
+            StepRequest::Matmul { x, .. } => MeshResponse::Step {
                 bytes: x.iter().sum::<f32>().to_le_bytes().to_vec(),
                 compute_us: 1,
             },
-            _ => MeshResponse::Error("not at that version".into()),
+            _ => MeshResponse::Error("not a product".into()),
         }
     }
 
@@ -269,7 +274,14 @@ mod tests {
                 compute_us: 1
             }
         );
-        assert!(matches!(&answers[1].response, MeshResponse::Error(e) if e.contains("version")));
+        assert!(matches!(
+            answers[1].response.clone().into_step(),
+            Err(crate::mesh::StepRefusal::Stale {
+                have: [7, ..],
+                updates: 1,
+                want: [0, ..]
+            })
+        ));
         assert!(matches!(&answers[2].response, MeshResponse::Error(e) if e.contains("bad step")));
         assert_eq!(
             answers[3].response,
