@@ -20,7 +20,6 @@ use node_core::model::{
     GenerateOptions, Generation, KvCache, ModelError, Pass, generate_with, run_pass,
 };
 use node_core::net::session::Ask;
-
 use tokio::sync::mpsc;
 
 use crate::link::{NativeLink, pick_addr};
