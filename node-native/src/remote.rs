@@ -8,13 +8,14 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use libp2p::{Multiaddr, PeerId};
 use node_core::code::Generator;
+use node_core::coded::rounds::{Asks, MemberAnswer, RoundNotes, run_round, run_round_each};
 use node_core::coded::{Transport, TransportError};
 use node_core::holder::{HolderError, Link};
 use node_core::lead::{LeadLink, OwnRow};
 use node_core::learn::{Learner, Published};
 use node_core::mesh::{
-    Health, MemberPool, MeshInfo, MeshRequest, MeshResponse, ModelManifest, RoundConfig,
-    RoundDriver, SourceRow, StepRefusal, Usage,
+    Health, MemberPool, MeshInfo, MeshRequest, MeshResponse, ModelManifest, RoundConfig, SourceRow,
+    StepRefusal, Usage,
 };
 use node_core::model::{
     GenerateOptions, Generation, KvCache, ModelError, Pass, generate_with, run_pass,
@@ -215,8 +216,8 @@ impl LeadLink for NetLead<'_> {
             generator.clone(),
             round,
         );
-        transport.local = self.local.cloned();
-        transport.trace = self.trace.clone();
+        transport.asks.local = self.local.cloned();
+        transport.asks.trace = self.trace.clone();
         transport
     }
 }
@@ -416,23 +417,35 @@ pub struct NetStats {
     pub compute: Duration,
 }
 
-type Answer = (u64, usize, Result<(Vec<u8>, u64), StepRefusal>);
-
-/// Coded steps over the network: each round goes to every member, the first k answers win,
-/// failed members are replaced from the free rows, stragglers are outrun and swapped out.
-/// A leader inside a node computes its own row's steps in process.
+/// Coded steps over the network: each round goes to every member on its session, the first k
+/// answers win, failed members are replaced from the free rows, stragglers are outrun and
+/// swapped out ([`node_core::coded::rounds`]). A leader inside a node computes its own row's
+/// steps in process.
 #[derive(Debug)]
 pub struct NetTransport {
+    asks: NetAsks,
+    pool: MemberPool,
+    round: u64,
+    stats: NetStats,
+    /// What every round waits for before it goes out, if anything (a trainer's group waits
+    /// until serving is idle).
+    gate: Option<Gate>,
+    /// What the last round saw beside its answers.
+    notes: RoundNotes,
+}
+
+/// The sessions a [`NetTransport`]'s rounds ask through, and what it records of them.
+#[derive(Debug)]
+struct NetAsks {
     client: Client,
     version: [u8; 32],
     peers: BTreeMap<usize, PeerId>,
-    pool: MemberPool,
-    tx: mpsc::UnboundedSender<Answer>,
-    rx: mpsc::UnboundedReceiver<Answer>,
-    round: u64,
-    stats: NetStats,
+    tx: mpsc::UnboundedSender<MemberAnswer>,
+    rx: mpsc::UnboundedReceiver<MemberAnswer>,
     local: Option<LocalRow>,
     trace: Option<crate::steplog::StepLog>,
+    /// The current round, for the step trace.
+    round: u64,
     /// The step the rounds belong to.
     label: String,
     /// What the rounds are for (the requests of a batch), for the step trace.
@@ -444,11 +457,6 @@ pub struct NetTransport {
     links: BTreeMap<usize, crate::session::Link>,
     /// The runtime the sessions run on.
     runtime: tokio::runtime::Handle,
-    /// What every round waits for before it goes out, if anything (a trainer's group waits
-    /// until serving is idle).
-    gate: Option<Gate>,
-    /// Whether a member of the current round answered at another version.
-    stale: bool,
 }
 
 /// A wait a group's rounds make before they go out.
@@ -482,35 +490,92 @@ impl NetTransport {
             .filter(|r| !members.contains(r))
             .collect();
         let (tx, rx) = mpsc::unbounded_channel();
-        let mut transport = Self {
+        let mut asks = NetAsks {
             client,
             version,
             peers,
-            pool: MemberPool::new(generator, free, cfg),
             tx,
             rx,
-            round: 0,
-            stats: NetStats::default(),
             local: None,
             trace: None,
+            round: 0,
             label: String::new(),
             context: String::new(),
             asked: BTreeMap::new(),
             links: BTreeMap::new(),
             runtime: tokio::runtime::Handle::current(),
-            gate: None,
-            stale: false,
         };
         // This node's own row (a leader inside a node) is computed here, not over a session.
-        let me = transport.client.peer_id();
+        let me = asks.client.peer_id();
         for &row in members {
-            if transport.peers.get(&row) != Some(&me) {
-                transport.link(row);
+            if asks.peers.get(&row) != Some(&me) {
+                asks.link(row);
             }
         }
-        transport
+        Self {
+            asks,
+            pool: MemberPool::new(generator, free, cfg),
+            round: 0,
+            stats: NetStats::default(),
+            gate: None,
+            notes: RoundNotes::default(),
+        }
     }
 
+    /// The peer holding a row, as this transport knows it.
+    pub fn peer_of(&self, row: usize) -> Option<PeerId> {
+        self.asks.peers.get(&row).copied()
+    }
+
+    /// Compute time reported by members.
+    pub fn stats(&self) -> &NetStats {
+        &self.stats
+    }
+
+    /// The version the members are asked at.
+    pub fn version(&self) -> [u8; 32] {
+        self.asks.version
+    }
+
+    /// Asks the members at another version from now on (after this leader's own update,
+    /// which every member has applied).
+    pub fn set_version(&mut self, version: [u8; 32]) {
+        self.asks.version = version;
+    }
+
+    /// What the next rounds are for (written with each step in the step trace).
+    pub fn set_context(&mut self, context: String) {
+        self.asks.context = context;
+    }
+
+    /// Makes every later round wait for `gate` first.
+    pub fn set_gate(&mut self, gate: Gate) {
+        self.gate = Some(gate);
+    }
+
+    /// Whether a member of the last round was at another version than the group's: the
+    /// mesh moved on (or the member lags), and forming the group again at the mesh's
+    /// settled version may help where asking again would not.
+    pub fn met_another_version(&self) -> bool {
+        self.notes.stale
+    }
+
+    async fn wait_gate(&self) {
+        if let Some(Gate(wait)) = &self.gate {
+            wait().await;
+        }
+    }
+
+    /// Starts the next round (after the gate, if any).
+    async fn next_round(&mut self) -> u64 {
+        self.wait_gate().await;
+        self.round += 1;
+        self.asks.round = self.round;
+        self.round
+    }
+}
+
+impl NetAsks {
     /// The session with a row's holder, opened now if there is none yet.
     fn link(&mut self, row: usize) -> Option<&crate::session::Link> {
         let peer = *self.peers.get(&row)?;
@@ -525,66 +590,14 @@ impl NetTransport {
         }))
     }
 
-    /// The peer holding a row, as this transport knows it.
-    pub fn peer_of(&self, row: usize) -> Option<PeerId> {
-        self.peers.get(&row).copied()
-    }
-
-    /// Compute time reported by members.
-    pub fn stats(&self) -> &NetStats {
-        &self.stats
-    }
-
-    /// The version the members are asked at.
-    pub fn version(&self) -> [u8; 32] {
-        self.version
-    }
-
-    /// Asks the members at another version from now on (after this leader's own update,
-    /// which every member has applied).
-    pub fn set_version(&mut self, version: [u8; 32]) {
-        self.version = version;
-    }
-
-    /// What the next rounds are for (written with each step in the step trace).
-    pub fn set_context(&mut self, context: String) {
-        self.context = context;
-    }
-
-    /// Makes every later round wait for `gate` first.
-    pub fn set_gate(&mut self, gate: Gate) {
-        self.gate = Some(gate);
-    }
-
-    async fn wait_gate(&self) {
-        if let Some(Gate(wait)) = &self.gate {
-            wait().await;
-        }
-    }
-
-    /// Whether a member of the last round was at another version than the group's: the
-    /// mesh moved on (or the member lags), and forming the group again at the mesh's
-    /// settled version may help where asking again would not.
-    pub fn met_another_version(&self) -> bool {
-        self.stale
-    }
-
-    /// Notes a member's refusal; why, in words.
-    fn refused(&mut self, refusal: &StepRefusal) -> String {
-        if matches!(refusal, StepRefusal::Stale { want, .. } if *want == self.version) {
-            self.stale = true;
-        }
-        refusal.to_string()
-    }
-
     fn is_local(&self, row: usize) -> bool {
         self.local.as_ref().is_some_and(|l| l.row == row)
     }
 
-    fn send(&mut self, row: usize, request: &[u8]) {
+    fn send(&mut self, round: u64, row: usize, request: &[u8]) {
         self.asked.insert(row, (Instant::now(), request.len()));
         let ask = Ask {
-            id: self.round,
+            id: round,
             version: self.version,
             step: request.to_vec(),
         };
@@ -593,23 +606,20 @@ impl NetTransport {
             None => Err(format!("no peer holds row {row}")),
         };
         if let Err(e) = sent {
-            let _ = self.tx.send((self.round, row, Err(e.into())));
+            let _ = self.tx.send((round, row, Err(e.into())));
         }
     }
 
     /// Computes this node's own row's answer (while the others compute theirs): a decode
     /// step on this task, a larger one on the blocking pool, answered like any member.
-    fn answer_locally(&mut self, row: usize, request: &[u8]) {
+    fn answer_locally(&mut self, round: u64, row: usize, request: &[u8]) {
         self.asked.insert(row, (Instant::now(), request.len()));
         let Some(local) = self.local.clone() else {
-            let _ = self.tx.send((
-                self.round,
-                row,
-                Err(StepRefusal::Failed("no local row".into())),
-            ));
+            let refusal = StepRefusal::Failed("no local row".into());
+            let _ = self.tx.send((round, row, Err(refusal)));
             return;
         };
-        let (version, round, tx) = (self.version, self.round, self.tx.clone());
+        let (version, tx) = (self.version, self.tx.clone());
         if request.len() <= INLINE_LOCAL_BYTES {
             let _ = tx.send((round, row, local.step(&version, request).into_step()));
             return;
@@ -618,21 +628,6 @@ impl NetTransport {
         self.runtime.spawn_blocking(move || {
             let _ = tx.send((round, row, local.step(&version, &request).into_step()));
         });
-    }
-
-    /// Sends `request` to each of `rows`, computing the local one last.
-    fn send_all(&mut self, rows: impl IntoIterator<Item = (usize, Vec<u8>)>) {
-        let mut local = None;
-        for (row, request) in rows {
-            if self.is_local(row) {
-                local = Some((row, request));
-            } else {
-                self.send(row, &request);
-            }
-        }
-        if let Some((row, request)) = local {
-            self.answer_locally(row, &request);
-        }
     }
 
     /// Writes one member's part of the round to the step trace.
@@ -666,9 +661,41 @@ impl NetTransport {
             outcome: &outcome,
         });
     }
+}
 
-    /// Ends a round in the step trace: members still unanswered were not needed.
-    fn trace_round_end(&mut self) {
+impl Asks for NetAsks {
+    /// Sends every remote ask first, then computes the local one (if asked) meanwhile.
+    fn ask(&mut self, round: u64, asks: &[(usize, &[u8])]) {
+        let mut local = None;
+        for &(row, request) in asks {
+            if self.is_local(row) {
+                local = Some((row, request));
+            } else {
+                self.send(round, row, request);
+            }
+        }
+        if let Some((row, request)) = local {
+            self.answer_locally(round, row, request);
+        }
+    }
+
+    async fn next(&mut self, until: Instant) -> Option<MemberAnswer> {
+        tokio::time::timeout_at(until.into(), self.rx.recv())
+            .await
+            .ok()
+            .flatten()
+    }
+
+    fn try_next(&mut self) -> Option<MemberAnswer> {
+        self.rx.try_recv().ok()
+    }
+
+    fn seen(&mut self, row: usize, answer: Result<(usize, u64), &str>) {
+        self.trace_answer(row, answer);
+    }
+
+    /// Members still unanswered were not needed: the trace says so.
+    fn ended(&mut self) {
         let rows: Vec<usize> = self.asked.keys().copied().collect();
         for row in rows {
             self.trace_answer(row, Err("not needed (outrun)"));
@@ -684,73 +711,20 @@ impl Transport for NetTransport {
         request: &[u8],
         need: usize,
     ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
-        self.wait_gate().await;
-        self.round += 1;
-        self.stale = false;
-        // Late answers to earlier rounds show who is slow but alive.
-        while let Ok((_, row, result)) = self.rx.try_recv() {
-            match result {
-                Ok(_) => self.pool.note_answer(row),
-                Err(_) => self.pool.note_failure(row),
-            }
-        }
-        let mut driver = RoundDriver::start(Instant::now(), members, need, &mut self.pool);
-        let mut compute: BTreeMap<usize, u64> = BTreeMap::new();
-        loop {
-            let mut due = Vec::new();
-            while let Some(row) = driver.poll_transmit() {
-                due.push((row, request.to_vec()));
-            }
-            self.send_all(due);
-            if driver.is_done() || driver.is_failed() {
-                break;
-            }
-            let until = driver
-                .poll_timeout()
-                .unwrap_or_else(|| Instant::now() + Duration::from_secs(1));
-            match tokio::time::timeout_at(until.into(), self.rx.recv()).await {
-                Ok(Some((round, row, result))) if round == self.round => {
-                    let result = result.map_err(|refusal| self.refused(&refusal));
-                    self.trace_answer(
-                        row,
-                        result
-                            .as_ref()
-                            .map(|(b, us)| (b.len(), *us))
-                            .map_err(String::as_str),
-                    );
-                    let result = result.map(|(bytes, us)| {
-                        compute.insert(row, us);
-                        bytes
-                    });
-                    driver.handle_answer(Instant::now(), row, result, &mut self.pool);
-                }
-                Ok(Some((_, row, result))) => match result {
-                    // An answer to an earlier round, already decided: the member is alive.
-                    Ok(_) => self.pool.note_answer(row),
-                    Err(_) => self.pool.note_failure(row),
-                },
-                Err(_) => driver.handle_timeout(Instant::now(), &mut self.pool),
-                Ok(None) => {
-                    return Err(TransportError {
-                        node: usize::MAX,
-                        reason: "the answer channel closed".into(),
-                    });
-                }
-            }
-        }
-        self.trace_round_end();
-        *members = driver.members().to_vec();
-        let answers = driver.finish(&mut self.pool).map_err(|e| TransportError {
-            node: usize::MAX,
-            reason: e.to_string(),
-        })?;
-        let slowest = answers
-            .iter()
-            .filter_map(|(r, _)| compute.get(r))
-            .max()
-            .copied()
-            .unwrap_or(0);
-        self.stats.compute += Duration::from_micros(slowest);
+        let round = self.next_round().await;
+        let version = self.asks.version;
+        let answers = run_round(
+            &mut self.asks,
+            &mut self.pool,
+            round,
+            &version,
+            members,
+            request,
+            need,
+            &mut self.notes,
+        )
+        .await?;
+        self.stats.compute += Duration::from_micros(self.notes.slowest_compute_us);
         Ok(answers)
     }
 
@@ -758,51 +732,20 @@ impl Transport for NetTransport {
         &mut self,
         requests: Vec<(usize, Vec<u8>)>,
     ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
-        // Backward steps: every member gets its own input and every answer is needed.
-        self.wait_gate().await;
-        self.round += 1;
-        self.stale = false;
-        let round = self.round;
-        let rows: Vec<usize> = requests.iter().map(|(r, _)| *r).collect();
-        self.send_all(requests);
-        let deadline = Instant::now() + RoundConfig::default().member_timeout;
-        let mut answers = Vec::with_capacity(rows.len());
-        let result = loop {
-            if answers.len() == rows.len() {
-                break Ok(answers);
-            }
-            match tokio::time::timeout_at(deadline.into(), self.rx.recv()).await {
-                Ok(Some((r, row, result))) if r == round => match result {
-                    Ok((bytes, us)) => {
-                        self.trace_answer(row, Ok((bytes.len(), us)));
-                        answers.push((row, bytes));
-                    }
-                    Err(refusal) => {
-                        let reason = self.refused(&refusal);
-                        self.trace_answer(row, Err(&reason));
-                        self.pool.note_failure(row);
-                        break Err(TransportError { node: row, reason });
-                    }
-                },
-                Ok(Some(_)) => {}
-                Ok(None) | Err(_) => {
-                    let missing = rows
-                        .iter()
-                        .copied()
-                        .find(|r| answers.iter().all(|(a, _)| a != r))
-                        .unwrap_or(usize::MAX);
-                    break Err(TransportError {
-                        node: missing,
-                        reason: "timed out".into(),
-                    });
-                }
-            }
-        };
-        self.trace_round_end();
-        result
+        let round = self.next_round().await;
+        let version = self.asks.version;
+        run_round_each(
+            &mut self.asks,
+            &mut self.pool,
+            round,
+            &version,
+            &requests,
+            &mut self.notes,
+        )
+        .await
     }
 
     fn label(&mut self, what: &str) {
-        what.clone_into(&mut self.label);
+        what.clone_into(&mut self.asks.label);
     }
 }

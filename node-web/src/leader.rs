@@ -5,25 +5,27 @@
 use std::collections::BTreeMap;
 use std::rc::Rc;
 
+use futures::future::LocalBoxFuture;
 use futures::stream::FuturesUnordered;
 use futures::{FutureExt, StreamExt};
 use libp2p::Multiaddr;
 use libp2p::PeerId;
 use node_core::code::Generator;
+use node_core::coded::rounds::{Asks, MemberAnswer, RoundNotes, run_round, run_round_each};
 use node_core::coded::{CodedGroup, Transport, TransportError};
 use node_core::holder::HolderError;
 use node_core::lead::{Formed, GroupOptions, LeadLink, OwnRow};
 use node_core::learn::Learner;
 use node_core::mesh::{
     BrowserBootstrap, MemberPool, MeshRequest, MeshResponse, ModelManifest, RoundConfig,
-    RoundDriver, Usage,
+    StepRefusal, Usage,
 };
 use node_core::model::{
     ChatMessage, GenerateOptions, KvCache, Llama, Pass, SamplingParams, Tokenizer, generate_async,
     run_pass,
 };
 use serde::{Deserialize, Serialize};
-use web_time::{Duration, Instant};
+use web_time::Instant;
 
 use crate::node::{BrowserNode, Command, WebError};
 
@@ -331,47 +333,89 @@ impl LeadLink for BrowserNode {
             .filter(|r| !members.contains(r))
             .collect();
         WebTransport {
-            node: self.clone(),
-            version,
-            peers: rows.clone(),
+            asks: WebAsks {
+                node: self.clone(),
+                version,
+                peers: rows.clone(),
+                pending: FuturesUnordered::new(),
+            },
             pool: MemberPool::new(generator.clone(), free, round),
+            round: 0,
+            notes: RoundNotes::default(),
         }
     }
 }
 
-type Answer = (usize, Result<(Vec<u8>, u64), String>);
-
 /// Coded steps from the page: each round goes to every member through the page's swarm; the
-/// first answers win, failed members are replaced from the free rows, stragglers outrun.
+/// first answers win, failed members are replaced from the free rows, stragglers outrun
+/// ([`node_core::coded::rounds`]).
 #[derive(Debug)]
 pub struct WebTransport {
+    asks: WebAsks,
+    pool: MemberPool,
+    round: u64,
+    notes: RoundNotes,
+}
+
+/// The page's requests a [`WebTransport`]'s rounds ask through.
+struct WebAsks {
     node: BrowserNode,
     version: [u8; 32],
     peers: BTreeMap<usize, PeerId>,
-    pool: MemberPool,
+    /// Asks not answered yet, earlier rounds' included.
+    pending: FuturesUnordered<LocalBoxFuture<'static, MemberAnswer>>,
 }
 
-impl WebTransport {
-    /// One member's answer to one step, as a future that borrows nothing.
-    fn ask(&self, row: usize, request: &[u8]) -> impl Future<Output = Answer> + 'static {
-        let node = self.node.clone();
-        let peer = self.peers.get(&row).copied();
-        let req = MeshRequest::Step {
-            version: self.version,
-            bytes: request.to_vec(),
-        };
-        async move {
-            let Some(peer) = peer else {
-                return (row, Err(format!("no peer holds row {row}")));
+impl std::fmt::Debug for WebAsks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WebAsks")
+            .field("peers", &self.peers)
+            .field("pending", &self.pending.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Asks for WebAsks {
+    fn ask(&mut self, round: u64, asks: &[(usize, &[u8])]) {
+        for &(row, request) in asks {
+            let node = self.node.clone();
+            let peer = self.peers.get(&row).copied();
+            let req = MeshRequest::Step {
+                version: self.version,
+                bytes: request.to_vec(),
             };
-            let result = node.request(peer, req).await;
-            (
-                row,
-                result
-                    .map_err(|e| e.to_string())
-                    .and_then(|r| r.into_step().map_err(|e| e.to_string())),
-            )
+            self.pending.push(
+                async move {
+                    let Some(peer) = peer else {
+                        let why = format!("no peer holds row {row}");
+                        return (round, row, Err(StepRefusal::Failed(why)));
+                    };
+                    let answer = match node.request(peer, req).await {
+                        Ok(response) => response.into_step(),
+                        Err(e) => Err(StepRefusal::Failed(e.to_string())),
+                    };
+                    (round, row, answer)
+                }
+                .boxed_local(),
+            );
         }
+    }
+
+    async fn next(&mut self, until: Instant) -> Option<MemberAnswer> {
+        let mut timer =
+            futures_timer::Delay::new(until.saturating_duration_since(Instant::now())).fuse();
+        if self.pending.is_empty() {
+            timer.await;
+            return None;
+        }
+        futures::select_biased! {
+            answer = self.pending.select_next_some() => Some(answer),
+            _ = timer => None,
+        }
+    }
+
+    fn try_next(&mut self) -> Option<MemberAnswer> {
+        self.pending.next().now_or_never().flatten()
     }
 }
 
@@ -382,59 +426,35 @@ impl Transport for WebTransport {
         request: &[u8],
         need: usize,
     ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
-        let mut driver = RoundDriver::start(Instant::now(), members, need, &mut self.pool);
-        let mut pending = FuturesUnordered::new();
-        loop {
-            while let Some(row) = driver.poll_transmit() {
-                pending.push(self.ask(row, request));
-            }
-            if driver.is_done() || driver.is_failed() {
-                break;
-            }
-            let wait = driver.poll_timeout().map_or(Duration::from_secs(1), |t| {
-                t.saturating_duration_since(Instant::now())
-            });
-            let mut timer = futures_timer::Delay::new(wait).fuse();
-            futures::select! {
-                (row, result) = pending.select_next_some() => {
-                    let result = result.map(|(bytes, _)| bytes);
-                    driver.handle_answer(Instant::now(), row, result, &mut self.pool);
-                }
-                _ = timer => driver.handle_timeout(Instant::now(), &mut self.pool),
-            }
-        }
-        *members = driver.members().to_vec();
-        driver.finish(&mut self.pool).map_err(|e| TransportError {
-            node: usize::MAX,
-            reason: e.to_string(),
-        })
+        self.round += 1;
+        let version = self.asks.version;
+        run_round(
+            &mut self.asks,
+            &mut self.pool,
+            self.round,
+            &version,
+            members,
+            request,
+            need,
+            &mut self.notes,
+        )
+        .await
     }
 
     async fn round_each(
         &mut self,
         requests: Vec<(usize, Vec<u8>)>,
     ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
-        // Backward steps: every member gets its own input and every answer is needed.
-        let asks = requests.iter().map(|(row, req)| self.ask(*row, req));
-        let mut all = futures::future::join_all(asks).fuse();
-        let mut timer = futures_timer::Delay::new(RoundConfig::default().member_timeout).fuse();
-        let answers = futures::select! {
-            answers = all => answers,
-            _ = timer => return Err(TransportError {
-                node: usize::MAX,
-                reason: "a backward step timed out".into(),
-            }),
-        };
-        let mut out = Vec::with_capacity(answers.len());
-        for (row, result) in answers {
-            match result {
-                Ok((bytes, _)) => out.push((row, bytes)),
-                Err(reason) => {
-                    self.pool.note_failure(row);
-                    return Err(TransportError { node: row, reason });
-                }
-            }
-        }
-        Ok(out)
+        self.round += 1;
+        let version = self.asks.version;
+        run_round_each(
+            &mut self.asks,
+            &mut self.pool,
+            self.round,
+            &version,
+            &requests,
+            &mut self.notes,
+        )
+        .await
     }
 }

@@ -13,6 +13,7 @@ mod group;
 mod member;
 pub mod packed;
 mod probe;
+pub mod rounds;
 mod shards;
 mod verify;
 

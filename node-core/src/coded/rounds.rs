@@ -1,0 +1,349 @@
+//! A leader's rounds over its members, written once for every network transport (the native
+//! node's sessions, the page's requests): the shell sends asks and hands back answers
+//! ([`Asks`]); [`run_round`] and [`run_round_each`] decide who is asked, which answers count,
+//! who is replaced and when a straggler is outrun ([`RoundDriver`]).
+
+use std::collections::BTreeMap;
+
+use web_time::{Duration, Instant};
+
+use super::TransportError;
+use crate::mesh::{MemberPool, RoundConfig, RoundDriver, StepRefusal};
+
+/// One member's answer: the round it answers, the member's row, and the encoded answer with
+/// the member's compute time (µs), or why there is none.
+pub type MemberAnswer = (u64, usize, Result<(Vec<u8>, u64), StepRefusal>);
+
+/// What a shell does for a leader's rounds: sending asks and bringing their answers back.
+#[allow(
+    async_fn_in_trait,
+    reason = "the page's futures are !Send by nature; native callers name the concrete type"
+)]
+pub trait Asks {
+    /// Sends each `(row, request)` as an ask of round `round`; every ask's answer, or why it
+    /// has none, comes from [`Asks::next`].
+    fn ask(&mut self, round: u64, asks: &[(usize, &[u8])]);
+
+    /// The next answer to any ask, earlier rounds' included; `None` once `until` passed
+    /// before one came.
+    async fn next(&mut self, until: Instant) -> Option<MemberAnswer>;
+
+    /// An answer that already came, if any (no waiting, no timer).
+    fn try_next(&mut self) -> Option<MemberAnswer>;
+
+    /// Sees each answer of the current round as it comes: its size and the member's compute
+    /// time, or why there is none (the native step trace). Nothing by default.
+    fn seen(&mut self, _row: usize, _answer: Result<(usize, u64), &str>) {}
+
+    /// The round is over; members still unanswered were not needed. Nothing by default.
+    fn ended(&mut self) {}
+}
+
+/// What a round saw beside its answers.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RoundNotes {
+    /// The slowest answer used, as its member's compute time in µs.
+    pub slowest_compute_us: u64,
+    /// Whether a member refused for being at another version than the one asked: the mesh
+    /// moved on (or the member lags), and forming the group again may help.
+    pub stale: bool,
+}
+
+/// Why a member gave no answer, in words; notes a refusal at another version than `version`.
+fn refused(refusal: &StepRefusal, version: &[u8; 32], notes: &mut RoundNotes) -> String {
+    if matches!(refusal, StepRefusal::Stale { want, .. } if want == version) {
+        notes.stale = true;
+    }
+    refusal.to_string()
+}
+
+/// Answers to earlier rounds that came since: who is slow but alive, and who failed.
+fn drain_late<A: Asks>(asks: &mut A, pool: &mut MemberPool) {
+    while let Some((_, row, answer)) = asks.try_next() {
+        match answer {
+            Ok(_) => pool.note_answer(row),
+            Err(_) => pool.note_failure(row),
+        }
+    }
+}
+
+/// Round `round` of `request` (asked at `version`) over `members`: the answers of at least
+/// `need` of them, first come first served. A failed member is dropped from `members` and a
+/// free row of `pool` asked instead; a straggler is outrun.
+#[allow(
+    clippy::too_many_arguments,
+    reason = "a round's inputs, each used; a struct would only rename them"
+)]
+pub async fn run_round<A: Asks>(
+    asks: &mut A,
+    pool: &mut MemberPool,
+    round: u64,
+    version: &[u8; 32],
+    members: &mut Vec<usize>,
+    request: &[u8],
+    need: usize,
+    notes: &mut RoundNotes,
+) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
+    *notes = RoundNotes::default();
+    drain_late(asks, pool);
+    let mut driver = RoundDriver::start(Instant::now(), members, need, pool);
+    let mut compute: BTreeMap<usize, u64> = BTreeMap::new();
+    loop {
+        let mut due = Vec::new();
+        while let Some(row) = driver.poll_transmit() {
+            due.push((row, request));
+        }
+        if !due.is_empty() {
+            asks.ask(round, &due);
+        }
+        if driver.is_done() || driver.is_failed() {
+            break;
+        }
+        let until = driver
+            .poll_timeout()
+            .unwrap_or_else(|| Instant::now() + Duration::from_secs(1));
+        match asks.next(until).await {
+            Some((r, row, answer)) if r == round => {
+                let answer = answer.map_err(|refusal| refused(&refusal, version, notes));
+                asks.seen(
+                    row,
+                    answer
+                        .as_ref()
+                        .map(|(b, us)| (b.len(), *us))
+                        .map_err(String::as_str),
+                );
+                let answer = answer.map(|(bytes, us)| {
+                    compute.insert(row, us);
+                    bytes
+                });
+                driver.handle_answer(Instant::now(), row, answer, pool);
+            }
+            // An answer to an earlier round, already decided: the member is alive (or not).
+            Some((_, row, answer)) => match answer {
+                Ok(_) => pool.note_answer(row),
+                Err(_) => pool.note_failure(row),
+            },
+            None => driver.handle_timeout(Instant::now(), pool),
+        }
+    }
+    asks.ended();
+    *members = driver.members().to_vec();
+    let answers = driver.finish(pool).map_err(|e| TransportError {
+        node: usize::MAX,
+        reason: e.to_string(),
+    })?;
+    notes.slowest_compute_us = answers
+        .iter()
+        .filter_map(|(r, _)| compute.get(r))
+        .max()
+        .copied()
+        .unwrap_or(0);
+    Ok(answers)
+}
+
+/// Round `round` of backward steps (asked at `version`): each member its own request, and
+/// every answer needed within [`RoundConfig::member_timeout`]; the first failure ends it.
+pub async fn run_round_each<A: Asks>(
+    asks: &mut A,
+    pool: &mut MemberPool,
+    round: u64,
+    version: &[u8; 32],
+    requests: &[(usize, Vec<u8>)],
+    notes: &mut RoundNotes,
+) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
+    *notes = RoundNotes::default();
+    drain_late(asks, pool);
+    let due: Vec<(usize, &[u8])> = requests.iter().map(|(r, q)| (*r, q.as_slice())).collect();
+    asks.ask(round, &due);
+    let deadline = Instant::now() + RoundConfig::default().member_timeout;
+    let mut answers: Vec<(usize, Vec<u8>)> = Vec::with_capacity(requests.len());
+    let result = loop {
+        if answers.len() == requests.len() {
+            break Ok(answers);
+        }
+        match asks.next(deadline).await {
+            Some((r, row, answer)) if r == round => match answer {
+                Ok((bytes, us)) => {
+                    asks.seen(row, Ok((bytes.len(), us)));
+                    notes.slowest_compute_us = notes.slowest_compute_us.max(us);
+                    answers.push((row, bytes));
+                }
+                Err(refusal) => {
+                    let reason = refused(&refusal, version, notes);
+                    asks.seen(row, Err(&reason));
+                    pool.note_failure(row);
+                    break Err(TransportError { node: row, reason });
+                }
+            },
+            Some(_) => {}
+            None => {
+                let missing = requests
+                    .iter()
+                    .map(|(r, _)| *r)
+                    .find(|r| answers.iter().all(|(a, _)| a != r))
+                    .unwrap_or(usize::MAX);
+                break Err(TransportError {
+                    node: missing,
+                    reason: "timed out".into(),
+                });
+            }
+        }
+    };
+    asks.ended();
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::VecDeque;
+
+    use futures::executor::block_on;
+
+    use super::*;
+    use crate::code::Generator;
+
+    /// Members in memory: each row answers at once with its row number and the request's
+    /// first byte, or refuses at another version, or never answers.
+    #[derive(Default)]
+    struct Scripted {
+        /// Row → what it does.
+        plan: BTreeMap<usize, Plan>,
+        /// Answers due, in the order they come.
+        due: VecDeque<MemberAnswer>,
+        asked: Vec<(u64, usize)>,
+        seen: Vec<usize>,
+    }
+
+    #[derive(Clone, Copy)]
+    enum Plan {
+        Answer,
+        Stale,
+        Silent,
+    }
+
+    impl Asks for Scripted {
+        fn ask(&mut self, round: u64, asks: &[(usize, &[u8])]) {
+            for &(row, request) in asks {
+                self.asked.push((round, row));
+                let answer = match self.plan.get(&row).copied().unwrap_or(Plan::Answer) {
+                    Plan::Answer => Ok((vec![row as u8, request[0]], 5 * row as u64)),
+                    Plan::Stale => Err(StepRefusal::Stale {
+                        have: [2; 32],
+                        updates: 2,
+                        want: [1; 32],
+                    }),
+                    Plan::Silent => continue,
+                };
+                self.due.push_back((round, row, answer));
+            }
+        }
+
+        async fn next(&mut self, _until: Instant) -> Option<MemberAnswer> {
+            self.due.pop_front()
+        }
+
+        fn try_next(&mut self) -> Option<MemberAnswer> {
+            self.due.pop_front()
+        }
+
+        fn seen(&mut self, row: usize, _answer: Result<(usize, u64), &str>) {
+            self.seen.push(row);
+        }
+    }
+
+    fn pool(free: Vec<usize>) -> MemberPool {
+        let g = Generator::cauchy(5, 3).unwrap();
+        MemberPool::new(g, free, RoundConfig::default())
+    }
+
+    #[test]
+    fn a_round_takes_the_first_answers_and_replaces_a_member_at_another_version() {
+        let mut asks = Scripted::default();
+        asks.plan.insert(1, Plan::Stale);
+        let mut pool = pool(vec![3, 4]);
+        let mut members = vec![0, 1, 2];
+        let mut notes = RoundNotes::default();
+        let answers = block_on(run_round(
+            &mut asks,
+            &mut pool,
+            7,
+            &[1; 32],
+            &mut members,
+            &[9],
+            3,
+            &mut notes,
+        ))
+        .unwrap();
+        let rows: Vec<usize> = answers.iter().map(|(r, _)| *r).collect();
+        assert_eq!(rows.len(), 3);
+        assert!(
+            !rows.contains(&1),
+            "the stale member's refusal is no answer"
+        );
+        assert!(!members.contains(&1), "and it left the group: {members:?}");
+        assert!(answers.iter().all(|(r, b)| b == &vec![*r as u8, 9]));
+        assert!(notes.stale, "a refusal at the version asked is noted");
+        assert_eq!(
+            notes.slowest_compute_us,
+            rows.iter().map(|&r| 5 * r as u64).max().unwrap()
+        );
+        assert!(asks.asked.iter().all(|&(round, _)| round == 7));
+    }
+
+    #[test]
+    fn a_refusal_at_another_version_than_asked_is_not_noted_as_the_mesh_moving() {
+        let mut asks = Scripted::default();
+        asks.plan.insert(0, Plan::Stale);
+        let mut pool = pool(vec![3]);
+        let mut members = vec![0, 1, 2];
+        let mut notes = RoundNotes::default();
+        block_on(run_round(
+            &mut asks,
+            &mut pool,
+            1,
+            &[5; 32],
+            &mut members,
+            &[0],
+            3,
+            &mut notes,
+        ))
+        .unwrap();
+        assert!(!notes.stale);
+    }
+
+    #[test]
+    fn backward_steps_need_every_answer_and_name_the_member_that_gave_none() {
+        let mut asks = Scripted::default();
+        let requests = vec![(0, vec![1]), (2, vec![3])];
+        let mut pool = pool(vec![]);
+        let mut notes = RoundNotes::default();
+        let answers = block_on(run_round_each(
+            &mut asks, &mut pool, 3, &[1; 32], &requests, &mut notes,
+        ))
+        .unwrap();
+        assert_eq!(answers, vec![(0, vec![0, 1]), (2, vec![2, 3])]);
+        assert_eq!(asks.seen, vec![0, 2]);
+
+        let mut asks = Scripted::default();
+        asks.plan.insert(2, Plan::Silent);
+        let err = block_on(run_round_each(
+            &mut asks, &mut pool, 4, &[1; 32], &requests, &mut notes,
+        ))
+        .unwrap_err();
+        assert_eq!((err.node, err.reason.as_str()), (2, "timed out"));
+
+        let mut asks = Scripted::default();
+        asks.plan.insert(0, Plan::Stale);
+        let err = block_on(run_round_each(
+            &mut asks, &mut pool, 5, &[1; 32], &requests, &mut notes,
+        ))
+        .unwrap_err();
+        assert_eq!(err.node, 0);
+        assert!(
+            err.reason.contains("shard version mismatch"),
+            "{}",
+            err.reason
+        );
+        assert!(notes.stale);
+    }
+}
