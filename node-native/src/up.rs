@@ -88,8 +88,52 @@ fn default_data(model: &Path, k: usize, n: usize, format: ShardFormat) -> Result
     Ok(base.join("up").join(format!("{stem}-k{k}-n{n}{suffix}")))
 }
 
-/// `n` free TCP ports on 127.0.0.1.
-fn free_ports(n: usize) -> Result<Vec<u16>> {
+/// Lowest port `up` gives its nodes.
+const FIRST_NODE_PORT: u16 = 10_000;
+
+/// `n` TCP ports on 127.0.0.1 free now, for the nodes to listen on (and keep across restarts).
+/// They are picked below the range the system hands out to outgoing connections and to `:0`
+/// listeners: a port from that range, free when checked, can be taken by any process's dial
+/// before the node listens on it, and then the node fails to start for as long as that
+/// connection lives (a CI run lost a node so, with other meshes dialing beside it).
+pub fn free_ports(n: usize) -> Result<Vec<u16>> {
+    let end = ephemeral_start();
+    if end <= FIRST_NODE_PORT {
+        return free_ephemeral_ports(n);
+    }
+    let span = u32::from(end - FIRST_NODE_PORT);
+    // Start somewhere different each time, so meshes started together rarely try the same.
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos())
+        ^ std::process::id().wrapping_mul(2_654_435_761);
+    let mut held = Vec::with_capacity(n);
+    for i in 0..span {
+        if held.len() == n {
+            break;
+        }
+        let port = FIRST_NODE_PORT + ((seed.wrapping_add(i)) % span) as u16;
+        if let Ok(l) = std::net::TcpListener::bind(("127.0.0.1", port)) {
+            held.push(l);
+        }
+    }
+    if held.len() < n {
+        return free_ephemeral_ports(n);
+    }
+    held.iter().map(|l| Ok(l.local_addr()?.port())).collect()
+}
+
+/// The first port of the system's range for outgoing connections (Linux's default where it
+/// cannot be read; other systems' ranges start higher).
+fn ephemeral_start() -> u16 {
+    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32_768)
+}
+
+/// `n` ports the system picks (the fallback when no port below its range is free).
+fn free_ephemeral_ports(n: usize) -> Result<Vec<u16>> {
     let listeners = (0..n)
         .map(|_| std::net::TcpListener::bind("127.0.0.1:0"))
         .collect::<std::io::Result<Vec<_>>>()
@@ -438,5 +482,31 @@ async fn wait_ready(first: &str, mesh: &MeshFile, data: &Path) -> Result<MeshInf
             );
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn node_ports_are_distinct_free_and_below_the_range_dials_take_theirs_from() {
+        let ports = free_ports(5).unwrap();
+        let mut distinct = ports.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        assert_eq!(distinct.len(), 5, "{ports:?}");
+        for &p in &ports {
+            assert!(
+                (FIRST_NODE_PORT..ephemeral_start()).contains(&p),
+                "{p} is outside {FIRST_NODE_PORT}..{}",
+                ephemeral_start()
+            );
+            std::net::TcpListener::bind(("127.0.0.1", p)).expect("free to listen on");
+        }
+        // A dial's source port comes from the ephemeral range, never from these.
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let dial = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        assert!(dial.local_addr().unwrap().port() >= ephemeral_start());
     }
 }

@@ -160,11 +160,12 @@ pub fn spawn_node_with(
     spawn(dir, name, &a)
 }
 
-/// A free TCP port on 127.0.0.1.
+/// A free TCP port on 127.0.0.1, below the range dials take their source ports from (as
+/// `up` picks its nodes' ports), so no test's connection can take it before it is used.
 pub fn free_port() -> Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
+    node_native::up::free_ports(1)?
+        .pop()
+        .context("no free port")
 }
 
 /// Whether this machine has any wgpu adapter (a GPU, or Mesa's lavapipe as in CI); under
