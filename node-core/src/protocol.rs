@@ -8,7 +8,8 @@ use serde::{Deserialize, Serialize, de::DeserializeOwned};
 use crate::model::Stage;
 
 /// Version of the step protocol; a peer on another version is refused with both named (4: shard
-/// sets carry their learnt adapters; 5: adapters of rank 8).
+/// sets carry their learnt adapters; 5: adapters of rank 8; 6: a step at another version is
+/// refused with `MeshResponse::Stale`).
 pub const PROTOCOL_VERSION: u16 = 6;
 
 /// Largest encoded message accepted (a prefill of a few thousand tokens fits).

@@ -593,10 +593,8 @@ struct Shared {
     busy: std::sync::Mutex<Vec<Vec<PeerId>>>,
     /// How many serving tasks hold a group (the gauge of `busy`).
     holding: Gauge,
-    /// Sequences each serving task is generating.
-    active: std::sync::Mutex<Vec<usize>>,
-    /// The sum of `active`, for the trainer to wait on.
-    total: tokio::sync::watch::Sender<usize>,
+    /// Sequences each serving task is generating (the trainer waits on it).
+    active: tokio::sync::watch::Sender<Vec<usize>>,
     /// Tokens generated lately (when, how many).
     recent: std::sync::Mutex<VecDeque<(Instant, u64)>>,
 }
@@ -606,8 +604,7 @@ impl Shared {
         Self {
             busy: std::sync::Mutex::new(vec![Vec::new(); groups]),
             holding,
-            active: std::sync::Mutex::new(vec![0; groups]),
-            total: tokio::sync::watch::Sender::new(0),
+            active: tokio::sync::watch::Sender::new(vec![0; groups]),
             recent: std::sync::Mutex::new(VecDeque::new()),
         }
     }
@@ -640,7 +637,7 @@ impl Shared {
             let busy = self.busy.lock().unwrap_or_else(|e| e.into_inner());
             busy.iter().map(|b| !b.is_empty()).collect()
         };
-        let active = self.active.lock().unwrap_or_else(|e| e.into_inner());
+        let active = self.active.borrow();
         formed
             .iter()
             .zip(active.iter())
@@ -656,14 +653,12 @@ impl Shared {
 
     /// Sets serving task `slot`'s sequence count; the node's total.
     fn set_active(&self, slot: usize, n: usize) -> usize {
-        let mut active = self.active.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(a) = active.get_mut(slot) {
-            *a = n;
-        }
-        let all = active.iter().sum();
-        self.total
-            .send_if_modified(|t| std::mem::replace(t, all) != all);
-        all
+        self.active.send_if_modified(|active| {
+            active
+                .get_mut(slot)
+                .is_some_and(|a| std::mem::replace(a, n) != n)
+        });
+        self.active.borrow().iter().sum()
     }
 
     /// Waits until the trainer may start its next round, after it worked for `worked` since
@@ -671,8 +666,8 @@ impl Shared {
     /// long enough that training keeps to [`TRAIN_SHARE`] of the time.
     async fn wait_turn(&self, worked: Duration) {
         let until = Instant::now() + worked.mul_f64((1.0 - TRAIN_SHARE) / TRAIN_SHARE);
-        let mut total = self.total.subscribe();
-        let quiet = total.wait_for(|&n| n == 0);
+        let mut active = self.active.subscribe();
+        let quiet = active.wait_for(|a| a.iter().all(|&n| n == 0));
         // Either the serving tasks went quiet, or the trainer waited long enough.
         let _ = tokio::time::timeout_at(until.into(), quiet).await;
     }

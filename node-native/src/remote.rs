@@ -8,13 +8,13 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use libp2p::{Multiaddr, PeerId};
 use node_core::code::Generator;
-use node_core::coded::rounds::{Asks, MemberAnswer, RoundNotes, run_round, run_round_each};
+use node_core::coded::rounds::{Asks, MemberAnswer, Rounds};
 use node_core::coded::{Transport, TransportError};
 use node_core::holder::{HolderError, Link};
 use node_core::lead::{LeadLink, OwnRow};
 use node_core::learn::{Learner, Published};
 use node_core::mesh::{
-    Health, MemberPool, MeshInfo, MeshRequest, MeshResponse, ModelManifest, RoundConfig, SourceRow,
+    Health, MeshInfo, MeshRequest, MeshResponse, ModelManifest, RoundConfig, SourceRow,
     StepRefusal, Usage,
 };
 use node_core::model::{
@@ -216,8 +216,8 @@ impl LeadLink for NetLead<'_> {
             generator.clone(),
             round,
         );
-        transport.asks.local = self.local.cloned();
-        transport.asks.trace = self.trace.clone();
+        transport.rounds.asks.local = self.local.cloned();
+        transport.rounds.asks.trace = self.trace.clone();
         transport
     }
 }
@@ -423,15 +423,11 @@ pub struct NetStats {
 /// steps in process.
 #[derive(Debug)]
 pub struct NetTransport {
-    asks: NetAsks,
-    pool: MemberPool,
-    round: u64,
+    rounds: Rounds<NetAsks>,
     stats: NetStats,
     /// What every round waits for before it goes out, if anything (a trainer's group waits
     /// until serving is idle).
     gate: Option<Gate>,
-    /// What the last round saw beside its answers.
-    notes: RoundNotes,
 }
 
 /// The sessions a [`NetTransport`]'s rounds ask through, and what it records of them.
@@ -444,7 +440,7 @@ struct NetAsks {
     rx: mpsc::UnboundedReceiver<MemberAnswer>,
     local: Option<LocalRow>,
     trace: Option<crate::steplog::StepLog>,
-    /// The current round, for the step trace.
+    /// The round last asked, for the step trace.
     round: u64,
     /// The step the rounds belong to.
     label: String,
@@ -484,11 +480,6 @@ impl NetTransport {
         generator: node_core::code::Generator,
         cfg: RoundConfig,
     ) -> Self {
-        let free = peers
-            .keys()
-            .copied()
-            .filter(|r| !members.contains(r))
-            .collect();
         let (tx, rx) = mpsc::unbounded_channel();
         let mut asks = NetAsks {
             client,
@@ -512,19 +503,17 @@ impl NetTransport {
                 asks.link(row);
             }
         }
+        let rows: Vec<usize> = asks.peers.keys().copied().collect();
         Self {
-            asks,
-            pool: MemberPool::new(generator, free, cfg),
-            round: 0,
+            rounds: Rounds::new(asks, generator, rows, members, cfg),
             stats: NetStats::default(),
             gate: None,
-            notes: RoundNotes::default(),
         }
     }
 
     /// The peer holding a row, as this transport knows it.
     pub fn peer_of(&self, row: usize) -> Option<PeerId> {
-        self.asks.peers.get(&row).copied()
+        self.rounds.asks.peers.get(&row).copied()
     }
 
     /// Compute time reported by members.
@@ -534,18 +523,18 @@ impl NetTransport {
 
     /// The version the members are asked at.
     pub fn version(&self) -> [u8; 32] {
-        self.asks.version
+        self.rounds.asks.version
     }
 
     /// Asks the members at another version from now on (after this leader's own update,
     /// which every member has applied).
     pub fn set_version(&mut self, version: [u8; 32]) {
-        self.asks.version = version;
+        self.rounds.asks.version = version;
     }
 
     /// What the next rounds are for (written with each step in the step trace).
     pub fn set_context(&mut self, context: String) {
-        self.asks.context = context;
+        self.rounds.asks.context = context;
     }
 
     /// Makes every later round wait for `gate` first.
@@ -557,21 +546,13 @@ impl NetTransport {
     /// mesh moved on (or the member lags), and forming the group again at the mesh's
     /// settled version may help where asking again would not.
     pub fn met_another_version(&self) -> bool {
-        self.notes.stale
+        self.rounds.notes().stale
     }
 
     async fn wait_gate(&self) {
         if let Some(Gate(wait)) = &self.gate {
             wait().await;
         }
-    }
-
-    /// Starts the next round (after the gate, if any).
-    async fn next_round(&mut self) -> u64 {
-        self.wait_gate().await;
-        self.round += 1;
-        self.asks.round = self.round;
-        self.round
     }
 }
 
@@ -664,8 +645,13 @@ impl NetAsks {
 }
 
 impl Asks for NetAsks {
+    fn version(&self) -> [u8; 32] {
+        self.version
+    }
+
     /// Sends every remote ask first, then computes the local one (if asked) meanwhile.
     fn ask(&mut self, round: u64, asks: &[(usize, &[u8])]) {
+        self.round = round;
         let mut local = None;
         for &(row, request) in asks {
             if self.is_local(row) {
@@ -711,20 +697,10 @@ impl Transport for NetTransport {
         request: &[u8],
         need: usize,
     ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
-        let round = self.next_round().await;
-        let version = self.asks.version;
-        let answers = run_round(
-            &mut self.asks,
-            &mut self.pool,
-            round,
-            &version,
-            members,
-            request,
-            need,
-            &mut self.notes,
-        )
-        .await?;
-        self.stats.compute += Duration::from_micros(self.notes.slowest_compute_us);
+        self.wait_gate().await;
+        let answers = self.rounds.round(members, request, need).await?;
+        let slowest = self.rounds.notes().slowest_compute_us;
+        self.stats.compute += Duration::from_micros(slowest);
         Ok(answers)
     }
 
@@ -732,20 +708,11 @@ impl Transport for NetTransport {
         &mut self,
         requests: Vec<(usize, Vec<u8>)>,
     ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
-        let round = self.next_round().await;
-        let version = self.asks.version;
-        run_round_each(
-            &mut self.asks,
-            &mut self.pool,
-            round,
-            &version,
-            &requests,
-            &mut self.notes,
-        )
-        .await
+        self.wait_gate().await;
+        self.rounds.round_each(requests).await
     }
 
     fn label(&mut self, what: &str) {
-        what.clone_into(&mut self.asks.label);
+        what.clone_into(&mut self.rounds.asks.label);
     }
 }

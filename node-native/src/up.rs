@@ -107,20 +107,23 @@ pub fn free_ports(n: usize) -> Result<Vec<u16>> {
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.subsec_nanos())
         ^ std::process::id().wrapping_mul(2_654_435_761);
+    // Each port is held until all are picked, so none is picked twice.
     let mut held = Vec::with_capacity(n);
+    let mut ports = Vec::with_capacity(n);
     for i in 0..span {
-        if held.len() == n {
+        if ports.len() == n {
             break;
         }
-        let port = FIRST_NODE_PORT + ((seed.wrapping_add(i)) % span) as u16;
+        let port = FIRST_NODE_PORT + (seed.wrapping_add(i) % span) as u16;
         if let Ok(l) = std::net::TcpListener::bind(("127.0.0.1", port)) {
             held.push(l);
+            ports.push(port);
         }
     }
-    if held.len() < n {
+    if ports.len() < n {
         return free_ephemeral_ports(n);
     }
-    held.iter().map(|l| Ok(l.local_addr()?.port())).collect()
+    Ok(ports)
 }
 
 /// The first port of the system's range for outgoing connections (Linux's default where it

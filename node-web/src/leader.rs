@@ -11,14 +11,13 @@ use futures::{FutureExt, StreamExt};
 use libp2p::Multiaddr;
 use libp2p::PeerId;
 use node_core::code::Generator;
-use node_core::coded::rounds::{Asks, MemberAnswer, RoundNotes, run_round, run_round_each};
-use node_core::coded::{CodedGroup, Transport, TransportError};
+use node_core::coded::CodedGroup;
+use node_core::coded::rounds::{Asks, MemberAnswer, Rounds};
 use node_core::holder::HolderError;
 use node_core::lead::{Formed, GroupOptions, LeadLink, OwnRow};
 use node_core::learn::Learner;
 use node_core::mesh::{
-    BrowserBootstrap, MemberPool, MeshRequest, MeshResponse, ModelManifest, RoundConfig,
-    StepRefusal, Usage,
+    BrowserBootstrap, MeshRequest, MeshResponse, ModelManifest, RoundConfig, StepRefusal, Usage,
 };
 use node_core::model::{
     ChatMessage, GenerateOptions, KvCache, Llama, Pass, SamplingParams, Tokenizer, generate_async,
@@ -327,38 +326,29 @@ impl LeadLink for BrowserNode {
         generator: &Generator,
         round: RoundConfig,
     ) -> WebTransport {
-        let free = rows
-            .keys()
-            .copied()
-            .filter(|r| !members.contains(r))
-            .collect();
-        WebTransport {
-            asks: WebAsks {
-                node: self.clone(),
-                version,
-                peers: rows.clone(),
-                pending: FuturesUnordered::new(),
-            },
-            pool: MemberPool::new(generator.clone(), free, round),
-            round: 0,
-            notes: RoundNotes::default(),
-        }
+        let asks = WebAsks {
+            node: self.clone(),
+            version,
+            peers: rows.clone(),
+            pending: FuturesUnordered::new(),
+        };
+        Rounds::new(
+            asks,
+            generator.clone(),
+            rows.keys().copied(),
+            members,
+            round,
+        )
     }
 }
 
 /// Coded steps from the page: each round goes to every member through the page's swarm; the
 /// first answers win, failed members are replaced from the free rows, stragglers outrun
 /// ([`node_core::coded::rounds`]).
-#[derive(Debug)]
-pub struct WebTransport {
-    asks: WebAsks,
-    pool: MemberPool,
-    round: u64,
-    notes: RoundNotes,
-}
+pub type WebTransport = Rounds<WebAsks>;
 
 /// The page's requests a [`WebTransport`]'s rounds ask through.
-struct WebAsks {
+pub struct WebAsks {
     node: BrowserNode,
     version: [u8; 32],
     peers: BTreeMap<usize, PeerId>,
@@ -376,6 +366,10 @@ impl std::fmt::Debug for WebAsks {
 }
 
 impl Asks for WebAsks {
+    fn version(&self) -> [u8; 32] {
+        self.version
+    }
+
     fn ask(&mut self, round: u64, asks: &[(usize, &[u8])]) {
         for &(row, request) in asks {
             let node = self.node.clone();
@@ -416,45 +410,5 @@ impl Asks for WebAsks {
 
     fn try_next(&mut self) -> Option<MemberAnswer> {
         self.pending.next().now_or_never().flatten()
-    }
-}
-
-impl Transport for WebTransport {
-    async fn round(
-        &mut self,
-        members: &mut Vec<usize>,
-        request: &[u8],
-        need: usize,
-    ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
-        self.round += 1;
-        let version = self.asks.version;
-        run_round(
-            &mut self.asks,
-            &mut self.pool,
-            self.round,
-            &version,
-            members,
-            request,
-            need,
-            &mut self.notes,
-        )
-        .await
-    }
-
-    async fn round_each(
-        &mut self,
-        requests: Vec<(usize, Vec<u8>)>,
-    ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
-        self.round += 1;
-        let version = self.asks.version;
-        run_round_each(
-            &mut self.asks,
-            &mut self.pool,
-            self.round,
-            &version,
-            &requests,
-            &mut self.notes,
-        )
-        .await
     }
 }

@@ -1,13 +1,14 @@
 //! A leader's rounds over its members, written once for every network transport (the native
 //! node's sessions, the page's requests): the shell sends asks and hands back answers
-//! ([`Asks`]); [`run_round`] and [`run_round_each`] decide who is asked, which answers count,
-//! who is replaced and when a straggler is outrun ([`RoundDriver`]).
+//! ([`Asks`]); [`Rounds`] decides who is asked, which answers count, who is replaced and when
+//! a straggler is outrun ([`RoundDriver`]).
 
 use std::collections::BTreeMap;
 
 use web_time::{Duration, Instant};
 
-use super::TransportError;
+use super::{Transport, TransportError};
+use crate::code::Generator;
 use crate::mesh::{MemberPool, RoundConfig, RoundDriver, StepRefusal};
 
 /// One member's answer: the round it answers, the member's row, and the encoded answer with
@@ -20,6 +21,9 @@ pub type MemberAnswer = (u64, usize, Result<(Vec<u8>, u64), StepRefusal>);
     reason = "the page's futures are !Send by nature; native callers name the concrete type"
 )]
 pub trait Asks {
+    /// The version the members are asked at.
+    fn version(&self) -> [u8; 32];
+
     /// Sends each `(row, request)` as an ask of round `round`; every ask's answer, or why it
     /// has none, comes from [`Asks::next`].
     fn ask(&mut self, round: u64, asks: &[(usize, &[u8])]);
@@ -49,6 +53,77 @@ pub struct RoundNotes {
     pub stale: bool,
 }
 
+/// A leader's rounds over a shell's [`Asks`]: the rows it may ask (the group's and the free
+/// ones), the rounds so far, and what the last one saw.
+#[derive(Debug)]
+pub struct Rounds<A> {
+    /// The shell's asks.
+    pub asks: A,
+    pool: MemberPool,
+    round: u64,
+    notes: RoundNotes,
+}
+
+impl<A: Asks> Rounds<A> {
+    /// Rounds over `asks` for a group of `members`; the other `rows` are free to replace them.
+    pub fn new(
+        asks: A,
+        generator: Generator,
+        rows: impl IntoIterator<Item = usize>,
+        members: &[usize],
+        cfg: RoundConfig,
+    ) -> Self {
+        let free = rows.into_iter().filter(|r| !members.contains(r)).collect();
+        Self {
+            asks,
+            pool: MemberPool::new(generator, free, cfg),
+            round: 0,
+            notes: RoundNotes::default(),
+        }
+    }
+
+    /// What the last round saw beside its answers.
+    pub fn notes(&self) -> &RoundNotes {
+        &self.notes
+    }
+}
+
+impl<A: Asks> Transport for Rounds<A> {
+    async fn round(
+        &mut self,
+        members: &mut Vec<usize>,
+        request: &[u8],
+        need: usize,
+    ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
+        self.round += 1;
+        run_round(
+            &mut self.asks,
+            &mut self.pool,
+            self.round,
+            members,
+            request,
+            need,
+            &mut self.notes,
+        )
+        .await
+    }
+
+    async fn round_each(
+        &mut self,
+        requests: Vec<(usize, Vec<u8>)>,
+    ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
+        self.round += 1;
+        run_round_each(
+            &mut self.asks,
+            &mut self.pool,
+            self.round,
+            &requests,
+            &mut self.notes,
+        )
+        .await
+    }
+}
+
 /// Why a member gave no answer, in words; notes a refusal at another version than `version`.
 fn refused(refusal: &StepRefusal, version: &[u8; 32], notes: &mut RoundNotes) -> String {
     if matches!(refusal, StepRefusal::Stale { want, .. } if want == version) {
@@ -67,24 +142,20 @@ fn drain_late<A: Asks>(asks: &mut A, pool: &mut MemberPool) {
     }
 }
 
-/// Round `round` of `request` (asked at `version`) over `members`: the answers of at least
-/// `need` of them, first come first served. A failed member is dropped from `members` and a
-/// free row of `pool` asked instead; a straggler is outrun.
-#[allow(
-    clippy::too_many_arguments,
-    reason = "a round's inputs, each used; a struct would only rename them"
-)]
-pub async fn run_round<A: Asks>(
+/// Round `round` of `request` over `members`: the answers of at least `need` of them, first
+/// come first served. A failed member is dropped from `members` and a free row of `pool`
+/// asked instead; a straggler is outrun.
+async fn run_round<A: Asks>(
     asks: &mut A,
     pool: &mut MemberPool,
     round: u64,
-    version: &[u8; 32],
     members: &mut Vec<usize>,
     request: &[u8],
     need: usize,
     notes: &mut RoundNotes,
 ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
     *notes = RoundNotes::default();
+    let version = asks.version();
     drain_late(asks, pool);
     let mut driver = RoundDriver::start(Instant::now(), members, need, pool);
     let mut compute: BTreeMap<usize, u64> = BTreeMap::new();
@@ -104,7 +175,7 @@ pub async fn run_round<A: Asks>(
             .unwrap_or_else(|| Instant::now() + Duration::from_secs(1));
         match asks.next(until).await {
             Some((r, row, answer)) if r == round => {
-                let answer = answer.map_err(|refusal| refused(&refusal, version, notes));
+                let answer = answer.map_err(|refusal| refused(&refusal, &version, notes));
                 asks.seen(
                     row,
                     answer
@@ -141,17 +212,17 @@ pub async fn run_round<A: Asks>(
     Ok(answers)
 }
 
-/// Round `round` of backward steps (asked at `version`): each member its own request, and
-/// every answer needed within [`RoundConfig::member_timeout`]; the first failure ends it.
-pub async fn run_round_each<A: Asks>(
+/// Round `round` of backward steps: each member its own request, and every answer needed
+/// within [`RoundConfig::member_timeout`]; the first failure ends it.
+async fn run_round_each<A: Asks>(
     asks: &mut A,
     pool: &mut MemberPool,
     round: u64,
-    version: &[u8; 32],
     requests: &[(usize, Vec<u8>)],
     notes: &mut RoundNotes,
 ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
     *notes = RoundNotes::default();
+    let version = asks.version();
     drain_late(asks, pool);
     let due: Vec<(usize, &[u8])> = requests.iter().map(|(r, q)| (*r, q.as_slice())).collect();
     asks.ask(round, &due);
@@ -169,7 +240,7 @@ pub async fn run_round_each<A: Asks>(
                     answers.push((row, bytes));
                 }
                 Err(refusal) => {
-                    let reason = refused(&refusal, version, notes);
+                    let reason = refused(&refusal, &version, notes);
                     asks.seen(row, Err(&reason));
                     pool.note_failure(row);
                     break Err(TransportError { node: row, reason });
@@ -206,6 +277,8 @@ mod tests {
     /// first byte, or refuses at another version, or never answers.
     #[derive(Default)]
     struct Scripted {
+        /// The version asked at.
+        version: [u8; 32],
         /// Row → what it does.
         plan: BTreeMap<usize, Plan>,
         /// Answers due, in the order they come.
@@ -222,6 +295,10 @@ mod tests {
     }
 
     impl Asks for Scripted {
+        fn version(&self) -> [u8; 32] {
+            self.version
+        }
+
         fn ask(&mut self, round: u64, asks: &[(usize, &[u8])]) {
             for &(row, request) in asks {
                 self.asked.push((round, row));
@@ -258,7 +335,10 @@ mod tests {
 
     #[test]
     fn a_round_takes_the_first_answers_and_replaces_a_member_at_another_version() {
-        let mut asks = Scripted::default();
+        let mut asks = Scripted {
+            version: [1; 32],
+            ..Scripted::default()
+        };
         asks.plan.insert(1, Plan::Stale);
         let mut pool = pool(vec![3, 4]);
         let mut members = vec![0, 1, 2];
@@ -267,7 +347,6 @@ mod tests {
             &mut asks,
             &mut pool,
             7,
-            &[1; 32],
             &mut members,
             &[9],
             3,
@@ -292,7 +371,10 @@ mod tests {
 
     #[test]
     fn a_refusal_at_another_version_than_asked_is_not_noted_as_the_mesh_moving() {
-        let mut asks = Scripted::default();
+        let mut asks = Scripted {
+            version: [5; 32],
+            ..Scripted::default()
+        };
         asks.plan.insert(0, Plan::Stale);
         let mut pool = pool(vec![3]);
         let mut members = vec![0, 1, 2];
@@ -301,7 +383,6 @@ mod tests {
             &mut asks,
             &mut pool,
             1,
-            &[5; 32],
             &mut members,
             &[0],
             3,
@@ -313,29 +394,38 @@ mod tests {
 
     #[test]
     fn backward_steps_need_every_answer_and_name_the_member_that_gave_none() {
-        let mut asks = Scripted::default();
+        let mut asks = Scripted {
+            version: [1; 32],
+            ..Scripted::default()
+        };
         let requests = vec![(0, vec![1]), (2, vec![3])];
         let mut pool = pool(vec![]);
         let mut notes = RoundNotes::default();
         let answers = block_on(run_round_each(
-            &mut asks, &mut pool, 3, &[1; 32], &requests, &mut notes,
+            &mut asks, &mut pool, 3, &requests, &mut notes,
         ))
         .unwrap();
         assert_eq!(answers, vec![(0, vec![0, 1]), (2, vec![2, 3])]);
         assert_eq!(asks.seen, vec![0, 2]);
 
-        let mut asks = Scripted::default();
+        let mut asks = Scripted {
+            version: [1; 32],
+            ..Scripted::default()
+        };
         asks.plan.insert(2, Plan::Silent);
         let err = block_on(run_round_each(
-            &mut asks, &mut pool, 4, &[1; 32], &requests, &mut notes,
+            &mut asks, &mut pool, 4, &requests, &mut notes,
         ))
         .unwrap_err();
         assert_eq!((err.node, err.reason.as_str()), (2, "timed out"));
 
-        let mut asks = Scripted::default();
+        let mut asks = Scripted {
+            version: [1; 32],
+            ..Scripted::default()
+        };
         asks.plan.insert(0, Plan::Stale);
         let err = block_on(run_round_each(
-            &mut asks, &mut pool, 5, &[1; 32], &requests, &mut notes,
+            &mut asks, &mut pool, 5, &requests, &mut notes,
         ))
         .unwrap_err();
         assert_eq!(err.node, 0);
