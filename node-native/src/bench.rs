@@ -461,9 +461,7 @@ pub fn mesh_rows(b: &MeshBench<'_>) -> Result<Vec<Row>> {
         let _ = std::fs::remove_dir_all(&dir);
         let mut mesh = crate::localmesh::LocalMesh::start(b.model, 3, 5, &dir, delay)?;
         mesh.wait_serving(&dir, Duration::from_secs(300))?;
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .enable_all()
-            .build()?;
+        let rt = crate::remote::leader_runtime()?;
         let bootstrap: libp2p::Multiaddr = mesh.bootstrap.parse()?;
         // Heartbeats need a moment to reach the seed before it reports every row.
         let mut leader = None;
@@ -484,9 +482,9 @@ pub fn mesh_rows(b: &MeshBench<'_>) -> Result<Vec<Row>> {
             anyhow::anyhow!("the local mesh never showed 5 live rows (last: {last})")
         })?;
         if ms == 0.0 {
-            rows.extend(loopback_rows(&mut leader, rt.handle(), b.prompt, b.tokens)?);
+            rows.extend(loopback_rows(&mut leader, &rt, b.prompt, b.tokens)?);
         }
-        rows.extend(delay_rows(&mut leader, rt.handle(), b.summary, ms)?);
+        rows.extend(delay_rows(&mut leader, &rt, b.summary, ms)?);
         drop(leader);
         drop(mesh);
         let _ = std::fs::remove_dir_all(&dir);
@@ -500,7 +498,7 @@ pub fn mesh_rows(b: &MeshBench<'_>) -> Result<Vec<Row>> {
 /// with one hop per stage.
 fn delay_rows(
     leader: &mut crate::remote::Leader,
-    runtime: &tokio::runtime::Handle,
+    runtime: &tokio::runtime::Runtime,
     prompt: &[u32],
     ms: f64,
 ) -> Result<Vec<Row>> {
@@ -551,7 +549,7 @@ fn delay_rows(
             ),
         ));
     }
-    let mut hop = crate::hop::lead_group(leader, runtime, 1)?;
+    let mut hop = crate::hop::lead_group(leader, runtime.handle(), 1)?;
     let cfg = leader.llama.config().clone();
     // A pass is the feed, the embedding lookup, four stages a layer and the LM head: a hop each.
     let hops_per_pass = (4 * cfg.layers + 3) as f64;
@@ -588,7 +586,7 @@ fn delay_rows(
 /// The loopback rows: prefill, decode, drafts, rounds, bytes and the time split.
 fn loopback_rows(
     leader: &mut crate::remote::Leader,
-    runtime: &tokio::runtime::Handle,
+    runtime: &tokio::runtime::Runtime,
     prompt: &[u32],
     tokens: usize,
 ) -> Result<Vec<Row>> {

@@ -106,7 +106,7 @@ pub fn serve(client: &Client, state: Arc<RwLock<ShardState>>) -> anyhow::Result<
             let (state, router, client) = (state.clone(), router.clone(), client.clone());
             tokio::spawn(async move {
                 let (mut reader, writer) = stream.split();
-                let mut buf = Vec::new();
+                let mut buf = session::FrameReader::default();
                 let result = match session::read_frame::<HopFrame, _>(&mut reader, &mut buf).await {
                     Ok(Some(HopFrame::Join(join))) => {
                         let group = join.group;
@@ -147,7 +147,7 @@ async fn parts(
     group: u64,
     mut reader: futures::io::ReadHalf<libp2p::Stream>,
 ) -> Result<(), String> {
-    let mut buf = Vec::new();
+    let mut buf = session::FrameReader::default();
     loop {
         match session::read_frame::<HopFrame, _>(&mut reader, &mut buf).await {
             Ok(Some(HopFrame::Part(part))) if part.group == group => router.route(peer, part),
@@ -235,7 +235,7 @@ async fn member(
     let (answers, mut queued) = mpsc::unbounded_channel();
     let answering = async { write_frames(&mut writer, &mut queued).await };
     let feeding = async {
-        let mut buf = Vec::new();
+        let mut buf = session::FrameReader::default();
         while let Some(frame) = session::read_frame::<HopFrame, _>(&mut reader, &mut buf)
             .await
             .map_err(|e| e.to_string())?
@@ -507,7 +507,7 @@ async fn feed_member(
                 Ok::<_, std::io::Error>(())
             };
             let reading = async {
-                let mut buf = Vec::new();
+                let mut buf = session::FrameReader::default();
                 loop {
                     match session::read_frame::<Fed, _>(&mut reader, &mut buf).await {
                         Ok(Some(fed)) => {
@@ -585,9 +585,9 @@ pub fn lead_group(
     )
 }
 
-/// One forward pass through a hop group, from a thread outside `runtime`.
+/// One forward pass through a hop group, driving `runtime` from this thread.
 pub fn forward(
-    runtime: &tokio::runtime::Handle,
+    runtime: &tokio::runtime::Runtime,
     leader: &mut HopLeader<NetFeedLink>,
     pass: Pass<'_>,
 ) -> Result<Vec<f32>, node_core::model::ModelError> {

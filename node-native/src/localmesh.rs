@@ -23,7 +23,7 @@ impl LocalMesh {
         let delay_ms = (delay.as_secs_f64() * 1e3).to_string();
         let exe = std::env::current_exe().context("locating this program")?;
         // Each process its share of the cores, as `up` gives its nodes.
-        let threads = crate::supervise::kernel_threads_env(n);
+        let threads = crate::supervise::threads_env(n);
         std::fs::create_dir_all(dir)?;
         let data = |i: usize| dir.join(format!("node{i}"));
         let log = |i: usize| -> Result<std::fs::File> {

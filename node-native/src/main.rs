@@ -482,7 +482,7 @@ fn run_generate_mesh(args: GenerateArgs, bootstrap: libp2p::Multiaddr) -> Result
             "--device runs a generation in this process; on a mesh each node chooses its own (codedmesh node --device gpu|auto)"
         );
     }
-    let rt = runtime()?;
+    let rt = node_native::remote::leader_runtime()?;
     let mut args = args;
     let mut learner: Option<Learner> = None;
     let mut last = None;
@@ -582,8 +582,7 @@ fn run_once_on_mesh(
         let generated = if args.hop {
             let mut hop = node_native::hop::lead_group(&leader, rt.handle(), args.check)?;
             eprintln!("one hop per stage, members {:?}", hop.rows());
-            let mut forward =
-                |pass: Pass<'_>| node_native::hop::forward(rt.handle(), &mut hop, pass);
+            let mut forward = |pass: Pass<'_>| node_native::hop::forward(rt, &mut hop, pass);
             let out =
                 generate_and_print(&mut forward, max_seq, &leader.tokenizer, args, &mut emitted);
             let s = hop.stats();
@@ -740,7 +739,7 @@ fn short_peer(peer: &str) -> &str {
 fn run_eval(args: EvalArgs) -> Result<()> {
     let text = std::fs::read_to_string(&args.file)
         .with_context(|| format!("reading {}", args.file.display()))?;
-    let rt = runtime()?;
+    let rt = node_native::remote::leader_runtime()?;
     let mut leader = Leader::connect(&rt, args.bootstrap.clone(), 1, 1)?;
     let chunk = args.chunk.clamp(2, leader.manifest.cfg.max_seq);
     let tokens = leader.tokenizer.encode(&text)?;
@@ -753,7 +752,7 @@ fn run_eval(args: EvalArgs) -> Result<()> {
     }
     let mut total = 0.0;
     for c in &chunks {
-        total += leader.sequence_loss(rt.handle(), c)?;
+        total += leader.sequence_loss(&rt, c)?;
     }
     let loss = total / chunks.len() as f64;
     println!(

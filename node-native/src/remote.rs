@@ -1,8 +1,9 @@
 //! A leader on the mesh: connect through one node, learn the rows and the model, and run coded
 //! steps over a group of k + s members with the first k answers.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
@@ -27,6 +28,16 @@ use crate::link::{NativeLink, pick_addr};
 use crate::row::LocalRow;
 use crate::rpc::{ask, fetch_manifest};
 use crate::swarm::{self, Client, NetConfig};
+
+/// The runtime for a leader that a thread drives pass by pass ([`Leader::generate`]): one
+/// thread runs the rounds, the connections under their streams and the timers, so an answer
+/// wakes no other thread (a multi-thread runtime cost several task switches a round;
+/// docs/perf.md). Nothing runs between passes, which only keep-alives would want.
+pub fn leader_runtime() -> std::io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+}
 
 /// A connection to the mesh through one node.
 #[derive(Debug)]
@@ -332,7 +343,7 @@ impl Leader {
     /// sees each token and returns false to stop.
     pub fn generate(
         &mut self,
-        rt: &tokio::runtime::Handle,
+        rt: &tokio::runtime::Runtime,
         prompt: &[u32],
         opts: &GenerateOptions,
         on_token: &mut dyn FnMut(u32) -> bool,
@@ -347,7 +358,7 @@ impl Leader {
     /// Mean next-token cross-entropy of `tokens` through the group, forward only.
     pub fn sequence_loss(
         &mut self,
-        rt: &tokio::runtime::Handle,
+        rt: &tokio::runtime::Runtime,
         tokens: &[u32],
     ) -> Result<f64, ModelError> {
         rt.block_on(self.llama.sequence_loss(&mut self.group, tokens))
@@ -449,9 +460,14 @@ struct NetAsks {
     /// When each member of the current round was asked, and with how many bytes.
     asked: BTreeMap<usize, (Instant, usize)>,
     /// The session with each row asked so far (opened when the group forms, or when a row is
-    /// first asked as a replacement).
+    /// first asked as a replacement), driven by the task that awaits the rounds.
     links: BTreeMap<usize, crate::session::Link>,
-    /// The runtime the sessions run on.
+    /// Answers read from the sessions, each held until its instant (the bench's modelled
+    /// delay; at once without one).
+    arrived: VecDeque<(Instant, MemberAnswer)>,
+    /// The bench's modelled one-way delay ([`crate::swarm::one_way_delay`]), else zero.
+    delay: Duration,
+    /// The runtime the sessions open and the leader's own prefill steps compute on.
     runtime: tokio::runtime::Handle,
 }
 
@@ -494,6 +510,8 @@ impl NetTransport {
             context: String::new(),
             asked: BTreeMap::new(),
             links: BTreeMap::new(),
+            arrived: VecDeque::new(),
+            delay: crate::swarm::one_way_delay(),
             runtime: tokio::runtime::Handle::current(),
         };
         // This node's own row (a leader inside a node) is computed here, not over a session.
@@ -558,17 +576,49 @@ impl NetTransport {
 
 impl NetAsks {
     /// The session with a row's holder, opened now if there is none yet.
-    fn link(&mut self, row: usize) -> Option<&crate::session::Link> {
+    fn link(&mut self, row: usize) -> Option<&mut crate::session::Link> {
         let peer = *self.peers.get(&row)?;
-        let (client, tx, runtime) = (&self.client, &self.tx, &self.runtime);
-        Some(self.links.entry(row).or_insert_with(|| {
-            let tx = tx.clone();
-            let deliver: crate::session::Deliver = Arc::new(move |round, result| {
-                let _ = tx.send((round, row, result));
+        let (client, runtime) = (&self.client, &self.runtime);
+        Some(
+            self.links
+                .entry(row)
+                .or_insert_with(|| crate::session::Link::open(runtime, client, peer)),
+        )
+    }
+
+    /// Drives every session: writes what is due and reads what came (held in `arrived`);
+    /// registers `cx` for what comes next.
+    fn drive(&mut self, cx: &mut std::task::Context<'_>) {
+        let now = Instant::now();
+        let due = now + self.delay;
+        for (&row, link) in &mut self.links {
+            let arrived = &mut self.arrived;
+            link.poll(cx, now, &mut |id, answer| {
+                arrived.push_back((due, (id, row, answer)));
             });
-            let delay = crate::swarm::one_way_delay();
-            crate::session::Link::open(runtime, client, peer, deliver, delay)
-        }))
+        }
+    }
+
+    /// The next answer that is due, the leader's own row's included, after driving every
+    /// session; registers `cx` for the rest.
+    fn poll_answer(&mut self, cx: &mut std::task::Context<'_>) -> Option<MemberAnswer> {
+        if let Poll::Ready(Some(answer)) = self.rx.poll_recv(cx) {
+            return Some(answer);
+        }
+        self.drive(cx);
+        match self.arrived.front() {
+            Some((at, _)) if *at <= Instant::now() => {
+                self.arrived.pop_front().map(|(_, answer)| answer)
+            }
+            _ => None,
+        }
+    }
+
+    /// The next instant something held back by the bench's delay is due, if anything is.
+    fn held_until(&self, now: Instant) -> Option<Instant> {
+        let answers = self.arrived.front().map(|(at, _)| *at);
+        let asks = self.links.values().filter_map(|l| l.held_until(now));
+        answers.into_iter().chain(asks).min()
     }
 
     fn is_local(&self, row: usize) -> bool {
@@ -582,8 +632,9 @@ impl NetAsks {
             version: self.version,
             step: request.to_vec(),
         };
+        let not_before = Instant::now() + self.delay;
         let sent = match self.link(row) {
-            Some(link) => link.ask(ask),
+            Some(link) => link.ask(ask, not_before),
             None => Err(format!("no peer holds row {row}")),
         };
         if let Err(e) = sent {
@@ -649,7 +700,8 @@ impl Asks for NetAsks {
         self.version
     }
 
-    /// Sends every remote ask first, then computes the local one (if asked) meanwhile.
+    /// Sends every remote ask first (written at once, as far as the streams take them), then
+    /// computes the local one (if asked) meanwhile.
     fn ask(&mut self, round: u64, asks: &[(usize, &[u8])]) {
         self.round = round;
         let mut local = None;
@@ -660,20 +712,41 @@ impl Asks for NetAsks {
                 self.send(round, row, request);
             }
         }
+        self.drive(&mut std::task::Context::from_waker(
+            futures::task::noop_waker_ref(),
+        ));
         if let Some((row, request)) = local {
             self.answer_locally(round, row, request);
         }
     }
 
     async fn next(&mut self, until: Instant) -> Option<MemberAnswer> {
-        tokio::time::timeout_at(until.into(), self.rx.recv())
-            .await
-            .ok()
-            .flatten()
+        let wake = tokio::time::sleep_until(until.into());
+        tokio::pin!(wake);
+        std::future::poll_fn(|cx| {
+            if let Some(answer) = self.poll_answer(cx) {
+                return Poll::Ready(Some(answer));
+            }
+            let now = Instant::now();
+            if now >= until {
+                return Poll::Ready(None);
+            }
+            let at = self.held_until(now).map_or(until, |at| at.min(until));
+            if wake.deadline() != at.into() {
+                wake.as_mut().reset(at.into());
+            }
+            if wake.as_mut().poll(cx).is_ready() {
+                cx.waker().wake_by_ref();
+            }
+            Poll::Pending
+        })
+        .await
     }
 
+    /// Polls the sessions once without waiting (their writes progress too).
     fn try_next(&mut self) -> Option<MemberAnswer> {
-        self.rx.try_recv().ok()
+        let waker = futures::task::noop_waker_ref();
+        self.poll_answer(&mut std::task::Context::from_waker(waker))
     }
 
     fn seen(&mut self, row: usize, answer: Result<(usize, u64), &str>) {

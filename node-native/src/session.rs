@@ -3,17 +3,19 @@
 //! works. Browser holders serve sessions too (node-web/src/node.rs); a holder that does not
 //! speak the protocol (an older release) fails as a member, naming the protocol, and is replaced.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
-use std::time::{Duration, Instant};
+use std::task::{Context, Poll};
+use std::time::Instant;
 
 use futures::{AsyncReadExt, StreamExt};
 use libp2p::PeerId;
 use libp2p_stream::OpenStreamError;
 use node_core::holder;
 use node_core::mesh::{MeshResponse, StepRefusal};
-use node_core::net::session::{self, Answer, Ask, Outstanding, SessionError, protocol};
+use node_core::net::session::{self, Ask, Driven, protocol};
 use node_core::protocol::StepRequest;
-use tokio::sync::mpsc;
 
 use crate::learning::ShardState;
 use crate::row::read;
@@ -73,133 +75,133 @@ pub async fn compute(
         .unwrap_or_else(|e| MeshResponse::Error(e.to_string()))
 }
 
-/// Where a link hands a member's answer: the ask's id, and the encoded step answer with the
-/// member's compute time (µs), or why there is none.
-pub type Deliver = Arc<dyn Fn(u64, Result<(Vec<u8>, u64), StepRefusal>) + Send + Sync>;
-
-/// A leader's link to one member: asks go out in order on the member's session. Dropping it
-/// closes the session.
-#[derive(Debug, Clone)]
+/// A leader's link to one member's session, driven by the task that runs the leader's rounds:
+/// it has no task of its own, so an ask and its answer cost no hand-off between tasks. The
+/// stream is opened in the background when the link is made. Dropping it closes the session.
+#[derive(Debug)]
 pub struct Link {
-    tx: mpsc::UnboundedSender<(Instant, Ask)>,
+    peer: PeerId,
+    state: LinkState,
+}
+
+#[derive(Debug)]
+enum LinkState {
+    /// The stream is being opened; asks wait for it.
+    Opening {
+        open: tokio::task::JoinHandle<Result<libp2p::Stream, OpenStreamError>>,
+        queued: Vec<(Ask, Instant)>,
+    },
+    /// Open (in a mutex only to be `Sync`: it is reached through `&mut`, which takes no lock).
+    Open(Box<Mutex<Driven<libp2p::Stream>>>),
+    /// The session failed: every ask is answered with why, and the member is replaced.
+    Failed(String),
 }
 
 impl Link {
-    /// Opens a session with `peer` in the background on `runtime`; answers go to `deliver`.
-    /// With `delay` (bench only), every ask and answer is held back by it, as a network would.
-    pub fn open(
-        runtime: &tokio::runtime::Handle,
-        client: &Client,
-        peer: PeerId,
-        deliver: Deliver,
-        delay: Duration,
-    ) -> Self {
-        let (tx, rx) = mpsc::unbounded_channel();
-        runtime.spawn(run(client.clone(), peer, rx, deliver, delay));
-        Self { tx }
-    }
-
-    /// Sends an ask (answered through the link's `deliver`, an error included).
-    pub fn ask(&self, ask: Ask) -> Result<(), String> {
-        self.tx
-            .send((Instant::now(), ask))
-            .map_err(|_| "the member's session has stopped".to_string())
-    }
-}
-
-async fn run(
-    client: Client,
-    peer: PeerId,
-    mut asks: mpsc::UnboundedReceiver<(Instant, Ask)>,
-    deliver: Deliver,
-    delay: Duration,
-) {
-    let why = match client.control().open_stream(peer, protocol()).await {
-        Ok(stream) => match converse(stream, &mut asks, &deliver, delay).await {
-            Ok(()) => return, // the leader is done with the member
-            Err(e) => e,
-        },
-        Err(OpenStreamError::UnsupportedProtocol(p)) => {
-            format!("the holder does not speak {p}: it runs another release")
+    /// Starts opening a session with `peer` on `runtime`.
+    pub fn open(runtime: &tokio::runtime::Handle, client: &Client, peer: PeerId) -> Self {
+        let mut control = client.control();
+        let open = runtime.spawn(async move { control.open_stream(peer, protocol()).await });
+        Self {
+            peer,
+            state: LinkState::Opening {
+                open,
+                queued: Vec::new(),
+            },
         }
-        Err(e) => e.to_string(),
-    };
-    // A link that failed answers every later ask with why: its member is replaced.
-    tracing::debug!(%peer, "session failed: {why}");
-    while let Some((_, ask)) = asks.recv().await {
-        deliver(ask.id, Err(why.clone().into()));
     }
-}
 
-/// Runs asks over an open session until the leader drops the link (`Ok`) or the stream fails;
-/// asks left unanswered then get the error.
-async fn converse(
-    stream: libp2p::Stream,
-    asks: &mut mpsc::UnboundedReceiver<(Instant, Ask)>,
-    deliver: &Deliver,
-    delay: Duration,
-) -> Result<(), String> {
-    let (mut reader, mut writer) = stream.split();
-    let outstanding = Mutex::new(Outstanding::default());
-    let lock = || outstanding.lock().unwrap_or_else(PoisonError::into_inner);
-    let send = async {
-        while let Some((queued, ask)) = asks.recv().await {
-            let id = ask.id;
-            let frame = match session::frame(&ask) {
-                Ok(frame) => frame,
-                Err(e) => {
-                    deliver(id, Err(e.to_string().into()));
-                    continue;
-                }
-            };
-            lock().sent(id);
-            if !delay.is_zero() {
-                tokio::time::sleep_until((queued + delay).into()).await;
+    /// Queues an ask, to go out from `not_before` on as the link is next polled; why not,
+    /// when the session has failed.
+    pub fn ask(&mut self, ask: Ask, not_before: Instant) -> Result<(), String> {
+        match &mut self.state {
+            LinkState::Opening { queued, .. } => {
+                queued.push((ask, not_before));
+                Ok(())
             }
-            session::write_frame(&mut writer, &frame).await?;
+            LinkState::Open(session) => driven(session)
+                .ask(&ask, not_before)
+                .map_err(|e| e.to_string()),
+            LinkState::Failed(why) => Err(why.clone()),
         }
-        Ok::<_, SessionError>(())
-    };
-    let receive = async {
-        let mut buf = Vec::new();
-        loop {
-            let Some(answer) = session::read_frame::<Answer, _>(&mut reader, &mut buf).await?
-            else {
-                return Err::<(), _>(SessionError::Io(std::io::Error::new(
-                    std::io::ErrorKind::UnexpectedEof,
-                    "the member closed its session",
-                )));
-            };
-            lock().answered(answer.id)?;
-            hand_over(deliver, answer.id, answer.response.into_step(), delay);
-        }
-    };
-    let why = tokio::select! {
-        sent = send => match sent {
-            Ok(()) => return Ok(()),
-            Err(e) => e.to_string(),
-        },
-        Err(e) = receive => e.to_string(),
-    };
-    for id in lock().drain() {
-        deliver(id, Err(why.clone().into()));
     }
-    Err(why)
+
+    /// When the first ask held back (a bench's modelled delay) may go out, if one is.
+    pub fn held_until(&self, now: Instant) -> Option<Instant> {
+        match &self.state {
+            LinkState::Opening { queued, .. } => queued.iter().map(|(_, at)| *at).min(),
+            LinkState::Open(session) => session
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .held_until(now),
+            LinkState::Failed(_) => None,
+        }
+    }
+
+    /// Writes what is due and hands every answer that came to `answer` (the ask's id, and the
+    /// encoded answer with the member's compute time in µs, or why there is none); registers
+    /// `cx` for what comes next.
+    pub fn poll(
+        &mut self,
+        cx: &mut Context<'_>,
+        now: Instant,
+        answer: &mut impl FnMut(u64, Result<(Vec<u8>, u64), StepRefusal>),
+    ) {
+        if let LinkState::Opening { open, queued } = &mut self.state {
+            let Poll::Ready(opened) = Pin::new(open).poll(cx) else {
+                return;
+            };
+            let opened = match opened {
+                Ok(Ok(stream)) => Ok(stream),
+                Ok(Err(OpenStreamError::UnsupportedProtocol(p))) => Err(format!(
+                    "the holder does not speak {p}: it runs another release"
+                )),
+                Ok(Err(e)) => Err(e.to_string()),
+                Err(e) => Err(e.to_string()),
+            };
+            let queued = std::mem::take(queued);
+            match opened {
+                Ok(stream) => {
+                    let mut session = Driven::new(stream);
+                    for (ask, at) in queued {
+                        if let Err(e) = session.ask(&ask, at) {
+                            answer(ask.id, Err(e.to_string().into()));
+                        }
+                    }
+                    self.state = LinkState::Open(Box::new(Mutex::new(session)));
+                }
+                Err(why) => {
+                    tracing::debug!(peer = %self.peer, "session failed: {why}");
+                    for (ask, _) in queued {
+                        answer(ask.id, Err(why.clone().into()));
+                    }
+                    self.state = LinkState::Failed(why);
+                    return;
+                }
+            }
+        }
+        let LinkState::Open(session) = &mut self.state else {
+            return;
+        };
+        let session = driven(session);
+        loop {
+            match session.poll_answer(cx, now) {
+                Poll::Ready(Ok(got)) => answer(got.id, got.response.into_step()),
+                Poll::Ready(Err(e)) => {
+                    let why = e.to_string();
+                    tracing::debug!(peer = %self.peer, "session failed: {why}");
+                    for id in session.unanswered() {
+                        answer(id, Err(why.clone().into()));
+                    }
+                    self.state = LinkState::Failed(why);
+                    return;
+                }
+                Poll::Pending => return,
+            }
+        }
+    }
 }
 
-/// Delivers an answer, after the bench's delay when one is set.
-fn hand_over(
-    deliver: &Deliver,
-    id: u64,
-    answer: Result<(Vec<u8>, u64), StepRefusal>,
-    delay: Duration,
-) {
-    if delay.is_zero() {
-        return deliver(id, answer);
-    }
-    let deliver = deliver.clone();
-    tokio::spawn(async move {
-        tokio::time::sleep(delay).await;
-        deliver(id, answer);
-    });
+fn driven(session: &mut Mutex<Driven<libp2p::Stream>>) -> &mut Driven<libp2p::Stream> {
+    session.get_mut().unwrap_or_else(PoisonError::into_inner)
 }

@@ -71,20 +71,24 @@ pub struct ChildSpec {
     pub env: Vec<(OsString, OsString)>,
 }
 
-/// The variable that sizes a process's kernel thread pool (rayon's).
-pub const KERNEL_THREADS_VAR: &str = "RAYON_NUM_THREADS";
+/// The variables that size a node's thread pools: its kernels' (rayon's) and its tasks'
+/// (tokio's workers).
+pub const THREAD_VARS: [&str; 2] = ["RAYON_NUM_THREADS", "TOKIO_WORKER_THREADS"];
 
 /// The environment that gives each of `nodes` processes on this machine its share of the cores
-/// for its kernels (at least one): with every process on every core, two cores ran ten kernel
-/// threads, and the threads spinning and waking each other cost a mesh over loopback ~12% of
-/// its tokens/s. Empty where the variable is set already: the user's choice stands.
-pub fn kernel_threads_env(nodes: usize) -> Vec<(OsString, OsString)> {
-    if std::env::var_os(KERNEL_THREADS_VAR).is_some() {
-        return Vec::new();
-    }
+/// (at least one) for its kernels and for its tasks: with every process on every core, two
+/// cores ran ten kernel threads, and the threads spinning and waking each other cost a mesh
+/// over loopback ~12% of its tokens/s; with two task workers a node, a round's answer woke
+/// another worker of the leader's node (one worker: +9% through the API, docs/perf.md). A
+/// variable the user set stands.
+pub fn threads_env(nodes: usize) -> Vec<(OsString, OsString)> {
     let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
     let share = (cores / nodes.max(1)).max(1);
-    vec![(KERNEL_THREADS_VAR.into(), share.to_string().into())]
+    THREAD_VARS
+        .iter()
+        .filter(|var| std::env::var_os(var).is_none())
+        .map(|var| (var.into(), share.to_string().into()))
+        .collect()
 }
 
 impl ChildSpec {

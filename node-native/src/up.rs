@@ -363,7 +363,7 @@ pub async fn up(opts: UpOptions) -> Result<()> {
             program: program.clone(),
             args,
             log: Some(data.join(format!("node{i}.log"))),
-            env: crate::supervise::kernel_threads_env(mesh.n),
+            env: crate::supervise::threads_env(mesh.n),
         };
         let stop = stop_rx.clone();
         tasks.push(tokio::spawn(async move {

@@ -791,7 +791,7 @@ mod tests {
         #[test]
         fn any_bytes_on_a_hop_stream_are_a_frame_or_an_error(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..512)) {
             let mut reader = futures::io::Cursor::new(bytes);
-            let mut buf = Vec::new();
+            let mut buf = crate::net::session::FrameReader::default();
             while let Ok(Some(_)) =
                 block_on(crate::net::session::read_frame::<HopFrame, _>(&mut reader, &mut buf))
             {}

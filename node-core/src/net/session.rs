@@ -6,10 +6,14 @@
 //! Frames are length-prefixed (u32, little-endian), versioned postcard ([`crate::protocol`]),
 //! and size-limited before anything is allocated. A member answers its asks in order.
 
+use std::collections::VecDeque;
 use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll, ready};
 
-use futures::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use futures::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use serde::{Deserialize, Serialize, de::DeserializeOwned};
+use web_time::Instant;
 
 use crate::mesh::MeshResponse;
 use crate::protocol::{self, MAX_MESSAGE_BYTES, ProtocolError, StepRequest};
@@ -108,34 +112,87 @@ pub async fn write_frame<W: AsyncWrite + Unpin>(io: &mut W, frame: &[u8]) -> std
     io.flush().await
 }
 
-/// Reads the next frame; `None` when the stream ends cleanly between frames. The buffer grows
-/// only as bytes arrive, so a lying length costs nothing.
+/// Bytes a frame's body grows by per read: a lying length costs at most this much.
+const READ_PIECE: usize = 64 << 10;
+
+/// A frame being read: its length, then its body, across as many polls as its bytes take.
+#[derive(Debug, Default)]
+pub struct FrameReader {
+    len: [u8; 4],
+    len_got: usize,
+    body: Vec<u8>,
+    want: Option<usize>,
+}
+
+impl FrameReader {
+    /// Reads on until a whole frame is in and decodes it; `None` when the stream ends cleanly
+    /// between frames. The buffer grows only as bytes arrive, so a lying length costs nothing.
+    pub fn poll_next<T: DeserializeOwned, R: AsyncRead + Unpin>(
+        &mut self,
+        cx: &mut Context<'_>,
+        io: &mut R,
+    ) -> Poll<Result<Option<T>, SessionError>> {
+        let want = loop {
+            if let Some(want) = self.want {
+                break want;
+            }
+            match ready!(Pin::new(&mut *io).poll_read(cx, &mut self.len[self.len_got..]))? {
+                0 if self.len_got == 0 => return Poll::Ready(Ok(None)),
+                0 => {
+                    let got = std::mem::take(&mut self.len_got);
+                    return Poll::Ready(Err(SessionError::Truncated { got, len: 4 }));
+                }
+                n => self.len_got += n,
+            }
+            if self.len_got == self.len.len() {
+                let len = u32::from_le_bytes(self.len) as usize;
+                self.len_got = 0;
+                if len > MAX_FRAME_BYTES {
+                    return Poll::Ready(Err(SessionError::TooLarge {
+                        len,
+                        max: MAX_FRAME_BYTES,
+                    }));
+                }
+                self.body.clear();
+                self.want = Some(len);
+            }
+        };
+        while self.body.len() < want {
+            let start = self.body.len();
+            let end = want.min(start + READ_PIECE);
+            self.body.resize(end, 0);
+            let read = Pin::new(&mut *io).poll_read(cx, &mut self.body[start..end]);
+            let n = match read {
+                Poll::Ready(Ok(n)) => n,
+                Poll::Ready(Err(e)) => {
+                    self.body.truncate(start);
+                    return Poll::Ready(Err(e.into()));
+                }
+                Poll::Pending => {
+                    self.body.truncate(start);
+                    return Poll::Pending;
+                }
+            };
+            self.body.truncate(start + n);
+            if n == 0 {
+                self.want = None;
+                return Poll::Ready(Err(SessionError::Truncated {
+                    got: start,
+                    len: want,
+                }));
+            }
+        }
+        self.want = None;
+        Poll::Ready(protocol::decode(&self.body).map(Some).map_err(Into::into))
+    }
+}
+
+/// Reads the next frame; `None` when the stream ends cleanly between frames.
 pub async fn read_frame<T: DeserializeOwned, R: AsyncRead + Unpin>(
     io: &mut R,
-    buf: &mut Vec<u8>,
+    reader: &mut FrameReader,
 ) -> Result<Option<T>, SessionError> {
-    let mut len = [0u8; 4];
-    let mut got = 0;
-    while got < len.len() {
-        match io.read(&mut len[got..]).await? {
-            0 if got == 0 => return Ok(None),
-            0 => return Err(SessionError::Truncated { got, len: 4 }),
-            n => got += n,
-        }
-    }
-    let len = u32::from_le_bytes(len) as usize;
-    if len > MAX_FRAME_BYTES {
-        return Err(SessionError::TooLarge {
-            len,
-            max: MAX_FRAME_BYTES,
-        });
-    }
-    buf.clear();
-    let got = io.take(len as u64).read_to_end(buf).await?;
-    if got < len {
-        return Err(SessionError::Truncated { got, len });
-    }
-    Ok(Some(protocol::decode(buf)?))
+    std::future::poll_fn(|cx| reader.poll_next(cx, io)).await
 }
 
 /// A member's side of a session: answers every ask in order with `compute(version, step)`
@@ -152,7 +209,7 @@ where
     F: FnMut([u8; 32], StepRequest) -> Fut,
     Fut: Future<Output = MeshResponse>,
 {
-    let mut buf = Vec::new();
+    let mut buf = FrameReader::default();
     let mut served = 0;
     while let Some(ask) = read_frame::<Ask, _>(&mut reader, &mut buf).await? {
         let response = match protocol::decode::<StepRequest>(&ask.step) {
@@ -179,7 +236,7 @@ where
 /// The asks a leader has sent on one session and not yet had answered, in order.
 #[derive(Debug, Default)]
 pub struct Outstanding {
-    ids: std::collections::VecDeque<u64>,
+    ids: VecDeque<u64>,
 }
 
 impl Outstanding {
@@ -203,6 +260,109 @@ impl Outstanding {
     /// The asks left unanswered (the session ended), oldest first.
     pub fn drain(&mut self) -> impl Iterator<Item = u64> + '_ {
         self.ids.drain(..)
+    }
+}
+
+/// A leader's end of one session, driven by whoever polls it (the round's own task): asks
+/// are queued and written as it is polled, answers read as they come and checked for order.
+/// No task of its own, so an ask or an answer costs no hand-off between tasks. Writes and
+/// reads progress in the same poll, so a large ask cannot deadlock against an answer the
+/// member is writing.
+#[derive(Debug)]
+pub struct Driven<S> {
+    io: S,
+    /// Frames to write, each not before its instant (a bench's modelled delay).
+    out: VecDeque<(Instant, Vec<u8>)>,
+    /// Bytes of the first frame written.
+    written: usize,
+    unflushed: bool,
+    reader: FrameReader,
+    outstanding: Outstanding,
+}
+
+impl<S: AsyncRead + AsyncWrite + Unpin> Driven<S> {
+    /// A session over an open stream.
+    pub fn new(io: S) -> Self {
+        Self {
+            io,
+            out: Default::default(),
+            written: 0,
+            unflushed: false,
+            reader: FrameReader::default(),
+            outstanding: Outstanding::default(),
+        }
+    }
+
+    /// Queues an ask, to be written from `not_before` on, as the session is next polled.
+    pub fn ask(&mut self, ask: &Ask, not_before: Instant) -> Result<(), SessionError> {
+        let frame = frame(ask)?;
+        self.outstanding.sent(ask.id);
+        self.out.push_back((not_before, frame));
+        Ok(())
+    }
+
+    /// When the first queued ask that is held back may go out, if one is.
+    pub fn held_until(&self, now: Instant) -> Option<Instant> {
+        self.out.front().map(|(at, _)| *at).filter(|at| *at > now)
+    }
+
+    /// Writes what is due and returns the next answer, if one came. An error ends the
+    /// session: the asks it leaves unanswered are in [`Driven::unanswered`].
+    pub fn poll_answer(
+        &mut self,
+        cx: &mut Context<'_>,
+        now: Instant,
+    ) -> Poll<Result<Answer, SessionError>> {
+        if let Err(e) = self.poll_write(cx, now) {
+            return Poll::Ready(Err(e.into()));
+        }
+        let answer = match ready!(self.reader.poll_next::<Answer, _>(cx, &mut self.io)) {
+            Ok(Some(answer)) => answer,
+            Ok(None) => {
+                return Poll::Ready(Err(SessionError::Io(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    "the member closed its session",
+                ))));
+            }
+            Err(e) => return Poll::Ready(Err(e)),
+        };
+        Poll::Ready(self.outstanding.answered(answer.id).map(|()| answer))
+    }
+
+    /// Writes the due frames as far as the stream takes them now, and flushes them.
+    fn poll_write(&mut self, cx: &mut Context<'_>, now: Instant) -> std::io::Result<()> {
+        while let Some((at, frame)) = self.out.front() {
+            if *at > now {
+                break;
+            }
+            let end = frame.len().min(self.written + WRITE_PIECE);
+            match Pin::new(&mut self.io).poll_write(cx, &frame[self.written..end]) {
+                Poll::Ready(Ok(0)) => return Err(std::io::ErrorKind::WriteZero.into()),
+                Poll::Ready(Ok(n)) => {
+                    self.unflushed = true;
+                    self.written += n;
+                    if self.written == frame.len() {
+                        self.out.pop_front();
+                        self.written = 0;
+                    }
+                }
+                Poll::Ready(Err(e)) => return Err(e),
+                Poll::Pending => break,
+            }
+        }
+        if self.unflushed
+            && let Poll::Ready(flushed) = Pin::new(&mut self.io).poll_flush(cx)
+        {
+            flushed?;
+            self.unflushed = false;
+        }
+        Ok(())
+    }
+
+    /// The asks left unanswered (the session ended), oldest first.
+    pub fn unanswered(&mut self) -> impl Iterator<Item = u64> + '_ {
+        self.out.clear();
+        self.outstanding.drain()
     }
 }
 
@@ -258,7 +418,7 @@ mod tests {
         let served = block_on(serve(Cursor::new(asks), &mut out, sum)).unwrap();
         assert_eq!(served, 4);
         let mut reader = Cursor::new(out.into_inner());
-        let mut buf = Vec::new();
+        let mut buf = FrameReader::default();
         let mut answers = Vec::new();
         while let Some(a) = block_on(read_frame::<Answer, _>(&mut reader, &mut buf)).unwrap() {
             answers.push(a);
@@ -294,12 +454,12 @@ mod tests {
 
     #[test]
     fn oversized_truncated_and_foreign_frames_are_errors() {
-        let mut buf = Vec::new();
+        let mut buf = FrameReader::default();
         let huge = u32::MAX.to_le_bytes().to_vec();
         let err = block_on(read_frame::<Ask, _>(&mut Cursor::new(huge), &mut buf)).unwrap_err();
         assert!(matches!(err, SessionError::TooLarge { .. }), "{err}");
         assert!(
-            buf.capacity() < 1024,
+            buf.body.capacity() < 1024,
             "nothing allocated for a lying length"
         );
         let mut cut = frame(&ask(1, vec![1.0; 8])).unwrap();
@@ -339,10 +499,247 @@ mod tests {
         assert!(o.answered(8).is_err());
     }
 
+    /// One direction of an in-memory stream that holds at most `cap` bytes, as a socket's
+    /// buffer does: a writer waits for room, a reader for bytes.
+    #[derive(Clone)]
+    struct Half(std::sync::Arc<std::sync::Mutex<Pipe>>);
+
+    struct Pipe {
+        bytes: VecDeque<u8>,
+        cap: usize,
+        closed: bool,
+        reader: Option<std::task::Waker>,
+        writer: Option<std::task::Waker>,
+    }
+
+    fn half(cap: usize) -> Half {
+        Half(std::sync::Arc::new(std::sync::Mutex::new(Pipe {
+            bytes: VecDeque::new(),
+            cap,
+            closed: false,
+            reader: None,
+            writer: None,
+        })))
+    }
+
+    impl Half {
+        fn shut(&self) {
+            let mut p = self.0.lock().unwrap();
+            p.closed = true;
+            if let Some(w) = p.reader.take() {
+                w.wake();
+            }
+        }
+
+        fn len(&self) -> usize {
+            self.0.lock().unwrap().bytes.len()
+        }
+    }
+
+    impl AsyncRead for Half {
+        fn poll_read(
+            self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+            buf: &mut [u8],
+        ) -> Poll<std::io::Result<usize>> {
+            let mut p = self.0.lock().unwrap();
+            if p.bytes.is_empty() {
+                if p.closed {
+                    return Poll::Ready(Ok(0));
+                }
+                p.reader = Some(cx.waker().clone());
+                return Poll::Pending;
+            }
+            let n = buf.len().min(p.bytes.len());
+            for (b, x) in buf.iter_mut().zip(p.bytes.drain(..n)) {
+                *b = x;
+            }
+            if let Some(w) = p.writer.take() {
+                w.wake();
+            }
+            Poll::Ready(Ok(n))
+        }
+    }
+
+    impl AsyncWrite for Half {
+        fn poll_write(
+            self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+            buf: &[u8],
+        ) -> Poll<std::io::Result<usize>> {
+            let mut p = self.0.lock().unwrap();
+            if p.closed {
+                return Poll::Ready(Err(std::io::ErrorKind::BrokenPipe.into()));
+            }
+            let room = p.cap - p.bytes.len();
+            if room == 0 {
+                p.writer = Some(cx.waker().clone());
+                return Poll::Pending;
+            }
+            let n = room.min(buf.len());
+            p.bytes.extend(&buf[..n]);
+            if let Some(w) = p.reader.take() {
+                w.wake();
+            }
+            Poll::Ready(Ok(n))
+        }
+
+        fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+
+        fn poll_close(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+            self.shut();
+            Poll::Ready(Ok(()))
+        }
+    }
+
+    /// A leader's end: reads one half, writes the other.
+    struct Duplex {
+        read: Half,
+        write: Half,
+    }
+
+    impl AsyncRead for Duplex {
+        fn poll_read(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+            buf: &mut [u8],
+        ) -> Poll<std::io::Result<usize>> {
+            Pin::new(&mut self.read).poll_read(cx, buf)
+        }
+    }
+
+    impl AsyncWrite for Duplex {
+        fn poll_write(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+            buf: &[u8],
+        ) -> Poll<std::io::Result<usize>> {
+            Pin::new(&mut self.write).poll_write(cx, buf)
+        }
+
+        fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+            Pin::new(&mut self.write).poll_flush(cx)
+        }
+
+        fn poll_close(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+            Pin::new(&mut self.write).poll_close(cx)
+        }
+    }
+
+    /// A member answering every step with its input repeated four times (answers larger
+    /// than asks), over streams of `cap` bytes each way; the leader's driven end.
+    fn pair(cap: usize) -> (Driven<Duplex>, Half, Half, impl Future<Output = u64>) {
+        let (to_member, to_leader) = (half(cap), half(cap));
+        let leader = Driven::new(Duplex {
+            read: to_leader.clone(),
+            write: to_member.clone(),
+        });
+        let member = serve(to_member.clone(), to_leader.clone(), |_, step| async move {
+            match step {
+                StepRequest::Matmul { x, .. } => MeshResponse::Step {
+                    bytes: x.repeat(4).iter().flat_map(|v| v.to_le_bytes()).collect(),
+                    compute_us: 1,
+                },
+                _ => MeshResponse::Error("not a product".into()),
+            }
+        });
+        let member = async move { member.await.unwrap_or(0) };
+        (leader, to_member, to_leader, member)
+    }
+
+    /// Drives `leader` until `n` answers came or it failed.
+    async fn answers(leader: &mut Driven<Duplex>, n: usize) -> Result<Vec<Answer>, SessionError> {
+        let mut got = Vec::new();
+        while got.len() < n {
+            got.push(std::future::poll_fn(|cx| leader.poll_answer(cx, Instant::now())).await?);
+        }
+        Ok(got)
+    }
+
+    #[test]
+    fn a_driven_session_writes_while_it_reads_so_large_frames_never_deadlock() {
+        // Asks of 40 000 values (160 kB) and answers four times larger through 1 kB buffers:
+        // writing every ask before reading would leave both sides waiting for room.
+        let (mut leader, to_member, _, member) = pair(1024);
+        let now = Instant::now();
+        for id in 1..=3 {
+            leader.ask(&ask(id, vec![id as f32; 40_000]), now).unwrap();
+        }
+        // Both ends polled in turn: a deadlock shows as no answers, not as a hung test.
+        let mut answers = std::pin::pin!(answers(&mut leader, 3));
+        let mut member = std::pin::pin!(member);
+        let mut cx = Context::from_waker(futures::task::noop_waker_ref());
+        let got = (0..100_000)
+            .find_map(|_| {
+                if let Poll::Ready(served) = member.as_mut().poll(&mut cx) {
+                    panic!("the member stopped after {served} asks");
+                }
+                match answers.as_mut().poll(&mut cx) {
+                    Poll::Ready(got) => Some(got),
+                    Poll::Pending => None,
+                }
+            })
+            .expect("the session deadlocked: no answers after 100 000 polls");
+        let got = got.unwrap();
+        assert_eq!(got.iter().map(|a| a.id).collect::<Vec<_>>(), [1, 2, 3]);
+        for a in &got {
+            let MeshResponse::Step { bytes, .. } = &a.response else {
+                panic!("{:?}", a.response);
+            };
+            assert_eq!(bytes.len(), 4 * 4 * 40_000);
+            assert!(bytes.chunks(4).all(|b| b == (a.id as f32).to_le_bytes()));
+        }
+        assert_eq!(to_member.len(), 0, "every ask was written and read");
+    }
+
+    #[test]
+    fn a_held_ask_waits_and_a_closed_session_names_its_unanswered_asks() {
+        let (mut leader, to_member, to_leader, _) = pair(1 << 20);
+        let now = Instant::now();
+        let later = now + std::time::Duration::from_secs(3600);
+        leader.ask(&ask(1, vec![1.0]), later).unwrap();
+        assert_eq!(leader.held_until(now), Some(later));
+        let waker = futures::task::noop_waker_ref();
+        let mut cx = Context::from_waker(waker);
+        assert!(leader.poll_answer(&mut cx, now).is_pending());
+        assert_eq!(
+            to_member.len(),
+            0,
+            "a held ask is not written before its time"
+        );
+        leader.ask(&ask(2, vec![1.0]), now).unwrap();
+        // The member goes away with both asks unanswered.
+        to_leader.shut();
+        let Poll::Ready(Err(err)) = leader.poll_answer(&mut cx, later) else {
+            panic!("a closed session is an error");
+        };
+        assert!(err.to_string().contains("closed"), "{err}");
+        assert_eq!(leader.unanswered().collect::<Vec<_>>(), [1, 2]);
+    }
+
+    #[test]
+    fn an_answer_out_of_order_ends_the_session() {
+        let (mut leader, _, to_leader, _) = pair(1 << 20);
+        leader.ask(&ask(1, vec![1.0]), Instant::now()).unwrap();
+        let stray = frame(&Answer {
+            id: 9,
+            response: MeshResponse::Error("?".into()),
+        })
+        .unwrap();
+        to_leader.0.lock().unwrap().bytes.extend(stray);
+        let err = block_on(answers(&mut leader, 1)).unwrap_err();
+        assert!(
+            matches!(err, SessionError::OutOfOrder { got: 9, want: 1 }),
+            "{err}"
+        );
+    }
+
     proptest! {
         #[test]
         fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
-            let mut buf = Vec::new();
+            let mut buf = FrameReader::default();
             let mut r = Cursor::new(bytes.clone());
             while let Ok(Some(_)) = block_on(read_frame::<Ask, _>(&mut r, &mut buf)) {}
             let mut r = Cursor::new(bytes.clone());
