@@ -129,7 +129,11 @@ impl Link {
     /// When the first ask held back (a bench's modelled delay) may go out, if one is.
     pub fn held_until(&self, now: Instant) -> Option<Instant> {
         match &self.state {
-            LinkState::Opening { queued, .. } => queued.iter().map(|(_, at)| *at).min(),
+            LinkState::Opening { queued, .. } => queued
+                .iter()
+                .map(|(_, at)| *at)
+                .filter(|at| *at > now)
+                .min(),
             LinkState::Open(session) => session
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
