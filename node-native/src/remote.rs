@@ -457,7 +457,8 @@ struct NetAsks {
     label: String,
     /// What the rounds are for (the requests of a batch), for the step trace.
     context: String,
-    /// When each member of the current round was asked, and with how many bytes.
+    /// When each member of the current round was asked, and with how many bytes (kept only
+    /// for the step trace).
     asked: BTreeMap<usize, (Instant, usize)>,
     /// The session with each row asked so far (opened when the group forms, or when a row is
     /// first asked as a replacement), driven by the task that awaits the rounds.
@@ -586,10 +587,9 @@ impl NetAsks {
         )
     }
 
-    /// Drives every session: writes what is due and reads what came (held in `arrived`);
-    /// registers `cx` for what comes next.
-    fn drive(&mut self, cx: &mut std::task::Context<'_>) {
-        let now = Instant::now();
+    /// Drives every session at `now`: writes what is due and reads what came (held in
+    /// `arrived`); registers `cx` for what comes next.
+    fn drive(&mut self, cx: &mut std::task::Context<'_>, now: Instant) {
         let due = now + self.delay;
         for (&row, link) in &mut self.links {
             let arrived = &mut self.arrived;
@@ -605,20 +605,30 @@ impl NetAsks {
         if let Poll::Ready(Some(answer)) = self.rx.poll_recv(cx) {
             return Some(answer);
         }
-        self.drive(cx);
+        let now = Instant::now();
+        self.drive(cx, now);
         match self.arrived.front() {
-            Some((at, _)) if *at <= Instant::now() => {
-                self.arrived.pop_front().map(|(_, answer)| answer)
-            }
+            Some((at, _)) if *at <= now => self.arrived.pop_front().map(|(_, answer)| answer),
             _ => None,
         }
     }
 
-    /// The next instant something held back by the bench's delay is due, if anything is.
-    fn held_until(&self, now: Instant) -> Option<Instant> {
+    /// The next instant something held back by the bench's delay is due, if anything is
+    /// (never without a delay).
+    fn held_until(&mut self, now: Instant) -> Option<Instant> {
+        if self.delay.is_zero() {
+            return None;
+        }
         let answers = self.arrived.front().map(|(at, _)| *at);
-        let asks = self.links.values().filter_map(|l| l.held_until(now));
+        let asks = self.links.values_mut().filter_map(|l| l.held_until(now));
         answers.into_iter().chain(asks).min()
+    }
+
+    /// Notes when a member was asked and with how many bytes, for the step trace (if any).
+    fn note_asked(&mut self, row: usize, bytes: usize) {
+        if self.trace.is_some() {
+            self.asked.insert(row, (Instant::now(), bytes));
+        }
     }
 
     fn is_local(&self, row: usize) -> bool {
@@ -626,7 +636,7 @@ impl NetAsks {
     }
 
     fn send(&mut self, round: u64, row: usize, request: &[u8]) {
-        self.asked.insert(row, (Instant::now(), request.len()));
+        self.note_asked(row, request.len());
         let ask = Ask {
             id: round,
             version: self.version,
@@ -645,7 +655,7 @@ impl NetAsks {
     /// Computes this node's own row's answer (while the others compute theirs): a decode
     /// step on this task, a larger one on the blocking pool, answered like any member.
     fn answer_locally(&mut self, round: u64, row: usize, request: &[u8]) {
-        self.asked.insert(row, (Instant::now(), request.len()));
+        self.note_asked(row, request.len());
         let Some(local) = self.local.clone() else {
             let refusal = StepRefusal::Failed("no local row".into());
             let _ = self.tx.send((round, row, Err(refusal)));
@@ -712,9 +722,8 @@ impl Asks for NetAsks {
                 self.send(round, row, request);
             }
         }
-        self.drive(&mut std::task::Context::from_waker(
-            futures::task::noop_waker_ref(),
-        ));
+        let waker = futures::task::noop_waker_ref();
+        self.drive(&mut std::task::Context::from_waker(waker), Instant::now());
         if let Some((row, request)) = local {
             self.answer_locally(round, row, request);
         }

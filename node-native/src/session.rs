@@ -91,7 +91,8 @@ enum LinkState {
         open: tokio::task::JoinHandle<Result<libp2p::Stream, OpenStreamError>>,
         queued: Vec<(Ask, Instant)>,
     },
-    /// Open (in a mutex only to be `Sync`: it is reached through `&mut`, which takes no lock).
+    /// Open (in a mutex only to be `Sync`: it is reached only through `&mut`, which takes no
+    /// lock).
     Open(Box<Mutex<Driven<libp2p::Stream>>>),
     /// The session failed: every ask is answered with why, and the member is replaced.
     Failed(String),
@@ -127,17 +128,14 @@ impl Link {
     }
 
     /// When the first ask held back (a bench's modelled delay) may go out, if one is.
-    pub fn held_until(&self, now: Instant) -> Option<Instant> {
-        match &self.state {
+    pub fn held_until(&mut self, now: Instant) -> Option<Instant> {
+        match &mut self.state {
             LinkState::Opening { queued, .. } => queued
                 .iter()
                 .map(|(_, at)| *at)
                 .filter(|at| *at > now)
                 .min(),
-            LinkState::Open(session) => session
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .held_until(now),
+            LinkState::Open(session) => driven(session).held_until(now),
             LinkState::Failed(_) => None,
         }
     }

@@ -294,6 +294,17 @@ mod tests {
         Silent,
     }
 
+    impl Scripted {
+        /// Members asked at `version`, each row doing what `plan` says (else answering).
+        fn at(version: u8, plan: &[(usize, Plan)]) -> Self {
+            Self {
+                version: [version; 32],
+                plan: plan.iter().copied().collect(),
+                ..Self::default()
+            }
+        }
+    }
+
     impl Asks for Scripted {
         fn version(&self) -> [u8; 32] {
             self.version
@@ -335,11 +346,7 @@ mod tests {
 
     #[test]
     fn a_round_takes_the_first_answers_and_replaces_a_member_at_another_version() {
-        let mut asks = Scripted {
-            version: [1; 32],
-            ..Scripted::default()
-        };
-        asks.plan.insert(1, Plan::Stale);
+        let mut asks = Scripted::at(1, &[(1, Plan::Stale)]);
         let mut pool = pool(vec![3, 4]);
         let mut members = vec![0, 1, 2];
         let mut notes = RoundNotes::default();
@@ -371,11 +378,7 @@ mod tests {
 
     #[test]
     fn a_refusal_at_another_version_than_asked_is_not_noted_as_the_mesh_moving() {
-        let mut asks = Scripted {
-            version: [5; 32],
-            ..Scripted::default()
-        };
-        asks.plan.insert(0, Plan::Stale);
+        let mut asks = Scripted::at(5, &[(0, Plan::Stale)]);
         let mut pool = pool(vec![3]);
         let mut members = vec![0, 1, 2];
         let mut notes = RoundNotes::default();
@@ -394,10 +397,7 @@ mod tests {
 
     #[test]
     fn backward_steps_need_every_answer_and_name_the_member_that_gave_none() {
-        let mut asks = Scripted {
-            version: [1; 32],
-            ..Scripted::default()
-        };
+        let mut asks = Scripted::at(1, &[]);
         let requests = vec![(0, vec![1]), (2, vec![3])];
         let mut pool = pool(vec![]);
         let mut notes = RoundNotes::default();
@@ -408,22 +408,14 @@ mod tests {
         assert_eq!(answers, vec![(0, vec![0, 1]), (2, vec![2, 3])]);
         assert_eq!(asks.seen, vec![0, 2]);
 
-        let mut asks = Scripted {
-            version: [1; 32],
-            ..Scripted::default()
-        };
-        asks.plan.insert(2, Plan::Silent);
+        let mut asks = Scripted::at(1, &[(2, Plan::Silent)]);
         let err = block_on(run_round_each(
             &mut asks, &mut pool, 4, &requests, &mut notes,
         ))
         .unwrap_err();
         assert_eq!((err.node, err.reason.as_str()), (2, "timed out"));
 
-        let mut asks = Scripted {
-            version: [1; 32],
-            ..Scripted::default()
-        };
-        asks.plan.insert(0, Plan::Stale);
+        let mut asks = Scripted::at(1, &[(0, Plan::Stale)]);
         let err = block_on(run_round_each(
             &mut asks, &mut pool, 5, &requests, &mut notes,
         ))

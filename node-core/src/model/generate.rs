@@ -1,8 +1,7 @@
 //! The generation loop: prefill the prompt in one batch, then decode, a token a pass or, with
 //! drafts ([`super::speculate`]), several.
 
-use std::future::Future;
-
+use futures::FutureExt;
 use web_time::{Duration, Instant};
 
 use super::speculate::{self, SpecStats};
@@ -153,14 +152,13 @@ pub fn generate_with(
     // The loop awaits nothing but these synchronous passes, so its future is done at its
     // first poll: no executor runs it (the pass itself may run one).
     let ready = async |pass: Pass<'_>| forward(pass);
-    let mut run = std::pin::pin!(generate_async(ready, max_seq, prompt, opts, on_token));
-    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-    match run.as_mut().poll(&mut cx) {
-        std::task::Poll::Ready(out) => out,
-        std::task::Poll::Pending => Err(ModelError::Config(
-            "the generation loop waited on a synchronous forward pass".into(),
-        )),
-    }
+    generate_async(ready, max_seq, prompt, opts, on_token)
+        .now_or_never()
+        .unwrap_or_else(|| {
+            Err(ModelError::Config(
+                "the generation loop waited on a synchronous forward pass".into(),
+            ))
+        })
 }
 
 /// [`generate_with`] over a forward pass that may wait (a browser leader's).
