@@ -10,6 +10,7 @@ pub mod http;
 pub mod learning;
 pub mod link;
 pub mod load;
+pub mod local_session;
 pub mod localmesh;
 pub mod metrics;
 pub mod node;

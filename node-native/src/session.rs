@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::task::{Context, Poll};
 use std::time::Instant;
 
-use futures::{AsyncReadExt, StreamExt};
+use futures::{AsyncRead, AsyncReadExt, AsyncWrite, StreamExt};
 use libp2p::PeerId;
 use libp2p_stream::OpenStreamError;
 use node_core::holder;
@@ -36,6 +36,7 @@ pub fn serve(client: &Client, state: Arc<RwLock<ShardState>>) -> anyhow::Result<
         .accept(protocol())
         .map_err(|e| anyhow::anyhow!("accepting sessions: {e}"))?;
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_SESSIONS));
+    crate::local_session::serve(client, slots.clone(), state.clone());
     tokio::spawn(async move {
         while let Some((peer, stream)) = incoming.next().await {
             let Ok(slot) = slots.clone().try_acquire_owned() else {
@@ -45,19 +46,28 @@ pub fn serve(client: &Client, state: Arc<RwLock<ShardState>>) -> anyhow::Result<
             let state = state.clone();
             tokio::spawn(async move {
                 let (reader, writer) = stream.split();
-                let served = session::serve(reader, writer, |version, request| {
-                    compute(state.clone(), version, request)
-                })
-                .await;
-                match served {
-                    Ok(steps) => tracing::debug!(%peer, steps, "session closed"),
-                    Err(e) => tracing::debug!(%peer, "session ended: {e}"),
-                }
+                serve_one(reader, writer, state).await;
                 drop(slot);
             });
         }
     });
     Ok(())
+}
+
+/// Answers one leader's session on `reader` and `writer` until it ends.
+pub async fn serve_one(
+    reader: impl AsyncRead + Unpin,
+    writer: impl AsyncWrite + Unpin,
+    state: Arc<RwLock<ShardState>>,
+) {
+    let served = session::serve(reader, writer, |version, request| {
+        compute(state.clone(), version, request)
+    })
+    .await;
+    match served {
+        Ok(steps) => tracing::debug!(steps, "session closed"),
+        Err(e) => tracing::debug!("session ended: {e}"),
+    }
 }
 
 /// One step on this node's shard, asked on a session or in a request: decode steps on the
@@ -88,21 +98,34 @@ pub struct Link {
 enum LinkState {
     /// The stream is being opened; asks wait for it.
     Opening {
-        open: tokio::task::JoinHandle<Result<libp2p::Stream, OpenStreamError>>,
+        open: tokio::task::JoinHandle<Result<Box<dyn SessionStream>, OpenStreamError>>,
         queued: Vec<(Ask, Instant)>,
     },
     /// Open (in a mutex only to be `Sync`: it is reached only through `&mut`, which takes no
     /// lock).
-    Open(Box<Mutex<Driven<libp2p::Stream>>>),
+    Open(Box<Mutex<Driven<Box<dyn SessionStream>>>>),
     /// The session failed: every ask is answered with why, and the member is replaced.
     Failed(String),
 }
 
 impl Link {
-    /// Starts opening a session with `peer` on `runtime`.
+    /// Starts opening a session with `peer` on `runtime`: over its local socket where it
+    /// offers one this process reaches ([`crate::local_session`]), else over libp2p.
     pub fn open(runtime: &tokio::runtime::Handle, client: &Client, peer: PeerId) -> Self {
         let mut control = client.control();
-        let open = runtime.spawn(async move { control.open_stream(peer, protocol()).await });
+        let open = runtime.spawn(async move {
+            if crate::local_session::enabled() {
+                match crate::local_session::open(&mut control, peer).await {
+                    Ok(socket) => {
+                        tracing::debug!(%peer, "session over the local socket");
+                        return Ok(Box::new(socket) as Box<dyn SessionStream>);
+                    }
+                    Err(e) => tracing::debug!(%peer, "session over libp2p: no local socket ({e})"),
+                }
+            }
+            let stream = control.open_stream(peer, protocol()).await?;
+            Ok(Box::new(stream) as Box<dyn SessionStream>)
+        });
         Self {
             peer,
             state: LinkState::Opening {
@@ -204,6 +227,13 @@ impl Link {
     }
 }
 
-fn driven(session: &mut Mutex<Driven<libp2p::Stream>>) -> &mut Driven<libp2p::Stream> {
+/// A stream a session runs on: libp2p's, or a local socket.
+pub trait SessionStream: AsyncRead + AsyncWrite + Unpin + Send + std::fmt::Debug {}
+
+impl<T: AsyncRead + AsyncWrite + Unpin + Send + std::fmt::Debug> SessionStream for T {}
+
+fn driven(
+    session: &mut Mutex<Driven<Box<dyn SessionStream>>>,
+) -> &mut Driven<Box<dyn SessionStream>> {
     session.get_mut().unwrap_or_else(PoisonError::into_inner)
 }

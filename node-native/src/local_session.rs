@@ -1,0 +1,443 @@
+//! Group sessions between nodes on one machine over a Unix socket instead of their libp2p
+//! connection ([`crate::session`]): a round then costs no Noise encryption, no yamux framing
+//! and no wake-up of the connection's task on either side.
+//!
+//! A member listens on a socket in Linux's abstract namespace (no file to leave behind, gone
+//! with the process, private to its network namespace, so nodes in other namespaces, as on
+//! other hosts, keep to libp2p). It offers the socket's name with two one-time tokens on an
+//! authenticated libp2p stream. The leader connects and sends the first token (it got the
+//! offer); the member answers with the second (it made the offer). Then the session's frames
+//! run on the socket as they would on the libp2p stream. Where any of that fails (another
+//! host, another release, a browser member, another platform) the leader opens the session
+//! over libp2p, as before.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::time::Duration;
+
+use futures::{AsyncWriteExt, StreamExt};
+use libp2p::{PeerId, StreamProtocol};
+use node_core::net::session::{FrameReader, frame, read_frame, write_frame};
+use serde::{Deserialize, Serialize};
+
+use crate::learning::ShardState;
+use crate::swarm::Client;
+
+/// The protocol a member offers its socket on.
+pub const OFFER_PROTOCOL: &str = "/codedmesh/session-local/1";
+
+/// Set to `0` to keep every session on libp2p (to measure what the socket saves).
+pub const LOCAL_VAR: &str = "CODEDMESH_LOCAL_SESSIONS";
+
+/// Bytes of each one-time token.
+const TOKEN: usize = 16;
+
+/// Offers not yet taken up that a member keeps; the oldest lapses beyond.
+const MAX_PENDING: usize = 1024;
+
+/// How long each side waits for the other's part of the handshake.
+const HANDSHAKE: Duration = Duration::from_secs(5);
+
+/// Longest offer frame a leader reads (a name and two tokens).
+const MAX_OFFER_BYTES: usize = 512;
+
+/// A member's offer: where its socket is and the tokens that open it once.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Offer {
+    /// The socket's name in the abstract namespace.
+    pub name: String,
+    /// What the leader sends first.
+    pub ask: [u8; TOKEN],
+    /// What the member answers with.
+    pub answer: [u8; TOKEN],
+}
+
+/// Why a session could not go over the local socket (the leader then uses libp2p).
+#[derive(Debug, thiserror::Error)]
+pub enum LocalError {
+    /// The socket or the stream failed.
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    /// The member does not offer a socket.
+    #[error("no offer: {0}")]
+    NoOffer(String),
+    /// The offer did not decode.
+    #[error("offer: {0}")]
+    Offer(#[from] node_core::net::session::SessionError),
+    /// The other side did not answer in time.
+    #[error("the handshake timed out")]
+    TimedOut,
+    /// The process at the socket did not prove it made the offer.
+    #[error("the socket's answer does not match the offer")]
+    WrongAnswer,
+    /// Abstract sockets are Linux's.
+    #[error("local sessions need Linux")]
+    Unsupported,
+}
+
+/// Whether this process uses local sessions (unless [`LOCAL_VAR`] is `0`).
+pub fn enabled() -> bool {
+    std::env::var(LOCAL_VAR).map_or(true, |v| v.trim() != "0")
+}
+
+/// Offers made and not yet taken up, oldest first.
+#[derive(Debug, Default)]
+pub struct Pending {
+    offers: VecDeque<([u8; TOKEN], [u8; TOKEN])>,
+}
+
+impl Pending {
+    /// A new offer of `name`, remembered until it is taken up or lapses.
+    pub fn offer(&mut self, name: &str) -> Offer {
+        let (ask, answer) = (rand_webrtc::random(), rand_webrtc::random());
+        if self.offers.len() == MAX_PENDING {
+            self.offers.pop_front();
+        }
+        self.offers.push_back((ask, answer));
+        Offer {
+            name: name.to_owned(),
+            ask,
+            answer,
+        }
+    }
+
+    /// Takes up the offer whose first token is `ask`: its answer, once.
+    pub fn take(&mut self, ask: &[u8; TOKEN]) -> Option<[u8; TOKEN]> {
+        let at = self.offers.iter().position(|(a, _)| a == ask)?;
+        self.offers.remove(at).map(|(_, answer)| answer)
+    }
+}
+
+/// Answers sessions on a local socket as well as on libp2p: offers the socket to every leader
+/// that asks. A socket that cannot be made is logged, and sessions stay on libp2p.
+pub fn serve(client: &Client, slots: Arc<tokio::sync::Semaphore>, state: Arc<RwLock<ShardState>>) {
+    if !enabled() {
+        return;
+    }
+    let name = format!(
+        "codedmesh/session/{}/{:016x}",
+        client.peer_id(),
+        rand_webrtc::random::<u64>()
+    );
+    let listener = match platform::listen(&name) {
+        Ok(listener) => listener,
+        Err(e) => {
+            tracing::info!("sessions stay on libp2p: no local socket ({e})");
+            return;
+        }
+    };
+    let mut offers = match client.control().accept(StreamProtocol::new(OFFER_PROTOCOL)) {
+        Ok(offers) => offers,
+        Err(e) => {
+            tracing::warn!("sessions stay on libp2p: {e}");
+            return;
+        }
+    };
+    let pending = Arc::new(Mutex::new(Pending::default()));
+    let offered = pending.clone();
+    tokio::spawn(async move {
+        while let Some((peer, mut stream)) = offers.next().await {
+            let offer = lock(&offered).offer(&name);
+            tokio::spawn(async move {
+                let sent = async {
+                    write_frame(&mut stream, &frame(&offer)?).await?;
+                    stream.close().await?;
+                    Ok::<_, LocalError>(())
+                };
+                match tokio::time::timeout(HANDSHAKE, sent).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => tracing::debug!(%peer, "offering the local socket: {e}"),
+                    Err(_) => tracing::debug!(%peer, "offering the local socket timed out"),
+                }
+            });
+        }
+    });
+    tokio::spawn(platform::accept(
+        listener,
+        pending,
+        slots,
+        move |reader, writer| crate::session::serve_one(reader, writer, state.clone()),
+    ));
+}
+
+/// Opens a session with `peer` over its local socket, if it offers one this process reaches.
+pub async fn open(
+    control: &mut libp2p_stream::Control,
+    peer: PeerId,
+) -> Result<platform::Socket, LocalError> {
+    let offer = tokio::time::timeout(HANDSHAKE, async {
+        let mut stream = control
+            .open_stream(peer, StreamProtocol::new(OFFER_PROTOCOL))
+            .await
+            .map_err(|e| LocalError::NoOffer(e.to_string()))?;
+        let mut limited = futures::AsyncReadExt::take(&mut stream, MAX_OFFER_BYTES as u64);
+        let offer = read_frame::<Offer, _>(&mut limited, &mut FrameReader::default())
+            .await?
+            .ok_or_else(|| LocalError::NoOffer("the member closed the stream".into()))?;
+        Ok::<_, LocalError>(offer)
+    })
+    .await
+    .map_err(|_| LocalError::TimedOut)??;
+    platform::connect(offer).await
+}
+
+fn lock(pending: &Mutex<Pending>) -> std::sync::MutexGuard<'_, Pending> {
+    pending.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+#[cfg(target_os = "linux")]
+mod platform {
+    use std::future::Future;
+    use std::os::linux::net::SocketAddrExt;
+    use std::os::unix::net::SocketAddr;
+    use std::sync::{Arc, Mutex};
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
+    use tokio::net::{UnixListener, UnixStream};
+    use tokio_util::compat::{Compat, TokioAsyncReadCompatExt, TokioAsyncWriteCompatExt};
+
+    use super::{HANDSHAKE, LocalError, Offer, Pending, TOKEN, lock};
+
+    /// A leader's end of a local session.
+    pub type Socket = Compat<UnixStream>;
+
+    /// Listens on `name` in the abstract namespace.
+    pub fn listen(name: &str) -> std::io::Result<UnixListener> {
+        let addr = SocketAddr::from_abstract_name(name.as_bytes())?;
+        let listener = std::os::unix::net::UnixListener::bind_addr(&addr)?;
+        listener.set_nonblocking(true)?;
+        UnixListener::from_std(listener)
+    }
+
+    /// Runs `serve` on every connection that opens with a pending offer's token.
+    pub async fn accept<F, Fut>(
+        listener: UnixListener,
+        pending: Arc<Mutex<Pending>>,
+        slots: Arc<tokio::sync::Semaphore>,
+        serve: F,
+    ) where
+        F: Fn(Compat<OwnedReadHalf>, Compat<OwnedWriteHalf>) -> Fut + Clone + Send + 'static,
+        Fut: Future<Output = ()> + Send,
+    {
+        loop {
+            let conn = match listener.accept().await {
+                Ok((conn, _)) => conn,
+                Err(e) => {
+                    // Out of descriptors, say: the leaders that cannot connect use libp2p.
+                    tracing::warn!("accepting a local session: {e}");
+                    tokio::time::sleep(HANDSHAKE / 50).await;
+                    continue;
+                }
+            };
+            let Ok(slot) = slots.clone().try_acquire_owned() else {
+                tracing::warn!("refusing a local session: too many are open");
+                continue;
+            };
+            let (pending, serve) = (pending.clone(), serve.clone());
+            tokio::spawn(async move {
+                let (mut reader, mut writer) = conn.into_split();
+                let mut ask = [0; TOKEN];
+                match tokio::time::timeout(HANDSHAKE, reader.read_exact(&mut ask)).await {
+                    Ok(Ok(_)) => {}
+                    Ok(Err(e)) => return tracing::debug!("local session: {e}"),
+                    Err(_) => return tracing::debug!("local session: no token in time"),
+                }
+                let Some(answer) = lock(&pending).take(&ask) else {
+                    return tracing::debug!("local session: a token not offered");
+                };
+                if let Err(e) = writer.write_all(&answer).await {
+                    return tracing::debug!("local session: {e}");
+                }
+                serve(reader.compat(), writer.compat_write()).await;
+                drop(slot);
+            });
+        }
+    }
+
+    /// Connects to an offer's socket and checks the member's answer.
+    pub async fn connect(offer: Offer) -> Result<Socket, LocalError> {
+        let addr = SocketAddr::from_abstract_name(offer.name.as_bytes())?;
+        // A Unix socket's connect blocks only while the listener's backlog is full.
+        let conn = tokio::task::spawn_blocking(move || {
+            let conn = std::os::unix::net::UnixStream::connect_addr(&addr)?;
+            conn.set_nonblocking(true)?;
+            Ok::<_, std::io::Error>(conn)
+        })
+        .await
+        .map_err(std::io::Error::other)??;
+        let mut conn = UnixStream::from_std(conn)?;
+        let answer = tokio::time::timeout(HANDSHAKE, async {
+            conn.write_all(&offer.ask).await?;
+            let mut answer = [0; TOKEN];
+            conn.read_exact(&mut answer).await?;
+            Ok::<_, std::io::Error>(answer)
+        })
+        .await
+        .map_err(|_| LocalError::TimedOut)??;
+        if answer != offer.answer {
+            return Err(LocalError::WrongAnswer);
+        }
+        Ok(conn.compat())
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+mod platform {
+    use std::sync::{Arc, Mutex};
+
+    use super::{LocalError, Offer, Pending};
+
+    /// A leader's end of a local session (none on this platform).
+    pub type Socket = libp2p::Stream;
+
+    /// No listener on this platform.
+    pub enum Listener {}
+
+    pub fn listen(_: &str) -> std::io::Result<Listener> {
+        Err(std::io::ErrorKind::Unsupported.into())
+    }
+
+    pub async fn accept<F>(
+        listener: Listener,
+        _: Arc<Mutex<Pending>>,
+        _: Arc<tokio::sync::Semaphore>,
+        _: F,
+    ) {
+        match listener {}
+    }
+
+    pub async fn connect(_: Offer) -> Result<Socket, LocalError> {
+        Err(LocalError::Unsupported)
+    }
+}
+
+#[cfg(test)]
+#[cfg(target_os = "linux")]
+mod tests {
+    use std::time::Instant;
+
+    use node_core::mesh::MeshResponse;
+    use node_core::model::Stage;
+    use node_core::net::session::{Ask, Driven};
+    use node_core::protocol::{self, StepRequest};
+
+    use super::*;
+
+    /// A member that answers a product with the sum of its input.
+    async fn sum(_: [u8; 32], step: StepRequest) -> MeshResponse {
+        match step {
+            StepRequest::Matmul { x, .. } => MeshResponse::Step {
+                bytes: x.iter().sum::<f32>().to_le_bytes().to_vec(),
+                compute_us: 1,
+            },
+            _ => MeshResponse::Error("not a product".into()),
+        }
+    }
+
+    /// A member's socket under a name of its own; its pending offers.
+    fn member(test: &str) -> (String, Arc<Mutex<Pending>>) {
+        let name = format!(
+            "codedmesh/test/{}/{test}/{:016x}",
+            std::process::id(),
+            rand_webrtc::random::<u64>()
+        );
+        let listener = platform::listen(&name).unwrap();
+        let pending = Arc::new(Mutex::new(Pending::default()));
+        let slots = Arc::new(tokio::sync::Semaphore::new(4));
+        tokio::spawn(platform::accept(
+            listener,
+            pending.clone(),
+            slots,
+            |reader, writer| async move {
+                node_core::net::session::serve(reader, writer, sum)
+                    .await
+                    .unwrap();
+            },
+        ));
+        (name, pending)
+    }
+
+    /// Asks for the sum of `x` on a session over `socket`.
+    async fn ask_sum(socket: platform::Socket, x: Vec<f32>) -> f32 {
+        let mut session = Driven::new(socket);
+        let step = protocol::encode(&StepRequest::Matmul {
+            stage: Stage::Qkv(0),
+            t: 1,
+            x,
+        })
+        .unwrap();
+        let ask = Ask {
+            id: 9,
+            version: [0; 32],
+            step,
+        };
+        session.ask(&ask, Instant::now()).unwrap();
+        let answer = std::future::poll_fn(|cx| session.poll_answer(cx, Instant::now()))
+            .await
+            .unwrap();
+        assert_eq!(answer.id, 9);
+        let (bytes, _) = answer.response.into_step().unwrap();
+        f32::from_le_bytes(bytes.try_into().unwrap())
+    }
+
+    #[tokio::test]
+    async fn an_offer_opens_one_session_once() {
+        let (name, pending) = member("once");
+        let offer = lock(&pending).offer(&name);
+        let socket = platform::connect(offer.clone()).await.unwrap();
+        assert_eq!(ask_sum(socket, vec![1.0, 2.0, 3.5]).await, 6.5);
+        // Taken up: the same tokens again are turned away.
+        let again = platform::connect(offer).await;
+        assert!(matches!(again, Err(LocalError::Io(_))), "{again:?}");
+    }
+
+    #[tokio::test]
+    async fn strangers_are_turned_away_and_the_offer_stands() {
+        let (name, pending) = member("strangers");
+        let offer = lock(&pending).offer(&name);
+        // A token the member never offered: it closes the socket.
+        let forged = Offer {
+            ask: [0; TOKEN],
+            ..offer.clone()
+        };
+        let refused = platform::connect(forged).await;
+        assert!(matches!(refused, Err(LocalError::Io(_))), "{refused:?}");
+        // Another process at the name, which cannot answer with the offer's second token.
+        let impostor = Offer {
+            answer: [1; TOKEN],
+            ..lock(&pending).offer(&name)
+        };
+        let refused = platform::connect(impostor).await;
+        assert!(
+            matches!(refused, Err(LocalError::WrongAnswer)),
+            "{refused:?}"
+        );
+        // The first offer still opens a session.
+        let socket = platform::connect(offer).await.unwrap();
+        assert_eq!(ask_sum(socket, vec![2.0; 4]).await, 8.0);
+    }
+
+    #[tokio::test]
+    async fn a_name_nobody_listens_on_fails_at_once() {
+        let mut pending = Pending::default();
+        let offer = pending.offer("codedmesh/test/nobody/listens/here");
+        let failed = platform::connect(offer).await;
+        assert!(matches!(failed, Err(LocalError::Io(_))), "{failed:?}");
+    }
+
+    #[test]
+    fn the_oldest_offer_lapses_beyond_the_limit() {
+        let mut pending = Pending::default();
+        let first = pending.offer("x");
+        let second = pending.offer("x");
+        for _ in 2..MAX_PENDING {
+            pending.offer("x");
+        }
+        assert!(pending.take(&first.ask).is_some());
+        pending.offer("x");
+        pending.offer("x");
+        assert_eq!(pending.take(&second.ask), None);
+        assert_eq!(pending.offers.len(), MAX_PENDING);
+    }
+}
