@@ -192,6 +192,7 @@ mod platform {
     use std::os::unix::net::SocketAddr;
     use std::sync::{Arc, Mutex};
 
+    use futures::io::BufReader;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
     use tokio::net::{UnixListener, UnixStream};
@@ -199,8 +200,12 @@ mod platform {
 
     use super::{HANDSHAKE, LocalError, Offer, Pending, TOKEN, lock};
 
-    /// A leader's end of a local session.
-    pub type Socket = Compat<UnixStream>;
+    /// Connections a member lets wait for their token at once.
+    const MAX_HANDSHAKES: usize = 64;
+
+    /// A leader's end of a local session. Reads are buffered: a frame's length and body
+    /// come in one system call, where the unbuffered socket took one for each.
+    pub type Socket = BufReader<Compat<UnixStream>>;
 
     /// Listens on `name` in the abstract namespace.
     pub fn listen(name: &str) -> std::io::Result<UnixListener> {
@@ -217,9 +222,13 @@ mod platform {
         slots: Arc<tokio::sync::Semaphore>,
         serve: F,
     ) where
-        F: Fn(Compat<OwnedReadHalf>, Compat<OwnedWriteHalf>) -> Fut + Clone + Send + 'static,
+        F: Fn(BufReader<Compat<OwnedReadHalf>>, Compat<OwnedWriteHalf>) -> Fut
+            + Clone
+            + Send
+            + 'static,
         Fut: Future<Output = ()> + Send,
     {
+        let handshakes = Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES));
         loop {
             let conn = match listener.accept().await {
                 Ok((conn, _)) => conn,
@@ -230,11 +239,13 @@ mod platform {
                     continue;
                 }
             };
-            let Ok(slot) = slots.clone().try_acquire_owned() else {
-                tracing::warn!("refusing a local session: too many are open");
+            // A connection costs a session's slot only once its token checks out, so
+            // connections that never send one cannot keep leaders out.
+            let Ok(handshake) = handshakes.clone().try_acquire_owned() else {
+                tracing::warn!("refusing a local connection: {MAX_HANDSHAKES} are in handshake");
                 continue;
             };
-            let (pending, serve) = (pending.clone(), serve.clone());
+            let (pending, slots, serve) = (pending.clone(), slots.clone(), serve.clone());
             tokio::spawn(async move {
                 let (mut reader, mut writer) = conn.into_split();
                 let mut ask = [0; TOKEN];
@@ -243,13 +254,17 @@ mod platform {
                     Ok(Err(e)) => return tracing::debug!("local session: {e}"),
                     Err(_) => return tracing::debug!("local session: no token in time"),
                 }
+                drop(handshake);
                 let Some(answer) = lock(&pending).take(&ask) else {
                     return tracing::debug!("local session: a token not offered");
+                };
+                let Ok(slot) = slots.try_acquire_owned() else {
+                    return tracing::warn!("refusing a local session: too many are open");
                 };
                 if let Err(e) = writer.write_all(&answer).await {
                     return tracing::debug!("local session: {e}");
                 }
-                serve(reader.compat(), writer.compat_write()).await;
+                serve(BufReader::new(reader.compat()), writer.compat_write()).await;
                 drop(slot);
             });
         }
@@ -278,7 +293,7 @@ mod platform {
         if answer != offer.answer {
             return Err(LocalError::WrongAnswer);
         }
-        Ok(conn.compat())
+        Ok(BufReader::new(conn.compat()))
     }
 }
 

@@ -468,6 +468,8 @@ struct NetAsks {
     arrived: VecDeque<(Instant, MemberAnswer)>,
     /// The bench's modelled one-way delay ([`crate::swarm::one_way_delay`]), else zero.
     delay: Duration,
+    /// The row whose session is driven first (the current round's first ask).
+    first: usize,
     /// The runtime the sessions open and the leader's own prefill steps compute on.
     runtime: tokio::runtime::Handle,
 }
@@ -513,6 +515,7 @@ impl NetTransport {
             links: BTreeMap::new(),
             arrived: VecDeque::new(),
             delay: crate::swarm::one_way_delay(),
+            first: 0,
             runtime: tokio::runtime::Handle::current(),
         };
         // This node's own row (a leader inside a node) is computed here, not over a session.
@@ -591,11 +594,18 @@ impl NetAsks {
     /// `arrived`); registers `cx` for what comes next.
     fn drive(&mut self, cx: &mut std::task::Context<'_>, now: Instant) {
         let due = now + self.delay;
-        for (&row, link) in &mut self.links {
-            let arrived = &mut self.arrived;
-            link.poll(cx, now, &mut |id, answer| {
-                arrived.push_back((due, (id, row, answer)));
-            });
+        let first = self.first;
+        // From the round's first row on, then the rows before it: asks go out in that order.
+        for wrapped in [false, true] {
+            for (&row, link) in &mut self.links {
+                if (row < first) != wrapped {
+                    continue;
+                }
+                let arrived = &mut self.arrived;
+                link.poll(cx, now, &mut |id, answer| {
+                    arrived.push_back((due, (id, row, answer)));
+                });
+            }
         }
     }
 
@@ -714,8 +724,14 @@ impl Asks for NetAsks {
     /// computes the local one (if asked) meanwhile.
     fn ask(&mut self, round: u64, asks: &[(usize, &[u8])]) {
         self.round = round;
+        // Each round starts its asks at another member: the member asked last (on a busy
+        // machine, the one answering last, so outrun) is not always the same one.
+        let start = (round as usize).checked_rem(asks.len()).unwrap_or(0);
+        if let Some(&(row, _)) = asks.get(start) {
+            self.first = row;
+        }
         let mut local = None;
-        for &(row, request) in asks {
+        for &(row, request) in asks[start..].iter().chain(&asks[..start]) {
             if self.is_local(row) {
                 local = Some((row, request));
             } else {
