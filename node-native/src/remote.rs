@@ -594,18 +594,18 @@ impl NetAsks {
     /// `arrived`); registers `cx` for what comes next.
     fn drive(&mut self, cx: &mut std::task::Context<'_>, now: Instant) {
         let due = now + self.delay;
-        let first = self.first;
+        let (links, arrived) = (&mut self.links, &mut self.arrived);
+        let mut poll = |row: usize, link: &mut crate::session::Link| {
+            link.poll(cx, now, &mut |id, answer| {
+                arrived.push_back((due, (id, row, answer)));
+            });
+        };
         // From the round's first row on, then the rows before it: asks go out in that order.
-        for wrapped in [false, true] {
-            for (&row, link) in &mut self.links {
-                if (row < first) != wrapped {
-                    continue;
-                }
-                let arrived = &mut self.arrived;
-                link.poll(cx, now, &mut |id, answer| {
-                    arrived.push_back((due, (id, row, answer)));
-                });
-            }
+        for (&row, link) in links.range_mut(self.first..) {
+            poll(row, link);
+        }
+        for (&row, link) in links.range_mut(..self.first) {
+            poll(row, link);
         }
     }
 
