@@ -24,6 +24,7 @@ use node_core::protocol::StepRequest;
 use tokio::sync::mpsc;
 
 use crate::row::read;
+use crate::session::open_accepted;
 use crate::swarm::Client;
 
 /// Hop streams a node serves at once (a leader's and one per other member, per group).
@@ -105,7 +106,11 @@ pub fn serve(client: &Client, state: Arc<RwLock<ShardState>>) -> anyhow::Result<
             };
             let (state, router, client) = (state.clone(), router.clone(), client.clone());
             tokio::spawn(async move {
-                let (mut reader, writer) = stream.split();
+                let (mut reader, mut writer) = stream.split();
+                if let Err(e) = session::accepted(&mut writer).await {
+                    tracing::debug!(%peer, "hop stream ended: {e}");
+                    return;
+                }
                 let mut buf = session::FrameReader::default();
                 let result = match session::read_frame::<HopFrame, _>(&mut reader, &mut buf).await {
                     Ok(Some(HopFrame::Join(join))) => {
@@ -364,7 +369,8 @@ fn send_parts(client: Client, peer: PeerId) -> Outgoing {
     tokio::spawn(async move {
         let mut failed: Option<Vec<u8>> = None;
         for _ in 0..PART_STREAMS {
-            let why = match client.control().open_stream(peer, hop::protocol()).await {
+            let mut control = client.control();
+            let why = match open_accepted(&mut control, peer, hop::protocol()).await {
                 Ok(stream) => {
                     let (_, mut writer) = stream.split();
                     let sent = async {
@@ -493,7 +499,8 @@ async fn feed_member(
 ) {
     let outstanding = Mutex::new(std::collections::VecDeque::new());
     let lock = || outstanding.lock().unwrap_or_else(PoisonError::into_inner);
-    let why = match client.control().open_stream(peer, hop::protocol()).await {
+    let mut control = client.control();
+    let why = match open_accepted(&mut control, peer, hop::protocol()).await {
         Ok(stream) => {
             let (mut reader, mut writer) = stream.split();
             let writing = async {

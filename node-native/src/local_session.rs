@@ -17,14 +17,16 @@ use std::time::Duration;
 
 use futures::{AsyncWriteExt, StreamExt};
 use libp2p::{PeerId, StreamProtocol};
-use node_core::net::session::{FrameReader, frame, read_frame, write_frame};
+use node_core::net::session::{FrameReader, accepted, frame, read_frame, write_frame};
 use serde::{Deserialize, Serialize};
 
 use crate::learning::ShardState;
+use crate::session::open_accepted;
 use crate::swarm::Client;
 
 /// The protocol a member offers its socket on.
-pub const OFFER_PROTOCOL: &str = "/codedmesh/session-local/1";
+/// (2: the member writes [`node_core::net::session::ACCEPTED`] first.)
+pub const OFFER_PROTOCOL: &str = "/codedmesh/session-local/2";
 
 /// Set to `0` to keep every session on libp2p (to measure what the socket saves).
 pub const LOCAL_VAR: &str = "CODEDMESH_LOCAL_SESSIONS";
@@ -140,6 +142,7 @@ pub fn serve(client: &Client, slots: Arc<tokio::sync::Semaphore>, state: Arc<RwL
             let offer = lock(&offered).offer(&name);
             tokio::spawn(async move {
                 let sent = async {
+                    accepted(&mut stream).await?;
                     write_frame(&mut stream, &frame(&offer)?).await?;
                     stream.close().await?;
                     Ok::<_, LocalError>(())
@@ -166,8 +169,7 @@ pub async fn open(
     peer: PeerId,
 ) -> Result<platform::Socket, LocalError> {
     let offer = tokio::time::timeout(HANDSHAKE, async {
-        let mut stream = control
-            .open_stream(peer, StreamProtocol::new(OFFER_PROTOCOL))
+        let mut stream = open_accepted(control, peer, StreamProtocol::new(OFFER_PROTOCOL))
             .await
             .map_err(|e| LocalError::NoOffer(e.to_string()))?;
         let mut limited = futures::AsyncReadExt::take(&mut stream, MAX_OFFER_BYTES as u64);

@@ -7,10 +7,10 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::task::{Context, Poll};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use futures::{AsyncRead, AsyncReadExt, AsyncWrite, StreamExt};
-use libp2p::PeerId;
+use libp2p::{PeerId, StreamProtocol};
 use libp2p_stream::OpenStreamError;
 use node_core::holder;
 use node_core::mesh::{MeshResponse, StepRefusal};
@@ -45,8 +45,11 @@ pub fn serve(client: &Client, state: Arc<RwLock<ShardState>>) -> anyhow::Result<
             };
             let state = state.clone();
             tokio::spawn(async move {
-                let (reader, writer) = stream.split();
-                serve_one(reader, writer, state).await;
+                let (reader, mut writer) = stream.split();
+                match session::accepted(&mut writer).await {
+                    Ok(()) => serve_one(reader, writer, state).await,
+                    Err(e) => tracing::debug!(%peer, "session ended: {e}"),
+                }
                 drop(slot);
             });
         }
@@ -123,7 +126,7 @@ impl Link {
                     Err(e) => tracing::debug!(%peer, "session over libp2p: no local socket ({e})"),
                 }
             }
-            let stream = control.open_stream(peer, protocol()).await?;
+            let stream = open_accepted(&mut control, peer, protocol()).await?;
             Ok(Box::new(stream) as Box<dyn SessionStream>)
         });
         Self {
@@ -224,6 +227,50 @@ impl Link {
                 Poll::Pending => return,
             }
         }
+    }
+}
+
+/// Times a stream is opened before its receiver is taken to refuse it.
+const OPEN_TRIES: u32 = 4;
+
+/// The pause before the second try; it doubles for each one after.
+const FIRST_PAUSE: Duration = Duration::from_millis(5);
+
+/// Opens a `protocol` stream to `peer` once its receiver has taken it off its queue (it writes
+/// [`session::ACCEPTED`] first). libp2p-stream keeps one waiting stream per protocol and drops
+/// the rest, so a burst of streams on a busy machine loses some: a stream that ends before that
+/// byte is opened again after a pause, up to [`OPEN_TRIES`] times.
+pub async fn open_accepted(
+    control: &mut libp2p_stream::Control,
+    peer: PeerId,
+    protocol: StreamProtocol,
+) -> Result<libp2p::Stream, OpenStreamError> {
+    let mut pause = FIRST_PAUSE;
+    let mut tried = 0;
+    loop {
+        tried += 1;
+        let mut stream = control.open_stream(peer, protocol.clone()).await?;
+        let mut first = [0u8; 1];
+        let why = match stream.read(&mut first).await {
+            Ok(1) if first[0] == session::ACCEPTED => return Ok(stream),
+            Ok(1) => {
+                return Err(OpenStreamError::Io(std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!("{protocol}: the receiver did not begin with the accepted byte"),
+                )));
+            }
+            Ok(_) => std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                format!("{protocol}: the receiver dropped the stream unread"),
+            ),
+            Err(e) => e,
+        };
+        if tried >= OPEN_TRIES {
+            return Err(OpenStreamError::Io(why));
+        }
+        tracing::debug!(%peer, "opening the stream again: {why}");
+        tokio::time::sleep(pause).await;
+        pause *= 2;
     }
 }
 

@@ -902,7 +902,11 @@ async fn serve_sessions(node: BrowserNode, mut incoming: libp2p_stream::Incoming
     while let Some((peer, stream)) = incoming.next().await {
         let node = node.clone();
         wasm_bindgen_futures::spawn_local(async move {
-            let (reader, writer) = futures::AsyncReadExt::split(stream);
+            let (reader, mut writer) = futures::AsyncReadExt::split(stream);
+            if let Err(e) = session::accepted(&mut writer).await {
+                tracing::debug!(%peer, "session ended: {e}");
+                return;
+            }
             let served = session::serve(reader, writer, |version, request| {
                 let node = node.clone();
                 async move { node.step(version, request).await }

@@ -20,8 +20,9 @@ use crate::coded::{CodedError, CodedGroup, ExecStats, Transport, TransportError,
 use crate::model::{BatchItem, KvCache, LinearExec, Llama, LlamaConfig, ModelError, Pass, Stage};
 use crate::protocol::{self, StepRequest};
 
-/// Name of the hop protocol; the version is part of it.
-pub const HOP_PROTOCOL: &str = "/codedmesh/hop/1";
+/// Name of the hop protocol; the version is part of it. (2: the receiver of every stream
+/// writes [`crate::net::session::ACCEPTED`] first.)
+pub const HOP_PROTOCOL: &str = "/codedmesh/hop/2";
 
 /// The hop protocol's name, as libp2p takes it.
 pub fn protocol() -> libp2p::StreamProtocol {

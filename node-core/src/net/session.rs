@@ -18,12 +18,25 @@ use web_time::Instant;
 use crate::mesh::MeshResponse;
 use crate::protocol::{self, MAX_MESSAGE_BYTES, ProtocolError, StepRequest};
 
-/// Name of the session protocol; the version is part of it.
-pub const SESSION_PROTOCOL: &str = "/codedmesh/session/1";
+/// Name of the session protocol; the version is part of it. (2: the member writes
+/// [`ACCEPTED`] first.)
+pub const SESSION_PROTOCOL: &str = "/codedmesh/session/2";
 
 /// The session protocol's name, as libp2p takes it.
 pub fn protocol() -> libp2p::StreamProtocol {
     libp2p::StreamProtocol::new(SESSION_PROTOCOL)
+}
+
+/// The byte a node writes first on every session, hop or local-offer stream it takes from its
+/// libp2p queue. libp2p-stream keeps one waiting stream per protocol and drops the others, so a
+/// burst of streams (a group forming on a busy machine) loses some; a stream that ends before
+/// this byte was dropped unread, and its opener opens it again.
+pub const ACCEPTED: u8 = 0xac;
+
+/// Tells the stream's opener that this node took the stream ([`ACCEPTED`]).
+pub async fn accepted<W: AsyncWrite + Unpin>(writer: &mut W) -> std::io::Result<()> {
+    writer.write_all(&[ACCEPTED]).await?;
+    writer.flush().await
 }
 
 /// Largest frame either side accepts (a prefill step of a few thousand tokens fits).
