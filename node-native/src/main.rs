@@ -628,8 +628,8 @@ fn run_once_on_mesh(
     print_coded_stats(args, &out, leader.group.stats(), Some(compute));
     let s = leader.group.stats();
     eprintln!(
-        "verified: {} rounds checked, {} unchecked; honest noise at {:.3} of the threshold",
-        s.verified_rounds, s.unverified_rounds, s.max_pass_ratio
+        "verified: {} rounds checked, {} unchecked, {} answers checked that came late; honest noise at {:.3} of the threshold",
+        s.verified_rounds, s.unverified_rounds, s.late_checked, s.max_pass_ratio
     );
     if let Some(p) = leader.group.probe() {
         eprintln!(

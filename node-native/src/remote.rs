@@ -813,4 +813,12 @@ impl Transport for NetTransport {
     fn label(&mut self, what: &str) {
         what.clone_into(&mut self.rounds.asks.label);
     }
+
+    fn last_round(&self) -> Option<u64> {
+        self.rounds.last_round()
+    }
+
+    fn late_answers(&mut self) -> Vec<(u64, usize, Vec<u8>)> {
+        self.rounds.late_answers()
+    }
 }

@@ -1,5 +1,6 @@
 //! The leader's side: send a stage to the group, decode the answers, reassemble the outputs.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use rand::SeedableRng;
@@ -65,6 +66,18 @@ pub trait Transport {
     /// Names the step the next rounds belong to (`Qkv(3)`, `LmHead backward`…), for logs and
     /// step traces; the default ignores it.
     fn label(&mut self, _what: &str) {}
+
+    /// The number of the last [`Transport::round`], as [`Transport::late_answers`] names it;
+    /// `None` (the default) where answers never come late.
+    fn last_round(&self) -> Option<u64> {
+        None
+    }
+
+    /// Answers that came after their round had its `need` (so were not used there), as
+    /// `(round, node, bytes)`, taken out; none by default.
+    fn late_answers(&mut self) -> Vec<(u64, usize, Vec<u8>)> {
+        Vec::new()
+    }
 }
 
 /// Members living in this process, indexed by node; messages still go through the codec.
@@ -197,6 +210,8 @@ pub struct ExecStats {
     pub checked_backward_rounds: u64,
     /// Largest Freivalds residual of a backward answer that passed, over its threshold.
     pub max_backward_pass_ratio: f64,
+    /// Answers that came after their checked round was decoded, checked against its decode.
+    pub late_checked: u64,
 }
 
 /// Attempts at one round before the request fails (each drops at least one bad member).
@@ -217,7 +232,26 @@ pub struct CodedGroup<T: Transport> {
     /// Draws the random inputs of backward checks; seeded from the OS, so members cannot
     /// foresee them.
     checks: ChaCha8Rng,
+    /// The last checked rounds, newest last, against which answers that come late are checked.
+    recent: VecDeque<Recent>,
 }
+
+/// A checked round, kept to check the answers that come after it was decoded: a member whose
+/// answers always come last is otherwise never checked.
+#[derive(Debug)]
+struct Recent {
+    /// The transport's number for it.
+    round: u64,
+    /// k answers that agree with its decode.
+    parts: Parts,
+    /// Columns.
+    c: usize,
+    /// Its step.
+    what: String,
+}
+
+/// Checked rounds kept for late answers (an answer later than this is dropped unchecked).
+const RECENT_ROUNDS: usize = 8;
 
 /// Answers of one round: `(node, values)`.
 type Parts = Vec<(usize, Vec<f32>)>;
@@ -257,6 +291,7 @@ impl<T: Transport> CodedGroup<T> {
             },
             probe: None,
             checks: ChaCha8Rng::from_rng(&mut rand::rng()),
+            recent: VecDeque::new(),
         })
     }
 
@@ -376,7 +411,97 @@ impl<T: Transport> CodedGroup<T> {
             out = again;
         }
         self.stats.decode_time += started.elapsed();
+        self.keep_recent(&parts, c, what);
+        self.check_late();
         Ok((out, parts))
+    }
+
+    /// Keeps a checked round for the answers still to come to it: only where some member was
+    /// asked and not used.
+    fn keep_recent(&mut self, parts: &Parts, c: usize, what: &str) {
+        let k = self.generator.k();
+        let Some(round) = self.transport.last_round() else {
+            return;
+        };
+        if parts.len() <= k || self.members.len() <= parts.len() {
+            return;
+        }
+        if self.recent.len() == RECENT_ROUNDS {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(Recent {
+            round,
+            parts: parts[..k].to_vec(),
+            c,
+            what: what.to_string(),
+        });
+    }
+
+    /// Checks each answer that came after its round was decoded against that decode: one
+    /// that disagrees with k answers the round's check passed is the wrong one, caught as in
+    /// the round.
+    fn check_late(&mut self) {
+        let late = self.transport.late_answers();
+        if late.is_empty() {
+            return;
+        }
+        let recent = std::mem::take(&mut self.recent);
+        self.check_late_against(&recent, late);
+        self.recent = recent;
+    }
+
+    fn check_late_against(&mut self, recent: &VecDeque<Recent>, late: Vec<(u64, usize, Vec<u8>)>) {
+        let m = self.generator.sub_blocks();
+        for (round, node, bytes) in late {
+            let Some(r) = recent.iter().find(|r| r.round == round) else {
+                continue;
+            };
+            if !self.members.contains(&node) || r.parts.iter().any(|(n, _)| *n == node) {
+                continue;
+            }
+            let values = match parse_answer(node, &bytes, m * r.c) {
+                Ok(values) => values,
+                Err(e) => {
+                    tracing::warn!(node, error = %e, "dropping a member whose late answer is unusable");
+                    self.stats.members_dropped += 1;
+                    self.members.retain(|&n| n != node);
+                    continue;
+                }
+            };
+            let answer = (node, values);
+            let set: Vec<&(usize, Vec<f32>)> =
+                r.parts.iter().chain(std::iter::once(&answer)).collect();
+            let (residual, threshold) = match self.consistent(&set, r.c) {
+                Ok(Ok(_)) => {
+                    self.stats.late_checked += 1;
+                    continue;
+                }
+                Ok(Err(broken)) => broken,
+                Err(e) => {
+                    tracing::warn!(node, error = %e, "a late answer could not be checked");
+                    continue;
+                }
+            };
+            self.stats.late_checked += 1;
+            let step = format!("{} (an answer that came late)", r.what);
+            tracing::warn!(
+                node,
+                what = %step,
+                residual,
+                threshold,
+                "caught a member answering against the code"
+            );
+            self.stats.caught.push(Caught {
+                node,
+                step,
+                residual,
+                threshold,
+                witnesses: r.parts.iter().map(|(n, _)| *n).collect(),
+                missing_update: None,
+            });
+            self.members.retain(|&n| n != node);
+            self.stats.members_dropped += 1;
+        }
     }
 
     /// The residuals of the answers beyond the first k (in order) against the decode of the

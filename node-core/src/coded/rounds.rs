@@ -3,7 +3,7 @@
 //! ([`Asks`]); [`Rounds`] decides who is asked, which answers count, who is replaced and when
 //! a straggler is outrun ([`RoundDriver`]).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 
 use web_time::{Duration, Instant};
 
@@ -62,6 +62,22 @@ pub struct Rounds<A> {
     pool: MemberPool,
     round: u64,
     notes: RoundNotes,
+    late: Late,
+}
+
+/// Answers that came after their round was decided, `(round, row, bytes)`, oldest first.
+type Late = VecDeque<(u64, usize, Vec<u8>)>;
+
+/// Late answers kept for the group to check; the oldest go beyond.
+const MAX_LATE: usize = 64;
+
+/// Keeps a late answer for [`Transport::late_answers`], dropping the oldest beyond
+/// [`MAX_LATE`].
+fn keep_late(late: &mut Late, round: u64, row: usize, bytes: Vec<u8>) {
+    if late.len() == MAX_LATE {
+        late.pop_front();
+    }
+    late.push_back((round, row, bytes));
 }
 
 impl<A: Asks> Rounds<A> {
@@ -79,6 +95,7 @@ impl<A: Asks> Rounds<A> {
             pool: MemberPool::new(generator, free, cfg),
             round: 0,
             notes: RoundNotes::default(),
+            late: Late::new(),
         }
     }
 
@@ -96,16 +113,7 @@ impl<A: Asks> Transport for Rounds<A> {
         need: usize,
     ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
         self.round += 1;
-        run_round(
-            &mut self.asks,
-            &mut self.pool,
-            self.round,
-            members,
-            request,
-            need,
-            &mut self.notes,
-        )
-        .await
+        run_round(self, members, request, need).await
     }
 
     async fn round_each(
@@ -113,14 +121,16 @@ impl<A: Asks> Transport for Rounds<A> {
         requests: Vec<(usize, Vec<u8>)>,
     ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
         self.round += 1;
-        run_round_each(
-            &mut self.asks,
-            &mut self.pool,
-            self.round,
-            &requests,
-            &mut self.notes,
-        )
-        .await
+        run_round_each(self, &requests).await
+    }
+
+    fn last_round(&self) -> Option<u64> {
+        Some(self.round)
+    }
+
+    fn late_answers(&mut self) -> Vec<(u64, usize, Vec<u8>)> {
+        drain_late(&mut self.asks, &mut self.pool, &mut self.late);
+        self.late.drain(..).collect()
     }
 }
 
@@ -132,13 +142,29 @@ fn refused(refusal: &StepRefusal, version: &[u8; 32], notes: &mut RoundNotes) ->
     refusal.to_string()
 }
 
-/// Answers to earlier rounds that came since: who is slow but alive, and who failed.
-fn drain_late<A: Asks>(asks: &mut A, pool: &mut MemberPool) {
-    while let Some((_, row, answer)) = asks.try_next() {
-        match answer {
-            Ok(_) => pool.note_answer(row),
-            Err(_) => pool.note_failure(row),
+/// Answers to earlier rounds that came since: who is slow but alive, and who failed; the
+/// answers themselves are kept for the group to check.
+fn drain_late<A: Asks>(asks: &mut A, pool: &mut MemberPool, late: &mut Late) {
+    while let Some((round, row, answer)) = asks.try_next() {
+        note_late(pool, late, round, row, answer);
+    }
+}
+
+/// An answer to an earlier round, already decided: the member is alive (its answer kept), or
+/// not.
+fn note_late(
+    pool: &mut MemberPool,
+    late: &mut Late,
+    round: u64,
+    row: usize,
+    answer: Result<(Vec<u8>, u64), StepRefusal>,
+) {
+    match answer {
+        Ok((bytes, _)) => {
+            pool.note_answer(row);
+            keep_late(late, round, row, bytes);
         }
+        Err(_) => pool.note_failure(row),
     }
 }
 
@@ -146,17 +172,22 @@ fn drain_late<A: Asks>(asks: &mut A, pool: &mut MemberPool) {
 /// come first served. A failed member is dropped from `members` and a free row of `pool`
 /// asked instead; a straggler is outrun.
 async fn run_round<A: Asks>(
-    asks: &mut A,
-    pool: &mut MemberPool,
-    round: u64,
+    rounds: &mut Rounds<A>,
     members: &mut Vec<usize>,
     request: &[u8],
     need: usize,
-    notes: &mut RoundNotes,
 ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
+    let Rounds {
+        asks,
+        pool,
+        round,
+        notes,
+        late,
+    } = rounds;
+    let round = *round;
     *notes = RoundNotes::default();
     let version = asks.version();
-    drain_late(asks, pool);
+    drain_late(asks, pool, late);
     let mut driver = RoundDriver::start(Instant::now(), members, need, pool);
     let mut compute: BTreeMap<usize, u64> = BTreeMap::new();
     loop {
@@ -189,11 +220,7 @@ async fn run_round<A: Asks>(
                 });
                 driver.handle_answer(Instant::now(), row, answer, pool);
             }
-            // An answer to an earlier round, already decided: the member is alive (or not).
-            Some((_, row, answer)) => match answer {
-                Ok(_) => pool.note_answer(row),
-                Err(_) => pool.note_failure(row),
-            },
+            Some((r, row, answer)) => note_late(pool, late, r, row, answer),
             None => driver.handle_timeout(Instant::now(), pool),
         }
     }
@@ -215,15 +242,20 @@ async fn run_round<A: Asks>(
 /// Round `round` of backward steps: each member its own request, and every answer needed
 /// within [`RoundConfig::member_timeout`]; the first failure ends it.
 async fn run_round_each<A: Asks>(
-    asks: &mut A,
-    pool: &mut MemberPool,
-    round: u64,
+    rounds: &mut Rounds<A>,
     requests: &[(usize, Vec<u8>)],
-    notes: &mut RoundNotes,
 ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
+    let Rounds {
+        asks,
+        pool,
+        round,
+        notes,
+        late,
+    } = rounds;
+    let round = *round;
     *notes = RoundNotes::default();
     let version = asks.version();
-    drain_late(asks, pool);
+    drain_late(asks, pool, late);
     let due: Vec<(usize, &[u8])> = requests.iter().map(|(r, q)| (*r, q.as_slice())).collect();
     asks.ask(round, &due);
     let deadline = Instant::now() + RoundConfig::default().member_timeout;
@@ -246,7 +278,7 @@ async fn run_round_each<A: Asks>(
                     break Err(TransportError { node: row, reason });
                 }
             },
-            Some(_) => {}
+            Some((r, row, answer)) => note_late(pool, late, r, row, answer),
             None => {
                 let missing = requests
                     .iter()
@@ -344,22 +376,22 @@ mod tests {
         MemberPool::new(g, free, RoundConfig::default())
     }
 
+    /// Rounds over `asks` with `free` rows to replace members, the next one numbered `next`.
+    fn rounds(asks: Scripted, free: Vec<usize>, next: u64) -> Rounds<Scripted> {
+        Rounds {
+            asks,
+            pool: pool(free),
+            round: next - 1,
+            notes: RoundNotes::default(),
+            late: Late::new(),
+        }
+    }
+
     #[test]
     fn a_round_takes_the_first_answers_and_replaces_a_member_at_another_version() {
-        let mut asks = Scripted::at(1, &[(1, Plan::Stale)]);
-        let mut pool = pool(vec![3, 4]);
+        let mut r = rounds(Scripted::at(1, &[(1, Plan::Stale)]), vec![3, 4], 7);
         let mut members = vec![0, 1, 2];
-        let mut notes = RoundNotes::default();
-        let answers = block_on(run_round(
-            &mut asks,
-            &mut pool,
-            7,
-            &mut members,
-            &[9],
-            3,
-            &mut notes,
-        ))
-        .unwrap();
+        let answers = block_on(r.round(&mut members, &[9], 3)).unwrap();
         let rows: Vec<usize> = answers.iter().map(|(r, _)| *r).collect();
         assert_eq!(rows.len(), 3);
         assert!(
@@ -368,64 +400,63 @@ mod tests {
         );
         assert!(!members.contains(&1), "and it left the group: {members:?}");
         assert!(answers.iter().all(|(r, b)| b == &vec![*r as u8, 9]));
-        assert!(notes.stale, "a refusal at the version asked is noted");
+        assert!(r.notes.stale, "a refusal at the version asked is noted");
         assert_eq!(
-            notes.slowest_compute_us,
+            r.notes.slowest_compute_us,
             rows.iter().map(|&r| 5 * r as u64).max().unwrap()
         );
-        assert!(asks.asked.iter().all(|&(round, _)| round == 7));
+        assert!(r.asks.asked.iter().all(|&(round, _)| round == 7));
+        assert_eq!(r.last_round(), Some(7));
     }
 
     #[test]
     fn a_refusal_at_another_version_than_asked_is_not_noted_as_the_mesh_moving() {
-        let mut asks = Scripted::at(5, &[(0, Plan::Stale)]);
-        let mut pool = pool(vec![3]);
-        let mut members = vec![0, 1, 2];
-        let mut notes = RoundNotes::default();
-        block_on(run_round(
-            &mut asks,
-            &mut pool,
-            1,
-            &mut members,
-            &[0],
-            3,
-            &mut notes,
-        ))
-        .unwrap();
-        assert!(!notes.stale);
+        let mut r = rounds(Scripted::at(5, &[(0, Plan::Stale)]), vec![3], 1);
+        block_on(r.round(&mut vec![0, 1, 2], &[0], 3)).unwrap();
+        assert!(!r.notes.stale);
+    }
+
+    #[test]
+    fn answers_that_come_after_their_round_are_kept_for_the_group_to_check() {
+        // Four asked, three needed: the fourth answer comes once the round is decided.
+        let mut r = rounds(Scripted::at(1, &[]), vec![], 1);
+        let answers = block_on(r.round(&mut vec![0, 1, 2, 3], &[4], 3)).unwrap();
+        assert_eq!(answers.len(), 3);
+        let late: Vec<usize> = (0..4)
+            .filter(|row| answers.iter().all(|(a, _)| a != row))
+            .collect();
+        // It is read with the next round, and handed over with its round's number.
+        block_on(r.round(&mut vec![0, 1, 2], &[5], 3)).unwrap();
+        assert_eq!(r.late_answers(), vec![(1, late[0], vec![late[0] as u8, 4])]);
+        assert!(r.late_answers().is_empty(), "taken out once");
+        for round in 0..MAX_LATE as u64 + 5 {
+            keep_late(&mut r.late, round, 0, vec![]);
+        }
+        let kept = r.late_answers();
+        assert_eq!(kept.len(), MAX_LATE, "the oldest go beyond {MAX_LATE}");
+        assert_eq!(kept[0].0, 5);
     }
 
     #[test]
     fn backward_steps_need_every_answer_and_name_the_member_that_gave_none() {
-        let mut asks = Scripted::at(1, &[]);
         let requests = vec![(0, vec![1]), (2, vec![3])];
-        let mut pool = pool(vec![]);
-        let mut notes = RoundNotes::default();
-        let answers = block_on(run_round_each(
-            &mut asks, &mut pool, 3, &requests, &mut notes,
-        ))
-        .unwrap();
+        let mut r = rounds(Scripted::at(1, &[]), vec![], 3);
+        let answers = block_on(r.round_each(requests.clone())).unwrap();
         assert_eq!(answers, vec![(0, vec![0, 1]), (2, vec![2, 3])]);
-        assert_eq!(asks.seen, vec![0, 2]);
+        assert_eq!(r.asks.seen, vec![0, 2]);
 
-        let mut asks = Scripted::at(1, &[(2, Plan::Silent)]);
-        let err = block_on(run_round_each(
-            &mut asks, &mut pool, 4, &requests, &mut notes,
-        ))
-        .unwrap_err();
+        let mut r = rounds(Scripted::at(1, &[(2, Plan::Silent)]), vec![], 4);
+        let err = block_on(r.round_each(requests.clone())).unwrap_err();
         assert_eq!((err.node, err.reason.as_str()), (2, "timed out"));
 
-        let mut asks = Scripted::at(1, &[(0, Plan::Stale)]);
-        let err = block_on(run_round_each(
-            &mut asks, &mut pool, 5, &requests, &mut notes,
-        ))
-        .unwrap_err();
+        let mut r = rounds(Scripted::at(1, &[(0, Plan::Stale)]), vec![], 5);
+        let err = block_on(r.round_each(requests)).unwrap_err();
         assert_eq!(err.node, 0);
         assert!(
             err.reason.contains("shard version mismatch"),
             "{}",
             err.reason
         );
-        assert!(notes.stale);
+        assert!(r.notes.stale);
     }
 }

@@ -8,7 +8,7 @@ use crate::common::{self, max_rel_diff};
 use node_core::code::Generator;
 use node_core::coded::{
     CodedGroup, InProcess, Member, Misbehaviour, NOISE_MARGIN, PROBE_SIGMAS, ShardFormat,
-    UpdateProbe, VerifyConfig, measure_noise,
+    Transport, TransportError, UpdateProbe, VerifyConfig, measure_noise,
 };
 use node_core::learn::Update;
 use node_core::model::{Gradients, KvCache, LeaderWeights, Llama, ModelWeights};
@@ -126,6 +126,96 @@ fn every_kind_of_fault_is_caught_located_and_outvoted() {
                 assert!(err < 1e-4, "{kind}, r = {extra}: logits off by {err:.2e}");
             }
         }
+    }
+}
+
+/// In-process members whose answers beyond the first `need` of a round come late, handed over
+/// as late answers: as a network leader sees a member that always answers last.
+struct LastIsLate {
+    members: InProcess,
+    round: u64,
+    late: Vec<(u64, usize, Vec<u8>)>,
+}
+
+impl Transport for LastIsLate {
+    async fn round(
+        &mut self,
+        members: &mut Vec<usize>,
+        request: &[u8],
+        need: usize,
+    ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
+        self.round += 1;
+        let mut answers = self.members.round(members, request, need).await?;
+        let late = answers.split_off(need.min(answers.len()));
+        self.late
+            .extend(late.into_iter().map(|(n, b)| (self.round, n, b)));
+        Ok(answers)
+    }
+
+    async fn round_each(
+        &mut self,
+        requests: Vec<(usize, Vec<u8>)>,
+    ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
+        self.members.round_each(requests).await
+    }
+
+    fn last_round(&self) -> Option<u64> {
+        Some(self.round)
+    }
+
+    fn late_answers(&mut self) -> Vec<(u64, usize, Vec<u8>)> {
+        std::mem::take(&mut self.late)
+    }
+}
+
+#[test]
+fn a_member_whose_answers_always_come_last_is_still_checked_and_caught() {
+    let (w, g, members) = honest();
+    let check = calibrated(&w, &g, &members, 1);
+    let llama = Llama::new(w.cfg.clone(), LeaderWeights::from_model(&w)).unwrap();
+    // k + 1 = 4 answers are used and checked; row 4, asked last, always comes fifth.
+    for kind in ["honest", "garbage", "scale", "wrong-row"] {
+        let bad = 4;
+        let members = match kind {
+            "honest" => members.clone(),
+            kind => faulty(kind, bad, &w, &members),
+        };
+        let reference = InProcess::new(members.clone()).unwrap();
+        let mut reference =
+            CodedGroup::new(w.cfg.clone(), g.clone(), &[0, 1, 2, 3], reference).unwrap();
+        let want = logits(&w, &mut reference);
+        let transport = LastIsLate {
+            members: InProcess::new(members).unwrap(),
+            round: 0,
+            late: Vec::new(),
+        };
+        let mut group =
+            CodedGroup::new(w.cfg.clone(), g.clone(), &[0, 1, 2, 3, 4], transport).unwrap();
+        group.set_verify(VerifyConfig { extra: 1, ..check });
+        let got =
+            futures::executor::block_on(llama.forward(&mut group, &SEQ, &mut KvCache::new(&w.cfg)))
+                .unwrap();
+        let stats = group.stats();
+        assert!(stats.late_checked > 0, "{kind}: no late answer was checked");
+        if kind == "honest" {
+            assert!(stats.caught.is_empty(), "honest: caught {:?}", stats.caught);
+            assert!(group.nodes().contains(&bad), "honest: row {bad} dropped");
+        } else {
+            let caught = &stats.caught;
+            assert!(
+                !caught.is_empty()
+                    && caught
+                        .iter()
+                        .all(|c| c.node == bad && c.step.contains("came late")),
+                "{kind}: caught {caught:?}"
+            );
+            assert!(
+                !group.nodes().contains(&bad),
+                "{kind}: row {bad} still a member"
+            );
+        }
+        let err = max_rel_diff(&got, &want);
+        assert!(err < 1e-4, "{kind}: logits off by {err:.2e}");
     }
 }
 

@@ -77,7 +77,11 @@ fn tiny_mesh_status_generate_straggler_restart_and_rejoin() -> Result<()> {
     // stages; the same tokens come out, every LM head round checked by the leader.
     let (out, err) = mesh.generate_with(PROMPT, 24, &["--hop"], || {})?;
     assert_eq!(out, expected, "--hop\n{err}");
-    assert!(err.contains("LM head rounds (0 unchecked)"), "{err}");
+    assert!(
+        err.contains("LM head rounds (0 unchecked)"),
+        "{err}\n{}",
+        mesh.processes_report()
+    );
 
     // A SIGSTOP-ed member of the decoding group: the others answer without it. (The group is
     // k + 1 checked + 1 spare = all five rows, so there is no free row to swap it for; every
