@@ -236,6 +236,10 @@ const OPEN_TRIES: u32 = 4;
 /// The pause before the second try; it doubles for each one after.
 const FIRST_PAUSE: Duration = Duration::from_millis(5);
 
+/// How long an opener waits for the receiver to take its stream: a receiver that holds it
+/// longer is taken to refuse it (so a stuck node holds no opener's task).
+const ACCEPT_WAIT: Duration = Duration::from_secs(10);
+
 /// Opens a `protocol` stream to `peer` once its receiver has taken it off its queue (it writes
 /// [`session::ACCEPTED`] first). libp2p-stream keeps one waiting stream per protocol and drops
 /// the rest, so a burst of streams on a busy machine loses some: a stream that ends before that
@@ -251,7 +255,14 @@ pub async fn open_accepted(
         tried += 1;
         let mut stream = control.open_stream(peer, protocol.clone()).await?;
         let mut first = [0u8; 1];
-        let why = match stream.read(&mut first).await {
+        let read = tokio::time::timeout(ACCEPT_WAIT, stream.read(&mut first)).await;
+        let Ok(read) = read else {
+            return Err(OpenStreamError::Io(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("{protocol}: the receiver did not take the stream within {ACCEPT_WAIT:?}"),
+            )));
+        };
+        let why = match read {
             Ok(1) if first[0] == session::ACCEPTED => return Ok(stream),
             Ok(1) => {
                 return Err(OpenStreamError::Io(std::io::Error::new(
