@@ -369,9 +369,31 @@ impl<T: Transport> CodedGroup<T> {
     }
 
     /// Sends one request to the group and decodes the first k usable answers into
-    /// `[block j'][c]`, checked against `extra` more when verification is on; also hands back
-    /// the answers that agree with the decode.
+    /// `[block j'][c]`, checked against `extra` more when verification is on.
     async fn run(
+        &mut self,
+        req: &StepRequest,
+        c: usize,
+        what: &str,
+    ) -> Result<Vec<f32>, CodedError> {
+        let (out, parts) = self.run_traced(req, c, what).await?;
+        self.after_round(parts, c, what);
+        Ok(out)
+    }
+
+    /// [`Self::run`], also handing back the answers that agree with the decode.
+    async fn run_with_parts(
+        &mut self,
+        req: &StepRequest,
+        c: usize,
+        what: &str,
+    ) -> Result<(Vec<f32>, Parts), CodedError> {
+        let (out, parts) = self.run_traced(req, c, what).await?;
+        self.after_round(parts.clone(), c, what);
+        Ok((out, parts))
+    }
+
+    async fn run_traced(
         &mut self,
         req: &StepRequest,
         c: usize,
@@ -381,6 +403,13 @@ impl<T: Transport> CodedGroup<T> {
         self.transport.label(what);
         let span = tracing::debug_span!("coded_step", step = what);
         self.run_inner(req, c, what).instrument(span).await
+    }
+
+    /// A round's answers, done with: kept for the answers still to come to it, and the late
+    /// answers that came meanwhile checked.
+    fn after_round(&mut self, parts: Parts, c: usize, what: &str) {
+        self.keep_recent(parts, c, what);
+        self.check_late();
     }
 
     async fn run_inner(
@@ -411,14 +440,12 @@ impl<T: Transport> CodedGroup<T> {
             out = again;
         }
         self.stats.decode_time += started.elapsed();
-        self.keep_recent(&parts, c, what);
-        self.check_late();
         Ok((out, parts))
     }
 
-    /// Keeps a checked round for the answers still to come to it: only where some member was
-    /// asked and not used.
-    fn keep_recent(&mut self, parts: &Parts, c: usize, what: &str) {
+    /// Keeps a checked round (k of its agreeing answers) for the answers still to come to it:
+    /// only where some member was asked and not used.
+    fn keep_recent(&mut self, mut parts: Parts, c: usize, what: &str) {
         let k = self.generator.k();
         let Some(round) = self.transport.last_round() else {
             return;
@@ -429,9 +456,10 @@ impl<T: Transport> CodedGroup<T> {
         if self.recent.len() == RECENT_ROUNDS {
             self.recent.pop_front();
         }
+        parts.truncate(k);
         self.recent.push_back(Recent {
             round,
-            parts: parts[..k].to_vec(),
+            parts,
             c,
             what: what.to_string(),
         });
@@ -471,37 +499,33 @@ impl<T: Transport> CodedGroup<T> {
             let answer = (node, values);
             let set: Vec<&(usize, Vec<f32>)> =
                 r.parts.iter().chain(std::iter::once(&answer)).collect();
-            let (residual, threshold) = match self.consistent(&set, r.c) {
-                Ok(Ok(_)) => {
-                    self.stats.late_checked += 1;
-                    continue;
-                }
-                Ok(Err(broken)) => broken,
+            let checked = match self.consistent(&set, r.c) {
+                Ok(checked) => checked,
                 Err(e) => {
                     tracing::warn!(node, error = %e, "a late answer could not be checked");
                     continue;
                 }
             };
             self.stats.late_checked += 1;
-            let step = format!("{} (an answer that came late)", r.what);
-            tracing::warn!(
-                node,
-                what = %step,
-                residual,
-                threshold,
-                "caught a member answering against the code"
-            );
-            self.stats.caught.push(Caught {
-                node,
-                step,
-                residual,
-                threshold,
-                witnesses: r.parts.iter().map(|(n, _)| *n).collect(),
-                missing_update: None,
-            });
-            self.members.retain(|&n| n != node);
-            self.stats.members_dropped += 1;
+            if let Err((residual, threshold)) = checked {
+                self.convict(Caught {
+                    node,
+                    step: format!("{} (an answer that came late)", r.what),
+                    residual,
+                    threshold,
+                    witnesses: r.parts.iter().map(|(n, _)| *n).collect(),
+                    missing_update: None,
+                });
+            }
         }
+    }
+
+    /// Records a member caught answering against the code, with the evidence, and drops it.
+    fn convict(&mut self, caught: Caught) {
+        tracing::warn!(node = caught.node, "{caught}");
+        self.members.retain(|&n| n != caught.node);
+        self.stats.members_dropped += 1;
+        self.stats.caught.push(caught);
     }
 
     /// The residuals of the answers beyond the first k (in order) against the decode of the
@@ -561,15 +585,7 @@ impl<T: Transport> CodedGroup<T> {
                 )));
             }
         };
-        tracing::warn!(
-            node = fit.row,
-            what,
-            update = format!("{:016x}", fit.id),
-            share = fit.share,
-            sigmas = fit.sigmas,
-            "caught a member missing a learning update it claims"
-        );
-        self.stats.caught.push(Caught {
+        self.convict(Caught {
             node: fit.row,
             step: what.to_string(),
             residual: fit.sigmas.abs(),
@@ -577,8 +593,6 @@ impl<T: Transport> CodedGroup<T> {
             witnesses: parts.iter().map(|(n, _)| *n).collect(),
             missing_update: Some((fit.id, fit.share)),
         });
-        self.members.retain(|&n| n != fit.row);
-        self.stats.members_dropped += 1;
         Ok(Some(out))
     }
 
@@ -857,14 +871,7 @@ impl<T: Transport> CodedGroup<T> {
         let mut predicted = vec![0.0f32; values.len()];
         self.generator.predict_part(node, &out, &mut predicted)?;
         let own = residual(&values, &predicted, largest(&out));
-        tracing::warn!(
-            node,
-            what,
-            residual = own,
-            threshold,
-            "caught a member answering against the code"
-        );
-        self.stats.caught.push(Caught {
+        self.convict(Caught {
             node,
             step: what.to_string(),
             residual: own,
@@ -872,8 +879,6 @@ impl<T: Transport> CodedGroup<T> {
             witnesses: parts.iter().map(|(n, _)| *n).collect(),
             missing_update: None,
         });
-        self.members.retain(|&n| n != node);
-        self.stats.members_dropped += 1;
         Ok(out)
     }
 
@@ -894,7 +899,7 @@ impl<T: Transport> CodedGroup<T> {
             t: t as u32,
             x: x.to_vec(),
         };
-        let (decoded, _) = self.run(&req, c, &format!("{stage:?}")).await?;
+        let decoded = self.run(&req, c, &format!("{stage:?}")).await?;
         let started = Instant::now();
         let blocks = self.generator.k() * self.generator.sub_blocks();
         let mut outputs = Vec::with_capacity(shapes.len());
@@ -1063,7 +1068,7 @@ impl<T: Transport> CodedGroup<T> {
             x: r.clone(),
         };
         let (_, forward) = self
-            .run(&req, c, &format!("{stage:?} backward check"))
+            .run_with_parts(&req, c, &format!("{stage:?} backward check"))
             .await?;
         let started = Instant::now();
         self.stats.checked_backward_rounds += 1;
@@ -1098,24 +1103,14 @@ impl<T: Transport> CodedGroup<T> {
                 continue;
             }
             passed = false;
-            let step = format!("{stage:?} backward");
-            tracing::warn!(
-                node,
-                what = step,
-                residual = res,
-                threshold,
-                "caught a member answering a backward step against the code"
-            );
-            self.stats.caught.push(Caught {
+            self.convict(Caught {
                 node: *node,
-                step,
+                step: format!("{stage:?} backward"),
                 residual: res,
                 threshold,
                 witnesses,
                 missing_update: None,
             });
-            self.members.retain(|n| n != node);
-            self.stats.members_dropped += 1;
         }
         // The backward rows stay the ones decoded last, so the next step uses them again.
         let rows: Vec<usize> = inputs.iter().map(|(n, _)| *n).collect();
@@ -1134,7 +1129,7 @@ impl<T: Transport> CodedGroup<T> {
         }
         let rows = tokens.iter().map(|&t| (t as usize % l) as u32).collect();
         let c = tokens.len() * d;
-        let (decoded, _) = self
+        let decoded = self
             .run(&StepRequest::EmbedRows { rows }, c, "embedding")
             .await?;
         let mut x = Vec::with_capacity(c);

@@ -103,6 +103,14 @@ impl<A: Asks> Rounds<A> {
     pub fn notes(&self) -> &RoundNotes {
         &self.notes
     }
+
+    /// Starts the round numbered `self.round`: its notes cleared and the late answers read in;
+    /// its number and the version it asks at.
+    fn begin(&mut self) -> (u64, [u8; 32]) {
+        self.notes = RoundNotes::default();
+        drain_late(&mut self.asks, &mut self.pool, &mut self.late);
+        (self.round, self.asks.version())
+    }
 }
 
 impl<A: Asks> Transport for Rounds<A> {
@@ -177,17 +185,14 @@ async fn run_round<A: Asks>(
     request: &[u8],
     need: usize,
 ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
+    let (round, version) = rounds.begin();
     let Rounds {
         asks,
         pool,
-        round,
         notes,
         late,
+        ..
     } = rounds;
-    let round = *round;
-    *notes = RoundNotes::default();
-    let version = asks.version();
-    drain_late(asks, pool, late);
     let mut driver = RoundDriver::start(Instant::now(), members, need, pool);
     let mut compute: BTreeMap<usize, u64> = BTreeMap::new();
     loop {
@@ -245,17 +250,14 @@ async fn run_round_each<A: Asks>(
     rounds: &mut Rounds<A>,
     requests: &[(usize, Vec<u8>)],
 ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
+    let (round, version) = rounds.begin();
     let Rounds {
         asks,
         pool,
-        round,
         notes,
         late,
+        ..
     } = rounds;
-    let round = *round;
-    *notes = RoundNotes::default();
-    let version = asks.version();
-    drain_late(asks, pool, late);
     let due: Vec<(usize, &[u8])> = requests.iter().map(|(r, q)| (*r, q.as_slice())).collect();
     asks.ask(round, &due);
     let deadline = Instant::now() + RoundConfig::default().member_timeout;
