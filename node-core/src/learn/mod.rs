@@ -88,29 +88,64 @@ pub enum UpdateError {
     Apply(#[from] CodedError),
 }
 
-/// `‖dYᵀ·X‖_F²` from the factors: `Σ_{a,b} ⟨x_a, x_b⟩·⟨dy_a, dy_b⟩`, without forming `dYᵀ·X`.
-fn factor_norm_sq(x: &[f32], dy: &[f32], t: usize) -> f64 {
+/// `Σ_dy ‖dYᵀ·X‖_F²` over the products that share the input `x`: `Σ_{a,b} ⟨x_a, x_b⟩·⟨dy_a,
+/// dy_b⟩`, without forming `dYᵀ·X`; infinite when a shape does not fit `t` rows.
+fn factors_norm_sq(x: &[f32], dys: &[Vec<f32>], t: usize) -> f64 {
     if t == 0 {
         return 0.0;
     }
-    let (inp, out) = (x.len() / t, dy.len() / t);
-    if inp * t != x.len() || out * t != dy.len() {
+    let inp = x.len() / t;
+    if inp * t != x.len() || dys.iter().any(|dy| dy.len() % t != 0) {
         return f64::INFINITY;
     }
-    let dot = |v: &[f32], a: usize, b: usize, w: usize| -> f64 {
-        v[a * w..(a + 1) * w]
-            .iter()
-            .zip(&v[b * w..(b + 1) * w])
-            .map(|(&p, &q)| p as f64 * q as f64)
-            .sum()
-    };
-    let mut sum = 0.0;
+    // X's Gram matrix once for all the products that share it, and each Gram matrix's upper
+    // triangle only (it is symmetric): the trainer measures factors of up to 256 positions.
+    let gx = gram(x, t);
+    dys.iter()
+        .map(|dy| {
+            let gy = gram(dy, t);
+            let mut sum = 0.0;
+            let mut at = 0;
+            for a in 0..t {
+                sum += gx[at] * gy[at];
+                let off: f64 = gx[at + 1..at + t - a]
+                    .iter()
+                    .zip(&gy[at + 1..at + t - a])
+                    .map(|(p, q)| p * q)
+                    .sum();
+                sum += 2.0 * off;
+                at += t - a;
+            }
+            sum
+        })
+        .sum()
+}
+
+/// The upper triangle of `V·Vᵀ` for `t` rows `v` (row by row, the diagonal first), in f64.
+fn gram(v: &[f32], t: usize) -> Vec<f64> {
+    let w = v.len() / t;
+    let wide: Vec<f64> = v.iter().map(|&p| p as f64).collect();
+    let mut g = Vec::with_capacity(t * (t + 1) / 2);
     for a in 0..t {
-        for b in 0..t {
-            sum += dot(x, a, b, inp) * dot(dy, a, b, out);
+        let row = &wide[a * w..(a + 1) * w];
+        for b in a..t {
+            g.push(dot(row, &wide[b * w..(b + 1) * w]));
         }
     }
-    sum
+    g
+}
+
+/// `⟨a, b⟩` in eight independent sums (so it pipelines; the same order on every platform).
+fn dot(a: &[f64], b: &[f64]) -> f64 {
+    let mut acc = [0.0f64; 8];
+    let ((ca, ra), (cb, rb)) = (a.as_chunks::<8>(), b.as_chunks::<8>());
+    let tail: f64 = ra.iter().zip(rb).map(|(p, q)| p * q).sum();
+    for (p, q) in ca.iter().zip(cb) {
+        for i in 0..8 {
+            acc[i] += p[i] * q[i];
+        }
+    }
+    ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])) + tail
 }
 
 /// Most positions one request trains on, and most factor rows a stage of an update may carry
@@ -198,10 +233,7 @@ impl Update {
         let mut sq: f64 = self
             .stages
             .iter()
-            .flat_map(|f| {
-                f.dy.iter()
-                    .map(move |dy| factor_norm_sq(&f.x, dy, f.rows as usize))
-            })
+            .map(|f| factors_norm_sq(&f.x, &f.dy, f.rows as usize))
             .sum();
         sq += self
             .embed_dx
@@ -245,6 +277,11 @@ impl Update {
 
     /// Checks shapes, finiteness and the step bound before anything is applied.
     pub fn validate(&self, cfg: &LlamaConfig) -> Result<(), UpdateError> {
+        self.validated_norm(cfg).map(|_| ())
+    }
+
+    /// [`Update::validate`], giving the gradient's norm it measured.
+    fn validated_norm(&self, cfg: &LlamaConfig) -> Result<f64, UpdateError> {
         let shape = |m: String| Err(UpdateError::Shape(m));
         let expected = Stage::all(cfg);
         if self.stages.len() != expected.len()
@@ -293,7 +330,7 @@ impl Update {
                 bound: MAX_STEP_NORM,
             });
         }
-        Ok(())
+        Ok(norm)
     }
 
     /// [`Update::validate`], and the step within the mesh's settings: learning on, the step at
@@ -304,11 +341,10 @@ impl Update {
         cfg: &LlamaConfig,
         learning: &LearningConfig,
     ) -> Result<(), UpdateError> {
-        self.validate(cfg)?;
+        let norm = self.validated_norm(cfg)?;
         if !learning.enabled {
             return Err(UpdateError::Settings("this mesh does not learn".into()));
         }
-        let norm = self.gradient_norm();
         let slack = 1.0 + 1e-3;
         let bound = learning.step_norm_bound();
         if self.step as f64 > learning.lr as f64 * slack || self.step as f64 * norm > bound * slack
@@ -649,5 +685,58 @@ fn apply_coded(
                 *c = (exact - f64::from(*v)) as f32;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use rand::{Rng, SeedableRng};
+
+    use super::*;
+
+    /// `Σ_dy ‖dYᵀ·X‖_F²`, forming each product.
+    fn formed(x: &[f32], dys: &[Vec<f32>], t: usize) -> f64 {
+        let inp = x.len() / t;
+        dys.iter()
+            .map(|dy| {
+                let out = dy.len() / t;
+                let mut sq = 0.0;
+                for o in 0..out {
+                    for i in 0..inp {
+                        let v: f64 = (0..t)
+                            .map(|a| dy[a * out + o] as f64 * x[a * inp + i] as f64)
+                            .sum();
+                        sq += v * v;
+                    }
+                }
+                sq
+            })
+            .sum()
+    }
+
+    #[test]
+    fn the_factors_norm_is_the_formed_products_norm() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
+        let mut values =
+            |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect() };
+        // Widths with and without a tail beyond the eight-wide sums; one position and many.
+        for (t, inp, outs) in [
+            (1, 5, vec![3]),
+            (7, 19, vec![8, 13]),
+            (33, 64, vec![17, 9, 40]),
+        ] {
+            let x = values(t * inp);
+            let dys: Vec<Vec<f32>> = outs.iter().map(|&o| values(t * o)).collect();
+            let (got, want) = (factors_norm_sq(&x, &dys, t), formed(&x, &dys, t));
+            assert!(
+                (got - want).abs() <= 1e-12 * want,
+                "t {t}: {got} against {want}"
+            );
+        }
+        assert_eq!(
+            factors_norm_sq(&[1.0; 6], &[vec![1.0; 3]], 4),
+            f64::INFINITY
+        );
+        assert_eq!(factors_norm_sq(&[], &[vec![]], 0), 0.0);
     }
 }

@@ -51,7 +51,13 @@ impl SamplingParams {
 pub struct Sampler {
     params: SamplingParams,
     rng: ChaCha8Rng,
+    /// The last distribution (kept: a vocabulary's worth of weights each token).
+    probs: Vec<(u32, f64)>,
 }
+
+/// Tokens sorted first when cutting a nucleus; more (eight times as many each time) only when
+/// these do not hold its mass.
+const NUCLEUS_HEAD: usize = 64;
 
 impl Sampler {
     /// A sampler with these parameters.
@@ -60,18 +66,19 @@ impl Sampler {
         Ok(Self {
             params,
             rng: ChaCha8Rng::seed_from_u64(params.seed),
+            probs: Vec::new(),
         })
     }
 
     /// Picks a token id from a row of logits.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
-        let probs = match self.distribution(logits) {
-            Some(probs) => probs,
-            None => return argmax(logits),
-        };
+        if !distribution(&self.params, logits, &mut self.probs) {
+            return argmax(logits);
+        }
+        let probs = &self.probs;
         let kept: f64 = probs.iter().map(|p| p.1).sum();
         let r = self.rng.random::<f64>() * kept;
-        draw(&probs, r, None)
+        draw(probs, r, None)
     }
 
     /// Whether the drafted token `draft` is kept as the next token ([`super::speculate`]):
@@ -79,13 +86,11 @@ impl Sampler {
     /// largest logit; sampling keeps it with its probability and otherwise draws from the
     /// distribution without it, so the token is distributed exactly as [`Self::sample`]'s.
     pub fn verify(&mut self, logits: &[f32], draft: u32) -> Result<(), u32> {
-        let probs = match self.distribution(logits) {
-            Some(probs) => probs,
-            None => {
-                let best = argmax(logits);
-                return if best == draft { Ok(()) } else { Err(best) };
-            }
-        };
+        if !distribution(&self.params, logits, &mut self.probs) {
+            let best = argmax(logits);
+            return if best == draft { Ok(()) } else { Err(best) };
+        }
+        let probs = &self.probs;
         let kept: f64 = probs.iter().map(|p| p.1).sum();
         let mass = probs.iter().find(|p| p.0 == draft).map_or(0.0, |p| p.1);
         if self.rng.random::<f64>() * kept < mass {
@@ -93,40 +98,54 @@ impl Sampler {
         }
         let rest = kept - mass;
         let r = self.rng.random::<f64>() * rest;
-        Err(draw(&probs, r, Some(draft)))
+        Err(draw(probs, r, Some(draft)))
     }
+}
 
-    /// The tokens sampling may pick with their weights (unnormalised, largest first, cut to
-    /// the nucleus); `None` for greedy, or when no logit is finite.
-    fn distribution(&self, logits: &[f32]) -> Option<Vec<(u32, f64)>> {
-        if self.params.temperature == 0.0 {
-            return None;
-        }
-        let inv_t = 1.0 / self.params.temperature as f64;
-        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-        let mut probs: Vec<(u32, f64)> = logits
+/// Fills `probs` with the tokens sampling may pick and their weights (unnormalised): every
+/// finite token in id order when `top_p` is 1, else the nucleus, largest first (ties in id
+/// order); `false` for greedy, or when no logit is finite. Only the nucleus is sorted, not the
+/// vocabulary: that sort was most of a sampled token's time on the leader.
+fn distribution(params: &SamplingParams, logits: &[f32], probs: &mut Vec<(u32, f64)>) -> bool {
+    probs.clear();
+    if params.temperature == 0.0 {
+        return false;
+    }
+    let inv_t = 1.0 / params.temperature as f64;
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    probs.extend(
+        logits
             .iter()
             .enumerate()
             .filter(|(_, l)| l.is_finite())
-            .map(|(i, &l)| (i as u32, ((l as f64 - max) * inv_t).exp()))
-            .collect();
-        if probs.is_empty() {
-            return None;
+            .map(|(i, &l)| (i as u32, ((l as f64 - max) * inv_t).exp())),
+    );
+    if probs.is_empty() {
+        return false;
+    }
+    if params.top_p >= 1.0 {
+        return true;
+    }
+    let keep_mass = params.top_p as f64 * probs.iter().map(|p| p.1).sum::<f64>();
+    let order = |a: &(u32, f64), b: &(u32, f64)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+    let mut head = NUCLEUS_HEAD.min(probs.len());
+    loop {
+        if head < probs.len() {
+            probs.select_nth_unstable_by(head - 1, order);
         }
-        probs.sort_by(|a, b| b.1.total_cmp(&a.1));
-        let total: f64 = probs.iter().map(|p| p.1).sum();
-        let keep_mass = self.params.top_p as f64 * total;
+        probs[..head].sort_unstable_by(order);
         let mut kept = 0.0;
-        let mut cut = probs.len();
-        for (i, p) in probs.iter().enumerate() {
+        if let Some(cut) = probs[..head].iter().position(|p| {
             kept += p.1;
-            if kept >= keep_mass {
-                cut = i + 1;
-                break;
-            }
+            kept >= keep_mass
+        }) {
+            probs.truncate(cut + 1);
+            return true;
         }
-        probs.truncate(cut);
-        Some(probs)
+        if head == probs.len() {
+            return true;
+        }
+        head = (head * 8).min(probs.len());
     }
 }
 
@@ -158,6 +177,8 @@ pub fn argmax(logits: &[f32]) -> u32 {
 
 #[cfg(test)]
 mod tests {
+    use rand::{Rng, SeedableRng};
+
     use super::*;
 
     #[test]
@@ -191,6 +212,77 @@ mod tests {
         let mut tiny = tiny.unwrap();
         for _ in 0..20 {
             assert_eq!(tiny.sample(&logits), argmax(&logits));
+        }
+    }
+
+    /// The nucleus by sorting the whole vocabulary, as the sampler once did.
+    fn sorted_nucleus(logits: &[f32], temperature: f32, top_p: f32) -> Vec<(u32, f64)> {
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+        let mut probs: Vec<(u32, f64)> = logits
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| l.is_finite())
+            .map(|(i, &l)| {
+                (
+                    i as u32,
+                    ((l as f64 - max) * (1.0 / temperature as f64)).exp(),
+                )
+            })
+            .collect();
+        probs.sort_by(|a, b| b.1.total_cmp(&a.1));
+        let keep_mass = top_p as f64 * probs.iter().map(|p| p.1).sum::<f64>();
+        let mut kept = 0.0;
+        let cut = probs
+            .iter()
+            .position(|p| {
+                kept += p.1;
+                kept >= keep_mass
+            })
+            .map_or(probs.len(), |c| c + 1);
+        probs.truncate(cut);
+        probs
+    }
+
+    #[test]
+    fn the_nucleus_is_the_one_a_whole_sort_gives() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
+        // A peaked vocabulary (the nucleus within the first tokens sorted), a flat one (it
+        // needs far more), ties, and logits that are not finite.
+        let peaked: Vec<f32> = (0..5000).map(|_| rng.random_range(-8.0f32..8.0)).collect();
+        let flat: Vec<f32> = (0..5000).map(|_| rng.random_range(-0.1f32..0.1)).collect();
+        let mut tied = vec![1.0f32; 300];
+        tied[7] = f32::NAN;
+        tied[9] = f32::NEG_INFINITY;
+        tied[200] = 2.0;
+        for logits in [&peaked, &flat, &tied] {
+            for (temperature, top_p) in [(0.7, 0.9), (1.0, 0.5), (1.3, 0.99), (0.2, 1e-3)] {
+                let params = SamplingParams {
+                    temperature,
+                    top_p,
+                    seed: 0,
+                };
+                let mut probs = Vec::new();
+                assert!(distribution(&params, logits, &mut probs));
+                let want = sorted_nucleus(logits, temperature, top_p);
+                let ids = |p: &[(u32, f64)]| p.iter().map(|p| p.0).collect::<Vec<_>>();
+                assert_eq!(ids(&probs), ids(&want), "t {temperature}, top_p {top_p}");
+            }
+            // top_p 1: every finite token, with its weight, in id order.
+            let params = SamplingParams {
+                temperature: 0.7,
+                top_p: 1.0,
+                seed: 0,
+            };
+            let mut probs = Vec::new();
+            assert!(distribution(&params, logits, &mut probs));
+            let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+            let want: Vec<(u32, f64)> = logits
+                .iter()
+                .enumerate()
+                .filter(|(_, l)| l.is_finite())
+                .map(|(i, &l)| (i as u32, ((l as f64 - max) * (1.0 / 0.7f32 as f64)).exp()))
+                .collect();
+            assert_eq!(probs, want);
         }
     }
 
