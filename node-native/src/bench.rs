@@ -482,7 +482,7 @@ pub fn mesh_rows(b: &MeshBench<'_>) -> Result<Vec<Row>> {
             anyhow::anyhow!("the local mesh never showed 5 live rows (last: {last})")
         })?;
         if ms == 0.0 {
-            rows.extend(loopback_rows(&mut leader, &rt, b.prompt, b.tokens)?);
+            rows.extend(loopback_rows(&mut leader, &rt, &mesh, b.prompt, b.tokens)?);
         }
         rows.extend(delay_rows(&mut leader, &rt, b.summary, ms)?);
         drop(leader);
@@ -583,10 +583,12 @@ fn delay_rows(
     Ok(rows)
 }
 
-/// The loopback rows: prefill, decode, drafts, rounds, bytes and the time split.
+/// The loopback rows: prefill, decode, drafts, rounds, bytes, the time split and the CPU each
+/// process spent a round.
 fn loopback_rows(
     leader: &mut crate::remote::Leader,
     runtime: &tokio::runtime::Runtime,
+    mesh: &crate::localmesh::LocalMesh,
     prompt: &[u32],
     tokens: usize,
 ) -> Result<Vec<Row>> {
@@ -599,7 +601,12 @@ fn loopback_rows(
     leader.generate(runtime, prompt, &opts, &mut |_| true)?;
     leader.group.reset_stats();
     let compute_before = leader.group.transport().stats().compute;
+    let pids: Vec<u32> = std::iter::once(std::process::id())
+        .chain(mesh.pids())
+        .collect();
+    let cpu_before: Option<Vec<Duration>> = pids.iter().map(|&p| process_cpu(p)).collect();
     let run = leader.generate(runtime, prompt, &opts, &mut |_| true)?;
+    let cpu_after: Option<Vec<Duration>> = pids.iter().map(|&p| process_cpu(p)).collect();
     let stats = leader.group.stats().clone();
     let compute = leader.group.transport().stats().compute - compute_before;
     let draft = node_core::model::speculate::DEFAULT_DRAFT;
@@ -616,7 +623,7 @@ fn loopback_rows(
         .as_secs_f64()
         .max(1e-9);
     let pct = |d: Duration| 100.0 * d.as_secs_f64() / total;
-    Ok(vec![
+    let mut rows = vec![
         row(
             format!("{label}: prefill ({} tokens)", prompt.len()),
             format!("{:.1} tok/s", run.prefill_tokens_per_s()),
@@ -675,7 +682,68 @@ fn loopback_rows(
                 stats.rounds
             ),
         ),
-    ])
+    ];
+    if let (Some(before), Some(after)) = (cpu_before, cpu_after) {
+        let wall = (run.decode_time + run.prefill_time).as_secs_f64();
+        rows.push(cpu_row(label, &before, &after, &stats, wall));
+    }
+    Ok(rows)
+}
+
+/// CPU (user and system) each process spent a round, against the cores: when all of it over
+/// the cores comes near the round's time, the round waits for cores, not for the network.
+fn cpu_row(
+    label: &str,
+    before: &[Duration],
+    after: &[Duration],
+    stats: &node_core::coded::ExecStats,
+    wall: f64,
+) -> Row {
+    let rounds = stats.rounds;
+    let per_round =
+        |i: usize| after[i].saturating_sub(before[i]).as_secs_f64() * 1e6 / rounds.max(1) as f64;
+    let all: f64 = (0..after.len()).map(per_round).sum();
+    let nodes: Vec<String> = (1..after.len())
+        .map(|i| format!("{:.0}", per_round(i)))
+        .collect();
+    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+    row(
+        format!("{label}: CPU per round (user + system; leader, then each node)"),
+        format!(
+            "leader {:.0} µs, nodes {} µs ({:.1} members asked a round); all {all:.0} µs, over {cores} cores {:.0} µs against {:.0} µs a round",
+            per_round(0),
+            nodes.join(" / "),
+            stats.member_requests as f64 / rounds.max(1) as f64,
+            all / cores as f64,
+            wall * 1e6 / rounds.max(1) as f64
+        ),
+    )
+}
+
+/// CPU time process `pid` has used (all its threads, user and system), where the platform
+/// tells (Linux: `/proc/PID/stat`).
+#[cfg(target_os = "linux")]
+fn process_cpu(pid: u32) -> Option<Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The fields after the command's closing parenthesis; utime and stime are 14th and 15th.
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    let ticks: u64 = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+    Some(Duration::from_secs_f64(ticks as f64 / clock_ticks()))
+}
+
+/// CPU time process `pid` has used, where the platform tells (not here).
+#[cfg(not(target_os = "linux"))]
+fn process_cpu(_pid: u32) -> Option<Duration> {
+    None
+}
+
+/// Clock ticks a second, the unit of `/proc/PID/stat`'s times.
+#[cfg(target_os = "linux")]
+fn clock_ticks() -> f64 {
+    match nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK) {
+        Ok(Some(t)) if t > 0 => t as f64,
+        _ => 100.0,
+    }
 }
 
 /// Kinds of text drafts are measured on: code, summarising a given passage, open chat.

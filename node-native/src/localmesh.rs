@@ -83,6 +83,11 @@ impl LocalMesh {
         Ok(mesh)
     }
 
+    /// The processes' ids, the seed's first.
+    pub fn pids(&self) -> Vec<u32> {
+        self.children.iter().map(Child::id).collect()
+    }
+
     /// Waits until every node logs that it serves its row.
     pub fn wait_serving(&mut self, dir: &Path, timeout: Duration) -> Result<()> {
         let start = Instant::now();
