@@ -4,6 +4,7 @@
 //! speak the protocol (an older release) fails as a member, naming the protocol, and is replaced.
 
 use std::future::Future;
+use std::io::ErrorKind;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::task::{Context, Poll};
@@ -251,30 +252,26 @@ pub async fn open_accepted(
 ) -> Result<libp2p::Stream, OpenStreamError> {
     let mut pause = FIRST_PAUSE;
     let mut tried = 0;
+    let io = |kind, why: &str| std::io::Error::new(kind, format!("{protocol}: {why}"));
     loop {
         tried += 1;
         let mut stream = control.open_stream(peer, protocol.clone()).await?;
         let mut first = [0u8; 1];
-        let read = tokio::time::timeout(ACCEPT_WAIT, stream.read(&mut first)).await;
-        let Ok(read) = read else {
-            return Err(OpenStreamError::Io(std::io::Error::new(
-                std::io::ErrorKind::TimedOut,
-                format!("{protocol}: the receiver did not take the stream within {ACCEPT_WAIT:?}"),
-            )));
-        };
-        let why = match read {
-            Ok(1) if first[0] == session::ACCEPTED => return Ok(stream),
-            Ok(1) => {
-                return Err(OpenStreamError::Io(std::io::Error::new(
-                    std::io::ErrorKind::InvalidData,
-                    format!("{protocol}: the receiver did not begin with the accepted byte"),
-                )));
+        let why = match tokio::time::timeout(ACCEPT_WAIT, stream.read(&mut first)).await {
+            Ok(Ok(1)) if first[0] == session::ACCEPTED => return Ok(stream),
+            Ok(Ok(1)) => {
+                let why = "the receiver did not begin with the accepted byte";
+                return Err(OpenStreamError::Io(io(ErrorKind::InvalidData, why)));
             }
-            Ok(_) => std::io::Error::new(
-                std::io::ErrorKind::UnexpectedEof,
-                format!("{protocol}: the receiver dropped the stream unread"),
+            Err(_) => {
+                let why = format!("the receiver did not take the stream within {ACCEPT_WAIT:?}");
+                return Err(OpenStreamError::Io(io(ErrorKind::TimedOut, &why)));
+            }
+            Ok(Ok(_)) => io(
+                ErrorKind::UnexpectedEof,
+                "the receiver dropped the stream unread",
             ),
-            Err(e) => e,
+            Ok(Err(e)) => e,
         };
         if tried >= OPEN_TRIES {
             return Err(OpenStreamError::Io(why));

@@ -491,8 +491,7 @@ impl<T: Transport> CodedGroup<T> {
                 Ok(values) => values,
                 Err(e) => {
                     tracing::warn!(node, error = %e, "dropping a member whose late answer is unusable");
-                    self.stats.members_dropped += 1;
-                    self.members.retain(|&n| n != node);
+                    self.drop_member(node);
                     continue;
                 }
             };
@@ -523,9 +522,14 @@ impl<T: Transport> CodedGroup<T> {
     /// Records a member caught answering against the code, with the evidence, and drops it.
     fn convict(&mut self, caught: Caught) {
         tracing::warn!(node = caught.node, "{caught}");
-        self.members.retain(|&n| n != caught.node);
-        self.stats.members_dropped += 1;
+        self.drop_member(caught.node);
         self.stats.caught.push(caught);
+    }
+
+    /// Leaves `node` out of the group from now on, counted.
+    fn drop_member(&mut self, node: usize) {
+        self.members.retain(|&n| n != node);
+        self.stats.members_dropped += 1;
     }
 
     /// The residuals of the answers beyond the first k (in order) against the decode of the
@@ -983,8 +987,7 @@ impl<T: Transport> CodedGroup<T> {
                 Ok(a) => a,
                 Err(e) => {
                     tracing::warn!(node = e.node, reason = %e.reason, "dropping a member in a backward step");
-                    self.members.retain(|&n| n != e.node);
-                    self.stats.members_dropped += 1;
+                    self.drop_member(e.node);
                     last_error = Some(CodedError::Transport(e));
                     continue;
                 }
@@ -1025,8 +1028,7 @@ impl<T: Transport> CodedGroup<T> {
                     })
                 }
                 Some((node, e)) => {
-                    self.members.retain(|&n| n != node);
-                    self.stats.members_dropped += 1;
+                    self.drop_member(node);
                     last_error = Some(e);
                 }
             }

@@ -104,11 +104,12 @@ impl<A: Asks> Rounds<A> {
         &self.notes
     }
 
-    /// Starts the round numbered `self.round`: its notes cleared and the late answers read in;
-    /// its number and the version it asks at.
+    /// Starts the next round: its notes cleared and the late answers read in; its number and
+    /// the version it asks at.
     fn begin(&mut self) -> (u64, [u8; 32]) {
+        self.round += 1;
         self.notes = RoundNotes::default();
-        drain_late(&mut self.asks, &mut self.pool, &mut self.late);
+        self.drain_late();
         (self.round, self.asks.version())
     }
 }
@@ -120,16 +121,14 @@ impl<A: Asks> Transport for Rounds<A> {
         request: &[u8],
         need: usize,
     ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
-        self.round += 1;
-        run_round(self, members, request, need).await
+        self.run_round(members, request, need).await
     }
 
     async fn round_each(
         &mut self,
         requests: Vec<(usize, Vec<u8>)>,
     ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
-        self.round += 1;
-        run_round_each(self, &requests).await
+        self.run_round_each(&requests).await
     }
 
     fn last_round(&self) -> Option<u64> {
@@ -137,7 +136,7 @@ impl<A: Asks> Transport for Rounds<A> {
     }
 
     fn late_answers(&mut self) -> Vec<(u64, usize, Vec<u8>)> {
-        drain_late(&mut self.asks, &mut self.pool, &mut self.late);
+        self.drain_late();
         self.late.drain(..).collect()
     }
 }
@@ -150,152 +149,135 @@ fn refused(refusal: &StepRefusal, version: &[u8; 32], notes: &mut RoundNotes) ->
     refusal.to_string()
 }
 
-/// Answers to earlier rounds that came since: who is slow but alive, and who failed; the
-/// answers themselves are kept for the group to check.
-fn drain_late<A: Asks>(asks: &mut A, pool: &mut MemberPool, late: &mut Late) {
-    while let Some((round, row, answer)) = asks.try_next() {
-        note_late(pool, late, round, row, answer);
+impl<A: Asks> Rounds<A> {
+    /// Answers to earlier rounds that came since: who is slow but alive, and who failed; the
+    /// answers themselves are kept for the group to check.
+    fn drain_late(&mut self) {
+        while let Some((round, row, answer)) = self.asks.try_next() {
+            self.note_late(round, row, answer);
+        }
     }
-}
 
-/// An answer to an earlier round, already decided: the member is alive (its answer kept), or
-/// not.
-fn note_late(
-    pool: &mut MemberPool,
-    late: &mut Late,
-    round: u64,
-    row: usize,
-    answer: Result<(Vec<u8>, u64), StepRefusal>,
-) {
-    match answer {
-        Ok((bytes, _)) => {
-            pool.note_answer(row);
-            keep_late(late, round, row, bytes);
-        }
-        Err(_) => pool.note_failure(row),
-    }
-}
-
-/// Round `round` of `request` over `members`: the answers of at least `need` of them, first
-/// come first served. A failed member is dropped from `members` and a free row of `pool`
-/// asked instead; a straggler is outrun.
-async fn run_round<A: Asks>(
-    rounds: &mut Rounds<A>,
-    members: &mut Vec<usize>,
-    request: &[u8],
-    need: usize,
-) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
-    let (round, version) = rounds.begin();
-    let Rounds {
-        asks,
-        pool,
-        notes,
-        late,
-        ..
-    } = rounds;
-    let mut driver = RoundDriver::start(Instant::now(), members, need, pool);
-    let mut compute: BTreeMap<usize, u64> = BTreeMap::new();
-    loop {
-        let mut due = Vec::new();
-        while let Some(row) = driver.poll_transmit() {
-            due.push((row, request));
-        }
-        if !due.is_empty() {
-            asks.ask(round, &due);
-        }
-        if driver.is_done() || driver.is_failed() {
-            break;
-        }
-        let until = driver
-            .poll_timeout()
-            .unwrap_or_else(|| Instant::now() + Duration::from_secs(1));
-        match asks.next(until).await {
-            Some((r, row, answer)) if r == round => {
-                let answer = answer.map_err(|refusal| refused(&refusal, &version, notes));
-                asks.seen(
-                    row,
-                    answer
-                        .as_ref()
-                        .map(|(b, us)| (b.len(), *us))
-                        .map_err(String::as_str),
-                );
-                let answer = answer.map(|(bytes, us)| {
-                    compute.insert(row, us);
-                    bytes
-                });
-                driver.handle_answer(Instant::now(), row, answer, pool);
+    /// An answer to an earlier round, already decided: the member is alive (its answer kept),
+    /// or not.
+    fn note_late(&mut self, round: u64, row: usize, answer: Result<(Vec<u8>, u64), StepRefusal>) {
+        match answer {
+            Ok((bytes, _)) => {
+                self.pool.note_answer(row);
+                keep_late(&mut self.late, round, row, bytes);
             }
-            Some((r, row, answer)) => note_late(pool, late, r, row, answer),
-            None => driver.handle_timeout(Instant::now(), pool),
+            Err(_) => self.pool.note_failure(row),
         }
     }
-    asks.ended();
-    *members = driver.members().to_vec();
-    let answers = driver.finish(pool).map_err(|e| TransportError {
-        node: usize::MAX,
-        reason: e.to_string(),
-    })?;
-    notes.slowest_compute_us = answers
-        .iter()
-        .filter_map(|(r, _)| compute.get(r))
-        .max()
-        .copied()
-        .unwrap_or(0);
-    Ok(answers)
-}
 
-/// Round `round` of backward steps: each member its own request, and every answer needed
-/// within [`RoundConfig::member_timeout`]; the first failure ends it.
-async fn run_round_each<A: Asks>(
-    rounds: &mut Rounds<A>,
-    requests: &[(usize, Vec<u8>)],
-) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
-    let (round, version) = rounds.begin();
-    let Rounds {
-        asks,
-        pool,
-        notes,
-        late,
-        ..
-    } = rounds;
-    let due: Vec<(usize, &[u8])> = requests.iter().map(|(r, q)| (*r, q.as_slice())).collect();
-    asks.ask(round, &due);
-    let deadline = Instant::now() + RoundConfig::default().member_timeout;
-    let mut answers: Vec<(usize, Vec<u8>)> = Vec::with_capacity(requests.len());
-    let result = loop {
-        if answers.len() == requests.len() {
-            break Ok(answers);
-        }
-        match asks.next(deadline).await {
-            Some((r, row, answer)) if r == round => match answer {
-                Ok((bytes, us)) => {
-                    asks.seen(row, Ok((bytes.len(), us)));
-                    notes.slowest_compute_us = notes.slowest_compute_us.max(us);
-                    answers.push((row, bytes));
+    /// The next round of `request` over `members`: the answers of at least `need` of them, first
+    /// come first served. A failed member is dropped from `members` and a free row of the pool
+    /// asked instead; a straggler is outrun.
+    async fn run_round(
+        &mut self,
+        members: &mut Vec<usize>,
+        request: &[u8],
+        need: usize,
+    ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
+        let (round, version) = self.begin();
+        let mut driver = RoundDriver::start(Instant::now(), members, need, &mut self.pool);
+        let mut compute: BTreeMap<usize, u64> = BTreeMap::new();
+        loop {
+            let mut due = Vec::new();
+            while let Some(row) = driver.poll_transmit() {
+                due.push((row, request));
+            }
+            if !due.is_empty() {
+                self.asks.ask(round, &due);
+            }
+            if driver.is_done() || driver.is_failed() {
+                break;
+            }
+            let until = driver
+                .poll_timeout()
+                .unwrap_or_else(|| Instant::now() + Duration::from_secs(1));
+            match self.asks.next(until).await {
+                Some((r, row, answer)) if r == round => {
+                    let answer =
+                        answer.map_err(|refusal| refused(&refusal, &version, &mut self.notes));
+                    self.asks.seen(
+                        row,
+                        answer
+                            .as_ref()
+                            .map(|(b, us)| (b.len(), *us))
+                            .map_err(String::as_str),
+                    );
+                    let answer = answer.map(|(bytes, us)| {
+                        compute.insert(row, us);
+                        bytes
+                    });
+                    driver.handle_answer(Instant::now(), row, answer, &mut self.pool);
                 }
-                Err(refusal) => {
-                    let reason = refused(&refusal, &version, notes);
-                    asks.seen(row, Err(&reason));
-                    pool.note_failure(row);
-                    break Err(TransportError { node: row, reason });
-                }
-            },
-            Some((r, row, answer)) => note_late(pool, late, r, row, answer),
-            None => {
-                let missing = requests
-                    .iter()
-                    .map(|(r, _)| *r)
-                    .find(|r| answers.iter().all(|(a, _)| a != r))
-                    .unwrap_or(usize::MAX);
-                break Err(TransportError {
-                    node: missing,
-                    reason: "timed out".into(),
-                });
+                Some((r, row, answer)) => self.note_late(r, row, answer),
+                None => driver.handle_timeout(Instant::now(), &mut self.pool),
             }
         }
-    };
-    asks.ended();
-    result
+        self.asks.ended();
+        *members = driver.members().to_vec();
+        let answers = driver.finish(&mut self.pool).map_err(|e| TransportError {
+            node: usize::MAX,
+            reason: e.to_string(),
+        })?;
+        self.notes.slowest_compute_us = answers
+            .iter()
+            .filter_map(|(r, _)| compute.get(r))
+            .max()
+            .copied()
+            .unwrap_or(0);
+        Ok(answers)
+    }
+
+    /// The next round of backward steps: each member its own request, and every answer needed
+    /// within [`RoundConfig::member_timeout`]; the first failure ends it.
+    async fn run_round_each(
+        &mut self,
+        requests: &[(usize, Vec<u8>)],
+    ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
+        let (round, version) = self.begin();
+        let due: Vec<(usize, &[u8])> = requests.iter().map(|(r, q)| (*r, q.as_slice())).collect();
+        self.asks.ask(round, &due);
+        let deadline = Instant::now() + RoundConfig::default().member_timeout;
+        let mut answers: Vec<(usize, Vec<u8>)> = Vec::with_capacity(requests.len());
+        let result = loop {
+            if answers.len() == requests.len() {
+                break Ok(answers);
+            }
+            match self.asks.next(deadline).await {
+                Some((r, row, answer)) if r == round => match answer {
+                    Ok((bytes, us)) => {
+                        self.asks.seen(row, Ok((bytes.len(), us)));
+                        self.notes.slowest_compute_us = self.notes.slowest_compute_us.max(us);
+                        answers.push((row, bytes));
+                    }
+                    Err(refusal) => {
+                        let reason = refused(&refusal, &version, &mut self.notes);
+                        self.asks.seen(row, Err(&reason));
+                        self.pool.note_failure(row);
+                        break Err(TransportError { node: row, reason });
+                    }
+                },
+                Some((r, row, answer)) => self.note_late(r, row, answer),
+                None => {
+                    let missing = requests
+                        .iter()
+                        .map(|(r, _)| *r)
+                        .find(|r| answers.iter().all(|(a, _)| a != r))
+                        .unwrap_or(usize::MAX);
+                    break Err(TransportError {
+                        node: missing,
+                        reason: "timed out".into(),
+                    });
+                }
+            }
+        };
+        self.asks.ended();
+        result
+    }
 }
 
 #[cfg(test)]
