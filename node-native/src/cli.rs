@@ -186,8 +186,9 @@ pub(crate) struct BenchArgs {
     /// Size of the large copy and GEMV buffers in MiB (with --gpu).
     #[arg(long, default_value_t = 1024)]
     pub(crate) gpu_mib: u64,
-    /// Use random weights of SmolLM2-135M's shape instead of a model file (speed only).
-    #[arg(long)]
+    /// Use random weights of SmolLM2-135M's shape instead of a model file (with --gpu; speed
+    /// only).
+    #[arg(long, requires = "gpu")]
     pub(crate) synthetic: bool,
     /// Measure what compact grids cost against the model as loaded (logit error, greedy
     /// tokens) instead of speed.
