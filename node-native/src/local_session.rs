@@ -190,24 +190,110 @@ fn lock(pending: &Mutex<Pending>) -> std::sync::MutexGuard<'_, Pending> {
 #[cfg(target_os = "linux")]
 mod platform {
     use std::future::Future;
+    use std::io::{Read, Write};
+    use std::os::fd::{AsFd, OwnedFd};
     use std::os::linux::net::SocketAddrExt;
-    use std::os::unix::net::SocketAddr;
+    use std::os::unix::net::{SocketAddr, UnixStream};
+    use std::pin::Pin;
     use std::sync::{Arc, Mutex};
+    use std::task::{Context, Poll, ready};
 
-    use futures::io::BufReader;
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
-    use tokio::net::{UnixListener, UnixStream};
-    use tokio_util::compat::{Compat, TokioAsyncReadCompatExt, TokioAsyncWriteCompatExt};
+    use futures::io::{BufReader, BufWriter};
+    use futures::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+    use tokio::io::Interest;
+    use tokio::io::unix::AsyncFd;
+    use tokio::net::UnixListener;
 
     use super::{HANDSHAKE, LocalError, Offer, Pending, TOKEN, lock};
 
     /// Connections a member lets wait for their token at once.
     const MAX_HANDSHAKES: usize = 64;
 
-    /// A leader's end of a local session. Reads are buffered: a frame's length and body
-    /// come in one system call, where the unbuffered socket took one for each.
-    pub type Socket = BufReader<Compat<UnixStream>>;
+    /// Bytes a side gathers before it writes: a frame goes out in one system call (one
+    /// wake-up of the reader), not in the 4 KiB pieces a WebRTC channel needs.
+    const WRITE_BUFFER: usize = 128 << 10;
+
+    /// A leader's end of a local session: reads are buffered (a frame's length and body
+    /// come in one system call), and so are writes until each frame's flush.
+    pub type Socket = BufReader<BufWriter<Half>>;
+
+    /// One side's use of a local session's socket: reading, writing, or both. The socket is
+    /// registered with the runtime for reading only. Registered for writing too, each read by
+    /// the other side (which frees room on this side) would wake this process for nothing,
+    /// twice a round. A write goes straight to the socket; only when it is full does a
+    /// duplicate of the socket, registered for writing, wait for room.
+    #[derive(Debug)]
+    pub struct Half {
+        io: Arc<AsyncFd<UnixStream>>,
+        /// The duplicate waiting for room, while a write waits.
+        room: Option<AsyncFd<OwnedFd>>,
+    }
+
+    impl Half {
+        /// Both sides of `stream` (non-blocking from here on), each usable for both.
+        fn pair(stream: UnixStream) -> std::io::Result<(Self, Self)> {
+            stream.set_nonblocking(true)?;
+            // SAFETY: the stream owns its descriptor and keeps it, open and the same, until
+            // the `AsyncFd` drops it.
+            let io = unsafe { AsyncFd::register_with_interest(stream, Interest::READABLE) }?;
+            let io = Arc::new(io);
+            let half = |io| Self { io, room: None };
+            Ok((half(io.clone()), half(io)))
+        }
+    }
+
+    impl AsyncRead for Half {
+        fn poll_read(
+            self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+            buf: &mut [u8],
+        ) -> Poll<std::io::Result<usize>> {
+            loop {
+                let mut ready = ready!(self.io.poll_read_ready(cx))?;
+                if let Ok(read) = ready.try_io(|io| io.get_ref().read(buf)) {
+                    return Poll::Ready(read);
+                }
+            }
+        }
+    }
+
+    impl AsyncWrite for Half {
+        fn poll_write(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+            buf: &[u8],
+        ) -> Poll<std::io::Result<usize>> {
+            loop {
+                match self.io.get_ref().write(buf) {
+                    Ok(n) => {
+                        self.room = None;
+                        return Poll::Ready(Ok(n));
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                    Err(e) => return Poll::Ready(Err(e)),
+                }
+                if self.room.is_none() {
+                    // Registering reports room that came since the write at once.
+                    let dup = self.io.get_ref().as_fd().try_clone_to_owned()?;
+                    // SAFETY: as in `pair`: `dup` owns its descriptor for the `AsyncFd`'s life.
+                    let room = unsafe { AsyncFd::register_with_interest(dup, Interest::WRITABLE) };
+                    self.room = Some(room?);
+                }
+                if let Some(room) = &self.room {
+                    ready!(room.poll_write_ready(cx))?.clear_ready();
+                }
+            }
+        }
+
+        fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+
+        fn poll_close(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+            Poll::Ready(self.io.get_ref().shutdown(std::net::Shutdown::Write))
+        }
+    }
 
     /// Listens on `name` in the abstract namespace.
     pub fn listen(name: &str) -> std::io::Result<UnixListener> {
@@ -224,16 +310,13 @@ mod platform {
         slots: Arc<tokio::sync::Semaphore>,
         serve: F,
     ) where
-        F: Fn(BufReader<Compat<OwnedReadHalf>>, Compat<OwnedWriteHalf>) -> Fut
-            + Clone
-            + Send
-            + 'static,
+        F: Fn(BufReader<Half>, BufWriter<Half>) -> Fut + Clone + Send + 'static,
         Fut: Future<Output = ()> + Send,
     {
         let handshakes = Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES));
         loop {
-            let conn = match listener.accept().await {
-                Ok((conn, _)) => conn,
+            let conn = match listener.accept().await.and_then(|(c, _)| c.into_std()) {
+                Ok(conn) => conn,
                 Err(e) => {
                     // Out of descriptors, say: the leaders that cannot connect use libp2p.
                     tracing::warn!("accepting a local session: {e}");
@@ -249,10 +332,14 @@ mod platform {
             };
             let (pending, slots, serve) = (pending.clone(), slots.clone(), serve.clone());
             tokio::spawn(async move {
-                let (mut reader, mut writer) = conn.into_split();
+                let (mut reader, writer) = match Half::pair(conn) {
+                    Ok(pair) => pair,
+                    Err(e) => return tracing::debug!("local session: {e}"),
+                };
+                let mut writer = BufWriter::with_capacity(WRITE_BUFFER, writer);
                 let mut ask = [0; TOKEN];
                 match tokio::time::timeout(HANDSHAKE, reader.read_exact(&mut ask)).await {
-                    Ok(Ok(_)) => {}
+                    Ok(Ok(())) => {}
                     Ok(Err(e)) => return tracing::debug!("local session: {e}"),
                     Err(_) => return tracing::debug!("local session: no token in time"),
                 }
@@ -263,31 +350,34 @@ mod platform {
                 let Ok(slot) = slots.try_acquire_owned() else {
                     return tracing::warn!("refusing a local session: too many are open");
                 };
-                if let Err(e) = writer.write_all(&answer).await {
+                if let Err(e) = send(&mut writer, &answer).await {
                     return tracing::debug!("local session: {e}");
                 }
-                serve(BufReader::new(reader.compat()), writer.compat_write()).await;
+                serve(BufReader::new(reader), writer).await;
                 drop(slot);
             });
         }
+    }
+
+    /// Writes `bytes` and flushes them.
+    async fn send(writer: &mut (impl AsyncWrite + Unpin), bytes: &[u8]) -> std::io::Result<()> {
+        writer.write_all(bytes).await?;
+        writer.flush().await
     }
 
     /// Connects to an offer's socket and checks the member's answer.
     pub async fn connect(offer: Offer) -> Result<Socket, LocalError> {
         let addr = SocketAddr::from_abstract_name(offer.name.as_bytes())?;
         // A Unix socket's connect blocks only while the listener's backlog is full.
-        let conn = tokio::task::spawn_blocking(move || {
-            let conn = std::os::unix::net::UnixStream::connect_addr(&addr)?;
-            conn.set_nonblocking(true)?;
-            Ok::<_, std::io::Error>(conn)
-        })
-        .await
-        .map_err(std::io::Error::other)??;
-        let mut conn = UnixStream::from_std(conn)?;
+        let conn = tokio::task::spawn_blocking(move || UnixStream::connect_addr(&addr))
+            .await
+            .map_err(std::io::Error::other)??;
+        let (socket, _) = Half::pair(conn)?;
+        let mut socket = BufReader::new(BufWriter::with_capacity(WRITE_BUFFER, socket));
         let answer = tokio::time::timeout(HANDSHAKE, async {
-            conn.write_all(&offer.ask).await?;
+            send(&mut socket, &offer.ask).await?;
             let mut answer = [0; TOKEN];
-            conn.read_exact(&mut answer).await?;
+            socket.read_exact(&mut answer).await?;
             Ok::<_, std::io::Error>(answer)
         })
         .await
@@ -295,7 +385,7 @@ mod platform {
         if answer != offer.answer {
             return Err(LocalError::WrongAnswer);
         }
-        Ok(BufReader::new(conn.compat()))
+        Ok(socket)
     }
 }
 
@@ -352,8 +442,28 @@ mod tests {
         }
     }
 
-    /// A member's socket under a name of its own; its pending offers.
+    /// A member that answers a product with its input's bytes.
+    async fn echo(_: [u8; 32], step: StepRequest) -> MeshResponse {
+        match step {
+            StepRequest::Matmul { x, .. } => MeshResponse::Step {
+                bytes: x.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                compute_us: 1,
+            },
+            _ => MeshResponse::Error("not a product".into()),
+        }
+    }
+
+    /// A member's socket under a name of its own, answering with `sum`; its pending offers.
     fn member(test: &str) -> (String, Arc<Mutex<Pending>>) {
+        member_with(test, sum)
+    }
+
+    /// [`member`], answering with `compute`.
+    fn member_with<F, Fut>(test: &str, compute: F) -> (String, Arc<Mutex<Pending>>)
+    where
+        F: Fn([u8; 32], StepRequest) -> Fut + Copy + Send + Sync + 'static,
+        Fut: std::future::Future<Output = MeshResponse> + Send,
+    {
         let name = format!(
             "codedmesh/test/{}/{test}/{:016x}",
             std::process::id(),
@@ -366,8 +476,8 @@ mod tests {
             listener,
             pending.clone(),
             slots,
-            |reader, writer| async move {
-                node_core::net::session::serve(reader, writer, sum)
+            move |reader, writer| async move {
+                node_core::net::session::serve(reader, writer, compute)
                     .await
                     .unwrap();
             },
@@ -433,6 +543,48 @@ mod tests {
         // The first offer still opens a session.
         let socket = platform::connect(offer).await.unwrap();
         assert_eq!(ask_sum(socket, vec![2.0; 4]).await, 8.0);
+    }
+
+    /// Asks and answers many times the socket's buffer, several at once each way: the writes
+    /// that find the socket full wait for room and go on, and nothing is lost or reordered.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn frames_larger_than_the_socket_buffer_go_through_both_ways() {
+        let (name, pending) = member_with("large", echo);
+        let offer = lock(&pending).offer(&name);
+        let mut session = Driven::new(platform::connect(offer).await.unwrap());
+        let inputs: Vec<Vec<f32>> = (0..3)
+            .map(|a| (0..(1 << 20)).map(|i| (i * 7 + a) as f32).collect())
+            .collect();
+        for (id, x) in inputs.iter().enumerate() {
+            let step = protocol::encode(&StepRequest::Matmul {
+                stage: Stage::Qkv(0),
+                t: 1,
+                x: x.clone(),
+            })
+            .unwrap();
+            let ask = Ask {
+                id: id as u64,
+                version: [0; 32],
+                step,
+            };
+            session.ask(&ask, Instant::now()).unwrap();
+        }
+        for (id, x) in inputs.iter().enumerate() {
+            let answer = std::future::poll_fn(|cx| session.poll_answer(cx, Instant::now()));
+            let answer = tokio::time::timeout(std::time::Duration::from_secs(60), answer)
+                .await
+                .unwrap_or_else(|_| panic!("the session stalled before answer {id}"))
+                .unwrap();
+            assert_eq!(answer.id, id as u64);
+            let (bytes, _) = answer.response.into_step().unwrap();
+            let got: Vec<f32> = bytes
+                .as_chunks::<4>()
+                .0
+                .iter()
+                .map(|b| f32::from_le_bytes(*b))
+                .collect();
+            assert!(got == *x, "answer {id} differs from its ask");
+        }
     }
 
     #[tokio::test]

@@ -342,34 +342,49 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Driven<S> {
         Poll::Ready(self.outstanding.answered(answer.id).map(|()| answer))
     }
 
-    /// Writes the due frames as far as the stream takes them now, and flushes them.
+    /// Writes the due frames as far as the stream takes them now, and flushes them. Returns
+    /// with the task registered for what it waits on: a flush that completes after a write
+    /// found no room (a buffered stream's flush makes room) leaves no wake-up to come, so
+    /// writing goes on.
     fn poll_write(&mut self, cx: &mut Context<'_>, now: Instant) -> std::io::Result<()> {
-        while let Some((at, frame)) = self.out.front() {
-            if *at > now {
-                break;
-            }
-            let end = frame.len().min(self.written + WRITE_PIECE);
-            match Pin::new(&mut self.io).poll_write(cx, &frame[self.written..end]) {
-                Poll::Ready(Ok(0)) => return Err(std::io::ErrorKind::WriteZero.into()),
-                Poll::Ready(Ok(n)) => {
-                    self.unflushed = true;
-                    self.written += n;
-                    if self.written == frame.len() {
-                        self.out.pop_front();
-                        self.written = 0;
+        loop {
+            let mut blocked = false;
+            while let Some((at, frame)) = self.out.front() {
+                if *at > now {
+                    break;
+                }
+                let end = frame.len().min(self.written + WRITE_PIECE);
+                match Pin::new(&mut self.io).poll_write(cx, &frame[self.written..end]) {
+                    Poll::Ready(Ok(0)) => return Err(std::io::ErrorKind::WriteZero.into()),
+                    Poll::Ready(Ok(n)) => {
+                        self.unflushed = true;
+                        self.written += n;
+                        if self.written == frame.len() {
+                            self.out.pop_front();
+                            self.written = 0;
+                        }
+                    }
+                    Poll::Ready(Err(e)) => return Err(e),
+                    Poll::Pending => {
+                        blocked = true;
+                        break;
                     }
                 }
-                Poll::Ready(Err(e)) => return Err(e),
-                Poll::Pending => break,
+            }
+            if !self.unflushed {
+                return Ok(());
+            }
+            match Pin::new(&mut self.io).poll_flush(cx) {
+                Poll::Ready(flushed) => {
+                    flushed?;
+                    self.unflushed = false;
+                    if !blocked {
+                        return Ok(());
+                    }
+                }
+                Poll::Pending => return Ok(()),
             }
         }
-        if self.unflushed
-            && let Poll::Ready(flushed) = Pin::new(&mut self.io).poll_flush(cx)
-        {
-            flushed?;
-            self.unflushed = false;
-        }
-        Ok(())
     }
 
     /// The asks left unanswered (the session ended), oldest first.
