@@ -737,7 +737,12 @@ fn a_member_that_answers_wrongly_is_caught_outvoted_and_replaced() -> Result<()>
         }
         mesh.nodes[i] = start_faulty(&mesh, fault, &data, row)?;
         mesh.wait_healthy(5)?;
-        let (out, err) = mesh.generate("hello world", 8, || {})?;
+        // Every answer needed in every round (k + 2 checked, no spare): with a spare, a
+        // liar that always answers last is never used, so never checked either, and the
+        // tiny model's whole generation (a few ms) can pass while a busy machine keeps the
+        // liar's process waiting. Two checks also locate it without a vote.
+        let every = ["--check", "2", "--spares", "0"];
+        let (out, err) = mesh.generate_with("hello world", 8, &every, || {})?;
         assert_eq!(out, undisturbed, "{fault}: the answer changed:\n{err}");
         assert!(
             err.contains(&format!("row {row} caught on")),
