@@ -215,34 +215,35 @@ mod platform {
 
     /// A leader's end of a local session: reads are buffered (a frame's length and body
     /// come in one system call), and so are writes until each frame's flush.
-    pub type Socket = BufReader<BufWriter<Half>>;
+    pub type Socket = BufReader<BufWriter<SocketEnd>>;
 
-    /// One side's use of a local session's socket: reading, writing, or both. The socket is
-    /// registered with the runtime for reading only. Registered for writing too, each read by
-    /// the other side (which frees room on this side) would wake this process for nothing,
-    /// twice a round. A write goes straight to the socket; only when it is full does a
-    /// duplicate of the socket, registered for writing, wait for room.
+    /// A local session's socket as one side uses it: for reading, writing, or both. The
+    /// socket is registered with the runtime for reading only. Registered for writing too,
+    /// each read by the other side (which frees room on this side) would wake this process
+    /// for nothing, twice a round. A write goes straight to the socket; only when it is full
+    /// does a duplicate of the socket, registered for writing, wait for room.
     #[derive(Debug)]
-    pub struct Half {
+    pub struct SocketEnd {
         io: Arc<AsyncFd<UnixStream>>,
         /// The duplicate waiting for room, while a write waits.
         room: Option<AsyncFd<OwnedFd>>,
     }
 
-    impl Half {
-        /// Both sides of `stream` (non-blocking from here on), each usable for both.
+    impl SocketEnd {
+        /// Two uses of `stream` (non-blocking from here on): one to read, one to write, though
+        /// each can do both.
         fn pair(stream: UnixStream) -> std::io::Result<(Self, Self)> {
             stream.set_nonblocking(true)?;
             // SAFETY: the stream owns its descriptor and keeps it, open and the same, until
             // the `AsyncFd` drops it.
             let io = unsafe { AsyncFd::register_with_interest(stream, Interest::READABLE) }?;
             let io = Arc::new(io);
-            let half = |io| Self { io, room: None };
-            Ok((half(io.clone()), half(io)))
+            let end = |io| Self { io, room: None };
+            Ok((end(io.clone()), end(io)))
         }
     }
 
-    impl AsyncRead for Half {
+    impl AsyncRead for SocketEnd {
         fn poll_read(
             self: Pin<&mut Self>,
             cx: &mut Context<'_>,
@@ -257,7 +258,7 @@ mod platform {
         }
     }
 
-    impl AsyncWrite for Half {
+    impl AsyncWrite for SocketEnd {
         fn poll_write(
             mut self: Pin<&mut Self>,
             cx: &mut Context<'_>,
@@ -310,7 +311,7 @@ mod platform {
         slots: Arc<tokio::sync::Semaphore>,
         serve: F,
     ) where
-        F: Fn(BufReader<Half>, BufWriter<Half>) -> Fut + Clone + Send + 'static,
+        F: Fn(BufReader<SocketEnd>, BufWriter<SocketEnd>) -> Fut + Clone + Send + 'static,
         Fut: Future<Output = ()> + Send,
     {
         let handshakes = Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES));
@@ -332,7 +333,7 @@ mod platform {
             };
             let (pending, slots, serve) = (pending.clone(), slots.clone(), serve.clone());
             tokio::spawn(async move {
-                let (mut reader, writer) = match Half::pair(conn) {
+                let (mut reader, writer) = match SocketEnd::pair(conn) {
                     Ok(pair) => pair,
                     Err(e) => return tracing::debug!("local session: {e}"),
                 };
@@ -372,7 +373,7 @@ mod platform {
         let conn = tokio::task::spawn_blocking(move || UnixStream::connect_addr(&addr))
             .await
             .map_err(std::io::Error::other)??;
-        let (socket, _) = Half::pair(conn)?;
+        let (socket, _) = SocketEnd::pair(conn)?;
         let mut socket = BufReader::new(BufWriter::with_capacity(WRITE_BUFFER, socket));
         let answer = tokio::time::timeout(HANDSHAKE, async {
             send(&mut socket, &offer.ask).await?;
