@@ -699,9 +699,8 @@ fn cpu_row(
     stats: &node_core::coded::ExecStats,
     wall: f64,
 ) -> Row {
-    let rounds = stats.rounds;
-    let per_round =
-        |i: usize| after[i].saturating_sub(before[i]).as_secs_f64() * 1e6 / rounds.max(1) as f64;
+    let rounds = stats.rounds.max(1) as f64;
+    let per_round = |i: usize| after[i].saturating_sub(before[i]).as_secs_f64() * 1e6 / rounds;
     let all: f64 = (0..after.len()).map(per_round).sum();
     let nodes: Vec<String> = (1..after.len())
         .map(|i| format!("{:.0}", per_round(i)))
@@ -713,9 +712,9 @@ fn cpu_row(
             "leader {:.0} µs, nodes {} µs ({:.1} members asked a round); all {all:.0} µs, over {cores} cores {:.0} µs against {:.0} µs a round",
             per_round(0),
             nodes.join(" / "),
-            stats.member_requests as f64 / rounds.max(1) as f64,
+            stats.member_requests as f64 / rounds,
             all / cores as f64,
-            wall * 1e6 / rounds.max(1) as f64
+            wall * 1e6 / rounds
         ),
     )
 }

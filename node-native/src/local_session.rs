@@ -230,16 +230,24 @@ mod platform {
     }
 
     impl SocketEnd {
-        /// Two uses of `stream` (non-blocking from here on): one to read, one to write, though
-        /// each can do both.
-        fn pair(stream: UnixStream) -> std::io::Result<(Self, Self)> {
+        /// `stream` (non-blocking from here on), registered for reading.
+        fn new(stream: UnixStream) -> std::io::Result<Self> {
             stream.set_nonblocking(true)?;
             // SAFETY: the stream owns its descriptor and keeps it, open and the same, until
             // the `AsyncFd` drops it.
             let io = unsafe { AsyncFd::register_with_interest(stream, Interest::READABLE) }?;
-            let io = Arc::new(io);
-            let end = |io| Self { io, room: None };
-            Ok((end(io.clone()), end(io)))
+            Ok(Self {
+                io: Arc::new(io),
+                room: None,
+            })
+        }
+
+        /// Another use of the same socket (one side reads while the other writes).
+        fn another(&self) -> Self {
+            Self {
+                io: self.io.clone(),
+                room: None,
+            }
         }
     }
 
@@ -277,7 +285,7 @@ mod platform {
                 if self.room.is_none() {
                     // Registering reports room that came since the write at once.
                     let dup = self.io.get_ref().as_fd().try_clone_to_owned()?;
-                    // SAFETY: as in `pair`: `dup` owns its descriptor for the `AsyncFd`'s life.
+                    // SAFETY: as in `new`: `dup` owns its descriptor for the `AsyncFd`'s life.
                     let room = unsafe { AsyncFd::register_with_interest(dup, Interest::WRITABLE) };
                     self.room = Some(room?);
                 }
@@ -333,11 +341,11 @@ mod platform {
             };
             let (pending, slots, serve) = (pending.clone(), slots.clone(), serve.clone());
             tokio::spawn(async move {
-                let (mut reader, writer) = match SocketEnd::pair(conn) {
-                    Ok(pair) => pair,
+                let mut reader = match SocketEnd::new(conn) {
+                    Ok(reader) => reader,
                     Err(e) => return tracing::debug!("local session: {e}"),
                 };
-                let mut writer = BufWriter::with_capacity(WRITE_BUFFER, writer);
+                let mut writer = BufWriter::with_capacity(WRITE_BUFFER, reader.another());
                 let mut ask = [0; TOKEN];
                 match tokio::time::timeout(HANDSHAKE, reader.read_exact(&mut ask)).await {
                     Ok(Ok(())) => {}
@@ -373,8 +381,8 @@ mod platform {
         let conn = tokio::task::spawn_blocking(move || UnixStream::connect_addr(&addr))
             .await
             .map_err(std::io::Error::other)??;
-        let (socket, _) = SocketEnd::pair(conn)?;
-        let mut socket = BufReader::new(BufWriter::with_capacity(WRITE_BUFFER, socket));
+        let socket = BufWriter::with_capacity(WRITE_BUFFER, SocketEnd::new(conn)?);
+        let mut socket = BufReader::new(socket);
         let answer = tokio::time::timeout(HANDSHAKE, async {
             send(&mut socket, &offer.ask).await?;
             let mut answer = [0; TOKEN];

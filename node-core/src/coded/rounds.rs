@@ -112,44 +112,7 @@ impl<A: Asks> Rounds<A> {
         self.drain_late();
         (self.round, self.asks.version())
     }
-}
 
-impl<A: Asks> Transport for Rounds<A> {
-    async fn round(
-        &mut self,
-        members: &mut Vec<usize>,
-        request: &[u8],
-        need: usize,
-    ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
-        self.run_round(members, request, need).await
-    }
-
-    async fn round_each(
-        &mut self,
-        requests: Vec<(usize, Vec<u8>)>,
-    ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
-        self.run_round_each(&requests).await
-    }
-
-    fn last_round(&self) -> Option<u64> {
-        Some(self.round)
-    }
-
-    fn late_answers(&mut self) -> Vec<(u64, usize, Vec<u8>)> {
-        self.drain_late();
-        self.late.drain(..).collect()
-    }
-}
-
-/// Why a member gave no answer, in words; notes a refusal at another version than `version`.
-fn refused(refusal: &StepRefusal, version: &[u8; 32], notes: &mut RoundNotes) -> String {
-    if matches!(refusal, StepRefusal::Stale { want, .. } if want == version) {
-        notes.stale = true;
-    }
-    refusal.to_string()
-}
-
-impl<A: Asks> Rounds<A> {
     /// Answers to earlier rounds that came since: who is slow but alive, and who failed; the
     /// answers themselves are kept for the group to check.
     fn drain_late(&mut self) {
@@ -278,6 +241,41 @@ impl<A: Asks> Rounds<A> {
         self.asks.ended();
         result
     }
+}
+
+impl<A: Asks> Transport for Rounds<A> {
+    async fn round(
+        &mut self,
+        members: &mut Vec<usize>,
+        request: &[u8],
+        need: usize,
+    ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
+        self.run_round(members, request, need).await
+    }
+
+    async fn round_each(
+        &mut self,
+        requests: Vec<(usize, Vec<u8>)>,
+    ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
+        self.run_round_each(&requests).await
+    }
+
+    fn last_round(&self) -> Option<u64> {
+        Some(self.round)
+    }
+
+    fn late_answers(&mut self) -> Vec<(u64, usize, Vec<u8>)> {
+        self.drain_late();
+        self.late.drain(..).collect()
+    }
+}
+
+/// Why a member gave no answer, in words; notes a refusal at another version than `version`.
+fn refused(refusal: &StepRefusal, version: &[u8; 32], notes: &mut RoundNotes) -> String {
+    if matches!(refusal, StepRefusal::Stale { want, .. } if want == version) {
+        notes.stale = true;
+    }
+    refusal.to_string()
 }
 
 #[cfg(test)]
