@@ -156,14 +156,17 @@ impl UpdateStore {
 
     /// Folds the updates applied since the snapshot into a new one: the shard as it is now is
     /// saved as the blob; their payloads stay for peers a little behind while every kept
-    /// payload fits [`node_core::mesh::KEEP_SHARE`] of the blob, the oldest going first. Steps
-    /// go on meanwhile; updates wait. Returns how many updates it folded.
+    /// payload fits [`node_core::mesh::KEEP_SHARE`] of the blob, the oldest going first.
+    /// The shard is copied under the lock and encoded outside it, so steps and updates go on
+    /// meanwhile: an update waiting for the lock would hold up every step behind it. Returns
+    /// how many updates it folded.
     pub fn fold(&self, state: &RwLock<ShardState>) -> Result<usize> {
-        let (blob, version, norms) = {
+        let (shards, version, norms) = {
             let s = read(state);
-            let blob = shard_to_blob(s.member.shards())?;
-            (blob, s.version.clone(), s.norms.clone())
+            (s.member.shards().clone(), s.version.clone(), s.norms.clone())
         };
+        let blob = shard_to_blob(&shards)?;
+        drop(shards);
         let ids: Vec<u64> = version.since().collect();
         let mut base = version;
         base.fold(ids.iter().copied());

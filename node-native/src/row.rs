@@ -30,8 +30,9 @@ pub(crate) enum Internal {
     SyncDone(Option<(PeerId, [u8; 32])>),
     /// A rebuild of the row ended: how it was obtained, or why not.
     Rebuilt(Result<String>),
-    /// A fold into a new snapshot ended: how many updates it folded, or why not.
-    Folded(Result<usize>),
+    /// A fold into a new snapshot ended: how many updates it folded and how long it took, or
+    /// why not.
+    Folded(Result<(usize, std::time::Duration)>),
     /// A request this node led finished: count it in the usage it announces.
     Served(Usage),
     /// A leader in this node caught a member answering against the code.

@@ -315,12 +315,13 @@ impl Server {
             Internal::Folded(result) => {
                 self.folding = false;
                 match result {
-                    Ok(n) => {
+                    Ok((n, took)) => {
                         self.metrics.snapshots.inc();
                         let count = read(&self.state).version.count();
                         eprintln!(
-                            "saved a snapshot of row {} at {count} updates ({n} folded into it)",
-                            self.row
+                            "saved a snapshot of row {} at {count} updates ({n} folded into it, {:.1} s)",
+                            self.row,
+                            took.as_secs_f64()
                         );
                     }
                     Err(e) => tracing::warn!("saving a snapshot: {e:#}"),
@@ -347,7 +348,8 @@ impl Server {
         self.view.handle_timeout(Instant::now());
     }
 
-    /// Folds the kept updates into a new snapshot once they are due, on the blocking pool.
+    /// Folds the kept updates into a new snapshot once they are due, on a thread that waits
+    /// for idle cores ([`crate::background`]).
     fn maybe_fold(&mut self, version: &ShardVersion) {
         if self.folding || !self.store.fold_due(version) {
             return;
@@ -359,10 +361,11 @@ impl Server {
             self.internal_tx.clone(),
         );
         tokio::spawn(async move {
-            let folded = tokio::task::spawn_blocking(move || store.fold(&state))
+            let started = Instant::now();
+            let folded = crate::background::run("fold", move || store.fold(&state))
                 .await
-                .map_err(|e| anyhow!("{e}"))
-                .and_then(|r| r);
+                .and_then(|r| r)
+                .map(|n| (n, started.elapsed()));
             let _ = tx.send(Internal::Folded(folded)).await;
         });
     }
