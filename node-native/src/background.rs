@@ -57,9 +57,11 @@ mod tests {
     #[tokio::test]
     async fn the_work_runs_at_the_lowest_priority_and_the_caller_keeps_its_own() {
         let before = nice();
-        let (inside, name) = run("fold", || (nice(), std::thread::current().name().map(String::from)))
-            .await
-            .unwrap_or_else(|e| panic!("{e}"));
+        let (inside, name) = run("fold", || {
+            (nice(), std::thread::current().name().map(String::from))
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(inside, 19);
         assert_eq!(name.as_deref(), Some("fold"));
         assert_eq!(nice(), before, "the calling thread keeps its priority");

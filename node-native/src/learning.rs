@@ -163,7 +163,11 @@ impl UpdateStore {
     pub fn fold(&self, state: &RwLock<ShardState>) -> Result<usize> {
         let (shards, version, norms) = {
             let s = read(state);
-            (s.member.shards().clone(), s.version.clone(), s.norms.clone())
+            (
+                s.member.shards().clone(),
+                s.version.clone(),
+                s.norms.clone(),
+            )
         };
         let blob = shard_to_blob(&shards)?;
         drop(shards);

@@ -76,6 +76,139 @@ impl SpecStats {
     }
 }
 
+/// How fast a [`DraftPolicy`] forgets: the weight of an observation falls by this much with
+/// each pass after it (a memory of about 50 passes).
+const PASS_DECAY: f64 = 0.98;
+/// The same for drafts offered (about 100 drafts).
+const DRAFT_DECAY: f64 = 0.99;
+/// Every this many passes a sequence may draft as much as it can, so that acceptance beyond
+/// the current limit and the cost of wider passes are measured again.
+const EXPLORE_EVERY: u64 = 32;
+/// Passes of each width a policy needs before it trusts its fit of their cost.
+const MIN_PASSES: f64 = 4.0;
+
+/// Chooses how many drafted tokens a sequence checks in a pass: those whose chance of being
+/// kept is worth the time their rows add to the pass.
+///
+/// It fits a pass's time as `a + b · rows` over recent passes and counts, for each draft
+/// position `j`, how often a drafted `j`-th token was kept (`v_j`). A pass of `n` sequences
+/// without drafts gives `n / (a + b·n)` tokens a second; one more drafted row raises that
+/// when `v_j > b · n / (a + b·n)`. Where rows cost little beside the pass (a network's round
+/// trips), every draft pays; where a row is a fifth of the pass (one machine's cores), only
+/// drafts the text keeps often do. With no fit yet it drafts up to the maximum.
+#[derive(Debug, Clone)]
+pub struct DraftPolicy {
+    max: usize,
+    /// Per position (0 = the first drafted token): decayed counts offered and kept.
+    offered: Vec<f64>,
+    kept: Vec<f64>,
+    /// Decayed sums of the passes: weight, rows, rows², seconds, rows × seconds.
+    n: f64,
+    r: f64,
+    rr: f64,
+    t: f64,
+    rt: f64,
+    /// Decayed weight of passes wider than one row a sequence (the slope's evidence).
+    wide: f64,
+    passes: u64,
+}
+
+impl DraftPolicy {
+    /// A policy for drafts of at most `max` tokens.
+    pub fn new(max: usize) -> Self {
+        Self {
+            max,
+            offered: vec![0.0; max],
+            kept: vec![0.0; max],
+            n: 0.0,
+            r: 0.0,
+            rr: 0.0,
+            t: 0.0,
+            rt: 0.0,
+            wide: 0.0,
+            passes: 0,
+        }
+    }
+
+    /// Records a decode pass of `sequences` sequences and `rows` rows that took `seconds`.
+    pub fn record_pass(&mut self, sequences: usize, rows: usize, seconds: f64) {
+        if !seconds.is_finite() || seconds <= 0.0 || rows == 0 {
+            return;
+        }
+        let x = rows as f64;
+        for s in [
+            &mut self.n,
+            &mut self.r,
+            &mut self.rr,
+            &mut self.t,
+            &mut self.rt,
+            &mut self.wide,
+        ] {
+            *s *= PASS_DECAY;
+        }
+        self.n += 1.0;
+        self.r += x;
+        self.rr += x * x;
+        self.t += seconds;
+        self.rt += x * seconds;
+        if rows > sequences {
+            self.wide += 1.0;
+        }
+        self.passes += 1;
+    }
+
+    /// Records a sequence's draft of `offered` tokens, of which the model kept `kept`.
+    pub fn record_draft(&mut self, offered: usize, kept: usize) {
+        if offered == 0 {
+            return;
+        }
+        for j in 0..self.max {
+            self.offered[j] *= DRAFT_DECAY;
+            self.kept[j] *= DRAFT_DECAY;
+        }
+        for j in 0..offered.min(self.max) {
+            self.offered[j] += 1.0;
+            if j < kept {
+                self.kept[j] += 1.0;
+            }
+        }
+    }
+
+    /// The fitted cost of a pass, `(a, b)` in seconds and seconds a row, once enough passes
+    /// of different widths were seen.
+    pub fn cost(&self) -> Option<(f64, f64)> {
+        let spread = self.n * self.rr - self.r * self.r;
+        if self.wide < MIN_PASSES || self.n - self.wide < MIN_PASSES || spread <= 0.0 {
+            return None;
+        }
+        let b = (self.n * self.rt - self.r * self.t) / spread;
+        let a = (self.t - b * self.r) / self.n;
+        Some((a.max(0.0), b.max(0.0)))
+    }
+
+    /// The chance that a drafted token at `position` (0 = the first) is kept, once drafts
+    /// that long were seen.
+    pub fn kept_share(&self, position: usize) -> Option<f64> {
+        let offered = *self.offered.get(position)?;
+        (offered >= 1.0).then(|| self.kept[position] / offered)
+    }
+
+    /// The most drafted tokens a sequence should check in the next pass of `sequences`.
+    pub fn limit(&self, sequences: usize) -> usize {
+        if self.passes % EXPLORE_EVERY == EXPLORE_EVERY - 1 {
+            return self.max;
+        }
+        let Some((a, b)) = self.cost() else {
+            return self.max;
+        };
+        let n = sequences.max(1) as f64;
+        let worth = b * n / (a + b * n);
+        (0..self.max)
+            .take_while(|&j| self.kept_share(j).is_none_or(|v| v > worth))
+            .count()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)] // a test: a failed unwrap is a failed test
@@ -151,5 +284,105 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// A policy that saw `passes` of one sequence alternating one row and `1 + 4` rows, each
+    /// costing `a + b · rows`, and drafts kept with chances `kept` by position.
+    fn trained(a: f64, b: f64, kept: [f64; 4]) -> DraftPolicy {
+        let mut p = DraftPolicy::new(4);
+        for i in 0..200 {
+            let rows = if i % 2 == 0 { 1 } else { 5 };
+            p.record_pass(1, rows, a + b * rows as f64);
+            // Drafts of 4, the j-th kept in a share kept_j of them, spread evenly over time
+            // (the golden ratio's multiples modulo 1).
+            let u = (i as f64 * 0.618_033_988_75).fract();
+            let k = (0..4).take_while(|&j| u < kept[j]).count();
+            p.record_draft(4, k);
+        }
+        p
+    }
+
+    /// The limit outside the exploring passes.
+    fn settled(p: &mut DraftPolicy) -> usize {
+        if p.passes % EXPLORE_EVERY == EXPLORE_EVERY - 1 {
+            p.record_pass(1, 1, 1.0);
+        }
+        p.limit(1)
+    }
+
+    #[test]
+    fn the_fit_recovers_a_passes_cost_and_the_kept_shares() {
+        let p = trained(0.010, 0.002, [0.6, 0.5, 0.3, 0.1]);
+        let (a, b) = p.cost().unwrap();
+        assert!(
+            (a - 0.010).abs() < 1e-9 && (b - 0.002).abs() < 1e-9,
+            "{a} {b}"
+        );
+        for (j, want) in [0.6, 0.5, 0.3, 0.1].into_iter().enumerate() {
+            let got = p.kept_share(j).unwrap();
+            assert!(
+                (got - want).abs() < 0.02,
+                "position {j}: {got} against {want}"
+            );
+        }
+    }
+
+    #[test]
+    fn where_rows_cost_little_every_draft_pays_and_where_they_cost_much_only_likely_ones_do() {
+        // A network: 10 ms a pass, 10 µs a row: even a draft kept one time in ten pays.
+        assert_eq!(settled(&mut trained(0.010, 1e-5, [0.3, 0.2, 0.15, 0.1])), 4);
+        // One machine: a row is a fifth of a one-row pass (b / (a + b) = 0.2).
+        assert_eq!(settled(&mut trained(0.008, 0.002, [0.6, 0.5, 0.3, 0.1])), 3);
+        assert_eq!(
+            settled(&mut trained(0.008, 0.002, [0.3, 0.1, 0.05, 0.0])),
+            1
+        );
+        assert_eq!(
+            settled(&mut trained(0.008, 0.002, [0.1, 0.05, 0.0, 0.0])),
+            0
+        );
+        // Rows that cost as much as the pass: nothing pays.
+        assert_eq!(settled(&mut trained(0.0, 0.002, [0.9, 0.8, 0.7, 0.6])), 0);
+    }
+
+    #[test]
+    fn a_wider_batch_raises_the_bar() {
+        // b·n / (a + b·n): 0.2 for one sequence, 0.5 for four.
+        let mut p = trained(0.008, 0.002, [0.4, 0.3, 0.25, 0.1]);
+        assert_eq!(settled(&mut p), 3);
+        assert_eq!(p.limit(4), 0);
+    }
+
+    #[test]
+    fn without_evidence_it_drafts_the_most_and_it_explores_now_and_then() {
+        let mut p = DraftPolicy::new(4);
+        assert_eq!(p.limit(1), 4, "no passes yet");
+        // Passes of one width only: the slope is unknown.
+        for _ in 0..50 {
+            p.record_pass(1, 1, 0.01);
+        }
+        assert_eq!(p.limit(1), 4);
+        let mut p = trained(0.008, 0.002, [0.1, 0.0, 0.0, 0.0]);
+        let limits: Vec<usize> = (0..EXPLORE_EVERY)
+            .map(|_| {
+                let l = p.limit(1);
+                p.record_pass(1, 1, 0.01);
+                l
+            })
+            .collect();
+        assert_eq!(limits.iter().filter(|&&l| l == 4).count(), 1, "{limits:?}");
+        assert_eq!(limits.iter().filter(|&&l| l == 0).count(), limits.len() - 1);
+        // A policy for no drafts never drafts.
+        assert_eq!(DraftPolicy::new(0).limit(1), 0);
+    }
+
+    #[test]
+    fn bad_timings_are_ignored() {
+        let mut p = trained(0.008, 0.002, [0.6, 0.5, 0.3, 0.1]);
+        let before = p.cost();
+        p.record_pass(1, 3, f64::NAN);
+        p.record_pass(1, 3, -1.0);
+        p.record_pass(1, 0, 0.5);
+        assert_eq!(p.cost(), before);
     }
 }
