@@ -104,8 +104,8 @@ pub(crate) struct UpArgs {
     /// (more form only when the mesh has holders for them, e.g. with `--nodes 10`).
     #[arg(long, default_value_t = 4)]
     pub(crate) groups: usize,
-    /// Most drafted tokens the API's node checks in one forward pass (prompt lookup), fewer
-    /// where the passes' measured cost says they do not pay; 0 decodes a token a pass.
+    /// Most drafted tokens the API's node checks in one forward pass (prompt lookup); 0
+    /// decodes a token a pass.
     #[arg(long, default_value_t = node_core::model::speculate::DEFAULT_DRAFT)]
     pub(crate) draft: usize,
 }

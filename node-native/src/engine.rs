@@ -26,7 +26,7 @@ use anyhow::{Result, anyhow};
 use libp2p::PeerId;
 use node_core::learn::{Learner, Published};
 use node_core::mesh::{MeshInfo, MeshResponse, ModelManifest, Usage};
-use node_core::model::speculate::{self, DraftPolicy};
+use node_core::model::speculate;
 use node_core::model::{
     BatchItem, KvCache, LeaderWeights, Llama, Sampler, SamplingParams, StopReason,
 };
@@ -60,8 +60,7 @@ pub struct EngineConfig {
     /// Most serving groups run side by side, each over holders no other uses; a group past
     /// the first forms only when the mesh has holders enough for it.
     pub groups: usize,
-    /// Most drafted tokens checked in one forward pass of a sequence (prompt lookup); a
-    /// [`DraftPolicy`] checks fewer where they do not pay.
+    /// Most drafted tokens checked in one forward pass of a sequence (prompt lookup).
     pub draft: usize,
 }
 
@@ -282,7 +281,6 @@ impl Engine {
                 failures: 0,
                 latency_ms: latency_ms.clone(),
                 steps: 0,
-                drafts: DraftPolicy::new(ctx.cfg.draft),
                 shared: shared.clone(),
             };
             ctx.runtime.spawn(worker.run());
@@ -797,8 +795,6 @@ struct Worker {
     failures: u32,
     latency_ms: Arc<AtomicU64>,
     steps: u64,
-    /// How many drafted tokens pay in a pass.
-    drafts: DraftPolicy,
     /// What the serving tasks share.
     shared: Arc<Shared>,
 }
@@ -941,10 +937,6 @@ impl Worker {
         f.group
             .transport_mut()
             .set_context(format!("step {} req {}", self.steps, ids.join(",")));
-        // Only decode passes (a token and its draft a sequence) tell what a row costs.
-        let decoding = self.active.iter().all(|s| s.input.len() == 1 + s.draft);
-        let batch = self.active.len();
-        let started = Instant::now();
         let mut items: Vec<BatchItem<'_>> = self
             .active
             .iter_mut()
@@ -965,15 +957,9 @@ impl Worker {
         match result {
             Ok(logits) => {
                 self.failures = 0;
-                if decoding {
-                    self.drafts
-                        .record_pass(batch, rows, started.elapsed().as_secs_f64());
-                }
-                let limit = self.drafts.limit(batch);
-                self.lead.ctx.metrics.draft_limit.set(limit as i64);
                 let active = std::mem::take(&mut self.active);
                 for (mut seq, logits) in active.into_iter().zip(logits) {
-                    match self.advance(&mut seq, &logits, limit) {
+                    match self.advance(&mut seq, &logits) {
                         Some(stop) => self.finish(seq, stop).await,
                         None => self.active.push(seq),
                     }
@@ -1003,8 +989,8 @@ impl Worker {
     }
 
     /// Takes a sequence's next tokens (its draft's agreeing prefix, then one the model
-    /// picked) and drafts at most `limit` for the next pass; `Some` when the sequence is done.
-    fn advance(&mut self, seq: &mut Seq, logits: &[f32], limit: usize) -> Option<StopReason> {
+    /// picked) and drafts the next; `Some` when the sequence is done.
+    fn advance(&mut self, seq: &mut Seq, logits: &[f32]) -> Option<StopReason> {
         let cfg = &self.lead.ctx.manifest.cfg;
         let drafted = &seq.input[seq.input.len() - seq.draft..];
         let emitted = speculate::accept(&mut seq.sampler, logits, cfg.vocab, drafted);
@@ -1014,7 +1000,6 @@ impl Worker {
         let m = &self.lead.ctx.metrics;
         m.draft_tokens.inc_by(seq.draft as u64);
         m.draft_accepted.inc_by((emitted.len() - 1) as u64);
-        self.drafts.record_draft(seq.draft, emitted.len() - 1);
         if seq.first_token.is_none() {
             let t = seq.job.arrived.elapsed();
             seq.first_token = Some(t);
@@ -1040,7 +1025,7 @@ impl Worker {
         let last = *seq.text.last()?;
         let room = (cfg.max_seq - seq.cache.len() - 1)
             .min(seq.job.req.max_tokens - seq.generated() - 1)
-            .min(limit);
+            .min(self.lead.ctx.cfg.draft);
         let draft = speculate::draft(&seq.text, room);
         seq.draft = draft.len();
         seq.input = std::iter::once(last).chain(draft).collect();

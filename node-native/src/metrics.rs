@@ -72,9 +72,6 @@ pub struct Metrics {
     pub draft_tokens: Counter,
     /// Of those, the tokens kept.
     pub draft_accepted: Counter,
-    /// Most drafted tokens a sequence checks in the API's next pass: what pays at the passes'
-    /// measured cost and the drafts' measured acceptance (at most `--draft`).
-    pub draft_limit: Gauge,
     /// Healthy rows at the mesh version (set when scraped).
     pub healthy_rows: Gauge,
     /// Rows of the code.
@@ -130,7 +127,6 @@ impl Metrics {
             chain_bytes: Counter::default(),
             draft_tokens: Counter::default(),
             draft_accepted: Counter::default(),
-            draft_limit: Gauge::default(),
             healthy_rows: Gauge::default(),
             rows: Gauge::default(),
             k: Gauge::default(),
@@ -270,11 +266,6 @@ impl Metrics {
             "draft_accepted",
             "Drafted tokens the model agreed with and kept",
             m.draft_accepted.clone(),
-        );
-        r.register(
-            "draft_limit",
-            "Most drafted tokens a sequence checks in the next pass (what pays at the measured pass cost and acceptance)",
-            m.draft_limit.clone(),
         );
         r.register(
             "healthy_rows",
