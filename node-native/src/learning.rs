@@ -5,19 +5,19 @@
 //! On disk: `shard.blob` (the row at its snapshot) and `base.bin` (that snapshot's version and
 //! norm gains), always saved as a pair ([`DataDir::save_row`]); `updates/` (the payloads kept
 //! since, and the latest folded ones while they fit) and `version.json` (the ids applied since).
-//! Disk stays at the shard blob plus at most [`node_core::mesh::KEEP_SHARE`] of it in payloads,
-//! whatever the history, and a restart replays at most [`node_core::mesh::MAX_SINCE`] updates.
+//! Disk stays at the shard blob plus at most [`KEEP_SHARE`] of it in payloads, whatever the
+//! history, and a restart replays at most [`MAX_SINCE`] updates.
 
 use std::collections::BTreeSet;
 use std::fs;
 use std::path::PathBuf;
-use std::sync::RwLock;
+use std::sync::{Arc, Condvar, Mutex, PoisonError, RwLock};
 
 use anyhow::{Context, Result, bail};
 use node_core::coded::{Member, ShardSet};
 use node_core::holder::shard_to_blob;
 pub use node_core::holder::{MAX_UPDATE_BYTES, Rules, ShardState};
-use node_core::mesh::ShardVersion;
+use node_core::mesh::{KEEP_SHARE, MAX_SINCE, ShardVersion};
 use node_core::model::LeaderWeights;
 use serde::{Deserialize, Serialize};
 
@@ -38,6 +38,25 @@ pub struct UpdateStore {
     data: DataDir,
     dir: PathBuf,
     version_file: PathBuf,
+    /// Whether a fold is running, and what wakes the updates waiting for it to end.
+    folding: Arc<(Mutex<bool>, Condvar)>,
+}
+
+/// Marks a fold as running until dropped, then wakes the updates waiting for it.
+struct Folding<'a>(&'a (Mutex<bool>, Condvar));
+
+impl<'a> Folding<'a> {
+    fn start(folding: &'a (Mutex<bool>, Condvar)) -> Self {
+        *folding.0.lock().unwrap_or_else(PoisonError::into_inner) = true;
+        Self(folding)
+    }
+}
+
+impl Drop for Folding<'_> {
+    fn drop(&mut self) {
+        *self.0.0.lock().unwrap_or_else(PoisonError::into_inner) = false;
+        self.0.1.notify_all();
+    }
 }
 
 impl UpdateStore {
@@ -49,6 +68,7 @@ impl UpdateStore {
             data: data.clone(),
             dir,
             version_file: data.path().join("version.json"),
+            folding: Arc::default(),
         })
     }
 
@@ -137,6 +157,22 @@ impl UpdateStore {
         self.drop_payloads_beyond(&base.version)
     }
 
+    /// Waits while a fold runs and the payloads since the snapshot and one more of `incoming`
+    /// bytes would pass [`KEEP_SHARE`] of the blob, or [`MAX_SINCE`] are kept already.
+    fn wait_for_fold_past_budget(&self, state: &RwLock<ShardState>, incoming: u64) {
+        let budget = KEEP_SHARE * self.data.shard_bytes() as f64;
+        let (lock, ended) = &*self.folding;
+        let mut folding = lock.lock().unwrap_or_else(PoisonError::into_inner);
+        while *folding {
+            let ids: Vec<u64> = read(state).version.since().collect();
+            let bytes: u64 = ids.iter().map(|&id| self.size(id)).sum();
+            if ids.len() < MAX_SINCE && (bytes + incoming) as f64 <= budget {
+                return;
+            }
+            folding = ended.wait(folding).unwrap_or_else(PoisonError::into_inner);
+        }
+    }
+
     /// Removes every payload (and interrupted save) that `v` does not keep or serve.
     fn drop_payloads_beyond(&self, v: &ShardVersion) -> Result<()> {
         for entry in fs::read_dir(&self.dir)? {
@@ -156,11 +192,12 @@ impl UpdateStore {
 
     /// Folds the updates applied since the snapshot into a new one: the shard as it is now is
     /// saved as the blob; their payloads stay for peers a little behind while every kept
-    /// payload fits [`node_core::mesh::KEEP_SHARE`] of the blob, the oldest going first.
+    /// payload fits [`KEEP_SHARE`] of the blob, the oldest going first.
     /// The shard is copied under the lock and encoded outside it, so steps and updates go on
     /// meanwhile: an update waiting for the lock would hold up every step behind it. Returns
     /// how many updates it folded.
     pub fn fold(&self, state: &RwLock<ShardState>) -> Result<usize> {
+        let _folding = Folding::start(&self.folding);
         let (shards, version, norms) = {
             let s = read(state);
             (
@@ -200,8 +237,11 @@ impl UpdateStore {
     }
 
     /// Makes room for a new payload of `bytes` by dropping the oldest folded ones beyond the
-    /// budget, so that disk never holds more.
+    /// budget, so that disk never holds more. While a fold runs, updates go on only as long
+    /// as the payloads not yet folded and this one fit [`KEEP_SHARE`] of the blob; past that
+    /// this waits for the fold to end, as every update did before folds ran beside them.
     pub fn make_room(&self, state: &RwLock<ShardState>, bytes: usize) -> Result<()> {
+        self.wait_for_fold_past_budget(state, bytes as u64);
         let blob_bytes = self.data.shard_bytes();
         self.release(&mut write(state).version, blob_bytes, bytes as u64)
     }
