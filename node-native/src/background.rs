@@ -1,7 +1,7 @@
 //! Work a node does for itself that no request waits on (folding its updates into a new
 //! snapshot): a thread of its own at the lowest scheduling priority, so that serving takes the
 //! cores first and the work uses what serving leaves (docs/perf.md, "Folds that wait for idle
-//! cores").
+//! cores, and drafts through the API").
 
 use anyhow::{Result, anyhow};
 
