@@ -5,8 +5,8 @@
 //! On disk: `shard.blob` (the row at its snapshot) and `base.bin` (that snapshot's version and
 //! norm gains), always saved as a pair ([`DataDir::save_row`]); `updates/` (the payloads kept
 //! since, and the latest folded ones while they fit) and `version.json` (the ids applied since).
-//! Disk stays at the shard blob plus at most [`KEEP_SHARE`] of it in payloads, whatever the
-//! history, and a restart replays at most [`MAX_SINCE`] updates.
+//! Disk stays at the shard blob plus at most [`node_core::mesh::KEEP_SHARE`] of it in payloads,
+//! whatever the history, and a restart replays at most [`node_core::mesh::MAX_SINCE`] updates.
 
 use std::collections::BTreeSet;
 use std::fs;
@@ -17,7 +17,7 @@ use anyhow::{Context, Result, bail};
 use node_core::coded::{Member, ShardSet};
 use node_core::holder::shard_to_blob;
 pub use node_core::holder::{MAX_UPDATE_BYTES, Rules, ShardState};
-use node_core::mesh::{KEEP_SHARE, MAX_SINCE, ShardVersion};
+use node_core::mesh::ShardVersion;
 use node_core::model::LeaderWeights;
 use serde::{Deserialize, Serialize};
 
@@ -132,10 +132,14 @@ impl UpdateStore {
         fs::metadata(self.path(id)).map_or(0, |m| m.len())
     }
 
+    /// Bytes of the payloads `v` applied since its snapshot.
+    fn since_bytes(&self, v: &ShardVersion) -> u64 {
+        v.since().map(|id| self.size(id)).sum()
+    }
+
     /// Whether the updates applied since the snapshot should be folded now.
     pub fn fold_due(&self, v: &ShardVersion) -> bool {
-        let since: u64 = v.since().map(|id| self.size(id)).sum();
-        v.fold_due(since, self.data.shard_bytes())
+        v.fold_due(self.since_bytes(v), self.data.shard_bytes())
     }
 
     /// Saves `shard` (with every update of `version` in it) as the node's snapshot and drops
@@ -157,16 +161,14 @@ impl UpdateStore {
         self.drop_payloads_beyond(&base.version)
     }
 
-    /// Waits while a fold runs and the payloads since the snapshot and one more of `incoming`
-    /// bytes would pass [`KEEP_SHARE`] of the blob, or [`MAX_SINCE`] are kept already.
-    fn wait_for_fold_past_budget(&self, state: &RwLock<ShardState>, incoming: u64) {
-        let budget = KEEP_SHARE * self.data.shard_bytes() as f64;
+    /// Waits while a fold runs and an update of `incoming` bytes has no room beside it
+    /// ([`ShardVersion::room_beside_fold`]).
+    fn wait_for_fold(&self, state: &RwLock<ShardState>, incoming: u64, blob_bytes: u64) {
         let (lock, ended) = &*self.folding;
         let mut folding = lock.lock().unwrap_or_else(PoisonError::into_inner);
         while *folding {
-            let ids: Vec<u64> = read(state).version.since().collect();
-            let bytes: u64 = ids.iter().map(|&id| self.size(id)).sum();
-            if ids.len() < MAX_SINCE && (bytes + incoming) as f64 <= budget {
+            let version = read(state).version.clone();
+            if version.room_beside_fold(self.since_bytes(&version), incoming, blob_bytes) {
                 return;
             }
             folding = ended.wait(folding).unwrap_or_else(PoisonError::into_inner);
@@ -192,7 +194,7 @@ impl UpdateStore {
 
     /// Folds the updates applied since the snapshot into a new one: the shard as it is now is
     /// saved as the blob; their payloads stay for peers a little behind while every kept
-    /// payload fits [`KEEP_SHARE`] of the blob, the oldest going first.
+    /// payload fits [`node_core::mesh::KEEP_SHARE`] of the blob, the oldest going first.
     /// The shard is copied under the lock and encoded outside it, so steps and updates go on
     /// meanwhile: an update waiting for the lock would hold up every step behind it. Returns
     /// how many updates it folded.
@@ -237,12 +239,12 @@ impl UpdateStore {
     }
 
     /// Makes room for a new payload of `bytes` by dropping the oldest folded ones beyond the
-    /// budget, so that disk never holds more. While a fold runs, updates go on only as long
-    /// as the payloads not yet folded and this one fit [`KEEP_SHARE`] of the blob; past that
-    /// this waits for the fold to end, as every update did before folds ran beside them.
+    /// budget, so that disk never holds more. While a fold runs, an update goes on only while
+    /// it has room beside it ([`ShardVersion::room_beside_fold`]); past that this waits for
+    /// the fold to end, as every update did before folds ran beside them.
     pub fn make_room(&self, state: &RwLock<ShardState>, bytes: usize) -> Result<()> {
-        self.wait_for_fold_past_budget(state, bytes as u64);
         let blob_bytes = self.data.shard_bytes();
+        self.wait_for_fold(state, bytes as u64, blob_bytes);
         self.release(&mut write(state).version, blob_bytes, bytes as u64)
     }
 

@@ -295,6 +295,14 @@ impl ShardVersion {
             && (self.since.len() >= MAX_SINCE
                 || since_bytes as f64 > FOLD_SHARE * blob_bytes as f64)
     }
+
+    /// Whether an update of `incoming` bytes may be applied while a fold runs: fewer than
+    /// [`MAX_SINCE`] are kept since the snapshot, and their payloads (`since_bytes`) and it fit
+    /// [`KEEP_SHARE`] of the shard blob's `blob_bytes`. Past that it waits for the fold.
+    pub fn room_beside_fold(&self, since_bytes: u64, incoming: u64, blob_bytes: u64) -> bool {
+        self.since.len() < MAX_SINCE
+            && (since_bytes + incoming) as f64 <= KEEP_SHARE * blob_bytes as f64
+    }
 }
 
 /// What a holder at `have` does about a peer at `theirs`.
@@ -436,6 +444,18 @@ mod tests {
         assert!(v.fold_due(0, 1000));
         v.fold_all();
         assert!(!v.fold_due(1 << 40, 1000), "nothing kept, nothing to fold");
+    }
+
+    #[test]
+    fn an_update_beside_a_fold_must_fit_the_budget_and_the_count() {
+        let mut v = version(&[1]);
+        // A blob of 1000: 8% is 80 bytes.
+        assert!(v.room_beside_fold(40, 40, 1000));
+        assert!(!v.room_beside_fold(40, 41, 1000), "past 8% of the blob");
+        for id in 2..=MAX_SINCE as u64 {
+            v.insert(id);
+        }
+        assert!(!v.room_beside_fold(0, 0, 1000), "MAX_SINCE kept already");
     }
 
     #[test]
