@@ -104,10 +104,14 @@ pub struct GroupOptions {
     /// Check members against a few learning updates of their version (when checked and the
     /// mesh learns); costs fetching those updates when the group forms.
     pub probe: bool,
+    /// With `verify` 1, check rounds against secret projections of the check row instead of
+    /// its answers ([`VerifyConfig::project`]).
+    pub project: bool,
 }
 
 impl GroupOptions {
-    /// `verify` checked answers and `spares` spares, default timing, members probed.
+    /// `verify` checked answers and `spares` spares, default timing, members probed, checks
+    /// projected.
     pub fn new(verify: usize, spares: usize) -> Self {
         Self {
             verify,
@@ -115,6 +119,7 @@ impl GroupOptions {
             round: RoundConfig::default(),
             avoid: BTreeSet::new(),
             probe: true,
+            project: true,
         }
     }
 }
@@ -268,6 +273,7 @@ pub async fn form<L: LeadLink>(
     group.set_verify(VerifyConfig {
         extra: opts.verify,
         noise: manifest.verify_noise,
+        project: opts.project,
     });
     group.set_probe(probe);
     Ok(Formed {

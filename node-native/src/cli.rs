@@ -95,6 +95,11 @@ pub(crate) struct UpArgs {
     /// Answers checked beyond the k decoded in every round (1 detects a wrong member).
     #[arg(long, default_value_t = 1)]
     pub(crate) check: usize,
+    /// With `--check 1`, ask the check row for its answer in every round instead of checking
+    /// against its secret projections (docs/verification.md, "Projected checks"): a fourth
+    /// product a round, as before projections.
+    #[arg(long)]
+    pub(crate) check_answers: bool,
     /// Spare members asked beside them. None by default: on one machine a spare adds work
     /// (throughput -17%, docs/perf.md) and rarely beats a local straggler; with `--check 1`
     /// a failed member still leaves k answers.
@@ -138,6 +143,11 @@ pub(crate) struct ServeArgs {
     /// 1 detects a wrong member, 2 also locates it; 0 turns checking off.
     #[arg(long, default_value_t = 1)]
     pub(crate) check: usize,
+    /// With `--check 1`, ask the check row for its answer in every round instead of checking
+    /// against its secret projections (docs/verification.md, "Projected checks"): a fourth
+    /// product a round, as before projections.
+    #[arg(long)]
+    pub(crate) check_answers: bool,
     /// Spare members asked beside them: a straggler or a failure costs nothing, at the price
     /// of their compute.
     #[arg(long, default_value_t = 1)]
@@ -269,6 +279,7 @@ impl NetArgs {
                 queue: self.serve.queue,
                 learn: !self.serve.no_learn,
                 verify: self.serve.check,
+                project: !self.serve.check_answers,
                 spares: self.serve.spares,
                 trace_steps: self.serve.trace_steps.clone(),
                 groups: self.serve.groups,
@@ -378,6 +389,11 @@ pub(crate) struct GenerateArgs {
     /// member, 2 also locates it without asking anyone else; 0 turns checking off.
     #[arg(long, default_value_t = 1)]
     pub(crate) check: usize,
+    /// With `--check 1`, ask the check row for its answer in every round instead of checking
+    /// against its secret projections (docs/verification.md, "Projected checks"): a fourth
+    /// product a round, as before projections.
+    #[arg(long)]
+    pub(crate) check_answers: bool,
     /// One hop per stage (mesh only): the group's members send their coded outputs straight to
     /// each other and run the model between stages themselves; this process feeds the tokens
     /// and decodes the logits. A stage costs one network delay instead of a round trip.

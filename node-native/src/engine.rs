@@ -51,6 +51,8 @@ pub struct EngineConfig {
     pub step_tokens: usize,
     /// Answers checked beyond the k decoded in every forward round.
     pub verify: usize,
+    /// With `verify` 1, check against the check row's secret projections, not its answers.
+    pub project: bool,
     /// Spare members asked beside them.
     pub spares: usize,
     /// Train the mesh on the requests (when the mesh learns).
@@ -71,6 +73,7 @@ impl Default for EngineConfig {
             queue: 64,
             step_tokens: 512,
             verify: 1,
+            project: true,
             spares: 1,
             learn: true,
             trace_steps: None,
@@ -455,6 +458,7 @@ impl Lead {
             let opts = GroupOptions {
                 trace: self.trace.clone(),
                 avoid,
+                project: self.ctx.cfg.project,
                 ..GroupOptions::new(self.ctx.cfg.verify, self.ctx.cfg.spares)
             };
             let formed = match self.info().await {
@@ -546,7 +550,8 @@ impl Lead {
             }
         }
         if s.verified_rounds > 0 {
-            m.decode_residual_ratio.observe(s.max_pass_ratio);
+            m.decode_residual_ratio
+                .observe(s.max_pass_ratio.max(s.max_projected_ratio));
         }
         if s.caught.is_empty() {
             return;
@@ -574,6 +579,7 @@ impl Lead {
         match moved.map(|(v, n)| (v, Llama::new(self.ctx.manifest.cfg.clone(), n.clone()))) {
             Some((version, Ok(llama))) => {
                 f.group.transport_mut().set_version(*version);
+                f.group.weights_moved();
                 f.version = *version;
                 f.llama = llama;
             }

@@ -84,7 +84,7 @@ fn main() {
 
 /// `codedmesh up`.
 async fn run_up(args: UpArgs) -> Result<()> {
-    let node_args = vec![
+    let mut node_args = vec![
         "--max-batch".into(),
         args.max_batch.to_string().into(),
         "--queue".into(),
@@ -98,6 +98,9 @@ async fn run_up(args: UpArgs) -> Result<()> {
         "--draft".into(),
         args.draft.to_string().into(),
     ];
+    if args.check_answers {
+        node_args.push("--check-answers".into());
+    }
     node_native::up::up(node_native::up::UpOptions {
         nodes: args.nodes,
         k: args.k,
@@ -558,6 +561,7 @@ fn run_once_on_mesh(
                 .as_deref()
                 .map(node_native::steplog::StepLog::create)
                 .transpose()?,
+            project: !args.check_answers,
             ..node_native::remote::GroupOptions::new(args.check, args.spares)
         };
         let mut leader = Leader::connect_with(rt, bootstrap.clone(), &opts)?;
@@ -628,8 +632,14 @@ fn run_once_on_mesh(
     print_coded_stats(args, &out, leader.group.stats(), Some(compute));
     let s = leader.group.stats();
     eprintln!(
-        "verified: {} rounds checked, {} unchecked, {} answers checked that came late; honest noise at {:.3} of the threshold",
-        s.verified_rounds, s.unverified_rounds, s.late_checked, s.max_pass_ratio
+        "verified: {} rounds checked ({} by projection), {} unchecked, {} answers checked that came late; honest noise at {:.3} of the threshold (answers {:.3}, projections {:.3})",
+        s.verified_rounds,
+        s.projected_rounds,
+        s.unverified_rounds,
+        s.late_checked,
+        s.max_pass_ratio.max(s.max_projected_ratio),
+        s.max_pass_ratio,
+        s.max_projected_ratio
     );
     if let Some(p) = leader.group.probe() {
         eprintln!(

@@ -120,10 +120,14 @@ pub struct GroupOptions {
     /// Holders to leave out (another group of this leader computes with them), when the row
     /// has another holder or the group can do without the row.
     pub avoid: BTreeSet<PeerId>,
+    /// With `verify` 1, check rounds against secret projections of the check row instead of
+    /// its answers.
+    pub project: bool,
 }
 
 impl GroupOptions {
-    /// `verify` checked answers and `spares` spares, default timing, no step trace.
+    /// `verify` checked answers and `spares` spares, default timing, no step trace, checks
+    /// projected.
     pub fn new(verify: usize, spares: usize) -> Self {
         Self {
             verify,
@@ -131,6 +135,7 @@ impl GroupOptions {
             round: RoundConfig::default(),
             trace: None,
             avoid: BTreeSet::new(),
+            project: true,
         }
     }
 }
@@ -159,6 +164,7 @@ pub async fn form_group(
         round: opts.round,
         avoid: opts.avoid.clone(),
         probe: true,
+        project: opts.project,
     };
     Ok(node_core::lead::form(&link, manifest, info, &group).await?)
 }

@@ -189,6 +189,7 @@ pub fn run(
     let verify = VerifyConfig {
         extra: 1,
         noise: NOISE_MARGIN * noise,
+        project: false,
     };
     let mut rng = Rng(7);
     let forward = |trial: Trial, rows: &[usize], extra: usize, token: u32| {

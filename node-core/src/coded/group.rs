@@ -1,6 +1,6 @@
 //! The leader's side: send a stage to the group, decode the answers, reassemble the outputs.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use rand::SeedableRng;
@@ -212,6 +212,11 @@ pub struct ExecStats {
     pub max_backward_pass_ratio: f64,
     /// Answers that came after their checked round was decoded, checked against its decode.
     pub late_checked: u64,
+    /// Forward rounds checked against the check row's secret projections, not its answer
+    /// (counted among `verified_rounds` too).
+    pub projected_rounds: u64,
+    /// Largest residual of a projected check that passed, over its threshold.
+    pub max_projected_ratio: f64,
 }
 
 /// Attempts at one round before the request fails (each drops at least one bad member).
@@ -234,6 +239,32 @@ pub struct CodedGroup<T: Transport> {
     checks: ChaCha8Rng,
     /// The last checked rounds, newest last, against which answers that come late are checked.
     recent: VecDeque<Recent>,
+    /// The check row and its projections, while rounds are checked by projection.
+    sketch: Option<Sketch>,
+}
+
+/// Random directions per projected check: a wrong answer hides from one with a chance that
+/// falls geometrically with their number (docs/verification.md, "Projected checks").
+const PROJECTIONS: usize = 4;
+
+/// A check row that is not asked for its answers: for each stage it has multiplied
+/// [`PROJECTIONS`] secret random directions `ρ` of its answer by its shards' transposes, so
+/// the leader can check a round's decode from the product `w = S_pᵀ·ρ` alone.
+#[derive(Debug)]
+struct Sketch {
+    /// The check row.
+    row: usize,
+    /// Per stage at the members' version.
+    stages: HashMap<Stage, Projection>,
+}
+
+/// One stage's secret directions and the check row's products with them.
+#[derive(Debug)]
+struct Projection {
+    /// The directions `ρ`, `[sub-block][matrix][row]` each, as the check row's answer lies.
+    directions: Vec<Vec<f32>>,
+    /// `S_pᵀ·ρ` for each, `in` values.
+    products: Vec<Vec<f32>>,
 }
 
 /// A checked round, kept to check the answers that come after it was decoded: a member whose
@@ -292,6 +323,7 @@ impl<T: Transport> CodedGroup<T> {
             probe: None,
             checks: ChaCha8Rng::from_rng(&mut rand::rng()),
             recent: VecDeque::new(),
+            sketch: None,
         })
     }
 
@@ -313,9 +345,27 @@ impl<T: Transport> CodedGroup<T> {
     }
 
     /// Checks every forward round with `cfg.extra` answers beyond the k decoded, and, when
-    /// `cfg.extra > 0`, every backward round by a forward round at a random input.
+    /// `cfg.extra > 0`, every backward round by a forward round at a random input. With
+    /// `cfg.project` and one extra answer, the first member beyond the k is the check row: it
+    /// is asked for projections, and for answers only to settle a failed check.
     pub fn set_verify(&mut self, cfg: VerifyConfig) {
         self.verify = cfg;
+        let k = self.generator.k();
+        self.sketch = (cfg.project && cfg.extra == 1)
+            .then(|| self.members.get(k).copied())
+            .flatten()
+            .map(|row| Sketch {
+                row,
+                stages: HashMap::new(),
+            });
+    }
+
+    /// The members moved to other weights (a learning update): the check row's projections
+    /// are asked for again before the next projected check, as the old ones no longer hold.
+    pub fn weights_moved(&mut self) {
+        if let Some(sketch) = self.sketch.as_mut() {
+            sketch.stages.clear();
+        }
     }
 
     /// The members' node indices now (spares included).
@@ -376,19 +426,20 @@ impl<T: Transport> CodedGroup<T> {
         c: usize,
         what: &str,
     ) -> Result<Vec<f32>, CodedError> {
-        let (out, parts) = self.run_traced(req, c, what).await?;
+        let (out, parts) = self.run_traced(req, c, what, true).await?;
         self.after_round(parts, c, what);
         Ok(out)
     }
 
-    /// [`Self::run`], also handing back the answers that agree with the decode.
+    /// [`Self::run`], also handing back the answers that agree with the decode: every answer
+    /// asked for, the check row's too (never checked by projection).
     async fn run_with_parts(
         &mut self,
         req: &StepRequest,
         c: usize,
         what: &str,
     ) -> Result<(Vec<f32>, Parts), CodedError> {
-        let (out, parts) = self.run_traced(req, c, what).await?;
+        let (out, parts) = self.run_traced(req, c, what, false).await?;
         self.after_round(parts.clone(), c, what);
         Ok((out, parts))
     }
@@ -398,11 +449,12 @@ impl<T: Transport> CodedGroup<T> {
         req: &StepRequest,
         c: usize,
         what: &str,
+        project: bool,
     ) -> Result<(Vec<f32>, Parts), CodedError> {
         use tracing::Instrument;
         self.transport.label(what);
         let span = tracing::debug_span!("coded_step", step = what);
-        self.run_inner(req, c, what).instrument(span).await
+        self.run_inner(req, c, what, project).instrument(span).await
     }
 
     /// A round's answers, done with: kept for the answers still to come to it, and the late
@@ -412,17 +464,27 @@ impl<T: Transport> CodedGroup<T> {
         self.check_late();
     }
 
+    /// One round, decoded and checked; `project` lets a forward round be checked by
+    /// projection ([`Sketch`]) when the group has a check row.
     async fn run_inner(
         &mut self,
         req: &StepRequest,
         c: usize,
         what: &str,
+        project: bool,
     ) -> Result<(Vec<f32>, Parts), CodedError> {
         let bytes = protocol::encode(req)?;
         let k = self.generator.k();
-        let want = (k + self.verify.extra).min(self.members.len()).max(k);
+        let projected = match req {
+            StepRequest::Matmul { stage, .. } if project => self.projecting(*stage).await?,
+            _ => None,
+        };
+        let want = match projected {
+            Some(_) => k,
+            None => (k + self.verify.extra).min(self.members.len()).max(k),
+        };
         let mut parts = Parts::with_capacity(want);
-        self.collect(&bytes, c, &mut parts, want).await?;
+        self.collect(&bytes, c, &mut parts, want, projected).await?;
         self.stats.rounds += 1;
         if parts.len() < k {
             return Err(CodedError::Member {
@@ -431,7 +493,15 @@ impl<T: Transport> CodedGroup<T> {
             });
         }
         let started = Instant::now();
-        let mut out = self.decode_checked(&mut parts, c, &bytes, what).await?;
+        let mut out = match (projected, req) {
+            (Some(row), StepRequest::Matmul { stage, t, x })
+                if parts.iter().all(|(n, _)| *n != row) =>
+            {
+                self.decode_projected(row, *stage, x, *t as usize, &mut parts, c, &bytes, what)
+                    .await?
+            }
+            _ => self.decode_checked(&mut parts, c, &bytes, what).await?,
+        };
         if let StepRequest::Matmul { stage, t, x } = req
             && parts.len() > k
             && self.probe.is_some()
@@ -664,13 +734,15 @@ impl<T: Transport> CodedGroup<T> {
     }
 
     /// Adds usable answers to `parts` from members that have not answered, up to `want`
-    /// (fewer only when members run out).
+    /// (fewer only when members run out); `leave` (the check row of a projected round) is not
+    /// asked and stays a member.
     async fn collect(
         &mut self,
         bytes: &[u8],
         c: usize,
         parts: &mut Parts,
         mut want: usize,
+        mut leave: Option<usize>,
     ) -> Result<(), CodedError> {
         let k = self.generator.k();
         let m = self.generator.sub_blocks();
@@ -684,7 +756,7 @@ impl<T: Transport> CodedGroup<T> {
                 .members
                 .iter()
                 .copied()
-                .filter(|n| parts.iter().all(|(p, _)| p != n))
+                .filter(|n| parts.iter().all(|(p, _)| p != n) && Some(*n) != leave)
                 .collect();
             if asked.is_empty() {
                 break;
@@ -703,6 +775,16 @@ impl<T: Transport> CodedGroup<T> {
             }
             let answers = match result {
                 Ok(a) => a,
+                Err(e) if leave.is_some() => {
+                    // A member failed a projected round: the check row answers in its place.
+                    tracing::warn!(node = e.node, reason = %e.reason, "a member failed; asking the check row for its answer");
+                    members
+                        .extend(leave.filter(|n| self.members.contains(n) && !members.contains(n)));
+                    leave = None;
+                    self.members = members;
+                    last_error = Some(e.into());
+                    continue;
+                }
                 Err(e) if want > k => {
                     // Too few members left to check this round: decode from k, unchecked.
                     tracing::warn!(node = e.node, reason = %e.reason, "too few members to check the round; decoding from k");
@@ -728,6 +810,7 @@ impl<T: Transport> CodedGroup<T> {
                     }
                 }
             }
+            members.extend(leave.filter(|n| self.members.contains(n) && !members.contains(n)));
             self.members = members;
         }
         match last_error {
@@ -821,7 +904,7 @@ impl<T: Transport> CodedGroup<T> {
             "answers disagree with the code; locating the member"
         );
         // Leave-one-out needs k + 2 answers: ask for one more if only k + 1 came.
-        self.collect(bytes, c, parts, k + 2).await?;
+        self.collect(bytes, c, parts, k + 2, None).await?;
         if parts.len() < k + 2 {
             return Err(CodedError::Verification(format!(
                 "{what}: answers disagree (residual {worst:.2e} > {threshold:.2e}) and no further member can tell which is wrong"
@@ -883,6 +966,194 @@ impl<T: Transport> CodedGroup<T> {
             witnesses: parts.iter().map(|(n, _)| *n).collect(),
             missing_update: None,
         });
+        Ok(out)
+    }
+
+    /// The check row that checks a forward round of `stage` by projection, with its
+    /// projections for the stage fetched; `None` when the round is checked by answers: no
+    /// check row, too few other members, or an update probe still needing every residual. A
+    /// check row that cannot give its projections is dropped.
+    async fn projecting(&mut self, stage: Stage) -> Result<Option<usize>, CodedError> {
+        let k = self.generator.k();
+        let Some(row) = self.sketch.as_ref().map(|s| s.row) else {
+            return Ok(None);
+        };
+        if !self.members.contains(&row) {
+            self.sketch = None;
+            return Ok(None);
+        }
+        if self.members.len() <= k
+            || self
+                .probe
+                .as_ref()
+                .is_some_and(|p| !p.open(&self.members).is_empty())
+        {
+            return Ok(None);
+        }
+        if self
+            .sketch
+            .as_ref()
+            .is_some_and(|s| s.stages.contains_key(&stage))
+        {
+            return Ok(Some(row));
+        }
+        let shapes = stage.shapes(&self.cfg);
+        let inp = shapes.first().map_or(0, |&(_, i)| i);
+        let lens: Vec<usize> = shapes
+            .iter()
+            .map(|&(out, _)| self.generator.block_len(out))
+            .collect();
+        let per_sub: usize = lens.iter().sum();
+        let m = self.generator.sub_blocks();
+        let directions: Vec<Vec<f32>> = (0..PROJECTIONS)
+            .map(|_| random_input(&mut self.checks, m * per_sub))
+            .collect();
+        // A transpose request's layout: [sub-block][matrix][direction][row].
+        let mut u = Vec::with_capacity(PROJECTIONS * m * per_sub);
+        for sub in 0..m {
+            let mut at = sub * per_sub;
+            for &l in &lens {
+                for d in &directions {
+                    u.extend_from_slice(&d[at..at + l]);
+                }
+                at += l;
+            }
+        }
+        let request = protocol::encode(&StepRequest::MatmulT {
+            stage,
+            t: PROJECTIONS as u32,
+            u,
+        })?;
+        self.transport.label(&format!("{stage:?} projection"));
+        self.stats.bytes_sent += request.len() as u64;
+        self.stats.member_requests += 1;
+        self.stats.rounds += 1;
+        let started = Instant::now();
+        let answer = self.transport.round_each(vec![(row, request)]).await;
+        self.stats.member_time += started.elapsed();
+        let products = answer.map_err(CodedError::Transport).and_then(|answers| {
+            let (_, bytes) =
+                answers
+                    .iter()
+                    .find(|(n, _)| *n == row)
+                    .ok_or_else(|| CodedError::Member {
+                        node: row,
+                        reason: "gave no projection".into(),
+                    })?;
+            self.stats.bytes_received += bytes.len() as u64;
+            let w = parse_answer(row, bytes, PROJECTIONS * inp)?;
+            match w.iter().all(|v| v.is_finite()) {
+                true => Ok(w),
+                false => Err(CodedError::Member {
+                    node: row,
+                    reason: "gave a projection that is not finite".into(),
+                }),
+            }
+        });
+        match products {
+            Ok(w) => {
+                let w = w.chunks_exact(inp.max(1)).map(<[f32]>::to_vec).collect();
+                if let Some(sketch) = self.sketch.as_mut() {
+                    sketch.stages.insert(
+                        stage,
+                        Projection {
+                            directions,
+                            products: w,
+                        },
+                    );
+                }
+                Ok(Some(row))
+            }
+            Err(e) => {
+                tracing::warn!(node = row, error = %e, "dropping a check row that gave no usable projection");
+                self.drop_member(row);
+                self.sketch = None;
+                Ok(None)
+            }
+        }
+    }
+
+    /// Decodes a round of k answers and checks it by projection: for each direction `ρ` and
+    /// token τ, `ρ·ŷ_p[τ]` (the check row's answer predicted from the decode) must match
+    /// `w·x[τ]` ([`transpose_residual`] within [`VerifyConfig::backward_threshold`]). When it
+    /// does not, the check row is asked for its answer and the round is checked by answers
+    /// ([`Self::decode_checked`]); if every answer then agrees, the check row's projection was
+    /// wrong, and it is caught.
+    #[allow(clippy::too_many_arguments, reason = "one round's whole context")]
+    async fn decode_projected(
+        &mut self,
+        row: usize,
+        stage: Stage,
+        x: &[f32],
+        t: usize,
+        parts: &mut Parts,
+        c: usize,
+        bytes: &[u8],
+        what: &str,
+    ) -> Result<Vec<f32>, CodedError> {
+        let m = self.generator.sub_blocks();
+        let refs: Vec<(usize, &[f32])> = parts.iter().map(|(n, v)| (*n, v.as_slice())).collect();
+        let (out, kappa, _) = self.decode_and_predict(&refs, c)?;
+        let mut predicted = vec![0.0f32; m * c];
+        self.generator.predict_part(row, &out, &mut predicted)?;
+        let lens: Vec<usize> = stage
+            .shapes(&self.cfg)
+            .iter()
+            .map(|&(out, _)| self.generator.block_len(out))
+            .collect();
+        let inp = x.len() / t.max(1);
+        let Some(Projection {
+            directions,
+            products,
+        }) = self.sketch.as_ref().and_then(|s| s.stages.get(&stage))
+        else {
+            return self.decode_checked(parts, c, bytes, what).await;
+        };
+        let threshold = self
+            .verify
+            .backward_threshold(kappa, m * lens.iter().sum::<usize>(), inp);
+        let mut worst = 0.0f64;
+        // A non-finite answer makes every dot product NaN, which no comparison would flag.
+        if !predicted.iter().all(|v| v.is_finite()) {
+            worst = f64::INFINITY;
+        }
+        for (d, w) in directions.iter().zip(products) {
+            worst = worst.max(transpose_residual(w, x, &predicted, d, &lens, t)?);
+        }
+        if worst <= threshold {
+            self.stats.verified_rounds += 1;
+            self.stats.projected_rounds += 1;
+            self.stats.max_projected_ratio = self.stats.max_projected_ratio.max(worst / threshold);
+            return Ok(out);
+        }
+        tracing::warn!(
+            what,
+            residual = worst,
+            threshold,
+            "answers disagree with the check row's projection; asking it for its answer"
+        );
+        let caught = self.stats.caught.len();
+        let k = self.generator.k();
+        self.collect(bytes, c, parts, k + 1, None).await?;
+        let out = self.decode_checked(parts, c, bytes, what).await?;
+        let answered = parts.iter().any(|(n, _)| *n == row);
+        if self.stats.caught.len() == caught && parts.len() > k && answered {
+            // Every answer agrees with the check row's own: its projection was the lie.
+            self.convict(Caught {
+                node: row,
+                step: format!("{what} projection"),
+                residual: worst,
+                threshold,
+                witnesses: parts
+                    .iter()
+                    .map(|(n, _)| *n)
+                    .filter(|&n| n != row)
+                    .collect(),
+                missing_update: None,
+            });
+            parts.retain(|(n, _)| *n != row);
+            self.sketch = None;
+        }
         Ok(out)
     }
 

@@ -14,6 +14,9 @@ pub struct VerifyConfig {
     pub extra: usize,
     /// Residual allowed per unit of condition number (the threshold is `noise · κ`).
     pub noise: f64,
+    /// With `extra` 1: check a forward round against secret projections of the check row
+    /// instead of asking it for its answer (docs/verification.md, "Projected checks").
+    pub project: bool,
 }
 
 /// Honest residual per unit of condition number for SmolLM2 in f32 (1.9e-6, the largest over
@@ -29,6 +32,7 @@ impl Default for VerifyConfig {
         Self {
             extra: 1,
             noise: DEFAULT_NOISE,
+            project: false,
         }
     }
 }
@@ -239,6 +243,7 @@ pub fn measure_noise(
         group.set_verify(VerifyConfig {
             extra: 1,
             noise: 1.0,
+            project: false,
         });
         let mut token = || rng.random_range(0..cfg.vocab as u32);
         // A model with a shorter context gets a shorter request.

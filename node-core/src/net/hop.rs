@@ -349,6 +349,8 @@ impl<L: HopLink> HopMember<L> {
         group.set_verify(VerifyConfig {
             extra: join.extra as usize,
             noise: join.noise,
+            // A hop member decodes for itself; only a leader's group projects.
+            project: false,
         });
         Ok(Self {
             cache: KvCache::new(&cfg),
@@ -512,6 +514,8 @@ impl<L: FeedLink> HopLeader<L> {
         group.set_verify(VerifyConfig {
             extra: join.extra as usize,
             noise: join.noise,
+            // A hop member decodes for itself; only a leader's group projects.
+            project: false,
         });
         Ok(Self { cfg, group })
     }

@@ -6,6 +6,7 @@
 use crate::common::{self, max_rel_diff};
 
 use node_core::code::Generator;
+use node_core::coded::ShardValues;
 use node_core::coded::{
     CodedGroup, InProcess, Member, Misbehaviour, NOISE_MARGIN, PROBE_SIGMAS, ShardFormat,
     Transport, TransportError, UpdateProbe, VerifyConfig, measure_noise,
@@ -35,6 +36,7 @@ fn calibrated(w: &ModelWeights, g: &Generator, members: &[Member], extra: usize)
     VerifyConfig {
         extra,
         noise: NOISE_MARGIN * noise,
+        project: false,
     }
 }
 
@@ -581,5 +583,176 @@ fn backward_checks_separate_honest_noise_from_a_lie_on_smollm2_shapes() {
     assert!(
         lie_least > 1.5,
         "a lie at only {lie_least:.2} of the threshold"
+    );
+}
+
+// Projected checks: the check row is asked for `w = S_pᵀ·ρ` once per stage, and each forward
+// round is checked by `ρ·ŷ_p ≈ w·x` instead of by the check row's answer.
+
+/// `members` with the output projection (`o`) of block `block` on row `bad` off by 1e-3: a
+/// fault no embedding lookup shows, so only a checked product round can catch it.
+fn wrong_o(members: &[Member], bad: usize, block: usize) -> Vec<Member> {
+    let mut out = members.to_vec();
+    let mut shards = members[bad].shards().clone();
+    match &mut shards.blocks[block][3].values {
+        ShardValues::F32(v) => v.iter_mut().for_each(|x| *x *= 1.0 + 1e-3),
+        other => panic!("expected f32 shards, got {other:?}"),
+    }
+    out[bad] = Member::new(shards);
+    out
+}
+
+#[test]
+fn honest_groups_pass_every_projected_check_and_decode_as_without_it() {
+    let (w, g, members) = honest();
+    let check = VerifyConfig {
+        project: true,
+        ..calibrated(&w, &g, &members, 1)
+    };
+    // The first k rows answer and the next is the check row; a fifth is a spare.
+    for rows in [
+        vec![0, 1, 2, 3],
+        vec![0, 1, 2, 4, 3],
+        vec![2, 3, 4, 0],
+        vec![4, 1, 3, 2, 0],
+    ] {
+        let mesh = InProcess::new(members.clone()).unwrap();
+        let mut plain = CodedGroup::new(w.cfg.clone(), g.clone(), &rows[..3], mesh).unwrap();
+        let want = logits(&w, &mut plain);
+
+        let mesh = InProcess::new(members.clone()).unwrap();
+        let mut group = CodedGroup::new(w.cfg.clone(), g.clone(), &rows, mesh).unwrap();
+        group.set_verify(check);
+        let got = logits(&w, &mut group);
+        let s = group.stats();
+        assert!(s.caught.is_empty(), "{rows:?}: {:?}", s.caught);
+        // The same k rows decode: the same logits, to the bit.
+        assert_eq!(got, want, "{rows:?}");
+        // Every product round is projected; the embedding lookup is checked by answers.
+        let products = plain.stats().rounds - 1;
+        assert_eq!(s.projected_rounds, products, "{rows:?}");
+        assert_eq!(s.verified_rounds, products + 1, "{rows:?}");
+        assert_eq!(s.unverified_rounds, 0, "{rows:?}");
+        // The check row is asked once per stage (its projections) and for the lookup.
+        let stages = 1 + 4 * w.cfg.layers as u64;
+        assert_eq!(s.rounds, plain.stats().rounds + stages, "{rows:?}");
+        assert!(
+            s.max_projected_ratio > 0.0 && s.max_projected_ratio < 0.5,
+            "{rows:?}: projected noise at {:.3} of the threshold",
+            s.max_projected_ratio
+        );
+        eprintln!(
+            "{rows:?}: honest projected noise at {:.2e} of the threshold",
+            s.max_projected_ratio
+        );
+    }
+}
+
+#[test]
+fn a_wrong_answer_is_caught_by_projection_located_and_outvoted() {
+    let (w, g, members) = honest();
+    let check = VerifyConfig {
+        project: true,
+        ..calibrated(&w, &g, &members, 1)
+    };
+    for bad in [0, 1, 2] {
+        let members = wrong_o(&members, bad, 1);
+        let honest_rows: Vec<usize> = (0..5).filter(|&r| r != bad).collect();
+        let mesh = InProcess::new(members.clone()).unwrap();
+        let mut reference = CodedGroup::new(w.cfg.clone(), g.clone(), &honest_rows, mesh).unwrap();
+        let want = logits(&w, &mut reference);
+
+        // Rows 0, 1, 2 answer, row 3 checks by projection, row 4 settles who is wrong.
+        let mesh = InProcess::new(members).unwrap();
+        let mut group = CodedGroup::new(w.cfg.clone(), g.clone(), &[0, 1, 2, 3, 4], mesh).unwrap();
+        group.set_verify(check);
+        let got = logits(&w, &mut group);
+        let caught = &group.stats().caught;
+        assert_eq!(caught.len(), 1, "bad row {bad}: {caught:?}");
+        assert_eq!(caught[0].node, bad, "{}", caught[0]);
+        assert_eq!(caught[0].step, "AttnOut(1)", "{}", caught[0]);
+        assert!(!group.nodes().contains(&bad));
+        let err = max_rel_diff(&got, &want);
+        assert!(err < 1e-4, "bad row {bad}: logits off by {err:.2e}");
+        eprintln!("{}", caught[0]);
+    }
+    // With nobody beyond the check row, the fault is seen and the request fails clearly.
+    let members = wrong_o(&members, 1, 1);
+    let mesh = InProcess::new(members).unwrap();
+    let mut group = CodedGroup::new(w.cfg.clone(), g, &[0, 1, 2, 3], mesh).unwrap();
+    group.set_verify(check);
+    let llama = Llama::new(w.cfg.clone(), LeaderWeights::from_model(&w)).unwrap();
+    let err =
+        futures::executor::block_on(llama.forward(&mut group, &SEQ, &mut KvCache::new(&w.cfg)))
+            .unwrap_err()
+            .to_string();
+    assert!(err.contains("disagree"), "{err}");
+}
+
+#[test]
+fn a_check_row_whose_projection_lies_is_caught_by_its_own_answer() {
+    let (w, g, members) = honest();
+    let check = VerifyConfig {
+        project: true,
+        ..calibrated(&w, &g, &members, 1)
+    };
+    // Row 3's transposed products, so its projections, are off by 1e-3; its answers are not.
+    let members = lying(&members, 3, Misbehaviour::BackwardOnly);
+    let mesh = InProcess::new(members.clone()).unwrap();
+    let mut plain = CodedGroup::new(w.cfg.clone(), g.clone(), &[0, 1, 2], mesh).unwrap();
+    let want = logits(&w, &mut plain);
+
+    let mesh = InProcess::new(members).unwrap();
+    let mut group = CodedGroup::new(w.cfg.clone(), g, &[0, 1, 2, 3], mesh).unwrap();
+    group.set_verify(check);
+    let got = logits(&w, &mut group);
+    let s = group.stats();
+    assert_eq!(s.caught.len(), 1, "{:?}", s.caught);
+    let c = &s.caught[0];
+    assert_eq!(c.node, 3, "{c}");
+    // Caught on the first product round, the first block's q, k, v.
+    assert_eq!(c.step, "Qkv(0) projection", "{c}");
+    assert_eq!(c.witnesses, vec![0, 1, 2], "{c}");
+    assert!(c.residual > c.threshold, "{c}");
+    assert!(!group.nodes().contains(&3));
+    // The rest of the request is decoded from the three honest rows, unchecked.
+    assert_eq!(got, want);
+    assert!(s.unverified_rounds > 0);
+    eprintln!("{c}");
+}
+
+#[test]
+fn projections_are_asked_again_when_the_members_take_an_update() {
+    let (w, g, members) = honest();
+    let check = VerifyConfig {
+        project: true,
+        ..calibrated(&w, &g, &members, 1)
+    };
+    let update = updates(&w, &members, 1e-4, 1).remove(0);
+    // A group that serves a request, then every member takes the update, then another.
+    let serve_across = |told: bool| {
+        let mesh = InProcess::new(members.clone()).unwrap();
+        let mut group = CodedGroup::new(w.cfg.clone(), g.clone(), &[0, 1, 2, 3], mesh).unwrap();
+        group.set_verify(check);
+        let _ = logits(&w, &mut group);
+        for m in group.transport_mut().members_mut() {
+            update.apply_to_shards(m.shards_mut()).unwrap();
+        }
+        if told {
+            group.weights_moved();
+        }
+        let _ = logits(&w, &mut group);
+        group
+    };
+    let group = serve_across(true);
+    let s = group.stats();
+    assert!(s.caught.is_empty(), "{:?}", s.caught);
+    assert_eq!(s.unverified_rounds, 0);
+    // Not told, the old projections convict the honest check row: the call is needed.
+    let group = serve_across(false);
+    let caught = &group.stats().caught;
+    assert!(
+        caught.len() == 1 && caught[0].node == 3 && caught[0].step.ends_with("projection"),
+        "{caught:?}"
     );
 }

@@ -27,6 +27,7 @@ fn the_genesis_threshold_clears_honest_served_requests() -> Result<()> {
         let check = VerifyConfig {
             extra: 1,
             noise: NOISE_MARGIN * noise,
+            project: false,
         };
         let mut transport = Some(mesh);
         let mut worst = 0.0f64;

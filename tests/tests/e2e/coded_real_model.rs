@@ -320,11 +320,13 @@ fn compact_shards_decode_their_model_exactly_and_keep_the_greedy_tokens() -> any
 }
 
 #[test]
-fn honest_compact_rows_pass_every_backward_check_parity_rows_included() -> anyhow::Result<()> {
+fn honest_compact_rows_pass_every_backward_and_projected_check_parity_rows_included()
+-> anyhow::Result<()> {
     // A served compact mesh convicted its honest parity row 3 on the LM head's backward step,
     // checked against the data rows (κ = 1), at 1.4 times the threshold of the time
     // (docs/verification.md, "Threshold"). Here parity rows answer backward rounds and are
     // checked against predictions from the other rows, on a served-like training sequence.
+    // Then the forward rounds are checked by projection, data and parity rows checking.
     let _machine = crate::machine::share();
     let model = real_model()?;
     let w = &model.weights;
@@ -334,6 +336,7 @@ fn honest_compact_rows_pass_every_backward_check_parity_rows_included() -> anyho
     let check = VerifyConfig {
         extra: 1,
         noise: NOISE_MARGIN * noise,
+        project: false,
     };
     let members = mesh.into_members();
     let llama = leader(w)?;
@@ -372,5 +375,26 @@ fn honest_compact_rows_pass_every_backward_check_parity_rows_included() -> anyho
         seq.len()
     );
     assert!(worst < 0.6, "honest at {worst:.3} of the threshold");
+    // The check row (the fourth) a data row, then parity rows, one of them decoding.
+    let mut projected = 0.0f64;
+    for rows in [[3, 1, 2, 0], [0, 1, 2, 4], [4, 0, 1, 3]] {
+        let mut group = CodedGroup::new(
+            w.cfg.clone(),
+            g.clone(),
+            &rows,
+            InProcess::new(members.clone())?,
+        )?;
+        group.set_verify(VerifyConfig {
+            project: true,
+            ..check
+        });
+        pollster::block_on(llama.gradients(&mut group, &seq))?;
+        let s = group.stats();
+        assert!(s.caught.is_empty(), "rows {rows:?}: {:?}", s.caught);
+        assert!(s.projected_rounds > 0 && s.unverified_rounds == 0);
+        projected = projected.max(s.max_projected_ratio);
+    }
+    eprintln!("honest compact projected checks up to {projected:.3} of the threshold");
+    assert!(projected < 0.6, "honest at {projected:.3} of the threshold");
     Ok(())
 }
