@@ -534,6 +534,7 @@ impl Lead {
         f.group.reset_stats();
         let m = &self.ctx.metrics;
         m.rounds_checked.inc_by(s.verified_rounds);
+        m.rounds_projected.inc_by(s.projected_rounds);
         m.members_replaced.inc_by(s.members_dropped);
         if s.members_dropped > 0 {
             // Replacements came from free rows: the other serving groups must now avoid them

@@ -46,8 +46,10 @@ pub struct Metrics {
     pub forward_step_failures: Counter,
     /// Members dropped from a group and replaced (failed, stalled or caught).
     pub members_replaced: Counter,
-    /// Coded rounds checked against the code with extra answers.
+    /// Coded rounds checked against the code (by extra answers or by projection).
     pub rounds_checked: Counter,
+    /// Of those, rounds checked against the check row's secret projections.
+    pub rounds_projected: Counter,
     /// Per forward step, the largest residual of a passing check over its threshold.
     pub decode_residual_ratio: Histogram,
     /// Members caught answering against the code.
@@ -115,6 +117,7 @@ impl Metrics {
             forward_step_failures: Counter::default(),
             members_replaced: Counter::default(),
             rounds_checked: Counter::default(),
+            rounds_projected: Counter::default(),
             decode_residual_ratio: Histogram::new(exponential_buckets(1e-4, 4.0, 10)),
             members_caught: Counter::default(),
             updates_published: Counter::default(),
@@ -204,8 +207,13 @@ impl Metrics {
         );
         r.register(
             "rounds_checked",
-            "Coded rounds checked against the code with extra answers",
+            "Coded rounds checked against the code (by extra answers or by projection)",
             m.rounds_checked.clone(),
+        );
+        r.register(
+            "rounds_projected",
+            "Coded rounds checked against the check row's secret projections",
+            m.rounds_projected.clone(),
         );
         r.register(
             "decode_residual_ratio",

@@ -223,6 +223,7 @@ def main():
             values[name] = float(value)
     for name in ["codedmesh_tokens_generated_total", "codedmesh_requests_total",
                  "codedmesh_groups_formed_total", "codedmesh_rounds_checked_total",
+                 "codedmesh_rounds_projected_total",
                  "codedmesh_request_latency_seconds_count", "codedmesh_time_to_first_token_seconds_count",
                  "codedmesh_requests_rejected_total", "codedmesh_healthy_rows",
                  "codedmesh_gossip_bytes_total", "codedmesh_updates_published_total",
