@@ -971,8 +971,8 @@ impl<T: Transport> CodedGroup<T> {
 
     /// The check row that checks a forward round of `stage` by projection, with its
     /// projections for the stage fetched; `None` when the round is checked by answers: no
-    /// check row, too few other members, or an update probe still needing every residual. A
-    /// check row that cannot give its projections is dropped.
+    /// check row, too few other members, or an update probe still needing the residuals of
+    /// the rows that take part. A check row that cannot give its projections is dropped.
     async fn projecting(&mut self, stage: Stage) -> Result<Option<usize>, CodedError> {
         let k = self.generator.k();
         let Some(row) = self.sketch.as_ref().map(|s| s.row) else {
@@ -982,11 +982,19 @@ impl<T: Transport> CodedGroup<T> {
             self.sketch = None;
             return Ok(None);
         }
+        // The rows that take part in a projected round: those decoded last and the check row
+        // (a spare that never answers would keep the probe open for ever).
+        let mut taking_part: Vec<usize> = self
+            .decoders
+            .first()
+            .map(|d| d.nodes().to_vec())
+            .unwrap_or_default();
+        taking_part.push(row);
         if self.members.len() <= k
             || self
                 .probe
                 .as_ref()
-                .is_some_and(|p| !p.open(&self.members).is_empty())
+                .is_some_and(|p| !p.open(&taking_part).is_empty())
         {
             return Ok(None);
         }

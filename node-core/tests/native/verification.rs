@@ -365,6 +365,40 @@ fn members_missing_updates_they_claim_are_caught_by_the_probe() {
             }
         }
     }
+    // Projected checks: rounds are checked by answers until the probe has settled on the rows
+    // that take part (the decoding rows and the check row, not spare row 4, which never
+    // answers here), then by projection; a member missing an update is caught all the same.
+    let projected = VerifyConfig {
+        project: true,
+        ..check
+    };
+    let mesh = InProcess::new(at(&[], usize::MAX)).unwrap();
+    let mut group = CodedGroup::new(w.cfg.clone(), g.clone(), &[0, 1, 2, 3, 4], mesh).unwrap();
+    group.set_verify(projected);
+    group.set_probe(probe());
+    // The test model has two blocks: the probe takes a few requests to settle.
+    for _ in 0..8 {
+        let _ = logits(&w, &mut group);
+    }
+    let s = group.stats();
+    assert!(s.caught.is_empty(), "{:?}", s.caught);
+    assert!(s.probed_rounds > 0 && s.projected_rounds > 0, "{s:?}");
+    for bad in [0, 2, 3] {
+        let mesh = InProcess::new(at(&[1], bad)).unwrap();
+        let mut group = CodedGroup::new(w.cfg.clone(), g.clone(), &[0, 1, 2, 3, 4], mesh).unwrap();
+        group.set_verify(projected);
+        group.set_probe(probe());
+        let got = logits(&w, &mut group);
+        let caught = &group.stats().caught;
+        assert_eq!(caught.len(), 1, "projected, bad row {bad}: {caught:?}");
+        assert_eq!(caught[0].node, bad, "{}", caught[0]);
+        assert_eq!(caught[0].missing_update.map(|(id, _)| id), Some(101));
+        let err = max_rel_diff(&got, &want);
+        assert!(
+            err < 1e-4,
+            "projected, bad row {bad}: logits off by {err:.2e}"
+        );
+    }
 }
 
 // Backward rounds: each member's transposed product is checked (Freivalds) against a checked
