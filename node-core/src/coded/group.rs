@@ -380,6 +380,18 @@ impl<T: Transport> CodedGroup<T> {
             .map_or(f64::NAN, Decoder::condition_number)
     }
 
+    /// A stage's input length and, per matrix, the rows of one sub-block (a member's answer
+    /// per token and sub-block is their sum).
+    fn stage_layout(&self, stage: Stage) -> (usize, Vec<usize>) {
+        let shapes = stage.shapes(&self.cfg);
+        let inp = shapes.first().map_or(0, |&(_, i)| i);
+        let lens = shapes
+            .iter()
+            .map(|&(out, _)| self.generator.block_len(out))
+            .collect();
+        (inp, lens)
+    }
+
     /// The decoder for these rows (sorted), built once and kept.
     fn decoder_for(&mut self, rows: &[usize]) -> Result<&Decoder, CodedError> {
         let pos = match self.decoders.iter().position(|d| d.nodes() == rows) {
@@ -1005,12 +1017,7 @@ impl<T: Transport> CodedGroup<T> {
         {
             return Ok(Some(row));
         }
-        let shapes = stage.shapes(&self.cfg);
-        let inp = shapes.first().map_or(0, |&(_, i)| i);
-        let lens: Vec<usize> = shapes
-            .iter()
-            .map(|&(out, _)| self.generator.block_len(out))
-            .collect();
+        let (inp, lens) = self.stage_layout(stage);
         let per_sub: usize = lens.iter().sum();
         let m = self.generator.sub_blocks();
         let directions: Vec<Vec<f32>> = (0..PROJECTIONS)
@@ -1104,12 +1111,7 @@ impl<T: Transport> CodedGroup<T> {
         let (out, kappa, _) = self.decode_and_predict(&refs, c)?;
         let mut predicted = vec![0.0f32; m * c];
         self.generator.predict_part(row, &out, &mut predicted)?;
-        let lens: Vec<usize> = stage
-            .shapes(&self.cfg)
-            .iter()
-            .map(|&(out, _)| self.generator.block_len(out))
-            .collect();
-        let inp = x.len() / t.max(1);
+        let (inp, lens) = self.stage_layout(stage);
         let Some(Projection {
             directions,
             products,
@@ -1335,12 +1337,7 @@ impl<T: Transport> CodedGroup<T> {
         answers: &Parts,
     ) -> Result<bool, CodedError> {
         let k = self.generator.k();
-        let shapes = stage.shapes(&self.cfg);
-        let inp = shapes.first().map_or(0, |&(_, i)| i);
-        let lens: Vec<usize> = shapes
-            .iter()
-            .map(|&(out, _)| self.generator.block_len(out))
-            .collect();
+        let (inp, lens) = self.stage_layout(stage);
         let c: usize = lens.iter().sum();
         let r = random_input(&mut self.checks, inp);
         let req = StepRequest::Matmul {

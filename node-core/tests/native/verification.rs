@@ -45,6 +45,14 @@ fn logits(w: &ModelWeights, group: &mut CodedGroup<InProcess>) -> Vec<f32> {
     futures::executor::block_on(llama.forward(group, &SEQ, &mut KvCache::new(&w.cfg))).unwrap()
 }
 
+/// The error of a forward pass that must fail.
+fn forward_error(w: &ModelWeights, group: &mut CodedGroup<InProcess>) -> String {
+    let llama = Llama::new(w.cfg.clone(), LeaderWeights::from_model(w)).unwrap();
+    futures::executor::block_on(llama.forward(group, &SEQ, &mut KvCache::new(&w.cfg)))
+        .unwrap_err()
+        .to_string()
+}
+
 /// The faults of the issue, each made on member `bad`.
 fn faulty(kind: &str, bad: usize, w: &ModelWeights, members: &[Member]) -> Vec<Member> {
     let mut out = members.to_vec();
@@ -260,11 +268,7 @@ fn a_fault_with_nobody_left_to_tell_fails_clearly() {
     // k + 1 members and no other: the disagreement is seen but cannot be pinned on anyone.
     let mut group = CodedGroup::new(w.cfg.clone(), g, &[0, 1, 2, 3], mesh).unwrap();
     group.set_verify(check);
-    let llama = Llama::new(w.cfg.clone(), LeaderWeights::from_model(&w)).unwrap();
-    let err =
-        futures::executor::block_on(llama.forward(&mut group, &SEQ, &mut KvCache::new(&w.cfg)))
-            .unwrap_err()
-            .to_string();
+    let err = forward_error(&w, &mut group);
     assert!(err.contains("disagree"), "{err}");
 }
 
@@ -715,11 +719,7 @@ fn a_wrong_answer_is_caught_by_projection_located_and_outvoted() {
     let mesh = InProcess::new(members).unwrap();
     let mut group = CodedGroup::new(w.cfg.clone(), g, &[0, 1, 2, 3], mesh).unwrap();
     group.set_verify(check);
-    let llama = Llama::new(w.cfg.clone(), LeaderWeights::from_model(&w)).unwrap();
-    let err =
-        futures::executor::block_on(llama.forward(&mut group, &SEQ, &mut KvCache::new(&w.cfg)))
-            .unwrap_err()
-            .to_string();
+    let err = forward_error(&w, &mut group);
     assert!(err.contains("disagree"), "{err}");
 }
 
