@@ -393,8 +393,10 @@ const MAX_TRAIN_BACKLOG: usize = 64;
 const TRAIN_SHARE: f64 = 0.15;
 /// An idle trainer publishes what its learner accumulated after this long.
 const IDLE_FLUSH: Duration = Duration::from_secs(10);
-/// How often an idle serving task looks for updates to publish.
-const IDLE_POLL: Duration = Duration::from_millis(50);
+/// How often an idle serving task refreshes the tokens/s gauge, and a further one looks
+/// whether the mesh has holders for its group (it is woken at once when the groups before it
+/// change).
+const IDLE_TICK: Duration = Duration::from_secs(1);
 /// Window of the tokens/s gauge.
 const RATE_WINDOW: Duration = Duration::from_secs(10);
 
@@ -604,6 +606,8 @@ struct Shared {
     active: tokio::sync::watch::Sender<Vec<usize>>,
     /// Tokens generated lately (when, how many).
     recent: std::sync::Mutex<VecDeque<(Instant, u64)>>,
+    /// Told whenever a serving group is formed or let go.
+    groups_changed: tokio::sync::Notify,
 }
 
 impl Shared {
@@ -613,6 +617,7 @@ impl Shared {
             holding,
             active: tokio::sync::watch::Sender::new(vec![0; groups]),
             recent: std::sync::Mutex::new(VecDeque::new()),
+            groups_changed: tokio::sync::Notify::new(),
         }
     }
 
@@ -634,6 +639,7 @@ impl Shared {
         }
         self.holding
             .set(busy.iter().filter(|b| !b.is_empty()).count() as i64);
+        self.groups_changed.notify_waiters();
     }
 
     /// Whether a serving task other than `slot` holds a group and serves no sequence: it
@@ -809,23 +815,32 @@ struct Worker {
 impl Worker {
     async fn run(mut self) {
         let slot = self.slot();
+        let shared = self.shared.clone();
         loop {
             self.publish_due().await;
+            // Registered before looking, so a group formed meanwhile still wakes this task.
+            let changed = shared.groups_changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
             if slot > 0 && self.active.is_empty() && !self.ready().await {
                 // A further group waits until the groups before it hold theirs and the mesh
                 // has holders for one more; only then does it take requests.
                 if self.lead.ctx.info.is_closed() {
                     break;
                 }
-                tokio::time::sleep(IDLE_POLL).await;
+                let _ = tokio::time::timeout(IDLE_TICK, changed).await;
                 continue;
             }
             if !self.admit() {
                 break;
             }
             if self.active.is_empty() {
-                if !self.intake.idle(IDLE_POLL).await {
-                    break;
+                // Idle: woken by a request, an update to publish, or the gauge's tick.
+                tokio::select! {
+                    more = self.intake.idle(IDLE_TICK) => if !more {
+                        break;
+                    },
+                    Some(req) = self.publishes.recv() => self.publish_one(req).await,
                 }
                 self.update_rate();
                 continue;
@@ -1109,10 +1124,15 @@ impl Worker {
     /// Publishes the trainer's updates, if any wait.
     async fn publish_due(&mut self) {
         while let Ok(req) = self.publishes.try_recv() {
-            let moved = self.publish(req.published, &req.holders).await;
-            self.lead.move_to(moved.as_ref());
-            let _ = req.done.send(moved);
+            self.publish_one(req).await;
         }
+    }
+
+    /// Publishes one of the trainer's updates and moves the group to the version it makes.
+    async fn publish_one(&mut self, req: PublishRequest) {
+        let moved = self.publish(req.published, &req.holders).await;
+        self.lead.move_to(moved.as_ref());
+        let _ = req.done.send(moved);
     }
 
     /// Hands an update to every live row's holder and to this node's own row; the version
