@@ -818,18 +818,20 @@ impl Worker {
         let shared = self.shared.clone();
         loop {
             self.publish_due().await;
-            // Registered before looking, so a group formed meanwhile still wakes this task.
-            let changed = shared.groups_changed.notified();
-            tokio::pin!(changed);
-            changed.as_mut().enable();
-            if slot > 0 && self.active.is_empty() && !self.ready().await {
-                // A further group waits until the groups before it hold theirs and the mesh
-                // has holders for one more; only then does it take requests.
-                if self.lead.ctx.info.is_closed() {
-                    break;
+            if slot > 0 && self.active.is_empty() {
+                // Registered before looking, so a group formed meanwhile still wakes this task.
+                let changed = shared.groups_changed.notified();
+                tokio::pin!(changed);
+                changed.as_mut().enable();
+                if !self.ready().await {
+                    // A further group waits until the groups before it hold theirs and the
+                    // mesh has holders for one more; only then does it take requests.
+                    if self.lead.ctx.info.is_closed() {
+                        break;
+                    }
+                    let _ = tokio::time::timeout(IDLE_TICK, changed).await;
+                    continue;
                 }
-                let _ = tokio::time::timeout(IDLE_TICK, changed).await;
-                continue;
             }
             if !self.admit() {
                 break;

@@ -1106,6 +1106,13 @@ impl<T: Transport> CodedGroup<T> {
         bytes: &[u8],
         what: &str,
     ) -> Result<Vec<f32>, CodedError> {
+        if !self
+            .sketch
+            .as_ref()
+            .is_some_and(|s| s.stages.contains_key(&stage))
+        {
+            return self.decode_checked(parts, c, bytes, what).await;
+        }
         let m = self.generator.sub_blocks();
         let refs: Vec<(usize, &[f32])> = parts.iter().map(|(n, v)| (*n, v.as_slice())).collect();
         let (out, kappa, _) = self.decode_and_predict(&refs, c)?;
