@@ -8,7 +8,9 @@ use rand_chacha::ChaCha8Rng;
 use web_time::{Duration, Instant};
 
 use super::probe::UpdateProbe;
-use super::verify::{Caught, VerifyConfig, largest, random_input, residual, transpose_residual};
+use super::verify::{
+    Caught, VerifyConfig, largest, random_input, residual, transpose_residual, transpose_residuals,
+};
 use super::{CodedError, Member, ShardFormat, ShardSet};
 use crate::code::{Decoder, Generator};
 use crate::model::{LinearExec, LlamaConfig, ModelError, ModelWeights, Stage};
@@ -1134,9 +1136,12 @@ impl<T: Transport> CodedGroup<T> {
         if !predicted.iter().all(|v| v.is_finite()) {
             worst = f64::INFINITY;
         }
-        for (d, w) in directions.iter().zip(products) {
-            worst = worst.max(transpose_residual(w, x, &predicted, d, &lens, t)?);
-        }
+        let pairs: Vec<(&[f32], &[f32])> = products
+            .iter()
+            .zip(directions)
+            .map(|(w, d)| (w.as_slice(), d.as_slice()))
+            .collect();
+        worst = worst.max(transpose_residuals(&pairs, x, &predicted, &lens, t)?);
         if worst <= threshold {
             self.stats.verified_rounds += 1;
             self.stats.projected_rounds += 1;

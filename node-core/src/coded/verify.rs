@@ -6,6 +6,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::code::CodeError;
+use crate::compute::cpu::dot_f64;
 
 /// How a leader checks answers.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -150,58 +151,74 @@ pub fn transpose_residual(
     lens: &[usize],
     t: usize,
 ) -> Result<f64, CodeError> {
+    transpose_residuals(&[(r, p)], a, u, lens, t)
+}
+
+/// The largest [`transpose_residual`] over pairs `(r, p)` that share the answer `a` and the
+/// input `u`, as a projected check's directions do.
+pub fn transpose_residuals(
+    pairs: &[(&[f32], &[f32])],
+    a: &[f32],
+    u: &[f32],
+    lens: &[usize],
+    t: usize,
+) -> Result<f64, CodeError> {
     let per_sub: usize = lens.iter().sum();
-    let m = p.len() / per_sub.max(1);
-    for (what, expected, got) in [
-        ("predicted product", m * per_sub, p.len()),
-        ("backward input", m * t * per_sub, u.len()),
-        ("backward answer", t * r.len(), a.len()),
-    ] {
-        if expected != got {
-            return Err(CodeError::Length {
-                what,
-                expected,
-                got,
-            });
+    for &(r, p) in pairs {
+        let m = p.len() / per_sub.max(1);
+        for (what, expected, got) in [
+            ("predicted product", m * per_sub, p.len()),
+            ("backward input", m * t * per_sub, u.len()),
+            ("backward answer", t * r.len(), a.len()),
+        ] {
+            if expected != got {
+                return Err(CodeError::Length {
+                    what,
+                    expected,
+                    got,
+                });
+            }
         }
     }
     if a.iter().any(|v| !v.is_finite()) {
         return Ok(f64::INFINITY);
     }
-    let norm = |v: &[f32]| v.iter().map(|&x| x as f64 * x as f64).sum::<f64>().sqrt();
-    let dot = |x: &[f32], y: &[f32]| {
-        x.iter()
-            .zip(y)
-            .map(|(&a, &b)| a as f64 * b as f64)
-            .sum::<f64>()
+    let Some(&(r0, p0)) = pairs.first() else {
+        return Ok(0.0);
     };
-    let (r_norm, p_norm) = (norm(r), norm(p));
     let (r_dims, p_dims) = (
-        (r.len().max(1) as f64).sqrt(),
-        (p.len().max(1) as f64).sqrt(),
+        (r0.len().max(1) as f64).sqrt(),
+        (p0.len().max(1) as f64).sqrt(),
     );
+    let norms: Vec<(f64, f64)> = pairs
+        .iter()
+        .map(|&(r, p)| (dot_f64(r, r).sqrt(), dot_f64(p, p).sqrt()))
+        .collect();
+    let mut up = vec![0.0f64; pairs.len()];
     let mut worst = 0.0f64;
-    for (tok, a_tok) in a.chunks_exact(r.len().max(1)).enumerate() {
+    for (tok, a_tok) in a.chunks_exact(r0.len().max(1)).enumerate() {
         // u[τ]·p and |u[τ]|², matrix by matrix within each sub-block.
-        let (mut up, mut uu) = (0.0f64, 0.0f64);
-        let (u_subs, p_subs) = (
-            u.chunks_exact((t * per_sub).max(1)),
-            p.chunks_exact(per_sub.max(1)),
-        );
-        for (u_sub, p_sub) in u_subs.zip(p_subs) {
-            let (mut u_at, mut p_at) = (0, 0);
+        up.fill(0.0);
+        let mut uu = 0.0f64;
+        for (sub, u_sub) in u.chunks_exact((t * per_sub).max(1)).enumerate() {
+            let (mut u_at, mut p_at) = (0, sub * per_sub);
             for &l in lens {
                 let u_row = &u_sub[u_at + tok * l..u_at + (tok + 1) * l];
-                up += dot(u_row, &p_sub[p_at..p_at + l]);
-                uu += dot(u_row, u_row);
+                uu += dot_f64(u_row, u_row);
+                for (sum, &(_, p)) in up.iter_mut().zip(pairs) {
+                    *sum += dot_f64(u_row, &p[p_at..p_at + l]);
+                }
                 u_at += t * l;
                 p_at += l;
             }
         }
-        let diff = (dot(r, a_tok) - up).abs();
-        if diff > 0.0 {
-            let scale = r_norm * norm(a_tok) / r_dims + uu.sqrt() * p_norm / p_dims;
-            worst = worst.max(diff / scale);
+        let a_norm = dot_f64(a_tok, a_tok).sqrt();
+        for ((&(r, _), &(r_norm, p_norm)), &up) in pairs.iter().zip(&norms).zip(&up) {
+            let diff = (dot_f64(r, a_tok) - up).abs();
+            if diff > 0.0 {
+                let scale = r_norm * a_norm / r_dims + uu.sqrt() * p_norm / p_dims;
+                worst = worst.max(diff / scale);
+            }
         }
     }
     Ok(worst)

@@ -109,6 +109,21 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     acc[0] + tail
 }
 
+/// `Σ a[i]·b[i]` in f64, in eight independent sums (it pipelines, in the same order on every
+/// platform).
+pub fn dot_f64<T: Copy + Into<f64>>(a: &[T], b: &[T]) -> f64 {
+    debug_assert_eq!(a.len(), b.len());
+    let mut acc = [0.0f64; 8];
+    let ((ca, ra), (cb, rb)) = (a.as_chunks::<8>(), b.as_chunks::<8>());
+    let tail: f64 = ra.iter().zip(rb).map(|(&p, &q)| p.into() * q.into()).sum();
+    for (p, q) in ca.iter().zip(cb) {
+        for i in 0..8 {
+            acc[i] += p[i].into() * q[i].into();
+        }
+    }
+    ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])) + tail
+}
+
 /// Four dot products of one weight row with four inputs, sharing the row's loads.
 #[inline(always)]
 fn dot4(w: &[f32], x: [&[f32]; 4]) -> [f32; 4] {

@@ -104,26 +104,41 @@ impl<'a> Ints<'a> {
 
 /// Row `r` of a compact matrix as f32, written into `out` (`cols` values).
 pub fn dequantize_row(q: Ints<'_>, scales: &[half::f16], cols: usize, r: usize, out: &mut [f32]) {
+    let isa = Isa::best();
     match q {
-        Ints::I8(q) => dequantize_row_of(q, scales, cols, r, out),
-        Ints::I16(q) => dequantize_row_of(q, scales, cols, r, out),
+        Ints::I8(q) => dequantize_row_of(q, scales, cols, r, out, isa),
+        Ints::I16(q) => dequantize_row_of(q, scales, cols, r, out, isa),
     }
 }
 
-/// [`dequantize_row`] for values of type `T`.
+/// [`dequantize_row`] for values of type `T`, with the instructions `isa` (which this CPU has).
 fn dequantize_row_of<T: CodedInt>(
     q: &[T],
     scales: &[half::f16],
     cols: usize,
     r: usize,
     out: &mut [f32],
+    isa: Isa,
 ) {
     let nb = blocks_per_row(cols);
-    let row = &q[r * cols..(r + 1) * cols];
-    for ((o, qs), s) in out
+    let (row, scales, out) = (
+        &q[r * cols..(r + 1) * cols],
+        &scales[r * nb..(r + 1) * nb],
+        &mut out[..cols],
+    );
+    let done = match isa {
+        // SAFETY: `isa` is [`Isa::best`] or below it: this CPU has its instructions.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { avx512::dequantize(row, scales, out) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { avx2::dequantize(row, scales, out) },
+        _ => 0,
+    };
+    for ((o, qs), s) in out[done..]
         .chunks_mut(Q8_BLOCK)
-        .zip(row.chunks(Q8_BLOCK))
-        .zip(&scales[r * nb..(r + 1) * nb])
+        .zip(row[done..].chunks(Q8_BLOCK))
+        .zip(&scales[done / Q8_BLOCK..])
     {
         let s = s.to_f32();
         for (o, &v) in o.iter_mut().zip(qs) {
@@ -217,6 +232,32 @@ mod avx2 {
         unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), t) };
         lanes.iter().sum::<f32>() + super::partial_block(q, scales, x)
     }
+    /// A row's whole blocks as f32 (`s_b · q`, exactly the portable products); returns how many
+    /// values it wrote.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) fn dequantize<T: super::CodedInt>(
+        q: &[T],
+        scales: &[half::f16],
+        out: &mut [f32],
+    ) -> usize {
+        let full = q.len() / super::Q8_BLOCK;
+        assert!(
+            out.len() >= q.len() && scales.len() >= full,
+            "dequantize shapes"
+        );
+        for (b, &h) in scales[..full].iter().enumerate() {
+            // SAFETY: block `b` is in bounds of `q` and `out` (asserted above); unaligned
+            // loads and stores; this function runs only where AVX2 is (its callers check).
+            unsafe {
+                let s = _mm256_set1_ps(scale_f32(h));
+                let (qp, op) = (q.as_ptr().add(b * 32), out.as_mut_ptr().add(b * 32));
+                for i in [0, 8, 16, 24] {
+                    _mm256_storeu_ps(op.add(i), _mm256_mul_ps(T::widen8(qp.add(i)), s));
+                }
+            }
+        }
+        full * super::Q8_BLOCK
+    }
 }
 
 /// The dot product with AVX-512F: sixteen values widened to f32 at a time, so half the loads
@@ -249,6 +290,30 @@ mod avx512 {
             }
         }
         _mm512_reduce_add_ps(_mm512_add_ps(t0, t1)) + super::partial_block(q, scales, x)
+    }
+    /// See [`super::avx2::dequantize`].
+    #[target_feature(enable = "avx512f,f16c")]
+    pub(super) fn dequantize<T: super::CodedInt>(
+        q: &[T],
+        scales: &[half::f16],
+        out: &mut [f32],
+    ) -> usize {
+        let full = q.len() / super::Q8_BLOCK;
+        assert!(
+            out.len() >= q.len() && scales.len() >= full,
+            "dequantize shapes"
+        );
+        for (b, &h) in scales[..full].iter().enumerate() {
+            // SAFETY: block `b` is in bounds of `q` and `out` (asserted above); unaligned
+            // loads and stores; this function runs only where AVX-512F is (its callers check).
+            unsafe {
+                let s = _mm512_set1_ps(super::avx2::scale_f32(h));
+                let (qp, op) = (q.as_ptr().add(b * 32), out.as_mut_ptr().add(b * 32));
+                _mm512_storeu_ps(op, _mm512_mul_ps(T::widen16(qp), s));
+                _mm512_storeu_ps(op.add(16), _mm512_mul_ps(T::widen16(qp.add(16)), s));
+            }
+        }
+        full * super::Q8_BLOCK
     }
 }
 
@@ -339,7 +404,7 @@ fn rows_times_inputs<T: CodedInt>(
     if t >= GEMM_MIN_TOKENS {
         let mut dense = vec![0.0f32; rows * cols];
         for (i, out) in dense.chunks_exact_mut(cols.max(1)).enumerate() {
-            dequantize_row_of(q, scales, cols, first + i, out);
+            dequantize_row_of(q, scales, cols, first + i, out, isa);
         }
         sgemm(
             rows,
@@ -360,7 +425,7 @@ fn rows_times_inputs<T: CodedInt>(
             out[0] = dot_q8(qr, &scales[r * nb..(r + 1) * nb], x, isa);
         } else {
             row.resize(cols, 0.0);
-            dequantize_row_of(q, scales, cols, r, &mut row);
+            dequantize_row_of(q, scales, cols, r, &mut row, isa);
             for (tok, o) in out.iter_mut().enumerate() {
                 *o = dot(&row, &x[tok * cols..(tok + 1) * cols]);
             }
@@ -507,6 +572,36 @@ mod tests {
             q.to_vec(),
             q.iter().map(|&v| v.clamp(-127, 127) as i8).collect(),
         )
+    }
+
+    #[test]
+    fn every_kernel_dequantises_rows_exactly_as_the_portable_loop() {
+        for &(rows, cols) in &[(1, 1), (3, 31), (2, 32), (4, 100), (3, 576)] {
+            let (q, s) = compact(rows, cols, (rows * 7 + cols) as u32);
+            let (wide, narrow) = widths(&q);
+            for r in 0..rows {
+                let want: Vec<f32> = q[r * cols..(r + 1) * cols]
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &v)| s[r * blocks_per_row(cols) + i / Q8_BLOCK].to_f32() * v as f32)
+                    .collect();
+                for isa in Isa::available() {
+                    let mut got = vec![f32::NAN; cols];
+                    dequantize_row_of(&wide, &s, cols, r, &mut got, isa);
+                    assert_eq!(got, want, "{isa:?} i16 {rows}×{cols} row {r}");
+                    dequantize_row_of(&narrow, &s, cols, r, &mut got, isa);
+                    let clamped: Vec<f32> = q[r * cols..(r + 1) * cols]
+                        .iter()
+                        .enumerate()
+                        .map(|(i, &v)| {
+                            s[r * blocks_per_row(cols) + i / Q8_BLOCK].to_f32()
+                                * f32::from(v.clamp(-127, 127) as i8)
+                        })
+                        .collect();
+                    assert_eq!(got, clamped, "{isa:?} i8 {rows}×{cols} row {r}");
+                }
+            }
+        }
     }
 
     #[test]

@@ -8,7 +8,7 @@
 
 use nalgebra::{DMatrix, SymmetricEigen};
 
-use crate::compute::par;
+use crate::compute::{cpu::dot_f64, par};
 
 /// A compressed stage: its factors and how much of the gradient they keep.
 #[derive(Debug, Clone, PartialEq)]
@@ -43,11 +43,7 @@ fn gram(m: &[f32], p: usize) -> DMatrix<f64> {
     let w = m.len().checked_div(p).unwrap_or(0);
     let pairs: Vec<(usize, usize)> = (0..p).flat_map(|a| (a..p).map(move |b| (a, b))).collect();
     let dots = par::map(&pairs, |&(a, b)| {
-        m[a * w..(a + 1) * w]
-            .iter()
-            .zip(&m[b * w..(b + 1) * w])
-            .map(|(&x, &y)| x as f64 * y as f64)
-            .sum::<f64>()
+        dot_f64(&m[a * w..(a + 1) * w], &m[b * w..(b + 1) * w])
     });
     let mut g = DMatrix::zeros(p, p);
     for (&(a, b), d) in pairs.iter().zip(dots) {

@@ -14,6 +14,7 @@ pub use learner::{Learner, Published};
 pub use signed::{open, seal};
 
 use crate::coded::{CodedError, Projection, Shard, ShardFormat, ShardSet, ShardValues};
+use crate::compute::cpu::dot_f64;
 use crate::mesh::LearningConfig;
 use crate::model::{Gradients, LeaderWeights, LlamaConfig, ModelWeights, Stage, StageGrad};
 
@@ -129,23 +130,10 @@ fn gram(v: &[f32], t: usize) -> Vec<f64> {
     for a in 0..t {
         let row = &wide[a * w..(a + 1) * w];
         for b in a..t {
-            g.push(dot(row, &wide[b * w..(b + 1) * w]));
+            g.push(dot_f64(row, &wide[b * w..(b + 1) * w]));
         }
     }
     g
-}
-
-/// `⟨a, b⟩` in eight independent sums (so it pipelines; the same order on every platform).
-fn dot(a: &[f64], b: &[f64]) -> f64 {
-    let mut acc = [0.0f64; 8];
-    let ((ca, ra), (cb, rb)) = (a.as_chunks::<8>(), b.as_chunks::<8>());
-    let tail: f64 = ra.iter().zip(rb).map(|(p, q)| p * q).sum();
-    for (p, q) in ca.iter().zip(cb) {
-        for i in 0..8 {
-            acc[i] += p[i] * q[i];
-        }
-    }
-    ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])) + tail
 }
 
 /// Most positions one request trains on, and most factor rows a stage of an update may carry
