@@ -127,12 +127,10 @@ fn dequantize_row_of<T: CodedInt>(
         &mut out[..cols],
     );
     let done = match isa {
-        // SAFETY: `isa` is [`Isa::best`] or below it: this CPU has its instructions.
+        // SAFETY: `isa` is [`Isa::best`] or below it, and AVX-512 is picked only with AVX2:
+        // this CPU has AVX2. A store-bound loop gains nothing from wider vectors.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { avx512::dequantize(row, scales, out) },
-        // SAFETY: as above.
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { avx2::dequantize(row, scales, out) },
+        Isa::Avx512 | Isa::Avx2 => unsafe { avx2::dequantize(row, scales, out) },
         _ => 0,
     };
     for ((o, qs), s) in out[done..]
@@ -232,6 +230,7 @@ mod avx2 {
         unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), t) };
         lanes.iter().sum::<f32>() + super::partial_block(q, scales, x)
     }
+
     /// A row's whole blocks as f32 (`s_b · q`, exactly the portable products); returns how many
     /// values it wrote.
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -290,30 +289,6 @@ mod avx512 {
             }
         }
         _mm512_reduce_add_ps(_mm512_add_ps(t0, t1)) + super::partial_block(q, scales, x)
-    }
-    /// See [`super::avx2::dequantize`].
-    #[target_feature(enable = "avx512f,f16c")]
-    pub(super) fn dequantize<T: super::CodedInt>(
-        q: &[T],
-        scales: &[half::f16],
-        out: &mut [f32],
-    ) -> usize {
-        let full = q.len() / super::Q8_BLOCK;
-        assert!(
-            out.len() >= q.len() && scales.len() >= full,
-            "dequantize shapes"
-        );
-        for (b, &h) in scales[..full].iter().enumerate() {
-            // SAFETY: block `b` is in bounds of `q` and `out` (asserted above); unaligned
-            // loads and stores; this function runs only where AVX-512F is (its callers check).
-            unsafe {
-                let s = _mm512_set1_ps(super::avx2::scale_f32(h));
-                let (qp, op) = (q.as_ptr().add(b * 32), out.as_mut_ptr().add(b * 32));
-                _mm512_storeu_ps(op, _mm512_mul_ps(T::widen16(qp), s));
-                _mm512_storeu_ps(op.add(16), _mm512_mul_ps(T::widen16(qp.add(16)), s));
-            }
-        }
-        full * super::Q8_BLOCK
     }
 }
 
