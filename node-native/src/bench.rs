@@ -768,16 +768,19 @@ const SPECULATION_PROMPTS: [(&str, &str); 3] = [
     ),
 ];
 
-/// Drafted decoding (prompt lookup) against a token a pass, in process (coded k = 3 of 5,
-/// greedy): acceptance, tokens per forward pass, speed, and whether the tokens are the same.
+/// Drafted decoding (prompt lookup) against a token a pass, in process (coded k = 3 of 5, q8
+/// shards, greedy): acceptance, tokens per forward pass, speed, and whether the tokens are the
+/// same.
 pub fn speculation_rows(
     weights: &ModelWeights,
     tokenizer: &node_core::model::Tokenizer,
     tokens: usize,
 ) -> Result<Vec<Row>> {
     let llama = Llama::new(weights.cfg.clone(), LeaderWeights::from_model(weights))?;
-    let g = Generator::cauchy(5, 3)?;
-    let mesh = InProcess::encode(weights, &g, ShardFormat::F32, &|_, _| {})?;
+    // The shards `up` serves by default, so the rows compare with drafts through the API.
+    let format = ShardFormat::Q8;
+    let g = format.code(5, 3)?;
+    let mesh = InProcess::encode(weights, &g, format, &|_, _| {})?;
     let nodes = select_nodes(&g, &[0, 1, 2, 3, 4])?.nodes;
     let mut group = CodedGroup::new(weights.cfg.clone(), g, &nodes, mesh)?;
     let draft = node_core::model::speculate::DEFAULT_DRAFT;
@@ -791,7 +794,7 @@ pub fn speculation_rows(
                 stop_ids: tokenizer.eos_ids().to_vec(),
                 draft,
             };
-            generate(&llama, group, &prompt, &opts, &mut |_| true)
+            compute::par::install(|| generate(&llama, group, &prompt, &opts, &mut |_| true))
         };
         run(&mut group, 0)?;
         let plain = run(&mut group, 0)?;
@@ -809,7 +812,7 @@ pub fn speculation_rows(
             ),
         ));
         rows.push(row(
-            format!("drafts of {draft}, {kind}: decode in process, coded k=3"),
+            format!("drafts of {draft}, {kind}: decode in process, coded k=3, q8 shards"),
             format!(
                 "{:.1} tok/s against {:.1} a token a pass; {} tokens, {}",
                 drafted.decode_tokens_per_s(),

@@ -187,6 +187,24 @@ fn partial_block<T: CodedInt>(q: &[T], scales: &[half::f16], x: &[f32]) -> f32 {
     scales[full].to_f32() * part
 }
 
+/// A row's length and whole blocks, for the kernels of [`dot_q8_tokens`], once `x` is seen to
+/// hold `n` inputs of that length, `scales` the row's blocks and `out` room for `n` sums.
+#[cfg(target_arch = "x86_64")]
+fn many_shapes<T>(
+    q: &[T],
+    scales: &[half::f16],
+    x: &[f32],
+    out: &[f32],
+    n: usize,
+) -> (usize, usize) {
+    let (cols, full) = (q.len(), q.len() / Q8_BLOCK);
+    assert!(
+        x.len() >= n * cols && scales.len() >= full && out.len() >= n,
+        "dot_q8_many shapes"
+    );
+    (cols, full)
+}
+
 /// The dot product with AVX2, FMA and F16C: eight values widened to f32 at a time.
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
@@ -229,6 +247,48 @@ mod avx2 {
         // SAFETY: `lanes` holds eight f32.
         unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), t) };
         lanes.iter().sum::<f32>() + super::partial_block(q, scales, x)
+    }
+
+    /// [`dot_q8`] of one row with `N` inputs (`x` holds them one after another, a row's length
+    /// each) into `out`: each block is widened once for all of them.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) fn dot_q8_many<T: super::CodedInt, const N: usize>(
+        q: &[T],
+        scales: &[half::f16],
+        x: &[f32],
+        out: &mut [f32],
+    ) {
+        let (cols, full) = super::many_shapes(q, scales, x, out, N);
+        let mut acc = [_mm256_setzero_ps(); N];
+        for (b, &h) in scales[..full].iter().enumerate() {
+            // SAFETY: block `b` is in bounds of `q` and of each of the `N` inputs in `x`
+            // (`many_shapes`); unaligned loads; this function runs only where AVX2 is.
+            unsafe {
+                let qp = q.as_ptr().add(b * 32);
+                let w = [
+                    T::widen8(qp),
+                    T::widen8(qp.add(8)),
+                    T::widen8(qp.add(16)),
+                    T::widen8(qp.add(24)),
+                ];
+                let s = _mm256_set1_ps(scale_f32(h));
+                for (j, a) in acc.iter_mut().enumerate() {
+                    let xp = x.as_ptr().add(j * cols + b * 32);
+                    let mut p = _mm256_mul_ps(w[0], _mm256_loadu_ps(xp));
+                    p = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xp.add(8)), p);
+                    p = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xp.add(16)), p);
+                    p = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xp.add(24)), p);
+                    *a = _mm256_fmadd_ps(p, s, *a);
+                }
+            }
+        }
+        for (j, (a, o)) in acc.iter().zip(out.iter_mut()).enumerate() {
+            let mut lanes = [0.0f32; 8];
+            // SAFETY: `lanes` holds eight f32.
+            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), *a) };
+            *o = lanes.iter().sum::<f32>()
+                + super::partial_block(q, scales, &x[j * cols..(j + 1) * cols]);
+        }
     }
 
     /// A row's whole blocks as f32 (`s_b · q`, exactly the portable products); returns how many
@@ -290,6 +350,37 @@ mod avx512 {
         }
         _mm512_reduce_add_ps(_mm512_add_ps(t0, t1)) + super::partial_block(q, scales, x)
     }
+
+    /// See [`super::avx2::dot_q8_many`].
+    #[target_feature(enable = "avx512f,f16c")]
+    pub(super) fn dot_q8_many<T: super::CodedInt, const N: usize>(
+        q: &[T],
+        scales: &[half::f16],
+        x: &[f32],
+        out: &mut [f32],
+    ) {
+        let (cols, full) = super::many_shapes(q, scales, x, out, N);
+        let mut acc = [_mm512_setzero_ps(); N];
+        for (b, &h) in scales[..full].iter().enumerate() {
+            // SAFETY: block `b` is in bounds of `q` and of each of the `N` inputs in `x`
+            // (`many_shapes`); unaligned loads; this function runs only where AVX-512F is.
+            unsafe {
+                let qp = q.as_ptr().add(b * 32);
+                let (lo, hi) = (T::widen16(qp), T::widen16(qp.add(16)));
+                let s = _mm512_set1_ps(super::avx2::scale_f32(h));
+                for (j, a) in acc.iter_mut().enumerate() {
+                    let xp = x.as_ptr().add(j * cols + b * 32);
+                    let lo = _mm512_mul_ps(lo, _mm512_loadu_ps(xp));
+                    let both = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xp.add(16)), lo);
+                    *a = _mm512_fmadd_ps(both, s, *a);
+                }
+            }
+        }
+        for (j, (a, o)) in acc.iter().zip(out.iter_mut()).enumerate() {
+            *o = _mm512_reduce_add_ps(*a)
+                + super::partial_block(q, scales, &x[j * cols..(j + 1) * cols]);
+        }
+    }
 }
 
 /// The instructions the kernels use, picked once per product ([`Isa::best`]).
@@ -349,6 +440,42 @@ fn dot_q8<T: CodedInt>(q: &[T], scales: &[half::f16], x: &[f32], isa: Isa) -> f3
     }
 }
 
+/// One row's dot products with the inputs in `x` (`out.len()` of them, fewer than
+/// [`GEMM_MIN_TOKENS`]) with the instructions `isa`, each block widened once for all of them;
+/// false where no vector kernel takes them.
+fn dot_q8_tokens<T: CodedInt>(
+    q: &[T],
+    scales: &[half::f16],
+    x: &[f32],
+    out: &mut [f32],
+    isa: Isa,
+) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        macro_rules! kernels {
+            ($($n:literal)*) => {
+                match (isa, out.len()) {
+                    $(
+                        // SAFETY: `isa` is [`Isa::best`] or below it: this CPU has its
+                        // instructions.
+                        (Isa::Avx512, $n) => unsafe { avx512::dot_q8_many::<T, $n>(q, scales, x, out) },
+                        // SAFETY: as above.
+                        (Isa::Avx2, $n) => unsafe { avx2::dot_q8_many::<T, $n>(q, scales, x, out) },
+                    )*
+                    _ => return false,
+                }
+            };
+        }
+        kernels!(2 3 4 5 6 7);
+        true
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (q, scales, x, out, isa);
+        false
+    }
+}
+
 /// A compact matrix: `rows × cols` integers, row-major, and `rows × ⌈cols / 32⌉` scales.
 #[derive(Debug, Clone, Copy)]
 pub struct Q8Matrix<'a> {
@@ -399,6 +526,10 @@ fn rows_times_inputs<T: CodedInt>(
             let qr = &q[r * cols..(r + 1) * cols];
             out[0] = dot_q8(qr, &scales[r * nb..(r + 1) * nb], x, isa);
         } else {
+            let qr = &q[r * cols..(r + 1) * cols];
+            if dot_q8_tokens(qr, &scales[r * nb..(r + 1) * nb], x, out, isa) {
+                continue;
+            }
             row.resize(cols, 0.0);
             dequantize_row_of(q, scales, cols, r, &mut row, isa);
             for (tok, o) in out.iter_mut().enumerate() {
@@ -617,30 +748,41 @@ mod tests {
         let (rows, cols) = (64, 1000);
         let (q, s) = compact(rows, cols, 7);
         let (wide, narrow) = widths(&q);
-        let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.37).sin()).collect();
-        for ints in [Ints::I16(&wide), Ints::I8(&narrow)] {
-            let w = Q8Matrix {
-                q: ints,
-                scales: &s,
-                rows,
-                cols,
-            };
-            let run = |isa| {
-                let mut y = vec![0.0f32; rows];
-                match ints {
-                    Ints::I8(q) => matmul_of(q, w, &x, 1, &mut y, isa, &NoRowWork),
-                    Ints::I16(q) => matmul_of(q, w, &x, 1, &mut y, isa, &NoRowWork),
-                }
-                y
-            };
-            let portable = run(Isa::Portable);
-            let mut row = vec![0.0f32; cols];
-            for &isa in &isas {
-                for (r, (a, b)) in run(isa).iter().zip(&portable).enumerate() {
-                    // Rounding follows the terms' magnitude, not the (cancelling) sum's.
-                    dequantize_row(ints, &s, cols, r, &mut row);
-                    let terms: f32 = row.iter().zip(&x).map(|(w, x)| (w * x).abs()).sum();
-                    assert!((a - b).abs() <= 1e-6 * terms, "{isa:?} row {r}: {a} vs {b}");
+        // One input (a decode step) and the drafted passes' few, whose rows are widened once.
+        for t in [1, 2, 3, 7] {
+            let x: Vec<f32> = (0..t * cols).map(|i| (i as f32 * 0.37).sin()).collect();
+            for ints in [Ints::I16(&wide), Ints::I8(&narrow)] {
+                let w = Q8Matrix {
+                    q: ints,
+                    scales: &s,
+                    rows,
+                    cols,
+                };
+                let run = |isa| {
+                    let mut y = vec![0.0f32; t * rows];
+                    match ints {
+                        Ints::I8(q) => matmul_of(q, w, &x, t, &mut y, isa, &NoRowWork),
+                        Ints::I16(q) => matmul_of(q, w, &x, t, &mut y, isa, &NoRowWork),
+                    }
+                    y
+                };
+                let portable = run(Isa::Portable);
+                let mut row = vec![0.0f32; cols];
+                for &isa in &isas {
+                    for (i, (a, b)) in run(isa).iter().zip(&portable).enumerate() {
+                        // Rounding follows the terms' magnitude, not the (cancelling) sum's.
+                        let (tok, r) = (i / rows, i % rows);
+                        dequantize_row(ints, &s, cols, r, &mut row);
+                        let terms: f32 = row
+                            .iter()
+                            .zip(&x[tok * cols..(tok + 1) * cols])
+                            .map(|(w, x)| (w * x).abs())
+                            .sum();
+                        assert!(
+                            (a - b).abs() <= 1e-6 * terms,
+                            "{isa:?} t = {t}, token {tok}, row {r}: {a} vs {b}"
+                        );
+                    }
                 }
             }
         }
