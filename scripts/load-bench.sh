@@ -3,7 +3,8 @@
 # concurrent streaming chat clients through the official openai client (scripts/load_bench.py),
 # bounded in count (2 requests of 32 tokens each) and time (15 minutes); prints a Markdown
 # table (docs/perf.md keeps the results). Any argument is passed to load_bench.py
-# (--clients, --requests, --max-tokens, --time-limit); UP_ARGS adds flags to `up`
+# (--clients, --requests, --max-tokens, --time-limit, or --texts: greedy streams of
+# `bench --speculate`'s three texts, each one's decode); UP_ARGS adds flags to `up`
 # (e.g. UP_ARGS="--no-learning").
 set -euo pipefail
 cd "$(dirname "$0")/.."

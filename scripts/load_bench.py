@@ -2,6 +2,7 @@
 
     python scripts/load_bench.py --base http://127.0.0.1:8000/v1 --model MODEL \
         [--clients 64] [--requests 2] [--max-tokens 32] [--time-limit 900] [--pid PID ...]
+    python scripts/load_bench.py --base ... --model MODEL --texts [--max-tokens 128]
 
 Each client sends --requests streamed chat completions one after another (different
 prompts). A 429 is an explicit "busy": the client waits for its Retry-After and sends the
@@ -10,6 +11,11 @@ stops at --time-limit. While it runs, the resident memory of the given processes
 children) is sampled. Prints a Markdown table of throughput, latency percentiles and memory;
 exits non-zero if any request failed other than with 429. scripts/load-bench.sh runs it
 against `codedmesh up`.
+
+With --texts it sends instead the three texts of `codedmesh bench --speculate` (code, a passage
+to summarise, open chat), greedy, one stream at a time, each twice (the first warms up), and
+prints each one's decode after its first token: the figure that compares with the bench's
+in-process decode, drafts or not.
 """
 
 import argparse
@@ -33,6 +39,48 @@ PROMPTS = [
     "Say hello in French.",
     "Why is the sky blue? Answer briefly.",
 ]
+
+
+# The texts of `codedmesh bench --speculate` (node-native/src/bench.rs, SPECULATION_PROMPTS).
+TEXTS = [
+    ("code", "Write Python functions add(a, b), subtract(a, b), multiply(a, b) and divide(a, b), "
+             "each with a one-line docstring."),
+    ("summary", "Summarise this passage in three sentences, keeping its words where you can.\n\n"
+                "The history of the printing press begins in the fifteenth century, when Johannes "
+                "Gutenberg combined movable metal type, oil-based ink and a screw press into a system "
+                "that could produce books far faster than scribes. Within fifty years printing shops "
+                "had opened in more than two hundred European cities, and the price of books fell so "
+                "far that merchants, students and craftsmen could own them. The press spread news, "
+                "pamphlets and scientific results, and it fixed spelling and grammar in print."),
+    ("chat", "I have rice, eggs, spinach and a lemon. What could I cook for dinner tonight?"),
+]
+
+
+def texts(args):
+    """Greedy streams of TEXTS, one at a time: a Markdown table of each one's decode."""
+    c = openai.OpenAI(base_url=args.base, api_key=args.api_key or "none",
+                      max_retries=0, timeout=args.time_limit)
+    print("| text | tokens | decode after the first token | first token |\n|---|---|---|---|")
+    for kind, text in TEXTS:
+        for attempt in range(2):
+            start = time.monotonic()
+            first = last = None
+            tokens = 0
+            stream = c.chat.completions.create(
+                model=args.model, messages=[{"role": "user", "content": text}],
+                max_tokens=args.max_tokens, temperature=0, stream=True,
+                stream_options={"include_usage": True})
+            for chunk in stream:
+                now = time.monotonic()
+                if chunk.usage is not None:
+                    tokens = chunk.usage.completion_tokens
+                if any(ch.delta.content for ch in chunk.choices):
+                    first = first or now
+                    last = now
+        if first is None or tokens < 2 or last <= first:
+            sys.exit(f"{kind}: the stream gave no tokens to time")
+        print(f"| {kind} | {tokens} | {(tokens - 1) / (last - first):.1f} tok/s "
+              f"| {(first - start) * 1000:.0f} ms |")
 
 
 def percentile(values, p):
@@ -160,7 +208,12 @@ def main():
     ap.add_argument("--time-limit", type=float, default=900)
     ap.add_argument("--pid", type=int, action="append", default=[])
     ap.add_argument("--json", help="also write the raw numbers here")
+    ap.add_argument("--texts", action="store_true",
+                    help="greedy streams of bench --speculate's three texts instead (decode each)")
     args = ap.parse_args()
+    if args.texts:
+        texts(args)
+        return
 
     sampler = MemorySampler(args.pid)
     sampler.start()
