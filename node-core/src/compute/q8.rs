@@ -370,8 +370,8 @@ mod avx512 {
                 let s = _mm512_set1_ps(super::avx2::scale_f32(h));
                 for (j, a) in acc.iter_mut().enumerate() {
                     let xp = x.as_ptr().add(j * cols + b * 32);
-                    let lo = _mm512_mul_ps(lo, _mm512_loadu_ps(xp));
-                    let both = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xp.add(16)), lo);
+                    let low = _mm512_mul_ps(lo, _mm512_loadu_ps(xp));
+                    let both = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xp.add(16)), low);
                     *a = _mm512_fmadd_ps(both, s, *a);
                 }
             }
