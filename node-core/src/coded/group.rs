@@ -13,6 +13,7 @@ use super::verify::{
 };
 use super::{CodedError, Member, ShardFormat, ShardSet};
 use crate::code::{Decoder, Generator};
+use crate::compute::cpu::dot_f64;
 use crate::model::{LinearExec, LlamaConfig, ModelError, ModelWeights, Stage};
 use crate::protocol::{self, StepRequest, StepResponse};
 
@@ -267,6 +268,8 @@ struct Projection {
     directions: Vec<Vec<f32>>,
     /// `S_pᵀ·ρ` for each, `in` values.
     products: Vec<Vec<f32>>,
+    /// `(|S_pᵀ·ρ|, |ρ|)` for each, formed once ([`transpose_residuals`] needs them every round).
+    norms: Vec<(f64, f64)>,
 }
 
 /// A checked round, kept to check the answers that come after it was decoded: a member whose
@@ -1069,13 +1072,20 @@ impl<T: Transport> CodedGroup<T> {
         });
         match products {
             Ok(w) => {
-                let w = w.chunks_exact(inp.max(1)).map(<[f32]>::to_vec).collect();
+                let products: Vec<Vec<f32>> =
+                    w.chunks_exact(inp.max(1)).map(<[f32]>::to_vec).collect();
+                let norms = products
+                    .iter()
+                    .zip(&directions)
+                    .map(|(w, d)| (dot_f64(w, w).sqrt(), dot_f64(d, d).sqrt()))
+                    .collect();
                 if let Some(sketch) = self.sketch.as_mut() {
                     sketch.stages.insert(
                         stage,
                         Projection {
                             directions,
-                            products: w,
+                            products,
+                            norms,
                         },
                     );
                 }
@@ -1124,6 +1134,7 @@ impl<T: Transport> CodedGroup<T> {
         let Some(Projection {
             directions,
             products,
+            norms,
         }) = self.sketch.as_ref().and_then(|s| s.stages.get(&stage))
         else {
             return self.decode_checked(parts, c, bytes, what).await;
@@ -1141,7 +1152,7 @@ impl<T: Transport> CodedGroup<T> {
             .zip(directions)
             .map(|(w, d)| (w.as_slice(), d.as_slice()))
             .collect();
-        worst = worst.max(transpose_residuals(&pairs, x, &predicted, &lens, t)?);
+        worst = worst.max(transpose_residuals(&pairs, norms, x, &predicted, &lens, t)?);
         if worst <= threshold {
             self.stats.verified_rounds += 1;
             self.stats.projected_rounds += 1;

@@ -151,19 +151,28 @@ pub fn transpose_residual(
     lens: &[usize],
     t: usize,
 ) -> Result<f64, CodeError> {
-    transpose_residuals(&[(r, p)], a, u, lens, t)
+    let norms = [(dot_f64(r, r).sqrt(), dot_f64(p, p).sqrt())];
+    transpose_residuals(&[(r, p)], &norms, a, u, lens, t)
 }
 
 /// The largest [`transpose_residual`] over pairs `(r, p)` that share the answer `a` and the
-/// input `u`, as a projected check's directions do.
+/// input `u`, as a projected check's directions do; `norms` holds each pair's `(|r|, |p|)`.
 pub fn transpose_residuals(
     pairs: &[(&[f32], &[f32])],
+    norms: &[(f64, f64)],
     a: &[f32],
     u: &[f32],
     lens: &[usize],
     t: usize,
 ) -> Result<f64, CodeError> {
     let per_sub: usize = lens.iter().sum();
+    if norms.len() != pairs.len() {
+        return Err(CodeError::Length {
+            what: "norms of the directions",
+            expected: pairs.len(),
+            got: norms.len(),
+        });
+    }
     for &(r, p) in pairs {
         let m = p.len() / per_sub.max(1);
         for (what, expected, got) in [
@@ -190,10 +199,6 @@ pub fn transpose_residuals(
         (r0.len().max(1) as f64).sqrt(),
         (p0.len().max(1) as f64).sqrt(),
     );
-    let norms: Vec<(f64, f64)> = pairs
-        .iter()
-        .map(|&(r, p)| (dot_f64(r, r).sqrt(), dot_f64(p, p).sqrt()))
-        .collect();
     let mut up = vec![0.0f64; pairs.len()];
     let mut worst = 0.0f64;
     for (tok, a_tok) in a.chunks_exact(r0.len().max(1)).enumerate() {
@@ -213,7 +218,7 @@ pub fn transpose_residuals(
             }
         }
         let a_norm = dot_f64(a_tok, a_tok).sqrt();
-        for ((&(r, _), &(r_norm, p_norm)), &up) in pairs.iter().zip(&norms).zip(&up) {
+        for ((&(r, _), &(r_norm, p_norm)), &up) in pairs.iter().zip(norms).zip(&up) {
             let diff = (dot_f64(r, a_tok) - up).abs();
             if diff > 0.0 {
                 let scale = r_norm * a_norm / r_dims + uu.sqrt() * p_norm / p_dims;
@@ -372,5 +377,8 @@ mod tests {
         assert!(transpose_residual(&r, &wrong, &u, &p, &lens, t).unwrap() == f64::INFINITY);
         assert!(transpose_residual(&r, &a, &u[1..], &p, &lens, t).is_err());
         assert!(transpose_residual(&r, &a[1..], &u, &p, &lens, t).is_err());
+        // Directions without their norms are refused, not read past.
+        let pair: [(&[f32], &[f32]); 1] = [(&r, &p)];
+        assert!(transpose_residuals(&pair, &[], &a, &u, &lens, t).is_err());
     }
 }
