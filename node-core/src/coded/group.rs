@@ -1,6 +1,7 @@
 //! The leader's side: send a stage to the group, decode the answers, reassemble the outputs.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use rand::SeedableRng;
@@ -258,7 +259,7 @@ struct Sketch {
     /// The check row.
     row: usize,
     /// Per stage at the members' version.
-    stages: HashMap<Stage, Projection>,
+    stages: HashMap<Stage, Arc<Projection>>,
 }
 
 /// One stage's secret directions and the check row's products with them.
@@ -1082,11 +1083,11 @@ impl<T: Transport> CodedGroup<T> {
                 if let Some(sketch) = self.sketch.as_mut() {
                     sketch.stages.insert(
                         stage,
-                        Projection {
+                        Arc::new(Projection {
                             directions,
                             products,
                             norms,
-                        },
+                        }),
                     );
                 }
                 Ok(Some(row))
@@ -1118,27 +1119,26 @@ impl<T: Transport> CodedGroup<T> {
         bytes: &[u8],
         what: &str,
     ) -> Result<Vec<f32>, CodedError> {
-        if !self
+        // Shared, not borrowed: the decode below needs the group mutably.
+        let Some(projection) = self
             .sketch
             .as_ref()
-            .is_some_and(|s| s.stages.contains_key(&stage))
-        {
+            .and_then(|s| s.stages.get(&stage))
+            .cloned()
+        else {
             return self.decode_checked(parts, c, bytes, what).await;
-        }
+        };
+        let Projection {
+            directions,
+            products,
+            norms,
+        } = &*projection;
         let m = self.generator.sub_blocks();
         let refs: Vec<(usize, &[f32])> = parts.iter().map(|(n, v)| (*n, v.as_slice())).collect();
         let (out, kappa, _) = self.decode_and_predict(&refs, c)?;
         let mut predicted = vec![0.0f32; m * c];
         self.generator.predict_part(row, &out, &mut predicted)?;
         let (inp, lens) = self.stage_layout(stage);
-        let Some(Projection {
-            directions,
-            products,
-            norms,
-        }) = self.sketch.as_ref().and_then(|s| s.stages.get(&stage))
-        else {
-            return self.decode_checked(parts, c, bytes, what).await;
-        };
         let threshold = self
             .verify
             .backward_threshold(kappa, m * lens.iter().sum::<usize>(), inp);

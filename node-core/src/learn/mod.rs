@@ -125,12 +125,11 @@ fn factors_norm_sq(x: &[f32], dys: &[Vec<f32>], t: usize) -> f64 {
 /// The upper triangle of `V·Vᵀ` for `t` rows `v` (row by row, the diagonal first), in f64.
 fn gram(v: &[f32], t: usize) -> Vec<f64> {
     let w = v.len() / t;
-    let wide: Vec<f64> = v.iter().map(|&p| p as f64).collect();
     let mut g = Vec::with_capacity(t * (t + 1) / 2);
     for a in 0..t {
-        let row = &wide[a * w..(a + 1) * w];
+        let row = &v[a * w..(a + 1) * w];
         for b in a..t {
-            g.push(dot_f64(row, &wide[b * w..(b + 1) * w]));
+            g.push(dot_f64(row, &v[b * w..(b + 1) * w]));
         }
     }
     g
