@@ -457,12 +457,10 @@ impl Lead {
                 Some((slot, shared)) if *slot > 0 => shared.busy_except(*slot),
                 _ => Default::default(),
             };
-            let opts = GroupOptions {
-                trace: self.trace.clone(),
-                avoid,
-                project: self.ctx.cfg.project,
-                ..GroupOptions::new(self.ctx.cfg.verify, self.ctx.cfg.spares)
-            };
+            let mut opts = GroupOptions::new(self.ctx.cfg.verify, self.ctx.cfg.spares);
+            opts.trace.clone_from(&self.trace);
+            opts.group.avoid = avoid;
+            opts.group.project = self.ctx.cfg.project;
             let formed = match self.info().await {
                 Ok(info) => {
                     form_group(

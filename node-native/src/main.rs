@@ -555,15 +555,13 @@ fn run_once_on_mesh(
     let mut attempt = 0;
     let (leader, out, prompt) = loop {
         attempt += 1;
-        let opts = node_native::remote::GroupOptions {
-            trace: args
-                .trace_steps
-                .as_deref()
-                .map(node_native::steplog::StepLog::create)
-                .transpose()?,
-            project: !args.check_answers,
-            ..node_native::remote::GroupOptions::new(args.check, args.spares)
-        };
+        let mut opts = node_native::remote::GroupOptions::new(args.check, args.spares);
+        opts.trace = args
+            .trace_steps
+            .as_deref()
+            .map(node_native::steplog::StepLog::create)
+            .transpose()?;
+        opts.group.project = !args.check_answers;
         let mut leader = Leader::connect_with(rt, bootstrap.clone(), &opts)?;
         leader.archive.clone_from(&args.keep_published);
         leader

@@ -1,7 +1,7 @@
 //! A leader on the mesh: connect through one node, learn the rows and the model, and run coded
 //! steps over a group of k + s members with the first k answers.
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 use std::task::Poll;
 use std::time::{Duration, Instant};
@@ -106,36 +106,22 @@ pub async fn settled_info<F: std::future::Future<Output = Result<MeshInfo>>>(
     Ok(now)
 }
 
-/// How a leader's group is formed and run.
+/// How a leader's group is formed and run, and where its steps are traced.
 #[derive(Debug, Clone)]
 pub struct GroupOptions {
-    /// Answers checked beyond the k decoded in every forward round.
-    pub verify: usize,
-    /// Spare members asked beside the k (and the checked ones).
-    pub spares: usize,
-    /// Round timing.
-    pub round: RoundConfig,
+    /// What every leader's group takes ([`node_core::lead::GroupOptions`]).
+    pub group: node_core::lead::GroupOptions,
     /// Where every coded step is written, if anywhere (`--trace-steps`).
     pub trace: Option<crate::steplog::StepLog>,
-    /// Holders to leave out (another group of this leader computes with them), when the row
-    /// has another holder or the group can do without the row.
-    pub avoid: BTreeSet<PeerId>,
-    /// With `verify` 1, check rounds against secret projections of the check row instead of
-    /// its answers.
-    pub project: bool,
 }
 
 impl GroupOptions {
-    /// `verify` checked answers and `spares` spares, default timing, no step trace, checks
-    /// projected.
+    /// `verify` checked answers and `spares` spares, default timing, members probed, checks
+    /// projected, no step trace.
     pub fn new(verify: usize, spares: usize) -> Self {
         Self {
-            verify,
-            spares,
-            round: RoundConfig::default(),
+            group: node_core::lead::GroupOptions::new(verify, spares),
             trace: None,
-            avoid: BTreeSet::new(),
-            project: true,
         }
     }
 }
@@ -158,15 +144,7 @@ pub async fn form_group(
         local,
         trace: opts.trace.clone(),
     };
-    let group = node_core::lead::GroupOptions {
-        verify: opts.verify,
-        spares: opts.spares,
-        round: opts.round,
-        avoid: opts.avoid.clone(),
-        probe: true,
-        project: opts.project,
-    };
-    Ok(node_core::lead::form(&link, manifest, info, &group).await?)
+    Ok(node_core::lead::form(&link, manifest, info, &opts.group).await?)
 }
 
 /// A leader's networking through this node's swarm; its own row, if any, computes in process.
