@@ -62,7 +62,7 @@ def texts(args):
                       max_retries=0, timeout=args.time_limit)
     print("| text | tokens | decode after the first token | first token |\n|---|---|---|---|")
     for kind, text in TEXTS:
-        for attempt in range(2):
+        for _ in range(2):  # the first warms up; the second is timed
             start = time.monotonic()
             first = last = None
             tokens = 0

@@ -10,11 +10,11 @@ use web_time::{Duration, Instant};
 
 use super::probe::UpdateProbe;
 use super::verify::{
-    Caught, VerifyConfig, largest, random_input, residual, transpose_residual, transpose_residuals,
+    Caught, VerifyConfig, largest, pair_norms, random_input, residual, transpose_residual,
+    transpose_residuals,
 };
 use super::{CodedError, Member, ShardFormat, ShardSet};
 use crate::code::{Decoder, Generator};
-use crate::compute::cpu::dot_f64;
 use crate::model::{LinearExec, LlamaConfig, ModelError, ModelWeights, Stage};
 use crate::protocol::{self, StepRequest, StepResponse};
 
@@ -1078,7 +1078,7 @@ impl<T: Transport> CodedGroup<T> {
                 let norms = products
                     .iter()
                     .zip(&directions)
-                    .map(|(w, d)| (dot_f64(w, w).sqrt(), dot_f64(d, d).sqrt()))
+                    .map(|(w, d)| pair_norms(w, d))
                     .collect();
                 if let Some(sketch) = self.sketch.as_mut() {
                     sketch.stages.insert(

@@ -151,8 +151,12 @@ pub fn transpose_residual(
     lens: &[usize],
     t: usize,
 ) -> Result<f64, CodeError> {
-    let norms = [(dot_f64(r, r).sqrt(), dot_f64(p, p).sqrt())];
-    transpose_residuals(&[(r, p)], &norms, a, u, lens, t)
+    transpose_residuals(&[(r, p)], &[pair_norms(r, p)], a, u, lens, t)
+}
+
+/// `(|r|, |p|)` of a pair of [`transpose_residuals`], as it takes them.
+pub fn pair_norms(r: &[f32], p: &[f32]) -> (f64, f64) {
+    (dot_f64(r, r).sqrt(), dot_f64(p, p).sqrt())
 }
 
 /// The largest [`transpose_residual`] over pairs `(r, p)` that share the answer `a` and the

@@ -522,19 +522,18 @@ fn rows_times_inputs<T: CodedInt>(
     let mut row = Vec::new();
     for (i, out) in yt.chunks_exact_mut(t).enumerate() {
         let r = first + i;
+        let (qr, sr) = (&q[r * cols..(r + 1) * cols], &scales[r * nb..(r + 1) * nb]);
         if t == 1 {
-            let qr = &q[r * cols..(r + 1) * cols];
-            out[0] = dot_q8(qr, &scales[r * nb..(r + 1) * nb], x, isa);
-        } else {
-            let qr = &q[r * cols..(r + 1) * cols];
-            if dot_q8_tokens(qr, &scales[r * nb..(r + 1) * nb], x, out, isa) {
-                continue;
-            }
-            row.resize(cols, 0.0);
-            dequantize_row_of(q, scales, cols, r, &mut row, isa);
-            for (tok, o) in out.iter_mut().enumerate() {
-                *o = dot(&row, &x[tok * cols..(tok + 1) * cols]);
-            }
+            out[0] = dot_q8(qr, sr, x, isa);
+            continue;
+        }
+        if dot_q8_tokens(qr, sr, x, out, isa) {
+            continue;
+        }
+        row.resize(cols, 0.0);
+        dequantize_row_of(q, scales, cols, r, &mut row, isa);
+        for (tok, o) in out.iter_mut().enumerate() {
+            *o = dot(&row, &x[tok * cols..(tok + 1) * cols]);
         }
     }
 }
