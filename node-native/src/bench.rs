@@ -175,16 +175,13 @@ pub fn model_speed(
     };
     // A warm-up, then the best of RUNS measured runs, prefill and decode each (as
     // scripts/llama-cpp-bench.py measures llama.cpp, so the two compare like for like).
-    let (prefill, decode) = compute::par::install(|| {
-        generate(llama, &mut group, prompt, &opts, &mut |_| true)?;
-        let (mut prefill, mut decode) = (0.0f64, 0.0f64);
-        for _ in 0..RUNS {
-            let run = generate(llama, &mut group, prompt, &opts, &mut |_| true)?;
-            prefill = prefill.max(run.prefill_tokens_per_s());
-            decode = decode.max(run.decode_tokens_per_s());
-        }
-        anyhow::Ok((prefill, decode))
-    })?;
+    generate(llama, &mut group, prompt, &opts, &mut |_| true)?;
+    let (mut prefill, mut decode) = (0.0f64, 0.0f64);
+    for _ in 0..RUNS {
+        let run = generate(llama, &mut group, prompt, &opts, &mut |_| true)?;
+        prefill = prefill.max(run.prefill_tokens_per_s());
+        decode = decode.max(run.decode_tokens_per_s());
+    }
     Ok((prefill, decode, 1e3 / decode))
 }
 
@@ -246,18 +243,15 @@ pub fn learnt_rows(
         draft: 0,
     };
     let mut speeds = [Vec::new(), Vec::new()];
-    compute::par::install(|| {
-        for group in meshes.iter_mut() {
-            generate(llama, group, prompt, &opts, &mut |_| true)?;
+    for group in meshes.iter_mut() {
+        generate(llama, group, prompt, &opts, &mut |_| true)?;
+    }
+    for _ in 0..LEARNT_PAIRS {
+        for (group, speed) in meshes.iter_mut().zip(speeds.iter_mut()) {
+            let run = generate(llama, group, prompt, &opts, &mut |_| true)?;
+            speed.push(run.decode_tokens_per_s());
         }
-        for _ in 0..LEARNT_PAIRS {
-            for (group, speed) in meshes.iter_mut().zip(speeds.iter_mut()) {
-                let run = generate(llama, group, prompt, &opts, &mut |_| true)?;
-                speed.push(run.decode_tokens_per_s());
-            }
-        }
-        anyhow::Ok(())
-    })?;
+    }
     let ratios: Vec<f64> = speeds[0]
         .iter()
         .zip(&speeds[1])
@@ -794,7 +788,7 @@ pub fn speculation_rows(
                 stop_ids: tokenizer.eos_ids().to_vec(),
                 draft,
             };
-            compute::par::install(|| generate(&llama, group, &prompt, &opts, &mut |_| true))
+            generate(&llama, group, &prompt, &opts, &mut |_| true)
         };
         run(&mut group, 0)?;
         let plain = run(&mut group, 0)?;

@@ -316,10 +316,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         let mut forward = |pass: Pass<'_>| {
             futures::executor::block_on(run_pass(&llama, &mut group, &mut cache, pass))
         };
-        // On a kernel thread, so that each round's products start without a hand-off.
-        let done = node_core::compute::par::install(|| {
-            generate_and_print(&mut forward, cfg.max_seq, &model.tokenizer, &args, &mut 0)
-        })?;
+        let done = generate_and_print(&mut forward, cfg.max_seq, &model.tokenizer, &args, &mut 0)?;
         print_coded_stats(&args, &done.0, group.stats(), None);
         done
     };

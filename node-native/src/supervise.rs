@@ -71,9 +71,9 @@ pub struct ChildSpec {
     pub env: Vec<(OsString, OsString)>,
 }
 
-/// The variables that size a node's thread pools: its kernels' (rayon's) and its tasks'
-/// (tokio's workers).
-pub const THREAD_VARS: [&str; 2] = ["RAYON_NUM_THREADS", "TOKIO_WORKER_THREADS"];
+/// The variables that size a node's thread pools: its kernels' and its tasks' (tokio's
+/// workers).
+pub const THREAD_VARS: [&str; 2] = [node_core::compute::par::THREADS_VAR, "TOKIO_WORKER_THREADS"];
 
 /// The environment that gives each of `nodes` processes on this machine its share of the cores
 /// (at least one) for its kernels and for its tasks: with every process on every core, two

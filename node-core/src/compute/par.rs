@@ -1,30 +1,78 @@
 //! The one place where native and wasm differ for parallel loops.
 
+/// The environment variable that sets how many threads a process's kernels use (the caller and
+/// its helpers); unset or invalid, every core.
+pub const THREADS_VAR: &str = "CODEDMESH_THREADS";
+
 #[cfg(native)]
 mod imp {
-    use rayon::prelude::*;
+    use micropool::iter::*;
+    use std::sync::OnceLock;
 
-    /// Number of threads the kernels use.
+    /// How many times an idle helper polls for the next job (`pause` instructions, about a
+    /// tenth of a millisecond) before it sleeps: a member's products come a round apart, and a
+    /// helper that is still awake starts the next one without the scheduler's wake-up.
+    const IDLE_SPIN: usize = 3000;
+
+    /// Number of threads the kernels use: the calling thread and the pool's helpers.
     pub fn threads() -> usize {
-        rayon::current_num_threads()
-    }
-
-    /// Runs `f` on one of the kernels' worker threads: the parallel kernels it calls then start
-    /// their work on the thread they run on, instead of handing it to the pool and sleeping
-    /// until it is done (a round trip through the scheduler for every product).
-    pub fn install<R: Send>(f: impl FnOnce() -> R + Send) -> R {
-        rayon::scope(|_| f())
+        static THREADS: OnceLock<usize> = OnceLock::new();
+        *THREADS.get_or_init(|| {
+            let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+            let threads = match std::env::var(super::THREADS_VAR) {
+                Err(_) => cores,
+                Ok(v) => match v.parse::<usize>() {
+                    Ok(n) if n > 0 => n,
+                    _ => {
+                        tracing::warn!(
+                            "{}={v:?} is not a positive count; using {cores}",
+                            super::THREADS_VAR
+                        );
+                        cores
+                    }
+                },
+            };
+            if threads > 1 {
+                micropool::ThreadPoolBuilder::default()
+                    .num_threads(threads - 1)
+                    .idle_spin_cycles(IDLE_SPIN)
+                    .spawn_handler(|i, run| {
+                        std::thread::Builder::new()
+                            .name(format!("kernel-{i}"))
+                            .spawn(run)
+                            .expect("starting a kernel thread")
+                    })
+                    .build_global();
+            }
+            threads
+        })
     }
 
     /// `f` applied to every item, in parallel, results in order.
     pub fn map<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sync + Send) -> Vec<R> {
-        items.par_iter().map(f).collect()
+        if threads() == 1 || items.len() < 2 {
+            return items.iter().map(f).collect();
+        }
+        let mut out: Vec<Option<R>> = items.iter().map(|_| None).collect();
+        (out.par_iter_mut(), items.par_iter())
+            .zip_eq()
+            .with_thread_pool(micropool::split_per_item())
+            .for_each(|(o, x)| *o = Some(f(x)));
+        let out: Vec<R> = out.into_iter().flatten().collect();
+        debug_assert_eq!(out.len(), items.len(), "every item mapped");
+        out
     }
 
     /// Runs `f(chunk_index, chunk)` over `chunk`-sized pieces of `data`, in parallel.
     pub fn for_each_chunk(data: &mut [f32], chunk: usize, f: impl Fn(usize, &mut [f32]) + Sync) {
-        data.par_chunks_mut(chunk)
+        let mut chunks: Vec<&mut [f32]> = data.chunks_mut(chunk).collect();
+        if threads() == 1 || chunks.len() < 2 {
+            return chunks.into_iter().enumerate().for_each(|(i, c)| f(i, c));
+        }
+        chunks
+            .par_iter_mut()
             .enumerate()
+            .with_thread_pool(micropool::split_per_item())
             .for_each(|(i, c)| f(i, c));
     }
 }
@@ -34,11 +82,6 @@ mod imp {
     /// Number of threads the kernels use.
     pub fn threads() -> usize {
         1
-    }
-
-    /// Runs `f` (there is one thread).
-    pub fn install<R: Send>(f: impl FnOnce() -> R + Send) -> R {
-        f()
     }
 
     /// `f` applied to every item, results in order.
@@ -55,3 +98,28 @@ mod imp {
 }
 
 pub use imp::*;
+
+#[cfg(all(test, native))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn map_keeps_order_and_chunks_their_index_also_nested() {
+        let items: Vec<u64> = (0..257).collect();
+        let squares: Vec<u64> = items.iter().map(|&x| x * x).collect();
+        assert_eq!(map(&items, |&x| x * x), squares);
+
+        // As a coded group does: a parallel map whose items run parallel kernels.
+        let sums = map(&[3usize, 10, 64], |&chunk| {
+            let mut data = vec![0f32; 1003];
+            for_each_chunk(&mut data, chunk, |i, c| {
+                for (j, v) in c.iter_mut().enumerate() {
+                    *v = (i * chunk + j) as f32;
+                }
+            });
+            assert!(data.iter().enumerate().all(|(i, &v)| v == i as f32));
+            data.iter().sum::<f32>()
+        });
+        assert_eq!(sums, vec![(1002.0 * 1003.0 / 2.0) as f32; 3]);
+    }
+}
