@@ -436,6 +436,8 @@ pub struct MeshBench<'a> {
     pub tokens: usize,
     /// One-way delays to measure at, in milliseconds (a fresh mesh for each).
     pub delays: &'a [f64],
+    /// How the leader's group is checked and how many spares it asks.
+    pub group: node_core::lead::GroupOptions,
 }
 
 /// Tokens generated per run of a delay row (a pass costs 244 delays).
@@ -462,7 +464,11 @@ pub fn mesh_rows(b: &MeshBench<'_>) -> Result<Vec<Row>> {
         let mut last = String::from("fewer than 5 live rows");
         for _ in 0..50 {
             // Until every heartbeat has reached the seed, it may not even see k rows.
-            match crate::remote::Leader::connect(&rt, bootstrap.clone(), 0, 1) {
+            let opts = crate::remote::GroupOptions {
+                group: b.group.clone(),
+                trace: None,
+            };
+            match crate::remote::Leader::connect_with(&rt, bootstrap.clone(), &opts) {
                 Ok(l) if l.live_rows == 5 => {
                     leader = Some(l);
                     break;
@@ -477,6 +483,7 @@ pub fn mesh_rows(b: &MeshBench<'_>) -> Result<Vec<Row>> {
         })?;
         if ms == 0.0 {
             rows.extend(loopback_rows(&mut leader, &rt, &mesh, b.prompt, b.tokens)?);
+            rows.push(group_row(&b.group));
         }
         rows.extend(delay_rows(&mut leader, &rt, b.summary, ms)?);
         drop(leader);
@@ -682,6 +689,22 @@ fn loopback_rows(
         rows.push(cpu_row(label, &before, &after, &stats, wall));
     }
     Ok(rows)
+}
+
+/// How the bench's leader checks its rounds and how many spares it asks.
+fn group_row(group: &node_core::lead::GroupOptions) -> Row {
+    let how = match (group.verify, group.project) {
+        (0, _) => "no check",
+        (1, true) => "check 1, against the check row's secret projections",
+        _ => "checked answers",
+    };
+    row(
+        "5 processes over loopback, coded k=3: the leader's group",
+        format!(
+            "{how} (--check {}), {} spares (--spares)",
+            group.verify, group.spares
+        ),
+    )
 }
 
 /// CPU (user and system) each process spent a round, against the cores: when all of it over

@@ -174,6 +174,17 @@ pub(crate) struct BenchArgs {
     /// it leaves: a bench-only model of a network, not a network.
     #[arg(long, value_delimiter = ',', default_value = "0")]
     pub(crate) one_way_delay_ms: Vec<f64>,
+    /// With --mesh: answers checked beyond the k decoded in every round, as `up`'s `--check`.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) check: usize,
+    /// With --mesh and `--check 1`: ask the check row for its answer in every round instead
+    /// of checking against its secret projections, as `up`'s `--check-answers`.
+    #[arg(long)]
+    pub(crate) check_answers: bool,
+    /// With --mesh: spare members asked beside them, as `up`'s `--spares`. (Before 2026-11-28
+    /// the bench checked nothing and asked a spare: `--check 0 --spares 1`.)
+    #[arg(long, default_value_t = 0)]
+    pub(crate) spares: usize,
     /// Also measure drafted decoding (prompt lookup) on code, a summary and open chat.
     #[arg(long)]
     pub(crate) speculate: bool,

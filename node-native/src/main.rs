@@ -186,6 +186,10 @@ fn run_bench(args: BenchArgs) -> Result<()> {
                 summary: &summary,
                 tokens: args.tokens,
                 delays: &args.one_way_delay_ms,
+                group: node_core::lead::GroupOptions {
+                    project: !args.check_answers,
+                    ..node_core::lead::GroupOptions::new(args.check, args.spares)
+                },
             },
         )?);
     }
