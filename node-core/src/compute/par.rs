@@ -6,8 +6,13 @@ pub const THREADS_VAR: &str = "CODEDMESH_THREADS";
 
 #[cfg(native)]
 mod imp {
+    //! A panic in a parallel section would abort the process inside micropool; each item's
+    //! work catches its own, and the caller panics with it after the section, as it would
+    //! have without helpers (a holder's step then fails, its node stays up).
     use micropool::iter::*;
-    use std::sync::OnceLock;
+    use std::any::Any;
+    use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
+    use std::sync::{Mutex, OnceLock};
 
     /// How many times an idle helper polls for the next job (`pause` instructions, about a
     /// tenth of a millisecond) before it sleeps: a member's products come a round apart, and a
@@ -53,12 +58,16 @@ mod imp {
         if threads() == 1 || items.len() < 2 {
             return items.iter().map(f).collect();
         }
-        let mut out: Vec<Option<R>> = items.iter().map(|_| None).collect();
+        let mut out: Vec<Option<std::thread::Result<R>>> = items.iter().map(|_| None).collect();
         (out.par_iter_mut(), items.par_iter())
             .zip_eq()
             .with_thread_pool(micropool::split_per_item())
-            .for_each(|(o, x)| *o = Some(f(x)));
-        let out: Vec<R> = out.into_iter().flatten().collect();
+            .for_each(|(o, x)| *o = Some(catch_unwind(AssertUnwindSafe(|| f(x)))));
+        let out: Vec<R> = out
+            .into_iter()
+            .flatten()
+            .map(|r| r.unwrap_or_else(|panic| resume_unwind(panic)))
+            .collect();
         debug_assert_eq!(out.len(), items.len(), "every item mapped");
         out
     }
@@ -69,11 +78,20 @@ mod imp {
         if threads() == 1 || chunks.len() < 2 {
             return chunks.into_iter().enumerate().for_each(|(i, c)| f(i, c));
         }
+        let panicked: Mutex<Option<Box<dyn Any + Send>>> = Mutex::new(None);
         chunks
             .par_iter_mut()
             .enumerate()
             .with_thread_pool(micropool::split_per_item())
-            .for_each(|(i, c)| f(i, c));
+            .for_each(|(i, c)| {
+                if let Err(panic) = catch_unwind(AssertUnwindSafe(|| f(i, c))) {
+                    let mut first = panicked.lock().unwrap_or_else(|e| e.into_inner());
+                    first.get_or_insert(panic);
+                }
+            });
+        if let Some(panic) = panicked.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            resume_unwind(panic);
+        }
     }
 }
 
@@ -121,5 +139,18 @@ mod tests {
             data.iter().sum::<f32>()
         });
         assert_eq!(sums, vec![(1002.0 * 1003.0 / 2.0) as f32; 3]);
+    }
+
+    #[test]
+    fn a_panic_in_a_parallel_section_reaches_the_caller_and_the_pool_goes_on() {
+        let items: Vec<u32> = (0..64).collect();
+        let mapped = std::panic::catch_unwind(|| map(&items, |&x| assert_ne!(x, 37)));
+        assert!(mapped.is_err());
+        let mut data = vec![0f32; 640];
+        let chunked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            for_each_chunk(&mut data, 10, |i, _| assert_ne!(i, 5))
+        }));
+        assert!(chunked.is_err());
+        assert_eq!(map(&items, |&x| x + 1), (1..65).collect::<Vec<u32>>());
     }
 }
