@@ -29,6 +29,9 @@ pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     eos: Vec<u32>,
     default_system: Option<String>,
+    /// Tokens, special ones included: `tokenizers` counts them by building the whole
+    /// vocabulary's map (49,152 strings for SmolLM2), so once, not in every request.
+    vocab: usize,
 }
 
 fn tok_err(e: impl std::fmt::Display) -> ModelError {
@@ -36,6 +39,16 @@ fn tok_err(e: impl std::fmt::Display) -> ModelError {
 }
 
 impl Tokenizer {
+    fn new(inner: tokenizers::Tokenizer, eos: Vec<u32>, default_system: Option<String>) -> Self {
+        let vocab = inner.get_vocab_size(true);
+        Self {
+            inner,
+            eos,
+            default_system,
+            vocab,
+        }
+    }
+
     /// Builds the tokenizer stored in a GGUF file (`gpt2` byte-level BPE).
     pub fn from_gguf(file: &GgufFile) -> Result<Self, ModelError> {
         let model = file.get_str("tokenizer.ggml.model")?;
@@ -99,11 +112,7 @@ impl Tokenizer {
             .get_str("tokenizer.chat_template")
             .ok()
             .and_then(default_system_prompt);
-        Ok(Self {
-            inner,
-            eos,
-            default_system,
-        })
+        Ok(Self::new(inner, eos, default_system))
     }
 
     /// Loads a Hugging Face `tokenizer.json`.
@@ -113,11 +122,7 @@ impl Tokenizer {
             .iter()
             .filter_map(|t| inner.token_to_id(t))
             .collect();
-        Ok(Self {
-            inner,
-            eos,
-            default_system: None,
-        })
+        Ok(Self::new(inner, eos, None))
     }
 
     /// Token ids of `text`; special tokens written in the text (`<|im_start|>`) are recognised.
@@ -138,7 +143,7 @@ impl Tokenizer {
 
     /// Number of tokens, special ones included.
     pub fn vocab_size(&self) -> usize {
-        self.inner.get_vocab_size(true)
+        self.vocab
     }
 
     /// The id of a token string, if it is in the vocabulary.
@@ -189,11 +194,11 @@ impl Tokenizer {
     /// Rebuilds a tokenizer from [`Tokenizer::to_data`]'s output.
     pub fn from_data(data: &TokenizerData) -> Result<Self, ModelError> {
         let inner = tokenizers::Tokenizer::from_bytes(data.json.as_bytes()).map_err(tok_err)?;
-        Ok(Self {
+        Ok(Self::new(
             inner,
-            eos: data.eos.clone(),
-            default_system: data.default_system.clone(),
-        })
+            data.eos.clone(),
+            data.default_system.clone(),
+        ))
     }
 }
 
