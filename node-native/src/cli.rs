@@ -92,6 +92,22 @@ pub(crate) struct UpArgs {
     /// Most requests waiting beyond the batch before the API answers 429.
     #[arg(long, default_value_t = 64)]
     pub(crate) queue: usize,
+    /// How the API's groups are checked, and their spares.
+    #[command(flatten)]
+    pub(crate) group: GroupArgs,
+    /// Most coded groups the API's node serves with side by side, each over its own holders
+    /// (more form only when the mesh has holders for them, e.g. with `--nodes 10`).
+    #[arg(long, default_value_t = 4)]
+    pub(crate) groups: usize,
+    /// Most drafted tokens the API's node checks in one forward pass (prompt lookup); 0
+    /// decodes a token a pass.
+    #[arg(long, default_value_t = node_core::model::speculate::DEFAULT_DRAFT)]
+    pub(crate) draft: usize,
+}
+
+/// How a leader's groups are checked and how many spares they ask: `up`'s and the bench's.
+#[derive(Debug, clap::Args)]
+pub(crate) struct GroupArgs {
     /// Answers checked beyond the k decoded in every round (1 detects a wrong member).
     #[arg(long, default_value_t = 1)]
     pub(crate) check: usize,
@@ -105,14 +121,16 @@ pub(crate) struct UpArgs {
     /// a failed member still leaves k answers.
     #[arg(long, default_value_t = 0)]
     pub(crate) spares: usize,
-    /// Most coded groups the API's node serves with side by side, each over its own holders
-    /// (more form only when the mesh has holders for them, e.g. with `--nodes 10`).
-    #[arg(long, default_value_t = 4)]
-    pub(crate) groups: usize,
-    /// Most drafted tokens the API's node checks in one forward pass (prompt lookup); 0
-    /// decodes a token a pass.
-    #[arg(long, default_value_t = node_core::model::speculate::DEFAULT_DRAFT)]
-    pub(crate) draft: usize,
+}
+
+impl GroupArgs {
+    /// The options a leader forms its groups with.
+    pub(crate) fn options(&self) -> node_core::lead::GroupOptions {
+        node_core::lead::GroupOptions {
+            project: !self.check_answers,
+            ..node_core::lead::GroupOptions::new(self.check, self.spares)
+        }
+    }
 }
 
 /// How a node serves the requests it leads (its OpenAI API).
@@ -174,17 +192,10 @@ pub(crate) struct BenchArgs {
     /// it leaves: a bench-only model of a network, not a network.
     #[arg(long, value_delimiter = ',', default_value = "0")]
     pub(crate) one_way_delay_ms: Vec<f64>,
-    /// With --mesh: answers checked beyond the k decoded in every round, as `up`'s `--check`.
-    #[arg(long, default_value_t = 1)]
-    pub(crate) check: usize,
-    /// With --mesh and `--check 1`: ask the check row for its answer in every round instead
-    /// of checking against its secret projections, as `up`'s `--check-answers`.
-    #[arg(long)]
-    pub(crate) check_answers: bool,
-    /// With --mesh: spare members asked beside them, as `up`'s `--spares`. (Before 2026-11-28
-    /// the bench checked nothing and asked a spare: `--check 0 --spares 1`.)
-    #[arg(long, default_value_t = 0)]
-    pub(crate) spares: usize,
+    /// With --mesh: how the leader's group is checked, and its spares, as `up`'s. (Before
+    /// 2026-11-28 the bench checked nothing and asked a spare: `--check 0 --spares 1`.)
+    #[command(flatten)]
+    pub(crate) group: GroupArgs,
     /// Also measure drafted decoding (prompt lookup) on code, a summary and open chat.
     #[arg(long)]
     pub(crate) speculate: bool,

@@ -90,15 +90,15 @@ async fn run_up(args: UpArgs) -> Result<()> {
         "--queue".into(),
         args.queue.to_string().into(),
         "--check".into(),
-        args.check.to_string().into(),
+        args.group.check.to_string().into(),
         "--spares".into(),
-        args.spares.to_string().into(),
+        args.group.spares.to_string().into(),
         "--groups".into(),
         args.groups.to_string().into(),
         "--draft".into(),
         args.draft.to_string().into(),
     ];
-    if args.check_answers {
+    if args.group.check_answers {
         node_args.push("--check-answers".into());
     }
     node_native::up::up(node_native::up::UpOptions {
@@ -186,10 +186,7 @@ fn run_bench(args: BenchArgs) -> Result<()> {
                 summary: &summary,
                 tokens: args.tokens,
                 delays: &args.one_way_delay_ms,
-                group: node_core::lead::GroupOptions {
-                    project: !args.check_answers,
-                    ..node_core::lead::GroupOptions::new(args.check, args.spares)
-                },
+                group: args.group.options(),
             },
         )?);
     }
