@@ -4,6 +4,20 @@
 /// its helpers); unset or invalid, every core.
 pub const THREADS_VAR: &str = "CODEDMESH_THREADS";
 
+/// The kernel threads `value` of [`THREADS_VAR`] asks for: `cores` when it is unset or not a
+/// positive count (with a warning).
+#[cfg_attr(not(native), allow(dead_code))]
+fn threads_wanted(value: Option<String>, cores: usize) -> usize {
+    match value.map(|v| (v.trim().parse::<usize>(), v)) {
+        None => cores,
+        Some((Ok(n), _)) if n > 0 => n,
+        Some((_, v)) => {
+            tracing::warn!("{THREADS_VAR}={v:?} is not a positive count; using {cores}");
+            cores
+        }
+    }
+}
+
 #[cfg(native)]
 mod imp {
     //! A panic in a parallel section would abort the process inside micropool; each item's
@@ -24,19 +38,7 @@ mod imp {
         static THREADS: OnceLock<usize> = OnceLock::new();
         *THREADS.get_or_init(|| {
             let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
-            let threads = match std::env::var(super::THREADS_VAR) {
-                Err(_) => cores,
-                Ok(v) => match v.parse::<usize>() {
-                    Ok(n) if n > 0 => n,
-                    _ => {
-                        tracing::warn!(
-                            "{}={v:?} is not a positive count; using {cores}",
-                            super::THREADS_VAR
-                        );
-                        cores
-                    }
-                },
-            };
+            let threads = super::threads_wanted(std::env::var(super::THREADS_VAR).ok(), cores);
             if threads > 1 {
                 micropool::ThreadPoolBuilder::default()
                     .num_threads(threads - 1)
@@ -139,6 +141,16 @@ mod tests {
             data.iter().sum::<f32>()
         });
         assert_eq!(sums, vec![(1002.0 * 1003.0 / 2.0) as f32; 3]);
+    }
+
+    #[test]
+    fn the_threads_variable_is_a_positive_count_or_every_core() {
+        assert_eq!(threads_wanted(None, 16), 16);
+        assert_eq!(threads_wanted(Some("3".into()), 16), 3);
+        assert_eq!(threads_wanted(Some(" 4\n".into()), 16), 4);
+        assert_eq!(threads_wanted(Some("0".into()), 16), 16);
+        assert_eq!(threads_wanted(Some("-2".into()), 16), 16);
+        assert_eq!(threads_wanted(Some("many".into()), 16), 16);
     }
 
     #[test]
