@@ -462,12 +462,12 @@ pub fn mesh_rows(b: &MeshBench<'_>) -> Result<Vec<Row>> {
         // Heartbeats need a moment to reach the seed before it reports every row.
         let mut leader = None;
         let mut last = String::from("fewer than 5 live rows");
+        let opts = crate::remote::GroupOptions {
+            group: b.group.clone(),
+            trace: None,
+        };
         for _ in 0..50 {
             // Until every heartbeat has reached the seed, it may not even see k rows.
-            let opts = crate::remote::GroupOptions {
-                group: b.group.clone(),
-                trace: None,
-            };
             match crate::remote::Leader::connect_with(&rt, bootstrap.clone(), &opts) {
                 Ok(l) if l.live_rows == 5 => {
                     leader = Some(l);

@@ -6,7 +6,7 @@ pub const THREADS_VAR: &str = "CODEDMESH_THREADS";
 
 /// The kernel threads `value` of [`THREADS_VAR`] asks for: `cores` when it is unset or not a
 /// positive count (with a warning).
-#[cfg_attr(not(native), allow(dead_code))]
+#[cfg(native)]
 fn threads_wanted(value: Option<String>, cores: usize) -> usize {
     match value.map(|v| (v.trim().parse::<usize>(), v)) {
         None => cores,
@@ -76,10 +76,13 @@ mod imp {
 
     /// Runs `f(chunk_index, chunk)` over `chunk`-sized pieces of `data`, in parallel.
     pub fn for_each_chunk(data: &mut [f32], chunk: usize, f: impl Fn(usize, &mut [f32]) + Sync) {
-        let mut chunks: Vec<&mut [f32]> = data.chunks_mut(chunk).collect();
-        if threads() == 1 || chunks.len() < 2 {
-            return chunks.into_iter().enumerate().for_each(|(i, c)| f(i, c));
+        if threads() == 1 || data.len() <= chunk {
+            return data
+                .chunks_mut(chunk)
+                .enumerate()
+                .for_each(|(i, c)| f(i, c));
         }
+        let mut chunks: Vec<&mut [f32]> = data.chunks_mut(chunk).collect();
         let panicked: Mutex<Option<Box<dyn Any + Send>>> = Mutex::new(None);
         chunks
             .par_iter_mut()
