@@ -849,6 +849,10 @@ impl<T: Transport> CodedGroup<T> {
         let refs: Vec<(usize, &[f32])> = parts.iter().map(|(n, v)| (*n, v.as_slice())).collect();
         let (out, kappa, predicted) = self.decode_and_predict(&refs, c)?;
         let threshold = self.verify.threshold(kappa);
+        if refs.len() <= k {
+            // Nothing beyond the k decoded to check (the scale below would go unused).
+            return Ok(Ok((out, threshold)));
+        }
         let floor = largest(&out);
         let worst = refs
             .iter()
@@ -859,9 +863,7 @@ impl<T: Transport> CodedGroup<T> {
         if worst > threshold || worst.is_nan() {
             return Ok(Err((worst, threshold)));
         }
-        if parts.len() > k {
-            self.stats.max_pass_ratio = self.stats.max_pass_ratio.max(worst / threshold);
-        }
+        self.stats.max_pass_ratio = self.stats.max_pass_ratio.max(worst / threshold);
         Ok(Ok((out, threshold)))
     }
 
