@@ -8,10 +8,10 @@ pub const THREADS_VAR: &str = "CODEDMESH_THREADS";
 /// positive count (with a warning).
 #[cfg(native)]
 fn threads_wanted(value: Option<String>, cores: usize) -> usize {
-    match value.map(|v| (v.trim().parse::<usize>(), v)) {
-        None => cores,
-        Some((Ok(n), _)) if n > 0 => n,
-        Some((_, v)) => {
+    let Some(v) = value else { return cores };
+    match v.trim().parse::<usize>() {
+        Ok(n) if n > 0 => n,
+        _ => {
             tracing::warn!("{THREADS_VAR}={v:?} is not a positive count; using {cores}");
             cores
         }
