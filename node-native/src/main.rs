@@ -22,6 +22,11 @@ use tracing_subscriber::EnvFilter;
 
 mod cli;
 
+/// The allocator: the rounds allocate and free a few buffers each (docs/perf.md, "An allocator
+/// for the rounds").
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use cli::{BenchArgs, Cli, Command, EvalArgs, GenerateArgs, StatusArgs, UpArgs};
 
 fn main() {
