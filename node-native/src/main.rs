@@ -22,12 +22,12 @@ use tracing_subscriber::EnvFilter;
 
 mod cli;
 
+use cli::{BenchArgs, Cli, Command, EvalArgs, GenerateArgs, StatusArgs, UpArgs};
+
 /// The allocator: the rounds allocate and free a few buffers each (docs/perf.md, "An allocator
 /// for the rounds").
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
-use cli::{BenchArgs, Cli, Command, EvalArgs, GenerateArgs, StatusArgs, UpArgs};
 
 fn main() {
     tracing_subscriber::fmt()
