@@ -849,8 +849,8 @@ impl<T: Transport> CodedGroup<T> {
         let refs: Vec<(usize, &[f32])> = parts.iter().map(|(n, v)| (*n, v.as_slice())).collect();
         let (out, kappa, predicted) = self.decode_and_predict(&refs, c)?;
         let threshold = self.verify.threshold(kappa);
-        if refs.len() <= k {
-            // Nothing beyond the k decoded to check (the scale below would go unused).
+        if predicted.is_empty() {
+            // No answer beyond the k decoded to check (the scale below would go unused).
             return Ok(Ok((out, threshold)));
         }
         let floor = largest(&out);
