@@ -282,8 +282,22 @@ fn median(v: &[f64]) -> f64 {
 /// Measured runs of each speed row (the best is reported), as llama.cpp's script runs.
 const RUNS: usize = 3;
 
-/// Runs every measurement and returns the table rows.
-pub fn run(weights: &ModelWeights, prompt: &[u32], tokens: usize) -> Result<Vec<Row>> {
+/// What [`run`] measured: the table's rows, and the in-process decode a mesh is compared with.
+#[derive(Debug)]
+pub struct InProcessRows {
+    /// The table's rows.
+    pub rows: Vec<Row>,
+    /// The fastest in-process coded decode on compact data rows, in tokens a second.
+    pub coded_decode: f64,
+}
+
+/// Runs every measurement in this process, coded k = 3 of 5 and as `mesh` (k, n) too.
+pub fn run(
+    weights: &ModelWeights,
+    prompt: &[u32],
+    tokens: usize,
+    mesh: (usize, usize),
+) -> Result<InProcessRows> {
     let mut rows = vec![row("threads", compute::threads().to_string())];
     let copy = copy_bandwidth();
     rows.push(row(
@@ -367,40 +381,63 @@ pub fn run(weights: &ModelWeights, prompt: &[u32], tokens: usize) -> Result<Vec<
         ),
     ));
     let parity: &[usize] = &[2, 3, 4];
-    for (label, n, k, format, rows_of) in [
-        ("single node, uncoded", 1, 1, ShardFormat::F32, None),
-        ("in-process coded k=3 of n=5", 5, 3, ShardFormat::F32, None),
+    let mut runs = vec![
+        ("single node, uncoded".into(), 1, 1, ShardFormat::F32, None),
         (
-            "in-process coded k=3 of n=5, f16 shards",
+            "in-process coded k=3 of n=5".into(),
+            5,
+            3,
+            ShardFormat::F32,
+            None,
+        ),
+        (
+            "in-process coded k=3 of n=5, f16 shards".into(),
             5,
             3,
             ShardFormat::F16,
             None,
         ),
         (
-            "single node, uncoded, q8 weights",
+            "single node, uncoded, q8 weights".into(),
             1,
             1,
             ShardFormat::Q8,
             None,
         ),
         (
-            "in-process coded k=3 of n=5, q8 shards (integer code; data rows 0, 1, 2)",
+            "in-process coded k=3 of n=5, q8 shards (integer code; data rows 0, 1, 2)".into(),
             5,
             3,
             ShardFormat::Q8,
             None,
         ),
         (
-            "in-process coded k=3 of n=5, q8 shards, rows 2, 3, 4 (two i16 parity rows)",
+            "in-process coded k=3 of n=5, q8 shards, rows 2, 3, 4 (two i16 parity rows)".into(),
             5,
             3,
             ShardFormat::Q8,
             Some(parity),
         ),
-    ] {
+    ];
+    let (mesh_k, mesh_n) = mesh;
+    if mesh != (3, 5) && mesh_n <= Generator::integer_capacity(mesh_k) {
+        runs.push((
+            format!(
+                "in-process coded k={mesh_k} of n={mesh_n}, q8 shards (data rows), as the mesh"
+            ),
+            mesh_n,
+            mesh_k,
+            ShardFormat::Q8,
+            None,
+        ));
+    }
+    let mut coded_decode = 0.0f64;
+    for (label, n, k, format, rows_of) in runs {
         let (prefill, decode, ms) =
             model_speed(weights, &llama, n, k, format, prompt, tokens, None, rows_of)?;
+        if k > 1 && format == ShardFormat::Q8 && rows_of.is_none() {
+            coded_decode = coded_decode.max(decode);
+        }
         rows.push(row(
             format!("{label}: prefill ({} tokens, best of {RUNS})", prompt.len()),
             format!("{prefill:.1} tok/s"),
@@ -411,7 +448,7 @@ pub fn run(weights: &ModelWeights, prompt: &[u32], tokens: usize) -> Result<Vec<
         ));
     }
     rows.extend(learnt_rows(weights, &llama, prompt, tokens)?);
-    Ok(rows)
+    Ok(InProcessRows { rows, coded_decode })
 }
 
 /// Prints rows as a markdown table.
@@ -438,13 +475,20 @@ pub struct MeshBench<'a> {
     pub delays: &'a [f64],
     /// How the leader's group is checked and how many spares it asks.
     pub group: node_core::lead::GroupOptions,
+    /// Rows needed to compute.
+    pub k: usize,
+    /// Nodes, one row each.
+    pub n: usize,
+    /// In-process coded decode in the same run, tokens a second (the mesh's decode is set
+    /// against it).
+    pub in_process: f64,
 }
 
 /// Tokens generated per run of a delay row (a pass costs 244 delays).
 const DELAY_TOKENS: usize = 16;
 
-/// Five `codedmesh` processes on this machine (seed + 4 nodes, k = 3) for each delay: at 0, the
-/// loopback rows (the same generation as the in-process rows; time split into compute,
+/// A mesh of `codedmesh` processes on this machine (seed + n − 1 nodes) for each delay: at 0,
+/// the loopback rows (the same generation as the in-process rows; time split into compute,
 /// network, decode); at every delay, ms per token against the floor the delay sets, a token a
 /// pass and with drafts.
 pub fn mesh_rows(b: &MeshBench<'_>) -> Result<Vec<Row>> {
@@ -455,13 +499,13 @@ pub fn mesh_rows(b: &MeshBench<'_>) -> Result<Vec<Row>> {
         crate::swarm::set_one_way_delay(delay);
         let dir = std::env::temp_dir().join(format!("codedmesh-bench-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        let mut mesh = crate::localmesh::LocalMesh::start(b.model, 3, 5, &dir, delay)?;
+        let mut mesh = crate::localmesh::LocalMesh::start(b.model, b.k, b.n, &dir, delay)?;
         mesh.wait_serving(&dir, Duration::from_secs(300))?;
         let rt = crate::remote::leader_runtime()?;
         let bootstrap: libp2p::Multiaddr = mesh.bootstrap.parse()?;
         // Heartbeats need a moment to reach the seed before it reports every row.
         let mut leader = None;
-        let mut last = String::from("fewer than 5 live rows");
+        let mut last = format!("fewer than {} live rows", b.n);
         let opts = crate::remote::GroupOptions {
             group: b.group.clone(),
             trace: None,
@@ -469,7 +513,7 @@ pub fn mesh_rows(b: &MeshBench<'_>) -> Result<Vec<Row>> {
         for _ in 0..50 {
             // Until every heartbeat has reached the seed, it may not even see k rows.
             match crate::remote::Leader::connect_with(&rt, bootstrap.clone(), &opts) {
-                Ok(l) if l.live_rows == 5 => {
+                Ok(l) if l.live_rows == b.n => {
                     leader = Some(l);
                     break;
                 }
@@ -479,11 +523,14 @@ pub fn mesh_rows(b: &MeshBench<'_>) -> Result<Vec<Row>> {
             std::thread::sleep(Duration::from_millis(200));
         }
         let mut leader = leader.ok_or_else(|| {
-            anyhow::anyhow!("the local mesh never showed 5 live rows (last: {last})")
+            anyhow::anyhow!(
+                "the local mesh never showed {} live rows (last: {last})",
+                b.n
+            )
         })?;
         if ms == 0.0 {
-            rows.extend(loopback_rows(&mut leader, &rt, &mesh, b.prompt, b.tokens)?);
-            rows.push(group_row(&b.group));
+            rows.extend(loopback_rows(&mut leader, &rt, &mesh, b)?);
+            rows.push(group_row(b));
         }
         rows.extend(delay_rows(&mut leader, &rt, b.summary, ms)?);
         drop(leader);
@@ -590,9 +637,9 @@ fn loopback_rows(
     leader: &mut crate::remote::Leader,
     runtime: &tokio::runtime::Runtime,
     mesh: &crate::localmesh::LocalMesh,
-    prompt: &[u32],
-    tokens: usize,
+    b: &MeshBench<'_>,
 ) -> Result<Vec<Row>> {
+    let (prompt, tokens) = (b.prompt, b.tokens);
     let opts = GenerateOptions {
         max_tokens: tokens,
         sampling: Default::default(),
@@ -617,7 +664,8 @@ fn loopback_rows(
         &GenerateOptions { draft, ..opts },
         &mut |_| true,
     )?;
-    let label = "5 processes over loopback, coded k=3";
+    let label = mesh_label(b);
+    let label = label.as_str();
     let positions = (run.prompt_tokens + run.tokens.len()).max(1) as u64;
     let per_member = stats.bytes_sent / stats.member_requests.max(1) * stats.rounds / positions;
     let total = (stats.member_time + stats.decode_time)
@@ -635,6 +683,15 @@ fn loopback_rows(
                 "{:.1} tok/s ({:.1} ms/token)",
                 run.decode_tokens_per_s(),
                 1e3 / run.decode_tokens_per_s()
+            ),
+        ),
+        row(
+            format!("{label}: decode against in-process coded decode (the fastest q8 row above)"),
+            format!(
+                "{:.2}× ({:.1} against {:.1} tok/s)",
+                run.decode_tokens_per_s() / b.in_process.max(1e-9),
+                run.decode_tokens_per_s(),
+                b.in_process
             ),
         ),
         row(
@@ -691,15 +748,21 @@ fn loopback_rows(
     Ok(rows)
 }
 
+/// The rows' name for the bench's mesh: `5 processes over loopback, coded k=3`.
+fn mesh_label(b: &MeshBench<'_>) -> String {
+    format!("{} processes over loopback, coded k={}", b.n, b.k)
+}
+
 /// How the bench's leader checks its rounds and how many spares it asks.
-fn group_row(group: &node_core::lead::GroupOptions) -> Row {
+fn group_row(b: &MeshBench<'_>) -> Row {
+    let group = &b.group;
     let how = match (group.verify, group.project) {
         (0, _) => "no check",
         (1, true) => "check 1, against the check row's secret projections",
         _ => "checked answers",
     };
     row(
-        "5 processes over loopback, coded k=3: the leader's group",
+        format!("{}: the leader's group", mesh_label(b)),
         format!(
             "{how} (--check {}), {} spares (--spares)",
             group.verify, group.spares

@@ -42,12 +42,15 @@ pub(crate) enum Command {
 
 #[derive(Debug, clap::Args)]
 pub(crate) struct UpArgs {
-    /// Nodes to start, one coded row each (n).
-    #[arg(long, default_value_t = 5)]
-    pub(crate) nodes: usize,
-    /// Rows needed to compute (k ≤ nodes).
-    #[arg(long, default_value_t = 3)]
-    pub(crate) k: usize,
+    /// Nodes to start, one coded row each (n); default: 5, or 4 for k = 2 (the compact code's
+    /// rows), or the shape of the mesh already in --data.
+    #[arg(long)]
+    pub(crate) nodes: Option<usize>,
+    /// Rows needed to compute (k ≤ nodes); default: 3, or 2 on a machine with fewer than 3
+    /// cores (one stream works k nodes at once; docs/perf.md), or the k of the mesh already in
+    /// --data.
+    #[arg(long)]
+    pub(crate) k: Option<usize>,
     /// Most rows the mesh may grow to as nodes join (then joiners become replicas); default:
     /// as many as keep every group of k within the numerics goal (docs/coding.md).
     #[arg(long)]
@@ -184,9 +187,16 @@ pub(crate) struct BenchArgs {
     /// Tokens to generate per measured run.
     #[arg(long, default_value_t = 32)]
     pub(crate) tokens: usize,
-    /// Also start 5 processes on this machine (k = 3) and measure generation over loopback.
+    /// Also start the mesh `up` starts on this machine (k = 3 of 5 nodes; 2 of 4 below 3
+    /// cores) as processes and measure generation over loopback against in-process decode.
     #[arg(long)]
     pub(crate) mesh: bool,
+    /// With --mesh: rows needed to compute; default: as `up` picks on this machine.
+    #[arg(long)]
+    pub(crate) k: Option<usize>,
+    /// With --mesh: nodes to start, one coded row each; default: as `up` picks.
+    #[arg(long)]
+    pub(crate) nodes: Option<usize>,
     /// With --mesh: one-way delays in milliseconds to measure at (comma-separated; a fresh
     /// mesh for each). Every request and answer between the processes waits this long before
     /// it leaves: a bench-only model of a network, not a network.

@@ -106,9 +106,16 @@ async fn run_up(args: UpArgs) -> Result<()> {
     if args.group.check_answers {
         node_args.push("--check-answers".into());
     }
+    let cores = node_native::up::cores();
+    let (k, nodes) = node_native::up::default_shape(cores, args.k, args.nodes);
+    if args.k.is_none() && k != 3 {
+        eprintln!(
+            "this machine has {cores} cores: a mesh of k = {k} of {nodes} nodes, so that a stream's k members work at once (--k 3 --nodes 5 for the usual mesh)"
+        );
+    }
     node_native::up::up(node_native::up::UpOptions {
-        nodes: args.nodes,
-        k: args.k,
+        nodes,
+        k,
         max_rows: args.max_rows,
         model: args.model,
         data: args.data,
@@ -116,7 +123,8 @@ async fn run_up(args: UpArgs) -> Result<()> {
         api_listen: args.api_listen,
         api_key: args.api_key,
         no_learning: args.no_learning,
-        format: cli::mesh_format(args.shard_format, args.k, args.nodes),
+        format: cli::mesh_format(args.shard_format, k, nodes),
+        shape_chosen: args.k.is_some() || args.nodes.is_some() || args.shard_format.is_some(),
         trace_steps: args.trace_steps,
         web_dir: args.web_dir,
         no_build_web: args.no_build_web,
@@ -180,7 +188,10 @@ fn run_bench(args: BenchArgs) -> Result<()> {
         node_native::bench::print_table(&rows);
         return Ok(());
     }
-    let mut rows = node_native::bench::run(&model.weights, &prompt, args.tokens)?;
+    // The mesh `up` starts on this machine, unless the flags say otherwise.
+    let (k, n) = node_native::up::default_shape(node_native::up::cores(), args.k, args.nodes);
+    let measured = node_native::bench::run(&model.weights, &prompt, args.tokens, (k, n))?;
+    let mut rows = measured.rows;
     if args.mesh {
         let summary = node_native::bench::summary_prompt(&model.tokenizer)?;
         drop(model);
@@ -192,6 +203,9 @@ fn run_bench(args: BenchArgs) -> Result<()> {
                 tokens: args.tokens,
                 delays: &args.one_way_delay_ms,
                 group: args.group.options(),
+                k,
+                n,
+                in_process: measured.coded_decode,
             },
         )?);
     }

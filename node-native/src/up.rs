@@ -40,6 +40,9 @@ pub struct UpOptions {
     pub no_learning: bool,
     /// How shards are stored.
     pub format: ShardFormat,
+    /// The user chose k, n or the format: a mesh already in the data dir must have them (else
+    /// it is used with its own).
+    pub shape_chosen: bool,
     /// Where the API node writes every coded step (`--trace-steps`).
     pub trace_steps: Option<PathBuf>,
     /// The dashboard's built files.
@@ -48,6 +51,26 @@ pub struct UpOptions {
     pub no_build_web: bool,
     /// Extra arguments for every node (`--max-batch`, `--queue`, `--device` …).
     pub node_args: Vec<OsString>,
+}
+
+/// The k and n of a local mesh on a machine with `cores` cores, where the user gave none: 3 of
+/// 5, or 2 of 4 below three cores.
+///
+/// One stream asks k nodes at once. With fewer cores than that, two of their products run one
+/// after the other and the stream slows by a third (docs/perf.md, "k = 2 on two cores"). Without
+/// `nodes`, n is 5, or fewer where the compact (integer) code has fewer rows for k: 4 for k = 2.
+pub fn default_shape(cores: usize, k: Option<usize>, nodes: Option<usize>) -> (usize, usize) {
+    let k = k.unwrap_or(if cores < 3 { 2 } else { 3 });
+    let nodes = nodes.unwrap_or_else(|| {
+        let rows = node_core::code::Generator::integer_capacity(k);
+        if (k..5).contains(&rows) { rows } else { 5 }
+    });
+    (k, nodes)
+}
+
+/// The cores this process may run on (1 where the system does not say).
+pub fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |c| c.get())
 }
 
 /// What a data dir holds about the mesh `up` made there.
@@ -157,11 +180,9 @@ fn prepare(opts: &UpOptions, model: &Path, data: &Path) -> Result<MeshFile> {
     if file.exists() {
         let mesh: MeshFile = serde_json::from_slice(&std::fs::read(&file)?)
             .with_context(|| format!("reading {}", file.display()))?;
+        let same_shape = mesh.k == opts.k && mesh.n == opts.nodes && mesh.format == opts.format;
         ensure!(
-            mesh.model == name
-                && mesh.k == opts.k
-                && mesh.n == opts.nodes
-                && mesh.format == opts.format,
+            mesh.model == name && (same_shape || !opts.shape_chosen),
             "{} holds a mesh of {} with k = {}, n = {} ({:?} shards), not {name} with k = {}, n = {} ({:?}): pass --data DIR for another",
             data.display(),
             mesh.model,
@@ -511,5 +532,22 @@ mod tests {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let dial = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
         assert!(dial.local_addr().unwrap().port() >= ephemeral_start());
+    }
+
+    #[test]
+    fn a_local_mesh_asks_no_more_members_at_once_than_there_are_cores() {
+        assert_eq!(default_shape(16, None, None), (3, 5));
+        assert_eq!(default_shape(3, None, None), (3, 5));
+        // Two cores: k = 2, on the 4 rows the compact code has for it.
+        assert_eq!(default_shape(2, None, None), (2, 4));
+        assert_eq!(default_shape(1, None, None), (2, 4));
+        ShardFormat::Q8
+            .code(4, 2)
+            .expect("compact shards for k = 2 of 4");
+        // What the user gives stands; n follows k where only k is given.
+        assert_eq!(default_shape(2, Some(3), None), (3, 5));
+        assert_eq!(default_shape(16, Some(2), None), (2, 4));
+        assert_eq!(default_shape(16, None, Some(7)), (3, 7));
+        assert_eq!(default_shape(2, Some(3), Some(4)), (3, 4));
     }
 }
