@@ -493,6 +493,11 @@ const DELAY_TOKENS: usize = 16;
 /// pass and with drafts.
 pub fn mesh_rows(b: &MeshBench<'_>) -> Result<Vec<Row>> {
     let mut rows = Vec::new();
+    // The bench's own leader polls its sessions where its nodes do.
+    if !crate::supervise::spin_env(b.k + 1).is_empty() {
+        let spin = Duration::from_micros(crate::local_session::SPIN_US);
+        crate::local_session::set_spin(Some(spin));
+    }
     for &ms in b.delays {
         let delay = Duration::from_secs_f64(ms.max(0.0) / 1e3);
         // The leader's swarm holds back what it sends as the nodes' do.
@@ -761,10 +766,14 @@ fn group_row(b: &MeshBench<'_>) -> Row {
         (1, true) => "check 1, against the check row's secret projections",
         _ => "checked answers",
     };
+    let sessions = match crate::local_session::spin() {
+        Some(spin) => format!("sessions poll {} µs before they sleep", spin.as_micros()),
+        None => "sessions sleep at once".into(),
+    };
     row(
         format!("{}: the leader's group", mesh_label(b)),
         format!(
-            "{how} (--check {}), {} spares (--spares)",
+            "{how} (--check {}), {} spares (--spares); {sessions}",
             group.verify, group.spares
         ),
     )

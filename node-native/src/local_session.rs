@@ -10,17 +10,27 @@
 //! run on the socket as they would on the libp2p stream. Where any of that fails (another
 //! host, another release, a browser member, another platform) the leader opens the session
 //! over libp2p, as before.
+//!
+//! Where each process of a stream has a core of its own (`up` and the bench set [`SPIN_VAR`]
+//! then), both sides poll the socket for a while before they sleep: a member serves each
+//! session on a thread of its own, outside the runtime, and a leader that has computed its own
+//! row polls for the answers. An ask or answer that comes within the poll then wakes nobody.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::Duration;
 
 use futures::{AsyncWriteExt, StreamExt};
 use libp2p::{PeerId, StreamProtocol};
 use node_core::net::session::{FrameReader, accepted, frame, read_frame, write_frame};
+#[cfg(target_os = "linux")]
+use node_core::protocol::StepRequest;
 use serde::{Deserialize, Serialize};
 
 use crate::learning::ShardState;
+#[cfg(target_os = "linux")]
+use crate::row::read;
 use crate::session::open_accepted;
 use crate::swarm::Client;
 
@@ -30,6 +40,21 @@ pub const OFFER_PROTOCOL: &str = "/codedmesh/session-local/2";
 
 /// Set to `0` to keep every session on libp2p (to measure what the socket saves).
 pub const LOCAL_VAR: &str = "CODEDMESH_LOCAL_SESSIONS";
+
+/// Microseconds a local session's side polls its socket for the next frame before it sleeps
+/// (unset or 0: it sleeps at once).
+pub const SPIN_VAR: &str = "CODEDMESH_SPIN_US";
+
+/// The poll `up` and the bench give their nodes where every process of a stream has a core:
+/// on two cores, 150 µs beat 400 (docs/perf.md, "Sessions that poll before they sleep").
+pub const SPIN_US: u64 = 150;
+
+/// Longest poll [`SPIN_VAR`] may set.
+const MAX_SPIN_US: u64 = 10_000;
+
+/// This process's poll in microseconds; [`SPIN_UNSET`] until read from [`SPIN_VAR`].
+static SPIN: AtomicU64 = AtomicU64::new(SPIN_UNSET);
+const SPIN_UNSET: u64 = u64::MAX;
 
 /// Bytes of each one-time token.
 const TOKEN: usize = 16;
@@ -80,6 +105,39 @@ pub enum LocalError {
 /// Whether this process uses local sessions (unless [`LOCAL_VAR`] is `0`).
 pub fn enabled() -> bool {
     std::env::var(LOCAL_VAR).map_or(true, |v| v.trim() != "0")
+}
+
+/// How long this process's local sessions poll their sockets before they sleep ([`SPIN_VAR`]
+/// or [`set_spin`]); `None`: not at all.
+pub fn spin() -> Option<Duration> {
+    let mut us = SPIN.load(Ordering::Relaxed);
+    if us == SPIN_UNSET {
+        us = spin_from(std::env::var(SPIN_VAR).ok().as_deref());
+        SPIN.store(us, Ordering::Relaxed);
+    }
+    (us > 0).then(|| Duration::from_micros(us))
+}
+
+/// Sets how long this process's local sessions poll (the bench's own leader); `None`: not at
+/// all.
+pub fn set_spin(spin: Option<Duration>) {
+    let us = spin.map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(MAX_SPIN_US));
+    SPIN.store(us.min(MAX_SPIN_US), Ordering::Relaxed);
+}
+
+/// Microseconds of poll a [`SPIN_VAR`] value asks for (0 for none, or for a value that is not
+/// a number, which is logged).
+fn spin_from(value: Option<&str>) -> u64 {
+    let Some(value) = value else { return 0 };
+    match value.trim().parse::<u64>() {
+        Ok(us) => us.min(MAX_SPIN_US),
+        Err(_) => {
+            tracing::warn!(
+                "{SPIN_VAR}={value:?} is not a number of microseconds: sessions sleep at once"
+            );
+            0
+        }
+    }
 }
 
 /// Offers made and not yet taken up, oldest first.
@@ -155,12 +213,38 @@ pub fn serve(client: &Client, slots: Arc<tokio::sync::Semaphore>, state: Arc<RwL
             });
         }
     });
+    let on_thread = on_thread(state.clone());
     tokio::spawn(platform::accept(
         listener,
         pending,
         slots,
         move |reader, writer| crate::session::serve_one(reader, writer, state.clone()),
+        on_thread,
     ));
+}
+
+/// Where this process's sessions poll ([`spin`]): what serves each one on a thread of its own.
+#[cfg(target_os = "linux")]
+fn on_thread(
+    state: Arc<RwLock<ShardState>>,
+) -> Option<impl Fn(platform::Stream) + Clone + Send + 'static> {
+    let spin = spin()?;
+    Some(move |stream: platform::Stream| {
+        let step = |version: [u8; 32], request: StepRequest| {
+            let state = read(&state);
+            std::future::ready(node_core::holder::step(&state, &version, &request))
+        };
+        match platform::serve_polling(&stream, spin, step) {
+            Ok(steps) => tracing::debug!(steps, "local session closed"),
+            Err(e) => tracing::debug!("local session ended: {e}"),
+        }
+    })
+}
+
+/// No local sessions off Linux.
+#[cfg(not(target_os = "linux"))]
+fn on_thread(_: Arc<RwLock<ShardState>>) -> Option<fn(platform::Stream)> {
+    None
 }
 
 /// Opens a session with `peer` over its local socket, if it offers one this process reaches.
@@ -191,20 +275,30 @@ fn lock(pending: &Mutex<Pending>) -> std::sync::MutexGuard<'_, Pending> {
 mod platform {
     use std::future::Future;
     use std::io::{Read, Write};
-    use std::os::fd::{AsFd, OwnedFd};
+    use std::os::fd::{AsFd, AsRawFd, OwnedFd};
     use std::os::linux::net::SocketAddrExt;
     use std::os::unix::net::{SocketAddr, UnixStream};
     use std::pin::Pin;
     use std::sync::{Arc, Mutex};
     use std::task::{Context, Poll, ready};
+    use std::time::{Duration, Instant};
 
-    use futures::io::{BufReader, BufWriter};
+    use futures::io::{AllowStdIo, BufReader, BufWriter};
     use futures::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+    use nix::errno::Errno;
+    use nix::sys::socket::{MsgFlags, recv};
+    use node_core::mesh::MeshResponse;
+    use node_core::net::session::SessionError;
+    use node_core::protocol::StepRequest;
     use tokio::io::Interest;
     use tokio::io::unix::AsyncFd;
     use tokio::net::UnixListener;
+    use tokio::sync::OwnedSemaphorePermit;
 
     use super::{HANDSHAKE, LocalError, Offer, Pending, TOKEN, lock};
+
+    /// A member's end of a local session served on a thread of its own (blocking).
+    pub type Stream = UnixStream;
 
     /// Connections a member lets wait for their token at once.
     const MAX_HANDSHAKES: usize = 64;
@@ -227,6 +321,9 @@ mod platform {
         io: Arc<AsyncFd<UnixStream>>,
         /// The duplicate waiting for room, while a write waits.
         room: Option<AsyncFd<OwnedFd>>,
+        /// Reads try the socket before the runtime's readiness, which comes only once the
+        /// runtime's poller has woken: a leader that polls for answers ([`super::spin`]).
+        read_first: bool,
     }
 
     impl SocketEnd {
@@ -239,6 +336,7 @@ mod platform {
             Ok(Self {
                 io: Arc::new(io),
                 room: None,
+                read_first: super::spin().is_some(),
             })
         }
 
@@ -247,7 +345,19 @@ mod platform {
             Self {
                 io: self.io.clone(),
                 room: None,
+                read_first: self.read_first,
             }
+        }
+
+        /// The socket, out of the runtime and blocking, for a thread of its own; `None` while
+        /// another use of it lives.
+        fn into_blocking(self) -> std::io::Result<Option<UnixStream>> {
+            let Ok(io) = Arc::try_unwrap(self.io) else {
+                return Ok(None);
+            };
+            let stream = io.into_inner();
+            stream.set_nonblocking(false)?;
+            Ok(Some(stream))
         }
     }
 
@@ -257,6 +367,13 @@ mod platform {
             cx: &mut Context<'_>,
             buf: &mut [u8],
         ) -> Poll<std::io::Result<usize>> {
+            if self.read_first {
+                match self.io.get_ref().read(buf) {
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    read => return Poll::Ready(read),
+                }
+            }
             loop {
                 let mut ready = ready!(self.io.poll_read_ready(cx))?;
                 if let Ok(read) = ready.try_io(|io| io.get_ref().read(buf)) {
@@ -312,15 +429,18 @@ mod platform {
         UnixListener::from_std(listener)
     }
 
-    /// Runs `serve` on every connection that opens with a pending offer's token.
-    pub async fn accept<F, Fut>(
+    /// Runs `serve` on every connection that opens with a pending offer's token, or
+    /// `on_thread` on a thread of its own where given.
+    pub async fn accept<F, Fut, T>(
         listener: UnixListener,
         pending: Arc<Mutex<Pending>>,
         slots: Arc<tokio::sync::Semaphore>,
         serve: F,
+        on_thread: Option<T>,
     ) where
         F: Fn(BufReader<SocketEnd>, BufWriter<SocketEnd>) -> Fut + Clone + Send + 'static,
         Fut: Future<Output = ()> + Send,
+        T: Fn(UnixStream) + Clone + Send + 'static,
     {
         let handshakes = Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES));
         loop {
@@ -340,6 +460,7 @@ mod platform {
                 continue;
             };
             let (pending, slots, serve) = (pending.clone(), slots.clone(), serve.clone());
+            let on_thread = on_thread.clone();
             tokio::spawn(async move {
                 let mut reader = match SocketEnd::new(conn) {
                     Ok(reader) => reader,
@@ -362,9 +483,74 @@ mod platform {
                 if let Err(e) = send(&mut writer, &answer).await {
                     return tracing::debug!("local session: {e}");
                 }
+                if let Some(on_thread) = on_thread {
+                    drop(writer);
+                    return to_thread(reader, slot, on_thread);
+                }
                 serve(BufReader::new(reader), writer).await;
                 drop(slot);
             });
+        }
+    }
+
+    /// Serves a session on a thread of its own, its socket out of the runtime.
+    fn to_thread(
+        socket: SocketEnd,
+        slot: OwnedSemaphorePermit,
+        on_thread: impl FnOnce(UnixStream) + Send + 'static,
+    ) {
+        let stream = match socket.into_blocking() {
+            Ok(Some(stream)) => stream,
+            Ok(None) => return tracing::warn!("local session: its socket is still in use"),
+            Err(e) => return tracing::debug!("local session: {e}"),
+        };
+        let spawned = std::thread::Builder::new()
+            .name("local-session".into())
+            .spawn(move || {
+                on_thread(stream);
+                drop(slot);
+            });
+        if let Err(e) = spawned {
+            tracing::warn!("local session: no thread for it: {e}");
+        }
+    }
+
+    /// Answers a session's asks on `stream` with `compute` on the calling thread until the
+    /// leader closes it; each read polls the socket for `spin` before it blocks.
+    pub fn serve_polling<F, Fut>(
+        stream: &UnixStream,
+        spin: Duration,
+        compute: F,
+    ) -> Result<u64, SessionError>
+    where
+        F: FnMut([u8; 32], StepRequest) -> Fut,
+        Fut: Future<Output = MeshResponse>,
+    {
+        let reader = BufReader::new(AllowStdIo::new(Polling { stream, spin }));
+        let writer = BufWriter::with_capacity(WRITE_BUFFER, AllowStdIo::new(stream));
+        futures::executor::block_on(node_core::net::session::serve(reader, writer, compute))
+    }
+
+    /// Reads from a blocking socket that poll it without blocking for `spin` first.
+    struct Polling<'a> {
+        stream: &'a UnixStream,
+        spin: Duration,
+    }
+
+    impl Read for Polling<'_> {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            let start = Instant::now();
+            loop {
+                match recv(self.stream.as_raw_fd(), buf, MsgFlags::MSG_DONTWAIT) {
+                    Ok(n) => return Ok(n),
+                    Err(Errno::EAGAIN | Errno::EINTR) => {}
+                    Err(e) => return Err(e.into()),
+                }
+                if start.elapsed() >= self.spin {
+                    return self.stream.read(buf);
+                }
+                std::hint::spin_loop();
+            }
         }
     }
 
@@ -407,6 +593,9 @@ mod platform {
     /// A leader's end of a local session (none on this platform).
     pub type Socket = libp2p::Stream;
 
+    /// A member's end of a local session on a thread of its own (none on this platform).
+    pub enum Stream {}
+
     /// No listener on this platform.
     pub enum Listener {}
 
@@ -414,11 +603,12 @@ mod platform {
         Err(std::io::ErrorKind::Unsupported.into())
     }
 
-    pub async fn accept<F>(
+    pub async fn accept<F, T>(
         listener: Listener,
         _: Arc<Mutex<Pending>>,
         _: Arc<tokio::sync::Semaphore>,
         _: F,
+        _: Option<T>,
     ) {
         match listener {}
     }
@@ -464,11 +654,16 @@ mod tests {
 
     /// A member's socket under a name of its own, answering with `sum`; its pending offers.
     fn member(test: &str) -> (String, Arc<Mutex<Pending>>) {
-        member_with(test, sum)
+        member_with(test, sum, None)
     }
 
-    /// [`member`], answering with `compute`.
-    fn member_with<F, Fut>(test: &str, compute: F) -> (String, Arc<Mutex<Pending>>)
+    /// [`member`], answering with `compute`: on the runtime, or on a thread of its own for
+    /// each session that polls for `spin` before it blocks.
+    fn member_with<F, Fut>(
+        test: &str,
+        compute: F,
+        spin: Option<Duration>,
+    ) -> (String, Arc<Mutex<Pending>>)
     where
         F: Fn([u8; 32], StepRequest) -> Fut + Copy + Send + Sync + 'static,
         Fut: std::future::Future<Output = MeshResponse> + Send,
@@ -490,6 +685,11 @@ mod tests {
                     .await
                     .unwrap();
             },
+            spin.map(|spin| {
+                move |stream: platform::Stream| {
+                    platform::serve_polling(&stream, spin, compute).unwrap();
+                }
+            }),
         ));
         (name, pending)
     }
@@ -554,11 +754,59 @@ mod tests {
         assert_eq!(ask_sum(socket, vec![2.0; 4]).await, 8.0);
     }
 
+    /// A member that serves its session on a thread of its own answers asks that come while
+    /// it polls and asks that come after it has gone to sleep, and the session ends when the
+    /// leader closes it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_session_on_a_thread_of_its_own_answers_while_it_polls_and_after() {
+        let (name, pending) = member_with("thread", sum, Some(Duration::from_millis(2)));
+        let offer = lock(&pending).offer(&name);
+        let mut session = Driven::new(platform::connect(offer).await.unwrap());
+        for (id, pause) in [(1u64, 0), (2, 0), (3, 50), (4, 0), (5, 50)] {
+            tokio::time::sleep(Duration::from_millis(pause)).await;
+            let x = vec![id as f32; 3];
+            let step = protocol::encode(&StepRequest::Matmul {
+                stage: Stage::Qkv(0),
+                t: 1,
+                x,
+            })
+            .unwrap();
+            let ask = Ask {
+                id,
+                version: [0; 32],
+                step,
+            };
+            session.ask(&ask, Instant::now()).unwrap();
+            let answer = std::future::poll_fn(|cx| session.poll_answer(cx, Instant::now()));
+            let answer = tokio::time::timeout(Duration::from_secs(10), answer)
+                .await
+                .unwrap_or_else(|_| panic!("no answer to ask {id}"))
+                .unwrap();
+            assert_eq!(answer.id, id);
+            let (bytes, _) = answer.response.into_step().unwrap();
+            assert_eq!(
+                f32::from_le_bytes(bytes.try_into().unwrap()),
+                3.0 * id as f32
+            );
+        }
+    }
+
     /// Asks and answers many times the socket's buffer, several at once each way: the writes
     /// that find the socket full wait for room and go on, and nothing is lost or reordered.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn frames_larger_than_the_socket_buffer_go_through_both_ways() {
-        let (name, pending) = member_with("large", echo);
+        large_frames(None).await;
+    }
+
+    /// [`frames_larger_than_the_socket_buffer_go_through_both_ways`] with the member's session
+    /// on a thread of its own, which blocks while it writes.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn large_frames_go_through_a_session_on_a_thread_of_its_own() {
+        large_frames(Some(Duration::from_micros(150))).await;
+    }
+
+    async fn large_frames(spin: Option<Duration>) {
+        let (name, pending) = member_with("large", echo, spin);
         let offer = lock(&pending).offer(&name);
         let mut session = Driven::new(platform::connect(offer).await.unwrap());
         let inputs: Vec<Vec<f32>> = (0..3)
@@ -602,6 +850,16 @@ mod tests {
         let offer = pending.offer("codedmesh/test/nobody/listens/here");
         let failed = platform::connect(offer).await;
         assert!(matches!(failed, Err(LocalError::Io(_))), "{failed:?}");
+    }
+
+    #[test]
+    fn the_poll_is_read_in_microseconds_and_bounded() {
+        assert_eq!(spin_from(None), 0);
+        assert_eq!(spin_from(Some(" 150 ")), 150);
+        assert_eq!(spin_from(Some("0")), 0);
+        assert_eq!(spin_from(Some("1e9")), 0);
+        assert_eq!(spin_from(Some("-5")), 0);
+        assert_eq!(spin_from(Some("99999999")), MAX_SPIN_US);
     }
 
     #[test]

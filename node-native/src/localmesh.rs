@@ -22,8 +22,13 @@ impl LocalMesh {
     pub fn start(model: &Path, k: usize, n: usize, dir: &Path, delay: Duration) -> Result<Self> {
         let delay_ms = (delay.as_secs_f64() * 1e3).to_string();
         let exe = std::env::current_exe().context("locating this program")?;
-        // Each process its share of the cores, as `up` gives its nodes.
-        let threads = crate::supervise::threads_env(n);
+        // Each process its share of the cores, as `up` gives its nodes; the bench's leader
+        // computes no row, so a stream keeps k + 1 processes busy.
+        let threads = [
+            crate::supervise::threads_env(n),
+            crate::supervise::spin_env(k + 1),
+        ]
+        .concat();
         std::fs::create_dir_all(dir)?;
         let data = |i: usize| dir.join(format!("node{i}"));
         let log = |i: usize| -> Result<std::fs::File> {

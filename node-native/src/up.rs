@@ -384,7 +384,12 @@ pub async fn up(opts: UpOptions) -> Result<()> {
             program: program.clone(),
             args,
             log: Some(data.join(format!("node{i}.log"))),
-            env: crate::supervise::threads_env(mesh.n),
+            // A stream's k members compute at once, the API's node among them.
+            env: [
+                crate::supervise::threads_env(mesh.n),
+                crate::supervise::spin_env(mesh.k),
+            ]
+            .concat(),
         };
         let stop = stop_rx.clone();
         tasks.push(tokio::spawn(async move {

@@ -48,17 +48,10 @@ struct Up {
 }
 
 impl Up {
+    /// `codedmesh up` on the tiny model in the shape it picks for this machine (k = 3 of 5,
+    /// or 2 of 4 below three cores, its sessions polling: what a newcomer's `up` runs).
     fn start(dir: &Path, data: &Path, port: u16, steps: &Path, name: &str) -> Result<Self> {
-        let args = [
-            "--nodes",
-            "5",
-            "--k",
-            "3",
-            "--max-batch",
-            "2",
-            "--queue",
-            "2",
-        ];
+        let args = ["--max-batch", "2", "--queue", "2"];
         Self::start_with(
             dir,
             data,
@@ -268,6 +261,16 @@ fn up_serves_the_openai_api_learns_stops_restarts_and_supervises() -> Result<()>
     let api = field(&ready, "OpenAI API ")?.to_string();
     let model = field(&ready, "model ")?.to_string();
     let bootstrap = field(&ready, "bootstrap ")?.to_string();
+    // "· 5 nodes, k = 3, …": the shape `up` picked for this machine.
+    let nodes: u64 = ready
+        .split(" · ")
+        .find_map(|part| part.split_once(" nodes, ")?.0.parse().ok())
+        .with_context(|| format!("no node count in: {ready}"))?;
+    let (k, n) = node_native::up::default_shape(node_native::up::cores(), None, None);
+    ensure!(
+        nodes == n as u64 && ready.contains(&format!(" nodes, k = {k},")),
+        "up picked k = {k} of {n} for this machine: {ready}"
+    );
     ensure!(
         api == format!("http://127.0.0.1:{port}/v1"),
         "the API is on the asked port: {api}"
@@ -336,7 +339,7 @@ fn up_serves_the_openai_api_learns_stops_restarts_and_supervises() -> Result<()>
             .iter()
             .all(|r| r["ms"].as_f64().is_some_and(|m| m >= 0.0)
                 && r["bytes_sent"].as_u64().is_some_and(|b| b > 0)
-                && r["member"].as_u64().is_some_and(|m| m < 5)),
+                && r["member"].as_u64().is_some_and(|m| m < nodes)),
         "every record has a duration, bytes and a member"
     );
     ensure!(
@@ -347,7 +350,7 @@ fn up_serves_the_openai_api_learns_stops_restarts_and_supervises() -> Result<()>
     );
 
     // Every request trained the mesh (but the two that asked not to): the mesh's usage counts
-    // each trained request once its minibatch went into an update, and all five rows hold the
+    // each trained request once its minibatch went into an update, and every row holds the
     // same updates.
     let summary: serde_json::Value = stdout
         .lines()
@@ -375,7 +378,7 @@ fn up_serves_the_openai_api_learns_stops_restarts_and_supervises() -> Result<()>
         );
         std::thread::sleep(Duration::from_millis(300));
     }
-    let learned = wait_healthy(&bootstrap, 5, Duration::from_secs(60))?;
+    let learned = wait_healthy(&bootstrap, nodes, Duration::from_secs(60))?;
     ensure!(
         learned >= 1,
         "the API's requests trained the mesh ({learned} updates)"
@@ -383,7 +386,10 @@ fn up_serves_the_openai_api_learns_stops_restarts_and_supervises() -> Result<()>
 
     // Ctrl-C stops every node cleanly.
     let pids: Vec<i32> = up.node_pids().iter().map(|&(_, p)| p).collect();
-    ensure!(pids.len() == 5, "up started five nodes: {pids:?}");
+    ensure!(
+        pids.len() as u64 == nodes,
+        "up started {nodes} nodes: {pids:?}"
+    );
     up.stop("INT")?;
     for pid in &pids {
         ensure!(
@@ -408,7 +414,7 @@ fn up_serves_the_openai_api_learns_stops_restarts_and_supervises() -> Result<()>
         "the second up reuses the rows:\n{}",
         up.log()
     );
-    let version = wait_healthy(&bootstrap, 5, Duration::from_secs(30))?;
+    let version = wait_healthy(&bootstrap, nodes, Duration::from_secs(30))?;
     ensure!(
         version == learned,
         "the restarted mesh is at the learnt version ({version} updates, was {learned})"
@@ -438,7 +444,7 @@ fn up_serves_the_openai_api_learns_stops_restarts_and_supervises() -> Result<()>
         "the supervisor saw the crash:\n{}",
         up.log()
     );
-    wait_healthy(&bootstrap, 5, Duration::from_secs(60))?;
+    wait_healthy(&bootstrap, nodes, Duration::from_secs(60))?;
     up.stop("TERM")?;
     Ok(())
 }
