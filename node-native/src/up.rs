@@ -57,7 +57,8 @@ pub struct UpOptions {
 /// 5, or 2 of 4 below three cores.
 ///
 /// One stream asks k nodes at once. With fewer cores than that, two of their products run one
-/// after the other and the stream slows by a third (docs/perf.md, "k = 2 on two cores"). Without
+/// after the other and the stream slows by a third (docs/perf.md, "A mesh the size of the
+/// machine"). Without
 /// `nodes`, n is 5, or fewer where the compact (integer) code has fewer rows for k: 4 for k = 2.
 pub fn default_shape(cores: usize, k: Option<usize>, nodes: Option<usize>) -> (usize, usize) {
     let k = k.unwrap_or(if cores < 3 { 2 } else { 3 });
