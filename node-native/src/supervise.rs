@@ -75,10 +75,10 @@ pub struct ChildSpec {
 /// workers).
 pub const THREAD_VARS: [&str; 2] = [node_core::compute::par::THREADS_VAR, "TOKIO_WORKER_THREADS"];
 
-/// The environment that lets local sessions poll before they sleep ([`crate::local_session::SPIN_VAR`])
-/// where each of the `busy` processes a stream keeps computing has a core of its own; where
-/// they share cores, a process that polls takes the core another needs. A variable the user set
-/// stands.
+/// The environment that lets local sessions poll before they sleep
+/// ([`crate::local_session::SPIN_VAR`]) where each of the `busy` processes a stream keeps
+/// computing has a core of its own; where they share cores, a process that polls takes the
+/// core another needs. A variable the user set stands.
 pub fn spin_env(busy: usize) -> Vec<(OsString, OsString)> {
     let var = crate::local_session::SPIN_VAR;
     if std::env::var_os(var).is_some() || crate::up::cores() < busy {
