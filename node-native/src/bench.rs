@@ -494,8 +494,7 @@ const DELAY_TOKENS: usize = 16;
 pub fn mesh_rows(b: &MeshBench<'_>) -> Result<Vec<Row>> {
     let mut rows = Vec::new();
     // The bench's own leader polls its sessions where its nodes do.
-    if !crate::supervise::spin_env(b.k + 1).is_empty() {
-        let spin = Duration::from_micros(crate::local_session::SPIN_US);
+    if let Some(spin) = crate::supervise::mesh_spin(b.k + 1) {
         crate::local_session::set_spin(Some(spin));
     }
     for &ms in b.delays {
@@ -669,8 +668,7 @@ fn loopback_rows(
         &GenerateOptions { draft, ..opts },
         &mut |_| true,
     )?;
-    let label = mesh_label(b);
-    let label = label.as_str();
+    let label = &mesh_label(b);
     let positions = (run.prompt_tokens + run.tokens.len()).max(1) as u64;
     let per_member = stats.bytes_sent / stats.member_requests.max(1) * stats.rounds / positions;
     let total = (stats.member_time + stats.decode_time)
@@ -794,7 +792,7 @@ fn cpu_row(
     let nodes: Vec<String> = (1..after.len())
         .map(|i| format!("{:.0}", per_round(i)))
         .collect();
-    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+    let cores = crate::supervise::cores();
     row(
         format!("{label}: CPU per round (user + system; leader, then each node)"),
         format!(

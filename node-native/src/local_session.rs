@@ -696,7 +696,11 @@ mod tests {
 
     /// Asks for the sum of `x` on a session over `socket`.
     async fn ask_sum(socket: platform::Socket, x: Vec<f32>) -> f32 {
-        let mut session = Driven::new(socket);
+        sum_on(&mut Driven::new(socket), 9, x).await
+    }
+
+    /// Asks for the sum of `x` as ask `id` on `session`, and checks the answer is to that ask.
+    async fn sum_on(session: &mut Driven<platform::Socket>, id: u64, x: Vec<f32>) -> f32 {
         let step = protocol::encode(&StepRequest::Matmul {
             stage: Stage::Qkv(0),
             t: 1,
@@ -704,15 +708,17 @@ mod tests {
         })
         .unwrap();
         let ask = Ask {
-            id: 9,
+            id,
             version: [0; 32],
             step,
         };
         session.ask(&ask, Instant::now()).unwrap();
-        let answer = std::future::poll_fn(|cx| session.poll_answer(cx, Instant::now()))
+        let answer = std::future::poll_fn(|cx| session.poll_answer(cx, Instant::now()));
+        let answer = tokio::time::timeout(Duration::from_secs(10), answer)
             .await
+            .unwrap_or_else(|_| panic!("no answer to ask {id}"))
             .unwrap();
-        assert_eq!(answer.id, 9);
+        assert_eq!(answer.id, id);
         let (bytes, _) = answer.response.into_step().unwrap();
         f32::from_le_bytes(bytes.try_into().unwrap())
     }
@@ -755,8 +761,7 @@ mod tests {
     }
 
     /// A member that serves its session on a thread of its own answers asks that come while
-    /// it polls and asks that come after it has gone to sleep, and the session ends when the
-    /// leader closes it.
+    /// it polls and asks that come after it has gone to sleep.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_session_on_a_thread_of_its_own_answers_while_it_polls_and_after() {
         let (name, pending) = member_with("thread", sum, Some(Duration::from_millis(2)));
@@ -764,30 +769,8 @@ mod tests {
         let mut session = Driven::new(platform::connect(offer).await.unwrap());
         for (id, pause) in [(1u64, 0), (2, 0), (3, 50), (4, 0), (5, 50)] {
             tokio::time::sleep(Duration::from_millis(pause)).await;
-            let x = vec![id as f32; 3];
-            let step = protocol::encode(&StepRequest::Matmul {
-                stage: Stage::Qkv(0),
-                t: 1,
-                x,
-            })
-            .unwrap();
-            let ask = Ask {
-                id,
-                version: [0; 32],
-                step,
-            };
-            session.ask(&ask, Instant::now()).unwrap();
-            let answer = std::future::poll_fn(|cx| session.poll_answer(cx, Instant::now()));
-            let answer = tokio::time::timeout(Duration::from_secs(10), answer)
-                .await
-                .unwrap_or_else(|_| panic!("no answer to ask {id}"))
-                .unwrap();
-            assert_eq!(answer.id, id);
-            let (bytes, _) = answer.response.into_step().unwrap();
-            assert_eq!(
-                f32::from_le_bytes(bytes.try_into().unwrap()),
-                3.0 * id as f32
-            );
+            let sum = sum_on(&mut session, id, vec![id as f32; 3]).await;
+            assert_eq!(sum, 3.0 * id as f32);
         }
     }
 

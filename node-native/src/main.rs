@@ -106,7 +106,7 @@ async fn run_up(args: UpArgs) -> Result<()> {
     if args.group.check_answers {
         node_args.push("--check-answers".into());
     }
-    let cores = node_native::up::cores();
+    let cores = node_native::supervise::cores();
     let (k, nodes) = node_native::up::default_shape(cores, args.k, args.nodes);
     if args.k.is_none() && k != 3 {
         eprintln!(
@@ -189,7 +189,8 @@ fn run_bench(args: BenchArgs) -> Result<()> {
         return Ok(());
     }
     // The mesh `up` starts on this machine, unless the flags say otherwise.
-    let (k, n) = node_native::up::default_shape(node_native::up::cores(), args.k, args.nodes);
+    let (k, n) =
+        node_native::up::default_shape(node_native::supervise::cores(), args.k, args.nodes);
     let measured = node_native::bench::run(&model.weights, &prompt, args.tokens, (k, n))?;
     let mut rows = measured.rows;
     if args.mesh {

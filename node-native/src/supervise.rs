@@ -75,17 +75,30 @@ pub struct ChildSpec {
 /// workers).
 pub const THREAD_VARS: [&str; 2] = [node_core::compute::par::THREADS_VAR, "TOKIO_WORKER_THREADS"];
 
-/// The environment that lets local sessions poll before they sleep
-/// ([`crate::local_session::SPIN_VAR`]) where each of the `busy` processes a stream keeps
-/// computing has a core of its own; where they share cores, a process that polls takes the
-/// core another needs. A variable the user set stands.
+/// The cores this process may run on (1 where the system does not say).
+pub fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |c| c.get())
+}
+
+/// How long the local sessions of a mesh on this machine poll before they sleep, where each
+/// of the `busy` processes a stream keeps computing has a core of its own (where they share
+/// cores, a process that polls takes the core another needs); `None` where they do not, or
+/// where the user set [`crate::local_session::SPIN_VAR`], which then stands.
+pub fn mesh_spin(busy: usize) -> Option<std::time::Duration> {
+    let user_set = std::env::var_os(crate::local_session::SPIN_VAR).is_some();
+    (!user_set && cores() >= busy)
+        .then(|| std::time::Duration::from_micros(crate::local_session::SPIN_US))
+}
+
+/// The environment that lets a mesh's local sessions poll before they sleep ([`mesh_spin`]).
 pub fn spin_env(busy: usize) -> Vec<(OsString, OsString)> {
-    let var = crate::local_session::SPIN_VAR;
-    if std::env::var_os(var).is_some() || crate::up::cores() < busy {
-        return Vec::new();
-    }
-    let us = crate::local_session::SPIN_US.to_string();
-    vec![(var.into(), us.into())]
+    mesh_spin(busy)
+        .map(|spin| {
+            let us = spin.as_micros().to_string();
+            (crate::local_session::SPIN_VAR.into(), us.into())
+        })
+        .into_iter()
+        .collect()
 }
 
 /// The environment that gives each of `nodes` processes on this machine its share of the cores
@@ -95,8 +108,7 @@ pub fn spin_env(busy: usize) -> Vec<(OsString, OsString)> {
 /// another worker of the leader's node (one worker: +9% through the API, docs/perf.md). A
 /// variable the user set stands.
 pub fn threads_env(nodes: usize) -> Vec<(OsString, OsString)> {
-    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
-    let share = (cores / nodes.max(1)).max(1);
+    let share = (cores() / nodes.max(1)).max(1);
     THREAD_VARS
         .iter()
         .filter(|var| std::env::var_os(var).is_none())

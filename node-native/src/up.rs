@@ -69,11 +69,6 @@ pub fn default_shape(cores: usize, k: Option<usize>, nodes: Option<usize>) -> (u
     (k, nodes)
 }
 
-/// The cores this process may run on (1 where the system does not say).
-pub fn cores() -> usize {
-    std::thread::available_parallelism().map_or(1, |c| c.get())
-}
-
 /// What a data dir holds about the mesh `up` made there.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 struct MeshFile {
