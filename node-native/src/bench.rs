@@ -503,7 +503,8 @@ pub fn mesh_rows(b: &MeshBench<'_>) -> Result<Vec<Row>> {
         crate::swarm::set_one_way_delay(delay);
         let dir = std::env::temp_dir().join(format!("codedmesh-bench-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        let mut mesh = crate::localmesh::LocalMesh::start(b.model, b.k, b.n, &dir, delay)?;
+        let mut mesh =
+            crate::localmesh::LocalMesh::start(b.model, (b.k, b.n), &b.group, &dir, delay)?;
         mesh.wait_serving(&dir, Duration::from_secs(300))?;
         let rt = crate::remote::leader_runtime()?;
         let bootstrap: libp2p::Multiaddr = mesh.bootstrap.parse()?;
@@ -535,6 +536,8 @@ pub fn mesh_rows(b: &MeshBench<'_>) -> Result<Vec<Row>> {
         if ms == 0.0 {
             rows.extend(loopback_rows(&mut leader, &rt, &mesh, b)?);
             rows.push(group_row(b));
+            let model = crate::api::model_id(&leader.manifest);
+            rows.extend(api_rows(&rt, &mut mesh, &model, b)?);
         }
         rows.extend(delay_rows(&mut leader, &rt, b.summary, ms)?);
         drop(leader);
@@ -689,7 +692,9 @@ fn loopback_rows(
             ),
         ),
         row(
-            format!("{label}: decode against in-process coded decode (the fastest q8 row above)"),
+            format!(
+                "{label}: decode against in-process coded decode (the fastest q8 row above; a leader that holds no row)"
+            ),
             format!(
                 "{:.2}× ({:.1} against {:.1} tok/s)",
                 run.decode_tokens_per_s() / b.in_process.max(1e-9),
@@ -749,6 +754,59 @@ fn loopback_rows(
         rows.push(cpu_row(label, &before, &after, &stats, wall));
     }
     Ok(rows)
+}
+
+/// Timed streams through the seed's API (the median is reported).
+const API_STREAMS: usize = 3;
+
+/// Streams through the OpenAI API of the mesh's seed, whose node leads them and computes its
+/// own row as `up`'s API node does: a stream as a user of `up` gets it, decode after the first
+/// token set against in-process coded decode (issue 23's goal).
+fn api_rows(
+    runtime: &tokio::runtime::Runtime,
+    mesh: &mut crate::localmesh::LocalMesh,
+    model: &str,
+    b: &MeshBench<'_>,
+) -> Result<Vec<Row>> {
+    use crate::apistream::{Streamed, stream_completion};
+    let addr = mesh.api(Duration::from_secs(60))?;
+    // The first stream forms the API node's group and opens its sessions.
+    runtime.block_on(stream_completion(addr, model, b.prompt, 4))?;
+    let runs = (0..API_STREAMS)
+        .map(|_| runtime.block_on(stream_completion(addr, model, b.prompt, b.tokens)))
+        .collect::<Result<Vec<_>>>()?;
+    let decode: Vec<f64> = runs.iter().map(Streamed::decode_tokens_per_s).collect();
+    let first: Vec<f64> = runs.iter().map(|r| r.first.as_secs_f64() * 1e3).collect();
+    let each: Vec<String> = decode.iter().map(|d| format!("{d:.1}")).collect();
+    let label = &mesh_label(b);
+    // The in-process row is the best of its runs: the API's best is set against it, and its
+    // median beside.
+    let best = decode.iter().copied().fold(0.0, f64::max);
+    let middle = median(&decode);
+    let against = b.in_process.max(1e-9);
+    Ok(vec![
+        row(
+            format!(
+                "{label}: one stream through the seed's OpenAI API (its node leads and computes its own row, as up's API node; drafts of {})",
+                node_core::model::speculate::DEFAULT_DRAFT
+            ),
+            format!(
+                "{best:.1} tok/s decode after the first token, best of {API_STREAMS} ({}; {} tokens each), first token {:.0} ms (median)",
+                each.join(" / "),
+                runs.iter().map(|r| r.tokens).max().unwrap_or(0),
+                median(&first)
+            ),
+        ),
+        row(
+            format!("{label}: a stream through the API against in-process coded decode"),
+            format!(
+                "{:.2}× best against best ({best:.1} against {:.1} tok/s); the API's median {:.2}×",
+                best / against,
+                b.in_process,
+                middle / against
+            ),
+        ),
+    ])
 }
 
 /// The rows' name for the bench's mesh: `5 processes over loopback, coded k=3`.

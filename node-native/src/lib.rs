@@ -1,6 +1,7 @@
 //! Coded Mesh native node: model files on disk, the default model's fetcher, the CLI's parts.
 
 pub mod api;
+pub mod apistream;
 pub mod background;
 pub mod bench;
 pub mod engine;

@@ -14,21 +14,34 @@ pub struct LocalMesh {
     /// The seed's TCP address (with its peer id).
     pub bootstrap: String,
     children: Vec<Child>,
+    /// The seed's API address as its HTTP server prints it.
+    api: std::sync::mpsc::Receiver<String>,
+    /// That address, once received.
+    api_addr: Option<std::net::SocketAddr>,
 }
 
 impl LocalMesh {
-    /// Starts a seed encoding `model` (k of n) and n − 1 nodes, data dirs under `dir`; each
-    /// process holds back what it sends by `delay` (bench only, [`crate::swarm::one_way_delay`]).
-    pub fn start(model: &Path, k: usize, n: usize, dir: &Path, delay: Duration) -> Result<Self> {
+    /// Starts a seed encoding `model` (k of n) and n − 1 nodes, data dirs under `dir`, whose
+    /// APIs check and spare their groups as `group` says; each process holds back what it
+    /// sends by `delay` (bench only, [`crate::swarm::one_way_delay`]).
+    pub fn start(
+        model: &Path,
+        (k, n): (usize, usize),
+        group: &node_core::lead::GroupOptions,
+        dir: &Path,
+        delay: Duration,
+    ) -> Result<Self> {
         let delay_ms = (delay.as_secs_f64() * 1e3).to_string();
         let exe = std::env::current_exe().context("locating this program")?;
-        // Each process its share of the cores, as `up` gives its nodes; the bench's leader
-        // computes no row, so a stream keeps k + 1 processes busy.
+        // Each process its share of the cores, and sessions that poll, as `up` gives its
+        // nodes: a stream through the seed's API keeps k processes busy.
         let threads = [
             crate::supervise::threads_env(n),
-            crate::supervise::spin_env(k + 1),
+            crate::supervise::spin_env(k),
         ]
         .concat();
+        // A plain node asks a spare; `up`'s nodes do as its flags say (none by default).
+        let serve = crate::supervise::group_args(group);
         std::fs::create_dir_all(dir)?;
         let data = |i: usize| dir.join(format!("node{i}"));
         let log = |i: usize| -> Result<std::fs::File> {
@@ -47,6 +60,7 @@ impl LocalMesh {
             .arg(model)
             .arg("--data")
             .arg(data(0))
+            .args(&serve)
             .env(crate::swarm::DELAY_VAR, &delay_ms)
             .envs(threads.clone())
             .stdin(Stdio::null())
@@ -55,9 +69,12 @@ impl LocalMesh {
             .spawn()
             .context("starting the seed")?;
         let stdout = seed.stdout.take().context("seed stdout")?;
+        let (api_tx, api) = std::sync::mpsc::channel();
         let mut mesh = Self {
             bootstrap: String::new(),
             children: vec![seed],
+            api,
+            api_addr: None,
         };
         let mut lines = BufReader::new(stdout).lines();
         mesh.bootstrap = loop {
@@ -70,12 +87,20 @@ impl LocalMesh {
                 None => bail!("the seed exited; see {}", dir.join("node0.log").display()),
             }
         };
-        std::thread::spawn(move || for _ in lines {});
+        // The rest of the seed's output, of which the line naming its API.
+        std::thread::spawn(move || {
+            for line in lines.map_while(std::result::Result::ok) {
+                if let Some(url) = line.strip_prefix("api: ") {
+                    let _ = api_tx.send(url.to_string());
+                }
+            }
+        });
         for i in 1..n {
             let child = Command::new(&exe)
                 .args(["node", "--tcp-only", "--bootstrap", &mesh.bootstrap])
                 .arg("--data")
                 .arg(data(i))
+                .args(&serve)
                 .env(crate::swarm::DELAY_VAR, &delay_ms)
                 .envs(threads.clone())
                 .stdin(Stdio::null())
@@ -91,6 +116,27 @@ impl LocalMesh {
     /// The processes' ids, the seed's first.
     pub fn pids(&self) -> Vec<u32> {
         self.children.iter().map(Child::id).collect()
+    }
+
+    /// The address of the seed's OpenAI API (it serves row 0 and leads the requests sent
+    /// there, as `up`'s API node does), waiting up to `timeout` for its server to start.
+    pub fn api(&mut self, timeout: Duration) -> Result<std::net::SocketAddr> {
+        if let Some(addr) = self.api_addr {
+            return Ok(addr);
+        }
+        let url = self
+            .api
+            .recv_timeout(timeout)
+            .context("the seed never printed its API's address")?;
+        let host = url
+            .strip_prefix("http://")
+            .and_then(|rest| rest.split('/').next())
+            .with_context(|| format!("the seed's API is at an address it cannot parse: {url}"))?;
+        let addr = host
+            .parse()
+            .with_context(|| format!("the seed's API is at an address it cannot parse: {url}"))?;
+        self.api_addr = Some(addr);
+        Ok(addr)
     }
 
     /// Waits until every node logs that it serves its row.

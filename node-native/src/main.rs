@@ -94,18 +94,12 @@ async fn run_up(args: UpArgs) -> Result<()> {
         args.max_batch.to_string().into(),
         "--queue".into(),
         args.queue.to_string().into(),
-        "--check".into(),
-        args.group.check.to_string().into(),
-        "--spares".into(),
-        args.group.spares.to_string().into(),
         "--groups".into(),
         args.groups.to_string().into(),
         "--draft".into(),
         args.draft.to_string().into(),
     ];
-    if args.group.check_answers {
-        node_args.push("--check-answers".into());
-    }
+    node_args.extend(node_native::supervise::group_args(&args.group.options()));
     let cores = node_native::supervise::cores();
     let (k, nodes) = node_native::up::default_shape(cores, args.k, args.nodes);
     if args.k.is_none() && k != 3 {

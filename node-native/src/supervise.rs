@@ -101,6 +101,21 @@ pub fn spin_env(busy: usize) -> Vec<(OsString, OsString)> {
         .collect()
 }
 
+/// The arguments that have a node check and spare the groups it leads (its API's) as
+/// `group` says: `up` and the bench give them to every node they start.
+pub fn group_args(group: &node_core::lead::GroupOptions) -> Vec<OsString> {
+    let mut args: Vec<OsString> = vec![
+        "--check".into(),
+        group.verify.to_string().into(),
+        "--spares".into(),
+        group.spares.to_string().into(),
+    ];
+    if !group.project {
+        args.push("--check-answers".into());
+    }
+    args
+}
+
 /// The environment that gives each of `nodes` processes on this machine its share of the cores
 /// (at least one) for its kernels and for its tasks: with every process on every core, two
 /// cores ran ten kernel threads, and the threads spinning and waking each other cost a mesh
