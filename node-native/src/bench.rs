@@ -493,7 +493,8 @@ const DELAY_TOKENS: usize = 16;
 /// pass and with drafts.
 pub fn mesh_rows(b: &MeshBench<'_>) -> Result<Vec<Row>> {
     let mut rows = Vec::new();
-    // The bench's own leader polls its sessions where its nodes do.
+    // The bench's own leader, a process that computes no row, polls its sessions where each
+    // of the k + 1 processes of its streams has a core (the nodes poll as `up`'s).
     if let Some(spin) = crate::supervise::mesh_spin(b.k + 1) {
         crate::local_session::set_spin(Some(spin));
     }
@@ -756,7 +757,7 @@ fn loopback_rows(
     Ok(rows)
 }
 
-/// Timed streams through the seed's API (the median is reported).
+/// Timed streams through the seed's API (the best is reported, the median beside it).
 const API_STREAMS: usize = 3;
 
 /// Streams through the OpenAI API of the mesh's seed, whose node leads them and computes its

@@ -188,7 +188,8 @@ pub(crate) struct BenchArgs {
     #[arg(long, default_value_t = 32)]
     pub(crate) tokens: usize,
     /// Also start the mesh `up` starts on this machine (k = 3 of 5 nodes; 2 of 4 below 3
-    /// cores) as processes and measure generation over loopback against in-process decode.
+    /// cores) as processes and measure generation over loopback, by a leader of its own and
+    /// by streams through the seed's OpenAI API, against in-process decode.
     #[arg(long)]
     pub(crate) mesh: bool,
     /// With --mesh: rows needed to compute; default: as `up` picks on this machine.
