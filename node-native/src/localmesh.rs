@@ -18,6 +18,13 @@ pub struct LocalMesh {
     api: std::sync::mpsc::Receiver<String>,
     /// That address, once received.
     api_addr: Option<std::net::SocketAddr>,
+    /// Where the processes' data dirs and logs are.
+    dir: PathBuf,
+}
+
+/// Node `i`'s data dir under `dir` (its log is beside it, `node{i}.log`).
+fn node_dir(dir: &Path, i: usize) -> PathBuf {
+    dir.join(format!("node{i}"))
 }
 
 impl LocalMesh {
@@ -43,7 +50,7 @@ impl LocalMesh {
         // A plain node asks a spare; `up`'s nodes do as its flags say (none by default).
         let serve = crate::supervise::group_args(group);
         std::fs::create_dir_all(dir)?;
-        let data = |i: usize| dir.join(format!("node{i}"));
+        let data = |i: usize| node_dir(dir, i);
         let log = |i: usize| -> Result<std::fs::File> {
             Ok(std::fs::File::create(dir.join(format!("node{i}.log")))?)
         };
@@ -75,6 +82,7 @@ impl LocalMesh {
             children: vec![seed],
             api,
             api_addr: None,
+            dir: dir.to_path_buf(),
         };
         let mut lines = BufReader::new(stdout).lines();
         mesh.bootstrap = loop {
@@ -168,10 +176,13 @@ impl LocalMesh {
 }
 
 impl Drop for LocalMesh {
+    /// Stops the processes and removes their data dirs (a row each), keeping their logs, which
+    /// an error may point to.
     fn drop(&mut self) {
-        for c in &mut self.children {
+        for (i, c) in self.children.iter_mut().enumerate() {
             let _ = c.kill();
             let _ = c.wait();
+            let _ = std::fs::remove_dir_all(node_dir(&self.dir, i));
         }
     }
 }
