@@ -40,13 +40,9 @@ impl LocalMesh {
     ) -> Result<Self> {
         let delay_ms = (delay.as_secs_f64() * 1e3).to_string();
         let exe = std::env::current_exe().context("locating this program")?;
-        // Each process its share of the cores, and sessions that poll, as `up` gives its
-        // nodes: a stream through the seed's API keeps k processes busy.
-        let threads = [
-            crate::supervise::threads_env(n),
-            crate::supervise::spin_env(k),
-        ]
-        .concat();
+        // The environment `up` gives its nodes: a stream through the seed's API keeps k
+        // processes busy.
+        let threads = crate::supervise::mesh_env(k, n);
         // A plain node asks a spare; `up`'s nodes do as its flags say (none by default).
         let serve = crate::supervise::group_args(group);
         std::fs::create_dir_all(dir)?;

@@ -90,15 +90,16 @@ pub fn mesh_spin(busy: usize) -> Option<std::time::Duration> {
         .then(|| std::time::Duration::from_micros(crate::local_session::SPIN_US))
 }
 
-/// The environment that lets a mesh's local sessions poll before they sleep ([`mesh_spin`]).
-pub fn spin_env(busy: usize) -> Vec<(OsString, OsString)> {
-    mesh_spin(busy)
-        .map(|spin| {
-            let us = spin.as_micros().to_string();
-            (crate::local_session::SPIN_VAR.into(), us.into())
-        })
-        .into_iter()
-        .collect()
+/// The environment of each node of a local mesh of `nodes` processes, k a stream: its share
+/// of the cores ([`threads_env`]), and sessions that poll before they sleep where the k
+/// processes a stream keeps computing (the API's node among them) have a core each
+/// ([`mesh_spin`]). `up` and the bench start their nodes with it.
+pub fn mesh_env(k: usize, nodes: usize) -> Vec<(OsString, OsString)> {
+    let spin = mesh_spin(k).map(|spin| {
+        let us = spin.as_micros().to_string();
+        (crate::local_session::SPIN_VAR.into(), us.into())
+    });
+    threads_env(nodes).into_iter().chain(spin).collect()
 }
 
 /// The arguments that have a node check and spare the groups it leads (its API's) as

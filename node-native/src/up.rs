@@ -58,8 +58,8 @@ pub struct UpOptions {
 ///
 /// One stream asks k nodes at once. With fewer cores than that, two of their products run one
 /// after the other and the stream slows by a third (docs/perf.md, "A mesh the size of the
-/// machine"). Without
-/// `nodes`, n is 5, or fewer where the compact (integer) code has fewer rows for k: 4 for k = 2.
+/// machine"). Without `nodes`, n is 5, or fewer where the compact (integer) code has fewer
+/// rows for k: 4 for k = 2.
 pub fn default_shape(cores: usize, k: Option<usize>, nodes: Option<usize>) -> (usize, usize) {
     let k = k.unwrap_or(if cores < 3 { 2 } else { 3 });
     let nodes = nodes.unwrap_or_else(|| {
@@ -380,12 +380,7 @@ pub async fn up(opts: UpOptions) -> Result<()> {
             program: program.clone(),
             args,
             log: Some(data.join(format!("node{i}.log"))),
-            // A stream's k members compute at once, the API's node among them.
-            env: [
-                crate::supervise::threads_env(mesh.n),
-                crate::supervise::spin_env(mesh.k),
-            ]
-            .concat(),
+            env: crate::supervise::mesh_env(mesh.k, mesh.n),
         };
         let stop = stop_rx.clone();
         tasks.push(tokio::spawn(async move {
