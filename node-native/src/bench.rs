@@ -190,7 +190,11 @@ pub fn model_speed(
 fn learn_once(llama: &Llama, group: &mut CodedGroup<InProcess>, prompt: &[u32]) -> Result<()> {
     let learning = node_core::mesh::LearningConfig::default();
     let grads = futures::executor::block_on(llama.gradients(group, prompt))?;
-    let update = node_core::learn::Update::from_gradients(grads, learning.lr, learning.clip);
+    let update = node_core::learn::Update::from_gradients(
+        grads,
+        node_core::mesh::DEFAULT_SGD_LR,
+        learning.clip,
+    );
     for m in group.transport_mut().members_mut() {
         m.learn(|s| update.apply_to_shards(s))?;
     }

@@ -237,6 +237,28 @@ pub(crate) struct BenchArgs {
     /// tokens) instead of speed.
     #[arg(long)]
     pub(crate) grids: bool,
+    /// Measure learning instead: a passage taught N times (its perplexity before and after),
+    /// held-out perplexity of other text, the canary gate, a poisoner, update bytes.
+    #[arg(long)]
+    pub(crate) learning: bool,
+    /// Times the passage is sent (with --learning).
+    #[arg(long, default_value_t = 20)]
+    pub(crate) exposures: usize,
+    /// Times the poisoner sends its garbage (with --learning; 0 skips it).
+    #[arg(long, default_value_t = 100)]
+    pub(crate) poison: usize,
+    /// Learning rate of the mesh measured (with --learning); default: the optimizer's.
+    #[arg(long)]
+    pub(crate) lr: Option<f32>,
+    /// Optimizer of the mesh measured (with --learning).
+    #[arg(long, value_enum, default_value_t = OptimizerArg::Adam)]
+    pub(crate) optimizer: OptimizerArg,
+    /// With --learning: measure without the canary gate (every update is taken).
+    #[arg(long)]
+    pub(crate) no_gate: bool,
+    /// Shard storage with --learning; default: as `up` picks.
+    #[arg(long)]
+    pub(crate) learn_format: Option<ShardFormat>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -347,9 +369,14 @@ pub(crate) struct SeedArgs {
     /// Requests do not train the model.
     #[arg(long)]
     pub(crate) no_learning: bool,
-    /// SGD learning rate of the mesh.
-    #[arg(long, default_value_t = 1e-4)]
-    pub(crate) lr: f32,
+    /// How requests' gradients become updates: `adam` (Adam on the coded rank-8 adapters, the
+    /// leader keeping the moments) or `sgd` (plain SGD on every weight).
+    #[arg(long, value_enum, default_value_t = OptimizerArg::Adam)]
+    pub(crate) optimizer: OptimizerArg,
+    /// Learning rate: the most an Adam step moves an adapter entry (in units of unit-length
+    /// projection rows), or SGD's step; default: 5e-4 for Adam, 1e-4 for SGD.
+    #[arg(long)]
+    pub(crate) lr: Option<f32>,
     /// Gradient clipping norm.
     #[arg(long, default_value_t = 1.0)]
     pub(crate) clip: f32,
@@ -364,6 +391,26 @@ pub(crate) struct SeedArgs {
     pub(crate) momentum: f32,
     #[command(flatten)]
     pub(crate) net: NetArgs,
+}
+
+/// The optimizer a seed gives its mesh.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum OptimizerArg {
+    /// Adam on the coded adapters.
+    Adam,
+    /// Plain SGD on every weight.
+    Sgd,
+}
+
+impl OptimizerArg {
+    /// The mesh's optimizer and its learning rate (`lr`, or the optimizer's default).
+    pub(crate) fn with_lr(self, lr: Option<f32>) -> (node_core::mesh::Optimizer, f32) {
+        use node_core::mesh::{DEFAULT_ADAM_LR, DEFAULT_SGD_LR, Optimizer};
+        match self {
+            Self::Adam => (Optimizer::AdamAdapters, lr.unwrap_or(DEFAULT_ADAM_LR)),
+            Self::Sgd => (Optimizer::Sgd, lr.unwrap_or(DEFAULT_SGD_LR)),
+        }
+    }
 }
 
 #[derive(Debug, clap::Args)]

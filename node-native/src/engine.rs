@@ -252,7 +252,11 @@ impl Engine {
             lead.yield_to = Some(shared.clone());
             let trainer = Trainer {
                 lead,
-                learner: Learner::new(ctx.manifest.learning, ctx.manifest.cfg.clone()),
+                learner: Learner::new(
+                    ctx.manifest.learning,
+                    ctx.manifest.cfg.clone(),
+                    ctx.manifest.format,
+                ),
                 requests: train_rx,
                 waiting: None,
                 publish: publish_tx,

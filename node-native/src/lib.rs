@@ -9,6 +9,7 @@ pub mod fetch;
 pub mod gpubench;
 pub mod hop;
 pub mod http;
+pub mod learnbench;
 pub mod learning;
 pub mod link;
 pub mod load;

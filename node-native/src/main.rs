@@ -46,9 +46,11 @@ fn main() {
         Command::Seed(args) => runtime().and_then(|rt| {
             let opts = args.net.options(None)?;
             let model = model_path(&args.model)?;
+            let (optimizer, lr) = args.optimizer.with_lr(args.lr);
             let learning = node_core::mesh::LearningConfig {
                 enabled: !args.no_learning,
-                lr: args.lr,
+                optimizer,
+                lr,
                 clip: args.clip,
                 rank: args.rank,
                 accumulate: args.accumulate,
@@ -140,6 +142,64 @@ const BENCH_TEXT: &str = "The history of the printing press begins in the fiftee
                           screw press into a system that could produce books far faster than \
                           scribes.";
 
+/// `codedmesh bench --learning`.
+fn run_learning_bench(args: &BenchArgs, model: &load::LoadedModel) -> Result<()> {
+    use node_native::learnbench;
+    let (k, n) =
+        node_native::up::default_shape(node_native::supervise::cores(), args.k, args.nodes);
+    let format = cli::mesh_format(args.learn_format, k, n);
+    let (optimizer, lr) = args.optimizer.with_lr(args.lr);
+    let learning = node_core::mesh::LearningConfig {
+        optimizer,
+        lr,
+        ..node_core::mesh::LearningConfig::default()
+    };
+    eprintln!("in process: k = {k} of {n} rows, {format:?} shards, {optimizer:?} at lr {lr}");
+    let mut rows = vec![node_native::bench::row(
+        "mesh",
+        format!("in process, k = {k} of {n}, {format:?}, {optimizer:?}, lr {lr}"),
+    )];
+    let log = |what: &'static str| {
+        move |i: usize, loss: f64, v: Option<&node_core::learn::Verdict>| match v {
+            Some(v) => eprintln!(
+                "{what} {i}: loss {loss:.4}, canary {:.4} → {:.4}{}",
+                v.before,
+                v.after,
+                if v.pass { "" } else { " REFUSED" }
+            ),
+            None => eprintln!("{what} {i}: loss {loss:.4}"),
+        }
+    };
+    let taught = learnbench::teach_in_process(
+        &model.weights,
+        &model.tokenizer,
+        format,
+        (n, k),
+        learning,
+        learnbench::TAUGHT,
+        args.exposures,
+        !args.no_gate,
+        log("taught"),
+    )?;
+    rows.extend(learnbench::taught_rows("taught", &taught, args.exposures));
+    if args.poison > 0 {
+        let poisoned = learnbench::teach_in_process(
+            &model.weights,
+            &model.tokenizer,
+            format,
+            (n, k),
+            learning,
+            learnbench::GARBAGE,
+            args.poison,
+            !args.no_gate,
+            log("poison"),
+        )?;
+        rows.extend(learnbench::taught_rows("poison", &poisoned, args.poison));
+    }
+    node_native::bench::print_table(&rows);
+    Ok(())
+}
+
 fn run_bench(args: BenchArgs) -> Result<()> {
     if args.gpu {
         return run_gpu_bench(&args);
@@ -175,6 +235,9 @@ fn run_bench(args: BenchArgs) -> Result<()> {
         )?;
         node_native::bench::print_table(&rows);
         return Ok(());
+    }
+    if args.learning {
+        return run_learning_bench(&args, &model);
     }
     if args.speculate {
         let rows =
@@ -509,7 +572,11 @@ fn run_generate_mesh(args: GenerateArgs, bootstrap: libp2p::Multiaddr) -> Result
         let (mut leader, out, prompt) = run_once_on_mesh(&rt, &mut args, &bootstrap)?;
         let latency = began.elapsed();
         let learner = learner.get_or_insert_with(|| {
-            Learner::new(leader.manifest.learning, leader.manifest.cfg.clone())
+            Learner::new(
+                leader.manifest.learning,
+                leader.manifest.cfg.clone(),
+                leader.manifest.format,
+            )
         });
         let tokens: Vec<u32> = prompt.iter().chain(&out).copied().collect();
         let started = std::time::Instant::now();

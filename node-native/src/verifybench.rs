@@ -164,7 +164,7 @@ pub fn run(
         let learning = node_core::mesh::LearningConfig::default();
         let update = Update::from_gradients(
             futures::executor::block_on(llama.gradients(&mut group, p))?,
-            learning.lr,
+            node_core::mesh::DEFAULT_SGD_LR,
             learning.clip,
         );
         for m in &mut current {

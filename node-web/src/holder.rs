@@ -679,6 +679,8 @@ mod tests {
             format: ShardFormat::F32,
             learning: LearningConfig {
                 rank: 0,
+                optimizer: node_core::mesh::Optimizer::Sgd,
+                lr: node_core::mesh::DEFAULT_SGD_LR,
                 ..LearningConfig::default()
             },
             verify_noise: 1e-3,

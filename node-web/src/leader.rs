@@ -264,9 +264,9 @@ impl BrowserNode {
         let loss = grads.loss;
         let published = {
             let mut lead = self.lead.borrow_mut();
-            let learner = lead
-                .learner
-                .get_or_insert_with(|| Learner::new(manifest.learning, manifest.cfg.clone()));
+            let learner = lead.learner.get_or_insert_with(|| {
+                Learner::new(manifest.learning, manifest.cfg.clone(), manifest.format)
+            });
             learner.push(grads).map_err(mesh_err)?
         };
         let Some(p) = published else {

@@ -137,6 +137,11 @@ impl Projection {
         p
     }
 
+    /// `V` itself, `rank × cols` row-major (entries ±1).
+    pub fn matrix(&self) -> &[f32] {
+        &self.dense
+    }
+
     /// The rank (rows of `V`).
     pub fn rank(&self) -> usize {
         self.rank

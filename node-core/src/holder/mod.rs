@@ -17,7 +17,7 @@ pub use serve::{
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::blob::{self, BlobError, BlobParams};
-use crate::coded::{CodedError, Member, ShardSet};
+use crate::coded::{CodedError, Member, ShardFormat, ShardSet};
 use crate::learn::{Update, UpdateError};
 use crate::mesh::{
     LearningConfig, MAX_CHUNK_BYTES, MeshRequest, MeshResponse, ModelManifest, ShardVersion,
@@ -138,6 +138,8 @@ pub struct Rules {
     pub cfg: LlamaConfig,
     /// The mesh's learning settings.
     pub learning: LearningConfig,
+    /// How the mesh's shards are stored (an adapter step's bound depends on it).
+    pub format: ShardFormat,
 }
 
 /// Updates dropped for a missing or broken signature, since the process started.
@@ -160,6 +162,7 @@ impl Rules {
         Self {
             cfg: manifest.cfg.clone(),
             learning: manifest.learning,
+            format: manifest.format,
         }
     }
 
@@ -177,7 +180,7 @@ impl Rules {
             }
         };
         let update = Update::decode(&payload)?;
-        update.validate_for(&self.cfg, &self.learning)?;
+        update.validate_for(&self.cfg, &self.learning, self.format)?;
         Ok(Checked {
             update,
             id: Update::id_of(&payload),
@@ -414,6 +417,7 @@ mod tests {
         Rules {
             cfg: crate::fuzzing::small_config(),
             learning: LearningConfig::default(),
+            format: ShardFormat::F32,
         }
     }
 

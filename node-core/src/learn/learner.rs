@@ -6,8 +6,10 @@
 //! (`m ← β·m + Σ g`, the published update is `m`): PCP's DiLoCo, kept linear so the code
 //! survives it.
 
+use super::adam::AdapterAdam;
 use super::{Precision, StageFactors, Update, UpdateError, compress, wire};
-use crate::mesh::LearningConfig;
+use crate::coded::ShardFormat;
+use crate::mesh::{LearningConfig, Optimizer};
 use crate::model::{Gradients, LeaderWeights, LlamaConfig, Stage};
 
 /// An update ready to be gossiped.
@@ -33,12 +35,20 @@ pub struct Learner {
     sequences: u32,
     momentum: Option<Update>,
     kept: (f64, f64),
+    /// Adam's state, with [`Optimizer::AdamAdapters`].
+    adam: Option<AdapterAdam>,
+    /// Positions folded in since the last update.
+    positions: u32,
 }
 
 impl Learner {
-    /// A learner for a mesh's settings and model.
-    pub fn new(cfg: LearningConfig, model: LlamaConfig) -> Self {
+    /// A learner for a mesh's settings and model, whose shards are stored as `format`.
+    pub fn new(cfg: LearningConfig, model: LlamaConfig, format: ShardFormat) -> Self {
+        let adam = (cfg.optimizer == Optimizer::AdamAdapters)
+            .then(|| AdapterAdam::new(model.clone(), format, cfg.lr, cfg.precision()));
         Self {
+            adam,
+            positions: 0,
             cfg,
             model,
             pending: None,
@@ -54,12 +64,31 @@ impl Learner {
         self.requests
     }
 
+    /// Forgets the update just published, where the optimizer keeps state (Adam's moments):
+    /// the canary gate refused it, so it must not steer later steps. False where nothing
+    /// could be forgotten.
+    pub fn refuse_last(&mut self) -> bool {
+        self.adam.as_mut().is_some_and(AdapterAdam::undo)
+    }
+
     /// Takes one request's gradient; returns an update when one is due.
     pub fn push(&mut self, g: Gradients) -> Result<Option<Published>, UpdateError> {
         if !self.cfg.enabled {
             return Ok(None);
         }
         let sequences = u32::try_from(g.sequences.max(1)).unwrap_or(u32::MAX);
+        if let Some(adam) = &mut self.adam {
+            adam.push(&g);
+            self.requests += 1;
+            self.sequences = self.sequences.saturating_add(sequences);
+            self.positions = self
+                .positions
+                .saturating_add(u32::try_from(g.t).unwrap_or(u32::MAX));
+            if self.requests >= self.cfg.accumulate.max(1) {
+                return self.flush();
+            }
+            return Ok(None);
+        }
         let exact = Update::from_gradients(g, self.cfg.lr, self.cfg.clip);
         if self.cfg.rank == 0 {
             return Ok(Some(Published {
@@ -84,6 +113,18 @@ impl Learner {
 
     /// Publishes what is pending now (at the end of a session), if anything.
     pub fn flush(&mut self) -> Result<Option<Published>, UpdateError> {
+        if let Some(adam) = &mut self.adam {
+            let positions = std::mem::take(&mut self.positions);
+            let Some(update) = adam.step(positions) else {
+                return Ok(None);
+            };
+            self.requests = 0;
+            return Ok(Some(Published {
+                update,
+                requests: std::mem::take(&mut self.sequences),
+                kept: 1.0,
+            }));
+        }
         let Some(pending) = self.pending.take() else {
             return Ok(None);
         };

@@ -29,12 +29,26 @@ pub struct ModelManifest {
     pub verify_noise: f64,
 }
 
+/// How a leader turns gradients into the updates it publishes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Optimizer {
+    /// Plain SGD on every coded weight (with accumulation and linear momentum): `lr` is the
+    /// step and `clip` bounds each request's gradient norm.
+    Sgd,
+    /// Adam on the coded rank-8 adapters (`W + A·V`, `V` fixed), with its moments kept by the
+    /// leader: `lr` is the most one update moves an adapter entry, in units of `V`'s unit rows
+    /// (docs/coding.md, "Learning that learns").
+    AdamAdapters,
+}
+
 /// The mesh's learning settings (fixed at genesis, part of the model's identity).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct LearningConfig {
     /// Every request also trains the model.
     pub enabled: bool,
-    /// SGD learning rate.
+    /// How gradients become updates.
+    pub optimizer: Optimizer,
+    /// Learning rate: SGD's step, or the most an Adam step moves an adapter entry.
     pub lr: f32,
     /// Gradients are clipped to this norm.
     pub clip: f32,
@@ -49,6 +63,12 @@ pub struct LearningConfig {
 /// Default rank of a compressed update (docs/perf.md: ≤ 1% of SmolLM2's bytes per request).
 pub const DEFAULT_RANK: u32 = 8;
 
+/// The default learning rate of [`Optimizer::AdamAdapters`] (docs/perf.md, "Learning").
+pub const DEFAULT_ADAM_LR: f32 = 5e-4;
+
+/// The learning rate of [`Optimizer::Sgd`] before issue 54 (kept for `--optimizer sgd`).
+pub const DEFAULT_SGD_LR: f32 = 1e-4;
+
 /// Most requests one update may fold together.
 pub const MAX_ACCUMULATE: u32 = 64;
 
@@ -56,7 +76,8 @@ impl Default for LearningConfig {
     fn default() -> Self {
         Self {
             enabled: true,
-            lr: 1e-4,
+            optimizer: Optimizer::AdamAdapters,
+            lr: DEFAULT_ADAM_LR,
             clip: 1.0,
             rank: DEFAULT_RANK,
             accumulate: 1,
@@ -89,6 +110,17 @@ impl LearningConfig {
             return Err(ModelError::Config(format!(
                 "accumulate {} must be in 1..={MAX_ACCUMULATE} and momentum {} in [0, 0.999)",
                 self.accumulate, self.momentum
+            )));
+        }
+        if self.optimizer == Optimizer::AdamAdapters
+            && (self.momentum > 0.0 || (self.rank as usize) < crate::coded::ADAPTER_RANK)
+        {
+            return Err(ModelError::Config(format!(
+                "Adam on the adapters keeps its own momentum (momentum {} must be 0) and sends \
+                 {} rows a stage (rank {} must be at least that)",
+                self.momentum,
+                crate::coded::ADAPTER_RANK,
+                self.rank
             )));
         }
         if self.rank == 0 && (self.accumulate > 1 || self.momentum > 0.0) {

@@ -10,7 +10,10 @@ mod version;
 mod view;
 
 pub use health::{Health, HealthConfig};
-pub use manifest::{DEFAULT_RANK, LearningConfig, MAX_ACCUMULATE, ModelManifest};
+pub use manifest::{
+    DEFAULT_ADAM_LR, DEFAULT_RANK, DEFAULT_SGD_LR, LearningConfig, MAX_ACCUMULATE, ModelManifest,
+    Optimizer,
+};
 pub use messages::{
     BrowserBootstrap, CHUNK_BYTES, HEARTBEAT_TOPIC, Heartbeat, HoldersByRow, JoinOffer,
     MAX_CHUNK_BYTES, MeshInfo, MeshRequest, MeshResponse, NodeStatus, RowHolders, SourceRow,

@@ -7,7 +7,7 @@ use crate::common::{self, max_rel_diff};
 use node_core::code::Generator;
 use node_core::coded::{CodedGroup, InProcess, Member, ShardFormat, ShardSet, ShardValues};
 use node_core::learn::{Learner, Update, UpdateError};
-use node_core::mesh::LearningConfig;
+use node_core::mesh::{LearningConfig, Optimizer};
 use node_core::model::{KvCache, LeaderWeights, Llama, ModelWeights};
 
 const SEQ: [u32; 9] = [3, 17, 60, 42, 9, 17, 5, 33, 12];
@@ -102,24 +102,25 @@ fn bad_updates_are_refused_before_anything_changes() {
     ));
     // The mesh's own settings: learning on, the step within lr and lr · clip.
     let mesh = LearningConfig {
+        optimizer: Optimizer::Sgd,
         lr: 0.1,
         clip: 1.0,
         rank: 0,
         ..LearningConfig::default()
     };
-    good.validate_for(&w.cfg, &mesh).unwrap();
+    good.validate_for(&w.cfg, &mesh, ShardFormat::F32).unwrap();
     let off = LearningConfig {
         enabled: false,
         ..mesh
     };
     assert!(matches!(
-        good.validate_for(&w.cfg, &off),
+        good.validate_for(&w.cfg, &off, ShardFormat::F32),
         Err(UpdateError::Settings(_))
     ));
     let mut bold = good.clone();
     bold.step *= 2.0;
     assert!(matches!(
-        bold.validate_for(&w.cfg, &mesh),
+        bold.validate_for(&w.cfg, &mesh, ShardFormat::F32),
         Err(UpdateError::Settings(_))
     ));
     // A refused update leaves the shard as it was.
@@ -195,6 +196,7 @@ fn flat(w: &ModelWeights) -> Vec<f32> {
 
 fn learning(rank: u32, accumulate: u32, momentum: f32) -> LearningConfig {
     LearningConfig {
+        optimizer: Optimizer::Sgd,
         enabled: true,
         lr: 0.2,
         clip: 5.0,
@@ -212,7 +214,7 @@ fn compressed_updates_keep_every_shard_a_codeword_and_lower_the_loss() {
     let mesh = InProcess::encode(&reference, &g, ShardFormat::F32, &|_, _| {}).unwrap();
     let mut group = CodedGroup::new(reference.cfg.clone(), g.clone(), &[0, 2, 4, 1], mesh).unwrap();
     let cfg = learning(2, 1, 0.0);
-    let mut learner = Learner::new(cfg, reference.cfg.clone());
+    let mut learner = Learner::new(cfg, reference.cfg.clone(), ShardFormat::F32);
     let (mut losses, mut sizes) = (Vec::new(), Vec::new());
     for _ in 0..25 {
         let llama = Llama::new(reference.cfg.clone(), norms.clone()).unwrap();
@@ -231,7 +233,9 @@ fn compressed_updates_keep_every_shard_a_codeword_and_lower_the_loss() {
             "f16 factors survive the wire exactly"
         );
         assert_eq!(update.encode(), bytes, "the wire form is canonical");
-        update.validate_for(&reference.cfg, &cfg).unwrap();
+        update
+            .validate_for(&reference.cfg, &cfg, ShardFormat::F32)
+            .unwrap();
         for member in group.transport_mut().members_mut() {
             update.apply_to_shards(member.shards_mut()).unwrap();
         }
@@ -279,7 +283,7 @@ fn accumulation_and_momentum_publish_the_sum_of_the_gradients() {
     // H = 2, β = 0.5, a rank large enough to cut nothing: the first update is g1 + g2, the
     // second 0.5·(g1 + g2) + g3 + g4.
     let cfg = learning(64, 2, 0.5);
-    let mut learner = Learner::new(cfg, w0.cfg.clone());
+    let mut learner = Learner::new(cfg, w0.cfg.clone(), ShardFormat::F32);
     let mut published = Vec::new();
     for gr in &grads {
         if let Some(p) = learner.push(gr.clone()).unwrap() {
@@ -294,7 +298,9 @@ fn accumulation_and_momentum_publish_the_sum_of_the_gradients() {
     );
     let mut got = w0.clone();
     for p in &published {
-        p.update.validate_for(&w0.cfg, &cfg).unwrap();
+        p.update
+            .validate_for(&w0.cfg, &cfg, ShardFormat::F32)
+            .unwrap();
         p.update.apply_to_weights(&mut got).unwrap();
     }
     let mut want = w0.clone();
@@ -312,7 +318,7 @@ fn accumulation_and_momentum_publish_the_sum_of_the_gradients() {
         "published updates differ from the sum by {err:.2e}"
     );
     // A rank too small to hold the sum cuts it, and says how much it kept.
-    let mut small = Learner::new(learning(1, 2, 0.0), w0.cfg.clone());
+    let mut small = Learner::new(learning(1, 2, 0.0), w0.cfg.clone(), ShardFormat::F32);
     assert!(small.push(grads[0].clone()).unwrap().is_none());
     let p = small.push(grads[1].clone()).unwrap().unwrap();
     assert!(p.kept < 0.999 && p.kept > 0.0, "kept {}", p.kept);
@@ -334,11 +340,12 @@ fn every_update_a_learner_publishes_passes_the_meshs_bound() {
     let llama = Llama::new(cfg.clone(), LeaderWeights::from_model(&weights)).unwrap();
     // A small clip, so every request is clipped and sits at the bound.
     let learning = LearningConfig {
+        optimizer: Optimizer::Sgd,
         clip: 0.05,
         rank: 2,
         ..LearningConfig::default()
     };
-    let mut learner = Learner::new(learning, cfg.clone());
+    let mut learner = Learner::new(learning, cfg.clone(), ShardFormat::F32);
     let vocab = cfg.vocab as u32;
     let mut worst = 0.0f64;
     for seed in 0..40u32 {
@@ -349,7 +356,7 @@ fn every_update_a_learner_publishes_passes_the_meshs_bound() {
         let used = p.update.step as f64 * p.update.gradient_norm() / learning.step_norm_bound();
         worst = worst.max(used);
         p.update
-            .validate_for(&cfg, &learning)
+            .validate_for(&cfg, &learning, ShardFormat::F32)
             .unwrap_or_else(|e| panic!("request {seed}: {e}"));
     }
     assert!(worst > 0.9, "the updates sit near the bound ({worst:.3})");
@@ -408,4 +415,104 @@ fn compact_shards_learn_in_coded_adapters_and_stay_one_codeword() {
         "loss {first:.3} → {last:.3}: {losses:?}"
     );
     eprintln!("compact: loss {first:.3} → {last:.3}");
+}
+
+/// Adam on the adapters, on a mesh of `format`: every update is checked as nodes check it,
+/// taken by every row and by the uncoded reference (as the format takes it); the canary
+/// gate's view of each update (the group with the update added on top) is the loss the rows
+/// give once they took it. Every k-group then decodes the reference's logits, and the loss
+/// on the repeated sequence falls.
+fn adam_keeps_one_codeword_and_learns(format: ShardFormat) {
+    let g = format.code(5, 3).unwrap();
+    let base = ModelWeights::synthetic(common::train_config(true), 5).unwrap();
+    let mut reference = match format {
+        ShardFormat::Q8 => node_core::coded::compact_model(&g, &base).unwrap(),
+        _ => base.clone(),
+    };
+    let norms = LeaderWeights::from_model(&reference);
+    let mesh = InProcess::encode(&base, &g, format, &|_, _| {}).unwrap();
+    let mut group = CodedGroup::new(reference.cfg.clone(), g.clone(), &[0, 2, 4, 1], mesh).unwrap();
+    let cfg = LearningConfig {
+        lr: 0.02,
+        ..LearningConfig::default()
+    };
+    assert_eq!(cfg.optimizer, Optimizer::AdamAdapters);
+    let mut learner = Learner::new(cfg, reference.cfg.clone(), format);
+    let llama = Llama::new(reference.cfg.clone(), norms.clone()).unwrap();
+    let mut losses = Vec::new();
+    for i in 0..12 {
+        let grads = futures::executor::block_on(llama.gradients(&mut group, &SEQ)).unwrap();
+        losses.push(grads.loss);
+        let p = learner.push(grads).unwrap().expect("one update a request");
+        let bytes = p.update.encode();
+        let update = Update::decode(&bytes).unwrap();
+        assert_eq!(
+            update, p.update,
+            "what the leader keeps is what nodes decode"
+        );
+        update
+            .validate_for(&reference.cfg, &cfg, format)
+            .unwrap_or_else(|e| panic!("update {i}: {e}"));
+        // An update that moves an adapter entry twice as far as the rate allows is refused.
+        let mut bold = update.clone();
+        bold.stages[0].dy[0].iter_mut().for_each(|v| *v *= 2.0);
+        assert!(matches!(
+            bold.validate_for(&reference.cfg, &cfg, format),
+            Err(UpdateError::Settings(_))
+        ));
+        let taken = update.clone().taken_by(format);
+        let predicted = {
+            let mut pending = node_core::learn::Pending::new(&mut group, &taken, llama.config());
+            futures::executor::block_on(llama.sequence_loss(&mut pending, &SEQ)).unwrap()
+        };
+        for member in group.transport_mut().members_mut() {
+            update.apply_to_shards(member.shards_mut()).unwrap();
+        }
+        taken.apply_to_weights(&mut reference).unwrap();
+        let actual = futures::executor::block_on(llama.sequence_loss(&mut group, &SEQ)).unwrap();
+        assert!(
+            (predicted - actual).abs() < 1e-4 * actual.abs().max(1.0),
+            "update {i}: the gate predicted loss {predicted:.6}, the rows give {actual:.6}"
+        );
+    }
+    let want = uncoded_logits(&llama, &reference);
+    let members: Vec<_> = group.transport().members().to_vec();
+    every_group_decodes(&llama, &members, &g, &want);
+    let (first, last) = (losses[0], *losses.last().unwrap());
+    assert!(
+        last < 0.5 * first,
+        "{format:?}: loss {first:.3} → {last:.3}: {losses:?}"
+    );
+    eprintln!("{format:?} Adam: loss {first:.3} → {last:.3}");
+}
+
+#[test]
+fn adam_on_f32_adapters_keeps_one_codeword_and_learns() {
+    adam_keeps_one_codeword_and_learns(ShardFormat::F32);
+}
+
+#[test]
+fn adam_on_compact_adapters_keeps_one_codeword_and_learns() {
+    adam_keeps_one_codeword_and_learns(ShardFormat::Q8);
+}
+
+#[test]
+fn a_refused_adam_step_leaves_the_moments_as_they_were() {
+    let w = ModelWeights::synthetic(common::train_config(true), 5).unwrap();
+    let g = Generator::uncoded();
+    let mesh = InProcess::encode(&w, &g, ShardFormat::F32, &|_, _| {}).unwrap();
+    let mut group = CodedGroup::new(w.cfg.clone(), g, &[0], mesh).unwrap();
+    let llama = Llama::new(w.cfg.clone(), LeaderWeights::from_model(&w)).unwrap();
+    let cfg = LearningConfig::default();
+    let mut grads = || futures::executor::block_on(llama.gradients(&mut group, &SEQ)).unwrap();
+    let (g1, g2) = (grads(), grads());
+    // One learner takes a step it then refuses, and the next; another only the next.
+    let mut refused = Learner::new(cfg, w.cfg.clone(), ShardFormat::F32);
+    refused.push(g1.clone()).unwrap().unwrap();
+    assert!(refused.refuse_last());
+    assert!(!refused.refuse_last(), "one step back at most");
+    let a = refused.push(g2.clone()).unwrap().unwrap().update;
+    let mut fresh = Learner::new(cfg, w.cfg.clone(), ShardFormat::F32);
+    let b = fresh.push(g2).unwrap().unwrap().update;
+    assert_eq!(a.stages, b.stages);
 }

@@ -46,10 +46,7 @@ pub(super) async fn run_server(
         genesis,
     } = holding;
     let store = UpdateStore::open(&data)?;
-    let rules = Rules {
-        cfg: manifest.cfg.clone(),
-        learning: manifest.learning,
-    };
+    let rules = Rules::of(&manifest);
     let mut row = shard.node as u32;
     let restore_store = store.clone();
     let restore_rules = rules.clone();

@@ -295,7 +295,11 @@ fn learning_bytes(data: &Path) -> Result<u64> {
 fn learning_soak_kills_and_restarts_end_on_one_codeword_in_bounded_disk() -> Result<()> {
     let _machine = crate::machine::share();
     let model = tiny_model();
-    let mut mesh = Mesh::start("soak", Some(&model), &["--lr", "0.05"])?;
+    let mut mesh = Mesh::start(
+        "soak",
+        Some(&model),
+        &["--optimizer", "sgd", "--lr", "0.05"],
+    )?;
     let archive = mesh.dir.0.join("published");
     let keep = archive.display().to_string();
     let scratch = mesh.dir.0.clone();
@@ -472,7 +476,7 @@ fn compact_rows_learn_across_restarts_and_rebuilds_and_end_on_one_codeword() -> 
     let mut mesh = Mesh::start(
         "soak-q8",
         Some(&model),
-        &["--lr", "0.05", "--shard-format", "q8"],
+        &["--optimizer", "sgd", "--lr", "0.05", "--shard-format", "q8"],
     )?;
     let archive = mesh.dir.0.join("published");
     let keep = archive.display().to_string();
@@ -673,7 +677,7 @@ fn a_member_lying_only_in_learnings_backward_rounds_is_caught_and_the_update_sti
     let mut mesh = Mesh::start(
         "backward",
         Some(&model),
-        &["--lr", "0.05", "--shard-format", "q8"],
+        &["--optimizer", "sgd", "--lr", "0.05", "--shard-format", "q8"],
     )?;
     let row = 2;
     let i = mesh.kill_holder(row)?;
@@ -793,7 +797,7 @@ fn a_member_that_skips_an_update_it_claims_is_caught_by_the_update_probe() -> Re
     let mut mesh = Mesh::start(
         "stale",
         Some(&model),
-        &["--lr", "5e-6", "--shard-format", "q8"],
+        &["--optimizer", "sgd", "--lr", "5e-6", "--shard-format", "q8"],
     )?;
     let row = 3u64;
     let i = mesh.kill_holder(row)?;

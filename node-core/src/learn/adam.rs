@@ -1,0 +1,307 @@
+//! Adam on the coded adapters: the optimizer that makes a mesh learn what it is shown.
+//!
+//! Every coded matrix serves `W + A·V`, where `V` (`rank × cols`, entries ±1, the same on every
+//! node: [`Projection`]) is fixed and `A` (`out × rank`) learns, as LoRA learns with a frozen
+//! down-projection. The gradient of `A` follows from the factors the backward pass already
+//! keeps: `∂L/∂A = dYᵀ·(X·Vᵀ)`, `out × rank` a matrix. The leader keeps Adam's two moments of
+//! every adapter entry (13 MB for SmolLM2) and publishes the step `ΔA` as an ordinary factor
+//! update whose input factor is `V` itself: `ΔW = ΔA·V`. That is linear in what every node
+//! applies, so the rows stay one codeword; Adam's non-linearity lives in the leader's state,
+//! never in a shard (DESIGN.md §1, §10).
+//!
+//! Each entry moves by at most `lr / √cols` a step (Adam's direction clamped to ±1): `lr` is
+//! the step in units of `V`'s rows scaled to unit length, and it is what holders check
+//! ([`super::Update::validate_for`]).
+
+use super::{Precision, StageFactors, Update, wire};
+use crate::coded::{Projection, ShardFormat};
+use crate::compute::par;
+use crate::model::{Gradients, LeaderWeights, LlamaConfig, Stage};
+
+/// Adam's decay of the first moment.
+pub const BETA1: f64 = 0.9;
+/// Adam's decay of the second moment.
+pub const BETA2: f64 = 0.999;
+/// Adam's floor under the second moment's root.
+pub const EPSILON: f64 = 1e-10;
+
+/// One stage's adapter gradients: per matrix, `out × rank` row-major.
+type StageGrads = Vec<Vec<f32>>;
+
+/// Adam's moments of one stage's adapters.
+#[derive(Debug, Clone)]
+struct Moments {
+    stage: Stage,
+    cols: usize,
+    rank: usize,
+    /// Per matrix, the first moment, `out × rank`.
+    m: Vec<Vec<f32>>,
+    /// Per matrix, the second moment.
+    v: Vec<Vec<f32>>,
+}
+
+/// A leader's Adam state over every adapter of the model, and the gradients it has summed
+/// since its last step.
+#[derive(Debug)]
+pub struct AdapterAdam {
+    model: LlamaConfig,
+    format: ShardFormat,
+    lr: f32,
+    precision: Precision,
+    stages: Vec<Moments>,
+    steps: u32,
+    /// Gradients summed since the last step, and how many.
+    pending: Option<(Vec<StageGrads>, u32)>,
+    /// The moments and step count before the last step, until the next one.
+    before: Option<(Vec<Moments>, u32)>,
+}
+
+/// How much one `dy` value of a published adapter step moves its entry of `A`, per unit of
+/// the update's step, on shards of `format` (docs/coding.md): f32 shards add `dyᵀ·V` to their
+/// values, compact ones `dyᵀ·(V·Vᵀ/rank) = (cols/rank)·dyᵀ` to their adapters.
+pub fn entry_per_dy(format: ShardFormat, cols: usize, rank: usize) -> f64 {
+    match format {
+        ShardFormat::Q8 => cols as f64 / rank as f64,
+        ShardFormat::F32 | ShardFormat::F16 => 1.0,
+    }
+}
+
+/// Every stage's adapter gradient `dYᵀ·(X·Vᵀ)`, and, for a tied embedding, the lookup rows'
+/// `dx·Vᵀ` added to the LM head's rows of their tokens (one matrix). An untied embedding's
+/// lookup does not learn.
+pub fn adapter_gradients(g: &Gradients, model: &LlamaConfig) -> Vec<StageGrads> {
+    let t = g.t;
+    let mut out = par::map(&g.stages, |s| {
+        let shapes = s.stage.shapes(model);
+        let cols = shapes.first().map_or(0, |&(_, c)| c);
+        let proj = Projection::of(cols);
+        let r = proj.rank();
+        let z = proj.down(&s.x, t);
+        s.dy.iter()
+            .zip(&shapes)
+            .map(|(dy, &(rows, _))| {
+                let mut ga = vec![0.0f32; rows * r];
+                if dy.len() != t * rows {
+                    return ga;
+                }
+                for (dyr, zr) in dy.chunks_exact(rows).zip(z.chunks_exact(r)) {
+                    for (&a, gr) in dyr.iter().zip(ga.chunks_exact_mut(r)) {
+                        if a != 0.0 {
+                            gr.iter_mut().zip(zr).for_each(|(gv, &zv)| *gv += a * zv);
+                        }
+                    }
+                }
+                ga
+            })
+            .collect::<StageGrads>()
+    });
+    let d = model.hidden;
+    if model.tied_embeddings
+        && !g.tokens.is_empty()
+        && g.embed_dx.len() == g.tokens.len() * d
+        && let Some(head) = g
+            .stages
+            .iter()
+            .position(|s| s.stage == Stage::LmHead)
+            .and_then(|i| out.get_mut(i))
+            .and_then(|m| m.first_mut())
+    {
+        let proj = Projection::of(d);
+        let r = proj.rank();
+        let z = proj.down(&g.embed_dx, g.tokens.len());
+        for (&tok, zr) in g.tokens.iter().zip(z.chunks_exact(r)) {
+            if let Some(row) = head.get_mut(tok as usize * r..(tok as usize + 1) * r) {
+                row.iter_mut().zip(zr).for_each(|(a, &b)| *a += b);
+            }
+        }
+    }
+    out
+}
+
+impl AdapterAdam {
+    /// Fresh moments for every adapter of `model`, stepping at `lr` on a mesh of `format`.
+    pub fn new(model: LlamaConfig, format: ShardFormat, lr: f32, precision: Precision) -> Self {
+        let stages = Stage::all(&model)
+            .into_iter()
+            .map(|stage| {
+                let shapes = stage.shapes(&model);
+                let cols = shapes.first().map_or(0, |&(_, c)| c);
+                let rank = crate::coded::adapter_rank(cols);
+                let zeros = || {
+                    shapes
+                        .iter()
+                        .map(|&(o, _)| vec![0.0f32; o * rank])
+                        .collect()
+                };
+                Moments {
+                    stage,
+                    cols,
+                    rank,
+                    m: zeros(),
+                    v: zeros(),
+                }
+            })
+            .collect();
+        Self {
+            model,
+            format,
+            lr,
+            precision,
+            stages,
+            steps: 0,
+            pending: None,
+            before: None,
+        }
+    }
+
+    /// Forgets the last step, as if its gradients had never come (an update the canary gate
+    /// refused must not steer the next ones through the moments); false when there is none.
+    pub fn undo(&mut self) -> bool {
+        match self.before.take() {
+            Some((stages, steps)) => {
+                self.stages = stages;
+                self.steps = steps;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Steps taken so far.
+    pub fn steps(&self) -> u32 {
+        self.steps
+    }
+
+    /// Gradients summed and not yet stepped on.
+    pub fn pending(&self) -> u32 {
+        self.pending.as_ref().map_or(0, |p| p.1)
+    }
+
+    /// Adds one gradient to what the next step takes.
+    pub fn push(&mut self, g: &Gradients) {
+        let grads = adapter_gradients(g, &self.model);
+        match &mut self.pending {
+            Some((sum, n)) => {
+                for (a, b) in sum.iter_mut().flatten().zip(grads.iter().flatten()) {
+                    a.iter_mut().zip(b).for_each(|(x, &y)| *x += y);
+                }
+                *n += 1;
+            }
+            None => self.pending = Some((grads, 1)),
+        }
+    }
+
+    /// One Adam step on the mean of the pending gradients, as the update every node applies;
+    /// `None` when nothing is pending.
+    pub fn step(&mut self, t: u32) -> Option<Update> {
+        let (grads, n) = self.pending.take()?;
+        self.before = Some((self.stages.clone(), self.steps));
+        self.steps += 1;
+        let scale = 1.0 / f64::from(n.max(1));
+        let (c1, c2) = (
+            1.0 - BETA1.powi(self.steps as i32),
+            1.0 - BETA2.powi(self.steps as i32),
+        );
+        let format = self.format;
+        // Elementwise over ~1.6 M entries for SmolLM2: milliseconds, on one thread.
+        let stages = self
+            .stages
+            .iter_mut()
+            .zip(grads)
+            .map(|(mo, ga)| {
+                let proj = Projection::of(mo.cols);
+                // dy = direction / √cols, in the units the format takes (`entry_per_dy`).
+                let unit = 1.0 / ((mo.cols as f64).sqrt() * entry_per_dy(format, mo.cols, mo.rank));
+                let dy = mo
+                    .m
+                    .iter_mut()
+                    .zip(mo.v.iter_mut())
+                    .zip(&ga)
+                    .map(|((m, v), g)| {
+                        let out = g.len() / mo.rank.max(1);
+                        let mut dy = vec![0.0f32; mo.rank * out];
+                        for (e, &gv) in g.iter().enumerate() {
+                            let gv = f64::from(gv) * scale;
+                            let mv = BETA1 * f64::from(m[e]) + (1.0 - BETA1) * gv;
+                            let vv = BETA2 * f64::from(v[e]) + (1.0 - BETA2) * gv * gv;
+                            m[e] = mv as f32;
+                            v[e] = vv as f32;
+                            let dir = ((mv / c1) / ((vv / c2).sqrt() + EPSILON)).clamp(-1.0, 1.0);
+                            let (o, i) = (e / mo.rank, e % mo.rank);
+                            dy[i * out + o] = (dir * unit) as f32;
+                        }
+                        dy
+                    })
+                    .collect();
+                StageFactors {
+                    stage: mo.stage,
+                    rows: mo.rank as u32,
+                    x: proj.matrix().to_vec(),
+                    dy,
+                }
+            })
+            .collect();
+        let d = self.model.hidden;
+        let mut u = Update {
+            step: self.lr,
+            t,
+            stages,
+            embed_tokens: Vec::new(),
+            embed_dx: Vec::new(),
+            norms: LeaderWeights {
+                attn_norm: vec![vec![0.0; d]; self.model.layers],
+                ffn_norm: vec![vec![0.0; d]; self.model.layers],
+                final_norm: vec![0.0; d],
+            },
+            precision: self.precision,
+        };
+        wire::round(&mut u);
+        Some(u)
+    }
+}
+
+/// Whether `u` is an adapter step within the bound `lr` sets on a mesh of `format`: every
+/// stage's input factor is its projection `V`, no adapter entry moves by more than
+/// `lr / √cols`, and neither the lookup rows nor the norm gains move.
+pub fn check_adapter_step(u: &Update, format: ShardFormat, lr: f32) -> Result<(), String> {
+    if !u.embed_tokens.is_empty() || !u.embed_dx.is_empty() {
+        return Err("an adapter step carries no lookup rows".into());
+    }
+    let moves_norms = u
+        .norms
+        .attn_norm
+        .iter()
+        .chain(&u.norms.ffn_norm)
+        .chain(std::iter::once(&u.norms.final_norm))
+        .flatten()
+        .any(|&v| v != 0.0);
+    if moves_norms {
+        return Err("an adapter step leaves the norm gains as they are".into());
+    }
+    let slack = 1.0 + 1e-3;
+    for f in &u.stages {
+        let cols = if f.rows == 0 {
+            continue;
+        } else {
+            f.x.len() / f.rows as usize
+        };
+        let proj = Projection::of(cols);
+        if f.rows as usize != proj.rank() || f.x != proj.matrix() {
+            return Err(format!(
+                "{:?}'s input factor is not the adapters' projection",
+                f.stage
+            ));
+        }
+        let most = f64::from(lr) / (cols as f64).sqrt();
+        let per = f64::from(u.step) * entry_per_dy(format, cols, proj.rank());
+        let largest = f.dy.iter().flatten().fold(0.0f32, |a, &v| a.max(v.abs()));
+        if f64::from(largest) * per > most * slack {
+            return Err(format!(
+                "{:?} moves an adapter entry by {:.3e}, more than the mesh's {most:.3e}",
+                f.stage,
+                f64::from(largest) * per
+            ));
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,270 @@
+//! The canary gate: before a leader publishes an update, it measures the loss of a small
+//! held-out text the mesh ships, on the mesh as it is and as it would be after the update, and
+//! refuses an update that raises it too far. A mesh that learns from anyone can be taught
+//! anything; this keeps what one update (and a run of them from one leader) can do to text
+//! nobody taught it within a bound (DESIGN.md §10).
+//!
+//! "As it would be" needs no node to change: [`Pending`] wraps the group's executor and adds
+//! the update's own products (`−step·dYᵀ·(X·x)`) to every stage's answer, so the leader runs
+//! the updated model through the group it already has.
+
+use super::Update;
+use crate::model::{LinearExec, Llama, LlamaConfig, ModelError, Stage};
+
+/// The held-out text the gate measures (general English prose, none of it a test's taught
+/// passage or the learning bench's held-out text).
+pub const CANARY_TEXT: &str = include_str!("canary.txt");
+
+/// Most canary tokens measured (one forward pass of this many positions per update).
+pub const CANARY_TOKENS: usize = 128;
+
+/// Most one update may raise the canary loss, in nats per token (a 1 % perplexity rise).
+pub const MAX_CANARY_STEP: f64 = 0.01;
+
+/// Most the canary loss may rise above the first one a leader measured, in nats per token
+/// (a 3 % perplexity rise), over all its updates.
+pub const MAX_CANARY_DRIFT: f64 = 0.03;
+
+/// What the gate decided about one update.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Verdict {
+    /// The canary loss before the update.
+    pub before: f64,
+    /// The canary loss with the update applied.
+    pub after: f64,
+    /// The first canary loss this gate measured (what drift is counted from).
+    pub baseline: f64,
+    /// Whether the update may be published.
+    pub pass: bool,
+}
+
+impl Verdict {
+    /// Why the update was refused, for the log; `None` when it passed.
+    pub fn refusal(&self) -> Option<String> {
+        if self.pass {
+            return None;
+        }
+        Some(format!(
+            "the canary loss would go {:.4} → {:.4} nats (first measured {:.4}; at most +{MAX_CANARY_STEP} an update, +{MAX_CANARY_DRIFT} in all)",
+            self.before, self.after, self.baseline
+        ))
+    }
+}
+
+/// A leader's canary gate: the canary's tokens, the first loss it measured, and the loss at
+/// the version it last saw.
+#[derive(Debug, Clone)]
+pub struct CanaryGate {
+    tokens: Vec<u32>,
+    /// Most one update may raise the loss, and most it may rise in all.
+    bounds: (f64, f64),
+    baseline: Option<f64>,
+    at: Option<([u8; 32], f64)>,
+}
+
+impl CanaryGate {
+    /// A gate over `tokens` (the canary text as the model's tokenizer cuts it; at most
+    /// [`CANARY_TOKENS`] are used).
+    pub fn new(mut tokens: Vec<u32>) -> Self {
+        tokens.truncate(CANARY_TOKENS);
+        Self {
+            tokens,
+            bounds: (MAX_CANARY_STEP, MAX_CANARY_DRIFT),
+            baseline: None,
+            at: None,
+        }
+    }
+
+    /// The same gate with other bounds (nats per token: one update's rise, the whole rise);
+    /// infinite bounds measure without refusing.
+    pub fn with_bounds(mut self, step: f64, drift: f64) -> Self {
+        self.bounds = (step, drift);
+        self
+    }
+
+    /// The canary loss at `version`: remembered from the last call at that version, else
+    /// measured through `exec`.
+    pub async fn loss_at<E: LinearExec>(
+        &mut self,
+        llama: &Llama,
+        exec: &mut E,
+        version: [u8; 32],
+    ) -> Result<f64, ModelError> {
+        if let Some((v, loss)) = self.at
+            && v == version
+        {
+            return Ok(loss);
+        }
+        let loss = llama.sequence_loss(exec, &self.tokens).await?;
+        self.baseline.get_or_insert(loss);
+        self.at = Some((version, loss));
+        Ok(loss)
+    }
+
+    /// The gate's verdict on `update` (as the mesh's shards take it: `Update::taken_by`) for a
+    /// group at `version`.
+    pub async fn judge<E: LinearExec>(
+        &mut self,
+        llama: &Llama,
+        exec: &mut E,
+        version: [u8; 32],
+        update: &Update,
+    ) -> Result<Verdict, ModelError> {
+        let before = self.loss_at(llama, exec, version).await?;
+        let mut norms = llama.norms().clone();
+        update.apply_to_norms(&mut norms);
+        let after_llama = Llama::new(llama.config().clone(), norms)?;
+        let mut pending = Pending::new(exec, update, llama.config());
+        let after = after_llama
+            .sequence_loss(&mut pending, &self.tokens)
+            .await?;
+        let baseline = self.baseline.unwrap_or(before);
+        let pass = after.is_finite()
+            && after - before <= self.bounds.0
+            && after - baseline <= self.bounds.1;
+        Ok(Verdict {
+            before,
+            after,
+            baseline,
+            pass,
+        })
+    }
+
+    /// Remembers the canary loss the mesh has at `version`, once an update that was judged
+    /// to give `loss` took it there.
+    pub fn moved_to(&mut self, version: [u8; 32], loss: f64) {
+        self.at = Some((version, loss));
+    }
+}
+
+/// An executor that answers as `inner` would after `update` is applied: each stage's product
+/// gets the update's own `−step·dYᵀ·(X·x)` added, and each lookup row its change.
+#[derive(Debug)]
+pub struct Pending<'a, E> {
+    inner: &'a mut E,
+    update: &'a Update,
+    cfg: &'a LlamaConfig,
+}
+
+impl<'a, E> Pending<'a, E> {
+    /// `inner` with `update` (as the shards take it) added on top.
+    pub fn new(inner: &'a mut E, update: &'a Update, cfg: &'a LlamaConfig) -> Self {
+        Self { inner, update, cfg }
+    }
+
+    fn factors(&self, stage: Stage) -> Option<&'a super::StageFactors> {
+        self.update
+            .stages
+            .iter()
+            .find(|f| f.stage == stage && f.rows > 0)
+    }
+}
+
+/// `a (t × w) · bᵀ (w × r)` for row-major `b` (`r × w`), in f32 with f64 sums: `t × r`.
+fn times_t(a: &[f32], b: &[f32], t: usize, r: usize) -> Vec<f32> {
+    let w = if t == 0 { 0 } else { a.len() / t };
+    let mut out = vec![0.0f32; t * r];
+    if w == 0 || b.len() != r * w {
+        return out;
+    }
+    for (ar, or) in a.chunks_exact(w).zip(out.chunks_exact_mut(r)) {
+        for (o, br) in or.iter_mut().zip(b.chunks_exact(w)) {
+            *o = crate::compute::cpu::dot_f64(ar, br) as f32;
+        }
+    }
+    out
+}
+
+/// `y (t × w) += c · p (t × r) · b (r × w)`.
+fn add_times(y: &mut [f32], p: &[f32], b: &[f32], r: usize, c: f32) {
+    let w = if r == 0 { 0 } else { b.len() / r };
+    if w == 0 {
+        return;
+    }
+    for (yr, pr) in y.chunks_exact_mut(w).zip(p.chunks_exact(r)) {
+        for (&pv, br) in pr.iter().zip(b.chunks_exact(w)) {
+            if pv != 0.0 {
+                let s = c * pv;
+                yr.iter_mut().zip(br).for_each(|(a, &v)| *a += s * v);
+            }
+        }
+    }
+}
+
+impl<E: LinearExec> LinearExec for Pending<'_, E> {
+    async fn linear(
+        &mut self,
+        stage: Stage,
+        x: &[f32],
+        t: usize,
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        let mut ys = self.inner.linear(stage, x, t).await?;
+        if let Some(f) = self.factors(stage) {
+            let rows = f.rows as usize;
+            // (x · Xᵀ) · dY, per matrix.
+            let p = times_t(x, &f.x, t, rows);
+            for (y, dy) in ys.iter_mut().zip(&f.dy) {
+                add_times(y, &p, dy, rows, -self.update.step);
+            }
+        }
+        Ok(ys)
+    }
+
+    async fn linear_t(
+        &mut self,
+        stage: Stage,
+        dy: &[Vec<f32>],
+        t: usize,
+    ) -> Result<Vec<f32>, ModelError> {
+        let mut dx = self.inner.linear_t(stage, dy, t).await?;
+        if let Some(f) = self.factors(stage) {
+            let rows = f.rows as usize;
+            for (g, fdy) in dy.iter().zip(&f.dy) {
+                // (g · dYᵀ) · X.
+                let p = times_t(g, fdy, t, rows);
+                add_times(&mut dx, &p, &f.x, rows, -self.update.step);
+            }
+        }
+        Ok(dx)
+    }
+
+    async fn embed(&mut self, tokens: &[u32]) -> Result<Vec<f32>, ModelError> {
+        let mut e = self.inner.embed(tokens).await?;
+        let d = self.cfg.hidden;
+        let step = self.update.step;
+        if self.cfg.tied_embeddings
+            && let Some(f) = self.factors(Stage::LmHead)
+            && let Some(dy) = f.dy.first()
+        {
+            let (rows, vocab) = (f.rows as usize, self.cfg.vocab);
+            for (&tok, row) in tokens.iter().zip(e.chunks_exact_mut(d)) {
+                for i in 0..rows {
+                    let c = dy.get(i * vocab + tok as usize).copied().unwrap_or(0.0);
+                    if c != 0.0
+                        && let Some(xr) = f.x.get(i * d..(i + 1) * d)
+                    {
+                        row.iter_mut()
+                            .zip(xr)
+                            .for_each(|(a, &v)| *a -= step * c * v);
+                    }
+                }
+            }
+        }
+        let lookups = self.update.embed_tokens.len();
+        if lookups > 0 && self.update.embed_dx.len() == lookups * d {
+            for (&tok, row) in tokens.iter().zip(e.chunks_exact_mut(d)) {
+                for (&u, dx) in self
+                    .update
+                    .embed_tokens
+                    .iter()
+                    .zip(self.update.embed_dx.chunks_exact(d))
+                {
+                    if u == tok {
+                        row.iter_mut().zip(dx).for_each(|(a, &v)| *a -= step * v);
+                    }
+                }
+            }
+        }
+        Ok(e)
+    }
+}
