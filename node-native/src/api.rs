@@ -404,6 +404,12 @@ impl Api {
                 },
                 stop_ids: self.tokenizer.eos_ids().to_vec(),
                 learn: c.learn.unwrap_or(true),
+                // The node has one key: whoever holds it shares its budget.
+                caller: if self.key.is_some() {
+                    "api-key".into()
+                } else {
+                    "anonymous".into()
+                },
             },
             stops,
             stream: c.stream,

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Result, anyhow};
 use libp2p::PeerId;
-use node_core::learn::{Learner, Published};
+use node_core::learn::{Budgets, CANARY_TEXT, CanaryGate, Learner, Published};
 use node_core::mesh::{MeshInfo, MeshResponse, ModelManifest, Usage};
 use node_core::model::speculate;
 use node_core::model::{
@@ -116,6 +116,8 @@ pub struct GenRequest {
     pub stop_ids: Vec<u32>,
     /// The mesh may train on it (when the mesh learns at all).
     pub learn: bool,
+    /// Whose learning budget it spends: the API key it came with, or "anonymous".
+    pub caller: String,
 }
 
 /// What a request's submitter hears, in order: tokens, then one `Done` or `Failed`.
@@ -258,9 +260,13 @@ impl Engine {
                     ctx.manifest.format,
                 ),
                 requests: train_rx,
-                waiting: None,
+                waiting: VecDeque::new(),
                 publish: publish_tx,
                 backlog: backlog.clone(),
+                gate: CanaryGate::new(
+                    node_core::model::Tokenizer::from_data(&ctx.manifest.tokenizer)?
+                        .encode(CANARY_TEXT)?,
+                ),
             };
             ctx.runtime.spawn(trainer.run());
         }
@@ -389,9 +395,12 @@ fn learn_tokens(manifest: &ModelManifest) -> usize {
     };
     limit.min(by_message).max(2)
 }
-/// Finished requests waiting to be trained on, at most: serving comes first, so requests that
-/// finish while the trainer is this far behind are served but not trained on.
-const MAX_TRAIN_BACKLOG: usize = 64;
+/// Finished requests waiting to be trained on, at most: the trainer takes all that wait into
+/// its next minibatch (each cut to its share of [`LEARN_TOKENS`]), so this bounds memory only;
+/// requests that finish past it are served but not trained on.
+const MAX_TRAIN_BACKLOG: usize = 4096;
+/// Fewest positions a waiting request keeps when the minibatch is cut among many.
+const MIN_SHARE: usize = 32;
 /// The share of the time the trainer may take while requests are being served (all of it while
 /// none are): serving keeps at least `1 − TRAIN_SHARE` of the mesh, and training still moves.
 const TRAIN_SHARE: f64 = 0.15;
@@ -610,6 +619,8 @@ struct Shared {
     recent: std::sync::Mutex<VecDeque<(Instant, u64)>>,
     /// Told whenever a serving group is formed or let go.
     groups_changed: tokio::sync::Notify,
+    /// Every caller's learning budget, and the time they count from.
+    budgets: std::sync::Mutex<(Budgets, Instant)>,
 }
 
 impl Shared {
@@ -620,7 +631,15 @@ impl Shared {
             active: tokio::sync::watch::Sender::new(vec![0; groups]),
             recent: std::sync::Mutex::new(VecDeque::new()),
             groups_changed: tokio::sync::Notify::new(),
+            budgets: std::sync::Mutex::new((Budgets::default(), Instant::now())),
         }
+    }
+
+    /// Takes `tokens` from `caller`'s learning budget; false when it has not that many left.
+    fn spend(&self, caller: &str, tokens: usize) -> bool {
+        let mut b = self.budgets.lock().unwrap_or_else(|e| e.into_inner());
+        let now = b.1.elapsed();
+        b.0.take(caller, tokens, now)
     }
 
     /// The holders every serving group but `slot` computes with.
@@ -1094,9 +1113,20 @@ impl Worker {
             generated: done.tokens,
             latency,
         };
-        let learn = item.tokens.len() >= 2 && seq.job.req.learn;
+        let mut learn = item.tokens.len() >= 2 && seq.job.req.learn && self.to_train.is_some();
+        if learn {
+            m.learn_requests.inc();
+            if !self.shared.spend(&seq.job.req.caller, item.tokens.len()) {
+                learn = false;
+                m.train_over_budget.inc();
+                tracing::info!(
+                    caller = seq.job.req.caller,
+                    "served, not trained on: the caller's learning budget is spent"
+                );
+            }
+        }
         let behind = self.backlog.load(Ordering::Relaxed) >= MAX_TRAIN_BACKLOG;
-        if learn && behind && self.to_train.is_some() {
+        if learn && behind {
             m.train_dropped.inc();
             tracing::info!(
                 backlog = MAX_TRAIN_BACKLOG,
@@ -1187,63 +1217,75 @@ impl Worker {
 }
 
 /// The training task: finished requests in, minibatch gradients through its own group,
-/// updates out to the serving task.
+/// updates through the canary gate and out to the serving task.
 struct Trainer {
     lead: Lead,
     learner: Learner,
     requests: mpsc::UnboundedReceiver<ToLearn>,
-    /// A request taken that did not fit the last minibatch: the next one starts with it.
-    waiting: Option<ToLearn>,
+    /// Requests taken that did not fit the last minibatch: the next one starts with them.
+    waiting: VecDeque<ToLearn>,
     publish: mpsc::UnboundedSender<PublishRequest>,
     backlog: Arc<AtomicUsize>,
+    /// Judges every update before it is published.
+    gate: CanaryGate,
+}
+
+/// Cuts each request of a minibatch to its share of `limit` positions (its last ones, at
+/// least [`MIN_SHARE`]); how many of `waiting` fit, taken from its front.
+fn share_out(waiting: &mut VecDeque<ToLearn>, limit: usize) -> Vec<ToLearn> {
+    let fit = (limit / MIN_SHARE).max(1).min(waiting.len());
+    let mut batch: Vec<ToLearn> = waiting.drain(..fit).collect();
+    let total: usize = batch.iter().map(|r| r.tokens.len()).sum();
+    if total > limit {
+        // The shortest keep all they have; the rest split what is left evenly.
+        batch.sort_by_key(|r| r.tokens.len());
+        let mut left = limit;
+        let n = batch.len();
+        for (i, r) in batch.iter_mut().enumerate() {
+            let share = (left / (n - i)).max(2);
+            let keep = r.tokens.len().min(share);
+            r.tokens.drain(..r.tokens.len() - keep);
+            left = left.saturating_sub(keep);
+        }
+    }
+    batch
 }
 
 impl Trainer {
     async fn run(mut self) {
         loop {
-            let next = match self.waiting.take() {
-                Some(w) => Ok(Some(w)),
-                None => tokio::time::timeout(IDLE_FLUSH, self.requests.recv()).await,
-            };
-            let first = match next {
-                Ok(Some(r)) => r,
-                Err(_) => {
-                    // Accumulated gradients (accumulate > 1) go out once requests stop.
-                    match tokio::task::block_in_place(|| self.learner.flush()) {
-                        Ok(Some(p)) => self.hand_over(p).await,
-                        Ok(None) => {}
-                        Err(e) => tracing::warn!("the update could not be made: {e}"),
+            if self.waiting.is_empty() {
+                match tokio::time::timeout(IDLE_FLUSH, self.requests.recv()).await {
+                    Ok(Some(r)) => self.waiting.push_back(r),
+                    Ok(None) => break,
+                    Err(_) => {
+                        // Accumulated gradients (accumulate > 1) go out once requests stop.
+                        match tokio::task::block_in_place(|| self.learner.flush()) {
+                            Ok(Some(p)) => self.judge_and_hand_over(p).await,
+                            Ok(None) => {}
+                            Err(e) => tracing::warn!("the update could not be made: {e}"),
+                        }
+                        continue;
                     }
-                    continue;
                 }
-                Ok(None) => break,
-            };
-            let limit = learn_tokens(&self.lead.ctx.manifest);
-            let mut tokens = first.tokens.len();
-            let mut batch = vec![first];
-            while let Some(next) = self
-                .waiting
-                .take()
-                .or_else(|| self.requests.try_recv().ok())
-            {
-                if tokens + next.tokens.len() > limit {
-                    self.waiting = Some(next);
-                    break;
-                }
-                tokens += next.tokens.len();
-                batch.push(next);
             }
+            // Everything that waits goes into this minibatch, each request cut to its share.
+            while let Ok(r) = self.requests.try_recv() {
+                self.waiting.push_back(r);
+            }
+            let limit = learn_tokens(&self.lead.ctx.manifest);
+            let batch = share_out(&mut self.waiting, limit);
             let loss = self.train(&batch).await;
             for r in &batch {
                 let usage = Usage::of_request(r.prompt_tokens, r.generated, r.latency, loss);
                 self.lead.ctx.local.served(usage).await;
             }
+            let m = &self.lead.ctx.metrics;
+            if loss.is_some() {
+                m.train_trained.inc_by(batch.len() as u64);
+            }
             self.backlog.fetch_sub(batch.len(), Ordering::Relaxed);
-            self.lead
-                .ctx
-                .metrics
-                .train_backlog
-                .dec_by(batch.len() as i64);
+            m.train_backlog.dec_by(batch.len() as i64);
         }
     }
 
@@ -1282,26 +1324,81 @@ impl Trainer {
             tracing::info!(
                 loss,
                 sequences = batch.len(),
+                positions = grads.t,
                 seconds = started.elapsed().as_secs_f64(),
                 "trained"
             )
         });
         // Folding in a gradient (and compressing an update) is long work off the network.
         match tokio::task::block_in_place(|| self.learner.push(grads)) {
-            Ok(Some(p)) => self.hand_over(p).await,
+            Ok(Some(p)) => self.judge_and_hand_over(p).await,
             Ok(None) => {}
             Err(e) => tracing::warn!("the update could not be made: {e}"),
         }
         Some(loss)
     }
 
-    /// Has the serving task publish an update, and follows the mesh to the new version.
-    async fn hand_over(&mut self, published: Published) {
+    /// Runs an update through the canary gate, and publishes it if it passes; a refused one
+    /// is forgotten by the learner too.
+    async fn judge_and_hand_over(&mut self, published: Published) {
+        let format = self.lead.ctx.manifest.format;
+        let taken = published.update.clone().taken_by(format);
+        let verdict = match self.lead.group().await {
+            Ok(f) => {
+                f.group.transport_mut().set_context("canary gate".into());
+                let v = self
+                    .gate
+                    .judge(&f.llama, &mut f.group, f.version, &taken)
+                    .await;
+                self.lead.after_rounds().await;
+                v.map_err(|e| e.to_string())
+            }
+            Err(why) => Err(why),
+        };
+        let m = self.lead.ctx.metrics.clone();
+        let verdict = match verdict {
+            Ok(v) => v,
+            Err(why) => {
+                // Unjudged, it is not published: the next minibatch makes another.
+                tracing::warn!("an update could not be judged, not published: {why}");
+                self.learner.refuse_last();
+                self.lead.drop_group();
+                return;
+            }
+        };
+        m.canary_loss.set(verdict.after);
+        self.lead
+            .ctx
+            .local
+            .served(Usage::of_gate(verdict.after, !verdict.pass))
+            .await;
+        if let Some(why) = verdict.refusal() {
+            m.updates_refused.inc();
+            tracing::warn!(
+                requests = published.requests,
+                "the canary gate refused an update: {why}"
+            );
+            self.learner.refuse_last();
+            return;
+        }
+        tracing::info!(
+            before = verdict.before,
+            after = verdict.after,
+            "the canary gate passed an update"
+        );
+        if let Some(version) = self.hand_over(published).await {
+            self.gate.moved_to(version, verdict.after);
+        }
+    }
+
+    /// Has the serving task publish an update, and follows the mesh to the new version: that
+    /// version, when this node's row took it.
+    async fn hand_over(&mut self, published: Published) -> Option<[u8; 32]> {
         let holders = match self.lead.group().await {
             Ok(f) => f.holders.clone(),
             Err(why) => {
                 tracing::warn!("an update is lost: {why}");
-                return;
+                return None;
             }
         };
         let (done, answer) = oneshot::channel();
@@ -1311,10 +1408,11 @@ impl Trainer {
             done,
         };
         if self.publish.send(req).is_err() {
-            return;
+            return None;
         }
         let moved = answer.await.ok().flatten();
         self.lead.move_to(moved.as_ref());
+        moved.map(|(v, _)| v)
     }
 }
 
@@ -1331,6 +1429,7 @@ mod tests {
             sampling: SamplingParams::default(),
             stop_ids: Vec::new(),
             learn: true,
+            caller: "anonymous".into(),
         };
         let job = Job {
             id: u64::from(prompt),

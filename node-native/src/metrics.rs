@@ -64,6 +64,16 @@ pub struct Metrics {
     pub train_backlog: Gauge,
     /// Finished requests served but not trained on: the trainer was too far behind.
     pub train_dropped: Counter,
+    /// Finished requests that asked to be learnt from on a learning mesh.
+    pub learn_requests: Counter,
+    /// Requests whose tokens went into a gradient.
+    pub train_trained: Counter,
+    /// Requests not trained on: their caller's learning budget was spent.
+    pub train_over_budget: Counter,
+    /// Updates the canary gate refused to publish.
+    pub updates_refused: Counter,
+    /// The canary loss after the last update the gate judged.
+    pub canary_loss: Gauge<f64, AtomicU64>,
     /// Mean next-token loss of the last training batch.
     pub loss: Gauge<f64, AtomicU64>,
     /// Bytes of gossip received.
@@ -125,6 +135,11 @@ impl Metrics {
             snapshots: Counter::default(),
             train_backlog: Gauge::default(),
             train_dropped: Counter::default(),
+            learn_requests: Counter::default(),
+            train_trained: Counter::default(),
+            train_over_budget: Counter::default(),
+            updates_refused: Counter::default(),
+            canary_loss: Gauge::default(),
             loss: Gauge::default(),
             gossip_bytes: Counter::default(),
             chain_bytes: Counter::default(),
@@ -249,6 +264,31 @@ impl Metrics {
             "train_dropped",
             "Finished requests served but not trained on: the trainer was too far behind",
             m.train_dropped.clone(),
+        );
+        r.register(
+            "learn_requests",
+            "Finished requests that asked to be learnt from on a learning mesh",
+            m.learn_requests.clone(),
+        );
+        r.register(
+            "train_trained",
+            "Requests whose tokens went into a gradient",
+            m.train_trained.clone(),
+        );
+        r.register(
+            "train_over_budget",
+            "Requests not trained on: their caller's learning budget was spent",
+            m.train_over_budget.clone(),
+        );
+        r.register(
+            "updates_refused",
+            "Learning updates the canary gate refused to publish",
+            m.updates_refused.clone(),
+        );
+        r.register(
+            "canary_loss",
+            "Canary loss after the last learning update the gate judged",
+            m.canary_loss.clone(),
         );
         r.register(
             "loss",

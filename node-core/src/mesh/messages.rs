@@ -58,6 +58,12 @@ pub struct Usage {
     pub trained: u64,
     /// Their next-token losses before the update, summed, in millionths.
     pub loss_micro: u64,
+    /// Updates the canary gate judged.
+    pub gated: u64,
+    /// Of those, the ones it refused.
+    pub refused: u64,
+    /// The canary losses it measured after each judged update, summed, in millionths.
+    pub canary_micro: u64,
 }
 
 impl Usage {
@@ -74,7 +80,18 @@ impl Usage {
             tokens: tokens as u64,
             latency_ms: latency.as_millis().min(u64::MAX as u128) as u64,
             trained: u64::from(loss.is_some()),
-            loss_micro: loss.map_or(0, |l| (l.max(0.0) * 1e6).min(u64::MAX as f64) as u64),
+            loss_micro: loss.map_or(0, micro),
+            ..Self::default()
+        }
+    }
+
+    /// One update the canary gate judged: the canary loss after it, and whether it refused it.
+    pub fn of_gate(canary_after: f64, refused: bool) -> Self {
+        Self {
+            gated: 1,
+            refused: u64::from(refused),
+            canary_micro: micro(canary_after),
+            ..Self::default()
         }
     }
 
@@ -86,6 +103,18 @@ impl Usage {
         self.latency_ms = self.latency_ms.saturating_add(o.latency_ms);
         self.trained = self.trained.saturating_add(o.trained);
         self.loss_micro = self.loss_micro.saturating_add(o.loss_micro);
+        self.gated = self.gated.saturating_add(o.gated);
+        self.refused = self.refused.saturating_add(o.refused);
+        self.canary_micro = self.canary_micro.saturating_add(o.canary_micro);
+    }
+}
+
+/// A loss in millionths (negative and non-finite ones as 0).
+fn micro(loss: f64) -> u64 {
+    if loss.is_finite() {
+        (loss.max(0.0) * 1e6).min(u64::MAX as f64) as u64
+    } else {
+        0
     }
 }
 
