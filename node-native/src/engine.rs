@@ -1230,25 +1230,43 @@ struct Trainer {
     gate: CanaryGate,
 }
 
-/// Cuts each request of a minibatch to its share of `limit` positions (its last ones, at
-/// least [`MIN_SHARE`]); how many of `waiting` fit, taken from its front.
-fn share_out(waiting: &mut VecDeque<ToLearn>, limit: usize) -> Vec<ToLearn> {
-    let fit = (limit / MIN_SHARE).max(1).min(waiting.len());
-    let mut batch: Vec<ToLearn> = waiting.drain(..fit).collect();
-    let total: usize = batch.iter().map(|r| r.tokens.len()).sum();
+/// What one training pass takes: the requests it trains on, and their distinct token
+/// sequences (requests that sent the same text train once, and count as many), each cut to its
+/// share of the minibatch's positions.
+struct Minibatch {
+    requests: Vec<ToLearn>,
+    seqs: Vec<Vec<u32>>,
+}
+
+/// Takes requests from the front of `waiting` while their distinct sequences fit `limit`
+/// positions at [`MIN_SHARE`] each, and cuts each sequence to its share (its last positions):
+/// the shortest keep all they have, the rest split what is left evenly.
+fn share_out(waiting: &mut VecDeque<ToLearn>, limit: usize) -> Minibatch {
+    let most = (limit / MIN_SHARE).max(1);
+    let (mut requests, mut seqs) = (Vec::new(), Vec::<Vec<u32>>::new());
+    while let Some(r) = waiting.front() {
+        let seen = seqs.contains(&r.tokens);
+        if !seen && seqs.len() >= most {
+            break;
+        }
+        if !seen {
+            seqs.push(r.tokens.clone());
+        }
+        requests.extend(waiting.pop_front());
+    }
+    let total: usize = seqs.iter().map(Vec::len).sum();
     if total > limit {
-        // The shortest keep all they have; the rest split what is left evenly.
-        batch.sort_by_key(|r| r.tokens.len());
+        seqs.sort_by_key(Vec::len);
         let mut left = limit;
-        let n = batch.len();
-        for (i, r) in batch.iter_mut().enumerate() {
+        let n = seqs.len();
+        for (i, s) in seqs.iter_mut().enumerate() {
             let share = (left / (n - i)).max(2);
-            let keep = r.tokens.len().min(share);
-            r.tokens.drain(..r.tokens.len() - keep);
+            let keep = s.len().min(share);
+            s.drain(..s.len() - keep);
             left = left.saturating_sub(keep);
         }
     }
-    batch
+    Minibatch { requests, seqs }
 }
 
 impl Trainer {
@@ -1274,8 +1292,11 @@ impl Trainer {
                 self.waiting.push_back(r);
             }
             let limit = learn_tokens(&self.lead.ctx.manifest);
-            let batch = share_out(&mut self.waiting, limit);
-            let loss = self.train(&batch).await;
+            let Minibatch {
+                requests: batch,
+                seqs,
+            } = share_out(&mut self.waiting, limit);
+            let loss = self.train(&seqs, batch.len()).await;
             for r in &batch {
                 let usage = Usage::of_request(r.prompt_tokens, r.generated, r.latency, loss);
                 self.lead.ctx.local.served(usage).await;
@@ -1289,9 +1310,10 @@ impl Trainer {
         }
     }
 
-    /// The minibatch's loss, once its gradient went into the learner (and out, if due).
-    async fn train(&mut self, batch: &[ToLearn]) -> Option<f64> {
-        let span = tracing::info_span!("train", sequences = batch.len());
+    /// The minibatch's loss (its distinct sequences, for `requests` requests), once its
+    /// gradient went into the learner (and out, if due).
+    async fn train(&mut self, batch: &[Vec<u32>], requests: usize) -> Option<f64> {
+        let span = tracing::info_span!("train", sequences = batch.len(), requests);
         let f = match self.lead.group().instrument(span.clone()).await {
             Ok(f) => f,
             Err(why) => {
@@ -1302,7 +1324,7 @@ impl Trainer {
         f.group
             .transport_mut()
             .set_context(format!("train {} requests", batch.len()));
-        let seqs: Vec<&[u32]> = batch.iter().map(|r| r.tokens.as_slice()).collect();
+        let seqs: Vec<&[u32]> = batch.iter().map(Vec::as_slice).collect();
         let started = Instant::now();
         let grads = f
             .llama
@@ -1310,7 +1332,7 @@ impl Trainer {
             .instrument(span.clone())
             .await;
         self.lead.after_rounds().await;
-        let grads = match grads {
+        let mut grads = match grads {
             Ok(g) => g,
             Err(e) => {
                 tracing::warn!("training on {} requests failed: {e}", batch.len());
@@ -1318,12 +1340,15 @@ impl Trainer {
                 return None;
             }
         };
+        // The step follows how many asked, not how many distinct texts they sent.
+        grads.sequences = requests;
         let loss = grads.loss;
         self.lead.ctx.metrics.loss.set(loss);
         span.in_scope(|| {
             tracing::info!(
                 loss,
                 sequences = batch.len(),
+                requests,
                 positions = grads.t,
                 seconds = started.elapsed().as_secs_f64(),
                 "trained"
@@ -1386,8 +1411,10 @@ impl Trainer {
             after = verdict.after,
             "the canary gate passed an update"
         );
+        let requests = u64::from(published.requests);
         if let Some(version) = self.hand_over(published).await {
             self.gate.moved_to(version, verdict.after);
+            m.train_learnt.inc_by(requests);
         }
     }
 
@@ -1471,6 +1498,52 @@ mod tests {
             Next::Job(j) => Some(j.req.prompt[0]),
             Next::Empty | Next::Closed => None,
         }
+    }
+
+    fn to_learn(tokens: Vec<u32>) -> ToLearn {
+        ToLearn {
+            tokens,
+            prompt_tokens: 1,
+            generated: 1,
+            latency: Duration::ZERO,
+        }
+    }
+
+    #[test]
+    fn a_minibatch_takes_every_waiting_request_trains_each_text_once_and_cuts_them_to_fit() {
+        // Ten requests: the same 100-token text six times, and four texts of 300, 40, 300 and
+        // 300 tokens, with room for 512 positions (16 distinct texts at most).
+        let same: Vec<u32> = (0..100).collect();
+        let long = |seed: u32| -> Vec<u32> { (0..300).map(|i| i * 7 + seed).collect() };
+        let mut waiting: VecDeque<ToLearn> = [
+            same.clone(),
+            long(1),
+            same.clone(),
+            (0..40).rev().collect(),
+            same.clone(),
+            long(2),
+            same.clone(),
+            long(3),
+            same.clone(),
+            same.clone(),
+        ]
+        .into_iter()
+        .map(to_learn)
+        .collect();
+        let b = share_out(&mut waiting, 512);
+        assert!(waiting.is_empty(), "every request is taken");
+        assert_eq!(b.requests.len(), 10);
+        assert_eq!(b.seqs.len(), 5, "the repeated text trains once");
+        let total: usize = b.seqs.iter().map(Vec::len).sum();
+        assert!(total <= 512, "{total} positions");
+        // The short ones keep everything; the long ones split the rest, keeping their ends.
+        let lens: Vec<usize> = b.seqs.iter().map(Vec::len).collect();
+        assert_eq!(lens, vec![40, 100, 124, 124, 124]);
+        assert!(b.seqs.iter().any(|s| s.last() == Some(&(299 * 7 + 3))));
+        // Past the most distinct texts a minibatch holds, the rest wait for the next one.
+        let mut many: VecDeque<ToLearn> = (0..20u32).map(|i| to_learn(vec![i, i + 1])).collect();
+        let b = share_out(&mut many, 4 * MIN_SHARE);
+        assert_eq!((b.seqs.len(), many.len()), (4, 16));
     }
 
     #[test]

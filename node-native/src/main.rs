@@ -563,6 +563,7 @@ fn run_generate_mesh(args: GenerateArgs, bootstrap: libp2p::Multiaddr) -> Result
     let rt = node_native::remote::leader_runtime()?;
     let mut args = args;
     let mut learner: Option<Learner> = None;
+    let mut gate: Option<node_core::learn::CanaryGate> = None;
     let mut last = None;
     for i in 0..args.repeat.max(1) {
         if args.repeat > 1 {
@@ -581,7 +582,12 @@ fn run_generate_mesh(args: GenerateArgs, bootstrap: libp2p::Multiaddr) -> Result
         let tokens: Vec<u32> = prompt.iter().chain(&out).copied().collect();
         let started = std::time::Instant::now();
         let caught_before = leader.group.stats().caught.len();
-        let learned = leader.learn(&rt, &tokens, learner)?;
+        if gate.is_none() {
+            let canary = leader.tokenizer.encode(node_core::learn::CANARY_TEXT)?;
+            gate = Some(node_core::learn::CanaryGate::new(canary));
+        }
+        let canary_gate = gate.as_mut().context("the canary gate")?;
+        let learned = leader.learn(&rt, &tokens, learner, canary_gate)?;
         // Members caught in learning's rounds (a backward lie shows only there).
         let caught = &leader.group.stats().caught[caught_before..];
         for c in caught {
@@ -595,7 +601,7 @@ fn run_generate_mesh(args: GenerateArgs, bootstrap: libp2p::Multiaddr) -> Result
             prompt.len(),
             out.len(),
             latency,
-            learned.map(|l| l.loss),
+            learned.as_ref().map(|l| l.loss),
         );
         if let Err(e) = leader.report_served(&rt, usage) {
             tracing::warn!("the request was not counted in the mesh's usage: {e:#}");
@@ -604,6 +610,8 @@ fn run_generate_mesh(args: GenerateArgs, bootstrap: libp2p::Multiaddr) -> Result
             eprintln!("learned: loss {:.4} on {} tokens", l.loss, l.positions);
             if let Some(sent) = l.published {
                 print_sent(&sent, &leader, started);
+            } else if let Some(why) = l.refused {
+                eprintln!("update not published: {why}");
             } else {
                 eprintln!(
                     "gradient kept for the next update ({} of {} requests)",

@@ -68,6 +68,9 @@ pub struct Metrics {
     pub learn_requests: Counter,
     /// Requests whose tokens went into a gradient.
     pub train_trained: Counter,
+    /// Requests whose gradient went into an update the canary gate passed and this node
+    /// published.
+    pub train_learnt: Counter,
     /// Requests not trained on: their caller's learning budget was spent.
     pub train_over_budget: Counter,
     /// Updates the canary gate refused to publish.
@@ -137,6 +140,7 @@ impl Metrics {
             train_dropped: Counter::default(),
             learn_requests: Counter::default(),
             train_trained: Counter::default(),
+            train_learnt: Counter::default(),
             train_over_budget: Counter::default(),
             updates_refused: Counter::default(),
             canary_loss: Gauge::default(),
@@ -274,6 +278,11 @@ impl Metrics {
             "train_trained",
             "Requests whose tokens went into a gradient",
             m.train_trained.clone(),
+        );
+        r.register(
+            "train_learnt",
+            "Requests whose gradient went into an update the canary gate passed and this node published",
+            m.train_learnt.clone(),
         );
         r.register(
             "train_over_budget",

@@ -296,13 +296,15 @@ impl Leader {
     }
 
     /// Trains on `tokens` if the mesh learns: the gradient through the group, folded into
-    /// `learner`; when an update is due it is handed to every live row's holder (the rest catch
-    /// up from them). Returns the loss before the update and what was published, if anything.
+    /// `learner`; when an update is due and `gate` passes it, it is handed to every live row's
+    /// holder (the rest catch up from them). Returns the loss before the update and what was
+    /// published, if anything.
     pub fn learn(
         &mut self,
         rt: &tokio::runtime::Runtime,
         tokens: &[u32],
         learner: &mut Learner,
+        gate: &mut node_core::learn::CanaryGate,
     ) -> Result<Option<Learned>> {
         let cfg = self.manifest.learning;
         if !cfg.enabled || tokens.len() < 2 {
@@ -312,14 +314,24 @@ impl Leader {
         let tokens = &tokens[tokens.len().saturating_sub(max)..];
         let grads = rt.block_on(self.llama.gradients(&mut self.group, tokens))?;
         let loss = grads.loss;
-        let published = match learner.push(grads)? {
-            Some(p) => Some(self.publish(rt, p)?),
-            None => None,
-        };
+        let (mut published, mut refused) = (None, None);
+        if let Some(p) = learner.push(grads)? {
+            let taken = p.update.clone().taken_by(self.manifest.format);
+            let verdict =
+                rt.block_on(gate.judge(&self.llama, &mut self.group, self.version, &taken))?;
+            match verdict.refusal() {
+                Some(why) => {
+                    learner.refuse_last();
+                    refused = Some(why);
+                }
+                None => published = Some(self.publish(rt, p)?),
+            }
+        }
         Ok(Some(Learned {
             loss,
             positions: tokens.len(),
             published,
+            refused,
         }))
     }
 
@@ -393,7 +405,7 @@ impl Leader {
 }
 
 /// What one learning step did.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct Learned {
     /// Mean next-token loss on the request's tokens before the update.
     pub loss: f64,
@@ -401,6 +413,8 @@ pub struct Learned {
     pub positions: usize,
     /// The update published after this request, if one was due.
     pub published: Option<Sent>,
+    /// Why the canary gate refused the update that was due, if it did.
+    pub refused: Option<String>,
 }
 
 pub use node_core::lead::Sent;

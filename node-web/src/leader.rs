@@ -15,7 +15,7 @@ use node_core::coded::CodedGroup;
 use node_core::coded::rounds::{Asks, MemberAnswer, Rounds};
 use node_core::holder::HolderError;
 use node_core::lead::{Formed, GroupOptions, LeadLink, OwnRow};
-use node_core::learn::Learner;
+use node_core::learn::{CANARY_TEXT, CanaryGate, Learner};
 use node_core::mesh::{
     BrowserBootstrap, MeshRequest, MeshResponse, ModelManifest, RoundConfig, StepRefusal, Usage,
 };
@@ -102,11 +102,19 @@ pub(crate) struct LeaderModel {
     tokenizer: Tokenizer,
 }
 
+/// The version a group decodes at, and every live holder at it (where updates go).
+struct Versioned<'a> {
+    version: [u8; 32],
+    holders: &'a [PeerId],
+}
+
 /// What a page's leader keeps between requests.
 #[derive(Debug, Default)]
 pub(crate) struct Lead {
     model: Option<Rc<LeaderModel>>,
     learner: Option<Learner>,
+    /// Judges each update before it is published (made with the model's tokenizer).
+    gate: Option<CanaryGate>,
 }
 
 fn mesh_err(e: impl std::fmt::Display) -> WebError {
@@ -152,6 +160,7 @@ impl BrowserNode {
             holders,
             rows,
             live_rows,
+            version,
             ..
         } = node_core::lead::form(self, manifest, &info, &opts)
             .await
@@ -191,7 +200,11 @@ impl BrowserNode {
         let (loss, update) = match prompt.learn && manifest.learning.enabled {
             true => {
                 let all: Vec<u32> = ids.iter().chain(&out.tokens).copied().collect();
-                self.learn(&llama, &mut group, manifest, &all, &holders)
+                let at = Versioned {
+                    version,
+                    holders: &holders,
+                };
+                self.learn(&llama, &mut group, manifest, tokenizer, &all, at)
                     .await?
             }
             false => (None, None),
@@ -245,15 +258,16 @@ impl BrowserNode {
     }
 
     /// The request's gradient through the group, folded into this page's learner; a due
-    /// update is signed and handed to every live row's holder. Returns the loss and what was
-    /// handed out.
+    /// update goes through the canary gate, and is signed and handed to every live row's
+    /// holder if it passes. Returns the loss and what was handed out (or why not).
     async fn learn(
         &self,
         llama: &Llama,
         group: &mut CodedGroup<WebTransport>,
         manifest: &ModelManifest,
+        tokenizer: &Tokenizer,
         tokens: &[u32],
-        holders: &[PeerId],
+        Versioned { version, holders }: Versioned<'_>,
     ) -> Result<(Option<f64>, Option<String>), WebError> {
         if tokens.len() < 2 {
             return Ok((None, None));
@@ -272,6 +286,23 @@ impl BrowserNode {
         let Some(p) = published else {
             return Ok((Some(loss), None));
         };
+        // The gate leaves the page's state while it measures (across awaits), then returns.
+        let taken_gate = self.lead.borrow_mut().gate.take();
+        let mut gate = match taken_gate {
+            Some(g) => g,
+            None => CanaryGate::new(tokenizer.encode(CANARY_TEXT).map_err(mesh_err)?),
+        };
+        let taken = p.update.clone().taken_by(manifest.format);
+        let verdict = gate.judge(llama, group, version, &taken).await;
+        self.lead.borrow_mut().gate = Some(gate);
+        let verdict = verdict.map_err(mesh_err)?;
+        if let Some(why) = verdict.refusal() {
+            if let Some(l) = self.lead.borrow_mut().learner.as_mut() {
+                l.refuse_last();
+            }
+            tracing::warn!("the canary gate refused this page's update: {why}");
+            return Ok((Some(loss), Some(format!("not published: {why}"))));
+        }
         let sent = node_core::lead::publish(self, &self.key, holders, &p)
             .await
             .map_err(mesh_err)?;

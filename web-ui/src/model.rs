@@ -167,6 +167,13 @@ pub struct Sample {
     pub latency_ms: f64,
     /// Mean loss of the latest requests the mesh trained on (0 before any).
     pub loss: f64,
+    /// Canary loss after the latest updates the leaders' canary gates judged (0 before any).
+    pub canary_loss: f64,
+    /// Share of the requests finished over the last [`RATE_WINDOW_S`] seconds that the mesh
+    /// trained on (the last one seen while none finished).
+    pub trained_share: f64,
+    /// Updates the canary gates refused, in all.
+    pub refused: u64,
 }
 
 /// Seconds the tokens/s rate is averaged over.
@@ -198,6 +205,7 @@ impl History {
         let usage = info.map_or_else(Usage::default, |i| i.usage);
         let previous = self.latest().unwrap_or_default();
         let (mut latency_ms, mut loss) = (previous.latency_ms, previous.loss);
+        let mut canary_loss = previous.canary_loss;
         if let Some(&(_, before)) = self.usage.back() {
             // Counters only grow; a node that restarted or was forgotten shrinks them.
             let requests = usage.requests.saturating_sub(before.requests);
@@ -211,6 +219,12 @@ impl History {
                     / 1e6
                     / trained as f64;
             }
+            let gated = usage.gated.saturating_sub(before.gated);
+            if gated > 0 {
+                canary_loss = usage.canary_micro.saturating_sub(before.canary_micro) as f64
+                    / 1e6
+                    / gated as f64;
+            }
         }
         self.usage.push_back((t, usage));
         while self.usage.len() > 1 && t - self.usage[1].0 >= RATE_WINDOW_S {
@@ -223,6 +237,13 @@ impl History {
             }
             _ => 0.0,
         };
+        let trained_share = match self.usage.front() {
+            Some(&(_, u0)) if usage.requests > u0.requests => {
+                usage.trained.saturating_sub(u0.trained) as f64
+                    / (usage.requests - u0.requests) as f64
+            }
+            _ => previous.trained_share,
+        };
         self.samples.push_back(Sample {
             t,
             gossip_bytes_per_s,
@@ -233,6 +254,9 @@ impl History {
             requests: usage.requests,
             latency_ms,
             loss,
+            canary_loss,
+            trained_share: trained_share.min(1.0),
+            refused: usage.refused,
         });
         while self.samples.len() > HISTORY_LEN {
             self.samples.pop_front();
@@ -383,9 +407,37 @@ mod tests {
         assert_eq!((s.latency_ms, s.loss), (1500.0, 2.5));
         h.push(30.0, 0, 0, Some(&i));
         assert_eq!(h.latest().unwrap_or_default().tokens_per_s, 0.0);
+        assert_eq!(h.latest().unwrap_or_default().trained_share, 0.5);
         // A node forgotten shrinks the totals: no negative rates.
         h.push(31.0, 0, 0, Some(&info(vec![])));
         assert_eq!(h.latest().unwrap_or_default().tokens_per_s, 0.0);
+    }
+
+    #[test]
+    fn the_canary_loss_and_the_trained_share_follow_the_leaders_reports() {
+        let mut h = History::default();
+        let mut i = info(vec![]);
+        h.push(0.0, 0, 0, Some(&i));
+        let s = h.latest().unwrap_or_default();
+        assert_eq!((s.canary_loss, s.trained_share, s.refused), (0.0, 0.0, 0));
+        // Two updates judged (canary 3.0 and 3.5 after them, the second refused); three
+        // requests finished, two trained on.
+        i.usage.add(&Usage::of_gate(3.0, false));
+        i.usage.add(&Usage::of_gate(3.5, true));
+        let req = |loss| Usage::of_request(5, 15, std::time::Duration::from_millis(100), loss);
+        for loss in [Some(2.0), Some(2.0), None] {
+            i.usage.add(&req(loss));
+        }
+        h.push(2.0, 0, 0, Some(&i));
+        let s = h.latest().unwrap_or_default();
+        assert_eq!(s.canary_loss, 3.25);
+        assert!((s.trained_share - 2.0 / 3.0).abs() < 1e-12);
+        assert_eq!(s.refused, 1);
+        // Nothing new: both stay as last seen.
+        h.push(3.0, 0, 0, Some(&i));
+        let s = h.latest().unwrap_or_default();
+        assert_eq!(s.canary_loss, 3.25);
+        assert!((s.trained_share - 2.0 / 3.0).abs() < 1e-12);
     }
 
     #[test]

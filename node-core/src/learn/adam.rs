@@ -9,8 +9,9 @@
 //! applies, so the rows stay one codeword; Adam's non-linearity lives in the leader's state,
 //! never in a shard (DESIGN.md §1, §10).
 //!
-//! Each entry moves by at most `lr / √cols` a step (Adam's direction clamped to ±1): `lr` is
-//! the step in units of `V`'s rows scaled to unit length, and it is what holders check
+//! Each entry moves by at most `lr / √cols` a request (Adam's direction clamped to ±1): `lr` is
+//! the step in units of `V`'s rows scaled to unit length. A minibatch of `m` requests steps
+//! `√m` times as far, up to [`MAX_BATCH_SCALE`] times, and that is what holders check
 //! ([`super::Update::validate_for`]).
 
 use super::{Precision, StageFactors, Update, wire};
@@ -24,6 +25,11 @@ pub const BETA1: f64 = 0.9;
 pub const BETA2: f64 = 0.999;
 /// Adam's floor under the second moment's root.
 pub const EPSILON: f64 = 1e-10;
+
+/// Most a minibatch's step is scaled: a step over `m` requests moves `√m` times as far as one
+/// request's (the usual rule for Adam's rate against its batch size), up to this many times;
+/// holders accept adapter entries moved by up to this many times the rate.
+pub const MAX_BATCH_SCALE: f64 = 4.0;
 
 /// One stage's adapter gradients: per matrix, `out × rank` row-major.
 type StageGrads = Vec<Vec<f32>>;
@@ -191,10 +197,12 @@ impl AdapterAdam {
         }
     }
 
-    /// One Adam step on the mean of the pending gradients, as the update every node applies;
-    /// `None` when nothing is pending.
-    pub fn step(&mut self, t: u32) -> Option<Update> {
+    /// One Adam step on the mean of the pending gradients, over `t` positions of `sequences`
+    /// requests (the step moves `√sequences` times as far, at most [`MAX_BATCH_SCALE`]), as
+    /// the update every node applies; `None` when nothing is pending.
+    pub fn step(&mut self, t: u32, sequences: u32) -> Option<Update> {
         let (grads, n) = self.pending.take()?;
+        let batch = f64::from(sequences.max(1)).sqrt().min(MAX_BATCH_SCALE);
         self.before = Some((self.stages.clone(), self.steps));
         self.steps += 1;
         let scale = 1.0 / f64::from(n.max(1));
@@ -211,7 +219,8 @@ impl AdapterAdam {
             .map(|(mo, ga)| {
                 let proj = Projection::of(mo.cols);
                 // dy = direction / √cols, in the units the format takes (`entry_per_dy`).
-                let unit = 1.0 / ((mo.cols as f64).sqrt() * entry_per_dy(format, mo.cols, mo.rank));
+                let unit =
+                    batch / ((mo.cols as f64).sqrt() * entry_per_dy(format, mo.cols, mo.rank));
                 let dy = mo
                     .m
                     .iter_mut()
@@ -262,7 +271,8 @@ impl AdapterAdam {
 
 /// Whether `u` is an adapter step within the bound `lr` sets on a mesh of `format`: every
 /// stage's input factor is its projection `V`, no adapter entry moves by more than
-/// `lr / √cols`, and neither the lookup rows nor the norm gains move.
+/// `MAX_BATCH_SCALE · lr / √cols` (a minibatch's step), and neither the lookup rows nor the
+/// norm gains move.
 pub fn check_adapter_step(u: &Update, format: ShardFormat, lr: f32) -> Result<(), String> {
     if !u.embed_tokens.is_empty() || !u.embed_dx.is_empty() {
         return Err("an adapter step carries no lookup rows".into());
@@ -292,7 +302,7 @@ pub fn check_adapter_step(u: &Update, format: ShardFormat, lr: f32) -> Result<()
                 f.stage
             ));
         }
-        let most = f64::from(lr) / (cols as f64).sqrt();
+        let most = f64::from(lr) * MAX_BATCH_SCALE / (cols as f64).sqrt();
         let per = f64::from(u.step) * entry_per_dy(format, cols, proj.rank());
         let largest = f.dy.iter().flatten().fold(0.0f32, |a, &v| a.max(v.abs()));
         if f64::from(largest) * per > most * slack {

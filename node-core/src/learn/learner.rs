@@ -115,7 +115,7 @@ impl Learner {
     pub fn flush(&mut self) -> Result<Option<Published>, UpdateError> {
         if let Some(adam) = &mut self.adam {
             let positions = std::mem::take(&mut self.positions);
-            let Some(update) = adam.step(positions) else {
+            let Some(update) = adam.step(positions, self.sequences) else {
                 return Ok(None);
             };
             self.requests = 0;

@@ -453,9 +453,15 @@ fn adam_keeps_one_codeword_and_learns(format: ShardFormat) {
         update
             .validate_for(&reference.cfg, &cfg, format)
             .unwrap_or_else(|e| panic!("update {i}: {e}"));
-        // An update that moves an adapter entry twice as far as the rate allows is refused.
+        // An update that moves one adapter entry a tenth further than the rate allows a
+        // minibatch is refused.
         let mut bold = update.clone();
-        bold.stages[0].dy[0].iter_mut().for_each(|v| *v *= 2.0);
+        let cols = bold.stages[0].x.len() / bold.stages[0].rows as usize;
+        let rank = bold.stages[0].rows as usize;
+        let most = f64::from(cfg.lr) * node_core::learn::MAX_BATCH_SCALE
+            / (cols as f64).sqrt()
+            / (f64::from(bold.step) * node_core::learn::entry_per_dy(format, cols, rank));
+        bold.stages[0].dy[0][0] = (1.1 * most) as f32;
         assert!(matches!(
             bold.validate_for(&reference.cfg, &cfg, format),
             Err(UpdateError::Settings(_))

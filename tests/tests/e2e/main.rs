@@ -13,6 +13,7 @@ mod browser;
 mod calibration;
 mod coded_real_model;
 mod hf_safetensors;
+mod learning_real_model;
 mod mesh_processes;
 mod reference_logits;
 mod sim_mesh;

@@ -598,10 +598,7 @@ fn restore_rows(
         let data = node_native::store::DataDir::open(&mesh_data(dir, i))?;
         let (manifest, _) = data.manifest()?.context("manifest")?;
         let shard = data.shard()?.context("shard")?;
-        let rules = node_native::learning::Rules {
-            cfg: manifest.cfg.clone(),
-            learning: manifest.learning,
-        };
+        let rules = node_native::learning::Rules::of(&manifest);
         let store = node_native::learning::UpdateStore::open(&data)?;
         let state = store.restore(shard, &rules, &manifest.leader)?;
         assert_eq!(state.version.count(), requests as u64, "node {i}");

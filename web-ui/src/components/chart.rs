@@ -4,8 +4,8 @@ use leptos::prelude::*;
 
 use crate::app::Live;
 
-/// Tokens/s, requests, latency, loss, gossip bytes/s, heartbeats/s, healthy rows and updates
-/// applied, now.
+/// Tokens/s, requests, latency, loss, the canary loss and the share trained on, gossip bytes/s,
+/// heartbeats/s, healthy rows and updates applied, now.
 #[component]
 pub fn LiveNumbers() -> impl IntoView {
     let live = expect_context::<Live>();
@@ -32,6 +32,19 @@ pub fn LiveNumbers() -> impl IntoView {
                         if l > 0.0 { format!("{l:.4}") } else { "–".to_string() }
                     }}
                 </dd>
+                <dt>"canary loss"</dt>
+                <dd id="canary">
+                    {move || {
+                        let c = latest().canary_loss;
+                        if c > 0.0 { format!("{c:.4}") } else { "–".to_string() }
+                    }}
+                </dd>
+                <dt>"requests trained on"</dt>
+                <dd id="trained-share">
+                    {move || format!("{:.0}%", 100.0 * latest().trained_share)}
+                </dd>
+                <dt>"updates refused by the canary gate"</dt>
+                <dd id="refused">{move || latest().refused}</dd>
                 <dt>"gossip received"</dt>
                 <dd id="gossip">{move || format!("{:.0} B/s", latest().gossip_bytes_per_s)}</dd>
                 <dt>"heartbeats"</dt>
@@ -45,7 +58,8 @@ pub fn LiveNumbers() -> impl IntoView {
     }
 }
 
-/// The last minute of tokens/s and loss, then of gossip traffic and healthy rows.
+/// The last minute of tokens/s and loss, of gossip traffic and healthy rows, and of learning:
+/// the canary loss and the share of requests trained on.
 #[component]
 pub fn HistoryChart() -> impl IntoView {
     let live = expect_context::<Live>();
@@ -54,6 +68,8 @@ pub fn HistoryChart() -> impl IntoView {
     let loss = move || live.history.get().polyline(w, h, |s| s.loss);
     let gossip = move || live.history.get().polyline(w, h, |s| s.gossip_bytes_per_s);
     let healthy = move || live.history.get().polyline(w, h, |s| s.healthy_rows as f64);
+    let canary = move || live.history.get().polyline(w, h, |s| s.canary_loss);
+    let share = move || live.history.get().polyline(w, h, |s| s.trained_share);
     view! {
         <section>
             <h2>"Last minute"</h2>
@@ -74,6 +90,15 @@ pub fn HistoryChart() -> impl IntoView {
                 <span class="gossip">"gossip B/s"</span>
                 " "
                 <span class="healthy">"healthy rows"</span>
+            </p>
+            <svg class="chart" viewBox=format!("0 0 {w} {h}") preserveAspectRatio="none">
+                <polyline class="canary" points=canary />
+                <polyline class="share" points=share />
+            </svg>
+            <p class="legend">
+                <span class="canary">"canary loss"</span>
+                " "
+                <span class="share">"share of requests trained on"</span>
             </p>
         </section>
     }
