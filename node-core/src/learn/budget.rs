@@ -75,8 +75,8 @@ impl Budgets {
     fn forget_fullest(&mut self, now: Duration) {
         let fullest = self
             .buckets
-            .iter()
-            .map(|(k, _)| (k.clone(), self.left(k, now)))
+            .keys()
+            .map(|k| (k.clone(), self.left(k, now)))
             .max_by(|a, b| a.1.total_cmp(&b.1))
             .map(|(k, _)| k);
         if let Some(k) = fullest {

@@ -162,7 +162,7 @@ impl<'a, E> Pending<'a, E> {
 
 /// `a (t × w) · bᵀ (w × r)` for row-major `b` (`r × w`), in f32 with f64 sums: `t × r`.
 fn times_t(a: &[f32], b: &[f32], t: usize, r: usize) -> Vec<f32> {
-    let w = if t == 0 { 0 } else { a.len() / t };
+    let w = a.len().checked_div(t).unwrap_or(0);
     let mut out = vec![0.0f32; t * r];
     if w == 0 || b.len() != r * w {
         return out;
@@ -177,7 +177,7 @@ fn times_t(a: &[f32], b: &[f32], t: usize, r: usize) -> Vec<f32> {
 
 /// `y (t × w) += c · p (t × r) · b (r × w)`.
 fn add_times(y: &mut [f32], p: &[f32], b: &[f32], r: usize, c: f32) {
-    let w = if r == 0 { 0 } else { b.len() / r };
+    let w = b.len().checked_div(r).unwrap_or(0);
     if w == 0 {
         return;
     }
