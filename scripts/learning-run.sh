@@ -10,7 +10,7 @@
 # continues the i-th entry of FILE (entries separated by lines holding only '%', as Debian's
 # fortunes files are; the first 300 characters of each), and the mesh learns from the prompt and
 # its own answer. Held-out text: Debian's fortunes `literature` file. Extra arguments go to
-# `codedmesh seed` (e.g. --lr 1e-4, --accumulate 4 --momentum 0.5, or --rank 0).
+# `codedmesh seed` (e.g. --lr 1e-3, or --optimizer sgd --lr 1e-4 --accumulate 4 --momentum 0.5).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
