@@ -531,6 +531,11 @@ pub(crate) struct GenerateArgs {
     /// them, so this is the record of what a leader taught the mesh.
     #[arg(long)]
     pub(crate) keep_published: Option<PathBuf>,
+    /// Publish every due learning update without the canary gate's check (mesh only). The
+    /// gate guards the mesh against what clients send; this leader's operator may skip it,
+    /// e.g. to soak the mesh with every update a fast learning rate makes.
+    #[arg(long)]
+    pub(crate) no_canary_gate: bool,
     /// Write every coded step to this file, one JSON line each: time, step, member, bytes,
     /// duration (mesh only).
     #[arg(long)]

@@ -296,15 +296,15 @@ impl Leader {
     }
 
     /// Trains on `tokens` if the mesh learns: the gradient through the group, folded into
-    /// `learner`; when an update is due and `gate` passes it, it is handed to every live row's
-    /// holder (the rest catch up from them). Returns the loss before the update and what was
-    /// published, if anything.
+    /// `learner`; when an update is due and `gate` (if any) passes it, it is handed to every
+    /// live row's holder (the rest catch up from them). Returns the loss before the update and
+    /// what was published, if anything.
     pub fn learn(
         &mut self,
         rt: &tokio::runtime::Runtime,
         tokens: &[u32],
         learner: &mut Learner,
-        gate: &mut node_core::learn::CanaryGate,
+        gate: Option<&mut node_core::learn::CanaryGate>,
     ) -> Result<Option<Learned>> {
         let cfg = self.manifest.learning;
         if !cfg.enabled || tokens.len() < 2 {
@@ -316,10 +316,15 @@ impl Leader {
         let loss = grads.loss;
         let (mut published, mut refused) = (None, None);
         if let Some(p) = learner.push(grads)? {
-            let taken = p.update.clone().taken_by(self.manifest.format);
-            let verdict =
-                rt.block_on(gate.judge(&self.llama, &mut self.group, self.version, &taken))?;
-            match verdict.refusal() {
+            let refusal = match gate {
+                Some(gate) => {
+                    let taken = p.update.clone().taken_by(self.manifest.format);
+                    let judged = gate.judge(&self.llama, &mut self.group, self.version, &taken);
+                    rt.block_on(judged)?.refusal()
+                }
+                None => None,
+            };
+            match refusal {
                 Some(why) => {
                     learner.refuse_last();
                     refused = Some(why);

@@ -491,7 +491,8 @@ fn compact_rows_learn_across_restarts_and_rebuilds_and_end_on_one_codeword() -> 
             .generate_with(
                 "hello world, this is a test",
                 6,
-                &["--keep-published", &keep],
+                // Every update on the mesh, at a rate the canary gate would stop.
+                &["--keep-published", &keep, "--no-canary-gate"],
                 || {},
             )
             .with_context(|| format!("request {i}"))?;
