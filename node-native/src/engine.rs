@@ -1391,11 +1391,17 @@ impl Trainer {
                 return;
             }
         };
-        m.canary_loss.set(verdict.after);
+        // The mesh's canary loss from here on: after the update if it goes out, else before it.
+        let canary = if verdict.pass {
+            verdict.after
+        } else {
+            verdict.before
+        };
+        m.canary_loss.set(canary);
         self.lead
             .ctx
             .local
-            .served(Usage::of_gate(verdict.after, !verdict.pass))
+            .served(Usage::of_gate(canary, !verdict.pass))
             .await;
         if let Some(why) = verdict.refusal() {
             m.updates_refused.inc();

@@ -75,7 +75,8 @@ pub struct Metrics {
     pub train_over_budget: Counter,
     /// Updates the canary gate refused to publish.
     pub updates_refused: Counter,
-    /// The canary loss after the last update the gate judged.
+    /// The mesh's canary loss as of the last update the gate judged (after it when it was
+    /// published, before it when refused).
     pub canary_loss: Gauge<f64, AtomicU64>,
     /// Mean next-token loss of the last training batch.
     pub loss: Gauge<f64, AtomicU64>,
@@ -296,7 +297,7 @@ impl Metrics {
         );
         r.register(
             "canary_loss",
-            "Canary loss after the last learning update the gate judged",
+            "The mesh's canary loss as of the last learning update the gate judged (after it if published, before it if refused)",
             m.canary_loss.clone(),
         );
         r.register(

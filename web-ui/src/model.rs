@@ -167,7 +167,8 @@ pub struct Sample {
     pub latency_ms: f64,
     /// Mean loss of the latest requests the mesh trained on (0 before any).
     pub loss: f64,
-    /// Canary loss after the latest updates the leaders' canary gates judged (0 before any).
+    /// The mesh's canary loss as of the latest updates the leaders' canary gates judged (0
+    /// before any).
     pub canary_loss: f64,
     /// Share of the requests finished over the last [`RATE_WINDOW_S`] seconds that the mesh
     /// trained on (the last one seen while none finished).

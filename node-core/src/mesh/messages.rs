@@ -62,7 +62,8 @@ pub struct Usage {
     pub gated: u64,
     /// Of those, the ones it refused.
     pub refused: u64,
-    /// The canary losses it measured after each judged update, summed, in millionths.
+    /// The mesh's canary loss as of each judged update (after it when published, before it
+    /// when refused), summed, in millionths.
     pub canary_micro: u64,
 }
 
@@ -85,12 +86,13 @@ impl Usage {
         }
     }
 
-    /// One update the canary gate judged: the canary loss after it, and whether it refused it.
-    pub fn of_gate(canary_after: f64, refused: bool) -> Self {
+    /// One update the canary gate judged: the mesh's canary loss as of it, and whether it
+    /// refused it.
+    pub fn of_gate(canary: f64, refused: bool) -> Self {
         Self {
             gated: 1,
             refused: u64::from(refused),
-            canary_micro: micro(canary_after),
+            canary_micro: micro(canary),
             ..Self::default()
         }
     }
