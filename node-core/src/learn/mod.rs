@@ -239,11 +239,7 @@ impl Update {
             .sum::<f64>();
         sq += self
             .norms
-            .attn_norm
-            .iter()
-            .chain(&self.norms.ffn_norm)
-            .chain(std::iter::once(&self.norms.final_norm))
-            .flatten()
+            .values()
             .map(|&v| (v as f64).powi(2))
             .sum::<f64>();
         sq.sqrt()

@@ -117,6 +117,15 @@ impl LeaderWeights {
         }
     }
 
+    /// Every gain, block by block (attention's, then the feed-forward's), the final last.
+    pub fn values(&self) -> impl Iterator<Item = &f32> {
+        self.attn_norm
+            .iter()
+            .chain(&self.ffn_norm)
+            .chain(std::iter::once(&self.final_norm))
+            .flatten()
+    }
+
     /// Whether the gains have the model's shape.
     pub fn fits(&self, cfg: &LlamaConfig) -> bool {
         self.attn_norm.len() == cfg.layers
