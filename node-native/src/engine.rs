@@ -1103,12 +1103,11 @@ impl Worker {
             )
         });
         let _ = seq.job.events.send(Event::Done(done));
-        let tokens = seq.text;
         let ctx = &self.lead.ctx;
         let window = node_core::learn::training_window(&ctx.manifest.learning, &ctx.manifest.cfg)
             .min(LEARN_TOKENS);
         let item = ToLearn {
-            tokens: tokens[tokens.len().saturating_sub(window)..].to_vec(),
+            tokens: node_core::learn::taught(&seq.job.req.prompt, window).to_vec(),
             prompt_tokens: done.prompt_tokens,
             generated: done.tokens,
             latency,

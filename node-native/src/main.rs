@@ -579,14 +579,13 @@ fn run_generate_mesh(args: GenerateArgs, bootstrap: libp2p::Multiaddr) -> Result
                 leader.manifest.format,
             )
         });
-        let tokens: Vec<u32> = prompt.iter().chain(&out).copied().collect();
         let started = std::time::Instant::now();
         let caught_before = leader.group.stats().caught.len();
         if gate.is_none() && !args.no_canary_gate {
             let canary = leader.tokenizer.encode(node_core::learn::CANARY_TEXT)?;
             gate = Some(node_core::learn::CanaryGate::new(canary));
         }
-        let learned = leader.learn(&rt, &tokens, learner, gate.as_mut())?;
+        let learned = leader.learn(&rt, &prompt, learner, gate.as_mut())?;
         // Members caught in learning's rounds (a backward lie shows only there).
         let caught = &leader.group.stats().caught[caught_before..];
         for c in caught {

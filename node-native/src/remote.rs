@@ -295,23 +295,23 @@ impl Leader {
         })
     }
 
-    /// Trains on `tokens` if the mesh learns: the gradient through the group, folded into
+    /// Trains on what `prompt` teaches ([`node_core::learn::taught`]) if the mesh learns: the gradient through the group, folded into
     /// `learner`; when an update is due and `gate` (if any) passes it, it is handed to every
     /// live row's holder (the rest catch up from them). Returns the loss before the update and
     /// what was published, if anything.
     pub fn learn(
         &mut self,
         rt: &tokio::runtime::Runtime,
-        tokens: &[u32],
+        prompt: &[u32],
         learner: &mut Learner,
         gate: Option<&mut node_core::learn::CanaryGate>,
     ) -> Result<Option<Learned>> {
         let cfg = self.manifest.learning;
-        if !cfg.enabled || tokens.len() < 2 {
+        if !cfg.enabled || prompt.len() < 2 {
             return Ok(None);
         }
         let max = node_core::learn::training_window(&cfg, &self.manifest.cfg);
-        let tokens = &tokens[tokens.len().saturating_sub(max)..];
+        let tokens = node_core::learn::taught(prompt, max);
         let grads = rt.block_on(self.llama.gradients(&mut self.group, tokens))?;
         let loss = grads.loss;
         let (mut published, mut refused) = (None, None);

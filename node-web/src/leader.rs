@@ -199,12 +199,11 @@ impl BrowserNode {
 
         let (loss, update) = match prompt.learn && manifest.learning.enabled {
             true => {
-                let all: Vec<u32> = ids.iter().chain(&out.tokens).copied().collect();
                 let at = Versioned {
                     version,
                     holders: &holders,
                 };
-                self.learn(&llama, &mut group, manifest, tokenizer, &all, at)
+                self.learn(&llama, &mut group, manifest, tokenizer, &ids, at)
                     .await?
             }
             false => (None, None),
@@ -266,14 +265,14 @@ impl BrowserNode {
         group: &mut CodedGroup<WebTransport>,
         manifest: &ModelManifest,
         tokenizer: &Tokenizer,
-        tokens: &[u32],
+        prompt: &[u32],
         Versioned { version, holders }: Versioned<'_>,
     ) -> Result<(Option<f64>, Option<String>), WebError> {
-        if tokens.len() < 2 {
+        if prompt.len() < 2 {
             return Ok((None, None));
         }
         let window = node_core::learn::training_window(&manifest.learning, &manifest.cfg);
-        let tokens = &tokens[tokens.len().saturating_sub(window)..];
+        let tokens = node_core::learn::taught(prompt, window);
         let grads = llama.gradients(group, tokens).await.map_err(mesh_err)?;
         let loss = grads.loss;
         let published = {

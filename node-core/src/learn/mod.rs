@@ -164,6 +164,14 @@ fn fits(f: &StageFactors, cfg: &LlamaConfig) -> bool {
             .all(|(dy, &(out, _))| dy.len() == rows * out)
 }
 
+/// What a request teaches the mesh: the last `window` positions of the text its caller sent
+/// (its prompt), never the mesh's own completion. Training on its own greedy answers teaches a
+/// model nothing it did not know and narrows it: measured, repeated chats raised the canary
+/// loss until the gate refused every update (docs/coding.md, "Learning that learns").
+pub fn taught(prompt: &[u32], window: usize) -> &[u32] {
+    &prompt[prompt.len().saturating_sub(window)..]
+}
+
 /// How many of a request's last positions a leader trains on: up to the context and
 /// [`MAX_POSITIONS`], and with exact factors (rank 0) as many as keep an update well inside
 /// one message.
