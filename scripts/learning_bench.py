@@ -121,6 +121,7 @@ def load(args, rows):
             rows.append((f"{clients} client(s): requests in a published update "
                          f"(the canary gate refused {delta('updates_refused'):.0f} updates)",
                          f"{learnt:.0f} / {asked:.0f} = {100 * learnt / asked:.0f}%"))
+            rows.append((f"{clients} client(s): updates published", f"{delta('updates_published'):.0f}"))
 
 
 def main():

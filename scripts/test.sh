@@ -53,6 +53,9 @@ bash scripts/build-web.sh
 step "cargo fmt --check"
 cargo fmt --all -- --check
 
+step "the house rules: no import cycle, no source file over 900 lines, README and docs/perf.md within their lengths"
+python3 scripts/house.py
+
 step "clippy (native, all targets, -D warnings)"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 

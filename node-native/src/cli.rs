@@ -8,7 +8,7 @@ use anyhow::Result;
 use clap::{Parser, Subcommand};
 use node_core::coded::ShardFormat;
 use node_core::mesh::HealthConfig;
-use node_native::node;
+use node_native::hold;
 
 /// Coded Mesh: a transformer served by Cauchy-coded shards, any k of n nodes.
 #[derive(Debug, Parser)]
@@ -311,14 +311,14 @@ impl NetArgs {
     pub(crate) fn options(
         &self,
         bootstrap: Option<libp2p::Multiaddr>,
-    ) -> Result<node::NodeOptions> {
+    ) -> Result<hold::NodeOptions> {
         let health = HealthConfig {
             heartbeat_interval: Duration::from_millis(self.heartbeat_ms),
             suspect_after: Duration::from_millis(self.suspect_ms),
             dead_after: Duration::from_millis(self.dead_ms),
         };
         health.validate()?;
-        Ok(node::NodeOptions {
+        Ok(hold::NodeOptions {
             data: self.data.clone(),
             bootstrap,
             listen: self.listen.clone(),
@@ -329,7 +329,7 @@ impl NetArgs {
             device: self.device,
             http: (!self.no_http).then_some(self.http),
             web_dir: self.web_dir.clone(),
-            serve: node_native::engine::EngineConfig {
+            serve: node_native::serve::engine::EngineConfig {
                 max_batch: self.serve.max_batch,
                 queue: self.serve.queue,
                 learn: !self.serve.no_learn,
@@ -422,7 +422,7 @@ pub(crate) struct NodeArgs {
     /// scaled by 1 + 1e-3, a shard missing the first update received (stale), or claiming
     /// every update while applying none (lie-version).
     #[arg(long, value_enum)]
-    pub(crate) inject_fault: Option<node::InjectedFault>,
+    pub(crate) inject_fault: Option<hold::InjectedFault>,
     /// Run the node as a child process and start it again when it crashes (with a growing
     /// wait between crashes in a row).
     #[arg(long)]

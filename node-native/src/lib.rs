@@ -1,30 +1,14 @@
-//! Coded Mesh native node: model files on disk, the default model's fetcher, the CLI's parts.
+//! Coded Mesh native node, by role: serving the OpenAI API and leading its requests
+//! ([`serve`]), holding a coded row ([`hold`]), leading from the command line ([`lead`]), the
+//! libp2p network ([`net`]), benches ([`bench`]), a whole local mesh ([`up`]), and model files
+//! on disk.
 
-pub mod api;
-pub mod apistream;
-pub mod background;
 pub mod bench;
-pub mod engine;
 pub mod fetch;
-pub mod gpubench;
-pub mod hop;
-pub mod http;
-pub mod learnbench;
-pub mod learning;
-pub mod link;
+pub mod hold;
+pub mod lead;
 pub mod load;
-pub mod local_session;
-pub mod localmesh;
-pub mod metrics;
-pub mod node;
+pub mod net;
 pub mod progress;
-pub mod remote;
-pub mod row;
-pub mod rpc;
-pub mod session;
-pub mod steplog;
-pub mod store;
-pub mod supervise;
-pub mod swarm;
+pub mod serve;
 pub mod up;
-pub mod verifybench;

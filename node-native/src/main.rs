@@ -14,8 +14,8 @@ use node_core::model::{
     generate_with, run_pass,
 };
 use node_core::model::{Generation, LlamaConfig, ModelWeights, Tokenizer};
-use node_native::remote::{Leader, Session};
-use node_native::{fetch, load, node, progress};
+use node_native::lead::remote::{Leader, Session};
+use node_native::{fetch, hold, load, progress};
 use std::sync::Arc;
 use std::time::Duration;
 use tracing_subscriber::EnvFilter;
@@ -24,7 +24,7 @@ mod cli;
 
 use cli::{BenchArgs, Cli, Command, EvalArgs, GenerateArgs, StatusArgs, UpArgs};
 
-/// The allocator: the rounds allocate and free a few buffers each (docs/perf.md, "An allocator
+/// The allocator: the rounds allocate and free a few buffers each (docs/perf-history.md, "An allocator
 /// for the rounds").
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -56,7 +56,7 @@ fn main() {
                 accumulate: args.accumulate,
                 momentum: args.momentum,
             };
-            rt.block_on(node::seed(
+            rt.block_on(hold::seed(
                 opts,
                 model,
                 args.k,
@@ -67,7 +67,7 @@ fn main() {
             ))
         }),
         Command::Node(args) if args.supervise => runtime().and_then(|rt| {
-            rt.block_on(node_native::supervise::supervise_self(
+            rt.block_on(node_native::up::supervise::supervise_self(
                 "--supervise",
                 &format!("node {}", args.net.data.display()),
             ))
@@ -75,7 +75,7 @@ fn main() {
         Command::Node(args) => runtime().and_then(|rt| {
             let mut opts = args.net.options(args.bootstrap.clone())?;
             opts.fault = args.inject_fault;
-            rt.block_on(node::node(opts))
+            rt.block_on(hold::node(opts))
         }),
         Command::Up(args) => runtime().and_then(|rt| rt.block_on(run_up(args))),
         Command::Status(args) => run_status(args),
@@ -101,8 +101,10 @@ async fn run_up(args: UpArgs) -> Result<()> {
         "--draft".into(),
         args.draft.to_string().into(),
     ];
-    node_args.extend(node_native::supervise::group_args(&args.group.options()));
-    let cores = node_native::supervise::cores();
+    node_args.extend(node_native::up::supervise::group_args(
+        &args.group.options(),
+    ));
+    let cores = node_native::up::supervise::cores();
     let (k, nodes) = node_native::up::default_shape(cores, args.k, args.nodes);
     if args.k.is_none() && k != 3 {
         eprintln!(
@@ -144,9 +146,9 @@ const BENCH_TEXT: &str = "The history of the printing press begins in the fiftee
 
 /// `codedmesh bench --learning`.
 fn run_learning_bench(args: &BenchArgs, model: &load::LoadedModel) -> Result<()> {
-    use node_native::learnbench;
+    use node_native::bench::learning;
     let (k, n) =
-        node_native::up::default_shape(node_native::supervise::cores(), args.k, args.nodes);
+        node_native::up::default_shape(node_native::up::supervise::cores(), args.k, args.nodes);
     let format = cli::mesh_format(args.learn_format, k, n);
     let (optimizer, lr) = args.optimizer.with_lr(args.lr);
     let learning = node_core::mesh::LearningConfig {
@@ -170,31 +172,31 @@ fn run_learning_bench(args: &BenchArgs, model: &load::LoadedModel) -> Result<()>
             None => eprintln!("{what} {i}: loss {loss:.4}"),
         }
     };
-    let taught = learnbench::teach_in_process(
+    let taught = learning::teach_in_process(
         &model.weights,
         &model.tokenizer,
         format,
         (n, k),
         learning,
-        learnbench::TAUGHT,
+        learning::TAUGHT,
         args.exposures,
         !args.no_gate,
         log("taught"),
     )?;
-    rows.extend(learnbench::taught_rows("taught", &taught, args.exposures));
+    rows.extend(learning::taught_rows("taught", &taught, args.exposures));
     if args.poison > 0 {
-        let poisoned = learnbench::teach_in_process(
+        let poisoned = learning::teach_in_process(
             &model.weights,
             &model.tokenizer,
             format,
             (n, k),
             learning,
-            learnbench::GARBAGE,
+            learning::GARBAGE,
             args.poison,
             !args.no_gate,
             log("poison"),
         )?;
-        rows.extend(learnbench::taught_rows("poison", &poisoned, args.poison));
+        rows.extend(learning::taught_rows("poison", &poisoned, args.poison));
     }
     node_native::bench::print_table(&rows);
     Ok(())
@@ -226,7 +228,7 @@ fn run_bench(args: BenchArgs) -> Result<()> {
         .iter()
         .map(|p| model.tokenizer.encode(p))
         .collect::<Result<Vec<_>, _>>()?;
-        let rows = node_native::verifybench::run(
+        let rows = node_native::bench::verify::run(
             &model.weights,
             &prompts,
             args.trials,
@@ -247,7 +249,7 @@ fn run_bench(args: BenchArgs) -> Result<()> {
     }
     // The mesh `up` starts on this machine, unless the flags say otherwise.
     let (k, n) =
-        node_native::up::default_shape(node_native::supervise::cores(), args.k, args.nodes);
+        node_native::up::default_shape(node_native::up::supervise::cores(), args.k, args.nodes);
     let measured = node_native::bench::run(&model.weights, &prompt, args.tokens, (k, n))?;
     let mut rows = measured.rows;
     if args.mesh {
@@ -274,7 +276,7 @@ fn run_bench(args: BenchArgs) -> Result<()> {
 fn run_gpu_bench(args: &BenchArgs) -> Result<()> {
     let gpu = std::sync::Arc::new(pollster::block_on(Gpu::open(false))?);
     eprintln!("adapter: {}", gpu.info());
-    let (mut rows, copy_bw) = node_native::gpubench::kernel_rows(&gpu, args.gpu_mib << 20)?;
+    let (mut rows, copy_bw) = node_native::bench::gpu::kernel_rows(&gpu, args.gpu_mib << 20)?;
     let (weights, prompt) = if args.synthetic {
         let weights = ModelWeights::synthetic(LlamaConfig::smollm2_135m(), 1)?;
         let prompt: Vec<u32> = (0..40).map(|i| (i * 997 + 13) % 49152).collect();
@@ -284,7 +286,7 @@ fn run_gpu_bench(args: &BenchArgs) -> Result<()> {
         let prompt = model.tokenizer.encode(BENCH_TEXT)?;
         (model.weights, prompt)
     };
-    rows.extend(node_native::gpubench::model_rows(
+    rows.extend(node_native::bench::gpu::model_rows(
         gpu,
         &weights,
         &prompt,
@@ -560,7 +562,7 @@ fn run_generate_mesh(args: GenerateArgs, bootstrap: libp2p::Multiaddr) -> Result
             "--device runs a generation in this process; on a mesh each node chooses its own (codedmesh node --device gpu|auto)"
         );
     }
-    let rt = node_native::remote::leader_runtime()?;
+    let rt = node_native::lead::remote::leader_runtime()?;
     let mut args = args;
     let mut learner: Option<Learner> = None;
     let mut gate: Option<node_core::learn::CanaryGate> = None;
@@ -640,11 +642,11 @@ fn run_once_on_mesh(
     let mut attempt = 0;
     let (leader, out, prompt) = loop {
         attempt += 1;
-        let mut opts = node_native::remote::GroupOptions::new(args.check, args.spares);
+        let mut opts = node_native::lead::remote::GroupOptions::new(args.check, args.spares);
         opts.trace = args
             .trace_steps
             .as_deref()
-            .map(node_native::steplog::StepLog::create)
+            .map(node_native::serve::steplog::StepLog::create)
             .transpose()?;
         opts.group.project = !args.check_answers;
         let mut leader = Leader::connect_with(rt, bootstrap.clone(), &opts)?;
@@ -667,9 +669,9 @@ fn run_once_on_mesh(
         let mut emitted = 0;
         let max_seq = leader.manifest.cfg.max_seq;
         let generated = if args.hop {
-            let mut hop = node_native::hop::lead_group(&leader, rt.handle(), args.check)?;
+            let mut hop = node_native::lead::hop::lead_group(&leader, rt.handle(), args.check)?;
             eprintln!("one hop per stage, members {:?}", hop.rows());
-            let mut forward = |pass: Pass<'_>| node_native::hop::forward(rt, &mut hop, pass);
+            let mut forward = |pass: Pass<'_>| node_native::lead::hop::forward(rt, &mut hop, pass);
             let out =
                 generate_and_print(&mut forward, max_seq, &leader.tokenizer, args, &mut emitted);
             let s = hop.stats();
@@ -743,7 +745,11 @@ fn run_once_on_mesh(
     Ok((leader, out.tokens, prompt))
 }
 
-fn print_sent(sent: &node_native::remote::Sent, leader: &Leader, started: std::time::Instant) {
+fn print_sent(
+    sent: &node_native::lead::remote::Sent,
+    leader: &Leader,
+    started: std::time::Instant,
+) {
     eprintln!(
         "update {:016x}: {} requests, {} bytes, {:.1}% of the gradient's energy kept, taken by {} of {} nodes ({:.2} s)",
         sent.id,
@@ -832,7 +838,7 @@ fn short_peer(peer: &str) -> &str {
 fn run_eval(args: EvalArgs) -> Result<()> {
     let text = std::fs::read_to_string(&args.file)
         .with_context(|| format!("reading {}", args.file.display()))?;
-    let rt = node_native::remote::leader_runtime()?;
+    let rt = node_native::lead::remote::leader_runtime()?;
     let mut leader = Leader::connect(&rt, args.bootstrap.clone(), 1, 1)?;
     let chunk = args.chunk.clamp(2, leader.manifest.cfg.max_seq);
     let tokens = leader.tokenizer.encode(&text)?;

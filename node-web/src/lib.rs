@@ -21,11 +21,9 @@
 //! Natively this crate is empty: the node needs a browser.
 
 #[cfg(wasm_browser)]
-mod holder;
+mod error;
 #[cfg(wasm_browser)]
 mod js;
-#[cfg(wasm_browser)]
-mod leader;
 #[cfg(wasm_browser)]
 mod node;
 #[cfg(wasm_browser)]
@@ -34,11 +32,11 @@ mod store;
 mod transport;
 
 #[cfg(wasm_browser)]
-pub use holder::{BROWSER_GPU_MIN_WORK, Contribution, WebGpuUse};
-#[cfg(wasm_browser)]
 pub use js::init_logging;
 #[cfg(wasm_browser)]
-pub use leader::{Completion, Prompt};
+pub use node::holder::{BROWSER_GPU_MIN_WORK, Contribution, WebGpuUse};
+#[cfg(wasm_browser)]
+pub use node::leader::{Completion, Prompt};
 #[cfg(wasm_browser)]
 pub use node::{BrowserNode, Connection, Dial, NodeSnapshot, WebError};
 #[cfg(wasm_browser)]

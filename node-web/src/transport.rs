@@ -13,7 +13,7 @@ use libp2p::{Swarm, identity, noise, yamux};
 use node_core::net::MeshBehaviour;
 use web_time::Duration;
 
-use crate::node::WebError;
+use crate::error::WebError;
 
 /// Builds a swarm with the mesh's behaviour for `key`.
 pub fn build(key: identity::Keypair) -> Result<Swarm<MeshBehaviour>, WebError> {

@@ -3,21 +3,9 @@
 use leptos::prelude::*;
 use node_web::{BrowserNode, NodeSnapshot};
 
+use crate::live::Live;
 use crate::model::History;
 use crate::pages::dashboard::Dashboard;
-
-/// What every page reads: the latest snapshot, the history, and a start-up error.
-#[derive(Debug, Clone, Copy)]
-pub struct Live {
-    /// The latest snapshot of the page's node.
-    pub snapshot: ReadSignal<Option<NodeSnapshot>>,
-    /// Rates and counts over the last minute.
-    pub history: ReadSignal<History>,
-    /// Why the node could not start, if it could not.
-    pub error: ReadSignal<Option<String>>,
-    /// The page's node, once started.
-    pub node: StoredValue<Option<BrowserNode>, LocalStorage>,
-}
 
 /// The whole page.
 #[component]

@@ -11,4 +11,6 @@ pub mod app;
 #[cfg(wasm_browser)]
 pub mod components;
 #[cfg(wasm_browser)]
+pub mod live;
+#[cfg(wasm_browser)]
 pub mod pages;

@@ -1,6 +1,6 @@
 //! A parity row's i16 sums as they are stored: entropy-coded, since the sums of a parity row
 //! carry 8–9 bits of information each and two bytes (or postcard's varints, ~1.45 bytes)
-//! waste the rest (docs/perf.md, "Blob sizes"). Each value is zigzagged, then split into a
+//! waste the rest (docs/perf-history.md, "Blob sizes"). Each value is zigzagged, then split into a
 //! high part, coded with the measured frequencies of the vector, and `low` uniform low bits;
 //! both go through one rANS stack (the `constriction` crate).
 //!

@@ -155,7 +155,7 @@ impl UpdateProbe {
                 }
             }
         }
-        Some(super::group::to_blocks(&outs, &shapes, g, t))
+        Some(super::shards::to_blocks(&outs, &shapes, g, t))
     }
 
     /// Adds one round's evidence for update `u`: the residual `res` and each answering row's

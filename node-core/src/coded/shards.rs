@@ -644,3 +644,33 @@ pub(crate) fn stage_items<'a, T>(
         None => Ok(vec![lm_head]),
     }
 }
+
+/// A stage's outputs (`t × out` per matrix) in the decoder's layout:
+/// `[block j][matrix][token][local row]`, zero-padded.
+pub(super) fn to_blocks(
+    mats: &[Vec<f32>],
+    shapes: &[(usize, usize)],
+    g: &Generator,
+    t: usize,
+) -> Vec<f32> {
+    let blocks = g.k() * g.sub_blocks();
+    let lens: Vec<usize> = shapes.iter().map(|&(out, _)| g.block_len(out)).collect();
+    let c: usize = lens.iter().map(|l| t * l).sum();
+    let mut dst = vec![0.0f32; blocks * c];
+    let mut offset = 0;
+    for ((mat, &(out, _)), &l) in mats.iter().zip(shapes).zip(&lens) {
+        for j in 0..blocks {
+            let first = j * l;
+            if first >= out {
+                break;
+            }
+            let n = l.min(out - first);
+            for tok in 0..t {
+                let at = j * c + offset + tok * l;
+                dst[at..at + n].copy_from_slice(&mat[tok * out + first..tok * out + first + n]);
+            }
+        }
+        offset += t * l;
+    }
+    dst
+}

@@ -266,7 +266,7 @@ fn up_serves_the_openai_api_learns_stops_restarts_and_supervises() -> Result<()>
         .split(" · ")
         .find_map(|part| part.split_once(" nodes, ")?.0.parse().ok())
         .with_context(|| format!("no node count in: {ready}"))?;
-    let (k, n) = node_native::up::default_shape(node_native::supervise::cores(), None, None);
+    let (k, n) = node_native::up::default_shape(node_native::up::supervise::cores(), None, None);
     ensure!(
         nodes == n as u64 && ready.contains(&format!(" nodes, k = {k},")),
         "up picked k = {k} of {n} for this machine: {ready}"

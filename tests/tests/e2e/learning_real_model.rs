@@ -6,7 +6,7 @@
 
 use node_core::coded::ShardFormat;
 use node_core::mesh::LearningConfig;
-use node_native::learnbench::{GARBAGE, TAUGHT, teach_in_process};
+use node_native::bench::learning::{GARBAGE, TAUGHT, teach_in_process};
 use tests::real_model;
 
 fn ppl((before, after): (f64, f64)) -> (f64, f64) {

@@ -14,6 +14,7 @@ mod calibration;
 mod coded_real_model;
 mod hf_safetensors;
 mod learning_real_model;
+mod mesh_learning;
 mod mesh_processes;
 mod reference_logits;
 mod sim_mesh;

@@ -4,7 +4,7 @@
 use leptos::prelude::*;
 use node_web::{Completion, Prompt};
 
-use crate::app::Live;
+use crate::live::Live;
 
 /// The line under a completion: speed, the group, how its rounds were checked, learning.
 pub fn completion_text(c: &Completion) -> String {

@@ -2,7 +2,7 @@
 
 use leptos::prelude::*;
 
-use crate::app::Live;
+use crate::live::Live;
 
 /// Tokens/s, requests, latency, loss, the canary loss and the share trained on, gossip bytes/s,
 /// heartbeats/s, healthy rows and updates applied, now.

@@ -4,7 +4,7 @@
 use leptos::prelude::*;
 use node_web::{Contribution, WebGpuUse};
 
-use crate::app::Live;
+use crate::live::Live;
 
 /// The line that says what this browser does for the mesh.
 pub fn contribution_text(c: &Contribution) -> String {

@@ -1,4 +1,4 @@
-//! The dashboard's parts, each reading the shared [`crate::app::Live`] context.
+//! The dashboard's parts, each reading the shared [`crate::live::Live`] context.
 
 mod ask;
 mod chart;

@@ -2,7 +2,7 @@
 
 use leptos::prelude::*;
 
-use crate::app::Live;
+use crate::live::Live;
 use crate::model::{health_label, rows};
 
 /// The rows table.

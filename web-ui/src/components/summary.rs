@@ -2,7 +2,7 @@
 
 use leptos::prelude::*;
 
-use crate::app::Live;
+use crate::live::Live;
 
 /// "model available: yes — 5 of 6 rows healthy, k = 3, tolerates 2 more failures".
 #[component]

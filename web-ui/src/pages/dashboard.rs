@@ -3,8 +3,8 @@
 
 use leptos::prelude::*;
 
-use crate::app::Live;
 use crate::components::{Ask, Contribute, HistoryChart, LiveNumbers, RowsTable, Summary};
+use crate::live::Live;
 
 /// The dashboard page.
 #[component]

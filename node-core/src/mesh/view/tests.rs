@@ -1,0 +1,354 @@
+//! Tests of [`super`].
+
+use super::*;
+
+fn hb(row: Option<u32>) -> Heartbeat {
+    Heartbeat {
+        model: [7; 32],
+        row,
+        version_count: 0,
+        version_digest: [0; 32],
+        addrs: vec![],
+        offers: vec![],
+        incarnation: 1,
+        seq: 0,
+        uptime_ms: 0,
+        device: "cpu".into(),
+        usage: Usage::default(),
+    }
+}
+
+/// `hb` from `from`, arriving at `now` as it would from a peer started at `t0`.
+fn beat(v: &mut MeshView<u32>, t0: Instant, now: Instant, from: u32, hb: Heartbeat) {
+    let uptime_ms = now.saturating_duration_since(t0).as_millis() as u64;
+    v.handle_heartbeat(now, from, Heartbeat { uptime_ms, ..hb });
+}
+
+#[test]
+fn health_moves_with_silence_and_recovers() {
+    let t0 = Instant::now();
+    let cfg = HealthConfig::default();
+    let mut v = MeshView::new(t0, 0u32, cfg, 2, (3, 3), "m".into(), hb(Some(0))).unwrap();
+    beat(&mut v, t0, t0, 1, hb(Some(1)));
+    assert_eq!(v.live_rows(), vec![(0, 0), (1, 1)]);
+    v.handle_timeout(t0 + cfg.suspect_after);
+    assert_eq!(v.health(&1), Some(Health::Suspect));
+    assert_eq!(v.live_rows().len(), 1);
+    v.handle_timeout(t0 + cfg.dead_after);
+    assert_eq!(v.health(&1), Some(Health::Dead));
+    assert!(!v.info(t0 + cfg.dead_after).available);
+    beat(&mut v, t0, t0 + cfg.dead_after, 1, hb(Some(1)));
+    assert_eq!(v.health(&1), Some(Health::Healthy));
+    assert!(v.info(t0 + cfg.dead_after).available);
+}
+
+#[test]
+fn a_late_heartbeat_of_an_earlier_incarnation_does_not_overwrite_a_restart() {
+    let t0 = Instant::now();
+    let cfg = HealthConfig::default();
+    let mut v = MeshView::new(t0, 0u32, cfg, 2, (3, 3), "m".into(), hb(Some(0))).unwrap();
+    let restarted = Heartbeat {
+        incarnation: 2,
+        device: "gpu".into(),
+        ..hb(Some(1))
+    };
+    let old = Heartbeat {
+        seq: 40,
+        ..hb(Some(1))
+    };
+    v.handle_heartbeat(t0, 1, restarted.clone());
+    // Gossip hands a peer that just joined the old process's last heartbeat after the new.
+    v.handle_heartbeat(t0, 1, old.clone());
+    let device = |v: &MeshView<u32>| {
+        v.info(t0)
+            .nodes
+            .iter()
+            .find(|n| n.peer == "1")
+            .map(|n| n.device.clone())
+    };
+    assert_eq!(device(&v).as_deref(), Some("gpu"));
+    // Once the newer incarnation is dead, an earlier one counts again (a clock set back).
+    v.handle_timeout(t0 + cfg.dead_after);
+    assert_eq!(v.health(&1), Some(Health::Dead));
+    v.handle_heartbeat(t0 + cfg.dead_after, 1, old);
+    assert_eq!(device(&v).as_deref(), Some("cpu"));
+    assert_eq!(v.health(&1), Some(Health::Healthy));
+}
+
+#[test]
+fn a_heartbeat_gossip_delivers_late_does_not_revive_a_silent_peer() {
+    let t0 = Instant::now();
+    let ms = Duration::from_millis;
+    let cfg = HealthConfig {
+        heartbeat_interval: ms(200),
+        suspect_after: ms(800),
+        dead_after: ms(2000),
+    };
+    let mut v = MeshView::new(t0, 0u32, cfg, 2, (3, 3), "m".into(), hb(Some(0))).unwrap();
+    let sent = |seq: u64, uptime: u64| Heartbeat {
+        seq,
+        uptime_ms: uptime,
+        ..hb(Some(1))
+    };
+    // A heartbeat every 200 ms, each 3 ms on the way.
+    for i in 0..5 {
+        v.handle_heartbeat(t0 + ms(200 * i + 3), 1, sent(i, 200 * i));
+    }
+    // The peer dies after the one it sent at 1 s, which reaches this node only at 3.5 s,
+    // through gossip.
+    let later = t0 + ms(3500);
+    v.handle_timeout(later);
+    assert_eq!(v.health(&1), Some(Health::Dead));
+    v.handle_heartbeat(later, 1, sent(5, 1000));
+    assert_eq!(
+        v.health(&1),
+        Some(Health::Dead),
+        "a late heartbeat is no news"
+    );
+    // One sent now counts.
+    v.handle_heartbeat(later + ms(2), 1, sent(6, 3500));
+    assert_eq!(v.health(&1), Some(Health::Healthy));
+}
+
+#[test]
+fn the_mesh_usage_sums_what_every_node_was_told() {
+    let t0 = Instant::now();
+    let cfg = HealthConfig::default();
+    let mut v = MeshView::new(t0, 0u32, cfg, 2, (3, 3), "m".into(), hb(Some(0))).unwrap();
+    let one = Usage::of_request(5, 8, Duration::from_millis(1500), Some(2.25));
+    assert_eq!(
+        (one.latency_ms, one.trained, one.loss_micro),
+        (1500, 1, 2_250_000)
+    );
+    let mut local = v.local().clone();
+    local.usage.add(&one);
+    v.set_local(local);
+    let mut peer = hb(Some(1));
+    peer.usage = Usage::of_request(3, 4, Duration::from_millis(500), None);
+    beat(&mut v, t0, t0, 1, peer);
+    let info = v.info(t0);
+    let u = info.usage;
+    assert_eq!((u.requests, u.prompt_tokens, u.tokens), (2, 8, 12));
+    assert_eq!(
+        (u.latency_ms, u.trained, u.loss_micro),
+        (2000, 1, 2_250_000)
+    );
+    let of = |p: &str| info.nodes.iter().find(|n| n.peer == p).map(|n| n.usage);
+    assert_eq!(of("1").map(|u| u.tokens), Some(4));
+}
+
+#[test]
+fn other_models_are_refused() {
+    let t0 = Instant::now();
+    let mut v = MeshView::new(
+        t0,
+        0u32,
+        HealthConfig::default(),
+        1,
+        (2, 2),
+        "m".into(),
+        hb(None),
+    )
+    .unwrap();
+    let mut other = hb(Some(1));
+    other.model = [9; 32];
+    beat(&mut v, t0, t0, 5, other);
+    assert!(matches!(v.poll_event(), Some(MeshEvent::Refused { .. })));
+    assert!(v.live_rows().is_empty());
+}
+
+#[test]
+fn a_reservation_ends_when_the_old_holder_returns() {
+    let t0 = Instant::now();
+    let cfg = HealthConfig::default();
+    let mut v = MeshView::new(t0, 0u32, cfg, 2, (3, 3), "m".into(), hb(Some(0))).unwrap();
+    beat(&mut v, t0, t0, 1, hb(Some(1)));
+    beat(&mut v, t0, t0, 2, hb(Some(2)));
+    let later = t0 + cfg.dead_after;
+    beat(&mut v, t0, later, 1, hb(Some(1)));
+    v.handle_timeout(later);
+    assert!(matches!(
+        v.offer_row(later, 9),
+        JoinOffer::Reencode { row: 2, .. }
+    ));
+    // Row 2's holder comes back before the joiner took the row: no row is free any more,
+    // so the joiner becomes a second holder of a row.
+    beat(&mut v, t0, later, 2, hb(Some(2)));
+    assert!(matches!(
+        v.offer_row(later, 9),
+        JoinOffer::Replica { row: 0, .. }
+    ));
+}
+
+#[test]
+fn offers_free_rows_once_and_dead_rows_again() {
+    let t0 = Instant::now();
+    let cfg = HealthConfig::default();
+    let mut local = hb(Some(0));
+    local.offers = vec![1, 2];
+    let mut v = MeshView::new(t0, 0u32, cfg, 2, (3, 3), "m".into(), local).unwrap();
+    assert_eq!(v.offer_row(t0, 10), JoinOffer::Genesis { row: 1 });
+    assert_eq!(
+        v.offer_row(t0, 10),
+        JoinOffer::Genesis { row: 1 },
+        "same joiner, same row"
+    );
+    assert_eq!(v.offer_row(t0, 11), JoinOffer::Genesis { row: 2 });
+    // Rows 1 and 2 are reserved: the third joiner copies the only row that has a holder.
+    assert!(matches!(
+        v.offer_row(t0, 12),
+        JoinOffer::Replica { row: 0, .. }
+    ));
+    beat(&mut v, t0, t0, 10, hb(Some(1)));
+    beat(&mut v, t0, t0, 11, hb(Some(2)));
+    // The seed hands out its last rows and stops offering; node 11 dies.
+    let mut local = hb(Some(0));
+    local.offers.clear();
+    v.set_local(local);
+    let later = t0 + cfg.dead_after;
+    beat(&mut v, t0, later, 10, hb(Some(1)));
+    v.handle_timeout(later);
+    match v.offer_row(later, 13) {
+        JoinOffer::Reencode { row, sources } => {
+            assert_eq!(row, 2);
+            assert_eq!(
+                sources.iter().map(|s| s.row).collect::<Vec<_>>(),
+                vec![0, 1]
+            );
+        }
+        other => panic!("expected a re-encode offer, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_holder_behind_rebuilds_from_a_replica_else_from_k_other_rows_at_the_version() {
+    let t0 = Instant::now();
+    let cfg = HealthConfig::default();
+    let ahead = |row| Heartbeat {
+        version_count: 40,
+        version_digest: [9; 32],
+        ..hb(Some(row))
+    };
+    // This node holds row 0 at the genesis version; rows 1 and 2 are ahead, row 3 is not.
+    let mut v = MeshView::new(t0, 0u32, cfg, 2, (4, 4), "m".into(), hb(Some(0))).unwrap();
+    assert_eq!(
+        v.rebuild_offer([9; 32]),
+        JoinOffer::Full,
+        "nobody is there yet"
+    );
+    beat(&mut v, t0, t0, 1, ahead(1));
+    beat(&mut v, t0, t0, 3, hb(Some(3)));
+    assert_eq!(
+        v.rebuild_offer([9; 32]),
+        JoinOffer::Full,
+        "one row at the version, k = 2"
+    );
+    beat(&mut v, t0, t0, 2, ahead(2));
+    match v.rebuild_offer([9; 32]) {
+        JoinOffer::Reencode { row, sources } => {
+            assert_eq!(row, 0);
+            let rows: Vec<u32> = sources.iter().map(|s| s.row).collect();
+            assert_eq!(rows, vec![1, 2], "k other rows at the version, not row 3");
+        }
+        other => panic!("expected a chain, got {other:?}"),
+    }
+    // Another holder of row 0 at the version: copy it instead.
+    beat(&mut v, t0, t0, 7, ahead(0));
+    match v.rebuild_offer([9; 32]) {
+        JoinOffer::Replica { row, holders } => {
+            assert_eq!(row, 0);
+            assert_eq!(holders.len(), 1);
+            assert_eq!(holders[0].peer, "7");
+        }
+        other => panic!("expected a replica, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_caught_node_leaves_the_live_rows_and_its_row_is_offered_again() {
+    let t0 = Instant::now();
+    let cfg = HealthConfig::default();
+    let mut v = MeshView::new(t0, 0u32, cfg, 2, (4, 4), "m".into(), hb(Some(0))).unwrap();
+    for p in 1..4 {
+        beat(&mut v, t0, t0, p, hb(Some(p)));
+    }
+    assert_eq!(v.live_rows().len(), 4);
+    assert!(matches!(
+        v.offer_row(t0, 9),
+        JoinOffer::Replica { row: 0, .. }
+    ));
+    v.report_caught(2, "residual 1e-3 > 1e-5".into());
+    let rows: Vec<u32> = v.live_rows().iter().map(|(r, _)| *r).collect();
+    assert_eq!(rows, vec![0, 1, 3]);
+    match v.offer_row(t0, 9) {
+        JoinOffer::Reencode { row, sources } => {
+            assert_eq!(row, 2);
+            assert!(sources.iter().all(|s| s.row != 2), "{sources:?}");
+        }
+        other => panic!("expected a re-encode offer, got {other:?}"),
+    }
+    let info = v.info(t0);
+    let caught: Vec<_> = info.nodes.iter().filter(|n| n.caught.is_some()).collect();
+    assert_eq!(caught.len(), 1);
+    assert_eq!(caught[0].row, Some(2));
+    assert_eq!(info.healthy_rows, 3);
+}
+
+#[test]
+fn a_full_code_grows_a_row_then_adds_replicas_to_the_thinnest_rows() {
+    let t0 = Instant::now();
+    let cfg = HealthConfig::default();
+    // k = 2, three genesis rows, room for five.
+    let mut v = MeshView::new(t0, 0u32, cfg, 2, (3, 5), "m".into(), hb(Some(0))).unwrap();
+    beat(&mut v, t0, t0, 1, hb(Some(1)));
+    beat(&mut v, t0, t0, 2, hb(Some(2)));
+    for (joiner, row) in [(10, 3), (11, 4)] {
+        match v.offer_row(t0, joiner) {
+            JoinOffer::Reencode { row: r, sources } => {
+                assert_eq!(r, row);
+                assert_eq!(sources.len(), 2);
+            }
+            other => panic!("joiner {joiner}: expected a new row, got {other:?}"),
+        }
+    }
+    // No room left: replicas, spread over the rows with the fewest holders.
+    let replica = |v: &mut MeshView<u32>, joiner| match v.offer_row(t0, joiner) {
+        JoinOffer::Replica { row, holders } => (row, holders.len()),
+        other => panic!("joiner {joiner}: expected a replica, got {other:?}"),
+    };
+    assert_eq!(replica(&mut v, 12), (0, 1));
+    assert_eq!(replica(&mut v, 13), (1, 1));
+    assert_eq!(replica(&mut v, 12), (0, 1), "same joiner, same row");
+    beat(&mut v, t0, t0, 10, hb(Some(3)));
+    beat(&mut v, t0, t0, 11, hb(Some(4)));
+    beat(&mut v, t0, t0, 12, hb(Some(0)));
+    beat(&mut v, t0, t0, 13, hb(Some(1)));
+    assert_eq!(replica(&mut v, 14), (2, 1));
+    let info = v.info(t0);
+    assert_eq!((info.n, info.n_max, info.healthy_rows), (5, 5, 5));
+    let holders: Vec<usize> = info.rows.iter().map(|r| r.holders.len()).collect();
+    assert_eq!(holders, vec![2, 2, 1, 1, 1]);
+    // A row beyond the code's room is refused.
+    beat(&mut v, t0, t0, 20, hb(Some(5)));
+    assert!(v.health(&20).is_none());
+}
+
+#[test]
+fn a_dead_holder_costs_nothing_while_its_row_has_another() {
+    let t0 = Instant::now();
+    let cfg = HealthConfig::default();
+    let mut v = MeshView::new(t0, 0u32, cfg, 2, (3, 3), "m".into(), hb(Some(0))).unwrap();
+    beat(&mut v, t0, t0, 1, hb(Some(1)));
+    beat(&mut v, t0, t0, 2, hb(Some(1)));
+    beat(&mut v, t0, t0, 3, hb(Some(2)));
+    assert_eq!(v.live_rows(), vec![(0, 0), (1, 1), (2, 3)]);
+    let later = t0 + cfg.dead_after;
+    for p in [2, 3] {
+        beat(&mut v, t0, later, p, hb(Some(if p == 2 { 1 } else { 2 })));
+    }
+    v.handle_timeout(later);
+    assert_eq!(v.health(&1), Some(Health::Dead));
+    assert_eq!(v.live_rows(), vec![(0, 0), (1, 2), (2, 3)]);
+    let info = v.info(later);
+    assert_eq!((info.healthy_rows, info.rows[1].healthy), (3, 1));
+}

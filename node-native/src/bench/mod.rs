@@ -1,0 +1,656 @@
+//! `codedmesh bench`: kernel bandwidth next to a memory copy, and model tokens/s uncoded and coded.
+
+pub mod apistream;
+pub mod gpu;
+pub mod learning;
+pub mod localmesh;
+mod mesh;
+pub mod verify;
+
+pub use mesh::{MeshBench, mesh_rows};
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use anyhow::Result;
+use node_core::code::{Generator, select_nodes};
+use node_core::coded::{CodedGroup, InProcess, ShardFormat};
+use node_core::compute::{self, WeightElem};
+use node_core::model::{
+    GenerateOptions, LeaderWeights, Llama, ModelWeights, Pass, generate, generate_with,
+    logits_along, relative_error,
+};
+
+/// Best time of `f` over repeated runs lasting at least `budget`.
+fn best_time(budget: Duration, mut f: impl FnMut()) -> Duration {
+    f();
+    let start = Instant::now();
+    let mut best = Duration::MAX;
+    let mut runs = 0;
+    while runs < 3 || start.elapsed() < budget {
+        let t = Instant::now();
+        f();
+        best = best.min(t.elapsed());
+        runs += 1;
+    }
+    best
+}
+
+/// One row of the results table.
+#[derive(Debug)]
+pub struct Row {
+    /// What was measured.
+    pub what: String,
+    /// The figure.
+    pub value: String,
+}
+
+/// A table row.
+pub fn row(what: impl Into<String>, value: impl Into<String>) -> Row {
+    Row {
+        what: what.into(),
+        value: value.into(),
+    }
+}
+
+/// Memory-copy bandwidth (bytes read per second) over a buffer far larger than the caches.
+pub fn copy_bandwidth() -> f64 {
+    let n = 64 << 20; // 256 MiB of f32
+    let src = vec![1.0f32; n];
+    let mut dst = vec![0.0f32; n];
+    let t = best_time(Duration::from_secs(2), || {
+        dst.copy_from_slice(black_box(&src));
+        black_box(&dst);
+    });
+    (n * 4) as f64 / t.as_secs_f64()
+}
+
+/// Bytes per second the kernel threads read from memory (256 MiB summed, every thread its
+/// share): the ceiling of a decode that only streams its weights.
+pub fn read_bandwidth() -> f64 {
+    let n: usize = 32 << 20; // 256 MiB of u64
+    let src: Vec<u64> = (0..n as u64).collect();
+    let chunk = n.div_ceil(compute::threads().max(1));
+    let t = best_time(Duration::from_secs(2), || {
+        let parts = compute::par::map(&src.chunks(chunk).collect::<Vec<_>>(), |c| {
+            c.iter().fold(0u64, |a, &v| a.wrapping_add(v))
+        });
+        black_box(parts);
+    });
+    (n * 8) as f64 / t.as_secs_f64()
+}
+
+/// GEMV bandwidth (weight bytes read per second) of a `rows × cols` matrix of `W`, read cold:
+/// calls rotate through copies that together exceed the caches, as a forward pass does.
+pub fn gemv_bandwidth<W: WeightElem>(rows: usize, cols: usize, make: fn(f32) -> W) -> f64 {
+    let bytes = rows * cols * std::mem::size_of::<W>();
+    let copies = (256usize << 20).div_ceil(bytes).clamp(1, 256);
+    let ws: Vec<Vec<W>> = (0..copies)
+        .map(|c| {
+            (0..rows * cols)
+                .map(|i| make(((i + c) % 97) as f32 * 0.01))
+                .collect()
+        })
+        .collect();
+    let x = vec![0.5f32; cols];
+    let mut y = vec![0.0f32; rows];
+    let t = best_time(Duration::from_secs(1), || {
+        for w in &ws {
+            compute::matmul(black_box(w.as_slice()), rows, cols, &x, 1, &mut y);
+            black_box(&y);
+        }
+    });
+    (bytes * copies) as f64 / t.as_secs_f64()
+}
+
+/// GEMV bandwidth of a compact `rows × cols` matrix (i8 values, or i16 for a parity row's
+/// when `wide`, and f16 scales per 32), read cold as in [`gemv_bandwidth`]; bytes counted are
+/// values and scales.
+pub fn gemv_q8_bandwidth(rows: usize, cols: usize, wide: bool) -> f64 {
+    use node_core::coded::CodedInts;
+    use node_core::compute::q8::{Q8Matrix, blocks_per_row, matmul_q8};
+    let nb = blocks_per_row(cols);
+    let bytes = rows * cols * if wide { 2 } else { 1 } + rows * nb * 2;
+    let copies = (256usize << 20).div_ceil(bytes).clamp(1, 256);
+    // Every copy has its own scales, so they are read cold too.
+    let ws: Vec<(CodedInts, Vec<half::f16>)> = (0..copies)
+        .map(|c| {
+            let values = (0..rows * cols).map(move |i| ((i + c) % 97) as i16 - 48);
+            let q = if wide {
+                CodedInts::I16(values.collect())
+            } else {
+                CodedInts::I8(values.map(|v| v as i8).collect())
+            };
+            (q, vec![half::f16::from_f32(0.01); rows * nb])
+        })
+        .collect();
+    let x = vec![0.5f32; cols];
+    let mut y = vec![0.0f32; rows];
+    let t = best_time(Duration::from_secs(1), || {
+        for (q, scales) in &ws {
+            let w = Q8Matrix {
+                q: black_box(q).view(),
+                scales,
+                rows,
+                cols,
+            };
+            matmul_q8(w, &x, 1, &mut y);
+            black_box(&y);
+        }
+    });
+    (bytes * copies) as f64 / t.as_secs_f64()
+}
+
+fn half_from_f32(v: f32) -> half::f16 {
+    half::f16::from_f32(v)
+}
+
+/// Prefill and decode tokens/s of a model through a group of `k` of `n` rows (`rows`, or the
+/// best-conditioned group), members computing on `gpu` when given one.
+#[allow(clippy::too_many_arguments)] // one measurement's whole set-up
+pub fn model_speed(
+    weights: &ModelWeights,
+    llama: &Llama,
+    n: usize,
+    k: usize,
+    format: ShardFormat,
+    prompt: &[u32],
+    tokens: usize,
+    gpu: Option<(&std::sync::Arc<node_core::compute::gpu::Gpu>, usize)>,
+    rows: Option<&[usize]>,
+) -> Result<(f64, f64, f64)> {
+    let g = if n == 1 {
+        Generator::uncoded()
+    } else {
+        format.code(n, k)?
+    };
+    let mut mesh = InProcess::encode(weights, &g, format, &|_, _| {})?;
+    if let Some((gpu, min_work)) = gpu {
+        for m in mesh.members_mut() {
+            m.use_gpu(gpu.clone(), min_work)?;
+        }
+    }
+    let all: Vec<usize> = (0..n).collect();
+    let nodes = match rows {
+        Some(r) => r.to_vec(),
+        None => select_nodes(&g, &all)?.nodes,
+    };
+    let mut group = CodedGroup::new(weights.cfg.clone(), g, &nodes, mesh)?;
+    let opts = GenerateOptions {
+        max_tokens: tokens,
+        sampling: Default::default(),
+        stop_ids: Vec::new(),
+        draft: 0,
+    };
+    // A warm-up, then the best of RUNS measured runs, prefill and decode each (as
+    // scripts/llama-cpp-bench.py measures llama.cpp, so the two compare like for like).
+    generate(llama, &mut group, prompt, &opts, &mut |_| true)?;
+    let (mut prefill, mut decode) = (0.0f64, 0.0f64);
+    for _ in 0..RUNS {
+        let run = generate(llama, &mut group, prompt, &opts, &mut |_| true)?;
+        prefill = prefill.max(run.prefill_tokens_per_s());
+        decode = decode.max(run.decode_tokens_per_s());
+    }
+    Ok((prefill, decode, 1e3 / decode))
+}
+
+/// One learning update on `prompt` at the default rate, taken by every member of `group`:
+/// f32 shards learn in their values, compact ones in their adapters.
+fn learn_once(llama: &Llama, group: &mut CodedGroup<InProcess>, prompt: &[u32]) -> Result<()> {
+    let learning = node_core::mesh::LearningConfig::default();
+    let grads = futures::executor::block_on(llama.gradients(group, prompt))?;
+    let update = node_core::learn::Update::from_gradients(
+        grads,
+        node_core::mesh::DEFAULT_SGD_LR,
+        learning.clip,
+    );
+    for m in group.transport_mut().members_mut() {
+        m.learn(|s| update.apply_to_shards(s))?;
+    }
+    Ok(())
+}
+
+/// Pairs of decode runs in [`learnt_rows`], one of each mesh in turn.
+const LEARNT_PAIRS: usize = 8;
+
+/// A k = 3 of n = 5 q8 mesh before and after one learning update: each row's shard blob (as a
+/// node stores it), and decode on data rows 0, 1, 2 of both meshes in alternating runs, so
+/// that the machine's drift falls on both alike.
+pub fn learnt_rows(
+    weights: &ModelWeights,
+    llama: &Llama,
+    prompt: &[u32],
+    tokens: usize,
+) -> Result<Vec<Row>> {
+    let format = ShardFormat::Q8;
+    let g = format.code(5, 3)?;
+    let nodes = select_nodes(&g, &(0..5).collect::<Vec<_>>())?.nodes;
+    let blob = |m: &node_core::coded::Member| -> Result<usize> {
+        Ok(node_core::holder::shard_to_blob(m.shards())?.len())
+    };
+    let encoded = InProcess::encode(weights, &g, format, &|_, _| {})?.into_members();
+    let mut meshes = Vec::new();
+    let mut sizes: Vec<Vec<usize>> = Vec::new();
+    for learn in [false, true] {
+        let mesh = InProcess::new(encoded.clone())?;
+        let mut group = CodedGroup::new(weights.cfg.clone(), g.clone(), &nodes, mesh)?;
+        if learn {
+            learn_once(llama, &mut group, prompt)?;
+        }
+        let members = group.transport().members();
+        sizes.push(members.iter().map(blob).collect::<Result<_>>()?);
+        meshes.push(group);
+    }
+    let mut rows: Vec<Row> = (0..5)
+        .map(|r| {
+            row(
+                format!("q8 k=3 of n=5, row {r}'s shard blob: encoded → after a learning update"),
+                format!("{} → {} bytes", sizes[0][r], sizes[1][r]),
+            )
+        })
+        .collect();
+    let opts = GenerateOptions {
+        max_tokens: tokens,
+        sampling: Default::default(),
+        stop_ids: Vec::new(),
+        draft: 0,
+    };
+    let mut speeds = [Vec::new(), Vec::new()];
+    for group in meshes.iter_mut() {
+        generate(llama, group, prompt, &opts, &mut |_| true)?;
+    }
+    for _ in 0..LEARNT_PAIRS {
+        for (group, speed) in meshes.iter_mut().zip(speeds.iter_mut()) {
+            let run = generate(llama, group, prompt, &opts, &mut |_| true)?;
+            speed.push(run.decode_tokens_per_s());
+        }
+    }
+    let ratios: Vec<f64> = speeds[0]
+        .iter()
+        .zip(&speeds[1])
+        .map(|(a, b)| b / a)
+        .collect();
+    rows.push(row(
+        format!(
+            "in-process coded k=3 of n=5, q8 data rows 0, 1, 2, before → after a learning update \
+             (adapters added): decode ({tokens} tokens, median of {LEARNT_PAIRS} alternating runs)"
+        ),
+        format!(
+            "{:.1} → {:.1} tok/s, {:.3}× (median of the pairs' ratios)",
+            median(&speeds[0]),
+            median(&speeds[1]),
+            median(&ratios)
+        ),
+    ));
+    Ok(rows)
+}
+
+/// The median of `v` (the upper one of an even count); 0 when empty.
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
+/// Measured runs of each speed row (the best is reported), as llama.cpp's script runs.
+const RUNS: usize = 3;
+
+/// What [`run`] measured: the table's rows, and the in-process decode a mesh is compared with.
+#[derive(Debug)]
+pub struct InProcessRows {
+    /// The table's rows.
+    pub rows: Vec<Row>,
+    /// The fastest in-process coded decode on compact data rows, in tokens a second.
+    pub coded_decode: f64,
+}
+
+/// Runs every measurement in this process, coded k = 3 of 5 and as `mesh` (k, n) too.
+pub fn run(
+    weights: &ModelWeights,
+    prompt: &[u32],
+    tokens: usize,
+    mesh: (usize, usize),
+) -> Result<InProcessRows> {
+    let mut rows = vec![row("threads", compute::threads().to_string())];
+    let copy = copy_bandwidth();
+    rows.push(row(
+        "memory copy (256 MiB, bytes read)",
+        format!("{:.1} GB/s", copy / 1e9),
+    ));
+    rows.push(row(
+        "memory read, every kernel thread (256 MiB)",
+        format!("{:.1} GB/s", read_bandwidth() / 1e9),
+    ));
+    let cfg = &weights.cfg;
+    let shapes = [
+        ("GEMV q/o 576×576", cfg.q_dim(), cfg.hidden),
+        ("GEMV gate/up 1536×576", cfg.ffn, cfg.hidden),
+        ("GEMV down 576×1536", cfg.hidden, cfg.ffn),
+        ("GEMV LM head 49152×576", cfg.vocab, cfg.hidden),
+        (
+            "GEMV k=3 LM head shard 16384×576",
+            cfg.vocab.div_ceil(3),
+            cfg.hidden,
+        ),
+        ("GEMV 4096×4096", 4096, 4096),
+    ];
+    let mut read_bw = 0.0f64;
+    for (name, r, c) in shapes {
+        let bw = gemv_bandwidth(r, c, |v| v);
+        if r * c >= 1 << 24 {
+            // Matrices far larger than cache: this is the memory read bandwidth.
+            read_bw = read_bw.max(bw);
+        }
+        rows.push(row(
+            name,
+            format!("{:.1} GB/s ({:.2}× copy)", bw / 1e9, bw / copy),
+        ));
+    }
+    // Narrower weights: f16, and compact integers (a data row's i8, a parity row's i16).
+    let shard = (cfg.vocab.div_ceil(3), cfg.hidden);
+    for (name, (r, c), width) in [
+        ("GEMV f16 k=3 LM head shard 16384×576", shard, 0),
+        ("GEMV f16 4096×4096", (4096, 4096), 0),
+        (
+            "GEMV q8 k=3 LM head shard 16384×576, data row (i8)",
+            shard,
+            1,
+        ),
+        (
+            "GEMV q8 k=3 LM head shard 16384×576, parity row (i16)",
+            shard,
+            2,
+        ),
+        ("GEMV q8 4096×4096, data row (i8)", (4096, 4096), 1),
+    ] {
+        let (bw, bytes_per_weight) = match width {
+            0 => (gemv_bandwidth(r, c, half_from_f32), 2.0),
+            1 => (gemv_q8_bandwidth(r, c, false), 1.0625),
+            _ => (gemv_q8_bandwidth(r, c, true), 2.0625),
+        };
+        rows.push(row(
+            name,
+            format!(
+                "{:.1} GB/s ({:.2}× copy), {:.1} G weights/s",
+                bw / 1e9,
+                bw / copy,
+                bw / bytes_per_weight / 1e9
+            ),
+        ));
+    }
+    let llama = Llama::new(cfg.clone(), LeaderWeights::from_model(weights))?;
+    let weight_bytes = 4.0
+        * (weights.layers.len()
+            * (2 * cfg.q_dim() * cfg.hidden
+                + 2 * cfg.kv_dim() * cfg.hidden
+                + 3 * cfg.ffn * cfg.hidden)
+            + cfg.vocab * cfg.hidden) as f64;
+    rows.push(row(
+        "f32 weight bytes read per token",
+        format!(
+            "{:.0} MB → floor {:.1} ms/token at the large GEMV's read bandwidth",
+            weight_bytes / 1e6,
+            1e3 * weight_bytes / read_bw.max(1.0)
+        ),
+    ));
+    let parity: &[usize] = &[2, 3, 4];
+    let mut runs = vec![
+        ("single node, uncoded".into(), 1, 1, ShardFormat::F32, None),
+        (
+            "in-process coded k=3 of n=5".into(),
+            5,
+            3,
+            ShardFormat::F32,
+            None,
+        ),
+        (
+            "in-process coded k=3 of n=5, f16 shards".into(),
+            5,
+            3,
+            ShardFormat::F16,
+            None,
+        ),
+        (
+            "single node, uncoded, q8 weights".into(),
+            1,
+            1,
+            ShardFormat::Q8,
+            None,
+        ),
+        (
+            "in-process coded k=3 of n=5, q8 shards (integer code; data rows 0, 1, 2)".into(),
+            5,
+            3,
+            ShardFormat::Q8,
+            None,
+        ),
+        (
+            "in-process coded k=3 of n=5, q8 shards, rows 2, 3, 4 (two i16 parity rows)".into(),
+            5,
+            3,
+            ShardFormat::Q8,
+            Some(parity),
+        ),
+    ];
+    let (mesh_k, mesh_n) = mesh;
+    if mesh != (3, 5) && mesh_n <= Generator::integer_capacity(mesh_k) {
+        runs.push((
+            format!(
+                "in-process coded k={mesh_k} of n={mesh_n}, q8 shards (data rows), as the mesh"
+            ),
+            mesh_n,
+            mesh_k,
+            ShardFormat::Q8,
+            None,
+        ));
+    }
+    let mut coded_decode = 0.0f64;
+    for (label, n, k, format, rows_of) in runs {
+        let (prefill, decode, ms) =
+            model_speed(weights, &llama, n, k, format, prompt, tokens, None, rows_of)?;
+        if k > 1 && format == ShardFormat::Q8 && rows_of.is_none() {
+            coded_decode = coded_decode.max(decode);
+        }
+        rows.push(row(
+            format!("{label}: prefill ({} tokens, best of {RUNS})", prompt.len()),
+            format!("{prefill:.1} tok/s"),
+        ));
+        rows.push(row(
+            format!("{label}: decode ({tokens} tokens, best of {RUNS})"),
+            format!("{decode:.1} tok/s ({ms:.1} ms/token)"),
+        ));
+    }
+    rows.extend(learnt_rows(weights, &llama, prompt, tokens)?);
+    Ok(InProcessRows { rows, coded_decode })
+}
+
+/// Prints rows as a markdown table.
+pub fn print_table(rows: &[Row]) {
+    println!("| measurement | value |");
+    println!("|---|---|");
+    for r in rows {
+        println!("| {} | {} |", r.what, r.value);
+    }
+}
+
+/// Kinds of text drafts are measured on: code, summarising a given passage, open chat.
+const SPECULATION_PROMPTS: [(&str, &str); 3] = [
+    (
+        "code",
+        "Write Python functions add(a, b), subtract(a, b), multiply(a, b) and divide(a, b), \
+         each with a one-line docstring.",
+    ),
+    (
+        "summary",
+        "Summarise this passage in three sentences, keeping its words where you can.\n\n\
+         The history of the printing press begins in the fifteenth century, when Johannes \
+         Gutenberg combined movable metal type, oil-based ink and a screw press into a system \
+         that could produce books far faster than scribes. Within fifty years printing shops \
+         had opened in more than two hundred European cities, and the price of books fell so \
+         far that merchants, students and craftsmen could own them. The press spread news, \
+         pamphlets and scientific results, and it fixed spelling and grammar in print.",
+    ),
+    (
+        "chat",
+        "I have rice, eggs, spinach and a lemon. What could I cook for dinner tonight?",
+    ),
+];
+
+/// Drafted decoding (prompt lookup) against a token a pass, in process (coded k = 3 of 5, q8
+/// shards, greedy): acceptance, tokens per forward pass, speed, and whether the tokens are the
+/// same.
+pub fn speculation_rows(
+    weights: &ModelWeights,
+    tokenizer: &node_core::model::Tokenizer,
+    tokens: usize,
+) -> Result<Vec<Row>> {
+    let llama = Llama::new(weights.cfg.clone(), LeaderWeights::from_model(weights))?;
+    // The shards `up` serves by default, so the rows compare with drafts through the API.
+    let format = ShardFormat::Q8;
+    let g = format.code(5, 3)?;
+    let mesh = InProcess::encode(weights, &g, format, &|_, _| {})?;
+    let nodes = select_nodes(&g, &[0, 1, 2, 3, 4])?.nodes;
+    let mut group = CodedGroup::new(weights.cfg.clone(), g, &nodes, mesh)?;
+    let draft = node_core::model::speculate::DEFAULT_DRAFT;
+    let mut rows = Vec::new();
+    for (kind, text) in SPECULATION_PROMPTS {
+        let prompt = chat_prompt(tokenizer, text)?;
+        let run = |group: &mut CodedGroup<InProcess>, draft: usize| {
+            let opts = GenerateOptions {
+                max_tokens: tokens,
+                sampling: Default::default(),
+                stop_ids: tokenizer.eos_ids().to_vec(),
+                draft,
+            };
+            generate(&llama, group, &prompt, &opts, &mut |_| true)
+        };
+        run(&mut group, 0)?;
+        let plain = run(&mut group, 0)?;
+        let drafted = run(&mut group, draft)?;
+        let spec = drafted.speculation;
+        let per_pass =
+            drafted.tokens.len() as f64 / drafted.forward_passes.saturating_sub(1).max(1) as f64;
+        rows.push(row(
+            format!("drafts of {draft} (prompt lookup), {kind}: acceptance"),
+            format!(
+                "{:.0}% ({} of {} drafted), {per_pass:.2} tokens per forward pass",
+                100.0 * spec.acceptance(),
+                spec.accepted,
+                spec.drafted
+            ),
+        ));
+        rows.push(row(
+            format!("drafts of {draft}, {kind}: decode in process, coded k=3, q8 shards"),
+            format!(
+                "{:.1} tok/s against {:.1} a token a pass; {} tokens, {}",
+                drafted.decode_tokens_per_s(),
+                plain.decode_tokens_per_s(),
+                drafted.tokens.len(),
+                if drafted.tokens == plain.tokens {
+                    "the same tokens"
+                } else {
+                    "DIFFERENT tokens"
+                }
+            ),
+        ));
+    }
+    Ok(rows)
+}
+
+/// `text` as a user's chat turn in the model's template, as tokens.
+fn chat_prompt(tokenizer: &node_core::model::Tokenizer, text: &str) -> Result<Vec<u32>> {
+    let chat = [node_core::model::ChatMessage {
+        role: "user".into(),
+        content: text.into(),
+    }];
+    Ok(tokenizer.encode(&tokenizer.chat_prompt(&chat))?)
+}
+
+/// The summarising prompt of [`speculation_rows`], as tokens (the delay rows' prompt).
+pub fn summary_prompt(tokenizer: &node_core::model::Tokenizer) -> Result<Vec<u32>> {
+    chat_prompt(tokenizer, SPECULATION_PROMPTS[1].1)
+}
+
+/// Prompts of the grid measurement: the test suite's five and a chat turn.
+pub const GRID_PROMPTS: [&str; 6] = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+    "Water boils at a temperature of",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+];
+
+/// `codedmesh bench --grids`: what putting the weights on a compact grid costs against the
+/// model as loaded, for the integer code's grids (k blocks, `127 / ‖g‖₁` levels) and a plain
+/// 8-bit one: relative logit error along the model's greedy continuations, argmax agreement
+/// there, and how many whole continuations stay the same.
+pub fn grids(weights: &ModelWeights, prompts: &[Vec<u32>], tokens: usize) -> Result<Vec<Row>> {
+    let uncoded = |w: &ModelWeights| -> Result<(Llama, CodedGroup<InProcess>)> {
+        let g = Generator::uncoded();
+        let mesh = InProcess::encode(w, &g, ShardFormat::F32, &|_, _| {})?;
+        Ok((
+            Llama::new(w.cfg.clone(), LeaderWeights::from_model(w))?,
+            CodedGroup::new(w.cfg.clone(), g, &[0], mesh)?,
+        ))
+    };
+    let opts = GenerateOptions {
+        max_tokens: tokens,
+        sampling: Default::default(),
+        stop_ids: Vec::new(),
+        draft: 0,
+    };
+    let (llama, mut group) = uncoded(weights)?;
+    let mut cases = Vec::new();
+    for p in prompts {
+        let want = generate(&llama, &mut group, p, &opts, &mut |_| true)?.tokens;
+        let logits = futures::executor::block_on(logits_along(
+            &llama,
+            &mut group,
+            p,
+            &want[..want.len().saturating_sub(1)],
+        ))?;
+        cases.push((p, want, logits));
+    }
+    let mut rows = Vec::new();
+    let integer = Generator::integer(3, 3, None)?
+        .levels()
+        .ok_or_else(|| anyhow::anyhow!("the integer code has no levels"))?;
+    for (label, k, levels) in [
+        (
+            "integer code k = 3 (data rows i8, parity rows i16)",
+            3,
+            integer,
+        ),
+        // Parity rows of i8 would leave 127 / ‖g‖₁ = 127 / 4 levels (the first construction).
+        ("integer code k = 3 with i8 parity rows", 3, integer / 4),
+        ("8-bit grid, one row per scale (k = 1)", 1, 127),
+    ] {
+        let w = node_core::coded::grid_model(weights, k, levels);
+        let (llama, mut group) = uncoded(&w)?;
+        let (mut sum, mut worst, mut steps, mut agree, mut same) = (0.0f64, 0.0f64, 0, 0, 0);
+        for (p, want, reference) in &cases {
+            let got = generate(&llama, &mut group, p, &opts, &mut |_| true)?.tokens;
+            same += usize::from(&got == want);
+            let forced = &want[..want.len().saturating_sub(1)];
+            let logits = futures::executor::block_on(logits_along(&llama, &mut group, p, forced))?;
+            for (step, (l, r)) in logits.iter().zip(reference).enumerate() {
+                let e = relative_error(l, r);
+                sum += e;
+                worst = worst.max(e);
+                steps += 1;
+                agree += usize::from(want.get(step) == Some(&node_core::model::argmax(l)));
+            }
+        }
+        rows.push(row(
+            format!("{label}, {levels} levels"),
+            format!(
+                "relative logit error mean {:.2e}, max {worst:.2e}; argmax agrees {agree}/{steps}; \
+                 same greedy continuation {same}/{}",
+                sum / steps.max(1) as f64,
+                cases.len()
+            ),
+        ));
+    }
+    Ok(rows)
+}

@@ -1,0 +1,121 @@
+//! The native node's [`Link`]: the swarm client, tokio's blocking pool and progress bars on
+//! stderr, for the holder logic written once in `node_core::holder`.
+
+use std::sync::Mutex;
+
+use libp2p::{Multiaddr, PeerId};
+use node_core::holder::{HolderError, Link, source_error, source_peer};
+use node_core::mesh::{MeshRequest, MeshResponse, SourceRow};
+
+use crate::net::swarm::{Client, with_peer};
+use crate::progress;
+
+/// A holder's link to the mesh through this node's swarm.
+#[derive(Debug)]
+pub struct NativeLink {
+    client: Client,
+    /// The progress bar of the step shown now, by its label.
+    bar: Mutex<Option<(String, indicatif::ProgressBar)>>,
+    quiet: bool,
+}
+
+impl NativeLink {
+    /// A link that shows progress bars on stderr.
+    pub fn new(client: Client) -> Self {
+        Self {
+            client,
+            bar: Mutex::new(None),
+            quiet: false,
+        }
+    }
+
+    /// A link for serving peers: no progress bars.
+    pub fn quiet(client: Client) -> Self {
+        Self {
+            client,
+            bar: Mutex::new(None),
+            quiet: true,
+        }
+    }
+
+    /// Ends the progress bar shown, if any.
+    pub fn finish(&self) {
+        if let Some((_, pb)) = self.bar.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            pb.finish_and_clear();
+        }
+    }
+}
+
+impl Drop for NativeLink {
+    fn drop(&mut self) {
+        self.finish();
+    }
+}
+
+impl Link for NativeLink {
+    type Peer = PeerId;
+
+    async fn ask(&self, peer: &PeerId, request: MeshRequest) -> Result<MeshResponse, HolderError> {
+        self.client
+            .request(*peer, request)
+            .await
+            .map_err(|e| HolderError::Link(format!("{peer}: {e:#}")))
+    }
+
+    async fn dial(&self, src: &SourceRow) -> Result<PeerId, HolderError> {
+        let link = |e: String| source_error(src, e);
+        let from = source_peer(src)?;
+        if from == self.client.peer_id() {
+            return Err(link("that is this node".into()));
+        }
+        let addrs: Vec<Multiaddr> = src.addrs.iter().filter_map(|a| a.parse().ok()).collect();
+        self.client
+            .add_addrs(from, addrs.clone())
+            .await
+            .map_err(|e| link(format!("{e:#}")))?;
+        if let Some(a) = pick_addr(&addrs) {
+            self.client
+                .dial(with_peer(&a, from))
+                .await
+                .map_err(|e| link(format!("{e:#}")))?;
+        }
+        Ok(from)
+    }
+
+    async fn blocking<R: Send + 'static>(&self, work: impl FnOnce() -> R + Send + 'static) -> R {
+        match tokio::task::spawn_blocking(work).await {
+            Ok(r) => r,
+            // The work panicked: a bug, carried on as the panic it is.
+            Err(e) => std::panic::resume_unwind(e.into_panic()),
+        }
+    }
+
+    fn progress(&self, what: &str, done: u64, total: u64) {
+        if self.quiet {
+            return;
+        }
+        let mut bar = self.bar.lock().unwrap_or_else(|e| e.into_inner());
+        if bar.as_ref().is_none_or(|(label, _)| label != what) {
+            if let Some((_, pb)) = bar.take() {
+                pb.finish_and_clear();
+            }
+            *bar = Some((what.to_string(), progress::bar(total, what)));
+        }
+        if let Some((_, pb)) = bar.as_ref() {
+            pb.set_length(total);
+            pb.set_position(done);
+        }
+    }
+}
+
+/// A TCP address if there is one (the fastest to set up), else the first.
+pub fn pick_addr(addrs: &[Multiaddr]) -> Option<Multiaddr> {
+    use libp2p::multiaddr::Protocol;
+    let plain_tcp = |a: &&Multiaddr| {
+        a.iter().any(|p| matches!(p, Protocol::Tcp(_)))
+            && !a
+                .iter()
+                .any(|p| matches!(p, Protocol::Ws(_) | Protocol::Wss(_)))
+    };
+    addrs.iter().find(plain_tcp).or(addrs.first()).cloned()
+}

@@ -1,0 +1,5 @@
+//! Leading a request from the command line over the network: a coded group of remote members
+//! in rounds ([`remote`]) or one hop per stage ([`hop`]).
+
+pub mod hop;
+pub mod remote;

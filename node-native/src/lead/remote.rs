@@ -1,0 +1,839 @@
+//! A leader on the mesh: connect through one node, learn the rows and the model, and run coded
+//! steps over a group of k + s members with the first k answers.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+use std::task::Poll;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use libp2p::{Multiaddr, PeerId};
+use node_core::code::Generator;
+use node_core::coded::rounds::{Asks, MemberAnswer, Rounds};
+use node_core::coded::{Transport, TransportError};
+use node_core::holder::{HolderError, Link};
+use node_core::lead::{LeadLink, OwnRow};
+use node_core::learn::{Learner, Published};
+use node_core::mesh::{
+    Health, MeshInfo, MeshRequest, MeshResponse, ModelManifest, RoundConfig, SourceRow,
+    StepRefusal, Usage,
+};
+use node_core::model::{
+    GenerateOptions, Generation, KvCache, ModelError, Pass, generate_with, run_pass,
+};
+use node_core::net::session::Ask;
+use tokio::sync::mpsc;
+
+use crate::hold::link::{NativeLink, pick_addr};
+use crate::hold::row::LocalRow;
+use crate::net::rpc::{ask, fetch_manifest};
+use crate::net::swarm::{self, Client, NetConfig};
+
+/// The runtime for a leader that a thread drives pass by pass ([`Leader::generate`]): one
+/// thread runs the rounds, the connections under their streams and the timers, so an answer
+/// wakes no other thread (a multi-thread runtime cost several task switches a round;
+/// docs/perf.md). Nothing runs between passes, which only keep-alives would want.
+pub fn leader_runtime() -> std::io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+}
+
+/// A connection to the mesh through one node.
+#[derive(Debug)]
+pub struct Session {
+    /// The network client.
+    pub client: Client,
+    /// The node connected through.
+    pub bootstrap: PeerId,
+    /// This session's identity (it signs the updates it publishes).
+    pub key: libp2p::identity::Keypair,
+}
+
+impl Session {
+    /// Starts an ephemeral node (no listening, no row) and dials `bootstrap`.
+    pub async fn connect(bootstrap: Multiaddr) -> Result<Self> {
+        let key = libp2p::identity::Keypair::generate_ed25519();
+        let swarm = swarm::build(NetConfig {
+            key: key.clone(),
+            webrtc: None,
+            listen: Vec::new(),
+            mdns: false,
+        })
+        .await?;
+        let (client, mut inbound) = swarm::spawn(swarm);
+        // A leader serves nothing: drain what arrives (heartbeats) so the network never blocks.
+        tokio::spawn(async move { while inbound.recv().await.is_some() {} });
+        let bootstrap = client.dial(bootstrap).await?;
+        Ok(Self {
+            client,
+            bootstrap,
+            key,
+        })
+    }
+
+    /// The bootstrap node's view of the mesh.
+    pub async fn info(&self) -> Result<MeshInfo> {
+        match ask(&self.client, self.bootstrap, MeshRequest::Info).await? {
+            MeshResponse::Info(info) => Ok(info),
+            _ => bail!("asked for the mesh view, got something else"),
+        }
+    }
+
+    /// The model manifest.
+    pub async fn manifest(&self) -> Result<ModelManifest> {
+        Ok(fetch_manifest(&self.client, self.bootstrap).await?.0)
+    }
+}
+
+/// The mesh's view once it has settled: right after an update the view may still mix versions,
+/// so heartbeats get a moment (up to 3 s) to bring every healthy node to one.
+pub async fn settled_info<F: std::future::Future<Output = Result<MeshInfo>>>(
+    mut info: impl FnMut() -> F,
+) -> Result<MeshInfo> {
+    let mut now = info().await?;
+    for _ in 0..20 {
+        if now
+            .nodes
+            .iter()
+            .all(|n| n.health != Health::Healthy || n.lag == 0)
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        now = info().await?;
+    }
+    Ok(now)
+}
+
+/// How a leader's group is formed and run, and where its steps are traced.
+#[derive(Debug, Clone)]
+pub struct GroupOptions {
+    /// What every leader's group takes ([`node_core::lead::GroupOptions`]).
+    pub group: node_core::lead::GroupOptions,
+    /// Where every coded step is written, if anywhere (`--trace-steps`).
+    pub trace: Option<crate::serve::steplog::StepLog>,
+}
+
+impl GroupOptions {
+    /// `verify` checked answers and `spares` spares, default timing, members probed, checks
+    /// projected, no step trace.
+    pub fn new(verify: usize, spares: usize) -> Self {
+        Self {
+            group: node_core::lead::GroupOptions::new(verify, spares),
+            trace: None,
+        }
+    }
+}
+
+/// A group formed for a leader over the network, with what it needs to run the model on it.
+pub type Formed = node_core::lead::Formed<NetTransport>;
+
+/// Forms a group over the rows `info` shows healthy ([`node_core::lead::form`]); `local` is the
+/// calling node's own row, computed in process.
+pub async fn form_group(
+    client: &Client,
+    manifest: &ModelManifest,
+    info: &MeshInfo,
+    local: Option<&LocalRow>,
+    opts: &GroupOptions,
+) -> Result<Formed> {
+    let link = NetLead {
+        link: NativeLink::quiet(client.clone()),
+        client,
+        local,
+        trace: opts.trace.clone(),
+    };
+    Ok(node_core::lead::form(&link, manifest, info, &opts.group).await?)
+}
+
+/// A leader's networking through this node's swarm; its own row, if any, computes in process.
+struct NetLead<'a> {
+    link: NativeLink,
+    client: &'a Client,
+    local: Option<&'a LocalRow>,
+    trace: Option<crate::serve::steplog::StepLog>,
+}
+
+impl Link for NetLead<'_> {
+    type Peer = PeerId;
+
+    async fn ask(&self, peer: &PeerId, request: MeshRequest) -> Result<MeshResponse, HolderError> {
+        self.link.ask(peer, request).await
+    }
+
+    async fn dial(&self, src: &SourceRow) -> Result<PeerId, HolderError> {
+        self.link.dial(src).await
+    }
+
+    async fn blocking<R: Send + 'static>(&self, work: impl FnOnce() -> R + Send + 'static) -> R {
+        self.link.blocking(work).await
+    }
+
+    fn progress(&self, what: &str, done: u64, total: u64) {
+        self.link.progress(what, done, total);
+    }
+}
+
+impl LeadLink for NetLead<'_> {
+    type Net = NetTransport;
+
+    fn own_row(&self) -> Option<OwnRow> {
+        self.local.map(|l| OwnRow {
+            peer: l.peer,
+            norms: Some(l.norms()),
+        })
+    }
+
+    async fn reach(&self, peer: PeerId, addrs: &[String]) -> Result<Vec<Multiaddr>, HolderError> {
+        let addrs: Vec<Multiaddr> = addrs.iter().filter_map(|a| a.parse().ok()).collect();
+        let picked: Vec<Multiaddr> = pick_addr(&addrs).into_iter().collect();
+        self.client
+            .add_addrs(peer, picked.clone())
+            .await
+            .map_err(|e| HolderError::Link(format!("{peer}: {e:#}")))?;
+        Ok(picked)
+    }
+
+    fn transport(
+        &self,
+        version: [u8; 32],
+        rows: &BTreeMap<usize, PeerId>,
+        members: &[usize],
+        generator: &Generator,
+        round: RoundConfig,
+    ) -> NetTransport {
+        let mut transport = NetTransport::new(
+            self.client.clone(),
+            version,
+            rows.clone(),
+            members,
+            generator.clone(),
+            round,
+        );
+        transport.rounds.asks.local = self.local.cloned();
+        transport.rounds.asks.trace = self.trace.clone();
+        transport
+    }
+}
+
+/// Everything a leader needs to run requests on the mesh.
+#[derive(Debug)]
+pub struct Leader {
+    /// The model's manifest.
+    pub manifest: ModelManifest,
+    /// Its tokenizer.
+    pub tokenizer: node_core::model::Tokenizer,
+    /// The leader's side of the model.
+    pub llama: node_core::model::Llama,
+    /// The group, over the network.
+    pub group: node_core::coded::CodedGroup<NetTransport>,
+    /// Rows healthy when the group was formed.
+    pub live_rows: usize,
+    /// Condition number of the decoding k.
+    pub condition_number: f64,
+    /// The version the group decodes at.
+    pub version: [u8; 32],
+    /// Every live row's holder (learning updates go to all of them).
+    pub holders: Vec<PeerId>,
+    /// The network client.
+    pub client: Client,
+    /// The node this leader connected through.
+    pub bootstrap: PeerId,
+    /// The address each member is dialed at.
+    pub addrs: BTreeMap<PeerId, Vec<Multiaddr>>,
+    /// The holder asked for each row.
+    pub rows: BTreeMap<usize, PeerId>,
+    /// The leader's identity: it signs the updates.
+    key: libp2p::identity::Keypair,
+    /// Where a copy of every update this leader publishes goes (signed, as holders take it),
+    /// if anywhere.
+    pub archive: Option<std::path::PathBuf>,
+}
+
+impl Leader {
+    /// Connects through `bootstrap`, fetches the manifest and forms a group of k + `verify` +
+    /// `spares`; every forward round is checked with `verify` answers beyond the k decoded.
+    pub fn connect(
+        rt: &tokio::runtime::Runtime,
+        bootstrap: Multiaddr,
+        verify: usize,
+        spares: usize,
+    ) -> Result<Self> {
+        Self::connect_with(rt, bootstrap, &GroupOptions::new(verify, spares))
+    }
+
+    /// [`Leader::connect`] with every option of the group.
+    pub fn connect_with(
+        rt: &tokio::runtime::Runtime,
+        bootstrap: Multiaddr,
+        opts: &GroupOptions,
+    ) -> Result<Self> {
+        let (session, manifest, formed) = rt.block_on(async {
+            let session = Session::connect(bootstrap).await?;
+            let manifest = session.manifest().await?;
+            let info = settled_info(|| session.info()).await?;
+            let formed = form_group(&session.client, &manifest, &info, None, opts).await?;
+            anyhow::Ok((session, manifest, formed))
+        })?;
+        let tokenizer = node_core::model::Tokenizer::from_data(&manifest.tokenizer)?;
+        Ok(Self {
+            manifest,
+            tokenizer,
+            llama: formed.llama,
+            group: formed.group,
+            live_rows: formed.live_rows,
+            condition_number: formed.condition_number,
+            version: formed.version,
+            holders: formed.holders,
+            client: session.client,
+            bootstrap: session.bootstrap,
+            addrs: formed.addrs,
+            rows: formed.rows,
+            key: session.key,
+            archive: None,
+        })
+    }
+
+    /// Trains on what `prompt` teaches ([`node_core::learn::taught`]) if the mesh learns: the gradient through the group, folded into
+    /// `learner`; when an update is due and `gate` (if any) passes it, it is handed to every
+    /// live row's holder (the rest catch up from them). Returns the loss before the update and
+    /// what was published, if anything.
+    pub fn learn(
+        &mut self,
+        rt: &tokio::runtime::Runtime,
+        prompt: &[u32],
+        learner: &mut Learner,
+        gate: Option<&mut node_core::learn::CanaryGate>,
+    ) -> Result<Option<Learned>> {
+        let cfg = self.manifest.learning;
+        if !cfg.enabled || prompt.len() < 2 {
+            return Ok(None);
+        }
+        let max = node_core::learn::training_window(&cfg, &self.manifest.cfg);
+        let tokens = node_core::learn::taught(prompt, max);
+        let grads = rt.block_on(self.llama.gradients(&mut self.group, tokens))?;
+        let loss = grads.loss;
+        let (mut published, mut refused) = (None, None);
+        if let Some(p) = learner.push(grads)? {
+            let refusal = match gate {
+                Some(gate) => {
+                    let taken = p.update.clone().taken_by(self.manifest.format);
+                    let judged = gate.judge(&self.llama, &mut self.group, self.version, &taken);
+                    rt.block_on(judged)?.refusal()
+                }
+                None => None,
+            };
+            match refusal {
+                Some(why) => {
+                    learner.refuse_last();
+                    refused = Some(why);
+                }
+                None => published = Some(self.publish(rt, p)?),
+            }
+        }
+        Ok(Some(Learned {
+            loss,
+            positions: tokens.len(),
+            published,
+            refused,
+        }))
+    }
+
+    /// Generates a completion of `prompt` through the group ([`generate_with`]); `on_token`
+    /// sees each token and returns false to stop.
+    pub fn generate(
+        &mut self,
+        rt: &tokio::runtime::Runtime,
+        prompt: &[u32],
+        opts: &GenerateOptions,
+        on_token: &mut dyn FnMut(u32) -> bool,
+    ) -> Result<Generation, ModelError> {
+        let (llama, group) = (&self.llama, &mut self.group);
+        let mut cache = KvCache::new(llama.config());
+        let mut forward =
+            |pass: Pass<'_>| rt.block_on(run_pass(llama, &mut *group, &mut cache, pass));
+        generate_with(&mut forward, llama.config().max_seq, prompt, opts, on_token)
+    }
+
+    /// Mean next-token cross-entropy of `tokens` through the group, forward only.
+    pub fn sequence_loss(
+        &mut self,
+        rt: &tokio::runtime::Runtime,
+        tokens: &[u32],
+    ) -> Result<f64, ModelError> {
+        rt.block_on(self.llama.sequence_loss(&mut self.group, tokens))
+    }
+
+    /// Tells every live row's holder about the members this leader caught; returns how many
+    /// nodes took the reports.
+    pub fn report_caught(&self, rt: &tokio::runtime::Runtime) -> Result<usize> {
+        let link = NativeLink::quiet(self.client.clone());
+        let caught = &self.group.stats().caught;
+        let reported = rt.block_on(node_core::lead::report_caught(
+            &link,
+            caught,
+            &self.rows,
+            &self.holders,
+        ));
+        Ok(reported.taken_by)
+    }
+
+    /// Tells the node this leader connected through what a request did; the mesh's usage
+    /// (tokens/s, latency, loss on the dashboards) counts it.
+    pub fn report_served(&self, rt: &tokio::runtime::Runtime, usage: Usage) -> Result<()> {
+        rt.block_on(ask(
+            &self.client,
+            self.bootstrap,
+            MeshRequest::Served(usage),
+        ))?;
+        Ok(())
+    }
+
+    /// Hands an update to every live row's holder (and a copy to the archive, if set).
+    pub fn publish(&self, rt: &tokio::runtime::Runtime, p: Published) -> Result<Sent> {
+        let link = NativeLink::quiet(self.client.clone());
+        let sealed = node_core::lead::seal_update(&p, &self.key)?;
+        if let Some(dir) = &self.archive {
+            std::fs::create_dir_all(dir)?;
+            let path = dir.join(format!("{:016x}.update", sealed.id));
+            std::fs::write(&path, &sealed.bytes)
+                .with_context(|| format!("archiving the update in {}", path.display()))?;
+        }
+        Ok(rt.block_on(node_core::lead::publish_sealed(
+            &link,
+            &self.holders,
+            &sealed,
+            &p,
+        )))
+    }
+}
+
+/// What one learning step did.
+#[derive(Debug, Clone)]
+pub struct Learned {
+    /// Mean next-token loss on the request's tokens before the update.
+    pub loss: f64,
+    /// Positions trained on.
+    pub positions: usize,
+    /// The update published after this request, if one was due.
+    pub published: Option<Sent>,
+    /// Why the canary gate refused the update that was due, if it did.
+    pub refused: Option<String>,
+}
+
+pub use node_core::lead::Sent;
+
+/// Time the members spent computing, as they reported it.
+#[derive(Debug, Clone, Default)]
+pub struct NetStats {
+    /// Per round, the slowest used answer's compute time, summed.
+    pub compute: Duration,
+}
+
+/// Coded steps over the network: each round goes to every member on its session, the first k
+/// answers win, failed members are replaced from the free rows, stragglers are outrun and
+/// swapped out ([`node_core::coded::rounds`]). A leader inside a node computes its own row's
+/// steps in process.
+#[derive(Debug)]
+pub struct NetTransport {
+    rounds: Rounds<NetAsks>,
+    stats: NetStats,
+    /// What every round waits for before it goes out, if anything (a trainer's group waits
+    /// until serving is idle).
+    gate: Option<Gate>,
+}
+
+/// The sessions a [`NetTransport`]'s rounds ask through, and what it records of them.
+#[derive(Debug)]
+struct NetAsks {
+    client: Client,
+    version: [u8; 32],
+    peers: BTreeMap<usize, PeerId>,
+    tx: mpsc::UnboundedSender<MemberAnswer>,
+    rx: mpsc::UnboundedReceiver<MemberAnswer>,
+    local: Option<LocalRow>,
+    trace: Option<crate::serve::steplog::StepLog>,
+    /// The round last asked, for the step trace.
+    round: u64,
+    /// The step the rounds belong to.
+    label: String,
+    /// What the rounds are for (the requests of a batch), for the step trace.
+    context: String,
+    /// When each member of the current round was asked, and with how many bytes (kept only
+    /// for the step trace).
+    asked: BTreeMap<usize, (Instant, usize)>,
+    /// The session with each row asked so far (opened when the group forms, or when a row is
+    /// first asked as a replacement), driven by the task that awaits the rounds.
+    links: BTreeMap<usize, crate::hold::session::Link>,
+    /// Answers read from the sessions, each held until its instant (the bench's modelled
+    /// delay; at once without one).
+    arrived: VecDeque<(Instant, MemberAnswer)>,
+    /// The bench's modelled one-way delay ([`crate::net::swarm::one_way_delay`]), else zero.
+    delay: Duration,
+    /// The row whose session is driven first (the current round's first ask).
+    first: usize,
+    /// The runtime the sessions open and the leader's own prefill steps compute on.
+    runtime: tokio::runtime::Handle,
+}
+
+/// A wait a group's rounds make before they go out.
+#[derive(Clone)]
+pub struct Gate(pub Arc<dyn Fn() -> futures::future::BoxFuture<'static, ()> + Send + Sync>);
+
+impl std::fmt::Debug for Gate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Gate(..)")
+    }
+}
+
+/// Encoded steps up to this size (a decode step's activations) are computed for the leader's
+/// own row on the round's task; larger ones (prefill) on the blocking pool.
+const INLINE_LOCAL_BYTES: usize = 4 * crate::hold::session::INLINE_STEP_VALUES;
+
+impl NetTransport {
+    /// A transport to the holders of `peers` (row → peer); rows not in `members` are free.
+    /// Called inside the runtime the members' sessions will run on.
+    pub fn new(
+        client: Client,
+        version: [u8; 32],
+        peers: BTreeMap<usize, PeerId>,
+        members: &[usize],
+        generator: node_core::code::Generator,
+        cfg: RoundConfig,
+    ) -> Self {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let mut asks = NetAsks {
+            client,
+            version,
+            peers,
+            tx,
+            rx,
+            local: None,
+            trace: None,
+            round: 0,
+            label: String::new(),
+            context: String::new(),
+            asked: BTreeMap::new(),
+            links: BTreeMap::new(),
+            arrived: VecDeque::new(),
+            delay: crate::net::swarm::one_way_delay(),
+            first: 0,
+            runtime: tokio::runtime::Handle::current(),
+        };
+        // This node's own row (a leader inside a node) is computed here, not over a session.
+        let me = asks.client.peer_id();
+        for &row in members {
+            if asks.peers.get(&row) != Some(&me) {
+                asks.link(row);
+            }
+        }
+        let rows: Vec<usize> = asks.peers.keys().copied().collect();
+        Self {
+            rounds: Rounds::new(asks, generator, rows, members, cfg),
+            stats: NetStats::default(),
+            gate: None,
+        }
+    }
+
+    /// The peer holding a row, as this transport knows it.
+    pub fn peer_of(&self, row: usize) -> Option<PeerId> {
+        self.rounds.asks.peers.get(&row).copied()
+    }
+
+    /// Compute time reported by members.
+    pub fn stats(&self) -> &NetStats {
+        &self.stats
+    }
+
+    /// The version the members are asked at.
+    pub fn version(&self) -> [u8; 32] {
+        self.rounds.asks.version
+    }
+
+    /// Asks the members at another version from now on (after this leader's own update,
+    /// which every member has applied).
+    pub fn set_version(&mut self, version: [u8; 32]) {
+        self.rounds.asks.version = version;
+    }
+
+    /// What the next rounds are for (written with each step in the step trace).
+    pub fn set_context(&mut self, context: String) {
+        self.rounds.asks.context = context;
+    }
+
+    /// Makes every later round wait for `gate` first.
+    pub fn set_gate(&mut self, gate: Gate) {
+        self.gate = Some(gate);
+    }
+
+    /// Whether a member of the last round was at another version than the group's: the
+    /// mesh moved on (or the member lags), and forming the group again at the mesh's
+    /// settled version may help where asking again would not.
+    pub fn met_another_version(&self) -> bool {
+        self.rounds.notes().stale
+    }
+
+    async fn wait_gate(&self) {
+        if let Some(Gate(wait)) = &self.gate {
+            wait().await;
+        }
+    }
+}
+
+impl NetAsks {
+    /// The session with a row's holder, opened now if there is none yet.
+    fn link(&mut self, row: usize) -> Option<&mut crate::hold::session::Link> {
+        let peer = *self.peers.get(&row)?;
+        let (client, runtime) = (&self.client, &self.runtime);
+        Some(
+            self.links
+                .entry(row)
+                .or_insert_with(|| crate::hold::session::Link::open(runtime, client, peer)),
+        )
+    }
+
+    /// Drives every session at `now`: writes what is due and reads what came (held in
+    /// `arrived`); registers `cx` for what comes next.
+    fn drive(&mut self, cx: &mut std::task::Context<'_>, now: Instant) {
+        let due = now + self.delay;
+        let (links, arrived) = (&mut self.links, &mut self.arrived);
+        let mut poll = |row: usize, link: &mut crate::hold::session::Link| {
+            link.poll(cx, now, &mut |id, answer| {
+                arrived.push_back((due, (id, row, answer)));
+            });
+        };
+        // From the round's first row on, then the rows before it: asks go out in that order.
+        for (&row, link) in links.range_mut(self.first..) {
+            poll(row, link);
+        }
+        for (&row, link) in links.range_mut(..self.first) {
+            poll(row, link);
+        }
+    }
+
+    /// The next answer that is due, the leader's own row's included, after driving every
+    /// session; registers `cx` for the rest.
+    fn poll_answer(&mut self, cx: &mut std::task::Context<'_>) -> Option<MemberAnswer> {
+        if let Poll::Ready(Some(answer)) = self.rx.poll_recv(cx) {
+            return Some(answer);
+        }
+        let now = Instant::now();
+        self.drive(cx, now);
+        match self.arrived.front() {
+            Some((at, _)) if *at <= now => self.arrived.pop_front().map(|(_, answer)| answer),
+            _ => None,
+        }
+    }
+
+    /// The next instant something held back by the bench's delay is due, if anything is
+    /// (never without a delay).
+    fn held_until(&mut self, now: Instant) -> Option<Instant> {
+        if self.delay.is_zero() {
+            return None;
+        }
+        let answers = self.arrived.front().map(|(at, _)| *at);
+        let asks = self.links.values_mut().filter_map(|l| l.held_until(now));
+        answers.into_iter().chain(asks).min()
+    }
+
+    /// Notes when a member was asked and with how many bytes, for the step trace (if any).
+    fn note_asked(&mut self, row: usize, bytes: usize) {
+        if self.trace.is_some() {
+            self.asked.insert(row, (Instant::now(), bytes));
+        }
+    }
+
+    fn is_local(&self, row: usize) -> bool {
+        self.local.as_ref().is_some_and(|l| l.row == row)
+    }
+
+    fn send(&mut self, round: u64, row: usize, request: &[u8]) {
+        self.note_asked(row, request.len());
+        let ask = Ask {
+            id: round,
+            version: self.version,
+            step: request.to_vec(),
+        };
+        let not_before = Instant::now() + self.delay;
+        let sent = match self.link(row) {
+            Some(link) => link.ask(ask, not_before),
+            None => Err(format!("no peer holds row {row}")),
+        };
+        if let Err(e) = sent {
+            let _ = self.tx.send((round, row, Err(e.into())));
+        }
+    }
+
+    /// Computes this node's own row's answer (while the others compute theirs): a decode
+    /// step on this task, a larger one on the blocking pool, answered like any member.
+    fn answer_locally(&mut self, round: u64, row: usize, request: &[u8]) {
+        self.note_asked(row, request.len());
+        let Some(local) = self.local.clone() else {
+            let refusal = StepRefusal::Failed("no local row".into());
+            let _ = self.tx.send((round, row, Err(refusal)));
+            return;
+        };
+        let (version, tx) = (self.version, self.tx.clone());
+        if request.len() <= INLINE_LOCAL_BYTES {
+            let _ = tx.send((round, row, local.step(&version, request).into_step()));
+            return;
+        }
+        let request = request.to_vec();
+        self.runtime.spawn_blocking(move || {
+            let _ = tx.send((round, row, local.step(&version, &request).into_step()));
+        });
+    }
+
+    /// Writes one member's part of the round to the step trace.
+    fn trace_answer(&mut self, row: usize, result: Result<(usize, u64), &str>) {
+        let Some(trace) = &self.trace else {
+            return;
+        };
+        let Some((at, sent)) = self.asked.remove(&row) else {
+            return;
+        };
+        let (received, compute_us, outcome) = match result {
+            Ok((bytes, us)) => (bytes, us, "ok".to_string()),
+            Err(e) => (0, 0, e.to_string()),
+        };
+        trace.record(&crate::serve::steplog::StepRecord {
+            unix_ms: crate::serve::steplog::unix_ms(),
+            context: &self.context,
+            step: &self.label,
+            round: self.round,
+            member: row,
+            peer: self
+                .peers
+                .get(&row)
+                .map(|p| p.to_string())
+                .unwrap_or_default(),
+            local: self.is_local(row),
+            bytes_sent: sent,
+            bytes_received: received,
+            ms: at.elapsed().as_secs_f64() * 1e3,
+            compute_ms: compute_us as f64 / 1e3,
+            outcome: &outcome,
+        });
+    }
+}
+
+impl Asks for NetAsks {
+    fn version(&self) -> [u8; 32] {
+        self.version
+    }
+
+    /// Sends every remote ask first (written at once, as far as the streams take them), then
+    /// computes the local one (if asked) meanwhile.
+    fn ask(&mut self, round: u64, asks: &[(usize, &[u8])]) {
+        self.round = round;
+        // Each round starts its asks at another member: the member asked last (on a busy
+        // machine, the one answering last, so outrun) is not always the same one.
+        let start = (round as usize).checked_rem(asks.len()).unwrap_or(0);
+        if let Some(&(row, _)) = asks.get(start) {
+            self.first = row;
+        }
+        let mut local = None;
+        for &(row, request) in asks[start..].iter().chain(&asks[..start]) {
+            if self.is_local(row) {
+                local = Some((row, request));
+            } else {
+                self.send(round, row, request);
+            }
+        }
+        let waker = futures::task::noop_waker_ref();
+        self.drive(&mut std::task::Context::from_waker(waker), Instant::now());
+        if let Some((row, request)) = local {
+            self.answer_locally(round, row, request);
+        }
+    }
+
+    async fn next(&mut self, until: Instant) -> Option<MemberAnswer> {
+        let wake = tokio::time::sleep_until(until.into());
+        tokio::pin!(wake);
+        std::future::poll_fn(|cx| {
+            if let Some(answer) = self.poll_answer(cx) {
+                return Poll::Ready(Some(answer));
+            }
+            // Where sessions poll (every process of the stream on a core of its own), an answer
+            // due within the poll is read without sleeping on the runtime's wake-up.
+            if let Some(spin) = crate::hold::session::local::spin().filter(|_| self.delay.is_zero())
+            {
+                let end = (Instant::now() + spin).min(until);
+                while Instant::now() < end {
+                    std::hint::spin_loop();
+                    if let Some(answer) = self.poll_answer(cx) {
+                        return Poll::Ready(Some(answer));
+                    }
+                }
+            }
+            let now = Instant::now();
+            if now >= until {
+                return Poll::Ready(None);
+            }
+            let at = self.held_until(now).map_or(until, |at| at.min(until));
+            if wake.deadline() != at.into() {
+                wake.as_mut().reset(at.into());
+            }
+            if wake.as_mut().poll(cx).is_ready() {
+                cx.waker().wake_by_ref();
+            }
+            Poll::Pending
+        })
+        .await
+    }
+
+    /// Polls the sessions once without waiting (their writes progress too).
+    fn try_next(&mut self) -> Option<MemberAnswer> {
+        let waker = futures::task::noop_waker_ref();
+        self.poll_answer(&mut std::task::Context::from_waker(waker))
+    }
+
+    fn seen(&mut self, row: usize, answer: Result<(usize, u64), &str>) {
+        self.trace_answer(row, answer);
+    }
+
+    /// Members still unanswered were not needed: the trace says so.
+    fn ended(&mut self) {
+        let rows: Vec<usize> = self.asked.keys().copied().collect();
+        for row in rows {
+            self.trace_answer(row, Err("not needed (outrun)"));
+        }
+        self.asked.clear();
+    }
+}
+
+impl Transport for NetTransport {
+    async fn round(
+        &mut self,
+        members: &mut Vec<usize>,
+        request: &[u8],
+        need: usize,
+    ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
+        self.wait_gate().await;
+        let answers = self.rounds.round(members, request, need).await?;
+        let slowest = self.rounds.notes().slowest_compute_us;
+        self.stats.compute += Duration::from_micros(slowest);
+        Ok(answers)
+    }
+
+    async fn round_each(
+        &mut self,
+        requests: Vec<(usize, Vec<u8>)>,
+    ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
+        self.wait_gate().await;
+        self.rounds.round_each(requests).await
+    }
+
+    fn label(&mut self, what: &str) {
+        what.clone_into(&mut self.rounds.asks.label);
+    }
+
+    fn last_round(&self) -> Option<u64> {
+        self.rounds.last_round()
+    }
+
+    fn late_answers(&mut self) -> Vec<(u64, usize, Vec<u8>)> {
+        self.rounds.late_answers()
+    }
+}

@@ -1,0 +1,420 @@
+//! The task that owns the libp2p swarm, and the cloneable client every other part talks to it
+//! through (bounded channels; answers come back on oneshots, errors included).
+
+use std::io::ErrorKind;
+use std::time::Duration;
+
+use anyhow::{Context, Result, anyhow};
+use futures::{AsyncReadExt, StreamExt};
+use libp2p::core::Transport as _;
+use libp2p::core::muxing::StreamMuxerBox;
+use libp2p::identity::Keypair;
+use libp2p::multiaddr::Protocol;
+use libp2p::request_response::ResponseChannel;
+use libp2p::{Multiaddr, PeerId, StreamProtocol, Swarm, noise, tcp, yamux};
+use libp2p_stream::OpenStreamError;
+use node_core::mesh::{MeshRequest, MeshResponse};
+use node_core::net::{Driver, MeshBehaviour, NetEvent, session};
+use tokio::sync::{mpsc, oneshot};
+
+/// How the swarm is built.
+#[derive(Debug)]
+pub struct NetConfig {
+    /// The node's identity.
+    pub key: Keypair,
+    /// Certificate for WebRTC-direct (listening on it needs one).
+    pub webrtc: Option<libp2p_webrtc::tokio::Certificate>,
+    /// Addresses to listen on.
+    pub listen: Vec<Multiaddr>,
+    /// Discover peers with mDNS.
+    pub mdns: bool,
+}
+
+/// Something the network hands to the node: a request or a heartbeat (the swarm task keeps
+/// listen addresses to itself).
+pub type Inbound = NetEvent;
+
+/// Where the answer to an outbound request goes.
+type Reply = node_core::net::Reply<MeshResponse>;
+
+enum Command {
+    Dial {
+        addr: Multiaddr,
+        reply: oneshot::Sender<Result<PeerId, String>>,
+    },
+    AddAddrs {
+        peer: PeerId,
+        addrs: Vec<Multiaddr>,
+    },
+    Request {
+        peer: PeerId,
+        request: MeshRequest,
+        reply: Reply,
+    },
+    Respond {
+        channel: ResponseChannel<MeshResponse>,
+        response: MeshResponse,
+    },
+    Publish {
+        data: Vec<u8>,
+    },
+    ListenAddrs {
+        reply: oneshot::Sender<Vec<Multiaddr>>,
+    },
+}
+
+/// A handle on the swarm task.
+#[derive(Clone)]
+pub struct Client {
+    tx: mpsc::Sender<Command>,
+    peer_id: PeerId,
+    /// Opens and accepts session streams without the swarm task.
+    control: libp2p_stream::Control,
+}
+
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Client")
+            .field("peer_id", &self.peer_id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl std::fmt::Debug for Command {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Command::Dial { .. } => "Dial",
+            Command::AddAddrs { .. } => "AddAddrs",
+            Command::Request { .. } => "Request",
+            Command::Respond { .. } => "Respond",
+            Command::Publish { .. } => "Publish",
+            Command::ListenAddrs { .. } => "ListenAddrs",
+        })
+    }
+}
+
+const GONE: &str = "the network task has stopped";
+
+impl Client {
+    /// This node's peer id.
+    pub fn peer_id(&self) -> PeerId {
+        self.peer_id
+    }
+
+    async fn send(&self, cmd: Command) -> Result<()> {
+        self.tx.send(cmd).await.map_err(|_| anyhow!(GONE))
+    }
+
+    /// Opens and accepts the streams of group sessions ([`crate::hold::session`]).
+    pub fn control(&self) -> libp2p_stream::Control {
+        self.control.clone()
+    }
+
+    /// Dials an address (with or without `/p2p/…`) and returns the peer reached.
+    pub async fn dial(&self, addr: Multiaddr) -> Result<PeerId> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::Dial {
+            addr: addr.clone(),
+            reply,
+        })
+        .await?;
+        rx.await
+            .map_err(|_| anyhow!(GONE))?
+            .map_err(|e| anyhow!("dialing {addr}: {e}"))
+    }
+
+    /// Remembers addresses of a peer for later requests.
+    pub async fn add_addrs(&self, peer: PeerId, addrs: Vec<Multiaddr>) -> Result<()> {
+        self.send(Command::AddAddrs { peer, addrs }).await
+    }
+
+    /// Sends a request and waits for its answer.
+    pub async fn request(&self, peer: PeerId, request: MeshRequest) -> Result<MeshResponse> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Command::Request {
+            peer,
+            request,
+            reply: Box::new(move |r| {
+                let _ = tx.send(r);
+            }),
+        })
+        .await?;
+        rx.await
+            .map_err(|_| anyhow!(GONE))?
+            .map_err(|e| anyhow!("request to {peer}: {e}"))
+    }
+
+    /// Answers an inbound request.
+    pub async fn respond(&self, channel: ResponseChannel<MeshResponse>, response: MeshResponse) {
+        let _ = self.send(Command::Respond { channel, response }).await;
+    }
+
+    /// Publishes a heartbeat.
+    pub async fn publish(&self, data: Vec<u8>) -> Result<()> {
+        self.send(Command::Publish { data }).await
+    }
+
+    /// Addresses the swarm listens on now.
+    pub async fn listen_addrs(&self) -> Result<Vec<Multiaddr>> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::ListenAddrs { reply }).await?;
+        rx.await.map_err(|_| anyhow!(GONE))
+    }
+}
+
+/// Builds the swarm: TCP and WebSocket (noise, yamux), QUIC, WebRTC-direct; DNS for names.
+pub async fn build(cfg: NetConfig) -> Result<Swarm<MeshBehaviour>> {
+    // WebRTC's DTLS uses rustls; without a process-wide provider it panics on first use.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let mdns = cfg.mdns;
+    let webrtc = cfg.webrtc;
+    let relays = !cfg.listen.is_empty();
+    let swarm = libp2p::SwarmBuilder::with_existing_identity(cfg.key)
+        .with_tokio()
+        .with_tcp(
+            tcp::Config::default().nodelay(true),
+            noise::Config::new,
+            yamux::Config::default,
+        )?
+        .with_quic()
+        .with_other_transport(|key| match webrtc {
+            Some(cert) => libp2p::core::transport::OptionalTransport::some(
+                libp2p_webrtc::tokio::Transport::new(key.clone(), cert)
+                    .map(|(peer, conn), _| (peer, StreamMuxerBox::new(conn))),
+            ),
+            None => libp2p::core::transport::OptionalTransport::none(),
+        })?
+        .with_dns()?
+        .with_websocket(noise::Config::new, yamux::Config::default)
+        .await?
+        .with_relay_client(noise::Config::new, yamux::Config::default)?
+        .with_behaviour(|key, relay_client| {
+            let b = MeshBehaviour::new(key, mdns)
+                .map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)?
+                .with_relay_client(relay_client);
+            // Nodes relay for browsers; a leader that listens nowhere relays nothing.
+            Ok(if relays {
+                b.with_relay_server(key.public().to_peer_id())
+            } else {
+                b
+            })
+        })?
+        .with_swarm_config(|c| c.with_idle_connection_timeout(Duration::from_secs(600)))
+        .build();
+    let mut swarm = swarm;
+    for addr in cfg.listen {
+        swarm
+            .listen_on(addr.clone())
+            .with_context(|| format!("listening on {addr}"))?;
+    }
+    Ok(swarm)
+}
+
+/// Starts the swarm task; returns its client and the stream of inbound messages.
+pub fn spawn(swarm: Swarm<MeshBehaviour>) -> (Client, mpsc::Receiver<Inbound>) {
+    let (tx, rx) = mpsc::channel(256);
+    let (in_tx, in_rx) = mpsc::channel(1024);
+    let client = Client {
+        tx,
+        peer_id: *swarm.local_peer_id(),
+        control: swarm.behaviour().session.new_control(),
+    };
+    tokio::spawn(EventLoop::new(swarm, rx, in_tx).run());
+    (client, in_rx)
+}
+
+/// The environment variable that sets [`one_way_delay`] for a process (the nodes
+/// `codedmesh bench --mesh --one-way-delay-ms` starts).
+pub const DELAY_VAR: &str = "CODEDMESH_BENCH_ONE_WAY_DELAY_MS";
+
+/// Microseconds of the delay set in this process; `u64::MAX` until read from [`DELAY_VAR`].
+static DELAY_US: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(u64::MAX);
+
+/// Bench and test only: how long every request and answer this process sends waits before it
+/// leaves, a modelled one-way network delay (0 normally). Swarm tasks started afterwards use it.
+pub fn one_way_delay() -> Duration {
+    use std::sync::atomic::Ordering;
+    let mut us = DELAY_US.load(Ordering::Relaxed);
+    if us == u64::MAX {
+        us = std::env::var(DELAY_VAR)
+            .ok()
+            .and_then(|v| v.parse::<f64>().ok())
+            .filter(|ms| ms.is_finite() && *ms >= 0.0)
+            .map_or(0, |ms| (ms * 1e3) as u64);
+        DELAY_US.store(us, Ordering::Relaxed);
+    }
+    Duration::from_micros(us)
+}
+
+/// Bench and test only: sets [`one_way_delay`] for the swarm tasks this process starts next.
+pub fn set_one_way_delay(delay: Duration) {
+    DELAY_US.store(
+        delay.as_micros() as u64,
+        std::sync::atomic::Ordering::Relaxed,
+    );
+}
+
+struct EventLoop {
+    swarm: Swarm<MeshBehaviour>,
+    commands: mpsc::Receiver<Command>,
+    inbound: mpsc::Sender<Inbound>,
+    driver: Driver,
+    /// Requests and answers held back by [`one_way_delay`], when it is set.
+    delayed: (
+        mpsc::UnboundedSender<Command>,
+        mpsc::UnboundedReceiver<Command>,
+    ),
+    delay: Duration,
+}
+
+impl EventLoop {
+    fn new(
+        swarm: Swarm<MeshBehaviour>,
+        commands: mpsc::Receiver<Command>,
+        inbound: mpsc::Sender<Inbound>,
+    ) -> Self {
+        Self {
+            swarm,
+            commands,
+            inbound,
+            driver: Driver::new(true),
+            delayed: mpsc::unbounded_channel(),
+            delay: one_way_delay(),
+        }
+    }
+
+    async fn run(mut self) {
+        loop {
+            tokio::select! {
+                event = self.swarm.select_next_some() => {
+                    if let Some(event) = self.driver.on_event(&mut self.swarm, event) {
+                        self.on_net(event).await;
+                    }
+                }
+                cmd = self.commands.recv() => match cmd {
+                    Some(cmd) => self.on_command(cmd),
+                    None => return, // every client is gone
+                },
+                Some(cmd) = self.delayed.1.recv() => self.send_now(cmd),
+            }
+        }
+    }
+
+    /// Runs a command, holding requests and answers back by the bench's delay when it is set.
+    fn on_command(&mut self, cmd: Command) {
+        let held = matches!(cmd, Command::Request { .. } | Command::Respond { .. });
+        if held && !self.delay.is_zero() {
+            let (tx, delay) = (self.delayed.0.clone(), self.delay);
+            tokio::spawn(async move {
+                tokio::time::sleep(delay).await;
+                let _ = tx.send(cmd);
+            });
+            return;
+        }
+        self.send_now(cmd);
+    }
+
+    fn send_now(&mut self, cmd: Command) {
+        let swarm = &mut self.swarm;
+        match cmd {
+            Command::Dial { addr, reply } => self.driver.dial(
+                swarm,
+                addr,
+                Box::new(move |r| {
+                    let _ = reply.send(r);
+                }),
+            ),
+            Command::AddAddrs { peer, addrs } => self.driver.add_addrs(swarm, peer, addrs),
+            Command::Request {
+                peer,
+                request,
+                reply,
+            } => self.driver.request(swarm, peer, request, reply),
+            Command::Respond { channel, response } => Driver::respond(swarm, channel, response),
+            Command::Publish { data } => self.driver.publish(swarm, data),
+            Command::ListenAddrs { reply } => {
+                let _ = reply.send(swarm.listeners().cloned().collect());
+            }
+        }
+    }
+
+    async fn on_net(&mut self, event: NetEvent) {
+        match event {
+            NetEvent::Listening(address) => {
+                tracing::debug!(%address, "listening");
+                // The addresses a node announces in heartbeats are the ones peers reach it at;
+                // the relay serves browsers only once the node has external addresses.
+                self.swarm.add_external_address(address);
+            }
+            NetEvent::Expired(_) => {}
+            gossip @ NetEvent::Gossip { .. } => {
+                let _ = self.inbound.try_send(gossip);
+            }
+            request @ NetEvent::Request { .. } => {
+                if self.inbound.send(request).await.is_err() {
+                    tracing::debug!("no node is listening for requests");
+                }
+            }
+        }
+    }
+}
+
+/// The address with `/p2p/<peer>` appended (if it has none).
+pub fn with_peer(addr: &Multiaddr, peer: PeerId) -> Multiaddr {
+    if addr.iter().any(|p| matches!(p, Protocol::P2p(_))) {
+        addr.clone()
+    } else {
+        addr.clone().with(Protocol::P2p(peer))
+    }
+}
+
+/// Times a stream is opened before its receiver is taken to refuse it.
+const OPEN_TRIES: u32 = 4;
+
+/// The pause before the second try; it doubles for each one after.
+const FIRST_PAUSE: Duration = Duration::from_millis(5);
+
+/// How long an opener waits for the receiver to take its stream: a receiver that holds it
+/// longer is taken to refuse it (so a stuck node holds no opener's task).
+const ACCEPT_WAIT: Duration = Duration::from_secs(10);
+
+/// Opens a `protocol` stream to `peer` once its receiver has taken it off its queue (it writes
+/// [`session::ACCEPTED`] first). libp2p-stream keeps one waiting stream per protocol and drops
+/// the rest, so a burst of streams on a busy machine loses some: a stream that ends before that
+/// byte is opened again after a pause, up to [`OPEN_TRIES`] times.
+pub async fn open_accepted(
+    control: &mut libp2p_stream::Control,
+    peer: PeerId,
+    protocol: StreamProtocol,
+) -> Result<libp2p::Stream, OpenStreamError> {
+    let mut pause = FIRST_PAUSE;
+    let mut tried = 0;
+    let io = |kind, why: &str| std::io::Error::new(kind, format!("{protocol}: {why}"));
+    loop {
+        tried += 1;
+        let mut stream = control.open_stream(peer, protocol.clone()).await?;
+        let mut first = [0u8; 1];
+        let why = match tokio::time::timeout(ACCEPT_WAIT, stream.read(&mut first)).await {
+            Ok(Ok(1)) if first[0] == session::ACCEPTED => return Ok(stream),
+            Ok(Ok(1)) => {
+                let why = "the receiver did not begin with the accepted byte";
+                return Err(OpenStreamError::Io(io(ErrorKind::InvalidData, why)));
+            }
+            Err(_) => {
+                let why = format!("the receiver did not take the stream within {ACCEPT_WAIT:?}");
+                return Err(OpenStreamError::Io(io(ErrorKind::TimedOut, &why)));
+            }
+            Ok(Ok(_)) => io(
+                ErrorKind::UnexpectedEof,
+                "the receiver dropped the stream unread",
+            ),
+            Ok(Err(e)) => e,
+        };
+        if tried >= OPEN_TRIES {
+            return Err(OpenStreamError::Io(why));
+        }
+        tracing::debug!(%peer, "opening the stream again: {why}");
+        tokio::time::sleep(pause).await;
+        pause *= 2;
+    }
+}

@@ -1,0 +1,420 @@
+//! The OpenAI-compatible API of a native node: `GET /v1/models`, `POST /v1/chat/completions`
+//! (the model's ChatML template), `POST /v1/completions`, each streamed as server-sent events
+//! with `stream: true`, and `GET /v1/stream`, a WebSocket that streams the same chunks. Requests
+//! go to the node's [`Engine`]; a full queue answers 429 with `Retry-After`; errors are
+//! OpenAI's error JSON with its status codes; an optional bearer key guards every route.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
+use axum::extract::{Query, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use futures::{SinkExt, Stream, StreamExt};
+use node_core::mesh::ModelManifest;
+use node_core::model::{ChatMessage, SamplingParams, StopReason, Tokenizer};
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+
+use crate::serve::engine::{Engine, EngineError, Event, GenRequest, SubmitError};
+
+mod request;
+mod stream;
+
+use request::*;
+use stream::*;
+
+/// Completion tokens when a request of `/v1/completions` names none (OpenAI's default).
+const COMPLETION_DEFAULT_TOKENS: usize = 16;
+/// Most completion tokens a chat request gets when it names none.
+const CHAT_DEFAULT_TOKENS: usize = 1024;
+/// Most stop strings a request may give (OpenAI's limit).
+const MAX_STOPS: usize = 4;
+
+/// The API's state: the engine, the tokenizer, the served model's id, the key.
+#[derive(Clone)]
+pub struct Api {
+    engine: Engine,
+    tokenizer: Arc<Tokenizer>,
+    model: String,
+    key: Option<Arc<str>>,
+    created: u64,
+}
+
+impl std::fmt::Debug for Api {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Api").field("model", &self.model).finish()
+    }
+}
+
+/// The id the API serves a model under: its file name without the extension.
+pub fn model_id(manifest: &ModelManifest) -> String {
+    let name = manifest.name.as_str();
+    name.strip_suffix(".gguf")
+        .or_else(|| name.strip_suffix(".safetensors"))
+        .unwrap_or(name)
+        .to_string()
+}
+
+impl Api {
+    /// The API of a node serving `manifest`'s model through `engine`; `key` is the bearer key
+    /// every request must carry, if set.
+    pub fn new(
+        engine: Engine,
+        manifest: &ModelManifest,
+        key: Option<String>,
+    ) -> anyhow::Result<Self> {
+        Ok(Self {
+            engine,
+            tokenizer: Arc::new(Tokenizer::from_data(&manifest.tokenizer)?),
+            model: model_id(manifest),
+            key: key.filter(|k| !k.is_empty()).map(Into::into),
+            created: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+        })
+    }
+
+    /// The `/v1` routes.
+    pub fn router(self) -> axum::Router {
+        axum::Router::new()
+            .route("/v1/models", get(models))
+            .route("/v1/models/{id}", get(model))
+            .route("/v1/chat/completions", post(chat))
+            .route("/v1/completions", post(completions))
+            .route("/v1/stream", get(websocket))
+            .route("/v1/{*rest}", axum::routing::any(unknown))
+            .with_state(self)
+    }
+
+    /// Refuses a request without the key, when there is one.
+    fn authorize(&self, headers: &HeaderMap, query_key: Option<&str>) -> Result<(), ApiError> {
+        let Some(key) = &self.key else {
+            return Ok(());
+        };
+        let bearer = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        if bearer.or(query_key) == Some(&**key) {
+            Ok(())
+        } else {
+            Err(ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "Incorrect API key provided: give the node's key as `Authorization: Bearer KEY`.",
+            )
+            .code("invalid_api_key"))
+        }
+    }
+}
+
+/// An error in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
+#[derive(Debug, Clone)]
+pub struct ApiError {
+    status: StatusCode,
+    message: String,
+    kind: &'static str,
+    param: Option<&'static str>,
+    code: Option<&'static str>,
+    retry_after: Option<Duration>,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        let kind = match status.as_u16() {
+            429 => "rate_limit_error",
+            500..=599 => "server_error",
+            _ => "invalid_request_error",
+        };
+        Self {
+            status,
+            message: message.into(),
+            kind,
+            param: None,
+            code: None,
+            retry_after: None,
+        }
+    }
+
+    fn bad(param: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            param: Some(param),
+            ..Self::new(StatusCode::BAD_REQUEST, message)
+        }
+    }
+
+    fn code(mut self, code: &'static str) -> Self {
+        self.code = Some(code);
+        self
+    }
+
+    fn body(&self) -> Value {
+        json!({"error": {
+            "message": self.message,
+            "type": self.kind,
+            "param": self.param,
+            "code": self.code,
+        }})
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut resp = (self.status, Json(self.body())).into_response();
+        if let Some(after) = self.retry_after {
+            let secs = after.as_secs_f64().ceil().max(1.0) as u64;
+            if let Ok(v) = HeaderValue::from_str(&secs.to_string()) {
+                resp.headers_mut().insert(header::RETRY_AFTER, v);
+            }
+        }
+        resp
+    }
+}
+
+impl From<SubmitError> for ApiError {
+    fn from(e: SubmitError) -> Self {
+        match e {
+            SubmitError::Busy { retry_after, .. } => Self {
+                retry_after: Some(retry_after),
+                ..Self::new(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    format!("{e}; try again later"),
+                )
+                .code("rate_limit_exceeded")
+            },
+            SubmitError::Stopped => {
+                Self::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string()).code("unavailable")
+            }
+        }
+    }
+}
+
+impl From<EngineError> for ApiError {
+    fn from(e: EngineError) -> Self {
+        match e {
+            EngineError::Unavailable(_) => {
+                Self::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string()).code("model_unavailable")
+            }
+            EngineError::Failed(_) => Self::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+        }
+    }
+}
+
+/// Answers a prepared request: server-sent events when streamed, else one JSON body.
+async fn respond(api: &Api, p: Prepared) -> Response {
+    let (id, mut rx) = match api.run(&p) {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
+    };
+    let shape = Shape::new(api, p.kind, id);
+    if p.stream {
+        let events = chunks(shape, rx, p.include_usage)
+            .map(|v| SseEvent::default().data(v.to_string()))
+            .chain(futures::stream::once(async {
+                SseEvent::default().data("[DONE]")
+            }))
+            .map(Ok::<_, Infallible>);
+        return Sse::new(events)
+            .keep_alive(KeepAlive::default())
+            .into_response();
+    }
+    let mut text = String::new();
+    loop {
+        match rx.recv().await {
+            Some(Piece::Text(t)) => text.push_str(&t),
+            Some(Piece::End { finish, usage }) => {
+                return Json(shape.whole(&text, finish, usage)).into_response();
+            }
+            Some(Piece::Error(e)) => return e.into_response(),
+            None => {
+                return ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "the request ended without an answer",
+                )
+                .into_response();
+            }
+        }
+    }
+}
+
+async fn chat(State(api): State<Api>, headers: HeaderMap, body: Bytes) -> Response {
+    let prepared = api
+        .authorize(&headers, None)
+        .and_then(|()| parse::<ChatBody>(&body))
+        .and_then(|b| api.prepare_chat(b));
+    match prepared {
+        Ok(p) => respond(&api, p).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn completions(State(api): State<Api>, headers: HeaderMap, body: Bytes) -> Response {
+    let prepared = api
+        .authorize(&headers, None)
+        .and_then(|()| parse::<CompletionBody>(&body))
+        .and_then(|b| api.prepare_completion(b));
+    match prepared {
+        Ok(p) => respond(&api, p).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+fn model_object(api: &Api) -> Value {
+    json!({"id": api.model, "object": "model", "created": api.created, "owned_by": "codedmesh"})
+}
+
+async fn models(State(api): State<Api>, headers: HeaderMap) -> Response {
+    match api.authorize(&headers, None) {
+        Ok(()) => Json(json!({"object": "list", "data": [model_object(&api)]})).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn model(
+    State(api): State<Api>,
+    headers: HeaderMap,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Response {
+    if let Err(e) = api.authorize(&headers, None) {
+        return e.into_response();
+    }
+    if id == api.model {
+        Json(model_object(&api)).into_response()
+    } else {
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!("The model `{id}` does not exist"),
+        )
+        .code("model_not_found")
+        .into_response()
+    }
+}
+
+async fn unknown(uri: axum::http::Uri) -> Response {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        format!("Unknown request URL: {}", uri.path()),
+    )
+    .code("unknown_url")
+    .into_response()
+}
+
+/// The key in a WebSocket URL (`?api_key=…`): browsers cannot set headers on one.
+#[derive(Debug, Deserialize)]
+struct WsQuery {
+    api_key: Option<String>,
+}
+
+async fn websocket(
+    State(api): State<Api>,
+    headers: HeaderMap,
+    Query(q): Query<WsQuery>,
+    ws: WebSocketUpgrade,
+) -> Response {
+    if let Err(e) = api.authorize(&headers, q.api_key.as_deref()) {
+        return e.into_response();
+    }
+    ws.on_upgrade(move |socket| serve_socket(api, socket))
+}
+
+/// One WebSocket: each text message is a request (a chat when it has `messages`, else a
+/// completion); the answer streams back as the same chunks as server-sent events (usage
+/// included), then `[DONE]`. Requests on one socket run one after another.
+async fn serve_socket(api: Api, socket: WebSocket) {
+    let (mut tx, mut rx) = socket.split();
+    while let Some(Ok(msg)) = rx.next().await {
+        let text = match msg {
+            Message::Text(t) => t.to_string(),
+            Message::Binary(b) => String::from_utf8_lossy(&b).into_owned(),
+            Message::Close(_) => break,
+            _ => continue,
+        };
+        let prepared = parse::<Value>(text.as_bytes()).and_then(|v| {
+            if v.get("messages").is_some() {
+                api.prepare_chat(serde_json::from_value(v).map_err(|e| {
+                    ApiError::new(StatusCode::BAD_REQUEST, format!("invalid request: {e}"))
+                })?)
+            } else {
+                api.prepare_completion(serde_json::from_value(v).map_err(|e| {
+                    ApiError::new(StatusCode::BAD_REQUEST, format!("invalid request: {e}"))
+                })?)
+            }
+        });
+        let stream = prepared.and_then(|p| {
+            let (id, rx) = api.run(&p)?;
+            Ok(chunks(Shape::new(&api, p.kind, id), rx, true))
+        });
+        match stream {
+            Ok(stream) => {
+                let mut stream = std::pin::pin!(stream);
+                while let Some(v) = stream.next().await {
+                    if tx.send(Message::Text(v.to_string().into())).await.is_err() {
+                        return;
+                    }
+                }
+            }
+            Err(e) => {
+                if tx
+                    .send(Message::Text(e.body().to_string().into()))
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+            }
+        }
+        if tx.send(Message::Text("[DONE]".into())).await.is_err() {
+            return;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(stops: &[&str], pieces: &[&str]) -> (String, bool) {
+        let mut m = StopMatcher::new(stops.iter().map(|s| s.to_string()).collect());
+        let mut out = String::new();
+        for p in pieces {
+            let (emit, hit) = m.push(p);
+            out.push_str(&emit);
+            if hit {
+                return (out, true);
+            }
+        }
+        out.push_str(&m.finish());
+        (out, false)
+    }
+
+    #[test]
+    fn stop_strings_cut_the_text_even_across_pieces() {
+        assert_eq!(
+            run(&["\n\n"], &["Hello", " world", "\n", "\nmore"]),
+            ("Hello world".into(), true)
+        );
+        assert_eq!(run(&["END"], &["abcE", "N", "Dxyz"]), ("abc".into(), true));
+        assert_eq!(run(&["END"], &["abcE", "N", "x"]), ("abcENx".into(), false));
+        assert_eq!(run(&[], &["a", "b"]), ("ab".into(), false));
+        // The earliest of several stops wins.
+        assert_eq!(run(&["zz", "b"], &["aab zz"]), ("aa".into(), true));
+        // Multi-byte characters are held back whole.
+        assert_eq!(run(&["é!"], &["café", "?"]), ("café?".into(), false));
+        assert_eq!(run(&["é!"], &["café", "!"]), ("caf".into(), true));
+    }
+
+    #[test]
+    fn held_back_text_is_only_a_possible_stop_prefix() {
+        let mut m = StopMatcher::new(vec!["###".into()]);
+        assert_eq!(m.push("a#"), ("a".into(), false));
+        assert_eq!(m.push("#b"), ("##b".into(), false));
+        assert_eq!(m.finish(), "");
+    }
+}

@@ -1,0 +1,320 @@
+//! What a request asks: its body (chat or completion, the shared fields), parsed and checked,
+//! and the engine's request built from it.
+
+use super::*;
+
+/// `stop`: one string or a list.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub(super) enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+/// A chat message's content: text, or a list of parts of which only text is supported.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub(super) enum Content {
+    Text(String),
+    Parts(Vec<Value>),
+}
+
+#[derive(Debug, Deserialize)]
+pub(super) struct InMessage {
+    pub(super) role: String,
+    #[serde(default)]
+    pub(super) content: Option<Content>,
+}
+
+#[derive(Debug, Deserialize)]
+pub(super) struct StreamOptions {
+    #[serde(default)]
+    pub(super) include_usage: bool,
+}
+
+/// `prompt`: text, a list of one text, or token ids.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub(super) enum Prompt {
+    Text(String),
+    Texts(Vec<String>),
+    Ids(Vec<u32>),
+}
+
+/// The fields shared by both kinds of request.
+#[derive(Debug, Deserialize)]
+pub(super) struct Common {
+    pub(super) model: Option<String>,
+    #[serde(default)]
+    pub(super) stream: bool,
+    pub(super) stream_options: Option<StreamOptions>,
+    pub(super) temperature: Option<f32>,
+    pub(super) top_p: Option<f32>,
+    pub(super) max_tokens: Option<u64>,
+    pub(super) max_completion_tokens: Option<u64>,
+    pub(super) stop: Option<Stop>,
+    pub(super) seed: Option<u64>,
+    pub(super) n: Option<u64>,
+    /// Coded Mesh's own field: `false` keeps this request out of the mesh's learning.
+    pub(super) learn: Option<bool>,
+}
+
+#[derive(Debug, Deserialize)]
+pub(super) struct ChatBody {
+    pub(super) messages: Vec<InMessage>,
+    #[serde(flatten)]
+    pub(super) common: Common,
+}
+
+#[derive(Debug, Deserialize)]
+pub(super) struct CompletionBody {
+    pub(super) prompt: Prompt,
+    #[serde(flatten)]
+    pub(super) common: Common,
+}
+
+/// Which endpoint a request came through: it decides the response's shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Kind {
+    Chat,
+    Completion,
+}
+
+/// A request checked and ready for the engine.
+#[derive(Debug)]
+pub(super) struct Prepared {
+    pub(super) kind: Kind,
+    pub(super) request: GenRequest,
+    pub(super) stops: Vec<String>,
+    pub(super) stream: bool,
+    pub(super) include_usage: bool,
+}
+
+pub(super) fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    serde_json::from_slice(body).map_err(|e| {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            format!("We could not parse the JSON body of your request: {e}"),
+        )
+    })
+}
+
+impl Api {
+    /// Checks the shared fields and builds the engine's request for `prompt`.
+    pub(super) fn prepare(
+        &self,
+        kind: Kind,
+        prompt: Vec<u32>,
+        c: Common,
+    ) -> Result<Prepared, ApiError> {
+        match c.model.as_deref() {
+            None => return Err(ApiError::bad("model", "you must provide a model parameter")),
+            Some(m) if m != self.model => {
+                return Err(ApiError::new(
+                    StatusCode::NOT_FOUND,
+                    format!(
+                        "The model `{m}` does not exist; this mesh serves `{}` (GET /v1/models)",
+                        self.model
+                    ),
+                )
+                .code("model_not_found"));
+            }
+            Some(_) => {}
+        }
+        if c.n.is_some_and(|n| n != 1) {
+            return Err(ApiError::bad("n", "only n = 1 is supported"));
+        }
+        if prompt.is_empty() {
+            return Err(ApiError::bad(
+                if kind == Kind::Chat {
+                    "messages"
+                } else {
+                    "prompt"
+                },
+                "the prompt is empty",
+            ));
+        }
+        let vocab = self.tokenizer.vocab_size();
+        if let Some(&id) = prompt.iter().find(|&&id| id as usize >= vocab) {
+            return Err(ApiError::bad(
+                "prompt",
+                format!("token id {id} is outside the vocabulary of {vocab}"),
+            ));
+        }
+        let context = self.engine.max_context();
+        let room = context.saturating_sub(prompt.len());
+        if room == 0 {
+            return Err(ApiError::bad(
+                "messages",
+                format!(
+                    "This model's maximum context length is {context} tokens; the prompt has {}",
+                    prompt.len()
+                ),
+            )
+            .code("context_length_exceeded"));
+        }
+        let max_tokens = match c.max_completion_tokens.or(c.max_tokens) {
+            Some(0) => return Err(ApiError::bad("max_tokens", "max_tokens must be at least 1")),
+            Some(m) if m as usize > room => {
+                return Err(ApiError::bad(
+                    "max_tokens",
+                    format!(
+                        "This model's maximum context length is {context} tokens; the prompt has {} and {m} were asked for",
+                        prompt.len()
+                    ),
+                )
+                .code("context_length_exceeded"));
+            }
+            Some(m) => m as usize,
+            None if kind == Kind::Chat => room.min(CHAT_DEFAULT_TOKENS),
+            None => room.min(COMPLETION_DEFAULT_TOKENS),
+        };
+        let mut temperature = c.temperature.unwrap_or(1.0);
+        if !(0.0..=2.0).contains(&temperature) {
+            return Err(ApiError::bad(
+                "temperature",
+                format!("temperature must be between 0 and 2, got {temperature}"),
+            ));
+        }
+        let top_p = c.top_p.unwrap_or(1.0);
+        if !(0.0..=1.0).contains(&top_p) {
+            return Err(ApiError::bad(
+                "top_p",
+                format!("top_p must be between 0 and 1, got {top_p}"),
+            ));
+        }
+        if top_p == 0.0 {
+            temperature = 0.0;
+        }
+        let stops = match c.stop {
+            None => Vec::new(),
+            Some(Stop::One(s)) => vec![s],
+            Some(Stop::Many(v)) => v,
+        };
+        let stops: Vec<String> = stops.into_iter().filter(|s| !s.is_empty()).collect();
+        if stops.len() > MAX_STOPS {
+            return Err(ApiError::bad(
+                "stop",
+                format!("at most {MAX_STOPS} stop sequences, got {}", stops.len()),
+            ));
+        }
+        let seed = c.seed.unwrap_or_else(rand_seed);
+        Ok(Prepared {
+            kind,
+            request: GenRequest {
+                prompt,
+                max_tokens,
+                sampling: SamplingParams {
+                    temperature,
+                    top_p: top_p.max(f32::MIN_POSITIVE),
+                    seed,
+                },
+                stop_ids: self.tokenizer.eos_ids().to_vec(),
+                learn: c.learn.unwrap_or(true),
+                // The node has one key: whoever holds it shares its budget.
+                caller: if self.key.is_some() {
+                    "api-key".into()
+                } else {
+                    "anonymous".into()
+                },
+            },
+            stops,
+            stream: c.stream,
+            include_usage: c.stream_options.is_some_and(|o| o.include_usage),
+        })
+    }
+
+    pub(super) fn prepare_chat(&self, body: ChatBody) -> Result<Prepared, ApiError> {
+        if body.messages.is_empty() {
+            return Err(ApiError::bad("messages", "messages must not be empty"));
+        }
+        let mut messages = Vec::with_capacity(body.messages.len());
+        for m in body.messages {
+            let role = match m.role.as_str() {
+                "system" | "developer" => "system",
+                "user" => "user",
+                "assistant" => "assistant",
+                other => {
+                    return Err(ApiError::bad(
+                        "messages",
+                        format!("role {other:?} is not supported (system, user, assistant)"),
+                    ));
+                }
+            };
+            let content = match m.content {
+                None => String::new(),
+                Some(Content::Text(t)) => t,
+                Some(Content::Parts(parts)) => {
+                    let mut text = String::new();
+                    for p in parts {
+                        match (p.get("type").and_then(Value::as_str), p.get("text")) {
+                            (Some("text"), Some(Value::String(t))) => text.push_str(t),
+                            _ => {
+                                return Err(ApiError::bad(
+                                    "messages",
+                                    "only text content parts are supported",
+                                ));
+                            }
+                        }
+                    }
+                    text
+                }
+            };
+            messages.push(ChatMessage {
+                role: role.to_string(),
+                content,
+            });
+        }
+        let text = self.tokenizer.chat_prompt(&messages);
+        let prompt = self
+            .tokenizer
+            .encode(&text)
+            .map_err(|e| ApiError::bad("messages", e.to_string()))?;
+        self.prepare(Kind::Chat, prompt, body.common)
+    }
+
+    pub(super) fn prepare_completion(&self, body: CompletionBody) -> Result<Prepared, ApiError> {
+        let prompt = match body.prompt {
+            Prompt::Text(t) => self.encode(&t)?,
+            Prompt::Texts(v) if v.len() == 1 => self.encode(&v[0])?,
+            Prompt::Texts(v) => {
+                return Err(ApiError::bad(
+                    "prompt",
+                    format!("one prompt per request is supported, got {}", v.len()),
+                ));
+            }
+            Prompt::Ids(ids) => ids,
+        };
+        self.prepare(Kind::Completion, prompt, body.common)
+    }
+
+    pub(super) fn encode(&self, text: &str) -> Result<Vec<u32>, ApiError> {
+        self.tokenizer
+            .encode(text)
+            .map_err(|e| ApiError::bad("prompt", e.to_string()))
+    }
+
+    /// Submits a request and turns its events into pieces of text (decoded, cut at stop
+    /// strings), on a task of its own; dropping the receiver cancels the request.
+    pub(super) fn run(&self, p: &Prepared) -> Result<(u64, mpsc::Receiver<Piece>), ApiError> {
+        let submitted = self.engine.submit(p.request.clone())?;
+        let (tx, rx) = mpsc::channel(64);
+        let tokenizer = self.tokenizer.clone();
+        let stops = p.stops.clone();
+        let prompt_tokens = p.request.prompt.len();
+        tokio::spawn(pieces(
+            tokenizer,
+            submitted.events,
+            stops,
+            prompt_tokens,
+            tx,
+        ));
+        Ok((submitted.id, rx))
+    }
+}
+
+/// A random sampling seed for a request that gives none.
+pub(super) fn rand_seed() -> u64 {
+    use std::hash::BuildHasher;
+    std::collections::hash_map::RandomState::new().hash_one(std::time::Instant::now())
+}

@@ -1,0 +1,193 @@
+//! A leader's group inside the node: formed when needed, kept while it works, regrouped on
+//! failure; what the serving and the training task each hold.
+
+use super::*;
+
+/// A leader's group inside the node, formed when needed and kept while it works: what the
+/// serving and the training task each hold.
+pub(super) struct Lead {
+    pub(super) ctx: EngineContext,
+    /// A serving group's place among the node's serving groups (the trainer's has none).
+    pub(super) slot: Option<(usize, Arc<Shared>)>,
+    pub(super) formed: Option<Formed>,
+    /// When forming last failed, and why.
+    pub(super) formed_failed: Option<(Instant, String)>,
+    pub(super) trace: Option<StepLog>,
+    /// The serving tasks this group's rounds wait for (the trainer's: it computes only
+    /// while they have nothing to serve).
+    pub(super) yield_to: Option<Arc<Shared>>,
+}
+
+impl Lead {
+    pub(super) fn new(ctx: EngineContext, trace: Option<StepLog>) -> Self {
+        Self {
+            ctx,
+            slot: None,
+            formed: None,
+            formed_failed: None,
+            trace,
+            yield_to: None,
+        }
+    }
+
+    /// The mesh's view from the node's loop.
+    pub(super) async fn info(&self) -> Result<MeshInfo> {
+        let info = self.ctx.info.clone();
+        settled_info(|| {
+            let info = info.clone();
+            async move {
+                let (tx, rx) = oneshot::channel();
+                info.send(InfoRequest(tx))
+                    .await
+                    .map_err(|_| anyhow!("the node is stopping"))?;
+                rx.await.map_err(|_| anyhow!("the node is stopping"))
+            }
+        })
+        .await
+    }
+
+    /// The group, formed now if there is none; why not when the mesh cannot give one.
+    pub(super) async fn group(&mut self) -> Result<&mut Formed, String> {
+        if self.formed.is_none() {
+            if let Some((at, why)) = &self.formed_failed
+                && at.elapsed() < FORM_RETRY
+            {
+                return Err(why.clone());
+            }
+            // The first serving group takes the best holders; every other one leaves out the
+            // holders the others compute with.
+            let avoid = match &self.slot {
+                Some((slot, shared)) if *slot > 0 => shared.busy_except(*slot),
+                _ => Default::default(),
+            };
+            let mut opts = GroupOptions::new(self.ctx.cfg.verify, self.ctx.cfg.spares);
+            opts.trace.clone_from(&self.trace);
+            opts.group.avoid = avoid;
+            opts.group.project = self.ctx.cfg.project;
+            let formed = match self.info().await {
+                Ok(info) => {
+                    form_group(
+                        &self.ctx.client,
+                        &self.ctx.manifest,
+                        &info,
+                        Some(&self.ctx.local),
+                        &opts,
+                    )
+                    .await
+                }
+                Err(e) => Err(e),
+            };
+            match formed {
+                Ok(mut f) => {
+                    if let Some(serving) = &self.yield_to {
+                        let serving = serving.clone();
+                        f.group.transport_mut().set_gate(serving.training_turns());
+                    }
+                    tracing::info!(
+                        members = ?f.group.nodes(),
+                        live = f.live_rows,
+                        condition_number = f.condition_number,
+                        version = node_core::mesh::hex(&f.version[..8]),
+                        "formed a group"
+                    );
+                    self.ctx.metrics.groups_formed.inc();
+                    if let Some((slot, shared)) = &self.slot {
+                        shared.set_busy(*slot, f.members.clone());
+                    }
+                    self.formed = Some(f);
+                    self.formed_failed = None;
+                }
+                Err(e) => {
+                    let why = format!("{e:#}");
+                    if matches!(self.slot, Some((slot, _)) if slot > 0) {
+                        tracing::debug!("no further group: {why}");
+                    } else {
+                        tracing::warn!("no group: {why}");
+                    }
+                    self.formed_failed = Some((Instant::now(), why.clone()));
+                    return Err(why);
+                }
+            }
+        }
+        self.formed.as_mut().ok_or_else(|| "no group".to_string())
+    }
+
+    /// Lets the group go (it is formed again when next needed).
+    pub(super) fn drop_group(&mut self) {
+        self.formed = None;
+        if let Some((slot, shared)) = &self.slot {
+            shared.set_busy(*slot, Vec::new());
+        }
+    }
+
+    /// Writes out the step trace.
+    pub(super) fn flush_trace(&self) {
+        if let Some(t) = &self.trace {
+            t.flush();
+        }
+    }
+
+    /// Counts what the group's rounds did since the last call, and reports members it caught.
+    pub(super) async fn after_rounds(&mut self) {
+        self.flush_trace();
+        let Some(f) = self.formed.as_mut() else {
+            return;
+        };
+        let s = f.group.stats().clone();
+        f.group.reset_stats();
+        let m = &self.ctx.metrics;
+        m.rounds_checked.inc_by(s.verified_rounds);
+        m.rounds_projected.inc_by(s.projected_rounds);
+        m.members_replaced.inc_by(s.members_dropped);
+        if s.members_dropped > 0 {
+            // Replacements came from free rows: the other serving groups must now avoid them
+            // (and may use the holders this one let go).
+            let t = f.group.transport();
+            f.members = f
+                .group
+                .nodes()
+                .iter()
+                .filter_map(|&r| t.peer_of(r))
+                .collect();
+            if let Some((slot, shared)) = &self.slot {
+                shared.set_busy(*slot, f.members.clone());
+            }
+        }
+        if s.verified_rounds > 0 {
+            m.decode_residual_ratio
+                .observe(s.max_pass_ratio.max(s.max_projected_ratio));
+        }
+        if s.caught.is_empty() {
+            return;
+        }
+        m.members_caught.inc_by(s.caught.len() as u64);
+        for c in &s.caught {
+            if let Some(&peer) = f.rows.get(&c.node) {
+                tracing::warn!(%peer, "caught: {c}");
+                self.ctx.local.caught(peer, c.to_string()).await;
+            }
+        }
+        let link = crate::hold::link::NativeLink::quiet(self.ctx.client.clone());
+        let (rows, holders) = (f.rows.clone(), f.holders.clone());
+        self.ctx.runtime.spawn(async move {
+            node_core::lead::report_caught(&link, &s.caught, &rows, &holders).await;
+        });
+    }
+
+    /// Moves the group to a version every member now holds, with its norm gains; forms it
+    /// again when that is not possible.
+    pub(super) fn move_to(&mut self, moved: Option<&([u8; 32], LeaderWeights)>) {
+        let Some(f) = self.formed.as_mut() else {
+            return;
+        };
+        match moved.map(|(v, n)| (v, Llama::new(self.ctx.manifest.cfg.clone(), n.clone()))) {
+            Some((version, Ok(llama))) => {
+                f.group.transport_mut().set_version(*version);
+                f.group.weights_moved();
+                f.version = *version;
+                f.llama = llama;
+            }
+            _ => self.drop_group(),
+        }
+    }
+}

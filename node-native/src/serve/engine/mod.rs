@@ -1,0 +1,573 @@
+//! Serving the requests a node leads (its OpenAI API): a bounded queue, a serving task that
+//! runs every admitted request through one coded group, all of their new tokens in each round
+//! (continuous batching: one coded round per stage for the whole batch), and a training task
+//! that trains the mesh on the finished requests, a minibatch at a time, through a group of its
+//! own. The training runs beside the serving, so streams do not stop for it; the serving task
+//! publishes each update between two steps, so neither group ever sees members at two versions.
+//! When training falls behind, the serving task takes no new requests until it catches up:
+//! the queue fills and the API answers 429, and memory stays bounded.
+//!
+//! Both are tasks on the node's runtime: a request goes from the API through the engine and
+//! the group's rounds to the members' sessions without leaving async code.
+//!
+//! A group is formed when first needed and kept while it works: after this node's own update
+//! every member holds it, so both groups move to the new version in place. A step that fails (a
+//! member died, another leader's update moved the mesh) forms the group again and runs the step
+//! again; the requests' KV caches are kept (a cache computed before an update is used after it:
+//! the model changed under the request, and the step trace shows where).
+
+use std::collections::VecDeque;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Result, anyhow};
+use libp2p::PeerId;
+use node_core::learn::{Budgets, CANARY_TEXT, CanaryGate, Learner, Published};
+use node_core::mesh::{MeshInfo, MeshResponse, ModelManifest, Usage};
+use node_core::model::speculate;
+use node_core::model::{
+    BatchItem, KvCache, LeaderWeights, Llama, Sampler, SamplingParams, StopReason,
+};
+use prometheus_client::metrics::gauge::Gauge;
+use tokio::sync::{mpsc, oneshot};
+use tracing::Instrument;
+
+use crate::hold::row::{InfoRequest, LocalRow};
+use crate::lead::remote::{Formed, Gate, GroupOptions, form_group, settled_info};
+use crate::net::swarm::Client;
+use crate::serve::metrics::Metrics;
+use crate::serve::steplog::StepLog;
+
+mod lead;
+#[cfg(test)]
+mod tests;
+mod train;
+mod worker;
+
+use lead::Lead;
+use train::{ToLearn, Trainer};
+use worker::{Intake, Worker};
+
+/// How a node serves the requests it leads.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Most sequences generated together.
+    pub max_batch: usize,
+    /// Most requests waiting for a place in the batch; more are refused (429).
+    pub queue: usize,
+    /// Most prompt tokens admitted into one forward step (a longer prompt runs alone).
+    pub step_tokens: usize,
+    /// Answers checked beyond the k decoded in every forward round.
+    pub verify: usize,
+    /// With `verify` 1, check against the check row's secret projections, not its answers.
+    pub project: bool,
+    /// Spare members asked beside them.
+    pub spares: usize,
+    /// Train the mesh on the requests (when the mesh learns).
+    pub learn: bool,
+    /// Where every coded step is written (`--trace-steps`).
+    pub trace_steps: Option<PathBuf>,
+    /// Most serving groups run side by side, each over holders no other uses; a group past
+    /// the first forms only when the mesh has holders enough for it.
+    pub groups: usize,
+    /// Most drafted tokens checked in one forward pass of a sequence (prompt lookup).
+    pub draft: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            max_batch: 16,
+            queue: 64,
+            step_tokens: 512,
+            verify: 1,
+            project: true,
+            spares: 1,
+            learn: true,
+            trace_steps: None,
+            groups: 4,
+            draft: node_core::model::speculate::DEFAULT_DRAFT,
+        }
+    }
+}
+
+impl EngineConfig {
+    /// Checks the settings.
+    pub fn validate(&self) -> Result<()> {
+        anyhow::ensure!(
+            self.max_batch >= 1,
+            "the batch must hold at least one request"
+        );
+        anyhow::ensure!(
+            self.step_tokens >= 1,
+            "a step must admit at least one token"
+        );
+        anyhow::ensure!(
+            (1..=MAX_GROUPS).contains(&self.groups),
+            "serving groups must be 1 to {MAX_GROUPS}, got {}",
+            self.groups
+        );
+        Ok(())
+    }
+}
+
+/// What to generate for one request.
+#[derive(Debug, Clone)]
+pub struct GenRequest {
+    /// The prompt's token ids.
+    pub prompt: Vec<u32>,
+    /// Most tokens to generate.
+    pub max_tokens: usize,
+    /// How to pick tokens.
+    pub sampling: SamplingParams,
+    /// Token ids that end the completion (not emitted).
+    pub stop_ids: Vec<u32>,
+    /// The mesh may train on it (when the mesh learns at all).
+    pub learn: bool,
+    /// Whose learning budget it spends: the API key it came with, or "anonymous".
+    pub caller: String,
+}
+
+/// What a request's submitter hears, in order: tokens, then one `Done` or `Failed`.
+#[derive(Debug, Clone)]
+pub enum Event {
+    /// The next generated token.
+    Token(u32),
+    /// The request finished.
+    Done(Finished),
+    /// The request could not be served.
+    Failed(EngineError),
+}
+
+/// How a request ended.
+#[derive(Debug, Clone, Copy)]
+pub struct Finished {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Tokens generated.
+    pub tokens: usize,
+    /// Why it stopped.
+    pub stop: StopReason,
+    /// From arrival to the first token.
+    pub first_token: Option<Duration>,
+    /// From arrival to the end.
+    pub latency: Duration,
+}
+
+/// Why a request could not be served.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum EngineError {
+    /// Fewer than k rows can be grouped: the model is unavailable for now.
+    #[error("the model is unavailable: {0}")]
+    Unavailable(String),
+    /// The coded steps kept failing.
+    #[error("the request failed: {0}")]
+    Failed(String),
+}
+
+/// Why a request was not taken.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum SubmitError {
+    /// The queue is full; try again after about this long.
+    #[error("the node is busy: {queued} requests are waiting")]
+    Busy {
+        /// Requests waiting.
+        queued: usize,
+        /// A fair wait before trying again.
+        retry_after: Duration,
+    },
+    /// The engine has stopped.
+    #[error("the node is stopping")]
+    Stopped,
+}
+
+/// A request taken: its id and where its events come.
+#[derive(Debug)]
+pub struct Submitted {
+    /// The request's id on this node.
+    pub id: u64,
+    /// Tokens, then the end (at most `max_tokens + 1` events).
+    pub events: mpsc::UnboundedReceiver<Event>,
+}
+
+struct Job {
+    id: u64,
+    req: GenRequest,
+    events: mpsc::UnboundedSender<Event>,
+    arrived: Instant,
+    span: tracing::Span,
+}
+
+/// What the engine needs from its node.
+#[derive(Debug, Clone)]
+pub struct EngineContext {
+    /// The node's network client.
+    pub client: Client,
+    /// The node's identity: it signs the updates.
+    pub key: libp2p::identity::Keypair,
+    /// The model.
+    pub manifest: ModelManifest,
+    /// The node's own row.
+    pub local: LocalRow,
+    /// Asks the node's loop for the mesh's view.
+    pub info: mpsc::Sender<InfoRequest>,
+    /// Settings.
+    pub cfg: EngineConfig,
+    /// Where it counts what it does.
+    pub metrics: Metrics,
+    /// The node's runtime (the engine's tasks run on it).
+    pub runtime: tokio::runtime::Handle,
+}
+
+/// A handle on a node's engine; clones share it.
+#[derive(Debug, Clone)]
+pub struct Engine {
+    jobs: mpsc::Sender<Job>,
+    next_id: Arc<AtomicU64>,
+    /// Mean request latency lately, in milliseconds (for Retry-After).
+    latency_ms: Arc<AtomicU64>,
+    metrics: Metrics,
+    max_context: usize,
+}
+
+impl Engine {
+    /// Starts the engine's tasks; a group is formed when the first request comes.
+    pub fn start(ctx: EngineContext) -> Result<Self> {
+        ctx.cfg.validate()?;
+        let (jobs, rx) = mpsc::channel(ctx.cfg.queue.max(1));
+        let latency_ms = Arc::new(AtomicU64::new(1000));
+        let engine = Self {
+            jobs,
+            next_id: Arc::new(AtomicU64::new(1)),
+            latency_ms: latency_ms.clone(),
+            metrics: ctx.metrics.clone(),
+            max_context: ctx.manifest.cfg.max_seq,
+        };
+        let trace = ctx
+            .cfg
+            .trace_steps
+            .as_deref()
+            .map(StepLog::create)
+            .transpose()?;
+        let learns = ctx.cfg.learn && ctx.manifest.learning.enabled;
+        let (to_train, train_rx) = mpsc::unbounded_channel();
+        let (publish_tx, publish_rx) = mpsc::unbounded_channel();
+        let backlog = Arc::new(AtomicUsize::new(0));
+        let shared = Arc::new(Shared::new(
+            ctx.cfg.groups,
+            ctx.metrics.serving_groups.clone(),
+        ));
+        if learns {
+            let mut lead = Lead::new(ctx.clone(), trace.clone());
+            lead.yield_to = Some(shared.clone());
+            let trainer = Trainer {
+                lead,
+                learner: Learner::new(
+                    ctx.manifest.learning,
+                    ctx.manifest.cfg.clone(),
+                    ctx.manifest.format,
+                ),
+                requests: train_rx,
+                waiting: VecDeque::new(),
+                publish: publish_tx,
+                backlog: backlog.clone(),
+                gate: CanaryGate::new(
+                    node_core::model::Tokenizer::from_data(&ctx.manifest.tokenizer)?
+                        .encode(CANARY_TEXT)?,
+                ),
+            };
+            ctx.runtime.spawn(trainer.run());
+        }
+        let queue_depth = ctx.metrics.queue_depth.clone();
+        let jobs = Arc::new(tokio::sync::Mutex::new(rx));
+        let mut publishes = Some(publish_rx);
+        for slot in 0..ctx.cfg.groups {
+            // Only the first serving task publishes the trainer's updates.
+            let publishes = publishes
+                .take()
+                .unwrap_or_else(|| mpsc::unbounded_channel().1);
+            let mut lead = Lead::new(ctx.clone(), trace.clone());
+            lead.slot = Some((slot, shared.clone()));
+            let worker = Worker {
+                lead,
+                intake: Intake {
+                    jobs: jobs.clone(),
+                    held: None,
+                    queue_depth: queue_depth.clone(),
+                },
+                active: Vec::new(),
+                to_train: learns.then(|| to_train.clone()),
+                publishes,
+                backlog: backlog.clone(),
+                failures: 0,
+                latency_ms: latency_ms.clone(),
+                steps: 0,
+                shared: shared.clone(),
+            };
+            ctx.runtime.spawn(worker.run());
+        }
+        Ok(engine)
+    }
+
+    /// Most positions (prompt and completion) a request can use.
+    pub fn max_context(&self) -> usize {
+        self.max_context
+    }
+
+    /// Queues a request; refused when the queue is full.
+    pub fn submit(&self, req: GenRequest) -> Result<Submitted, SubmitError> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, events) = mpsc::unbounded_channel();
+        let span = tracing::info_span!("request", id, prompt_tokens = req.prompt.len());
+        let job = Job {
+            id,
+            req,
+            events: tx,
+            arrived: Instant::now(),
+            span,
+        };
+        match self.jobs.try_send(job) {
+            Ok(()) => {
+                self.metrics.queue_depth.inc();
+                Ok(Submitted { id, events })
+            }
+            Err(mpsc::error::TrySendError::Full(_)) => {
+                self.metrics.requests_rejected.inc();
+                let queued = self.metrics.queue_depth.get().max(0) as usize;
+                let ms = self.latency_ms.load(Ordering::Relaxed);
+                Err(SubmitError::Busy {
+                    queued,
+                    retry_after: Duration::from_millis(ms.clamp(1000, 60_000)),
+                })
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => Err(SubmitError::Stopped),
+        }
+    }
+}
+
+/// One request being generated.
+struct Seq {
+    job: Job,
+    cache: KvCache,
+    sampler: Sampler,
+    /// Tokens to run in the next step: the prompt, then each new token and its draft.
+    input: Vec<u32>,
+    /// The drafted tokens at the end of `input`.
+    draft: usize,
+    /// The prompt, then every token generated (what drafts are looked up in).
+    text: Vec<u32>,
+    first_token: Option<Duration>,
+}
+
+impl Seq {
+    /// Tokens generated so far.
+    fn generated(&self) -> usize {
+        self.text.len() - self.job.req.prompt.len()
+    }
+}
+
+/// An update the trainer made, for the serving task to publish between two steps; the
+/// answer is the new version and its norm gains (`None`: form the group again).
+struct PublishRequest {
+    published: Published,
+    holders: Vec<PeerId>,
+    done: oneshot::Sender<Option<([u8; 32], LeaderWeights)>>,
+}
+
+/// A run of failed steps this long fails the requests in the batch.
+const MAX_STEP_FAILURES: u32 = 3;
+/// How long a failed group formation is trusted before trying again.
+const FORM_RETRY: Duration = Duration::from_secs(1);
+/// Most tokens in one training minibatch, whatever the model.
+const LEARN_TOKENS: usize = 1024;
+
+/// Most tokens one training minibatch can carry on this mesh: every row of the batch goes
+/// through the LM head, whose answers (`rows × vocab / k` values per member) must stay well
+/// inside one message; exact updates (rank 0) carry every row, at most the training window.
+fn learn_tokens(manifest: &ModelManifest) -> usize {
+    let per_row = 2 * 4 * manifest.cfg.vocab.div_ceil(manifest.generator.k().max(1));
+    let by_message = node_core::protocol::MAX_MESSAGE_BYTES / per_row.max(1);
+    let window = node_core::learn::training_window(&manifest.learning, &manifest.cfg);
+    let limit = if manifest.learning.rank == 0 {
+        window
+    } else {
+        LEARN_TOKENS
+    };
+    limit.min(by_message).max(2)
+}
+/// Finished requests waiting to be trained on, at most: the trainer takes all that wait into
+/// its next minibatch (each cut to its share of [`LEARN_TOKENS`]), so this bounds memory only;
+/// requests that finish past it are served but not trained on.
+const MAX_TRAIN_BACKLOG: usize = 4096;
+/// Fewest positions a waiting request keeps when the minibatch is cut among many.
+const MIN_SHARE: usize = 32;
+/// The share of the time the trainer may take while requests are being served (all of it while
+/// none are): serving keeps at least `1 − TRAIN_SHARE` of the mesh, and training still moves.
+const TRAIN_SHARE: f64 = 0.15;
+/// While requests are being served, a minibatch begins at most this long after the one before
+/// it (sooner once the waiting requests fill one): under load the requests that finish meanwhile
+/// share one update's fixed costs (the canary gate's forward pass, publishing it, every
+/// holder's apply). Measured (`scripts/learning-bench.sh --load`, 150 chats from one client):
+/// without the gap, learning kept 0.66× of learning-off throughput.
+const MIN_STEP_GAP: Duration = Duration::from_secs(10);
+/// An idle trainer publishes what its learner accumulated after this long.
+const IDLE_FLUSH: Duration = Duration::from_secs(10);
+/// How often an idle serving task refreshes the tokens/s gauge, and a further one looks
+/// whether the mesh has holders for its group (it is woken at once when the groups before it
+/// change).
+const IDLE_TICK: Duration = Duration::from_secs(1);
+/// Window of the tokens/s gauge.
+const RATE_WINDOW: Duration = Duration::from_secs(10);
+
+/// Most serving groups a node runs side by side.
+pub const MAX_GROUPS: usize = 16;
+
+/// What the serving tasks share: who computes with which holders, who waits for work, and
+/// the recent tokens for the tokens/s gauge.
+#[derive(Debug)]
+struct Shared {
+    /// Each serving group's member holders (empty while it has no group).
+    busy: std::sync::Mutex<Vec<Vec<PeerId>>>,
+    /// How many serving tasks hold a group (the gauge of `busy`).
+    holding: Gauge,
+    /// Sequences each serving task is generating (the trainer waits on it).
+    active: tokio::sync::watch::Sender<Vec<usize>>,
+    /// Tokens generated lately (when, how many).
+    recent: std::sync::Mutex<VecDeque<(Instant, u64)>>,
+    /// Told whenever a serving group is formed or let go.
+    groups_changed: tokio::sync::Notify,
+    /// Every caller's learning budget, and the time they count from.
+    budgets: std::sync::Mutex<(Budgets, Instant)>,
+}
+
+impl Shared {
+    fn new(groups: usize, holding: Gauge) -> Self {
+        Self {
+            busy: std::sync::Mutex::new(vec![Vec::new(); groups]),
+            holding,
+            active: tokio::sync::watch::Sender::new(vec![0; groups]),
+            recent: std::sync::Mutex::new(VecDeque::new()),
+            groups_changed: tokio::sync::Notify::new(),
+            budgets: std::sync::Mutex::new((Budgets::default(), Instant::now())),
+        }
+    }
+
+    /// Takes `tokens` from `caller`'s learning budget; false when it has not that many left.
+    fn spend(&self, caller: &str, tokens: usize) -> bool {
+        let mut b = self.budgets.lock().unwrap_or_else(|e| e.into_inner());
+        let now = b.1.elapsed();
+        b.0.take(caller, tokens, now)
+    }
+
+    /// The holders every serving group but `slot` computes with.
+    fn busy_except(&self, slot: usize) -> std::collections::BTreeSet<PeerId> {
+        let busy = self.busy.lock().unwrap_or_else(|e| e.into_inner());
+        busy.iter()
+            .enumerate()
+            .filter(|(i, _)| *i != slot)
+            .flat_map(|(_, peers)| peers.iter().copied())
+            .collect()
+    }
+
+    /// Records the holders serving group `slot` computes with now.
+    fn set_busy(&self, slot: usize, peers: Vec<PeerId>) {
+        let mut busy = self.busy.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(b) = busy.get_mut(slot) {
+            *b = peers;
+        }
+        self.holding
+            .set(busy.iter().filter(|b| !b.is_empty()).count() as i64);
+        self.groups_changed.notify_waiters();
+    }
+
+    /// Whether a serving task other than `slot` holds a group and serves no sequence: it
+    /// takes the next request at once, wherever it is in its loop (waiting on the queue,
+    /// publishing, or just done forming its group).
+    fn another_is_idle(&self, slot: usize) -> bool {
+        let formed: Vec<bool> = {
+            let busy = self.busy.lock().unwrap_or_else(|e| e.into_inner());
+            busy.iter().map(|b| !b.is_empty()).collect()
+        };
+        let active = self.active.borrow();
+        formed
+            .iter()
+            .zip(active.iter())
+            .enumerate()
+            .any(|(i, (&formed, &n))| i != slot && formed && n == 0)
+    }
+
+    /// Whether every serving group before `slot` has a group.
+    fn formed_before(&self, slot: usize) -> bool {
+        let busy = self.busy.lock().unwrap_or_else(|e| e.into_inner());
+        busy.iter().take(slot).all(|b| !b.is_empty())
+    }
+
+    /// Sets serving task `slot`'s sequence count; the node's total.
+    fn set_active(&self, slot: usize, n: usize) -> usize {
+        self.active.send_if_modified(|active| {
+            active
+                .get_mut(slot)
+                .is_some_and(|a| std::mem::replace(a, n) != n)
+        });
+        self.active.borrow().iter().sum()
+    }
+
+    /// Waits until the trainer may start its next round, after it worked for `worked` since
+    /// its last one: at once while no serving task has a sequence, else once it has waited
+    /// long enough that training keeps to [`TRAIN_SHARE`] of the time.
+    async fn wait_turn(&self, worked: Duration) {
+        let until = Instant::now() + worked.mul_f64((1.0 - TRAIN_SHARE) / TRAIN_SHARE);
+        let mut active = self.active.subscribe();
+        let quiet = active.wait_for(|a| a.iter().all(|&n| n == 0));
+        // Either the serving tasks went quiet, or the trainer waited long enough.
+        let _ = tokio::time::timeout_at(until.into(), quiet).await;
+    }
+
+    /// Whether a serving task has a sequence now.
+    fn serving(&self) -> bool {
+        self.active.borrow().iter().any(|&n| n > 0)
+    }
+
+    /// Waits until no serving task has a sequence, or forever.
+    async fn quiet(&self) {
+        let mut active = self.active.subscribe();
+        let _ = active.wait_for(|a| a.iter().all(|&n| n == 0)).await;
+    }
+
+    /// What a trainer's group waits for before each round: its turn ([`Self::wait_turn`]),
+    /// counting as its work everything since its previous turn began.
+    fn training_turns(self: Arc<Self>) -> Gate {
+        let last = Arc::new(std::sync::Mutex::new(None::<Instant>));
+        Gate(Arc::new(move || {
+            let (shared, last) = (self.clone(), last.clone());
+            Box::pin(async move {
+                let worked = {
+                    let last = last.lock().unwrap_or_else(|e| e.into_inner());
+                    last.map_or(Duration::ZERO, |t| t.elapsed())
+                };
+                shared.wait_turn(worked).await;
+                *last.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
+            })
+        }))
+    }
+
+    fn record_token(&self) {
+        let mut recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
+        recent.push_back((Instant::now(), 1));
+    }
+
+    /// Tokens generated in the last [`RATE_WINDOW`].
+    fn recent_tokens(&self) -> u64 {
+        let now = Instant::now();
+        let mut recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
+        while recent
+            .front()
+            .is_some_and(|(t, _)| now.duration_since(*t) > RATE_WINDOW)
+        {
+            recent.pop_front();
+        }
+        recent.iter().map(|(_, n)| n).sum()
+    }
+}

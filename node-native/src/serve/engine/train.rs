@@ -1,0 +1,275 @@
+//! The trainer: finished requests in minibatches (each cut to its share), the backward pass
+//! through its own group, the canary gate, and the hand-over to the serving task to publish.
+
+use super::*;
+
+/// A finished request waiting to be trained on.
+pub(super) struct ToLearn {
+    pub(super) tokens: Vec<u32>,
+    pub(super) prompt_tokens: usize,
+    pub(super) generated: usize,
+    pub(super) latency: Duration,
+}
+
+/// The training task: finished requests in, minibatch gradients through its own group,
+/// updates through the canary gate and out to the serving task.
+pub(super) struct Trainer {
+    pub(super) lead: Lead,
+    pub(super) learner: Learner,
+    pub(super) requests: mpsc::UnboundedReceiver<ToLearn>,
+    /// Requests taken that did not fit the last minibatch: the next one starts with them.
+    pub(super) waiting: VecDeque<ToLearn>,
+    pub(super) publish: mpsc::UnboundedSender<PublishRequest>,
+    pub(super) backlog: Arc<AtomicUsize>,
+    /// Judges every update before it is published.
+    pub(super) gate: CanaryGate,
+}
+
+/// What one training pass takes: the requests it trains on, and their distinct token
+/// sequences (requests that sent the same text train once, and count as many), each cut to its
+/// share of the minibatch's positions.
+pub(super) struct Minibatch {
+    pub(super) requests: Vec<ToLearn>,
+    pub(super) seqs: Vec<Vec<u32>>,
+}
+
+/// Takes requests from the front of `waiting` while their distinct sequences fit `limit`
+/// positions at [`MIN_SHARE`] each, and cuts each sequence to its share (its last positions):
+/// the shortest keep all they have, the rest split what is left evenly.
+pub(super) fn share_out(waiting: &mut VecDeque<ToLearn>, limit: usize) -> Minibatch {
+    let most = (limit / MIN_SHARE).max(1);
+    let (mut requests, mut seqs) = (Vec::new(), Vec::<Vec<u32>>::new());
+    while let Some(r) = waiting.front() {
+        let seen = seqs.contains(&r.tokens);
+        if !seen && seqs.len() >= most {
+            break;
+        }
+        if !seen {
+            seqs.push(r.tokens.clone());
+        }
+        requests.extend(waiting.pop_front());
+    }
+    let total: usize = seqs.iter().map(Vec::len).sum();
+    if total > limit {
+        seqs.sort_by_key(Vec::len);
+        let mut left = limit;
+        let n = seqs.len();
+        for (i, s) in seqs.iter_mut().enumerate() {
+            let share = (left / (n - i)).max(2);
+            let keep = s.len().min(share);
+            s.drain(..s.len() - keep);
+            left = left.saturating_sub(keep);
+        }
+    }
+    Minibatch { requests, seqs }
+}
+
+impl Trainer {
+    pub(super) async fn run(mut self) {
+        let mut last_began = None;
+        loop {
+            if self.waiting.is_empty() {
+                match tokio::time::timeout(IDLE_FLUSH, self.requests.recv()).await {
+                    Ok(Some(r)) => self.waiting.push_back(r),
+                    Ok(None) => break,
+                    Err(_) => {
+                        // Accumulated gradients (accumulate > 1) go out once requests stop.
+                        match tokio::task::block_in_place(|| self.learner.flush()) {
+                            Ok(Some(p)) => self.judge_and_hand_over(p).await,
+                            Ok(None) => {}
+                            Err(e) => tracing::warn!("the update could not be made: {e}"),
+                        }
+                        continue;
+                    }
+                }
+            }
+            let limit = learn_tokens(&self.lead.ctx.manifest);
+            self.gather(last_began, limit).await;
+            last_began = Some(Instant::now());
+            // Everything that waits goes into this minibatch, each request cut to its share.
+            while let Ok(r) = self.requests.try_recv() {
+                self.waiting.push_back(r);
+            }
+            let Minibatch {
+                requests: batch,
+                seqs,
+            } = share_out(&mut self.waiting, limit);
+            let loss = self.train(&seqs, batch.len()).await;
+            for r in &batch {
+                let usage = Usage::of_request(r.prompt_tokens, r.generated, r.latency, loss);
+                self.lead.ctx.local.served(usage).await;
+            }
+            let m = &self.lead.ctx.metrics;
+            if loss.is_some() {
+                m.train_trained.inc_by(batch.len() as u64);
+            }
+            self.backlog.fetch_sub(batch.len(), Ordering::Relaxed);
+            m.train_backlog.dec_by(batch.len() as i64);
+        }
+    }
+
+    /// Takes in finished requests while requests are being served, until [`MIN_STEP_GAP`] has
+    /// passed since the last minibatch began (`last`) or the waiting requests' distinct texts
+    /// fill `limit` positions; at once when serving is quiet.
+    pub(super) async fn gather(&mut self, last: Option<Instant>, limit: usize) {
+        let (Some(last), Some(shared)) = (last, self.lead.yield_to.clone()) else {
+            return;
+        };
+        let until = last + MIN_STEP_GAP;
+        loop {
+            let mut distinct: Vec<&Vec<u32>> = self.waiting.iter().map(|r| &r.tokens).collect();
+            distinct.sort();
+            distinct.dedup();
+            let positions: usize = distinct.iter().map(|t| t.len()).sum();
+            if positions >= limit || !shared.serving() || Instant::now() >= until {
+                return;
+            }
+            tokio::select! {
+                r = self.requests.recv() => match r {
+                    Some(r) => self.waiting.push_back(r),
+                    None => return,
+                },
+                () = shared.quiet() => return,
+                () = tokio::time::sleep_until(until.into()) => return,
+            }
+        }
+    }
+
+    /// The minibatch's loss (its distinct sequences, for `requests` requests), once its
+    /// gradient went into the learner (and out, if due).
+    pub(super) async fn train(&mut self, batch: &[Vec<u32>], requests: usize) -> Option<f64> {
+        let span = tracing::info_span!("train", sequences = batch.len(), requests);
+        let f = match self.lead.group().instrument(span.clone()).await {
+            Ok(f) => f,
+            Err(why) => {
+                tracing::warn!("not trained on {} requests: {why}", batch.len());
+                return None;
+            }
+        };
+        f.group
+            .transport_mut()
+            .set_context(format!("train {} requests", batch.len()));
+        let seqs: Vec<&[u32]> = batch.iter().map(Vec::as_slice).collect();
+        let started = Instant::now();
+        let grads = f
+            .llama
+            .gradients_batch(&mut f.group, &seqs)
+            .instrument(span.clone())
+            .await;
+        self.lead.after_rounds().await;
+        let mut grads = match grads {
+            Ok(g) => g,
+            Err(e) => {
+                tracing::warn!("training on {} requests failed: {e}", batch.len());
+                self.lead.drop_group();
+                return None;
+            }
+        };
+        // The step follows how many asked, not how many distinct texts they sent.
+        grads.sequences = requests;
+        let loss = grads.loss;
+        self.lead.ctx.metrics.loss.set(loss);
+        span.in_scope(|| {
+            tracing::info!(
+                loss,
+                sequences = batch.len(),
+                requests,
+                positions = grads.t,
+                seconds = started.elapsed().as_secs_f64(),
+                "trained"
+            )
+        });
+        // Folding in a gradient (and compressing an update) is long work off the network.
+        match tokio::task::block_in_place(|| self.learner.push(grads)) {
+            Ok(Some(p)) => self.judge_and_hand_over(p).await,
+            Ok(None) => {}
+            Err(e) => tracing::warn!("the update could not be made: {e}"),
+        }
+        Some(loss)
+    }
+
+    /// Runs an update through the canary gate, and publishes it if it passes; a refused one
+    /// is forgotten by the learner too.
+    pub(super) async fn judge_and_hand_over(&mut self, published: Published) {
+        let format = self.lead.ctx.manifest.format;
+        let taken = published.update.clone().taken_by(format);
+        let verdict = match self.lead.group().await {
+            Ok(f) => {
+                f.group.transport_mut().set_context("canary gate".into());
+                let v = self
+                    .gate
+                    .judge(&f.llama, &mut f.group, f.version, &taken)
+                    .await;
+                self.lead.after_rounds().await;
+                v.map_err(|e| e.to_string())
+            }
+            Err(why) => Err(why),
+        };
+        let m = self.lead.ctx.metrics.clone();
+        let verdict = match verdict {
+            Ok(v) => v,
+            Err(why) => {
+                // Unjudged, it is not published: the next minibatch makes another.
+                tracing::warn!("an update could not be judged, not published: {why}");
+                self.learner.refuse_last();
+                self.lead.drop_group();
+                return;
+            }
+        };
+        // The mesh's canary loss from here on: after the update if it goes out, else before it.
+        let canary = if verdict.pass {
+            verdict.after
+        } else {
+            verdict.before
+        };
+        m.canary_loss.set(canary);
+        self.lead
+            .ctx
+            .local
+            .served(Usage::of_gate(canary, !verdict.pass))
+            .await;
+        if let Some(why) = verdict.refusal() {
+            m.updates_refused.inc();
+            tracing::warn!(
+                requests = published.requests,
+                "the canary gate refused an update: {why}"
+            );
+            self.learner.refuse_last();
+            return;
+        }
+        tracing::info!(
+            before = verdict.before,
+            after = verdict.after,
+            "the canary gate passed an update"
+        );
+        let requests = u64::from(published.requests);
+        if let Some(version) = self.hand_over(published).await {
+            self.gate.moved_to(version, verdict.after);
+            m.train_learnt.inc_by(requests);
+        }
+    }
+
+    /// Has the serving task publish an update, and follows the mesh to the new version: that
+    /// version, when this node's row took it.
+    pub(super) async fn hand_over(&mut self, published: Published) -> Option<[u8; 32]> {
+        let holders = match self.lead.group().await {
+            Ok(f) => f.holders.clone(),
+            Err(why) => {
+                tracing::warn!("an update is lost: {why}");
+                return None;
+            }
+        };
+        let (done, answer) = oneshot::channel();
+        let req = PublishRequest {
+            published,
+            holders,
+            done,
+        };
+        if self.publish.send(req).is_err() {
+            return None;
+        }
+        let moved = answer.await.ok().flatten();
+        self.lead.move_to(moved.as_ref());
+        moved.map(|(v, _)| v)
+    }
+}

@@ -1,0 +1,477 @@
+//! The serving task: the queue's intake, the batch of sequences, one coded step at a time,
+//! finishing requests (and handing them to the trainer), and publishing the trainer's updates.
+
+use super::*;
+
+/// The serving task's end of the queue: requests in order, one of them possibly held back
+/// until the batch has room for it.
+pub(super) struct Intake {
+    /// The queue, shared by the serving tasks.
+    pub(super) jobs: Arc<tokio::sync::Mutex<mpsc::Receiver<Job>>>,
+    /// A request taken from the queue that did not fit yet (the step's token budget); it
+    /// comes out first.
+    pub(super) held: Option<Job>,
+    pub(super) queue_depth: Gauge,
+}
+
+/// What the queue gives next.
+pub(super) enum Next {
+    /// A request to admit.
+    Job(Job),
+    /// Nothing waits now.
+    Empty,
+    /// The queue is closed and empty.
+    Closed,
+}
+
+impl Intake {
+    /// The next request: the held one, else one from the queue.
+    pub(super) fn next(&mut self) -> Next {
+        if let Some(job) = self.held.take() {
+            return Next::Job(job);
+        }
+        // Another serving task waiting on the queue takes what comes.
+        let Ok(mut jobs) = self.jobs.try_lock() else {
+            return Next::Empty;
+        };
+        match jobs.try_recv() {
+            Ok(job) => {
+                self.queue_depth.dec();
+                Next::Job(job)
+            }
+            Err(mpsc::error::TryRecvError::Empty) => Next::Empty,
+            Err(mpsc::error::TryRecvError::Disconnected) => Next::Closed,
+        }
+    }
+
+    /// Whether a request is held back for this task.
+    pub(super) fn holds(&self) -> bool {
+        self.held.is_some()
+    }
+
+    /// Holds a request back: `next` gives it first.
+    pub(super) fn hold(&mut self, job: Job) {
+        debug_assert!(self.held.is_none(), "one request is held at a time");
+        self.held = Some(job);
+    }
+
+    /// Waits up to `wait` while nothing runs: with the held request if there is one (it waits
+    /// for room), else for a request to come, which is then held. False once the queue is
+    /// closed and nothing is held.
+    pub(super) async fn idle(&mut self, wait: Duration) -> bool {
+        if self.held.is_some() {
+            tokio::time::sleep(wait).await;
+            return true;
+        }
+        let jobs = self.jobs.clone();
+        let next = tokio::time::timeout(wait, async move { jobs.lock().await.recv().await }).await;
+        match next {
+            Ok(Some(job)) => {
+                self.queue_depth.dec();
+                self.held = Some(job);
+                true
+            }
+            Ok(None) => false,
+            Err(_) => true,
+        }
+    }
+}
+
+/// The serving task: the batch, the queue, and publishing the trainer's updates.
+pub(super) struct Worker {
+    pub(super) lead: Lead,
+    pub(super) intake: Intake,
+    pub(super) active: Vec<Seq>,
+    /// Where finished requests go to be trained on (when the mesh learns).
+    pub(super) to_train: Option<mpsc::UnboundedSender<ToLearn>>,
+    pub(super) publishes: mpsc::UnboundedReceiver<PublishRequest>,
+    /// Finished requests not yet trained on.
+    pub(super) backlog: Arc<AtomicUsize>,
+    pub(super) failures: u32,
+    pub(super) latency_ms: Arc<AtomicU64>,
+    pub(super) steps: u64,
+    /// What the serving tasks share.
+    pub(super) shared: Arc<Shared>,
+}
+
+impl Worker {
+    pub(super) async fn run(mut self) {
+        let slot = self.slot();
+        let shared = self.shared.clone();
+        loop {
+            self.publish_due().await;
+            if slot > 0 && self.active.is_empty() {
+                // Registered before looking, so a group formed meanwhile still wakes this task.
+                let changed = shared.groups_changed.notified();
+                tokio::pin!(changed);
+                changed.as_mut().enable();
+                if !self.ready().await {
+                    // A further group waits until the groups before it hold theirs and the
+                    // mesh has holders for one more; only then does it take requests.
+                    if self.lead.ctx.info.is_closed() {
+                        break;
+                    }
+                    let _ = tokio::time::timeout(IDLE_TICK, changed).await;
+                    continue;
+                }
+            }
+            if !self.admit() {
+                break;
+            }
+            if self.active.is_empty() {
+                // Idle: woken by a request, an update to publish, or the gauge's tick.
+                tokio::select! {
+                    more = self.intake.idle(IDLE_TICK) => if !more {
+                        break;
+                    },
+                    Some(req) = self.publishes.recv() => self.publish_one(req).await,
+                }
+                self.update_rate();
+                continue;
+            }
+            self.step().await;
+        }
+        tracing::info!(slot, "a serving task stopped");
+    }
+
+    /// This serving task's place among the node's serving groups.
+    pub(super) fn slot(&self) -> usize {
+        self.lead.slot.as_ref().map_or(0, |(slot, _)| *slot)
+    }
+
+    /// Whether a further serving task holds a group it can serve with: formed once every
+    /// group before it has one.
+    pub(super) async fn ready(&mut self) -> bool {
+        let slot = self.slot();
+        if self.lead.formed.is_some() {
+            return true;
+        }
+        if !self.shared.formed_before(slot) {
+            return false;
+        }
+        self.lead.group().await.is_ok()
+    }
+
+    /// Takes queued requests into the batch while there is room; false once the queue is
+    /// closed and nothing is left to do.
+    pub(super) fn admit(&mut self) -> bool {
+        let mut budget = self
+            .lead
+            .ctx
+            .cfg
+            .step_tokens
+            .saturating_sub(self.active.iter().map(|s| s.input.len()).sum());
+        while self.active.len() < self.lead.ctx.cfg.max_batch {
+            // A busy task leaves new requests to an idle one: its own group runs them.
+            if !self.active.is_empty()
+                && !self.intake.holds()
+                && self.shared.another_is_idle(self.slot())
+            {
+                break;
+            }
+            let job = match self.intake.next() {
+                Next::Job(j) => j,
+                Next::Empty => break,
+                Next::Closed => return !self.active.is_empty(),
+            };
+            if job.events.is_closed() {
+                continue;
+            }
+            let len = job.req.prompt.len();
+            if len > budget && !self.active.is_empty() {
+                self.intake.hold(job);
+                break;
+            }
+            budget = budget.saturating_sub(len);
+            match Sampler::new(job.req.sampling) {
+                Ok(sampler) => {
+                    job.span.in_scope(|| tracing::debug!("admitted"));
+                    self.active.push(Seq {
+                        cache: KvCache::new(&self.lead.ctx.manifest.cfg),
+                        sampler,
+                        input: job.req.prompt.clone(),
+                        draft: 0,
+                        text: job.req.prompt.clone(),
+                        first_token: None,
+                        job,
+                    });
+                }
+                Err(e) => {
+                    let _ = job
+                        .events
+                        .send(Event::Failed(EngineError::Failed(e.to_string())));
+                }
+            }
+        }
+        self.count_active();
+        true
+    }
+
+    /// Sets the active-sequences gauge.
+    pub(super) fn count_active(&self) {
+        let slot = self.slot();
+        let all = self.shared.set_active(slot, self.active.len());
+        self.lead.ctx.metrics.active_sequences.set(all as i64);
+    }
+
+    /// Fails every request in the batch.
+    pub(super) fn fail_all(&mut self, error: &EngineError) {
+        for seq in self.active.drain(..) {
+            self.lead.ctx.metrics.request_errors.inc();
+            let _ = seq.job.events.send(Event::Failed(error.clone()));
+        }
+    }
+
+    /// One forward step of every sequence in the batch, then a token for each.
+    pub(super) async fn step(&mut self) {
+        let f = match self.lead.group().await {
+            Ok(f) => f,
+            Err(why) => {
+                self.fail_all(&EngineError::Unavailable(why));
+                return;
+            }
+        };
+        self.steps += 1;
+        let rows: usize = self.active.iter().map(|s| s.input.len()).sum();
+        let span = tracing::info_span!(
+            "forward_step",
+            step = self.steps,
+            batch = self.active.len(),
+            rows
+        );
+        let ids: Vec<String> = self.active.iter().map(|s| s.job.id.to_string()).collect();
+        f.group
+            .transport_mut()
+            .set_context(format!("step {} req {}", self.steps, ids.join(",")));
+        let mut items: Vec<BatchItem<'_>> = self
+            .active
+            .iter_mut()
+            .map(|s| BatchItem {
+                logits: 1 + s.draft,
+                ..BatchItem::new(&s.input, &mut s.cache)
+            })
+            .collect();
+        let result = f
+            .llama
+            .forward_batch(&mut f.group, &mut items)
+            .instrument(span)
+            .await;
+        drop(items);
+        let moved = result.is_err() && f.group.transport().met_another_version();
+        self.lead.after_rounds().await;
+        self.lead.ctx.metrics.forward_steps.inc();
+        match result {
+            Ok(logits) => {
+                self.failures = 0;
+                let active = std::mem::take(&mut self.active);
+                for (mut seq, logits) in active.into_iter().zip(logits) {
+                    match self.advance(&mut seq, &logits) {
+                        Some(stop) => self.finish(seq, stop).await,
+                        None => self.active.push(seq),
+                    }
+                }
+            }
+            Err(e) => {
+                self.failures += 1;
+                self.lead.ctx.metrics.forward_step_failures.inc();
+                if moved {
+                    tracing::info!(
+                        attempt = self.failures,
+                        "members are at another version (the mesh moved on): forming the group again"
+                    );
+                } else {
+                    tracing::warn!(attempt = self.failures, "a forward step failed: {e}");
+                }
+                // Form the group again (a member died, or the mesh moved to another version).
+                self.lead.drop_group();
+                if self.failures >= MAX_STEP_FAILURES {
+                    self.failures = 0;
+                    self.fail_all(&EngineError::Failed(e.to_string()));
+                }
+            }
+        }
+        self.count_active();
+        self.update_rate();
+    }
+
+    /// Takes a sequence's next tokens (its draft's agreeing prefix, then one the model
+    /// picked) and drafts the next; `Some` when the sequence is done.
+    pub(super) fn advance(&mut self, seq: &mut Seq, logits: &[f32]) -> Option<StopReason> {
+        let cfg = &self.lead.ctx.manifest.cfg;
+        let drafted = &seq.input[seq.input.len() - seq.draft..];
+        let emitted = speculate::accept(&mut seq.sampler, logits, cfg.vocab, drafted);
+        // Forget the drafted positions the model did not keep.
+        let rejected = seq.draft - (emitted.len() - 1);
+        seq.cache.truncate(seq.cache.len() - rejected);
+        let m = &self.lead.ctx.metrics;
+        m.draft_tokens.inc_by(seq.draft as u64);
+        m.draft_accepted.inc_by((emitted.len() - 1) as u64);
+        if seq.first_token.is_none() {
+            let t = seq.job.arrived.elapsed();
+            seq.first_token = Some(t);
+            m.time_to_first_token.observe(t.as_secs_f64());
+        }
+        for next in emitted {
+            if seq.job.req.stop_ids.contains(&next) {
+                return Some(StopReason::Stop);
+            }
+            seq.text.push(next);
+            m.tokens_generated.inc();
+            self.shared.record_token();
+            if seq.job.events.send(Event::Token(next)).is_err() {
+                return Some(StopReason::Cancelled);
+            }
+            if seq.generated() >= seq.job.req.max_tokens {
+                return Some(StopReason::Length);
+            }
+        }
+        if seq.cache.len() >= cfg.max_seq {
+            return Some(StopReason::Context);
+        }
+        let last = *seq.text.last()?;
+        let room = (cfg.max_seq - seq.cache.len() - 1)
+            .min(seq.job.req.max_tokens - seq.generated() - 1)
+            .min(self.lead.ctx.cfg.draft);
+        let draft = speculate::draft(&seq.text, room);
+        seq.draft = draft.len();
+        seq.input = std::iter::once(last).chain(draft).collect();
+        None
+    }
+
+    /// Ends a sequence: tells its submitter, counts it, and hands it to the trainer.
+    pub(super) async fn finish(&mut self, seq: Seq, stop: StopReason) {
+        let latency = seq.job.arrived.elapsed();
+        let m = &self.lead.ctx.metrics;
+        m.requests.inc();
+        m.prompt_tokens.inc_by(seq.job.req.prompt.len() as u64);
+        m.request_latency.observe(latency.as_secs_f64());
+        let old = self.latency_ms.load(Ordering::Relaxed);
+        let ms = latency.as_millis() as u64;
+        self.latency_ms.store((old * 7 + ms) / 8, Ordering::Relaxed);
+        let done = Finished {
+            prompt_tokens: seq.job.req.prompt.len(),
+            tokens: seq.generated(),
+            stop,
+            first_token: seq.first_token,
+            latency,
+        };
+        seq.job.span.in_scope(|| {
+            tracing::info!(
+                tokens = done.tokens,
+                stop = ?stop,
+                latency_ms = latency.as_millis() as u64,
+                "finished"
+            )
+        });
+        let _ = seq.job.events.send(Event::Done(done));
+        let ctx = &self.lead.ctx;
+        let window = node_core::learn::training_window(&ctx.manifest.learning, &ctx.manifest.cfg)
+            .min(LEARN_TOKENS);
+        let item = ToLearn {
+            tokens: node_core::learn::taught(&seq.job.req.prompt, window).to_vec(),
+            prompt_tokens: done.prompt_tokens,
+            generated: done.tokens,
+            latency,
+        };
+        let mut learn = item.tokens.len() >= 2 && seq.job.req.learn && self.to_train.is_some();
+        if learn {
+            m.learn_requests.inc();
+            if !self.shared.spend(&seq.job.req.caller, item.tokens.len()) {
+                learn = false;
+                m.train_over_budget.inc();
+                tracing::info!(
+                    caller = seq.job.req.caller,
+                    "served, not trained on: the caller's learning budget is spent"
+                );
+            }
+        }
+        let behind = self.backlog.load(Ordering::Relaxed) >= MAX_TRAIN_BACKLOG;
+        if learn && behind {
+            m.train_dropped.inc();
+            tracing::info!(
+                backlog = MAX_TRAIN_BACKLOG,
+                "served, not trained on: the trainer is that many requests behind and serving comes first"
+            );
+        }
+        match &self.to_train {
+            Some(tx) if learn && !behind => {
+                self.backlog.fetch_add(1, Ordering::Relaxed);
+                m.train_backlog.inc();
+                if tx.send(item).is_err() {
+                    self.backlog.fetch_sub(1, Ordering::Relaxed);
+                    m.train_backlog.dec();
+                }
+            }
+            _ => {
+                ctx.local
+                    .served(Usage::of_request(
+                        done.prompt_tokens,
+                        done.tokens,
+                        latency,
+                        None,
+                    ))
+                    .await
+            }
+        }
+    }
+
+    /// Publishes the trainer's updates, if any wait.
+    pub(super) async fn publish_due(&mut self) {
+        while let Ok(req) = self.publishes.try_recv() {
+            self.publish_one(req).await;
+        }
+    }
+
+    /// Publishes one of the trainer's updates and moves the group to the version it makes.
+    pub(super) async fn publish_one(&mut self, req: PublishRequest) {
+        let moved = self.publish(req.published, &req.holders).await;
+        self.lead.move_to(moved.as_ref());
+        let _ = req.done.send(moved);
+    }
+
+    /// Hands an update to every live row's holder and to this node's own row; the version
+    /// that makes and its norm gains when this node's row took it.
+    pub(super) async fn publish(
+        &mut self,
+        p: Published,
+        holders: &[PeerId],
+    ) -> Option<([u8; 32], LeaderWeights)> {
+        let ctx = &self.lead.ctx;
+        let sealed = match node_core::lead::seal_update(&p, &ctx.key) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!("signing the update: {e}");
+                return None;
+            }
+        };
+        let (before, _) = ctx.local.norms();
+        let link = crate::hold::link::NativeLink::quiet(ctx.client.clone());
+        let remote = node_core::lead::hand_out(&link, holders, &sealed).await;
+        let (local, bytes) = (ctx.local.clone(), sealed.bytes.clone());
+        let local = tokio::task::spawn_blocking(move || local.learn(&bytes))
+            .await
+            .unwrap_or_else(|e| MeshResponse::Error(e.to_string()));
+        let took_here = matches!(local, MeshResponse::Learned { .. });
+        let took = remote + usize::from(took_here);
+        ctx.metrics.updates_published.inc();
+        tracing::info!(
+            id = format!("{:016x}", sealed.id),
+            requests = p.requests,
+            bytes = sealed.bytes.len(),
+            taken_by = took,
+            "published an update"
+        );
+        let was_at = self.lead.formed.as_ref().map_or(before, |f| f.version);
+        (took_here && before == was_at).then(|| ctx.local.norms())
+    }
+
+    /// Sets the tokens/s gauge from the tokens of the last [`RATE_WINDOW`].
+    pub(super) fn update_rate(&mut self) {
+        let tokens = self.shared.recent_tokens();
+        self.lead
+            .ctx
+            .metrics
+            .tokens_per_second
+            .set(tokens as f64 / RATE_WINDOW.as_secs_f64());
+    }
+}

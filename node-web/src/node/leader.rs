@@ -1,0 +1,444 @@
+//! Leading a request from the page: a coded group over the mesh's live rows, each round sent
+//! through this node's libp2p swarm, node-core's generation loop, then the request's learning
+//! update, signed with this node's identity and handed to every row's holder.
+
+use std::collections::BTreeMap;
+use std::rc::Rc;
+
+use futures::future::LocalBoxFuture;
+use futures::stream::FuturesUnordered;
+use futures::{FutureExt, StreamExt};
+use libp2p::Multiaddr;
+use libp2p::PeerId;
+use node_core::code::Generator;
+use node_core::coded::CodedGroup;
+use node_core::coded::rounds::{Asks, MemberAnswer, Rounds};
+use node_core::holder::HolderError;
+use node_core::lead::{Formed, GroupOptions, LeadLink, OwnRow};
+use node_core::learn::{CANARY_TEXT, CanaryGate, Learner};
+use node_core::mesh::{
+    BrowserBootstrap, MeshRequest, MeshResponse, ModelManifest, RoundConfig, StepRefusal, Usage,
+};
+use node_core::model::{
+    ChatMessage, GenerateOptions, KvCache, Llama, Pass, SamplingParams, Tokenizer, generate_async,
+    run_pass,
+};
+use serde::{Deserialize, Serialize};
+use web_time::Instant;
+
+use super::{BrowserNode, Command, WebError};
+
+/// Rows asked beyond the checked ones, to outrun a straggler.
+const SPARES: usize = 1;
+
+/// A request to lead from the page.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default)]
+pub struct Prompt {
+    /// The user's text.
+    pub text: String,
+    /// Most tokens to generate.
+    pub max_tokens: usize,
+    /// Softmax temperature; 0 is greedy.
+    pub temperature: f32,
+    /// Wrap the text in the model's chat template.
+    pub chat: bool,
+    /// Answers beyond k that check every round (0: unchecked).
+    pub check: usize,
+    /// Train on the request afterwards, as every leader does.
+    pub learn: bool,
+}
+
+impl Default for Prompt {
+    fn default() -> Self {
+        Self {
+            text: String::new(),
+            max_tokens: 32,
+            temperature: 0.0,
+            chat: true,
+            check: 1,
+            learn: true,
+        }
+    }
+}
+
+/// What a request led from the page did.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Completion {
+    /// The generated text.
+    pub text: String,
+    /// Tokens of the prompt.
+    pub prompt_tokens: usize,
+    /// Tokens generated.
+    pub tokens: usize,
+    /// Why generation stopped.
+    pub stop: String,
+    /// The group's rows, the decoding k first.
+    pub group: Vec<usize>,
+    /// Rows this page could reach when the group formed.
+    pub live_rows: usize,
+    /// Prompt tokens per second.
+    pub prefill_tokens_per_s: f64,
+    /// Generated tokens per second after the first.
+    pub decode_tokens_per_s: f64,
+    /// Coded rounds run (generation and learning).
+    pub rounds: u64,
+    /// Rounds checked with answers beyond k.
+    pub checked_rounds: u64,
+    /// Rounds decoded from k answers only while checking was asked for.
+    pub unchecked_rounds: u64,
+    /// Members caught answering against the code (reported to every holder).
+    pub caught: Vec<String>,
+    /// Next-token loss of the request before learning from it.
+    pub loss: Option<f64>,
+    /// The learning update handed out, if one was due: id, bytes and holders that took it.
+    pub update: Option<String>,
+}
+
+/// The model as a leader needs it, fetched once per page.
+#[derive(Debug)]
+pub(crate) struct LeaderModel {
+    manifest: ModelManifest,
+    tokenizer: Tokenizer,
+}
+
+/// The version a group decodes at, and every live holder at it (where updates go).
+struct Versioned<'a> {
+    version: [u8; 32],
+    holders: &'a [PeerId],
+}
+
+/// What a page's leader keeps between requests.
+#[derive(Debug, Default)]
+pub(crate) struct Lead {
+    model: Option<Rc<LeaderModel>>,
+    learner: Option<Learner>,
+    /// Judges each update before it is published (made with the model's tokenizer).
+    gate: Option<CanaryGate>,
+}
+
+fn mesh_err(e: impl std::fmt::Display) -> WebError {
+    WebError::Mesh(e.to_string())
+}
+
+impl BrowserNode {
+    /// Leads `prompt` on the mesh from this page: forms a coded group over the live rows,
+    /// generates (each piece of text goes to `on_text` as it completes), learns from the
+    /// request and hands the update to every row's holder.
+    pub async fn generate(
+        &self,
+        prompt: &Prompt,
+        on_text: &mut dyn FnMut(&str),
+    ) -> Result<Completion, WebError> {
+        let began = Instant::now();
+        let model = self.leader_model().await?;
+        let (manifest, tokenizer) = (&model.manifest, &model.tokenizer);
+        let cfg = manifest.cfg.clone();
+        let text = match prompt.chat {
+            true => tokenizer.chat_prompt(&[ChatMessage {
+                role: "user".into(),
+                content: prompt.text.clone(),
+            }]),
+            false => prompt.text.clone(),
+        };
+        let ids = tokenizer.encode(&text).map_err(mesh_err)?;
+        if ids.is_empty() {
+            return Err(WebError::Mesh("the prompt encodes to no tokens".into()));
+        }
+        let MeshResponse::Info(info) = self.ask_bootstrap(MeshRequest::Info).await? else {
+            return Err(mesh_err("asked for the mesh's view, got something else"));
+        };
+        let opts = GroupOptions {
+            // A page forms a group per request: fetching updates to probe with would cost
+            // more than the request.
+            probe: false,
+            ..GroupOptions::new(prompt.check, SPARES)
+        };
+        let Formed {
+            mut group,
+            llama,
+            holders,
+            rows,
+            live_rows,
+            version,
+            ..
+        } = node_core::lead::form(self, manifest, &info, &opts)
+            .await
+            .map_err(mesh_err)?;
+        let members = group.nodes().to_vec();
+        tracing::info!(group = ?members, "leading a request from the page");
+
+        let opts = GenerateOptions {
+            max_tokens: prompt.max_tokens,
+            sampling: SamplingParams {
+                temperature: prompt.temperature,
+                top_p: 1.0,
+                seed: (js_sys::Math::random() * u32::MAX as f64) as u64,
+            },
+            stop_ids: tokenizer.eos_ids().to_vec(),
+            draft: node_core::model::speculate::DEFAULT_DRAFT,
+        };
+        let mut cache = KvCache::new(&cfg);
+        let mut stream = tokenizer.stream();
+        let mut text = String::new();
+        let out = generate_async(
+            async |pass: Pass<'_>| run_pass(&llama, &mut group, &mut cache, pass).await,
+            cfg.max_seq,
+            &ids,
+            &opts,
+            &mut |id| {
+                if let Some(piece) = stream.push(id) {
+                    on_text(&piece);
+                    text.push_str(&piece);
+                }
+                true
+            },
+        )
+        .await
+        .map_err(mesh_err)?;
+
+        let (loss, update) = match prompt.learn && manifest.learning.enabled {
+            true => {
+                let at = Versioned {
+                    version,
+                    holders: &holders,
+                };
+                self.learn(&llama, &mut group, manifest, tokenizer, &ids, at)
+                    .await?
+            }
+            false => (None, None),
+        };
+        let reported =
+            node_core::lead::report_caught(self, &group.stats().caught, &rows, &holders).await;
+        let caught = reported
+            .caught
+            .iter()
+            .map(|(row, _, c)| format!("row {row}: {c}"))
+            .collect();
+        let usage = Usage::of_request(out.prompt_tokens, out.tokens.len(), began.elapsed(), loss);
+        if let Err(e) = self.ask_bootstrap(MeshRequest::Served(usage)).await {
+            tracing::warn!("the request was not counted in the mesh's usage: {e}");
+        }
+        let stats = group.stats();
+        Ok(Completion {
+            text,
+            prompt_tokens: out.prompt_tokens,
+            tokens: out.tokens.len(),
+            stop: format!("{:?}", out.stop),
+            group: members,
+            live_rows,
+            prefill_tokens_per_s: out.prefill_tokens_per_s(),
+            decode_tokens_per_s: out.decode_tokens_per_s(),
+            rounds: stats.rounds,
+            checked_rounds: stats.verified_rounds,
+            unchecked_rounds: stats.unverified_rounds,
+            caught,
+            loss,
+            update,
+        })
+    }
+
+    /// The manifest and tokenizer, fetched from the native node once.
+    async fn leader_model(&self) -> Result<Rc<LeaderModel>, WebError> {
+        if let Some(m) = self.lead.borrow().model.clone() {
+            return Ok(m);
+        }
+        let MeshResponse::Manifest(bytes) = self.ask_bootstrap(MeshRequest::Manifest).await? else {
+            return Err(mesh_err("asked for the manifest, got something else"));
+        };
+        let manifest = ModelManifest::from_bytes(&bytes).map_err(mesh_err)?;
+        let tokenizer = Tokenizer::from_data(&manifest.tokenizer).map_err(mesh_err)?;
+        let model = Rc::new(LeaderModel {
+            manifest,
+            tokenizer,
+        });
+        self.lead.borrow_mut().model = Some(model.clone());
+        Ok(model)
+    }
+
+    /// The request's gradient through the group, folded into this page's learner; a due
+    /// update goes through the canary gate, and is signed and handed to every live row's
+    /// holder if it passes. Returns the loss and what was handed out (or why not).
+    async fn learn(
+        &self,
+        llama: &Llama,
+        group: &mut CodedGroup<WebTransport>,
+        manifest: &ModelManifest,
+        tokenizer: &Tokenizer,
+        prompt: &[u32],
+        Versioned { version, holders }: Versioned<'_>,
+    ) -> Result<(Option<f64>, Option<String>), WebError> {
+        if prompt.len() < 2 {
+            return Ok((None, None));
+        }
+        let window = node_core::learn::training_window(&manifest.learning, &manifest.cfg);
+        let tokens = node_core::learn::taught(prompt, window);
+        let grads = llama.gradients(group, tokens).await.map_err(mesh_err)?;
+        let loss = grads.loss;
+        let published = {
+            let mut lead = self.lead.borrow_mut();
+            let learner = lead.learner.get_or_insert_with(|| {
+                Learner::new(manifest.learning, manifest.cfg.clone(), manifest.format)
+            });
+            learner.push(grads).map_err(mesh_err)?
+        };
+        let Some(p) = published else {
+            return Ok((Some(loss), None));
+        };
+        // The gate leaves the page's state while it measures (across awaits), then returns.
+        let taken_gate = self.lead.borrow_mut().gate.take();
+        let mut gate = match taken_gate {
+            Some(g) => g,
+            None => CanaryGate::new(tokenizer.encode(CANARY_TEXT).map_err(mesh_err)?),
+        };
+        let taken = p.update.clone().taken_by(manifest.format);
+        let verdict = gate.judge(llama, group, version, &taken).await;
+        self.lead.borrow_mut().gate = Some(gate);
+        let verdict = verdict.map_err(mesh_err)?;
+        if let Some(why) = verdict.refusal() {
+            if let Some(l) = self.lead.borrow_mut().learner.as_mut() {
+                l.refuse_last();
+            }
+            tracing::warn!("the canary gate refused this page's update: {why}");
+            return Ok((Some(loss), Some(format!("not published: {why}"))));
+        }
+        let sent = node_core::lead::publish(self, &self.key, holders, &p)
+            .await
+            .map_err(mesh_err)?;
+        Ok((
+            Some(loss),
+            Some(format!(
+                "{:016x}: {} bytes, taken by {} of {} holders",
+                sent.id,
+                sent.bytes,
+                sent.applied_by,
+                holders.len()
+            )),
+        ))
+    }
+}
+
+/// The page's networking for the leader's role written once in node-core.
+impl LeadLink for BrowserNode {
+    type Net = WebTransport;
+
+    fn own_row(&self) -> Option<OwnRow> {
+        // A node cannot ask itself: the page's own row is left to its other holders.
+        Some(OwnRow {
+            peer: self.key.public().to_peer_id(),
+            norms: None,
+        })
+    }
+
+    async fn reach(&self, peer: PeerId, addrs: &[String]) -> Result<Vec<Multiaddr>, HolderError> {
+        // WebSocket only (a browser holder's is its relayed one): request-response spreads
+        // requests over a peer's connections, and WebRTC-direct's buffers are small.
+        let addrs: Vec<Multiaddr> = BrowserBootstrap::from_addrs(peer.to_string(), addrs)
+            .addrs
+            .into_iter()
+            .filter(|a| !a.contains("/webrtc-direct/"))
+            .filter_map(|a| a.parse().ok())
+            .collect();
+        self.send(Command::AddAddrs {
+            peer,
+            addrs: addrs.clone(),
+        })
+        .await
+        .map_err(|e| HolderError::Link(format!("{peer}: {e}")))?;
+        Ok(addrs)
+    }
+
+    fn transport(
+        &self,
+        version: [u8; 32],
+        rows: &BTreeMap<usize, PeerId>,
+        members: &[usize],
+        generator: &Generator,
+        round: RoundConfig,
+    ) -> WebTransport {
+        let asks = WebAsks {
+            node: self.clone(),
+            version,
+            peers: rows.clone(),
+            pending: FuturesUnordered::new(),
+        };
+        Rounds::new(
+            asks,
+            generator.clone(),
+            rows.keys().copied(),
+            members,
+            round,
+        )
+    }
+}
+
+/// Coded steps from the page: each round goes to every member through the page's swarm; the
+/// first answers win, failed members are replaced from the free rows, stragglers outrun
+/// ([`node_core::coded::rounds`]).
+pub type WebTransport = Rounds<WebAsks>;
+
+/// The page's requests a [`WebTransport`]'s rounds ask through.
+pub struct WebAsks {
+    node: BrowserNode,
+    version: [u8; 32],
+    peers: BTreeMap<usize, PeerId>,
+    /// Asks not answered yet, earlier rounds' included.
+    pending: FuturesUnordered<LocalBoxFuture<'static, MemberAnswer>>,
+}
+
+impl std::fmt::Debug for WebAsks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WebAsks")
+            .field("peers", &self.peers)
+            .field("pending", &self.pending.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Asks for WebAsks {
+    fn version(&self) -> [u8; 32] {
+        self.version
+    }
+
+    fn ask(&mut self, round: u64, asks: &[(usize, &[u8])]) {
+        for &(row, request) in asks {
+            let node = self.node.clone();
+            let peer = self.peers.get(&row).copied();
+            let req = MeshRequest::Step {
+                version: self.version,
+                bytes: request.to_vec(),
+            };
+            self.pending.push(
+                async move {
+                    let Some(peer) = peer else {
+                        let why = format!("no peer holds row {row}");
+                        return (round, row, Err(StepRefusal::Failed(why)));
+                    };
+                    let answer = match node.request(peer, req).await {
+                        Ok(response) => response.into_step(),
+                        Err(e) => Err(StepRefusal::Failed(e.to_string())),
+                    };
+                    (round, row, answer)
+                }
+                .boxed_local(),
+            );
+        }
+    }
+
+    async fn next(&mut self, until: Instant) -> Option<MemberAnswer> {
+        let mut timer =
+            futures_timer::Delay::new(until.saturating_duration_since(Instant::now())).fuse();
+        if self.pending.is_empty() {
+            timer.await;
+            return None;
+        }
+        futures::select_biased! {
+            answer = self.pending.select_next_some() => Some(answer),
+            _ = timer => None,
+        }
+    }
+
+    fn try_next(&mut self) -> Option<MemberAnswer> {
+        self.pending.next().now_or_never().flatten()
+    }
+}
