@@ -41,7 +41,7 @@ PROMPTS = [
 ]
 
 
-# The texts of `codedmesh bench --speculate` (node-native/src/bench.rs, SPECULATION_PROMPTS).
+# The texts of `codedmesh bench --speculate` (node-native/src/bench/mod.rs, SPECULATION_PROMPTS).
 TEXTS = [
     ("code", "Write Python functions add(a, b), subtract(a, b), multiply(a, b) and divide(a, b), "
              "each with a one-line docstring."),

@@ -9,7 +9,7 @@ dequantized with `gguf.quants.dequantize`, except Q8_K, which gguf (0.19.0) cann
 its expected values are d * q in float32, as ggml's `dequantize_row_q8_K` computes them.
 
 Writes OUTDIR/<type>.bin, little-endian: u32 ggml type id, u32 block count, the blocks' bytes,
-then the expected values as f32. The Rust test (node-core/src/gguf.rs) checks them bit for bit.
+then the expected values as f32. The Rust test (node-core/src/gguf/tests.rs) checks them bit for bit.
 
 Made with gguf 0.19.0 and numpy 2.4.6 (the script refuses other gguf versions; change GGUF_VERSION
 after checking the new one's output). Regenerate:

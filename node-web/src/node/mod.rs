@@ -10,7 +10,7 @@ use futures::{FutureExt, SinkExt, StreamExt};
 use libp2p::multiaddr::Protocol;
 use libp2p::request_response::ResponseChannel;
 use libp2p::{Multiaddr, PeerId, Swarm, identity};
-use node_core::holder::{self, Route};
+use node_core::holder::Route;
 use node_core::mesh::{
     BrowserBootstrap, HealthConfig, Heartbeat, MeshEvent, MeshInfo, MeshRequest, MeshResponse,
     MeshView, unhex32,

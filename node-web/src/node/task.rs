@@ -277,7 +277,7 @@ impl Task {
         let manifest = h.manifest.clone();
         wasm_bindgen_futures::spawn_local(async move {
             let boot = node.bootstrap();
-            let got = holder::obtain(&node, &boot, &manifest, offer)
+            let got = node_core::holder::obtain(&node, &boot, &manifest, offer)
                 .await
                 .map(Box::new)
                 .map_err(|e| e.to_string());
@@ -378,7 +378,7 @@ impl Task {
         let (Some(view), Some(h)) = (self.view.as_ref(), self.holding.as_mut()) else {
             return;
         };
-        if h.syncing || !holder::worth_catching_up(view.local(), hb) {
+        if h.syncing || !node_core::holder::worth_catching_up(view.local(), hb) {
             return;
         }
         h.syncing = true;
@@ -402,7 +402,7 @@ impl Task {
         match h.route(&peer, request) {
             Route::Answer(response) => self.respond(channel, response),
             Route::View(query) => {
-                let response = holder::answer_view(view, &peer, query, now);
+                let response = node_core::holder::answer_view(view, &peer, query, now);
                 self.respond(channel, response)
             }
             Route::Learn(bytes) => self.learning.push_back((bytes, Some(channel))),

@@ -1,6 +1,6 @@
 //! Group sessions on a native node ([`node_core::net::session`]): a member answers a leader's
 //! steps on one long-lived stream, and a leader keeps one such stream per member while its group
-//! works. Browser holders serve sessions too (node-web/src/node.rs); a holder that does not
+//! works. Browser holders serve sessions too (node-web/src/node/mod.rs); a holder that does not
 //! speak the protocol (an older release) fails as a member, naming the protocol, and is replaced.
 
 pub mod local;
