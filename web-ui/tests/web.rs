@@ -9,8 +9,8 @@ use leptos::wasm_bindgen::JsCast;
 use node_core::mesh::{Health, MeshInfo, NodeStatus};
 use node_web::{Completion, Connection, Contribution, NodeSnapshot};
 use wasm_bindgen_test::{wasm_bindgen_test, wasm_bindgen_test_configure};
-use web_ui::live::Live;
 use web_ui::components::{Ask, Contribute, RowsTable, Summary, completion_text};
+use web_ui::live::Live;
 use web_ui::model::History;
 
 wasm_bindgen_test_configure!(run_in_browser);
