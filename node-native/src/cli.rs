@@ -8,7 +8,7 @@ use anyhow::Result;
 use clap::{Parser, Subcommand};
 use node_core::coded::ShardFormat;
 use node_core::mesh::HealthConfig;
-use node_native::hold;
+use node_native::node;
 
 /// Coded Mesh: a transformer served by Cauchy-coded shards, any k of n nodes.
 #[derive(Debug, Parser)]
@@ -311,14 +311,14 @@ impl NetArgs {
     pub(crate) fn options(
         &self,
         bootstrap: Option<libp2p::Multiaddr>,
-    ) -> Result<hold::NodeOptions> {
+    ) -> Result<node::NodeOptions> {
         let health = HealthConfig {
             heartbeat_interval: Duration::from_millis(self.heartbeat_ms),
             suspect_after: Duration::from_millis(self.suspect_ms),
             dead_after: Duration::from_millis(self.dead_ms),
         };
         health.validate()?;
-        Ok(hold::NodeOptions {
+        Ok(node::NodeOptions {
             data: self.data.clone(),
             bootstrap,
             listen: self.listen.clone(),
@@ -422,7 +422,7 @@ pub(crate) struct NodeArgs {
     /// scaled by 1 + 1e-3, a shard missing the first update received (stale), or claiming
     /// every update while applying none (lie-version).
     #[arg(long, value_enum)]
-    pub(crate) inject_fault: Option<hold::InjectedFault>,
+    pub(crate) inject_fault: Option<node::InjectedFault>,
     /// Run the node as a child process and start it again when it crashes (with a growing
     /// wait between crashes in a row).
     #[arg(long)]

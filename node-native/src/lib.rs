@@ -1,7 +1,8 @@
-//! Coded Mesh native node, by role: serving the OpenAI API and leading its requests
-//! ([`serve`]), holding a coded row ([`hold`]), leading from the command line ([`lead`]), the
-//! libp2p network ([`net`]), benches ([`bench`]), a whole local mesh ([`up`]), and model files
-//! on disk.
+//! Coded Mesh native node, by role, in layers (each uses only those above it): the libp2p
+//! network ([`net`]); holding a coded row ([`hold`]); leading a request over the network
+//! ([`lead`]); serving the OpenAI API and leading its requests ([`serve`]); the node that runs
+//! them all ([`node`]); a whole local mesh ([`up`]) and benches ([`bench`]); model files on
+//! disk ([`fetch`], [`load`], [`progress`]).
 
 pub mod bench;
 pub mod fetch;
@@ -9,6 +10,7 @@ pub mod hold;
 pub mod lead;
 pub mod load;
 pub mod net;
+pub mod node;
 pub mod progress;
 pub mod serve;
 pub mod up;

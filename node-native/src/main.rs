@@ -15,7 +15,7 @@ use node_core::model::{
 };
 use node_core::model::{Generation, LlamaConfig, ModelWeights, Tokenizer};
 use node_native::lead::remote::{Leader, Session};
-use node_native::{fetch, hold, load, progress};
+use node_native::{fetch, load, node, progress};
 use std::sync::Arc;
 use std::time::Duration;
 use tracing_subscriber::EnvFilter;
@@ -56,7 +56,7 @@ fn main() {
                 accumulate: args.accumulate,
                 momentum: args.momentum,
             };
-            rt.block_on(hold::seed(
+            rt.block_on(node::seed(
                 opts,
                 model,
                 args.k,
@@ -75,7 +75,7 @@ fn main() {
         Command::Node(args) => runtime().and_then(|rt| {
             let mut opts = args.net.options(args.bootstrap.clone())?;
             opts.fault = args.inject_fault;
-            rt.block_on(hold::node(opts))
+            rt.block_on(node::node(opts))
         }),
         Command::Up(args) => runtime().and_then(|rt| rt.block_on(run_up(args))),
         Command::Status(args) => run_status(args),
@@ -646,7 +646,7 @@ fn run_once_on_mesh(
         opts.trace = args
             .trace_steps
             .as_deref()
-            .map(node_native::serve::steplog::StepLog::create)
+            .map(node_native::lead::steplog::StepLog::create)
             .transpose()?;
         opts.group.project = !args.check_answers;
         let mut leader = Leader::connect_with(rt, bootstrap.clone(), &opts)?;

@@ -1,5 +1,6 @@
 //! Leading a request from the command line over the network: a coded group of remote members
-//! in rounds ([`remote`]) or one hop per stage ([`hop`]).
+//! in rounds ([`remote`]) or one hop per stage ([`hop`]), and the log of its steps ([`steplog`]).
 
 pub mod hop;
 pub mod remote;
+pub mod steplog;

@@ -112,7 +112,7 @@ pub struct GroupOptions {
     /// What every leader's group takes ([`node_core::lead::GroupOptions`]).
     pub group: node_core::lead::GroupOptions,
     /// Where every coded step is written, if anywhere (`--trace-steps`).
-    pub trace: Option<crate::serve::steplog::StepLog>,
+    pub trace: Option<crate::lead::steplog::StepLog>,
 }
 
 impl GroupOptions {
@@ -152,7 +152,7 @@ struct NetLead<'a> {
     link: NativeLink,
     client: &'a Client,
     local: Option<&'a LocalRow>,
-    trace: Option<crate::serve::steplog::StepLog>,
+    trace: Option<crate::lead::steplog::StepLog>,
 }
 
 impl Link for NetLead<'_> {
@@ -453,7 +453,7 @@ struct NetAsks {
     tx: mpsc::UnboundedSender<MemberAnswer>,
     rx: mpsc::UnboundedReceiver<MemberAnswer>,
     local: Option<LocalRow>,
-    trace: Option<crate::serve::steplog::StepLog>,
+    trace: Option<crate::lead::steplog::StepLog>,
     /// The round last asked, for the step trace.
     round: u64,
     /// The step the rounds belong to.
@@ -697,8 +697,8 @@ impl NetAsks {
             Ok((bytes, us)) => (bytes, us, "ok".to_string()),
             Err(e) => (0, 0, e.to_string()),
         };
-        trace.record(&crate::serve::steplog::StepRecord {
-            unix_ms: crate::serve::steplog::unix_ms(),
+        trace.record(&crate::lead::steplog::StepRecord {
+            unix_ms: crate::lead::steplog::unix_ms(),
             context: &self.context,
             step: &self.label,
             round: self.round,

@@ -223,7 +223,7 @@ fn prepare(opts: &UpOptions, model: &Path, data: &Path) -> Result<MeshFile> {
         opts.nodes,
         opts.k
     );
-    let (manifest, blobs) = crate::hold::encode_genesis(
+    let (manifest, blobs) = crate::node::encode_genesis(
         model,
         opts.k,
         opts.nodes,
@@ -401,7 +401,7 @@ pub async fn up(opts: UpOptions) -> Result<()> {
             }
         }
     }
-    let stop_signal = crate::hold::stop_signal();
+    let stop_signal = crate::node::stop_signal();
     tokio::pin!(stop_signal);
     let first = tcp(0);
     let ready = tokio::select! {

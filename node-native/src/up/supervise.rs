@@ -236,7 +236,7 @@ async fn stopped(stop: &mut tokio::sync::watch::Receiver<bool>) {
 pub fn on_stop_signal() -> tokio::sync::watch::Receiver<bool> {
     let (tx, rx) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
-        crate::hold::stop_signal().await;
+        crate::node::stop_signal().await;
         let _ = tx.send(true);
     });
     rx

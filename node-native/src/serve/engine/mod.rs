@@ -36,9 +36,9 @@ use tracing::Instrument;
 
 use crate::hold::row::{InfoRequest, LocalRow};
 use crate::lead::remote::{Formed, Gate, GroupOptions, form_group, settled_info};
+use crate::lead::steplog::StepLog;
 use crate::net::swarm::Client;
 use crate::serve::metrics::Metrics;
-use crate::serve::steplog::StepLog;
 
 mod lead;
 #[cfg(test)]
