@@ -32,7 +32,7 @@ pub(super) const MAX_GROUPS: u32 = 65535;
 /// Every pipeline, per weight format where it reads weights: `[f32, f16, i8, i16][gemv, gemm]`
 /// (the formats in [`super::matrix::WFormat`]'s order).
 #[derive(Debug)]
-pub(super) struct Kernels {
+pub(crate) struct Kernels {
     /// weights (read), input (read), output (read-write), parameters (uniform).
     pub four: wgpu::BindGroupLayout,
     /// input (read), output (read-write), parameters (uniform).
@@ -49,7 +49,7 @@ pub(super) struct Kernels {
 }
 
 /// A bind group layout of storage buffers (`Some(read_only)`) and uniforms (`None`).
-pub(super) fn layout(device: &wgpu::Device, kinds: &[Option<bool>]) -> wgpu::BindGroupLayout {
+pub(crate) fn layout(device: &wgpu::Device, kinds: &[Option<bool>]) -> wgpu::BindGroupLayout {
     let entries: Vec<wgpu::BindGroupLayoutEntry> = kinds
         .iter()
         .enumerate()
@@ -80,7 +80,7 @@ pub(super) fn layout(device: &wgpu::Device, kinds: &[Option<bool>]) -> wgpu::Bin
 }
 
 /// A compute pipeline of WGSL `source` (entry point `main`) with one bind group.
-pub(super) fn pipeline(
+pub(crate) fn pipeline(
     device: &wgpu::Device,
     label: &str,
     source: String,
@@ -180,7 +180,7 @@ pub(super) fn ensure<'a>(
 }
 
 /// A binding of the first `bytes` of `buffer` (the whole buffer when `None`).
-pub(super) fn part(
+pub(crate) fn part(
     buffer: &wgpu::Buffer,
     offset: u64,
     bytes: Option<u64>,
@@ -193,7 +193,7 @@ pub(super) fn part(
 }
 
 /// A bind group of `resources` in binding order.
-pub(super) fn bind(
+pub(crate) fn bind(
     device: &wgpu::Device,
     layout: &wgpu::BindGroupLayout,
     resources: Vec<wgpu::BindingResource<'_>>,
@@ -215,7 +215,7 @@ pub(super) fn bind(
 
 /// Per-dispatch parameters, each block at a 256-byte offset of one uniform buffer.
 #[derive(Debug, Default)]
-pub(super) struct ParamBlocks {
+pub(crate) struct ParamBlocks {
     bytes: Vec<u8>,
 }
 
@@ -242,7 +242,7 @@ impl ParamBlocks {
 }
 
 /// Reads `bytes` from the start of a mapped-for-read `staging` buffer as f32.
-pub(super) async fn read_back(
+pub(crate) async fn read_back(
     gpu: &super::Gpu,
     staging: &wgpu::Buffer,
     bytes: u64,

@@ -42,7 +42,7 @@ pub enum Weights<'a> {
 /// How a resident matrix stores its values: the kernels' weight elements, in the order of
 /// their pipelines.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum WFormat {
+pub(crate) enum WFormat {
     /// f32, four columns an element.
     F32 = 0,
     /// f16, eight columns an element.
@@ -55,7 +55,7 @@ pub(super) enum WFormat {
 
 impl WFormat {
     /// Index of its pipelines.
-    pub(super) fn index(self) -> usize {
+    pub(crate) fn index(self) -> usize {
         self as usize
     }
 
@@ -153,7 +153,7 @@ impl Placement {
 }
 
 /// `v` as a shader's u32, or a shape error naming `what`.
-pub(super) fn u32_of(v: usize, what: &str) -> Result<u32, GpuError> {
+pub(crate) fn u32_of(v: usize, what: &str) -> Result<u32, GpuError> {
     u32::try_from(v).map_err(|_| GpuError::Shape(format!("{what} {v} is past 2³²")))
 }
 
@@ -348,7 +348,7 @@ impl Gpu {
 
     /// The GEMV dispatches of one token through `m` into a plain output (row `r` at `r`):
     /// per chunk, its format, its buffer, its parameter block in `params` and its workgroups.
-    pub(super) fn gemv_dispatches<'m>(
+    pub(crate) fn gemv_dispatches<'m>(
         &self,
         m: &'m GpuMatrix,
         params: &mut ParamBlocks,

@@ -6,14 +6,12 @@
 //! inputs and outputs. Matrices larger than the adapter's storage binding limit are split by
 //! rows into chunks, each its own buffer and dispatch.
 
-mod kernels;
-mod matrix;
-mod token;
+pub(crate) mod kernels;
+pub(crate) mod matrix;
 
 use std::fmt;
 
 pub use matrix::{GpuMatrix, Placement, Weights};
-pub use token::{GpuToken, GroupStage, TokenSpec};
 
 use kernels::Kernels;
 
@@ -91,13 +89,13 @@ impl fmt::Display for GpuInfo {
 /// A wgpu device with the kernels compiled, ready for resident matrices.
 #[derive(Debug)]
 pub struct Gpu {
-    device: wgpu::Device,
-    queue: wgpu::Queue,
+    pub(crate) device: wgpu::Device,
+    pub(crate) queue: wgpu::Queue,
     info: GpuInfo,
-    max_binding: u64,
+    pub(crate) max_binding: u64,
     /// Largest matrix chunk (the binding limit unless a test lowers it).
     chunk_bytes: u64,
-    kernels: Kernels,
+    pub(crate) kernels: Kernels,
     scratch: futures::lock::Mutex<kernels::Scratch>,
 }
 

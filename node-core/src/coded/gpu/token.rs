@@ -5,19 +5,19 @@
 
 use std::sync::Arc;
 
-use super::kernels::{ParamBlocks, bind, layout, part, pipeline, read_back};
-use super::matrix::{WFormat, u32_of};
-use super::{Gpu, GpuError, GpuMatrix};
+use crate::compute::gpu::kernels::{ParamBlocks, bind, layout, part, pipeline, read_back};
+use crate::compute::gpu::matrix::{WFormat, u32_of};
+use crate::compute::gpu::{Gpu, GpuError, GpuMatrix};
 use crate::model::{LeaderWeights, LlamaConfig, Stage};
 
-const DECODING: &str = include_str!("kernels/decoding.wgsl");
-const REDUCE: &str = include_str!("kernels/reduce.wgsl");
-const RMS_NORM: &str = include_str!("kernels/rms_norm.wgsl");
-const DECODE: &str = include_str!("kernels/decode.wgsl");
-const QKV_ROPE: &str = include_str!("kernels/decode_qkv_rope.wgsl");
-const ATTENTION: &str = include_str!("kernels/attention.wgsl");
-const SWIGLU: &str = include_str!("kernels/decode_swiglu.wgsl");
-const RESIDUAL_NORM: &str = include_str!("kernels/decode_residual_norm.wgsl");
+const DECODING: &str = include_str!("../../compute/gpu/kernels/decoding.wgsl");
+const REDUCE: &str = include_str!("../../compute/gpu/kernels/reduce.wgsl");
+const RMS_NORM: &str = include_str!("../../compute/gpu/kernels/rms_norm.wgsl");
+const DECODE: &str = include_str!("../../compute/gpu/kernels/decode.wgsl");
+const QKV_ROPE: &str = include_str!("../../compute/gpu/kernels/decode_qkv_rope.wgsl");
+const ATTENTION: &str = include_str!("../../compute/gpu/kernels/attention.wgsl");
+const SWIGLU: &str = include_str!("../../compute/gpu/kernels/decode_swiglu.wgsl");
+const RESIDUAL_NORM: &str = include_str!("../../compute/gpu/kernels/decode_residual_norm.wgsl");
 
 /// Invocations of the flat kernels' workgroups (logits, SwiGLU).
 const FLAT: u32 = 256;
@@ -507,7 +507,7 @@ impl GpuToken {
     }
 
     /// The adapter it runs on.
-    pub fn gpu_info(&self) -> &super::GpuInfo {
+    pub fn gpu_info(&self) -> &crate::compute::gpu::GpuInfo {
         self.gpu.info()
     }
 

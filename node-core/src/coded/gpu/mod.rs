@@ -1,12 +1,14 @@
 //! A member's shards resident on a GPU, answering the products of step requests there.
 
+mod token;
+
+pub use token::{GpuToken, GroupStage, TokenSpec};
+
 use std::sync::Arc;
 
 use super::{CodedError, CodedInts, Shard, ShardSet, ShardValues};
 use crate::code::Decoder;
-use crate::compute::gpu::{
-    Gpu, GpuError, GpuMatrix, GpuToken, GroupStage, Placement, TokenSpec, Weights,
-};
+use crate::compute::gpu::{Gpu, GpuError, GpuMatrix, Placement, Weights};
 use crate::compute::q8::Ints;
 use crate::model::{Llama, ModelError, Stage};
 use crate::protocol::StepRequest;
