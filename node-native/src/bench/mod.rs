@@ -474,7 +474,7 @@ pub fn print_table(rows: &[Row]) {
 }
 
 /// Kinds of text drafts are measured on: code, summarising a given passage, open chat.
-const SPECULATION_PROMPTS: [(&str, &str); 3] = [
+const SPECULATION_PROMPTS: [(&str, &str); 4] = [
     (
         "code",
         "Write Python functions add(a, b), subtract(a, b), multiply(a, b) and divide(a, b), \
@@ -493,6 +493,10 @@ const SPECULATION_PROMPTS: [(&str, &str); 3] = [
     (
         "chat",
         "I have rice, eggs, spinach and a lemon. What could I cook for dinner tonight?",
+    ),
+    (
+        "prose",
+        "Write a short story about a lighthouse keeper who finds a letter in a bottle.",
     ),
 ];
 
