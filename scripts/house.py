@@ -120,7 +120,8 @@ def lifted(graph):
 
 
 def cycles(graph):
-    """Strongly connected components of more than one module, outside ancestor chains."""
+    """Strongly connected components of more than one module. (Edges to descendants are left
+    out, so no component is an ancestor chain: its deepest module would have no way in.)"""
     index, low, stack, on, found, counter = {}, {}, [], set(), [], [0]
 
     def visit(v):
@@ -142,10 +143,7 @@ def cycles(graph):
                 comp.append(w)
                 if w == v:
                     break
-            # A child naming its ancestor is allowed: drop ancestor chains.
-            related = all(a.startswith(b + "::") or b.startswith(a + "::") or a == b
-                          for a in comp for b in comp)
-            if len(comp) > 1 and not related:
+            if len(comp) > 1:
                 found.append(sorted(comp))
 
     sys.setrecursionlimit(10000)

@@ -295,10 +295,10 @@ impl Leader {
         })
     }
 
-    /// Trains on what `prompt` teaches ([`node_core::learn::taught`]) if the mesh learns: the gradient through the group, folded into
-    /// `learner`; when an update is due and `gate` (if any) passes it, it is handed to every
-    /// live row's holder (the rest catch up from them). Returns the loss before the update and
-    /// what was published, if anything.
+    /// Trains on what `prompt` teaches ([`node_core::learn::taught`]) if the mesh learns: the
+    /// gradient through the group, folded into `learner`; when an update is due and `gate` (if
+    /// any) passes it, it is handed to every live row's holder (the rest catch up from them).
+    /// Returns the loss before the update and what was published, if anything.
     pub fn learn(
         &mut self,
         rt: &tokio::runtime::Runtime,

@@ -424,6 +424,11 @@ const RATE_WINDOW: Duration = Duration::from_secs(10);
 /// Most serving groups a node runs side by side.
 pub const MAX_GROUPS: usize = 16;
 
+/// Whether no serving task has a sequence, by each one's count.
+fn quiet(active: &[usize]) -> bool {
+    active.iter().all(|&n| n == 0)
+}
+
 /// What the serving tasks share: who computes with which holders, who waits for work, and
 /// the recent tokens for the tokens/s gauge.
 #[derive(Debug)]
@@ -519,21 +524,20 @@ impl Shared {
     /// long enough that training keeps to [`TRAIN_SHARE`] of the time.
     async fn wait_turn(&self, worked: Duration) {
         let until = Instant::now() + worked.mul_f64((1.0 - TRAIN_SHARE) / TRAIN_SHARE);
-        let mut active = self.active.subscribe();
-        let quiet = active.wait_for(|a| a.iter().all(|&n| n == 0));
         // Either the serving tasks went quiet, or the trainer waited long enough.
-        let _ = tokio::time::timeout_at(until.into(), quiet).await;
+        let _ = tokio::time::timeout_at(until.into(), self.quiet()).await;
     }
 
     /// Whether a serving task has a sequence now.
     fn serving(&self) -> bool {
-        self.active.borrow().iter().any(|&n| n > 0)
+        !quiet(&self.active.borrow())
     }
 
-    /// Waits until no serving task has a sequence, or forever.
+    /// Waits until no serving task has a sequence.
     async fn quiet(&self) {
         let mut active = self.active.subscribe();
-        let _ = active.wait_for(|a| a.iter().all(|&n| n == 0)).await;
+        // `self` holds the sender, so the wait ends only when serving is quiet.
+        let _ = active.wait_for(|a| quiet(a)).await;
     }
 
     /// What a trainer's group waits for before each round: its turn ([`Self::wait_turn`]),

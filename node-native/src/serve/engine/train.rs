@@ -116,17 +116,22 @@ impl Trainer {
             return;
         };
         let until = last + MIN_STEP_GAP;
+        let mut distinct: Vec<&[u32]> = self.waiting.iter().map(|r| &r.tokens[..]).collect();
+        distinct.sort_unstable();
+        distinct.dedup();
+        let mut positions: usize = distinct.iter().map(|t| t.len()).sum();
         loop {
-            let mut distinct: Vec<&Vec<u32>> = self.waiting.iter().map(|r| &r.tokens).collect();
-            distinct.sort();
-            distinct.dedup();
-            let positions: usize = distinct.iter().map(|t| t.len()).sum();
             if positions >= limit || !shared.serving() || Instant::now() >= until {
                 return;
             }
             tokio::select! {
                 r = self.requests.recv() => match r {
-                    Some(r) => self.waiting.push_back(r),
+                    Some(r) => {
+                        if !self.waiting.iter().any(|w| w.tokens == r.tokens) {
+                            positions += r.tokens.len();
+                        }
+                        self.waiting.push_back(r);
+                    }
                     None => return,
                 },
                 () = shared.quiet() => return,
