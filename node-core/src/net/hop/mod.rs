@@ -21,8 +21,9 @@ use crate::model::{BatchItem, KvCache, LinearExec, Llama, LlamaConfig, ModelErro
 use crate::protocol::{self, StepRequest};
 
 /// Name of the hop protocol; the version is part of it. (2: the receiver of every stream
-/// writes [`crate::net::session::ACCEPTED`] first.)
-pub const HOP_PROTOCOL: &str = "/codedmesh/hop/2";
+/// writes [`crate::net::session::ACCEPTED`] first;
+/// 3: a pass carries a batch of sequences.)
+pub const HOP_PROTOCOL: &str = "/codedmesh/hop/3";
 
 /// The hop protocol's name, as libp2p takes it.
 pub fn protocol() -> libp2p::StreamProtocol {
@@ -65,20 +66,36 @@ pub struct Join {
     pub noise: f64,
 }
 
-/// One forward pass, as the leader feeds it: `tokens` at positions `start..`.
+/// One forward pass, as the leader feeds it: the sequences of its batch, each with tokens at
+/// its own positions, run together.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Feed {
     /// The leader's number for the pass; the answer carries it back.
     pub pass: u64,
+    /// The batch's sequences, in the order their logits come back.
+    pub seqs: Vec<FeedSeq>,
+    /// Sequences the leader is done with: members forget their keys and values first.
+    pub forget: Vec<u64>,
+    /// The members the leader feeds this pass: the others have left the group.
+    pub rows: Vec<u32>,
+}
+
+/// One sequence of a pass: `tokens` at positions `start..`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FeedSeq {
+    /// The leader's number for the sequence; each member keeps its keys and values by it.
+    pub seq: u64,
     /// The position of the first token (what members held from there on is forgotten).
     pub start: u32,
     /// The tokens.
     pub tokens: Vec<u32>,
     /// How many of the last positions' logits the leader wants.
     pub logits: u32,
-    /// The members the leader feeds this pass: the others have left the group.
-    pub rows: Vec<u32>,
 }
+
+/// Sequences a member of a hop group holds at once; a pass that would start another fails
+/// (its leader forgets every sequence it is done with).
+pub const MAX_SEQUENCES: usize = 256;
 
 /// A member's coded output of one round of a pass.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -116,6 +133,12 @@ pub enum HopError {
         /// Positions held.
         held: usize,
     },
+    /// A sequence new to this member would be one more than it holds at once.
+    #[error("a member holds at most {MAX_SEQUENCES} sequences of a group")]
+    TooManySequences,
+    /// A pass names a sequence twice, or none.
+    #[error("a pass names each of its sequences once, and at least one")]
+    BadBatch,
     /// The forward pass failed.
     #[error("{0}")]
     Model(#[from] ModelError),
@@ -312,12 +335,14 @@ fn leave_out_silent(members: &mut Vec<usize>, got: &BTreeMap<usize, Vec<u8>>) ->
     missing
 }
 
-/// A member of a hop group: its copy of the sequence, and the group it decodes with.
+/// A member of a hop group: its copy of each sequence's keys and values, and the group it
+/// decodes with.
 #[derive(Debug)]
 pub struct HopMember<L: HopLink> {
     llama: Llama,
     group: CodedGroup<Exchange<L>>,
-    cache: KvCache,
+    caches: BTreeMap<u64, KvCache>,
+    cfg: LlamaConfig,
 }
 
 impl<L: HopLink> HopMember<L> {
@@ -353,7 +378,8 @@ impl<L: HopLink> HopMember<L> {
             project: false,
         });
         Ok(Self {
-            cache: KvCache::new(&cfg),
+            caches: BTreeMap::new(),
+            cfg,
             llama,
             group,
         })
@@ -361,27 +387,61 @@ impl<L: HopLink> HopMember<L> {
 
     /// Runs a pass with the other members; returns this member's coded part of the logits.
     pub async fn feed(&mut self, feed: &Feed) -> Result<Vec<u8>, HopError> {
-        let start = feed.start as usize;
-        if start > self.cache.len() {
-            return Err(HopError::Gap {
-                start,
-                held: self.cache.len(),
-            });
+        for seq in &feed.forget {
+            self.caches.remove(seq);
         }
-        self.cache.truncate(start);
+        let mut ids: Vec<u64> = feed.seqs.iter().map(|s| s.seq).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        if ids.len() != feed.seqs.len() || ids.is_empty() {
+            return Err(HopError::BadBatch);
+        }
+        let new = ids.iter().filter(|id| !self.caches.contains_key(id)).count();
+        if self.caches.len() + new > MAX_SEQUENCES {
+            return Err(HopError::TooManySequences);
+        }
+        // Each sequence's cache comes out of the map for the pass and goes back after it.
+        let mut caches = Vec::with_capacity(feed.seqs.len());
+        for s in &feed.seqs {
+            let mut cache = self
+                .caches
+                .remove(&s.seq)
+                .unwrap_or_else(|| KvCache::new(&self.cfg));
+            let start = s.start as usize;
+            if start > cache.len() {
+                let held = cache.len();
+                self.caches.extend(feed.seqs.iter().map(|s| s.seq).zip(caches));
+                self.caches.insert(s.seq, cache);
+                return Err(HopError::Gap { start, held });
+            }
+            cache.truncate(start);
+            caches.push(cache);
+        }
         self.group.transport_mut().start_pass(feed.pass, &feed.rows);
-        let mut items = [BatchItem {
-            logits: feed.logits as usize,
-            ..BatchItem::new(&feed.tokens, &mut self.cache)
-        }];
-        self.llama
-            .forward_batch(&mut self.group, &mut items)
-            .await?;
+        let mut items: Vec<BatchItem<'_>> = feed
+            .seqs
+            .iter()
+            .zip(caches.iter_mut())
+            .map(|(s, cache)| BatchItem {
+                logits: s.logits as usize,
+                ..BatchItem::new(&s.tokens, cache)
+            })
+            .collect();
+        let ran = self.llama.forward_batch(&mut self.group, &mut items).await;
+        drop(items);
+        self.caches
+            .extend(feed.seqs.iter().map(|s| s.seq).zip(caches));
+        ran?;
         self.group
             .transport_mut()
             .head
             .take()
             .ok_or(HopError::NoHead)
+    }
+
+    /// Sequences this member holds keys and values of.
+    pub fn sequences(&self) -> usize {
+        self.caches.len()
     }
 
     /// What this member's checks found so far (members caught, rounds checked).
@@ -489,6 +549,17 @@ impl<L: FeedLink> Transport for Gather<L> {
 pub struct HopLeader<L: FeedLink> {
     cfg: LlamaConfig,
     group: CodedGroup<Gather<L>>,
+    /// Sequences done since the last pass, for the members to forget.
+    forget: Vec<u64>,
+}
+
+/// One sequence of a leader's batch: its number among the group's sequences and its pass.
+#[derive(Debug, Clone, Copy)]
+pub struct HopSeq<'a> {
+    /// The leader's number for the sequence.
+    pub seq: u64,
+    /// Its tokens, where they start, and the logits wanted.
+    pub pass: Pass<'a>,
 }
 
 impl<L: FeedLink> HopLeader<L> {
@@ -517,12 +588,29 @@ impl<L: FeedLink> HopLeader<L> {
             // A hop member decodes for itself; only a leader's group projects.
             project: false,
         });
-        Ok(Self { cfg, group })
+        Ok(Self {
+            cfg,
+            group,
+            forget: Vec::new(),
+        })
     }
 
-    /// One forward pass through the group: the logits it asks for, row after row.
+    /// One forward pass of one sequence (number 0) through the group: the logits it asks
+    /// for, row after row.
     pub async fn forward(&mut self, pass: Pass<'_>) -> Result<Vec<f32>, ModelError> {
+        let mut out = self.forward_batch(&[HopSeq { seq: 0, pass }]).await?;
+        out.pop()
+            .ok_or_else(|| ModelError::Config("no logits".into()))
+    }
+
+    /// One forward pass of a batch of sequences through the group: each sequence's logits,
+    /// row after row, in the batch's order.
+    pub async fn forward_batch(
+        &mut self,
+        seqs: &[HopSeq<'_>],
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
         let rows = self.group.nodes().to_vec();
+        let forget = std::mem::take(&mut self.forget);
         let gather = self.group.transport_mut();
         gather.pass += 1;
         gather.got.clear();
@@ -530,20 +618,53 @@ impl<L: FeedLink> HopLeader<L> {
         gather.decodable_at = None;
         let feed = Feed {
             pass: gather.pass,
-            start: pass.start as u32,
-            tokens: pass.tokens.to_vec(),
-            logits: pass.logits as u32,
+            seqs: seqs
+                .iter()
+                .map(|s| FeedSeq {
+                    seq: s.seq,
+                    start: s.pass.start as u32,
+                    tokens: s.pass.tokens.to_vec(),
+                    logits: s.pass.logits as u32,
+                })
+                .collect(),
+            forget,
             rows: rows.iter().map(|&r| r as u32).collect(),
         };
         for row in rows {
             gather.link.feed(row, &feed);
         }
         // The LM head's input lives on the members; the leader only decodes their answers.
-        let rows = pass.logits.clamp(1, pass.tokens.len().max(1));
-        let x = vec![0.0; rows * self.cfg.hidden];
-        let mut out = self.group.linear(Stage::LmHead, &x, rows).await?;
-        out.pop()
-            .ok_or_else(|| ModelError::Config("no logits".into()))
+        let wanted: Vec<usize> = seqs
+            .iter()
+            .map(|s| s.pass.logits.clamp(1, s.pass.tokens.len().max(1)))
+            .collect();
+        let total: usize = wanted.iter().sum();
+        let x = vec![0.0; total * self.cfg.hidden];
+        let mut out = self.group.linear(Stage::LmHead, &x, total).await?;
+        let all = out
+            .pop()
+            .ok_or_else(|| ModelError::Config("no logits".into()))?;
+        let vocab = self.cfg.vocab;
+        if all.len() != total * vocab {
+            return Err(ModelError::Config(format!(
+                "the LM head gave {} values, not {total} rows of {vocab}",
+                all.len()
+            )));
+        }
+        let mut at = 0;
+        Ok(wanted
+            .iter()
+            .map(|&w| {
+                let rows = all[at * vocab..(at + w) * vocab].to_vec();
+                at += w;
+                rows
+            })
+            .collect())
+    }
+
+    /// Tells the members, with the next pass, that `seq` is done: they forget it.
+    pub fn forget(&mut self, seq: u64) {
+        self.forget.push(seq);
     }
 
     /// Counters of the leader's decoding (LM head rounds, caught members).
@@ -563,297 +684,4 @@ impl<L: FeedLink> HopLeader<L> {
 }
 
 #[cfg(test)]
-mod tests {
-    use std::collections::HashMap;
-    use std::sync::mpsc::{Receiver, Sender, channel};
-
-    use futures::executor::block_on;
-
-    use super::*;
-    use crate::coded::{InProcess, Member, Misbehaviour, ShardFormat, ShardSet};
-    use crate::model::{GenerateOptions, LeaderWeights, ModelWeights, generate, generate_with};
-
-    fn config() -> LlamaConfig {
-        LlamaConfig {
-            hidden: 64,
-            ffn: 160,
-            layers: 3,
-            heads: 4,
-            kv_heads: 2,
-            head_dim: 16,
-            vocab: 250,
-            norm_eps: 1e-5,
-            rope_theta: 10_000.0,
-            max_seq: 64,
-            tied_embeddings: false,
-        }
-    }
-
-    struct MemberLink {
-        member: Member,
-        to: HashMap<usize, Sender<Heard>>,
-        from: Receiver<Heard>,
-    }
-
-    impl HopLink for MemberLink {
-        async fn compute(&mut self, step: StepRequest) -> Result<Vec<u8>, String> {
-            protocol::encode(&self.member.handle(&step)).map_err(|e| e.to_string())
-        }
-
-        fn send(&mut self, row: usize, part: &Part) {
-            if let Some(tx) = self.to.get(&row) {
-                let _ = tx.send(Heard::Part(part.clone()));
-            }
-        }
-
-        async fn next(&mut self, wait: Duration) -> Option<Heard> {
-            self.from.recv_timeout(wait).ok()
-        }
-    }
-
-    struct LeadLink {
-        to: HashMap<usize, Sender<Feed>>,
-        from: Receiver<(usize, Fed)>,
-        /// Where a feed to a member that has gone is answered, as a failed stream would.
-        failed: Sender<(usize, Fed)>,
-    }
-
-    impl FeedLink for LeadLink {
-        fn feed(&mut self, row: usize, feed: &Feed) {
-            if let Some(tx) = self.to.get(&row)
-                && tx.send(feed.clone()).is_err()
-            {
-                let result = Err("the member's stream closed".into());
-                let _ = self.failed.send((
-                    row,
-                    Fed {
-                        pass: feed.pass,
-                        result,
-                    },
-                ));
-            }
-        }
-
-        async fn next(&mut self, wait: Duration) -> Option<(usize, Fed)> {
-            self.from.recv_timeout(wait).ok()
-        }
-    }
-
-    /// How a test's hop group goes wrong.
-    #[derive(Clone, Copy, Default)]
-    struct Faults {
-        /// This row answers with garbage.
-        liar: Option<usize>,
-        /// This row leaves after this many passes.
-        quits: Option<(usize, u64)>,
-    }
-
-    /// What each member of a test's hop group saw: the rows it caught, and those it left out.
-    type Seen = (Vec<usize>, Vec<(usize, String)>);
-
-    /// Greedy tokens of `prompt` through a hop group of `rows` (k = 3 of 5, checked with the
-    /// rows beyond k), what each member saw, and the leader's counters.
-    fn hop_generate(
-        weights: &ModelWeights,
-        rows: &[usize],
-        faults: Faults,
-        draft: usize,
-    ) -> (Vec<u32>, Vec<Seen>, ExecStats) {
-        let g = Generator::cauchy(5, 3).unwrap();
-        let norms = LeaderWeights::from_model(weights);
-        let join = Join {
-            group: 7,
-            version: [0; 32],
-            rows: rows.iter().map(|&r| r as u32).collect(),
-            peers: vec![Vec::new(); rows.len()],
-            addrs: vec![Vec::new(); rows.len()],
-            row: 0,
-            wait_ms: 10_000,
-            extra: (rows.len() - 3) as u32,
-            noise: crate::coded::DEFAULT_NOISE,
-        };
-        let mut part_tx = HashMap::new();
-        let mut part_rx = HashMap::new();
-        for &r in rows {
-            let (tx, rx) = channel();
-            part_tx.insert(r, tx);
-            part_rx.insert(r, rx);
-        }
-        let (fed_tx, fed_rx) = channel();
-        let mut feed_tx = HashMap::new();
-        let mut threads = Vec::new();
-        for &r in rows {
-            let set = ShardSet::encode(weights, &g, r, ShardFormat::F32, &mut |_, _| {}).unwrap();
-            let member = match faults.liar {
-                Some(l) if l == r => Member::misbehaving(set, r, Misbehaviour::Garbage),
-                _ => Member::new(set),
-            };
-            let quits = faults
-                .quits
-                .and_then(|(q, passes)| (q == r).then_some(passes));
-            let others = part_tx.clone();
-            let link = MemberLink {
-                member,
-                to: part_tx.clone(),
-                from: part_rx.remove(&r).unwrap(),
-            };
-            let llama = Llama::new(weights.cfg.clone(), norms.clone()).unwrap();
-            let mut hop = HopMember::new(
-                llama,
-                g.clone(),
-                &Join {
-                    row: r as u32,
-                    ..join.clone()
-                },
-                link,
-            )
-            .unwrap();
-            let (tx, rx) = channel::<Feed>();
-            feed_tx.insert(r, tx);
-            let fed = fed_tx.clone();
-            threads.push(std::thread::spawn(move || {
-                for feed in rx {
-                    if quits.is_some_and(|q| feed.pass > q) {
-                        // Its streams close: the others hear it, and the leader's link answers
-                        // the pass it was fed (and every later one) with the failure.
-                        for tx in others.values() {
-                            let _ = tx.send(Heard::Gone(r));
-                        }
-                        let result = Err("the member's stream closed".into());
-                        let _ = fed.send((
-                            r,
-                            Fed {
-                                pass: feed.pass,
-                                result,
-                            },
-                        ));
-                        break;
-                    }
-                    let result = block_on(hop.feed(&feed)).map_err(|e| e.to_string());
-                    let _ = fed.send((
-                        r,
-                        Fed {
-                            pass: feed.pass,
-                            result,
-                        },
-                    ));
-                }
-                let caught = hop.stats().caught.iter().map(|c| c.node).collect();
-                (caught, hop.dropped().to_vec())
-            }));
-        }
-        drop(part_tx);
-        let link = LeadLink {
-            to: feed_tx,
-            from: fed_rx,
-            failed: fed_tx,
-        };
-        let mut leader = HopLeader::new(weights.cfg.clone(), g, &join, link).unwrap();
-        let opts = GenerateOptions {
-            max_tokens: 12,
-            sampling: Default::default(),
-            stop_ids: Vec::new(),
-            draft,
-        };
-        let mut forward = |pass: Pass<'_>| block_on(leader.forward(pass));
-        let out = generate_with(
-            &mut forward,
-            64,
-            &[3, 17, 200, 42, 3, 17],
-            &opts,
-            &mut |_| true,
-        )
-        .unwrap();
-        let stats = leader.stats().clone();
-        drop(leader);
-        let caught = threads.into_iter().map(|t| t.join().unwrap()).collect();
-        (out.tokens, caught, stats)
-    }
-
-    fn round_generate(weights: &ModelWeights, draft: usize) -> Vec<u32> {
-        let g = Generator::cauchy(5, 3).unwrap();
-        let mesh = InProcess::encode(weights, &g, ShardFormat::F32, &|_, _| {}).unwrap();
-        let mut group = CodedGroup::new(weights.cfg.clone(), g, &[0, 1, 2], mesh).unwrap();
-        let llama = Llama::new(weights.cfg.clone(), LeaderWeights::from_model(weights)).unwrap();
-        let opts = GenerateOptions {
-            max_tokens: 12,
-            sampling: Default::default(),
-            stop_ids: Vec::new(),
-            draft,
-        };
-        generate(
-            &llama,
-            &mut group,
-            &[3, 17, 200, 42, 3, 17],
-            &opts,
-            &mut |_| true,
-        )
-        .unwrap()
-        .tokens
-    }
-
-    proptest::proptest! {
-        #[test]
-        fn any_bytes_on_a_hop_stream_are_a_frame_or_an_error(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..512)) {
-            let mut reader = futures::io::Cursor::new(bytes);
-            let mut buf = crate::net::session::FrameReader::default();
-            while let Ok(Some(_)) =
-                block_on(crate::net::session::read_frame::<HopFrame, _>(&mut reader, &mut buf))
-            {}
-        }
-    }
-
-    #[test]
-    fn a_hop_group_generates_the_tokens_a_leader_does() {
-        let weights = ModelWeights::synthetic(config(), 5).unwrap();
-        for draft in [0, 4] {
-            let want = round_generate(&weights, draft);
-            let (tokens, seen, stats) =
-                hop_generate(&weights, &[0, 1, 2, 3], Faults::default(), draft);
-            assert_eq!(tokens, want, "drafts of {draft}");
-            assert!(
-                seen.iter().all(|(c, d)| c.is_empty() && d.is_empty()),
-                "{seen:?}"
-            );
-            assert!(stats.verified_rounds > 0 && stats.unverified_rounds == 0);
-            assert!(stats.caught.is_empty());
-        }
-    }
-
-    #[test]
-    fn every_member_and_the_leader_catch_a_member_that_lies() {
-        let weights = ModelWeights::synthetic(config(), 5).unwrap();
-        let want = round_generate(&weights, 0);
-        let faults = Faults {
-            liar: Some(2),
-            ..Faults::default()
-        };
-        let (tokens, seen, stats) = hop_generate(&weights, &[0, 1, 2, 3, 4], faults, 0);
-        assert_eq!(tokens, want);
-        for (i, (caught, _)) in seen.iter().enumerate() {
-            if i != 2 {
-                assert_eq!(caught, &[2], "member {i} caught {caught:?}");
-            }
-        }
-        assert_eq!(stats.caught.iter().map(|c| c.node).collect::<Vec<_>>(), [2]);
-    }
-
-    #[test]
-    fn a_member_that_leaves_is_left_out_at_once_and_the_rest_decode_from_k() {
-        let weights = ModelWeights::synthetic(config(), 5).unwrap();
-        let want = round_generate(&weights, 0);
-        let faults = Faults {
-            quits: Some((3, 4)),
-            ..Faults::default()
-        };
-        let (tokens, seen, stats) = hop_generate(&weights, &[0, 1, 2, 3], faults, 0);
-        assert_eq!(tokens, want);
-        for (caught, dropped) in &seen[..3] {
-            assert!(caught.is_empty());
-            // Heard leaving, not waited out (the wait is 10 s).
-            assert_eq!(dropped, &[(3, "left the group".to_string())]);
-        }
-        assert!(stats.verified_rounds >= 4 && stats.unverified_rounds > 0);
-        assert!(stats.caught.is_empty());
-    }
-}
+mod tests;

@@ -1,0 +1,400 @@
+use std::collections::HashMap;
+use std::sync::mpsc::{Receiver, Sender, channel};
+
+use futures::executor::block_on;
+
+use super::*;
+use crate::coded::{InProcess, Member, Misbehaviour, ShardFormat, ShardSet};
+use crate::model::{GenerateOptions, LeaderWeights, ModelWeights, generate, generate_with};
+
+fn config() -> LlamaConfig {
+    LlamaConfig {
+        hidden: 64,
+        ffn: 160,
+        layers: 3,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 16,
+        vocab: 250,
+        norm_eps: 1e-5,
+        rope_theta: 10_000.0,
+        max_seq: 64,
+        tied_embeddings: false,
+    }
+}
+
+struct MemberLink {
+    member: Member,
+    to: HashMap<usize, Sender<Heard>>,
+    from: Receiver<Heard>,
+}
+
+impl HopLink for MemberLink {
+    async fn compute(&mut self, step: StepRequest) -> Result<Vec<u8>, String> {
+        protocol::encode(&self.member.handle(&step)).map_err(|e| e.to_string())
+    }
+
+    fn send(&mut self, row: usize, part: &Part) {
+        if let Some(tx) = self.to.get(&row) {
+            let _ = tx.send(Heard::Part(part.clone()));
+        }
+    }
+
+    async fn next(&mut self, wait: Duration) -> Option<Heard> {
+        self.from.recv_timeout(wait).ok()
+    }
+}
+
+struct LeadLink {
+    to: HashMap<usize, Sender<Feed>>,
+    from: Receiver<(usize, Fed)>,
+    /// Where a feed to a member that has gone is answered, as a failed stream would.
+    failed: Sender<(usize, Fed)>,
+}
+
+impl FeedLink for LeadLink {
+    fn feed(&mut self, row: usize, feed: &Feed) {
+        if let Some(tx) = self.to.get(&row)
+            && tx.send(feed.clone()).is_err()
+        {
+            let result = Err("the member's stream closed".into());
+            let _ = self.failed.send((
+                row,
+                Fed {
+                    pass: feed.pass,
+                    result,
+                },
+            ));
+        }
+    }
+
+    async fn next(&mut self, wait: Duration) -> Option<(usize, Fed)> {
+        self.from.recv_timeout(wait).ok()
+    }
+}
+
+/// How a test's hop group goes wrong.
+#[derive(Clone, Copy, Default)]
+struct Faults {
+    /// This row answers with garbage.
+    liar: Option<usize>,
+    /// This row leaves after this many passes.
+    quits: Option<(usize, u64)>,
+}
+
+/// What each member of a test's hop group saw: the rows it caught, and those it left out.
+type Seen = (Vec<usize>, Vec<(usize, String)>);
+
+/// A member's thread: what it saw once its leader is gone.
+type MemberThread = std::thread::JoinHandle<Seen>;
+
+/// A hop group of `rows` (k = 3 of 5, checked with the rows beyond k) on threads, and its
+/// leader.
+fn hop_group(
+    weights: &ModelWeights,
+    rows: &[usize],
+    faults: Faults,
+) -> (HopLeader<LeadLink>, Vec<MemberThread>) {
+    let g = Generator::cauchy(5, 3).unwrap();
+    let norms = LeaderWeights::from_model(weights);
+    let join = Join {
+        group: 7,
+        version: [0; 32],
+        rows: rows.iter().map(|&r| r as u32).collect(),
+        peers: vec![Vec::new(); rows.len()],
+        addrs: vec![Vec::new(); rows.len()],
+        row: 0,
+        wait_ms: 10_000,
+        extra: (rows.len() - 3) as u32,
+        noise: crate::coded::DEFAULT_NOISE,
+    };
+    let mut part_tx = HashMap::new();
+    let mut part_rx = HashMap::new();
+    for &r in rows {
+        let (tx, rx) = channel();
+        part_tx.insert(r, tx);
+        part_rx.insert(r, rx);
+    }
+    let (fed_tx, fed_rx) = channel();
+    let mut feed_tx = HashMap::new();
+    let mut threads = Vec::new();
+    for &r in rows {
+        let set = ShardSet::encode(weights, &g, r, ShardFormat::F32, &mut |_, _| {}).unwrap();
+        let member = match faults.liar {
+            Some(l) if l == r => Member::misbehaving(set, r, Misbehaviour::Garbage),
+            _ => Member::new(set),
+        };
+        let quits = faults
+            .quits
+            .and_then(|(q, passes)| (q == r).then_some(passes));
+        let others = part_tx.clone();
+        let link = MemberLink {
+            member,
+            to: part_tx.clone(),
+            from: part_rx.remove(&r).unwrap(),
+        };
+        let llama = Llama::new(weights.cfg.clone(), norms.clone()).unwrap();
+        let mut hop = HopMember::new(
+            llama,
+            g.clone(),
+            &Join {
+                row: r as u32,
+                ..join.clone()
+            },
+            link,
+        )
+        .unwrap();
+        let (tx, rx) = channel::<Feed>();
+        feed_tx.insert(r, tx);
+        let fed = fed_tx.clone();
+        threads.push(std::thread::spawn(move || {
+            for feed in rx {
+                if quits.is_some_and(|q| feed.pass > q) {
+                    // Its streams close: the others hear it, and the leader's link answers
+                    // the pass it was fed (and every later one) with the failure.
+                    for tx in others.values() {
+                        let _ = tx.send(Heard::Gone(r));
+                    }
+                    let result = Err("the member's stream closed".into());
+                    let _ = fed.send((
+                        r,
+                        Fed {
+                            pass: feed.pass,
+                            result,
+                        },
+                    ));
+                    break;
+                }
+                let result = block_on(hop.feed(&feed)).map_err(|e| e.to_string());
+                let _ = fed.send((
+                    r,
+                    Fed {
+                        pass: feed.pass,
+                        result,
+                    },
+                ));
+            }
+            let caught = hop.stats().caught.iter().map(|c| c.node).collect();
+            (caught, hop.dropped().to_vec())
+        }));
+    }
+    drop(part_tx);
+    let link = LeadLink {
+        to: feed_tx,
+        from: fed_rx,
+        failed: fed_tx,
+    };
+    let leader = HopLeader::new(weights.cfg.clone(), g, &join, link).unwrap();
+    (leader, threads)
+}
+
+/// Greedy tokens of `prompt` through a hop group of `rows`, what each member saw, and the
+/// leader's counters.
+fn hop_generate(
+    weights: &ModelWeights,
+    rows: &[usize],
+    faults: Faults,
+    draft: usize,
+) -> (Vec<u32>, Vec<Seen>, ExecStats) {
+    let (mut leader, threads) = hop_group(weights, rows, faults);
+    let opts = GenerateOptions {
+        max_tokens: 12,
+        sampling: Default::default(),
+        stop_ids: Vec::new(),
+        draft,
+    };
+    let mut forward = |pass: Pass<'_>| block_on(leader.forward(pass));
+    let out = generate_with(
+        &mut forward,
+        64,
+        &[3, 17, 200, 42, 3, 17],
+        &opts,
+        &mut |_| true,
+    )
+    .unwrap();
+    let stats = leader.stats().clone();
+    drop(leader);
+    let caught = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    (out.tokens, caught, stats)
+}
+
+fn round_generate(weights: &ModelWeights, draft: usize) -> Vec<u32> {
+    let g = Generator::cauchy(5, 3).unwrap();
+    let mesh = InProcess::encode(weights, &g, ShardFormat::F32, &|_, _| {}).unwrap();
+    let mut group = CodedGroup::new(weights.cfg.clone(), g, &[0, 1, 2], mesh).unwrap();
+    let llama = Llama::new(weights.cfg.clone(), LeaderWeights::from_model(weights)).unwrap();
+    let opts = GenerateOptions {
+        max_tokens: 12,
+        sampling: Default::default(),
+        stop_ids: Vec::new(),
+        draft,
+    };
+    generate(
+        &llama,
+        &mut group,
+        &[3, 17, 200, 42, 3, 17],
+        &opts,
+        &mut |_| true,
+    )
+    .unwrap()
+    .tokens
+}
+
+proptest::proptest! {
+    #[test]
+    fn any_bytes_on_a_hop_stream_are_a_frame_or_an_error(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..512)) {
+        let mut reader = futures::io::Cursor::new(bytes);
+        let mut buf = crate::net::session::FrameReader::default();
+        while let Ok(Some(_)) =
+            block_on(crate::net::session::read_frame::<HopFrame, _>(&mut reader, &mut buf))
+        {}
+    }
+}
+
+#[test]
+fn a_hop_group_generates_the_tokens_a_leader_does() {
+    let weights = ModelWeights::synthetic(config(), 5).unwrap();
+    for draft in [0, 4] {
+        let want = round_generate(&weights, draft);
+        let (tokens, seen, stats) =
+            hop_generate(&weights, &[0, 1, 2, 3], Faults::default(), draft);
+        assert_eq!(tokens, want, "drafts of {draft}");
+        assert!(
+            seen.iter().all(|(c, d)| c.is_empty() && d.is_empty()),
+            "{seen:?}"
+        );
+        assert!(stats.verified_rounds > 0 && stats.unverified_rounds == 0);
+        assert!(stats.caught.is_empty());
+    }
+}
+
+#[test]
+fn every_member_and_the_leader_catch_a_member_that_lies() {
+    let weights = ModelWeights::synthetic(config(), 5).unwrap();
+    let want = round_generate(&weights, 0);
+    let faults = Faults {
+        liar: Some(2),
+        ..Faults::default()
+    };
+    let (tokens, seen, stats) = hop_generate(&weights, &[0, 1, 2, 3, 4], faults, 0);
+    assert_eq!(tokens, want);
+    for (i, (caught, _)) in seen.iter().enumerate() {
+        if i != 2 {
+            assert_eq!(caught, &[2], "member {i} caught {caught:?}");
+        }
+    }
+    assert_eq!(stats.caught.iter().map(|c| c.node).collect::<Vec<_>>(), [2]);
+}
+
+#[test]
+fn a_member_that_leaves_is_left_out_at_once_and_the_rest_decode_from_k() {
+    let weights = ModelWeights::synthetic(config(), 5).unwrap();
+    let want = round_generate(&weights, 0);
+    let faults = Faults {
+        quits: Some((3, 4)),
+        ..Faults::default()
+    };
+    let (tokens, seen, stats) = hop_generate(&weights, &[0, 1, 2, 3], faults, 0);
+    assert_eq!(tokens, want);
+    for (caught, dropped) in &seen[..3] {
+        assert!(caught.is_empty());
+        // Heard leaving, not waited out (the wait is 10 s).
+        assert_eq!(dropped, &[(3, "left the group".to_string())]);
+    }
+    assert!(stats.verified_rounds >= 4 && stats.unverified_rounds > 0);
+    assert!(stats.caught.is_empty());
+}
+
+/// Greedy decoding of several prompts at once through `forward`, each sequence at its own
+/// position (numbered from `first`); what each generated.
+fn batch_decode(
+    forward: &mut dyn FnMut(&[HopSeq<'_>]) -> Vec<Vec<f32>>,
+    first: u64,
+    prompts: &[&[u32]],
+    tokens: usize,
+    vocab: usize,
+) -> Vec<Vec<u32>> {
+    let mut out: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
+    let mut held = vec![0usize; prompts.len()];
+    let mut input: Vec<Vec<u32>> = prompts.iter().map(|p| p.to_vec()).collect();
+    for _ in 0..tokens {
+        let seqs: Vec<HopSeq<'_>> = input
+            .iter()
+            .enumerate()
+            .map(|(i, t)| HopSeq {
+                seq: first + i as u64,
+                pass: Pass {
+                    start: held[i],
+                    tokens: t,
+                    logits: 1,
+                },
+            })
+            .collect();
+        let logits = forward(&seqs);
+        for (i, l) in logits.iter().enumerate() {
+            assert_eq!(l.len(), vocab);
+            held[i] += input[i].len();
+            let next = crate::model::argmax(l);
+            out[i].push(next);
+            input[i] = vec![next];
+        }
+    }
+    out
+}
+
+#[test]
+fn a_batch_of_sequences_through_a_hop_group_decodes_each_as_alone() {
+    let weights = ModelWeights::synthetic(config(), 5).unwrap();
+    let vocab = weights.cfg.vocab;
+    let prompts: [&[u32]; 3] = [&[3, 17, 200, 42, 3, 17], &[9, 8, 7], &[100]];
+    let (mut leader, threads) = hop_group(&weights, &[0, 1, 2, 3], Faults::default());
+    let together = {
+        let mut forward = |seqs: &[HopSeq<'_>]| block_on(leader.forward_batch(seqs)).unwrap();
+        batch_decode(&mut forward, 10, &prompts, 6, vocab)
+    };
+    for seq in 10..13 {
+        leader.forget(seq);
+    }
+    let alone: Vec<Vec<u32>> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let mut forward =
+                |seqs: &[HopSeq<'_>]| block_on(leader.forward_batch(seqs)).unwrap();
+            batch_decode(&mut forward, 20 + i as u64, &[p], 6, vocab).remove(0)
+        })
+        .collect();
+    assert_eq!(together, alone);
+    // Sequence 10 was forgotten: it cannot go on where it was.
+    let gone = block_on(leader.forward_batch(&[HopSeq {
+        seq: 10,
+        pass: Pass {
+            start: 7,
+            tokens: &[5],
+            logits: 1,
+        },
+    }]));
+    assert!(gone.is_err(), "a forgotten sequence starts again at 0");
+    drop(leader);
+    for t in threads {
+        let (caught, _) = t.join().unwrap();
+        assert!(caught.is_empty(), "{caught:?}");
+    }
+}
+
+#[test]
+fn a_pass_that_names_a_sequence_twice_fails() {
+    let weights = ModelWeights::synthetic(config(), 5).unwrap();
+    let (mut leader, threads) = hop_group(&weights, &[0, 1, 2, 3], Faults::default());
+    let pass = Pass {
+        start: 0,
+        tokens: &[1, 2],
+        logits: 1,
+    };
+    let twice = [HopSeq { seq: 1, pass }, HopSeq { seq: 1, pass }];
+    assert!(block_on(leader.forward_batch(&twice)).is_err());
+    drop(leader);
+    for t in threads {
+        t.join().unwrap();
+    }
+}
