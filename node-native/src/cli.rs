@@ -106,6 +106,11 @@ pub(crate) struct UpArgs {
     /// decodes a token a pass.
     #[arg(long, default_value_t = node_core::model::speculate::DEFAULT_DRAFT)]
     pub(crate) draft: usize,
+    /// How the API's node runs a forward pass: `rounds` (it decodes every stage), `hop` (the
+    /// members pass their coded outputs to each other, one hop per stage), or `auto` (hop
+    /// where a member is on another machine or the rounds wait on the network).
+    #[arg(long, value_enum, default_value_t)]
+    pub(crate) pass: node_native::serve::engine::PassRoute,
 }
 
 /// How a leader's groups are checked and how many spares they ask: `up`'s and the bench's.
@@ -160,6 +165,12 @@ pub(crate) struct ServeArgs {
     /// pass.
     #[arg(long, default_value_t = node_core::model::speculate::DEFAULT_DRAFT)]
     pub(crate) draft: usize,
+    /// How this node runs the forward passes of the requests it leads: `rounds` (it decodes
+    /// every stage), `hop` (the members pass their coded outputs to each other, one hop per
+    /// stage), or `auto` (hop where a member is on another machine or the rounds wait on the
+    /// network).
+    #[arg(long, value_enum, default_value_t)]
+    pub(crate) pass: node_native::serve::engine::PassRoute,
     /// Answers checked beyond the k decoded in every round of the requests this node leads:
     /// 1 detects a wrong member, 2 also locates it; 0 turns checking off.
     #[arg(long, default_value_t = 1)]
@@ -339,6 +350,7 @@ impl NetArgs {
                 trace_steps: self.serve.trace_steps.clone(),
                 groups: self.serve.groups,
                 draft: self.serve.draft,
+                pass: self.serve.pass,
                 ..Default::default()
             },
             api_key: self.serve.api_key.clone(),

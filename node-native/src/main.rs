@@ -89,6 +89,14 @@ fn main() {
     }
 }
 
+/// A pass route as the command line names it.
+fn pass_name(pass: node_native::serve::engine::PassRoute) -> String {
+    use clap::ValueEnum;
+    pass.to_possible_value()
+        .map(|v| v.get_name().to_string())
+        .unwrap_or_default()
+}
+
 /// `codedmesh up`.
 async fn run_up(args: UpArgs) -> Result<()> {
     let mut node_args = vec![
@@ -100,6 +108,8 @@ async fn run_up(args: UpArgs) -> Result<()> {
         args.groups.to_string().into(),
         "--draft".into(),
         args.draft.to_string().into(),
+        "--pass".into(),
+        pass_name(args.pass).into(),
     ];
     node_args.extend(node_native::up::supervise::group_args(
         &args.group.options(),

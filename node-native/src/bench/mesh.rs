@@ -83,7 +83,14 @@ pub fn mesh_rows(b: &MeshBench<'_>) -> Result<Vec<Row>> {
             let model = crate::serve::api::model_id(&leader.manifest);
             rows.extend(api_rows(&rt, &mut mesh, &model, b)?);
         }
-        rows.extend(delay_rows(&mut leader, &rt, b.summary, ms)?);
+        let (delayed, hop_ms) = delay_rows(&mut leader, &rt, b.summary, ms)?;
+        rows.extend(delayed);
+        if ms > 0.0 {
+            let model = crate::serve::api::model_id(&leader.manifest);
+            rows.extend(api_delay_rows(
+                &rt, &mut mesh, &model, b.summary, ms, hop_ms,
+            )?);
+        }
         drop(leader);
         drop(mesh);
         let _ = std::fs::remove_dir_all(&dir);
@@ -94,13 +101,13 @@ pub fn mesh_rows(b: &MeshBench<'_>) -> Result<Vec<Row>> {
 
 /// At a one-way delay of `ms`: ms per token, hops per token and the floor they set, a token a
 /// pass and with drafts of the default length, with the leader's rounds (two hops a round) and
-/// with one hop per stage.
+/// with one hop per stage; and the ms a token of hops with drafts.
 pub(super) fn delay_rows(
     leader: &mut crate::lead::remote::Leader,
     runtime: &tokio::runtime::Runtime,
     prompt: &[u32],
     ms: f64,
-) -> Result<Vec<Row>> {
+) -> Result<(Vec<Row>, f64)> {
     let mut rows = Vec::new();
     let plain = GenerateOptions {
         max_tokens: DELAY_TOKENS,
@@ -152,6 +159,7 @@ pub(super) fn delay_rows(
     let cfg = leader.llama.config().clone();
     // A pass is the feed, the embedding lookup, four stages a layer and the LM head: a hop each.
     let hops_per_pass = (4 * cfg.layers + 3) as f64;
+    let mut hop_ms = 0.0;
     for (what, draft) in [("a token a pass", 0), ("drafts of 4", draft)] {
         let opts = GenerateOptions {
             draft,
@@ -161,6 +169,7 @@ pub(super) fn delay_rows(
         let run = generate_with(&mut forward, cfg.max_seq, prompt, &opts, &mut |_| true)?;
         let decode_tokens = run.tokens.len().saturating_sub(1).max(1) as f64;
         let hops = hops_per_pass * run.forward_passes.saturating_sub(1) as f64 / decode_tokens;
+        hop_ms = 1e3 / run.decode_tokens_per_s();
         let same = match &first {
             Some(t) if *t == run.tokens => ", the same tokens",
             _ => ", DIFFERENT tokens",
@@ -179,7 +188,37 @@ pub(super) fn delay_rows(
         caught.is_empty(),
         "the hop group's leader caught {caught:?}"
     );
-    Ok(rows)
+    Ok((rows, hop_ms))
+}
+
+/// At a one-way delay of `ms`: a stream through the seed's API (its node leads, computes its own
+/// row and chooses rounds or hops as `up`'s does), the delay rows' prompt and tokens, against
+/// `hop_ms`, one hop per stage with drafts from a leader of its own.
+pub(super) fn api_delay_rows(
+    runtime: &tokio::runtime::Runtime,
+    mesh: &mut crate::bench::localmesh::LocalMesh,
+    model: &str,
+    prompt: &[u32],
+    ms: f64,
+    hop_ms: f64,
+) -> Result<Vec<Row>> {
+    use crate::bench::apistream::stream_completion;
+    let addr = mesh.api(Duration::from_secs(60))?;
+    // The first stream forms the API node's group, whose rounds measure the network.
+    runtime.block_on(stream_completion(addr, model, prompt, 4))?;
+    let run = runtime.block_on(stream_completion(addr, model, prompt, DELAY_TOKENS))?;
+    let api_ms = 1e3 / run.decode_tokens_per_s().max(1e-9);
+    Ok(vec![row(
+        format!(
+            "one-way delay {ms} ms, summary, one stream through the seed's OpenAI API (drafts of {})",
+            node_core::model::speculate::DEFAULT_DRAFT
+        ),
+        format!(
+            "{api_ms:.0} ms/token ({} tokens), {:.2}× one hop per stage with drafts ({hop_ms:.0} ms/token)",
+            run.tokens,
+            api_ms / hop_ms.max(1e-9)
+        ),
+    )])
 }
 
 /// The loopback rows: prefill, decode, drafts, rounds, bytes, the time split and the CPU each

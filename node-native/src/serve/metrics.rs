@@ -38,6 +38,8 @@ pub struct Metrics {
     pub active_sequences: Gauge,
     /// Forward steps run (one coded round per stage for the whole batch).
     pub forward_steps: Counter,
+    /// Of those, steps run one hop per stage (members pass coded outputs to each other).
+    pub hop_steps: Counter,
     /// Coded groups formed.
     pub groups_formed: Counter,
     /// Serving threads holding a coded group now.
@@ -126,6 +128,7 @@ impl Metrics {
             queue_depth: Gauge::default(),
             active_sequences: Gauge::default(),
             forward_steps: Counter::default(),
+            hop_steps: Counter::default(),
             groups_formed: Counter::default(),
             serving_groups: Gauge::default(),
             forward_step_failures: Counter::default(),
@@ -204,6 +207,11 @@ impl Metrics {
             "forward_steps",
             "Forward steps run, one coded round per stage for the whole batch",
             m.forward_steps.clone(),
+        );
+        r.register(
+            "hop_steps",
+            "Forward steps run one hop per stage, the members passing coded outputs to each other",
+            m.hop_steps.clone(),
         );
         r.register(
             "groups_formed",

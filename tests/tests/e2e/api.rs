@@ -580,3 +580,75 @@ fn up_with_ten_nodes_serves_two_requests_at_once_through_disjoint_holders() -> R
     );
     Ok(())
 }
+
+#[test]
+fn up_with_pass_hop_serves_a_batch_one_hop_per_stage_with_the_tokens_of_rounds() -> Result<()> {
+    let _machine = crate::machine::share();
+    let scratch = Scratch::new("api-hop");
+    let dir = scratch.0.clone();
+    let data = dir.join("mesh");
+    let steps = dir.join("steps.jsonl");
+    let port = free_port()?;
+    // The API's node leads; the hop group is k = 2 plus one checked row of the other nodes.
+    let args = ["--no-learning", "--pass", "hop", "--max-batch", "2"];
+    let mut up = Up::start_with(&dir, &data, port, &steps, "uphop", &args)?;
+    let ready = up.ready(Duration::from_secs(300))?;
+    let model = field(&ready, "model ")?.to_string();
+    let bootstrap = field(&ready, "bootstrap ")?.to_string();
+    let prompts = ["The history of the printing press", "Once upon a time"];
+    // What a leader of its own (rounds, no row) makes of the same shards.
+    let rounds = |prompt: &str| -> Result<String> {
+        let out = Command::new(bin())
+            .args(["generate", "--bootstrap", &bootstrap, "--max-tokens", "24"])
+            .args(["--prompt", prompt, "--model"])
+            .arg(tiny_model())
+            .output()?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        ensure!(
+            out.status.success(),
+            "generate: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(text.strip_suffix('\n').unwrap_or(&text).to_string())
+    };
+    let want: Vec<String> = prompts.iter().map(|p| rounds(p)).collect::<Result<_>>()?;
+    let ask = move |prompt: &str| -> Result<String> {
+        let body = format!(
+            r#"{{"model": "{model}", "prompt": "{prompt}", "max_tokens": 24, "temperature": 0}}"#
+        );
+        let answer: serde_json::Value =
+            serde_json::from_str(&post(port, "/v1/completions", &body)?)?;
+        answer["choices"][0]["text"]
+            .as_str()
+            .map(str::to_string)
+            .context("no text in the answer")
+    };
+    // Two at once share passes: the members keep each sequence's keys and values apart.
+    let both: Vec<_> = prompts
+        .iter()
+        .map(|&p| {
+            let ask = ask.clone();
+            std::thread::spawn(move || ask(p))
+        })
+        .collect();
+    for (t, want) in both.into_iter().zip(&want) {
+        let got = t
+            .join()
+            .map_err(|_| anyhow::anyhow!("a request thread panicked"))??;
+        ensure!(
+            &got == want,
+            "{got:?} against rounds' {want:?}\n{}",
+            up.log()
+        );
+    }
+    let hops = metric(port, "codedmesh_hop_steps_total")?;
+    let steps_run = metric(port, "codedmesh_forward_steps_total")?;
+    let failed = metric(port, "codedmesh_forward_step_failures_total")?;
+    up.stop("INT")?;
+    ensure!(
+        failed == 0.0 && hops == steps_run && hops > 0.0,
+        "{hops} of {steps_run} steps went one hop per stage, {failed} failed:\n{}",
+        std::fs::read_to_string(data.join("node0.log")).unwrap_or_default()
+    );
+    Ok(())
+}

@@ -396,7 +396,10 @@ impl<L: HopLink> HopMember<L> {
         if ids.len() != feed.seqs.len() || ids.is_empty() {
             return Err(HopError::BadBatch);
         }
-        let new = ids.iter().filter(|id| !self.caches.contains_key(id)).count();
+        let new = ids
+            .iter()
+            .filter(|id| !self.caches.contains_key(id))
+            .count();
         if self.caches.len() + new > MAX_SEQUENCES {
             return Err(HopError::TooManySequences);
         }
@@ -410,7 +413,8 @@ impl<L: HopLink> HopMember<L> {
             let start = s.start as usize;
             if start > cache.len() {
                 let held = cache.len();
-                self.caches.extend(feed.seqs.iter().map(|s| s.seq).zip(caches));
+                self.caches
+                    .extend(feed.seqs.iter().map(|s| s.seq).zip(caches));
                 self.caches.insert(s.seq, cache);
                 return Err(HopError::Gap { start, held });
             }

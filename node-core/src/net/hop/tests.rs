@@ -256,8 +256,7 @@ fn a_hop_group_generates_the_tokens_a_leader_does() {
     let weights = ModelWeights::synthetic(config(), 5).unwrap();
     for draft in [0, 4] {
         let want = round_generate(&weights, draft);
-        let (tokens, seen, stats) =
-            hop_generate(&weights, &[0, 1, 2, 3], Faults::default(), draft);
+        let (tokens, seen, stats) = hop_generate(&weights, &[0, 1, 2, 3], Faults::default(), draft);
         assert_eq!(tokens, want, "drafts of {draft}");
         assert!(
             seen.iter().all(|(c, d)| c.is_empty() && d.is_empty()),
@@ -359,8 +358,7 @@ fn a_batch_of_sequences_through_a_hop_group_decodes_each_as_alone() {
         .iter()
         .enumerate()
         .map(|(i, p)| {
-            let mut forward =
-                |seqs: &[HopSeq<'_>]| block_on(leader.forward_batch(seqs)).unwrap();
+            let mut forward = |seqs: &[HopSeq<'_>]| block_on(leader.forward_batch(seqs)).unwrap();
             batch_decode(&mut forward, 20 + i as u64, &[p], 6, vocab).remove(0)
         })
         .collect();

@@ -16,6 +16,8 @@ pub(super) struct Lead {
     /// The serving tasks this group's rounds wait for (the trainer's: it computes only
     /// while they have nothing to serve).
     pub(super) yield_to: Option<Arc<Shared>>,
+    /// The group's passes one hop per stage, when they go so.
+    pub(super) hop: HopSide,
 }
 
 impl Lead {
@@ -27,6 +29,7 @@ impl Lead {
             formed_failed: None,
             trace,
             yield_to: None,
+            hop: HopSide::default(),
         }
     }
 
@@ -115,6 +118,8 @@ impl Lead {
     /// Lets the group go (it is formed again when next needed).
     pub(super) fn drop_group(&mut self) {
         self.formed = None;
+        self.hop.drop_group();
+        self.hop.forget_measures();
         if let Some((slot, shared)) = &self.slot {
             shared.set_busy(*slot, Vec::new());
         }
@@ -135,10 +140,8 @@ impl Lead {
         };
         let s = f.group.stats().clone();
         f.group.reset_stats();
-        let m = &self.ctx.metrics;
-        m.rounds_checked.inc_by(s.verified_rounds);
-        m.rounds_projected.inc_by(s.projected_rounds);
-        m.members_replaced.inc_by(s.members_dropped);
+        let computed = f.group.transport().stats().compute;
+        self.hop.measured(s.rounds, s.member_time, computed);
         if s.members_dropped > 0 {
             // Replacements came from free rows: the other serving groups must now avoid them
             // (and may use the holders this one let go).
@@ -153,6 +156,22 @@ impl Lead {
                 shared.set_busy(*slot, f.members.clone());
             }
         }
+        let (rows, holders) = (f.rows.clone(), f.holders.clone());
+        self.count_rounds(s, &rows, &holders).await;
+    }
+
+    /// Counts a group's rounds (checked, projected, members replaced) and reports the members
+    /// they caught to the node and to every holder.
+    pub(super) async fn count_rounds(
+        &mut self,
+        s: node_core::coded::ExecStats,
+        rows: &std::collections::BTreeMap<usize, PeerId>,
+        holders: &[PeerId],
+    ) {
+        let m = &self.ctx.metrics;
+        m.rounds_checked.inc_by(s.verified_rounds);
+        m.rounds_projected.inc_by(s.projected_rounds);
+        m.members_replaced.inc_by(s.members_dropped);
         if s.verified_rounds > 0 {
             m.decode_residual_ratio
                 .observe(s.max_pass_ratio.max(s.max_projected_ratio));
@@ -162,13 +181,13 @@ impl Lead {
         }
         m.members_caught.inc_by(s.caught.len() as u64);
         for c in &s.caught {
-            if let Some(&peer) = f.rows.get(&c.node) {
+            if let Some(&peer) = rows.get(&c.node) {
                 tracing::warn!(%peer, "caught: {c}");
                 self.ctx.local.caught(peer, c.to_string()).await;
             }
         }
         let link = crate::hold::link::NativeLink::quiet(self.ctx.client.clone());
-        let (rows, holders) = (f.rows.clone(), f.holders.clone());
+        let (rows, holders) = (rows.clone(), holders.to_vec());
         self.ctx.runtime.spawn(async move {
             node_core::lead::report_caught(&link, &s.caught, &rows, &holders).await;
         });
@@ -182,6 +201,9 @@ impl Lead {
         };
         match moved.map(|(v, n)| (v, Llama::new(self.ctx.manifest.cfg.clone(), n.clone()))) {
             Some((version, Ok(llama))) => {
+                // The members' keys and values were made at the old version: a hop group forms
+                // again at the new one.
+                self.hop.drop_group();
                 f.group.transport_mut().set_version(*version);
                 f.group.weights_moved();
                 f.version = *version;

@@ -40,12 +40,15 @@ use crate::lead::steplog::StepLog;
 use crate::net::swarm::Client;
 use crate::serve::metrics::Metrics;
 
+mod hop;
 mod lead;
 #[cfg(test)]
 mod tests;
 mod train;
 mod worker;
 
+use hop::HopSide;
+pub use hop::{HOP_OVER, PassRoute};
 use lead::Lead;
 use train::{ToLearn, Trainer};
 use worker::{Intake, Worker};
@@ -74,6 +77,8 @@ pub struct EngineConfig {
     pub groups: usize,
     /// Most drafted tokens checked in one forward pass of a sequence (prompt lookup).
     pub draft: usize,
+    /// How the serving groups run a forward pass: rounds, one hop per stage, or chosen.
+    pub pass: PassRoute,
 }
 
 impl Default for EngineConfig {
@@ -89,6 +94,7 @@ impl Default for EngineConfig {
             trace_steps: None,
             groups: 4,
             draft: node_core::model::speculate::DEFAULT_DRAFT,
+            pass: PassRoute::Auto,
         }
     }
 }
@@ -350,7 +356,13 @@ impl Engine {
 /// One request being generated.
 struct Seq {
     job: Job,
+    /// Keys and values, when the leader's rounds run the sequence (a hop group's members
+    /// keep their own).
     cache: KvCache,
+    /// Positions the group holds of the sequence.
+    held: usize,
+    /// The hop epoch it runs at ([`HopSide::epoch`]): at another, it starts again.
+    epoch: u64,
     sampler: Sampler,
     /// Tokens to run in the next step: the prompt, then each new token and its draft.
     input: Vec<u32>,
@@ -365,6 +377,16 @@ impl Seq {
     /// Tokens generated so far.
     fn generated(&self) -> usize {
         self.text.len() - self.job.req.prompt.len()
+    }
+
+    /// Starts the sequence again at `epoch`: its whole text runs in the next pass, wherever
+    /// that pass runs (what was held lives elsewhere now).
+    fn restart(&mut self, epoch: u64) {
+        self.cache.truncate(0);
+        self.held = 0;
+        self.draft = 0;
+        self.input.clone_from(&self.text);
+        self.epoch = epoch;
     }
 }
 

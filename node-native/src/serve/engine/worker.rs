@@ -188,6 +188,8 @@ impl Worker {
                     job.span.in_scope(|| tracing::debug!("admitted"));
                     self.active.push(Seq {
                         cache: KvCache::new(&self.lead.ctx.manifest.cfg),
+                        held: 0,
+                        epoch: self.lead.hop.epoch,
                         sampler,
                         input: job.req.prompt.clone(),
                         draft: 0,
@@ -224,41 +226,40 @@ impl Worker {
 
     /// One forward step of every sequence in the batch, then a token for each.
     pub(super) async fn step(&mut self) {
-        let f = match self.lead.group().await {
-            Ok(f) => f,
-            Err(why) => {
-                self.fail_all(&EngineError::Unavailable(why));
-                return;
-            }
-        };
+        if let Err(why) = self.lead.group().await {
+            self.fail_all(&EngineError::Unavailable(why));
+            return;
+        }
         self.steps += 1;
+        let hop = self.lead.wants_hop();
+        if hop && let Err(why) = self.lead.hop_group() {
+            tracing::warn!("rounds, not hops: {why}");
+            self.lead.hop_failed();
+        }
+        let hop = hop && self.lead.hop.leader.is_some();
+        // Sequences whose keys and values were left elsewhere start again.
+        let epoch = self.lead.hop.epoch;
+        for seq in self.active.iter_mut().filter(|s| s.epoch != epoch) {
+            seq.restart(epoch);
+        }
         let rows: usize = self.active.iter().map(|s| s.input.len()).sum();
         let span = tracing::info_span!(
             "forward_step",
             step = self.steps,
             batch = self.active.len(),
-            rows
+            rows,
+            hop
         );
-        let ids: Vec<String> = self.active.iter().map(|s| s.job.id.to_string()).collect();
-        f.group
-            .transport_mut()
-            .set_context(format!("step {} req {}", self.steps, ids.join(",")));
-        let mut items: Vec<BatchItem<'_>> = self
-            .active
-            .iter_mut()
-            .map(|s| BatchItem {
-                logits: 1 + s.draft,
-                ..BatchItem::new(&s.input, &mut s.cache)
-            })
-            .collect();
-        let result = f
-            .llama
-            .forward_batch(&mut f.group, &mut items)
-            .instrument(span)
-            .await;
-        drop(items);
-        let moved = result.is_err() && f.group.transport().met_another_version();
-        self.lead.after_rounds().await;
+        let (result, moved) = if hop {
+            let result = self.hop_step().instrument(span).await;
+            if result.is_ok() {
+                self.lead.ctx.metrics.hop_steps.inc();
+            }
+            self.lead.after_hop().await;
+            (result, false)
+        } else {
+            self.rounds_step().instrument(span).await
+        };
         self.lead.ctx.metrics.forward_steps.inc();
         match result {
             Ok(logits) => {
@@ -280,9 +281,12 @@ impl Worker {
                         "members are at another version (the mesh moved on): forming the group again"
                     );
                 } else {
-                    tracing::warn!(attempt = self.failures, "a forward step failed: {e}");
+                    tracing::warn!(attempt = self.failures, hop, "a forward step failed: {e}");
                 }
                 // Form the group again (a member died, or the mesh moved to another version).
+                if hop {
+                    self.lead.hop_failed();
+                }
                 self.lead.drop_group();
                 if self.failures >= MAX_STEP_FAILURES {
                     self.failures = 0;
@@ -294,6 +298,58 @@ impl Worker {
         self.update_rate();
     }
 
+    /// The batch's pass through the leader's rounds; whether a failure met members at another
+    /// version.
+    async fn rounds_step(&mut self) -> (Result<Vec<Vec<f32>>, node_core::model::ModelError>, bool) {
+        let Some(f) = self.lead.formed.as_mut() else {
+            return (
+                Err(node_core::model::ModelError::Config("no group".into())),
+                false,
+            );
+        };
+        let ids: Vec<String> = self.active.iter().map(|s| s.job.id.to_string()).collect();
+        f.group
+            .transport_mut()
+            .set_context(format!("step {} req {}", self.steps, ids.join(",")));
+        let mut items: Vec<BatchItem<'_>> = self
+            .active
+            .iter_mut()
+            .map(|s| BatchItem {
+                logits: 1 + s.draft,
+                ..BatchItem::new(&s.input, &mut s.cache)
+            })
+            .collect();
+        let result = f.llama.forward_batch(&mut f.group, &mut items).await;
+        drop(items);
+        let moved = result.is_err() && f.group.transport().met_another_version();
+        if result.is_ok() {
+            for s in &mut self.active {
+                s.held = s.cache.len();
+            }
+        }
+        self.lead.after_rounds().await;
+        (result, moved)
+    }
+
+    /// The batch's pass one hop per stage: the members hold the sequences.
+    async fn hop_step(&mut self) -> Result<Vec<Vec<f32>>, node_core::model::ModelError> {
+        let Some(leader) = self.lead.hop.leader.as_mut() else {
+            return Err(node_core::model::ModelError::Config("no hop group".into()));
+        };
+        let batch: Vec<(u64, usize, &[u32], usize)> = self
+            .active
+            .iter()
+            .map(|s| (s.job.id, s.held, s.input.as_slice(), 1 + s.draft))
+            .collect();
+        let result = hop::hop_pass(leader, &batch).await;
+        if result.is_ok() {
+            for s in &mut self.active {
+                s.held += s.input.len();
+            }
+        }
+        result
+    }
+
     /// Takes a sequence's next tokens (its draft's agreeing prefix, then one the model
     /// picked) and drafts the next; `Some` when the sequence is done.
     pub(super) fn advance(&mut self, seq: &mut Seq, logits: &[f32]) -> Option<StopReason> {
@@ -302,7 +358,8 @@ impl Worker {
         let emitted = speculate::accept(&mut seq.sampler, logits, cfg.vocab, drafted);
         // Forget the drafted positions the model did not keep.
         let rejected = seq.draft - (emitted.len() - 1);
-        seq.cache.truncate(seq.cache.len() - rejected);
+        seq.held -= rejected;
+        seq.cache.truncate(seq.held);
         let m = &self.lead.ctx.metrics;
         m.draft_tokens.inc_by(seq.draft as u64);
         m.draft_accepted.inc_by((emitted.len() - 1) as u64);
@@ -325,11 +382,11 @@ impl Worker {
                 return Some(StopReason::Length);
             }
         }
-        if seq.cache.len() >= cfg.max_seq {
+        if seq.held >= cfg.max_seq {
             return Some(StopReason::Context);
         }
         let last = *seq.text.last()?;
-        let room = (cfg.max_seq - seq.cache.len() - 1)
+        let room = (cfg.max_seq - seq.held - 1)
             .min(seq.job.req.max_tokens - seq.generated() - 1)
             .min(self.lead.ctx.cfg.draft);
         let draft = speculate::draft(&seq.text, room);
@@ -340,6 +397,9 @@ impl Worker {
 
     /// Ends a sequence: tells its submitter, counts it, and hands it to the trainer.
     pub(super) async fn finish(&mut self, seq: Seq, stop: StopReason) {
+        if let Some(hop) = self.lead.hop.leader.as_mut() {
+            hop.forget(seq.job.id);
+        }
         let latency = seq.job.arrived.elapsed();
         let m = &self.lead.ctx.metrics;
         m.requests.inc();
