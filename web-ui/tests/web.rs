@@ -230,13 +230,14 @@ async fn the_prompt_box_waits_for_a_connection_and_reports_a_completion() {
         rounds: 250,
         checked_rounds: 250,
         unchecked_rounds: 0,
+        sessions: (4, 1000),
         caught: vec![],
         loss: None,
         update: None,
     };
     assert_eq!(
         completion_text(&done),
-        "8 tokens (Length): prefill 12.0 tok/s, decode 3.5 tok/s; group [0, 1, 3, 4] of 4 live rows; 250 rounds, 250 checked, 0 unchecked, nobody caught"
+        "8 tokens (Length): prefill 12.0 tok/s, decode 3.5 tok/s; group [0, 1, 3, 4] of 4 live rows; 250 rounds on 4 session streams (1000 asks), 250 checked, 0 unchecked, nobody caught"
     );
     done.loss = Some(2.5);
     done.update = Some("00000000000000ab: 100 bytes, taken by 4 of 4 holders".into());

@@ -33,6 +33,66 @@ pub fn protocol() -> libp2p::StreamProtocol {
 /// this byte was dropped unread, and its opener opens it again.
 pub const ACCEPTED: u8 = 0xac;
 
+/// Times a stream is opened before its receiver is taken to refuse it.
+const OPEN_TRIES: u32 = 4;
+
+/// The pause before the second try; it doubles for each one after.
+const FIRST_PAUSE: std::time::Duration = std::time::Duration::from_millis(5);
+
+/// How long an opener waits for the receiver to take its stream: a receiver that holds it
+/// longer is taken to refuse it (so a stuck node holds no opener's task).
+const ACCEPT_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Opens a `protocol` stream to `peer` once its receiver has taken it off its queue (it writes
+/// [`ACCEPTED`] first), waiting with `sleep` (the shell's timer). libp2p-stream keeps one
+/// waiting stream per protocol and drops the rest, so a burst of streams on a busy machine
+/// loses some: a stream that ends before that byte is opened again after a pause, up to
+/// [`OPEN_TRIES`] times.
+pub async fn open_accepted<W: Future<Output = ()>>(
+    control: &mut libp2p_stream::Control,
+    peer: libp2p::PeerId,
+    protocol: libp2p::StreamProtocol,
+    sleep: impl Fn(std::time::Duration) -> W,
+) -> Result<libp2p::Stream, libp2p_stream::OpenStreamError> {
+    use futures::{AsyncReadExt, FutureExt};
+    use libp2p_stream::OpenStreamError;
+    use std::io::ErrorKind;
+    let mut pause = FIRST_PAUSE;
+    let mut tried = 0;
+    let io = |kind, why: &str| std::io::Error::new(kind, format!("{protocol}: {why}"));
+    loop {
+        tried += 1;
+        let mut stream = control.open_stream(peer, protocol.clone()).await?;
+        let mut first = [0u8; 1];
+        let read = futures::select_biased! {
+            read = stream.read(&mut first).fuse() => Some(read),
+            () = sleep(ACCEPT_WAIT).fuse() => None,
+        };
+        let why = match read {
+            Some(Ok(1)) if first[0] == ACCEPTED => return Ok(stream),
+            Some(Ok(1)) => {
+                let why = "the receiver did not begin with the accepted byte";
+                return Err(OpenStreamError::Io(io(ErrorKind::InvalidData, why)));
+            }
+            None => {
+                let why = format!("the receiver did not take the stream within {ACCEPT_WAIT:?}");
+                return Err(OpenStreamError::Io(io(ErrorKind::TimedOut, &why)));
+            }
+            Some(Ok(_)) => io(
+                ErrorKind::UnexpectedEof,
+                "the receiver dropped the stream unread",
+            ),
+            Some(Err(e)) => e,
+        };
+        if tried >= OPEN_TRIES {
+            return Err(OpenStreamError::Io(why));
+        }
+        tracing::debug!(%peer, "opening the stream again: {why}");
+        sleep(pause).await;
+        pause *= 2;
+    }
+}
+
 /// Tells the stream's opener that this node took the stream ([`ACCEPTED`]).
 pub async fn accepted<W: AsyncWrite + Unpin>(writer: &mut W) -> std::io::Result<()> {
     writer.write_all(&[ACCEPTED]).await?;

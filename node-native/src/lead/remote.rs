@@ -536,6 +536,16 @@ impl NetTransport {
         }
     }
 
+    /// The members whose sessions run over libp2p, not a local socket.
+    pub fn over_libp2p(&self) -> Vec<PeerId> {
+        let asks = &self.rounds.asks;
+        asks.links
+            .iter()
+            .filter(|(_, l)| l.over_libp2p())
+            .filter_map(|(row, _)| asks.peers.get(row).copied())
+            .collect()
+    }
+
     /// The peer holding a row, as this transport knows it.
     pub fn peer_of(&self, row: usize) -> Option<PeerId> {
         self.rounds.asks.peers.get(&row).copied()

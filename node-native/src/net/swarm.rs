@@ -1,11 +1,10 @@
 //! The task that owns the libp2p swarm, and the cloneable client every other part talks to it
 //! through (bounded channels; answers come back on oneshots, errors included).
 
-use std::io::ErrorKind;
 use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow};
-use futures::{AsyncReadExt, StreamExt};
+use futures::StreamExt;
 use libp2p::core::Transport as _;
 use libp2p::core::muxing::StreamMuxerBox;
 use libp2p::identity::Keypair;
@@ -368,53 +367,12 @@ pub fn with_peer(addr: &Multiaddr, peer: PeerId) -> Multiaddr {
     }
 }
 
-/// Times a stream is opened before its receiver is taken to refuse it.
-const OPEN_TRIES: u32 = 4;
-
-/// The pause before the second try; it doubles for each one after.
-const FIRST_PAUSE: Duration = Duration::from_millis(5);
-
-/// How long an opener waits for the receiver to take its stream: a receiver that holds it
-/// longer is taken to refuse it (so a stuck node holds no opener's task).
-const ACCEPT_WAIT: Duration = Duration::from_secs(10);
-
-/// Opens a `protocol` stream to `peer` once its receiver has taken it off its queue (it writes
-/// [`session::ACCEPTED`] first). libp2p-stream keeps one waiting stream per protocol and drops
-/// the rest, so a burst of streams on a busy machine loses some: a stream that ends before that
-/// byte is opened again after a pause, up to [`OPEN_TRIES`] times.
+/// Opens a `protocol` stream to `peer` once its receiver has taken it
+/// ([`node_core::net::session::open_accepted`]), waiting on tokio's timer.
 pub async fn open_accepted(
     control: &mut libp2p_stream::Control,
     peer: PeerId,
     protocol: StreamProtocol,
 ) -> Result<libp2p::Stream, OpenStreamError> {
-    let mut pause = FIRST_PAUSE;
-    let mut tried = 0;
-    let io = |kind, why: &str| std::io::Error::new(kind, format!("{protocol}: {why}"));
-    loop {
-        tried += 1;
-        let mut stream = control.open_stream(peer, protocol.clone()).await?;
-        let mut first = [0u8; 1];
-        let why = match tokio::time::timeout(ACCEPT_WAIT, stream.read(&mut first)).await {
-            Ok(Ok(1)) if first[0] == session::ACCEPTED => return Ok(stream),
-            Ok(Ok(1)) => {
-                let why = "the receiver did not begin with the accepted byte";
-                return Err(OpenStreamError::Io(io(ErrorKind::InvalidData, why)));
-            }
-            Err(_) => {
-                let why = format!("the receiver did not take the stream within {ACCEPT_WAIT:?}");
-                return Err(OpenStreamError::Io(io(ErrorKind::TimedOut, &why)));
-            }
-            Ok(Ok(_)) => io(
-                ErrorKind::UnexpectedEof,
-                "the receiver dropped the stream unread",
-            ),
-            Ok(Err(e)) => e,
-        };
-        if tried >= OPEN_TRIES {
-            return Err(OpenStreamError::Io(why));
-        }
-        tracing::debug!(%peer, "opening the stream again: {why}");
-        tokio::time::sleep(pause).await;
-        pause *= 2;
-    }
+    session::open_accepted(control, peer, protocol, tokio::time::sleep).await
 }

@@ -5,9 +5,11 @@
 use std::collections::BTreeMap;
 use std::rc::Rc;
 
+use std::collections::VecDeque;
+use std::task::{Context, Poll};
+
+use futures::FutureExt;
 use futures::future::LocalBoxFuture;
-use futures::stream::FuturesUnordered;
-use futures::{FutureExt, StreamExt};
 use libp2p::Multiaddr;
 use libp2p::PeerId;
 use node_core::code::Generator;
@@ -23,6 +25,7 @@ use node_core::model::{
     ChatMessage, GenerateOptions, KvCache, Llama, Pass, SamplingParams, Tokenizer, generate_async,
     run_pass,
 };
+use node_core::net::session::{self, Ask, Driven};
 use serde::{Deserialize, Serialize};
 use web_time::Instant;
 
@@ -87,6 +90,8 @@ pub struct Completion {
     pub checked_rounds: u64,
     /// Rounds decoded from k answers only while checking was asked for.
     pub unchecked_rounds: u64,
+    /// Session streams opened to the members, and the asks written on them.
+    pub sessions: (usize, u64),
     /// Members caught answering against the code (reported to every holder).
     pub caught: Vec<String>,
     /// Next-token loss of the request before learning from it.
@@ -232,6 +237,10 @@ impl BrowserNode {
             rounds: stats.rounds,
             checked_rounds: stats.verified_rounds,
             unchecked_rounds: stats.unverified_rounds,
+            sessions: (
+                group.transport().asks.sessions,
+                group.transport().asks.session_asks,
+            ),
             caught,
             loss,
             update,
@@ -356,12 +365,7 @@ impl LeadLink for BrowserNode {
         generator: &Generator,
         round: RoundConfig,
     ) -> WebTransport {
-        let asks = WebAsks {
-            node: self.clone(),
-            version,
-            peers: rows.clone(),
-            pending: FuturesUnordered::new(),
-        };
+        let asks = WebAsks::new(self.streams.clone(), version, rows.clone());
         Rounds::new(
             asks,
             generator.clone(),
@@ -372,26 +376,163 @@ impl LeadLink for BrowserNode {
     }
 }
 
-/// Coded steps from the page: each round goes to every member through the page's swarm; the
-/// first answers win, failed members are replaced from the free rows, stragglers outrun
+/// Coded steps from the page: each round goes to every member on its session, a long-lived
+/// stream opened when the group forms ([`node_core::net::session`]), as a native leader's do;
+/// the first answers win, failed members are replaced from the free rows, stragglers outrun
 /// ([`node_core::coded::rounds`]).
 pub type WebTransport = Rounds<WebAsks>;
 
-/// The page's requests a [`WebTransport`]'s rounds ask through.
+/// The sessions a [`WebTransport`]'s rounds ask through.
 pub struct WebAsks {
-    node: BrowserNode,
+    streams: libp2p_stream::Control,
     version: [u8; 32],
     peers: BTreeMap<usize, PeerId>,
-    /// Asks not answered yet, earlier rounds' included.
-    pending: FuturesUnordered<LocalBoxFuture<'static, MemberAnswer>>,
+    /// The session with each row asked so far.
+    links: BTreeMap<usize, WebLink>,
+    /// The round of every ask not yet answered, by its id.
+    asked: BTreeMap<u64, u64>,
+    next_id: u64,
+    /// Answers (or failures) read and not yet taken.
+    ready: VecDeque<MemberAnswer>,
+    /// Sessions opened.
+    pub sessions: usize,
+    /// Asks written on them.
+    pub session_asks: u64,
+}
+
+/// The page's end of one member's session.
+enum WebLink {
+    /// The stream is being opened; asks wait for it.
+    Opening {
+        open: LocalBoxFuture<'static, Result<libp2p::Stream, libp2p_stream::OpenStreamError>>,
+        queued: Vec<Ask>,
+    },
+    /// Open: asks are written and answers read as the rounds poll it.
+    Open(Box<Driven<libp2p::Stream>>),
+    /// The session failed: every ask is answered with why, and the member is replaced.
+    Failed(String),
 }
 
 impl std::fmt::Debug for WebAsks {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("WebAsks")
             .field("peers", &self.peers)
-            .field("pending", &self.pending.len())
+            .field("asked", &self.asked.len())
             .finish_non_exhaustive()
+    }
+}
+
+impl WebAsks {
+    /// The transport's asks to the holders of `peers` (row → peer), opening sessions through
+    /// `streams` as rows are first asked.
+    fn new(
+        streams: libp2p_stream::Control,
+        version: [u8; 32],
+        peers: BTreeMap<usize, PeerId>,
+    ) -> Self {
+        Self {
+            streams,
+            version,
+            peers,
+            links: BTreeMap::new(),
+            asked: BTreeMap::new(),
+            next_id: 0,
+            ready: VecDeque::new(),
+            sessions: 0,
+            session_asks: 0,
+        }
+    }
+
+    /// The session with a row's holder, opened now if there is none yet.
+    fn link(&mut self, row: usize) -> Option<&mut WebLink> {
+        let peer = *self.peers.get(&row)?;
+        let streams = &self.streams;
+        Some(self.links.entry(row).or_insert_with(|| {
+            let mut control = streams.clone();
+            let open = async move {
+                session::open_accepted(&mut control, peer, session::protocol(), |d| {
+                    futures_timer::Delay::new(d)
+                })
+                .await
+            };
+            WebLink::Opening {
+                open: open.boxed_local(),
+                queued: Vec::new(),
+            }
+        }))
+    }
+
+    /// Fails an ask of `row` with `why`.
+    fn fail(&mut self, id: u64, row: usize, why: &str) {
+        if let Some(round) = self.asked.remove(&id) {
+            let refusal = StepRefusal::Failed(why.to_string());
+            self.ready.push_back((round, row, Err(refusal)));
+        }
+    }
+
+    /// Drives every session: opens, writes what waits and reads what came into `ready`;
+    /// registers `cx` for what comes next.
+    fn drive(&mut self, cx: &mut Context<'_>) {
+        let now = Instant::now();
+        let rows: Vec<usize> = self.links.keys().copied().collect();
+        for row in rows {
+            let Some(link) = self.links.get_mut(&row) else {
+                continue;
+            };
+            if let WebLink::Opening { open, queued } = link {
+                match open.poll_unpin(cx) {
+                    Poll::Pending => continue,
+                    Poll::Ready(Ok(stream)) => {
+                        let mut driven = Driven::new(stream);
+                        let queued = std::mem::take(queued);
+                        let mut failed = None;
+                        for ask in &queued {
+                            if let Err(e) = driven.ask(ask, now) {
+                                failed = Some(e.to_string());
+                            }
+                        }
+                        self.sessions += 1;
+                        self.session_asks += queued.len() as u64;
+                        *link = match failed {
+                            None => WebLink::Open(Box::new(driven)),
+                            Some(why) => WebLink::Failed(why),
+                        };
+                    }
+                    Poll::Ready(Err(e)) => {
+                        let why = e.to_string();
+                        let ids: Vec<u64> = queued.iter().map(|a| a.id).collect();
+                        *link = WebLink::Failed(why.clone());
+                        for id in ids {
+                            self.fail(id, row, &why);
+                        }
+                        continue;
+                    }
+                }
+            }
+            let Some(WebLink::Open(driven)) = self.links.get_mut(&row) else {
+                continue;
+            };
+            loop {
+                match driven.poll_answer(cx, now) {
+                    Poll::Pending => break,
+                    Poll::Ready(Ok(answer)) => {
+                        if let Some(round) = self.asked.remove(&answer.id) {
+                            let step = answer.response.into_step();
+                            self.ready.push_back((round, row, step));
+                        }
+                    }
+                    Poll::Ready(Err(e)) => {
+                        let why = e.to_string();
+                        let ids: Vec<u64> = driven.unanswered().collect();
+                        self.links.insert(row, WebLink::Failed(why.clone()));
+                        for id in ids {
+                            self.fail(id, row, &why);
+                        }
+                        break;
+                    }
+                }
+            }
+        }
     }
 }
 
@@ -402,43 +543,56 @@ impl Asks for WebAsks {
 
     fn ask(&mut self, round: u64, asks: &[(usize, &[u8])]) {
         for &(row, request) in asks {
-            let node = self.node.clone();
-            let peer = self.peers.get(&row).copied();
-            let req = MeshRequest::Step {
+            let id = self.next_id;
+            self.next_id += 1;
+            self.asked.insert(id, round);
+            let ask = Ask {
+                id,
                 version: self.version,
-                bytes: request.to_vec(),
+                step: request.to_vec(),
             };
-            self.pending.push(
-                async move {
-                    let Some(peer) = peer else {
-                        let why = format!("no peer holds row {row}");
-                        return (round, row, Err(StepRefusal::Failed(why)));
-                    };
-                    let answer = match node.request(peer, req).await {
-                        Ok(response) => response.into_step(),
-                        Err(e) => Err(StepRefusal::Failed(e.to_string())),
-                    };
-                    (round, row, answer)
+            let failed = match self.link(row) {
+                None => Some(format!("no peer holds row {row}")),
+                Some(WebLink::Opening { queued, .. }) => {
+                    queued.push(ask);
+                    None
                 }
-                .boxed_local(),
-            );
+                Some(WebLink::Open(driven)) => match driven.ask(&ask, Instant::now()) {
+                    Ok(()) => {
+                        self.session_asks += 1;
+                        None
+                    }
+                    Err(e) => Some(e.to_string()),
+                },
+                Some(WebLink::Failed(why)) => Some(why.clone()),
+            };
+            if let Some(why) = failed {
+                self.fail(id, row, &why);
+            }
         }
     }
 
     async fn next(&mut self, until: Instant) -> Option<MemberAnswer> {
-        let mut timer =
-            futures_timer::Delay::new(until.saturating_duration_since(Instant::now())).fuse();
-        if self.pending.is_empty() {
-            timer.await;
-            return None;
-        }
-        futures::select_biased! {
-            answer = self.pending.select_next_some() => Some(answer),
-            _ = timer => None,
-        }
+        let mut timer = futures_timer::Delay::new(until.saturating_duration_since(Instant::now()));
+        futures::future::poll_fn(|cx| {
+            if self.ready.is_empty() {
+                self.drive(cx);
+            }
+            if let Some(answer) = self.ready.pop_front() {
+                return Poll::Ready(Some(answer));
+            }
+            match timer.poll_unpin(cx) {
+                Poll::Ready(()) => Poll::Ready(None),
+                Poll::Pending => Poll::Pending,
+            }
+        })
+        .await
     }
 
     fn try_next(&mut self) -> Option<MemberAnswer> {
-        self.pending.next().now_or_never().flatten()
+        if self.ready.is_empty() {
+            self.drive(&mut Context::from_waker(futures::task::noop_waker_ref()));
+        }
+        self.ready.pop_front()
     }
 }

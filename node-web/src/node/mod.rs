@@ -177,6 +177,8 @@ pub struct BrowserNode {
     pub(crate) key: identity::Keypair,
     /// What the page's leader keeps between requests.
     pub(crate) lead: Rc<RefCell<Lead>>,
+    /// Opens the streams a leader's sessions run on.
+    pub(crate) streams: libp2p_stream::Control,
 }
 
 impl std::fmt::Debug for BrowserNode {
@@ -236,11 +238,8 @@ impl BrowserNode {
             },
             watchers: Vec::new(),
         }));
-        let sessions = swarm
-            .behaviour()
-            .session
-            .new_control()
-            .accept(session::protocol());
+        let streams = swarm.behaviour().session.new_control();
+        let sessions = streams.clone().accept(session::protocol());
         let (tx, rx) = mpsc::channel(64);
         let node = Self {
             commands: tx,
@@ -248,6 +247,7 @@ impl BrowserNode {
             bootstrap,
             key,
             lead: Rc::default(),
+            streams,
         };
         let task = Task {
             swarm,

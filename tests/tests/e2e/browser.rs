@@ -359,6 +359,17 @@ async fn drive(c: &Client, mesh: &mut Mesh) -> Result<String> {
         stats.contains(" tokens (") && stats.contains("nobody caught"),
         "the page's request ran, nobody caught: {stats}"
     );
+    // Its rounds went out on session streams to the members, as a native leader's do.
+    let sessions: usize = stats
+        .split(" session streams")
+        .next()
+        .and_then(|s| s.rsplit(' ').next())
+        .and_then(|n| n.parse().ok())
+        .with_context(|| format!("no session streams in {stats:?}"))?;
+    ensure!(
+        sessions >= 3,
+        "the page asked at least its k = 3 decoding rows on session streams: {stats}"
+    );
     ensure!(
         completion.trim() == out.trim(),
         "the page's greedy completion {completion:?} is the native leader's {out:?}"

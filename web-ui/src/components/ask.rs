@@ -18,7 +18,7 @@ pub fn completion_text(c: &Completion) -> String {
         _ => String::new(),
     };
     format!(
-        "{} tokens ({}): prefill {:.1} tok/s, decode {:.1} tok/s; group {:?} of {} live rows; {} rounds, {} checked, {} unchecked, {caught}{learned}",
+        "{} tokens ({}): prefill {:.1} tok/s, decode {:.1} tok/s; group {:?} of {} live rows; {} rounds on {} session streams ({} asks), {} checked, {} unchecked, {caught}{learned}",
         c.tokens,
         c.stop,
         c.prefill_tokens_per_s,
@@ -26,6 +26,8 @@ pub fn completion_text(c: &Completion) -> String {
         c.group,
         c.live_rows,
         c.rounds,
+        c.sessions.0,
+        c.sessions.1,
         c.checked_rounds,
         c.unchecked_rounds,
     )

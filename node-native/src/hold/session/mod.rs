@@ -103,12 +103,12 @@ pub struct Link {
 enum LinkState {
     /// The stream is being opened; asks wait for it.
     Opening {
-        open: tokio::task::JoinHandle<Result<Box<dyn SessionStream>, OpenStreamError>>,
+        open: tokio::task::JoinHandle<Result<Opened, OpenStreamError>>,
         queued: Vec<(Ask, Instant)>,
     },
     /// Open (in a mutex only to be `Sync`: it is reached only through `&mut`, which takes no
-    /// lock).
-    Open(Box<Mutex<Driven<Box<dyn SessionStream>>>>),
+    /// lock), and whether over a local socket.
+    Open(Box<Mutex<Driven<Box<dyn SessionStream>>>>, bool),
     /// The session failed: every ask is answered with why, and the member is replaced.
     Failed(String),
 }
@@ -123,13 +123,13 @@ impl Link {
                 match crate::hold::session::local::open(&mut control, peer).await {
                     Ok(socket) => {
                         tracing::debug!(%peer, "session over the local socket");
-                        return Ok(Box::new(socket) as Box<dyn SessionStream>);
+                        return Ok((Box::new(socket) as Box<dyn SessionStream>, true));
                     }
                     Err(e) => tracing::debug!(%peer, "session over libp2p: no local socket ({e})"),
                 }
             }
             let stream = open_accepted(&mut control, peer, protocol()).await?;
-            Ok(Box::new(stream) as Box<dyn SessionStream>)
+            Ok((Box::new(stream) as Box<dyn SessionStream>, false))
         });
         Self {
             peer,
@@ -148,11 +148,17 @@ impl Link {
                 queued.push((ask, not_before));
                 Ok(())
             }
-            LinkState::Open(session) => driven(session)
+            LinkState::Open(session, _) => driven(session)
                 .ask(&ask, not_before)
                 .map_err(|e| e.to_string()),
             LinkState::Failed(why) => Err(why.clone()),
         }
+    }
+
+    /// Whether the session is open over libp2p, not a local socket (the member is not known
+    /// to be on this machine).
+    pub fn over_libp2p(&self) -> bool {
+        matches!(self.state, LinkState::Open(_, false))
     }
 
     /// When the first ask held back (a bench's modelled delay) may go out, if one is.
@@ -163,7 +169,7 @@ impl Link {
                 .map(|(_, at)| *at)
                 .filter(|at| *at > now)
                 .min(),
-            LinkState::Open(session) => driven(session).held_until(now),
+            LinkState::Open(session, _) => driven(session).held_until(now),
             LinkState::Failed(_) => None,
         }
     }
@@ -191,14 +197,14 @@ impl Link {
             };
             let queued = std::mem::take(queued);
             match opened {
-                Ok(stream) => {
+                Ok((stream, local)) => {
                     let mut session = Driven::new(stream);
                     for (ask, at) in queued {
                         if let Err(e) = session.ask(&ask, at) {
                             answer(ask.id, Err(e.to_string().into()));
                         }
                     }
-                    self.state = LinkState::Open(Box::new(Mutex::new(session)));
+                    self.state = LinkState::Open(Box::new(Mutex::new(session)), local);
                 }
                 Err(why) => {
                     tracing::debug!(peer = %self.peer, "session failed: {why}");
@@ -210,7 +216,7 @@ impl Link {
                 }
             }
         }
-        let LinkState::Open(session) = &mut self.state else {
+        let LinkState::Open(session, _) = &mut self.state else {
             return;
         };
         let session = driven(session);
@@ -231,6 +237,9 @@ impl Link {
         }
     }
 }
+
+/// A session's stream, and whether it is a local socket.
+type Opened = (Box<dyn SessionStream>, bool);
 
 /// A stream a session runs on: libp2p's, or a local socket.
 pub trait SessionStream: AsyncRead + AsyncWrite + Unpin + Send + std::fmt::Debug {}

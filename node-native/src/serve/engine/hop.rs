@@ -11,8 +11,9 @@ use crate::lead::hop::NetFeedLink;
 /// How a leader runs a forward pass.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum PassRoute {
-    /// One hop per stage where a member is remote or the rounds wait on the network more
-    /// than [`HOP_OVER`] a round; the leader's rounds otherwise.
+    /// One hop per stage where a member is on another machine (its session runs over libp2p
+    /// and it was reached at no loopback address) or the rounds wait on the network more than
+    /// [`HOP_OVER`] a round; the leader's rounds otherwise.
     #[default]
     Auto,
     /// The leader decodes every stage (two one-way delays a round).
@@ -110,11 +111,13 @@ impl Lead {
                 if self.hop.failed.is_some_and(|at| at.elapsed() < HOP_RETRY) {
                     return false;
                 }
-                let me = self.ctx.client.peer_id();
+                // Off this machine: its session is not on a local socket, and it was reached at
+                // no address of this machine.
                 let far = f
-                    .members
+                    .group
+                    .transport()
+                    .over_libp2p()
                     .iter()
-                    .filter(|&&p| p != me)
                     .any(|p| f.addrs.get(p).is_some_and(|a| remote(a)));
                 far || self.hop.network_per_round().is_some_and(|n| n > HOP_OVER)
             }
