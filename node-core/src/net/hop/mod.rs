@@ -403,24 +403,28 @@ impl<L: HopLink> HopMember<L> {
         if self.caches.len() + new > MAX_SEQUENCES {
             return Err(HopError::TooManySequences);
         }
-        // Each sequence's cache comes out of the map for the pass and goes back after it.
-        let mut caches = Vec::with_capacity(feed.seqs.len());
         for s in &feed.seqs {
-            let mut cache = self
-                .caches
-                .remove(&s.seq)
-                .unwrap_or_else(|| KvCache::new(&self.cfg));
-            let start = s.start as usize;
-            if start > cache.len() {
-                let held = cache.len();
-                self.caches
-                    .extend(feed.seqs.iter().map(|s| s.seq).zip(caches));
-                self.caches.insert(s.seq, cache);
+            let (start, held) = (
+                s.start as usize,
+                self.caches.get(&s.seq).map_or(0, KvCache::len),
+            );
+            if start > held {
                 return Err(HopError::Gap { start, held });
             }
-            cache.truncate(start);
-            caches.push(cache);
         }
+        // Each sequence's cache comes out of the map for the pass and goes back after it.
+        let mut caches: Vec<KvCache> = feed
+            .seqs
+            .iter()
+            .map(|s| {
+                let mut cache = self
+                    .caches
+                    .remove(&s.seq)
+                    .unwrap_or_else(|| KvCache::new(&self.cfg));
+                cache.truncate(s.start as usize);
+                cache
+            })
+            .collect();
         self.group.transport_mut().start_pass(feed.pass, &feed.rows);
         let mut items: Vec<BatchItem<'_>> = feed
             .seqs

@@ -2,8 +2,7 @@
 //! group's members are remote, or where its rounds measure slow on the network; the batch's
 //! sequences then live on the members, and start again there whenever the hop group changes.
 
-use node_core::model::Pass;
-use node_core::net::hop::{HopLeader, HopSeq};
+use node_core::net::hop::HopLeader;
 
 use super::*;
 use crate::lead::hop::NetFeedLink;
@@ -201,25 +200,6 @@ impl Lead {
         };
         self.count_rounds(s, &rows.0, &rows.1).await;
     }
-}
-
-/// One pass of a batch through the hop group: each sequence's logits.
-pub(super) async fn hop_pass(
-    leader: &mut HopLeader<NetFeedLink>,
-    batch: &[(u64, usize, &[u32], usize)],
-) -> Result<Vec<Vec<f32>>, node_core::model::ModelError> {
-    let seqs: Vec<HopSeq<'_>> = batch
-        .iter()
-        .map(|&(seq, start, tokens, logits)| HopSeq {
-            seq,
-            pass: Pass {
-                start,
-                tokens,
-                logits,
-            },
-        })
-        .collect();
-    leader.forward_batch(&seqs).await
 }
 
 #[cfg(test)]

@@ -336,12 +336,19 @@ impl Worker {
         let Some(leader) = self.lead.hop.leader.as_mut() else {
             return Err(node_core::model::ModelError::Config("no hop group".into()));
         };
-        let batch: Vec<(u64, usize, &[u32], usize)> = self
+        let batch: Vec<node_core::net::hop::HopSeq<'_>> = self
             .active
             .iter()
-            .map(|s| (s.job.id, s.held, s.input.as_slice(), 1 + s.draft))
+            .map(|s| node_core::net::hop::HopSeq {
+                seq: s.job.id,
+                pass: node_core::model::Pass {
+                    start: s.held,
+                    tokens: &s.input,
+                    logits: 1 + s.draft,
+                },
+            })
             .collect();
-        let result = hop::hop_pass(leader, &batch).await;
+        let result = leader.forward_batch(&batch).await;
         if result.is_ok() {
             for s in &mut self.active {
                 s.held += s.input.len();
