@@ -397,8 +397,11 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             draft: Some(0),
             ..args.clone()
         };
-        let done =
-            generate_and_print(&mut forward, max_ctx, &model.tokenizer, &one_by_one, &mut 0)?;
+        let ctx = node_core::model::LlamaConfig {
+            max_seq: max_ctx,
+            ..cfg.clone()
+        };
+        let done = generate_and_print(&mut forward, &ctx, &model.tokenizer, &one_by_one, &mut 0)?;
         print_speed(&done.0, " (one token at a time)");
         done
     } else {
@@ -406,7 +409,7 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         let mut forward = |pass: Pass<'_>| {
             futures::executor::block_on(run_pass(&llama, &mut group, &mut cache, pass))
         };
-        let done = generate_and_print(&mut forward, cfg.max_seq, &model.tokenizer, &args, &mut 0)?;
+        let done = generate_and_print(&mut forward, &cfg, &model.tokenizer, &args, &mut 0)?;
         print_coded_stats(&args, &done.0, group.stats(), None);
         done
     };
@@ -485,12 +488,11 @@ fn generate_options(tokenizer: &Tokenizer, args: &GenerateArgs) -> GenerateOptio
     }
 }
 
-/// Generates through `group`, printing the completion to stdout as it comes.
 /// Streams a completion through `forward` (the model's forward pass after every token given
-/// before, at most `max_seq` positions).
+/// before, on a model of `cfg`), printing it to stdout as it comes.
 fn generate_and_print(
     forward: &mut node_core::model::Forward<'_>,
-    max_seq: usize,
+    cfg: &node_core::model::LlamaConfig,
     tokenizer: &Tokenizer,
     args: &GenerateArgs,
     emitted: &mut usize,
@@ -499,7 +501,7 @@ fn generate_and_print(
     let opts = generate_options(tokenizer, args);
     let mut text = tokenizer.stream();
     let mut stdout = std::io::stdout();
-    let out = generate_with(forward, max_seq, &prompt, &opts, &mut |id| {
+    let out = generate_with(forward, cfg, &prompt, &opts, &mut |id| {
         *emitted += 1;
         if let Some(new) = text.push(id) {
             let _ = write!(stdout, "{new}");
@@ -677,13 +679,12 @@ fn run_once_on_mesh(
         );
         (args.k, args.n) = (g.k(), g.n());
         let mut emitted = 0;
-        let max_seq = leader.manifest.cfg.max_seq;
+        let cfg = leader.manifest.cfg.clone();
         let generated = if args.hop {
             let mut hop = node_native::lead::hop::lead_group(&leader, rt.handle(), args.check)?;
             eprintln!("one hop per stage, members {:?}", hop.rows());
             let mut forward = |pass: Pass<'_>| node_native::lead::hop::forward(rt, &mut hop, pass);
-            let out =
-                generate_and_print(&mut forward, max_seq, &leader.tokenizer, args, &mut emitted);
+            let out = generate_and_print(&mut forward, &cfg, &leader.tokenizer, args, &mut emitted);
             let s = hop.stats();
             eprintln!(
                 "one hop per stage: the members check every round among themselves; this leader checked {} LM head rounds ({} unchecked), members at the end {:?}",
@@ -700,7 +701,7 @@ fn run_once_on_mesh(
             let (llama, group) = (&leader.llama, &mut leader.group);
             let mut forward =
                 |pass: Pass<'_>| rt.block_on(run_pass(llama, &mut *group, &mut cache, pass));
-            generate_and_print(&mut forward, max_seq, &leader.tokenizer, args, &mut emitted)
+            generate_and_print(&mut forward, &cfg, &leader.tokenizer, args, &mut emitted)
         };
         match generated {
             Ok((out, prompt)) => break (leader, out, prompt),

@@ -4,8 +4,10 @@
 use futures::FutureExt;
 use web_time::{Duration, Instant};
 
-use super::speculate::{self, SpecStats};
-use super::{BatchItem, KvCache, LinearExec, Llama, ModelError, Sampler, SamplingParams};
+use super::speculate::SpecStats;
+use super::{
+    BatchItem, KvCache, LinearExec, Llama, LlamaConfig, ModelError, SamplingParams, Sequence,
+};
 
 /// What to generate.
 #[derive(Debug, Clone, PartialEq)]
@@ -105,7 +107,7 @@ pub fn generate<E: LinearExec>(
     let mut cache = KvCache::new(llama.config());
     let mut forward =
         |pass: Pass<'_>| futures::executor::block_on(run_pass(llama, exec, &mut cache, pass));
-    generate_with(&mut forward, llama.config().max_seq, prompt, opts, on_token)
+    generate_with(&mut forward, llama.config(), prompt, opts, on_token)
 }
 
 /// One forward pass of the generation loop: `tokens` run at positions `start..` (whatever the
@@ -141,10 +143,10 @@ pub async fn run_pass<E: LinearExec>(
         .ok_or_else(|| ModelError::Config("no logits".into()))
 }
 
-/// The generation loop over any forward pass ([`Pass`]); at most `max_seq` positions.
+/// The generation loop over any forward pass ([`Pass`]) of a model of `cfg`.
 pub fn generate_with(
     forward: &mut Forward<'_>,
-    max_seq: usize,
+    cfg: &LlamaConfig,
     prompt: &[u32],
     opts: &GenerateOptions,
     on_token: &mut dyn FnMut(u32) -> bool,
@@ -152,7 +154,7 @@ pub fn generate_with(
     // The loop awaits nothing but these synchronous passes, so its future is done at its
     // first poll: no executor runs it (the pass itself may run one).
     let ready = async |pass: Pass<'_>| forward(pass);
-    generate_async(ready, max_seq, prompt, opts, on_token)
+    generate_async(ready, cfg, prompt, opts, on_token)
         .now_or_never()
         .unwrap_or_else(|| {
             Err(ModelError::Config(
@@ -161,87 +163,35 @@ pub fn generate_with(
         })
 }
 
-/// [`generate_with`] over a forward pass that may wait (a browser leader's).
+/// [`generate_with`] over a forward pass that may wait (a browser leader's): one
+/// [`Sequence`]'s passes, one after another.
 pub async fn generate_async(
     mut forward: impl AsyncFnMut(Pass<'_>) -> Result<Vec<f32>, ModelError>,
-    max_seq: usize,
+    cfg: &LlamaConfig,
     prompt: &[u32],
     opts: &GenerateOptions,
     on_token: &mut dyn FnMut(u32) -> bool,
 ) -> Result<Generation, ModelError> {
-    let mut sampler = Sampler::new(opts.sampling)?;
+    let mut seq = Sequence::new(prompt.to_vec(), opts.clone(), cfg)?;
     let started = Instant::now();
-    let first = forward(Pass {
-        start: 0,
-        tokens: prompt,
-        logits: 1,
-    })
-    .await?;
-    let vocab = first.len();
-    // The prompt, then the tokens emitted (split off into `out.tokens` at the end).
-    let mut context = prompt.to_vec();
-    let emitted = |context: &Vec<u32>| context.len() - prompt.len();
-    // Positions the model holds: the prompt, then every emitted token but the last.
-    let mut positions = prompt.len();
-    let mut emit = vec![sampler.sample(&first)];
-    let mut out = Generation {
-        prompt_tokens: prompt.len(),
-        tokens: Vec::new(),
-        stop: StopReason::Length,
-        forward_passes: 1,
-        prefill_time: started.elapsed(),
-        decode_time: Duration::ZERO,
-        speculation: SpecStats::default(),
+    let mut prefill_time = None;
+    let stop = loop {
+        let logits = forward(seq.pass()).await?;
+        let taken = seq.take(&logits, on_token)?;
+        let now = Instant::now();
+        prefill_time.get_or_insert(now - started);
+        if let Some(stop) = taken.stop {
+            break stop;
+        }
     };
-    let decode_start = Instant::now();
-    'outer: loop {
-        for next in emit {
-            if emitted(&context) >= opts.max_tokens {
-                break 'outer;
-            }
-            if opts.stop_ids.contains(&next) {
-                out.stop = StopReason::Stop;
-                break 'outer;
-            }
-            context.push(next);
-            if !on_token(next) {
-                out.stop = StopReason::Cancelled;
-                break 'outer;
-            }
-        }
-        if emitted(&context) >= opts.max_tokens {
-            break;
-        }
-        if positions >= max_seq {
-            out.stop = StopReason::Context;
-            break;
-        }
-        // The last token, then drafts that fit the context and the tokens still wanted.
-        let room = (max_seq - positions - 1).min(opts.max_tokens - emitted(&context) - 1);
-        let draft = speculate::draft(&context, opts.draft.min(room));
-        let mut input = vec![*context.last().unwrap_or(&0)];
-        input.extend_from_slice(&draft);
-        let logits = forward(Pass {
-            start: positions,
-            tokens: &input,
-            logits: input.len(),
-        })
-        .await?;
-        if logits.len() != input.len() * vocab {
-            return Err(ModelError::Config(format!(
-                "a forward pass gave {} logits for {} positions of {vocab}",
-                logits.len(),
-                input.len()
-            )));
-        }
-        emit = speculate::accept(&mut sampler, &logits, vocab, &draft);
-        let kept = emit.len() - 1;
-        out.speculation.drafted += draft.len() as u64;
-        out.speculation.accepted += kept as u64;
-        positions += 1 + kept;
-        out.forward_passes += 1;
-    }
-    out.decode_time = decode_start.elapsed();
-    out.tokens = context.split_off(prompt.len());
-    Ok(out)
+    let prefill_time = prefill_time.unwrap_or_default();
+    Ok(Generation {
+        prompt_tokens: seq.prompt_tokens(),
+        stop,
+        forward_passes: seq.passes(),
+        prefill_time,
+        decode_time: started.elapsed().saturating_sub(prefill_time),
+        speculation: seq.speculation(),
+        tokens: seq.into_generated(),
+    })
 }

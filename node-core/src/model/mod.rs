@@ -7,6 +7,7 @@ mod config;
 mod generate;
 mod llama;
 mod sampling;
+mod sequence;
 pub mod speculate;
 mod tokenizer;
 mod train;
@@ -19,6 +20,7 @@ pub use generate::{
 };
 pub use llama::{BatchItem, KvCache, LeaderWeights, LinearExec, Llama, Stage};
 pub use sampling::{Sampler, SamplingParams, argmax};
+pub use sequence::{Sequence, Taken};
 pub use tokenizer::{ChatMessage, TextStream, Tokenizer, TokenizerData};
 pub use train::{Gradients, StageGrad};
 pub use weights::{LayerWeights, Matrix, ModelWeights};

@@ -166,7 +166,7 @@ pub(super) fn delay_rows(
             ..plain.clone()
         };
         let mut forward = |pass: Pass<'_>| crate::lead::hop::forward(runtime, &mut hop, pass);
-        let run = generate_with(&mut forward, cfg.max_seq, prompt, &opts, &mut |_| true)?;
+        let run = generate_with(&mut forward, &cfg, prompt, &opts, &mut |_| true)?;
         let decode_tokens = run.tokens.len().saturating_sub(1).max(1) as f64;
         let hops = hops_per_pass * run.forward_passes.saturating_sub(1) as f64 / decode_tokens;
         hop_ms = 1e3 / run.decode_tokens_per_s();

@@ -353,7 +353,7 @@ impl Leader {
         let mut cache = KvCache::new(llama.config());
         let mut forward =
             |pass: Pass<'_>| rt.block_on(run_pass(llama, &mut *group, &mut cache, pass));
-        generate_with(&mut forward, llama.config().max_seq, prompt, opts, on_token)
+        generate_with(&mut forward, llama.config(), prompt, opts, on_token)
     }
 
     /// Mean next-token cross-entropy of `tokens` through the group, forward only.

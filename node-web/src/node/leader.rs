@@ -188,7 +188,7 @@ impl BrowserNode {
         let mut text = String::new();
         let out = generate_async(
             async |pass: Pass<'_>| run_pass(&llama, &mut group, &mut cache, pass).await,
-            cfg.max_seq,
+            &cfg,
             &ids,
             &opts,
             &mut |id| {

@@ -206,7 +206,7 @@ fn hop_generate(
     let mut forward = |pass: Pass<'_>| block_on(leader.forward(pass));
     let out = generate_with(
         &mut forward,
-        64,
+        &weights.cfg,
         &[3, 17, 200, 42, 3, 17],
         &opts,
         &mut |_| true,

@@ -26,9 +26,8 @@ use anyhow::{Result, anyhow};
 use libp2p::PeerId;
 use node_core::learn::{Budgets, CANARY_TEXT, CanaryGate, Learner, Published};
 use node_core::mesh::{MeshInfo, MeshResponse, ModelManifest, Usage};
-use node_core::model::speculate;
 use node_core::model::{
-    BatchItem, KvCache, LeaderWeights, Llama, Sampler, SamplingParams, StopReason,
+    BatchItem, GenerateOptions, KvCache, LeaderWeights, Llama, SamplingParams, Sequence, StopReason,
 };
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::{mpsc, oneshot};
@@ -356,36 +355,22 @@ impl Engine {
 /// One request being generated.
 struct Seq {
     job: Job,
+    /// Its decoding: the next pass, and what that pass's logits emit.
+    step: Sequence,
     /// Keys and values, when the leader's rounds run the sequence (a hop group's members
     /// keep their own).
     cache: KvCache,
-    /// Positions the group holds of the sequence.
-    held: usize,
     /// The hop epoch it runs at ([`HopSide::epoch`]): at another, it starts again.
     epoch: u64,
-    sampler: Sampler,
-    /// Tokens to run in the next step: the prompt, then each new token and its draft.
-    input: Vec<u32>,
-    /// The drafted tokens at the end of `input`.
-    draft: usize,
-    /// The prompt, then every token generated (what drafts are looked up in).
-    text: Vec<u32>,
     first_token: Option<Duration>,
 }
 
 impl Seq {
-    /// Tokens generated so far.
-    fn generated(&self) -> usize {
-        self.text.len() - self.job.req.prompt.len()
-    }
-
     /// Starts the sequence again at `epoch`: its whole text runs in the next pass, wherever
     /// that pass runs (what was held lives elsewhere now).
     fn restart(&mut self, epoch: u64) {
         self.cache.truncate(0);
-        self.held = 0;
-        self.draft = 0;
-        self.input.clone_from(&self.text);
+        self.step.restart();
         self.epoch = epoch;
     }
 }

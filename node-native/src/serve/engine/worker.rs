@@ -160,7 +160,7 @@ impl Worker {
             .ctx
             .cfg
             .step_tokens
-            .saturating_sub(self.active.iter().map(|s| s.input.len()).sum());
+            .saturating_sub(self.active.iter().map(|s| s.step.pass().tokens.len()).sum());
         while self.active.len() < self.lead.ctx.cfg.max_batch {
             // A busy task leaves new requests to an idle one: its own group runs them.
             if !self.active.is_empty()
@@ -183,17 +183,20 @@ impl Worker {
                 break;
             }
             budget = budget.saturating_sub(len);
-            match Sampler::new(job.req.sampling) {
-                Ok(sampler) => {
+            let opts = GenerateOptions {
+                max_tokens: job.req.max_tokens,
+                sampling: job.req.sampling,
+                stop_ids: job.req.stop_ids.clone(),
+                draft: self.lead.ctx.cfg.draft,
+            };
+            let cfg = &self.lead.ctx.manifest.cfg;
+            match Sequence::new(job.req.prompt.clone(), opts, cfg) {
+                Ok(step) => {
                     job.span.in_scope(|| tracing::debug!("admitted"));
                     self.active.push(Seq {
-                        cache: KvCache::new(&self.lead.ctx.manifest.cfg),
-                        held: 0,
+                        step,
+                        cache: KvCache::new(cfg),
                         epoch: self.lead.hop.epoch,
-                        sampler,
-                        input: job.req.prompt.clone(),
-                        draft: 0,
-                        text: job.req.prompt.clone(),
                         first_token: None,
                         job,
                     });
@@ -218,10 +221,18 @@ impl Worker {
 
     /// Fails every request in the batch.
     pub(super) fn fail_all(&mut self, error: &EngineError) {
-        for seq in self.active.drain(..) {
-            self.lead.ctx.metrics.request_errors.inc();
-            let _ = seq.job.events.send(Event::Failed(error.clone()));
+        for seq in std::mem::take(&mut self.active) {
+            self.fail(seq, error);
         }
+    }
+
+    /// Fails one request; the hop group's members forget it.
+    fn fail(&mut self, seq: Seq, error: &EngineError) {
+        if let Some(hop) = self.lead.hop.leader.as_mut() {
+            hop.forget(seq.job.id);
+        }
+        self.lead.ctx.metrics.request_errors.inc();
+        let _ = seq.job.events.send(Event::Failed(error.clone()));
     }
 
     /// One forward step of every sequence in the batch, then a token for each.
@@ -242,7 +253,7 @@ impl Worker {
         for seq in self.active.iter_mut().filter(|s| s.epoch != epoch) {
             seq.restart(epoch);
         }
-        let rows: usize = self.active.iter().map(|s| s.input.len()).sum();
+        let rows: usize = self.active.iter().map(|s| s.step.pass().tokens.len()).sum();
         let span = tracing::info_span!(
             "forward_step",
             step = self.steps,
@@ -267,8 +278,9 @@ impl Worker {
                 let active = std::mem::take(&mut self.active);
                 for (mut seq, logits) in active.into_iter().zip(logits) {
                     match self.advance(&mut seq, &logits) {
-                        Some(stop) => self.finish(seq, stop).await,
-                        None => self.active.push(seq),
+                        Ok(Some(stop)) => self.finish(seq, stop).await,
+                        Ok(None) => self.active.push(seq),
+                        Err(e) => self.fail(seq, &EngineError::Failed(e.to_string())),
                     }
                 }
             }
@@ -314,19 +326,19 @@ impl Worker {
         let mut items: Vec<BatchItem<'_>> = self
             .active
             .iter_mut()
-            .map(|s| BatchItem {
-                logits: 1 + s.draft,
-                ..BatchItem::new(&s.input, &mut s.cache)
+            .map(|s| {
+                let pass = s.step.pass();
+                // A failed pass may have left some layers' keys and values behind it.
+                s.cache.truncate(pass.start);
+                BatchItem {
+                    logits: pass.logits,
+                    ..BatchItem::new(pass.tokens, &mut s.cache)
+                }
             })
             .collect();
         let result = f.llama.forward_batch(&mut f.group, &mut items).await;
         drop(items);
         let moved = result.is_err() && f.group.transport().met_another_version();
-        if result.is_ok() {
-            for s in &mut self.active {
-                s.held = s.cache.len();
-            }
-        }
         self.lead.after_rounds().await;
         (result, moved)
     }
@@ -341,65 +353,38 @@ impl Worker {
             .iter()
             .map(|s| node_core::net::hop::HopSeq {
                 seq: s.job.id,
-                pass: node_core::model::Pass {
-                    start: s.held,
-                    tokens: &s.input,
-                    logits: 1 + s.draft,
-                },
+                pass: s.step.pass(),
             })
             .collect();
-        let result = leader.forward_batch(&batch).await;
-        if result.is_ok() {
-            for s in &mut self.active {
-                s.held += s.input.len();
-            }
-        }
-        result
+        leader.forward_batch(&batch).await
     }
 
     /// Takes a sequence's next tokens (its draft's agreeing prefix, then one the model
-    /// picked) and drafts the next; `Some` when the sequence is done.
-    pub(super) fn advance(&mut self, seq: &mut Seq, logits: &[f32]) -> Option<StopReason> {
-        let cfg = &self.lead.ctx.manifest.cfg;
-        let drafted = &seq.input[seq.input.len() - seq.draft..];
-        let emitted = speculate::accept(&mut seq.sampler, logits, cfg.vocab, drafted);
-        // Forget the drafted positions the model did not keep.
-        let rejected = seq.draft - (emitted.len() - 1);
-        seq.held -= rejected;
-        seq.cache.truncate(seq.held);
+    /// picked), sends them, and drafts the next; `Some` when the sequence is done, an error
+    /// when the logits are not of the shape its pass asked for.
+    pub(super) fn advance(
+        &mut self,
+        seq: &mut Seq,
+        logits: &[f32],
+    ) -> Result<Option<StopReason>, node_core::model::ModelError> {
         let m = &self.lead.ctx.metrics;
-        m.draft_tokens.inc_by(seq.draft as u64);
-        m.draft_accepted.inc_by((emitted.len() - 1) as u64);
         if seq.first_token.is_none() {
             let t = seq.job.arrived.elapsed();
             seq.first_token = Some(t);
             m.time_to_first_token.observe(t.as_secs_f64());
         }
-        for next in emitted {
-            if seq.job.req.stop_ids.contains(&next) {
-                return Some(StopReason::Stop);
-            }
-            seq.text.push(next);
+        let (events, shared) = (&seq.job.events, &self.shared);
+        let taken = seq.step.take(logits, &mut |next| {
             m.tokens_generated.inc();
-            self.shared.record_token();
-            if seq.job.events.send(Event::Token(next)).is_err() {
-                return Some(StopReason::Cancelled);
-            }
-            if seq.generated() >= seq.job.req.max_tokens {
-                return Some(StopReason::Length);
-            }
-        }
-        if seq.held >= cfg.max_seq {
-            return Some(StopReason::Context);
-        }
-        let last = *seq.text.last()?;
-        let room = (cfg.max_seq - seq.held - 1)
-            .min(seq.job.req.max_tokens - seq.generated() - 1)
-            .min(self.lead.ctx.cfg.draft);
-        let draft = speculate::draft(&seq.text, room);
-        seq.draft = draft.len();
-        seq.input = std::iter::once(last).chain(draft).collect();
-        None
+            shared.record_token();
+            events.send(Event::Token(next)).is_ok()
+        });
+        // Forget the drafted positions the model did not keep.
+        seq.cache.truncate(seq.step.held());
+        let t = taken?;
+        m.draft_tokens.inc_by(t.drafted as u64);
+        m.draft_accepted.inc_by(t.kept as u64);
+        Ok(t.stop)
     }
 
     /// Ends a sequence: tells its submitter, counts it, and hands it to the trainer.
@@ -417,7 +402,7 @@ impl Worker {
         self.latency_ms.store((old * 7 + ms) / 8, Ordering::Relaxed);
         let done = Finished {
             prompt_tokens: seq.job.req.prompt.len(),
-            tokens: seq.generated(),
+            tokens: seq.step.generated(),
             stop,
             first_token: seq.first_token,
             latency,
