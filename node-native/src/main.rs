@@ -8,10 +8,10 @@ use clap::Parser;
 use node_core::code::{Generator, select_nodes};
 use node_core::coded::{CodedGroup, GpuGroup, InProcess, ShardFormat};
 use node_core::compute::gpu::Gpu;
-use node_core::learn::Learner;
+use node_core::learn::{Learner, Teacher};
 use node_core::model::{
     ChatMessage, GenerateOptions, KvCache, LeaderWeights, Llama, Pass, SamplingParams, generate,
-    generate_with, run_pass,
+    generate_async, generate_with, run_pass,
 };
 use node_core::model::{Generation, LlamaConfig, ModelWeights, Tokenizer};
 use node_native::lead::remote::{Leader, Session};
@@ -401,7 +401,10 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
             max_seq: max_ctx,
             ..cfg.clone()
         };
-        let done = generate_and_print(&mut forward, &ctx, &model.tokenizer, &one_by_one, &mut 0)?;
+        let mut run = |p: &[u32], o: &GenerateOptions, on: &mut dyn FnMut(u32) -> bool| {
+            generate_with(&mut forward, &ctx, p, o, on)
+        };
+        let done = generate_and_print(&mut run, &model.tokenizer, &one_by_one, &mut 0)?;
         print_speed(&done.0, " (one token at a time)");
         done
     } else {
@@ -409,7 +412,10 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         let mut forward = |pass: Pass<'_>| {
             futures::executor::block_on(run_pass(&llama, &mut group, &mut cache, pass))
         };
-        let done = generate_and_print(&mut forward, &cfg, &model.tokenizer, &args, &mut 0)?;
+        let mut run = |p: &[u32], o: &GenerateOptions, on: &mut dyn FnMut(u32) -> bool| {
+            generate_with(&mut forward, &cfg, p, o, on)
+        };
+        let done = generate_and_print(&mut run, &model.tokenizer, &args, &mut 0)?;
         print_coded_stats(&args, &done.0, group.stats(), None);
         done
     };
@@ -488,11 +494,18 @@ fn generate_options(tokenizer: &Tokenizer, args: &GenerateArgs) -> GenerateOptio
     }
 }
 
-/// Streams a completion through `forward` (the model's forward pass after every token given
-/// before, on a model of `cfg`), printing it to stdout as it comes.
+/// How one generation runs: over the prompt, with the options, each token to the callback
+/// (false stops it).
+type Run<'a> = dyn FnMut(
+        &[u32],
+        &GenerateOptions,
+        &mut dyn FnMut(u32) -> bool,
+    ) -> Result<Generation, node_core::model::ModelError>
+    + 'a;
+
+/// Streams a completion through `run`, printing it to stdout as it comes.
 fn generate_and_print(
-    forward: &mut node_core::model::Forward<'_>,
-    cfg: &node_core::model::LlamaConfig,
+    run: &mut Run<'_>,
     tokenizer: &Tokenizer,
     args: &GenerateArgs,
     emitted: &mut usize,
@@ -501,7 +514,7 @@ fn generate_and_print(
     let opts = generate_options(tokenizer, args);
     let mut text = tokenizer.stream();
     let mut stdout = std::io::stdout();
-    let out = generate_with(forward, cfg, &prompt, &opts, &mut |id| {
+    let out = run(&prompt, &opts, &mut |id| {
         *emitted += 1;
         if let Some(new) = text.push(id) {
             let _ = write!(stdout, "{new}");
@@ -576,8 +589,7 @@ fn run_generate_mesh(args: GenerateArgs, bootstrap: libp2p::Multiaddr) -> Result
     }
     let rt = node_native::lead::remote::leader_runtime()?;
     let mut args = args;
-    let mut learner: Option<Learner> = None;
-    let mut gate: Option<node_core::learn::CanaryGate> = None;
+    let mut teacher: Option<Teacher> = None;
     let mut last = None;
     for i in 0..args.repeat.max(1) {
         if args.repeat > 1 {
@@ -586,20 +598,23 @@ fn run_generate_mesh(args: GenerateArgs, bootstrap: libp2p::Multiaddr) -> Result
         let began = std::time::Instant::now();
         let (mut leader, out, prompt) = run_once_on_mesh(&rt, &mut args, &bootstrap)?;
         let latency = began.elapsed();
-        let learner = learner.get_or_insert_with(|| {
-            Learner::new(
-                leader.manifest.learning,
-                leader.manifest.cfg.clone(),
-                leader.manifest.format,
-            )
-        });
+        let teacher = match &mut teacher {
+            Some(t) => t,
+            None => {
+                let m = &leader.manifest;
+                let gate = if args.no_canary_gate {
+                    None
+                } else {
+                    let canary = leader.tokenizer.encode(node_core::learn::CANARY_TEXT)?;
+                    Some(node_core::learn::CanaryGate::new(canary))
+                };
+                let learner = Learner::new(m.learning, m.cfg.clone(), m.format);
+                teacher.insert(Teacher::new(learner, gate, m.format))
+            }
+        };
         let started = std::time::Instant::now();
         let caught_before = leader.group.stats().caught.len();
-        if gate.is_none() && !args.no_canary_gate {
-            let canary = leader.tokenizer.encode(node_core::learn::CANARY_TEXT)?;
-            gate = Some(node_core::learn::CanaryGate::new(canary));
-        }
-        let learned = leader.learn(&rt, &prompt, learner, gate.as_mut())?;
+        let learned = leader.learn(&rt, &prompt, teacher)?;
         // Members caught in learning's rounds (a backward lie shows only there).
         let caught = &leader.group.stats().caught[caught_before..];
         for c in caught {
@@ -627,7 +642,7 @@ fn run_generate_mesh(args: GenerateArgs, bootstrap: libp2p::Multiaddr) -> Result
             } else {
                 eprintln!(
                     "gradient kept for the next update ({} of {} requests)",
-                    learner.pending(),
+                    teacher.pending(),
                     leader.manifest.learning.accumulate
                 );
             }
@@ -635,11 +650,13 @@ fn run_generate_mesh(args: GenerateArgs, bootstrap: libp2p::Multiaddr) -> Result
         last = Some(leader);
     }
     // What is still accumulated goes out now rather than being lost with the process.
-    if let (Some(learner), Some(leader)) = (learner.as_mut(), last.as_ref()) {
+    if let (Some(teacher), Some(leader)) = (teacher.as_mut(), last.as_mut()) {
         let started = std::time::Instant::now();
-        if let Some(p) = learner.flush()? {
-            let sent = leader.publish(&rt, p)?;
-            print_sent(&sent, leader, started);
+        if let Some(p) = teacher.flush()? {
+            match leader.judge_and_publish(&rt, teacher, p)? {
+                Ok(sent) => print_sent(&sent, leader, started),
+                Err(why) => eprintln!("update not published: {why}"),
+            }
         }
     }
     Ok(())
@@ -683,8 +700,11 @@ fn run_once_on_mesh(
         let generated = if args.hop {
             let mut hop = node_native::lead::hop::lead_group(&leader, rt.handle(), args.check)?;
             eprintln!("one hop per stage, members {:?}", hop.rows());
-            let mut forward = |pass: Pass<'_>| node_native::lead::hop::forward(rt, &mut hop, pass);
-            let out = generate_and_print(&mut forward, &cfg, &leader.tokenizer, args, &mut emitted);
+            let mut run = |p: &[u32], o: &GenerateOptions, on: &mut dyn FnMut(u32) -> bool| {
+                let forward = async |pass: Pass<'_>| hop.forward(pass).await;
+                rt.block_on(generate_async(forward, &cfg, p, o, on))
+            };
+            let out = generate_and_print(&mut run, &leader.tokenizer, args, &mut emitted);
             let s = hop.stats();
             eprintln!(
                 "one hop per stage: the members check every round among themselves; this leader checked {} LM head rounds ({} unchecked), members at the end {:?}",
@@ -697,11 +717,11 @@ fn run_once_on_mesh(
             }
             out
         } else {
-            let mut cache = KvCache::new(&leader.manifest.cfg);
             let (llama, group) = (&leader.llama, &mut leader.group);
-            let mut forward =
-                |pass: Pass<'_>| rt.block_on(run_pass(llama, &mut *group, &mut cache, pass));
-            generate_and_print(&mut forward, &cfg, &leader.tokenizer, args, &mut emitted)
+            let mut run = |p: &[u32], o: &GenerateOptions, on: &mut dyn FnMut(u32) -> bool| {
+                node_native::lead::remote::generate_rounds(rt, llama, group, p, o, on)
+            };
+            generate_and_print(&mut run, &leader.tokenizer, args, &mut emitted)
         };
         match generated {
             Ok((out, prompt)) => break (leader, out, prompt),

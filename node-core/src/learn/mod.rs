@@ -10,6 +10,7 @@ mod canary;
 mod compress;
 mod learner;
 mod signed;
+mod teacher;
 mod wire;
 
 pub use adam::{AdapterAdam, MAX_BATCH_SCALE, adapter_gradients, check_adapter_step, entry_per_dy};
@@ -20,6 +21,7 @@ pub use canary::{
 pub use compress::{LowRank, low_rank};
 pub use learner::{Learner, Published};
 pub use signed::{open, seal};
+pub use teacher::{Judged, Teacher};
 
 use crate::coded::{CodedError, Projection, Shard, ShardFormat, ShardSet, ShardValues};
 use crate::compute::cpu::dot_f64;

@@ -4,7 +4,7 @@
 use futures::FutureExt;
 use web_time::{Duration, Instant};
 
-use super::speculate::SpecStats;
+use super::speculate::{DraftCost, SpecStats};
 use super::{
     BatchItem, KvCache, LinearExec, Llama, LlamaConfig, ModelError, SamplingParams, Sequence,
 };
@@ -175,11 +175,18 @@ pub async fn generate_async(
     let mut seq = Sequence::new(prompt.to_vec(), opts.clone(), cfg)?;
     let started = Instant::now();
     let mut prefill_time = None;
+    let mut cost = DraftCost::default();
     let stop = loop {
+        let (drafted, began) = (seq.pass().logits - 1, Instant::now());
         let logits = forward(seq.pass()).await?;
+        if prefill_time.is_some() {
+            cost.observe(drafted, began.elapsed().as_secs_f64());
+            if let Some(c) = cost.share() {
+                seq.set_draft_cost(c);
+            }
+        }
         let taken = seq.take(&logits, on_token)?;
-        let now = Instant::now();
-        prefill_time.get_or_insert(now - started);
+        prefill_time.get_or_insert_with(|| started.elapsed());
         if let Some(stop) = taken.stop {
             break stop;
         }

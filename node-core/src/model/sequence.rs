@@ -2,7 +2,7 @@
 //! logits emit (drafts included). Every leader drives it: the in-process and CLI generation
 //! loop ([`super::generate_async`]), the API's batch, the browser's prompt box.
 
-use super::speculate::{self, SpecStats};
+use super::speculate::{self, DEFAULT_DRAFT_COST, DraftLength, SpecStats};
 use super::{GenerateOptions, LlamaConfig, ModelError, Pass, Sampler, StopReason};
 
 /// A sequence being decoded: its text so far, the tokens its next pass runs and how many
@@ -20,6 +20,10 @@ pub struct Sequence {
     input: Vec<u32>,
     /// The drafted tokens at the end of `input`.
     draft: usize,
+    /// What the lookup proposed for the next pass (drafted or not: its first `draft` tokens).
+    proposal: Vec<u32>,
+    /// How long its drafts are, following how they fare.
+    drafts: DraftLength,
     /// Positions the model holds of the sequence.
     held: usize,
     passes: usize,
@@ -59,6 +63,8 @@ impl Sequence {
         }
         Ok(Self {
             sampler: Sampler::new(opts.sampling)?,
+            drafts: DraftLength::new(opts.draft, DEFAULT_DRAFT_COST),
+            proposal: Vec::new(),
             vocab: cfg.vocab,
             max_seq: cfg.max_seq,
             prompt_tokens: prompt.len(),
@@ -101,6 +107,7 @@ impl Sequence {
         let drafted = &self.input[self.input.len() - self.draft..];
         let emit = speculate::accept(&mut self.sampler, logits, self.vocab, drafted);
         let kept = emit.len() - 1;
+        self.drafts.observe(&self.proposal, &emit);
         self.held += self.input.len() - (self.draft - kept);
         self.passes += 1;
         self.speculation.drafted += self.draft as u64;
@@ -137,10 +144,10 @@ impl Sequence {
             let room = (self.max_seq - self.held - 1)
                 .min(self.opts.max_tokens - self.generated() - 1)
                 .min(self.opts.draft);
-            let draft = speculate::draft(&self.text, room);
-            self.draft = draft.len();
+            self.proposal = speculate::draft(&self.text, room);
+            self.draft = self.drafts.length(self.proposal.len());
             self.input.extend(self.text.last().copied());
-            self.input.extend(draft);
+            self.input.extend_from_slice(&self.proposal[..self.draft]);
         }
         Ok(taken)
     }
@@ -150,7 +157,14 @@ impl Sequence {
     pub fn restart(&mut self) {
         self.held = 0;
         self.draft = 0;
+        self.proposal.clear();
         self.input.clone_from(&self.text);
+    }
+
+    /// Tells the sequence what a drafted row costs now, as a share of a pass of one token
+    /// ([`speculate::DraftCost`]): its drafts are as long as pays at that cost.
+    pub fn set_draft_cost(&mut self, cost: f64) {
+        self.drafts.set_cost(cost);
     }
 
     /// Positions the model holds of the sequence.
@@ -230,6 +244,8 @@ mod tests {
         // A model that counts 1, 2, 3, 1, 2, 3, …: after "1 2 3 1 2" the text's own "1 2 3"
         // drafts "3 1 2" and every drafted token is kept.
         let mut s = Sequence::new(vec![1, 2, 3, 1], opts(8, 4, vec![]), &cfg()).unwrap();
+        // Drafted rows that cost nothing: every proposed token is drafted.
+        s.set_draft_cost(0.0);
         let count = |t: u32| t % 3 + 1;
         let first = s.pass();
         assert_eq!(

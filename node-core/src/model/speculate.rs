@@ -18,6 +18,118 @@ const MIN_NGRAM: usize = 2;
 /// Drafts of at most this many tokens are proposed by default.
 pub const DEFAULT_DRAFT: usize = 4;
 
+/// What a drafted row costs, as a share of a pass of one token, until passes measure it: on
+/// 2 cores over loopback a pass with 4 drafted rows took about 1.75 passes of one
+/// (docs/perf-history.md, "Drafted decoding").
+pub const DEFAULT_DRAFT_COST: f64 = 0.2;
+
+/// How much one observation of a draft's fate weighs against those before it: a sequence's
+/// drafts follow its text as it goes from prose (little to copy) to a passage it repeats.
+const ACCEPT_MEMORY: f64 = 0.85;
+
+/// A sequence's draft length, following how its drafts fare: the length that makes the most
+/// tokens per unit of a pass's cost, given the chance that each drafted token is kept (after
+/// the ones before it were) and what a drafted row costs. No drafts while they are seldom
+/// kept; longer ones while they are.
+///
+/// Every pass tells something, drafted or not: the lookup's proposal is compared with the
+/// tokens the pass emitted, so a sequence that stopped drafting still sees when its text
+/// begins to repeat itself.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DraftLength {
+    max: usize,
+    cost: f64,
+    /// Decayed counts of proposed tokens the model agreed with, and of first disagreements.
+    kept: f64,
+    missed: f64,
+}
+
+impl DraftLength {
+    /// Drafts of at most `max` tokens, each row costing `cost` of a pass until told otherwise.
+    pub fn new(max: usize, cost: f64) -> Self {
+        Self {
+            max,
+            cost,
+            kept: 0.0,
+            missed: 0.0,
+        }
+    }
+
+    /// The chance that a proposed token is kept after those before it were: the decayed
+    /// share, with half a token of either kind as the prior.
+    pub fn acceptance(&self) -> f64 {
+        (self.kept + 0.5) / (self.kept + self.missed + 1.0)
+    }
+
+    /// What a drafted row costs now, as a share of a pass.
+    pub fn set_cost(&mut self, cost: f64) {
+        self.cost = cost.clamp(0.0, 1.0);
+    }
+
+    /// How many of a proposal of `available` tokens the next pass should draft.
+    pub fn length(&self, available: usize) -> usize {
+        let p = self.acceptance();
+        let (mut best, mut best_rate) = (0, 1.0);
+        // Tokens a pass of d drafts emits on average: 1 + p + … + p^d.
+        let (mut tokens, mut term) = (1.0, 1.0);
+        for d in 1..=self.max.min(available) {
+            term *= p;
+            tokens += term;
+            let rate = tokens / (1.0 + self.cost * d as f64);
+            if rate > best_rate {
+                (best, best_rate) = (d, rate);
+            }
+        }
+        best
+    }
+
+    /// Learns from one pass: `proposal` is what the lookup offered before it (drafted or
+    /// not), `emitted` the tokens the pass gave (the kept draft, then the model's own).
+    pub fn observe(&mut self, proposal: &[u32], emitted: &[u32]) {
+        for (p, e) in proposal.iter().zip(emitted) {
+            self.kept *= ACCEPT_MEMORY;
+            self.missed *= ACCEPT_MEMORY;
+            if p == e {
+                self.kept += 1.0;
+            } else {
+                self.missed += 1.0;
+                return;
+            }
+        }
+    }
+}
+
+/// What a drafted row costs as a share of a pass of one token, measured on the passes
+/// themselves: the time of passes without drafts, and what each drafted row adds.
+#[derive(Debug, Clone, Default)]
+pub struct DraftCost {
+    plain: Option<f64>,
+    per_row: Option<f64>,
+}
+
+impl DraftCost {
+    /// Takes a pass (or a batch's step) that ran `drafted` drafted rows in `seconds`.
+    pub fn observe(&mut self, drafted: usize, seconds: f64) {
+        let ema = |old: Option<f64>, new: f64| Some(old.map_or(new, |o| 0.8 * o + 0.2 * new));
+        match (drafted, self.plain) {
+            (0, _) => self.plain = ema(self.plain, seconds),
+            (d, Some(plain)) => {
+                self.per_row = ema(self.per_row, ((seconds - plain) / d as f64).max(0.0));
+            }
+            // No plain pass measured yet: nothing to compare with.
+            (_, None) => {}
+        }
+    }
+
+    /// The cost of a drafted row as a share of a plain pass, once both were measured.
+    pub fn share(&self) -> Option<f64> {
+        match (self.plain, self.per_row) {
+            (Some(plain), Some(row)) if plain > 0.0 => Some((row / plain).clamp(0.0, 1.0)),
+            _ => None,
+        }
+    }
+}
+
 /// Up to `max` tokens that followed the most recent earlier occurrence of the text's last
 /// `n` tokens (the longest `2 ≤ n ≤ 3` that occurs); empty when none does.
 pub fn draft(context: &[u32], max: usize) -> Vec<u32> {
@@ -104,6 +216,59 @@ mod tests {
         at.iter()
             .flat_map(|&t| (0..vocab).map(move |i| if i as u32 == t { 5.0 } else { 0.0 }))
             .collect()
+    }
+
+    #[test]
+    fn drafts_stop_after_misses_grow_while_kept_and_come_back_when_the_text_repeats() {
+        let mut d = DraftLength::new(4, DEFAULT_DRAFT_COST);
+        let start = d.length(4);
+        assert!(
+            (1..4).contains(&start),
+            "a fresh sequence drafts a little: {start}"
+        );
+        // Prose: proposals the model never follows.
+        for _ in 0..4 {
+            d.observe(&[1, 2, 3], &[9]);
+        }
+        assert_eq!(d.length(4), 0, "no drafts after a run of misses");
+        // The text begins to repeat a passage: undrafted passes still see the proposal agree
+        // with the token the model gave, and drafting comes back, then lengthens.
+        for _ in 0..3 {
+            d.observe(&[5, 6], &[5]);
+        }
+        assert!(d.length(4) >= 1);
+        for _ in 0..12 {
+            d.observe(&[5, 6, 7, 8], &[5, 6, 7, 8, 1]);
+        }
+        assert_eq!(d.length(4), 4, "long drafts while they are kept");
+        assert_eq!(d.length(2), 2, "never more than the proposal");
+        // Where a drafted row costs nothing (a network's round trips dominate), any chance
+        // of a kept token is worth a draft; where it costs a whole pass, none is.
+        let mut free = DraftLength::new(4, 0.0);
+        free.observe(&[1, 2], &[9]);
+        assert_eq!(free.length(4), 4);
+        free.set_cost(1.0);
+        assert_eq!(free.length(4), 0);
+    }
+
+    #[test]
+    fn the_cost_of_a_drafted_row_is_measured_against_plain_passes() {
+        let mut c = DraftCost::default();
+        c.observe(3, 1.3);
+        assert_eq!(
+            c.share(),
+            None,
+            "nothing to compare a drafted pass with yet"
+        );
+        c.observe(0, 1.0);
+        c.observe(4, 1.4);
+        let share = c.share().unwrap();
+        assert!((share - 0.1).abs() < 1e-9, "{share}");
+        // A pass slower than plain by less than nothing costs nothing, not less.
+        let mut c = DraftCost::default();
+        c.observe(0, 1.0);
+        c.observe(2, 0.9);
+        assert_eq!(c.share(), Some(0.0));
     }
 
     #[test]

@@ -10,7 +10,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use node_core::code::select_nodes;
 use node_core::coded::{CodedGroup, InProcess, ShardFormat};
-use node_core::learn::{CANARY_TEXT, CanaryGate, Learner};
+use node_core::learn::{CANARY_TEXT, CanaryGate, Judged, Learner, Teacher};
 use node_core::mesh::LearningConfig;
 use node_core::model::{LeaderWeights, Llama, ModelWeights, Tokenizer};
 
@@ -85,7 +85,8 @@ pub fn teach_in_process(
         Ok(l)
     };
     let before = losses(&Llama::new(cfg.clone(), norms.clone())?, &mut group)?;
-    let mut learner = Learner::new(learning, cfg.clone(), format);
+    let learner = Learner::new(learning, cfg.clone(), format);
+    let mut teacher = Teacher::new(learner, Some(gate), format);
     let (mut published, mut refused, mut bytes) = (0usize, 0usize, 0usize);
     let mut version = [0u8; 32];
     let started = Instant::now();
@@ -93,18 +94,20 @@ pub fn teach_in_process(
         let llama = Llama::new(cfg.clone(), norms.clone())?;
         let grads = futures::executor::block_on(llama.gradients(&mut group, &taught))?;
         let loss = grads.loss;
-        let Some(p) = learner.push(grads)? else {
+        let Some(p) = teacher.fold(grads)? else {
             each(i, loss, None);
             continue;
         };
-        let taken = p.update.clone().taken_by(format);
-        let verdict = futures::executor::block_on(gate.judge(&llama, &mut group, version, &taken))?;
-        each(i, loss, Some(&verdict));
-        if !verdict.pass {
-            refused += 1;
-            learner.refuse_last();
-            continue;
-        }
+        let judged = futures::executor::block_on(teacher.judge(&llama, &mut group, version, p))?;
+        let (p, verdict) = match judged {
+            Judged::Publish(p, verdict) => (p, verdict),
+            Judged::Refused(_, verdict) => {
+                each(i, loss, Some(&verdict));
+                refused += 1;
+                continue;
+            }
+        };
+        each(i, loss, verdict.as_ref());
         let wire = p.update.encode();
         bytes += wire.len();
         let update = node_core::learn::Update::decode(&wire)?;
@@ -116,7 +119,7 @@ pub fn teach_in_process(
         update.apply_to_norms(&mut norms);
         published += 1;
         version[..8].copy_from_slice(&(published as u64).to_le_bytes());
-        gate.moved_to(version, verdict.after);
+        teacher.published(version, verdict.as_ref());
     }
     let seconds = started.elapsed().as_secs_f64();
     let after = losses(&Llama::new(cfg.clone(), norms)?, &mut group)?;

@@ -165,8 +165,8 @@ pub(super) fn delay_rows(
             draft,
             ..plain.clone()
         };
-        let mut forward = |pass: Pass<'_>| crate::lead::hop::forward(runtime, &mut hop, pass);
-        let run = generate_with(&mut forward, &cfg, prompt, &opts, &mut |_| true)?;
+        let forward = async |pass: Pass<'_>| hop.forward(pass).await;
+        let run = runtime.block_on(generate_async(forward, &cfg, prompt, &opts, &mut |_| true))?;
         let decode_tokens = run.tokens.len().saturating_sub(1).max(1) as f64;
         let hops = hops_per_pass * run.forward_passes.saturating_sub(1) as f64 / decode_tokens;
         hop_ms = 1e3 / run.decode_tokens_per_s();

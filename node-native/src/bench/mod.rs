@@ -17,7 +17,7 @@ use node_core::code::{Generator, select_nodes};
 use node_core::coded::{CodedGroup, InProcess, ShardFormat};
 use node_core::compute::{self, WeightElem};
 use node_core::model::{
-    GenerateOptions, LeaderWeights, Llama, ModelWeights, Pass, generate, generate_with,
+    GenerateOptions, LeaderWeights, Llama, ModelWeights, Pass, generate, generate_async,
     logits_along, relative_error,
 };
 
@@ -534,17 +534,19 @@ pub fn speculation_rows(
         let spec = drafted.speculation;
         let per_pass =
             drafted.tokens.len() as f64 / drafted.forward_passes.saturating_sub(1).max(1) as f64;
+        let passes = drafted.forward_passes.saturating_sub(1).max(1) as f64;
         rows.push(row(
-            format!("drafts of {draft} (prompt lookup), {kind}: acceptance"),
+            format!("drafts of up to {draft} (prompt lookup, a length per sequence), {kind}: acceptance"),
             format!(
-                "{:.0}% ({} of {} drafted), {per_pass:.2} tokens per forward pass",
+                "{:.0}% ({} of {} drafted), {per_pass:.2} tokens per forward pass, {:.3} drafted rows a pass",
                 100.0 * spec.acceptance(),
                 spec.accepted,
-                spec.drafted
+                spec.drafted,
+                spec.drafted as f64 / passes
             ),
         ));
         rows.push(row(
-            format!("drafts of {draft}, {kind}: decode in process, coded k=3, q8 shards"),
+            format!("drafts of up to {draft}, {kind}: decode in process, coded k=3, q8 shards"),
             format!(
                 "{:.1} tok/s against {:.1} a token a pass; {} tokens, {}",
                 drafted.decode_tokens_per_s(),

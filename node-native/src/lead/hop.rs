@@ -15,7 +15,7 @@ use futures::{AsyncReadExt, StreamExt};
 use libp2p::{Multiaddr, PeerId};
 use node_core::code::Generator;
 use node_core::holder::ShardState;
-use node_core::model::{Llama, LlamaConfig, Pass};
+use node_core::model::{Llama, LlamaConfig};
 use node_core::net::hop::{
     self, Fed, Feed, FeedLink, Heard, HopError, HopFrame, HopLeader, HopLink, HopMember, Join, Part,
 };
@@ -590,13 +590,4 @@ pub fn lead_group(
         &members,
         WAIT,
     )
-}
-
-/// One forward pass through a hop group, driving `runtime` from this thread.
-pub fn forward(
-    runtime: &tokio::runtime::Runtime,
-    leader: &mut HopLeader<NetFeedLink>,
-    pass: Pass<'_>,
-) -> Result<Vec<f32>, node_core::model::ModelError> {
-    runtime.block_on(leader.forward(pass))
 }

@@ -13,13 +13,13 @@ use node_core::coded::rounds::{Asks, MemberAnswer, Rounds};
 use node_core::coded::{Transport, TransportError};
 use node_core::holder::{HolderError, Link};
 use node_core::lead::{LeadLink, OwnRow};
-use node_core::learn::{Learner, Published};
+use node_core::learn::{Judged, Published, Teacher};
 use node_core::mesh::{
     Health, MeshInfo, MeshRequest, MeshResponse, ModelManifest, RoundConfig, SourceRow,
     StepRefusal, Usage,
 };
 use node_core::model::{
-    GenerateOptions, Generation, KvCache, ModelError, Pass, generate_with, run_pass,
+    GenerateOptions, Generation, KvCache, ModelError, Pass, generate_async, run_pass,
 };
 use node_core::net::session::Ask;
 use tokio::sync::mpsc;
@@ -29,10 +29,10 @@ use crate::hold::row::LocalRow;
 use crate::net::rpc::{ask, fetch_manifest};
 use crate::net::swarm::{self, Client, NetConfig};
 
-/// The runtime for a leader that a thread drives pass by pass ([`Leader::generate`]): one
-/// thread runs the rounds, the connections under their streams and the timers, so an answer
-/// wakes no other thread (a multi-thread runtime cost several task switches a round;
-/// docs/perf.md). Nothing runs between passes, which only keep-alives would want.
+/// The runtime for a leader that a thread drives request by request ([`Leader::generate`]):
+/// one thread runs the rounds, the connections under their streams and the timers, so an
+/// answer wakes no other thread (a multi-thread runtime cost several task switches a round;
+/// docs/perf.md). Nothing runs between requests, which only keep-alives would want.
 pub fn leader_runtime() -> std::io::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -296,15 +296,14 @@ impl Leader {
     }
 
     /// Trains on what `prompt` teaches ([`node_core::learn::taught`]) if the mesh learns: the
-    /// gradient through the group, folded into `learner`; when an update is due and `gate` (if
-    /// any) passes it, it is handed to every live row's holder (the rest catch up from them).
+    /// gradient through the group, folded into `teacher`; when an update is due and its gate
+    /// passes it, it is handed to every live row's holder (the rest catch up from them).
     /// Returns the loss before the update and what was published, if anything.
     pub fn learn(
         &mut self,
         rt: &tokio::runtime::Runtime,
         prompt: &[u32],
-        learner: &mut Learner,
-        gate: Option<&mut node_core::learn::CanaryGate>,
+        teacher: &mut Teacher,
     ) -> Result<Option<Learned>> {
         let cfg = self.manifest.learning;
         if !cfg.enabled || prompt.len() < 2 {
@@ -315,21 +314,10 @@ impl Leader {
         let grads = rt.block_on(self.llama.gradients(&mut self.group, tokens))?;
         let loss = grads.loss;
         let (mut published, mut refused) = (None, None);
-        if let Some(p) = learner.push(grads)? {
-            let refusal = match gate {
-                Some(gate) => {
-                    let taken = p.update.clone().taken_by(self.manifest.format);
-                    let judged = gate.judge(&self.llama, &mut self.group, self.version, &taken);
-                    rt.block_on(judged)?.refusal()
-                }
-                None => None,
-            };
-            match refusal {
-                Some(why) => {
-                    learner.refuse_last();
-                    refused = Some(why);
-                }
-                None => published = Some(self.publish(rt, p)?),
+        if let Some(p) = teacher.fold(grads)? {
+            match self.judge_and_publish(rt, teacher, p)? {
+                Ok(sent) => published = Some(sent),
+                Err(why) => refused = Some(why),
             }
         }
         Ok(Some(Learned {
@@ -340,8 +328,7 @@ impl Leader {
         }))
     }
 
-    /// Generates a completion of `prompt` through the group ([`generate_with`]); `on_token`
-    /// sees each token and returns false to stop.
+    /// Generates a completion of `prompt` through the group ([`generate_rounds`]).
     pub fn generate(
         &mut self,
         rt: &tokio::runtime::Runtime,
@@ -349,11 +336,7 @@ impl Leader {
         opts: &GenerateOptions,
         on_token: &mut dyn FnMut(u32) -> bool,
     ) -> Result<Generation, ModelError> {
-        let (llama, group) = (&self.llama, &mut self.group);
-        let mut cache = KvCache::new(llama.config());
-        let mut forward =
-            |pass: Pass<'_>| rt.block_on(run_pass(llama, &mut *group, &mut cache, pass));
-        generate_with(&mut forward, llama.config(), prompt, opts, on_token)
+        generate_rounds(rt, &self.llama, &mut self.group, prompt, opts, on_token)
     }
 
     /// Mean next-token cross-entropy of `tokens` through the group, forward only.
@@ -391,6 +374,28 @@ impl Leader {
     }
 
     /// Hands an update to every live row's holder (and a copy to the archive, if set).
+    /// Runs a due update through `teacher`'s gate on this group and publishes it if it
+    /// passes: what was sent, or why the gate refused it.
+    pub fn judge_and_publish(
+        &mut self,
+        rt: &tokio::runtime::Runtime,
+        teacher: &mut Teacher,
+        p: Published,
+    ) -> Result<std::result::Result<Sent, String>> {
+        let judged = teacher.judge(&self.llama, &mut self.group, self.version, p);
+        match rt.block_on(judged)? {
+            Judged::Refused(why, _) => Ok(Err(why)),
+            Judged::Publish(p, _) => match self.publish(rt, p) {
+                Ok(sent) => Ok(Ok(sent)),
+                Err(e) => {
+                    teacher.drop_last();
+                    Err(e)
+                }
+            },
+        }
+    }
+
+    /// Publishes an update: hands it to every live row's holder.
     pub fn publish(&self, rt: &tokio::runtime::Runtime, p: Published) -> Result<Sent> {
         let link = NativeLink::quiet(self.client.clone());
         let sealed = node_core::lead::seal_update(&p, &self.key)?;
@@ -407,6 +412,27 @@ impl Leader {
             &p,
         )))
     }
+}
+
+/// Generates a completion of `prompt` through `group`'s rounds, blocking on `rt` once for the
+/// whole request; `on_token` sees each token and returns false to stop.
+pub fn generate_rounds(
+    rt: &tokio::runtime::Runtime,
+    llama: &node_core::model::Llama,
+    group: &mut node_core::coded::CodedGroup<NetTransport>,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    on_token: &mut dyn FnMut(u32) -> bool,
+) -> Result<Generation, ModelError> {
+    let mut cache = KvCache::new(llama.config());
+    let forward = async |pass: Pass<'_>| run_pass(llama, group, &mut cache, pass).await;
+    rt.block_on(generate_async(
+        forward,
+        llama.config(),
+        prompt,
+        opts,
+        on_token,
+    ))
 }
 
 /// What one learning step did.

@@ -17,7 +17,7 @@ use node_core::coded::CodedGroup;
 use node_core::coded::rounds::{Asks, MemberAnswer, Rounds};
 use node_core::holder::HolderError;
 use node_core::lead::{Formed, GroupOptions, LeadLink, OwnRow};
-use node_core::learn::{CANARY_TEXT, CanaryGate, Learner};
+use node_core::learn::{CANARY_TEXT, CanaryGate, Judged, Learner, Teacher};
 use node_core::mesh::{
     BrowserBootstrap, MeshRequest, MeshResponse, ModelManifest, RoundConfig, StepRefusal, Usage,
 };
@@ -117,9 +117,9 @@ struct Versioned<'a> {
 #[derive(Debug, Default)]
 pub(crate) struct Lead {
     model: Option<Rc<LeaderModel>>,
-    learner: Option<Learner>,
-    /// Judges each update before it is published (made with the model's tokenizer).
-    gate: Option<CanaryGate>,
+    /// The page's learner and the canary gate that judges each of its updates (made with the
+    /// model's tokenizer).
+    teacher: Option<Teacher>,
 }
 
 fn mesh_err(e: impl std::fmt::Display) -> WebError {
@@ -284,36 +284,45 @@ impl BrowserNode {
         let tokens = node_core::learn::taught(prompt, window);
         let grads = llama.gradients(group, tokens).await.map_err(mesh_err)?;
         let loss = grads.loss;
-        let published = {
-            let mut lead = self.lead.borrow_mut();
-            let learner = lead.learner.get_or_insert_with(|| {
-                Learner::new(manifest.learning, manifest.cfg.clone(), manifest.format)
-            });
-            learner.push(grads).map_err(mesh_err)?
-        };
-        let Some(p) = published else {
-            return Ok((Some(loss), None));
-        };
-        // The gate leaves the page's state while it measures (across awaits), then returns.
-        let taken_gate = self.lead.borrow_mut().gate.take();
-        let mut gate = match taken_gate {
-            Some(g) => g,
-            None => CanaryGate::new(tokenizer.encode(CANARY_TEXT).map_err(mesh_err)?),
-        };
-        let taken = p.update.clone().taken_by(manifest.format);
-        let verdict = gate.judge(llama, group, version, &taken).await;
-        self.lead.borrow_mut().gate = Some(gate);
-        let verdict = verdict.map_err(mesh_err)?;
-        if let Some(why) = verdict.refusal() {
-            if let Some(l) = self.lead.borrow_mut().learner.as_mut() {
-                l.refuse_last();
+        // The teacher leaves the page's state while the gate measures (across awaits), then
+        // returns; the page leads one request at a time.
+        let taken = self.lead.borrow_mut().teacher.take();
+        let mut teacher = match taken {
+            Some(t) => t,
+            None => {
+                let gate = CanaryGate::new(tokenizer.encode(CANARY_TEXT).map_err(mesh_err)?);
+                let learner =
+                    Learner::new(manifest.learning, manifest.cfg.clone(), manifest.format);
+                Teacher::new(learner, Some(gate), manifest.format)
             }
-            tracing::warn!("the canary gate refused this page's update: {why}");
-            return Ok((Some(loss), Some(format!("not published: {why}"))));
-        }
-        let sent = node_core::lead::publish(self, &self.key, holders, &p)
-            .await
-            .map_err(mesh_err)?;
+        };
+        let judged = match teacher.fold(grads) {
+            Ok(Some(p)) => teacher
+                .judge(llama, group, version, p)
+                .await
+                .map(Some)
+                .map_err(mesh_err),
+            Ok(None) => Ok(None),
+            Err(e) => Err(mesh_err(e)),
+        };
+        self.lead.borrow_mut().teacher = Some(teacher);
+        let p = match judged? {
+            None => return Ok((Some(loss), None)),
+            Some(Judged::Refused(why, _)) => {
+                tracing::warn!("the canary gate refused this page's update: {why}");
+                return Ok((Some(loss), Some(format!("not published: {why}"))));
+            }
+            Some(Judged::Publish(p, _)) => p,
+        };
+        let sent = match node_core::lead::publish(self, &self.key, holders, &p).await {
+            Ok(sent) => sent,
+            Err(e) => {
+                if let Some(t) = self.lead.borrow_mut().teacher.as_mut() {
+                    t.drop_last();
+                }
+                return Err(mesh_err(e));
+            }
+        };
         Ok((
             Some(loss),
             Some(format!(

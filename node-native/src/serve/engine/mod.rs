@@ -24,8 +24,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Result, anyhow};
 use libp2p::PeerId;
-use node_core::learn::{Budgets, CANARY_TEXT, CanaryGate, Learner, Published};
+use node_core::learn::{
+    Budgets, CANARY_TEXT, CanaryGate, Judged, Learner, Published, Teacher, Verdict,
+};
 use node_core::mesh::{MeshInfo, MeshResponse, ModelManifest, Usage};
+use node_core::model::speculate::DraftCost;
 use node_core::model::{
     BatchItem, GenerateOptions, KvCache, LeaderWeights, Llama, SamplingParams, Sequence, StopReason,
 };
@@ -269,19 +272,22 @@ impl Engine {
             lead.yield_to = Some(shared.clone());
             let trainer = Trainer {
                 lead,
-                learner: Learner::new(
-                    ctx.manifest.learning,
-                    ctx.manifest.cfg.clone(),
+                teacher: Teacher::new(
+                    Learner::new(
+                        ctx.manifest.learning,
+                        ctx.manifest.cfg.clone(),
+                        ctx.manifest.format,
+                    ),
+                    Some(CanaryGate::new(
+                        node_core::model::Tokenizer::from_data(&ctx.manifest.tokenizer)?
+                            .encode(CANARY_TEXT)?,
+                    )),
                     ctx.manifest.format,
                 ),
                 requests: train_rx,
                 waiting: VecDeque::new(),
                 publish: publish_tx,
                 backlog: backlog.clone(),
-                gate: CanaryGate::new(
-                    node_core::model::Tokenizer::from_data(&ctx.manifest.tokenizer)?
-                        .encode(CANARY_TEXT)?,
-                ),
             };
             ctx.runtime.spawn(trainer.run());
         }
@@ -309,6 +315,7 @@ impl Engine {
                 failures: 0,
                 latency_ms: latency_ms.clone(),
                 steps: 0,
+                draft_cost: DraftCost::default(),
                 shared: shared.clone(),
             };
             ctx.runtime.spawn(worker.run());

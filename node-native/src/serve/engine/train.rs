@@ -15,14 +15,13 @@ pub(super) struct ToLearn {
 /// updates through the canary gate and out to the serving task.
 pub(super) struct Trainer {
     pub(super) lead: Lead,
-    pub(super) learner: Learner,
+    /// The learner and the canary gate that judges every update before it is published.
+    pub(super) teacher: Teacher,
     pub(super) requests: mpsc::UnboundedReceiver<ToLearn>,
     /// Requests taken that did not fit the last minibatch: the next one starts with them.
     pub(super) waiting: VecDeque<ToLearn>,
     pub(super) publish: mpsc::UnboundedSender<PublishRequest>,
     pub(super) backlog: Arc<AtomicUsize>,
-    /// Judges every update before it is published.
-    pub(super) gate: CanaryGate,
 }
 
 /// What one training pass takes: the requests it trains on, and their distinct token
@@ -74,7 +73,7 @@ impl Trainer {
                     Ok(None) => break,
                     Err(_) => {
                         // Accumulated gradients (accumulate > 1) go out once requests stop.
-                        match tokio::task::block_in_place(|| self.learner.flush()) {
+                        match tokio::task::block_in_place(|| self.teacher.flush()) {
                             Ok(Some(p)) => self.judge_and_hand_over(p).await,
                             Ok(None) => {}
                             Err(e) => tracing::warn!("the update could not be made: {e}"),
@@ -185,7 +184,7 @@ impl Trainer {
             )
         });
         // Folding in a gradient (and compressing an update) is long work off the network.
-        match tokio::task::block_in_place(|| self.learner.push(grads)) {
+        match tokio::task::block_in_place(|| self.teacher.fold(grads)) {
             Ok(Some(p)) => self.judge_and_hand_over(p).await,
             Ok(None) => {}
             Err(e) => tracing::warn!("the update could not be made: {e}"),
@@ -196,62 +195,66 @@ impl Trainer {
     /// Runs an update through the canary gate, and publishes it if it passes; a refused one
     /// is forgotten by the learner too.
     pub(super) async fn judge_and_hand_over(&mut self, published: Published) {
-        let format = self.lead.ctx.manifest.format;
-        let taken = published.update.clone().taken_by(format);
-        let verdict = match self.lead.group().await {
+        let judged = match self.lead.group().await {
             Ok(f) => {
                 f.group.transport_mut().set_context("canary gate".into());
-                let v = self
-                    .gate
-                    .judge(&f.llama, &mut f.group, f.version, &taken)
+                let judged = self
+                    .teacher
+                    .judge(&f.llama, &mut f.group, f.version, published)
                     .await;
                 self.lead.after_rounds().await;
-                v.map_err(|e| e.to_string())
+                judged.map_err(|e| e.to_string())
             }
-            Err(why) => Err(why),
+            Err(why) => {
+                self.teacher.drop_last();
+                Err(why)
+            }
         };
         let m = self.lead.ctx.metrics.clone();
-        let verdict = match verdict {
-            Ok(v) => v,
+        let (published, verdict) = match judged {
+            Ok(Judged::Publish(p, v)) => (p, v),
+            Ok(Judged::Refused(why, verdict)) => {
+                self.gate_measured(&verdict).await;
+                m.updates_refused.inc();
+                tracing::warn!("the canary gate refused an update: {why}");
+                return;
+            }
             Err(why) => {
                 // Unjudged, it is not published: the next minibatch makes another.
                 tracing::warn!("an update could not be judged, not published: {why}");
-                self.learner.refuse_last();
                 self.lead.drop_group();
                 return;
             }
         };
-        // The mesh's canary loss from here on: after the update if it goes out, else before it.
+        if let Some(v) = &verdict {
+            self.gate_measured(v).await;
+            tracing::info!(
+                before = v.before,
+                after = v.after,
+                "the canary gate passed an update"
+            );
+        }
+        let requests = u64::from(published.requests);
+        if let Some(version) = self.hand_over(published).await {
+            self.teacher.published(version, verdict.as_ref());
+            m.train_learnt.inc_by(requests);
+        }
+    }
+
+    /// Tells the metrics and the mesh's usage the canary loss from here on: after the update
+    /// when it goes out, else before it.
+    async fn gate_measured(&self, verdict: &Verdict) {
         let canary = if verdict.pass {
             verdict.after
         } else {
             verdict.before
         };
-        m.canary_loss.set(canary);
+        self.lead.ctx.metrics.canary_loss.set(canary);
         self.lead
             .ctx
             .local
             .served(Usage::of_gate(canary, !verdict.pass))
             .await;
-        if let Some(why) = verdict.refusal() {
-            m.updates_refused.inc();
-            tracing::warn!(
-                requests = published.requests,
-                "the canary gate refused an update: {why}"
-            );
-            self.learner.refuse_last();
-            return;
-        }
-        tracing::info!(
-            before = verdict.before,
-            after = verdict.after,
-            "the canary gate passed an update"
-        );
-        let requests = u64::from(published.requests);
-        if let Some(version) = self.hand_over(published).await {
-            self.gate.moved_to(version, verdict.after);
-            m.train_learnt.inc_by(requests);
-        }
     }
 
     /// Has the serving task publish an update, and follows the mesh to the new version: that

@@ -90,6 +90,8 @@ pub(super) struct Worker {
     pub(super) failures: u32,
     pub(super) latency_ms: Arc<AtomicU64>,
     pub(super) steps: u64,
+    /// What a drafted row costs this group's steps, as a share of a step without drafts.
+    pub(super) draft_cost: DraftCost,
     /// What the serving tasks share.
     pub(super) shared: Arc<Shared>,
 }
@@ -254,6 +256,12 @@ impl Worker {
             seq.restart(epoch);
         }
         let rows: usize = self.active.iter().map(|s| s.step.pass().tokens.len()).sum();
+        // Drafted rows, where every sequence decodes (a prompt's rows would swamp them).
+        let drafted = self.active.iter().try_fold(0, |n, s| {
+            let p = s.step.pass();
+            (p.tokens.len() == p.logits).then_some(n + p.logits - 1)
+        });
+        let began = Instant::now();
         let span = tracing::info_span!(
             "forward_step",
             step = self.steps,
@@ -275,8 +283,16 @@ impl Worker {
         match result {
             Ok(logits) => {
                 self.failures = 0;
+                if let Some(drafted) = drafted {
+                    self.draft_cost
+                        .observe(drafted, began.elapsed().as_secs_f64());
+                }
+                let cost = self.draft_cost.share();
                 let active = std::mem::take(&mut self.active);
                 for (mut seq, logits) in active.into_iter().zip(logits) {
+                    if let Some(c) = cost {
+                        seq.step.set_draft_cost(c);
+                    }
                     match self.advance(&mut seq, &logits) {
                         Ok(Some(stop)) => self.finish(seq, stop).await,
                         Ok(None) => self.active.push(seq),

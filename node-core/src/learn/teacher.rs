@@ -1,0 +1,196 @@
+//! The one hand-off from a leader's gradients to what the mesh gossips, for every leader (the
+//! API's trainer, `generate --bootstrap`, the browser's prompt box, the learning bench): the
+//! learner folds the gradients in, the canary gate judges the update that falls due as the
+//! mesh's shards would take it, and a refused (or unjudged) update is forgotten by the
+//! learner, so it steers no later step.
+
+use super::{CanaryGate, Learner, Published, UpdateError, Verdict};
+use crate::coded::ShardFormat;
+use crate::model::{Gradients, LinearExec, Llama, ModelError};
+
+/// A leader's learning: its learner and, unless turned off, its canary gate.
+#[derive(Debug)]
+pub struct Teacher {
+    learner: Learner,
+    gate: Option<CanaryGate>,
+    format: ShardFormat,
+}
+
+/// What the gate made of a due update.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Judged {
+    /// Publish it: the gate passed it (its verdict), or there is no gate.
+    Publish(Published, Option<Verdict>),
+    /// The gate refused it (why, and its verdict); the learner forgot it.
+    Refused(String, Verdict),
+}
+
+impl Teacher {
+    /// A teacher folding into `learner`, judging with `gate` (none: every update goes out),
+    /// for shards stored as `format`.
+    pub fn new(learner: Learner, gate: Option<CanaryGate>, format: ShardFormat) -> Self {
+        Self {
+            learner,
+            gate,
+            format,
+        }
+    }
+
+    /// Folds one request's (or minibatch's) gradient in; the update when one is due.
+    pub fn fold(&mut self, grads: Gradients) -> Result<Option<Published>, UpdateError> {
+        self.learner.push(grads)
+    }
+
+    /// What is folded in and not yet out, as an update now (at the end of a session or when
+    /// requests stop), if anything.
+    pub fn flush(&mut self) -> Result<Option<Published>, UpdateError> {
+        self.learner.flush()
+    }
+
+    /// Requests folded in and not yet published.
+    pub fn pending(&self) -> u32 {
+        self.learner.pending()
+    }
+
+    /// Runs a due update through the gate on `llama` over `exec` (a group at `version`). A
+    /// refused update, or one the gate could not measure (the error), is forgotten.
+    pub async fn judge<E: LinearExec>(
+        &mut self,
+        llama: &Llama,
+        exec: &mut E,
+        version: [u8; 32],
+        published: Published,
+    ) -> Result<Judged, ModelError> {
+        let Some(gate) = self.gate.as_mut() else {
+            return Ok(Judged::Publish(published, None));
+        };
+        let taken = published.update.clone().taken_by(self.format);
+        let verdict = match gate.judge(llama, exec, version, &taken).await {
+            Ok(v) => v,
+            Err(e) => {
+                self.learner.refuse_last();
+                return Err(e);
+            }
+        };
+        match verdict.refusal() {
+            Some(why) => {
+                self.learner.refuse_last();
+                Ok(Judged::Refused(why, verdict))
+            }
+            None => Ok(Judged::Publish(published, Some(verdict))),
+        }
+    }
+
+    /// Forgets the update last made: it could not be judged or published.
+    pub fn drop_last(&mut self) {
+        self.learner.refuse_last();
+    }
+
+    /// The mesh moved to `version` by publishing an update the gate judged with `verdict`:
+    /// the gate's loss there is the one it measured after it.
+    pub fn published(&mut self, version: [u8; 32], verdict: Option<&Verdict>) {
+        if let (Some(gate), Some(v)) = (self.gate.as_mut(), verdict) {
+            gate.moved_to(version, v.after);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // a test: a failed unwrap is a failed test
+
+    use futures::executor::block_on;
+
+    use super::*;
+    use crate::code::Generator;
+    use crate::coded::{CodedGroup, InProcess};
+    use crate::mesh::LearningConfig;
+    use crate::model::{LeaderWeights, LlamaConfig, ModelWeights};
+
+    fn config() -> LlamaConfig {
+        LlamaConfig {
+            hidden: 64,
+            ffn: 128,
+            layers: 2,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 16,
+            vocab: 96,
+            norm_eps: 1e-5,
+            rope_theta: 10_000.0,
+            max_seq: 64,
+            tied_embeddings: false,
+        }
+    }
+
+    /// A coded group of a small random model, its leader's weights, and two gradients (of two
+    /// texts).
+    fn setup() -> (Llama, CodedGroup<InProcess>, [Gradients; 2]) {
+        let weights = ModelWeights::synthetic(config(), 7).unwrap();
+        let g = Generator::integer(3, 2, None).unwrap();
+        let mesh = InProcess::encode(&weights, &g, ShardFormat::Q8, &|_, _| {}).unwrap();
+        let mut group = CodedGroup::new(config(), g, &[0, 1], mesh).unwrap();
+        let llama = Llama::new(config(), LeaderWeights::from_model(&weights)).unwrap();
+        let grads = [7u32, 11].map(|m| {
+            let tokens: Vec<u32> = (0..24).map(|i| i * m % 96).collect();
+            block_on(llama.gradients(&mut group, &tokens)).unwrap()
+        });
+        (llama, group, grads)
+    }
+
+    fn teacher(gate: Option<CanaryGate>) -> Teacher {
+        let learner = Learner::new(LearningConfig::default(), config(), ShardFormat::Q8);
+        Teacher::new(learner, gate, ShardFormat::Q8)
+    }
+
+    fn canary() -> Vec<u32> {
+        (0..32).map(|i| (i * 5 % 96) as u32).collect()
+    }
+
+    #[test]
+    fn a_refused_update_is_forgotten_and_steers_no_later_one() {
+        let (llama, mut group, [g1, g2]) = setup();
+        // Without a gate the first update goes out, and Adam's moments carry it into the
+        // second: that one differs from the update of the second gradient alone.
+        let mut open = teacher(None);
+        let first = open.fold(g1.clone()).unwrap().unwrap();
+        let judged = block_on(open.judge(&llama, &mut group, [0; 32], first.clone())).unwrap();
+        assert!(judged == Judged::Publish(first.clone(), None));
+        let after_first = open.fold(g2.clone()).unwrap().unwrap();
+        let alone = teacher(None).fold(g2.clone()).unwrap().unwrap();
+        assert!(after_first != alone, "the moments carried nothing");
+        // A gate that refuses everything: the refused update is forgotten, so the next one is
+        // the second gradient's alone.
+        let shut = CanaryGate::new(canary()).with_bounds(f64::NEG_INFINITY, f64::NEG_INFINITY);
+        let mut gated = teacher(Some(shut));
+        let made = gated.fold(g1).unwrap().unwrap();
+        assert!(made == first, "the same gradient makes the same update");
+        match block_on(gated.judge(&llama, &mut group, [0; 32], made)).unwrap() {
+            Judged::Refused(why, verdict) => {
+                assert!(!verdict.pass);
+                assert!(why.contains("canary loss"), "{why}");
+            }
+            Judged::Publish(..) => panic!("a gate that refuses everything passed an update"),
+        }
+        let next = gated.fold(g2).unwrap().unwrap();
+        assert!(next == alone, "the refused update steered the next one");
+    }
+
+    #[test]
+    fn a_passed_update_carries_its_verdict_and_the_gate_follows_the_mesh() {
+        let (llama, mut group, [grads, _]) = setup();
+        let open = CanaryGate::new(canary()).with_bounds(f64::INFINITY, f64::INFINITY);
+        let mut t = teacher(Some(open));
+        let made = t.fold(grads).unwrap().unwrap();
+        let verdict = match block_on(t.judge(&llama, &mut group, [0; 32], made)).unwrap() {
+            Judged::Publish(_, Some(v)) => v,
+            _ => panic!("a gate that passes everything refused, or gave no verdict"),
+        };
+        assert!(verdict.pass && verdict.before.is_finite() && verdict.after.is_finite());
+        // At the version the update moved the mesh to, the gate remembers the loss after it.
+        t.published([1; 32], Some(&verdict));
+        let gate = t.gate.as_mut().unwrap();
+        let at = block_on(gate.loss_at(&llama, &mut group, [1; 32])).unwrap();
+        assert_eq!(at, verdict.after);
+    }
+}
