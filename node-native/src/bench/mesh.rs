@@ -127,7 +127,7 @@ pub(super) fn delay_rows(
     )?;
     let draft = node_core::model::speculate::DEFAULT_DRAFT;
     let mut first: Option<Vec<u32>> = None;
-    for (what, draft) in [("a token a pass", 0), ("drafts of 4", draft)] {
+    for (what, draft) in [("a token a pass", 0), ("drafts of up to 4", draft)] {
         leader.group.reset_stats();
         let opts = GenerateOptions {
             draft,
@@ -160,7 +160,7 @@ pub(super) fn delay_rows(
     // A pass is the feed, the embedding lookup, four stages a layer and the LM head: a hop each.
     let hops_per_pass = (4 * cfg.layers + 3) as f64;
     let mut hop_ms = 0.0;
-    for (what, draft) in [("a token a pass", 0), ("drafts of 4", draft)] {
+    for (what, draft) in [("a token a pass", 0), ("drafts of up to 4", draft)] {
         let opts = GenerateOptions {
             draft,
             ..plain.clone()
@@ -210,7 +210,7 @@ pub(super) fn api_delay_rows(
     let api_ms = 1e3 / run.decode_tokens_per_s().max(1e-9);
     Ok(vec![row(
         format!(
-            "one-way delay {ms} ms, summary, one stream through the seed's OpenAI API (drafts of {})",
+            "one-way delay {ms} ms, summary, one stream through the seed's OpenAI API (drafts of up to {})",
             node_core::model::speculate::DEFAULT_DRAFT
         ),
         format!(
@@ -286,7 +286,7 @@ pub(super) fn loopback_rows(
             ),
         ),
         row(
-            format!("{label}: decode with drafts of {draft} (prompt lookup)"),
+            format!("{label}: decode with drafts of up to {draft} (prompt lookup)"),
             format!(
                 "{:.1} tok/s ({:.1} ms/token), {:.2} tokens per forward pass, {:.0}% of drafts kept, {}",
                 drafted.decode_tokens_per_s(),
@@ -370,7 +370,7 @@ pub(super) fn api_rows(
     Ok(vec![
         row(
             format!(
-                "{label}: one stream through the seed's OpenAI API (its node leads and computes its own row, as up's API node; drafts of {})",
+                "{label}: one stream through the seed's OpenAI API (its node leads and computes its own row, as up's API node; drafts of up to {})",
                 node_core::model::speculate::DEFAULT_DRAFT
             ),
             format!(
