@@ -250,6 +250,11 @@ impl Worker {
             self.lead.hop_failed();
         }
         let hop = hop && self.lead.hop.leader.is_some();
+        if !hop {
+            // A rounds step never follows a hop group's: the members' keys and values are not
+            // the leader's, so the group goes and its sequences start again here.
+            self.lead.hop.drop_group();
+        }
         // Sequences whose keys and values were left elsewhere start again.
         let epoch = self.lead.hop.epoch;
         for seq in self.active.iter_mut().filter(|s| s.epoch != epoch) {
