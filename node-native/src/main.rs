@@ -696,13 +696,13 @@ fn run_once_on_mesh(
         );
         (args.k, args.n) = (g.k(), g.n());
         let mut emitted = 0;
-        let cfg = leader.manifest.cfg.clone();
         let generated = if args.hop {
             let mut hop = node_native::lead::hop::lead_group(&leader, rt.handle(), args.check)?;
             eprintln!("one hop per stage, members {:?}", hop.rows());
+            let cfg = &leader.manifest.cfg;
             let mut run = |p: &[u32], o: &GenerateOptions, on: &mut dyn FnMut(u32) -> bool| {
                 let forward = async |pass: Pass<'_>| hop.forward(pass).await;
-                rt.block_on(generate_async(forward, &cfg, p, o, on))
+                rt.block_on(generate_async(forward, cfg, p, o, on))
             };
             let out = generate_and_print(&mut run, &leader.tokenizer, args, &mut emitted);
             let s = hop.stats();

@@ -177,8 +177,9 @@ pub async fn generate_async(
     let mut prefill_time = None;
     let mut cost = DraftCost::default();
     let stop = loop {
-        let (drafted, began) = (seq.pass().logits - 1, Instant::now());
-        let logits = forward(seq.pass()).await?;
+        let pass = seq.pass();
+        let (drafted, began) = (pass.logits - 1, Instant::now());
+        let logits = forward(pass).await?;
         if prefill_time.is_some() {
             cost.observe(drafted, began.elapsed().as_secs_f64());
             if let Some(c) = cost.share() {

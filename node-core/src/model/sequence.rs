@@ -182,11 +182,6 @@ impl Sequence {
         self.text.len() - self.prompt_tokens
     }
 
-    /// The prompt, then every token generated.
-    pub fn text(&self) -> &[u32] {
-        &self.text
-    }
-
     /// The tokens generated.
     pub fn into_generated(mut self) -> Vec<u32> {
         self.text.split_off(self.prompt_tokens)

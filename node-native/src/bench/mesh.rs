@@ -77,16 +77,15 @@ pub fn mesh_rows(b: &MeshBench<'_>) -> Result<Vec<Row>> {
                 b.n
             )
         })?;
+        let model = crate::serve::api::model_id(&leader.manifest);
         if ms == 0.0 {
             rows.extend(loopback_rows(&mut leader, &rt, &mesh, b)?);
             rows.push(group_row(b));
-            let model = crate::serve::api::model_id(&leader.manifest);
             rows.extend(api_rows(&rt, &mut mesh, &model, b)?);
         }
         let (delayed, hop_ms) = delay_rows(&mut leader, &rt, b.summary, ms)?;
         rows.extend(delayed);
         if ms > 0.0 {
-            let model = crate::serve::api::model_id(&leader.manifest);
             rows.extend(api_delay_rows(
                 &rt, &mut mesh, &model, b.summary, ms, hop_ms,
             )?);

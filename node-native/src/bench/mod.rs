@@ -532,9 +532,8 @@ pub fn speculation_rows(
         let plain = run(&mut group, 0)?;
         let drafted = run(&mut group, draft)?;
         let spec = drafted.speculation;
-        let per_pass =
-            drafted.tokens.len() as f64 / drafted.forward_passes.saturating_sub(1).max(1) as f64;
         let passes = drafted.forward_passes.saturating_sub(1).max(1) as f64;
+        let per_pass = drafted.tokens.len() as f64 / passes;
         rows.push(row(
             format!("drafts of up to {draft} (prompt lookup, a length per sequence), {kind}: acceptance"),
             format!(

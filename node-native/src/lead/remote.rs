@@ -373,7 +373,6 @@ impl Leader {
         Ok(())
     }
 
-    /// Hands an update to every live row's holder (and a copy to the archive, if set).
     /// Runs a due update through `teacher`'s gate on this group and publishes it if it
     /// passes: what was sent, or why the gate refused it.
     pub fn judge_and_publish(
@@ -395,7 +394,7 @@ impl Leader {
         }
     }
 
-    /// Publishes an update: hands it to every live row's holder.
+    /// Hands an update to every live row's holder (and a copy to the archive, if set).
     pub fn publish(&self, rt: &tokio::runtime::Runtime, p: Published) -> Result<Sent> {
         let link = NativeLink::quiet(self.client.clone());
         let sealed = node_core::lead::seal_update(&p, &self.key)?;

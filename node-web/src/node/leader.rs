@@ -2,10 +2,8 @@
 //! through this node's libp2p swarm, node-core's generation loop, then the request's learning
 //! update, signed with this node's identity and handed to every row's holder.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::rc::Rc;
-
-use std::collections::VecDeque;
 use std::task::{Context, Poll};
 
 use futures::FutureExt;
@@ -494,18 +492,23 @@ impl WebAsks {
                     Poll::Ready(Ok(stream)) => {
                         let mut driven = Driven::new(stream);
                         let queued = std::mem::take(queued);
-                        let mut failed = None;
-                        for ask in &queued {
-                            if let Err(e) = driven.ask(ask, now) {
-                                failed = Some(e.to_string());
+                        self.sessions += 1;
+                        let written = queued.iter().try_for_each(|ask| driven.ask(ask, now));
+                        match written {
+                            Ok(()) => {
+                                self.session_asks += queued.len() as u64;
+                                *link = WebLink::Open(Box::new(driven));
+                            }
+                            Err(e) => {
+                                // The session is lost: every ask that waited for it fails.
+                                let why = e.to_string();
+                                *link = WebLink::Failed(why.clone());
+                                for ask in &queued {
+                                    self.fail(ask.id, row, &why);
+                                }
+                                continue;
                             }
                         }
-                        self.sessions += 1;
-                        self.session_asks += queued.len() as u64;
-                        *link = match failed {
-                            None => WebLink::Open(Box::new(driven)),
-                            Some(why) => WebLink::Failed(why),
-                        };
                     }
                     Poll::Ready(Err(e)) => {
                         let why = e.to_string();

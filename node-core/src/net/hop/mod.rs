@@ -66,6 +66,36 @@ pub struct Join {
     pub noise: f64,
 }
 
+impl Join {
+    /// The members' rows, in the group's order.
+    fn member_rows(&self) -> Vec<usize> {
+        self.rows.iter().map(|&r| r as usize).collect()
+    }
+
+    /// How long a member's part (or a checking answer) is waited for.
+    fn wait(&self) -> Duration {
+        Duration::from_millis(self.wait_ms.into())
+    }
+
+    /// The coded group over `transport` that a member or the leader of this hop group
+    /// decodes with, checking as the join says.
+    fn group<T: Transport>(
+        &self,
+        cfg: LlamaConfig,
+        generator: Generator,
+        transport: T,
+    ) -> Result<CodedGroup<T>, CodedError> {
+        let mut group = CodedGroup::new(cfg, generator, &self.member_rows(), transport)?;
+        group.set_verify(VerifyConfig {
+            extra: self.extra as usize,
+            noise: self.noise,
+            // Every member decodes for itself, and the leader only the LM head: none projects.
+            project: false,
+        });
+        Ok(group)
+    }
+}
+
 /// One forward pass, as the leader feeds it: the sequences of its batch, each with tokens at
 /// its own positions, run together.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -349,7 +379,7 @@ impl<L: HopLink> HopMember<L> {
     /// The member holding `join.row` of a group, computing with `llama` (the norm gains at the
     /// group's version) and decoding with `generator`.
     pub fn new(llama: Llama, generator: Generator, join: &Join, link: L) -> Result<Self, HopError> {
-        let rows: Vec<usize> = join.rows.iter().map(|&r| r as usize).collect();
+        let rows = join.member_rows();
         let row = join.row as usize;
         if !rows.contains(&row) {
             return Err(CodedError::BadRequest(format!("row {row} is not in the group")).into());
@@ -358,8 +388,8 @@ impl<L: HopLink> HopMember<L> {
             link,
             group: join.group,
             row,
-            rows: rows.clone(),
-            wait: Duration::from_millis(join.wait_ms.into()),
+            rows,
+            wait: join.wait(),
             pass: 0,
             round: 0,
             request: Vec::new(),
@@ -370,13 +400,7 @@ impl<L: HopLink> HopMember<L> {
             dropped: Vec::new(),
         };
         let cfg = llama.config().clone();
-        let mut group = CodedGroup::new(cfg.clone(), generator, &rows, exchange)?;
-        group.set_verify(VerifyConfig {
-            extra: join.extra as usize,
-            noise: join.noise,
-            // A hop member decodes for itself; only a leader's group projects.
-            project: false,
-        });
+        let group = join.group(cfg.clone(), generator, exchange)?;
         Ok(Self {
             caches: BTreeMap::new(),
             cfg,
@@ -579,23 +603,16 @@ impl<L: FeedLink> HopLeader<L> {
         join: &Join,
         link: L,
     ) -> Result<Self, CodedError> {
-        let rows: Vec<usize> = join.rows.iter().map(|&r| r as usize).collect();
         let gather = Gather {
             link,
-            wait: Duration::from_millis(join.wait_ms.into()),
+            wait: join.wait(),
             k: generator.k(),
             pass: 0,
             fed_at: Instant::now(),
             decodable_at: None,
             got: BTreeMap::new(),
         };
-        let mut group = CodedGroup::new(cfg.clone(), generator, &rows, gather)?;
-        group.set_verify(VerifyConfig {
-            extra: join.extra as usize,
-            noise: join.noise,
-            // A hop member decodes for itself; only a leader's group projects.
-            project: false,
-        });
+        let group = join.group(cfg.clone(), generator, gather)?;
         Ok(Self {
             cfg,
             group,

@@ -194,11 +194,12 @@ impl Lead {
         };
         let s = leader.stats().clone();
         leader.reset_stats();
-        let rows = match self.formed.as_ref() {
-            Some(f) => (f.rows.clone(), f.holders.clone()),
-            None => Default::default(),
-        };
-        self.count_rounds(s, &rows.0, &rows.1).await;
+        let none = std::collections::BTreeMap::new();
+        let (rows, holders) = self
+            .formed
+            .as_ref()
+            .map_or((&none, &[][..]), |f| (&f.rows, &f.holders[..]));
+        self.ctx.count_rounds(s, rows, holders).await;
     }
 }
 

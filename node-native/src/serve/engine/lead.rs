@@ -156,41 +156,7 @@ impl Lead {
                 shared.set_busy(*slot, f.members.clone());
             }
         }
-        let (rows, holders) = (f.rows.clone(), f.holders.clone());
-        self.count_rounds(s, &rows, &holders).await;
-    }
-
-    /// Counts a group's rounds (checked, projected, members replaced) and reports the members
-    /// they caught to the node and to every holder.
-    pub(super) async fn count_rounds(
-        &mut self,
-        s: node_core::coded::ExecStats,
-        rows: &std::collections::BTreeMap<usize, PeerId>,
-        holders: &[PeerId],
-    ) {
-        let m = &self.ctx.metrics;
-        m.rounds_checked.inc_by(s.verified_rounds);
-        m.rounds_projected.inc_by(s.projected_rounds);
-        m.members_replaced.inc_by(s.members_dropped);
-        if s.verified_rounds > 0 {
-            m.decode_residual_ratio
-                .observe(s.max_pass_ratio.max(s.max_projected_ratio));
-        }
-        if s.caught.is_empty() {
-            return;
-        }
-        m.members_caught.inc_by(s.caught.len() as u64);
-        for c in &s.caught {
-            if let Some(&peer) = rows.get(&c.node) {
-                tracing::warn!(%peer, "caught: {c}");
-                self.ctx.local.caught(peer, c.to_string()).await;
-            }
-        }
-        let link = crate::hold::link::NativeLink::quiet(self.ctx.client.clone());
-        let (rows, holders) = (rows.clone(), holders.to_vec());
-        self.ctx.runtime.spawn(async move {
-            node_core::lead::report_caught(&link, &s.caught, &rows, &holders).await;
-        });
+        self.ctx.count_rounds(s, &f.rows, &f.holders).await;
     }
 
     /// Moves the group to a version every member now holds, with its norm gains; forms it
@@ -211,5 +177,40 @@ impl Lead {
             }
             _ => self.drop_group(),
         }
+    }
+}
+
+impl EngineContext {
+    /// Counts a group's rounds (checked, projected, members replaced) and reports the members
+    /// they caught to the node and to every holder.
+    pub(super) async fn count_rounds(
+        &self,
+        s: node_core::coded::ExecStats,
+        rows: &std::collections::BTreeMap<usize, PeerId>,
+        holders: &[PeerId],
+    ) {
+        let m = &self.metrics;
+        m.rounds_checked.inc_by(s.verified_rounds);
+        m.rounds_projected.inc_by(s.projected_rounds);
+        m.members_replaced.inc_by(s.members_dropped);
+        if s.verified_rounds > 0 {
+            m.decode_residual_ratio
+                .observe(s.max_pass_ratio.max(s.max_projected_ratio));
+        }
+        if s.caught.is_empty() {
+            return;
+        }
+        m.members_caught.inc_by(s.caught.len() as u64);
+        for c in &s.caught {
+            if let Some(&peer) = rows.get(&c.node) {
+                tracing::warn!(%peer, "caught: {c}");
+                self.local.caught(peer, c.to_string()).await;
+            }
+        }
+        let link = crate::hold::link::NativeLink::quiet(self.client.clone());
+        let (rows, holders) = (rows.clone(), holders.to_vec());
+        self.runtime.spawn(async move {
+            node_core::lead::report_caught(&link, &s.caught, &rows, &holders).await;
+        });
     }
 }
