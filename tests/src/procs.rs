@@ -62,10 +62,29 @@ impl Proc {
 
     /// Sends it a signal (`STOP`, `CONT`, `KILL`…).
     pub fn signal(&self, sig: &str) {
-        let _ = Command::new("kill")
-            .arg(format!("-{sig}"))
-            .arg(self.pid().to_string())
-            .status();
+        signal(self.child.id(), sig);
+    }
+
+    /// Kills it and waits until it has exited (a zombie until reaped): its sockets are closed
+    /// by then, so its peers see it gone. An exit takes a while on a loaded machine (memory is
+    /// released before files are closed).
+    pub fn kill_until_gone(&self) -> Result<()> {
+        self.signal("KILL");
+        let stat = format!("/proc/{}/stat", self.child.id());
+        let start = Instant::now();
+        loop {
+            // The state follows the name in parentheses: `pid (name) S …`.
+            let state = std::fs::read_to_string(&stat)
+                .ok()
+                .and_then(|s| s.rsplit_once(')')?.1.trim_start().chars().next());
+            if matches!(state, None | Some('Z' | 'X')) {
+                return Ok(());
+            }
+            if start.elapsed() > Duration::from_secs(30) {
+                bail!("{} did not exit in 30 s after SIGKILL", self.name);
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
 
     /// Its stderr so far.
@@ -101,6 +120,14 @@ impl Drop for Proc {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// Sends process `pid` a signal (`STOP`, `CONT`, `KILL`…).
+fn signal(pid: u32, sig: &str) {
+    let _ = Command::new("kill")
+        .arg(format!("-{sig}"))
+        .arg(pid.to_string())
+        .status();
 }
 
 /// A temporary directory for one mesh, removed at the end.
@@ -430,7 +457,8 @@ impl Mesh {
         }
     }
 
-    /// Runs `generate` on the mesh; `during` is called once the first text arrives.
+    /// Runs `generate` on the mesh; `during` is called once the first text arrives, with the
+    /// generation stopped (SIGSTOP) until it returns.
     pub fn generate(
         &self,
         prompt: &str,
@@ -482,9 +510,16 @@ impl Mesh {
             let _ = stderr.read_to_string(&mut s);
             s
         });
-        // Wait for the first token, then disturb.
-        let _ = rx.recv_timeout(Duration::from_secs(120));
+        // Wait for the first token, then disturb while the generation stands still: whatever
+        // `during` does has happened before the next token, however long it takes.
+        let first = rx.recv_timeout(Duration::from_secs(120)).is_ok();
+        if first {
+            signal(child.id(), "STOP");
+        }
         during();
+        if first {
+            signal(child.id(), "CONT");
+        }
         let status = child.wait()?;
         let out = String::from_utf8_lossy(&reader.join().unwrap_or_default()).into_owned();
         let err = err_reader.join().unwrap_or_default();

@@ -127,9 +127,11 @@ fn learning_soak_kills_and_restarts_end_on_one_codeword_in_bounded_disk() -> Res
         absent(&mut mesh, &absences, i, &mut down, &mut restarts)?;
         let err = if i == mid_request_kill.0 {
             let victim = &mesh.nodes[mid_request_kill.1];
+            let mut killed = Ok(());
             let (_, err) = mesh.generate_with(prompt, 6, &["--keep-published", &keep], || {
-                victim.signal("KILL")
+                killed = victim.kill_until_gone()
             })?;
+            killed?;
             restarts += 1;
             mesh.nodes[mid_request_kill.1] = restart(&mesh, mid_request_kill.1, restarts)?;
             mesh.wait_healthy(5)?;

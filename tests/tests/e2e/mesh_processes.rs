@@ -179,13 +179,13 @@ fn real_model_survives_n_minus_k_kills_mid_generation() -> Result<()> {
     assert!(undisturbed.contains("Gutenberg"), "{undisturbed}\n{err}");
     // Kill two members of the decoding group (rows 2 and 4; the seed, row 0, is the bootstrap).
     let victims = [mesh.holder(2)?, mesh.holder(4)?];
-    let pids: Vec<String> = victims
-        .iter()
-        .map(|&i| mesh.nodes[i].pid().to_string())
-        .collect();
+    let mut killed = Ok(());
     let (out, err) = mesh.generate(PROMPT, 32, || {
-        let _ = Command::new("kill").arg("-KILL").args(&pids).status();
+        killed = victims
+            .iter()
+            .try_for_each(|&i| mesh.nodes[i].kill_until_gone());
     })?;
+    killed?;
     assert_eq!(out, undisturbed, "{err}");
     // The killed rows left the group (failed, or outrun as stragglers and swapped out).
     let end = err
