@@ -7,8 +7,7 @@ A module's dependencies are the modules it names: `crate::a::b` paths (in `use` 
 `super::x` and the crate root's bare `use a::…`. Doc comments do not count. A module and its
 A parent may use its children and a child its ancestors (Rust's `super::`); no other chain of
 modules may lead back to where it began. Folders must form layers too (`a::x` naming `b::y` is
-folder `a` using folder `b`), apart from the cycles in KNOWN_FOLDER_CYCLES, which remain to be
-untangled; `--layers CRATE_SRC` prints a crate's folder cycles.
+folder `a` using folder `b`); `--layers CRATE_SRC` prints a crate's folder cycles.
 
     python3 scripts/house.py [--graph CRATE_SRC | --layers CRATE_SRC]
 """
@@ -20,10 +19,6 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CRATES = ["node-core/src", "node-native/src", "node-web/src", "web-ui/src", "tests/src", "tests/tests/e2e"]
 MAX_LINES = 900
-# Folder cycles that remain (issue 55): any other, or these grown, is refused.
-KNOWN_FOLDER_CYCLES = {
-    "node-core/src": [["chain", "coded", "fuzzing", "learn", "mesh", "net"]],
-}
 DOCS = {"README.md": 450, "docs/perf.md": 400}
 
 
@@ -172,8 +167,6 @@ def main():
             breaches.append(f"{crate}: import cycle between {', '.join(comp)} ({detail})")
         folders = lifted(graph)
         for comp in cycles(folders):
-            if comp in KNOWN_FOLDER_CYCLES.get(crate, []):
-                continue
             inside = set(comp)
             detail = "; ".join(f"{a} -> {', '.join(sorted(folders.get(a, set()) & inside))}" for a in comp)
             breaches.append(f"{crate}: folders in a cycle: {', '.join(comp)} ({detail})")

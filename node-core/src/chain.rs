@@ -9,49 +9,11 @@
 //! holds more than its own row and the pieces in flight. Running sums travel as f32 whatever
 //! the shard format, so rounding happens once, when the joiner stores the finished row.
 
-use serde::{Deserialize, Serialize};
-
 use crate::code::Generator;
-use crate::coded::{Shard, ShardFormat, ShardSet, ShardValues};
+use crate::coded::{MatrixShape, Shard, ShardFormat, ShardSet, ShardValues, shapes};
 use crate::mesh::{CHUNK_BYTES, MAX_CHUNK_BYTES, SourceRow};
+pub use crate::mesh::{ChainPart, Piece};
 use crate::model::LlamaConfig;
-
-/// The shape of one coded matrix of a row: `m` sub-blocks of `block_len × cols`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct MatrixShape {
-    /// Rows of the uncoded matrix.
-    pub out: usize,
-    /// Rows of one sub-block.
-    pub block_len: usize,
-    /// Columns.
-    pub cols: usize,
-}
-
-/// Some rows of one matrix of a row's shard set, in every sub-block.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Piece {
-    /// The matrix, in [`shapes`]'s order.
-    pub matrix: u32,
-    /// First row within each sub-block.
-    pub first: u32,
-    /// Rows within each sub-block.
-    pub rows: u32,
-}
-
-/// A request for one piece's running sum up to and including position `at` of the chain.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ChainPart {
-    /// The row being built.
-    pub target: u32,
-    /// The k source rows in chain order, with a holder of each.
-    pub chain: Vec<SourceRow>,
-    /// The answering holder's position in the chain.
-    pub at: u32,
-    /// The shard version every source must be at (digest).
-    pub version: [u8; 32],
-    /// The piece.
-    pub piece: Piece,
-}
 
 /// Errors of chain encoding.
 #[derive(Debug, thiserror::Error)]
@@ -67,26 +29,6 @@ pub enum ChainError {
     /// The code could not give the coefficients.
     #[error(transparent)]
     Code(#[from] crate::code::CodeError),
-}
-
-/// The matrices of a row of `cfg` under `g`, in chain order: per block q, k, v, o, gate, up,
-/// down; then the embedding; then the separate LM head when there is one.
-pub fn shapes(cfg: &LlamaConfig, g: &Generator) -> Vec<MatrixShape> {
-    let (d, f, q, kv) = (cfg.hidden, cfg.ffn, cfg.q_dim(), cfg.kv_dim());
-    let block = [(q, d), (kv, d), (kv, d), (d, q), (f, d), (f, d), (d, f)];
-    let mut out: Vec<(usize, usize)> = Vec::with_capacity(cfg.layers * 7 + 2);
-    (0..cfg.layers).for_each(|_| out.extend(block));
-    out.push((cfg.vocab, d));
-    if !cfg.tied_embeddings {
-        out.push((cfg.vocab, d));
-    }
-    out.into_iter()
-        .map(|(out, cols)| MatrixShape {
-            out,
-            block_len: g.block_len(out),
-            cols,
-        })
-        .collect()
 }
 
 /// Values a row holds in f32: what a chain sends to build one.

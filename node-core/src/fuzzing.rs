@@ -52,23 +52,6 @@ pub fn gguf_header(data: &[u8]) {
     }
 }
 
-/// The small model shape the safetensors and update targets load against.
-pub fn small_config() -> LlamaConfig {
-    LlamaConfig {
-        hidden: 8,
-        ffn: 16,
-        layers: 1,
-        heads: 2,
-        kv_heads: 1,
-        head_dim: 4,
-        vocab: 16,
-        norm_eps: 1e-5,
-        rope_theta: 10_000.0,
-        max_seq: 8,
-        tied_embeddings: true,
-    }
-}
-
 const SMALL_HF_CONFIG: &str = r#"{"model_type":"llama","hidden_size":8,"intermediate_size":16,
 "num_hidden_layers":1,"num_attention_heads":2,"num_key_value_heads":1,"vocab_size":16,
 "rms_norm_eps":1e-5,"rope_theta":10000.0,"max_position_embeddings":8,"tie_word_embeddings":true}"#;
@@ -85,7 +68,7 @@ pub fn update_payload(data: &[u8]) {
         Err(_) => data.to_vec(),
     };
     if let Ok(u) = Update::decode(&payload) {
-        let _ = u.validate(&small_config());
+        let _ = u.validate(&LlamaConfig::small());
     }
 }
 

@@ -582,7 +582,7 @@ mod tests {
     }
 
     fn manifest() -> ModelManifest {
-        let cfg = crate::fuzzing::small_config();
+        let cfg = crate::model::LlamaConfig::small();
         ModelManifest {
             name: "small".into(),
             leader: norms(&cfg),
@@ -640,7 +640,7 @@ mod tests {
 
     fn mesh(at: BTreeMap<PeerId, [u8; 32]>, own: Option<OwnRow>) -> Mesh {
         Mesh {
-            cfg: crate::fuzzing::small_config(),
+            cfg: crate::model::LlamaConfig::small(),
             at,
             own,
             asked: Default::default(),
@@ -706,7 +706,7 @@ mod tests {
             peers.iter().map(|&p| (p, V)).collect(),
             Some(OwnRow {
                 peer: me,
-                norms: Some((V, norms(&crate::fuzzing::small_config()))),
+                norms: Some((V, norms(&crate::model::LlamaConfig::small()))),
             }),
         );
         let formed = futures::executor::block_on(form(&link, &manifest(), &info, &options(1)))

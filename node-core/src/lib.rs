@@ -43,3 +43,4 @@ pub mod mesh;
 pub mod model;
 pub mod net;
 pub mod protocol;
+pub mod update;

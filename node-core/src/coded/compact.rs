@@ -372,7 +372,7 @@ mod tests {
     #[test]
     fn a_compact_row_rebuilt_from_any_three_others_is_bit_for_bit_the_encoded_one() {
         use crate::coded::{ShardFormat, ShardSet};
-        let cfg = crate::fuzzing::small_config();
+        let cfg = crate::model::LlamaConfig::small();
         let w = ModelWeights::synthetic(cfg, 11).unwrap();
         let g = Generator::integer(5, 3, None).unwrap();
         let sets: Vec<ShardSet> = (0..g.n())

@@ -13,7 +13,6 @@ mod group;
 mod member;
 pub mod packed;
 mod probe;
-pub mod rounds;
 mod shards;
 mod verify;
 
@@ -25,7 +24,7 @@ pub use gpu::{GpuGroup, GpuShards};
 pub use group::{CodedGroup, ExecStats, InProcess, Transport, TransportError};
 pub use member::{AUTO_GPU_MIN_WORK, Member, Misbehaviour, SKEW};
 pub use probe::{Fit, PROBE_MIN_FIT, PROBE_SIGMAS, UpdateProbe};
-pub use shards::{Shard, ShardFormat, ShardSet, ShardValues};
+pub use shards::{MatrixShape, Shard, ShardFormat, ShardSet, ShardValues, shapes};
 pub use verify::{Caught, DEFAULT_NOISE, NOISE_MARGIN, VerifyConfig, measure_noise};
 
 /// Errors of coded execution.

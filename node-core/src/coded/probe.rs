@@ -12,8 +12,8 @@
 
 use std::sync::Arc;
 
-use crate::learn::Update;
 use crate::model::{LlamaConfig, Stage};
+use crate::update::Update;
 
 /// Significance, in standard deviations of the fit, at which a member is taken to miss an
 /// update (honest fits stay within a few; docs/verification.md has the measured largest).
@@ -280,7 +280,7 @@ mod tests {
                 ffn_norm: Vec::new(),
                 final_norm: Vec::new(),
             },
-            precision: crate::learn::Precision::F32,
+            precision: crate::update::Precision::F32,
         }
     }
 }

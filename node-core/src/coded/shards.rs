@@ -10,6 +10,37 @@ use crate::compute::matmul;
 use crate::compute::q8::{matmul_q8, matmul_q8_then};
 use crate::model::{LlamaConfig, Matrix, ModelWeights, Stage};
 
+/// The shape of one coded matrix of a row: `m` sub-blocks of `block_len × cols`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MatrixShape {
+    /// Rows of the uncoded matrix.
+    pub out: usize,
+    /// Rows of one sub-block.
+    pub block_len: usize,
+    /// Columns.
+    pub cols: usize,
+}
+
+/// The matrices of a row of `cfg` under `g`, in chain order: per block q, k, v, o, gate, up,
+/// down; then the embedding; then the separate LM head when there is one.
+pub fn shapes(cfg: &LlamaConfig, g: &Generator) -> Vec<MatrixShape> {
+    let (d, f, q, kv) = (cfg.hidden, cfg.ffn, cfg.q_dim(), cfg.kv_dim());
+    let block = [(q, d), (kv, d), (kv, d), (d, q), (f, d), (f, d), (d, f)];
+    let mut out: Vec<(usize, usize)> = Vec::with_capacity(cfg.layers * 7 + 2);
+    (0..cfg.layers).for_each(|_| out.extend(block));
+    out.push((cfg.vocab, d));
+    if !cfg.tied_embeddings {
+        out.push((cfg.vocab, d));
+    }
+    out.into_iter()
+        .map(|(out, cols)| MatrixShape {
+            out,
+            block_len: g.block_len(out),
+            cols,
+        })
+        .collect()
+}
+
 /// How shard values are stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub enum ShardFormat {
@@ -532,7 +563,7 @@ impl ShardSet {
     /// Checks that every shard has the shape the model and code give it, and every compact
     /// shard its scales (a set read from a blob or the network is untrusted).
     pub fn check_shapes(&self) -> Result<(), CodedError> {
-        let shapes = crate::chain::shapes(&self.cfg, &self.generator);
+        let shapes = shapes(&self.cfg, &self.generator);
         let layered = self.blocks.len() * 7;
         let count = layered + 1 + usize::from(self.lm_head.is_some());
         if self.blocks.len() != self.cfg.layers

@@ -415,7 +415,7 @@ mod tests {
 
     fn rules() -> Rules {
         Rules {
-            cfg: crate::fuzzing::small_config(),
+            cfg: crate::model::LlamaConfig::small(),
             learning: LearningConfig::default(),
             format: ShardFormat::F32,
         }
@@ -479,7 +479,8 @@ mod tests {
 
     #[test]
     fn a_shard_blob_round_trips_and_a_cut_one_is_refused() {
-        let w = crate::model::ModelWeights::synthetic(crate::fuzzing::small_config(), 1).unwrap();
+        let w =
+            crate::model::ModelWeights::synthetic(crate::model::LlamaConfig::small(), 1).unwrap();
         let g = crate::code::Generator::cauchy(5, 3).unwrap();
         let shard = ShardSet::encode(&w, &g, 1, Default::default(), &mut |_, _| {}).unwrap();
         let blob = shard_to_blob(&shard).unwrap();

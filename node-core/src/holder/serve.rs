@@ -338,7 +338,7 @@ mod tests {
     use crate::holder::Download;
 
     fn state() -> ShardState {
-        let cfg = crate::fuzzing::small_config();
+        let cfg = crate::model::LlamaConfig::small();
         let w = crate::model::ModelWeights::synthetic(cfg, 1).unwrap();
         let g = crate::code::Generator::cauchy(5, 3).unwrap();
         let shard = ShardSet::encode(&w, &g, 1, Default::default(), &mut |_, _| {}).unwrap();

@@ -7,9 +7,9 @@
 //! survives it.
 
 use super::adam::AdapterAdam;
+use super::{LearningConfig, Optimizer};
 use super::{Precision, StageFactors, Update, UpdateError, compress, wire};
 use crate::coded::ShardFormat;
-use crate::mesh::{LearningConfig, Optimizer};
 use crate::model::{Gradients, LeaderWeights, LlamaConfig, Stage};
 
 /// An update ready to be gossiped.

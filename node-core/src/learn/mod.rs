@@ -8,66 +8,29 @@ mod adam;
 mod budget;
 mod canary;
 mod compress;
+mod config;
 mod learner;
 mod signed;
 mod teacher;
 mod wire;
 
+pub use crate::update::{Precision, StageFactors, Update};
 pub use adam::{AdapterAdam, MAX_BATCH_SCALE, adapter_gradients, check_adapter_step, entry_per_dy};
 pub use budget::{BUDGET_REFILL_PER_S, BUDGET_TOKENS, Budgets};
 pub use canary::{
     CANARY_TEXT, CANARY_TOKENS, CanaryGate, MAX_CANARY_DRIFT, MAX_CANARY_STEP, Pending, Verdict,
 };
 pub use compress::{LowRank, low_rank};
+pub use config::{
+    DEFAULT_ADAM_LR, DEFAULT_RANK, DEFAULT_SGD_LR, LearningConfig, MAX_ACCUMULATE, Optimizer,
+};
 pub use learner::{Learner, Published};
 pub use signed::{open, seal};
 pub use teacher::{Judged, Teacher};
 
 use crate::coded::{CodedError, Projection, Shard, ShardFormat, ShardSet, ShardValues};
 use crate::compute::cpu::dot_f64;
-use crate::mesh::{LearningConfig, Optimizer};
 use crate::model::{Gradients, LeaderWeights, LlamaConfig, ModelWeights, Stage, StageGrad};
-
-/// How an update's factors travel.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub enum Precision {
-    /// Four bytes a value, as computed.
-    F32,
-    /// Two bytes a value: every factor value is an f16 (held as the f32 of the same value).
-    F16,
-}
-
-/// One SGD step as factors: `W ← W − step · dYᵀ·X` for every stage.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Update {
-    /// Learning rate times the clipping factor.
-    pub step: f32,
-    /// Positions trained on (over every request folded into the update).
-    pub t: u32,
-    /// Every stage's factors, in the model's order.
-    pub stages: Vec<StageFactors>,
-    /// Tokens whose embedding rows the lookup's gradient reaches.
-    pub embed_tokens: Vec<u32>,
-    /// The lookup's gradient, a row of `hidden` per token.
-    pub embed_dx: Vec<f32>,
-    /// Gradients of the norm gains.
-    pub norms: LeaderWeights,
-    /// How the factors travel.
-    pub precision: Precision,
-}
-
-/// One stage's step as factors: for matrix `m`, `δW_m = dy[m]ᵀ·x`.
-#[derive(Debug, Clone, PartialEq)]
-pub struct StageFactors {
-    /// The stage.
-    pub stage: Stage,
-    /// Rows of the factors: a sequence's positions, or a compressed rank.
-    pub rows: u32,
-    /// The input factor, `rows × in`.
-    pub x: Vec<f32>,
-    /// Per matrix of the stage, the output factor, `rows × out`.
-    pub dy: Vec<Vec<f32>>,
-}
 
 /// A learning update that cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -177,7 +140,7 @@ pub fn taught(prompt: &[u32], window: usize) -> &[u32] {
 /// How many of a request's last positions a leader trains on: up to the context and
 /// [`MAX_POSITIONS`], and with exact factors (rank 0) as many as keep an update well inside
 /// one message.
-pub fn training_window(learning: &crate::mesh::LearningConfig, model: &LlamaConfig) -> usize {
+pub fn training_window(learning: &LearningConfig, model: &LlamaConfig) -> usize {
     let mut max = model.max_seq.min(MAX_POSITIONS);
     if learning.rank == 0 {
         // Exact f32 factors carry ~1.2 MB per position for SmolLM2.

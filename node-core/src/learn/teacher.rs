@@ -104,7 +104,7 @@ mod tests {
     use super::*;
     use crate::code::Generator;
     use crate::coded::{CodedGroup, InProcess};
-    use crate::mesh::LearningConfig;
+    use crate::learn::LearningConfig;
     use crate::model::{LeaderWeights, LlamaConfig, ModelWeights};
 
     fn config() -> LlamaConfig {

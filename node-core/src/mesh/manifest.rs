@@ -5,6 +5,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::code::Generator;
 use crate::coded::ShardFormat;
+use crate::learn::LearningConfig;
 use crate::model::{LeaderWeights, LlamaConfig, ModelError, TokenizerData};
 
 /// The replicated, small part of a coded model.
@@ -27,125 +28,6 @@ pub struct ModelManifest {
     /// Residual per unit of condition number above which answers disagree with the code
     /// (honest f32 noise measured at genesis, times a margin).
     pub verify_noise: f64,
-}
-
-/// How a leader turns gradients into the updates it publishes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Optimizer {
-    /// Plain SGD on every coded weight (with accumulation and linear momentum): `lr` is the
-    /// step and `clip` bounds each request's gradient norm.
-    Sgd,
-    /// Adam on the coded rank-8 adapters (`W + A·V`, `V` fixed), with its moments kept by the
-    /// leader: `lr` is the most one update moves an adapter entry, in units of `V`'s unit rows
-    /// (docs/coding.md, "Learning that learns").
-    AdamAdapters,
-}
-
-/// The mesh's learning settings (fixed at genesis, part of the model's identity).
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct LearningConfig {
-    /// Every request also trains the model.
-    pub enabled: bool,
-    /// How gradients become updates.
-    pub optimizer: Optimizer,
-    /// Learning rate: SGD's step, or the most an Adam step moves an adapter entry.
-    pub lr: f32,
-    /// Gradients are clipped to this norm.
-    pub clip: f32,
-    /// Rank each stage's update is compressed to, sent as f16; 0 sends exact f32 factors.
-    pub rank: u32,
-    /// Requests a leader folds into one update (DiLoCo's H; needs `rank > 0`).
-    pub accumulate: u32,
-    /// Linear outer momentum `β` of a leader's updates (needs `rank > 0`).
-    pub momentum: f32,
-}
-
-/// Default rank of a compressed update (docs/perf.md: ≤ 1% of SmolLM2's bytes per request).
-pub const DEFAULT_RANK: u32 = 8;
-
-/// The default learning rate of [`Optimizer::AdamAdapters`] (docs/perf.md, "Learning").
-pub const DEFAULT_ADAM_LR: f32 = 5e-4;
-
-/// The learning rate of [`Optimizer::Sgd`] before issue 54 (kept for `--optimizer sgd`).
-pub const DEFAULT_SGD_LR: f32 = 1e-4;
-
-/// Most requests one update may fold together.
-pub const MAX_ACCUMULATE: u32 = 64;
-
-impl Default for LearningConfig {
-    fn default() -> Self {
-        Self {
-            enabled: true,
-            optimizer: Optimizer::AdamAdapters,
-            lr: DEFAULT_ADAM_LR,
-            clip: 1.0,
-            rank: DEFAULT_RANK,
-            accumulate: 1,
-            momentum: 0.0,
-        }
-    }
-}
-
-impl LearningConfig {
-    /// Checks the ranges.
-    pub fn validate(&self) -> Result<(), ModelError> {
-        if !(self.lr.is_finite() && self.lr >= 0.0 && self.lr <= 1.0)
-            || !(self.clip.is_finite() && self.clip > 0.0)
-        {
-            return Err(ModelError::Config(format!(
-                "learning rate {} must be in [0, 1] and clip {} positive",
-                self.lr, self.clip
-            )));
-        }
-        if self.rank as usize > crate::learn::MAX_POSITIONS {
-            return Err(ModelError::Config(format!(
-                "rank {} exceeds {}",
-                self.rank,
-                crate::learn::MAX_POSITIONS
-            )));
-        }
-        if !(1..=MAX_ACCUMULATE).contains(&self.accumulate)
-            || !(self.momentum.is_finite() && (0.0..0.999).contains(&self.momentum))
-        {
-            return Err(ModelError::Config(format!(
-                "accumulate {} must be in 1..={MAX_ACCUMULATE} and momentum {} in [0, 0.999)",
-                self.accumulate, self.momentum
-            )));
-        }
-        if self.optimizer == Optimizer::AdamAdapters
-            && (self.momentum > 0.0 || (self.rank as usize) < crate::coded::ADAPTER_RANK)
-        {
-            return Err(ModelError::Config(format!(
-                "Adam on the adapters keeps its own momentum (momentum {} must be 0) and sends \
-                 {} rows a stage (rank {} must be at least that)",
-                self.momentum,
-                crate::coded::ADAPTER_RANK,
-                self.rank
-            )));
-        }
-        if self.rank == 0 && (self.accumulate > 1 || self.momentum > 0.0) {
-            return Err(ModelError::Config(
-                "accumulating requests and momentum need compressed updates (rank > 0)".into(),
-            ));
-        }
-        Ok(())
-    }
-
-    /// How update factors travel on this mesh.
-    pub fn precision(&self) -> crate::learn::Precision {
-        if self.rank == 0 {
-            crate::learn::Precision::F32
-        } else {
-            crate::learn::Precision::F16
-        }
-    }
-
-    /// Largest `step · ‖update‖` an update may have: `lr · clip` per request, times the
-    /// requests folded in, times the momentum's geometric sum `1 / (1 − β)`.
-    pub fn step_norm_bound(&self) -> f64 {
-        self.lr as f64 * self.clip as f64 * self.accumulate.max(1) as f64
-            / (1.0 - self.momentum as f64)
-    }
 }
 
 impl ModelManifest {

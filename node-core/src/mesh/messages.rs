@@ -348,6 +348,33 @@ impl MeshInfo {
     }
 }
 
+/// Some rows of one matrix of a row's shard set, in every sub-block: what one request of chain
+/// encoding ([`crate::chain`]) builds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Piece {
+    /// The matrix, in [`crate::coded::shapes`]'s order.
+    pub matrix: u32,
+    /// First row within each sub-block.
+    pub first: u32,
+    /// Rows within each sub-block.
+    pub rows: u32,
+}
+
+/// A request for one piece's running sum up to and including position `at` of the chain.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChainPart {
+    /// The row being built.
+    pub target: u32,
+    /// The k source rows in chain order, with a holder of each.
+    pub chain: Vec<SourceRow>,
+    /// The answering holder's position in the chain.
+    pub at: u32,
+    /// The shard version every source must be at (digest).
+    pub version: [u8; 32],
+    /// The piece.
+    pub piece: Piece,
+}
+
 /// Where a joining node gets one existing row's shard.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SourceRow {
@@ -437,7 +464,7 @@ pub enum MeshRequest {
     /// A leader finished a request: the node adds it to the usage it announces.
     Served(Usage),
     /// A piece of a row being built along a chain of holders ([`crate::chain`]).
-    Chain(crate::chain::ChainPart),
+    Chain(ChainPart),
 }
 
 /// An answer on the mesh protocol.

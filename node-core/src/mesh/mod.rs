@@ -6,17 +6,18 @@ mod health;
 mod manifest;
 mod messages;
 mod round;
+pub mod rounds;
 mod version;
 mod view;
 
-pub use health::{Health, HealthConfig};
-pub use manifest::{
-    DEFAULT_ADAM_LR, DEFAULT_RANK, DEFAULT_SGD_LR, LearningConfig, MAX_ACCUMULATE, ModelManifest,
-    Optimizer,
+pub use crate::learn::{
+    DEFAULT_ADAM_LR, DEFAULT_RANK, DEFAULT_SGD_LR, LearningConfig, MAX_ACCUMULATE, Optimizer,
 };
+pub use health::{Health, HealthConfig};
+pub use manifest::ModelManifest;
 pub use messages::{
-    BrowserBootstrap, CHUNK_BYTES, HEARTBEAT_TOPIC, Heartbeat, HoldersByRow, JoinOffer,
-    MAX_CHUNK_BYTES, MeshInfo, MeshRequest, MeshResponse, NodeStatus, RowHolders, SourceRow,
+    BrowserBootstrap, CHUNK_BYTES, ChainPart, HEARTBEAT_TOPIC, Heartbeat, HoldersByRow, JoinOffer,
+    MAX_CHUNK_BYTES, MeshInfo, MeshRequest, MeshResponse, NodeStatus, Piece, RowHolders, SourceRow,
     StepRefusal, Usage, rows_at_version,
 };
 pub use round::{

@@ -33,6 +33,23 @@ pub struct LlamaConfig {
 }
 
 impl LlamaConfig {
+    /// A small model shape (8 wide, one block, 16 tokens) for tests and the fuzz targets.
+    pub fn small() -> Self {
+        Self {
+            hidden: 8,
+            ffn: 16,
+            layers: 1,
+            heads: 2,
+            kv_heads: 1,
+            head_dim: 4,
+            vocab: 16,
+            norm_eps: 1e-5,
+            rope_theta: 10_000.0,
+            max_seq: 8,
+            tied_embeddings: true,
+        }
+    }
+
     /// SmolLM2-135M's shape (the default model), for benchmarks of speed on random weights
     /// where the file is not at hand.
     pub fn smollm2_135m() -> Self {

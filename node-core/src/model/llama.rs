@@ -1,143 +1,10 @@
-//! The leader's half of a Llama forward pass: norms, RoPE, attention with its KV cache, SwiGLU.
-//! Every linear stage goes through a [`LinearExec`].
+//! The model's forward pass as served: sequences batched, each attending over its own KV cache,
+//! every block run as [`super::block`] says and every linear stage through a [`LinearExec`].
 
-use serde::{Deserialize, Serialize};
-
-use super::{LlamaConfig, ModelError, ModelWeights};
-
-/// One linear round of the model: the matrices that share one input.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub enum Stage {
-    /// Query, key and value projections of a block.
-    Qkv(u32),
-    /// Attention output projection of a block.
-    AttnOut(u32),
-    /// SwiGLU gate and up projections of a block.
-    GateUp(u32),
-    /// SwiGLU down projection of a block.
-    Down(u32),
-    /// The LM head (the tied embedding when tied).
-    LmHead,
-}
-
-impl Stage {
-    /// Every stage of a model, in forward order (the embedding lookup is not a stage).
-    pub fn all(cfg: &LlamaConfig) -> Vec<Stage> {
-        let mut v = Vec::with_capacity(4 * cfg.layers + 1);
-        for l in 0..cfg.layers as u32 {
-            v.extend([
-                Stage::Qkv(l),
-                Stage::AttnOut(l),
-                Stage::GateUp(l),
-                Stage::Down(l),
-            ]);
-        }
-        v.push(Stage::LmHead);
-        v
-    }
-
-    /// `(out, in)` of each matrix of the stage, in order.
-    pub fn shapes(&self, cfg: &LlamaConfig) -> Vec<(usize, usize)> {
-        let (d, f) = (cfg.hidden, cfg.ffn);
-        match self {
-            Stage::Qkv(_) => vec![(cfg.q_dim(), d), (cfg.kv_dim(), d), (cfg.kv_dim(), d)],
-            Stage::AttnOut(_) => vec![(d, cfg.q_dim())],
-            Stage::GateUp(_) => vec![(f, d), (f, d)],
-            Stage::Down(_) => vec![(d, f)],
-            Stage::LmHead => vec![(cfg.vocab, d)],
-        }
-    }
-
-    /// The block this stage belongs to, if any.
-    pub fn layer(&self) -> Option<usize> {
-        match *self {
-            Stage::Qkv(l) | Stage::AttnOut(l) | Stage::GateUp(l) | Stage::Down(l) => {
-                Some(l as usize)
-            }
-            Stage::LmHead => None,
-        }
-    }
-
-    /// Indices of this stage's matrices among a block's seven (q, k, v, o, gate, up, down).
-    pub(crate) fn block_matrices(&self) -> &'static [usize] {
-        match self {
-            Stage::Qkv(_) => &[0, 1, 2],
-            Stage::AttnOut(_) => &[3],
-            Stage::GateUp(_) => &[4, 5],
-            Stage::Down(_) => &[6],
-            Stage::LmHead => &[],
-        }
-    }
-}
-
-/// Computes the model's linear stages: a coded group (whose rounds may wait on the network),
-/// or a single uncoded member.
-#[allow(
-    async_fn_in_trait,
-    reason = "the browser leader's futures are !Send by nature; native callers name the concrete type"
-)]
-pub trait LinearExec {
-    /// For each matrix of `stage`, `y = x · Wᵀ` with `x` of `t` rows; returns one `t × out` per matrix.
-    async fn linear(
-        &mut self,
-        stage: Stage,
-        x: &[f32],
-        t: usize,
-    ) -> Result<Vec<Vec<f32>>, ModelError>;
-    /// For a stage, `Σ_matrix dy_matrix · W_matrix` with one `t × out` gradient per matrix:
-    /// the gradient of the stage's shared input (`t × in`), for the backward pass.
-    async fn linear_t(
-        &mut self,
-        stage: Stage,
-        dy: &[Vec<f32>],
-        t: usize,
-    ) -> Result<Vec<f32>, ModelError>;
-    /// The embedding rows of `tokens`, `tokens.len() × hidden`.
-    async fn embed(&mut self, tokens: &[u32]) -> Result<Vec<f32>, ModelError>;
-}
-
-/// The small replicated parameters the leader holds itself: the norm gains.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct LeaderWeights {
-    /// RMSNorm gain before attention, per block.
-    pub attn_norm: Vec<Vec<f32>>,
-    /// RMSNorm gain before the feed-forward layer, per block.
-    pub ffn_norm: Vec<Vec<f32>>,
-    /// Final RMSNorm gain.
-    pub final_norm: Vec<f32>,
-}
-
-impl LeaderWeights {
-    /// Takes the norm gains out of full model weights.
-    pub fn from_model(w: &ModelWeights) -> Self {
-        Self {
-            attn_norm: w.layers.iter().map(|l| l.attn_norm.clone()).collect(),
-            ffn_norm: w.layers.iter().map(|l| l.ffn_norm.clone()).collect(),
-            final_norm: w.final_norm.clone(),
-        }
-    }
-
-    /// Every gain, block by block (attention's, then the feed-forward's), the final last.
-    pub fn values(&self) -> impl Iterator<Item = &f32> {
-        self.attn_norm
-            .iter()
-            .chain(&self.ffn_norm)
-            .chain(std::iter::once(&self.final_norm))
-            .flatten()
-    }
-
-    /// Whether the gains have the model's shape.
-    pub fn fits(&self, cfg: &LlamaConfig) -> bool {
-        self.attn_norm.len() == cfg.layers
-            && self.ffn_norm.len() == cfg.layers
-            && self.final_norm.len() == cfg.hidden
-            && self
-                .attn_norm
-                .iter()
-                .chain(&self.ffn_norm)
-                .all(|g| g.len() == cfg.hidden)
-    }
-}
+use super::block::{
+    Attend, LinearExec, Rows, Stage, linear, rms_norm, rope_table, run_block, softmax,
+};
+use super::{LeaderWeights, LlamaConfig, ModelError};
 
 /// Keys and values of the tokens seen so far, per block.
 #[derive(Debug, Clone)]
@@ -308,7 +175,7 @@ impl Llama {
                 });
             }
         }
-        let (d, q_dim, kv_dim) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim());
+        let d = cfg.hidden;
         let n = items.len();
         let t: usize = items.iter().map(|i| i.tokens.len()).sum();
         let tokens: Vec<u32> = items
@@ -324,50 +191,26 @@ impl Llama {
         }
         let mut x = exec.embed(&tokens).await?;
         expect_len(&x, t * d, "embedding")?;
-        let mut h = vec![0.0f32; t * d];
+        let block_rows = Rows {
+            t,
+            cos: &cos,
+            sin: &sin,
+        };
+        let mut caches = CacheAttend { model: self, items };
         for l in 0..cfg.layers {
-            let layer = l as u32;
-            rms_norm(&x, &self.norms.attn_norm[l], cfg.norm_eps, &mut h);
-            let mut qkv = exec.linear(Stage::Qkv(layer), &h, t).await?;
-            check_outputs(&qkv, Stage::Qkv(layer), cfg, t)?;
-            let v = qkv.pop().unwrap_or_default();
-            let mut k = qkv.pop().unwrap_or_default();
-            let mut q = qkv.pop().unwrap_or_default();
-            rotate(&mut q, cfg.heads, cfg.head_dim, &cos, &sin, 1.0);
-            rotate(&mut k, cfg.kv_heads, cfg.head_dim, &cos, &sin, 1.0);
-            // Attention within each sequence, over its own cache.
-            let mut attn = vec![0.0f32; t * q_dim];
-            let mut row = 0;
-            for item in items.iter_mut() {
-                let ti = item.tokens.len();
-                let cache = &mut *item.cache;
-                cache.keys[l].extend_from_slice(&k[row * kv_dim..(row + ti) * kv_dim]);
-                cache.values[l].extend_from_slice(&v[row * kv_dim..(row + ti) * kv_dim]);
-                self.attention(
-                    &q[row * q_dim..(row + ti) * q_dim],
-                    &cache.keys[l],
-                    &cache.values[l],
-                    cache.len,
-                    ti,
-                    &mut attn[row * q_dim..(row + ti) * q_dim],
-                );
-                row += ti;
-            }
-            let o = exec.linear(Stage::AttnOut(layer), &attn, t).await?;
-            check_outputs(&o, Stage::AttnOut(layer), cfg, t)?;
-            add_in_place(&mut x, &o[0]);
-            rms_norm(&x, &self.norms.ffn_norm[l], cfg.norm_eps, &mut h);
-            let gu = exec.linear(Stage::GateUp(layer), &h, t).await?;
-            check_outputs(&gu, Stage::GateUp(layer), cfg, t)?;
-            let act: Vec<f32> = gu[0]
-                .iter()
-                .zip(&gu[1])
-                .map(|(&g, &u)| silu(g) * u)
-                .collect();
-            let down = exec.linear(Stage::Down(layer), &act, t).await?;
-            check_outputs(&down, Stage::Down(layer), cfg, t)?;
-            add_in_place(&mut x, &down[0]);
+            run_block(
+                cfg,
+                &self.norms,
+                l,
+                exec,
+                &mut caches,
+                &block_rows,
+                &mut x,
+                false,
+            )
+            .await?;
         }
+        let items = caches.items;
         // The last rows of each sequence go to the LM head, all in one round.
         let wanted: Vec<usize> = items
             .iter()
@@ -383,8 +226,7 @@ impl Llama {
         }
         let mut normed = vec![0.0f32; rows * d];
         rms_norm(&last, &self.norms.final_norm, cfg.norm_eps, &mut normed);
-        let mut logits = exec.linear(Stage::LmHead, &normed, rows).await?;
-        check_outputs(&logits, Stage::LmHead, cfg, rows)?;
+        let mut logits = linear(exec, cfg, Stage::LmHead, &normed, rows).await?;
         let all = logits.pop().unwrap_or_default();
         let mut out = Vec::with_capacity(n);
         let mut at = 0;
@@ -447,6 +289,36 @@ impl Llama {
             for (pair, o) in out.chunks_exact_mut(hd).enumerate() {
                 one(pair, o);
             }
+        }
+    }
+}
+
+/// The model's attention: each sequence's rows over its own KV cache, which takes the rows'
+/// keys and values first.
+struct CacheAttend<'m, 'i, 'c> {
+    model: &'m Llama,
+    items: &'i mut [BatchItem<'c>],
+}
+
+impl Attend for CacheAttend<'_, '_, '_> {
+    fn attend(&mut self, layer: usize, q: &[f32], k: &[f32], v: &[f32], out: &mut [f32]) {
+        let cfg = &self.model.cfg;
+        let (q_dim, kv_dim) = (cfg.q_dim(), cfg.kv_dim());
+        let mut row = 0;
+        for item in self.items.iter_mut() {
+            let ti = item.tokens.len();
+            let cache = &mut *item.cache;
+            cache.keys[layer].extend_from_slice(&k[row * kv_dim..(row + ti) * kv_dim]);
+            cache.values[layer].extend_from_slice(&v[row * kv_dim..(row + ti) * kv_dim]);
+            self.model.attention(
+                &q[row * q_dim..(row + ti) * q_dim],
+                &cache.keys[layer],
+                &cache.values[layer],
+                cache.len,
+                ti,
+                &mut out[row * q_dim..(row + ti) * q_dim],
+            );
+            row += ti;
         }
     }
 }
@@ -526,107 +398,6 @@ fn expect_len(v: &[f32], len: usize, what: &str) -> Result<(), ModelError> {
             "{what} returned {} values, expected {len}",
             v.len()
         )))
-    }
-}
-
-/// Checks that a stage returned one `t × out` output per matrix.
-fn check_outputs(
-    outputs: &[Vec<f32>],
-    stage: Stage,
-    cfg: &LlamaConfig,
-    t: usize,
-) -> Result<(), ModelError> {
-    let shapes = stage.shapes(cfg);
-    let ok = outputs.len() == shapes.len()
-        && outputs
-            .iter()
-            .zip(&shapes)
-            .all(|(o, &(out, _))| o.len() == t * out);
-    if ok {
-        Ok(())
-    } else {
-        Err(ModelError::Exec {
-            stage,
-            message: "wrong output shape".into(),
-        })
-    }
-}
-
-/// `out = x / rms(x) · gain`, row by row.
-pub(crate) fn rms_norm(x: &[f32], gain: &[f32], eps: f32, out: &mut [f32]) {
-    let d = gain.len();
-    for (row, o) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
-        let ms = row.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>() / d as f64;
-        let inv = (1.0 / (ms + eps as f64).sqrt()) as f32;
-        for ((o, &v), &g) in o.iter_mut().zip(row).zip(gain) {
-            *o = v * inv * g;
-        }
-    }
-}
-
-/// cos and sin of each (position, pair) for positions `start..start + t`.
-pub(crate) fn rope_table(inv_freq: &[f64], start: usize, t: usize) -> (Vec<f32>, Vec<f32>) {
-    let half = inv_freq.len();
-    let mut cos = Vec::with_capacity(t * half);
-    let mut sin = Vec::with_capacity(t * half);
-    for p in start..start + t {
-        for &f in inv_freq {
-            let angle = p as f64 * f;
-            cos.push(angle.cos() as f32);
-            sin.push(angle.sin() as f32);
-        }
-    }
-    (cos, sin)
-}
-
-/// Rotates adjacent pairs `(2i, 2i+1)` of each head (GGML's normal RoPE layout) by the
-/// position's angle; `direction` −1 rotates back (the transpose, for gradients).
-pub(crate) fn rotate(
-    x: &mut [f32],
-    heads: usize,
-    hd: usize,
-    cos: &[f32],
-    sin: &[f32],
-    direction: f32,
-) {
-    let half = hd / 2;
-    let width = heads * hd;
-    for (pos, row) in x.chunks_exact_mut(width).enumerate() {
-        let (c, s) = (
-            &cos[pos * half..(pos + 1) * half],
-            &sin[pos * half..(pos + 1) * half],
-        );
-        for head in row.chunks_exact_mut(hd) {
-            for (i, pair) in head.as_chunks_mut::<2>().0.iter_mut().enumerate() {
-                let (a, b) = (pair[0], pair[1]);
-                let sn = direction * s[i];
-                pair[0] = a * c[i] - b * sn;
-                pair[1] = a * sn + b * c[i];
-            }
-        }
-    }
-}
-
-pub(crate) fn softmax(v: &mut [f32]) {
-    let max = v.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0.0f32;
-    for x in v.iter_mut() {
-        *x = (*x - max).exp();
-        sum += *x;
-    }
-    let inv = 1.0 / sum;
-    for x in v.iter_mut() {
-        *x *= inv;
-    }
-}
-
-pub(crate) fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
-}
-
-fn add_in_place(x: &mut [f32], y: &[f32]) {
-    for (a, &b) in x.iter_mut().zip(y) {
-        *a += b;
     }
 }
 

@@ -3,6 +3,7 @@
 //! The linear layers are not computed here: the forward pass hands each linear stage to a
 //! [`LinearExec`], which is a coded group of members (or one uncoded member when k = 1).
 
+mod block;
 mod config;
 mod generate;
 mod llama;
@@ -13,17 +14,18 @@ mod tokenizer;
 mod train;
 mod weights;
 
+pub use block::{BLOCK, BlockStep, LinearExec, PassStep, Stage, pass_steps};
 pub use config::LlamaConfig;
 pub use generate::{
     Forward, GenerateOptions, Generation, Pass, StopReason, generate, generate_async,
     generate_with, logits_along, relative_error, run_pass,
 };
-pub use llama::{BatchItem, KvCache, LeaderWeights, LinearExec, Llama, Stage};
+pub use llama::{BatchItem, KvCache, Llama};
 pub use sampling::{Sampler, SamplingParams, argmax};
 pub use sequence::{Sequence, Taken};
 pub use tokenizer::{ChatMessage, TextStream, Tokenizer, TokenizerData};
 pub use train::{Gradients, StageGrad};
-pub use weights::{LayerWeights, Matrix, ModelWeights};
+pub use weights::{LayerWeights, LeaderWeights, Matrix, ModelWeights};
 
 use crate::gguf::GgufError;
 

@@ -2,7 +2,7 @@
 //! layer's input gradient computed through the [`LinearExec`] (coded transpose steps) and every
 //! weight gradient kept as factors `δW = dYᵀ·X` (DESIGN.md §1), never as full matrices.
 
-use super::llama::{Stage, rms_norm, rope_table, rotate, silu, softmax};
+use super::block::{Attend, Rows, Stage, linear, rms_norm, rope_table, rotate, run_block, softmax};
 use super::{LeaderWeights, LinearExec, Llama, ModelError};
 
 /// One linear stage's gradient, as factors: for matrix `m`, `δW_m = dy[m]ᵀ · x`.
@@ -35,22 +35,6 @@ pub struct Gradients {
     pub sequences: usize,
 }
 
-/// What the forward pass keeps of one block for the backward pass.
-struct Saved {
-    x_in: Vec<f32>,
-    h1: Vec<f32>,
-    q: Vec<f32>,
-    k: Vec<f32>,
-    v: Vec<f32>,
-    probs: Vec<f32>,
-    attn: Vec<f32>,
-    x_mid: Vec<f32>,
-    h2: Vec<f32>,
-    gate: Vec<f32>,
-    up: Vec<f32>,
-    act: Vec<f32>,
-}
-
 /// `dx` and `dgain` of `y = rms_norm(x, gain)` given `dy`, row by row.
 fn rms_norm_backward(
     x: &[f32],
@@ -80,13 +64,6 @@ fn rms_norm_backward(
             dx_row[i] = (r * a - c * row[i] as f64) as f32;
         }
     }
-}
-
-fn take3(mut v: Vec<Vec<f32>>) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
-    let c = v.pop().unwrap_or_default();
-    let b = v.pop().unwrap_or_default();
-    let a = v.pop().unwrap_or_default();
-    (a, b, c)
 }
 
 impl Llama {
@@ -171,78 +148,36 @@ impl Llama {
             cos.extend(c);
             sin.extend(sn);
         }
-        // Each sequence's attention probabilities: `ti × heads × ti`, one after another.
-        let probs_len: usize = spans.iter().map(|&(_, ti)| ti * cfg.heads * ti).sum();
-
         // Forward, keeping what the backward pass needs.
         let mut x = exec.embed(&tokens).await?;
+        if x.len() != t * d {
+            return Err(ModelError::Config(
+                "the embedding returned the wrong shape".into(),
+            ));
+        }
+        let rows = Rows {
+            t,
+            cos: &cos,
+            sin: &sin,
+        };
+        let mut within = WithinSequences {
+            cfg: &cfg,
+            spans: &spans,
+            probs: Vec::with_capacity(cfg.layers),
+        };
         let mut saved = Vec::with_capacity(cfg.layers);
         for l in 0..cfg.layers {
-            let layer = l as u32;
-            let x_in = x.clone();
-            let mut h1 = vec![0.0f32; t * d];
-            rms_norm(&x, &norms.attn_norm[l], cfg.norm_eps, &mut h1);
-            let (mut q, mut k, v) = take3(exec.linear(Stage::Qkv(layer), &h1, t).await?);
-            rotate(&mut q, cfg.heads, cfg.head_dim, &cos, &sin, 1.0);
-            rotate(&mut k, cfg.kv_heads, cfg.head_dim, &cos, &sin, 1.0);
-            let mut probs = vec![0.0f32; probs_len];
-            let mut attn = vec![0.0f32; t * qd];
-            let mut p_at = 0;
-            for &(row, ti) in &spans {
-                let p_len = ti * cfg.heads * ti;
-                attention_forward(
-                    &cfg,
-                    &q[row * qd..(row + ti) * qd],
-                    &k[row * kvd..(row + ti) * kvd],
-                    &v[row * kvd..(row + ti) * kvd],
-                    ti,
-                    &mut probs[p_at..p_at + p_len],
-                    &mut attn[row * qd..(row + ti) * qd],
-                );
-                p_at += p_len;
-            }
-            let o = exec.linear(Stage::AttnOut(layer), &attn, t).await?;
-            x.iter_mut()
-                .zip(o.first().map_or(&[][..], |v| v))
-                .for_each(|(a, &b)| *a += b);
-            let x_mid = x.clone();
-            let mut h2 = vec![0.0f32; t * d];
-            rms_norm(&x, &norms.ffn_norm[l], cfg.norm_eps, &mut h2);
-            let mut gu = exec.linear(Stage::GateUp(layer), &h2, t).await?;
-            let up = gu.pop().unwrap_or_default();
-            let gate = gu.pop().unwrap_or_default();
-            let act: Vec<f32> = gate.iter().zip(&up).map(|(&g, &u)| silu(g) * u).collect();
-            let down = exec.linear(Stage::Down(layer), &act, t).await?;
-            x.iter_mut()
-                .zip(down.first().map_or(&[][..], |v| v))
-                .for_each(|(a, &b)| *a += b);
-            saved.push(Saved {
-                x_in,
-                h1,
-                q,
-                k,
-                v,
-                probs,
-                attn,
-                x_mid,
-                h2,
-                gate,
-                up,
-                act,
-            });
+            let kept = run_block(&cfg, norms, l, exec, &mut within, &rows, &mut x, true).await?;
+            saved
+                .push(kept.ok_or_else(|| ModelError::Config("lost a block's activations".into()))?);
         }
+        let mut probs = within.probs;
         let mut hf = vec![0.0f32; t * d];
         rms_norm(&x, &norms.final_norm, cfg.norm_eps, &mut hf);
-        let logits = exec
-            .linear(Stage::LmHead, &hf, t)
+        let logits = linear(exec, &cfg, Stage::LmHead, &hf, t)
             .await?
             .pop()
             .unwrap_or_default();
-        if logits.len() != t * cfg.vocab {
-            return Err(ModelError::Config(
-                "the LM head returned the wrong shape".into(),
-            ));
-        }
 
         // Loss and its gradient on the logits: every position but each sequence's last
         // predicts the next token of its sequence.
@@ -296,8 +231,9 @@ impl Llama {
         let mut tmp = vec![0.0f32; t * d];
         for l in (0..cfg.layers).rev() {
             let layer = l as u32;
-            let s = saved
+            let (s, layer_probs) = saved
                 .pop()
+                .zip(probs.pop())
                 .ok_or_else(|| ModelError::Config("lost a block's activations".into()))?;
             // Down projection.
             let dact = exec
@@ -356,7 +292,7 @@ impl Llama {
                         q: &s.q[q.clone()],
                         k: &s.k[kv.clone()],
                         v: &s.v[kv.clone()],
-                        probs: &s.probs[p_at..p_at + p_len],
+                        probs: &layer_probs[p_at..p_at + p_len],
                     },
                     &dattn[q.clone()],
                     ti,
@@ -400,6 +336,40 @@ impl Llama {
             sequences: seqs.len(),
         };
         Ok((loss, Some(grads)))
+    }
+}
+
+/// Training's attention: each sequence's rows over its own rows (no cache), the probabilities
+/// of every block kept for the backward pass.
+struct WithinSequences<'a> {
+    cfg: &'a super::LlamaConfig,
+    /// Each sequence's first row and rows.
+    spans: &'a [(usize, usize)],
+    /// Per block, each sequence's probabilities (`ti × heads × ti`), one after another.
+    probs: Vec<Vec<f32>>,
+}
+
+impl Attend for WithinSequences<'_> {
+    fn attend(&mut self, _layer: usize, q: &[f32], k: &[f32], v: &[f32], out: &mut [f32]) {
+        let cfg = self.cfg;
+        let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
+        let len: usize = self.spans.iter().map(|&(_, ti)| ti * cfg.heads * ti).sum();
+        let mut probs = vec![0.0f32; len];
+        let mut p_at = 0;
+        for &(row, ti) in self.spans {
+            let p_len = ti * cfg.heads * ti;
+            attention_forward(
+                cfg,
+                &q[row * qd..(row + ti) * qd],
+                &k[row * kvd..(row + ti) * kvd],
+                &v[row * kvd..(row + ti) * kvd],
+                ti,
+                &mut probs[p_at..p_at + p_len],
+                &mut out[row * qd..(row + ti) * qd],
+            );
+            p_at += p_len;
+        }
+        self.probs.push(probs);
     }
 }
 

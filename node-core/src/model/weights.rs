@@ -6,6 +6,7 @@ use safetensors::SafeTensors;
 
 use super::{LlamaConfig, ModelError};
 use crate::gguf::GgufFile;
+use serde::{Deserialize, Serialize};
 
 /// A dense row-major f32 matrix.
 #[derive(Debug, Clone, PartialEq)]
@@ -379,5 +380,48 @@ impl ModelWeights {
             + self.lm_head.as_ref().map_or(0, |m| m.data.len())
             + self.final_norm.len()
             + self.layers.iter().map(per_layer).sum::<usize>()
+    }
+}
+
+/// The small replicated parameters the leader holds itself: the norm gains.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LeaderWeights {
+    /// RMSNorm gain before attention, per block.
+    pub attn_norm: Vec<Vec<f32>>,
+    /// RMSNorm gain before the feed-forward layer, per block.
+    pub ffn_norm: Vec<Vec<f32>>,
+    /// Final RMSNorm gain.
+    pub final_norm: Vec<f32>,
+}
+
+impl LeaderWeights {
+    /// Takes the norm gains out of full model weights.
+    pub fn from_model(w: &ModelWeights) -> Self {
+        Self {
+            attn_norm: w.layers.iter().map(|l| l.attn_norm.clone()).collect(),
+            ffn_norm: w.layers.iter().map(|l| l.ffn_norm.clone()).collect(),
+            final_norm: w.final_norm.clone(),
+        }
+    }
+
+    /// Every gain, block by block (attention's, then the feed-forward's), the final last.
+    pub fn values(&self) -> impl Iterator<Item = &f32> {
+        self.attn_norm
+            .iter()
+            .chain(&self.ffn_norm)
+            .chain(std::iter::once(&self.final_norm))
+            .flatten()
+    }
+
+    /// Whether the gains have the model's shape.
+    pub fn fits(&self, cfg: &LlamaConfig) -> bool {
+        self.attn_norm.len() == cfg.layers
+            && self.ffn_norm.len() == cfg.layers
+            && self.final_norm.len() == cfg.hidden
+            && self
+                .attn_norm
+                .iter()
+                .chain(&self.ffn_norm)
+                .all(|g| g.len() == cfg.hidden)
     }
 }

@@ -106,7 +106,7 @@ fn mutated_safetensors_never_panic() {
 
 #[test]
 fn mutated_updates_and_shard_blobs_never_panic() {
-    let cfg = fuzzing::small_config();
+    let cfg = node_core::model::LlamaConfig::small();
     let w = ModelWeights::synthetic(cfg.clone(), 3).unwrap();
     let g = Generator::uncoded();
     let mesh = InProcess::encode(&w, &g, ShardFormat::F32, &|_, _| {}).unwrap();

@@ -3,9 +3,10 @@
 
 use crate::common;
 
+use futures::executor::block_on;
 use node_core::code::Generator;
 use node_core::coded::{CodedGroup, InProcess, ShardFormat};
-use node_core::model::{Gradients, LeaderWeights, Llama, ModelWeights, Stage};
+use node_core::model::{BatchItem, Gradients, KvCache, LeaderWeights, Llama, ModelWeights, Stage};
 
 const TOKENS: [u32; 7] = [3, 17, 60, 42, 9, 17, 5];
 
@@ -191,4 +192,48 @@ fn coded_backward_matches_the_uncoded_one_for_every_group() {
         "coded gradients differ from uncoded by {worst:.2e}"
     );
     eprintln!("coded backward: worst relative difference {worst:.2e}");
+}
+
+#[test]
+fn training_walks_the_blocks_of_the_models_forward_pass() {
+    // The model's forward pass (each sequence over its KV cache, a token at a time as when
+    // serving) and training's (each sequence within itself, keeping activations) run one
+    // block ([`node_core::model::BLOCK`]): training's loss is the cross-entropy of the model's
+    // logits. The GPU whole token's plan walks the same steps (tests/native/gpu.rs).
+    for tied in [true, false] {
+        let w = ModelWeights::synthetic(common::train_config(tied), 11).unwrap();
+        let g = Generator::uncoded();
+        let mesh = InProcess::encode(&w, &g, ShardFormat::F32, &|_, _| {}).unwrap();
+        let mut group = CodedGroup::new(w.cfg.clone(), g, &[0], mesh).unwrap();
+        let llama = Llama::new(w.cfg.clone(), LeaderWeights::from_model(&w)).unwrap();
+        let trained = block_on(llama.sequence_loss(&mut group, &TOKENS)).unwrap();
+        // Half the prompt at once, then a token a pass: the cache path, one row and many.
+        let mut cache = KvCache::new(&w.cfg);
+        let first = BatchItem {
+            tokens: &TOKENS[..3],
+            cache: &mut cache,
+            logits: 3,
+        };
+        let mut logits = block_on(llama.forward_batch(&mut group, &mut [first])).unwrap();
+        for &id in &TOKENS[3..TOKENS.len() - 1] {
+            logits.push(block_on(llama.forward(&mut group, &[id], &mut cache)).unwrap());
+        }
+        let logits = logits.concat();
+        let vocab = w.cfg.vocab;
+        assert_eq!(logits.len(), (TOKENS.len() - 1) * vocab);
+        let served: f64 = logits
+            .chunks_exact(vocab)
+            .zip(&TOKENS[1..])
+            .map(|(row, &next)| {
+                let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+                let sum: f64 = row.iter().map(|&z| (z as f64 - max).exp()).sum();
+                sum.ln() + max - row[next as usize] as f64
+            })
+            .sum::<f64>()
+            / (TOKENS.len() - 1) as f64;
+        assert!(
+            (trained - served).abs() < 1e-5 * served.abs(),
+            "tied {tied}: training's loss {trained} against the served logits' {served}"
+        );
+    }
 }

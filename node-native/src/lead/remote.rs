@@ -9,11 +9,11 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use libp2p::{Multiaddr, PeerId};
 use node_core::code::Generator;
-use node_core::coded::rounds::{Asks, MemberAnswer, Rounds};
 use node_core::coded::{Transport, TransportError};
 use node_core::holder::{HolderError, Link};
 use node_core::lead::{LeadLink, OwnRow};
 use node_core::learn::{Judged, Published, Teacher};
+use node_core::mesh::rounds::{Asks, MemberAnswer, Rounds};
 use node_core::mesh::{
     Health, MeshInfo, MeshRequest, MeshResponse, ModelManifest, RoundConfig, SourceRow,
     StepRefusal, Usage,
@@ -458,7 +458,7 @@ pub struct NetStats {
 
 /// Coded steps over the network: each round goes to every member on its session, the first k
 /// answers win, failed members are replaced from the free rows, stragglers are outrun and
-/// swapped out ([`node_core::coded::rounds`]). A leader inside a node computes its own row's
+/// swapped out ([`node_core::mesh::rounds`]). A leader inside a node computes its own row's
 /// steps in process.
 #[derive(Debug)]
 pub struct NetTransport {

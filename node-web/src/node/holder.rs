@@ -661,7 +661,7 @@ mod tests {
 
     #[wasm_bindgen_test]
     async fn a_browser_holder_folds_its_updates_into_a_snapshot_that_a_reload_restores() {
-        let cfg = node_core::fuzzing::small_config();
+        let cfg = node_core::model::LlamaConfig::small();
         let weights = ModelWeights::synthetic(cfg.clone(), 7).expect("a model");
         let generator = Generator::cauchy(5, 3).expect("a 3-of-5 code");
         let mesh =

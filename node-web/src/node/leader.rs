@@ -12,10 +12,10 @@ use libp2p::Multiaddr;
 use libp2p::PeerId;
 use node_core::code::Generator;
 use node_core::coded::CodedGroup;
-use node_core::coded::rounds::{Asks, MemberAnswer, Rounds};
 use node_core::holder::HolderError;
 use node_core::lead::{Formed, GroupOptions, LeadLink, OwnRow};
 use node_core::learn::{CANARY_TEXT, CanaryGate, Judged, Learner, Teacher};
+use node_core::mesh::rounds::{Asks, MemberAnswer, Rounds};
 use node_core::mesh::{
     BrowserBootstrap, MeshRequest, MeshResponse, ModelManifest, RoundConfig, StepRefusal, Usage,
 };
@@ -386,7 +386,7 @@ impl LeadLink for BrowserNode {
 /// Coded steps from the page: each round goes to every member on its session, a long-lived
 /// stream opened when the group forms ([`node_core::net::session`]), as a native leader's do;
 /// the first answers win, failed members are replaced from the free rows, stragglers outrun
-/// ([`node_core::coded::rounds`]).
+/// ([`node_core::mesh::rounds`]).
 pub type WebTransport = Rounds<WebAsks>;
 
 /// The sessions a [`WebTransport`]'s rounds ask through.

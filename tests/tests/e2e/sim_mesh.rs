@@ -679,7 +679,7 @@ fn joiners_on_two_sides_of_a_partition_get_one_new_row_with_one_content() {
                 .collect();
             let shard_bytes = direct.bytes() as u64;
             let pieces = node_core::chain::pieces(
-                &node_core::chain::shapes(&manifest.cfg, &g),
+                &node_core::coded::shapes(&manifest.cfg, &g),
                 g.sub_blocks(),
             )
             .len() as u64;

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use crate::compute::gpu::kernels::{ParamBlocks, bind, layout, part, pipeline, read_back};
 use crate::compute::gpu::matrix::{WFormat, u32_of};
 use crate::compute::gpu::{Gpu, GpuError, GpuMatrix};
-use crate::model::{LeaderWeights, LlamaConfig, Stage};
+use crate::model::{BlockStep, LeaderWeights, LlamaConfig, PassStep, Stage, pass_steps};
 
 const DECODING: &str = include_str!("../../compute/gpu/kernels/decoding.wgsl");
 const REDUCE: &str = include_str!("../../compute/gpu/kernels/reduce.wgsl");
@@ -307,68 +307,95 @@ impl GpuToken {
             params.push_words(&[&shape[..], &[(1.0 / (hd as f32).sqrt()).to_bits()]].concat());
         let qkv_groups = u((cfg.heads + cfg.kv_heads) * half + kv_dim)?.div_ceil(ROPE_GROUP);
         let mut ops: Vec<(Op, u64)> = Vec::new();
-        // The first layer's attention norm; every later norm follows a residual's decoding.
-        let off = params.push([u(d)?, eps, 0, 0, 0, 0, 0, 0]);
-        ops.push((Op::Norm, off));
+        // The plan walks the model's forward pass (`model::pass_steps`): a linear step is every
+        // member's product of its stage, and the step after it decodes the answers in the
+        // kernel that does its own work (RoPE and the cache append, SwiGLU, the residual); a
+        // norm right after a residual is that residual's kernel's too.
+        let gain_at = |step: PassStep| match step {
+            PassStep::Block(l, BlockStep::AttnNorm) => Some(l * d),
+            PassStep::Block(l, BlockStep::FfnNorm) => Some((cfg.layers + l) * d),
+            PassStep::FinalNorm => Some(2 * cfg.layers * d),
+            _ => None,
+        };
+        let steps = pass_steps(cfg);
         let mut stages = spec.stages.iter();
-        let mut next = || {
-            stages
-                .next()
-                .ok_or_else(|| GpuError::Shape("too few stages".into()))
-        };
-        // Decodes a single-matrix stage into the residual stream, then the norm at `goff`.
-        let residual = |params: &mut ParamBlocks, s: &GroupStage, goff: usize| {
-            Ok::<_, GpuError>(params.push([u(d)?, kmu, mu, u(s.mats[0].1)?, eps, u(goff)?, 0, 0]))
-        };
-        for l in 0..cfg.layers {
-            let s = next()?;
-            gemv(&gpu, &mut params, &mut ops, s, Input::H)?;
-            let member: usize = s.mats.iter().map(|&(_, l)| spec.m * l).sum();
-            let layout = [
-                kmu,
-                mu,
-                u(member)?,
-                u(s.mats[0].1)?,
-                u(s.mats[1].1)?,
-                u(s.mats[2].1)?,
-            ];
-            let off = params.push_words(&[&shape[..], &layout[..]].concat());
-            ops.push((Op::QkvRope(l, qkv_groups), off));
-            ops.push((Op::Attention(l), attn_params));
-            let s = next()?;
-            gemv(&gpu, &mut params, &mut ops, s, Input::Attn)?;
-            let off = residual(&mut params, s, (cfg.layers + l) * d)?;
-            ops.push((Op::Residual, off));
-            let s = next()?;
-            gemv(&gpu, &mut params, &mut ops, s, Input::H)?;
-            let member: usize = s.mats.iter().map(|&(_, l)| spec.m * l).sum();
-            let off = params.push([
-                u(ffn)?,
-                kmu,
-                mu,
-                u(member)?,
-                u(s.mats[0].1)?,
-                u(s.mats[1].1)?,
-                0,
-                0,
-            ]);
-            ops.push((Op::Swiglu(u(ffn)?.div_ceil(FLAT)), off));
-            let s = next()?;
-            gemv(&gpu, &mut params, &mut ops, s, Input::Act)?;
-            // The next layer's attention norm, or the final norm after the last layer.
-            let goff = if l + 1 < cfg.layers {
-                (l + 1) * d
-            } else {
-                2 * cfg.layers * d
+        // The stage whose answers the next step decodes, and the next product's input.
+        let mut pending: Option<&GroupStage> = None;
+        let mut input = Input::H;
+        for (i, &step) in steps.iter().enumerate() {
+            let decoded = || {
+                pending.ok_or_else(|| GpuError::Shape(format!("{step:?} has no product to decode")))
             };
-            let off = residual(&mut params, s, goff)?;
-            ops.push((Op::Residual, off));
+            let residual_before = i
+                .checked_sub(1)
+                .and_then(|b| steps.get(b))
+                .is_some_and(|b| {
+                    matches!(
+                        b,
+                        PassStep::Block(_, BlockStep::AttnResidual | BlockStep::FfnResidual)
+                    )
+                });
+            match step {
+                PassStep::Block(_, BlockStep::AttnNorm | BlockStep::FfnNorm)
+                | PassStep::FinalNorm => {
+                    input = Input::H;
+                    if !residual_before {
+                        let goff = u(gain_at(step).unwrap_or(0))?;
+                        ops.push((Op::Norm, params.push([u(d)?, eps, goff, 0, 0, 0, 0, 0])));
+                    }
+                }
+                PassStep::Block(..) | PassStep::LmHead if step.stage().is_some() => {
+                    let want = step.stage();
+                    let s = stages
+                        .next()
+                        .filter(|s| Some(s.stage) == want)
+                        .ok_or_else(|| GpuError::Shape(format!("no group stage for {step:?}")))?;
+                    gemv(&gpu, &mut params, &mut ops, s, input)?;
+                    pending = Some(s);
+                    if step == PassStep::LmHead {
+                        let (out, l) = s.mats[0];
+                        let off = params.push([u(out)?, u(l)?, kmu, mu, u(spec.m * l)?, 0, 0, 0]);
+                        ops.push((Op::Logits(u(out)?.div_ceil(FLAT)), off));
+                    }
+                }
+                PassStep::Block(l, BlockStep::Rope) => {
+                    let s = decoded()?;
+                    let member: usize = s.mats.iter().map(|&(_, l)| spec.m * l).sum();
+                    let mats: Vec<u32> = (0..3)
+                        .map(|j| s.mats.get(j).map_or(Ok(0), |&(_, l)| u(l)))
+                        .collect::<Result<_, _>>()?;
+                    let layout = [kmu, mu, u(member)?, mats[0], mats[1], mats[2]];
+                    let off = params.push_words(&[&shape[..], &layout[..]].concat());
+                    ops.push((Op::QkvRope(l, qkv_groups), off));
+                }
+                PassStep::Block(l, BlockStep::Attend) => {
+                    ops.push((Op::Attention(l), attn_params));
+                    input = Input::Attn;
+                }
+                PassStep::Block(_, BlockStep::AttnResidual | BlockStep::FfnResidual) => {
+                    let s = decoded()?;
+                    let goff = steps
+                        .get(i + 1)
+                        .and_then(|&next| gain_at(next))
+                        .ok_or_else(|| {
+                            GpuError::Shape("a residual not followed by a norm".into())
+                        })?;
+                    let off = params.push([u(d)?, kmu, mu, u(s.mats[0].1)?, eps, u(goff)?, 0, 0]);
+                    ops.push((Op::Residual, off));
+                }
+                PassStep::Block(_, BlockStep::SwiGlu) => {
+                    let s = decoded()?;
+                    let member: usize = s.mats.iter().map(|&(_, l)| spec.m * l).sum();
+                    let (gate, up) = (s.mats[0].1, s.mats.get(1).map_or(0, |m| m.1));
+                    let off = params.push([u(ffn)?, kmu, mu, u(member)?, u(gate)?, u(up)?, 0, 0]);
+                    ops.push((Op::Swiglu(u(ffn)?.div_ceil(FLAT)), off));
+                    input = Input::Act;
+                }
+                PassStep::Block(..) | PassStep::LmHead => {
+                    return Err(GpuError::Shape(format!("{step:?} has no kernel")));
+                }
+            }
         }
-        let s = next()?;
-        gemv(&gpu, &mut params, &mut ops, s, Input::H)?;
-        let (out, l) = s.mats[0];
-        let off = params.push([u(out)?, u(l)?, kmu, mu, u(spec.m * l)?, 0, 0, 0]);
-        ops.push((Op::Logits(u(out)?.div_ceil(FLAT)), off));
 
         let pbuf = gpu.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("token params"),

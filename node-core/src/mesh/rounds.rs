@@ -7,9 +7,9 @@ use std::collections::{BTreeMap, VecDeque};
 
 use web_time::{Duration, Instant};
 
-use super::{Transport, TransportError};
+use super::{MemberPool, RoundConfig, RoundDriver, StepRefusal};
 use crate::code::Generator;
-use crate::mesh::{MemberPool, RoundConfig, RoundDriver, StepRefusal};
+use crate::coded::{Transport, TransportError};
 
 /// One member's answer: the round it answers, the member's row, and the encoded answer with
 /// the member's compute time (µs), or why there is none.

@@ -1,0 +1,438 @@
+//! What one block of the model does, said once ([`BLOCK`]), with its stages ([`Stage`]) and the
+//! leader's arithmetic between them (RMSNorm, RoPE, SwiGLU). The model's forward pass, training's
+//! forward pass ([`run_block`]) and the GPU whole token's plan (`coded/gpu/token.rs`, through
+//! [`pass_steps`]) all walk it; they differ only in how a block's rows attend ([`Attend`]).
+
+use serde::{Deserialize, Serialize};
+
+use super::{LeaderWeights, LlamaConfig, ModelError};
+
+/// One linear round of the model: the matrices that share one input.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Stage {
+    /// Query, key and value projections of a block.
+    Qkv(u32),
+    /// Attention output projection of a block.
+    AttnOut(u32),
+    /// SwiGLU gate and up projections of a block.
+    GateUp(u32),
+    /// SwiGLU down projection of a block.
+    Down(u32),
+    /// The LM head (the tied embedding when tied).
+    LmHead,
+}
+
+impl Stage {
+    /// Every stage of a model, in forward order (the embedding lookup is not a stage).
+    pub fn all(cfg: &LlamaConfig) -> Vec<Stage> {
+        let mut v = Vec::with_capacity(4 * cfg.layers + 1);
+        for l in 0..cfg.layers as u32 {
+            v.extend([
+                Stage::Qkv(l),
+                Stage::AttnOut(l),
+                Stage::GateUp(l),
+                Stage::Down(l),
+            ]);
+        }
+        v.push(Stage::LmHead);
+        v
+    }
+
+    /// `(out, in)` of each matrix of the stage, in order.
+    pub fn shapes(&self, cfg: &LlamaConfig) -> Vec<(usize, usize)> {
+        let (d, f) = (cfg.hidden, cfg.ffn);
+        match self {
+            Stage::Qkv(_) => vec![(cfg.q_dim(), d), (cfg.kv_dim(), d), (cfg.kv_dim(), d)],
+            Stage::AttnOut(_) => vec![(d, cfg.q_dim())],
+            Stage::GateUp(_) => vec![(f, d), (f, d)],
+            Stage::Down(_) => vec![(d, f)],
+            Stage::LmHead => vec![(cfg.vocab, d)],
+        }
+    }
+
+    /// The block this stage belongs to, if any.
+    pub fn layer(&self) -> Option<usize> {
+        match *self {
+            Stage::Qkv(l) | Stage::AttnOut(l) | Stage::GateUp(l) | Stage::Down(l) => {
+                Some(l as usize)
+            }
+            Stage::LmHead => None,
+        }
+    }
+
+    /// Indices of this stage's matrices among a block's seven (q, k, v, o, gate, up, down).
+    pub(crate) fn block_matrices(&self) -> &'static [usize] {
+        match self {
+            Stage::Qkv(_) => &[0, 1, 2],
+            Stage::AttnOut(_) => &[3],
+            Stage::GateUp(_) => &[4, 5],
+            Stage::Down(_) => &[6],
+            Stage::LmHead => &[],
+        }
+    }
+}
+
+/// Computes the model's linear stages: a coded group (whose rounds may wait on the network),
+/// or a single uncoded member.
+#[allow(
+    async_fn_in_trait,
+    reason = "the browser leader's futures are !Send by nature; native callers name the concrete type"
+)]
+pub trait LinearExec {
+    /// For each matrix of `stage`, `y = x · Wᵀ` with `x` of `t` rows; returns one `t × out` per matrix.
+    async fn linear(
+        &mut self,
+        stage: Stage,
+        x: &[f32],
+        t: usize,
+    ) -> Result<Vec<Vec<f32>>, ModelError>;
+    /// For a stage, `Σ_matrix dy_matrix · W_matrix` with one `t × out` gradient per matrix:
+    /// the gradient of the stage's shared input (`t × in`), for the backward pass.
+    async fn linear_t(
+        &mut self,
+        stage: Stage,
+        dy: &[Vec<f32>],
+        t: usize,
+    ) -> Result<Vec<f32>, ModelError>;
+    /// The embedding rows of `tokens`, `tokens.len() × hidden`.
+    async fn embed(&mut self, tokens: &[u32]) -> Result<Vec<f32>, ModelError>;
+}
+
+/// One step of a block, in [`BLOCK`]'s order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlockStep {
+    /// `h = rms_norm(x, attn_norm)`.
+    AttnNorm,
+    /// `q, k, v = h·Wᵀ` ([`Stage::Qkv`]).
+    Qkv,
+    /// RoPE on `q` and `k`, each row at its own position.
+    Rope,
+    /// Causal attention of each row over its sequence so far: `attn`.
+    Attend,
+    /// `o = attn·Wᵀ` ([`Stage::AttnOut`]).
+    AttnOut,
+    /// `x += o`.
+    AttnResidual,
+    /// `h = rms_norm(x, ffn_norm)`.
+    FfnNorm,
+    /// `gate, up = h·Wᵀ` ([`Stage::GateUp`]).
+    GateUp,
+    /// `act = silu(gate)·up`.
+    SwiGlu,
+    /// `down = act·Wᵀ` ([`Stage::Down`]).
+    Down,
+    /// `x += down`.
+    FfnResidual,
+}
+
+/// What every block does, in order.
+pub const BLOCK: [BlockStep; 11] = [
+    BlockStep::AttnNorm,
+    BlockStep::Qkv,
+    BlockStep::Rope,
+    BlockStep::Attend,
+    BlockStep::AttnOut,
+    BlockStep::AttnResidual,
+    BlockStep::FfnNorm,
+    BlockStep::GateUp,
+    BlockStep::SwiGlu,
+    BlockStep::Down,
+    BlockStep::FfnResidual,
+];
+
+/// One step of the whole forward pass: a block's, or the head's after the last block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PassStep {
+    /// Step `.1` of block `.0`.
+    Block(usize, BlockStep),
+    /// `h = rms_norm(x, final_norm)`.
+    FinalNorm,
+    /// `logits = h·Wᵀ` ([`Stage::LmHead`]).
+    LmHead,
+}
+
+impl PassStep {
+    /// The linear stage this step computes, if it is one.
+    pub fn stage(self) -> Option<Stage> {
+        let (l, step) = match self {
+            PassStep::Block(l, step) => (l as u32, step),
+            PassStep::FinalNorm => return None,
+            PassStep::LmHead => return Some(Stage::LmHead),
+        };
+        match step {
+            BlockStep::Qkv => Some(Stage::Qkv(l)),
+            BlockStep::AttnOut => Some(Stage::AttnOut(l)),
+            BlockStep::GateUp => Some(Stage::GateUp(l)),
+            BlockStep::Down => Some(Stage::Down(l)),
+            _ => None,
+        }
+    }
+}
+
+/// The model's forward pass, step by step: every block's [`BLOCK`], then the head.
+pub fn pass_steps(cfg: &LlamaConfig) -> Vec<PassStep> {
+    (0..cfg.layers)
+        .flat_map(|l| BLOCK.map(|step| PassStep::Block(l, step)))
+        .chain([PassStep::FinalNorm, PassStep::LmHead])
+        .collect()
+}
+
+/// How a block's rows attend: the model's over its sequences' KV caches, training's within
+/// each sequence (keeping the probabilities for the backward pass).
+pub(crate) trait Attend {
+    /// Writes block `layer`'s attention output for the rotated rows `q`, `k`, `v` into `out`
+    /// (`t × q_dim`, zeroed).
+    fn attend(&mut self, layer: usize, q: &[f32], k: &[f32], v: &[f32], out: &mut [f32]);
+}
+
+/// A block's activations, for the backward pass.
+#[derive(Debug, Default)]
+pub(crate) struct Saved {
+    /// The block's input, `t × hidden`.
+    pub x_in: Vec<f32>,
+    /// Its attention norm, `t × hidden`.
+    pub h1: Vec<f32>,
+    /// Rotated queries, `t × q_dim`.
+    pub q: Vec<f32>,
+    /// Rotated keys, `t × kv_dim`.
+    pub k: Vec<f32>,
+    /// Values, `t × kv_dim`.
+    pub v: Vec<f32>,
+    /// The attention output, `t × q_dim`.
+    pub attn: Vec<f32>,
+    /// The stream after attention, `t × hidden`.
+    pub x_mid: Vec<f32>,
+    /// Its feed-forward norm, `t × hidden`.
+    pub h2: Vec<f32>,
+    /// `t × ffn` each.
+    pub gate: Vec<f32>,
+    /// `t × ffn`.
+    pub up: Vec<f32>,
+    /// `silu(gate)·up`, `t × ffn`.
+    pub act: Vec<f32>,
+}
+
+/// Rows of a block's pass: how many, and RoPE's `cos` and `sin` for each row's position.
+pub(crate) struct Rows<'a> {
+    /// Rows of the residual stream.
+    pub t: usize,
+    /// `t × head_dim/2` each.
+    pub cos: &'a [f32],
+    /// As `cos`.
+    pub sin: &'a [f32],
+}
+
+/// Runs block `layer` ([`BLOCK`]) on the residual stream `x` (`t × hidden`), in place; its
+/// activations come back when `keep` (training's forward pass).
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the model's parts, the block's rows and the stream"
+)]
+pub(crate) async fn run_block<E: LinearExec, A: Attend>(
+    cfg: &LlamaConfig,
+    norms: &LeaderWeights,
+    layer: usize,
+    exec: &mut E,
+    attend: &mut A,
+    rows: &Rows<'_>,
+    x: &mut [f32],
+    keep: bool,
+) -> Result<Option<Saved>, ModelError> {
+    let (t, l) = (rows.t, layer as u32);
+    let mut a = Saved::default();
+    let (mut o, mut down) = (Vec::new(), Vec::new());
+    let norm = |x: &[f32], gain: &[f32]| {
+        let mut h = vec![0.0f32; x.len()];
+        rms_norm(x, gain, cfg.norm_eps, &mut h);
+        h
+    };
+    for step in BLOCK {
+        match step {
+            BlockStep::AttnNorm => {
+                a.h1 = norm(x, &norms.attn_norm[layer]);
+                if keep {
+                    a.x_in = x.to_vec();
+                }
+            }
+            BlockStep::Qkv => {
+                let mut qkv = linear(exec, cfg, Stage::Qkv(l), &a.h1, t).await?;
+                a.v = qkv.pop().unwrap_or_default();
+                a.k = qkv.pop().unwrap_or_default();
+                a.q = qkv.pop().unwrap_or_default();
+            }
+            BlockStep::Rope => {
+                rotate(&mut a.q, cfg.heads, cfg.head_dim, rows.cos, rows.sin, 1.0);
+                rotate(
+                    &mut a.k,
+                    cfg.kv_heads,
+                    cfg.head_dim,
+                    rows.cos,
+                    rows.sin,
+                    1.0,
+                );
+            }
+            BlockStep::Attend => {
+                a.attn = vec![0.0f32; t * cfg.q_dim()];
+                attend.attend(layer, &a.q, &a.k, &a.v, &mut a.attn);
+            }
+            BlockStep::AttnOut => {
+                o = linear(exec, cfg, Stage::AttnOut(l), &a.attn, t).await?;
+            }
+            BlockStep::AttnResidual => add_in_place(x, &o.pop().unwrap_or_default()),
+            BlockStep::FfnNorm => {
+                a.h2 = norm(x, &norms.ffn_norm[layer]);
+                if keep {
+                    a.x_mid = x.to_vec();
+                }
+            }
+            BlockStep::GateUp => {
+                let mut gu = linear(exec, cfg, Stage::GateUp(l), &a.h2, t).await?;
+                a.up = gu.pop().unwrap_or_default();
+                a.gate = gu.pop().unwrap_or_default();
+            }
+            BlockStep::SwiGlu => {
+                a.act = a
+                    .gate
+                    .iter()
+                    .zip(&a.up)
+                    .map(|(&g, &u)| silu(g) * u)
+                    .collect();
+            }
+            BlockStep::Down => down = linear(exec, cfg, Stage::Down(l), &a.act, t).await?,
+            BlockStep::FfnResidual => add_in_place(x, &down.pop().unwrap_or_default()),
+        }
+    }
+    Ok(keep.then_some(a))
+}
+
+/// `stage` of `x` (`t` rows) through `exec`, its outputs checked against the model's shapes.
+pub(crate) async fn linear<E: LinearExec>(
+    exec: &mut E,
+    cfg: &LlamaConfig,
+    stage: Stage,
+    x: &[f32],
+    t: usize,
+) -> Result<Vec<Vec<f32>>, ModelError> {
+    let out = exec.linear(stage, x, t).await?;
+    check_outputs(&out, stage, cfg, t)?;
+    Ok(out)
+}
+
+/// Checks that a stage returned one `t × out` output per matrix.
+pub(crate) fn check_outputs(
+    outputs: &[Vec<f32>],
+    stage: Stage,
+    cfg: &LlamaConfig,
+    t: usize,
+) -> Result<(), ModelError> {
+    let shapes = stage.shapes(cfg);
+    let ok = outputs.len() == shapes.len()
+        && outputs
+            .iter()
+            .zip(&shapes)
+            .all(|(o, &(out, _))| o.len() == t * out);
+    if ok {
+        Ok(())
+    } else {
+        Err(ModelError::Exec {
+            stage,
+            message: "wrong output shape".into(),
+        })
+    }
+}
+
+/// `out = x / rms(x) · gain`, row by row.
+pub(crate) fn rms_norm(x: &[f32], gain: &[f32], eps: f32, out: &mut [f32]) {
+    let d = gain.len();
+    for (row, o) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+        let ms = row.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>() / d as f64;
+        let inv = (1.0 / (ms + eps as f64).sqrt()) as f32;
+        for ((o, &v), &g) in o.iter_mut().zip(row).zip(gain) {
+            *o = v * inv * g;
+        }
+    }
+}
+
+/// cos and sin of each (position, pair) for positions `start..start + t`.
+pub(crate) fn rope_table(inv_freq: &[f64], start: usize, t: usize) -> (Vec<f32>, Vec<f32>) {
+    let half = inv_freq.len();
+    let mut cos = Vec::with_capacity(t * half);
+    let mut sin = Vec::with_capacity(t * half);
+    for p in start..start + t {
+        for &f in inv_freq {
+            let angle = p as f64 * f;
+            cos.push(angle.cos() as f32);
+            sin.push(angle.sin() as f32);
+        }
+    }
+    (cos, sin)
+}
+
+/// Rotates adjacent pairs `(2i, 2i+1)` of each head (GGML's normal RoPE layout) by the
+/// position's angle; `direction` −1 rotates back (the transpose, for gradients).
+pub(crate) fn rotate(
+    x: &mut [f32],
+    heads: usize,
+    hd: usize,
+    cos: &[f32],
+    sin: &[f32],
+    direction: f32,
+) {
+    let half = hd / 2;
+    let width = heads * hd;
+    for (pos, row) in x.chunks_exact_mut(width).enumerate() {
+        let (c, s) = (
+            &cos[pos * half..(pos + 1) * half],
+            &sin[pos * half..(pos + 1) * half],
+        );
+        for head in row.chunks_exact_mut(hd) {
+            for (i, pair) in head.as_chunks_mut::<2>().0.iter_mut().enumerate() {
+                let (a, b) = (pair[0], pair[1]);
+                let sn = direction * s[i];
+                pair[0] = a * c[i] - b * sn;
+                pair[1] = a * sn + b * c[i];
+            }
+        }
+    }
+}
+
+pub(crate) fn softmax(v: &mut [f32]) {
+    let max = v.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0.0f32;
+    for x in v.iter_mut() {
+        *x = (*x - max).exp();
+        sum += *x;
+    }
+    let inv = 1.0 / sum;
+    for x in v.iter_mut() {
+        *x *= inv;
+    }
+}
+
+pub(crate) fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+pub(crate) fn add_in_place(x: &mut [f32], y: &[f32]) {
+    for (a, &b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_pass_is_every_block_then_the_head_with_a_stage_per_linear_step() {
+        let cfg = LlamaConfig::small();
+        let steps = pass_steps(&cfg);
+        assert_eq!(steps.len(), cfg.layers * BLOCK.len() + 2);
+        let stages: Vec<Stage> = steps.iter().filter_map(|s| s.stage()).collect();
+        assert_eq!(
+            stages,
+            Stage::all(&cfg),
+            "the linear steps are the model's stages"
+        );
+    }
+}
