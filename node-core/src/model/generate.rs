@@ -4,10 +4,9 @@
 use futures::FutureExt;
 use web_time::{Duration, Instant};
 
-use super::speculate::{DraftCost, SpecStats};
-use super::{
-    BatchItem, KvCache, LinearExec, Llama, LlamaConfig, ModelError, SamplingParams, Sequence,
-};
+use super::batch::{Batch, BatchLimits, Ended};
+use super::speculate::SpecStats;
+use super::{BatchItem, KvCache, LinearExec, Llama, LlamaConfig, ModelError, SamplingParams};
 
 /// What to generate.
 #[derive(Debug, Clone, PartialEq)]
@@ -163,8 +162,8 @@ pub fn generate_with(
         })
 }
 
-/// [`generate_with`] over a forward pass that may wait (a browser leader's): one
-/// [`Sequence`]'s passes, one after another.
+/// [`generate_with`] over a forward pass that may wait (a browser leader's): a
+/// [`Batch`] of one sequence, its passes one after another.
 pub async fn generate_async(
     mut forward: impl AsyncFnMut(Pass<'_>) -> Result<Vec<f32>, ModelError>,
     cfg: &LlamaConfig,
@@ -172,24 +171,32 @@ pub async fn generate_async(
     opts: &GenerateOptions,
     on_token: &mut dyn FnMut(u32) -> bool,
 ) -> Result<Generation, ModelError> {
-    let mut seq = Sequence::new(prompt.to_vec(), opts.clone(), cfg)?;
+    let limits = BatchLimits {
+        max_batch: 1,
+        step_tokens: prompt.len(),
+    };
+    let mut batch = Batch::new(cfg, limits);
+    batch
+        .admit((), prompt.to_vec(), opts.clone(), 0)
+        .map_err(|(_, e)| e)?;
     let started = Instant::now();
     let mut prefill_time = None;
-    let mut cost = DraftCost::default();
-    let stop = loop {
-        let pass = seq.pass();
-        let (drafted, began) = (pass.logits - 1, Instant::now());
+    let (seq, stop) = loop {
+        batch.plan(0);
+        let (_, pass) = batch
+            .passes()
+            .next()
+            .ok_or_else(|| ModelError::Config("the sequence left the batch".into()))?;
+        let began = Instant::now();
         let logits = forward(pass).await?;
-        if prefill_time.is_some() {
-            cost.observe(drafted, began.elapsed().as_secs_f64());
-            if let Some(c) = cost.share() {
-                seq.set_draft_cost(c);
-            }
-        }
-        let taken = seq.take(&logits, on_token)?;
+        let took = batch.take(vec![logits], began.elapsed().as_secs_f64(), |_, t| {
+            on_token(t)
+        });
         prefill_time.get_or_insert_with(|| started.elapsed());
-        if let Some(stop) = taken.stop {
-            break stop;
+        match took.ended.into_iter().next() {
+            Some(Ended::Finished(e, stop)) => break (e.step, stop),
+            Some(Ended::Failed(_, e)) => return Err(e),
+            None => {}
         }
     };
     let prefill_time = prefill_time.unwrap_or_default();

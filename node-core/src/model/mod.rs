@@ -3,6 +3,7 @@
 //! The linear layers are not computed here: the forward pass hands each linear stage to a
 //! [`LinearExec`], which is a coded group of members (or one uncoded member when k = 1).
 
+mod batch;
 mod block;
 mod config;
 mod generate;
@@ -14,6 +15,7 @@ mod tokenizer;
 mod train;
 mod weights;
 
+pub use batch::{AfterFailure, Batch, BatchLimits, Ended, Entry, MAX_PASS_FAILURES, Took};
 pub use block::{BLOCK, BlockStep, LinearExec, PassStep, Stage, pass_steps};
 pub use config::LlamaConfig;
 pub use generate::{

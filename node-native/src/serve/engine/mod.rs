@@ -28,9 +28,9 @@ use node_core::learn::{
     Budgets, CANARY_TEXT, CanaryGate, Judged, Learner, Published, Teacher, Verdict,
 };
 use node_core::mesh::{MeshInfo, MeshResponse, ModelManifest, Usage};
-use node_core::model::speculate::DraftCost;
 use node_core::model::{
-    BatchItem, GenerateOptions, KvCache, LeaderWeights, Llama, SamplingParams, Sequence, StopReason,
+    AfterFailure, Batch, BatchLimits, Ended, Entry, GenerateOptions, LeaderWeights, Llama,
+    SamplingParams, StopReason,
 };
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::{mpsc, oneshot};
@@ -308,14 +308,18 @@ impl Engine {
                     held: None,
                     queue_depth: queue_depth.clone(),
                 },
-                active: Vec::new(),
+                batch: Batch::new(
+                    &ctx.manifest.cfg,
+                    BatchLimits {
+                        max_batch: ctx.cfg.max_batch,
+                        step_tokens: ctx.cfg.step_tokens,
+                    },
+                ),
                 to_train: learns.then(|| to_train.clone()),
                 publishes,
                 backlog: backlog.clone(),
-                failures: 0,
                 latency_ms: latency_ms.clone(),
                 steps: 0,
-                draft_cost: DraftCost::default(),
                 shared: shared.clone(),
             };
             ctx.runtime.spawn(worker.run());
@@ -359,28 +363,14 @@ impl Engine {
     }
 }
 
-/// One request being generated.
-struct Seq {
+/// A request in a serving task's batch, and when its first token came.
+struct Served {
     job: Job,
-    /// Its decoding: the next pass, and what that pass's logits emit.
-    step: Sequence,
-    /// Keys and values, when the leader's rounds run the sequence (a hop group's members
-    /// keep their own).
-    cache: KvCache,
-    /// The hop epoch it runs at ([`HopSide::epoch`]): at another, it starts again.
-    epoch: u64,
     first_token: Option<Duration>,
 }
 
-impl Seq {
-    /// Starts the sequence again at `epoch`: its whole text runs in the next pass, wherever
-    /// that pass runs (what was held lives elsewhere now).
-    fn restart(&mut self, epoch: u64) {
-        self.cache.truncate(0);
-        self.step.restart();
-        self.epoch = epoch;
-    }
-}
+/// A sequence of the batch: its request, decoding and keys and values.
+type Seq = Entry<Served>;
 
 /// An update the trainer made, for the serving task to publish between two steps; the
 /// answer is the new version and its norm gains (`None`: form the group again).
@@ -390,8 +380,6 @@ struct PublishRequest {
     done: oneshot::Sender<Option<([u8; 32], LeaderWeights)>>,
 }
 
-/// A run of failed steps this long fails the requests in the batch.
-const MAX_STEP_FAILURES: u32 = 3;
 /// How long a failed group formation is trusted before trying again.
 const FORM_RETRY: Duration = Duration::from_secs(1);
 /// Most tokens in one training minibatch, whatever the model.

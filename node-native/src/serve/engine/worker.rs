@@ -81,17 +81,15 @@ impl Intake {
 pub(super) struct Worker {
     pub(super) lead: Lead,
     pub(super) intake: Intake,
-    pub(super) active: Vec<Seq>,
+    /// The sequences decoded together.
+    pub(super) batch: Batch<Served>,
     /// Where finished requests go to be trained on (when the mesh learns).
     pub(super) to_train: Option<mpsc::UnboundedSender<ToLearn>>,
     pub(super) publishes: mpsc::UnboundedReceiver<PublishRequest>,
     /// Finished requests not yet trained on.
     pub(super) backlog: Arc<AtomicUsize>,
-    pub(super) failures: u32,
     pub(super) latency_ms: Arc<AtomicU64>,
     pub(super) steps: u64,
-    /// What a drafted row costs this group's steps, as a share of a step without drafts.
-    pub(super) draft_cost: DraftCost,
     /// What the serving tasks share.
     pub(super) shared: Arc<Shared>,
 }
@@ -102,7 +100,7 @@ impl Worker {
         let shared = self.shared.clone();
         loop {
             self.publish_due().await;
-            if slot > 0 && self.active.is_empty() {
+            if slot > 0 && self.batch.is_empty() {
                 // Registered before looking, so a group formed meanwhile still wakes this task.
                 let changed = shared.groups_changed.notified();
                 tokio::pin!(changed);
@@ -120,7 +118,7 @@ impl Worker {
             if !self.admit() {
                 break;
             }
-            if self.active.is_empty() {
+            if self.batch.is_empty() {
                 // Idle: woken by a request, an update to publish, or the gauge's tick.
                 tokio::select! {
                     more = self.intake.idle(IDLE_TICK) => if !more {
@@ -157,15 +155,9 @@ impl Worker {
     /// Takes queued requests into the batch while there is room; false once the queue is
     /// closed and nothing is left to do.
     pub(super) fn admit(&mut self) -> bool {
-        let mut budget = self
-            .lead
-            .ctx
-            .cfg
-            .step_tokens
-            .saturating_sub(self.active.iter().map(|s| s.step.pass().tokens.len()).sum());
-        while self.active.len() < self.lead.ctx.cfg.max_batch {
+        while !self.batch.is_full() {
             // A busy task leaves new requests to an idle one: its own group runs them.
-            if !self.active.is_empty()
+            if !self.batch.is_empty()
                 && !self.intake.holds()
                 && self.shared.another_is_idle(self.slot())
             {
@@ -174,37 +166,34 @@ impl Worker {
             let job = match self.intake.next() {
                 Next::Job(j) => j,
                 Next::Empty => break,
-                Next::Closed => return !self.active.is_empty(),
+                Next::Closed => return !self.batch.is_empty(),
             };
             if job.events.is_closed() {
                 continue;
             }
-            let len = job.req.prompt.len();
-            if len > budget && !self.active.is_empty() {
+            if !self.batch.fits(job.req.prompt.len()) {
                 self.intake.hold(job);
                 break;
             }
-            budget = budget.saturating_sub(len);
             let opts = GenerateOptions {
                 max_tokens: job.req.max_tokens,
                 sampling: job.req.sampling,
                 stop_ids: job.req.stop_ids.clone(),
                 draft: self.lead.ctx.cfg.draft,
             };
-            let cfg = &self.lead.ctx.manifest.cfg;
-            match Sequence::new(job.req.prompt.clone(), opts, cfg) {
-                Ok(step) => {
-                    job.span.in_scope(|| tracing::debug!("admitted"));
-                    self.active.push(Seq {
-                        step,
-                        cache: KvCache::new(cfg),
-                        epoch: self.lead.hop.epoch,
-                        first_token: None,
-                        job,
-                    });
+            let prompt = job.req.prompt.clone();
+            let served = Served {
+                job,
+                first_token: None,
+            };
+            match self.batch.admit(served, prompt, opts, self.lead.hop.epoch) {
+                Ok(()) => {
+                    let last = self.batch.entries().last();
+                    last.inspect(|e| e.job.job.span.in_scope(|| tracing::debug!("admitted")));
                 }
-                Err(e) => {
-                    let _ = job
+                Err((served, e)) => {
+                    let _ = served
+                        .job
                         .events
                         .send(Event::Failed(EngineError::Failed(e.to_string())));
                 }
@@ -217,13 +206,13 @@ impl Worker {
     /// Sets the active-sequences gauge.
     pub(super) fn count_active(&self) {
         let slot = self.slot();
-        let all = self.shared.set_active(slot, self.active.len());
+        let all = self.shared.set_active(slot, self.batch.len());
         self.lead.ctx.metrics.active_sequences.set(all as i64);
     }
 
     /// Fails every request in the batch.
     pub(super) fn fail_all(&mut self, error: &EngineError) {
-        for seq in std::mem::take(&mut self.active) {
+        for seq in self.batch.drain() {
             self.fail(seq, error);
         }
     }
@@ -231,10 +220,10 @@ impl Worker {
     /// Fails one request; the hop group's members forget it.
     fn fail(&mut self, seq: Seq, error: &EngineError) {
         if let Some(hop) = self.lead.hop.leader.as_mut() {
-            hop.forget(seq.job.id);
+            hop.forget(seq.job.job.id);
         }
         self.lead.ctx.metrics.request_errors.inc();
-        let _ = seq.job.events.send(Event::Failed(error.clone()));
+        let _ = seq.job.job.events.send(Event::Failed(error.clone()));
     }
 
     /// One forward step of every sequence in the batch, then a token for each.
@@ -256,21 +245,12 @@ impl Worker {
             self.lead.hop.drop_group();
         }
         // Sequences whose keys and values were left elsewhere start again.
-        let epoch = self.lead.hop.epoch;
-        for seq in self.active.iter_mut().filter(|s| s.epoch != epoch) {
-            seq.restart(epoch);
-        }
-        let rows: usize = self.active.iter().map(|s| s.step.pass().tokens.len()).sum();
-        // Drafted rows, where every sequence decodes (a prompt's rows would swamp them).
-        let drafted = self.active.iter().try_fold(0, |n, s| {
-            let p = s.step.pass();
-            (p.tokens.len() == p.logits).then_some(n + p.logits - 1)
-        });
+        let rows = self.batch.plan(self.lead.hop.epoch);
         let began = Instant::now();
         let span = tracing::info_span!(
             "forward_step",
             step = self.steps,
-            batch = self.active.len(),
+            batch = self.batch.len(),
             rows,
             hop
         );
@@ -287,43 +267,51 @@ impl Worker {
         self.lead.ctx.metrics.forward_steps.inc();
         match result {
             Ok(logits) => {
-                self.failures = 0;
-                if let Some(drafted) = drafted {
-                    self.draft_cost
-                        .observe(drafted, began.elapsed().as_secs_f64());
-                }
-                let cost = self.draft_cost.share();
-                let active = std::mem::take(&mut self.active);
-                for (mut seq, logits) in active.into_iter().zip(logits) {
-                    if let Some(c) = cost {
-                        seq.step.set_draft_cost(c);
-                    }
-                    match self.advance(&mut seq, &logits) {
-                        Ok(Some(stop)) => self.finish(seq, stop).await,
-                        Ok(None) => self.active.push(seq),
-                        Err(e) => self.fail(seq, &EngineError::Failed(e.to_string())),
+                let (m, shared) = (&self.lead.ctx.metrics, &self.shared);
+                let took = self
+                    .batch
+                    .take(logits, began.elapsed().as_secs_f64(), |s, next| {
+                        if s.first_token.is_none() {
+                            let t = s.job.arrived.elapsed();
+                            s.first_token = Some(t);
+                            m.time_to_first_token.observe(t.as_secs_f64());
+                        }
+                        m.tokens_generated.inc();
+                        shared.record_token();
+                        s.job.events.send(Event::Token(next)).is_ok()
+                    });
+                m.draft_tokens.inc_by(took.drafted as u64);
+                m.draft_accepted.inc_by(took.kept as u64);
+                for ended in took.ended {
+                    match ended {
+                        Ended::Finished(seq, stop) => self.finish(seq, stop).await,
+                        Ended::Failed(seq, e) => {
+                            self.fail(seq, &EngineError::Failed(e.to_string()))
+                        }
                     }
                 }
             }
             Err(e) => {
-                self.failures += 1;
                 self.lead.ctx.metrics.forward_step_failures.inc();
+                let attempt = self.batch.failures() + 1;
                 if moved {
                     tracing::info!(
-                        attempt = self.failures,
+                        attempt,
                         "members are at another version (the mesh moved on): forming the group again"
                     );
                 } else {
-                    tracing::warn!(attempt = self.failures, hop, "a forward step failed: {e}");
+                    tracing::warn!(attempt, hop, "a forward step failed: {e}");
                 }
                 // Form the group again (a member died, or the mesh moved to another version).
                 if hop {
                     self.lead.hop_failed();
                 }
                 self.lead.drop_group();
-                if self.failures >= MAX_STEP_FAILURES {
-                    self.failures = 0;
-                    self.fail_all(&EngineError::Failed(e.to_string()));
+                if let AfterFailure::GiveUp(gone) = self.batch.failed() {
+                    let error = EngineError::Failed(e.to_string());
+                    for seq in gone {
+                        self.fail(seq, &error);
+                    }
                 }
             }
         }
@@ -340,23 +328,16 @@ impl Worker {
                 false,
             );
         };
-        let ids: Vec<String> = self.active.iter().map(|s| s.job.id.to_string()).collect();
+        let ids: Vec<String> = self
+            .batch
+            .entries()
+            .iter()
+            .map(|s| s.job.job.id.to_string())
+            .collect();
         f.group
             .transport_mut()
             .set_context(format!("step {} req {}", self.steps, ids.join(",")));
-        let mut items: Vec<BatchItem<'_>> = self
-            .active
-            .iter_mut()
-            .map(|s| {
-                let pass = s.step.pass();
-                // A failed pass may have left some layers' keys and values behind it.
-                s.cache.truncate(pass.start);
-                BatchItem {
-                    logits: pass.logits,
-                    ..BatchItem::new(pass.tokens, &mut s.cache)
-                }
-            })
-            .collect();
+        let mut items = self.batch.rounds_items();
         let result = f.llama.forward_batch(&mut f.group, &mut items).await;
         drop(items);
         let moved = result.is_err() && f.group.transport().met_another_version();
@@ -370,65 +351,37 @@ impl Worker {
             return Err(node_core::model::ModelError::Config("no hop group".into()));
         };
         let batch: Vec<node_core::net::hop::HopSeq<'_>> = self
-            .active
-            .iter()
-            .map(|s| node_core::net::hop::HopSeq {
+            .batch
+            .passes()
+            .map(|(s, pass)| node_core::net::hop::HopSeq {
                 seq: s.job.id,
-                pass: s.step.pass(),
+                pass,
             })
             .collect();
         leader.forward_batch(&batch).await
     }
 
-    /// Takes a sequence's next tokens (its draft's agreeing prefix, then one the model
-    /// picked), sends them, and drafts the next; `Some` when the sequence is done, an error
-    /// when the logits are not of the shape its pass asked for.
-    pub(super) fn advance(
-        &mut self,
-        seq: &mut Seq,
-        logits: &[f32],
-    ) -> Result<Option<StopReason>, node_core::model::ModelError> {
-        let m = &self.lead.ctx.metrics;
-        if seq.first_token.is_none() {
-            let t = seq.job.arrived.elapsed();
-            seq.first_token = Some(t);
-            m.time_to_first_token.observe(t.as_secs_f64());
-        }
-        let (events, shared) = (&seq.job.events, &self.shared);
-        let taken = seq.step.take(logits, &mut |next| {
-            m.tokens_generated.inc();
-            shared.record_token();
-            events.send(Event::Token(next)).is_ok()
-        });
-        // Forget the drafted positions the model did not keep.
-        seq.cache.truncate(seq.step.held());
-        let t = taken?;
-        m.draft_tokens.inc_by(t.drafted as u64);
-        m.draft_accepted.inc_by(t.kept as u64);
-        Ok(t.stop)
-    }
-
     /// Ends a sequence: tells its submitter, counts it, and hands it to the trainer.
     pub(super) async fn finish(&mut self, seq: Seq, stop: StopReason) {
         if let Some(hop) = self.lead.hop.leader.as_mut() {
-            hop.forget(seq.job.id);
+            hop.forget(seq.job.job.id);
         }
-        let latency = seq.job.arrived.elapsed();
+        let latency = seq.job.job.arrived.elapsed();
         let m = &self.lead.ctx.metrics;
         m.requests.inc();
-        m.prompt_tokens.inc_by(seq.job.req.prompt.len() as u64);
+        m.prompt_tokens.inc_by(seq.job.job.req.prompt.len() as u64);
         m.request_latency.observe(latency.as_secs_f64());
         let old = self.latency_ms.load(Ordering::Relaxed);
         let ms = latency.as_millis() as u64;
         self.latency_ms.store((old * 7 + ms) / 8, Ordering::Relaxed);
         let done = Finished {
-            prompt_tokens: seq.job.req.prompt.len(),
+            prompt_tokens: seq.job.job.req.prompt.len(),
             tokens: seq.step.generated(),
             stop,
-            first_token: seq.first_token,
+            first_token: seq.job.first_token,
             latency,
         };
-        seq.job.span.in_scope(|| {
+        seq.job.job.span.in_scope(|| {
             tracing::info!(
                 tokens = done.tokens,
                 stop = ?stop,
@@ -436,24 +389,27 @@ impl Worker {
                 "finished"
             )
         });
-        let _ = seq.job.events.send(Event::Done(done));
+        let _ = seq.job.job.events.send(Event::Done(done));
         let ctx = &self.lead.ctx;
         let window = node_core::learn::training_window(&ctx.manifest.learning, &ctx.manifest.cfg)
             .min(LEARN_TOKENS);
         let item = ToLearn {
-            tokens: node_core::learn::taught(&seq.job.req.prompt, window).to_vec(),
+            tokens: node_core::learn::taught(&seq.job.job.req.prompt, window).to_vec(),
             prompt_tokens: done.prompt_tokens,
             generated: done.tokens,
             latency,
         };
-        let mut learn = item.tokens.len() >= 2 && seq.job.req.learn && self.to_train.is_some();
+        let mut learn = item.tokens.len() >= 2 && seq.job.job.req.learn && self.to_train.is_some();
         if learn {
             m.learn_requests.inc();
-            if !self.shared.spend(&seq.job.req.caller, item.tokens.len()) {
+            if !self
+                .shared
+                .spend(&seq.job.job.req.caller, item.tokens.len())
+            {
                 learn = false;
                 m.train_over_budget.inc();
                 tracing::info!(
-                    caller = seq.job.req.caller,
+                    caller = seq.job.job.req.caller,
                     "served, not trained on: the caller's learning budget is spent"
                 );
             }
