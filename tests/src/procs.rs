@@ -130,6 +130,16 @@ fn signal(pid: u32, sig: &str) {
         .status();
 }
 
+/// Resumes a stopped process (SIGCONT) when dropped, so a `during` that panics leaves no
+/// process stopped behind it.
+struct Resume(u32);
+
+impl Drop for Resume {
+    fn drop(&mut self) {
+        signal(self.0, "CONT");
+    }
+}
+
 /// A temporary directory for one mesh, removed at the end.
 #[derive(Debug)]
 pub struct Scratch(pub PathBuf);
@@ -513,13 +523,12 @@ impl Mesh {
         // Wait for the first token, then disturb while the generation stands still: whatever
         // `during` does has happened before the next token, however long it takes.
         let first = rx.recv_timeout(Duration::from_secs(120)).is_ok();
-        if first {
+        let stopped = first.then(|| {
             signal(child.id(), "STOP");
-        }
+            Resume(child.id())
+        });
         during();
-        if first {
-            signal(child.id(), "CONT");
-        }
+        drop(stopped);
         let status = child.wait()?;
         let out = String::from_utf8_lossy(&reader.join().unwrap_or_default()).into_owned();
         let err = err_reader.join().unwrap_or_default();
