@@ -10,8 +10,8 @@ use node_core::coded::{CodedGroup, GpuGroup, InProcess, ShardFormat};
 use node_core::compute::gpu::Gpu;
 use node_core::learn::{Learner, Teacher};
 use node_core::model::{
-    ChatMessage, GenerateOptions, KvCache, LeaderWeights, Llama, Pass, SamplingParams, generate,
-    generate_async, generate_with, run_pass,
+    ChatMessage, GenerateOptions, LeaderWeights, Llama, Pass, SamplingParams, generate,
+    generate_async, generate_with,
 };
 use node_core::model::{Generation, LlamaConfig, ModelWeights, Tokenizer};
 use node_native::lead::remote::{Leader, Session};
@@ -408,12 +408,8 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         print_speed(&done.0, " (one token at a time)");
         done
     } else {
-        let mut cache = KvCache::new(&cfg);
-        let mut forward = |pass: Pass<'_>| {
-            futures::executor::block_on(run_pass(&llama, &mut group, &mut cache, pass))
-        };
         let mut run = |p: &[u32], o: &GenerateOptions, on: &mut dyn FnMut(u32) -> bool| {
-            generate_with(&mut forward, &cfg, p, o, on)
+            generate(&llama, &mut group, p, o, on)
         };
         let done = generate_and_print(&mut run, &model.tokenizer, &args, &mut 0)?;
         print_coded_stats(&args, &done.0, group.stats(), None);

@@ -94,8 +94,8 @@ pub fn relative_error(a: &[f32], b: &[f32]) -> f64 {
 }
 
 /// Generates a completion of `prompt` through an executor that computes in process (a CLI, a
-/// bench, a test: each pass blocks until it is done); `on_token` sees each token and returns
-/// false to stop. A leader on a network runs [`generate_async`] over [`run_pass`] instead.
+/// bench, a test: the loop blocks until it is done); `on_token` sees each token and returns
+/// false to stop. A leader on a network awaits [`generate_on`] instead.
 pub fn generate<E: LinearExec>(
     llama: &Llama,
     exec: &mut E,
@@ -103,10 +103,21 @@ pub fn generate<E: LinearExec>(
     opts: &GenerateOptions,
     on_token: &mut dyn FnMut(u32) -> bool,
 ) -> Result<Generation, ModelError> {
+    futures::executor::block_on(generate_on(llama, exec, prompt, opts, on_token))
+}
+
+/// [`generate_async`] with `llama`'s passes run through `exec` over a cache of the
+/// sequence's keys and values ([`run_pass`]): a leader's rounds, awaited.
+pub async fn generate_on<E: LinearExec>(
+    llama: &Llama,
+    exec: &mut E,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    on_token: &mut dyn FnMut(u32) -> bool,
+) -> Result<Generation, ModelError> {
     let mut cache = KvCache::new(llama.config());
-    let mut forward =
-        |pass: Pass<'_>| futures::executor::block_on(run_pass(llama, exec, &mut cache, pass));
-    generate_with(&mut forward, llama.config(), prompt, opts, on_token)
+    let forward = async |pass: Pass<'_>| run_pass(llama, exec, &mut cache, pass).await;
+    generate_async(forward, llama.config(), prompt, opts, on_token).await
 }
 
 /// One forward pass of the generation loop: `tokens` run at positions `start..` (whatever the

@@ -19,7 +19,7 @@ pub use batch::{AfterFailure, Batch, BatchLimits, Ended, Entry, MAX_PASS_FAILURE
 pub use block::{BLOCK, BlockStep, LinearExec, PassStep, Stage, pass_steps};
 pub use config::LlamaConfig;
 pub use generate::{
-    Forward, GenerateOptions, Generation, Pass, StopReason, generate, generate_async,
+    Forward, GenerateOptions, Generation, Pass, StopReason, generate, generate_async, generate_on,
     generate_with, logits_along, relative_error, run_pass,
 };
 pub use llama::{BatchItem, KvCache, Llama};

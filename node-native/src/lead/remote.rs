@@ -18,9 +18,7 @@ use node_core::mesh::{
     Health, MeshInfo, MeshRequest, MeshResponse, ModelManifest, RoundConfig, SourceRow,
     StepRefusal, Usage,
 };
-use node_core::model::{
-    GenerateOptions, Generation, KvCache, ModelError, Pass, generate_async, run_pass,
-};
+use node_core::model::{GenerateOptions, Generation, ModelError, generate_on};
 use node_core::net::session::Ask;
 use tokio::sync::mpsc;
 
@@ -423,15 +421,7 @@ pub fn generate_rounds(
     opts: &GenerateOptions,
     on_token: &mut dyn FnMut(u32) -> bool,
 ) -> Result<Generation, ModelError> {
-    let mut cache = KvCache::new(llama.config());
-    let forward = async |pass: Pass<'_>| run_pass(llama, group, &mut cache, pass).await;
-    rt.block_on(generate_async(
-        forward,
-        llama.config(),
-        prompt,
-        opts,
-        on_token,
-    ))
+    rt.block_on(generate_on(llama, group, prompt, opts, on_token))
 }
 
 /// What one learning step did.

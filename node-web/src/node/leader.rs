@@ -20,8 +20,7 @@ use node_core::mesh::{
     BrowserBootstrap, MeshRequest, MeshResponse, ModelManifest, RoundConfig, StepRefusal, Usage,
 };
 use node_core::model::{
-    ChatMessage, GenerateOptions, KvCache, Llama, Pass, SamplingParams, Tokenizer, generate_async,
-    run_pass,
+    ChatMessage, GenerateOptions, Llama, SamplingParams, Tokenizer, generate_on,
 };
 use node_core::net::session::{self, Ask, Driven};
 use serde::{Deserialize, Serialize};
@@ -136,7 +135,6 @@ impl BrowserNode {
         let began = Instant::now();
         let model = self.leader_model().await?;
         let (manifest, tokenizer) = (&model.manifest, &model.tokenizer);
-        let cfg = manifest.cfg.clone();
         let text = match prompt.chat {
             true => tokenizer.chat_prompt(&[ChatMessage {
                 role: "user".into(),
@@ -181,22 +179,15 @@ impl BrowserNode {
             stop_ids: tokenizer.eos_ids().to_vec(),
             draft: node_core::model::speculate::DEFAULT_DRAFT,
         };
-        let mut cache = KvCache::new(&cfg);
         let mut stream = tokenizer.stream();
         let mut text = String::new();
-        let out = generate_async(
-            async |pass: Pass<'_>| run_pass(&llama, &mut group, &mut cache, pass).await,
-            &cfg,
-            &ids,
-            &opts,
-            &mut |id| {
-                if let Some(piece) = stream.push(id) {
-                    on_text(&piece);
-                    text.push_str(&piece);
-                }
-                true
-            },
-        )
+        let out = generate_on(&llama, &mut group, &ids, &opts, &mut |id| {
+            if let Some(piece) = stream.push(id) {
+                on_text(&piece);
+                text.push_str(&piece);
+            }
+            true
+        })
         .await
         .map_err(mesh_err)?;
 
