@@ -109,7 +109,7 @@ pub(crate) struct UpArgs {
     /// How the API's node runs a forward pass: `rounds` (it decodes every stage), `hop` (the
     /// members pass their coded outputs to each other, one hop per stage), or `auto` (hop
     /// where a member is on another machine or the rounds wait on the network).
-    #[arg(long, value_enum, default_value_t)]
+    #[arg(long, default_value_t)]
     pub(crate) pass: node_native::serve::engine::PassRoute,
 }
 
@@ -169,7 +169,7 @@ pub(crate) struct ServeArgs {
     /// every stage), `hop` (the members pass their coded outputs to each other, one hop per
     /// stage), or `auto` (hop where a member is on another machine or the rounds wait on the
     /// network).
-    #[arg(long, value_enum, default_value_t)]
+    #[arg(long, default_value_t)]
     pub(crate) pass: node_native::serve::engine::PassRoute,
     /// Answers checked beyond the k decoded in every round of the requests this node leads:
     /// 1 detects a wrong member, 2 also locates it; 0 turns checking off.

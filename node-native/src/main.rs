@@ -11,7 +11,7 @@ use node_core::compute::gpu::Gpu;
 use node_core::learn::{Learner, Teacher};
 use node_core::model::{
     ChatMessage, GenerateOptions, LeaderWeights, Llama, Pass, SamplingParams, generate,
-    generate_async, generate_with,
+    generate_async, generate_on, generate_with,
 };
 use node_core::model::{Generation, LlamaConfig, ModelWeights, Tokenizer};
 use node_native::lead::remote::{Leader, Session};
@@ -40,7 +40,9 @@ fn main() {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Generate(args) => match args.bootstrap.clone() {
-            Some(b) => run_generate_mesh(args, b),
+            Some(b) => node_native::lead::remote::leader_runtime()
+                .map_err(anyhow::Error::from)
+                .and_then(|rt| rt.block_on(run_generate_mesh(args, b))),
             None => run_generate(args),
         },
         Command::Seed(args) => runtime().and_then(|rt| {
@@ -79,7 +81,9 @@ fn main() {
         }),
         Command::Up(args) => runtime().and_then(|rt| rt.block_on(run_up(args))),
         Command::Status(args) => run_status(args),
-        Command::Eval(args) => run_eval(args),
+        Command::Eval(args) => node_native::lead::remote::leader_runtime()
+            .map_err(anyhow::Error::from)
+            .and_then(|rt| rt.block_on(run_eval(args))),
         Command::Bench(args) => run_bench(args),
         Command::FetchModel => fetch::default_model().map(|p| println!("{}", p.display())),
     };
@@ -87,14 +91,6 @@ fn main() {
         eprintln!("error: {e:#}");
         std::process::exit(1);
     }
-}
-
-/// A pass route as the command line names it.
-fn pass_name(pass: node_native::serve::engine::PassRoute) -> String {
-    use clap::ValueEnum;
-    pass.to_possible_value()
-        .map(|v| v.get_name().to_string())
-        .unwrap_or_default()
 }
 
 /// `codedmesh up`.
@@ -109,7 +105,7 @@ async fn run_up(args: UpArgs) -> Result<()> {
         "--draft".into(),
         args.draft.to_string().into(),
         "--pass".into(),
-        pass_name(args.pass).into(),
+        args.pass.to_string().into(),
     ];
     node_args.extend(node_native::up::supervise::group_args(
         &args.group.options(),
@@ -404,14 +400,14 @@ fn run_generate(args: GenerateArgs) -> Result<()> {
         let mut run = |p: &[u32], o: &GenerateOptions, on: &mut dyn FnMut(u32) -> bool| {
             generate_with(&mut forward, &ctx, p, o, on)
         };
-        let done = generate_and_print(&mut run, &model.tokenizer, &one_by_one, &mut 0)?;
+        let done = generate_and_print(&mut run, &model.tokenizer, &one_by_one)?;
         print_speed(&done.0, " (one token at a time)");
         done
     } else {
         let mut run = |p: &[u32], o: &GenerateOptions, on: &mut dyn FnMut(u32) -> bool| {
             generate(&llama, &mut group, p, o, on)
         };
-        let done = generate_and_print(&mut run, &model.tokenizer, &args, &mut 0)?;
+        let done = generate_and_print(&mut run, &model.tokenizer, &args)?;
         print_coded_stats(&args, &done.0, group.stats(), None);
         done
     };
@@ -504,22 +500,50 @@ fn generate_and_print(
     run: &mut Run<'_>,
     tokenizer: &Tokenizer,
     args: &GenerateArgs,
-    emitted: &mut usize,
 ) -> Result<(Generation, Vec<u32>)> {
-    let prompt = prompt_ids(tokenizer, args)?;
-    let opts = generate_options(tokenizer, args);
-    let mut text = tokenizer.stream();
-    let mut stdout = std::io::stdout();
-    let out = run(&prompt, &opts, &mut |id| {
-        *emitted += 1;
-        if let Some(new) = text.push(id) {
+    let (prompt, opts, mut printer) = Printer::start(tokenizer, args)?;
+    let out = run(&prompt, &opts, &mut |id| printer.token(id));
+    printer.end();
+    Ok((out?, prompt))
+}
+
+/// A completion printed to stdout as its tokens come.
+struct Printer<'a> {
+    text: node_core::model::TextStream<'a>,
+    emitted: usize,
+}
+
+impl<'a> Printer<'a> {
+    /// The request `args` make, and a printer for its completion.
+    fn start(
+        tokenizer: &'a Tokenizer,
+        args: &GenerateArgs,
+    ) -> Result<(Vec<u32>, GenerateOptions, Self)> {
+        let prompt = prompt_ids(tokenizer, args)?;
+        let opts = generate_options(tokenizer, args);
+        let printer = Self {
+            text: tokenizer.stream(),
+            emitted: 0,
+        };
+        Ok((prompt, opts, printer))
+    }
+
+    /// Prints what `id` adds to the text; generation goes on.
+    fn token(&mut self, id: u32) -> bool {
+        self.emitted += 1;
+        if let Some(new) = self.text.push(id) {
+            let mut stdout = std::io::stdout();
             let _ = write!(stdout, "{new}");
             let _ = stdout.flush();
         }
         true
-    })?;
-    println!();
-    Ok((out, prompt))
+    }
+
+    /// Ends the completion's line; how many tokens were printed.
+    fn end(self) -> usize {
+        println!();
+        self.emitted
+    }
 }
 
 /// Prints the prefill and decode speed; `how` notes how the prompt ran.
@@ -577,13 +601,12 @@ fn print_coded_stats(
 
 /// `generate --bootstrap`: a leader on the mesh; with `--repeat`, the same request again on a
 /// fresh group each time, learning after each.
-fn run_generate_mesh(args: GenerateArgs, bootstrap: libp2p::Multiaddr) -> Result<()> {
+async fn run_generate_mesh(args: GenerateArgs, bootstrap: libp2p::Multiaddr) -> Result<()> {
     if args.device != node_core::compute::gpu::DeviceChoice::Cpu {
         bail!(
             "--device runs a generation in this process; on a mesh each node chooses its own (codedmesh node --device gpu|auto)"
         );
     }
-    let rt = node_native::lead::remote::leader_runtime()?;
     let mut args = args;
     let mut teacher: Option<Teacher> = None;
     let mut last = None;
@@ -592,7 +615,7 @@ fn run_generate_mesh(args: GenerateArgs, bootstrap: libp2p::Multiaddr) -> Result
             eprintln!("request {} of {}", i + 1, args.repeat);
         }
         let began = std::time::Instant::now();
-        let (mut leader, out, prompt) = run_once_on_mesh(&rt, &mut args, &bootstrap)?;
+        let (mut leader, out, prompt) = run_once_on_mesh(&mut args, &bootstrap).await?;
         let latency = began.elapsed();
         let teacher = match &mut teacher {
             Some(t) => t,
@@ -610,14 +633,14 @@ fn run_generate_mesh(args: GenerateArgs, bootstrap: libp2p::Multiaddr) -> Result
         };
         let started = std::time::Instant::now();
         let caught_before = leader.group.stats().caught.len();
-        let learned = leader.learn(&rt, &prompt, teacher)?;
+        let learned = leader.learn(&prompt, teacher).await?;
         // Members caught in learning's rounds (a backward lie shows only there).
         let caught = &leader.group.stats().caught[caught_before..];
         for c in caught {
             eprintln!("{c}");
         }
         if !caught.is_empty() {
-            let told = leader.report_caught(&rt)?;
+            let told = leader.report_caught().await;
             eprintln!("reported to {told} nodes");
         }
         let usage = node_core::mesh::Usage::of_request(
@@ -626,15 +649,13 @@ fn run_generate_mesh(args: GenerateArgs, bootstrap: libp2p::Multiaddr) -> Result
             latency,
             learned.as_ref().map(|l| l.loss),
         );
-        if let Err(e) = leader.report_served(&rt, usage) {
+        if let Err(e) = leader.report_served(usage).await {
             tracing::warn!("the request was not counted in the mesh's usage: {e:#}");
         }
         if let Some(l) = learned {
             eprintln!("learned: loss {:.4} on {} tokens", l.loss, l.positions);
-            if let Some(sent) = l.published {
-                print_sent(&sent, &leader, started);
-            } else if let Some(why) = l.refused {
-                eprintln!("update not published: {why}");
+            if let Some(settled) = l.settled {
+                print_settled(settled, &leader, started);
             } else {
                 eprintln!(
                     "gradient kept for the next update ({} of {} requests)",
@@ -649,18 +670,15 @@ fn run_generate_mesh(args: GenerateArgs, bootstrap: libp2p::Multiaddr) -> Result
     if let (Some(teacher), Some(leader)) = (teacher.as_mut(), last.as_mut()) {
         let started = std::time::Instant::now();
         if let Some(p) = teacher.flush()? {
-            match leader.judge_and_publish(&rt, teacher, p)? {
-                Ok(sent) => print_sent(&sent, leader, started),
-                Err(why) => eprintln!("update not published: {why}"),
-            }
+            let settled = leader.settle(teacher, p).await;
+            print_settled(settled, leader, started);
         }
     }
     Ok(())
 }
 
 /// One request on a group formed for it: the leader, the generated and the prompt tokens.
-fn run_once_on_mesh(
-    rt: &tokio::runtime::Runtime,
+async fn run_once_on_mesh(
     args: &mut GenerateArgs,
     bootstrap: &libp2p::Multiaddr,
 ) -> Result<(Leader, Vec<u32>, Vec<u32>)> {
@@ -674,7 +692,7 @@ fn run_once_on_mesh(
             .map(node_native::lead::steplog::StepLog::create)
             .transpose()?;
         opts.group.project = !args.check_answers;
-        let mut leader = Leader::connect_with(rt, bootstrap.clone(), &opts)?;
+        let mut leader = Leader::connect_with(bootstrap.clone(), &opts).await?;
         leader.archive.clone_from(&args.keep_published);
         leader
             .group
@@ -691,16 +709,14 @@ fn run_once_on_mesh(
             leader.condition_number
         );
         (args.k, args.n) = (g.k(), g.n());
-        let mut emitted = 0;
+        let (prompt, opts, mut printer) = Printer::start(&leader.tokenizer, args)?;
         let generated = if args.hop {
-            let mut hop = node_native::lead::hop::lead_group(&leader, rt.handle(), args.check)?;
+            let rt = tokio::runtime::Handle::current();
+            let mut hop = node_native::lead::hop::lead_group(&leader, &rt, args.check)?;
             eprintln!("one hop per stage, members {:?}", hop.rows());
-            let cfg = &leader.manifest.cfg;
-            let mut run = |p: &[u32], o: &GenerateOptions, on: &mut dyn FnMut(u32) -> bool| {
-                let forward = async |pass: Pass<'_>| hop.forward(pass).await;
-                rt.block_on(generate_async(forward, cfg, p, o, on))
-            };
-            let out = generate_and_print(&mut run, &leader.tokenizer, args, &mut emitted);
+            let forward = async |pass: Pass<'_>| hop.forward(pass).await;
+            let on = &mut |id| printer.token(id);
+            let out = generate_async(forward, &leader.manifest.cfg, &prompt, &opts, on).await;
             let s = hop.stats();
             eprintln!(
                 "one hop per stage: the members check every round among themselves; this leader checked {} LM head rounds ({} unchecked), members at the end {:?}",
@@ -713,14 +729,12 @@ fn run_once_on_mesh(
             }
             out
         } else {
-            let (llama, group) = (&leader.llama, &mut leader.group);
-            let mut run = |p: &[u32], o: &GenerateOptions, on: &mut dyn FnMut(u32) -> bool| {
-                node_native::lead::remote::generate_rounds(rt, llama, group, p, o, on)
-            };
-            generate_and_print(&mut run, &leader.tokenizer, args, &mut emitted)
+            let on = &mut |id| printer.token(id);
+            generate_on(&leader.llama, &mut leader.group, &prompt, &opts, on).await
         };
+        let emitted = printer.end();
         match generated {
-            Ok((out, prompt)) => break (leader, out, prompt),
+            Ok(out) => break (leader, out, prompt),
             // The mesh took an update between the group's forming and its first step: form
             // the group again at the new version (nothing was printed yet).
             Err(_)
@@ -731,9 +745,9 @@ fn run_once_on_mesh(
                 eprintln!(
                     "the mesh moved to a new version as the request started; forming the group again"
                 );
-                std::thread::sleep(Duration::from_millis(300));
+                tokio::time::sleep(Duration::from_millis(300)).await;
             }
-            Err(e) => return Err(e),
+            Err(e) => return Err(e.into()),
         }
     };
     if args.hop {
@@ -766,27 +780,36 @@ fn run_once_on_mesh(
     }
     eprintln!("members at the end: {:?}", leader.group.nodes());
     if !leader.group.stats().caught.is_empty() {
-        let told = leader.report_caught(rt)?;
+        let told = leader.report_caught().await;
         eprintln!("reported to {told} nodes");
     }
     Ok((leader, out.tokens, prompt))
 }
 
-fn print_sent(
-    sent: &node_native::lead::remote::Sent,
+/// Says what became of an update that fell due: who took it, or why it was not published.
+fn print_settled(
+    settled: node_native::lead::remote::Settled<node_native::lead::remote::Sent>,
     leader: &Leader,
     started: std::time::Instant,
 ) {
-    eprintln!(
-        "update {:016x}: {} requests, {} bytes, {:.1}% of the gradient's energy kept, taken by {} of {} nodes ({:.2} s)",
-        sent.id,
-        sent.requests,
-        sent.bytes,
-        100.0 * sent.kept,
-        sent.applied_by,
-        leader.holders.len(),
-        started.elapsed().as_secs_f64()
-    );
+    use node_native::lead::remote::Settled;
+    match settled {
+        Settled::Published { sent, .. } => eprintln!(
+            "update {:016x}: {} requests, {} bytes, {:.1}% of the gradient's energy kept, taken by {} of {} nodes ({:.2} s)",
+            sent.id,
+            sent.requests,
+            sent.bytes,
+            100.0 * sent.kept,
+            sent.applied_by,
+            leader.holders.len(),
+            started.elapsed().as_secs_f64()
+        ),
+        Settled::Refused(why, _) => eprintln!("update not published: {why}"),
+        Settled::Unjudged(why) => {
+            eprintln!("update not published: the gate could not judge it: {why}")
+        }
+        Settled::Lost(why) => eprintln!("update not published: {why}"),
+    }
 }
 
 /// `status`: the mesh as the bootstrap node sees it.
@@ -862,11 +885,10 @@ fn short_peer(peer: &str) -> &str {
 }
 
 /// `eval`: perplexity of the mesh's model on held-out text.
-fn run_eval(args: EvalArgs) -> Result<()> {
+async fn run_eval(args: EvalArgs) -> Result<()> {
     let text = std::fs::read_to_string(&args.file)
         .with_context(|| format!("reading {}", args.file.display()))?;
-    let rt = node_native::lead::remote::leader_runtime()?;
-    let mut leader = Leader::connect(&rt, args.bootstrap.clone(), 1, 1)?;
+    let mut leader = Leader::connect(args.bootstrap.clone(), 1, 1).await?;
     let chunk = args.chunk.clamp(2, leader.manifest.cfg.max_seq);
     let tokens = leader.tokenizer.encode(&text)?;
     let chunks: Vec<&[u32]> = tokens
@@ -878,7 +900,7 @@ fn run_eval(args: EvalArgs) -> Result<()> {
     }
     let mut total = 0.0;
     for c in &chunks {
-        total += leader.sequence_loss(&rt, c)?;
+        total += leader.llama.sequence_loss(&mut leader.group, c).await?;
     }
     let loss = total / chunks.len() as f64;
     println!(

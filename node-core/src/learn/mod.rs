@@ -26,6 +26,9 @@ pub use config::{
 };
 pub use learner::{Learner, Published};
 pub use signed::{open, seal};
+/// A small coded model, its gradients and teachers, for the tests of what leaders do with them.
+#[cfg(test)]
+pub(crate) use teacher::tests as fixtures;
 pub use teacher::{Judged, Teacher};
 
 use crate::coded::{CodedError, Projection, Shard, ShardFormat, ShardSet, ShardValues};

@@ -96,7 +96,7 @@ impl Teacher {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     #![allow(clippy::unwrap_used)] // a test: a failed unwrap is a failed test
 
     use futures::executor::block_on;
@@ -125,7 +125,7 @@ mod tests {
 
     /// A coded group of a small random model, its leader's weights, and two gradients (of two
     /// texts).
-    fn setup() -> (Llama, CodedGroup<InProcess>, [Gradients; 2]) {
+    pub(crate) fn setup() -> (Llama, CodedGroup<InProcess>, [Gradients; 2]) {
         let weights = ModelWeights::synthetic(config(), 7).unwrap();
         let g = Generator::integer(3, 2, None).unwrap();
         let mesh = InProcess::encode(&weights, &g, ShardFormat::Q8, &|_, _| {}).unwrap();
@@ -138,12 +138,12 @@ mod tests {
         (llama, group, grads)
     }
 
-    fn teacher(gate: Option<CanaryGate>) -> Teacher {
+    pub(crate) fn teacher(gate: Option<CanaryGate>) -> Teacher {
         let learner = Learner::new(LearningConfig::default(), config(), ShardFormat::Q8);
         Teacher::new(learner, gate, ShardFormat::Q8)
     }
 
-    fn canary() -> Vec<u32> {
+    pub(crate) fn canary() -> Vec<u32> {
         (0..32).map(|i| (i * 5 % 96) as u32).collect()
     }
 

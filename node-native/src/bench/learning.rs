@@ -7,10 +7,11 @@
 
 use std::time::Instant;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use node_core::code::select_nodes;
 use node_core::coded::{CodedGroup, InProcess, ShardFormat};
-use node_core::learn::{CANARY_TEXT, CanaryGate, Judged, Learner, Teacher};
+use node_core::lead::{Publisher, Settled, settle};
+use node_core::learn::{CANARY_TEXT, CanaryGate, Learner, Published, Teacher};
 use node_core::mesh::LearningConfig;
 use node_core::model::{LeaderWeights, Llama, ModelWeights, Tokenizer};
 
@@ -88,7 +89,7 @@ pub fn teach_in_process(
     let learner = Learner::new(learning, cfg.clone(), format);
     let mut teacher = Teacher::new(learner, Some(gate), format);
     let (mut published, mut refused, mut bytes) = (0usize, 0usize, 0usize);
-    let mut version = [0u8; 32];
+    let mut version = Shelf::version(0);
     let started = Instant::now();
     for i in 0..exposures {
         let llama = Llama::new(cfg.clone(), norms.clone())?;
@@ -98,28 +99,35 @@ pub fn teach_in_process(
             each(i, loss, None);
             continue;
         };
-        let judged = futures::executor::block_on(teacher.judge(&llama, &mut group, version, p))?;
-        let (p, verdict) = match judged {
-            Judged::Publish(p, verdict) => (p, verdict),
-            Judged::Refused(_, verdict) => {
+        // The bench's rows take a passed update once the gate is done with the group.
+        let mut shelf = Shelf {
+            next: published as u64 + 1,
+        };
+        let settled = settle(&mut teacher, &llama, &mut group, version, p, &mut shelf);
+        match futures::executor::block_on(settled) {
+            Settled::Published {
+                sent: wire,
+                verdict,
+                ..
+            } => {
+                each(i, loss, verdict.as_ref());
+                bytes += wire.len();
+                let update = node_core::learn::Update::decode(&wire)?;
+                update.validate_for(&cfg, &learning, format)?;
+                for m in group.transport_mut().members_mut() {
+                    m.learn(|s| update.apply_to_shards(s))
+                        .context("a row taking the update")?;
+                }
+                update.apply_to_norms(&mut norms);
+                published += 1;
+                version = Shelf::version(published as u64);
+            }
+            Settled::Refused(_, verdict) => {
                 each(i, loss, Some(&verdict));
                 refused += 1;
-                continue;
             }
-        };
-        each(i, loss, verdict.as_ref());
-        let wire = p.update.encode();
-        bytes += wire.len();
-        let update = node_core::learn::Update::decode(&wire)?;
-        update.validate_for(&cfg, &learning, format)?;
-        for m in group.transport_mut().members_mut() {
-            m.learn(|s| update.apply_to_shards(s))
-                .context("a row taking the update")?;
+            Settled::Unjudged(why) | Settled::Lost(why) => bail!("an update was lost: {why}"),
         }
-        update.apply_to_norms(&mut norms);
-        published += 1;
-        version[..8].copy_from_slice(&(published as u64).to_le_bytes());
-        teacher.published(version, verdict.as_ref());
     }
     let seconds = started.elapsed().as_secs_f64();
     let after = losses(&Llama::new(cfg.clone(), norms)?, &mut group)?;
@@ -169,4 +177,27 @@ pub fn taught_rows(what: &str, t: &Taught, exposures: usize) -> Vec<Row> {
             ),
         ),
     ]
+}
+
+/// The learning bench's [`Publisher`]: gives back an update's bytes for the bench's rows to
+/// take, which moves them to the `next` version.
+struct Shelf {
+    next: u64,
+}
+
+impl Shelf {
+    /// The bench's name for its rows' version after `published` updates.
+    fn version(published: u64) -> [u8; 32] {
+        let mut v = [0u8; 32];
+        v[..8].copy_from_slice(&published.to_le_bytes());
+        v
+    }
+}
+
+impl Publisher for Shelf {
+    type Sent = Vec<u8>;
+
+    async fn publish(&mut self, p: Published) -> Result<(Vec<u8>, Option<[u8; 32]>), String> {
+        Ok((p.update.encode(), Some(Self::version(self.next))))
+    }
 }

@@ -61,7 +61,8 @@ pub fn mesh_rows(b: &MeshBench<'_>) -> Result<Vec<Row>> {
         };
         for _ in 0..50 {
             // Until every heartbeat has reached the seed, it may not even see k rows.
-            match crate::lead::remote::Leader::connect_with(&rt, bootstrap.clone(), &opts) {
+            let connected = crate::lead::remote::Leader::connect_with(bootstrap.clone(), &opts);
+            match rt.block_on(connected) {
                 Ok(l) if l.live_rows == b.n => {
                     leader = Some(l);
                     break;
@@ -98,6 +99,23 @@ pub fn mesh_rows(b: &MeshBench<'_>) -> Result<Vec<Row>> {
     Ok(rows)
 }
 
+/// One generation of `prompt` through `leader`'s rounds, the bench waiting for it.
+fn run_on(
+    leader: &mut crate::lead::remote::Leader,
+    runtime: &tokio::runtime::Runtime,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+) -> Result<node_core::model::Generation, node_core::model::ModelError> {
+    let (llama, group) = (&leader.llama, &mut leader.group);
+    runtime.block_on(node_core::model::generate_on(
+        llama,
+        group,
+        prompt,
+        opts,
+        &mut |_| true,
+    ))
+}
+
 /// At a one-way delay of `ms`: ms per token, hops per token and the floor they set, a token a
 /// pass and with drafts of the default length, with the leader's rounds (two hops a round) and
 /// with one hop per stage; and the ms a token of hops with drafts.
@@ -115,14 +133,14 @@ pub(super) fn delay_rows(
         draft: 0,
     };
     // Forms the group and opens every connection.
-    leader.generate(
+    run_on(
+        leader,
         runtime,
         prompt,
         &GenerateOptions {
             max_tokens: 2,
             ..plain.clone()
         },
-        &mut |_| true,
     )?;
     let draft = node_core::model::speculate::DEFAULT_DRAFT;
     let mut first: Option<Vec<u32>> = None;
@@ -132,7 +150,7 @@ pub(super) fn delay_rows(
             draft,
             ..plain.clone()
         };
-        let run = leader.generate(runtime, prompt, &opts, &mut |_| true)?;
+        let run = run_on(leader, runtime, prompt, &opts)?;
         let passes = run.forward_passes.max(1) as u64;
         let per_pass = leader.group.stats().rounds as f64 / passes as f64;
         let decode_tokens = run.tokens.len().saturating_sub(1).max(1) as f64;
@@ -235,24 +253,19 @@ pub(super) fn loopback_rows(
         stop_ids: Vec::new(),
         draft: 0,
     };
-    leader.generate(runtime, prompt, &opts, &mut |_| true)?;
+    run_on(leader, runtime, prompt, &opts)?;
     leader.group.reset_stats();
     let compute_before = leader.group.transport().stats().compute;
     let pids: Vec<u32> = std::iter::once(std::process::id())
         .chain(mesh.pids())
         .collect();
     let cpu_before: Option<Vec<Duration>> = pids.iter().map(|&p| process_cpu(p)).collect();
-    let run = leader.generate(runtime, prompt, &opts, &mut |_| true)?;
+    let run = run_on(leader, runtime, prompt, &opts)?;
     let cpu_after: Option<Vec<Duration>> = pids.iter().map(|&p| process_cpu(p)).collect();
     let stats = leader.group.stats().clone();
     let compute = leader.group.transport().stats().compute - compute_before;
     let draft = node_core::model::speculate::DEFAULT_DRAFT;
-    let drafted = leader.generate(
-        runtime,
-        prompt,
-        &GenerateOptions { draft, ..opts },
-        &mut |_| true,
-    )?;
+    let drafted = run_on(leader, runtime, prompt, &GenerateOptions { draft, ..opts })?;
     let label = &mesh_label(b);
     let positions = (run.prompt_tokens + run.tokens.len()).max(1) as u64;
     let per_member = stats.bytes_sent / stats.member_requests.max(1) * stats.rounds / positions;

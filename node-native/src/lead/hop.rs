@@ -561,26 +561,26 @@ fn pass_of(frame: &[u8]) -> Option<u64> {
 /// How long a member or the leader waits for a part before it leaves its sender out.
 pub const WAIT: Duration = Duration::from_secs(5);
 
-/// A hop group of a leader's first k + `extra` members (every round checked with the `extra`
-/// beyond k), formed on `runtime`.
+/// A hop group of k + `extra` of a leader's members ([`node_core::lead::hop_members`]; every
+/// round checked with the `extra` beyond k), formed on `runtime`.
 pub fn lead_group(
     leader: &crate::lead::remote::Leader,
     runtime: &tokio::runtime::Handle,
     extra: usize,
 ) -> anyhow::Result<HopLeader<NetFeedLink>> {
-    let k = leader.manifest.generator.k();
-    let members = leader
-        .group
-        .nodes()
-        .iter()
-        .take(k + extra)
-        .map(|&row| {
-            let peer = leader.group.transport().peer_of(row);
-            let peer = peer.ok_or_else(|| anyhow::anyhow!("no holder of row {row}"))?;
-            let addrs = leader.addrs.get(&peer).cloned().unwrap_or_default();
-            Ok((row, peer, addrs))
+    let want = leader.manifest.generator.k() + extra;
+    let me = leader.client.peer_id();
+    let members = node_core::lead::hop_members(leader.group.nodes(), &leader.rows, me, want)
+        .map_err(anyhow::Error::msg)?
+        .into_iter()
+        .map(|(row, peer)| {
+            (
+                row,
+                peer,
+                leader.addrs.get(&peer).cloned().unwrap_or_default(),
+            )
         })
-        .collect::<anyhow::Result<Vec<_>>>()?;
+        .collect::<Vec<_>>();
     lead(
         runtime,
         &leader.client,

@@ -11,14 +11,13 @@ use libp2p::{Multiaddr, PeerId};
 use node_core::code::Generator;
 use node_core::coded::{Transport, TransportError};
 use node_core::holder::{HolderError, Link};
-use node_core::lead::{LeadLink, OwnRow};
-use node_core::learn::{Judged, Published, Teacher};
+use node_core::lead::{LeadLink, OwnRow, Publisher, Sealed, settle};
+use node_core::learn::{Published, Teacher};
 use node_core::mesh::rounds::{Asks, MemberAnswer, Rounds};
 use node_core::mesh::{
     Health, MeshInfo, MeshRequest, MeshResponse, ModelManifest, RoundConfig, SourceRow,
     StepRefusal, Usage,
 };
-use node_core::model::{GenerateOptions, Generation, ModelError, generate_on};
 use node_core::net::session::Ask;
 use tokio::sync::mpsc;
 
@@ -27,10 +26,10 @@ use crate::hold::row::LocalRow;
 use crate::net::rpc::{ask, fetch_manifest};
 use crate::net::swarm::{self, Client, NetConfig};
 
-/// The runtime for a leader that a thread drives request by request ([`Leader::generate`]):
+/// The runtime a command-line leader (`generate --bootstrap`, `eval`, the mesh bench) runs on:
 /// one thread runs the rounds, the connections under their streams and the timers, so an
 /// answer wakes no other thread (a multi-thread runtime cost several task switches a round;
-/// docs/perf.md). Nothing runs between requests, which only keep-alives would want.
+/// docs/perf.md).
 pub fn leader_runtime() -> std::io::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -252,28 +251,16 @@ pub struct Leader {
 impl Leader {
     /// Connects through `bootstrap`, fetches the manifest and forms a group of k + `verify` +
     /// `spares`; every forward round is checked with `verify` answers beyond the k decoded.
-    pub fn connect(
-        rt: &tokio::runtime::Runtime,
-        bootstrap: Multiaddr,
-        verify: usize,
-        spares: usize,
-    ) -> Result<Self> {
-        Self::connect_with(rt, bootstrap, &GroupOptions::new(verify, spares))
+    pub async fn connect(bootstrap: Multiaddr, verify: usize, spares: usize) -> Result<Self> {
+        Self::connect_with(bootstrap, &GroupOptions::new(verify, spares)).await
     }
 
     /// [`Leader::connect`] with every option of the group.
-    pub fn connect_with(
-        rt: &tokio::runtime::Runtime,
-        bootstrap: Multiaddr,
-        opts: &GroupOptions,
-    ) -> Result<Self> {
-        let (session, manifest, formed) = rt.block_on(async {
-            let session = Session::connect(bootstrap).await?;
-            let manifest = session.manifest().await?;
-            let info = settled_info(|| session.info()).await?;
-            let formed = form_group(&session.client, &manifest, &info, None, opts).await?;
-            anyhow::Ok((session, manifest, formed))
-        })?;
+    pub async fn connect_with(bootstrap: Multiaddr, opts: &GroupOptions) -> Result<Self> {
+        let session = Session::connect(bootstrap).await?;
+        let manifest = session.manifest().await?;
+        let info = settled_info(|| session.info()).await?;
+        let formed = form_group(&session.client, &manifest, &info, None, opts).await?;
         let tokenizer = node_core::model::Tokenizer::from_data(&manifest.tokenizer)?;
         Ok(Self {
             manifest,
@@ -294,12 +281,10 @@ impl Leader {
     }
 
     /// Trains on what `prompt` teaches ([`node_core::learn::taught`]) if the mesh learns: the
-    /// gradient through the group, folded into `teacher`; when an update is due and its gate
-    /// passes it, it is handed to every live row's holder (the rest catch up from them).
-    /// Returns the loss before the update and what was published, if anything.
-    pub fn learn(
+    /// gradient through the group, folded into `teacher`; an update that falls due is settled
+    /// ([`Leader::settle`]). Returns the loss and what became of the update, if one was due.
+    pub async fn learn(
         &mut self,
-        rt: &tokio::runtime::Runtime,
         prompt: &[u32],
         teacher: &mut Teacher,
     ) -> Result<Option<Learned>> {
@@ -309,119 +294,89 @@ impl Leader {
         }
         let max = node_core::learn::training_window(&cfg, &self.manifest.cfg);
         let tokens = node_core::learn::taught(prompt, max);
-        let grads = rt.block_on(self.llama.gradients(&mut self.group, tokens))?;
+        let grads = self.llama.gradients(&mut self.group, tokens).await?;
         let loss = grads.loss;
-        let (mut published, mut refused) = (None, None);
-        if let Some(p) = teacher.fold(grads)? {
-            match self.judge_and_publish(rt, teacher, p)? {
-                Ok(sent) => published = Some(sent),
-                Err(why) => refused = Some(why),
-            }
-        }
+        let settled = match teacher.fold(grads)? {
+            Some(p) => Some(self.settle(teacher, p).await),
+            None => None,
+        };
         Ok(Some(Learned {
             loss,
             positions: tokens.len(),
-            published,
-            refused,
+            settled,
         }))
     }
 
-    /// Generates a completion of `prompt` through the group ([`generate_rounds`]).
-    pub fn generate(
-        &mut self,
-        rt: &tokio::runtime::Runtime,
-        prompt: &[u32],
-        opts: &GenerateOptions,
-        on_token: &mut dyn FnMut(u32) -> bool,
-    ) -> Result<Generation, ModelError> {
-        generate_rounds(rt, &self.llama, &mut self.group, prompt, opts, on_token)
-    }
-
-    /// Mean next-token cross-entropy of `tokens` through the group, forward only.
-    pub fn sequence_loss(
-        &mut self,
-        rt: &tokio::runtime::Runtime,
-        tokens: &[u32],
-    ) -> Result<f64, ModelError> {
-        rt.block_on(self.llama.sequence_loss(&mut self.group, tokens))
+    /// Settles a due update ([`node_core::lead::settle`]): judged by `teacher`'s canary gate on
+    /// this group, and if it passes signed and handed to every live row's holder (and a copy
+    /// to the archive, if set).
+    pub async fn settle(&mut self, teacher: &mut Teacher, p: Published) -> Settled<Sent> {
+        let mut out = NetPublisher {
+            link: NativeLink::quiet(self.client.clone()),
+            key: &self.key,
+            holders: &self.holders,
+            archive: self.archive.as_deref(),
+        };
+        settle(
+            teacher,
+            &self.llama,
+            &mut self.group,
+            self.version,
+            p,
+            &mut out,
+        )
+        .await
     }
 
     /// Tells every live row's holder about the members this leader caught; returns how many
     /// nodes took the reports.
-    pub fn report_caught(&self, rt: &tokio::runtime::Runtime) -> Result<usize> {
+    pub async fn report_caught(&self) -> usize {
         let link = NativeLink::quiet(self.client.clone());
         let caught = &self.group.stats().caught;
-        let reported = rt.block_on(node_core::lead::report_caught(
-            &link,
-            caught,
-            &self.rows,
-            &self.holders,
-        ));
-        Ok(reported.taken_by)
+        node_core::lead::report_caught(&link, caught, &self.rows, &self.holders)
+            .await
+            .taken_by
     }
 
     /// Tells the node this leader connected through what a request did; the mesh's usage
     /// (tokens/s, latency, loss on the dashboards) counts it.
-    pub fn report_served(&self, rt: &tokio::runtime::Runtime, usage: Usage) -> Result<()> {
-        rt.block_on(ask(
-            &self.client,
-            self.bootstrap,
-            MeshRequest::Served(usage),
-        ))?;
+    pub async fn report_served(&self, usage: Usage) -> Result<()> {
+        ask(&self.client, self.bootstrap, MeshRequest::Served(usage)).await?;
         Ok(())
     }
+}
 
-    /// Runs a due update through `teacher`'s gate on this group and publishes it if it
-    /// passes: what was sent, or why the gate refused it.
-    pub fn judge_and_publish(
-        &mut self,
-        rt: &tokio::runtime::Runtime,
-        teacher: &mut Teacher,
-        p: Published,
-    ) -> Result<std::result::Result<Sent, String>> {
-        let judged = teacher.judge(&self.llama, &mut self.group, self.version, p);
-        match rt.block_on(judged)? {
-            Judged::Refused(why, _) => Ok(Err(why)),
-            Judged::Publish(p, _) => match self.publish(rt, p) {
-                Ok(sent) => Ok(Ok(sent)),
-                Err(e) => {
-                    teacher.drop_last();
-                    Err(e)
-                }
-            },
-        }
-    }
+/// A leader's [`Publisher`] over the network: signs an update, keeps a copy in the archive if
+/// set, and hands it to every live row's holder (the rest catch up from them).
+struct NetPublisher<'a> {
+    link: NativeLink,
+    key: &'a libp2p::identity::Keypair,
+    holders: &'a [PeerId],
+    archive: Option<&'a std::path::Path>,
+}
 
-    /// Hands an update to every live row's holder (and a copy to the archive, if set).
-    pub fn publish(&self, rt: &tokio::runtime::Runtime, p: Published) -> Result<Sent> {
-        let link = NativeLink::quiet(self.client.clone());
-        let sealed = node_core::lead::seal_update(&p, &self.key)?;
-        if let Some(dir) = &self.archive {
+impl NetPublisher<'_> {
+    /// Signs `p` and keeps a copy in the archive.
+    fn seal(&self, p: &Published) -> Result<Sealed> {
+        let sealed = node_core::lead::seal_update(p, self.key)?;
+        if let Some(dir) = self.archive {
             std::fs::create_dir_all(dir)?;
             let path = dir.join(format!("{:016x}.update", sealed.id));
             std::fs::write(&path, &sealed.bytes)
                 .with_context(|| format!("archiving the update in {}", path.display()))?;
         }
-        Ok(rt.block_on(node_core::lead::publish_sealed(
-            &link,
-            &self.holders,
-            &sealed,
-            &p,
-        )))
+        Ok(sealed)
     }
 }
 
-/// Generates a completion of `prompt` through `group`'s rounds, blocking on `rt` once for the
-/// whole request; `on_token` sees each token and returns false to stop.
-pub fn generate_rounds(
-    rt: &tokio::runtime::Runtime,
-    llama: &node_core::model::Llama,
-    group: &mut node_core::coded::CodedGroup<NetTransport>,
-    prompt: &[u32],
-    opts: &GenerateOptions,
-    on_token: &mut dyn FnMut(u32) -> bool,
-) -> Result<Generation, ModelError> {
-    rt.block_on(generate_on(llama, group, prompt, opts, on_token))
+impl Publisher for NetPublisher<'_> {
+    type Sent = Sent;
+
+    async fn publish(&mut self, p: Published) -> Result<(Sent, Option<[u8; 32]>), String> {
+        let sealed = self.seal(&p).map_err(|e| format!("{e:#}"))?;
+        let sent = node_core::lead::publish_sealed(&self.link, self.holders, &sealed, &p).await;
+        Ok((sent, None))
+    }
 }
 
 /// What one learning step did.
@@ -431,13 +386,11 @@ pub struct Learned {
     pub loss: f64,
     /// Positions trained on.
     pub positions: usize,
-    /// The update published after this request, if one was due.
-    pub published: Option<Sent>,
-    /// Why the canary gate refused the update that was due, if it did.
-    pub refused: Option<String>,
+    /// What became of the update that fell due after this request, if one did.
+    pub settled: Option<Settled<Sent>>,
 }
 
-pub use node_core::lead::Sent;
+pub use node_core::lead::{Sent, Settled};
 
 /// Time the members spent computing, as they reported it.
 #[derive(Debug, Clone, Default)]

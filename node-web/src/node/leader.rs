@@ -13,8 +13,8 @@ use libp2p::PeerId;
 use node_core::code::Generator;
 use node_core::coded::CodedGroup;
 use node_core::holder::HolderError;
-use node_core::lead::{Formed, GroupOptions, LeadLink, OwnRow};
-use node_core::learn::{CANARY_TEXT, CanaryGate, Judged, Learner, Teacher};
+use node_core::lead::{Formed, GroupOptions, LeadLink, OwnRow, Publisher, Sent, Settled, settle};
+use node_core::learn::{CANARY_TEXT, CanaryGate, Learner, Published, Teacher};
 use node_core::mesh::rounds::{Asks, MemberAnswer, Rounds};
 use node_core::mesh::{
     BrowserBootstrap, MeshRequest, MeshResponse, ModelManifest, RoundConfig, StepRefusal, Usage,
@@ -285,43 +285,56 @@ impl BrowserNode {
                 Teacher::new(learner, Some(gate), manifest.format)
             }
         };
-        let judged = match teacher.fold(grads) {
-            Ok(Some(p)) => teacher
-                .judge(llama, group, version, p)
-                .await
-                .map(Some)
-                .map_err(mesh_err),
+        let settled = match teacher.fold(grads) {
+            Ok(Some(p)) => {
+                let mut out = PagePublisher {
+                    node: self,
+                    holders,
+                };
+                Ok(Some(
+                    settle(&mut teacher, llama, group, version, p, &mut out).await,
+                ))
+            }
             Ok(None) => Ok(None),
             Err(e) => Err(mesh_err(e)),
         };
         self.lead.borrow_mut().teacher = Some(teacher);
-        let p = match judged? {
-            None => return Ok((Some(loss), None)),
-            Some(Judged::Refused(why, _)) => {
-                tracing::warn!("the canary gate refused this page's update: {why}");
-                return Ok((Some(loss), Some(format!("not published: {why}"))));
-            }
-            Some(Judged::Publish(p, _)) => p,
-        };
-        let sent = match node_core::lead::publish(self, &self.key, holders, &p).await {
-            Ok(sent) => sent,
-            Err(e) => {
-                if let Some(t) = self.lead.borrow_mut().teacher.as_mut() {
-                    t.drop_last();
-                }
-                return Err(mesh_err(e));
-            }
-        };
-        Ok((
-            Some(loss),
-            Some(format!(
+        let said = match settled? {
+            None => None,
+            Some(Settled::Published { sent, .. }) => Some(format!(
                 "{:016x}: {} bytes, taken by {} of {} holders",
                 sent.id,
                 sent.bytes,
                 sent.applied_by,
                 holders.len()
             )),
-        ))
+            Some(Settled::Refused(why, _)) => {
+                tracing::warn!("the canary gate refused this page's update: {why}");
+                Some(format!("not published: {why}"))
+            }
+            Some(Settled::Unjudged(why) | Settled::Lost(why)) => {
+                tracing::warn!("this page's update was not published: {why}");
+                Some(format!("not published: {why}"))
+            }
+        };
+        Ok((Some(loss), said))
+    }
+}
+
+/// The page's [`Publisher`]: signs an update with this node's identity and hands it to every
+/// live row's holder.
+struct PagePublisher<'a> {
+    node: &'a BrowserNode,
+    holders: &'a [PeerId],
+}
+
+impl Publisher for PagePublisher<'_> {
+    type Sent = Sent;
+
+    async fn publish(&mut self, p: Published) -> Result<(Sent, Option<[u8; 32]>), String> {
+        let key = &self.node.key;
+        let sent = node_core::lead::publish(self.node, key, self.holders, &p).await;
+        Ok((sent.map_err(|e| e.to_string())?, None))
     }
 }
 

@@ -119,7 +119,7 @@ impl Lead {
     pub(super) fn drop_group(&mut self) {
         self.formed = None;
         self.hop.drop_group();
-        self.hop.forget_measures();
+        self.hop.measures.forget();
         if let Some((slot, shared)) = &self.slot {
             shared.set_busy(*slot, Vec::new());
         }
@@ -141,7 +141,9 @@ impl Lead {
         let s = f.group.stats().clone();
         f.group.reset_stats();
         let computed = f.group.transport().stats().compute;
-        self.hop.measured(s.rounds, s.member_time, computed);
+        self.hop
+            .measures
+            .measured(s.rounds, s.member_time, computed);
         if s.members_dropped > 0 {
             // Replacements came from free rows: the other serving groups must now avoid them
             // (and may use the holders this one let go).

@@ -24,9 +24,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Result, anyhow};
 use libp2p::PeerId;
-use node_core::learn::{
-    Budgets, CANARY_TEXT, CanaryGate, Judged, Learner, Published, Teacher, Verdict,
-};
+use node_core::learn::{Budgets, CANARY_TEXT, CanaryGate, Learner, Published, Teacher, Verdict};
 use node_core::mesh::{MeshInfo, MeshResponse, ModelManifest, Usage};
 use node_core::model::{
     AfterFailure, Batch, BatchLimits, Ended, Entry, GenerateOptions, LeaderWeights, Llama,
@@ -50,8 +48,8 @@ mod train;
 mod worker;
 
 use hop::HopSide;
-pub use hop::{HOP_OVER, PassRoute};
 use lead::Lead;
+pub use node_core::lead::route::{HOP_OVER, PassRoute};
 use train::{ToLearn, Trainer};
 use worker::{Intake, Worker};
 

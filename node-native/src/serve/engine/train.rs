@@ -1,6 +1,8 @@
 //! The trainer: finished requests in minibatches (each cut to its share), the backward pass
 //! through its own group, the canary gate, and the hand-over to the serving task to publish.
 
+use node_core::lead::{Publisher, Settled, settle};
+
 use super::*;
 
 /// A finished request waiting to be trained on.
@@ -192,52 +194,64 @@ impl Trainer {
         Some(loss)
     }
 
-    /// Runs an update through the canary gate, and publishes it if it passes; a refused one
-    /// is forgotten by the learner too.
+    /// Settles an update ([`node_core::lead::settle`]): through the canary gate on this
+    /// task's group, and, if it passes, to the serving task to publish between two steps.
     pub(super) async fn judge_and_hand_over(&mut self, published: Published) {
-        let judged = match self.lead.group().await {
-            Ok(f) => {
-                f.group.transport_mut().set_context("canary gate".into());
-                let judged = self
-                    .teacher
-                    .judge(&f.llama, &mut f.group, f.version, published)
-                    .await;
-                self.lead.after_rounds().await;
-                judged.map_err(|e| e.to_string())
-            }
+        let f = match self.lead.group().await {
+            Ok(f) => f,
             Err(why) => {
                 self.teacher.drop_last();
-                Err(why)
+                tracing::warn!("an update could not be judged, not published: {why}");
+                return;
             }
         };
+        f.group.transport_mut().set_context("canary gate".into());
+        let mut hand_over = HandOver {
+            to: &self.publish,
+            holders: f.holders.clone(),
+        };
+        let settled = settle(
+            &mut self.teacher,
+            &f.llama,
+            &mut f.group,
+            f.version,
+            published,
+            &mut hand_over,
+        )
+        .await;
+        self.lead.after_rounds().await;
         let m = self.lead.ctx.metrics.clone();
-        let (published, verdict) = match judged {
-            Ok(Judged::Publish(p, v)) => (p, v),
-            Ok(Judged::Refused(why, verdict)) => {
+        match settled {
+            Settled::Published {
+                sent: moved,
+                verdict,
+                requests,
+            } => {
+                if let Some(v) = &verdict {
+                    self.gate_measured(v).await;
+                    tracing::info!(
+                        before = v.before,
+                        after = v.after,
+                        "the canary gate passed an update"
+                    );
+                }
+                // Follows the mesh to the new version (or forms the group again).
+                self.lead.move_to(moved.as_ref());
+                if moved.is_some() {
+                    m.train_learnt.inc_by(u64::from(requests));
+                }
+            }
+            Settled::Refused(why, verdict) => {
                 self.gate_measured(&verdict).await;
                 m.updates_refused.inc();
                 tracing::warn!("the canary gate refused an update: {why}");
-                return;
             }
-            Err(why) => {
+            Settled::Unjudged(why) => {
                 // Unjudged, it is not published: the next minibatch makes another.
                 tracing::warn!("an update could not be judged, not published: {why}");
                 self.lead.drop_group();
-                return;
             }
-        };
-        if let Some(v) = &verdict {
-            self.gate_measured(v).await;
-            tracing::info!(
-                before = v.before,
-                after = v.after,
-                "the canary gate passed an update"
-            );
-        }
-        let requests = u64::from(published.requests);
-        if let Some(version) = self.hand_over(published).await {
-            self.teacher.published(version, verdict.as_ref());
-            m.train_learnt.inc_by(requests);
+            Settled::Lost(why) => tracing::warn!("an update is lost: {why}"),
         }
     }
 
@@ -256,28 +270,36 @@ impl Trainer {
             .served(Usage::of_gate(canary, !verdict.pass))
             .await;
     }
+}
 
-    /// Has the serving task publish an update, and follows the mesh to the new version: that
-    /// version, when this node's row took it.
-    pub(super) async fn hand_over(&mut self, published: Published) -> Option<[u8; 32]> {
-        let holders = match self.lead.group().await {
-            Ok(f) => f.holders.clone(),
-            Err(why) => {
-                tracing::warn!("an update is lost: {why}");
-                return None;
-            }
-        };
+/// The trainer's [`Publisher`]: the serving task publishes the update between two of its
+/// steps, and answers with the version the mesh moved to and its norm gains (`None`: this
+/// node's row did not take it; the group forms again).
+struct HandOver<'a> {
+    to: &'a mpsc::UnboundedSender<PublishRequest>,
+    holders: Vec<PeerId>,
+}
+
+impl Publisher for HandOver<'_> {
+    type Sent = Option<([u8; 32], LeaderWeights)>;
+
+    async fn publish(
+        &mut self,
+        published: Published,
+    ) -> Result<(Self::Sent, Option<[u8; 32]>), String> {
         let (done, answer) = oneshot::channel();
         let req = PublishRequest {
             published,
-            holders,
+            holders: std::mem::take(&mut self.holders),
             done,
         };
-        if self.publish.send(req).is_err() {
-            return None;
-        }
-        let moved = answer.await.ok().flatten();
-        self.lead.move_to(moved.as_ref());
-        moved.map(|(v, _)| v)
+        self.to
+            .send(req)
+            .map_err(|_| "the serving task is gone".to_string())?;
+        let moved = answer
+            .await
+            .map_err(|_| "the serving task stopped before publishing".to_string())?;
+        let version = moved.as_ref().map(|(v, _)| *v);
+        Ok((moved, version))
     }
 }
