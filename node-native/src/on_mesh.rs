@@ -1,0 +1,258 @@
+//! Leading requests on a mesh from the command line: `generate --bootstrap` (a completion, then
+//! the request's learning) and `eval` (perplexity through a group), each async under one
+//! runtime at the binary's edge.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use node_core::learn::{Learner, Teacher};
+use node_core::model::{Pass, generate_async, generate_on};
+use node_native::lead::remote::Leader;
+
+use crate::cli::{EvalArgs, GenerateArgs};
+use crate::generate::{Printer, print_coded_stats, print_speed};
+
+/// `generate --bootstrap`: a leader on the mesh; with `--repeat`, the same request again on a
+/// fresh group each time, learning after each.
+pub(crate) async fn run_generate_mesh(
+    args: GenerateArgs,
+    bootstrap: libp2p::Multiaddr,
+) -> Result<()> {
+    if args.device != node_core::compute::gpu::DeviceChoice::Cpu {
+        bail!(
+            "--device runs a generation in this process; on a mesh each node chooses its own (codedmesh node --device gpu|auto)"
+        );
+    }
+    let mut args = args;
+    let mut teacher: Option<Teacher> = None;
+    let mut last = None;
+    for i in 0..args.repeat.max(1) {
+        if args.repeat > 1 {
+            eprintln!("request {} of {}", i + 1, args.repeat);
+        }
+        let began = std::time::Instant::now();
+        let (mut leader, out, prompt) = run_once_on_mesh(&mut args, &bootstrap).await?;
+        let latency = began.elapsed();
+        let teacher = match &mut teacher {
+            Some(t) => t,
+            None => {
+                let m = &leader.manifest;
+                let gate = if args.no_canary_gate {
+                    None
+                } else {
+                    let canary = leader.tokenizer.encode(node_core::learn::CANARY_TEXT)?;
+                    Some(node_core::learn::CanaryGate::new(canary))
+                };
+                let learner = Learner::new(m.learning, m.cfg.clone(), m.format);
+                teacher.insert(Teacher::new(learner, gate, m.format))
+            }
+        };
+        let started = std::time::Instant::now();
+        let caught_before = leader.group.stats().caught.len();
+        let learned = leader.learn(&prompt, teacher).await?;
+        // Members caught in learning's rounds (a backward lie shows only there).
+        let caught = &leader.group.stats().caught[caught_before..];
+        for c in caught {
+            eprintln!("{c}");
+        }
+        if !caught.is_empty() {
+            let told = leader.report_caught().await;
+            eprintln!("reported to {told} nodes");
+        }
+        let usage = node_core::mesh::Usage::of_request(
+            prompt.len(),
+            out.len(),
+            latency,
+            learned.as_ref().map(|l| l.loss),
+        );
+        if let Err(e) = leader.report_served(usage).await {
+            tracing::warn!("the request was not counted in the mesh's usage: {e:#}");
+        }
+        if let Some(l) = learned {
+            eprintln!("learned: loss {:.4} on {} tokens", l.loss, l.positions);
+            if let Some(settled) = l.settled {
+                print_settled(settled, &leader, started);
+            } else {
+                eprintln!(
+                    "gradient kept for the next update ({} of {} requests)",
+                    teacher.pending(),
+                    leader.manifest.learning.accumulate
+                );
+            }
+        }
+        last = Some(leader);
+    }
+    // What is still accumulated goes out now rather than being lost with the process.
+    if let (Some(teacher), Some(leader)) = (teacher.as_mut(), last.as_mut()) {
+        let started = std::time::Instant::now();
+        if let Some(p) = teacher.flush()? {
+            let settled = leader.settle(teacher, p).await;
+            print_settled(settled, leader, started);
+        }
+    }
+    Ok(())
+}
+
+/// One request on a group formed for it: the leader, the generated and the prompt tokens.
+async fn run_once_on_mesh(
+    args: &mut GenerateArgs,
+    bootstrap: &libp2p::Multiaddr,
+) -> Result<(Leader, Vec<u32>, Vec<u32>)> {
+    let mut attempt = 0;
+    let (leader, out, prompt) = loop {
+        attempt += 1;
+        let mut opts = node_native::lead::remote::GroupOptions::new(args.check, args.spares);
+        opts.trace = args
+            .trace_steps
+            .as_deref()
+            .map(node_native::lead::steplog::StepLog::create)
+            .transpose()?;
+        opts.group.project = !args.check_answers;
+        let mut leader = Leader::connect_with(bootstrap.clone(), &opts).await?;
+        leader.archive.clone_from(&args.keep_published);
+        leader
+            .group
+            .transport_mut()
+            .set_context(format!("request {attempt}"));
+        let g = &leader.manifest.generator;
+        eprintln!(
+            "mesh {}: k = {}, n = {}, {} live rows; group {:?} (first k decode, condition number {:.2})",
+            leader.manifest.name,
+            g.k(),
+            g.n(),
+            leader.live_rows,
+            leader.group.nodes(),
+            leader.condition_number
+        );
+        (args.k, args.n) = (g.k(), g.n());
+        let (prompt, opts, mut printer) = Printer::start(&leader.tokenizer, args)?;
+        let generated = if args.hop {
+            let rt = tokio::runtime::Handle::current();
+            let mut hop = node_native::lead::hop::lead_group(&leader, &rt, args.check)?;
+            eprintln!("one hop per stage, members {:?}", hop.rows());
+            let forward = async |pass: Pass<'_>| hop.forward(pass).await;
+            let on = &mut |id| printer.token(id);
+            let out = generate_async(forward, &leader.manifest.cfg, &prompt, &opts, on).await;
+            let s = hop.stats();
+            eprintln!(
+                "one hop per stage: the members check every round among themselves; this leader checked {} LM head rounds ({} unchecked), members at the end {:?}",
+                s.verified_rounds,
+                s.unverified_rounds,
+                hop.rows()
+            );
+            for c in &s.caught {
+                eprintln!("{c}");
+            }
+            out
+        } else {
+            let on = &mut |id| printer.token(id);
+            generate_on(&leader.llama, &mut leader.group, &prompt, &opts, on).await
+        };
+        let emitted = printer.end();
+        match generated {
+            Ok(out) => break (leader, out, prompt),
+            // The mesh took an update between the group's forming and its first step: form
+            // the group again at the new version (nothing was printed yet).
+            Err(_)
+                if emitted == 0
+                    && attempt < 3
+                    && leader.group.transport().met_another_version() =>
+            {
+                eprintln!(
+                    "the mesh moved to a new version as the request started; forming the group again"
+                );
+                tokio::time::sleep(Duration::from_millis(300)).await;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    };
+    if args.hop {
+        print_speed(&out, " (one hop per stage)");
+        return Ok((leader, out.tokens, prompt));
+    }
+    let compute = leader.group.transport().stats().compute;
+    print_coded_stats(args, &out, leader.group.stats(), Some(compute));
+    let s = leader.group.stats();
+    eprintln!(
+        "verified: {} rounds checked ({} by projection), {} unchecked, {} answers checked that came late; honest noise at {:.3} of the threshold (answers {:.3}, projections {:.3})",
+        s.verified_rounds,
+        s.projected_rounds,
+        s.unverified_rounds,
+        s.late_checked,
+        s.max_pass_ratio.max(s.max_projected_ratio),
+        s.max_pass_ratio,
+        s.max_projected_ratio
+    );
+    if let Some(p) = leader.group.probe() {
+        eprintln!(
+            "update probe: {} rounds fitted against {} learning updates of the version; largest fit of a member not caught {:.1} σ",
+            s.probed_rounds,
+            p.len(),
+            s.max_probe_sigmas
+        );
+    }
+    for c in &s.caught {
+        eprintln!("{c}");
+    }
+    eprintln!("members at the end: {:?}", leader.group.nodes());
+    if !leader.group.stats().caught.is_empty() {
+        let told = leader.report_caught().await;
+        eprintln!("reported to {told} nodes");
+    }
+    Ok((leader, out.tokens, prompt))
+}
+
+/// Says what became of an update that fell due: who took it, or why it was not published.
+fn print_settled(
+    settled: node_native::lead::remote::Settled<node_native::lead::remote::Sent>,
+    leader: &Leader,
+    started: std::time::Instant,
+) {
+    use node_native::lead::remote::Settled;
+    match settled {
+        Settled::Published { sent, .. } => eprintln!(
+            "update {:016x}: {} requests, {} bytes, {:.1}% of the gradient's energy kept, taken by {} of {} nodes ({:.2} s)",
+            sent.id,
+            sent.requests,
+            sent.bytes,
+            100.0 * sent.kept,
+            sent.applied_by,
+            leader.holders.len(),
+            started.elapsed().as_secs_f64()
+        ),
+        Settled::Refused(why, _) => eprintln!("update not published: {why}"),
+        Settled::Unjudged(why) => {
+            eprintln!("update not published: the gate could not judge it: {why}")
+        }
+        Settled::Lost(why) => eprintln!("update not published: {why}"),
+    }
+}
+
+/// `eval`: perplexity of the mesh's model on held-out text.
+pub(crate) async fn run_eval(args: EvalArgs) -> Result<()> {
+    let text = std::fs::read_to_string(&args.file)
+        .with_context(|| format!("reading {}", args.file.display()))?;
+    let mut leader = Leader::connect(args.bootstrap.clone(), 1, 1).await?;
+    let chunk = args.chunk.clamp(2, leader.manifest.cfg.max_seq);
+    let tokens = leader.tokenizer.encode(&text)?;
+    let chunks: Vec<&[u32]> = tokens
+        .chunks_exact(chunk)
+        .take(args.max_chunks.max(1))
+        .collect();
+    if chunks.is_empty() {
+        bail!("{} has fewer than {chunk} tokens", args.file.display());
+    }
+    let mut total = 0.0;
+    for c in &chunks {
+        total += leader.llama.sequence_loss(&mut leader.group, c).await?;
+    }
+    let loss = total / chunks.len() as f64;
+    println!(
+        "perplexity {:.3} (mean loss {:.4} nats/token over {} chunks of {chunk} tokens; mesh version {})",
+        loss.exp(),
+        loss,
+        chunks.len(),
+        node_core::mesh::hex(&leader.version[..8])
+    );
+    Ok(())
+}
