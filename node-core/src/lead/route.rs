@@ -139,25 +139,29 @@ pub fn off_this_machine(addrs: &[Multiaddr]) -> bool {
         })
 }
 
-/// The members a hop group forms over, `want` of them: the rounds group's own (`nodes`, the
-/// best conditioned first), then the other rows that answered (`rows`), leaving out the
-/// leader's own node `me` (it cannot pass a part to itself); why not when too few remain.
+/// The members a hop group forms over, at least `least` and at most `most` of them: the
+/// rounds group's own (`nodes`, the best conditioned first), then the other rows that answered
+/// (`rows`), leaving out the leader's own node `me` (it cannot pass a part to itself); why not
+/// when fewer than `least` remain. Every member's part is waited for in a hop group, so the
+/// members beyond k all check every round, and each one of them can be lost without a pass
+/// failing: spares are members beyond the checked ones.
 pub fn hop_members(
     nodes: &[usize],
     rows: &BTreeMap<usize, PeerId>,
     me: PeerId,
-    want: usize,
+    least: usize,
+    most: usize,
 ) -> Result<Vec<(usize, PeerId)>, String> {
     let rest = rows.keys().filter(|r| !nodes.contains(r));
     let members: Vec<(usize, PeerId)> = nodes
         .iter()
         .chain(rest)
         .filter_map(|&row| rows.get(&row).filter(|&&p| p != me).map(|&p| (row, p)))
-        .take(want)
+        .take(most.max(least))
         .collect();
-    if members.len() < want {
+    if members.len() < least {
         return Err(format!(
-            "a hop group needs {want} members besides the leader's node, {} rows have a holder at the version",
+            "a hop group needs {least} members besides the leader's node, {} rows have a holder at the version",
             members.len()
         ));
     }
@@ -234,9 +238,12 @@ mod tests {
     fn a_hop_group_takes_the_rounds_groups_members_first_and_never_the_leaders_node() {
         let peers: Vec<PeerId> = (0..5).map(|_| PeerId::random()).collect();
         let rows: BTreeMap<usize, PeerId> = peers.iter().copied().enumerate().collect();
-        let got = hop_members(&[3, 1, 4], &rows, peers[1], 3).unwrap();
+        let got = hop_members(&[3, 1, 4], &rows, peers[1], 2, 3).unwrap();
         assert_eq!(got, [(3, peers[3]), (4, peers[4]), (0, peers[0])]);
-        let err = hop_members(&[3, 1, 4], &rows, peers[1], 5).unwrap_err();
+        // Spares are taken where there are rows for them, and left out where there are none.
+        let all = hop_members(&[3, 1, 4], &rows, peers[1], 3, 9).unwrap();
+        assert_eq!(all.len(), 4);
+        let err = hop_members(&[3, 1, 4], &rows, peers[1], 5, 6).unwrap_err();
         assert!(
             err.contains("needs 5 members") && err.contains("4 rows"),
             "{err}"

@@ -790,3 +790,76 @@ fn projections_are_asked_again_when_the_members_take_an_update() {
         "{caught:?}"
     );
 }
+
+/// In-process members, one of which dies after a number of rounds: from then on a round that
+/// asks it fails with its row, as a network leader sees a member's stream end.
+struct DiesAfter {
+    members: InProcess,
+    row: usize,
+    rounds: u64,
+    round: u64,
+}
+
+impl Transport for DiesAfter {
+    async fn round(
+        &mut self,
+        members: &mut Vec<usize>,
+        request: &[u8],
+        need: usize,
+    ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
+        self.round += 1;
+        if self.round > self.rounds && members.contains(&self.row) {
+            members.retain(|&n| n != self.row);
+            return Err(TransportError {
+                node: self.row,
+                reason: "its stream ended".into(),
+            });
+        }
+        self.members.round(members, request, need).await
+    }
+
+    async fn round_each(
+        &mut self,
+        requests: Vec<(usize, Vec<u8>)>,
+    ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
+        self.members.round_each(requests).await
+    }
+}
+
+#[test]
+fn a_spare_takes_a_dead_members_place_and_every_round_stays_checked() {
+    let (w, g, members) = honest();
+    let check = calibrated(&w, &g, &members, 1);
+    let llama = Llama::new(w.cfg.clone(), LeaderWeights::from_model(&w)).unwrap();
+    let reference = InProcess::new(members.clone()).unwrap();
+    let mut reference =
+        CodedGroup::new(w.cfg.clone(), g.clone(), &[0, 1, 2, 3], reference).unwrap();
+    let want = logits(&w, &mut reference);
+    // k = 3, one check and one spare; row 1 dies in the middle of the pass.
+    let transport = DiesAfter {
+        members: InProcess::new(members).unwrap(),
+        row: 1,
+        rounds: 5,
+        round: 0,
+    };
+    let mut group = CodedGroup::new(w.cfg.clone(), g, &[0, 1, 2, 3, 4], transport).unwrap();
+    group.set_verify(VerifyConfig { extra: 1, ..check });
+    let got =
+        futures::executor::block_on(llama.forward(&mut group, &SEQ, &mut KvCache::new(&w.cfg)))
+            .unwrap();
+    let stats = group.stats();
+    assert!(
+        !group.nodes().contains(&1),
+        "the dead row is still a member"
+    );
+    assert_eq!(
+        stats.unverified_rounds, 0,
+        "a round went unchecked: {stats:?}"
+    );
+    assert!(
+        stats.verified_rounds > 5 && stats.caught.is_empty(),
+        "{stats:?}"
+    );
+    let err = max_rel_diff(&got, &want);
+    assert!(err < 1e-4, "logits off by {err:.2e}");
+}

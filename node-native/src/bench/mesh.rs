@@ -84,7 +84,7 @@ pub fn mesh_rows(b: &MeshBench<'_>) -> Result<Vec<Row>> {
             rows.push(group_row(b));
             rows.extend(api_rows(&rt, &mut mesh, &model, b)?);
         }
-        let (delayed, hop_ms) = delay_rows(&mut leader, &rt, b.summary, ms)?;
+        let (delayed, hop_ms) = delay_rows(&mut leader, &rt, b.summary, ms, &b.group)?;
         rows.extend(delayed);
         if ms > 0.0 {
             rows.extend(api_delay_rows(
@@ -118,12 +118,14 @@ fn run_on(
 
 /// At a one-way delay of `ms`: ms per token, hops per token and the floor they set, a token a
 /// pass and with drafts of the default length, with the leader's rounds (two hops a round) and
-/// with one hop per stage; and the ms a token of hops with drafts.
+/// with one hop per stage (checked and spared as `group`, as the API's); and the ms a token of
+/// hops with drafts.
 pub(super) fn delay_rows(
     leader: &mut crate::lead::remote::Leader,
     runtime: &tokio::runtime::Runtime,
     prompt: &[u32],
     ms: f64,
+    group: &node_core::lead::GroupOptions,
 ) -> Result<(Vec<Row>, f64)> {
     let mut rows = Vec::new();
     let plain = GenerateOptions {
@@ -172,7 +174,8 @@ pub(super) fn delay_rows(
             ),
         ));
     }
-    let mut hop = crate::lead::hop::lead_group(leader, runtime.handle(), 1)?;
+    let (check, spares) = (group.verify, group.spares);
+    let mut hop = crate::lead::hop::lead_group(leader, runtime.handle(), check, spares)?;
     let cfg = leader.llama.config().clone();
     // A pass is the feed, the embedding lookup, four stages a layer and the LM head: a hop each.
     let hops_per_pass = (4 * cfg.layers + 3) as f64;

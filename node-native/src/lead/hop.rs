@@ -561,16 +561,18 @@ fn pass_of(frame: &[u8]) -> Option<u64> {
 /// How long a member or the leader waits for a part before it leaves its sender out.
 pub const WAIT: Duration = Duration::from_secs(5);
 
-/// A hop group of k + `extra` of a leader's members ([`node_core::lead::hop_members`]; every
-/// round checked with the `extra` beyond k), formed on `runtime`.
+/// A hop group of k + `check` + `spares` of a leader's members ([`node_core::lead::hop_members`];
+/// at least k + `check`, spares where there are rows for them), formed on `runtime`.
 pub fn lead_group(
     leader: &crate::lead::remote::Leader,
     runtime: &tokio::runtime::Handle,
-    extra: usize,
+    check: usize,
+    spares: usize,
 ) -> anyhow::Result<HopLeader<NetFeedLink>> {
-    let want = leader.manifest.generator.k() + extra;
+    let least = leader.manifest.generator.k() + check;
     let me = leader.client.peer_id();
-    let members = node_core::lead::hop_members(leader.group.nodes(), &leader.rows, me, want)
+    let nodes = leader.group.nodes();
+    let members = node_core::lead::hop_members(nodes, &leader.rows, me, least, least + spares)
         .map_err(anyhow::Error::msg)?
         .into_iter()
         .map(|(row, peer)| {

@@ -448,9 +448,14 @@ impl<T: Transport> CodedGroup<T> {
                     continue;
                 }
                 Err(e) if want > k => {
-                    // Too few members left to check this round: decode from k, unchecked.
-                    tracing::warn!(node = e.node, reason = %e.reason, "too few members to check the round; decoding from k");
-                    want = k.max(parts.len());
+                    // A member failed: the round is checked with the members left (a spare
+                    // takes its place); with too few, it is decoded from k, unchecked.
+                    want = want.min(members.len()).max(k.max(parts.len()));
+                    if want > k {
+                        tracing::warn!(node = e.node, reason = %e.reason, "a member failed; checking the round with the members left");
+                    } else {
+                        tracing::warn!(node = e.node, reason = %e.reason, "too few members to check the round; decoding from k");
+                    }
                     self.members = members;
                     last_error = Some(e.into());
                     continue;

@@ -304,6 +304,30 @@ fn a_member_that_leaves_is_left_out_at_once_and_the_rest_decode_from_k() {
     assert!(stats.caught.is_empty());
 }
 
+#[test]
+fn a_spare_in_a_hop_group_takes_a_members_loss_and_every_round_stays_checked() {
+    // k = 3 with a check and a spare: when a member leaves, the other four still decode from
+    // k and check with the fourth, on every member and at the leader.
+    let weights = ModelWeights::synthetic(config(), 5).unwrap();
+    let want = round_generate(&weights, 0);
+    let faults = Faults {
+        quits: Some((1, 3)),
+        ..Faults::default()
+    };
+    let (tokens, seen, stats) = hop_generate(&weights, &[0, 1, 2, 3, 4], faults, 0);
+    assert_eq!(tokens, want);
+    for (i, (caught, dropped)) in seen.iter().enumerate().filter(|(i, _)| *i != 1) {
+        assert!(caught.is_empty(), "member {i} caught {caught:?}");
+        assert_eq!(dropped, &[(1, "left the group".to_string())], "member {i}");
+    }
+    assert!(stats.verified_rounds >= 12, "{stats:?}");
+    assert_eq!(
+        stats.unverified_rounds, 0,
+        "a round went unchecked after the loss"
+    );
+    assert!(stats.caught.is_empty());
+}
+
 /// Greedy decoding of several prompts at once through `forward`, each sequence at its own
 /// position (numbered from `first`); what each generated.
 fn batch_decode(

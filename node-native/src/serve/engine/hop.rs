@@ -51,14 +51,16 @@ impl Lead {
             .wants_hop(self.ctx.cfg.pass, far, Instant::now())
     }
 
-    /// The hop group, formed now over the rounds group's members other than this node (k and
-    /// the checked ones); why not when there are too few.
+    /// The hop group, formed now over the rounds group's members other than this node (k, the
+    /// checked ones and the spares); why not when there are too few.
     pub(super) fn hop_group(&mut self) -> Result<&mut HopLeader<NetFeedLink>, String> {
         if self.hop.leader.is_none() {
             let f = self.formed.as_ref().ok_or("no group")?;
-            let want = self.ctx.manifest.generator.k() + self.ctx.cfg.verify;
+            // k and the checked members, and the spares where there are rows for them.
+            let least = self.ctx.manifest.generator.k() + self.ctx.cfg.verify;
+            let most = least + self.ctx.cfg.spares;
             let me = self.ctx.client.peer_id();
-            let members = hop_members(f.group.nodes(), &f.rows, me, want)?
+            let members = hop_members(f.group.nodes(), &f.rows, me, least, most)?
                 .into_iter()
                 .map(|(row, peer)| (row, peer, f.addrs.get(&peer).cloned().unwrap_or_default()))
                 .collect::<Vec<_>>();
