@@ -4,6 +4,7 @@
 
 mod driver;
 pub mod hop;
+pub mod link;
 pub mod session;
 
 pub use driver::{Driver, NetEvent, Reply, UNSIGNED_GOSSIP};

@@ -509,7 +509,7 @@ impl NetTransport {
         let asks = &self.rounds.asks;
         asks.links
             .iter()
-            .filter(|(_, l)| l.over_libp2p())
+            .filter(|(_, l)| crate::hold::session::over_libp2p(l))
             .filter_map(|(row, _)| asks.peers.get(row).copied())
             .collect()
     }
@@ -567,7 +567,7 @@ impl NetAsks {
         Some(
             self.links
                 .entry(row)
-                .or_insert_with(|| crate::hold::session::Link::open(runtime, client, peer)),
+                .or_insert_with(|| crate::hold::session::open_link(runtime, client, peer)),
         )
     }
 

@@ -22,7 +22,8 @@ use node_core::mesh::{
 use node_core::model::{
     ChatMessage, GenerateOptions, Llama, SamplingParams, Tokenizer, generate_on,
 };
-use node_core::net::session::{self, Ask, Driven};
+use node_core::net::link::SessionLink;
+use node_core::net::session::{self, Ask};
 use serde::{Deserialize, Serialize};
 use web_time::Instant;
 
@@ -407,22 +408,15 @@ pub struct WebAsks {
     ready: VecDeque<MemberAnswer>,
     /// Sessions opened.
     pub sessions: usize,
-    /// Asks written on them.
+    /// Asks handed to them.
     pub session_asks: u64,
 }
 
-/// The page's end of one member's session.
-enum WebLink {
-    /// The stream is being opened; asks wait for it.
-    Opening {
-        open: LocalBoxFuture<'static, Result<libp2p::Stream, libp2p_stream::OpenStreamError>>,
-        queued: Vec<Ask>,
-    },
-    /// Open: asks are written and answers read as the rounds poll it.
-    Open(Box<Driven<libp2p::Stream>>),
-    /// The session failed: every ask is answered with why, and the member is replaced.
-    Failed(String),
-}
+/// The page's end of one member's session ([`node_core::net::link`]).
+type WebLink = SessionLink<libp2p::Stream, Opening, ()>;
+
+/// A session's stream being opened.
+type Opening = LocalBoxFuture<'static, Result<(libp2p::Stream, ()), String>>;
 
 impl std::fmt::Debug for WebAsks {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -461,15 +455,13 @@ impl WebAsks {
         Some(self.links.entry(row).or_insert_with(|| {
             let mut control = streams.clone();
             let open = async move {
-                session::open_accepted(&mut control, peer, session::protocol(), |d| {
+                let opened = session::open_accepted(&mut control, peer, session::protocol(), |d| {
                     futures_timer::Delay::new(d)
                 })
-                .await
+                .await;
+                opened.map(|s| (s, ())).map_err(|e| format!("{peer}: {e}"))
             };
-            WebLink::Opening {
-                open: open.boxed_local(),
-                queued: Vec::new(),
-            }
+            SessionLink::opening(open.boxed_local())
         }))
     }
 
@@ -485,69 +477,15 @@ impl WebAsks {
     /// registers `cx` for what comes next.
     fn drive(&mut self, cx: &mut Context<'_>) {
         let now = Instant::now();
-        let rows: Vec<usize> = self.links.keys().copied().collect();
-        for row in rows {
-            let Some(link) = self.links.get_mut(&row) else {
-                continue;
-            };
-            if let WebLink::Opening { open, queued } = link {
-                match open.poll_unpin(cx) {
-                    Poll::Pending => continue,
-                    Poll::Ready(Ok(stream)) => {
-                        let mut driven = Driven::new(stream);
-                        let queued = std::mem::take(queued);
-                        self.sessions += 1;
-                        let written = queued.iter().try_for_each(|ask| driven.ask(ask, now));
-                        match written {
-                            Ok(()) => {
-                                self.session_asks += queued.len() as u64;
-                                *link = WebLink::Open(Box::new(driven));
-                            }
-                            Err(e) => {
-                                // The session is lost: every ask that waited for it fails.
-                                let why = e.to_string();
-                                *link = WebLink::Failed(why.clone());
-                                for ask in &queued {
-                                    self.fail(ask.id, row, &why);
-                                }
-                                continue;
-                            }
-                        }
-                    }
-                    Poll::Ready(Err(e)) => {
-                        let why = e.to_string();
-                        let ids: Vec<u64> = queued.iter().map(|a| a.id).collect();
-                        *link = WebLink::Failed(why.clone());
-                        for id in ids {
-                            self.fail(id, row, &why);
-                        }
-                        continue;
-                    }
+        let (asked, ready) = (&mut self.asked, &mut self.ready);
+        for (&row, link) in &mut self.links {
+            let was_open = link.opened().is_some();
+            link.poll(cx, now, &mut |id, answer| {
+                if let Some(round) = asked.remove(&id) {
+                    ready.push_back((round, row, answer));
                 }
-            }
-            let Some(WebLink::Open(driven)) = self.links.get_mut(&row) else {
-                continue;
-            };
-            loop {
-                match driven.poll_answer(cx, now) {
-                    Poll::Pending => break,
-                    Poll::Ready(Ok(answer)) => {
-                        if let Some(round) = self.asked.remove(&answer.id) {
-                            let step = answer.response.into_step();
-                            self.ready.push_back((round, row, step));
-                        }
-                    }
-                    Poll::Ready(Err(e)) => {
-                        let why = e.to_string();
-                        let ids: Vec<u64> = driven.unanswered().collect();
-                        self.links.insert(row, WebLink::Failed(why.clone()));
-                        for id in ids {
-                            self.fail(id, row, &why);
-                        }
-                        break;
-                    }
-                }
-            }
+            });
+            self.sessions += usize::from(!was_open && link.opened().is_some());
         }
     }
 }
@@ -569,19 +507,9 @@ impl Asks for WebAsks {
             };
             let failed = match self.link(row) {
                 None => Some(format!("no peer holds row {row}")),
-                Some(WebLink::Opening { queued, .. }) => {
-                    queued.push(ask);
-                    None
-                }
-                Some(WebLink::Open(driven)) => match driven.ask(&ask, Instant::now()) {
-                    Ok(()) => {
-                        self.session_asks += 1;
-                        None
-                    }
-                    Err(e) => Some(e.to_string()),
-                },
-                Some(WebLink::Failed(why)) => Some(why.clone()),
+                Some(link) => link.ask(ask, Instant::now()).err(),
             };
+            self.session_asks += u64::from(failed.is_none());
             if let Some(why) = failed {
                 self.fail(id, row, &why);
             }

@@ -7,16 +7,15 @@ pub mod local;
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex, PoisonError, RwLock};
-use std::task::{Context, Poll};
-use std::time::Instant;
+use std::sync::{Arc, RwLock};
 
 use futures::{AsyncRead, AsyncReadExt, AsyncWrite, StreamExt};
 use libp2p::PeerId;
 use libp2p_stream::OpenStreamError;
 use node_core::holder;
-use node_core::mesh::{MeshResponse, StepRefusal};
-use node_core::net::session::{self, Ask, Driven, protocol};
+use node_core::mesh::MeshResponse;
+use node_core::net::link::SessionLink;
+use node_core::net::session::{self, protocol};
 use node_core::protocol::StepRequest;
 
 use crate::hold::learning::ShardState;
@@ -90,164 +89,50 @@ pub async fn compute(
         .unwrap_or_else(|e| MeshResponse::Error(e.to_string()))
 }
 
-/// A leader's link to one member's session, driven by the task that runs the leader's rounds:
-/// it has no task of its own, so an ask and its answer cost no hand-off between tasks. The
-/// stream is opened in the background when the link is made. Dropping it closes the session.
-#[derive(Debug)]
-pub struct Link {
-    peer: PeerId,
-    state: LinkState,
+/// A leader's link to one member's session ([`node_core::net::link`]), driven by the task that
+/// runs the leader's rounds; it keeps whether the session runs over a local socket. Dropping it
+/// closes the session.
+pub type Link = SessionLink<Box<dyn SessionStream>, Opening, bool>;
+
+/// A session's stream being opened in the background: the stream, and whether it is a local
+/// socket.
+pub type Opening =
+    Pin<Box<dyn Future<Output = Result<(Box<dyn SessionStream>, bool), String>> + Send>>;
+
+/// Starts opening a session with `peer` on `runtime`: over its local socket where it offers
+/// one this process reaches ([`crate::hold::session::local`]), else over libp2p.
+pub fn open_link(runtime: &tokio::runtime::Handle, client: &Client, peer: PeerId) -> Link {
+    let mut control = client.control();
+    let open = runtime.spawn(async move {
+        if crate::hold::session::local::enabled() {
+            match crate::hold::session::local::open(&mut control, peer).await {
+                Ok(socket) => {
+                    tracing::debug!(%peer, "session over the local socket");
+                    return Ok((Box::new(socket) as Box<dyn SessionStream>, true));
+                }
+                Err(e) => tracing::debug!(%peer, "session over libp2p: no local socket ({e})"),
+            }
+        }
+        match open_accepted(&mut control, peer, protocol()).await {
+            Ok(stream) => Ok((Box::new(stream) as Box<dyn SessionStream>, false)),
+            Err(OpenStreamError::UnsupportedProtocol(p)) => Err(format!(
+                "{peer} does not speak {p}: it runs another release"
+            )),
+            Err(e) => Err(format!("{peer}: {e}")),
+        }
+    });
+    SessionLink::opening(Box::pin(
+        async move { open.await.map_err(|e| e.to_string())? },
+    ))
 }
 
-#[derive(Debug)]
-enum LinkState {
-    /// The stream is being opened; asks wait for it.
-    Opening {
-        open: tokio::task::JoinHandle<Result<Opened, OpenStreamError>>,
-        queued: Vec<(Ask, Instant)>,
-    },
-    /// Open (in a mutex only to be `Sync`: it is reached only through `&mut`, which takes no
-    /// lock), and whether over a local socket.
-    Open(Box<Mutex<Driven<Box<dyn SessionStream>>>>, bool),
-    /// The session failed: every ask is answered with why, and the member is replaced.
-    Failed(String),
+/// Whether a session is open over libp2p, not a local socket (the member is not known to be
+/// on this machine).
+pub fn over_libp2p(link: &Link) -> bool {
+    link.opened() == Some(&false)
 }
-
-impl Link {
-    /// Starts opening a session with `peer` on `runtime`: over its local socket where it
-    /// offers one this process reaches ([`crate::hold::session::local`]), else over libp2p.
-    pub fn open(runtime: &tokio::runtime::Handle, client: &Client, peer: PeerId) -> Self {
-        let mut control = client.control();
-        let open = runtime.spawn(async move {
-            if crate::hold::session::local::enabled() {
-                match crate::hold::session::local::open(&mut control, peer).await {
-                    Ok(socket) => {
-                        tracing::debug!(%peer, "session over the local socket");
-                        return Ok((Box::new(socket) as Box<dyn SessionStream>, true));
-                    }
-                    Err(e) => tracing::debug!(%peer, "session over libp2p: no local socket ({e})"),
-                }
-            }
-            let stream = open_accepted(&mut control, peer, protocol()).await?;
-            Ok((Box::new(stream) as Box<dyn SessionStream>, false))
-        });
-        Self {
-            peer,
-            state: LinkState::Opening {
-                open,
-                queued: Vec::new(),
-            },
-        }
-    }
-
-    /// Queues an ask, to go out from `not_before` on as the link is next polled; why not,
-    /// when the session has failed.
-    pub fn ask(&mut self, ask: Ask, not_before: Instant) -> Result<(), String> {
-        match &mut self.state {
-            LinkState::Opening { queued, .. } => {
-                queued.push((ask, not_before));
-                Ok(())
-            }
-            LinkState::Open(session, _) => driven(session)
-                .ask(&ask, not_before)
-                .map_err(|e| e.to_string()),
-            LinkState::Failed(why) => Err(why.clone()),
-        }
-    }
-
-    /// Whether the session is open over libp2p, not a local socket (the member is not known
-    /// to be on this machine).
-    pub fn over_libp2p(&self) -> bool {
-        matches!(self.state, LinkState::Open(_, false))
-    }
-
-    /// When the first ask held back (a bench's modelled delay) may go out, if one is.
-    pub fn held_until(&mut self, now: Instant) -> Option<Instant> {
-        match &mut self.state {
-            LinkState::Opening { queued, .. } => queued
-                .iter()
-                .map(|(_, at)| *at)
-                .filter(|at| *at > now)
-                .min(),
-            LinkState::Open(session, _) => driven(session).held_until(now),
-            LinkState::Failed(_) => None,
-        }
-    }
-
-    /// Writes what is due and hands every answer that came to `answer` (the ask's id, and the
-    /// encoded answer with the member's compute time in µs, or why there is none); registers
-    /// `cx` for what comes next.
-    pub fn poll(
-        &mut self,
-        cx: &mut Context<'_>,
-        now: Instant,
-        answer: &mut impl FnMut(u64, Result<(Vec<u8>, u64), StepRefusal>),
-    ) {
-        if let LinkState::Opening { open, queued } = &mut self.state {
-            let Poll::Ready(opened) = Pin::new(open).poll(cx) else {
-                return;
-            };
-            let opened = match opened {
-                Ok(Ok(stream)) => Ok(stream),
-                Ok(Err(OpenStreamError::UnsupportedProtocol(p))) => Err(format!(
-                    "the holder does not speak {p}: it runs another release"
-                )),
-                Ok(Err(e)) => Err(e.to_string()),
-                Err(e) => Err(e.to_string()),
-            };
-            let queued = std::mem::take(queued);
-            match opened {
-                Ok((stream, local)) => {
-                    let mut session = Driven::new(stream);
-                    for (ask, at) in queued {
-                        if let Err(e) = session.ask(&ask, at) {
-                            answer(ask.id, Err(e.to_string().into()));
-                        }
-                    }
-                    self.state = LinkState::Open(Box::new(Mutex::new(session)), local);
-                }
-                Err(why) => {
-                    tracing::debug!(peer = %self.peer, "session failed: {why}");
-                    for (ask, _) in queued {
-                        answer(ask.id, Err(why.clone().into()));
-                    }
-                    self.state = LinkState::Failed(why);
-                    return;
-                }
-            }
-        }
-        let LinkState::Open(session, _) = &mut self.state else {
-            return;
-        };
-        let session = driven(session);
-        loop {
-            match session.poll_answer(cx, now) {
-                Poll::Ready(Ok(got)) => answer(got.id, got.response.into_step()),
-                Poll::Ready(Err(e)) => {
-                    let why = e.to_string();
-                    tracing::debug!(peer = %self.peer, "session failed: {why}");
-                    for id in session.unanswered() {
-                        answer(id, Err(why.clone().into()));
-                    }
-                    self.state = LinkState::Failed(why);
-                    return;
-                }
-                Poll::Pending => return,
-            }
-        }
-    }
-}
-
-/// A session's stream, and whether it is a local socket.
-type Opened = (Box<dyn SessionStream>, bool);
 
 /// A stream a session runs on: libp2p's, or a local socket.
 pub trait SessionStream: AsyncRead + AsyncWrite + Unpin + Send + std::fmt::Debug {}
 
 impl<T: AsyncRead + AsyncWrite + Unpin + Send + std::fmt::Debug> SessionStream for T {}
-
-fn driven(
-    session: &mut Mutex<Driven<Box<dyn SessionStream>>>,
-) -> &mut Driven<Box<dyn SessionStream>> {
-    session.get_mut().unwrap_or_else(PoisonError::into_inner)
-}
