@@ -48,10 +48,10 @@ pub(crate) async fn run_generate_mesh(
             }
         };
         let started = std::time::Instant::now();
-        let caught_before = leader.group.stats().caught.len();
+        let caught_before = leader.formed.group.stats().caught.len();
         let learned = leader.learn(&prompt, teacher).await?;
         // Members caught in learning's rounds (a backward lie shows only there).
-        let caught = &leader.group.stats().caught[caught_before..];
+        let caught = &leader.formed.group.stats().caught[caught_before..];
         for c in caught {
             eprintln!("{c}");
         }
@@ -111,6 +111,7 @@ async fn run_once_on_mesh(
         let mut leader = Leader::connect_with(bootstrap.clone(), &opts).await?;
         leader.archive.clone_from(&args.keep_published);
         leader
+            .formed
             .group
             .transport_mut()
             .set_context(format!("request {attempt}"));
@@ -120,9 +121,9 @@ async fn run_once_on_mesh(
             leader.manifest.name,
             g.k(),
             g.n(),
-            leader.live_rows,
-            leader.group.nodes(),
-            leader.condition_number
+            leader.formed.live_rows,
+            leader.formed.group.nodes(),
+            leader.formed.condition_number
         );
         (args.k, args.n) = (g.k(), g.n());
         let (prompt, opts, mut printer) = Printer::start(&leader.tokenizer, args)?;
@@ -147,7 +148,14 @@ async fn run_once_on_mesh(
             out
         } else {
             let on = &mut |id| printer.token(id);
-            generate_on(&leader.llama, &mut leader.group, &prompt, &opts, on).await
+            generate_on(
+                &leader.formed.llama,
+                &mut leader.formed.group,
+                &prompt,
+                &opts,
+                on,
+            )
+            .await
         };
         let emitted = printer.end();
         match generated {
@@ -157,7 +165,7 @@ async fn run_once_on_mesh(
             Err(_)
                 if emitted == 0
                     && attempt < 3
-                    && leader.group.transport().met_another_version() =>
+                    && leader.formed.group.transport().met_another_version() =>
             {
                 eprintln!(
                     "the mesh moved to a new version as the request started; forming the group again"
@@ -171,9 +179,9 @@ async fn run_once_on_mesh(
         print_speed(&out, " (one hop per stage)");
         return Ok((leader, out.tokens, prompt));
     }
-    let compute = leader.group.transport().stats().compute;
-    print_coded_stats(args, &out, leader.group.stats(), Some(compute));
-    let s = leader.group.stats();
+    let compute = leader.formed.group.transport().stats().compute;
+    print_coded_stats(args, &out, leader.formed.group.stats(), Some(compute));
+    let s = leader.formed.group.stats();
     eprintln!(
         "verified: {} rounds checked ({} by projection), {} unchecked, {} answers checked that came late; honest noise at {:.3} of the threshold (answers {:.3}, projections {:.3})",
         s.verified_rounds,
@@ -184,7 +192,7 @@ async fn run_once_on_mesh(
         s.max_pass_ratio,
         s.max_projected_ratio
     );
-    if let Some(p) = leader.group.probe() {
+    if let Some(p) = leader.formed.group.probe() {
         eprintln!(
             "update probe: {} rounds fitted against {} learning updates of the version; largest fit of a member not caught {:.1} σ",
             s.probed_rounds,
@@ -195,8 +203,8 @@ async fn run_once_on_mesh(
     for c in &s.caught {
         eprintln!("{c}");
     }
-    eprintln!("members at the end: {:?}", leader.group.nodes());
-    if !leader.group.stats().caught.is_empty() {
+    eprintln!("members at the end: {:?}", leader.formed.group.nodes());
+    if !leader.formed.group.stats().caught.is_empty() {
         let told = leader.report_caught().await;
         eprintln!("reported to {told} nodes");
     }
@@ -218,7 +226,7 @@ fn print_settled(
             sent.bytes,
             100.0 * sent.kept,
             sent.applied_by,
-            leader.holders.len(),
+            leader.formed.holders.len(),
             started.elapsed().as_secs_f64()
         ),
         Settled::Refused(why, _) => eprintln!("update not published: {why}"),
@@ -245,7 +253,11 @@ pub(crate) async fn run_eval(args: EvalArgs) -> Result<()> {
     }
     let mut total = 0.0;
     for c in &chunks {
-        total += leader.llama.sequence_loss(&mut leader.group, c).await?;
+        total += leader
+            .formed
+            .llama
+            .sequence_loss(&mut leader.formed.group, c)
+            .await?;
     }
     let loss = total / chunks.len() as f64;
     println!(
@@ -253,7 +265,7 @@ pub(crate) async fn run_eval(args: EvalArgs) -> Result<()> {
         loss.exp(),
         loss,
         chunks.len(),
-        node_core::mesh::hex(&leader.version[..8])
+        node_core::mesh::hex(&leader.formed.version[..8])
     );
     Ok(())
 }

@@ -63,11 +63,11 @@ pub fn mesh_rows(b: &MeshBench<'_>) -> Result<Vec<Row>> {
             // Until every heartbeat has reached the seed, it may not even see k rows.
             let connected = crate::lead::remote::Leader::connect_with(bootstrap.clone(), &opts);
             match rt.block_on(connected) {
-                Ok(l) if l.live_rows == b.n => {
+                Ok(l) if l.formed.live_rows == b.n => {
                     leader = Some(l);
                     break;
                 }
-                Ok(l) => last = format!("{} live rows", l.live_rows),
+                Ok(l) => last = format!("{} live rows", l.formed.live_rows),
                 Err(e) => last = format!("{e:#}"),
             }
             std::thread::sleep(Duration::from_millis(200));
@@ -106,7 +106,7 @@ fn run_on(
     prompt: &[u32],
     opts: &GenerateOptions,
 ) -> Result<node_core::model::Generation, node_core::model::ModelError> {
-    let (llama, group) = (&leader.llama, &mut leader.group);
+    let (llama, group) = (&leader.formed.llama, &mut leader.formed.group);
     runtime.block_on(node_core::model::generate_on(
         llama,
         group,
@@ -147,14 +147,14 @@ pub(super) fn delay_rows(
     let draft = node_core::model::speculate::DEFAULT_DRAFT;
     let mut first: Option<Vec<u32>> = None;
     for (what, draft) in [("a token a pass", 0), ("drafts of up to 4", draft)] {
-        leader.group.reset_stats();
+        leader.formed.group.reset_stats();
         let opts = GenerateOptions {
             draft,
             ..plain.clone()
         };
         let run = run_on(leader, runtime, prompt, &opts)?;
         let passes = run.forward_passes.max(1) as u64;
-        let per_pass = leader.group.stats().rounds as f64 / passes as f64;
+        let per_pass = leader.formed.group.stats().rounds as f64 / passes as f64;
         let decode_tokens = run.tokens.len().saturating_sub(1).max(1) as f64;
         let rounds = per_pass * run.forward_passes.saturating_sub(1) as f64 / decode_tokens;
         let same = match &first {
@@ -176,7 +176,7 @@ pub(super) fn delay_rows(
     }
     let (check, spares) = (group.verify, group.spares);
     let mut hop = crate::lead::hop::lead_group(leader, runtime.handle(), check, spares)?;
-    let cfg = leader.llama.config().clone();
+    let cfg = leader.formed.llama.config().clone();
     // A pass is the feed, the embedding lookup, four stages a layer and the LM head: a hop each.
     let hops_per_pass = (4 * cfg.layers + 3) as f64;
     let mut hop_ms = 0.0;
@@ -257,16 +257,16 @@ pub(super) fn loopback_rows(
         draft: 0,
     };
     run_on(leader, runtime, prompt, &opts)?;
-    leader.group.reset_stats();
-    let compute_before = leader.group.transport().stats().compute;
+    leader.formed.group.reset_stats();
+    let compute_before = leader.formed.group.transport().stats().compute;
     let pids: Vec<u32> = std::iter::once(std::process::id())
         .chain(mesh.pids())
         .collect();
     let cpu_before: Option<Vec<Duration>> = pids.iter().map(|&p| process_cpu(p)).collect();
     let run = run_on(leader, runtime, prompt, &opts)?;
     let cpu_after: Option<Vec<Duration>> = pids.iter().map(|&p| process_cpu(p)).collect();
-    let stats = leader.group.stats().clone();
-    let compute = leader.group.transport().stats().compute - compute_before;
+    let stats = leader.formed.group.stats().clone();
+    let compute = leader.formed.group.transport().stats().compute - compute_before;
     let draft = node_core::model::speculate::DEFAULT_DRAFT;
     let drafted = run_on(leader, runtime, prompt, &GenerateOptions { draft, ..opts })?;
     let label = &mesh_label(b);

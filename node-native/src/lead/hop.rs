@@ -570,25 +570,26 @@ pub fn lead_group(
     spares: usize,
 ) -> anyhow::Result<HopLeader<NetFeedLink>> {
     let least = leader.manifest.generator.k() + check;
-    let me = leader.client.peer_id();
-    let nodes = leader.group.nodes();
-    let members = node_core::lead::hop_members(nodes, &leader.rows, me, least, least + spares)
-        .map_err(anyhow::Error::msg)?
-        .into_iter()
-        .map(|(row, peer)| {
-            (
-                row,
-                peer,
-                leader.addrs.get(&peer).cloned().unwrap_or_default(),
-            )
-        })
-        .collect::<Vec<_>>();
+    let me = leader.session.client.peer_id();
+    let nodes = leader.formed.group.nodes();
+    let members =
+        node_core::lead::hop_members(nodes, &leader.formed.rows, me, least, least + spares)
+            .map_err(anyhow::Error::msg)?
+            .into_iter()
+            .map(|(row, peer)| {
+                (
+                    row,
+                    peer,
+                    leader.formed.addrs.get(&peer).cloned().unwrap_or_default(),
+                )
+            })
+            .collect::<Vec<_>>();
     lead(
         runtime,
-        &leader.client,
-        leader.llama.config().clone(),
+        &leader.session.client,
+        leader.formed.llama.config().clone(),
         leader.manifest.generator.clone(),
-        leader.version,
+        leader.formed.version,
         &members,
         WAIT,
     )

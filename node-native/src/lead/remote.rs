@@ -214,35 +214,18 @@ impl LeadLink for NetLead<'_> {
     }
 }
 
-/// Everything a leader needs to run requests on the mesh.
+/// A leader on the mesh from the command line: its connection, the model, and the group
+/// node-core formed for it ([`node_core::lead::form`]).
 #[derive(Debug)]
 pub struct Leader {
+    /// The connection through the bootstrap node; its key signs the updates.
+    pub session: Session,
     /// The model's manifest.
     pub manifest: ModelManifest,
     /// Its tokenizer.
     pub tokenizer: node_core::model::Tokenizer,
-    /// The leader's side of the model.
-    pub llama: node_core::model::Llama,
-    /// The group, over the network.
-    pub group: node_core::coded::CodedGroup<NetTransport>,
-    /// Rows healthy when the group was formed.
-    pub live_rows: usize,
-    /// Condition number of the decoding k.
-    pub condition_number: f64,
-    /// The version the group decodes at.
-    pub version: [u8; 32],
-    /// Every live row's holder (learning updates go to all of them).
-    pub holders: Vec<PeerId>,
-    /// The network client.
-    pub client: Client,
-    /// The node this leader connected through.
-    pub bootstrap: PeerId,
-    /// The address each member is dialed at.
-    pub addrs: BTreeMap<PeerId, Vec<Multiaddr>>,
-    /// The holder asked for each row.
-    pub rows: BTreeMap<usize, PeerId>,
-    /// The leader's identity: it signs the updates.
-    key: libp2p::identity::Keypair,
+    /// The group, with the leader's side of the model and every live holder.
+    pub formed: Formed,
     /// Where a copy of every update this leader publishes goes (signed, as holders take it),
     /// if anywhere.
     pub archive: Option<std::path::PathBuf>,
@@ -263,19 +246,10 @@ impl Leader {
         let formed = form_group(&session.client, &manifest, &info, None, opts).await?;
         let tokenizer = node_core::model::Tokenizer::from_data(&manifest.tokenizer)?;
         Ok(Self {
+            session,
             manifest,
             tokenizer,
-            llama: formed.llama,
-            group: formed.group,
-            live_rows: formed.live_rows,
-            condition_number: formed.condition_number,
-            version: formed.version,
-            holders: formed.holders,
-            client: session.client,
-            bootstrap: session.bootstrap,
-            addrs: formed.addrs,
-            rows: formed.rows,
-            key: session.key,
+            formed,
             archive: None,
         })
     }
@@ -294,7 +268,11 @@ impl Leader {
         }
         let max = node_core::learn::training_window(&cfg, &self.manifest.cfg);
         let tokens = node_core::learn::taught(prompt, max);
-        let grads = self.llama.gradients(&mut self.group, tokens).await?;
+        let grads = self
+            .formed
+            .llama
+            .gradients(&mut self.formed.group, tokens)
+            .await?;
         let loss = grads.loss;
         let settled = match teacher.fold(grads)? {
             Some(p) => Some(self.settle(teacher, p).await),
@@ -312,16 +290,16 @@ impl Leader {
     /// to the archive, if set).
     pub async fn settle(&mut self, teacher: &mut Teacher, p: Published) -> Settled<Sent> {
         let mut out = NetPublisher {
-            link: NativeLink::quiet(self.client.clone()),
-            key: &self.key,
-            holders: &self.holders,
+            link: NativeLink::quiet(self.session.client.clone()),
+            key: &self.session.key,
+            holders: &self.formed.holders,
             archive: self.archive.as_deref(),
         };
         settle(
             teacher,
-            &self.llama,
-            &mut self.group,
-            self.version,
+            &self.formed.llama,
+            &mut self.formed.group,
+            self.formed.version,
             p,
             &mut out,
         )
@@ -331,9 +309,9 @@ impl Leader {
     /// Tells every live row's holder about the members this leader caught; returns how many
     /// nodes took the reports.
     pub async fn report_caught(&self) -> usize {
-        let link = NativeLink::quiet(self.client.clone());
-        let caught = &self.group.stats().caught;
-        node_core::lead::report_caught(&link, caught, &self.rows, &self.holders)
+        let link = NativeLink::quiet(self.session.client.clone());
+        let caught = &self.formed.group.stats().caught;
+        node_core::lead::report_caught(&link, caught, &self.formed.rows, &self.formed.holders)
             .await
             .taken_by
     }
@@ -341,7 +319,12 @@ impl Leader {
     /// Tells the node this leader connected through what a request did; the mesh's usage
     /// (tokens/s, latency, loss on the dashboards) counts it.
     pub async fn report_served(&self, usage: Usage) -> Result<()> {
-        ask(&self.client, self.bootstrap, MeshRequest::Served(usage)).await?;
+        ask(
+            &self.session.client,
+            self.session.bootstrap,
+            MeshRequest::Served(usage),
+        )
+        .await?;
         Ok(())
     }
 }
