@@ -1,12 +1,14 @@
 //! The leader's role, written once for the native and the browser node: forming a coded group
 //! over the mesh's live rows (checked against learning updates of their version), settling
 //! what learning makes ([`learning`]), handing an update to every holder and reporting the
-//! members a group caught ([`publish`]), and choosing how a pass travels ([`route`]). No I/O
-//! is inside: each shell implements [`LeadLink`] over its own networking.
+//! members a group caught ([`publish`]), choosing how a pass travels ([`route`]), and the
+//! trainer's share of the time and of a minibatch ([`training`]). No I/O is inside: each shell
+//! implements [`LeadLink`] over its own networking.
 
 pub mod learning;
 pub mod publish;
 pub mod route;
+pub mod training;
 
 pub use learning::{Publisher, Settled, settle};
 pub use publish::{

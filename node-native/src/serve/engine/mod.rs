@@ -380,32 +380,11 @@ struct PublishRequest {
 
 /// How long a failed group formation is trusted before trying again.
 const FORM_RETRY: Duration = Duration::from_secs(1);
-/// Most tokens in one training minibatch, whatever the model.
-const LEARN_TOKENS: usize = 1024;
-
-/// Most tokens one training minibatch can carry on this mesh: every row of the batch goes
-/// through the LM head, whose answers (`rows × vocab / k` values per member) must stay well
-/// inside one message; exact updates (rank 0) carry every row, at most the training window.
-fn learn_tokens(manifest: &ModelManifest) -> usize {
-    let per_row = 2 * 4 * manifest.cfg.vocab.div_ceil(manifest.generator.k().max(1));
-    let by_message = node_core::protocol::MAX_MESSAGE_BYTES / per_row.max(1);
-    let window = node_core::learn::training_window(&manifest.learning, &manifest.cfg);
-    let limit = if manifest.learning.rank == 0 {
-        window
-    } else {
-        LEARN_TOKENS
-    };
-    limit.min(by_message).max(2)
-}
 /// Finished requests waiting to be trained on, at most: the trainer takes all that wait into
-/// its next minibatch (each cut to its share of [`LEARN_TOKENS`]), so this bounds memory only;
+/// its next minibatch (each cut to its share of [`node_core::lead::training::LEARN_TOKENS`]),
+/// so this bounds memory only;
 /// requests that finish past it are served but not trained on.
 const MAX_TRAIN_BACKLOG: usize = 4096;
-/// Fewest positions a waiting request keeps when the minibatch is cut among many.
-const MIN_SHARE: usize = 32;
-/// The share of the time the trainer may take while requests are being served (all of it while
-/// none are): serving keeps at least `1 − TRAIN_SHARE` of the mesh, and training still moves.
-const TRAIN_SHARE: f64 = 0.15;
 /// While requests are being served, a minibatch begins at most this long after the one before
 /// it (sooner once the waiting requests fill one): under load the requests that finish meanwhile
 /// share one update's fixed costs (the canary gate's forward pass, publishing it, every
@@ -521,9 +500,10 @@ impl Shared {
 
     /// Waits until the trainer may start its next round, after it worked for `worked` since
     /// its last one: at once while no serving task has a sequence, else once it has waited
-    /// long enough that training keeps to [`TRAIN_SHARE`] of the time.
+    /// long enough that training keeps to its share of the time
+    /// ([`node_core::lead::training::turn_wait`]).
     async fn wait_turn(&self, worked: Duration) {
-        let until = Instant::now() + worked.mul_f64((1.0 - TRAIN_SHARE) / TRAIN_SHARE);
+        let until = Instant::now() + node_core::lead::training::turn_wait(worked);
         // Either the serving tasks went quiet, or the trainer waited long enough.
         let _ = tokio::time::timeout_at(until.into(), self.quiet()).await;
     }

@@ -1,6 +1,5 @@
 //! The engine's queue, batch and minibatch rules, without a mesh.
 
-use super::train::share_out;
 use super::worker::Next;
 use super::*;
 
@@ -55,52 +54,6 @@ fn prompt(next: Next) -> Option<u32> {
         Next::Job(j) => Some(j.req.prompt[0]),
         Next::Empty | Next::Closed => None,
     }
-}
-
-fn to_learn(tokens: Vec<u32>) -> ToLearn {
-    ToLearn {
-        tokens,
-        prompt_tokens: 1,
-        generated: 1,
-        latency: Duration::ZERO,
-    }
-}
-
-#[test]
-fn a_minibatch_takes_every_waiting_request_trains_each_text_once_and_cuts_them_to_fit() {
-    // Ten requests: the same 100-token text six times, and four texts of 300, 40, 300 and
-    // 300 tokens, with room for 512 positions (16 distinct texts at most).
-    let same: Vec<u32> = (0..100).collect();
-    let long = |seed: u32| -> Vec<u32> { (0..300).map(|i| i * 7 + seed).collect() };
-    let mut waiting: VecDeque<ToLearn> = [
-        same.clone(),
-        long(1),
-        same.clone(),
-        (0..40).rev().collect(),
-        same.clone(),
-        long(2),
-        same.clone(),
-        long(3),
-        same.clone(),
-        same.clone(),
-    ]
-    .into_iter()
-    .map(to_learn)
-    .collect();
-    let b = share_out(&mut waiting, 512);
-    assert!(waiting.is_empty(), "every request is taken");
-    assert_eq!(b.requests.len(), 10);
-    assert_eq!(b.seqs.len(), 5, "the repeated text trains once");
-    let total: usize = b.seqs.iter().map(Vec::len).sum();
-    assert!(total <= 512, "{total} positions");
-    // The short ones keep everything; the long ones split the rest, keeping their ends.
-    let lens: Vec<usize> = b.seqs.iter().map(Vec::len).collect();
-    assert_eq!(lens, vec![40, 100, 124, 124, 124]);
-    assert!(b.seqs.iter().any(|s| s.last() == Some(&(299 * 7 + 3))));
-    // Past the most distinct texts a minibatch holds, the rest wait for the next one.
-    let mut many: VecDeque<ToLearn> = (0..20u32).map(|i| to_learn(vec![i, i + 1])).collect();
-    let b = share_out(&mut many, 4 * MIN_SHARE);
-    assert_eq!((b.seqs.len(), many.len()), (4, 16));
 }
 
 #[test]

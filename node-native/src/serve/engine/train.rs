@@ -1,6 +1,7 @@
 //! The trainer: finished requests in minibatches (each cut to its share), the backward pass
 //! through its own group, the canary gate, and the hand-over to the serving task to publish.
 
+use node_core::lead::training::{Lesson, Minibatch, minibatch_tokens, share_out};
 use node_core::lead::{Publisher, Settled, settle};
 
 use super::*;
@@ -26,43 +27,10 @@ pub(super) struct Trainer {
     pub(super) backlog: Arc<AtomicUsize>,
 }
 
-/// What one training pass takes: the requests it trains on, and their distinct token
-/// sequences (requests that sent the same text train once, and count as many), each cut to its
-/// share of the minibatch's positions.
-pub(super) struct Minibatch {
-    pub(super) requests: Vec<ToLearn>,
-    pub(super) seqs: Vec<Vec<u32>>,
-}
-
-/// Takes requests from the front of `waiting` while their distinct sequences fit `limit`
-/// positions at [`MIN_SHARE`] each, and cuts each sequence to its share (its last positions):
-/// the shortest keep all they have, the rest split what is left evenly.
-pub(super) fn share_out(waiting: &mut VecDeque<ToLearn>, limit: usize) -> Minibatch {
-    let most = (limit / MIN_SHARE).max(1);
-    let (mut requests, mut seqs) = (Vec::new(), Vec::<Vec<u32>>::new());
-    while let Some(r) = waiting.front() {
-        let seen = seqs.contains(&r.tokens);
-        if !seen && seqs.len() >= most {
-            break;
-        }
-        if !seen {
-            seqs.push(r.tokens.clone());
-        }
-        requests.extend(waiting.pop_front());
+impl Lesson for ToLearn {
+    fn tokens(&self) -> &[u32] {
+        &self.tokens
     }
-    let total: usize = seqs.iter().map(Vec::len).sum();
-    if total > limit {
-        seqs.sort_by_key(Vec::len);
-        let mut left = limit;
-        let n = seqs.len();
-        for (i, s) in seqs.iter_mut().enumerate() {
-            let share = (left / (n - i)).max(2);
-            let keep = s.len().min(share);
-            s.drain(..s.len() - keep);
-            left = left.saturating_sub(keep);
-        }
-    }
-    Minibatch { requests, seqs }
 }
 
 impl Trainer {
@@ -84,7 +52,7 @@ impl Trainer {
                     }
                 }
             }
-            let limit = learn_tokens(&self.lead.ctx.manifest);
+            let limit = minibatch_tokens(&self.lead.ctx.manifest);
             self.gather(last_began, limit).await;
             last_began = Some(Instant::now());
             // Everything that waits goes into this minibatch, each request cut to its share.

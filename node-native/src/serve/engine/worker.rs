@@ -392,7 +392,7 @@ impl Worker {
         let _ = seq.job.job.events.send(Event::Done(done));
         let ctx = &self.lead.ctx;
         let window = node_core::learn::training_window(&ctx.manifest.learning, &ctx.manifest.cfg)
-            .min(LEARN_TOKENS);
+            .min(node_core::lead::training::LEARN_TOKENS);
         let item = ToLearn {
             tokens: node_core::learn::taught(&seq.job.job.req.prompt, window).to_vec(),
             prompt_tokens: done.prompt_tokens,
