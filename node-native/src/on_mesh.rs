@@ -129,8 +129,14 @@ async fn run_once_on_mesh(
         let (prompt, opts, mut printer) = Printer::start(&leader.tokenizer, args)?;
         let generated = if args.hop {
             let rt = tokio::runtime::Handle::current();
-            let mut hop =
-                node_native::lead::hop::lead_group(&leader, &rt, args.check, args.spares)?;
+            let mut hop = node_native::lead::hop::lead_group(
+                &rt,
+                &leader.session.client,
+                &leader.manifest,
+                &leader.formed,
+                args.check,
+                args.spares,
+            )?;
             eprintln!("one hop per stage, members {:?}", hop.rows());
             let forward = async |pass: Pass<'_>| hop.forward(pass).await;
             let on = &mut |id| printer.token(id);

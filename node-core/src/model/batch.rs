@@ -29,8 +29,8 @@ pub struct Entry<J> {
     pub job: J,
     /// Its decoding: the next pass, and what that pass's logits emit.
     pub step: Sequence,
-    /// Its keys and values, when the leader's rounds run it (a hop group's members keep their
-    /// own).
+    /// Its keys and values, when the leader's rounds run it ([`Batch::rounds_items`]; a hop
+    /// group's members keep their own).
     pub cache: KvCache,
     /// Where its keys and values live ([`Batch::plan`]): at another place it starts again.
     epoch: u64,
@@ -114,12 +114,15 @@ impl<J> Batch<J> {
 
     /// Whether a prompt of `len` tokens fits the next pass's rows (an empty batch takes any).
     pub fn fits(&self, len: usize) -> bool {
-        let rows: usize = self
-            .entries
+        self.entries.is_empty() || len <= self.limits.step_tokens.saturating_sub(self.rows())
+    }
+
+    /// Rows of the next pass, every sequence's together.
+    fn rows(&self) -> usize {
+        self.entries
             .iter()
             .map(|e| e.step.pass().tokens.len())
-            .sum();
-        self.entries.is_empty() || len <= self.limits.step_tokens.saturating_sub(rows)
+            .sum()
     }
 
     /// Admits `job`'s `prompt` as a new sequence whose keys and values will live at `epoch`;
@@ -159,10 +162,7 @@ impl<J> Batch<J> {
             let p = e.step.pass();
             (p.tokens.len() == p.logits).then_some(n + p.logits - 1)
         });
-        self.entries
-            .iter()
-            .map(|e| e.step.pass().tokens.len())
-            .sum()
+        self.rows()
     }
 
     /// The planned pass on the leader's rounds: each sequence's rows over its own cache, cut

@@ -6,7 +6,7 @@ use web_time::{Duration, Instant};
 
 use super::batch::{Batch, BatchLimits, Ended};
 use super::speculate::SpecStats;
-use super::{BatchItem, KvCache, LinearExec, Llama, LlamaConfig, ModelError, SamplingParams};
+use super::{KvCache, LinearExec, Llama, LlamaConfig, ModelError, SamplingParams};
 
 /// What to generate.
 #[derive(Debug, Clone, PartialEq)]
@@ -106,8 +106,8 @@ pub fn generate<E: LinearExec>(
     futures::executor::block_on(generate_on(llama, exec, prompt, opts, on_token))
 }
 
-/// [`generate_async`] with `llama`'s passes run through `exec` over a cache of the
-/// sequence's keys and values ([`run_pass`]): a leader's rounds, awaited.
+/// The generation loop with `llama`'s passes run through `exec` (a leader's rounds, awaited),
+/// over the sequence's own keys and values in its [`Batch`].
 pub async fn generate_on<E: LinearExec>(
     llama: &Llama,
     exec: &mut E,
@@ -115,9 +115,11 @@ pub async fn generate_on<E: LinearExec>(
     opts: &GenerateOptions,
     on_token: &mut dyn FnMut(u32) -> bool,
 ) -> Result<Generation, ModelError> {
-    let mut cache = KvCache::new(llama.config());
-    let forward = async |pass: Pass<'_>| run_pass(llama, exec, &mut cache, pass).await;
-    generate_async(forward, llama.config(), prompt, opts, on_token).await
+    let run = async |batch: &mut Batch<()>| {
+        let mut items = batch.rounds_items();
+        llama.forward_batch(exec, &mut items).await
+    };
+    generate_one(run, llama.config(), prompt, opts, on_token).await
 }
 
 /// One forward pass of the generation loop: `tokens` run at positions `start..` (whatever the
@@ -134,24 +136,6 @@ pub struct Pass<'a> {
 
 /// A forward pass ([`Pass`]) returning the logits it asks for.
 pub type Forward<'a> = dyn FnMut(Pass<'_>) -> Result<Vec<f32>, ModelError> + 'a;
-
-/// Runs `pass` through `llama` over `cache`.
-pub async fn run_pass<E: LinearExec>(
-    llama: &Llama,
-    exec: &mut E,
-    cache: &mut KvCache,
-    pass: Pass<'_>,
-) -> Result<Vec<f32>, ModelError> {
-    cache.truncate(pass.start);
-    let mut items = [BatchItem {
-        logits: pass.logits,
-        ..BatchItem::new(pass.tokens, cache)
-    }];
-    let mut logits = llama.forward_batch(exec, &mut items).await?;
-    logits
-        .pop()
-        .ok_or_else(|| ModelError::Config("no logits".into()))
-}
 
 /// The generation loop over any forward pass ([`Pass`]) of a model of `cfg`.
 pub fn generate_with(
@@ -173,10 +157,29 @@ pub fn generate_with(
         })
 }
 
-/// [`generate_with`] over a forward pass that may wait (a browser leader's): a
-/// [`Batch`] of one sequence, its passes one after another.
+/// [`generate_with`] over a forward pass that may wait (a browser leader's, a hop group's):
+/// its passes one after another.
 pub async fn generate_async(
     mut forward: impl AsyncFnMut(Pass<'_>) -> Result<Vec<f32>, ModelError>,
+    cfg: &LlamaConfig,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    on_token: &mut dyn FnMut(u32) -> bool,
+) -> Result<Generation, ModelError> {
+    let run = async |batch: &mut Batch<()>| {
+        let (_, pass) = batch
+            .passes()
+            .next()
+            .ok_or_else(|| ModelError::Config("the sequence left the batch".into()))?;
+        Ok(vec![forward(pass).await?])
+    };
+    generate_one(run, cfg, prompt, opts, on_token).await
+}
+
+/// The generation loop: a [`Batch`] of one sequence, each pass planned, run by `run` (the
+/// logits of the batch's one sequence) and taken.
+async fn generate_one(
+    mut run: impl AsyncFnMut(&mut Batch<()>) -> Result<Vec<Vec<f32>>, ModelError>,
     cfg: &LlamaConfig,
     prompt: &[u32],
     opts: &GenerateOptions,
@@ -194,15 +197,9 @@ pub async fn generate_async(
     let mut prefill_time = None;
     let (seq, stop) = loop {
         batch.plan(0);
-        let (_, pass) = batch
-            .passes()
-            .next()
-            .ok_or_else(|| ModelError::Config("the sequence left the batch".into()))?;
         let began = Instant::now();
-        let logits = forward(pass).await?;
-        let took = batch.take(vec![logits], began.elapsed().as_secs_f64(), |_, t| {
-            on_token(t)
-        });
+        let logits = run(&mut batch).await?;
+        let took = batch.take(logits, began.elapsed().as_secs_f64(), |_, t| on_token(t));
         prefill_time.get_or_insert_with(|| started.elapsed());
         match took.ended.into_iter().next() {
             Some(Ended::Finished(e, stop)) => break (e.step, stop),

@@ -20,7 +20,7 @@ pub use block::{BLOCK, BlockStep, LinearExec, PassStep, Stage, pass_steps};
 pub use config::LlamaConfig;
 pub use generate::{
     Forward, GenerateOptions, Generation, Pass, StopReason, generate, generate_async, generate_on,
-    generate_with, logits_along, relative_error, run_pass,
+    generate_with, logits_along, relative_error,
 };
 pub use llama::{BatchItem, KvCache, Llama};
 pub use sampling::{Sampler, SamplingParams, argmax};

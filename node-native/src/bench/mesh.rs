@@ -175,7 +175,9 @@ pub(super) fn delay_rows(
         ));
     }
     let (check, spares) = (group.verify, group.spares);
-    let mut hop = crate::lead::hop::lead_group(leader, runtime.handle(), check, spares)?;
+    let (client, manifest, formed) = (&leader.session.client, &leader.manifest, &leader.formed);
+    let mut hop =
+        crate::lead::hop::lead_group(runtime.handle(), client, manifest, formed, check, spares)?;
     let cfg = leader.formed.llama.config().clone();
     // A pass is the feed, the embedding lookup, four stages a layer and the LM head: a hop each.
     let hops_per_pass = (4 * cfg.layers + 3) as f64;

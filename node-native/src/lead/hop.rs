@@ -561,35 +561,37 @@ fn pass_of(frame: &[u8]) -> Option<u64> {
 /// How long a member or the leader waits for a part before it leaves its sender out.
 pub const WAIT: Duration = Duration::from_secs(5);
 
-/// A hop group of k + `check` + `spares` of a leader's members ([`node_core::lead::hop_members`];
-/// at least k + `check`, spares where there are rows for them), formed on `runtime`.
+/// A hop group over `formed`'s members other than this node (`client`'s): k + `check` +
+/// `spares` of them ([`node_core::lead::hop_members`]; at least k + `check`, spares where there
+/// are rows for them), every round checked with those beyond k, formed on `runtime`.
 pub fn lead_group(
-    leader: &crate::lead::remote::Leader,
     runtime: &tokio::runtime::Handle,
+    client: &Client,
+    manifest: &node_core::mesh::ModelManifest,
+    formed: &crate::lead::remote::Formed,
     check: usize,
     spares: usize,
 ) -> anyhow::Result<HopLeader<NetFeedLink>> {
-    let least = leader.manifest.generator.k() + check;
-    let me = leader.session.client.peer_id();
-    let nodes = leader.formed.group.nodes();
+    let least = manifest.generator.k() + check;
+    let nodes = formed.group.nodes();
     let members =
-        node_core::lead::hop_members(nodes, &leader.formed.rows, me, least, least + spares)
+        node_core::lead::hop_members(nodes, &formed.rows, client.peer_id(), least, least + spares)
             .map_err(anyhow::Error::msg)?
             .into_iter()
             .map(|(row, peer)| {
                 (
                     row,
                     peer,
-                    leader.formed.addrs.get(&peer).cloned().unwrap_or_default(),
+                    formed.addrs.get(&peer).cloned().unwrap_or_default(),
                 )
             })
             .collect::<Vec<_>>();
     lead(
         runtime,
-        &leader.session.client,
-        leader.formed.llama.config().clone(),
-        leader.manifest.generator.clone(),
-        leader.formed.version,
+        client,
+        manifest.cfg.clone(),
+        manifest.generator.clone(),
+        formed.version,
         &members,
         WAIT,
     )

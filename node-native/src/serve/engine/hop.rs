@@ -2,7 +2,7 @@
 //! [`node_core::lead::route`]: the batch's sequences then live on the members, and start again
 //! there whenever the hop group changes.
 
-use node_core::lead::route::{RouteMeasures, hop_members, off_this_machine};
+use node_core::lead::route::{RouteMeasures, off_this_machine};
 use node_core::net::hop::HopLeader;
 
 use super::*;
@@ -56,24 +56,12 @@ impl Lead {
     pub(super) fn hop_group(&mut self) -> Result<&mut HopLeader<NetFeedLink>, String> {
         if self.hop.leader.is_none() {
             let f = self.formed.as_ref().ok_or("no group")?;
-            // k and the checked members, and the spares where there are rows for them.
-            let least = self.ctx.manifest.generator.k() + self.ctx.cfg.verify;
-            let most = least + self.ctx.cfg.spares;
-            let me = self.ctx.client.peer_id();
-            let members = hop_members(f.group.nodes(), &f.rows, me, least, most)?
-                .into_iter()
-                .map(|(row, peer)| (row, peer, f.addrs.get(&peer).cloned().unwrap_or_default()))
-                .collect::<Vec<_>>();
-            let leader = crate::lead::hop::lead(
-                &self.ctx.runtime,
-                &self.ctx.client,
-                self.ctx.manifest.cfg.clone(),
-                self.ctx.manifest.generator.clone(),
-                f.version,
-                &members,
-                crate::lead::hop::WAIT,
-            )
-            .map_err(|e| format!("{e:#}"))?;
+            let ctx = &self.ctx;
+            let (check, spares) = (ctx.cfg.verify, ctx.cfg.spares);
+            let runtime = &ctx.runtime;
+            let leader =
+                crate::lead::hop::lead_group(runtime, &ctx.client, &ctx.manifest, f, check, spares)
+                    .map_err(|e| format!("{e:#}"))?;
             tracing::info!(
                 rows = ?leader.rows(),
                 network_per_round_us = self.hop.measures.network_per_round().map(|d| d.as_micros() as u64),

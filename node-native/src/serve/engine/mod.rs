@@ -382,8 +382,7 @@ struct PublishRequest {
 const FORM_RETRY: Duration = Duration::from_secs(1);
 /// Finished requests waiting to be trained on, at most: the trainer takes all that wait into
 /// its next minibatch (each cut to its share of [`node_core::lead::training::LEARN_TOKENS`]),
-/// so this bounds memory only;
-/// requests that finish past it are served but not trained on.
+/// so this bounds memory only; requests that finish past it are served but not trained on.
 const MAX_TRAIN_BACKLOG: usize = 4096;
 /// While requests are being served, a minibatch begins at most this long after the one before
 /// it (sooner once the waiting requests fill one): under load the requests that finish meanwhile

@@ -212,7 +212,13 @@ impl Worker {
 
     /// Fails every request in the batch.
     pub(super) fn fail_all(&mut self, error: &EngineError) {
-        for seq in self.batch.drain() {
+        let all = self.batch.drain();
+        self.fail_each(all, error);
+    }
+
+    /// Fails each of `seqs`.
+    fn fail_each(&mut self, seqs: Vec<Seq>, error: &EngineError) {
+        for seq in seqs {
             self.fail(seq, error);
         }
     }
@@ -308,10 +314,7 @@ impl Worker {
                 }
                 self.lead.drop_group();
                 if let AfterFailure::GiveUp(gone) = self.batch.failed() {
-                    let error = EngineError::Failed(e.to_string());
-                    for seq in gone {
-                        self.fail(seq, &error);
-                    }
+                    self.fail_each(gone, &EngineError::Failed(e.to_string()));
                 }
             }
         }
