@@ -88,8 +88,8 @@ pub fn open_tap(ns: &str, name: &str) -> io::Result<File> {
 #[derive(Debug)]
 pub struct Pacer {
     shape: Shape,
-    /// When the link is free to send the next frame.
-    free_at: Instant,
+    /// When the link is free to send the next frame (`None`: before the first).
+    free_at: Option<Instant>,
     rng: rand_chacha::ChaCha8Rng,
 }
 
@@ -98,7 +98,7 @@ impl Pacer {
     pub fn new(shape: Shape, seed: u64) -> Self {
         Self {
             shape,
-            free_at: Instant::now(),
+            free_at: None,
             rng: rand_chacha::ChaCha8Rng::seed_from_u64(seed),
         }
     }
@@ -108,7 +108,7 @@ impl Pacer {
         if self.shape.loss > 0.0 && self.rng.random::<f64>() < self.shape.loss {
             return None;
         }
-        let start = self.free_at.max(now);
+        let start = self.free_at.map_or(now, |f| f.max(now));
         if start.duration_since(now) > self.shape.queue {
             return None; // the router's buffer is full
         }
@@ -117,8 +117,8 @@ impl Pacer {
         } else {
             Duration::ZERO
         };
-        self.free_at = start + send;
-        Some(self.free_at + self.shape.delay)
+        self.free_at = Some(start + send);
+        Some(start + send + self.shape.delay)
     }
 }
 
