@@ -33,6 +33,9 @@ pub(crate) enum Command {
     Eval(EvalArgs),
     /// Fetch the default model into the cache (if needed) and print its path.
     FetchModel,
+    /// Dial a peer as a mesh node would and tell how the connection ends up: direct, direct
+    /// after hole punching, or relayed (behind NATs that do not allow hole punching).
+    Reach(ReachArgs),
     /// Measure kernel bandwidth and model tokens/s, uncoded and coded; print a table.
     Bench(BenchArgs),
     /// Start a whole local mesh (n nodes on 127.0.0.1) and serve the OpenAI API and the
@@ -457,6 +460,22 @@ pub(crate) struct EvalArgs {
     /// Most chunks evaluated (from the start of the file).
     #[arg(long, default_value_t = 16)]
     pub(crate) max_chunks: usize,
+}
+
+#[derive(Debug, clap::Args)]
+pub(crate) struct ReachArgs {
+    /// The peer's address, ending in /p2p/<peer id>: a relay circuit
+    /// (…/p2p/<relay>/p2p-circuit/p2p/<peer>) tries hole punching.
+    pub(crate) addr: libp2p::Multiaddr,
+    /// Where this probe listens (hole punching needs a QUIC socket).
+    #[arg(long, default_value = "/ip4/0.0.0.0/udp/0/quic-v1")]
+    pub(crate) listen: Vec<libp2p::Multiaddr>,
+    /// Longest wait for hole punching, in seconds.
+    #[arg(long, default_value_t = 15)]
+    pub(crate) wait_s: u64,
+    /// Print one JSON object.
+    #[arg(long)]
+    pub(crate) json: bool,
 }
 
 #[derive(Debug, clap::Args)]

@@ -78,11 +78,24 @@ fn main() {
             .and_then(|rt| rt.block_on(on_mesh::run_eval(args))),
         Command::Bench(args) => run_bench(args),
         Command::FetchModel => fetch::default_model().map(|p| println!("{}", p.display())),
+        Command::Reach(args) => runtime().and_then(|rt| rt.block_on(run_reach(args))),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
         std::process::exit(1);
     }
+}
+
+/// `codedmesh reach`.
+async fn run_reach(args: cli::ReachArgs) -> Result<()> {
+    let wait = std::time::Duration::from_secs(args.wait_s);
+    let reached = node_native::net::probe::reach(args.addr, args.listen, wait).await?;
+    if args.json {
+        println!("{}", serde_json::to_string(&reached)?);
+    } else {
+        println!("{}: {} ({} ms)", reached.peer, reached.path, reached.ms);
+    }
+    Ok(())
 }
 
 /// `codedmesh up`.

@@ -150,6 +150,7 @@ fn heartbeat(row: u32, incarnation: u64, seq: u64) -> Heartbeat {
         uptime_ms: seq * 1000,
         device: "sim".into(),
         usage: Default::default(),
+        reach: Default::default(),
     }
 }
 

@@ -79,6 +79,16 @@ impl RowView {
         })
     }
 
+    /// How peers reach the best holder: public, direct after hole punching, relayed.
+    pub fn reach(&self) -> String {
+        self.holders
+            .first()
+            .map_or("—".into(), |h| match h.reach.as_str() {
+                "" | "unknown" => "—".into(),
+                r => r.into(),
+            })
+    }
+
     /// The best holder's version lag, in updates.
     pub fn lag(&self) -> Option<u64> {
         self.holders.first().map(|h| h.lag)
@@ -304,6 +314,7 @@ mod tests {
             caught: None,
             device: device.into(),
             usage: Usage::default(),
+            reach: "public".into(),
         }
     }
 
@@ -348,6 +359,8 @@ mod tests {
         assert_eq!(rows[1].holders.len(), 2);
         assert_eq!(rows[1].holders[0].peer, "12D3KooWbbbbbbbb");
         assert_eq!(rows[1].device(), "GPU (NVIDIA H200 (Vulkan))");
+        assert_eq!(rows[1].reach(), "public");
+        assert_eq!(rows[2].reach(), "—");
         assert_eq!(rows[1].verification(), "caught: row 1 caught on Qkv(0)");
         assert_eq!(rows[2].health, Health::Dead);
         assert_eq!(rows[2].holder_label(), "nobody");

@@ -28,6 +28,7 @@ fn node(row: u32, health: Health, device: &str) -> NodeStatus {
         caught: None,
         device: device.into(),
         usage: Default::default(),
+        reach: "relayed".into(),
     }
 }
 
@@ -112,7 +113,8 @@ async fn the_summary_and_rows_show_the_mesh_and_follow_it_live() {
         cell(&root, 2, 2),
         "browser WebGPU (browser WebGPU: SwiftShader)"
     );
-    assert_eq!(cell(&root, 1, 3), "Healthy");
+    assert_eq!(cell(&root, 1, 3), "relayed");
+    assert_eq!(cell(&root, 1, 4), "Healthy");
     assert_eq!(
         text_of(&root, "#contribution"),
         "this browser watches the mesh; it holds no row"
@@ -177,8 +179,8 @@ async fn the_summary_and_rows_show_the_mesh_and_follow_it_live() {
         text.contains("model available: no — 1 of 3 rows healthy"),
         "{text}"
     );
-    assert_eq!(cell(&root, 1, 3), "Dead");
-    assert_eq!(cell(&root, 2, 3), "Suspect");
+    assert_eq!(cell(&root, 1, 4), "Dead");
+    assert_eq!(cell(&root, 2, 4), "Suspect");
 }
 
 #[wasm_bindgen_test]

@@ -491,6 +491,7 @@ mod tests {
                 caught: None,
                 device: "cpu".into(),
                 usage: Usage::default(),
+                reach: String::new(),
             })
             .collect();
         MeshInfo {

@@ -40,6 +40,8 @@ pub struct Heartbeat {
     pub device: String,
     /// The requests leaders reported to it since it started.
     pub usage: Usage,
+    /// How peers reach it (AutoNAT, relays, hole punching), as it finds out.
+    pub reach: crate::net::reach::Reach,
 }
 
 /// Requests finished on the mesh, as their leaders report them to a node: what the
@@ -149,6 +151,9 @@ pub struct NodeStatus {
     /// The requests leaders reported to it since it started.
     #[serde(default)]
     pub usage: Usage,
+    /// How peers reach it, as it reports: "public", "direct after hole punching", "relayed"…
+    #[serde(default)]
+    pub reach: String,
 }
 
 /// Every live holder of each row, by row.
@@ -642,6 +647,7 @@ mod tests {
             caught: caught.then(|| "answered against the code".into()),
             device: "cpu".into(),
             usage: Usage::default(),
+            reach: String::new(),
         };
         let mut info = MeshInfo {
             k: 2,

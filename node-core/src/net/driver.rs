@@ -9,9 +9,10 @@ use libp2p::multiaddr::Protocol;
 use libp2p::request_response::{self, OutboundRequestId, ResponseChannel};
 use libp2p::swarm::dial_opts::DialOpts;
 use libp2p::swarm::{ConnectionId, SwarmEvent};
-use libp2p::{Multiaddr, PeerId, Swarm, gossipsub, identify};
+use libp2p::{Multiaddr, PeerId, Swarm, autonat, dcutr, gossipsub, identify, relay};
 
-use super::{MESH_PROTOCOL, MeshBehaviour, MeshBehaviourEvent, version_mismatch};
+use super::reach::{Reach, Reachability, is_relayed};
+use super::{KAD_PROTOCOL, MESH_PROTOCOL, MeshBehaviour, MeshBehaviourEvent, version_mismatch};
 use crate::mesh::{HEARTBEAT_TOPIC, MeshRequest, MeshResponse};
 
 /// Gossip messages dropped for having no signed author, since the process started.
@@ -44,6 +45,15 @@ pub enum NetEvent {
     Listening(Multiaddr),
     /// The swarm no longer listens on an address.
     Expired(Multiaddr),
+    /// What the node knows of its reachability changed ([`Driver::reachability`]).
+    Reach {
+        /// How peers reach it now.
+        reach: Reach,
+        /// Addresses peers may reach it at: confirmed external ones and relay circuits.
+        addrs: Vec<Multiaddr>,
+        /// It should reserve a slot on a relay ([`Reachability::needs_relay`]).
+        needs_relay: bool,
+    },
 }
 
 /// The dials and requests a swarm task waits on, and how it handles the swarm's events.
@@ -53,6 +63,8 @@ pub struct Driver {
     topic: gossipsub::IdentTopic,
     /// Whether peers' addresses go into the DHT's routing table (not in a browser).
     dht: bool,
+    /// What the node knows of its reachability and its connections' paths.
+    reach: Reachability,
 }
 
 impl std::fmt::Debug for Driver {
@@ -72,7 +84,38 @@ impl Driver {
             requests: HashMap::new(),
             topic: gossipsub::IdentTopic::new(HEARTBEAT_TOPIC),
             dht,
+            reach: Reachability::default(),
         }
+    }
+
+    /// What the node knows of its reachability and its connections' paths.
+    pub fn reachability(&self) -> &Reachability {
+        &self.reach
+    }
+
+    /// The event that reports the reachability now.
+    fn reach_event(&self) -> NetEvent {
+        NetEvent::Reach {
+            reach: self.reach.reach(),
+            addrs: self.reach.addrs().cloned().collect(),
+            needs_relay: self.reach.needs_relay(),
+        }
+    }
+
+    /// Runs `f` on the reachability; reports it if what peers see of it changed.
+    fn on_reach(&mut self, f: impl FnOnce(&mut Reachability)) -> Option<NetEvent> {
+        let before = (
+            self.reach.reach(),
+            self.reach.addrs().cloned().collect::<Vec<_>>(),
+            self.reach.needs_relay(),
+        );
+        f(&mut self.reach);
+        let after = (
+            self.reach.reach(),
+            self.reach.addrs().cloned().collect::<Vec<_>>(),
+            self.reach.needs_relay(),
+        );
+        (before != after).then(|| self.reach_event())
     }
 
     /// Dials `addr` (with or without `/p2p/…`); `reply` gets the peer reached.
@@ -82,15 +125,23 @@ impl Driver {
         addr: Multiaddr,
         reply: Reply<PeerId>,
     ) {
-        let peer = addr.iter().find_map(|p| match p {
-            Protocol::P2p(id) => Some(id),
-            _ => None,
-        });
+        // The last `/p2p/…` is the peer: a relay circuit names the relay first.
+        let peer = addr
+            .iter()
+            .filter_map(|p| match p {
+                Protocol::P2p(id) => Some(id),
+                _ => None,
+            })
+            .last();
         if let Some(peer) = peer.filter(|p| swarm.is_connected(p)) {
             return reply(Ok(peer));
         }
         let opts = match peer {
-            Some(peer) => DialOpts::peer_id(peer).addresses(vec![addr]).build(),
+            // Always: a dial the DHT or a request started to the same peer must not fail this one.
+            Some(peer) => DialOpts::peer_id(peer)
+                .addresses(vec![addr])
+                .condition(libp2p::swarm::dial_opts::PeerCondition::Always)
+                .build(),
             None => DialOpts::unknown_peer_id().address(addr).build(),
         };
         let id = opts.connection_id();
@@ -159,21 +210,67 @@ impl Driver {
         event: SwarmEvent<MeshBehaviourEvent>,
     ) -> Option<NetEvent> {
         match event {
+            SwarmEvent::NewListenAddr { address, .. } if is_relayed(&address) => {
+                tracing::info!(%address, "reachable through a relay");
+                return self.on_reach(|r| r.listening(address));
+            }
             SwarmEvent::NewListenAddr { address, .. } => return Some(NetEvent::Listening(address)),
+            SwarmEvent::ExpiredListenAddr { address, .. } if is_relayed(&address) => {
+                return self.on_reach(|r| r.listen_expired(&address));
+            }
             SwarmEvent::ExpiredListenAddr { address, .. } => {
                 return Some(NetEvent::Expired(address));
             }
+            SwarmEvent::ExternalAddrConfirmed { address } => {
+                tracing::info!(%address, "peers can dial this address");
+                return self.on_reach(|r| r.confirmed(address));
+            }
+            SwarmEvent::ExternalAddrExpired { address } => {
+                return self.on_reach(|r| r.expired(&address));
+            }
+            SwarmEvent::ConnectionClosed { connection_id, .. } => {
+                return self.on_reach(|r| r.closed(connection_id));
+            }
+            SwarmEvent::Behaviour(MeshBehaviourEvent::Autonat(autonat::v2::client::Event {
+                tested_addr,
+                server,
+                result,
+                ..
+            })) => match result {
+                Ok(()) => tracing::debug!(%tested_addr, %server, "AutoNAT: reachable"),
+                Err(e) => {
+                    tracing::info!(%tested_addr, %server, "AutoNAT: peers cannot dial it: {e}");
+                    return self.on_reach(|r| r.refuted(tested_addr));
+                }
+            },
+            SwarmEvent::Behaviour(MeshBehaviourEvent::Dcutr(dcutr::Event {
+                remote_peer_id,
+                result,
+            })) => match result {
+                Ok(id) => {
+                    tracing::info!(peer = %remote_peer_id, "hole punching made a direct connection");
+                    return self.on_reach(|r| r.punched(id));
+                }
+                Err(e) => {
+                    tracing::info!(peer = %remote_peer_id, "hole punching failed; the connection stays relayed: {e}");
+                }
+            },
+            SwarmEvent::Behaviour(MeshBehaviourEvent::RelayClient(
+                relay::client::Event::ReservationReqAccepted { relay_peer_id, .. },
+            )) => tracing::debug!(relay = %relay_peer_id, "relay reservation accepted"),
             SwarmEvent::ListenerClosed { reason, .. } => {
                 tracing::warn!("a listener closed: {reason:?}");
             }
             SwarmEvent::ConnectionEstablished {
                 peer_id,
                 connection_id,
+                endpoint,
                 ..
             } => {
                 if let Some(reply) = self.dials.remove(&connection_id) {
                     reply(Ok(peer_id));
                 }
+                return self.on_reach(|r| r.connected(connection_id, peer_id, &endpoint));
             }
             SwarmEvent::OutgoingConnectionError {
                 connection_id,
@@ -213,7 +310,10 @@ impl Driver {
                 if let Some(msg) = version_mismatch(&info.protocols) {
                     tracing::error!(peer = %peer_id, "{msg}");
                 }
-                if self.dht {
+                // Only peers that answer DHT queries (its server mode) belong in the routing
+                // table: a probe or a node nobody can dial would be handed out in vain.
+                let serves_dht = info.protocols.iter().any(|p| p.as_ref() == KAD_PROTOCOL);
+                if self.dht && serves_dht {
                     for addr in info.listen_addrs {
                         swarm.behaviour_mut().kad.add_address(&peer_id, addr);
                     }

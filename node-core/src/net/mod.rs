@@ -5,6 +5,7 @@
 mod driver;
 pub mod hop;
 pub mod link;
+pub mod reach;
 pub mod session;
 
 pub use driver::{Driver, NetEvent, Reply, UNSIGNED_GOSSIP};
@@ -13,7 +14,10 @@ use std::io;
 
 use futures::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use libp2p::swarm::{NetworkBehaviour, behaviour::toggle::Toggle};
-use libp2p::{StreamProtocol, gossipsub, identify, identity, kad, ping, relay, request_response};
+use libp2p::{
+    StreamProtocol, autonat, dcutr, gossipsub, identify, identity, kad, ping, relay,
+    request_response,
+};
 use web_time::Duration;
 
 use crate::mesh::{HEARTBEAT_TOPIC, MeshRequest, MeshResponse};
@@ -21,6 +25,8 @@ use crate::protocol::{self, MAX_MESSAGE_BYTES, PROTOCOL_VERSION};
 
 /// Name of the mesh request-response protocol; the version is part of it.
 pub const MESH_PROTOCOL: &str = "/codedmesh/mesh/2";
+/// Name of the mesh's DHT protocol.
+pub const KAD_PROTOCOL: &str = "/codedmesh/kad/1";
 /// Prefix every version of the mesh protocol shares.
 const MESH_PROTOCOL_PREFIX: &str = "/codedmesh/mesh/";
 
@@ -60,6 +66,12 @@ pub struct MeshBehaviour {
     pub relay: Toggle<relay::Behaviour>,
     /// Reaching peers through a relay, and being reached through one.
     pub relay_client: Toggle<relay::client::Behaviour>,
+    /// Whether peers can dial this node's addresses (AutoNAT v2; native nodes).
+    pub autonat: Toggle<autonat::v2::client::Behaviour>,
+    /// Dialing peers back so they learn whether they can be dialed (AutoNAT v2; native nodes).
+    pub autonat_server: Toggle<autonat::v2::server::Behaviour>,
+    /// Turning relayed connections into direct ones by hole punching (DCUtR; native nodes).
+    pub dcutr: Toggle<dcutr::Behaviour>,
 }
 
 /// Errors building the behaviour.
@@ -83,6 +95,14 @@ impl MeshBehaviour {
     /// WebRTC connections beside its WebSocket ones); the native nodes it dials tell it the mesh.
     pub fn for_browser(key: &identity::Keypair) -> Result<Self, NetError> {
         Self::build(key, false, false)
+    }
+
+    /// The behaviour of a probe that dials one peer and watches the connection: no DHT queries
+    /// and no AutoNAT probes, so no connection but the ones it asks for (and hole punching's).
+    pub fn for_probe(key: &identity::Keypair) -> Result<Self, NetError> {
+        let mut b = Self::build(key, false, false)?.with_nat_traversal(key.public().to_peer_id());
+        b.autonat = Toggle::from(None);
+        Ok(b)
     }
 
     fn build(key: &identity::Keypair, mdns: bool, dht_queries: bool) -> Result<Self, NetError> {
@@ -111,7 +131,7 @@ impl MeshBehaviour {
                 .with_request_timeout(Duration::from_secs(60))
                 .with_max_concurrent_streams(1024),
         );
-        let mut kad_cfg = kad::Config::new(StreamProtocol::new("/codedmesh/kad/1"));
+        let mut kad_cfg = kad::Config::new(StreamProtocol::new(KAD_PROTOCOL));
         kad_cfg.set_query_timeout(Duration::from_secs(30));
         if !dht_queries {
             // An empty routing table: nothing to bootstrap from, so nothing dialed.
@@ -133,7 +153,20 @@ impl MeshBehaviour {
             mdns: build_mdns(peer_id, mdns)?,
             relay: Toggle::from(None),
             relay_client: Toggle::from(None),
+            autonat: Toggle::from(None),
+            autonat_server: Toggle::from(None),
+            dcutr: Toggle::from(None),
         })
+    }
+
+    /// Finds out whether peers can dial this node (and tells peers the same), and turns
+    /// relayed connections into direct ones where the NATs on the way allow it.
+    pub fn with_nat_traversal(mut self, peer_id: libp2p::PeerId) -> Self {
+        // Probes every 5 s, each a candidate address (identify's observations) at a server.
+        self.autonat = Toggle::from(Some(autonat::v2::client::Behaviour::default()));
+        self.autonat_server = Toggle::from(Some(autonat::v2::server::Behaviour::default()));
+        self.dcutr = Toggle::from(Some(dcutr::Behaviour::new(peer_id)));
+        self
     }
 
     /// Relays circuits for others, with limits raised for coded steps: a browser row answers

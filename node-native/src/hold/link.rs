@@ -7,7 +7,7 @@ use libp2p::{Multiaddr, PeerId};
 use node_core::holder::{HolderError, Link, source_error, source_peer};
 use node_core::mesh::{MeshRequest, MeshResponse, SourceRow};
 
-use crate::net::swarm::{Client, with_peer};
+use crate::net::swarm::Client;
 use crate::progress;
 
 /// A holder's link to the mesh through this node's swarm.
@@ -73,9 +73,9 @@ impl Link for NativeLink {
             .add_addrs(from, addrs.clone())
             .await
             .map_err(|e| link(format!("{e:#}")))?;
-        if let Some(a) = pick_addr(&addrs) {
+        if !addrs.is_empty() {
             self.client
-                .dial(with_peer(&a, from))
+                .dial_any(from, &order_addrs(&addrs))
                 .await
                 .map_err(|e| link(format!("{e:#}")))?;
         }
@@ -108,14 +108,26 @@ impl Link for NativeLink {
     }
 }
 
-/// A TCP address if there is one (the fastest to set up), else the first.
-pub fn pick_addr(addrs: &[Multiaddr]) -> Option<Multiaddr> {
+/// The addresses worth dialing, best first: direct ones before relay circuits, other hosts'
+/// before loopback, plain TCP (the fastest to set up) before QUIC, WebSocket and WebRTC last.
+pub fn order_addrs(addrs: &[Multiaddr]) -> Vec<Multiaddr> {
     use libp2p::multiaddr::Protocol;
-    let plain_tcp = |a: &&Multiaddr| {
-        a.iter().any(|p| matches!(p, Protocol::Tcp(_)))
-            && !a
-                .iter()
-                .any(|p| matches!(p, Protocol::Ws(_) | Protocol::Wss(_)))
+    use node_core::net::reach::{is_loopback, is_relayed};
+    let rank = |a: &Multiaddr| {
+        let web = a.iter().any(|p| {
+            matches!(
+                p,
+                Protocol::Ws(_)
+                    | Protocol::Wss(_)
+                    | Protocol::WebRTCDirect
+                    | Protocol::WebTransport
+            )
+        });
+        let tcp = a.iter().any(|p| matches!(p, Protocol::Tcp(_)));
+        (is_relayed(a), web, is_loopback(a), !tcp)
     };
-    addrs.iter().find(plain_tcp).or(addrs.first()).cloned()
+    let mut out = addrs.to_vec();
+    out.sort_by_key(rank);
+    out.dedup();
+    out
 }

@@ -21,7 +21,7 @@ use node_core::mesh::{
 use node_core::net::session::Ask;
 use tokio::sync::mpsc;
 
-use crate::hold::link::{NativeLink, pick_addr};
+use crate::hold::link::{NativeLink, order_addrs};
 use crate::hold::row::LocalRow;
 use crate::net::rpc::{ask, fetch_manifest};
 use crate::net::swarm::{self, Client, NetConfig};
@@ -56,6 +56,7 @@ impl Session {
             webrtc: None,
             listen: Vec::new(),
             mdns: false,
+            probe: false,
         })
         .await?;
         let (client, mut inbound) = swarm::spawn(swarm);
@@ -184,7 +185,7 @@ impl LeadLink for NetLead<'_> {
 
     async fn reach(&self, peer: PeerId, addrs: &[String]) -> Result<Vec<Multiaddr>, HolderError> {
         let addrs: Vec<Multiaddr> = addrs.iter().filter_map(|a| a.parse().ok()).collect();
-        let picked: Vec<Multiaddr> = pick_addr(&addrs).into_iter().collect();
+        let picked = order_addrs(&addrs);
         self.client
             .add_addrs(peer, picked.clone())
             .await

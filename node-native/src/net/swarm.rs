@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use anyhow::{Context, Result, anyhow};
+use anyhow::{Context, Result, anyhow, bail};
 use futures::StreamExt;
 use libp2p::core::Transport as _;
 use libp2p::core::muxing::StreamMuxerBox;
@@ -13,6 +13,8 @@ use libp2p::request_response::ResponseChannel;
 use libp2p::{Multiaddr, PeerId, StreamProtocol, Swarm, noise, tcp, yamux};
 use libp2p_stream::OpenStreamError;
 use node_core::mesh::{MeshRequest, MeshResponse};
+use node_core::net::reach::is_relayed;
+use node_core::net::reach::{Path, Reach, is_loopback};
 use node_core::net::{Driver, MeshBehaviour, NetEvent, session};
 use tokio::sync::{mpsc, oneshot};
 
@@ -27,6 +29,8 @@ pub struct NetConfig {
     pub listen: Vec<Multiaddr>,
     /// Discover peers with mDNS.
     pub mdns: bool,
+    /// A probe ([`crate::net::probe`]): it dials only what it is told to.
+    pub probe: bool,
 }
 
 /// Something the network hands to the node: a request or a heartbeat (the swarm task keeps
@@ -60,6 +64,9 @@ enum Command {
     ListenAddrs {
         reply: oneshot::Sender<Vec<Multiaddr>>,
     },
+    Paths {
+        reply: oneshot::Sender<(Reach, Vec<(PeerId, Path)>)>,
+    },
 }
 
 /// A handle on the swarm task.
@@ -88,6 +95,7 @@ impl std::fmt::Debug for Command {
             Command::Respond { .. } => "Respond",
             Command::Publish { .. } => "Publish",
             Command::ListenAddrs { .. } => "ListenAddrs",
+            Command::Paths { .. } => "Paths",
         })
     }
 }
@@ -122,6 +130,21 @@ impl Client {
             .map_err(|e| anyhow!("dialing {addr}: {e}"))
     }
 
+    /// Dials `peer` at each address in turn until one connects (at once if it is connected).
+    pub async fn dial_any(&self, peer: PeerId, addrs: &[Multiaddr]) -> Result<PeerId> {
+        let mut why = Vec::new();
+        for a in addrs {
+            match self.dial(with_peer(a, peer)).await {
+                Ok(p) => return Ok(p),
+                Err(e) => why.push(format!("{e:#}")),
+            }
+        }
+        if why.is_empty() {
+            bail!("no address to dial {peer} at");
+        }
+        bail!("{}", why.join("; "))
+    }
+
     /// Remembers addresses of a peer for later requests.
     pub async fn add_addrs(&self, peer: PeerId, addrs: Vec<Multiaddr>) -> Result<()> {
         self.send(Command::AddAddrs { peer, addrs }).await
@@ -153,6 +176,13 @@ impl Client {
         self.send(Command::Publish { data }).await
     }
 
+    /// How peers reach this node, and each open connection's peer and path.
+    pub async fn connections(&self) -> Result<(Reach, Vec<(PeerId, Path)>)> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::Paths { reply }).await?;
+        rx.await.map_err(|_| anyhow!(GONE))
+    }
+
     /// Addresses the swarm listens on now.
     pub async fn listen_addrs(&self) -> Result<Vec<Multiaddr>> {
         let (reply, rx) = oneshot::channel();
@@ -165,7 +195,7 @@ impl Client {
 pub async fn build(cfg: NetConfig) -> Result<Swarm<MeshBehaviour>> {
     // WebRTC's DTLS uses rustls; without a process-wide provider it panics on first use.
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let mdns = cfg.mdns;
+    let (mdns, probe) = (cfg.mdns, cfg.probe);
     let webrtc = cfg.webrtc;
     let relays = !cfg.listen.is_empty();
     let swarm = libp2p::SwarmBuilder::with_existing_identity(cfg.key)
@@ -188,11 +218,16 @@ pub async fn build(cfg: NetConfig) -> Result<Swarm<MeshBehaviour>> {
         .await?
         .with_relay_client(noise::Config::new, yamux::Config::default)?
         .with_behaviour(|key, relay_client| {
-            let b = MeshBehaviour::new(key, mdns)
-                .map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)?
-                .with_relay_client(relay_client);
+            let b = if probe {
+                MeshBehaviour::for_probe(key)
+            } else {
+                MeshBehaviour::new(key, mdns)
+                    .map(|b| b.with_nat_traversal(key.public().to_peer_id()))
+            }
+            .map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)?
+            .with_relay_client(relay_client);
             // Nodes relay for browsers; a leader that listens nowhere relays nothing.
-            Ok(if relays {
+            Ok(if relays && !probe {
                 b.with_relay_server(key.public().to_peer_id())
             } else {
                 b
@@ -218,7 +253,9 @@ pub fn spawn(swarm: Swarm<MeshBehaviour>) -> (Client, mpsc::Receiver<Inbound>) {
         peer_id: *swarm.local_peer_id(),
         control: swarm.behaviour().session.new_control(),
     };
-    tokio::spawn(EventLoop::new(swarm, rx, in_tx).run());
+    // A probe's behaviour has no AutoNAT client (MeshBehaviour::for_probe).
+    let probe = !swarm.behaviour().autonat.is_enabled();
+    tokio::spawn(EventLoop::new(probe, swarm, rx, in_tx).run());
     (client, in_rx)
 }
 
@@ -264,10 +301,23 @@ struct EventLoop {
         mpsc::UnboundedReceiver<Command>,
     ),
     delay: Duration,
+    /// Peers this node dialed by address (its bootstraps): the relays it reserves a slot on
+    /// when peers cannot dial it.
+    relays: std::sync::Arc<std::sync::Mutex<Vec<Multiaddr>>>,
+    /// The relay circuit asked for last, and when.
+    reserving: Option<(libp2p::core::transport::ListenerId, tokio::time::Instant)>,
+    /// Which of `relays` to ask next.
+    next_relay: usize,
+    /// A probe: it takes no external address (no DHT server, no relay for others).
+    probe: bool,
 }
+
+/// How long a relay has to accept a reservation before the next one is asked.
+const RESERVE_WAIT: Duration = Duration::from_secs(10);
 
 impl EventLoop {
     fn new(
+        probe: bool,
         swarm: Swarm<MeshBehaviour>,
         commands: mpsc::Receiver<Command>,
         inbound: mpsc::Sender<Inbound>,
@@ -279,12 +329,48 @@ impl EventLoop {
             driver: Driver::new(true),
             delayed: mpsc::unbounded_channel(),
             delay: one_way_delay(),
+            relays: Default::default(),
+            reserving: None,
+            next_relay: 0,
+            probe,
+        }
+    }
+
+    /// Reserves a slot on a relay while peers cannot dial this node and it has no circuit:
+    /// each of the relays in turn, a new one if the last did not answer in time.
+    fn reserve(&mut self) {
+        if !self.driver.reachability().needs_relay() {
+            return;
+        }
+        let now = tokio::time::Instant::now();
+        if let Some((id, asked)) = self.reserving {
+            if now.duration_since(asked) < RESERVE_WAIT {
+                return;
+            }
+            self.swarm.remove_listener(id);
+            self.reserving = None;
+        }
+        let relays = self.relays.lock().map(|r| r.clone()).unwrap_or_default();
+        if relays.is_empty() {
+            return;
+        }
+        let relay = relays[self.next_relay % relays.len()].clone();
+        self.next_relay += 1;
+        let circuit = relay.with(Protocol::P2pCircuit);
+        match self.swarm.listen_on(circuit.clone()) {
+            Ok(id) => {
+                tracing::info!(%circuit, "peers cannot dial this node: reserving a slot on a relay");
+                self.reserving = Some((id, now));
+            }
+            Err(e) => tracing::warn!(%circuit, "reserving a relay slot: {e}"),
         }
     }
 
     async fn run(mut self) {
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
         loop {
             tokio::select! {
+                _ = tick.tick() => self.reserve(),
                 event = self.swarm.select_next_some() => {
                     if let Some(event) = self.driver.on_event(&mut self.swarm, event) {
                         self.on_net(event).await;
@@ -316,13 +402,23 @@ impl EventLoop {
     fn send_now(&mut self, cmd: Command) {
         let swarm = &mut self.swarm;
         match cmd {
-            Command::Dial { addr, reply } => self.driver.dial(
-                swarm,
-                addr,
-                Box::new(move |r| {
-                    let _ = reply.send(r);
-                }),
-            ),
+            Command::Dial { addr, reply } => {
+                let relays = self.relays.clone();
+                let relay = (!is_relayed(&addr) && !is_loopback(&addr)).then(|| addr.clone());
+                self.driver.dial(
+                    swarm,
+                    addr,
+                    Box::new(move |r| {
+                        if let (Ok(peer), Some(a), Ok(mut relays)) = (&r, relay, relays.lock()) {
+                            let a = with_peer(&a, *peer);
+                            if !relays.contains(&a) {
+                                relays.push(a);
+                            }
+                        }
+                        let _ = reply.send(r);
+                    }),
+                )
+            }
             Command::AddAddrs { peer, addrs } => self.driver.add_addrs(swarm, peer, addrs),
             Command::Request {
                 peer,
@@ -334,6 +430,10 @@ impl EventLoop {
             Command::ListenAddrs { reply } => {
                 let _ = reply.send(swarm.listeners().cloned().collect());
             }
+            Command::Paths { reply } => {
+                let r = self.driver.reachability();
+                let _ = reply.send((r.reach(), r.connections()));
+            }
         }
     }
 
@@ -341,9 +441,22 @@ impl EventLoop {
         match event {
             NetEvent::Listening(address) => {
                 tracing::debug!(%address, "listening");
-                // The addresses a node announces in heartbeats are the ones peers reach it at;
-                // the relay serves browsers only once the node has external addresses.
-                self.swarm.add_external_address(address);
+                // A loopback address is external on this machine (a local mesh, tests); any
+                // other becomes external once AutoNAT finds peers can dial it. The relay
+                // serves browsers only once the node has external addresses.
+                if is_loopback(&address) && !self.probe {
+                    self.swarm.add_external_address(address);
+                }
+            }
+            reach @ NetEvent::Reach { .. } => {
+                if let NetEvent::Reach {
+                    reach, needs_relay, ..
+                } = &reach
+                {
+                    tracing::info!(reach = reach.label(), needs_relay, "reachability");
+                }
+                self.reserve();
+                let _ = self.inbound.try_send(reach);
             }
             NetEvent::Expired(_) => {}
             gossip @ NetEvent::Gossip { .. } => {

@@ -130,6 +130,7 @@ async fn start_network(opts: &NodeOptions, data: &DataDir) -> Result<Net> {
         webrtc,
         listen: listen.clone(),
         mdns: opts.mdns,
+        probe: false,
     })
     .await?;
     let (client, inbound) = swarm::spawn(swarm);

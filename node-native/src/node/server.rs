@@ -21,10 +21,11 @@ use node_core::protocol;
 use super::{Holding, InjectedFault, Net, NodeOptions, stop_signal};
 use crate::hold::learning::read;
 use crate::hold::learning::{Rules, ShardState, UpdateStore};
-use crate::hold::link::{NativeLink, pick_addr};
+use crate::hold::link::{NativeLink, order_addrs};
 use crate::hold::row::{InfoRequest, Internal, LocalRow, catch_up, learn};
 use crate::hold::store::DataDir;
 use crate::net::swarm::{Client, Inbound, with_peer};
+use node_core::net::reach::Reach;
 
 /// Announces the node's row and answers peers until stopped.
 pub(super) async fn run_server(
@@ -38,7 +39,7 @@ pub(super) async fn run_server(
     let Net {
         client,
         inbound,
-        addrs,
+        addrs: listen_addrs,
     } = net;
     let Holding {
         manifest,
@@ -128,7 +129,7 @@ pub(super) async fn run_server(
         row: Some(row),
         version_count: version.count(),
         version_digest: version.digest(),
-        addrs,
+        addrs: listen_addrs.clone(),
         offers: genesis.keys().copied().collect(),
         incarnation: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -137,6 +138,7 @@ pub(super) async fn run_server(
         uptime_ms: 0,
         device,
         usage: Usage::default(),
+        reach: Default::default(),
     };
     let mut view = MeshView::new(
         Instant::now(),
@@ -208,6 +210,7 @@ pub(super) async fn run_server(
         folding: false,
         manifest: Arc::new(manifest),
         metrics,
+        listen_addrs,
     }
     .run(inbound, internal_rx, info_rx)
     .await
@@ -237,6 +240,8 @@ struct Server {
     manifest: Arc<node_core::mesh::ModelManifest>,
     /// What `/metrics` reports.
     metrics: crate::serve::metrics::Metrics,
+    /// The addresses it listens on (announced after those peers reach it at).
+    listen_addrs: Vec<String>,
 }
 
 fn hex8(d: &[u8; 32]) -> String {
@@ -422,8 +427,8 @@ impl Server {
                 let client = self.client.clone();
                 tokio::spawn(async move {
                     let _ = client.add_addrs(peer, addrs.clone()).await;
-                    if let Some(a) = pick_addr(&addrs) {
-                        let _ = client.dial(with_peer(&a, peer)).await;
+                    if let Err(e) = client.dial_any(peer, &order_addrs(&addrs)).await {
+                        tracing::debug!(%peer, "dialing a discovered peer: {e:#}");
                     }
                 });
             }
@@ -471,8 +476,22 @@ impl Server {
                 request,
                 channel,
             } => self.on_request(peer, request, channel, now),
+            Inbound::Reach { reach, addrs, .. } => self.on_reach(reach, &addrs),
             Inbound::Listening(_) | Inbound::Expired(_) => {}
         }
+    }
+
+    /// Announces how peers reach this node: its reachability, and its confirmed addresses and
+    /// relay circuits before the addresses it listens on.
+    fn on_reach(&mut self, reach: Reach, addrs: &[Multiaddr]) {
+        let me = self.client.peer_id();
+        let mut local = self.view.local().clone();
+        let mut all: Vec<String> = addrs.iter().map(|a| with_peer(a, me).to_string()).collect();
+        all.extend(self.listen_addrs.iter().cloned());
+        all.dedup();
+        local.reach = reach;
+        local.addrs = all;
+        self.view.set_local(local);
     }
 
     /// A heartbeat: the rows it takes out of this node's offers, updates to catch up on, the view.

@@ -530,6 +530,7 @@ fn watch_view(info: &MeshInfo, me: PeerId) -> Result<MeshView<PeerId>, WebError>
         uptime_ms: 0,
         device: "browser (watching)".into(),
         usage: Default::default(),
+        reach: Default::default(),
     };
     MeshView::new(
         Instant::now(),

@@ -1,5 +1,6 @@
 //! `lab`: starts and stops the network lab (tests/src/lab) that scripts/lab.sh runs.
 
+use std::io::Write as _;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -61,10 +62,13 @@ fn main() -> Result<()> {
             let topo = Topology::load(&file)?;
             let me = std::env::current_exe()?;
             let lab = Lab::up(&topo, &me)?;
-            print!("{}", lab.describe());
+            let described = lab.describe();
             let state = lab.detach()?;
-            println!(
-                "lab {} is up (recorded in {}); scripts/lab.sh down {0} tears it down",
+            // The lab is up whether or not anyone reads this.
+            let mut out = std::io::stdout();
+            let _ = write!(
+                out,
+                "{described}lab {} is up (recorded in {}); scripts/lab.sh down {0} tears it down\n",
                 topo.name,
                 state.display()
             );

@@ -4,9 +4,11 @@
 //! A site may sit behind NAT (nftables masquerade): endpoint-independent, which keeps a
 //! socket's public port for every peer, or symmetric, which picks a new one for each peer.
 //!
-//! Addresses: site `i` (from 1) meets the core on 10.99.i.0/24 (core .1, gateway .2). A public
-//! site's nodes have 10.(100+i).0.2… (routed); a NAT'd site's have 192.168.i.2… (not routed) and
-//! reach out as 10.99.i.2. Between two sites a frame crosses both sites' links: the one-way
+//! Addresses: site `i` (from 1) meets the core on 198.18.i.0/24 (core .1, gateway .2). A public
+//! site's nodes have 198.19.i.2… (routed); a NAT'd site's have 192.168.i.2… (not routed) and
+//! reach out as 198.18.i.2. The public ranges are RFC 2544's (benchmarking), which no host
+//! treats as private, so nodes in the lab tell public addresses from private ones as on the
+//! internet. Between two sites a frame crosses both sites' links: the one-way
 //! delay is the sum of theirs.
 
 pub mod link;
@@ -97,8 +99,8 @@ impl Topology {
             self.name
         );
         ensure!(
-            (1..=150).contains(&self.sites.len()),
-            "a lab has 1 to 150 sites"
+            (1..=250).contains(&self.sites.len()),
+            "a lab has 1 to 250 sites"
         );
         let mut seen = std::collections::BTreeSet::new();
         for s in &self.sites {
@@ -194,15 +196,15 @@ impl Topology {
     }
 }
 
-/// Address `host` on site `i`'s side of the core (10.99.i.0/24).
+/// Address `host` on site `i`'s side of the core (198.18.i.0/24).
 fn wan(i: usize, host: u8) -> Ipv4Addr {
-    Ipv4Addr::new(10, 99, i as u8, host)
+    Ipv4Addr::new(198, 18, i as u8, host)
 }
 
 /// Address `host` on site `i`'s network.
 fn lan(i: usize, site: &Site, host: u8) -> Ipv4Addr {
     match site.nat {
-        Nat::None => Ipv4Addr::new(10, 100 + i as u8, 0, host),
+        Nat::None => Ipv4Addr::new(198, 19, i as u8, host),
         _ => Ipv4Addr::new(192, 168, i as u8, host),
     }
 }
@@ -415,6 +417,26 @@ impl Lab {
         Ok(())
     }
 
+    /// Cuts site `name` off the internet: its link stops carrying frames, as when a site
+    /// loses power or its uplink.
+    pub fn cut(&mut self, name: &str) -> Result<()> {
+        let i = self
+            .topology
+            .sites
+            .iter()
+            .position(|s| s.name == name)
+            .with_context(|| format!("lab {} has no site {name}", self.topology.name))?;
+        let pid = std::mem::take(self.links.get_mut(i).context("the site has no link")?);
+        ensure!(pid != 0, "site {name} is cut already");
+        // SAFETY: kill and waitpid on a link process this lab started (0 marks it gone, so
+        // teardown never signals a reused pid).
+        unsafe {
+            libc::kill(pid as i32, libc::SIGKILL);
+            libc::waitpid(pid as i32, std::ptr::null_mut(), 0);
+        }
+        Ok(())
+    }
+
     /// Hands the lab to `lab down`: records it and leaves it running.
     pub fn detach(mut self) -> Result<PathBuf> {
         std::fs::create_dir_all(state_dir())?;
@@ -483,7 +505,7 @@ impl Lab {
                 }
             }
         }
-        for &pid in &self.links {
+        for &pid in self.links.iter().filter(|&&p| p != 0) {
             // SAFETY: as above; the pid is a link process this lab started.
             unsafe { libc::kill(pid as i32, libc::SIGKILL) };
             // Reap it if it is our child; a detached one is reaped by init.
@@ -525,10 +547,14 @@ fn list_namespaces() -> Result<Vec<String>> {
 
 /// The gateway's nftables rules for a kind of NAT.
 fn nat_rules(nat: Nat) -> String {
-    // Linux keeps a socket's source port when it can (endpoint-independent mapping); `random`
-    // draws a new one for each new peer (symmetric). Replies pass by connection tracking; an
+    // Linux keeps a socket's source port when it can (endpoint-independent mapping);
+    // `fully-random` draws a new one for each new peer (symmetric). Replies pass by connection tracking; an
     // unsolicited packet finds no mapping and stops at the gateway.
-    let how = if nat == Nat::Symmetric { " random" } else { "" };
+    let how = if nat == Nat::Symmetric {
+        " fully-random"
+    } else {
+        ""
+    };
     format!(
         "table ip lab {{\n  chain post {{\n    type nat hook postrouting priority srcnat; policy accept;\n    oifname \"wan0\" masquerade{how}\n  }}\n}}\n"
     )

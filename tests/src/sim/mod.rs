@@ -239,6 +239,7 @@ impl SimMesh {
             uptime_ms: 0,
             device: "cpu".into(),
             usage: Default::default(),
+            reach: Default::default(),
         }
     }
 

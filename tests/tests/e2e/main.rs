@@ -13,6 +13,7 @@ mod browser;
 mod calibration;
 mod coded_real_model;
 mod hf_safetensors;
+mod lab;
 mod learning_real_model;
 mod mesh_learning;
 mod mesh_processes;

@@ -1,4 +1,5 @@
-//! One line per row of the code: holder, device, health, version lag, verification.
+//! One line per row of the code: holder, device, reachability, health, version lag,
+//! verification.
 
 use leptos::prelude::*;
 
@@ -22,6 +23,7 @@ pub fn RowsTable() -> impl IntoView {
                         <th>"row"</th>
                         <th>"holder"</th>
                         <th>"device"</th>
+                        <th>"reached"</th>
                         <th>"health"</th>
                         <th>"version lag"</th>
                         <th>"last verification"</th>
@@ -39,6 +41,7 @@ pub fn RowsTable() -> impl IntoView {
                                         <td>{r.row}</td>
                                         <td class="peer">{r.holder_label()}</td>
                                         <td>{r.device()}</td>
+                                        <td class="reach">{r.reach()}</td>
                                         <td class=class>{health}</td>
                                         <td>{r.lag().map_or("—".to_string(), |l| l.to_string())}</td>
                                         <td>{r.verification()}</td>

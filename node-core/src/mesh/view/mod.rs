@@ -569,6 +569,7 @@ impl<P: Ord + Clone + Display> MeshView<P> {
                 caught: self.caught.get(p).cloned(),
                 device: hb.device.clone(),
                 usage: hb.usage,
+                reach: hb.reach.label().into(),
                 silent_for_s: if *p == self.me {
                     0.0
                 } else {

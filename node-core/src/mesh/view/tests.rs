@@ -15,6 +15,7 @@ fn hb(row: Option<u32>) -> Heartbeat {
         uptime_ms: 0,
         device: "cpu".into(),
         usage: Usage::default(),
+        reach: Default::default(),
     }
 }
 

@@ -1,0 +1,291 @@
+//! Whether peers can reach this node, and how it is connected to each peer: what AutoNAT found
+//! out about its addresses, the relay circuits it listens on, and which connections are
+//! direct, direct after hole punching (DCUtR) or relayed.
+
+use std::collections::{BTreeSet, HashMap};
+
+use libp2p::core::ConnectedPoint;
+use libp2p::multiaddr::Protocol;
+use libp2p::swarm::ConnectionId;
+use libp2p::{Multiaddr, PeerId};
+use serde::{Deserialize, Serialize};
+
+/// How peers reach a node, as the node itself finds out (carried in its heartbeats).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Reach {
+    /// Not known yet (or a node on this machine only, on loopback).
+    #[default]
+    Unknown,
+    /// Peers dial it: AutoNAT confirmed one of its addresses.
+    Public,
+    /// Behind NAT, with at least one connection made direct by hole punching.
+    Punched,
+    /// Behind NAT, reached through a relay.
+    Relayed,
+    /// Behind NAT, with no relay reservation yet.
+    Private,
+}
+
+impl Reach {
+    /// Its name in status output and on the dashboard.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Unknown => "unknown",
+            Self::Public => "public",
+            Self::Punched => "direct after hole punching",
+            Self::Relayed => "relayed",
+            Self::Private => "behind NAT, no relay yet",
+        }
+    }
+}
+
+/// How this node is connected to a peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum Path {
+    /// Through a relay.
+    Relayed,
+    /// Directly, dialed by one side.
+    Direct,
+    /// Directly, made by hole punching from a relayed connection.
+    Punched,
+}
+
+/// Whether an address goes through a relay.
+pub fn is_relayed(addr: &Multiaddr) -> bool {
+    addr.iter().any(|p| p == Protocol::P2pCircuit)
+}
+
+/// Whether an address is on this machine only.
+pub fn is_loopback(addr: &Multiaddr) -> bool {
+    addr.iter().any(|p| match p {
+        Protocol::Ip4(ip) => ip.is_loopback(),
+        Protocol::Ip6(ip) => ip.is_loopback(),
+        _ => false,
+    })
+}
+
+/// Whether an address is on a private network (RFC 1918, shared 100.64/10, link-local, IPv6
+/// unique-local) or this machine: dialable on its own network at most.
+pub fn is_private(addr: &Multiaddr) -> bool {
+    addr.iter().any(|p| match p {
+        Protocol::Ip4(ip) => {
+            let o = ip.octets();
+            ip.is_private()
+                || ip.is_loopback()
+                || ip.is_link_local()
+                || ip.is_unspecified()
+                || (o[0] == 100 && (64..128).contains(&o[1]))
+        }
+        Protocol::Ip6(ip) => {
+            let s = ip.segments()[0];
+            ip.is_loopback()
+                || ip.is_unspecified()
+                || (s & 0xfe00) == 0xfc00
+                || (s & 0xffc0) == 0xfe80
+        }
+        _ => false,
+    })
+}
+
+/// What a node knows of its reachability and its connections.
+#[derive(Debug, Default)]
+pub struct Reachability {
+    /// Addresses AutoNAT confirmed (or given as external).
+    confirmed: BTreeSet<Multiaddr>,
+    /// Relay circuits it listens on.
+    circuits: BTreeSet<Multiaddr>,
+    /// Addresses AutoNAT found peers could not dial.
+    refuted: BTreeSet<Multiaddr>,
+    /// Open connections: peer and path.
+    conns: HashMap<ConnectionId, (PeerId, Path)>,
+    /// Connections hole punching reported before the swarm reported them open.
+    punched_early: BTreeSet<ConnectionId>,
+}
+
+impl Reachability {
+    /// Whether peers dial it: AutoNAT confirmed a public address, or a private one (its own
+    /// network) while no public address of it was found undialable.
+    fn public(&self) -> bool {
+        let lan = |a: &&Multiaddr| is_private(a) && !is_loopback(a);
+        self.confirmed.iter().any(|a| !is_private(a))
+            || (self.confirmed.iter().any(|a| lan(&a)) && self.refuted.iter().all(is_private))
+    }
+
+    /// What it reports about itself.
+    pub fn reach(&self) -> Reach {
+        if self.public() {
+            Reach::Public
+        } else if self.conns.values().any(|(_, p)| *p == Path::Punched) {
+            Reach::Punched
+        } else if !self.circuits.is_empty() {
+            Reach::Relayed
+        } else if !self.refuted.is_empty() {
+            Reach::Private
+        } else {
+            Reach::Unknown
+        }
+    }
+
+    /// Whether it should reserve a slot on a relay: it is not public, AutoNAT found an
+    /// address of it that peers cannot dial, and it has no circuit yet.
+    pub fn needs_relay(&self) -> bool {
+        !self.public() && !self.refuted.is_empty() && self.circuits.is_empty()
+    }
+
+    /// The addresses peers may reach it at: confirmed ones and relay circuits.
+    pub fn addrs(&self) -> impl Iterator<Item = &Multiaddr> {
+        self.confirmed.iter().chain(&self.circuits)
+    }
+
+    /// The best path to `peer` over its open connections.
+    pub fn path(&self, peer: &PeerId) -> Option<Path> {
+        self.conns
+            .values()
+            .filter(|(p, _)| p == peer)
+            .map(|(_, path)| *path)
+            .max()
+    }
+
+    /// Every open connection's peer and path.
+    pub fn connections(&self) -> Vec<(PeerId, Path)> {
+        let mut out: Vec<_> = self.conns.values().copied().collect();
+        out.sort_by_key(|(p, path)| (p.to_bytes(), *path));
+        out
+    }
+
+    /// An address became external (AutoNAT, given, or a relay circuit the relay accepted).
+    pub fn confirmed(&mut self, addr: Multiaddr) {
+        if is_relayed(&addr) {
+            self.circuits.insert(addr);
+            return;
+        }
+        self.refuted.remove(&addr);
+        self.confirmed.insert(addr);
+    }
+
+    /// An external address expired.
+    pub fn expired(&mut self, addr: &Multiaddr) {
+        self.confirmed.remove(addr);
+        self.circuits.remove(addr);
+    }
+
+    /// AutoNAT found that peers cannot dial `addr`.
+    pub fn refuted(&mut self, addr: Multiaddr) {
+        if !self.confirmed.contains(&addr) {
+            self.refuted.insert(addr);
+        }
+    }
+
+    /// The swarm listens on `addr` (a relay circuit counts as a way to reach it).
+    pub fn listening(&mut self, addr: Multiaddr) {
+        if is_relayed(&addr) {
+            self.circuits.insert(addr);
+        }
+    }
+
+    /// The swarm stopped listening on `addr`.
+    pub fn listen_expired(&mut self, addr: &Multiaddr) {
+        self.circuits.remove(addr);
+    }
+
+    /// A connection opened.
+    pub fn connected(&mut self, id: ConnectionId, peer: PeerId, endpoint: &ConnectedPoint) {
+        let path = if endpoint.is_relayed() {
+            Path::Relayed
+        } else if self.punched_early.remove(&id) {
+            Path::Punched
+        } else {
+            Path::Direct
+        };
+        self.conns.insert(id, (peer, path));
+    }
+
+    /// Hole punching made connection `id` (a direct one) from a relayed one.
+    pub fn punched(&mut self, id: ConnectionId) {
+        match self.conns.get_mut(&id) {
+            Some((_, path)) => *path = Path::Punched,
+            None => {
+                self.punched_early.insert(id);
+            }
+        }
+    }
+
+    /// A connection closed.
+    pub fn closed(&mut self, id: ConnectionId) {
+        self.conns.remove(&id);
+        self.punched_early.remove(&id);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn addr(s: &str) -> Multiaddr {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn a_refuted_node_wants_a_relay_then_reports_relayed_then_punched() {
+        let mut r = Reachability::default();
+        assert_eq!(r.reach(), Reach::Unknown);
+        assert!(!r.needs_relay());
+        r.refuted(addr("/ip4/198.18.2.2/udp/4001/quic-v1"));
+        assert_eq!(r.reach(), Reach::Private);
+        assert!(r.needs_relay());
+        let circuit = addr(
+            "/ip4/10.101.0.2/udp/1/quic-v1/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN/p2p-circuit",
+        );
+        // The relay client reports an accepted circuit as an external address.
+        r.confirmed(circuit.clone());
+        r.listening(circuit.clone());
+        assert!(!r.needs_relay());
+        assert_eq!(r.reach(), Reach::Relayed);
+        assert_eq!(r.addrs().collect::<Vec<_>>(), vec![&circuit]);
+        let peer = PeerId::random();
+        let relayed = ConnectedPoint::Listener {
+            local_addr: circuit.clone(),
+            send_back_addr: addr("/p2p-circuit"),
+        };
+        let direct = ConnectedPoint::Dialer {
+            address: addr("/ip4/10.101.0.3/udp/4001/quic-v1"),
+            role_override: libp2p::core::Endpoint::Listener,
+            port_use: libp2p::core::transport::PortUse::Reuse,
+        };
+        let (a, b) = (
+            ConnectionId::new_unchecked(1),
+            ConnectionId::new_unchecked(2),
+        );
+        r.connected(a, peer, &relayed);
+        assert_eq!(r.path(&peer), Some(Path::Relayed));
+        r.connected(b, peer, &direct);
+        r.punched(b);
+        assert_eq!(r.path(&peer), Some(Path::Punched));
+        assert_eq!(r.reach(), Reach::Punched);
+        r.closed(b);
+        assert_eq!(r.reach(), Reach::Relayed);
+        r.confirmed(addr("/ip4/198.18.2.2/udp/4001/quic-v1"));
+        assert_eq!(r.reach(), Reach::Public);
+    }
+
+    #[test]
+    fn an_address_only_its_own_network_dials_does_not_make_it_public() {
+        let mut r = Reachability::default();
+        r.confirmed(addr("/ip4/192.168.3.3/udp/4001/quic-v1"));
+        assert_eq!(r.reach(), Reach::Public, "a LAN mesh");
+        r.refuted(addr("/ip4/198.18.3.2/udp/4001/quic-v1"));
+        assert_eq!(r.reach(), Reach::Private, "behind NAT to the internet");
+        assert!(r.needs_relay());
+        r.confirmed(addr("/ip4/198.18.3.2/udp/4001/quic-v1"));
+        assert_eq!(r.reach(), Reach::Public);
+    }
+
+    #[test]
+    fn loopback_addresses_do_not_make_a_node_public() {
+        let mut r = Reachability::default();
+        r.confirmed(addr("/ip4/127.0.0.1/tcp/4001"));
+        assert_eq!(r.reach(), Reach::Unknown);
+        r.refuted(addr("/ip4/198.18.2.2/tcp/4001"));
+        assert!(r.needs_relay());
+    }
+}
