@@ -41,7 +41,7 @@ pub enum NetEvent {
         /// Its bytes.
         data: Vec<u8>,
     },
-    /// The swarm listens on a new address.
+    /// The swarm listens on a new address (a relay circuit's included).
     Listening(Multiaddr),
     /// The swarm no longer listens on an address.
     Expired(Multiaddr),
@@ -93,8 +93,10 @@ impl Driver {
         &self.reach
     }
 
-    /// The event that reports the reachability now.
-    fn reach_event(&self) -> NetEvent {
+    /// The event that reports the reachability now (a shell sends it on after a relay
+    /// circuit opens or closes, which comes as [`NetEvent::Listening`] or
+    /// [`NetEvent::Expired`]).
+    pub fn reach_event(&self) -> NetEvent {
         NetEvent::Reach {
             reach: self.reach.reach(),
             addrs: self.reach.addrs().cloned().collect(),
@@ -210,15 +212,15 @@ impl Driver {
         event: SwarmEvent<MeshBehaviourEvent>,
     ) -> Option<NetEvent> {
         match event {
-            SwarmEvent::NewListenAddr { address, .. } if is_relayed(&address) => {
-                tracing::info!(%address, "reachable through a relay");
-                return self.on_reach(|r| r.listening(address));
-            }
-            SwarmEvent::NewListenAddr { address, .. } => return Some(NetEvent::Listening(address)),
-            SwarmEvent::ExpiredListenAddr { address, .. } if is_relayed(&address) => {
-                return self.on_reach(|r| r.listen_expired(&address));
+            SwarmEvent::NewListenAddr { address, .. } => {
+                if is_relayed(&address) {
+                    tracing::info!(%address, "reachable through a relay");
+                    self.reach.listening(address.clone());
+                }
+                return Some(NetEvent::Listening(address));
             }
             SwarmEvent::ExpiredListenAddr { address, .. } => {
+                self.reach.listen_expired(&address);
                 return Some(NetEvent::Expired(address));
             }
             SwarmEvent::ExternalAddrConfirmed { address } => {

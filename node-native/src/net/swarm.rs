@@ -439,6 +439,10 @@ impl EventLoop {
 
     async fn on_net(&mut self, event: NetEvent) {
         match event {
+            NetEvent::Listening(address) | NetEvent::Expired(address) if is_relayed(&address) => {
+                // A relay circuit opened or closed: peers reach this node another way now.
+                let _ = self.inbound.try_send(self.driver.reach_event());
+            }
             NetEvent::Listening(address) => {
                 tracing::debug!(%address, "listening");
                 // A loopback address is external on this machine (a local mesh, tests); any

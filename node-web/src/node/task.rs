@@ -354,6 +354,8 @@ impl Task {
                 request,
                 channel,
             } => self.on_request(peer, request, channel),
+            // A browser is reached through its relay circuits (above); it runs no AutoNAT.
+            NetEvent::Reach { .. } => {}
         }
     }
 

@@ -66,9 +66,9 @@ fn main() -> Result<()> {
             let state = lab.detach()?;
             // The lab is up whether or not anyone reads this.
             let mut out = std::io::stdout();
-            let _ = write!(
+            let _ = writeln!(
                 out,
-                "{described}lab {} is up (recorded in {}); scripts/lab.sh down {0} tears it down\n",
+                "{described}lab {} is up (recorded in {}); scripts/lab.sh down {0} tears it down",
                 topo.name,
                 state.display()
             );
