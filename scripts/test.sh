@@ -32,6 +32,18 @@ if ! ls /usr/share/vulkan/icd.d/lvp_icd*.json >/dev/null 2>&1; then
   fi
 fi
 
+step "nftables for the network lab's NAT (tests/src/lab; the lab test needs root)"
+if ! command -v nft >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    if ! apt-get install -y -q nftables >/dev/null; then
+      apt-get update -q >/dev/null
+      apt-get install -y -q nftables >/dev/null
+    fi
+  else
+    echo "no nft and no root apt-get: the network lab's test cannot run (it fails under CI)"
+  fi
+fi
+
 step "headless Chromium and wasm-bindgen's test runner (the wasm and browser tests)"
 if ! command -v chromedriver >/dev/null || ! command -v chromium >/dev/null; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then

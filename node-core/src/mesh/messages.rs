@@ -41,7 +41,7 @@ pub struct Heartbeat {
     /// The requests leaders reported to it since it started.
     pub usage: Usage,
     /// How peers reach it (AutoNAT, relays, hole punching), as it finds out.
-    pub reach: crate::net::reach::Reach,
+    pub reach: Reach,
 }
 
 /// Requests finished on the mesh, as their leaders report them to a node: what the
@@ -119,6 +119,35 @@ fn micro(loss: f64) -> u64 {
         (loss.max(0.0) * 1e6).min(u64::MAX as f64) as u64
     } else {
         0
+    }
+}
+
+/// How peers reach a node, as the node itself finds out (carried in its heartbeats).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Reach {
+    /// Not known yet (or a node on this machine only, on loopback).
+    #[default]
+    Unknown,
+    /// Peers dial it: AutoNAT confirmed one of its addresses.
+    Public,
+    /// Behind NAT, with at least one connection made direct by hole punching.
+    Punched,
+    /// Behind NAT, reached through a relay.
+    Relayed,
+    /// Behind NAT, with no relay reservation yet.
+    Private,
+}
+
+impl Reach {
+    /// Its name in status output and on the dashboard.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Unknown => "unknown",
+            Self::Public => "public",
+            Self::Punched => "direct after hole punching",
+            Self::Relayed => "relayed",
+            Self::Private => "behind NAT, no relay yet",
+        }
     }
 }
 

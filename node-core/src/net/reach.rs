@@ -10,34 +10,7 @@ use libp2p::swarm::ConnectionId;
 use libp2p::{Multiaddr, PeerId};
 use serde::{Deserialize, Serialize};
 
-/// How peers reach a node, as the node itself finds out (carried in its heartbeats).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Reach {
-    /// Not known yet (or a node on this machine only, on loopback).
-    #[default]
-    Unknown,
-    /// Peers dial it: AutoNAT confirmed one of its addresses.
-    Public,
-    /// Behind NAT, with at least one connection made direct by hole punching.
-    Punched,
-    /// Behind NAT, reached through a relay.
-    Relayed,
-    /// Behind NAT, with no relay reservation yet.
-    Private,
-}
-
-impl Reach {
-    /// Its name in status output and on the dashboard.
-    pub fn label(self) -> &'static str {
-        match self {
-            Self::Unknown => "unknown",
-            Self::Public => "public",
-            Self::Punched => "direct after hole punching",
-            Self::Relayed => "relayed",
-            Self::Private => "behind NAT, no relay yet",
-        }
-    }
-}
+pub use crate::mesh::Reach;
 
 /// How this node is connected to a peer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]

@@ -134,10 +134,7 @@ async fn wait_text(c: &Client, css: &str, ok: impl Fn(&str) -> bool, what: &str)
 async fn row_health(c: &Client) -> Result<Vec<String>> {
     let mut out = Vec::new();
     for row in c.find_all(Locator::Css("#rows tbody tr")).await? {
-        let cells = row.find_all(Locator::Css("td")).await?;
-        let Some(cell) = cells.get(3) else {
-            bail!("a row of the table has {} cells", cells.len());
-        };
+        let cell = row.find(Locator::Css("td.health")).await?;
         out.push(cell.text().await?);
     }
     Ok(out)
