@@ -223,12 +223,18 @@ pub fn have_gpu() -> bool {
 
 /// Starts `codedmesh ARGS`, its stderr in `dir/<name>.log`.
 pub fn spawn(dir: &Path, name: &str, args: &[&str]) -> Result<Proc> {
+    let mut cmd = Command::new(bin());
+    cmd.args(args).env("RUST_LOG", "warn,libp2p_kad=error");
+    spawn_command(cmd, dir, name, Stdio::null())
+}
+
+/// Starts `cmd` (its arguments and environment set), its stdout to `stdout` and its stderr
+/// in `dir/<name>.log`.
+pub fn spawn_command(mut cmd: Command, dir: &Path, name: &str, stdout: Stdio) -> Result<Proc> {
     let log = dir.join(format!("{name}.log"));
-    let child = Command::new(bin())
-        .args(args)
-        .env("RUST_LOG", "warn,libp2p_kad=error")
+    let child = cmd
         .stdin(Stdio::null())
-        .stdout(Stdio::null())
+        .stdout(stdout)
         .stderr(std::fs::File::create(&log)?)
         .spawn()
         .with_context(|| format!("starting {name}"))?;

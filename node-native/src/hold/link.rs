@@ -131,3 +131,33 @@ pub fn order_addrs(addrs: &[Multiaddr]) -> Vec<Multiaddr> {
     out.dedup();
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn direct_addresses_come_before_loopback_ones_and_relay_circuits_last() {
+        let a = |s: &str| -> Multiaddr { s.parse().unwrap() };
+        let circuit = a(
+            "/ip4/198.19.1.2/udp/1/quic-v1/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN/p2p-circuit",
+        );
+        let got = order_addrs(&[
+            circuit.clone(),
+            a("/ip4/127.0.0.1/tcp/4001"),
+            a("/ip4/192.168.2.2/tcp/4001/ws"),
+            a("/ip4/192.168.2.2/udp/4001/quic-v1"),
+            a("/ip4/192.168.2.2/tcp/4001"),
+        ]);
+        assert_eq!(
+            got,
+            vec![
+                a("/ip4/192.168.2.2/tcp/4001"),
+                a("/ip4/192.168.2.2/udp/4001/quic-v1"),
+                a("/ip4/127.0.0.1/tcp/4001"),
+                a("/ip4/192.168.2.2/tcp/4001/ws"),
+                circuit,
+            ]
+        );
+    }
+}

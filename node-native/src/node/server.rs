@@ -486,9 +486,13 @@ impl Server {
     fn on_reach(&mut self, reach: Reach, addrs: &[Multiaddr]) {
         let me = self.client.peer_id();
         let mut local = self.view.local().clone();
-        let mut all: Vec<String> = addrs.iter().map(|a| with_peer(a, me).to_string()).collect();
-        all.extend(self.listen_addrs.iter().cloned());
-        all.dedup();
+        let mut seen = std::collections::HashSet::new();
+        let all: Vec<String> = addrs
+            .iter()
+            .map(|a| with_peer(a, me).to_string())
+            .chain(self.listen_addrs.iter().cloned())
+            .filter(|a| seen.insert(a.clone()))
+            .collect();
         local.reach = reach;
         local.addrs = all;
         self.view.set_local(local);

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
 use tests::lab::{Lab, Topology, unavailable};
-use tests::procs::{HEALTH, Proc, Scratch, bin, tiny_model};
+use tests::procs::{HEALTH, Proc, Scratch, bin, spawn_command, tiny_model};
 
 /// The `lab` binary built beside this test.
 fn lab_bin() -> PathBuf {
@@ -34,24 +34,13 @@ fn topology() -> Result<Topology> {
     Ok(topo)
 }
 
-/// Starts `codedmesh ARGS` as lab node `node`, its stderr in `dir/<node>.log`.
-fn spawn_in(lab: &Lab, dir: &Path, node: &str, args: &[&str]) -> Result<Proc> {
-    let log = dir.join(format!("{node}.log"));
-    let child = lab
-        .topology
-        .command(node, bin())?
-        .args(args)
-        .env("RUST_LOG", "warn,node_core::net=info,libp2p_kad=error")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log)?)
-        .spawn()
-        .with_context(|| format!("starting {node}"))?;
-    Ok(Proc {
-        child,
-        log,
-        name: node.into(),
-    })
+/// Starts `codedmesh ARGS` as lab node `node`, its stdout to `stdout` and its stderr in
+/// `dir/<node>.log`.
+fn spawn_in(lab: &Lab, dir: &Path, node: &str, args: &[&str], stdout: Stdio) -> Result<Proc> {
+    let mut cmd = lab.topology.command(node, bin())?;
+    cmd.args(args)
+        .env("RUST_LOG", "warn,node_core::net=info,libp2p_kad=error");
+    spawn_command(cmd, dir, node, stdout)
 }
 
 /// Runs `codedmesh ARGS` as lab node `node` and returns its stdout.
@@ -107,21 +96,8 @@ fn three_sites_two_behind_nat_hold_rows_punch_holes_and_serve() -> Result<()> {
     args.extend(["--model", &model, "--data", &seed_data, "--listen", &listen]);
     args.extend(HEALTH);
     let seed_out = dir.0.join("seed.out");
-    let mut seed = {
-        let log = dir.0.join("seed.log");
-        let child = topo
-            .command("seed", bin())?
-            .args(&args)
-            .env("RUST_LOG", "warn,node_core::net=info,libp2p_kad=error")
-            .stdout(std::fs::File::create(&seed_out)?)
-            .stderr(std::fs::File::create(&log)?)
-            .spawn()?;
-        Proc {
-            child,
-            log,
-            name: "seed".into(),
-        }
-    };
+    let out = Stdio::from(std::fs::File::create(&seed_out)?);
+    let mut seed = spawn_in(&lab, &dir.0, "seed", &args, out)?;
     let seed_peer = peer_of(&mut seed)?;
     let listening = std::fs::read_to_string(&seed_out)?;
     let seed_addr = |proto: &str| {
@@ -140,42 +116,24 @@ fn three_sites_two_behind_nat_hold_rows_punch_holes_and_serve() -> Result<()> {
 
     let (api_data, trace) = (d("api"), dir.0.join("api-steps.jsonl"));
     let trace_s = trace.display().to_string();
-    let mut nodes = vec![spawn_in(
-        &lab,
-        &dir.0,
-        "api",
-        &[
-            "node",
-            "--bootstrap",
-            &seed_tcp,
-            "--data",
-            &api_data,
-            "--listen",
-            &listen,
-            "--api-listen",
-            "127.0.0.1:8000",
-            "--no-learn",
-            "--check",
-            "1",
-            "--spares",
-            "2",
-            "--trace-steps",
-            &trace_s,
-            "--heartbeat-ms",
-            "200",
-            "--suspect-ms",
-            "800",
-            "--dead-ms",
-            "2000",
-        ],
-    )?];
+    let mut api_args = vec!["node", "--bootstrap", &seed_tcp, "--data", &api_data];
+    api_args.extend([
+        "--listen",
+        &listen,
+        "--api-listen",
+        "127.0.0.1:8000",
+        "--no-learn",
+    ]);
+    api_args.extend(["--check", "1", "--spares", "2", "--trace-steps", &trace_s]);
+    api_args.extend(HEALTH);
+    let mut nodes = vec![spawn_in(&lab, &dir.0, "api", &api_args, Stdio::null())?];
     // The homes' nodes listen on QUIC, whose one socket carries their dials and hole punching.
     for n in ["ei1", "ei2", "sym1", "sym2"] {
         let data = d(n);
         let mut a = vec!["node", "--bootstrap", &seed_quic, "--data", &data];
         a.extend(["--listen", "/ip4/0.0.0.0/udp/4001/quic-v1"]);
         a.extend(HEALTH);
-        nodes.push(spawn_in(&lab, &dir.0, n, &a)?);
+        nodes.push(spawn_in(&lab, &dir.0, n, &a, Stdio::null())?);
     }
     let mut peers = std::collections::BTreeMap::new();
     for p in &mut nodes {
