@@ -13,8 +13,7 @@ use libp2p::request_response::ResponseChannel;
 use libp2p::{Multiaddr, PeerId, StreamProtocol, Swarm, noise, tcp, yamux};
 use libp2p_stream::OpenStreamError;
 use node_core::mesh::{MeshRequest, MeshResponse};
-use node_core::net::reach::is_relayed;
-use node_core::net::reach::{Path, Reach, is_loopback};
+use node_core::net::reach::{Path, Reach, is_loopback, is_private, is_relayed};
 use node_core::net::{Driver, MeshBehaviour, NetEvent, session};
 use tokio::sync::{mpsc, oneshot};
 
@@ -64,7 +63,7 @@ enum Command {
     ListenAddrs {
         reply: oneshot::Sender<Vec<Multiaddr>>,
     },
-    Paths {
+    Connections {
         reply: oneshot::Sender<(Reach, Vec<(PeerId, Path)>)>,
     },
 }
@@ -95,7 +94,7 @@ impl std::fmt::Debug for Command {
             Command::Respond { .. } => "Respond",
             Command::Publish { .. } => "Publish",
             Command::ListenAddrs { .. } => "ListenAddrs",
-            Command::Paths { .. } => "Paths",
+            Command::Connections { .. } => "Connections",
         })
     }
 }
@@ -179,7 +178,7 @@ impl Client {
     /// How peers reach this node, and each open connection's peer and path.
     pub async fn connections(&self) -> Result<(Reach, Vec<(PeerId, Path)>)> {
         let (reply, rx) = oneshot::channel();
-        self.send(Command::Paths { reply }).await?;
+        self.send(Command::Connections { reply }).await?;
         rx.await.map_err(|_| anyhow!(GONE))
     }
 
@@ -301,7 +300,7 @@ struct EventLoop {
         mpsc::UnboundedReceiver<Command>,
     ),
     delay: Duration,
-    /// Peers this node dialed by address (its bootstraps): the relays it reserves a slot on
+    /// Public peers this node dialed (its bootstrap first): the relays it reserves a slot on
     /// when peers cannot dial it.
     relays: std::sync::Arc<std::sync::Mutex<Vec<Multiaddr>>>,
     /// The relay circuit asked for last, and when.
@@ -404,7 +403,8 @@ impl EventLoop {
         match cmd {
             Command::Dial { addr, reply } => {
                 let relays = self.relays.clone();
-                let relay = (!is_relayed(&addr) && !is_loopback(&addr)).then(|| addr.clone());
+                // A public address dialed is a relay this node may reserve a slot on.
+                let relay = (!is_relayed(&addr) && !is_private(&addr)).then(|| addr.clone());
                 self.driver.dial(
                     swarm,
                     addr,
@@ -430,7 +430,7 @@ impl EventLoop {
             Command::ListenAddrs { reply } => {
                 let _ = reply.send(swarm.listeners().cloned().collect());
             }
-            Command::Paths { reply } => {
+            Command::Connections { reply } => {
                 let r = self.driver.reachability();
                 let _ = reply.send((r.reach(), r.connections()));
             }
