@@ -58,7 +58,8 @@ pub enum NetEvent {
 
 /// The dials and requests a swarm task waits on, and how it handles the swarm's events.
 pub struct Driver {
-    dials: HashMap<ConnectionId, Reply<PeerId>>,
+    /// Dials waited on, and the address each dials.
+    dials: HashMap<ConnectionId, (Reply<PeerId>, Multiaddr)>,
     requests: HashMap<OutboundRequestId, Reply<MeshResponse>>,
     topic: gossipsub::IdentTopic,
     /// Whether peers' addresses go into the DHT's routing table (not in a browser).
@@ -93,31 +94,32 @@ impl Driver {
         &self.reach
     }
 
+    /// What peers see of the reachability: how they reach it, where, whether it needs a relay.
+    fn seen(&self) -> (Reach, Vec<Multiaddr>, bool) {
+        (
+            self.reach.reach(),
+            self.reach.addrs().cloned().collect(),
+            self.reach.needs_relay(),
+        )
+    }
+
     /// The event that reports the reachability now (a shell sends it on after a relay
     /// circuit opens or closes, which comes as [`NetEvent::Listening`] or
     /// [`NetEvent::Expired`]).
     pub fn reach_event(&self) -> NetEvent {
+        let (reach, addrs, needs_relay) = self.seen();
         NetEvent::Reach {
-            reach: self.reach.reach(),
-            addrs: self.reach.addrs().cloned().collect(),
-            needs_relay: self.reach.needs_relay(),
+            reach,
+            addrs,
+            needs_relay,
         }
     }
 
     /// Runs `f` on the reachability; reports it if what peers see of it changed.
     fn on_reach(&mut self, f: impl FnOnce(&mut Reachability)) -> Option<NetEvent> {
-        let before = (
-            self.reach.reach(),
-            self.reach.addrs().cloned().collect::<Vec<_>>(),
-            self.reach.needs_relay(),
-        );
+        let before = self.seen();
         f(&mut self.reach);
-        let after = (
-            self.reach.reach(),
-            self.reach.addrs().cloned().collect::<Vec<_>>(),
-            self.reach.needs_relay(),
-        );
-        (before != after).then(|| self.reach_event())
+        (before != self.seen()).then(|| self.reach_event())
     }
 
     /// Dials `addr` (with or without `/p2p/…`); `reply` gets the peer reached.
@@ -141,15 +143,15 @@ impl Driver {
         let opts = match peer {
             // Always: a dial the DHT or a request started to the same peer must not fail this one.
             Some(peer) => DialOpts::peer_id(peer)
-                .addresses(vec![addr])
+                .addresses(vec![addr.clone()])
                 .condition(libp2p::swarm::dial_opts::PeerCondition::Always)
                 .build(),
-            None => DialOpts::unknown_peer_id().address(addr).build(),
+            None => DialOpts::unknown_peer_id().address(addr.clone()).build(),
         };
         let id = opts.connection_id();
         match swarm.dial(opts) {
             Ok(()) => {
-                self.dials.insert(id, reply);
+                self.dials.insert(id, (reply, addr));
             }
             Err(e) => reply(Err(e.to_string())),
         }
@@ -269,17 +271,23 @@ impl Driver {
                 endpoint,
                 ..
             } => {
-                if let Some(reply) = self.dials.remove(&connection_id) {
+                let dialed = self.dials.remove(&connection_id).map(|(reply, addr)| {
                     reply(Ok(peer_id));
-                }
-                return self.on_reach(|r| r.connected(connection_id, peer_id, &endpoint));
+                    addr
+                });
+                return self.on_reach(|r| {
+                    if let Some(addr) = &dialed {
+                        r.dialed(addr, peer_id);
+                    }
+                    r.connected(connection_id, peer_id, &endpoint);
+                });
             }
             SwarmEvent::OutgoingConnectionError {
                 connection_id,
                 error,
                 ..
             } => {
-                if let Some(reply) = self.dials.remove(&connection_id) {
+                if let Some((reply, _)) = self.dials.remove(&connection_id) {
                     reply(Err(error.to_string()));
                 }
             }

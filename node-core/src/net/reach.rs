@@ -73,6 +73,9 @@ pub struct Reachability {
     conns: HashMap<ConnectionId, (PeerId, Path)>,
     /// Connections hole punching reported before the swarm reported them open.
     punched_early: BTreeSet<ConnectionId>,
+    /// Public peers this node dialed (its bootstrap first): the relays it may reserve a slot
+    /// on when peers cannot dial it.
+    relays: Vec<Multiaddr>,
 }
 
 impl Reachability {
@@ -110,8 +113,25 @@ impl Reachability {
         self.confirmed.iter().chain(&self.circuits)
     }
 
+    /// The relays it may reserve a slot on, in the order it dialed them.
+    pub fn relays(&self) -> &[Multiaddr] {
+        &self.relays
+    }
+
+    /// A dial of `addr` reached `peer`: a public address is a relay it may use.
+    pub fn dialed(&mut self, addr: &Multiaddr, peer: PeerId) {
+        if is_relayed(addr) || is_private(addr) {
+            return;
+        }
+        let addr = addr.clone().with_p2p(peer).unwrap_or_else(|a| a);
+        if !self.relays.contains(&addr) {
+            self.relays.push(addr);
+        }
+    }
+
     /// The best path to `peer` over its open connections.
-    pub fn path(&self, peer: &PeerId) -> Option<Path> {
+    #[cfg(test)]
+    fn path(&self, peer: &PeerId) -> Option<Path> {
         self.conns
             .values()
             .filter(|(p, _)| p == peer)

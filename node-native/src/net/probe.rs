@@ -61,7 +61,7 @@ pub async fn reach(addr: Multiaddr, listen: Vec<Multiaddr>, wait: Duration) -> R
     let peer: PeerId = client.dial(addr.clone()).await?;
     anyhow::ensure!(peer == target, "{addr} answered as {peer}");
     let path = loop {
-        let (_, conns) = client.connections().await?;
+        let conns = client.connections().await?;
         let paths: Vec<Path> = conns
             .iter()
             .filter(|(p, _)| *p == peer)

@@ -13,7 +13,7 @@ use libp2p::request_response::ResponseChannel;
 use libp2p::{Multiaddr, PeerId, StreamProtocol, Swarm, noise, tcp, yamux};
 use libp2p_stream::OpenStreamError;
 use node_core::mesh::{MeshRequest, MeshResponse};
-use node_core::net::reach::{Path, Reach, is_loopback, is_private, is_relayed};
+use node_core::net::reach::{Path, is_loopback, is_relayed};
 use node_core::net::{Driver, MeshBehaviour, NetEvent, session};
 use tokio::sync::{mpsc, oneshot};
 
@@ -64,7 +64,7 @@ enum Command {
         reply: oneshot::Sender<Vec<Multiaddr>>,
     },
     Connections {
-        reply: oneshot::Sender<(Reach, Vec<(PeerId, Path)>)>,
+        reply: oneshot::Sender<Vec<(PeerId, Path)>>,
     },
 }
 
@@ -175,8 +175,8 @@ impl Client {
         self.send(Command::Publish { data }).await
     }
 
-    /// How peers reach this node, and each open connection's peer and path.
-    pub async fn connections(&self) -> Result<(Reach, Vec<(PeerId, Path)>)> {
+    /// Each open connection's peer and path.
+    pub async fn connections(&self) -> Result<Vec<(PeerId, Path)>> {
         let (reply, rx) = oneshot::channel();
         self.send(Command::Connections { reply }).await?;
         rx.await.map_err(|_| anyhow!(GONE))
@@ -300,9 +300,6 @@ struct EventLoop {
         mpsc::UnboundedReceiver<Command>,
     ),
     delay: Duration,
-    /// Public peers this node dialed (its bootstrap first): the relays it reserves a slot on
-    /// when peers cannot dial it.
-    relays: std::sync::Arc<std::sync::Mutex<Vec<Multiaddr>>>,
     /// The relay circuit asked for last, and when.
     reserving: Option<(libp2p::core::transport::ListenerId, tokio::time::Instant)>,
     /// Which of `relays` to ask next.
@@ -328,7 +325,6 @@ impl EventLoop {
             driver: Driver::new(true),
             delayed: mpsc::unbounded_channel(),
             delay: one_way_delay(),
-            relays: Default::default(),
             reserving: None,
             next_relay: 0,
             probe,
@@ -349,7 +345,7 @@ impl EventLoop {
             self.swarm.remove_listener(id);
             self.reserving = None;
         }
-        let relays = self.relays.lock().map(|r| r.clone()).unwrap_or_default();
+        let relays = self.driver.reachability().relays();
         if relays.is_empty() {
             return;
         }
@@ -401,24 +397,13 @@ impl EventLoop {
     fn send_now(&mut self, cmd: Command) {
         let swarm = &mut self.swarm;
         match cmd {
-            Command::Dial { addr, reply } => {
-                let relays = self.relays.clone();
-                // A public address dialed is a relay this node may reserve a slot on.
-                let relay = (!is_relayed(&addr) && !is_private(&addr)).then(|| addr.clone());
-                self.driver.dial(
-                    swarm,
-                    addr,
-                    Box::new(move |r| {
-                        if let (Ok(peer), Some(a), Ok(mut relays)) = (&r, relay, relays.lock()) {
-                            let a = with_peer(&a, *peer);
-                            if !relays.contains(&a) {
-                                relays.push(a);
-                            }
-                        }
-                        let _ = reply.send(r);
-                    }),
-                )
-            }
+            Command::Dial { addr, reply } => self.driver.dial(
+                swarm,
+                addr,
+                Box::new(move |r| {
+                    let _ = reply.send(r);
+                }),
+            ),
             Command::AddAddrs { peer, addrs } => self.driver.add_addrs(swarm, peer, addrs),
             Command::Request {
                 peer,
@@ -431,8 +416,7 @@ impl EventLoop {
                 let _ = reply.send(swarm.listeners().cloned().collect());
             }
             Command::Connections { reply } => {
-                let r = self.driver.reachability();
-                let _ = reply.send((r.reach(), r.connections()));
+                let _ = reply.send(self.driver.reachability().connections());
             }
         }
     }
