@@ -22,6 +22,8 @@ pub struct Streamed {
     pub first: Duration,
     /// From the first chunk of text to the last.
     pub streaming: Duration,
+    /// The longest wait between two chunks of text.
+    pub longest_gap: Duration,
 }
 
 impl Streamed {
@@ -153,6 +155,7 @@ async fn read_stream(
         );
     }
     let (mut events, mut first, mut last, mut tokens) = (Events::default(), None, None, None);
+    let mut longest_gap = Duration::ZERO;
     while let Some(frame) = response.body_mut().frame().await {
         let frame = frame.context("reading the stream")?;
         let now = Instant::now();
@@ -163,6 +166,9 @@ async fn read_stream(
             match event {
                 Event::Text(t) if !t.is_empty() => {
                     first.get_or_insert(now);
+                    if let Some(l) = last {
+                        longest_gap = longest_gap.max(now - l);
+                    }
                     last = Some(now);
                 }
                 Event::Usage(n) => tokens = Some(n),
@@ -175,6 +181,7 @@ async fn read_stream(
                         tokens,
                         first: first - sent,
                         streaming: last - first,
+                        longest_gap,
                     });
                 }
                 Event::Text(_) | Event::Nothing => {}

@@ -576,6 +576,15 @@ pub fn summary_prompt(tokenizer: &node_core::model::Tokenizer) -> Result<Vec<u32
     chat_prompt(tokenizer, SPECULATION_PROMPTS[1].1)
 }
 
+/// A prompt of exactly `tokens` tokens: the drafting texts' words, over and over (the time to
+/// first token of a long prompt).
+pub fn long_prompt(tokenizer: &node_core::model::Tokenizer, tokens: usize) -> Result<Vec<u32>> {
+    let text: Vec<&str> = SPECULATION_PROMPTS.iter().map(|(_, t)| *t).collect();
+    let once = tokenizer.encode(&text.join("\n\n"))?;
+    anyhow::ensure!(!once.is_empty(), "the drafting texts encode to no tokens");
+    Ok(once.iter().copied().cycle().take(tokens).collect())
+}
+
 /// Prompts of the grid measurement: the test suite's five and a chat turn.
 pub const GRID_PROMPTS: [&str; 6] = [
     "The capital of France is",

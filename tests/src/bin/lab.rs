@@ -29,6 +29,25 @@ enum Cmd {
         /// The lab's name, or its topology file.
         lab: String,
     },
+    /// Changes a site's link while the lab runs (connections and NAT mappings stay).
+    Shape {
+        /// The lab's name.
+        lab: String,
+        /// The site.
+        site: String,
+        /// One-way delay, each way, in milliseconds.
+        #[arg(long)]
+        delay_ms: f64,
+        /// Rate each way in Mbit/s; 0 is unlimited.
+        #[arg(long)]
+        rate_mbit: f64,
+        /// Frames lost each way, in percent.
+        #[arg(long, default_value_t = 0.0)]
+        loss_percent: f64,
+    },
+    /// Measures the mesh between sites: SmolLM2 served across a leader site and two member
+    /// sites at each link setting (docs/perf.md, "Across sites").
+    Bench(tests::lab::bench::Options),
     /// Carries frames between two TAP devices it creates (each NAMESPACE:INTERFACE); `up`
     /// starts one per site.
     Link {
@@ -48,6 +67,9 @@ enum Cmd {
         /// Seed of the losses.
         #[arg(long, default_value_t = 1)]
         seed: u64,
+        /// A file to follow while running: `delay_ms rate_mbit loss_percent` (`lab shape`).
+        #[arg(long)]
+        shape_file: Option<PathBuf>,
     },
 }
 
@@ -82,6 +104,29 @@ fn main() -> Result<()> {
             Lab::down(&name)?;
             println!("lab {name} is down");
         }
+        Cmd::Shape {
+            lab,
+            site,
+            delay_ms,
+            rate_mbit,
+            loss_percent,
+        } => {
+            let mut topo = Lab::running(&lab)?;
+            let s = topo
+                .sites
+                .iter_mut()
+                .find(|s| s.name == site)
+                .with_context(|| format!("lab {lab} has no site {site}"))?;
+            (s.delay_ms, s.rate_mbit, s.loss_percent) = (delay_ms, rate_mbit, loss_percent);
+            tests::lab::reshape(&topo, &site)?;
+            println!(
+                "site {site} of lab {lab}: {delay_ms} ms, {rate_mbit} Mbit/s, {loss_percent} % loss"
+            );
+        }
+        Cmd::Bench(opts) => {
+            let me = std::env::current_exe()?;
+            tests::lab::bench::run(&opts, &me)?;
+        }
         Cmd::Link {
             a,
             b,
@@ -89,6 +134,7 @@ fn main() -> Result<()> {
             rate_mbit,
             loss_percent,
             seed,
+            shape_file,
         } => {
             anyhow::ensure!(
                 delay_ms.is_finite() && delay_ms >= 0.0,
@@ -100,7 +146,9 @@ fn main() -> Result<()> {
                 loss: loss_percent / 100.0,
                 queue: tests::lab::QUEUE,
             };
-            link::run(end(&a)?, end(&b)?, shape, seed, || println!("ready"))?;
+            link::run(end(&a)?, end(&b)?, shape, seed, shape_file, || {
+                println!("ready")
+            })?;
         }
     }
     Ok(())

@@ -6,7 +6,8 @@
 use std::fs::File;
 use std::io::{self, Read, Write};
 use std::os::fd::AsRawFd;
-use std::sync::mpsc;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
 use rand::{Rng, SeedableRng};
@@ -40,7 +41,7 @@ struct IfReq {
 }
 
 /// Enters the network namespace `ns` (named by `ip netns`) on this thread while `f` runs.
-fn in_namespace<T>(ns: &str, f: impl FnOnce() -> io::Result<T>) -> io::Result<T> {
+pub fn in_namespace<T>(ns: &str, f: impl FnOnce() -> io::Result<T>) -> io::Result<T> {
     let home = File::open("/proc/thread-self/ns/net")?;
     let there = File::open(format!("/run/netns/{ns}"))
         .map_err(|e| io::Error::new(e.kind(), format!("namespace {ns}: {e}")))?;
@@ -84,6 +85,51 @@ pub fn open_tap(ns: &str, name: &str) -> io::Result<File> {
     })
 }
 
+impl Shape {
+    /// The shape as a shape file holds it: `delay_ms rate_mbit loss_percent`.
+    pub fn to_line(&self) -> String {
+        format!(
+            "{} {} {}",
+            self.delay.as_secs_f64() * 1e3,
+            self.rate_bps / 1e6,
+            self.loss * 100.0
+        )
+    }
+
+    /// Reads a shape file's line; the queue is `queue`.
+    pub fn from_line(line: &str, queue: Duration) -> io::Result<Self> {
+        let bad = || {
+            io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("a shape is `delay_ms rate_mbit loss_percent`, not {line:?}"),
+            )
+        };
+        let v: Vec<f64> = line
+            .split_whitespace()
+            .map(|w| w.parse::<f64>().map_err(|_| bad()))
+            .collect::<io::Result<_>>()?;
+        let &[delay_ms, rate_mbit, loss_percent] = v.as_slice() else {
+            return Err(bad());
+        };
+        let ok = |x: f64| x.is_finite() && x >= 0.0;
+        if !(ok(delay_ms) && ok(rate_mbit) && ok(loss_percent) && loss_percent <= 100.0) {
+            return Err(bad());
+        }
+        Ok(Self {
+            delay: Duration::from_secs_f64(delay_ms / 1e3),
+            rate_bps: rate_mbit * 1e6,
+            loss: loss_percent / 100.0,
+            queue,
+        })
+    }
+}
+
+/// The file a link reads its shape from while it runs, and the one it writes back once it
+/// carries frames with that shape.
+pub fn applied_path(shape_file: &Path) -> PathBuf {
+    shape_file.with_extension("applied")
+}
+
 /// When each frame leaves one end: the rate's queue, the tail drop and the loss.
 #[derive(Debug)]
 pub struct Pacer {
@@ -122,8 +168,14 @@ impl Pacer {
     }
 }
 
-/// Carries frames from `from` to `to` shaped by `pacer`, until either end fails.
-fn carry(mut from: File, mut to: File, mut pacer: Pacer) -> io::Result<()> {
+/// Carries frames from `from` to `to` shaped by `pacer` (with the shape `shape` holds at each
+/// frame), until either end fails.
+fn carry(
+    mut from: File,
+    mut to: File,
+    mut pacer: Pacer,
+    shape: Arc<Mutex<Shape>>,
+) -> io::Result<()> {
     let (tx, rx) = mpsc::channel::<(Instant, Vec<u8>)>();
     let writer = std::thread::spawn(move || -> io::Result<()> {
         for (at, frame) in rx {
@@ -143,6 +195,7 @@ fn carry(mut from: File, mut to: File, mut pacer: Pacer) -> io::Result<()> {
     let mut buf = vec![0u8; 1 << 16];
     loop {
         let n = from.read(&mut buf)?;
+        pacer.shape = *shape.lock().map_err(|_| io::Error::other("a shape lock"))?;
         if let Some(at) = pacer.admit(n, Instant::now())
             && tx.send((at, buf[..n].to_vec())).is_err()
         {
@@ -155,21 +208,55 @@ fn carry(mut from: File, mut to: File, mut pacer: Pacer) -> io::Result<()> {
         .map_err(|_| io::Error::other("the link's writer panicked"))?
 }
 
+/// Keeps `shape` as `file` says (polled every 100 ms), writing each shape it takes to
+/// [`applied_path`]; a file that cannot be read or parsed leaves the shape as it was.
+fn follow(file: PathBuf, shape: Arc<Mutex<Shape>>) {
+    let mut seen = String::new();
+    loop {
+        if let Ok(text) = std::fs::read_to_string(&file)
+            && text != seen
+        {
+            let queue = shape.lock().map(|s| s.queue).unwrap_or(super::QUEUE);
+            match Shape::from_line(text.trim(), queue) {
+                Ok(new) => {
+                    if let Ok(mut s) = shape.lock() {
+                        *s = new;
+                    }
+                    if let Err(e) = std::fs::write(applied_path(&file), &text) {
+                        eprintln!("lab link: {}: {e}", applied_path(&file).display());
+                    }
+                }
+                Err(e) => eprintln!("lab link: {}: {e}", file.display()),
+            }
+            seen = text;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 /// Runs a link between TAP `a` and TAP `b` (each a namespace and a name), shaped the same way
-/// both ways; calls `ready` once both devices exist, then carries frames until killed.
+/// both ways, and reshaped as `shape_file` says while it runs, if given; calls `ready` once
+/// both devices exist, then carries frames until killed.
 pub fn run(
     a: (&str, &str),
     b: (&str, &str),
     shape: Shape,
     seed: u64,
+    shape_file: Option<PathBuf>,
     ready: impl FnOnce(),
 ) -> io::Result<()> {
     let ta = open_tap(a.0, a.1)?;
     let tb = open_tap(b.0, b.1)?;
+    let shared = Arc::new(Mutex::new(shape));
+    if let Some(file) = shape_file {
+        let s = Arc::clone(&shared);
+        std::thread::spawn(move || follow(file, s));
+    }
     ready();
     let (ta2, tb2) = (ta.try_clone()?, tb.try_clone()?);
-    let back = std::thread::spawn(move || carry(tb2, ta2, Pacer::new(shape, seed ^ 0x5bd1)));
-    let fwd = carry(ta, tb, Pacer::new(shape, seed));
+    let s = Arc::clone(&shared);
+    let back = std::thread::spawn(move || carry(tb2, ta2, Pacer::new(shape, seed ^ 0x5bd1), s));
+    let fwd = carry(ta, tb, Pacer::new(shape, seed), shared);
     let back = back
         .join()
         .map_err(|_| io::Error::other("the link's reader panicked"))?;
@@ -203,6 +290,26 @@ mod tests {
             free.admit(1 << 16, t0),
             Some(t0 + Duration::from_millis(10))
         );
+    }
+
+    #[test]
+    fn a_shape_reads_back_as_written_and_bad_lines_are_errors() -> io::Result<()> {
+        let s = shape(20e6, 0.01);
+        let back = Shape::from_line(&s.to_line(), s.queue)?;
+        assert_eq!(back.delay, s.delay);
+        assert!((back.rate_bps - s.rate_bps).abs() < 1e-3 && (back.loss - s.loss).abs() < 1e-9);
+        for bad in [
+            "",
+            "10 20",
+            "10 20 1 4",
+            "ten 20 1",
+            "-1 20 0",
+            "10 20 101",
+            "NaN 1 1",
+        ] {
+            assert!(Shape::from_line(bad, s.queue).is_err(), "{bad:?}");
+        }
+        Ok(())
     }
 
     #[test]

@@ -11,6 +11,7 @@
 //! internet. Between two sites a frame crosses both sites' links: the one-way
 //! delay is the sum of theirs.
 
+pub mod bench;
 pub mod link;
 
 use std::fmt::Write as _;
@@ -181,7 +182,8 @@ impl Topology {
         format!("cm-{}-core", self.name)
     }
 
-    fn gateway(&self, site: &Site) -> String {
+    /// The network namespace of `site`'s gateway.
+    pub fn gateway(&self, site: &Site) -> String {
         format!("cm-{}-{}", self.name, site.name)
     }
 
@@ -335,6 +337,8 @@ impl Lab {
         };
         lab.build(lab_bin)
             .with_context(|| format!("starting lab {}", topology.name))?;
+        // Recorded while it runs, so `lab down` can clear it after its owner was killed.
+        lab.record()?;
         Ok(lab)
     }
 
@@ -393,8 +397,13 @@ impl Lab {
         core: &str,
         gw: &str,
     ) -> Result<()> {
+        let file = shape_file(&self.topology.name, i);
+        std::fs::create_dir_all(state_dir())?;
+        std::fs::write(&file, site_shape(site).to_line())?;
         let mut child = Command::new(lab_bin)
             .args(["link", &format!("{core}:s{i}"), &format!("{gw}:wan0")])
+            .arg("--shape-file")
+            .arg(&file)
             .args(["--delay-ms", &site.delay_ms.to_string()])
             .args(["--rate-mbit", &site.rate_mbit.to_string()])
             .args(["--loss-percent", &site.loss_percent.to_string()])
@@ -417,15 +426,33 @@ impl Lab {
         Ok(())
     }
 
-    /// Cuts site `name` off the internet: its link stops carrying frames, as when a site
-    /// loses power or its uplink.
-    pub fn cut(&mut self, name: &str) -> Result<()> {
-        let i = self
-            .topology
+    /// Changes site `name`'s link to `delay_ms`, `rate_mbit` and `loss_percent` while the lab
+    /// runs (connections and NAT mappings stay), and waits until the link carries frames so.
+    pub fn reshape(
+        &mut self,
+        name: &str,
+        delay_ms: f64,
+        rate_mbit: f64,
+        loss_percent: f64,
+    ) -> Result<()> {
+        let i = self.site_index(name)?;
+        let site = &mut self.topology.sites[i];
+        (site.delay_ms, site.rate_mbit, site.loss_percent) = (delay_ms, rate_mbit, loss_percent);
+        reshape(&self.topology, name)
+    }
+
+    fn site_index(&self, name: &str) -> Result<usize> {
+        self.topology
             .sites
             .iter()
             .position(|s| s.name == name)
-            .with_context(|| format!("lab {} has no site {name}", self.topology.name))?;
+            .with_context(|| format!("lab {} has no site {name}", self.topology.name))
+    }
+
+    /// Cuts site `name` off the internet: its link stops carrying frames, as when a site
+    /// loses power or its uplink.
+    pub fn cut(&mut self, name: &str) -> Result<()> {
+        let i = self.site_index(name)?;
         let pid = std::mem::take(self.links.get_mut(i).context("the site has no link")?);
         ensure!(pid != 0, "site {name} is cut already");
         // SAFETY: kill and waitpid on a link process this lab started (0 marks it gone, so
@@ -434,11 +461,19 @@ impl Lab {
             libc::kill(pid as i32, libc::SIGKILL);
             libc::waitpid(pid as i32, std::ptr::null_mut(), 0);
         }
+        self.record()?;
         Ok(())
     }
 
-    /// Hands the lab to `lab down`: records it and leaves it running.
+    /// Hands the lab to `lab down`: leaves it running.
     pub fn detach(mut self) -> Result<PathBuf> {
+        let path = self.record()?;
+        self.owned = false;
+        Ok(path)
+    }
+
+    /// Records what `lab down` removes: the topology and the link processes.
+    fn record(&self) -> Result<PathBuf> {
         std::fs::create_dir_all(state_dir())?;
         let path = state_dir().join(format!("{}.json", self.topology.name));
         let state = State {
@@ -446,8 +481,18 @@ impl Lab {
             links: self.links.clone(),
         };
         std::fs::write(&path, serde_json::to_vec_pretty(&state)?)?;
-        self.owned = false;
         Ok(path)
+    }
+
+    /// The topology of the lab `name` that `lab up` left running.
+    pub fn running(name: &str) -> Result<Topology> {
+        let path = state_dir().join(format!("{name}.json"));
+        let state: State = serde_json::from_slice(
+            &std::fs::read(&path)
+                .with_context(|| format!("no lab {name} is up ({} is missing)", path.display()))?,
+        )
+        .with_context(|| format!("{}", path.display()))?;
+        Ok(state.topology)
     }
 
     /// Tears down the lab `name` that `lab up` left running.
@@ -464,7 +509,6 @@ impl Lab {
             owned: true,
         };
         drop(lab);
-        std::fs::remove_file(&path)?;
         Ok(())
     }
 
@@ -517,8 +561,76 @@ impl Lab {
                 warn(&format!("{e:#}"));
             }
         }
+        let _ = std::fs::remove_file(state_dir().join(format!("{}.json", t.name)));
+        for i in 1..=t.sites.len() {
+            let file = shape_file(&t.name, i);
+            let _ = std::fs::remove_file(link::applied_path(&file));
+            let _ = std::fs::remove_file(file);
+        }
         self.links.clear();
     }
+}
+
+/// Runs `f` with this thread in network namespace `ns`: the sockets it opens are the
+/// namespace's (a process it starts runs where `ip netns exec` puts it, or here).
+pub fn within<T>(ns: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    let mut out = None;
+    link::in_namespace(ns, || {
+        out = Some(f());
+        Ok(())
+    })?;
+    out.context("the namespace's work did not run")?
+}
+
+/// The file site `i`'s link of lab `lab` reads its shape from.
+fn shape_file(lab: &str, i: usize) -> PathBuf {
+    state_dir().join(format!("{lab}.s{i}.shape"))
+}
+
+/// A site's link shape as its topology gives it.
+fn site_shape(site: &Site) -> link::Shape {
+    link::Shape {
+        delay: Duration::from_secs_f64(site.delay_ms.max(0.0) / 1e3),
+        rate_bps: site.rate_mbit * 1e6,
+        loss: site.loss_percent / 100.0,
+        queue: QUEUE,
+    }
+}
+
+/// Gives site `name` of the running lab `topology` the link shape the topology now says, and
+/// waits (up to 5 s) until its link carries frames so.
+pub fn reshape(topology: &Topology, name: &str) -> Result<()> {
+    topology.check()?;
+    let (i, site) = topology
+        .sites
+        .iter()
+        .enumerate()
+        .find(|(_, s)| s.name == name)
+        .with_context(|| format!("lab {} has no site {name}", topology.name))?;
+    let file = shape_file(&topology.name, i + 1);
+    ensure!(
+        file.exists(),
+        "lab {} is not up here ({} is missing)",
+        topology.name,
+        file.display()
+    );
+    let line = site_shape(site).to_line();
+    let tmp = file.with_extension("new");
+    std::fs::write(&tmp, &line)?;
+    std::fs::rename(&tmp, &file)?;
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while std::fs::read_to_string(link::applied_path(&file))
+        .ok()
+        .as_deref()
+        != Some(&line)
+    {
+        ensure!(
+            std::time::Instant::now() < deadline,
+            "the link of site {name} did not take its new shape in 5 s"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(())
 }
 
 /// Says on stderr what teardown could not remove.

@@ -20,7 +20,7 @@ use fantoccini::{Client, ClientBuilder, Locator};
 use tests::procs::{Mesh, free_port, tiny_model};
 
 /// An executable named by `$var`, else found on `PATH`.
-fn tool(var: &str, name: &str) -> Result<PathBuf> {
+pub(crate) fn tool(var: &str, name: &str) -> Result<PathBuf> {
     if let Some(p) = std::env::var_os(var) {
         return Ok(PathBuf::from(p));
     }
@@ -37,7 +37,7 @@ fn tool(var: &str, name: &str) -> Result<PathBuf> {
 }
 
 /// chromedriver on a free port of 127.0.0.1, killed when dropped.
-struct Driver {
+pub(crate) struct Driver {
     child: Child,
     url: String,
     /// Where each browser gets a fresh profile: the mesh's scratch directory (removed with it).
@@ -52,10 +52,25 @@ impl Drop for Driver {
 }
 
 fn start_driver(dir: &Path) -> Result<Driver> {
+    start_driver_in(dir, None)
+}
+
+/// chromedriver, and the browsers it starts, in network namespace `ns` (a lab node's; its
+/// 127.0.0.1 is the namespace's own) or in this one.
+pub(crate) fn start_driver_in(dir: &Path, ns: Option<&str>) -> Result<Driver> {
     let driver = tool("CHROMEDRIVER", "chromedriver")?;
-    let port = free_port()?;
+    // A lab node's namespace is empty: any port is free there.
+    let port = if ns.is_some() { 9515 } else { free_port()? };
     let log = std::fs::File::create(dir.join("chromedriver.log"))?;
-    let child = Command::new(&driver)
+    let mut cmd = match ns {
+        Some(ns) => {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", ns]).arg(&driver);
+            c
+        }
+        None => Command::new(&driver),
+    };
+    let child = cmd
         .arg(format!("--port={port}"))
         .arg("--enable-chrome-logs")
         .stdout(Stdio::null())
@@ -64,7 +79,14 @@ fn start_driver(dir: &Path) -> Result<Driver> {
         .with_context(|| format!("starting {}", driver.display()))?;
     let url = format!("http://127.0.0.1:{port}");
     let start = Instant::now();
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+    let listening = || {
+        let dial = || std::net::TcpStream::connect(("127.0.0.1", port)).map(drop);
+        match ns {
+            Some(ns) => tests::lab::link::in_namespace(ns, dial).is_ok(),
+            None => dial().is_ok(),
+        }
+    };
+    while !listening() {
         if start.elapsed() > Duration::from_secs(20) {
             bail!("chromedriver did not listen on {url}");
         }
@@ -80,6 +102,15 @@ fn start_driver(dir: &Path) -> Result<Driver> {
 /// A headless Chromium with a fresh profile of its own (`name`), so two browsers are two
 /// nodes with two identities.
 async fn open_browser(driver: &Driver, name: &str) -> Result<Client> {
+    open_browser_with(driver, name, &[]).await
+}
+
+/// [`open_browser`] with more command-line arguments for Chromium.
+pub(crate) async fn open_browser_with(
+    driver: &Driver,
+    name: &str,
+    extra: &[String],
+) -> Result<Client> {
     let chromium = tool("CHROMIUM", "chromium")?;
     let profile = driver.profiles.join(format!("chromium-{name}"));
     std::fs::create_dir_all(&profile)?;
@@ -96,6 +127,10 @@ async fn open_browser(driver: &Driver, name: &str) -> Result<Client> {
             ]
         }
     });
+    let mut caps = caps;
+    if let Some(args) = caps["goog:chromeOptions"]["args"].as_array_mut() {
+        args.extend(extra.iter().map(|a| serde_json::Value::from(a.as_str())));
+    }
     let serde_json::Value::Object(caps) = caps else {
         bail!("capabilities are not an object");
     };
@@ -107,7 +142,7 @@ async fn open_browser(driver: &Driver, name: &str) -> Result<Client> {
 }
 
 /// The page's text of `css`, or "" while it is not there.
-async fn text(c: &Client, css: &str) -> String {
+pub(crate) async fn text(c: &Client, css: &str) -> String {
     match c.find(Locator::Css(css)).await {
         Ok(e) => e.text().await.unwrap_or_default(),
         Err(_) => String::new(),
@@ -115,7 +150,12 @@ async fn text(c: &Client, css: &str) -> String {
 }
 
 /// Waits until `css`'s text satisfies `ok`; returns it.
-async fn wait_text(c: &Client, css: &str, ok: impl Fn(&str) -> bool, what: &str) -> Result<String> {
+pub(crate) async fn wait_text(
+    c: &Client,
+    css: &str,
+    ok: impl Fn(&str) -> bool,
+    what: &str,
+) -> Result<String> {
     let start = Instant::now();
     loop {
         let t = text(c, css).await;
@@ -384,7 +424,7 @@ async fn drive(c: &Client, mesh: &mut Mesh) -> Result<String> {
 }
 
 /// The steps the dashboard's row has answered, from its contribution line.
-fn steps_answered(contribution: &str) -> usize {
+pub(crate) fn steps_answered(contribution: &str) -> usize {
     contribution
         .split_once("): ")
         .and_then(|(_, rest)| rest.split_once(" coded steps answered"))

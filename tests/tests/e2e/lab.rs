@@ -14,7 +14,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
-use tests::lab::{Lab, Topology, unavailable};
+use tests::lab::{Lab, Nat, Site, Topology, unavailable, within};
 use tests::procs::{HEALTH, Proc, Scratch, bin, spawn_command, tiny_model};
 
 /// The `lab` binary built beside this test.
@@ -72,15 +72,75 @@ fn reach(lab: &Lab, from: &str, relay: &str, to: &str) -> Result<String> {
     Ok(v["path"].as_str().context("no path")?.to_string())
 }
 
-#[test]
-fn three_sites_two_behind_nat_hold_rows_punch_holes_and_serve() -> Result<()> {
-    let topo = topology()?;
-    if let Some(why) = unavailable(&topo) {
+/// The lab's seed on the tiny model (k = 3, f32 rows) and its addresses in the lab.
+struct Seed {
+    proc: Option<Proc>,
+    peer: String,
+    tcp: String,
+    quic: String,
+}
+
+impl Seed {
+    /// Starts lab node `seed` with `n` rows and `more` arguments, listening on every transport.
+    fn start(lab: &Lab, dir: &Path, n: usize, more: &[&str]) -> Result<Self> {
+        let (data, ip) = (
+            dir.join("seed").display().to_string(),
+            lab.topology.addr("seed")?,
+        );
+        let n = n.to_string();
+        let mut args = vec!["seed", "--k", "3", "--n", &n, "--shard-format", "f32"];
+        let model = tiny_model().display().to_string();
+        args.extend([
+            "--model",
+            &model,
+            "--data",
+            &data,
+            "--listen",
+            "/ip4/0.0.0.0/tcp/0",
+        ]);
+        args.extend(HEALTH);
+        args.extend(more);
+        let out_path = dir.join("seed.out");
+        let out = Stdio::from(std::fs::File::create(&out_path)?);
+        let mut proc = spawn_in(lab, dir, "seed", &args, out)?;
+        let peer = peer_of(&mut proc)?;
+        let listening = std::fs::read_to_string(&out_path)?;
+        let addr = |proto: &str| {
+            listening
+                .lines()
+                .filter_map(|l| l.strip_prefix("listening: "))
+                .find(|a| {
+                    a.starts_with(&format!("/ip4/{ip}/")) && a.contains(proto) && !a.contains("/ws")
+                })
+                .map(str::to_string)
+                .with_context(|| format!("the seed has no {proto} address:\n{listening}"))
+        };
+        Ok(Self {
+            tcp: addr("/tcp/")?,
+            quic: addr("/quic-v1/")?,
+            proc: Some(proc),
+            peer,
+        })
+    }
+}
+
+/// Whether the lab can run here; under CI a lab that cannot fails the test.
+fn lab_runs(topo: &Topology) -> bool {
+    if let Some(why) = unavailable(topo) {
         assert!(
             std::env::var_os("CI").is_none(),
             "CI runs the network lab, and this machine cannot: {why}"
         );
         eprintln!("SKIPPED the network lab: {why}");
+        return false;
+    }
+    true
+}
+
+#[test]
+fn three_sites_two_behind_nat_hold_rows_punch_holes_and_serve() -> Result<()> {
+    let topo = topology()?;
+    if !lab_runs(&topo) {
         return Ok(());
     }
     let _alone = crate::machine::alone();
@@ -89,30 +149,9 @@ fn three_sites_two_behind_nat_hold_rows_punch_holes_and_serve() -> Result<()> {
     let d = |n: &str| dir.0.join(n).display().to_string();
 
     // The public site: the seed (listening on every transport) and the API node.
-    let (seed_data, seed_ip) = (d("seed"), topo.addr("seed")?);
-    let mut args = vec!["seed", "--k", "3", "--n", "6", "--shard-format", "f32"];
-    let model = tiny_model().display().to_string();
+    let mut seed = Seed::start(&lab, &dir.0, 6, &[])?;
+    let (seed_peer, seed_tcp, seed_quic) = (seed.peer.clone(), seed.tcp.clone(), seed.quic.clone());
     let listen = "/ip4/0.0.0.0/tcp/0".to_string();
-    args.extend(["--model", &model, "--data", &seed_data, "--listen", &listen]);
-    args.extend(HEALTH);
-    let seed_out = dir.0.join("seed.out");
-    let out = Stdio::from(std::fs::File::create(&seed_out)?);
-    let mut seed = spawn_in(&lab, &dir.0, "seed", &args, out)?;
-    let seed_peer = peer_of(&mut seed)?;
-    let listening = std::fs::read_to_string(&seed_out)?;
-    let seed_addr = |proto: &str| {
-        listening
-            .lines()
-            .filter_map(|l| l.strip_prefix("listening: "))
-            .find(|a| {
-                a.starts_with(&format!("/ip4/{seed_ip}/"))
-                    && a.contains(proto)
-                    && !a.contains("/ws")
-            })
-            .map(str::to_string)
-            .with_context(|| format!("the seed has no {proto} address:\n{listening}"))
-    };
-    let (seed_tcp, seed_quic) = (seed_addr("/tcp/")?, seed_addr("/quic-v1/")?);
 
     let (api_data, trace) = (d("api"), dir.0.join("api-steps.jsonl"));
     let trace_s = trace.display().to_string();
@@ -241,7 +280,183 @@ fn three_sites_two_behind_nat_hold_rows_punch_holes_and_serve() -> Result<()> {
         );
     }
     drop(nodes);
-    drop(seed);
+    drop(seed.proc.take());
     drop(lab);
+    Ok(())
+}
+
+/// A browser behind a symmetric NAT opens the dashboard of a public node, contributes its GPU
+/// and computes coded steps of a request led on the public site: every connection of the
+/// browser is one it dialed out (WebSocket to the seed), and the leader reaches it through the
+/// seed's relay on that connection.
+#[test]
+fn a_browser_behind_nat_contributes_and_computes_for_a_public_mesh() -> Result<()> {
+    let dist = Path::new(env!("CARGO_MANIFEST_DIR")).join("../web-ui/dist/index.html");
+    ensure!(
+        dist.is_file(),
+        "{} is missing: build the dashboard first (bash scripts/build-web.sh)",
+        dist.display()
+    );
+    let site = |name: &str, nat, nodes: &[&str]| Site {
+        name: name.into(),
+        nat,
+        delay_ms: 2.5,
+        rate_mbit: 100.0,
+        loss_percent: 0.0,
+        nodes: nodes.iter().map(|n| n.to_string()).collect(),
+    };
+    let topo = Topology {
+        name: format!("w{}", std::process::id() % 100_000),
+        sites: vec![
+            site("dc", Nat::None, &["seed", "n1", "n2", "n3", "n4"]),
+            site("home", Nat::Symmetric, &["browser"]),
+        ],
+    };
+    if !lab_runs(&topo) {
+        return Ok(());
+    }
+    let _alone = crate::machine::alone();
+    let lab = Lab::up(&topo, &lab_bin())?;
+    let dir = Scratch::new("lab-browser");
+    let seed_ip = topo.addr("seed")?;
+    let page = format!("http://{seed_ip}:8080");
+    let http = format!("{seed_ip}:8080");
+    let mut seed = Seed::start(&lab, &dir.0, 5, &["--no-learning", "--api-listen", &http])?;
+    let mut nodes = Vec::new();
+    for n in ["n1", "n2", "n3", "n4"] {
+        let data = dir.0.join(n).display().to_string();
+        let a = ["node", "--bootstrap", &seed.tcp, "--data", &data];
+        let mut a = a.to_vec();
+        a.extend(["--listen", "/ip4/0.0.0.0/tcp/0"]);
+        a.extend(HEALTH);
+        nodes.push(spawn_in(&lab, &dir.0, n, &a, Stdio::null())?);
+    }
+    for p in &mut nodes {
+        peer_of(p)?;
+    }
+    let healthy = |rows: u64| -> Result<serde_json::Value> {
+        let deadline = std::time::Instant::now() + Duration::from_secs(90);
+        loop {
+            let out = run_in(&lab, "n1", &["status", "--json", "--bootstrap", &seed.tcp])?;
+            let s: serde_json::Value = serde_json::from_str(&out)?;
+            if s["healthy_rows"].as_u64() == Some(rows) {
+                return Ok(s);
+            }
+            ensure!(
+                std::time::Instant::now() < deadline,
+                "never {rows} healthy rows: {s:#}"
+            );
+            std::thread::sleep(Duration::from_millis(250));
+        }
+    };
+    healthy(5)?;
+
+    // Chromium runs in the home's namespace; the page is on the seed's lab address, which the
+    // browser is told to treat as secure (WebGPU and storage need a secure origin).
+    let browser_ns = topo.namespace("browser")?;
+    let driver = crate::browser::start_driver_in(&dir.0, Some(&browser_ns))?;
+    let secure = format!("--unsafely-treat-insecure-origin-as-secure={page}");
+    let result = within(&browser_ns, || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        rt.block_on(async {
+            let c = crate::browser::open_browser_with(&driver, "home", &[secure]).await?;
+            let r = contribute_from_home(&c, &page, &lab, &seed.tcp, &healthy).await;
+            let _ = c.close().await;
+            r
+        })
+    });
+    if result.is_err() {
+        eprintln!(
+            "chromedriver log:\n{}\nseed log:\n{}",
+            std::fs::read_to_string(dir.0.join("chromedriver.log")).unwrap_or_default(),
+            seed.proc.as_ref().map(Proc::log).unwrap_or_default()
+        );
+    }
+    drop(driver);
+    drop(nodes);
+    drop(seed.proc.take());
+    drop(lab);
+    result
+}
+
+/// The page from the home site: it dials the seed, contributes, holds a new row, and its row
+/// answers coded steps of a native leader's request.
+async fn contribute_from_home(
+    c: &fantoccini::Client,
+    page: &str,
+    lab: &Lab,
+    bootstrap: &str,
+    healthy: &impl Fn(u64) -> Result<serde_json::Value>,
+) -> Result<()> {
+    use crate::browser::{steps_answered, wait_text};
+    c.goto(&format!("{page}/?webgpu=all")).await?;
+    let connection = wait_text(
+        c,
+        "#connection",
+        |t| t.contains("follows the mesh through"),
+        "a connection",
+    )
+    .await?;
+    eprintln!("the page says: {connection}");
+    wait_text(
+        c,
+        "#summary",
+        |t| t.starts_with("model available: yes — 5 of 5 rows healthy"),
+        "five healthy rows",
+    )
+    .await?;
+    c.find(fantoccini::Locator::Css("#contribute"))
+        .await?
+        .click()
+        .await?;
+    let serving = wait_text(
+        c,
+        "#contribution",
+        |t| t.starts_with("serving row 5 on browser") || t.contains("could not"),
+        "the browser serving a new row",
+    )
+    .await?;
+    eprintln!("the page says: {serving}");
+    ensure!(
+        serving.starts_with("serving row 5 on browser WebGPU"),
+        "the browser behind NAT holds the new row 5 on WebGPU: {serving}"
+    );
+    let status = healthy(6)?;
+    ensure!(
+        status["nodes"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|n| n["row"] == 5
+                && n["device"]
+                    .as_str()
+                    .is_some_and(|d| d.starts_with("browser"))),
+        "status shows row 5 held by the browser: {status:#}"
+    );
+    // A leader on the public site, on all six rows (k = 3 decoded, 3 checked): the browser's
+    // answers come back through the relay on its own connection, checked every round.
+    let out = lab
+        .topology
+        .command("n1", tests::procs::bin())?
+        .args(["generate", "--bootstrap", bootstrap, "--max-tokens", "8"])
+        .args(["--prompt", "The history of the printing press begins"])
+        .args(["--check", "3", "--spares", "0"])
+        .output()?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    ensure!(out.status.success(), "generate failed: {err}");
+    ensure!(
+        err.contains(", 0 unchecked") && !err.contains(" caught on "),
+        "every round checked, nobody caught:\n{err}"
+    );
+    let answered = wait_text(
+        c,
+        "#contribution",
+        |t| steps_answered(t) > 0,
+        "coded steps answered by the browser behind NAT",
+    )
+    .await?;
+    eprintln!("the page says: {answered}");
     Ok(())
 }
