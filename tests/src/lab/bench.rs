@@ -21,12 +21,16 @@ use crate::procs::{Proc, spawn_command};
 /// What `lab bench` measures.
 #[derive(Debug, clap::Args)]
 pub struct Options {
-    /// One-way delays between two sites, in ms (each site's link has half).
-    #[arg(long, value_delimiter = ',', default_value = "10,25")]
-    pub delays: Vec<f64>,
-    /// Frames lost between two sites, in percent (each site's link loses half).
-    #[arg(long, value_delimiter = ',', default_value = "0,1")]
-    pub losses: Vec<f64>,
+    /// The link settings to measure at, each `MS/LOSS/MBIT`: one-way delay between two sites
+    /// in ms (each site's link has half), frames lost between two sites in percent (each
+    /// link loses half), and the home site's rate in Mbit/s (the others have 100). The home
+    /// site is cut off mid-stream at the first, after all of them.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "25/0/100,10/0/100,25/0/20,25/1/100"
+    )]
+    pub settings: Vec<Setting>,
     /// Tokens of each timed stream.
     #[arg(long, default_value_t = 16)]
     pub tokens: usize,
@@ -45,6 +49,56 @@ pub struct Options {
     pub dir: Option<PathBuf>,
 }
 
+/// One link setting of the bench.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Setting {
+    /// One-way delay between two sites, in ms.
+    pub ms: f64,
+    /// Frames lost between two sites, in percent.
+    pub loss: f64,
+    /// The home site's rate, in Mbit/s.
+    pub home_mbit: f64,
+}
+
+impl std::str::FromStr for Setting {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let bad = || format!("a setting is MS/LOSS/MBIT (for example 25/0/100), not {s:?}");
+        let v: Vec<f64> = s
+            .split('/')
+            .map(|w| w.trim().parse::<f64>().map_err(|_| bad()))
+            .collect::<Result<_, _>>()?;
+        let &[ms, loss, home_mbit] = v.as_slice() else {
+            return Err(bad());
+        };
+        if !(0.0..=10_000.0).contains(&ms) {
+            return Err(format!("a delay of {ms} ms is out of 0 to 10000"));
+        }
+        if !(0.0..100.0).contains(&loss) {
+            return Err(format!("a loss of {loss} % is out of 0 to under 100"));
+        }
+        if !(home_mbit.is_finite() && home_mbit > 0.0) {
+            return Err(format!("a rate of {home_mbit} Mbit/s is not above 0"));
+        }
+        Ok(Self {
+            ms,
+            loss,
+            home_mbit,
+        })
+    }
+}
+
+impl std::fmt::Display for Setting {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} ms, {} % loss, home {} Mbit/s",
+            self.ms, self.loss, self.home_mbit
+        )
+    }
+}
+
 /// The API port of the API nodes, inside their namespaces.
 const API_PORT: u16 = 8000;
 
@@ -52,14 +106,14 @@ const API_PORT: u16 = 8000;
 const SITES: [(&str, Nat, f64, &[&str]); 3] = [
     ("lead", Nat::None, 100.0, &["api", "api0"]),
     ("a", Nat::None, 100.0, &["seed", "a2", "a3"]),
-    ("b", Nat::EndpointIndependent, 20.0, &["b1", "b2"]),
+    ("b", Nat::EndpointIndependent, 100.0, &["b1", "b2"]),
 ];
 
 /// Rows of the bench's mesh: one a node (compact q8 rows, as `up` serves, reach 7 at k = 3).
 const ROWS: usize = 7;
 
-/// The bench's topology with `delay_ms` and `loss` (percent) between two sites.
-fn topology(delay_ms: f64, loss: f64) -> Topology {
+/// The bench's topology at `set`.
+fn topology(set: Setting) -> Topology {
     Topology {
         name: "bench".into(),
         sites: SITES
@@ -67,9 +121,9 @@ fn topology(delay_ms: f64, loss: f64) -> Topology {
             .map(|&(name, nat, rate, nodes)| Site {
                 name: name.into(),
                 nat,
-                delay_ms: delay_ms / 2.0,
-                rate_mbit: rate,
-                loss_percent: loss / 2.0,
+                delay_ms: set.ms / 2.0,
+                rate_mbit: if name == "b" { set.home_mbit } else { rate },
+                loss_percent: set.loss / 2.0,
                 nodes: nodes.iter().map(|n| n.to_string()).collect(),
             })
             .collect(),
@@ -146,6 +200,9 @@ struct Measured {
     prompt_bytes: Vec<(u64, u64)>,
     bytes: Vec<(u64, u64)>,
 }
+
+/// Bytes each site's link had carried at an instant.
+type Sample = (Instant, Vec<(u64, u64)>);
 
 /// Bytes each link carried from `a` to `b`.
 fn between(a: &[(u64, u64)], b: &[(u64, u64)]) -> Vec<(u64, u64)> {
@@ -306,10 +363,12 @@ impl Bench {
         stream_in(&self.ns(node)?, &self.model_id, prompt, tokens)
     }
 
-    /// Gives every site's link `ms` one-way between two sites and `loss` percent lost.
-    fn shape(&mut self, ms: f64, loss: f64) -> Result<()> {
+    /// Gives every site's link the setting's share: half the delay and loss between two
+    /// sites, the home site's rate to site b.
+    fn shape(&mut self, set: Setting) -> Result<()> {
         for (site, _, rate, _) in SITES {
-            self.lab.reshape(site, ms / 2.0, rate, loss / 2.0)?;
+            let rate = if site == "b" { set.home_mbit } else { rate };
+            self.lab.reshape(site, set.ms / 2.0, rate, set.loss / 2.0)?;
         }
         Ok(())
     }
@@ -321,7 +380,7 @@ impl Bench {
         let m0 = get(&ns, "/metrics")?;
         let done = std::sync::atomic::AtomicBool::new(false);
         let (sent, samples, streamed) = std::thread::scope(|s| {
-            let sampler = s.spawn(|| -> Result<Vec<(Instant, Vec<(u64, u64)>)>> {
+            let sampler = s.spawn(|| -> Result<Vec<Sample>> {
                 let mut samples = Vec::new();
                 loop {
                     samples.push((Instant::now(), link_bytes(&self.lab)?));
@@ -422,26 +481,13 @@ fn decode_row(b: &Bench, setting: &str, what: &str, m: &Measured, ms: f64) -> Ve
 }
 
 /// Runs the bench: builds the lab and the mesh, measures every setting, cuts the home site off
-/// mid-stream at the longest delay, and prints the table. `lab_bin` is the `lab` binary.
+/// mid-stream at the first setting, and prints the table. `lab_bin` is the `lab` binary.
 pub fn run(opts: &Options, lab_bin: &Path) -> Result<()> {
-    ensure!(
-        !opts.delays.is_empty() && !opts.losses.is_empty(),
-        "--delays and --losses each need a value"
-    );
+    let Some(&first_setting) = opts.settings.first() else {
+        bail!("--settings needs at least one");
+    };
     ensure!(opts.tokens >= 4, "--tokens must be 4 or more");
     ensure!((1..ROWS).contains(&opts.k), "--k must be 1 to {}", ROWS - 1);
-    for &d in &opts.delays {
-        ensure!(
-            (0.0..=10_000.0).contains(&d),
-            "a delay of {d} ms is out of 0 to 10000"
-        );
-    }
-    for &l in &opts.losses {
-        ensure!(
-            (0.0..100.0).contains(&l),
-            "a loss of {l} % is out of 0 to under 100"
-        );
-    }
     let model = match &opts.model {
         Some(m) => m.clone(),
         None => node_native::fetch::default_model()?,
@@ -451,7 +497,7 @@ pub fn run(opts: &Options, lab_bin: &Path) -> Result<()> {
     let summary = node_native::bench::summary_prompt(&loaded.tokenizer)?;
     let long = node_native::bench::long_prompt(&loaded.tokenizer, opts.prompt_tokens)?;
     drop(loaded);
-    let topo = topology(opts.delays[0], opts.losses[0]);
+    let topo = topology(first_setting);
     if let Some(why) = unavailable(&topo) {
         bail!("the network lab cannot run here: {why}");
     }
@@ -486,7 +532,7 @@ pub fn run(opts: &Options, lab_bin: &Path) -> Result<()> {
     };
     b.start(&model)?;
     println!(
-        "\nSmolLM2 on k = {} of {ROWS} rows; sites lead (api, api0: 100 Mbit/s), a (seed, a2, a3: 100 Mbit/s), b (b1, b2: endpoint-independent NAT, 20 Mbit/s); {} tokens a stream; floors: {} hops or {} rounds × 2 a pass\n",
+        "\nSmolLM2 on k = {} of {ROWS} rows; sites lead (api, api0: 100 Mbit/s), a (seed, a2, a3: 100 Mbit/s), b, the home (b1, b2: endpoint-independent NAT); {} tokens a stream; floors: {} hops or {} rounds × 2 a pass\n",
         opts.k, opts.tokens, b.hops, b.rounds
     );
     print_row(&[
@@ -499,35 +545,33 @@ pub fn run(opts: &Options, lab_bin: &Path) -> Result<()> {
         "KiB a token on each site's link".into(),
     ]);
     print_row(&vec!["---".to_string(); 7]);
-    for &ms in &opts.delays {
-        for &loss in &opts.losses {
-            b.shape(ms, loss)?;
-            let setting = format!("{ms} ms, {loss} % loss");
-            // Each API node forms its group at this setting and picks its pass.
-            b.stream("api", &summary, 4)?;
-            b.stream("api0", &summary, 4)?;
-            let on = b.measure("api", &summary, opts.tokens)?;
-            print_row(&decode_row(&b, &setting, "drafts (api)", &on, ms));
-            let off = b.measure("api0", &summary, opts.tokens)?;
-            print_row(&decode_row(&b, &setting, "a token a pass (api0)", &off, ms));
-            let first = b.measure("api0", &long, 2)?;
-            let (pass, per_step) = b.floor(&first, ms);
-            let prefill = (first.steps - 1.0).max(1.0);
-            print_row(&[
-                setting.clone(),
-                format!("{}-token prompt (api0)", long.len()),
-                String::new(),
-                format!("{:.0} ({pass}, {prefill:.0} passes)", per_step * prefill),
-                String::new(),
-                format!("**{:.2} s**", first.streamed.first.as_secs_f64()),
-                per_token(&first.prompt_bytes, long.len()),
-            ]);
-        }
+    for &set in &opts.settings {
+        let ms = set.ms;
+        b.shape(set)?;
+        let setting = set.to_string();
+        // Each API node forms its group at this setting and picks its pass.
+        b.stream("api", &summary, 4)?;
+        b.stream("api0", &summary, 4)?;
+        let on = b.measure("api", &summary, opts.tokens)?;
+        print_row(&decode_row(&b, &setting, "drafts (api)", &on, ms));
+        let off = b.measure("api0", &summary, opts.tokens)?;
+        print_row(&decode_row(&b, &setting, "a token a pass (api0)", &off, ms));
+        let first = b.measure("api0", &long, 2)?;
+        let (pass, per_step) = b.floor(&first, ms);
+        let prefill = (first.steps - 1.0).max(1.0);
+        print_row(&[
+            setting.clone(),
+            format!("{}-token prompt (api0)", long.len()),
+            String::new(),
+            format!("{:.0} ({pass}, {prefill:.0} passes)", per_step * prefill),
+            String::new(),
+            format!("**{:.2} s**", first.streamed.first.as_secs_f64()),
+            per_token(&first.prompt_bytes, long.len()),
+        ]);
     }
-    // The home site goes dark a quarter into a stream at the longest delay.
-    let ms = opts.delays.iter().copied().fold(0.0, f64::max);
-    let loss = opts.losses[0];
-    b.shape(ms, loss)?;
+    // The home site goes dark a quarter into a stream at the first setting.
+    let ms = first_setting.ms;
+    b.shape(first_setting)?;
     b.stream("api", &summary, 4)?;
     let before = b.stream("api", &summary, opts.tokens)?;
     let cut_at = before.first + before.streaming / 4;
@@ -553,7 +597,7 @@ pub fn run(opts: &Options, lab_bin: &Path) -> Result<()> {
         prompt_bytes: vec![(0, 0); SITES.len()],
         bytes: between(&b0, &b1),
     };
-    let setting = format!("{ms} ms, {loss} % loss");
+    let setting = first_setting.to_string();
     let mut row = decode_row(
         &b,
         &setting,
@@ -580,4 +624,36 @@ pub fn run(opts: &Options, lab_bin: &Path) -> Result<()> {
         let _ = std::fs::remove_dir_all(&dir);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn settings_read_as_written_and_bad_ones_say_why() -> Result<(), String> {
+        let s: Setting = "25/1/20".parse()?;
+        assert_eq!(
+            s,
+            Setting {
+                ms: 25.0,
+                loss: 1.0,
+                home_mbit: 20.0
+            }
+        );
+        assert_eq!(s.to_string(), "25 ms, 1 % loss, home 20 Mbit/s");
+        for bad in [
+            "",
+            "25",
+            "25/0",
+            "25/0/100/1",
+            "a/0/100",
+            "-1/0/100",
+            "25/100/100",
+            "25/0/0",
+        ] {
+            assert!(bad.parse::<Setting>().is_err(), "{bad:?}");
+        }
+        Ok(())
+    }
 }
