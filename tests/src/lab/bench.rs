@@ -259,16 +259,7 @@ impl Bench {
         seed.wait_log("serving row", Duration::from_secs(900))?;
         let listening = std::fs::read_to_string(&out_path)?;
         let ip = self.lab.topology.addr("seed")?;
-        let addr = |proto: &str| {
-            listening
-                .lines()
-                .filter_map(|l| l.strip_prefix("listening: "))
-                .find(|a| {
-                    a.starts_with(&format!("/ip4/{ip}/")) && a.contains(proto) && !a.contains("/ws")
-                })
-                .map(str::to_string)
-                .with_context(|| format!("the seed has no {proto} address:\n{listening}"))
-        };
+        let addr = |proto: &str| super::listening_addr(&listening, ip, proto);
         let (tcp, quic) = (addr("/tcp/")?, addr("/quic-v1/")?);
         self.seed_tcp = tcp.clone();
         let api = format!("127.0.0.1:{API_PORT}");

@@ -234,7 +234,10 @@ pub fn unavailable(topo: &Topology) -> Option<String> {
     if !Path::new("/dev/net/tun").exists() {
         return Some("no /dev/net/tun: the links need TAP devices".into());
     }
-    let probe = format!("cm-probe-{}", std::process::id());
+    // One name per call: two tests of a process may probe at once.
+    static PROBES: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = PROBES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let probe = format!("cm-probe-{}-{n}", std::process::id());
     match run("ip", &["netns", "add", &probe]) {
         Ok(()) => {
             let _ = run("ip", &["netns", "del", &probe]);
@@ -242,6 +245,17 @@ pub fn unavailable(topo: &Topology) -> Option<String> {
         }
         Err(e) => Some(format!("network namespaces are not allowed here: {e:#}")),
     }
+}
+
+/// The address among a node's `listening: …` lines (its stdout) at `ip` whose transport
+/// contains `proto` (`/tcp/`, `/quic-v1/`), WebSocket left out.
+pub fn listening_addr(listening: &str, ip: Ipv4Addr, proto: &str) -> Result<String> {
+    listening
+        .lines()
+        .filter_map(|l| l.strip_prefix("listening: "))
+        .find(|a| a.starts_with(&format!("/ip4/{ip}/")) && a.contains(proto) && !a.contains("/ws"))
+        .map(str::to_string)
+        .with_context(|| format!("no {proto} address at {ip} in:\n{listening}"))
 }
 
 /// Runs a command; its stderr becomes the error.

@@ -105,16 +105,7 @@ impl Seed {
         let mut proc = spawn_in(lab, dir, "seed", &args, out)?;
         let peer = peer_of(&mut proc)?;
         let listening = std::fs::read_to_string(&out_path)?;
-        let addr = |proto: &str| {
-            listening
-                .lines()
-                .filter_map(|l| l.strip_prefix("listening: "))
-                .find(|a| {
-                    a.starts_with(&format!("/ip4/{ip}/")) && a.contains(proto) && !a.contains("/ws")
-                })
-                .map(str::to_string)
-                .with_context(|| format!("the seed has no {proto} address:\n{listening}"))
-        };
+        let addr = |proto: &str| tests::lab::listening_addr(&listening, ip, proto);
         Ok(Self {
             tcp: addr("/tcp/")?,
             quic: addr("/quic-v1/")?,
