@@ -1,10 +1,11 @@
 //! `lab bench`: the mesh measured between sites. A leader site (two API nodes, one drafting,
-//! one not), a public member site (the seed and a holder) and a home site behind an
-//! endpoint-independent NAT (two holders), SmolLM2 on k = 3 of 7 compact rows. For each one-way delay
-//! between sites and each loss, the same mesh (its links reshaped): ms a token through the
-//! API with drafts and without, against the floor of the pass the API ran (hops × delay, or two
-//! delays a round), the time to first token of a long prompt, and the bytes each site's link
-//! carried a token; then the same after the home site is cut off mid-stream.
+//! one not), a public member site (the seed and two holders) and a home site behind an
+//! endpoint-independent NAT (two holders), SmolLM2 on k = 3 of 7 compact rows. For each
+//! setting (delay and loss between sites, the home's rate), the same mesh with its links
+//! reshaped: ms a token through the API with drafts and without, against the floor of the
+//! pass the API ran (hops × delay, or two delays a round, for members on different sites),
+//! the time to first token of a short and a long prompt, and the bytes each site's link
+//! carried a token; then a stream during which the home site is cut off, and the next one.
 
 use std::io::{Read as _, Write as _};
 use std::net::SocketAddr;
