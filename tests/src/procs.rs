@@ -221,6 +221,32 @@ pub fn have_gpu() -> bool {
     }
 }
 
+/// The body of a 200 answer to `GET path` from the HTTP server at `addr` (HTTP/1.1,
+/// `Connection: close`: the whole answer is read until the server closes).
+pub fn http_get(addr: std::net::SocketAddr, path: &str) -> Result<String> {
+    use std::io::Write as _;
+    let mut tcp = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
+    tcp.set_read_timeout(Some(Duration::from_secs(30)))?;
+    write!(
+        tcp,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut answer = String::new();
+    tcp.read_to_string(&mut answer)?;
+    let (head, body) = answer
+        .split_once("\r\n\r\n")
+        .with_context(|| format!("GET {path}: no HTTP answer"))?;
+    anyhow::ensure!(head.starts_with("HTTP/1.1 200"), "GET {path}: {head}");
+    Ok(body.to_string())
+}
+
+/// One metric's value (its full name, e.g. `codedmesh_hop_steps_total`) in a `/metrics` text.
+pub fn metric(text: &str, name: &str) -> Result<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+        .with_context(|| format!("no {name} in /metrics"))
+}
+
 /// Starts `codedmesh ARGS`, its stderr in `dir/<name>.log`.
 pub fn spawn(dir: &Path, name: &str, args: &[&str]) -> Result<Proc> {
     let mut cmd = Command::new(bin());

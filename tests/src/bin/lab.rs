@@ -112,13 +112,7 @@ fn main() -> Result<()> {
             loss_percent,
         } => {
             let mut topo = Lab::running(&lab)?;
-            let s = topo
-                .sites
-                .iter_mut()
-                .find(|s| s.name == site)
-                .with_context(|| format!("lab {lab} has no site {site}"))?;
-            (s.delay_ms, s.rate_mbit, s.loss_percent) = (delay_ms, rate_mbit, loss_percent);
-            tests::lab::reshape(&topo, &site)?;
+            tests::lab::reshape(&mut topo, &site, delay_ms, rate_mbit, loss_percent)?;
             println!(
                 "site {site} of lab {lab}: {delay_ms} ms, {rate_mbit} Mbit/s, {loss_percent} % loss"
             );

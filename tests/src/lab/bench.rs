@@ -7,7 +7,7 @@
 //! the time to first token of a short and a long prompt, and the bytes each site's link
 //! carried a token; then a stream during which the home site is cut off, and the next one.
 
-use std::io::{Read as _, Write as _};
+use std::io::Write as _;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -17,7 +17,7 @@ use anyhow::{Context, Result, bail, ensure};
 use node_native::bench::apistream::{Streamed, stream_completion};
 
 use super::{Lab, Nat, Site, Topology, unavailable, within};
-use crate::procs::{Proc, spawn_command};
+use crate::procs::{Proc, metric, spawn_command};
 
 /// What `lab bench` measures.
 #[derive(Debug, clap::Args)]
@@ -138,29 +138,16 @@ fn api_addr() -> SocketAddr {
 
 /// `GET path` from the API node whose namespace is `ns`: the body of a 200 answer.
 fn get(ns: &str, path: &str) -> Result<String> {
-    within(ns, || {
-        let mut tcp = std::net::TcpStream::connect_timeout(&api_addr(), Duration::from_secs(5))?;
-        tcp.set_read_timeout(Some(Duration::from_secs(30)))?;
-        write!(tcp, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")?;
-        let mut answer = String::new();
-        tcp.read_to_string(&mut answer)?;
-        let (head, body) = answer
-            .split_once("\r\n\r\n")
-            .with_context(|| format!("GET {path}: no HTTP answer"))?;
-        ensure!(head.contains(" 200 "), "GET {path}: {head}");
-        Ok(body.to_string())
-    })
+    within(ns, || crate::procs::http_get(api_addr(), path))
 }
 
-/// A counter's value in a node's `/metrics`.
-fn metric(text: &str, name: &str) -> Result<f64> {
-    let full = format!("codedmesh_{name}");
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter_map(|l| l.split_once(' '))
-        .find(|(n, _)| *n == full || n.strip_suffix("_total") == Some(&full))
-        .and_then(|(_, v)| v.trim().parse().ok())
-        .with_context(|| format!("/metrics has no {full}"))
+/// Forward steps, and those by hop, an API node ran between two reads of its `/metrics`.
+fn steps_between(before: &str, after: &str) -> Result<(f64, f64)> {
+    let d = |name: &str| -> Result<f64> { Ok(metric(after, name)? - metric(before, name)?) };
+    Ok((
+        d("codedmesh_forward_steps_total")?,
+        d("codedmesh_hop_steps_total")?,
+    ))
 }
 
 /// Bytes each site's link carried so far: (up, down) by site; none for a site cut off.
@@ -392,7 +379,7 @@ impl Bench {
         });
         let (samples, streamed) = (samples??, streamed?);
         let m1 = get(&ns, "/metrics")?;
-        let d = |name: &str| -> Result<f64> { Ok(metric(&m1, name)? - metric(&m0, name)?) };
+        let (steps, hop_steps) = steps_between(&m0, &m1)?;
         let first = sent + streamed.first;
         let start = &samples.first().context("no link sample")?.1;
         let at_first = &samples
@@ -404,8 +391,8 @@ impl Bench {
         let end = &samples.last().context("no link sample")?.1;
         Ok(Measured {
             streamed,
-            steps: d("forward_steps")?,
-            hop_steps: d("hop_steps")?,
+            steps,
+            hop_steps,
             prompt_bytes: between(start, at_first),
             bytes: between(at_first, end),
         })
@@ -580,12 +567,12 @@ pub fn run(opts: &Options, lab_bin: &Path) -> Result<()> {
             .map_err(|_| anyhow::anyhow!("the stream's thread panicked"))?
     })?;
     let (b1, m1) = (link_bytes(&b.lab)?, get(&ns0, "/metrics")?);
-    let d = |name: &str| -> Result<f64> { Ok(metric(&m1, name)? - metric(&m0, name)?) };
+    let (steps, hop_steps) = steps_between(&m0, &m1)?;
     // The bytes of the whole stream, its prompt's among them (site b's stop at the cut).
     let cut = Measured {
         streamed: cut_stream,
-        steps: d("forward_steps")?,
-        hop_steps: d("hop_steps")?,
+        steps,
+        hop_steps,
         prompt_bytes: vec![(0, 0); SITES.len()],
         bytes: between(&b0, &b1),
     };

@@ -449,10 +449,7 @@ impl Lab {
         rate_mbit: f64,
         loss_percent: f64,
     ) -> Result<()> {
-        let i = self.site_index(name)?;
-        let site = &mut self.topology.sites[i];
-        (site.delay_ms, site.rate_mbit, site.loss_percent) = (delay_ms, rate_mbit, loss_percent);
-        reshape(&self.topology, name)
+        reshape(&mut self.topology, name, delay_ms, rate_mbit, loss_percent)
     }
 
     fn site_index(&self, name: &str) -> Result<usize> {
@@ -611,16 +608,25 @@ fn site_shape(site: &Site) -> link::Shape {
     }
 }
 
-/// Gives site `name` of the running lab `topology` the link shape the topology now says, and
-/// waits (up to 5 s) until its link carries frames so.
-pub fn reshape(topology: &Topology, name: &str) -> Result<()> {
-    topology.check()?;
-    let (i, site) = topology
+/// Gives site `name` of the running lab `topology` a link of `delay_ms`, `rate_mbit` and
+/// `loss_percent` (and says so in `topology`), and waits (up to 5 s) until the link carries
+/// frames so: [`Lab::reshape`] for a lab this process owns, `lab shape` for one `lab up` left.
+pub fn reshape(
+    topology: &mut Topology,
+    name: &str,
+    delay_ms: f64,
+    rate_mbit: f64,
+    loss_percent: f64,
+) -> Result<()> {
+    let i = topology
         .sites
         .iter()
-        .enumerate()
-        .find(|(_, s)| s.name == name)
+        .position(|s| s.name == name)
         .with_context(|| format!("lab {} has no site {name}", topology.name))?;
+    let s = &mut topology.sites[i];
+    (s.delay_ms, s.rate_mbit, s.loss_percent) = (delay_ms, rate_mbit, loss_percent);
+    topology.check()?;
+    let site = &topology.sites[i];
     let file = shape_file(&topology.name, i + 1);
     ensure!(
         file.exists(),

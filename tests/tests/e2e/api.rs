@@ -468,18 +468,8 @@ fn post(port: u16, path: &str, body: &str) -> Result<String> {
 
 /// A GET of `/metrics`: one metric's value.
 fn metric(port: u16, name: &str) -> Result<f64> {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(("127.0.0.1", port))?;
-    write!(
-        s,
-        "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
-    )?;
-    let mut answer = String::new();
-    s.read_to_string(&mut answer)?;
-    answer
-        .lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
-        .with_context(|| format!("no {name} in /metrics"))
+    let text = tests::procs::http_get(([127, 0, 0, 1], port).into(), "/metrics")?;
+    tests::procs::metric(&text, name)
 }
 
 #[test]

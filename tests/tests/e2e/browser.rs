@@ -20,7 +20,7 @@ use fantoccini::{Client, ClientBuilder, Locator};
 use tests::procs::{Mesh, free_port, tiny_model};
 
 /// An executable named by `$var`, else found on `PATH`.
-pub(crate) fn tool(var: &str, name: &str) -> Result<PathBuf> {
+fn tool(var: &str, name: &str) -> Result<PathBuf> {
     if let Some(p) = std::env::var_os(var) {
         return Ok(PathBuf::from(p));
     }
@@ -142,7 +142,7 @@ pub(crate) async fn open_browser_with(
 }
 
 /// The page's text of `css`, or "" while it is not there.
-pub(crate) async fn text(c: &Client, css: &str) -> String {
+async fn text(c: &Client, css: &str) -> String {
     match c.find(Locator::Css(css)).await {
         Ok(e) => e.text().await.unwrap_or_default(),
         Err(_) => String::new(),
