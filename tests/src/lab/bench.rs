@@ -3,10 +3,12 @@
 //! endpoint-independent NAT (two holders), SmolLM2 on k = 3 of 7 compact rows. For each
 //! setting (delay and loss between sites, the home's rate), the same mesh with its links
 //! reshaped: ms a token through the API with drafts and without, against the floor of the
-//! pass the API ran (hops × delay, or two delays a round, for members on different sites),
+//! pass the API ran (hops × delay, or two delays a round, for members on different sites;
+//! two delays a pass for a hop group whose live members share a site),
 //! the time to first token of a short and a long prompt, and the bytes each site's link
 //! carried a token; then a stream during which the home site is cut off, and the next one.
 
+use std::collections::BTreeSet;
 use std::io::Write as _;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -181,6 +183,8 @@ fn link_bytes(lab: &Lab) -> Result<Vec<(u64, u64)>> {
 #[derive(Debug)]
 struct Measured {
     streamed: Streamed,
+    /// The sites of the members of the hop group the API node last formed before the stream.
+    hop_sites: Option<BTreeSet<&'static str>>,
     /// Forward steps the API node ran, and how many of them one hop per stage.
     steps: f64,
     hop_steps: f64,
@@ -223,7 +227,13 @@ impl Bench {
     /// Starts `codedmesh ARGS` as node `node`.
     fn spawn(&mut self, node: &str, args: &[&str], stdout: Stdio) -> Result<()> {
         let mut cmd = self.lab.topology.command(node, &self.codedmesh)?;
-        cmd.args(args).env("RUST_LOG", "warn");
+        // The nodes log warnings, or what RUST_LOG asks for; an API node also the hop groups
+        // it forms (the floor follows where their members are).
+        let mut log = std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into());
+        if node.starts_with("api") {
+            log.push_str(",node_native::serve::engine::hop=info");
+        }
+        cmd.args(args).env("RUST_LOG", log);
         let p = spawn_command(cmd, &self.dir, node, stdout)?;
         self.procs.push(p);
         Ok(())
@@ -356,6 +366,7 @@ impl Bench {
     /// sampled every 200 ms, to tell the prompt's bytes from the tokens').
     fn measure(&self, node: &str, prompt: &[u32], tokens: usize) -> Result<Measured> {
         let ns = self.ns(node)?;
+        let hop_sites = self.hop_sites(node);
         let m0 = get(&ns, "/metrics")?;
         let done = std::sync::atomic::AtomicBool::new(false);
         let (sent, samples, streamed) = std::thread::scope(|s| {
@@ -391,6 +402,7 @@ impl Bench {
         let end = &samples.last().context("no link sample")?.1;
         Ok(Measured {
             streamed,
+            hop_sites,
             steps,
             hop_steps,
             prompt_bytes: between(start, at_first),
@@ -398,12 +410,29 @@ impl Bench {
         })
     }
 
-    /// The pass the steps ran and its floor a step at one-way `ms` between sites.
+    /// The sites of the live members of the hop group API node `api` formed last (a cut
+    /// site's members have left it).
+    fn hop_sites(&self, api: &str) -> Option<BTreeSet<&'static str>> {
+        let mut sites = hop_sites(&self.dir, api)?;
+        sites.retain(|site| !self.lab.is_cut(site));
+        Some(sites)
+    }
+
+    /// The pass the steps ran and its floor a step at one-way `ms` between sites: a hop pass
+    /// whose members span sites waits a delay a hop; one whose members share a site, only the
+    /// leader's feed and their answers.
     fn floor(&self, m: &Measured, ms: f64) -> (String, f64) {
         let hop_share = m.hop_steps / m.steps.max(1.0);
-        let per_step = ms * (hop_share * self.hops + (1.0 - hop_share) * self.rounds * 2.0);
+        let (hops, within) = match &m.hop_sites {
+            Some(sites) if sites.len() == 1 && sites.contains("lead") => {
+                (0.0, " on the leader's site")
+            }
+            Some(sites) if sites.len() == 1 => (2.0, " within one site"),
+            _ => (self.hops, ""),
+        };
+        let per_step = ms * (hop_share * hops + (1.0 - hop_share) * self.rounds * 2.0);
         let pass = if m.hop_steps >= m.steps {
-            "hops".to_string()
+            format!("hops{within}")
         } else if m.hop_steps == 0.0 {
             "rounds".to_string()
         } else {
@@ -411,6 +440,49 @@ impl Bench {
         };
         (pass, per_step)
     }
+}
+
+/// Node `node`'s log in `dir`, its colours taken out.
+fn log(dir: &Path, node: &str) -> String {
+    let text = std::fs::read_to_string(dir.join(format!("{node}.log"))).unwrap_or_default();
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            // An escape sequence runs to its final letter.
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// The sites of the members of the hop group API node `api` formed last (its log in `dir`
+/// names their rows, each node's log the row it serves); `None` before it formed one.
+fn hop_sites(dir: &Path, api: &str) -> Option<BTreeSet<&'static str>> {
+    let api_log = log(dir, api);
+    let line = api_log
+        .lines()
+        .rev()
+        .find(|l| l.contains("passes go one hop per stage"))?;
+    let rows = line.split("rows=[").nth(1)?.split(']').next()?;
+    let logs: Vec<(&'static str, String)> = SITES
+        .iter()
+        .flat_map(|(site, _, _, nodes)| nodes.iter().map(|n| (*site, log(dir, n))))
+        .collect();
+    rows.split(',')
+        .map(|row| {
+            let serving = format!("serving row {} as", row.trim());
+            logs.iter()
+                .find(|(_, l)| l.contains(&serving))
+                .map(|(site, _)| *site)
+        })
+        .collect()
 }
 
 /// Streams `tokens` after `prompt` from the API node in namespace `ns`.
@@ -556,6 +628,7 @@ pub fn run(opts: &Options, lab_bin: &Path) -> Result<()> {
     let cut_at = before.first + before.streaming / 4;
     let (ns, model) = (b.ns("api")?, b.model_id.clone());
     let ns0 = b.lab.topology.namespace("api")?;
+    let hop_sites = b.hop_sites("api");
     let (b0, m0) = (link_bytes(&b.lab)?, get(&ns0, "/metrics")?);
     let tokens = opts.tokens;
     let cut_stream = std::thread::scope(|s| -> Result<Streamed> {
@@ -571,6 +644,7 @@ pub fn run(opts: &Options, lab_bin: &Path) -> Result<()> {
     // The bytes of the whole stream, its prompt's among them (site b's stop at the cut).
     let cut = Measured {
         streamed: cut_stream,
+        hop_sites,
         steps,
         hop_steps,
         prompt_bytes: vec![(0, 0); SITES.len()],
@@ -608,6 +682,29 @@ pub fn run(opts: &Options, lab_bin: &Path) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_hop_groups_sites_are_read_from_the_nodes_logs() -> Result<()> {
+        let dir = crate::procs::Scratch::new("bench-hop-sites");
+        let write =
+            |node: &str, text: &str| std::fs::write(dir.0.join(format!("{node}.log")), text);
+        assert_eq!(hop_sites(&dir.0, "api"), None);
+        write(
+            "api",
+            "\u{1b}[2mx\u{1b}[0m INFO passes go one hop per stage rows=[1, 5] network_per_round_us=9\n\
+             INFO passes go one hop per stage rows=[1, 2] network_per_round_us=9\n",
+        )?;
+        write("seed", "serving row 1 as P\n")?;
+        write("a2", "serving row 2 as Q\n")?;
+        write("b1", "serving row 5 as R\n")?;
+        assert_eq!(hop_sites(&dir.0, "api"), Some(BTreeSet::from(["a"])));
+        write("api", "INFO passes go one hop per stage rows=[2, 5]\n")?;
+        assert_eq!(hop_sites(&dir.0, "api"), Some(BTreeSet::from(["a", "b"])));
+        // A row no node serves: the sites are not known.
+        write("api", "INFO passes go one hop per stage rows=[2, 6]\n")?;
+        assert_eq!(hop_sites(&dir.0, "api"), None);
+        Ok(())
+    }
 
     #[test]
     fn settings_read_as_written_and_bad_ones_say_why() -> Result<(), String> {

@@ -476,6 +476,12 @@ impl Lab {
         Ok(())
     }
 
+    /// Whether site `name` was cut off ([`Lab::cut`]).
+    pub fn is_cut(&self, name: &str) -> bool {
+        self.site_index(name)
+            .is_ok_and(|i| self.links.get(i).is_some_and(|&pid| pid == 0))
+    }
+
     /// Hands the lab to `lab down`: leaves it running.
     pub fn detach(mut self) -> Result<PathBuf> {
         let path = self.record()?;

@@ -72,7 +72,8 @@ impl Join {
         self.rows.iter().map(|&r| r as usize).collect()
     }
 
-    /// How long a member's part (or a checking answer) is waited for.
+    /// How long a member's part (or a checking answer) is waited for, beyond the time its
+    /// bytes take at [`MIN_RATE`].
     fn wait(&self) -> Duration {
         Duration::from_millis(self.wait_ms.into())
     }
@@ -121,6 +122,18 @@ pub struct FeedSeq {
     pub tokens: Vec<u32>,
     /// How many of the last positions' logits the leader wants.
     pub logits: u32,
+}
+
+/// The slowest a group's parts may travel, in bytes a second (1 Mbit/s), before a member or
+/// the leader stops waiting: every wait is [`Join::wait_ms`] (or [`PASS_WAIT`]) plus the time
+/// the bytes waited for take at this rate. A long prompt's parts are megabytes, and one TCP
+/// or QUIC connection with 1 % loss at 50 ms carries about 3 Mbit/s: a fixed wait would give
+/// up on passes that are slow, not stuck.
+pub const MIN_RATE: f64 = 125_000.0;
+
+/// How long `bytes` take at [`MIN_RATE`].
+fn at_min_rate(bytes: usize) -> Duration {
+    Duration::from_secs_f64(bytes as f64 / MIN_RATE)
 }
 
 /// Sequences a member of a hop group holds at once; a pass that would start another fails
@@ -212,6 +225,8 @@ pub struct Exchange<L> {
     row: usize,
     rows: Vec<usize>,
     wait: Duration,
+    /// The wait for the current round's parts: `wait` and their bytes at [`MIN_RATE`].
+    round_wait: Duration,
     pass: u64,
     round: u32,
     request: Vec<u8>,
@@ -305,12 +320,14 @@ impl<L: HopLink> Transport for Exchange<L> {
             if head {
                 self.head = Some(part.answer.clone());
             }
+            // Every member's part is about as long as this one, and each sends one to each.
+            self.round_wait = self.wait + at_min_rate(part.answer.len() * self.rows.len());
             self.got.insert(self.row, part.answer);
             for early in std::mem::take(&mut self.early) {
                 self.take(early);
             }
         }
-        let deadline = Instant::now() + self.wait;
+        let deadline = Instant::now() + self.round_wait;
         loop {
             let have = members.iter().filter(|r| self.got.contains_key(r)).count();
             if have >= need.min(members.len()) {
@@ -334,7 +351,10 @@ impl<L: HopLink> Transport for Exchange<L> {
                 }
                 None => {
                     let missing = leave_out_silent(members, &self.got);
-                    let reason = format!("no part of round {} within {:?}", self.round, self.wait);
+                    let reason = format!(
+                        "no part of round {} within {:?}",
+                        self.round, self.round_wait
+                    );
                     self.dropped.push((missing, reason.clone()));
                     return Err(TransportError {
                         node: missing,
@@ -390,6 +410,7 @@ impl<L: HopLink> HopMember<L> {
             row,
             rows,
             wait: join.wait(),
+            round_wait: join.wait(),
             pass: 0,
             round: 0,
             request: Vec::new(),
@@ -515,14 +536,18 @@ pub struct Gather<L> {
     pass: u64,
     /// When the current pass was fed.
     fed_at: Instant,
+    /// How long its first k answers are waited for: [`PASS_WAIT`], and the bytes each member
+    /// sends the others in the pass at [`MIN_RATE`].
+    pass_wait: Duration,
     /// When its k-th answer came.
     decodable_at: Option<Instant>,
     got: BTreeMap<usize, Vec<u8>>,
 }
 
-/// How long a leader waits for the first k answers to a pass: a whole forward pass runs in
-/// between (every stage's compute and one network delay), so a silent group fails only after
-/// this. A member that fails is heard at once (its stream ends).
+/// How long a leader waits for the first k answers to a pass, beyond its parts' bytes at
+/// [`MIN_RATE`]: a whole forward pass runs in between (every stage's compute and one network
+/// delay), so a silent group fails only after this. A member that fails is heard at once (its
+/// stream ends), and one that is silent is left out by the others.
 pub const PASS_WAIT: Duration = Duration::from_secs(120);
 
 impl<L: FeedLink> Transport for Gather<L> {
@@ -540,7 +565,7 @@ impl<L: FeedLink> Transport for Gather<L> {
             // The first k answers may take a whole pass; the checking ones only a wait more.
             let deadline = match self.decodable_at {
                 Some(at) => at + self.wait,
-                None => self.fed_at + PASS_WAIT,
+                None => self.fed_at + self.pass_wait,
             };
             let left = deadline.saturating_duration_since(Instant::now());
             match self.link.next(left).await {
@@ -583,6 +608,8 @@ pub struct HopLeader<L: FeedLink> {
     group: CodedGroup<Gather<L>>,
     /// Sequences done since the last pass, for the members to forget.
     forget: Vec<u64>,
+    /// Values of a member's parts of one token's pass, every block's stages together.
+    part_floats: usize,
 }
 
 /// One sequence of a leader's batch: its number among the group's sequences and its pass.
@@ -609,14 +636,22 @@ impl<L: FeedLink> HopLeader<L> {
             k: generator.k(),
             pass: 0,
             fed_at: Instant::now(),
+            pass_wait: PASS_WAIT,
             decodable_at: None,
             got: BTreeMap::new(),
         };
+        let part_floats = Stage::all(&cfg)
+            .iter()
+            .filter(|s| s.layer().is_some())
+            .flat_map(|s| s.shapes(&cfg))
+            .map(|(out, _)| generator.block_len(out) * generator.sub_blocks())
+            .sum();
         let group = join.group(cfg.clone(), generator, gather)?;
         Ok(Self {
             cfg,
             group,
             forget: Vec::new(),
+            part_floats,
         })
     }
 
@@ -636,10 +671,14 @@ impl<L: FeedLink> HopLeader<L> {
     ) -> Result<Vec<Vec<f32>>, ModelError> {
         let rows = self.group.nodes().to_vec();
         let forget = std::mem::take(&mut self.forget);
+        let tokens: usize = seqs.iter().map(|s| s.pass.tokens.len()).sum();
+        // Each member sends every other its part of every stage, four bytes a value.
+        let sent = tokens * self.part_floats * 4 * rows.len().saturating_sub(1);
         let gather = self.group.transport_mut();
         gather.pass += 1;
         gather.got.clear();
         gather.fed_at = Instant::now();
+        gather.pass_wait = PASS_WAIT + at_min_rate(sent);
         gather.decodable_at = None;
         let feed = Feed {
             pass: gather.pass,

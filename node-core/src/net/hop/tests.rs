@@ -420,3 +420,92 @@ fn a_pass_that_names_a_sequence_twice_fails() {
         t.join().unwrap();
     }
 }
+
+/// A member's link in a group of two whose other member's part comes `after` the round
+/// starts: `next` hands it over when the wait it is given reaches that far, else nothing.
+struct SlowLink {
+    answer_len: usize,
+    after: Duration,
+    part: Option<Part>,
+}
+
+impl HopLink for SlowLink {
+    async fn compute(&mut self, _step: StepRequest) -> Result<Vec<u8>, String> {
+        Ok(vec![0; self.answer_len])
+    }
+
+    fn send(&mut self, _row: usize, part: &Part) {
+        // The other member's part is as long as this one.
+        self.part = Some(Part {
+            row: 1,
+            ..part.clone()
+        });
+    }
+
+    async fn next(&mut self, wait: Duration) -> Option<Heard> {
+        if wait < self.after {
+            return None;
+        }
+        self.part.take().map(Heard::Part)
+    }
+}
+
+/// Runs one round of a two-member exchange (a wait of 50 ms) whose parts are `len` bytes and
+/// the other's comes `after`: the members answered, or why not.
+fn slow_round(len: usize, after: Duration) -> Result<Vec<usize>, String> {
+    let link = SlowLink {
+        answer_len: len,
+        after,
+        part: None,
+    };
+    let join = Join {
+        group: 1,
+        version: [0; 32],
+        rows: vec![0, 1],
+        peers: vec![Vec::new(); 2],
+        addrs: vec![Vec::new(); 2],
+        row: 0,
+        wait_ms: 50,
+        extra: 0,
+        noise: crate::coded::DEFAULT_NOISE,
+    };
+    let mut exchange = Exchange {
+        link,
+        group: join.group,
+        row: 0,
+        rows: join.member_rows(),
+        wait: join.wait(),
+        round_wait: join.wait(),
+        pass: 1,
+        round: 0,
+        request: Vec::new(),
+        got: BTreeMap::new(),
+        early: Vec::new(),
+        head: None,
+        gone: Default::default(),
+        dropped: Vec::new(),
+    };
+    let step = StepRequest::Matmul {
+        stage: Stage::Down(0),
+        t: 1,
+        x: vec![0.0; 4],
+    };
+    let request = protocol::encode(&step).unwrap();
+    let mut members = vec![0, 1];
+    block_on(exchange.round(&mut members, &request, 2))
+        .map(|answers| answers.into_iter().map(|(r, _)| r).collect())
+        .map_err(|e| e.reason)
+}
+
+#[test]
+fn a_members_part_is_waited_for_as_long_as_its_bytes_take_at_the_slowest_rate() {
+    // 25 000-byte parts, one to each of two members: 0.4 s at 1 Mbit/s, beyond the 50 ms.
+    assert_eq!(
+        slow_round(25_000, Duration::from_millis(300)),
+        Ok(vec![0, 1])
+    );
+    let late = slow_round(25_000, Duration::from_millis(600)).unwrap_err();
+    assert!(late.contains("within 450ms"), "{late}");
+    // A small part is waited for only the 50 ms.
+    assert!(slow_round(10, Duration::from_millis(300)).is_err());
+}
