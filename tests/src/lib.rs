@@ -4,6 +4,7 @@ pub mod lab;
 pub mod procs;
 pub mod scale;
 pub mod sim;
+pub mod spread;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};

@@ -20,3 +20,4 @@ mod mesh_processes;
 mod reference_logits;
 mod sim_mesh;
 mod sim_scale;
+mod sim_spread;
