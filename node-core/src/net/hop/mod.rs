@@ -241,6 +241,26 @@ pub struct Exchange<L> {
 }
 
 impl<L: HopLink> Exchange<L> {
+    /// The exchange of the member holding `row` in `join`'s group, before its first pass.
+    fn new(join: &Join, row: usize, link: L) -> Self {
+        Self {
+            link,
+            group: join.group,
+            row,
+            rows: join.member_rows(),
+            wait: join.wait(),
+            round_wait: join.wait(),
+            pass: 0,
+            round: 0,
+            request: Vec::new(),
+            got: BTreeMap::new(),
+            early: Vec::new(),
+            head: None,
+            gone: Default::default(),
+            dropped: Vec::new(),
+        }
+    }
+
     fn start_pass(&mut self, pass: u64, rows: &[u32]) {
         let fed: Vec<usize> = rows.iter().map(|&r| r as usize).collect();
         self.gone
@@ -404,22 +424,7 @@ impl<L: HopLink> HopMember<L> {
         if !rows.contains(&row) {
             return Err(CodedError::BadRequest(format!("row {row} is not in the group")).into());
         }
-        let exchange = Exchange {
-            link,
-            group: join.group,
-            row,
-            rows,
-            wait: join.wait(),
-            round_wait: join.wait(),
-            pass: 0,
-            round: 0,
-            request: Vec::new(),
-            got: BTreeMap::new(),
-            early: Vec::new(),
-            head: None,
-            gone: Default::default(),
-            dropped: Vec::new(),
-        };
+        let exchange = Exchange::new(join, row, link);
         let cfg = llama.config().clone();
         let group = join.group(cfg.clone(), generator, exchange)?;
         Ok(Self {

@@ -469,22 +469,8 @@ fn slow_round(len: usize, after: Duration) -> Result<Vec<usize>, String> {
         extra: 0,
         noise: crate::coded::DEFAULT_NOISE,
     };
-    let mut exchange = Exchange {
-        link,
-        group: join.group,
-        row: 0,
-        rows: join.member_rows(),
-        wait: join.wait(),
-        round_wait: join.wait(),
-        pass: 1,
-        round: 0,
-        request: Vec::new(),
-        got: BTreeMap::new(),
-        early: Vec::new(),
-        head: None,
-        gone: Default::default(),
-        dropped: Vec::new(),
-    };
+    let mut exchange = Exchange::new(&join, 0, link);
+    exchange.pass = 1;
     let step = StepRequest::Matmul {
         stage: Stage::Down(0),
         t: 1,
