@@ -3,15 +3,18 @@
 //! leave again (churn), while the leader serves back-to-back requests with many coded groups
 //! of disjoint holders ([`pick_holders`] and [`plan_group`], as `form_group` does).
 //!
-//! What is modelled, and what is not: a round of a group costs the leader's decode time plus
-//! the time until the k-th of its k + 1 members answers, each member's answer taking its
-//! compute time plus a round trip over its own link (one-way latency drawn per holder). A
-//! member that left answers never: the round completes on the other k when they are there,
-//! else it is asked again after the leader re-plans the group; either way the leader re-plans
-//! with holders nobody else uses. Heartbeats reach the leader every second from every live
-//! holder (their latency is ignored at this time scale). Bandwidth, the download a joiner makes
-//! and the leader's own CPU limits are not modelled: the leader is assumed to have a core per
-//! group.
+//! What is modelled, and what is not: a round of a group sends its request to its k + 1
+//! members through the leader's uplink, each member answers after its compute time plus a
+//! round trip over its own link (one-way latency drawn per holder), the answers come in
+//! through the leader's downlink, and the leader decodes on one of its cores. Every group's
+//! rounds share the leader's uplink, downlink and cores (each a queue, served in the order
+//! rounds reach it), with the request and answer sizes of the real protocol for the model's
+//! stages. A member may die during a round (at the churn rate) as well as between rounds: one
+//! that does answers never, and the round completes on the other k when they are there, else
+//! it is asked again after the leader re-plans the group; either way the leader re-plans with
+//! holders nobody else uses. Heartbeats reach the leader every second from every live holder
+//! (their latency is ignored at this time scale). Not modelled: the download a joiner makes,
+//! members' own bandwidth, and learning.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
@@ -21,6 +24,8 @@ use node_core::code::Generator;
 use node_core::mesh::{
     HealthConfig, Heartbeat, JoinOffer, MeshError, MeshView, pick_holders, plan_group,
 };
+use node_core::model::{LlamaConfig, Stage};
+use node_core::protocol::{self, StepRequest, StepResponse};
 
 use crate::sim::{SIM_MODEL, SimRng, VirtualClock};
 
@@ -49,8 +54,44 @@ pub struct ScaleConfig {
     pub compute: (Duration, Duration),
     /// A holder's one-way link latency, drawn once per holder from this range.
     pub latency: (Duration, Duration),
-    /// The leader's decode and non-linear work per round.
+    /// The leader's decode and non-linear work per round, on one core.
     pub leader_per_round: Duration,
+    /// The leader's cores.
+    pub leader_cores: usize,
+    /// The leader's uplink and downlink, bytes a second.
+    pub leader_link: (f64, f64),
+    /// Bytes of a round's request to one member and of its answer, on average over a token's
+    /// rounds ([`round_bytes`]).
+    pub round_bytes: (usize, usize),
+}
+
+/// The bytes of a round's request to one member and of a member's answer, on the wire, on
+/// average over a token's rounds of a model of `cfg` coded with `g` (one token a pass).
+pub fn round_bytes(cfg: &LlamaConfig, g: &Generator) -> (usize, usize) {
+    let stages = Stage::all(cfg);
+    let (mut request, mut answer) = (0, 0);
+    for stage in &stages {
+        let shapes = stage.shapes(cfg);
+        let inp = shapes.first().map_or(0, |&(_, i)| i);
+        let x = vec![0.0; inp];
+        let req = StepRequest::Matmul {
+            stage: *stage,
+            t: 1,
+            x,
+        };
+        let values = shapes
+            .iter()
+            .map(|&(out, _)| g.block_len(out) * g.sub_blocks())
+            .sum::<usize>();
+        let ans = StepResponse::Partial {
+            node: 0,
+            values: vec![0.0; values],
+        };
+        request += protocol::encode(&req).map_or(0, |b| b.len());
+        answer += protocol::encode(&ans).map_or(0, |b| b.len());
+    }
+    let rounds = stages.len().max(1);
+    (request / rounds, answer / rounds)
 }
 
 impl Default for ScaleConfig {
@@ -68,6 +109,12 @@ impl Default for ScaleConfig {
             compute: (Duration::from_micros(300), Duration::from_micros(700)),
             latency: (Duration::from_millis(2), Duration::from_millis(4)),
             leader_per_round: Duration::from_micros(100),
+            leader_cores: 8,
+            leader_link: (125e6, 125e6),
+            round_bytes: round_bytes(
+                &LlamaConfig::smollm2_135m(),
+                &Generator::cauchy(5, 3).expect("a k = 3 of 5 code"),
+            ),
         }
     }
 }
@@ -100,6 +147,23 @@ pub struct ScaleReport {
     pub unrecoverable_seconds: u64,
     /// The fewest live holders any row had at a one-second check while serving.
     pub min_holders: usize,
+    /// Members that died during a round.
+    pub died_mid_round: u64,
+    /// Share of the serving time the leader's uplink, downlink and busiest core were busy.
+    pub leader_busy: (f64, f64, f64),
+}
+
+impl ScaleConfig {
+    /// Tokens a second the leader's limits allow, whatever the groups: its uplink, downlink
+    /// and cores over a token's rounds.
+    pub fn leader_bound(&self) -> f64 {
+        let members = (self.k + 1) as f64;
+        let rounds = f64::from(self.rounds_per_token);
+        let up = self.leader_link.0 / (members * self.round_bytes.0 as f64 * rounds);
+        let down = self.leader_link.1 / (members * self.round_bytes.1 as f64 * rounds);
+        let cpu = self.leader_cores as f64 / (self.leader_per_round.as_secs_f64() * rounds);
+        up.min(down).min(cpu)
+    }
 }
 
 #[derive(Debug)]
@@ -133,6 +197,12 @@ struct Scale {
     next_id: u32,
     /// Holders the leader saw fail to answer.
     known_gone: BTreeSet<u32>,
+    /// When the leader's uplink and downlink are next free, and each of its cores.
+    up_free: Duration,
+    down_free: Duration,
+    cores: Vec<Duration>,
+    /// Time each was busy while serving.
+    busy: (Duration, Duration, Vec<Duration>),
     report: ScaleReport,
 }
 
@@ -181,7 +251,10 @@ impl Scale {
             turned_away: 0,
             unrecoverable_seconds: 0,
             min_holders: usize::MAX,
+            died_mid_round: 0,
+            leader_busy: (0.0, 0.0, 0.0),
         };
+        let cores = cfg.leader_cores.max(1);
         let mut s = Self {
             rng: SimRng::new(cfg.seed),
             cfg,
@@ -191,6 +264,10 @@ impl Scale {
             holders: BTreeMap::new(),
             next_id: 1,
             known_gone: BTreeSet::new(),
+            up_free: Duration::ZERO,
+            down_free: Duration::ZERO,
+            cores: vec![Duration::ZERO; cores],
+            busy: (Duration::ZERO, Duration::ZERO, vec![Duration::ZERO; cores]),
             report,
         };
         for row in 1..s.cfg.genesis as u32 {
@@ -324,30 +401,70 @@ impl Scale {
         )
     }
 
-    /// One round of a group: how long it took, or `None` when fewer than k answered.
-    fn round(&mut self, group: &Group) -> (Duration, bool) {
+    /// One round of group `group` that starts at `at`: when it ends, and whether k members
+    /// answered. Its request leaves through the leader's uplink, the answers come in through
+    /// its downlink, and the decode takes a core: each waits for the rounds of other groups
+    /// ahead of it.
+    fn round(&mut self, group: &Group, at: Duration) -> (Duration, bool) {
+        let members = group.members.len();
+        let secs = |bytes: f64, rate: f64| Duration::from_secs_f64(bytes / rate.max(1.0));
+        let (req, ans) = (self.cfg.round_bytes.0 as f64, self.cfg.round_bytes.1 as f64);
+        let send = secs(req * members as f64, self.cfg.leader_link.0);
+        let sent = self.up_free.max(at) + send;
+        self.up_free = sent;
+        self.busy.0 += send;
+        // A member dies during a round at the churn rate, over the round's likely length.
+        let die = self.cfg.churn_per_minute / 60.0 * (send.as_secs_f64() + 0.01);
         let mut answers: Vec<Duration> = Vec::new();
         let mut slowest_wait = Duration::ZERO;
+        let mut died = 0;
         for &(_, id) in &group.members {
             let compute = self.rng.duration(self.cfg.compute.0, self.cfg.compute.1);
-            match self.holders.get(&id) {
-                Some(h) if h.alive => answers.push(compute + h.latency * 2),
-                Some(h) => {
-                    // A lost connection is noticed after about a round trip.
+            let dies = self.rng.chance(die);
+            match self.holders.get_mut(&id) {
+                Some(h) if h.alive && dies => {
+                    h.alive = false;
+                    died += 1;
+                    self.report.died_mid_round += 1;
+                    self.report.churned.0 += 1;
+                    // Noticed when its connection drops, about a round trip later.
                     slowest_wait = slowest_wait.max(h.latency * 2);
                 }
+                Some(h) if h.alive => answers.push(compute + h.latency * 2),
+                Some(h) => slowest_wait = slowest_wait.max(h.latency * 2),
                 None => answers.push(compute), // the leader's own row
             }
         }
         answers.sort();
-        match answers.get(self.cfg.k - 1) {
-            Some(&kth) => (self.cfg.leader_per_round + kth, true),
-            None => (
-                self.cfg.leader_per_round
-                    + slowest_wait.max(answers.last().copied().unwrap_or_default()),
-                false,
-            ),
+        let ok = answers.len() >= self.cfg.k;
+        let heard = match answers.get(self.cfg.k - 1) {
+            Some(&kth) => kth,
+            None => slowest_wait.max(answers.last().copied().unwrap_or_default()),
+        };
+        let receive = secs(ans * answers.len() as f64, self.cfg.leader_link.1);
+        let received = self.down_free.max(sent + heard) + receive;
+        self.down_free = received;
+        self.busy.1 += receive;
+        let (core, free) = self
+            .cores
+            .iter()
+            .enumerate()
+            .min_by_key(|(_, t)| **t)
+            .map(|(i, t)| (i, *t))
+            .unwrap_or((0, Duration::ZERO));
+        let done = free.max(received) + self.cfg.leader_per_round;
+        if let Some(c) = self.cores.get_mut(core) {
+            *c = done;
         }
+        if let Some(b) = self.busy.2.get_mut(core) {
+            *b += self.cfg.leader_per_round;
+        }
+        // A joiner takes the place of each member that died: the population stays.
+        for _ in 0..died {
+            self.join();
+            self.report.churned.1 += 1;
+        }
+        (done, ok)
     }
 
     /// Marks members that left as seen by the leader; whether any did.
@@ -414,7 +531,7 @@ impl Scale {
                     }
                 }
             }
-            let (took, ok) = self.round(&groups[i]);
+            let (done, ok) = self.round(&groups[i], at);
             if ok {
                 let group = &mut groups[i];
                 group.rounds += 1;
@@ -430,9 +547,13 @@ impl Scale {
             } else {
                 self.report.retried_rounds += 1;
             }
-            queue.push(Reverse((at + took, i)));
+            queue.push(Reverse((done, i)));
         }
-        self.report.tokens_per_s = self.report.tokens as f64 / self.cfg.duration.as_secs_f64();
+        let serving = self.cfg.duration.as_secs_f64();
+        self.report.tokens_per_s = self.report.tokens as f64 / serving;
+        let share = |d: Duration| d.as_secs_f64() / serving;
+        let core = self.busy.2.iter().max().copied().unwrap_or_default();
+        self.report.leader_busy = (share(self.busy.0), share(self.busy.1), share(core));
         self.report
     }
 }
