@@ -42,7 +42,7 @@ pub struct SpreadConfig {
     pub fanout: usize,
     /// The leader's uplink, bytes a second.
     pub leader_up: f64,
-    /// A holder's uplink and downlink, bytes a second.
+    /// A holder's uplink, bytes a second.
     pub up: f64,
     /// A holder's downlink, bytes a second.
     pub down: f64,

@@ -146,6 +146,7 @@ pub(crate) async fn catch_up(
     store: &UpdateStore,
     rules: &Rules,
     tx: &tokio::sync::mpsc::Sender<Internal>,
+    received: &prometheus_client::metrics::counter::Counter,
 ) -> Result<Option<[u8; 32]>> {
     let link = NativeLink::quiet(client.clone());
     let have = read(state).version.clone();
@@ -156,6 +157,7 @@ pub(crate) async fn catch_up(
     };
     for id in ids {
         let bytes = holder::fetch_update(&link, &peer, id).await?;
+        received.inc_by(bytes.len() as u64);
         let (state, store, rules) = (state.clone(), store.clone(), rules.clone());
         let (got, applied) =
             tokio::task::spawn_blocking(move || apply_and_keep(&state, &store, &rules, &bytes))

@@ -455,8 +455,10 @@ impl Server {
             self.rules.clone(),
             self.internal_tx.clone(),
         );
+        let received = self.metrics.update_bytes_received.clone();
         tokio::spawn(async move {
-            let behind = match catch_up(&client, peer, &state, &store, &rules, &tx).await {
+            let behind = match catch_up(&client, peer, &state, &store, &rules, &tx, &received).await
+            {
                 Ok(behind) => behind.map(|version| (peer, version)),
                 Err(e) => {
                     tracing::warn!(%peer, "catching up: {e:#}");
@@ -556,6 +558,9 @@ impl Server {
                 return;
             }
             Route::Learn(bytes) => {
+                self.metrics
+                    .update_bytes_received
+                    .inc_by(bytes.len() as u64);
                 let (state, store, rules, tx) = (
                     self.state.clone(),
                     self.store.clone(),
@@ -572,13 +577,16 @@ impl Server {
                 })
             }
             Route::UpdatePiece { id, offset, len } => {
-                let store = self.store.clone();
+                let (store, sent) = (self.store.clone(), self.metrics.update_bytes_sent.clone());
                 Box::new(move || match store.chunk(id, offset, len) {
-                    Ok((total, bytes)) => MeshResponse::Chunk {
-                        total,
-                        version: [0; 32],
-                        bytes,
-                    },
+                    Ok((total, bytes)) => {
+                        sent.inc_by(bytes.len() as u64);
+                        MeshResponse::Chunk {
+                            total,
+                            version: [0; 32],
+                            bytes,
+                        }
+                    }
                     Err(e) => MeshResponse::Error(format!("{e:#}")),
                 })
             }

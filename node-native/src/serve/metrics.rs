@@ -84,6 +84,11 @@ pub struct Metrics {
     pub loss: Gauge<f64, AtomicU64>,
     /// Bytes of gossip received.
     pub gossip_bytes: Counter,
+    /// Bytes of learning updates this node sent: handed out as a leader, or served to a
+    /// holder catching up.
+    pub update_bytes_sent: Counter,
+    /// Bytes of learning updates this node received: handed to it, or fetched catching up.
+    pub update_bytes_received: Counter,
     /// Bytes of running sums received while building other nodes' rows along a chain.
     pub chain_bytes: Counter,
     /// Tokens drafted by prompt lookup and checked in forward passes.
@@ -150,6 +155,8 @@ impl Metrics {
             canary_loss: Gauge::default(),
             loss: Gauge::default(),
             gossip_bytes: Counter::default(),
+            update_bytes_sent: Counter::default(),
+            update_bytes_received: Counter::default(),
             chain_bytes: Counter::default(),
             draft_tokens: Counter::default(),
             draft_accepted: Counter::default(),
@@ -262,6 +269,16 @@ impl Metrics {
             "updates_applied",
             "Learning updates applied to this node's shard",
             m.updates_applied.clone(),
+        );
+        r.register(
+            "update_bytes_sent",
+            "Bytes of learning updates sent: handed out as a leader, or served to holders catching up",
+            m.update_bytes_sent.clone(),
+        );
+        r.register(
+            "update_bytes_received",
+            "Bytes of learning updates received: handed to this node, or fetched catching up",
+            m.update_bytes_received.clone(),
         );
         r.register(
             "snapshots",

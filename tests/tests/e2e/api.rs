@@ -383,6 +383,15 @@ fn up_serves_the_openai_api_learns_stops_restarts_and_supervises() -> Result<()>
         learned >= 1,
         "the API's requests trained the mesh ({learned} updates)"
     );
+    // The leader counts what handing out its updates cost: each went to every other holder
+    // (the tiny model's update is about 31 kB).
+    let published = metric(port, "codedmesh_updates_published_total")?;
+    let sent = metric(port, "codedmesh_update_bytes_sent_total")?;
+    ensure!(
+        published >= 1.0 && sent >= published * (nodes - 1) as f64 * 10_000.0,
+        "{published} updates published, {sent} update bytes sent to {} other holders",
+        nodes - 1
+    );
 
     // Ctrl-C stops every node cleanly.
     let pids: Vec<i32> = up.node_pids().iter().map(|&(_, p)| p).collect();

@@ -479,6 +479,9 @@ impl Worker {
         let (before, _) = ctx.local.norms();
         let link = crate::hold::link::NativeLink::quiet(ctx.client.clone());
         let remote = node_core::lead::hand_out(&link, holders, &sealed).await;
+        ctx.metrics
+            .update_bytes_sent
+            .inc_by((sealed.bytes.len() * holders.len()) as u64);
         let (local, bytes) = (ctx.local.clone(), sealed.bytes.clone());
         let local = tokio::task::spawn_blocking(move || local.learn(&bytes))
             .await
