@@ -197,13 +197,29 @@ struct Scale {
     next_id: u32,
     /// Holders the leader saw fail to answer.
     known_gone: BTreeSet<u32>,
-    /// When the leader's uplink and downlink are next free, and each of its cores.
-    up_free: Duration,
-    down_free: Duration,
-    cores: Vec<Duration>,
-    /// Time each was busy while serving.
-    busy: (Duration, Duration, Vec<Duration>),
+    /// The leader's uplink, downlink and cores.
+    up: Queue,
+    down: Queue,
+    cores: Vec<Queue>,
     report: ScaleReport,
+}
+
+/// One of the leader's resources, serving one piece of work at a time in the order it comes.
+#[derive(Debug, Clone, Copy, Default)]
+struct Queue {
+    /// When it is next free.
+    free: Duration,
+    /// How long it has worked.
+    busy: Duration,
+}
+
+impl Queue {
+    /// Work of `took` that can start at `ready`: when it is done.
+    fn take(&mut self, ready: Duration, took: Duration) -> Duration {
+        self.free = self.free.max(ready) + took;
+        self.busy += took;
+        self.free
+    }
 }
 
 fn heartbeat(row: u32, incarnation: u64, seq: u64) -> Heartbeat {
@@ -264,10 +280,9 @@ impl Scale {
             holders: BTreeMap::new(),
             next_id: 1,
             known_gone: BTreeSet::new(),
-            up_free: Duration::ZERO,
-            down_free: Duration::ZERO,
-            cores: vec![Duration::ZERO; cores],
-            busy: (Duration::ZERO, Duration::ZERO, vec![Duration::ZERO; cores]),
+            up: Queue::default(),
+            down: Queue::default(),
+            cores: vec![Queue::default(); cores],
             report,
         };
         for row in 1..s.cfg.genesis as u32 {
@@ -410,9 +425,7 @@ impl Scale {
         let secs = |bytes: f64, rate: f64| Duration::from_secs_f64(bytes / rate.max(1.0));
         let (req, ans) = (self.cfg.round_bytes.0 as f64, self.cfg.round_bytes.1 as f64);
         let send = secs(req * members as f64, self.cfg.leader_link.0);
-        let sent = self.up_free.max(at) + send;
-        self.up_free = sent;
-        self.busy.0 += send;
+        let sent = self.up.take(at, send);
         // A member dies during a round at the churn rate, over the round's likely length.
         let die = self.cfg.churn_per_minute / 60.0 * (send.as_secs_f64() + 0.01);
         let mut answers: Vec<Duration> = Vec::new();
@@ -442,23 +455,12 @@ impl Scale {
             None => slowest_wait.max(answers.last().copied().unwrap_or_default()),
         };
         let receive = secs(ans * answers.len() as f64, self.cfg.leader_link.1);
-        let received = self.down_free.max(sent + heard) + receive;
-        self.down_free = received;
-        self.busy.1 += receive;
-        let (core, free) = self
-            .cores
-            .iter()
-            .enumerate()
-            .min_by_key(|(_, t)| **t)
-            .map(|(i, t)| (i, *t))
-            .unwrap_or((0, Duration::ZERO));
-        let done = free.max(received) + self.cfg.leader_per_round;
-        if let Some(c) = self.cores.get_mut(core) {
-            *c = done;
-        }
-        if let Some(b) = self.busy.2.get_mut(core) {
-            *b += self.cfg.leader_per_round;
-        }
+        let received = self.down.take(sent + heard, receive);
+        // The decode goes to the core free first.
+        let done = match self.cores.iter_mut().min_by_key(|c| c.free) {
+            Some(core) => core.take(received, self.cfg.leader_per_round),
+            None => received + self.cfg.leader_per_round,
+        };
         // A joiner takes the place of each member that died: the population stays.
         for _ in 0..died {
             self.join();
@@ -552,8 +554,8 @@ impl Scale {
         let serving = self.cfg.duration.as_secs_f64();
         self.report.tokens_per_s = self.report.tokens as f64 / serving;
         let share = |d: Duration| d.as_secs_f64() / serving;
-        let core = self.busy.2.iter().max().copied().unwrap_or_default();
-        self.report.leader_busy = (share(self.busy.0), share(self.busy.1), share(core));
+        let core = self.cores.iter().map(|c| c.busy).max().unwrap_or_default();
+        self.report.leader_busy = (share(self.up.busy), share(self.down.busy), share(core));
         self.report
     }
 }

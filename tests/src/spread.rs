@@ -216,30 +216,23 @@ pub fn run_spread(cfg: &SpreadConfig) -> SpreadReport {
     }
     applied.sort_by(f64::total_cmp);
     rounds.sort_unstable();
-    let q = |v: &[f64], p: f64| {
-        v.get(((v.len() as f64 * p) as usize).min(v.len().saturating_sub(1)))
-            .copied()
-            .unwrap_or(f64::NAN)
-    };
-    let qr = |p: f64| {
-        rounds
-            .get(((rounds.len() as f64 * p) as usize).min(rounds.len().saturating_sub(1)))
-            .copied()
-            .unwrap_or(0)
-    };
+    let q = |p| quantile(&applied, p).unwrap_or(f64::NAN);
+    let qr = |p| quantile(&rounds, p).unwrap_or(0);
     SpreadReport {
         leader_copies: children(None) as f64,
-        applied_s: (
-            q(&applied, 0.5),
-            q(&applied, 0.99),
-            applied.last().copied().unwrap_or(f64::NAN),
-        ),
+        applied_s: (q(0.5), q(0.99), q(1.0)),
         rounds: (qr(0.5), qr(0.99)),
         died,
         pulled,
         duplicate_bytes: duplicate / n.max(1) as f64,
         missed,
     }
+}
+
+/// The `p` quantile of sorted `v` (its last value at 1).
+fn quantile<T: Copy>(v: &[T], p: f64) -> Option<T> {
+    let i = ((v.len() as f64 * p) as usize).min(v.len().checked_sub(1)?);
+    v.get(i).copied()
 }
 
 /// Today's protocol: the leader hands the update to each of `holders` itself, its uplink

@@ -233,7 +233,8 @@ impl Bench {
         if node.starts_with("api") {
             log.push_str(",node_native::serve::engine::hop=info");
         }
-        cmd.args(args).env("RUST_LOG", log);
+        // Plain logs: the bench reads them.
+        cmd.args(args).env("RUST_LOG", log).env("NO_COLOR", "1");
         let p = spawn_command(cmd, &self.dir, node, stdout)?;
         self.procs.push(p);
         Ok(())
@@ -355,9 +356,9 @@ impl Bench {
     /// Gives every site's link the setting's share: half the delay and loss between two
     /// sites, the home site's rate to site b.
     fn shape(&mut self, set: Setting) -> Result<()> {
-        for (site, _, rate, _) in SITES {
-            let rate = if site == "b" { set.home_mbit } else { rate };
-            self.lab.reshape(site, set.ms / 2.0, rate, set.loss / 2.0)?;
+        for site in topology(set).sites {
+            let (ms, mbit, loss) = (site.delay_ms, site.rate_mbit, site.loss_percent);
+            self.lab.reshape(&site.name, ms, mbit, loss)?;
         }
         Ok(())
     }
@@ -442,24 +443,9 @@ impl Bench {
     }
 }
 
-/// Node `node`'s log in `dir`, its colours taken out.
+/// Node `node`'s log in `dir` (its stderr, without colours: [`Bench::spawn`]).
 fn log(dir: &Path, node: &str) -> String {
-    let text = std::fs::read_to_string(dir.join(format!("{node}.log"))).unwrap_or_default();
-    let mut out = String::with_capacity(text.len());
-    let mut chars = text.chars();
-    while let Some(c) = chars.next() {
-        if c == '\u{1b}' {
-            // An escape sequence runs to its final letter.
-            for c in chars.by_ref() {
-                if c.is_ascii_alphabetic() {
-                    break;
-                }
-            }
-        } else {
-            out.push(c);
-        }
-    }
-    out
+    std::fs::read_to_string(dir.join(format!("{node}.log"))).unwrap_or_default()
 }
 
 /// The sites of the members of the hop group API node `api` formed last (its log in `dir`

@@ -77,6 +77,14 @@ fn state_dir() -> PathBuf {
 }
 
 impl Topology {
+    /// The position of site `name` among the sites.
+    fn site_index(&self, name: &str) -> Result<usize> {
+        self.sites
+            .iter()
+            .position(|s| s.name == name)
+            .with_context(|| format!("lab {} has no site {name}", self.name))
+    }
+
     /// Reads and checks a topology file.
     pub fn load(path: &Path) -> Result<Self> {
         let text =
@@ -452,18 +460,10 @@ impl Lab {
         reshape(&mut self.topology, name, delay_ms, rate_mbit, loss_percent)
     }
 
-    fn site_index(&self, name: &str) -> Result<usize> {
-        self.topology
-            .sites
-            .iter()
-            .position(|s| s.name == name)
-            .with_context(|| format!("lab {} has no site {name}", self.topology.name))
-    }
-
     /// Cuts site `name` off the internet: its link stops carrying frames, as when a site
     /// loses power or its uplink.
     pub fn cut(&mut self, name: &str) -> Result<()> {
-        let i = self.site_index(name)?;
+        let i = self.topology.site_index(name)?;
         let pid = std::mem::take(self.links.get_mut(i).context("the site has no link")?);
         ensure!(pid != 0, "site {name} is cut already");
         // SAFETY: kill and waitpid on a link process this lab started (0 marks it gone, so
@@ -478,7 +478,8 @@ impl Lab {
 
     /// Whether site `name` was cut off ([`Lab::cut`]).
     pub fn is_cut(&self, name: &str) -> bool {
-        self.site_index(name)
+        self.topology
+            .site_index(name)
             .is_ok_and(|i| self.links.get(i).is_some_and(|&pid| pid == 0))
     }
 
@@ -624,11 +625,7 @@ pub fn reshape(
     rate_mbit: f64,
     loss_percent: f64,
 ) -> Result<()> {
-    let i = topology
-        .sites
-        .iter()
-        .position(|s| s.name == name)
-        .with_context(|| format!("lab {} has no site {name}", topology.name))?;
+    let i = topology.site_index(name)?;
     let s = &mut topology.sites[i];
     (s.delay_ms, s.rate_mbit, s.loss_percent) = (delay_ms, rate_mbit, loss_percent);
     topology.check()?;
