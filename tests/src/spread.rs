@@ -205,10 +205,11 @@ pub fn run_spread(cfg: &SpreadConfig) -> SpreadReport {
     let (mut died, mut missed) = (0, 0);
     for (i, st) in streams.iter().enumerate() {
         let at = st.last + apply;
-        if death[i] < at {
-            died += 1;
-        } else if !at.is_finite() {
+        // A holder no source reached is missed, whenever it dies.
+        if !at.is_finite() {
             missed += 1;
+        } else if death[i] < at {
+            died += 1;
         } else {
             applied.push(at);
             rounds.push(st.rounds);
