@@ -226,12 +226,12 @@ fn print_settled(
     use node_native::lead::remote::Settled;
     match settled {
         Settled::Published { sent, .. } => eprintln!(
-            "update {:016x}: {} requests, {} bytes, {:.1}% of the gradient's energy kept, taken by {} of {} nodes ({:.2} s)",
+            "update {:016x}: {} requests, {} bytes, {:.1}% of the gradient's energy kept, told {} of {} nodes, who spread it to the rest ({:.2} s)",
             sent.id,
             sent.requests,
             sent.bytes,
             100.0 * sent.kept,
-            sent.applied_by,
+            sent.told,
             leader.formed.holders.len(),
             started.elapsed().as_secs_f64()
         ),

@@ -1,18 +1,20 @@
-//! A learning update spreading from its leader to every live holder, in virtual time (issue
-//! 57's plan, before the protocol is built): the leader hands the signed update to at most
-//! `fanout` holders and each passes it on to at most `fanout` more (a tree over the live
-//! holders in random order), piece by piece, forwarding each piece as soon as it has it; a
-//! holder whose sender dies notices after `notice` and pulls what it lacks from a random holder
-//! that has the whole update. Beside it, today's protocol: the leader hands the update to every
-//! holder itself.
+//! A learning update spreading from its leader to every live holder, in virtual time, as
+//! `node_core::holder::spread` does it: the leader hands the notice to at most `fanout`
+//! holders and each passes it on to at most `fanout` more (a tree over the live holders in
+//! random order); each pulls the pieces from the holder that told it, which serves each piece
+//! as soon as it has it; a holder whose sender dies notices after `notice` (the node's
+//! `PULL_AFTER`) and pulls what it lacks from a random holder that has the whole update. Beside
+//! it, the protocol before: the leader hands the update to every holder itself.
 //!
 //! Modelled: every holder's uplink and downlink (a sender shares its uplink evenly among the
 //! holders it feeds, and a pipeline runs at its slowest share upstream), one `hop_latency` a
 //! piece relayed, the time a holder takes to check and apply the update, and holders dying at
 //! random while it spreads (exponential lifetimes at the churn rate; the leader lives). Not
 //! modelled: a pull source's other uploads (pulls find idle uplinks), congestion beyond the
-//! uplink share, and the gossip that announces the update (a holder that has received nothing
-//! notices its sender's death the same way, after `notice`).
+//! uplink share, a piece's request (one more delay a piece; pieces are asked one after another,
+//! so a relay's pipeline runs a round trip a piece behind its sender), and the gossip that
+//! announces the update (a holder that has received nothing notices its sender's death the same
+//! way, after `notice`).
 
 use std::time::Duration;
 

@@ -89,9 +89,17 @@ impl RowView {
             })
     }
 
-    /// The best holder's version lag, in updates.
-    pub fn lag(&self) -> Option<u64> {
-        self.holders.first().map(|h| h.lag)
+    /// How far each holder is behind the mesh version, in updates, best first ("—" with none):
+    /// a replica still pulling an update shows beside one that has it.
+    pub fn lags(&self) -> String {
+        if self.holders.is_empty() {
+            return "—".into();
+        }
+        self.holders
+            .iter()
+            .map(|h| h.lag.to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
     }
 
     /// The last verification result: the evidence if a leader caught a holder.
@@ -369,9 +377,11 @@ mod tests {
 
     #[test]
     fn a_grown_mesh_lists_the_rows_it_reports_with_every_holder() {
+        let mut behind = node("12D3KooWreplica0", Some(0), Health::Healthy, "cpu");
+        behind.lag = 2;
         let mut i = info(vec![
+            behind,
             node("12D3KooWaaaaaaaa", Some(0), Health::Healthy, "cpu"),
-            node("12D3KooWreplica0", Some(0), Health::Healthy, "cpu"),
             node(
                 "12D3KooWnewrow07",
                 Some(7),
@@ -386,6 +396,8 @@ mod tests {
             vec![0, 1, 2, 7]
         );
         assert_eq!(rows[0].holders.len(), 2);
+        assert_eq!(rows[0].lags(), "0, 2", "each holder's lag, the best first");
+        assert_eq!(rows[1].lags(), "—");
         assert_eq!(rows[3].device(), "browser CPU");
     }
 

@@ -6,6 +6,7 @@
 mod catchup;
 mod join;
 mod serve;
+pub mod spread;
 
 pub use catchup::{fetch_update, plan_with, version_of, worth_catching_up};
 pub use join::{Joined, Link, answer_chain, join, obtain, source_error, source_peer};
@@ -13,6 +14,7 @@ pub use serve::{
     Held, LEARN_PER_MINUTE, LearnLimit, Route, Snapshot, ViewQuery, answer_view, chain, contribute,
     receipt, route, step, step_async,
 };
+pub use spread::{FANOUT, Notice, Opened, PIECE_BYTES, Passed, PieceList, deal, pass_on, pull};
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -308,6 +310,7 @@ pub fn describe(r: &MeshResponse) -> &'static str {
         MeshResponse::Learned { .. } => "learning receipt",
         MeshResponse::Norms { .. } => "norm gains",
         MeshResponse::Reported => "report receipt",
+        MeshResponse::Spreading { .. } => "notice receipt",
         MeshResponse::Partial(_) => "running sum",
         MeshResponse::Error(_) => "error",
         MeshResponse::Stale { .. } => "refusal at another version",

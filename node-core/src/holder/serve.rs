@@ -22,7 +22,7 @@ pub const LEARN_PER_MINUTE: usize = 120;
 
 /// What a holder must do to answer a request.
 #[derive(Debug)]
-pub enum Route {
+pub enum Route<P> {
     /// Send this answer.
     Answer(MeshResponse),
     /// A question about the mesh, answered from the node's view ([`answer_view`]).
@@ -39,6 +39,9 @@ pub enum Route {
     Learn(Vec<u8>),
     /// Take part in a chain ([`chain`]).
     Chain(ChainPart),
+    /// Pull an update that is spreading and pass its notice on ([`super::spread`]); the
+    /// notice is checked.
+    Spread(super::Opened<P>),
     /// Send a piece of this row's shard blob at its current version ([`Snapshot::piece`]).
     ShardPiece {
         /// First byte.
@@ -122,13 +125,13 @@ impl<P: Hash + Eq + Clone> LearnLimit<P> {
 
 /// Decides what `request` from `peer` means for the row `held`, answering at once what needs
 /// no work.
-pub fn route<P: Hash + Eq + Clone>(
+pub fn route<P: Hash + Eq + Clone + std::str::FromStr>(
     held: &Held<'_>,
     limit: &mut LearnLimit<P>,
     peer: &P,
     now: Instant,
     request: MeshRequest,
-) -> Route {
+) -> Route<P> {
     let answer = Route::Answer;
     let error = |e: String| Route::Answer(MeshResponse::Error(e));
     match request {
@@ -171,6 +174,13 @@ pub fn route<P: Hash + Eq + Clone>(
             "rate limit: at most {LEARN_PER_MINUTE} updates a minute from one peer"
         )),
         MeshRequest::Learn(bytes) => Route::Learn(bytes),
+        MeshRequest::Spread(_) if !limit.allow(peer, now) => error(format!(
+            "rate limit: at most {LEARN_PER_MINUTE} updates a minute from one peer"
+        )),
+        MeshRequest::Spread(notice) => match notice.open() {
+            Ok(opened) => Route::Spread(opened),
+            Err(e) => error(format!("an update's notice: {e}")),
+        },
         MeshRequest::Step { version, bytes } => match protocol::decode::<StepRequest>(&bytes) {
             Ok(request) => Route::Step { version, request },
             Err(e) => error(format!("a step request: {e}")),
@@ -350,7 +360,7 @@ mod tests {
         }
     }
 
-    fn error_of(r: Route) -> String {
+    fn error_of(r: Route<u32>) -> String {
         match r {
             Route::Answer(MeshResponse::Error(e)) => e,
             other => panic!("expected an error, got {other:?}"),

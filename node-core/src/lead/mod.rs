@@ -1,6 +1,6 @@
 //! The leader's role, written once for the native and the browser node: forming a coded group
 //! over the mesh's live rows (checked against learning updates of their version), settling
-//! what learning makes ([`learning`]), handing an update to every holder and reporting the
+//! what learning makes ([`learning`]), spreading an update through the holders and reporting the
 //! members a group caught ([`publish`]), choosing how a pass travels ([`route`]), and the
 //! trainer's share of the time and of a minibatch ([`training`]). No I/O is inside: each shell
 //! implements [`LeadLink`] over its own networking.
@@ -12,7 +12,7 @@ pub mod training;
 
 pub use learning::{Publisher, Settled, settle};
 pub use publish::{
-    Reported, Sealed, Sent, hand_out, publish, publish_sealed, report_caught, seal_update,
+    Reported, Sealed, Sent, publish, publish_sealed, report_caught, seal_update, spread_out,
 };
 pub use route::{HOP_OVER, PassRoute, RouteMeasures, hop_members};
 

@@ -1,5 +1,5 @@
-//! Handing out what a leader made: a learning update, signed, to every holder, and the members
-//! a group caught, reported to them.
+//! Handing out what a leader made: a learning update, signed, spread through the holders
+//! ([`crate::holder::spread`]), and the members a group caught, reported to every holder.
 
 use std::collections::BTreeMap;
 
@@ -7,7 +7,7 @@ use libp2p::PeerId;
 
 use super::LeadError;
 use crate::coded::Caught;
-use crate::holder::Link;
+use crate::holder::{Link, Passed, PieceList, pass_on};
 use crate::learn::{Published, Update, seal};
 use crate::mesh::{MeshRequest, MeshResponse};
 
@@ -18,39 +18,39 @@ pub struct Sealed {
     pub id: u64,
     /// The signed bytes a holder takes.
     pub bytes: Vec<u8>,
+    /// Its signed [`PieceList`], which holders check each piece against.
+    pub list: Vec<u8>,
 }
 
 /// Signs a published update with the leader's key.
 pub fn seal_update(p: &Published, key: &libp2p::identity::Keypair) -> Result<Sealed, LeadError> {
     let payload = p.update.encode();
     let id = Update::id_of(&payload);
-    Ok(Sealed {
-        id,
-        bytes: seal(payload, key)?,
-    })
+    let bytes = seal(payload, key)?;
+    let list = PieceList::of(id, &bytes).seal(key)?;
+    Ok(Sealed { id, bytes, list })
 }
 
-/// Hands a sealed update to every one of `holders` at once; returns how many took it (the
-/// others are logged: they catch up from those that did).
-pub async fn hand_out<L: Link<Peer = PeerId>>(
+/// Starts `update` spreading through `holders` (the earliest hear first): at most
+/// [`crate::holder::FANOUT`] of them are told by the leader, and they pull it from `source`
+/// (the leader's own node, which keeps it) or, with none, get it with the notice.
+pub async fn spread_out<L: Link<Peer = PeerId>>(
     link: &L,
     holders: &[PeerId],
     update: &Sealed,
-) -> usize {
-    let sends = holders.iter().map(|peer| async move {
-        let req = MeshRequest::Learn(update.bytes.clone());
-        (peer, link.ask(peer, req).await)
-    });
-    let mut taken = 0;
-    for (peer, answer) in futures::future::join_all(sends).await {
-        match answer {
-            Ok(MeshResponse::Learned { .. }) => taken += 1,
-            Ok(MeshResponse::Error(e)) => tracing::warn!(%peer, "a node refused the update: {e}"),
-            Ok(_) => tracing::warn!(%peer, "a node answered the update with something else"),
-            Err(e) => tracing::warn!(%peer, "the update did not reach a node: {e}"),
-        }
+    source: Option<PeerId>,
+) -> Passed {
+    let passed = match source {
+        Some(me) => pass_on(link, &update.list, &[me.to_string()], holders, None).await,
+        None => pass_on(link, &update.list, &[], holders, Some(&update.bytes)).await,
+    };
+    if passed.taken == 0 && !holders.is_empty() {
+        tracing::warn!(
+            id = format!("{:016x}", update.id),
+            "no holder took the update's notice: holders catch up when they hear of it"
+        );
     }
-    taken
+    passed
 }
 
 /// What handing out an update did.
@@ -60,15 +60,17 @@ pub struct Sent {
     pub id: u64,
     /// Its size, signed.
     pub bytes: usize,
-    /// How many holders took it.
-    pub applied_by: usize,
+    /// How many holders the leader told (at most [`crate::holder::FANOUT`]; they tell the rest).
+    pub told: usize,
+    /// Bytes of it the leader sent with its notices.
+    pub sent_bytes: u64,
     /// Requests folded into it.
     pub requests: u32,
     /// Share of the gradient energy its compression kept.
     pub kept: f64,
 }
 
-/// Signs `p` and hands it to every one of `holders`.
+/// Signs `p` and starts it spreading through `holders` (sent with the notices).
 pub async fn publish<L: Link<Peer = PeerId>>(
     link: &L,
     key: &libp2p::identity::Keypair,
@@ -78,18 +80,20 @@ pub async fn publish<L: Link<Peer = PeerId>>(
     Ok(publish_sealed(link, holders, &seal_update(p, key)?, p).await)
 }
 
-/// Hands `sealed` (the signed form of `p`) to every one of `holders`.
+/// Starts `sealed` (the signed form of `p`) spreading through `holders`, sent with the
+/// notices.
 pub async fn publish_sealed<L: Link<Peer = PeerId>>(
     link: &L,
     holders: &[PeerId],
     sealed: &Sealed,
     p: &Published,
 ) -> Sent {
-    let applied_by = hand_out(link, holders, sealed).await;
+    let passed = spread_out(link, holders, sealed, None).await;
     Sent {
         id: sealed.id,
         bytes: sealed.bytes.len(),
-        applied_by,
+        told: passed.taken,
+        sent_bytes: passed.inline_bytes,
         requests: p.requests,
         kept: p.kept,
     }

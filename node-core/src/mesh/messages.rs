@@ -447,6 +447,21 @@ pub enum JoinOffer {
     },
 }
 
+/// A notice of a learning update spreading ([`crate::holder::spread`]): what a holder pulls, from whom, and whom it tells next.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Notice {
+    /// The signed [`crate::holder::PieceList`].
+    #[serde(with = "serde_bytes")]
+    pub list: Vec<u8>,
+    /// Peers to pull pieces from, nearest first (the last is the nearest to the leader).
+    pub sources: Vec<String>,
+    /// Holders the receiver passes the notice on to.
+    pub to: Vec<String>,
+    /// The whole signed update, from a leader that serves no pieces.
+    #[serde(with = "serde_bytes")]
+    pub inline: Option<Vec<u8>>,
+}
+
 /// A request on the mesh protocol.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum MeshRequest {
@@ -499,6 +514,9 @@ pub enum MeshRequest {
     Served(Usage),
     /// A piece of a row being built along a chain of holders ([`crate::chain`]).
     Chain(ChainPart),
+    /// A learning update is spreading: pull it and pass the notice on
+    /// ([`crate::holder::spread`]).
+    Spread(Notice),
 }
 
 /// An answer on the mesh protocol.
@@ -546,6 +564,11 @@ pub enum MeshResponse {
     },
     /// A report was taken.
     Reported,
+    /// A notice of an update was taken: the node pulls it and passes the notice on.
+    Spreading {
+        /// The update's id.
+        id: u64,
+    },
     /// The request could not be served.
     Error(String),
     /// A chained piece's running sum, as f32 values ([`crate::chain`]).

@@ -17,8 +17,8 @@ pub use health::{Health, HealthConfig};
 pub use manifest::ModelManifest;
 pub use messages::{
     BrowserBootstrap, CHUNK_BYTES, ChainPart, HEARTBEAT_TOPIC, Heartbeat, HoldersByRow, JoinOffer,
-    MAX_CHUNK_BYTES, MeshInfo, MeshRequest, MeshResponse, NodeStatus, Piece, Reach, RowHolders,
-    SourceRow, StepRefusal, Usage, rows_at_version,
+    MAX_CHUNK_BYTES, MeshInfo, MeshRequest, MeshResponse, NodeStatus, Notice, Piece, Reach,
+    RowHolders, SourceRow, StepRefusal, Usage, rows_at_version,
 };
 pub use round::{
     GroupPlan, MemberPool, RoundConfig, RoundDriver, RoundError, pick_holders, plan_group,

@@ -294,6 +294,7 @@ impl Leader {
             link: NativeLink::quiet(self.session.client.clone()),
             key: &self.session.key,
             holders: &self.formed.holders,
+            members: &self.formed.members,
             archive: self.archive.as_deref(),
         };
         settle(
@@ -331,11 +332,13 @@ impl Leader {
 }
 
 /// A leader's [`Publisher`] over the network: signs an update, keeps a copy in the archive if
-/// set, and hands it to every live row's holder (the rest catch up from them).
+/// set, starts it spreading through every live row's holder (the group's members first) and
+/// waits until the members have applied it.
 struct NetPublisher<'a> {
     link: NativeLink,
     key: &'a libp2p::identity::Keypair,
     holders: &'a [PeerId],
+    members: &'a [PeerId],
     archive: Option<&'a std::path::Path>,
 }
 
@@ -358,7 +361,22 @@ impl Publisher for NetPublisher<'_> {
 
     async fn publish(&mut self, p: Published) -> Result<(Sent, Option<[u8; 32]>), String> {
         let sealed = self.seal(&p).map_err(|e| format!("{e:#}"))?;
-        let sent = node_core::lead::publish_sealed(&self.link, self.holders, &sealed, &p).await;
+        let order = crate::hold::spread::members_first(self.members, self.holders);
+        let sent = node_core::lead::publish_sealed(&self.link, &order, &sealed, &p).await;
+        let wait = crate::hold::spread::PUBLISH_WAIT
+            + node_core::net::hop::at_min_rate(sealed.bytes.len());
+        let members: Vec<PeerId> = self
+            .members
+            .iter()
+            .filter(|m| self.holders.contains(m))
+            .copied()
+            .collect();
+        let at = crate::hold::spread::applied_by(&self.link, &members, sealed.id, wait).await;
+        tracing::debug!(
+            members_at = at,
+            members = members.len(),
+            "published an update"
+        );
         Ok((sent, None))
     }
 }

@@ -1,7 +1,7 @@
 //! Serving: a node announces its row and answers peers — coded steps, pieces of its shard,
 //! its part in others' chains, learning updates — and runs the API's engine when it serves HTTP.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::Instant;
 
@@ -23,9 +23,15 @@ use crate::hold::learning::read;
 use crate::hold::learning::{Rules, ShardState, UpdateStore};
 use crate::hold::link::{NativeLink, order_addrs};
 use crate::hold::row::{InfoRequest, Internal, LocalRow, catch_up, learn};
+use crate::hold::spread::{Relay, Spreads};
 use crate::hold::store::DataDir;
 use crate::net::swarm::{Client, Inbound, with_peer};
 use node_core::net::reach::Reach;
+
+/// How long a node behind its peers waits, with no update spreading to it, before it pulls what
+/// it lacks: an update spreads to every live holder well within it, so pulls are for the holders
+/// the spread missed (restarted, partitioned, their relay gone).
+pub const PULL_AFTER: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Announces the node's row and answers peers until stopped.
 pub(super) async fn run_server(
@@ -207,6 +213,8 @@ pub(super) async fn run_server(
         snapshot: Arc::new(Mutex::new(Snapshot::default())),
         internal_tx,
         syncing: false,
+        behind: None,
+        spreads: Default::default(),
         folding: false,
         manifest: Arc::new(manifest),
         metrics,
@@ -234,6 +242,11 @@ struct Server {
     internal_tx: tokio::sync::mpsc::Sender<Internal>,
     /// A catch-up with a peer (or a rebuild after one) is running.
     syncing: bool,
+    /// Since when peers have announced a version this node lacks, and each such peer's update
+    /// count and requests led: pulled from once no update has spread to it for [`PULL_AFTER`].
+    behind: Option<(Instant, HashMap<PeerId, (u64, u64)>)>,
+    /// Updates spreading through this node.
+    spreads: Spreads,
     /// A fold of the kept updates into a new snapshot is running.
     folding: bool,
     /// The mesh's manifest (a rebuild obtains the row as a joiner would).
@@ -286,6 +299,7 @@ impl Server {
     fn on_internal(&mut self, msg: Internal) -> Result<()> {
         match msg {
             Internal::Applied(id) => {
+                self.behind = None;
                 let version = read(&self.state).version.clone();
                 self.store.save_version(&version)?;
                 self.metrics.updates_applied.inc();
@@ -442,12 +456,27 @@ impl Server {
         }
     }
 
-    /// A peer announces a version this node does not have: fetch what is missing from it.
-    fn maybe_sync(&mut self, peer: PeerId, hb: &Heartbeat) {
-        if self.syncing || !holder::worth_catching_up(self.view.local(), hb) {
+    /// A peer announces a version this node does not have: once behind for [`PULL_AFTER`] with
+    /// no update spreading to it, fetch what is missing from the most advanced of the peers
+    /// ahead that leads the fewest requests (leaders have their own work).
+    fn maybe_sync(&mut self, peer: PeerId, hb: &Heartbeat, now: Instant) {
+        if !holder::worth_catching_up(self.view.local(), hb) {
             return;
         }
+        let (since, ahead) = self.behind.get_or_insert_with(|| (now, HashMap::new()));
+        ahead.insert(peer, (hb.version_count, hb.usage.requests));
+        if self.syncing || !self.spreads.is_empty() || now.duration_since(*since) < PULL_AFTER {
+            return;
+        }
+        let Some((peer, _)) = self.behind.take().and_then(|(_, ahead)| {
+            ahead
+                .into_iter()
+                .max_by_key(|&(p, (count, led))| (count, std::cmp::Reverse(led), p))
+        }) else {
+            return;
+        };
         self.syncing = true;
+        eprintln!("behind the mesh: pulling the updates this node lacks from {peer}");
         let (client, state, store, rules, tx) = (
             self.client.clone(),
             self.state.clone(),
@@ -518,7 +547,7 @@ impl Server {
             local.offers = self.genesis.keys().copied().collect();
             self.view.set_local(local);
         }
-        self.maybe_sync(peer, &hb);
+        self.maybe_sync(peer, &hb, now);
         self.view.handle_heartbeat(now, peer, hb);
     }
 
@@ -530,6 +559,19 @@ impl Server {
         channel: ResponseChannel<MeshResponse>,
         now: Instant,
     ) {
+        if let MeshRequest::UpdateChunk { id, offset, .. } = &request
+            && let Some(piece) = self.spreads.piece(*id, *offset)
+        {
+            let (client, sent) = (self.client.clone(), self.metrics.update_bytes_sent.clone());
+            tokio::spawn(async move {
+                let answer = piece.await;
+                if let MeshResponse::Chunk { bytes, .. } = &answer {
+                    sent.inc_by(bytes.len() as u64);
+                }
+                client.respond(channel, answer).await
+            });
+            return;
+        }
         let route = {
             let state = read(&self.state);
             let held = Held {
@@ -555,6 +597,22 @@ impl Server {
             Route::Step { version, request } => {
                 let work = crate::hold::session::compute(self.state.clone(), version, request);
                 tokio::spawn(async move { respond(work.await).await });
+                return;
+            }
+            Route::Spread(notice) => {
+                let relay = Relay {
+                    client: self.client.clone(),
+                    spreads: self.spreads.clone(),
+                    state: self.state.clone(),
+                    store: self.store.clone(),
+                    rules: self.rules.clone(),
+                    tx: self.internal_tx.clone(),
+                    received: self.metrics.update_bytes_received.clone(),
+                    duplicates: self.metrics.update_duplicate_pieces.clone(),
+                };
+                let id = notice.list.id;
+                tokio::spawn(respond(MeshResponse::Spreading { id }));
+                tokio::spawn(relay.take(notice));
                 return;
             }
             Route::Learn(bytes) => {

@@ -84,11 +84,15 @@ pub struct Metrics {
     pub loss: Gauge<f64, AtomicU64>,
     /// Bytes of gossip received.
     pub gossip_bytes: Counter,
-    /// Bytes of learning updates this node sent: handed out as a leader, or served to a
-    /// holder catching up.
+    /// Bytes of learning updates this node sent: with a leader's notices, or as pieces served
+    /// to holders pulling them.
     pub update_bytes_sent: Counter,
     /// Bytes of learning updates this node received: handed to it, or fetched catching up.
     pub update_bytes_received: Counter,
+    /// Bytes of the learning updates this node published as a leader (each counted once).
+    pub update_bytes_published: Counter,
+    /// Pieces of learning updates this node received that it already had.
+    pub update_duplicate_pieces: Counter,
     /// Bytes of running sums received while building other nodes' rows along a chain.
     pub chain_bytes: Counter,
     /// Tokens drafted by prompt lookup and checked in forward passes.
@@ -157,6 +161,8 @@ impl Metrics {
             gossip_bytes: Counter::default(),
             update_bytes_sent: Counter::default(),
             update_bytes_received: Counter::default(),
+            update_duplicate_pieces: Counter::default(),
+            update_bytes_published: Counter::default(),
             chain_bytes: Counter::default(),
             draft_tokens: Counter::default(),
             draft_accepted: Counter::default(),
@@ -272,13 +278,23 @@ impl Metrics {
         );
         r.register(
             "update_bytes_sent",
-            "Bytes of learning updates sent: handed out as a leader, or served to holders catching up",
+            "Bytes of learning updates sent: with a leader's notices, or as pieces served to holders pulling them",
             m.update_bytes_sent.clone(),
         );
         r.register(
             "update_bytes_received",
-            "Bytes of learning updates received: handed to this node, or fetched catching up",
+            "Bytes of learning updates received: with a notice, or as pieces pulled",
             m.update_bytes_received.clone(),
+        );
+        r.register(
+            "update_bytes_published",
+            "Bytes of the learning updates this node published as a leader, each counted once",
+            m.update_bytes_published.clone(),
+        );
+        r.register(
+            "update_duplicate_pieces",
+            "Pieces of learning updates received that this node already had",
+            m.update_duplicate_pieces.clone(),
         );
         r.register(
             "snapshots",

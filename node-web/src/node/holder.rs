@@ -154,7 +154,7 @@ impl Holding {
     }
 
     /// What a peer's request for this row needs ([`holder::route`]).
-    pub(crate) fn route(&mut self, peer: &PeerId, request: MeshRequest) -> Route {
+    pub(crate) fn route(&mut self, peer: &PeerId, request: MeshRequest) -> Route<PeerId> {
         let held = Held {
             row: self.row,
             state: &self.state,
@@ -410,6 +410,27 @@ impl BrowserNode {
             std::future::ready(holder::contribute(&state, &part, before))
         })
         .await
+    }
+
+    /// Takes an update's notice: pulls the update from the holders that told this node and
+    /// passes the notice on, the next holders to pull from those too (a browser serves no
+    /// pieces while it pulls); the task applies it.
+    pub(crate) async fn take_spread(&self, notice: holder::Opened<PeerId>) {
+        let sources: Vec<String> = notice.sources.iter().map(ToString::to_string).collect();
+        // With no holder to pull from (a leader sent it whole), the next get it whole too.
+        let inline = notice.inline.as_deref().filter(|_| sources.is_empty());
+        let pass = holder::pass_on(self, &notice.list_bytes, &sources, &notice.to, inline);
+        let got = async {
+            match notice.inline.clone() {
+                Some(bytes) => Ok(bytes),
+                None => holder::pull(self, &notice.list, &notice.sources, |_, _| {})
+                    .await
+                    .map(|(bytes, _)| bytes)
+                    .map_err(|e| e.to_string()),
+            }
+        };
+        let (got, _) = futures::join!(got, pass);
+        let _ = self.send(Command::Spread(got)).await;
     }
 
     /// What catching up with `peer` brings a holder at `have`: the payloads of the updates the

@@ -303,10 +303,10 @@ impl BrowserNode {
         let said = match settled? {
             None => None,
             Some(Settled::Published { sent, .. }) => Some(format!(
-                "{:016x}: {} bytes, taken by {} of {} holders",
+                "{:016x}: {} bytes, told {} of {} holders, who spread it",
                 sent.id,
                 sent.bytes,
-                sent.applied_by,
+                sent.told,
                 holders.len()
             )),
             Some(Settled::Refused(why, _)) => {

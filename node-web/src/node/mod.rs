@@ -147,6 +147,8 @@ pub(crate) enum Command {
         to: AnswerTo,
         response: MeshResponse,
     },
+    /// An update that spread to this node, pulled (or why not).
+    Spread(Result<Vec<u8>, String>),
     /// What a catch-up with a peer this node lagged behind brought.
     CaughtUp(Result<holder::CaughtUp, String>),
     /// The row rebuilt at a peer's version (the peer folded updates this node lacked).

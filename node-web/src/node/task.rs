@@ -191,6 +191,10 @@ impl Task {
                 let work = h.step(version, request);
                 respond_later(self.node.clone(), AnswerTo::Session(reply), work)
             }
+            Command::Spread(got) => match got {
+                Ok(bytes) => self.learning.push_back((bytes, None)),
+                Err(e) => tracing::warn!("pulling a spreading update: {e}; catching up later"),
+            },
             Command::CaughtUp(got) => {
                 let behind = match got {
                     Ok(super::holder::CaughtUp::Updates(updates)) => {
@@ -408,6 +412,11 @@ impl Task {
                 self.respond(channel, response)
             }
             Route::Learn(bytes) => self.learning.push_back((bytes, Some(channel))),
+            Route::Spread(notice) => {
+                self.respond(channel, MeshResponse::Spreading { id: notice.list.id });
+                let node = self.node.clone();
+                wasm_bindgen_futures::spawn_local(async move { node.take_spread(notice).await });
+            }
             Route::ShardPiece { offset, len } => {
                 let response = h.snapshot.piece(&h.state, offset, len);
                 self.respond(channel, response)

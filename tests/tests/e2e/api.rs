@@ -41,7 +41,7 @@ fn python() -> Option<PathBuf> {
 }
 
 /// `codedmesh up`, its stdout read line by line, its stderr in a file.
-struct Up {
+pub(crate) struct Up {
     child: Child,
     lines: mpsc::Receiver<String>,
     log: PathBuf,
@@ -63,7 +63,7 @@ impl Up {
     }
 
     /// `codedmesh up` on the tiny model with these arguments.
-    fn start_with(
+    pub(crate) fn start_with(
         dir: &Path,
         data: &Path,
         port: u16,
@@ -101,12 +101,12 @@ impl Up {
         Ok(Self { child, lines, log })
     }
 
-    fn log(&self) -> String {
+    pub(crate) fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
     /// The ready line, once it comes.
-    fn ready(&mut self, timeout: Duration) -> Result<String> {
+    pub(crate) fn ready(&mut self, timeout: Duration) -> Result<String> {
         let start = Instant::now();
         loop {
             match self.lines.recv_timeout(Duration::from_millis(200)) {
@@ -147,7 +147,7 @@ impl Up {
     }
 
     /// The pids of the nodes it started, by node, latest first.
-    fn node_pids(&self) -> Vec<(usize, i32)> {
+    pub(crate) fn node_pids(&self) -> Vec<(usize, i32)> {
         let mut out: Vec<(usize, i32)> = self
             .log()
             .lines()
@@ -177,14 +177,14 @@ impl Drop for Up {
 }
 
 /// A field of the ready line: the word after `key`.
-fn field<'a>(line: &'a str, key: &str) -> Result<&'a str> {
+pub(crate) fn field<'a>(line: &'a str, key: &str) -> Result<&'a str> {
     line.split(key)
         .nth(1)
         .and_then(|r| r.split_whitespace().next())
         .with_context(|| format!("no {key:?} in {line:?}"))
 }
 
-fn status(bootstrap: &str) -> Result<serde_json::Value> {
+pub(crate) fn status(bootstrap: &str) -> Result<serde_json::Value> {
     let out = Command::new(bin())
         .args(["status", "--json", "--bootstrap", bootstrap])
         .output()?;
@@ -383,14 +383,13 @@ fn up_serves_the_openai_api_learns_stops_restarts_and_supervises() -> Result<()>
         learned >= 1,
         "the API's requests trained the mesh ({learned} updates)"
     );
-    // The leader counts what handing out its updates cost: each went to every other holder
-    // (the tiny model's update is about 31 kB).
-    let published = metric(port, "codedmesh_updates_published_total")?;
+    // The leader counts what its updates cost it: the holders it told pulled them from it, at
+    // most three copies each (mesh_spread checks the bound on sixteen holders).
+    let published = metric(port, "codedmesh_update_bytes_published_total")?;
     let sent = metric(port, "codedmesh_update_bytes_sent_total")?;
     ensure!(
-        published >= 1.0 && sent >= published * (nodes - 1) as f64 * 10_000.0,
-        "{published} updates published, {sent} update bytes sent to {} other holders",
-        nodes - 1
+        published > 0.0 && sent >= published && sent <= 3.0 * published,
+        "{published} bytes of updates published, {sent} sent"
     );
 
     // Ctrl-C stops every node cleanly.
@@ -460,7 +459,7 @@ fn up_serves_the_openai_api_learns_stops_restarts_and_supervises() -> Result<()>
 
 /// POSTs a JSON body to the API on 127.0.0.1 and returns the response's body (HTTP/1.1,
 /// `Connection: close`: the whole answer is read until the server closes).
-fn post(port: u16, path: &str, body: &str) -> Result<String> {
+pub(crate) fn post(port: u16, path: &str, body: &str) -> Result<String> {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(("127.0.0.1", port))?;
     write!(
@@ -476,7 +475,7 @@ fn post(port: u16, path: &str, body: &str) -> Result<String> {
 }
 
 /// A GET of `/metrics`: one metric's value.
-fn metric(port: u16, name: &str) -> Result<f64> {
+pub(crate) fn metric(port: u16, name: &str) -> Result<f64> {
     let text = tests::procs::http_get(([127, 0, 0, 1], port).into(), "/metrics")?;
     tests::procs::metric(&text, name)
 }

@@ -17,6 +17,7 @@ mod lab;
 mod learning_real_model;
 mod mesh_learning;
 mod mesh_processes;
+mod mesh_spread;
 mod reference_logits;
 mod sim_mesh;
 mod sim_scale;

@@ -25,7 +25,7 @@ pub fn RowsTable() -> impl IntoView {
                         <th>"device"</th>
                         <th>"reached"</th>
                         <th>"health"</th>
-                        <th>"version lag"</th>
+                        <th>"updates behind"</th>
                         <th>"last verification"</th>
                     </tr>
                 </thead>
@@ -43,7 +43,7 @@ pub fn RowsTable() -> impl IntoView {
                                         <td>{r.device()}</td>
                                         <td class="reach">{r.reach()}</td>
                                         <td class=class>{health}</td>
-                                        <td>{r.lag().map_or("—".to_string(), |l| l.to_string())}</td>
+                                        <td class="lag">{r.lags()}</td>
                                         <td>{r.verification()}</td>
                                     </tr>
                                 }

@@ -132,7 +132,7 @@ pub struct FeedSeq {
 pub const MIN_RATE: f64 = 125_000.0;
 
 /// How long `bytes` take at [`MIN_RATE`].
-fn at_min_rate(bytes: usize) -> Duration {
+pub fn at_min_rate(bytes: usize) -> Duration {
     Duration::from_secs_f64(bytes as f64 / MIN_RATE)
 }
 

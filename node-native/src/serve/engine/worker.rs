@@ -461,8 +461,10 @@ impl Worker {
         let _ = req.done.send(moved);
     }
 
-    /// Hands an update to every live row's holder and to this node's own row; the version
-    /// that makes and its norm gains when this node's row took it.
+    /// Applies an update to this node's own row, then starts it spreading through every live
+    /// row's holder (the group's members first: they tell the rest), pulling its pieces from
+    /// this node; waits until the group's members have applied it. The version that makes and
+    /// its norm gains when this node's row took it.
     pub(super) async fn publish(
         &mut self,
         p: Published,
@@ -477,23 +479,33 @@ impl Worker {
             }
         };
         let (before, _) = ctx.local.norms();
-        let link = crate::hold::link::NativeLink::quiet(ctx.client.clone());
-        let remote = node_core::lead::hand_out(&link, holders, &sealed).await;
-        ctx.metrics
-            .update_bytes_sent
-            .inc_by((sealed.bytes.len() * holders.len()) as u64);
         let (local, bytes) = (ctx.local.clone(), sealed.bytes.clone());
         let local = tokio::task::spawn_blocking(move || local.learn(&bytes))
             .await
             .unwrap_or_else(|e| MeshResponse::Error(e.to_string()));
         let took_here = matches!(local, MeshResponse::Learned { .. });
-        let took = remote + usize::from(took_here);
+        let members: Vec<PeerId> = (self.lead.formed.as_ref())
+            .map_or(Vec::new(), |f| f.members.clone())
+            .into_iter()
+            .filter(|m| holders.contains(m))
+            .collect();
+        let order = crate::hold::spread::members_first(&members, holders);
+        let link = crate::hold::link::NativeLink::quiet(ctx.client.clone());
+        let me = took_here.then(|| ctx.client.peer_id());
+        let passed = node_core::lead::spread_out(&link, &order, &sealed, me).await;
+        ctx.metrics.update_bytes_sent.inc_by(passed.inline_bytes);
         ctx.metrics.updates_published.inc();
+        (ctx.metrics.update_bytes_published).inc_by(sealed.bytes.len() as u64);
+        let wait = crate::hold::spread::PUBLISH_WAIT
+            + node_core::net::hop::at_min_rate(sealed.bytes.len());
+        let at = crate::hold::spread::applied_by(&link, &members, sealed.id, wait).await;
         tracing::info!(
             id = format!("{:016x}", sealed.id),
             requests = p.requests,
             bytes = sealed.bytes.len(),
-            taken_by = took,
+            told = passed.taken,
+            members_at = at,
+            members = members.len(),
             "published an update"
         );
         let was_at = self.lead.formed.as_ref().map_or(before, |f| f.version);

@@ -1,0 +1,476 @@
+//! Spreading a learning update through the holders instead of from its leader to each: the
+//! leader signs the update's list of pieces and hands a notice of it to at most [`FANOUT`]
+//! holders, each with its share of the others to pass on to; every holder pulls the pieces
+//! from the holder that told it (or, that one failing, from the ones before it), checks each
+//! against the signed list, passes the notice on at once and serves each piece as soon as it
+//! has it. Written once for the native and the browser node over their [`Link`].
+//!
+//! Nothing a relaying peer does can change an update: a piece that does not hash to the signed
+//! list is refused and its sender dropped, and the whole update is checked again (signature,
+//! id, the mesh's rules) before it is applied. A holder the tree missed pulls the update when
+//! it notices its version is behind ([`super::worth_catching_up`]).
+
+use serde::{Deserialize, Serialize};
+
+use super::{HolderError, Link, MAX_UPDATE_BYTES, describe};
+pub use crate::mesh::Notice;
+use crate::mesh::{MeshRequest, MeshResponse};
+
+/// Holders each holder (and the leader) passes a notice on to.
+pub const FANOUT: usize = 3;
+
+/// Bytes of a piece: the unit a holder checks and passes on as soon as it has it.
+pub const PIECE_BYTES: u32 = 256 << 10;
+
+/// Most peers a notice may name.
+pub const MAX_NAMED: usize = 100_000;
+
+/// An update's pieces, as its leader signs them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PieceList {
+    /// The update's id (the hash of its payload).
+    pub id: u64,
+    /// Bytes of the signed update.
+    pub total: u64,
+    /// The hash of each [`PIECE_BYTES`] piece of the signed update, in order.
+    pub digests: Vec<[u8; 32]>,
+}
+
+impl PieceList {
+    /// The list of the signed update `sealed` with id `id`.
+    pub fn of(id: u64, sealed: &[u8]) -> Self {
+        Self {
+            id,
+            total: sealed.len() as u64,
+            digests: sealed
+                .chunks(PIECE_BYTES as usize)
+                .map(|p| *blake3::hash(p).as_bytes())
+                .collect(),
+        }
+    }
+
+    /// Signs the list with the leader's key.
+    pub fn seal(&self, key: &libp2p::identity::Keypair) -> Result<Vec<u8>, HolderError> {
+        let bytes = postcard::to_allocvec(self)
+            .map_err(|e| HolderError::Download(format!("encoding a piece list: {e}")))?;
+        Ok(crate::learn::seal(bytes, key)?)
+    }
+
+    /// The signer and the list of signed bytes from the network, if the signature holds and
+    /// the list is consistent.
+    pub fn open(bytes: &[u8]) -> Result<(libp2p::PeerId, Self), HolderError> {
+        let (signer, payload) = crate::learn::open(bytes)?;
+        let list: Self = postcard::from_bytes(&payload)
+            .map_err(|e| HolderError::Download(format!("not a piece list: {e}")))?;
+        if list.total == 0 || list.total > MAX_UPDATE_BYTES {
+            return Err(HolderError::UpdateTooLarge(list.total as usize));
+        }
+        if list.digests.len() as u64 != list.total.div_ceil(PIECE_BYTES as u64) {
+            return Err(HolderError::Download(format!(
+                "a piece list of {} digests for {} bytes",
+                list.digests.len(),
+                list.total
+            )));
+        }
+        Ok((signer, list))
+    }
+
+    /// Pieces in the update.
+    pub fn len(&self) -> usize {
+        self.digests.len()
+    }
+
+    /// Whether the list has no piece (never, once opened).
+    pub fn is_empty(&self) -> bool {
+        self.digests.is_empty()
+    }
+
+    /// The first byte and the length of piece `i`.
+    pub fn range(&self, i: usize) -> (u64, u32) {
+        let start = i as u64 * PIECE_BYTES as u64;
+        (
+            start,
+            (self.total.saturating_sub(start)).min(PIECE_BYTES as u64) as u32,
+        )
+    }
+
+    /// Whether `bytes` is piece `i`.
+    pub fn holds(&self, i: usize, bytes: &[u8]) -> bool {
+        self.digests
+            .get(i)
+            .is_some_and(|d| bytes.len() as u32 == self.range(i).1 && blake3::hash(bytes) == *d)
+    }
+
+    /// The request for piece `i`.
+    pub fn request(&self, i: usize) -> MeshRequest {
+        let (offset, len) = self.range(i);
+        MeshRequest::UpdateChunk {
+            id: self.id,
+            offset,
+            len,
+        }
+    }
+}
+
+/// A notice checked: who signed its list, the list, and its peers parsed.
+#[derive(Debug, Clone)]
+pub struct Opened<P> {
+    /// The list's signer.
+    pub signer: libp2p::PeerId,
+    /// The list.
+    pub list: PieceList,
+    /// The list's signed bytes, to pass on.
+    pub list_bytes: Vec<u8>,
+    /// Peers to pull from, nearest first.
+    pub sources: Vec<P>,
+    /// Holders to pass the notice on to.
+    pub to: Vec<P>,
+    /// The whole update, when it came with the notice.
+    pub inline: Option<Vec<u8>>,
+}
+
+impl Notice {
+    /// Checks a notice from the network: its list's signature and shape, its peers, and the
+    /// inline update's pieces.
+    pub fn open<P: std::str::FromStr>(self) -> Result<Opened<P>, HolderError> {
+        let (signer, list) = PieceList::open(&self.list)?;
+        if self.sources.len() + self.to.len() > MAX_NAMED {
+            return Err(HolderError::Download(format!(
+                "a notice naming over {MAX_NAMED} peers"
+            )));
+        }
+        if self.sources.is_empty() && self.inline.is_none() {
+            return Err(HolderError::Download(
+                "a notice with neither the update nor a peer to pull it from".into(),
+            ));
+        }
+        let parse = |v: Vec<String>| -> Result<Vec<P>, HolderError> {
+            v.iter()
+                .map(|s| {
+                    s.parse()
+                        .map_err(|_| HolderError::Download(format!("not a peer id: {s:.60}")))
+                })
+                .collect()
+        };
+        if let Some(bytes) = &self.inline
+            && (bytes.len() as u64 != list.total
+                || (0..list.len()).any(|i| !list.holds(i, piece(&list, bytes, i))))
+        {
+            return Err(HolderError::Download(
+                "the update in the notice does not match its signed piece list".into(),
+            ));
+        }
+        Ok(Opened {
+            signer,
+            list,
+            list_bytes: self.list,
+            sources: parse(self.sources)?,
+            to: parse(self.to)?,
+            inline: self.inline,
+        })
+    }
+}
+
+/// Piece `i` of the whole update `bytes`.
+fn piece<'a>(list: &PieceList, bytes: &'a [u8], i: usize) -> &'a [u8] {
+    let (start, len) = list.range(i);
+    &bytes[start as usize..start as usize + len as usize]
+}
+
+/// `to` dealt into at most `parts` shares, round robin: the first `parts` holders head the
+/// shares, so the earlier a holder is in `to`, the sooner it hears.
+pub fn deal<T: Clone>(to: &[T], parts: usize) -> Vec<Vec<T>> {
+    let parts = parts.max(1).min(to.len());
+    (0..parts)
+        .map(|j| to.iter().skip(j).step_by(parts).cloned().collect())
+        .collect()
+}
+
+/// What passing a notice on did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Passed {
+    /// Shares handed to a holder that took the notice.
+    pub taken: usize,
+    /// Holders that refused or could not be reached (their shares went to the next).
+    pub failed: usize,
+    /// Bytes of the update sent inline.
+    pub inline_bytes: u64,
+}
+
+/// Passes the notice of `list_bytes` on: `to` dealt into [`FANOUT`] shares, each share's first
+/// holder told to pull from `sources` and pass on the rest of its share; a holder that does not
+/// take it is skipped for the next in its share. With `inline`, each holder told gets the
+/// whole update with the notice.
+pub async fn pass_on<L: Link>(
+    link: &L,
+    list_bytes: &[u8],
+    sources: &[String],
+    to: &[L::Peer],
+    inline: Option<&[u8]>,
+) -> Passed {
+    let shares = deal(to, FANOUT);
+    let tell = shares.iter().map(|share| async move {
+        let mut passed = Passed::default();
+        for (j, peer) in share.iter().enumerate() {
+            let notice = Notice {
+                list: list_bytes.to_vec(),
+                sources: sources.to_vec(),
+                to: share[j + 1..].iter().map(ToString::to_string).collect(),
+                inline: inline.map(<[u8]>::to_vec),
+            };
+            passed.inline_bytes += inline.map_or(0, |b| b.len() as u64);
+            match link.ask(peer, MeshRequest::Spread(notice)).await {
+                Ok(MeshResponse::Spreading { .. }) => {
+                    passed.taken += 1;
+                    return passed;
+                }
+                Ok(other) => {
+                    let why = match other {
+                        MeshResponse::Error(e) => e,
+                        other => format!("answered with a {}", describe(&other)),
+                    };
+                    tracing::warn!(%peer, "a holder did not take an update's notice: {why}");
+                }
+                Err(e) => tracing::warn!(%peer, "an update's notice did not reach a holder: {e}"),
+            }
+            passed.failed += 1;
+        }
+        passed
+    });
+    futures::future::join_all(tell)
+        .await
+        .into_iter()
+        .fold(Passed::default(), |a, b| Passed {
+            taken: a.taken + b.taken,
+            failed: a.failed + b.failed,
+            inline_bytes: a.inline_bytes + b.inline_bytes,
+        })
+}
+
+/// Pulls every piece of `list` from `sources` in order, checking each against the list; a
+/// source that fails or serves a bad piece is dropped for the next. `got(i, piece)` sees each
+/// piece as it is checked. Returns the whole update and the sources dropped.
+pub async fn pull<L: Link>(
+    link: &L,
+    list: &PieceList,
+    sources: &[L::Peer],
+    mut got: impl FnMut(usize, &[u8]),
+) -> Result<(Vec<u8>, Vec<L::Peer>), HolderError> {
+    let mut out = Vec::with_capacity(list.total as usize);
+    let mut at = 0;
+    let mut dropped = Vec::new();
+    let mut why = String::from("no peer to pull from");
+    for i in 0..list.len() {
+        loop {
+            let Some(peer) = sources.get(at) else {
+                return Err(HolderError::Download(format!(
+                    "piece {i} of update {:016x}: {why}",
+                    list.id
+                )));
+            };
+            match link.ask(peer, list.request(i)).await {
+                Ok(MeshResponse::Chunk { total, bytes, .. })
+                    if total == list.total && list.holds(i, &bytes) =>
+                {
+                    got(i, &bytes);
+                    out.extend_from_slice(&bytes);
+                    break;
+                }
+                Ok(MeshResponse::Chunk { .. }) => {
+                    why = format!("{peer} served a piece that does not match the signed list");
+                    tracing::warn!("dropping a peer as a source of updates: {why}");
+                }
+                Ok(other) => {
+                    why = match other {
+                        MeshResponse::Error(e) => format!("{peer}: {e}"),
+                        other => format!("{peer} answered with a {}", describe(&other)),
+                    };
+                    tracing::debug!("pulling a piece: {why}");
+                }
+                Err(e) => why = e.to_string(),
+            }
+            dropped.push(peer.clone());
+            at += 1;
+        }
+    }
+    Ok((out, dropped))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // a test: a failed unwrap is a failed test
+
+    use std::collections::HashMap;
+    use std::sync::Mutex;
+
+    use super::*;
+
+    /// Peers in memory, each serving the pieces of its own copy of an update (maybe altered),
+    /// and recording the notices it was given.
+    struct Peers {
+        copies: HashMap<u32, Vec<u8>>,
+        refuse: Vec<u32>,
+        told: Mutex<Vec<(u32, Notice)>>,
+        asked: Mutex<Vec<u32>>,
+    }
+
+    impl Link for Peers {
+        type Peer = u32;
+
+        async fn ask(&self, peer: &u32, request: MeshRequest) -> Result<MeshResponse, HolderError> {
+            self.asked.lock().unwrap().push(*peer);
+            match request {
+                MeshRequest::Spread(n) if self.refuse.contains(peer) => {
+                    drop(n);
+                    Err(HolderError::Link(format!("{peer} is gone")))
+                }
+                MeshRequest::Spread(n) => {
+                    self.told.lock().unwrap().push((*peer, n));
+                    Ok(MeshResponse::Spreading { id: 1 })
+                }
+                MeshRequest::UpdateChunk { offset, len, .. } => {
+                    let Some(b) = self.copies.get(peer) else {
+                        return Ok(MeshResponse::Error("not here".into()));
+                    };
+                    let end = (offset as usize + len as usize).min(b.len());
+                    Ok(MeshResponse::Chunk {
+                        total: b.len() as u64,
+                        version: [0; 32],
+                        bytes: b[offset as usize..end].to_vec(),
+                    })
+                }
+                _ => Ok(MeshResponse::Error("unexpected".into())),
+            }
+        }
+
+        async fn dial(&self, src: &crate::mesh::SourceRow) -> Result<u32, HolderError> {
+            Err(HolderError::Link(format!("no dialing here ({})", src.peer)))
+        }
+
+        async fn blocking<R: Send + 'static>(
+            &self,
+            work: impl FnOnce() -> R + Send + 'static,
+        ) -> R {
+            work()
+        }
+
+        fn progress(&self, _: &str, _: u64, _: u64) {}
+    }
+
+    fn update() -> Vec<u8> {
+        (0..PIECE_BYTES as usize * 2 + 1000)
+            .map(|i| (i * 7 % 251) as u8)
+            .collect()
+    }
+
+    fn peers(copies: &[(u32, Vec<u8>)], refuse: &[u32]) -> Peers {
+        Peers {
+            copies: copies.iter().cloned().collect(),
+            refuse: refuse.to_vec(),
+            told: Mutex::default(),
+            asked: Mutex::default(),
+        }
+    }
+
+    #[test]
+    fn a_list_is_signed_and_any_change_to_it_is_refused() {
+        let key = libp2p::identity::Keypair::generate_ed25519();
+        let u = update();
+        let list = PieceList::of(9, &u);
+        assert_eq!(list.len(), 3);
+        assert_eq!(list.range(2), (2 * PIECE_BYTES as u64, 1000));
+        let sealed = list.seal(&key).unwrap();
+        let (signer, back) = PieceList::open(&sealed).unwrap();
+        assert_eq!((signer, &back), (key.public().to_peer_id(), &list));
+        let mut bad = sealed.clone();
+        let last = bad.len() - 1;
+        bad[last] ^= 1;
+        assert!(PieceList::open(&bad).is_err());
+        let mut short = list.clone();
+        short.digests.pop();
+        assert!(PieceList::open(&short.seal(&key).unwrap()).is_err());
+    }
+
+    #[test]
+    fn an_inline_update_must_match_its_list() {
+        let key = libp2p::identity::Keypair::generate_ed25519();
+        let u = update();
+        let list = PieceList::of(9, &u).seal(&key).unwrap();
+        let notice = |inline: Vec<u8>| Notice {
+            list: list.clone(),
+            sources: Vec::new(),
+            to: vec!["3".into()],
+            inline: Some(inline),
+        };
+        let opened: Opened<u32> = notice(u.clone()).open().unwrap();
+        assert_eq!(opened.to, [3]);
+        let mut changed = u.clone();
+        changed[PIECE_BYTES as usize + 5] ^= 1;
+        assert!(notice(changed).open::<u32>().is_err());
+        let mut n = notice(u);
+        n.inline = None;
+        assert!(n.open::<u32>().is_err(), "nothing to pull from");
+    }
+
+    #[test]
+    fn shares_are_dealt_round_robin_so_the_first_holders_hear_first() {
+        let to: Vec<u32> = (0..8).collect();
+        assert_eq!(
+            deal(&to, 3),
+            [vec![0, 3, 6], vec![1, 4, 7], vec![2, 5]],
+            "the first three head the shares"
+        );
+        assert_eq!(deal(&to[..2], 3), [vec![0], vec![1]]);
+        assert!(deal::<u32>(&[], 3).is_empty());
+    }
+
+    #[test]
+    fn a_notice_skips_a_holder_that_does_not_take_it() {
+        let link = peers(&[], &[1]);
+        let to: Vec<u32> = (0..7).collect();
+        let passed = futures::executor::block_on(pass_on(&link, b"list", &["9".into()], &to, None));
+        assert_eq!(
+            passed,
+            Passed {
+                taken: 3,
+                failed: 1,
+                inline_bytes: 0
+            }
+        );
+        let mut told = link.told.into_inner().unwrap();
+        told.sort_by_key(|t| t.0);
+        let heads: Vec<(u32, Vec<String>)> = told.into_iter().map(|(p, n)| (p, n.to)).collect();
+        assert_eq!(
+            heads,
+            [
+                (0, vec!["3".to_string(), "6".into()]),
+                (2, vec!["5".into()]),
+                (4, Vec::new()),
+            ],
+            "holder 1 is gone: holder 4, next in its share, takes the rest of it"
+        );
+    }
+
+    #[test]
+    fn a_source_serving_a_bad_piece_is_dropped_for_the_next() {
+        let u = update();
+        let list = PieceList::of(9, &u);
+        let mut bad = u.clone();
+        bad[PIECE_BYTES as usize + 1] ^= 0xff;
+        let link = peers(&[(5, bad), (6, u.clone())], &[]);
+        let mut seen = Vec::new();
+        let (got, dropped) =
+            futures::executor::block_on(pull(&link, &list, &[5, 6], |i, _| seen.push(i))).unwrap();
+        assert_eq!(got, u);
+        assert_eq!(dropped, [5]);
+        assert_eq!(seen, [0, 1, 2]);
+        assert_eq!(link.asked.into_inner().unwrap(), [5, 5, 6, 6]);
+        let link = peers(&[(5, u.clone())], &[]);
+        let mut cut = u;
+        cut.truncate(10);
+        let lying = peers(&[(5, cut)], &[]);
+        let e = futures::executor::block_on(pull(&lying, &list, &[5], |_, _| {})).unwrap_err();
+        assert!(e.to_string().contains("piece 0"), "{e}");
+        assert!(futures::executor::block_on(pull(&link, &list, &[5], |_, _| {})).is_ok());
+    }
+}

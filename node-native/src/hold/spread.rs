@@ -1,0 +1,237 @@
+//! Learning updates spreading through this node ([`node_core::holder::spread`]): it takes a
+//! notice, passes it on at once, pulls the pieces and serves each to the holders it told as
+//! soon as it has it, then applies the update like one handed to it.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::time::Duration;
+
+use libp2p::PeerId;
+use node_core::holder::{self, Opened, PIECE_BYTES, PieceList};
+use node_core::mesh::MeshResponse;
+use prometheus_client::metrics::counter::Counter;
+use tokio::sync::watch;
+
+use crate::hold::learning::{Rules, ShardState, UpdateStore, read};
+use crate::hold::link::NativeLink;
+use crate::hold::row::{Internal, learn};
+use crate::net::swarm::Client;
+
+/// How long a leader waits, beyond an update's bytes at [`node_core::net::hop::MIN_RATE`], for
+/// its group's members to apply it.
+pub const PUBLISH_WAIT: Duration = Duration::from_secs(10);
+
+/// How long a holder pulling a piece from this node waits for it to arrive here.
+pub const PIECE_WAIT: Duration = Duration::from_secs(30);
+
+/// Updates this node is pulling, by id, with the pieces it has so far.
+#[derive(Debug, Clone, Default)]
+pub struct Spreads(Arc<Mutex<HashMap<u64, Arc<InFlight>>>>);
+
+/// An update being pulled: its pieces so far, and their count, which wakes the holders waiting
+/// for the next (the count's sender drops when the pull ends).
+#[derive(Debug)]
+struct InFlight {
+    list: PieceList,
+    pieces: Mutex<Vec<Vec<u8>>>,
+    count: watch::Sender<usize>,
+}
+
+impl Spreads {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Arc<InFlight>>> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Whether no update is being pulled.
+    pub fn is_empty(&self) -> bool {
+        self.lock().is_empty()
+    }
+
+    /// Whether update `id` is being pulled.
+    pub fn is_pulling(&self, id: u64) -> bool {
+        self.lock().contains_key(&id)
+    }
+
+    /// Starts pulling `list`'s update; `None` when it is already being pulled.
+    fn start(&self, list: &PieceList) -> Option<Arc<InFlight>> {
+        let mut map = self.lock();
+        if map.contains_key(&list.id) {
+            return None;
+        }
+        let f = Arc::new(InFlight {
+            list: list.clone(),
+            pieces: Mutex::new(Vec::with_capacity(list.len())),
+            count: watch::Sender::new(0),
+        });
+        map.insert(list.id, f.clone());
+        Some(f)
+    }
+
+    fn end(&self, id: u64) {
+        self.lock().remove(&id);
+    }
+
+    /// The answer to a request for the piece at `offset` of update `id`, once this node has
+    /// it; `None` when this node is not pulling `id`.
+    pub fn piece(
+        &self,
+        id: u64,
+        offset: u64,
+    ) -> Option<impl Future<Output = MeshResponse> + use<>> {
+        let f = self.lock().get(&id)?.clone();
+        Some(async move {
+            if offset % PIECE_BYTES as u64 != 0 {
+                return MeshResponse::Error(format!(
+                    "update {id:016x} is arriving here: ask for whole pieces of {PIECE_BYTES} bytes"
+                ));
+            }
+            let i = (offset / PIECE_BYTES as u64) as usize;
+            if i >= f.list.len() {
+                return MeshResponse::Error(format!("update {id:016x} has no byte {offset}"));
+            }
+            let mut count = f.count.subscribe();
+            match tokio::time::timeout(PIECE_WAIT, count.wait_for(|&n| n > i)).await {
+                Ok(Ok(_)) => MeshResponse::Chunk {
+                    total: f.list.total,
+                    version: [0; 32],
+                    bytes: f.pieces.lock().unwrap_or_else(PoisonError::into_inner)[i].clone(),
+                },
+                Ok(Err(_)) => MeshResponse::Error(format!(
+                    "this node's pull of update {id:016x} failed: pull it from the next"
+                )),
+                Err(_) => MeshResponse::Error(format!(
+                    "piece {i} of update {id:016x} did not arrive here within {} s",
+                    PIECE_WAIT.as_secs()
+                )),
+            }
+        })
+    }
+}
+
+impl InFlight {
+    fn push(&self, bytes: &[u8]) {
+        let mut pieces = self.pieces.lock().unwrap_or_else(PoisonError::into_inner);
+        pieces.push(bytes.to_vec());
+        self.count.send_replace(pieces.len());
+    }
+}
+
+/// What taking a notice needs of the node.
+#[derive(Clone)]
+pub(crate) struct Relay {
+    pub client: Client,
+    pub spreads: Spreads,
+    pub state: Arc<RwLock<ShardState>>,
+    pub store: UpdateStore,
+    pub rules: Rules,
+    pub tx: tokio::sync::mpsc::Sender<Internal>,
+    pub received: Counter,
+    pub duplicates: Counter,
+}
+
+impl Relay {
+    /// Takes a checked notice: passes it on at once, telling the next holders to pull from this
+    /// node (before the ones that told it), pulls the update unless this node has it or is
+    /// pulling it, and applies it.
+    pub async fn take(self, notice: Opened<PeerId>) {
+        let id = notice.list.id;
+        let me = self.client.peer_id();
+        let link = NativeLink::quiet(self.client.clone());
+        let (applied, kept) = {
+            let v = &read(&self.state).version;
+            (v.contains(id), v.keeps(id))
+        };
+        let pulling = (!applied)
+            .then(|| self.spreads.start(&notice.list))
+            .flatten();
+        let serves = kept || pulling.is_some() || (!applied && self.spreads.is_pulling(id));
+        let mut sources: Vec<String> = serves.then(|| me.to_string()).into_iter().collect();
+        sources.extend(notice.sources.iter().map(ToString::to_string));
+        // With no holder to pull from (a leader sent it whole), the next get it whole too.
+        let inline = notice.inline.as_deref().filter(|_| sources.is_empty());
+        let pass = holder::pass_on(&link, &notice.list_bytes, &sources, &notice.to, inline);
+        let Some(f) = pulling else {
+            if notice.inline.is_some() {
+                self.duplicates.inc_by(notice.list.len() as u64);
+            }
+            pass.await;
+            return;
+        };
+        let get = async {
+            match &notice.inline {
+                Some(bytes) => {
+                    for i in 0..notice.list.len() {
+                        let (start, len) = notice.list.range(i);
+                        f.push(&bytes[start as usize..start as usize + len as usize]);
+                    }
+                    Ok(bytes.clone())
+                }
+                None => holder::pull(&link, &notice.list, &notice.sources, |_, b| f.push(b))
+                    .await
+                    .map(|(bytes, _)| bytes),
+            }
+        };
+        let (got, passed) = futures::join!(get, pass);
+        tracing::debug!(id = format!("{id:016x}"), ?passed, "passed a notice on");
+        match got {
+            Ok(bytes) => {
+                self.received.inc_by(bytes.len() as u64);
+                if read(&self.state).version.contains(id) {
+                    self.duplicates.inc_by(notice.list.len() as u64);
+                }
+                let (state, store, rules, tx) = (self.state, self.store, self.rules, self.tx);
+                let answer =
+                    tokio::task::spawn_blocking(move || learn(&state, &store, &rules, &tx, &bytes))
+                        .await
+                        .unwrap_or_else(|e| MeshResponse::Error(e.to_string()));
+                match answer {
+                    MeshResponse::Learned { id: got, .. } if got == id => {}
+                    MeshResponse::Learned { id: got, .. } => tracing::warn!(
+                        "the update of notice {id:016x} hashes to {got:016x}: signed by another"
+                    ),
+                    other => tracing::warn!(
+                        id = format!("{id:016x}"),
+                        "a spread update was not applied: {other:?}"
+                    ),
+                }
+            }
+            Err(e) => tracing::warn!(
+                id = format!("{id:016x}"),
+                "pulling a spreading update: {e}; catching up later"
+            ),
+        }
+        self.spreads.end(id);
+    }
+}
+
+/// `holders` with `members` first (a leader's group's members hear of an update first).
+pub fn members_first(members: &[PeerId], holders: &[PeerId]) -> Vec<PeerId> {
+    let mut order: Vec<PeerId> = members
+        .iter()
+        .filter(|m| holders.contains(m))
+        .copied()
+        .collect();
+    order.extend(holders.iter().filter(|h| !members.contains(h)));
+    order
+}
+
+/// How many of `members` have applied update `id` within `wait` (each asked every 50 ms).
+pub async fn applied_by(link: &NativeLink, members: &[PeerId], id: u64, wait: Duration) -> usize {
+    let deadline = tokio::time::Instant::now() + wait;
+    let mut left = members.to_vec();
+    while !left.is_empty() && tokio::time::Instant::now() < deadline {
+        let asks = left.iter().map(|m| holder::version_of(link, m));
+        let versions = futures::future::join_all(asks).await;
+        left = left
+            .into_iter()
+            .zip(versions)
+            .filter(|(_, v)| v.as_ref().map_or(true, |v| !v.contains(id)))
+            .map(|(m, _)| m)
+            .collect();
+        if !left.is_empty() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    members.len() - left.len()
+}
