@@ -57,7 +57,7 @@ pub(crate) async fn run_generate_mesh(
         }
         if !caught.is_empty() {
             let told = leader.report_caught().await;
-            eprintln!("reported to {told} nodes");
+            eprintln!("reported to {told} nodes, who pass it on");
         }
         let usage = node_core::mesh::Usage::of_request(
             prompt.len(),
@@ -212,7 +212,7 @@ async fn run_once_on_mesh(
     eprintln!("members at the end: {:?}", leader.formed.group.nodes());
     if !leader.formed.group.stats().caught.is_empty() {
         let told = leader.report_caught().await;
-        eprintln!("reported to {told} nodes");
+        eprintln!("reported to {told} nodes, who pass it on");
     }
     Ok((leader, out.tokens, prompt))
 }

@@ -14,7 +14,9 @@ pub use serve::{
     Held, LEARN_PER_MINUTE, LearnLimit, Route, Snapshot, ViewQuery, answer_view, chain, contribute,
     receipt, route, step, step_async,
 };
-pub use spread::{FANOUT, Notice, Opened, PIECE_BYTES, Passed, PieceList, deal, pass_on, pull};
+pub use spread::{
+    FANOUT, Notice, Opened, PIECE_BYTES, Passed, PieceList, deal, pass_on, pass_report, pull, tell,
+};
 
 use std::sync::atomic::{AtomicU64, Ordering};
 

@@ -73,9 +73,24 @@ pub enum ViewQuery {
         peer: String,
         /// The evidence.
         evidence: crate::coded::Caught,
+        /// Holders to pass the report on to, as sent ([`ViewQuery::onward`]).
+        to: Vec<String>,
     },
     /// A leader finished a request.
     Served(Usage),
+}
+
+impl ViewQuery {
+    /// A report to pass on after answering this query: the caught peer, the evidence and the
+    /// holders to tell.
+    pub fn onward(&self) -> Option<(String, crate::coded::Caught, Vec<String>)> {
+        match self {
+            ViewQuery::Report { peer, evidence, to } if !to.is_empty() => {
+                Some((peer.clone(), evidence.clone(), to.clone()))
+            }
+            _ => None,
+        }
+    }
 }
 
 /// The row a holder answers for, as its shell keeps it.
@@ -137,7 +152,12 @@ pub fn route<P: Hash + Eq + Clone + std::str::FromStr>(
     match request {
         MeshRequest::Info => Route::View(ViewQuery::Info),
         MeshRequest::Join => Route::View(ViewQuery::Join),
-        MeshRequest::Report { peer, evidence } => Route::View(ViewQuery::Report { peer, evidence }),
+        MeshRequest::Report { .. } if !limit.allow(peer, now) => error(format!(
+            "rate limit: at most {LEARN_PER_MINUTE} updates and reports a minute from one peer"
+        )),
+        MeshRequest::Report { peer, evidence, to } => {
+            Route::View(ViewQuery::Report { peer, evidence, to })
+        }
         MeshRequest::Served(usage) => Route::View(ViewQuery::Served(usage)),
         MeshRequest::Manifest => answer(MeshResponse::Manifest(held.manifest.to_vec())),
         MeshRequest::Norms => answer(MeshResponse::Norms {
@@ -210,6 +230,7 @@ where
         ViewQuery::Report {
             peer: caught,
             evidence,
+            ..
         } => match caught.parse::<P>() {
             Ok(p) => {
                 let text = format!("{evidence}; reported by {peer}");

@@ -197,10 +197,8 @@ pub struct Passed {
     pub inline_bytes: u64,
 }
 
-/// Passes the notice of `list_bytes` on: `to` dealt into [`FANOUT`] shares, each share's first
-/// holder told to pull from `sources` and pass on the rest of its share; a holder that does not
-/// take it is skipped for the next in its share. With `inline`, each holder told gets the
-/// whole update with the notice.
+/// Passes the notice of `list_bytes` on ([`tell`]): each holder told pulls from `sources`;
+/// with `inline`, it gets the whole update with the notice.
 pub async fn pass_on<L: Link>(
     link: &L,
     list_bytes: &[u8],
@@ -208,30 +206,65 @@ pub async fn pass_on<L: Link>(
     to: &[L::Peer],
     inline: Option<&[u8]>,
 ) -> Passed {
+    let ask = |rest| {
+        MeshRequest::Spread(Notice {
+            list: list_bytes.to_vec(),
+            sources: sources.to_vec(),
+            to: rest,
+            inline: inline.map(<[u8]>::to_vec),
+        })
+    };
+    let bytes = inline.map_or(0, |b| b.len() as u64);
+    tell(link, to, ask, bytes, "an update's notice").await
+}
+
+/// Passes a caught member's report on ([`tell`]) to the holders `to` names (unreadable names
+/// are skipped).
+pub async fn pass_report<L: Link>(
+    link: &L,
+    peer: String,
+    evidence: crate::coded::Caught,
+    to: &[String],
+) -> Passed
+where
+    L::Peer: std::str::FromStr,
+{
+    let to: Vec<L::Peer> = to.iter().filter_map(|p| p.parse().ok()).collect();
+    let ask = |rest| MeshRequest::Report {
+        peer: peer.clone(),
+        evidence: evidence.clone(),
+        to: rest,
+    };
+    tell(link, &to, ask, 0, "a caught member's report").await
+}
+
+/// Tells `to` something that spreads through them (`what`, for logs): `to` dealt into
+/// [`FANOUT`] shares, each share's first holder asked `ask(the rest of its share)`, which it
+/// passes on the same way; a holder that does not take it (an error, or no answer) is skipped
+/// for the next in its share. `bytes` counts as sent for each holder asked.
+pub async fn tell<L: Link>(
+    link: &L,
+    to: &[L::Peer],
+    ask: impl Fn(Vec<String>) -> MeshRequest,
+    bytes: u64,
+    what: &str,
+) -> Passed {
     let shares = deal(to, FANOUT);
+    let ask = &ask;
     let tell = shares.iter().map(|share| async move {
         let mut passed = Passed::default();
         for (j, peer) in share.iter().enumerate() {
-            let notice = Notice {
-                list: list_bytes.to_vec(),
-                sources: sources.to_vec(),
-                to: share[j + 1..].iter().map(ToString::to_string).collect(),
-                inline: inline.map(<[u8]>::to_vec),
-            };
-            passed.inline_bytes += inline.map_or(0, |b| b.len() as u64);
-            match link.ask(peer, MeshRequest::Spread(notice)).await {
-                Ok(MeshResponse::Spreading { .. }) => {
+            let rest = share[j + 1..].iter().map(ToString::to_string).collect();
+            passed.inline_bytes += bytes;
+            match link.ask(peer, ask(rest)).await {
+                Ok(MeshResponse::Error(e)) => {
+                    tracing::warn!(%peer, "a holder did not take {what}: {e}")
+                }
+                Ok(_) => {
                     passed.taken += 1;
                     return passed;
                 }
-                Ok(other) => {
-                    let why = match other {
-                        MeshResponse::Error(e) => e,
-                        other => format!("answered with a {}", describe(&other)),
-                    };
-                    tracing::warn!(%peer, "a holder did not take an update's notice: {why}");
-                }
-                Err(e) => tracing::warn!(%peer, "an update's notice did not reach a holder: {e}"),
+                Err(e) => tracing::warn!(%peer, "{what} did not reach a holder: {e}"),
             }
             passed.failed += 1;
         }
@@ -247,22 +280,28 @@ pub async fn pass_on<L: Link>(
         })
 }
 
-/// Pulls every piece of `list` from `sources` in order, checking each against the list; a
-/// source that fails or serves a bad piece is dropped for the next. `got(i, piece)` sees each
-/// piece as it is checked. Returns the whole update and the sources dropped.
+/// Pieces a holder asks for at once while it pulls: the next piece is on its way while one
+/// arrives, so a relay's pipeline does not stall a round trip a piece.
+pub const PULL_WINDOW: usize = 2;
+
+/// Pulls every piece of `list` from `sources`, [`PULL_WINDOW`] at a time, checking each
+/// against the list; a source that fails or serves a bad piece is dropped for the next (for
+/// every piece after it). `got(i, piece)` sees each piece in order as it is checked. Returns
+/// the whole update and the sources dropped.
 pub async fn pull<L: Link>(
     link: &L,
     list: &PieceList,
     sources: &[L::Peer],
     mut got: impl FnMut(usize, &[u8]),
 ) -> Result<(Vec<u8>, Vec<L::Peer>), HolderError> {
-    let mut out = Vec::with_capacity(list.total as usize);
-    let mut at = 0;
-    let mut dropped = Vec::new();
-    let mut why = String::from("no peer to pull from");
-    for i in 0..list.len() {
+    use futures::StreamExt;
+    let at = std::sync::atomic::AtomicUsize::new(0);
+    let at = &at;
+    let one = |i: usize| async move {
+        let mut why = String::from("no peer to pull from");
         loop {
-            let Some(peer) = sources.get(at) else {
+            let s = at.load(std::sync::atomic::Ordering::Relaxed);
+            let Some(peer) = sources.get(s) else {
                 return Err(HolderError::Download(format!(
                     "piece {i} of update {:016x}: {why}",
                     list.id
@@ -272,9 +311,7 @@ pub async fn pull<L: Link>(
                 Ok(MeshResponse::Chunk { total, bytes, .. })
                     if total == list.total && list.holds(i, &bytes) =>
                 {
-                    got(i, &bytes);
-                    out.extend_from_slice(&bytes);
-                    break;
+                    return Ok(bytes);
                 }
                 Ok(MeshResponse::Chunk { .. }) => {
                     why = format!("{peer} served a piece that does not match the signed list");
@@ -289,11 +326,28 @@ pub async fn pull<L: Link>(
                 }
                 Err(e) => why = e.to_string(),
             }
-            dropped.push(peer.clone());
-            at += 1;
+            // Drops the source unless a piece pulled beside this one already did.
+            let _ = at.compare_exchange(
+                s,
+                s + 1,
+                std::sync::atomic::Ordering::Relaxed,
+                std::sync::atomic::Ordering::Relaxed,
+            );
         }
+    };
+    let mut pieces = futures::stream::iter(0..list.len())
+        .map(one)
+        .buffered(PULL_WINDOW);
+    let mut out = Vec::with_capacity(list.total as usize);
+    let mut i = 0;
+    while let Some(piece) = pieces.next().await {
+        let piece = piece?;
+        got(i, &piece);
+        out.extend_from_slice(&piece);
+        i += 1;
     }
-    Ok((out, dropped))
+    let dropped = at.load(std::sync::atomic::Ordering::Relaxed);
+    Ok((out, sources[..dropped.min(sources.len())].to_vec()))
 }
 
 #[cfg(test)]
@@ -464,7 +518,12 @@ mod tests {
         assert_eq!(got, u);
         assert_eq!(dropped, [5]);
         assert_eq!(seen, [0, 1, 2]);
-        assert_eq!(link.asked.into_inner().unwrap(), [5, 5, 6, 6]);
+        let asked = link.asked.into_inner().unwrap();
+        assert!(asked.contains(&6), "{asked:?}");
+        assert!(
+            asked.iter().filter(|&&p| p == 5).count() <= 3,
+            "the bad source is asked no more after its bad piece: {asked:?}"
+        );
         let link = peers(&[(5, u.clone())], &[]);
         let mut cut = u;
         cut.truncate(10);

@@ -7,9 +7,9 @@ use libp2p::PeerId;
 
 use super::LeadError;
 use crate::coded::Caught;
-use crate::holder::{Link, Passed, PieceList, pass_on};
+use crate::holder::{Link, Passed, PieceList, pass_on, tell};
 use crate::learn::{Published, Update, seal};
-use crate::mesh::{MeshRequest, MeshResponse};
+use crate::mesh::MeshRequest;
 
 /// An update signed by a leader, ready to hand out.
 #[derive(Debug, Clone)]
@@ -104,12 +104,14 @@ pub async fn publish_sealed<L: Link<Peer = PeerId>>(
 pub struct Reported {
     /// Each caught member: its row, its holder and the evidence.
     pub caught: Vec<(usize, PeerId, Caught)>,
-    /// How many of the holders told took every report.
+    /// How many holders the leader told of every report (at most
+    /// [`crate::holder::FANOUT`]; they tell the rest).
     pub taken_by: usize,
 }
 
-/// Tells every one of `holders` about the members in `caught` (rows of a group over `rows`),
-/// with the evidence; a row with no known holder is skipped.
+/// Tells `holders` about the members in `caught` (rows of a group over `rows`), with the
+/// evidence: at most [`crate::holder::FANOUT`] of them directly, who pass it on
+/// ([`crate::holder::tell`]); a row with no known holder is skipped.
 pub async fn report_caught<L: Link<Peer = PeerId>>(
     link: &L,
     caught: &[Caught],
@@ -123,33 +125,19 @@ pub async fn report_caught<L: Link<Peer = PeerId>>(
     if caught.is_empty() {
         return Reported::default();
     }
-    let sends = holders.iter().map(|to| {
-        let caught = &caught;
-        async move {
-            for (_, peer, evidence) in caught {
-                let req = MeshRequest::Report {
-                    peer: peer.to_string(),
-                    evidence: evidence.clone(),
-                };
-                match link.ask(to, req).await {
-                    Ok(MeshResponse::Error(e)) => {
-                        tracing::warn!(%to, "report not taken: {e}");
-                        return false;
-                    }
-                    Ok(_) => {}
-                    Err(e) => {
-                        tracing::warn!(%to, "report not taken: {e}");
-                        return false;
-                    }
-                }
-            }
-            true
-        }
+    let tells = caught.iter().map(|(_, peer, evidence)| {
+        let ask = move |rest| MeshRequest::Report {
+            peer: peer.to_string(),
+            evidence: evidence.clone(),
+            to: rest,
+        };
+        tell(link, holders, ask, 0, "a caught member's report")
     });
-    let taken_by = futures::future::join_all(sends)
+    let taken_by = futures::future::join_all(tells)
         .await
         .into_iter()
-        .filter(|&ok| ok)
-        .count();
+        .map(|p| p.taken)
+        .min()
+        .unwrap_or(0);
     Reported { caught, taken_by }
 }

@@ -509,6 +509,8 @@ pub enum MeshRequest {
         peer: String,
         /// The evidence.
         evidence: crate::coded::Caught,
+        /// Holders the receiver passes the report on to ([`crate::holder::tell`]).
+        to: Vec<String>,
     },
     /// A leader finished a request: the node adds it to the usage it announces.
     Served(Usage),

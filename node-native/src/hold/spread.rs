@@ -81,7 +81,7 @@ impl Spreads {
     ) -> Option<impl Future<Output = MeshResponse> + use<>> {
         let f = self.lock().get(&id)?.clone();
         Some(async move {
-            if offset % PIECE_BYTES as u64 != 0 {
+            if !offset.is_multiple_of(PIECE_BYTES as u64) {
                 return MeshResponse::Error(format!(
                     "update {id:016x} is arriving here: ask for whole pieces of {PIECE_BYTES} bytes"
                 ));

@@ -28,6 +28,9 @@ use crate::hold::store::DataDir;
 use crate::net::swarm::{Client, Inbound, with_peer};
 use node_core::net::reach::Reach;
 
+/// Peers announcing a version a node lacks: each one's update count and requests led.
+type Ahead = HashMap<PeerId, (u64, u64)>;
+
 /// How long a node behind its peers waits, with no update spreading to it, before it pulls what
 /// it lacks: an update spreads to every live holder well within it, so pulls are for the holders
 /// the spread missed (restarted, partitioned, their relay gone).
@@ -244,7 +247,7 @@ struct Server {
     syncing: bool,
     /// Since when peers have announced a version this node lacks, and each such peer's update
     /// count and requests led: pulled from once no update has spread to it for [`PULL_AFTER`].
-    behind: Option<(Instant, HashMap<PeerId, (u64, u64)>)>,
+    behind: Option<(Instant, Ahead)>,
     /// Updates spreading through this node.
     spreads: Spreads,
     /// A fold of the kept updates into a new snapshot is running.
@@ -590,8 +593,15 @@ impl Server {
                 return;
             }
             Route::View(query) => {
+                let onward = query.onward();
                 let resp = holder::answer_view(&mut self.view, &peer, query, now);
                 tokio::spawn(respond(resp));
+                if let Some((caught, evidence, to)) = onward {
+                    let link = NativeLink::quiet(self.client.clone());
+                    tokio::spawn(async move {
+                        holder::pass_report(&link, caught, evidence, &to).await;
+                    });
+                }
                 return;
             }
             Route::Step { version, request } => {

@@ -430,7 +430,7 @@ impl BrowserNode {
             }
         };
         let (got, _) = futures::join!(got, pass);
-        let _ = self.send(Command::Spread(got)).await;
+        let _ = self.send(super::Command::Spread(got)).await;
     }
 
     /// What catching up with `peer` brings a holder at `have`: the payloads of the updates the

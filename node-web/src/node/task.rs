@@ -408,8 +408,15 @@ impl Task {
         match h.route(&peer, request) {
             Route::Answer(response) => self.respond(channel, response),
             Route::View(query) => {
+                let onward = query.onward();
                 let response = node_core::holder::answer_view(view, &peer, query, now);
-                self.respond(channel, response)
+                self.respond(channel, response);
+                if let Some((caught, evidence, to)) = onward {
+                    let node = self.node.clone();
+                    wasm_bindgen_futures::spawn_local(async move {
+                        node_core::holder::pass_report(&node, caught, evidence, &to).await;
+                    });
+                }
             }
             Route::Learn(bytes) => self.learning.push_back((bytes, Some(channel))),
             Route::Spread(notice) => {
