@@ -11,9 +11,9 @@
 //! piece relayed, the time a holder takes to check and apply the update, and holders dying at
 //! random while it spreads (exponential lifetimes at the churn rate; the leader lives). Not
 //! modelled: a pull source's other uploads (pulls find idle uplinks), congestion beyond the
-//! uplink share, a piece's request (one more delay a piece; pieces are asked one after another,
-//! so a relay's pipeline runs a round trip a piece behind its sender), and the gossip that
-//! announces the update (a holder that has received nothing notices its sender's death the same
+//! uplink share, a piece's request (a holder keeps two asked at once, so its pipeline keeps its
+//! sender's rate; a relay starts a round trip after its sender's piece, not one delay), and the
+//! gossip that announces the update (a holder that has received nothing notices its sender's death the same
 //! way, after `notice`).
 
 use std::time::Duration;
