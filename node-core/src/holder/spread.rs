@@ -186,14 +186,14 @@ pub fn deal<T: Clone>(to: &[T], parts: usize) -> Vec<Vec<T>> {
         .collect()
 }
 
-/// What passing a notice on did.
+/// What telling holders ([`tell`]) did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Passed {
-    /// Shares handed to a holder that took the notice.
+    /// Shares handed to a holder that took what was told.
     pub taken: usize,
     /// Holders that refused or could not be reached (their shares went to the next).
     pub failed: usize,
-    /// Bytes of the update sent inline.
+    /// Bytes of the update sent with the notices (none when the holders pull it).
     pub inline_bytes: u64,
 }
 
@@ -365,6 +365,7 @@ mod tests {
         copies: HashMap<u32, Vec<u8>>,
         refuse: Vec<u32>,
         told: Mutex<Vec<(u32, Notice)>>,
+        reported: Mutex<Vec<(u32, Vec<String>)>>,
         asked: Mutex<Vec<u32>>,
     }
 
@@ -381,6 +382,10 @@ mod tests {
                 MeshRequest::Spread(n) => {
                     self.told.lock().unwrap().push((*peer, n));
                     Ok(MeshResponse::Spreading { id: 1 })
+                }
+                MeshRequest::Report { to, .. } => {
+                    self.reported.lock().unwrap().push((*peer, to));
+                    Ok(MeshResponse::Reported)
                 }
                 MeshRequest::UpdateChunk { offset, len, .. } => {
                     let Some(b) = self.copies.get(peer) else {
@@ -422,6 +427,7 @@ mod tests {
             copies: copies.iter().cloned().collect(),
             refuse: refuse.to_vec(),
             told: Mutex::default(),
+            reported: Mutex::default(),
             asked: Mutex::default(),
         }
     }
@@ -502,6 +508,29 @@ mod tests {
                 (4, Vec::new()),
             ],
             "holder 1 is gone: holder 4, next in its share, takes the rest of it"
+        );
+    }
+
+    #[test]
+    fn a_report_is_passed_on_through_shares_and_unreadable_names_are_skipped() {
+        let link = peers(&[], &[]);
+        let evidence = crate::coded::Caught {
+            node: 2,
+            step: "Qkv(0)".into(),
+            residual: 1e-3,
+            threshold: 1e-5,
+            witnesses: vec![0, 1],
+            missing_update: None,
+        };
+        let to = ["4", "five", "6", "7", "8"].map(String::from);
+        let passed = futures::executor::block_on(pass_report(&link, "9".into(), evidence, &to));
+        assert_eq!(passed.taken, 3);
+        let mut reported = link.reported.into_inner().unwrap();
+        reported.sort();
+        assert_eq!(
+            reported,
+            [(4, vec!["8".to_string()]), (6, Vec::new()), (7, Vec::new())],
+            "holder 4 passes it on to 8; \"five\" names no peer"
         );
     }
 

@@ -188,7 +188,7 @@ impl Relay {
                 match answer {
                     MeshResponse::Learned { id: got, .. } if got == id => {}
                     MeshResponse::Learned { id: got, .. } => tracing::warn!(
-                        "the update of notice {id:016x} hashes to {got:016x}: signed by another"
+                        "the notice named update {id:016x}, its pieces made update {got:016x}"
                     ),
                     other => tracing::warn!(
                         id = format!("{id:016x}"),
