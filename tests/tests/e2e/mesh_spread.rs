@@ -30,26 +30,66 @@ fn nodes(bootstrap: &str) -> Result<Vec<(String, String, String, u64)>> {
         .collect())
 }
 
-/// Waits until `want` healthy holders are at one digest with no lag, and the digest is not
-/// `not`; returns the digest.
-fn wait_one_digest(bootstrap: &str, want: usize, not: &str, up: &Up) -> Result<String> {
+/// Waits until every holder `status` shows is healthy and at one digest, with no lag; returns
+/// the digest.
+fn wait_one_digest(bootstrap: &str, up: &Up) -> Result<String> {
     let start = Instant::now();
     loop {
         let all = nodes(bootstrap)?;
-        let healthy: Vec<_> = all.iter().filter(|n| n.1 == "Healthy").collect();
-        if healthy.len() == want
-            && healthy.iter().all(|n| n.2 == healthy[0].2 && n.3 == 0)
-            && healthy[0].2 != not
+        if all.len() == HOLDERS
+            && all
+                .iter()
+                .all(|n| n.1 == "Healthy" && n.2 == all[0].2 && n.3 == 0)
         {
-            return Ok(healthy[0].2.clone());
+            return Ok(all[0].2.clone());
         }
         ensure!(
             start.elapsed() < Duration::from_secs(90),
-            "{want} healthy holders never reached one new version: {all:?}\n{}",
+            "the {HOLDERS} holders never reached one version: {all:?}\n{}",
             up.log()
         );
         std::thread::sleep(Duration::from_millis(300));
     }
+}
+
+/// Waits until the holders other than `victim` are healthy and at one digest that is not
+/// `victim`'s.
+fn left_behind(bootstrap: &str, victim: &str, up: &Up) -> Result<()> {
+    let start = Instant::now();
+    loop {
+        let all = nodes(bootstrap)?;
+        let theirs = all.iter().find(|n| n.0 == victim).map(|n| n.2.clone());
+        let others: Vec<_> = all.iter().filter(|n| n.0 != victim).collect();
+        if others.len() == HOLDERS - 1
+            && others
+                .iter()
+                .all(|n| n.1 == "Healthy" && n.2 == others[0].2 && n.3 == 0)
+            && theirs.is_some_and(|d| d != others[0].2)
+        {
+            return Ok(());
+        }
+        ensure!(
+            start.elapsed() < Duration::from_secs(90),
+            "the others never moved past the stopped holder at one version: {all:?}\n{}",
+            up.log()
+        );
+        std::thread::sleep(Duration::from_millis(300));
+    }
+}
+
+/// The peer id node `i` of `up` serves as (its log's "serving row … as …").
+fn peer_of(data: &std::path::Path, i: usize) -> Result<String> {
+    let log = std::fs::read_to_string(data.join(format!("node{i}.log")))?;
+    Ok(log
+        .lines()
+        .find_map(|l| {
+            l.split(" as ")
+                .nth(1)
+                .filter(|_| l.starts_with("serving row"))
+        })
+        .with_context(|| format!("node {i}'s peer id"))?
+        .trim()
+        .to_string())
 }
 
 /// Asks for completions until the leader has published more than `than` updates.
@@ -89,23 +129,14 @@ fn sixteen_holders_get_every_update_for_three_copies_from_the_leader_and_catch_u
     let ready = up.ready(Duration::from_secs(300))?;
     let model = field(&ready, "model ")?.to_string();
     let bootstrap = field(&ready, "bootstrap ")?.to_string();
-    let leader_log = std::fs::read_to_string(data.join("node0.log"))?;
-    let leader = leader_log
-        .lines()
-        .find_map(|l| {
-            l.split(" as ")
-                .nth(1)
-                .filter(|_| l.starts_with("serving row"))
-        })
-        .context("the API node's peer id")?
-        .trim()
-        .to_string();
+    let leader = peer_of(&data, 0)?;
+    let victim_peer = peer_of(&data, HOLDERS - 1)?;
 
-    // Two updates, each spread to all sixteen.
-    let published = publish_past(port, &model, 1.0, &up)?;
-    let first = wait_one_digest(&bootstrap, HOLDERS, "", &up)?;
-    // One holder stops answering (SIGSTOP) while another update spreads: its share of the tree
-    // goes to the next holders, and the others reach the new version without it.
+    // Updates spread to all sixteen.
+    publish_past(port, &model, 1.0, &up)?;
+    wait_one_digest(&bootstrap, &up)?;
+    // One holder stops answering (SIGSTOP) while more updates spread: its share of the tree
+    // goes to the next holders, and the others move past it.
     let pids = up.node_pids();
     let (_, victim) = *pids
         .iter()
@@ -118,18 +149,9 @@ fn sixteen_holders_get_every_update_for_three_copies_from_the_leader_and_catch_u
             .status()
     };
     signal("STOP")?;
-    let published = publish_past(port, &model, published, &up)?;
-    let second = wait_one_digest(&bootstrap, HOLDERS - 1, &first, &up)?;
-    let bytes = metric(port, "codedmesh_update_bytes_published_total")?;
-    let sent = metric(port, "codedmesh_update_bytes_sent_total")?;
-    eprintln!(
-        "{published} updates, {bytes} bytes published; the leader sent {sent} ({:.2} copies)",
-        sent / bytes
-    );
-    ensure!(
-        sent >= bytes && sent <= 3.0 * bytes,
-        "each update leaves the leader at most three times: {sent} bytes sent of {bytes} published"
-    );
+    let before = metric(port, "codedmesh_updates_published_total")?;
+    publish_past(port, &model, before, &up)?;
+    left_behind(&bootstrap, &victim_peer, &up)?;
     // Killed, up restarts it: it pulls what it missed from peers, not from the leader.
     signal("KILL")?;
     let start = Instant::now();
@@ -145,11 +167,7 @@ fn sixteen_holders_get_every_update_for_three_copies_from_the_leader_and_catch_u
         );
         std::thread::sleep(Duration::from_millis(200));
     }
-    let last = wait_one_digest(&bootstrap, HOLDERS, &first, &up)?;
-    ensure!(
-        last == second,
-        "the restarted holder is at the mesh's version"
-    );
+    wait_one_digest(&bootstrap, &up)?;
     let victim_log = std::fs::read_to_string(data.join(format!("node{}.log", HOLDERS - 1)))?;
     let pulled: Vec<&str> = victim_log
         .lines()
@@ -159,10 +177,18 @@ fn sixteen_holders_get_every_update_for_three_copies_from_the_leader_and_catch_u
         !pulled.is_empty() && pulled.iter().all(|p| p.trim() != leader),
         "the restarted holder pulled from peers other than the leader ({leader}): {pulled:?}"
     );
-    let after = metric(port, "codedmesh_update_bytes_sent_total")?;
+    // The leader's three copies of each update are all it sent: a pull from it would be a
+    // fourth.
+    let published = metric(port, "codedmesh_updates_published_total")?;
+    let bytes = metric(port, "codedmesh_update_bytes_published_total")?;
+    let sent = metric(port, "codedmesh_update_bytes_sent_total")?;
+    eprintln!(
+        "{published} updates, {bytes} bytes published; the leader sent {sent} ({:.2} copies)",
+        sent / bytes
+    );
     ensure!(
-        after == sent,
-        "the leader sent nothing for the catch-up: {sent} bytes before, {after} after"
+        sent >= bytes && sent <= 3.0 * bytes,
+        "each update leaves the leader at most three times: {sent} bytes sent of {bytes} published"
     );
     Ok(())
 }
