@@ -48,11 +48,6 @@ impl Spreads {
         self.lock().is_empty()
     }
 
-    /// Whether update `id` is being pulled.
-    pub fn is_pulling(&self, id: u64) -> bool {
-        self.lock().contains_key(&id)
-    }
-
     /// Starts pulling `list`'s update; `None` when it is already being pulled.
     fn start(&self, list: &PieceList) -> Option<Arc<InFlight>> {
         let mut map = self.lock();
@@ -145,7 +140,8 @@ impl Relay {
         let pulling = (!applied)
             .then(|| self.spreads.start(&notice.list))
             .flatten();
-        let serves = kept || pulling.is_some() || (!applied && self.spreads.is_pulling(id));
+        // Not applied here means pulled here, by this notice or one before it.
+        let serves = kept || !applied;
         let mut sources: Vec<String> = serves.then(|| me.to_string()).into_iter().collect();
         sources.extend(notice.sources.iter().map(ToString::to_string));
         // With no holder to pull from (a leader sent it whole), the next get it whole too.
