@@ -322,6 +322,8 @@ mod tests {
             rope_theta: 10000.0,
             max_seq: 64,
             tied_embeddings: false,
+            family: crate::model::Family::Llama,
+            rope_freq_factors: Vec::new(),
         }
     }
 

@@ -260,6 +260,8 @@ pub fn llama_8b() -> LlamaConfig {
         rope_theta: 500_000.0,
         max_seq: 8192,
         tied_embeddings: false,
+        family: node_core::model::Family::Llama,
+        rope_freq_factors: Vec::new(),
     }
 }
 
@@ -303,6 +305,7 @@ pub fn update_bytes(
             attn_norm: vec![gains.clone(); cfg.layers],
             ffn_norm: vec![gains.clone(); cfg.layers],
             final_norm: gains,
+            ..Default::default()
         },
         precision: Precision::F16,
     };

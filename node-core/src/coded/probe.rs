@@ -279,6 +279,7 @@ mod tests {
                 attn_norm: Vec::new(),
                 ffn_norm: Vec::new(),
                 final_norm: Vec::new(),
+                ..Default::default()
             },
             precision: crate::update::Precision::F32,
         }

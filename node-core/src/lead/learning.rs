@@ -57,7 +57,7 @@ pub async fn settle<E: LinearExec, P: Publisher>(
         Ok(Judged::Refused(why, verdict)) => Settled::Refused(why, verdict),
         Ok(Judged::Publish(p, verdict)) => {
             let requests = p.requests;
-            match publisher.publish(p).await {
+            match publisher.publish(*p).await {
                 Ok((sent, moved)) => {
                     if let Some(v) = moved {
                         teacher.published(v, verdict.as_ref());

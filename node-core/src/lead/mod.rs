@@ -452,6 +452,7 @@ mod tests {
             attn_norm: vec![vec![1.0; cfg.hidden]; cfg.layers],
             ffn_norm: vec![vec![1.0; cfg.hidden]; cfg.layers],
             final_norm: vec![1.0; cfg.hidden],
+            ..Default::default()
         }
     }
 

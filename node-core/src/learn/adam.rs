@@ -250,18 +250,13 @@ impl AdapterAdam {
                 }
             })
             .collect();
-        let d = self.model.hidden;
         let mut u = Update {
             step: self.lr,
             t,
             stages,
             embed_tokens: Vec::new(),
             embed_dx: Vec::new(),
-            norms: LeaderWeights {
-                attn_norm: vec![vec![0.0; d]; self.model.layers],
-                ffn_norm: vec![vec![0.0; d]; self.model.layers],
-                final_norm: vec![0.0; d],
-            },
+            norms: LeaderWeights::zeros(&self.model),
             precision: self.precision,
         };
         wire::round(&mut u);

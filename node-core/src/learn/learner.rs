@@ -10,7 +10,7 @@ use super::adam::AdapterAdam;
 use super::{LearningConfig, Optimizer};
 use super::{Precision, StageFactors, Update, UpdateError, compress, wire};
 use crate::coded::ShardFormat;
-use crate::model::{Gradients, LeaderWeights, LlamaConfig, Stage};
+use crate::model::{Gradients, LlamaConfig, Stage};
 
 /// An update ready to be gossiped.
 #[derive(Debug, Clone, PartialEq)]
@@ -221,13 +221,7 @@ fn scale(u: &mut Update, c: f32) {
         f.dy.iter_mut().flatten().for_each(|v| *v *= c);
     }
     u.embed_dx.iter_mut().for_each(|v| *v *= c);
-    let n = &mut u.norms;
-    n.attn_norm
-        .iter_mut()
-        .chain(n.ffn_norm.iter_mut())
-        .chain(std::iter::once(&mut n.final_norm))
-        .flatten()
-        .for_each(|v| *v *= c);
+    u.norms.vectors_mut().flatten().for_each(|v| *v *= c);
 }
 
 /// The sum of two updates with the same step: their factor rows side by side.
@@ -259,27 +253,18 @@ fn concat(a: &Update, b: &Update) -> Result<Update, UpdateError> {
         })
         .collect::<Result<_, _>>()?;
     let add = |u: &[f32], v: &[f32]| u.iter().zip(v).map(|(x, y)| x + y).collect::<Vec<f32>>();
-    let (na, nb) = (&a.norms, &b.norms);
     Ok(Update {
         step: a.step,
         t: a.t + b.t,
         stages,
         embed_tokens: [a.embed_tokens.as_slice(), &b.embed_tokens].concat(),
         embed_dx: [a.embed_dx.as_slice(), &b.embed_dx].concat(),
-        norms: LeaderWeights {
-            attn_norm: na
-                .attn_norm
-                .iter()
-                .zip(&nb.attn_norm)
-                .map(|(u, v)| add(u, v))
-                .collect(),
-            ffn_norm: na
-                .ffn_norm
-                .iter()
-                .zip(&nb.ffn_norm)
-                .map(|(u, v)| add(u, v))
-                .collect(),
-            final_norm: add(&na.final_norm, &nb.final_norm),
+        norms: {
+            let mut sum = a.norms.clone();
+            for (u, v) in sum.vectors_mut().zip(b.norms.vectors()) {
+                *u = add(u, v);
+            }
+            sum
         },
         precision: a.precision,
     })

@@ -460,23 +460,29 @@ impl Update {
                 .zip(dx)
                 .for_each(|(v, &g)| *v -= self.step * g);
         }
+        let n = &self.norms;
         for (l, layer) in w.layers.iter_mut().enumerate() {
-            sub(&mut layer.attn_norm, &self.norms.attn_norm[l], self.step);
-            sub(&mut layer.ffn_norm, &self.norms.ffn_norm[l], self.step);
+            sub(&mut layer.attn_norm, &n.attn_norm[l], self.step);
+            sub(&mut layer.ffn_norm, &n.ffn_norm[l], self.step);
+            for (v, d) in [
+                (&mut layer.qkv_bias, n.qkv_bias.get(l)),
+                (&mut layer.q_norm, n.q_norm.get(l)),
+                (&mut layer.k_norm, n.k_norm.get(l)),
+            ] {
+                if let Some(d) = d {
+                    sub(v, d, self.step);
+                }
+            }
         }
-        sub(&mut w.final_norm, &self.norms.final_norm, self.step);
+        sub(&mut w.final_norm, &n.final_norm, self.step);
         Ok(())
     }
 
     /// Applies the step to the leader's replicated norm gains.
     pub fn apply_to_norms(&self, n: &mut LeaderWeights) {
-        for (g, d) in n.attn_norm.iter_mut().zip(&self.norms.attn_norm) {
+        for (g, d) in n.vectors_mut().zip(self.norms.vectors()) {
             sub(g, d, self.step);
         }
-        for (g, d) in n.ffn_norm.iter_mut().zip(&self.norms.ffn_norm) {
-            sub(g, d, self.step);
-        }
-        sub(&mut n.final_norm, &self.norms.final_norm, self.step);
     }
 
     /// Applies the step to one node's shards: `δS_i = (Σ_j G[i,j]·dY_j)ᵀ·X` per matrix.

@@ -20,7 +20,7 @@ pub struct Teacher {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Judged {
     /// Publish it: the gate passed it (its verdict), or there is no gate.
-    Publish(Published, Option<Verdict>),
+    Publish(Box<Published>, Option<Verdict>),
     /// The gate refused it (why, and its verdict); the learner forgot it.
     Refused(String, Verdict),
 }
@@ -62,7 +62,7 @@ impl Teacher {
         published: Published,
     ) -> Result<Judged, ModelError> {
         let Some(gate) = self.gate.as_mut() else {
-            return Ok(Judged::Publish(published, None));
+            return Ok(Judged::Publish(Box::new(published), None));
         };
         let taken = published.update.clone().taken_by(self.format);
         let verdict = match gate.judge(llama, exec, version, &taken).await {
@@ -77,7 +77,7 @@ impl Teacher {
                 self.learner.refuse_last();
                 Ok(Judged::Refused(why, verdict))
             }
-            None => Ok(Judged::Publish(published, Some(verdict))),
+            None => Ok(Judged::Publish(Box::new(published), Some(verdict))),
         }
     }
 
@@ -120,6 +120,8 @@ pub(crate) mod tests {
             rope_theta: 10_000.0,
             max_seq: 64,
             tied_embeddings: false,
+            family: crate::model::Family::Llama,
+            rope_freq_factors: Vec::new(),
         }
     }
 
@@ -155,7 +157,7 @@ pub(crate) mod tests {
         let mut open = teacher(None);
         let first = open.fold(g1.clone()).unwrap().unwrap();
         let judged = block_on(open.judge(&llama, &mut group, [0; 32], first.clone())).unwrap();
-        assert!(judged == Judged::Publish(first.clone(), None));
+        assert!(judged == Judged::Publish(Box::new(first.clone()), None));
         let after_first = open.fold(g2.clone()).unwrap().unwrap();
         let alone = teacher(None).fold(g2.clone()).unwrap().unwrap();
         assert!(after_first != alone, "the moments carried nothing");

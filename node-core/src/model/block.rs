@@ -103,7 +103,7 @@ pub trait LinearExec {
 pub enum BlockStep {
     /// `h = rms_norm(x, attn_norm)`.
     AttnNorm,
-    /// `q, k, v = h·Wᵀ` ([`Stage::Qkv`]).
+    /// `q, k, v = h·Wᵀ` ([`Stage::Qkv`]), plus the family's biases, then its head norms.
     Qkv,
     /// RoPE on `q` and `k`, each row at its own position.
     Rope,
@@ -192,6 +192,10 @@ pub(crate) struct Saved {
     pub x_in: Vec<f32>,
     /// Its attention norm, `t × hidden`.
     pub h1: Vec<f32>,
+    /// Queries before their head norm (Qwen3 only), `t × q_dim`.
+    pub q_raw: Vec<f32>,
+    /// Keys before their head norm (Qwen3 only), `t × kv_dim`.
+    pub k_raw: Vec<f32>,
     /// Rotated queries, `t × q_dim`.
     pub q: Vec<f32>,
     /// Rotated keys, `t × kv_dim`.
@@ -259,6 +263,20 @@ pub(crate) async fn run_block<E: LinearExec, A: Attend>(
                 a.v = qkv.pop().unwrap_or_default();
                 a.k = qkv.pop().unwrap_or_default();
                 a.q = qkv.pop().unwrap_or_default();
+                if let Some(bias) = norms.qkv_bias.get(layer) {
+                    let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
+                    add_rows(&mut a.q, &bias[..qd]);
+                    add_rows(&mut a.k, &bias[qd..qd + kvd]);
+                    add_rows(&mut a.v, &bias[qd + kvd..]);
+                }
+                if let (Some(qn), Some(kn)) = (norms.q_norm.get(layer), norms.k_norm.get(layer)) {
+                    if keep {
+                        a.q_raw = a.q.clone();
+                        a.k_raw = a.k.clone();
+                    }
+                    a.q = norm(&a.q, qn);
+                    a.k = norm(&a.k, kn);
+                }
             }
             BlockStep::Rope => {
                 rotate(&mut a.q, cfg.heads, cfg.head_dim, rows.cos, rows.sin, 1.0);
@@ -411,6 +429,13 @@ pub(crate) fn softmax(v: &mut [f32]) {
 
 pub(crate) fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
+}
+
+/// Adds `bias` to every row of `x`.
+pub(crate) fn add_rows(x: &mut [f32], bias: &[f32]) {
+    for row in x.chunks_exact_mut(bias.len()) {
+        add_in_place(row, bias);
+    }
 }
 
 pub(crate) fn add_in_place(x: &mut [f32], y: &[f32]) {

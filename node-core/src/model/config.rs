@@ -30,6 +30,59 @@ pub struct LlamaConfig {
     pub max_seq: usize,
     /// Whether the LM head shares the token embedding.
     pub tied_embeddings: bool,
+    /// Which family's block this is: what the leader adds around the coded projections.
+    pub family: Family,
+    /// RoPE frequency divisors, one per pair of a head (Llama 3's "llama3" scaling, GGUF's
+    /// `rope_freqs.weight`); empty when the frequencies are unscaled.
+    pub rope_freq_factors: Vec<f32>,
+}
+
+/// The model families whose blocks the leader runs: each is a Llama block with its own extras
+/// around the coded projections, which stay the same seven matrices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+pub enum Family {
+    /// Llama 1–3.x, Mistral, SmolLM: the plain block.
+    #[default]
+    Llama,
+    /// Qwen2 and Qwen2.5: biases on the query, key and value projections.
+    Qwen2,
+    /// Qwen3: an RMSNorm on each query and key head before RoPE.
+    Qwen3,
+}
+
+impl Family {
+    /// GGUF `general.architecture` values this code runs, for error messages.
+    pub const SUPPORTED: &'static str =
+        "llama (Llama 1-3.x, Mistral, SmolLM), qwen2 (Qwen2, Qwen2.5), qwen3 (Qwen3 dense)";
+
+    /// The family of a GGUF `general.architecture` or Hugging Face `model_type`.
+    pub fn from_name(name: &str) -> Result<Self, ModelError> {
+        match name {
+            "llama" | "mistral" => Ok(Self::Llama),
+            "qwen2" => Ok(Self::Qwen2),
+            "qwen3" => Ok(Self::Qwen3),
+            other => Err(ModelError::Unsupported(format!(
+                "architecture {other:?}; supported: {}",
+                Self::SUPPORTED
+            ))),
+        }
+    }
+
+    /// Whether the query, key and value projections carry biases.
+    pub fn qkv_bias(self) -> bool {
+        self == Self::Qwen2
+    }
+
+    /// Whether each query and key head is RMS-normalised before RoPE.
+    pub fn qk_norm(self) -> bool {
+        self == Self::Qwen3
+    }
+
+    /// Whether the file stores query and key rows in Hugging Face's half-split RoPE layout
+    /// (llama.cpp's NeoX rope), which loading turns into adjacent pairs.
+    pub(crate) fn half_split_rope_in_gguf(self) -> bool {
+        self != Self::Llama
+    }
 }
 
 impl LlamaConfig {
@@ -47,6 +100,8 @@ impl LlamaConfig {
             rope_theta: 10_000.0,
             max_seq: 8,
             tied_embeddings: true,
+            family: Family::Llama,
+            rope_freq_factors: Vec::new(),
         }
     }
 
@@ -65,6 +120,8 @@ impl LlamaConfig {
             rope_theta: 100_000.0,
             max_seq: 8192,
             tied_embeddings: true,
+            family: Family::Llama,
+            rope_freq_factors: Vec::new(),
         }
     }
 
@@ -100,6 +157,15 @@ impl LlamaConfig {
         if self.max_seq == 0 {
             return bad("max_seq must be positive");
         }
+        if !self.rope_freq_factors.is_empty()
+            && (self.rope_freq_factors.len() != self.head_dim / 2
+                || !self
+                    .rope_freq_factors
+                    .iter()
+                    .all(|f| f.is_finite() && *f > 0.0))
+        {
+            return bad("rope frequency factors must be head_dim/2 positive finite values");
+        }
         Ok(())
     }
 
@@ -113,32 +179,65 @@ impl LlamaConfig {
         self.kv_heads * self.head_dim
     }
 
-    /// Reads the configuration from GGUF `llama.*` metadata.
-    pub fn from_gguf(file: &GgufFile) -> Result<Self, ModelError> {
+    /// Reads the configuration from GGUF metadata (`{arch}.*` keys, `rope_freqs.weight`).
+    pub fn from_gguf(file: &GgufFile, bytes: &[u8]) -> Result<Self, ModelError> {
         let arch = file.get_str("general.architecture")?;
-        if arch != "llama" {
-            return Err(ModelError::Unsupported(format!(
-                "architecture {arch:?} (only llama is supported)"
-            )));
-        }
-        let u = |key: &str| -> Result<usize, ModelError> {
-            Ok(file.get_u32(&format!("llama.{key}"))? as usize)
-        };
+        let family = Family::from_name(arch)?;
+        let key = |k: &str| format!("{arch}.{k}");
+        let u = |k: &str| -> Result<usize, ModelError> { Ok(file.get_u32(&key(k))? as usize) };
         let hidden = u("embedding_length")?;
         let heads = u("attention.head_count")?;
-        let kv_heads = file
-            .get_u32("llama.attention.head_count_kv")
-            .map(|v| v as usize)
-            .unwrap_or(heads);
-        let head_dim = match file.get_u32("llama.rope.dimension_count") {
-            Ok(v) => v as usize,
+        let kv_heads = u("attention.head_count_kv").unwrap_or(heads);
+        // A head's width: `key_length` when the file says it (Qwen3's heads are wider than
+        // hidden/heads), else the rotated width, else hidden/heads.
+        let head_dim = match u("attention.key_length").or_else(|_| u("rope.dimension_count")) {
+            Ok(v) => v,
             Err(_) if heads > 0 => hidden / heads,
-            Err(e) => return Err(e.into()),
+            Err(e) => return Err(e),
         };
-        let vocab = match file.get_u32("llama.vocab_size") {
-            Ok(v) => v as usize,
+        if let Ok(rotated) = u("rope.dimension_count")
+            && rotated != head_dim
+        {
+            return Err(ModelError::Unsupported(format!(
+                "partial RoPE ({rotated} of {head_dim} dimensions of a head rotated)"
+            )));
+        }
+        if let Ok(v) = u("attention.value_length")
+            && v != head_dim
+        {
+            return Err(ModelError::Unsupported(format!(
+                "value heads of {v} wide with key heads of {head_dim}"
+            )));
+        }
+        let vocab = match u("vocab_size") {
+            Ok(v) => v,
             Err(_) => file.get_str_array("tokenizer.ggml.tokens")?.len(),
         };
+        let mut rope_freq_factors = match file.tensor("rope_freqs.weight") {
+            Some(_) => file.tensor_f32(bytes, "rope_freqs.weight")?,
+            None => Vec::new(),
+        };
+        match file.get_str(&key("rope.scaling.type")) {
+            Err(_) | Ok("none") => {}
+            // Linear scaling divides every frequency by the factor.
+            Ok("linear") => {
+                let factor = file.get_f32(&key("rope.scaling.factor"))?;
+                if !(factor.is_finite() && factor >= 1.0) {
+                    return Err(ModelError::Config(format!(
+                        "linear RoPE scaling factor {factor}"
+                    )));
+                }
+                if rope_freq_factors.is_empty() {
+                    rope_freq_factors = vec![1.0; head_dim / 2];
+                }
+                rope_freq_factors.iter_mut().for_each(|f| *f *= factor);
+            }
+            Ok(other) => {
+                return Err(ModelError::Unsupported(format!(
+                    "RoPE scaling {other:?} (none, linear and Llama 3's frequency factors are supported)"
+                )));
+            }
+        }
         let cfg = Self {
             hidden,
             ffn: u("feed_forward_length")?,
@@ -147,10 +246,12 @@ impl LlamaConfig {
             kv_heads,
             head_dim,
             vocab,
-            norm_eps: file.get_f32("llama.attention.layer_norm_rms_epsilon")?,
-            rope_theta: file.get_f32("llama.rope.freq_base").unwrap_or(10_000.0),
+            norm_eps: file.get_f32(&key("attention.layer_norm_rms_epsilon"))?,
+            rope_theta: file.get_f32(&key("rope.freq_base")).unwrap_or(10_000.0),
             max_seq: u("context_length").unwrap_or(2048),
             tied_embeddings: file.tensor("output.weight").is_none(),
+            family,
+            rope_freq_factors,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -160,13 +261,7 @@ impl LlamaConfig {
     pub fn from_hf_json(json: &str) -> Result<Self, ModelError> {
         let hf: HfLlamaConfig =
             serde_json::from_str(json).map_err(|e| ModelError::Config(e.to_string()))?;
-        if let Some(arch) = hf.model_type.as_deref()
-            && arch != "llama"
-        {
-            return Err(ModelError::Unsupported(format!(
-                "model_type {arch:?} (only llama is supported)"
-            )));
-        }
+        let family = Family::from_name(hf.model_type.as_deref().unwrap_or("llama"))?;
         let heads = hf.num_attention_heads;
         let cfg = Self {
             hidden: hf.hidden_size,
@@ -182,6 +277,15 @@ impl LlamaConfig {
             rope_theta: hf.rope_theta.unwrap_or(10_000.0),
             max_seq: hf.max_position_embeddings.unwrap_or(2048),
             tied_embeddings: hf.tie_word_embeddings.unwrap_or(false),
+            family,
+            rope_freq_factors: Vec::new(),
+        };
+        let cfg = match &hf.rope_scaling {
+            None => cfg,
+            Some(scaling) => Self {
+                rope_freq_factors: scaling.factors(&cfg)?,
+                ..cfg
+            },
         };
         cfg.validate()?;
         Ok(cfg)
@@ -203,4 +307,57 @@ struct HfLlamaConfig {
     rope_theta: Option<f32>,
     max_position_embeddings: Option<usize>,
     tie_word_embeddings: Option<bool>,
+    rope_scaling: Option<HfRopeScaling>,
+}
+
+/// A Hugging Face `rope_scaling` object.
+#[derive(Debug, Deserialize)]
+struct HfRopeScaling {
+    #[serde(alias = "type")]
+    rope_type: String,
+    factor: f32,
+    low_freq_factor: Option<f32>,
+    high_freq_factor: Option<f32>,
+    original_max_position_embeddings: Option<usize>,
+}
+
+impl HfRopeScaling {
+    /// Each pair's frequency divisor, as llama.cpp's converter writes `rope_freqs.weight`.
+    fn factors(&self, cfg: &LlamaConfig) -> Result<Vec<f32>, ModelError> {
+        let half = cfg.head_dim / 2;
+        let factor = f64::from(self.factor);
+        match self.rope_type.as_str() {
+            "linear" => Ok(vec![self.factor; half]),
+            "llama3" => {
+                let missing = || ModelError::Config("llama3 rope_scaling lacks a field".into());
+                let low = f64::from(self.low_freq_factor.ok_or_else(missing)?);
+                let high = f64::from(self.high_freq_factor.ok_or_else(missing)?);
+                let old = self.original_max_position_embeddings.ok_or_else(missing)? as f64;
+                if high.partial_cmp(&low) != Some(std::cmp::Ordering::Greater) {
+                    return Err(ModelError::Config(
+                        "llama3 rope_scaling needs high_freq_factor > low_freq_factor".into(),
+                    ));
+                }
+                let (low_wavelen, high_wavelen) = (old / low, old / high);
+                Ok((0..half)
+                    .map(|i| {
+                        let freq =
+                            f64::from(cfg.rope_theta).powf(-2.0 * i as f64 / cfg.head_dim as f64);
+                        let wavelen = 2.0 * std::f64::consts::PI / freq;
+                        if wavelen < high_wavelen {
+                            1.0
+                        } else if wavelen > low_wavelen {
+                            factor as f32
+                        } else {
+                            let smooth = (old / wavelen - low) / (high - low);
+                            (1.0 / ((1.0 - smooth) / factor + smooth)) as f32
+                        }
+                    })
+                    .collect())
+            }
+            other => Err(ModelError::Unsupported(format!(
+                "rope_scaling {other:?} (linear and llama3 are supported)"
+            ))),
+        }
+    }
 }

@@ -95,9 +95,17 @@ impl Llama {
                 "norm gains do not match the model shape".into(),
             ));
         }
+        if !norms.fits(&cfg) {
+            return Err(ModelError::Config(
+                "the leader's biases or q/k norm gains do not match the model".into(),
+            ));
+        }
         let half = cfg.head_dim / 2;
         let inv_freq = (0..half)
-            .map(|i| (cfg.rope_theta as f64).powf(-2.0 * i as f64 / cfg.head_dim as f64))
+            .map(|i| {
+                let f = (cfg.rope_theta as f64).powf(-2.0 * i as f64 / cfg.head_dim as f64);
+                f / cfg.rope_freq_factors.get(i).map_or(1.0, |&d| f64::from(d))
+            })
             .collect();
         Ok(Self {
             cfg,

@@ -17,7 +17,7 @@ mod weights;
 
 pub use batch::{AfterFailure, Batch, BatchLimits, Ended, Entry, MAX_PASS_FAILURES, Took};
 pub use block::{BLOCK, BlockStep, LinearExec, PassStep, Stage, pass_steps};
-pub use config::LlamaConfig;
+pub use config::{Family, LlamaConfig};
 pub use generate::{
     Forward, GenerateOptions, Generation, Pass, StopReason, generate, generate_async, generate_on,
     generate_with, logits_along, relative_error,

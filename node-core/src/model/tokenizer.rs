@@ -1,15 +1,22 @@
 //! The model's tokenizer: byte-level BPE from GGUF metadata or a Hugging Face `tokenizer.json`,
 //! plus the ChatML chat template.
 
+use tokenizers::SplitDelimiterBehavior;
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::models::bpe::{BPE, Vocab};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::{AddedToken, PreTokenizerWrapper};
 
 use super::ModelError;
 use crate::gguf::GgufFile;
+
+/// Llama 3's pre-tokenizer split (llama.cpp's "llama-bpe"): digits in threes.
+const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// Qwen2's pre-tokenizer split (llama.cpp's "qwen2"): digits one by one.
+const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// GGUF token type of control tokens (`<|im_start|>` and friends).
 const TOKEN_TYPE_CONTROL: i32 = 3;
@@ -80,12 +87,33 @@ impl Tokenizer {
         let mut inner = tokenizers::Tokenizer::new(bpe);
         let pre = file.get_str("tokenizer.ggml.pre").unwrap_or("default");
         let byte_level = ByteLevel::new(false, true, true);
+        // After a regex split, byte-level mapping alone (its own GPT-2 regex off).
+        let split_then_bytes = |pattern: &str| -> Result<PreTokenizerWrapper, ModelError> {
+            let split = Split::new(
+                SplitPattern::Regex(pattern.to_string()),
+                SplitDelimiterBehavior::Isolated,
+                false,
+            )
+            .map_err(tok_err)?;
+            Ok(Sequence::new(vec![
+                split.into(),
+                ByteLevel::new(false, true, false).into(),
+            ])
+            .into())
+        };
         let pre_tokenizer: PreTokenizerWrapper = match pre {
             // SmolLM's pre-tokenizer: single digits, then GPT-2 byte-level splitting.
             "smollm" | "starcoder" | "refact" => {
                 Sequence::new(vec![Digits::new(true).into(), byte_level.into()]).into()
             }
-            _ => byte_level.into(),
+            "llama-bpe" | "llama3" | "smaug-bpe" | "dbrx" => split_then_bytes(LLAMA3_SPLIT)?,
+            "qwen2" | "deepseek-r1-qwen" => split_then_bytes(QWEN2_SPLIT)?,
+            "default" | "gpt2" | "gpt-2" => byte_level.into(),
+            other => {
+                return Err(ModelError::Unsupported(format!(
+                    "tokenizer pre-tokenizer {other:?} (supported: default, gpt2, smollm, starcoder, refact, llama-bpe, qwen2)"
+                )));
+            }
         };
         inner.with_pre_tokenizer(Some(pre_tokenizer));
         inner.with_decoder(Some(ByteLevelDecoder::default()));

@@ -205,11 +205,7 @@ impl Llama {
         }
 
         // Backward.
-        let mut grads = LeaderWeights {
-            attn_norm: vec![vec![0.0; d]; cfg.layers],
-            ffn_norm: vec![vec![0.0; d]; cfg.layers],
-            final_norm: vec![0.0; d],
-        };
+        let mut grads = LeaderWeights::zeros(&cfg);
         let mut stages = Vec::with_capacity(4 * cfg.layers + 1);
         let dhf = exec
             .linear_t(Stage::LmHead, std::slice::from_ref(&dlogits), t)
@@ -307,6 +303,37 @@ impl Llama {
             // RoPE is a rotation: its transpose rotates back.
             rotate(&mut dq, cfg.heads, cfg.head_dim, &cos, &sin, -1.0);
             rotate(&mut dk, cfg.kv_heads, cfg.head_dim, &cos, &sin, -1.0);
+            if let (Some(qn), Some(kn)) = (norms.q_norm.get(l), norms.k_norm.get(l)) {
+                let mut raw = vec![0.0f32; dq.len()];
+                rms_norm_backward(
+                    &s.q_raw,
+                    qn,
+                    cfg.norm_eps,
+                    &dq,
+                    &mut raw,
+                    &mut grads.q_norm[l],
+                );
+                dq = raw;
+                let mut raw = vec![0.0f32; dk.len()];
+                rms_norm_backward(
+                    &s.k_raw,
+                    kn,
+                    cfg.norm_eps,
+                    &dk,
+                    &mut raw,
+                    &mut grads.k_norm[l],
+                );
+                dk = raw;
+            }
+            if let Some(bias) = grads.qkv_bias.get_mut(l) {
+                let (bq, rest) = bias.split_at_mut(qd);
+                let (bk, bv) = rest.split_at_mut(kvd);
+                for (b, dy) in [(bq, &dq), (bk, &dk), (bv, &dv)] {
+                    for row in dy.chunks_exact(b.len()) {
+                        b.iter_mut().zip(row).for_each(|(g, &v)| *g += v);
+                    }
+                }
+            }
             let dys = vec![dq, dk, dv];
             let dh1 = exec.linear_t(Stage::Qkv(layer), &dys, t).await?;
             stages.push(StageGrad {

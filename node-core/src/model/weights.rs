@@ -58,6 +58,12 @@ pub struct LayerWeights {
     pub up: Matrix,
     /// SwiGLU down projection, `hidden × ffn`.
     pub down: Matrix,
+    /// Query, key and value biases, `q_dim + 2·kv_dim` (Qwen2; empty for other families).
+    pub qkv_bias: Vec<f32>,
+    /// RMSNorm gain of each query head, `head_dim` (Qwen3; empty for other families).
+    pub q_norm: Vec<f32>,
+    /// RMSNorm gain of each key head, `head_dim` (Qwen3; empty for other families).
+    pub k_norm: Vec<f32>,
 }
 
 /// A whole model's weights, uncoded, in f32.
@@ -95,6 +101,11 @@ enum Part {
     Gate,
     Up,
     Down,
+    QBias,
+    KBias,
+    VBias,
+    QNorm,
+    KNorm,
 }
 
 const GGUF_NAMES: Names = Names {
@@ -112,8 +123,17 @@ const GGUF_NAMES: Names = Names {
             Part::Gate => "ffn_gate",
             Part::Up => "ffn_up",
             Part::Down => "ffn_down",
+            Part::QBias => "attn_q.bias",
+            Part::KBias => "attn_k.bias",
+            Part::VBias => "attn_v.bias",
+            Part::QNorm => "attn_q_norm",
+            Part::KNorm => "attn_k_norm",
         };
-        format!("blk.{i}.{p}.weight")
+        if p.ends_with(".bias") {
+            format!("blk.{i}.{p}")
+        } else {
+            format!("blk.{i}.{p}.weight")
+        }
     },
 };
 
@@ -132,8 +152,17 @@ const HF_NAMES: Names = Names {
             Part::Gate => "mlp.gate_proj",
             Part::Up => "mlp.up_proj",
             Part::Down => "mlp.down_proj",
+            Part::QBias => "self_attn.q_proj.bias",
+            Part::KBias => "self_attn.k_proj.bias",
+            Part::VBias => "self_attn.v_proj.bias",
+            Part::QNorm => "self_attn.q_norm",
+            Part::KNorm => "self_attn.k_norm",
         };
-        format!("model.layers.{i}.{p}.weight")
+        if p.ends_with(".bias") {
+            format!("model.layers.{i}.{p}")
+        } else {
+            format!("model.layers.{i}.{p}.weight")
+        }
     },
 };
 
@@ -268,8 +297,12 @@ fn hf_rope_to_adjacent(m: &mut Matrix, heads: usize) {
 impl ModelWeights {
     /// Loads a Llama model from the bytes of a GGUF file.
     pub fn from_gguf(file: &GgufFile, bytes: &[u8]) -> Result<Self, ModelError> {
-        let cfg = LlamaConfig::from_gguf(file)?;
-        Self::load(cfg, &GgufSource { file, bytes }, &GGUF_NAMES)
+        let cfg = LlamaConfig::from_gguf(file, bytes)?;
+        let mut w = Self::load(cfg, &GgufSource { file, bytes }, &GGUF_NAMES)?;
+        if w.cfg.family.half_split_rope_in_gguf() {
+            w.rope_to_adjacent();
+        }
+        Ok(w)
     }
 
     /// Loads a Llama model from Hugging Face `config.json` text and `model.safetensors` bytes.
@@ -279,12 +312,41 @@ impl ModelWeights {
             .map_err(|e| ModelError::Safetensors(e.to_string()))?;
         let src = SafetensorsSource { st };
         let mut w = Self::load(cfg, &src, &HF_NAMES)?;
-        let (heads, kv_heads) = (w.cfg.heads, w.cfg.kv_heads);
-        for layer in &mut w.layers {
+        w.rope_to_adjacent();
+        Ok(w)
+    }
+
+    /// Reorders every block's query and key rows, their biases and their norm gains from the
+    /// half-split RoPE layout to the adjacent pairs the model rotates.
+    fn rope_to_adjacent(&mut self) {
+        let cfg = &self.cfg;
+        let (heads, kv_heads, q_dim) = (cfg.heads, cfg.kv_heads, cfg.q_dim());
+        let vector = |v: &mut Vec<f32>, heads: usize| {
+            let mut m = Matrix {
+                rows: v.len(),
+                cols: 1,
+                data: std::mem::take(v),
+            };
+            hf_rope_to_adjacent(&mut m, heads);
+            *v = m.data;
+        };
+        for layer in &mut self.layers {
             hf_rope_to_adjacent(&mut layer.q, heads);
             hf_rope_to_adjacent(&mut layer.k, kv_heads);
+            if !layer.qkv_bias.is_empty() {
+                let mut q = layer.qkv_bias[..q_dim].to_vec();
+                let mut k = layer.qkv_bias[q_dim..q_dim + cfg.kv_dim()].to_vec();
+                vector(&mut q, heads);
+                vector(&mut k, kv_heads);
+                layer.qkv_bias[..q_dim].copy_from_slice(&q);
+                layer.qkv_bias[q_dim..q_dim + k.len()].copy_from_slice(&k);
+            }
+            for gain in [&mut layer.q_norm, &mut layer.k_norm] {
+                if !gain.is_empty() {
+                    vector(gain, 1);
+                }
+            }
         }
-        Ok(w)
     }
 
     fn load(cfg: LlamaConfig, src: &dyn TensorSource, names: &Names) -> Result<Self, ModelError> {
@@ -298,9 +360,28 @@ impl ModelWeights {
         };
         let final_norm = load_tensor(src, names.final_norm, &[d])?;
         let mut layers = Vec::with_capacity(cfg.layers);
+        let (bias, qk_norm) = (cfg.family.qkv_bias(), cfg.family.qk_norm());
         for i in 0..cfg.layers {
             let name = |p| (names.layer)(i, p);
+            let qkv_bias = if bias {
+                let mut b = load_tensor(src, &name(Part::QBias), &[cfg.q_dim()])?;
+                b.extend(load_tensor(src, &name(Part::KBias), &[cfg.kv_dim()])?);
+                b.extend(load_tensor(src, &name(Part::VBias), &[cfg.kv_dim()])?);
+                b
+            } else {
+                Vec::new()
+            };
+            let head_norm = |p| {
+                if qk_norm {
+                    load_tensor(src, &name(p), &[cfg.head_dim])
+                } else {
+                    Ok(Vec::new())
+                }
+            };
             layers.push(LayerWeights {
+                qkv_bias,
+                q_norm: head_norm(Part::QNorm)?,
+                k_norm: head_norm(Part::KNorm)?,
                 attn_norm: load_tensor(src, &name(Part::AttnNorm), &[d])?,
                 q: load_matrix(src, &name(Part::Q), cfg.q_dim(), d)?,
                 k: load_matrix(src, &name(Part::K), cfg.kv_dim(), d)?,
@@ -339,8 +420,25 @@ impl ModelWeights {
         let (d, f) = (cfg.hidden, cfg.ffn);
         let embed = matrix(cfg.vocab, d);
         let lm_head = (!cfg.tied_embeddings).then(|| matrix(cfg.vocab, d));
+        let (bias, qk_norm) = (cfg.family.qkv_bias(), cfg.family.qk_norm());
+        let bias_len = cfg.q_dim() + 2 * cfg.kv_dim();
         let layers = (0..cfg.layers)
             .map(|_| LayerWeights {
+                qkv_bias: if bias {
+                    matrix(bias_len, 1).data
+                } else {
+                    Vec::new()
+                },
+                q_norm: if qk_norm {
+                    vec![1.0; cfg.head_dim]
+                } else {
+                    Vec::new()
+                },
+                k_norm: if qk_norm {
+                    vec![1.0; cfg.head_dim]
+                } else {
+                    Vec::new()
+                },
                 attn_norm: vec![1.0; d],
                 q: matrix(cfg.q_dim(), d),
                 k: matrix(cfg.kv_dim(), d),
@@ -371,6 +469,9 @@ impl ModelWeights {
         let per_layer = |l: &LayerWeights| {
             l.attn_norm.len()
                 + l.ffn_norm.len()
+                + l.qkv_bias.len()
+                + l.q_norm.len()
+                + l.k_norm.len()
                 + [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down]
                     .iter()
                     .map(|m| m.data.len())
@@ -383,8 +484,9 @@ impl ModelWeights {
     }
 }
 
-/// The small replicated parameters the leader holds itself: the norm gains.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// The small replicated parameters the leader holds itself: the norm gains, and the family's
+/// biases and head norms.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct LeaderWeights {
     /// RMSNorm gain before attention, per block.
     pub attn_norm: Vec<Vec<f32>>,
@@ -392,36 +494,95 @@ pub struct LeaderWeights {
     pub ffn_norm: Vec<Vec<f32>>,
     /// Final RMSNorm gain.
     pub final_norm: Vec<f32>,
+    /// Query, key and value biases per block (Qwen2); empty for other families.
+    #[serde(default)]
+    pub qkv_bias: Vec<Vec<f32>>,
+    /// Query heads' RMSNorm gain per block (Qwen3); empty for other families.
+    #[serde(default)]
+    pub q_norm: Vec<Vec<f32>>,
+    /// Key heads' RMSNorm gain per block (Qwen3); empty for other families.
+    #[serde(default)]
+    pub k_norm: Vec<Vec<f32>>,
 }
 
 impl LeaderWeights {
-    /// Takes the norm gains out of full model weights.
+    /// Takes the leader's parameters out of full model weights.
     pub fn from_model(w: &ModelWeights) -> Self {
+        let per_layer = |f: fn(&LayerWeights) -> &Vec<f32>| -> Vec<Vec<f32>> {
+            let v: Vec<Vec<f32>> = w.layers.iter().map(|l| f(l).clone()).collect();
+            if v.iter().all(Vec::is_empty) {
+                Vec::new()
+            } else {
+                v
+            }
+        };
         Self {
             attn_norm: w.layers.iter().map(|l| l.attn_norm.clone()).collect(),
             ffn_norm: w.layers.iter().map(|l| l.ffn_norm.clone()).collect(),
             final_norm: w.final_norm.clone(),
+            qkv_bias: per_layer(|l| &l.qkv_bias),
+            q_norm: per_layer(|l| &l.q_norm),
+            k_norm: per_layer(|l| &l.k_norm),
         }
     }
 
-    /// Every gain, block by block (attention's, then the feed-forward's), the final last.
-    pub fn values(&self) -> impl Iterator<Item = &f32> {
+    /// Zeros of the model's shape: the start of a gradient.
+    pub fn zeros(cfg: &LlamaConfig) -> Self {
+        let per_layer = |on: bool, n: usize| {
+            if on {
+                vec![vec![0.0; n]; cfg.layers]
+            } else {
+                Vec::new()
+            }
+        };
+        let (bias, qk_norm) = (cfg.family.qkv_bias(), cfg.family.qk_norm());
+        Self {
+            attn_norm: vec![vec![0.0; cfg.hidden]; cfg.layers],
+            ffn_norm: vec![vec![0.0; cfg.hidden]; cfg.layers],
+            final_norm: vec![0.0; cfg.hidden],
+            qkv_bias: per_layer(bias, cfg.q_dim() + 2 * cfg.kv_dim()),
+            q_norm: per_layer(qk_norm, cfg.head_dim),
+            k_norm: per_layer(qk_norm, cfg.head_dim),
+        }
+    }
+
+    /// Every vector, in one fixed order: the gains block by block (attention's, then the
+    /// feed-forward's), the final, then the biases and head norms.
+    pub fn vectors(&self) -> impl Iterator<Item = &Vec<f32>> {
         self.attn_norm
             .iter()
             .chain(&self.ffn_norm)
             .chain(std::iter::once(&self.final_norm))
-            .flatten()
+            .chain(&self.qkv_bias)
+            .chain(&self.q_norm)
+            .chain(&self.k_norm)
     }
 
-    /// Whether the gains have the model's shape.
+    /// [`Self::vectors`], to change.
+    pub fn vectors_mut(&mut self) -> impl Iterator<Item = &mut Vec<f32>> {
+        self.attn_norm
+            .iter_mut()
+            .chain(self.ffn_norm.iter_mut())
+            .chain(std::iter::once(&mut self.final_norm))
+            .chain(self.qkv_bias.iter_mut())
+            .chain(self.q_norm.iter_mut())
+            .chain(self.k_norm.iter_mut())
+    }
+
+    /// Every value, in [`Self::vectors`]' order.
+    pub fn values(&self) -> impl Iterator<Item = &f32> {
+        self.vectors().flatten()
+    }
+
+    /// Whether the parameters have the model's shape.
     pub fn fits(&self, cfg: &LlamaConfig) -> bool {
-        self.attn_norm.len() == cfg.layers
-            && self.ffn_norm.len() == cfg.layers
-            && self.final_norm.len() == cfg.hidden
+        let zeros = Self::zeros(cfg);
+        self.vectors().count() == zeros.vectors().count()
+            && self.qkv_bias.len() == zeros.qkv_bias.len()
+            && self.q_norm.len() == zeros.q_norm.len()
             && self
-                .attn_norm
-                .iter()
-                .chain(&self.ffn_norm)
-                .all(|g| g.len() == cfg.hidden)
+                .vectors()
+                .zip(zeros.vectors())
+                .all(|(a, b)| a.len() == b.len())
     }
 }

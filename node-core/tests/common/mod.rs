@@ -16,6 +16,8 @@ pub fn train_config(tied: bool) -> LlamaConfig {
         rope_theta: 10_000.0,
         max_seq: 16,
         tied_embeddings: tied,
+        family: node_core::model::Family::Llama,
+        rope_freq_factors: Vec::new(),
     }
 }
 

@@ -17,6 +17,8 @@ fn tiny_config(tied: bool) -> LlamaConfig {
         rope_theta: 10_000.0,
         max_seq: 64,
         tied_embeddings: tied,
+        family: node_core::model::Family::Llama,
+        rope_freq_factors: Vec::new(),
     }
 }
 

@@ -6,7 +6,9 @@ use crate::common;
 use futures::executor::block_on;
 use node_core::code::Generator;
 use node_core::coded::{CodedGroup, InProcess, ShardFormat};
-use node_core::model::{BatchItem, Gradients, KvCache, LeaderWeights, Llama, ModelWeights, Stage};
+use node_core::model::{
+    BatchItem, Family, Gradients, KvCache, LeaderWeights, Llama, ModelWeights, Stage,
+};
 
 const TOKENS: [u32; 7] = [3, 17, 60, 42, 9, 17, 5];
 
@@ -157,6 +159,86 @@ fn gradients_match_finite_differences() {
                 analytic,
                 central_difference(&w, edit),
                 &format!("norm gain (tied {tied})"),
+            );
+        }
+    }
+}
+
+/// A change of one weight by `h`.
+type Edit = dyn Fn(&mut ModelWeights, f32);
+
+#[test]
+fn every_familys_extras_match_finite_differences() {
+    // Qwen2's q/k/v biases, Qwen3's q/k head norms and Llama 3's RoPE factors change what the
+    // leader does around the coded projections: their gradients, and the projections' through
+    // them, against finite differences.
+    let factors: Vec<f32> = (0..4).map(|i| 1.0 + 2.0 * i as f32).collect();
+    for family in [Family::Llama, Family::Qwen2, Family::Qwen3] {
+        let mut cfg = common::train_config(false);
+        cfg.family = family;
+        if family == Family::Llama {
+            cfg.rope_freq_factors = factors.clone();
+        }
+        let mut w = ModelWeights::synthetic(cfg.clone(), 5).unwrap();
+        // Gains away from 1, so that a wrong gain in the backward pass shows.
+        for l in &mut w.layers {
+            for (i, g) in l.q_norm.iter_mut().chain(l.k_norm.iter_mut()).enumerate() {
+                *g = 0.7 + 0.05 * (i % 11) as f32;
+            }
+        }
+        let g = grads(&w, 1, 1, &[0]);
+        let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
+        let mut checks: Vec<(f64, Box<Edit>, String)> = Vec::new();
+        let (r, c) = largest(&g, Stage::Qkv(0), 0);
+        let cols = cfg.hidden;
+        checks.push((
+            factor_entry(&g, Stage::Qkv(0), 0, r, c),
+            Box::new(move |w, h| w.layers[0].q.data[r * cols + c] += h),
+            format!("q [{r}][{c}]"),
+        ));
+        let (r, c) = largest(&g, Stage::Qkv(1), 1);
+        checks.push((
+            factor_entry(&g, Stage::Qkv(1), 1, r, c),
+            Box::new(move |w, h| w.layers[1].k.data[r * cols + c] += h),
+            format!("k [{r}][{c}]"),
+        ));
+        for i in [3, qd + 5, qd + kvd + 2] {
+            if let Some(bias) = g.norms.qkv_bias.get(1) {
+                checks.push((
+                    bias[i] as f64,
+                    Box::new(move |w, h| w.layers[1].qkv_bias[i] += h),
+                    format!("bias {i}"),
+                ));
+            }
+        }
+        for i in [1, 6] {
+            if let (Some(q), Some(k)) = (g.norms.q_norm.first(), g.norms.k_norm.get(1)) {
+                checks.push((
+                    q[i] as f64,
+                    Box::new(move |w, h| w.layers[0].q_norm[i] += h),
+                    format!("q head norm {i}"),
+                ));
+                checks.push((
+                    k[i] as f64,
+                    Box::new(move |w, h| w.layers[1].k_norm[i] += h),
+                    format!("k head norm {i}"),
+                ));
+            }
+        }
+        let extras = g.norms.qkv_bias.len() + g.norms.q_norm.len();
+        assert_eq!(
+            extras,
+            match family {
+                Family::Llama => 0,
+                _ => cfg.layers,
+            },
+            "{family:?}'s extras have gradients"
+        );
+        for (analytic, edit, what) in checks {
+            close(
+                analytic,
+                central_difference(&w, edit),
+                &format!("{family:?} {what}"),
             );
         }
     }

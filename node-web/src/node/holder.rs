@@ -660,6 +660,7 @@ mod tests {
                 attn_norm: vec![zeros(cfg.hidden); cfg.layers],
                 ffn_norm: vec![zeros(cfg.hidden); cfg.layers],
                 final_norm: zeros(cfg.hidden),
+                ..Default::default()
             },
             precision: Precision::F32,
         };

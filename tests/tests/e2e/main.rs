@@ -9,6 +9,7 @@
 mod machine;
 
 mod api;
+mod architectures;
 mod browser;
 mod calibration;
 mod coded_real_model;

@@ -137,6 +137,8 @@ fn tiny_config() -> LlamaConfig {
         rope_theta: 10_000.0,
         max_seq: 64,
         tied_embeddings: true,
+        family: node_core::model::Family::Llama,
+        rope_freq_factors: Vec::new(),
     }
 }
 

@@ -260,6 +260,13 @@ impl GpuToken {
             .flatten()
             .copied()
             .collect();
+        if !spec.norms.qkv_bias.is_empty() || !spec.norms.q_norm.is_empty() {
+            return Err(GpuError::Shape(format!(
+                "the GPU whole token runs the plain Llama block; a {:?} model's q/k/v biases or \
+                 head norms run on the CPU leader (its linear stages still run on the GPU)",
+                cfg.family
+            )));
+        }
         if gains.len() != (2 * cfg.layers + 1) * d {
             return Err(GpuError::Shape("norm gains do not match the model".into()));
         }

@@ -20,6 +20,8 @@ fn config() -> LlamaConfig {
         rope_theta: 10_000.0,
         max_seq: 64,
         tied_embeddings: false,
+        family: crate::model::Family::Llama,
+        rope_freq_factors: Vec::new(),
     }
 }
 

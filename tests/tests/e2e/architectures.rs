@@ -1,0 +1,206 @@
+//! Every supported architecture against llama.cpp. scripts/arch_files.py writes small GGUF
+//! files of each (Llama 3 with RoPE factors, Mistral, Qwen2, Qwen3) with seeded random weights
+//! through the `gguf` package, quantises them with llama.cpp's own quantiser, and records
+//! llama.cpp's greedy tokens and logits on them. Here each file is loaded as `up --model` loads
+//! it, coded into shards and run through a group of k = 2 of n = 3 members that are not the
+//! systematic ones: the greedy tokens must be llama.cpp's, 32 of 32, and every logit within the
+//! tolerance stated below.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result, ensure};
+use node_core::code::Generator;
+use node_core::coded::{CodedGroup, InProcess, ShardFormat};
+use node_core::model::{Family, KvCache, LeaderWeights, Llama};
+use serde_json::Value;
+use tests::argmax;
+use tests::procs::Scratch;
+
+/// Largest logit difference, relative to the root mean square of the position's logits, that an
+/// f32 file may show: llama.cpp and this model compute the same f32 products in other orders
+/// (measured: under 1e-6). Leaving out Llama 3's RoPE factors moves them by 3 (scripts/arch_files.py
+/// makes them count within the positions compared).
+const F32_TOLERANCE: f32 = 1e-4;
+/// The same for quantised files: llama.cpp rounds the activations to 8 bits before each
+/// quantised product (Q8_0 and Q8_K), this model multiplies them in f32 (measured: up to 0.1).
+const QUANTISED_TOLERANCE: f32 = 0.2;
+
+/// The Python of scripts/llama-cpp-env.sh: `$CODEDMESH_LLAMA_PYTHON` (the test command sets
+/// it), else none.
+fn llama_python() -> Option<PathBuf> {
+    let p = PathBuf::from(std::env::var_os("CODEDMESH_LLAMA_PYTHON")?);
+    Command::new(&p)
+        .args(["-c", "import llama_cpp, gguf"])
+        .status()
+        .is_ok_and(|s| s.success())
+        .then_some(p)
+}
+
+fn read_f32(path: &Path) -> Result<Vec<f32>> {
+    let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    Ok(bytes
+        .as_chunks::<4>()
+        .0
+        .iter()
+        .map(|b| f32::from_le_bytes(*b))
+        .collect())
+}
+
+fn ids(v: &Value) -> Result<Vec<u32>> {
+    v.as_array()
+        .context("expected an array of ids")?
+        .iter()
+        .map(|x| x.as_u64().map(|x| x as u32).context("expected an id"))
+        .collect()
+}
+
+/// What one file gave: its worst logit difference and the greedy tokens that matched.
+struct Outcome {
+    worst: f32,
+    matched: usize,
+}
+
+/// Runs llama.cpp's prompt and greedy tokens through the coded model of `path`, comparing
+/// each position's logits with llama.cpp's (`reference`, one row of `vocab` per position).
+fn run_file(
+    path: &Path,
+    prompt: &[u32],
+    greedy: &[u32],
+    reference: &[f32],
+    text: (&str, &[u32]),
+) -> Result<Outcome> {
+    let model = node_native::load::load_model(path)?;
+    let ids = model.tokenizer.encode(text.0)?;
+    ensure!(
+        ids == text.1,
+        "the file's tokenizer gives {ids:?}, llama.cpp's {:?}",
+        text.1
+    );
+    let w = &model.weights;
+    let g = Generator::cauchy(3, 2)?;
+    let mesh = InProcess::encode(w, &g, ShardFormat::F32, &|_, _| {})?;
+    let mut group = CodedGroup::new(w.cfg.clone(), g, &[1, 2], mesh)?;
+    let llama = Llama::new(w.cfg.clone(), LeaderWeights::from_model(w))?;
+    let vocab = w.cfg.vocab;
+    ensure!(reference.len() == greedy.len() * vocab, "reference logits");
+    let mut cache = KvCache::new(&w.cfg);
+    let mut logits = pollster::block_on(llama.forward(&mut group, prompt, &mut cache))?;
+    let (mut worst, mut matched) = (0.0f32, 0);
+    for (i, &expected) in greedy.iter().enumerate() {
+        let want = &reference[i * vocab..(i + 1) * vocab];
+        let scale = (want.iter().map(|v| v * v).sum::<f32>() / vocab as f32).sqrt();
+        let diff = logits
+            .iter()
+            .zip(want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        worst = worst.max(diff / scale);
+        if argmax(&logits) == expected && matched == i {
+            matched += 1;
+        }
+        logits = pollster::block_on(llama.forward(&mut group, &[expected], &mut cache))?;
+    }
+    Ok(Outcome { worst, matched })
+}
+
+#[test]
+fn every_architecture_matches_llama_cpp_on_its_own_files() -> Result<()> {
+    let _machine = crate::machine::share();
+    let Some(python) = llama_python() else {
+        ensure!(
+            std::env::var_os("CI").is_none(),
+            "CI needs llama.cpp's Python package (scripts/test.sh builds it with scripts/llama-cpp-env.sh)"
+        );
+        eprintln!(
+            "SKIPPING: no llama.cpp to compare with (run scripts/test.sh, or set CODEDMESH_LLAMA_PYTHON to the python scripts/llama-cpp-env.sh prints)"
+        );
+        return Ok(());
+    };
+    let scratch = Scratch::new("architectures");
+    let dir = &scratch.0;
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/arch_files.py");
+    let status = Command::new(&python).arg(&script).arg(dir).status()?;
+    ensure!(status.success(), "{} failed", script.display());
+    let index: Value = serde_json::from_slice(&std::fs::read(dir.join("index.json"))?)?;
+    let prompt = ids(&index["prompt"])?;
+    let files = index["files"].as_array().context("files")?;
+    let mut seen = Vec::new();
+    for f in files {
+        let name = f["file"].as_str().context("file")?;
+        let ty = f["type"].as_str().context("type")?;
+        let greedy = ids(&f["tokens"])?;
+        ensure!(greedy.len() == 32, "llama.cpp's greedy tokens");
+        let reference = read_f32(&dir.join(f["logits"].as_str().context("logits")?))?;
+        let text_ids = ids(&f["text_ids"])?;
+        let text = (index["text"].as_str().context("text")?, text_ids.as_slice());
+        let out = run_file(&dir.join(name), &prompt, &greedy, &reference, text)
+            .with_context(|| format!("running {name}"))?;
+        let tolerance = if ty == "F32" {
+            F32_TOLERANCE
+        } else {
+            QUANTISED_TOLERANCE
+        };
+        eprintln!(
+            "{name:22} greedy {}/32 as llama.cpp; worst logit difference {:.2e} of their RMS (tolerance {tolerance:.0e}); llama.cpp's smallest top-2 gap {:.3}",
+            out.matched,
+            out.worst,
+            f["min_gap"].as_f64().unwrap_or(f64::NAN)
+        );
+        ensure!(
+            out.matched == greedy.len(),
+            "{name}: greedy tokens differ from llama.cpp's after {} of 32",
+            out.matched
+        );
+        ensure!(
+            out.worst <= tolerance,
+            "{name}: logits differ from llama.cpp's by {:.2e} of their RMS (tolerance {tolerance:.0e})",
+            out.worst
+        );
+        seen.push((
+            f["arch"].as_str().context("arch")?.to_string(),
+            ty.to_string(),
+        ));
+    }
+    // Every family, every file type.
+    for arch in ["llama", "qwen2", "qwen3"] {
+        Family::from_name(arch)?;
+        for ty in ["F32", "Q8_0", "Q4_K_M"] {
+            ensure!(
+                seen.iter().any(|(a, t)| a == arch && t == ty),
+                "no {arch} {ty} file was compared"
+            );
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn an_unsupported_architecture_is_refused_by_name() -> Result<()> {
+    // A GGUF whose architecture is not one of ours: a clear error naming what is supported.
+    let mut file = Vec::new();
+    let kv = |file: &mut Vec<u8>, key: &str, value: &str| {
+        file.extend((key.len() as u64).to_le_bytes());
+        file.extend(key.as_bytes());
+        file.extend(8u32.to_le_bytes()); // string
+        file.extend((value.len() as u64).to_le_bytes());
+        file.extend(value.as_bytes());
+    };
+    file.extend(b"GGUF");
+    file.extend(3u32.to_le_bytes());
+    file.extend(0u64.to_le_bytes()); // tensors
+    file.extend(1u64.to_le_bytes()); // metadata
+    kv(&mut file, "general.architecture", "gemma3");
+    let scratch = Scratch::new("unsupported-arch");
+    let path = scratch.0.join("gemma3.gguf");
+    std::fs::write(&path, &file)?;
+    let err = match node_native::load::load_model(&path) {
+        Ok(_) => anyhow::bail!("a gemma3 file loaded"),
+        Err(e) => format!("{e:#}"),
+    };
+    ensure!(
+        err.contains("\"gemma3\"") && err.contains("qwen3") && err.contains("llama"),
+        "the error names the architecture and what is supported: {err}"
+    );
+    Ok(())
+}
