@@ -45,6 +45,17 @@ CASES = {
 TYPES = {"F32": None, "Q8_0": 7, "Q4_K_M": 15}  # llama_ftype
 
 
+def llama3_factors(theta, head_dim, factor, low, high, old):
+    """Each pair's RoPE frequency divisor, as llama.cpp's converter writes `rope_freqs.weight`
+    from a Hugging Face "llama3" rope_scaling."""
+    freqs = theta ** (-np.arange(0, head_dim, 2) / head_dim)
+    wavelen = 2 * np.pi / freqs
+    smooth = (old / wavelen - low) / (high - low)
+    f = np.where(wavelen < old / high, 1.0,
+                 np.where(wavelen > old / low, factor, 1 / ((1 - smooth) / factor + smooth)))
+    return f.astype(np.float32)
+
+
 def byte_tokens():
     """GPT-2's byte-to-unicode table: the 256 single-byte tokens of a byte-level BPE vocab."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
@@ -125,16 +136,11 @@ def write(path, name, c, rng):
     w.add_tensor("output.weight", 0.1 * head + mat(n_vocab, HIDDEN))
     w.add_tensor("output_norm.weight", gain(HIDDEN))
     if c.get("rope_factors"):
-        # llama.cpp's converter's "llama3" factors for factor 8, low 1, high 4, and an original
-        # context of 32 positions (Llama 3.1's is 8192): short enough that the factors change
-        # the angles of the 40 positions compared here.
-        old = 32
-        freqs = c["theta"] ** (-np.arange(0, hd, 2) / hd)
-        wavelen = 2 * np.pi / freqs
-        smooth = (old / wavelen - 1.0) / (4.0 - 1.0)
-        f = np.where(wavelen < old / 4.0, 1.0,
-                     np.where(wavelen > old / 1.0, 8.0, 1 / ((1 - smooth) / 8.0 + smooth)))
-        w.add_tensor("rope_freqs.weight", f.astype(np.float32))
+        # Llama 3's factors for factor 8, low 1, high 4, and an original context of 32
+        # positions (Llama 3.1's is 8192): short enough that the factors change the angles of
+        # the 40 positions compared here.
+        f = llama3_factors(c["theta"], hd, 8.0, 1.0, 4.0, 32)
+        w.add_tensor("rope_freqs.weight", f)
     for i in range(LAYERS):
         b = f"blk.{i}."
         w.add_tensor(b + "attn_norm.weight", gain(HIDDEN))
