@@ -168,6 +168,10 @@ pub(super) async fn run_server(
     crate::hold::session::serve(&client, state.clone())?;
     crate::lead::hop::serve(&client, state.clone())?;
     let metrics = crate::serve::metrics::Metrics::new();
+    let row_bytes = read(&state).member.shards().bytes();
+    metrics
+        .row_bytes
+        .set(i64::try_from(row_bytes).unwrap_or(i64::MAX));
     if let Some(addr) = opts.http {
         let local_row = LocalRow {
             row: row as usize,

@@ -105,6 +105,10 @@ pub struct Metrics {
     pub rows: Gauge,
     /// Rows needed to compute.
     pub k: Gauge,
+    /// Bytes of the coded row this node holds (its shard set).
+    pub row_bytes: Gauge,
+    /// Resident memory of this node's process (set when scraped; Linux).
+    pub resident_bytes: Gauge,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -169,6 +173,8 @@ impl Metrics {
             healthy_rows: Gauge::default(),
             rows: Gauge::default(),
             k: Gauge::default(),
+            row_bytes: Gauge::default(),
+            resident_bytes: Gauge::default(),
         };
         r.register("requests", "Requests finished", m.requests.clone());
         r.register(
@@ -373,18 +379,40 @@ impl Metrics {
         );
         r.register("rows", "Rows of the code", m.rows.clone());
         r.register("k", "Rows needed to compute", m.k.clone());
+        r.register(
+            "row_bytes",
+            "Bytes of the coded row this node holds",
+            m.row_bytes.clone(),
+        );
+        r.register(
+            "resident_memory_bytes",
+            "Resident memory of this node's process (Linux; set when scraped)",
+            m.resident_bytes.clone(),
+        );
         Self {
             registry: Arc::new(r),
             ..m
         }
     }
 
-    /// The metrics in Prometheus' text exposition format.
+    /// The metrics in Prometheus' text exposition format, the resident memory read now.
     pub fn render(&self) -> String {
+        if let Some(rss) = resident_bytes() {
+            self.resident_bytes
+                .set(i64::try_from(rss).unwrap_or(i64::MAX));
+        }
         let mut out = String::new();
         if let Err(e) = encode(&mut out, &self.registry) {
             tracing::warn!("encoding metrics: {e}");
         }
         out
     }
+}
+
+/// This process's resident memory (`VmRSS` of /proc/self/status), where there is one.
+pub fn resident_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
 }

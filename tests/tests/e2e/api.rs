@@ -391,6 +391,20 @@ fn up_serves_the_openai_api_learns_stops_restarts_and_supervises() -> Result<()>
         published > 0.0 && sent >= published && sent <= 3.0 * published,
         "{published} bytes of updates published, {sent} sent"
     );
+    // Memory follows the row: the leader, after every request above, holds its row, its
+    // requests' KV caches and the rest within 1.25 × its row + 300 MB (the KV caches of these
+    // short requests are a few MB).
+    let row = metric(port, "codedmesh_row_bytes")?;
+    let resident = metric(port, "codedmesh_resident_memory_bytes")?;
+    eprintln!(
+        "leader: row {:.1} MB, resident {:.1} MB",
+        row / 1e6,
+        resident / 1e6
+    );
+    ensure!(
+        row > 0.0 && resident > row && resident <= 1.25 * row + 300e6,
+        "the leader holds {resident} bytes for a row of {row}"
+    );
 
     // Ctrl-C stops every node cleanly.
     let pids: Vec<i32> = up.node_pids().iter().map(|&(_, p)| p).collect();
