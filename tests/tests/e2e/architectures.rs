@@ -204,3 +204,31 @@ fn an_unsupported_architecture_is_refused_by_name() -> Result<()> {
     );
     Ok(())
 }
+
+#[test]
+fn up_refuses_a_mesh_that_would_not_fit_before_encoding_it() -> Result<()> {
+    // The default model's file, with the machine said to have 200 MB: `up` estimates what the
+    // mesh needs before it encodes anything, refuses, and writes nothing.
+    let _machine = crate::machine::share();
+    let model = tests::model_path()?;
+    let scratch = Scratch::new("up-fit");
+    let data = scratch.0.join("mesh");
+    let out = Command::new(tests::procs::bin())
+        .args(["up", "--no-build-web", "--port", "0", "--model"])
+        .arg(&model)
+        .arg("--data")
+        .arg(&data)
+        .env("CODEDMESH_MEMORY", "200e6")
+        .output()?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    ensure!(!out.status.success(), "up started in 200 MB: {err}");
+    ensure!(
+        err.contains("needs about") && err.contains("has 0.2 GB available"),
+        "the refusal says what the mesh needs and what is available: {err}"
+    );
+    ensure!(
+        !data.join("mesh.json").exists(),
+        "a refused mesh left a mesh file"
+    );
+    Ok(())
+}
