@@ -27,6 +27,26 @@ pub fn real_model() -> Result<LoadedModel> {
     load_model(&path).with_context(|| format!("loading {}", path.display()))
 }
 
+/// A JSON array of token ids.
+pub fn json_ids(v: &serde_json::Value) -> Result<Vec<u32>> {
+    v.as_array()
+        .context("expected an array of ids")?
+        .iter()
+        .map(|x| x.as_u64().map(|x| x as u32).context("expected an id"))
+        .collect()
+}
+
+/// A file of little-endian f32 values.
+pub fn read_f32(path: &Path) -> Result<Vec<f32>> {
+    let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    Ok(bytes
+        .as_chunks::<4>()
+        .0
+        .iter()
+        .map(|b| f32::from_le_bytes(*b))
+        .collect())
+}
+
 /// The directory of committed test data.
 pub fn testdata() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("testdata")

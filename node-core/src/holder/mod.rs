@@ -194,8 +194,9 @@ impl Rules {
 }
 
 /// The layout of a shard set in a blob; a release that changes it changes this (2: compact
-/// shards carry their learnt adapters; 3: of rank 8, not 16).
-pub const SHARD_LAYOUT: u32 = 3;
+/// shards carry their learnt adapters; 3: of rank 8, not 16; 4: the model's config names its
+/// family and RoPE factors).
+pub const SHARD_LAYOUT: u32 = 4;
 
 /// A shard set as a blob (hashed chunks with parity).
 pub fn shard_to_blob(shard: &ShardSet) -> Result<Vec<u8>, HolderError> {

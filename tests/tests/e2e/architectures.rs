@@ -14,8 +14,8 @@ use node_core::code::Generator;
 use node_core::coded::{CodedGroup, InProcess, ShardFormat};
 use node_core::model::{Family, KvCache, LeaderWeights, Llama};
 use serde_json::Value;
-use tests::argmax;
 use tests::procs::Scratch;
+use tests::{argmax, json_ids, read_f32};
 
 /// Largest logit difference, relative to the root mean square of the position's logits, that an
 /// f32 file may show: llama.cpp and this model compute the same f32 products in other orders
@@ -35,24 +35,6 @@ fn llama_python() -> Option<PathBuf> {
         .status()
         .is_ok_and(|s| s.success())
         .then_some(p)
-}
-
-fn read_f32(path: &Path) -> Result<Vec<f32>> {
-    let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-    Ok(bytes
-        .as_chunks::<4>()
-        .0
-        .iter()
-        .map(|b| f32::from_le_bytes(*b))
-        .collect())
-}
-
-fn ids(v: &Value) -> Result<Vec<u32>> {
-    v.as_array()
-        .context("expected an array of ids")?
-        .iter()
-        .map(|x| x.as_u64().map(|x| x as u32).context("expected an id"))
-        .collect()
 }
 
 /// What one file gave: its worst logit difference and the greedy tokens that matched.
@@ -123,16 +105,16 @@ fn every_architecture_matches_llama_cpp_on_its_own_files() -> Result<()> {
     let status = Command::new(&python).arg(&script).arg(dir).status()?;
     ensure!(status.success(), "{} failed", script.display());
     let index: Value = serde_json::from_slice(&std::fs::read(dir.join("index.json"))?)?;
-    let prompt = ids(&index["prompt"])?;
+    let prompt = json_ids(&index["prompt"])?;
     let files = index["files"].as_array().context("files")?;
     let mut seen = Vec::new();
     for f in files {
         let name = f["file"].as_str().context("file")?;
         let ty = f["type"].as_str().context("type")?;
-        let greedy = ids(&f["tokens"])?;
+        let greedy = json_ids(&f["tokens"])?;
         ensure!(greedy.len() == 32, "llama.cpp's greedy tokens");
         let reference = read_f32(&dir.join(f["logits"].as_str().context("logits")?))?;
-        let text_ids = ids(&f["text_ids"])?;
+        let text_ids = json_ids(&f["text_ids"])?;
         let text = (index["text"].as_str().context("text")?, text_ids.as_slice());
         let out = run_file(&dir.join(name), &prompt, &greedy, &reference, text)
             .with_context(|| format!("running {name}"))?;

@@ -4,25 +4,9 @@
 use anyhow::{Context, Result};
 use node_core::model::{GenerateOptions, SamplingParams, generate};
 use serde_json::Value;
-use tests::{argmax, leader, real_model, relative_error, testdata, uncoded_group};
-
-fn ids(v: &Value) -> Result<Vec<u32>> {
-    v.as_array()
-        .context("expected an array of ids")?
-        .iter()
-        .map(|x| x.as_u64().map(|x| x as u32).context("expected an id"))
-        .collect()
-}
-
-fn read_f32(path: &std::path::Path) -> Result<Vec<f32>> {
-    let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-    Ok(bytes
-        .as_chunks::<4>()
-        .0
-        .iter()
-        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-        .collect())
-}
+use tests::{
+    argmax, json_ids, leader, read_f32, real_model, relative_error, testdata, uncoded_group,
+};
 
 #[test]
 fn logits_tokens_and_greedy_text_match_the_numpy_reference() -> Result<()> {
@@ -37,12 +21,12 @@ fn logits_tokens_and_greedy_text_match_the_numpy_reference() -> Result<()> {
     let mut worst = 0.0f64;
     for p in prompts {
         let text = p["text"].as_str().context("text")?;
-        let expected_ids = ids(&p["token_ids"])?;
+        let expected_ids = json_ids(&p["token_ids"])?;
         let got_ids = model.tokenizer.encode(text)?;
         assert_eq!(got_ids, expected_ids, "token ids of {text:?}");
 
         let reference = read_f32(&dir.join(p["logits_file"].as_str().context("logits_file")?))?;
-        let greedy = ids(&p["greedy_ids"])?;
+        let greedy = json_ids(&p["greedy_ids"])?;
         let opts = GenerateOptions {
             max_tokens: greedy.len(),
             sampling: SamplingParams::default(),
