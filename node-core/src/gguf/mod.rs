@@ -372,6 +372,14 @@ fn min_value_size(ty: u32) -> usize {
 impl GgufFile {
     /// Parses the header, metadata and tensor directory of a GGUF file's bytes.
     pub fn parse(bytes: &[u8]) -> Result<Self, GgufError> {
+        Self::parse_header(bytes, bytes.len() as u64)
+    }
+
+    /// [`Self::parse`] from the file's first bytes (`head`, at least its header, metadata and
+    /// tensor directory), the whole file being `file_len` bytes: the directory is checked
+    /// against that length, and no tensor's data is read.
+    pub fn parse_header(head: &[u8], file_len: u64) -> Result<Self, GgufError> {
+        let bytes = head;
         let mut r = Reader { bytes, pos: 0 };
         let magic: [u8; 4] = r.array("magic")?;
         if &magic != b"GGUF" {
@@ -425,7 +433,7 @@ impl GgufFile {
             }
         };
         let data_start = (r.pos as u64).div_ceil(alignment) * alignment;
-        let file_len = bytes.len() as u64;
+        let file_len = file_len.max(bytes.len() as u64);
         let mut tensors = Vec::with_capacity(raw.len());
         for (at, name, dims, ty, rel) in raw {
             let invalid = |detail: String| GgufError::Invalid {

@@ -190,12 +190,13 @@ impl LlamaConfig {
         let kv_heads = u("attention.head_count_kv").unwrap_or(heads);
         // A head's width: `key_length` when the file says it (Qwen3's heads are wider than
         // hidden/heads), else the rotated width, else hidden/heads.
-        let head_dim = match u("attention.key_length").or_else(|_| u("rope.dimension_count")) {
-            Ok(v) => v,
-            Err(_) if heads > 0 => hidden / heads,
-            Err(e) => return Err(e),
+        let rotated = u("rope.dimension_count").ok();
+        let head_dim = match u("attention.key_length").ok().or(rotated) {
+            Some(v) => v,
+            None if heads > 0 => hidden / heads,
+            None => u("rope.dimension_count")?,
         };
-        if let Ok(rotated) = u("rope.dimension_count")
+        if let Some(rotated) = rotated
             && rotated != head_dim
         {
             return Err(ModelError::Unsupported(format!(

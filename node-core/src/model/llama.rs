@@ -82,22 +82,9 @@ impl Llama {
     /// A leader for a model of this shape with these norm gains.
     pub fn new(cfg: LlamaConfig, norms: LeaderWeights) -> Result<Self, ModelError> {
         cfg.validate()?;
-        let ok = norms.attn_norm.len() == cfg.layers
-            && norms.ffn_norm.len() == cfg.layers
-            && norms
-                .attn_norm
-                .iter()
-                .chain(&norms.ffn_norm)
-                .chain(std::iter::once(&norms.final_norm))
-                .all(|n| n.len() == cfg.hidden);
-        if !ok {
-            return Err(ModelError::Config(
-                "norm gains do not match the model shape".into(),
-            ));
-        }
         if !norms.fits(&cfg) {
             return Err(ModelError::Config(
-                "the leader's biases or q/k norm gains do not match the model".into(),
+                "the leader's norm gains, biases or head norms do not match the model shape".into(),
             ));
         }
         let half = cfg.head_dim / 2;

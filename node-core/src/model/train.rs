@@ -304,26 +304,14 @@ impl Llama {
             rotate(&mut dq, cfg.heads, cfg.head_dim, &cos, &sin, -1.0);
             rotate(&mut dk, cfg.kv_heads, cfg.head_dim, &cos, &sin, -1.0);
             if let (Some(qn), Some(kn)) = (norms.q_norm.get(l), norms.k_norm.get(l)) {
-                let mut raw = vec![0.0f32; dq.len()];
-                rms_norm_backward(
-                    &s.q_raw,
-                    qn,
-                    cfg.norm_eps,
-                    &dq,
-                    &mut raw,
-                    &mut grads.q_norm[l],
-                );
-                dq = raw;
-                let mut raw = vec![0.0f32; dk.len()];
-                rms_norm_backward(
-                    &s.k_raw,
-                    kn,
-                    cfg.norm_eps,
-                    &dk,
-                    &mut raw,
-                    &mut grads.k_norm[l],
-                );
-                dk = raw;
+                // Back through the head norms to the projections' outputs.
+                let back = |raw: &[f32], gain: &[f32], dy: &[f32], dgain: &mut [f32]| {
+                    let mut dx = vec![0.0f32; dy.len()];
+                    rms_norm_backward(raw, gain, cfg.norm_eps, dy, &mut dx, dgain);
+                    dx
+                };
+                dq = back(&s.q_raw, qn, &dq, &mut grads.q_norm[l]);
+                dk = back(&s.k_raw, kn, &dk, &mut grads.k_norm[l]);
             }
             if let Some(bias) = grads.qkv_bias.get_mut(l) {
                 let (bq, rest) = bias.split_at_mut(qd);

@@ -108,6 +108,16 @@ enum Part {
     KNorm,
 }
 
+impl Part {
+    /// The tensor's name after its stem: the biases' `bias`, every other's `weight`.
+    fn suffix(self) -> &'static str {
+        match self {
+            Part::QBias | Part::KBias | Part::VBias => "bias",
+            _ => "weight",
+        }
+    }
+}
+
 const GGUF_NAMES: Names = Names {
     embed: "token_embd.weight",
     final_norm: "output_norm.weight",
@@ -115,25 +125,18 @@ const GGUF_NAMES: Names = Names {
     layer: |i, part| {
         let p = match part {
             Part::AttnNorm => "attn_norm",
-            Part::Q => "attn_q",
-            Part::K => "attn_k",
-            Part::V => "attn_v",
+            Part::Q | Part::QBias => "attn_q",
+            Part::K | Part::KBias => "attn_k",
+            Part::V | Part::VBias => "attn_v",
             Part::O => "attn_output",
             Part::FfnNorm => "ffn_norm",
             Part::Gate => "ffn_gate",
             Part::Up => "ffn_up",
             Part::Down => "ffn_down",
-            Part::QBias => "attn_q.bias",
-            Part::KBias => "attn_k.bias",
-            Part::VBias => "attn_v.bias",
             Part::QNorm => "attn_q_norm",
             Part::KNorm => "attn_k_norm",
         };
-        if p.ends_with(".bias") {
-            format!("blk.{i}.{p}")
-        } else {
-            format!("blk.{i}.{p}.weight")
-        }
+        format!("blk.{i}.{p}.{}", part.suffix())
     },
 };
 
@@ -144,25 +147,18 @@ const HF_NAMES: Names = Names {
     layer: |i, part| {
         let p = match part {
             Part::AttnNorm => "input_layernorm",
-            Part::Q => "self_attn.q_proj",
-            Part::K => "self_attn.k_proj",
-            Part::V => "self_attn.v_proj",
+            Part::Q | Part::QBias => "self_attn.q_proj",
+            Part::K | Part::KBias => "self_attn.k_proj",
+            Part::V | Part::VBias => "self_attn.v_proj",
             Part::O => "self_attn.o_proj",
             Part::FfnNorm => "post_attention_layernorm",
             Part::Gate => "mlp.gate_proj",
             Part::Up => "mlp.up_proj",
             Part::Down => "mlp.down_proj",
-            Part::QBias => "self_attn.q_proj.bias",
-            Part::KBias => "self_attn.k_proj.bias",
-            Part::VBias => "self_attn.v_proj.bias",
             Part::QNorm => "self_attn.q_norm",
             Part::KNorm => "self_attn.k_norm",
         };
-        if p.ends_with(".bias") {
-            format!("model.layers.{i}.{p}")
-        } else {
-            format!("model.layers.{i}.{p}.weight")
-        }
+        format!("model.layers.{i}.{p}.{}", part.suffix())
     },
 };
 
@@ -276,19 +272,19 @@ fn load_matrix(
     Matrix::new(rows, cols, load_tensor(src, name, &[rows, cols])?)
 }
 
-/// Reorders Q/K rows from Hugging Face's half-split RoPE layout to GGML's adjacent pairs:
-/// within each head, HF row `h·(d/2) + i` becomes row `2i + h`.
-fn hf_rope_to_adjacent(m: &mut Matrix, heads: usize) {
-    let head_rows = m.rows / heads;
+/// Reorders Q/K rows (of `cols` values each) from Hugging Face's half-split RoPE layout to
+/// GGML's adjacent pairs: within each head, HF row `h·(d/2) + i` becomes row `2i + h`.
+fn hf_rope_to_adjacent(data: &mut [f32], cols: usize, heads: usize) {
+    let head_rows = data.len() / cols / heads;
     let half = head_rows / 2;
-    let original = m.data.clone();
+    let original = data.to_vec();
     for head in 0..heads {
         for h in 0..2 {
             for i in 0..half {
                 let from = head * head_rows + h * half + i;
                 let to = head * head_rows + 2 * i + h;
-                m.data[to * m.cols..(to + 1) * m.cols]
-                    .copy_from_slice(&original[from * m.cols..(from + 1) * m.cols]);
+                data[to * cols..(to + 1) * cols]
+                    .copy_from_slice(&original[from * cols..(from + 1) * cols]);
             }
         }
     }
@@ -319,31 +315,23 @@ impl ModelWeights {
     /// Reorders every block's query and key rows, their biases and their norm gains from the
     /// half-split RoPE layout to the adjacent pairs the model rotates.
     fn rope_to_adjacent(&mut self) {
-        let cfg = &self.cfg;
-        let (heads, kv_heads, q_dim) = (cfg.heads, cfg.kv_heads, cfg.q_dim());
-        let vector = |v: &mut Vec<f32>, heads: usize| {
-            let mut m = Matrix {
-                rows: v.len(),
-                cols: 1,
-                data: std::mem::take(v),
-            };
-            hf_rope_to_adjacent(&mut m, heads);
-            *v = m.data;
-        };
+        let (heads, kv_heads, q_dim, kv_dim) = (
+            self.cfg.heads,
+            self.cfg.kv_heads,
+            self.cfg.q_dim(),
+            self.cfg.kv_dim(),
+        );
         for layer in &mut self.layers {
-            hf_rope_to_adjacent(&mut layer.q, heads);
-            hf_rope_to_adjacent(&mut layer.k, kv_heads);
+            let cols = layer.q.cols;
+            hf_rope_to_adjacent(&mut layer.q.data, cols, heads);
+            hf_rope_to_adjacent(&mut layer.k.data, cols, kv_heads);
             if !layer.qkv_bias.is_empty() {
-                let mut q = layer.qkv_bias[..q_dim].to_vec();
-                let mut k = layer.qkv_bias[q_dim..q_dim + cfg.kv_dim()].to_vec();
-                vector(&mut q, heads);
-                vector(&mut k, kv_heads);
-                layer.qkv_bias[..q_dim].copy_from_slice(&q);
-                layer.qkv_bias[q_dim..q_dim + k.len()].copy_from_slice(&k);
+                hf_rope_to_adjacent(&mut layer.qkv_bias[..q_dim], 1, heads);
+                hf_rope_to_adjacent(&mut layer.qkv_bias[q_dim..q_dim + kv_dim], 1, kv_heads);
             }
             for gain in [&mut layer.q_norm, &mut layer.k_norm] {
                 if !gain.is_empty() {
-                    vector(gain, 1);
+                    hf_rope_to_adjacent(gain, 1, 1);
                 }
             }
         }
@@ -422,6 +410,13 @@ impl ModelWeights {
         let lm_head = (!cfg.tied_embeddings).then(|| matrix(cfg.vocab, d));
         let (bias, qk_norm) = (cfg.family.qkv_bias(), cfg.family.qk_norm());
         let bias_len = cfg.q_dim() + 2 * cfg.kv_dim();
+        let head_gain = || {
+            if qk_norm {
+                vec![1.0; cfg.head_dim]
+            } else {
+                Vec::new()
+            }
+        };
         let layers = (0..cfg.layers)
             .map(|_| LayerWeights {
                 qkv_bias: if bias {
@@ -429,16 +424,8 @@ impl ModelWeights {
                 } else {
                     Vec::new()
                 },
-                q_norm: if qk_norm {
-                    vec![1.0; cfg.head_dim]
-                } else {
-                    Vec::new()
-                },
-                k_norm: if qk_norm {
-                    vec![1.0; cfg.head_dim]
-                } else {
-                    Vec::new()
-                },
+                q_norm: head_gain(),
+                k_norm: head_gain(),
                 attn_norm: vec![1.0; d],
                 q: matrix(cfg.q_dim(), d),
                 k: matrix(cfg.kv_dim(), d),

@@ -1,11 +1,12 @@
 //! Whether a local mesh of a model fits this machine's memory, estimated before `up` encodes
 //! it, and what would fit when it does not.
 
+use std::io::Read;
 use std::path::Path;
 
 use anyhow::{Context, Result, bail};
 use node_core::coded::ShardFormat;
-use node_core::gguf::GgufFile;
+use node_core::gguf::{GgufError, GgufFile};
 
 /// Memory a node needs beyond its row: runtime, buffers, the leader's KV caches of short
 /// requests (issue 58's bound: 1.25 × the row + KV + 300 MB).
@@ -37,25 +38,43 @@ pub struct ModelSize {
 }
 
 impl ModelSize {
-    /// Reads a GGUF file's tensor table; `None` for a Hugging Face directory (not estimated).
+    /// Reads a GGUF file's tensor table (its first bytes, not its tensors); `None` for a
+    /// Hugging Face directory (not estimated).
     pub fn of(model: &Path) -> Result<Option<Self>> {
         if model.is_dir() {
             return Ok(None);
         }
-        let bytes = std::fs::read(model).with_context(|| format!("reading {}", model.display()))?;
-        let file =
-            GgufFile::parse(&bytes).with_context(|| format!("parsing {}", model.display()))?;
+        let reading = || format!("reading {}", model.display());
+        let mut f = std::fs::File::open(model).with_context(reading)?;
+        let file_len = f.metadata().with_context(reading)?.len();
+        // The header, metadata and tensor directory: a few MB even with a 128k vocabulary.
+        let mut head = Vec::new();
+        f.by_ref()
+            .take(HEAD_BYTES)
+            .read_to_end(&mut head)
+            .with_context(reading)?;
+        let file = match GgufFile::parse_header(&head, file_len) {
+            Err(GgufError::Truncated { .. }) if file_len > HEAD_BYTES => {
+                f.read_to_end(&mut head).with_context(reading)?;
+                GgufFile::parse(&head)
+            }
+            parsed => parsed,
+        }
+        .with_context(|| format!("parsing {}", model.display()))?;
         let values: usize = file
             .tensors()
             .iter()
             .map(|t| t.shape.iter().product::<usize>())
             .sum();
         Ok(Some(Self {
-            file: bytes.len() as f64,
+            file: file_len as f64,
             values: values as f64,
         }))
     }
 }
+
+/// Bytes read for a GGUF file's directory before reading it all.
+const HEAD_BYTES: u64 = 64 << 20;
 
 /// Bytes of each of the n rows of a k-of-n code of `values` values: q8's data rows (the first
 /// k) one byte a value and its parity rows two; f16 two; f32 four.
