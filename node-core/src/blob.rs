@@ -7,6 +7,8 @@
 //! The header (magic, version, parameters, lengths, payload hash, hash of the hash table) is
 //! self-checked with its own BLAKE3 and stored at both ends, so either copy suffices.
 
+use std::io::{Read, Seek, SeekFrom, Write};
+
 use reed_solomon_erasure::galois_8::ReedSolomon;
 
 const MAGIC: &[u8; 8] = b"CMBLOB\0\x01";
@@ -42,6 +44,22 @@ pub enum BlobError {
     /// The erasure coder failed.
     #[error("erasure coding: {0}")]
     Erasure(String),
+    /// Reading or writing the blob failed.
+    #[error("blob i/o: {0}")]
+    Io(String),
+}
+
+impl BlobError {
+    /// An i/o error, or the blob error a [`BlobReader`] wrapped in one.
+    fn from_io(e: std::io::Error) -> Self {
+        if !e.get_ref().is_some_and(|inner| inner.is::<BlobError>()) {
+            return BlobError::Io(e.to_string());
+        }
+        match e.into_inner().map(|inner| inner.downcast::<BlobError>()) {
+            Some(Ok(blob)) => *blob,
+            _ => BlobError::Io("a blob error that was lost on the way".into()),
+        }
+    }
 }
 
 /// How a blob is cut and protected.
@@ -165,87 +183,184 @@ impl Header {
 
 /// Encodes `payload` into a self-describing, repairable blob.
 pub fn encode_blob(payload: &[u8], params: &BlobParams) -> Result<Vec<u8>, BlobError> {
+    let mut out = std::io::Cursor::new(Vec::new());
+    encode_blob_to(&mut &payload[..], payload.len() as u64, params, &mut out)?;
+    Ok(out.into_inner())
+}
+
+/// Encodes the `payload_len` bytes `payload` yields into a blob written to `out`, a group of
+/// chunks at a time: the same bytes as [`encode_blob`], without either side in memory.
+pub fn encode_blob_to<R: Read, W: Write + Seek>(
+    payload: &mut R,
+    payload_len: u64,
+    params: &BlobParams,
+    out: &mut W,
+) -> Result<(), BlobError> {
     params.validate()?;
-    if payload.len() as u64 > MAX_PAYLOAD {
+    if payload_len > MAX_PAYLOAD {
         return Err(BlobError::Params(format!(
-            "payload of {} bytes exceeds {MAX_PAYLOAD}",
-            payload.len()
+            "payload of {payload_len} bytes exceeds {MAX_PAYLOAD}"
         )));
     }
     let (cs, d, p) = (params.chunk_size, params.data_chunks, params.parity_chunks);
     let rs = ReedSolomon::new(d, p).map_err(|e| BlobError::Erasure(format!("{e:?}")))?;
-    let mut chunks: Vec<Vec<u8>> = Vec::new();
-    for group in payload.chunks(cs * d) {
-        let mut shards: Vec<Vec<u8>> = group
-            .chunks(cs)
-            .map(|c| {
-                let mut v = c.to_vec();
-                v.resize(cs, 0);
-                v
-            })
-            .collect();
-        shards.resize(d + p, vec![0u8; cs]);
+    let groups = (payload_len as usize).div_ceil(cs).div_ceil(d);
+    let table_len = groups * (d + p) * 32;
+    // Chunks first, after room for the header and the hash table, which need all of them.
+    let io = |e: std::io::Error| BlobError::Io(e.to_string());
+    out.seek(SeekFrom::Start((HEADER_LEN + table_len) as u64))
+        .map_err(io)?;
+    let mut table = Vec::with_capacity(table_len);
+    let mut hasher = blake3::Hasher::new();
+    let mut left = payload_len as usize;
+    let mut shards = vec![vec![0u8; cs]; d + p];
+    for _ in 0..groups {
+        for shard in &mut shards[..d] {
+            let n = left.min(cs);
+            payload.read_exact(&mut shard[..n]).map_err(io)?;
+            shard[n..].fill(0);
+            hasher.update(&shard[..n]);
+            left -= n;
+        }
         rs.encode(&mut shards)
             .map_err(|e| BlobError::Erasure(format!("{e:?}")))?;
-        chunks.extend(shards);
-    }
-    let mut table = Vec::with_capacity(chunks.len() * 32);
-    for c in &chunks {
-        table.extend_from_slice(blake3::hash(c).as_bytes());
+        for shard in &shards {
+            table.extend_from_slice(blake3::hash(shard).as_bytes());
+            out.write_all(shard).map_err(io)?;
+        }
     }
     let header = Header {
         params: *params,
-        payload_len: payload.len() as u64,
-        payload_hash: *blake3::hash(payload).as_bytes(),
+        payload_len,
+        payload_hash: *hasher.finalize().as_bytes(),
         table_hash: *blake3::hash(&table).as_bytes(),
     }
     .to_bytes();
-    let mut out = Vec::with_capacity(2 * HEADER_LEN + table.len() + chunks.len() * cs);
-    out.extend_from_slice(&header);
-    out.extend_from_slice(&table);
-    for c in &chunks {
-        out.extend_from_slice(c);
-    }
-    out.extend_from_slice(&header);
-    Ok(out)
+    out.write_all(&header).map_err(io)?;
+    out.seek(SeekFrom::Start(0)).map_err(io)?;
+    out.write_all(&header).map_err(io)?;
+    out.write_all(&table).map_err(io)?;
+    out.flush().map_err(io)
 }
 
 /// Decodes a blob, repairing damaged chunks from parity; never returns a wrong payload.
 pub fn decode_blob(bytes: &[u8]) -> Result<DecodedBlob, BlobError> {
-    let header = Header::parse(bytes)
-        .or_else(|| {
-            bytes
-                .len()
-                .checked_sub(HEADER_LEN)
-                .and_then(|start| Header::parse(&bytes[start..]))
-        })
-        .ok_or(BlobError::Header)?;
-    let (cs, d, p) = (
-        header.params.chunk_size,
-        header.params.data_chunks,
-        header.params.parity_chunks,
-    );
-    let total = header.total_chunks();
-    // The hash table must be intact: it is what tells good chunks from bad ones.
-    let table_end = HEADER_LEN + total * 32;
-    let table = bytes
-        .get(HEADER_LEN..table_end)
-        .filter(|t| blake3::hash(t).as_bytes() == &header.table_hash)
-        .ok_or(BlobError::Header)?;
-    let rs = ReedSolomon::new(d, p).map_err(|e| BlobError::Erasure(format!("{e:?}")))?;
-    let mut payload = Vec::with_capacity((header.payload_len as usize).min(bytes.len()));
-    let mut repaired = 0;
-    for g in 0..header.groups() {
-        let mut shards: Vec<Option<Vec<u8>>> = (0..d + p)
-            .map(|i| {
-                let idx = g * (d + p) + i;
-                let start = table_end + idx * cs;
-                bytes
-                    .get(start..start + cs)
-                    .filter(|c| blake3::hash(c).as_bytes()[..] == table[idx * 32..idx * 32 + 32])
-                    .map(<[u8]>::to_vec)
+    let mut reader = BlobReader::new(std::io::Cursor::new(bytes))?;
+    let mut payload = Vec::with_capacity((reader.header.payload_len as usize).min(bytes.len()));
+    reader
+        .read_to_end(&mut payload)
+        .map_err(BlobError::from_io)?;
+    let repaired_chunks = reader.finish()?;
+    Ok(DecodedBlob {
+        payload,
+        repaired_chunks,
+    })
+}
+
+/// A blob's payload read a group of chunks at a time (each checked against its hash and
+/// repaired from parity where damaged), so that a large blob is never in memory whole.
+///
+/// Every byte it yields comes from a chunk whose hash the intact hash table holds; the payload
+/// hash is checked when all of it has been read ([`Self::finish`]).
+pub struct BlobReader<R> {
+    source: R,
+    source_len: u64,
+    header: Header,
+    table: Vec<u8>,
+    rs: ReedSolomon,
+    /// The next group to decode.
+    group: usize,
+    /// The current group's payload bytes and how many of them were read.
+    buf: Vec<u8>,
+    at: usize,
+    hasher: blake3::Hasher,
+    yielded: u64,
+    repaired: usize,
+}
+
+impl<R> std::fmt::Debug for BlobReader<R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BlobReader")
+            .field("payload_len", &self.header.payload_len)
+            .field("yielded", &self.yielded)
+            .field("repaired", &self.repaired)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<R: Read + Seek> BlobReader<R> {
+    /// Opens a blob: finds an intact header copy and checks the hash table.
+    pub fn new(mut source: R) -> Result<Self, BlobError> {
+        let io = BlobError::from_io;
+        let source_len = source.seek(SeekFrom::End(0)).map_err(io)?;
+        let mut read_header = |at: u64| -> Option<Header> {
+            let mut b = vec![0u8; HEADER_LEN];
+            source.seek(SeekFrom::Start(at)).ok()?;
+            source.read_exact(&mut b).ok()?;
+            Header::parse(&b)
+        };
+        let header = read_header(0)
+            .or_else(|| {
+                source_len
+                    .checked_sub(HEADER_LEN as u64)
+                    .and_then(&mut read_header)
             })
-            .collect();
+            .ok_or(BlobError::Header)?;
+        let (d, p) = (header.params.data_chunks, header.params.parity_chunks);
+        // The hash table must be intact: it is what tells good chunks from bad ones.
+        let table_len = header.total_chunks() * 32;
+        if (HEADER_LEN + table_len) as u64 > source_len {
+            return Err(BlobError::Header);
+        }
+        let mut table = vec![0u8; table_len];
+        source
+            .seek(SeekFrom::Start(HEADER_LEN as u64))
+            .and_then(|_| source.read_exact(&mut table))
+            .map_err(io)?;
+        if blake3::hash(&table).as_bytes() != &header.table_hash {
+            return Err(BlobError::Header);
+        }
+        let rs = ReedSolomon::new(d, p).map_err(|e| BlobError::Erasure(format!("{e:?}")))?;
+        Ok(Self {
+            source,
+            source_len,
+            header,
+            table,
+            rs,
+            group: 0,
+            buf: Vec::new(),
+            at: 0,
+            hasher: blake3::Hasher::new(),
+            yielded: 0,
+            repaired: 0,
+        })
+    }
+
+    /// Bytes of the payload.
+    pub fn payload_len(&self) -> u64 {
+        self.header.payload_len
+    }
+
+    /// Decodes the next group into the buffer.
+    fn next_group(&mut self) -> Result<(), BlobError> {
+        let (cs, d, p) = (
+            self.header.params.chunk_size,
+            self.header.params.data_chunks,
+            self.header.params.parity_chunks,
+        );
+        let g = self.group;
+        let table_end = (HEADER_LEN + self.table.len()) as u64;
+        let mut shards: Vec<Option<Vec<u8>>> = Vec::with_capacity(d + p);
+        for i in 0..d + p {
+            let idx = g * (d + p) + i;
+            let start = table_end + (idx * cs) as u64;
+            let mut c = vec![0u8; cs];
+            let intact = start + cs as u64 <= self.source_len
+                && self.source.seek(SeekFrom::Start(start)).is_ok()
+                && self.source.read_exact(&mut c).is_ok()
+                && blake3::hash(&c).as_bytes()[..] == self.table[idx * 32..idx * 32 + 32];
+            shards.push(intact.then_some(c));
+        }
         let damaged = shards.iter().filter(|s| s.is_none()).count();
         if damaged > p {
             return Err(BlobError::Unrepairable {
@@ -255,28 +370,53 @@ pub fn decode_blob(bytes: &[u8]) -> Result<DecodedBlob, BlobError> {
             });
         }
         if damaged > 0 {
-            rs.reconstruct_data(&mut shards)
+            self.rs
+                .reconstruct_data(&mut shards)
                 .map_err(|e| BlobError::Erasure(format!("{e:?}")))?;
-            repaired += damaged;
+            self.repaired += damaged;
         }
+        self.buf.clear();
+        let left = self.header.payload_len - self.yielded;
         for s in shards.into_iter().take(d) {
             let s = s.ok_or(BlobError::PayloadHash)?;
-            let want = header.payload_len as usize - payload.len();
-            payload.extend_from_slice(&s[..want.min(cs)]);
-            if payload.len() == header.payload_len as usize {
+            let want = (left as usize - self.buf.len()).min(cs);
+            self.buf.extend_from_slice(&s[..want]);
+            if self.buf.len() as u64 == left {
                 break;
             }
         }
+        self.hasher.update(&self.buf);
+        self.at = 0;
+        self.group += 1;
+        Ok(())
     }
-    if payload.len() as u64 != header.payload_len
-        || blake3::hash(&payload).as_bytes() != &header.payload_hash
-    {
-        return Err(BlobError::PayloadHash);
+
+    /// Reads what is left and checks the payload's hash; the chunks repaired on the way.
+    pub fn finish(mut self) -> Result<usize, BlobError> {
+        std::io::copy(&mut self, &mut std::io::sink()).map_err(BlobError::from_io)?;
+        if self.yielded != self.header.payload_len
+            || self.hasher.finalize().as_bytes() != &self.header.payload_hash
+        {
+            return Err(BlobError::PayloadHash);
+        }
+        Ok(self.repaired)
     }
-    Ok(DecodedBlob {
-        payload,
-        repaired_chunks: repaired,
-    })
+}
+
+impl<R: Read + Seek> Read for BlobReader<R> {
+    fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
+        if self.at == self.buf.len() {
+            if self.yielded == self.header.payload_len {
+                return Ok(0);
+            }
+            self.next_group().map_err(std::io::Error::other)?;
+        }
+        let n = out.len().min(self.buf.len() - self.at);
+        out[..n].copy_from_slice(&self.buf[self.at..self.at + n]);
+        self.at += n;
+        self.yielded += n as u64;
+        Ok(n)
+    }
 }
 
 #[cfg(test)]
@@ -378,6 +518,26 @@ mod tests {
         ] {
             assert!(encode_blob(b"x", &params).is_err());
         }
+    }
+
+    #[test]
+    fn a_reader_read_in_pieces_yields_the_payload_and_checks_its_hash() {
+        let p = payload(3000);
+        let blob = encode_blob(&p, &SMALL).unwrap();
+        let mut r = BlobReader::new(std::io::Cursor::new(&blob)).unwrap();
+        let mut head = vec![0u8; 700];
+        r.read_exact(&mut head).unwrap();
+        assert_eq!(head, p[..700]);
+        // The rest is read and hashed by finish.
+        assert_eq!(r.finish().unwrap(), 0);
+        // A damaged chunk is repaired on the way.
+        let mut damaged = blob.clone();
+        damaged[HEADER_LEN + 72 * 32 + 10] ^= 1; // 47 chunks: 12 groups of 4 + 2
+        let mut r = BlobReader::new(std::io::Cursor::new(&damaged)).unwrap();
+        let mut all = Vec::new();
+        r.read_to_end(&mut all).unwrap();
+        assert_eq!(all, p);
+        assert_eq!(r.finish().unwrap(), 1);
     }
 
     proptest! {

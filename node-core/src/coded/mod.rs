@@ -14,6 +14,7 @@ mod member;
 pub mod packed;
 mod probe;
 mod shards;
+pub mod stream;
 mod verify;
 
 pub use adapter::{ADAPTER_RANK, Adapter, Projection, TILE, adapter_rank, tiled_at};

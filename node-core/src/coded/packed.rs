@@ -182,9 +182,10 @@ pub mod serde_packed {
         s.serialize_bytes(&super::pack(values).map_err(serde::ser::Error::custom)?)
     }
 
-    /// Reads packed values.
+    /// Reads packed values: as a sequence of bytes (the same bytes in postcard), which a
+    /// reader streams without a buffer the size of the whole string.
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<i16>, D::Error> {
-        let bytes = serde_bytes::ByteBuf::deserialize(d)?;
+        let bytes = Vec::<u8>::deserialize(d)?;
         super::unpack(&bytes).map_err(serde::de::Error::custom)
     }
 }

@@ -179,7 +179,7 @@ impl GgmlType {
     }
 
     /// `(elements per block, bytes per block)`, for the types this reader knows.
-    fn block(self) -> Option<(usize, usize)> {
+    pub fn block(self) -> Option<(usize, usize)> {
         match self {
             Self::F32 => Some((1, 4)),
             Self::F16 => Some((1, 2)),

@@ -221,6 +221,30 @@ pub fn shard_from_blob(bytes: &[u8]) -> Result<ShardSet, HolderError> {
     })
 }
 
+/// A shard set from a blob read from `source` a group of chunks at a time (untrusted bytes:
+/// checked, repaired where parity allows), so that loading a row never holds its blob or its
+/// payload whole, only the shard set it builds.
+pub fn shard_from_reader<R: std::io::Read + std::io::Seek>(
+    source: R,
+) -> Result<ShardSet, HolderError> {
+    let mut reader = blob::BlobReader::new(source)?;
+    // Every value, packed integers included, is read a value at a time: the scratch holds
+    // only the config's strings.
+    let mut scratch = vec![0u8; 1 << 20];
+    let buffered = std::io::BufReader::with_capacity(1 << 20, &mut reader);
+    let parsed = postcard::from_io::<ShardSet, _>((buffered, &mut scratch));
+    let shard = parsed.map(|(s, _)| s).map_err(|e| {
+        HolderError::Shard(format!(
+            "parsing the shard (layout {SHARD_LAYOUT}; a blob of another release?): {e}"
+        ))
+    })?;
+    let repaired = reader.finish()?;
+    if repaired > 0 {
+        tracing::warn!(chunks = repaired, "repaired damaged chunks of a shard blob");
+    }
+    Ok(shard)
+}
+
 /// Checks that `shard` is row `row` of the mesh `manifest` describes.
 pub fn check_shard(
     shard: &ShardSet,
@@ -495,5 +519,27 @@ mod tests {
         let mut bad = blob.clone();
         bad.truncate(bad.len() / 2);
         assert!(shard_from_blob(&bad).is_err());
+    }
+
+    /// A compact parity row (packed integers) and a data row read from a file-like source,
+    /// a group of chunks at a time, are the shard sets written; a damaged chunk is repaired
+    /// and a cut blob refused.
+    #[test]
+    fn a_shard_read_from_a_reader_is_the_one_written() {
+        let w =
+            crate::model::ModelWeights::synthetic(crate::model::LlamaConfig::small(), 1).unwrap();
+        let g = crate::code::Generator::integer(4, 2, None).unwrap();
+        for row in [0, 3] {
+            let shard = ShardSet::encode(&w, &g, row, ShardFormat::Q8, &mut |_, _| {}).unwrap();
+            let mut blob = shard_to_blob(&shard).unwrap();
+            let back = shard_from_reader(std::io::Cursor::new(&blob)).unwrap();
+            assert_eq!(back, shard, "row {row}");
+            let middle = blob.len() / 2;
+            blob[middle] ^= 0x5a;
+            let back = shard_from_reader(std::io::Cursor::new(&blob)).unwrap();
+            assert_eq!(back, shard, "row {row}, repaired");
+            blob.truncate(blob.len() / 2);
+            assert!(shard_from_reader(std::io::Cursor::new(&blob)).is_err());
+        }
     }
 }

@@ -181,6 +181,14 @@ impl LlamaConfig {
 
     /// Reads the configuration from GGUF metadata (`{arch}.*` keys, `rope_freqs.weight`).
     pub fn from_gguf(file: &GgufFile, bytes: &[u8]) -> Result<Self, ModelError> {
+        Self::from_gguf_with(file, &|name| Ok(file.tensor_f32(bytes, name)?))
+    }
+
+    /// [`Self::from_gguf`] with a tensor reader in place of the file's bytes.
+    pub fn from_gguf_with(
+        file: &GgufFile,
+        tensor: &dyn Fn(&str) -> Result<Vec<f32>, ModelError>,
+    ) -> Result<Self, ModelError> {
         let arch = file.get_str("general.architecture")?;
         let family = Family::from_name(arch)?;
         let key = |k: &str| format!("{arch}.{k}");
@@ -215,7 +223,7 @@ impl LlamaConfig {
             Err(_) => file.get_str_array("tokenizer.ggml.tokens")?.len(),
         };
         let mut rope_freq_factors = match file.tensor("rope_freqs.weight") {
-            Some(_) => file.tensor_f32(bytes, "rope_freqs.weight")?,
+            Some(_) => tensor("rope_freqs.weight")?,
             None => Vec::new(),
         };
         match file.get_str(&key("rope.scaling.type")) {

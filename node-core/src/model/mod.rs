@@ -7,6 +7,7 @@ mod batch;
 mod block;
 mod config;
 mod generate;
+mod gguf_model;
 mod llama;
 mod sampling;
 mod sequence;
@@ -22,6 +23,7 @@ pub use generate::{
     Forward, GenerateOptions, Generation, Pass, StopReason, generate, generate_async, generate_on,
     generate_with, logits_along, relative_error,
 };
+pub use gguf_model::{GgufModel, ReadAt};
 pub use llama::{BatchItem, KvCache, Llama};
 pub use sampling::{Sampler, SamplingParams, argmax};
 pub use sequence::{Sequence, Taken};

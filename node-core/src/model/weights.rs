@@ -82,16 +82,16 @@ pub struct ModelWeights {
 }
 
 /// Tensor names of one file format, written once.
-struct Names {
-    embed: &'static str,
-    final_norm: &'static str,
-    lm_head: &'static str,
-    layer: fn(usize, Part) -> String,
+pub(super) struct Names {
+    pub(super) embed: &'static str,
+    pub(super) final_norm: &'static str,
+    pub(super) lm_head: &'static str,
+    pub(super) layer: fn(usize, Part) -> String,
 }
 
 /// The tensors of one block.
 #[derive(Clone, Copy)]
-enum Part {
+pub(super) enum Part {
     AttnNorm,
     Q,
     K,
@@ -118,7 +118,7 @@ impl Part {
     }
 }
 
-const GGUF_NAMES: Names = Names {
+pub(super) const GGUF_NAMES: Names = Names {
     embed: "token_embd.weight",
     final_norm: "output_norm.weight",
     lm_head: "output.weight",
@@ -163,7 +163,7 @@ const HF_NAMES: Names = Names {
 };
 
 /// A source of named f32 tensors with row-major shapes.
-trait TensorSource {
+pub(super) trait TensorSource {
     /// Shape (row-major) of a tensor, if present.
     fn shape(&self, name: &str) -> Option<Vec<usize>>;
     /// The tensor's values as f32.
@@ -232,7 +232,7 @@ impl TensorSource for SafetensorsSource<'_> {
 }
 
 /// Loads one tensor and checks its shape and values.
-fn load_tensor(
+pub(super) fn load_tensor(
     src: &dyn TensorSource,
     name: &str,
     expected: &[usize],
@@ -272,6 +272,40 @@ fn load_matrix(
     Matrix::new(rows, cols, load_tensor(src, name, &[rows, cols])?)
 }
 
+/// Every gain and bias of a model (the leader's parameters), as its file stores them.
+pub(super) fn load_gains(
+    cfg: &LlamaConfig,
+    src: &dyn TensorSource,
+    names: &Names,
+) -> Result<LeaderWeights, ModelError> {
+    let d = cfg.hidden;
+    let (bias, qk_norm) = (cfg.family.qkv_bias(), cfg.family.qk_norm());
+    let mut g = LeaderWeights {
+        final_norm: load_tensor(src, names.final_norm, &[d])?,
+        ..LeaderWeights::default()
+    };
+    for i in 0..cfg.layers {
+        let name = |p| (names.layer)(i, p);
+        g.attn_norm
+            .push(load_tensor(src, &name(Part::AttnNorm), &[d])?);
+        g.ffn_norm
+            .push(load_tensor(src, &name(Part::FfnNorm), &[d])?);
+        if bias {
+            let mut b = load_tensor(src, &name(Part::QBias), &[cfg.q_dim()])?;
+            b.extend(load_tensor(src, &name(Part::KBias), &[cfg.kv_dim()])?);
+            b.extend(load_tensor(src, &name(Part::VBias), &[cfg.kv_dim()])?);
+            g.qkv_bias.push(b);
+        }
+        if qk_norm {
+            g.q_norm
+                .push(load_tensor(src, &name(Part::QNorm), &[cfg.head_dim])?);
+            g.k_norm
+                .push(load_tensor(src, &name(Part::KNorm), &[cfg.head_dim])?);
+        }
+    }
+    Ok(g)
+}
+
 /// Reorders Q/K rows (of `cols` values each) from Hugging Face's half-split RoPE layout to
 /// GGML's adjacent pairs: within each head, HF row `h·(d/2) + i` becomes row `2i + h`.
 fn hf_rope_to_adjacent(data: &mut [f32], cols: usize, heads: usize) {
@@ -286,6 +320,26 @@ fn hf_rope_to_adjacent(data: &mut [f32], cols: usize, heads: usize) {
                 data[to * cols..(to + 1) * cols]
                     .copy_from_slice(&original[from * cols..(from + 1) * cols]);
             }
+        }
+    }
+}
+
+/// Reorders one block's query and key biases and head-norm gains from the half-split RoPE
+/// layout to adjacent pairs (empty ones are left alone).
+pub(super) fn gains_to_adjacent(
+    cfg: &LlamaConfig,
+    qkv_bias: &mut [f32],
+    q_norm: &mut [f32],
+    k_norm: &mut [f32],
+) {
+    let (q_dim, kv_dim) = (cfg.q_dim(), cfg.kv_dim());
+    if !qkv_bias.is_empty() {
+        hf_rope_to_adjacent(&mut qkv_bias[..q_dim], 1, cfg.heads);
+        hf_rope_to_adjacent(&mut qkv_bias[q_dim..q_dim + kv_dim], 1, cfg.kv_heads);
+    }
+    for gain in [q_norm, k_norm] {
+        if !gain.is_empty() {
+            hf_rope_to_adjacent(gain, 1, 1);
         }
     }
 }
@@ -315,25 +369,17 @@ impl ModelWeights {
     /// Reorders every block's query and key rows, their biases and their norm gains from the
     /// half-split RoPE layout to the adjacent pairs the model rotates.
     fn rope_to_adjacent(&mut self) {
-        let (heads, kv_heads, q_dim, kv_dim) = (
-            self.cfg.heads,
-            self.cfg.kv_heads,
-            self.cfg.q_dim(),
-            self.cfg.kv_dim(),
-        );
+        let (heads, kv_heads) = (self.cfg.heads, self.cfg.kv_heads);
         for layer in &mut self.layers {
             let cols = layer.q.cols;
             hf_rope_to_adjacent(&mut layer.q.data, cols, heads);
             hf_rope_to_adjacent(&mut layer.k.data, cols, kv_heads);
-            if !layer.qkv_bias.is_empty() {
-                hf_rope_to_adjacent(&mut layer.qkv_bias[..q_dim], 1, heads);
-                hf_rope_to_adjacent(&mut layer.qkv_bias[q_dim..q_dim + kv_dim], 1, kv_heads);
-            }
-            for gain in [&mut layer.q_norm, &mut layer.k_norm] {
-                if !gain.is_empty() {
-                    hf_rope_to_adjacent(gain, 1, 1);
-                }
-            }
+            gains_to_adjacent(
+                &self.cfg,
+                &mut layer.qkv_bias,
+                &mut layer.q_norm,
+                &mut layer.k_norm,
+            );
         }
     }
 
@@ -346,36 +392,21 @@ impl ModelWeights {
         } else {
             Some(load_matrix(src, names.lm_head, cfg.vocab, d)?)
         };
-        let final_norm = load_tensor(src, names.final_norm, &[d])?;
+        let mut gains = load_gains(&cfg, src, names)?;
+        let take = |v: &mut Vec<Vec<f32>>, i: usize| v.get_mut(i).map(std::mem::take);
         let mut layers = Vec::with_capacity(cfg.layers);
-        let (bias, qk_norm) = (cfg.family.qkv_bias(), cfg.family.qk_norm());
         for i in 0..cfg.layers {
             let name = |p| (names.layer)(i, p);
-            let qkv_bias = if bias {
-                let mut b = load_tensor(src, &name(Part::QBias), &[cfg.q_dim()])?;
-                b.extend(load_tensor(src, &name(Part::KBias), &[cfg.kv_dim()])?);
-                b.extend(load_tensor(src, &name(Part::VBias), &[cfg.kv_dim()])?);
-                b
-            } else {
-                Vec::new()
-            };
-            let head_norm = |p| {
-                if qk_norm {
-                    load_tensor(src, &name(p), &[cfg.head_dim])
-                } else {
-                    Ok(Vec::new())
-                }
-            };
             layers.push(LayerWeights {
-                qkv_bias,
-                q_norm: head_norm(Part::QNorm)?,
-                k_norm: head_norm(Part::KNorm)?,
-                attn_norm: load_tensor(src, &name(Part::AttnNorm), &[d])?,
+                qkv_bias: take(&mut gains.qkv_bias, i).unwrap_or_default(),
+                q_norm: take(&mut gains.q_norm, i).unwrap_or_default(),
+                k_norm: take(&mut gains.k_norm, i).unwrap_or_default(),
+                attn_norm: take(&mut gains.attn_norm, i).unwrap_or_default(),
                 q: load_matrix(src, &name(Part::Q), cfg.q_dim(), d)?,
                 k: load_matrix(src, &name(Part::K), cfg.kv_dim(), d)?,
                 v: load_matrix(src, &name(Part::V), cfg.kv_dim(), d)?,
                 o: load_matrix(src, &name(Part::O), d, cfg.q_dim())?,
-                ffn_norm: load_tensor(src, &name(Part::FfnNorm), &[d])?,
+                ffn_norm: take(&mut gains.ffn_norm, i).unwrap_or_default(),
                 gate: load_matrix(src, &name(Part::Gate), f, d)?,
                 up: load_matrix(src, &name(Part::Up), f, d)?,
                 down: load_matrix(src, &name(Part::Down), d, f)?,
@@ -389,7 +420,7 @@ impl ModelWeights {
             cfg,
             embed,
             layers,
-            final_norm,
+            final_norm: gains.final_norm,
             lm_head,
         })
     }

@@ -115,6 +115,13 @@ impl DataDir {
         write_atomic(&self.shard_path(), blob)
     }
 
+    /// Takes a genesis shard blob written elsewhere on the same file system (moved, not
+    /// copied): the row at the genesis version.
+    pub fn adopt_shard_file(&self, blob: &Path) -> Result<()> {
+        fs::rename(blob, self.shard_path())
+            .with_context(|| format!("moving {} into {}", blob.display(), self.root.display()))
+    }
+
     /// Saves a shard blob together with `base` (what the blob holds), so that a crash at any
     /// point leaves the old pair or the new one: both are written beside the old ones, then
     /// renamed in turn, and [`Self::recover`] finishes or undoes an interrupted save.
@@ -170,9 +177,10 @@ impl DataDir {
         if !path.exists() {
             return Ok(None);
         }
-        let bytes = fs::read(&path)?;
-        let shard =
-            shard_from_blob(&bytes).with_context(|| format!("reading {}", path.display()))?;
+        let reading = || format!("reading {}", path.display());
+        // Read a group of chunks at a time: never the blob whole beside the shard.
+        let f = fs::File::open(&path).with_context(reading)?;
+        let shard = node_core::holder::shard_from_reader(f).with_context(reading)?;
         Ok(Some(shard))
     }
 

@@ -227,6 +227,7 @@ fn prepare(opts: &UpOptions, model: &Path, data: &Path) -> Result<MeshFile> {
         opts.nodes,
         opts.k
     );
+    let rows_dir = data.join("encoding");
     let (manifest, blobs) = crate::node::encode_genesis(
         model,
         opts.k,
@@ -234,13 +235,16 @@ fn prepare(opts: &UpOptions, model: &Path, data: &Path) -> Result<MeshFile> {
         opts.max_rows,
         opts.format,
         learning,
+        &rows_dir,
     )?;
     let manifest_bytes = manifest.to_bytes()?;
     for (row, blob) in &blobs {
         let dir = DataDir::open(&node_dir(data, *row as usize))?;
         dir.save_manifest(&manifest_bytes)?;
-        dir.save_shard_blob(blob)?;
+        dir.adopt_shard_file(blob)?;
     }
+    std::fs::remove_dir_all(&rows_dir)
+        .with_context(|| format!("removing {}", rows_dir.display()))?;
     let mesh = MeshFile {
         model: name,
         k: opts.k,

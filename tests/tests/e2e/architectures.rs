@@ -60,6 +60,7 @@ fn run_file(
         text.1
     );
     let w = &model.weights;
+    streams_as_loaded(path, w)?;
     let g = Generator::cauchy(3, 2)?;
     let mesh = InProcess::encode(w, &g, ShardFormat::F32, &|_, _| {})?;
     let mut group = CodedGroup::new(w.cfg.clone(), g, &[1, 2], mesh)?;
@@ -84,6 +85,38 @@ fn run_file(
         logits = pollster::block_on(llama.forward(&mut group, &[expected], &mut cache))?;
     }
     Ok(Outcome { worst, matched })
+}
+
+/// Genesis of a model too large to encode whole reads the file a few rows at a time
+/// (`GgufModel`): its config, leader parameters and compact rows must be byte for byte those of
+/// the model loaded whole, including Qwen's query and key rows reordered from the file's
+/// half-split layout and quantised rows dequantised a slab at a time.
+fn streams_as_loaded(path: &Path, w: &node_core::model::ModelWeights) -> Result<()> {
+    use node_core::coded::stream::{MatrixSource, StreamLimits, encode_rows};
+    let bytes = std::fs::read(path)?;
+    let file = node_core::gguf::GgufFile::parse(&bytes)?;
+    let src = node_core::model::GgufModel::open(&file, &bytes)?;
+    ensure!(src.cfg() == &w.cfg, "the streamed config differs");
+    ensure!(
+        src.leader()? == LeaderWeights::from_model(w),
+        "the streamed gains differ"
+    );
+    let g = Generator::integer(4, 2, None)?;
+    let mut rows = vec![Vec::new(); 4];
+    let small = StreamLimits {
+        shard_bytes: 64 << 10,
+        slab_values: 5000,
+    };
+    encode_rows(&src, &g, ShardFormat::Q8, &mut rows, small, &mut |_, _| {})?;
+    for (node, row) in rows.iter().enumerate() {
+        let whole =
+            node_core::coded::ShardSet::encode(w, &g, node, ShardFormat::Q8, &mut |_, _| {})?;
+        ensure!(
+            row == &postcard::to_allocvec(&whole)?,
+            "row {node} streamed differs from the one encoded whole"
+        );
+    }
+    Ok(())
 }
 
 #[test]
