@@ -71,13 +71,26 @@ impl Up {
         name: &str,
         args: &[&str],
     ) -> Result<Self> {
+        Self::start_model(dir, data, port, steps, name, &tiny_model(), args)
+    }
+
+    /// `codedmesh up` on `model` with these arguments.
+    pub(crate) fn start_model(
+        dir: &Path,
+        data: &Path,
+        port: u16,
+        steps: &Path,
+        name: &str,
+        model: &Path,
+        args: &[&str],
+    ) -> Result<Self> {
         let log = dir.join(format!("{name}.log"));
         let web = Path::new(env!("CARGO_MANIFEST_DIR")).join("../web-ui/dist");
         let mut child = Command::new(bin())
             .args(["up", "--no-build-web"])
             .args(args)
             .arg("--model")
-            .arg(tiny_model())
+            .arg(model)
             .arg("--data")
             .arg(data)
             .args(["--port", &port.to_string()])
@@ -103,6 +116,11 @@ impl Up {
 
     pub(crate) fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// The process id of `up` itself.
+    pub(crate) fn pid(&self) -> u32 {
+        self.child.id()
     }
 
     /// The ready line, once it comes.

@@ -28,7 +28,7 @@ const QUANTISED_TOLERANCE: f32 = 0.2;
 
 /// The Python of scripts/llama-cpp-env.sh: `$CODEDMESH_LLAMA_PYTHON` (the test command sets
 /// it), else none.
-fn llama_python() -> Option<PathBuf> {
+pub(crate) fn llama_python() -> Option<PathBuf> {
     let p = PathBuf::from(std::env::var_os("CODEDMESH_LLAMA_PYTHON")?);
     Command::new(&p)
         .args(["-c", "import llama_cpp, gguf"])

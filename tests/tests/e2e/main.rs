@@ -20,6 +20,7 @@ mod mesh_learning;
 mod mesh_processes;
 mod mesh_spread;
 mod reference_logits;
+mod shapes;
 mod sim_mesh;
 mod sim_scale;
 mod sim_spread;
