@@ -8,46 +8,9 @@ use super::compact::{CodedInts, Q8Values, wide_row};
 use super::{CodedError, Shard, ShardFormat, ShardValues, shapes};
 use crate::code::Generator;
 use crate::compute::q8::blocks_per_row;
-use crate::model::{LayerWeights, LeaderWeights, LlamaConfig, Matrix, ModelError, ModelWeights};
-
-/// A model's coded matrices, read a few rows at a time.
-pub trait MatrixSource: Sync {
-    /// The model's shape (with `tied_embeddings` as the source has it).
-    fn cfg(&self) -> &LlamaConfig;
-
-    /// Rows `first..` of matrix `matrix` (its index in [`shapes`]' chain order: per block q, k,
-    /// v, o, gate, up, down; the embedding; the separate LM head), as many as fill `out`.
-    fn read_rows(&self, matrix: usize, first: usize, out: &mut [f32]) -> Result<(), ModelError>;
-}
-
-impl MatrixSource for ModelWeights {
-    fn cfg(&self) -> &LlamaConfig {
-        &self.cfg
-    }
-
-    fn read_rows(&self, matrix: usize, first: usize, out: &mut [f32]) -> Result<(), ModelError> {
-        let m = match (matrix / 7, matrix % 7) {
-            (l, i) if l < self.layers.len() => {
-                let b = &self.layers[l];
-                [&b.q, &b.k, &b.v, &b.o, &b.gate, &b.up, &b.down][i]
-            }
-            _ if matrix == 7 * self.layers.len() => &self.embed,
-            _ => self
-                .lm_head
-                .as_ref()
-                .ok_or_else(|| ModelError::Config(format!("the model has no matrix {matrix}")))?,
-        };
-        let start = first * m.cols;
-        let src = m.data.get(start..start + out.len()).ok_or_else(|| {
-            ModelError::Config(format!(
-                "rows from {first} of a {} × {} matrix",
-                m.rows, m.cols
-            ))
-        })?;
-        out.copy_from_slice(src);
-        Ok(())
-    }
-}
+use crate::model::{
+    LayerWeights, LeaderWeights, LlamaConfig, Matrix, MatrixSource, ModelError, ModelWeights,
+};
 
 /// Values a slab of rows holds at most, for all `k·m` sub-blocks together (16 MB of f32).
 const SLAB_VALUES: usize = 4 << 20;

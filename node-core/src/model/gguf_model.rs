@@ -1,9 +1,9 @@
 //! A GGUF model read a tensor, or a few rows of one, at a time: what genesis encodes a model
 //! from without holding it.
 
+use super::MatrixSource;
 use super::weights::{GGUF_NAMES, Part, TensorSource, gains_to_adjacent, load_gains};
 use super::{LeaderWeights, LlamaConfig, ModelError};
-use crate::coded::stream::MatrixSource;
 use crate::gguf::{GgufError, GgufFile, TensorInfo, dequantize};
 
 /// Random access to a file's bytes.
@@ -128,8 +128,10 @@ impl MatrixSource for GgufModel<'_> {
         };
         let n = out.len() / cols.max(1);
         let block = info.ggml_type.block().filter(|&(per, _)| cols % per == 0);
-        let (Some((per, block_bytes)), true) = (block, n * cols == out.len() && first + n <= rows)
-        else {
+        let (Some((per, block_bytes)), true) = (
+            block,
+            cols > 0 && n * cols == out.len() && first + n <= rows,
+        ) else {
             return Err(ModelError::TensorShape {
                 name,
                 got: info.shape.clone(),

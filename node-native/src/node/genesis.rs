@@ -7,14 +7,14 @@ use std::sync::Arc;
 use anyhow::{Context, Result, anyhow, ensure};
 use node_core::blob::{self, BlobParams};
 use node_core::code::Generator;
-use node_core::coded::stream::{MatrixSource, StreamLimits, calibration_model, encode_rows};
+use node_core::coded::stream::{StreamLimits, calibration_model, encode_rows};
 use node_core::coded::{InProcess, ShardFormat};
 use node_core::mesh::{LearningConfig, ModelManifest};
-use node_core::model::{GgufModel, LeaderWeights, LlamaConfig, Tokenizer};
+use node_core::model::{GgufModel, LeaderWeights, LlamaConfig, MatrixSource, Tokenizer};
 
+use super::fit;
 use super::{Holding, NodeOptions, node, open_device, serve};
 use crate::hold::store::{DataDir, shard_to_blob};
-use crate::up::fit;
 use crate::{load, progress};
 
 /// `codedmesh seed`: encodes a model into n rows, keeps row 0 and hands the others out.

@@ -3,6 +3,7 @@
 //! from [`crate::lead`]); restarting from a data dir and starting the network are here.
 //! Requests to peers are in [`crate::net::rpc`].
 
+pub mod fit;
 mod genesis;
 mod join;
 mod server;

@@ -4,7 +4,6 @@
 //! is healthy, and prints one ready line with the OpenAI API's and the dashboard's URLs.
 //! Ctrl-C stops every node cleanly and keeps the data, so the next `up` starts in seconds.
 
-pub mod fit;
 pub mod supervise;
 
 use std::ffi::OsString;
@@ -213,8 +212,11 @@ fn prepare(opts: &UpOptions, model: &Path, data: &Path) -> Result<MeshFile> {
         opts.k,
         opts.nodes
     );
-    if let (Some(size), Some(available)) = (fit::ModelSize::of(model)?, fit::available()) {
-        fit::check(size, opts.k, opts.nodes, opts.format, true, available)?;
+    if let (Some(size), Some(available)) = (
+        crate::node::fit::ModelSize::of(model)?,
+        crate::node::fit::available(),
+    ) {
+        crate::node::fit::check(size, opts.k, opts.nodes, opts.format, true, available)?;
     }
     let learning = LearningConfig {
         enabled: !opts.no_learning,

@@ -92,7 +92,8 @@ fn run_file(
 /// the model loaded whole, including Qwen's query and key rows reordered from the file's
 /// half-split layout and quantised rows dequantised a slab at a time.
 fn streams_as_loaded(path: &Path, w: &node_core::model::ModelWeights) -> Result<()> {
-    use node_core::coded::stream::{MatrixSource, StreamLimits, encode_rows};
+    use node_core::coded::stream::{StreamLimits, encode_rows};
+    use node_core::model::MatrixSource;
     let bytes = std::fs::read(path)?;
     let file = node_core::gguf::GgufFile::parse(&bytes)?;
     let src = node_core::model::GgufModel::open(&file, &bytes)?;
