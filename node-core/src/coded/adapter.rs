@@ -37,12 +37,32 @@ pub fn adapter_rank(cols: usize) -> usize {
 pub struct Adapter {
     /// `A`: per sub-block `s`, value `(r, k)` at `s·L·rank + tiled_at(L, rank, r, k)`; empty
     /// while nothing was learnt.
-    #[serde(with = "crate::protocol::f32_bytes")]
+    #[serde(with = "a_bytes")]
     pub a: Vec<f32>,
     /// What rounding `a` to f32 left out of the updates so far (compensated summation, as
     /// [`Shard::carry`]); memory only.
     #[serde(skip)]
     pub carry: Vec<f32>,
+}
+
+/// An adapter's values on the wire: little-endian f32 bytes, as [`crate::protocol`] writes
+/// them, read back as a sequence of bytes (the same bytes in postcard), so that a row read from
+/// a file a group of chunks at a time needs no buffer the size of its largest adapter.
+mod a_bytes {
+    use serde::{Deserialize, Deserializer, Serializer, de};
+
+    pub(super) fn serialize<S: Serializer>(v: &[f32], s: S) -> Result<S::Ok, S::Error> {
+        crate::protocol::f32_bytes::serialize(v, s)
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<f32>, D::Error> {
+        let b = Vec::<u8>::deserialize(d)?;
+        let (whole, rest) = b.as_chunks::<4>();
+        if !rest.is_empty() {
+            return Err(de::Error::invalid_length(b.len(), &"a multiple of 4 bytes"));
+        }
+        Ok(whole.iter().map(|&v| f32::from_le_bytes(v)).collect())
+    }
 }
 
 impl Adapter {

@@ -521,8 +521,8 @@ mod tests {
         assert!(shard_from_blob(&bad).is_err());
     }
 
-    /// A compact parity row (packed integers) and a data row read from a file-like source,
-    /// a group of chunks at a time, are the shard sets written; a damaged chunk is repaired
+    /// A compact parity row (packed integers) and a data row, each with a learnt adapter, read
+    /// from a file-like source a group of chunks at a time, are the shard sets written; a damaged chunk is repaired
     /// and a cut blob refused.
     #[test]
     fn a_shard_read_from_a_reader_is_the_one_written() {
@@ -530,7 +530,9 @@ mod tests {
             crate::model::ModelWeights::synthetic(crate::model::LlamaConfig::small(), 1).unwrap();
         let g = crate::code::Generator::integer(4, 2, None).unwrap();
         for row in [0, 3] {
-            let shard = ShardSet::encode(&w, &g, row, ShardFormat::Q8, &mut |_, _| {}).unwrap();
+            let mut shard = ShardSet::encode(&w, &g, row, ShardFormat::Q8, &mut |_, _| {}).unwrap();
+            // A row that has learnt: an adapter larger than the reader's scratch.
+            shard.embed.adapter.a = (0..400_000).map(|i| i as f32 * 0.25).collect();
             let mut blob = shard_to_blob(&shard).unwrap();
             let back = shard_from_reader(std::io::Cursor::new(&blob)).unwrap();
             assert_eq!(back, shard, "row {row}");
