@@ -75,31 +75,32 @@ impl<'a> GgufModel<'a> {
         info(self.file, name)
     }
 
-    /// The name of matrix `matrix` in chain order, and whether its rows are stored half-split
-    /// by head (and how many heads).
-    fn matrix_name(&self, matrix: usize) -> (String, Option<usize>) {
-        let layers = self.cfg.layers;
-        if matrix < 7 * layers {
-            let part = [
-                Part::Q,
-                Part::K,
-                Part::V,
-                Part::O,
-                Part::Gate,
-                Part::Up,
-                Part::Down,
+    /// The name of matrix `matrix` in chain order, its shape as the config has it, and
+    /// whether its rows are stored half-split by head (and how many heads).
+    fn matrix_name(&self, matrix: usize) -> (String, [usize; 2], Option<usize>) {
+        let c = &self.cfg;
+        let (d, f, q, kv) = (c.hidden, c.ffn, c.q_dim(), c.kv_dim());
+        if matrix < 7 * c.layers {
+            let (part, shape) = [
+                (Part::Q, [q, d]),
+                (Part::K, [kv, d]),
+                (Part::V, [kv, d]),
+                (Part::O, [d, q]),
+                (Part::Gate, [f, d]),
+                (Part::Up, [f, d]),
+                (Part::Down, [d, f]),
             ][matrix % 7];
-            let split = self.cfg.family.half_split_rope_in_gguf();
+            let split = c.family.half_split_rope_in_gguf();
             let heads = match matrix % 7 {
-                0 if split => Some(self.cfg.heads),
-                1 if split => Some(self.cfg.kv_heads),
+                0 if split => Some(c.heads),
+                1 if split => Some(c.kv_heads),
                 _ => None,
             };
-            ((GGUF_NAMES.layer)(matrix / 7, part), heads)
-        } else if matrix == 7 * layers {
-            (GGUF_NAMES.embed.to_string(), None)
+            ((GGUF_NAMES.layer)(matrix / 7, part), shape, heads)
+        } else if matrix == 7 * c.layers {
+            (GGUF_NAMES.embed.to_string(), [c.vocab, d], None)
         } else {
-            (GGUF_NAMES.lm_head.to_string(), None)
+            (GGUF_NAMES.lm_head.to_string(), [c.vocab, d], None)
         }
     }
 }
@@ -120,12 +121,15 @@ impl MatrixSource for GgufModel<'_> {
     }
 
     fn read_rows(&self, matrix: usize, first: usize, out: &mut [f32]) -> Result<(), ModelError> {
-        let (name, split_heads) = self.matrix_name(matrix);
+        let (name, [rows, cols], split_heads) = self.matrix_name(matrix);
         let info = self.info(&name)?;
-        let (rows, cols) = match info.shape[..] {
-            [rows, cols] => (rows, cols),
-            _ => (0, 0),
-        };
+        if info.shape != [rows, cols] {
+            return Err(ModelError::TensorShape {
+                name,
+                got: info.shape.clone(),
+                expected: vec![rows, cols],
+            });
+        }
         let n = out.len() / cols.max(1);
         let block = info.ggml_type.block().filter(|&(per, _)| cols % per == 0);
         let (Some((per, block_bytes)), true) = (
