@@ -24,15 +24,8 @@ pub struct MatrixShape {
 /// The matrices of a row of `cfg` under `g`, in chain order: per block q, k, v, o, gate, up,
 /// down; then the embedding; then the separate LM head when there is one.
 pub fn shapes(cfg: &LlamaConfig, g: &Generator) -> Vec<MatrixShape> {
-    let (d, f, q, kv) = (cfg.hidden, cfg.ffn, cfg.q_dim(), cfg.kv_dim());
-    let block = [(q, d), (kv, d), (kv, d), (d, q), (f, d), (f, d), (d, f)];
-    let mut out: Vec<(usize, usize)> = Vec::with_capacity(cfg.layers * 7 + 2);
-    (0..cfg.layers).for_each(|_| out.extend(block));
-    out.push((cfg.vocab, d));
-    if !cfg.tied_embeddings {
-        out.push((cfg.vocab, d));
-    }
-    out.into_iter()
+    cfg.matrix_shapes()
+        .into_iter()
         .map(|(out, cols)| MatrixShape {
             out,
             block_len: g.block_len(out),

@@ -63,8 +63,8 @@ pub fn encode_rows<W: Write>(
         postcard::to_io(&cfg.layers, &mut *sink).map_err(io)?;
     }
     let all = shapes(cfg, g);
+    let nodes: Vec<usize> = (0..rows).collect();
     for (matrix, shape) in all.iter().enumerate() {
-        let nodes: Vec<usize> = (0..rows).collect();
         for part in groups(&nodes, |&n| shard_bytes(g, n, *shape, format), limits) {
             let shards = encode_matrix(src, g, matrix, *shape, format, part, limits)?;
             for (&node, shard) in part.iter().zip(&shards) {
@@ -242,10 +242,9 @@ pub fn calibration_model(
         vocab: vocab.clamp(1, full.vocab),
         ..full.clone()
     };
-    let all = Generator::growing(1, 1, None).map_err(|e| ModelError::Config(e.to_string()))?;
-    let shapes = shapes(full, &all);
+    let shapes = full.matrix_shapes();
     let read = |matrix: usize, rows: usize| -> Result<Matrix, ModelError> {
-        let cols = shapes[matrix].cols;
+        let cols = shapes[matrix].1;
         let mut data = vec![0.0f32; rows * cols];
         src.read_rows(matrix, 0, &mut data)?;
         Matrix::new(rows, cols, data)
@@ -262,7 +261,7 @@ pub fn calibration_model(
     let gain = |v: &[Vec<f32>], l: usize| v.get(l).cloned().unwrap_or_default();
     let layers = (0..cfg.layers)
         .map(|l| {
-            let m = |i: usize| read(7 * l + i, shapes[7 * l + i].out);
+            let m = |i: usize| read(7 * l + i, shapes[7 * l + i].0);
             Ok(LayerWeights {
                 attn_norm: gain(&gains.attn_norm, l),
                 q: m(0)?,

@@ -179,6 +179,20 @@ impl LlamaConfig {
         self.kv_heads * self.head_dim
     }
 
+    /// `(rows, cols)` of every coded matrix, in chain order: per block q, k, v, o, gate, up,
+    /// down; the embedding; the separate LM head when there is one.
+    pub fn matrix_shapes(&self) -> Vec<(usize, usize)> {
+        let (d, f, q, kv) = (self.hidden, self.ffn, self.q_dim(), self.kv_dim());
+        let block = [(q, d), (kv, d), (kv, d), (d, q), (f, d), (f, d), (d, f)];
+        let mut out = Vec::with_capacity(self.layers * 7 + 2);
+        (0..self.layers).for_each(|_| out.extend(block));
+        out.push((self.vocab, d));
+        if !self.tied_embeddings {
+            out.push((self.vocab, d));
+        }
+        out
+    }
+
     /// Reads the configuration from GGUF metadata (`{arch}.*` keys, `rope_freqs.weight`).
     pub fn from_gguf(file: &GgufFile, bytes: &[u8]) -> Result<Self, ModelError> {
         Self::from_gguf_with(file, &|name| Ok(file.tensor_f32(bytes, name)?))

@@ -70,38 +70,34 @@ impl<'a> GgufModel<'a> {
         Ok(g)
     }
 
-    /// A tensor's entry, or the error naming it.
-    fn info(&self, name: &str) -> Result<&TensorInfo, ModelError> {
-        info(self.file, name)
-    }
-
     /// The name of matrix `matrix` in chain order, its shape as the config has it, and
     /// whether its rows are stored half-split by head (and how many heads).
     fn matrix_name(&self, matrix: usize) -> (String, [usize; 2], Option<usize>) {
         let c = &self.cfg;
-        let (d, f, q, kv) = (c.hidden, c.ffn, c.q_dim(), c.kv_dim());
-        if matrix < 7 * c.layers {
-            let (part, shape) = [
-                (Part::Q, [q, d]),
-                (Part::K, [kv, d]),
-                (Part::V, [kv, d]),
-                (Part::O, [d, q]),
-                (Part::Gate, [f, d]),
-                (Part::Up, [f, d]),
-                (Part::Down, [d, f]),
+        let (rows, cols) = c.matrix_shapes().get(matrix).copied().unwrap_or((0, 0));
+        let name = if matrix < 7 * c.layers {
+            let part = [
+                Part::Q,
+                Part::K,
+                Part::V,
+                Part::O,
+                Part::Gate,
+                Part::Up,
+                Part::Down,
             ][matrix % 7];
-            let split = c.family.half_split_rope_in_gguf();
-            let heads = match matrix % 7 {
-                0 if split => Some(c.heads),
-                1 if split => Some(c.kv_heads),
-                _ => None,
-            };
-            ((GGUF_NAMES.layer)(matrix / 7, part), shape, heads)
+            (GGUF_NAMES.layer)(matrix / 7, part)
         } else if matrix == 7 * c.layers {
-            (GGUF_NAMES.embed.to_string(), [c.vocab, d], None)
+            GGUF_NAMES.embed.to_string()
         } else {
-            (GGUF_NAMES.lm_head.to_string(), [c.vocab, d], None)
-        }
+            GGUF_NAMES.lm_head.to_string()
+        };
+        let split = c.family.half_split_rope_in_gguf() && matrix < 7 * c.layers;
+        let heads = match matrix % 7 {
+            0 if split => Some(c.heads),
+            1 if split => Some(c.kv_heads),
+            _ => None,
+        };
+        (name, [rows, cols], heads)
     }
 }
 
@@ -122,7 +118,7 @@ impl MatrixSource for GgufModel<'_> {
 
     fn read_rows(&self, matrix: usize, first: usize, out: &mut [f32]) -> Result<(), ModelError> {
         let (name, [rows, cols], split_heads) = self.matrix_name(matrix);
-        let info = self.info(&name)?;
+        let info = info(self.file, &name)?;
         if info.shape != [rows, cols] {
             return Err(ModelError::TensorShape {
                 name,

@@ -45,7 +45,11 @@ impl ModelSize {
         if model.is_dir() {
             return Ok(None);
         }
-        let gguf = crate::load::open_gguf(model)?;
+        Ok(Some(Self::of_gguf(&crate::load::open_gguf(model)?)))
+    }
+
+    /// The size of a GGUF file whose directory is read.
+    pub fn of_gguf(gguf: &crate::load::GgufOnDisk) -> Self {
         let values = |block: bool| -> usize {
             gguf.file
                 .tensors()
@@ -54,11 +58,11 @@ impl ModelSize {
                 .map(|t| t.shape.iter().product::<usize>())
                 .sum()
         };
-        Ok(Some(Self {
+        Self {
             file: gguf.len as f64,
             values: values(false) as f64,
             block: values(true) as f64,
-        }))
+        }
     }
 }
 
@@ -93,7 +97,8 @@ pub fn encodes_whole(size: ModelSize, k: usize, n: usize, format: ShardFormat) -
 /// ([`node_core::coded::stream::StreamLimits`]), its slabs, and the calibration model (the
 /// first block in f32 and its rows) that measures the verification threshold.
 fn streamed(size: ModelSize, k: usize, n: usize, format: ShardFormat) -> f64 {
-    let shards: f64 = 0.55e9;
+    let limits = node_core::coded::stream::StreamLimits::default();
+    let shards = (limits.shard_bytes + 4 * limits.slab_values) as f64;
     let calibration = whole(
         ModelSize {
             values: size.block,

@@ -105,12 +105,14 @@ pub(crate) fn encode_genesis(
         || model.display().to_string(),
         |f| f.to_string_lossy().into_owned(),
     );
-    let streamed = match fit::ModelSize::of(model)? {
-        Some(size) => !fit::encodes_whole(size, k, n, format),
-        None => false,
-    };
-    if streamed {
-        let gguf = load::open_gguf(model)?;
+    // A GGUF's directory, read once: whether it fits encoded whole, and what to stream if not.
+    let gguf = if model.is_dir() {
+        None
+    } else {
+        Some(load::open_gguf(model)?)
+    }
+    .filter(|g| !fit::encodes_whole(fit::ModelSize::of_gguf(g), k, n, format));
+    if let Some(gguf) = gguf {
         let src = GgufModel::open(&gguf.file, &gguf.data)
             .with_context(|| format!("loading {}", model.display()))?;
         let manifest = ModelManifest {
