@@ -3,6 +3,8 @@
 //! i8 in a data row (a unit row of the code), i16 in a parity row, whose sums need up to
 //! `log₂ ‖g‖₁` more bits (docs/coding.md, "Compact shards").
 
+use std::sync::Arc;
+
 use serde::{Deserialize, Serialize};
 
 use super::CodedError;
@@ -10,13 +12,31 @@ use crate::code::Generator;
 use crate::compute::q8::{Ints, Q8_BLOCK, Q8Matrix, blocks_per_row, dequantize_row};
 use crate::model::{Matrix, ModelWeights};
 
-/// A compact shard's coded integers, row-major.
+/// A compact shard's coded integers, row-major. They never change once encoded (compact
+/// shards learn in their adapters), so a copy of a shard shares them.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum CodedInts {
     /// A data row's: the weights' own integers.
-    I8(Vec<i8>),
+    I8(#[serde(with = "shared")] Arc<Vec<i8>>),
     /// A parity row's: sums of up to `‖g‖₁ · 127`, stored entropy-coded ([`super::packed`]).
-    I16(#[serde(with = "super::packed::serde_packed")] Vec<i16>),
+    I16(#[serde(with = "super::packed::serde_packed")] Arc<Vec<i16>>),
+}
+
+/// Shared integers on the wire as a plain sequence (the bytes a `Vec<i8>` makes).
+mod shared {
+    use std::sync::Arc;
+
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    /// Writes the values as a sequence.
+    pub fn serialize<S: Serializer>(values: &[i8], s: S) -> Result<S::Ok, S::Error> {
+        values.serialize(s)
+    }
+
+    /// Reads a sequence of values.
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Arc<Vec<i8>>, D::Error> {
+        Vec::<i8>::deserialize(d).map(Arc::new)
+    }
 }
 
 impl CodedInts {
@@ -61,12 +81,12 @@ impl CodedInts {
             let v = values
                 .into_iter()
                 .map(|z| i16::try_from(z).map_err(|_| too_big(z)));
-            Ok(Self::I16(v.collect::<Result<_, _>>()?))
+            Ok(Self::I16(Arc::new(v.collect::<Result<_, _>>()?)))
         } else {
             let v = values
                 .into_iter()
                 .map(|z| i8::try_from(z).map_err(|_| too_big(z)));
-            Ok(Self::I8(v.collect::<Result<_, _>>()?))
+            Ok(Self::I8(Arc::new(v.collect::<Result<_, _>>()?)))
         }
     }
 }
@@ -394,8 +414,8 @@ mod tests {
         let mut wrong = sets[4].clone();
         if let crate::coded::ShardValues::Q8(v) = &mut wrong.embed.values {
             match &mut v.q {
-                CodedInts::I8(q) => q[0] = q[0].wrapping_add(1),
-                CodedInts::I16(q) => q[0] = q[0].wrapping_add(1),
+                CodedInts::I8(q) => Arc::make_mut(q)[0] = q[0].wrapping_add(1),
+                CodedInts::I16(q) => Arc::make_mut(q)[0] = q[0].wrapping_add(1),
             }
         }
         let err = ShardSet::reencode(1, &[&sets[3], &wrong, &sets[5]]).unwrap_err();

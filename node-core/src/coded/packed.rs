@@ -175,6 +175,8 @@ pub fn unpack(bytes: &[u8]) -> Result<Vec<i16>, PackError> {
 
 /// Serde for a parity row's values: packed bytes on the wire, `Vec<i16>` in memory.
 pub mod serde_packed {
+    use std::sync::Arc;
+
     use serde::{Deserialize, Deserializer, Serializer};
 
     /// Writes the values packed.
@@ -184,9 +186,11 @@ pub mod serde_packed {
 
     /// Reads packed values: as a sequence of bytes (the same bytes in postcard), which a
     /// reader streams without a buffer the size of the whole string.
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<i16>, D::Error> {
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Arc<Vec<i16>>, D::Error> {
         let bytes = Vec::<u8>::deserialize(d)?;
-        super::unpack(&bytes).map_err(serde::de::Error::custom)
+        super::unpack(&bytes)
+            .map(Arc::new)
+            .map_err(serde::de::Error::custom)
     }
 }
 

@@ -3,6 +3,7 @@
 //! than a bounded part of one matrix's.
 
 use std::io::Write;
+use std::sync::Arc;
 
 use super::compact::{CodedInts, Q8Values, wide_row};
 use super::{CodedError, Shard, ShardFormat, ShardValues, shapes};
@@ -186,8 +187,8 @@ fn empty_like(piece: &Shard, shape: super::MatrixShape, m: usize) -> Shard {
         ShardValues::F16(_) => ShardValues::F16(vec![half::f16::ZERO; n]),
         ShardValues::Q8(v) => ShardValues::Q8(Q8Values {
             q: match v.q {
-                CodedInts::I8(_) => CodedInts::I8(vec![0; n]),
-                CodedInts::I16(_) => CodedInts::I16(vec![0; n]),
+                CodedInts::I8(_) => CodedInts::I8(Arc::new(vec![0; n])),
+                CodedInts::I16(_) => CodedInts::I16(Arc::new(vec![0; n])),
             },
             scales: vec![half::f16::ZERO; rows * blocks_per_row(shape.cols)],
         }),
@@ -217,8 +218,10 @@ fn copy_rows(
         (ShardValues::F16(a), ShardValues::F16(b)) => a[d].copy_from_slice(&b[s]),
         (ShardValues::Q8(a), ShardValues::Q8(b)) => {
             match (&mut a.q, &b.q) {
-                (CodedInts::I8(x), CodedInts::I8(y)) => x[d].copy_from_slice(&y[s]),
-                (CodedInts::I16(x), CodedInts::I16(y)) => x[d].copy_from_slice(&y[s]),
+                (CodedInts::I8(x), CodedInts::I8(y)) => Arc::make_mut(x)[d].copy_from_slice(&y[s]),
+                (CodedInts::I16(x), CodedInts::I16(y)) => {
+                    Arc::make_mut(x)[d].copy_from_slice(&y[s])
+                }
                 _ => {}
             }
             let nb = blocks_per_row(cols);

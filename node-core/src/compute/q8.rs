@@ -489,6 +489,9 @@ pub struct Q8Matrix<'a> {
     pub cols: usize,
 }
 
+/// Most values of a matrix a product holds dequantised at once (4 MiB of f32).
+const DENSE_TILE_VALUES: usize = 1 << 20;
+
 /// Rows `first..` of `x · Wᵀ` (`rows × t` into `yt`) for values `q` (`w`'s) of type `T`,
 /// fused per row, or through SGEMM on dequantised rows for many tokens.
 fn rows_times_inputs<T: CodedInt>(
@@ -504,19 +507,26 @@ fn rows_times_inputs<T: CodedInt>(
     let nb = blocks_per_row(cols);
     let rows = yt.len() / t;
     if t >= GEMM_MIN_TOKENS {
-        let mut dense = vec![0.0f32; rows * cols];
-        for (i, out) in dense.chunks_exact_mut(cols.max(1)).enumerate() {
-            dequantize_row_of(q, scales, cols, first + i, out, isa);
+        // A tile of rows at a time, dequantised: a large matrix (an LM head) is never held
+        // in f32, whatever the rows a thread takes.
+        let tile = (DENSE_TILE_VALUES / cols.max(1)).clamp(1, rows.max(1));
+        let mut dense = vec![0.0f32; tile * cols];
+        for (i, out) in yt.chunks_mut(tile * t).enumerate() {
+            let n = out.len() / t;
+            let dense = &mut dense[..n * cols];
+            for (j, row) in dense.chunks_exact_mut(cols.max(1)).enumerate() {
+                dequantize_row_of(q, scales, cols, first + i * tile + j, row, isa);
+            }
+            sgemm(
+                n,
+                cols,
+                t,
+                View::rows(dense, cols),
+                View::transposed(x, cols),
+                out,
+                t,
+            );
         }
-        sgemm(
-            rows,
-            cols,
-            t,
-            View::rows(&dense, cols),
-            View::transposed(x, cols),
-            yt,
-            t,
-        );
         return;
     }
     let mut row = Vec::new();

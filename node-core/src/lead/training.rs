@@ -6,7 +6,9 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
+use crate::learn::{Optimizer, bytes_per_position};
 use crate::mesh::ModelManifest;
+use crate::model::training_bytes;
 
 /// The share of the time training may take while requests are being served (all of it while
 /// none are): serving keeps at least `1 − TRAIN_SHARE` of the mesh, and training still moves.
@@ -24,9 +26,10 @@ pub fn turn_wait(worked: Duration) -> Duration {
     worked.mul_f64((1.0 - TRAIN_SHARE) / TRAIN_SHARE)
 }
 
-/// Most tokens one training minibatch can carry on this mesh: every row of the batch goes
-/// through the LM head, whose answers (`rows × vocab / k` values per member) must stay well
-/// inside one message; exact updates (rank 0) carry every row, at most the training window.
+/// Most tokens one training minibatch can carry on this mesh: the LM head's answers for all of
+/// its rows (`rows × vocab / k` values per member) within a message's worth (the minibatches
+/// learning was measured with; the head now runs [`crate::model::HEAD_BYTES`] at a time),
+/// exact updates (rank 0) at most the training window, and the pass within [`TRAIN_BYTES`].
 pub fn minibatch_tokens(manifest: &ModelManifest) -> usize {
     let per_row = 2 * 4 * manifest.cfg.vocab.div_ceil(manifest.generator.k().max(1));
     let by_message = crate::protocol::MAX_MESSAGE_BYTES / per_row.max(1);
@@ -36,8 +39,28 @@ pub fn minibatch_tokens(manifest: &ModelManifest) -> usize {
     } else {
         LEARN_TOKENS
     };
-    limit.min(by_message).max(2)
+    // The most positions whose training pass fits [`TRAIN_BYTES`] (SGD also keeps every
+    // stage's factors until the pass ends).
+    let (cfg, sgd) = (&manifest.cfg, manifest.learning.optimizer == Optimizer::Sgd);
+    let fits = |p: usize| {
+        let factors = if sgd { p * bytes_per_position(cfg) } else { 0 };
+        training_bytes(cfg, p, window) + factors <= TRAIN_BYTES
+    };
+    let (mut lo, mut hi) = (2, limit.min(by_message).max(2));
+    while lo < hi {
+        let mid = (lo + hi).div_ceil(2);
+        if fits(mid) {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    lo
 }
+
+/// Most bytes a leader's training pass may hold: its activations, a run of the LM head's
+/// logits and (SGD) its factors, beside its row (docs/models.md, "Memory that follows 1/k").
+pub const TRAIN_BYTES: usize = 128 << 20;
 
 /// A finished request, as a minibatch sees it: the text it trains on.
 pub trait Lesson {

@@ -17,7 +17,7 @@
 use super::{Precision, StageFactors, Update, wire};
 use crate::coded::{Projection, ShardFormat};
 use crate::compute::par;
-use crate::model::{Gradients, LeaderWeights, LlamaConfig, Stage};
+use crate::model::{Gradients, LeaderWeights, LlamaConfig, Stage, StageGrad, StageSink};
 
 /// Adam's decay of the first moment.
 pub const BETA1: f64 = 0.9;
@@ -76,52 +76,122 @@ pub fn entry_per_dy(format: ShardFormat, cols: usize, rank: usize) -> f64 {
 /// `dx·Vᵀ` added to the LM head's rows of their tokens (one matrix). An untied embedding's
 /// lookup does not learn.
 pub fn adapter_gradients(g: &Gradients, model: &LlamaConfig) -> Vec<StageGrads> {
-    let t = g.t;
-    let mut out = par::map(&g.stages, |s| {
-        let shapes = s.stage.shapes(model);
-        let cols = shapes.first().map_or(0, |&(_, c)| c);
-        let proj = Projection::of(cols);
-        let r = proj.rank();
-        let z = proj.down(&s.x, t);
-        s.dy.iter()
-            .zip(&shapes)
-            .map(|(dy, &(rows, _))| {
-                let mut ga = vec![0.0f32; rows * r];
-                if dy.len() != t * rows {
-                    return ga;
-                }
-                for (dyr, zr) in dy.chunks_exact(rows).zip(z.chunks_exact(r)) {
-                    for (&a, gr) in dyr.iter().zip(ga.chunks_exact_mut(r)) {
-                        if a != 0.0 {
-                            gr.iter_mut().zip(zr).for_each(|(gv, &zv)| *gv += a * zv);
-                        }
-                    }
-                }
-                ga
-            })
-            .collect::<StageGrads>()
-    });
-    let d = model.hidden;
-    if model.tied_embeddings
-        && !g.tokens.is_empty()
-        && g.embed_dx.len() == g.tokens.len() * d
-        && let Some(head) = g
-            .stages
-            .iter()
-            .position(|s| s.stage == Stage::LmHead)
-            .and_then(|i| out.get_mut(i))
-            .and_then(|m| m.first_mut())
+    let mut out = par::map(&g.stages, |s| stage_gradient(s, model));
+    if let Some(head) = g
+        .stages
+        .iter()
+        .position(|s| s.stage == Stage::LmHead)
+        .and_then(|i| out.get_mut(i))
     {
-        let proj = Projection::of(d);
-        let r = proj.rank();
-        let z = proj.down(&g.embed_dx, g.tokens.len());
-        for (&tok, zr) in g.tokens.iter().zip(z.chunks_exact(r)) {
-            if let Some(row) = head.get_mut(tok as usize * r..(tok as usize + 1) * r) {
-                row.iter_mut().zip(zr).for_each(|(a, &b)| *a += b);
-            }
-        }
+        add_lookups(head, g, model);
     }
     out
+}
+
+/// One stage's adapter gradients `dYᵀ·(X·Vᵀ)`, per matrix `out × rank` (zeros where a factor
+/// does not fit the model).
+fn stage_gradient(s: &StageGrad, model: &LlamaConfig) -> StageGrads {
+    let shapes = s.stage.shapes(model);
+    let cols = shapes.first().map_or(0, |&(_, c)| c);
+    let t = s.x.len().checked_div(cols).unwrap_or(0);
+    let proj = Projection::of(cols);
+    let r = proj.rank();
+    let z = proj.down(&s.x, t);
+    s.dy.iter()
+        .zip(&shapes)
+        .map(|(dy, &(rows, _))| {
+            let mut ga = vec![0.0f32; rows * r];
+            if dy.len() != t * rows {
+                return ga;
+            }
+            for (dyr, zr) in dy.chunks_exact(rows).zip(z.chunks_exact(r)) {
+                for (&a, gr) in dyr.iter().zip(ga.chunks_exact_mut(r)) {
+                    if a != 0.0 {
+                        gr.iter_mut().zip(zr).for_each(|(gv, &zv)| *gv += a * zv);
+                    }
+                }
+            }
+            ga
+        })
+        .collect()
+}
+
+/// A tied embedding's lookup rows `dx·Vᵀ` added to the LM head's adapter gradient `head`.
+fn add_lookups(head: &mut StageGrads, g: &Gradients, model: &LlamaConfig) {
+    let d = model.hidden;
+    if !model.tied_embeddings || g.tokens.is_empty() || g.embed_dx.len() != g.tokens.len() * d {
+        return;
+    }
+    let Some(head) = head.first_mut() else {
+        return;
+    };
+    let proj = Projection::of(d);
+    let r = proj.rank();
+    let z = proj.down(&g.embed_dx, g.tokens.len());
+    for (&tok, zr) in g.tokens.iter().zip(z.chunks_exact(r)) {
+        if let Some(row) = head.get_mut(tok as usize * r..(tok as usize + 1) * r) {
+            row.iter_mut().zip(zr).for_each(|(a, &b)| *a += b);
+        }
+    }
+}
+
+/// Every adapter's gradient, summed as a backward pass hands over each stage's
+/// ([`StageSink`]): a training pass then keeps none of its factors, only these sums (`out ×
+/// rank` per matrix).
+#[derive(Debug)]
+pub struct AdapterSums {
+    model: LlamaConfig,
+    stages: Vec<Stage>,
+    sums: Vec<StageGrads>,
+}
+
+impl AdapterSums {
+    /// Zero sums for every adapter of `model`.
+    pub fn new(model: &LlamaConfig) -> Self {
+        let stages = Stage::all(model);
+        let sums = stages
+            .iter()
+            .map(|stage| {
+                let shapes = stage.shapes(model);
+                let cols = shapes.first().map_or(0, |&(_, c)| c);
+                let rank = Projection::of(cols).rank();
+                shapes
+                    .iter()
+                    .map(|&(o, _)| vec![0.0f32; o * rank])
+                    .collect()
+            })
+            .collect();
+        Self {
+            model: model.clone(),
+            stages,
+            sums,
+        }
+    }
+
+    /// The sums with the lookup rows of `g` (the pass's gradients) added: what the step takes.
+    fn finish(mut self, g: &Gradients) -> Vec<StageGrads> {
+        if let Some(head) = self
+            .stages
+            .iter()
+            .position(|&s| s == Stage::LmHead)
+            .and_then(|i| self.sums.get_mut(i))
+        {
+            add_lookups(head, g, &self.model);
+        }
+        self.sums
+    }
+}
+
+impl StageSink for AdapterSums {
+    fn take(&mut self, g: StageGrad) {
+        let Some(i) = self.stages.iter().position(|&s| s == g.stage) else {
+            return;
+        };
+        let grads = stage_gradient(&g, &self.model);
+        for (a, b) in self.sums[i].iter_mut().zip(&grads) {
+            a.iter_mut().zip(b).for_each(|(x, &y)| *x += y);
+        }
+    }
 }
 
 impl AdapterAdam {
@@ -185,7 +255,16 @@ impl AdapterAdam {
 
     /// Adds one gradient to what the next step takes.
     pub fn push(&mut self, g: &Gradients) {
-        let grads = adapter_gradients(g, &self.model);
+        self.add(adapter_gradients(g, &self.model));
+    }
+
+    /// [`Self::push`] for a gradient whose stages went into `sums` as they were made.
+    pub fn push_summed(&mut self, g: &Gradients, sums: AdapterSums) {
+        self.add(sums.finish(g));
+    }
+
+    /// Adds one gradient's adapter gradients to what the next step takes.
+    fn add(&mut self, grads: Vec<StageGrads>) {
         match &mut self.pending {
             Some((sum, n)) => {
                 for (a, b) in sum.iter_mut().flatten().zip(grads.iter().flatten()) {
@@ -301,4 +380,36 @@ pub fn check_adapter_step(u: &Update, format: ShardFormat, lr: f32) -> Result<()
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // a test: a failed unwrap is a failed test
+
+    use futures::executor::block_on;
+
+    use super::*;
+
+    #[test]
+    fn summing_each_stage_as_it_is_made_gives_the_whole_gradients_adapter_gradients() {
+        let (llama, mut group, [whole, _]) = crate::learn::fixtures::setup();
+        let model = llama.config().clone();
+        // The text the fixture's first gradient is of.
+        let tokens: Vec<u32> = (0..24).map(|i| i * 7 % 96).collect();
+        let mut sums = AdapterSums::new(&model);
+        let summed = block_on(llama.gradients_into(&mut group, &[&tokens], &mut sums)).unwrap();
+        assert!(summed.stages.is_empty(), "the sink took every stage");
+        assert_eq!(summed.t, whole.t);
+        let (got, want) = (sums.finish(&summed), adapter_gradients(&whole, &model));
+        assert_eq!(got.len(), Stage::all(&model).len());
+        let mut largest = 0.0f32;
+        for (g, w) in got.iter().flatten().zip(want.iter().flatten()) {
+            assert_eq!(g.len(), w.len());
+            for (a, b) in g.iter().zip(w) {
+                assert!((a - b).abs() <= 1e-5 * b.abs().max(1e-3), "{a} vs {b}");
+                largest = largest.max(b.abs());
+            }
+        }
+        assert!(largest > 0.0, "the gradients are not all zero");
+    }
 }

@@ -6,7 +6,7 @@
 //! (`m ← β·m + Σ g`, the published update is `m`): PCP's DiLoCo, kept linear so the code
 //! survives it.
 
-use super::adam::AdapterAdam;
+use super::adam::{AdapterAdam, AdapterSums};
 use super::{LearningConfig, Optimizer};
 use super::{Precision, StageFactors, Update, UpdateError, compress, wire};
 use crate::coded::ShardFormat;
@@ -76,19 +76,11 @@ impl Learner {
         if !self.cfg.enabled {
             return Ok(None);
         }
-        let sequences = u32::try_from(g.sequences.max(1)).unwrap_or(u32::MAX);
         if let Some(adam) = &mut self.adam {
             adam.push(&g);
-            self.requests += 1;
-            self.sequences = self.sequences.saturating_add(sequences);
-            self.positions = self
-                .positions
-                .saturating_add(u32::try_from(g.t).unwrap_or(u32::MAX));
-            if self.requests >= self.cfg.accumulate.max(1) {
-                return self.flush();
-            }
-            return Ok(None);
+            return self.counted(&g);
         }
+        let sequences = u32::try_from(g.sequences.max(1)).unwrap_or(u32::MAX);
         let exact = Update::from_gradients(g, self.cfg.lr, self.cfg.clip);
         if self.cfg.rank == 0 {
             return Ok(Some(Published {
@@ -105,6 +97,42 @@ impl Learner {
         self.pending = Some(u);
         self.requests += 1;
         self.sequences = self.sequences.saturating_add(sequences);
+        if self.requests >= self.cfg.accumulate.max(1) {
+            return self.flush();
+        }
+        Ok(None)
+    }
+
+    /// Where a training pass hands each stage's gradient as it makes it, for
+    /// [`Self::push_summed`]: the adapters' sums with Adam on the adapters (`None` otherwise:
+    /// SGD takes whole factors, through [`Self::push`]).
+    pub fn stage_sink(&self) -> Option<AdapterSums> {
+        (self.cfg.enabled && self.adam.is_some()).then(|| AdapterSums::new(&self.model))
+    }
+
+    /// [`Self::push`] for a gradient whose stages went into `sums` ([`Self::stage_sink`]).
+    pub fn push_summed(
+        &mut self,
+        g: Gradients,
+        sums: AdapterSums,
+    ) -> Result<Option<Published>, UpdateError> {
+        let Some(adam) = self.adam.as_mut().filter(|_| self.cfg.enabled) else {
+            return Err(UpdateError::Settings(
+                "only Adam on the adapters takes summed gradients".into(),
+            ));
+        };
+        adam.push_summed(&g, sums);
+        self.counted(&g)
+    }
+
+    /// Counts a gradient Adam took; the update when one is due.
+    fn counted(&mut self, g: &Gradients) -> Result<Option<Published>, UpdateError> {
+        let sequences = u32::try_from(g.sequences.max(1)).unwrap_or(u32::MAX);
+        self.requests += 1;
+        self.sequences = self.sequences.saturating_add(sequences);
+        self.positions = self
+            .positions
+            .saturating_add(u32::try_from(g.t).unwrap_or(u32::MAX));
         if self.requests >= self.cfg.accumulate.max(1) {
             return self.flush();
         }

@@ -15,7 +15,9 @@ mod teacher;
 mod wire;
 
 pub use crate::update::{Precision, StageFactors, Update};
-pub use adam::{AdapterAdam, MAX_BATCH_SCALE, adapter_gradients, check_adapter_step, entry_per_dy};
+pub use adam::{
+    AdapterAdam, AdapterSums, MAX_BATCH_SCALE, adapter_gradients, check_adapter_step, entry_per_dy,
+};
 pub use budget::{BUDGET_REFILL_PER_S, BUDGET_TOKENS, Budgets};
 pub use canary::{
     CANARY_TEXT, CANARY_TOKENS, CanaryGate, MAX_CANARY_DRIFT, MAX_CANARY_STEP, Pending, Verdict,

@@ -4,7 +4,7 @@
 //! mesh's shards would take it, and a refused (or unjudged) update is forgotten by the
 //! learner, so it steers no later step.
 
-use super::{CanaryGate, Learner, Published, UpdateError, Verdict};
+use super::{AdapterSums, CanaryGate, Learner, Published, UpdateError, Verdict};
 use crate::coded::ShardFormat;
 use crate::model::{Gradients, LinearExec, Llama, ModelError};
 
@@ -39,6 +39,21 @@ impl Teacher {
     /// Folds one request's (or minibatch's) gradient in; the update when one is due.
     pub fn fold(&mut self, grads: Gradients) -> Result<Option<Published>, UpdateError> {
         self.learner.push(grads)
+    }
+
+    /// Where a training pass hands each stage's gradient, for [`Self::fold_summed`] (`None`:
+    /// this learner takes whole gradients, through [`Self::fold`]).
+    pub fn stage_sink(&self) -> Option<AdapterSums> {
+        self.learner.stage_sink()
+    }
+
+    /// [`Self::fold`] for a gradient whose stages went into `sums` ([`Self::stage_sink`]).
+    pub fn fold_summed(
+        &mut self,
+        grads: Gradients,
+        sums: AdapterSums,
+    ) -> Result<Option<Published>, UpdateError> {
+        self.learner.push_summed(grads, sums)
     }
 
     /// What is folded in and not yet out, as an update now (at the end of a session or when
@@ -105,7 +120,7 @@ pub(crate) mod tests {
     use crate::code::Generator;
     use crate::coded::{CodedGroup, InProcess};
     use crate::learn::LearningConfig;
-    use crate::model::{LeaderWeights, LlamaConfig, ModelWeights};
+    use crate::model::{HEAD_BYTES, KEEP_BYTES, LeaderWeights, LlamaConfig, ModelWeights, Stage};
 
     fn config() -> LlamaConfig {
         LlamaConfig {
@@ -138,6 +153,56 @@ pub(crate) mod tests {
             block_on(llama.gradients(&mut group, &tokens)).unwrap()
         });
         (llama, group, grads)
+    }
+
+    /// The largest difference of `a` from `b`, relative to `b`'s largest value.
+    fn rel(a: &[f32], b: &[f32]) -> f32 {
+        assert_eq!(a.len(), b.len());
+        let scale = b.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-12);
+        a.iter()
+            .zip(b)
+            .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()))
+            / scale
+    }
+
+    #[test]
+    fn running_blocks_again_and_the_head_in_runs_gives_the_whole_passs_gradients() {
+        let (llama, mut group, _) = setup();
+        let seqs: [&[u32]; 2] = [&[3, 17, 60, 42, 5, 9, 11, 80, 1], &[9, 5, 70, 2, 33]];
+        let mut pass = |keep: usize, head: usize| {
+            block_on(llama.gradients_within(&mut group, &seqs, keep, head)).unwrap()
+        };
+        let (loss, whole) = pass(KEEP_BYTES, HEAD_BYTES);
+        // Every block run again from its input, and the head three rows at a time.
+        let vocab = llama.config().vocab;
+        let (lean_loss, lean) = pass(0, 3 * 4 * vocab);
+        assert!(
+            (loss - lean_loss).abs() < 1e-6 * loss.abs(),
+            "{loss} {lean_loss}"
+        );
+        assert_eq!(whole.t, lean.t);
+        assert_eq!(whole.stages.len(), lean.stages.len());
+        for (a, b) in lean.stages.iter().zip(&whole.stages) {
+            assert_eq!(a.stage, b.stage);
+            assert!(rel(&a.x, &b.x) < 1e-4, "{:?} x", a.stage);
+            for (p, q) in a.dy.iter().zip(&b.dy) {
+                assert!(rel(p, q) < 1e-4, "{:?} dy", a.stage);
+            }
+        }
+        assert!(rel(&lean.embed_dx, &whole.embed_dx) < 1e-4);
+        for (p, q) in lean.norms.vectors().zip(whole.norms.vectors()) {
+            assert!(rel(p, q) < 1e-4, "norm gains");
+        }
+        // The head's gradient covers every row: a run's rows are not lost at its edges.
+        let head = lean.stages.last().unwrap();
+        assert_eq!(head.stage, Stage::LmHead);
+        assert_eq!(head.dy[0].len(), whole.t * vocab);
+        // Forward only, the loss is the same.
+        let forward = block_on(llama.sequence_loss(&mut group, seqs[0])).unwrap();
+        let (one, _) =
+            block_on(llama.gradients_within(&mut group, &seqs[..1], KEEP_BYTES, HEAD_BYTES))
+                .unwrap();
+        assert!((forward - one).abs() < 1e-6 * one.abs(), "{forward} {one}");
     }
 
     pub(crate) fn teacher(gate: Option<CanaryGate>) -> Teacher {

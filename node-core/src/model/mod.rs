@@ -30,7 +30,7 @@ pub use sampling::{Sampler, SamplingParams, argmax};
 pub use sequence::{Sequence, Taken};
 pub use source::MatrixSource;
 pub use tokenizer::{ChatMessage, TextStream, Tokenizer, TokenizerData};
-pub use train::{Gradients, StageGrad};
+pub use train::{Gradients, HEAD_BYTES, KEEP_BYTES, StageGrad, StageSink, training_bytes};
 pub use weights::{LayerWeights, LeaderWeights, Matrix, ModelWeights};
 
 use crate::gguf::GgufError;

@@ -23,7 +23,8 @@ pub struct Gradients {
     pub loss: f64,
     /// Positions `t` of the sequence.
     pub t: usize,
-    /// Linear stages, in forward order; the LM head (the tied embedding when tied) last.
+    /// Linear stages, in forward order; the LM head (the tied embedding when tied) last (none
+    /// when they went to a [`StageSink`]).
     pub stages: Vec<StageGrad>,
     /// Gradient of the embedding lookup: row `tokens[i]` of the embedding gets `embed_dx[i]`.
     pub embed_dx: Vec<f32>,
@@ -77,16 +78,53 @@ impl Llama {
     }
 
     /// The minibatch gradient of independent sequences: the mean next-token cross-entropy over
-    /// every predicted position of every sequence, all rows through one round per stage.
+    /// every predicted position of every sequence, all rows through one round per stage (the LM
+    /// head's in runs of positions, [`HEAD_BYTES`] of logits at a time).
     pub async fn gradients_batch<E: LinearExec>(
         &self,
         exec: &mut E,
         seqs: &[&[u32]],
     ) -> Result<Gradients, ModelError> {
-        self.loss_and_gradients(exec, seqs, true)
+        let mut kept = Collect::default();
+        let mut g = self.gradients_into(exec, seqs, &mut kept).await?;
+        kept.0.reverse();
+        g.stages = kept.0;
+        Ok(g)
+    }
+
+    /// [`Self::gradients_batch`] with every stage's gradient handed to `sink` as the backward
+    /// pass makes it, instead of kept (the gradients returned carry no stages): a sink that
+    /// sums what it needs keeps a training pass's memory to its activations.
+    pub async fn gradients_into<E: LinearExec, S: StageSink>(
+        &self,
+        exec: &mut E,
+        seqs: &[&[u32]],
+        sink: &mut S,
+    ) -> Result<Gradients, ModelError> {
+        self.loss_and_gradients(exec, seqs, Some(sink), Limits::DEFAULT)
             .await?
             .1
             .ok_or_else(|| ModelError::Config("no gradients computed".into()))
+    }
+
+    /// [`Self::gradients_batch`] with every block run again from its input once the blocks'
+    /// activations pass `keep` bytes, and the LM head over `head` bytes of logits at a time.
+    #[cfg(test)]
+    pub(crate) async fn gradients_within<E: LinearExec>(
+        &self,
+        exec: &mut E,
+        seqs: &[&[u32]],
+        keep: usize,
+        head: usize,
+    ) -> Result<(f64, Gradients), ModelError> {
+        let mut kept = Collect::default();
+        let (loss, g) = self
+            .loss_and_gradients(exec, seqs, Some(&mut kept), Limits { keep, head })
+            .await?;
+        let mut g = g.ok_or_else(|| ModelError::Config("no gradients computed".into()))?;
+        kept.0.reverse();
+        g.stages = kept.0;
+        Ok((loss, g))
     }
 
     /// Mean next-token cross-entropy of `tokens` (nats per predicted token), forward only.
@@ -95,14 +133,19 @@ impl Llama {
         exec: &mut E,
         tokens: &[u32],
     ) -> Result<f64, ModelError> {
-        Ok(self.loss_and_gradients(exec, &[tokens], false).await?.0)
+        Ok(self
+            .loss_and_gradients::<E, Collect>(exec, &[tokens], None, Limits::DEFAULT)
+            .await?
+            .0)
     }
 
-    async fn loss_and_gradients<E: LinearExec>(
+    /// The loss of `seqs` and, with a `sink` (training), its gradient, within `limits`.
+    async fn loss_and_gradients<E: LinearExec, S: StageSink>(
         &self,
         exec: &mut E,
         seqs: &[&[u32]],
-        backward: bool,
+        mut sink: Option<&mut S>,
+        limits: Limits,
     ) -> Result<(f64, Option<Gradients>), ModelError> {
         let cfg = self.config().clone();
         if seqs.is_empty() {
@@ -129,6 +172,7 @@ impl Llama {
                 });
             }
         }
+        let backward = sink.is_some();
         let (d, qd, kvd) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim());
         let norms = self.norms();
         // Rows of every sequence, stacked; each sequence's positions start at 0.
@@ -148,7 +192,9 @@ impl Llama {
             cos.extend(c);
             sin.extend(sn);
         }
-        // Forward, keeping what the backward pass needs.
+        // Forward. Every block's activations are kept for the backward pass while they fit in
+        // [`KEEP_BYTES`]; beyond, only each block's input, and the backward pass runs the block
+        // again when it reaches it.
         let mut x = exec.embed(&tokens).await?;
         if x.len() != t * d {
             return Err(ModelError::Config(
@@ -160,61 +206,89 @@ impl Llama {
             cos: &cos,
             sin: &sin,
         };
+        let whole = backward && cfg.layers * block_bytes(&cfg, &spans) <= limits.keep;
         let mut within = WithinSequences {
             cfg: &cfg,
             spans: &spans,
-            probs: Vec::with_capacity(cfg.layers),
+            probs: Vec::new(),
+            keep: whole,
         };
-        let mut saved = Vec::with_capacity(cfg.layers);
+        let (mut saved, mut inputs) = (Vec::new(), Vec::new());
         for l in 0..cfg.layers {
-            let kept = run_block(&cfg, norms, l, exec, &mut within, &rows, &mut x, true).await?;
-            saved
-                .push(kept.ok_or_else(|| ModelError::Config("lost a block's activations".into()))?);
+            if backward && !whole {
+                inputs.push(x.clone());
+            }
+            let kept = run_block(&cfg, norms, l, exec, &mut within, &rows, &mut x, whole).await?;
+            if whole {
+                saved.push(
+                    kept.ok_or_else(|| ModelError::Config("lost a block's activations".into()))?,
+                );
+            }
         }
-        let mut probs = within.probs;
         let mut hf = vec![0.0f32; t * d];
         rms_norm(&x, &norms.final_norm, cfg.norm_eps, &mut hf);
-        let logits = linear(exec, &cfg, Stage::LmHead, &hf, t)
-            .await?
-            .pop()
-            .unwrap_or_default();
 
-        // Loss and its gradient on the logits: every position but each sequence's last
-        // predicts the next token of its sequence.
-        let v_n = cfg.vocab;
-        let predicted: f64 = spans.iter().map(|&(_, ti)| (ti - 1) as f64).sum();
-        let mut dlogits = vec![0.0f32; t * v_n];
-        let mut loss = 0.0f64;
+        // The loss and (training) its gradient on the logits, in runs of positions: every
+        // position but each sequence's last predicts the next token of its sequence.
+        let mut next: Vec<Option<usize>> = vec![None; t];
         for &(start, ti) in &spans {
             for i in start..start + ti - 1 {
-                let row = &logits[i * v_n..(i + 1) * v_n];
+                next[i] = Some(tokens[i + 1] as usize);
+            }
+        }
+        let v_n = cfg.vocab;
+        let predicted: f64 = spans.iter().map(|&(_, ti)| (ti - 1) as f64).sum();
+        let run = (limits.head / (4 * v_n).max(1)).clamp(1, t);
+        let mut loss = 0.0f64;
+        let mut dhf = vec![0.0f32; if backward { t * d } else { 0 }];
+        for first in (0..t).step_by(run) {
+            let n = run.min(t - first);
+            let h = &hf[first * d..(first + n) * d];
+            let mut logits = linear(exec, &cfg, Stage::LmHead, h, n)
+                .await?
+                .pop()
+                .unwrap_or_default();
+            for (row, target) in logits.chunks_exact_mut(v_n).zip(&next[first..]) {
+                let Some(target) = *target else {
+                    row.fill(0.0);
+                    continue;
+                };
                 let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
                 let sum: f64 = row.iter().map(|&z| (z as f64 - max).exp()).sum();
-                let target = tokens[i + 1] as usize;
                 loss += sum.ln() + max - row[target] as f64;
-                let drow = &mut dlogits[i * v_n..(i + 1) * v_n];
-                for (dz, &z) in drow.iter_mut().zip(row) {
-                    *dz = (((z as f64 - max).exp() / sum) / predicted) as f32;
+                if backward {
+                    // The logits become their gradient in place.
+                    for z in row.iter_mut() {
+                        *z = (((*z as f64 - max).exp() / sum) / predicted) as f32;
+                    }
+                    row[target] -= (1.0 / predicted) as f32;
                 }
-                drow[target] -= (1.0 / predicted) as f32;
+            }
+            if let Some(sink) = sink.as_deref_mut() {
+                let dh = exec
+                    .linear_t(Stage::LmHead, std::slice::from_ref(&logits), n)
+                    .await?;
+                if dh.len() != n * d {
+                    return Err(ModelError::Config(
+                        "the LM head's transpose returned the wrong shape".into(),
+                    ));
+                }
+                dhf[first * d..(first + n) * d].copy_from_slice(&dh);
+                sink.take(StageGrad {
+                    stage: Stage::LmHead,
+                    x: h.to_vec(),
+                    dy: vec![logits],
+                });
             }
         }
         loss /= predicted;
-        if !backward {
+        let Some(sink) = sink else {
             return Ok((loss, None));
-        }
+        };
+        drop(hf);
 
         // Backward.
         let mut grads = LeaderWeights::zeros(&cfg);
-        let mut stages = Vec::with_capacity(4 * cfg.layers + 1);
-        let dhf = exec
-            .linear_t(Stage::LmHead, std::slice::from_ref(&dlogits), t)
-            .await?;
-        stages.push(StageGrad {
-            stage: Stage::LmHead,
-            x: hf,
-            dy: vec![dlogits],
-        });
         let mut dx = vec![0.0f32; t * d];
         rms_norm_backward(
             &x,
@@ -224,18 +298,26 @@ impl Llama {
             &mut dx,
             &mut grads.final_norm,
         );
+        drop((x, dhf));
         let mut tmp = vec![0.0f32; t * d];
         for l in (0..cfg.layers).rev() {
             let layer = l as u32;
-            let (s, layer_probs) = saved
-                .pop()
-                .zip(probs.pop())
+            let kept = if whole {
+                saved.pop()
+            } else {
+                // The block again from its input, keeping its activations this time.
+                let mut again = inputs.pop().unwrap_or_default();
+                within.keep = true;
+                run_block(&cfg, norms, l, exec, &mut within, &rows, &mut again, true).await?
+            };
+            let (s, layer_probs) = kept
+                .zip(within.probs.pop())
                 .ok_or_else(|| ModelError::Config("lost a block's activations".into()))?;
             // Down projection.
             let dact = exec
                 .linear_t(Stage::Down(layer), std::slice::from_ref(&dx), t)
                 .await?;
-            stages.push(StageGrad {
+            sink.take(StageGrad {
                 stage: Stage::Down(layer),
                 x: s.act,
                 dy: vec![dx.clone()],
@@ -251,7 +333,7 @@ impl Llama {
             }
             let dys = vec![dgate, dup];
             let dh2 = exec.linear_t(Stage::GateUp(layer), &dys, t).await?;
-            stages.push(StageGrad {
+            sink.take(StageGrad {
                 stage: Stage::GateUp(layer),
                 x: s.h2,
                 dy: dys,
@@ -269,7 +351,7 @@ impl Llama {
             let dattn = exec
                 .linear_t(Stage::AttnOut(layer), std::slice::from_ref(&dx), t)
                 .await?;
-            stages.push(StageGrad {
+            sink.take(StageGrad {
                 stage: Stage::AttnOut(layer),
                 x: s.attn,
                 dy: vec![dx.clone()],
@@ -324,7 +406,7 @@ impl Llama {
             }
             let dys = vec![dq, dk, dv];
             let dh1 = exec.linear_t(Stage::Qkv(layer), &dys, t).await?;
-            stages.push(StageGrad {
+            sink.take(StageGrad {
                 stage: Stage::Qkv(layer),
                 x: s.h1,
                 dy: dys,
@@ -340,17 +422,93 @@ impl Llama {
             dx.iter_mut().zip(&tmp).for_each(|(a, &b)| *a += b);
             drop(s.x_in);
         }
-        stages.reverse();
         let grads = Gradients {
             loss,
             t,
-            stages,
+            stages: Vec::new(),
             embed_dx: dx,
             tokens,
             norms: grads,
             sequences: seqs.len(),
         };
         Ok((loss, Some(grads)))
+    }
+}
+
+/// Most bytes of logits a pass holds at once: the LM head runs over as many positions at a
+/// time as fit (at least one).
+pub const HEAD_BYTES: usize = 16 << 20;
+
+/// Most bytes of activations a training pass keeps for every block at once; beyond, it keeps
+/// each block's input and runs the block again on the way back.
+pub const KEEP_BYTES: usize = 64 << 20;
+
+/// What a pass may hold: activations of every block ([`KEEP_BYTES`]) and logits
+/// ([`HEAD_BYTES`]).
+#[derive(Debug, Clone, Copy)]
+struct Limits {
+    keep: usize,
+    head: usize,
+}
+
+impl Limits {
+    const DEFAULT: Self = Self {
+        keep: KEEP_BYTES,
+        head: HEAD_BYTES,
+    };
+}
+
+/// Bytes one block's kept activations take for sequences `spans` (first row, rows).
+fn block_bytes(cfg: &super::LlamaConfig, spans: &[(usize, usize)]) -> usize {
+    let t: usize = spans.iter().map(|s| s.1).sum();
+    let per_row = 4 * cfg.hidden + 3 * cfg.q_dim() + 3 * cfg.kv_dim() + 3 * cfg.ffn;
+    let probs = cfg.heads * spans.iter().map(|s| s.1 * s.1).sum::<usize>();
+    4 * (t * per_row + probs)
+}
+
+/// Most bytes a training pass over `positions` rows, in sequences of at most `window`, holds
+/// beside what its [`StageSink`] keeps: the blocks' activations (or their inputs and one
+/// block's), one block's gradients, and a run of the LM head's logits.
+pub fn training_bytes(cfg: &super::LlamaConfig, positions: usize, window: usize) -> usize {
+    let window = window.clamp(1, positions.max(1));
+    let mut spans = vec![(0, window); positions / window];
+    if !positions.is_multiple_of(window) {
+        spans.push((0, positions % window));
+    }
+    let block = block_bytes(cfg, &spans);
+    let kept = if cfg.layers * block <= KEEP_BYTES {
+        cfg.layers * block
+    } else {
+        4 * positions * cfg.hidden * cfg.layers + block
+    };
+    let outs = cfg.q_dim() + 2 * cfg.kv_dim() + 2 * cfg.ffn + 2 * cfg.hidden;
+    let grads = 4 * positions * (outs + 4 * cfg.hidden);
+    kept + grads + HEAD_BYTES.max(4 * cfg.vocab)
+}
+
+/// Takes each stage's gradient as the backward pass makes it: the LM head's first, a run of
+/// positions at a time, then every block's, from the last.
+pub trait StageSink: Send {
+    /// One stage's gradient (the LM head's: some of its rows, in order).
+    fn take(&mut self, g: StageGrad);
+}
+
+/// Keeps every stage's gradient whole (a run of the LM head's rows joins the one before).
+#[derive(Debug, Default)]
+struct Collect(Vec<StageGrad>);
+
+impl StageSink for Collect {
+    fn take(&mut self, g: StageGrad) {
+        if let Some(last) = self.0.last_mut()
+            && last.stage == g.stage
+        {
+            last.x.extend_from_slice(&g.x);
+            for (a, b) in last.dy.iter_mut().zip(&g.dy) {
+                a.extend_from_slice(b);
+            }
+            return;
+        }
+        self.0.push(g);
     }
 }
 
@@ -362,6 +520,8 @@ struct WithinSequences<'a> {
     spans: &'a [(usize, usize)],
     /// Per block, each sequence's probabilities (`ti × heads × ti`), one after another.
     probs: Vec<Vec<f32>>,
+    /// Whether the probabilities are kept (for the backward pass).
+    keep: bool,
 }
 
 impl Attend for WithinSequences<'_> {
@@ -384,7 +544,9 @@ impl Attend for WithinSequences<'_> {
             );
             p_at += p_len;
         }
-        self.probs.push(probs);
+        if self.keep {
+            self.probs.push(probs);
+        }
     }
 }
 
@@ -487,5 +649,37 @@ fn attention_backward(
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_larger_pass_needs_more_memory_and_a_1b_pass_fits_the_budget_it_was_sized_for() {
+        let cfg = crate::model::LlamaConfig {
+            hidden: 2048,
+            ffn: 8192,
+            layers: 16,
+            heads: 32,
+            kv_heads: 8,
+            head_dim: 64,
+            vocab: 128_256,
+            norm_eps: 1e-5,
+            rope_theta: 500_000.0,
+            max_seq: 2048,
+            tied_embeddings: true,
+            family: crate::model::Family::Llama,
+            rope_freq_factors: Vec::new(),
+        };
+        let (small, large) = (
+            training_bytes(&cfg, 64, 256),
+            training_bytes(&cfg, 256, 256),
+        );
+        assert!(small < large);
+        // Blocks run again at this size: their inputs, one block and the head's run.
+        assert!(large < 160 << 20, "{large}");
+        assert!(large > 16 * 256 * 2048 * 4 + HEAD_BYTES);
     }
 }

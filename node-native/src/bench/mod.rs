@@ -117,9 +117,9 @@ pub fn gemv_q8_bandwidth(rows: usize, cols: usize, wide: bool) -> f64 {
         .map(|c| {
             let values = (0..rows * cols).map(move |i| ((i + c) % 97) as i16 - 48);
             let q = if wide {
-                CodedInts::I16(values.collect())
+                CodedInts::I16(std::sync::Arc::new(values.collect()))
             } else {
-                CodedInts::I8(values.map(|v| v as i8).collect())
+                CodedInts::I8(std::sync::Arc::new(values.map(|v| v as i8).collect()))
             };
             (q, vec![half::f16::from_f32(0.01); rows * nb])
         })

@@ -15,7 +15,6 @@ use std::sync::{Arc, Condvar, Mutex, PoisonError, RwLock};
 
 use anyhow::{Context, Result, bail};
 use node_core::coded::{Member, ShardSet};
-use node_core::holder::shard_to_blob;
 pub use node_core::holder::{MAX_UPDATE_BYTES, Rules, ShardState};
 use node_core::mesh::ShardVersion;
 use node_core::model::LeaderWeights;
@@ -194,9 +193,10 @@ impl UpdateStore {
     /// Folds the updates applied since the snapshot into a new one: the shard as it is now is
     /// saved as the blob; their payloads stay for peers a little behind while every kept
     /// payload fits [`node_core::mesh::KEEP_SHARE`] of the blob, the oldest going first.
-    /// The shard is copied under the lock and encoded outside it, so steps and updates go on
-    /// meanwhile: an update waiting for the lock would hold up every step behind it. Returns
-    /// how many updates it folded.
+    /// The shard is copied under the lock (a compact shard's integers are shared, not copied)
+    /// and written to its blob outside it a group of chunks at a time, so steps and updates go
+    /// on meanwhile (an update waiting for the lock would hold up every step behind it) and
+    /// memory holds neither the payload nor the blob. Returns how many updates it folded.
     pub fn fold(&self, state: &RwLock<ShardState>) -> Result<usize> {
         let _folding = Folding::start(&self.folding);
         let (shards, version, norms) = {
@@ -207,8 +207,6 @@ impl UpdateStore {
                 s.norms.clone(),
             )
         };
-        let blob = shard_to_blob(&shards)?;
-        drop(shards);
         let ids: Vec<u64> = version.since().collect();
         let mut base = version;
         base.fold(ids.iter().copied());
@@ -216,9 +214,10 @@ impl UpdateStore {
             version: base,
             norms,
         };
-        self.data.save_row(&blob, &postcard::to_allocvec(&saved)?)?;
-        let blob_bytes = blob.len() as u64;
-        drop(blob);
+        let blob_bytes = self
+            .data
+            .save_shard_set(&shards, &postcard::to_allocvec(&saved)?)?;
+        drop(shards);
         let mut s = write(state);
         s.version.fold(ids.iter().copied());
         self.save_version(&s.version)?;

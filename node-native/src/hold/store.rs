@@ -23,6 +23,8 @@ const BASE: &str = "base.bin";
 /// The pair being written by [`DataDir::save_row`].
 const SHARD_NEXT: &str = "shard.blob.next";
 const BASE_NEXT: &str = "base.bin.next";
+/// A shard set's payload while [`DataDir::save_shard_set`] encodes it into the blob.
+const PAYLOAD_NEXT: &str = "shard.payload.next";
 
 /// Writes `bytes` to `path` and waits until they are on disk.
 fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
@@ -126,8 +128,57 @@ impl DataDir {
     /// point leaves the old pair or the new one: both are written beside the old ones, then
     /// renamed in turn, and [`Self::recover`] finishes or undoes an interrupted save.
     pub fn save_row(&self, blob: &[u8], base: &[u8]) -> Result<()> {
+        self.save_row_with(
+            |f| {
+                use std::io::Write;
+                Ok(f.write_all(blob)?)
+            },
+            base,
+        )
+    }
+
+    /// [`Self::save_row`] with the blob written by `write` straight to its file, and the
+    /// shard set `shard` encoded into it a group of chunks at a time: neither its payload nor
+    /// its blob is ever in memory whole. Returns the blob's bytes.
+    pub fn save_shard_set(&self, shard: &ShardSet, base: &[u8]) -> Result<u64> {
+        use std::io::{BufReader, BufWriter, Write};
+        let payload = self.file(PAYLOAD_NEXT);
+        let len = {
+            let f = fs::File::create(&payload)
+                .with_context(|| format!("creating {}", payload.display()))?;
+            let mut w = postcard::to_io(shard, BufWriter::new(f))
+                .with_context(|| format!("writing {}", payload.display()))?;
+            w.flush()?;
+            w.get_ref().metadata()?.len()
+        };
+        let saved = self.save_row_with(
+            |out| {
+                let mut reader = BufReader::new(fs::File::open(&payload)?);
+                let mut w = BufWriter::new(out);
+                blob::encode_blob_to(&mut reader, len, &BlobParams::default(), &mut w)?;
+                Ok(w.flush()?)
+            },
+            base,
+        );
+        fs::remove_file(&payload).with_context(|| format!("removing {}", payload.display()))?;
+        saved?;
+        Ok(fs::metadata(self.shard_path())?.len())
+    }
+
+    /// [`Self::save_row`], the blob written to its (new) file by `write`.
+    fn save_row_with(
+        &self,
+        write: impl FnOnce(&mut fs::File) -> Result<()>,
+        base: &[u8],
+    ) -> Result<()> {
         let (shard_next, base_next) = (self.file(SHARD_NEXT), self.file(BASE_NEXT));
-        write_synced(&shard_next, blob)?;
+        {
+            let mut f = fs::File::create(&shard_next)
+                .with_context(|| format!("creating {}", shard_next.display()))?;
+            write(&mut f)
+                .and_then(|()| Ok(f.sync_all()?))
+                .with_context(|| format!("writing {}", shard_next.display()))?;
+        }
         write_synced(&base_next, base)?;
         fs::rename(&shard_next, self.shard_path())
             .with_context(|| format!("renaming {}", shard_next.display()))?;
@@ -148,7 +199,7 @@ impl DataDir {
                 .with_context(|| format!("renaming {}", base_next.display()))?;
             tracing::warn!("finished saving a snapshot that a stop interrupted");
         } else {
-            for f in [shard_next, base_next] {
+            for f in [shard_next, base_next, self.file(PAYLOAD_NEXT)] {
                 if f.exists() {
                     fs::remove_file(&f).with_context(|| format!("removing {}", f.display()))?;
                 }
@@ -236,6 +287,30 @@ mod tests {
         let blob = fs::read(d.shard_path()).expect("blob");
         let base = d.base().expect("base").expect("a base");
         (blob, base)
+    }
+
+    #[test]
+    fn a_shard_set_saved_a_group_of_chunks_at_a_time_is_the_blob_a_whole_save_makes() {
+        use node_core::code::Generator;
+        use node_core::coded::ShardFormat;
+        use node_core::model::{LlamaConfig, ModelWeights};
+        let dir = Dir::new("save-shard-set");
+        let d = DataDir::open(&dir.0).expect("dir");
+        let w = ModelWeights::synthetic(LlamaConfig::small(), 3).expect("model");
+        let g = Generator::integer(5, 3, None).expect("code");
+        // A data row (i8) and a parity row (i16, packed).
+        for row in [0, 4] {
+            let set = ShardSet::encode(&w, &g, row, ShardFormat::Q8, &mut |_, _| {}).expect("set");
+            let bytes = d.save_shard_set(&set, b"base").expect("saved");
+            let whole = shard_to_blob(&set).expect("blob");
+            assert_eq!(pair(&d), (whole.clone(), b"base".to_vec()), "row {row}");
+            assert_eq!(bytes, whole.len() as u64);
+            assert_eq!(d.shard().expect("read back"), Some(set), "row {row}");
+            assert!(
+                !d.file(PAYLOAD_NEXT).exists(),
+                "the payload's scratch file is gone"
+            );
+        }
     }
 
     #[test]

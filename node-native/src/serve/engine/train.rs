@@ -125,11 +125,23 @@ impl Trainer {
             .set_context(format!("train {} requests", batch.len()));
         let seqs: Vec<&[u32]> = batch.iter().map(Vec::as_slice).collect();
         let started = Instant::now();
-        let grads = f
-            .llama
-            .gradients_batch(&mut f.group, &seqs)
-            .instrument(span.clone())
-            .await;
+        // With Adam on the adapters, each stage's gradient is summed as it is made, so the
+        // pass keeps none of its factors (the leader's memory, docs/models.md).
+        let mut sums = self.teacher.stage_sink();
+        let grads = match sums.as_mut() {
+            Some(sink) => {
+                f.llama
+                    .gradients_into(&mut f.group, &seqs, sink)
+                    .instrument(span.clone())
+                    .await
+            }
+            None => {
+                f.llama
+                    .gradients_batch(&mut f.group, &seqs)
+                    .instrument(span.clone())
+                    .await
+            }
+        };
         self.lead.after_rounds().await;
         let mut grads = match grads {
             Ok(g) => g,
@@ -154,7 +166,11 @@ impl Trainer {
             )
         });
         // Folding in a gradient (and compressing an update) is long work off the network.
-        match tokio::task::block_in_place(|| self.teacher.fold(grads)) {
+        let folded = tokio::task::block_in_place(|| match sums {
+            Some(sums) => self.teacher.fold_summed(grads, sums),
+            None => self.teacher.fold(grads),
+        });
+        match folded {
             Ok(Some(p)) => self.judge_and_hand_over(p).await,
             Ok(None) => {}
             Err(e) => tracing::warn!("the update could not be made: {e}"),
