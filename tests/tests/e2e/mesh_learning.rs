@@ -77,6 +77,8 @@ fn learning_bytes(data: &Path) -> Result<u64> {
         "webrtc.pem",
         "shard.blob.next",
         "base.bin.next",
+        // A fold's payload, written while its blob is encoded from it (then removed).
+        "shard.payload.next",
         "shard.tmp",
         "manifest.tmp",
     ];
