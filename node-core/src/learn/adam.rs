@@ -77,14 +77,7 @@ pub fn entry_per_dy(format: ShardFormat, cols: usize, rank: usize) -> f64 {
 /// lookup does not learn.
 pub fn adapter_gradients(g: &Gradients, model: &LlamaConfig) -> Vec<StageGrads> {
     let mut out = par::map(&g.stages, |s| stage_gradient(s, model));
-    if let Some(head) = g
-        .stages
-        .iter()
-        .position(|s| s.stage == Stage::LmHead)
-        .and_then(|i| out.get_mut(i))
-    {
-        add_lookups(head, g, model);
-    }
+    add_lookups(&mut out, g.stages.iter().map(|s| s.stage), g, model);
     out
 }
 
@@ -116,13 +109,23 @@ fn stage_gradient(s: &StageGrad, model: &LlamaConfig) -> StageGrads {
         .collect()
 }
 
-/// A tied embedding's lookup rows `dx·Vᵀ` added to the LM head's adapter gradient `head`.
-fn add_lookups(head: &mut StageGrads, g: &Gradients, model: &LlamaConfig) {
+/// A tied embedding's lookup rows `dx·Vᵀ` added to the LM head's adapter gradient among
+/// `sums` (one per stage of `stages`).
+fn add_lookups(
+    sums: &mut [StageGrads],
+    mut stages: impl Iterator<Item = Stage>,
+    g: &Gradients,
+    model: &LlamaConfig,
+) {
     let d = model.hidden;
     if !model.tied_embeddings || g.tokens.is_empty() || g.embed_dx.len() != g.tokens.len() * d {
         return;
     }
-    let Some(head) = head.first_mut() else {
+    let Some(head) = stages
+        .position(|s| s == Stage::LmHead)
+        .and_then(|i| sums.get_mut(i))
+        .and_then(|m| m.first_mut())
+    else {
         return;
     };
     let proj = Projection::of(d);
@@ -133,6 +136,18 @@ fn add_lookups(head: &mut StageGrads, g: &Gradients, model: &LlamaConfig) {
             row.iter_mut().zip(zr).for_each(|(a, &b)| *a += b);
         }
     }
+}
+
+/// A stage's columns, adapter rank, and a zero `out × rank` per matrix.
+fn zeros(stage: Stage, model: &LlamaConfig) -> (usize, usize, StageGrads) {
+    let shapes = stage.shapes(model);
+    let cols = shapes.first().map_or(0, |&(_, c)| c);
+    let rank = crate::coded::adapter_rank(cols);
+    let zero = shapes
+        .iter()
+        .map(|&(o, _)| vec![0.0f32; o * rank])
+        .collect();
+    (cols, rank, zero)
 }
 
 /// Every adapter's gradient, summed as a backward pass hands over each stage's
@@ -149,18 +164,7 @@ impl AdapterSums {
     /// Zero sums for every adapter of `model`.
     pub fn new(model: &LlamaConfig) -> Self {
         let stages = Stage::all(model);
-        let sums = stages
-            .iter()
-            .map(|stage| {
-                let shapes = stage.shapes(model);
-                let cols = shapes.first().map_or(0, |&(_, c)| c);
-                let rank = Projection::of(cols).rank();
-                shapes
-                    .iter()
-                    .map(|&(o, _)| vec![0.0f32; o * rank])
-                    .collect()
-            })
-            .collect();
+        let sums = stages.iter().map(|&s| zeros(s, model).2).collect();
         Self {
             model: model.clone(),
             stages,
@@ -170,14 +174,7 @@ impl AdapterSums {
 
     /// The sums with the lookup rows of `g` (the pass's gradients) added: what the step takes.
     fn finish(mut self, g: &Gradients) -> Vec<StageGrads> {
-        if let Some(head) = self
-            .stages
-            .iter()
-            .position(|&s| s == Stage::LmHead)
-            .and_then(|i| self.sums.get_mut(i))
-        {
-            add_lookups(head, g, &self.model);
-        }
+        add_lookups(&mut self.sums, self.stages.iter().copied(), g, &self.model);
         self.sums
     }
 }
@@ -200,21 +197,13 @@ impl AdapterAdam {
         let stages = Stage::all(&model)
             .into_iter()
             .map(|stage| {
-                let shapes = stage.shapes(&model);
-                let cols = shapes.first().map_or(0, |&(_, c)| c);
-                let rank = crate::coded::adapter_rank(cols);
-                let zeros = || {
-                    shapes
-                        .iter()
-                        .map(|&(o, _)| vec![0.0f32; o * rank])
-                        .collect()
-                };
+                let (cols, rank, m) = zeros(stage, &model);
                 Moments {
                     stage,
                     cols,
                     rank,
-                    m: zeros(),
-                    v: zeros(),
+                    v: m.clone(),
+                    m,
                 }
             })
             .collect();

@@ -85,11 +85,7 @@ impl Llama {
         exec: &mut E,
         seqs: &[&[u32]],
     ) -> Result<Gradients, ModelError> {
-        let mut kept = Collect::default();
-        let mut g = self.gradients_into(exec, seqs, &mut kept).await?;
-        kept.0.reverse();
-        g.stages = kept.0;
-        Ok(g)
+        Ok(self.collected(exec, seqs, Limits::DEFAULT).await?.1)
     }
 
     /// [`Self::gradients_batch`] with every stage's gradient handed to `sink` as the backward
@@ -117,9 +113,19 @@ impl Llama {
         keep: usize,
         head: usize,
     ) -> Result<(f64, Gradients), ModelError> {
+        self.collected(exec, seqs, Limits { keep, head }).await
+    }
+
+    /// The loss and gradients of `seqs` within `limits`, every stage's kept, in forward order.
+    async fn collected<E: LinearExec>(
+        &self,
+        exec: &mut E,
+        seqs: &[&[u32]],
+        limits: Limits,
+    ) -> Result<(f64, Gradients), ModelError> {
         let mut kept = Collect::default();
         let (loss, g) = self
-            .loss_and_gradients(exec, seqs, Some(&mut kept), Limits { keep, head })
+            .loss_and_gradients(exec, seqs, Some(&mut kept), limits)
             .await?;
         let mut g = g.ok_or_else(|| ModelError::Config("no gradients computed".into()))?;
         kept.0.reverse();
@@ -206,7 +212,7 @@ impl Llama {
             cos: &cos,
             sin: &sin,
         };
-        let whole = backward && cfg.layers * block_bytes(&cfg, &spans) <= limits.keep;
+        let whole = backward && keeps_every_block(&cfg, &spans, limits.keep).0;
         let mut within = WithinSequences {
             cfg: &cfg,
             spans: &spans,
@@ -458,6 +464,17 @@ impl Limits {
     };
 }
 
+/// Whether a pass over sequences `spans` keeps every block's activations within `keep` bytes
+/// (else it runs each block again on the way back), and the bytes every block's take.
+fn keeps_every_block(
+    cfg: &super::LlamaConfig,
+    spans: &[(usize, usize)],
+    keep: usize,
+) -> (bool, usize) {
+    let all = cfg.layers * block_bytes(cfg, spans);
+    (all <= keep, all)
+}
+
 /// Bytes one block's kept activations take for sequences `spans` (first row, rows).
 fn block_bytes(cfg: &super::LlamaConfig, spans: &[(usize, usize)]) -> usize {
     let t: usize = spans.iter().map(|s| s.1).sum();
@@ -475,11 +492,9 @@ pub fn training_bytes(cfg: &super::LlamaConfig, positions: usize, window: usize)
     if !positions.is_multiple_of(window) {
         spans.push((0, positions % window));
     }
-    let block = block_bytes(cfg, &spans);
-    let kept = if cfg.layers * block <= KEEP_BYTES {
-        cfg.layers * block
-    } else {
-        4 * positions * cfg.hidden * cfg.layers + block
+    let kept = match keeps_every_block(cfg, &spans, KEEP_BYTES) {
+        (true, all) => all,
+        (false, all) => 4 * positions * cfg.hidden * cfg.layers + all / cfg.layers.max(1),
     };
     let outs = cfg.q_dim() + 2 * cfg.kv_dim() + 2 * cfg.ffn + 2 * cfg.hidden;
     let grads = 4 * positions * (outs + 4 * cfg.hidden);
