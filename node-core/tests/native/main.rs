@@ -12,6 +12,7 @@ mod common;
 #[path = "../gpu_bodies/mod.rs"]
 mod gpu_bodies;
 
+mod backward;
 mod batched;
 mod coded_synthetic;
 mod fuzz_regressions;

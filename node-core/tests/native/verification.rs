@@ -17,7 +17,7 @@ use node_core::model::{Gradients, KvCache, LeaderWeights, Llama, ModelWeights};
 const SEQ: [u32; 9] = [3, 17, 60, 42, 9, 17, 5, 33, 12];
 
 /// The honest members of a synthetic model, k = 3 of n = 5.
-fn honest() -> (ModelWeights, Generator, Vec<Member>) {
+pub(crate) fn honest() -> (ModelWeights, Generator, Vec<Member>) {
     let w = ModelWeights::synthetic(common::train_config(true), 11).unwrap();
     let g = Generator::cauchy(5, 3).unwrap();
     let mesh = InProcess::encode(&w, &g, ShardFormat::F32, &|_, _| {}).unwrap();
@@ -25,7 +25,12 @@ fn honest() -> (ModelWeights, Generator, Vec<Member>) {
 }
 
 /// The check as a mesh sets it: the f32 noise measured on honest members, times the margin.
-fn calibrated(w: &ModelWeights, g: &Generator, members: &[Member], extra: usize) -> VerifyConfig {
+pub(crate) fn calibrated(
+    w: &ModelWeights,
+    g: &Generator,
+    members: &[Member],
+    extra: usize,
+) -> VerifyConfig {
     let mesh = InProcess::new(members.to_vec()).unwrap();
     let norms = LeaderWeights::from_model(w);
     let (noise, _) = measure_noise(&w.cfg, &norms, g, mesh, 20).unwrap();
@@ -450,7 +455,7 @@ fn checked_gradients(
 }
 
 /// `members` with row `bad` lying as `how`.
-fn lying(members: &[Member], bad: usize, how: Misbehaviour) -> Vec<Member> {
+pub(crate) fn lying(members: &[Member], bad: usize, how: Misbehaviour) -> Vec<Member> {
     let mut out = members.to_vec();
     out[bad] = Member::misbehaving(members[bad].shards().clone(), bad, how);
     out

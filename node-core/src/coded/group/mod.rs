@@ -551,7 +551,13 @@ impl<T: Transport> CodedGroup<T> {
         }
         let inp = shapes.first().map_or(0, |&(_, i)| i);
         let k = self.generator.k();
-        let dy = to_blocks(dys, &shapes, &self.generator, t);
+        // Each token's gradient goes out scaled to the order of one by a power of two (exact
+        // both ways): a token the model is certain of has a gradient of a few subnormal values
+        // (1e-43 on the 1B shape), whose products f32 keeps with almost no relative precision,
+        // so honest answers failed the check.
+        let exponents = token_exponents(dys, t);
+        let dys: Vec<Vec<f32>> = dys.iter().map(|dy| scaled(dy, &exponents)).collect();
+        let dy = to_blocks(&dys, &shapes, &self.generator, t);
         let what = format!("{stage:?} backward");
         let mut last_error = None;
         for _ in 0..MAX_ROUND_ATTEMPTS {
@@ -615,7 +621,8 @@ impl<T: Transport> CodedGroup<T> {
                         for (_, v) in &parts {
                             sum.iter_mut().zip(v).for_each(|(a, &b)| *a += b);
                         }
-                        return Ok(sum);
+                        let back: Vec<i32> = exponents.iter().map(|e| -e).collect();
+                        return Ok(scaled(&sum, &back));
                     }
                     last_error = Some(CodedError::Verification(format!(
                         "{what}: members kept failing the check"
@@ -660,6 +667,39 @@ impl<T: Transport> CodedGroup<T> {
         }
         Ok(x)
     }
+}
+
+/// For each of `t` tokens, the power of two that brings the largest of its values in `rows`
+/// (each `t × len`) into `[1, 2)`; 0 for a token of zeros or with a value that is not finite.
+fn token_exponents(rows: &[Vec<f32>], t: usize) -> Vec<i32> {
+    let mut largest = vec![0.0f32; t];
+    for m in rows {
+        for (l, row) in largest
+            .iter_mut()
+            .zip(m.chunks_exact((m.len() / t.max(1)).max(1)))
+        {
+            *l = row.iter().fold(*l, |a, v| a.max(v.abs()));
+        }
+    }
+    largest
+        .into_iter()
+        .map(|l| match l > 0.0 && l.is_finite() {
+            true => -(f64::from(l).log2().floor() as i32),
+            false => 0,
+        })
+        .collect()
+}
+
+/// `v` (`t` runs of equal length) with run `τ` times `2^exponents[τ]`, rounded once to f32.
+fn scaled(v: &[f32], exponents: &[i32]) -> Vec<f32> {
+    let len = (v.len() / exponents.len().max(1)).max(1);
+    v.chunks(len)
+        .zip(exponents)
+        .flat_map(|(run, &e)| {
+            let f = 2f64.powi(e);
+            run.iter().map(move |&x| (f64::from(x) * f) as f32)
+        })
+        .collect()
 }
 
 /// A member's answer as values, or why it cannot be used.
