@@ -14,10 +14,10 @@ fn tokens_with_vanishing_output_gradients_convict_no_honest_member() {
     let (w, g, members) = honest();
     let check = calibrated(&w, &g, &members, 1);
     let (vocab, d) = (w.cfg.vocab, w.cfg.hidden);
-    let t = 4;
+    let t = 5;
     let mut dy = vec![0.0f32; t * vocab];
-    // An ordinary token, a certain one (subnormal), a nearly certain one (normal, tiny) and
-    // one that predicts nothing.
+    // An ordinary token, a certain one (subnormal), a nearly certain one (normal, tiny), one
+    // that predicts nothing, and one more below.
     for (i, v) in dy[..vocab].iter_mut().enumerate() {
         *v = ((i * 37 % 101) as f32 - 50.0) / 500.0;
     }
@@ -26,6 +26,12 @@ fn tokens_with_vanishing_output_gradients_convict_no_honest_member() {
     dy[vocab + 41] = 2.9e-44;
     dy[2 * vocab + 7] = -3.0e-30;
     dy[2 * vocab + 8] = 3.0e-30;
+    // A token sure of a wrong answer: ±1 in the first rows, subnormal in the last ones, so a
+    // member whose input is made of the last rows alone gets only subnormal values.
+    dy[4 * vocab + 1] = 0.9;
+    dy[4 * vocab + 2] = -0.9;
+    dy[5 * vocab - 3] = -f32::from_bits(1);
+    dy[5 * vocab - 2] = f32::from_bits(3);
     let want: Vec<f64> = (0..t)
         .flat_map(|tok| {
             let (dy, e) = (&dy, &w.embed);
@@ -77,5 +83,50 @@ fn tokens_with_vanishing_output_gradients_convict_no_honest_member() {
     group.set_verify(check);
     futures::executor::block_on(group.linear_t(Stage::LmHead, &[dy], t)).unwrap();
     let caught: Vec<usize> = group.stats().caught.iter().map(|c| c.node).collect();
+    assert_eq!(caught, vec![1]);
+}
+
+/// On compact rows the code is systematic: with the data rows decoding, each member's backward
+/// input is its own share of the vocabulary, so a token sure of a wrong answer (±1 in one
+/// share) gives the other member only its subnormal values. Each member's input is scaled on
+/// its own, so neither is convicted, and a liar still is.
+#[test]
+fn a_member_whose_share_of_a_token_is_subnormal_is_not_convicted() {
+    use node_core::code::Generator;
+    use node_core::coded::ShardFormat;
+    use node_core::model::ModelWeights;
+    let w = ModelWeights::synthetic(crate::common::train_config(true), 11).unwrap();
+    let g: Generator = ShardFormat::Q8.code(4, 2).unwrap();
+    let members = InProcess::encode(&w, &g, ShardFormat::Q8, &|_, _| {})
+        .unwrap()
+        .members()
+        .to_vec();
+    let check = calibrated(&w, &g, &members, 1);
+    let (vocab, t) = (w.cfg.vocab, 2);
+    let mut dy = vec![0.0f32; t * vocab];
+    for tok in 0..t {
+        dy[tok * vocab + 1 + tok] = 0.9;
+        dy[tok * vocab + 2 + tok] = -0.9;
+        dy[(tok + 1) * vocab - 3] = -f32::from_bits(1);
+        dy[(tok + 1) * vocab - 2] = 1.0e-43;
+    }
+    let run = |members: Vec<node_core::coded::Member>| {
+        let mut group = CodedGroup::new(
+            w.cfg.clone(),
+            g.clone(),
+            &[0, 1, 2],
+            InProcess::new(members).unwrap(),
+        )
+        .unwrap();
+        group.set_verify(check);
+        group.seed_checks(5);
+        let got = futures::executor::block_on(group.linear_t(Stage::LmHead, &[dy.clone()], t));
+        let caught: Vec<usize> = group.stats().caught.iter().map(|c| c.node).collect();
+        (got, caught)
+    };
+    let (got, caught) = run(members.clone());
+    assert!(caught.is_empty(), "{caught:?}");
+    assert!(got.unwrap().iter().all(|v| v.is_finite()));
+    let (_, caught) = run(lying(&members, 1, Misbehaviour::BackwardOnly));
     assert_eq!(caught, vec![1]);
 }

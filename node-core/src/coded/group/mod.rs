@@ -551,13 +551,8 @@ impl<T: Transport> CodedGroup<T> {
         }
         let inp = shapes.first().map_or(0, |&(_, i)| i);
         let k = self.generator.k();
-        // Each token's gradient goes out scaled to the order of one by a power of two (exact
-        // both ways): a token the model is certain of has a gradient of a few subnormal values
-        // (1e-43 on the 1B shape), whose products f32 keeps with almost no relative precision,
-        // so honest answers failed the check.
-        let exponents = token_exponents(dys, t);
-        let dys: Vec<Vec<f32>> = dys.iter().map(|dy| scaled(dy, &exponents)).collect();
-        let dy = to_blocks(&dys, &shapes, &self.generator, t);
+        let dy = to_blocks(dys, &shapes, &self.generator, t);
+        let (_, lens) = self.stage_layout(stage);
         let what = format!("{stage:?} backward");
         let mut last_error = None;
         for _ in 0..MAX_ROUND_ATTEMPTS {
@@ -570,10 +565,19 @@ impl<T: Transport> CodedGroup<T> {
                 .filter(|r| r.iter().all(|n| self.members.contains(n)))
                 .unwrap_or_else(|| self.members.iter().copied().take(k).collect());
             rows.sort_unstable();
-            let inputs: Parts = rows
+            let mut inputs: Parts = rows
                 .iter()
                 .copied()
                 .zip(self.decoder_for(&rows)?.transpose(&dy)?)
+                .collect();
+            // Each member's input goes out with every token's values scaled by a power of two
+            // into [1, 2), and its answer is scaled back (exact both ways): a token the model
+            // is certain of has a gradient of a few subnormal values (1e-43 on the 1B shape),
+            // all of a member's share on a systematic code, whose products f32 keeps with about
+            // one digit, so honest answers failed the check.
+            let exponents: Vec<Vec<i32>> = inputs
+                .iter_mut()
+                .map(|(_, u)| scale_tokens(u, &lens, t))
                 .collect();
             let requests = inputs
                 .iter()
@@ -617,12 +621,19 @@ impl<T: Transport> CodedGroup<T> {
                     if self.verify.extra == 0
                         || self.check_backward(stage, t, &inputs, &parts).await?
                     {
-                        let mut sum = vec![0.0f32; t * inp];
-                        for (_, v) in &parts {
-                            sum.iter_mut().zip(v).for_each(|(a, &b)| *a += b);
+                        let mut sum = vec![0.0f64; t * inp];
+                        for (node, v) in &parts {
+                            let at = rows.iter().position(|r| r == node).unwrap_or_default();
+                            let back = exponents.get(at).map_or(&[][..], Vec::as_slice);
+                            let rows = v.chunks(inp.max(1)).zip(sum.chunks_mut(inp.max(1)));
+                            for ((v, s), &e) in rows.zip(back) {
+                                let f = 2f64.powi(-e);
+                                s.iter_mut()
+                                    .zip(v)
+                                    .for_each(|(a, &b)| *a += f64::from(b) * f);
+                            }
                         }
-                        let back: Vec<i32> = exponents.iter().map(|e| -e).collect();
-                        return Ok(scaled(&sum, &back));
+                        return Ok(sum.into_iter().map(|v| v as f32).collect());
                     }
                     last_error = Some(CodedError::Verification(format!(
                         "{what}: members kept failing the check"
@@ -669,35 +680,38 @@ impl<T: Transport> CodedGroup<T> {
     }
 }
 
-/// For each of `t` tokens, the power of two that brings the largest of its values in `rows`
-/// (each `t × len`) into `[1, 2)`; 0 for a token of zeros or with a value that is not finite.
-fn token_exponents(rows: &[Vec<f32>], t: usize) -> Vec<i32> {
-    let mut largest = vec![0.0f32; t];
-    for m in rows {
-        for (l, row) in largest
-            .iter_mut()
-            .zip(m.chunks_exact((m.len() / t.max(1)).max(1)))
-        {
-            *l = row.iter().fold(*l, |a, v| a.max(v.abs()));
-        }
-    }
-    largest
-        .into_iter()
-        .map(|l| match l > 0.0 && l.is_finite() {
-            true => -(f64::from(l).log2().floor() as i32),
-            false => 0,
+/// Scales each of `t` tokens' values in a member's backward input `u` (`[sub-block][matrix]
+/// [token][row]`, `lens` rows per matrix and sub-block) by the power of two that brings the
+/// largest into `[1, 2)`, and answers the powers (0 for a token of zeros or with a value that
+/// is not finite).
+fn scale_tokens(u: &mut [f32], lens: &[usize], t: usize) -> Vec<i32> {
+    let per_sub: usize = lens.iter().map(|l| t * l).sum();
+    // The token's values in one sub-block: one run per matrix.
+    let runs = |sub: usize, tok: usize| {
+        let mut at = sub * per_sub;
+        lens.iter().map(move |&l| {
+            let run = at + tok * l..at + (tok + 1) * l;
+            at += t * l;
+            run
         })
-        .collect()
-}
-
-/// `v` (`t` runs of equal length) with run `τ` times `2^exponents[τ]`, rounded once to f32.
-fn scaled(v: &[f32], exponents: &[i32]) -> Vec<f32> {
-    let len = (v.len() / exponents.len().max(1)).max(1);
-    v.chunks(len)
-        .zip(exponents)
-        .flat_map(|(run, &e)| {
+    };
+    let subs = u.len() / per_sub.max(1);
+    (0..t)
+        .map(|tok| {
+            let largest = (0..subs)
+                .flat_map(|s| runs(s, tok))
+                .flat_map(|r| &u[r])
+                .fold(0.0f32, |m, v| m.max(v.abs()));
+            if !(largest > 0.0 && largest.is_finite()) {
+                return 0;
+            }
+            let e = -(f64::from(largest).log2().floor() as i32);
             let f = 2f64.powi(e);
-            run.iter().map(move |&x| (f64::from(x) * f) as f32)
+            for r in (0..subs).flat_map(|s| runs(s, tok)) {
+                u[r].iter_mut()
+                    .for_each(|v| *v = (f64::from(*v) * f) as f32);
+            }
+            e
         })
         .collect()
 }
