@@ -1,9 +1,31 @@
 //! Backward rounds on gradients f32 barely holds: tokens the model is certain of.
 
-use node_core::coded::{CodedGroup, InProcess, Misbehaviour};
-use node_core::model::{LinearExec, Stage};
+use node_core::code::Generator;
+use node_core::coded::{CodedGroup, InProcess, Member, Misbehaviour, ShardFormat, VerifyConfig};
+use node_core::model::{LinearExec, ModelError, ModelWeights, Stage};
 
 use crate::verification::{calibrated, honest, lying};
+
+/// The LM head's backward product of `dy` (`t` tokens) through a checked group of `rows`, and
+/// the rows it caught.
+fn backward(
+    w: &ModelWeights,
+    g: &Generator,
+    members: Vec<Member>,
+    rows: &[usize],
+    check: VerifyConfig,
+    dy: &[f32],
+    t: usize,
+) -> (Result<Vec<f32>, ModelError>, Vec<usize>, u64) {
+    let mesh = InProcess::new(members).unwrap();
+    let mut group = CodedGroup::new(w.cfg.clone(), g.clone(), rows, mesh).unwrap();
+    group.set_verify(check);
+    group.seed_checks(3);
+    let got = futures::executor::block_on(group.linear_t(Stage::LmHead, &[dy.to_vec()], t));
+    let stats = group.stats();
+    let caught = stats.caught.iter().map(|c| c.node).collect();
+    (got, caught, stats.checked_backward_rounds)
+}
 
 /// A token the model is certain of has an output gradient of a few subnormal values (its
 /// softmax rounds to the one-hot target; seen on the 1B shape, 1e-43), where f32 keeps almost
@@ -43,20 +65,10 @@ fn tokens_with_vanishing_output_gradients_convict_no_honest_member() {
         })
         .collect();
     for rows in [[0, 1, 2, 3], [3, 4, 0, 1]] {
-        let mut group = CodedGroup::new(
-            w.cfg.clone(),
-            g.clone(),
-            &rows,
-            InProcess::new(members.clone()).unwrap(),
-        )
-        .unwrap();
-        group.set_verify(check);
-        group.seed_checks(3);
-        let got =
-            futures::executor::block_on(group.linear_t(Stage::LmHead, &[dy.clone()], t)).unwrap();
-        let caught = &group.stats().caught;
+        let (got, caught, checked) = backward(&w, &g, members.clone(), &rows, check, &dy, t);
+        let got = got.unwrap();
         assert!(caught.is_empty(), "rows {rows:?}: {caught:?}");
-        assert_eq!(group.stats().checked_backward_rounds, 1);
+        assert_eq!(checked, 1);
         for tok in 0..t {
             let (got, want) = (&got[tok * d..(tok + 1) * d], &want[tok * d..(tok + 1) * d]);
             let scale = want.iter().fold(0.0f64, |m, v| m.max(v.abs()));
@@ -73,16 +85,8 @@ fn tokens_with_vanishing_output_gradients_convict_no_honest_member() {
         }
     }
     let liar = lying(&members, 1, Misbehaviour::BackwardOnly);
-    let mut group = CodedGroup::new(
-        w.cfg.clone(),
-        g.clone(),
-        &[0, 1, 2, 3],
-        InProcess::new(liar).unwrap(),
-    )
-    .unwrap();
-    group.set_verify(check);
-    futures::executor::block_on(group.linear_t(Stage::LmHead, &[dy], t)).unwrap();
-    let caught: Vec<usize> = group.stats().caught.iter().map(|c| c.node).collect();
+    let (got, caught, _) = backward(&w, &g, liar, &[0, 1, 2, 3], check, &dy, t);
+    got.unwrap();
     assert_eq!(caught, vec![1]);
 }
 
@@ -92,9 +96,6 @@ fn tokens_with_vanishing_output_gradients_convict_no_honest_member() {
 /// its own, so neither is convicted, and a liar still is.
 #[test]
 fn a_member_whose_share_of_a_token_is_subnormal_is_not_convicted() {
-    use node_core::code::Generator;
-    use node_core::coded::ShardFormat;
-    use node_core::model::ModelWeights;
     let w = ModelWeights::synthetic(crate::common::train_config(true), 11).unwrap();
     let g: Generator = ShardFormat::Q8.code(4, 2).unwrap();
     let members = InProcess::encode(&w, &g, ShardFormat::Q8, &|_, _| {})
@@ -110,23 +111,10 @@ fn a_member_whose_share_of_a_token_is_subnormal_is_not_convicted() {
         dy[(tok + 1) * vocab - 3] = -f32::from_bits(1);
         dy[(tok + 1) * vocab - 2] = 1.0e-43;
     }
-    let run = |members: Vec<node_core::coded::Member>| {
-        let mut group = CodedGroup::new(
-            w.cfg.clone(),
-            g.clone(),
-            &[0, 1, 2],
-            InProcess::new(members).unwrap(),
-        )
-        .unwrap();
-        group.set_verify(check);
-        group.seed_checks(5);
-        let got = futures::executor::block_on(group.linear_t(Stage::LmHead, &[dy.clone()], t));
-        let caught: Vec<usize> = group.stats().caught.iter().map(|c| c.node).collect();
-        (got, caught)
-    };
-    let (got, caught) = run(members.clone());
+    let (got, caught, _) = backward(&w, &g, members.clone(), &[0, 1, 2], check, &dy, t);
     assert!(caught.is_empty(), "{caught:?}");
     assert!(got.unwrap().iter().all(|v| v.is_finite()));
-    let (_, caught) = run(lying(&members, 1, Misbehaviour::BackwardOnly));
+    let liar = lying(&members, 1, Misbehaviour::BackwardOnly);
+    let (_, caught, _) = backward(&w, &g, liar, &[0, 1, 2], check, &dy, t);
     assert_eq!(caught, vec![1]);
 }

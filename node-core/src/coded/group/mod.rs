@@ -134,7 +134,7 @@ struct Recent {
 const RECENT_ROUNDS: usize = 8;
 
 /// Answers of one round: `(node, values)`.
-type Parts = Vec<(usize, Vec<f32>)>;
+type Parts<T = f32> = Vec<(usize, Vec<T>)>;
 
 /// The decoded blocks of a round, the decoding's condition number, and the predictions of the
 /// answers beyond the first k.
@@ -549,10 +549,9 @@ impl<T: Transport> CodedGroup<T> {
                 "{stage:?}: gradients do not match the stage's outputs"
             )));
         }
-        let inp = shapes.first().map_or(0, |&(_, i)| i);
+        let (inp, lens) = self.stage_layout(stage);
         let k = self.generator.k();
         let dy = to_blocks(dys, &shapes, &self.generator, t);
-        let (_, lens) = self.stage_layout(stage);
         let what = format!("{stage:?} backward");
         let mut last_error = None;
         for _ in 0..MAX_ROUND_ATTEMPTS {
@@ -575,9 +574,9 @@ impl<T: Transport> CodedGroup<T> {
             // is certain of has a gradient of a few subnormal values (1e-43 on the 1B shape),
             // all of a member's share on a systematic code, whose products f32 keeps with about
             // one digit, so honest answers failed the check.
-            let exponents: Vec<Vec<i32>> = inputs
+            let exponents: Parts<i32> = inputs
                 .iter_mut()
-                .map(|(_, u)| scale_tokens(u, &lens, t))
+                .map(|(node, u)| (*node, scale_tokens(u, &lens, t)))
                 .collect();
             let requests = inputs
                 .iter()
@@ -621,19 +620,7 @@ impl<T: Transport> CodedGroup<T> {
                     if self.verify.extra == 0
                         || self.check_backward(stage, t, &inputs, &parts).await?
                     {
-                        let mut sum = vec![0.0f64; t * inp];
-                        for (node, v) in &parts {
-                            let at = rows.iter().position(|r| r == node).unwrap_or_default();
-                            let back = exponents.get(at).map_or(&[][..], Vec::as_slice);
-                            let rows = v.chunks(inp.max(1)).zip(sum.chunks_mut(inp.max(1)));
-                            for ((v, s), &e) in rows.zip(back) {
-                                let f = 2f64.powi(-e);
-                                s.iter_mut()
-                                    .zip(v)
-                                    .for_each(|(a, &b)| *a += f64::from(b) * f);
-                            }
-                        }
-                        return Ok(sum.into_iter().map(|v| v as f32).collect());
+                        return Ok(scaled_back_sum(&parts, &exponents, t * inp));
                     }
                     last_error = Some(CodedError::Verification(format!(
                         "{what}: members kept failing the check"
@@ -714,6 +701,28 @@ fn scale_tokens(u: &mut [f32], lens: &[usize], t: usize) -> Vec<i32> {
             e
         })
         .collect()
+}
+
+/// The sum of the members' answers `parts` (`t × in` each), each token row scaled back by the
+/// power [`scale_tokens`] gave that member's input (`exponents`), formed in f64 and rounded once.
+fn scaled_back_sum(parts: &Parts, exponents: &Parts<i32>, len: usize) -> Vec<f32> {
+    let mut sum = vec![0.0f64; len];
+    for (node, answer) in parts {
+        let Some((_, powers)) = exponents.iter().find(|(n, _)| n == node) else {
+            continue;
+        };
+        let width = len / powers.len().max(1);
+        let tokens = answer
+            .chunks(width.max(1))
+            .zip(sum.chunks_mut(width.max(1)));
+        for ((values, acc), &e) in tokens.zip(powers) {
+            let f = 2f64.powi(-e);
+            acc.iter_mut()
+                .zip(values)
+                .for_each(|(a, &v)| *a += f64::from(v) * f);
+        }
+    }
+    sum.into_iter().map(|v| v as f32).collect()
 }
 
 /// A member's answer as values, or why it cannot be used.
