@@ -18,6 +18,7 @@ use cli::{BenchArgs, Cli, Command, StatusArgs, UpArgs};
 
 /// The allocator: the rounds allocate and free a few buffers each (docs/perf-history.md, "An allocator
 /// for the rounds").
+#[cfg(not(feature = "system-alloc"))]
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

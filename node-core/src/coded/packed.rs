@@ -47,6 +47,17 @@ fn unzigzag(z: u16) -> i16 {
 
 /// `values`, entropy-coded.
 pub fn pack(values: &[i16]) -> Result<Vec<u8>, PackError> {
+    let (mut out, words) = pack_parts(values)?;
+    out.reserve_exact(4 * words.len());
+    for w in words {
+        out.extend_from_slice(&w.to_le_bytes());
+    }
+    Ok(out)
+}
+
+/// [`pack`]'s bytes in two parts: the header with the probabilities, and the rANS words
+/// (reserved once from the values' entropy, so that a large row's words never double).
+fn pack_parts(values: &[i16]) -> Result<(Vec<u8>, Vec<u32>), PackError> {
     fn coding(e: impl std::fmt::Debug) -> PackError {
         PackError(format!("coding: {e:?}"))
     }
@@ -65,7 +76,7 @@ pub fn pack(values: &[i16]) -> Result<Vec<u8>, PackError> {
         &counts, None,
     )
     .map_err(|()| PackError("no distribution of the values".into()))?;
-    let mut out = Vec::with_capacity(HEADER + 4 * alphabet + values.len() * 9 / 8);
+    let mut out = Vec::with_capacity(HEADER + 4 * alphabet);
     out.push(VERSION);
     out.extend_from_slice(&(values.len() as u64).to_le_bytes());
     out.push(low as u8);
@@ -74,7 +85,18 @@ pub fn pack(values: &[i16]) -> Result<Vec<u8>, PackError> {
         out.extend_from_slice(&p.get().to_le_bytes());
     }
     let uniform = DefaultUniformModel::new(1 << low);
-    let mut coder = DefaultAnsCoder::new();
+    // The words the values take: their entropy under the model, the low bits, the seal and
+    // the state, and a margin for the model's rounding.
+    let n = values.len() as f64;
+    let bits: f64 = counts
+        .iter()
+        .filter(|&&c| c > 0.0)
+        .map(|&c| c * (n / c).log2().max(0.0))
+        .sum::<f64>()
+        + n * f64::from(low);
+    let words = (bits / 32.0 * 1.02) as usize + 1024;
+    // An empty bulk with a zero state is a new coder (`AnsCoder::default`).
+    let mut coder = DefaultAnsCoder::from_raw_parts(Vec::with_capacity(words), 0);
     // The seal goes in first and comes out last: it fills the coder's state, so every value
     // after it costs its bits in words (an empty coder's state codes the first symbols
     // nearly free, which would break the count's bound), and it checks the end.
@@ -92,10 +114,7 @@ pub fn pack(values: &[i16]) -> Result<Vec<u8>, PackError> {
             .and_then(|()| coder.encode_symbol(z >> low, &model))
             .map_err(coding)?;
     }
-    for w in coder.into_compressed().map_err(coding)? {
-        out.extend_from_slice(&w.to_le_bytes());
-    }
-    Ok(out)
+    Ok((out, coder.into_compressed().map_err(coding)?))
 }
 
 /// Values [`pack`] wrote, from untrusted bytes.
@@ -179,9 +198,20 @@ pub mod serde_packed {
 
     use serde::{Deserialize, Deserializer, Serializer};
 
-    /// Writes the values packed.
+    /// Writes the values packed: as a sequence of bytes (in postcard the same bytes as a byte
+    /// string), straight from the rANS words, so that no copy of them is made.
     pub fn serialize<S: Serializer>(values: &[i16], s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_bytes(&super::pack(values).map_err(serde::ser::Error::custom)?)
+        use serde::ser::SerializeSeq;
+        let (head, words) = super::pack_parts(values).map_err(serde::ser::Error::custom)?;
+        let mut seq = s.serialize_seq(Some(head.len() + 4 * words.len()))?;
+        for b in head
+            .iter()
+            .copied()
+            .chain(words.iter().flat_map(|w| w.to_le_bytes()))
+        {
+            seq.serialize_element(&b)?;
+        }
+        seq.end()
     }
 
     /// Reads packed values: as a sequence of bytes (the same bytes in postcard), which a
@@ -225,6 +255,30 @@ mod tests {
             (i16::MIN..=i16::MAX).collect(),
         ] {
             assert_eq!(unpack(&pack(&values).unwrap()).unwrap(), values);
+        }
+    }
+
+    #[test]
+    fn serde_writes_the_packed_bytes_as_a_byte_string_and_reads_them_back() {
+        #[derive(serde::Serialize, serde::Deserialize)]
+        struct Row(#[serde(with = "serde_packed")] std::sync::Arc<Vec<i16>>);
+        for values in [Vec::new(), vec![7, -3, 0], sums(100_000, 4)] {
+            let bytes = postcard::to_allocvec(&Row(values.clone().into())).unwrap();
+            let packed = pack(&values).unwrap();
+            // postcard's byte string: the length as a varint, then the bytes.
+            let mut want = postcard::to_allocvec(&(packed.len() as u64)).unwrap();
+            want.extend_from_slice(&packed);
+            assert_eq!(bytes, want);
+            let back: Row = postcard::from_bytes(&bytes).unwrap();
+            assert_eq!(*back.0, values);
+            // The words were reserved once: never doubled on the way.
+            let (_, words) = pack_parts(&values).unwrap();
+            assert!(
+                words.capacity() <= words.len() * 21 / 20 + 1024,
+                "{} words in {}",
+                words.len(),
+                words.capacity()
+            );
         }
     }
 

@@ -371,24 +371,21 @@ impl Update {
     /// The step compact shards take (docs/coding.md, "Learning on compact shards"): every input
     /// factor `X` replaced by `X·Vᵀ·V / rank`, which lies in the adapters' subspace, so that
     /// [`Self::apply_to_weights`] and the update probe see what their adapters learn.
-    pub fn projected(&self) -> Self {
-        let project = |x: &[f32], t: usize| -> Vec<f32> {
+    pub fn projected(mut self) -> Self {
+        let project = |x: &mut Vec<f32>, t: usize| {
             if t == 0 {
-                return x.to_vec();
+                return;
             }
-            let cols = x.len() / t;
-            let proj = Projection::of(cols);
+            let proj = Projection::of(x.len() / t);
             let z = proj.down_update(x, t);
-            let mut out = vec![0.0f32; x.len()];
-            proj.up_add(&z, &mut out);
-            out
+            x.fill(0.0);
+            proj.up_add(&z, x);
         };
-        let mut u = self.clone();
-        for f in &mut u.stages {
-            f.x = project(&f.x, f.rows as usize);
+        for f in &mut self.stages {
+            project(&mut f.x, f.rows as usize);
         }
-        u.embed_dx = project(&self.embed_dx, self.embed_tokens.len());
-        u
+        project(&mut self.embed_dx, self.embed_tokens.len());
+        self
     }
 
     /// The step shards in `format` take: [`Self::projected`] for compact shards, which learn
@@ -501,7 +498,7 @@ impl Update {
                     Some(l) => &mut s.blocks[l][idx[i]],
                     None => s.lm_head.as_mut().unwrap_or(&mut s.embed),
                 };
-                apply_factor(shard, &coeffs, m, km, dy, x, t, self.step)?;
+                apply_factor(shard, &coeffs, m, km, OutGrad::Dense(dy), x, t, self.step)?;
             }
         }
         // The embedding lookup: dY is one-hot rows, so only the tokens' blocks move.
@@ -509,23 +506,16 @@ impl Update {
         if t == 0 {
             return Ok(());
         }
-        let d = s.cfg.hidden;
-        let vocab = s.cfg.vocab;
-        let mut onehot = vec![0.0f32; t * vocab];
-        for (i, &tok) in self.embed_tokens.iter().enumerate() {
-            onehot[i * vocab + tok as usize] = 1.0;
-        }
         apply_factor(
             &mut s.embed,
             &coeffs,
             m,
             km,
-            &onehot,
+            OutGrad::OneHot(&self.embed_tokens),
             &self.embed_dx,
             t,
             self.step,
         )?;
-        debug_assert_eq!(self.embed_dx.len(), t * d);
         Ok(())
     }
 }
@@ -533,6 +523,30 @@ impl Update {
 fn sub(v: &mut [f32], d: &[f32], step: f32) {
     v.iter_mut().zip(d).for_each(|(a, &b)| *a -= step * b);
 }
+
+/// A factor's output gradients `dY`, `t` rows: dense, or one-hot (the embedding's: each row
+/// is its position's token).
+#[derive(Clone, Copy)]
+enum OutGrad<'a> {
+    Dense(&'a [f32]),
+    OneHot(&'a [u32]),
+}
+
+impl OutGrad<'_> {
+    /// Whether it holds `t` rows of `out` values.
+    fn fits(&self, t: usize, out: usize) -> bool {
+        match *self {
+            OutGrad::Dense(dy) => dy.len() == t * out,
+            OutGrad::OneHot(tokens) => {
+                tokens.len() == t && tokens.iter().all(|&x| (x as usize) < out)
+            }
+        }
+    }
+}
+
+/// Rows of a sub-block whose coded output gradients are formed at once: `t × ROW_BLOCK` values
+/// (a whole sub-block's would be `t × vocab / k` for the LM head: 0.5 GB at 1B and 1024 rows).
+const ROW_BLOCK: usize = 64;
 
 /// `S_s −= step · (Σ_j c[s][j]·dY_j)ᵀ·X` for every sub-block `s` of one shard: in its values
 /// for f32 shards, in its adapter for compact ones (with `X·Vᵀ / rank` for `X`).
@@ -542,13 +556,13 @@ fn apply_factor(
     coeffs: &[f64],
     m: usize,
     km: usize,
-    dy: &[f32],
+    dy: OutGrad<'_>,
     x: &[f32],
     t: usize,
     step: f32,
 ) -> Result<(), CodedError> {
     let (out, cols) = (shard.out, shard.cols);
-    if dy.len() != t * out || x.len() != t * cols {
+    if !dy.fits(t, out) || x.len() != t * cols {
         return Err(CodedError::BadRequest(
             "update factors do not fit the shard".into(),
         ));
@@ -623,7 +637,7 @@ fn apply_coded(
     (width, layout): (usize, Layout),
     Rows { out, l, m, km }: Rows,
     coeffs: &[f64],
-    dy: &[f32],
+    dy: OutGrad<'_>,
     x: &[f32],
     t: usize,
     step: f32,
@@ -632,49 +646,64 @@ fn apply_coded(
         *carry = vec![0.0; values.len()];
     }
     let step = f64::from(step);
-    // The coded output gradient of each position for one sub-block: `coded[tok·l + r]`.
-    let mut coded = vec![0.0f64; t * l];
+    // The coded output gradient of each position for a block of a sub-block's rows:
+    // `coded[tok·rows + r]`.
+    let mut coded = vec![0.0f64; t * ROW_BLOCK.min(l)];
     let mut delta = vec![0.0f64; width];
     for s in 0..m {
-        coded.iter_mut().for_each(|c| *c = 0.0);
-        for tok in 0..t {
-            let row = &mut coded[tok * l..(tok + 1) * l];
-            for j in 0..km {
-                let c = coeffs[s * km + j];
-                let first = j * l;
-                for (r, acc) in row.iter_mut().enumerate() {
-                    if first + r < out {
-                        *acc += c * f64::from(dy[tok * out + first + r]);
+        for first_row in (0..l).step_by(ROW_BLOCK) {
+            let rows = ROW_BLOCK.min(l - first_row);
+            let coded = &mut coded[..t * rows];
+            coded.iter_mut().for_each(|c| *c = 0.0);
+            for (tok, row) in coded.chunks_exact_mut(rows).enumerate() {
+                for j in 0..km {
+                    let c = coeffs[s * km + j];
+                    let first = j * l + first_row;
+                    match dy {
+                        OutGrad::Dense(dy) => {
+                            for (r, acc) in row.iter_mut().enumerate() {
+                                if first + r < out {
+                                    *acc += c * f64::from(dy[tok * out + first + r]);
+                                }
+                            }
+                        }
+                        OutGrad::OneHot(tokens) => {
+                            let at = tokens[tok] as usize;
+                            if (first..first + rows).contains(&at) && at < out {
+                                row[at - first] += c;
+                            }
+                        }
                     }
                 }
             }
-        }
-        for r in 0..l {
-            delta.iter_mut().for_each(|d| *d = 0.0);
-            let mut touched = false;
-            for tok in 0..t {
-                let a = coded[tok * l + r];
-                if a != 0.0 {
-                    touched = true;
-                    let xr = &x[tok * width..(tok + 1) * width];
-                    delta
-                        .iter_mut()
-                        .zip(xr)
-                        .for_each(|(d, &xv)| *d += a * f64::from(xv));
+            for r in 0..rows {
+                delta.iter_mut().for_each(|d| *d = 0.0);
+                let mut touched = false;
+                for tok in 0..t {
+                    let a = coded[tok * rows + r];
+                    if a != 0.0 {
+                        touched = true;
+                        let xr = &x[tok * width..(tok + 1) * width];
+                        delta
+                            .iter_mut()
+                            .zip(xr)
+                            .for_each(|(d, &xv)| *d += a * f64::from(xv));
+                    }
                 }
-            }
-            if !touched {
-                continue;
-            }
-            for (col, d) in delta.iter().enumerate() {
-                let at = match layout {
-                    Layout::Rows => (s * l + r) * width + col,
-                    Layout::Tiles => s * l * width + crate::coded::tiled_at(l, width, r, col),
-                };
-                let (v, c) = (&mut values[at], &mut carry[at]);
-                let exact = f64::from(*v) + f64::from(*c) - step * d;
-                *v = exact as f32;
-                *c = (exact - f64::from(*v)) as f32;
+                if !touched {
+                    continue;
+                }
+                let r = first_row + r;
+                for (col, d) in delta.iter().enumerate() {
+                    let at = match layout {
+                        Layout::Rows => (s * l + r) * width + col,
+                        Layout::Tiles => s * l * width + crate::coded::tiled_at(l, width, r, col),
+                    };
+                    let (v, c) = (&mut values[at], &mut carry[at]);
+                    let exact = f64::from(*v) + f64::from(*c) - step * d;
+                    *v = exact as f32;
+                    *c = (exact - f64::from(*v)) as f32;
+                }
             }
         }
     }

@@ -323,7 +323,25 @@ pub(crate) async fn run_block<E: LinearExec, A: Attend>(
     Ok(keep.then_some(a))
 }
 
-/// `stage` of `x` (`t` rows) through `exec`, its outputs checked against the model's shapes.
+/// Bytes of one block stage's outputs (f32, every matrix of the stage) a round may reach: more
+/// rows run in several rounds (and a served batch in several passes, each over the keys and
+/// values of those before), so what a node holds for a step follows this and not the prompt.
+const PASS_BYTES: usize = 8 << 20;
+
+/// Rows one round (and one pass of a served batch) carries for a model of `cfg`:
+/// [`PASS_BYTES`] of its widest block stage's outputs, 16 to 512.
+pub fn pass_rows(cfg: &LlamaConfig) -> usize {
+    let widest = Stage::all(cfg)
+        .iter()
+        .filter(|s| s.layer().is_some())
+        .map(|s| s.shapes(cfg).iter().map(|&(out, _)| out).sum::<usize>())
+        .max()
+        .unwrap_or(1);
+    (PASS_BYTES / (4 * widest).max(1)).clamp(16, 512)
+}
+
+/// `stage` of `x` (`t` rows) through `exec`, [`pass_rows`] rows a round, its outputs checked
+/// against the model's shapes.
 pub(crate) async fn linear<E: LinearExec>(
     exec: &mut E,
     cfg: &LlamaConfig,
@@ -331,9 +349,77 @@ pub(crate) async fn linear<E: LinearExec>(
     x: &[f32],
     t: usize,
 ) -> Result<Vec<Vec<f32>>, ModelError> {
-    let out = exec.linear(stage, x, t).await?;
-    check_outputs(&out, stage, cfg, t)?;
-    Ok(out)
+    let rows = pass_rows(cfg);
+    if t <= rows {
+        let out = exec.linear(stage, x, t).await?;
+        check_outputs(&out, stage, cfg, t)?;
+        return Ok(out);
+    }
+    let shapes = stage.shapes(cfg);
+    let inp = shapes.first().map_or(0, |&(_, i)| i);
+    if x.len() != t * inp {
+        return Err(wrong_shape(stage, "input"));
+    }
+    let mut outs: Vec<Vec<f32>> = shapes
+        .iter()
+        .map(|&(out, _)| Vec::with_capacity(t * out))
+        .collect();
+    for first in (0..t).step_by(rows) {
+        let n = rows.min(t - first);
+        let piece = exec
+            .linear(stage, &x[first * inp..(first + n) * inp], n)
+            .await?;
+        check_outputs(&piece, stage, cfg, n)?;
+        for (o, p) in outs.iter_mut().zip(piece) {
+            o.extend_from_slice(&p);
+        }
+    }
+    Ok(outs)
+}
+
+/// `Σ_matrix dy_matrix · W_matrix` of `stage` (`t` rows) through `exec`, [`pass_rows`] rows a
+/// round.
+pub(crate) async fn linear_t<E: LinearExec>(
+    exec: &mut E,
+    cfg: &LlamaConfig,
+    stage: Stage,
+    dy: &[Vec<f32>],
+    t: usize,
+) -> Result<Vec<f32>, ModelError> {
+    let rows = pass_rows(cfg);
+    let shapes = stage.shapes(cfg);
+    let inp = shapes.first().map_or(0, |&(_, i)| i);
+    if dy.len() != shapes.len() || dy.iter().zip(&shapes).any(|(d, &(o, _))| d.len() != t * o) {
+        return Err(wrong_shape(stage, "gradient"));
+    }
+    let mut dx = Vec::with_capacity(t * inp);
+    for first in (0..t).step_by(rows) {
+        let n = rows.min(t - first);
+        let piece: Vec<Vec<f32>>;
+        let part = if n == t {
+            dy
+        } else {
+            piece = dy
+                .iter()
+                .zip(&shapes)
+                .map(|(d, &(o, _))| d[first * o..(first + n) * o].to_vec())
+                .collect();
+            &piece
+        };
+        let got = exec.linear_t(stage, part, n).await?;
+        if got.len() != n * inp {
+            return Err(wrong_shape(stage, "transposed output"));
+        }
+        dx.extend_from_slice(&got);
+    }
+    Ok(dx)
+}
+
+fn wrong_shape(stage: Stage, what: &str) -> ModelError {
+    ModelError::Exec {
+        stage,
+        message: format!("wrong {what} shape"),
+    }
 }
 
 /// Checks that a stage returned one `t × out` output per matrix.
@@ -352,10 +438,7 @@ pub(crate) fn check_outputs(
     if ok {
         Ok(())
     } else {
-        Err(ModelError::Exec {
-            stage,
-            message: "wrong output shape".into(),
-        })
+        Err(wrong_shape(stage, "output"))
     }
 }
 
@@ -447,6 +530,110 @@ pub(crate) fn add_in_place(x: &mut [f32], y: &[f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A dense exec with weights `W_m[r][c] = sin(r + 3c + 7m)`, the most rows it was asked for
+    /// at once, and its rounds.
+    struct Dense<'c> {
+        cfg: &'c LlamaConfig,
+        most: usize,
+        rounds: usize,
+    }
+
+    fn weight(m: usize, r: usize, c: usize) -> f32 {
+        ((r + 3 * c + 7 * m) as f32).sin()
+    }
+
+    impl LinearExec for Dense<'_> {
+        async fn linear(
+            &mut self,
+            stage: Stage,
+            x: &[f32],
+            t: usize,
+        ) -> Result<Vec<Vec<f32>>, ModelError> {
+            (self.most, self.rounds) = (self.most.max(t), self.rounds + 1);
+            Ok((stage.shapes(self.cfg).iter().enumerate())
+                .map(|(m, &(out, inp))| {
+                    (0..t * out)
+                        .map(|i| {
+                            (0..inp)
+                                .map(|c| weight(m, i % out, c) * x[i / out * inp + c])
+                                .sum()
+                        })
+                        .collect()
+                })
+                .collect())
+        }
+
+        async fn linear_t(
+            &mut self,
+            stage: Stage,
+            dy: &[Vec<f32>],
+            t: usize,
+        ) -> Result<Vec<f32>, ModelError> {
+            (self.most, self.rounds) = (self.most.max(t), self.rounds + 1);
+            let shapes = stage.shapes(self.cfg);
+            let inp = shapes[0].1;
+            Ok((0..t * inp)
+                .map(|i| {
+                    (shapes.iter().enumerate())
+                        .map(|(m, &(out, _))| {
+                            (0..out)
+                                .map(|r| dy[m][i / inp * out + r] * weight(m, r, i % inp))
+                                .sum::<f32>()
+                        })
+                        .sum()
+                })
+                .collect())
+        }
+
+        async fn embed(&mut self, _: &[u32]) -> Result<Vec<f32>, ModelError> {
+            unreachable!("not a stage")
+        }
+    }
+
+    #[test]
+    fn rows_beyond_a_pass_run_in_rounds_of_pass_rows_with_the_same_products() {
+        // A wide feed-forward brings a round down to 64 rows.
+        let cfg = LlamaConfig {
+            hidden: 8,
+            ffn: 16384,
+            ..LlamaConfig::small()
+        };
+        assert_eq!(pass_rows(&cfg), 64);
+        let t = 150;
+        let stage = Stage::AttnOut(0);
+        let (out, inp) = stage.shapes(&cfg)[0];
+        let x: Vec<f32> = (0..t * inp).map(|i| (i as f32 * 0.37).cos()).collect();
+        let dy = vec![
+            (0..t * out)
+                .map(|i| (i as f32 * 0.11).sin())
+                .collect::<Vec<f32>>(),
+        ];
+        let mut whole = Dense {
+            cfg: &cfg,
+            most: 0,
+            rounds: 0,
+        };
+        let want = futures::executor::block_on(whole.linear(stage, &x, t)).unwrap();
+        let want_t = futures::executor::block_on(whole.linear_t(stage, &dy, t)).unwrap();
+        let mut split = Dense {
+            cfg: &cfg,
+            most: 0,
+            rounds: 0,
+        };
+        let got = futures::executor::block_on(linear(&mut split, &cfg, stage, &x, t)).unwrap();
+        let got_t = futures::executor::block_on(linear_t(&mut split, &cfg, stage, &dy, t)).unwrap();
+        assert_eq!(
+            (split.most, split.rounds),
+            (64, 6),
+            "150 rows: 64, 64 and 22, twice"
+        );
+        assert_eq!(got, want);
+        assert_eq!(got_t, want_t);
+        // A gradient of the wrong length is an error, not a panic.
+        let short = vec![dy[0][..out].to_vec()];
+        assert!(futures::executor::block_on(linear_t(&mut split, &cfg, stage, &short, t)).is_err());
+    }
 
     #[test]
     fn the_pass_is_every_block_then_the_head_with_a_stage_per_linear_step() {

@@ -2,7 +2,7 @@
 //! every block run as [`super::block`] says and every linear stage through a [`LinearExec`].
 
 use super::block::{
-    Attend, LinearExec, Rows, Stage, linear, rms_norm, rope_table, run_block, softmax,
+    Attend, LinearExec, Rows, Stage, linear, pass_rows, rms_norm, rope_table, run_block, softmax,
 };
 use super::{LeaderWeights, LlamaConfig, ModelError};
 
@@ -170,6 +170,72 @@ impl Llama {
                 });
             }
         }
+        let rows = pass_rows(cfg);
+        let wanted: Vec<usize> = items
+            .iter()
+            .map(|i| i.logits.clamp(1, i.tokens.len()))
+            .collect();
+        if items.iter().map(|i| i.tokens.len()).sum::<usize>() <= rows {
+            return self.pass(exec, items, &wanted).await;
+        }
+        // A longer batch runs in passes of at most `rows` rows, each sequence's next tokens in
+        // turn; a sequence's last pass holds every row whose logits it wants.
+        let mut fed = vec![0usize; items.len()];
+        let mut out = vec![Vec::new(); items.len()];
+        while let Some(first) = (0..items.len()).find(|&i| fed[i] < items[i].tokens.len()) {
+            let mut left = rows;
+            let mut takes = vec![0usize; items.len()];
+            for (i, item) in items.iter().enumerate() {
+                let rest = item.tokens.len() - fed[i];
+                let mut take = rest.min(left);
+                if take < rest && rest - take < wanted[i] {
+                    take = rest - wanted[i];
+                }
+                takes[i] = take;
+                left -= take;
+            }
+            if takes.iter().all(|&n| n == 0) {
+                // Only a sequence wanting more logits than a pass holds rows: it runs whole.
+                takes[first] = items[first].tokens.len() - fed[first];
+            }
+            let mut chosen = Vec::new();
+            let mut pieces = Vec::new();
+            let mut piece_wanted = Vec::new();
+            for (i, item) in items.iter_mut().enumerate() {
+                if takes[i] == 0 {
+                    continue;
+                }
+                let tokens: &[u32] = item.tokens;
+                let end = fed[i] + takes[i];
+                let last = end == tokens.len();
+                chosen.push((i, last));
+                piece_wanted.push(if last { wanted[i] } else { 0 });
+                pieces.push(BatchItem {
+                    tokens: &tokens[fed[i]..end],
+                    cache: &mut *item.cache,
+                    logits: 1,
+                });
+                fed[i] = end;
+            }
+            let logits = self.pass(exec, &mut pieces, &piece_wanted).await?;
+            for ((i, last), l) in chosen.into_iter().zip(logits) {
+                if last {
+                    out[i] = l;
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// One pass of a batch's rows through every block, and the LM head on each item's last
+    /// `wanted` rows (none where every item wants none).
+    async fn pass<E: LinearExec>(
+        &self,
+        exec: &mut E,
+        items: &mut [BatchItem<'_>],
+        wanted: &[usize],
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        let cfg = &self.cfg;
         let d = cfg.hidden;
         let n = items.len();
         let t: usize = items.iter().map(|i| i.tokens.len()).sum();
@@ -207,17 +273,16 @@ impl Llama {
         }
         let items = caches.items;
         // The last rows of each sequence go to the LM head, all in one round.
-        let wanted: Vec<usize> = items
-            .iter()
-            .map(|i| i.logits.clamp(1, i.tokens.len()))
-            .collect();
         let rows: usize = wanted.iter().sum();
         let mut last = Vec::with_capacity(rows * d);
         let mut end = 0;
-        for (item, &w) in items.iter_mut().zip(&wanted) {
+        for (item, &w) in items.iter_mut().zip(wanted) {
             end += item.tokens.len();
             last.extend_from_slice(&x[(end - w) * d..end * d]);
             item.cache.len += item.tokens.len();
+        }
+        if rows == 0 {
+            return Ok(vec![Vec::new(); n]);
         }
         let mut normed = vec![0.0f32; rows * d];
         rms_norm(&last, &self.norms.final_norm, cfg.norm_eps, &mut normed);
@@ -225,7 +290,7 @@ impl Llama {
         let all = logits.pop().unwrap_or_default();
         let mut out = Vec::with_capacity(n);
         let mut at = 0;
-        for w in wanted {
+        for &w in wanted {
             out.push(all[at * cfg.vocab..(at + w) * cfg.vocab].to_vec());
             at += w;
         }

@@ -18,7 +18,7 @@ mod train;
 mod weights;
 
 pub use batch::{AfterFailure, Batch, BatchLimits, Ended, Entry, MAX_PASS_FAILURES, Took};
-pub use block::{BLOCK, BlockStep, LinearExec, PassStep, Stage, pass_steps};
+pub use block::{BLOCK, BlockStep, LinearExec, PassStep, Stage, pass_rows, pass_steps};
 pub use config::{Family, LlamaConfig};
 pub use generate::{
     Forward, GenerateOptions, Generation, Pass, StopReason, generate, generate_async, generate_on,

@@ -2,7 +2,9 @@
 //! layer's input gradient computed through the [`LinearExec`] (coded transpose steps) and every
 //! weight gradient kept as factors `δW = dYᵀ·X` (DESIGN.md §1), never as full matrices.
 
-use super::block::{Attend, Rows, Stage, linear, rms_norm, rope_table, rotate, run_block, softmax};
+use super::block::{
+    Attend, Rows, Stage, linear, linear_t, rms_norm, rope_table, rotate, run_block, softmax,
+};
 use super::{LeaderWeights, LinearExec, Llama, ModelError};
 
 /// One linear stage's gradient, as factors: for matrix `m`, `δW_m = dy[m]ᵀ · x`.
@@ -271,9 +273,8 @@ impl Llama {
                 }
             }
             if let Some(sink) = sink.as_deref_mut() {
-                let dh = exec
-                    .linear_t(Stage::LmHead, std::slice::from_ref(&logits), n)
-                    .await?;
+                let dh =
+                    linear_t(exec, &cfg, Stage::LmHead, std::slice::from_ref(&logits), n).await?;
                 if dh.len() != n * d {
                     return Err(ModelError::Config(
                         "the LM head's transpose returned the wrong shape".into(),
@@ -320,9 +321,8 @@ impl Llama {
                 .zip(within.probs.pop())
                 .ok_or_else(|| ModelError::Config("lost a block's activations".into()))?;
             // Down projection.
-            let dact = exec
-                .linear_t(Stage::Down(layer), std::slice::from_ref(&dx), t)
-                .await?;
+            let dact =
+                linear_t(exec, &cfg, Stage::Down(layer), std::slice::from_ref(&dx), t).await?;
             sink.take(StageGrad {
                 stage: Stage::Down(layer),
                 x: s.act,
@@ -338,7 +338,7 @@ impl Llama {
                 dgate[i] = dact[i] * u * sig * (1.0 + g * (1.0 - sig));
             }
             let dys = vec![dgate, dup];
-            let dh2 = exec.linear_t(Stage::GateUp(layer), &dys, t).await?;
+            let dh2 = linear_t(exec, &cfg, Stage::GateUp(layer), &dys, t).await?;
             sink.take(StageGrad {
                 stage: Stage::GateUp(layer),
                 x: s.h2,
@@ -354,9 +354,14 @@ impl Llama {
             );
             dx.iter_mut().zip(&tmp).for_each(|(a, &b)| *a += b);
             // Attention output projection.
-            let dattn = exec
-                .linear_t(Stage::AttnOut(layer), std::slice::from_ref(&dx), t)
-                .await?;
+            let dattn = linear_t(
+                exec,
+                &cfg,
+                Stage::AttnOut(layer),
+                std::slice::from_ref(&dx),
+                t,
+            )
+            .await?;
             sink.take(StageGrad {
                 stage: Stage::AttnOut(layer),
                 x: s.attn,
@@ -411,7 +416,7 @@ impl Llama {
                 }
             }
             let dys = vec![dq, dk, dv];
-            let dh1 = exec.linear_t(Stage::Qkv(layer), &dys, t).await?;
+            let dh1 = linear_t(exec, &cfg, Stage::Qkv(layer), &dys, t).await?;
             sink.take(StageGrad {
                 stage: Stage::Qkv(layer),
                 x: s.h1,

@@ -6,7 +6,7 @@ use node_core::code::Generator;
 use node_core::coded::{CodedGroup, InProcess, ShardFormat};
 use node_core::learn::Update;
 use node_core::model::{
-    BatchItem, Gradients, KvCache, LeaderWeights, Llama, ModelError, ModelWeights, Stage,
+    BatchItem, Gradients, KvCache, LeaderWeights, Llama, ModelError, ModelWeights, Stage, pass_rows,
 };
 
 fn setup(w: &ModelWeights) -> (Llama, CodedGroup<InProcess>) {
@@ -75,6 +75,69 @@ fn a_batch_gives_each_sequence_its_own_logits_in_one_round_per_stage() {
     }
     // The caches now hold what the sequences alone would hold: continuing each gives the
     // same next logits.
+    for (i, (c, a)) in caches.iter_mut().zip(alone.iter_mut()).enumerate() {
+        assert_eq!(c.len(), a.len(), "sequence {i}: cache length");
+        let next = futures::executor::block_on(llama.forward(&mut group, &[8], c)).unwrap();
+        let want = futures::executor::block_on(llama.forward(&mut group, &[8], a)).unwrap();
+        assert!(
+            max_rel_diff(&next, &want) < 1e-5,
+            "sequence {i}: the cache continues like the single run's"
+        );
+    }
+}
+
+#[test]
+fn a_batch_longer_than_a_pass_runs_in_passes_with_the_logits_of_one_token_at_a_time() {
+    // A wide feed-forward brings a pass down to 64 rows.
+    let cfg = node_core::model::LlamaConfig {
+        ffn: 16384,
+        max_seq: 256,
+        ..common::train_config(false)
+    };
+    assert_eq!(pass_rows(&cfg), 64);
+    let w = ModelWeights::synthetic(cfg, 5).unwrap();
+    let (llama, mut group) = setup(&w);
+    let vocab = w.cfg.vocab;
+    let prompt = |n: usize, seed: u32| -> Vec<u32> {
+        (0..n as u32)
+            .map(|i| (i * 7 + seed) % vocab as u32)
+            .collect()
+    };
+    // Sequence 0 runs 150 tokens wanting its last 3 positions' logits, 1 runs 40 after a
+    // history of 5, 2 one token.
+    let (a, b, c) = (prompt(150, 1), prompt(40, 3), prompt(1, 9));
+    let history = prompt(5, 11);
+    let mut caches: Vec<KvCache> = (0..3).map(|_| KvCache::new(&w.cfg)).collect();
+    futures::executor::block_on(llama.forward(&mut group, &history, &mut caches[1])).unwrap();
+    // The reference: each sequence one token at a time, every position's logits kept.
+    let mut alone = caches.clone();
+    let mut expected = Vec::new();
+    for ((tokens, cache), wanted) in [&a, &b, &c].into_iter().zip(&mut alone).zip([3, 1, 1]) {
+        let rows: Vec<Vec<f32>> = tokens
+            .iter()
+            .map(|&tok| {
+                futures::executor::block_on(llama.forward(&mut group, &[tok], cache)).unwrap()
+            })
+            .collect();
+        expected.push(rows[rows.len() - wanted..].concat());
+    }
+    group.reset_stats();
+    let mut items: Vec<BatchItem<'_>> = caches
+        .iter_mut()
+        .zip([&a, &b, &c])
+        .map(|(cache, tokens)| BatchItem::new(tokens, cache))
+        .collect();
+    items[0].logits = 3;
+    let got = futures::executor::block_on(llama.forward_batch(&mut group, &mut items)).unwrap();
+    // 191 rows in passes of 64: 64 of sequence 0, 64 more, then its last 22 with sequences 1
+    // and 2; the LM head once, in the last.
+    let rounds = 3 * (1 + 4 * w.cfg.layers as u64) + 1;
+    assert_eq!(group.stats().rounds, rounds, "three passes, one LM head");
+    for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
+        assert_eq!(g.len(), e.len(), "sequence {i}: logits wanted");
+        let err = max_rel_diff(g, e);
+        assert!(err < 1e-5, "sequence {i}: logits differ by {err:.2e}");
+    }
     for (i, (c, a)) in caches.iter_mut().zip(alone.iter_mut()).enumerate() {
         assert_eq!(c.len(), a.len(), "sequence {i}: cache length");
         let next = futures::executor::block_on(llama.forward(&mut group, &[8], c)).unwrap();
