@@ -122,8 +122,8 @@ impl Llama {
     }
 
     /// Runs each item's tokens after its cache, the rows of every item through one round per
-    /// stage, and returns each item's logits: of its last `logits` positions, row after row.
-    /// On error every cache is left as it was.
+    /// stage (in passes of at most [`pass_rows`] rows), and returns each item's logits: of its
+    /// last `logits` positions, row after row. On error every cache is left as it was.
     pub async fn forward_batch<E: LinearExec>(
         &self,
         exec: &mut E,

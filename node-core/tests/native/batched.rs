@@ -33,6 +33,25 @@ fn weight_grad(g: &Gradients, stage: Stage, m: usize) -> Vec<f32> {
     w
 }
 
+/// Asserts that each cache holds what its single run's does: continuing both with the same
+/// token gives the same logits.
+fn continue_alike(
+    llama: &Llama,
+    group: &mut CodedGroup<InProcess>,
+    caches: &mut [KvCache],
+    alone: &mut [KvCache],
+) {
+    for (i, (c, a)) in caches.iter_mut().zip(alone.iter_mut()).enumerate() {
+        assert_eq!(c.len(), a.len(), "sequence {i}: cache length");
+        let next = futures::executor::block_on(llama.forward(group, &[8], c)).unwrap();
+        let want = futures::executor::block_on(llama.forward(group, &[8], a)).unwrap();
+        assert!(
+            max_rel_diff(&next, &want) < 1e-5,
+            "sequence {i}: the cache continues like the single run's"
+        );
+    }
+}
+
 #[test]
 fn a_batch_gives_each_sequence_its_own_logits_in_one_round_per_stage() {
     let w = ModelWeights::synthetic(common::train_config(true), 11).unwrap();
@@ -73,17 +92,8 @@ fn a_batch_gives_each_sequence_its_own_logits_in_one_round_per_stage() {
             "sequence {i}: batched logits differ by {err:.2e}"
         );
     }
-    // The caches now hold what the sequences alone would hold: continuing each gives the
-    // same next logits.
-    for (i, (c, a)) in caches.iter_mut().zip(alone.iter_mut()).enumerate() {
-        assert_eq!(c.len(), a.len(), "sequence {i}: cache length");
-        let next = futures::executor::block_on(llama.forward(&mut group, &[8], c)).unwrap();
-        let want = futures::executor::block_on(llama.forward(&mut group, &[8], a)).unwrap();
-        assert!(
-            max_rel_diff(&next, &want) < 1e-5,
-            "sequence {i}: the cache continues like the single run's"
-        );
-    }
+    // The caches now hold what the sequences alone would hold.
+    continue_alike(&llama, &mut group, &mut caches, &mut alone);
 }
 
 #[test]
@@ -138,15 +148,7 @@ fn a_batch_longer_than_a_pass_runs_in_passes_with_the_logits_of_one_token_at_a_t
         let err = max_rel_diff(g, e);
         assert!(err < 1e-5, "sequence {i}: logits differ by {err:.2e}");
     }
-    for (i, (c, a)) in caches.iter_mut().zip(alone.iter_mut()).enumerate() {
-        assert_eq!(c.len(), a.len(), "sequence {i}: cache length");
-        let next = futures::executor::block_on(llama.forward(&mut group, &[8], c)).unwrap();
-        let want = futures::executor::block_on(llama.forward(&mut group, &[8], a)).unwrap();
-        assert!(
-            max_rel_diff(&next, &want) < 1e-5,
-            "sequence {i}: the cache continues like the single run's"
-        );
-    }
+    continue_alike(&llama, &mut group, &mut caches, &mut alone);
 }
 
 #[test]
