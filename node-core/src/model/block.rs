@@ -392,25 +392,25 @@ pub(crate) async fn linear_t<E: LinearExec>(
     if dy.len() != shapes.len() || dy.iter().zip(&shapes).any(|(d, &(o, _))| d.len() != t * o) {
         return Err(wrong_shape(stage, "gradient"));
     }
+    let checked = |got: Vec<f32>, n: usize| {
+        if got.len() == n * inp {
+            Ok(got)
+        } else {
+            Err(wrong_shape(stage, "transposed output"))
+        }
+    };
+    if t <= rows {
+        return checked(exec.linear_t(stage, dy, t).await?, t);
+    }
     let mut dx = Vec::with_capacity(t * inp);
     for first in (0..t).step_by(rows) {
         let n = rows.min(t - first);
-        let piece: Vec<Vec<f32>>;
-        let part = if n == t {
-            dy
-        } else {
-            piece = dy
-                .iter()
-                .zip(&shapes)
-                .map(|(d, &(o, _))| d[first * o..(first + n) * o].to_vec())
-                .collect();
-            &piece
-        };
-        let got = exec.linear_t(stage, part, n).await?;
-        if got.len() != n * inp {
-            return Err(wrong_shape(stage, "transposed output"));
-        }
-        dx.extend_from_slice(&got);
+        let piece: Vec<Vec<f32>> = dy
+            .iter()
+            .zip(&shapes)
+            .map(|(d, &(o, _))| d[first * o..(first + n) * o].to_vec())
+            .collect();
+        dx.extend_from_slice(&checked(exec.linear_t(stage, &piece, n).await?, n)?);
     }
     Ok(dx)
 }
