@@ -22,20 +22,22 @@ pub enum CodedInts {
     I16(#[serde(with = "super::packed::serde_packed")] Arc<Vec<i16>>),
 }
 
-/// Shared integers on the wire as a plain sequence (the bytes a `Vec<i8>` makes).
+/// Shared values on the wire as a plain sequence (the bytes a `Vec` of them makes).
 mod shared {
     use std::sync::Arc;
 
     use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
     /// Writes the values as a sequence.
-    pub fn serialize<S: Serializer>(values: &[i8], s: S) -> Result<S::Ok, S::Error> {
+    pub fn serialize<S: Serializer, T: Serialize>(values: &[T], s: S) -> Result<S::Ok, S::Error> {
         values.serialize(s)
     }
 
     /// Reads a sequence of values.
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Arc<Vec<i8>>, D::Error> {
-        Vec::<i8>::deserialize(d).map(Arc::new)
+    pub fn deserialize<'de, D: Deserializer<'de>, T: Deserialize<'de>>(
+        d: D,
+    ) -> Result<Arc<Vec<T>>, D::Error> {
+        Vec::<T>::deserialize(d).map(Arc::new)
     }
 }
 
@@ -102,15 +104,17 @@ pub fn wide_row(g: &Generator, node: usize) -> bool {
 pub struct Q8Values {
     /// The coded integers.
     pub q: CodedInts,
-    /// `rows × ⌈cols / 32⌉` scales.
-    pub scales: Vec<half::f16>,
+    /// `rows × ⌈cols / 32⌉` scales (the same in every shard of the matrix, so shared, as
+    /// the integers are: a copy of the shard, as a fold writes, copies neither).
+    #[serde(with = "shared")]
+    pub scales: Arc<Vec<half::f16>>,
 }
 
 impl Q8Values {
     /// Builds a row's values from its integers, one byte each unless `wide`.
     pub(crate) fn from_i32(
         values: Vec<i32>,
-        scales: Vec<half::f16>,
+        scales: Arc<Vec<half::f16>>,
         wide: bool,
     ) -> Result<Self, CodedError> {
         Ok(Self {
@@ -283,7 +287,7 @@ pub fn encode_q8(
         // |Σ| ≤ ‖g‖₁ · levels: one byte in a unit row, two in a parity row.
         q[v.r * inp + v.col] += coeffs[v.j] * v.q;
     });
-    Q8Values::from_i32(q, scales, wide_row(g, node))
+    Q8Values::from_i32(q, Arc::new(scales), wide_row(g, node))
 }
 
 /// The uncoded matrix a compact code of `g` encodes: `w` on the grid of its shared scales.

@@ -633,9 +633,8 @@ impl ShardSet {
                 ShardValues::F16(v) => v
                     .iter_mut()
                     .for_each(|x| *x = half::f16::from_f32(x.to_f32() * factor)),
-                // The integers stay; the scales carry the fault (they are the shard's own copy).
-                ShardValues::Q8(v) => v
-                    .scales
+                // The integers stay; the scales carry the fault (the shard's own copy from here).
+                ShardValues::Q8(v) => std::sync::Arc::make_mut(&mut v.scales)
                     .iter_mut()
                     .for_each(|x| *x = half::f16::from_f32(x.to_f32() * factor)),
             }

@@ -190,7 +190,7 @@ fn empty_like(piece: &Shard, shape: super::MatrixShape, m: usize) -> Shard {
                 CodedInts::I8(_) => CodedInts::I8(Arc::new(vec![0; n])),
                 CodedInts::I16(_) => CodedInts::I16(Arc::new(vec![0; n])),
             },
-            scales: vec![half::f16::ZERO; rows * blocks_per_row(shape.cols)],
+            scales: Arc::new(vec![half::f16::ZERO; rows * blocks_per_row(shape.cols)]),
         }),
     };
     Shard {
@@ -225,7 +225,8 @@ fn copy_rows(
                 _ => {}
             }
             let nb = blocks_per_row(cols);
-            a.scales[to * nb..(to + n) * nb].copy_from_slice(&b.scales[from * nb..(from + n) * nb]);
+            Arc::make_mut(&mut a.scales)[to * nb..(to + n) * nb]
+                .copy_from_slice(&b.scales[from * nb..(from + n) * nb]);
         }
         _ => {}
     }

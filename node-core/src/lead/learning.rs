@@ -59,6 +59,7 @@ pub async fn settle<E: LinearExec, P: Publisher>(
             let requests = p.requests;
             match publisher.publish(*p).await {
                 Ok((sent, moved)) => {
+                    teacher.keep_last();
                     if let Some(v) = moved {
                         teacher.published(v, verdict.as_ref());
                     }

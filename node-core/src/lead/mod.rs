@@ -35,6 +35,11 @@ use crate::model::{LeaderWeights, Llama, ModelError};
 /// Learning updates of a version a leader checks its members against: a random few.
 pub const PROBE_UPDATES: usize = 4;
 
+/// Most bytes of learning updates a leader holds for its probe, whatever the model: the
+/// [`PROBE_UPDATES`] of SmolLM2 (10 MB each), one of Llama-3.2-1B's shape (24 MB), and never
+/// fewer than one.
+pub const PROBE_BYTES: usize = 40 << 20;
+
 /// What a leader needs of its node's networking, beyond a holder's [`Link`].
 pub trait LeadLink: Link<Peer = PeerId> {
     /// The transport a formed group computes over.
@@ -120,6 +125,68 @@ pub struct GroupOptions {
     /// With `verify` 1, check rounds against secret projections of the check row instead of
     /// its answers ([`VerifyConfig::project`]).
     pub project: bool,
+    /// The updates probed at each version, shared by every group formed with clones of these
+    /// options.
+    pub probed: ProbedUpdates,
+}
+
+/// The learning updates a leader probes its groups' members against: chosen once per version
+/// (at random, unknown to the members) and shared by every group it forms at that version, so
+/// that its memory holds one probe's updates however many groups it runs.
+#[derive(Debug, Clone, Default)]
+pub struct ProbedUpdates(Arc<std::sync::Mutex<Option<Probed>>>);
+
+/// Updates probed at a version, as shards in the mesh's format take them.
+type Probed = ([u8; 32], Vec<(u64, Arc<Update>)>);
+
+impl ProbedUpdates {
+    /// The updates probed at `version`: those chosen before, or a new choice from `holders`
+    /// ([`probe_updates`]), projected as the mesh's shards take them.
+    pub async fn at<L: Link<Peer = PeerId>>(
+        &self,
+        link: &L,
+        holders: &[PeerId],
+        version: [u8; 32],
+        manifest: &ModelManifest,
+    ) -> Result<Vec<(u64, Arc<Update>)>, HolderError> {
+        if let Some(list) = self.held(version) {
+            return Ok(list);
+        }
+        let list: Vec<(u64, Arc<Update>)> =
+            probe_updates(link, holders, version, &Rules::of(manifest), PROBE_BYTES)
+                .await?
+                .into_iter()
+                // Compact shards learn each update's projection (docs/coding.md).
+                .map(|(id, u)| {
+                    (
+                        id,
+                        Arc::new(Arc::unwrap_or_clone(u).taken_by(manifest.format)),
+                    )
+                })
+                .collect();
+        let mut held = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        // A group formed meanwhile may have chosen first: every group takes one choice.
+        match &*held {
+            Some((v, chosen)) if *v == version => Ok(chosen.clone()),
+            _ => {
+                *held = Some((version, list.clone()));
+                Ok(list)
+            }
+        }
+    }
+
+    fn held(&self, version: [u8; 32]) -> Option<Vec<(u64, Arc<Update>)>> {
+        let held = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        held.as_ref()
+            .filter(|(v, _)| *v == version)
+            .map(|(_, list)| list.clone())
+    }
 }
 
 impl GroupOptions {
@@ -133,6 +200,7 @@ impl GroupOptions {
             avoid: BTreeSet::new(),
             probe: true,
             project: true,
+            probed: ProbedUpdates::default(),
         }
     }
 }
@@ -254,23 +322,13 @@ pub async fn form<L: LeadLink>(
     // Members that claim updates they do not hold are caught by fitting the residuals
     // against a few updates of the version (docs/verification.md).
     let probe = match opts.probe && opts.verify > 0 && manifest.learning.enabled {
-        true => match probe_updates(link, &holders, version, &Rules::of(manifest)).await {
+        true => match opts.probed.at(link, &holders, version, manifest).await {
             Ok(list) if list.is_empty() => None,
             Ok(list) => {
                 tracing::info!(
                     updates = list.len(),
                     "checking members against learning updates of their version"
                 );
-                // Compact shards learn each update's projection (docs/coding.md).
-                let list = list
-                    .into_iter()
-                    .map(|(id, u)| {
-                        (
-                            id,
-                            Arc::new(Arc::unwrap_or_clone(u).taken_by(manifest.format)),
-                        )
-                    })
-                    .collect();
                 Some(UpdateProbe::new(list, g.n()))
             }
             Err(e) => {
@@ -302,15 +360,17 @@ pub async fn form<L: LeadLink>(
     })
 }
 
-/// A random few of the updates of `version` whose payloads a holder still keeps, fetched and
-/// checked: its version must have the group's digest, each payload hash to its id, and each
-/// must be signed and fit the mesh's rules. (Payloads folded long ago are no longer kept
-/// anywhere, so only the latest updates can be probed.)
+/// A random few of the updates of `version` whose payloads a holder still keeps (at most
+/// [`PROBE_UPDATES`], and as many as `budget` bytes hold, one at least), fetched and checked:
+/// its version must have the group's digest, each payload hash to its id, and each must be
+/// signed and fit the mesh's rules. (Payloads folded long ago are no longer kept anywhere, so only the latest
+/// updates can be probed.)
 pub async fn probe_updates<L: Link<Peer = PeerId>>(
     link: &L,
     holders: &[PeerId],
     version: [u8; 32],
     rules: &Rules,
+    budget: usize,
 ) -> Result<Vec<(u64, Arc<Update>)>, HolderError> {
     use std::hash::BuildHasher;
     let mut last = HolderError::Link("no row holder to ask".into());
@@ -334,8 +394,15 @@ pub async fn probe_updates<L: Link<Peer = PeerId>>(
         let mut ids: Vec<u64> = listed.served().collect();
         ids.sort_by_key(|&id| order.hash_one(id));
         ids.truncate(PROBE_UPDATES);
-        let mut out = Vec::with_capacity(ids.len());
+        let mut out: Vec<(u64, Arc<Update>)> = Vec::with_capacity(ids.len());
+        let mut held = 0;
         for id in ids {
+            // A version's updates have about one size: stop before one would pass the budget.
+            if let Some((_, last)) = out.last()
+                && held + last.held_bytes() > budget
+            {
+                break;
+            }
             let bytes = fetch_update(link, peer, id).await?;
             let checked = rules.check(&bytes)?;
             if checked.id != id {
@@ -344,6 +411,7 @@ pub async fn probe_updates<L: Link<Peer = PeerId>>(
                     checked.id
                 )));
             }
+            held += checked.update.held_bytes();
             out.push((id, Arc::new(checked.update)));
         }
         return Ok(out);
@@ -475,6 +543,123 @@ mod tests {
     }
 
     const V: [u8; 32] = [7; 32];
+
+    /// A holder that keeps the payloads of its version's updates and counts the pieces it
+    /// serves.
+    struct Keeper {
+        version: crate::mesh::ShardVersion,
+        payloads: BTreeMap<u64, Vec<u8>>,
+        pieces: std::cell::Cell<usize>,
+    }
+
+    impl Link for Keeper {
+        type Peer = PeerId;
+
+        async fn ask(&self, _: &PeerId, req: MeshRequest) -> Result<MeshResponse, HolderError> {
+            match req {
+                MeshRequest::Versions => Ok(MeshResponse::Versions(self.version.clone())),
+                MeshRequest::UpdateChunk { id, offset, len } => {
+                    self.pieces.set(self.pieces.get() + 1);
+                    let payload = self
+                        .payloads
+                        .get(&id)
+                        .ok_or_else(|| HolderError::Link(format!("no update {id:016x}")))?;
+                    Ok(crate::holder::chunk_of(payload, [0; 32], offset, len))
+                }
+                other => panic!("a probe asks for versions and updates, not {other:?}"),
+            }
+        }
+
+        async fn dial(&self, _: &crate::mesh::SourceRow) -> Result<PeerId, HolderError> {
+            unreachable!("a probe asks the holders it is given")
+        }
+
+        async fn blocking<R: Send + 'static>(
+            &self,
+            work: impl FnOnce() -> R + Send + 'static,
+        ) -> R {
+            work()
+        }
+
+        fn progress(&self, _: &str, _: u64, _: u64) {}
+    }
+
+    /// A compact mesh of the teacher fixtures' model, and a holder of two signed updates its
+    /// leader made (Adam on the adapters, as a mesh learns by default).
+    fn two_updates() -> (ModelManifest, Keeper) {
+        let (llama, _, grads) = crate::learn::fixtures::setup();
+        let cfg = llama.config().clone();
+        let mut learner =
+            crate::learn::Learner::new(LearningConfig::default(), cfg.clone(), ShardFormat::Q8);
+        let key = libp2p::identity::Keypair::generate_ed25519();
+        let mut version = crate::mesh::ShardVersion::default();
+        let mut payloads = BTreeMap::new();
+        for g in grads {
+            let update = learner.push(g).unwrap().unwrap().update;
+            let payload = update.encode();
+            let id = Update::id_of(&payload);
+            payloads.insert(id, crate::learn::seal(payload, &key).unwrap());
+            version.insert(id);
+        }
+        let manifest = ModelManifest {
+            leader: norms(&cfg),
+            format: ShardFormat::Q8,
+            cfg,
+            ..manifest()
+        };
+        let keeper = Keeper {
+            version,
+            payloads,
+            pieces: Default::default(),
+        };
+        (manifest, keeper)
+    }
+
+    #[test]
+    fn a_probe_takes_the_updates_its_budget_holds_and_every_group_at_a_version_shares_them() {
+        let (manifest, keeper) = two_updates();
+        let (peer, version) = (PeerId::random(), keeper.version.digest());
+        let rules = Rules::of(&manifest);
+        let probe = |budget| {
+            futures::executor::block_on(probe_updates(&keeper, &[peer], version, &rules, budget))
+                .unwrap()
+        };
+        let all = probe(usize::MAX);
+        assert_eq!(all.len(), 2, "both updates fit an unbounded budget");
+        let one = all[0].1.held_bytes();
+        assert!(one > 0 && all[1].1.held_bytes() == one);
+        assert_eq!(probe(one).len(), 1, "a budget of one update holds one");
+        assert_eq!(
+            probe(0).len(),
+            1,
+            "a probe takes one update whatever its budget"
+        );
+        // A leader's groups: the first at the version fetches, the others share what it took.
+        let probed = ProbedUpdates::default();
+        let at = |p: &ProbedUpdates, v| {
+            futures::executor::block_on(p.at(&keeper, &[peer], v, &manifest)).unwrap()
+        };
+        let before = keeper.pieces.get();
+        let first = at(&probed, version);
+        let fetched = keeper.pieces.get();
+        assert!(fetched > before && !first.is_empty());
+        let second = at(&probed.clone(), version);
+        assert_eq!(
+            keeper.pieces.get(),
+            fetched,
+            "a second group fetches nothing"
+        );
+        assert_eq!(first.len(), second.len());
+        for ((a, x), (b, y)) in first.iter().zip(&second) {
+            assert!(a == b && Arc::ptr_eq(x, y), "the groups hold one copy");
+            // What the shards of a compact mesh learn: the update's projection.
+            let sent = Update::decode(&crate::learn::open(&keeper.payloads[a]).unwrap().1).unwrap();
+            assert_eq!(**x, sent.projected());
+        }
+        // Another version is probed afresh, and not from a holder at another one.
+        let moved = futures::executor::block_on(probed.at(&keeper, &[peer], [1; 32], &manifest));
+        assert!(matches!(moved, Err(HolderError::Mismatch(_))), "{moved:?}");
+    }
 
     /// A mesh view: (peer, row) pairs, every one healthy at `V`.
     fn view(holders: &[(PeerId, u32)]) -> MeshInfo {

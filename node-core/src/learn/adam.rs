@@ -58,8 +58,9 @@ pub struct AdapterAdam {
     steps: u32,
     /// Gradients summed since the last step, and how many.
     pending: Option<(Vec<StageGrads>, u32)>,
-    /// The moments and step count before the last step, until the next one.
-    before: Option<(Vec<Moments>, u32)>,
+    /// The last step's gradients and their scale, until its update is out or refused: the
+    /// moments take them then ([`Self::keep`]), so refusing a step costs no copy of them.
+    unsettled: Option<(Vec<StageGrads>, f64)>,
 }
 
 /// How much one `dy` value of a published adapter step moves its entry of `A`, per unit of
@@ -215,20 +216,34 @@ impl AdapterAdam {
             stages,
             steps: 0,
             pending: None,
-            before: None,
+            unsettled: None,
         }
     }
 
     /// Forgets the last step, as if its gradients had never come (an update the canary gate
     /// refused must not steer the next ones through the moments); false when there is none.
     pub fn undo(&mut self) -> bool {
-        match self.before.take() {
-            Some((stages, steps)) => {
-                self.stages = stages;
-                self.steps = steps;
-                true
+        let undone = self.unsettled.take().is_some();
+        if undone {
+            self.steps -= 1;
+        }
+        undone
+    }
+
+    /// Keeps the last step for good (its update is out): its gradients go into the moments.
+    /// A step also keeps the one before it, if neither was said.
+    pub fn keep(&mut self) {
+        let Some((grads, scale)) = self.unsettled.take() else {
+            return;
+        };
+        for (mo, ga) in self.stages.iter_mut().zip(grads) {
+            for ((m, v), g) in mo.m.iter_mut().zip(mo.v.iter_mut()).zip(&ga) {
+                for ((m, v), &g) in m.iter_mut().zip(v.iter_mut()).zip(g) {
+                    let (mv, vv) = moved(*m, *v, f64::from(g) * scale);
+                    *m = mv as f32;
+                    *v = vv as f32;
+                }
             }
-            None => false,
         }
     }
 
@@ -270,8 +285,8 @@ impl AdapterAdam {
     /// the update every node applies; `None` when nothing is pending.
     pub fn step(&mut self, t: u32, sequences: u32) -> Option<Update> {
         let (grads, n) = self.pending.take()?;
+        self.keep();
         let batch = f64::from(sequences.max(1)).sqrt().min(MAX_BATCH_SCALE);
-        self.before = Some((self.stages.clone(), self.steps));
         self.steps += 1;
         let scale = 1.0 / f64::from(n.max(1));
         let (c1, c2) = (
@@ -282,8 +297,8 @@ impl AdapterAdam {
         // Elementwise over ~1.6 M entries for SmolLM2: milliseconds, on one thread.
         let stages = self
             .stages
-            .iter_mut()
-            .zip(grads)
+            .iter()
+            .zip(&grads)
             .map(|(mo, ga)| {
                 let proj = Projection::of(mo.cols);
                 // dy = direction / √cols, in the units the format takes (`entry_per_dy`).
@@ -291,18 +306,14 @@ impl AdapterAdam {
                     batch / ((mo.cols as f64).sqrt() * entry_per_dy(format, mo.cols, mo.rank));
                 let dy = mo
                     .m
-                    .iter_mut()
-                    .zip(mo.v.iter_mut())
-                    .zip(&ga)
+                    .iter()
+                    .zip(&mo.v)
+                    .zip(ga)
                     .map(|((m, v), g)| {
                         let out = g.len() / mo.rank.max(1);
                         let mut dy = vec![0.0f32; mo.rank * out];
                         for (e, &gv) in g.iter().enumerate() {
-                            let gv = f64::from(gv) * scale;
-                            let mv = BETA1 * f64::from(m[e]) + (1.0 - BETA1) * gv;
-                            let vv = BETA2 * f64::from(v[e]) + (1.0 - BETA2) * gv * gv;
-                            m[e] = mv as f32;
-                            v[e] = vv as f32;
+                            let (mv, vv) = moved(m[e], v[e], f64::from(gv) * scale);
                             let dir = ((mv / c1) / ((vv / c2).sqrt() + EPSILON)).clamp(-1.0, 1.0);
                             let (o, i) = (e / mo.rank, e % mo.rank);
                             dy[i * out + o] = (dir * unit) as f32;
@@ -328,8 +339,17 @@ impl AdapterAdam {
             precision: self.precision,
         };
         wire::round(&mut u);
+        self.unsettled = Some((grads, scale));
         Some(u)
     }
+}
+
+/// Adam's moments `(m, v)` after a gradient value `g`, in f64.
+fn moved(m: f32, v: f32, g: f64) -> (f64, f64) {
+    (
+        BETA1 * f64::from(m) + (1.0 - BETA1) * g,
+        BETA2 * f64::from(v) + (1.0 - BETA2) * g * g,
+    )
 }
 
 /// Whether `u` is an adapter step within the bound `lr` sets on a mesh of `format`: every

@@ -71,6 +71,14 @@ impl Learner {
         self.adam.as_mut().is_some_and(AdapterAdam::undo)
     }
 
+    /// The update just published is out for good: the optimizer lets go of what
+    /// [`Self::refuse_last`] would have needed.
+    pub fn keep_last(&mut self) {
+        if let Some(adam) = &mut self.adam {
+            adam.keep();
+        }
+    }
+
     /// Takes one request's gradient; returns an update when one is due.
     pub fn push(&mut self, g: Gradients) -> Result<Option<Published>, UpdateError> {
         if !self.cfg.enabled {

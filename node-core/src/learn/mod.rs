@@ -246,6 +246,16 @@ impl Update {
         u64::from_le_bytes(id)
     }
 
+    /// Bytes its factors and the lookup's gradient take in memory (the norms' few are left out).
+    pub fn held_bytes(&self) -> usize {
+        let factors: usize = self
+            .stages
+            .iter()
+            .map(|f| f.x.len() + f.dy.iter().map(Vec::len).sum::<usize>())
+            .sum();
+        4 * (factors + self.embed_dx.len() + self.embed_tokens.len())
+    }
+
     /// Checks shapes, finiteness and the step bound before anything is applied.
     pub fn validate(&self, cfg: &LlamaConfig) -> Result<(), UpdateError> {
         self.validated_norm(cfg).map(|_| ())

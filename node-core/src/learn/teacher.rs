@@ -101,6 +101,11 @@ impl Teacher {
         self.learner.refuse_last();
     }
 
+    /// The update last made is out: it can no longer be forgotten.
+    pub fn keep_last(&mut self) {
+        self.learner.keep_last();
+    }
+
     /// The mesh moved to `version` by publishing an update the gate judged with `verdict`:
     /// the gate's loss there is the one it measured after it.
     pub fn published(&mut self, version: [u8; 32], verdict: Option<&Verdict>) {

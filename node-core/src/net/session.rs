@@ -188,6 +188,10 @@ pub async fn write_frame<W: AsyncWrite + Unpin>(io: &mut W, frame: &[u8]) -> std
 /// Bytes a frame's body grows by per read: a lying length costs at most this much.
 const READ_PIECE: usize = 64 << 10;
 
+/// Most bytes a reader keeps for its next frame: a session lives as long as its group, and
+/// each kept its largest frame's buffer (8 MB a member for a training round of the 1B shape).
+const KEEP_READ_BYTES: usize = 1 << 20;
+
 /// A frame being read: its length, then its body, across as many polls as its bytes take.
 #[derive(Debug, Default)]
 pub struct FrameReader {
@@ -256,7 +260,11 @@ impl FrameReader {
             }
         }
         self.want = None;
-        Poll::Ready(protocol::decode(&self.body).map(Some).map_err(Into::into))
+        let decoded = protocol::decode(&self.body);
+        if self.body.capacity() > KEEP_READ_BYTES {
+            self.body = Vec::new();
+        }
+        Poll::Ready(decoded.map(Some).map_err(Into::into))
     }
 }
 

@@ -521,4 +521,7 @@ fn a_refused_adam_step_leaves_the_moments_as_they_were() {
     let mut fresh = Learner::new(cfg, w.cfg.clone(), ShardFormat::F32);
     let b = fresh.push(g2).unwrap().unwrap().update;
     assert_eq!(a.stages, b.stages);
+    // A step whose update went out is kept: nothing is held to take it back.
+    fresh.keep_last();
+    assert!(!fresh.refuse_last(), "a published step cannot be forgotten");
 }

@@ -190,6 +190,7 @@ pub(super) async fn run_server(
             cfg: opts.serve.clone(),
             metrics: metrics.clone(),
             runtime: tokio::runtime::Handle::current(),
+            probed: Default::default(),
         })?;
         let parts = crate::serve::http::Parts {
             web: crate::serve::http::find_web_dir(opts.web_dir.as_deref()),

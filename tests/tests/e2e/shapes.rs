@@ -2,16 +2,12 @@
 //! (scripts/shape_files.py, Q4_K_M, 0.8 GB) served by `codedmesh up` as a newcomer starts it.
 //! Encoding it takes no more than the file and a gigabyte, and each node, the API's leader
 //! included, holds no more than 1.25 × its row + its KV caches + 300 MB (issue 58's bounds),
-//! read from each node's `/metrics` after a request and from its peak (`VmHWM`, loading
-//! included).
-//!
-//! Learning is off here: a request's update (the factors of its gradient, ~100 MB at this
-//! shape) is decoded and applied on every node beside its row, a transient these bounds do not
-//! count (docs/perf.md, "Models of the real shapes").
+//! read from each node's `/metrics` after a request has been served and trained on, and from
+//! its peak (`VmHWM`, loading, serving, the training pass and its update included).
 
 use std::path::Path;
 use std::process::Command;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
 use tests::procs::{Scratch, free_port};
@@ -56,6 +52,43 @@ fn node_port(data: &Path, node: usize) -> Result<u16> {
     Ok(port.parse()?)
 }
 
+/// Waits until the leader of `up`'s mesh in `data` (API on `port`) has trained on the request and its update was
+/// published and applied by every node, or refused by the canary gate (a random-weight model
+/// may well get worse); no honest member may have been convicted meanwhile.
+fn settle_learning(up: &Up, data: &Path, port: u16) -> Result<String> {
+    let ports: Vec<u16> = (1..4)
+        .map(|node| node_port(data, node))
+        .collect::<Result<_>>()?;
+    let start = Instant::now();
+    loop {
+        let trained = metric(port, "codedmesh_train_trained_total")?;
+        let published = metric(port, "codedmesh_updates_published_total")?;
+        let refused = metric(port, "codedmesh_updates_refused_total")?;
+        let mut applied = vec![metric(port, "codedmesh_updates_applied_total")?];
+        for &p in &ports {
+            applied.push(metric(p, "codedmesh_updates_applied_total")?);
+        }
+        let caught = metric(port, "codedmesh_members_caught_total")?;
+        ensure!(
+            caught == 0.0,
+            "the leader convicted {caught} members of a mesh of honest nodes:\n{}",
+            up.log()
+        );
+        if trained >= 1.0 && published + refused >= 1.0 && applied.iter().all(|&a| a >= published) {
+            return Ok(format!(
+                "trained {trained}, published {published}, refused {refused}, applied {applied:?}"
+            ));
+        }
+        ensure!(
+            start.elapsed() < Duration::from_secs(900),
+            "the request was not trained on and settled: trained {trained}, published \
+             {published}, refused {refused}, applied {applied:?}\n{}",
+            up.log()
+        );
+        std::thread::sleep(Duration::from_secs(2));
+    }
+}
+
 #[test]
 fn a_1b_shape_mesh_encodes_and_serves_within_its_memory_bounds() -> Result<()> {
     let _machine = crate::machine::share();
@@ -82,7 +115,7 @@ fn a_1b_shape_mesh_encodes_and_serves_within_its_memory_bounds() -> Result<()> {
     let data = dir.join("mesh");
     let port = free_port()?;
     let steps = dir.join("steps.jsonl");
-    let mut up = Up::start_model(&dir, &data, port, &steps, "up1b", &file, &["--no-learning"])?;
+    let mut up = Up::start_model(&dir, &data, port, &steps, "up1b", &file, &[])?;
     up.ready(Duration::from_secs(1500))?;
     // up's own peak is genesis's: after it, up only supervises.
     let (_, encode_peak) = memory(up.pid())?;
@@ -96,9 +129,14 @@ fn a_1b_shape_mesh_encodes_and_serves_within_its_memory_bounds() -> Result<()> {
         "encoding took {encode_peak} bytes, over the file's {file_bytes} + 1 GB"
     );
 
+    // A prompt of a few hundred tokens: its prefill runs in passes, and training on it takes
+    // the leader's whole pass budget.
+    let passage = "The river Loire rises in the Massif Central and flows north and then west \
+                   for more than a thousand kilometres, past Orleans, Blois, Tours and Angers, \
+                   to reach the Atlantic at Saint-Nazaire. ";
     let request = serde_json::json!({
         "model": "llama-1b-shape.Q4_K_M",
-        "prompt": "The capital of France is",
+        "prompt": passage.repeat(2),
         "max_tokens": 8,
         "temperature": 0,
     });
@@ -111,6 +149,8 @@ fn a_1b_shape_mesh_encodes_and_serves_within_its_memory_bounds() -> Result<()> {
         answer["usage"]["completion_tokens"].as_u64() == Some(8),
         "8 tokens generated: {body}"
     );
+    let settled = settle_learning(&up, &data, port)?;
+    eprintln!("learning: {settled}");
 
     let pids = up.node_pids();
     ensure!(pids.len() == 4, "up started 4 nodes: {pids:?}");

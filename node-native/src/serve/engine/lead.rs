@@ -67,6 +67,7 @@ impl Lead {
             opts.trace.clone_from(&self.trace);
             opts.group.avoid = avoid;
             opts.group.project = self.ctx.cfg.project;
+            opts.group.probed = self.ctx.probed.clone();
             let formed = match self.info().await {
                 Ok(info) => {
                     form_group(

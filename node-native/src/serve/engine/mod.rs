@@ -225,6 +225,9 @@ pub struct EngineContext {
     pub metrics: Metrics,
     /// The node's runtime (the engine's tasks run on it).
     pub runtime: tokio::runtime::Handle,
+    /// The learning updates its groups' members are probed against, one choice per version
+    /// for all its groups.
+    pub probed: node_core::lead::ProbedUpdates,
 }
 
 /// A handle on a node's engine; clones share it.
