@@ -8,7 +8,10 @@
 //! the update's own products (`−step·dYᵀ·(X·x)`) to every stage's answer, so the leader runs
 //! the updated model through the group it already has.
 
-use super::Update;
+use std::borrow::Cow;
+
+use super::{StageFactors, Update, project_rows};
+use crate::coded::ShardFormat;
 use crate::model::{LinearExec, Llama, LlamaConfig, ModelError, Stage};
 
 /// The held-out text the gate measures (general English prose, none of it a test's taught
@@ -101,20 +104,21 @@ impl CanaryGate {
         Ok(loss)
     }
 
-    /// The gate's verdict on `update` (as the mesh's shards take it: `Update::taken_by`) for a
-    /// group at `version`.
+    /// The gate's verdict on `update`, as shards of `format` take it (`Update::taken_by`), for
+    /// a group at `version`.
     pub async fn judge<E: LinearExec>(
         &mut self,
         llama: &Llama,
         exec: &mut E,
         version: [u8; 32],
         update: &Update,
+        format: ShardFormat,
     ) -> Result<Verdict, ModelError> {
         let before = self.loss_at(llama, exec, version).await?;
         let mut norms = llama.norms().clone();
         update.apply_to_norms(&mut norms);
         let after_llama = Llama::new(llama.config().clone(), norms)?;
-        let mut pending = Pending::new(exec, update, llama.config());
+        let mut pending = Pending::new(exec, update, llama.config(), format);
         let after = after_llama
             .sequence_loss(&mut pending, &self.tokens)
             .await?;
@@ -144,19 +148,42 @@ pub struct Pending<'a, E> {
     inner: &'a mut E,
     update: &'a Update,
     cfg: &'a LlamaConfig,
+    /// Whether shards take the update projected ([`Update::projected`]): each input factor is,
+    /// a stage at a time, so the update is never copied whole.
+    project: bool,
 }
 
 impl<'a, E> Pending<'a, E> {
-    /// `inner` with `update` (as the shards take it) added on top.
-    pub fn new(inner: &'a mut E, update: &'a Update, cfg: &'a LlamaConfig) -> Self {
-        Self { inner, update, cfg }
+    /// `inner` with `update` added on top, as shards of `format` take it.
+    pub fn new(
+        inner: &'a mut E,
+        update: &'a Update,
+        cfg: &'a LlamaConfig,
+        format: ShardFormat,
+    ) -> Self {
+        Self {
+            inner,
+            update,
+            cfg,
+            project: Update::projects(format),
+        }
     }
 
-    fn factors(&self, stage: Stage) -> Option<&'a super::StageFactors> {
+    fn factors(&self, stage: Stage) -> Option<&'a StageFactors> {
         self.update
             .stages
             .iter()
             .find(|f| f.stage == stage && f.rows > 0)
+    }
+
+    /// Rows `t` of `x` as the shards take them.
+    fn taken(&self, x: &'a [f32], t: usize) -> Cow<'a, [f32]> {
+        if !self.project {
+            return Cow::Borrowed(x);
+        }
+        let mut x = x.to_vec();
+        project_rows(&mut x, t);
+        Cow::Owned(x)
     }
 }
 
@@ -202,7 +229,7 @@ impl<E: LinearExec> LinearExec for Pending<'_, E> {
         if let Some(f) = self.factors(stage) {
             let rows = f.rows as usize;
             // (x · Xᵀ) · dY, per matrix.
-            let p = times_t(x, &f.x, t, rows);
+            let p = times_t(x, &self.taken(&f.x, rows), t, rows);
             for (y, dy) in ys.iter_mut().zip(&f.dy) {
                 add_times(y, &p, dy, rows, -self.update.step);
             }
@@ -219,10 +246,11 @@ impl<E: LinearExec> LinearExec for Pending<'_, E> {
         let mut dx = self.inner.linear_t(stage, dy, t).await?;
         if let Some(f) = self.factors(stage) {
             let rows = f.rows as usize;
+            let fx = self.taken(&f.x, rows);
             for (g, fdy) in dy.iter().zip(&f.dy) {
                 // (g · dYᵀ) · X.
                 let p = times_t(g, fdy, t, rows);
-                add_times(&mut dx, &p, &f.x, rows, -self.update.step);
+                add_times(&mut dx, &p, &fx, rows, -self.update.step);
             }
         }
         Ok(dx)
@@ -237,11 +265,12 @@ impl<E: LinearExec> LinearExec for Pending<'_, E> {
             && let Some(dy) = f.dy.first()
         {
             let (rows, vocab) = (f.rows as usize, self.cfg.vocab);
+            let fx = self.taken(&f.x, rows);
             for (&tok, row) in tokens.iter().zip(e.chunks_exact_mut(d)) {
                 for i in 0..rows {
                     let c = dy.get(i * vocab + tok as usize).copied().unwrap_or(0.0);
                     if c != 0.0
-                        && let Some(xr) = f.x.get(i * d..(i + 1) * d)
+                        && let Some(xr) = fx.get(i * d..(i + 1) * d)
                     {
                         row.iter_mut()
                             .zip(xr)
@@ -252,12 +281,13 @@ impl<E: LinearExec> LinearExec for Pending<'_, E> {
         }
         let lookups = self.update.embed_tokens.len();
         if lookups > 0 && self.update.embed_dx.len() == lookups * d {
+            let embed_dx = self.taken(&self.update.embed_dx, lookups);
             for (&tok, row) in tokens.iter().zip(e.chunks_exact_mut(d)) {
                 for (&u, dx) in self
                     .update
                     .embed_tokens
                     .iter()
-                    .zip(self.update.embed_dx.chunks_exact(d))
+                    .zip(embed_dx.chunks_exact(d))
                 {
                     if u == tok {
                         row.iter_mut().zip(dx).for_each(|(a, &v)| *a -= step * v);

@@ -134,6 +134,18 @@ fn fits(f: &StageFactors, cfg: &LlamaConfig) -> bool {
             .all(|(dy, &(out, _))| dy.len() == rows * out)
 }
 
+/// Replaces `x`'s `t` rows with their projections on the adapters' subspace, `X·Vᵀ·V / rank`
+/// ([`Update::projected`]).
+pub(crate) fn project_rows(x: &mut [f32], t: usize) {
+    if t == 0 {
+        return;
+    }
+    let proj = Projection::of(x.len() / t);
+    let z = proj.down_update(x, t);
+    x.fill(0.0);
+    proj.up_add(&z, x);
+}
+
 /// What a request teaches the mesh: the last `window` positions of the text its caller sent
 /// (its prompt), never the mesh's own completion. Training on its own greedy answers teaches a
 /// model nothing it did not know and narrows it: measured, repeated chats raised the canary
@@ -382,28 +394,27 @@ impl Update {
     /// factor `X` replaced by `X·Vᵀ·V / rank`, which lies in the adapters' subspace, so that
     /// [`Self::apply_to_weights`] and the update probe see what their adapters learn.
     pub fn projected(mut self) -> Self {
-        let project = |x: &mut Vec<f32>, t: usize| {
-            if t == 0 {
-                return;
-            }
-            let proj = Projection::of(x.len() / t);
-            let z = proj.down_update(x, t);
-            x.fill(0.0);
-            proj.up_add(&z, x);
-        };
         for f in &mut self.stages {
-            project(&mut f.x, f.rows as usize);
+            project_rows(&mut f.x, f.rows as usize);
         }
-        project(&mut self.embed_dx, self.embed_tokens.len());
+        project_rows(&mut self.embed_dx, self.embed_tokens.len());
         self
     }
 
     /// The step shards in `format` take: [`Self::projected`] for compact shards, which learn
     /// in adapters; the step itself for f32 ones.
     pub fn taken_by(self, format: ShardFormat) -> Self {
+        match Self::projects(format) {
+            true => self.projected(),
+            false => self,
+        }
+    }
+
+    /// Whether shards in `format` take an update projected ([`Self::taken_by`]).
+    pub fn projects(format: ShardFormat) -> bool {
         match format {
-            ShardFormat::Q8 => self.projected(),
-            ShardFormat::F32 | ShardFormat::F16 => self,
+            ShardFormat::Q8 => true,
+            ShardFormat::F32 | ShardFormat::F16 => false,
         }
     }
 

@@ -79,8 +79,10 @@ impl Teacher {
         let Some(gate) = self.gate.as_mut() else {
             return Ok(Judged::Publish(Box::new(published), None));
         };
-        let taken = published.update.clone().taken_by(self.format);
-        let verdict = match gate.judge(llama, exec, version, &taken).await {
+        let verdict = match gate
+            .judge(llama, exec, version, &published.update, self.format)
+            .await
+        {
             Ok(v) => v,
             Err(e) => {
                 self.learner.refuse_last();

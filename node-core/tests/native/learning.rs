@@ -468,7 +468,9 @@ fn adam_keeps_one_codeword_and_learns(format: ShardFormat) {
         ));
         let taken = update.clone().taken_by(format);
         let predicted = {
-            let mut pending = node_core::learn::Pending::new(&mut group, &taken, llama.config());
+            // The gate's prediction, from the update as sent (projected a stage at a time).
+            let mut pending =
+                node_core::learn::Pending::new(&mut group, &update, llama.config(), format);
             futures::executor::block_on(llama.sequence_loss(&mut pending, &SEQ)).unwrap()
         };
         for member in group.transport_mut().members_mut() {
