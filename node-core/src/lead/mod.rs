@@ -448,28 +448,45 @@ mod tests {
         }
     }
 
-    /// Holders that answer the norm gains at a version of their own; the peers reached and
-    /// asked are recorded.
+    /// Holders that answer the norm gains at a version of their own (the peers reached and
+    /// asked are recorded), and the update list `kept` with the signed `payloads` it serves (the
+    /// pieces served are counted).
     struct Mesh {
         cfg: LlamaConfig,
         at: BTreeMap<PeerId, [u8; 32]>,
         own: Option<OwnRow>,
         asked: std::cell::RefCell<Vec<PeerId>>,
         reached: std::cell::RefCell<Vec<PeerId>>,
+        kept: crate::mesh::ShardVersion,
+        payloads: BTreeMap<u64, Vec<u8>>,
+        pieces: std::cell::Cell<usize>,
     }
 
     impl Link for Mesh {
         type Peer = PeerId;
 
         async fn ask(&self, peer: &PeerId, req: MeshRequest) -> Result<MeshResponse, HolderError> {
-            assert!(matches!(req, MeshRequest::Norms), "only norms are asked");
-            self.asked.borrow_mut().push(*peer);
-            match self.at.get(peer) {
-                Some(&version) => Ok(MeshResponse::Norms {
-                    version,
-                    norms: norms(&self.cfg),
-                }),
-                None => Err(HolderError::Link(format!("{peer}: unreachable"))),
+            match req {
+                MeshRequest::Norms => {
+                    self.asked.borrow_mut().push(*peer);
+                    match self.at.get(peer) {
+                        Some(&version) => Ok(MeshResponse::Norms {
+                            version,
+                            norms: norms(&self.cfg),
+                        }),
+                        None => Err(HolderError::Link(format!("{peer}: unreachable"))),
+                    }
+                }
+                MeshRequest::Versions => Ok(MeshResponse::Versions(self.kept.clone())),
+                MeshRequest::UpdateChunk { id, offset, len } => {
+                    self.pieces.set(self.pieces.get() + 1);
+                    let payload = self
+                        .payloads
+                        .get(&id)
+                        .ok_or_else(|| HolderError::Link(format!("no update {id:016x}")))?;
+                    Ok(crate::holder::chunk_of(payload, [0; 32], offset, len))
+                }
+                other => panic!("a leader asks for norms, versions and updates, not {other:?}"),
             }
         }
 
@@ -544,49 +561,9 @@ mod tests {
 
     const V: [u8; 32] = [7; 32];
 
-    /// A holder that keeps the payloads of its version's updates and counts the pieces it
-    /// serves.
-    struct Keeper {
-        version: crate::mesh::ShardVersion,
-        payloads: BTreeMap<u64, Vec<u8>>,
-        pieces: std::cell::Cell<usize>,
-    }
-
-    impl Link for Keeper {
-        type Peer = PeerId;
-
-        async fn ask(&self, _: &PeerId, req: MeshRequest) -> Result<MeshResponse, HolderError> {
-            match req {
-                MeshRequest::Versions => Ok(MeshResponse::Versions(self.version.clone())),
-                MeshRequest::UpdateChunk { id, offset, len } => {
-                    self.pieces.set(self.pieces.get() + 1);
-                    let payload = self
-                        .payloads
-                        .get(&id)
-                        .ok_or_else(|| HolderError::Link(format!("no update {id:016x}")))?;
-                    Ok(crate::holder::chunk_of(payload, [0; 32], offset, len))
-                }
-                other => panic!("a probe asks for versions and updates, not {other:?}"),
-            }
-        }
-
-        async fn dial(&self, _: &crate::mesh::SourceRow) -> Result<PeerId, HolderError> {
-            unreachable!("a probe asks the holders it is given")
-        }
-
-        async fn blocking<R: Send + 'static>(
-            &self,
-            work: impl FnOnce() -> R + Send + 'static,
-        ) -> R {
-            work()
-        }
-
-        fn progress(&self, _: &str, _: u64, _: u64) {}
-    }
-
     /// A compact mesh of the teacher fixtures' model, and a holder of two signed updates its
     /// leader made (Adam on the adapters, as a mesh learns by default).
-    fn two_updates() -> (ModelManifest, Keeper) {
+    fn two_updates() -> (ModelManifest, Mesh) {
         let (llama, _, grads) = crate::learn::fixtures::setup();
         let cfg = llama.config().clone();
         let mut learner =
@@ -607,21 +584,21 @@ mod tests {
             cfg,
             ..manifest()
         };
-        let keeper = Keeper {
-            version,
+        let holder = Mesh {
+            kept: version,
             payloads,
-            pieces: Default::default(),
+            ..mesh(BTreeMap::new(), None)
         };
-        (manifest, keeper)
+        (manifest, holder)
     }
 
     #[test]
     fn a_probe_takes_the_updates_its_budget_holds_and_every_group_at_a_version_shares_them() {
-        let (manifest, keeper) = two_updates();
-        let (peer, version) = (PeerId::random(), keeper.version.digest());
+        let (manifest, holder) = two_updates();
+        let (peer, version) = (PeerId::random(), holder.kept.digest());
         let rules = Rules::of(&manifest);
         let probe = |budget| {
-            futures::executor::block_on(probe_updates(&keeper, &[peer], version, &rules, budget))
+            futures::executor::block_on(probe_updates(&holder, &[peer], version, &rules, budget))
                 .unwrap()
         };
         let all = probe(usize::MAX);
@@ -637,15 +614,15 @@ mod tests {
         // A leader's groups: the first at the version fetches, the others share what it took.
         let probed = ProbedUpdates::default();
         let at = |p: &ProbedUpdates, v| {
-            futures::executor::block_on(p.at(&keeper, &[peer], v, &manifest)).unwrap()
+            futures::executor::block_on(p.at(&holder, &[peer], v, &manifest)).unwrap()
         };
-        let before = keeper.pieces.get();
+        let before = holder.pieces.get();
         let first = at(&probed, version);
-        let fetched = keeper.pieces.get();
+        let fetched = holder.pieces.get();
         assert!(fetched > before && !first.is_empty());
         let second = at(&probed.clone(), version);
         assert_eq!(
-            keeper.pieces.get(),
+            holder.pieces.get(),
             fetched,
             "a second group fetches nothing"
         );
@@ -653,11 +630,11 @@ mod tests {
         for ((a, x), (b, y)) in first.iter().zip(&second) {
             assert!(a == b && Arc::ptr_eq(x, y), "the groups hold one copy");
             // What the shards of a compact mesh learn: the update's projection.
-            let sent = Update::decode(&crate::learn::open(&keeper.payloads[a]).unwrap().1).unwrap();
+            let sent = Update::decode(&crate::learn::open(&holder.payloads[a]).unwrap().1).unwrap();
             assert_eq!(**x, sent.projected());
         }
         // Another version is probed afresh, and not from a holder at another one.
-        let moved = futures::executor::block_on(probed.at(&keeper, &[peer], [1; 32], &manifest));
+        let moved = futures::executor::block_on(probed.at(&holder, &[peer], [1; 32], &manifest));
         assert!(matches!(moved, Err(HolderError::Mismatch(_))), "{moved:?}");
     }
 
@@ -706,6 +683,9 @@ mod tests {
             own,
             asked: Default::default(),
             reached: Default::default(),
+            kept: Default::default(),
+            payloads: BTreeMap::new(),
+            pieces: Default::default(),
         }
     }
 

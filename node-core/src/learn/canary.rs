@@ -176,7 +176,7 @@ impl<'a, E> Pending<'a, E> {
             .find(|f| f.stage == stage && f.rows > 0)
     }
 
-    /// Rows `t` of `x` as the shards take them.
+    /// `x`'s `t` rows as the shards take them.
     fn taken(&self, x: &'a [f32], t: usize) -> Cow<'a, [f32]> {
         if !self.project {
             return Cow::Borrowed(x);
