@@ -149,7 +149,7 @@ impl ProbedUpdates {
         version: [u8; 32],
         manifest: &ModelManifest,
     ) -> Result<Vec<(u64, Arc<Update>)>, HolderError> {
-        if let Some(list) = self.held(version) {
+        if let Some(list) = chosen(&self.lock(), version) {
             return Ok(list);
         }
         let list: Vec<(u64, Arc<Update>)> =
@@ -164,29 +164,27 @@ impl ProbedUpdates {
                     )
                 })
                 .collect();
-        let mut held = self
-            .0
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut held = self.lock();
         // A group formed meanwhile may have chosen first: every group takes one choice.
-        match &*held {
-            Some((v, chosen)) if *v == version => Ok(chosen.clone()),
-            _ => {
-                *held = Some((version, list.clone()));
-                Ok(list)
-            }
+        if let Some(first) = chosen(&held, version) {
+            return Ok(first);
         }
+        *held = Some((version, list.clone()));
+        Ok(list)
     }
 
-    fn held(&self, version: [u8; 32]) -> Option<Vec<(u64, Arc<Update>)>> {
-        let held = self
-            .0
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<Probed>> {
+        self.0
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        held.as_ref()
-            .filter(|(v, _)| *v == version)
-            .map(|(_, list)| list.clone())
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
+}
+
+/// The updates `held` chose at `version`, if it chose at that version.
+fn chosen(held: &Option<Probed>, version: [u8; 32]) -> Option<Vec<(u64, Arc<Update>)>> {
+    held.as_ref()
+        .filter(|(v, _)| *v == version)
+        .map(|(_, list)| list.clone())
 }
 
 impl GroupOptions {
@@ -363,8 +361,8 @@ pub async fn form<L: LeadLink>(
 /// A random few of the updates of `version` whose payloads a holder still keeps (at most
 /// [`PROBE_UPDATES`], and as many as `budget` bytes hold, one at least), fetched and checked:
 /// its version must have the group's digest, each payload hash to its id, and each must be
-/// signed and fit the mesh's rules. (Payloads folded long ago are no longer kept anywhere, so only the latest
-/// updates can be probed.)
+/// signed and fit the mesh's rules. (Payloads folded long ago are no longer kept anywhere, so
+/// only the latest updates can be probed.)
 pub async fn probe_updates<L: Link<Peer = PeerId>>(
     link: &L,
     holders: &[PeerId],
