@@ -205,6 +205,23 @@ fn many_shapes<T>(
     (cols, full)
 }
 
+/// How far ahead of the block it reads a kernel asks for a row's values: on the 2-core
+/// machine a row's product read 4–5 GB/s of a core's 12 without it (docs/perf.md).
+#[cfg(target_arch = "x86_64")]
+const PREFETCH_VALUES: usize = 1024;
+
+/// Asks for the values [`PREFETCH_VALUES`] past block `b`'s start to be cached: the kernels
+/// call it every block (a cache line is two blocks of i8, one of i16). A hint, which never
+/// faults, in bounds or not.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch<T>(q: &[T], b: usize) {
+    use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+    let at = q.as_ptr().wrapping_add(b * Q8_BLOCK + PREFETCH_VALUES) as *const i8;
+    // SAFETY: SSE is in every x86-64 CPU, and a prefetch reads nothing the program sees.
+    unsafe { _mm_prefetch::<_MM_HINT_T0>(at) };
+}
+
 /// The dot product with AVX2, FMA and F16C: eight values widened to f32 at a time.
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
@@ -225,6 +242,7 @@ mod avx2 {
         let mut t0 = _mm256_setzero_ps();
         let mut t1 = _mm256_setzero_ps();
         for (b, &h) in scales[..full].iter().enumerate() {
+            super::prefetch(q, b);
             // SAFETY: block `b` is in bounds of `q` and `x` (asserted above); unaligned loads;
             // this function runs only where AVX2 is (its callers check).
             unsafe {
@@ -261,6 +279,7 @@ mod avx2 {
         let (cols, full) = super::many_shapes(q, scales, x, out, N);
         let mut acc = [_mm256_setzero_ps(); N];
         for (b, &h) in scales[..full].iter().enumerate() {
+            super::prefetch(q, b);
             // SAFETY: block `b` is in bounds of `q` and of each of the `N` inputs in `x`
             // (`many_shapes`); unaligned loads; this function runs only where AVX2 is.
             unsafe {
@@ -325,6 +344,25 @@ mod avx2 {
 mod avx512 {
     use std::arch::x86_64::*;
 
+    /// Sixteen scales as f32 (the row's blocks `first..first + 16`, fewer at its end; zeros
+    /// past it), so the kernels broadcast each from memory instead of converting it there.
+    #[inline]
+    #[target_feature(enable = "avx512f,f16c")]
+    fn scales16(scales: &[half::f16], first: usize, full: usize, out: &mut [f32; 16]) {
+        let n = (full - first).min(16);
+        if n == 16 {
+            // SAFETY: blocks `first..first + 16` are in bounds of `scales`; unaligned load.
+            unsafe {
+                let h = _mm256_loadu_si256(scales.as_ptr().add(first) as *const __m256i);
+                _mm512_storeu_ps(out.as_mut_ptr(), _mm512_cvtph_ps(h));
+            }
+        } else {
+            for (o, s) in out.iter_mut().zip(&scales[first..first + n]) {
+                *o = s.to_f32();
+            }
+        }
+    }
+
     /// See [`super::dot_q8_portable`]; the same sum, grouped differently.
     #[target_feature(enable = "avx512f,f16c")]
     pub(super) fn dot_q8<T: super::CodedInt>(q: &[T], scales: &[half::f16], x: &[f32]) -> f32 {
@@ -332,7 +370,12 @@ mod avx512 {
         assert!(x.len() >= q.len() && scales.len() >= full, "dot_q8 shapes");
         let mut t0 = _mm512_setzero_ps();
         let mut t1 = _mm512_setzero_ps();
-        for (b, &h) in scales[..full].iter().enumerate() {
+        let mut s16 = [0.0f32; 16];
+        for b in 0..full {
+            if b % 16 == 0 {
+                scales16(scales, b, full, &mut s16);
+            }
+            super::prefetch(q, b);
             // SAFETY: block `b` is in bounds of `q` and `x` (asserted above); unaligned loads;
             // this function runs only where AVX-512F is (its callers check).
             unsafe {
@@ -340,7 +383,7 @@ mod avx512 {
                 let xp = x.as_ptr().add(b * 32);
                 let lo = _mm512_mul_ps(T::widen16(qp), _mm512_loadu_ps(xp));
                 let both = _mm512_fmadd_ps(T::widen16(qp.add(16)), _mm512_loadu_ps(xp.add(16)), lo);
-                let s = _mm512_set1_ps(super::avx2::scale_f32(h));
+                let s = _mm512_set1_ps(s16[b % 16]);
                 if b % 2 == 0 {
                     t0 = _mm512_fmadd_ps(both, s, t0);
                 } else {
@@ -351,7 +394,8 @@ mod avx512 {
         _mm512_reduce_add_ps(_mm512_add_ps(t0, t1)) + super::partial_block(q, scales, x)
     }
 
-    /// See [`super::avx2::dot_q8_many`].
+    /// See [`super::avx2::dot_q8_many`]; each block's values are scaled once for all `N`
+    /// inputs, and each input sums its blocks' halves in two chains.
     #[target_feature(enable = "avx512f,f16c")]
     pub(super) fn dot_q8_many<T: super::CodedInt, const N: usize>(
         q: &[T],
@@ -360,24 +404,30 @@ mod avx512 {
         out: &mut [f32],
     ) {
         let (cols, full) = super::many_shapes(q, scales, x, out, N);
-        let mut acc = [_mm512_setzero_ps(); N];
-        for (b, &h) in scales[..full].iter().enumerate() {
+        let mut lo_acc = [_mm512_setzero_ps(); N];
+        let mut hi_acc = [_mm512_setzero_ps(); N];
+        let mut s16 = [0.0f32; 16];
+        for b in 0..full {
+            if b % 16 == 0 {
+                scales16(scales, b, full, &mut s16);
+            }
+            super::prefetch(q, b);
             // SAFETY: block `b` is in bounds of `q` and of each of the `N` inputs in `x`
             // (`many_shapes`); unaligned loads; this function runs only where AVX-512F is.
             unsafe {
                 let qp = q.as_ptr().add(b * 32);
-                let (lo, hi) = (T::widen16(qp), T::widen16(qp.add(16)));
-                let s = _mm512_set1_ps(super::avx2::scale_f32(h));
-                for (j, a) in acc.iter_mut().enumerate() {
+                let s = _mm512_set1_ps(s16[b % 16]);
+                let lo = _mm512_mul_ps(T::widen16(qp), s);
+                let hi = _mm512_mul_ps(T::widen16(qp.add(16)), s);
+                for j in 0..N {
                     let xp = x.as_ptr().add(j * cols + b * 32);
-                    let low = _mm512_mul_ps(lo, _mm512_loadu_ps(xp));
-                    let both = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xp.add(16)), low);
-                    *a = _mm512_fmadd_ps(both, s, *a);
+                    lo_acc[j] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xp), lo_acc[j]);
+                    hi_acc[j] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xp.add(16)), hi_acc[j]);
                 }
             }
         }
-        for (j, (a, o)) in acc.iter().zip(out.iter_mut()).enumerate() {
-            *o = _mm512_reduce_add_ps(*a)
+        for (j, o) in out.iter_mut().enumerate().take(N) {
+            *o = _mm512_reduce_add_ps(_mm512_add_ps(lo_acc[j], hi_acc[j]))
                 + super::partial_block(q, scales, &x[j * cols..(j + 1) * cols]);
         }
     }

@@ -60,6 +60,14 @@ impl std::str::FromStr for PassRoute {
 /// past about 0.7 ms a round on the 2-core machine.
 pub const HOP_OVER: Duration = Duration::from_millis(1);
 
+/// How many times a round's compute its network time must be before hops win: a hop pass
+/// also asks the check row for a whole product each stage (rounds check against projections)
+/// and leaves out the leader's own row, which on cores the members share costs about twice
+/// the slowest member's compute a round (SmolLM2: 0.36 ms against 0.18), and saves half the
+/// network time. At the 1B shape a round computes for about a millisecond, and hops decoded at
+/// half the rounds' speed on one machine (docs/perf.md).
+pub const HOP_COMPUTE: u32 = 4;
+
 /// Rounds measured before the network time a round is trusted (a token's worth or so).
 pub const PROBE_ROUNDS: u64 = 128;
 
@@ -75,6 +83,8 @@ pub struct RouteMeasures {
     network: Duration,
     /// The rounds group's members' compute so far (its transport counts it from the start).
     computed: Duration,
+    /// The slowest members' compute in the rounds measured.
+    compute: Duration,
     /// When a hop group last failed.
     failed: Option<Instant>,
 }
@@ -86,6 +96,7 @@ impl RouteMeasures {
     pub fn measured(&mut self, rounds: u64, waited: Duration, computed: Duration) {
         let step = computed.saturating_sub(self.computed);
         self.computed = computed;
+        self.compute += step;
         self.rounds += rounds;
         self.network += waited.saturating_sub(step);
     }
@@ -95,11 +106,17 @@ impl RouteMeasures {
         (self.rounds >= PROBE_ROUNDS).then(|| self.network / self.rounds as u32)
     }
 
+    /// The slowest member's compute a round, once enough rounds were measured.
+    pub fn compute_per_round(&self) -> Option<Duration> {
+        (self.rounds >= PROBE_ROUNDS).then(|| self.compute / self.rounds as u32)
+    }
+
     /// Forgets what was measured (the rounds group formed again).
     pub fn forget(&mut self) {
         self.rounds = 0;
         self.network = Duration::ZERO;
         self.computed = Duration::ZERO;
+        self.compute = Duration::ZERO;
     }
 
     /// A hop group failed at `now`: an automatic choice keeps to rounds for [`HOP_RETRY`].
@@ -108,7 +125,9 @@ impl RouteMeasures {
     }
 
     /// Whether a leader's next pass goes one hop per stage under `route`, where `far` says
-    /// whether any member is off this machine ([`off_this_machine`]).
+    /// whether any member is off this machine ([`off_this_machine`]): automatically, where
+    /// one is, or where a round's network time passes both [`HOP_OVER`] and [`HOP_COMPUTE`]
+    /// times its compute.
     pub fn wants_hop(&self, route: PassRoute, far: bool, now: Instant) -> bool {
         match route {
             PassRoute::Rounds => false,
@@ -120,7 +139,8 @@ impl RouteMeasures {
                 {
                     return false;
                 }
-                far || self.network_per_round().is_some_and(|n| n > HOP_OVER)
+                let over = HOP_OVER.max(self.compute_per_round().unwrap_or_default() * HOP_COMPUTE);
+                far || self.network_per_round().is_some_and(|n| n > over)
             }
         }
     }
@@ -231,6 +251,27 @@ mod tests {
         assert!(
             m.wants_hop(PassRoute::Auto, true, now + HOP_RETRY),
             "retried later"
+        );
+    }
+
+    #[test]
+    fn rounds_that_compute_long_keep_to_rounds_unless_the_network_waits_longer_still() {
+        let now = Instant::now();
+        let mut m = RouteMeasures::default();
+        // The 1B shape on one machine: 1 ms of compute and 2 ms of waiting beyond it a round.
+        let rounds = PROBE_ROUNDS;
+        let ms = |per_round: u64| Duration::from_millis(per_round * rounds);
+        m.measured(rounds, ms(3), ms(1));
+        assert_eq!(m.compute_per_round(), Some(Duration::from_millis(1)));
+        assert!(
+            !m.wants_hop(PassRoute::Auto, false, now),
+            "2 ms against 4 × 1 ms"
+        );
+        // A far network: 20 ms a round beyond the same compute.
+        m.measured(rounds, ms(21), ms(2));
+        assert!(
+            m.wants_hop(PassRoute::Auto, false, now),
+            "11 ms against 4 × 1 ms"
         );
     }
 
