@@ -31,8 +31,9 @@ CASES = {
     # Llama 3.x: grouped-query attention, rope frequency factors.
     "llama3": dict(arch="llama", pre="llama-bpe", heads=4, kv_heads=2, head_dim=64,
                    theta=500000.0, rope_factors=True),
-    # Mistral: the llama architecture with 4:1 grouped-query attention, GPT-2's pre-tokenizer.
-    "mistral": dict(arch="llama", pre="default", heads=4, kv_heads=1, head_dim=64,
+    # Mistral 7B: the llama architecture with 4:1 grouped-query attention and a SentencePiece
+    # tokenizer (Llama 1 and 2's too).
+    "mistral": dict(arch="llama", tokenizer="llama", heads=4, kv_heads=1, head_dim=64,
                     theta=1000000.0),
     # Qwen2/2.5: biases on q, k and v; NeoX rope (half-split rows in the file).
     "qwen2": dict(arch="qwen2", pre="qwen2", heads=4, kv_heads=2, head_dim=64,
@@ -89,8 +90,29 @@ def vocab():
     return tokens, types, merges
 
 
+def spm_vocab():
+    """A SentencePiece vocabulary as Llama 2's and Mistral's GGUFs hold it: <unk>, <s>, </s>,
+    the 256 byte tokens, then pieces with distinct scores (higher merges first). "H", the
+    newline and the tab are in no piece: llama.cpp writes them as their bytes."""
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [2, 3, 3] + [6] * 256
+    chars = sorted(set(TEXT) - set("H\n\t "))
+    merged = ["▁t", "he", "▁the", "er", "ere", "▁there", "ll", "▁a", "an",
+              "▁an", "▁and", "12", "123", "▁1", "▁e", "nd", "▁end",
+              "▁at", "as", "st", "▁last", "it", "▁it", "'s", "▁3", "14"]
+    pieces = merged + ["▁"] + chars
+    tokens += pieces
+    types += [1] * len(pieces)
+    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))]
+    return tokens, types, scores
+
+
 def write(path, name, c, rng):
-    tokens, types, merges = vocab()
+    spm = c.get("tokenizer") == "llama"
+    if spm:
+        tokens, types, scores = spm_vocab()
+    else:
+        tokens, types, merges = vocab()
     n_vocab = len(tokens)
     hd, heads, kvh = c["head_dim"], c["heads"], c["kv_heads"]
     q_dim, kv_dim = heads * hd, kvh * hd
@@ -109,13 +131,22 @@ def write(path, name, c, rng):
     w.add_layer_norm_rms_eps(1e-6)
     w.add_vocab_size(n_vocab)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(c["pre"])
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(n_vocab - 2)
-    w.add_eos_token_id(n_vocab - 1)
+    if spm:
+        w.add_tokenizer_model("llama")
+        w.add_token_list(tokens)
+        w.add_token_scores(scores)
+        w.add_token_types(types)
+        w.add_unk_token_id(0)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+    else:
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(c["pre"])
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        w.add_token_merges(merges)
+        w.add_bos_token_id(n_vocab - 2)
+        w.add_eos_token_id(n_vocab - 1)
 
     def mat(rows, cols, scale=1.0):
         return (rng.standard_normal((rows, cols)) * scale / np.sqrt(cols)).astype(np.float32)

@@ -554,6 +554,25 @@ impl GgufFile {
         }
     }
 
+    /// An array of floats.
+    pub fn get_f32_array(&self, key: &str) -> Result<Vec<f32>, GgufError> {
+        let wrong = || GgufError::WrongType {
+            key: key.to_string(),
+            expected: "an array of floats",
+        };
+        match self.require(key)? {
+            MetaValue::Array(items) => items
+                .iter()
+                .map(|v| match v {
+                    MetaValue::F32(x) => Ok(*x),
+                    MetaValue::F64(x) => Ok(*x as f32),
+                    _ => Err(wrong()),
+                })
+                .collect(),
+            _ => Err(wrong()),
+        }
+    }
+
     /// An array of integers that fit in i32.
     pub fn get_i32_array(&self, key: &str) -> Result<Vec<i32>, GgufError> {
         let wrong = || GgufError::WrongType {

@@ -1,9 +1,17 @@
-//! The model's tokenizer: byte-level BPE from GGUF metadata or a Hugging Face `tokenizer.json`,
-//! plus the ChatML chat template.
+//! The model's tokenizer: byte-level BPE or SentencePiece from GGUF metadata, or a Hugging Face
+//! `tokenizer.json`, plus the ChatML chat template.
 
 use tokenizers::SplitDelimiterBehavior;
+use tokenizers::decoders::DecoderWrapper;
+use tokenizers::decoders::byte_fallback::ByteFallback;
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+use tokenizers::decoders::fuse::Fuse;
+use tokenizers::decoders::sequence::Sequence as DecoderSequence;
+use tokenizers::decoders::strip::Strip;
 use tokenizers::models::bpe::{BPE, Vocab};
+use tokenizers::normalizers::{
+    NormalizerWrapper, Prepend, Replace, Sequence as NormalizerSequence,
+};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
@@ -11,7 +19,7 @@ use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::{AddedToken, PreTokenizerWrapper};
 
 use super::ModelError;
-use crate::gguf::GgufFile;
+use crate::gguf::{GgufFile, MetaValue};
 
 /// Llama 3's pre-tokenizer split (llama.cpp's "llama-bpe"): digits in threes.
 const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
@@ -20,6 +28,8 @@ const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}
 
 /// GGUF token type of control tokens (`<|im_start|>` and friends).
 const TOKEN_TYPE_CONTROL: i32 = 3;
+/// GGUF token type of ordinary pieces (not bytes, control or unknown tokens).
+const TOKEN_TYPE_NORMAL: i32 = 1;
 
 /// One message of a chat.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -56,67 +66,19 @@ impl Tokenizer {
         }
     }
 
-    /// Builds the tokenizer stored in a GGUF file (`gpt2` byte-level BPE).
+    /// Builds the tokenizer stored in a GGUF file (`gpt2` byte-level BPE, or `llama`
+    /// SentencePiece).
     pub fn from_gguf(file: &GgufFile) -> Result<Self, ModelError> {
         let model = file.get_str("tokenizer.ggml.model")?;
-        if model != "gpt2" {
-            return Err(ModelError::Unsupported(format!(
-                "tokenizer model {model:?} (only gpt2-style byte-level BPE is supported)"
-            )));
-        }
-        let tokens = file.get_str_array("tokenizer.ggml.tokens")?;
-        let merges = file.get_str_array("tokenizer.ggml.merges")?;
-        let types = file.get_i32_array("tokenizer.ggml.token_type").ok();
-        let vocab: Vocab = tokens
-            .iter()
-            .enumerate()
-            .map(|(i, t)| (t.to_string(), i as u32))
-            .collect();
-        let merges = merges
-            .iter()
-            .map(|m| {
-                m.split_once(' ')
-                    .map(|(a, b)| (a.to_string(), b.to_string()))
-                    .ok_or_else(|| tok_err(format!("malformed merge {m:?}")))
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        let bpe = BPE::builder()
-            .vocab_and_merges(vocab, merges)
-            .build()
-            .map_err(tok_err)?;
-        let mut inner = tokenizers::Tokenizer::new(bpe);
-        let pre = file.get_str("tokenizer.ggml.pre").unwrap_or("default");
-        let byte_level = ByteLevel::new(false, true, true);
-        // After a regex split, byte-level mapping alone (its own GPT-2 regex off).
-        let split_then_bytes = |pattern: &str| -> Result<PreTokenizerWrapper, ModelError> {
-            let split = Split::new(
-                SplitPattern::Regex(pattern.to_string()),
-                SplitDelimiterBehavior::Isolated,
-                false,
-            )
-            .map_err(tok_err)?;
-            Ok(Sequence::new(vec![
-                split.into(),
-                ByteLevel::new(false, true, false).into(),
-            ])
-            .into())
-        };
-        let pre_tokenizer: PreTokenizerWrapper = match pre {
-            // SmolLM's pre-tokenizer: single digits, then GPT-2 byte-level splitting.
-            "smollm" | "starcoder" | "refact" => {
-                Sequence::new(vec![Digits::new(true).into(), byte_level.into()]).into()
-            }
-            "llama-bpe" | "llama3" | "smaug-bpe" | "dbrx" => split_then_bytes(LLAMA3_SPLIT)?,
-            "qwen2" | "deepseek-r1-qwen" => split_then_bytes(QWEN2_SPLIT)?,
-            "default" | "gpt2" | "gpt-2" => byte_level.into(),
+        let (mut inner, tokens, types) = match model {
+            "gpt2" => byte_level_bpe(file)?,
+            "llama" => sentencepiece(file)?,
             other => {
                 return Err(ModelError::Unsupported(format!(
-                    "tokenizer pre-tokenizer {other:?} (supported: default, gpt2, smollm, starcoder, refact, llama-bpe, qwen2)"
+                    "tokenizer model {other:?} (supported: gpt2, byte-level BPE; llama, SentencePiece)"
                 )));
             }
         };
-        inner.with_pre_tokenizer(Some(pre_tokenizer));
-        inner.with_decoder(Some(ByteLevelDecoder::default()));
         let specials: Vec<AddedToken> = match &types {
             Some(types) => tokens
                 .iter()
@@ -228,6 +190,147 @@ impl Tokenizer {
             data.default_system.clone(),
         ))
     }
+}
+
+/// A tokenizer, the file's tokens and their GGUF types.
+type Built<'a> = (tokenizers::Tokenizer, Vec<&'a str>, Option<Vec<i32>>);
+
+/// The `gpt2` tokenizer of a GGUF file: byte-level BPE with its merges and pre-tokenizer.
+fn byte_level_bpe(file: &GgufFile) -> Result<Built<'_>, ModelError> {
+    let tokens = file.get_str_array("tokenizer.ggml.tokens")?;
+    let merges = file.get_str_array("tokenizer.ggml.merges")?;
+    let types = file.get_i32_array("tokenizer.ggml.token_type").ok();
+    let vocab: Vocab = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.to_string(), i as u32))
+        .collect();
+    let merges = merges
+        .iter()
+        .map(|m| {
+            m.split_once(' ')
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+                .ok_or_else(|| tok_err(format!("malformed merge {m:?}")))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .build()
+        .map_err(tok_err)?;
+    let mut inner = tokenizers::Tokenizer::new(bpe);
+    let pre = file.get_str("tokenizer.ggml.pre").unwrap_or("default");
+    let byte_level = ByteLevel::new(false, true, true);
+    // After a regex split, byte-level mapping alone (its own GPT-2 regex off).
+    let split_then_bytes = |pattern: &str| -> Result<PreTokenizerWrapper, ModelError> {
+        let split = Split::new(
+            SplitPattern::Regex(pattern.to_string()),
+            SplitDelimiterBehavior::Isolated,
+            false,
+        )
+        .map_err(tok_err)?;
+        Ok(Sequence::new(vec![
+            split.into(),
+            ByteLevel::new(false, true, false).into(),
+        ])
+        .into())
+    };
+    let pre_tokenizer: PreTokenizerWrapper = match pre {
+        // SmolLM's pre-tokenizer: single digits, then GPT-2 byte-level splitting.
+        "smollm" | "starcoder" | "refact" => {
+            Sequence::new(vec![Digits::new(true).into(), byte_level.into()]).into()
+        }
+        "llama-bpe" | "llama3" | "smaug-bpe" | "dbrx" => split_then_bytes(LLAMA3_SPLIT)?,
+        "qwen2" | "deepseek-r1-qwen" => split_then_bytes(QWEN2_SPLIT)?,
+        "default" | "gpt2" | "gpt-2" => byte_level.into(),
+        other => {
+            return Err(ModelError::Unsupported(format!(
+                "tokenizer pre-tokenizer {other:?} (supported: default, gpt2, smollm, starcoder, refact, llama-bpe, qwen2)"
+            )));
+        }
+    };
+    inner.with_pre_tokenizer(Some(pre_tokenizer));
+    inner.with_decoder(Some(ByteLevelDecoder::default()));
+    Ok((inner, tokens, types))
+}
+
+/// SentencePiece's word boundary, which stands for a space.
+const SPM_SPACE: &str = "\u{2581}";
+
+/// The `llama` tokenizer of a GGUF file (Llama 1 and 2, Mistral 7B), as llama.cpp runs it:
+/// a space before the text (unless `add_space_prefix` is false) and every space as `▁`, then
+/// the adjacent pair whose joined piece scores highest merged first, and a character no piece
+/// holds as its bytes' `<0xNN>` tokens. That is BPE whose merges are every split of every
+/// piece into two pieces, ranked by the joined piece's score.
+fn sentencepiece(file: &GgufFile) -> Result<Built<'_>, ModelError> {
+    let tokens = file.get_str_array("tokenizer.ggml.tokens")?;
+    let scores = file.get_f32_array("tokenizer.ggml.scores")?;
+    let types = file.get_i32_array("tokenizer.ggml.token_type").ok();
+    if scores.len() != tokens.len() {
+        return Err(tok_err(format!(
+            "{} token scores for {} tokens",
+            scores.len(),
+            tokens.len()
+        )));
+    }
+    let vocab: Vocab = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.to_string(), i as u32))
+        .collect();
+    let normal = |i: usize| {
+        types
+            .as_ref()
+            .is_none_or(|t| t.get(i) == Some(&TOKEN_TYPE_NORMAL))
+    };
+    let mut ranked: Vec<(f32, u32, String, String)> = Vec::new();
+    for (i, piece) in tokens.iter().enumerate() {
+        if !normal(i) {
+            continue;
+        }
+        for (at, _) in piece.char_indices().skip(1) {
+            let (left, right) = piece.split_at(at);
+            let parts_are_pieces = [left, right]
+                .iter()
+                .all(|p| vocab.get(*p).is_some_and(|&id| normal(id as usize)));
+            if parts_are_pieces {
+                ranked.push((scores[i], i as u32, left.to_string(), right.to_string()));
+            }
+        }
+    }
+    ranked.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+    let merges = ranked.into_iter().map(|(_, _, l, r)| (l, r)).collect();
+    let unk = file
+        .get_u32("tokenizer.ggml.unknown_token_id")
+        .ok()
+        .and_then(|id| tokens.get(id as usize))
+        .map_or("<unk>", |t| t);
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .unk_token(unk.to_string())
+        .byte_fallback(true)
+        .build()
+        .map_err(tok_err)?;
+    let mut inner = tokenizers::Tokenizer::new(bpe);
+    let space_prefix = !matches!(
+        file.get("tokenizer.ggml.add_space_prefix"),
+        Some(MetaValue::Bool(false))
+    );
+    let mut normalizers: Vec<NormalizerWrapper> = Vec::new();
+    if space_prefix {
+        normalizers.push(Prepend::new(SPM_SPACE.to_string()).into());
+    }
+    normalizers.push(Replace::new(" ", SPM_SPACE).map_err(tok_err)?.into());
+    inner.with_normalizer(Some(NormalizerSequence::new(normalizers)));
+    let mut decoders: Vec<DecoderWrapper> = vec![
+        Replace::new(SPM_SPACE, " ").map_err(tok_err)?.into(),
+        ByteFallback::new().into(),
+        Fuse::new().into(),
+    ];
+    if space_prefix {
+        decoders.push(Strip::new(' ', 1, 0).into());
+    }
+    inner.with_decoder(Some(DecoderSequence::new(decoders)));
+    Ok((inner, tokens, types))
 }
 
 /// A tokenizer in a portable form: the `tokenizers` JSON plus what the chat template adds.

@@ -59,6 +59,8 @@ fn run_file(
         "the file's tokenizer gives {ids:?}, llama.cpp's {:?}",
         text.1
     );
+    let back = model.tokenizer.decode(&ids)?;
+    ensure!(back == text.0, "the tokens decode to {back:?}");
     let w = &model.weights;
     streams_as_loaded(path, w)?;
     let g = Generator::cauchy(3, 2)?;
