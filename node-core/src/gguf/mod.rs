@@ -536,60 +536,45 @@ impl GgufFile {
         }
     }
 
-    /// An array of strings.
-    pub fn get_str_array(&self, key: &str) -> Result<Vec<&str>, GgufError> {
+    /// An array whose every item `item` reads, or a `WrongType` naming `expected`.
+    fn array_of<'a, T>(
+        &'a self,
+        key: &str,
+        expected: &'static str,
+        item: impl Fn(&'a MetaValue) -> Option<T>,
+    ) -> Result<Vec<T>, GgufError> {
         let wrong = || GgufError::WrongType {
             key: key.to_string(),
-            expected: "an array of strings",
+            expected,
         };
         match self.require(key)? {
-            MetaValue::Array(items) => items
-                .iter()
-                .map(|v| match v {
-                    MetaValue::Str(s) => Ok(s.as_str()),
-                    _ => Err(wrong()),
-                })
-                .collect(),
+            MetaValue::Array(items) => items.iter().map(|v| item(v).ok_or_else(wrong)).collect(),
             _ => Err(wrong()),
         }
+    }
+
+    /// An array of strings.
+    pub fn get_str_array(&self, key: &str) -> Result<Vec<&str>, GgufError> {
+        self.array_of(key, "an array of strings", |v| match v {
+            MetaValue::Str(s) => Some(s.as_str()),
+            _ => None,
+        })
     }
 
     /// An array of floats.
     pub fn get_f32_array(&self, key: &str) -> Result<Vec<f32>, GgufError> {
-        let wrong = || GgufError::WrongType {
-            key: key.to_string(),
-            expected: "an array of floats",
-        };
-        match self.require(key)? {
-            MetaValue::Array(items) => items
-                .iter()
-                .map(|v| match v {
-                    MetaValue::F32(x) => Ok(*x),
-                    MetaValue::F64(x) => Ok(*x as f32),
-                    _ => Err(wrong()),
-                })
-                .collect(),
-            _ => Err(wrong()),
-        }
+        self.array_of(key, "an array of floats", |v| match v {
+            MetaValue::F32(x) => Some(*x),
+            MetaValue::F64(x) => Some(*x as f32),
+            _ => None,
+        })
     }
 
     /// An array of integers that fit in i32.
     pub fn get_i32_array(&self, key: &str) -> Result<Vec<i32>, GgufError> {
-        let wrong = || GgufError::WrongType {
-            key: key.to_string(),
-            expected: "an array of i32",
-        };
-        match self.require(key)? {
-            MetaValue::Array(items) => items
-                .iter()
-                .map(|v| {
-                    v.as_i128()
-                        .and_then(|x| i32::try_from(x).ok())
-                        .ok_or_else(wrong)
-                })
-                .collect(),
-            _ => Err(wrong()),
-        }
+        self.array_of(key, "an array of i32", |v| {
+            v.as_i128().and_then(|x| i32::try_from(x).ok())
+        })
     }
 
     /// The tensor directory.
