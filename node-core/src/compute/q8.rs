@@ -344,8 +344,9 @@ mod avx2 {
 mod avx512 {
     use std::arch::x86_64::*;
 
-    /// Sixteen scales as f32 (the row's blocks `first..first + 16`, fewer at its end; zeros
-    /// past it), so the kernels broadcast each from memory instead of converting it there.
+    /// The scales of the row's blocks `first..first + 16` as f32 (fewer at its end, the rest of
+    /// `out` left as it was), so the kernels broadcast each from memory instead of converting
+    /// it there.
     #[inline]
     #[target_feature(enable = "avx512f,f16c")]
     fn scales16(scales: &[half::f16], first: usize, full: usize, out: &mut [f32; 16]) {
