@@ -70,9 +70,16 @@ impl Tokenizer {
     /// SentencePiece).
     pub fn from_gguf(file: &GgufFile) -> Result<Self, ModelError> {
         let model = file.get_str("tokenizer.ggml.model")?;
-        let (mut inner, tokens, types) = match model {
-            "gpt2" => byte_level_bpe(file)?,
-            "llama" => sentencepiece(file)?,
+        let tokens = file.get_str_array("tokenizer.ggml.tokens")?;
+        let types = file.get_i32_array("tokenizer.ggml.token_type").ok();
+        let vocab: Vocab = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.to_string(), i as u32))
+            .collect();
+        let mut inner = match model {
+            "gpt2" => byte_level_bpe(file, vocab)?,
+            "llama" => sentencepiece(file, vocab, &tokens, types.as_deref())?,
             other => {
                 return Err(ModelError::Unsupported(format!(
                     "tokenizer model {other:?} (supported: gpt2, byte-level BPE; llama, SentencePiece)"
@@ -192,19 +199,10 @@ impl Tokenizer {
     }
 }
 
-/// A tokenizer, the file's tokens and their GGUF types.
-type Built<'a> = (tokenizers::Tokenizer, Vec<&'a str>, Option<Vec<i32>>);
-
-/// The `gpt2` tokenizer of a GGUF file: byte-level BPE with its merges and pre-tokenizer.
-fn byte_level_bpe(file: &GgufFile) -> Result<Built<'_>, ModelError> {
-    let tokens = file.get_str_array("tokenizer.ggml.tokens")?;
+/// The `gpt2` tokenizer of a GGUF file over its `vocab`: byte-level BPE with its merges and
+/// pre-tokenizer.
+fn byte_level_bpe(file: &GgufFile, vocab: Vocab) -> Result<tokenizers::Tokenizer, ModelError> {
     let merges = file.get_str_array("tokenizer.ggml.merges")?;
-    let types = file.get_i32_array("tokenizer.ggml.token_type").ok();
-    let vocab: Vocab = tokens
-        .iter()
-        .enumerate()
-        .map(|(i, t)| (t.to_string(), i as u32))
-        .collect();
     let merges = merges
         .iter()
         .map(|m| {
@@ -250,7 +248,7 @@ fn byte_level_bpe(file: &GgufFile) -> Result<Built<'_>, ModelError> {
     };
     inner.with_pre_tokenizer(Some(pre_tokenizer));
     inner.with_decoder(Some(ByteLevelDecoder::default()));
-    Ok((inner, tokens, types))
+    Ok(inner)
 }
 
 /// SentencePiece's word boundary, which stands for a space.
@@ -260,11 +258,15 @@ const SPM_SPACE: &str = "\u{2581}";
 /// a space before the text (unless `add_space_prefix` is false) and every space as `▁`, then
 /// the adjacent pair whose joined piece scores highest merged first, and a character no piece
 /// holds as its bytes' `<0xNN>` tokens. That is BPE whose merges are every split of every
-/// piece into two pieces, ranked by the joined piece's score.
-fn sentencepiece(file: &GgufFile) -> Result<Built<'_>, ModelError> {
-    let tokens = file.get_str_array("tokenizer.ggml.tokens")?;
+/// piece into two pieces, ranked by the joined piece's score. `vocab` maps the file's
+/// `tokens` to their ids; `types` are their GGUF types, where the file has them.
+fn sentencepiece(
+    file: &GgufFile,
+    vocab: Vocab,
+    tokens: &[&str],
+    types: Option<&[i32]>,
+) -> Result<tokenizers::Tokenizer, ModelError> {
     let scores = file.get_f32_array("tokenizer.ggml.scores")?;
-    let types = file.get_i32_array("tokenizer.ggml.token_type").ok();
     if scores.len() != tokens.len() {
         return Err(tok_err(format!(
             "{} token scores for {} tokens",
@@ -272,16 +274,7 @@ fn sentencepiece(file: &GgufFile) -> Result<Built<'_>, ModelError> {
             tokens.len()
         )));
     }
-    let vocab: Vocab = tokens
-        .iter()
-        .enumerate()
-        .map(|(i, t)| (t.to_string(), i as u32))
-        .collect();
-    let normal = |i: usize| {
-        types
-            .as_ref()
-            .is_none_or(|t| t.get(i) == Some(&TOKEN_TYPE_NORMAL))
-    };
+    let normal = |i: usize| types.is_none_or(|t| t.get(i) == Some(&TOKEN_TYPE_NORMAL));
     let mut ranked: Vec<(f32, u32, String, String)> = Vec::new();
     for (i, piece) in tokens.iter().enumerate() {
         if !normal(i) {
@@ -303,7 +296,7 @@ fn sentencepiece(file: &GgufFile) -> Result<Built<'_>, ModelError> {
         .get_u32("tokenizer.ggml.unknown_token_id")
         .ok()
         .and_then(|id| tokens.get(id as usize))
-        .map_or("<unk>", |t| t);
+        .map_or("<unk>", |t| *t);
     let bpe = BPE::builder()
         .vocab_and_merges(vocab, merges)
         .unk_token(unk.to_string())
@@ -330,7 +323,7 @@ fn sentencepiece(file: &GgufFile) -> Result<Built<'_>, ModelError> {
         decoders.push(Strip::new(' ', 1, 0).into());
     }
     inner.with_decoder(Some(DecoderSequence::new(decoders)));
-    Ok((inner, tokens, types))
+    Ok(inner)
 }
 
 /// A tokenizer in a portable form: the `tokenizers` JSON plus what the chat template adds.
