@@ -247,6 +247,11 @@ pub(crate) struct BenchArgs {
     /// only).
     #[arg(long, requires = "gpu")]
     pub(crate) synthetic: bool,
+    /// The shape of --synthetic's random weights. Past SmolLM2 only the whole token on the GPU
+    /// is measured (members on the CPU would take minutes a token), and f32 shards only while
+    /// the model's f32 weights fit in 16 GiB.
+    #[arg(long, value_enum, default_value_t = SyntheticShape::Smollm2, requires = "synthetic")]
+    pub(crate) shape: SyntheticShape,
     /// Measure what compact grids cost against the model as loaded (logit error, greedy
     /// tokens) instead of speed.
     #[arg(long)]
@@ -406,6 +411,46 @@ pub(crate) struct SeedArgs {
     pub(crate) momentum: f32,
     #[command(flatten)]
     pub(crate) net: NetArgs,
+}
+
+/// A model shape for random-weight benchmarks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum SyntheticShape {
+    /// SmolLM2-135M.
+    Smollm2,
+    /// Llama-3.2-1B (tied embeddings, llama3 rope scaling).
+    #[value(name = "llama-3.2-1b")]
+    Llama1b,
+    /// Llama-3.1-8B.
+    #[value(name = "llama-3.1-8b")]
+    Llama8b,
+}
+
+impl SyntheticShape {
+    /// The shape's configuration, as its Hugging Face `config.json` gives it.
+    pub(crate) fn config(
+        self,
+    ) -> Result<node_core::model::LlamaConfig, node_core::model::ModelError> {
+        use node_core::model::LlamaConfig;
+        // The fields `LlamaConfig::from_hf_json` reads, as Meta's config.json files give them.
+        let json = |hidden, ffn, layers, tied| {
+            format!(
+                r#"{{"model_type": "llama", "hidden_size": {hidden}, "intermediate_size": {ffn},
+                "num_hidden_layers": {layers}, "num_attention_heads": 32,
+                "num_key_value_heads": 8, "vocab_size": 128256, "rms_norm_eps": 1e-5,
+                "rope_theta": 500000.0, "max_position_embeddings": 131072,
+                "tie_word_embeddings": {tied}, "rope_scaling": {{"rope_type": "llama3",
+                "factor": {factor}, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}}}}"#,
+                factor = if tied { 32.0 } else { 8.0 }
+            )
+        };
+        match self {
+            Self::Smollm2 => Ok(LlamaConfig::smollm2_135m()),
+            Self::Llama1b => LlamaConfig::from_hf_json(&json(2048, 8192, 16, true)),
+            Self::Llama8b => LlamaConfig::from_hf_json(&json(4096, 14336, 32, false)),
+        }
+    }
 }
 
 /// The optimizer a seed gives its mesh.

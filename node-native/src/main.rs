@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::Result;
 use clap::Parser;
 use node_core::compute::gpu::Gpu;
-use node_core::model::{LlamaConfig, ModelWeights};
+use node_core::model::ModelWeights;
 use node_native::lead::remote::Session;
 use node_native::{fetch, load, node};
 use tracing_subscriber::EnvFilter;
@@ -290,8 +290,15 @@ fn run_gpu_bench(args: &BenchArgs) -> Result<()> {
     eprintln!("adapter: {}", gpu.info());
     let (mut rows, copy_bw) = node_native::bench::gpu::kernel_rows(&gpu, args.gpu_mib << 20)?;
     let (weights, prompt) = if args.synthetic {
-        let weights = ModelWeights::synthetic(LlamaConfig::smollm2_135m(), 1)?;
-        let prompt: Vec<u32> = (0..40).map(|i| (i * 997 + 13) % 49152).collect();
+        let cfg = args.shape.config()?;
+        let started = std::time::Instant::now();
+        let prompt: Vec<u32> = (0..40).map(|i| (i * 997 + 13) % cfg.vocab as u32).collect();
+        let weights = ModelWeights::synthetic_parallel(cfg, 1)?;
+        eprintln!(
+            "random weights, {:.2} B values: {:.1} s",
+            weights.parameter_count() as f64 / 1e9,
+            started.elapsed().as_secs_f64()
+        );
         (weights, prompt)
     } else {
         let model = load::load_model(&model_path(&args.model)?)?;
@@ -304,6 +311,7 @@ fn run_gpu_bench(args: &BenchArgs) -> Result<()> {
         &prompt,
         args.tokens,
         copy_bw,
+        args.shape == cli::SyntheticShape::Smollm2 || !args.synthetic,
     )?);
     node_native::bench::print_table(&rows);
     Ok(())

@@ -427,15 +427,44 @@ impl ModelWeights {
 
     /// A model of the given shape with seeded random weights, for tests and benchmarks.
     pub fn synthetic(cfg: LlamaConfig, seed: u64) -> Result<Self, ModelError> {
-        cfg.validate()?;
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        let mut matrix = |rows: usize, cols: usize| {
+        Self::random(cfg, &mut |rows, cols| {
             let scale = 1.0 / (cols as f32).sqrt();
             let data = (0..rows * cols)
                 .map(|_| rng.random_range(-1.0f32..1.0) * scale * 1.7)
                 .collect();
             Matrix { rows, cols, data }
-        };
+        })
+    }
+
+    /// A model of the given shape with seeded random weights drawn on every kernel thread
+    /// (other values than [`Self::synthetic`]'s), for benchmarks of large shapes.
+    pub fn synthetic_parallel(cfg: LlamaConfig, seed: u64) -> Result<Self, ModelError> {
+        /// Values drawn from one stream.
+        const CHUNK: usize = 1 << 20;
+        let mut matrices = 0u64;
+        Self::random(cfg, &mut |rows, cols| {
+            let scale = 1.0 / (cols as f32).sqrt();
+            let mut data = vec![0.0f32; rows * cols];
+            let matrix = matrices;
+            matrices += 1;
+            crate::compute::par::for_each_chunk(&mut data, CHUNK, |i, chunk| {
+                let mut rng = ChaCha8Rng::seed_from_u64(seed);
+                rng.set_stream((matrix << 32) | i as u64);
+                for v in chunk {
+                    *v = rng.random_range(-1.0f32..1.0) * scale * 1.7;
+                }
+            });
+            Matrix { rows, cols, data }
+        })
+    }
+
+    /// A model of the given shape whose matrices `matrix(rows, cols)` draws, norms one.
+    fn random(
+        cfg: LlamaConfig,
+        matrix: &mut dyn FnMut(usize, usize) -> Matrix,
+    ) -> Result<Self, ModelError> {
+        cfg.validate()?;
         let (d, f) = (cfg.hidden, cfg.ffn);
         let embed = matrix(cfg.vocab, d);
         let lm_head = (!cfg.tied_embeddings).then(|| matrix(cfg.vocab, d));
@@ -602,5 +631,40 @@ impl LeaderWeights {
                 .vectors()
                 .zip(zeros.vectors())
                 .all(|(a, b)| a.len() == b.len())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parallel_random_weights_are_seeded_bounded_and_drawn_from_distinct_streams() {
+        // An embedding of 2.4 M values spans three of the generator's chunks.
+        let cfg = LlamaConfig {
+            vocab: 300_000,
+            ..LlamaConfig::small()
+        };
+        let a = ModelWeights::synthetic_parallel(cfg.clone(), 7).unwrap();
+        let again = ModelWeights::synthetic_parallel(cfg.clone(), 7).unwrap();
+        assert_eq!(
+            (&a.embed, &a.layers[0].down),
+            (&again.embed, &again.layers[0].down)
+        );
+        assert_ne!(
+            a.embed,
+            ModelWeights::synthetic_parallel(cfg, 8).unwrap().embed
+        );
+        let e = &a.embed;
+        assert_eq!((e.rows, e.cols), (300_000, 8));
+        let bound = 1.7 / (e.cols as f32).sqrt();
+        assert!(e.data.iter().all(|v| v.abs() <= bound));
+        let mean = e.data.iter().map(|&v| f64::from(v)).sum::<f64>() / e.data.len() as f64;
+        assert!(mean.abs() < 1e-3, "mean {mean}");
+        let chunk = 1 << 20;
+        assert_ne!(e.data[..16], e.data[chunk..chunk + 16]);
+        let l = &a.layers[0];
+        assert_ne!(l.q.data[..8], l.k.data[..8]);
+        assert_eq!(a.final_norm, vec![1.0; 8]);
     }
 }
