@@ -205,19 +205,20 @@ fn many_shapes<T>(
     (cols, full)
 }
 
-/// How far ahead of the block it reads a kernel asks for a row's values: on the 2-core
-/// machine a row's product read 4–5 GB/s of a core's 12 without it (docs/perf.md).
+/// How many bytes ahead of the block it reads a kernel asks for a row's values: on the 2-core
+/// machine a row's product read 4–5 GB/s of a core's 12 without it, 7–8 at 1024 values
+/// ahead, and 9 (i8) and 12 (i16) at 2.5 to 4 KB (docs/perf.md).
 #[cfg(target_arch = "x86_64")]
-const PREFETCH_VALUES: usize = 1024;
+const PREFETCH_BYTES: usize = 3072;
 
-/// Asks for the values [`PREFETCH_VALUES`] past block `b`'s start to be cached: the kernels
+/// Asks for the bytes [`PREFETCH_BYTES`] past block `b`'s start to be cached: the kernels
 /// call it every block (a cache line is two blocks of i8, one of i16). A hint, which never
 /// faults, in bounds or not.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 fn prefetch<T>(q: &[T], b: usize) {
     use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-    let at = q.as_ptr().wrapping_add(b * Q8_BLOCK + PREFETCH_VALUES) as *const i8;
+    let at = (q.as_ptr().wrapping_add(b * Q8_BLOCK) as *const i8).wrapping_add(PREFETCH_BYTES);
     // SAFETY: SSE is in every x86-64 CPU, and a prefetch reads nothing the program sees.
     unsafe { _mm_prefetch::<_MM_HINT_T0>(at) };
 }
