@@ -427,6 +427,19 @@ impl Shard {
     }
 }
 
+/// A model's linear matrices in a shard set's order: each block's q, k, v, o, gate, up, down,
+/// then the embedding and the separate LM head, if any.
+fn model_matrices(w: &ModelWeights) -> Vec<&Matrix> {
+    let mut matrices: Vec<&Matrix> = w
+        .layers
+        .iter()
+        .flat_map(|l| [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down])
+        .collect();
+    matrices.push(&w.embed);
+    matrices.extend(&w.lm_head);
+    matrices
+}
+
 /// Every shard one member holds, for one generator row (node index).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ShardSet {
@@ -453,31 +466,54 @@ impl ShardSet {
         format: ShardFormat,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Self, CodedError> {
-        let total = w.layers.len() * 7 + 1 + usize::from(w.lm_head.is_some());
-        let mut done = 0;
-        let mut step = |done: &mut usize| {
-            *done += 1;
-            progress(*done, total);
+        let matrices = model_matrices(w);
+        let total = matrices.len();
+        let mut shards = matrices.iter().enumerate().map(|(i, m)| {
+            let shard = Shard::encode(g, node, m, format);
+            progress(i + 1, total);
+            shard
+        });
+        Self::assemble(w, g, node, &mut shards)
+    }
+
+    /// Encodes rows `nodes`' shards of a whole model, each (row, matrix) pair on a kernel
+    /// thread of its own (a large model's row one matrix after another takes minutes).
+    pub fn encode_parallel(
+        w: &ModelWeights,
+        g: &Generator,
+        nodes: &[usize],
+        format: ShardFormat,
+    ) -> Result<Vec<Self>, CodedError> {
+        let matrices = model_matrices(w);
+        let jobs: Vec<(usize, &Matrix)> = nodes
+            .iter()
+            .flat_map(|&n| matrices.iter().map(move |&m| (n, m)))
+            .collect();
+        let shards = crate::compute::par::map(&jobs, |&(n, m)| Shard::encode(g, n, m, format));
+        let mut shards = shards.into_iter();
+        nodes
+            .iter()
+            .map(|&node| Self::assemble(w, g, node, &mut shards))
+            .collect()
+    }
+
+    /// Node `node`'s shard set from its shards in [`model_matrices`]' order.
+    fn assemble(
+        w: &ModelWeights,
+        g: &Generator,
+        node: usize,
+        shards: &mut dyn Iterator<Item = Result<Shard, CodedError>>,
+    ) -> Result<Self, CodedError> {
+        let mut next = || {
+            shards
+                .next()
+                .unwrap_or_else(|| Err(CodedError::BadRequest("a shard missing".into())))
         };
-        let mut blocks = Vec::with_capacity(w.layers.len());
-        for l in &w.layers {
-            let mut shards = Vec::with_capacity(7);
-            for m in [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down] {
-                shards.push(Shard::encode(g, node, m, format)?);
-                step(&mut done);
-            }
-            blocks.push(shards);
-        }
-        let embed = Shard::encode(g, node, &w.embed, format)?;
-        step(&mut done);
-        let lm_head = match &w.lm_head {
-            Some(m) => {
-                let s = Shard::encode(g, node, m, format)?;
-                step(&mut done);
-                Some(s)
-            }
-            None => None,
-        };
+        let blocks = (0..w.layers.len())
+            .map(|_| (0..7).map(|_| next()).collect::<Result<Vec<_>, _>>())
+            .collect::<Result<Vec<_>, _>>()?;
+        let embed = next()?;
+        let lm_head = w.lm_head.as_ref().map(|_| next()).transpose()?;
         Ok(Self {
             cfg: w.cfg.clone(),
             generator: g.clone(),

@@ -324,9 +324,10 @@ mod tests {
 
     /// Streamed rows are byte for byte the shard sets encoded whole, however the work is cut:
     /// several slabs a matrix (with rows past the end of the last sub-block), several passes
-    /// over one matrix, both codes, tied and separate heads.
+    /// over one matrix, both codes, tied and separate heads; so are rows encoded a matrix a
+    /// thread, in any order of rows.
     #[test]
-    fn streamed_rows_are_the_shard_sets_encoded_whole() {
+    fn streamed_and_parallel_rows_are_the_shard_sets_encoded_whole() {
         for (tied, format) in [
             (false, ShardFormat::Q8),
             (true, ShardFormat::Q8),
@@ -361,6 +362,13 @@ mod tests {
                         "row {node}, {format:?}, tied {tied}, {limits:?}"
                     );
                 }
+            }
+            let nodes: Vec<usize> = (0..g.genesis_rows()).rev().collect();
+            let parallel = ShardSet::encode_parallel(&w, &g, &nodes, format).unwrap();
+            assert_eq!(parallel.len(), nodes.len());
+            for (set, &node) in parallel.iter().zip(&nodes) {
+                let whole = ShardSet::encode(&w, &g, node, format, &mut |_, _| {}).unwrap();
+                assert_eq!(set, &whole, "row {node}, {format:?}, tied {tied}");
             }
         }
     }

@@ -4,11 +4,9 @@
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use node_core::code::Generator;
-use node_core::coded::{AUTO_GPU_MIN_WORK, GpuGroup, Shard, ShardFormat, ShardSet};
+use node_core::coded::{AUTO_GPU_MIN_WORK, GpuGroup, ShardFormat, ShardSet};
 use node_core::compute::gpu::{Gpu, GpuMatrix, Placement, Weights};
-use node_core::compute::par;
-use node_core::model::{LeaderWeights, Llama, Matrix, ModelWeights, argmax};
+use node_core::model::{LeaderWeights, Llama, ModelWeights, argmax};
 
 use crate::bench::{Row, model_speed, row};
 
@@ -179,52 +177,6 @@ fn weight_bytes(cfg: &node_core::model::LlamaConfig) -> f64 {
         + cfg.vocab * cfg.hidden) as f64
 }
 
-/// Rows `nodes`' shard sets of `w`, each (row, matrix) pair encoded on a kernel thread of its
-/// own (a large model's rows one at a time would take minutes).
-fn encode_members(
-    w: &ModelWeights,
-    g: &Generator,
-    nodes: &[usize],
-    format: ShardFormat,
-) -> Result<Vec<ShardSet>> {
-    let mut matrices: Vec<&Matrix> = w
-        .layers
-        .iter()
-        .flat_map(|l| [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down])
-        .collect();
-    matrices.push(&w.embed);
-    matrices.extend(&w.lm_head);
-    let jobs: Vec<(usize, &Matrix)> = nodes
-        .iter()
-        .flat_map(|&n| matrices.iter().map(move |&m| (n, m)))
-        .collect();
-    let mut shards = par::map(&jobs, |&(n, m)| Shard::encode(g, n, m, format)).into_iter();
-    let mut next = || {
-        shards
-            .next()
-            .context("a shard for every matrix")?
-            .map_err(anyhow::Error::from)
-    };
-    nodes
-        .iter()
-        .map(|&node| {
-            let blocks = (0..w.layers.len())
-                .map(|_| (0..7).map(|_| next()).collect::<Result<Vec<_>>>())
-                .collect::<Result<Vec<_>>>()?;
-            let embed = next()?;
-            let lm_head = w.lm_head.as_ref().map(|_| next()).transpose()?;
-            Ok(ShardSet {
-                cfg: w.cfg.clone(),
-                generator: g.clone(),
-                node,
-                blocks,
-                embed,
-                lm_head,
-            })
-        })
-        .collect()
-}
-
 /// f32 weights past which the whole token is not measured on f32 shards (the model, its
 /// members' shards and the stacked stages would all sit in host memory at once).
 const F32_WHOLE_TOKEN_MAX_BYTES: f64 = 16.0 * (1u64 << 30) as f64;
@@ -272,7 +224,7 @@ pub fn model_rows(
         }
         let g = format.code(5, 3)?;
         let started = std::time::Instant::now();
-        let sets = encode_members(weights, &g, &members, format)?;
+        let sets = ShardSet::encode_parallel(weights, &g, &members, format)?;
         let sets: Vec<&ShardSet> = sets.iter().collect();
         let ctx = (prompt.len() + tokens + 1).min(cfg.max_seq);
         let group = GpuGroup::new(gpu.clone(), &llama, &sets, ctx)?;
