@@ -433,7 +433,7 @@ impl SyntheticShape {
     ) -> Result<node_core::model::LlamaConfig, node_core::model::ModelError> {
         use node_core::model::LlamaConfig;
         // The fields `LlamaConfig::from_hf_json` reads, as Meta's config.json files give them.
-        let json = |hidden, ffn, layers, tied| {
+        let json = |hidden, ffn, layers, tied, factor: f32| {
             format!(
                 r#"{{"model_type": "llama", "hidden_size": {hidden}, "intermediate_size": {ffn},
                 "num_hidden_layers": {layers}, "num_attention_heads": 32,
@@ -441,14 +441,13 @@ impl SyntheticShape {
                 "rope_theta": 500000.0, "max_position_embeddings": 131072,
                 "tie_word_embeddings": {tied}, "rope_scaling": {{"rope_type": "llama3",
                 "factor": {factor}, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192}}}}"#,
-                factor = if tied { 32.0 } else { 8.0 }
+                "original_max_position_embeddings": 8192}}}}"#
             )
         };
         match self {
             Self::Smollm2 => Ok(LlamaConfig::smollm2_135m()),
-            Self::Llama1b => LlamaConfig::from_hf_json(&json(2048, 8192, 16, true)),
-            Self::Llama8b => LlamaConfig::from_hf_json(&json(4096, 14336, 32, false)),
+            Self::Llama1b => LlamaConfig::from_hf_json(&json(2048, 8192, 16, true, 32.0)),
+            Self::Llama8b => LlamaConfig::from_hf_json(&json(4096, 14336, 32, false, 8.0)),
         }
     }
 }
