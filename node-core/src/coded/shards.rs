@@ -427,19 +427,6 @@ impl Shard {
     }
 }
 
-/// A model's linear matrices in a shard set's order: each block's q, k, v, o, gate, up, down,
-/// then the embedding and the separate LM head, if any.
-fn model_matrices(w: &ModelWeights) -> Vec<&Matrix> {
-    let mut matrices: Vec<&Matrix> = w
-        .layers
-        .iter()
-        .flat_map(|l| [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down])
-        .collect();
-    matrices.push(&w.embed);
-    matrices.extend(&w.lm_head);
-    matrices
-}
-
 /// Every shard one member holds, for one generator row (node index).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ShardSet {
@@ -466,7 +453,7 @@ impl ShardSet {
         format: ShardFormat,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Self, CodedError> {
-        let matrices = model_matrices(w);
+        let matrices = w.matrices();
         let total = matrices.len();
         let mut shards = matrices.iter().enumerate().map(|(i, m)| {
             let shard = Shard::encode(g, node, m, format);
@@ -484,7 +471,7 @@ impl ShardSet {
         nodes: &[usize],
         format: ShardFormat,
     ) -> Result<Vec<Self>, CodedError> {
-        let matrices = model_matrices(w);
+        let matrices = w.matrices();
         let jobs: Vec<(usize, &Matrix)> = nodes
             .iter()
             .flat_map(|&n| matrices.iter().map(move |&m| (n, m)))
@@ -497,7 +484,7 @@ impl ShardSet {
             .collect()
     }
 
-    /// Node `node`'s shard set from its shards in [`model_matrices`]' order.
+    /// Node `node`'s shard set from its shards in [`ModelWeights::matrices`]' order.
     fn assemble(
         w: &ModelWeights,
         g: &Generator,

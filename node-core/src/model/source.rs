@@ -21,10 +21,7 @@ impl MatrixSource for ModelWeights {
 
     fn read_rows(&self, matrix: usize, first: usize, out: &mut [f32]) -> Result<(), ModelError> {
         let m = match (matrix / 7, matrix % 7) {
-            (l, i) if l < self.layers.len() => {
-                let b = &self.layers[l];
-                [&b.q, &b.k, &b.v, &b.o, &b.gate, &b.up, &b.down][i]
-            }
+            (l, i) if l < self.layers.len() => self.layers[l].matrices()[i],
             _ if matrix == 7 * self.layers.len() => &self.embed,
             _ => self
                 .lm_head

@@ -344,6 +344,15 @@ pub(super) fn gains_to_adjacent(
     }
 }
 
+impl LayerWeights {
+    /// The block's seven linear matrices in chain order: q, k, v, o, gate, up, down.
+    pub fn matrices(&self) -> [&Matrix; 7] {
+        [
+            &self.q, &self.k, &self.v, &self.o, &self.gate, &self.up, &self.down,
+        ]
+    }
+}
+
 impl ModelWeights {
     /// Loads a Llama model from the bytes of a GGUF file.
     pub fn from_gguf(file: &GgufFile, bytes: &[u8]) -> Result<Self, ModelError> {
@@ -430,9 +439,7 @@ impl ModelWeights {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         Self::random(cfg, &mut |rows, cols| {
             let scale = 1.0 / (cols as f32).sqrt();
-            let data = (0..rows * cols)
-                .map(|_| rng.random_range(-1.0f32..1.0) * scale * 1.7)
-                .collect();
+            let data = (0..rows * cols).map(|_| draw(&mut rng, scale)).collect();
             Matrix { rows, cols, data }
         })
     }
@@ -451,9 +458,7 @@ impl ModelWeights {
             crate::compute::par::for_each_chunk(&mut data, CHUNK, |i, chunk| {
                 let mut rng = ChaCha8Rng::seed_from_u64(seed);
                 rng.set_stream((matrix << 32) | i as u64);
-                for v in chunk {
-                    *v = rng.random_range(-1.0f32..1.0) * scale * 1.7;
-                }
+                chunk.iter_mut().for_each(|v| *v = draw(&mut rng, scale));
             });
             Matrix { rows, cols, data }
         })
@@ -511,6 +516,19 @@ impl ModelWeights {
         self.lm_head.as_ref().unwrap_or(&self.embed)
     }
 
+    /// Every linear matrix in chain order: each block's seven, the embedding, then the
+    /// separate LM head, if any.
+    pub fn matrices(&self) -> Vec<&Matrix> {
+        let mut matrices: Vec<&Matrix> = self
+            .layers
+            .iter()
+            .flat_map(LayerWeights::matrices)
+            .collect();
+        matrices.push(&self.embed);
+        matrices.extend(&self.lm_head);
+        matrices
+    }
+
     /// Number of parameters in all matrices and norms.
     pub fn parameter_count(&self) -> usize {
         let per_layer = |l: &LayerWeights| {
@@ -519,16 +537,18 @@ impl ModelWeights {
                 + l.qkv_bias.len()
                 + l.q_norm.len()
                 + l.k_norm.len()
-                + [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down]
-                    .iter()
-                    .map(|m| m.data.len())
-                    .sum::<usize>()
+                + l.matrices().iter().map(|m| m.data.len()).sum::<usize>()
         };
         self.embed.data.len()
             + self.lm_head.as_ref().map_or(0, |m| m.data.len())
             + self.final_norm.len()
             + self.layers.iter().map(per_layer).sum::<usize>()
     }
+}
+
+/// One random weight, uniform in ±1.7 · `scale` (`scale` is 1/√cols).
+fn draw(rng: &mut ChaCha8Rng, scale: f32) -> f32 {
+    rng.random_range(-1.0f32..1.0) * scale * 1.7
 }
 
 /// The small replicated parameters the leader holds itself: the norm gains, and the family's

@@ -193,6 +193,7 @@ pub fn model_rows(
 ) -> Result<Vec<Row>> {
     let cfg = &weights.cfg;
     let llama = Llama::new(cfg.clone(), LeaderWeights::from_model(weights))?;
+    let f32_bytes = weight_bytes(cfg);
     let mut rows = Vec::new();
     // Bytes a weight on the GPU: compact values carry an f32 scale per 32; a group with a
     // parity row stacks every member's integers as i16.
@@ -212,13 +213,10 @@ pub fn model_rows(
             [2, 3, 4],
         ),
     ] {
-        if format == ShardFormat::F32 && weight_bytes(cfg) > F32_WHOLE_TOKEN_MAX_BYTES {
+        if format == ShardFormat::F32 && f32_bytes > F32_WHOLE_TOKEN_MAX_BYTES {
             rows.push(row(
                 "whole token on the GPU, f32 shards",
-                format!(
-                    "not measured: {:.1} GB of f32 weights",
-                    weight_bytes(cfg) / 1e9
-                ),
+                format!("not measured: {:.1} GB of f32 weights", f32_bytes / 1e9),
             ));
             continue;
         }
@@ -250,7 +248,7 @@ pub fn model_rows(
             n += 1;
         }
         let per_token = start.elapsed().as_secs_f64() / n.max(1) as f64;
-        let floor = weight_bytes(cfg) * bytes / 4.0 / copy_bw;
+        let floor = f32_bytes * bytes / 4.0 / copy_bw;
         rows.push(row(
             format!(
                 "whole token on the GPU, k=3 of n=5, {label} shards ({} dispatches, one submission)",
