@@ -96,6 +96,9 @@ export CODEDMESH_LLAMA_PYTHON
 CODEDMESH_LLAMA_PYTHON=$(bash scripts/llama-cpp-env.sh)
 
 step "tests"
+# A failed test's error is the last thing it prints: no backtrace captured into it to bury it
+# (where the output is cut to its tail). Panics still follow RUST_BACKTRACE.
+export RUST_LIB_BACKTRACE=0
 cargo test --workspace --locked --release
 
 step "wasm tests in headless Chromium: WebGPU kernels, the browser node, the dashboard's components"

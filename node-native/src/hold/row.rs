@@ -15,7 +15,6 @@ use node_core::holder;
 
 use crate::hold::learning::{Rules, ShardState, UpdateStore, read, write};
 use crate::hold::link::NativeLink;
-use crate::net::swarm::Client;
 
 /// Asks the node's loop for the mesh as it sees it.
 #[derive(Debug)]
@@ -136,29 +135,32 @@ fn apply_and_keep(
     Ok((id, applied))
 }
 
-/// Fetches and applies every update `peer` keeps that this node lacks; the peer's version when
-/// those would not bring this node up to it (the peer folded updates this node lacks: the row
-/// must be rebuilt).
+/// Fetches and applies every update `peer` keeps that this node lacks, but those a notice's
+/// pull already brings; the peer's version when those would not bring this node up to it (the
+/// peer folded updates this node lacks: the row must be rebuilt).
 pub(crate) async fn catch_up(
-    client: &Client,
+    node: &crate::hold::spread::Relay,
     peer: PeerId,
-    state: &Arc<RwLock<ShardState>>,
-    store: &UpdateStore,
-    rules: &Rules,
-    tx: &tokio::sync::mpsc::Sender<Internal>,
-    received: &prometheus_client::metrics::counter::Counter,
 ) -> Result<Option<[u8; 32]>> {
-    let link = NativeLink::quiet(client.clone());
-    let have = read(state).version.clone();
+    let link = NativeLink::quiet(node.client.clone());
+    let have = read(&node.state).version.clone();
     let ids = match holder::plan_with(&link, &peer, &have).await? {
         (CatchUp::Nothing, _) => return Ok(None),
         (CatchUp::Rebuild, theirs) => return Ok(Some(theirs.digest())),
         (CatchUp::Replay(ids), _) => ids,
     };
     for id in ids {
+        // An update that arrived, or is arriving, by a notice since the plan is not fetched
+        // again.
+        let Some(_claim) = node.spreads.claim(id) else {
+            continue;
+        };
+        if read(&node.state).version.contains(id) {
+            continue;
+        }
         let bytes = holder::fetch_update(&link, &peer, id).await?;
-        received.inc_by(bytes.len() as u64);
-        let (state, store, rules) = (state.clone(), store.clone(), rules.clone());
+        node.received.inc_by(bytes.len() as u64);
+        let (state, store, rules) = (node.state.clone(), node.store.clone(), node.rules.clone());
         let (got, applied) =
             tokio::task::spawn_blocking(move || apply_and_keep(&state, &store, &rules, &bytes))
                 .await
@@ -168,7 +170,8 @@ pub(crate) async fn catch_up(
             "the peer's update {id:016x} hashes to {got:016x}"
         );
         if applied {
-            tx.send(Internal::Applied(id))
+            node.tx
+                .send(Internal::Applied(id))
                 .await
                 .map_err(|_| anyhow!("the node stopped"))?;
         }

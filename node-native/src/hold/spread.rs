@@ -2,7 +2,7 @@
 //! notice, passes it on at once, pulls the pieces and serves each to the holders it told as
 //! soon as it has it, then applies the update like one handed to it.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::Duration;
@@ -25,9 +25,38 @@ pub const PUBLISH_WAIT: Duration = Duration::from_secs(10);
 /// How long a holder pulling a piece from this node waits for it to arrive here.
 pub const PIECE_WAIT: Duration = Duration::from_secs(30);
 
-/// Updates this node is pulling, by id, with the pieces it has so far.
+/// Updates this node is pulling, by id, with the pieces it has so far, and those it fetches
+/// while catching up: each update is fetched once, by whichever way reached it first.
 #[derive(Debug, Clone, Default)]
-pub struct Spreads(Arc<Mutex<HashMap<u64, Arc<InFlight>>>>);
+pub struct Spreads(Arc<Mutex<Pulls>>);
+
+/// What [`Spreads`] guards.
+#[derive(Debug, Default)]
+struct Pulls {
+    /// Updates pulled after a notice, served piece by piece as they arrive.
+    spreading: HashMap<u64, Arc<InFlight>>,
+    /// Updates fetched by a catch-up.
+    fetching: HashSet<u64>,
+}
+
+impl Pulls {
+    fn has(&self, id: u64) -> bool {
+        self.spreading.contains_key(&id) || self.fetching.contains(&id)
+    }
+}
+
+/// A catch-up's claim on fetching an update ([`Spreads::claim`]); released when dropped.
+#[derive(Debug)]
+pub struct Claim {
+    spreads: Spreads,
+    id: u64,
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        self.spreads.lock().fetching.remove(&self.id);
+    }
+}
 
 /// An update being pulled: its pieces so far, and their count, which wakes the holders waiting
 /// for the next (the count's sender drops when the pull ends).
@@ -39,19 +68,38 @@ struct InFlight {
 }
 
 impl Spreads {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Arc<InFlight>>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Pulls> {
         self.0.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Whether no update is being pulled.
+    /// Whether no update is being pulled after a notice.
     pub fn is_empty(&self) -> bool {
-        self.lock().is_empty()
+        self.lock().spreading.is_empty()
     }
 
-    /// Starts pulling `list`'s update; `None` when it is already being pulled.
+    /// Claims update `id` for a catch-up to fetch; `None` when a notice's pull or another
+    /// catch-up already fetches it.
+    pub fn claim(&self, id: u64) -> Option<Claim> {
+        let mut pulls = self.lock();
+        if pulls.has(id) {
+            return None;
+        }
+        pulls.fetching.insert(id);
+        Some(Claim {
+            spreads: self.clone(),
+            id,
+        })
+    }
+
+    /// Whether a catch-up fetches update `id`.
+    fn fetching(&self, id: u64) -> bool {
+        self.lock().fetching.contains(&id)
+    }
+
+    /// Starts pulling `list`'s update; `None` when it is already being pulled or fetched.
     fn start(&self, list: &PieceList) -> Option<Arc<InFlight>> {
-        let mut map = self.lock();
-        if map.contains_key(&list.id) {
+        let mut pulls = self.lock();
+        if pulls.has(list.id) {
             return None;
         }
         let f = Arc::new(InFlight {
@@ -59,12 +107,12 @@ impl Spreads {
             pieces: Mutex::new(Vec::with_capacity(list.len())),
             count: watch::Sender::new(0),
         });
-        map.insert(list.id, f.clone());
+        pulls.spreading.insert(list.id, f.clone());
         Some(f)
     }
 
     fn end(&self, id: u64) {
-        self.lock().remove(&id);
+        self.lock().spreading.remove(&id);
     }
 
     /// The answer to a request for the piece at `offset` of update `id`, once this node has
@@ -74,7 +122,7 @@ impl Spreads {
         id: u64,
         offset: u64,
     ) -> Option<impl Future<Output = MeshResponse> + use<>> {
-        let f = self.lock().get(&id)?.clone();
+        let f = self.lock().spreading.get(&id)?.clone();
         Some(async move {
             if !offset.is_multiple_of(PIECE_BYTES as u64) {
                 return MeshResponse::Error(format!(
@@ -112,7 +160,7 @@ impl InFlight {
     }
 }
 
-/// What taking a notice needs of the node.
+/// What taking an update, by a notice or a catch-up, needs of the node.
 #[derive(Clone)]
 pub(crate) struct Relay {
     pub client: Client,
@@ -128,7 +176,7 @@ pub(crate) struct Relay {
 impl Relay {
     /// Takes a checked notice: passes it on at once, telling the next holders to pull from this
     /// node (before the ones that told it), pulls the update unless this node has it or is
-    /// pulling it, and applies it.
+    /// pulling or fetching it, and applies it.
     pub async fn take(self, notice: Opened<PeerId>) {
         let id = notice.list.id;
         let me = self.client.peer_id();
@@ -140,8 +188,9 @@ impl Relay {
         let pulling = (!applied)
             .then(|| self.spreads.start(&notice.list))
             .flatten();
-        // Not applied here means pulled here, by this notice or one before it.
-        let serves = kept || !applied;
+        // Not applied here means pulled here, by this notice or one before it, unless a
+        // catch-up fetches it (its pieces are not served until it is kept).
+        let serves = kept || (!applied && !self.spreads.fetching(id));
         let mut sources: Vec<String> = serves.then(|| me.to_string()).into_iter().collect();
         sources.extend(notice.sources.iter().map(ToString::to_string));
         // With no holder to pull from (a leader sent it whole), the next get it whole too.
@@ -230,4 +279,34 @@ pub async fn applied_by(link: &NativeLink, members: &[PeerId], id: u64, wait: Du
         }
     }
     members.len() - left.len()
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // a test: a failed unwrap is a failed test
+
+    use super::*;
+
+    #[test]
+    fn an_update_is_fetched_once_by_a_notice_or_a_catch_up() {
+        let spreads = Spreads::default();
+        let list = PieceList::of(7, &[1u8; 1000]);
+        // A catch-up fetching it: a notice's pull does not start, nor another catch-up.
+        let claim = spreads.claim(7).unwrap();
+        assert!(spreads.fetching(7));
+        assert!(spreads.claim(7).is_none());
+        assert!(spreads.start(&list).is_none());
+        assert!(spreads.is_empty(), "a catch-up is not a spread");
+        drop(claim);
+        assert!(!spreads.fetching(7));
+        // A notice's pull of it: a catch-up skips it until the pull ends.
+        let pulling = spreads.start(&list).unwrap();
+        assert!(!spreads.is_empty());
+        assert!(spreads.claim(7).is_none());
+        assert!(spreads.start(&list).is_none());
+        assert!(spreads.claim(8).is_some(), "other updates are free");
+        drop(pulling);
+        spreads.end(7);
+        assert!(spreads.claim(7).is_some());
+    }
 }

@@ -485,25 +485,31 @@ impl Server {
         };
         self.syncing = true;
         eprintln!("behind the mesh: pulling the updates this node lacks from {peer}");
-        let (client, state, store, rules, tx) = (
-            self.client.clone(),
-            self.state.clone(),
-            self.store.clone(),
-            self.rules.clone(),
-            self.internal_tx.clone(),
-        );
-        let received = self.metrics.update_bytes_received.clone();
+        let node = self.relay();
         tokio::spawn(async move {
-            let behind = match catch_up(&client, peer, &state, &store, &rules, &tx, &received).await
-            {
+            let behind = match catch_up(&node, peer).await {
                 Ok(behind) => behind.map(|version| (peer, version)),
                 Err(e) => {
                     tracing::warn!(%peer, "catching up: {e:#}");
                     None
                 }
             };
-            let _ = tx.send(Internal::SyncDone(behind)).await;
+            let _ = node.tx.send(Internal::SyncDone(behind)).await;
         });
+    }
+
+    /// What taking an update (by a notice or a catch-up) needs of this node.
+    fn relay(&self) -> Relay {
+        Relay {
+            client: self.client.clone(),
+            spreads: self.spreads.clone(),
+            state: self.state.clone(),
+            store: self.store.clone(),
+            rules: self.rules.clone(),
+            tx: self.internal_tx.clone(),
+            received: self.metrics.update_bytes_received.clone(),
+            duplicates: self.metrics.update_duplicate_pieces.clone(),
+        }
     }
 
     fn on_inbound(&mut self, msg: Inbound) {
@@ -615,16 +621,7 @@ impl Server {
                 return;
             }
             Route::Spread(notice) => {
-                let relay = Relay {
-                    client: self.client.clone(),
-                    spreads: self.spreads.clone(),
-                    state: self.state.clone(),
-                    store: self.store.clone(),
-                    rules: self.rules.clone(),
-                    tx: self.internal_tx.clone(),
-                    received: self.metrics.update_bytes_received.clone(),
-                    duplicates: self.metrics.update_duplicate_pieces.clone(),
-                };
+                let relay = self.relay();
                 let id = notice.list.id;
                 tokio::spawn(respond(MeshResponse::Spreading { id }));
                 tokio::spawn(relay.take(notice));
