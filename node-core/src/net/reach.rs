@@ -28,6 +28,17 @@ pub fn is_relayed(addr: &Multiaddr) -> bool {
     addr.iter().any(|p| p == Protocol::P2pCircuit)
 }
 
+/// The relay's own address in a relay circuit (what comes before `/p2p-circuit`, naming the
+/// relay's peer id), or `None` for an address that is not a circuit through a named relay.
+pub fn relay_of(addr: &Multiaddr) -> Option<Multiaddr> {
+    let relay: Multiaddr = addr
+        .iter()
+        .take_while(|p| *p != Protocol::P2pCircuit)
+        .collect();
+    let named = matches!(relay.iter().last(), Some(Protocol::P2p(_)));
+    (is_relayed(addr) && named).then_some(relay)
+}
+
 /// Whether an address is on this machine only.
 pub fn is_loopback(addr: &Multiaddr) -> bool {
     addr.iter().any(|p| match p {
@@ -216,6 +227,23 @@ mod tests {
 
     fn addr(s: &str) -> Multiaddr {
         s.parse().unwrap()
+    }
+
+    #[test]
+    fn a_circuit_names_its_relay() {
+        let relay =
+            "/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN";
+        let circuit = addr(&format!(
+            "{relay}/p2p-circuit/p2p/12D3KooWQaUQ7bBGTVRCcZbvcfRPHcKobku7EmoERWQQwXVogwLo"
+        ));
+        assert_eq!(relay_of(&circuit), Some(addr(relay)));
+        assert_eq!(relay_of(&addr(relay)), None, "not a circuit");
+        let anonymous = addr("/ip4/127.0.0.1/tcp/4001/p2p-circuit");
+        assert_eq!(
+            relay_of(&anonymous),
+            None,
+            "a circuit through no named relay"
+        );
     }
 
     #[test]

@@ -4,9 +4,9 @@
 
 use std::sync::{Arc, RwLock};
 
-use anyhow::{Result, anyhow, ensure};
+use anyhow::Result;
 use libp2p::PeerId;
-use node_core::mesh::{CatchUp, MeshInfo, MeshResponse, Usage};
+use node_core::mesh::{MeshInfo, MeshResponse, Usage};
 use node_core::model::LeaderWeights;
 use node_core::protocol;
 use tokio::sync::oneshot;
@@ -14,7 +14,6 @@ use tokio::sync::oneshot;
 use node_core::holder;
 
 use crate::hold::learning::{Rules, ShardState, UpdateStore, read, write};
-use crate::hold::link::NativeLink;
 
 /// Asks the node's loop for the mesh as it sees it.
 #[derive(Debug)]
@@ -116,7 +115,7 @@ pub(crate) fn learn(
 }
 
 /// Validates, saves the payload, then applies: `(id, applied now)`.
-fn apply_and_keep(
+pub(crate) fn apply_and_keep(
     state: &RwLock<ShardState>,
     store: &UpdateStore,
     rules: &Rules,
@@ -133,50 +132,6 @@ fn apply_and_keep(
     store.save(id, bytes)?;
     let applied = write(state).apply(&update, id)?;
     Ok((id, applied))
-}
-
-/// Fetches and applies every update `peer` keeps that this node lacks, but those a notice's
-/// pull already brings; the peer's version when those would not bring this node up to it (the
-/// peer folded updates this node lacks: the row must be rebuilt).
-pub(crate) async fn catch_up(
-    node: &crate::hold::spread::Relay,
-    peer: PeerId,
-) -> Result<Option<[u8; 32]>> {
-    let link = NativeLink::quiet(node.client.clone());
-    let have = read(&node.state).version.clone();
-    let ids = match holder::plan_with(&link, &peer, &have).await? {
-        (CatchUp::Nothing, _) => return Ok(None),
-        (CatchUp::Rebuild, theirs) => return Ok(Some(theirs.digest())),
-        (CatchUp::Replay(ids), _) => ids,
-    };
-    for id in ids {
-        // An update that arrived, or is arriving, by a notice since the plan is not fetched
-        // again.
-        let Some(_claim) = node.spreads.claim(id) else {
-            continue;
-        };
-        if read(&node.state).version.contains(id) {
-            continue;
-        }
-        let bytes = holder::fetch_update(&link, &peer, id).await?;
-        node.received.inc_by(bytes.len() as u64);
-        let (state, store, rules) = (node.state.clone(), node.store.clone(), node.rules.clone());
-        let (got, applied) =
-            tokio::task::spawn_blocking(move || apply_and_keep(&state, &store, &rules, &bytes))
-                .await
-                .map_err(|e| anyhow!("{e}"))??;
-        ensure!(
-            got == id,
-            "the peer's update {id:016x} hashes to {got:016x}"
-        );
-        if applied {
-            node.tx
-                .send(Internal::Applied(id))
-                .await
-                .map_err(|_| anyhow!("the node stopped"))?;
-        }
-    }
-    Ok(None)
 }
 
 /// Computes a coded step at the leader's version; the answer carries the compute time.

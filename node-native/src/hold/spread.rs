@@ -9,13 +9,13 @@ use std::time::Duration;
 
 use libp2p::PeerId;
 use node_core::holder::{self, Opened, PIECE_BYTES, PieceList};
-use node_core::mesh::MeshResponse;
+use node_core::mesh::{CatchUp, MeshResponse};
 use prometheus_client::metrics::counter::Counter;
 use tokio::sync::watch;
 
 use crate::hold::learning::{Rules, ShardState, UpdateStore, read};
 use crate::hold::link::NativeLink;
-use crate::hold::row::{Internal, learn};
+use crate::hold::row::{Internal, apply_and_keep, learn};
 use crate::net::swarm::Client;
 
 /// How long a leader waits, beyond an update's bytes at [`node_core::net::hop::MIN_RATE`], for
@@ -248,6 +248,47 @@ impl Relay {
         }
         self.spreads.end(id);
     }
+}
+
+/// Fetches and applies every update `peer` keeps that this node lacks, but those a notice's
+/// pull already brings; the peer's version when those would not bring this node up to it (the
+/// peer folded updates this node lacks: the row must be rebuilt).
+pub(crate) async fn catch_up(node: &Relay, peer: PeerId) -> anyhow::Result<Option<[u8; 32]>> {
+    let link = NativeLink::quiet(node.client.clone());
+    let have = read(&node.state).version.clone();
+    let ids = match holder::plan_with(&link, &peer, &have).await? {
+        (CatchUp::Nothing, _) => return Ok(None),
+        (CatchUp::Rebuild, theirs) => return Ok(Some(theirs.digest())),
+        (CatchUp::Replay(ids), _) => ids,
+    };
+    for id in ids {
+        // An update that arrived, or is arriving, by a notice since the plan is not fetched
+        // again.
+        let Some(_claim) = node.spreads.claim(id) else {
+            continue;
+        };
+        if read(&node.state).version.contains(id) {
+            continue;
+        }
+        let bytes = holder::fetch_update(&link, &peer, id).await?;
+        node.received.inc_by(bytes.len() as u64);
+        let (state, store, rules) = (node.state.clone(), node.store.clone(), node.rules.clone());
+        let (got, applied) =
+            tokio::task::spawn_blocking(move || apply_and_keep(&state, &store, &rules, &bytes))
+                .await
+                .map_err(|e| anyhow::anyhow!("{e}"))??;
+        anyhow::ensure!(
+            got == id,
+            "the peer's update {id:016x} hashes to {got:016x}"
+        );
+        if applied {
+            node.tx
+                .send(Internal::Applied(id))
+                .await
+                .map_err(|_| anyhow::anyhow!("the node stopped"))?;
+        }
+    }
+    Ok(None)
 }
 
 /// `holders` with `members` first (a leader's group's members hear of an update first).

@@ -186,6 +186,20 @@ impl LeadLink for NetLead<'_> {
     async fn reach(&self, peer: PeerId, addrs: &[String]) -> Result<Vec<Multiaddr>, HolderError> {
         let addrs: Vec<Multiaddr> = addrs.iter().filter_map(|a| a.parse().ok()).collect();
         let picked = order_addrs(&addrs);
+        // A circuit through a relay this node is not connected to yet fails when dialed (the
+        // relay client cancels it while it dials the relay), and the request with it: a peer
+        // reached only through relays (a browser) has its relays dialed first.
+        if picked.iter().all(node_core::net::reach::is_relayed) {
+            let relays: std::collections::BTreeSet<Multiaddr> = picked
+                .iter()
+                .filter_map(node_core::net::reach::relay_of)
+                .collect();
+            for relay in relays {
+                if let Err(e) = self.client.dial(relay).await {
+                    tracing::debug!(%peer, "dialing a relay of: {e:#}");
+                }
+            }
+        }
         self.client
             .add_addrs(peer, picked.clone())
             .await
