@@ -611,6 +611,9 @@ pub(crate) struct GenerateArgs {
     /// e.g. to soak the mesh with every update a fast learning rate makes.
     #[arg(long)]
     pub(crate) no_canary_gate: bool,
+    /// The request does not train the mesh (mesh only).
+    #[arg(long)]
+    pub(crate) no_learning: bool,
     /// Write every coded step to this file, one JSON line each: time, step, member, bytes,
     /// duration (mesh only).
     #[arg(long)]

@@ -13,7 +13,7 @@ use crate::cli::{EvalArgs, GenerateArgs};
 use crate::generate::{Printer, print_coded_stats, print_speed};
 
 /// `generate --bootstrap`: a leader on the mesh; with `--repeat`, the same request again on a
-/// fresh group each time, learning after each.
+/// fresh group each time, learning after each (unless `--no-learning`).
 pub(crate) async fn run_generate_mesh(
     args: GenerateArgs,
     bootstrap: libp2p::Multiaddr,
@@ -33,6 +33,13 @@ pub(crate) async fn run_generate_mesh(
         let began = std::time::Instant::now();
         let (mut leader, out, prompt) = run_once_on_mesh(&mut args, &bootstrap).await?;
         let latency = began.elapsed();
+        if args.no_learning {
+            let usage = node_core::mesh::Usage::of_request(prompt.len(), out.len(), latency, None);
+            if let Err(e) = leader.report_served(usage).await {
+                tracing::warn!("the request was not counted in the mesh's usage: {e:#}");
+            }
+            continue;
+        }
         let teacher = match &mut teacher {
             Some(t) => t,
             None => {

@@ -154,12 +154,13 @@ async fn the_summary_and_rows_show_the_mesh_and_follow_it_live() {
         gpu_steps: 3,
         step_ms: 2.25,
         version_count: 1,
+        stored_bytes: 3 << 19,
     };
     set_snap.set(Some(s));
     leptos::task::tick().await;
     assert_eq!(
         text_of(&root, "#contribution"),
-        "serving row 2 on browser WebGPU: SwiftShader (genesis row 2): 7 coded steps answered (3 on WebGPU, 2.2 ms each), 1 updates applied"
+        "serving row 2 on browser WebGPU: SwiftShader (genesis row 2): 7 coded steps answered (3 on WebGPU, 2.2 ms each), 1 updates applied; 1.5 MiB kept in this browser's storage"
     );
     assert!(
         root.query_selector("#contribute-progress")

@@ -55,6 +55,8 @@ pub enum Contribution {
         step_ms: f64,
         /// Learning updates applied to the shard.
         version_count: u64,
+        /// Bytes of the row kept in this browser's storage (0 when it keeps none).
+        stored_bytes: u64,
     },
     /// Obtaining a row failed.
     Failed {
@@ -103,6 +105,8 @@ pub(crate) struct Holding {
     pub(crate) updates: HashMap<u64, Rc<Vec<u8>>>,
     /// Where the snapshot is kept (IndexedDB under the manifest's key), if the browser allows.
     pub(crate) store: Option<(Rc<ShardStore>, String)>,
+    /// Bytes of the latest snapshot kept there (0 until one is).
+    pub(crate) stored: Rc<std::cell::Cell<u64>>,
     /// A rebuilt row waiting until no step uses the shard.
     pub(crate) rebuilt: Option<Joined>,
     /// The shard as a blob at one version, for peers that download it.
@@ -142,6 +146,7 @@ impl Holding {
             gpu_steps: self.gpu_steps,
             step_ms: self.step_us as f64 / 1000.0 / self.steps.max(1) as f64,
             version_count: self.state.version.count(),
+            stored_bytes: self.stored.get(),
         }
     }
 
@@ -276,7 +281,7 @@ impl Holding {
 
     /// Saves `blob` (the shard at the state's version, every update in it) as the snapshot.
     fn save(&self, blob: Vec<u8>) -> impl std::future::Future<Output = ()> + 'static {
-        let store = self.store.clone();
+        let (store, stored) = (self.store.clone(), self.stored.clone());
         let meta = StoredRow {
             row: self.row,
             version: self.state.version.clone(),
@@ -287,11 +292,14 @@ impl Holding {
                 return;
             };
             let saved = match protocol::encode(&meta) {
-                Ok(meta) => store.save(&key, &meta, &blob).await.map_err(mesh_err),
+                Ok(meta) => (store.save(&key, &meta, &blob).await)
+                    .map(|()| (meta.len() + blob.len()) as u64)
+                    .map_err(mesh_err),
                 Err(e) => Err(mesh_err(e)),
             };
-            if let Err(e) = saved {
-                tracing::warn!("could not keep the snapshot in this browser: {e}");
+            match saved {
+                Ok(bytes) => stored.set(bytes),
+                Err(e) => tracing::warn!("could not keep the snapshot in this browser: {e}"),
             }
         }
     }
@@ -372,6 +380,7 @@ impl BrowserNode {
                                 "browser storage".into(),
                             );
                             holding.store = Some((store.clone(), key));
+                            (holding.stored).set((stored.meta.len() + stored.blob.len()) as u64);
                             return Ok(holding);
                         }
                         Err(e) => {
@@ -574,6 +583,7 @@ impl Holding {
             source,
             updates: HashMap::new(),
             store: None,
+            stored: Rc::default(),
             rebuilt: None,
             snapshot: holder::Snapshot::default(),
             limit: LearnLimit::default(),

@@ -142,7 +142,7 @@ pub(crate) async fn open_browser_with(
 }
 
 /// The page's text of `css`, or "" while it is not there.
-async fn text(c: &Client, css: &str) -> String {
+pub(crate) async fn text(c: &Client, css: &str) -> String {
     match c.find(Locator::Css(css)).await {
         Ok(e) => e.text().await.unwrap_or_default(),
         Err(_) => String::new(),
@@ -156,13 +156,24 @@ pub(crate) async fn wait_text(
     ok: impl Fn(&str) -> bool,
     what: &str,
 ) -> Result<String> {
+    wait_text_within(c, css, ok, what, Duration::from_secs(90)).await
+}
+
+/// [`wait_text`], giving up after `timeout`.
+pub(crate) async fn wait_text_within(
+    c: &Client,
+    css: &str,
+    ok: impl Fn(&str) -> bool,
+    what: &str,
+    timeout: Duration,
+) -> Result<String> {
     let start = Instant::now();
     loop {
         let t = text(c, css).await;
         if ok(&t) {
             return Ok(t);
         }
-        if start.elapsed() > Duration::from_secs(90) {
+        if start.elapsed() > timeout {
             let page = text(c, "body").await;
             bail!("the page never showed {what}; {css} says {t:?}; the page:\n{page}");
         }
@@ -291,6 +302,11 @@ async fn drive(c: &Client, mesh: &mut Mesh) -> Result<String> {
             && serving.contains("a new row, encoded from rows")
             && serving.contains("along a chain"),
         "the browser encodes the new row {new_row} and serves it on WebGPU: {serving}"
+    );
+    // The page says what it keeps: the row's snapshot, in IndexedDB.
+    ensure!(
+        serving.contains(" MiB kept in this browser's storage"),
+        "the page says how much of the row it keeps: {serving}"
     );
     // The native mesh sees the browser's row healthy, with its device.
     let status = mesh.wait_healthy(6)?;

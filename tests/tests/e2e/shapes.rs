@@ -3,7 +3,10 @@
 //! Encoding it takes no more than the file and a gigabyte, and each node, the API's leader
 //! included, holds no more than 1.25 × its row + its KV caches + 300 MB (issue 58's bounds),
 //! read from each node's `/metrics` after a request has been served and trained on, and from
-//! its peak (`VmHWM`, loading, serving, the training pass and its update included).
+//! its peak (`VmHWM`, loading, serving, the training pass and its update included). Then a
+//! browser holds a row of it: "Contribute this GPU" in headless Chromium copies a row of
+//! hundreds of MB, keeps it in IndexedDB, uploads it to WebGPU, and computes coded steps of a
+//! leader's request once the native holder of its row is stopped.
 
 use std::path::Path;
 use std::process::Command;
@@ -12,7 +15,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, ensure};
 use tests::procs::{Scratch, free_port};
 
-use crate::api::{Up, metric, post};
+use crate::api::{Up, field, metric, post, status};
+use crate::browser::{open_browser_with, start_driver_in, steps_answered, wait_text_within};
 
 /// Issue 58's allowances: a node's row times this, plus its KV caches and this many bytes.
 const ROW_FACTOR: f64 = 1.25;
@@ -116,7 +120,7 @@ fn a_1b_shape_mesh_encodes_and_serves_within_its_memory_bounds() -> Result<()> {
     let port = free_port()?;
     let steps = dir.join("steps.jsonl");
     let mut up = Up::start_model(&dir, &data, port, &steps, "up1b", &file, &[])?;
-    up.ready(Duration::from_secs(1500))?;
+    let ready = up.ready(Duration::from_secs(1500))?;
     // up's own peak is genesis's: after it, up only supervises.
     let (_, encode_peak) = memory(up.pid())?;
     eprintln!(
@@ -183,5 +187,235 @@ fn a_1b_shape_mesh_encodes_and_serves_within_its_memory_bounds() -> Result<()> {
             "node {node} holds {resident} bytes (peak {peak}) for a row of {row}: over {bound}"
         );
     }
+    a_browser_holds_a_row(&up, &ready, &data, &dir)
+}
+
+/// `kill -SIG pid`.
+fn signal(pid: i32, sig: &str) {
+    let _ = Command::new("kill")
+        .arg(format!("-{sig}"))
+        .arg(pid.to_string())
+        .status();
+}
+
+/// A node stopped with SIGSTOP, continued when dropped.
+struct Stopped(i32);
+
+impl Drop for Stopped {
+    fn drop(&mut self) {
+        signal(self.0, "CONT");
+    }
+}
+
+/// "Contribute this GPU" on `up`'s dashboard: the page's node copies a row, keeps it in
+/// IndexedDB and serves it on WebGPU; then, its row's native holder stopped, a leader's request
+/// on every row is computed partly by the browser.
+fn a_browser_holds_a_row(up: &Up, ready: &str, data: &Path, dir: &Path) -> Result<()> {
+    let ports = mesh_ports(data)?;
+    // The page is served by, and its node dials, the last node: the row it is offered (a
+    // replica of the thinnest, row 0 here) is held by another, which can stop.
+    let via = ports.len() - 1;
+    let dashboard = format!("http://127.0.0.1:{}/", node_port(data, via)?);
+    let driver = start_driver_in(dir, None)?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let c = open_browser_with(&driver, "1b", &[]).await?;
+        let r = async {
+            c.goto(&dashboard).await?;
+            let within = Duration::from_secs(90);
+            let yes = |t: &str| t.starts_with("model available: yes");
+            wait_text_within(&c, "#summary", yes, "the mesh", within).await?;
+            let started = Instant::now();
+            c.find(fantoccini::Locator::Css("#contribute"))
+                .await?
+                .click()
+                .await?;
+            let serving = wait_text_within(
+                &c,
+                "#contribution",
+                |t| t.starts_with("serving row") || t.contains("could not"),
+                "the browser serving a row",
+                Duration::from_secs(1500),
+            )
+            .await?;
+            eprintln!(
+                "the page says, {:.0} s after the click: {serving}",
+                started.elapsed().as_secs_f64()
+            );
+            ensure!(
+                serving.contains(" on browser WebGPU"),
+                "the browser serves a row of the 1B shape on WebGPU: {serving}"
+            );
+            let row: usize = serving
+                .strip_prefix("serving row ")
+                .and_then(|r| r.split(' ').next())
+                .and_then(|r| r.parse().ok())
+                .with_context(|| format!("no row in {serving:?}"))?;
+            ensure!(
+                row != via,
+                "the browser took row {row}, the row of the node it dials"
+            );
+            let kept_mib: f64 = serving
+                .split("; ")
+                .last()
+                .and_then(|k| k.strip_suffix(" MiB kept in this browser's storage"))
+                .and_then(|k| k.parse().ok())
+                .with_context(|| format!("the page does not say what it keeps: {serving:?}"))?;
+            // The row the page keeps is the one the native holder of that row holds.
+            let http = if row == 0 {
+                up_port(ready)?
+            } else {
+                node_port(data, row)?
+            };
+            let row_bytes = metric(http, "codedmesh_row_bytes")?;
+            let kept = kept_mib * 1048576.0;
+            eprintln!(
+                "the browser keeps {:.2} GB of row {row} ({:.2} GB in a native node's memory)",
+                kept / 1e9,
+                row_bytes / 1e9
+            );
+            ensure!(
+                kept >= 0.9 * row_bytes && kept <= 1.25 * row_bytes,
+                "the browser keeps {kept} bytes for a row of {row_bytes}"
+            );
+            computes_for_a_leader(up, &c, row, &ports).await
+        }
+        .await;
+        let _ = c.close().await;
+        r
+    })
+}
+
+/// The libp2p TCP port of each node of `up`'s mesh in `data`.
+fn mesh_ports(data: &Path) -> Result<Vec<u64>> {
+    let mesh: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(data.join("mesh.json"))?)?;
+    let ports: Vec<u64> = (mesh["ports"].as_array())
+        .map(|p| p.iter().filter_map(serde_json::Value::as_u64).collect())
+        .unwrap_or_default();
+    ensure!(ports.len() >= 2, "mesh.json lists the nodes' ports: {mesh}");
+    Ok(ports)
+}
+
+/// The API's port, from `up`'s ready line.
+fn up_port(ready: &str) -> Result<u16> {
+    let api = field(ready, "OpenAI API ")?;
+    api.trim_start_matches("http://127.0.0.1:")
+        .split('/')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .with_context(|| format!("no port in {api}"))
+}
+
+/// Stops the native holder of the browser's row `row` and runs a leader's request on every row
+/// (k decoded, the rest checked): the browser, its row's only live holder, answers steps.
+async fn computes_for_a_leader(
+    up: &Up,
+    c: &fantoccini::Client,
+    row: usize,
+    ports: &[u64],
+) -> Result<()> {
+    let n = ports.len();
+    // The leader and `status` go through a node that keeps running.
+    let other = format!("/ip4/127.0.0.1/tcp/{}", ports[(row + 1) % n]);
+    // The mesh knows the browser's row and how to reach it (its relay circuit) first.
+    let start = Instant::now();
+    loop {
+        let s = status(&other)?;
+        let reachable = s["nodes"].as_array().is_some_and(|nodes| {
+            nodes.iter().any(|nd| {
+                nd["row"] == row
+                    && nd["device"].as_str().unwrap_or("").starts_with("browser")
+                    && nd["health"] == "Healthy"
+                    && nd["addrs"].as_array().is_some_and(|a| {
+                        a.iter()
+                            .any(|a| a.as_str().unwrap_or("").contains("/p2p-circuit/"))
+                    })
+            })
+        });
+        if reachable {
+            break;
+        }
+        ensure!(
+            start.elapsed() < Duration::from_secs(90),
+            "the mesh never saw the browser's row {row} healthy behind its relay: {s}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let before = steps_answered(&crate::browser::text(c, "#contribution").await);
+    let pid = up
+        .node_pids()
+        .into_iter()
+        .find(|&(node, _)| node == row)
+        .map(|(_, pid)| pid)
+        .with_context(|| format!("node {row}'s pid"))?;
+    signal(pid, "STOP");
+    let _stopped = Stopped(pid);
+    let start = Instant::now();
+    loop {
+        let s = status(&other)?;
+        let native_down = s["nodes"].as_array().is_some_and(|nodes| {
+            nodes.iter().any(|nd| {
+                nd["row"] == row
+                    && !nd["device"].as_str().unwrap_or("").starts_with("browser")
+                    && nd["health"] != "Healthy"
+            })
+        });
+        if native_down {
+            break;
+        }
+        ensure!(
+            start.elapsed() < Duration::from_secs(90),
+            "the stopped node {row} still looks healthy: {s}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let checks = (n - 2).to_string();
+    let out = Command::new(tests::procs::bin())
+        .args(["generate", "--bootstrap", &other])
+        .args(["--prompt", "The river Loire", "--max-tokens", "1"])
+        .args(["--check", &checks, "--spares", "0", "--no-learning"])
+        .env("RUST_LOG", "warn,libp2p_kad=error")
+        .output()?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    eprintln!(
+        "a leader on every row, the browser's among them: {:?}\n{err}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    ensure!(out.status.success(), "the request failed:\n{err}");
+    let group: Vec<usize> = err
+        .split_once("group [")
+        .and_then(|(_, rest)| rest.split_once(']'))
+        .map(|(g, _)| g.split(',').filter_map(|r| r.trim().parse().ok()).collect())
+        .unwrap_or_default();
+    ensure!(
+        group.len() == n && group.contains(&row),
+        "the leader's group is every row, the browser's row {row} among them:\n{err}"
+    );
+    ensure!(
+        !err.contains(" caught on "),
+        "nobody is caught, the browser included:\n{err}"
+    );
+    let after = wait_text_within(
+        c,
+        "#contribution",
+        |t| steps_answered(t) > before,
+        "the browser answering the leader's steps",
+        Duration::from_secs(90),
+    )
+    .await?;
+    eprintln!("the page says: {after}");
+    // Products of this size go to WebGPU.
+    let on_gpu: usize = after
+        .split_once(" coded steps answered (")
+        .and_then(|(_, rest)| rest.split_once(" on WebGPU"))
+        .and_then(|(n, _)| n.parse().ok())
+        .unwrap_or(0);
+    ensure!(
+        on_gpu > 0,
+        "the browser computes its row's products on WebGPU: {after}"
+    );
     Ok(())
 }

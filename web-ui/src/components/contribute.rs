@@ -24,8 +24,16 @@ pub fn contribution_text(c: &Contribution) -> String {
             gpu_steps,
             step_ms,
             version_count,
+            stored_bytes,
         } => format!(
-            "serving row {row} on {device} ({source}): {steps} coded steps answered ({gpu_steps} on WebGPU, {step_ms:.1} ms each), {version_count} updates applied"
+            "serving row {row} on {device} ({source}): {steps} coded steps answered ({gpu_steps} on WebGPU, {step_ms:.1} ms each), {version_count} updates applied; {}",
+            match stored_bytes {
+                0 => "nothing kept in this browser's storage".to_string(),
+                b => format!(
+                    "{:.1} MiB kept in this browser's storage",
+                    *b as f64 / 1048576.0
+                ),
+            }
         ),
         Contribution::Failed { reason } => format!("could not contribute: {reason}"),
     }
