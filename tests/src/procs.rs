@@ -123,7 +123,7 @@ impl Drop for Proc {
 }
 
 /// Sends process `pid` a signal (`STOP`, `CONT`, `KILL`…).
-fn signal(pid: u32, sig: &str) {
+pub fn signal(pid: u32, sig: &str) {
     let _ = Command::new("kill")
         .arg(format!("-{sig}"))
         .arg(pid.to_string())
@@ -132,7 +132,8 @@ fn signal(pid: u32, sig: &str) {
 
 /// Resumes a stopped process (SIGCONT) when dropped, so a `during` that panics leaves no
 /// process stopped behind it.
-struct Resume(u32);
+#[derive(Debug)]
+pub struct Resume(pub u32);
 
 impl Drop for Resume {
     fn drop(&mut self) {

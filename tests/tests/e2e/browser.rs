@@ -342,13 +342,8 @@ async fn drive(c: &Client, mesh: &mut Mesh) -> Result<String> {
     )
     .await?;
     eprintln!("the page says: {answered}");
-    let on_gpu: usize = answered
-        .split_once(" coded steps answered (")
-        .and_then(|(_, rest)| rest.split_once(" on WebGPU"))
-        .and_then(|(n, _)| n.parse().ok())
-        .unwrap_or(0);
     ensure!(
-        on_gpu > 0,
+        steps_on_webgpu(&answered) > 0,
         "the browser computes its coded steps with the WGSL kernels: {answered}"
     );
     ensure!(
@@ -444,6 +439,15 @@ pub(crate) fn steps_answered(contribution: &str) -> usize {
     contribution
         .split_once("): ")
         .and_then(|(_, rest)| rest.split_once(" coded steps answered"))
+        .and_then(|(n, _)| n.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Of those, the steps whose products ran on WebGPU.
+pub(crate) fn steps_on_webgpu(contribution: &str) -> usize {
+    contribution
+        .split_once(" coded steps answered (")
+        .and_then(|(_, rest)| rest.split_once(" on WebGPU"))
         .and_then(|(n, _)| n.parse().ok())
         .unwrap_or(0)
 }

@@ -13,10 +13,12 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
-use tests::procs::{Scratch, free_port};
+use tests::procs::{Resume, Scratch, free_port, signal};
 
 use crate::api::{Up, field, metric, post, status};
-use crate::browser::{open_browser_with, start_driver_in, steps_answered, wait_text_within};
+use crate::browser::{
+    open_browser_with, start_driver_in, steps_answered, steps_on_webgpu, wait_text_within,
+};
 
 /// Issue 58's allowances: a node's row times this, plus its KV caches and this many bytes.
 const ROW_FACTOR: f64 = 1.25;
@@ -190,23 +192,6 @@ fn a_1b_shape_mesh_encodes_and_serves_within_its_memory_bounds() -> Result<()> {
     a_browser_holds_a_row(&up, &ready, &data, &dir)
 }
 
-/// `kill -SIG pid`.
-fn signal(pid: i32, sig: &str) {
-    let _ = Command::new("kill")
-        .arg(format!("-{sig}"))
-        .arg(pid.to_string())
-        .status();
-}
-
-/// A node stopped with SIGSTOP, continued when dropped.
-struct Stopped(i32);
-
-impl Drop for Stopped {
-    fn drop(&mut self) {
-        signal(self.0, "CONT");
-    }
-}
-
 /// "Contribute this GPU" on `up`'s dashboard: the page's node copies a row, keeps it in
 /// IndexedDB and serves it on WebGPU; then, its row's native holder stopped, a leader's request
 /// on every row is computed partly by the browser.
@@ -309,6 +294,32 @@ fn up_port(ready: &str) -> Result<u16> {
         .with_context(|| format!("no port in {api}"))
 }
 
+/// Whether `status --json`'s node `nd` is a browser.
+fn browser(nd: &serde_json::Value) -> bool {
+    nd["device"].as_str().unwrap_or("").starts_with("browser")
+}
+
+/// Waits until `status` through `bootstrap` shows a node that `ok` accepts (`what`, for the
+/// error after 90 s).
+async fn wait_for_node(
+    bootstrap: &str,
+    what: &str,
+    ok: impl Fn(&serde_json::Value) -> bool,
+) -> Result<()> {
+    let start = Instant::now();
+    loop {
+        let s = status(bootstrap)?;
+        if s["nodes"].as_array().is_some_and(|n| n.iter().any(&ok)) {
+            return Ok(());
+        }
+        ensure!(
+            start.elapsed() < Duration::from_secs(90),
+            "status never showed {what}: {s}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
 /// Stops the native holder of the browser's row `row` and runs a leader's request on every row
 /// (k decoded, the rest checked): the browser, its row's only live holder, answers steps.
 async fn computes_for_a_leader(
@@ -321,29 +332,16 @@ async fn computes_for_a_leader(
     // The leader and `status` go through a node that keeps running.
     let other = format!("/ip4/127.0.0.1/tcp/{}", ports[(row + 1) % n]);
     // The mesh knows the browser's row and how to reach it (its relay circuit) first.
-    let start = Instant::now();
-    loop {
-        let s = status(&other)?;
-        let reachable = s["nodes"].as_array().is_some_and(|nodes| {
-            nodes.iter().any(|nd| {
-                nd["row"] == row
-                    && nd["device"].as_str().unwrap_or("").starts_with("browser")
-                    && nd["health"] == "Healthy"
-                    && nd["addrs"].as_array().is_some_and(|a| {
-                        a.iter()
-                            .any(|a| a.as_str().unwrap_or("").contains("/p2p-circuit/"))
-                    })
-            })
-        });
-        if reachable {
-            break;
-        }
-        ensure!(
-            start.elapsed() < Duration::from_secs(90),
-            "the mesh never saw the browser's row {row} healthy behind its relay: {s}"
-        );
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
+    let relayed = |nd: &serde_json::Value| {
+        nd["addrs"].as_array().is_some_and(|a| {
+            a.iter()
+                .any(|a| a.as_str().unwrap_or("").contains("/p2p-circuit/"))
+        })
+    };
+    wait_for_node(&other, "the browser's row healthy behind its relay", |nd| {
+        nd["row"] == row && browser(nd) && nd["health"] == "Healthy" && relayed(nd)
+    })
+    .await?;
     let before = steps_answered(&crate::browser::text(c, "#contribution").await);
     let pid = up
         .node_pids()
@@ -351,27 +349,13 @@ async fn computes_for_a_leader(
         .find(|&(node, _)| node == row)
         .map(|(_, pid)| pid)
         .with_context(|| format!("node {row}'s pid"))?;
+    let pid = pid as u32;
     signal(pid, "STOP");
-    let _stopped = Stopped(pid);
-    let start = Instant::now();
-    loop {
-        let s = status(&other)?;
-        let native_down = s["nodes"].as_array().is_some_and(|nodes| {
-            nodes.iter().any(|nd| {
-                nd["row"] == row
-                    && !nd["device"].as_str().unwrap_or("").starts_with("browser")
-                    && nd["health"] != "Healthy"
-            })
-        });
-        if native_down {
-            break;
-        }
-        ensure!(
-            start.elapsed() < Duration::from_secs(90),
-            "the stopped node {row} still looks healthy: {s}"
-        );
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
+    let _resume = Resume(pid);
+    wait_for_node(&other, "the stopped native holder's row unhealthy", |nd| {
+        nd["row"] == row && !browser(nd) && nd["health"] != "Healthy"
+    })
+    .await?;
     let checks = (n - 2).to_string();
     let out = Command::new(tests::procs::bin())
         .args(["generate", "--bootstrap", &other])
@@ -408,13 +392,8 @@ async fn computes_for_a_leader(
     .await?;
     eprintln!("the page says: {after}");
     // Products of this size go to WebGPU.
-    let on_gpu: usize = after
-        .split_once(" coded steps answered (")
-        .and_then(|(_, rest)| rest.split_once(" on WebGPU"))
-        .and_then(|(n, _)| n.parse().ok())
-        .unwrap_or(0);
     ensure!(
-        on_gpu > 0,
+        steps_on_webgpu(&after) > 0,
         "the browser computes its row's products on WebGPU: {after}"
     );
     Ok(())
