@@ -206,6 +206,12 @@ pub fn free_port() -> Result<u16> {
         .context("no free port")
 }
 
+/// Whether this runs under CI (`CI` set and not empty): there a missing tool or device is a
+/// failure, never a skip.
+pub fn in_ci() -> bool {
+    std::env::var_os("CI").is_some_and(|v| !v.is_empty())
+}
+
 /// Whether this machine has any wgpu adapter (a GPU, or Mesa's lavapipe as in CI); under
 /// `CI` a missing one panics, so a GPU check cannot pass by skipping there.
 pub fn have_gpu() -> bool {
@@ -213,7 +219,7 @@ pub fn have_gpu() -> bool {
         Ok(_) => true,
         Err(e) => {
             assert!(
-                std::env::var_os("CI").is_none(),
+                !in_ci(),
                 "CI needs a wgpu adapter (scripts/test.sh installs mesa-vulkan-drivers): {e}"
             );
             eprintln!("SKIPPED the GPU node: {e}");

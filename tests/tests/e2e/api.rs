@@ -260,7 +260,7 @@ fn up_serves_the_openai_api_learns_stops_restarts_and_supervises() -> Result<()>
     let _machine = crate::machine::share();
     let Some(python) = python() else {
         ensure!(
-            std::env::var_os("CI").is_none(),
+            !tests::procs::in_ci(),
             "CI needs a Python with openai and websockets (scripts/test.sh makes one)"
         );
         eprintln!(

@@ -127,7 +127,7 @@ fn every_architecture_matches_llama_cpp_on_its_own_files() -> Result<()> {
     let _machine = crate::machine::share();
     let Some(python) = llama_python() else {
         ensure!(
-            std::env::var_os("CI").is_none(),
+            !tests::procs::in_ci(),
             "CI needs llama.cpp's Python package (scripts/test.sh builds it with scripts/llama-cpp-env.sh)"
         );
         eprintln!(

@@ -100,7 +100,7 @@ fn a_1b_shape_mesh_encodes_and_serves_within_its_memory_bounds() -> Result<()> {
     let _machine = crate::machine::share();
     let Some(python) = crate::architectures::llama_python() else {
         ensure!(
-            std::env::var_os("CI").is_none(),
+            !tests::procs::in_ci(),
             "CI needs llama.cpp's Python package to write the 1B-shape file (scripts/test.sh builds it)"
         );
         eprintln!("SKIPPING: no llama.cpp Python to write the 1B-shape file (run scripts/test.sh)");
