@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, ensure};
 use tests::procs::{Resume, Scratch, free_port, signal};
 
-use crate::api::{Up, field, metric, post, status};
+use crate::api::{Up, metric, post, status};
 use crate::browser::{
     open_browser_with, start_driver_in, steps_answered, steps_on_webgpu, wait_text_within,
 };
@@ -122,7 +122,7 @@ fn a_1b_shape_mesh_encodes_and_serves_within_its_memory_bounds() -> Result<()> {
     let port = free_port()?;
     let steps = dir.join("steps.jsonl");
     let mut up = Up::start_model(&dir, &data, port, &steps, "up1b", &file, &[])?;
-    let ready = up.ready(Duration::from_secs(1500))?;
+    up.ready(Duration::from_secs(1500))?;
     // up's own peak is genesis's: after it, up only supervises.
     let (_, encode_peak) = memory(up.pid())?;
     eprintln!(
@@ -189,13 +189,13 @@ fn a_1b_shape_mesh_encodes_and_serves_within_its_memory_bounds() -> Result<()> {
             "node {node} holds {resident} bytes (peak {peak}) for a row of {row}: over {bound}"
         );
     }
-    a_browser_holds_a_row(&up, &ready, &data, &dir)
+    a_browser_holds_a_row(&up, port, &data, &dir)
 }
 
 /// "Contribute this GPU" on `up`'s dashboard: the page's node copies a row, keeps it in
 /// IndexedDB and serves it on WebGPU; then, its row's native holder stopped, a leader's request
 /// on every row is computed partly by the browser.
-fn a_browser_holds_a_row(up: &Up, ready: &str, data: &Path, dir: &Path) -> Result<()> {
+fn a_browser_holds_a_row(up: &Up, api_port: u16, data: &Path, dir: &Path) -> Result<()> {
     let ports = mesh_ports(data)?;
     // The page is served by, and its node dials, the last node: the row it is offered (a
     // replica of the thinnest, row 0 here) is held by another, which can stop.
@@ -250,7 +250,7 @@ fn a_browser_holds_a_row(up: &Up, ready: &str, data: &Path, dir: &Path) -> Resul
                 .with_context(|| format!("the page does not say what it keeps: {serving:?}"))?;
             // The row the page keeps is the one the native holder of that row holds.
             let http = if row == 0 {
-                up_port(ready)?
+                api_port
             } else {
                 node_port(data, row)?
             };
@@ -282,16 +282,6 @@ fn mesh_ports(data: &Path) -> Result<Vec<u64>> {
         .unwrap_or_default();
     ensure!(ports.len() >= 2, "mesh.json lists the nodes' ports: {mesh}");
     Ok(ports)
-}
-
-/// The API's port, from `up`'s ready line.
-fn up_port(ready: &str) -> Result<u16> {
-    let api = field(ready, "OpenAI API ")?;
-    api.trim_start_matches("http://127.0.0.1:")
-        .split('/')
-        .next()
-        .and_then(|p| p.parse().ok())
-        .with_context(|| format!("no port in {api}"))
 }
 
 /// Whether `status --json`'s node `nd` is a browser.
