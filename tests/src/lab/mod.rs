@@ -369,6 +369,11 @@ impl Lab {
         for ns in t.namespaces() {
             run("ip", &["netns", "add", &ns])?;
             ip(&ns, "link set lo up")?;
+            // The lab is IPv4 only. Left on, IPv6 gives each new link a link-local address a
+            // second or two after it comes up, and a browser that is connecting just then
+            // takes the new address for a network change and fails the page
+            // (ERR_NETWORK_CHANGED): the browser starts that soon after the lab.
+            sysctl(&ns, "net.ipv6.conf.default.disable_ipv6", "1")?;
         }
         let core = t.core();
         sysctl(&core, "net.ipv4.ip_forward", "1")?;
