@@ -10,7 +10,7 @@ use crate::model::Stage;
 /// Version of the step protocol; a peer on another version is refused with both named (4: shard
 /// sets carry their learnt adapters; 5: adapters of rank 8; 6: a step at another version is
 /// refused with `MeshResponse::Stale`).
-pub const PROTOCOL_VERSION: u16 = 7;
+pub const PROTOCOL_VERSION: u16 = 8;
 
 /// Largest encoded message accepted (a prefill of a few thousand tokens fits).
 pub const MAX_MESSAGE_BYTES: usize = 64 << 20;

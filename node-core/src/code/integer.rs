@@ -107,7 +107,7 @@ fn every_subset_with_is_regular(rows: &[Vec<i32>], v: &[i32], k: usize) -> bool 
 }
 
 /// Exact determinant of a small integer matrix (Bareiss' fraction-free elimination).
-fn determinant(mut m: Vec<Vec<i128>>) -> i128 {
+pub(super) fn determinant(mut m: Vec<Vec<i128>>) -> i128 {
     let n = m.len();
     let mut sign = 1;
     let mut prev = 1i128;

@@ -516,6 +516,49 @@ impl Generator {
         Ok(out)
     }
 
+    /// For an integer code, [`Self::reencode_coeffs`] exactly, as integers over one positive
+    /// denominator: `(a, d)` with `a_j / d` the coefficient of `sources[j]` (Cramer's rule on
+    /// the sources' rows); `None` for codes with real coefficients.
+    pub fn reencode_integers(
+        &self,
+        target: usize,
+        sources: &[usize],
+    ) -> Result<Option<(Vec<i64>, i64)>, CodeError> {
+        self.check_node(target)?;
+        // Refuses a singular or malformed choice of sources as every decode does.
+        Decoder::new(self, sources)?;
+        if self.levels().is_none() || self.m != 1 {
+            return Ok(None);
+        }
+        let row =
+            |node: usize| -> Vec<i128> { self.coeffs(node).iter().map(|&c| c as i128).collect() };
+        let rows: Vec<Vec<i128>> = sources.iter().map(|&s| row(s)).collect();
+        let mut d = integer::determinant(rows.clone());
+        let mut a: Vec<i128> = (0..rows.len())
+            .map(|j| {
+                let mut m = rows.clone();
+                m[j] = row(target);
+                integer::determinant(m)
+            })
+            .collect();
+        if d < 0 {
+            d = -d;
+            a.iter_mut().for_each(|x| *x = -*x);
+        }
+        fn gcd_wide(a: i128, b: i128) -> i128 {
+            if b == 0 { a } else { gcd_wide(b, a % b) }
+        }
+        let common = a.iter().fold(d, |g, &x| gcd_wide(g, x.abs()));
+        let narrow = |x: i128| {
+            i64::try_from(x / common.max(1)).map_err(|_| CodeError::Params {
+                k: self.k,
+                n: self.n,
+            })
+        };
+        let a = a.into_iter().map(narrow).collect::<Result<_, _>>()?;
+        Ok(Some((a, narrow(d)?)))
+    }
+
     /// A node's expected answer from decoded blocks `[j][c]` (`k·m·C`), written as `[s][c]`.
     pub fn predict_part(
         &self,

@@ -211,3 +211,26 @@ fn growth_stops_at_the_cap_and_the_prefix_is_stable() {
     assert_eq!(Generator::growing(5, 3, Some(2)).unwrap().n(), 5);
     assert!(Generator::growing(2, 3, None).is_err());
 }
+
+#[test]
+fn integer_re_encoding_coefficients_are_the_real_ones_over_one_denominator() {
+    for k in 2..=integer::INTEGER_MAX_K {
+        let n = Generator::integer_capacity(k);
+        let g = Generator::integer(n, k, None).unwrap();
+        let mut checked = 0;
+        for sources in subsets(n, k).take(40) {
+            for target in (0..n).filter(|t| !sources.contains(t)) {
+                let (a, d) = g.reencode_integers(target, &sources).unwrap().unwrap();
+                assert!(d > 0);
+                let real = g.reencode_coeffs(target, &sources).unwrap();
+                for (&aj, &c) in a.iter().zip(&real) {
+                    assert!((aj as f64 / d as f64 - c).abs() < 1e-9, "k = {k}");
+                }
+                checked += 1;
+            }
+        }
+        assert!(checked > 0);
+    }
+    let real = Generator::growing(5, 3, Some(8)).unwrap();
+    assert_eq!(real.reencode_integers(6, &[0, 1, 2]).unwrap(), None);
+}

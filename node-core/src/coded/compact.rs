@@ -77,7 +77,7 @@ impl CodedInts {
     }
 
     /// `values` stored one byte each when `wide` is false, else two.
-    fn from_i32(values: Vec<i32>, wide: bool) -> Result<Self, CodedError> {
+    pub(crate) fn from_i32(values: Vec<i32>, wide: bool) -> Result<Self, CodedError> {
         let too_big = |z: i32| CodedError::BadRequest(format!("coded value {z} does not fit"));
         if wide {
             let v = values

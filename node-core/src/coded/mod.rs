@@ -20,6 +20,7 @@ mod verify;
 pub use adapter::{ADAPTER_RANK, Adapter, Projection, TILE, adapter_rank, tiled_at};
 pub use compact::{
     CodedInts, Q8Values, compact_matrix, compact_model, encode_q8, grid_matrix, grid_model,
+    wide_row,
 };
 pub use gpu::{GpuGroup, GpuShards};
 pub use group::{CodedGroup, ExecStats, InProcess, Transport, TransportError};

@@ -10,9 +10,9 @@ use super::{
     Download, HolderError, MAX_BLOB_BYTES, check_shard, describe, shard_chunk_request,
     shard_from_blob, shard_to_blob, version_from_source,
 };
-use crate::chain::{Assembly, ChainPart};
+use crate::chain::{Assembly, ChainPart, Running, Turn};
 use crate::code::Generator;
-use crate::coded::{ShardFormat, ShardSet};
+use crate::coded::ShardSet;
 use crate::mesh::{JoinOffer, MeshRequest, MeshResponse, ModelManifest, ShardVersion, SourceRow};
 use crate::model::{LeaderWeights, LlamaConfig};
 
@@ -133,9 +133,6 @@ pub async fn obtain<L: Link>(
                 received,
             })
         }
-        JoinOffer::Reencode { row, sources } if manifest.format == ShardFormat::Q8 => {
-            rebuild_compact(link, manifest, row, &sources).await
-        }
         JoinOffer::Reencode { row, sources } => build_row(link, manifest, row, &sources).await,
         JoinOffer::Replica { row, holders } => {
             let mut failures = Vec::new();
@@ -158,59 +155,6 @@ pub async fn obtain<L: Link>(
             manifest.generator.k()
         ))),
     }
-}
-
-/// Builds compact row `target` from copies of k other rows: their integers combine exactly
-/// (`ShardSet::reencode`), so the row is bit for bit the one encoding gives. A chain cannot:
-/// it passes f32 sums, and compact rows hold integers and their scales.
-async fn rebuild_compact<L: Link>(
-    link: &L,
-    manifest: &ModelManifest,
-    target: u32,
-    sources: &[SourceRow],
-) -> Result<Joined, HolderError> {
-    let mut copies = Vec::with_capacity(sources.len());
-    for src in sources {
-        copies.push(copy_row(link, manifest, src).await?);
-    }
-    let Some(first) = copies.first() else {
-        return Err(HolderError::Download(
-            "the join offer named no source rows".into(),
-        ));
-    };
-    if copies
-        .iter()
-        .any(|c| c.version.digest() != first.version.digest())
-    {
-        return Err(HolderError::Download(
-            "the source rows are at different versions (an update is spreading); try again".into(),
-        ));
-    }
-    let (version, norms) = (first.version.clone(), first.norms.clone());
-    let received = copies.iter().map(|c| c.received).sum();
-    let rows: Vec<u32> = sources.iter().map(|s| s.row).collect();
-    link.progress(
-        &format!("re-encoding row {target} from rows {rows:?}"),
-        0,
-        0,
-    );
-    let (shard, blob) = link
-        .blocking(move || {
-            let sets: Vec<&ShardSet> = copies.iter().map(|c| &c.shard).collect();
-            let shard = ShardSet::reencode(target as usize, &sets)?;
-            let blob = shard_to_blob(&shard)?;
-            Ok::<_, HolderError>((shard, blob))
-        })
-        .await?;
-    check_shard(&shard, manifest, target)?;
-    Ok(Joined {
-        shard,
-        blob,
-        version,
-        norms,
-        how: format!("row {target}, re-encoded from copies of rows {rows:?}"),
-        received,
-    })
 }
 
 /// Downloads row `row`'s shard blob from `peer`: the bytes and the version they are at.
@@ -298,7 +242,8 @@ async fn copy_row<L: Link>(
 }
 
 /// Builds row `target` along the chain `sources` ([`crate::chain`]): this node receives one
-/// shard's worth of running sums from the last source and nothing else.
+/// shard's worth from the last source (running sums, or a compact row's own bytes) and
+/// nothing else.
 async fn build_row<L: Link>(
     link: &L,
     manifest: &ModelManifest,
@@ -344,11 +289,11 @@ async fn build_row<L: Link>(
     let what = format!("row {target} from rows {rows:?} along a chain");
     let mut done = 0;
     while let Some((piece, answer)) = answers.next().await {
-        match answer? {
-            MeshResponse::Partial(sum) => asm.add(&piece, &sum)?,
-            other => {
+        match Turn::try_from(answer?) {
+            Ok(turn) => asm.add(&piece, turn)?,
+            Err(other) => {
                 return Err(HolderError::Download(format!(
-                    "asked for a running sum, got a {}",
+                    "asked for a piece of the row, got a {}",
                     describe(&other)
                 )));
             }
@@ -388,19 +333,23 @@ pub async fn answer_chain<L: Link>(
     part: &ChainPart,
     g: &Generator,
     cfg: &LlamaConfig,
-) -> Result<Option<Vec<f32>>, HolderError> {
+) -> Result<Option<Running>, HolderError> {
     let (_, len) = part.check(g, cfg)?;
     let Some((src, before)) = part.before() else {
         return Ok(None);
     };
     let peer = link.dial(&src).await?;
+    let short = |got: usize| {
+        Err(HolderError::Download(format!(
+            "row {}'s holder sent a running sum of {got} values where {len} were due",
+            src.row
+        )))
+    };
     match ask_ok(link, &peer, MeshRequest::Chain(before)).await? {
-        MeshResponse::Partial(sum) if sum.len() == len => Ok(Some(sum)),
-        MeshResponse::Partial(sum) => Err(HolderError::Download(format!(
-            "row {}'s holder sent a running sum of {} values where {len} were due",
-            src.row,
-            sum.len()
-        ))),
+        MeshResponse::Partial(sum) if sum.len() == len => Ok(Some(Running::Values(sum))),
+        MeshResponse::IntPartial(sum) if sum.q.len() == len => Ok(Some(Running::Ints(sum))),
+        MeshResponse::Partial(sum) => short(sum.len()),
+        MeshResponse::IntPartial(sum) => short(sum.q.len()),
         other => Err(HolderError::Download(format!(
             "asked row {} for a running sum, got a {}",
             src.row,

@@ -8,6 +8,7 @@ mod join;
 mod serve;
 pub mod spread;
 
+pub use crate::chain::{Running, Turn};
 pub use catchup::{fetch_update, plan_with, version_of, worth_catching_up};
 pub use join::{Joined, Link, answer_chain, join, obtain, source_error, source_peer};
 pub use serve::{
@@ -339,6 +340,8 @@ pub fn describe(r: &MeshResponse) -> &'static str {
         MeshResponse::Reported => "report receipt",
         MeshResponse::Spreading { .. } => "notice receipt",
         MeshResponse::Partial(_) => "running sum",
+        MeshResponse::IntPartial(_) => "integer running sum",
+        MeshResponse::CompactPiece(_) => "compact piece",
         MeshResponse::Error(_) => "error",
         MeshResponse::Stale { .. } => "refusal at another version",
     }

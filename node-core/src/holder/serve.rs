@@ -11,7 +11,7 @@ use std::sync::Arc;
 use web_time::{Duration, Instant};
 
 use super::{Link, ShardState, answer_chain, chunk_of, shard_to_blob};
-use crate::chain::{ChainError, ChainPart};
+use crate::chain::{ChainError, ChainPart, Running, Turn};
 use crate::code::Generator;
 use crate::mesh::{MAX_CHUNK_BYTES, MeshRequest, MeshResponse, MeshView, ShardVersion, Usage};
 use crate::model::LlamaConfig;
@@ -308,25 +308,26 @@ pub async fn chain<L, F, Fut>(
 ) -> MeshResponse
 where
     L: Link,
-    F: FnOnce(ChainPart, Option<Vec<f32>>) -> Fut,
-    Fut: Future<Output = Result<Vec<f32>, ChainError>>,
+    F: FnOnce(ChainPart, Option<Running>) -> Fut,
+    Fut: Future<Output = Result<Turn, ChainError>>,
 {
     let before = match answer_chain(link, &part, g, cfg).await {
         Ok(before) => before,
         Err(e) => return MeshResponse::Error(e.to_string()),
     };
     match contribute(part, before).await {
-        Ok(sum) => MeshResponse::Partial(sum),
+        Ok(turn) => turn.into(),
         Err(e) => MeshResponse::Error(e.to_string()),
     }
 }
 
-/// Adds the term of the row `state` holds to a chain's running sum.
+/// Adds the term of the row `state` holds to a chain's running sum (the last source of a
+/// compact chain finishes the piece).
 pub fn contribute(
     state: &ShardState,
     part: &ChainPart,
-    before: Option<Vec<f32>>,
-) -> Result<Vec<f32>, ChainError> {
+    before: Option<Running>,
+) -> Result<Turn, ChainError> {
     part.contribute(state.member.shards(), &state.version.digest(), before)
 }
 

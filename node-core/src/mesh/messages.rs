@@ -584,6 +584,34 @@ pub enum MeshResponse {
         /// The version the step asked for.
         want: [u8; 32],
     },
+    /// A compact chain's running sum of a piece ([`crate::chain`]).
+    IntPartial(IntSum),
+    /// A finished piece of a compact row, from the last source of its chain.
+    CompactPiece(CompactPiece),
+}
+
+/// A compact chain's running sum of one piece: `Σ a_j·q_j` over the sources so far, where
+/// `a_j / d` are the integer code's re-encoding coefficients, and the sum of their adapters.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct IntSum {
+    /// The integer sums, row-major.
+    pub q: Vec<i32>,
+    /// The adapters' sum, `rows × rank` row-major; empty while no source has learnt.
+    #[serde(with = "crate::protocol::f32_bytes")]
+    pub adapter: Vec<f32>,
+}
+
+/// A finished piece of a compact row: its coded integers as the row stores them, the scales
+/// of its rows and its adapter rows.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CompactPiece {
+    /// The coded integers, row-major.
+    pub q: crate::coded::CodedInts,
+    /// One scale per 32 values of each row.
+    pub scales: Vec<half::f16>,
+    /// The adapter's rows, `rows × rank` row-major; empty when the row has not learnt.
+    #[serde(with = "crate::protocol::f32_bytes")]
+    pub adapter: Vec<f32>,
 }
 
 /// Why a member gave no answer to a coded step.

@@ -16,9 +16,9 @@ pub use crate::learn::{
 pub use health::{Health, HealthConfig};
 pub use manifest::ModelManifest;
 pub use messages::{
-    BrowserBootstrap, CHUNK_BYTES, ChainPart, HEARTBEAT_TOPIC, Heartbeat, HoldersByRow, JoinOffer,
-    MAX_CHUNK_BYTES, MeshInfo, MeshRequest, MeshResponse, NodeStatus, Notice, Piece, Reach,
-    RowHolders, SourceRow, StepRefusal, Usage, rows_at_version,
+    BrowserBootstrap, CHUNK_BYTES, ChainPart, CompactPiece, HEARTBEAT_TOPIC, Heartbeat,
+    HoldersByRow, IntSum, JoinOffer, MAX_CHUNK_BYTES, MeshInfo, MeshRequest, MeshResponse,
+    NodeStatus, Notice, Piece, Reach, RowHolders, SourceRow, StepRefusal, Usage, rows_at_version,
 };
 pub use round::{
     GroupPlan, MemberPool, RoundConfig, RoundDriver, RoundError, pick_holders, plan_group,

@@ -666,7 +666,7 @@ impl Server {
                 let link = NativeLink::quiet(self.client.clone());
                 tokio::spawn(async move {
                     let resp = holder::chain(&link, part, &g, &cfg, |part, before| {
-                        chain_bytes.inc_by(before.as_ref().map_or(0, |s| s.len() as u64 * 4));
+                        chain_bytes.inc_by(before.as_ref().map_or(0, holder::Running::bytes));
                         link.blocking(move || holder::contribute(&read(&state), &part, before))
                     })
                     .await;

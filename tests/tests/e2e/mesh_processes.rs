@@ -9,13 +9,20 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail, ensure};
 use tests::procs::{HEALTH, Mesh, bin, have_gpu, spawn, spawn_node, spawn_node_with, tiny_model};
 
-/// The same request in one process, uncoded-equivalent reference for the tiny model.
-fn local_generate(model: &Path, prompt: &str, tokens: usize, extra: &[&str]) -> Result<String> {
+/// The same request in one process on shards of `format` (the mesh's): the reference tokens.
+fn local_generate(
+    model: &Path,
+    prompt: &str,
+    tokens: usize,
+    format: &str,
+    extra: &[&str],
+) -> Result<String> {
     let out = Command::new(bin())
         .args([
             "generate", "--k", "3", "--n", "5", "--prompt", prompt, "--model",
         ])
         .arg(model)
+        .args(["--shard-format", format])
         .args(["--max-tokens", &tokens.to_string()])
         .args(extra)
         .output()?;
@@ -61,10 +68,10 @@ fn tiny_mesh_status_generate_straggler_restart_and_rejoin() -> Result<()> {
     );
 
     // A normal run gives the in-process coded run's tokens.
-    let expected = local_generate(&model, PROMPT, 24, &[])?;
+    let expected = local_generate(&model, PROMPT, 24, "f32", &[])?;
     if have_gpu() {
         // The whole token on the GPU (members' products and the leader's work) agrees.
-        let on_gpu = local_generate(&model, PROMPT, 24, &["--device", "gpu"])?;
+        let on_gpu = local_generate(&model, PROMPT, 24, "f32", &["--device", "gpu"])?;
         assert_eq!(on_gpu, expected, "generate --device gpu");
     }
     let (out, err) = mesh.generate(PROMPT, 24, || {})?;
@@ -324,7 +331,7 @@ fn the_mesh_grows_new_rows_then_replicas_and_survives_two_holders_killed() -> Re
         &["--no-learning"],
         &["--tcp-only", "--max-rows", "7"],
     )?;
-    let expected = local_generate(&model, PROMPT, 24, &[])?;
+    let expected = local_generate(&model, PROMPT, 24, "f32", &[])?;
     let mut joiners = Vec::new();
     for i in 5..9 {
         joiners.push(spawn_node(
@@ -352,7 +359,13 @@ fn the_mesh_grows_new_rows_then_replicas_and_survives_two_holders_killed() -> Re
         .filter(|l| l.contains("a replica of row"))
         .count();
     assert_eq!((new_rows, replicas), (2, 2), "{how:#?}");
-    for line in how.iter().filter(|l| l.contains("along a chain")) {
+    let chained: Vec<&String> = how.iter().filter(|l| l.contains("along a chain")).collect();
+    assert_eq!(
+        chained.len(),
+        new_rows,
+        "every new row is built along a chain: {how:#?}"
+    );
+    for line in chained {
         one_shard_received(line)?;
     }
     mesh.nodes.extend(joiners);
@@ -475,7 +488,7 @@ fn one_shard_received(log: &str) -> Result<()> {
     Ok(())
 }
 #[test]
-fn a_compact_mesh_serves_its_models_tokens_and_builds_a_new_row_from_copies() -> Result<()> {
+fn a_compact_mesh_serves_its_models_tokens_and_builds_a_new_row_along_a_chain() -> Result<()> {
     let _machine = crate::machine::share();
     let model = tiny_model();
     // q8 shards on the integer code, with room for one row past genesis.
@@ -485,17 +498,19 @@ fn a_compact_mesh_serves_its_models_tokens_and_builds_a_new_row_from_copies() ->
         &["--no-learning"],
         &["--tcp-only", "--shard-format", "q8", "--max-rows", "6"],
     )?;
-    let expected = local_generate(&model, PROMPT, 24, &["--shard-format", "q8"])?;
+    let expected = local_generate(&model, PROMPT, 24, "q8", &[])?;
     let (out, err) = mesh.generate(PROMPT, 24, || {})?;
     assert_eq!(out, expected, "{err}");
-    // A joiner gets row 5: it copies three rows and combines their integers.
+    // A joiner gets row 5 along a chain of three holders, which sum their integers exactly:
+    // it receives its own row's bytes and no more.
     let mut joiner = spawn_node(&mesh.dir.0, "node5", "d5", &mesh.bootstrap)?;
     let log = joiner.wait_log("serving row", Duration::from_secs(120))?;
     let line = log
         .lines()
         .find(|l| l.starts_with("joined as row 5"))
         .with_context(|| format!("no join line:\n{log}"))?;
-    assert!(line.contains("re-encoded from copies of rows"), "{line}");
+    assert!(line.contains("a new row, encoded from rows"), "{line}");
+    one_shard_received(&log)?;
     mesh.nodes.push(joiner);
     mesh.wait_healthy(6)?;
     // Rows 1 and 2 die: a group of three and its check row are the four rows left, row 5

@@ -588,6 +588,96 @@ fn a_partition_of_three_and_two_heals_and_converges() {
 // 4. Growing the code
 // ---------------------------------------------------------------------------------------------
 
+/// Builds row `genesis` of a tiny model in `format` along each chain of `offered` (source rows)
+/// through memory holders of rows `0..genesis`, and checks it is the row encoding gives and the
+/// bytes each node received: the joiner one shard's worth (a compact row exactly its own
+/// bytes), each source after the first one running sum per piece, everyone else nothing.
+fn chains_send_one_shard(format: ShardFormat, genesis: u32, room: u32, offered: &[Vec<u32>]) {
+    let weights = ModelWeights::synthetic(tiny_config(), 5).unwrap();
+    let g = match format {
+        ShardFormat::Q8 => Generator::integer(genesis as usize, K as usize, Some(room as usize)),
+        _ => Generator::growing(genesis as usize, K as usize, Some(room as usize)),
+    }
+    .unwrap();
+    let encode = |row: u32| ShardSet::encode(&weights, &g, row as usize, format, &mut |_, _| {});
+    let direct = encode(genesis).unwrap();
+    let manifest = ModelManifest {
+        name: "tiny".into(),
+        cfg: tiny_config(),
+        leader: LeaderWeights::from_model(&weights),
+        tokenizer: TokenizerData {
+            json: String::new(),
+            eos: Vec::new(),
+            default_system: None,
+        },
+        generator: g.clone(),
+        format,
+        learning: LearningConfig::default(),
+        verify_noise: node_core::coded::DEFAULT_NOISE,
+    };
+    let holders: BTreeMap<u32, ShardSet> = (0..genesis).map(|r| (r, encode(r).unwrap())).collect();
+    let shard_bytes = direct.bytes() as u64;
+    let shapes = node_core::coded::shapes(&manifest.cfg, &g);
+    let pieces = node_core::chain::pieces(&shapes, g.sub_blocks()).len() as u64;
+    // A running sum: f32 values, or a compact chain's integer sums (at most four bytes each).
+    let sum_bytes = node_core::chain::row_values(&shapes, g.sub_blocks()) * 4;
+    // Framing of each answer: a few bytes of protocol header and length prefix.
+    let framing = 16 * pieces;
+    for rows in offered {
+        // The joiner (id 100) asks holder 0, which offers the row built along `rows`.
+        let sources = rows
+            .iter()
+            .map(|&r| SourceRow {
+                row: r,
+                peer: r.to_string(),
+                addrs: Vec::new(),
+            })
+            .collect();
+        let net = MemoryHolders::new(
+            manifest.clone(),
+            holders.clone(),
+            JoinOffer::Reencode {
+                row: genesis,
+                sources,
+            },
+        );
+        let joined =
+            pollster::block_on(node_core::holder::join(&net.link(100), &0, &manifest)).unwrap();
+        assert!(joined.how.contains("a new row"), "{}", joined.how);
+        let built = joined.shard;
+        assert_eq!(built.node, genesis as usize);
+        for (b, d) in built.matrices().zip(direct.matrices()) {
+            match format {
+                ShardFormat::Q8 => assert_eq!(b.values, d.values, "rows {rows:?}"),
+                _ => assert!(relative_error(values(b), values(d)) < 1e-5, "rows {rows:?}"),
+            }
+        }
+        // The joiner: one shard's worth (and a few small answers). A compact piece's parity
+        // integers travel entropy-coded, so its wire bytes may be fewer than the row's.
+        let joiner = net.received(100);
+        assert_eq!(joined.received, shard_bytes, "{format:?}, rows {rows:?}");
+        assert!(
+            joiner <= shard_bytes + framing + 4096
+                && (format == ShardFormat::Q8 || joiner >= shard_bytes),
+            "{format:?}, rows {rows:?}: the joiner received {joiner}, one shard is {shard_bytes}"
+        );
+        assert_eq!(net.received(rows[0]), 0, "rows {rows:?}: the chain's first");
+        for &r in &rows[1..] {
+            let got = net.received(r);
+            assert!(
+                got > 0 && got <= sum_bytes + framing,
+                "{format:?}, rows {rows:?}: row {r} received {got}, one running sum is {sum_bytes}"
+            );
+            if format == ShardFormat::F32 {
+                assert!(got >= shard_bytes, "rows {rows:?}: row {r} received {got}");
+            }
+        }
+        for r in (0..genesis).filter(|r| !rows.contains(r)) {
+            assert_eq!(net.received(r), 0, "row {r} is not in the chain");
+        }
+    }
+}
+
 /// The f32 values of a shard.
 fn values(s: &node_core::coded::Shard) -> &[f32] {
     match &s.values {
@@ -649,94 +739,10 @@ fn joiners_on_two_sides_of_a_partition_get_one_new_row_with_one_content() {
         ));
         if seed == 0 {
             // Whatever sources each side used, the new row built along their chain is the same
-            // codeword, and no node of the chain received more than one shard's worth.
-            let weights = ModelWeights::synthetic(tiny_config(), 5).unwrap();
-            let g = Generator::growing(genesis as usize, K as usize, Some(room as usize)).unwrap();
-            let shards = InProcess::encode(&weights, &g, ShardFormat::F32, &|_, _| {}).unwrap();
-            assert_eq!(shards.members().len(), genesis as usize);
-            let direct = node_core::coded::ShardSet::encode(
-                &weights,
-                &g,
-                genesis as usize,
-                ShardFormat::F32,
-                &mut |_, _| {},
-            )
-            .unwrap();
-            let manifest = ModelManifest {
-                name: "tiny".into(),
-                cfg: tiny_config(),
-                leader: LeaderWeights::from_model(&weights),
-                tokenizer: TokenizerData {
-                    json: String::new(),
-                    eos: Vec::new(),
-                    default_system: None,
-                },
-                generator: g.clone(),
-                format: ShardFormat::F32,
-                learning: LearningConfig::default(),
-                verify_noise: node_core::coded::DEFAULT_NOISE,
-            };
-            let holders: BTreeMap<u32, ShardSet> = (0..genesis)
-                .map(|r| (r, shards.members()[r as usize].shards().clone()))
-                .collect();
-            let shard_bytes = direct.bytes() as u64;
-            let pieces = node_core::chain::pieces(
-                &node_core::coded::shapes(&manifest.cfg, &g),
-                g.sub_blocks(),
-            )
-            .len() as u64;
-            // Framing of each answer: a few bytes of protocol header and length prefix.
-            let one_shard = shard_bytes..=shard_bytes + 16 * pieces;
-            for rows in &offered {
-                // The joiner (id 100) asks holder 0, which offers the row built along `rows`.
-                let sources = rows
-                    .iter()
-                    .map(|&r| SourceRow {
-                        row: r,
-                        peer: r.to_string(),
-                        addrs: Vec::new(),
-                    })
-                    .collect();
-                let net = MemoryHolders::new(
-                    manifest.clone(),
-                    holders.clone(),
-                    JoinOffer::Reencode {
-                        row: genesis,
-                        sources,
-                    },
-                );
-                let joined =
-                    pollster::block_on(node_core::holder::join(&net.link(100), &0, &manifest))
-                        .unwrap();
-                assert!(joined.how.contains("a new row"), "{}", joined.how);
-                let built = joined.shard;
-                assert_eq!(built.node, genesis as usize);
-                let err = relative_error(values(&built.embed), values(&direct.embed));
-                assert!(err < 1e-5, "rows {rows:?}: {err:e}");
-                for (bb, db) in built.blocks.iter().zip(&direct.blocks) {
-                    for (b, d) in bb.iter().zip(db) {
-                        assert!(relative_error(values(b), values(d)) < 1e-5);
-                    }
-                }
-                // Bytes received: the joiner one shard's worth (and a few small answers), each
-                // source after the first one shard's worth of running sums, nobody else any.
-                let joiner = net.received(100);
-                assert!(
-                    joiner >= shard_bytes && joiner <= *one_shard.end() + 4096,
-                    "rows {rows:?}: the joiner received {joiner}, one shard is {shard_bytes}"
-                );
-                assert_eq!(joined.received, shard_bytes);
-                assert_eq!(net.received(rows[0]), 0, "rows {rows:?}: the chain's first");
-                for &r in &rows[1..] {
-                    assert!(
-                        one_shard.contains(&net.received(r)),
-                        "rows {rows:?}: row {r} received {}, one shard is {shard_bytes}",
-                        net.received(r)
-                    );
-                }
-                for r in (0..genesis).filter(|r| !rows.contains(r)) {
-                    assert_eq!(net.received(r), 0, "row {r} is not in the chain");
-                }
+            // codeword, and no node of the chain received more than one shard's worth: for f32
+            // rows and for compact ones (whose joiner receives exactly its row's bytes).
+            for format in [ShardFormat::F32, ShardFormat::Q8] {
+                chains_send_one_shard(format, genesis, room, &offered);
             }
         }
     }

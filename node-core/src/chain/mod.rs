@@ -5,13 +5,16 @@
 //! chain for a [`Piece`] (some rows of one matrix); each source asks the one before it for the
 //! running sum of that piece, adds its own term and answers with the sum. The first source
 //! starts from zero. So the joiner receives one shard's worth of values, every source but the
-//! first receives one shard's worth of running sums, the first receives none, and no node
-//! holds more than its own row and the pieces in flight. Running sums travel as f32 whatever
-//! the shard format, so rounding happens once, when the joiner stores the finished row.
+//! first receives one running sum per piece, the first receives none, and no node holds more
+//! than its own row and the pieces in flight. For f32 and f16 rows the running sums are f32,
+//! so rounding happens once, when the joiner stores the finished row; compact rows sum their
+//! integers exactly and the last source sends the finished piece ([`compact`]).
+
+mod compact;
 
 use crate::code::Generator;
-use crate::coded::{MatrixShape, Shard, ShardFormat, ShardSet, ShardValues, shapes};
-use crate::mesh::{CHUNK_BYTES, MAX_CHUNK_BYTES, SourceRow};
+use crate::coded::{MatrixShape, Shard, ShardFormat, ShardSet, ShardValues, shapes, wide_row};
+use crate::mesh::{CHUNK_BYTES, CompactPiece, IntSum, MAX_CHUNK_BYTES, MeshResponse, SourceRow};
 pub use crate::mesh::{ChainPart, Piece};
 use crate::model::LlamaConfig;
 
@@ -29,6 +32,58 @@ pub enum ChainError {
     /// The code could not give the coefficients.
     #[error(transparent)]
     Code(#[from] crate::code::CodeError),
+}
+
+/// A running sum as it passes from one source of a chain to the next.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Running {
+    /// f32 sums: f32 and f16 rows.
+    Values(Vec<f32>),
+    /// Integer sums and the adapters' sum: compact rows.
+    Ints(IntSum),
+}
+
+/// A source's answer in a chain.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Turn {
+    /// The running sum up to and including this source.
+    Running(Running),
+    /// A compact chain's finished piece, from its last source.
+    Finished(CompactPiece),
+}
+
+impl Running {
+    /// Bytes of its values (four each).
+    pub fn bytes(&self) -> u64 {
+        match self {
+            Self::Values(v) => v.len() as u64 * 4,
+            Self::Ints(s) => (s.q.len() + s.adapter.len()) as u64 * 4,
+        }
+    }
+}
+
+impl From<Turn> for MeshResponse {
+    fn from(t: Turn) -> Self {
+        match t {
+            Turn::Running(Running::Values(v)) => Self::Partial(v),
+            Turn::Running(Running::Ints(s)) => Self::IntPartial(s),
+            Turn::Finished(p) => Self::CompactPiece(p),
+        }
+    }
+}
+
+impl TryFrom<MeshResponse> for Turn {
+    type Error = MeshResponse;
+
+    /// The chain answer a response carries, or the response when it carries none.
+    fn try_from(r: MeshResponse) -> Result<Self, MeshResponse> {
+        match r {
+            MeshResponse::Partial(v) => Ok(Self::Running(Running::Values(v))),
+            MeshResponse::IntPartial(s) => Ok(Self::Running(Running::Ints(s))),
+            MeshResponse::CompactPiece(p) => Ok(Self::Finished(p)),
+            other => Err(other),
+        }
+    }
 }
 
 /// Values a row holds in f32: what a chain sends to build one.
@@ -133,13 +188,14 @@ impl ChainPart {
     }
 
     /// Adds this holder's term (it holds `set`, at version `version`) to the running sum of the
-    /// sources before it (`None` for the first source) and returns the new sum.
+    /// sources before it (`None` for the first source): the new running sum, or from a compact
+    /// chain's last source the finished piece.
     pub fn contribute(
         &self,
         set: &ShardSet,
         version: &[u8; 32],
-        partial: Option<Vec<f32>>,
-    ) -> Result<Vec<f32>, ChainError> {
+        before: Option<Running>,
+    ) -> Result<Turn, ChainError> {
         let g = &set.generator;
         let (shape, len) = self.check(g, &set.cfg)?;
         if *version != self.version {
@@ -152,20 +208,29 @@ impl ChainPart {
                 set.node, self.chain[at].row
             )));
         }
-        let mut sum = match partial {
-            Some(p) if p.len() == len && self.at > 0 => p,
-            Some(p) => {
-                return Err(ChainError::BadRequest(format!(
-                    "a running sum of {} values where {len} were due",
-                    p.len()
-                )));
-            }
-            None if self.at == 0 => vec![0.0f32; len],
-            None => return Err(ChainError::BadRequest("no running sum to add to".into())),
-        };
         let shard = matrix(set, self.piece.matrix as usize)
             .filter(|s| s.block_len == shape.block_len && s.cols == shape.cols)
             .ok_or_else(|| ChainError::BadRequest("this holder's shard lacks the matrix".into()))?;
+        if shard.format() == ShardFormat::Q8 {
+            return compact::contribute(self, g, shard, shape, before);
+        }
+        let mut sum = match (before, at) {
+            (Some(Running::Values(p)), 1..) if p.len() == len => p,
+            (None, 0) => vec![0.0f32; len],
+            (Some(Running::Values(p)), _) => {
+                return Err(ChainError::BadRequest(format!(
+                    "a running sum of {} values at position {at}, where {len} were due after \
+                     position 0",
+                    p.len()
+                )));
+            }
+            (Some(Running::Ints(_)), _) => {
+                return Err(ChainError::BadRequest(
+                    "an integer running sum where a chain of f32 sums was due".into(),
+                ));
+            }
+            (None, _) => return Err(ChainError::BadRequest("no running sum to add to".into())),
+        };
         let rows: Vec<usize> = self.chain.iter().map(|s| s.row as usize).collect();
         let coeffs = g.reencode_coeffs(self.target as usize, &rows)?;
         let (m, km) = (g.sub_blocks(), g.k() * g.sub_blocks());
@@ -189,7 +254,7 @@ impl ChainPart {
                 }
             }
         }
-        Ok(sum)
+        Ok(Turn::Running(Running::Values(sum)))
     }
 }
 
@@ -199,39 +264,66 @@ pub struct Assembly {
     cfg: LlamaConfig,
     generator: Generator,
     target: usize,
-    format: ShardFormat,
     shapes: Vec<MatrixShape>,
-    values: Vec<Vec<f32>>,
+    store: Store,
     received: u64,
 }
 
+/// What an assembly holds: its row's matrices as they fill.
+#[derive(Debug)]
+enum Store {
+    /// f32 values of each matrix, stored in the format at the end (f32 or f16).
+    Values(ShardFormat, Vec<Vec<f32>>),
+    /// Each compact matrix as the row stores it.
+    Compact(Vec<compact::Matrix>),
+}
+
 impl Assembly {
-    /// An empty row `target` of the model `cfg` under the code `g`, stored in `format`.
-    /// Compact rows are refused: their integers are copied or re-encoded, not summed in f32.
+    /// An empty row `target` of the model `cfg` under the code `g`, stored in `format`
+    /// (compact rows need the integer code).
     pub fn new(
         cfg: &LlamaConfig,
         g: &Generator,
         target: usize,
         format: ShardFormat,
     ) -> Result<Self, ChainError> {
-        if format == ShardFormat::Q8 {
-            return Err(ChainError::BadRequest(
-                "a compact (q8) row is not built along a chain: copy it from a holder".into(),
-            ));
+        if target >= g.n() {
+            return Err(ChainError::BadRequest(format!(
+                "row {target} is past the code's {} rows",
+                g.n()
+            )));
         }
         let shapes = shapes(cfg, g);
-        let m = g.sub_blocks();
-        let values = shapes
-            .iter()
-            .map(|s| vec![0.0f32; m * s.block_len * s.cols])
-            .collect();
+        let store = match format {
+            ShardFormat::Q8 => {
+                if g.levels().is_none() || g.sub_blocks() != 1 {
+                    return Err(ChainError::BadRequest(
+                        "compact (q8) rows need the integer code".into(),
+                    ));
+                }
+                let wide = wide_row(g, target);
+                Store::Compact(
+                    shapes
+                        .iter()
+                        .map(|&s| compact::Matrix::new(s, wide))
+                        .collect(),
+                )
+            }
+            _ => {
+                let m = g.sub_blocks();
+                let values = shapes
+                    .iter()
+                    .map(|s| vec![0.0f32; m * s.block_len * s.cols])
+                    .collect();
+                Store::Values(format, values)
+            }
+        };
         Ok(Self {
             cfg: cfg.clone(),
             generator: g.clone(),
             target,
-            format,
             shapes,
-            values,
+            store,
             received: 0,
         })
     }
@@ -241,53 +333,86 @@ impl Assembly {
         pieces(&self.shapes, self.generator.sub_blocks())
     }
 
-    /// Bytes of running sums taken so far.
+    /// Bytes of the row taken so far: f32 sums for f32 and f16 rows, the row's own bytes for
+    /// compact rows.
     pub fn received(&self) -> u64 {
         self.received
     }
 
-    /// Stores a finished piece (untrusted: checked against the row's shape).
-    pub fn add(&mut self, piece: &Piece, sum: &[f32]) -> Result<(), ChainError> {
+    /// Stores a finished piece, the last source's answer (untrusted: checked against the
+    /// row's shape and format).
+    pub fn add(&mut self, piece: &Piece, answer: Turn) -> Result<(), ChainError> {
         let m = self.generator.sub_blocks();
         let shape = self.shapes.get(piece.matrix as usize).copied();
         let (first, n) = (piece.first as usize, piece.rows as usize);
-        let Some(shape) = shape.filter(|s| first + n <= s.block_len) else {
+        let Some(shape) = shape.filter(|s| first.checked_add(n).is_some_and(|e| e <= s.block_len))
+        else {
             return Err(ChainError::BadRequest(format!("no such piece {piece:?}")));
         };
-        let cols = shape.cols;
-        if sum.len() != m * n * cols {
-            return Err(ChainError::BadRequest(format!(
-                "a piece of {} values where {} were due",
-                sum.len(),
-                m * n * cols
-            )));
+        let i = piece.matrix as usize;
+        match (&mut self.store, answer) {
+            (Store::Values(_, values), Turn::Running(Running::Values(sum))) => {
+                let cols = shape.cols;
+                if sum.len() != m * n * cols {
+                    return Err(ChainError::BadRequest(format!(
+                        "a piece of {} values where {} were due",
+                        sum.len(),
+                        m * n * cols
+                    )));
+                }
+                let dst = &mut values[i];
+                for s in 0..m {
+                    let at = (s * shape.block_len + first) * cols;
+                    dst[at..at + n * cols].copy_from_slice(&sum[s * n * cols..(s + 1) * n * cols]);
+                }
+                self.received += sum.len() as u64 * 4;
+            }
+            (Store::Compact(matrices), Turn::Finished(p)) => {
+                self.received += matrices[i].add(shape, piece, p)?;
+            }
+            (Store::Values(..), _) => {
+                return Err(ChainError::BadRequest(
+                    "a compact piece where f32 sums were due".into(),
+                ));
+            }
+            (Store::Compact(_), _) => {
+                return Err(ChainError::BadRequest(
+                    "a running sum where a compact row's finished piece was due".into(),
+                ));
+            }
         }
-        let dst = &mut self.values[piece.matrix as usize];
-        for s in 0..m {
-            let at = (s * shape.block_len + first) * cols;
-            dst[at..at + n * cols].copy_from_slice(&sum[s * n * cols..(s + 1) * n * cols]);
-        }
-        self.received += sum.len() as u64 * 4;
         Ok(())
     }
 
     /// The finished row.
     pub fn finish(self) -> ShardSet {
-        let format = self.format;
-        let mut shards = self.shapes.iter().zip(self.values).map(|(s, v)| Shard {
-            out: s.out,
-            block_len: s.block_len,
-            cols: s.cols,
-            // `new` refused the one format f32 sums cannot make.
-            values: match format {
-                ShardFormat::F16 => {
-                    ShardValues::F16(v.iter().map(|&x| half::f16::from_f32(x)).collect())
-                }
-                _ => ShardValues::F32(v),
-            },
-            adapter: Default::default(),
-            carry: Vec::new(),
-        });
+        let shards: Vec<Shard> = match self.store {
+            Store::Values(format, values) => self
+                .shapes
+                .iter()
+                .zip(values)
+                .map(|(s, v)| Shard {
+                    out: s.out,
+                    block_len: s.block_len,
+                    cols: s.cols,
+                    values: match format {
+                        ShardFormat::F16 => {
+                            ShardValues::F16(v.iter().map(|&x| half::f16::from_f32(x)).collect())
+                        }
+                        _ => ShardValues::F32(v),
+                    },
+                    adapter: Default::default(),
+                    carry: Vec::new(),
+                })
+                .collect(),
+            Store::Compact(matrices) => self
+                .shapes
+                .iter()
+                .zip(matrices)
+                .map(|(&s, m)| m.finish(s))
+                .collect(),
+        };
+        let mut shards = shards.into_iter();
         let blocks = (0..self.cfg.layers)
             .map(|_| shards.by_ref().take(7).collect())
             .collect();
@@ -309,7 +434,7 @@ mod tests {
     use super::*;
     use crate::model::ModelWeights;
 
-    fn tiny() -> LlamaConfig {
+    pub(super) fn tiny() -> LlamaConfig {
         LlamaConfig {
             hidden: 16,
             ffn: 40,
@@ -327,7 +452,7 @@ mod tests {
         }
     }
 
-    fn src(row: u32) -> SourceRow {
+    pub(super) fn src(row: u32) -> SourceRow {
         SourceRow {
             row,
             peer: format!("p{row}"),
@@ -337,6 +462,32 @@ mod tests {
 
     fn values(s: &Shard) -> Vec<f32> {
         s.values_f32().into_owned()
+    }
+
+    /// Runs `piece` of row `target` along `chain` (source rows of `sets`, by row) and returns
+    /// the last source's answer.
+    pub(super) fn run_chain(
+        sets: &[ShardSet],
+        target: u32,
+        chain: &[SourceRow],
+        piece: Piece,
+    ) -> Result<Turn, ChainError> {
+        let mut before = None;
+        for at in 0..chain.len() {
+            let part = ChainPart {
+                target,
+                chain: chain.to_vec(),
+                at: at as u32,
+                version: [1; 32],
+                piece,
+            };
+            let row = chain[at].row as usize;
+            match part.contribute(&sets[row], &[1; 32], before.take())? {
+                Turn::Running(r) if at + 1 < chain.len() => before = Some(r),
+                last => return Ok(last),
+            }
+        }
+        Err(ChainError::BadRequest("an empty chain".into()))
     }
 
     #[test]
@@ -350,19 +501,8 @@ mod tests {
         let (target, chain) = (6u32, vec![src(4), src(0), src(2)]);
         let mut asm = Assembly::new(&cfg, &g, target as usize, ShardFormat::F32).unwrap();
         for piece in asm.pieces() {
-            let mut sum = None;
-            for at in 0..3u32 {
-                let part = ChainPart {
-                    target,
-                    chain: chain.clone(),
-                    at,
-                    version: [1; 32],
-                    piece,
-                };
-                let row = chain[at as usize].row as usize;
-                sum = Some(part.contribute(&sets[row], &[1; 32], sum).unwrap());
-            }
-            asm.add(&piece, &sum.unwrap()).unwrap();
+            let answer = run_chain(&sets, target, &chain, piece).unwrap();
+            asm.add(&piece, answer).unwrap();
         }
         assert_eq!(
             asm.received(),
@@ -409,7 +549,10 @@ mod tests {
             },
         };
         let len = ok.check(&g, &cfg).unwrap().1;
-        assert!(ok.contribute(&set, &[0; 32], Some(vec![0.0; len])).is_ok());
+        assert!(
+            ok.contribute(&set, &[0; 32], Some(Running::Values(vec![0.0; len])))
+                .is_ok()
+        );
         let refused = [
             ChainPart {
                 chain: vec![src(0), src(1)],
@@ -459,29 +602,35 @@ mod tests {
         ];
         for bad in refused {
             assert!(
-                bad.contribute(&set, &[0; 32], Some(vec![0.0; len]))
+                bad.contribute(&set, &[0; 32], Some(Running::Values(vec![0.0; len])))
                     .is_err(),
                 "{bad:?}"
             );
         }
         assert!(matches!(
-            ok.contribute(&set, &[9; 32], Some(vec![0.0; len])),
+            ok.contribute(&set, &[9; 32], Some(Running::Values(vec![0.0; len]))),
             Err(ChainError::Version)
         ));
         assert!(
-            ok.contribute(&set, &[0; 32], Some(vec![0.0; len + 1]))
+            ok.contribute(&set, &[0; 32], Some(Running::Values(vec![0.0; len + 1])))
                 .is_err()
         );
         assert!(ok.contribute(&set, &[0; 32], None).is_err());
         let mut asm = Assembly::new(&cfg, &g, 6, ShardFormat::F32).unwrap();
-        assert!(asm.add(&ok.piece, &vec![0.0; len - 1]).is_err());
+        assert!(
+            asm.add(
+                &ok.piece,
+                Turn::Running(Running::Values(vec![0.0; len - 1]))
+            )
+            .is_err()
+        );
         assert!(
             asm.add(
                 &Piece {
                     matrix: 999,
                     ..ok.piece
                 },
-                &[]
+                Turn::Running(Running::Values(Vec::new()))
             )
             .is_err()
         );
