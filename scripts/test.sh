@@ -9,7 +9,36 @@ began=$SECONDS
 skipped=()
 # Any non-empty CI is CI: there a missing tool fails the run, naming it, instead of skipping.
 in_ci() { [ -n "${CI:-}" ]; }
+# Every test's output also goes to $results, and each check a test skips (outside CI) is a line
+# of $CODEDMESH_SKIPS (tests::procs::skip): the closing line counts both.
+results=$(mktemp)
+export CODEDMESH_SKIPS
+CODEDMESH_SKIPS=$(mktemp)
+trap 'rm -f "$results" "$CODEDMESH_SKIPS"' EXIT
 step() { printf '\n==> %s (at %dm%02ds)\n' "$*" $(((SECONDS - began) / 60)) $(((SECONDS - began) % 60)); }
+# The closing line (after $1): tests passed and failed (cargo's "test result:" lines in $results) and
+# checks skipped (by a test, or by this script), each skip named above it.
+summary() {
+  local counts skips=()
+  counts=$(awk '/^test result:/ { for (i = 1; i < NF; i++) { if ($(i + 1) ~ /^passed/) p += $i; if ($(i + 1) ~ /^failed/) f += $i } }
+    END { print p + 0, f + 0 }' "$results")
+  mapfile -t skips <"$CODEDMESH_SKIPS"
+  skips+=(${skipped[@]+"${skipped[@]}"})
+  echo
+  for s in ${skips[@]+"${skips[@]}"}; do echo "SKIPPED: $s"; done
+  read -r passed failed <<<"$counts"
+  echo "${1:-}$passed passed, $failed failed, ${#skips[@]} skipped"
+}
+# Runs a test command with its output also in $results; a failure ends the run after the
+# closing line.
+run_tests() {
+  local rc=0
+  "$@" 2>&1 | tee -a "$results" || rc=$?
+  if [ "$rc" -ne 0 ]; then
+    summary
+    exit "$rc"
+  fi
+}
 
 step "toolchain (rust-toolchain.toml)"
 if ! rustup toolchain install 2>/dev/null; then
@@ -33,7 +62,8 @@ if ! ls /usr/share/vulkan/icd.d/lvp_icd*.json >/dev/null 2>&1; then
     echo "CI needs Mesa's lavapipe (mesa-vulkan-drivers) for the GPU tests, and cannot install it without root apt-get" >&2
     exit 1
   else
-    skipped+=("the GPU halves of the tests: no lavapipe and no root apt-get (install mesa-vulkan-drivers)")
+    # The GPU tests then skip their GPU halves, each counted in the closing line.
+    echo "no lavapipe and no root apt-get: the GPU halves of the tests will be skipped (install mesa-vulkan-drivers)"
   fi
 fi
 
@@ -44,8 +74,12 @@ if ! command -v nft >/dev/null; then
       apt-get update -q >/dev/null
       apt-get install -y -q nftables >/dev/null
     fi
+  elif in_ci; then
+    echo "CI needs nftables (nft) for the network lab's NAT, and cannot install it without root apt-get" >&2
+    exit 1
   else
-    echo "no nft and no root apt-get: the network lab's test cannot run (it fails under CI)"
+    # The lab's tests then skip, each counted in the closing line.
+    echo "no nft and no root apt-get: the network lab's tests will be skipped (install nftables)"
   fi
 fi
 
@@ -104,7 +138,7 @@ step "tests"
 # A failed test's error is the last thing it prints: no backtrace captured into it to bury it
 # (where the output is cut to its tail). Panics still follow RUST_BACKTRACE.
 export RUST_LIB_BACKTRACE=0
-cargo test --workspace --locked --release
+run_tests cargo test --workspace --locked --release
 
 step "wasm tests in headless Chromium: WebGPU kernels, the browser node, the dashboard's components"
 if command -v chromedriver >/dev/null; then
@@ -114,8 +148,8 @@ if command -v chromedriver >/dev/null; then
   export WASM_BINDGEN_TEST_TIMEOUT=${WASM_BINDGEN_TEST_TIMEOUT:-180}
   # The same packages as scripts/build-web.sh and the next command, so the three resolve one set
   # of features and share their compiled dependencies: only the test crates are compiled here.
-  cargo test -p node-core -p node-web -p web-ui --target wasm32-unknown-unknown --test webgpu --locked --release
-  cargo test -p node-web -p web-ui --target wasm32-unknown-unknown --locked --release
+  run_tests cargo test -p node-core -p node-web -p web-ui --target wasm32-unknown-unknown --test webgpu --locked --release
+  run_tests cargo test -p node-web -p web-ui --target wasm32-unknown-unknown --locked --release
 else
   if in_ci; then
     echo "CI needs chromium and chromium-driver for the wasm and browser tests" >&2
@@ -124,10 +158,4 @@ else
   skipped+=("the wasm tests in headless Chromium: no chromium-driver (install chromium and chromium-driver)")
 fi
 
-echo
-for s in ${skipped[@]+"${skipped[@]}"}; do echo "SKIPPED: $s"; done
-if [ ${#skipped[@]} -gt 0 ]; then
-  echo "all checks that ran passed; ${#skipped[@]} skipped (above)"
-else
-  echo "all checks passed"
-fi
+summary "all checks passed: "

@@ -24,7 +24,18 @@ fn open() -> Option<Gpu> {
                 std::env::var_os("CI").is_none_or(|v| v.is_empty()),
                 "CI needs a wgpu adapter (scripts/test.sh installs mesa-vulkan-drivers): {e}"
             );
-            eprintln!("SKIPPED the GPU half: no wgpu adapter ({e})");
+            eprintln!("SKIPPED: the GPU half: no wgpu adapter ({e})");
+            // Counted in the test command's closing line (scripts/test.sh names the file).
+            if let Some(file) = std::env::var_os("CODEDMESH_SKIPS") {
+                use std::io::Write as _;
+                let _ = std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(file)
+                    .and_then(|mut f| {
+                        writeln!(f, "the GPU half of the kernel tests: no wgpu adapter")
+                    });
+            }
             None
         }
         Err(e) => panic!("{e}"),
