@@ -11,6 +11,7 @@ mod machine;
 mod api;
 mod architectures;
 mod browser;
+mod browser_up;
 mod calibration;
 mod coded_real_model;
 mod hf_safetensors;
