@@ -233,9 +233,10 @@ pub(crate) struct BenchArgs {
     /// Honest requests checked for false positives (with --verify).
     #[arg(long, default_value_t = 10_000)]
     pub(crate) honest: usize,
-    /// Shard storage the verification runs on (with --verify): f32, f16 or q8.
-    #[arg(long, default_value = "f32")]
-    pub(crate) shard_format: ShardFormat,
+    /// Shard storage the verification runs on (with --verify): f32, f16 or q8; default: what
+    /// `up` and `seed` give a mesh of k = 3 of 5 (q8).
+    #[arg(long)]
+    pub(crate) shard_format: Option<ShardFormat>,
     /// Measure the GPU instead: WGSL kernels against the copy kernel, and tokens/s with the
     /// members on the GPU against the CPU.
     #[arg(long)]
@@ -595,9 +596,10 @@ pub(crate) struct GenerateArgs {
     #[arg(long, default_value = "cpu")]
     pub(crate) device: node_core::compute::gpu::DeviceChoice,
     /// Shard storage: f32 (exact to the code's error), f16 (half the bytes, see docs/perf.md)
-    /// or q8 (compact, on the integer code).
-    #[arg(long, default_value = "f32")]
-    pub(crate) shard_format: ShardFormat,
+    /// or q8 (compact, on the integer code); default: what `up` and `seed` give a mesh of n
+    /// rows (q8 where the integer code has n rows, else f32).
+    #[arg(long)]
+    pub(crate) shard_format: Option<ShardFormat>,
     /// Run the request this many times on the mesh, learning after each (mesh only).
     #[arg(long, default_value_t = 1)]
     pub(crate) repeat: usize,

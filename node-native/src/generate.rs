@@ -35,18 +35,14 @@ pub(crate) fn run_generate(args: GenerateArgs) -> Result<()> {
         model.weights.parameter_count() as f64 / 1e6,
         started.elapsed().as_secs_f64()
     );
-    let generator = args.shard_format.code(args.n, args.k)?;
+    let format = crate::cli::mesh_format(args.shard_format, args.k, args.n);
+    let generator = format.code(args.n, args.k)?;
     let started = std::time::Instant::now();
     let pb = progress::bar(0, "encoding");
-    let mesh = InProcess::encode(
-        &model.weights,
-        &generator,
-        args.shard_format,
-        &|done, total| {
-            pb.set_length(total as u64);
-            pb.set_position(done as u64);
-        },
-    )?;
+    let mesh = InProcess::encode(&model.weights, &generator, format, &|done, total| {
+        pb.set_length(total as u64);
+        pb.set_position(done as u64);
+    })?;
     pb.finish_and_clear();
     let shard_mib = mesh.members().first().map_or(0, |m| m.shards().bytes()) as f64 / 1048576.0;
     eprintln!(
@@ -54,7 +50,7 @@ pub(crate) fn run_generate(args: GenerateArgs) -> Result<()> {
         args.n,
         args.k,
         generator.construction(),
-        args.shard_format,
+        format,
         shard_mib,
         started.elapsed().as_secs_f64()
     );

@@ -245,7 +245,7 @@ fn run_bench(args: BenchArgs) -> Result<()> {
             &prompts,
             args.trials,
             args.honest,
-            args.shard_format,
+            cli::mesh_format(args.shard_format, 3, 5),
         )?;
         node_native::bench::print_table(&rows);
         return Ok(());

@@ -394,22 +394,9 @@ pub fn run(
         ),
     ));
     let parity: &[usize] = &[2, 3, 4];
+    // What `up` serves (q8, the integer code) first, then the f32 and f16 codes beside it.
     let mut runs = vec![
         ("single node, uncoded".into(), 1, 1, ShardFormat::F32, None),
-        (
-            "in-process coded k=3 of n=5".into(),
-            5,
-            3,
-            ShardFormat::F32,
-            None,
-        ),
-        (
-            "in-process coded k=3 of n=5, f16 shards".into(),
-            5,
-            3,
-            ShardFormat::F16,
-            None,
-        ),
         (
             "single node, uncoded, q8 weights".into(),
             1,
@@ -430,6 +417,20 @@ pub fn run(
             3,
             ShardFormat::Q8,
             Some(parity),
+        ),
+        (
+            "in-process coded k=3 of n=5, f32 shards".into(),
+            5,
+            3,
+            ShardFormat::F32,
+            None,
+        ),
+        (
+            "in-process coded k=3 of n=5, f16 shards".into(),
+            5,
+            3,
+            ShardFormat::F16,
+            None,
         ),
     ];
     let (mesh_k, mesh_n) = mesh;
