@@ -358,6 +358,16 @@ impl Metrics {
             m.gossip_bytes.clone(),
         );
         r.register(
+            "sessions_local",
+            "Sessions this node opened with members over a local socket (on this machine)",
+            crate::hold::session::OPENED_LOCAL.clone(),
+        );
+        r.register(
+            "sessions_libp2p",
+            "Sessions this node opened with members over libp2p",
+            crate::hold::session::OPENED_LIBP2P.clone(),
+        );
+        r.register(
             "chain_bytes",
             "Bytes of running sums received while building other nodes' rows along a chain",
             m.chain_bytes.clone(),

@@ -259,12 +259,9 @@ fn uncoded_greedy(prompt: &str, tokens: usize) -> Result<(Vec<u32>, Vec<u32>, St
 fn up_serves_the_openai_api_learns_stops_restarts_and_supervises() -> Result<()> {
     let _machine = crate::machine::share();
     let Some(python) = python() else {
-        ensure!(
-            !tests::procs::in_ci(),
-            "CI needs a Python with openai and websockets (scripts/test.sh makes one)"
-        );
-        eprintln!(
-            "SKIPPING: no Python with the openai and websockets packages (run scripts/test.sh, or set CODEDMESH_PYTHON)"
+        tests::procs::skip(
+            "the OpenAI API test: no Python with the openai and websockets packages \
+             (scripts/test.sh makes one, or set CODEDMESH_PYTHON)",
         );
         return Ok(());
     };
@@ -408,6 +405,17 @@ fn up_serves_the_openai_api_learns_stops_restarts_and_supervises() -> Result<()>
     ensure!(
         published > 0.0 && sent >= published && sent <= 3.0 * published,
         "{published} bytes of updates published, {sent} sent"
+    );
+    // Every member is on this machine: the leader's sessions with them run over local sockets
+    // (one opened while a restarted node was still starting may have gone over libp2p).
+    let (local, libp2p) = (
+        metric(port, "codedmesh_sessions_local_total")?,
+        metric(port, "codedmesh_sessions_libp2p_total")?,
+    );
+    eprintln!("sessions: {local} over local sockets, {libp2p} over libp2p");
+    ensure!(
+        local >= 1.0 && local > libp2p,
+        "the leader's sessions ran over local sockets: {local}, over libp2p {libp2p}"
     );
     // Memory follows the row: the leader, after every request above, holds its row, its
     // requests' KV caches and the rest within 1.25 × its row + 300 MB (the KV caches of these

@@ -99,8 +99,17 @@ pub type Link = SessionLink<Box<dyn SessionStream>, Opening, bool>;
 pub type Opening =
     Pin<Box<dyn Future<Output = Result<(Box<dyn SessionStream>, bool), String>> + Send>>;
 
+/// Sessions this process opened with members over a local socket (`/metrics`:
+/// `codedmesh_sessions_local_total`).
+pub static OPENED_LOCAL: std::sync::LazyLock<prometheus_client::metrics::counter::Counter> =
+    std::sync::LazyLock::new(Default::default);
+
+/// Sessions this process opened with members over libp2p (`codedmesh_sessions_libp2p_total`).
+pub static OPENED_LIBP2P: std::sync::LazyLock<prometheus_client::metrics::counter::Counter> =
+    std::sync::LazyLock::new(Default::default);
+
 /// Starts opening a session with `peer` on `runtime`: over its local socket where it offers
-/// one this process reaches ([`crate::hold::session::local`]), else over libp2p.
+/// one this process reaches ([`crate::hold::session::local`]), else over libp2p; each counted.
 pub fn open_link(runtime: &tokio::runtime::Handle, client: &Client, peer: PeerId) -> Link {
     let mut control = client.control();
     let open = runtime.spawn(async move {
@@ -108,13 +117,17 @@ pub fn open_link(runtime: &tokio::runtime::Handle, client: &Client, peer: PeerId
             match crate::hold::session::local::open(&mut control, peer).await {
                 Ok(socket) => {
                     tracing::debug!(%peer, "session over the local socket");
+                    OPENED_LOCAL.inc();
                     return Ok((Box::new(socket) as Box<dyn SessionStream>, true));
                 }
                 Err(e) => tracing::debug!(%peer, "session over libp2p: no local socket ({e})"),
             }
         }
         match open_accepted(&mut control, peer, protocol()).await {
-            Ok(stream) => Ok((Box::new(stream) as Box<dyn SessionStream>, false)),
+            Ok(stream) => {
+                OPENED_LIBP2P.inc();
+                Ok((Box::new(stream) as Box<dyn SessionStream>, false))
+            }
             Err(OpenStreamError::UnsupportedProtocol(p)) => Err(format!(
                 "{peer} does not speak {p}: it runs another release"
             )),
