@@ -5,14 +5,14 @@
 //! tokens the mesh gave before.
 
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
 use tests::procs::{Resume, Scratch, free_port, signal};
 
 use crate::api::{Up, post};
 use crate::browser::{open_browser_with, start_driver_in, steps_answered, wait_text_within};
-use crate::shapes::{browser, mesh_ports, node_port, wait_for_node};
+use crate::shapes::{browser, contribute, mesh_ports, node_port, relayed, wait_for_node};
 
 /// A greedy completion through `up`'s API on `port`: its text. It does not train the mesh, so
 /// the mesh answers a second one at the same version.
@@ -86,38 +86,12 @@ fn a_browser_on_ups_own_mesh_rebuilds_a_stopped_nodes_row_and_computes_api_reque
     let result = rt.block_on(async {
         let c = open_browser_with(&driver, "up", &[]).await?;
         let r = async {
-            c.goto(&dashboard).await?;
-            let within = Duration::from_secs(90);
-            let yes = |t: &str| t.starts_with("model available: yes");
-            wait_text_within(&c, "#summary", yes, "the mesh", within).await?;
-            let started = Instant::now();
-            c.find(fantoccini::Locator::Css("#contribute"))
-                .await?
-                .click()
-                .await?;
-            let serving = wait_text_within(
-                &c,
-                "#contribution",
-                |t| t.starts_with("serving row") || t.contains("could not"),
-                "the browser serving a row",
-                Duration::from_secs(180),
-            )
-            .await?;
-            eprintln!(
-                "the page says, {:.1} s after the click: {serving}",
-                started.elapsed().as_secs_f64()
-            );
+            let serving = contribute(&c, &dashboard, Duration::from_secs(180)).await?;
             ensure!(
                 serving.starts_with(&format!("serving row {row} on browser"))
                     && serving.contains("along a chain"),
                 "the browser rebuilds a stopped node's row {row} along a chain: {serving}"
             );
-            let relayed = |nd: &serde_json::Value| {
-                nd["addrs"].as_array().is_some_and(|a| {
-                    a.iter()
-                        .any(|a| a.as_str().unwrap_or("").contains("/p2p-circuit/"))
-                })
-            };
             wait_for_node(&api, "the browser's row healthy behind its relay", |nd| {
                 nd["row"] == row && browser(nd) && nd["health"] == "Healthy" && relayed(nd)
             })

@@ -206,27 +206,7 @@ fn a_browser_holds_a_row(up: &Up, api_port: u16, data: &Path, dir: &Path) -> Res
     rt.block_on(async {
         let c = open_browser_with(&driver, "1b", &[]).await?;
         let r = async {
-            c.goto(&dashboard).await?;
-            let within = Duration::from_secs(90);
-            let yes = |t: &str| t.starts_with("model available: yes");
-            wait_text_within(&c, "#summary", yes, "the mesh", within).await?;
-            let started = Instant::now();
-            c.find(fantoccini::Locator::Css("#contribute"))
-                .await?
-                .click()
-                .await?;
-            let serving = wait_text_within(
-                &c,
-                "#contribution",
-                |t| t.starts_with("serving row") || t.contains("could not"),
-                "the browser serving a row",
-                Duration::from_secs(1500),
-            )
-            .await?;
-            eprintln!(
-                "the page says, {:.0} s after the click: {serving}",
-                started.elapsed().as_secs_f64()
-            );
+            let serving = contribute(&c, &dashboard, Duration::from_secs(1500)).await?;
             ensure!(
                 serving.contains(" on browser WebGPU"),
                 "the browser serves a row of the 1B shape on WebGPU: {serving}"
@@ -287,6 +267,45 @@ pub(crate) fn browser(nd: &serde_json::Value) -> bool {
     nd["device"].as_str().unwrap_or("").starts_with("browser")
 }
 
+/// Whether `status --json`'s node `nd` is reached through a relay (a circuit address).
+pub(crate) fn relayed(nd: &serde_json::Value) -> bool {
+    nd["addrs"].as_array().is_some_and(|a| {
+        a.iter()
+            .any(|a| a.as_str().unwrap_or("").contains("/p2p-circuit/"))
+    })
+}
+
+/// Opens `dashboard` in `c`, waits for the mesh to be available and presses "Contribute this
+/// GPU": the page's contribution line once it serves a row (or says it could not), within
+/// `within` of the click.
+pub(crate) async fn contribute(
+    c: &fantoccini::Client,
+    dashboard: &str,
+    within: Duration,
+) -> Result<String> {
+    c.goto(dashboard).await?;
+    let yes = |t: &str| t.starts_with("model available: yes");
+    wait_text_within(c, "#summary", yes, "the mesh", Duration::from_secs(90)).await?;
+    let started = Instant::now();
+    c.find(fantoccini::Locator::Css("#contribute"))
+        .await?
+        .click()
+        .await?;
+    let serving = wait_text_within(
+        c,
+        "#contribution",
+        |t| t.starts_with("serving row") || t.contains("could not"),
+        "the browser serving a row",
+        within,
+    )
+    .await?;
+    eprintln!(
+        "the page says, {:.1} s after the click: {serving}",
+        started.elapsed().as_secs_f64()
+    );
+    Ok(serving)
+}
+
 /// Waits until `status` through `bootstrap` shows a node that `ok` accepts (`what`, for the
 /// error after 90 s).
 pub(crate) async fn wait_for_node(
@@ -320,12 +339,6 @@ async fn computes_for_a_leader(
     // The leader and `status` go through a node that keeps running.
     let other = format!("/ip4/127.0.0.1/tcp/{}", ports[(row + 1) % n]);
     // The mesh knows the browser's row and how to reach it (its relay circuit) first.
-    let relayed = |nd: &serde_json::Value| {
-        nd["addrs"].as_array().is_some_and(|a| {
-            a.iter()
-                .any(|a| a.as_str().unwrap_or("").contains("/p2p-circuit/"))
-        })
-    };
     wait_for_node(&other, "the browser's row healthy behind its relay", |nd| {
         nd["row"] == row && browser(nd) && nd["health"] == "Healthy" && relayed(nd)
     })
