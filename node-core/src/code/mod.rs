@@ -144,14 +144,15 @@ pub struct Generator {
     coeffs: Vec<f64>,
 }
 
-fn gcd(a: usize, b: usize) -> usize {
+/// Greatest common divisor.
+fn gcd(a: u128, b: u128) -> u128 {
     if b == 0 { a } else { gcd(b, a % b) }
 }
 
 /// The poles `b_j` of the complex Cauchy code for `seeded` rows, in turns: the k-th roots of
 /// unity turned by half the finest grid step, so no row point meets a pole.
 fn poles(seeded: usize, k: usize) -> Vec<f64> {
-    let lcm = seeded / gcd(seeded, k) * k;
+    let lcm = seeded / gcd(seeded as u128, k as u128) as usize * k;
     (0..k)
         .map(|j| j as f64 / k as f64 + 0.5 / lcm as f64)
         .collect()
@@ -545,10 +546,9 @@ impl Generator {
             d = -d;
             a.iter_mut().for_each(|x| *x = -*x);
         }
-        fn gcd_wide(a: i128, b: i128) -> i128 {
-            if b == 0 { a } else { gcd_wide(b, a % b) }
-        }
-        let common = a.iter().fold(d, |g, &x| gcd_wide(g, x.abs()));
+        let common = a
+            .iter()
+            .fold(d.unsigned_abs(), |g, &x| gcd(g, x.unsigned_abs())) as i128;
         let narrow = |x: i128| {
             i64::try_from(x / common.max(1)).map_err(|_| CodeError::Params {
                 k: self.k,

@@ -164,6 +164,15 @@ impl Up {
         }
     }
 
+    /// The pid of the latest process it started for node `node`.
+    pub(crate) fn node_pid(&self, node: usize) -> Result<u32> {
+        self.node_pids()
+            .into_iter()
+            .find(|&(nd, _)| nd == node)
+            .map(|(_, pid)| pid as u32)
+            .with_context(|| format!("node {node}'s pid"))
+    }
+
     /// The pids of the nodes it started, by node, latest first.
     pub(crate) fn node_pids(&self) -> Vec<(usize, i32)> {
         let mut out: Vec<(usize, i32)> = self

@@ -54,20 +54,16 @@ fn a_browser_on_ups_own_mesh_rebuilds_a_stopped_nodes_row_and_computes_api_reque
     // the row a joiner gets (the lowest free one, row k) is the one the API's checked rounds
     // need beside them.
     let ports = mesh_ports(&data)?;
-    let info = crate::api::status(&format!("/ip4/127.0.0.1/tcp/{}", ports[0]))?;
-    let k = info["k"].as_u64().context("k in status")? as usize;
+    let api = format!("/ip4/127.0.0.1/tcp/{}", ports[0]);
+    let k = crate::api::status(&api)?["k"]
+        .as_u64()
+        .context("k in status")? as usize;
     let n = ports.len();
     ensure!(k >= 2 && n > k, "up picks k of n with n > k: {k} of {n}");
     let row = k;
-    let api = format!("/ip4/127.0.0.1/tcp/{}", ports[0]);
-    let pids = up.node_pids();
     let mut stopped = Vec::new();
     for node in k..n {
-        let pid = pids
-            .iter()
-            .find(|&&(nd, _)| nd == node)
-            .map(|&(_, pid)| pid as u32)
-            .with_context(|| format!("node {node}'s pid"))?;
+        let pid = up.node_pid(node)?;
         signal(pid, "STOP");
         stopped.push(Resume(pid));
     }
@@ -119,10 +115,8 @@ fn a_browser_on_ups_own_mesh_rebuilds_a_stopped_nodes_row_and_computes_api_reque
     });
     if result.is_err() {
         // The API's node leads the request: what it made of the mesh.
-        let log = std::fs::read_to_string(data.join("node0.log")).unwrap_or_default();
-        let tail: Vec<&str> = log.lines().rev().take(60).collect();
-        eprintln!("the API node's log, last lines:");
-        tail.iter().rev().for_each(|l| eprintln!("{l}"));
+        let tail = node_native::up::supervise::log_tail(&data.join("node0.log"), 60);
+        eprintln!("the API node's log, last lines:\n{tail}");
     }
     result
 }

@@ -344,13 +344,7 @@ async fn computes_for_a_leader(
     })
     .await?;
     let before = steps_answered(&crate::browser::text(c, "#contribution").await);
-    let pid = up
-        .node_pids()
-        .into_iter()
-        .find(|&(node, _)| node == row)
-        .map(|(_, pid)| pid)
-        .with_context(|| format!("node {row}'s pid"))?;
-    let pid = pid as u32;
+    let pid = up.node_pid(row)?;
     signal(pid, "STOP");
     let _resume = Resume(pid);
     wait_for_node(&other, "the stopped native holder's row unhealthy", |nd| {
