@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use node_core::learn::{Learner, Teacher};
-use node_core::model::{Pass, generate_async, generate_on};
+use node_core::model::{Pass, generate_async, generate_regrouping};
 use node_native::lead::remote::Leader;
 
 use crate::cli::{EvalArgs, GenerateArgs};
@@ -133,7 +133,9 @@ async fn run_once_on_mesh(
             leader.formed.condition_number
         );
         (args.k, args.n) = (g.k(), g.n());
-        let (prompt, opts, mut printer) = Printer::start(&leader.tokenizer, args)?;
+        // The printer reads its own copy: the group may be formed again while it prints.
+        let tokenizer = leader.tokenizer.clone();
+        let (prompt, opts, mut printer) = Printer::start(&tokenizer, args)?;
         let generated = if args.hop {
             let rt = tokio::runtime::Handle::current();
             let mut hop = node_native::lead::hop::lead_group(
@@ -160,15 +162,10 @@ async fn run_once_on_mesh(
             }
             out
         } else {
+            // A pass that fails (members died beyond the spares, the mesh moved on) runs again
+            // on a group formed anew.
             let on = &mut |id| printer.token(id);
-            generate_on(
-                &leader.formed.llama,
-                &mut leader.formed.group,
-                &prompt,
-                &opts,
-                on,
-            )
-            .await
+            generate_regrouping(&mut leader, &prompt, &opts, on).await
         };
         let emitted = printer.end();
         match generated {

@@ -295,6 +295,13 @@ pub async fn form<L: LeadLink>(
         }
     });
     let answers = futures::future::join_all(asks).await;
+    // Rows whose holders answered at another version: the mesh is between two.
+    let moved = answers
+        .iter()
+        .filter(
+            |(_, _, a)| matches!(a, Ok(MeshResponse::Norms { version: v, .. }) if *v != version),
+        )
+        .count();
     let (rows, norms) = rows_at_version(answers, version, &manifest.cfg);
     let Some(norms) = norms else {
         return Err(LeadError::Moving(format!(
@@ -304,6 +311,17 @@ pub async fn form<L: LeadLink>(
     };
     let g = manifest.generator.clone();
     let live: Vec<usize> = rows.keys().copied().collect();
+    // Rows the view shows healthy at other versions, or whose holders answered at another.
+    let elsewhere = info.healthy_row_count().saturating_sub(by_row.len()) + moved;
+    if live.len() < g.k() && live.len() + elsewhere >= g.k() {
+        // Rows at other versions would make k: an update is spreading, or a holder is
+        // catching up from its peers. Asking again shortly forms the group at one version.
+        return Err(LeadError::Moving(format!(
+            "{} rows answer at version {}, {elsewhere} more are healthy at another: the mesh is taking an update, try again",
+            live.len(),
+            hex(&version[..8]),
+        )));
+    }
     if live.len() < g.k() {
         return Err(LeadError::Unavailable(format!(
             "the mesh has {} healthy rows at one version that this node can ask, fewer than k = {}: the model is unavailable",
@@ -766,6 +784,19 @@ mod tests {
             .expect_err("two rows cannot decode k = 3");
         assert!(matches!(err, LeadError::Unavailable(_)), "{err}");
         assert!(err.to_string().contains("fewer than k = 3"), "{err}");
+    }
+
+    #[test]
+    fn rows_split_across_two_versions_are_a_moving_mesh() {
+        // Two rows at the view's version V, the third's holder announces another: together
+        // they would make k = 3 once the update reaches it.
+        let peers: Vec<PeerId> = (0..3).map(|_| PeerId::random()).collect();
+        let mut info = view(&[(peers[0], 0), (peers[1], 1), (peers[2], 2)]);
+        info.nodes[2].version_digest = hex(&[1; 32]);
+        let link = mesh(peers.iter().map(|&p| (p, V)).collect(), None);
+        let err = futures::executor::block_on(form(&link, &manifest(), &info, &options(0)))
+            .expect_err("two rows at one version cannot decode k = 3");
+        assert!(matches!(err, LeadError::Moving(_)), "{err}");
     }
 
     #[test]

@@ -1,6 +1,8 @@
 //! Messages between nodes: gossiped heartbeats and the request-response protocol.
 //! All go through [`crate::protocol::encode`]/[`crate::protocol::decode`] (versioned, bounded).
 
+use std::collections::BTreeSet;
+
 use serde::{Deserialize, Serialize};
 
 use super::Health;
@@ -328,23 +330,33 @@ pub fn rows_at_version<P, E: std::fmt::Display>(
     (rows, norms)
 }
 
+/// A holder a leader may compute with: healthy, holding a row, not caught.
+fn usable(n: &NodeStatus) -> bool {
+    n.health == Health::Healthy && n.row.is_some() && n.caught.is_none()
+}
+
 impl MeshInfo {
-    /// The version most healthy holders share, and every healthy, uncaught holder at it, by
-    /// row (each row's holders in the order the nodes are listed).
+    /// The version the most healthy rows share (then the most holders, then the most
+    /// updates), and every healthy, uncaught holder at it, by row (each row's holders in the
+    /// order the nodes are listed).
     pub fn live_holders(&self) -> Option<([u8; 32], HoldersByRow<'_>)> {
-        let usable =
-            |n: &&NodeStatus| n.health == Health::Healthy && n.row.is_some() && n.caught.is_none();
-        let mut by_version: std::collections::BTreeMap<&str, usize> = Default::default();
-        for n in self.nodes.iter().filter(usable) {
-            *by_version.entry(&n.version_digest).or_default() += 1;
+        let mut by_version: std::collections::BTreeMap<&str, (BTreeSet<u32>, usize, u64)> =
+            Default::default();
+        for n in self.nodes.iter().filter(|n| usable(n)) {
+            let e = by_version.entry(&n.version_digest).or_default();
+            e.0.extend(n.row);
+            e.1 += 1;
+            e.2 = e.2.max(n.version_count);
         }
-        let (version, _) = by_version.into_iter().max_by_key(|&(_, c)| c)?;
+        let (version, _) = by_version
+            .into_iter()
+            .max_by_key(|(_, (rows, holders, count))| (rows.len(), *holders, *count))?;
         let digest = super::unhex32(version)?;
         let mut rows: std::collections::BTreeMap<usize, Vec<&NodeStatus>> = Default::default();
         for n in self
             .nodes
             .iter()
-            .filter(usable)
+            .filter(|n| usable(n))
             .filter(|n| n.version_digest == version)
         {
             if let Some(row) = n.row {
@@ -352,6 +364,17 @@ impl MeshInfo {
             }
         }
         Some((digest, rows))
+    }
+
+    /// Rows with a healthy, uncaught holder at any version: more than a version's own rows
+    /// while an update spreads or a holder catches up.
+    pub fn healthy_row_count(&self) -> usize {
+        self.nodes
+            .iter()
+            .filter(|n| usable(n))
+            .filter_map(|n| n.row)
+            .collect::<BTreeSet<u32>>()
+            .len()
     }
 
     /// The version most healthy holders share, and one healthy holder of each row at it.

@@ -24,8 +24,8 @@ pub use round::{
     GroupPlan, MemberPool, RoundConfig, RoundDriver, RoundError, pick_holders, plan_group,
 };
 pub use version::{
-    CatchUp, FOLD_SHARE, Folded, KEEP_SHARE, MAX_KEPT, MAX_SINCE, RECENT_FOLDED, SetHash,
-    ShardVersion, VersionError, plan_catch_up,
+    CatchUp, FOLD_SHARE, Folded, KEEP_SHARE, LAG_KEEP_SHARE, LAG_KEEP_UPDATES, MAX_KEPT, MAX_SINCE,
+    RECENT_FOLDED, SetHash, ShardVersion, VersionError, plan_catch_up,
 };
 pub use view::{MeshEvent, MeshView};
 

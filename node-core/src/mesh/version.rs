@@ -35,6 +35,17 @@ pub const FOLD_SHARE: f64 = 0.05;
 /// disk stays within 10% over the shard whatever the history.
 pub const KEEP_SHARE: f64 = 0.08;
 
+/// While a live holder lags this node, the payloads of the newest updates it may lack are kept
+/// beyond [`KEEP_SHARE`] as long as they fit this share of the shard blob's bytes, so that it
+/// catches up by replaying them rather than by rebuilding its row (a rebuild needs k holders at
+/// the new version; right after failures there may be exactly k in all). A holder further
+/// behind than that rebuilds, and nothing is held back for it.
+pub const LAG_KEEP_SHARE: f64 = 0.25;
+
+/// However large updates are beside the shard (a small model's adapters), the payloads of this
+/// many of the newest updates may stay for a lagging live holder.
+pub const LAG_KEEP_UPDATES: usize = 4;
+
 /// A set hash: the lane-wise wrapping sum of every member's 512-bit hash.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SetHash([u64; 8]);
@@ -265,18 +276,35 @@ impl ShardVersion {
 
     /// The folded updates to release, oldest fold first, so that the payloads kept and one
     /// more of `incoming` bytes fit [`KEEP_SHARE`] of the shard blob's `blob_bytes` (and at
-    /// most [`MAX_KEPT`] folded ones stay); `size(id)` is a kept payload's bytes.
+    /// most [`MAX_KEPT`] folded ones stay); `size(id)` is a kept payload's bytes. `lags` are how
+    /// many of this node's newest updates each live holder may lack ([`crate::mesh::MeshView::lags`]):
+    /// the newest payloads the largest of them needs stay too, when they fit
+    /// [`LAG_KEEP_SHARE`] of the blob.
     pub fn to_release(
         &self,
         blob_bytes: u64,
         incoming: u64,
         size: impl Fn(u64) -> u64,
+        lags: &[u64],
     ) -> Vec<u64> {
-        let budget = KEEP_SHARE * blob_bytes as f64;
+        let releasable = self.releasable();
+        let since: u64 = self.since().map(&size).sum::<u64>() + incoming;
+        let protected = protected_newest(
+            &releasable,
+            self.since.len(),
+            incoming > 0,
+            since,
+            blob_bytes,
+            &size,
+            lags,
+        );
+        let (older, newest) = releasable.split_at(releasable.len() - protected);
+        let budget = (KEEP_SHARE * blob_bytes as f64)
+            .max((since + newest.iter().map(|&id| size(id)).sum::<u64>()) as f64);
         let mut total: u64 = self.served().map(&size).sum::<u64>() + incoming;
         let mut kept = self.kept.len();
         let mut out = Vec::new();
-        for id in self.releasable() {
+        for &id in older {
             if total as f64 <= budget && kept <= MAX_KEPT {
                 break;
             }
@@ -303,6 +331,47 @@ impl ShardVersion {
         self.since.len() < MAX_SINCE
             && (since_bytes + incoming) as f64 <= KEEP_SHARE * blob_bytes as f64
     }
+}
+
+/// How many of the newest folded payloads (`releasable`, oldest first) stay for lagging
+/// holders: a holder that lags by `lag` may lack every update applied since the snapshot
+/// (`since_count` of them, `since` bytes with the incoming one, never released) and the newest
+/// `lag − since_count` folded ones (an `incoming` payload counts as kept too). The largest lag of `lags` whose payloads fit
+/// [`LAG_KEEP_SHARE`] of `blob_bytes` (or number at most [`LAG_KEEP_UPDATES`]) is served; a lag
+/// that does not fit gets nothing (that holder rebuilds whatever is kept).
+fn protected_newest(
+    releasable: &[u64],
+    since_count: usize,
+    incoming: bool,
+    since: u64,
+    blob_bytes: u64,
+    size: impl Fn(u64) -> u64,
+    lags: &[u64],
+) -> usize {
+    let cap = LAG_KEEP_SHARE * blob_bytes as f64;
+    let fits = |bytes: u64, updates: usize| bytes as f64 <= cap || updates <= LAG_KEEP_UPDATES;
+    // The payloads kept whatever happens: those since the snapshot, and an incoming one.
+    let held = since_count + usize::from(incoming);
+    let mut total = since;
+    let mut fit = 0;
+    if fits(total, held) {
+        for &id in releasable.iter().rev().take(MAX_KEPT) {
+            total += size(id);
+            if !fits(total, held + fit + 1) {
+                break;
+            }
+            fit += 1;
+        }
+    }
+    lags.iter()
+        .map(|&lag| {
+            usize::try_from(lag)
+                .unwrap_or(usize::MAX)
+                .saturating_sub(since_count)
+        })
+        .filter(|&need| need <= fit)
+        .max()
+        .unwrap_or(0)
 }
 
 /// What a holder at `have` does about a peer at `theirs`.
@@ -463,17 +532,71 @@ mod tests {
         let mut v = version(&[1, 2, 3, 4]);
         v.fold([2, 1, 3]);
         // 10 bytes each, a blob of 400: 8% is 32 bytes, three payloads fit, four do not.
-        assert_eq!(v.to_release(400, 0, |_| 10), vec![2]);
+        assert_eq!(v.to_release(400, 0, |_| 10, &[]), vec![2]);
         assert_eq!(
-            v.to_release(400, 10, |_| 10),
+            v.to_release(400, 10, |_| 10, &[]),
             vec![2, 1],
             "room for one more"
         );
-        assert_eq!(v.to_release(10_000, 0, |_| 10), Vec::<u64>::new());
+        assert_eq!(v.to_release(10_000, 0, |_| 10, &[]), Vec::<u64>::new());
         assert_eq!(
-            v.to_release(100, 0, |_| 10),
+            v.to_release(100, 0, |_| 10, &[]),
             vec![2, 1, 3],
             "since-payloads stay"
+        );
+    }
+
+    #[test]
+    fn the_newest_payloads_a_live_holder_lacks_stay_while_they_fit() {
+        // Updates 1..=6 applied in that order, 1..=5 folded; 10 bytes each, a blob of 200:
+        // the usual budget (8%) keeps one payload, the lag budget (25%) five.
+        let mut v = version(&[1, 2, 3, 4, 5]);
+        v.fold([1, 2, 3, 4, 5]);
+        v.insert(6);
+        let all_but_newest = vec![1, 2, 3, 4, 5];
+        assert_eq!(v.to_release(200, 0, |_| 10, &[]), all_but_newest);
+        assert_eq!(
+            v.to_release(200, 0, |_| 10, &[0]),
+            all_but_newest,
+            "a holder at this version needs nothing"
+        );
+        assert_eq!(
+            v.to_release(200, 0, |_| 10, &[1]),
+            all_but_newest,
+            "one behind: it lacks only update 6, kept anyway"
+        );
+        assert_eq!(
+            v.to_release(200, 0, |_| 10, &[3]),
+            vec![1, 2, 3],
+            "three behind: 4, 5 and 6 stay"
+        );
+        assert_eq!(
+            v.to_release(200, 0, |_| 10, &[5, 2]),
+            vec![1],
+            "the largest lag that fits is served"
+        );
+        assert_eq!(
+            v.to_release(200, 0, |_| 10, &[9, 2]),
+            vec![1, 2, 3, 4],
+            "a lag past what fits gets nothing (it rebuilds); the smaller one is served"
+        );
+        assert_eq!(
+            v.to_release(200, 20, |_| 10, &[3]),
+            vec![1, 2, 3],
+            "an incoming payload takes its room from the lag budget"
+        );
+        assert_eq!(
+            v.to_release(200, 20, |_| 10, &[4]),
+            all_but_newest,
+            "beside an incoming payload, four behind no longer fits"
+        );
+        // Payloads larger than the blob (a small model's adapters): the newest few stay all
+        // the same, up to LAG_KEEP_UPDATES with the one since the snapshot.
+        assert_eq!(v.to_release(10, 0, |_| 100, &[3]), vec![1, 2, 3]);
+        assert_eq!(
+            v.to_release(10, 0, |_| 100, &[LAG_KEEP_UPDATES as u64 + 1]),
+            all_but_newest,
+            "past LAG_KEEP_UPDATES only the bytes could make room"
         );
     }
 

@@ -4,7 +4,7 @@
 use futures::FutureExt;
 use web_time::{Duration, Instant};
 
-use super::batch::{Batch, BatchLimits, Ended};
+use super::batch::{AfterFailure, Batch, BatchLimits, Ended};
 use super::speculate::SpecStats;
 use super::{KvCache, LinearExec, Llama, LlamaConfig, ModelError, SamplingParams};
 
@@ -119,7 +119,69 @@ pub async fn generate_on<E: LinearExec>(
         let mut items = batch.rounds_items();
         llama.forward_batch(exec, &mut items).await
     };
-    generate_one(run, llama.config(), prompt, opts, on_token).await
+    generate_one(Plain(run), llama.config(), prompt, opts, on_token).await
+}
+
+/// A leader's group that can be formed again when a pass through it fails: a member died and
+/// no spare is left, or the mesh moved to another version.
+pub trait Regroup {
+    /// What computes the linear stages.
+    type Exec: LinearExec;
+
+    /// The leader's side of the model and the group it runs on.
+    fn parts(&mut self) -> (&Llama, &mut Self::Exec);
+
+    /// Forms the group again after a pass failed with `why`; an error when no group can be
+    /// formed.
+    fn regroup(&mut self, why: &ModelError) -> impl Future<Output = Result<(), ModelError>>;
+}
+
+/// [`generate_on`] over a group that is formed again when a pass fails (up to
+/// [`super::batch::MAX_PASS_FAILURES`] in a row): the sequence's keys and values are the
+/// leader's, so the failed pass runs again on the new group and the completion goes on.
+pub async fn generate_regrouping<R: Regroup>(
+    lead: &mut R,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    on_token: &mut dyn FnMut(u32) -> bool,
+) -> Result<Generation, ModelError> {
+    let cfg = lead.parts().0.config().clone();
+    generate_one(Regrouping(lead), &cfg, prompt, opts, on_token).await
+}
+
+/// What runs the generation loop's passes, and what follows a failed one.
+trait Passes {
+    /// Runs the batch's planned pass: the logits of its one sequence.
+    async fn run(&mut self, batch: &mut Batch<()>) -> Result<Vec<Vec<f32>>, ModelError>;
+
+    /// A pass failed with `why` and the batch asks for another group: form it, or say why not.
+    async fn regroup(&mut self, why: ModelError) -> Result<(), ModelError> {
+        Err(why)
+    }
+}
+
+/// Passes through a function, never regrouped.
+struct Plain<F>(F);
+
+impl<F: AsyncFnMut(&mut Batch<()>) -> Result<Vec<Vec<f32>>, ModelError>> Passes for Plain<F> {
+    async fn run(&mut self, batch: &mut Batch<()>) -> Result<Vec<Vec<f32>>, ModelError> {
+        (self.0)(batch).await
+    }
+}
+
+/// Passes through a [`Regroup`]'s group, formed again after a failure.
+struct Regrouping<'a, R>(&'a mut R);
+
+impl<R: Regroup> Passes for Regrouping<'_, R> {
+    async fn run(&mut self, batch: &mut Batch<()>) -> Result<Vec<Vec<f32>>, ModelError> {
+        let (llama, exec) = self.0.parts();
+        let mut items = batch.rounds_items();
+        llama.forward_batch(exec, &mut items).await
+    }
+
+    async fn regroup(&mut self, why: ModelError) -> Result<(), ModelError> {
+        self.0.regroup(&why).await
+    }
 }
 
 /// One forward pass of the generation loop: `tokens` run at positions `start..` (whatever the
@@ -173,13 +235,14 @@ pub async fn generate_async(
             .ok_or_else(|| ModelError::Config("the sequence left the batch".into()))?;
         Ok(vec![forward(pass).await?])
     };
-    generate_one(run, cfg, prompt, opts, on_token).await
+    generate_one(Plain(run), cfg, prompt, opts, on_token).await
 }
 
-/// The generation loop: a [`Batch`] of one sequence, each pass planned, run by `run` (the
-/// logits of the batch's one sequence) and taken.
+/// The generation loop: a [`Batch`] of one sequence, each pass planned, run by `passes` (the
+/// logits of the batch's one sequence) and taken; a failed pass runs again where `passes`
+/// can form another group, as the batch allows.
 async fn generate_one(
-    mut run: impl AsyncFnMut(&mut Batch<()>) -> Result<Vec<Vec<f32>>, ModelError>,
+    mut passes: impl Passes,
     cfg: &LlamaConfig,
     prompt: &[u32],
     opts: &GenerateOptions,
@@ -198,7 +261,16 @@ async fn generate_one(
     let (seq, stop) = loop {
         batch.plan(0);
         let began = Instant::now();
-        let logits = run(&mut batch).await?;
+        let logits = match passes.run(&mut batch).await {
+            Ok(logits) => logits,
+            Err(e) => match batch.failed() {
+                AfterFailure::Regroup => {
+                    passes.regroup(e).await?;
+                    continue;
+                }
+                AfterFailure::GiveUp(_) => return Err(e),
+            },
+        };
         let took = batch.take(logits, began.elapsed().as_secs_f64(), |_, t| on_token(t));
         prefill_time.get_or_insert_with(|| started.elapsed());
         match took.ended.into_iter().next() {

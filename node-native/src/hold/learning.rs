@@ -38,6 +38,9 @@ pub struct UpdateStore {
     version_file: PathBuf,
     /// Whether a fold is running, and what wakes the updates waiting for it to end.
     folding: Arc<(Mutex<bool>, Condvar)>,
+    /// How many of this node's newest updates each live holder may lack, as the node's view
+    /// last saw ([`node_core::mesh::MeshView::lags`]): their payloads are kept for them.
+    lags: Arc<Mutex<Vec<u64>>>,
 }
 
 /// Marks a fold as running until dropped, then wakes the updates waiting for it.
@@ -67,6 +70,7 @@ impl UpdateStore {
             dir,
             version_file: data.path().join("version.json"),
             folding: Arc::default(),
+            lags: Arc::default(),
         })
     }
 
@@ -225,10 +229,21 @@ impl UpdateStore {
         Ok(ids.len())
     }
 
+    /// Records how far behind this node each live holder is ([`node_core::mesh::MeshView::lags`]).
+    pub fn set_lags(&self, lags: Vec<u64>) {
+        *self.lags.lock().unwrap_or_else(PoisonError::into_inner) = lags;
+    }
+
     /// Drops the oldest folded payloads until those kept and one more of `incoming` bytes fit
-    /// the budget ([`ShardVersion::to_release`]).
+    /// the budget, keeping the newest ones a lagging live holder lacks while they fit theirs
+    /// ([`ShardVersion::to_release`]).
     fn release(&self, v: &mut ShardVersion, blob_bytes: u64, incoming: u64) -> Result<()> {
-        for id in v.to_release(blob_bytes, incoming, |id| self.size(id)) {
+        let lags = self
+            .lags
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        for id in v.to_release(blob_bytes, incoming, |id| self.size(id), &lags) {
             v.release(id);
             let path = self.path(id);
             fs::remove_file(&path).with_context(|| format!("removing {}", path.display()))?;

@@ -127,12 +127,18 @@ impl GroupOptions {
 /// A group formed for a leader over the network, with what it needs to run the model on it.
 pub type Formed = node_core::lead::Formed<NetTransport>;
 
-/// Forms a group over the rows `info` shows healthy ([`node_core::lead::form`]); `local` is the
-/// calling node's own row, computed in process.
-pub async fn form_group(
+/// How long a leader waits for the mesh's rows to come to one version (an update spreading, a
+/// holder catching up from its peers) before it gives up forming a group.
+pub const MOVING_PATIENCE: Duration = Duration::from_secs(30);
+
+/// Forms a group over the rows the mesh's view (`info`, asked anew each try, once settled)
+/// shows healthy ([`node_core::lead::form`]); `local` is the calling node's own row, computed
+/// in process. While the rows are split across versions so that none has k of them, it asks
+/// again with a growing wait, for up to [`MOVING_PATIENCE`].
+pub async fn form_group<F: std::future::Future<Output = Result<MeshInfo>>>(
     client: &Client,
     manifest: &ModelManifest,
-    info: &MeshInfo,
+    mut info: impl FnMut() -> F,
     local: Option<&LocalRow>,
     opts: &GroupOptions,
 ) -> Result<Formed> {
@@ -142,7 +148,19 @@ pub async fn form_group(
         local,
         trace: opts.trace.clone(),
     };
-    Ok(node_core::lead::form(&link, manifest, info, &opts.group).await?)
+    let began = std::time::Instant::now();
+    let mut wait = Duration::from_millis(250);
+    loop {
+        let now = settled_info(&mut info).await?;
+        match node_core::lead::form(&link, manifest, &now, &opts.group).await {
+            Err(node_core::lead::LeadError::Moving(why)) if began.elapsed() < MOVING_PATIENCE => {
+                tracing::info!("{why}; asking again in {} ms", wait.as_millis());
+                tokio::time::sleep(wait).await;
+                wait = (wait * 2).min(Duration::from_secs(2));
+            }
+            formed => return Ok(formed?),
+        }
+    }
 }
 
 /// A leader's networking through this node's swarm; its own row, if any, computes in process.
@@ -244,6 +262,48 @@ pub struct Leader {
     /// Where a copy of every update this leader publishes goes (signed, as holders take it),
     /// if anywhere.
     pub archive: Option<std::path::PathBuf>,
+    /// How its group is formed (again, after a pass fails).
+    opts: GroupOptions,
+}
+
+impl node_core::model::Regroup for Leader {
+    type Exec = node_core::coded::CodedGroup<NetTransport>;
+
+    fn parts(&mut self) -> (&node_core::model::Llama, &mut Self::Exec) {
+        (&self.formed.llama, &mut self.formed.group)
+    }
+
+    /// Reports the members the failed group caught, then forms a group anew from the mesh's
+    /// view now (waiting while its rows are between versions).
+    async fn regroup(
+        &mut self,
+        why: &node_core::model::ModelError,
+    ) -> Result<(), node_core::model::ModelError> {
+        if !self.formed.group.stats().caught.is_empty() {
+            self.report_caught().await;
+        }
+        let session = &self.session;
+        let context = self.formed.group.transport().context().to_string();
+        let formed = form_group(
+            &session.client,
+            &self.manifest,
+            || session.info(),
+            None,
+            &self.opts,
+        )
+        .await
+        .map_err(|e| {
+            node_core::model::ModelError::Config(format!("{why}; forming the group again: {e:#}"))
+        })?;
+        eprintln!(
+            "a pass failed ({why}): formed the group again at version {}, group {:?}",
+            node_core::mesh::hex(&formed.version[..8]),
+            formed.group.nodes()
+        );
+        self.formed = formed;
+        self.formed.group.transport_mut().set_context(context);
+        Ok(())
+    }
 }
 
 impl Leader {
@@ -257,8 +317,7 @@ impl Leader {
     pub async fn connect_with(bootstrap: Multiaddr, opts: &GroupOptions) -> Result<Self> {
         let session = Session::connect(bootstrap).await?;
         let manifest = session.manifest().await?;
-        let info = settled_info(|| session.info()).await?;
-        let formed = form_group(&session.client, &manifest, &info, None, opts).await?;
+        let formed = form_group(&session.client, &manifest, || session.info(), None, opts).await?;
         let tokenizer = node_core::model::Tokenizer::from_data(&manifest.tokenizer)?;
         Ok(Self {
             session,
@@ -266,6 +325,7 @@ impl Leader {
             tokenizer,
             formed,
             archive: None,
+            opts: opts.clone(),
         })
     }
 
@@ -549,6 +609,11 @@ impl NetTransport {
     /// which every member has applied).
     pub fn set_version(&mut self, version: [u8; 32]) {
         self.rounds.asks.version = version;
+    }
+
+    /// What the rounds are for, as the step trace writes it.
+    pub fn context(&self) -> &str {
+        &self.rounds.asks.context
     }
 
     /// What the next rounds are for (written with each step in the step trace).

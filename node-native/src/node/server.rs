@@ -301,6 +301,7 @@ impl Server {
             while let Some(ev) = self.view.poll_event() {
                 self.on_event(ev);
             }
+            self.store.set_lags(self.view.lags(Instant::now()));
         }
     }
 

@@ -216,9 +216,11 @@ impl Holding {
 impl Holding {
     /// Folds the updates kept since the snapshot into a new one once they are due (while no
     /// step uses the shard): the shard as it is now goes to IndexedDB, their payloads are
-    /// dropped. Returns the saving to run, if any.
+    /// dropped, but for the newest ones that the live holders `lags` behind may lack
+    /// ([`node_core::mesh::MeshView::lags`]). Returns the saving to run, if any.
     pub(crate) fn fold_if_due(
         &mut self,
+        lags: &[u64],
     ) -> Option<impl std::future::Future<Output = ()> + 'static> {
         let size = |updates: &HashMap<u64, Rc<Vec<u8>>>, id| {
             updates.get(&id).map_or(0, |b| b.len() as u64)
@@ -246,7 +248,7 @@ impl Holding {
         // The latest folded payloads stay for peers a little behind, within the budget.
         for id in state
             .version
-            .to_release(shard_bytes, 0, |id| size(&self.updates, id))
+            .to_release(shard_bytes, 0, |id| size(&self.updates, id), lags)
         {
             state.version.release(id);
             self.updates.remove(&id);
@@ -740,7 +742,7 @@ mod tests {
                 .expect("a valid update")
                 .expect("no step holds the shard");
             assert!(applied);
-            save = holding.fold_if_due();
+            save = holding.fold_if_due(&[]);
             if save.is_some() {
                 break;
             }

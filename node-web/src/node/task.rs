@@ -292,6 +292,9 @@ impl Task {
     /// Applies waiting updates (and a rebuilt row) while no step uses the shard, then folds
     /// the kept updates into a snapshot when they are due.
     pub(super) fn apply_learning(&mut self) {
+        let lags = (self.view.as_ref())
+            .map(|v| v.lags(Instant::now()))
+            .unwrap_or_default();
         let Some(h) = self.holding.as_mut() else {
             self.learning.clear();
             return;
@@ -327,7 +330,7 @@ impl Task {
                 receipts.push((channel, answer));
             }
         }
-        if changed && let Some(save) = h.fold_if_due() {
+        if changed && let Some(save) = h.fold_if_due(&lags) {
             wasm_bindgen_futures::spawn_local(save);
         }
         for (channel, answer) in receipts {

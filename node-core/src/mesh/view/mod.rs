@@ -41,6 +41,10 @@ pub enum MeshEvent<P> {
     },
 }
 
+/// How long a holder that stopped announcing itself still counts as one that may come back
+/// behind ([`MeshView::lags`]).
+pub const LAG_MEMORY: Duration = Duration::from_secs(120);
+
 /// A row held for a joiner while it downloads: a free row it will create, or a replica.
 #[derive(Debug, Clone)]
 struct Reservation<P> {
@@ -356,6 +360,26 @@ impl<P: Ord + Clone + Display> MeshView<P> {
             }
         }
         counts.into_iter().max_by_key(|&(_, c)| c).map(|(d, _)| d)
+    }
+
+    /// How many of this node's newest updates each holder may lack, from the versions their
+    /// heartbeats announce: `mine − theirs` updates for a holder behind, one for a holder at
+    /// this count with another set, none for one at this version or ahead. Holders alive, or
+    /// heard from within [`LAG_MEMORY`] (a crashed node restarts in seconds), count. A holder
+    /// keeps those payloads for them ([`crate::mesh::ShardVersion::to_release`]) so that they
+    /// catch up by replaying rather than by rebuilding their rows. A peer can claim to lag to
+    /// make holders keep more, which the lag budget bounds.
+    pub fn lags(&self, now: Instant) -> Vec<u64> {
+        let (count, digest) = (self.local.version_count, self.local.version_digest);
+        self.peers
+            .values()
+            .filter(|e| e.hb.row.is_some())
+            .filter(|e| {
+                e.health != Health::Dead || now.saturating_duration_since(e.last_seen) < LAG_MEMORY
+            })
+            .filter(|e| e.hb.version_digest != digest && e.hb.version_count <= count)
+            .map(|e| (count - e.hb.version_count).max(1))
+            .collect()
     }
 
     /// Healthy rows at the majority version, one holder each (the lowest peer id), by row.

@@ -353,3 +353,45 @@ fn a_dead_holder_costs_nothing_while_its_row_has_another() {
     let info = v.info(later);
     assert_eq!((info.healthy_rows, info.rows[1].healthy), (3, 1));
 }
+
+#[test]
+fn holders_behind_this_node_are_counted_until_they_are_long_gone() {
+    let t0 = Instant::now();
+    let cfg = HealthConfig::default();
+    let at = |count: u64, digest: u8| Heartbeat {
+        version_count: count,
+        version_digest: [digest; 32],
+        ..hb(Some(1))
+    };
+    let me = Heartbeat {
+        version_count: 5,
+        version_digest: [5; 32],
+        ..hb(Some(0))
+    };
+    let mut v = MeshView::new(t0, 0u32, cfg, 2, (6, 6), "m".into(), me).unwrap();
+    beat(&mut v, t0, t0, 1, at(3, 3)); // two behind
+    beat(&mut v, t0, t0, 2, at(5, 9)); // one count, another set
+    beat(&mut v, t0, t0, 3, at(5, 5)); // at this version
+    beat(&mut v, t0, t0, 4, at(7, 7)); // ahead
+    beat(
+        &mut v,
+        t0,
+        t0,
+        5,
+        Heartbeat {
+            row: None,
+            ..at(0, 0)
+        },
+    ); // a leader, no row
+    let mut lags = v.lags(t0);
+    lags.sort_unstable();
+    assert_eq!(lags, vec![1, 2]);
+    // Dead, a holder still counts for a while: a crashed node comes back in seconds.
+    v.handle_timeout(t0 + cfg.dead_after);
+    assert_eq!(v.health(&1), Some(Health::Dead));
+    assert_eq!(v.lags(t0 + cfg.dead_after).len(), 2);
+    assert!(
+        v.lags(t0 + LAG_MEMORY).is_empty(),
+        "long gone: nothing kept for it"
+    );
+}

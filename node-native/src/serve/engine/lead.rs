@@ -35,18 +35,13 @@ impl Lead {
 
     /// The mesh's view from the node's loop.
     pub(super) async fn info(&self) -> Result<MeshInfo> {
-        let info = self.ctx.info.clone();
-        settled_info(|| {
-            let info = info.clone();
-            async move {
-                let (tx, rx) = oneshot::channel();
-                info.send(InfoRequest(tx))
-                    .await
-                    .map_err(|_| anyhow!("the node is stopping"))?;
-                rx.await.map_err(|_| anyhow!("the node is stopping"))
-            }
-        })
-        .await
+        let (tx, rx) = oneshot::channel();
+        self.ctx
+            .info
+            .send(InfoRequest(tx))
+            .await
+            .map_err(|_| anyhow!("the node is stopping"))?;
+        rx.await.map_err(|_| anyhow!("the node is stopping"))
     }
 
     /// The group, formed now if there is none; why not when the mesh cannot give one.
@@ -68,19 +63,14 @@ impl Lead {
             opts.group.avoid = avoid;
             opts.group.project = self.ctx.cfg.project;
             opts.group.probed = self.ctx.probed.clone();
-            let formed = match self.info().await {
-                Ok(info) => {
-                    form_group(
-                        &self.ctx.client,
-                        &self.ctx.manifest,
-                        &info,
-                        Some(&self.ctx.local),
-                        &opts,
-                    )
-                    .await
-                }
-                Err(e) => Err(e),
-            };
+            let formed = form_group(
+                &self.ctx.client,
+                &self.ctx.manifest,
+                || self.info(),
+                Some(&self.ctx.local),
+                &opts,
+            )
+            .await;
             match formed {
                 Ok(mut f) => {
                     if let Some(serving) = &self.yield_to {

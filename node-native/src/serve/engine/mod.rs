@@ -35,7 +35,7 @@ use tokio::sync::{mpsc, oneshot};
 use tracing::Instrument;
 
 use crate::hold::row::{InfoRequest, LocalRow};
-use crate::lead::remote::{Formed, Gate, GroupOptions, form_group, settled_info};
+use crate::lead::remote::{Formed, Gate, GroupOptions, form_group};
 use crate::lead::steplog::StepLog;
 use crate::net::swarm::Client;
 use crate::serve::metrics::Metrics;
