@@ -64,7 +64,7 @@ pub fn safetensors_header(data: &[u8]) {
 /// An update payload: the signed envelope, the update inside, and its validation.
 pub fn update_payload(data: &[u8]) {
     let payload = match crate::learn::open(data) {
-        Ok((_, p)) => p,
+        Ok(signed) => signed.payload,
         Err(_) => data.to_vec(),
     };
     if let Ok(u) = Update::decode(&payload) {

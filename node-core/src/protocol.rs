@@ -9,8 +9,9 @@ use crate::model::Stage;
 
 /// Version of the step protocol; a peer on another version is refused with both named (4: shard
 /// sets carry their learnt adapters; 5: adapters of rank 8; 6: a step at another version is
-/// refused with `MeshResponse::Stale`).
-pub const PROTOCOL_VERSION: u16 = 8;
+/// refused with `MeshResponse::Stale`; 9: updates and reports carry the certificate by which the
+/// mesh's key admits their signer, and a peer that may not write teaches a trainer text).
+pub const PROTOCOL_VERSION: u16 = 9;
 
 /// Largest encoded message accepted (a prefill of a few thousand tokens fits).
 pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
@@ -42,6 +43,7 @@ pub enum StepRequest {
     /// Return rows of the member's coded embedding (for the embedding lookup).
     EmbedRows {
         /// Local row index within a block, one per token.
+        #[serde(deserialize_with = "bounded::numbers")]
         rows: Vec<u32>,
     },
 }
@@ -185,6 +187,96 @@ pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ProtocolError> {
     Ok(msg)
 }
 
+/// Lists read from peers with their length bounded while they are read: a list of small
+/// items (empty strings, numbers) costs up to 24 times its wire bytes in memory, so its length
+/// is checked before, not after, it is built (`#[serde(deserialize_with = ...)]`).
+pub mod bounded {
+    use serde::de::{Deserializer, Error, SeqAccess, Visitor};
+
+    /// Most peers (or addresses) a list a peer sends may name.
+    pub const MAX_NAMES: usize = 100_000;
+
+    /// Most characters of one name (a peer id, a multiaddr).
+    pub const MAX_NAME_CHARS: usize = 256;
+
+    /// Most addresses a peer lists for itself.
+    pub const MAX_ADDRS: usize = 32;
+
+    /// Most small numbers (rows, witnesses, tokens of an embedding lookup) in a list.
+    pub const MAX_NUMBERS: usize = 1 << 20;
+
+    struct Strings(usize);
+
+    impl<'de> Visitor<'de> for Strings {
+        type Value = Vec<String>;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(
+                f,
+                "at most {} names of at most {MAX_NAME_CHARS} bytes",
+                self.0
+            )
+        }
+
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<String>, A::Error> {
+            let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(self.0).min(1024));
+            while let Some(s) = seq.next_element::<String>()? {
+                if out.len() == self.0 {
+                    return Err(A::Error::custom(format!("a list of over {} names", self.0)));
+                }
+                if s.len() > MAX_NAME_CHARS {
+                    return Err(A::Error::custom(format!(
+                        "a name of {} bytes, over {MAX_NAME_CHARS}",
+                        s.len()
+                    )));
+                }
+                out.push(s);
+            }
+            Ok(out)
+        }
+    }
+
+    /// A list of at most [`MAX_NAMES`] names (peer ids, addresses).
+    pub fn names<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+        d.deserialize_seq(Strings(MAX_NAMES))
+    }
+
+    /// A list of at most [`MAX_ADDRS`] addresses.
+    pub fn addrs<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+        d.deserialize_seq(Strings(MAX_ADDRS))
+    }
+
+    struct Numbers<T>(std::marker::PhantomData<T>);
+
+    impl<'de, T: serde::Deserialize<'de>> Visitor<'de> for Numbers<T> {
+        type Value = Vec<T>;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "at most {MAX_NUMBERS} numbers")
+        }
+
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<T>, A::Error> {
+            let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(1024));
+            while let Some(x) = seq.next_element::<T>()? {
+                if out.len() == MAX_NUMBERS {
+                    return Err(A::Error::custom(format!(
+                        "a list of over {MAX_NUMBERS} numbers"
+                    )));
+                }
+                out.push(x);
+            }
+            Ok(out)
+        }
+    }
+
+    /// A list of at most [`MAX_NUMBERS`] numbers.
+    pub fn numbers<'de, D: Deserializer<'de>, T: serde::Deserialize<'de>>(
+        d: D,
+    ) -> Result<Vec<T>, D::Error> {
+        d.deserialize_seq(Numbers(std::marker::PhantomData))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -215,6 +307,27 @@ mod tests {
             decode::<StepRequest>(&trailing),
             Err(ProtocolError::Trailing(1))
         ));
+    }
+
+    #[test]
+    fn a_list_of_names_is_bounded_while_it_is_read() {
+        #[derive(Debug, Serialize, Deserialize)]
+        struct Named {
+            #[serde(deserialize_with = "bounded::addrs")]
+            addrs: Vec<String>,
+        }
+        let ok = Named {
+            addrs: vec![String::new(); bounded::MAX_ADDRS],
+        };
+        assert!(decode::<Named>(&encode(&ok).unwrap()).is_ok());
+        let many = Named {
+            addrs: vec![String::new(); bounded::MAX_ADDRS + 1],
+        };
+        assert!(decode::<Named>(&encode(&many).unwrap()).is_err());
+        let long = Named {
+            addrs: vec!["x".repeat(bounded::MAX_NAME_CHARS + 1)],
+        };
+        assert!(decode::<Named>(&encode(&long).unwrap()).is_err());
     }
 
     #[test]

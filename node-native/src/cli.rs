@@ -41,6 +41,40 @@ pub(crate) enum Command {
     /// Start a whole local mesh (n nodes on 127.0.0.1) and serve the OpenAI API and the
     /// dashboard: fetches and encodes the model the first time, then starts in seconds.
     Up(UpArgs),
+    /// Admit a peer to write the model: a certificate signed by the mesh's key, by which
+    /// holders take its learning updates and act on the members it reports.
+    Admit(AdmitArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub(crate) struct AdmitArgs {
+    /// The mesh's key (`mesh.key` in the data dir of the mesh's `seed`, or of `up`).
+    #[arg(long)]
+    pub(crate) mesh_key: PathBuf,
+    /// The peer to admit, by its peer id.
+    #[arg(
+        long,
+        conflicts_with = "identity",
+        required_unless_present = "identity"
+    )]
+    pub(crate) peer: Option<libp2p::PeerId>,
+    /// Admit the identity in this key file (made there if missing): a leader's `--identity`,
+    /// or a node's `DATA/identity.key`.
+    #[arg(long)]
+    pub(crate) identity: Option<PathBuf>,
+    /// A name for people (who runs it); shown with its updates.
+    #[arg(long, default_value = "trainer")]
+    pub(crate) name: String,
+    /// Days the certificate admits the peer.
+    #[arg(long, default_value_t = 30)]
+    pub(crate) days: u64,
+    /// Admit it to write only, not to report members (whose reports others act on).
+    #[arg(long)]
+    pub(crate) write_only: bool,
+    /// Where to write the certificate: a node reads `trainer.cert` in its data dir, a leader
+    /// takes `generate --cert FILE`.
+    #[arg(long)]
+    pub(crate) out: PathBuf,
 }
 
 #[derive(Debug, clap::Args)]
@@ -72,8 +106,12 @@ pub(crate) struct UpArgs {
     #[arg(long, default_value = "127.0.0.1")]
     pub(crate) api_listen: std::net::IpAddr,
     /// Bearer key the API asks for.
-    #[arg(long, env = "CODEDMESH_API_KEY")]
+    #[arg(long, env = "CODEDMESH_API_KEY", conflicts_with = "api_keys")]
     pub(crate) api_key: Option<String>,
+    /// A JSON file of API keys, each with a name, a learning budget, a request rate and
+    /// whether it may teach (docs/security.md, "API keys").
+    #[arg(long)]
+    pub(crate) api_keys: Option<PathBuf>,
     /// Requests do not train the model.
     #[arg(long)]
     pub(crate) no_learning: bool,
@@ -148,8 +186,12 @@ impl GroupArgs {
 #[derive(Debug, clap::Args)]
 pub(crate) struct ServeArgs {
     /// Bearer key the API asks for (`Authorization: Bearer KEY`).
-    #[arg(long, env = "CODEDMESH_API_KEY")]
+    #[arg(long, env = "CODEDMESH_API_KEY", conflicts_with = "api_keys")]
     pub(crate) api_key: Option<String>,
+    /// A JSON file of API keys, each with a name, a learning budget, a request rate and
+    /// whether it may teach (docs/security.md, "API keys").
+    #[arg(long)]
+    pub(crate) api_keys: Option<PathBuf>,
     /// Most requests generated together (one coded round per stage for all of them).
     #[arg(long, default_value_t = 16)]
     pub(crate) max_batch: usize,
@@ -363,6 +405,7 @@ impl NetArgs {
                 ..Default::default()
             },
             api_key: self.serve.api_key.clone(),
+            api_keys: self.serve.api_keys.clone(),
         })
     }
 }
@@ -410,6 +453,10 @@ pub(crate) struct SeedArgs {
     /// Linear outer momentum of a leader's updates (needs rank > 0).
     #[arg(long, default_value_t = 0.0)]
     pub(crate) momentum: f32,
+    /// The mesh runs no canary gate: genesis measures no reference loss, and holders take an
+    /// admitted trainer's updates without a verdict.
+    #[arg(long)]
+    pub(crate) no_canary_gate: bool,
     #[command(flatten)]
     pub(crate) net: NetArgs,
 }
@@ -608,11 +655,20 @@ pub(crate) struct GenerateArgs {
     /// them, so this is the record of what a leader taught the mesh.
     #[arg(long)]
     pub(crate) keep_published: Option<PathBuf>,
-    /// Publish every due learning update without the canary gate's check (mesh only). The
-    /// gate guards the mesh against what clients send; this leader's operator may skip it,
-    /// e.g. to soak the mesh with every update a fast learning rate makes.
+    /// Publish every due learning update without the canary gate's check (mesh only): they
+    /// carry no verdict, so a mesh that runs a gate (`seed` without `--no-canary-gate`)
+    /// refuses them.
     #[arg(long)]
     pub(crate) no_canary_gate: bool,
+    /// This leader's identity (a libp2p key file, made there if missing; mesh only); default:
+    /// a fresh one.
+    #[arg(long)]
+    pub(crate) identity: Option<PathBuf>,
+    /// The certificate by which the mesh admits the identity (`codedmesh admit`; mesh only):
+    /// with it the leader publishes its own learning updates, without it the text of its
+    /// requests goes to the bootstrap node's trainer.
+    #[arg(long, requires = "identity")]
+    pub(crate) cert: Option<PathBuf>,
     /// The request does not train the mesh (mesh only).
     #[arg(long)]
     pub(crate) no_learning: bool,

@@ -59,6 +59,7 @@ fn main() {
                 args.max_rows,
                 cli::mesh_format(args.shard_format, args.k, args.n),
                 learning,
+                !args.no_canary_gate,
             ))
         }),
         Command::Node(args) if args.supervise => runtime().and_then(|rt| {
@@ -73,6 +74,7 @@ fn main() {
             rt.block_on(node::node(opts))
         }),
         Command::Up(args) => runtime().and_then(|rt| rt.block_on(run_up(args))),
+        Command::Admit(args) => run_admit(&args),
         Command::Status(args) => run_status(args),
         Command::Eval(args) => node_native::lead::remote::leader_runtime()
             .map_err(anyhow::Error::from)
@@ -132,6 +134,7 @@ async fn run_up(args: UpArgs) -> Result<()> {
         port: args.port,
         api_listen: args.api_listen,
         api_key: args.api_key,
+        api_keys: args.api_keys,
         no_learning: args.no_learning,
         format: cli::mesh_format(args.shard_format, k, nodes),
         shape_chosen: args.k.is_some() || args.nodes.is_some() || args.shard_format.is_some(),
@@ -393,4 +396,36 @@ fn short_peer(peer: &str) -> &str {
         .rev()
         .nth(7)
         .map_or(peer, |(i, _)| &peer[i..])
+}
+
+/// `admit`: a certificate, signed by the mesh's key, admitting a peer to write the model.
+fn run_admit(args: &cli::AdmitArgs) -> Result<()> {
+    use node_core::learn::Power;
+    use node_native::hold::trust;
+    let mesh = trust::read_key(&args.mesh_key)?;
+    let peer = match (&args.peer, &args.identity) {
+        (Some(p), _) => *p,
+        (None, Some(path)) => trust::key_file(path)?.public().to_peer_id(),
+        (None, None) => anyhow::bail!("name the peer to admit: --peer ID or --identity FILE"),
+    };
+    let powers: &[Power] = if args.write_only {
+        &[Power::Write]
+    } else {
+        &[Power::Write, Power::Report]
+    };
+    let valid = std::time::Duration::from_secs(args.days.saturating_mul(24 * 3600));
+    let cert = trust::admit(&mesh, peer, &args.name, valid, powers)?;
+    trust::write_cert(&args.out, &cert)?;
+    println!(
+        "admitted {peer} as {:?} for {} days ({}): certificate in {}",
+        args.name,
+        args.days,
+        if args.write_only {
+            "write"
+        } else {
+            "write and report"
+        },
+        args.out.display()
+    );
+    Ok(())
 }

@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use node_core::learn::{Learner, Teacher};
 use node_core::model::{Pass, generate_async, generate_regrouping};
-use node_native::lead::remote::Leader;
+use node_native::lead::leader::Leader;
 
 use crate::cli::{EvalArgs, GenerateArgs};
 use crate::generate::{Printer, print_coded_stats, print_speed};
@@ -24,6 +24,18 @@ pub(crate) async fn run_generate_mesh(
         );
     }
     let mut args = args;
+    // One identity for every request of this process: a file's, or a fresh one.
+    let key = match &args.identity {
+        Some(path) => node_native::hold::trust::key_file(path)?,
+        None => libp2p::identity::Keypair::generate_ed25519(),
+    };
+    let cert = match &args.cert {
+        Some(path) => Some(
+            node_native::hold::trust::read_cert(path)?
+                .with_context(|| format!("{} holds no certificate", path.display()))?,
+        ),
+        None => None,
+    };
     let mut teacher: Option<Teacher> = None;
     let mut last = None;
     for i in 0..args.repeat.max(1) {
@@ -31,7 +43,8 @@ pub(crate) async fn run_generate_mesh(
             eprintln!("request {} of {}", i + 1, args.repeat);
         }
         let began = std::time::Instant::now();
-        let (mut leader, out, prompt) = run_once_on_mesh(&mut args, &bootstrap).await?;
+        let (mut leader, out, prompt) =
+            run_once_on_mesh(&mut args, &bootstrap, &key, cert.as_ref()).await?;
         let latency = began.elapsed();
         if args.no_learning {
             let usage = node_core::mesh::Usage::of_request(prompt.len(), out.len(), latency, None);
@@ -47,8 +60,8 @@ pub(crate) async fn run_generate_mesh(
                 let gate = if args.no_canary_gate {
                     None
                 } else {
-                    let canary = leader.tokenizer.encode(node_core::learn::CANARY_TEXT)?;
-                    Some(node_core::learn::CanaryGate::new(canary))
+                    let canary = node_core::learn::canary_tokens(&leader.tokenizer)?;
+                    Some(node_core::learn::CanaryGate::new(canary, m.canary_loss))
                 };
                 let learner = Learner::new(m.learning, m.cfg.clone(), m.format);
                 teacher.insert(Teacher::new(learner, gate, m.format))
@@ -70,12 +83,23 @@ pub(crate) async fn run_generate_mesh(
             prompt.len(),
             out.len(),
             latency,
-            learned.as_ref().map(|l| l.loss),
+            learned
+                .as_ref()
+                .filter(|l| l.taught_by.is_none())
+                .map(|l| l.loss),
         );
         if let Err(e) = leader.report_served(usage).await {
             tracing::warn!("the request was not counted in the mesh's usage: {e:#}");
         }
         if let Some(l) = learned {
+            if let Some(to) = l.taught_by {
+                eprintln!(
+                    "taught: this leader is not admitted to write the model, so {} tokens of the request went to {to}, whose trainer trains on them under its budget and gate",
+                    l.positions
+                );
+                last = Some(leader);
+                continue;
+            }
             eprintln!("learned: loss {:.4} on {} tokens", l.loss, l.positions);
             if let Some(settled) = l.settled {
                 print_settled(settled, &leader, started);
@@ -104,6 +128,8 @@ pub(crate) async fn run_generate_mesh(
 async fn run_once_on_mesh(
     args: &mut GenerateArgs,
     bootstrap: &libp2p::Multiaddr,
+    key: &libp2p::identity::Keypair,
+    cert: Option<&node_core::learn::Certificate>,
 ) -> Result<(Leader, Vec<u32>, Vec<u32>)> {
     let mut attempt = 0;
     let (leader, out, prompt) = loop {
@@ -115,7 +141,8 @@ async fn run_once_on_mesh(
             .map(node_native::lead::steplog::StepLog::create)
             .transpose()?;
         opts.group.project = !args.check_answers;
-        let mut leader = Leader::connect_with(bootstrap.clone(), &opts).await?;
+        let mut leader =
+            Leader::connect_as(bootstrap.clone(), &opts, key.clone(), cert.cloned()).await?;
         leader.archive.clone_from(&args.keep_published);
         leader
             .formed
@@ -223,11 +250,11 @@ async fn run_once_on_mesh(
 
 /// Says what became of an update that fell due: who took it, or why it was not published.
 fn print_settled(
-    settled: node_native::lead::remote::Settled<node_native::lead::remote::Sent>,
+    settled: node_core::lead::Settled<node_core::lead::Sent>,
     leader: &Leader,
     started: std::time::Instant,
 ) {
-    use node_native::lead::remote::Settled;
+    use node_core::lead::Settled;
     match settled {
         Settled::Published { sent, .. } => eprintln!(
             "update {:016x}: {} requests, {} bytes, {:.1}% of the gradient's energy kept, told {} of {} nodes, who spread it to the rest ({:.2} s)",

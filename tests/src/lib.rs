@@ -1,5 +1,6 @@
 //! Shared helpers for the end-to-end tests: the real model, loaded once per test binary.
 
+pub mod adversary;
 pub mod lab;
 pub mod procs;
 pub mod scale;

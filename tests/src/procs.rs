@@ -176,6 +176,30 @@ pub struct Mesh {
     pub dashboard: String,
 }
 
+/// The identity key file (made there if missing) and certificate, admitted by the mesh key in
+/// `mesh_key` to write the model and report members, in `dir` as `<name>.key` and
+/// `<name>.cert` (`codedmesh admit`).
+pub fn admit(mesh_key: &Path, dir: &Path, name: &str) -> Result<(PathBuf, PathBuf)> {
+    let (key, cert) = (
+        dir.join(format!("{name}.key")),
+        dir.join(format!("{name}.cert")),
+    );
+    let out = Command::new(bin())
+        .arg("admit")
+        .arg("--mesh-key")
+        .arg(mesh_key)
+        .arg("--identity")
+        .arg(&key)
+        .args(["--name", name])
+        .arg("--out")
+        .arg(&cert)
+        .output()?;
+    if !out.status.success() {
+        bail!("admit: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    Ok((key, cert))
+}
+
 /// A `codedmesh node` on TCP only with data dir `dir/<data>`, joining through `bootstrap`.
 pub fn spawn_node(dir: &Path, name: &str, data: &str, bootstrap: &str) -> Result<Proc> {
     spawn_node_with(dir, name, data, bootstrap, &["--tcp-only"])
@@ -524,8 +548,14 @@ impl Mesh {
         }
     }
 
-    /// Runs `generate` on the mesh; `during` is called once the first text arrives, with the
-    /// generation stopped (SIGSTOP) until it returns.
+    /// The mesh's key (the seed made it at genesis).
+    pub fn mesh_key(&self) -> PathBuf {
+        self.dir.0.join("d0").join("mesh.key")
+    }
+
+    /// Runs `generate` on the mesh as a leader the mesh admits (`leader.key`, admitted once);
+    /// `during` is called once the first text arrives, with the generation stopped (SIGSTOP)
+    /// until it returns.
     pub fn generate(
         &self,
         prompt: &str,
@@ -543,6 +573,22 @@ impl Mesh {
         extra: &[&str],
         during: impl FnOnce(),
     ) -> Result<(String, String)> {
+        let mut admitted = Vec::new();
+        if !extra.contains(&"--identity") {
+            let (key, cert) = (
+                self.dir.0.join("leader.key"),
+                self.dir.0.join("leader.cert"),
+            );
+            if !cert.exists() {
+                admit(&self.mesh_key(), &self.dir.0, "leader")?;
+            }
+            admitted = vec![
+                "--identity".into(),
+                key.into_os_string(),
+                "--cert".into(),
+                cert.into_os_string(),
+            ];
+        }
         let mut child = Command::new(bin())
             .args([
                 "generate",
@@ -552,6 +598,7 @@ impl Mesh {
                 prompt,
             ])
             .args(["--max-tokens", &tokens.to_string()])
+            .args(&admitted)
             .args(extra)
             .env("RUST_LOG", "warn,libp2p_kad=error")
             .stdout(Stdio::piped())

@@ -206,6 +206,7 @@ impl Member {
 
     /// [`Self::compute`] for callers that cannot block (the browser).
     pub async fn compute_async(&self, req: &StepRequest) -> Result<Vec<f32>, CodedError> {
+        self.answer_fits(req)?;
         if let Some(gpu) = self.gpu_for(req) {
             let m = self.shards.generator.sub_blocks();
             if let Some(answer) = gpu.compute(m, req).await {
@@ -256,8 +257,33 @@ impl Member {
         Ok(())
     }
 
+    /// Refuses a request whose answer could not travel back in one message (what a peer asks
+    /// decides what this member allocates and computes: a count is bounded before it costs).
+    fn answer_fits(&self, req: &StepRequest) -> Result<(), CodedError> {
+        let m = self.shards.generator.sub_blocks();
+        let values = match req {
+            StepRequest::Matmul { stage, t, .. } => {
+                let shards = self.shards.stage_shards(*stage)?;
+                (*t as usize).saturating_mul(m * shards.iter().map(|s| s.block_len).sum::<usize>())
+            }
+            // Its answer is as large as its input, which fits a message.
+            StepRequest::MatmulT { .. } => 0,
+            StepRequest::EmbedRows { rows } => {
+                rows.len().saturating_mul(m * self.shards.embed.cols)
+            }
+        };
+        let most = crate::protocol::MAX_MESSAGE_BYTES / 4;
+        if values > most {
+            return Err(CodedError::BadRequest(format!(
+                "an answer of {values} values, over the {most} one message carries"
+            )));
+        }
+        Ok(())
+    }
+
     /// The CPU reference of [`Self::compute`].
     pub fn compute_cpu(&self, req: &StepRequest) -> Result<Vec<f32>, CodedError> {
+        self.answer_fits(req)?;
         let out = self.products_cpu(req)?;
         match req {
             StepRequest::Matmul { .. } => Ok(out),
@@ -350,5 +376,47 @@ fn scramble(values: &mut [f32], counter: &std::sync::atomic::AtomicU64) {
         z ^= z >> 31;
         let unit = (z >> 11) as f64 / (1u64 << 53) as f64;
         *v = scale * (2.0 * unit as f32 - 1.0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // a test: a failed unwrap is a failed test
+
+    use super::*;
+    use crate::code::Generator;
+    use crate::coded::{InProcess, ShardFormat};
+    use crate::model::{LlamaConfig, ModelWeights, Stage};
+
+    #[test]
+    fn a_request_whose_answer_cannot_travel_is_refused_before_it_costs() {
+        let cfg = LlamaConfig::small();
+        let w = ModelWeights::synthetic(cfg.clone(), 1).unwrap();
+        let mesh = InProcess::encode(
+            &w,
+            &Generator::cauchy(3, 2).unwrap(),
+            ShardFormat::F32,
+            &|_, _| {},
+        )
+        .unwrap();
+        let member = &mesh.members()[0];
+        // Tens of millions of embedding rows, each a valid row: refused, nothing allocated.
+        let rows = vec![0u32; 50_000_000];
+        let err = member
+            .compute(&StepRequest::EmbedRows { rows })
+            .unwrap_err();
+        assert!(err.to_string().contains("one message carries"), "{err}");
+        // A product claiming more rows than any answer carries.
+        let err = member
+            .compute(&StepRequest::Matmul {
+                stage: Stage::LmHead,
+                t: u32::MAX,
+                x: vec![0.0; cfg.hidden],
+            })
+            .unwrap_err();
+        assert!(err.to_string().contains("one message carries"), "{err}");
+        // An honest one is answered.
+        let ok = member.compute(&StepRequest::EmbedRows { rows: vec![0, 1] });
+        assert!(ok.is_ok(), "{ok:?}");
     }
 }

@@ -70,6 +70,7 @@ pub struct Caught {
     /// The threshold it exceeded.
     pub threshold: f64,
     /// The rows whose answers agreed without it.
+    #[serde(deserialize_with = "crate::protocol::bounded::numbers")]
     pub witnesses: Vec<usize>,
     /// When its answers miss a learning update it claims: the update's id and the share
     /// missed; `residual` and `threshold` are then the fit's significance and the bar, in

@@ -5,12 +5,18 @@
 
 mod catchup;
 mod join;
+mod report;
+mod rules;
 mod serve;
 pub mod spread;
 
 pub use crate::chain::{Running, Turn};
-pub use catchup::{fetch_update, plan_with, version_of, worth_catching_up};
+pub use catchup::{Ahead, catch_up_source, fetch_update, plan_with, version_of, worth_catching_up};
 pub use join::{Joined, Link, answer_chain, join, obtain, source_error, source_peer};
+pub use report::{MAX_REPORT_BYTES, Report, open_report, sign_report};
+pub use rules::{
+    CLOCK_SKEW_MS, Checked, MAX_UPDATE_AGE_MS, REFUSED, Refusal, Refused, Rules, gate_holds,
+};
 pub use serve::{
     Held, LEARN_PER_MINUTE, LearnLimit, Route, Snapshot, ViewQuery, answer_view, chain, contribute,
     receipt, route, step, step_async,
@@ -19,17 +25,14 @@ pub use spread::{
     FANOUT, Notice, Opened, PIECE_BYTES, Passed, PieceList, deal, pass_on, pass_report, pull, tell,
 };
 
-use std::sync::atomic::{AtomicU64, Ordering};
-
 use crate::blob::{self, BlobError, BlobParams};
-use crate::coded::{CodedError, Member, ShardFormat, ShardSet};
+use crate::coded::{CodedError, Member, ShardSet};
 use crate::learn::{Update, UpdateError};
-use crate::mesh::{
-    LearningConfig, MAX_CHUNK_BYTES, MeshRequest, MeshResponse, ModelManifest, ShardVersion,
-};
+use crate::mesh::{MAX_CHUNK_BYTES, MeshRequest, MeshResponse, ModelManifest, ShardVersion};
 use crate::model::{LeaderWeights, LlamaConfig};
 
-/// Largest update payload accepted (a long sequence's factors, with room).
+/// Largest update payload any mesh accepts, whatever its manifest (a mesh's own bound,
+/// [`Rules::max_sealed`], is far smaller: 5 MB for SmolLM2's adapters).
 pub const MAX_UPDATE_BYTES: u64 = 256 << 20;
 
 /// Largest shard blob accepted from a peer.
@@ -44,6 +47,9 @@ pub enum HolderError {
     /// An update payload is over [`MAX_UPDATE_BYTES`].
     #[error("update of {0} bytes exceeds the limit of {MAX_UPDATE_BYTES}")]
     UpdateTooLarge(usize),
+    /// The mesh's rules refuse an update (counted by reason in [`REFUSED`]).
+    #[error(transparent)]
+    Refused(#[from] Refused),
     /// A shard blob is damaged beyond repair.
     #[error("shard blob: {0}")]
     Blob(#[from] BlobError),
@@ -136,68 +142,11 @@ impl ShardState {
     }
 }
 
-/// What an update must satisfy on this mesh.
-#[derive(Debug, Clone)]
-pub struct Rules {
-    /// The model's shape.
-    pub cfg: LlamaConfig,
-    /// The mesh's learning settings.
-    pub learning: LearningConfig,
-    /// How the mesh's shards are stored (an adapter step's bound depends on it).
-    pub format: ShardFormat,
-}
-
-/// Updates dropped for a missing or broken signature, since the process started.
-pub static BAD_SIGNATURES: AtomicU64 = AtomicU64::new(0);
-
-/// A checked update: its id (the hash of the signed payload) and who signed it.
-#[derive(Debug)]
-pub struct Checked {
-    /// The update.
-    pub update: Update,
-    /// Its id.
-    pub id: u64,
-    /// The signer's peer id.
-    pub signer: libp2p::PeerId,
-}
-
-impl Rules {
-    /// The rules of the mesh `manifest` describes.
-    pub fn of(manifest: &ModelManifest) -> Self {
-        Self {
-            cfg: manifest.cfg.clone(),
-            learning: manifest.learning,
-            format: manifest.format,
-        }
-    }
-
-    /// Opens, parses and checks a signed update from untrusted bytes.
-    pub fn check(&self, bytes: &[u8]) -> Result<Checked, HolderError> {
-        if bytes.len() as u64 > MAX_UPDATE_BYTES {
-            return Err(HolderError::UpdateTooLarge(bytes.len()));
-        }
-        let (signer, payload) = match crate::learn::open(bytes) {
-            Ok(v) => v,
-            Err(e) => {
-                let n = BAD_SIGNATURES.fetch_add(1, Ordering::Relaxed) + 1;
-                tracing::warn!("dropped an update: {e} ({n} dropped so far)");
-                return Err(e.into());
-            }
-        };
-        let update = Update::decode(&payload)?;
-        update.validate_for(&self.cfg, &self.learning, self.format)?;
-        Ok(Checked {
-            update,
-            id: Update::id_of(&payload),
-            signer,
-        })
-    }
-}
-
 /// The layout of a shard set in a blob; a release that changes it changes this (2: compact
 /// shards carry their learnt adapters; 3: of rank 8, not 16; 4: the model's config names its
-/// family and RoPE factors).
-pub const SHARD_LAYOUT: u32 = 4;
+/// family and RoPE factors; 5: the manifest beside it names the mesh's key and canary
+/// reference).
+pub const SHARD_LAYOUT: u32 = 5;
 
 /// A shard set as a blob (hashed chunks with parity).
 pub fn shard_to_blob(shard: &ShardSet) -> Result<Vec<u8>, HolderError> {
@@ -344,6 +293,7 @@ pub fn describe(r: &MeshResponse) -> &'static str {
         MeshResponse::CompactPiece(_) => "compact piece",
         MeshResponse::Error(_) => "error",
         MeshResponse::Stale { .. } => "refusal at another version",
+        MeshResponse::Taught => "teaching receipt",
     }
 }
 
@@ -445,33 +395,7 @@ mod tests {
     #![allow(clippy::unwrap_used)] // a test: a failed unwrap is a failed test
 
     use super::*;
-
-    fn rules() -> Rules {
-        Rules {
-            cfg: crate::model::LlamaConfig::small(),
-            learning: LearningConfig::default(),
-            format: ShardFormat::F32,
-        }
-    }
-
-    #[test]
-    fn unsigned_and_badly_signed_updates_are_dropped_and_counted() {
-        let rules = rules();
-        let before = BAD_SIGNATURES.load(Ordering::Relaxed);
-        let err = rules.check(b"not signed at all").unwrap_err().to_string();
-        assert!(err.contains("signature"), "{err}");
-        let key = libp2p::identity::Keypair::generate_ed25519();
-        let mut sealed = crate::learn::seal(b"payload".to_vec(), &key).unwrap();
-        let last = sealed.len() - 1;
-        sealed[last] ^= 1;
-        let err = rules.check(&sealed).unwrap_err().to_string();
-        assert!(err.contains("signature"), "{err}");
-        assert!(BAD_SIGNATURES.load(Ordering::Relaxed) >= before + 2);
-        // A good signature over a payload that is not an update gets past the signature only.
-        let sealed = crate::learn::seal(b"payload".to_vec(), &key).unwrap();
-        let err = rules.check(&sealed).unwrap_err().to_string();
-        assert!(!err.contains("signature"), "{err}");
-    }
+    use crate::coded::ShardFormat;
 
     fn chunk(total: u64, version: u8, bytes: &[u8]) -> MeshResponse {
         MeshResponse::Chunk {

@@ -20,6 +20,10 @@ use crate::protocol::{self, StepRequest};
 /// Updates one peer may hand over per minute.
 pub const LEARN_PER_MINUTE: usize = 120;
 
+/// Most peers whose hand-overs a holder counts within a minute; past that, a new peer's is
+/// refused until the minute's oldest ages out.
+pub const LIMITED_PEERS: usize = 4096;
+
 /// What a holder must do to answer a request.
 #[derive(Debug)]
 pub enum Route<P> {
@@ -49,6 +53,8 @@ pub enum Route<P> {
         /// Bytes wanted (already at most [`MAX_CHUNK_BYTES`]).
         len: u32,
     },
+    /// Hand text to this node's trainer (token ids, checked against the model), if it trains.
+    Teach(Vec<u32>),
     /// Send a piece of a kept update's payload.
     UpdatePiece {
         /// The update.
@@ -67,12 +73,12 @@ pub enum ViewQuery {
     Info,
     /// A row for the asking node.
     Join,
-    /// A leader caught a holder answering against the code.
+    /// A leader the mesh admits to report caught a holder answering against the code.
     Report {
-        /// The caught node's peer id, as sent.
-        peer: String,
-        /// The evidence.
-        evidence: crate::coded::Caught,
+        /// The report, checked ([`super::open_report`]).
+        report: super::Report,
+        /// Its signed bytes, to pass on.
+        bytes: Vec<u8>,
         /// Holders to pass the report on to, as sent ([`ViewQuery::onward`]).
         to: Vec<String>,
     },
@@ -81,12 +87,12 @@ pub enum ViewQuery {
 }
 
 impl ViewQuery {
-    /// A report to pass on after answering this query: the caught peer, the evidence and the
-    /// holders to tell.
-    pub fn onward(&self) -> Option<(String, crate::coded::Caught, Vec<String>)> {
+    /// A report to pass on after answering this query: its signed bytes and the holders to
+    /// tell.
+    pub fn onward(&self) -> Option<(Vec<u8>, Vec<String>)> {
         match self {
-            ViewQuery::Report { peer, evidence, to } if !to.is_empty() => {
-                Some((peer.clone(), evidence.clone(), to.clone()))
+            ViewQuery::Report { bytes, to, .. } if !to.is_empty() => {
+                Some((bytes.clone(), to.clone()))
             }
             _ => None,
         }
@@ -104,6 +110,13 @@ pub struct Held<'a> {
     pub manifest: &'a [u8],
     /// Genesis blobs this node still hands out (the seeding node only), by row.
     pub genesis: &'a BTreeMap<u32, Arc<Vec<u8>>>,
+    /// What updates and reports must satisfy on this mesh.
+    pub rules: &'a super::Rules,
+    /// The node's wall clock, in unix milliseconds (certificates expire, updates and reports
+    /// go out of turn).
+    pub wall_ms: u64,
+    /// Live holders in the node's view: how many peers a notice or a report may name.
+    pub live: usize,
 }
 
 /// How many updates each peer handed over in the last minute.
@@ -121,8 +134,18 @@ impl<P> Default for LearnLimit<P> {
 }
 
 impl<P: Hash + Eq + Clone> LearnLimit<P> {
-    /// Counts a hand-over from `peer`: false past [`LEARN_PER_MINUTE`].
+    /// Counts a hand-over from `peer`: false past [`LEARN_PER_MINUTE`], or when
+    /// [`LIMITED_PEERS`] other peers handed something over within the minute (PeerIds are
+    /// free: the count of them is bounded too).
     pub fn allow(&mut self, peer: &P, now: Instant) -> bool {
+        let minute = Duration::from_secs(60);
+        if !self.times.contains_key(peer) && self.times.len() >= LIMITED_PEERS {
+            self.times
+                .retain(|_, t| t.back().is_some_and(|b| now.duration_since(*b) <= minute));
+            if self.times.len() >= LIMITED_PEERS {
+                return false;
+            }
+        }
         let times = self.times.entry(peer.clone()).or_default();
         while times
             .front()
@@ -135,6 +158,22 @@ impl<P: Hash + Eq + Clone> LearnLimit<P> {
         }
         times.push_back(now);
         true
+    }
+}
+
+/// Whether `tokens` can be taught to a model of `cfg`: at least two, at most its context, each
+/// in its vocabulary.
+fn teachable(tokens: &[u32], cfg: &LlamaConfig) -> Result<(), String> {
+    if tokens.len() < 2 || tokens.len() > cfg.max_seq {
+        return Err(format!(
+            "text of {} tokens to teach: 2 to {} are taught",
+            tokens.len(),
+            cfg.max_seq
+        ));
+    }
+    match tokens.iter().find(|&&t| t as usize >= cfg.vocab) {
+        Some(t) => Err(format!("token {t} outside the vocabulary of {}", cfg.vocab)),
+        None => Ok(()),
     }
 }
 
@@ -155,9 +194,30 @@ pub fn route<P: Hash + Eq + Clone + std::str::FromStr>(
         MeshRequest::Report { .. } if !limit.allow(peer, now) => error(format!(
             "rate limit: at most {LEARN_PER_MINUTE} updates and reports a minute from one peer"
         )),
-        MeshRequest::Report { peer, evidence, to } => {
-            Route::View(ViewQuery::Report { peer, evidence, to })
+        MeshRequest::Report { to, .. } if to.len() > super::spread::named_bound(held.live) => {
+            error(format!(
+                "a report naming {} holders, over the {} this node knows",
+                to.len(),
+                super::spread::named_bound(held.live)
+            ))
         }
+        MeshRequest::Report { report, to } => {
+            match super::open_report(&report, held.rules, held.wall_ms) {
+                Ok(r) => Route::View(ViewQuery::Report {
+                    report: r,
+                    bytes: report,
+                    to,
+                }),
+                Err(e) => error(e.to_string()),
+            }
+        }
+        MeshRequest::Teach(_) if !limit.allow(peer, now) => error(format!(
+            "rate limit: at most {LEARN_PER_MINUTE} texts to teach a minute from one peer"
+        )),
+        MeshRequest::Teach(tokens) => match teachable(&tokens, &held.rules.cfg) {
+            Ok(()) => Route::Teach(tokens),
+            Err(e) => error(e),
+        },
         MeshRequest::Served(usage) => Route::View(ViewQuery::Served(usage)),
         MeshRequest::Manifest => answer(MeshResponse::Manifest(held.manifest.to_vec())),
         MeshRequest::Norms => answer(MeshResponse::Norms {
@@ -197,7 +257,11 @@ pub fn route<P: Hash + Eq + Clone + std::str::FromStr>(
         MeshRequest::Spread(_) if !limit.allow(peer, now) => error(format!(
             "rate limit: at most {LEARN_PER_MINUTE} updates a minute from one peer"
         )),
-        MeshRequest::Spread(notice) => match notice.open() {
+        MeshRequest::Spread(notice) => match notice.open(
+            held.rules,
+            held.wall_ms,
+            super::spread::named_bound(held.live),
+        ) {
             Ok(opened) => Route::Spread(opened),
             Err(e) => error(format!("an update's notice: {e}")),
         },
@@ -227,21 +291,23 @@ where
             tracing::info!(%peer, ?offer, "join");
             MeshResponse::Join(offer)
         }
-        ViewQuery::Report {
-            peer: caught,
-            evidence,
-            ..
-        } => match caught.parse::<P>() {
-            Ok(p) => {
-                let text = format!("{evidence}; reported by {peer}");
-                if p == *view.me() {
-                    tracing::warn!("this node was caught answering against the code: {text}");
+        ViewQuery::Report { report, .. } => {
+            let text = format!(
+                "{}; reported by {} ({}), whom the mesh admits to report",
+                report.evidence, report.reporter, report.name
+            );
+            match report.accused.to_string().parse::<P>() {
+                Ok(p) => {
+                    if p == *view.me() {
+                        tracing::warn!("this node was caught answering against the code: {text}");
+                    }
+                    tracing::info!(%peer, "a report: {text}");
+                    view.report_caught(p, text);
+                    MeshResponse::Reported
                 }
-                view.report_caught(p, text);
-                MeshResponse::Reported
+                Err(e) => MeshResponse::Error(format!("peer id {}: {e}", report.accused)),
             }
-            Err(e) => MeshResponse::Error(format!("peer id {caught:?}: {e}")),
-        },
+        }
         ViewQuery::Served(usage) => {
             // Counts for the dashboards only: nothing is decided on them.
             view.add_usage(&usage);
@@ -393,11 +459,15 @@ mod tests {
     fn requests_are_routed_by_what_they_need() {
         let s = state();
         let genesis = BTreeMap::from([(4u32, Arc::new(vec![9u8; 10]))]);
+        let rules = super::super::Rules::of_test();
         let held = Held {
             row: 1,
             state: &s,
             manifest: b"manifest",
             genesis: &genesis,
+            rules: &rules,
+            wall_ms: 0,
+            live: 4,
         };
         let mut limit = LearnLimit::default();
         let now = Instant::now();
@@ -445,17 +515,55 @@ mod tests {
             go(MeshRequest::Join),
             Route::View(ViewQuery::Join)
         ));
+        // Text to teach: within the context and the vocabulary.
+        assert!(matches!(
+            go(MeshRequest::Teach(vec![1, 2, 3])),
+            Route::Teach(_)
+        ));
+        let e = error_of(go(MeshRequest::Teach(vec![1, u32::MAX])));
+        assert!(e.contains("outside the vocabulary"), "{e}");
+        let e = error_of(go(MeshRequest::Teach(vec![1; 100_000])));
+        assert!(e.contains("to teach"), "{e}");
+        // A report by a peer the mesh does not admit changes nothing.
+        let stranger =
+            crate::learn::Signer::unadmitted(libp2p::identity::Keypair::generate_ed25519());
+        let accused = libp2p::identity::Keypair::generate_ed25519()
+            .public()
+            .to_peer_id();
+        let evidence = crate::coded::Caught {
+            node: 2,
+            step: "lm head".into(),
+            residual: 1.0,
+            threshold: 0.1,
+            witnesses: vec![0, 1],
+            missing_update: None,
+        };
+        let report = super::super::sign_report(&stranger, accused, &evidence, 0).unwrap();
+        let e = error_of(go(MeshRequest::Report {
+            report: report.clone(),
+            to: Vec::new(),
+        }));
+        assert!(e.contains("report"), "{e}");
+        let e = error_of(go(MeshRequest::Report {
+            report,
+            to: vec!["x".into(); 100_000],
+        }));
+        assert!(e.contains("naming 100000 holders"), "{e}");
     }
 
     #[test]
     fn a_peer_handing_over_too_many_updates_is_refused_for_a_minute() {
         let s = state();
         let genesis = BTreeMap::new();
+        let rules = super::super::Rules::of_test();
         let held = Held {
             row: 1,
             state: &s,
             manifest: &[],
             genesis: &genesis,
+            rules: &rules,
+            wall_ms: 0,
+            live: 4,
         };
         let mut limit = LearnLimit::default();
         let t0 = Instant::now();
@@ -477,6 +585,16 @@ mod tests {
         let later = t0 + Duration::from_secs(61);
         let r = route(&held, &mut limit, &1u32, later, MeshRequest::Learn(vec![1]));
         assert!(matches!(r, Route::Learn(_)));
+        // Fresh peer ids are free, but only so many are counted a minute.
+        let mut limit = LearnLimit::default();
+        for p in 0..LIMITED_PEERS as u32 {
+            assert!(limit.allow(&p, t0));
+        }
+        assert!(
+            !limit.allow(&u32::MAX, t0),
+            "one peer too many within the minute"
+        );
+        assert!(limit.allow(&u32::MAX, later), "the minute's peers aged out");
     }
 
     #[test]

@@ -12,7 +12,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{HolderError, Link, MAX_UPDATE_BYTES, describe};
+use super::{HolderError, Link, describe};
 pub use crate::mesh::Notice;
 use crate::mesh::{MeshRequest, MeshResponse};
 
@@ -22,8 +22,15 @@ pub const FANOUT: usize = 3;
 /// Bytes of a piece: the unit a holder checks and passes on as soon as it has it.
 pub const PIECE_BYTES: u32 = 256 << 10;
 
-/// Most peers a notice may name.
+/// Most peers a notice may name, whatever the mesh.
 pub const MAX_NAMED: usize = 100_000;
+
+/// Most peers a notice may name at a node whose view knows `live` live holders: each of them,
+/// the sources a spread tree passes down, and room for holders the leader saw that this node
+/// has not yet heard of.
+pub fn named_bound(live: usize) -> usize {
+    2 * live + 16
+}
 
 /// An update's pieces, as its leader signs them.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -49,21 +56,54 @@ impl PieceList {
         }
     }
 
-    /// Signs the list with the leader's key.
-    pub fn seal(&self, key: &libp2p::identity::Keypair) -> Result<Vec<u8>, HolderError> {
+    /// Signs the list as the leader `signer`, with `header` (the update's own).
+    pub fn seal(
+        &self,
+        signer: &crate::learn::Signer,
+        header: crate::learn::Header,
+    ) -> Result<Vec<u8>, HolderError> {
         let bytes = postcard::to_allocvec(self)
             .map_err(|e| HolderError::Download(format!("encoding a piece list: {e}")))?;
-        Ok(crate::learn::seal(bytes, key)?)
+        Ok(crate::learn::seal(
+            bytes,
+            &signer.key,
+            signer.cert.as_ref(),
+            header,
+        )?)
     }
 
-    /// The signer and the list of signed bytes from the network, if the signature holds and
-    /// the list is consistent.
-    pub fn open(bytes: &[u8]) -> Result<(libp2p::PeerId, Self), HolderError> {
-        let (signer, payload) = crate::learn::open(bytes)?;
-        let list: Self = postcard::from_bytes(&payload)
+    /// The signer and the list of signed bytes from the network, if the signature holds, the
+    /// mesh admits the signer to write at `now_ms` (unix milliseconds) and the list is
+    /// consistent with an update of at most `max_bytes` (the mesh's, [`super::Rules::max_sealed`]):
+    /// what a stranger signs costs a holder no pull.
+    pub fn open(
+        bytes: &[u8],
+        rules: &super::Rules,
+        now_ms: u64,
+    ) -> Result<(libp2p::PeerId, Self), HolderError> {
+        let signed = crate::learn::open(bytes)?;
+        let mesh = rules.mesh.as_ref().ok_or_else(|| {
+            HolderError::Download("the mesh's manifest names no usable key".into())
+        })?;
+        signed
+            .admitted(mesh, crate::learn::Power::Write, Some(now_ms / 1000))
+            .map_err(|e| {
+                super::Refused::count(
+                    super::Refusal::Unadmitted,
+                    format!("a notice's list signed by {}: {e}", signed.signer),
+                )
+            })?;
+        let list: Self = postcard::from_bytes(&signed.payload)
             .map_err(|e| HolderError::Download(format!("not a piece list: {e}")))?;
-        if list.total == 0 || list.total > MAX_UPDATE_BYTES {
-            return Err(HolderError::UpdateTooLarge(list.total as usize));
+        if list.total == 0 || list.total > rules.max_sealed {
+            return Err(super::Refused::count(
+                super::Refusal::Oversized,
+                format!(
+                    "a notice of {} bytes, over the {} an update of this mesh takes",
+                    list.total, rules.max_sealed
+                ),
+            )
+            .into());
         }
         if list.digests.len() as u64 != list.total.div_ceil(PIECE_BYTES as u64) {
             return Err(HolderError::Download(format!(
@@ -72,7 +112,7 @@ impl PieceList {
                 list.total
             )));
         }
-        Ok((signer, list))
+        Ok((signed.signer, list))
     }
 
     /// Pieces in the update.
@@ -130,15 +170,24 @@ pub struct Opened<P> {
 }
 
 impl Notice {
-    /// Checks a notice from the network: its list's signature and shape, its peers, and the
-    /// inline update's pieces.
-    pub fn open<P: std::str::FromStr>(self) -> Result<Opened<P>, HolderError> {
-        let (signer, list) = PieceList::open(&self.list)?;
-        if self.sources.len() + self.to.len() > MAX_NAMED {
-            return Err(HolderError::Download(format!(
-                "a notice naming over {MAX_NAMED} peers"
-            )));
+    /// Checks a notice from the network: its list's signature, its signer's admission and
+    /// its shape ([`PieceList::open`]), its peers (at most `max_named`: what the receiver's
+    /// view of the live holders allows, [`named_bound`]), and the inline update's pieces.
+    pub fn open<P: std::str::FromStr>(
+        self,
+        rules: &super::Rules,
+        now_ms: u64,
+        max_named: usize,
+    ) -> Result<Opened<P>, HolderError> {
+        let max_named = max_named.min(MAX_NAMED);
+        if self.sources.len() + self.to.len() > max_named {
+            let why = format!(
+                "a notice naming {} peers, over the {max_named} this node knows to hold rows",
+                self.sources.len() + self.to.len()
+            );
+            return Err(super::Refused::count(super::Refusal::Oversized, why).into());
         }
+        let (signer, list) = PieceList::open(&self.list, rules, now_ms)?;
         if self.sources.is_empty() && self.inline.is_none() {
             return Err(HolderError::Download(
                 "a notice with neither the update nor a peer to pull it from".into(),
@@ -218,21 +267,15 @@ pub async fn pass_on<L: Link>(
     tell(link, to, ask, bytes, "an update's notice").await
 }
 
-/// Passes a caught member's report on ([`tell`]) to the holders `to` names (unreadable names
-/// are skipped).
-pub async fn pass_report<L: Link>(
-    link: &L,
-    peer: String,
-    evidence: crate::coded::Caught,
-    to: &[String],
-) -> Passed
+/// Passes a caught member's signed report on ([`tell`]) to the holders `to` names
+/// (unreadable names are skipped).
+pub async fn pass_report<L: Link>(link: &L, report: Vec<u8>, to: &[String]) -> Passed
 where
     L::Peer: std::str::FromStr,
 {
     let to: Vec<L::Peer> = to.iter().filter_map(|p| p.parse().ok()).collect();
     let ask = |rest| MeshRequest::Report {
-        peer: peer.clone(),
-        evidence: evidence.clone(),
+        report: report.clone(),
         to: rest,
     };
     tell(link, &to, ask, 0, "a caught member's report").await
@@ -432,44 +475,99 @@ mod tests {
         }
     }
 
+    /// A mesh's rules for lists of updates up to a MiB, its key, and a trainer it admits.
+    fn admitted() -> (super::super::Rules, crate::learn::Signer) {
+        let mesh = libp2p::identity::Keypair::generate_ed25519();
+        let key = libp2p::identity::Keypair::generate_ed25519();
+        let cert = crate::learn::Certificate::issue(
+            &mesh,
+            key.public().to_peer_id(),
+            "trainer",
+            1,
+            u64::MAX,
+            &[crate::learn::Power::Write],
+        )
+        .unwrap();
+        let rules = super::super::Rules {
+            cfg: crate::model::LlamaConfig::small(),
+            learning: crate::learn::LearningConfig::default(),
+            format: crate::coded::ShardFormat::F32,
+            mesh: Some(crate::learn::MeshKey::of(&mesh)),
+            canary: None,
+            max_sealed: 1 << 20,
+        };
+        let signer = crate::learn::Signer {
+            key,
+            cert: Some(cert),
+        };
+        (rules, signer)
+    }
+
+    const NOW: u64 = 1_800_000_000_000;
+
+    fn now() -> crate::learn::Header {
+        crate::learn::Header {
+            issued_ms: NOW,
+            verdict: None,
+        }
+    }
+
     #[test]
     fn a_list_is_signed_and_any_change_to_it_is_refused() {
-        let key = libp2p::identity::Keypair::generate_ed25519();
+        let (rules, signer) = admitted();
         let u = update();
         let list = PieceList::of(9, &u);
         assert_eq!(list.len(), 3);
         assert_eq!(list.range(2), (2 * PIECE_BYTES as u64, 1000));
-        let sealed = list.seal(&key).unwrap();
-        let (signer, back) = PieceList::open(&sealed).unwrap();
-        assert_eq!((signer, &back), (key.public().to_peer_id(), &list));
+        let sealed = list.seal(&signer, now()).unwrap();
+        let (by, back) = PieceList::open(&sealed, &rules, NOW).unwrap();
+        assert_eq!((by, &back), (signer.key.public().to_peer_id(), &list));
         let mut bad = sealed.clone();
         let last = bad.len() - 1;
         bad[last] ^= 1;
-        assert!(PieceList::open(&bad).is_err());
+        assert!(PieceList::open(&bad, &rules, NOW).is_err());
         let mut short = list.clone();
         short.digests.pop();
-        assert!(PieceList::open(&short.seal(&key).unwrap()).is_err());
+        let short = short.seal(&signer, now()).unwrap();
+        assert!(PieceList::open(&short, &rules, NOW).is_err());
+        // A stranger's list costs a holder nothing: refused before a piece is pulled.
+        let stranger =
+            crate::learn::Signer::unadmitted(libp2p::identity::Keypair::generate_ed25519());
+        let theirs = list.seal(&stranger, now()).unwrap();
+        let err = PieceList::open(&theirs, &rules, NOW).unwrap_err();
+        assert!(err.to_string().contains("unadmitted"), "{err}");
+        // A list of an update larger than the mesh's updates: refused before it is pulled.
+        let mut huge = PieceList::of(9, &vec![0u8; (2 << 20) + 1]);
+        huge.id = 10;
+        let huge = huge.seal(&signer, now()).unwrap();
+        let err = PieceList::open(&huge, &rules, NOW).unwrap_err();
+        assert!(err.to_string().contains("oversized"), "{err}");
     }
 
     #[test]
-    fn an_inline_update_must_match_its_list() {
-        let key = libp2p::identity::Keypair::generate_ed25519();
+    fn an_inline_update_must_match_its_list_and_a_notice_name_no_more_than_the_live_holders() {
+        let (rules, signer) = admitted();
         let u = update();
-        let list = PieceList::of(9, &u).seal(&key).unwrap();
+        let list = PieceList::of(9, &u).seal(&signer, now()).unwrap();
         let notice = |inline: Vec<u8>| Notice {
             list: list.clone(),
             sources: Vec::new(),
             to: vec!["3".into()],
             inline: Some(inline),
         };
-        let opened: Opened<u32> = notice(u.clone()).open().unwrap();
+        let open = |n: Notice| n.open::<u32>(&rules, NOW, named_bound(4));
+        let opened: Opened<u32> = open(notice(u.clone())).unwrap();
         assert_eq!(opened.to, [3]);
         let mut changed = u.clone();
         changed[PIECE_BYTES as usize + 5] ^= 1;
-        assert!(notice(changed).open::<u32>().is_err());
+        assert!(open(notice(changed)).is_err());
+        let mut many = notice(u.clone());
+        many.to = (0..=named_bound(4)).map(|i| i.to_string()).collect();
+        let err = open(many).unwrap_err();
+        assert!(err.to_string().contains("this node knows"), "{err}");
         let mut n = notice(u);
         n.inline = None;
-        assert!(n.open::<u32>().is_err(), "nothing to pull from");
+        assert!(open(n).is_err(), "nothing to pull from");
     }
 
     #[test]
@@ -514,16 +612,8 @@ mod tests {
     #[test]
     fn a_report_is_passed_on_through_shares_and_unreadable_names_are_skipped() {
         let link = peers(&[], &[]);
-        let evidence = crate::coded::Caught {
-            node: 2,
-            step: "Qkv(0)".into(),
-            residual: 1e-3,
-            threshold: 1e-5,
-            witnesses: vec![0, 1],
-            missing_update: None,
-        };
         let to = ["4", "five", "6", "7", "8"].map(String::from);
-        let passed = futures::executor::block_on(pass_report(&link, "9".into(), evidence, &to));
+        let passed = futures::executor::block_on(pass_report(&link, b"signed".to_vec(), &to));
         assert_eq!(passed.taken, 3);
         let mut reported = link.reported.into_inner().unwrap();
         reported.sort();

@@ -5,7 +5,7 @@
 
 use std::future::Future;
 
-use crate::learn::{Judged, Published, Teacher, Verdict};
+use crate::learn::{GateClaim, Judged, Published, Teacher, Verdict};
 use crate::model::{LinearExec, Llama};
 
 /// Where a leader's updates go once the canary gate passed them: each shell's networking.
@@ -13,11 +13,13 @@ pub trait Publisher {
     /// What handing an update out reports.
     type Sent;
 
-    /// Hands `p` out: what that did, and the version the mesh moved to when this leader knows
-    /// it; why not, when it could not be handed out.
+    /// Hands `p` out with the gate's `verdict` on it (none without a gate): what that did,
+    /// and the version the mesh moved to when this leader knows it; why not, when it could
+    /// not be handed out.
     fn publish(
         &mut self,
         p: Published,
+        verdict: Option<GateClaim>,
     ) -> impl Future<Output = Result<(Self::Sent, Option<[u8; 32]>), String>>;
 }
 
@@ -57,7 +59,10 @@ pub async fn settle<E: LinearExec, P: Publisher>(
         Ok(Judged::Refused(why, verdict)) => Settled::Refused(why, verdict),
         Ok(Judged::Publish(p, verdict)) => {
             let requests = p.requests;
-            match publisher.publish(*p).await {
+            match publisher
+                .publish(*p, verdict.as_ref().map(Verdict::claim))
+                .await
+            {
                 Ok((sent, moved)) => {
                     teacher.keep_last();
                     if let Some(v) = moved {
@@ -98,7 +103,11 @@ mod tests {
     impl Publisher for Shelf {
         type Sent = usize;
 
-        async fn publish(&mut self, p: Published) -> Result<(usize, Option<[u8; 32]>), String> {
+        async fn publish(
+            &mut self,
+            p: Published,
+            _: Option<GateClaim>,
+        ) -> Result<(usize, Option<[u8; 32]>), String> {
             if self.refuse {
                 return Err("no holder took it".into());
             }
@@ -116,7 +125,7 @@ mod tests {
     }
 
     fn gate(bound: f64) -> CanaryGate {
-        CanaryGate::new(canary()).with_bounds(bound, bound)
+        CanaryGate::new(canary(), None).with_bounds(bound, bound)
     }
 
     #[test]

@@ -10,10 +10,9 @@ pub mod publish;
 pub mod route;
 pub mod training;
 
+pub use crate::learn::Signer;
 pub use learning::{Publisher, Settled, settle};
-pub use publish::{
-    Reported, Sealed, Sent, publish, publish_sealed, report_caught, seal_update, spread_out,
-};
+pub use publish::{Reported, Sealed, Sent, publish_sealed, report_caught, seal_update, spread_out};
 pub use route::{HOP_OVER, PassRoute, RouteMeasures, hop_members};
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -420,7 +419,8 @@ pub async fn probe_updates<L: Link<Peer = PeerId>>(
                 break;
             }
             let bytes = fetch_update(link, peer, id).await?;
-            let checked = rules.check(&bytes)?;
+            // Updates a holder took before: their certificates may have expired since.
+            let checked = rules.check(&bytes, None)?;
             if checked.id != id {
                 return Err(HolderError::Mismatch(format!(
                     "{peer}'s update {id:016x} hashes to {:016x}",
@@ -571,9 +571,15 @@ mod tests {
             format: ShardFormat::F32,
             learning: LearningConfig::default(),
             verify_noise: 1e-3,
+            mesh_key: crate::learn::MeshKey::of(&MESH_KEY).to_bytes(),
+            canary_loss: None,
             cfg,
         }
     }
+
+    /// The key of the tests' mesh.
+    static MESH_KEY: std::sync::LazyLock<libp2p::identity::Keypair> =
+        std::sync::LazyLock::new(libp2p::identity::Keypair::generate_ed25519);
 
     const V: [u8; 32] = [7; 32];
 
@@ -585,13 +591,26 @@ mod tests {
         let mut learner =
             crate::learn::Learner::new(LearningConfig::default(), cfg.clone(), ShardFormat::Q8);
         let key = libp2p::identity::Keypair::generate_ed25519();
+        let cert = crate::learn::Certificate::issue(
+            &MESH_KEY,
+            key.public().to_peer_id(),
+            "leader",
+            1,
+            u64::MAX,
+            &[crate::learn::Power::Write],
+        )
+        .unwrap();
         let mut version = crate::mesh::ShardVersion::default();
         let mut payloads = BTreeMap::new();
         for g in grads {
             let update = learner.push(g).unwrap().unwrap().update;
             let payload = update.encode();
             let id = Update::id_of(&payload);
-            payloads.insert(id, crate::learn::seal(payload, &key).unwrap());
+            let header = crate::learn::Header::default();
+            payloads.insert(
+                id,
+                crate::learn::seal(payload, &key, Some(&cert), header).unwrap(),
+            );
             version.insert(id);
         }
         let manifest = ModelManifest {
@@ -646,7 +665,8 @@ mod tests {
         for ((a, x), (b, y)) in first.iter().zip(&second) {
             assert!(a == b && Arc::ptr_eq(x, y), "the groups hold one copy");
             // What the shards of a compact mesh learn: the update's projection.
-            let sent = Update::decode(&crate::learn::open(&holder.payloads[a]).unwrap().1).unwrap();
+            let sent =
+                Update::decode(&crate::learn::open(&holder.payloads[a]).unwrap().payload).unwrap();
             assert_eq!(**x, sent.projected());
         }
         // Another version is probed afresh, and not from a holder at another one.

@@ -8,7 +8,7 @@ use libp2p::PeerId;
 use super::LeadError;
 use crate::coded::Caught;
 use crate::holder::{Link, Passed, PieceList, pass_on, tell};
-use crate::learn::{Published, Update, seal};
+use crate::learn::{Header, Published, Signer, Update, seal};
 use crate::mesh::MeshRequest;
 
 /// An update signed by a leader, ready to hand out.
@@ -22,12 +22,13 @@ pub struct Sealed {
     pub list: Vec<u8>,
 }
 
-/// Signs a published update with the leader's key.
-pub fn seal_update(p: &Published, key: &libp2p::identity::Keypair) -> Result<Sealed, LeadError> {
+/// Signs a published update as `signer`, with `header` (its time and the gate's verdict);
+/// its piece list is signed with the same.
+pub fn seal_update(p: &Published, signer: &Signer, header: Header) -> Result<Sealed, LeadError> {
     let payload = p.update.encode();
     let id = Update::id_of(&payload);
-    let bytes = seal(payload, key)?;
-    let list = PieceList::of(id, &bytes).seal(key)?;
+    let bytes = seal(payload, &signer.key, signer.cert.as_ref(), header)?;
+    let list = PieceList::of(id, &bytes).seal(signer, header)?;
     Ok(Sealed { id, bytes, list })
 }
 
@@ -70,16 +71,6 @@ pub struct Sent {
     pub kept: f64,
 }
 
-/// Signs `p` and starts it spreading through `holders` (sent with the notices).
-pub async fn publish<L: Link<Peer = PeerId>>(
-    link: &L,
-    key: &libp2p::identity::Keypair,
-    holders: &[PeerId],
-    p: &Published,
-) -> Result<Sent, LeadError> {
-    Ok(publish_sealed(link, holders, &seal_update(p, key)?, p).await)
-}
-
 /// Starts `sealed` (the signed form of `p`) spreading through `holders`, sent with the
 /// notices.
 pub async fn publish_sealed<L: Link<Peer = PeerId>>(
@@ -110,10 +101,13 @@ pub struct Reported {
 }
 
 /// Tells `holders` about the members in `caught` (rows of a group over `rows`), with the
-/// evidence: at most [`crate::holder::FANOUT`] of them directly, who pass it on
-/// ([`crate::holder::tell`]); a row with no known holder is skipped.
+/// evidence, signed as `signer` at `now_ms`: at most [`crate::holder::FANOUT`] of them
+/// directly, who pass it on ([`crate::holder::tell`]); a row with no known holder is skipped.
+/// Holders act on it only when the mesh admits `signer` to report.
 pub async fn report_caught<L: Link<Peer = PeerId>>(
     link: &L,
+    signer: &Signer,
+    now_ms: u64,
     caught: &[Caught],
     rows: &BTreeMap<usize, PeerId>,
     holders: &[PeerId],
@@ -125,14 +119,21 @@ pub async fn report_caught<L: Link<Peer = PeerId>>(
     if caught.is_empty() {
         return Reported::default();
     }
-    let tells = caught.iter().map(|(_, peer, evidence)| {
+    let mut tells = Vec::new();
+    for (_, peer, evidence) in &caught {
+        let report = match crate::holder::sign_report(signer, *peer, evidence, now_ms) {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!(%peer, "a report could not be signed: {e}");
+                continue;
+            }
+        };
         let ask = move |rest| MeshRequest::Report {
-            peer: peer.to_string(),
-            evidence: evidence.clone(),
+            report: report.clone(),
             to: rest,
         };
-        tell(link, holders, ask, 0, "a caught member's report")
-    });
+        tells.push(async move { tell(link, holders, ask, 0, "a caught member's report").await });
+    }
     let taken_by = futures::future::join_all(tells)
         .await
         .into_iter()

@@ -14,6 +14,15 @@ pub const BUDGET_REFILL_PER_S: f64 = 64.0;
 /// anyway) are forgotten first.
 const MAX_CALLERS: usize = 4096;
 
+/// One caller's budget: a full bucket, and its refill a second.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Budget {
+    /// Tokens (or requests) at once.
+    pub capacity: f64,
+    /// Refill a second.
+    pub refill_per_s: f64,
+}
+
 /// Every caller's bucket.
 #[derive(Debug, Clone)]
 pub struct Budgets {
@@ -21,6 +30,8 @@ pub struct Budgets {
     refill_per_s: f64,
     /// Per caller: tokens left and when that was computed.
     buckets: HashMap<String, (f64, Duration)>,
+    /// Callers with budgets of their own (an API key's), instead of the default.
+    own: HashMap<String, Budget>,
 }
 
 impl Default for Budgets {
@@ -36,13 +47,28 @@ impl Budgets {
             capacity,
             refill_per_s,
             buckets: HashMap::new(),
+            own: HashMap::new(),
         }
+    }
+
+    /// Gives `caller` a budget of its own.
+    pub fn set(&mut self, caller: &str, budget: Budget) {
+        self.own.insert(caller.to_owned(), budget);
+    }
+
+    /// `caller`'s capacity and refill.
+    fn limits(&self, caller: &str) -> (f64, f64) {
+        self.own
+            .get(caller)
+            .map_or((self.capacity, self.refill_per_s), |b| {
+                (b.capacity, b.refill_per_s)
+            })
     }
 
     /// Takes `tokens` from `caller`'s bucket at `now` (time since any fixed start) if it holds
     /// that many; false, leaving the bucket as it was, when it does not.
     pub fn take(&mut self, caller: &str, tokens: usize, now: Duration) -> bool {
-        let (capacity, refill) = (self.capacity, self.refill_per_s);
+        let (capacity, refill) = self.limits(caller);
         if !self.buckets.contains_key(caller) && self.buckets.len() >= MAX_CALLERS {
             self.forget_fullest(now);
         }
@@ -64,12 +90,10 @@ impl Budgets {
 
     /// Tokens `caller` may have trained on at `now`.
     pub fn left(&self, caller: &str, now: Duration) -> f64 {
-        self.buckets
-            .get(caller)
-            .map_or(self.capacity, |(left, at)| {
-                (left + self.refill_per_s * now.saturating_sub(*at).as_secs_f64())
-                    .min(self.capacity)
-            })
+        let (capacity, refill) = self.limits(caller);
+        self.buckets.get(caller).map_or(capacity, |(left, at)| {
+            (left + refill * now.saturating_sub(*at).as_secs_f64()).min(capacity)
+        })
     }
 
     fn forget_fullest(&mut self, now: Duration) {
@@ -105,5 +129,16 @@ mod tests {
         );
         // Time that goes backwards refills nothing.
         assert!(!b.take("a", 1, s(1)));
+        // A caller with a budget of its own.
+        b.set(
+            "key",
+            Budget {
+                capacity: 10.0,
+                refill_per_s: 1.0,
+            },
+        );
+        assert!(!b.take("key", 11, s(0)));
+        assert!(b.take("key", 10, s(0)));
+        assert!(b.take("key", 5, s(5)));
     }
 }

@@ -12,7 +12,7 @@ use std::borrow::Cow;
 
 use super::{StageFactors, Update, project_rows};
 use crate::coded::ShardFormat;
-use crate::model::{LinearExec, Llama, LlamaConfig, ModelError, Stage};
+use crate::model::{LinearExec, Llama, LlamaConfig, ModelError, Stage, Tokenizer};
 
 /// The held-out text the gate measures (general English prose, none of it a test's taught
 /// passage or the learning bench's held-out text).
@@ -24,9 +24,27 @@ pub const CANARY_TOKENS: usize = 128;
 /// Most one update may raise the canary loss, in nats per token (a 1 % perplexity rise).
 pub const MAX_CANARY_STEP: f64 = 0.01;
 
-/// Most the canary loss may rise above the first one a leader measured, in nats per token
-/// (a 3 % perplexity rise), over all its updates.
+/// Most the canary loss may rise above the mesh's reference (the manifest's, measured at
+/// genesis; a gate without one counts from the first loss it measured), in nats per token
+/// (a 3 % perplexity rise), over all updates of every trainer.
 pub const MAX_CANARY_DRIFT: f64 = 0.03;
+
+/// The canary's tokens as `tokenizer` cuts them (the first [`CANARY_TOKENS`]).
+pub fn canary_tokens(tokenizer: &Tokenizer) -> Result<Vec<u32>, ModelError> {
+    let mut tokens = tokenizer.encode(CANARY_TEXT)?;
+    tokens.truncate(CANARY_TOKENS);
+    Ok(tokens)
+}
+
+/// The canary's loss on the model `llama` computes with over `exec`: the reference a mesh
+/// fixes at genesis, which every gate counts the drift from.
+pub async fn canary_reference<E: LinearExec>(
+    llama: &Llama,
+    exec: &mut E,
+    tokenizer: &Tokenizer,
+) -> Result<f64, ModelError> {
+    llama.sequence_loss(exec, &canary_tokens(tokenizer)?).await
+}
 
 /// What the gate decided about one update.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -35,20 +53,30 @@ pub struct Verdict {
     pub before: f64,
     /// The canary loss with the update applied.
     pub after: f64,
-    /// The first canary loss this gate measured (what drift is counted from).
+    /// What drift is counted from: the mesh's reference loss, or without one the first
+    /// canary loss this gate measured.
     pub baseline: f64,
     /// Whether the update may be published.
     pub pass: bool,
 }
 
 impl Verdict {
+    /// The verdict as a trainer attaches it to the update it publishes.
+    pub fn claim(&self) -> super::GateClaim {
+        super::GateClaim {
+            before: self.before,
+            after: self.after,
+            reference: self.baseline,
+        }
+    }
+
     /// Why the update was refused, for the log; `None` when it passed.
     pub fn refusal(&self) -> Option<String> {
         if self.pass {
             return None;
         }
         Some(format!(
-            "the canary loss would go {:.4} → {:.4} nats (first measured {:.4}; at most +{MAX_CANARY_STEP} an update, +{MAX_CANARY_DRIFT} in all)",
+            "the canary loss would go {:.4} → {:.4} nats (counted from {:.4}; at most +{MAX_CANARY_STEP} an update, +{MAX_CANARY_DRIFT} in all)",
             self.before, self.after, self.baseline
         ))
     }
@@ -67,13 +95,14 @@ pub struct CanaryGate {
 
 impl CanaryGate {
     /// A gate over `tokens` (the canary text as the model's tokenizer cuts it; at most
-    /// [`CANARY_TOKENS`] are used).
-    pub fn new(mut tokens: Vec<u32>) -> Self {
+    /// [`CANARY_TOKENS`] are used) counting drift from `reference` (the mesh's, from its
+    /// manifest; `None`: from the first loss it measures).
+    pub fn new(mut tokens: Vec<u32>, reference: Option<f64>) -> Self {
         tokens.truncate(CANARY_TOKENS);
         Self {
             tokens,
             bounds: (MAX_CANARY_STEP, MAX_CANARY_DRIFT),
-            baseline: None,
+            baseline: reference,
             at: None,
         }
     }

@@ -5,6 +5,7 @@
 //! sent as f16 ([`Learner`]).
 
 mod adam;
+mod admit;
 mod budget;
 mod canary;
 mod compress;
@@ -18,16 +19,18 @@ pub use crate::update::{Precision, StageFactors, Update};
 pub use adam::{
     AdapterAdam, AdapterSums, MAX_BATCH_SCALE, adapter_gradients, check_adapter_step, entry_per_dy,
 };
-pub use budget::{BUDGET_REFILL_PER_S, BUDGET_TOKENS, Budgets};
+pub use admit::{AdmitError, CertBody, Certificate, MAX_CERT_BYTES, MeshKey, Power};
+pub use budget::{BUDGET_REFILL_PER_S, BUDGET_TOKENS, Budget, Budgets};
 pub use canary::{
     CANARY_TEXT, CANARY_TOKENS, CanaryGate, MAX_CANARY_DRIFT, MAX_CANARY_STEP, Pending, Verdict,
+    canary_reference, canary_tokens,
 };
 pub use compress::{LowRank, low_rank};
 pub use config::{
     DEFAULT_ADAM_LR, DEFAULT_RANK, DEFAULT_SGD_LR, LearningConfig, MAX_ACCUMULATE, Optimizer,
 };
 pub use learner::{Learner, Published};
-pub use signed::{open, seal};
+pub use signed::{GateClaim, Header, Signed, Signer, open, seal};
 /// A small coded model, its gradients and teachers, for the tests of what leaders do with them.
 #[cfg(test)]
 pub(crate) use teacher::tests as fixtures;
@@ -119,6 +122,50 @@ pub const MAX_POSITIONS: usize = 256;
 
 /// Most embedding-lookup rows an update may carry (requests folded together).
 pub const MAX_LOOKUPS: usize = 16 * MAX_POSITIONS;
+
+/// Most bytes a postcard length or small number takes (a varint of a `u32`).
+const VARINT: u64 = 5;
+
+/// The most bytes an update's wire form ([`Update::encode`]) takes on a mesh of `cfg` that
+/// learns with `learning`: every stage's factors at the most rows the mesh's rules let it carry
+/// (the adapters' rank with Adam, the mesh's rank or [`MAX_POSITIONS`] with SGD), the most
+/// embedding lookups, the norm gains and every length prefix. Holders refuse a larger payload
+/// before they read it.
+pub fn max_update_bytes(cfg: &LlamaConfig, learning: &LearningConfig) -> u64 {
+    let b: u64 = match learning.precision() {
+        Precision::F16 => 2,
+        Precision::F32 => 4,
+    };
+    let rows = |inp: usize| -> u64 {
+        match learning.optimizer {
+            Optimizer::AdamAdapters => crate::coded::adapter_rank(inp) as u64,
+            Optimizer::Sgd if learning.rank > 0 => u64::from(learning.rank),
+            Optimizer::Sgd => MAX_POSITIONS as u64,
+        }
+    };
+    let stages: u64 = Stage::all(cfg)
+        .iter()
+        .map(|stage| {
+            let shapes = stage.shapes(cfg);
+            let inp = shapes.first().map_or(0, |s| s.1);
+            let r = rows(inp);
+            let outs: u64 = shapes
+                .iter()
+                .map(|&(out, _)| VARINT + r * out as u64 * b)
+                .sum();
+            // The stage (a tag and its layer), the rows, x and the list of dy.
+            1 + VARINT + VARINT + (VARINT + r * inp as u64 * b) + VARINT + outs
+        })
+        .sum();
+    let lookups = match learning.optimizer {
+        Optimizer::AdamAdapters => 0,
+        Optimizer::Sgd => MAX_LOOKUPS as u64,
+    };
+    let embed = VARINT + lookups * VARINT + VARINT + lookups * cfg.hidden as u64 * b;
+    let norms = postcard::to_allocvec(&LeaderWeights::zeros(cfg)).map_or(0, |v| v.len() as u64);
+    // The format, the precision, the step and the positions, then the stages' count.
+    1 + 1 + 4 + VARINT + VARINT + stages + embed + norms
+}
 
 /// Whether a stage's factors fit the model.
 fn fits(f: &StageFactors, cfg: &LlamaConfig) -> bool {

@@ -235,7 +235,8 @@ pub(crate) mod tests {
         assert!(after_first != alone, "the moments carried nothing");
         // A gate that refuses everything: the refused update is forgotten, so the next one is
         // the second gradient's alone.
-        let shut = CanaryGate::new(canary()).with_bounds(f64::NEG_INFINITY, f64::NEG_INFINITY);
+        let shut =
+            CanaryGate::new(canary(), None).with_bounds(f64::NEG_INFINITY, f64::NEG_INFINITY);
         let mut gated = teacher(Some(shut));
         let made = gated.fold(g1).unwrap().unwrap();
         assert!(made == first, "the same gradient makes the same update");
@@ -253,7 +254,7 @@ pub(crate) mod tests {
     #[test]
     fn a_passed_update_carries_its_verdict_and_the_gate_follows_the_mesh() {
         let (llama, mut group, [grads, _]) = setup();
-        let open = CanaryGate::new(canary()).with_bounds(f64::INFINITY, f64::INFINITY);
+        let open = CanaryGate::new(canary(), None).with_bounds(f64::INFINITY, f64::INFINITY);
         let mut t = teacher(Some(open));
         let made = t.fold(grads).unwrap().unwrap();
         let verdict = match block_on(t.judge(&llama, &mut group, [0; 32], made)).unwrap() {

@@ -28,6 +28,14 @@ pub struct ModelManifest {
     /// Residual per unit of condition number above which answers disagree with the code
     /// (honest f32 noise measured at genesis, times a margin).
     pub verify_noise: f64,
+    /// The mesh's public key, made at genesis (libp2p's protobuf form): only peers it admits
+    /// by certificate write the model ([`crate::learn::Certificate`]).
+    #[serde(with = "serde_bytes")]
+    pub mesh_key: Vec<u8>,
+    /// The canary text's loss on the model at genesis (nats per token): every trainer's gate
+    /// counts the mesh's drift from it, and holders refuse an update whose trainer's verdict
+    /// is missing or past the bounds. `None`: the mesh runs no gate.
+    pub canary_loss: Option<f64>,
 }
 
 impl ModelManifest {
@@ -48,12 +56,25 @@ impl ModelManifest {
                 m.verify_noise
             )));
         }
+        crate::learn::MeshKey::from_bytes(&m.mesh_key)
+            .map_err(|e| ModelError::Config(format!("manifest: {e}")))?;
+        if m.canary_loss.is_some_and(|l| !(l.is_finite() && l > 0.0)) {
+            return Err(ModelError::Config(format!(
+                "manifest: canary loss {:?} is not a positive number",
+                m.canary_loss
+            )));
+        }
         if !m.leader.fits(&m.cfg) {
             return Err(ModelError::Config(
                 "manifest: norm gains do not match the model's shape".into(),
             ));
         }
         Ok(m)
+    }
+
+    /// The mesh's key, which admits who may write the model.
+    pub fn mesh_key(&self) -> Result<crate::learn::MeshKey, crate::learn::AdmitError> {
+        crate::learn::MeshKey::from_bytes(&self.mesh_key)
     }
 
     /// Identity of the coded model: a hash of the manifest.

@@ -28,8 +28,10 @@ pub struct Heartbeat {
     /// Digest of the applied update set.
     pub version_digest: [u8; 32],
     /// Addresses it listens on, as multiaddr strings.
+    #[serde(deserialize_with = "crate::protocol::bounded::addrs")]
     pub addrs: Vec<String>,
     /// Rows it can hand out from genesis.
+    #[serde(deserialize_with = "crate::protocol::bounded::numbers")]
     pub offers: Vec<u32>,
     /// Chosen anew each time the node starts, so a restart is not mistaken for old news.
     pub incarnation: u64,
@@ -167,6 +169,7 @@ pub struct NodeStatus {
     /// Digest of its update set (hex).
     pub version_digest: String,
     /// Its listen addresses.
+    #[serde(deserialize_with = "crate::protocol::bounded::addrs")]
     pub addrs: Vec<String>,
     /// Seconds since it was last heard from.
     pub silent_for_s: f64,
@@ -196,6 +199,7 @@ pub struct RowHolders {
     /// The row.
     pub row: u32,
     /// Peer ids of every known holder, whatever its health.
+    #[serde(deserialize_with = "crate::protocol::bounded::names")]
     pub holders: Vec<String>,
     /// Holders that are healthy and not caught.
     pub healthy: u32,
@@ -259,6 +263,7 @@ pub struct BrowserBootstrap {
     /// The node's peer id.
     pub peer: String,
     /// Its addresses a browser can dial (WebSocket, WebRTC-direct), each ending in `/p2p/<peer>`.
+    #[serde(deserialize_with = "crate::protocol::bounded::addrs")]
     pub addrs: Vec<String>,
 }
 
@@ -440,6 +445,7 @@ pub struct SourceRow {
     /// Its holder's peer id.
     pub peer: String,
     /// Its holder's addresses.
+    #[serde(deserialize_with = "crate::protocol::bounded::addrs")]
     pub addrs: Vec<String>,
 }
 
@@ -477,8 +483,10 @@ pub struct Notice {
     #[serde(with = "serde_bytes")]
     pub list: Vec<u8>,
     /// Peers to pull pieces from, nearest first (the last is the nearest to the leader).
+    #[serde(deserialize_with = "crate::protocol::bounded::names")]
     pub sources: Vec<String>,
     /// Holders the receiver passes the notice on to.
+    #[serde(deserialize_with = "crate::protocol::bounded::names")]
     pub to: Vec<String>,
     /// The whole signed update, from a leader that serves no pieces.
     #[serde(with = "serde_bytes")]
@@ -526,13 +534,14 @@ pub enum MeshRequest {
     Learn(Vec<u8>),
     /// The replicated norm gains at the answering node's version.
     Norms,
-    /// A leader caught the holder `peer` answering against the code.
+    /// A leader caught a holder answering against the code: the report, signed by the leader
+    /// ([`crate::holder::sign_report`]; acted on only when the mesh admits it to report).
     Report {
-        /// The caught node's peer id.
-        peer: String,
-        /// The evidence.
-        evidence: crate::coded::Caught,
+        /// The signed report.
+        #[serde(with = "serde_bytes")]
+        report: Vec<u8>,
         /// Holders the receiver passes the report on to ([`crate::holder::tell`]).
+        #[serde(deserialize_with = "crate::protocol::bounded::names")]
         to: Vec<String>,
     },
     /// A leader finished a request: the node adds it to the usage it announces.
@@ -542,6 +551,9 @@ pub enum MeshRequest {
     /// A learning update is spreading: pull it and pass the notice on
     /// ([`crate::holder::spread`]).
     Spread(Notice),
+    /// A leader the mesh does not admit to write hands a trainer text its user sent (token
+    /// ids): the trainer trains on it under its own budget and gate.
+    Teach(#[serde(deserialize_with = "crate::protocol::bounded::numbers")] Vec<u32>),
 }
 
 /// An answer on the mesh protocol.
@@ -611,6 +623,8 @@ pub enum MeshResponse {
     IntPartial(IntSum),
     /// A finished piece of a compact row, from the last source of its chain.
     CompactPiece(CompactPiece),
+    /// Text to teach was taken: the trainer trains on it with its next minibatch.
+    Taught,
 }
 
 /// A compact chain's running sum of one piece: `Σ a_j·q_j` over the sources so far, where

@@ -3,6 +3,7 @@
 //! a swarm on each runtime live in the shells.
 
 mod driver;
+pub mod frames;
 pub mod hop;
 pub mod link;
 pub mod reach;
@@ -12,7 +13,7 @@ pub use driver::{Driver, NetEvent, Reply, UNSIGNED_GOSSIP};
 
 use std::io;
 
-use futures::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use futures::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use libp2p::swarm::{NetworkBehaviour, behaviour::toggle::Toggle};
 use libp2p::{
     StreamProtocol, autonat, dcutr, gossipsub, identify, identity, kad, ping, relay,
@@ -21,7 +22,7 @@ use libp2p::{
 use web_time::Duration;
 
 use crate::mesh::{HEARTBEAT_TOPIC, MeshRequest, MeshResponse};
-use crate::protocol::{self, MAX_MESSAGE_BYTES, PROTOCOL_VERSION};
+use crate::protocol::{self, PROTOCOL_VERSION};
 
 /// Name of the mesh request-response protocol; the version is part of it.
 pub const MESH_PROTOCOL: &str = "/codedmesh/mesh/2";
@@ -36,6 +37,17 @@ const RELAY_PER_MINUTE: std::num::NonZeroU32 = match std::num::NonZeroU32::new(6
     None => std::num::NonZeroU32::MIN,
 };
 
+/// Connections one peer may hold with a node at once (a relayed one, a direct one, one per
+/// transport while hole punching).
+pub const MAX_PEER_CONNECTIONS: u32 = 8;
+
+/// Connections from peers a node holds at once.
+pub const MAX_INCOMING: u32 = 2048;
+
+/// Requests at once on one connection (each one's frame read within the node's budget,
+/// [`frames::INBOUND_BUDGET`]).
+pub const MAX_STREAMS: usize = 128;
+
 /// Pieces a message is written in (WebRTC data channels fail on larger single writes).
 const WRITE_PIECE: usize = 4 << 10;
 
@@ -48,6 +60,8 @@ type Mdns = Toggle<libp2p::swarm::dummy::Behaviour>;
 #[derive(NetworkBehaviour)]
 #[allow(missing_debug_implementations)]
 pub struct MeshBehaviour {
+    /// Bounds on connections: per peer, pending and established incoming ones.
+    pub limits: libp2p::connection_limits::Behaviour,
     /// Peer addresses and protocol lists.
     pub identify: identify::Behaviour,
     /// Liveness of connections.
@@ -129,7 +143,8 @@ impl MeshBehaviour {
             )],
             request_response::Config::default()
                 .with_request_timeout(Duration::from_secs(60))
-                .with_max_concurrent_streams(1024),
+                // Per connection; every frame is read within the node's budget (`frames`).
+                .with_max_concurrent_streams(MAX_STREAMS),
         );
         let mut kad_cfg = kad::Config::new(StreamProtocol::new(KAD_PROTOCOL));
         kad_cfg.set_query_timeout(Duration::from_secs(30));
@@ -140,7 +155,12 @@ impl MeshBehaviour {
         }
         let kad =
             kad::Behaviour::with_config(peer_id, kad::store::MemoryStore::new(peer_id), kad_cfg);
+        let limits = libp2p::connection_limits::ConnectionLimits::default()
+            .with_max_established_per_peer(Some(MAX_PEER_CONNECTIONS))
+            .with_max_pending_incoming(Some(256))
+            .with_max_established_incoming(Some(MAX_INCOMING));
         Ok(Self {
+            limits: libp2p::connection_limits::Behaviour::new(limits),
             identify: identify::Behaviour::new(
                 identify::Config::new("/codedmesh/id/1".into(), key.public())
                     .with_agent_version(format!("codedmesh/{}", env!("CARGO_PKG_VERSION"))),
@@ -237,21 +257,6 @@ pub fn version_mismatch(protocols: &[StreamProtocol]) -> Option<String> {
 #[derive(Debug, Clone, Copy, Default)]
 pub struct MeshCodec;
 
-async fn read_frame<T: AsyncRead + Unpin + Send>(io: &mut T) -> io::Result<Vec<u8>> {
-    let mut len = [0u8; 4];
-    io.read_exact(&mut len).await?;
-    let len = u32::from_le_bytes(len) as usize;
-    if len > MAX_MESSAGE_BYTES {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidData,
-            format!("frame of {len} bytes exceeds the limit of {MAX_MESSAGE_BYTES}"),
-        ));
-    }
-    let mut buf = vec![0u8; len];
-    io.read_exact(&mut buf).await?;
-    Ok(buf)
-}
-
 async fn write_frame<T: AsyncWrite + Unpin + Send>(io: &mut T, body: &[u8]) -> io::Result<()> {
     let len = u32::try_from(body.len()).map_err(|_| io::Error::other("frame too large"))?;
     // One buffer, so a small message leaves as one write (one yamux frame, one TCP segment).
@@ -279,7 +284,7 @@ impl request_response::Codec for MeshCodec {
         _: &StreamProtocol,
         io: &mut T,
     ) -> io::Result<MeshRequest> {
-        protocol::decode(&read_frame(io).await?).map_err(to_io)
+        protocol::decode(&frames::read_frame(io, Some(frames::request_cap)).await?).map_err(to_io)
     }
 
     async fn read_response<T: AsyncRead + Unpin + Send>(
@@ -287,7 +292,7 @@ impl request_response::Codec for MeshCodec {
         _: &StreamProtocol,
         io: &mut T,
     ) -> io::Result<MeshResponse> {
-        protocol::decode(&read_frame(io).await?).map_err(to_io)
+        protocol::decode(&frames::read_frame(io, None).await?).map_err(to_io)
     }
 
     async fn write_request<T: AsyncWrite + Unpin + Send>(
@@ -338,7 +343,7 @@ mod tests {
                 .read_request(&proto, &mut futures::io::Cursor::new(&huge))
                 .await
                 .unwrap_err();
-            assert!(err.to_string().contains("exceeds the limit"), "{err}");
+            assert!(err.to_string().contains("its kind may take"), "{err}");
             let truncated = &buf[..buf.len() - 1];
             assert!(
                 MeshCodec

@@ -199,6 +199,9 @@ pub struct FrameReader {
     len_got: usize,
     body: Vec<u8>,
     want: Option<usize>,
+    /// What the frame being read holds of the node's budget for frames in flight
+    /// ([`super::frames::INBOUND_BUDGET`]).
+    held: super::frames::Held,
 }
 
 impl FrameReader {
@@ -237,6 +240,14 @@ impl FrameReader {
         while self.body.len() < want {
             let start = self.body.len();
             let end = want.min(start + READ_PIECE);
+            // The piece is taken from the node's budget before it is read.
+            if self.held.0 < end
+                && let Err(e) = self.held.take(end - self.held.0)
+            {
+                self.want = None;
+                self.held.release();
+                return Poll::Ready(Err(e.into()));
+            }
             self.body.resize(end, 0);
             let read = Pin::new(&mut *io).poll_read(cx, &mut self.body[start..end]);
             let n = match read {
@@ -261,6 +272,7 @@ impl FrameReader {
         }
         self.want = None;
         let decoded = protocol::decode(&self.body);
+        self.held.release();
         if self.body.capacity() > KEEP_READ_BYTES {
             self.body = Vec::new();
         }

@@ -117,7 +117,13 @@ fn mutated_updates_and_shard_blobs_never_panic() {
     let update = Update::from_gradients(grads, 1e-3, 1.0);
     update.validate(&cfg).unwrap();
     let key = libp2p::identity::Keypair::generate_ed25519();
-    let sealed = seal(update.encode(), &key).unwrap();
+    let sealed = seal(
+        update.encode(),
+        &key,
+        None,
+        node_core::learn::Header::default(),
+    )
+    .unwrap();
     assert!(mutations(&sealed, fuzzing::update_payload) > 100);
     assert!(mutations(&update.encode(), fuzzing::update_payload) > 100);
     let payload = postcard::to_allocvec(&shard).unwrap();

@@ -74,7 +74,8 @@ pub fn teach_in_process(
         Ok(t)
     };
     let (taught, held, canary) = (tokens(text)?, tokens(HELD_OUT)?, tokens(CANARY_TEXT)?);
-    let mut gate = CanaryGate::new(canary.clone());
+    // The gate counts drift from the first loss it measures, as the model was at the start.
+    let mut gate = CanaryGate::new(canary.clone(), None);
     if !gated {
         gate = gate.with_bounds(f64::INFINITY, f64::INFINITY);
     }
@@ -197,7 +198,11 @@ impl Shelf {
 impl Publisher for Shelf {
     type Sent = Vec<u8>;
 
-    async fn publish(&mut self, p: Published) -> Result<(Vec<u8>, Option<[u8; 32]>), String> {
+    async fn publish(
+        &mut self,
+        p: Published,
+        _: Option<node_core::learn::GateClaim>,
+    ) -> Result<(Vec<u8>, Option<[u8; 32]>), String> {
         Ok((p.update.encode(), Some(Self::version(self.next))))
     }
 }

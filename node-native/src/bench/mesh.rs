@@ -61,7 +61,7 @@ pub fn mesh_rows(b: &MeshBench<'_>) -> Result<Vec<Row>> {
         };
         for _ in 0..50 {
             // Until every heartbeat has reached the seed, it may not even see k rows.
-            let connected = crate::lead::remote::Leader::connect_with(bootstrap.clone(), &opts);
+            let connected = crate::lead::leader::Leader::connect_with(bootstrap.clone(), &opts);
             match rt.block_on(connected) {
                 Ok(l) if l.formed.live_rows == b.n => {
                     leader = Some(l);
@@ -101,7 +101,7 @@ pub fn mesh_rows(b: &MeshBench<'_>) -> Result<Vec<Row>> {
 
 /// One generation of `prompt` through `leader`'s rounds, the bench waiting for it.
 fn run_on(
-    leader: &mut crate::lead::remote::Leader,
+    leader: &mut crate::lead::leader::Leader,
     runtime: &tokio::runtime::Runtime,
     prompt: &[u32],
     opts: &GenerateOptions,
@@ -121,7 +121,7 @@ fn run_on(
 /// with one hop per stage (checked and spared as `group`, as the API's); and the ms a token of
 /// hops with drafts.
 pub(super) fn delay_rows(
-    leader: &mut crate::lead::remote::Leader,
+    leader: &mut crate::lead::leader::Leader,
     runtime: &tokio::runtime::Runtime,
     prompt: &[u32],
     ms: f64,
@@ -246,7 +246,7 @@ pub(super) fn api_delay_rows(
 /// The loopback rows: prefill, decode, drafts, rounds, bytes, the time split and the CPU each
 /// process spent a round.
 pub(super) fn loopback_rows(
-    leader: &mut crate::lead::remote::Leader,
+    leader: &mut crate::lead::leader::Leader,
     runtime: &tokio::runtime::Runtime,
     mesh: &crate::bench::localmesh::LocalMesh,
     b: &MeshBench<'_>,

@@ -1,5 +1,5 @@
 //! Holding a coded row: its state, coded steps and learning updates ([`row`], [`learning`]),
-//! group sessions ([`session`]), updates spreading through the node ([`spread`]), the data dir ([`store`]), the native `holder::Link` ([`link`])
+//! group sessions ([`session`]), updates spreading through the node ([`spread`]), the data dir ([`store`]), keys and certificates ([`trust`]), the native `holder::Link` ([`link`])
 //! and work a node does for itself ([`background`]). The node that holds it is
 //! [`crate::node`].
 
@@ -10,3 +10,4 @@ pub mod row;
 pub mod session;
 pub mod spread;
 pub mod store;
+pub mod trust;

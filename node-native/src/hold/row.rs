@@ -121,9 +121,14 @@ pub(crate) fn apply_and_keep(
     rules: &Rules,
     bytes: &[u8],
 ) -> Result<(u64, bool)> {
-    let checked = rules.check(bytes)?;
+    let checked = rules.check(bytes, Some(crate::hold::trust::unix_ms()))?;
     let id = checked.id;
-    tracing::debug!(id = format!("{id:016x}"), signer = %checked.signer, "a signed update");
+    tracing::debug!(
+        id = format!("{id:016x}"),
+        signer = %checked.signer,
+        trainer = checked.trainer,
+        "an admitted trainer's update"
+    );
     let update = checked.update;
     if read(state).version.contains(id) {
         return Ok((id, false));

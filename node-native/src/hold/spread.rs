@@ -22,6 +22,9 @@ use crate::net::swarm::Client;
 /// its group's members to apply it.
 pub const PUBLISH_WAIT: Duration = Duration::from_secs(10);
 
+/// How long a holder catching up waits for a peer to say its version.
+const CATCH_UP_ASK: Duration = Duration::from_secs(10);
+
 /// How long a holder pulling a piece from this node waits for it to arrive here.
 pub const PIECE_WAIT: Duration = Duration::from_secs(30);
 
@@ -256,10 +259,15 @@ impl Relay {
 pub(crate) async fn catch_up(node: &Relay, peer: PeerId) -> anyhow::Result<Option<[u8; 32]>> {
     let link = NativeLink::quiet(node.client.clone());
     let have = read(&node.state).version.clone();
-    let ids = match holder::plan_with(&link, &peer, &have).await? {
+    // A peer that does not answer (a liar about its version, one gone) holds up no catch-up
+    // for longer than this: the next is asked.
+    let plan = tokio::time::timeout(CATCH_UP_ASK, holder::plan_with(&link, &peer, &have))
+        .await
+        .map_err(|_| anyhow::anyhow!("{peer} did not say its version within {CATCH_UP_ASK:?}"))?;
+    let (ids, theirs) = match plan? {
         (CatchUp::Nothing, _) => return Ok(None),
         (CatchUp::Rebuild, theirs) => return Ok(Some(theirs.digest())),
-        (CatchUp::Replay(ids), _) => ids,
+        (CatchUp::Replay(ids), theirs) => (ids, theirs),
     };
     for id in ids {
         // An update that arrived, or is arriving, by a notice since the plan is not fetched
@@ -273,10 +281,22 @@ pub(crate) async fn catch_up(node: &Relay, peer: PeerId) -> anyhow::Result<Optio
         let bytes = holder::fetch_update(&link, &peer, id).await?;
         node.received.inc_by(bytes.len() as u64);
         let (state, store, rules) = (node.state.clone(), node.store.clone(), node.rules.clone());
-        let (got, applied) =
+        let taken =
             tokio::task::spawn_blocking(move || apply_and_keep(&state, &store, &rules, &bytes))
                 .await
-                .map_err(|e| anyhow::anyhow!("{e}"))??;
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
+        let (got, applied) = match taken {
+            // Too old to be told from a replay: this node is further behind than replaying
+            // may bring it, and rebuilds its row at the peer's version instead.
+            Err(e)
+                if e.downcast_ref::<holder::Refused>()
+                    .is_some_and(|r| r.why == holder::Refusal::OutOfTurn) =>
+            {
+                tracing::info!("{e:#}: rebuilding instead of replaying");
+                return Ok(Some(theirs.digest()));
+            }
+            taken => taken?,
+        };
         anyhow::ensure!(
             got == id,
             "the peer's update {id:016x} hashes to {got:016x}"

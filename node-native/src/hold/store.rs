@@ -64,15 +64,22 @@ impl DataDir {
 
     /// The node's libp2p identity, created on first use so the peer id survives restarts.
     pub fn identity(&self) -> Result<Keypair> {
-        let path = self.file("identity.key");
-        if path.exists() {
-            let bytes = fs::read(&path)?;
-            return Keypair::from_protobuf_encoding(&bytes)
-                .with_context(|| format!("{} is not a libp2p key", path.display()));
-        }
-        let key = Keypair::generate_ed25519();
-        write_atomic(&path, &key.to_protobuf_encoding()?)?;
-        Ok(key)
+        crate::hold::trust::key_file(&self.file("identity.key"))
+    }
+
+    /// The certificate by which the mesh's key admits this node, if it has one.
+    pub fn cert(&self) -> Result<Option<node_core::learn::Certificate>> {
+        crate::hold::trust::read_cert(&self.file(crate::hold::trust::CERT_FILE))
+    }
+
+    /// Keeps the certificate by which the mesh's key admits this node.
+    pub fn save_cert(&self, cert: &node_core::learn::Certificate) -> Result<()> {
+        crate::hold::trust::write_cert(&self.file(crate::hold::trust::CERT_FILE), cert)
+    }
+
+    /// The mesh's key, where this is the data dir genesis made it in.
+    pub fn mesh_key_path(&self) -> PathBuf {
+        self.file(crate::hold::trust::MESH_KEY_FILE)
     }
 
     /// The WebRTC certificate, created on first use so the certhash survives restarts.

@@ -36,6 +36,9 @@ const UNJOINED_FOR: Duration = Duration::from_secs(30);
 /// Parts queued for one group before more are dropped (a round has one per member).
 const PARTS_QUEUED: usize = 4096;
 
+/// Groups whose parts arrived before any leader joined them, kept at once at most.
+const MAX_UNJOINED: usize = 16;
+
 /// Where a node's incoming parts go: to the group's member task, or held until it joins.
 #[derive(Debug, Default)]
 struct Router {
@@ -50,10 +53,16 @@ struct Slot {
 }
 
 impl Router {
-    fn slot<R>(&self, group: u64, f: impl FnOnce(&mut Slot) -> R) -> R {
+    /// `group`'s slot (made if new; a part, `joining` false, makes one only while fewer than
+    /// [`MAX_UNJOINED`] groups wait for their leader).
+    fn slot<R>(&self, group: u64, joining: bool, f: impl FnOnce(&mut Slot) -> R) -> Option<R> {
         let mut groups = self.groups.lock().unwrap_or_else(PoisonError::into_inner);
         if !groups.contains_key(&group) {
             groups.retain(|_, s| s.rx.is_none() || s.since.elapsed() < UNJOINED_FOR);
+            // Any peer can name a group: those no leader joined yet are few.
+            if !joining && groups.values().filter(|s| s.rx.is_some()).count() >= MAX_UNJOINED {
+                return None;
+            }
         }
         let slot = groups.entry(group).or_insert_with(|| {
             let (tx, rx) = mpsc::channel(PARTS_QUEUED);
@@ -63,12 +72,18 @@ impl Router {
                 since: Instant::now(),
             }
         });
-        f(slot)
+        Some(f(slot))
     }
 
     fn route(&self, from: PeerId, part: Part) {
-        let tx = self.slot(part.group, |s| s.tx.clone());
-        let _ = tx.try_send((from, Some(part)));
+        match self.slot(part.group, false, |s| s.tx.clone()) {
+            Some(tx) => {
+                let _ = tx.try_send((from, Some(part)));
+            }
+            None => {
+                tracing::debug!(%from, "a part for a group no leader joined, past {MAX_UNJOINED} such groups: dropped")
+            }
+        }
     }
 
     /// A member's stream of parts for `group` ended: it left (or the group is over).
@@ -80,7 +95,7 @@ impl Router {
     }
 
     fn join(&self, group: u64) -> Option<mpsc::Receiver<(PeerId, Option<Part>)>> {
-        self.slot(group, |s| s.rx.take())
+        self.slot(group, true, |s| s.rx.take()).flatten()
     }
 
     fn leave(&self, group: u64) {

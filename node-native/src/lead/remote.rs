@@ -6,17 +6,15 @@ use std::sync::Arc;
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 use libp2p::{Multiaddr, PeerId};
 use node_core::code::Generator;
 use node_core::coded::{Transport, TransportError};
 use node_core::holder::{HolderError, Link};
-use node_core::lead::{LeadLink, OwnRow, Publisher, Sealed, settle};
-use node_core::learn::{Published, Teacher};
+use node_core::lead::{LeadLink, OwnRow};
 use node_core::mesh::rounds::{Asks, MemberAnswer, Rounds};
 use node_core::mesh::{
-    Health, MeshInfo, MeshRequest, MeshResponse, ModelManifest, RoundConfig, SourceRow,
-    StepRefusal, Usage,
+    Health, MeshInfo, MeshRequest, MeshResponse, ModelManifest, RoundConfig, SourceRow, StepRefusal,
 };
 use node_core::net::session::Ask;
 use tokio::sync::mpsc;
@@ -48,9 +46,14 @@ pub struct Session {
 }
 
 impl Session {
-    /// Starts an ephemeral node (no listening, no row) and dials `bootstrap`.
+    /// Starts an ephemeral node (no listening, no row) with a fresh identity and dials
+    /// `bootstrap`.
     pub async fn connect(bootstrap: Multiaddr) -> Result<Self> {
-        let key = libp2p::identity::Keypair::generate_ed25519();
+        Self::connect_as(bootstrap, libp2p::identity::Keypair::generate_ed25519()).await
+    }
+
+    /// [`Session::connect`] as the identity `key`.
+    pub async fn connect_as(bootstrap: Multiaddr, key: libp2p::identity::Keypair) -> Result<Self> {
         let swarm = swarm::build(NetConfig {
             key: key.clone(),
             webrtc: None,
@@ -246,227 +249,6 @@ impl LeadLink for NetLead<'_> {
         transport
     }
 }
-
-/// A leader on the mesh from the command line: its connection, the model, and the group
-/// node-core formed for it ([`node_core::lead::form`]).
-#[derive(Debug)]
-pub struct Leader {
-    /// The connection through the bootstrap node; its key signs the updates.
-    pub session: Session,
-    /// The model's manifest.
-    pub manifest: ModelManifest,
-    /// Its tokenizer.
-    pub tokenizer: node_core::model::Tokenizer,
-    /// The group, with the leader's side of the model and every live holder.
-    pub formed: Formed,
-    /// Where a copy of every update this leader publishes goes (signed, as holders take it),
-    /// if anywhere.
-    pub archive: Option<std::path::PathBuf>,
-    /// How its group is formed (again, after a pass fails).
-    opts: GroupOptions,
-}
-
-impl node_core::model::Regroup for Leader {
-    type Exec = node_core::coded::CodedGroup<NetTransport>;
-
-    fn parts(&mut self) -> (&node_core::model::Llama, &mut Self::Exec) {
-        (&self.formed.llama, &mut self.formed.group)
-    }
-
-    /// Reports the members the failed group caught, then forms a group anew from the mesh's
-    /// view now (waiting while its rows are between versions).
-    async fn regroup(
-        &mut self,
-        why: &node_core::model::ModelError,
-    ) -> Result<(), node_core::model::ModelError> {
-        if !self.formed.group.stats().caught.is_empty() {
-            self.report_caught().await;
-        }
-        let session = &self.session;
-        let context = self.formed.group.transport().context().to_string();
-        let formed = form_group(
-            &session.client,
-            &self.manifest,
-            || session.info(),
-            None,
-            &self.opts,
-        )
-        .await
-        .map_err(|e| {
-            node_core::model::ModelError::Config(format!("{why}; forming the group again: {e:#}"))
-        })?;
-        eprintln!(
-            "a pass failed ({why}): formed the group again at version {}, group {:?}",
-            node_core::mesh::hex(&formed.version[..8]),
-            formed.group.nodes()
-        );
-        self.formed = formed;
-        self.formed.group.transport_mut().set_context(context);
-        Ok(())
-    }
-}
-
-impl Leader {
-    /// Connects through `bootstrap`, fetches the manifest and forms a group of k + `verify` +
-    /// `spares`; every forward round is checked with `verify` answers beyond the k decoded.
-    pub async fn connect(bootstrap: Multiaddr, verify: usize, spares: usize) -> Result<Self> {
-        Self::connect_with(bootstrap, &GroupOptions::new(verify, spares)).await
-    }
-
-    /// [`Leader::connect`] with every option of the group.
-    pub async fn connect_with(bootstrap: Multiaddr, opts: &GroupOptions) -> Result<Self> {
-        let session = Session::connect(bootstrap).await?;
-        let manifest = session.manifest().await?;
-        let formed = form_group(&session.client, &manifest, || session.info(), None, opts).await?;
-        let tokenizer = node_core::model::Tokenizer::from_data(&manifest.tokenizer)?;
-        Ok(Self {
-            session,
-            manifest,
-            tokenizer,
-            formed,
-            archive: None,
-            opts: opts.clone(),
-        })
-    }
-
-    /// Trains on what `prompt` teaches ([`node_core::learn::taught`]) if the mesh learns: the
-    /// gradient through the group, folded into `teacher`; an update that falls due is settled
-    /// ([`Leader::settle`]). Returns the loss and what became of the update, if one was due.
-    pub async fn learn(
-        &mut self,
-        prompt: &[u32],
-        teacher: &mut Teacher,
-    ) -> Result<Option<Learned>> {
-        let cfg = self.manifest.learning;
-        if !cfg.enabled || prompt.len() < 2 {
-            return Ok(None);
-        }
-        let max = node_core::learn::training_window(&cfg, &self.manifest.cfg);
-        let tokens = node_core::learn::taught(prompt, max);
-        let grads = self
-            .formed
-            .llama
-            .gradients(&mut self.formed.group, tokens)
-            .await?;
-        let loss = grads.loss;
-        let settled = match teacher.fold(grads)? {
-            Some(p) => Some(self.settle(teacher, p).await),
-            None => None,
-        };
-        Ok(Some(Learned {
-            loss,
-            positions: tokens.len(),
-            settled,
-        }))
-    }
-
-    /// Settles a due update ([`node_core::lead::settle`]): judged by `teacher`'s canary gate on
-    /// this group, and if it passes signed and handed to every live row's holder (and a copy
-    /// to the archive, if set).
-    pub async fn settle(&mut self, teacher: &mut Teacher, p: Published) -> Settled<Sent> {
-        let mut out = NetPublisher {
-            link: NativeLink::quiet(self.session.client.clone()),
-            key: &self.session.key,
-            holders: &self.formed.holders,
-            members: &self.formed.members,
-            archive: self.archive.as_deref(),
-        };
-        settle(
-            teacher,
-            &self.formed.llama,
-            &mut self.formed.group,
-            self.formed.version,
-            p,
-            &mut out,
-        )
-        .await
-    }
-
-    /// Tells every live row's holder about the members this leader caught; returns how many
-    /// nodes took the reports.
-    pub async fn report_caught(&self) -> usize {
-        let link = NativeLink::quiet(self.session.client.clone());
-        let caught = &self.formed.group.stats().caught;
-        node_core::lead::report_caught(&link, caught, &self.formed.rows, &self.formed.holders)
-            .await
-            .taken_by
-    }
-
-    /// Tells the node this leader connected through what a request did; the mesh's usage
-    /// (tokens/s, latency, loss on the dashboards) counts it.
-    pub async fn report_served(&self, usage: Usage) -> Result<()> {
-        ask(
-            &self.session.client,
-            self.session.bootstrap,
-            MeshRequest::Served(usage),
-        )
-        .await?;
-        Ok(())
-    }
-}
-
-/// A leader's [`Publisher`] over the network: signs an update, keeps a copy in the archive if
-/// set, starts it spreading through every live row's holder (the group's members first) and
-/// waits until the members have applied it.
-struct NetPublisher<'a> {
-    link: NativeLink,
-    key: &'a libp2p::identity::Keypair,
-    holders: &'a [PeerId],
-    members: &'a [PeerId],
-    archive: Option<&'a std::path::Path>,
-}
-
-impl NetPublisher<'_> {
-    /// Signs `p` and keeps a copy in the archive.
-    fn seal(&self, p: &Published) -> Result<Sealed> {
-        let sealed = node_core::lead::seal_update(p, self.key)?;
-        if let Some(dir) = self.archive {
-            std::fs::create_dir_all(dir)?;
-            let path = dir.join(format!("{:016x}.update", sealed.id));
-            std::fs::write(&path, &sealed.bytes)
-                .with_context(|| format!("archiving the update in {}", path.display()))?;
-        }
-        Ok(sealed)
-    }
-}
-
-impl Publisher for NetPublisher<'_> {
-    type Sent = Sent;
-
-    async fn publish(&mut self, p: Published) -> Result<(Sent, Option<[u8; 32]>), String> {
-        let sealed = self.seal(&p).map_err(|e| format!("{e:#}"))?;
-        let order = crate::hold::spread::members_first(self.members, self.holders);
-        let sent = node_core::lead::publish_sealed(&self.link, &order, &sealed, &p).await;
-        let wait = crate::hold::spread::PUBLISH_WAIT
-            + node_core::net::hop::at_min_rate(sealed.bytes.len());
-        let members: Vec<PeerId> = self
-            .members
-            .iter()
-            .filter(|m| self.holders.contains(m))
-            .copied()
-            .collect();
-        let at = crate::hold::spread::applied_by(&self.link, &members, sealed.id, wait).await;
-        tracing::debug!(
-            members_at = at,
-            members = members.len(),
-            "published an update"
-        );
-        Ok((sent, None))
-    }
-}
-
-/// What one learning step did.
-#[derive(Debug, Clone)]
-pub struct Learned {
-    /// Mean next-token loss on the request's tokens before the update.
-    pub loss: f64,
-    /// Positions trained on.
-    pub positions: usize,
-    /// What became of the update that fell due after this request, if one did.
-    pub settled: Option<Settled<Sent>>,
-}
-
-pub use node_core::lead::{Sent, Settled};
 
 /// Time the members spent computing, as they reported it.
 #[derive(Debug, Clone, Default)]

@@ -26,6 +26,7 @@ pub async fn seed(
     max_rows: Option<usize>,
     format: ShardFormat,
     learning: LearningConfig,
+    gate: bool,
 ) -> Result<()> {
     learning.validate()?;
     let data = DataDir::open(&opts.data)?;
@@ -41,13 +42,37 @@ pub async fn seed(
     let started = std::time::Instant::now();
     let dir = data.path().join("genesis");
     let rows_dir = dir.clone();
+    // The mesh's key: it admits who may write the model, this node first.
+    let mesh_key = crate::hold::trust::key_file(&data.mesh_key_path())?;
+    let trust = Trust {
+        mesh: node_core::learn::MeshKey::of(&mesh_key),
+        gate,
+    };
     let (manifest, mut blobs) = tokio::task::spawn_blocking(move || {
-        encode_genesis(&model, k, n, max_rows, format, learning, &rows_dir)
+        encode_genesis(&model, k, n, max_rows, format, learning, &trust, &rows_dir)
     })
     .await
     .map_err(|e| anyhow!("encoding task: {e}"))??;
     let manifest_bytes = manifest.to_bytes()?;
     data.save_manifest(&manifest_bytes)?;
+    let me = data.identity()?.public().to_peer_id();
+    let powers = [
+        node_core::learn::Power::Write,
+        node_core::learn::Power::Report,
+    ];
+    let cert = crate::hold::trust::admit(
+        &mesh_key,
+        me,
+        "seed",
+        crate::hold::trust::DEFAULT_VALIDITY,
+        &powers,
+    )?;
+    data.save_cert(&cert)?;
+    eprintln!(
+        "the mesh's key is {} (keep it: `codedmesh admit --mesh-key {}` admits trainers with it)",
+        data.mesh_key_path().display(),
+        data.mesh_key_path().display()
+    );
     let own = blobs
         .remove(&0)
         .ok_or_else(|| anyhow!("row 0 was not encoded"))?;
@@ -89,6 +114,7 @@ pub(crate) fn encode_genesis(
     max_rows: Option<usize>,
     format: ShardFormat,
     learning: LearningConfig,
+    trust: &Trust,
     dir: &Path,
 ) -> Result<(ModelManifest, BTreeMap<u32, PathBuf>)> {
     ensure!(
@@ -124,7 +150,14 @@ pub(crate) fn encode_genesis(
             format,
             learning,
             verify_noise: node_core::coded::DEFAULT_NOISE,
+            mesh_key: trust.mesh.to_bytes(),
+            canary_loss: None,
         };
+        if learning.enabled && trust.gate {
+            eprintln!(
+                "a model encoded a matrix at a time gets no canary reference at genesis: its trainers' gates count drift from their own first measurement, and holders take updates without a verdict"
+            );
+        }
         return encode_streamed(&src, manifest, dir);
     }
     let loaded = load::load_model(model)?;
@@ -137,6 +170,8 @@ pub(crate) fn encode_genesis(
         format,
         learning,
         verify_noise: node_core::coded::DEFAULT_NOISE,
+        mesh_key: trust.mesh.to_bytes(),
+        canary_loss: None,
     };
     let pb = progress::bar(0, "encoding");
     let mesh = InProcess::encode(&loaded.weights, &generator, format, &|done, total| {
@@ -144,10 +179,19 @@ pub(crate) fn encode_genesis(
         pb.set_position(done as u64);
     })?;
     pb.finish_and_clear();
+    // The weights go; the tokenizer cuts the canary text.
+    let tokenizer = loaded.tokenizer.clone();
     drop(loaded);
     // Measured on every row while they are all here.
     let (threshold, mesh) = measure_threshold(&generator, &manifest.cfg, &manifest.leader, mesh)?;
     manifest.verify_noise = threshold;
+    let mesh = if learning.enabled && trust.gate {
+        let (loss, mesh) = canary_reference(&manifest, &tokenizer, mesh)?;
+        manifest.canary_loss = Some(loss);
+        mesh
+    } else {
+        mesh
+    };
     let mut blobs = BTreeMap::new();
     for m in mesh.members() {
         let row = m.shards().node as u32;
@@ -157,6 +201,37 @@ pub(crate) fn encode_genesis(
         blobs.insert(row, path);
     }
     Ok((manifest, blobs))
+}
+
+/// Who may write a new mesh's model: its key, and whether its trainers run a canary gate whose
+/// reference loss genesis measures.
+#[derive(Debug, Clone)]
+pub struct Trust {
+    /// The mesh's key (public half).
+    pub mesh: node_core::learn::MeshKey,
+    /// Whether the mesh runs a canary gate.
+    pub gate: bool,
+}
+
+/// The canary text's loss on the encoded model through its first k rows (what the mesh
+/// serves, the compact grid's rounding included): the reference every gate counts drift from.
+fn canary_reference(
+    manifest: &ModelManifest,
+    tokenizer: &Tokenizer,
+    mesh: InProcess,
+) -> Result<(f64, InProcess)> {
+    let g = &manifest.generator;
+    let rows: Vec<usize> = (0..g.k()).collect();
+    let mut group =
+        node_core::coded::CodedGroup::new(manifest.cfg.clone(), g.clone(), &rows, mesh)?;
+    let llama = node_core::model::Llama::new(manifest.cfg.clone(), manifest.leader.clone())?;
+    let loss = futures::executor::block_on(node_core::learn::canary_reference(
+        &llama, &mut group, tokenizer,
+    ))?;
+    eprintln!(
+        "canary reference loss {loss:.4} nats a token (every trainer's gate counts drift from it)"
+    );
+    Ok((loss, group.into_transport()))
 }
 
 /// The verification threshold: the honest f32 noise of a model of shape `cfg` and gains

@@ -15,6 +15,9 @@ use crate::hold::link::NativeLink;
 use crate::hold::store::DataDir;
 use crate::net::rpc::fetch_manifest;
 
+/// Times a node tries to obtain its row before it gives up.
+const JOIN_ATTEMPTS: usize = 3;
+
 /// Joins through `bootstrap`: dials it (trying for about 2 minutes while it does not answer),
 /// obtains a row ([`node_core::holder::join`]), keeps it in `data` and serves it.
 pub(super) async fn join(
@@ -43,7 +46,15 @@ pub(super) async fn join(
     data.save_manifest(&manifest_bytes)?;
     let started = std::time::Instant::now();
     let link = NativeLink::new(client.clone());
-    let joined = holder::join(&link, &peer, &manifest).await;
+    // A row copied while its source takes a learning update is refused at the end (its
+    // version moved): on a mesh that learns, a second try usually lands between updates.
+    let mut joined = holder::join(&link, &peer, &manifest).await;
+    for attempt in 2..=JOIN_ATTEMPTS {
+        let Err(e) = &joined else { break };
+        eprintln!("joining failed ({e}); trying again ({attempt} of {JOIN_ATTEMPTS})");
+        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+        joined = holder::join(&link, &peer, &manifest).await;
+    }
     link.finish();
     let Joined {
         shard,

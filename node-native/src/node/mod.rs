@@ -8,8 +8,8 @@ mod genesis;
 mod join;
 mod server;
 
-pub(crate) use genesis::encode_genesis;
 pub use genesis::seed;
+pub(crate) use genesis::{Trust, encode_genesis};
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -52,6 +52,9 @@ pub struct NodeOptions {
     pub serve: crate::serve::engine::EngineConfig,
     /// The bearer key its API asks for, if any.
     pub api_key: Option<String>,
+    /// A file of API keys, each with a name, a learning budget and a rate
+    /// ([`crate::serve::api::keys`]).
+    pub api_keys: Option<std::path::PathBuf>,
 }
 
 /// A fault a node injects into its own answers or shard, on purpose.

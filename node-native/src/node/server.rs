@@ -28,8 +28,12 @@ use crate::hold::store::DataDir;
 use crate::net::swarm::{Client, Inbound, with_peer};
 use node_core::net::reach::Reach;
 
-/// Peers announcing a version a node lacks: each one's update count and requests led.
-type Ahead = HashMap<PeerId, (u64, u64)>;
+/// Peers announcing a version a node lacks: what each announces.
+type Ahead = HashMap<PeerId, holder::Ahead>;
+
+/// How long a peer this node pulled from without coming level is asked again only when no
+/// other peer ahead is left.
+const TRIED_FOR: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// How long a node behind its peers waits, with no update spreading to it, before it pulls what
 /// it lacks: an update spreads to every live holder well within it, so pulls are for the holders
@@ -172,6 +176,7 @@ pub(super) async fn run_server(
     metrics
         .row_bytes
         .set(i64::try_from(row_bytes).unwrap_or(i64::MAX));
+    let mut teach = None;
     if let Some(addr) = opts.http {
         let local_row = LocalRow {
             row: row as usize,
@@ -183,7 +188,7 @@ pub(super) async fn run_server(
         };
         let engine = crate::serve::engine::Engine::start(crate::serve::engine::EngineContext {
             client: client.clone(),
-            key: data.identity()?,
+            signer: crate::hold::trust::signer(data.identity()?, data.cert()?, &manifest),
             manifest: manifest.clone(),
             local: local_row,
             info: info_tx.clone(),
@@ -192,6 +197,7 @@ pub(super) async fn run_server(
             runtime: tokio::runtime::Handle::current(),
             probed: Default::default(),
         })?;
+        teach = Some(engine.clone());
         let parts = crate::serve::http::Parts {
             web: crate::serve::http::find_web_dir(opts.web_dir.as_deref()),
             info: info_tx,
@@ -199,7 +205,7 @@ pub(super) async fn run_server(
                 client.peer_id().to_string(),
                 &view.local().addrs,
             ),
-            api: crate::serve::api::Api::new(engine, &manifest, opts.api_key.clone())?,
+            api: crate::serve::api::Api::new(engine, &manifest, api_keys(opts)?, metrics.clone())?,
             metrics: metrics.clone(),
         };
         let server = crate::serve::http::start(addr, parts).await?;
@@ -223,7 +229,9 @@ pub(super) async fn run_server(
         syncing: false,
         behind: None,
         spreads: Default::default(),
+        tried: HashMap::new(),
         folding: false,
+        teach,
         manifest: Arc::new(manifest),
         metrics,
         listen_addrs,
@@ -255,14 +263,29 @@ struct Server {
     behind: Option<(Instant, Ahead)>,
     /// Updates spreading through this node.
     spreads: Spreads,
+    /// Peers this node pulled from lately, and when ([`holder::catch_up_source`]).
+    tried: HashMap<PeerId, Instant>,
     /// A fold of the kept updates into a new snapshot is running.
     folding: bool,
+    /// The node's engine, when it serves the API: it trains on text peers hand over.
+    teach: Option<crate::serve::engine::Engine>,
     /// The mesh's manifest (a rebuild obtains the row as a joiner would).
     manifest: Arc<node_core::mesh::ModelManifest>,
     /// What `/metrics` reports.
     metrics: crate::serve::metrics::Metrics,
     /// The addresses it listens on (announced after those peers reach it at).
     listen_addrs: Vec<String>,
+}
+
+/// The callers a node's API admits: a keys file's, one key's, or everyone as the anonymous
+/// user.
+fn api_keys(opts: &NodeOptions) -> Result<crate::serve::api::keys::Keys> {
+    use crate::serve::api::keys::Keys;
+    Ok(match (&opts.api_keys, &opts.api_key) {
+        (Some(file), _) => Keys::from_file(file)?,
+        (None, Some(key)) if !key.is_empty() => Keys::single(key),
+        _ => Keys::open(),
+    })
 }
 
 fn hex8(d: &[u8; 32]) -> String {
@@ -473,17 +496,26 @@ impl Server {
             return;
         }
         let (since, ahead) = self.behind.get_or_insert_with(|| (now, HashMap::new()));
-        ahead.insert(peer, (hb.version_count, hb.usage.requests));
+        let tried = (self.tried.get(&peer)).is_some_and(|at| now.duration_since(*at) < TRIED_FOR);
+        let announced = holder::Ahead {
+            count: hb.version_count,
+            digest: hb.version_digest,
+            led: hb.usage.requests,
+            tried,
+        };
+        ahead.insert(peer, announced);
         if self.syncing || !self.spreads.is_empty() || now.duration_since(*since) < PULL_AFTER {
             return;
         }
-        let Some((peer, _)) = self.behind.take().and_then(|(_, ahead)| {
-            ahead
-                .into_iter()
-                .max_by_key(|&(p, (count, led))| (count, std::cmp::Reverse(led), p))
+        let Some(peer) = self.behind.take().and_then(|(_, ahead)| {
+            let ahead: Vec<(PeerId, holder::Ahead)> = ahead.into_iter().collect();
+            holder::catch_up_source(&ahead)
         }) else {
             return;
         };
+        self.tried
+            .retain(|_, at| now.duration_since(*at) < TRIED_FOR);
+        self.tried.insert(peer, now);
         self.syncing = true;
         eprintln!("behind the mesh: pulling the updates this node lacks from {peer}");
         let node = self.relay();
@@ -594,6 +626,9 @@ impl Server {
                 state: &state,
                 manifest: &self.manifest_bytes,
                 genesis: &self.genesis,
+                rules: &self.rules,
+                wall_ms: crate::hold::trust::unix_ms(),
+                live: self.view.live_holders(),
             };
             holder::route(&held, &mut self.limit, &peer, now, request)
         };
@@ -608,10 +643,10 @@ impl Server {
                 let onward = query.onward();
                 let resp = holder::answer_view(&mut self.view, &peer, query, now);
                 tokio::spawn(respond(resp));
-                if let Some((caught, evidence, to)) = onward {
+                if let Some((report, to)) = onward {
                     let link = NativeLink::quiet(self.client.clone());
                     tokio::spawn(async move {
-                        holder::pass_report(&link, caught, evidence, &to).await;
+                        holder::pass_report(&link, report, &to).await;
                     });
                 }
                 return;
@@ -626,6 +661,20 @@ impl Server {
                 let id = notice.list.id;
                 tokio::spawn(respond(MeshResponse::Spreading { id }));
                 tokio::spawn(relay.take(notice));
+                return;
+            }
+            Route::Teach(tokens) => {
+                let answer = match &self.teach {
+                    Some(engine) => match engine.teach(tokens, &peer) {
+                        Ok(()) => MeshResponse::Taught,
+                        Err(e) => MeshResponse::Error(e),
+                    },
+                    None => MeshResponse::Error(
+                        "this node does not train: ask a node that serves the API and the mesh admits to write"
+                            .into(),
+                    ),
+                };
+                tokio::spawn(respond(answer));
                 return;
             }
             Route::Learn(bytes) => {

@@ -130,6 +130,7 @@ pub async fn start(addr: SocketAddr, parts: Parts) -> Result<HttpServer> {
         }
     };
     tokio::spawn(async move {
+        let app = app.into_make_service_with_connect_info::<SocketAddr>();
         if let Err(e) = axum::serve(listener, app).await {
             tracing::error!("HTTP server stopped: {e}");
         }

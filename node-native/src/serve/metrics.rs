@@ -8,6 +8,7 @@ use std::sync::atomic::AtomicU64;
 
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
@@ -16,6 +17,15 @@ use prometheus_client::registry::Registry;
 #[derive(Clone)]
 pub struct Metrics {
     registry: Arc<Registry>,
+    /// What this node refused from peers (updates, notices, reports), by reason
+    /// ([`node_core::holder::Refusal`]); read from node-core's counts when scraped.
+    pub refused: Family<Vec<(String, String)>, Counter>,
+    /// Frames from peers refused (past their kind's size, or the node's budget for frames in
+    /// flight), by reason; read from node-core's counts when scraped.
+    pub frames_refused: Family<Vec<(String, String)>, Counter>,
+    /// Per API key (its name): requests, requests over its rate, requests handed to the
+    /// trainer, requests past its learning budget.
+    keys: Family<Vec<(String, String)>, Counter>,
     /// Requests finished (any outcome but an error).
     pub requests: Counter,
     /// Requests that failed after they were admitted.
@@ -130,6 +140,9 @@ impl Metrics {
         let seconds = || Histogram::new(exponential_buckets(0.005, 2.0, 16));
         let m = Self {
             registry: Arc::new(Registry::default()),
+            refused: Family::default(),
+            frames_refused: Family::default(),
+            keys: Family::default(),
             requests: Counter::default(),
             request_errors: Counter::default(),
             requests_rejected: Counter::default(),
@@ -395,6 +408,21 @@ impl Metrics {
             m.row_bytes.clone(),
         );
         r.register(
+            "refused",
+            "Learning updates, notices and reports this node refused from peers, by reason (a stranger's signature, out of turn, past the mesh's sizes or gate …)",
+            m.refused.clone(),
+        );
+        r.register(
+            "frames_refused",
+            "Frames from peers refused: past the size their kind needs, or past the node's budget for frames in flight",
+            m.frames_refused.clone(),
+        );
+        r.register(
+            "api_key",
+            "API requests by key name and what became of them (requests, rate_limited, taught, over_budget)",
+            m.keys.clone(),
+        );
+        r.register(
             "resident_memory_bytes",
             "Resident memory of this node's process (Linux; set when scraped)",
             m.resident_bytes.clone(),
@@ -405,8 +433,36 @@ impl Metrics {
         }
     }
 
+    /// The counter of `what` (requests, rate_limited, taught, over_budget) of the API key named
+    /// `key`.
+    pub fn by_key(&self, what: &str, key: &str) -> Counter {
+        self.keys
+            .get_or_create(&vec![
+                ("key".to_string(), key.to_string()),
+                ("what".to_string(), what.to_string()),
+            ])
+            .clone()
+    }
+
     /// The metrics in Prometheus' text exposition format, the resident memory read now.
     pub fn render(&self) -> String {
+        for why in node_core::holder::Refusal::ALL {
+            let c = self
+                .refused
+                .get_or_create(&vec![("reason".to_string(), why.label().to_string())]);
+            c.inc_by(why.count().saturating_sub(c.get()));
+        }
+        let frames = [
+            ("oversized", &node_core::net::frames::OVERSIZED),
+            ("over_budget", &node_core::net::frames::OVER_BUDGET),
+        ];
+        for (reason, n) in frames {
+            let c = (self.frames_refused).get_or_create(&vec![("reason".into(), reason.into())]);
+            c.inc_by(
+                n.load(std::sync::atomic::Ordering::Relaxed)
+                    .saturating_sub(c.get()),
+            );
+        }
         if let Some(rss) = resident_bytes() {
             self.resident_bytes
                 .set(i64::try_from(rss).unwrap_or(i64::MAX));

@@ -38,6 +38,8 @@ pub struct UpOptions {
     pub api_listen: IpAddr,
     /// Bearer key the API asks for.
     pub api_key: Option<String>,
+    /// A file of API keys every node's API takes.
+    pub api_keys: Option<PathBuf>,
     /// The mesh does not learn from requests.
     pub no_learning: bool,
     /// How shards are stored.
@@ -230,6 +232,11 @@ fn prepare(opts: &UpOptions, model: &Path, data: &Path) -> Result<MeshFile> {
         opts.k
     );
     let rows_dir = data.join("encoding");
+    let mesh_key = crate::hold::trust::key_file(&data.join(crate::hold::trust::MESH_KEY_FILE))?;
+    let trust = crate::node::Trust {
+        mesh: node_core::learn::MeshKey::of(&mesh_key),
+        gate: true,
+    };
     let (manifest, blobs) = crate::node::encode_genesis(
         model,
         opts.k,
@@ -237,6 +244,7 @@ fn prepare(opts: &UpOptions, model: &Path, data: &Path) -> Result<MeshFile> {
         opts.max_rows,
         opts.format,
         learning,
+        &trust,
         &rows_dir,
     )?;
     let manifest_bytes = manifest.to_bytes()?;
@@ -263,6 +271,29 @@ fn prepare(opts: &UpOptions, model: &Path, data: &Path) -> Result<MeshFile> {
         started.elapsed().as_secs_f64()
     );
     Ok(mesh)
+}
+
+/// Admits every node of the mesh in `data` to write the model and report members: a
+/// certificate from the mesh's key (`mesh.key`, made at genesis) in each node's data dir,
+/// made anew at each start so that it never expires under a running mesh.
+fn admit_nodes(data: &Path, n: usize) -> Result<()> {
+    use node_core::learn::Power;
+    let key_path = data.join(crate::hold::trust::MESH_KEY_FILE);
+    let mesh = crate::hold::trust::read_key(&key_path)
+        .with_context(|| format!("the mesh's key ({}) admits its nodes", key_path.display()))?;
+    for i in 0..n {
+        let dir = DataDir::open(&node_dir(data, i))?;
+        let peer = dir.identity()?.public().to_peer_id();
+        let cert = crate::hold::trust::admit(
+            &mesh,
+            peer,
+            &format!("up node {i}"),
+            crate::hold::trust::DEFAULT_VALIDITY,
+            &[Power::Write, Power::Report],
+        )?;
+        dir.save_cert(&cert)?;
+    }
+    Ok(())
 }
 
 fn node_dir(data: &Path, i: usize) -> PathBuf {
@@ -346,6 +377,7 @@ pub async fn up(opts: UpOptions) -> Result<()> {
         let (o, m, d) = (opts.clone(), model.clone(), data.clone());
         tokio::task::spawn_blocking(move || prepare(&o, &m, &d)).await??
     };
+    admit_nodes(&data, mesh.n)?;
     let (web, mut build) = dashboard(&opts, &data);
     let program = crate::up::supervise::this_program()?;
     let tcp = |i: usize| format!("/ip4/127.0.0.1/tcp/{}", mesh.ports[i]);
@@ -372,6 +404,10 @@ pub async fn up(opts: UpOptions) -> Result<()> {
         if let Some(w) = &web {
             args.push("--web-dir".into());
             args.push(w.clone().into_os_string());
+        }
+        if let Some(f) = &opts.api_keys {
+            args.push("--api-keys".into());
+            args.push(f.clone().into_os_string());
         }
         if let Some(k) = &opts.api_key {
             args.push("--api-key".into());

@@ -135,6 +135,13 @@ fn mesh_err(e: impl std::fmt::Display) -> WebError {
     WebError::Mesh(e.to_string())
 }
 
+/// The page's wall clock, in unix milliseconds.
+fn wall_ms() -> u64 {
+    web_time::SystemTime::now()
+        .duration_since(web_time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
 impl Holding {
     /// The contribution as the page shows it.
     pub(crate) fn contribution(&self) -> Contribution {
@@ -158,14 +165,23 @@ impl Holding {
         }
     }
 
-    /// What a peer's request for this row needs ([`holder::route`]).
-    pub(crate) fn route(&mut self, peer: &PeerId, request: MeshRequest) -> Route<PeerId> {
+    /// What a peer's request for this row needs ([`holder::route`]); `live` is how many live
+    /// holders the page's view knows.
+    pub(crate) fn route(
+        &mut self,
+        peer: &PeerId,
+        request: MeshRequest,
+        live: usize,
+    ) -> Route<PeerId> {
         let held = Held {
             row: self.row,
             state: &self.state,
             manifest: &self.manifest_bytes,
             // A browser hands out no genesis shards: it never seeds a mesh.
             genesis: &std::collections::BTreeMap::new(),
+            rules: &self.rules,
+            wall_ms: wall_ms(),
+            live,
         };
         holder::route(
             &held,
@@ -200,7 +216,7 @@ impl Holding {
     /// Checks and applies an update: `Ok(None)` while a step still uses the shard (try again
     /// later), else its id and whether it was new.
     pub(crate) fn learn(&mut self, bytes: &[u8]) -> Result<Option<(u64, bool)>, WebError> {
-        let checked = self.rules.check(bytes).map_err(mesh_err)?;
+        let checked = self.rules.check(bytes, Some(wall_ms())).map_err(mesh_err)?;
         if self.state.version.contains(checked.id) {
             return Ok(Some((checked.id, false)));
         }
@@ -641,8 +657,9 @@ mod tests {
 
     wasm_bindgen_test_configure!(run_in_browser);
 
-    /// A signed exact (f32) update of `manifest`'s model with small seeded factors.
-    fn update(manifest: &ModelManifest, seed: u32, key: &libp2p::identity::Keypair) -> Vec<u8> {
+    /// A signed exact (f32) update of `manifest`'s model with small seeded factors, by a
+    /// trainer the mesh admits.
+    fn update(manifest: &ModelManifest, seed: u32, signer: &node_core::lead::Signer) -> Vec<u8> {
         let cfg = &manifest.cfg;
         let value = |i: usize| ((i as u32 * 2654435761 + seed * 40503) % 1000) as f32 / 1e4 - 0.05;
         let stages = Stage::all(cfg)
@@ -676,7 +693,11 @@ mod tests {
             },
             precision: Precision::F32,
         };
-        seal(update.encode(), key).expect("signed")
+        let header = node_core::learn::Header {
+            issued_ms: wall_ms(),
+            verdict: None,
+        };
+        seal(update.encode(), &signer.key, signer.cert.as_ref(), header).expect("signed")
     }
 
     fn values(s: &ShardSet) -> Vec<u32> {
@@ -701,6 +722,7 @@ mod tests {
         let mesh =
             InProcess::encode(&weights, &generator, ShardFormat::F32, &|_, _| {}).expect("encoded");
         let shard = mesh.members()[2].shards().clone();
+        let mesh_key = libp2p::identity::Keypair::generate_ed25519();
         let manifest = ModelManifest {
             name: "small".into(),
             leader: LeaderWeights::from_model(&weights),
@@ -718,6 +740,8 @@ mod tests {
                 ..LearningConfig::default()
             },
             verify_noise: 1e-3,
+            mesh_key: node_core::learn::MeshKey::of(&mesh_key).to_bytes(),
+            canary_loss: None,
             cfg,
         };
         let bytes = protocol::encode(&manifest).expect("manifest");
@@ -733,7 +757,20 @@ mod tests {
         let store = Rc::new(ShardStore::open().await.expect("IndexedDB"));
         let key = "test-a-browser-holder-folds".to_string();
         holding.store = Some((store.clone(), key.clone()));
-        let signer = libp2p::identity::Keypair::generate_ed25519();
+        let trainer = libp2p::identity::Keypair::generate_ed25519();
+        let cert = node_core::learn::Certificate::issue(
+            &mesh_key,
+            trainer.public().to_peer_id(),
+            "a test",
+            1,
+            u64::MAX,
+            &[node_core::learn::Power::Write],
+        )
+        .expect("a certificate");
+        let signer = node_core::lead::Signer {
+            key: trainer,
+            cert: Some(cert),
+        };
         // Updates until one is due to fold (each is a few percent of this small shard).
         let mut save = None;
         for seed in 0..64 {

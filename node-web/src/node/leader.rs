@@ -11,17 +11,13 @@ use futures::future::LocalBoxFuture;
 use libp2p::Multiaddr;
 use libp2p::PeerId;
 use node_core::code::Generator;
-use node_core::coded::CodedGroup;
 use node_core::holder::HolderError;
-use node_core::lead::{Formed, GroupOptions, LeadLink, OwnRow, Publisher, Sent, Settled, settle};
-use node_core::learn::{CANARY_TEXT, CanaryGate, Learner, Published, Teacher};
+use node_core::lead::{Formed, GroupOptions, LeadLink, OwnRow};
 use node_core::mesh::rounds::{Asks, MemberAnswer, Rounds};
 use node_core::mesh::{
     BrowserBootstrap, MeshRequest, MeshResponse, ModelManifest, RoundConfig, StepRefusal, Usage,
 };
-use node_core::model::{
-    ChatMessage, GenerateOptions, Llama, SamplingParams, Tokenizer, generate_on,
-};
+use node_core::model::{ChatMessage, GenerateOptions, SamplingParams, Tokenizer, generate_on};
 use node_core::net::link::SessionLink;
 use node_core::net::session::{self, Ask};
 use serde::{Deserialize, Serialize};
@@ -105,19 +101,10 @@ pub(crate) struct LeaderModel {
     tokenizer: Tokenizer,
 }
 
-/// The version a group decodes at, and every live holder at it (where updates go).
-struct Versioned<'a> {
-    version: [u8; 32],
-    holders: &'a [PeerId],
-}
-
 /// What a page's leader keeps between requests.
 #[derive(Debug, Default)]
 pub(crate) struct Lead {
     model: Option<Rc<LeaderModel>>,
-    /// The page's learner and the canary gate that judges each of its updates (made with the
-    /// model's tokenizer).
-    teacher: Option<Teacher>,
 }
 
 fn mesh_err(e: impl std::fmt::Display) -> WebError {
@@ -126,8 +113,9 @@ fn mesh_err(e: impl std::fmt::Display) -> WebError {
 
 impl BrowserNode {
     /// Leads `prompt` on the mesh from this page: forms a coded group over the live rows,
-    /// generates (each piece of text goes to `on_text` as it completes), learns from the
-    /// request and hands the update to every row's holder.
+    /// generates (each piece of text goes to `on_text` as it completes), and hands the text the
+    /// user sent to the page's native node to teach: a page is not admitted to write the
+    /// model, so the node's trainer trains on it under its budget and gate.
     pub async fn generate(
         &self,
         prompt: &Prompt,
@@ -162,7 +150,6 @@ impl BrowserNode {
             holders,
             rows,
             live_rows,
-            version,
             ..
         } = node_core::lead::form(self, manifest, &info, &opts)
             .await
@@ -192,25 +179,23 @@ impl BrowserNode {
         .await
         .map_err(mesh_err)?;
 
-        let (loss, update) = match prompt.learn && manifest.learning.enabled {
-            true => {
-                let at = Versioned {
-                    version,
-                    holders: &holders,
-                };
-                self.learn(&llama, &mut group, manifest, tokenizer, &ids, at)
-                    .await?
-            }
-            false => (None, None),
+        let update = match prompt.learn && manifest.learning.enabled && ids.len() >= 2 {
+            true => Some(self.teach(manifest, &ids).await),
+            false => None,
         };
+        let signer = node_core::lead::Signer::unadmitted(self.key.clone());
+        let now = web_time::SystemTime::now()
+            .duration_since(web_time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        let caught = &group.stats().caught;
         let reported =
-            node_core::lead::report_caught(self, &group.stats().caught, &rows, &holders).await;
+            node_core::lead::report_caught(self, &signer, now, caught, &rows, &holders).await;
         let caught = reported
             .caught
             .iter()
             .map(|(row, _, c)| format!("row {row}: {c}"))
             .collect();
-        let usage = Usage::of_request(out.prompt_tokens, out.tokens.len(), began.elapsed(), loss);
+        let usage = Usage::of_request(out.prompt_tokens, out.tokens.len(), began.elapsed(), None);
         if let Err(e) = self.ask_bootstrap(MeshRequest::Served(usage)).await {
             tracing::warn!("the request was not counted in the mesh's usage: {e}");
         }
@@ -232,7 +217,7 @@ impl BrowserNode {
                 group.transport().asks.session_asks,
             ),
             caught,
-            loss,
+            loss: None,
             update,
         })
     }
@@ -255,87 +240,20 @@ impl BrowserNode {
         Ok(model)
     }
 
-    /// The request's gradient through the group, folded into this page's learner; a due
-    /// update goes through the canary gate, and is signed and handed to every live row's
-    /// holder if it passes. Returns the loss and what was handed out (or why not).
-    async fn learn(
-        &self,
-        llama: &Llama,
-        group: &mut CodedGroup<WebTransport>,
-        manifest: &ModelManifest,
-        tokenizer: &Tokenizer,
-        prompt: &[u32],
-        Versioned { version, holders }: Versioned<'_>,
-    ) -> Result<(Option<f64>, Option<String>), WebError> {
-        if prompt.len() < 2 {
-            return Ok((None, None));
-        }
+    /// Hands the text of the user's request (its last positions a trainer takes) to the
+    /// page's native node, whose trainer trains on it: what became of it, for the page.
+    async fn teach(&self, manifest: &ModelManifest, prompt: &[u32]) -> String {
         let window = node_core::learn::training_window(&manifest.learning, &manifest.cfg);
-        let tokens = node_core::learn::taught(prompt, window);
-        let grads = llama.gradients(group, tokens).await.map_err(mesh_err)?;
-        let loss = grads.loss;
-        // The teacher leaves the page's state while the gate measures (across awaits), then
-        // returns; the page leads one request at a time.
-        let taken = self.lead.borrow_mut().teacher.take();
-        let mut teacher = match taken {
-            Some(t) => t,
-            None => {
-                let gate = CanaryGate::new(tokenizer.encode(CANARY_TEXT).map_err(mesh_err)?);
-                let learner =
-                    Learner::new(manifest.learning, manifest.cfg.clone(), manifest.format);
-                Teacher::new(learner, Some(gate), manifest.format)
+        let tokens = node_core::learn::taught(prompt, window).to_vec();
+        let n = tokens.len();
+        match self.ask_bootstrap(MeshRequest::Teach(tokens)).await {
+            Ok(MeshResponse::Taught) => {
+                format!("taught: {n} tokens went to the native node's trainer")
             }
-        };
-        let settled = match teacher.fold(grads) {
-            Ok(Some(p)) => {
-                let mut out = PagePublisher {
-                    node: self,
-                    holders,
-                };
-                Ok(Some(
-                    settle(&mut teacher, llama, group, version, p, &mut out).await,
-                ))
-            }
-            Ok(None) => Ok(None),
-            Err(e) => Err(mesh_err(e)),
-        };
-        self.lead.borrow_mut().teacher = Some(teacher);
-        let said = match settled? {
-            None => None,
-            Some(Settled::Published { sent, .. }) => Some(format!(
-                "{:016x}: {} bytes, told {} of {} holders, who spread it",
-                sent.id,
-                sent.bytes,
-                sent.told,
-                holders.len()
-            )),
-            Some(Settled::Refused(why, _)) => {
-                tracing::warn!("the canary gate refused this page's update: {why}");
-                Some(format!("not published: {why}"))
-            }
-            Some(Settled::Unjudged(why) | Settled::Lost(why)) => {
-                tracing::warn!("this page's update was not published: {why}");
-                Some(format!("not published: {why}"))
-            }
-        };
-        Ok((Some(loss), said))
-    }
-}
-
-/// The page's [`Publisher`]: signs an update with this node's identity and hands it to every
-/// live row's holder.
-struct PagePublisher<'a> {
-    node: &'a BrowserNode,
-    holders: &'a [PeerId],
-}
-
-impl Publisher for PagePublisher<'_> {
-    type Sent = Sent;
-
-    async fn publish(&mut self, p: Published) -> Result<(Sent, Option<[u8; 32]>), String> {
-        let key = &self.node.key;
-        let sent = node_core::lead::publish(self.node, key, self.holders, &p).await;
-        Ok((sent.map_err(|e| e.to_string())?, None))
+            Ok(MeshResponse::Error(e)) => format!("not taught: {e}"),
+            Ok(_) => "not taught: the native node answered something else".into(),
+            Err(e) => format!("not taught: {e}"),
+        }
     }
 }
 

@@ -455,6 +455,10 @@ async fn fetch_text(url: &str) -> Result<String, WebError> {
 /// The answer of a browser node that holds no row.
 const NO_ROW: &str = "this browser node holds no row: it only watches";
 
+/// Most learning updates a page keeps waiting for its steps to end; past that a peer's are
+/// refused (the spread and catch-up bring them again).
+const MAX_WAITING_UPDATES: usize = 16;
+
 /// Answers the steps of every leader that opens a session with this node
 /// ([`node_core::net::session`]), through the node's task, in order per session.
 async fn serve_sessions(node: BrowserNode, mut incoming: libp2p_stream::IncomingStreams) {

@@ -408,20 +408,29 @@ impl Task {
         let (Some(view), Some(h)) = (self.view.as_mut(), self.holding.as_mut()) else {
             return self.respond(channel, MeshResponse::Error(NO_ROW.into()));
         };
-        match h.route(&peer, request) {
+        match h.route(&peer, request, view.live_holders()) {
             Route::Answer(response) => self.respond(channel, response),
             Route::View(query) => {
                 let onward = query.onward();
                 let response = node_core::holder::answer_view(view, &peer, query, now);
                 self.respond(channel, response);
-                if let Some((caught, evidence, to)) = onward {
+                if let Some((report, to)) = onward {
                     let node = self.node.clone();
                     wasm_bindgen_futures::spawn_local(async move {
-                        node_core::holder::pass_report(&node, caught, evidence, &to).await;
+                        node_core::holder::pass_report(&node, report, &to).await;
                     });
                 }
             }
+            // A page holds a few updates waiting for its steps to end, not a peer's flood.
+            Route::Learn(_) if self.learning.len() >= MAX_WAITING_UPDATES => self.respond(
+                channel,
+                MeshResponse::Error("too many updates wait here already: try again".into()),
+            ),
             Route::Learn(bytes) => self.learning.push_back((bytes, Some(channel))),
+            Route::Teach(_) => self.respond(
+                channel,
+                MeshResponse::Error("a browser does not train: ask a native node".into()),
+            ),
             Route::Spread(notice) => {
                 self.respond(channel, MeshResponse::Spreading { id: notice.list.id });
                 let node = self.node.clone();

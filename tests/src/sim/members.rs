@@ -462,11 +462,15 @@ impl MemoryHolders {
             return MeshResponse::Error(format!("no holder {id}"));
         };
         let route = {
+            let rules = node_core::holder::Rules::of(&self.manifest);
             let held = Held {
                 row: state.member.shards().node as u32,
                 state,
                 manifest: &self.manifest_bytes,
                 genesis: &BTreeMap::new(),
+                rules: &rules,
+                wall_ms: 0,
+                live: self.holders.len(),
             };
             let mut limits = self.limits.borrow_mut();
             let limit = limits.entry(id).or_default();

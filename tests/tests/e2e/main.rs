@@ -20,6 +20,7 @@ mod learning_real_model;
 mod mesh_learning;
 mod mesh_processes;
 mod mesh_spread;
+mod red_team;
 mod reference_logits;
 mod shapes;
 mod sim_mesh;

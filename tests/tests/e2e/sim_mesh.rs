@@ -614,6 +614,9 @@ fn chains_send_one_shard(format: ShardFormat, genesis: u32, room: u32, offered: 
         format,
         learning: LearningConfig::default(),
         verify_noise: node_core::coded::DEFAULT_NOISE,
+        mesh_key: node_core::learn::MeshKey::of(&libp2p::identity::Keypair::generate_ed25519())
+            .to_bytes(),
+        canary_loss: None,
     };
     let holders: BTreeMap<u32, ShardSet> = (0..genesis).map(|r| (r, encode(r).unwrap())).collect();
     let shard_bytes = direct.bytes() as u64;

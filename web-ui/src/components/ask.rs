@@ -15,7 +15,9 @@ pub fn completion_text(c: &Completion) -> String {
     let learned = match (c.loss, &c.update) {
         (Some(loss), Some(update)) => format!("; loss {loss:.4}, update {update}"),
         (Some(loss), None) => format!("; loss {loss:.4}, gradient kept for the next update"),
-        _ => String::new(),
+        // A page is not admitted to write the model: its native node's trainer takes the text.
+        (None, Some(taught)) => format!("; {taught}"),
+        (None, None) => String::new(),
     };
     format!(
         "{} tokens ({}): prefill {:.1} tok/s, decode {:.1} tok/s; group {:?} of {} live rows; {} rounds on {} session streams ({} asks), {} checked, {} unchecked, {caught}{learned}",

@@ -41,6 +41,12 @@ pub enum MeshEvent<P> {
     },
 }
 
+/// Most peers a view tracks (holders, leaders, browsers), alive or lately dead.
+pub const MAX_PEERS: usize = 4096;
+
+/// Most characters of the device a heartbeat names.
+const MAX_DEVICE_CHARS: usize = 128;
+
 /// How long a holder that stopped announcing itself still counts as one that may come back
 /// behind ([`MeshView::lags`]).
 pub const LAG_MEMORY: Duration = Duration::from_secs(120);
@@ -137,6 +143,8 @@ impl<P: Ord + Clone + Display> MeshView<P> {
         local: Heartbeat,
     ) -> Result<Self, MeshError> {
         cfg.validate()?;
+        let mut local = local;
+        local.addrs.truncate(crate::protocol::bounded::MAX_ADDRS);
         if k == 0 || genesis < k || n < genesis {
             return Err(MeshError::Config(format!(
                 "need 1 ≤ k ≤ genesis rows ≤ n, got k = {k}, {genesis} genesis rows, n = {n}"
@@ -174,7 +182,9 @@ impl<P: Ord + Clone + Display> MeshView<P> {
     /// Changes what this node announces (row, version, addresses, offers); `incarnation`
     /// and `seq` are kept. A new version is announced at the next `handle_timeout`, without
     /// waiting for the heartbeat interval.
-    pub fn set_local(&mut self, hb: Heartbeat) {
+    pub fn set_local(&mut self, mut hb: Heartbeat) {
+        // Peers read at most this many: the first are the best ways to reach this node.
+        hb.addrs.truncate(crate::protocol::bounded::MAX_ADDRS);
         if hb.version_digest != self.local.version_digest {
             self.next_heartbeat = self.next_heartbeat.min(self.created);
         }
@@ -215,6 +225,26 @@ impl<P: Ord + Clone + Display> MeshView<P> {
                     theirs: hex(&hb.model),
                 }
                 .to_string(),
+            });
+            return;
+        }
+        if hb.offers.len() > self.n as usize || hb.device.len() > MAX_DEVICE_CHARS {
+            self.events.push_back(MeshEvent::Refused {
+                peer: from.clone(),
+                error: MeshError::BadMessage {
+                    peer: from.to_string(),
+                    reason: "a heartbeat out of shape (its offers or device)".into(),
+                }
+                .to_string(),
+            });
+            return;
+        }
+        if !self.peers.contains_key(&from) && !self.room_for_a_peer(now) {
+            self.events.push_back(MeshEvent::Refused {
+                peer: from.clone(),
+                error: format!(
+                    "a heartbeat from a new peer while this node tracks {MAX_PEERS} live ones already"
+                ),
             });
             return;
         }
@@ -275,6 +305,19 @@ impl<P: Ord + Clone + Display> MeshView<P> {
                 );
             }
         }
+    }
+
+    /// Whether a new peer's heartbeat has room in the view: past [`MAX_PEERS`], peers dead for
+    /// longer than [`LAG_MEMORY`] are forgotten first (PeerIds are free: the view's size is
+    /// bounded, not per peer).
+    fn room_for_a_peer(&mut self, now: Instant) -> bool {
+        if self.peers.len() < MAX_PEERS {
+            return true;
+        }
+        self.peers.retain(|_, e| {
+            e.health != Health::Dead || now.saturating_duration_since(e.last_seen) < LAG_MEMORY
+        });
+        self.peers.len() < MAX_PEERS
     }
 
     /// Advances time: health transitions, and this node's own heartbeat when due.
@@ -360,6 +403,16 @@ impl<P: Ord + Clone + Display> MeshView<P> {
             }
         }
         counts.into_iter().max_by_key(|&(_, c)| c).map(|(d, _)| d)
+    }
+
+    /// Holders this node knows to be alive (not dead, holding a row), itself included: what a
+    /// peer's list of holders is bounded by.
+    pub fn live_holders(&self) -> usize {
+        1 + self
+            .peers
+            .values()
+            .filter(|e| e.health != Health::Dead && e.hb.row.is_some())
+            .count()
     }
 
     /// How many of this node's newest updates each holder may lack, from the versions their

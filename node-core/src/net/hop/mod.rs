@@ -51,6 +51,7 @@ pub struct Join {
     /// The version every member computes at.
     pub version: [u8; 32],
     /// The members' rows, in the order every member decodes them (the first k decode).
+    #[serde(deserialize_with = "crate::protocol::bounded::numbers")]
     pub rows: Vec<u32>,
     /// The members' peer ids (libp2p's bytes), by position in `rows`.
     pub peers: Vec<Vec<u8>>,
@@ -106,6 +107,7 @@ pub struct Feed {
     /// The batch's sequences, in the order their logits come back.
     pub seqs: Vec<FeedSeq>,
     /// Sequences the leader is done with: members forget their keys and values first.
+    #[serde(deserialize_with = "crate::protocol::bounded::numbers")]
     pub forget: Vec<u64>,
     /// The members the leader feeds this pass: the others have left the group.
     pub rows: Vec<u32>,
@@ -119,6 +121,7 @@ pub struct FeedSeq {
     /// The position of the first token (what members held from there on is forgotten).
     pub start: u32,
     /// The tokens.
+    #[serde(deserialize_with = "crate::protocol::bounded::numbers")]
     pub tokens: Vec<u32>,
     /// How many of the last positions' logits the leader wants.
     pub logits: u32,

@@ -26,6 +26,49 @@ use crate::net::swarm::{Client, open_accepted};
 /// member fail and ask another).
 const MAX_SESSIONS: usize = 256;
 
+/// Sessions one peer may have open with this node at once: a leader's serving groups, its
+/// trainer's and a hop group's (another release's or a liar's streams beyond are closed).
+const MAX_PEER_SESSIONS: usize = 32;
+
+/// A session one peer holds with this node; given back when dropped.
+struct PeerSlot {
+    counts: Arc<std::sync::Mutex<std::collections::HashMap<PeerId, usize>>>,
+    peer: PeerId,
+}
+
+impl PeerSlot {
+    /// A slot for `peer`, if it holds fewer than [`MAX_PEER_SESSIONS`].
+    fn take(
+        counts: &Arc<std::sync::Mutex<std::collections::HashMap<PeerId, usize>>>,
+        peer: PeerId,
+    ) -> Option<Self> {
+        let mut c = counts
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let n = c.entry(peer).or_default();
+        if *n >= MAX_PEER_SESSIONS {
+            return None;
+        }
+        *n += 1;
+        Some(Self {
+            counts: counts.clone(),
+            peer,
+        })
+    }
+}
+
+impl Drop for PeerSlot {
+    fn drop(&mut self) {
+        let mut c = (self.counts.lock()).unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(n) = c.get_mut(&self.peer) {
+            *n -= 1;
+            if *n == 0 {
+                c.remove(&self.peer);
+            }
+        }
+    }
+}
+
 /// Step requests carrying up to this many values (a decode step's activations, drafted tokens
 /// included) are computed on the asking task; larger ones (prefill) on the blocking pool.
 pub(crate) const INLINE_STEP_VALUES: usize = 16 << 10;
@@ -38,8 +81,13 @@ pub fn serve(client: &Client, state: Arc<RwLock<ShardState>>) -> anyhow::Result<
         .map_err(|e| anyhow::anyhow!("accepting sessions: {e}"))?;
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_SESSIONS));
     crate::hold::session::local::serve(client, slots.clone(), state.clone());
+    let per_peer: Arc<std::sync::Mutex<std::collections::HashMap<PeerId, usize>>> = Arc::default();
     tokio::spawn(async move {
         while let Some((peer, stream)) = incoming.next().await {
+            let Some(mine) = PeerSlot::take(&per_peer, peer) else {
+                tracing::warn!(%peer, "refusing a session: {MAX_PEER_SESSIONS} of its own are open");
+                continue;
+            };
             let Ok(slot) = slots.clone().try_acquire_owned() else {
                 tracing::warn!(%peer, "refusing a session: {MAX_SESSIONS} are open");
                 continue;
@@ -51,7 +99,7 @@ pub fn serve(client: &Client, state: Arc<RwLock<ShardState>>) -> anyhow::Result<
                     Ok(()) => serve_one(reader, writer, state).await,
                     Err(e) => tracing::debug!(%peer, "session ended: {e}"),
                 }
-                drop(slot);
+                drop((slot, mine));
             });
         }
     });

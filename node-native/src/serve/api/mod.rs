@@ -5,13 +5,14 @@
 //! OpenAI's error JSON with its status codes; an optional bearer key guards every route.
 
 use std::convert::Infallible;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Json;
 use axum::body::Bytes;
 use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
-use axum::extract::{Query, State};
+use axum::extract::{ConnectInfo, Query, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -25,6 +26,7 @@ use tokio::sync::mpsc;
 
 use crate::serve::engine::{Engine, EngineError, Event, GenRequest, SubmitError};
 
+pub mod keys;
 mod request;
 mod stream;
 
@@ -38,14 +40,15 @@ const CHAT_DEFAULT_TOKENS: usize = 1024;
 /// Most stop strings a request may give (OpenAI's limit).
 const MAX_STOPS: usize = 4;
 
-/// The API's state: the engine, the tokenizer, the served model's id, the key.
+/// The API's state: the engine, the tokenizer, the served model's id, the keys.
 #[derive(Clone)]
 pub struct Api {
     engine: Engine,
     tokenizer: Arc<Tokenizer>,
     model: String,
-    key: Option<Arc<str>>,
+    keys: keys::Keys,
     created: u64,
+    metrics: crate::serve::metrics::Metrics,
 }
 
 impl std::fmt::Debug for Api {
@@ -64,21 +67,23 @@ pub fn model_id(manifest: &ModelManifest) -> String {
 }
 
 impl Api {
-    /// The API of a node serving `manifest`'s model through `engine`; `key` is the bearer key
-    /// every request must carry, if set.
+    /// The API of a node serving `manifest`'s model through `engine`, to the callers `keys`
+    /// admits, counting each in `metrics`.
     pub fn new(
         engine: Engine,
         manifest: &ModelManifest,
-        key: Option<String>,
+        keys: keys::Keys,
+        metrics: crate::serve::metrics::Metrics,
     ) -> anyhow::Result<Self> {
         Ok(Self {
             engine,
             tokenizer: Arc::new(Tokenizer::from_data(&manifest.tokenizer)?),
             model: model_id(manifest),
-            key: key.filter(|k| !k.is_empty()).map(Into::into),
+            keys,
             created: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),
+            metrics,
         })
     }
 
@@ -94,23 +99,41 @@ impl Api {
             .with_state(self)
     }
 
-    /// Refuses a request without the key, when there is one.
-    fn authorize(&self, headers: &HeaderMap, query_key: Option<&str>) -> Result<(), ApiError> {
-        let Some(key) = &self.key else {
-            return Ok(());
-        };
+    /// Who makes a request with `headers` (or a WebSocket's `query_key`) from `from`: refused
+    /// without a key the API knows (the anonymous user is one from this machine), or past its
+    /// requests a minute; counted by key.
+    fn authorize(
+        &self,
+        headers: &HeaderMap,
+        query_key: Option<&str>,
+        from: SocketAddr,
+    ) -> Result<keys::Caller, ApiError> {
         let bearer = headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "));
-        if bearer.or(query_key) == Some(&**key) {
-            Ok(())
-        } else {
-            Err(ApiError::new(
+        match self.keys.caller(bearer.or(query_key), Some(from.ip())) {
+            Ok(c) => {
+                self.metrics.by_key("requests", &c.name).inc();
+                Ok(c.clone())
+            }
+            Err(keys::Refused::Unauthorized) => Err(ApiError::new(
                 StatusCode::UNAUTHORIZED,
-                "Incorrect API key provided: give the node's key as `Authorization: Bearer KEY`.",
+                "Incorrect API key provided: give a key of this node as `Authorization: Bearer KEY`.",
             )
-            .code("invalid_api_key"))
+            .code("invalid_api_key")),
+            Err(keys::Refused::Rate(after)) => {
+                let name = self.keys.name_of(bearer.or(query_key));
+                self.metrics.by_key("rate_limited", &name).inc();
+                Err(ApiError {
+                    retry_after: Some(after),
+                    ..ApiError::new(
+                        StatusCode::TOO_MANY_REQUESTS,
+                        "this key's requests a minute are spent; try again later",
+                    )
+                    .code("rate_limit_exceeded")
+                })
+            }
         }
     }
 }
@@ -244,22 +267,30 @@ async fn respond(api: &Api, p: Prepared) -> Response {
     }
 }
 
-async fn chat(State(api): State<Api>, headers: HeaderMap, body: Bytes) -> Response {
+async fn chat(
+    State(api): State<Api>,
+    ConnectInfo(from): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     let prepared = api
-        .authorize(&headers, None)
-        .and_then(|()| parse::<ChatBody>(&body))
-        .and_then(|b| api.prepare_chat(b));
+        .authorize(&headers, None, from)
+        .and_then(|caller| parse::<ChatBody>(&body).and_then(|b| api.prepare_chat(b, &caller)));
     match prepared {
         Ok(p) => respond(&api, p).await,
         Err(e) => e.into_response(),
     }
 }
 
-async fn completions(State(api): State<Api>, headers: HeaderMap, body: Bytes) -> Response {
-    let prepared = api
-        .authorize(&headers, None)
-        .and_then(|()| parse::<CompletionBody>(&body))
-        .and_then(|b| api.prepare_completion(b));
+async fn completions(
+    State(api): State<Api>,
+    ConnectInfo(from): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let prepared = api.authorize(&headers, None, from).and_then(|caller| {
+        parse::<CompletionBody>(&body).and_then(|b| api.prepare_completion(b, &caller))
+    });
     match prepared {
         Ok(p) => respond(&api, p).await,
         Err(e) => e.into_response(),
@@ -270,19 +301,24 @@ fn model_object(api: &Api) -> Value {
     json!({"id": api.model, "object": "model", "created": api.created, "owned_by": "codedmesh"})
 }
 
-async fn models(State(api): State<Api>, headers: HeaderMap) -> Response {
-    match api.authorize(&headers, None) {
-        Ok(()) => Json(json!({"object": "list", "data": [model_object(&api)]})).into_response(),
+async fn models(
+    State(api): State<Api>,
+    ConnectInfo(from): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+) -> Response {
+    match api.authorize(&headers, None, from) {
+        Ok(_) => Json(json!({"object": "list", "data": [model_object(&api)]})).into_response(),
         Err(e) => e.into_response(),
     }
 }
 
 async fn model(
     State(api): State<Api>,
+    ConnectInfo(from): ConnectInfo<SocketAddr>,
     headers: HeaderMap,
     axum::extract::Path(id): axum::extract::Path<String>,
 ) -> Response {
-    if let Err(e) = api.authorize(&headers, None) {
+    if let Err(e) = api.authorize(&headers, None, from) {
         return e.into_response();
     }
     if id == api.model {
@@ -314,20 +350,21 @@ struct WsQuery {
 
 async fn websocket(
     State(api): State<Api>,
+    ConnectInfo(from): ConnectInfo<SocketAddr>,
     headers: HeaderMap,
     Query(q): Query<WsQuery>,
     ws: WebSocketUpgrade,
 ) -> Response {
-    if let Err(e) = api.authorize(&headers, q.api_key.as_deref()) {
-        return e.into_response();
+    match api.authorize(&headers, q.api_key.as_deref(), from) {
+        Ok(caller) => ws.on_upgrade(move |socket| serve_socket(api, socket, caller)),
+        Err(e) => e.into_response(),
     }
-    ws.on_upgrade(move |socket| serve_socket(api, socket))
 }
 
 /// One WebSocket: each text message is a request (a chat when it has `messages`, else a
 /// completion); the answer streams back as the same chunks as server-sent events (usage
 /// included), then `[DONE]`. Requests on one socket run one after another.
-async fn serve_socket(api: Api, socket: WebSocket) {
+async fn serve_socket(api: Api, socket: WebSocket, caller: keys::Caller) {
     let (mut tx, mut rx) = socket.split();
     while let Some(Ok(msg)) = rx.next().await {
         let text = match msg {
@@ -338,13 +375,19 @@ async fn serve_socket(api: Api, socket: WebSocket) {
         };
         let prepared = parse::<Value>(text.as_bytes()).and_then(|v| {
             if v.get("messages").is_some() {
-                api.prepare_chat(serde_json::from_value(v).map_err(|e| {
-                    ApiError::new(StatusCode::BAD_REQUEST, format!("invalid request: {e}"))
-                })?)
+                api.prepare_chat(
+                    serde_json::from_value(v).map_err(|e| {
+                        ApiError::new(StatusCode::BAD_REQUEST, format!("invalid request: {e}"))
+                    })?,
+                    &caller,
+                )
             } else {
-                api.prepare_completion(serde_json::from_value(v).map_err(|e| {
-                    ApiError::new(StatusCode::BAD_REQUEST, format!("invalid request: {e}"))
-                })?)
+                api.prepare_completion(
+                    serde_json::from_value(v).map_err(|e| {
+                        ApiError::new(StatusCode::BAD_REQUEST, format!("invalid request: {e}"))
+                    })?,
+                    &caller,
+                )
             }
         });
         let stream = prepared.and_then(|p| {

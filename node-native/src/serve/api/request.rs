@@ -106,7 +106,18 @@ impl Api {
         kind: Kind,
         prompt: Vec<u32>,
         c: Common,
+        caller: &super::keys::Caller,
     ) -> Result<Prepared, ApiError> {
+        if c.learn == Some(true) && !caller.teach {
+            return Err(ApiError {
+                param: Some("learn"),
+                ..ApiError::new(
+                    StatusCode::FORBIDDEN,
+                    format!("the key {:?} may not teach the mesh", caller.name),
+                )
+                .code("learning_not_allowed")
+            });
+        }
         match c.model.as_deref() {
             None => return Err(ApiError::bad("model", "you must provide a model parameter")),
             Some(m) if m != self.model => {
@@ -210,13 +221,9 @@ impl Api {
                     seed,
                 },
                 stop_ids: self.tokenizer.eos_ids().to_vec(),
-                learn: c.learn.unwrap_or(true),
-                // The node has one key: whoever holds it shares its budget.
-                caller: if self.key.is_some() {
-                    "api-key".into()
-                } else {
-                    "anonymous".into()
-                },
+                learn: c.learn.unwrap_or(true) && caller.teach,
+                caller: caller.name.clone(),
+                budget: caller.budget(),
             },
             stops,
             stream: c.stream,
@@ -224,7 +231,11 @@ impl Api {
         })
     }
 
-    pub(super) fn prepare_chat(&self, body: ChatBody) -> Result<Prepared, ApiError> {
+    pub(super) fn prepare_chat(
+        &self,
+        body: ChatBody,
+        caller: &super::keys::Caller,
+    ) -> Result<Prepared, ApiError> {
         if body.messages.is_empty() {
             return Err(ApiError::bad("messages", "messages must not be empty"));
         }
@@ -270,10 +281,14 @@ impl Api {
             .tokenizer
             .encode(&text)
             .map_err(|e| ApiError::bad("messages", e.to_string()))?;
-        self.prepare(Kind::Chat, prompt, body.common)
+        self.prepare(Kind::Chat, prompt, body.common, caller)
     }
 
-    pub(super) fn prepare_completion(&self, body: CompletionBody) -> Result<Prepared, ApiError> {
+    pub(super) fn prepare_completion(
+        &self,
+        body: CompletionBody,
+        caller: &super::keys::Caller,
+    ) -> Result<Prepared, ApiError> {
         let prompt = match body.prompt {
             Prompt::Text(t) => self.encode(&t)?,
             Prompt::Texts(v) if v.len() == 1 => self.encode(&v[0])?,
@@ -285,7 +300,7 @@ impl Api {
             }
             Prompt::Ids(ids) => ids,
         };
-        self.prepare(Kind::Completion, prompt, body.common)
+        self.prepare(Kind::Completion, prompt, body.common, caller)
     }
 
     pub(super) fn encode(&self, text: &str) -> Result<Vec<u32>, ApiError> {

@@ -201,9 +201,10 @@ impl EngineContext {
             }
         }
         let link = crate::hold::link::NativeLink::quiet(self.client.clone());
-        let (rows, holders) = (rows.clone(), holders.to_vec());
+        let (rows, holders, signer) = (rows.clone(), holders.to_vec(), self.signer.clone());
         self.runtime.spawn(async move {
-            node_core::lead::report_caught(&link, &s.caught, &rows, &holders).await;
+            let now = crate::hold::trust::unix_ms();
+            node_core::lead::report_caught(&link, &signer, now, &s.caught, &rows, &holders).await;
         });
     }
 }

@@ -24,7 +24,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Result, anyhow};
 use libp2p::PeerId;
-use node_core::learn::{Budgets, CANARY_TEXT, CanaryGate, Learner, Published, Teacher, Verdict};
+use node_core::learn::{
+    Budgets, CanaryGate, GateClaim, Learner, Published, Teacher, Verdict, canary_tokens,
+};
 use node_core::mesh::{MeshInfo, MeshResponse, ModelManifest, Usage};
 use node_core::model::{
     AfterFailure, Batch, BatchLimits, Ended, Entry, GenerateOptions, LeaderWeights, Llama,
@@ -132,8 +134,10 @@ pub struct GenRequest {
     pub stop_ids: Vec<u32>,
     /// The mesh may train on it (when the mesh learns at all).
     pub learn: bool,
-    /// Whose learning budget it spends: the API key it came with, or "anonymous".
+    /// Whose learning budget it spends: the name of the API key it came with, or "anonymous".
     pub caller: String,
+    /// That caller's learning budget.
+    pub budget: node_core::learn::Budget,
 }
 
 /// What a request's submitter hears, in order: tokens, then one `Done` or `Failed`.
@@ -211,8 +215,9 @@ struct Job {
 pub struct EngineContext {
     /// The node's network client.
     pub client: Client,
-    /// The node's identity: it signs the updates.
-    pub key: libp2p::identity::Keypair,
+    /// Who the node signs as: its identity and the certificate by which the mesh admits it
+    /// to write (without one its requests do not train the mesh).
+    pub signer: node_core::lead::Signer,
     /// The model.
     pub manifest: ModelManifest,
     /// The node's own row.
@@ -239,28 +244,44 @@ pub struct Engine {
     latency_ms: Arc<AtomicU64>,
     metrics: Metrics,
     max_context: usize,
+    /// Where text to teach goes, when this node trains the mesh.
+    teaching: Option<Teaching>,
 }
+
+/// What taking text from peers to teach needs: the trainer's queue, its backlog, the budgets
+/// and the training window.
+#[derive(Debug, Clone)]
+struct Teaching {
+    to_train: mpsc::UnboundedSender<ToLearn>,
+    backlog: Arc<AtomicUsize>,
+    shared: Arc<Shared>,
+    window: usize,
+}
+
+/// The learning budget every peer that hands this node text to teach spends: PeerIds are free,
+/// so they share one bucket, whoever they are.
+pub const PEERS_CALLER: &str = "peers";
 
 impl Engine {
     /// Starts the engine's tasks; a group is formed when the first request comes.
     pub fn start(ctx: EngineContext) -> Result<Self> {
         ctx.cfg.validate()?;
-        let (jobs, rx) = mpsc::channel(ctx.cfg.queue.max(1));
+        let (jobs_tx, rx) = mpsc::channel(ctx.cfg.queue.max(1));
         let latency_ms = Arc::new(AtomicU64::new(1000));
-        let engine = Self {
-            jobs,
-            next_id: Arc::new(AtomicU64::new(1)),
-            latency_ms: latency_ms.clone(),
-            metrics: ctx.metrics.clone(),
-            max_context: ctx.manifest.cfg.max_seq,
-        };
+
         let trace = ctx
             .cfg
             .trace_steps
             .as_deref()
             .map(StepLog::create)
             .transpose()?;
-        let learns = ctx.cfg.learn && ctx.manifest.learning.enabled;
+        let admitted = ctx.signer.cert.is_some();
+        if ctx.cfg.learn && ctx.manifest.learning.enabled && !admitted {
+            eprintln!(
+                "this node is not admitted to write the model (no certificate from the mesh's key: `codedmesh admit`): the requests it serves do not train the mesh"
+            );
+        }
+        let learns = ctx.cfg.learn && ctx.manifest.learning.enabled && admitted;
         let (to_train, train_rx) = mpsc::unbounded_channel();
         let (publish_tx, publish_rx) = mpsc::unbounded_channel();
         let backlog = Arc::new(AtomicUsize::new(0));
@@ -280,8 +301,10 @@ impl Engine {
                         ctx.manifest.format,
                     ),
                     Some(CanaryGate::new(
-                        node_core::model::Tokenizer::from_data(&ctx.manifest.tokenizer)?
-                            .encode(CANARY_TEXT)?,
+                        canary_tokens(&node_core::model::Tokenizer::from_data(
+                            &ctx.manifest.tokenizer,
+                        )?)?,
+                        ctx.manifest.canary_loss,
                     )),
                     ctx.manifest.format,
                 ),
@@ -325,7 +348,60 @@ impl Engine {
             };
             ctx.runtime.spawn(worker.run());
         }
-        Ok(engine)
+        let window = node_core::learn::training_window(&ctx.manifest.learning, &ctx.manifest.cfg)
+            .min(node_core::lead::training::LEARN_TOKENS);
+        Ok(Self {
+            jobs: jobs_tx,
+            next_id: Arc::new(AtomicU64::new(1)),
+            latency_ms,
+            metrics: ctx.metrics.clone(),
+            max_context: ctx.manifest.cfg.max_seq,
+            teaching: learns.then(|| Teaching {
+                to_train,
+                backlog,
+                shared,
+                window,
+            }),
+        })
+    }
+
+    /// Takes text a peer that may not write the model hands this node to teach (its user's
+    /// request, token ids): the trainer trains on it with its next minibatch, under the
+    /// [`PEERS_CALLER`] budget every such peer shares and the canary gate. Why not, when it
+    /// does not.
+    pub fn teach(&self, tokens: Vec<u32>, from: &PeerId) -> Result<(), String> {
+        let Some(t) = &self.teaching else {
+            return Err(
+                "this node does not train the mesh (not admitted, or learning is off)".into(),
+            );
+        };
+        let tokens = node_core::learn::taught(&tokens, t.window).to_vec();
+        if !t.shared.spend(PEERS_CALLER, None, tokens.len()) {
+            self.metrics.train_over_budget.inc();
+            tracing::info!(%from, "text to teach refused: the peers' learning budget is spent");
+            return Err("the learning budget of text from peers is spent: try again later".into());
+        }
+        if t.backlog.load(Ordering::Relaxed) >= MAX_TRAIN_BACKLOG {
+            self.metrics.train_dropped.inc();
+            return Err("the trainer is behind: try again later".into());
+        }
+        t.backlog.fetch_add(1, Ordering::Relaxed);
+        self.metrics.train_backlog.inc();
+        self.metrics.learn_requests.inc();
+        let item = ToLearn {
+            prompt_tokens: tokens.len(),
+            tokens,
+            generated: 0,
+            latency: Duration::ZERO,
+            served: false,
+        };
+        if t.to_train.send(item).is_err() {
+            t.backlog.fetch_sub(1, Ordering::Relaxed);
+            self.metrics.train_backlog.dec();
+            return Err("the trainer stopped".into());
+        }
+        tracing::info!(%from, "took text from a peer to teach");
+        Ok(())
     }
 
     /// Most positions (prompt and completion) a request can use.
@@ -377,6 +453,8 @@ type Seq = Entry<Served>;
 /// answer is the new version and its norm gains (`None`: form the group again).
 struct PublishRequest {
     published: Published,
+    /// The canary gate's verdict on it, which the update carries.
+    verdict: Option<GateClaim>,
     holders: Vec<PeerId>,
     done: oneshot::Sender<Option<([u8; 32], LeaderWeights)>>,
 }
@@ -440,9 +518,13 @@ impl Shared {
         }
     }
 
-    /// Takes `tokens` from `caller`'s learning budget; false when it has not that many left.
-    fn spend(&self, caller: &str, tokens: usize) -> bool {
+    /// Takes `tokens` from `caller`'s learning budget (`budget`, where it has one of its own);
+    /// false when it has not that many left.
+    fn spend(&self, caller: &str, budget: Option<node_core::learn::Budget>, tokens: usize) -> bool {
         let mut b = self.budgets.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(budget) = budget {
+            b.0.set(caller, budget);
+        }
         let now = b.1.elapsed();
         b.0.take(caller, tokens, now)
     }

@@ -13,6 +13,10 @@ fn job(prompt: u32) -> (Job, mpsc::UnboundedReceiver<Event>) {
         stop_ids: Vec::new(),
         learn: true,
         caller: "anonymous".into(),
+        budget: node_core::learn::Budget {
+            capacity: node_core::learn::BUDGET_TOKENS,
+            refill_per_s: node_core::learn::BUDGET_REFILL_PER_S,
+        },
     };
     let job = Job {
         id: u64::from(prompt),

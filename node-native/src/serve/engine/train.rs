@@ -12,6 +12,9 @@ pub(super) struct ToLearn {
     pub(super) prompt_tokens: usize,
     pub(super) generated: usize,
     pub(super) latency: Duration,
+    /// A request this node served (counted in the mesh's usage once trained on), not text a
+    /// peer handed over to teach.
+    pub(super) served: bool,
 }
 
 /// The training task: finished requests in, minibatch gradients through its own group,
@@ -64,7 +67,7 @@ impl Trainer {
                 seqs,
             } = share_out(&mut self.waiting, limit);
             let loss = self.train(&seqs, batch.len()).await;
-            for r in &batch {
+            for r in batch.iter().filter(|r| r.served) {
                 let usage = Usage::of_request(r.prompt_tokens, r.generated, r.latency, loss);
                 self.lead.ctx.local.served(usage).await;
             }
@@ -270,10 +273,12 @@ impl Publisher for HandOver<'_> {
     async fn publish(
         &mut self,
         published: Published,
+        verdict: Option<GateClaim>,
     ) -> Result<(Self::Sent, Option<[u8; 32]>), String> {
         let (done, answer) = oneshot::channel();
         let req = PublishRequest {
             published,
+            verdict,
             holders: std::mem::take(&mut self.holders),
             done,
         };

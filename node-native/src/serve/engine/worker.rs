@@ -401,16 +401,19 @@ impl Worker {
             prompt_tokens: done.prompt_tokens,
             generated: done.tokens,
             latency,
+            served: true,
         };
         let mut learn = item.tokens.len() >= 2 && seq.job.job.req.learn && self.to_train.is_some();
         if learn {
             m.learn_requests.inc();
+            let req = &seq.job.job.req;
             if !self
                 .shared
-                .spend(&seq.job.job.req.caller, item.tokens.len())
+                .spend(&req.caller, Some(req.budget), item.tokens.len())
             {
                 learn = false;
                 m.train_over_budget.inc();
+                m.by_key("over_budget", &req.caller).inc();
                 tracing::info!(
                     caller = seq.job.job.req.caller,
                     "served, not trained on: the caller's learning budget is spent"
@@ -427,6 +430,7 @@ impl Worker {
         }
         match &self.to_train {
             Some(tx) if learn && !behind => {
+                m.by_key("taught", &seq.job.job.req.caller).inc();
                 self.backlog.fetch_add(1, Ordering::Relaxed);
                 m.train_backlog.inc();
                 if tx.send(item).is_err() {
@@ -456,7 +460,7 @@ impl Worker {
 
     /// Publishes one of the trainer's updates and moves the group to the version it makes.
     pub(super) async fn publish_one(&mut self, req: PublishRequest) {
-        let moved = self.publish(req.published, &req.holders).await;
+        let moved = self.publish(req.published, req.verdict, &req.holders).await;
         self.lead.move_to(moved.as_ref());
         let _ = req.done.send(moved);
     }
@@ -468,10 +472,15 @@ impl Worker {
     pub(super) async fn publish(
         &mut self,
         p: Published,
+        verdict: Option<GateClaim>,
         holders: &[PeerId],
     ) -> Option<([u8; 32], LeaderWeights)> {
         let ctx = &self.lead.ctx;
-        let sealed = match node_core::lead::seal_update(&p, &ctx.key) {
+        let header = node_core::learn::Header {
+            issued_ms: crate::hold::trust::unix_ms(),
+            verdict,
+        };
+        let sealed = match node_core::lead::seal_update(&p, &ctx.signer, header) {
             Ok(s) => s,
             Err(e) => {
                 tracing::warn!("signing the update: {e}");

@@ -1,0 +1,292 @@
+//! A leader on the mesh from the command line (`generate --bootstrap`, `eval`, the mesh
+//! bench): its session, the group node-core formed for it (formed again when a pass fails),
+//! learning from its requests (or handing their text to a trainer when the mesh does not admit
+//! it), and publishing what it learnt.
+
+use anyhow::{Context, Result, bail};
+use libp2p::{Multiaddr, PeerId};
+use node_core::lead::{Publisher, Sealed, Sent, Settled, settle};
+use node_core::learn::{GateClaim, Header, Published, Teacher};
+use node_core::mesh::{MeshRequest, MeshResponse, ModelManifest, Usage};
+
+use super::remote::{Formed, GroupOptions, NetTransport, Session, form_group};
+use crate::hold::link::NativeLink;
+use crate::net::rpc::ask;
+
+/// A leader on the mesh from the command line: its connection, the model, and the group
+/// node-core formed for it ([`node_core::lead::form`]).
+#[derive(Debug)]
+pub struct Leader {
+    /// The connection through the bootstrap node; its key signs the updates.
+    pub session: Session,
+    /// The model's manifest.
+    pub manifest: ModelManifest,
+    /// Its tokenizer.
+    pub tokenizer: node_core::model::Tokenizer,
+    /// The group, with the leader's side of the model and every live holder.
+    pub formed: Formed,
+    /// Where a copy of every update this leader publishes goes (signed, as holders take it),
+    /// if anywhere.
+    pub archive: Option<std::path::PathBuf>,
+    /// Who it signs as: its identity and, when the mesh admits it, its certificate.
+    pub signer: node_core::lead::Signer,
+    /// How its group is formed (again, after a pass fails).
+    opts: GroupOptions,
+}
+
+impl node_core::model::Regroup for Leader {
+    type Exec = node_core::coded::CodedGroup<NetTransport>;
+
+    fn parts(&mut self) -> (&node_core::model::Llama, &mut Self::Exec) {
+        (&self.formed.llama, &mut self.formed.group)
+    }
+
+    /// Reports the members the failed group caught, then forms a group anew from the mesh's
+    /// view now (waiting while its rows are between versions).
+    async fn regroup(
+        &mut self,
+        why: &node_core::model::ModelError,
+    ) -> Result<(), node_core::model::ModelError> {
+        if !self.formed.group.stats().caught.is_empty() {
+            self.report_caught().await;
+        }
+        let session = &self.session;
+        let context = self.formed.group.transport().context().to_string();
+        let formed = form_group(
+            &session.client,
+            &self.manifest,
+            || session.info(),
+            None,
+            &self.opts,
+        )
+        .await
+        .map_err(|e| {
+            node_core::model::ModelError::Config(format!("{why}; forming the group again: {e:#}"))
+        })?;
+        eprintln!(
+            "a pass failed ({why}): formed the group again at version {}, group {:?}",
+            node_core::mesh::hex(&formed.version[..8]),
+            formed.group.nodes()
+        );
+        self.formed = formed;
+        self.formed.group.transport_mut().set_context(context);
+        Ok(())
+    }
+}
+
+impl Leader {
+    /// Connects through `bootstrap`, fetches the manifest and forms a group of k + `verify` +
+    /// `spares`; every forward round is checked with `verify` answers beyond the k decoded.
+    pub async fn connect(bootstrap: Multiaddr, verify: usize, spares: usize) -> Result<Self> {
+        Self::connect_with(bootstrap, &GroupOptions::new(verify, spares)).await
+    }
+
+    /// [`Leader::connect`] with every option of the group, as a fresh identity.
+    pub async fn connect_with(bootstrap: Multiaddr, opts: &GroupOptions) -> Result<Self> {
+        let key = libp2p::identity::Keypair::generate_ed25519();
+        Self::connect_as(bootstrap, opts, key, None).await
+    }
+
+    /// [`Leader::connect_with`] as the identity `key`, with the certificate by which the mesh
+    /// admits it (without one, holders refuse what it publishes, and its requests teach the
+    /// mesh through its bootstrap node instead: [`Leader::learn`]).
+    pub async fn connect_as(
+        bootstrap: Multiaddr,
+        opts: &GroupOptions,
+        key: libp2p::identity::Keypair,
+        cert: Option<node_core::learn::Certificate>,
+    ) -> Result<Self> {
+        let session = Session::connect_as(bootstrap, key.clone()).await?;
+        let manifest = session.manifest().await?;
+        let signer = crate::hold::trust::signer(key, cert, &manifest);
+        let formed = form_group(&session.client, &manifest, || session.info(), None, opts).await?;
+        let tokenizer = node_core::model::Tokenizer::from_data(&manifest.tokenizer)?;
+        Ok(Self {
+            session,
+            manifest,
+            tokenizer,
+            formed,
+            archive: None,
+            signer,
+            opts: opts.clone(),
+        })
+    }
+
+    /// Trains on what `prompt` teaches ([`node_core::learn::taught`]) if the mesh learns: the
+    /// gradient through the group, folded into `teacher`; an update that falls due is settled
+    /// ([`Leader::settle`]). Returns the loss and what became of the update, if one was due. A
+    /// leader the mesh does not admit to write hands the text to its bootstrap node instead,
+    /// whose trainer trains on it under its own budget and gate ([`Learned::taught_by`]).
+    pub async fn learn(
+        &mut self,
+        prompt: &[u32],
+        teacher: &mut Teacher,
+    ) -> Result<Option<Learned>> {
+        let cfg = self.manifest.learning;
+        if !cfg.enabled || prompt.len() < 2 {
+            return Ok(None);
+        }
+        let max = node_core::learn::training_window(&cfg, &self.manifest.cfg);
+        let tokens = node_core::learn::taught(prompt, max);
+        if self.signer.cert.is_none() {
+            let to = self.session.bootstrap;
+            match ask(
+                &self.session.client,
+                to,
+                MeshRequest::Teach(tokens.to_vec()),
+            )
+            .await?
+            {
+                MeshResponse::Taught => {}
+                MeshResponse::Error(e) => bail!("{to} did not take the text to teach: {e}"),
+                _ => bail!("asked {to} to teach a text, got something else"),
+            }
+            return Ok(Some(Learned {
+                loss: f64::NAN,
+                positions: tokens.len(),
+                settled: None,
+                taught_by: Some(to),
+            }));
+        }
+        let grads = self
+            .formed
+            .llama
+            .gradients(&mut self.formed.group, tokens)
+            .await?;
+        let loss = grads.loss;
+        let settled = match teacher.fold(grads)? {
+            Some(p) => Some(self.settle(teacher, p).await),
+            None => None,
+        };
+        Ok(Some(Learned {
+            loss,
+            positions: tokens.len(),
+            settled,
+            taught_by: None,
+        }))
+    }
+
+    /// Settles a due update ([`node_core::lead::settle`]): judged by `teacher`'s canary gate on
+    /// this group, and if it passes signed and handed to every live row's holder (and a copy
+    /// to the archive, if set).
+    pub async fn settle(&mut self, teacher: &mut Teacher, p: Published) -> Settled<Sent> {
+        let mut out = NetPublisher {
+            link: NativeLink::quiet(self.session.client.clone()),
+            signer: &self.signer,
+            holders: &self.formed.holders,
+            members: &self.formed.members,
+            archive: self.archive.as_deref(),
+        };
+        settle(
+            teacher,
+            &self.formed.llama,
+            &mut self.formed.group,
+            self.formed.version,
+            p,
+            &mut out,
+        )
+        .await
+    }
+
+    /// Tells every live row's holder about the members this leader caught; returns how many
+    /// nodes took the reports (they act on them only when the mesh admits this leader to
+    /// report).
+    pub async fn report_caught(&self) -> usize {
+        let link = NativeLink::quiet(self.session.client.clone());
+        let caught = &self.formed.group.stats().caught;
+        node_core::lead::report_caught(
+            &link,
+            &self.signer,
+            crate::hold::trust::unix_ms(),
+            caught,
+            &self.formed.rows,
+            &self.formed.holders,
+        )
+        .await
+        .taken_by
+    }
+
+    /// Tells the node this leader connected through what a request did; the mesh's usage
+    /// (tokens/s, latency, loss on the dashboards) counts it.
+    pub async fn report_served(&self, usage: Usage) -> Result<()> {
+        ask(
+            &self.session.client,
+            self.session.bootstrap,
+            MeshRequest::Served(usage),
+        )
+        .await?;
+        Ok(())
+    }
+}
+
+/// A leader's [`Publisher`] over the network: signs an update, keeps a copy in the archive if
+/// set, starts it spreading through every live row's holder (the group's members first) and
+/// waits until the members have applied it.
+struct NetPublisher<'a> {
+    link: NativeLink,
+    signer: &'a node_core::lead::Signer,
+    holders: &'a [PeerId],
+    members: &'a [PeerId],
+    archive: Option<&'a std::path::Path>,
+}
+
+impl NetPublisher<'_> {
+    /// Signs `p` (with the gate's `verdict`, at this moment) and keeps a copy in the archive.
+    fn seal(&self, p: &Published, verdict: Option<GateClaim>) -> Result<Sealed> {
+        let header = Header {
+            issued_ms: crate::hold::trust::unix_ms(),
+            verdict,
+        };
+        let sealed = node_core::lead::seal_update(p, self.signer, header)?;
+        if let Some(dir) = self.archive {
+            std::fs::create_dir_all(dir)?;
+            let path = dir.join(format!("{:016x}.update", sealed.id));
+            std::fs::write(&path, &sealed.bytes)
+                .with_context(|| format!("archiving the update in {}", path.display()))?;
+        }
+        Ok(sealed)
+    }
+}
+
+impl Publisher for NetPublisher<'_> {
+    type Sent = Sent;
+
+    async fn publish(
+        &mut self,
+        p: Published,
+        verdict: Option<GateClaim>,
+    ) -> Result<(Sent, Option<[u8; 32]>), String> {
+        let sealed = self.seal(&p, verdict).map_err(|e| format!("{e:#}"))?;
+        let order = crate::hold::spread::members_first(self.members, self.holders);
+        let sent = node_core::lead::publish_sealed(&self.link, &order, &sealed, &p).await;
+        let wait = crate::hold::spread::PUBLISH_WAIT
+            + node_core::net::hop::at_min_rate(sealed.bytes.len());
+        let members: Vec<PeerId> = self
+            .members
+            .iter()
+            .filter(|m| self.holders.contains(m))
+            .copied()
+            .collect();
+        let at = crate::hold::spread::applied_by(&self.link, &members, sealed.id, wait).await;
+        tracing::debug!(
+            members_at = at,
+            members = members.len(),
+            "published an update"
+        );
+        Ok((sent, None))
+    }
+}
+
+/// What one learning step did.
+#[derive(Debug, Clone)]
+pub struct Learned {
+    /// Mean next-token loss on the request's tokens before the update.
+    pub loss: f64,
+    /// Positions trained on.
+    pub positions: usize,
+    /// What became of the update that fell due after this request, if one did.
+    pub settled: Option<Settled<Sent>>,
+    /// The node the text went to, when this leader may not write and handed it to a trainer
+    /// instead (the loss is then not measured here).
+    pub taught_by: Option<PeerId>,
+}
