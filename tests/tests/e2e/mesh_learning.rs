@@ -484,7 +484,7 @@ fn a_member_lying_only_in_learnings_backward_rounds_is_caught_and_the_update_sti
     let mut mesh = Mesh::start(
         "backward",
         Some(&model),
-        // Every update on the mesh, at a rate the canary gate would stop: no gate at genesis.
+        // Its updates at a fast rate must go out whatever they do to the canary: no gate.
         &[
             "--optimizer",
             "sgd",

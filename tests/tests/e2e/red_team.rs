@@ -491,17 +491,7 @@ fn a_stranger_cannot_take_the_mesh_over_and_every_attack_is_refused_and_counted(
     ensure!(taught >= 1.0, "alice's requests stopped teaching:\n{m}");
 
     // No honest holder excluded; the liar is; every honest holder comes to one version (the
-    // two that were stopped catch up).
-    let faulty_peer = faulty
-        .log()
-        .lines()
-        .find_map(|l| {
-            l.split(" as ")
-                .nth(1)
-                .filter(|_| l.starts_with("serving row"))
-        })
-        .map(str::to_string)
-        .context("the faulty node's peer id")?;
+    // one that was stopped catches up).
     let settle_by = Instant::now() + Duration::from_secs(90);
     loop {
         let s = status(&bootstrap)?;
