@@ -51,13 +51,16 @@ fn main() {
                 accumulate: args.accumulate,
                 momentum: args.momentum,
             };
+            let shape = node::Shape {
+                k: args.k,
+                n: args.n,
+                max_rows: args.max_rows,
+                format: cli::mesh_format(args.shard_format, args.k, args.n),
+            };
             rt.block_on(node::seed(
                 opts,
                 model,
-                args.k,
-                args.n,
-                args.max_rows,
-                cli::mesh_format(args.shard_format, args.k, args.n),
+                shape,
                 learning,
                 !args.no_canary_gate,
             ))

@@ -76,7 +76,7 @@ pub enum ViewQuery {
     /// A leader the mesh admits to report caught a holder answering against the code.
     Report {
         /// The report, checked ([`super::open_report`]).
-        report: super::Report,
+        report: Box<super::Report>,
         /// Its signed bytes, to pass on.
         bytes: Vec<u8>,
         /// Holders to pass the report on to, as sent ([`ViewQuery::onward`]).
@@ -204,7 +204,7 @@ pub fn route<P: Hash + Eq + Clone + std::str::FromStr>(
         MeshRequest::Report { report, to } => {
             match super::open_report(&report, held.rules, held.wall_ms) {
                 Ok(r) => Route::View(ViewQuery::Report {
-                    report: r,
+                    report: Box::new(r),
                     bytes: report,
                     to,
                 }),

@@ -21,13 +21,11 @@ use crate::{load, progress};
 pub async fn seed(
     opts: NodeOptions,
     model: PathBuf,
-    k: usize,
-    n: usize,
-    max_rows: Option<usize>,
-    format: ShardFormat,
+    shape: Shape,
     learning: LearningConfig,
     gate: bool,
 ) -> Result<()> {
+    let Shape { k, n, .. } = shape;
     learning.validate()?;
     let data = DataDir::open(&opts.data)?;
     if data.shard_path().exists() {
@@ -49,7 +47,7 @@ pub async fn seed(
         gate,
     };
     let (manifest, mut blobs) = tokio::task::spawn_blocking(move || {
-        encode_genesis(&model, k, n, max_rows, format, learning, &trust, &rows_dir)
+        encode_genesis(&model, shape, learning, &trust, &rows_dir)
     })
     .await
     .map_err(|e| anyhow!("encoding task: {e}"))??;
@@ -109,14 +107,17 @@ pub async fn seed(
 /// memory than its file's size and a gigabyte ([`fit::ENCODE_ALLOWANCE`]).
 pub(crate) fn encode_genesis(
     model: &Path,
-    k: usize,
-    n: usize,
-    max_rows: Option<usize>,
-    format: ShardFormat,
+    shape: Shape,
     learning: LearningConfig,
     trust: &Trust,
     dir: &Path,
 ) -> Result<(ModelManifest, BTreeMap<u32, PathBuf>)> {
+    let Shape {
+        k,
+        n,
+        max_rows,
+        format,
+    } = shape;
     ensure!(
         format != ShardFormat::F16 || !learning.enabled,
         "f16 shards do not learn: an f16 mesh needs --no-learning (f32 and q8 shards learn)"
@@ -201,6 +202,20 @@ pub(crate) fn encode_genesis(
         blobs.insert(row, path);
     }
     Ok((manifest, blobs))
+}
+
+/// The code a new mesh is encoded on: k of n genesis rows, the most it may grow to, and how
+/// its shards are stored.
+#[derive(Debug, Clone, Copy)]
+pub struct Shape {
+    /// Rows needed to compute.
+    pub k: usize,
+    /// Rows encoded at genesis.
+    pub n: usize,
+    /// Most rows the mesh may grow to (`None`: the code's own limit).
+    pub max_rows: Option<usize>,
+    /// How shards are stored.
+    pub format: ShardFormat,
 }
 
 /// Who may write a new mesh's model: its key, and whether its trainers run a canary gate whose

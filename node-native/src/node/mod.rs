@@ -8,6 +8,7 @@ mod genesis;
 mod join;
 mod server;
 
+pub use genesis::Shape;
 pub use genesis::seed;
 pub(crate) use genesis::{Trust, encode_genesis};
 

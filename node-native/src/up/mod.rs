@@ -237,16 +237,13 @@ fn prepare(opts: &UpOptions, model: &Path, data: &Path) -> Result<MeshFile> {
         mesh: node_core::learn::MeshKey::of(&mesh_key),
         gate: true,
     };
-    let (manifest, blobs) = crate::node::encode_genesis(
-        model,
-        opts.k,
-        opts.nodes,
-        opts.max_rows,
-        opts.format,
-        learning,
-        &trust,
-        &rows_dir,
-    )?;
+    let shape = crate::node::Shape {
+        k: opts.k,
+        n: opts.nodes,
+        max_rows: opts.max_rows,
+        format: opts.format,
+    };
+    let (manifest, blobs) = crate::node::encode_genesis(model, shape, learning, &trust, &rows_dir)?;
     let manifest_bytes = manifest.to_bytes()?;
     for (row, blob) in &blobs {
         let dir = DataDir::open(&node_dir(data, *row as usize))?;
