@@ -237,6 +237,7 @@ impl Adversary {
                 device: "cpu".into(),
                 usage: Default::default(),
                 reach: Default::default(),
+                trains: false,
             };
             let bytes = node_core::protocol::encode(&hb)?;
             // Before the gossip mesh forms, a heartbeat has no one to go to: the next goes.

@@ -237,6 +237,7 @@ fn heartbeat(row: u32, incarnation: u64, seq: u64) -> Heartbeat {
         device: "sim".into(),
         usage: Default::default(),
         reach: Default::default(),
+        trains: false,
     }
 }
 

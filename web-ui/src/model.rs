@@ -323,6 +323,7 @@ mod tests {
             device: device.into(),
             usage: Usage::default(),
             reach: "public".into(),
+            trains: false,
         }
     }
 

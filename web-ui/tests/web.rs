@@ -29,6 +29,7 @@ fn node(row: u32, health: Health, device: &str) -> NodeStatus {
         device: device.into(),
         usage: Default::default(),
         reach: "relayed".into(),
+        trains: false,
     }
 }
 

@@ -691,6 +691,7 @@ mod tests {
                 device: "cpu".into(),
                 usage: Usage::default(),
                 reach: String::new(),
+                trains: false,
             })
             .collect();
         MeshInfo {

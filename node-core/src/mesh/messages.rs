@@ -46,6 +46,9 @@ pub struct Heartbeat {
     pub usage: Usage,
     /// How peers reach it (AutoNAT, relays, hole punching), as it finds out.
     pub reach: Reach,
+    /// It trains the mesh: it serves an API, learns, and the mesh's key admits it to write.
+    /// A node that may not write hands the text its users send to such a node.
+    pub trains: bool,
 }
 
 /// Requests finished on the mesh, as their leaders report them to a node: what the
@@ -188,6 +191,9 @@ pub struct NodeStatus {
     /// How peers reach it, as it reports: "public", "direct after hole punching", "relayed"…
     #[serde(default)]
     pub reach: String,
+    /// It trains the mesh (text to teach may go to it).
+    #[serde(default)]
+    pub trains: bool,
 }
 
 /// Every live holder of each row, by row.
@@ -767,6 +773,7 @@ mod tests {
             device: "cpu".into(),
             usage: Usage::default(),
             reach: String::new(),
+            trains: false,
         };
         let mut info = MeshInfo {
             k: 2,

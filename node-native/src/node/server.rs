@@ -152,6 +152,7 @@ pub(super) async fn run_server(
         device,
         usage: Usage::default(),
         reach: Default::default(),
+        trains: false,
     };
     let mut view = MeshView::new(
         Instant::now(),
@@ -197,6 +198,12 @@ pub(super) async fn run_server(
             runtime: tokio::runtime::Handle::current(),
             probed: Default::default(),
         })?;
+        if engine.trains() {
+            // Peers that may not write hand this node their users' text.
+            let mut local = view.local().clone();
+            local.trains = true;
+            view.set_local(local);
+        }
         teach = Some(engine.clone());
         let parts = crate::serve::http::Parts {
             web: crate::serve::http::find_web_dir(opts.web_dir.as_deref()),

@@ -537,6 +537,7 @@ fn watch_view(info: &MeshInfo, me: PeerId) -> Result<MeshView<PeerId>, WebError>
         device: "browser (watching)".into(),
         usage: Default::default(),
         reach: Default::default(),
+        trains: false,
     };
     MeshView::new(
         Instant::now(),

@@ -240,6 +240,7 @@ impl SimMesh {
             device: "cpu".into(),
             usage: Default::default(),
             reach: Default::default(),
+            trains: false,
         }
     }
 

@@ -358,11 +358,66 @@ fn a_stranger_cannot_take_the_mesh_over_and_every_attack_is_refused_and_counted(
     )?;
     ensure!(head.contains(" 401 "), "a wrong key: {head}");
 
+    // A stranger's node joins (the mesh does not admit it to write): what its API's users
+    // send teaches the mesh through a node that trains.
+    let out = dir.join("stranger.out");
+    let mut cmd = std::process::Command::new(tests::procs::bin());
+    cmd.args(["node", "--tcp-only", "--bootstrap", &bootstrap, "--data"])
+        .arg(dir.join("stranger"));
+    let mut stranger =
+        tests::procs::spawn_command(cmd, &dir, "stranger", std::fs::File::create(&out)?.into())?;
+    stranger.wait_log("serving row", Duration::from_secs(120))?;
+    let api_port: u16 = std::fs::read_to_string(&out)?
+        .lines()
+        .find_map(|l| l.strip_prefix("api: http://127.0.0.1:"))
+        .and_then(|r| r.split('/').next())
+        .and_then(|p| p.parse().ok())
+        .context("the stranger's API port")?;
+    // Once its view of the mesh has the rows a group needs (it has just joined).
+    let knows = Instant::now() + Duration::from_secs(30);
+    loop {
+        let m = http_get(([127, 0, 0, 1], api_port).into(), "/metrics")?;
+        if tests::procs::metric(&m, "codedmesh_healthy_rows").unwrap_or(0.0) >= 4.0 {
+            break;
+        }
+        ensure!(
+            Instant::now() < knows,
+            "the stranger never saw the mesh:\n{m}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let (head, body) = post_as(
+        api_port,
+        None,
+        r#"{"model": "tiny-llama-hf", "prompt": "the stranger's user says the bridge opens at noon", "max_tokens": 2}"#,
+    )?;
+    ensure!(head.contains(" 200 "), "the stranger's API: {head} {body}");
+    // The stranger's node counts each text a trainer took (the trainer counts it as the
+    // peers' budget's).
+    let taken = || -> Result<f64> {
+        let m = http_get(([127, 0, 0, 1], api_port).into(), "/metrics")?;
+        Ok(sample(
+            &m,
+            "codedmesh_api_key_total",
+            "key=\"anonymous\",what=\"taught_by_a_trainer\"",
+        ))
+    };
+    let taught_by = Instant::now() + Duration::from_secs(30);
+    while taken()? < 1.0 {
+        ensure!(
+            Instant::now() < taught_by,
+            "the stranger's text never reached a trainer:\n{}",
+            stranger.log()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    drop(stranger);
+
     // The stream under the network attacks so far.
     let network = attacks_began.elapsed();
     let (done_net, tokens_net) = client.counts();
 
-    // A holder answering against the code joins as row 5, and an honest member stops, so a
+    // A holder answering against the code joins with a new row, and an honest member stops, so a
     // leader's group checked twice (k = 3 and two check rows: a wrong answer is located, not
     // only seen) takes every live row, the liar's too: it is caught, and the leader (admitted
     // to report) tells every holder.
@@ -381,7 +436,7 @@ fn a_stranger_cannot_take_the_mesh_over_and_every_attack_is_refused_and_counted(
         ],
     )?;
     let mut faulty = faulty;
-    faulty.wait_log("serving row 5", Duration::from_secs(120))?;
+    faulty.wait_log("serving row", Duration::from_secs(120))?;
     let stopped = [up.node_pid(1)?];
     let resume: Vec<_> = stopped
         .iter()

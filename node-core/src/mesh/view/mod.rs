@@ -647,6 +647,7 @@ impl<P: Ord + Clone + Display> MeshView<P> {
                 device: hb.device.clone(),
                 usage: hb.usage,
                 reach: hb.reach.label().into(),
+                trains: hb.trains,
                 silent_for_s: if *p == self.me {
                     0.0
                 } else {

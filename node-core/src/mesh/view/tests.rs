@@ -16,6 +16,7 @@ fn hb(row: Option<u32>) -> Heartbeat {
         device: "cpu".into(),
         usage: Usage::default(),
         reach: Default::default(),
+        trains: false,
     }
 }
 

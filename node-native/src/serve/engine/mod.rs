@@ -278,10 +278,16 @@ impl Engine {
         let admitted = ctx.signer.cert.is_some();
         if ctx.cfg.learn && ctx.manifest.learning.enabled && !admitted {
             eprintln!(
-                "this node is not admitted to write the model (no certificate from the mesh's key: `codedmesh admit`): the requests it serves do not train the mesh"
+                "this node is not admitted to write the model (no certificate from the mesh's key: `codedmesh admit`): the text of the requests it serves goes to a node that trains"
             );
         }
         let learns = ctx.cfg.learn && ctx.manifest.learning.enabled && admitted;
+        // A node the mesh does not admit hands its users' text to one that trains.
+        let forward = (ctx.cfg.learn && ctx.manifest.learning.enabled && !admitted).then(|| {
+            let (tx, rx) = mpsc::channel(FORWARD_QUEUE);
+            ctx.runtime.spawn(forward_to_trainers(ctx.clone(), rx));
+            tx
+        });
         let (to_train, train_rx) = mpsc::unbounded_channel();
         let (publish_tx, publish_rx) = mpsc::unbounded_channel();
         let backlog = Arc::new(AtomicUsize::new(0));
@@ -340,6 +346,7 @@ impl Engine {
                     },
                 ),
                 to_train: learns.then(|| to_train.clone()),
+                forward: forward.clone(),
                 publishes,
                 backlog: backlog.clone(),
                 latency_ms: latency_ms.clone(),
@@ -363,6 +370,11 @@ impl Engine {
                 window,
             }),
         })
+    }
+
+    /// Whether this node trains the mesh: it learns, and the mesh admits it to write.
+    pub fn trains(&self) -> bool {
+        self.teaching.is_some()
     }
 
     /// Takes text a peer that may not write the model hands this node to teach (its user's
@@ -400,6 +412,7 @@ impl Engine {
             self.metrics.train_backlog.dec();
             return Err("the trainer stopped".into());
         }
+        self.metrics.by_key("taught", PEERS_CALLER).inc();
         tracing::info!(%from, "took text from a peer to teach");
         Ok(())
     }
@@ -457,6 +470,45 @@ struct PublishRequest {
     verdict: Option<GateClaim>,
     holders: Vec<PeerId>,
     done: oneshot::Sender<Option<([u8; 32], LeaderWeights)>>,
+}
+
+/// Texts waiting to be handed to a trainer; past that a request is served and not taught.
+const FORWARD_QUEUE: usize = 64;
+
+/// Hands the text of the requests this node served (it may not write the model) to nodes that
+/// train, as the mesh's view shows them (`trains` in their heartbeats), one after another; a
+/// text no trainer takes is dropped (the request was served).
+async fn forward_to_trainers(ctx: EngineContext, mut texts: mpsc::Receiver<(String, Vec<u32>)>) {
+    let me = ctx.client.peer_id();
+    let mut turn = 0usize;
+    while let Some((caller, tokens)) = texts.recv().await {
+        let (tx, rx) = oneshot::channel();
+        if ctx.info.send(InfoRequest(tx)).await.is_err() {
+            return;
+        }
+        let Ok(info) = rx.await else { return };
+        let trainers: Vec<PeerId> = info
+            .nodes
+            .iter()
+            .filter(|n| n.trains && n.health == node_core::mesh::Health::Healthy)
+            .filter_map(|n| n.peer.parse().ok())
+            .filter(|p| *p != me)
+            .collect();
+        let Some(&to) = trainers.get(turn % trainers.len().max(1)) else {
+            tracing::info!("no node that trains is known: a request's text is not taught");
+            continue;
+        };
+        turn += 1;
+        let request = node_core::mesh::MeshRequest::Teach(tokens);
+        match crate::net::rpc::ask(&ctx.client, to, request).await {
+            Ok(MeshResponse::Taught) => {
+                ctx.metrics.by_key("taught_by_a_trainer", &caller).inc();
+            }
+            Ok(MeshResponse::Error(e)) => tracing::info!(%to, "a trainer did not take a text: {e}"),
+            Ok(_) => tracing::info!(%to, "a trainer answered a text with something else"),
+            Err(e) => tracing::info!(%to, "handing a text to a trainer: {e:#}"),
+        }
+    }
 }
 
 /// How long a failed group formation is trusted before trying again.

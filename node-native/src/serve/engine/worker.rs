@@ -85,6 +85,9 @@ pub(super) struct Worker {
     pub(super) batch: Batch<Served>,
     /// Where finished requests go to be trained on (when the mesh learns).
     pub(super) to_train: Option<mpsc::UnboundedSender<ToLearn>>,
+    /// Where the text of finished requests goes when this node may not write the model: to a
+    /// task that hands it to a node that trains ([`super::forward_to_trainers`]).
+    pub(super) forward: Option<mpsc::Sender<(String, Vec<u32>)>>,
     pub(super) publishes: mpsc::UnboundedReceiver<PublishRequest>,
     /// Finished requests not yet trained on.
     pub(super) backlog: Arc<AtomicUsize>,
@@ -403,7 +406,8 @@ impl Worker {
             latency,
             served: true,
         };
-        let mut learn = item.tokens.len() >= 2 && seq.job.job.req.learn && self.to_train.is_some();
+        let teaches = self.to_train.is_some() || self.forward.is_some();
+        let mut learn = item.tokens.len() >= 2 && seq.job.job.req.learn && teaches;
         if learn {
             m.learn_requests.inc();
             let req = &seq.job.job.req;
@@ -427,6 +431,17 @@ impl Worker {
                 backlog = MAX_TRAIN_BACKLOG,
                 "served, not trained on: the trainer is that many requests behind and serving comes first"
             );
+        }
+        if let Some(fwd) = self.forward.as_ref().filter(|_| learn) {
+            // Not admitted to write: the text goes to a trainer; when the hand-over queue is
+            // full, the request is served and not taught.
+            let caller = seq.job.job.req.caller.clone();
+            if fwd.try_send((caller.clone(), item.tokens)).is_ok() {
+                m.by_key("forwarded", &caller).inc();
+            }
+            let usage = Usage::of_request(done.prompt_tokens, done.tokens, latency, None);
+            ctx.local.served(usage).await;
+            return;
         }
         match &self.to_train {
             Some(tx) if learn && !behind => {
