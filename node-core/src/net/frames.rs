@@ -1,9 +1,11 @@
 //! Reading the mesh protocol's frames from peers within bounds: each kind of request has the
 //! largest size it needs (a request for a node's view needs bytes, an update megabytes), a
 //! frame is refused as soon as its length says it is larger, and the bytes of every frame
-//! being read count against one budget for the whole node, taken as they arrive. A peer that
-//! claims a 64 MiB frame on a thousand streams costs the node what it actually sends, within
-//! the budget; the streams that find it spent fail at once, and are counted.
+//! being read count against a budget for the whole node, taken as they arrive: one for
+//! requests, one for the asks of group sessions, so that a flood of one does not starve the
+//! other (a leader's rounds go on while strangers flood requests). A peer that claims a 64 MiB
+//! frame on a thousand streams costs the node what it actually sends, within the budget; the
+//! streams that find it spent fail at once, and are counted.
 
 use std::io;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -12,14 +14,37 @@ use futures::{AsyncRead, AsyncReadExt};
 
 use crate::protocol::MAX_MESSAGE_BYTES;
 
-/// Bytes of frames from peers a node holds while it reads them, at most.
+/// Bytes of request frames from peers a node holds while it reads them, at most; as much
+/// again for the frames of group sessions.
 pub const INBOUND_BUDGET: usize = 256 << 20;
 
 /// Bytes of a frame read at a time (each piece is taken from the budget before it is read).
 const PIECE: usize = 64 << 10;
 
-/// Bytes of frames being read now.
+/// Bytes of request frames being read now.
 static INBOUND: AtomicUsize = AtomicUsize::new(0);
+
+/// Bytes of session frames being read now.
+static SESSIONS: AtomicUsize = AtomicUsize::new(0);
+
+/// Which budget a frame's bytes come from.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) enum Budget {
+    /// Request-response frames (anyone's requests).
+    #[default]
+    Requests,
+    /// The asks of group sessions (leaders' rounds).
+    Sessions,
+}
+
+impl Budget {
+    fn counter(self) -> &'static AtomicUsize {
+        match self {
+            Budget::Requests => &INBOUND,
+            Budget::Sessions => &SESSIONS,
+        }
+    }
+}
 
 /// Frames refused since the process started: larger than their kind needs, or past the
 /// node's budget.
@@ -27,19 +52,20 @@ pub static OVERSIZED: AtomicU64 = AtomicU64::new(0);
 /// See [`OVERSIZED`].
 pub static OVER_BUDGET: AtomicU64 = AtomicU64::new(0);
 
-/// What a frame being read holds of the budget; returned when dropped.
+/// What a frame being read holds of a budget; returned when dropped.
 #[derive(Debug, Default)]
-pub(crate) struct Held(pub(crate) usize);
+pub(crate) struct Held(pub(crate) usize, pub(crate) Budget);
 
 impl Held {
     /// Gives back all it holds (the frame was read).
     pub(crate) fn release(&mut self) {
-        INBOUND.fetch_sub(std::mem::take(&mut self.0), Ordering::AcqRel);
+        (self.1.counter()).fetch_sub(std::mem::take(&mut self.0), Ordering::AcqRel);
     }
 
     /// Takes `more` bytes from the budget.
     pub(crate) fn take(&mut self, more: usize) -> io::Result<()> {
-        let mut now = INBOUND.load(Ordering::Relaxed);
+        let counter = self.1.counter();
+        let mut now = counter.load(Ordering::Relaxed);
         loop {
             if now + more > INBOUND_BUDGET {
                 OVER_BUDGET.fetch_add(1, Ordering::Relaxed);
@@ -48,7 +74,7 @@ impl Held {
                     format!("the node's {INBOUND_BUDGET} bytes for frames in flight are spent"),
                 ));
             }
-            match INBOUND.compare_exchange_weak(
+            match counter.compare_exchange_weak(
                 now,
                 now + more,
                 Ordering::AcqRel,
@@ -66,11 +92,11 @@ impl Held {
 
 impl Drop for Held {
     fn drop(&mut self) {
-        INBOUND.fetch_sub(self.0, Ordering::AcqRel);
+        self.1.counter().fetch_sub(self.0, Ordering::AcqRel);
     }
 }
 
-/// Bytes of frames being read from peers now.
+/// Bytes of request frames being read from peers now.
 pub fn inbound_bytes() -> usize {
     INBOUND.load(Ordering::Relaxed)
 }
@@ -132,7 +158,7 @@ pub async fn read_frame<T: AsyncRead + Unpin + Send>(
     if len > MAX_MESSAGE_BYTES {
         return refuse(MAX_MESSAGE_BYTES);
     }
-    let mut held = Held(0);
+    let mut held = Held(0, Budget::Requests);
     let mut buf = Vec::new();
     while buf.len() < len {
         let piece = (len - buf.len()).min(PIECE);
@@ -195,7 +221,7 @@ mod tests {
         let learn = crate::protocol::encode(&MeshRequest::Learn(vec![1; 100 << 10])).unwrap();
         let err = read(framed(&learn, Some(MAX_MESSAGE_BYTES as u32))).unwrap_err();
         assert_eq!(err.kind(), io::ErrorKind::UnexpectedEof);
-        let mut held = Held(0);
+        let mut held = Held(0, Budget::Requests);
         held.take(PIECE).unwrap();
         assert!(held.take(INBOUND_BUDGET).is_err(), "past the budget");
         drop(held);

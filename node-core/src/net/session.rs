@@ -199,9 +199,19 @@ pub struct FrameReader {
     len_got: usize,
     body: Vec<u8>,
     want: Option<usize>,
-    /// What the frame being read holds of the node's budget for frames in flight
+    /// What the frame being read holds of the node's budget for session frames in flight
     /// ([`super::frames::INBOUND_BUDGET`]).
-    held: super::frames::Held,
+    held: SessionHeld,
+}
+
+/// What a session's frame holds of the sessions' budget.
+#[derive(Debug)]
+struct SessionHeld(super::frames::Held);
+
+impl Default for SessionHeld {
+    fn default() -> Self {
+        Self(super::frames::Held(0, super::frames::Budget::Sessions))
+    }
 }
 
 impl FrameReader {
@@ -241,11 +251,11 @@ impl FrameReader {
             let start = self.body.len();
             let end = want.min(start + READ_PIECE);
             // The piece is taken from the node's budget before it is read.
-            if self.held.0 < end
-                && let Err(e) = self.held.take(end - self.held.0)
+            if self.held.0.0 < end
+                && let Err(e) = self.held.0.take(end - self.held.0.0)
             {
                 self.want = None;
-                self.held.release();
+                self.held.0.release();
                 return Poll::Ready(Err(e.into()));
             }
             self.body.resize(end, 0);
@@ -272,7 +282,7 @@ impl FrameReader {
         }
         self.want = None;
         let decoded = protocol::decode(&self.body);
-        self.held.release();
+        self.held.0.release();
         if self.body.capacity() > KEEP_READ_BYTES {
             self.body = Vec::new();
         }

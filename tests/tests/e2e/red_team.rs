@@ -311,10 +311,11 @@ fn a_stranger_cannot_take_the_mesh_over_and_every_attack_is_refused_and_counted(
         refused.push("a framing report: refused (report_unadmitted)".into());
         // Heartbeats claiming a billion updates, as a holder of row 1.
         adv.lie_about_version(1, 1_000_000_000, 15).await?;
-        // 1024 streams claiming 64 MiB frames, half a megabyte sent on each, held 3 s; then
-        // one request frame far past what its kind (a view request) needs.
+        // 1024 streams claiming 64 MiB frames, 4 MiB sent on each (past the node's budget for
+        // request frames), held 3 s; then one request frame far past what its kind (a view
+        // request) needs.
         let (opened, failed) = adv
-            .flood(1024, (7, 64 << 20), 512 << 10, Duration::from_secs(3))
+            .flood(1024, (7, 64 << 20), 4 << 20, Duration::from_secs(3))
             .await;
         refused.push(format!(
             "1024 streams of 64 MiB frames: {opened} opened, {failed} cut"

@@ -339,7 +339,11 @@ mod tests {
                 r#"{"keys": [{"name": "a", "key": "sk-aaaaaaa", "learn_tokens": -1}]}"#,
                 "≥ 0",
             ),
-            (r#"{"keys": [{"nam": "a"}]}"#, "unknown field"),
+            (r#"{"keys": [{"nam": "a"}]}"#, "missing field `key`"),
+            (
+                r#"{"keys": [{"name": "a", "key": "sk-aaaaaaa", "tokens": 5}]}"#,
+                "unknown field `tokens`",
+            ),
         ] {
             let e = format!("{:#}", Keys::parse(text).unwrap_err());
             assert!(e.contains(says), "{text}: {e}");
