@@ -105,14 +105,7 @@ pub(crate) struct UpArgs {
     /// Address the API and the dashboard listen on (127.0.0.1: this machine only).
     #[arg(long, default_value = "127.0.0.1")]
     pub(crate) api_listen: std::net::IpAddr,
-    /// Bearer key the API asks for.
-    #[arg(long, env = "CODEDMESH_API_KEY", conflicts_with = "api_keys")]
-    pub(crate) api_key: Option<String>,
-    /// A JSON file of API keys, each with a name, a learning budget, a request rate and
-    /// whether it may teach (docs/security.md, "API keys").
-    #[arg(long)]
-    pub(crate) api_keys: Option<PathBuf>,
-    /// Requests do not train the model.
+    /// The mesh does not learn: no request trains the model (as `seed --no-learning`).
     #[arg(long)]
     pub(crate) no_learning: bool,
     /// Shard storage: f32 (exact to the code's error), f16 (does not learn), or q8 (compact: a
@@ -121,43 +114,23 @@ pub(crate) struct UpArgs {
     /// 7 rows for k = 3), else f32.
     #[arg(long)]
     pub(crate) shard_format: Option<ShardFormat>,
-    /// Write every coded step of the API's requests to this file (JSON lines).
-    #[arg(long)]
-    pub(crate) trace_steps: Option<PathBuf>,
     /// The dashboard's built files (web-ui/dist).
     #[arg(long)]
     pub(crate) web_dir: Option<PathBuf>,
     /// Do not build the dashboard when it is missing.
     #[arg(long)]
     pub(crate) no_build_web: bool,
-    /// Most requests generated together by the API's node.
-    #[arg(long, default_value_t = 16)]
-    pub(crate) max_batch: usize,
-    /// Most requests waiting beyond the batch before the API answers 429.
-    #[arg(long, default_value_t = 64)]
-    pub(crate) queue: usize,
-    /// How the API's groups are checked, and their spares.
+    /// How the API's node serves: keys, batch, queue, learning, groups, drafts, route, checks.
     #[command(flatten)]
-    pub(crate) group: GroupArgs,
-    /// Most coded groups the API's node serves with side by side, each over its own holders
-    /// (more form only when the mesh has holders for them, e.g. with `--nodes 10`).
-    #[arg(long, default_value_t = 4)]
-    pub(crate) groups: usize,
-    /// Most drafted tokens the API's node checks in one forward pass (prompt lookup); 0
-    /// decodes a token a pass.
-    #[arg(long, default_value_t = node_core::model::speculate::DEFAULT_DRAFT)]
-    pub(crate) draft: usize,
-    /// How the API's node runs a forward pass: `rounds` (it decodes every stage), `hop` (the
-    /// members pass their coded outputs to each other, one hop per stage), or `auto` (hop
-    /// where a member is on another machine or the rounds wait on the network).
-    #[arg(long, default_value_t)]
-    pub(crate) pass: node_native::serve::engine::PassRoute,
+    pub(crate) serve: ServeArgs,
 }
 
-/// How a leader's groups are checked and how many spares they ask: `up`'s and the bench's.
-#[derive(Debug, clap::Args)]
+/// How a leader's groups are checked and how many spares they ask: every leader's (`up`,
+/// `node`, `generate`, the bench).
+#[derive(Debug, Clone, clap::Args)]
 pub(crate) struct GroupArgs {
-    /// Answers checked beyond the k decoded in every round (1 detects a wrong member).
+    /// Answers checked beyond the k decoded in every round: 1 detects a wrong member, 2 also
+    /// locates it without asking anyone else; 0 turns checking off.
     #[arg(long, default_value_t = 1)]
     pub(crate) check: usize,
     /// With `--check 1`, ask the check row for its answer in every round instead of checking
@@ -165,24 +138,30 @@ pub(crate) struct GroupArgs {
     /// product a round, as before projections.
     #[arg(long)]
     pub(crate) check_answers: bool,
-    /// Spare members asked beside them. None by default: on one machine a spare adds work
-    /// (throughput -17%, docs/perf.md) and rarely beats a local straggler; with `--check 1`
-    /// a failed member still leaves k answers.
-    #[arg(long, default_value_t = 0)]
-    pub(crate) spares: usize,
+    /// Spare members asked beside them: a straggler or a failure costs nothing, at the price
+    /// of their compute. Default: 1, or 0 where every member shares this machine's cores
+    /// (`up`, the bench): there a spare adds work (throughput -17%, docs/perf.md) and rarely
+    /// beats a local straggler, and with `--check 1` a failed member still leaves k answers.
+    #[arg(long)]
+    pub(crate) spares: Option<usize>,
 }
 
 impl GroupArgs {
-    /// The options a leader forms its groups with.
-    pub(crate) fn options(&self) -> node_core::lead::GroupOptions {
+    /// The options a leader forms its groups with; `local`: its members share this machine.
+    pub(crate) fn options(&self, local: bool) -> node_core::lead::GroupOptions {
         node_core::lead::GroupOptions {
             project: !self.check_answers,
-            ..node_core::lead::GroupOptions::new(self.check, self.spares)
+            ..node_core::lead::GroupOptions::new(self.check, self.spares(local))
         }
+    }
+
+    /// Spare members asked; `local`: every member shares this machine.
+    pub(crate) fn spares(&self, local: bool) -> usize {
+        self.spares.unwrap_or(usize::from(!local))
     }
 }
 
-/// How a node serves the requests it leads (its OpenAI API).
+/// How a node serves the requests it leads (its OpenAI API): `node`'s and `up`'s.
 #[derive(Debug, clap::Args)]
 pub(crate) struct ServeArgs {
     /// Bearer key the API asks for (`Authorization: Bearer KEY`).
@@ -202,7 +181,8 @@ pub(crate) struct ServeArgs {
     #[arg(long)]
     pub(crate) no_learn: bool,
     /// Most coded groups this node serves with side by side, each over holders the others do
-    /// not use; a further group forms only when the mesh has holders for it.
+    /// not use; a further group forms only when the mesh has holders for it (with `up`, e.g.
+    /// `--nodes 10`).
     #[arg(long, default_value_t = 4)]
     pub(crate) groups: usize,
     /// Most drafted tokens checked in one forward pass of a request (prompt lookup: tokens
@@ -216,23 +196,39 @@ pub(crate) struct ServeArgs {
     /// network).
     #[arg(long, default_value_t)]
     pub(crate) pass: node_native::serve::engine::PassRoute,
-    /// Answers checked beyond the k decoded in every round of the requests this node leads:
-    /// 1 detects a wrong member, 2 also locates it; 0 turns checking off.
-    #[arg(long, default_value_t = 1)]
-    pub(crate) check: usize,
-    /// With `--check 1`, ask the check row for its answer in every round instead of checking
-    /// against its secret projections (docs/verification.md, "Projected checks"): a fourth
-    /// product a round, as before projections.
-    #[arg(long)]
-    pub(crate) check_answers: bool,
-    /// Spare members asked beside them: a straggler or a failure costs nothing, at the price
-    /// of their compute.
-    #[arg(long, default_value_t = 1)]
-    pub(crate) spares: usize,
+    /// How its groups are checked, and their spares.
+    #[command(flatten)]
+    pub(crate) group: GroupArgs,
     /// Write every coded step of the requests this node leads to this file (JSON lines:
     /// time, request, step, member, bytes, duration).
     #[arg(long)]
     pub(crate) trace_steps: Option<PathBuf>,
+}
+
+impl ServeArgs {
+    /// The arguments that give a node of `up` these settings (the keys, learning and trace go
+    /// to `up`'s API node by other means); `local`: the mesh is on this machine.
+    pub(crate) fn node_args(&self, local: bool) -> Vec<std::ffi::OsString> {
+        let mut args: Vec<std::ffi::OsString> = vec![
+            "--max-batch".into(),
+            self.max_batch.to_string().into(),
+            "--queue".into(),
+            self.queue.to_string().into(),
+            "--groups".into(),
+            self.groups.to_string().into(),
+            "--draft".into(),
+            self.draft.to_string().into(),
+            "--pass".into(),
+            self.pass.to_string().into(),
+        ];
+        if self.no_learn {
+            args.push("--no-learn".into());
+        }
+        args.extend(node_native::up::supervise::group_args(
+            &self.group.options(local),
+        ));
+        args
+    }
 }
 
 #[derive(Debug, clap::Args)]
@@ -395,9 +391,9 @@ impl NetArgs {
                 max_batch: self.serve.max_batch,
                 queue: self.serve.queue,
                 learn: !self.serve.no_learn,
-                verify: self.serve.check,
-                project: !self.serve.check_answers,
-                spares: self.serve.spares,
+                verify: self.serve.group.check,
+                project: !self.serve.group.check_answers,
+                spares: self.serve.group.spares(false),
                 trace_steps: self.serve.trace_steps.clone(),
                 groups: self.serve.groups,
                 draft: self.serve.draft,
@@ -585,23 +581,16 @@ pub(crate) struct GenerateArgs {
     /// Run on the mesh reached through this node, instead of in this process.
     #[arg(long)]
     pub(crate) bootstrap: Option<libp2p::Multiaddr>,
-    /// Spare members asked beside the k (mesh only): stragglers and failures cost nothing.
-    #[arg(long, default_value_t = 1)]
-    pub(crate) spares: usize,
-    /// Answers checked beyond the k decoded in every round (mesh only): 1 detects a wrong
-    /// member, 2 also locates it without asking anyone else; 0 turns checking off.
-    #[arg(long, default_value_t = 1)]
-    pub(crate) check: usize,
-    /// With `--check 1`, ask the check row for its answer in every round instead of checking
-    /// against its secret projections (docs/verification.md, "Projected checks"): a fourth
-    /// product a round, as before projections.
-    #[arg(long)]
-    pub(crate) check_answers: bool,
-    /// One hop per stage (mesh only): the group's members send their coded outputs straight to
-    /// each other and run the model between stages themselves; this process feeds the tokens
-    /// and decodes the logits. A stage costs one network delay instead of a round trip.
-    #[arg(long)]
-    pub(crate) hop: bool,
+    /// How the group is checked, and its spares (mesh only).
+    #[command(flatten)]
+    pub(crate) group: GroupArgs,
+    /// How the forward passes travel (mesh only): `rounds` (this process decodes every stage),
+    /// `hop` (the group's members send their coded outputs straight to each other and run the
+    /// model between stages themselves; this process feeds the tokens and decodes the logits:
+    /// a stage costs one network delay instead of a round trip), or `auto` (hop where a member
+    /// is on another machine).
+    #[arg(long, default_value_t = node_native::serve::engine::PassRoute::Rounds)]
+    pub(crate) pass: node_native::serve::engine::PassRoute,
     /// The prompt.
     #[arg(long)]
     pub(crate) prompt: String,
@@ -692,6 +681,53 @@ pub(crate) fn mesh_format(chosen: Option<ShardFormat>, k: usize, nodes: usize) -
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_leader_takes_one_set_of_group_flags_with_one_rule_for_spares() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+        let parse = |args: &[&str]| Cli::try_parse_from(args).map(|c| c.command);
+        // `up`'s members share this machine: no spare unless asked; its nodes are told so.
+        let Ok(Command::Up(up)) = parse(&["codedmesh", "up", "--check", "2", "--no-learn"]) else {
+            panic!("up parses");
+        };
+        let node_args: Vec<String> = up
+            .serve
+            .node_args(true)
+            .into_iter()
+            .map(|a| a.into_string().unwrap())
+            .collect();
+        let after = |flag: &str| {
+            let i = node_args.iter().position(|a| a == flag).unwrap();
+            node_args[i + 1].clone()
+        };
+        assert_eq!(
+            (after("--check"), after("--spares")),
+            ("2".into(), "0".into())
+        );
+        assert!(node_args.contains(&"--no-learn".to_string()));
+        // A leader over the network asks a spare unless told otherwise.
+        let Ok(Command::Generate(g)) = parse(&["codedmesh", "generate", "--prompt", "hi"]) else {
+            panic!("generate parses");
+        };
+        assert_eq!(g.group.spares(false), 1);
+        assert_eq!(g.pass, node_native::serve::engine::PassRoute::Rounds);
+        let Ok(Command::Generate(g)) = parse(&[
+            "codedmesh",
+            "generate",
+            "--prompt",
+            "hi",
+            "--spares",
+            "3",
+            "--pass",
+            "hop",
+        ]) else {
+            panic!("generate parses");
+        };
+        assert_eq!(g.group.options(true).spares, 3);
+        assert!(g.pass.wants_hop(false));
+        assert!(parse(&["codedmesh", "generate", "--prompt", "hi", "--hop"]).is_err());
+    }
 
     #[test]
     fn a_mesh_defaults_to_compact_shards_where_the_integer_code_reaches() {

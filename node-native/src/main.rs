@@ -106,21 +106,7 @@ async fn run_reach(args: cli::ReachArgs) -> Result<()> {
 
 /// `codedmesh up`.
 async fn run_up(args: UpArgs) -> Result<()> {
-    let mut node_args = vec![
-        "--max-batch".into(),
-        args.max_batch.to_string().into(),
-        "--queue".into(),
-        args.queue.to_string().into(),
-        "--groups".into(),
-        args.groups.to_string().into(),
-        "--draft".into(),
-        args.draft.to_string().into(),
-        "--pass".into(),
-        args.pass.to_string().into(),
-    ];
-    node_args.extend(node_native::up::supervise::group_args(
-        &args.group.options(),
-    ));
+    let node_args = args.serve.node_args(true);
     let cores = node_native::up::supervise::cores();
     let (k, nodes) = node_native::up::default_shape(cores, args.k, args.nodes);
     if args.k.is_none() && k != 3 {
@@ -136,12 +122,12 @@ async fn run_up(args: UpArgs) -> Result<()> {
         data: args.data,
         port: args.port,
         api_listen: args.api_listen,
-        api_key: args.api_key,
-        api_keys: args.api_keys,
+        api_key: args.serve.api_key,
+        api_keys: args.serve.api_keys,
         no_learning: args.no_learning,
         format: cli::mesh_format(args.shard_format, k, nodes),
         shape_chosen: args.k.is_some() || args.nodes.is_some() || args.shard_format.is_some(),
-        trace_steps: args.trace_steps,
+        trace_steps: args.serve.trace_steps,
         web_dir: args.web_dir,
         no_build_web: args.no_build_web,
         node_args,
@@ -280,7 +266,7 @@ fn run_bench(args: BenchArgs) -> Result<()> {
                 summary: &summary,
                 tokens: args.tokens,
                 delays: &args.one_way_delay_ms,
-                group: args.group.options(),
+                group: args.group.options(true),
                 k,
                 n,
                 in_process: measured.coded_decode,

@@ -132,15 +132,16 @@ async fn run_once_on_mesh(
     cert: Option<&node_core::learn::Certificate>,
 ) -> Result<(Leader, Vec<u32>, Vec<u32>)> {
     let mut attempt = 0;
-    let (leader, out, prompt) = loop {
+    let (leader, out, prompt, hop) = loop {
         attempt += 1;
-        let mut opts = node_native::lead::remote::GroupOptions::new(args.check, args.spares);
+        let group = args.group.options(false);
+        let mut opts = node_native::lead::remote::GroupOptions::new(group.verify, group.spares);
         opts.trace = args
             .trace_steps
             .as_deref()
             .map(node_native::lead::steplog::StepLog::create)
             .transpose()?;
-        opts.group.project = !args.check_answers;
+        opts.group.project = group.project;
         let mut leader =
             Leader::connect_as(bootstrap.clone(), &opts, key.clone(), cert.cloned()).await?;
         leader.archive.clone_from(&args.keep_published);
@@ -163,15 +164,18 @@ async fn run_once_on_mesh(
         // The printer reads its own copy: the group may be formed again while it prints.
         let tokenizer = leader.tokenizer.clone();
         let (prompt, opts, mut printer) = Printer::start(&tokenizer, args)?;
-        let generated = if args.hop {
+        let hop = args
+            .pass
+            .wants_hop(node_native::lead::remote::far(&leader.formed));
+        let generated = if hop {
             let rt = tokio::runtime::Handle::current();
             let mut hop = node_native::lead::hop::lead_group(
                 &rt,
                 &leader.session.client,
                 &leader.manifest,
                 &leader.formed,
-                args.check,
-                args.spares,
+                group.verify,
+                group.spares,
             )?;
             eprintln!("one hop per stage, members {:?}", hop.rows());
             let forward = async |pass: Pass<'_>| hop.forward(pass).await;
@@ -196,7 +200,7 @@ async fn run_once_on_mesh(
         };
         let emitted = printer.end();
         match generated {
-            Ok(out) => break (leader, out, prompt),
+            Ok(out) => break (leader, out, prompt, hop),
             // The mesh took an update between the group's forming and its first step: form
             // the group again at the new version (nothing was printed yet).
             Err(_)
@@ -212,7 +216,7 @@ async fn run_once_on_mesh(
             Err(e) => return Err(e.into()),
         }
     };
-    if args.hop {
+    if hop {
         print_speed(&out, " (one hop per stage)");
         return Ok((leader, out.tokens, prompt));
     }

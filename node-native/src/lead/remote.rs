@@ -130,6 +130,17 @@ impl GroupOptions {
 /// A group formed for a leader over the network, with what it needs to run the model on it.
 pub type Formed = node_core::lead::Formed<NetTransport>;
 
+/// Whether a member of the group is on another machine: its session is not on a local socket,
+/// and it was reached at no address of this machine.
+pub fn far(formed: &Formed) -> bool {
+    formed.group.transport().over_libp2p().iter().any(|p| {
+        formed
+            .addrs
+            .get(p)
+            .is_some_and(|a| node_core::lead::route::off_this_machine(a))
+    })
+}
+
 /// How long a leader waits for the mesh's rows to come to one version (an update spreading, a
 /// holder catching up from its peers) before it gives up forming a group.
 pub const MOVING_PATIENCE: Duration = Duration::from_secs(30);
@@ -328,6 +339,7 @@ impl NetTransport {
         generator: node_core::code::Generator,
         cfg: RoundConfig,
     ) -> Self {
+        // Unbounded: a member answers only what the leader asked, a round's asks at a time.
         let (tx, rx) = mpsc::unbounded_channel();
         let mut asks = NetAsks {
             client,

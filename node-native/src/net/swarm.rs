@@ -323,6 +323,7 @@ impl EventLoop {
             commands,
             inbound,
             driver: Driver::new(true),
+            // Unbounded: only the bench's delay fills it, with what this node's own tasks sent.
             delayed: mpsc::unbounded_channel(),
             delay: one_way_delay(),
             reserving: None,

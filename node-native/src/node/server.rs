@@ -171,7 +171,7 @@ pub(super) async fn run_server(
     let (internal_tx, internal_rx) = tokio::sync::mpsc::channel(64);
     let state = Arc::new(RwLock::new(state));
     crate::hold::session::serve(&client, state.clone())?;
-    crate::lead::hop::serve(&client, state.clone())?;
+    crate::hold::hop::serve(&client, state.clone())?;
     let metrics = crate::serve::metrics::Metrics::new();
     let row_bytes = read(&state).member.shards().bytes();
     metrics

@@ -410,7 +410,8 @@ pub async fn up(opts: UpOptions) -> Result<()> {
             args.push("--api-key".into());
             args.push(k.into());
         }
-        if opts.no_learning {
+        // A frozen mesh's nodes lead no learning request (unless the node arguments say so).
+        if opts.no_learning && !opts.node_args.iter().any(|a| a == "--no-learn") {
             args.push("--no-learn".into());
         }
         if i == 0

@@ -80,8 +80,8 @@ fn tiny_mesh_status_generate_straggler_restart_and_rejoin() -> Result<()> {
 
     // One hop per stage: the members pass their parts to each other and run the model between
     // stages; the same tokens come out, every LM head round checked by the leader.
-    let (out, err) = mesh.generate_with(PROMPT, 24, &["--hop"], || {})?;
-    assert_eq!(out, expected, "--hop\n{err}");
+    let (out, err) = mesh.generate_with(PROMPT, 24, &["--pass", "hop"], || {})?;
+    assert_eq!(out, expected, "--pass hop\n{err}");
     assert!(
         err.contains("LM head rounds (0 unchecked)"),
         "{err}\n{}",
@@ -100,8 +100,8 @@ fn tiny_mesh_status_generate_straggler_restart_and_rejoin() -> Result<()> {
         "rounds went unchecked:\n{err}"
     );
     // With one hop per stage, the others leave the silent member out and decode without it.
-    let (out, err) = mesh.generate_with(PROMPT, 24, &["--hop"], || {})?;
-    assert_eq!(out, expected, "--hop\n{err}");
+    let (out, err) = mesh.generate_with(PROMPT, 24, &["--pass", "hop"], || {})?;
+    assert_eq!(out, expected, "--pass hop\n{err}");
     mesh.nodes[stalled].signal("CONT");
 
     // A node restarted from its data dir comes back with its row, without downloading; it

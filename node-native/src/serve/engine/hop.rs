@@ -2,7 +2,7 @@
 //! [`node_core::lead::route`]: the batch's sequences then live on the members, and start again
 //! there whenever the hop group changes.
 
-use node_core::lead::route::{RouteMeasures, off_this_machine};
+use node_core::lead::route::RouteMeasures;
 use node_core::net::hop::HopLeader;
 
 use super::*;
@@ -38,17 +38,11 @@ impl Lead {
         if self.slot.is_none() {
             return false; // the trainer's backward rounds need the leader
         }
-        // Off this machine: its session is not on a local socket, and it was reached at no
-        // address of this machine.
-        let far = f
-            .group
-            .transport()
-            .over_libp2p()
-            .iter()
-            .any(|p| f.addrs.get(p).is_some_and(|a| off_this_machine(a)));
-        self.hop
-            .measures
-            .wants_hop(self.ctx.cfg.pass, far, Instant::now())
+        self.hop.measures.wants_hop(
+            self.ctx.cfg.pass,
+            crate::lead::remote::far(f),
+            Instant::now(),
+        )
     }
 
     /// The hop group, formed now over the rounds group's members other than this node (k, the

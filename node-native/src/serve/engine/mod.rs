@@ -288,6 +288,8 @@ impl Engine {
             ctx.runtime.spawn(forward_to_trainers(ctx.clone(), rx));
             tx
         });
+        // Unbounded, as the backlog counts them: a text is queued only while the trainer's
+        // backlog is under MAX_TRAIN_BACKLOG, and a publish request a trained step at a time.
         let (to_train, train_rx) = mpsc::unbounded_channel();
         let (publish_tx, publish_rx) = mpsc::unbounded_channel();
         let backlog = Arc::new(AtomicUsize::new(0));
@@ -425,6 +427,8 @@ impl Engine {
     /// Queues a request; refused when the queue is full.
     pub fn submit(&self, req: GenRequest) -> Result<Submitted, SubmitError> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        // Unbounded: a request's events are at most its max_tokens pieces and an end, and the
+        // API reads them as they come.
         let (tx, events) = mpsc::unbounded_channel();
         let span = tracing::info_span!("request", id, prompt_tokens = req.prompt.len());
         let job = Job {
