@@ -226,6 +226,37 @@ pub struct Formed<T: Transport> {
     pub addrs: BTreeMap<PeerId, Vec<Multiaddr>>,
 }
 
+/// A row a group short of `wanted` members could take again: healthy at the group's
+/// `version` in `info`, not among the group's `rows`, with a holder not in `avoid` (another
+/// group's) that was heard from in the last `heard_within` seconds (since the group went
+/// short: a member that stalled still shows healthy for a while). A leader forms its group
+/// again when one comes back, instead of going on short of its checks and spares.
+pub fn returned_row(
+    info: &MeshInfo,
+    version: &[u8; 32],
+    rows: &[usize],
+    wanted: usize,
+    avoid: &BTreeSet<PeerId>,
+    heard_within: f64,
+) -> Option<usize> {
+    if rows.len() >= wanted {
+        return None;
+    }
+    let (at, live) = info.live_holders()?;
+    if at != *version {
+        return None;
+    }
+    live.iter()
+        .filter(|(row, _)| !rows.contains(row))
+        .find(|(_, holders)| {
+            holders.iter().any(|n| {
+                n.silent_for_s < heard_within
+                    && n.peer.parse::<PeerId>().is_ok_and(|p| !avoid.contains(&p))
+            })
+        })
+        .map(|(&row, _)| row)
+}
+
 /// Forms a group over the rows `info` shows healthy: every row's holder is asked for its norm
 /// gains at once (a slow first dial happens here, not inside a round's timeout, and rows that
 /// cannot be reached or hold another version are left out), then the best-conditioned k plus
@@ -625,6 +656,41 @@ mod tests {
             ..mesh(BTreeMap::new(), None)
         };
         (manifest, holder)
+    }
+
+    #[test]
+    fn a_short_group_takes_a_row_that_comes_back_at_its_version_and_free() {
+        let peers: Vec<PeerId> = (0..5).map(|_| PeerId::random()).collect();
+        let all: Vec<(PeerId, u32)> = peers.iter().zip(0..).map(|(&p, r)| (p, r)).collect();
+        let none = BTreeSet::new();
+        // Rows 0, 1, 3 and 4 compute; row 2 is back. Wanting five, the group takes it.
+        let back = view(&all);
+        assert_eq!(
+            returned_row(&back, &V, &[0, 1, 3, 4], 5, &none, 5.0),
+            Some(2)
+        );
+        // A full group, a group at another version, or a row another group uses: none.
+        assert_eq!(returned_row(&back, &V, &[0, 1, 3, 4], 4, &none, 5.0), None);
+        assert_eq!(
+            returned_row(&back, &[1; 32], &[0, 1, 3, 4], 5, &none, 5.0),
+            None
+        );
+        let busy = BTreeSet::from([peers[2]]);
+        assert_eq!(returned_row(&back, &V, &[0, 1, 3, 4], 5, &busy, 5.0), None);
+        // Row 2 still gone, or not heard from since the group went short (a stalled member
+        // still shows healthy for a while): nothing to take.
+        let gone = view(&[all[0], all[1], all[3], all[4]]);
+        assert_eq!(returned_row(&gone, &V, &[0, 1, 3, 4], 5, &none, 5.0), None);
+        let mut stalled = view(&all);
+        stalled.nodes[2].silent_for_s = 3.0;
+        assert_eq!(
+            returned_row(&stalled, &V, &[0, 1, 3, 4], 5, &none, 2.0),
+            None
+        );
+        assert_eq!(
+            returned_row(&stalled, &V, &[0, 1, 3, 4], 5, &none, 4.0),
+            Some(2)
+        );
     }
 
     #[test]

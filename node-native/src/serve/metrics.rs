@@ -52,6 +52,8 @@ pub struct Metrics {
     pub hop_steps: Counter,
     /// Coded groups formed.
     pub groups_formed: Counter,
+    /// Groups short of members let go because a row they could take came back.
+    pub groups_regrouped: Counter,
     /// Serving threads holding a coded group now.
     pub serving_groups: Gauge,
     /// Forward steps that failed (the group is then formed again).
@@ -156,6 +158,7 @@ impl Metrics {
             forward_steps: Counter::default(),
             hop_steps: Counter::default(),
             groups_formed: Counter::default(),
+            groups_regrouped: Counter::default(),
             serving_groups: Gauge::default(),
             forward_step_failures: Counter::default(),
             members_replaced: Counter::default(),
@@ -249,6 +252,11 @@ impl Metrics {
             "groups_formed",
             "Coded groups formed",
             m.groups_formed.clone(),
+        );
+        r.register(
+            "groups_regrouped",
+            "Groups short of members formed again because a row they could take came back",
+            m.groups_regrouped.clone(),
         );
         r.register(
             "serving_groups",

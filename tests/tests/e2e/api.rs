@@ -699,3 +699,101 @@ fn up_with_pass_hop_serves_a_batch_one_hop_per_stage_with_the_tokens_of_rounds()
     );
     Ok(())
 }
+
+/// The API's group is every row (k = 2, one checked, one spare: four nodes). A member dies:
+/// the group goes on without it, short of a spare. Its node is started again and its row
+/// comes back: the group is formed again with it, four members again.
+#[test]
+fn up_forms_its_group_again_when_a_dead_members_row_comes_back() -> Result<()> {
+    let _machine = crate::machine::share();
+    let scratch = Scratch::new("api-regroup");
+    let dir = scratch.0.clone();
+    let (data, steps, port) = (dir.join("mesh"), dir.join("steps.jsonl"), free_port()?);
+    let args = [
+        "--nodes",
+        "4",
+        "--k",
+        "2",
+        "--no-learning",
+        "--check",
+        "1",
+        "--spares",
+        "1",
+        "--pass",
+        "rounds",
+    ];
+    let mut up = Up::start_with(&dir, &data, port, &steps, "up-regroup", &args)?;
+    let ready = up.ready(Duration::from_secs(300))?;
+    let model = field(&ready, "model ")?.to_string();
+    let bootstrap = field(&ready, "bootstrap ")?.to_string();
+    wait_healthy(&bootstrap, 4, Duration::from_secs(60))?;
+    // A request's text, and the rows its steps asked (from the step trace).
+    let ask = || {
+        let before = std::fs::metadata(&steps).map_or(0, |m| m.len() as usize);
+        let body = format!(
+            r#"{{"model": "{model}", "prompt": "The history of the printing press", "max_tokens": 16, "temperature": 0}}"#
+        );
+        let answer: serde_json::Value =
+            serde_json::from_str(&post(port, "/v1/completions", &body)?)?;
+        let trace = std::fs::read_to_string(&steps)?;
+        let members: BTreeSet<u64> = trace[before.min(trace.len())..]
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|l| l["outcome"] == "ok")
+            .filter_map(|l| l["member"].as_u64())
+            .collect();
+        Ok::<_, anyhow::Error>((answer["choices"][0]["text"].to_string(), members))
+    };
+    let count = |name: &str| metric(port, &format!("codedmesh_{name}_total"));
+    let (answer, all) = ask()?;
+    ensure!(all.len() == 4, "the whole group computes: {all:?}");
+
+    // Node 2 dies while up's supervisor is stopped (so that it is not started again yet):
+    // the first request goes on without it, the next is served short of it.
+    let dead = up.node_pid(2)?;
+    let signal = |sig: &str, pid: u32| Command::new("kill").args([sig, &pid.to_string()]).status();
+    signal("-STOP", up.pid())?;
+    signal("-KILL", dead)?;
+    let killed = Instant::now();
+    let died = ask();
+    let short = ask();
+    signal("-CONT", up.pid())?;
+    let (_, short) = short.with_context(|| format!("{died:?}\n{}", up.log()))?;
+    ensure!(
+        short.len() == 3,
+        "the group went on without the dead member: {short:?}"
+    );
+
+    // It comes back: once its row's holder is heard from again (after the kill), the next
+    // request's group has four members again.
+    wait_healthy(&bootstrap, 4, Duration::from_secs(60))?;
+    let heard_again = || -> Result<bool> {
+        let s = status(&bootstrap)?;
+        let since_kill = killed.elapsed().as_secs_f64();
+        Ok(s["nodes"].as_array().is_some_and(|n| {
+            n.iter().any(|n| {
+                n["row"] == 2
+                    && n["silent_for_s"]
+                        .as_f64()
+                        .is_some_and(|s| s + 0.5 < since_kill)
+            })
+        }))
+    };
+    while !heard_again()? {
+        ensure!(
+            killed.elapsed() < Duration::from_secs(60),
+            "node 2 was not heard from again"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let (again, back) = ask()?;
+    ensure!(again == answer, "the same greedy completion");
+    ensure!(
+        back.len() == 4 && count("groups_regrouped")? >= 1.0,
+        "the group was formed again with the returned row: {back:?}, {} regrouped\n{}",
+        count("groups_regrouped")?,
+        up.log()
+    );
+    up.stop("TERM")?;
+    Ok(())
+}

@@ -18,6 +18,20 @@ pub(super) struct Lead {
     pub(super) yield_to: Option<Arc<Shared>>,
     /// The group's passes one hop per stage, when they go so.
     pub(super) hop: HopSide,
+    /// While the group is short of members: since when, when it last looked for a row that
+    /// came back, and the row it last formed again for.
+    short: Short,
+}
+
+/// What a group short of members knows of its search for a row that came back.
+#[derive(Debug, Default)]
+struct Short {
+    /// Since when the group is short (a holder heard from since then came back).
+    since: Option<Instant>,
+    /// When it last looked.
+    looked: Option<Instant>,
+    /// The row it last formed again for, and when.
+    tried: Option<(usize, Instant)>,
 }
 
 impl Lead {
@@ -30,6 +44,7 @@ impl Lead {
             trace,
             yield_to: None,
             hop: HopSide::default(),
+            short: Short::default(),
         }
     }
 
@@ -106,9 +121,61 @@ impl Lead {
         self.formed.as_mut().ok_or_else(|| "no group".to_string())
     }
 
+    /// Lets a rounds group short of its members (one failed and no row was free) go when a row
+    /// it could take came back, so that it is formed again with its checks and spares; at most
+    /// every [`SHORT_CHECK`]. A hop group is left alone: its sequences live on its members.
+    pub(super) async fn regroup_if_short(&mut self) {
+        if self.hop.leader.is_some() {
+            return;
+        }
+        let Some(f) = self.formed.as_ref() else {
+            return;
+        };
+        let cfg = &self.ctx.cfg;
+        let wanted = self.ctx.manifest.generator.k() + cfg.verify + cfg.spares;
+        let rows = f.group.nodes().to_vec();
+        let now = Instant::now();
+        if rows.len() >= wanted {
+            self.short.since = None;
+            return;
+        }
+        let since = *self.short.since.get_or_insert(now);
+        if self.short.looked.is_some_and(|at| now - at < SHORT_CHECK) {
+            return;
+        }
+        self.short.looked = Some(now);
+        let version = f.version;
+        let Ok(info) = self.info().await else {
+            return;
+        };
+        let mut avoid = match &self.slot {
+            Some((slot, shared)) => shared.busy_except(*slot),
+            None => Default::default(),
+        };
+        // Its own row, when not among the members, does not compute in the group.
+        avoid.insert(self.ctx.client.peer_id());
+        let heard = (now - since).as_secs_f64();
+        let returned = node_core::lead::returned_row(&info, &version, &rows, wanted, &avoid, heard);
+        let Some(row) = returned else {
+            return;
+        };
+        if self
+            .short
+            .tried
+            .is_some_and(|(r, at)| r == row && now - at < RETURNED_BACKOFF)
+        {
+            return;
+        }
+        self.short.tried = Some((row, now));
+        tracing::info!(row, members = ?rows, wanted, "a row came back: forming the group again");
+        self.ctx.metrics.groups_regrouped.inc();
+        self.drop_group();
+    }
+
     /// Lets the group go (it is formed again when next needed).
     pub(super) fn drop_group(&mut self) {
         self.formed = None;
+        (self.short.since, self.short.looked) = (None, None);
         self.hop.drop_group();
         self.hop.measures.forget();
         if let Some((slot, shared)) = &self.slot {

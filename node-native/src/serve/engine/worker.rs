@@ -237,6 +237,7 @@ impl Worker {
 
     /// One forward step of every sequence in the batch, then a token for each.
     pub(super) async fn step(&mut self) {
+        self.lead.regroup_if_short().await;
         if let Err(why) = self.lead.group().await {
             self.fail_all(&EngineError::Unavailable(why));
             return;
