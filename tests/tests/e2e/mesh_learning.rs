@@ -85,12 +85,25 @@ fn learning_bytes(data: &Path) -> Result<u64> {
     dir_bytes(data, &saving)
 }
 
+/// Seed arguments of a mesh whose every update goes out at a fast rate, whatever it does to
+/// the canary: SGD at 0.05 on compact rows, no gate at genesis.
+const FAST_SGD: [&str; 7] = [
+    "--optimizer",
+    "sgd",
+    "--lr",
+    "0.05",
+    "--shard-format",
+    "q8",
+    "--no-canary-gate",
+];
+
 /// The soak test of issue 24: learning from every request, with nodes killed and restarted
 /// throughout — some down only briefly (they replay what their peers keep), some down across
 /// many snapshots (they rebuild their row at the mesh's version), one killed in the middle of
 /// a request. Every node ends on one version, every shard within the code's error of the
 /// codeword of the uncoded model that applied the same updates, and no node's disk grows with
 /// the history.
+
 #[test]
 fn learning_soak_kills_and_restarts_end_on_one_codeword_in_bounded_disk() -> Result<()> {
     let _machine = crate::machine::share();
@@ -286,15 +299,7 @@ fn compact_rows_learn_across_restarts_and_rebuilds_and_end_on_one_codeword() -> 
         "soak-q8",
         Some(&model),
         // Every update on the mesh, at a rate the canary gate would stop: no gate at genesis.
-        &[
-            "--optimizer",
-            "sgd",
-            "--lr",
-            "0.05",
-            "--shard-format",
-            "q8",
-            "--no-canary-gate",
-        ],
+        &FAST_SGD,
     )?;
     let archive = mesh.dir.0.join("published");
     let keep = archive.display().to_string();
@@ -485,15 +490,7 @@ fn a_member_lying_only_in_learnings_backward_rounds_is_caught_and_the_update_sti
         "backward",
         Some(&model),
         // Its updates at a fast rate must go out whatever they do to the canary: no gate.
-        &[
-            "--optimizer",
-            "sgd",
-            "--lr",
-            "0.05",
-            "--shard-format",
-            "q8",
-            "--no-canary-gate",
-        ],
+        &FAST_SGD,
     )?;
     let row = 2;
     let i = mesh.kill_holder(row)?;
