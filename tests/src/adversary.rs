@@ -6,7 +6,7 @@
 //! what the node answered; the red-team test checks that each was refused or contained, and
 //! counted.
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use futures::AsyncWriteExt;
@@ -35,13 +35,6 @@ impl std::fmt::Debug for Adversary {
             .field("peer", &self.session.client.peer_id())
             .finish()
     }
-}
-
-/// The wall clock in unix milliseconds.
-pub fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
 }
 
 /// What an answer says, for assertions: an error's text, or the answer's kind.
@@ -85,7 +78,7 @@ impl Adversary {
                 self.key.public().to_peer_id(),
                 "insider",
                 7,
-                now_ms() / 1000 + 3600,
+                node_core::holder::wall_ms() / 1000 + 3600,
                 &[Power::Write, Power::Report],
             )?),
             None => None,
@@ -133,7 +126,7 @@ impl Adversary {
             ],
         };
         let header = Header {
-            issued_ms: now_ms(),
+            issued_ms: node_core::holder::wall_ms(),
             verdict: None,
         };
         let list = list.seal(signer, header)?;
@@ -157,7 +150,12 @@ impl Adversary {
             witnesses: vec![0, 2, 3],
             missing_update: None,
         };
-        let report = node_core::holder::sign_report(signer, accused, &evidence, now_ms())?;
+        let report = node_core::holder::sign_report(
+            signer,
+            accused,
+            &evidence,
+            node_core::holder::wall_ms(),
+        )?;
         self.ask(MeshRequest::Report {
             report,
             to: Vec::new(),

@@ -16,6 +16,7 @@ pub use join::{Joined, Link, answer_chain, join, obtain, source_error, source_pe
 pub use report::{MAX_REPORT_BYTES, Report, open_report, sign_report};
 pub use rules::{
     CLOCK_SKEW_MS, Checked, MAX_UPDATE_AGE_MS, REFUSED, Refusal, Refused, Rules, gate_holds,
+    wall_ms,
 };
 pub use serve::{
     Held, LEARN_PER_MINUTE, LearnLimit, Route, Snapshot, ViewQuery, answer_view, chain, contribute,

@@ -15,6 +15,14 @@ use crate::learn::{
 use crate::mesh::ModelManifest;
 use crate::model::LlamaConfig;
 
+/// The wall clock in unix milliseconds, as updates, reports and certificates are dated (the
+/// same on a native node and in a page).
+pub fn wall_ms() -> u64 {
+    web_time::SystemTime::now()
+        .duration_since(web_time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
 /// Oldest an update may be when a holder takes it, in milliseconds: a holder remembers the ids
 /// of the latest updates it applied ([`crate::mesh::RECENT_FOLDED`]), far more than a mesh
 /// publishes in this time, so an update replayed after it is refused as out of turn rather than

@@ -121,7 +121,7 @@ pub(crate) fn apply_and_keep(
     rules: &Rules,
     bytes: &[u8],
 ) -> Result<(u64, bool)> {
-    let checked = rules.check(bytes, Some(crate::hold::trust::unix_ms()))?;
+    let checked = rules.check(bytes, Some(node_core::holder::wall_ms()))?;
     let id = checked.id;
     tracing::debug!(
         id = format!("{id:016x}"),

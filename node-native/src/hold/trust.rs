@@ -3,11 +3,12 @@
 //! certificate by which the mesh's key admits it (`trainer.cert` beside the identity).
 
 use std::path::Path;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use libp2p::PeerId;
 use libp2p::identity::Keypair;
+use node_core::holder::wall_ms;
 use node_core::lead::Signer;
 use node_core::learn::{Certificate, MeshKey, Power};
 use node_core::mesh::ModelManifest;
@@ -20,13 +21,6 @@ pub const CERT_FILE: &str = "trainer.cert";
 
 /// How long a certificate admits its peer unless told otherwise.
 pub const DEFAULT_VALIDITY: Duration = Duration::from_secs(30 * 24 * 3600);
-
-/// The wall clock in unix milliseconds.
-pub fn unix_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
-}
 
 /// Writes a secret to `path` readable by its owner only, through a temporary file and a rename.
 fn write_secret(path: &Path, bytes: &[u8]) -> Result<()> {
@@ -74,7 +68,7 @@ pub fn admit(
     valid_for: Duration,
     powers: &[Power],
 ) -> Result<Certificate> {
-    let not_after = (unix_ms() / 1000).saturating_add(valid_for.as_secs());
+    let not_after = (wall_ms() / 1000).saturating_add(valid_for.as_secs());
     let serial = rand_webrtc::random::<u64>();
     Ok(Certificate::issue(
         mesh, peer, name, serial, not_after, powers,
@@ -107,7 +101,7 @@ pub fn signer(key: Keypair, cert: Option<Certificate>, manifest: &ModelManifest)
     };
     let checked = manifest
         .mesh_key()
-        .and_then(|mesh| cert.verify(&mesh, &peer, Power::Write, Some(unix_ms() / 1000)));
+        .and_then(|mesh| cert.verify(&mesh, &peer, Power::Write, Some(wall_ms() / 1000)));
     match checked {
         Ok(body) => eprintln!(
             "admitted by the mesh's key as {:?} until {} (unix seconds): this node may publish learning updates",

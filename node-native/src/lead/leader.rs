@@ -197,7 +197,7 @@ impl Leader {
         node_core::lead::report_caught(
             &link,
             &self.signer,
-            crate::hold::trust::unix_ms(),
+            node_core::holder::wall_ms(),
             caught,
             &self.formed.rows,
             &self.formed.holders,
@@ -234,7 +234,7 @@ impl NetPublisher<'_> {
     /// Signs `p` (with the gate's `verdict`, at this moment) and keeps a copy in the archive.
     fn seal(&self, p: &Published, verdict: Option<GateClaim>) -> Result<Sealed> {
         let header = Header {
-            issued_ms: crate::hold::trust::unix_ms(),
+            issued_ms: node_core::holder::wall_ms(),
             verdict,
         };
         let sealed = node_core::lead::seal_update(p, self.signer, header)?;

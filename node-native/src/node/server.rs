@@ -634,7 +634,7 @@ impl Server {
                 manifest: &self.manifest_bytes,
                 genesis: &self.genesis,
                 rules: &self.rules,
-                wall_ms: crate::hold::trust::unix_ms(),
+                wall_ms: node_core::holder::wall_ms(),
                 live: self.view.live_holders(),
             };
             holder::route(&held, &mut self.limit, &peer, now, request)

@@ -135,12 +135,7 @@ fn mesh_err(e: impl std::fmt::Display) -> WebError {
     WebError::Mesh(e.to_string())
 }
 
-/// The page's wall clock, in unix milliseconds.
-fn wall_ms() -> u64 {
-    web_time::SystemTime::now()
-        .duration_since(web_time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
-}
+use node_core::holder::wall_ms;
 
 impl Holding {
     /// The contribution as the page shows it.

@@ -16,7 +16,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
-use tests::adversary::{Adversary, now_ms, refusal, said};
+use node_core::holder::wall_ms;
+use tests::adversary::{Adversary, refusal, said};
 use tests::procs::{Scratch, free_port, http_get, tiny_model};
 
 use super::api::{Up, field, status};
@@ -249,22 +250,22 @@ fn a_stranger_cannot_take_the_mesh_over_and_every_attack_is_refused_and_counted(
         let cases = [
             (
                 "a forged update from an unadmitted key",
-                adv.sealed(&stranger, vec![1; 64], now_ms(), true)?,
+                adv.sealed(&stranger, vec![1; 64], wall_ms(), true)?,
                 "unadmitted",
             ),
             (
                 "an old update replayed",
-                adv.sealed(&insider, vec![1; 64], now_ms() - 3_600_000, true)?,
+                adv.sealed(&insider, vec![1; 64], wall_ms() - 3_600_000, true)?,
                 "out_of_turn",
             ),
             (
                 "an update without the gate's verdict",
-                adv.sealed(&insider, vec![1; 64], now_ms(), false)?,
+                adv.sealed(&insider, vec![1; 64], wall_ms(), false)?,
                 "ungated",
             ),
             (
                 "a malformed update",
-                adv.sealed(&insider, vec![1; 64], now_ms(), true)?,
+                adv.sealed(&insider, vec![1; 64], wall_ms(), true)?,
                 "malformed",
             ),
             ("unsigned bytes", vec![9; 200], "signature"),

@@ -270,7 +270,7 @@ impl EngineContext {
         let link = crate::hold::link::NativeLink::quiet(self.client.clone());
         let (rows, holders, signer) = (rows.clone(), holders.to_vec(), self.signer.clone());
         self.runtime.spawn(async move {
-            let now = crate::hold::trust::unix_ms();
+            let now = node_core::holder::wall_ms();
             node_core::lead::report_caught(&link, &signer, now, &s.caught, &rows, &holders).await;
         });
     }

@@ -493,7 +493,7 @@ impl Worker {
     ) -> Option<([u8; 32], LeaderWeights)> {
         let ctx = &self.lead.ctx;
         let header = node_core::learn::Header {
-            issued_ms: crate::hold::trust::unix_ms(),
+            issued_ms: node_core::holder::wall_ms(),
             verdict,
         };
         let sealed = match node_core::lead::seal_update(&p, &ctx.signer, header) {
