@@ -2,11 +2,10 @@
 //! the request's learning) and `eval` (perplexity through a group), each async under one
 //! runtime at the binary's edge.
 
-use std::time::Duration;
-
 use anyhow::{Context, Result, bail};
 use node_core::learn::{Learner, Teacher};
-use node_core::model::{Pass, generate_async, generate_regrouping};
+use node_core::model::generate_regrouping;
+use node_native::lead::hop::HopLead;
 use node_native::lead::leader::Leader;
 
 use crate::cli::{EvalArgs, GenerateArgs};
@@ -131,56 +130,48 @@ async fn run_once_on_mesh(
     key: &libp2p::identity::Keypair,
     cert: Option<&node_core::learn::Certificate>,
 ) -> Result<(Leader, Vec<u32>, Vec<u32>)> {
-    let mut attempt = 0;
-    let (leader, out, prompt, hop) = loop {
-        attempt += 1;
-        let group = args.group.options(false);
-        let mut opts = node_native::lead::remote::GroupOptions::new(group.verify, group.spares);
-        opts.trace = args
-            .trace_steps
-            .as_deref()
-            .map(node_native::lead::steplog::StepLog::create)
-            .transpose()?;
-        opts.group.project = group.project;
-        let mut leader =
-            Leader::connect_as(bootstrap.clone(), &opts, key.clone(), cert.cloned()).await?;
-        leader.archive.clone_from(&args.keep_published);
-        leader
-            .formed
-            .group
-            .transport_mut()
-            .set_context(format!("request {attempt}"));
-        let g = &leader.manifest.generator;
-        eprintln!(
-            "mesh {}: k = {}, n = {}, {} live rows; group {:?} (first k decode, condition number {:.2})",
-            leader.manifest.name,
-            g.k(),
-            g.n(),
-            leader.formed.live_rows,
-            leader.formed.group.nodes(),
-            leader.formed.condition_number
-        );
-        (args.k, args.n) = (g.k(), g.n());
-        // The printer reads its own copy: the group may be formed again while it prints.
-        let tokenizer = leader.tokenizer.clone();
-        let (prompt, opts, mut printer) = Printer::start(&tokenizer, args)?;
-        let hop = args
-            .pass
-            .wants_hop(node_native::lead::remote::far(&leader.formed));
-        let generated = if hop {
-            let rt = tokio::runtime::Handle::current();
-            let mut hop = node_native::lead::hop::lead_group(
-                &rt,
-                &leader.session.client,
-                &leader.manifest,
-                &leader.formed,
-                group.verify,
-                group.spares,
-            )?;
-            eprintln!("one hop per stage, members {:?}", hop.rows());
-            let forward = async |pass: Pass<'_>| hop.forward(pass).await;
-            let on = &mut |id| printer.token(id);
-            let out = generate_async(forward, &leader.manifest.cfg, &prompt, &opts, on).await;
+    let group = args.group.options(false);
+    let mut opts = node_native::lead::remote::GroupOptions::new(group.verify, group.spares);
+    opts.trace = args
+        .trace_steps
+        .as_deref()
+        .map(node_native::lead::steplog::StepLog::create)
+        .transpose()?;
+    opts.group.project = group.project;
+    let mut leader =
+        Leader::connect_as(bootstrap.clone(), &opts, key.clone(), cert.cloned()).await?;
+    leader.archive.clone_from(&args.keep_published);
+    leader
+        .formed
+        .group
+        .transport_mut()
+        .set_context("request".into());
+    let g = &leader.manifest.generator;
+    eprintln!(
+        "mesh {}: k = {}, n = {}, {} live rows; group {:?} (first k decode, condition number {:.2})",
+        leader.manifest.name,
+        g.k(),
+        g.n(),
+        leader.formed.live_rows,
+        leader.formed.group.nodes(),
+        leader.formed.condition_number
+    );
+    (args.k, args.n) = (g.k(), g.n());
+    // The printer reads its own copy: the group may be formed again while it prints.
+    let tokenizer = leader.tokenizer.clone();
+    let (prompt, opts, mut printer) = Printer::start(&tokenizer, args)?;
+    let hop = args
+        .pass
+        .wants_hop(node_native::lead::remote::far(&leader.formed));
+    let cfg = leader.manifest.cfg.clone();
+    let on = &mut |id| printer.token(id);
+    // A pass that fails (members died beyond the spares, the mesh moved on) runs again on a
+    // group formed anew, as the leader's steer rules.
+    let out = if hop {
+        let rt = tokio::runtime::Handle::current();
+        let mut lead = HopLead::new(&mut leader, rt, group.verify, group.spares);
+        let out = generate_regrouping(&mut lead, &cfg, &prompt, &opts, on).await;
+        if let Some(hop) = &lead.hop {
             let s = hop.stats();
             eprintln!(
                 "one hop per stage: the members check every round among themselves; this leader checked {} LM head rounds ({} unchecked), members at the end {:?}",
@@ -191,31 +182,13 @@ async fn run_once_on_mesh(
             for c in &s.caught {
                 eprintln!("{c}");
             }
-            out
-        } else {
-            // A pass that fails (members died beyond the spares, the mesh moved on) runs again
-            // on a group formed anew.
-            let on = &mut |id| printer.token(id);
-            generate_regrouping(&mut leader, &prompt, &opts, on).await
-        };
-        let emitted = printer.end();
-        match generated {
-            Ok(out) => break (leader, out, prompt, hop),
-            // The mesh took an update between the group's forming and its first step: form
-            // the group again at the new version (nothing was printed yet).
-            Err(_)
-                if emitted == 0
-                    && attempt < 3
-                    && leader.formed.group.transport().met_another_version() =>
-            {
-                eprintln!(
-                    "the mesh moved to a new version as the request started; forming the group again"
-                );
-                tokio::time::sleep(Duration::from_millis(300)).await;
-            }
-            Err(e) => return Err(e.into()),
         }
+        out
+    } else {
+        generate_regrouping(&mut leader, &cfg, &prompt, &opts, on).await
     };
+    printer.end();
+    let out = out?;
     if hop {
         print_speed(&out, " (one hop per stage)");
         return Ok((leader, out.tokens, prompt));

@@ -8,12 +8,14 @@
 pub mod learning;
 pub mod publish;
 pub mod route;
+pub mod steer;
 pub mod training;
 
 pub use crate::learn::Signer;
 pub use learning::{Publisher, Settled, settle};
 pub use publish::{Reported, Sealed, Sent, publish_sealed, report_caught, seal_update, spread_out};
 pub use route::{HOP_OVER, PassRoute, RouteMeasures, hop_members};
+pub use steer::{Action, Looking, Steer, returned_row};
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
@@ -224,37 +226,6 @@ pub struct Formed<T: Transport> {
     pub condition_number: f64,
     /// The addresses each asked holder is dialed at.
     pub addrs: BTreeMap<PeerId, Vec<Multiaddr>>,
-}
-
-/// A row a group short of `wanted` members could take again: healthy at the group's
-/// `version` in `info`, not among the group's `rows`, with a holder not in `avoid` (another
-/// group's) that was heard from in the last `heard_within` seconds (since the group went
-/// short: a member that stalled still shows healthy for a while). A leader forms its group
-/// again when one comes back, instead of going on short of its checks and spares.
-pub fn returned_row(
-    info: &MeshInfo,
-    version: &[u8; 32],
-    rows: &[usize],
-    wanted: usize,
-    avoid: &BTreeSet<PeerId>,
-    heard_within: f64,
-) -> Option<usize> {
-    if rows.len() >= wanted {
-        return None;
-    }
-    let (at, live) = info.live_holders()?;
-    if at != *version {
-        return None;
-    }
-    live.iter()
-        .filter(|(row, _)| !rows.contains(row))
-        .find(|(_, holders)| {
-            holders.iter().any(|n| {
-                n.silent_for_s < heard_within
-                    && n.peer.parse::<PeerId>().is_ok_and(|p| !avoid.contains(&p))
-            })
-        })
-        .map(|(&row, _)| row)
 }
 
 /// Forms a group over the rows `info` shows healthy: every row's holder is asked for its norm

@@ -122,41 +122,69 @@ pub async fn generate_on<E: LinearExec>(
     generate_one(Plain(run), llama.config(), prompt, opts, on_token).await
 }
 
-/// A leader's group that can be formed again when a pass through it fails: a member died and
-/// no spare is left, or the mesh moved to another version.
+/// A leader whose group can be formed again: after a pass through it fails (a member died
+/// and no spare is left, or the mesh moved to another version) or when it is short of members
+/// and a row comes back, as its [`crate::lead::Steer`] rules.
 pub trait Regroup {
-    /// What computes the linear stages.
-    type Exec: LinearExec;
+    /// Makes the group ready for the next pass: forms it (again) when it has none; an error
+    /// when none can be formed.
+    fn ready(&mut self) -> impl Future<Output = Result<(), ModelError>>;
 
-    /// The leader's side of the model and the group it runs on.
-    fn parts(&mut self) -> (&Llama, &mut Self::Exec);
+    /// Runs the batch's planned pass on the group: the logits of its one sequence.
+    fn pass(
+        &mut self,
+        batch: &mut Batch<()>,
+    ) -> impl Future<Output = Result<Vec<Vec<f32>>, ModelError>>;
 
-    /// Forms the group again after a pass failed with `why`; an error when no group can be
-    /// formed.
-    fn regroup(&mut self, why: &ModelError) -> impl Future<Output = Result<(), ModelError>>;
+    /// The last pass ran.
+    fn passed(&mut self);
+
+    /// The last pass failed with `why`: the group goes, formed again at the next
+    /// [`Regroup::ready`].
+    fn failed(&mut self, why: &ModelError);
+
+    /// Where the sequence's keys and values live: a change starts it again (a hop group's
+    /// members held them; the leader's rounds keep them across groups).
+    fn epoch(&self) -> u64 {
+        0
+    }
 }
 
 /// [`generate_on`] over a group that is formed again when a pass fails (up to
-/// [`super::batch::MAX_PASS_FAILURES`] in a row): the sequence's keys and values are the
-/// leader's, so the failed pass runs again on the new group and the completion goes on.
+/// [`super::batch::MAX_PASS_FAILURES`] in a row) or a row comes back: the failed pass runs
+/// again on the new group and the completion goes on.
 pub async fn generate_regrouping<R: Regroup>(
     lead: &mut R,
+    cfg: &LlamaConfig,
     prompt: &[u32],
     opts: &GenerateOptions,
     on_token: &mut dyn FnMut(u32) -> bool,
 ) -> Result<Generation, ModelError> {
-    let cfg = lead.parts().0.config().clone();
-    generate_one(Regrouping(lead), &cfg, prompt, opts, on_token).await
+    generate_one(Regrouping(lead), cfg, prompt, opts, on_token).await
 }
 
 /// What runs the generation loop's passes, and what follows a failed one.
 trait Passes {
+    /// Makes ready for the next pass.
+    async fn ready(&mut self) -> Result<(), ModelError> {
+        Ok(())
+    }
+
     /// Runs the batch's planned pass: the logits of its one sequence.
     async fn run(&mut self, batch: &mut Batch<()>) -> Result<Vec<Vec<f32>>, ModelError>;
 
-    /// A pass failed with `why` and the batch asks for another group: form it, or say why not.
-    async fn regroup(&mut self, why: ModelError) -> Result<(), ModelError> {
+    /// The pass ran.
+    fn passed(&mut self) {}
+
+    /// A pass failed with `why` and the batch asks for another group: the next
+    /// [`Passes::ready`] forms it, or this says why not.
+    fn regroup(&mut self, why: ModelError) -> Result<(), ModelError> {
         Err(why)
+    }
+
+    /// Where the sequence's keys and values live.
+    fn epoch(&self) -> u64 {
+        0
     }
 }
 
@@ -173,14 +201,25 @@ impl<F: AsyncFnMut(&mut Batch<()>) -> Result<Vec<Vec<f32>>, ModelError>> Passes 
 struct Regrouping<'a, R>(&'a mut R);
 
 impl<R: Regroup> Passes for Regrouping<'_, R> {
-    async fn run(&mut self, batch: &mut Batch<()>) -> Result<Vec<Vec<f32>>, ModelError> {
-        let (llama, exec) = self.0.parts();
-        let mut items = batch.rounds_items();
-        llama.forward_batch(exec, &mut items).await
+    async fn ready(&mut self) -> Result<(), ModelError> {
+        self.0.ready().await
     }
 
-    async fn regroup(&mut self, why: ModelError) -> Result<(), ModelError> {
-        self.0.regroup(&why).await
+    async fn run(&mut self, batch: &mut Batch<()>) -> Result<Vec<Vec<f32>>, ModelError> {
+        self.0.pass(batch).await
+    }
+
+    fn passed(&mut self) {
+        self.0.passed();
+    }
+
+    fn regroup(&mut self, why: ModelError) -> Result<(), ModelError> {
+        self.0.failed(&why);
+        Ok(())
+    }
+
+    fn epoch(&self) -> u64 {
+        self.0.epoch()
     }
 }
 
@@ -259,18 +298,20 @@ async fn generate_one(
     let started = Instant::now();
     let mut prefill_time = None;
     let (seq, stop) = loop {
-        batch.plan(0);
+        passes.ready().await?;
+        batch.plan(passes.epoch());
         let began = Instant::now();
         let logits = match passes.run(&mut batch).await {
             Ok(logits) => logits,
             Err(e) => match batch.failed() {
                 AfterFailure::Regroup => {
-                    passes.regroup(e).await?;
+                    passes.regroup(e)?;
                     continue;
                 }
                 AfterFailure::GiveUp(_) => return Err(e),
             },
         };
+        passes.passed();
         let took = batch.take(logits, began.elapsed().as_secs_f64(), |_, t| on_token(t));
         prefill_time.get_or_insert_with(|| started.elapsed());
         match took.ended.into_iter().next() {

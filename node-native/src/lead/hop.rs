@@ -211,3 +211,84 @@ pub fn lead_group(
         WAIT,
     )
 }
+
+/// A command-line leader's passes one hop per stage ([`node_core::model::Regroup`]): a hop
+/// group over its rounds group's members, formed again with that group when a pass fails (the
+/// sequence then starts again on the new members, which hold its keys and values).
+#[derive(Debug)]
+pub struct HopLead<'a> {
+    /// The leader whose group the hop group is formed over.
+    pub leader: &'a mut crate::lead::leader::Leader,
+    /// The hop group, while passes run on it.
+    pub hop: Option<HopLeader<NetFeedLink>>,
+    runtime: tokio::runtime::Handle,
+    check: usize,
+    spares: usize,
+    /// Hop groups formed so far: where the sequence's keys and values live.
+    epoch: u64,
+}
+
+impl<'a> HopLead<'a> {
+    /// Passes of `leader` one hop per stage, checked with `check` members beyond k and with
+    /// `spares` spares, its hop groups formed on `runtime`.
+    pub fn new(
+        leader: &'a mut crate::lead::leader::Leader,
+        runtime: tokio::runtime::Handle,
+        check: usize,
+        spares: usize,
+    ) -> Self {
+        Self {
+            leader,
+            hop: None,
+            runtime,
+            check,
+            spares,
+            epoch: 0,
+        }
+    }
+}
+
+impl node_core::model::Regroup for HopLead<'_> {
+    async fn ready(&mut self) -> Result<(), node_core::model::ModelError> {
+        self.leader.ready().await?;
+        if self.hop.is_none() {
+            let l = &self.leader;
+            let hop = lead_group(
+                &self.runtime,
+                &l.session.client,
+                &l.manifest,
+                &l.formed,
+                self.check,
+                self.spares,
+            )
+            .map_err(|e| node_core::model::ModelError::Config(format!("{e:#}")))?;
+            eprintln!("one hop per stage, members {:?}", hop.rows());
+            self.hop = Some(hop);
+            self.epoch += 1;
+        }
+        Ok(())
+    }
+
+    async fn pass(
+        &mut self,
+        batch: &mut node_core::model::Batch<()>,
+    ) -> Result<Vec<Vec<f32>>, node_core::model::ModelError> {
+        let no = |what: &str| node_core::model::ModelError::Config(what.into());
+        let hop = self.hop.as_mut().ok_or_else(|| no("no hop group"))?;
+        let (_, pass) = batch.passes().next().ok_or_else(|| no("no sequence"))?;
+        Ok(vec![hop.forward(pass).await?])
+    }
+
+    fn passed(&mut self) {
+        self.leader.passed();
+    }
+
+    fn failed(&mut self, why: &node_core::model::ModelError) {
+        self.hop = None;
+        self.leader.failed(why);
+    }
+
+    fn epoch(&self) -> u64 {
+        self.epoch
+    }
+}

@@ -5,11 +5,12 @@
 
 use anyhow::{Context, Result, bail};
 use libp2p::{Multiaddr, PeerId};
-use node_core::lead::{Publisher, Sealed, Sent, Settled, settle};
+use node_core::lead::{Action, Publisher, Sealed, Sent, Settled, Steer, settle};
 use node_core::learn::{GateClaim, Header, Published, Teacher};
 use node_core::mesh::{MeshRequest, MeshResponse, ModelManifest, Usage};
+use node_core::model::ModelError;
 
-use super::remote::{Formed, GroupOptions, NetTransport, Session, form_group};
+use super::remote::{Formed, GroupOptions, Session, form_group};
 use crate::hold::link::NativeLink;
 use crate::net::rpc::ask;
 
@@ -32,45 +33,61 @@ pub struct Leader {
     pub signer: node_core::lead::Signer,
     /// How its group is formed (again, after a pass fails).
     opts: GroupOptions,
+    /// When its group is formed again.
+    steer: Steer,
 }
 
 impl node_core::model::Regroup for Leader {
-    type Exec = node_core::coded::CodedGroup<NetTransport>;
-
-    fn parts(&mut self) -> (&node_core::model::Llama, &mut Self::Exec) {
-        (&self.formed.llama, &mut self.formed.group)
+    /// Does what the leader's [`Steer`] says until a pass may run: forms the group (again)
+    /// from the mesh's view now (waiting while its rows are between versions), backs off after
+    /// failed passes, and lets a group short of members go when a row comes back.
+    async fn ready(&mut self) -> Result<(), ModelError> {
+        loop {
+            let now = std::time::Instant::now();
+            match self.steer.poll(now) {
+                Action::Pass => return Ok(()),
+                Action::Wait(until) => tokio::time::sleep_until(until.into()).await,
+                Action::Unavailable { why, .. } => {
+                    return Err(ModelError::Config(format!(
+                        "forming the group again: {why}"
+                    )));
+                }
+                Action::Look(looking) => {
+                    let info = self.session.info().await;
+                    let row = info
+                        .ok()
+                        .and_then(|i| looking.in_view(&i, &Default::default()));
+                    if self.steer.looked(now, row) {
+                        eprintln!("row {row:?} came back: forming the group again");
+                    }
+                }
+                Action::Form => self.form_again(now).await,
+            }
+        }
     }
 
-    /// Reports the members the failed group caught, then forms a group anew from the mesh's
-    /// view now (waiting while its rows are between versions).
-    async fn regroup(
+    async fn pass(
         &mut self,
-        why: &node_core::model::ModelError,
-    ) -> Result<(), node_core::model::ModelError> {
-        if !self.formed.group.stats().caught.is_empty() {
-            self.report_caught().await;
+        batch: &mut node_core::model::Batch<()>,
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        let mut items = batch.rounds_items();
+        let f = &mut self.formed;
+        f.llama.forward_batch(&mut f.group, &mut items).await
+    }
+
+    fn passed(&mut self) {
+        self.steer.passed();
+        self.steer.members(self.formed.group.nodes().to_vec());
+    }
+
+    fn failed(&mut self, why: &ModelError) {
+        let moved = self.formed.group.transport().met_another_version();
+        if moved {
+            eprintln!("the mesh moved to a new version ({why}): forming the group again");
+        } else {
+            eprintln!("a pass failed ({why}): forming the group again");
         }
-        let session = &self.session;
-        let context = self.formed.group.transport().context().to_string();
-        let formed = form_group(
-            &session.client,
-            &self.manifest,
-            || session.info(),
-            None,
-            &self.opts,
-        )
-        .await
-        .map_err(|e| {
-            node_core::model::ModelError::Config(format!("{why}; forming the group again: {e:#}"))
-        })?;
-        eprintln!(
-            "a pass failed ({why}): formed the group again at version {}, group {:?}",
-            node_core::mesh::hex(&formed.version[..8]),
-            formed.group.nodes()
-        );
-        self.formed = formed;
-        self.formed.group.transport_mut().set_context(context);
-        Ok(())
+        self.steer.pass_failed(std::time::Instant::now(), moved);
     }
 }
 
@@ -101,6 +118,9 @@ impl Leader {
         let signer = crate::hold::trust::signer(key, cert, &manifest);
         let formed = form_group(&session.client, &manifest, || session.info(), None, opts).await?;
         let tokenizer = node_core::model::Tokenizer::from_data(&manifest.tokenizer)?;
+        let wanted = manifest.generator.k() + opts.group.verify + opts.group.spares;
+        let mut steer = Steer::new(wanted);
+        steer.formed(formed.version, formed.group.nodes().to_vec());
         Ok(Self {
             session,
             manifest,
@@ -109,7 +129,40 @@ impl Leader {
             archive: None,
             signer,
             opts: opts.clone(),
+            steer,
         })
+    }
+
+    /// Forms the group anew from the mesh's view now, after reporting the members the old
+    /// one caught; tells the steer what came of it.
+    async fn form_again(&mut self, now: std::time::Instant) {
+        if !self.formed.group.stats().caught.is_empty() {
+            self.report_caught().await;
+        }
+        let session = &self.session;
+        let context = self.formed.group.transport().context().to_string();
+        let formed = form_group(
+            &session.client,
+            &self.manifest,
+            || session.info(),
+            None,
+            &self.opts,
+        )
+        .await;
+        match formed {
+            Ok(formed) => {
+                eprintln!(
+                    "formed the group again at version {}, group {:?}",
+                    node_core::mesh::hex(&formed.version[..8]),
+                    formed.group.nodes()
+                );
+                self.steer
+                    .formed(formed.version, formed.group.nodes().to_vec());
+                self.formed = formed;
+                self.formed.group.transport_mut().set_context(context);
+            }
+            Err(e) => self.steer.form_failed(now, format!("{e:#}")),
+        }
     }
 
     /// Trains on what `prompt` teaches ([`node_core::learn::taught`]) if the mesh learns: the

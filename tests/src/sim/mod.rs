@@ -32,8 +32,10 @@ use node_core::model::{LinearExec, LlamaConfig, ModelError, Stage};
 use node_core::protocol::{self, StepRequest, StepResponse};
 
 /// The model digest every simulated node announces.
+mod leader;
 mod members;
 
+pub use leader::*;
 pub use members::*;
 
 pub const SIM_MODEL: [u8; 32] = [7; 32];

@@ -23,6 +23,7 @@ mod mesh_spread;
 mod red_team;
 mod reference_logits;
 mod shapes;
+mod sim_leader;
 mod sim_mesh;
 mod sim_scale;
 mod sim_spread;

@@ -1,6 +1,8 @@
 //! A leader's group inside the node: formed when needed, kept while it works, regrouped on
 //! failure; what the serving and the training task each hold.
 
+use node_core::lead::{Action, Looking, Steer};
+
 use super::*;
 
 /// A leader's group inside the node, formed when needed and kept while it works: what the
@@ -10,41 +12,27 @@ pub(super) struct Lead {
     /// A serving group's place among the node's serving groups (the trainer's has none).
     pub(super) slot: Option<(usize, Arc<Shared>)>,
     pub(super) formed: Option<Formed>,
-    /// When forming last failed, and why.
-    pub(super) formed_failed: Option<(Instant, String)>,
+    /// When the group is formed (again), as every leader's rules say.
+    pub(super) steer: Steer,
     pub(super) trace: Option<StepLog>,
     /// The serving tasks this group's rounds wait for (the trainer's: it computes only
     /// while they have nothing to serve).
     pub(super) yield_to: Option<Arc<Shared>>,
     /// The group's passes one hop per stage, when they go so.
     pub(super) hop: HopSide,
-    /// While the group is short of members: since when, when it last looked for a row that
-    /// came back, and the row it last formed again for.
-    short: Short,
-}
-
-/// What a group short of members knows of its search for a row that came back.
-#[derive(Debug, Default)]
-struct Short {
-    /// Since when the group is short (a holder heard from since then came back).
-    since: Option<Instant>,
-    /// When it last looked.
-    looked: Option<Instant>,
-    /// The row it last formed again for, and when.
-    tried: Option<(usize, Instant)>,
 }
 
 impl Lead {
     pub(super) fn new(ctx: EngineContext, trace: Option<StepLog>) -> Self {
+        let wanted = ctx.manifest.generator.k() + ctx.cfg.verify + ctx.cfg.spares;
         Self {
             ctx,
             slot: None,
             formed: None,
-            formed_failed: None,
+            steer: Steer::new(wanted),
             trace,
             yield_to: None,
             hop: HopSide::default(),
-            short: Short::default(),
         }
     }
 
@@ -59,123 +47,111 @@ impl Lead {
         rx.await.map_err(|_| anyhow!("the node is stopping"))
     }
 
-    /// The group, formed now if there is none; why not when the mesh cannot give one.
+    /// The group, once the leader's [`Steer`] lets a pass run: formed (again) if there is
+    /// none, after the backoff of a run of failed passes, and let go for a row that came back
+    /// when it is short; why not when the mesh cannot give one.
     pub(super) async fn group(&mut self) -> Result<&mut Formed, String> {
-        if self.formed.is_none() {
-            if let Some((at, why)) = &self.formed_failed
-                && at.elapsed() < FORM_RETRY
-            {
-                return Err(why.clone());
-            }
-            // The first serving group takes the best holders; every other one leaves out the
-            // holders the others compute with.
-            let avoid = match &self.slot {
-                Some((slot, shared)) if *slot > 0 => shared.busy_except(*slot),
-                _ => Default::default(),
-            };
-            let mut opts = GroupOptions::new(self.ctx.cfg.verify, self.ctx.cfg.spares);
-            opts.trace.clone_from(&self.trace);
-            opts.group.avoid = avoid;
-            opts.group.project = self.ctx.cfg.project;
-            opts.group.probed = self.ctx.probed.clone();
-            let formed = form_group(
-                &self.ctx.client,
-                &self.ctx.manifest,
-                || self.info(),
-                Some(&self.ctx.local),
-                &opts,
-            )
-            .await;
-            match formed {
-                Ok(mut f) => {
-                    if let Some(serving) = &self.yield_to {
-                        let serving = serving.clone();
-                        f.group.transport_mut().set_gate(serving.training_turns());
-                    }
-                    tracing::info!(
-                        members = ?f.group.nodes(),
-                        live = f.live_rows,
-                        condition_number = f.condition_number,
-                        version = node_core::mesh::hex(&f.version[..8]),
-                        "formed a group"
-                    );
-                    self.ctx.metrics.groups_formed.inc();
-                    if let Some((slot, shared)) = &self.slot {
-                        shared.set_busy(*slot, f.members.clone());
-                    }
-                    self.formed = Some(f);
-                    self.formed_failed = None;
-                }
-                Err(e) => {
-                    let why = format!("{e:#}");
-                    if matches!(self.slot, Some((slot, _)) if slot > 0) {
-                        tracing::debug!("no further group: {why}");
-                    } else {
-                        tracing::warn!("no group: {why}");
-                    }
-                    self.formed_failed = Some((Instant::now(), why.clone()));
-                    return Err(why);
-                }
+        loop {
+            let now = Instant::now();
+            match self.steer.poll(now) {
+                Action::Pass => break,
+                Action::Wait(until) => tokio::time::sleep_until(until.into()).await,
+                Action::Unavailable { why, .. } => return Err(why),
+                Action::Look(looking) => self.look(now, &looking).await,
+                Action::Form => self.form(now).await,
             }
         }
         self.formed.as_mut().ok_or_else(|| "no group".to_string())
     }
 
-    /// Lets a rounds group short of its members (one failed and no row was free) go when a row
-    /// it could take came back, so that it is formed again with its checks and spares; at most
-    /// every [`SHORT_CHECK`]. A hop group is left alone: its sequences live on its members.
-    pub(super) async fn regroup_if_short(&mut self) {
-        if self.hop.leader.is_some() {
-            return;
-        }
-        let Some(f) = self.formed.as_ref() else {
-            return;
-        };
-        let cfg = &self.ctx.cfg;
-        let wanted = self.ctx.manifest.generator.k() + cfg.verify + cfg.spares;
-        let rows = f.group.nodes().to_vec();
-        let now = Instant::now();
-        if rows.len() >= wanted {
-            self.short.since = None;
-            return;
-        }
-        let since = *self.short.since.get_or_insert(now);
-        if self.short.looked.is_some_and(|at| now - at < SHORT_CHECK) {
-            return;
-        }
-        self.short.looked = Some(now);
-        let version = f.version;
-        let Ok(info) = self.info().await else {
-            return;
-        };
-        let mut avoid = match &self.slot {
-            Some((slot, shared)) => shared.busy_except(*slot),
-            None => Default::default(),
-        };
-        // Its own row, when not among the members, does not compute in the group.
-        avoid.insert(self.ctx.client.peer_id());
-        let heard = (now - since).as_secs_f64();
-        let returned = node_core::lead::returned_row(&info, &version, &rows, wanted, &avoid, heard);
-        let Some(row) = returned else {
-            return;
-        };
-        if self
-            .short
-            .tried
-            .is_some_and(|(r, at)| r == row && now - at < RETURNED_BACKOFF)
-        {
-            return;
-        }
-        self.short.tried = Some((row, now));
-        tracing::info!(row, members = ?rows, wanted, "a row came back: forming the group again");
-        self.ctx.metrics.groups_regrouped.inc();
+    /// Forms a group and tells the steer what came of it. The first serving group takes the
+    /// best holders; every other one leaves out the holders the others compute with.
+    async fn form(&mut self, now: Instant) {
         self.drop_group();
+        let avoid = match &self.slot {
+            Some((slot, shared)) if *slot > 0 => shared.busy_except(*slot),
+            _ => Default::default(),
+        };
+        let mut opts = GroupOptions::new(self.ctx.cfg.verify, self.ctx.cfg.spares);
+        opts.trace.clone_from(&self.trace);
+        opts.group.avoid = avoid;
+        opts.group.project = self.ctx.cfg.project;
+        opts.group.probed = self.ctx.probed.clone();
+        let formed = form_group(
+            &self.ctx.client,
+            &self.ctx.manifest,
+            || self.info(),
+            Some(&self.ctx.local),
+            &opts,
+        )
+        .await;
+        match formed {
+            Ok(mut f) => {
+                if let Some(serving) = &self.yield_to {
+                    let serving = serving.clone();
+                    f.group.transport_mut().set_gate(serving.training_turns());
+                }
+                tracing::info!(
+                    members = ?f.group.nodes(),
+                    live = f.live_rows,
+                    condition_number = f.condition_number,
+                    version = node_core::mesh::hex(&f.version[..8]),
+                    "formed a group"
+                );
+                self.ctx.metrics.groups_formed.inc();
+                if let Some((slot, shared)) = &self.slot {
+                    shared.set_busy(*slot, f.members.clone());
+                }
+                self.steer.formed(f.version, f.group.nodes().to_vec());
+                self.formed = Some(f);
+            }
+            Err(e) => {
+                let why = format!("{e:#}");
+                if matches!(self.slot, Some((slot, _)) if slot > 0) {
+                    tracing::debug!("no further group: {why}");
+                } else {
+                    tracing::warn!("no group: {why}");
+                }
+                self.steer.form_failed(now, why);
+            }
+        }
+    }
+
+    /// Looks in the mesh's view for a row a group short of members could take again (not
+    /// another serving group's holder, nor this node's own row when it is not a member); the
+    /// steer lets the group go for it. A hop group is left alone: its sequences live on its
+    /// members.
+    async fn look(&mut self, now: Instant, looking: &Looking) {
+        let row = if self.hop.leader.is_some() {
+            None
+        } else {
+            let mut avoid = match &self.slot {
+                Some((slot, shared)) => shared.busy_except(*slot),
+                None => Default::default(),
+            };
+            avoid.insert(self.ctx.client.peer_id());
+            let info = self.info().await.ok();
+            info.and_then(|info| looking.in_view(&info, &avoid))
+        };
+        if self.steer.looked(now, row) {
+            let members = &looking.rows;
+            tracing::info!(?row, ?members, "a row came back: forming the group again");
+            self.ctx.metrics.groups_regrouped.inc();
+            self.drop_group();
+        }
+    }
+
+    /// A pass on the group failed (`moved`: it met members at another version): the group
+    /// goes, formed again after the steer's backoff.
+    pub(super) fn pass_failed(&mut self, moved: bool) {
+        self.drop_group();
+        self.steer.pass_failed(Instant::now(), moved);
     }
 
     /// Lets the group go (it is formed again when next needed).
     pub(super) fn drop_group(&mut self) {
         self.formed = None;
-        (self.short.since, self.short.looked) = (None, None);
+        self.steer.let_go();
         self.hop.drop_group();
         self.hop.measures.forget();
         if let Some((slot, shared)) = &self.slot {
@@ -216,6 +192,8 @@ impl Lead {
                 shared.set_busy(*slot, f.members.clone());
             }
         }
+        // A member that failed with no free row to take its place leaves the group short.
+        self.steer.members(f.group.nodes().to_vec());
         self.ctx.count_rounds(s, &f.rows, &f.holders).await;
     }
 
@@ -234,6 +212,7 @@ impl Lead {
                 f.group.weights_moved();
                 f.version = *version;
                 f.llama = llama;
+                self.steer.moved(*version);
             }
             _ => self.drop_group(),
         }

@@ -515,16 +515,6 @@ async fn forward_to_trainers(ctx: EngineContext, mut texts: mpsc::Receiver<(Stri
     }
 }
 
-/// How long a failed group formation is trusted before trying again.
-const FORM_RETRY: Duration = Duration::from_secs(1);
-
-/// How often a serving group short of its members asks the mesh's view for a row that came
-/// back.
-const SHORT_CHECK: Duration = Duration::from_millis(500);
-
-/// How long a group that was formed again for a returned row, and did not get it, leaves that
-/// row be (its holder shows healthy but does not answer).
-const RETURNED_BACKOFF: Duration = Duration::from_secs(60);
 /// Finished requests waiting to be trained on, at most: the trainer takes all that wait into
 /// its next minibatch (each cut to its share of [`node_core::lead::training::LEARN_TOKENS`]),
 /// so this bounds memory only; requests that finish past it are served but not trained on.

@@ -150,7 +150,7 @@ impl Trainer {
             Ok(g) => g,
             Err(e) => {
                 tracing::warn!("training on {} requests failed: {e}", batch.len());
-                self.lead.drop_group();
+                self.lead.pass_failed(false);
                 return None;
             }
         };

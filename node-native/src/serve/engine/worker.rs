@@ -237,7 +237,6 @@ impl Worker {
 
     /// One forward step of every sequence in the batch, then a token for each.
     pub(super) async fn step(&mut self) {
-        self.lead.regroup_if_short().await;
         if let Err(why) = self.lead.group().await {
             self.fail_all(&EngineError::Unavailable(why));
             return;
@@ -277,6 +276,7 @@ impl Worker {
         self.lead.ctx.metrics.forward_steps.inc();
         match result {
             Ok(logits) => {
+                self.lead.steer.passed();
                 let (m, shared) = (&self.lead.ctx.metrics, &self.shared);
                 let took = self
                     .batch
@@ -316,7 +316,7 @@ impl Worker {
                 if hop {
                     self.lead.hop_failed();
                 }
-                self.lead.drop_group();
+                self.lead.pass_failed(moved);
                 if let AfterFailure::GiveUp(gone) = self.batch.failed() {
                     self.fail_each(gone, &EngineError::Failed(e.to_string()));
                 }

@@ -1,0 +1,362 @@
+//! A leader's choices about its group, without I/O: when to form it, when a group short of
+//! members looks for a row that came back, and when a pass that failed may run again. Every
+//! leader's shell (the API's serving and training tasks, the command line's leader, the
+//! simulation) does what [`Steer::poll`] names and tells it what came of it, with the time:
+//! one set of rules, tested in virtual time.
+
+use std::collections::BTreeSet;
+
+use libp2p::PeerId;
+use web_time::{Duration, Instant};
+
+use crate::mesh::MeshInfo;
+
+/// How long a failure to form a group stands as the answer before forming is tried again.
+pub const FORM_RETRY: Duration = Duration::from_secs(1);
+
+/// How often a group short of members looks for a row that came back.
+pub const SHORT_CHECK: Duration = Duration::from_millis(500);
+
+/// How long a group formed again for a row that came back does not do so again for that row
+/// (a stalled holder can come back and stall again).
+pub const RETURNED_BACKOFF: Duration = Duration::from_secs(60);
+
+/// The wait before the second formation in a run of failed passes; each later one waits
+/// twice the one before, up to [`RETRY_MAX`]. The first is formed at once: a member died and
+/// its row's place is taken by another.
+pub const RETRY_BASE: Duration = Duration::from_millis(250);
+
+/// The longest wait between formations in a run of failed passes.
+pub const RETRY_MAX: Duration = Duration::from_secs(2);
+
+/// The wait after a pass met members at another version: the mesh is taking an update, and
+/// its holders apply it within about this.
+pub const MOVED_WAIT: Duration = Duration::from_millis(300);
+
+/// What a leader's shell does next for its group.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Action {
+    /// Form a group, then tell [`Steer::formed`] or [`Steer::form_failed`].
+    Form,
+    /// The group is short of members: find a row it could take again ([`Looking::in_view`]
+    /// over the mesh's view, or the shell's own rule), then tell [`Steer::looked`].
+    Look(Looking),
+    /// Nothing runs before this moment (a run of failed passes backs off); then poll again.
+    Wait(Instant),
+    /// No group can be formed now, for this reason; forming is tried again from `until`.
+    Unavailable {
+        /// Why forming failed.
+        why: String,
+        /// When it may be tried again.
+        until: Instant,
+    },
+    /// Run the next pass on the group.
+    Pass,
+}
+
+/// What a group short of members looks for: a row at its version, not among its rows,
+/// whose holder was heard from since it went short.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Looking {
+    /// The group's version.
+    pub version: [u8; 32],
+    /// Its rows now.
+    pub rows: Vec<usize>,
+    /// Members it was formed to have (k, the checked ones and the spares).
+    pub wanted: usize,
+    /// How long it has been short: a holder heard from within this came back.
+    pub heard_within: Duration,
+}
+
+impl Looking {
+    /// The row in the mesh's view `info` the group could take again, leaving out holders in
+    /// `avoid` ([`super::returned_row`]).
+    pub fn in_view(&self, info: &MeshInfo, avoid: &BTreeSet<PeerId>) -> Option<usize> {
+        let heard = self.heard_within.as_secs_f64();
+        returned_row(info, &self.version, &self.rows, self.wanted, avoid, heard)
+    }
+}
+
+/// A row a group short of `wanted` members could take again: healthy at the group's
+/// `version` in `info`, not among the group's `rows`, with a holder not in `avoid` (another
+/// group's) that was heard from in the last `heard_within` seconds (since the group went
+/// short: a member that stalled still shows healthy for a while). A leader forms its group
+/// again when one comes back, instead of going on short of its checks and spares.
+pub fn returned_row(
+    info: &MeshInfo,
+    version: &[u8; 32],
+    rows: &[usize],
+    wanted: usize,
+    avoid: &BTreeSet<PeerId>,
+    heard_within: f64,
+) -> Option<usize> {
+    if rows.len() >= wanted {
+        return None;
+    }
+    let (at, live) = info.live_holders()?;
+    if at != *version {
+        return None;
+    }
+    live.iter()
+        .filter(|(row, _)| !rows.contains(row))
+        .find(|(_, holders)| {
+            holders.iter().any(|n| {
+                n.silent_for_s < heard_within
+                    && n.peer.parse::<PeerId>().is_ok_and(|p| !avoid.contains(&p))
+            })
+        })
+        .map(|(&row, _)| row)
+}
+
+/// The group a [`Steer`] knows of.
+#[derive(Debug, Clone)]
+struct Group {
+    version: [u8; 32],
+    rows: Vec<usize>,
+    /// Since when it has been short of members.
+    short_since: Option<Instant>,
+    /// When it last looked for a row that came back.
+    looked: Option<Instant>,
+}
+
+/// A leader's rules for its group, as a state machine driven with the time: the shell asks
+/// [`Steer::poll`] what to do before each pass and reports forming, looking and each pass's
+/// outcome.
+#[derive(Debug, Clone)]
+pub struct Steer {
+    wanted: usize,
+    group: Option<Group>,
+    /// When forming last failed, and why.
+    form_failed: Option<(Instant, String)>,
+    /// Failed passes since the last that ran.
+    failures: u32,
+    /// No formation before this (a run of failed passes backs off).
+    retry_at: Option<Instant>,
+    /// The row it last formed again for, and when.
+    tried: Option<(usize, Instant)>,
+}
+
+impl Steer {
+    /// Rules for a group formed to have `wanted` members (k, the checked ones and the
+    /// spares); it has no group yet.
+    pub fn new(wanted: usize) -> Self {
+        Self {
+            wanted,
+            group: None,
+            form_failed: None,
+            failures: 0,
+            retry_at: None,
+            tried: None,
+        }
+    }
+
+    /// What to do at `now` before the next pass.
+    pub fn poll(&mut self, now: Instant) -> Action {
+        let Some(g) = self.group.as_mut() else {
+            if let Some(at) = self.retry_at.filter(|&at| now < at) {
+                return Action::Wait(at);
+            }
+            if let Some((at, why)) = &self.form_failed {
+                let until = *at + FORM_RETRY;
+                if now < until {
+                    let why = why.clone();
+                    return Action::Unavailable { why, until };
+                }
+            }
+            return Action::Form;
+        };
+        if g.rows.len() >= self.wanted {
+            g.short_since = None;
+            return Action::Pass;
+        }
+        let since = *g.short_since.get_or_insert(now);
+        if g.looked.is_some_and(|at| now < at + SHORT_CHECK) {
+            return Action::Pass;
+        }
+        g.looked = Some(now);
+        Action::Look(Looking {
+            version: g.version,
+            rows: g.rows.clone(),
+            wanted: self.wanted,
+            heard_within: now.saturating_duration_since(since),
+        })
+    }
+
+    /// A group was formed at `version` over `rows`.
+    pub fn formed(&mut self, version: [u8; 32], rows: Vec<usize>) {
+        self.group = Some(Group {
+            version,
+            rows,
+            short_since: None,
+            looked: None,
+        });
+        (self.form_failed, self.retry_at) = (None, None);
+    }
+
+    /// Forming failed at `now` for `why`: that is the answer for [`FORM_RETRY`].
+    pub fn form_failed(&mut self, now: Instant, why: String) {
+        self.group = None;
+        self.form_failed = Some((now, why));
+    }
+
+    /// The group's rows changed (a spare took a member's place, or a member was let go).
+    pub fn members(&mut self, rows: Vec<usize>) {
+        if let Some(g) = self.group.as_mut() {
+            g.rows = rows;
+        }
+    }
+
+    /// The group moved to `version` with its members (an update every member took).
+    pub fn moved(&mut self, version: [u8; 32]) {
+        if let Some(g) = self.group.as_mut() {
+            g.version = version;
+        }
+    }
+
+    /// What looking found at `now`: a row that came back, or none. True when the group is to
+    /// be let go and formed again with it (not for a row it formed again for within
+    /// [`RETURNED_BACKOFF`]).
+    pub fn looked(&mut self, now: Instant, row: Option<usize>) -> bool {
+        let Some(row) = row else {
+            return false;
+        };
+        let recent = self
+            .tried
+            .is_some_and(|(r, at)| r == row && now < at + RETURNED_BACKOFF);
+        if recent || self.group.is_none() {
+            return false;
+        }
+        self.tried = Some((row, now));
+        self.group = None;
+        true
+    }
+
+    /// A pass ran.
+    pub fn passed(&mut self) {
+        self.failures = 0;
+    }
+
+    /// A pass failed at `now` (`moved`: it met members at another version): the group goes,
+    /// and the next is formed after the run's backoff.
+    pub fn pass_failed(&mut self, now: Instant, moved: bool) {
+        self.failures += 1;
+        self.group = None;
+        let wait = if moved {
+            MOVED_WAIT
+        } else if self.failures <= 1 {
+            Duration::ZERO
+        } else {
+            let doubled = RETRY_BASE.saturating_mul(1 << (self.failures - 2).min(16));
+            doubled.min(RETRY_MAX)
+        };
+        self.retry_at = (!wait.is_zero()).then(|| now + wait);
+    }
+
+    /// The shell let the group go (formed again when next polled).
+    pub fn let_go(&mut self) {
+        self.group = None;
+    }
+
+    /// Whether it holds a group.
+    pub fn has_group(&self) -> bool {
+        self.group.is_some()
+    }
+
+    /// Failed passes since the last that ran.
+    pub fn failures(&self) -> u32 {
+        self.failures
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const V: [u8; 32] = [1; 32];
+
+    #[test]
+    fn a_leader_forms_then_passes_and_a_failed_form_is_the_answer_for_a_while() {
+        let t0 = Instant::now();
+        let mut s = Steer::new(4);
+        assert_eq!(s.poll(t0), Action::Form);
+        s.form_failed(t0, "two rows".into());
+        let until = t0 + FORM_RETRY;
+        let why = "two rows".to_string();
+        assert_eq!(s.poll(t0), Action::Unavailable { why, until });
+        assert_eq!(s.poll(until), Action::Form);
+        s.formed(V, vec![0, 1, 2, 3]);
+        assert_eq!(s.poll(until), Action::Pass);
+    }
+
+    #[test]
+    fn failed_passes_back_off_doubling_and_a_pass_resets_the_run() {
+        let t0 = Instant::now();
+        let mut s = Steer::new(3);
+        s.formed(V, vec![0, 1, 2]);
+        s.pass_failed(t0, false);
+        assert_eq!(s.poll(t0), Action::Form, "the first is formed at once");
+        let mut waits = Vec::new();
+        for _ in 0..5 {
+            s.formed(V, vec![0, 1, 2]);
+            s.pass_failed(t0, false);
+            let Action::Wait(at) = s.poll(t0) else {
+                panic!("no backoff")
+            };
+            waits.push(at - t0);
+        }
+        let ms: Vec<u128> = waits.iter().map(Duration::as_millis).collect();
+        assert_eq!(ms, [250, 500, 1000, 2000, 2000]);
+        assert_eq!(s.poll(t0 + RETRY_MAX), Action::Form);
+        s.formed(V, vec![0, 1, 2]);
+        s.passed();
+        s.pass_failed(t0, false);
+        assert_eq!(s.poll(t0), Action::Form);
+        s.formed(V, vec![0, 1, 2]);
+        s.pass_failed(t0, true);
+        assert_eq!(s.poll(t0), Action::Wait(t0 + MOVED_WAIT), "the mesh moved");
+    }
+
+    #[test]
+    fn a_short_group_looks_every_check_and_goes_once_for_a_row_that_came_back() {
+        let t0 = Instant::now();
+        let mut s = Steer::new(4);
+        s.formed(V, vec![0, 1, 2, 3]);
+        assert_eq!(s.poll(t0), Action::Pass);
+        s.members(vec![0, 1, 3]);
+        let t1 = t0 + Duration::from_secs(3);
+        let Action::Look(l) = s.poll(t1) else {
+            panic!("a short group looks")
+        };
+        assert_eq!(
+            (l.rows, l.wanted, l.heard_within),
+            (vec![0, 1, 3], 4, Duration::ZERO)
+        );
+        assert!(!s.looked(t1, None));
+        assert_eq!(
+            s.poll(t1 + SHORT_CHECK / 2),
+            Action::Pass,
+            "not before the next check"
+        );
+        let t2 = t1 + SHORT_CHECK;
+        let Action::Look(l) = s.poll(t2) else {
+            panic!("looks again")
+        };
+        assert_eq!(
+            l.heard_within, SHORT_CHECK,
+            "heard from since it went short"
+        );
+        assert!(s.looked(t2, Some(2)));
+        assert_eq!(s.poll(t2), Action::Form);
+        s.formed(V, vec![0, 1, 3, 4]);
+        s.members(vec![0, 1, 3]);
+        let t3 = t2 + SHORT_CHECK;
+        assert!(matches!(s.poll(t3), Action::Look(_)));
+        assert!(
+            !s.looked(t3, Some(2)),
+            "not again for the same row within the backoff"
+        );
+        let t4 = t2 + RETURNED_BACKOFF;
+        assert!(matches!(s.poll(t4), Action::Look(_)));
+        assert!(s.looked(t4, Some(2)));
+    }
+}

@@ -1,0 +1,285 @@
+//! The leader in the simulation: the [`Steer`] and the generation loop
+//! ([`generate_regrouping`]) every leader runs, over groups of [`SimTransport`]s formed from a
+//! view of which rows are up, in virtual time. Rows crash (a member's [`Fault`]), come back at
+//! a virtual moment, and the leader forms, backs off, looks and regroups as the API's and the
+//! command line's leaders do.
+
+use node_core::lead::{Action, Steer};
+use node_core::model::{Batch, GenerateOptions, Generation, Llama, Regroup, generate_regrouping};
+
+use super::*;
+
+/// The version every simulated group computes at.
+const SIM_VERSION: [u8; 32] = [9; 32];
+
+/// What the simulated leader did, in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LeaderStep {
+    /// Formed a group over these rows.
+    Formed(Vec<usize>),
+    /// Forming failed, for this reason.
+    FormFailed(String),
+    /// Waited this long before forming again.
+    Waited(Duration),
+    /// Its short group looked for a row that came back, and found this.
+    Looked(Option<usize>),
+    /// Let its group go to form it again with a row that came back.
+    Regrouped(usize),
+    /// A pass failed on the group of these rows.
+    PassFailed(Vec<usize>),
+    /// A row came back up.
+    RowUp(usize),
+}
+
+/// A simulated leader over the members of `shards`: which rows are up, when others come back,
+/// the faults its groups' members have, and what it did (with the virtual time).
+pub struct SimLeader<'a> {
+    llama: &'a Llama,
+    generator: &'a Generator,
+    shards: &'a InProcess,
+    cfg: LeaderConfig,
+    /// Whether the rows of the view beyond the group are its pool's free rows (replacing a
+    /// failed member within a pass); without, a failed member leaves the group short.
+    pool: bool,
+    steer: Steer,
+    group: Option<CodedGroup<SimTransport>>,
+    /// Rows up now: the mesh's view.
+    up: BTreeSet<usize>,
+    /// Rows that come back up at a virtual moment.
+    returns: Vec<(Duration, usize)>,
+    /// Faults of members not yet fired: each group's transport counts a member's requests
+    /// from its forming.
+    faults: Vec<(usize, Fault)>,
+    /// Virtual time spent before the current group (past groups' rounds and waits).
+    past: Duration,
+    base: Instant,
+    /// What it did, with the virtual time.
+    pub log: Vec<(Duration, LeaderStep)>,
+}
+
+impl std::fmt::Debug for SimLeader<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SimLeader")
+            .field("up", &self.up)
+            .field("log", &self.log)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'a> SimLeader<'a> {
+    /// A leader with no group yet, over `shards` (every row's member), with the rows of `up`
+    /// up; `cfg.spares` spares are planned beyond k.
+    pub fn new(
+        llama: &'a Llama,
+        generator: &'a Generator,
+        shards: &'a InProcess,
+        cfg: LeaderConfig,
+        up: &[usize],
+    ) -> Self {
+        Self {
+            llama,
+            generator,
+            shards,
+            cfg,
+            pool: false,
+            steer: Steer::new(generator.k() + cfg.spares),
+            group: None,
+            up: up.iter().copied().collect(),
+            returns: Vec::new(),
+            faults: Vec::new(),
+            past: Duration::ZERO,
+            base: Instant::now(),
+            log: Vec::new(),
+        }
+    }
+
+    /// Makes the member of `row` misbehave in the groups it is in (once).
+    pub fn with_fault(mut self, row: usize, fault: Fault) -> Self {
+        self.faults.push((row, fault));
+        self
+    }
+
+    /// Brings `row` up at virtual time `at`.
+    pub fn with_return(mut self, at: Duration, row: usize) -> Self {
+        self.returns.push((at, row));
+        self
+    }
+
+    /// Its groups take the view's other rows as free rows for replacing failed members.
+    pub fn with_pool(mut self) -> Self {
+        self.pool = true;
+        self
+    }
+
+    /// Virtual time so far.
+    pub fn elapsed(&self) -> Duration {
+        self.past
+            + self
+                .group
+                .as_ref()
+                .map_or(Duration::ZERO, |g| g.transport().elapsed())
+    }
+
+    /// Lets virtual time pass.
+    pub fn advance(&mut self, by: Duration) {
+        self.past += by;
+    }
+
+    /// The group's rows, if it has one.
+    pub fn rows(&self) -> Option<Vec<usize>> {
+        self.group.as_ref().map(|g| g.nodes().to_vec())
+    }
+
+    /// Generates a completion of `prompt` through the loop every leader runs.
+    pub fn generate(
+        &mut self,
+        prompt: &[u32],
+        opts: &GenerateOptions,
+    ) -> Result<Generation, ModelError> {
+        let cfg = self.llama.config().clone();
+        futures::executor::block_on(generate_regrouping(self, &cfg, prompt, opts, &mut |_| true))
+    }
+
+    fn now(&self) -> Instant {
+        self.base + self.elapsed()
+    }
+
+    fn note(&mut self, step: LeaderStep) {
+        let at = self.elapsed();
+        self.log.push((at, step));
+    }
+
+    /// The view catches up: rows whose members crashed or stalled in the group go down, rows
+    /// due back come up.
+    fn refresh(&mut self) {
+        if let Some(g) = &self.group {
+            let t = g.transport();
+            let fired: Vec<usize> = (self.faults.iter())
+                .filter(|(row, fault)| {
+                    let (Fault::Crash { after_requests } | Fault::Stall { after_requests }) = fault;
+                    t.requests(*row) > *after_requests
+                })
+                .map(|(row, _)| *row)
+                .collect();
+            for row in fired {
+                self.up.remove(&row);
+                self.faults.retain(|(r, _)| *r != row);
+            }
+        }
+        let at = self.elapsed();
+        let due: Vec<usize> = (self.returns.iter())
+            .filter(|(when, _)| *when <= at)
+            .map(|(_, row)| *row)
+            .collect();
+        self.returns.retain(|(when, _)| *when > at);
+        for row in due {
+            self.up.insert(row);
+            self.note(LeaderStep::RowUp(row));
+        }
+    }
+
+    /// Lets the group go, keeping the virtual time its rounds took.
+    fn let_go(&mut self) {
+        self.refresh();
+        if let Some(g) = self.group.take() {
+            self.past += g.transport().elapsed();
+        }
+    }
+
+    /// Forms a group over the rows up (the best-conditioned k plus spares), its members'
+    /// faults armed.
+    fn form(&mut self) {
+        self.let_go();
+        let up: Vec<usize> = self.up.iter().copied().collect();
+        let formed = plan_group(self.generator, &up, self.cfg.spares)
+            .map_err(|e| e.to_string())
+            .and_then(|plan| {
+                let free = if self.pool {
+                    up.iter()
+                        .copied()
+                        .filter(|r| !plan.members.contains(r))
+                        .collect()
+                } else {
+                    Vec::new()
+                };
+                let cfg = LeaderConfig {
+                    seed: self.cfg.seed.wrapping_add(self.log.len() as u64),
+                    ..self.cfg
+                };
+                let members = self.shards.members().to_vec();
+                let mut t = SimTransport::new(members, self.generator.clone(), free, cfg)
+                    .map_err(|e| e.to_string())?;
+                for &(row, fault) in &self.faults {
+                    t = t.with_fault(row, fault);
+                }
+                let model = self.llama.config().clone();
+                CodedGroup::new(model, self.generator.clone(), &plan.members, t)
+                    .map_err(|e| e.to_string())
+            });
+        match formed {
+            Ok(g) => {
+                self.steer.formed(SIM_VERSION, g.nodes().to_vec());
+                self.note(LeaderStep::Formed(g.nodes().to_vec()));
+                self.group = Some(g);
+            }
+            Err(why) => {
+                self.steer.form_failed(self.now(), why.clone());
+                self.note(LeaderStep::FormFailed(why));
+            }
+        }
+    }
+}
+
+impl Regroup for SimLeader<'_> {
+    async fn ready(&mut self) -> Result<(), ModelError> {
+        loop {
+            self.refresh();
+            let now = self.now();
+            match self.steer.poll(now) {
+                Action::Pass => return Ok(()),
+                Action::Wait(until) => {
+                    let by = until.saturating_duration_since(now);
+                    self.past += by;
+                    self.note(LeaderStep::Waited(by));
+                }
+                Action::Unavailable { why, .. } => {
+                    return Err(ModelError::Config(format!("forming the group: {why}")));
+                }
+                Action::Look(looking) => {
+                    // The view is exact here: a row up and not a member came back.
+                    let row = (self.up.iter())
+                        .find(|r| !looking.rows.contains(r))
+                        .copied();
+                    self.note(LeaderStep::Looked(row));
+                    if self.steer.looked(now, row) {
+                        self.note(LeaderStep::Regrouped(row.unwrap_or_default()));
+                        self.let_go();
+                    }
+                }
+                Action::Form => self.form(),
+            }
+        }
+    }
+
+    async fn pass(&mut self, batch: &mut Batch<()>) -> Result<Vec<Vec<f32>>, ModelError> {
+        let Some(group) = self.group.as_mut() else {
+            return Err(ModelError::Config("no group".into()));
+        };
+        let mut items = batch.rounds_items();
+        self.llama.forward_batch(group, &mut items).await
+    }
+
+    fn passed(&mut self) {
+        self.steer.passed();
+        if let Some(g) = &self.group {
+            self.steer.members(g.nodes().to_vec());
+        }
+    }
+
+    fn failed(&mut self, _why: &ModelError) {
+        let rows = self.rows().unwrap_or_default();
+        self.note(LeaderStep::PassFailed(rows));
+        self.steer.pass_failed(self.now(), false);
+        self.let_go();
+    }
+}
