@@ -283,3 +283,23 @@ impl Regroup for SimLeader<'_> {
         self.let_go();
     }
 }
+
+/// A small model's shape (two blocks, a vocabulary of 250) for the simulation's runs of real
+/// generations.
+pub fn tiny_config() -> LlamaConfig {
+    LlamaConfig {
+        hidden: 64,
+        ffn: 160,
+        layers: 2,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 16,
+        vocab: 250,
+        norm_eps: 1e-5,
+        rope_theta: 10_000.0,
+        max_seq: 64,
+        tied_embeddings: true,
+        family: node_core::model::Family::Llama,
+        rope_freq_factors: Vec::new(),
+    }
+}

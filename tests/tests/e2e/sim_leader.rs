@@ -12,32 +12,14 @@ use node_core::code::Generator;
 use node_core::coded::{InProcess, ShardFormat};
 use node_core::lead::steer::{FORM_RETRY, SHORT_CHECK};
 use node_core::model::{
-    GenerateOptions, LeaderWeights, Llama, LlamaConfig, ModelWeights, SamplingParams, generate,
+    GenerateOptions, LeaderWeights, Llama, ModelWeights, SamplingParams, generate,
 };
-use tests::sim::{Fault, LeaderConfig, LeaderStep, SimLeader, sim_group};
+use tests::sim::{Fault, LeaderConfig, LeaderStep, SimLeader, sim_group, tiny_config};
 
 const K: usize = 3;
 const N: usize = 6;
 const PROMPT: [u32; 5] = [3, 17, 200, 42, 9];
 const TOKENS: usize = 12;
-
-fn config() -> LlamaConfig {
-    LlamaConfig {
-        hidden: 64,
-        ffn: 160,
-        layers: 2,
-        heads: 4,
-        kv_heads: 2,
-        head_dim: 16,
-        vocab: 250,
-        norm_eps: 1e-5,
-        rope_theta: 10_000.0,
-        max_seq: 64,
-        tied_embeddings: true,
-        family: node_core::model::Family::Llama,
-        rope_freq_factors: Vec::new(),
-    }
-}
 
 struct Fixture {
     llama: Llama,
@@ -57,7 +39,7 @@ fn opts() -> GenerateOptions {
 }
 
 fn fixture(seed: u64) -> Fixture {
-    let weights = ModelWeights::synthetic(config(), seed).unwrap();
+    let weights = ModelWeights::synthetic(tiny_config(), seed).unwrap();
     let llama = Llama::new(weights.cfg.clone(), LeaderWeights::from_model(&weights)).unwrap();
     let g = Generator::cauchy(N, K).unwrap();
     let shards = InProcess::encode(&weights, &g, ShardFormat::F32, &|_, _| {}).unwrap();

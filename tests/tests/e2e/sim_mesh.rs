@@ -14,12 +14,12 @@ use node_core::mesh::{
     plan_group,
 };
 use node_core::model::{
-    GenerateOptions, LeaderWeights, Llama, LlamaConfig, ModelWeights, SamplingParams,
-    TokenizerData, generate,
+    GenerateOptions, LeaderWeights, Llama, ModelWeights, SamplingParams, TokenizerData, generate,
 };
 use tests::relative_error;
 use tests::sim::{
     Fault, LeaderConfig, LogitsTap, MemoryHolders, NetConfig, SimMesh, SimTransport, sim_group,
+    tiny_config,
 };
 
 const K: u32 = 3;
@@ -123,24 +123,6 @@ fn the_same_seed_replays_the_same_history() {
 // ---------------------------------------------------------------------------------------------
 // 2. Failures during a request
 // ---------------------------------------------------------------------------------------------
-
-fn tiny_config() -> LlamaConfig {
-    LlamaConfig {
-        hidden: 64,
-        ffn: 160,
-        layers: 2,
-        heads: 4,
-        kv_heads: 2,
-        head_dim: 16,
-        vocab: 250,
-        norm_eps: 1e-5,
-        rope_theta: 10_000.0,
-        max_seq: 64,
-        tied_embeddings: true,
-        family: node_core::model::Family::Llama,
-        rope_freq_factors: Vec::new(),
-    }
-}
 
 const PROMPT: [u32; 5] = [3, 17, 200, 42, 9];
 const TOKENS: usize = 12;
