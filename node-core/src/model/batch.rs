@@ -118,7 +118,7 @@ impl<J> Batch<J> {
     }
 
     /// Rows of the next pass, every sequence's together.
-    fn rows(&self) -> usize {
+    pub fn rows(&self) -> usize {
         self.entries
             .iter()
             .map(|e| e.step.pass().tokens.len())

@@ -4,7 +4,7 @@
 use futures::FutureExt;
 use web_time::{Duration, Instant};
 
-use super::batch::{AfterFailure, Batch, BatchLimits, Ended};
+use super::batch::{AfterFailure, Batch, BatchLimits, Ended, Entry, Took};
 use super::speculate::SpecStats;
 use super::{KvCache, LinearExec, Llama, LlamaConfig, ModelError, SamplingParams};
 
@@ -119,34 +119,78 @@ pub async fn generate_on<E: LinearExec>(
         let mut items = batch.rounds_items();
         llama.forward_batch(exec, &mut items).await
     };
-    generate_one(Plain(run), llama.config(), prompt, opts, on_token).await
+    generate_one(&mut Plain(run), llama.config(), prompt, opts, on_token).await
 }
 
-/// A leader whose group can be formed again: after a pass through it fails (a member died
-/// and no spare is left, or the mesh moved to another version) or when it is short of members
-/// and a row comes back, as its [`crate::lead::Steer`] rules.
-pub trait Regroup {
-    /// Makes the group ready for the next pass: forms it (again) when it has none; an error
-    /// when none can be formed.
+/// A leader's group as the loop every leader runs ([`step`]) drives it: made ready before each
+/// pass (formed, or formed again after a pass failed or when it is short of members and a row
+/// comes back, as its [`crate::lead::Steer`] rules), the batch's pass run on it, and told how
+/// the pass went. `J` is the caller's request of each sequence.
+pub trait Regroup<J = ()> {
+    /// Makes the group ready for the next pass; [`ModelError::NoGroup`] when none can be
+    /// formed.
     fn ready(&mut self) -> impl Future<Output = Result<(), ModelError>>;
 
-    /// Runs the batch's planned pass on the group: the logits of its one sequence.
+    /// Runs the batch's planned pass on the group: the logits of its sequences, in order.
     fn pass(
         &mut self,
-        batch: &mut Batch<()>,
+        batch: &mut Batch<J>,
     ) -> impl Future<Output = Result<Vec<Vec<f32>>, ModelError>>;
 
     /// The last pass ran.
-    fn passed(&mut self);
+    fn passed(&mut self) {}
 
-    /// The last pass failed with `why`: the group goes, formed again at the next
-    /// [`Regroup::ready`].
-    fn failed(&mut self, why: &ModelError);
+    /// The last pass failed with `why`: whether the group is formed again for another try
+    /// (at the next [`Regroup::ready`]); false fails the pass for good.
+    fn failed(&mut self, why: &ModelError) -> bool;
 
-    /// Where the sequence's keys and values live: a change starts it again (a hop group's
+    /// Where the sequences' keys and values live: a change starts them again (a hop group's
     /// members held them; the leader's rounds keep them across groups).
     fn epoch(&self) -> u64 {
         0
+    }
+}
+
+/// What one [`step`] did to the batch.
+#[derive(Debug)]
+pub enum Stepped<J> {
+    /// The pass ran: what its logits did.
+    Took(Took<J>),
+    /// It failed and the group is formed again for the next step.
+    Failed(ModelError),
+    /// It failed [`super::batch::MAX_PASS_FAILURES`] times in a row: these sequences left
+    /// the batch, failed.
+    GaveUp(Vec<Entry<J>>, ModelError),
+}
+
+/// One step of the loop every leader runs, the API's batch of many and the one-sequence
+/// generation alike: the group made ready, the batch's pass planned where its keys and values
+/// live and run, then its logits taken (`on_token` sees each sequence's tokens and returns false
+/// to end it) or the failure handed to the group and the batch. An error when no group can be
+/// formed, or a failed pass is final.
+pub async fn step<J, R: Regroup<J>>(
+    lead: &mut R,
+    batch: &mut Batch<J>,
+    on_token: impl FnMut(&mut J, u32) -> bool,
+) -> Result<Stepped<J>, ModelError> {
+    lead.ready().await?;
+    batch.plan(lead.epoch());
+    let began = Instant::now();
+    match lead.pass(batch).await {
+        Ok(logits) => {
+            lead.passed();
+            let took = batch.take(logits, began.elapsed().as_secs_f64(), on_token);
+            Ok(Stepped::Took(took))
+        }
+        Err(e) => {
+            if !lead.failed(&e) {
+                return Err(e);
+            }
+            Ok(match batch.failed() {
+                AfterFailure::Regroup => Stepped::Failed(e),
+                AfterFailure::GiveUp(gone) => Stepped::GaveUp(gone, e),
+            })
+        }
     }
 }
 
@@ -160,66 +204,23 @@ pub async fn generate_regrouping<R: Regroup>(
     opts: &GenerateOptions,
     on_token: &mut dyn FnMut(u32) -> bool,
 ) -> Result<Generation, ModelError> {
-    generate_one(Regrouping(lead), cfg, prompt, opts, on_token).await
-}
-
-/// What runs the generation loop's passes, and what follows a failed one.
-trait Passes {
-    /// Makes ready for the next pass.
-    async fn ready(&mut self) -> Result<(), ModelError> {
-        Ok(())
-    }
-
-    /// Runs the batch's planned pass: the logits of its one sequence.
-    async fn run(&mut self, batch: &mut Batch<()>) -> Result<Vec<Vec<f32>>, ModelError>;
-
-    /// The pass ran.
-    fn passed(&mut self) {}
-
-    /// A pass failed with `why` and the batch asks for another group: the next
-    /// [`Passes::ready`] forms it, or this says why not.
-    fn regroup(&mut self, why: ModelError) -> Result<(), ModelError> {
-        Err(why)
-    }
-
-    /// Where the sequence's keys and values live.
-    fn epoch(&self) -> u64 {
-        0
-    }
+    generate_one(lead, cfg, prompt, opts, on_token).await
 }
 
 /// Passes through a function, never regrouped.
 struct Plain<F>(F);
 
-impl<F: AsyncFnMut(&mut Batch<()>) -> Result<Vec<Vec<f32>>, ModelError>> Passes for Plain<F> {
-    async fn run(&mut self, batch: &mut Batch<()>) -> Result<Vec<Vec<f32>>, ModelError> {
-        (self.0)(batch).await
-    }
-}
-
-/// Passes through a [`Regroup`]'s group, formed again after a failure.
-struct Regrouping<'a, R>(&'a mut R);
-
-impl<R: Regroup> Passes for Regrouping<'_, R> {
+impl<F: AsyncFnMut(&mut Batch<()>) -> Result<Vec<Vec<f32>>, ModelError>> Regroup for Plain<F> {
     async fn ready(&mut self) -> Result<(), ModelError> {
-        self.0.ready().await
-    }
-
-    async fn run(&mut self, batch: &mut Batch<()>) -> Result<Vec<Vec<f32>>, ModelError> {
-        self.0.pass(batch).await
-    }
-
-    fn passed(&mut self) {
-        self.0.passed();
-    }
-
-    fn regroup(&mut self, why: ModelError) -> Result<(), ModelError> {
-        self.0.failed(&why);
         Ok(())
     }
 
-    fn epoch(&self) -> u64 {
-        self.0.epoch()
+    async fn pass(&mut self, batch: &mut Batch<()>) -> Result<Vec<Vec<f32>>, ModelError> {
+        (self.0)(batch).await
+    }
+
+    fn failed(&mut self, _why: &ModelError) -> bool {
+        false
     }
 }
 
@@ -274,14 +275,13 @@ pub async fn generate_async(
             .ok_or_else(|| ModelError::Config("the sequence left the batch".into()))?;
         Ok(vec![forward(pass).await?])
     };
-    generate_one(Plain(run), cfg, prompt, opts, on_token).await
+    generate_one(&mut Plain(run), cfg, prompt, opts, on_token).await
 }
 
-/// The generation loop: a [`Batch`] of one sequence, each pass planned, run by `passes` (the
-/// logits of the batch's one sequence) and taken; a failed pass runs again where `passes`
-/// can form another group, as the batch allows.
+/// The generation loop: a [`Batch`] of one sequence, stepped ([`step`]) until it ends; a
+/// failed pass runs again where `lead` forms another group, as the batch allows.
 async fn generate_one(
-    mut passes: impl Passes,
+    lead: &mut impl Regroup,
     cfg: &LlamaConfig,
     prompt: &[u32],
     opts: &GenerateOptions,
@@ -298,21 +298,11 @@ async fn generate_one(
     let started = Instant::now();
     let mut prefill_time = None;
     let (seq, stop) = loop {
-        passes.ready().await?;
-        batch.plan(passes.epoch());
-        let began = Instant::now();
-        let logits = match passes.run(&mut batch).await {
-            Ok(logits) => logits,
-            Err(e) => match batch.failed() {
-                AfterFailure::Regroup => {
-                    passes.regroup(e)?;
-                    continue;
-                }
-                AfterFailure::GiveUp(_) => return Err(e),
-            },
+        let took = match step(lead, &mut batch, |_, t| on_token(t)).await? {
+            Stepped::Took(took) => took,
+            Stepped::Failed(_) => continue,
+            Stepped::GaveUp(_, e) => return Err(e),
         };
-        passes.passed();
-        let took = batch.take(logits, began.elapsed().as_secs_f64(), |_, t| on_token(t));
         prefill_time.get_or_insert_with(|| started.elapsed());
         match took.ended.into_iter().next() {
             Some(Ended::Finished(e, stop)) => break (e.step, stop),

@@ -21,8 +21,9 @@ pub use batch::{AfterFailure, Batch, BatchLimits, Ended, Entry, MAX_PASS_FAILURE
 pub use block::{BLOCK, BlockStep, LinearExec, PassStep, Stage, pass_rows, pass_steps};
 pub use config::{Family, LlamaConfig};
 pub use generate::{
-    Forward, GenerateOptions, Generation, Pass, Regroup, StopReason, generate, generate_async,
-    generate_on, generate_regrouping, generate_with, logits_along, relative_error,
+    Forward, GenerateOptions, Generation, Pass, Regroup, Stepped, StopReason, generate,
+    generate_async, generate_on, generate_regrouping, generate_with, logits_along, relative_error,
+    step,
 };
 pub use gguf_model::{GgufModel, ReadAt};
 pub use llama::{BatchItem, KvCache, Llama};
@@ -47,6 +48,9 @@ pub enum ModelError {
     /// The configuration is missing a field or is inconsistent.
     #[error("model config: {0}")]
     Config(String),
+    /// A leader has no group to run a pass on, for this reason.
+    #[error("{0}")]
+    NoGroup(String),
     /// The file holds a model this code does not run.
     #[error("unsupported model: {0}")]
     Unsupported(String),

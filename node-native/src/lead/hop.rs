@@ -261,7 +261,7 @@ impl node_core::model::Regroup for HopLead<'_> {
                 self.check,
                 self.spares,
             )
-            .map_err(|e| node_core::model::ModelError::Config(format!("{e:#}")))?;
+            .map_err(|e| node_core::model::ModelError::NoGroup(format!("{e:#}")))?;
             eprintln!("one hop per stage, members {:?}", hop.rows());
             self.hop = Some(hop);
             self.epoch += 1;
@@ -283,9 +283,9 @@ impl node_core::model::Regroup for HopLead<'_> {
         self.leader.passed();
     }
 
-    fn failed(&mut self, why: &node_core::model::ModelError) {
+    fn failed(&mut self, why: &node_core::model::ModelError) -> bool {
         self.hop = None;
-        self.leader.failed(why);
+        self.leader.failed(why)
     }
 
     fn epoch(&self) -> u64 {

@@ -48,7 +48,7 @@ impl node_core::model::Regroup for Leader {
                 Action::Pass => return Ok(()),
                 Action::Wait(until) => tokio::time::sleep_until(until.into()).await,
                 Action::Unavailable { why, .. } => {
-                    return Err(ModelError::Config(format!(
+                    return Err(ModelError::NoGroup(format!(
                         "forming the group again: {why}"
                     )));
                 }
@@ -80,7 +80,7 @@ impl node_core::model::Regroup for Leader {
         self.steer.members(self.formed.group.nodes().to_vec());
     }
 
-    fn failed(&mut self, why: &ModelError) {
+    fn failed(&mut self, why: &ModelError) -> bool {
         let moved = self.formed.group.transport().met_another_version();
         if moved {
             eprintln!("the mesh moved to a new version ({why}): forming the group again");
@@ -88,6 +88,7 @@ impl node_core::model::Regroup for Leader {
             eprintln!("a pass failed ({why}): forming the group again");
         }
         self.steer.pass_failed(std::time::Instant::now(), moved);
+        true
     }
 }
 

@@ -243,7 +243,7 @@ impl Regroup for SimLeader<'_> {
                     self.note(LeaderStep::Waited(by));
                 }
                 Action::Unavailable { why, .. } => {
-                    return Err(ModelError::Config(format!("forming the group: {why}")));
+                    return Err(ModelError::NoGroup(format!("forming the group: {why}")));
                 }
                 Action::Look(looking) => {
                     // The view is exact here: a row up and not a member came back.
@@ -276,11 +276,12 @@ impl Regroup for SimLeader<'_> {
         }
     }
 
-    fn failed(&mut self, _why: &ModelError) {
+    fn failed(&mut self, _why: &ModelError) -> bool {
         let rows = self.rows().unwrap_or_default();
         self.note(LeaderStep::PassFailed(rows));
         self.steer.pass_failed(self.now(), false);
         self.let_go();
+        true
     }
 }
 

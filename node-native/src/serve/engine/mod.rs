@@ -29,8 +29,8 @@ use node_core::learn::{
 };
 use node_core::mesh::{MeshInfo, MeshResponse, ModelManifest, Usage};
 use node_core::model::{
-    AfterFailure, Batch, BatchLimits, Ended, Entry, GenerateOptions, LeaderWeights, Llama,
-    SamplingParams, StopReason,
+    Batch, BatchLimits, Ended, Entry, GenerateOptions, LeaderWeights, Llama, ModelError, Regroup,
+    SamplingParams, Stepped, StopReason,
 };
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::{mpsc, oneshot};

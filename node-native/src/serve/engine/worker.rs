@@ -235,61 +235,30 @@ impl Worker {
         let _ = seq.job.job.events.send(Event::Failed(error.clone()));
     }
 
-    /// One forward step of every sequence in the batch, then a token for each.
+    /// One forward step of every sequence in the batch, then a token for each: the step every
+    /// leader runs ([`node_core::model::step`]) over this task's group ([`Serving`]).
     pub(super) async fn step(&mut self) {
-        if let Err(why) = self.lead.group().await {
-            self.fail_all(&EngineError::Unavailable(why));
-            return;
-        }
         self.steps += 1;
-        let hop = self.lead.wants_hop();
-        if hop && let Err(why) = self.lead.hop_group() {
-            tracing::warn!("rounds, not hops: {why}");
-            self.lead.hop_failed();
-        }
-        let hop = hop && self.lead.hop.leader.is_some();
-        if !hop {
-            // A rounds step never follows a hop group's: the members' keys and values are not
-            // the leader's, so the group goes and its sequences start again here.
-            self.lead.hop.drop_group();
-        }
-        // Sequences whose keys and values were left elsewhere start again.
-        let rows = self.batch.plan(self.lead.hop.epoch);
-        let began = Instant::now();
-        let span = tracing::info_span!(
-            "forward_step",
-            step = self.steps,
-            batch = self.batch.len(),
-            rows,
-            hop
-        );
-        let (result, moved) = if hop {
-            let result = self.hop_step().instrument(span).await;
-            if result.is_ok() {
-                self.lead.ctx.metrics.hop_steps.inc();
-            }
-            self.lead.after_hop().await;
-            (result, false)
-        } else {
-            self.rounds_step().instrument(span).await
+        let (m, shared) = (self.lead.ctx.metrics.clone(), self.shared.clone());
+        let mut serving = Serving {
+            lead: &mut self.lead,
+            steps: self.steps,
+            hop: false,
+            moved: false,
         };
-        self.lead.ctx.metrics.forward_steps.inc();
-        match result {
-            Ok(logits) => {
-                self.lead.steer.passed();
-                let (m, shared) = (&self.lead.ctx.metrics, &self.shared);
-                let took = self
-                    .batch
-                    .take(logits, began.elapsed().as_secs_f64(), |s, next| {
-                        if s.first_token.is_none() {
-                            let t = s.job.arrived.elapsed();
-                            s.first_token = Some(t);
-                            m.time_to_first_token.observe(t.as_secs_f64());
-                        }
-                        m.tokens_generated.inc();
-                        shared.record_token();
-                        s.job.events.send(Event::Token(next)).is_ok()
-                    });
+        let stepped = node_core::model::step(&mut serving, &mut self.batch, |s, next| {
+            if s.first_token.is_none() {
+                let t = s.job.arrived.elapsed();
+                s.first_token = Some(t);
+                m.time_to_first_token.observe(t.as_secs_f64());
+            }
+            m.tokens_generated.inc();
+            shared.record_token();
+            s.job.events.send(Event::Token(next)).is_ok()
+        })
+        .await;
+        match stepped {
+            Ok(Stepped::Took(took)) => {
                 m.draft_tokens.inc_by(took.drafted as u64);
                 m.draft_accepted.inc_by(took.kept as u64);
                 for ended in took.ended {
@@ -301,71 +270,17 @@ impl Worker {
                     }
                 }
             }
+            Ok(Stepped::Failed(_)) => {}
+            Ok(Stepped::GaveUp(gone, e)) => {
+                self.fail_each(gone, &EngineError::Failed(e.to_string()))
+            }
             Err(e) => {
-                self.lead.ctx.metrics.forward_step_failures.inc();
-                let attempt = self.batch.failures() + 1;
-                if moved {
-                    tracing::info!(
-                        attempt,
-                        "members are at another version (the mesh moved on): forming the group again"
-                    );
-                } else {
-                    tracing::warn!(attempt, hop, "a forward step failed: {e}");
-                }
-                // Form the group again (a member died, or the mesh moved to another version).
-                if hop {
-                    self.lead.hop_failed();
-                }
-                self.lead.pass_failed(moved);
-                if let AfterFailure::GiveUp(gone) = self.batch.failed() {
-                    self.fail_each(gone, &EngineError::Failed(e.to_string()));
-                }
+                self.fail_all(&EngineError::Unavailable(e.to_string()));
+                return;
             }
         }
         self.count_active();
         self.update_rate();
-    }
-
-    /// The batch's pass through the leader's rounds; whether a failure met members at another
-    /// version.
-    async fn rounds_step(&mut self) -> (Result<Vec<Vec<f32>>, node_core::model::ModelError>, bool) {
-        let Some(f) = self.lead.formed.as_mut() else {
-            return (
-                Err(node_core::model::ModelError::Config("no group".into())),
-                false,
-            );
-        };
-        let ids: Vec<String> = self
-            .batch
-            .entries()
-            .iter()
-            .map(|s| s.job.job.id.to_string())
-            .collect();
-        f.group
-            .transport_mut()
-            .set_context(format!("step {} req {}", self.steps, ids.join(",")));
-        let mut items = self.batch.rounds_items();
-        let result = f.llama.forward_batch(&mut f.group, &mut items).await;
-        drop(items);
-        let moved = result.is_err() && f.group.transport().met_another_version();
-        self.lead.after_rounds().await;
-        (result, moved)
-    }
-
-    /// The batch's pass one hop per stage: the members hold the sequences.
-    async fn hop_step(&mut self) -> Result<Vec<Vec<f32>>, node_core::model::ModelError> {
-        let Some(leader) = self.lead.hop.leader.as_mut() else {
-            return Err(node_core::model::ModelError::Config("no hop group".into()));
-        };
-        let batch: Vec<node_core::net::hop::HopSeq<'_>> = self
-            .batch
-            .passes()
-            .map(|(s, pass)| node_core::net::hop::HopSeq {
-                seq: s.job.id,
-                pass,
-            })
-            .collect();
-        leader.forward_batch(&batch).await
     }
 
     /// Ends a sequence: tells its submitter, counts it, and hands it to the trainer.
@@ -545,5 +460,125 @@ impl Worker {
             .metrics
             .tokens_per_second
             .set(tokens as f64 / RATE_WINDOW.as_secs_f64());
+    }
+}
+
+/// A serving task's group as the step every leader runs drives it: made ready by the leader's
+/// steer, each pass over rounds or one hop per stage as the route chooses.
+struct Serving<'a> {
+    lead: &'a mut Lead,
+    /// The serving task's steps so far (the step trace's context).
+    steps: u64,
+    /// Whether this step's pass goes one hop per stage.
+    hop: bool,
+    /// Whether this step's pass failed on members at another version.
+    moved: bool,
+}
+
+impl Regroup<Served> for Serving<'_> {
+    /// The group (formed, or formed again, as the steer rules) and this pass's route: a rounds
+    /// pass never follows a hop group's (the members' keys and values are not the leader's),
+    /// so the hop group goes and its sequences start again on the rounds.
+    async fn ready(&mut self) -> Result<(), ModelError> {
+        self.lead.group().await.map_err(ModelError::NoGroup)?;
+        let hop = self.lead.wants_hop();
+        if hop && let Err(why) = self.lead.hop_group() {
+            tracing::warn!("rounds, not hops: {why}");
+            self.lead.hop_failed();
+        }
+        self.hop = hop && self.lead.hop.leader.is_some();
+        if !self.hop {
+            self.lead.hop.drop_group();
+        }
+        Ok(())
+    }
+
+    async fn pass(&mut self, batch: &mut Batch<Served>) -> Result<Vec<Vec<f32>>, ModelError> {
+        let span = tracing::info_span!(
+            "forward_step",
+            step = self.steps,
+            batch = batch.len(),
+            rows = batch.rows(),
+            hop = self.hop
+        );
+        let result = if self.hop {
+            self.hop_pass(batch).instrument(span).await
+        } else {
+            self.rounds_pass(batch).instrument(span).await
+        };
+        self.lead.ctx.metrics.forward_steps.inc();
+        result
+    }
+
+    fn passed(&mut self) {
+        self.lead.steer.passed();
+    }
+
+    fn failed(&mut self, why: &ModelError) -> bool {
+        self.lead.ctx.metrics.forward_step_failures.inc();
+        let attempt = self.lead.steer.failures() + 1;
+        if self.moved {
+            tracing::info!(
+                attempt,
+                "members are at another version (the mesh moved on): forming the group again"
+            );
+        } else {
+            tracing::warn!(attempt, hop = self.hop, "a forward step failed: {why}");
+        }
+        if self.hop {
+            self.lead.hop_failed();
+        }
+        self.lead.pass_failed(self.moved);
+        true
+    }
+
+    fn epoch(&self) -> u64 {
+        self.lead.hop.epoch
+    }
+}
+
+impl Serving<'_> {
+    /// The batch's pass through the leader's rounds; notes whether a failure met members at
+    /// another version.
+    async fn rounds_pass(
+        &mut self,
+        batch: &mut Batch<Served>,
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        let Some(f) = self.lead.formed.as_mut() else {
+            return Err(ModelError::NoGroup("no group".into()));
+        };
+        let ids: Vec<String> = (batch.entries().iter())
+            .map(|s| s.job.job.id.to_string())
+            .collect();
+        f.group
+            .transport_mut()
+            .set_context(format!("step {} req {}", self.steps, ids.join(",")));
+        let mut items = batch.rounds_items();
+        let result = f.llama.forward_batch(&mut f.group, &mut items).await;
+        drop(items);
+        self.moved = result.is_err() && f.group.transport().met_another_version();
+        self.lead.after_rounds().await;
+        result
+    }
+
+    /// The batch's pass one hop per stage: the members hold the sequences.
+    async fn hop_pass(&mut self, batch: &mut Batch<Served>) -> Result<Vec<Vec<f32>>, ModelError> {
+        let Some(leader) = self.lead.hop.leader.as_mut() else {
+            return Err(ModelError::NoGroup("no hop group".into()));
+        };
+        let seqs: Vec<node_core::net::hop::HopSeq<'_>> = batch
+            .passes()
+            .map(|(s, pass)| node_core::net::hop::HopSeq {
+                seq: s.job.id,
+                pass,
+            })
+            .collect();
+        let result = leader.forward_batch(&seqs).await;
+        drop(seqs);
+        if result.is_ok() {
+            self.lead.ctx.metrics.hop_steps.inc();
+        }
+        self.lead.after_hop().await;
+        result
     }
 }
