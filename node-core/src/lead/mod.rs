@@ -13,7 +13,7 @@ pub mod training;
 
 pub use crate::learn::Signer;
 pub use learning::{Publisher, Settled, settle};
-pub use publish::{Reported, Sealed, Sent, publish_sealed, report_caught, seal_update, spread_out};
+pub use publish::{Reported, Sealed, Sent, report_caught, seal_update, spread_out};
 pub use route::{HOP_OVER, PassRoute, RouteMeasures, hop_members};
 pub use steer::{Action, Looking, Steer, returned_row};
 

@@ -71,25 +71,6 @@ pub struct Sent {
     pub kept: f64,
 }
 
-/// Starts `sealed` (the signed form of `p`) spreading through `holders`, sent with the
-/// notices.
-pub async fn publish_sealed<L: Link<Peer = PeerId>>(
-    link: &L,
-    holders: &[PeerId],
-    sealed: &Sealed,
-    p: &Published,
-) -> Sent {
-    let passed = spread_out(link, holders, sealed, None).await;
-    Sent {
-        id: sealed.id,
-        bytes: sealed.bytes.len(),
-        told: passed.taken,
-        sent_bytes: passed.inline_bytes,
-        requests: p.requests,
-        kept: p.kept,
-    }
-}
-
 /// Members a group caught, reported.
 #[derive(Debug, Clone, Default)]
 pub struct Reported {

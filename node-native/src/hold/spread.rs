@@ -311,8 +311,46 @@ pub(crate) async fn catch_up(node: &Relay, peer: PeerId) -> anyhow::Result<Optio
     Ok(None)
 }
 
+/// What handing an update out did: what spreading it passed on, and how many of the group's
+/// members had applied it when the leader stopped waiting.
+#[derive(Debug, Clone, Copy)]
+pub struct HandedOut {
+    /// What the leader's notices passed on.
+    pub passed: node_core::holder::Passed,
+    /// Members that applied it in time.
+    pub members_at: usize,
+    /// Members asked (the group's members that hold a live row).
+    pub members: usize,
+}
+
+/// The one publish path of every native leader: starts `sealed` spreading through `holders`
+/// with the group's `members` first (pulled from `source`, the leader's own node, when it
+/// keeps the update; sent with the notices without one), then waits until the members have
+/// applied it ([`PUBLISH_WAIT`] plus its bytes at the slowest rate a stream is allowed).
+pub async fn hand_out(
+    link: &NativeLink,
+    sealed: &node_core::lead::Sealed,
+    members: &[PeerId],
+    holders: &[PeerId],
+    source: Option<PeerId>,
+) -> HandedOut {
+    let order = members_first(members, holders);
+    let passed = node_core::lead::spread_out(link, &order, sealed, source).await;
+    let members: Vec<PeerId> = (members.iter())
+        .filter(|m| holders.contains(m))
+        .copied()
+        .collect();
+    let wait = PUBLISH_WAIT + node_core::net::hop::at_min_rate(sealed.bytes.len());
+    let members_at = applied_by(link, &members, sealed.id, wait).await;
+    HandedOut {
+        passed,
+        members_at,
+        members: members.len(),
+    }
+}
+
 /// `holders` with `members` first (a leader's group's members hear of an update first).
-pub fn members_first(members: &[PeerId], holders: &[PeerId]) -> Vec<PeerId> {
+fn members_first(members: &[PeerId], holders: &[PeerId]) -> Vec<PeerId> {
     let mut order: Vec<PeerId> = members
         .iter()
         .filter(|m| holders.contains(m))
@@ -323,7 +361,7 @@ pub fn members_first(members: &[PeerId], holders: &[PeerId]) -> Vec<PeerId> {
 }
 
 /// How many of `members` have applied update `id` within `wait` (each asked every 50 ms).
-pub async fn applied_by(link: &NativeLink, members: &[PeerId], id: u64, wait: Duration) -> usize {
+async fn applied_by(link: &NativeLink, members: &[PeerId], id: u64, wait: Duration) -> usize {
     let deadline = tokio::time::Instant::now() + wait;
     let mut left = members.to_vec();
     while !left.is_empty() && tokio::time::Instant::now() < deadline {

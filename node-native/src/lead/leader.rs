@@ -311,22 +311,22 @@ impl Publisher for NetPublisher<'_> {
         verdict: Option<GateClaim>,
     ) -> Result<(Sent, Option<[u8; 32]>), String> {
         let sealed = self.seal(&p, verdict).map_err(|e| format!("{e:#}"))?;
-        let order = crate::hold::spread::members_first(self.members, self.holders);
-        let sent = node_core::lead::publish_sealed(&self.link, &order, &sealed, &p).await;
-        let wait = crate::hold::spread::PUBLISH_WAIT
-            + node_core::net::hop::at_min_rate(sealed.bytes.len());
-        let members: Vec<PeerId> = self
-            .members
-            .iter()
-            .filter(|m| self.holders.contains(m))
-            .copied()
-            .collect();
-        let at = crate::hold::spread::applied_by(&self.link, &members, sealed.id, wait).await;
+        let out =
+            crate::hold::spread::hand_out(&self.link, &sealed, self.members, self.holders, None)
+                .await;
         tracing::debug!(
-            members_at = at,
-            members = members.len(),
+            members_at = out.members_at,
+            members = out.members,
             "published an update"
         );
+        let sent = Sent {
+            id: sealed.id,
+            bytes: sealed.bytes.len(),
+            told: out.passed.taken,
+            sent_bytes: out.passed.inline_bytes,
+            requests: p.requests,
+            kept: p.kept,
+        };
         Ok((sent, None))
     }
 }

@@ -424,28 +424,22 @@ impl Worker {
             .await
             .unwrap_or_else(|e| MeshResponse::Error(e.to_string()));
         let took_here = matches!(local, MeshResponse::Learned { .. });
-        let members: Vec<PeerId> = (self.lead.formed.as_ref())
-            .map_or(Vec::new(), |f| f.members.clone())
-            .into_iter()
-            .filter(|m| holders.contains(m))
-            .collect();
-        let order = crate::hold::spread::members_first(&members, holders);
+        let members = (self.lead.formed.as_ref()).map_or(Vec::new(), |f| f.members.clone());
         let link = crate::hold::link::NativeLink::quiet(ctx.client.clone());
         let me = took_here.then(|| ctx.client.peer_id());
-        let passed = node_core::lead::spread_out(&link, &order, &sealed, me).await;
-        ctx.metrics.update_bytes_sent.inc_by(passed.inline_bytes);
+        let out = crate::hold::spread::hand_out(&link, &sealed, &members, holders, me).await;
+        ctx.metrics
+            .update_bytes_sent
+            .inc_by(out.passed.inline_bytes);
         ctx.metrics.updates_published.inc();
         (ctx.metrics.update_bytes_published).inc_by(sealed.bytes.len() as u64);
-        let wait = crate::hold::spread::PUBLISH_WAIT
-            + node_core::net::hop::at_min_rate(sealed.bytes.len());
-        let at = crate::hold::spread::applied_by(&link, &members, sealed.id, wait).await;
         tracing::info!(
             id = format!("{:016x}", sealed.id),
             requests = p.requests,
             bytes = sealed.bytes.len(),
-            told = passed.taken,
-            members_at = at,
-            members = members.len(),
+            told = out.passed.taken,
+            members_at = out.members_at,
+            members = out.members,
             "published an update"
         );
         let was_at = self.lead.formed.as_ref().map_or(before, |f| f.version);
