@@ -12,12 +12,15 @@ use libp2p::Multiaddr;
 use libp2p::PeerId;
 use node_core::code::Generator;
 use node_core::holder::HolderError;
-use node_core::lead::{Formed, GroupOptions, LeadLink, OwnRow};
+use node_core::lead::{Action, Formed, GroupOptions, LeadLink, OwnRow, Steer};
 use node_core::mesh::rounds::{Asks, MemberAnswer, Rounds};
 use node_core::mesh::{
     BrowserBootstrap, MeshRequest, MeshResponse, ModelManifest, RoundConfig, StepRefusal, Usage,
 };
-use node_core::model::{ChatMessage, GenerateOptions, SamplingParams, Tokenizer, generate_on};
+use node_core::model::{
+    Batch, ChatMessage, GenerateOptions, ModelError, Regroup, SamplingParams, Tokenizer,
+    generate_regrouping,
+};
 use node_core::net::link::SessionLink;
 use node_core::net::session::{self, Ask};
 use serde::{Deserialize, Serialize};
@@ -135,27 +138,17 @@ impl BrowserNode {
         if ids.is_empty() {
             return Err(WebError::Mesh("the prompt encodes to no tokens".into()));
         }
-        let MeshResponse::Info(info) = self.ask_bootstrap(MeshRequest::Info).await? else {
-            return Err(mesh_err("asked for the mesh's view, got something else"));
-        };
         let opts = GroupOptions {
             // A page forms a group per request: fetching updates to probe with would cost
             // more than the request.
             probe: false,
             ..GroupOptions::new(prompt.check, SPARES)
         };
-        let Formed {
-            mut group,
-            llama,
-            holders,
-            rows,
-            live_rows,
-            ..
-        } = node_core::lead::form(self, manifest, &info, &opts)
-            .await
-            .map_err(mesh_err)?;
-        let members = group.nodes().to_vec();
-        tracing::info!(group = ?members, "leading a request from the page");
+        let mut lead = PageLead::new(self, manifest, opts);
+        lead.ready().await.map_err(mesh_err)?;
+        if let Some(f) = &lead.formed {
+            tracing::info!(group = ?f.group.nodes(), "leading a request from the page");
+        }
 
         let opts = GenerateOptions {
             max_tokens: prompt.max_tokens,
@@ -169,32 +162,29 @@ impl BrowserNode {
         };
         let mut stream = tokenizer.stream();
         let mut text = String::new();
-        let out = generate_on(&llama, &mut group, &ids, &opts, &mut |id| {
+        let cfg = manifest.cfg.clone();
+        let out = generate_regrouping(&mut lead, &cfg, &ids, &opts, &mut |id| {
             if let Some(piece) = stream.push(id) {
                 on_text(&piece);
                 text.push_str(&piece);
             }
             true
         })
-        .await
-        .map_err(mesh_err)?;
+        .await;
+        let caught = lead.report().await;
+        let out = out.map_err(mesh_err)?;
+        let Some(Formed {
+            group, live_rows, ..
+        }) = lead.formed
+        else {
+            return Err(mesh_err("the group went with the request's last pass"));
+        };
+        let members = group.nodes().to_vec();
 
         let update = match prompt.learn && manifest.learning.enabled && ids.len() >= 2 {
             true => Some(self.teach(manifest, &ids).await),
             false => None,
         };
-        let signer = node_core::lead::Signer::unadmitted(self.key.clone());
-        let now = web_time::SystemTime::now()
-            .duration_since(web_time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis() as u64);
-        let caught = &group.stats().caught;
-        let reported =
-            node_core::lead::report_caught(self, &signer, now, caught, &rows, &holders).await;
-        let caught = reported
-            .caught
-            .iter()
-            .map(|(row, _, c)| format!("row {row}: {c}"))
-            .collect();
         let usage = Usage::of_request(out.prompt_tokens, out.tokens.len(), began.elapsed(), None);
         if let Err(e) = self.ask_bootstrap(MeshRequest::Served(usage)).await {
             tracing::warn!("the request was not counted in the mesh's usage: {e}");
@@ -254,6 +244,122 @@ impl BrowserNode {
             Ok(_) => "not taught: the native node answered something else".into(),
             Err(e) => format!("not taught: {e}"),
         }
+    }
+}
+
+/// The prompt box's leader for one request: its group, formed (again) over the mesh's view from
+/// the native node the page joined through, as every leader's [`Steer`] rules.
+struct PageLead<'a> {
+    node: &'a BrowserNode,
+    manifest: &'a ModelManifest,
+    opts: GroupOptions,
+    steer: Steer,
+    formed: Option<Formed<WebTransport>>,
+    /// What the groups it let go caught, reported.
+    caught: Vec<String>,
+}
+
+impl<'a> PageLead<'a> {
+    fn new(node: &'a BrowserNode, manifest: &'a ModelManifest, opts: GroupOptions) -> Self {
+        let wanted = manifest.generator.k() + opts.verify + opts.spares;
+        Self {
+            node,
+            manifest,
+            opts,
+            steer: Steer::new(wanted),
+            formed: None,
+            caught: Vec::new(),
+        }
+    }
+
+    /// The mesh's view from the native node.
+    async fn info(&self) -> Result<node_core::mesh::MeshInfo, WebError> {
+        match self.node.ask_bootstrap(MeshRequest::Info).await? {
+            MeshResponse::Info(info) => Ok(info),
+            _ => Err(mesh_err("asked for the mesh's view, got something else")),
+        }
+    }
+
+    /// Reports what the group caught (once: when it goes, or at the request's end) to every
+    /// holder (a page is not admitted to report, so
+    /// holders act on it only with their own evidence); what it caught, for the page.
+    async fn report(&mut self) -> Vec<String> {
+        if let Some(f) = &mut self.formed {
+            let signer = node_core::lead::Signer::unadmitted(self.node.key.clone());
+            let now = node_core::holder::wall_ms();
+            let caught = &f.group.stats().caught;
+            let reported = node_core::lead::report_caught(
+                self.node, &signer, now, caught, &f.rows, &f.holders,
+            )
+            .await;
+            let rows = reported.caught.iter();
+            self.caught
+                .extend(rows.map(|(row, _, c)| format!("row {row}: {c}")));
+        }
+        self.caught.clone()
+    }
+
+    /// Forms a group from the mesh's view now; tells the steer what came of it.
+    async fn form(&mut self) {
+        self.report().await;
+        self.formed = None;
+        let formed = match self.info().await {
+            Ok(info) => node_core::lead::form(self.node, self.manifest, &info, &self.opts)
+                .await
+                .map_err(mesh_err),
+            Err(e) => Err(e),
+        };
+        match formed {
+            Ok(f) => {
+                self.steer.formed(f.version, f.group.nodes().to_vec());
+                self.formed = Some(f);
+            }
+            Err(e) => self.steer.form_failed(Instant::now(), e.to_string()),
+        }
+    }
+}
+
+impl Regroup for PageLead<'_> {
+    async fn ready(&mut self) -> Result<(), ModelError> {
+        loop {
+            let now = Instant::now();
+            match self.steer.poll(now) {
+                Action::Pass => return Ok(()),
+                Action::Wait(until) => {
+                    futures_timer::Delay::new(until.saturating_duration_since(now)).await
+                }
+                Action::Unavailable { why, .. } => return Err(ModelError::NoGroup(why)),
+                Action::Look(looking) => {
+                    let info = self.info().await.ok();
+                    let row = info.and_then(|i| looking.in_view(&i, &Default::default()));
+                    if self.steer.looked(now, row) {
+                        tracing::info!(?row, "a row came back: forming the group again");
+                    }
+                }
+                Action::Form => self.form().await,
+            }
+        }
+    }
+
+    async fn pass(&mut self, batch: &mut Batch<()>) -> Result<Vec<Vec<f32>>, ModelError> {
+        let Some(f) = self.formed.as_mut() else {
+            return Err(ModelError::NoGroup("no group".into()));
+        };
+        let mut items = batch.rounds_items();
+        f.llama.forward_batch(&mut f.group, &mut items).await
+    }
+
+    fn passed(&mut self) {
+        self.steer.passed();
+        if let Some(f) = &self.formed {
+            self.steer.members(f.group.nodes().to_vec());
+        }
+    }
+
+    fn failed(&mut self, why: &ModelError) -> bool {
+        tracing::warn!("a pass failed ({why}): forming the group again");
+        self.steer.pass_failed(Instant::now(), false);
+        true
     }
 }
 
