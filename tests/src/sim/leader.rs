@@ -29,6 +29,8 @@ pub enum LeaderStep {
     PassFailed(Vec<usize>),
     /// A row came back up.
     RowUp(usize),
+    /// The group caught the member of this row answering wrong; the view leaves it out.
+    Caught(usize),
 }
 
 /// A simulated leader over the members of `shards`: which rows are up, when others come back,
@@ -38,6 +40,8 @@ pub struct SimLeader<'a> {
     generator: &'a Generator,
     shards: &'a InProcess,
     cfg: LeaderConfig,
+    /// Answers checked beyond the k decoded in every round.
+    verify: usize,
     /// Whether the rows of the view beyond the group are its pool's free rows (replacing a
     /// failed member within a pass); without, a failed member leaves the group short.
     pool: bool,
@@ -81,6 +85,7 @@ impl<'a> SimLeader<'a> {
             generator,
             shards,
             cfg,
+            verify: 0,
             pool: false,
             steer: Steer::new(generator.k() + cfg.spares),
             group: None,
@@ -102,6 +107,13 @@ impl<'a> SimLeader<'a> {
     /// Brings `row` up at virtual time `at`.
     pub fn with_return(mut self, at: Duration, row: usize) -> Self {
         self.returns.push((at, row));
+        self
+    }
+
+    /// Its groups check every round with `verify` answers beyond the k decoded.
+    pub fn with_verify(mut self, verify: usize) -> Self {
+        self.verify = verify;
+        self.steer = Steer::new(self.generator.k() + verify + self.cfg.spares);
         self
     }
 
@@ -155,15 +167,25 @@ impl<'a> SimLeader<'a> {
         if let Some(g) = &self.group {
             let t = g.transport();
             let fired: Vec<usize> = (self.faults.iter())
-                .filter(|(row, fault)| {
-                    let (Fault::Crash { after_requests } | Fault::Stall { after_requests }) = fault;
-                    t.requests(*row) > *after_requests
+                .filter(|(row, fault)| match fault {
+                    Fault::Crash { after_requests } | Fault::Stall { after_requests } => {
+                        t.requests(*row) > *after_requests
+                    }
+                    // A liar stays up until a group catches it.
+                    Fault::Lie { .. } => false,
                 })
                 .map(|(row, _)| *row)
                 .collect();
             for row in fired {
                 self.up.remove(&row);
                 self.faults.retain(|(r, _)| *r != row);
+            }
+            // A member the group caught is reported: the view leaves it out.
+            let caught: Vec<usize> = g.stats().caught.iter().map(|c| c.node).collect();
+            for row in caught {
+                if self.up.remove(&row) {
+                    self.note(LeaderStep::Caught(row));
+                }
             }
         }
         let at = self.elapsed();
@@ -191,7 +213,7 @@ impl<'a> SimLeader<'a> {
     fn form(&mut self) {
         self.let_go();
         let up: Vec<usize> = self.up.iter().copied().collect();
-        let formed = plan_group(self.generator, &up, self.cfg.spares)
+        let formed = plan_group(self.generator, &up, self.verify + self.cfg.spares)
             .map_err(|e| e.to_string())
             .and_then(|plan| {
                 let free = if self.pool {
@@ -213,8 +235,13 @@ impl<'a> SimLeader<'a> {
                     t = t.with_fault(row, fault);
                 }
                 let model = self.llama.config().clone();
-                CodedGroup::new(model, self.generator.clone(), &plan.members, t)
-                    .map_err(|e| e.to_string())
+                let mut g = CodedGroup::new(model, self.generator.clone(), &plan.members, t)
+                    .map_err(|e| e.to_string())?;
+                g.set_verify(node_core::coded::VerifyConfig {
+                    extra: self.verify,
+                    ..Default::default()
+                });
+                Ok(g)
             });
         match formed {
             Ok(g) => {

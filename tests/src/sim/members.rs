@@ -18,6 +18,12 @@ pub enum Fault {
         /// Requests served before the stall.
         after_requests: u64,
     },
+    /// Serves this many requests, then answers every later one wrong (its values scaled and
+    /// shifted), on time.
+    Lie {
+        /// Requests served honestly first.
+        after_requests: u64,
+    },
 }
 
 /// One round as the simulated leader ran it.
@@ -86,6 +92,8 @@ struct SimMember {
 enum Reply {
     /// It answers: computed on arrival (late answers of a finished round are never computed).
     Answer,
+    /// It answers wrong.
+    Lie,
     /// Its connection failed.
     Failed(String),
 }
@@ -191,6 +199,7 @@ impl SimTransport {
                     }
                     Some(Fault::Crash { .. }) => Some(Reply::Failed("connection refused".into())),
                     Some(Fault::Stall { .. }) => None,
+                    Some(Fault::Lie { .. }) => Some(Reply::Lie),
                     None => Some(Reply::Answer),
                 }
             }
@@ -218,10 +227,26 @@ impl SimTransport {
     }
 }
 
+/// A wrong answer in place of `answer`: its values scaled and shifted.
+fn lie(answer: &[u8]) -> Result<Vec<u8>, String> {
+    let lied = match protocol::decode::<StepResponse>(answer).map_err(|e| e.to_string())? {
+        StepResponse::Partial { node, values } => StepResponse::Partial {
+            node,
+            values: values.iter().map(|v| v * 1.5 + 0.25).collect(),
+        },
+        failed => failed,
+    };
+    protocol::encode(&lied).map_err(|e| e.to_string())
+}
+
 /// Requests a faulty member serves before its fault.
 fn fault_after(fault: Option<Fault>) -> u64 {
     match fault {
-        Some(Fault::Crash { after_requests } | Fault::Stall { after_requests }) => after_requests,
+        Some(
+            Fault::Crash { after_requests }
+            | Fault::Stall { after_requests }
+            | Fault::Lie { after_requests },
+        ) => after_requests,
         None => u64::MAX,
     }
 }
@@ -281,6 +306,7 @@ impl Transport for SimTransport {
                 let (row, reply) = entry.remove();
                 let answer = match reply {
                     Reply::Answer => self.answer(row, request),
+                    Reply::Lie => self.answer(row, request).and_then(|a| lie(&a)),
                     Reply::Failed(why) => Err(why),
                 };
                 match &answer {

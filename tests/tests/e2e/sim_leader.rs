@@ -218,3 +218,51 @@ fn forming_fails_while_too_few_rows_are_up_and_is_tried_again_after_its_retry() 
         "{groups:?}"
     );
 }
+
+#[test]
+fn a_member_that_lies_is_caught_and_the_group_regains_its_check_when_a_row_comes_back() {
+    let _machine = crate::machine::share();
+    for seed in 0..3 {
+        let f = fixture(seed);
+        let cfg = LeaderConfig {
+            seed,
+            spares: 0,
+            ..LeaderConfig::default()
+        };
+        // k and two checks (enough to tell which answer is wrong) over the five rows up: the
+        // liar caught leaves the group short of a check.
+        let up = [0, 1, 2, 3, 4];
+        let liar = node_core::mesh::plan_group(&f.g, &up, 2).unwrap().members[1];
+        let back_at = Duration::from_millis(1200);
+        let mut lead = SimLeader::new(&f.llama, &f.g, &f.shards, cfg, &up)
+            .with_verify(2)
+            .with_fault(liar, Fault::Lie { after_requests: 20 })
+            .with_return(back_at, 5);
+        let out = lead.generate(&PROMPT, &opts()).unwrap();
+        let log = lead.log.clone();
+        assert_eq!(
+            out.tokens, f.reference,
+            "seed {seed}: no lie reached the text: {log:?}"
+        );
+        let caught: Vec<usize> = log
+            .iter()
+            .filter_map(|(_, s)| match s {
+                LeaderStep::Caught(row) => Some(*row),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(caught, [liar], "seed {seed}: {log:?}");
+        let groups = formed(&log);
+        assert_eq!(
+            groups.len(),
+            2,
+            "seed {seed}: formed again with the row back: {log:?}"
+        );
+        assert!(
+            groups[1].contains(&5) && !groups[1].contains(&liar),
+            "{groups:?}"
+        );
+        assert_eq!(lead.rows().unwrap().len(), K + 2, "checked twice again");
+        eprintln!("seed {seed}: row {liar} lied and was caught; groups {groups:?}");
+    }
+}
