@@ -60,6 +60,15 @@ fn fixture(seed: u64) -> Fixture {
     }
 }
 
+/// The simulated leader's transport from `seed`, planning `spares` spares.
+fn leader(seed: u64, spares: usize) -> LeaderConfig {
+    LeaderConfig {
+        seed,
+        spares,
+        ..LeaderConfig::default()
+    }
+}
+
 fn formed(log: &[(Duration, LeaderStep)]) -> Vec<Vec<usize>> {
     log.iter()
         .filter_map(|(_, s)| match s {
@@ -74,11 +83,7 @@ fn members_that_die_mid_pass_with_no_spare_left_are_regrouped_around_and_the_tex
     let _machine = crate::machine::share();
     for seed in 0..3 {
         let f = fixture(seed);
-        let cfg = LeaderConfig {
-            seed,
-            spares: 0,
-            ..LeaderConfig::default()
-        };
+        let cfg = leader(seed, 0);
         let all: Vec<usize> = (0..N).collect();
         // The first group's first member dies; then one of the group formed without it (its
         // requests are counted from that group's forming).
@@ -130,11 +135,7 @@ fn a_short_group_is_formed_again_when_a_row_comes_back() {
     let _machine = crate::machine::share();
     for seed in 0..3 {
         let f = fixture(seed);
-        let cfg = LeaderConfig {
-            seed,
-            spares: 1,
-            ..LeaderConfig::default()
-        };
+        let cfg = leader(seed, 1);
         // Rows 4 and 5 are down: the group is every row up (k + a spare), with no free row.
         let up = [0, 1, 2, 3];
         let victim = node_core::mesh::plan_group(&f.g, &up, 1).unwrap().members[0];
@@ -188,10 +189,7 @@ fn a_short_group_is_formed_again_when_a_row_comes_back() {
 fn forming_fails_while_too_few_rows_are_up_and_is_tried_again_after_its_retry() {
     let _machine = crate::machine::share();
     let f = fixture(0);
-    let cfg = LeaderConfig {
-        spares: 0,
-        ..LeaderConfig::default()
-    };
+    let cfg = leader(0, 0);
     let mut lead = SimLeader::new(&f.llama, &f.g, &f.shards, cfg, &[0, 1])
         .with_return(FORM_RETRY / 2, 2)
         .with_return(FORM_RETRY / 2, 3);
@@ -224,11 +222,7 @@ fn a_member_that_lies_is_caught_and_the_group_regains_its_check_when_a_row_comes
     let _machine = crate::machine::share();
     for seed in 0..3 {
         let f = fixture(seed);
-        let cfg = LeaderConfig {
-            seed,
-            spares: 0,
-            ..LeaderConfig::default()
-        };
+        let cfg = leader(seed, 0);
         // k and two checks (enough to tell which answer is wrong) over the five rows up: the
         // liar caught leaves the group short of a check.
         let up = [0, 1, 2, 3, 4];
