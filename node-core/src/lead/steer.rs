@@ -58,8 +58,6 @@ pub enum Action {
 /// whose holder was heard from since it went short.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Looking {
-    /// The group's version.
-    pub version: [u8; 32],
     /// Its rows now.
     pub rows: Vec<usize>,
     /// Members it was formed to have (k, the checked ones and the spares).
@@ -69,11 +67,16 @@ pub struct Looking {
 }
 
 impl Looking {
-    /// The row in the mesh's view `info` the group could take again, leaving out holders in
-    /// `avoid` ([`super::returned_row`]).
-    pub fn in_view(&self, info: &MeshInfo, avoid: &BTreeSet<PeerId>) -> Option<usize> {
+    /// The row in the mesh's view `info` a group at `version` could take again, leaving out
+    /// holders in `avoid` ([`returned_row`]).
+    pub fn in_view(
+        &self,
+        info: &MeshInfo,
+        version: &[u8; 32],
+        avoid: &BTreeSet<PeerId>,
+    ) -> Option<usize> {
         let heard = self.heard_within.as_secs_f64();
-        returned_row(info, &self.version, &self.rows, self.wanted, avoid, heard)
+        returned_row(info, version, &self.rows, self.wanted, avoid, heard)
     }
 }
 
@@ -108,11 +111,10 @@ pub fn returned_row(
         .map(|(&row, _)| row)
 }
 
-/// The group a [`Steer`] knows of.
-#[derive(Debug, Clone)]
+/// What a [`Steer`] knows of the group it holds (the rows are the shell's, passed to
+/// [`Steer::poll`]).
+#[derive(Debug, Clone, Default)]
 struct Group {
-    version: [u8; 32],
-    rows: Vec<usize>,
     /// Since when it has been short of members.
     short_since: Option<Instant>,
     /// When it last looked for a row that came back.
@@ -120,7 +122,7 @@ struct Group {
 }
 
 /// A leader's rules for its group, as a state machine driven with the time: the shell asks
-/// [`Steer::poll`] what to do before each pass and reports forming, looking and each pass's
+/// [`Steer::poll`] what to do before each pass (with its group's rows now) and reports forming, looking and each pass's
 /// outcome.
 #[derive(Debug, Clone)]
 pub struct Steer {
@@ -150,8 +152,9 @@ impl Steer {
         }
     }
 
-    /// What to do at `now` before the next pass.
-    pub fn poll(&mut self, now: Instant) -> Action {
+    /// What to do at `now` before the next pass, its group holding `rows` now (a member that
+    /// failed with no free row to take its place leaves it short).
+    pub fn poll(&mut self, now: Instant, rows: &[usize]) -> Action {
         let Some(g) = self.group.as_mut() else {
             if let Some(at) = self.retry_at.filter(|&at| now < at) {
                 return Action::Wait(at);
@@ -165,7 +168,7 @@ impl Steer {
             }
             return Action::Form;
         };
-        if g.rows.len() >= self.wanted {
+        if rows.len() >= self.wanted {
             g.short_since = None;
             return Action::Pass;
         }
@@ -175,21 +178,15 @@ impl Steer {
         }
         g.looked = Some(now);
         Action::Look(Looking {
-            version: g.version,
-            rows: g.rows.clone(),
+            rows: rows.to_vec(),
             wanted: self.wanted,
             heard_within: now.saturating_duration_since(since),
         })
     }
 
-    /// A group was formed at `version` over `rows`.
-    pub fn formed(&mut self, version: [u8; 32], rows: Vec<usize>) {
-        self.group = Some(Group {
-            version,
-            rows,
-            short_since: None,
-            looked: None,
-        });
+    /// A group was formed.
+    pub fn formed(&mut self) {
+        self.group = Some(Group::default());
         (self.form_failed, self.retry_at) = (None, None);
     }
 
@@ -197,20 +194,6 @@ impl Steer {
     pub fn form_failed(&mut self, now: Instant, why: String) {
         self.group = None;
         self.form_failed = Some((now, why));
-    }
-
-    /// The group's rows changed (a spare took a member's place, or a member was let go).
-    pub fn members(&mut self, rows: Vec<usize>) {
-        if let Some(g) = self.group.as_mut() {
-            g.rows = rows;
-        }
-    }
-
-    /// The group moved to `version` with its members (an update every member took).
-    pub fn moved(&mut self, version: [u8; 32]) {
-        if let Some(g) = self.group.as_mut() {
-            g.version = version;
-        }
     }
 
     /// What looking found at `now`: a row that came back, or none. True when the group is to
@@ -257,11 +240,6 @@ impl Steer {
         self.group = None;
     }
 
-    /// Whether it holds a group.
-    pub fn has_group(&self) -> bool {
-        self.group.is_some()
-    }
-
     /// Failed passes since the last that ran.
     pub fn failures(&self) -> u32 {
         self.failures
@@ -272,59 +250,61 @@ impl Steer {
 mod tests {
     use super::*;
 
-    const V: [u8; 32] = [1; 32];
-
     #[test]
     fn a_leader_forms_then_passes_and_a_failed_form_is_the_answer_for_a_while() {
         let t0 = Instant::now();
         let mut s = Steer::new(4);
-        assert_eq!(s.poll(t0), Action::Form);
+        assert_eq!(s.poll(t0, &[]), Action::Form);
         s.form_failed(t0, "two rows".into());
         let until = t0 + FORM_RETRY;
         let why = "two rows".to_string();
-        assert_eq!(s.poll(t0), Action::Unavailable { why, until });
-        assert_eq!(s.poll(until), Action::Form);
-        s.formed(V, vec![0, 1, 2, 3]);
-        assert_eq!(s.poll(until), Action::Pass);
+        assert_eq!(s.poll(t0, &[]), Action::Unavailable { why, until });
+        assert_eq!(s.poll(until, &[]), Action::Form);
+        s.formed();
+        assert_eq!(s.poll(until, &[0, 1, 2, 3]), Action::Pass);
     }
 
     #[test]
     fn failed_passes_back_off_doubling_and_a_pass_resets_the_run() {
         let t0 = Instant::now();
         let mut s = Steer::new(3);
-        s.formed(V, vec![0, 1, 2]);
+        s.formed();
         s.pass_failed(t0, false);
-        assert_eq!(s.poll(t0), Action::Form, "the first is formed at once");
+        assert_eq!(s.poll(t0, &[]), Action::Form, "the first is formed at once");
         let mut waits = Vec::new();
         for _ in 0..5 {
-            s.formed(V, vec![0, 1, 2]);
+            s.formed();
             s.pass_failed(t0, false);
-            let Action::Wait(at) = s.poll(t0) else {
+            let Action::Wait(at) = s.poll(t0, &[]) else {
                 panic!("no backoff")
             };
             waits.push(at - t0);
         }
         let ms: Vec<u128> = waits.iter().map(Duration::as_millis).collect();
         assert_eq!(ms, [250, 500, 1000, 2000, 2000]);
-        assert_eq!(s.poll(t0 + RETRY_MAX), Action::Form);
-        s.formed(V, vec![0, 1, 2]);
+        assert_eq!(s.poll(t0 + RETRY_MAX, &[]), Action::Form);
+        s.formed();
         s.passed();
         s.pass_failed(t0, false);
-        assert_eq!(s.poll(t0), Action::Form);
-        s.formed(V, vec![0, 1, 2]);
+        assert_eq!(s.poll(t0, &[]), Action::Form);
+        s.formed();
         s.pass_failed(t0, true);
-        assert_eq!(s.poll(t0), Action::Wait(t0 + MOVED_WAIT), "the mesh moved");
+        assert_eq!(
+            s.poll(t0, &[]),
+            Action::Wait(t0 + MOVED_WAIT),
+            "the mesh moved"
+        );
     }
 
     #[test]
     fn a_short_group_looks_every_check_and_goes_once_for_a_row_that_came_back() {
         let t0 = Instant::now();
         let mut s = Steer::new(4);
-        s.formed(V, vec![0, 1, 2, 3]);
-        assert_eq!(s.poll(t0), Action::Pass);
-        s.members(vec![0, 1, 3]);
+        s.formed();
+        assert_eq!(s.poll(t0, &[0, 1, 2, 3]), Action::Pass);
+        let short = [0, 1, 3];
         let t1 = t0 + Duration::from_secs(3);
-        let Action::Look(l) = s.poll(t1) else {
+        let Action::Look(l) = s.poll(t1, &short) else {
             panic!("a short group looks")
         };
         assert_eq!(
@@ -333,12 +313,12 @@ mod tests {
         );
         assert!(!s.looked(t1, None));
         assert_eq!(
-            s.poll(t1 + SHORT_CHECK / 2),
+            s.poll(t1 + SHORT_CHECK / 2, &short),
             Action::Pass,
             "not before the next check"
         );
         let t2 = t1 + SHORT_CHECK;
-        let Action::Look(l) = s.poll(t2) else {
+        let Action::Look(l) = s.poll(t2, &short) else {
             panic!("looks again")
         };
         assert_eq!(
@@ -346,17 +326,16 @@ mod tests {
             "heard from since it went short"
         );
         assert!(s.looked(t2, Some(2)));
-        assert_eq!(s.poll(t2), Action::Form);
-        s.formed(V, vec![0, 1, 3, 4]);
-        s.members(vec![0, 1, 3]);
+        assert_eq!(s.poll(t2, &[]), Action::Form);
+        s.formed();
         let t3 = t2 + SHORT_CHECK;
-        assert!(matches!(s.poll(t3), Action::Look(_)));
+        assert!(matches!(s.poll(t3, &short), Action::Look(_)));
         assert!(
             !s.looked(t3, Some(2)),
             "not again for the same row within the backoff"
         );
         let t4 = t2 + RETURNED_BACKOFF;
-        assert!(matches!(s.poll(t4), Action::Look(_)));
+        assert!(matches!(s.poll(t4, &short), Action::Look(_)));
         assert!(s.looked(t4, Some(2)));
     }
 }

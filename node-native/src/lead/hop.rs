@@ -273,7 +273,7 @@ impl node_core::model::Regroup for HopLead<'_> {
         &mut self,
         batch: &mut node_core::model::Batch<()>,
     ) -> Result<Vec<Vec<f32>>, node_core::model::ModelError> {
-        let no = |what: &str| node_core::model::ModelError::Config(what.into());
+        let no = |what: &str| node_core::model::ModelError::NoGroup(what.into());
         let hop = self.hop.as_mut().ok_or_else(|| no("no hop group"))?;
         let (_, pass) = batch.passes().next().ok_or_else(|| no("no sequence"))?;
         Ok(vec![hop.forward(pass).await?])

@@ -44,7 +44,7 @@ impl node_core::model::Regroup for Leader {
     async fn ready(&mut self) -> Result<(), ModelError> {
         loop {
             let now = std::time::Instant::now();
-            match self.steer.poll(now) {
+            match self.steer.poll(now, self.formed.group.nodes()) {
                 Action::Pass => return Ok(()),
                 Action::Wait(until) => tokio::time::sleep_until(until.into()).await,
                 Action::Unavailable { why, .. } => {
@@ -54,9 +54,9 @@ impl node_core::model::Regroup for Leader {
                 }
                 Action::Look(looking) => {
                     let info = self.session.info().await;
-                    let row = info
-                        .ok()
-                        .and_then(|i| looking.in_view(&i, &Default::default()));
+                    let row = info.ok().and_then(|i| {
+                        looking.in_view(&i, &self.formed.version, &Default::default())
+                    });
                     if self.steer.looked(now, row) {
                         eprintln!("row {row:?} came back: forming the group again");
                     }
@@ -77,7 +77,6 @@ impl node_core::model::Regroup for Leader {
 
     fn passed(&mut self) {
         self.steer.passed();
-        self.steer.members(self.formed.group.nodes().to_vec());
     }
 
     fn failed(&mut self, why: &ModelError) -> bool {
@@ -121,7 +120,7 @@ impl Leader {
         let tokenizer = node_core::model::Tokenizer::from_data(&manifest.tokenizer)?;
         let wanted = manifest.generator.k() + opts.group.verify + opts.group.spares;
         let mut steer = Steer::new(wanted);
-        steer.formed(formed.version, formed.group.nodes().to_vec());
+        steer.formed();
         Ok(Self {
             session,
             manifest,
@@ -157,8 +156,7 @@ impl Leader {
                     node_core::mesh::hex(&formed.version[..8]),
                     formed.group.nodes()
                 );
-                self.steer
-                    .formed(formed.version, formed.group.nodes().to_vec());
+                self.steer.formed();
                 self.formed = formed;
                 self.formed.group.transport_mut().set_context(context);
             }

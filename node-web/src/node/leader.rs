@@ -311,7 +311,7 @@ impl<'a> PageLead<'a> {
         };
         match formed {
             Ok(f) => {
-                self.steer.formed(f.version, f.group.nodes().to_vec());
+                self.steer.formed();
                 self.formed = Some(f);
             }
             Err(e) => self.steer.form_failed(Instant::now(), e.to_string()),
@@ -323,7 +323,8 @@ impl Regroup for PageLead<'_> {
     async fn ready(&mut self) -> Result<(), ModelError> {
         loop {
             let now = Instant::now();
-            match self.steer.poll(now) {
+            let rows = (self.formed.as_ref()).map_or(&[][..], |f| f.group.nodes());
+            match self.steer.poll(now, rows) {
                 Action::Pass => return Ok(()),
                 Action::Wait(until) => {
                     futures_timer::Delay::new(until.saturating_duration_since(now)).await
@@ -331,7 +332,10 @@ impl Regroup for PageLead<'_> {
                 Action::Unavailable { why, .. } => return Err(ModelError::NoGroup(why)),
                 Action::Look(looking) => {
                     let info = self.info().await.ok();
-                    let row = info.and_then(|i| looking.in_view(&i, &Default::default()));
+                    let version = self.formed.as_ref().map(|f| f.version);
+                    let row = info
+                        .zip(version)
+                        .and_then(|(i, v)| looking.in_view(&i, &v, &Default::default()));
                     if self.steer.looked(now, row) {
                         tracing::info!(?row, "a row came back: forming the group again");
                     }
@@ -351,9 +355,6 @@ impl Regroup for PageLead<'_> {
 
     fn passed(&mut self) {
         self.steer.passed();
-        if let Some(f) = &self.formed {
-            self.steer.members(f.group.nodes().to_vec());
-        }
     }
 
     fn failed(&mut self, why: &ModelError) -> bool {

@@ -9,9 +9,6 @@ use node_core::model::{Batch, GenerateOptions, Generation, Llama, Regroup, gener
 
 use super::*;
 
-/// The version every simulated group computes at.
-const SIM_VERSION: [u8; 32] = [9; 32];
-
 /// What the simulated leader did, in order.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum LeaderStep {
@@ -245,7 +242,7 @@ impl<'a> SimLeader<'a> {
             });
         match formed {
             Ok(g) => {
-                self.steer.formed(SIM_VERSION, g.nodes().to_vec());
+                self.steer.formed();
                 self.note(LeaderStep::Formed(g.nodes().to_vec()));
                 self.group = Some(g);
             }
@@ -262,7 +259,8 @@ impl Regroup for SimLeader<'_> {
         loop {
             self.refresh();
             let now = self.now();
-            match self.steer.poll(now) {
+            let rows = self.rows().unwrap_or_default();
+            match self.steer.poll(now, &rows) {
                 Action::Pass => return Ok(()),
                 Action::Wait(until) => {
                     let by = until.saturating_duration_since(now);
@@ -298,9 +296,6 @@ impl Regroup for SimLeader<'_> {
 
     fn passed(&mut self) {
         self.steer.passed();
-        if let Some(g) = &self.group {
-            self.steer.members(g.nodes().to_vec());
-        }
     }
 
     fn failed(&mut self, _why: &ModelError) -> bool {

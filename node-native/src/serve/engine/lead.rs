@@ -53,7 +53,8 @@ impl Lead {
     pub(super) async fn group(&mut self) -> Result<&mut Formed, String> {
         loop {
             let now = Instant::now();
-            match self.steer.poll(now) {
+            let rows = (self.formed.as_ref()).map_or(&[][..], |f| f.group.nodes());
+            match self.steer.poll(now, rows) {
                 Action::Pass => break,
                 Action::Wait(until) => tokio::time::sleep_until(until.into()).await,
                 Action::Unavailable { why, .. } => return Err(why),
@@ -102,7 +103,7 @@ impl Lead {
                 if let Some((slot, shared)) = &self.slot {
                     shared.set_busy(*slot, f.members.clone());
                 }
-                self.steer.formed(f.version, f.group.nodes().to_vec());
+                self.steer.formed();
                 self.formed = Some(f);
             }
             Err(e) => {
@@ -122,16 +123,17 @@ impl Lead {
     /// steer lets the group go for it. A hop group is left alone: its sequences live on its
     /// members.
     async fn look(&mut self, now: Instant, looking: &Looking) {
-        let row = if self.hop.leader.is_some() {
-            None
-        } else {
+        let version = self.formed.as_ref().map(|f| f.version);
+        let row = if let (None, Some(version)) = (&self.hop.leader, version) {
             let mut avoid = match &self.slot {
                 Some((slot, shared)) => shared.busy_except(*slot),
                 None => Default::default(),
             };
             avoid.insert(self.ctx.client.peer_id());
             let info = self.info().await.ok();
-            info.and_then(|info| looking.in_view(&info, &avoid))
+            info.and_then(|info| looking.in_view(&info, &version, &avoid))
+        } else {
+            None
         };
         if self.steer.looked(now, row) {
             let members = &looking.rows;
@@ -192,8 +194,6 @@ impl Lead {
                 shared.set_busy(*slot, f.members.clone());
             }
         }
-        // A member that failed with no free row to take its place leaves the group short.
-        self.steer.members(f.group.nodes().to_vec());
         self.ctx.count_rounds(s, &f.rows, &f.holders).await;
     }
 
@@ -212,7 +212,6 @@ impl Lead {
                 f.group.weights_moved();
                 f.version = *version;
                 f.llama = llama;
-                self.steer.moved(*version);
             }
             _ => self.drop_group(),
         }
