@@ -166,7 +166,6 @@ pub(super) async fn run_server(
         manifest.name.clone(),
         local,
     )?;
-    eprintln!("serving row {row} as {}", client.peer_id());
     let (info_tx, info_rx) = tokio::sync::mpsc::channel(16);
     let (internal_tx, internal_rx) = tokio::sync::mpsc::channel(64);
     let state = Arc::new(RwLock::new(state));
@@ -220,6 +219,8 @@ pub(super) async fn run_server(
         println!("api: {}v1", server.url);
         view.set_dashboard(Some(server.url));
     }
+    // Last, once its API (if any) listens: tests and scripts read this line as "ready".
+    eprintln!("serving row {row} as {}", client.peer_id());
     Server {
         client,
         view,
