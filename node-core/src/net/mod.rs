@@ -2,6 +2,7 @@
 //! request-response codec and the swarm task's [`Driver`]. Transports and the loops that drive
 //! a swarm on each runtime live in the shells.
 
+pub mod asks;
 mod driver;
 pub mod frames;
 pub mod hop;

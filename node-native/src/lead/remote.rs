@@ -1,7 +1,7 @@
 //! A leader on the mesh: connect through one node, learn the rows and the model, and run coded
 //! steps over a group of k + s members with the first k answers.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::task::Poll;
 use std::time::{Duration, Instant};
@@ -16,7 +16,6 @@ use node_core::mesh::rounds::{Asks, MemberAnswer, Rounds};
 use node_core::mesh::{
     Health, MeshInfo, MeshRequest, MeshResponse, ModelManifest, RoundConfig, SourceRow, StepRefusal,
 };
-use node_core::net::session::Ask;
 use tokio::sync::mpsc;
 
 use crate::hold::link::{NativeLink, order_addrs};
@@ -281,12 +280,12 @@ pub struct NetTransport {
     gate: Option<Gate>,
 }
 
-/// The sessions a [`NetTransport`]'s rounds ask through, and what it records of them.
+/// The sessions a [`NetTransport`]'s rounds ask through ([`node_core::net::asks`]), the
+/// leader's own row computed in process, and the step trace.
 #[derive(Debug)]
 struct NetAsks {
-    client: Client,
-    version: [u8; 32],
-    peers: BTreeMap<usize, PeerId>,
+    sessions: crate::hold::session::Sessions,
+    /// The leader's own row's answers, computed here (a prefill's on the blocking pool).
     tx: mpsc::UnboundedSender<MemberAnswer>,
     rx: mpsc::UnboundedReceiver<MemberAnswer>,
     local: Option<LocalRow>,
@@ -300,16 +299,6 @@ struct NetAsks {
     /// When each member of the current round was asked, and with how many bytes (kept only
     /// for the step trace).
     asked: BTreeMap<usize, (Instant, usize)>,
-    /// The session with each row asked so far (opened when the group forms, or when a row is
-    /// first asked as a replacement), driven by the task that awaits the rounds.
-    links: BTreeMap<usize, crate::hold::session::Link>,
-    /// Answers read from the sessions, each held until its instant (the bench's modelled
-    /// delay; at once without one).
-    arrived: VecDeque<(Instant, MemberAnswer)>,
-    /// The bench's modelled one-way delay ([`crate::net::swarm::one_way_delay`]), else zero.
-    delay: Duration,
-    /// The row whose session is driven first (the current round's first ask).
-    first: usize,
     /// The runtime the sessions open and the leader's own prefill steps compute on.
     runtime: tokio::runtime::Handle,
 }
@@ -339,12 +328,22 @@ impl NetTransport {
         generator: node_core::code::Generator,
         cfg: RoundConfig,
     ) -> Self {
-        // Unbounded: a member answers only what the leader asked, a round's asks at a time.
+        // Unbounded: the leader's own row answers only what the leader asked it, a round's
+        // ask at a time.
         let (tx, rx) = mpsc::unbounded_channel();
-        let mut asks = NetAsks {
-            client,
-            version,
-            peers,
+        let me = client.peer_id();
+        let runtime = tokio::runtime::Handle::current();
+        let rows: Vec<usize> = peers.keys().copied().collect();
+        let mut sessions = crate::hold::session::sessions(runtime.clone(), client, version, peers)
+            .with_delay(crate::net::swarm::one_way_delay());
+        // This node's own row (a leader inside a node) is computed here, not over a session.
+        for &row in members {
+            if sessions.peer_of(row) != Some(me) {
+                sessions.link(row);
+            }
+        }
+        let asks = NetAsks {
+            sessions,
             tx,
             rx,
             local: None,
@@ -353,20 +352,8 @@ impl NetTransport {
             label: String::new(),
             context: String::new(),
             asked: BTreeMap::new(),
-            links: BTreeMap::new(),
-            arrived: VecDeque::new(),
-            delay: crate::net::swarm::one_way_delay(),
-            first: 0,
-            runtime: tokio::runtime::Handle::current(),
+            runtime,
         };
-        // This node's own row (a leader inside a node) is computed here, not over a session.
-        let me = asks.client.peer_id();
-        for &row in members {
-            if asks.peers.get(&row) != Some(&me) {
-                asks.link(row);
-            }
-        }
-        let rows: Vec<usize> = asks.peers.keys().copied().collect();
         Self {
             rounds: Rounds::new(asks, generator, rows, members, cfg),
             stats: NetStats::default(),
@@ -376,17 +363,17 @@ impl NetTransport {
 
     /// The members whose sessions run over libp2p, not a local socket.
     pub fn over_libp2p(&self) -> Vec<PeerId> {
-        let asks = &self.rounds.asks;
-        asks.links
-            .iter()
+        let sessions = &self.rounds.asks.sessions;
+        sessions
+            .links()
             .filter(|(_, l)| crate::hold::session::over_libp2p(l))
-            .filter_map(|(row, _)| asks.peers.get(row).copied())
+            .filter_map(|(row, _)| sessions.peer_of(row))
             .collect()
     }
 
     /// The peer holding a row, as this transport knows it.
     pub fn peer_of(&self, row: usize) -> Option<PeerId> {
-        self.rounds.asks.peers.get(&row).copied()
+        self.rounds.asks.sessions.peer_of(row)
     }
 
     /// Compute time reported by members.
@@ -396,13 +383,13 @@ impl NetTransport {
 
     /// The version the members are asked at.
     pub fn version(&self) -> [u8; 32] {
-        self.rounds.asks.version
+        self.rounds.asks.sessions.version()
     }
 
     /// Asks the members at another version from now on (after this leader's own update,
     /// which every member has applied).
     pub fn set_version(&mut self, version: [u8; 32]) {
-        self.rounds.asks.version = version;
+        self.rounds.asks.sessions.set_version(version);
     }
 
     /// What the rounds are for, as the step trace writes it.
@@ -435,59 +422,13 @@ impl NetTransport {
 }
 
 impl NetAsks {
-    /// The session with a row's holder, opened now if there is none yet.
-    fn link(&mut self, row: usize) -> Option<&mut crate::hold::session::Link> {
-        let peer = *self.peers.get(&row)?;
-        let (client, runtime) = (&self.client, &self.runtime);
-        Some(
-            self.links
-                .entry(row)
-                .or_insert_with(|| crate::hold::session::open_link(runtime, client, peer)),
-        )
-    }
-
-    /// Drives every session at `now`: writes what is due and reads what came (held in
-    /// `arrived`); registers `cx` for what comes next.
-    fn drive(&mut self, cx: &mut std::task::Context<'_>, now: Instant) {
-        let due = now + self.delay;
-        let (links, arrived) = (&mut self.links, &mut self.arrived);
-        let mut poll = |row: usize, link: &mut crate::hold::session::Link| {
-            link.poll(cx, now, &mut |id, answer| {
-                arrived.push_back((due, (id, row, answer)));
-            });
-        };
-        // From the round's first row on, then the rows before it: asks go out in that order.
-        for (&row, link) in links.range_mut(self.first..) {
-            poll(row, link);
-        }
-        for (&row, link) in links.range_mut(..self.first) {
-            poll(row, link);
-        }
-    }
-
     /// The next answer that is due, the leader's own row's included, after driving every
     /// session; registers `cx` for the rest.
     fn poll_answer(&mut self, cx: &mut std::task::Context<'_>) -> Option<MemberAnswer> {
         if let Poll::Ready(Some(answer)) = self.rx.poll_recv(cx) {
             return Some(answer);
         }
-        let now = Instant::now();
-        self.drive(cx, now);
-        match self.arrived.front() {
-            Some((at, _)) if *at <= now => self.arrived.pop_front().map(|(_, answer)| answer),
-            _ => None,
-        }
-    }
-
-    /// The next instant something held back by the bench's delay is due, if anything is
-    /// (never without a delay).
-    fn held_until(&mut self, now: Instant) -> Option<Instant> {
-        if self.delay.is_zero() {
-            return None;
-        }
-        let answers = self.arrived.front().map(|(at, _)| *at);
-        let asks = self.links.values_mut().filter_map(|l| l.held_until(now));
-        answers.into_iter().chain(asks).min()
+        self.sessions.poll_answer(cx, Instant::now())
     }
 
     /// Notes when a member was asked and with how many bytes, for the step trace (if any).
@@ -503,19 +444,7 @@ impl NetAsks {
 
     fn send(&mut self, round: u64, row: usize, request: &[u8]) {
         self.note_asked(row, request.len());
-        let ask = Ask {
-            id: round,
-            version: self.version,
-            step: request.to_vec(),
-        };
-        let not_before = Instant::now() + self.delay;
-        let sent = match self.link(row) {
-            Some(link) => link.ask(ask, not_before),
-            None => Err(format!("no peer holds row {row}")),
-        };
-        if let Err(e) = sent {
-            let _ = self.tx.send((round, row, Err(e.into())));
-        }
+        self.sessions.ask(round, row, request.to_vec());
     }
 
     /// Computes this node's own row's answer (while the others compute theirs): a decode
@@ -527,7 +456,7 @@ impl NetAsks {
             let _ = self.tx.send((round, row, Err(refusal)));
             return;
         };
-        let (version, tx) = (self.version, self.tx.clone());
+        let (version, tx) = (self.sessions.version(), self.tx.clone());
         if request.len() <= INLINE_LOCAL_BYTES {
             let _ = tx.send((round, row, local.step(&version, request).into_step()));
             return;
@@ -556,9 +485,7 @@ impl NetAsks {
             step: &self.label,
             round: self.round,
             member: row,
-            peer: self
-                .peers
-                .get(&row)
+            peer: (self.sessions.peer_of(row))
                 .map(|p| p.to_string())
                 .unwrap_or_default(),
             local: self.is_local(row),
@@ -573,7 +500,7 @@ impl NetAsks {
 
 impl Asks for NetAsks {
     fn version(&self) -> [u8; 32] {
-        self.version
+        self.sessions.version()
     }
 
     /// Sends every remote ask first (written at once, as far as the streams take them), then
@@ -584,7 +511,7 @@ impl Asks for NetAsks {
         // machine, the one answering last, so outrun) is not always the same one.
         let start = (round as usize).checked_rem(asks.len()).unwrap_or(0);
         if let Some(&(row, _)) = asks.get(start) {
-            self.first = row;
+            self.sessions.begin_at(row);
         }
         let mut local = None;
         for &(row, request) in asks[start..].iter().chain(&asks[..start]) {
@@ -594,8 +521,7 @@ impl Asks for NetAsks {
                 self.send(round, row, request);
             }
         }
-        let waker = futures::task::noop_waker_ref();
-        self.drive(&mut std::task::Context::from_waker(waker), Instant::now());
+        self.sessions.flush();
         if let Some((row, request)) = local {
             self.answer_locally(round, row, request);
         }
@@ -610,7 +536,8 @@ impl Asks for NetAsks {
             }
             // Where sessions poll (every process of the stream on a core of its own), an answer
             // due within the poll is read without sleeping on the runtime's wake-up.
-            if let Some(spin) = crate::hold::session::local::spin().filter(|_| self.delay.is_zero())
+            if let Some(spin) =
+                crate::hold::session::local::spin().filter(|_| self.sessions.delay().is_zero())
             {
                 let end = (Instant::now() + spin).min(until);
                 while Instant::now() < end {
@@ -624,7 +551,7 @@ impl Asks for NetAsks {
             if now >= until {
                 return Poll::Ready(None);
             }
-            let at = self.held_until(now).map_or(until, |at| at.min(until));
+            let at = (self.sessions.held_until(now)).map_or(until, |at| at.min(until));
             if wake.deadline() != at.into() {
                 wake.as_mut().reset(at.into());
             }

@@ -2,9 +2,9 @@
 //! through this node's libp2p swarm, node-core's generation loop, then the request's learning
 //! update, signed with this node's identity and handed to every row's holder.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::BTreeMap;
 use std::rc::Rc;
-use std::task::{Context, Poll};
+use std::task::Poll;
 
 use futures::FutureExt;
 use futures::future::LocalBoxFuture;
@@ -15,14 +15,14 @@ use node_core::holder::HolderError;
 use node_core::lead::{Action, Formed, GroupOptions, LeadLink, OwnRow, Steer};
 use node_core::mesh::rounds::{Asks, MemberAnswer, Rounds};
 use node_core::mesh::{
-    BrowserBootstrap, MeshRequest, MeshResponse, ModelManifest, RoundConfig, StepRefusal, Usage,
+    BrowserBootstrap, MeshRequest, MeshResponse, ModelManifest, RoundConfig, Usage,
 };
 use node_core::model::{
     Batch, ChatMessage, GenerateOptions, ModelError, Regroup, SamplingParams, Tokenizer,
     generate_regrouping,
 };
-use node_core::net::link::SessionLink;
-use node_core::net::session::{self, Ask};
+use node_core::net::asks::SessionAsks;
+use node_core::net::session;
 use serde::{Deserialize, Serialize};
 use web_time::Instant;
 
@@ -202,10 +202,7 @@ impl BrowserNode {
             rounds: stats.rounds,
             checked_rounds: stats.verified_rounds,
             unchecked_rounds: stats.unverified_rounds,
-            sessions: (
-                group.transport().asks.sessions,
-                group.transport().asks.session_asks,
-            ),
+            sessions: group.transport().asks.counts(),
             caught,
             loss: None,
             update,
@@ -257,6 +254,8 @@ struct PageLead<'a> {
     formed: Option<Formed<WebTransport>>,
     /// What the groups it let go caught, reported.
     caught: Vec<String>,
+    /// Whether the last pass failed on members at another version (the mesh moved on).
+    moved: bool,
 }
 
 impl<'a> PageLead<'a> {
@@ -269,6 +268,7 @@ impl<'a> PageLead<'a> {
             steer: Steer::new(wanted),
             formed: None,
             caught: Vec::new(),
+            moved: false,
         }
     }
 
@@ -350,7 +350,9 @@ impl Regroup for PageLead<'_> {
             return Err(ModelError::NoGroup("no group".into()));
         };
         let mut items = batch.rounds_items();
-        f.llama.forward_batch(&mut f.group, &mut items).await
+        let result = f.llama.forward_batch(&mut f.group, &mut items).await;
+        self.moved = result.is_err() && f.group.transport().notes().stale;
+        result
     }
 
     fn passed(&mut self) {
@@ -358,8 +360,12 @@ impl Regroup for PageLead<'_> {
     }
 
     fn failed(&mut self, why: &ModelError) -> bool {
-        tracing::warn!("a pass failed ({why}): forming the group again");
-        self.steer.pass_failed(Instant::now(), false);
+        if self.moved {
+            tracing::info!("members are at another version (the mesh moved on): forming again");
+        } else {
+            tracing::warn!("a pass failed ({why}): forming the group again");
+        }
+        self.steer.pass_failed(Instant::now(), self.moved);
         true
     }
 }
@@ -419,38 +425,16 @@ impl LeadLink for BrowserNode {
 /// ([`node_core::mesh::rounds`]).
 pub type WebTransport = Rounds<WebAsks>;
 
-/// The sessions a [`WebTransport`]'s rounds ask through.
-pub struct WebAsks {
-    streams: libp2p_stream::Control,
-    version: [u8; 32],
-    peers: BTreeMap<usize, PeerId>,
-    /// The session with each row asked so far.
-    links: BTreeMap<usize, WebLink>,
-    /// The round of every ask not yet answered, by its id.
-    asked: BTreeMap<u64, u64>,
-    next_id: u64,
-    /// Answers (or failures) read and not yet taken.
-    ready: VecDeque<MemberAnswer>,
-    /// Sessions opened.
-    pub sessions: usize,
-    /// Asks handed to them.
-    pub session_asks: u64,
-}
+/// The sessions a [`WebTransport`]'s rounds ask through ([`node_core::net::asks`]), with the
+/// page's timer.
+#[derive(Debug)]
+pub struct WebAsks(WebSessions);
 
-/// The page's end of one member's session ([`node_core::net::link`]).
-type WebLink = SessionLink<libp2p::Stream, Opening, ()>;
+/// The page's sessions with its group's members.
+type WebSessions = SessionAsks<libp2p::Stream, Opening, (), Box<dyn FnMut(PeerId) -> Opening>>;
 
 /// A session's stream being opened.
 type Opening = LocalBoxFuture<'static, Result<(libp2p::Stream, ()), String>>;
-
-impl std::fmt::Debug for WebAsks {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("WebAsks")
-            .field("peers", &self.peers)
-            .field("asked", &self.asked.len())
-            .finish_non_exhaustive()
-    }
-}
 
 impl WebAsks {
     /// The transport's asks to the holders of `peers` (row → peer), opening sessions through
@@ -460,94 +444,41 @@ impl WebAsks {
         version: [u8; 32],
         peers: BTreeMap<usize, PeerId>,
     ) -> Self {
-        Self {
-            streams,
-            version,
-            peers,
-            links: BTreeMap::new(),
-            asked: BTreeMap::new(),
-            next_id: 0,
-            ready: VecDeque::new(),
-            sessions: 0,
-            session_asks: 0,
-        }
-    }
-
-    /// The session with a row's holder, opened now if there is none yet.
-    fn link(&mut self, row: usize) -> Option<&mut WebLink> {
-        let peer = *self.peers.get(&row)?;
-        let streams = &self.streams;
-        Some(self.links.entry(row).or_insert_with(|| {
+        let open = move |peer: PeerId| -> Opening {
             let mut control = streams.clone();
-            let open = async move {
+            async move {
                 let opened = session::open_accepted(&mut control, peer, session::protocol(), |d| {
                     futures_timer::Delay::new(d)
                 })
                 .await;
                 opened.map(|s| (s, ())).map_err(|e| format!("{peer}: {e}"))
-            };
-            SessionLink::opening(open.boxed_local())
-        }))
+            }
+            .boxed_local()
+        };
+        Self(SessionAsks::new(version, peers, Box::new(open)))
     }
 
-    /// Fails an ask of `row` with `why`.
-    fn fail(&mut self, id: u64, row: usize, why: &str) {
-        if let Some(round) = self.asked.remove(&id) {
-            let refusal = StepRefusal::Failed(why.to_string());
-            self.ready.push_back((round, row, Err(refusal)));
-        }
-    }
-
-    /// Drives every session: opens, writes what waits and reads what came into `ready`;
-    /// registers `cx` for what comes next.
-    fn drive(&mut self, cx: &mut Context<'_>) {
-        let now = Instant::now();
-        let (asked, ready) = (&mut self.asked, &mut self.ready);
-        for (&row, link) in &mut self.links {
-            let was_open = link.opened().is_some();
-            link.poll(cx, now, &mut |id, answer| {
-                if let Some(round) = asked.remove(&id) {
-                    ready.push_back((round, row, answer));
-                }
-            });
-            self.sessions += usize::from(!was_open && link.opened().is_some());
-        }
+    /// Sessions opened, and asks handed to them.
+    pub fn counts(&self) -> (usize, u64) {
+        self.0.counts()
     }
 }
 
 impl Asks for WebAsks {
     fn version(&self) -> [u8; 32] {
-        self.version
+        self.0.version()
     }
 
     fn ask(&mut self, round: u64, asks: &[(usize, &[u8])]) {
         for &(row, request) in asks {
-            let id = self.next_id;
-            self.next_id += 1;
-            self.asked.insert(id, round);
-            let ask = Ask {
-                id,
-                version: self.version,
-                step: request.to_vec(),
-            };
-            let failed = match self.link(row) {
-                None => Some(format!("no peer holds row {row}")),
-                Some(link) => link.ask(ask, Instant::now()).err(),
-            };
-            self.session_asks += u64::from(failed.is_none());
-            if let Some(why) = failed {
-                self.fail(id, row, &why);
-            }
+            self.0.ask(round, row, request.to_vec());
         }
     }
 
     async fn next(&mut self, until: Instant) -> Option<MemberAnswer> {
         let mut timer = futures_timer::Delay::new(until.saturating_duration_since(Instant::now()));
         futures::future::poll_fn(|cx| {
-            if self.ready.is_empty() {
-                self.drive(cx);
-            }
-            if let Some(answer) = self.ready.pop_front() {
+            if let Some(answer) = self.0.poll_answer(cx, Instant::now()) {
                 return Poll::Ready(Some(answer));
             }
             match timer.poll_unpin(cx) {
@@ -559,9 +490,6 @@ impl Asks for WebAsks {
     }
 
     fn try_next(&mut self) -> Option<MemberAnswer> {
-        if self.ready.is_empty() {
-            self.drive(&mut Context::from_waker(futures::task::noop_waker_ref()));
-        }
-        self.ready.pop_front()
+        self.0.try_answer()
     }
 }

@@ -14,6 +14,7 @@ use libp2p::PeerId;
 use libp2p_stream::OpenStreamError;
 use node_core::holder;
 use node_core::mesh::MeshResponse;
+use node_core::net::asks::SessionAsks;
 use node_core::net::link::SessionLink;
 use node_core::net::session::{self, protocol};
 use node_core::protocol::StepRequest;
@@ -156,9 +157,30 @@ pub static OPENED_LOCAL: std::sync::LazyLock<prometheus_client::metrics::counter
 pub static OPENED_LIBP2P: std::sync::LazyLock<prometheus_client::metrics::counter::Counter> =
     std::sync::LazyLock::new(Default::default);
 
+/// A leader's sessions with its members ([`node_core::net::asks`]), each opened by [`open`].
+pub type Sessions = SessionAsks<Box<dyn SessionStream>, Opening, bool, Opener>;
+
+/// What opens a leader's session with a peer.
+pub type Opener = Box<dyn Fn(PeerId) -> Opening + Send + Sync>;
+
+/// A leader's sessions at `version` with the holders of `peers` (row → peer), opened on
+/// `runtime` through `client`.
+pub fn sessions(
+    runtime: tokio::runtime::Handle,
+    client: Client,
+    version: [u8; 32],
+    peers: std::collections::BTreeMap<usize, PeerId>,
+) -> Sessions {
+    SessionAsks::new(
+        version,
+        peers,
+        Box::new(move |peer| open(&runtime, &client, peer)),
+    )
+}
+
 /// Starts opening a session with `peer` on `runtime`: over its local socket where it offers
 /// one this process reaches ([`crate::hold::session::local`]), else over libp2p; each counted.
-pub fn open_link(runtime: &tokio::runtime::Handle, client: &Client, peer: PeerId) -> Link {
+pub fn open(runtime: &tokio::runtime::Handle, client: &Client, peer: PeerId) -> Opening {
     let mut control = client.control();
     let open = runtime.spawn(async move {
         if crate::hold::session::local::enabled() {
@@ -182,9 +204,7 @@ pub fn open_link(runtime: &tokio::runtime::Handle, client: &Client, peer: PeerId
             Err(e) => Err(format!("{peer}: {e}")),
         }
     });
-    SessionLink::opening(Box::pin(
-        async move { open.await.map_err(|e| e.to_string())? },
-    ))
+    Box::pin(async move { open.await.map_err(|e| e.to_string())? })
 }
 
 /// Whether a session is open over libp2p, not a local socket (the member is not known to be

@@ -243,7 +243,6 @@ impl Worker {
         let mut serving = Serving {
             lead: &mut self.lead,
             steps: self.steps,
-            hop: false,
             moved: false,
         };
         let stepped = node_core::model::step(&mut serving, &mut self.batch, |s, next| {
@@ -463,8 +462,6 @@ struct Serving<'a> {
     lead: &'a mut Lead,
     /// The serving task's steps so far (the step trace's context).
     steps: u64,
-    /// Whether this step's pass goes one hop per stage.
-    hop: bool,
     /// Whether this step's pass failed on members at another version.
     moved: bool,
 }
@@ -480,8 +477,7 @@ impl Regroup<Served> for Serving<'_> {
             tracing::warn!("rounds, not hops: {why}");
             self.lead.hop_failed();
         }
-        self.hop = hop && self.lead.hop.leader.is_some();
-        if !self.hop {
+        if !hop {
             self.lead.hop.drop_group();
         }
         Ok(())
@@ -493,9 +489,9 @@ impl Regroup<Served> for Serving<'_> {
             step = self.steps,
             batch = batch.len(),
             rows = batch.rows(),
-            hop = self.hop
+            hop = self.hops()
         );
-        let result = if self.hop {
+        let result = if self.hops() {
             self.hop_pass(batch).instrument(span).await
         } else {
             self.rounds_pass(batch).instrument(span).await
@@ -517,9 +513,9 @@ impl Regroup<Served> for Serving<'_> {
                 "members are at another version (the mesh moved on): forming the group again"
             );
         } else {
-            tracing::warn!(attempt, hop = self.hop, "a forward step failed: {why}");
+            tracing::warn!(attempt, hop = self.hops(), "a forward step failed: {why}");
         }
-        if self.hop {
+        if self.hops() {
             self.lead.hop_failed();
         }
         self.lead.pass_failed(self.moved);
@@ -532,6 +528,12 @@ impl Regroup<Served> for Serving<'_> {
 }
 
 impl Serving<'_> {
+    /// Whether this step's pass goes one hop per stage: the route [`Regroup::ready`] chose
+    /// left a hop group (it lets the hop group go when the pass goes over rounds).
+    fn hops(&self) -> bool {
+        self.lead.hop.leader.is_some()
+    }
+
     /// The batch's pass through the leader's rounds; notes whether a failure met members at
     /// another version.
     async fn rounds_pass(
