@@ -19,6 +19,9 @@ use node_core::mesh::{Heartbeat, MeshRequest, MeshResponse, ModelManifest, Notic
 use node_native::lead::remote::Session;
 use node_native::net::rpc::ask;
 
+/// How long a flood may spend opening its streams, all of them together.
+const FLOOD_OPENING: Duration = Duration::from_secs(30);
+
 /// A stranger connected to one node of a mesh.
 pub struct Adversary {
     /// Its connection.
@@ -179,11 +182,20 @@ impl Adversary {
         let protocol = StreamProtocol::new(node_core::net::MESH_PROTOCOL);
         let mut control = self.session.client.control();
         let deadline = Duration::from_secs(5);
+        // The opening as a whole is bounded too: a node that lets each open wait out its
+        // deadline would otherwise hold the flood for `streams` × 5 s (85 min for 1024); the
+        // streams not opened by then count as cut.
+        let opening_ends = tokio::time::Instant::now() + FLOOD_OPENING;
         let mut opened = Vec::new();
         let mut failed = 0;
         for _ in 0..streams {
+            let left = opening_ends.saturating_duration_since(tokio::time::Instant::now());
+            if left.is_zero() {
+                failed += 1;
+                continue;
+            }
             let open = control.open_stream(self.target(), protocol.clone());
-            match tokio::time::timeout(deadline, open).await {
+            match tokio::time::timeout(deadline.min(left), open).await {
                 Ok(Ok(s)) => opened.push(s),
                 _ => failed += 1,
             }
