@@ -187,20 +187,18 @@ impl Adversary {
         // streams not opened by then count as cut.
         let opening_ends = tokio::time::Instant::now() + FLOOD_OPENING;
         let mut opened = Vec::new();
-        let mut failed = 0;
         for _ in 0..streams {
             let left = opening_ends.saturating_duration_since(tokio::time::Instant::now());
             if left.is_zero() {
-                failed += 1;
-                continue;
+                break;
             }
             let open = control.open_stream(self.target(), protocol.clone());
-            match tokio::time::timeout(deadline.min(left), open).await {
-                Ok(Ok(s)) => opened.push(s),
-                _ => failed += 1,
+            if let Ok(Ok(s)) = tokio::time::timeout(deadline.min(left), open).await {
+                opened.push(s);
             }
         }
         let count = opened.len();
+        let mut failed = streams - count;
         // A request's head: the length, the protocol version, the variant.
         let mut head = claimed.to_le_bytes().to_vec();
         head.extend(

@@ -254,8 +254,6 @@ struct PageLead<'a> {
     formed: Option<Formed<WebTransport>>,
     /// What the groups it let go caught, reported.
     caught: Vec<String>,
-    /// Whether the last pass failed on members at another version (the mesh moved on).
-    moved: bool,
 }
 
 impl<'a> PageLead<'a> {
@@ -268,7 +266,6 @@ impl<'a> PageLead<'a> {
             steer: Steer::new(wanted),
             formed: None,
             caught: Vec::new(),
-            moved: false,
         }
     }
 
@@ -350,9 +347,7 @@ impl Regroup for PageLead<'_> {
             return Err(ModelError::NoGroup("no group".into()));
         };
         let mut items = batch.rounds_items();
-        let result = f.llama.forward_batch(&mut f.group, &mut items).await;
-        self.moved = result.is_err() && f.group.transport().notes().stale;
-        result
+        f.llama.forward_batch(&mut f.group, &mut items).await
     }
 
     fn passed(&mut self) {
@@ -360,12 +355,14 @@ impl Regroup for PageLead<'_> {
     }
 
     fn failed(&mut self, why: &ModelError) -> bool {
-        if self.moved {
+        // The failed pass's last round: whether a member was at another version.
+        let moved = (self.formed.as_ref()).is_some_and(|f| f.group.transport().notes().stale);
+        if moved {
             tracing::info!("members are at another version (the mesh moved on): forming again");
         } else {
             tracing::warn!("a pass failed ({why}): forming the group again");
         }
-        self.steer.pass_failed(Instant::now(), self.moved);
+        self.steer.pass_failed(Instant::now(), moved);
         true
     }
 }
