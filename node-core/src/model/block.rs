@@ -1,11 +1,12 @@
 //! What one block of the model does, said once ([`BLOCK`]), with its stages ([`Stage`]) and the
-//! leader's arithmetic between them (RMSNorm, RoPE, SwiGLU). The model's forward pass, training's
-//! forward pass ([`run_block`]) and the GPU whole token's plan (`coded/gpu/token.rs`, through
-//! [`pass_steps`]) all walk it; they differ only in how a block's rows attend ([`Attend`]).
+//! leader's arithmetic between them (RMSNorm, RoPE, SwiGLU). The model's and training's forward
+//! pass (`model/layers.rs`'s `Block`) and the GPU whole token's plan (`coded/gpu/token.rs`,
+//! through [`pass_steps`]) take these steps; they differ only in how a block's rows attend
+//! ([`Attend`]).
 
 use serde::{Deserialize, Serialize};
 
-use super::{LeaderWeights, LlamaConfig, ModelError};
+use super::{LlamaConfig, ModelError};
 
 /// One linear round of the model: the matrices that share one input.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -125,7 +126,7 @@ pub enum BlockStep {
     FfnResidual,
 }
 
-/// What every block does, in order.
+/// What every block does, in order (the steps `model/layers.rs`'s `Block::forward` takes).
 pub const BLOCK: [BlockStep; 11] = [
     BlockStep::AttnNorm,
     BlockStep::Qkv,
@@ -185,37 +186,6 @@ pub(crate) trait Attend {
     fn attend(&mut self, layer: usize, q: &[f32], k: &[f32], v: &[f32], out: &mut [f32]);
 }
 
-/// A block's activations, for the backward pass.
-#[derive(Debug, Default)]
-pub(crate) struct Saved {
-    /// The block's input, `t × hidden`.
-    pub x_in: Vec<f32>,
-    /// Its attention norm, `t × hidden`.
-    pub h1: Vec<f32>,
-    /// Queries before their head norm (Qwen3 only), `t × q_dim`.
-    pub q_raw: Vec<f32>,
-    /// Keys before their head norm (Qwen3 only), `t × kv_dim`.
-    pub k_raw: Vec<f32>,
-    /// Rotated queries, `t × q_dim`.
-    pub q: Vec<f32>,
-    /// Rotated keys, `t × kv_dim`.
-    pub k: Vec<f32>,
-    /// Values, `t × kv_dim`.
-    pub v: Vec<f32>,
-    /// The attention output, `t × q_dim`.
-    pub attn: Vec<f32>,
-    /// The stream after attention, `t × hidden`.
-    pub x_mid: Vec<f32>,
-    /// Its feed-forward norm, `t × hidden`.
-    pub h2: Vec<f32>,
-    /// `t × ffn` each.
-    pub gate: Vec<f32>,
-    /// `t × ffn`.
-    pub up: Vec<f32>,
-    /// `silu(gate)·up`, `t × ffn`.
-    pub act: Vec<f32>,
-}
-
 /// Rows of a block's pass: how many, and RoPE's `cos` and `sin` for each row's position.
 pub(crate) struct Rows<'a> {
     /// Rows of the residual stream.
@@ -224,103 +194,6 @@ pub(crate) struct Rows<'a> {
     pub cos: &'a [f32],
     /// As `cos`.
     pub sin: &'a [f32],
-}
-
-/// Runs block `layer` ([`BLOCK`]) on the residual stream `x` (`t × hidden`), in place; its
-/// activations come back when `keep` (training's forward pass).
-#[allow(
-    clippy::too_many_arguments,
-    reason = "the model's parts, the block's rows and the stream"
-)]
-pub(crate) async fn run_block<E: LinearExec, A: Attend>(
-    cfg: &LlamaConfig,
-    norms: &LeaderWeights,
-    layer: usize,
-    exec: &mut E,
-    attend: &mut A,
-    rows: &Rows<'_>,
-    x: &mut [f32],
-    keep: bool,
-) -> Result<Option<Saved>, ModelError> {
-    let (t, l) = (rows.t, layer as u32);
-    let mut a = Saved::default();
-    let (mut o, mut down) = (Vec::new(), Vec::new());
-    let norm = |x: &[f32], gain: &[f32]| {
-        let mut h = vec![0.0f32; x.len()];
-        rms_norm(x, gain, cfg.norm_eps, &mut h);
-        h
-    };
-    for step in BLOCK {
-        match step {
-            BlockStep::AttnNorm => {
-                a.h1 = norm(x, &norms.attn_norm[layer]);
-                if keep {
-                    a.x_in = x.to_vec();
-                }
-            }
-            BlockStep::Qkv => {
-                let mut qkv = linear(exec, cfg, Stage::Qkv(l), &a.h1, t).await?;
-                a.v = qkv.pop().unwrap_or_default();
-                a.k = qkv.pop().unwrap_or_default();
-                a.q = qkv.pop().unwrap_or_default();
-                if let Some(bias) = norms.qkv_bias.get(layer) {
-                    let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
-                    add_rows(&mut a.q, &bias[..qd]);
-                    add_rows(&mut a.k, &bias[qd..qd + kvd]);
-                    add_rows(&mut a.v, &bias[qd + kvd..]);
-                }
-                if let (Some(qn), Some(kn)) = (norms.q_norm.get(layer), norms.k_norm.get(layer)) {
-                    if keep {
-                        a.q_raw = a.q.clone();
-                        a.k_raw = a.k.clone();
-                    }
-                    a.q = norm(&a.q, qn);
-                    a.k = norm(&a.k, kn);
-                }
-            }
-            BlockStep::Rope => {
-                rotate(&mut a.q, cfg.heads, cfg.head_dim, rows.cos, rows.sin, 1.0);
-                rotate(
-                    &mut a.k,
-                    cfg.kv_heads,
-                    cfg.head_dim,
-                    rows.cos,
-                    rows.sin,
-                    1.0,
-                );
-            }
-            BlockStep::Attend => {
-                a.attn = vec![0.0f32; t * cfg.q_dim()];
-                attend.attend(layer, &a.q, &a.k, &a.v, &mut a.attn);
-            }
-            BlockStep::AttnOut => {
-                o = linear(exec, cfg, Stage::AttnOut(l), &a.attn, t).await?;
-            }
-            BlockStep::AttnResidual => add_in_place(x, &o.pop().unwrap_or_default()),
-            BlockStep::FfnNorm => {
-                a.h2 = norm(x, &norms.ffn_norm[layer]);
-                if keep {
-                    a.x_mid = x.to_vec();
-                }
-            }
-            BlockStep::GateUp => {
-                let mut gu = linear(exec, cfg, Stage::GateUp(l), &a.h2, t).await?;
-                a.up = gu.pop().unwrap_or_default();
-                a.gate = gu.pop().unwrap_or_default();
-            }
-            BlockStep::SwiGlu => {
-                a.act = a
-                    .gate
-                    .iter()
-                    .zip(&a.up)
-                    .map(|(&g, &u)| silu(g) * u)
-                    .collect();
-            }
-            BlockStep::Down => down = linear(exec, cfg, Stage::Down(l), &a.act, t).await?,
-            BlockStep::FfnResidual => add_in_place(x, &down.pop().unwrap_or_default()),
-        }
-    }
-    Ok(keep.then_some(a))
 }
 
 /// Bytes of one block stage's outputs (f32, every matrix of the stage) a round may reach: more

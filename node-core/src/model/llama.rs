@@ -1,10 +1,32 @@
-//! The model's forward pass as served: sequences batched, each attending over its own KV cache,
-//! every block run as [`super::block`] says and every linear stage through a [`LinearExec`].
+//! The model around its blocks — embedding, every [`Block`], the final norm, the LM head — said
+//! once for inference and training, and the forward pass as served: sequences batched, each
+//! attending over its own KV cache, every linear stage through a [`LinearExec`].
 
 use super::block::{
-    Attend, LinearExec, Rows, Stage, linear, pass_rows, rms_norm, rope_table, run_block, softmax,
+    Attend, LinearExec, Rows, Stage, linear, pass_rows, rms_norm, rope_table, softmax,
 };
+use super::layers::{Block, Saved};
 use super::{LeaderWeights, LlamaConfig, ModelError};
+
+/// What a pass through the blocks keeps of each block for a backward pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Keep {
+    /// Nothing (inference).
+    Nothing,
+    /// Each block's input, to run it again on the way back.
+    Inputs,
+    /// Each block's activations.
+    Activations,
+}
+
+/// What a pass through the blocks kept of one block.
+#[derive(Debug)]
+pub(crate) enum Kept {
+    /// Its input ([`Keep::Inputs`]).
+    Input(Vec<f32>),
+    /// Its activations ([`Keep::Activations`]).
+    Activations(Saved),
+}
 
 /// Keys and values of the tokens seen so far, per block.
 #[derive(Debug, Clone)]
@@ -250,27 +272,15 @@ impl Llama {
             cos.extend(c);
             sin.extend(s);
         }
-        let mut x = exec.embed(&tokens).await?;
-        expect_len(&x, t * d, "embedding")?;
         let block_rows = Rows {
             t,
             cos: &cos,
             sin: &sin,
         };
         let mut caches = CacheAttend { model: self, items };
-        for l in 0..cfg.layers {
-            run_block(
-                cfg,
-                &self.norms,
-                l,
-                exec,
-                &mut caches,
-                &block_rows,
-                &mut x,
-                false,
-            )
+        let (x, _) = self
+            .trunk(exec, &mut caches, &tokens, &block_rows, Keep::Nothing)
             .await?;
-        }
         let items = caches.items;
         // The last rows of each sequence go to the LM head, all in one round.
         let rows: usize = wanted.iter().sum();
@@ -284,10 +294,7 @@ impl Llama {
         if rows == 0 {
             return Ok(vec![Vec::new(); n]);
         }
-        let mut normed = vec![0.0f32; rows * d];
-        rms_norm(&last, &self.norms.final_norm, cfg.norm_eps, &mut normed);
-        let mut logits = linear(exec, cfg, Stage::LmHead, &normed, rows).await?;
-        let all = logits.pop().unwrap_or_default();
+        let all = self.head(exec, &self.final_norm(&last), rows).await?;
         let mut out = Vec::with_capacity(n);
         let mut at = 0;
         for &w in wanted {
@@ -300,6 +307,57 @@ impl Llama {
     /// The norm gains.
     pub(crate) fn norms(&self) -> &LeaderWeights {
         &self.norms
+    }
+
+    /// The model's blocks, first to last.
+    pub(crate) fn blocks(&self) -> impl DoubleEndedIterator<Item = Block<'_>> {
+        (0..self.cfg.layers).map(|l| Block::new(&self.cfg, &self.norms, l))
+    }
+
+    /// The embedding of `tokens` through every block (`rows` says their positions; `attend`,
+    /// how they attend): the residual stream after the last block, and what `keep` asks of
+    /// each block, first to last.
+    pub(crate) async fn trunk<E: LinearExec, A: Attend>(
+        &self,
+        exec: &mut E,
+        attend: &mut A,
+        tokens: &[u32],
+        rows: &Rows<'_>,
+        keep: Keep,
+    ) -> Result<(Vec<f32>, Vec<Kept>), ModelError> {
+        let mut x = exec.embed(tokens).await?;
+        expect_len(&x, tokens.len() * self.cfg.hidden, "embedding")?;
+        let mut kept = Vec::new();
+        for block in self.blocks() {
+            if keep == Keep::Inputs {
+                kept.push(Kept::Input(x.clone()));
+            }
+            let saved = block
+                .forward(exec, attend, rows, &mut x, keep == Keep::Activations)
+                .await?;
+            if let Some(saved) = saved {
+                kept.push(Kept::Activations(saved));
+            }
+        }
+        Ok((x, kept))
+    }
+
+    /// The final norm of rows of the residual stream.
+    pub(crate) fn final_norm(&self, x: &[f32]) -> Vec<f32> {
+        let mut h = vec![0.0f32; x.len()];
+        rms_norm(x, &self.norms.final_norm, self.cfg.norm_eps, &mut h);
+        h
+    }
+
+    /// The LM head's logits (`n × vocab`) of `n` normed rows `h`.
+    pub(crate) async fn head<E: LinearExec>(
+        &self,
+        exec: &mut E,
+        h: &[f32],
+        n: usize,
+    ) -> Result<Vec<f32>, ModelError> {
+        let mut logits = linear(exec, &self.cfg, Stage::LmHead, h, n).await?;
+        Ok(logits.pop().unwrap_or_default())
     }
 
     /// RoPE frequencies.

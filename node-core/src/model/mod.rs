@@ -8,6 +8,7 @@ mod block;
 mod config;
 mod generate;
 mod gguf_model;
+mod layers;
 mod llama;
 mod sampling;
 mod sequence;
@@ -26,12 +27,13 @@ pub use generate::{
     step,
 };
 pub use gguf_model::{GgufModel, ReadAt};
+pub use layers::{StageGrad, StageSink};
 pub use llama::{BatchItem, KvCache, Llama};
 pub use sampling::{Sampler, SamplingParams, argmax};
 pub use sequence::{Sequence, Taken};
 pub use source::MatrixSource;
 pub use tokenizer::{ChatMessage, TextStream, Tokenizer, TokenizerData};
-pub use train::{Gradients, HEAD_BYTES, KEEP_BYTES, StageGrad, StageSink, training_bytes};
+pub use train::{Gradients, HEAD_BYTES, KEEP_BYTES, training_bytes};
 pub use weights::{LayerWeights, LeaderWeights, Matrix, ModelWeights};
 
 use crate::gguf::GgufError;

@@ -1,22 +1,13 @@
-//! The leader's backward pass: next-token cross-entropy over a sequence, with every linear
-//! layer's input gradient computed through the [`LinearExec`] (coded transpose steps) and every
-//! weight gradient kept as factors `δW = dYᵀ·X` (DESIGN.md §1), never as full matrices.
+//! The leader's backward pass: next-token cross-entropy over a sequence, the model's own forward
+//! pass ([`Llama::trunk`], [`Llama::head`]) walked back block by block (`Block::backward`), with
+//! every linear layer's input gradient computed through the [`LinearExec`] (coded transpose
+//! steps) and every weight gradient kept as factors `δW = dYᵀ·X` (DESIGN.md §1), never as full
+//! matrices.
 
-use super::block::{
-    Attend, Rows, Stage, linear, linear_t, rms_norm, rope_table, rotate, run_block, softmax,
-};
+use super::block::{Attend, Rows, Stage, linear_t, rope_table, softmax};
+use super::layers::{AttendBack, AttentionActs, StageGrad, StageSink, rms_norm_backward};
+use super::llama::{Keep, Kept};
 use super::{LeaderWeights, LinearExec, Llama, ModelError};
-
-/// One linear stage's gradient, as factors: for matrix `m`, `δW_m = dy[m]ᵀ · x`.
-#[derive(Debug, Clone, PartialEq)]
-pub struct StageGrad {
-    /// The stage.
-    pub stage: Stage,
-    /// The stage's input, `t × in`.
-    pub x: Vec<f32>,
-    /// Per matrix, the gradient of its output, `t × out`.
-    pub dy: Vec<Vec<f32>>,
-}
 
 /// The gradient of the mean loss on one sequence, or on a batch of them (rows stacked).
 #[derive(Debug, Clone, PartialEq)]
@@ -36,37 +27,6 @@ pub struct Gradients {
     pub norms: LeaderWeights,
     /// Sequences the gradient is the mean over (1 for one request).
     pub sequences: usize,
-}
-
-/// `dx` and `dgain` of `y = rms_norm(x, gain)` given `dy`, row by row.
-fn rms_norm_backward(
-    x: &[f32],
-    gain: &[f32],
-    eps: f32,
-    dy: &[f32],
-    dx: &mut [f32],
-    dgain: &mut [f32],
-) {
-    let d = gain.len();
-    for ((row, g_out), dx_row) in x
-        .chunks_exact(d)
-        .zip(dy.chunks_exact(d))
-        .zip(dx.chunks_exact_mut(d))
-    {
-        let ms = row.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / d as f64;
-        let r = 1.0 / (ms + eps as f64).sqrt();
-        let mut dot = 0.0f64;
-        for i in 0..d {
-            let a = g_out[i] as f64 * gain[i] as f64;
-            dot += a * row[i] as f64;
-            dgain[i] += (g_out[i] as f64 * row[i] as f64 * r) as f32;
-        }
-        let c = r * r * r * dot / d as f64;
-        for i in 0..d {
-            let a = g_out[i] as f64 * gain[i] as f64;
-            dx_row[i] = (r * a - c * row[i] as f64) as f32;
-        }
-    }
 }
 
 impl Llama {
@@ -181,8 +141,7 @@ impl Llama {
             }
         }
         let backward = sink.is_some();
-        let (d, qd, kvd) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim());
-        let norms = self.norms();
+        let d = cfg.hidden;
         // Rows of every sequence, stacked; each sequence's positions start at 0.
         let tokens: Vec<u32> = seqs.iter().flat_map(|s| s.iter().copied()).collect();
         let t = tokens.len();
@@ -203,12 +162,6 @@ impl Llama {
         // Forward. Every block's activations are kept for the backward pass while they fit in
         // [`KEEP_BYTES`]; beyond, only each block's input, and the backward pass runs the block
         // again when it reaches it.
-        let mut x = exec.embed(&tokens).await?;
-        if x.len() != t * d {
-            return Err(ModelError::Config(
-                "the embedding returned the wrong shape".into(),
-            ));
-        }
         let rows = Rows {
             t,
             cos: &cos,
@@ -221,20 +174,13 @@ impl Llama {
             probs: Vec::new(),
             keep: whole,
         };
-        let (mut saved, mut inputs) = (Vec::new(), Vec::new());
-        for l in 0..cfg.layers {
-            if backward && !whole {
-                inputs.push(x.clone());
-            }
-            let kept = run_block(&cfg, norms, l, exec, &mut within, &rows, &mut x, whole).await?;
-            if whole {
-                saved.push(
-                    kept.ok_or_else(|| ModelError::Config("lost a block's activations".into()))?,
-                );
-            }
-        }
-        let mut hf = vec![0.0f32; t * d];
-        rms_norm(&x, &norms.final_norm, cfg.norm_eps, &mut hf);
+        let keep = match (backward, whole) {
+            (false, _) => Keep::Nothing,
+            (true, false) => Keep::Inputs,
+            (true, true) => Keep::Activations,
+        };
+        let (x, mut kept) = self.trunk(exec, &mut within, &tokens, &rows, keep).await?;
+        let hf = self.final_norm(&x);
 
         // The loss and (training) its gradient on the logits, in runs of positions: every
         // position but each sequence's last predicts the next token of its sequence.
@@ -252,10 +198,7 @@ impl Llama {
         for first in (0..t).step_by(run) {
             let n = run.min(t - first);
             let h = &hf[first * d..(first + n) * d];
-            let mut logits = linear(exec, &cfg, Stage::LmHead, h, n)
-                .await?
-                .pop()
-                .unwrap_or_default();
+            let mut logits = self.head(exec, h, n).await?;
             for (row, target) in logits.chunks_exact_mut(v_n).zip(&next[first..]) {
                 let Some(target) = *target else {
                     row.fill(0.0);
@@ -299,139 +242,30 @@ impl Llama {
         let mut dx = vec![0.0f32; t * d];
         rms_norm_backward(
             &x,
-            &norms.final_norm,
+            &self.norms().final_norm,
             cfg.norm_eps,
             &dhf,
             &mut dx,
             &mut grads.final_norm,
         );
         drop((x, dhf));
-        let mut tmp = vec![0.0f32; t * d];
-        for l in (0..cfg.layers).rev() {
-            let layer = l as u32;
-            let kept = if whole {
-                saved.pop()
-            } else {
-                // The block again from its input, keeping its activations this time.
-                let mut again = inputs.pop().unwrap_or_default();
-                within.keep = true;
-                run_block(&cfg, norms, l, exec, &mut within, &rows, &mut again, true).await?
-            };
-            let (s, layer_probs) = kept
-                .zip(within.probs.pop())
-                .ok_or_else(|| ModelError::Config("lost a block's activations".into()))?;
-            // Down projection.
-            let dact =
-                linear_t(exec, &cfg, Stage::Down(layer), std::slice::from_ref(&dx), t).await?;
-            sink.take(StageGrad {
-                stage: Stage::Down(layer),
-                x: s.act,
-                dy: vec![dx.clone()],
-            });
-            // SwiGLU.
-            let mut dgate = vec![0.0f32; dact.len()];
-            let mut dup = vec![0.0f32; dact.len()];
-            for i in 0..dact.len() {
-                let (g, u) = (s.gate[i], s.up[i]);
-                let sig = 1.0 / (1.0 + (-g).exp());
-                dup[i] = dact[i] * g * sig;
-                dgate[i] = dact[i] * u * sig * (1.0 + g * (1.0 - sig));
-            }
-            let dys = vec![dgate, dup];
-            let dh2 = linear_t(exec, &cfg, Stage::GateUp(layer), &dys, t).await?;
-            sink.take(StageGrad {
-                stage: Stage::GateUp(layer),
-                x: s.h2,
-                dy: dys,
-            });
-            rms_norm_backward(
-                &s.x_mid,
-                &norms.ffn_norm[l],
-                cfg.norm_eps,
-                &dh2,
-                &mut tmp,
-                &mut grads.ffn_norm[l],
-            );
-            dx.iter_mut().zip(&tmp).for_each(|(a, &b)| *a += b);
-            // Attention output projection.
-            let dattn = linear_t(
-                exec,
-                &cfg,
-                Stage::AttnOut(layer),
-                std::slice::from_ref(&dx),
-                t,
-            )
-            .await?;
-            sink.take(StageGrad {
-                stage: Stage::AttnOut(layer),
-                x: s.attn,
-                dy: vec![dx.clone()],
-            });
-            // Attention, within each sequence.
-            let mut dq = vec![0.0f32; t * qd];
-            let mut dk = vec![0.0f32; t * kvd];
-            let mut dv = vec![0.0f32; t * kvd];
-            let mut p_at = 0;
-            for &(row, ti) in &spans {
-                let p_len = ti * cfg.heads * ti;
-                let (q, kv) = (row * qd..(row + ti) * qd, row * kvd..(row + ti) * kvd);
-                attention_backward(
-                    &cfg,
-                    AttentionSaved {
-                        q: &s.q[q.clone()],
-                        k: &s.k[kv.clone()],
-                        v: &s.v[kv.clone()],
-                        probs: &layer_probs[p_at..p_at + p_len],
-                    },
-                    &dattn[q.clone()],
-                    ti,
-                    AttentionGrads {
-                        dq: &mut dq[q],
-                        dk: &mut dk[kv.clone()],
-                        dv: &mut dv[kv],
-                    },
-                );
-                p_at += p_len;
-            }
-            // RoPE is a rotation: its transpose rotates back.
-            rotate(&mut dq, cfg.heads, cfg.head_dim, &cos, &sin, -1.0);
-            rotate(&mut dk, cfg.kv_heads, cfg.head_dim, &cos, &sin, -1.0);
-            if let (Some(qn), Some(kn)) = (norms.q_norm.get(l), norms.k_norm.get(l)) {
-                // Back through the head norms to the projections' outputs.
-                let back = |raw: &[f32], gain: &[f32], dy: &[f32], dgain: &mut [f32]| {
-                    let mut dx = vec![0.0f32; dy.len()];
-                    rms_norm_backward(raw, gain, cfg.norm_eps, dy, &mut dx, dgain);
-                    dx
-                };
-                dq = back(&s.q_raw, qn, &dq, &mut grads.q_norm[l]);
-                dk = back(&s.k_raw, kn, &dk, &mut grads.k_norm[l]);
-            }
-            if let Some(bias) = grads.qkv_bias.get_mut(l) {
-                let (bq, rest) = bias.split_at_mut(qd);
-                let (bk, bv) = rest.split_at_mut(kvd);
-                for (b, dy) in [(bq, &dq), (bk, &dk), (bv, &dv)] {
-                    for row in dy.chunks_exact(b.len()) {
-                        b.iter_mut().zip(row).for_each(|(g, &v)| *g += v);
-                    }
+        for block in self.blocks().rev() {
+            let saved = match kept.pop() {
+                Some(Kept::Activations(saved)) => Some(saved),
+                Some(Kept::Input(mut again)) => {
+                    // The block again from its input, keeping its activations this time.
+                    within.keep = true;
+                    block
+                        .forward(exec, &mut within, &rows, &mut again, true)
+                        .await?
                 }
-            }
-            let dys = vec![dq, dk, dv];
-            let dh1 = linear_t(exec, &cfg, Stage::Qkv(layer), &dys, t).await?;
-            sink.take(StageGrad {
-                stage: Stage::Qkv(layer),
-                x: s.h1,
-                dy: dys,
-            });
-            rms_norm_backward(
-                &s.x_in,
-                &norms.attn_norm[l],
-                cfg.norm_eps,
-                &dh1,
-                &mut tmp,
-                &mut grads.attn_norm[l],
-            );
-            dx.iter_mut().zip(&tmp).for_each(|(a, &b)| *a += b);
-            drop(s.x_in);
+                None => None,
+            };
+            let saved =
+                saved.ok_or_else(|| ModelError::Config("lost a block's activations".into()))?;
+            block
+                .backward(exec, &mut within, &rows, saved, &mut dx, sink, &mut grads)
+                .await?;
         }
         let grads = Gradients {
             loss,
@@ -506,13 +340,6 @@ pub fn training_bytes(cfg: &super::LlamaConfig, positions: usize, window: usize)
     kept + grads + HEAD_BYTES.max(4 * cfg.vocab)
 }
 
-/// Takes each stage's gradient as the backward pass makes it: the LM head's first, a run of
-/// positions at a time, then every block's, from the last.
-pub trait StageSink: Send {
-    /// One stage's gradient (the LM head's: some of its rows, in order).
-    fn take(&mut self, g: StageGrad);
-}
-
 /// Keeps every stage's gradient whole (a run of the LM head's rows joins the one before).
 #[derive(Debug, Default)]
 struct Collect(Vec<StageGrad>);
@@ -567,6 +394,47 @@ impl Attend for WithinSequences<'_> {
         if self.keep {
             self.probs.push(probs);
         }
+    }
+}
+
+impl AttendBack for WithinSequences<'_> {
+    fn attend_back(
+        &mut self,
+        _layer: usize,
+        a: &AttentionActs,
+        dattn: &[f32],
+    ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>), ModelError> {
+        let cfg = self.cfg;
+        let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
+        let t: usize = self.spans.iter().map(|&(_, ti)| ti).sum();
+        let probs = (self.probs.pop())
+            .ok_or_else(|| ModelError::Config("lost a block's attention probabilities".into()))?;
+        let mut dq = vec![0.0f32; t * qd];
+        let mut dk = vec![0.0f32; t * kvd];
+        let mut dv = vec![0.0f32; t * kvd];
+        let mut p_at = 0;
+        for &(row, ti) in self.spans {
+            let p_len = ti * cfg.heads * ti;
+            let (q, kv) = (row * qd..(row + ti) * qd, row * kvd..(row + ti) * kvd);
+            attention_backward(
+                cfg,
+                AttentionSaved {
+                    q: &a.q[q.clone()],
+                    k: &a.k[kv.clone()],
+                    v: &a.v[kv.clone()],
+                    probs: &probs[p_at..p_at + p_len],
+                },
+                &dattn[q.clone()],
+                ti,
+                AttentionGrads {
+                    dq: &mut dq[q],
+                    dk: &mut dk[kv.clone()],
+                    dv: &mut dv[kv],
+                },
+            );
+            p_at += p_len;
+        }
+        Ok((dq, dk, dv))
     }
 }
 
