@@ -510,7 +510,7 @@ mod tests {
         };
         let mut attended = Vec::new();
         let mut x = vec![1.0; t * cfg.hidden];
-        let block = Block::new(&cfg, &norms, 1);
+        let block = Block::new(&cfg, &norms, 0);
         let saved = futures::executor::block_on(block.forward(
             &mut exec,
             &mut attended,
@@ -521,12 +521,12 @@ mod tests {
         .unwrap();
         // The stages asked of the mesh, with attention where it came between them.
         let mut asked = exec.asked.clone();
-        let at = asked.iter().position(|s| s == "AttnOut(1)").unwrap();
+        let at = asked.iter().position(|s| s == "AttnOut(0)").unwrap();
         asked.splice(at..at, attended);
         let listed: Vec<String> = (BLOCK.iter())
             .filter_map(|&step| match step {
-                BlockStep::Attend => Some("Attend(1)".to_string()),
-                _ => PassStep::Block(1, step).stage().map(|s| format!("{s:?}")),
+                BlockStep::Attend => Some("Attend(0)".to_string()),
+                _ => PassStep::Block(0, step).stage().map(|s| format!("{s:?}")),
             })
             .collect();
         assert_eq!(asked, listed);
@@ -548,7 +548,7 @@ mod tests {
         .unwrap();
         assert_eq!(
             exec.asked,
-            ["Down(1)ᵀ", "GateUp(1)ᵀ", "AttnOut(1)ᵀ", "Qkv(1)ᵀ"]
+            ["Down(0)ᵀ", "GateUp(0)ᵀ", "AttnOut(0)ᵀ", "Qkv(0)ᵀ"]
         );
     }
 }
