@@ -5,7 +5,7 @@
 
 use anyhow::{Context, Result, bail};
 use libp2p::{Multiaddr, PeerId};
-use node_core::lead::{Action, Publisher, Sealed, Sent, Settled, Steer, settle};
+use node_core::lead::{Looking, Publisher, Sealed, Sent, Settled, Steer, SteerShell, settle};
 use node_core::learn::{GateClaim, Header, Published, Teacher};
 use node_core::mesh::{MeshRequest, MeshResponse, ModelManifest, Usage};
 use node_core::model::ModelError;
@@ -38,32 +38,13 @@ pub struct Leader {
 }
 
 impl node_core::model::Regroup for Leader {
-    /// Does what the leader's [`Steer`] says until a pass may run: forms the group (again)
-    /// from the mesh's view now (waiting while its rows are between versions), backs off after
-    /// failed passes, and lets a group short of members go when a row comes back.
+    /// Does what the leader's [`Steer`] says until a pass may run
+    /// ([`node_core::lead::ready`]): forms the group (again) from the mesh's view now, backs
+    /// off after failed passes, and lets a group short of members go when a row comes back.
     async fn ready(&mut self) -> Result<(), ModelError> {
-        loop {
-            let now = std::time::Instant::now();
-            match self.steer.poll(now, self.formed.group.nodes()) {
-                Action::Pass => return Ok(()),
-                Action::Wait(until) => tokio::time::sleep_until(until.into()).await,
-                Action::Unavailable { why, .. } => {
-                    return Err(ModelError::NoGroup(format!(
-                        "forming the group again: {why}"
-                    )));
-                }
-                Action::Look(looking) => {
-                    let info = self.session.info().await;
-                    let row = info.ok().and_then(|i| {
-                        looking.in_view(&i, &self.formed.version, &Default::default())
-                    });
-                    if self.steer.looked(now, row) {
-                        eprintln!("row {row:?} came back: forming the group again");
-                    }
-                }
-                Action::Form => self.form_again(now).await,
-            }
-        }
+        node_core::lead::ready(self)
+            .await
+            .map_err(|why| ModelError::NoGroup(format!("forming the group again: {why}")))
     }
 
     async fn pass(
@@ -131,37 +112,6 @@ impl Leader {
             opts: opts.clone(),
             steer,
         })
-    }
-
-    /// Forms the group anew from the mesh's view now, after reporting the members the old
-    /// one caught; tells the steer what came of it.
-    async fn form_again(&mut self, now: std::time::Instant) {
-        if !self.formed.group.stats().caught.is_empty() {
-            self.report_caught().await;
-        }
-        let session = &self.session;
-        let context = self.formed.group.transport().context().to_string();
-        let formed = form_group(
-            &session.client,
-            &self.manifest,
-            || session.info(),
-            None,
-            &self.opts,
-        )
-        .await;
-        match formed {
-            Ok(formed) => {
-                eprintln!(
-                    "formed the group again at version {}, group {:?}",
-                    node_core::mesh::hex(&formed.version[..8]),
-                    formed.group.nodes()
-                );
-                self.steer.formed();
-                self.formed = formed;
-                self.formed.group.transport_mut().set_context(context);
-            }
-            Err(e) => self.steer.form_failed(now, format!("{e:#}")),
-        }
     }
 
     /// Trains on what `prompt` teaches ([`node_core::learn::taught`]) if the mesh learns: the
@@ -268,6 +218,61 @@ impl Leader {
         )
         .await?;
         Ok(())
+    }
+}
+
+/// The command line's leader as the steer drives it.
+impl SteerShell for Leader {
+    fn steer(&mut self) -> &mut Steer {
+        &mut self.steer
+    }
+
+    fn now(&mut self) -> std::time::Instant {
+        std::time::Instant::now()
+    }
+
+    fn rows(&self) -> Vec<usize> {
+        self.formed.group.nodes().to_vec()
+    }
+
+    async fn wait_until(&mut self, until: std::time::Instant) {
+        tokio::time::sleep_until(until.into()).await
+    }
+
+    /// Forms the group anew from the mesh's view now, after reporting the members the old one
+    /// caught.
+    async fn form(&mut self) -> Result<(), String> {
+        if !self.formed.group.stats().caught.is_empty() {
+            self.report_caught().await;
+        }
+        let session = &self.session;
+        let context = self.formed.group.transport().context().to_string();
+        let formed = form_group(
+            &session.client,
+            &self.manifest,
+            || session.info(),
+            None,
+            &self.opts,
+        )
+        .await
+        .map_err(|e| format!("{e:#}"))?;
+        eprintln!(
+            "formed the group again at version {}, group {:?}",
+            node_core::mesh::hex(&formed.version[..8]),
+            formed.group.nodes()
+        );
+        self.formed = formed;
+        self.formed.group.transport_mut().set_context(context);
+        Ok(())
+    }
+
+    async fn look(&mut self, looking: &Looking) -> Option<usize> {
+        let info = self.session.info().await.ok()?;
+        looking.in_view(&info, &self.formed.version, &Default::default())
+    }
+
+    fn regroup(&mut self, row: usize, _: &Looking) {
+        eprintln!("row {row} came back: forming the group again");
     }
 }
 

@@ -12,7 +12,7 @@ use libp2p::Multiaddr;
 use libp2p::PeerId;
 use node_core::code::Generator;
 use node_core::holder::HolderError;
-use node_core::lead::{Action, Formed, GroupOptions, LeadLink, OwnRow, Steer};
+use node_core::lead::{Formed, GroupOptions, LeadLink, Looking, OwnRow, Steer, SteerShell};
 use node_core::mesh::rounds::{Asks, MemberAnswer, Rounds};
 use node_core::mesh::{
     BrowserBootstrap, MeshRequest, MeshResponse, ModelManifest, RoundConfig, Usage,
@@ -295,51 +295,52 @@ impl<'a> PageLead<'a> {
         }
         self.caught.clone()
     }
+}
 
-    /// Forms a group from the mesh's view now; tells the steer what came of it.
-    async fn form(&mut self) {
+/// The page's leader as the steer drives it.
+impl SteerShell for PageLead<'_> {
+    fn steer(&mut self) -> &mut Steer {
+        &mut self.steer
+    }
+
+    fn now(&mut self) -> Instant {
+        Instant::now()
+    }
+
+    fn rows(&self) -> Vec<usize> {
+        (self.formed.as_ref()).map_or_else(Vec::new, |f| f.group.nodes().to_vec())
+    }
+
+    async fn wait_until(&mut self, until: Instant) {
+        futures_timer::Delay::new(until.saturating_duration_since(Instant::now())).await
+    }
+
+    /// Forms a group from the mesh's view now, after reporting what the one it lets go caught.
+    async fn form(&mut self) -> Result<(), String> {
         self.report().await;
         self.formed = None;
-        let formed = match self.info().await {
-            Ok(info) => node_core::lead::form(self.node, self.manifest, &info, &self.opts)
-                .await
-                .map_err(mesh_err),
-            Err(e) => Err(e),
-        };
-        match formed {
-            Ok(f) => {
-                self.steer.formed();
-                self.formed = Some(f);
-            }
-            Err(e) => self.steer.form_failed(Instant::now(), e.to_string()),
-        }
+        let info = self.info().await.map_err(|e| e.to_string())?;
+        let formed = node_core::lead::form(self.node, self.manifest, &info, &self.opts).await;
+        self.formed = Some(formed.map_err(|e| mesh_err(e).to_string())?);
+        Ok(())
+    }
+
+    async fn look(&mut self, looking: &Looking) -> Option<usize> {
+        let version = self.formed.as_ref().map(|f| f.version)?;
+        let info = self.info().await.ok()?;
+        looking.in_view(&info, &version, &Default::default())
+    }
+
+    fn regroup(&mut self, row: usize, _: &Looking) {
+        tracing::info!(row, "a row came back: forming the group again");
     }
 }
 
 impl Regroup for PageLead<'_> {
     async fn ready(&mut self) -> Result<(), ModelError> {
-        loop {
-            let now = Instant::now();
-            let rows = (self.formed.as_ref()).map_or(&[][..], |f| f.group.nodes());
-            match self.steer.poll(now, rows) {
-                Action::Pass => return Ok(()),
-                Action::Wait(until) => {
-                    futures_timer::Delay::new(until.saturating_duration_since(now)).await
-                }
-                Action::Unavailable { why, .. } => return Err(ModelError::NoGroup(why)),
-                Action::Look(looking) => {
-                    let info = self.info().await.ok();
-                    let version = self.formed.as_ref().map(|f| f.version);
-                    let row = info
-                        .zip(version)
-                        .and_then(|(i, v)| looking.in_view(&i, &v, &Default::default()));
-                    if self.steer.looked(now, row) {
-                        tracing::info!(?row, "a row came back: forming the group again");
-                    }
-                }
-                Action::Form => self.form().await,
-            }
-        }
+        node_core::lead::ready(self)
+            .await
+            .map_err(ModelError::NoGroup)
     }
 
     async fn pass(&mut self, batch: &mut Batch<()>) -> Result<Vec<Vec<f32>>, ModelError> {

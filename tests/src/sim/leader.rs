@@ -4,7 +4,7 @@
 //! a virtual moment, and the leader forms, backs off, looks and regroups as the API's and the
 //! command line's leaders do.
 
-use node_core::lead::{Action, Steer};
+use node_core::lead::{Looking, Steer, SteerShell};
 use node_core::model::{Batch, GenerateOptions, Generation, Llama, Regroup, generate_regrouping};
 
 use super::*;
@@ -149,7 +149,8 @@ impl<'a> SimLeader<'a> {
         futures::executor::block_on(generate_regrouping(self, &cfg, prompt, opts, &mut |_| true))
     }
 
-    fn now(&self) -> Instant {
+    /// The virtual time now.
+    fn clock(&self) -> Instant {
         self.base + self.elapsed()
     }
 
@@ -206,8 +207,8 @@ impl<'a> SimLeader<'a> {
     }
 
     /// Forms a group over the rows up (the best-conditioned k plus spares), its members'
-    /// faults armed.
-    fn form(&mut self) {
+    /// faults armed; why not.
+    fn form_group(&mut self) -> Result<(), String> {
         self.let_go();
         let up: Vec<usize> = self.up.iter().copied().collect();
         let formed = plan_group(self.generator, &up, self.verify + self.cfg.spares)
@@ -242,48 +243,65 @@ impl<'a> SimLeader<'a> {
             });
         match formed {
             Ok(g) => {
-                self.steer.formed();
                 self.note(LeaderStep::Formed(g.nodes().to_vec()));
                 self.group = Some(g);
+                Ok(())
             }
             Err(why) => {
-                self.steer.form_failed(self.now(), why.clone());
-                self.note(LeaderStep::FormFailed(why));
+                self.note(LeaderStep::FormFailed(why.clone()));
+                Err(why)
             }
         }
     }
 }
 
+/// The simulated leader as the steer drives it, in virtual time; its view of the mesh is
+/// exact.
+impl SteerShell for SimLeader<'_> {
+    fn steer(&mut self) -> &mut Steer {
+        &mut self.steer
+    }
+
+    /// The virtual time now, the view caught up with it.
+    fn now(&mut self) -> Instant {
+        self.refresh();
+        self.clock()
+    }
+
+    fn rows(&self) -> Vec<usize> {
+        SimLeader::rows(self).unwrap_or_default()
+    }
+
+    async fn wait_until(&mut self, until: Instant) {
+        let by = until.saturating_duration_since(self.clock());
+        self.past += by;
+        self.note(LeaderStep::Waited(by));
+    }
+
+    async fn form(&mut self) -> Result<(), String> {
+        self.form_group()
+    }
+
+    /// A row up and not a member came back.
+    async fn look(&mut self, looking: &Looking) -> Option<usize> {
+        let row = (self.up.iter())
+            .find(|r| !looking.rows.contains(r))
+            .copied();
+        self.note(LeaderStep::Looked(row));
+        row
+    }
+
+    fn regroup(&mut self, row: usize, _: &Looking) {
+        self.note(LeaderStep::Regrouped(row));
+        self.let_go();
+    }
+}
+
 impl Regroup for SimLeader<'_> {
     async fn ready(&mut self) -> Result<(), ModelError> {
-        loop {
-            self.refresh();
-            let now = self.now();
-            let rows = self.rows().unwrap_or_default();
-            match self.steer.poll(now, &rows) {
-                Action::Pass => return Ok(()),
-                Action::Wait(until) => {
-                    let by = until.saturating_duration_since(now);
-                    self.past += by;
-                    self.note(LeaderStep::Waited(by));
-                }
-                Action::Unavailable { why, .. } => {
-                    return Err(ModelError::NoGroup(format!("forming the group: {why}")));
-                }
-                Action::Look(looking) => {
-                    // The view is exact here: a row up and not a member came back.
-                    let row = (self.up.iter())
-                        .find(|r| !looking.rows.contains(r))
-                        .copied();
-                    self.note(LeaderStep::Looked(row));
-                    if self.steer.looked(now, row) {
-                        self.note(LeaderStep::Regrouped(row.unwrap_or_default()));
-                        self.let_go();
-                    }
-                }
-                Action::Form => self.form(),
-            }
-        }
+        node_core::lead::ready(self)
+            .await
+            .map_err(|why| ModelError::NoGroup(format!("forming the group: {why}")))
     }
 
     async fn pass(&mut self, batch: &mut Batch<()>) -> Result<Vec<Vec<f32>>, ModelError> {
@@ -301,7 +319,7 @@ impl Regroup for SimLeader<'_> {
     fn failed(&mut self, _why: &ModelError) -> bool {
         let rows = self.rows().unwrap_or_default();
         self.note(LeaderStep::PassFailed(rows));
-        self.steer.pass_failed(self.now(), false);
+        self.steer.pass_failed(self.clock(), false);
         self.let_go();
         true
     }

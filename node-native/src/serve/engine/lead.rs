@@ -1,7 +1,7 @@
 //! A leader's group inside the node: formed when needed, kept while it works, regrouped on
 //! failure; what the serving and the training task each hold.
 
-use node_core::lead::{Action, Looking, Steer};
+use node_core::lead::{Looking, Steer, SteerShell};
 
 use super::*;
 
@@ -47,102 +47,13 @@ impl Lead {
         rx.await.map_err(|_| anyhow!("the node is stopping"))
     }
 
-    /// The group, once the leader's [`Steer`] lets a pass run: formed (again) if there is
-    /// none, after the backoff of a run of failed passes, and let go for a row that came back
-    /// when it is short; why not when the mesh cannot give one.
+    /// The group, once the leader's [`Steer`] lets a pass run ([`node_core::lead::ready`]):
+    /// formed (again) if there is none, after the backoff of a run of failed passes, and let go
+    /// for a row that came back when it is short; why not when the mesh cannot give one.
     pub(super) async fn group(&mut self) -> Result<&mut Formed, String> {
-        loop {
-            let now = Instant::now();
-            let rows = (self.formed.as_ref()).map_or(&[][..], |f| f.group.nodes());
-            match self.steer.poll(now, rows) {
-                Action::Pass => break,
-                Action::Wait(until) => tokio::time::sleep_until(until.into()).await,
-                Action::Unavailable { why, .. } => return Err(why),
-                Action::Look(looking) => self.look(now, &looking).await,
-                Action::Form => self.form(now).await,
-            }
-        }
+        node_core::lead::ready(self).await?;
         self.formed.as_mut().ok_or_else(|| "no group".to_string())
     }
-
-    /// Forms a group and tells the steer what came of it. The first serving group takes the
-    /// best holders; every other one leaves out the holders the others compute with.
-    async fn form(&mut self, now: Instant) {
-        self.drop_group();
-        let avoid = match &self.slot {
-            Some((slot, shared)) if *slot > 0 => shared.busy_except(*slot),
-            _ => Default::default(),
-        };
-        let mut opts = GroupOptions::new(self.ctx.cfg.verify, self.ctx.cfg.spares);
-        opts.trace.clone_from(&self.trace);
-        opts.group.avoid = avoid;
-        opts.group.project = self.ctx.cfg.project;
-        opts.group.probed = self.ctx.probed.clone();
-        let formed = form_group(
-            &self.ctx.client,
-            &self.ctx.manifest,
-            || self.info(),
-            Some(&self.ctx.local),
-            &opts,
-        )
-        .await;
-        match formed {
-            Ok(mut f) => {
-                if let Some(serving) = &self.yield_to {
-                    let serving = serving.clone();
-                    f.group.transport_mut().set_gate(serving.training_turns());
-                }
-                tracing::info!(
-                    members = ?f.group.nodes(),
-                    live = f.live_rows,
-                    condition_number = f.condition_number,
-                    version = node_core::mesh::hex(&f.version[..8]),
-                    "formed a group"
-                );
-                self.ctx.metrics.groups_formed.inc();
-                if let Some((slot, shared)) = &self.slot {
-                    shared.set_busy(*slot, f.members.clone());
-                }
-                self.steer.formed();
-                self.formed = Some(f);
-            }
-            Err(e) => {
-                let why = format!("{e:#}");
-                if matches!(self.slot, Some((slot, _)) if slot > 0) {
-                    tracing::debug!("no further group: {why}");
-                } else {
-                    tracing::warn!("no group: {why}");
-                }
-                self.steer.form_failed(now, why);
-            }
-        }
-    }
-
-    /// Looks in the mesh's view for a row a group short of members could take again (not
-    /// another serving group's holder, nor this node's own row when it is not a member); the
-    /// steer lets the group go for it. A hop group is left alone: its sequences live on its
-    /// members.
-    async fn look(&mut self, now: Instant, looking: &Looking) {
-        let version = self.formed.as_ref().map(|f| f.version);
-        let row = if let (None, Some(version)) = (&self.hop.leader, version) {
-            let mut avoid = match &self.slot {
-                Some((slot, shared)) => shared.busy_except(*slot),
-                None => Default::default(),
-            };
-            avoid.insert(self.ctx.client.peer_id());
-            let info = self.info().await.ok();
-            info.and_then(|info| looking.in_view(&info, &version, &avoid))
-        } else {
-            None
-        };
-        if self.steer.looked(now, row) {
-            let members = &looking.rows;
-            tracing::info!(?row, ?members, "a row came back: forming the group again");
-            self.ctx.metrics.groups_regrouped.inc();
-            self.drop_group();
-        }
-    }
-
     /// A pass on the group failed (`moved`: it met members at another version): the group
     /// goes, formed again after the steer's backoff.
     pub(super) fn pass_failed(&mut self, moved: bool) {
@@ -215,6 +126,96 @@ impl Lead {
             }
             _ => self.drop_group(),
         }
+    }
+}
+
+/// The node's leader as the steer drives it. The first serving group takes the best holders;
+/// every other one leaves out the holders the others compute with.
+impl SteerShell for Lead {
+    fn steer(&mut self) -> &mut Steer {
+        &mut self.steer
+    }
+
+    fn now(&mut self) -> Instant {
+        Instant::now()
+    }
+
+    fn rows(&self) -> Vec<usize> {
+        (self.formed.as_ref()).map_or_else(Vec::new, |f| f.group.nodes().to_vec())
+    }
+
+    async fn wait_until(&mut self, until: Instant) {
+        tokio::time::sleep_until(until.into()).await
+    }
+
+    async fn form(&mut self) -> Result<(), String> {
+        self.drop_group();
+        let avoid = match &self.slot {
+            Some((slot, shared)) if *slot > 0 => shared.busy_except(*slot),
+            _ => Default::default(),
+        };
+        let mut opts = GroupOptions::new(self.ctx.cfg.verify, self.ctx.cfg.spares);
+        opts.trace.clone_from(&self.trace);
+        opts.group.avoid = avoid;
+        opts.group.project = self.ctx.cfg.project;
+        opts.group.probed = self.ctx.probed.clone();
+        let formed = form_group(
+            &self.ctx.client,
+            &self.ctx.manifest,
+            || self.info(),
+            Some(&self.ctx.local),
+            &opts,
+        )
+        .await;
+        let mut f = formed.map_err(|e| {
+            let why = format!("{e:#}");
+            if matches!(self.slot, Some((slot, _)) if slot > 0) {
+                tracing::debug!("no further group: {why}");
+            } else {
+                tracing::warn!("no group: {why}");
+            }
+            why
+        })?;
+        if let Some(serving) = &self.yield_to {
+            let serving = serving.clone();
+            f.group.transport_mut().set_gate(serving.training_turns());
+        }
+        tracing::info!(
+            members = ?f.group.nodes(),
+            live = f.live_rows,
+            condition_number = f.condition_number,
+            version = node_core::mesh::hex(&f.version[..8]),
+            "formed a group"
+        );
+        self.ctx.metrics.groups_formed.inc();
+        if let Some((slot, shared)) = &self.slot {
+            shared.set_busy(*slot, f.members.clone());
+        }
+        self.formed = Some(f);
+        Ok(())
+    }
+
+    /// Not another serving group's holder, nor this node's own row when it is not a member. A
+    /// hop group is left alone: its sequences live on its members.
+    async fn look(&mut self, looking: &Looking) -> Option<usize> {
+        let version = self.formed.as_ref().map(|f| f.version)?;
+        if self.hop.leader.is_some() {
+            return None;
+        }
+        let mut avoid = match &self.slot {
+            Some((slot, shared)) => shared.busy_except(*slot),
+            None => Default::default(),
+        };
+        avoid.insert(self.ctx.client.peer_id());
+        let info = self.info().await.ok()?;
+        looking.in_view(&info, &version, &avoid)
+    }
+
+    fn regroup(&mut self, row: usize, looking: &Looking) {
+        let members = &looking.rows;
+        tracing::info!(row, ?members, "a row came back: forming the group again");
+        self.ctx.metrics.groups_regrouped.inc();
+        self.drop_group();
     }
 }
 
