@@ -28,6 +28,9 @@ pub trait StageSink: Send {
     fn take(&mut self, g: StageGrad);
 }
 
+/// Gradients of a block's rotated queries, keys and values: `(dq, dk, dv)`.
+pub(crate) type QkvGrads = (Vec<f32>, Vec<f32>, Vec<f32>);
+
 /// Training's attention walked back: the gradients of a block's rotated queries, keys and
 /// values from its output's gradient, with what its forward pass kept.
 pub(crate) trait AttendBack: Attend {
@@ -38,7 +41,7 @@ pub(crate) trait AttendBack: Attend {
         layer: usize,
         acts: &AttentionActs,
         dattn: &[f32],
-    ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>), ModelError>;
+    ) -> Result<QkvGrads, ModelError>;
 }
 
 /// What an [`Attention`]'s forward pass computed, for the backward pass.
@@ -474,7 +477,7 @@ mod tests {
             _: usize,
             a: &AttentionActs,
             _: &[f32],
-        ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>), ModelError> {
+        ) -> Result<QkvGrads, ModelError> {
             Ok((
                 vec![0.0; a.q.len()],
                 vec![0.0; a.k.len()],

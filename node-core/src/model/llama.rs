@@ -25,7 +25,7 @@ pub(crate) enum Kept {
     /// Its input ([`Keep::Inputs`]).
     Input(Vec<f32>),
     /// Its activations ([`Keep::Activations`]).
-    Activations(Saved),
+    Activations(Box<Saved>),
 }
 
 /// Keys and values of the tokens seen so far, per block.
@@ -336,7 +336,7 @@ impl Llama {
                 .forward(exec, attend, rows, &mut x, keep == Keep::Activations)
                 .await?;
             if let Some(saved) = saved {
-                kept.push(Kept::Activations(saved));
+                kept.push(Kept::Activations(Box::new(saved)));
             }
         }
         Ok((x, kept))

@@ -5,7 +5,7 @@
 //! matrices.
 
 use super::block::{Attend, Rows, Stage, linear_t, rope_table, softmax};
-use super::layers::{AttendBack, AttentionActs, StageGrad, StageSink, rms_norm_backward};
+use super::layers::{AttendBack, AttentionActs, QkvGrads, StageGrad, StageSink, rms_norm_backward};
 use super::llama::{Keep, Kept};
 use super::{LeaderWeights, LinearExec, Llama, ModelError};
 
@@ -251,7 +251,7 @@ impl Llama {
         drop((x, dhf));
         for block in self.blocks().rev() {
             let saved = match kept.pop() {
-                Some(Kept::Activations(saved)) => Some(saved),
+                Some(Kept::Activations(saved)) => Some(*saved),
                 Some(Kept::Input(mut again)) => {
                     // The block again from its input, keeping its activations this time.
                     within.keep = true;
@@ -403,7 +403,7 @@ impl AttendBack for WithinSequences<'_> {
         _layer: usize,
         a: &AttentionActs,
         dattn: &[f32],
-    ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>), ModelError> {
+    ) -> Result<QkvGrads, ModelError> {
         let cfg = self.cfg;
         let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
         let t: usize = self.spans.iter().map(|&(_, ti)| ti).sum();
