@@ -255,8 +255,10 @@ impl Steer {
 pub trait SteerShell {
     /// Its rules.
     fn steer(&mut self) -> &mut Steer;
-    /// The time now (a simulation's virtual time).
-    fn now(&mut self) -> Instant;
+    /// The time now: the clock's, by default (a simulation's is virtual).
+    fn now(&mut self) -> Instant {
+        Instant::now()
+    }
     /// Its group's rows now (none without a group).
     fn rows(&self) -> Vec<usize>;
     /// Waits until `until`.

@@ -227,10 +227,6 @@ impl SteerShell for Leader {
         &mut self.steer
     }
 
-    fn now(&mut self) -> std::time::Instant {
-        std::time::Instant::now()
-    }
-
     fn rows(&self) -> Vec<usize> {
         self.formed.group.nodes().to_vec()
     }

@@ -136,10 +136,6 @@ impl SteerShell for Lead {
         &mut self.steer
     }
 
-    fn now(&mut self) -> Instant {
-        Instant::now()
-    }
-
     fn rows(&self) -> Vec<usize> {
         (self.formed.as_ref()).map_or_else(Vec::new, |f| f.group.nodes().to_vec())
     }
