@@ -389,7 +389,7 @@ impl<'m> Block<'m> {
 }
 
 /// `rms_norm(x, gain)` into a new vector.
-fn normed(cfg: &LlamaConfig, x: &[f32], gain: &[f32]) -> Vec<f32> {
+pub(crate) fn normed(cfg: &LlamaConfig, x: &[f32], gain: &[f32]) -> Vec<f32> {
     let mut h = vec![0.0f32; x.len()];
     rms_norm(x, gain, cfg.norm_eps, &mut h);
     h

@@ -2,10 +2,8 @@
 //! once for inference and training, and the forward pass as served: sequences batched, each
 //! attending over its own KV cache, every linear stage through a [`LinearExec`].
 
-use super::block::{
-    Attend, LinearExec, Rows, Stage, linear, pass_rows, rms_norm, rope_table, softmax,
-};
-use super::layers::{Block, Saved};
+use super::block::{Attend, LinearExec, Rows, Stage, linear, pass_rows, rope_table, softmax};
+use super::layers::{Block, Saved, normed};
 use super::{LeaderWeights, LlamaConfig, ModelError};
 
 /// What a pass through the blocks keeps of each block for a backward pass.
@@ -344,9 +342,7 @@ impl Llama {
 
     /// The final norm of rows of the residual stream.
     pub(crate) fn final_norm(&self, x: &[f32]) -> Vec<f32> {
-        let mut h = vec![0.0f32; x.len()];
-        rms_norm(x, &self.norms.final_norm, self.cfg.norm_eps, &mut h);
-        h
+        normed(&self.cfg, x, &self.norms.final_norm)
     }
 
     /// The LM head's logits (`n × vocab`) of `n` normed rows `h`.

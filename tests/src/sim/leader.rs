@@ -205,10 +205,34 @@ impl<'a> SimLeader<'a> {
             self.past += g.transport().elapsed();
         }
     }
+}
+
+/// The simulated leader as the steer drives it, in virtual time; its view of the mesh is
+/// exact.
+impl SteerShell for SimLeader<'_> {
+    fn steer(&mut self) -> &mut Steer {
+        &mut self.steer
+    }
+
+    /// The virtual time now, the view caught up with it.
+    fn now(&mut self) -> Instant {
+        self.refresh();
+        self.clock()
+    }
+
+    fn rows(&self) -> Vec<usize> {
+        SimLeader::rows(self).unwrap_or_default()
+    }
+
+    async fn wait_until(&mut self, until: Instant) {
+        let by = until.saturating_duration_since(self.clock());
+        self.past += by;
+        self.note(LeaderStep::Waited(by));
+    }
 
     /// Forms a group over the rows up (the best-conditioned k plus spares), its members'
     /// faults armed; why not.
-    fn form_group(&mut self) -> Result<(), String> {
+    async fn form(&mut self) -> Result<(), String> {
         self.let_go();
         let up: Vec<usize> = self.up.iter().copied().collect();
         let formed = plan_group(self.generator, &up, self.verify + self.cfg.spares)
@@ -252,34 +276,6 @@ impl<'a> SimLeader<'a> {
                 Err(why)
             }
         }
-    }
-}
-
-/// The simulated leader as the steer drives it, in virtual time; its view of the mesh is
-/// exact.
-impl SteerShell for SimLeader<'_> {
-    fn steer(&mut self) -> &mut Steer {
-        &mut self.steer
-    }
-
-    /// The virtual time now, the view caught up with it.
-    fn now(&mut self) -> Instant {
-        self.refresh();
-        self.clock()
-    }
-
-    fn rows(&self) -> Vec<usize> {
-        SimLeader::rows(self).unwrap_or_default()
-    }
-
-    async fn wait_until(&mut self, until: Instant) {
-        let by = until.saturating_duration_since(self.clock());
-        self.past += by;
-        self.note(LeaderStep::Waited(by));
-    }
-
-    async fn form(&mut self) -> Result<(), String> {
-        self.form_group()
     }
 
     /// A row up and not a member came back.
