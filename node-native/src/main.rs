@@ -258,6 +258,8 @@ fn run_bench(args: BenchArgs) -> Result<()> {
     let mut rows = measured.rows;
     if args.mesh {
         let summary = node_native::bench::summary_prompt(&model.tokenizer)?;
+        let mut again =
+            node_native::bench::InProcessDecode::new(&model.weights, &prompt, args.tokens, (k, n))?;
         drop(model);
         rows.extend(node_native::bench::mesh_rows(
             &node_native::bench::MeshBench {
@@ -271,6 +273,7 @@ fn run_bench(args: BenchArgs) -> Result<()> {
                 n,
                 in_process: measured.coded_decode,
             },
+            &mut again,
         )?);
     }
     node_native::bench::print_table(&rows);

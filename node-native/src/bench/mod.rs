@@ -159,6 +159,40 @@ pub fn model_speed(
     gpu: Option<(&std::sync::Arc<node_core::compute::gpu::Gpu>, usize)>,
     rows: Option<&[usize]>,
 ) -> Result<(f64, f64, f64)> {
+    let mut group = in_process_group(weights, n, k, format, gpu, rows)?;
+    let opts = greedy(tokens);
+    // A warm-up, then the best of RUNS measured runs, prefill and decode each (as
+    // scripts/llama-cpp-bench.py measures llama.cpp, so the two compare like for like).
+    generate(llama, &mut group, prompt, &opts, &mut |_| true)?;
+    let (mut prefill, mut decode) = (0.0f64, 0.0f64);
+    for _ in 0..RUNS {
+        let run = generate(llama, &mut group, prompt, &opts, &mut |_| true)?;
+        prefill = prefill.max(run.prefill_tokens_per_s());
+        decode = decode.max(run.decode_tokens_per_s());
+    }
+    Ok((prefill, decode, 1e3 / decode))
+}
+
+/// Greedy generation of `tokens` tokens, a token a pass (no drafts).
+fn greedy(tokens: usize) -> GenerateOptions {
+    GenerateOptions {
+        max_tokens: tokens,
+        sampling: Default::default(),
+        stop_ids: Vec::new(),
+        draft: 0,
+    }
+}
+
+/// A coded group of `k` of `n` rows of `format` in this process (`rows`, or the
+/// best-conditioned group), members computing on `gpu` when given one.
+fn in_process_group(
+    weights: &ModelWeights,
+    n: usize,
+    k: usize,
+    format: ShardFormat,
+    gpu: Option<(&std::sync::Arc<node_core::compute::gpu::Gpu>, usize)>,
+    rows: Option<&[usize]>,
+) -> Result<CodedGroup<InProcess>> {
     let g = if n == 1 {
         Generator::uncoded()
     } else {
@@ -175,23 +209,58 @@ pub fn model_speed(
         Some(r) => r.to_vec(),
         None => select_nodes(&g, &all)?.nodes,
     };
-    let mut group = CodedGroup::new(weights.cfg.clone(), g, &nodes, mesh)?;
-    let opts = GenerateOptions {
-        max_tokens: tokens,
-        sampling: Default::default(),
-        stop_ids: Vec::new(),
-        draft: 0,
-    };
-    // A warm-up, then the best of RUNS measured runs, prefill and decode each (as
-    // scripts/llama-cpp-bench.py measures llama.cpp, so the two compare like for like).
-    generate(llama, &mut group, prompt, &opts, &mut |_| true)?;
-    let (mut prefill, mut decode) = (0.0f64, 0.0f64);
-    for _ in 0..RUNS {
-        let run = generate(llama, &mut group, prompt, &opts, &mut |_| true)?;
-        prefill = prefill.max(run.prefill_tokens_per_s());
-        decode = decode.max(run.decode_tokens_per_s());
+    Ok(CodedGroup::new(weights.cfg.clone(), g, &nodes, mesh)?)
+}
+
+/// In-process coded decode on a mesh's q8 data rows, kept beside the mesh so that its streams
+/// are set against decode measured just before each (the machine's speed drifts over minutes).
+pub struct InProcessDecode {
+    llama: Llama,
+    group: CodedGroup<InProcess>,
+    prompt: Vec<u32>,
+    opts: GenerateOptions,
+}
+
+impl std::fmt::Debug for InProcessDecode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("InProcessDecode")
+            .field("prompt", &self.prompt.len())
+            .field("tokens", &self.opts.max_tokens)
+            .finish_non_exhaustive()
     }
-    Ok((prefill, decode, 1e3 / decode))
+}
+
+impl InProcessDecode {
+    /// Encodes `weights` as the mesh's k of n q8 rows and warms the group up on `prompt`.
+    pub fn new(
+        weights: &ModelWeights,
+        prompt: &[u32],
+        tokens: usize,
+        (k, n): (usize, usize),
+    ) -> Result<Self> {
+        let llama = Llama::new(weights.cfg.clone(), LeaderWeights::from_model(weights))?;
+        let group = in_process_group(weights, n, k, ShardFormat::Q8, None, None)?;
+        let mut me = Self {
+            llama,
+            group,
+            prompt: prompt.to_vec(),
+            opts: greedy(tokens),
+        };
+        me.decode()?;
+        Ok(me)
+    }
+
+    /// One generation's decode after the first token, tokens a second.
+    pub fn decode(&mut self) -> Result<f64> {
+        let run = generate(
+            &self.llama,
+            &mut self.group,
+            &self.prompt,
+            &self.opts,
+            &mut |_| true,
+        )?;
+        Ok(run.decode_tokens_per_s())
+    }
 }
 
 /// One learning update on `prompt` at the default rate, taken by every member of `group`:
