@@ -13,7 +13,7 @@ use std::task::{Context, Poll};
 use futures::{AsyncRead, AsyncWrite};
 use web_time::Instant;
 
-use super::session::{Ask, Driven};
+use super::session::{Ask, Driven, room_for};
 use crate::mesh::StepRefusal;
 
 /// An answer a link hands on: the encoded step with the member's compute time in µs, or why
@@ -91,6 +91,8 @@ where
     pub fn ask(&mut self, ask: Ask, not_before: Instant) -> Result<(), String> {
         match self.state() {
             State::Opening { queued, .. } => {
+                let bytes = queued.iter().map(|(a, _)| a.step.len()).sum();
+                room_for(queued.len(), bytes, ask.step.len()).map_err(|e| e.to_string())?;
                 queued.push((ask, not_before));
                 Ok(())
             }
@@ -300,6 +302,20 @@ mod tests {
         assert!(matches!(&got[..], [(3, Err(_))]), "{got:?}");
         assert!(link.failed());
         assert!(link.ask(ask(4), Instant::now()).is_err());
+    }
+
+    #[test]
+    fn a_session_that_never_opens_queues_a_bounded_number_of_asks() {
+        let (mut link, _open) = link();
+        for id in 0..crate::net::session::MAX_UNANSWERED as u64 {
+            link.ask(ask(id), Instant::now()).unwrap();
+        }
+        let why = link.ask(ask(99), Instant::now()).unwrap_err();
+        assert!(why.contains("stalled"), "{why}");
+        assert!(
+            !link.failed(),
+            "a full queue refuses the ask, not the session"
+        );
     }
 
     #[test]
