@@ -725,7 +725,7 @@ mod tests {
             panic!("generate parses");
         };
         assert_eq!(g.group.options(true).spares, 3);
-        assert!(g.pass.wants_hop(false));
+        assert_eq!(g.pass, node_native::serve::engine::PassRoute::Hop);
         assert!(parse(&["codedmesh", "generate", "--prompt", "hi", "--hop"]).is_err());
     }
 

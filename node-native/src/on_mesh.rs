@@ -160,9 +160,9 @@ async fn run_once_on_mesh(
     // The printer reads its own copy: the group may be formed again while it prints.
     let tokenizer = leader.tokenizer.clone();
     let (prompt, opts, mut printer) = Printer::start(&tokenizer, args)?;
-    let hop = args
-        .pass
-        .wants_hop(node_native::lead::remote::far(&leader.formed));
+    leader.set_pass(args.pass);
+    let route = leader.route().await.map_err(|why| anyhow::anyhow!(why))?;
+    let hop = route == node_core::lead::Route::Hop;
     let cfg = leader.manifest.cfg.clone();
     let on = &mut |id| printer.token(id);
     // A pass that fails (members died beyond the spares, the mesh moved on) runs again on a

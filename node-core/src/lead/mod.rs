@@ -15,7 +15,7 @@ pub use crate::learn::Signer;
 pub use learning::{Publisher, Settled, settle};
 pub use publish::{Reported, Sealed, Sent, report_caught, seal_update, spread_out};
 pub use route::{HOP_OVER, PassRoute, RouteMeasures, hop_members};
-pub use steer::{Action, Looking, Steer, SteerShell, ready, returned_row};
+pub use steer::{Action, Looking, Route, Steer, SteerShell, ready, returned_row};
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;

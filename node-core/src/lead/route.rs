@@ -26,12 +26,6 @@ pub enum PassRoute {
 impl PassRoute {
     /// Every route, as the command line names them.
     pub const NAMES: [&str; 3] = ["auto", "rounds", "hop"];
-
-    /// Whether a leader that measures nothing of its rounds (one request) goes one hop per
-    /// stage: `far`, a member is on another machine.
-    pub fn wants_hop(self, far: bool) -> bool {
-        RouteMeasures::default().wants_hop(self, far, Instant::now())
-    }
 }
 
 impl std::fmt::Display for PassRoute {

@@ -1,5 +1,6 @@
 //! A leader's choices about its group, without I/O: when to form it, when a group short of
-//! members looks for a row that came back, and when a pass that failed may run again. Every
+//! members looks for a row that came back, when a pass that failed may run again, and how
+//! each pass travels (rounds or one hop per stage, [`super::route`]). Every
 //! leader's shell (the API's serving and training tasks, the command line's leader, the
 //! simulation) does what [`Steer::poll`] names and tells it what came of it, with the time:
 //! one set of rules, tested in virtual time.
@@ -9,6 +10,7 @@ use std::collections::BTreeSet;
 use libp2p::PeerId;
 use web_time::{Duration, Instant};
 
+use super::route::{PassRoute, RouteMeasures};
 use crate::mesh::MeshInfo;
 
 /// How long a failure to form a group stands as the answer before forming is tried again.
@@ -50,8 +52,18 @@ pub enum Action {
         /// When it may be tried again.
         until: Instant,
     },
-    /// Run the next pass on the group.
-    Pass,
+    /// Run the next pass on the group, travelling as this says.
+    Pass(Route),
+}
+
+/// How the next pass travels, as the steer chose it from its [`PassRoute`] and what it
+/// measured of the group's rounds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Route {
+    /// The leader decodes every stage.
+    Rounds,
+    /// The members pass their coded outputs to each other, one hop per stage.
+    Hop,
 }
 
 /// What a group short of members looks for: a row at its version, not among its rows,
@@ -136,6 +148,12 @@ pub struct Steer {
     retry_at: Option<Instant>,
     /// The row it last formed again for, and when.
     tried: Option<(usize, Instant)>,
+    /// How passes may travel (rounds unless the shell says otherwise).
+    route: PassRoute,
+    /// Whether a member of the group is on another machine.
+    far: bool,
+    /// What the group's rounds measured, and when a hop group last failed.
+    measures: RouteMeasures,
 }
 
 impl Steer {
@@ -149,6 +167,44 @@ impl Steer {
             failures: 0,
             retry_at: None,
             tried: None,
+            route: PassRoute::Rounds,
+            far: false,
+            measures: RouteMeasures::default(),
+        }
+    }
+
+    /// Its passes travel as `route` says from now on (an automatic choice goes one hop per
+    /// stage where a member is far or the rounds wait on the network).
+    pub fn set_route(&mut self, route: PassRoute) {
+        self.route = route;
+    }
+
+    /// The group just formed has a member on another machine (`far`), or has none.
+    pub fn set_far(&mut self, far: bool) {
+        self.far = far;
+    }
+
+    /// Counts a step's rounds ([`RouteMeasures::measured`]).
+    pub fn measured(&mut self, rounds: u64, waited: Duration, computed: Duration) {
+        self.measures.measured(rounds, waited, computed);
+    }
+
+    /// The network time a round, once enough rounds were measured.
+    pub fn network_per_round(&self) -> Option<Duration> {
+        self.measures.network_per_round()
+    }
+
+    /// A hop group failed at `now`: an automatic choice keeps to rounds for a while.
+    pub fn hop_failed(&mut self, now: Instant) {
+        self.measures.hop_failed(now);
+    }
+
+    /// How a pass at `now` travels.
+    fn route_at(&self, now: Instant) -> Route {
+        if self.measures.wants_hop(self.route, self.far, now) {
+            Route::Hop
+        } else {
+            Route::Rounds
         }
     }
 
@@ -170,11 +226,11 @@ impl Steer {
         };
         if rows.len() >= self.wanted {
             g.short_since = None;
-            return Action::Pass;
+            return Action::Pass(self.route_at(now));
         }
         let since = *g.short_since.get_or_insert(now);
         if g.looked.is_some_and(|at| now < at + SHORT_CHECK) {
-            return Action::Pass;
+            return Action::Pass(self.route_at(now));
         }
         g.looked = Some(now);
         Action::Look(Looking {
@@ -184,10 +240,11 @@ impl Steer {
         })
     }
 
-    /// A group was formed.
+    /// A group was formed: what its rounds measure starts again.
     pub fn formed(&mut self) {
         self.group = Some(Group::default());
         (self.form_failed, self.retry_at) = (None, None);
+        self.measures.forget();
     }
 
     /// Forming failed at `now` for `why`: that is the answer for [`FORM_RETRY`].
@@ -273,14 +330,15 @@ pub trait SteerShell {
 }
 
 /// Does what `shell`'s [`Steer`] says until a pass may run: forms the group (again), backs off
-/// after failed passes, and lets a group short of members go when a row comes back; why not,
-/// when no group can be formed now. Every leader's shell is driven by this one loop.
-pub async fn ready<S: SteerShell>(shell: &mut S) -> Result<(), String> {
+/// after failed passes, and lets a group short of members go when a row comes back; the
+/// pass's route, or why not when no group can be formed now. Every leader's shell is driven
+/// by this one loop.
+pub async fn ready<S: SteerShell>(shell: &mut S) -> Result<Route, String> {
     loop {
         let now = shell.now();
         let rows = shell.rows();
         match shell.steer().poll(now, &rows) {
-            Action::Pass => return Ok(()),
+            Action::Pass(route) => return Ok(route),
             Action::Wait(until) => shell.wait_until(until).await,
             Action::Unavailable { why, .. } => return Err(why),
             Action::Look(looking) => {
@@ -314,7 +372,7 @@ mod tests {
         assert_eq!(s.poll(t0, &[]), Action::Unavailable { why, until });
         assert_eq!(s.poll(until, &[]), Action::Form);
         s.formed();
-        assert_eq!(s.poll(until, &[0, 1, 2, 3]), Action::Pass);
+        assert_eq!(s.poll(until, &[0, 1, 2, 3]), Action::Pass(Route::Rounds));
     }
 
     #[test]
@@ -354,7 +412,7 @@ mod tests {
         let t0 = Instant::now();
         let mut s = Steer::new(4);
         s.formed();
-        assert_eq!(s.poll(t0, &[0, 1, 2, 3]), Action::Pass);
+        assert_eq!(s.poll(t0, &[0, 1, 2, 3]), Action::Pass(Route::Rounds));
         let short = [0, 1, 3];
         let t1 = t0 + Duration::from_secs(3);
         let Action::Look(l) = s.poll(t1, &short) else {
@@ -367,7 +425,7 @@ mod tests {
         assert!(!s.looked(t1, None));
         assert_eq!(
             s.poll(t1 + SHORT_CHECK / 2, &short),
-            Action::Pass,
+            Action::Pass(Route::Rounds),
             "not before the next check"
         );
         let t2 = t1 + SHORT_CHECK;
@@ -390,6 +448,58 @@ mod tests {
         let t4 = t2 + RETURNED_BACKOFF;
         assert!(matches!(s.poll(t4, &short), Action::Look(_)));
         assert!(s.looked(t4, Some(2)));
+    }
+
+    #[test]
+    fn passes_go_over_rounds_until_the_rounds_wait_on_the_network_or_a_member_is_far() {
+        use crate::lead::route::{HOP_RETRY, PROBE_ROUNDS};
+        let t0 = Instant::now();
+        let mut s = Steer::new(2);
+        s.formed();
+        s.set_far(true);
+        s.measured(PROBE_ROUNDS, Duration::from_secs(60), Duration::ZERO);
+        assert_eq!(
+            s.poll(t0, &[0, 1]),
+            Action::Pass(Route::Rounds),
+            "rounds unless told"
+        );
+        let mut s = Steer::new(2);
+        s.set_route(PassRoute::Auto);
+        s.formed();
+        assert_eq!(
+            s.poll(t0, &[0, 1]),
+            Action::Pass(Route::Rounds),
+            "nothing measured"
+        );
+        // 128 rounds of 1 ms compute that waited 10 ms each: 9 ms of network a round.
+        let compute = Duration::from_millis(PROBE_ROUNDS);
+        s.measured(PROBE_ROUNDS, compute * 10, compute);
+        assert_eq!(s.network_per_round(), Some(Duration::from_millis(9)));
+        assert_eq!(s.poll(t0, &[0, 1]), Action::Pass(Route::Hop));
+        s.hop_failed(t0);
+        assert_eq!(
+            s.poll(t0, &[0, 1]),
+            Action::Pass(Route::Rounds),
+            "a hop group failed"
+        );
+        assert_eq!(s.poll(t0 + HOP_RETRY, &[0, 1]), Action::Pass(Route::Hop));
+        s.formed();
+        assert_eq!(s.network_per_round(), None, "a new group measures anew");
+        assert_eq!(s.poll(t0 + HOP_RETRY, &[0, 1]), Action::Pass(Route::Rounds));
+        s.set_far(true);
+        assert_eq!(
+            s.poll(t0 + HOP_RETRY, &[0, 1]),
+            Action::Pass(Route::Hop),
+            "a far member"
+        );
+        let short = s.poll(t0 + HOP_RETRY, &[0]);
+        assert!(matches!(short, Action::Look(_)), "{short:?}");
+        let short = s.poll(t0 + HOP_RETRY, &[0]);
+        assert_eq!(
+            short,
+            Action::Pass(Route::Hop),
+            "a short group's pass, routed too"
+        );
     }
 
     /// A shell whose forming answers as told, whose view holds `found`, and which logs what
@@ -460,20 +570,20 @@ mod tests {
             "within FORM_RETRY"
         );
         shell.at += FORM_RETRY;
-        assert_eq!(go(&mut shell), Ok(()));
+        assert_eq!(go(&mut shell), Ok(Route::Rounds));
         assert_eq!(shell.log, ["form", "form"]);
         // A member goes and a row comes back: the group is formed again with it.
         shell.log.clear();
         shell.rows = vec![0, 1];
-        assert_eq!(go(&mut shell), Ok(()));
+        assert_eq!(go(&mut shell), Ok(Route::Rounds));
         assert_eq!(shell.log, ["look [0, 1]", "regroup 2", "form"]);
         assert_eq!(shell.rows, [0, 1, 2]);
         // Two failed passes: formed at once, then after the backoff.
         shell.log.clear();
         shell.steer.pass_failed(shell.at, false);
-        assert_eq!(go(&mut shell), Ok(()));
+        assert_eq!(go(&mut shell), Ok(Route::Rounds));
         shell.steer.pass_failed(shell.at, false);
-        assert_eq!(go(&mut shell), Ok(()));
+        assert_eq!(go(&mut shell), Ok(Route::Rounds));
         assert_eq!(shell.log, ["form", "wait 250", "form"]);
     }
 }

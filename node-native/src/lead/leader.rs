@@ -5,7 +5,9 @@
 
 use anyhow::{Context, Result, bail};
 use libp2p::{Multiaddr, PeerId};
-use node_core::lead::{Looking, Publisher, Sealed, Sent, Settled, Steer, SteerShell, settle};
+use node_core::lead::{
+    Looking, PassRoute, Publisher, Route, Sealed, Sent, Settled, Steer, SteerShell, settle,
+};
 use node_core::learn::{GateClaim, Header, Published, Teacher};
 use node_core::mesh::{MeshRequest, MeshResponse, ModelManifest, Usage};
 use node_core::model::ModelError;
@@ -42,8 +44,9 @@ impl node_core::model::Regroup for Leader {
     /// ([`node_core::lead::ready`]): forms the group (again) from the mesh's view now, backs
     /// off after failed passes, and lets a group short of members go when a row comes back.
     async fn ready(&mut self) -> Result<(), ModelError> {
-        node_core::lead::ready(self)
+        self.route()
             .await
+            .map(drop)
             .map_err(|why| ModelError::NoGroup(format!("forming the group again: {why}")))
     }
 
@@ -73,6 +76,18 @@ impl node_core::model::Regroup for Leader {
 }
 
 impl Leader {
+    /// Its passes travel as `pass` says from now on (an automatic choice goes one hop per stage
+    /// where a member of its group is on another machine).
+    pub fn set_pass(&mut self, pass: PassRoute) {
+        self.steer.set_route(pass);
+    }
+
+    /// How its next pass travels, its group made ready as its [`Steer`] rules
+    /// ([`node_core::lead::ready`]); why not when no group can be formed now.
+    pub async fn route(&mut self) -> Result<Route, String> {
+        node_core::lead::ready(self).await
+    }
+
     /// Connects through `bootstrap`, fetches the manifest and forms a group of k + `verify` +
     /// `spares`; every forward round is checked with `verify` answers beyond the k decoded.
     pub async fn connect(bootstrap: Multiaddr, verify: usize, spares: usize) -> Result<Self> {
@@ -102,6 +117,7 @@ impl Leader {
         let wanted = manifest.generator.k() + opts.group.verify + opts.group.spares;
         let mut steer = Steer::new(wanted);
         steer.formed();
+        steer.set_far(super::remote::far(&formed));
         Ok(Self {
             session,
             manifest,
@@ -257,6 +273,7 @@ impl SteerShell for Leader {
             node_core::mesh::hex(&formed.version[..8]),
             formed.group.nodes()
         );
+        self.steer.set_far(super::remote::far(&formed));
         self.formed = formed;
         self.formed.group.transport_mut().set_context(context);
         Ok(())

@@ -336,6 +336,7 @@ impl Regroup for PageLead<'_> {
     async fn ready(&mut self) -> Result<(), ModelError> {
         node_core::lead::ready(self)
             .await
+            .map(drop)
             .map_err(ModelError::NoGroup)
     }
 

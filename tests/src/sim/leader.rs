@@ -297,6 +297,7 @@ impl Regroup for SimLeader<'_> {
     async fn ready(&mut self) -> Result<(), ModelError> {
         node_core::lead::ready(self)
             .await
+            .map(drop)
             .map_err(|why| ModelError::NoGroup(format!("forming the group: {why}")))
     }
 

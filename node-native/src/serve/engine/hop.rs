@@ -1,14 +1,13 @@
-//! The serving batch's passes one hop per stage ([`node_core::net::hop`]), chosen by
-//! [`node_core::lead::route`]: the batch's sequences then live on the members, and start again
-//! there whenever the hop group changes.
+//! The serving batch's passes one hop per stage ([`node_core::net::hop`]), where the leader's
+//! steer routes them ([`node_core::lead::Route`]): the batch's sequences then live on the
+//! members, and start again there whenever the hop group changes.
 
-use node_core::lead::route::RouteMeasures;
 use node_core::net::hop::HopLeader;
 
 use super::*;
 use crate::lead::hop::NetFeedLink;
 
-/// A serving group's hop side: the hop group while it runs, and what chose it.
+/// A serving group's hop side: the hop group while it runs.
 #[derive(Debug, Default)]
 pub(super) struct HopSide {
     /// The hop group, while passes run on it.
@@ -16,8 +15,6 @@ pub(super) struct HopSide {
     /// Changes whenever the sequences' keys and values move (a hop group formed or let go):
     /// a sequence started at another epoch starts again.
     pub(super) epoch: u64,
-    /// What chooses the route.
-    pub(super) measures: RouteMeasures,
 }
 
 impl HopSide {
@@ -30,21 +27,6 @@ impl HopSide {
 }
 
 impl Lead {
-    /// Whether this serving group's next pass goes one hop per stage.
-    pub(super) fn wants_hop(&self) -> bool {
-        let Some(f) = self.formed.as_ref() else {
-            return false;
-        };
-        if self.slot.is_none() {
-            return false; // the trainer's backward rounds need the leader
-        }
-        self.hop.measures.wants_hop(
-            self.ctx.cfg.pass,
-            crate::lead::remote::far(f),
-            Instant::now(),
-        )
-    }
-
     /// The hop group, formed now over the rounds group's members other than this node (k, the
     /// checked ones and the spares); why not when there are too few.
     pub(super) fn hop_group(&mut self) -> Result<&mut HopLeader<NetFeedLink>, String> {
@@ -58,7 +40,7 @@ impl Lead {
                     .map_err(|e| format!("{e:#}"))?;
             tracing::info!(
                 rows = ?leader.rows(),
-                network_per_round_us = self.hop.measures.network_per_round().map(|d| d.as_micros() as u64),
+                network_per_round_us = self.steer.network_per_round().map(|d| d.as_micros() as u64),
                 "passes go one hop per stage"
             );
             self.hop.leader = Some(leader);
@@ -73,7 +55,7 @@ impl Lead {
     /// A hop pass failed: the hop group goes, and an automatic choice keeps to rounds a while.
     pub(super) fn hop_failed(&mut self) {
         self.hop.drop_group();
-        self.hop.measures.hop_failed(Instant::now());
+        self.steer.hop_failed(Instant::now());
     }
 
     /// Counts what the hop group's rounds did since the last call, and reports members it

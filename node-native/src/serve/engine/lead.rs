@@ -1,7 +1,7 @@
 //! A leader's group inside the node: formed when needed, kept while it works, regrouped on
 //! failure; what the serving and the training task each hold.
 
-use node_core::lead::{Looking, Steer, SteerShell};
+use node_core::lead::{Looking, PassRoute, Route, Steer, SteerShell};
 
 use super::*;
 
@@ -23,13 +23,17 @@ pub(super) struct Lead {
 }
 
 impl Lead {
-    pub(super) fn new(ctx: EngineContext, trace: Option<StepLog>) -> Self {
+    /// A group whose passes travel as `route` says (the trainer's backward rounds need the
+    /// leader: [`PassRoute::Rounds`]).
+    pub(super) fn new(ctx: EngineContext, trace: Option<StepLog>, route: PassRoute) -> Self {
         let wanted = ctx.manifest.generator.k() + ctx.cfg.verify + ctx.cfg.spares;
+        let mut steer = Steer::new(wanted);
+        steer.set_route(route);
         Self {
             ctx,
             slot: None,
             formed: None,
-            steer: Steer::new(wanted),
+            steer,
             trace,
             yield_to: None,
             hop: HopSide::default(),
@@ -51,8 +55,13 @@ impl Lead {
     /// formed (again) if there is none, after the backoff of a run of failed passes, and let go
     /// for a row that came back when it is short; why not when the mesh cannot give one.
     pub(super) async fn group(&mut self) -> Result<&mut Formed, String> {
-        node_core::lead::ready(self).await?;
+        self.route().await?;
         self.formed.as_mut().ok_or_else(|| "no group".to_string())
+    }
+
+    /// The group made ready as [`Lead::group`] does, and how the next pass travels.
+    pub(super) async fn route(&mut self) -> Result<Route, String> {
+        node_core::lead::ready(self).await
     }
     /// A pass on the group failed (`moved`: it met members at another version): the group
     /// goes, formed again after the steer's backoff.
@@ -66,7 +75,6 @@ impl Lead {
         self.formed = None;
         self.steer.let_go();
         self.hop.drop_group();
-        self.hop.measures.forget();
         if let Some((slot, shared)) = &self.slot {
             shared.set_busy(*slot, Vec::new());
         }
@@ -88,9 +96,7 @@ impl Lead {
         let s = f.group.stats().clone();
         f.group.reset_stats();
         let computed = f.group.transport().stats().compute;
-        self.hop
-            .measures
-            .measured(s.rounds, s.member_time, computed);
+        self.steer.measured(s.rounds, s.member_time, computed);
         if s.members_dropped > 0 {
             // Replacements came from free rows: the other serving groups must now avoid them
             // (and may use the holders this one let go).
@@ -187,6 +193,7 @@ impl SteerShell for Lead {
         if let Some((slot, shared)) = &self.slot {
             shared.set_busy(*slot, f.members.clone());
         }
+        self.steer.set_far(crate::lead::remote::far(&f));
         self.formed = Some(f);
         Ok(())
     }

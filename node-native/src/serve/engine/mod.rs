@@ -298,7 +298,7 @@ impl Engine {
             ctx.metrics.serving_groups.clone(),
         ));
         if learns {
-            let mut lead = Lead::new(ctx.clone(), trace.clone());
+            let mut lead = Lead::new(ctx.clone(), trace.clone(), PassRoute::Rounds);
             lead.yield_to = Some(shared.clone());
             let trainer = Trainer {
                 lead,
@@ -331,7 +331,7 @@ impl Engine {
             let publishes = publishes
                 .take()
                 .unwrap_or_else(|| mpsc::unbounded_channel().1);
-            let mut lead = Lead::new(ctx.clone(), trace.clone());
+            let mut lead = Lead::new(ctx.clone(), trace.clone(), ctx.cfg.pass);
             lead.slot = Some((slot, shared.clone()));
             let worker = Worker {
                 lead,

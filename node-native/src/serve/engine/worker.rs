@@ -471,8 +471,8 @@ impl Regroup<Served> for Serving<'_> {
     /// pass never follows a hop group's (the members' keys and values are not the leader's),
     /// so the hop group goes and its sequences start again on the rounds.
     async fn ready(&mut self) -> Result<(), ModelError> {
-        self.lead.group().await.map_err(ModelError::NoGroup)?;
-        let hop = self.lead.wants_hop();
+        let route = self.lead.route().await.map_err(ModelError::NoGroup)?;
+        let hop = route == node_core::lead::Route::Hop;
         if hop && let Err(why) = self.lead.hop_group() {
             tracing::warn!("rounds, not hops: {why}");
             self.lead.hop_failed();
