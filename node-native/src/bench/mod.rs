@@ -160,13 +160,24 @@ pub fn model_speed(
     rows: Option<&[usize]>,
 ) -> Result<(f64, f64, f64)> {
     let mut group = in_process_group(weights, n, k, format, gpu, rows)?;
+    group_speed(llama, &mut group, prompt, tokens)
+}
+
+/// Prefill and decode tokens a second and decode ms a token of `group` generating `tokens`
+/// greedy tokens after `prompt`: a warm-up, then the best of [`RUNS`] measured runs, prefill
+/// and decode each (as scripts/llama-cpp-bench.py measures llama.cpp, so the two compare like
+/// for like).
+fn group_speed(
+    llama: &Llama,
+    group: &mut CodedGroup<InProcess>,
+    prompt: &[u32],
+    tokens: usize,
+) -> Result<(f64, f64, f64)> {
     let opts = greedy(tokens);
-    // A warm-up, then the best of RUNS measured runs, prefill and decode each (as
-    // scripts/llama-cpp-bench.py measures llama.cpp, so the two compare like for like).
-    generate(llama, &mut group, prompt, &opts, &mut |_| true)?;
+    generate(llama, group, prompt, &opts, &mut |_| true)?;
     let (mut prefill, mut decode) = (0.0f64, 0.0f64);
     for _ in 0..RUNS {
-        let run = generate(llama, &mut group, prompt, &opts, &mut |_| true)?;
+        let run = generate(llama, group, prompt, &opts, &mut |_| true)?;
         prefill = prefill.max(run.prefill_tokens_per_s());
         decode = decode.max(run.decode_tokens_per_s());
     }
@@ -240,14 +251,19 @@ impl InProcessDecode {
     ) -> Result<Self> {
         let llama = Llama::new(weights.cfg.clone(), LeaderWeights::from_model(weights))?;
         let group = in_process_group(weights, n, k, ShardFormat::Q8, None, None)?;
-        let mut me = Self {
+        let mut me = Self::on(llama, group, prompt, tokens);
+        me.decode()?;
+        Ok(me)
+    }
+
+    /// Decode by `llama` over a group already encoded (and warmed up).
+    fn on(llama: Llama, group: CodedGroup<InProcess>, prompt: &[u32], tokens: usize) -> Self {
+        Self {
             llama,
             group,
             prompt: prompt.to_vec(),
             opts: greedy(tokens),
-        };
-        me.decode()?;
-        Ok(me)
+        }
     }
 
     /// One generation's decode after the first token, tokens a second.
@@ -371,6 +387,9 @@ pub struct InProcessRows {
     pub rows: Vec<Row>,
     /// The fastest in-process coded decode on compact data rows, in tokens a second.
     pub coded_decode: f64,
+    /// Decode on the mesh's own k of n q8 data rows, kept from its row for the mesh's
+    /// streams to be set against ([`InProcessDecode`]).
+    pub as_mesh: Option<InProcessDecode>,
 }
 
 /// Runs every measurement in this process, coded k = 3 of 5 and as `mesh` (k, n) too.
@@ -515,11 +534,16 @@ pub fn run(
         ));
     }
     let mut coded_decode = 0.0f64;
+    let mut as_mesh = None;
     for (label, n, k, format, rows_of) in runs {
-        let (prefill, decode, ms) =
-            model_speed(weights, &llama, n, k, format, prompt, tokens, None, rows_of)?;
-        if k > 1 && format == ShardFormat::Q8 && rows_of.is_none() {
+        let mut group = in_process_group(weights, n, k, format, None, rows_of)?;
+        let (prefill, decode, ms) = group_speed(&llama, &mut group, prompt, tokens)?;
+        let data_rows = format == ShardFormat::Q8 && rows_of.is_none();
+        if k > 1 && data_rows {
             coded_decode = coded_decode.max(decode);
+        }
+        if (k, n) == mesh && data_rows {
+            as_mesh = Some(group);
         }
         rows.push(row(
             format!("{label}: prefill ({} tokens, best of {RUNS})", prompt.len()),
@@ -531,7 +555,12 @@ pub fn run(
         ));
     }
     rows.extend(learnt_rows(weights, &llama, prompt, tokens)?);
-    Ok(InProcessRows { rows, coded_decode })
+    let as_mesh = as_mesh.map(|group| InProcessDecode::on(llama, group, prompt, tokens));
+    Ok(InProcessRows {
+        rows,
+        coded_decode,
+        as_mesh,
+    })
 }
 
 /// Prints rows as a markdown table.
