@@ -98,8 +98,7 @@ fn oversized_truncated_and_foreign_frames_are_errors() {
     cut.truncate(cut.len() - 3);
     let err = block_on(read_frame::<Ask, _>(&mut Cursor::new(cut), &mut buf)).unwrap_err();
     assert!(matches!(err, SessionError::Truncated { .. }), "{err}");
-    let err =
-        block_on(read_frame::<Ask, _>(&mut Cursor::new(vec![3, 0]), &mut buf)).unwrap_err();
+    let err = block_on(read_frame::<Ask, _>(&mut Cursor::new(vec![3, 0]), &mut buf)).unwrap_err();
     assert!(
         matches!(err, SessionError::Truncated { got: 2, len: 4 }),
         "{err}"
