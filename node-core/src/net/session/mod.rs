@@ -176,10 +176,11 @@ pub enum SessionError {
 }
 
 /// Most asks a leader leaves unanswered on one session before it refuses the next: a round
-/// asks each member once, and a spare or a slow member answers a round or two late, so a
-/// member this far behind has stalled (or stopped reading), and queueing more for it would
-/// cost the leader memory without bound.
-pub const MAX_UNANSWERED: usize = 64;
+/// asks each member once, and a checking member on a slow device answers late (a browser
+/// behind a relay lags by tens of rounds, and its answers are still checked), so a member
+/// thousands behind has stalled. An ask written costs the leader only its id here; the bytes
+/// of asks a member does not read are bounded by [`MAX_QUEUED_BYTES`].
+pub const MAX_UNANSWERED: usize = 4096;
 
 /// Most bytes of asks a leader holds unwritten for one session; one ask of any size up to
 /// [`MAX_FRAME_BYTES`] is always taken when nothing else waits.
