@@ -421,6 +421,8 @@ pub struct Driven<S> {
     out: VecDeque<(Instant, Vec<u8>)>,
     /// Bytes of the first frame written.
     written: usize,
+    /// Bytes of the frames not yet written.
+    queued: usize,
     unflushed: bool,
     reader: FrameReader,
     outstanding: Outstanding,
@@ -433,6 +435,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Driven<S> {
             io,
             out: Default::default(),
             written: 0,
+            queued: 0,
             unflushed: false,
             reader: FrameReader::default(),
             outstanding: Outstanding::default(),
@@ -443,9 +446,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Driven<S> {
     /// not, when the member has stalled ([`room_for`]).
     pub fn ask(&mut self, ask: &Ask, not_before: Instant) -> Result<(), SessionError> {
         let frame = frame(ask)?;
-        let queued = self.out.iter().map(|(_, f)| f.len()).sum::<usize>() - self.written;
-        room_for(self.outstanding.len(), queued, frame.len())?;
+        room_for(self.outstanding.len(), self.queued, frame.len())?;
         self.outstanding.sent(ask.id);
+        self.queued += frame.len();
         self.out.push_back((not_before, frame));
         Ok(())
     }
@@ -495,6 +498,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Driven<S> {
                     Poll::Ready(Ok(n)) => {
                         self.unflushed = true;
                         self.written += n;
+                        self.queued -= n;
                         if self.written == frame.len() {
                             self.out.pop_front();
                             self.written = 0;
@@ -526,6 +530,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Driven<S> {
     /// The asks left unanswered (the session ended), oldest first.
     pub fn unanswered(&mut self) -> impl Iterator<Item = u64> + '_ {
         self.out.clear();
+        (self.written, self.queued) = (0, 0);
         self.outstanding.drain()
     }
 }
