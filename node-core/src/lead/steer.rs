@@ -35,6 +35,10 @@ pub const RETRY_MAX: Duration = Duration::from_secs(2);
 /// its holders apply it within about this.
 pub const MOVED_WAIT: Duration = Duration::from_millis(300);
 
+/// How long a leader forms its groups with one more check after a pass whose answers disagreed
+/// with the code and no member could be told wrong ([`Steer::unlocated`]).
+pub const CHECK_MORE_FOR: Duration = Duration::from_secs(60);
+
 /// What a leader's shell does next for its group.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Action {
@@ -154,6 +158,8 @@ pub struct Steer {
     far: bool,
     /// What the group's rounds measured, and when a hop group last failed.
     measures: RouteMeasures,
+    /// Groups are formed with one more check until then (a wrong answer went unlocated).
+    check_more_until: Option<Instant>,
 }
 
 impl Steer {
@@ -170,7 +176,21 @@ impl Steer {
             route: PassRoute::Rounds,
             far: false,
             measures: RouteMeasures::default(),
+            check_more_until: None,
         }
+    }
+
+    /// A pass at `now` met answers that disagree with the code and could not tell which
+    /// member was wrong: groups formed within [`CHECK_MORE_FOR`] take one more check, so the
+    /// next pass locates the wrong member (and the group drops it) instead of failing again.
+    pub fn unlocated(&mut self, now: Instant) {
+        self.check_more_until = Some(now + CHECK_MORE_FOR);
+    }
+
+    /// Checks a group formed at `now` takes beyond the k decoded: the shell's `checks`, and
+    /// one more after an unlocated wrong answer ([`Steer::unlocated`]).
+    pub fn checks(&self, now: Instant, checks: usize) -> usize {
+        checks + usize::from(self.check_more_until.is_some_and(|until| now < until))
     }
 
     /// Its passes travel as `route` says from now on (an automatic choice goes one hop per
@@ -211,6 +231,7 @@ impl Steer {
     /// What to do at `now` before the next pass, its group holding `rows` now (a member that
     /// failed with no free row to take its place leaves it short).
     pub fn poll(&mut self, now: Instant, rows: &[usize]) -> Action {
+        let wanted = self.wanted + self.checks(now, 0);
         let Some(g) = self.group.as_mut() else {
             if let Some(at) = self.retry_at.filter(|&at| now < at) {
                 return Action::Wait(at);
@@ -224,7 +245,7 @@ impl Steer {
             }
             return Action::Form;
         };
-        if rows.len() >= self.wanted {
+        if rows.len() >= wanted {
             g.short_since = None;
             return Action::Pass(self.route_at(now));
         }
@@ -235,7 +256,7 @@ impl Steer {
         g.looked = Some(now);
         Action::Look(Looking {
             rows: rows.to_vec(),
-            wanted: self.wanted,
+            wanted,
             heard_within: now.saturating_duration_since(since),
         })
     }
@@ -405,6 +426,31 @@ mod tests {
             Action::Wait(t0 + MOVED_WAIT),
             "the mesh moved"
         );
+    }
+
+    #[test]
+    fn an_unlocated_wrong_answer_adds_a_check_to_the_groups_formed_for_a_while() {
+        let t0 = Instant::now();
+        let mut s = Steer::new(4);
+        assert_eq!(s.checks(t0, 1), 1);
+        s.formed();
+        s.unlocated(t0);
+        s.pass_failed(t0, false);
+        assert_eq!(s.poll(t0, &[]), Action::Form);
+        assert_eq!(s.checks(t0, 1), 2, "the next group locates a wrong answer");
+        s.formed();
+        assert_eq!(
+            s.poll(t0, &[0, 1, 2, 3, 4]),
+            Action::Pass(Route::Rounds),
+            "five members are the group it wants"
+        );
+        let Action::Look(l) = s.poll(t0, &[0, 1, 2, 3]) else {
+            panic!("four members are short of the check")
+        };
+        assert_eq!(l.wanted, 5);
+        let later = t0 + CHECK_MORE_FOR;
+        assert_eq!(s.checks(later, 1), 1, "back to the shell's checks");
+        assert_eq!(s.poll(later, &[0, 1, 2, 3]), Action::Pass(Route::Rounds));
     }
 
     #[test]

@@ -70,7 +70,12 @@ impl node_core::model::Regroup for Leader {
         } else {
             eprintln!("a pass failed ({why}): forming the group again");
         }
-        self.steer.pass_failed(std::time::Instant::now(), moved);
+        let now = std::time::Instant::now();
+        if self.formed.group.stats().unlocated > 0 {
+            eprintln!("a wrong answer could not be located: the next group takes one more check");
+            self.steer.unlocated(now);
+        }
+        self.steer.pass_failed(now, moved);
         true
     }
 }
@@ -259,12 +264,14 @@ impl SteerShell for Leader {
         }
         let session = &self.session;
         let context = self.formed.group.transport().context().to_string();
+        let mut opts = self.opts.clone();
+        opts.group.verify = (self.steer).checks(std::time::Instant::now(), opts.group.verify);
         let formed = form_group(
             &session.client,
             &self.manifest,
             || session.info(),
             None,
-            &self.opts,
+            &opts,
         )
         .await
         .map_err(|e| format!("{e:#}"))?;

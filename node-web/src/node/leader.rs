@@ -316,7 +316,9 @@ impl SteerShell for PageLead<'_> {
         self.report().await;
         self.formed = None;
         let info = self.info().await.map_err(|e| e.to_string())?;
-        let formed = node_core::lead::form(self.node, self.manifest, &info, &self.opts).await;
+        let mut opts = self.opts.clone();
+        opts.verify = self.steer.checks(Instant::now(), opts.verify);
+        let formed = node_core::lead::form(self.node, self.manifest, &info, &opts).await;
         self.formed = Some(formed.map_err(|e| mesh_err(e).to_string())?);
         Ok(())
     }
@@ -360,7 +362,11 @@ impl Regroup for PageLead<'_> {
         } else {
             tracing::warn!("a pass failed ({why}): forming the group again");
         }
-        self.steer.pass_failed(Instant::now(), moved);
+        let now = Instant::now();
+        if (self.formed.as_ref()).is_some_and(|f| f.group.stats().unlocated > 0) {
+            self.steer.unlocated(now);
+        }
+        self.steer.pass_failed(now, moved);
         true
     }
 }

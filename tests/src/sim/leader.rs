@@ -235,7 +235,8 @@ impl SteerShell for SimLeader<'_> {
     async fn form(&mut self) -> Result<(), String> {
         self.let_go();
         let up: Vec<usize> = self.up.iter().copied().collect();
-        let formed = plan_group(self.generator, &up, self.verify + self.cfg.spares)
+        let verify = self.steer.checks(self.clock(), self.verify);
+        let formed = plan_group(self.generator, &up, verify + self.cfg.spares)
             .map_err(|e| e.to_string())
             .and_then(|plan| {
                 let free = if self.pool {
@@ -260,7 +261,7 @@ impl SteerShell for SimLeader<'_> {
                 let mut g = CodedGroup::new(model, self.generator.clone(), &plan.members, t)
                     .map_err(|e| e.to_string())?;
                 g.set_verify(node_core::coded::VerifyConfig {
-                    extra: self.verify,
+                    extra: verify,
                     ..Default::default()
                 });
                 Ok(g)
@@ -316,7 +317,11 @@ impl Regroup for SimLeader<'_> {
     fn failed(&mut self, _why: &ModelError) -> bool {
         let rows = self.rows().unwrap_or_default();
         self.note(LeaderStep::PassFailed(rows));
-        self.steer.pass_failed(self.clock(), false);
+        let now = self.clock();
+        if self.group.as_ref().is_some_and(|g| g.stats().unlocated > 0) {
+            self.steer.unlocated(now);
+        }
+        self.steer.pass_failed(now, false);
         self.let_go();
         true
     }

@@ -260,3 +260,48 @@ fn a_member_that_lies_is_caught_and_the_group_regains_its_check_when_a_row_comes
         eprintln!("seed {seed}: row {liar} lied and was caught; groups {groups:?}");
     }
 }
+
+#[test]
+fn a_liar_in_a_group_checked_once_fails_a_pass_and_the_group_formed_again_checks_twice_and_catches_it()
+ {
+    let _machine = crate::machine::share();
+    for seed in 0..3 {
+        let f = fixture(seed);
+        // `up`'s groups: k and one check, no spare. One check sees a wrong answer but cannot
+        // tell whose it is, and nobody else is in the group to ask.
+        let up = [0, 1, 2, 3, 4];
+        let liar = node_core::mesh::plan_group(&f.g, &up, 1).unwrap().members[1];
+        let mut lead = SimLeader::new(&f.llama, &f.g, &f.shards, leader(seed, 0), &up)
+            .with_verify(1)
+            .with_fault(liar, Fault::Lie { after_requests: 20 });
+        let out = lead.generate(&PROMPT, &opts()).unwrap();
+        let log = lead.log.clone();
+        assert_eq!(out.tokens, f.reference, "seed {seed}: {log:?}");
+        let failed = log
+            .iter()
+            .filter(|(_, s)| matches!(s, LeaderStep::PassFailed(_)))
+            .count();
+        assert_eq!(
+            failed, 1,
+            "seed {seed}: the unlocated lie fails one pass: {log:?}"
+        );
+        let groups = formed(&log);
+        assert_eq!(
+            groups.iter().map(Vec::len).collect::<Vec<_>>(),
+            [K + 1, K + 2],
+            "seed {seed}: formed again with one more check: {groups:?}"
+        );
+        assert!(groups[1].contains(&liar), "{groups:?}");
+        let caught: Vec<usize> = log
+            .iter()
+            .filter_map(|(_, s)| match s {
+                LeaderStep::Caught(row) => Some(*row),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(caught, [liar], "seed {seed}: {log:?}");
+        eprintln!(
+            "seed {seed}: row {liar} lied, went unlocated, then was caught; groups {groups:?}"
+        );
+    }
+}

@@ -131,6 +131,7 @@ impl<T: Transport> CodedGroup<T> {
         let out = match self.consistent(&rest, c)? {
             Ok((out, _)) => out,
             Err((worst, threshold)) => {
+                self.stats.unlocated += 1;
                 return Err(CodedError::Verification(format!(
                     "{what}: without row {} (missing update {:016x}) the others disagree (residual {worst:.2e} > {threshold:.2e})",
                     fit.row, fit.id
@@ -300,6 +301,7 @@ impl<T: Transport> CodedGroup<T> {
         // Leave-one-out needs k + 2 answers: ask for one more if only k + 1 came.
         self.collect(bytes, c, parts, k + 2, None).await?;
         if parts.len() < k + 2 {
+            self.stats.unlocated += 1;
             return Err(CodedError::Verification(format!(
                 "{what}: answers disagree (residual {worst:.2e} > {threshold:.2e}) and no further member can tell which is wrong"
             )));
@@ -341,6 +343,7 @@ impl<T: Transport> CodedGroup<T> {
             found = kept;
         }
         let [(i, (out, threshold))] = <[_; 1]>::try_from(found).map_err(|found| {
+            self.stats.unlocated += 1;
             CodedError::Verification(format!(
                 "{what}: answers disagree (residual {worst:.2e} > {threshold:.2e}) and {} members are suspect",
                 if found.is_empty() { "several".to_string() } else { found.len().to_string() }

@@ -64,6 +64,9 @@ pub struct ExecStats {
     pub projected_rounds: u64,
     /// Largest residual of a projected check that passed, over its threshold.
     pub max_projected_ratio: f64,
+    /// Rounds whose answers disagreed with the code where the wrong member could not be told
+    /// (too few members answered to leave each out): a group with more checks would locate it.
+    pub unlocated: u64,
 }
 
 /// Attempts at one round before the request fails (each drops at least one bad member).
@@ -622,6 +625,7 @@ impl<T: Transport> CodedGroup<T> {
                     {
                         return Ok(scaled_back_sum(&parts, &exponents, t * inp));
                     }
+                    self.stats.unlocated += 1;
                     last_error = Some(CodedError::Verification(format!(
                         "{what}: members kept failing the check"
                     )));

@@ -97,6 +97,12 @@ impl Lead {
         f.group.reset_stats();
         let computed = f.group.transport().stats().compute;
         self.steer.measured(s.rounds, s.member_time, computed);
+        if s.unlocated > 0 {
+            tracing::warn!(
+                "a wrong answer could not be located: the next group takes one more check"
+            );
+            self.steer.unlocated(Instant::now());
+        }
         if s.members_dropped > 0 {
             // Replacements came from free rows: the other serving groups must now avoid them
             // (and may use the holders this one let go).
@@ -156,7 +162,8 @@ impl SteerShell for Lead {
             Some((slot, shared)) if *slot > 0 => shared.busy_except(*slot),
             _ => Default::default(),
         };
-        let mut opts = GroupOptions::new(self.ctx.cfg.verify, self.ctx.cfg.spares);
+        let checks = self.steer.checks(Instant::now(), self.ctx.cfg.verify);
+        let mut opts = GroupOptions::new(checks, self.ctx.cfg.spares);
         opts.trace.clone_from(&self.trace);
         opts.group.avoid = avoid;
         opts.group.project = self.ctx.cfg.project;
