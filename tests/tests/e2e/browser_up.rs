@@ -12,7 +12,7 @@ use tests::procs::{Resume, Scratch, free_port, signal};
 
 use crate::api::{Up, post};
 use crate::browser::{open_browser_with, start_driver_in, steps_answered, wait_text_within};
-use crate::shapes::{browser, contribute, mesh_ports, node_port, relayed, wait_for_node};
+use crate::large_models::{browser, contribute, mesh_ports, node_port, relayed, wait_for_node};
 
 /// A greedy completion through `up`'s API on `port`: its text. It does not train the mesh, so
 /// the mesh answers a second one at the same version.
