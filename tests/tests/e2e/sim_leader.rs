@@ -78,6 +78,15 @@ fn formed(log: &[(Duration, LeaderStep)]) -> Vec<Vec<usize>> {
         .collect()
 }
 
+fn caught(log: &[(Duration, LeaderStep)]) -> Vec<usize> {
+    log.iter()
+        .filter_map(|(_, s)| match s {
+            LeaderStep::Caught(row) => Some(*row),
+            _ => None,
+        })
+        .collect()
+}
+
 #[test]
 fn members_that_die_mid_pass_with_no_spare_left_are_regrouped_around_and_the_text_is_the_same() {
     let _machine = crate::machine::share();
@@ -238,13 +247,7 @@ fn a_member_that_lies_is_caught_and_the_group_regains_its_check_when_a_row_comes
             out.tokens, f.reference,
             "seed {seed}: no lie reached the text: {log:?}"
         );
-        let caught: Vec<usize> = log
-            .iter()
-            .filter_map(|(_, s)| match s {
-                LeaderStep::Caught(row) => Some(*row),
-                _ => None,
-            })
-            .collect();
+        let caught = caught(&log);
         assert_eq!(caught, [liar], "seed {seed}: {log:?}");
         let groups = formed(&log);
         assert_eq!(
@@ -292,13 +295,7 @@ fn a_liar_in_a_group_checked_once_fails_a_pass_and_the_group_formed_again_checks
             "seed {seed}: formed again with one more check: {groups:?}"
         );
         assert!(groups[1].contains(&liar), "{groups:?}");
-        let caught: Vec<usize> = log
-            .iter()
-            .filter_map(|(_, s)| match s {
-                LeaderStep::Caught(row) => Some(*row),
-                _ => None,
-            })
-            .collect();
+        let caught = caught(&log);
         assert_eq!(caught, [liar], "seed {seed}: {log:?}");
         eprintln!(
             "seed {seed}: row {liar} lied, went unlocated, then was caught; groups {groups:?}"
