@@ -265,7 +265,9 @@ impl SteerShell for Leader {
         let session = &self.session;
         let context = self.formed.group.transport().context().to_string();
         let mut opts = self.opts.clone();
-        opts.group.verify = (self.steer).checks(std::time::Instant::now(), opts.group.verify);
+        opts.group.verify = self
+            .steer
+            .checks(std::time::Instant::now(), opts.group.verify);
         let formed = form_group(
             &session.client,
             &self.manifest,
