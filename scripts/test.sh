@@ -144,7 +144,7 @@ step "the official openai Python client (the API test drives the API with it)"
 export CODEDMESH_PYTHON
 CODEDMESH_PYTHON=$(bash scripts/python-env.sh)
 
-step "llama.cpp, built from source once (about 15 minutes on 2 cores, then cached in target/llama-py): the architecture tests compare with it"
+step "llama.cpp, built from source once (about 8 minutes on 2 cores, then cached in target/llama-py): the architecture tests compare with it"
 export CODEDMESH_LLAMA_PYTHON
 CODEDMESH_LLAMA_PYTHON=$(bash scripts/llama-cpp-env.sh)
 
