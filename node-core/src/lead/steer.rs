@@ -190,7 +190,12 @@ impl Steer {
     /// Checks a group formed at `now` takes beyond the k decoded: the shell's `checks`, and
     /// one more after an unlocated wrong answer ([`Steer::unlocated`]).
     pub fn checks(&self, now: Instant, checks: usize) -> usize {
-        checks + usize::from(self.check_more_until.is_some_and(|until| now < until))
+        checks + self.more_checks(now)
+    }
+
+    /// The check added at `now` after an unlocated wrong answer (one, or none).
+    fn more_checks(&self, now: Instant) -> usize {
+        usize::from(self.check_more_until.is_some_and(|until| now < until))
     }
 
     /// Its passes travel as `route` says from now on (an automatic choice goes one hop per
@@ -231,7 +236,7 @@ impl Steer {
     /// What to do at `now` before the next pass, its group holding `rows` now (a member that
     /// failed with no free row to take its place leaves it short).
     pub fn poll(&mut self, now: Instant, rows: &[usize]) -> Action {
-        let wanted = self.wanted + self.checks(now, 0);
+        let wanted = self.wanted + self.more_checks(now);
         let Some(g) = self.group.as_mut() else {
             if let Some(at) = self.retry_at.filter(|&at| now < at) {
                 return Action::Wait(at);

@@ -123,7 +123,7 @@ fn learning_soak_kills_and_restarts_end_on_one_codeword_in_bounded_disk() -> Res
     let mut restarts = 0;
     let blob = std::fs::metadata(data(0).join("shard.blob"))?.len();
     let prompt = "hello world, this is a test";
-    // 400 requests (each a `generate` process: about 0.4 s here): the long absences below
+    // 400 requests (each a `generate` process: 0.4-0.7 s here): the long absences below
     // cross several snapshots, and the last 100 requests come 300 updates after the first.
     const REQUESTS: usize = 400;
     // (request, node index in `mesh.nodes`, requests it stays down): three long absences
