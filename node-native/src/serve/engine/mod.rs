@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Result, anyhow};
 use libp2p::PeerId;
+use node_core::lead::training::Turns;
 use node_core::learn::{
     Budgets, CanaryGate, GateClaim, Learner, Published, Teacher, Verdict, canary_tokens,
 };
@@ -317,7 +318,6 @@ impl Engine {
                     ctx.manifest.format,
                 ),
                 requests: train_rx,
-                waiting: VecDeque::new(),
                 publish: publish_tx,
                 backlog: backlog.clone(),
             };
@@ -519,14 +519,6 @@ async fn forward_to_trainers(ctx: EngineContext, mut texts: mpsc::Receiver<(Stri
 /// its next minibatch (each cut to its share of [`node_core::lead::training::LEARN_TOKENS`]),
 /// so this bounds memory only; requests that finish past it are served but not trained on.
 const MAX_TRAIN_BACKLOG: usize = 4096;
-/// While requests are being served, a minibatch begins at most this long after the one before
-/// it (sooner once the waiting requests fill one): under load the requests that finish meanwhile
-/// share one update's fixed costs (the canary gate's forward pass, publishing it, every
-/// holder's apply). Measured (`scripts/learning-bench.sh --load`, 150 chats from one client):
-/// without the gap, learning kept 0.66× of learning-off throughput.
-const MIN_STEP_GAP: Duration = Duration::from_secs(10);
-/// An idle trainer publishes what its learner accumulated after this long.
-const IDLE_FLUSH: Duration = Duration::from_secs(10);
 /// How often an idle serving task refreshes the tokens/s gauge, and a further one looks
 /// whether the mesh has holders for its group (it is woken at once when the groups before it
 /// change).
@@ -636,12 +628,10 @@ impl Shared {
         self.active.borrow().iter().sum()
     }
 
-    /// Waits until the trainer may start its next round, after it worked for `worked` since
-    /// its last one: at once while no serving task has a sequence, else once it has waited
-    /// long enough that training keeps to its share of the time
-    /// ([`node_core::lead::training::turn_wait`]).
-    async fn wait_turn(&self, worked: Duration) {
-        let until = Instant::now() + node_core::lead::training::turn_wait(worked);
+    /// Waits until the trainer may start its next round by its `turns`
+    /// ([`node_core::lead::training::Turns`]), or until no serving task has a sequence.
+    async fn wait_turn(&self, turns: &Turns) {
+        let until = turns.next(Instant::now(), self.serving());
         // Either the serving tasks went quiet, or the trainer waited long enough.
         let _ = tokio::time::timeout_at(until.into(), self.quiet()).await;
     }
@@ -661,16 +651,14 @@ impl Shared {
     /// What a trainer's group waits for before each round: its turn ([`Self::wait_turn`]),
     /// counting as its work everything since its previous turn began.
     fn training_turns(self: Arc<Self>) -> Gate {
-        let last = Arc::new(std::sync::Mutex::new(None::<Instant>));
+        let turns = Arc::new(std::sync::Mutex::new(Turns::default()));
         Gate(Arc::new(move || {
-            let (shared, last) = (self.clone(), last.clone());
+            let (shared, turns) = (self.clone(), turns.clone());
             Box::pin(async move {
-                let worked = {
-                    let last = last.lock().unwrap_or_else(|e| e.into_inner());
-                    last.map_or(Duration::ZERO, |t| t.elapsed())
-                };
-                shared.wait_turn(worked).await;
-                *last.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
+                let now = turns.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                shared.wait_turn(&now).await;
+                let mut turns = turns.lock().unwrap_or_else(|e| e.into_inner());
+                turns.began(Instant::now());
             })
         }))
     }

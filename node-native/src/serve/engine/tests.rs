@@ -81,15 +81,21 @@ fn a_busy_task_leaves_a_request_to_a_task_with_a_group_and_nothing_to_serve() {
 #[tokio::test]
 async fn training_waits_its_turn_while_serving_and_goes_on_once_serving_is_idle() {
     let shared = Arc::new(Shared::new(2, Gauge::default()));
+    // Turns whose last round began `ago`.
+    let worked = |ago: Duration| {
+        let mut turns = Turns::default();
+        turns.began(Instant::now() - ago);
+        turns
+    };
     // Nothing served: no wait, however long the trainer worked.
     let t = Instant::now();
-    shared.wait_turn(Duration::from_secs(100)).await;
+    shared.wait_turn(&worked(Duration::from_secs(100))).await;
     assert!(t.elapsed() < Duration::from_secs(1));
     shared.set_active(0, 2);
     shared.set_active(1, 1);
     // Serving: after 30 ms of work it waits 30 · 0.85 / 0.15 = 170 ms.
     let t = Instant::now();
-    shared.wait_turn(Duration::from_millis(30)).await;
+    shared.wait_turn(&worked(Duration::from_millis(30))).await;
     let waited = t.elapsed();
     assert!(
         waited >= Duration::from_millis(170) && waited < Duration::from_secs(5),
@@ -97,7 +103,8 @@ async fn training_waits_its_turn_while_serving_and_goes_on_once_serving_is_idle(
     );
     let mut waiter = tokio::spawn({
         let shared = shared.clone();
-        async move { shared.wait_turn(Duration::from_secs(100)).await }
+        let turns = worked(Duration::from_secs(100));
+        async move { shared.wait_turn(&turns).await }
     });
     shared.set_active(0, 0);
     assert!(

@@ -1,7 +1,7 @@
 //! The trainer: finished requests in minibatches (each cut to its share), the backward pass
 //! through its own group, the canary gate, and the hand-over to the serving task to publish.
 
-use node_core::lead::training::{Lesson, Minibatch, minibatch_tokens, share_out};
+use node_core::lead::training::{Due, Lesson, Minibatch, Schedule, minibatch_tokens};
 use node_core::lead::{Publisher, Settled, settle};
 
 use super::*;
@@ -24,8 +24,6 @@ pub(super) struct Trainer {
     /// The learner and the canary gate that judges every update before it is published.
     pub(super) teacher: Teacher,
     pub(super) requests: mpsc::UnboundedReceiver<ToLearn>,
-    /// Requests taken that did not fit the last minibatch: the next one starts with them.
-    pub(super) waiting: VecDeque<ToLearn>,
     pub(super) publish: mpsc::UnboundedSender<PublishRequest>,
     pub(super) backlog: Arc<AtomicUsize>,
 }
@@ -37,79 +35,64 @@ impl Lesson for ToLearn {
 }
 
 impl Trainer {
+    /// Trains as the trainer's [`Schedule`] says, until the serving tasks are gone: every
+    /// finished request that came is handed to it, and the task waits until the moment it
+    /// names, a request comes, or serving goes quiet.
     pub(super) async fn run(mut self) {
-        let mut last_began = None;
+        let shared = self.lead.yield_to.clone();
+        let mut schedule = Schedule::new(minibatch_tokens(&self.lead.ctx.manifest));
         loop {
-            if self.waiting.is_empty() {
-                match tokio::time::timeout(IDLE_FLUSH, self.requests.recv()).await {
-                    Ok(Some(r)) => self.waiting.push_back(r),
-                    Ok(None) => break,
-                    Err(_) => {
-                        // Accumulated gradients (accumulate > 1) go out once requests stop.
-                        match tokio::task::block_in_place(|| self.teacher.flush()) {
-                            Ok(Some(p)) => self.judge_and_hand_over(p).await,
-                            Ok(None) => {}
-                            Err(e) => tracing::warn!("the update could not be made: {e}"),
+            while let Ok(r) = self.requests.try_recv() {
+                schedule.arrived(r);
+            }
+            let serving = shared.as_ref().is_some_and(|s| s.serving());
+            match schedule.poll(Instant::now(), serving) {
+                Due::Train(minibatch) => self.train_on(minibatch).await,
+                Due::Flush => {
+                    // Accumulated gradients (accumulate > 1) go out once requests stop.
+                    match tokio::task::block_in_place(|| self.teacher.flush()) {
+                        Ok(Some(p)) => self.judge_and_hand_over(p).await,
+                        Ok(None) => {}
+                        Err(e) => tracing::warn!("the update could not be made: {e}"),
+                    }
+                }
+                Due::Wait(until) => {
+                    let quiet = async {
+                        match (&shared, serving) {
+                            (Some(s), true) => s.quiet().await,
+                            _ => std::future::pending().await,
                         }
-                        continue;
+                    };
+                    tokio::select! {
+                        r = self.requests.recv() => match r {
+                            Some(r) => schedule.arrived(r),
+                            None => break,
+                        },
+                        () = quiet => {}
+                        () = tokio::time::sleep_until(until.into()) => {}
                     }
                 }
             }
-            let limit = minibatch_tokens(&self.lead.ctx.manifest);
-            self.gather(last_began, limit).await;
-            last_began = Some(Instant::now());
-            // Everything that waits goes into this minibatch, each request cut to its share.
-            while let Ok(r) = self.requests.try_recv() {
-                self.waiting.push_back(r);
-            }
-            let Minibatch {
-                requests: batch,
-                seqs,
-            } = share_out(&mut self.waiting, limit);
-            let loss = self.train(&seqs, batch.len()).await;
-            for r in batch.iter().filter(|r| r.served) {
-                let usage = Usage::of_request(r.prompt_tokens, r.generated, r.latency, loss);
-                self.lead.ctx.local.served(usage).await;
-            }
-            let m = &self.lead.ctx.metrics;
-            if loss.is_some() {
-                m.train_trained.inc_by(batch.len() as u64);
-            }
-            self.backlog.fetch_sub(batch.len(), Ordering::Relaxed);
-            m.train_backlog.dec_by(batch.len() as i64);
         }
     }
 
-    /// Takes in finished requests while requests are being served, until [`MIN_STEP_GAP`] has
-    /// passed since the last minibatch began (`last`) or the waiting requests' distinct texts
-    /// fill `limit` positions; at once when serving is quiet.
-    pub(super) async fn gather(&mut self, last: Option<Instant>, limit: usize) {
-        let (Some(last), Some(shared)) = (last, self.lead.yield_to.clone()) else {
-            return;
-        };
-        let until = last + MIN_STEP_GAP;
-        let mut distinct: Vec<&[u32]> = self.waiting.iter().map(|r| &r.tokens[..]).collect();
-        distinct.sort_unstable();
-        distinct.dedup();
-        let mut positions: usize = distinct.iter().map(|t| t.len()).sum();
-        loop {
-            if positions >= limit || !shared.serving() || Instant::now() >= until {
-                return;
-            }
-            tokio::select! {
-                r = self.requests.recv() => match r {
-                    Some(r) => {
-                        if !self.waiting.iter().any(|w| w.tokens == r.tokens) {
-                            positions += r.tokens.len();
-                        }
-                        self.waiting.push_back(r);
-                    }
-                    None => return,
-                },
-                () = shared.quiet() => return,
-                () = tokio::time::sleep_until(until.into()) => return,
-            }
+    /// Trains on one minibatch, then counts its requests as served and trained on.
+    async fn train_on(&mut self, minibatch: Minibatch<ToLearn>) {
+        let Minibatch {
+            requests: batch,
+            seqs,
+        } = minibatch;
+        let loss = self.train(&seqs, batch.len()).await;
+        for r in batch.iter().filter(|r| r.served) {
+            let usage = Usage::of_request(r.prompt_tokens, r.generated, r.latency, loss);
+            self.lead.ctx.local.served(usage).await;
         }
+        let m = &self.lead.ctx.metrics;
+        if loss.is_some() {
+            m.train_trained.inc_by(batch.len() as u64);
+        }
+        self.backlog.fetch_sub(batch.len(), Ordering::Relaxed);
+        m.train_backlog.dec_by(batch.len() as i64);
     }
 
     /// The minibatch's loss (its distinct sequences, for `requests` requests), once its
