@@ -55,13 +55,22 @@ impl Turns {
         if !serving {
             return now;
         }
-        let worked = self.last.map_or(Duration::ZERO, |t| now.saturating_duration_since(t));
+        let worked = self
+            .last
+            .map_or(Duration::ZERO, |t| now.saturating_duration_since(t));
         now + turn_wait(worked)
     }
 
     /// A round began at `now`.
     pub fn began(&mut self, now: Instant) {
         self.last = Some(now);
+    }
+
+    /// The trainer stopped working (its pass ran and its update settled): the next round's
+    /// wait counts nothing before it, so the time spent gathering the next minibatch is not
+    /// taken for work.
+    pub fn rest(&mut self) {
+        self.last = None;
     }
 }
 
@@ -336,10 +345,17 @@ mod tests {
     fn training_takes_its_turn_after_waiting_its_share_and_at_once_when_nothing_is_served() {
         let t0 = Instant::now();
         let mut turns = Turns::default();
-        assert_eq!(turns.next(t0, true), t0, "the first round waits for nothing");
+        assert_eq!(
+            turns.next(t0, true),
+            t0,
+            "the first round waits for nothing"
+        );
         turns.began(t0);
         let now = t0 + Duration::from_millis(150);
-        assert_eq!(turns.next(now, true), now + turn_wait(Duration::from_millis(150)));
+        assert_eq!(
+            turns.next(now, true),
+            now + turn_wait(Duration::from_millis(150))
+        );
         assert_eq!(turns.next(now, false), now);
     }
 

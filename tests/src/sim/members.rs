@@ -110,6 +110,18 @@ pub struct SimTransport {
     sent: u64,
     /// Connection failures that arrive after their round ended: when, and whose.
     late: Vec<(Instant, usize)>,
+    /// What each round waits for before it starts, if anything.
+    gate: Option<RoundGate>,
+}
+
+/// What a round waits for before it starts, as a network transport's gate (the API trainer's
+/// turns): given the virtual now, the moment the round may start.
+pub struct RoundGate(pub Box<dyn FnMut(Instant) -> Instant>);
+
+impl std::fmt::Debug for RoundGate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("RoundGate")
+    }
 }
 
 impl SimTransport {
@@ -147,7 +159,24 @@ impl SimTransport {
             log: Vec::new(),
             sent: 0,
             late: Vec::new(),
+            gate: None,
         })
+    }
+
+    /// Makes every round wait for `gate` before it starts.
+    pub fn with_gate(mut self, gate: RoundGate) -> Self {
+        self.gate = Some(gate);
+        self
+    }
+
+    /// The virtual now.
+    pub fn now(&self) -> Instant {
+        self.clock.now()
+    }
+
+    /// Lets virtual time pass until `t` (never backwards).
+    pub fn wait_until(&mut self, t: Instant) {
+        self.clock.advance_to(t);
     }
 
     /// Makes the member of `row` misbehave.
@@ -258,6 +287,10 @@ impl Transport for SimTransport {
         request: &[u8],
         need: usize,
     ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
+        if let Some(gate) = self.gate.as_mut() {
+            let may = (gate.0)(self.clock.now());
+            self.clock.advance_to(may);
+        }
         let started = self.clock.elapsed();
         // Connection failures that arrived since the last round: those members are gone.
         let now = self.clock.now();

@@ -34,9 +34,11 @@ use node_core::protocol::{self, StepRequest, StepResponse};
 /// The model digest every simulated node announces.
 mod leader;
 mod members;
+mod trainer;
 
 pub use leader::*;
 pub use members::*;
+pub use trainer::*;
 
 pub const SIM_MODEL: [u8; 32] = [7; 32];
 

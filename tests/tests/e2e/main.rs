@@ -33,3 +33,4 @@ mod sim_leader;
 mod sim_mesh;
 mod sim_scale;
 mod sim_spread;
+mod sim_trainer;

@@ -550,6 +550,8 @@ struct Shared {
     groups_changed: tokio::sync::Notify,
     /// Every caller's learning budget, and the time they count from.
     budgets: std::sync::Mutex<(Budgets, Instant)>,
+    /// The trainer's turns at the mesh while requests are served.
+    turns: std::sync::Mutex<Turns>,
 }
 
 impl Shared {
@@ -561,6 +563,7 @@ impl Shared {
             recent: std::sync::Mutex::new(VecDeque::new()),
             groups_changed: tokio::sync::Notify::new(),
             budgets: std::sync::Mutex::new((Budgets::default(), Instant::now())),
+            turns: std::sync::Mutex::new(Turns::default()),
         }
     }
 
@@ -649,18 +652,29 @@ impl Shared {
     }
 
     /// What a trainer's group waits for before each round: its turn ([`Self::wait_turn`]),
-    /// counting as its work everything since its previous turn began.
+    /// counting as its work everything since its previous round began, until the trainer rests
+    /// ([`Self::rest_turns`]).
     fn training_turns(self: Arc<Self>) -> Gate {
-        let turns = Arc::new(std::sync::Mutex::new(Turns::default()));
         Gate(Arc::new(move || {
-            let (shared, turns) = (self.clone(), turns.clone());
+            let shared = self.clone();
             Box::pin(async move {
-                let now = turns.lock().unwrap_or_else(|e| e.into_inner()).clone();
-                shared.wait_turn(&now).await;
-                let mut turns = turns.lock().unwrap_or_else(|e| e.into_inner());
+                let turns = shared
+                    .turns
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .clone();
+                shared.wait_turn(&turns).await;
+                let mut turns = shared.turns.lock().unwrap_or_else(|e| e.into_inner());
                 turns.began(Instant::now());
             })
         }))
+    }
+
+    /// The trainer stopped working (a minibatch trained and its update settled): the time
+    /// until its next round is not counted as work.
+    fn rest_turns(&self) {
+        let mut turns = self.turns.lock().unwrap_or_else(|e| e.into_inner());
+        turns.rest();
     }
 
     fn record_token(&self) {

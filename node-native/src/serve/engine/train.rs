@@ -47,13 +47,21 @@ impl Trainer {
             }
             let serving = shared.as_ref().is_some_and(|s| s.serving());
             match schedule.poll(Instant::now(), serving) {
-                Due::Train(minibatch) => self.train_on(minibatch).await,
+                Due::Train(minibatch) => {
+                    self.train_on(minibatch).await;
+                    if let Some(s) = &shared {
+                        s.rest_turns();
+                    }
+                }
                 Due::Flush => {
                     // Accumulated gradients (accumulate > 1) go out once requests stop.
                     match tokio::task::block_in_place(|| self.teacher.flush()) {
                         Ok(Some(p)) => self.judge_and_hand_over(p).await,
                         Ok(None) => {}
                         Err(e) => tracing::warn!("the update could not be made: {e}"),
+                    }
+                    if let Some(s) = &shared {
+                        s.rest_turns();
                     }
                 }
                 Due::Wait(until) => {
