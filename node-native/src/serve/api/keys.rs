@@ -217,7 +217,7 @@ impl Keys {
 
     /// The name of the caller `key` names (the anonymous user's without one), for metrics.
     pub fn name_of(&self, key: Option<&str>) -> String {
-        match key {
+        match key.filter(|_| !self.keys.is_empty()) {
             Some(k) => self
                 .keys
                 .get(k)
@@ -233,10 +233,11 @@ impl Keys {
     }
 
     /// Who makes a request with `key` (if any) from `from`: a key's caller, or the anonymous
-    /// user (from anywhere when there are no keys, from this machine only once there are);
-    /// counted against its requests a minute.
+    /// user (from anywhere when there are no keys, whatever key it sends, as OpenAI's clients
+    /// always send one; from this machine only once there are); counted against its requests
+    /// a minute.
     pub fn caller(&self, key: Option<&str>, from: Option<IpAddr>) -> Result<&Caller, Refused> {
-        let caller = match key {
+        let caller = match key.filter(|_| !self.keys.is_empty()) {
             Some(k) => self.keys.get(k).ok_or(Refused::Unauthorized)?,
             None => {
                 let local = from.is_some_and(|ip| ip.is_loopback());
@@ -317,8 +318,11 @@ mod tests {
         let anon = keys.caller(None, LOCAL).unwrap();
         assert_eq!((anon.name.as_str(), anon.learn_tokens), (ANONYMOUS, 100.0));
         assert_eq!(keys.caller(None, AWAY), Err(Refused::Unauthorized));
-        // Without keys everyone is anonymous; with one key, no one is.
+        // Without keys everyone is anonymous, whatever key a client sends (the openai client
+        // always sends one: README's `api_key="unused"`); with one key, no one is.
         assert_eq!(Keys::open().caller(None, AWAY).unwrap().name, ANONYMOUS);
+        let open = Keys::open();
+        assert_eq!(open.caller(Some("unused"), AWAY).unwrap().name, ANONYMOUS);
         let single = Keys::single("sk-one-key");
         assert_eq!(single.caller(None, LOCAL), Err(Refused::Unauthorized));
         assert_eq!(
