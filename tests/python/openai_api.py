@@ -92,6 +92,11 @@ def main():
         max_tokens=12,
         temperature=0.8,
         seed=7,
+        # Parameters at their defaults ask for nothing and pass.
+        logprobs=False,
+        presence_penalty=0,
+        response_format={"type": "text"},
+        user="the test",
         extra_body={"learn": False},
     )
     check(again.object == "chat.completion", "a chat.completion object")
@@ -153,6 +158,21 @@ def main():
         raise AssertionError("max_tokens beyond the context was accepted")
     except openai.BadRequestError as e:
         check(e.code == "context_length_exceeded", "max_tokens beyond the context: context_length_exceeded")
+    # What the mesh does not do is refused, naming the parameter, never ignored.
+    for create, kwargs, param in (
+        (client.chat.completions.create, {"messages": [{"role": "user", "content": "hi"}],
+                                          "logprobs": True, "top_logprobs": 2}, "logprobs"),
+        (client.completions.create, {"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+        (client.chat.completions.create, {"messages": [{"role": "user", "content": "hi"}],
+                                          "response_format": {"type": "json_object"}}, "response_format"),
+        (client.completions.create, {"prompt": "x", "extra_body": {"top_k": 40}}, "top_k"),
+    ):
+        try:
+            create(model=model, max_tokens=2, **kwargs)
+            raise AssertionError(f"{param} was accepted and ignored")
+        except openai.BadRequestError as e:
+            check(e.status_code == 400 and e.param == param and e.code == "unsupported_parameter"
+                  and param in str(e), f"{param}: 400 unsupported_parameter on param {param}")
     try:
         openai.OpenAI(base_url=base, api_key="wrong", max_retries=0).models.list()
         raise AssertionError("a wrong key was accepted")

@@ -144,7 +144,7 @@ pub struct ApiError {
     status: StatusCode,
     message: String,
     kind: &'static str,
-    param: Option<&'static str>,
+    param: Option<std::borrow::Cow<'static, str>>,
     code: Option<&'static str>,
     retry_after: Option<Duration>,
 }
@@ -166,9 +166,9 @@ impl ApiError {
         }
     }
 
-    fn bad(param: &'static str, message: impl Into<String>) -> Self {
+    fn bad(param: impl Into<std::borrow::Cow<'static, str>>, message: impl Into<String>) -> Self {
         Self {
-            param: Some(param),
+            param: Some(param.into()),
             ..Self::new(StatusCode::BAD_REQUEST, message)
         }
     }

@@ -57,6 +57,70 @@ pub(super) struct Common {
     pub(super) n: Option<u64>,
     /// Coded Mesh's own field: `false` keeps this request out of the mesh's learning.
     pub(super) learn: Option<bool>,
+    /// Every other parameter: refused unless it asks for nothing ([`refuse_unsupported`]).
+    #[serde(flatten)]
+    pub(super) other: std::collections::BTreeMap<String, Value>,
+}
+
+/// Parameters OpenAI's clients send that change nothing here, whatever their value (who the
+/// caller is, what to store, how to bill).
+const HARMLESS: [&str; 5] = [
+    "user",
+    "metadata",
+    "store",
+    "service_tier",
+    "parallel_tool_calls",
+];
+
+/// Whether `value` of parameter `name` asks for something: anything but its default (null,
+/// false, 0, an empty string, list or object; `response_format` of type text, `best_of` 1, a
+/// `tool_choice` or `function_call` of "none" or "auto", `modalities` of text alone).
+fn asks(name: &str, value: &Value) -> bool {
+    match (name, value) {
+        ("response_format", Value::Object(o)) => {
+            o.get("type").and_then(Value::as_str) != Some("text") || o.len() > 1
+        }
+        ("best_of", v) => v.as_u64() != Some(1),
+        ("tool_choice" | "function_call", Value::String(s)) => s != "none" && s != "auto",
+        ("modalities", Value::Array(a)) => a.iter().any(|m| m.as_str() != Some("text")),
+        (_, Value::Null) => false,
+        (_, Value::Bool(b)) => *b,
+        (_, Value::Number(n)) => n.as_f64().is_some_and(|x| x != 0.0),
+        (_, Value::String(s)) => !s.is_empty(),
+        (_, Value::Array(a)) => !a.is_empty(),
+        (_, Value::Object(o)) => !o.is_empty(),
+    }
+}
+
+/// Refuses a request that asks for what this mesh does not do, so no parameter is ignored
+/// silently: log-probabilities, constrained output, tools, penalties and biases, several
+/// candidates, an echo, a suffix, or any parameter it does not know.
+pub(super) fn refuse_unsupported(
+    other: &std::collections::BTreeMap<String, Value>,
+) -> Result<(), ApiError> {
+    let Some((name, _)) = other
+        .iter()
+        .find(|(name, value)| !HARMLESS.contains(&name.as_str()) && asks(name, value))
+    else {
+        return Ok(());
+    };
+    let what = match name.as_str() {
+        "logprobs" | "top_logprobs" => "log-probabilities are not returned by this mesh yet",
+        "echo" => "echoing the prompt (and its log-probabilities) is not supported yet",
+        "response_format" => "constrained output (JSON mode, JSON schema) is not supported yet",
+        "tools" | "tool_choice" | "functions" | "function_call" => "tool calls are not supported",
+        "presence_penalty" | "frequency_penalty" | "repetition_penalty" | "logit_bias" => {
+            "penalties and logit biases are not supported yet"
+        }
+        "best_of" => "only best_of = 1 is supported",
+        "suffix" => "a suffix (insertion) is not supported",
+        _ => "this parameter is not known to this mesh",
+    };
+    Err(ApiError::bad(
+        name.clone(),
+        format!("`{name}`: {what}; the request was not run (send it without `{name}`)"),
+    )
+    .code("unsupported_parameter"))
 }
 
 #[derive(Debug, Deserialize)]
@@ -110,7 +174,7 @@ impl Api {
     ) -> Result<Prepared, ApiError> {
         if c.learn == Some(true) && !caller.teach {
             return Err(ApiError {
-                param: Some("learn"),
+                param: Some("learn".into()),
                 ..ApiError::new(
                     StatusCode::FORBIDDEN,
                     format!("the key {:?} may not teach the mesh", caller.name),
@@ -135,6 +199,7 @@ impl Api {
         if c.n.is_some_and(|n| n != 1) {
             return Err(ApiError::bad("n", "only n = 1 is supported"));
         }
+        refuse_unsupported(&c.other)?;
         if prompt.is_empty() {
             return Err(ApiError::bad(
                 if kind == Kind::Chat {
@@ -332,4 +397,47 @@ impl Api {
 pub(super) fn rand_seed() -> u64 {
     use std::hash::BuildHasher;
     std::collections::hash_map::RandomState::new().hash_one(std::time::Instant::now())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // a test: a failed unwrap is a failed test
+
+    use super::*;
+
+    fn refused(body: &str) -> Option<String> {
+        let body: CompletionBody = parse(body.as_bytes()).unwrap();
+        refuse_unsupported(&body.common.other)
+            .err()
+            .map(|e| e.body()["error"]["param"].as_str().unwrap().to_string())
+    }
+
+    #[test]
+    fn a_parameter_that_asks_for_what_the_mesh_does_not_do_is_refused_and_defaults_pass() {
+        let base = r#""model": "m", "prompt": "x""#;
+        for (extra, param) in [
+            (r#""logprobs": 1"#, "logprobs"),
+            (r#""echo": true, "logprobs": 0"#, "echo"),
+            (
+                r#""response_format": {"type": "json_schema", "json_schema": {}}"#,
+                "response_format",
+            ),
+            (r#""tools": [{"type": "function"}]"#, "tools"),
+            (r#""frequency_penalty": 0.5"#, "frequency_penalty"),
+            (r#""best_of": 3"#, "best_of"),
+            (r#""top_k": 40"#, "top_k"),
+        ] {
+            let body = format!("{{{base}, {extra}}}");
+            assert_eq!(refused(&body).as_deref(), Some(param), "{body}");
+        }
+        for extra in [
+            r#""logprobs": null, "top_logprobs": 0, "echo": false"#,
+            r#""response_format": {"type": "text"}, "best_of": 1, "tool_choice": "none""#,
+            r#""presence_penalty": 0, "logit_bias": {}, "tools": [], "suffix": """#,
+            r#""user": "someone", "metadata": {"a": "b"}, "store": true"#,
+        ] {
+            let body = format!("{{{base}, {extra}}}");
+            assert_eq!(refused(&body), None, "{body}");
+        }
+    }
 }
