@@ -68,6 +68,9 @@ pub struct Metrics {
     pub decode_residual_ratio: Histogram,
     /// Members caught answering against the code.
     pub members_caught: Counter,
+    /// Rounds whose answers disagreed with the code and no member could be told wrong (the
+    /// leader's next groups take one more check).
+    pub rounds_unlocated: Counter,
     /// Learning updates this node published as a leader.
     pub updates_published: Counter,
     /// Learning updates applied to this node's shard.
@@ -166,6 +169,7 @@ impl Metrics {
             rounds_projected: Counter::default(),
             decode_residual_ratio: Histogram::new(exponential_buckets(1e-4, 4.0, 10)),
             members_caught: Counter::default(),
+            rounds_unlocated: Counter::default(),
             updates_published: Counter::default(),
             updates_applied: Counter::default(),
             snapshots: Counter::default(),
@@ -292,6 +296,11 @@ impl Metrics {
             "members_caught",
             "Members caught answering against the code",
             m.members_caught.clone(),
+        );
+        r.register(
+            "rounds_unlocated",
+            "Rounds whose answers disagreed with the code and no member could be told wrong",
+            m.rounds_unlocated.clone(),
         );
         r.register(
             "updates_published",

@@ -242,6 +242,7 @@ impl EngineContext {
         m.rounds_checked.inc_by(s.verified_rounds);
         m.rounds_projected.inc_by(s.projected_rounds);
         m.members_replaced.inc_by(s.members_dropped);
+        m.rounds_unlocated.inc_by(s.unlocated);
         if s.verified_rounds > 0 {
             m.decode_residual_ratio
                 .observe(s.max_pass_ratio.max(s.max_projected_ratio));
