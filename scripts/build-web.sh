@@ -8,6 +8,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# One build at a time in a checkout: two `up`s started together each run this script, and two
+# builds sharing a folder left web-ui/dist without index.html. The second waits, then finds
+# cargo's work done and swaps in its own whole copy.
+if command -v flock >/dev/null; then
+  mkdir -p target
+  exec 9>target/build-web.lock
+  if ! flock -n 9; then
+    echo "another build of the dashboard is running in this checkout: waiting for it"
+    flock 9
+  fi
+fi
+
 rustup target add wasm32-unknown-unknown >/dev/null 2>&1 || true
 wasm_bindgen=$(sed -n '/^name = "wasm-bindgen"$/{n;s/^version = "\(.*\)"/\1/p}' Cargo.lock)
 if ! wasm-bindgen --version 2>/dev/null | grep -q " $wasm_bindgen\b"; then

@@ -99,7 +99,18 @@ if ! wasm-bindgen-test-runner --version 2>/dev/null | grep -q " $wasm_bindgen\b"
 fi
 
 step "the dashboard (web-ui) and the browser node's package: native nodes serve them, the browser test opens them"
+# Two builds at once, as two `up`s started together in one checkout run them: the second waits
+# for the first, and web-ui/dist is whole after both.
+bash scripts/build-web.sh &
+first_build=$!
 bash scripts/build-web.sh
+wait "$first_build"
+for f in index.html web-ui.js web-ui_bg.wasm embed.html pkg/node_web.js pkg/node_web_bg.wasm pkg/package.json; do
+  if [ ! -s "web-ui/dist/$f" ]; then
+    echo "two builds of the dashboard at once left web-ui/dist without $f" >&2
+    exit 1
+  fi
+done
 
 step "cargo fmt --check"
 cargo fmt --all -- --check
