@@ -327,6 +327,29 @@ impl Regroup for SimLeader<'_> {
     }
 }
 
+/// A small random model ([`tiny_config`]) coded k of n into f32 rows: what the simulation's
+/// leaders, members and trainers compute with.
+#[derive(Debug)]
+pub struct SimModel {
+    /// The leader's part of it.
+    pub llama: Llama,
+    /// The code.
+    pub g: Generator,
+    /// Every row's member.
+    pub shards: InProcess,
+}
+
+/// The model of `seed`'s random weights, coded `k` of `n`.
+pub fn sim_model(seed: u64, n: usize, k: usize) -> Result<SimModel, ModelError> {
+    let weights = node_core::model::ModelWeights::synthetic(tiny_config(), seed)?;
+    let leader = node_core::model::LeaderWeights::from_model(&weights);
+    let llama = Llama::new(weights.cfg.clone(), leader)?;
+    let g = Generator::cauchy(n, k).map_err(|e| ModelError::Config(e.to_string()))?;
+    let shards = InProcess::encode(&weights, &g, node_core::coded::ShardFormat::F32, &|_, _| {})
+        .map_err(|e| ModelError::Config(e.to_string()))?;
+    Ok(SimModel { llama, g, shards })
+}
+
 /// A small model's shape (two blocks, a vocabulary of 250) for the simulation's runs of real
 /// generations.
 pub fn tiny_config() -> LlamaConfig {

@@ -9,12 +9,10 @@
 use std::time::Duration;
 
 use node_core::code::Generator;
-use node_core::coded::{InProcess, ShardFormat};
+use node_core::coded::InProcess;
 use node_core::lead::steer::{FORM_RETRY, SHORT_CHECK};
-use node_core::model::{
-    GenerateOptions, LeaderWeights, Llama, ModelWeights, SamplingParams, generate,
-};
-use tests::sim::{Fault, LeaderConfig, LeaderStep, SimLeader, sim_group, tiny_config};
+use node_core::model::{GenerateOptions, Llama, SamplingParams, generate};
+use tests::sim::{Fault, LeaderConfig, LeaderStep, SimLeader, SimModel, sim_group, sim_model};
 
 const K: usize = 3;
 const N: usize = 6;
@@ -39,15 +37,12 @@ fn opts() -> GenerateOptions {
 }
 
 fn fixture(seed: u64) -> Fixture {
-    let weights = ModelWeights::synthetic(tiny_config(), seed).unwrap();
-    let llama = Llama::new(weights.cfg.clone(), LeaderWeights::from_model(&weights)).unwrap();
-    let g = Generator::cauchy(N, K).unwrap();
-    let shards = InProcess::encode(&weights, &g, ShardFormat::F32, &|_, _| {}).unwrap();
+    let SimModel { llama, g, shards } = sim_model(seed, N, K).unwrap();
     let cfg = LeaderConfig {
         seed,
         ..LeaderConfig::default()
     };
-    let mut calm = sim_group(&weights.cfg, &g, &shards, cfg, &[]).unwrap();
+    let mut calm = sim_group(llama.config(), &g, &shards, cfg, &[]).unwrap();
     let reference = generate(&llama, &mut calm, &PROMPT, &opts(), &mut |_| true)
         .unwrap()
         .tokens;

@@ -8,18 +8,18 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use node_core::code::Generator;
-use node_core::coded::{CodedGroup, InProcess, ShardFormat, ShardSet};
+use node_core::coded::{CodedGroup, ShardFormat, ShardSet};
 use node_core::mesh::{
     Health, HealthConfig, JoinOffer, LearningConfig, ModelManifest, RoundConfig, SourceRow,
     plan_group,
 };
 use node_core::model::{
-    GenerateOptions, LeaderWeights, Llama, ModelWeights, SamplingParams, TokenizerData, generate,
+    GenerateOptions, LeaderWeights, ModelWeights, SamplingParams, TokenizerData, generate,
 };
 use tests::relative_error;
 use tests::sim::{
-    Fault, LeaderConfig, LogitsTap, MemoryHolders, NetConfig, SimMesh, SimTransport, sim_group,
-    tiny_config,
+    Fault, LeaderConfig, LogitsTap, MemoryHolders, NetConfig, SimMesh, SimModel, SimTransport,
+    sim_group, sim_model, tiny_config,
 };
 
 const K: u32 = 3;
@@ -129,22 +129,12 @@ const TOKENS: usize = 12;
 /// Rounds per forward pass: the embedding, four stages per block, the LM head.
 const ROUNDS_PER_PASS: usize = 1 + 4 * 2 + 1;
 
-struct Fixture {
-    llama: Llama,
-    g: Generator,
-    shards: InProcess,
-}
-
-fn fixture(seed: u64) -> Fixture {
-    let weights = ModelWeights::synthetic(tiny_config(), seed).unwrap();
-    let llama = Llama::new(weights.cfg.clone(), LeaderWeights::from_model(&weights)).unwrap();
-    let g = Generator::cauchy(N as usize, K as usize).unwrap();
-    let shards = InProcess::encode(&weights, &g, ShardFormat::F32, &|_, _| {}).unwrap();
-    Fixture { llama, g, shards }
+fn fixture(seed: u64) -> SimModel {
+    sim_model(seed, N as usize, K as usize).unwrap()
 }
 
 /// Greedy tokens and the logits of every forward pass, through `group`.
-fn greedy(f: &Fixture, group: &mut CodedGroup<SimTransport>) -> (Vec<u32>, Vec<Vec<f32>>) {
+fn greedy(f: &SimModel, group: &mut CodedGroup<SimTransport>) -> (Vec<u32>, Vec<Vec<f32>>) {
     let opts = GenerateOptions {
         max_tokens: TOKENS,
         sampling: SamplingParams::default(),

@@ -8,29 +8,19 @@
 
 use std::time::Duration;
 
-use node_core::code::Generator;
-use node_core::coded::{InProcess, ShardFormat};
+use node_core::coded::ShardFormat;
 use node_core::lead::training::{MIN_STEP_GAP, turn_wait};
 use node_core::learn::{CanaryGate, Learner, LearningConfig, Teacher};
-use node_core::model::{LeaderWeights, Llama, ModelWeights};
-use tests::sim::{LeaderConfig, SimTrainer, TrainerConfig, TrainerStep, tiny_config};
+use tests::sim::{
+    LeaderConfig, SimModel, SimTrainer, TrainerConfig, TrainerStep, sim_model, tiny_config,
+};
 
 const K: usize = 3;
 const N: usize = 5;
 const SEEDS: [u64; 3] = [1, 2, 3];
 
-struct Fixture {
-    llama: Llama,
-    g: Generator,
-    shards: InProcess,
-}
-
-fn fixture(seed: u64) -> Fixture {
-    let weights = ModelWeights::synthetic(tiny_config(), seed).unwrap();
-    let llama = Llama::new(weights.cfg.clone(), LeaderWeights::from_model(&weights)).unwrap();
-    let g = Generator::cauchy(N, K).unwrap();
-    let shards = InProcess::encode(&weights, &g, ShardFormat::F32, &|_, _| {}).unwrap();
-    Fixture { llama, g, shards }
+fn fixture(seed: u64) -> SimModel {
+    sim_model(seed, N, K).unwrap()
 }
 
 fn teacher(gate: Option<CanaryGate>) -> Teacher {
@@ -44,7 +34,7 @@ fn text(n: u32) -> Vec<u32> {
 }
 
 fn trainer<'a>(
-    f: &'a Fixture,
+    f: &'a SimModel,
     seed: u64,
     serving: Vec<(Duration, Duration)>,
     gate: Option<CanaryGate>,
