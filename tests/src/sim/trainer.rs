@@ -244,7 +244,6 @@ impl<'a> SimTrainer<'a> {
                     if let Some(p) = self.teacher.flush().map_err(model_error)? {
                         self.settle(p);
                     }
-                    self.turns.borrow_mut().rest();
                 }
                 Due::Wait(t) => {
                     // As the engine's trainer: until then, or a request, or serving going quiet.
@@ -256,8 +255,11 @@ impl<'a> SimTrainer<'a> {
                     }
                     let t = self.base + next;
                     self.group.transport_mut().wait_until(t);
+                    continue;
                 }
             }
+            // As the engine's trainer: it worked, and rests its turns.
+            self.turns.borrow_mut().rest();
         }
     }
 
@@ -277,7 +279,6 @@ impl<'a> SimTrainer<'a> {
         if let Some(p) = self.teacher.fold(grads).map_err(model_error)? {
             self.settle(p);
         }
-        self.turns.borrow_mut().rest();
         Ok(())
     }
 

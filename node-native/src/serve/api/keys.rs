@@ -217,7 +217,7 @@ impl Keys {
 
     /// The name of the caller `key` names (the anonymous user's without one), for metrics.
     pub fn name_of(&self, key: Option<&str>) -> String {
-        match key.filter(|_| !self.keys.is_empty()) {
+        match self.counted(key) {
             Some(k) => self
                 .keys
                 .get(k)
@@ -225,6 +225,12 @@ impl Keys {
                 .into(),
             None => ANONYMOUS.into(),
         }
+    }
+
+    /// The key a request sent, where the API has keys: without any, whatever a client sends
+    /// (OpenAI's clients always send one) makes it the anonymous user.
+    fn counted<'k>(&self, key: Option<&'k str>) -> Option<&'k str> {
+        key.filter(|_| !self.keys.is_empty())
     }
 
     /// Whether the API asks for a key at all.
@@ -237,7 +243,7 @@ impl Keys {
     /// always send one; from this machine only once there are); counted against its requests
     /// a minute.
     pub fn caller(&self, key: Option<&str>, from: Option<IpAddr>) -> Result<&Caller, Refused> {
-        let caller = match key.filter(|_| !self.keys.is_empty()) {
+        let caller = match self.counted(key) {
             Some(k) => self.keys.get(k).ok_or(Refused::Unauthorized)?,
             None => {
                 let local = from.is_some_and(|ip| ip.is_loopback());

@@ -95,9 +95,7 @@ fn asks(name: &str, value: &Value) -> bool {
 /// Refuses a request that asks for what this mesh does not do, so no parameter is ignored
 /// silently: log-probabilities, constrained output, tools, penalties and biases, several
 /// candidates, an echo, a suffix, or any parameter it does not know.
-pub(super) fn refuse_unsupported(
-    other: &std::collections::BTreeMap<String, Value>,
-) -> Result<(), ApiError> {
+fn refuse_unsupported(other: &std::collections::BTreeMap<String, Value>) -> Result<(), ApiError> {
     let Some((name, _)) = other
         .iter()
         .find(|(name, value)| !HARMLESS.contains(&name.as_str()) && asks(name, value))

@@ -47,23 +47,8 @@ impl Trainer {
             }
             let serving = shared.as_ref().is_some_and(|s| s.serving());
             match schedule.poll(Instant::now(), serving) {
-                Due::Train(minibatch) => {
-                    self.train_on(minibatch).await;
-                    if let Some(s) = &shared {
-                        s.rest_turns();
-                    }
-                }
-                Due::Flush => {
-                    // Accumulated gradients (accumulate > 1) go out once requests stop.
-                    match tokio::task::block_in_place(|| self.teacher.flush()) {
-                        Ok(Some(p)) => self.judge_and_hand_over(p).await,
-                        Ok(None) => {}
-                        Err(e) => tracing::warn!("the update could not be made: {e}"),
-                    }
-                    if let Some(s) = &shared {
-                        s.rest_turns();
-                    }
-                }
+                Due::Train(minibatch) => self.train_on(minibatch).await,
+                Due::Flush => self.flush().await,
                 Due::Wait(until) => {
                     let quiet = async {
                         match (&shared, serving) {
@@ -79,8 +64,22 @@ impl Trainer {
                         () = quiet => {}
                         () = tokio::time::sleep_until(until.into()) => {}
                     }
+                    continue;
                 }
             }
+            // It worked: the wait before its next round counts nothing before that round.
+            if let Some(s) = &shared {
+                s.rest_turns();
+            }
+        }
+    }
+
+    /// Hands out what the learner accumulated (accumulate > 1) once requests stopped.
+    async fn flush(&mut self) {
+        match tokio::task::block_in_place(|| self.teacher.flush()) {
+            Ok(Some(p)) => self.judge_and_hand_over(p).await,
+            Ok(None) => {}
+            Err(e) => tracing::warn!("the update could not be made: {e}"),
         }
     }
 
