@@ -286,9 +286,9 @@ pub(crate) struct BenchArgs {
     /// only).
     #[arg(long, requires = "gpu")]
     pub(crate) synthetic: bool,
-    /// The shape of --synthetic's random weights. Past SmolLM2 only the whole token on the GPU
-    /// is measured (members on the CPU would take minutes a token), and f32 shards only while
-    /// the model's f32 weights fit in 16 GiB.
+    /// The shape of --synthetic's random weights. Past SmolLM2 only one member's rounds and the
+    /// whole token on the GPU are measured (a group of members on the CPU would take minutes a
+    /// token), and f32 shards only while the model's f32 weights fit in 16 GiB.
     #[arg(long, value_enum, default_value_t = SyntheticShape::Smollm2, requires = "synthetic")]
     pub(crate) shape: SyntheticShape,
     /// Measure what compact grids cost against the model as loaded (logit error, greedy

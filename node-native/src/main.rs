@@ -308,6 +308,12 @@ fn run_gpu_bench(args: &BenchArgs) -> Result<()> {
         let prompt = model.tokenizer.encode(BENCH_TEXT)?;
         (model.weights, prompt)
     };
+    rows.extend(node_native::bench::gpu::member_rows(
+        &gpu,
+        &weights,
+        args.tokens,
+        copy_bw,
+    )?);
     rows.extend(node_native::bench::gpu::model_rows(
         gpu,
         &weights,

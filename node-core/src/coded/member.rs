@@ -103,6 +103,11 @@ impl Member {
         (bytes.saturating_mul(t) >= self.gpu_min_work).then_some(gpu)
     }
 
+    /// Its shards on the GPU, when they are there and up to date.
+    pub fn gpu_shards(&self) -> Option<&GpuShards> {
+        self.gpu.as_deref()
+    }
+
     /// The adapter products run on, when on a GPU.
     pub fn gpu_info(&self) -> Option<&GpuInfo> {
         self.device.as_deref().map(Gpu::info)

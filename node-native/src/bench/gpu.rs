@@ -294,3 +294,116 @@ pub fn model_rows(
     }
     Ok(rows)
 }
+
+/// Timed calls of each stage's product in [`member_rows`] (the median is reported).
+const MEMBER_CALLS: usize = 50;
+
+/// A member's rounds as a `--device gpu` node answers them: one q8 row of k = 3 of n = 5 (a
+/// data row, then a parity row) on the GPU, each kind of stage's product for one token timed
+/// (upload, dispatch, read back) against its floor (the bytes it reads ÷ `copy_bw`), then a
+/// whole token's rounds one after another against the row's floor, and the same token's
+/// rounds on the CPU.
+pub fn member_rows(
+    gpu: &Arc<Gpu>,
+    weights: &ModelWeights,
+    tokens: usize,
+    copy_bw: f64,
+) -> Result<Vec<Row>> {
+    use node_core::coded::Member;
+    use node_core::model::Stage;
+    use node_core::protocol::StepRequest;
+
+    let cfg = &weights.cfg;
+    let g = ShardFormat::Q8.code(5, 3)?;
+    let input = |m: &Member, stage: Stage| -> Result<StepRequest> {
+        let cols = m
+            .shards()
+            .stage_shards(stage)?
+            .first()
+            .map_or(0, |s| s.cols);
+        let x = (0..cols).map(|i| ((i % 17) as f32 - 8.0) / 8.0).collect();
+        Ok(StepRequest::Matmul { stage, t: 1, x })
+    };
+    let mut rows = Vec::new();
+    for (label, r) in [("data row 0 (i8)", 0), ("parity row 3 (as i16)", 3)] {
+        let started = std::time::Instant::now();
+        let set = ShardSet::encode_parallel(weights, &g, &[r], ShardFormat::Q8)?
+            .pop()
+            .context("encoding gave no row")?;
+        let mut member = Member::new(set);
+        member.use_gpu(gpu.clone(), 0)?;
+        pollster::block_on(member.warm_up(1))?;
+        eprintln!(
+            "member, q8 {label}: encoded, on the GPU and warm in {:.1} s",
+            started.elapsed().as_secs_f64()
+        );
+        let shards = member.gpu_shards().context("the row is not on the GPU")?;
+        let stage_floor =
+            |stage: Stage| -> Result<f64> { Ok(shards.stage_bytes(stage)? as f64 / copy_bw) };
+        for stage in [
+            Stage::Qkv(0),
+            Stage::AttnOut(0),
+            Stage::GateUp(0),
+            Stage::Down(0),
+            Stage::LmHead,
+        ] {
+            let req = input(&member, stage)?;
+            let mut times = Vec::with_capacity(MEMBER_CALLS);
+            for _ in 0..MEMBER_CALLS {
+                let t = std::time::Instant::now();
+                member.compute(&req)?;
+                times.push(t.elapsed().as_secs_f64());
+            }
+            times.sort_by(f64::total_cmp);
+            let median = times[times.len() / 2];
+            let floor = stage_floor(stage)?;
+            rows.push(row(
+                format!("a member's round on the GPU (`--device gpu`), q8 {label}, {stage:?}"),
+                format!(
+                    "{:.0} µs (median of {MEMBER_CALLS}; {:.1}× its floor of {:.1} µs)",
+                    median * 1e6,
+                    median / floor,
+                    floor * 1e6
+                ),
+            ));
+        }
+        let stages = Stage::all(cfg);
+        let reqs = stages
+            .iter()
+            .map(|&s| input(&member, s))
+            .collect::<Result<Vec<_>>>()?;
+        let token_floor = stages
+            .iter()
+            .map(|&s| stage_floor(s))
+            .sum::<Result<f64>>()?;
+        let time_token =
+            |f: &dyn Fn(&StepRequest) -> Result<Vec<f32>, node_core::coded::CodedError>,
+             n: usize|
+             -> Result<f64> {
+                let t = std::time::Instant::now();
+                for _ in 0..n {
+                    for req in &reqs {
+                        f(req)?;
+                    }
+                }
+                Ok(t.elapsed().as_secs_f64() / n.max(1) as f64)
+            };
+        let on_gpu = time_token(&|q| member.compute(q), tokens)?;
+        let on_cpu = time_token(&|q| member.compute_cpu(q), tokens.clamp(1, 4))?;
+        rows.push(row(
+            format!(
+                "a member's rounds for a token ({} stages), q8 {label}: GPU; CPU",
+                stages.len()
+            ),
+            format!(
+                "{:.2} ms ({:.0} µs a round; {:.1}× the row's floor of {:.0} µs); {:.2} ms",
+                on_gpu * 1e3,
+                on_gpu * 1e6 / stages.len() as f64,
+                on_gpu / token_floor,
+                token_floor * 1e6,
+                on_cpu * 1e3
+            ),
+        ));
+    }
+    Ok(rows)
+}

@@ -59,6 +59,11 @@ impl GpuShards {
         super::shards::stage_items(&self.blocks, &self.lm_head, stage)
     }
 
+    /// Bytes a product of `stage` reads from the GPU's memory (its matrices as uploaded).
+    pub fn stage_bytes(&self, stage: Stage) -> Result<u64, CodedError> {
+        Ok(self.stage(stage)?.iter().map(|g| g.bytes()).sum())
+    }
+
     /// Answers a product request (`Matmul`, `MatmulT`) as [`super::Member::compute`] does on
     /// the CPU; `None` for requests that are not products.
     pub async fn compute(
