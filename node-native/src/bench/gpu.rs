@@ -338,8 +338,22 @@ pub fn member_rows(
             started.elapsed().as_secs_f64()
         );
         let shards = member.gpu_shards().context("the row is not on the GPU")?;
-        let stage_floor =
-            |stage: Stage| -> Result<f64> { Ok(shards.stage_bytes(stage)? as f64 / copy_bw) };
+        let stage_floor = |stage: Stage| -> Result<f64> {
+            let bytes: u64 = shards
+                .stage_matrices(stage)?
+                .iter()
+                .map(|g| g.bytes())
+                .sum();
+            Ok(bytes as f64 / copy_bw)
+        };
+        // The stage's kernels alone, back to back in one submission (no upload or read back).
+        let kernels = |stage: Stage| -> Result<f64> {
+            shards
+                .stage_matrices(stage)?
+                .iter()
+                .map(|g| Ok(gpu.time_matmul(g, 1, RUNS)?))
+                .sum()
+        };
         for stage in [
             Stage::Qkv(0),
             Stage::AttnOut(0),
@@ -357,13 +371,15 @@ pub fn member_rows(
             times.sort_by(f64::total_cmp);
             let median = times[times.len() / 2];
             let floor = stage_floor(stage)?;
+            let kernel = kernels(stage)?;
             rows.push(row(
                 format!("a member's round on the GPU (`--device gpu`), q8 {label}, {stage:?}"),
                 format!(
-                    "{:.0} µs (median of {MEMBER_CALLS}; {:.1}× its floor of {:.1} µs)",
+                    "{:.0} µs (median of {MEMBER_CALLS}; {:.1}× its floor of {:.1} µs); its kernels alone {:.1} µs",
                     median * 1e6,
                     median / floor,
-                    floor * 1e6
+                    floor * 1e6,
+                    kernel * 1e6
                 ),
             ));
         }

@@ -59,9 +59,9 @@ impl GpuShards {
         super::shards::stage_items(&self.blocks, &self.lm_head, stage)
     }
 
-    /// Bytes a product of `stage` reads from the GPU's memory (its matrices as uploaded).
-    pub fn stage_bytes(&self, stage: Stage) -> Result<u64, CodedError> {
-        Ok(self.stage(stage)?.iter().map(|g| g.bytes()).sum())
+    /// The matrices a product of `stage` multiplies, as uploaded.
+    pub fn stage_matrices(&self, stage: Stage) -> Result<Vec<&GpuMatrix>, CodedError> {
+        self.stage(stage)
     }
 
     /// Answers a product request (`Matmul`, `MatmulT`) as [`super::Member::compute`] does on
