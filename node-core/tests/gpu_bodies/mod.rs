@@ -33,15 +33,23 @@ pub fn rel_err(a: &[f32], b: &[f32], bound: f32) -> f64 {
     f64::from(worst) / f64::from(bound.max(1e-30))
 }
 
-/// GEMV, GEMM and the transpose product, f32, f16 and compact (i8 and i16 with block scales),
-/// whole and split into row chunks, against the CPU.
+/// GEMV (32 rows a workgroup, and one), GEMM and the transpose product, f32, f16 and compact
+/// (i8 and i16 with block scales), whole and split into row chunks, against the CPU.
 pub async fn products_match_the_cpu(gpu: &mut Gpu) {
-    let shapes = [(1, 1), (7, 37), (64, 576), (300, 130), (33, 1536)];
-    for split in [false, true] {
+    let shapes = [
+        (1, 1),
+        (7, 37),
+        (64, 576),
+        (300, 130),
+        (33, 1536),
+        (3, 20000),
+    ];
+    for (split, narrow) in [(false, 0), (false, u32::MAX), (true, 0), (true, u32::MAX)] {
         if split {
             // Chunks of 1 KiB: the larger matrices are split into many row chunks.
             gpu.limit_chunk(1024);
         }
+        gpu.narrow_rows_up_to(narrow);
         for (i, &(rows, cols)) in shapes.iter().enumerate() {
             let w = random(rows * cols, i as u64);
             let w16: Vec<half::f16> = w.iter().map(|&v| half::f16::from_f32(v)).collect();
@@ -89,7 +97,10 @@ pub async fn products_match_the_cpu(gpu: &mut Gpu) {
                         .unwrap();
                     let bound = cols as f32; // |w|, |x| ≤ 1
                     let e = rel_err(&got, &want, bound);
-                    assert!(e < TOL, "{rows}×{cols} {format} t={t} split={split}: {e:e}");
+                    assert!(
+                        e < TOL,
+                        "{rows}×{cols} {format} t={t} split={split} narrow={narrow}: {e:e}"
+                    );
 
                     // Transpose: y (t × cols) = u (t × rows) · W.
                     let u = random(t * rows, 200 + t as u64);

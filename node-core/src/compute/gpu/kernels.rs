@@ -9,6 +9,7 @@ const ELEM_I16: &str = include_str!("kernels/elem_i16.wgsl");
 const SCALES: &str = include_str!("kernels/scales.wgsl");
 const PRODUCT_IO: &str = include_str!("kernels/product_io.wgsl");
 const GEMV: &str = include_str!("kernels/gemv.wgsl");
+const GEMV_NARROW: &str = include_str!("kernels/gemv_narrow.wgsl");
 const GEMM: &str = include_str!("kernels/gemm.wgsl");
 const MATMUL_T: &str = include_str!("kernels/matmul_t.wgsl");
 const SUM_PARTS: &str = include_str!("kernels/sum_parts.wgsl");
@@ -20,6 +21,12 @@ pub(super) const GEMM_TOKENS: u32 = 4;
 pub(super) const GEMM_MIN_T: usize = 3;
 /// Rows of one product workgroup (8 lane groups × 4 rows).
 pub(super) const MATMUL_ROWS_PER_GROUP: u32 = 32;
+/// Most rows a matrix chunk has for a one-token product to run one row a workgroup
+/// (gemv_narrow.wgsl) on a hardware adapter. At 32 rows a workgroup such a chunk fills at most
+/// 64 workgroups, too few for a large GPU (an H200 has 132 multiprocessors): there a member's
+/// 1366-row shards of the 8B shape ran 1.5–2× faster one row a workgroup, its 4779-row ones
+/// 1.4× slower (docs/perf.md).
+pub(super) const NARROW_MAX_ROWS: u32 = 2048;
 /// Invocations of one transpose-product workgroup.
 pub(super) const MATMUL_T_GROUP: u32 = 64;
 /// Invocations of one sum-parts or copy workgroup.
@@ -42,6 +49,8 @@ pub(crate) struct Kernels {
     pub two: wgpu::BindGroupLayout,
     /// `[f32, f16, i8, i16][GEMV, GEMM]`.
     pub matmul: [[wgpu::ComputePipeline; 2]; 4],
+    /// `[f32, f16, i8, i16]`: GEMV one row a workgroup, for chunks of few rows.
+    pub gemv_narrow: [wgpu::ComputePipeline; 4],
     pub matmul_t: [[wgpu::ComputePipeline; 2]; 4],
     pub sum_parts: wgpu::ComputePipeline,
     #[cfg_attr(target_arch = "wasm32", allow(dead_code))]
@@ -138,6 +147,15 @@ impl Kernels {
         );
         Self {
             matmul: per_format([(&gemv, None), (&gemm, Some(GEMM_TOKENS))], "matmul"),
+            gemv_narrow: elems.each_ref().map(|elem| {
+                pipeline(
+                    device,
+                    "gemv_narrow",
+                    format!("{elem}\n{PRODUCT_IO}\n{GEMV_NARROW}"),
+                    &four,
+                    None,
+                )
+            }),
             matmul_t: per_format(
                 [(MATMUL_T, Some(1)), (MATMUL_T, Some(GEMM_TOKENS))],
                 "matmul_t",

@@ -394,8 +394,14 @@ impl Gpu {
         for (m, p) in parts {
             for c in &m.chunks {
                 let offset = params.push(product_params(m, c, p, t, cols_p / 4)?);
-                let groups = u32_of(c.rows, "rows")?.div_ceil(MATMUL_ROWS_PER_GROUP);
-                dispatches.push((m.format, &c.buffer, offset, groups));
+                let rows = u32_of(c.rows, "rows")?;
+                let narrow = !gemm && rows <= self.narrow_rows;
+                let groups = if narrow {
+                    rows
+                } else {
+                    rows.div_ceil(MATMUL_ROWS_PER_GROUP)
+                };
+                dispatches.push((m.format, &c.buffer, offset, groups, narrow));
             }
         }
         Ok(MatmulPlan {
@@ -463,7 +469,7 @@ impl Gpu {
         let groups: Vec<wgpu::BindGroup> = plan
             .dispatches
             .iter()
-            .map(|&(_, w, offset, _)| {
+            .map(|&(_, w, offset, _, _)| {
                 bind(
                     &self.device,
                     &self.kernels.four,
@@ -478,8 +484,12 @@ impl Gpu {
             .collect();
         let mut pass = enc.begin_compute_pass(&Default::default());
         for _ in 0..times {
-            for (&(format, _, _, n), bg) in plan.dispatches.iter().zip(&groups) {
-                pass.set_pipeline(&self.kernels.matmul[format.index()][usize::from(plan.gemm)]);
+            for (&(format, _, _, n, narrow), bg) in plan.dispatches.iter().zip(&groups) {
+                pass.set_pipeline(if narrow {
+                    &self.kernels.gemv_narrow[format.index()]
+                } else {
+                    &self.kernels.matmul[format.index()][usize::from(plan.gemm)]
+                });
                 pass.set_bind_group(0, bg, &[]);
                 pass.dispatch_workgroups(n, plan.tok_groups, 1);
             }
@@ -680,8 +690,8 @@ struct MatmulPlan<'a> {
     out_bytes: u64,
     tok_groups: u32,
     params: ParamBlocks,
-    /// `(weight format, chunk buffer, parameter offset, row workgroups)`.
-    dispatches: Vec<(WFormat, &'a wgpu::Buffer, u64, u32)>,
+    /// `(weight format, chunk buffer, parameter offset, row workgroups, one row a workgroup)`.
+    dispatches: Vec<(WFormat, &'a wgpu::Buffer, u64, u32, bool)>,
 }
 
 /// The scratch buffers a product uses.

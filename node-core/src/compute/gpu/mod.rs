@@ -95,6 +95,8 @@ pub struct Gpu {
     pub(crate) max_binding: u64,
     /// Largest matrix chunk (the binding limit unless a test lowers it).
     chunk_bytes: u64,
+    /// Chunks of at most this many rows run one-token products one row a workgroup.
+    narrow_rows: u32,
     pub(crate) kernels: Kernels,
     scratch: futures::lock::Mutex<kernels::Scratch>,
 }
@@ -153,6 +155,12 @@ impl Gpu {
             info,
             max_binding,
             chunk_bytes: max_binding,
+            // A software adapter runs a workgroup on a CPU thread: more of them only cost.
+            narrow_rows: if a.device_type == wgpu::DeviceType::Cpu {
+                0
+            } else {
+                kernels::NARROW_MAX_ROWS
+            },
             kernels,
             scratch: Default::default(),
         })
@@ -182,6 +190,12 @@ impl Gpu {
     /// adapter's binding limit: tests exercise the split on small shapes with it.
     pub fn limit_chunk(&mut self, bytes: u64) {
         self.chunk_bytes = self.chunk_bytes.min(bytes);
+    }
+
+    /// Runs one-token products of chunks of at most `rows` rows one row a workgroup (0:
+    /// none) instead of the adapter's default: tests check both kernels on any adapter.
+    pub fn narrow_rows_up_to(&mut self, rows: u32) {
+        self.narrow_rows = rows;
     }
 
     /// Waits for all submitted work (native; WebGPU polls by itself).
