@@ -55,13 +55,9 @@ impl GpuShards {
         })
     }
 
-    fn stage(&self, stage: Stage) -> Result<Vec<&GpuMatrix>, CodedError> {
-        super::shards::stage_items(&self.blocks, &self.lm_head, stage)
-    }
-
     /// The matrices a product of `stage` multiplies, as uploaded.
     pub fn stage_matrices(&self, stage: Stage) -> Result<Vec<&GpuMatrix>, CodedError> {
-        self.stage(stage)
+        super::shards::stage_items(&self.blocks, &self.lm_head, stage)
     }
 
     /// Answers a product request (`Matmul`, `MatmulT`) as [`super::Member::compute`] does on
@@ -82,7 +78,7 @@ impl GpuShards {
         t: usize,
         req: &StepRequest,
     ) -> Result<Vec<f32>, CodedError> {
-        let mats = self.stage(stage)?;
+        let mats = self.stage_matrices(stage)?;
         let block_len = |g: &GpuMatrix| g.rows() / m.max(1);
         let per_sub: usize = mats.iter().map(|g| t * block_len(g)).sum();
         let mut off = 0;

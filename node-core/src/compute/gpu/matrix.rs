@@ -366,7 +366,7 @@ impl Gpu {
 
     /// Checks a product and lays out its dispatches.
     fn plan_matmul<'a>(
-        &self,
+        &'a self,
         parts: &[(&'a GpuMatrix, Placement)],
         x: &'a [f32],
         t: usize,
@@ -395,17 +395,18 @@ impl Gpu {
             for c in &m.chunks {
                 let offset = params.push(product_params(m, c, p, t, cols_p / 4)?);
                 let rows = u32_of(c.rows, "rows")?;
-                let narrow = !gemm && rows <= self.narrow_rows;
-                let groups = if narrow {
-                    rows
+                let (kernel, groups) = if !gemm && rows <= self.narrow_rows {
+                    (&self.kernels.gemv_narrow[m.format.index()], rows)
                 } else {
-                    rows.div_ceil(MATMUL_ROWS_PER_GROUP)
+                    (
+                        &self.kernels.matmul[m.format.index()][usize::from(gemm)],
+                        rows.div_ceil(MATMUL_ROWS_PER_GROUP),
+                    )
                 };
-                dispatches.push((m.format, &c.buffer, offset, groups, narrow));
+                dispatches.push((kernel, &c.buffer, offset, groups));
             }
         }
         Ok(MatmulPlan {
-            gemm,
             x,
             out_bytes,
             tok_groups,
@@ -469,7 +470,7 @@ impl Gpu {
         let groups: Vec<wgpu::BindGroup> = plan
             .dispatches
             .iter()
-            .map(|&(_, w, offset, _, _)| {
+            .map(|&(_, w, offset, _)| {
                 bind(
                     &self.device,
                     &self.kernels.four,
@@ -484,12 +485,8 @@ impl Gpu {
             .collect();
         let mut pass = enc.begin_compute_pass(&Default::default());
         for _ in 0..times {
-            for (&(format, _, _, n, narrow), bg) in plan.dispatches.iter().zip(&groups) {
-                pass.set_pipeline(if narrow {
-                    &self.kernels.gemv_narrow[format.index()]
-                } else {
-                    &self.kernels.matmul[format.index()][usize::from(plan.gemm)]
-                });
+            for (&(kernel, _, _, n), bg) in plan.dispatches.iter().zip(&groups) {
+                pass.set_pipeline(kernel);
                 pass.set_bind_group(0, bg, &[]);
                 pass.dispatch_workgroups(n, plan.tok_groups, 1);
             }
@@ -684,14 +681,13 @@ impl Gpu {
 /// A checked product: parameters and one dispatch per matrix chunk.
 #[derive(Debug)]
 struct MatmulPlan<'a> {
-    gemm: bool,
     /// The input, padded to whole weight elements.
     x: Cow<'a, [f32]>,
     out_bytes: u64,
     tok_groups: u32,
     params: ParamBlocks,
-    /// `(weight format, chunk buffer, parameter offset, row workgroups, one row a workgroup)`.
-    dispatches: Vec<(WFormat, &'a wgpu::Buffer, u64, u32, bool)>,
+    /// `(kernel, chunk buffer, parameter offset, row workgroups)`.
+    dispatches: Vec<(&'a wgpu::ComputePipeline, &'a wgpu::Buffer, u64, u32)>,
 }
 
 /// The scratch buffers a product uses.
