@@ -9,9 +9,9 @@ use anyhow::{Context, Result, bail};
 use node_core::code::{Generator, select_nodes};
 use node_core::coded::{CodedGroup, GpuGroup, InProcess, ShardFormat};
 use node_core::compute::gpu::Gpu;
+use node_core::lead::{generate, generate_with};
 use node_core::model::{
-    ChatMessage, GenerateOptions, Generation, LeaderWeights, Llama, Pass, SamplingParams,
-    Tokenizer, generate, generate_with,
+    ChatMessage, GenerateOptions, Generation, LeaderWeights, Llama, Pass, SamplingParams, Tokenizer,
 };
 use node_native::{load, progress};
 

@@ -3,9 +3,8 @@
 //! runtime at the binary's edge.
 
 use anyhow::{Context, Result, bail};
+use node_core::lead::generate_regrouping;
 use node_core::learn::{Learner, Teacher};
-use node_core::model::generate_regrouping;
-use node_native::lead::hop::HopLead;
 use node_native::lead::leader::Leader;
 
 use crate::cli::{EvalArgs, GenerateArgs};
@@ -161,32 +160,24 @@ async fn run_once_on_mesh(
     let tokenizer = leader.tokenizer.clone();
     let (prompt, opts, mut printer) = Printer::start(&tokenizer, args)?;
     leader.set_pass(args.pass);
-    let route = leader.route().await.map_err(|why| anyhow::anyhow!(why))?;
-    let hop = route == node_core::lead::Route::Hop;
-    let cfg = leader.manifest.cfg.clone();
     let on = &mut |id| printer.token(id);
-    // A pass that fails (members died beyond the spares, the mesh moved on) runs again on a
-    // group formed anew, as the leader's steer rules.
-    let out = if hop {
-        let rt = tokio::runtime::Handle::current();
-        let mut lead = HopLead::new(&mut leader, rt, group.verify, group.spares);
-        let out = generate_regrouping(&mut lead, &cfg, &prompt, &opts, on).await;
-        if let Some(hop) = &lead.hop {
-            let s = hop.stats();
-            eprintln!(
-                "one hop per stage: the members check every round among themselves; this leader checked {} LM head rounds ({} unchecked), members at the end {:?}",
-                s.verified_rounds,
-                s.unverified_rounds,
-                hop.rows()
-            );
-            for c in &s.caught {
-                eprintln!("{c}");
-            }
+    // Each pass goes over rounds or one hop per stage as the leader's rules route it; one that
+    // fails (members died beyond the spares, the mesh moved on) runs again on a group formed
+    // anew.
+    let out = generate_regrouping(&mut leader, &prompt, &opts, on).await;
+    let hop = leader.hop.is_some();
+    if let Some(hop) = &leader.hop {
+        let s = hop.stats();
+        eprintln!(
+            "one hop per stage: the members check every round among themselves; this leader checked {} LM head rounds ({} unchecked), members at the end {:?}",
+            s.verified_rounds,
+            s.unverified_rounds,
+            hop.rows()
+        );
+        for c in &s.caught {
+            eprintln!("{c}");
         }
-        out
-    } else {
-        generate_regrouping(&mut leader, &cfg, &prompt, &opts, on).await
-    };
+    }
     printer.end();
     let out = out?;
     if hop {

@@ -5,6 +5,8 @@
 //! trainer's share of the time and of a minibatch ([`training`]). No I/O is inside: each shell
 //! implements [`LeadLink`] over its own networking.
 
+pub mod generate;
+pub mod leader;
 pub mod learning;
 pub mod publish;
 pub mod route;
@@ -12,10 +14,14 @@ pub mod steer;
 pub mod training;
 
 pub use crate::learn::Signer;
+pub use generate::{
+    generate, generate_async, generate_on, generate_regrouping, generate_with, one_at_a_time,
+};
+pub use leader::{Failure, LeadShell, Leader, Measured, Stepped, ready, step};
 pub use learning::{Publisher, Settled, settle};
 pub use publish::{Reported, Sealed, Sent, report_caught, seal_update, spread_out};
 pub use route::{HOP_OVER, PassRoute, RouteMeasures, hop_members};
-pub use steer::{Action, Looking, Route, Steer, SteerShell, ready, returned_row};
+pub use steer::{Action, Looking, Route, Steer, returned_row};
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;

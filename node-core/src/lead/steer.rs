@@ -1,9 +1,7 @@
 //! A leader's choices about its group, without I/O: when to form it, when a group short of
 //! members looks for a row that came back, when a pass that failed may run again, and how
-//! each pass travels (rounds or one hop per stage, [`super::route`]). Every
-//! leader's shell (the API's serving and training tasks, the command line's leader, the
-//! simulation) does what [`Steer::poll`] names and tells it what came of it, with the time:
-//! one set of rules, tested in virtual time.
+//! each pass travels (rounds or one hop per stage, [`super::route`]). The group's half of
+//! every [`super::Leader`]: one set of rules, tested in virtual time.
 
 use std::collections::BTreeSet;
 
@@ -327,58 +325,18 @@ impl Steer {
     pub fn failures(&self) -> u32 {
         self.failures
     }
-}
 
-/// A leader's shell as [`ready`] drives it: its clock, its group's rows, and forming and
-/// looking over its own networking.
-#[allow(
-    async_fn_in_trait,
-    reason = "the browser leader's futures are !Send by nature; native callers name the concrete type"
-)]
-pub trait SteerShell {
-    /// Its rules.
-    fn steer(&mut self) -> &mut Steer;
-    /// The time now: the clock's, by default (a simulation's is virtual).
-    fn now(&mut self) -> Instant {
-        Instant::now()
-    }
-    /// Its group's rows now (none without a group).
-    fn rows(&self) -> Vec<usize>;
-    /// Waits until `until`.
-    async fn wait_until(&mut self, until: Instant);
-    /// Forms a group, letting go of the one it holds; why not, when it could not.
-    async fn form(&mut self) -> Result<(), String>;
-    /// The row a group short of members could take again, as `looking` says (for example
-    /// [`Looking::in_view`] over its view of the mesh).
-    async fn look(&mut self, looking: &Looking) -> Option<usize>;
-    /// The rules let the group go for `row`, which came back: the shell lets it go too.
-    fn regroup(&mut self, row: usize, looking: &Looking);
-}
-
-/// Does what `shell`'s [`Steer`] says until a pass may run: forms the group (again), backs off
-/// after failed passes, and lets a group short of members go when a row comes back; the
-/// pass's route, or why not when no group can be formed now. Every leader's shell is driven
-/// by this one loop.
-pub async fn ready<S: SteerShell>(shell: &mut S) -> Result<Route, String> {
-    loop {
-        let now = shell.now();
-        let rows = shell.rows();
-        match shell.steer().poll(now, &rows) {
-            Action::Pass(route) => return Ok(route),
-            Action::Wait(until) => shell.wait_until(until).await,
-            Action::Unavailable { why, .. } => return Err(why),
-            Action::Look(looking) => {
-                let row = shell.look(&looking).await;
-                if shell.steer().looked(now, row)
-                    && let Some(row) = row
-                {
-                    shell.regroup(row, &looking);
-                }
-            }
-            Action::Form => match shell.form().await {
-                Ok(()) => shell.steer().formed(),
-                Err(why) => shell.steer().form_failed(now, why),
-            },
+    /// When [`Steer::poll`] next says something new with nothing reported: the end of a
+    /// backoff or of a failure to form that stands as the answer, or a short group's next
+    /// look.
+    pub fn timeout(&self) -> Option<Instant> {
+        match &self.group {
+            None => (self.retry_at)
+                .or_else(|| self.form_failed.as_ref().map(|(at, _)| *at + FORM_RETRY)),
+            Some(g) => g
+                .short_since
+                .and(g.looked)
+                .map(|looked| looked + SHORT_CHECK),
         }
     }
 }
@@ -551,90 +509,5 @@ mod tests {
             Action::Pass(Route::Hop),
             "a short group's pass, routed too"
         );
-    }
-
-    /// A shell whose forming answers as told, whose view holds `found`, and which logs what
-    /// the loop had it do.
-    struct Shell {
-        steer: Steer,
-        at: Instant,
-        rows: Vec<usize>,
-        forms: Vec<Result<(), String>>,
-        found: Option<usize>,
-        log: Vec<String>,
-    }
-
-    impl SteerShell for Shell {
-        fn steer(&mut self) -> &mut Steer {
-            &mut self.steer
-        }
-
-        fn now(&mut self) -> Instant {
-            self.at
-        }
-
-        fn rows(&self) -> Vec<usize> {
-            self.rows.clone()
-        }
-
-        async fn wait_until(&mut self, until: Instant) {
-            self.log
-                .push(format!("wait {}", (until - self.at).as_millis()));
-            self.at = until;
-        }
-
-        async fn form(&mut self) -> Result<(), String> {
-            self.log.push("form".into());
-            self.rows.clear();
-            self.forms.remove(0)?;
-            self.rows = vec![0, 1, 2];
-            Ok(())
-        }
-
-        async fn look(&mut self, looking: &Looking) -> Option<usize> {
-            self.log.push(format!("look {:?}", looking.rows));
-            self.found
-        }
-
-        fn regroup(&mut self, row: usize, _: &Looking) {
-            self.log.push(format!("regroup {row}"));
-            self.rows.clear();
-        }
-    }
-
-    #[test]
-    fn one_loop_drives_a_shell_through_forming_failing_looking_and_regrouping() {
-        let t0 = Instant::now();
-        let mut shell = Shell {
-            steer: Steer::new(3),
-            at: t0,
-            rows: Vec::new(),
-            forms: vec![Err("two rows".into()), Ok(()), Ok(()), Ok(()), Ok(())],
-            found: Some(2),
-            log: Vec::new(),
-        };
-        let go = |shell: &mut Shell| futures::executor::block_on(ready(shell));
-        assert_eq!(go(&mut shell), Err("two rows".to_string()));
-        assert_eq!(
-            go(&mut shell),
-            Err("two rows".to_string()),
-            "within FORM_RETRY"
-        );
-        shell.at += FORM_RETRY;
-        assert_eq!(go(&mut shell), Ok(Route::Rounds));
-        assert_eq!(shell.log, ["form", "form"]);
-        // A member goes and a row comes back: the group is formed again with it.
-        shell.log.clear();
-        shell.rows = vec![0, 1];
-        assert_eq!(go(&mut shell), Ok(Route::Rounds));
-        assert_eq!(shell.log, ["look [0, 1]", "regroup 2", "form"]);
-        assert_eq!(shell.rows, [0, 1, 2]);
-        // Two failed passes: formed at once, then after the backoff.
-        shell.log.clear();
-        shell.steer.pass_failed(shell.at, false);
-        assert_eq!(go(&mut shell), Ok(Route::Rounds));
-        shell.steer.pass_failed(shell.at, false);
-        assert_eq!(go(&mut shell), Ok(Route::Rounds));
-        assert_eq!(shell.log, ["form", "wait 250", "form"]);
     }
 }

@@ -1,8 +1,8 @@
 //! A leader's batch, with no I/O: the sequences a group decodes together, what their next pass
 //! runs, what that pass's logits emit, and what a failed pass does. Every leader drives it: the
 //! API's serving tasks (a batch of many, over rounds or a hop group) and the one-sequence loop
-//! of the CLI, the bench and the page's prompt box ([`super::generate_async`]). The shells keep
-//! only tasks, channels and transports.
+//! of the CLI, the bench and the page's prompt box, each through its leader
+//! (`crate::lead::Leader`). The shells keep only tasks, channels and transports.
 
 use super::speculate::DraftCost;
 use super::{

@@ -22,9 +22,7 @@ pub use batch::{AfterFailure, Batch, BatchLimits, Ended, Entry, MAX_PASS_FAILURE
 pub use block::{BLOCK, BlockStep, LinearExec, PassStep, Stage, pass_rows, pass_steps};
 pub use config::{Family, LlamaConfig};
 pub use generate::{
-    Forward, GenerateOptions, Generation, Pass, Regroup, Stepped, StopReason, generate,
-    generate_async, generate_on, generate_regrouping, generate_with, logits_along, relative_error,
-    step,
+    Forward, GenerateOptions, Generation, Pass, StopReason, logits_along, relative_error,
 };
 pub use gguf_model::{GgufModel, ReadAt};
 pub use layers::{StageGrad, StageSink};

@@ -1,6 +1,6 @@
 //! One sequence's decoding, with no I/O: what its next forward pass runs, and what that pass's
 //! logits emit (drafts included). Every leader drives it: the in-process and CLI generation
-//! loop ([`super::generate_async`]), the API's batch, the browser's prompt box.
+//! loop (`crate::lead::generate_async`), the API's batch, the browser's prompt box.
 
 use super::speculate::{self, DEFAULT_DRAFT_COST, DraftLength, SpecStats};
 use super::{GenerateOptions, LlamaConfig, ModelError, Pass, Sampler, StopReason};

@@ -108,7 +108,7 @@ fn run_on(
     opts: &GenerateOptions,
 ) -> Result<node_core::model::Generation, node_core::model::ModelError> {
     let (llama, group) = (&leader.formed.llama, &mut leader.formed.group);
-    runtime.block_on(node_core::model::generate_on(
+    runtime.block_on(node_core::lead::generate_on(
         llama,
         group,
         prompt,

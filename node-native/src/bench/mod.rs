@@ -16,9 +16,9 @@ use anyhow::Result;
 use node_core::code::{Generator, select_nodes};
 use node_core::coded::{CodedGroup, InProcess, ShardFormat};
 use node_core::compute::{self, WeightElem};
+use node_core::lead::{generate, generate_async};
 use node_core::model::{
-    GenerateOptions, LeaderWeights, Llama, ModelWeights, Pass, generate, generate_async,
-    logits_along, relative_error,
+    GenerateOptions, LeaderWeights, Llama, ModelWeights, Pass, logits_along, relative_error,
 };
 
 /// Best time of `f` over repeated runs lasting at least `budget`.

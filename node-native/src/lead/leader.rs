@@ -6,12 +6,15 @@
 use anyhow::{Context, Result, bail};
 use libp2p::{Multiaddr, PeerId};
 use node_core::lead::{
-    Looking, PassRoute, Publisher, Route, Sealed, Sent, Settled, Steer, SteerShell, settle,
+    Failure, LeadShell, Looking, Measured, PassRoute, Publisher, Route, Sealed, Sent, Settled,
+    settle,
 };
 use node_core::learn::{GateClaim, Header, Published, Teacher};
 use node_core::mesh::{MeshRequest, MeshResponse, ModelManifest, Usage};
 use node_core::model::ModelError;
+use node_core::net::hop::HopLeader;
 
+use super::hop::NetFeedLink;
 use super::remote::{Formed, GroupOptions, Session, form_group};
 use crate::hold::link::NativeLink;
 use crate::net::rpc::ask;
@@ -35,62 +38,19 @@ pub struct Leader {
     pub signer: node_core::lead::Signer,
     /// How its group is formed (again, after a pass fails).
     opts: GroupOptions,
-    /// When its group is formed again.
-    steer: Steer,
-}
-
-impl node_core::model::Regroup for Leader {
-    /// Does what the leader's [`Steer`] says until a pass may run
-    /// ([`node_core::lead::ready`]): forms the group (again) from the mesh's view now, backs
-    /// off after failed passes, and lets a group short of members go when a row comes back.
-    async fn ready(&mut self) -> Result<(), ModelError> {
-        self.route()
-            .await
-            .map(drop)
-            .map_err(|why| ModelError::NoGroup(format!("forming the group again: {why}")))
-    }
-
-    async fn pass(
-        &mut self,
-        batch: &mut node_core::model::Batch<()>,
-    ) -> Result<Vec<Vec<f32>>, ModelError> {
-        let mut items = batch.rounds_items();
-        let f = &mut self.formed;
-        f.llama.forward_batch(&mut f.group, &mut items).await
-    }
-
-    fn passed(&mut self) {
-        self.steer.passed();
-    }
-
-    fn failed(&mut self, why: &ModelError) -> bool {
-        let moved = self.formed.group.transport().met_another_version();
-        if moved {
-            eprintln!("the mesh moved to a new version ({why}): forming the group again");
-        } else {
-            eprintln!("a pass failed ({why}): forming the group again");
-        }
-        let now = std::time::Instant::now();
-        if self.formed.group.stats().unlocated > 0 {
-            eprintln!("a wrong answer could not be located: the next group takes one more check");
-            self.steer.unlocated(now);
-        }
-        self.steer.pass_failed(now, moved);
-        true
-    }
+    /// Its rules and its sequence ([`node_core::lead::Leader`]).
+    leader: node_core::lead::Leader<()>,
+    /// The hop group over its group's members, while its passes go one hop per stage.
+    pub hop: Option<HopLeader<NetFeedLink>>,
+    /// Hop groups formed so far: where the sequence's keys and values live (0: the rounds).
+    hop_groups: u64,
 }
 
 impl Leader {
     /// Its passes travel as `pass` says from now on (an automatic choice goes one hop per stage
     /// where a member of its group is on another machine).
     pub fn set_pass(&mut self, pass: PassRoute) {
-        self.steer.set_route(pass);
-    }
-
-    /// How its next pass travels, its group made ready as its [`Steer`] rules
-    /// ([`node_core::lead::ready`]); why not when no group can be formed now.
-    pub async fn route(&mut self) -> Result<Route, String> {
-        node_core::lead::ready(self).await
+        self.leader.set_route(pass);
     }
 
     /// Connects through `bootstrap`, fetches the manifest and forms a group of k + `verify` +
@@ -119,10 +79,11 @@ impl Leader {
         let signer = crate::hold::trust::signer(key, cert, &manifest);
         let formed = form_group(&session.client, &manifest, || session.info(), None, opts).await?;
         let tokenizer = node_core::model::Tokenizer::from_data(&manifest.tokenizer)?;
-        let wanted = manifest.generator.k() + opts.group.verify + opts.group.spares;
-        let mut steer = Steer::new(wanted);
-        steer.formed();
-        steer.set_far(super::remote::far(&formed));
+        let cfg = &manifest.cfg;
+        let (k, g) = (manifest.generator.k(), &opts.group);
+        let limits = node_core::lead::one_at_a_time(cfg);
+        let mut leader = node_core::lead::Leader::new(cfg, limits, k, g.verify, g.spares);
+        leader.formed(super::remote::far(&formed));
         Ok(Self {
             session,
             manifest,
@@ -131,7 +92,9 @@ impl Leader {
             archive: None,
             signer,
             opts: opts.clone(),
-            steer,
+            leader,
+            hop: None,
+            hop_groups: 0,
         })
     }
 
@@ -242,10 +205,11 @@ impl Leader {
     }
 }
 
-/// The command line's leader as the steer drives it.
-impl SteerShell for Leader {
-    fn steer(&mut self) -> &mut Steer {
-        &mut self.steer
+/// The command line's leader: its group formed (again) from the mesh's view, each pass over
+/// its rounds or one hop per stage over a hop group of its members, as its rules route it.
+impl LeadShell<()> for Leader {
+    fn leader(&mut self) -> &mut node_core::lead::Leader<()> {
+        &mut self.leader
     }
 
     fn rows(&self) -> Vec<usize> {
@@ -258,16 +222,15 @@ impl SteerShell for Leader {
 
     /// Forms the group anew from the mesh's view now, after reporting the members the old one
     /// caught.
-    async fn form(&mut self) -> Result<(), String> {
+    async fn form(&mut self, checks: usize) -> Result<bool, String> {
         if !self.formed.group.stats().caught.is_empty() {
             self.report_caught().await;
         }
+        self.hop = None;
         let session = &self.session;
         let context = self.formed.group.transport().context().to_string();
         let mut opts = self.opts.clone();
-        opts.group.verify = self
-            .steer
-            .checks(std::time::Instant::now(), opts.group.verify);
+        opts.group.verify = checks;
         let formed = form_group(
             &session.client,
             &self.manifest,
@@ -282,10 +245,10 @@ impl SteerShell for Leader {
             node_core::mesh::hex(&formed.version[..8]),
             formed.group.nodes()
         );
-        self.steer.set_far(super::remote::far(&formed));
+        let far = super::remote::far(&formed);
         self.formed = formed;
         self.formed.group.transport_mut().set_context(context);
-        Ok(())
+        Ok(far)
     }
 
     async fn look(&mut self, looking: &Looking) -> Option<usize> {
@@ -295,6 +258,64 @@ impl SteerShell for Leader {
 
     fn regroup(&mut self, row: usize, _: &Looking) {
         eprintln!("row {row} came back: forming the group again");
+    }
+
+    /// A hop pass runs on a hop group over the group's members, formed when there is none
+    /// (its keys and values start again there); a rounds pass lets any hop group go.
+    async fn route(&mut self, route: Route) -> Result<u64, String> {
+        if route == Route::Rounds {
+            self.hop = None;
+            return Ok(0);
+        }
+        if self.hop.is_none() {
+            let g = &self.opts.group;
+            let hop = super::hop::lead_group(
+                &tokio::runtime::Handle::current(),
+                &self.session.client,
+                &self.manifest,
+                &self.formed,
+                g.verify,
+                g.spares,
+            )
+            .map_err(|e| format!("{e:#}"))?;
+            eprintln!("one hop per stage, members {:?}", hop.rows());
+            self.hop = Some(hop);
+            self.hop_groups += 1;
+        }
+        Ok(self.hop_groups)
+    }
+
+    async fn pass(&mut self) -> Result<Vec<Vec<f32>>, ModelError> {
+        let batch = self.leader.batch_mut();
+        if let Some(hop) = self.hop.as_mut() {
+            let no = || ModelError::NoGroup("no sequence".into());
+            let (_, pass) = batch.passes().next().ok_or_else(no)?;
+            return Ok(vec![hop.forward(pass).await?]);
+        }
+        let mut items = batch.rounds_items();
+        let f = &mut self.formed;
+        f.llama.forward_batch(&mut f.group, &mut items).await
+    }
+
+    fn measured(&mut self) -> Option<Measured> {
+        Some(Measured {
+            unlocated: self.formed.group.stats().unlocated > 0,
+            ..Measured::default()
+        })
+    }
+
+    fn failed(&mut self, why: &ModelError) -> Option<Failure> {
+        let moved = self.formed.group.transport().met_another_version();
+        if moved {
+            eprintln!("the mesh moved to a new version ({why}): forming the group again");
+        } else {
+            eprintln!("a pass failed ({why}): forming the group again");
+        }
+        if self.formed.group.stats().unlocated > 0 {
+            eprintln!("a wrong answer could not be located: the next group takes one more check");
+        }
+        let hop = self.hop.take().is_some();
+        Some(Failure { moved, hop })
     }
 }
 

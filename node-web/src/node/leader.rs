@@ -12,15 +12,15 @@ use libp2p::Multiaddr;
 use libp2p::PeerId;
 use node_core::code::Generator;
 use node_core::holder::HolderError;
-use node_core::lead::{Formed, GroupOptions, LeadLink, Looking, OwnRow, Steer, SteerShell};
+use node_core::lead::{
+    Failure, Formed, GroupOptions, LeadLink, LeadShell, Leader, Looking, Measured, OwnRow,
+    generate_regrouping,
+};
 use node_core::mesh::rounds::{Asks, MemberAnswer, Rounds};
 use node_core::mesh::{
     BrowserBootstrap, MeshRequest, MeshResponse, ModelManifest, RoundConfig, Usage,
 };
-use node_core::model::{
-    Batch, ChatMessage, GenerateOptions, ModelError, Regroup, SamplingParams, Tokenizer,
-    generate_regrouping,
-};
+use node_core::model::{ChatMessage, GenerateOptions, ModelError, SamplingParams, Tokenizer};
 use node_core::net::asks::SessionAsks;
 use node_core::net::session;
 use serde::{Deserialize, Serialize};
@@ -145,7 +145,7 @@ impl BrowserNode {
             ..GroupOptions::new(prompt.check, SPARES)
         };
         let mut lead = PageLead::new(self, manifest, opts);
-        lead.ready().await.map_err(mesh_err)?;
+        node_core::lead::ready(&mut lead).await.map_err(mesh_err)?;
         if let Some(f) = &lead.formed {
             tracing::info!(group = ?f.group.nodes(), "leading a request from the page");
         }
@@ -162,8 +162,7 @@ impl BrowserNode {
         };
         let mut stream = tokenizer.stream();
         let mut text = String::new();
-        let cfg = manifest.cfg.clone();
-        let out = generate_regrouping(&mut lead, &cfg, &ids, &opts, &mut |id| {
+        let out = generate_regrouping(&mut lead, &ids, &opts, &mut |id| {
             if let Some(piece) = stream.push(id) {
                 on_text(&piece);
                 text.push_str(&piece);
@@ -250,7 +249,7 @@ struct PageLead<'a> {
     node: &'a BrowserNode,
     manifest: &'a ModelManifest,
     opts: GroupOptions,
-    steer: Steer,
+    leader: Leader<()>,
     formed: Option<Formed<WebTransport>>,
     /// What the groups it let go caught, reported.
     caught: Vec<String>,
@@ -258,12 +257,14 @@ struct PageLead<'a> {
 
 impl<'a> PageLead<'a> {
     fn new(node: &'a BrowserNode, manifest: &'a ModelManifest, opts: GroupOptions) -> Self {
-        let wanted = manifest.generator.k() + opts.verify + opts.spares;
+        let (cfg, k) = (&manifest.cfg, manifest.generator.k());
+        let limits = node_core::lead::one_at_a_time(cfg);
+        let leader = Leader::new(cfg, limits, k, opts.verify, opts.spares);
         Self {
             node,
             manifest,
             opts,
-            steer: Steer::new(wanted),
+            leader,
             formed: None,
             caught: Vec::new(),
         }
@@ -297,10 +298,10 @@ impl<'a> PageLead<'a> {
     }
 }
 
-/// The page's leader as the steer drives it.
-impl SteerShell for PageLead<'_> {
-    fn steer(&mut self) -> &mut Steer {
-        &mut self.steer
+/// The page's leader as its rules drive it.
+impl LeadShell<()> for PageLead<'_> {
+    fn leader(&mut self) -> &mut Leader<()> {
+        &mut self.leader
     }
 
     fn rows(&self) -> Vec<usize> {
@@ -312,15 +313,16 @@ impl SteerShell for PageLead<'_> {
     }
 
     /// Forms a group from the mesh's view now, after reporting what the one it lets go caught.
-    async fn form(&mut self) -> Result<(), String> {
+    async fn form(&mut self, checks: usize) -> Result<bool, String> {
         self.report().await;
         self.formed = None;
         let info = self.info().await.map_err(|e| e.to_string())?;
         let mut opts = self.opts.clone();
-        opts.verify = self.steer.checks(Instant::now(), opts.verify);
+        opts.verify = checks;
         let formed = node_core::lead::form(self.node, self.manifest, &info, &opts).await;
         self.formed = Some(formed.map_err(|e| mesh_err(e).to_string())?);
-        Ok(())
+        // A page's members are reached through its swarm; its passes go over rounds.
+        Ok(false)
     }
 
     async fn look(&mut self, looking: &Looking) -> Option<usize> {
@@ -332,29 +334,24 @@ impl SteerShell for PageLead<'_> {
     fn regroup(&mut self, row: usize, _: &Looking) {
         tracing::info!(row, "a row came back: forming the group again");
     }
-}
 
-impl Regroup for PageLead<'_> {
-    async fn ready(&mut self) -> Result<(), ModelError> {
-        node_core::lead::ready(self)
-            .await
-            .map(drop)
-            .map_err(ModelError::NoGroup)
-    }
-
-    async fn pass(&mut self, batch: &mut Batch<()>) -> Result<Vec<Vec<f32>>, ModelError> {
+    async fn pass(&mut self) -> Result<Vec<Vec<f32>>, ModelError> {
         let Some(f) = self.formed.as_mut() else {
             return Err(ModelError::NoGroup("no group".into()));
         };
-        let mut items = batch.rounds_items();
+        let mut items = self.leader.batch_mut().rounds_items();
         f.llama.forward_batch(&mut f.group, &mut items).await
     }
 
-    fn passed(&mut self) {
-        self.steer.passed();
+    fn measured(&mut self) -> Option<Measured> {
+        let unlocated = self.formed.as_ref()?.group.stats().unlocated > 0;
+        Some(Measured {
+            unlocated,
+            ..Measured::default()
+        })
     }
 
-    fn failed(&mut self, why: &ModelError) -> bool {
+    fn failed(&mut self, why: &ModelError) -> Option<Failure> {
         // The failed pass's last round: whether a member was at another version.
         let moved = (self.formed.as_ref()).is_some_and(|f| f.group.transport().notes().stale);
         if moved {
@@ -362,12 +359,7 @@ impl Regroup for PageLead<'_> {
         } else {
             tracing::warn!("a pass failed ({why}): forming the group again");
         }
-        let now = Instant::now();
-        if (self.formed.as_ref()).is_some_and(|f| f.group.stats().unlocated > 0) {
-            self.steer.unlocated(now);
-        }
-        self.steer.pass_failed(now, moved);
-        true
+        Some(Failure { moved, hop: false })
     }
 }
 

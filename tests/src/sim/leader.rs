@@ -1,11 +1,11 @@
-//! The leader in the simulation: the [`Steer`] and the generation loop
+//! The leader in the simulation: the [`Leader`] and the generation loop
 //! ([`generate_regrouping`]) every leader runs, over groups of [`SimTransport`]s formed from a
 //! view of which rows are up, in virtual time. Rows crash (a member's [`Fault`]), come back at
 //! a virtual moment, and the leader forms, backs off, looks and regroups as the API's and the
 //! command line's leaders do.
 
-use node_core::lead::{Looking, Steer, SteerShell};
-use node_core::model::{Batch, GenerateOptions, Generation, Llama, Regroup, generate_regrouping};
+use node_core::lead::{Failure, LeadShell, Leader, Looking, Measured, generate_regrouping};
+use node_core::model::{GenerateOptions, Generation, Llama};
 
 use super::*;
 
@@ -42,7 +42,7 @@ pub struct SimLeader<'a> {
     /// Whether the rows of the view beyond the group are its pool's free rows (replacing a
     /// failed member within a pass); without, a failed member leaves the group short.
     pool: bool,
-    steer: Steer,
+    leader: Leader<()>,
     group: Option<CodedGroup<SimTransport>>,
     /// Rows up now: the mesh's view.
     up: BTreeSet<usize>,
@@ -84,7 +84,7 @@ impl<'a> SimLeader<'a> {
             cfg,
             verify: 0,
             pool: false,
-            steer: Steer::new(generator.k() + cfg.spares),
+            leader: sim_leader(llama, generator, 0, cfg.spares),
             group: None,
             up: up.iter().copied().collect(),
             returns: Vec::new(),
@@ -110,7 +110,7 @@ impl<'a> SimLeader<'a> {
     /// Its groups check every round with `verify` answers beyond the k decoded.
     pub fn with_verify(mut self, verify: usize) -> Self {
         self.verify = verify;
-        self.steer = Steer::new(self.generator.k() + verify + self.cfg.spares);
+        self.leader = sim_leader(self.llama, self.generator, verify, self.cfg.spares);
         self
     }
 
@@ -145,8 +145,7 @@ impl<'a> SimLeader<'a> {
         prompt: &[u32],
         opts: &GenerateOptions,
     ) -> Result<Generation, ModelError> {
-        let cfg = self.llama.config().clone();
-        futures::executor::block_on(generate_regrouping(self, &cfg, prompt, opts, &mut |_| true))
+        futures::executor::block_on(generate_regrouping(self, prompt, opts, &mut |_| true))
     }
 
     /// The virtual time now.
@@ -207,11 +206,10 @@ impl<'a> SimLeader<'a> {
     }
 }
 
-/// The simulated leader as the steer drives it, in virtual time; its view of the mesh is
-/// exact.
-impl SteerShell for SimLeader<'_> {
-    fn steer(&mut self) -> &mut Steer {
-        &mut self.steer
+/// The simulated leader's shell, in virtual time; its view of the mesh is exact.
+impl LeadShell<()> for SimLeader<'_> {
+    fn leader(&mut self) -> &mut Leader<()> {
+        &mut self.leader
     }
 
     /// The virtual time now, the view caught up with it.
@@ -232,10 +230,9 @@ impl SteerShell for SimLeader<'_> {
 
     /// Forms a group over the rows up (the best-conditioned k plus spares), its members'
     /// faults armed; why not.
-    async fn form(&mut self) -> Result<(), String> {
+    async fn form(&mut self, verify: usize) -> Result<bool, String> {
         self.let_go();
         let up: Vec<usize> = self.up.iter().copied().collect();
-        let verify = self.steer.checks(self.clock(), self.verify);
         let formed = plan_group(self.generator, &up, verify + self.cfg.spares)
             .map_err(|e| e.to_string())
             .and_then(|plan| {
@@ -270,7 +267,7 @@ impl SteerShell for SimLeader<'_> {
             Ok(g) => {
                 self.note(LeaderStep::Formed(g.nodes().to_vec()));
                 self.group = Some(g);
-                Ok(())
+                Ok(false)
             }
             Err(why) => {
                 self.note(LeaderStep::FormFailed(why.clone()));
@@ -292,39 +289,37 @@ impl SteerShell for SimLeader<'_> {
         self.note(LeaderStep::Regrouped(row));
         self.let_go();
     }
-}
 
-impl Regroup for SimLeader<'_> {
-    async fn ready(&mut self) -> Result<(), ModelError> {
-        node_core::lead::ready(self)
-            .await
-            .map(drop)
-            .map_err(|why| ModelError::NoGroup(format!("forming the group: {why}")))
-    }
-
-    async fn pass(&mut self, batch: &mut Batch<()>) -> Result<Vec<Vec<f32>>, ModelError> {
+    async fn pass(&mut self) -> Result<Vec<Vec<f32>>, ModelError> {
         let Some(group) = self.group.as_mut() else {
             return Err(ModelError::Config("no group".into()));
         };
-        let mut items = batch.rounds_items();
+        let mut items = self.leader.batch_mut().rounds_items();
         self.llama.forward_batch(group, &mut items).await
     }
 
-    fn passed(&mut self) {
-        self.steer.passed();
+    fn measured(&mut self) -> Option<Measured> {
+        let unlocated = self.group.as_ref()?.stats().unlocated > 0;
+        Some(Measured {
+            unlocated,
+            ..Measured::default()
+        })
     }
 
-    fn failed(&mut self, _why: &ModelError) -> bool {
+    fn failed(&mut self, _why: &ModelError) -> Option<Failure> {
         let rows = self.rows().unwrap_or_default();
         self.note(LeaderStep::PassFailed(rows));
-        let now = self.clock();
-        if self.group.as_ref().is_some_and(|g| g.stats().unlocated > 0) {
-            self.steer.unlocated(now);
-        }
-        self.steer.pass_failed(now, false);
         self.let_go();
-        true
+        Some(Failure::default())
     }
+}
+
+/// The simulation's leader state machine: a model of `llama`'s, groups of the code's k with
+/// `verify` checks and `spares`.
+fn sim_leader(llama: &Llama, generator: &Generator, verify: usize, spares: usize) -> Leader<()> {
+    let cfg = llama.config();
+    let limits = node_core::lead::one_at_a_time(cfg);
+    Leader::new(cfg, limits, generator.k(), verify, spares)
 }
 
 /// A small random model ([`tiny_config`]) coded k of n into f32 rows: what the simulation's

@@ -15,7 +15,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail, ensure};
 use node_core::code::Generator;
 use node_core::coded::{CodedGroup, InProcess, ShardFormat};
-use node_core::model::{GenerateOptions, Llama, SamplingParams, generate};
+use node_core::lead::generate;
+use node_core::model::{GenerateOptions, Llama, SamplingParams};
 use tests::procs::{Scratch, bin, free_port, tiny_model};
 
 const KEY: &str = "test-key";

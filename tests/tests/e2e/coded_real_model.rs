@@ -5,7 +5,8 @@ use node_core::code::Generator;
 use node_core::coded::{
     CodedGroup, InProcess, NOISE_MARGIN, ShardFormat, VerifyConfig, compact_model, measure_noise,
 };
-use node_core::model::{ChatMessage, GenerateOptions, LeaderWeights, SamplingParams, generate};
+use node_core::lead::generate;
+use node_core::model::{ChatMessage, GenerateOptions, LeaderWeights, SamplingParams};
 use tests::{argmax, leader, logits_along, real_model, relative_error, uncoded_group};
 
 const PROMPTS: [&str; 5] = [

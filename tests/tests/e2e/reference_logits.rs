@@ -2,7 +2,8 @@
 //! final-position logits and greedy continuations of the real SmolLM2 model.
 
 use anyhow::{Context, Result};
-use node_core::model::{GenerateOptions, SamplingParams, generate};
+use node_core::lead::generate;
+use node_core::model::{GenerateOptions, SamplingParams};
 use serde_json::Value;
 use tests::{
     argmax, json_ids, leader, read_f32, real_model, relative_error, testdata, uncoded_group,

@@ -10,8 +10,9 @@ use std::time::Duration;
 
 use node_core::code::Generator;
 use node_core::coded::InProcess;
+use node_core::lead::generate;
 use node_core::lead::steer::{FORM_RETRY, SHORT_CHECK};
-use node_core::model::{GenerateOptions, Llama, SamplingParams, generate};
+use node_core::model::{GenerateOptions, Llama, SamplingParams};
 use tests::sim::{Fault, LeaderConfig, LeaderStep, SimLeader, SimModel, sim_group, sim_model};
 
 const K: usize = 3;
@@ -198,7 +199,15 @@ fn forming_fails_while_too_few_rows_are_up_and_is_tried_again_after_its_retry() 
         .with_return(FORM_RETRY / 2, 2)
         .with_return(FORM_RETRY / 2, 3);
     let err = lead.generate(&PROMPT, &opts()).unwrap_err().to_string();
-    assert!(err.contains("forming the group"), "{err}");
+    let failed = lead.log.iter().find_map(|(_, s)| match s {
+        LeaderStep::FormFailed(why) => Some(why.clone()),
+        _ => None,
+    });
+    assert_eq!(
+        Some(err.clone()),
+        failed,
+        "the request fails with why forming did"
+    );
     // Within the retry the failure is the answer: no second try, though rows came back.
     lead.advance(FORM_RETRY / 2);
     let again = lead.generate(&PROMPT, &opts()).unwrap_err().to_string();

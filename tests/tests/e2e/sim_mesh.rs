@@ -9,12 +9,13 @@ use std::time::Duration;
 
 use node_core::code::Generator;
 use node_core::coded::{CodedGroup, ShardFormat, ShardSet};
+use node_core::lead::generate;
 use node_core::mesh::{
     Health, HealthConfig, JoinOffer, LearningConfig, ModelManifest, RoundConfig, SourceRow,
     plan_group,
 };
 use node_core::model::{
-    GenerateOptions, LeaderWeights, ModelWeights, SamplingParams, TokenizerData, generate,
+    GenerateOptions, LeaderWeights, ModelWeights, SamplingParams, TokenizerData,
 };
 use tests::relative_error;
 use tests::sim::{

@@ -5,7 +5,8 @@ use futures::executor::block_on;
 
 use super::*;
 use crate::coded::{InProcess, Member, Misbehaviour, ShardFormat, ShardSet};
-use crate::model::{GenerateOptions, LeaderWeights, ModelWeights, generate, generate_with};
+use crate::lead::{generate, generate_with};
+use crate::model::{GenerateOptions, LeaderWeights, ModelWeights};
 
 fn config() -> LlamaConfig {
     LlamaConfig {

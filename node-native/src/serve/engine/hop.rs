@@ -1,5 +1,5 @@
 //! The serving batch's passes one hop per stage ([`node_core::net::hop`]), where the leader's
-//! steer routes them ([`node_core::lead::Route`]): the batch's sequences then live on the
+//! rules route them ([`node_core::lead::Route`]): the batch's sequences then live on the
 //! members, and start again there whenever the hop group changes.
 
 use node_core::net::hop::HopLeader;
@@ -40,7 +40,7 @@ impl Lead {
                     .map_err(|e| format!("{e:#}"))?;
             tracing::info!(
                 rows = ?leader.rows(),
-                network_per_round_us = self.steer.network_per_round().map(|d| d.as_micros() as u64),
+                network_per_round_us = self.leader.network_per_round().map(|d| d.as_micros() as u64),
                 "passes go one hop per stage"
             );
             self.hop.leader = Some(leader);
@@ -50,12 +50,6 @@ impl Lead {
             .leader
             .as_mut()
             .ok_or_else(|| "no hop group".into())
-    }
-
-    /// A hop pass failed: the hop group goes, and an automatic choice keeps to rounds a while.
-    pub(super) fn hop_failed(&mut self) {
-        self.hop.drop_group();
-        self.steer.hop_failed(Instant::now());
     }
 
     /// Counts what the hop group's rounds did since the last call, and reports members it

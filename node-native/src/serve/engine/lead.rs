@@ -1,7 +1,8 @@
 //! A leader's group inside the node: formed when needed, kept while it works, regrouped on
-//! failure; what the serving and the training task each hold.
+//! failure, as its [`node_core::lead::Leader`] rules; what the serving and the training task
+//! each hold, and the shell the serving task's steps run over.
 
-use node_core::lead::{Looking, PassRoute, Route, Steer, SteerShell};
+use node_core::lead::{Failure, LeadShell, Looking, Measured, PassRoute, Route};
 
 use super::*;
 
@@ -12,31 +13,42 @@ pub(super) struct Lead {
     /// A serving group's place among the node's serving groups (the trainer's has none).
     pub(super) slot: Option<(usize, Arc<Shared>)>,
     pub(super) formed: Option<Formed>,
-    /// When the group is formed (again), as every leader's rules say.
-    pub(super) steer: Steer,
+    /// Its rules and its batch of sequences (the trainer's stays empty).
+    pub(super) leader: node_core::lead::Leader<Served>,
     pub(super) trace: Option<StepLog>,
     /// The serving tasks this group's rounds wait for (the trainer's: it computes only
     /// while they have nothing to serve).
     pub(super) yield_to: Option<Arc<Shared>>,
     /// The group's passes one hop per stage, when they go so.
     pub(super) hop: HopSide,
+    /// The serving task's steps so far (the step trace's context).
+    pub(super) steps: u64,
+    /// Whether the last pass failed on members at another version.
+    moved: bool,
 }
 
 impl Lead {
     /// A group whose passes travel as `route` says (the trainer's backward rounds need the
     /// leader: [`PassRoute::Rounds`]).
     pub(super) fn new(ctx: EngineContext, trace: Option<StepLog>, route: PassRoute) -> Self {
-        let wanted = ctx.manifest.generator.k() + ctx.cfg.verify + ctx.cfg.spares;
-        let mut steer = Steer::new(wanted);
-        steer.set_route(route);
+        let limits = BatchLimits {
+            max_batch: ctx.cfg.max_batch,
+            step_tokens: ctx.cfg.step_tokens,
+        };
+        let (k, cfg) = (ctx.manifest.generator.k(), &ctx.cfg);
+        let leader =
+            node_core::lead::Leader::new(&ctx.manifest.cfg, limits, k, cfg.verify, cfg.spares)
+                .with_route(route);
         Self {
             ctx,
             slot: None,
             formed: None,
-            steer,
+            leader,
             trace,
             yield_to: None,
             hop: HopSide::default(),
+            steps: 0,
+            moved: false,
         }
     }
 
@@ -51,7 +63,7 @@ impl Lead {
         rx.await.map_err(|_| anyhow!("the node is stopping"))
     }
 
-    /// The group, once the leader's [`Steer`] lets a pass run ([`node_core::lead::ready`]):
+    /// The group, once the leader's rules let a pass run ([`node_core::lead::ready`]):
     /// formed (again) if there is none, after the backoff of a run of failed passes, and let go
     /// for a row that came back when it is short; why not when the mesh cannot give one.
     pub(super) async fn group(&mut self) -> Result<&mut Formed, String> {
@@ -63,17 +75,19 @@ impl Lead {
     pub(super) async fn route(&mut self) -> Result<Route, String> {
         node_core::lead::ready(self).await
     }
+
     /// A pass on the group failed (`moved`: it met members at another version): the group
-    /// goes, formed again after the steer's backoff.
+    /// goes, formed again after the rules' backoff.
     pub(super) fn pass_failed(&mut self, moved: bool) {
         self.drop_group();
-        self.steer.pass_failed(Instant::now(), moved);
+        let failure = Failure { moved, hop: false };
+        let _ = self.leader.failed(Instant::now(), failure);
     }
 
     /// Lets the group go (it is formed again when next needed).
     pub(super) fn drop_group(&mut self) {
         self.formed = None;
-        self.steer.let_go();
+        self.leader.let_go();
         self.hop.drop_group();
         if let Some((slot, shared)) = &self.slot {
             shared.set_busy(*slot, Vec::new());
@@ -96,13 +110,19 @@ impl Lead {
         let s = f.group.stats().clone();
         f.group.reset_stats();
         let computed = f.group.transport().stats().compute;
-        self.steer.measured(s.rounds, s.member_time, computed);
-        if s.unlocated > 0 {
+        let unlocated = s.unlocated > 0;
+        if unlocated {
             tracing::warn!(
                 "a wrong answer could not be located: the next group takes one more check"
             );
-            self.steer.unlocated(Instant::now());
         }
+        let measured = Measured {
+            rounds: s.rounds,
+            waited: s.member_time,
+            computed,
+            unlocated,
+        };
+        self.leader.measured(Instant::now(), measured);
         if s.members_dropped > 0 {
             // Replacements came from free rows: the other serving groups must now avoid them
             // (and may use the holders this one let go).
@@ -141,11 +161,12 @@ impl Lead {
     }
 }
 
-/// The node's leader as the steer drives it. The first serving group takes the best holders;
-/// every other one leaves out the holders the others compute with.
-impl SteerShell for Lead {
-    fn steer(&mut self) -> &mut Steer {
-        &mut self.steer
+/// The node's leader as its rules drive it. The first serving group takes the best holders;
+/// every other one leaves out the holders the others compute with. Each pass goes over the
+/// leader's rounds or one hop per stage, as the rules route it.
+impl LeadShell<Served> for Lead {
+    fn leader(&mut self) -> &mut node_core::lead::Leader<Served> {
+        &mut self.leader
     }
 
     fn rows(&self) -> Vec<usize> {
@@ -156,13 +177,12 @@ impl SteerShell for Lead {
         tokio::time::sleep_until(until.into()).await
     }
 
-    async fn form(&mut self) -> Result<(), String> {
+    async fn form(&mut self, checks: usize) -> Result<bool, String> {
         self.drop_group();
         let avoid = match &self.slot {
             Some((slot, shared)) if *slot > 0 => shared.busy_except(*slot),
             _ => Default::default(),
         };
-        let checks = self.steer.checks(Instant::now(), self.ctx.cfg.verify);
         let mut opts = GroupOptions::new(checks, self.ctx.cfg.spares);
         opts.trace.clone_from(&self.trace);
         opts.group.avoid = avoid;
@@ -200,9 +220,9 @@ impl SteerShell for Lead {
         if let Some((slot, shared)) = &self.slot {
             shared.set_busy(*slot, f.members.clone());
         }
-        self.steer.set_far(crate::lead::remote::far(&f));
+        let far = crate::lead::remote::far(&f);
         self.formed = Some(f);
-        Ok(())
+        Ok(far)
     }
 
     /// Not another serving group's holder, nor this node's own row when it is not a member. A
@@ -226,6 +246,106 @@ impl SteerShell for Lead {
         tracing::info!(row, ?members, "a row came back: forming the group again");
         self.ctx.metrics.groups_regrouped.inc();
         self.drop_group();
+    }
+
+    /// A hop pass needs the hop group (formed now if there is none); a rounds pass never
+    /// follows a hop group's (the members' keys and values are not the leader's), so the hop
+    /// group goes and its sequences start again on the rounds.
+    async fn route(&mut self, route: Route) -> Result<u64, String> {
+        match route {
+            Route::Hop => {
+                self.hop_group()?;
+            }
+            Route::Rounds => self.hop.drop_group(),
+        }
+        Ok(self.hop.epoch)
+    }
+
+    async fn pass(&mut self) -> Result<Vec<Vec<f32>>, ModelError> {
+        let batch = self.leader.batch();
+        let span = tracing::info_span!(
+            "forward_step",
+            step = self.steps,
+            batch = batch.len(),
+            rows = batch.rows(),
+            hop = self.hops()
+        );
+        let result = if self.hops() {
+            self.hop_pass().instrument(span).await
+        } else {
+            self.rounds_pass().instrument(span).await
+        };
+        self.ctx.metrics.forward_steps.inc();
+        result
+    }
+
+    fn failed(&mut self, why: &ModelError) -> Option<Failure> {
+        self.ctx.metrics.forward_step_failures.inc();
+        let attempt = self.leader.failures() + 1;
+        let hop = self.hops();
+        if self.moved {
+            tracing::info!(
+                attempt,
+                "members are at another version (the mesh moved on): forming the group again"
+            );
+        } else {
+            tracing::warn!(attempt, hop, "a forward step failed: {why}");
+        }
+        self.drop_group();
+        Some(Failure {
+            moved: self.moved,
+            hop,
+        })
+    }
+}
+
+impl Lead {
+    /// Whether this step's pass goes one hop per stage: the route chose a hop group and it
+    /// formed.
+    fn hops(&self) -> bool {
+        self.hop.leader.is_some()
+    }
+
+    /// The batch's pass through the leader's rounds; notes whether a failure met members at
+    /// another version.
+    async fn rounds_pass(&mut self) -> Result<Vec<Vec<f32>>, ModelError> {
+        let Some(f) = self.formed.as_mut() else {
+            return Err(ModelError::NoGroup("no group".into()));
+        };
+        let batch = self.leader.batch_mut();
+        let ids: Vec<String> = (batch.entries().iter())
+            .map(|s| s.job.job.id.to_string())
+            .collect();
+        f.group
+            .transport_mut()
+            .set_context(format!("step {} req {}", self.steps, ids.join(",")));
+        let mut items = batch.rounds_items();
+        let result = f.llama.forward_batch(&mut f.group, &mut items).await;
+        drop(items);
+        self.moved = result.is_err() && f.group.transport().met_another_version();
+        self.after_rounds().await;
+        result
+    }
+
+    /// The batch's pass one hop per stage: the members hold the sequences.
+    async fn hop_pass(&mut self) -> Result<Vec<Vec<f32>>, ModelError> {
+        self.moved = false;
+        let Some(leader) = self.hop.leader.as_mut() else {
+            return Err(ModelError::NoGroup("no hop group".into()));
+        };
+        let seqs: Vec<node_core::net::hop::HopSeq<'_>> = (self.leader.batch().passes())
+            .map(|(s, pass)| node_core::net::hop::HopSeq {
+                seq: s.job.id,
+                pass,
+            })
+            .collect();
+        let result = leader.forward_batch(&seqs).await;
+        drop(seqs);
+        if result.is_ok() {
+            self.ctx.metrics.hop_steps.inc();
+        }
+        self.after_hop().await;
+        result
     }
 }
 

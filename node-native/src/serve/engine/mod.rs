@@ -24,14 +24,15 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Result, anyhow};
 use libp2p::PeerId;
+use node_core::lead::Stepped;
 use node_core::lead::training::Turns;
 use node_core::learn::{
     Budgets, CanaryGate, GateClaim, Learner, Published, Teacher, Verdict, canary_tokens,
 };
 use node_core::mesh::{MeshInfo, MeshResponse, ModelManifest, Usage};
 use node_core::model::{
-    Batch, BatchLimits, Ended, Entry, GenerateOptions, LeaderWeights, Llama, ModelError, Regroup,
-    SamplingParams, Stepped, StopReason,
+    BatchLimits, Ended, Entry, GenerateOptions, LeaderWeights, Llama, ModelError, SamplingParams,
+    StopReason,
 };
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::{mpsc, oneshot};
@@ -340,19 +341,11 @@ impl Engine {
                     held: None,
                     queue_depth: queue_depth.clone(),
                 },
-                batch: Batch::new(
-                    &ctx.manifest.cfg,
-                    BatchLimits {
-                        max_batch: ctx.cfg.max_batch,
-                        step_tokens: ctx.cfg.step_tokens,
-                    },
-                ),
                 to_train: learns.then(|| to_train.clone()),
                 forward: forward.clone(),
                 publishes,
                 backlog: backlog.clone(),
                 latency_ms: latency_ms.clone(),
-                steps: 0,
                 shared: shared.clone(),
             };
             ctx.runtime.spawn(worker.run());

@@ -137,7 +137,10 @@ impl Trainer {
         };
         self.lead.after_rounds().await;
         let mut grads = match grads {
-            Ok(g) => g,
+            Ok(g) => {
+                self.lead.leader.ran();
+                g
+            }
             Err(e) => {
                 tracing::warn!("training on {} requests failed: {e}", batch.len());
                 self.lead.pass_failed(false);

@@ -81,8 +81,6 @@ impl Intake {
 pub(super) struct Worker {
     pub(super) lead: Lead,
     pub(super) intake: Intake,
-    /// The sequences decoded together.
-    pub(super) batch: Batch<Served>,
     /// Where finished requests go to be trained on (when the mesh learns).
     pub(super) to_train: Option<mpsc::UnboundedSender<ToLearn>>,
     /// Where the text of finished requests goes when this node may not write the model: to a
@@ -92,7 +90,6 @@ pub(super) struct Worker {
     /// Finished requests not yet trained on.
     pub(super) backlog: Arc<AtomicUsize>,
     pub(super) latency_ms: Arc<AtomicU64>,
-    pub(super) steps: u64,
     /// What the serving tasks share.
     pub(super) shared: Arc<Shared>,
 }
@@ -103,7 +100,7 @@ impl Worker {
         let shared = self.shared.clone();
         loop {
             self.publish_due().await;
-            if slot > 0 && self.batch.is_empty() {
+            if slot > 0 && self.lead.leader.batch().is_empty() {
                 // Registered before looking, so a group formed meanwhile still wakes this task.
                 let changed = shared.groups_changed.notified();
                 tokio::pin!(changed);
@@ -121,7 +118,7 @@ impl Worker {
             if !self.admit() {
                 break;
             }
-            if self.batch.is_empty() {
+            if self.lead.leader.batch().is_empty() {
                 // Idle: woken by a request, an update to publish, or the gauge's tick.
                 tokio::select! {
                     more = self.intake.idle(IDLE_TICK) => if !more {
@@ -158,9 +155,9 @@ impl Worker {
     /// Takes queued requests into the batch while there is room; false once the queue is
     /// closed and nothing is left to do.
     pub(super) fn admit(&mut self) -> bool {
-        while !self.batch.is_full() {
+        while !self.lead.leader.batch().is_full() {
             // A busy task leaves new requests to an idle one: its own group runs them.
-            if !self.batch.is_empty()
+            if !self.lead.leader.batch().is_empty()
                 && !self.intake.holds()
                 && self.shared.another_is_idle(self.slot())
             {
@@ -169,12 +166,12 @@ impl Worker {
             let job = match self.intake.next() {
                 Next::Job(j) => j,
                 Next::Empty => break,
-                Next::Closed => return !self.batch.is_empty(),
+                Next::Closed => return !self.lead.leader.batch().is_empty(),
             };
             if job.events.is_closed() {
                 continue;
             }
-            if !self.batch.fits(job.req.prompt.len()) {
+            if !self.lead.leader.batch().fits(job.req.prompt.len()) {
                 self.intake.hold(job);
                 break;
             }
@@ -189,9 +186,9 @@ impl Worker {
                 job,
                 first_token: None,
             };
-            match self.batch.admit(served, prompt, opts, self.lead.hop.epoch) {
+            match self.lead.leader.admit(served, prompt, opts) {
                 Ok(()) => {
-                    let last = self.batch.entries().last();
+                    let last = self.lead.leader.batch().entries().last();
                     last.inspect(|e| e.job.job.span.in_scope(|| tracing::debug!("admitted")));
                 }
                 Err((served, e)) => {
@@ -209,13 +206,13 @@ impl Worker {
     /// Sets the active-sequences gauge.
     pub(super) fn count_active(&self) {
         let slot = self.slot();
-        let all = self.shared.set_active(slot, self.batch.len());
+        let all = (self.shared).set_active(slot, self.lead.leader.batch().len());
         self.lead.ctx.metrics.active_sequences.set(all as i64);
     }
 
     /// Fails every request in the batch.
     pub(super) fn fail_all(&mut self, error: &EngineError) {
-        let all = self.batch.drain();
+        let all = self.lead.leader.batch_mut().drain();
         self.fail_each(all, error);
     }
 
@@ -236,16 +233,11 @@ impl Worker {
     }
 
     /// One forward step of every sequence in the batch, then a token for each: the step every
-    /// leader runs ([`node_core::model::step`]) over this task's group ([`Serving`]).
+    /// leader runs ([`node_core::lead::step`]) over this task's group ([`Lead`]).
     pub(super) async fn step(&mut self) {
-        self.steps += 1;
+        self.lead.steps += 1;
         let (m, shared) = (self.lead.ctx.metrics.clone(), self.shared.clone());
-        let mut serving = Serving {
-            lead: &mut self.lead,
-            steps: self.steps,
-            moved: false,
-        };
-        let stepped = node_core::model::step(&mut serving, &mut self.batch, |s, next| {
+        let stepped = node_core::lead::step(&mut self.lead, |s, next| {
             if s.first_token.is_none() {
                 let t = s.job.arrived.elapsed();
                 s.first_token = Some(t);
@@ -453,128 +445,5 @@ impl Worker {
             .metrics
             .tokens_per_second
             .set(tokens as f64 / RATE_WINDOW.as_secs_f64());
-    }
-}
-
-/// A serving task's group as the step every leader runs drives it: made ready by the leader's
-/// steer, each pass over rounds or one hop per stage as the route chooses.
-struct Serving<'a> {
-    lead: &'a mut Lead,
-    /// The serving task's steps so far (the step trace's context).
-    steps: u64,
-    /// Whether this step's pass failed on members at another version.
-    moved: bool,
-}
-
-impl Regroup<Served> for Serving<'_> {
-    /// The group (formed, or formed again, as the steer rules) and this pass's route: a rounds
-    /// pass never follows a hop group's (the members' keys and values are not the leader's),
-    /// so the hop group goes and its sequences start again on the rounds.
-    async fn ready(&mut self) -> Result<(), ModelError> {
-        let route = self.lead.route().await.map_err(ModelError::NoGroup)?;
-        let hop = route == node_core::lead::Route::Hop;
-        if hop && let Err(why) = self.lead.hop_group() {
-            tracing::warn!("rounds, not hops: {why}");
-            self.lead.hop_failed();
-        }
-        if !hop {
-            self.lead.hop.drop_group();
-        }
-        Ok(())
-    }
-
-    async fn pass(&mut self, batch: &mut Batch<Served>) -> Result<Vec<Vec<f32>>, ModelError> {
-        let span = tracing::info_span!(
-            "forward_step",
-            step = self.steps,
-            batch = batch.len(),
-            rows = batch.rows(),
-            hop = self.hops()
-        );
-        let result = if self.hops() {
-            self.hop_pass(batch).instrument(span).await
-        } else {
-            self.rounds_pass(batch).instrument(span).await
-        };
-        self.lead.ctx.metrics.forward_steps.inc();
-        result
-    }
-
-    fn passed(&mut self) {
-        self.lead.steer.passed();
-    }
-
-    fn failed(&mut self, why: &ModelError) -> bool {
-        self.lead.ctx.metrics.forward_step_failures.inc();
-        let attempt = self.lead.steer.failures() + 1;
-        if self.moved {
-            tracing::info!(
-                attempt,
-                "members are at another version (the mesh moved on): forming the group again"
-            );
-        } else {
-            tracing::warn!(attempt, hop = self.hops(), "a forward step failed: {why}");
-        }
-        if self.hops() {
-            self.lead.hop_failed();
-        }
-        self.lead.pass_failed(self.moved);
-        true
-    }
-
-    fn epoch(&self) -> u64 {
-        self.lead.hop.epoch
-    }
-}
-
-impl Serving<'_> {
-    /// Whether this step's pass goes one hop per stage: the route [`Regroup::ready`] chose
-    /// left a hop group (it lets the hop group go when the pass goes over rounds).
-    fn hops(&self) -> bool {
-        self.lead.hop.leader.is_some()
-    }
-
-    /// The batch's pass through the leader's rounds; notes whether a failure met members at
-    /// another version.
-    async fn rounds_pass(
-        &mut self,
-        batch: &mut Batch<Served>,
-    ) -> Result<Vec<Vec<f32>>, ModelError> {
-        let Some(f) = self.lead.formed.as_mut() else {
-            return Err(ModelError::NoGroup("no group".into()));
-        };
-        let ids: Vec<String> = (batch.entries().iter())
-            .map(|s| s.job.job.id.to_string())
-            .collect();
-        f.group
-            .transport_mut()
-            .set_context(format!("step {} req {}", self.steps, ids.join(",")));
-        let mut items = batch.rounds_items();
-        let result = f.llama.forward_batch(&mut f.group, &mut items).await;
-        drop(items);
-        self.moved = result.is_err() && f.group.transport().met_another_version();
-        self.lead.after_rounds().await;
-        result
-    }
-
-    /// The batch's pass one hop per stage: the members hold the sequences.
-    async fn hop_pass(&mut self, batch: &mut Batch<Served>) -> Result<Vec<Vec<f32>>, ModelError> {
-        let Some(leader) = self.lead.hop.leader.as_mut() else {
-            return Err(ModelError::NoGroup("no hop group".into()));
-        };
-        let seqs: Vec<node_core::net::hop::HopSeq<'_>> = batch
-            .passes()
-            .map(|(s, pass)| node_core::net::hop::HopSeq {
-                seq: s.job.id,
-                pass,
-            })
-            .collect();
-        let result = leader.forward_batch(&seqs).await;
-        drop(seqs);
-        if result.is_ok() {
-            self.lead.ctx.metrics.hop_steps.inc();
-        }
-        self.lead.after_hop().await;
-        result
     }
 }
