@@ -23,8 +23,6 @@ pub(super) struct Lead {
     pub(super) hop: HopSide,
     /// The serving task's steps so far (the step trace's context).
     pub(super) steps: u64,
-    /// Whether the last pass failed on members at another version.
-    moved: bool,
 }
 
 impl Lead {
@@ -48,7 +46,6 @@ impl Lead {
             yield_to: None,
             hop: HopSide::default(),
             steps: 0,
-            moved: false,
         }
     }
 
@@ -283,7 +280,10 @@ impl LeadShell<Served> for Lead {
         self.ctx.metrics.forward_step_failures.inc();
         let attempt = self.leader.failures() + 1;
         let hop = self.hops();
-        if self.moved {
+        // A rounds pass that failed on members at another version: the mesh moved on.
+        let moved = !hop
+            && (self.formed.as_ref()).is_some_and(|f| f.group.transport().met_another_version());
+        if moved {
             tracing::info!(
                 attempt,
                 "members are at another version (the mesh moved on): forming the group again"
@@ -292,10 +292,7 @@ impl LeadShell<Served> for Lead {
             tracing::warn!(attempt, hop, "a forward step failed: {why}");
         }
         self.drop_group();
-        Some(Failure {
-            moved: self.moved,
-            hop,
-        })
+        Some(Failure { moved, hop })
     }
 }
 
@@ -322,14 +319,12 @@ impl Lead {
         let mut items = batch.rounds_items();
         let result = f.llama.forward_batch(&mut f.group, &mut items).await;
         drop(items);
-        self.moved = result.is_err() && f.group.transport().met_another_version();
         self.after_rounds().await;
         result
     }
 
     /// The batch's pass one hop per stage: the members hold the sequences.
     async fn hop_pass(&mut self) -> Result<Vec<Vec<f32>>, ModelError> {
-        self.moved = false;
         let Some(leader) = self.hop.leader.as_mut() else {
             return Err(ModelError::NoGroup("no hop group".into()));
         };
