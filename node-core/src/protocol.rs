@@ -151,16 +151,56 @@ pub(crate) mod f32_bytes {
 
 /// Encodes a message with the protocol version in front.
 pub fn encode<T: Serialize>(msg: &T) -> Result<Vec<u8>, ProtocolError> {
+    let mut out = Vec::new();
+    encode_into(&mut out, 0, msg)?;
+    Ok(out)
+}
+
+/// [`encode`] into `out` (cleared first) after `room` zero bytes the caller fills in (a
+/// frame's length), reserved at exactly the size it takes, so a large answer (an LM head's
+/// logits) is copied once; a caller that encodes one message after another keeps `out`, as a
+/// fresh buffer of a large answer is slow to fill each time.
+pub(crate) fn encode_into<T: Serialize>(
+    out: &mut Vec<u8>,
+    room: usize,
+    msg: &T,
+) -> Result<(), ProtocolError> {
     let malformed = |e: postcard::Error| ProtocolError::Malformed(e.to_string());
-    let out = postcard::to_extend(&PROTOCOL_VERSION, Vec::new()).map_err(malformed)?;
-    let out = postcard::to_extend(msg, out).map_err(malformed)?;
-    if out.len() > MAX_MESSAGE_BYTES {
+    let size = postcard::experimental::serialized_size(&PROTOCOL_VERSION).map_err(malformed)?
+        + postcard::experimental::serialized_size(msg).map_err(malformed)?;
+    if size > MAX_MESSAGE_BYTES {
         return Err(ProtocolError::TooLarge {
-            len: out.len(),
+            len: size,
             max: MAX_MESSAGE_BYTES,
         });
     }
-    Ok(out)
+    out.clear();
+    out.reserve(room + size);
+    out.resize(room, 0);
+    postcard::serialize_with_flavor(&PROTOCOL_VERSION, Appending(out)).map_err(malformed)?;
+    postcard::serialize_with_flavor(msg, Appending(out)).map_err(malformed)
+}
+
+/// Postcard's output appended to a `Vec`, byte strings whole (postcard's own `to_extend`
+/// pushes them a byte at a time through an iterator).
+struct Appending<'a>(&'a mut Vec<u8>);
+
+impl postcard::ser_flavors::Flavor for Appending<'_> {
+    type Output = ();
+
+    fn try_extend(&mut self, data: &[u8]) -> postcard::Result<()> {
+        self.0.extend_from_slice(data);
+        Ok(())
+    }
+
+    fn try_push(&mut self, data: u8) -> postcard::Result<()> {
+        self.0.push(data);
+        Ok(())
+    }
+
+    fn finalize(self) -> postcard::Result<()> {
+        Ok(())
+    }
 }
 
 /// Decodes a message, checking size and version first.

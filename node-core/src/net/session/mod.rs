@@ -199,15 +199,21 @@ pub fn room_for(asks: usize, bytes: usize, len: usize) -> Result<(), SessionErro
 
 /// One message as a frame: its length, then its versioned encoding.
 pub fn frame<T: Serialize>(msg: &T) -> Result<Vec<u8>, SessionError> {
-    let body = protocol::encode(msg)?;
-    let len = u32::try_from(body.len()).map_err(|_| SessionError::TooLarge {
-        len: body.len(),
+    let mut out = Vec::new();
+    frame_into(&mut out, msg)?;
+    Ok(out)
+}
+
+/// [`frame`] into `out` (cleared first), whose memory the caller keeps for the next one.
+pub fn frame_into<T: Serialize>(out: &mut Vec<u8>, msg: &T) -> Result<(), SessionError> {
+    protocol::encode_into(out, 4, msg)?;
+    let len = out.len() - 4;
+    let len = u32::try_from(len).map_err(|_| SessionError::TooLarge {
+        len,
         max: MAX_FRAME_BYTES,
     })?;
-    let mut out = Vec::with_capacity(4 + body.len());
-    out.extend_from_slice(&len.to_le_bytes());
-    out.extend_from_slice(&body);
-    Ok(out)
+    out[..4].copy_from_slice(&len.to_le_bytes());
+    Ok(())
 }
 
 /// Writes a frame made by [`frame`] and flushes it (in pieces a WebRTC channel takes).
@@ -231,6 +237,8 @@ pub struct FrameReader {
     len: [u8; 4],
     len_got: usize,
     body: Vec<u8>,
+    /// Bytes of the body read so far.
+    got: usize,
     want: Option<usize>,
     /// What the frame being read holds of the node's budget for session frames in flight
     /// ([`super::frames::INBOUND_BUDGET`]).
@@ -277,11 +285,14 @@ impl FrameReader {
                     }));
                 }
                 self.body.clear();
+                self.got = 0;
                 self.want = Some(len);
             }
         };
-        while self.body.len() < want {
-            let start = self.body.len();
+        // The body is zeroed once a frame, a piece at a time as its bytes come: a poll that
+        // finds no bytes yet (a leader polls for answers) leaves what it zeroed in place.
+        while self.got < want {
+            let start = self.got;
             let end = want.min(start + READ_PIECE);
             // The piece is taken from the node's budget before it is read.
             if self.held.0.0 < end
@@ -291,20 +302,14 @@ impl FrameReader {
                 self.held.0.release();
                 return Poll::Ready(Err(e.into()));
             }
-            self.body.resize(end, 0);
-            let read = Pin::new(&mut *io).poll_read(cx, &mut self.body[start..end]);
-            let n = match read {
+            if self.body.len() < end {
+                self.body.resize(end, 0);
+            }
+            let n = match Pin::new(&mut *io).poll_read(cx, &mut self.body[start..end]) {
                 Poll::Ready(Ok(n)) => n,
-                Poll::Ready(Err(e)) => {
-                    self.body.truncate(start);
-                    return Poll::Ready(Err(e.into()));
-                }
-                Poll::Pending => {
-                    self.body.truncate(start);
-                    return Poll::Pending;
-                }
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e.into())),
+                Poll::Pending => return Poll::Pending,
             };
-            self.body.truncate(start + n);
             if n == 0 {
                 self.want = None;
                 return Poll::Ready(Err(SessionError::Truncated {
@@ -312,6 +317,7 @@ impl FrameReader {
                     len: want,
                 }));
             }
+            self.got += n;
         }
         self.want = None;
         let decoded = protocol::decode(&self.body);
@@ -346,23 +352,23 @@ where
     Fut: Future<Output = MeshResponse>,
 {
     let mut buf = FrameReader::default();
+    // Each answer's frame, in memory kept from one to the next (up to what a reader keeps).
+    let mut out = Vec::new();
     let mut served = 0;
     while let Some(ask) = read_frame::<Ask, _>(&mut reader, &mut buf).await? {
         let response = match protocol::decode::<StepRequest>(&ask.step) {
             Ok(step) => compute(ask.version, step).await,
             Err(e) => MeshResponse::Error(format!("bad step: {e}")),
         };
-        let answer = frame(&Answer {
-            id: ask.id,
-            response,
-        })
-        .or_else(|e| {
-            frame(&Answer {
-                id: ask.id,
-                response: MeshResponse::Error(e.to_string()),
-            })
-        })?;
-        write_frame(&mut writer, &answer).await?;
+        let id = ask.id;
+        if let Err(e) = frame_into(&mut out, &Answer { id, response }) {
+            let response = MeshResponse::Error(e.to_string());
+            frame_into(&mut out, &Answer { id, response })?;
+        }
+        write_frame(&mut writer, &out).await?;
+        if out.capacity() > KEEP_READ_BYTES {
+            out = Vec::new();
+        }
         served += 1;
     }
     writer.close().await?;
