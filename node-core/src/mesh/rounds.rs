@@ -268,6 +268,10 @@ impl<A: Asks> Transport for Rounds<A> {
         self.drain_late();
         self.late.drain(..).collect()
     }
+
+    fn asks_alone(&self) -> bool {
+        true
+    }
 }
 
 /// Why a member gave no answer, in words; notes a refusal at another version than `version`.

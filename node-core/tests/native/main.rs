@@ -15,6 +15,7 @@ mod gpu_bodies;
 mod backward;
 mod batched;
 mod coded_synthetic;
+mod embedding_check;
 mod fuzz_regressions;
 mod gpu;
 mod gradients;

@@ -146,10 +146,21 @@ fn every_kind_of_fault_is_caught_located_and_outvoted() {
 
 /// In-process members whose answers beyond the first `need` of a round come late, handed over
 /// as late answers: as a network leader sees a member that always answers last.
-struct LastIsLate {
+pub(crate) struct LastIsLate {
     members: InProcess,
     round: u64,
     late: Vec<(u64, usize, Vec<u8>)>,
+}
+
+impl LastIsLate {
+    /// Over `members`, before any round.
+    pub(crate) fn new(members: Vec<Member>) -> Self {
+        Self {
+            members: InProcess::new(members).unwrap(),
+            round: 0,
+            late: Vec::new(),
+        }
+    }
 }
 
 impl Transport for LastIsLate {
@@ -181,6 +192,10 @@ impl Transport for LastIsLate {
     fn late_answers(&mut self) -> Vec<(u64, usize, Vec<u8>)> {
         std::mem::take(&mut self.late)
     }
+
+    fn asks_alone(&self) -> bool {
+        true
+    }
 }
 
 #[test]
@@ -199,11 +214,7 @@ fn a_member_whose_answers_always_come_last_is_still_checked_and_caught() {
         let mut reference =
             CodedGroup::new(w.cfg.clone(), g.clone(), &[0, 1, 2, 3], reference).unwrap();
         let want = logits(&w, &mut reference);
-        let transport = LastIsLate {
-            members: InProcess::new(members).unwrap(),
-            round: 0,
-            late: Vec::new(),
-        };
+        let transport = LastIsLate::new(members);
         let mut group =
             CodedGroup::new(w.cfg.clone(), g.clone(), &[0, 1, 2, 3, 4], transport).unwrap();
         group.set_verify(VerifyConfig { extra: 1, ..check });

@@ -616,4 +616,8 @@ impl Transport for NetTransport {
     fn late_answers(&mut self) -> Vec<(u64, usize, Vec<u8>)> {
         self.rounds.late_answers()
     }
+
+    fn asks_alone(&self) -> bool {
+        self.rounds.asks_alone()
+    }
 }

@@ -25,6 +25,12 @@ impl<T: Transport> CodedGroup<T> {
     ) {
         let m = self.generator.sub_blocks();
         for (round, node, bytes) in late {
+            if let Some(e) = self.embedding.as_mut().filter(|e| e.round == round) {
+                if e.late.is_none() && e.parts.iter().all(|(n, _)| *n != node) {
+                    e.late = Some((node, bytes));
+                }
+                continue;
+            }
             let Some(r) = recent.iter().find(|r| r.round == round) else {
                 continue;
             };
@@ -61,6 +67,106 @@ impl<T: Transport> CodedGroup<T> {
                 });
             }
         }
+    }
+
+    /// Whether this pass's embedding round is decoded from k answers and checked before the
+    /// LM head ([`Unchecked`]): where product rounds are checked by projection, so the check
+    /// row answers nothing else in a pass, no update probe needs the round's residuals, a
+    /// member beyond k can answer, and the leader asks alone (a hop group's members run every
+    /// round in step). A lie then fails the pass once (the liar is dropped
+    /// where it can be located), and the leader runs it again.
+    pub(super) fn defers_embedding_check(&self) -> bool {
+        self.transport.asks_alone()
+            && self.sketch.is_some()
+            && self.probe.is_none()
+            && self.members.len() > self.generator.k()
+    }
+
+    /// The embedding round `request` (`c` columns) decoded from its first k answers; the
+    /// answer of a member beyond them checks it later ([`Self::check_embedding`]).
+    pub(super) async fn embed_unchecked(
+        &mut self,
+        request: &StepRequest,
+        c: usize,
+    ) -> Result<Vec<f32>, CodedError> {
+        let k = self.generator.k();
+        let bytes = protocol::encode(request)?;
+        self.transport.label("embedding");
+        let mut parts = Parts::with_capacity(k + 1);
+        // What comes beside the first k (a transport that answers every member at once) is
+        // kept as the answer that checks them.
+        self.surplus = Some(None);
+        let collected = self.collect(&bytes, c, &mut parts, k, None).await;
+        let late = self.surplus.take().flatten();
+        collected?;
+        self.stats.rounds += 1;
+        if parts.len() < k {
+            return Err(CodedError::Member {
+                node: usize::MAX,
+                reason: format!("only {} of k = {k} members answered", parts.len()),
+            });
+        }
+        let refs: Vec<(usize, &[f32])> = parts.iter().map(|(n, v)| (*n, v.as_slice())).collect();
+        let (out, _, _) = self.decode_and_predict(&refs, c)?;
+        // A transport that numbers no rounds has no late answers: what came beside is all.
+        self.embedding = Some(Unchecked {
+            round: self.transport.last_round().unwrap_or(u64::MAX),
+            parts,
+            c,
+            bytes,
+            late,
+        });
+        self.check_late();
+        Ok(out)
+    }
+
+    /// Checks the pass's embedding round decoded unchecked, if one waits, with the answer
+    /// that came for it since (or asked for now). Answers that disagree fail the pass, with the
+    /// member that lied located and dropped where enough members answer: the pass runs again.
+    pub(super) async fn check_embedding(&mut self) -> Result<(), CodedError> {
+        if self.embedding.is_some() {
+            // Routes an answer that came for it since.
+            self.check_late();
+        }
+        let Some(Unchecked {
+            mut parts,
+            c,
+            bytes,
+            late,
+            ..
+        }) = self.embedding.take()
+        else {
+            return Ok(());
+        };
+        let k = self.generator.k();
+        let m = self.generator.sub_blocks();
+        match late.map(|(node, answer)| (node, parse_answer(node, &answer, m * c))) {
+            Some((node, Ok(values))) if self.members.contains(&node) => parts.push((node, values)),
+            Some((node, Err(e))) => {
+                tracing::warn!(node, error = %e, "dropping a member whose late answer is unusable");
+                self.drop_member(node);
+            }
+            _ => {}
+        }
+        if parts.len() == k {
+            self.transport.label("embedding");
+            self.collect(&bytes, c, &mut parts, k + 1, None).await?;
+        }
+        if parts.len() == k {
+            self.stats.unverified_rounds += 1;
+            return Ok(());
+        }
+        let all: Vec<&(usize, Vec<f32>)> = parts.iter().collect();
+        if self.consistent(&all, c)?.is_ok() {
+            self.stats.verified_rounds += 1;
+            return Ok(());
+        }
+        // Locates and drops the member that lied (or says none can be told apart).
+        self.decode_checked(&mut parts, c, &bytes, "embedding")
+            .await?;
+        Err(CodedError::Verification(
+            "the embedding's answers disagreed with the code; the pass runs again".into(),
+        ))
     }
 
     /// Records a member caught answering against the code, with the evidence, and drops it.

@@ -91,6 +91,28 @@ pub struct CodedGroup<T: Transport> {
     recent: VecDeque<Recent>,
     /// The check row and its projections, while rounds are checked by projection.
     sketch: Option<Sketch>,
+    /// The pass's embedding round, decoded from k answers before its check came.
+    embedding: Option<Unchecked>,
+    /// While that round is collected: the first answer beyond the k it needs, if one came
+    /// with them (a transport that answers every member at once).
+    surplus: Option<Option<(usize, Vec<u8>)>>,
+}
+
+/// A round decoded from its first k answers while the answer that checks it is still to come
+/// (the embedding: the check row's session sleeps between passes): checked before the pass's
+/// LM head, so no token comes of it unchecked.
+#[derive(Debug)]
+struct Unchecked {
+    /// The transport's number for it.
+    round: u64,
+    /// The k answers decoded.
+    parts: Parts,
+    /// Columns.
+    c: usize,
+    /// Its encoded request, to ask again.
+    bytes: Vec<u8>,
+    /// The answer that checks it, once it came.
+    late: Option<(usize, Vec<u8>)>,
 }
 
 /// Random directions per projected check: a wrong answer hides from one with a chance that
@@ -175,6 +197,8 @@ impl<T: Transport> CodedGroup<T> {
             checks: ChaCha8Rng::from_rng(&mut rand::rng()),
             recent: VecDeque::new(),
             sketch: None,
+            embedding: None,
+            surplus: None,
         })
     }
 
@@ -336,6 +360,10 @@ impl<T: Transport> CodedGroup<T> {
         what: &str,
         project: bool,
     ) -> Result<(Vec<f32>, Parts), CodedError> {
+        if matches!(req, StepRequest::Matmul { stage, .. } if *stage == Stage::LmHead) {
+            self.check_embedding().await?;
+            self.transport.label(what);
+        }
         let bytes = protocol::encode(req)?;
         let k = self.generator.k();
         let projected = match req {
@@ -467,7 +495,13 @@ impl<T: Transport> CodedGroup<T> {
             };
             for (node, answer) in answers {
                 self.stats.bytes_received += answer.len() as u64;
-                if parts.len() == want || parts.iter().any(|(p, _)| *p == node) {
+                if parts.iter().any(|(p, _)| *p == node) {
+                    continue;
+                }
+                if parts.len() == want {
+                    if let Some(slot @ None) = self.surplus.as_mut() {
+                        *slot = Some((node, answer));
+                    }
                     continue;
                 }
                 match parse_answer(node, &answer, m * c) {
@@ -659,9 +693,13 @@ impl<T: Transport> CodedGroup<T> {
         }
         let rows = tokens.iter().map(|&t| (t as usize % l) as u32).collect();
         let c = tokens.len() * d;
-        let decoded = self
-            .run(&StepRequest::EmbedRows { rows }, c, "embedding")
-            .await?;
+        let request = StepRequest::EmbedRows { rows };
+        self.check_embedding().await?;
+        let decoded = if self.defers_embedding_check() {
+            self.embed_unchecked(&request, c).await?
+        } else {
+            self.run(&request, c, "embedding").await?
+        };
         let mut x = Vec::with_capacity(c);
         for (i, &t) in tokens.iter().enumerate() {
             let j = t as usize / l;

@@ -72,6 +72,13 @@ pub trait Transport {
     fn late_answers(&mut self) -> Vec<(u64, usize, Vec<u8>)> {
         Vec::new()
     }
+
+    /// Whether this leader may ask a round again later on its own: its rounds are its own
+    /// asks of each member, not run in step by every member of a hop group (the default: no).
+    /// A round's check can then wait for an answer still to come.
+    fn asks_alone(&self) -> bool {
+        false
+    }
 }
 
 /// Members living in this process, indexed by node; messages still go through the codec.
@@ -158,6 +165,10 @@ impl Transport for InProcess {
         crate::compute::par::map(nodes, |&node| self.answer(node, request))
             .into_iter()
             .collect()
+    }
+
+    fn asks_alone(&self) -> bool {
+        true
     }
 
     async fn round_each(
