@@ -531,21 +531,24 @@ impl Asks for NetAsks {
         let wake = tokio::time::sleep_until(until.into());
         tokio::pin!(wake);
         std::future::poll_fn(|cx| {
-            if let Some(answer) = self.poll_answer(cx) {
-                return Poll::Ready(Some(answer));
-            }
+            use crate::hold::session::local;
             // Where sessions poll (every process of the stream on a core of its own), an answer
-            // due within the poll is read without sleeping on the runtime's wake-up.
-            if let Some(spin) =
-                crate::hold::session::local::spin().filter(|_| self.sessions.delay().is_zero())
-            {
+            // due within the poll is read without sleeping on the runtime's wake-up; the last
+            // poll, before it sleeps, is not one it repeats (`local::polling`).
+            if let Some(spin) = local::spin().filter(|_| self.sessions.delay().is_zero()) {
                 let end = (Instant::now() + spin).min(until);
-                while Instant::now() < end {
-                    std::hint::spin_loop();
-                    if let Some(answer) = self.poll_answer(cx) {
+                loop {
+                    if let Some(answer) = local::polling(|| self.poll_answer(cx)) {
                         return Poll::Ready(Some(answer));
                     }
+                    if Instant::now() >= end {
+                        break;
+                    }
+                    std::hint::spin_loop();
                 }
+            }
+            if let Some(answer) = self.poll_answer(cx) {
+                return Poll::Ready(Some(answer));
             }
             let now = Instant::now();
             if now >= until {

@@ -15,6 +15,8 @@
 //! then), both sides poll the socket for a while before they sleep: a member serves each
 //! session on a thread of its own, outside the runtime, and a leader that has computed its own
 //! row polls for the answers. An ask or answer that comes within the poll then wakes nobody.
+//! Such a session's frames go through shared memory (`ring.rs`): the leader hands the member a
+//! ring each way once the handshake is done, and the socket only wakes a side that sleeps.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -35,11 +37,16 @@ use crate::net::swarm::Client;
 use crate::net::swarm::open_accepted;
 
 /// The protocol a member offers its socket on.
-/// (2: the member writes [`node_core::net::session::ACCEPTED`] first.)
-pub const OFFER_PROTOCOL: &str = "/codedmesh/session-local/2";
+/// (2: the member writes [`node_core::net::session::ACCEPTED`] first; 3: offers say whether
+/// the member takes shared memory.)
+pub const OFFER_PROTOCOL: &str = "/codedmesh/session-local/3";
 
 /// Set to `0` to keep every session on libp2p (to measure what the socket saves).
 pub const LOCAL_VAR: &str = "CODEDMESH_LOCAL_SESSIONS";
+
+/// Set to `0` to keep a polling session's frames on its socket, not in shared memory (to
+/// measure what the memory saves).
+pub const MEMORY_VAR: &str = "CODEDMESH_SESSION_MEMORY";
 
 /// Microseconds a local session's side polls its socket for the next frame before it sleeps
 /// (unset or 0: it sleeps at once).
@@ -80,6 +87,9 @@ pub struct Offer {
     pub ask: [u8; TOKEN],
     /// What the member answers with.
     pub answer: [u8; TOKEN],
+    /// The member polls (it serves each session on a thread of its own) and takes the
+    /// session's frames through shared memory: the leader says whether it hands some over.
+    pub ring: bool,
 }
 
 /// Why a session could not go over the local socket (the leader then uses libp2p).
@@ -147,9 +157,19 @@ fn spin_from(value: Option<&str>) -> u64 {
 #[derive(Debug, Default)]
 pub struct Pending {
     offers: VecDeque<([u8; TOKEN], [u8; TOKEN])>,
+    /// Whether the offers say the member takes shared memory.
+    ring: bool,
 }
 
 impl Pending {
+    /// Offers that say the member takes shared memory, or not.
+    pub fn with_ring(ring: bool) -> Self {
+        Self {
+            ring,
+            ..Self::default()
+        }
+    }
+
     /// A new offer of `name`, remembered until it is taken up or lapses.
     pub fn offer(&mut self, name: &str) -> Offer {
         let (ask, answer) = (rand_webrtc::random(), rand_webrtc::random());
@@ -161,6 +181,7 @@ impl Pending {
             name: name.to_owned(),
             ask,
             answer,
+            ring: self.ring,
         }
     }
 
@@ -196,7 +217,8 @@ pub fn serve(client: &Client, slots: Arc<tokio::sync::Semaphore>, state: Arc<RwL
             return;
         }
     };
-    let pending = Arc::new(Mutex::new(Pending::default()));
+    let on_thread = on_thread(state.clone());
+    let pending = Arc::new(Mutex::new(Pending::with_ring(on_thread.is_some())));
     let offered = pending.clone();
     tokio::spawn(async move {
         while let Some((peer, mut stream)) = offers.next().await {
@@ -216,7 +238,6 @@ pub fn serve(client: &Client, slots: Arc<tokio::sync::Semaphore>, state: Arc<RwL
             });
         }
     });
-    let on_thread = on_thread(state.clone());
     tokio::spawn(platform::accept(
         listener,
         pending,
@@ -267,7 +288,18 @@ pub async fn open(
     })
     .await
     .map_err(|_| LocalError::TimedOut)??;
-    platform::connect(offer).await
+    let shared = spin().is_some() && std::env::var(MEMORY_VAR).map_or(true, |v| v.trim() != "0");
+    platform::connect(offer, shared).await
+}
+
+/// Runs `f`, a poll of local sessions that the caller repeats at once while it polls
+/// ([`spin`]): a session whose shared memory holds nothing then does not ask the member to ring
+/// it, as it would before sleeping. The caller's last poll before it sleeps is not in one.
+pub fn polling<T>(f: impl FnOnce() -> T) -> T {
+    #[cfg(target_os = "linux")]
+    return platform::polling(f);
+    #[cfg(not(target_os = "linux"))]
+    f()
 }
 
 fn lock(pending: &Mutex<Pending>) -> std::sync::MutexGuard<'_, Pending> {
@@ -275,339 +307,10 @@ fn lock(pending: &Mutex<Pending>) -> std::sync::MutexGuard<'_, Pending> {
 }
 
 #[cfg(target_os = "linux")]
-mod platform {
-    use std::cell::Cell;
-    use std::future::Future;
-    use std::io::{Read, Write};
-    use std::os::fd::{AsFd, AsRawFd, OwnedFd};
-    use std::os::linux::net::SocketAddrExt;
-    use std::os::unix::net::{SocketAddr, UnixStream};
-    use std::pin::Pin;
-    use std::sync::{Arc, Mutex};
-    use std::task::{Context, Poll, ready};
-    use std::time::{Duration, Instant};
-
-    use futures::io::{AllowStdIo, BufReader, BufWriter};
-    use futures::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-    use nix::errno::Errno;
-    use nix::sys::socket::{MsgFlags, recv};
-    use node_core::mesh::MeshResponse;
-    use node_core::model::Stage;
-    use node_core::net::session::SessionError;
-    use node_core::protocol::StepRequest;
-    use tokio::io::Interest;
-    use tokio::io::unix::AsyncFd;
-    use tokio::net::UnixListener;
-    use tokio::sync::OwnedSemaphorePermit;
-
-    use super::{HANDSHAKE, LocalError, Offer, POLL_AFTER_HEAD, Pending, TOKEN, lock};
-
-    /// A member's end of a local session served on a thread of its own (blocking).
-    pub type Stream = UnixStream;
-
-    /// Connections a member lets wait for their token at once.
-    const MAX_HANDSHAKES: usize = 64;
-
-    /// Bytes a side gathers before it writes: a frame goes out in one system call (one
-    /// wake-up of the reader), not in the 4 KiB pieces a WebRTC channel needs.
-    const WRITE_BUFFER: usize = 128 << 10;
-
-    /// A leader's end of a local session: reads are buffered (a frame's length and body
-    /// come in one system call), and so are writes until each frame's flush.
-    pub type Socket = BufReader<BufWriter<SocketEnd>>;
-
-    /// A local session's socket as one side uses it: for reading, writing, or both. The
-    /// socket is registered with the runtime for reading only. Registered for writing too,
-    /// each read by the other side (which frees room on this side) would wake this process
-    /// for nothing, twice a round. A write goes straight to the socket; only when it is full
-    /// does a duplicate of the socket, registered for writing, wait for room.
-    #[derive(Debug)]
-    pub struct SocketEnd {
-        io: Arc<AsyncFd<UnixStream>>,
-        /// The duplicate waiting for room, while a write waits.
-        room: Option<AsyncFd<OwnedFd>>,
-        /// Reads try the socket before the runtime's readiness, which comes only once the
-        /// runtime's poller has woken: a leader that polls for answers ([`super::spin`]).
-        read_first: bool,
-    }
-
-    impl SocketEnd {
-        /// `stream` (non-blocking from here on), registered for reading.
-        fn new(stream: UnixStream) -> std::io::Result<Self> {
-            stream.set_nonblocking(true)?;
-            // SAFETY: the stream owns its descriptor and keeps it, open and the same, until
-            // the `AsyncFd` drops it.
-            let io = unsafe { AsyncFd::register_with_interest(stream, Interest::READABLE) }?;
-            Ok(Self {
-                io: Arc::new(io),
-                room: None,
-                read_first: super::spin().is_some(),
-            })
-        }
-
-        /// Another use of the same socket (one side reads while the other writes).
-        fn another(&self) -> Self {
-            Self {
-                io: self.io.clone(),
-                room: None,
-                read_first: self.read_first,
-            }
-        }
-
-        /// The socket, out of the runtime and blocking, for a thread of its own; `None` while
-        /// another use of it lives.
-        fn into_blocking(self) -> std::io::Result<Option<UnixStream>> {
-            let Ok(io) = Arc::try_unwrap(self.io) else {
-                return Ok(None);
-            };
-            let stream = io.into_inner();
-            stream.set_nonblocking(false)?;
-            Ok(Some(stream))
-        }
-    }
-
-    impl AsyncRead for SocketEnd {
-        fn poll_read(
-            self: Pin<&mut Self>,
-            cx: &mut Context<'_>,
-            buf: &mut [u8],
-        ) -> Poll<std::io::Result<usize>> {
-            if self.read_first {
-                match self.io.get_ref().read(buf) {
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                    read => return Poll::Ready(read),
-                }
-            }
-            loop {
-                let mut ready = ready!(self.io.poll_read_ready(cx))?;
-                if let Ok(read) = ready.try_io(|io| io.get_ref().read(buf)) {
-                    return Poll::Ready(read);
-                }
-            }
-        }
-    }
-
-    impl AsyncWrite for SocketEnd {
-        fn poll_write(
-            mut self: Pin<&mut Self>,
-            cx: &mut Context<'_>,
-            buf: &[u8],
-        ) -> Poll<std::io::Result<usize>> {
-            loop {
-                match self.io.get_ref().write(buf) {
-                    Ok(n) => {
-                        self.room = None;
-                        return Poll::Ready(Ok(n));
-                    }
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                    Err(e) => return Poll::Ready(Err(e)),
-                }
-                if self.room.is_none() {
-                    // Registering reports room that came since the write at once.
-                    let dup = self.io.get_ref().as_fd().try_clone_to_owned()?;
-                    // SAFETY: as in `new`: `dup` owns its descriptor for the `AsyncFd`'s life.
-                    let room = unsafe { AsyncFd::register_with_interest(dup, Interest::WRITABLE) };
-                    self.room = Some(room?);
-                }
-                if let Some(room) = &self.room {
-                    ready!(room.poll_write_ready(cx))?.clear_ready();
-                }
-            }
-        }
-
-        fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-            Poll::Ready(Ok(()))
-        }
-
-        fn poll_close(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-            Poll::Ready(self.io.get_ref().shutdown(std::net::Shutdown::Write))
-        }
-    }
-
-    /// Listens on `name` in the abstract namespace.
-    pub fn listen(name: &str) -> std::io::Result<UnixListener> {
-        let addr = SocketAddr::from_abstract_name(name.as_bytes())?;
-        let listener = std::os::unix::net::UnixListener::bind_addr(&addr)?;
-        listener.set_nonblocking(true)?;
-        UnixListener::from_std(listener)
-    }
-
-    /// Runs `serve` on every connection that opens with a pending offer's token, or
-    /// `on_thread` on a thread of its own where given.
-    pub async fn accept<F, Fut, T>(
-        listener: UnixListener,
-        pending: Arc<Mutex<Pending>>,
-        slots: Arc<tokio::sync::Semaphore>,
-        serve: F,
-        on_thread: Option<T>,
-    ) where
-        F: Fn(BufReader<SocketEnd>, BufWriter<SocketEnd>) -> Fut + Clone + Send + 'static,
-        Fut: Future<Output = ()> + Send,
-        T: Fn(UnixStream) + Clone + Send + 'static,
-    {
-        let handshakes = Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES));
-        loop {
-            let conn = match listener.accept().await.and_then(|(c, _)| c.into_std()) {
-                Ok(conn) => conn,
-                Err(e) => {
-                    // Out of descriptors, say: the leaders that cannot connect use libp2p.
-                    tracing::warn!("accepting a local session: {e}");
-                    tokio::time::sleep(HANDSHAKE / 50).await;
-                    continue;
-                }
-            };
-            // A connection costs a session's slot only once its token checks out, so
-            // connections that never send one cannot keep leaders out.
-            let Ok(handshake) = handshakes.clone().try_acquire_owned() else {
-                tracing::warn!("refusing a local connection: {MAX_HANDSHAKES} are in handshake");
-                continue;
-            };
-            let (pending, slots, serve) = (pending.clone(), slots.clone(), serve.clone());
-            let on_thread = on_thread.clone();
-            tokio::spawn(async move {
-                let mut reader = match SocketEnd::new(conn) {
-                    Ok(reader) => reader,
-                    Err(e) => return tracing::debug!("local session: {e}"),
-                };
-                let mut writer = BufWriter::with_capacity(WRITE_BUFFER, reader.another());
-                let mut ask = [0; TOKEN];
-                match tokio::time::timeout(HANDSHAKE, reader.read_exact(&mut ask)).await {
-                    Ok(Ok(())) => {}
-                    Ok(Err(e)) => return tracing::debug!("local session: {e}"),
-                    Err(_) => return tracing::debug!("local session: no token in time"),
-                }
-                drop(handshake);
-                let Some(answer) = lock(&pending).take(&ask) else {
-                    return tracing::debug!("local session: a token not offered");
-                };
-                let Ok(slot) = slots.try_acquire_owned() else {
-                    return tracing::warn!("refusing a local session: too many are open");
-                };
-                if let Err(e) = send(&mut writer, &answer).await {
-                    return tracing::debug!("local session: {e}");
-                }
-                if let Some(on_thread) = on_thread {
-                    drop(writer);
-                    return to_thread(reader, slot, on_thread);
-                }
-                serve(BufReader::new(reader), writer).await;
-                drop(slot);
-            });
-        }
-    }
-
-    /// Serves a session on a thread of its own, its socket out of the runtime.
-    fn to_thread(
-        socket: SocketEnd,
-        slot: OwnedSemaphorePermit,
-        on_thread: impl FnOnce(UnixStream) + Send + 'static,
-    ) {
-        let stream = match socket.into_blocking() {
-            Ok(Some(stream)) => stream,
-            Ok(None) => return tracing::warn!("local session: its socket is still in use"),
-            Err(e) => return tracing::debug!("local session: {e}"),
-        };
-        let spawned = std::thread::Builder::new()
-            .name("local-session".into())
-            .spawn(move || {
-                on_thread(stream);
-                drop(slot);
-            });
-        if let Err(e) = spawned {
-            tracing::warn!("local session: no thread for it: {e}");
-        }
-    }
-
-    /// Answers a session's asks on `stream` with `compute` on the calling thread until the
-    /// leader closes it; each read polls the socket for `spin` ([`poll_after`]) before it blocks.
-    pub fn serve_polling<F, Fut>(
-        stream: &UnixStream,
-        spin: Duration,
-        mut compute: F,
-    ) -> Result<u64, SessionError>
-    where
-        F: FnMut([u8; 32], StepRequest) -> Fut,
-        Fut: Future<Output = MeshResponse>,
-    {
-        let next = Cell::new(spin);
-        let reader = BufReader::new(AllowStdIo::new(Polling {
-            stream,
-            spin: &next,
-        }));
-        let writer = BufWriter::with_capacity(WRITE_BUFFER, AllowStdIo::new(stream));
-        let compute = |version, request: StepRequest| {
-            next.set(poll_after(&request, spin));
-            compute(version, request)
-        };
-        futures::executor::block_on(node_core::net::session::serve(reader, writer, compute))
-    }
-
-    /// How long to poll for the ask after `request`: `spin`, or [`POLL_AFTER_HEAD`] after a
-    /// pass's LM head (the leader samples first: 0.3 ms, p90 1 ms, SmolLM2 on two cores).
-    pub(super) fn poll_after(request: &StepRequest, spin: Duration) -> Duration {
-        let head = matches!(request, StepRequest::Matmul { stage, .. } if *stage == Stage::LmHead);
-        if head && !spin.is_zero() {
-            spin.max(POLL_AFTER_HEAD)
-        } else {
-            spin
-        }
-    }
-
-    /// Reads from a blocking socket that poll it without blocking for `spin` first.
-    struct Polling<'a> {
-        stream: &'a UnixStream,
-        spin: &'a Cell<Duration>,
-    }
-
-    impl Read for Polling<'_> {
-        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-            let start = Instant::now();
-            let spin = self.spin.get();
-            loop {
-                match recv(self.stream.as_raw_fd(), buf, MsgFlags::MSG_DONTWAIT) {
-                    Ok(n) => return Ok(n),
-                    Err(Errno::EAGAIN | Errno::EINTR) => {}
-                    Err(e) => return Err(e.into()),
-                }
-                if start.elapsed() >= spin {
-                    return self.stream.read(buf);
-                }
-                std::hint::spin_loop();
-            }
-        }
-    }
-
-    /// Writes `bytes` and flushes them.
-    async fn send(writer: &mut (impl AsyncWrite + Unpin), bytes: &[u8]) -> std::io::Result<()> {
-        writer.write_all(bytes).await?;
-        writer.flush().await
-    }
-
-    /// Connects to an offer's socket and checks the member's answer.
-    pub async fn connect(offer: Offer) -> Result<Socket, LocalError> {
-        let addr = SocketAddr::from_abstract_name(offer.name.as_bytes())?;
-        // A Unix socket's connect blocks only while the listener's backlog is full.
-        let conn = tokio::task::spawn_blocking(move || UnixStream::connect_addr(&addr))
-            .await
-            .map_err(std::io::Error::other)??;
-        let socket = BufWriter::with_capacity(WRITE_BUFFER, SocketEnd::new(conn)?);
-        let mut socket = BufReader::new(socket);
-        let answer = tokio::time::timeout(HANDSHAKE, async {
-            send(&mut socket, &offer.ask).await?;
-            let mut answer = [0; TOKEN];
-            socket.read_exact(&mut answer).await?;
-            Ok::<_, std::io::Error>(answer)
-        })
-        .await
-        .map_err(|_| LocalError::TimedOut)??;
-        if answer != offer.answer {
-            return Err(LocalError::WrongAnswer);
-        }
-        Ok(socket)
-    }
-}
+#[path = "linux.rs"]
+mod platform;
+#[cfg(target_os = "linux")]
+mod ring;
 
 #[cfg(not(target_os = "linux"))]
 mod platform {
@@ -638,7 +341,7 @@ mod platform {
         match listener {}
     }
 
-    pub async fn connect(_: Offer) -> Result<Socket, LocalError> {
+    pub async fn connect(_: Offer, _: bool) -> Result<Socket, LocalError> {
         Err(LocalError::Unsupported)
     }
 }
@@ -699,7 +402,7 @@ mod tests {
             rand_webrtc::random::<u64>()
         );
         let listener = platform::listen(&name).unwrap();
-        let pending = Arc::new(Mutex::new(Pending::default()));
+        let pending = Arc::new(Mutex::new(Pending::with_ring(spin.is_some())));
         let slots = Arc::new(tokio::sync::Semaphore::new(4));
         tokio::spawn(platform::accept(
             listener,
@@ -752,10 +455,10 @@ mod tests {
     async fn an_offer_opens_one_session_once() {
         let (name, pending) = member("once");
         let offer = lock(&pending).offer(&name);
-        let socket = platform::connect(offer.clone()).await.unwrap();
+        let socket = platform::connect(offer.clone(), false).await.unwrap();
         assert_eq!(ask_sum(socket, vec![1.0, 2.0, 3.5]).await, 6.5);
         // Taken up: the same tokens again are turned away.
-        let again = platform::connect(offer).await;
+        let again = platform::connect(offer, false).await;
         assert!(matches!(again, Err(LocalError::Io(_))), "{again:?}");
     }
 
@@ -768,34 +471,39 @@ mod tests {
             ask: [0; TOKEN],
             ..offer.clone()
         };
-        let refused = platform::connect(forged).await;
+        let refused = platform::connect(forged, false).await;
         assert!(matches!(refused, Err(LocalError::Io(_))), "{refused:?}");
         // Another process at the name, which cannot answer with the offer's second token.
         let impostor = Offer {
             answer: [1; TOKEN],
             ..lock(&pending).offer(&name)
         };
-        let refused = platform::connect(impostor).await;
+        let refused = platform::connect(impostor, false).await;
         assert!(
             matches!(refused, Err(LocalError::WrongAnswer)),
             "{refused:?}"
         );
         // The first offer still opens a session.
-        let socket = platform::connect(offer).await.unwrap();
+        let socket = platform::connect(offer, false).await.unwrap();
         assert_eq!(ask_sum(socket, vec![2.0; 4]).await, 8.0);
     }
 
     /// A member that serves its session on a thread of its own answers asks that come while
-    /// it polls and asks that come after it has gone to sleep.
+    /// it polls and asks that come after it has gone to sleep: over the socket, and through
+    /// shared memory (the leader then polls too, and sleeps between asks).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_session_on_a_thread_of_its_own_answers_while_it_polls_and_after() {
-        let (name, pending) = member_with("thread", sum, Some(Duration::from_millis(2)));
-        let offer = lock(&pending).offer(&name);
-        let mut session = Driven::new(platform::connect(offer).await.unwrap());
-        for (id, pause) in [(1u64, 0), (2, 0), (3, 50), (4, 0), (5, 50)] {
-            tokio::time::sleep(Duration::from_millis(pause)).await;
-            let sum = sum_on(&mut session, id, vec![id as f32; 3]).await;
-            assert_eq!(sum, 3.0 * id as f32);
+        for shared in [false, true] {
+            let (name, pending) = member_with("thread", sum, Some(Duration::from_millis(2)));
+            let offer = lock(&pending).offer(&name);
+            let socket = platform::connect(offer, shared).await.unwrap();
+            assert_eq!(socket.get_ref().get_ref().shared(), shared);
+            let mut session = Driven::new(socket);
+            for (id, pause) in [(1u64, 0), (2, 0), (3, 50), (4, 0), (5, 50)] {
+                tokio::time::sleep(Duration::from_millis(pause)).await;
+                let sum = sum_on(&mut session, id, vec![id as f32; 3]).await;
+                assert_eq!(sum, 3.0 * id as f32);
+            }
         }
     }
 
@@ -803,20 +511,27 @@ mod tests {
     /// that find the socket full wait for room and go on, and nothing is lost or reordered.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn frames_larger_than_the_socket_buffer_go_through_both_ways() {
-        large_frames(None).await;
+        large_frames(None, false).await;
     }
 
     /// [`frames_larger_than_the_socket_buffer_go_through_both_ways`] with the member's session
     /// on a thread of its own, which blocks while it writes.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn large_frames_go_through_a_session_on_a_thread_of_its_own() {
-        large_frames(Some(Duration::from_micros(150))).await;
+        large_frames(Some(Duration::from_micros(150)), false).await;
     }
 
-    async fn large_frames(spin: Option<Duration>) {
+    /// The same through the session's shared memory: frames four times its rings, several
+    /// at once each way, so each side waits for room and is rung.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn large_frames_go_through_shared_memory_both_ways() {
+        large_frames(Some(Duration::from_micros(150)), true).await;
+    }
+
+    async fn large_frames(spin: Option<Duration>, shared: bool) {
         let (name, pending) = member_with("large", echo, spin);
         let offer = lock(&pending).offer(&name);
-        let mut session = Driven::new(platform::connect(offer).await.unwrap());
+        let mut session = Driven::new(platform::connect(offer, shared).await.unwrap());
         let inputs: Vec<Vec<f32>> = (0..3)
             .map(|a| (0..(1 << 20)).map(|i| (i * 7 + a) as f32).collect())
             .collect();
@@ -856,7 +571,7 @@ mod tests {
     async fn a_name_nobody_listens_on_fails_at_once() {
         let mut pending = Pending::default();
         let offer = pending.offer("codedmesh/test/nobody/listens/here");
-        let failed = platform::connect(offer).await;
+        let failed = platform::connect(offer, false).await;
         assert!(matches!(failed, Err(LocalError::Io(_))), "{failed:?}");
     }
 
