@@ -25,7 +25,7 @@ use tokio::io::unix::AsyncFd;
 use tokio::net::UnixListener;
 use tokio::sync::OwnedSemaphorePermit;
 
-use super::ring::{self, End, Ends};
+use super::ring::{self, End, Ends, Move};
 use super::{HANDSHAKE, LocalError, Offer, POLL_AFTER_HEAD, Pending, TOKEN, lock};
 
 thread_local! {
@@ -122,7 +122,7 @@ impl AsyncRead for SocketEnd {
     ) -> Poll<std::io::Result<usize>> {
         let this = self.get_mut();
         if let Some(ends) = &mut this.ring {
-            return poll_take(&this.io, &mut ends.read, cx, buf);
+            return poll_move(&this.io, &mut ends.read, Move::Take(buf), cx);
         }
         if this.read_first {
             match this.io.get_ref().read(buf) {
@@ -148,7 +148,7 @@ impl AsyncWrite for SocketEnd {
     ) -> Poll<std::io::Result<usize>> {
         let this = &mut *self;
         if let Some(ends) = &mut this.ring {
-            return poll_put(&this.io, &mut ends.write, cx, buf);
+            return poll_move(&this.io, &mut ends.write, Move::Put(buf), cx);
         }
         loop {
             match self.io.get_ref().write(buf) {
@@ -182,51 +182,38 @@ impl AsyncWrite for SocketEnd {
     }
 }
 
-/// Reads what the session's shared memory holds for the leader; else, unless the caller polls
-/// again at once ([`polling`]), asks the member to ring and waits on the socket.
-fn poll_take(
+/// Moves `m` through the leader's `end` of the session's shared memory; where nothing can
+/// move, unless the caller polls again at once ([`polling`]), asks the member to ring and waits
+/// on the socket.
+fn poll_move(
     io: &AsyncFd<UnixStream>,
     end: &mut End,
+    mut m: Move,
     cx: &mut Context<'_>,
-    buf: &mut [u8],
 ) -> Poll<std::io::Result<usize>> {
     loop {
-        let (n, wake) = end.take(buf)?;
+        let (n, wake) = end.advance(&mut m)?;
         if wake {
             ring_bell(io.get_ref());
         }
-        if n > 0 || buf.is_empty() {
+        if n > 0 || m.is_empty() {
             return Poll::Ready(Ok(n));
         }
         if POLLING.get() {
             return Poll::Pending;
         }
-        if end.sleep_reading()? && !ready!(poll_rung(io, cx))? {
-            // The member is gone: what it wrote before is read first.
-            return Poll::Ready(end.take(buf).map(|(n, _)| n));
+        if end.sleep_for(&m)? && !ready!(poll_rung(io, cx))? {
+            return Poll::Ready(closed(end, m));
         }
     }
 }
 
-/// Writes what fits of `buf` into the session's shared memory; else asks the member to ring
-/// once it has taken some out, and waits on the socket.
-fn poll_put(
-    io: &AsyncFd<UnixStream>,
-    end: &mut End,
-    cx: &mut Context<'_>,
-    buf: &[u8],
-) -> Poll<std::io::Result<usize>> {
-    loop {
-        let (n, wake) = end.put(buf)?;
-        if wake {
-            ring_bell(io.get_ref());
-        }
-        if n > 0 || buf.is_empty() {
-            return Poll::Ready(Ok(n));
-        }
-        if end.sleep_writing()? && !ready!(poll_rung(io, cx))? {
-            return Poll::Ready(Err(std::io::ErrorKind::BrokenPipe.into()));
-        }
+/// What moving `m` comes to once the other side closed the session: a reader reads what it
+/// wrote before; a writer's pipe is broken.
+fn closed(end: &mut End, mut m: Move) -> std::io::Result<usize> {
+    match m {
+        Move::Take(_) => end.advance(&mut m).map(|(n, _)| n),
+        Move::Put(_) => Err(std::io::ErrorKind::BrokenPipe.into()),
     }
 }
 
@@ -268,60 +255,43 @@ fn rung(stream: &UnixStream) -> std::io::Result<bool> {
     }
 }
 
-/// A member's reads of asks from a session's shared memory: it polls for `spin`, then sleeps
-/// until the leader rings.
-struct RingReads<'a> {
+/// A member's end of one way of a session's shared memory (its asks to read, or its answers
+/// to write): where nothing can move it polls for `spin`, then sleeps until the leader rings.
+struct RingSide<'a> {
     stream: &'a UnixStream,
     end: End,
     spin: &'a Cell<Duration>,
 }
 
-impl Read for RingReads<'_> {
-    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+impl RingSide<'_> {
+    fn advance(&mut self, mut m: Move) -> std::io::Result<usize> {
         let start = Instant::now();
         loop {
-            let (n, wake) = self.end.take(buf)?;
+            let (n, wake) = self.end.advance(&mut m)?;
             if wake {
                 ring_bell(self.stream);
             }
-            if n > 0 || buf.is_empty() {
+            if n > 0 || m.is_empty() {
                 return Ok(n);
             }
             if start.elapsed() < self.spin.get() {
                 std::hint::spin_loop();
-            } else if self.end.sleep_reading()? && !rung(self.stream)? {
-                // The leader closed the session: what it wrote before is read first.
-                return self.end.take(buf).map(|(n, _)| n);
+            } else if self.end.sleep_for(&m)? && !rung(self.stream)? {
+                return closed(&mut self.end, m);
             }
         }
     }
 }
 
-/// A member's writes of answers into a session's shared memory: when the ring is full it
-/// polls for `spin`, then sleeps until the leader rings.
-struct RingWrites<'a> {
-    stream: &'a UnixStream,
-    end: End,
-    spin: &'a Cell<Duration>,
+impl Read for RingSide<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.advance(Move::Take(buf))
+    }
 }
 
-impl Write for RingWrites<'_> {
+impl Write for RingSide<'_> {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        let start = Instant::now();
-        loop {
-            let (n, wake) = self.end.put(buf)?;
-            if wake {
-                ring_bell(self.stream);
-            }
-            if n > 0 || buf.is_empty() {
-                return Ok(n);
-            }
-            if start.elapsed() < self.spin.get() {
-                std::hint::spin_loop();
-            } else if self.end.sleep_writing()? && !rung(self.stream)? {
-                return Err(std::io::ErrorKind::BrokenPipe.into());
-            }
-        }
+        self.advance(Move::Put(buf))
     }
 
     fn flush(&mut self) -> std::io::Result<()> {
@@ -453,18 +423,13 @@ where
         let writer = BufWriter::with_capacity(WRITE_BUFFER, AllowStdIo::new(stream));
         return block_on(serve(reader, writer, compute));
     };
-    let spin = &next;
-    let reader = BufReader::new(AllowStdIo::new(RingReads {
+    let side = |end| RingSide {
         stream,
-        end: read,
-        spin,
-    }));
-    let writer = AllowStdIo::new(RingWrites {
-        stream,
-        end: write,
-        spin,
-    });
-    block_on(serve(reader, writer, compute))
+        end,
+        spin: &next,
+    };
+    let reader = BufReader::new(AllowStdIo::new(side(read)));
+    block_on(serve(reader, AllowStdIo::new(side(write)), compute))
 }
 
 /// How long to poll for the ask after `request`: `spin`, or [`POLL_AFTER_HEAD`] after a

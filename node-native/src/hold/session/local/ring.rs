@@ -119,6 +119,25 @@ pub struct End {
     pos: u64,
 }
 
+/// What a side does with its end of a way: reads into a buffer, or writes one out.
+#[derive(Debug)]
+pub enum Move<'a> {
+    /// Reads into this.
+    Take(&'a mut [u8]),
+    /// Writes this.
+    Put(&'a [u8]),
+}
+
+impl Move<'_> {
+    /// Whether there is nothing to move.
+    pub fn is_empty(&self) -> bool {
+        match self {
+            Move::Take(buf) => buf.is_empty(),
+            Move::Put(buf) => buf.is_empty(),
+        }
+    }
+}
+
 impl End {
     /// Bytes between a writer's and a reader's position, checked to fit the ring.
     fn span(behind: u64, ahead: u64) -> io::Result<usize> {
@@ -148,67 +167,60 @@ impl End {
         Ok(RING_BYTES - Self::span(read, self.pos)?)
     }
 
-    /// Reads what waits, up to `buf`'s length (0: nothing waits); and whether the writer
-    /// sleeps for room, to be rung.
-    pub fn take(&mut self, buf: &mut [u8]) -> io::Result<(usize, bool)> {
-        let n = self.waiting()?.min(buf.len());
+    /// Bytes `m` may move now: what waits for a reader, the room a writer has.
+    fn ready(&self, m: &Move) -> io::Result<usize> {
+        Ok(match m {
+            Move::Take(buf) => self.waiting()?.min(buf.len()),
+            Move::Put(buf) => self.room()?.min(buf.len()),
+        })
+    }
+
+    /// Moves what it can of `m` (0: nothing waits, or no room); and whether the other side
+    /// sleeps for what this did, to be rung.
+    pub fn advance(&mut self, m: &mut Move) -> io::Result<(usize, bool)> {
+        let n = self.ready(m)?;
         if n == 0 {
             return Ok((0, false));
         }
         let at = self.offset();
         let first = n.min(RING_BYTES - at);
         let ring = self.map.ring(self.way);
-        // SAFETY: `n` ≤ the bytes the writer published as written and not yet read (checked
-        // against the ring's size), which it does not touch until this side publishes them
-        // read; `at + first` ≤ RING_BYTES and `n - first` < RING_BYTES.
-        unsafe {
-            std::ptr::copy_nonoverlapping(ring.add(at), buf.as_mut_ptr(), first);
-            std::ptr::copy_nonoverlapping(ring, buf.as_mut_ptr().add(first), n - first);
-        }
+        // SAFETY: `n` ≤ the bytes the writer published as written and the reader has not
+        // published as read (a reader's), or the room the reader published as read (a
+        // writer's), checked against the ring's size: the other side does not touch them
+        // until this side publishes its new position. `at + first` ≤ RING_BYTES and
+        // `n - first` < RING_BYTES; `buf` holds at least `n`.
+        let (field, other) = unsafe {
+            use std::ptr::copy_nonoverlapping as copy;
+            match m {
+                Move::Take(buf) => {
+                    copy(ring.add(at), buf.as_mut_ptr(), first);
+                    copy(ring, buf.as_mut_ptr().add(first), n - first);
+                    (READ, WRITER_ASLEEP)
+                }
+                Move::Put(buf) => {
+                    copy(buf.as_ptr(), ring.add(at), first);
+                    copy(buf.as_ptr().add(first), ring, n - first);
+                    (WRITTEN, READER_ASLEEP)
+                }
+            }
+        };
         self.pos = self.pos.wrapping_add(n as u64);
-        self.map.u64_at(self.way, READ).store(self.pos, SeqCst);
-        Ok((n, self.woke(WRITER_ASLEEP)))
+        self.map.u64_at(self.way, field).store(self.pos, SeqCst);
+        Ok((n, self.woke(other)))
     }
 
-    /// Writes what fits of `buf` (0: the ring is full); and whether the reader sleeps for
-    /// bytes, to be rung.
-    pub fn put(&mut self, buf: &[u8]) -> io::Result<(usize, bool)> {
-        let n = self.room()?.min(buf.len());
-        if n == 0 {
-            return Ok((0, false));
-        }
-        let at = self.offset();
-        let first = n.min(RING_BYTES - at);
-        let ring = self.map.ring(self.way);
-        // SAFETY: `n` ≤ the room the reader published as read, which it does not touch until
-        // this side publishes it written; bounds as in `take`.
-        unsafe {
-            std::ptr::copy_nonoverlapping(buf.as_ptr(), ring.add(at), first);
-            std::ptr::copy_nonoverlapping(buf.as_ptr().add(first), ring, n - first);
-        }
-        self.pos = self.pos.wrapping_add(n as u64);
-        self.map.u64_at(self.way, WRITTEN).store(self.pos, SeqCst);
-        Ok((n, self.woke(READER_ASLEEP)))
-    }
-
-    /// This reader is about to sleep until rung: false (and awake again) when bytes came
-    /// meanwhile, to be read instead.
-    pub fn sleep_reading(&self) -> io::Result<bool> {
-        self.sleep(READER_ASLEEP, || Ok(self.waiting()? == 0))
-    }
-
-    /// This writer is about to sleep until rung: false (and awake again) when room came
-    /// meanwhile.
-    pub fn sleep_writing(&self) -> io::Result<bool> {
-        self.sleep(WRITER_ASLEEP, || Ok(self.room()? == 0))
-    }
-
-    /// Says this side sleeps (`flag`), then looks again: the other side either sees the flag
-    /// after its change, and rings, or made its change before this look, which sees it.
-    fn sleep(&self, flag: usize, still: impl Fn() -> io::Result<bool>) -> io::Result<bool> {
+    /// This side is about to sleep until rung, for `m`: false (and awake again) when what it
+    /// waits for came meanwhile. It says it sleeps, then looks again: the other side either
+    /// sees that after its change, and rings, or made its change before this look.
+    pub fn sleep_for(&self, m: &Move) -> io::Result<bool> {
+        let flag = match m {
+            Move::Take(_) => READER_ASLEEP,
+            Move::Put(_) => WRITER_ASLEEP,
+        };
         let asleep = self.map.u32_at(self.way, flag);
         asleep.store(1, SeqCst);
-        let still = still();
+        let still = self.ready(m).map(|n| n == 0);
         if !matches!(still, Ok(true)) {
             asleep.store(0, SeqCst);
         }
@@ -352,6 +364,14 @@ mod tests {
 
     use super::*;
 
+    fn take(end: &mut End, buf: &mut [u8]) -> (usize, bool) {
+        end.advance(&mut Move::Take(buf)).unwrap()
+    }
+
+    fn put(end: &mut End, buf: &[u8]) -> (usize, bool) {
+        end.advance(&mut Move::Put(buf)).unwrap()
+    }
+
     /// A leader's and a member's ends of one memory, in this process.
     fn pair() -> (Ends, Ends) {
         let (leader, fd) = create().unwrap();
@@ -369,40 +389,40 @@ mod tests {
             let piece: Vec<u8> = (0..(i * 7919) % 90_001).map(|j| (j ^ i) as u8).collect();
             let mut rest = piece.as_slice();
             while !rest.is_empty() {
-                let (n, _) = leader.write.put(rest).unwrap();
+                let (n, _) = put(&mut leader.write, rest);
                 rest = &rest[n..];
-                let (m, _) = member.read.take(&mut buf).unwrap();
+                let (m, _) = take(&mut member.read, &mut buf);
                 got.extend_from_slice(&buf[..m]);
                 // Echo it back the other way.
-                let (e, _) = member.write.put(&buf[..m]).unwrap();
+                let (e, _) = put(&mut member.write, &buf[..m]);
                 assert_eq!(e, m, "the answer ring had room for what the ask ring held");
-                let (back, _) = leader.read.take(&mut buf).unwrap();
+                let (back, _) = take(&mut leader.read, &mut buf);
                 assert_eq!(back, m);
             }
             sent.extend_from_slice(&piece);
         }
         assert!(got == sent, "the bytes read differ from those written");
-        assert_eq!(leader.read.take(&mut buf).unwrap().0, 0);
+        assert_eq!(take(&mut leader.read, &mut buf).0, 0);
     }
 
     #[test]
     fn a_full_ring_takes_nothing_more_and_a_sleeper_is_rung_once() {
         let (mut leader, mut member) = pair();
         let big = vec![7u8; RING_BYTES + 10];
-        assert_eq!(leader.write.put(&big).unwrap().0, RING_BYTES);
-        assert_eq!(leader.write.put(&big).unwrap().0, 0);
+        assert_eq!(put(&mut leader.write, &big).0, RING_BYTES);
+        assert_eq!(put(&mut leader.write, &big).0, 0);
         // The writer sleeps for room; the reader's take rings it, once.
-        assert!(leader.write.sleep_writing().unwrap());
+        assert!(leader.write.sleep_for(&Move::Put(&[0])).unwrap());
         let mut buf = vec![0u8; 100];
-        assert_eq!(member.read.take(&mut buf).unwrap(), (100, true));
-        assert_eq!(member.read.take(&mut buf).unwrap(), (100, false));
+        assert_eq!(take(&mut member.read, &mut buf), (100, true));
+        assert_eq!(take(&mut member.read, &mut buf), (100, false));
         // A reader about to sleep while bytes wait stays awake.
-        assert!(!member.read.sleep_reading().unwrap());
+        assert!(!member.read.sleep_for(&Move::Take(&mut [0])).unwrap());
         let mut all = vec![0u8; RING_BYTES];
-        assert_eq!(member.read.take(&mut all).unwrap().0, RING_BYTES - 200);
-        assert!(member.read.sleep_reading().unwrap());
-        assert_eq!(leader.write.put(&[1, 2, 3]).unwrap(), (3, true));
-        assert_eq!(leader.write.put(&[4]).unwrap(), (1, false));
+        assert_eq!(take(&mut member.read, &mut all).0, RING_BYTES - 200);
+        assert!(member.read.sleep_for(&Move::Take(&mut [0])).unwrap());
+        assert_eq!(put(&mut leader.write, &[1, 2, 3]), (3, true));
+        assert_eq!(put(&mut leader.write, &[4]), (1, false));
     }
 
     /// A dishonest member that publishes a position out of the ring's bounds: the leader's
@@ -413,11 +433,11 @@ mod tests {
         let map = &member.write.map;
         map.u64_at(Way::Answer, WRITTEN).store(u64::MAX / 3, SeqCst);
         let mut buf = vec![0u8; 64];
-        let e = leader.read.take(&mut buf).unwrap_err();
+        let e = leader.read.advance(&mut Move::Take(&mut buf)).unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::InvalidData);
         assert!(e.to_string().contains("shared memory"), "{e}");
         map.u64_at(Way::Ask, READ).store(5, SeqCst);
-        let e = leader.write.put(&buf).unwrap_err();
+        let e = leader.write.advance(&mut Move::Put(&buf)).unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::InvalidData);
         assert!(buf.iter().all(|&b| b == 0));
     }
