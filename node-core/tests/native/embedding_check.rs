@@ -15,6 +15,20 @@ use node_core::protocol::{StepRequest, decode};
 
 const SEQ: [u32; 6] = [5, 41, 7, 19, 3, 28];
 
+/// Honest weights, code and members, projected checks calibrated on them, and the logits of
+/// [`SEQ`] decoded from rows 0, 1, 2 unchecked.
+fn setup() -> (ModelWeights, Generator, Vec<Member>, VerifyConfig, Vec<f32>) {
+    let (w, g, members) = honest();
+    let check = VerifyConfig {
+        project: true,
+        ..calibrated(&w, &g, &members, 1)
+    };
+    let mesh = InProcess::new(members.clone()).unwrap();
+    let mut plain = CodedGroup::new(w.cfg.clone(), g.clone(), &[0, 1, 2], mesh).unwrap();
+    let want = forward(&w, &mut plain).unwrap();
+    (w, g, members, check, want)
+}
+
 /// One forward pass of `group` on [`SEQ`]: its logits, or why it failed.
 fn forward<T: Transport>(w: &ModelWeights, group: &mut CodedGroup<T>) -> Result<Vec<f32>, String> {
     let llama = Llama::new(w.cfg.clone(), LeaderWeights::from_model(w)).unwrap();
@@ -74,14 +88,7 @@ fn case<T: Transport>(
 
 #[test]
 fn a_lie_in_the_embedding_is_caught_before_the_head_and_the_pass_runs_again() {
-    let (w, g, members) = honest();
-    let check = VerifyConfig {
-        project: true,
-        ..calibrated(&w, &g, &members, 1)
-    };
-    let mesh = InProcess::new(members.clone()).unwrap();
-    let mut plain = CodedGroup::new(w.cfg.clone(), g.clone(), &[0, 1, 2], mesh).unwrap();
-    let want = forward(&w, &mut plain).unwrap();
+    let (w, g, members, check, want) = setup();
     // Row 0 is among the k decoded; row 3 is the check row, whose answer checks them.
     for bad in [None, Some(0), Some(3)] {
         let mut members = members.clone();
@@ -127,14 +134,7 @@ impl Transport for CutLookups {
 
 #[test]
 fn an_unusable_answer_to_the_embedding_drops_its_member_and_another_checks_the_lookup() {
-    let (w, g, members) = honest();
-    let check = VerifyConfig {
-        project: true,
-        ..calibrated(&w, &g, &members, 1)
-    };
-    let mesh = InProcess::new(members.clone()).unwrap();
-    let mut plain = CodedGroup::new(w.cfg.clone(), g.clone(), &[0, 1, 2], mesh).unwrap();
-    let want = forward(&w, &mut plain).unwrap();
+    let (w, g, members, check, want) = setup();
     // Row 3, the check row, answers beyond the k decoded: its cut answer checks the lookup.
     let transport = CutLookups {
         members: InProcess::new(members).unwrap(),
