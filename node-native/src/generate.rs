@@ -182,6 +182,7 @@ pub(crate) fn generate_options(tokenizer: &Tokenizer, args: &GenerateArgs) -> Ge
             temperature: args.temperature,
             top_p: args.top_p,
             seed: args.seed,
+            ..SamplingParams::default()
         },
         stop_ids: tokenizer.eos_ids().to_vec(),
         draft: args.draft.unwrap_or(match args.bootstrap {

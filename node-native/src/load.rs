@@ -5,7 +5,7 @@ use std::path::Path;
 
 use anyhow::{Context, Result};
 use node_core::gguf::GgufFile;
-use node_core::model::{ModelWeights, Tokenizer};
+use node_core::model::{ModelWeights, SamplingDefaults, Tokenizer};
 
 /// A model's weights and tokenizer.
 #[derive(Debug)]
@@ -26,7 +26,13 @@ pub fn load_model(path: &Path) -> Result<LoadedModel> {
         let config = String::from_utf8(read("config.json")?).context("config.json is not UTF-8")?;
         let weights = ModelWeights::from_safetensors(&config, &read("model.safetensors")?)
             .with_context(|| format!("loading {}", path.display()))?;
-        let tokenizer = Tokenizer::from_hf_json(&read("tokenizer.json")?)?;
+        let mut tokenizer = Tokenizer::from_hf_json(&read("tokenizer.json")?)?;
+        // The publisher's sampling, where the directory has it.
+        if path.join("generation_config.json").is_file() {
+            let json = String::from_utf8(read("generation_config.json")?)
+                .context("generation_config.json is not UTF-8")?;
+            tokenizer = tokenizer.with_sampling(SamplingDefaults::from_generation_config(&json)?);
+        }
         return Ok(LoadedModel { weights, tokenizer });
     }
     let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;

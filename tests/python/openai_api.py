@@ -153,6 +153,16 @@ def main():
         raise AssertionError("temperature 5 was accepted")
     except openai.BadRequestError as e:
         check(e.status_code == 400 and e.param == "temperature", "temperature out of range: 400 on param temperature")
+    # llama-server's top_k and min_p are taken (a request without them gets the model's
+    # recommended sampling, else llama.cpp's defaults), and checked.
+    r = client.completions.create(model=model, prompt="x", max_tokens=2, seed=3,
+                                  extra_body={"top_k": 1, "min_p": 0.1})
+    check(r.usage.completion_tokens >= 1, "top_k and min_p are taken")
+    try:
+        client.completions.create(model=model, prompt="x", max_tokens=2, extra_body={"min_p": 1.5})
+        raise AssertionError("min_p 1.5 was accepted")
+    except openai.BadRequestError as e:
+        check(e.status_code == 400 and e.param == "min_p", "min_p out of range: 400 on param min_p")
     try:
         client.completions.create(model=model, prompt="x", max_tokens=100000)
         raise AssertionError("max_tokens beyond the context was accepted")
@@ -165,7 +175,7 @@ def main():
         (client.completions.create, {"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
         (client.chat.completions.create, {"messages": [{"role": "user", "content": "hi"}],
                                           "response_format": {"type": "json_object"}}, "response_format"),
-        (client.completions.create, {"prompt": "x", "extra_body": {"top_k": 40}}, "top_k"),
+        (client.completions.create, {"prompt": "x", "extra_body": {"mirostat": 2}}, "mirostat"),
     ):
         try:
             create(model=model, max_tokens=2, **kwargs)

@@ -574,6 +574,7 @@ mod tests {
                 json: String::new(),
                 eos: Vec::new(),
                 default_system: None,
+                sampling: Default::default(),
             },
             generator: Generator::cauchy(5, 3).expect("a 3-of-5 code"),
             format: ShardFormat::F32,

@@ -50,6 +50,7 @@ impl ModelManifest {
             .map_err(|e| ModelError::Config(format!("manifest: {e}")))?;
         m.cfg.validate()?;
         m.learning.validate()?;
+        m.tokenizer.sampling.checked("manifest")?;
         if !(m.verify_noise.is_finite() && m.verify_noise > 0.0 && m.verify_noise < 1.0) {
             return Err(ModelError::Config(format!(
                 "manifest: verification noise {} is not in (0, 1)",

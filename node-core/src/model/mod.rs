@@ -27,7 +27,7 @@ pub use generate::{
 pub use gguf_model::{GgufModel, ReadAt};
 pub use layers::{StageGrad, StageSink};
 pub use llama::{BatchItem, KvCache, Llama};
-pub use sampling::{Sampler, SamplingParams, argmax};
+pub use sampling::{Sampler, SamplingDefaults, SamplingParams, argmax};
 pub use sequence::{Sequence, Taken};
 pub use source::MatrixSource;
 pub use tokenizer::{ChatMessage, TextStream, Tokenizer, TokenizerData};

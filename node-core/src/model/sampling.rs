@@ -1,10 +1,12 @@
-//! Choosing the next token: greedy, or temperature with nucleus (top-p) sampling from a seed.
+//! Choosing the next token: greedy, or temperature with top-k, nucleus (top-p) and min-p
+//! sampling from a seed; and the sampling a model's publisher recommends.
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
 use super::ModelError;
+use crate::gguf::GgufFile;
 
 /// How to pick tokens from logits.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -13,6 +15,11 @@ pub struct SamplingParams {
     pub temperature: f32,
     /// Nucleus mass in (0, 1]; 1 keeps every token.
     pub top_p: f32,
+    /// Keeps only the `top_k` likeliest tokens; 0 keeps every token.
+    pub top_k: u32,
+    /// Drops the tokens less likely than this share of the likeliest one, in [0, 1]; 0 keeps
+    /// every token.
+    pub min_p: f32,
     /// Seed of the random stream.
     pub seed: u64,
 }
@@ -22,6 +29,8 @@ impl Default for SamplingParams {
         Self {
             temperature: 0.0,
             top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
             seed: 0,
         }
     }
@@ -42,7 +51,115 @@ impl SamplingParams {
                 self.top_p
             )));
         }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return Err(ModelError::Sampling(format!(
+                "min_p must be in [0, 1], got {}",
+                self.min_p
+            )));
+        }
         Ok(())
+    }
+}
+
+/// The sampling a request gets for what it does not set: the model's publisher's
+/// recommendation where its file or config gives one, else [`SamplingDefaults::LLAMA_SERVER`].
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct SamplingDefaults {
+    /// Softmax temperature; 0 means greedy.
+    pub temperature: f32,
+    /// Nucleus mass in (0, 1].
+    pub top_p: f32,
+    /// The likeliest tokens kept; 0 keeps every token.
+    pub top_k: u32,
+    /// The least share of the likeliest token's probability a token keeps.
+    pub min_p: f32,
+}
+
+impl Default for SamplingDefaults {
+    fn default() -> Self {
+        Self::LLAMA_SERVER
+    }
+}
+
+/// Most a recommended temperature may be (the API's own bound).
+const MAX_TEMPERATURE: f32 = 2.0;
+
+impl SamplingDefaults {
+    /// llama.cpp's defaults (`llama-server`, `llama-cli`): what its users know.
+    pub const LLAMA_SERVER: Self = Self {
+        temperature: 0.8,
+        top_p: 0.95,
+        top_k: 40,
+        min_p: 0.05,
+    };
+
+    /// The recommendation in a GGUF file's `general.sampling.*` keys (`temp`, `top_p`, `top_k`,
+    /// `min_p`), each key it lacks from [`Self::LLAMA_SERVER`]; an error names a key whose value
+    /// is of the wrong type or out of range.
+    pub fn from_gguf(file: &GgufFile) -> Result<Self, ModelError> {
+        let d = Self::LLAMA_SERVER;
+        let float = |key: &str, or: f32| match file.get(key) {
+            None => Ok(or),
+            Some(_) => file.get_f32(key).map_err(ModelError::from),
+        };
+        let top_k = match file.get("general.sampling.top_k") {
+            None => d.top_k,
+            Some(_) => file.get_u32("general.sampling.top_k")?,
+        };
+        Self {
+            temperature: float("general.sampling.temp", d.temperature)?,
+            top_p: float("general.sampling.top_p", d.top_p)?,
+            top_k,
+            min_p: float("general.sampling.min_p", d.min_p)?,
+        }
+        .checked("the file's general.sampling keys")
+    }
+
+    /// The recommendation in a Hugging Face `generation_config.json` (`temperature`, `top_p`,
+    /// `top_k`, `min_p`), each field it lacks from [`Self::LLAMA_SERVER`]; greedy where it says
+    /// `do_sample: false`.
+    pub fn from_generation_config(json: &str) -> Result<Self, ModelError> {
+        #[derive(Deserialize)]
+        struct Config {
+            do_sample: Option<bool>,
+            temperature: Option<f32>,
+            top_p: Option<f32>,
+            top_k: Option<u32>,
+            min_p: Option<f32>,
+        }
+        let c: Config = serde_json::from_str(json)
+            .map_err(|e| ModelError::Config(format!("generation_config.json: {e}")))?;
+        let d = Self::LLAMA_SERVER;
+        let temperature = match c.do_sample {
+            Some(false) => 0.0,
+            _ => c.temperature.unwrap_or(d.temperature),
+        };
+        Self {
+            temperature,
+            top_p: c.top_p.unwrap_or(d.top_p),
+            top_k: c.top_k.unwrap_or(d.top_k),
+            min_p: c.min_p.unwrap_or(d.min_p),
+        }
+        .checked("generation_config.json")
+    }
+
+    /// `self` if every value is in range, else an error naming the first that is not and `from`.
+    pub fn checked(self, from: &str) -> Result<Self, ModelError> {
+        let bad = |what: &str, v: f32, range: &str| {
+            Err(ModelError::Config(format!(
+                "{from}: the recommended {what} {v} is not in {range}"
+            )))
+        };
+        if !(0.0..=MAX_TEMPERATURE).contains(&self.temperature) {
+            return bad("temperature", self.temperature, "[0, 2]");
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return bad("top_p", self.top_p, "(0, 1]");
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return bad("min_p", self.min_p, "[0, 1]");
+        }
+        Ok(self)
     }
 }
 
@@ -102,10 +219,12 @@ impl Sampler {
     }
 }
 
-/// Fills `probs` with the tokens sampling may pick and their weights (unnormalised): every
-/// finite token in id order when `top_p` is 1, else the nucleus, largest first (ties in id
-/// order); `false` for greedy, or when no logit is finite. Only the nucleus is sorted, not the
-/// vocabulary: that sort was most of a sampled token's time on the leader.
+/// Fills `probs` with the tokens sampling may pick and their weights (unnormalised), cut as
+/// Hugging Face's samplers cut them after the temperature: to the `top_k` likeliest, to the
+/// nucleus of `top_p`, then to those at least `min_p` as likely as the likeliest. Every finite
+/// token in id order when nothing cuts; else the kept ones, largest first where the nucleus was
+/// cut (ties in id order). `false` for greedy, or when no logit is finite. Only what is cut is
+/// sorted, not the vocabulary: that sort was most of a sampled token's time on the leader.
 fn distribution(params: &SamplingParams, logits: &[f32], probs: &mut Vec<(u32, f64)>) -> bool {
     probs.clear();
     if params.temperature == 0.0 {
@@ -113,6 +232,7 @@ fn distribution(params: &SamplingParams, logits: &[f32], probs: &mut Vec<(u32, f
     }
     let inv_t = 1.0 / params.temperature as f64;
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    // The likeliest token's weight is 1.
     probs.extend(
         logits
             .iter()
@@ -123,27 +243,45 @@ fn distribution(params: &SamplingParams, logits: &[f32], probs: &mut Vec<(u32, f
     if probs.is_empty() {
         return false;
     }
-    if params.top_p >= 1.0 {
-        return true;
+    let k = params.top_k as usize;
+    if k > 0 && k < probs.len() {
+        probs.select_nth_unstable_by(k - 1, likelier);
+        probs.truncate(k);
     }
-    let keep_mass = params.top_p as f64 * probs.iter().map(|p| p.1).sum::<f64>();
-    let order = |a: &(u32, f64), b: &(u32, f64)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+    if params.top_p < 1.0 {
+        nucleus(probs, params.top_p as f64);
+    }
+    if params.min_p > 0.0 {
+        let least = params.min_p as f64;
+        probs.retain(|p| p.1 >= least);
+    }
+    true
+}
+
+/// The likelier of two weighted tokens first (ties in id order).
+fn likelier(a: &(u32, f64), b: &(u32, f64)) -> std::cmp::Ordering {
+    b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
+}
+
+/// Cuts `probs` to its nucleus of mass `top_p`, largest first.
+fn nucleus(probs: &mut Vec<(u32, f64)>, top_p: f64) {
+    let keep_mass = top_p * probs.iter().map(|p| p.1).sum::<f64>();
     let mut head = NUCLEUS_HEAD.min(probs.len());
     loop {
         if head < probs.len() {
-            probs.select_nth_unstable_by(head - 1, order);
+            probs.select_nth_unstable_by(head - 1, likelier);
         }
-        probs[..head].sort_unstable_by(order);
+        probs[..head].sort_unstable_by(likelier);
         let mut kept = 0.0;
         if let Some(cut) = probs[..head].iter().position(|p| {
             kept += p.1;
             kept >= keep_mass
         }) {
             probs.truncate(cut + 1);
-            return true;
+            return;
         }
         if head == probs.len() {
-            return true;
+            return;
         }
         head = (head * 8).min(probs.len());
     }
@@ -194,6 +332,7 @@ mod tests {
             temperature: 1.0,
             top_p: 0.9,
             seed: 7,
+            ..SamplingParams::default()
         };
         let mut a = Sampler::new(params).unwrap();
         let mut b = Sampler::new(params).unwrap();
@@ -259,7 +398,7 @@ mod tests {
                 let params = SamplingParams {
                     temperature,
                     top_p,
-                    seed: 0,
+                    ..SamplingParams::default()
                 };
                 let mut probs = Vec::new();
                 assert!(distribution(&params, logits, &mut probs));
@@ -270,8 +409,7 @@ mod tests {
             // top_p 1: every finite token, with its weight, in id order.
             let params = SamplingParams {
                 temperature: 0.7,
-                top_p: 1.0,
-                seed: 0,
+                ..SamplingParams::default()
             };
             let mut probs = Vec::new();
             assert!(distribution(&params, logits, &mut probs));
@@ -292,9 +430,117 @@ mod tests {
             let params = SamplingParams {
                 temperature: t,
                 top_p: p,
-                seed: 0,
+                ..SamplingParams::default()
             };
             assert!(Sampler::new(params).is_err());
         }
+    }
+
+    /// The ids `distribution` keeps of `logits` under `params`, in id order.
+    fn kept(params: SamplingParams, logits: &[f32]) -> Vec<u32> {
+        let mut probs = Vec::new();
+        assert!(distribution(&params, logits, &mut probs));
+        let mut ids: Vec<u32> = probs.iter().map(|p| p.0).collect();
+        ids.sort_unstable();
+        ids
+    }
+
+    #[test]
+    fn top_k_and_min_p_keep_the_likeliest_tokens_after_the_temperature() {
+        // Token i has weight e^(−i/T).
+        let logits: Vec<f32> = (0..100).map(|i| -(i as f32)).collect();
+        let at = |temperature, top_k, min_p, top_p| {
+            let params = SamplingParams {
+                temperature,
+                top_k,
+                min_p,
+                top_p,
+                ..SamplingParams::default()
+            };
+            kept(params, &logits)
+        };
+        assert_eq!(at(1.0, 5, 0.0, 1.0), [0, 1, 2, 3, 4]);
+        // e^−2 ≥ 0.1 > e^−3; at T = 2, e^−2 ≥ 0.1 > e^−2.5.
+        assert_eq!(at(1.0, 0, 0.1, 1.0), [0, 1, 2]);
+        assert_eq!(at(2.0, 0, 0.1, 1.0), [0, 1, 2, 3, 4]);
+        assert_eq!(at(2.0, 3, 0.1, 1.0), [0, 1, 2]);
+        // The nucleus of what top-k kept: 0.7 of 1 + e^−1 + e^−2 is past 1, within 1 + e^−1.
+        assert_eq!(at(1.0, 3, 0.0, 0.7), [0, 1]);
+        // Sampling draws only what is kept: top-k 1 is greedy at any temperature.
+        let params = |top_k, min_p| SamplingParams {
+            temperature: 1.5,
+            top_k,
+            min_p,
+            seed: 3,
+            ..SamplingParams::default()
+        };
+        let mut greedy = Sampler::new(params(1, 0.0)).unwrap();
+        assert!((0..50).all(|_| greedy.sample(&logits) == 0));
+        let mut floor = Sampler::new(params(0, 0.2)).unwrap();
+        let drawn: Vec<u32> = (0..300).map(|_| floor.sample(&logits)).collect();
+        // e^(−i/1.5) ≥ 0.2 for i ≤ 2.4.
+        assert!(drawn.iter().all(|&t| t <= 2), "{drawn:?}");
+        assert!(drawn.contains(&2), "min_p kept too little");
+        assert!(Sampler::new(params(0, 1.5)).is_err());
+        assert!(Sampler::new(params(0, f32::NAN)).is_err());
+    }
+
+    /// A GGUF file of metadata only: (key, GGUF value type, value bytes).
+    fn gguf(kvs: &[(&str, u32, Vec<u8>)]) -> GgufFile {
+        let mut b = b"GGUF".to_vec();
+        b.extend(3u32.to_le_bytes());
+        b.extend(0u64.to_le_bytes());
+        b.extend((kvs.len() as u64).to_le_bytes());
+        for (key, ty, value) in kvs {
+            b.extend((key.len() as u64).to_le_bytes());
+            b.extend(key.as_bytes());
+            b.extend(ty.to_le_bytes());
+            b.extend(value);
+        }
+        GgufFile::parse(&b).unwrap()
+    }
+
+    #[test]
+    fn the_recommended_sampling_is_the_models_else_llama_servers() {
+        const F32: u32 = 6;
+        const I32: u32 = 5;
+        const STR: u32 = 8;
+        let read = |kvs: &[(&str, u32, Vec<u8>)]| SamplingDefaults::from_gguf(&gguf(kvs));
+        let server = SamplingDefaults::LLAMA_SERVER;
+        assert_eq!(read(&[]).unwrap(), server);
+        let temp = ("general.sampling.temp", F32, 0.6f32.to_le_bytes().to_vec());
+        let top_k = ("general.sampling.top_k", I32, 20i32.to_le_bytes().to_vec());
+        let want = SamplingDefaults {
+            temperature: 0.6,
+            top_k: 20,
+            ..server
+        };
+        assert_eq!(read(&[temp, top_k]).unwrap(), want);
+        // A value out of range, or of the wrong type: an error that names it.
+        let hot = ("general.sampling.temp", F32, 7.0f32.to_le_bytes().to_vec());
+        let e = read(&[hot]).unwrap_err().to_string();
+        assert!(e.contains("temperature 7"), "{e}");
+        let mut text = 4u64.to_le_bytes().to_vec();
+        text.extend(b"high");
+        let e = read(&[("general.sampling.top_p", STR, text)])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("general.sampling.top_p"), "{e}");
+        // A Hugging Face directory's generation_config.json.
+        let config = SamplingDefaults::from_generation_config;
+        let g = config(r#"{"temperature": 0.2, "top_p": 0.9, "eos_token_id": 2}"#).unwrap();
+        assert_eq!(
+            g,
+            SamplingDefaults {
+                temperature: 0.2,
+                top_p: 0.9,
+                ..server
+            }
+        );
+        let plain = config(r#"{"do_sample": false, "temperature": 0.6}"#).unwrap();
+        assert_eq!(plain.temperature, 0.0);
+        assert!(config("[1, 2]").is_err());
+        let e = config(r#"{"top_p": 0}"#).unwrap_err().to_string();
+        assert!(e.contains("top_p 0"), "{e}");
     }
 }

@@ -299,6 +299,7 @@ mod tests {
                     temperature: t as f32,
                     top_p: 1.0,
                     seed,
+                    ..SamplingParams::default()
                 })
                 .unwrap();
                 let row = [logits.as_slice(), logits.as_slice()].concat();

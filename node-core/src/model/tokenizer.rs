@@ -18,7 +18,7 @@ use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::{AddedToken, PreTokenizerWrapper};
 
-use super::ModelError;
+use super::{ModelError, SamplingDefaults};
 use crate::gguf::{GgufFile, MetaValue};
 
 /// Llama 3's pre-tokenizer split (llama.cpp's "llama-bpe"): digits in threes.
@@ -46,6 +46,8 @@ pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     eos: Vec<u32>,
     default_system: Option<String>,
+    /// The sampling a request gets for what it does not set.
+    sampling: SamplingDefaults,
     /// Tokens, special ones included: `tokenizers` counts them by building the whole
     /// vocabulary's map (49,152 strings for SmolLM2), so once, not in every request.
     vocab: usize,
@@ -62,8 +64,20 @@ impl Tokenizer {
             inner,
             eos,
             default_system,
+            sampling: SamplingDefaults::default(),
             vocab,
         }
+    }
+
+    /// The same tokenizer with `sampling` as the model's recommended sampling.
+    pub fn with_sampling(mut self, sampling: SamplingDefaults) -> Self {
+        self.sampling = sampling;
+        self
+    }
+
+    /// The sampling the model's publisher recommends (its file's, or llama.cpp's defaults).
+    pub fn sampling(&self) -> SamplingDefaults {
+        self.sampling
     }
 
     /// Builds the tokenizer stored in a GGUF file (`gpt2` byte-level BPE, or `llama`
@@ -109,7 +123,8 @@ impl Tokenizer {
             .get_str("tokenizer.chat_template")
             .ok()
             .and_then(default_system_prompt);
-        Ok(Self::new(inner, eos, default_system))
+        let sampling = SamplingDefaults::from_gguf(file)?;
+        Ok(Self::new(inner, eos, default_system).with_sampling(sampling))
     }
 
     /// Loads a Hugging Face `tokenizer.json`.
@@ -185,17 +200,17 @@ impl Tokenizer {
             json: self.inner.to_string(false).map_err(tok_err)?,
             eos: self.eos.clone(),
             default_system: self.default_system.clone(),
+            sampling: self.sampling,
         })
     }
 
     /// Rebuilds a tokenizer from [`Tokenizer::to_data`]'s output.
     pub fn from_data(data: &TokenizerData) -> Result<Self, ModelError> {
         let inner = tokenizers::Tokenizer::from_bytes(data.json.as_bytes()).map_err(tok_err)?;
-        Ok(Self::new(
-            inner,
-            data.eos.clone(),
-            data.default_system.clone(),
-        ))
+        Ok(
+            Self::new(inner, data.eos.clone(), data.default_system.clone())
+                .with_sampling(data.sampling.checked("the manifest")?),
+        )
     }
 }
 
@@ -326,7 +341,8 @@ fn sentencepiece(
     Ok(inner)
 }
 
-/// A tokenizer in a portable form: the `tokenizers` JSON plus what the chat template adds.
+/// A tokenizer in a portable form: the `tokenizers` JSON plus what the chat template adds and
+/// the sampling the model's publisher recommends.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct TokenizerData {
     /// `tokenizer.json` text.
@@ -335,6 +351,8 @@ pub struct TokenizerData {
     pub eos: Vec<u32>,
     /// System prompt inserted when a chat has none.
     pub default_system: Option<String>,
+    /// The sampling a request gets for what it does not set.
+    pub sampling: SamplingDefaults,
 }
 
 /// The system prompt a ChatML template inserts when the chat has none.

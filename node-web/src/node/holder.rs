@@ -725,6 +725,7 @@ mod tests {
                 json: String::new(),
                 eos: Vec::new(),
                 default_system: None,
+                sampling: Default::default(),
             },
             generator,
             format: ShardFormat::F32,

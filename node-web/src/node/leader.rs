@@ -156,6 +156,7 @@ impl BrowserNode {
                 temperature: prompt.temperature,
                 top_p: 1.0,
                 seed: (js_sys::Math::random() * u32::MAX as f64) as u64,
+                ..SamplingParams::default()
             },
             stop_ids: tokenizer.eos_ids().to_vec(),
             draft: node_core::model::speculate::DEFAULT_DRAFT,

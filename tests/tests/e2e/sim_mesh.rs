@@ -582,6 +582,7 @@ fn chains_send_one_shard(format: ShardFormat, genesis: u32, room: u32, offered: 
             json: String::new(),
             eos: Vec::new(),
             default_system: None,
+            sampling: Default::default(),
         },
         generator: g.clone(),
         format,

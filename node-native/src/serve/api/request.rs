@@ -50,6 +50,10 @@ pub(super) struct Common {
     pub(super) stream_options: Option<StreamOptions>,
     pub(super) temperature: Option<f32>,
     pub(super) top_p: Option<f32>,
+    /// llama-server's extension: the likeliest tokens kept (0: every token).
+    pub(super) top_k: Option<u32>,
+    /// llama-server's extension: the least share of the likeliest token's probability kept.
+    pub(super) min_p: Option<f32>,
     pub(super) max_tokens: Option<u64>,
     pub(super) max_completion_tokens: Option<u64>,
     pub(super) stop: Option<Stop>,
@@ -243,18 +247,28 @@ impl Api {
             None if kind == Kind::Chat => room.min(CHAT_DEFAULT_TOKENS),
             None => room.min(COMPLETION_DEFAULT_TOKENS),
         };
-        let mut temperature = c.temperature.unwrap_or(1.0);
+        // What the request does not set, the model's publisher recommends (llama.cpp's
+        // defaults where the model's file gives none).
+        let recommended = self.tokenizer.sampling();
+        let mut temperature = c.temperature.unwrap_or(recommended.temperature);
         if !(0.0..=2.0).contains(&temperature) {
             return Err(ApiError::bad(
                 "temperature",
                 format!("temperature must be between 0 and 2, got {temperature}"),
             ));
         }
-        let top_p = c.top_p.unwrap_or(1.0);
+        let top_p = c.top_p.unwrap_or(recommended.top_p);
         if !(0.0..=1.0).contains(&top_p) {
             return Err(ApiError::bad(
                 "top_p",
                 format!("top_p must be between 0 and 1, got {top_p}"),
+            ));
+        }
+        let min_p = c.min_p.unwrap_or(recommended.min_p);
+        if !(0.0..=1.0).contains(&min_p) {
+            return Err(ApiError::bad(
+                "min_p",
+                format!("min_p must be between 0 and 1, got {min_p}"),
             ));
         }
         if top_p == 0.0 {
@@ -281,6 +295,8 @@ impl Api {
                 sampling: SamplingParams {
                     temperature,
                     top_p: top_p.max(f32::MIN_POSITIVE),
+                    top_k: c.top_k.unwrap_or(recommended.top_k),
+                    min_p,
                     seed,
                 },
                 stop_ids: self.tokenizer.eos_ids().to_vec(),
@@ -423,7 +439,7 @@ mod tests {
             (r#""tools": [{"type": "function"}]"#, "tools"),
             (r#""frequency_penalty": 0.5"#, "frequency_penalty"),
             (r#""best_of": 3"#, "best_of"),
-            (r#""top_k": 40"#, "top_k"),
+            (r#""mirostat": 2"#, "mirostat"),
         ] {
             let body = format!("{{{base}, {extra}}}");
             assert_eq!(refused(&body).as_deref(), Some(param), "{body}");
@@ -433,6 +449,7 @@ mod tests {
             r#""response_format": {"type": "text"}, "best_of": 1, "tool_choice": "none""#,
             r#""presence_penalty": 0, "logit_bias": {}, "tools": [], "suffix": """#,
             r#""user": "someone", "metadata": {"a": "b"}, "store": true"#,
+            r#""top_k": 40, "min_p": 0.05"#,
         ] {
             let body = format!("{{{base}, {extra}}}");
             assert_eq!(refused(&body), None, "{body}");
