@@ -35,10 +35,16 @@ thread_local! {
 
 /// Runs `f` as a poll the caller repeats at once ([`super::polling`]).
 pub fn polling<T>(f: impl FnOnce() -> T) -> T {
-    let was = POLLING.replace(true);
-    let out = f();
-    POLLING.set(was);
-    out
+    /// Puts the flag back however `f` ends (a panic unwinds a task, not the runtime's thread,
+    /// whose other sessions must not keep polling unarmed).
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            POLLING.set(self.0);
+        }
+    }
+    let _restore = Restore(POLLING.replace(true));
+    f()
 }
 
 /// A member's end of a local session served on a thread of its own (blocking).
