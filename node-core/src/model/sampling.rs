@@ -6,7 +6,7 @@ use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
 use super::ModelError;
-use crate::gguf::GgufFile;
+use crate::gguf::{GgufError, GgufFile};
 
 /// How to pick tokens from logits.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -39,26 +39,38 @@ impl Default for SamplingParams {
 impl SamplingParams {
     /// Checks the ranges.
     pub fn validate(&self) -> Result<(), ModelError> {
-        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
-            return Err(ModelError::Sampling(format!(
-                "temperature must be a finite number ≥ 0, got {}",
-                self.temperature
-            )));
+        match out_of_range(self.temperature, self.top_p, self.min_p, f32::INFINITY) {
+            Some((what, v, range)) => Err(ModelError::Sampling(format!(
+                "{what} must be in {range}, got {v}"
+            ))),
+            None => Ok(()),
         }
-        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(ModelError::Sampling(format!(
-                "top_p must be in (0, 1], got {}",
-                self.top_p
-            )));
-        }
-        if !(0.0..=1.0).contains(&self.min_p) {
-            return Err(ModelError::Sampling(format!(
-                "min_p must be in [0, 1], got {}",
-                self.min_p
-            )));
-        }
-        Ok(())
     }
+}
+
+/// The first of these values out of its range, the temperature's up to `max_temperature`: its
+/// name, the value and the range.
+fn out_of_range(
+    temperature: f32,
+    top_p: f32,
+    min_p: f32,
+    max_temperature: f32,
+) -> Option<(&'static str, f32, &'static str)> {
+    if !(temperature.is_finite() && (0.0..=max_temperature).contains(&temperature)) {
+        let range = if max_temperature.is_finite() {
+            "[0, 2]"
+        } else {
+            "[0, ∞)"
+        };
+        return Some(("temperature", temperature, range));
+    }
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Some(("top_p", top_p, "(0, 1]"));
+    }
+    if !(0.0..=1.0).contains(&min_p) {
+        return Some(("min_p", min_p, "[0, 1]"));
+    }
+    None
 }
 
 /// The sampling a request gets for what it does not set: the model's publisher's
@@ -98,18 +110,11 @@ impl SamplingDefaults {
     /// is of the wrong type or out of range.
     pub fn from_gguf(file: &GgufFile) -> Result<Self, ModelError> {
         let d = Self::LLAMA_SERVER;
-        let float = |key: &str, or: f32| match file.get(key) {
-            None => Ok(or),
-            Some(_) => file.get_f32(key).map_err(ModelError::from),
-        };
-        let top_k = match file.get("general.sampling.top_k") {
-            None => d.top_k,
-            Some(_) => file.get_u32("general.sampling.top_k")?,
-        };
+        let float = |key: &str, or: f32| or_missing(file.get_f32(key), or);
         Self {
             temperature: float("general.sampling.temp", d.temperature)?,
             top_p: float("general.sampling.top_p", d.top_p)?,
-            top_k,
+            top_k: or_missing(file.get_u32("general.sampling.top_k"), d.top_k)?,
             min_p: float("general.sampling.min_p", d.min_p)?,
         }
         .checked("the file's general.sampling keys")
@@ -145,21 +150,20 @@ impl SamplingDefaults {
 
     /// `self` if every value is in range, else an error naming the first that is not and `from`.
     pub fn checked(self, from: &str) -> Result<Self, ModelError> {
-        let bad = |what: &str, v: f32, range: &str| {
-            Err(ModelError::Config(format!(
+        match out_of_range(self.temperature, self.top_p, self.min_p, MAX_TEMPERATURE) {
+            Some((what, v, range)) => Err(ModelError::Config(format!(
                 "{from}: the recommended {what} {v} is not in {range}"
-            )))
-        };
-        if !(0.0..=MAX_TEMPERATURE).contains(&self.temperature) {
-            return bad("temperature", self.temperature, "[0, 2]");
+            ))),
+            None => Ok(self),
         }
-        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return bad("top_p", self.top_p, "(0, 1]");
-        }
-        if !(0.0..=1.0).contains(&self.min_p) {
-            return bad("min_p", self.min_p, "[0, 1]");
-        }
-        Ok(self)
+    }
+}
+
+/// A value read from a GGUF file, or `or` where its key is missing.
+fn or_missing<T>(read: Result<T, GgufError>, or: T) -> Result<T, ModelError> {
+    match read {
+        Err(GgufError::MissingKey(_)) => Ok(or),
+        read => Ok(read?),
     }
 }
 
