@@ -431,7 +431,7 @@ impl Metrics {
         );
         r.register(
             "frames_refused",
-            "Frames from peers refused: past the size their kind needs, or past the node's budget for frames in flight",
+            "Frames from peers refused: past the size their kind needs, past the node's budget for frames in flight, or a local session's shared memory that may shrink, is another size or holds a position past its ring",
             m.frames_refused.clone(),
         );
         r.register(
@@ -472,6 +472,10 @@ impl Metrics {
         let frames = [
             ("oversized", &node_core::net::frames::OVERSIZED),
             ("over_budget", &node_core::net::frames::OVER_BUDGET),
+            (
+                "session_memory",
+                &crate::hold::session::local::MEMORY_REFUSED,
+            ),
         ];
         for (reason, n) in frames {
             let c = (self.frames_refused).get_or_create(&vec![("reason".into(), reason.into())]);

@@ -59,6 +59,11 @@ pub const SPIN_US: u64 = 150;
 /// How long a session that polls polls after a pass's LM head (the leader samples first).
 pub const POLL_AFTER_HEAD: Duration = Duration::from_micros(1200);
 
+/// Shared memory a peer handed over or wrote that this node refused (memory that may shrink or
+/// is another size, a hand-over that means nothing, a position past a ring): `/metrics`'
+/// `codedmesh_frames_refused_total{reason="session_memory"}`.
+pub static MEMORY_REFUSED: AtomicU64 = AtomicU64::new(0);
+
 /// Longest poll [`SPIN_VAR`] may set.
 const MAX_SPIN_US: u64 = 10_000;
 

@@ -146,6 +146,7 @@ impl End {
             .ok()
             .filter(|&s| s <= RING_BYTES)
             .ok_or_else(|| {
+                refused();
                 io::Error::new(
                     io::ErrorKind::InvalidData,
                     format!(
@@ -236,6 +237,11 @@ impl End {
         // The remainder is below RING_BYTES, a usize.
         (self.pos % RING_BYTES as u64) as usize
     }
+}
+
+/// Counts a refusal of what the other side handed over or wrote ([`super::MEMORY_REFUSED`]).
+fn refused() {
+    super::MEMORY_REFUSED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
 }
 
 /// One side's ends of a session's shared memory.
@@ -332,6 +338,7 @@ pub fn take_over(stream: &UnixStream) -> io::Result<Option<Ends>> {
         (msg.bytes, fds)
     };
     let malformed = |why: &str| {
+        refused();
         io::Error::new(
             io::ErrorKind::InvalidData,
             format!("the leader's shared memory: {why}"),
@@ -370,6 +377,11 @@ mod tests {
 
     fn put(end: &mut End, buf: &[u8]) -> (usize, bool) {
         end.advance(&mut Move::Put(buf)).unwrap()
+    }
+
+    /// Refusals counted so far in this process.
+    fn counted() -> u64 {
+        super::super::MEMORY_REFUSED.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// A leader's and a member's ends of one memory, in this process.
@@ -429,6 +441,7 @@ mod tests {
     /// reads and writes fail with a clear error, and copy nothing.
     #[test]
     fn a_position_out_of_bounds_is_refused_before_anything_is_copied() {
+        let before = counted();
         let (mut leader, member) = pair();
         let map = &member.write.map;
         map.u64_at(Way::Answer, WRITTEN).store(u64::MAX / 3, SeqCst);
@@ -440,6 +453,8 @@ mod tests {
         let e = leader.write.advance(&mut Move::Put(&buf)).unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::InvalidData);
         assert!(buf.iter().all(|&b| b == 0));
+        // Other tests refuse too, at once: at least these two are counted.
+        assert!(counted() >= before + 2, "the refusals were not counted");
     }
 
     /// A dishonest leader's hand-over: memory that may shrink (a fault on every read past its
@@ -447,6 +462,7 @@ mod tests {
     /// refused with a clear error, and the descriptors it carried are closed.
     #[test]
     fn the_member_refuses_memory_that_may_shrink_or_is_another_size() {
+        let before = counted();
         // A name of this test's own: other tests open descriptors meanwhile.
         let name = format!("codedmesh-refused-{:016x}", rand_webrtc::random::<u64>());
         let open = || {
@@ -488,6 +504,7 @@ mod tests {
         assert!(e.to_string().contains("2 descriptors"), "{e}");
         let e = send(9, &[]).unwrap_err();
         assert!(e.to_string().contains("byte 9"), "{e}");
+        assert!(counted() >= before + 4, "the refusals were not counted");
         assert!(send(0, &[]).unwrap().is_none());
         assert!(send(1, &[good.as_raw_fd()]).unwrap().is_some());
         drop((unsealed, small, good));
