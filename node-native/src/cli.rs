@@ -108,6 +108,8 @@ pub(crate) struct UpArgs {
     /// The mesh does not learn: no request trains the model (as `seed --no-learning`).
     #[arg(long)]
     pub(crate) no_learning: bool,
+    #[command(flatten)]
+    pub(crate) diloco: DilocoArgs,
     /// Shard storage: f32 (exact to the code's error), f16 (does not learn), or q8 (compact: a
     /// quarter of the bytes on the integer code, learning in coded adapters; docs/coding.md,
     /// "Compact shards"); default: q8 where the integer code has a row for every node (k ≤ 5;
@@ -317,6 +319,43 @@ pub(crate) struct BenchArgs {
     /// Shard storage with --learning; default: as `up` picks.
     #[arg(long)]
     pub(crate) learn_format: Option<ShardFormat>,
+    #[command(flatten)]
+    pub(crate) diloco: DilocoArgs,
+}
+
+/// DiLoCo's settings of a new mesh (docs/coding.md, "DiLoCo in the mesh"); unset, Adam's
+/// defaults, and none with SGD.
+#[derive(Debug, Clone, Copy, Default, clap::Args)]
+pub(crate) struct DilocoArgs {
+    /// Adam steps a trainer takes over each minibatch before it publishes their sum (1: each
+    /// step is an update); default 4 with Adam.
+    #[arg(long)]
+    pub(crate) inner_steps: Option<u32>,
+    /// Outer learning rate of a trainer's rounds; default 1.
+    #[arg(long)]
+    pub(crate) outer_lr: Option<f32>,
+    /// Outer Nesterov momentum of a trainer's rounds; default 0.
+    #[arg(long)]
+    pub(crate) outer_momentum: Option<f32>,
+}
+
+impl DilocoArgs {
+    /// `cfg` with the settings given here.
+    pub(crate) fn apply(
+        self,
+        mut cfg: node_core::mesh::LearningConfig,
+    ) -> node_core::mesh::LearningConfig {
+        if let Some(h) = self.inner_steps {
+            cfg.inner_steps = h;
+        }
+        if let Some(lr) = self.outer_lr {
+            cfg.outer_lr = lr;
+        }
+        if let Some(mu) = self.outer_momentum {
+            cfg.outer_momentum = mu;
+        }
+        cfg
+    }
 }
 
 #[derive(Debug, clap::Args)]
@@ -449,6 +488,8 @@ pub(crate) struct SeedArgs {
     /// Linear outer momentum of a leader's updates (needs rank > 0).
     #[arg(long, default_value_t = 0.0)]
     pub(crate) momentum: f32,
+    #[command(flatten)]
+    pub(crate) diloco: DilocoArgs,
     /// The mesh runs no canary gate: genesis measures no reference loss, and holders take an
     /// admitted trainer's updates without a verdict.
     #[arg(long)]
@@ -513,6 +554,12 @@ impl OptimizerArg {
             Self::Adam => (Optimizer::AdamAdapters, lr.unwrap_or(DEFAULT_ADAM_LR)),
             Self::Sgd => (Optimizer::Sgd, lr.unwrap_or(DEFAULT_SGD_LR)),
         }
+    }
+
+    /// The learning settings of this optimizer at `lr` (or its default), else the defaults.
+    pub(crate) fn learning(self, lr: Option<f32>) -> node_core::mesh::LearningConfig {
+        let (optimizer, lr) = self.with_lr(lr);
+        node_core::mesh::LearningConfig::of(optimizer, lr)
     }
 }
 

@@ -41,16 +41,14 @@ fn main() {
         Command::Seed(args) => runtime().and_then(|rt| {
             let opts = args.net.options(None)?;
             let model = model_path(&args.model)?;
-            let (optimizer, lr) = args.optimizer.with_lr(args.lr);
-            let learning = node_core::mesh::LearningConfig {
+            let learning = args.diloco.apply(node_core::mesh::LearningConfig {
                 enabled: !args.no_learning,
-                optimizer,
-                lr,
                 clip: args.clip,
                 rank: args.rank,
                 accumulate: args.accumulate,
                 momentum: args.momentum,
-            };
+                ..args.optimizer.learning(args.lr)
+            });
             let shape = node::Shape {
                 k: args.k,
                 n: args.n,
@@ -125,6 +123,7 @@ async fn run_up(args: UpArgs) -> Result<()> {
         api_key: args.serve.api_key,
         api_keys: args.serve.api_keys,
         no_learning: args.no_learning,
+        learning: args.diloco.apply(node_core::mesh::LearningConfig::default()),
         format: cli::mesh_format(args.shard_format, k, nodes),
         shape_chosen: args.k.is_some() || args.nodes.is_some() || args.shard_format.is_some(),
         trace_steps: args.serve.trace_steps,
@@ -155,11 +154,8 @@ fn run_learning_bench(args: &BenchArgs, model: &load::LoadedModel) -> Result<()>
         node_native::up::default_shape(node_native::up::supervise::cores(), args.k, args.nodes);
     let format = cli::mesh_format(args.learn_format, k, n);
     let (optimizer, lr) = args.optimizer.with_lr(args.lr);
-    let learning = node_core::mesh::LearningConfig {
-        optimizer,
-        lr,
-        ..node_core::mesh::LearningConfig::default()
-    };
+    let learning = args.diloco.apply(args.optimizer.learning(args.lr));
+    learning.validate()?;
     eprintln!("in process: k = {k} of {n} rows, {format:?} shards, {optimizer:?} at lr {lr}");
     let mut rows = vec![node_native::bench::row(
         "mesh",

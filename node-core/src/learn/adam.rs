@@ -61,6 +61,9 @@ pub struct AdapterAdam {
     /// The last step's gradients and their scale, until its update is out or refused: the
     /// moments take them then ([`Self::keep`]), so refusing a step costs no copy of them.
     unsettled: Option<(Vec<StageGrads>, f64)>,
+    /// The moments and steps before a DiLoCo round ([`Self::begin_round`]), until its update
+    /// is out or refused.
+    round: Option<(Vec<Moments>, u32)>,
 }
 
 /// How much one `dy` value of a published adapter step moves its entry of `A`, per unit of
@@ -217,12 +220,35 @@ impl AdapterAdam {
             steps: 0,
             pending: None,
             unsettled: None,
+            round: None,
         }
+    }
+
+    /// Starts a DiLoCo round: what came before is kept, and the moments as they are now are
+    /// what [`Self::undo`] goes back to until the round's update is out or refused.
+    pub fn begin_round(&mut self) {
+        self.keep();
+        self.round = Some((self.stages.clone(), self.steps));
+    }
+
+    /// One inner step of a round ([`Self::step`]) whose gradients the moments take at once:
+    /// the next inner step follows it.
+    pub fn inner_step(&mut self, t: u32, sequences: u32) -> Option<Update> {
+        let u = self.step(t, sequences)?;
+        self.absorb();
+        Some(u)
     }
 
     /// Forgets the last step, as if its gradients had never come (an update the canary gate
     /// refused must not steer the next ones through the moments); false when there is none.
     pub fn undo(&mut self) -> bool {
+        if let Some((stages, steps)) = self.round.take() {
+            self.unsettled = None;
+            self.pending = None;
+            self.stages = stages;
+            self.steps = steps;
+            return true;
+        }
         let undone = self.unsettled.take().is_some();
         if undone {
             self.steps -= 1;
@@ -230,9 +256,15 @@ impl AdapterAdam {
         undone
     }
 
-    /// Keeps the last step for good (its update is out): its gradients go into the moments.
-    /// A step also keeps the one before it, if neither was said.
+    /// Keeps the last step (or round) for good (its update is out): its gradients go into the
+    /// moments. A step also keeps the one before it, if neither was said.
     pub fn keep(&mut self) {
+        self.round = None;
+        self.absorb();
+    }
+
+    /// The last step's gradients into the moments.
+    fn absorb(&mut self) {
         let Some((grads, scale)) = self.unsettled.take() else {
             return;
         };
@@ -285,7 +317,7 @@ impl AdapterAdam {
     /// the update every node applies; `None` when nothing is pending.
     pub fn step(&mut self, t: u32, sequences: u32) -> Option<Update> {
         let (grads, n) = self.pending.take()?;
-        self.keep();
+        self.absorb();
         let batch = f64::from(sequences.max(1)).sqrt().min(MAX_BATCH_SCALE);
         self.steps += 1;
         let scale = 1.0 / f64::from(n.max(1));
@@ -354,9 +386,15 @@ fn moved(m: f32, v: f32, g: f64) -> (f64, f64) {
 
 /// Whether `u` is an adapter step within the bound `lr` sets on a mesh of `format`: every
 /// stage's input factor is its projection `V`, no adapter entry moves by more than
-/// `MAX_BATCH_SCALE · lr / √cols` (a minibatch's step), and neither the lookup rows nor the
+/// `reach · MAX_BATCH_SCALE · lr / √cols` (a minibatch's step, times what a DiLoCo round may
+/// add up to: [`super::LearningConfig::adapter_reach`]), and neither the lookup rows nor the
 /// norm gains move.
-pub fn check_adapter_step(u: &Update, format: ShardFormat, lr: f32) -> Result<(), String> {
+pub fn check_adapter_step(
+    u: &Update,
+    format: ShardFormat,
+    lr: f32,
+    reach: f64,
+) -> Result<(), String> {
     if !u.embed_tokens.is_empty() || !u.embed_dx.is_empty() {
         return Err("an adapter step carries no lookup rows".into());
     }
@@ -377,7 +415,7 @@ pub fn check_adapter_step(u: &Update, format: ShardFormat, lr: f32) -> Result<()
                 f.stage
             ));
         }
-        let most = f64::from(lr) * MAX_BATCH_SCALE / (cols as f64).sqrt();
+        let most = f64::from(lr) * MAX_BATCH_SCALE * reach / (cols as f64).sqrt();
         let per = f64::from(u.step) * entry_per_dy(format, cols, proj.rank());
         let largest = f.dy.iter().flatten().fold(0.0f32, |a, &v| a.max(v.abs()));
         if f64::from(largest) * per > most * slack {

@@ -33,6 +33,13 @@ pub struct LearningConfig {
     pub accumulate: u32,
     /// Linear outer momentum `β` of a leader's updates (needs `rank > 0`).
     pub momentum: f32,
+    /// DiLoCo's inner steps: Adam steps a trainer takes over each minibatch, each through its
+    /// group with the steps before it added, before it publishes their sum (Adam only).
+    pub inner_steps: u32,
+    /// DiLoCo's outer learning rate: the published update is this times the outer step.
+    pub outer_lr: f32,
+    /// DiLoCo's outer Nesterov momentum over a trainer's rounds (0: none).
+    pub outer_momentum: f32,
 }
 
 /// Default rank of a compressed update (docs/perf.md: ≤ 1% of SmolLM2's bytes per request).
@@ -47,6 +54,18 @@ pub const DEFAULT_SGD_LR: f32 = 1e-4;
 /// Most requests one update may fold together.
 pub const MAX_ACCUMULATE: u32 = 64;
 
+/// Most inner steps a trainer may take over one minibatch.
+pub const MAX_INNER_STEPS: u32 = 32;
+
+/// DiLoCo's default inner steps a minibatch (docs/coding.md, "DiLoCo in the mesh").
+pub const DEFAULT_INNER_STEPS: u32 = 4;
+
+/// DiLoCo's default outer learning rate.
+pub const DEFAULT_OUTER_LR: f32 = 1.0;
+
+/// DiLoCo's default outer Nesterov momentum.
+pub const DEFAULT_OUTER_MOMENTUM: f32 = 0.0;
+
 impl Default for LearningConfig {
     fn default() -> Self {
         Self {
@@ -57,11 +76,27 @@ impl Default for LearningConfig {
             rank: DEFAULT_RANK,
             accumulate: 1,
             momentum: 0.0,
+            inner_steps: DEFAULT_INNER_STEPS,
+            outer_lr: DEFAULT_OUTER_LR,
+            outer_momentum: DEFAULT_OUTER_MOMENTUM,
         }
     }
 }
 
 impl LearningConfig {
+    /// The default settings of `optimizer` at `lr` (SGD runs no DiLoCo rounds).
+    pub fn of(optimizer: Optimizer, lr: f32) -> Self {
+        let mut cfg = Self {
+            optimizer,
+            lr,
+            ..Self::default()
+        };
+        if optimizer == Optimizer::Sgd {
+            cfg.inner_steps = 1;
+        }
+        cfg
+    }
+
     /// Checks the ranges.
     pub fn validate(&self) -> Result<(), ModelError> {
         if !(self.lr.is_finite() && self.lr >= 0.0 && self.lr <= 1.0)
@@ -98,6 +133,23 @@ impl LearningConfig {
                 self.rank
             )));
         }
+        if !(1..=MAX_INNER_STEPS).contains(&self.inner_steps)
+            || !(self.outer_lr.is_finite() && self.outer_lr > 0.0 && self.outer_lr <= 2.0)
+            || !(self.outer_momentum.is_finite() && (0.0..0.99).contains(&self.outer_momentum))
+        {
+            return Err(ModelError::Config(format!(
+                "inner steps {} must be in 1..={MAX_INNER_STEPS}, outer learning rate {} in \
+                 (0, 2] and outer momentum {} in [0, 0.99)",
+                self.inner_steps, self.outer_lr, self.outer_momentum
+            )));
+        }
+        if self.diloco() && (self.optimizer != Optimizer::AdamAdapters || self.accumulate > 1) {
+            return Err(ModelError::Config(
+                "DiLoCo's inner and outer steps need Adam on the adapters, one minibatch a round \
+                 (accumulate 1)"
+                    .into(),
+            ));
+        }
         if self.rank == 0 && (self.accumulate > 1 || self.momentum > 0.0) {
             return Err(ModelError::Config(
                 "accumulating requests and momentum need compressed updates (rank > 0)".into(),
@@ -113,6 +165,19 @@ impl LearningConfig {
         } else {
             super::Precision::F16
         }
+    }
+
+    /// Whether a trainer runs DiLoCo's rounds (inner steps, then an outer step) rather than
+    /// publishing each Adam step.
+    pub fn diloco(&self) -> bool {
+        self.inner_steps > 1 || self.outer_lr != 1.0 || self.outer_momentum > 0.0
+    }
+
+    /// How many times one Adam step's bound a published adapter update may move an entry:
+    /// `H` inner steps, times the outer rate, times Nesterov's `1 / (1 − μ)` (docs/coding.md).
+    pub fn adapter_reach(&self) -> f64 {
+        f64::from(self.inner_steps.max(1)) * f64::from(self.outer_lr)
+            / (1.0 - f64::from(self.outer_momentum))
     }
 
     /// Largest `step · ‖update‖` an update may have: `lr · clip` per request, times the

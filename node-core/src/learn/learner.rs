@@ -7,6 +7,7 @@
 //! survives it.
 
 use super::adam::{AdapterAdam, AdapterSums};
+use super::diloco::Outer;
 use super::{LearningConfig, Optimizer};
 use super::{Precision, StageFactors, Update, UpdateError, compress, wire};
 use crate::coded::ShardFormat;
@@ -39,6 +40,8 @@ pub struct Learner {
     adam: Option<AdapterAdam>,
     /// Positions folded in since the last update.
     positions: u32,
+    /// DiLoCo's outer optimiser, where the mesh runs rounds ([`LearningConfig::diloco`]).
+    outer: Option<Outer>,
 }
 
 impl Learner {
@@ -46,8 +49,10 @@ impl Learner {
     pub fn new(cfg: LearningConfig, model: LlamaConfig, format: ShardFormat) -> Self {
         let adam = (cfg.optimizer == Optimizer::AdamAdapters)
             .then(|| AdapterAdam::new(model.clone(), format, cfg.lr, cfg.precision()));
+        let outer = (adam.is_some() && cfg.diloco()).then(|| Outer::new(cfg, format));
         Self {
             adam,
+            outer,
             positions: 0,
             cfg,
             model,
@@ -68,15 +73,63 @@ impl Learner {
     /// the canary gate refused it, so it must not steer later steps. False where nothing
     /// could be forgotten.
     pub fn refuse_last(&mut self) -> bool {
+        if let Some(outer) = &mut self.outer {
+            outer.undo();
+        }
         self.adam.as_mut().is_some_and(AdapterAdam::undo)
     }
 
     /// The update just published is out for good: the optimizer lets go of what
     /// [`Self::refuse_last`] would have needed.
     pub fn keep_last(&mut self) {
+        if let Some(outer) = &mut self.outer {
+            outer.keep();
+        }
         if let Some(adam) = &mut self.adam {
             adam.keep();
         }
+    }
+
+    /// Inner steps a DiLoCo round takes over each minibatch; `None` where the mesh runs no
+    /// rounds (each gradient goes through [`Self::push`] or [`Self::push_summed`]).
+    pub fn inner_steps(&self) -> Option<u32> {
+        (self.cfg.enabled && self.outer.is_some()).then_some(self.cfg.inner_steps.max(1))
+    }
+
+    /// Starts a DiLoCo round: until its update is out or refused, refusing goes back to here.
+    pub fn begin_round(&mut self) {
+        if let Some(adam) = &mut self.adam {
+            adam.begin_round();
+        }
+    }
+
+    /// One inner step of a round over a gradient whose stages went into `sums`: the adapter
+    /// step, which the round's next pass adds to the group's answers.
+    pub fn inner_step(&mut self, g: &Gradients, sums: AdapterSums) -> Result<Update, UpdateError> {
+        let adam = self
+            .adam
+            .as_mut()
+            .filter(|_| self.outer.is_some())
+            .ok_or_else(|| UpdateError::Settings("this mesh runs no DiLoCo rounds".into()))?;
+        adam.push_summed(g, sums);
+        let t = u32::try_from(g.t).unwrap_or(u32::MAX);
+        let sequences = u32::try_from(g.sequences.max(1)).unwrap_or(u32::MAX);
+        adam.inner_step(t, sequences)
+            .ok_or_else(|| UpdateError::Settings("an inner step took no gradient".into()))
+    }
+
+    /// The update a round publishes: the outer step over the sum of its inner steps, for
+    /// `requests` requests.
+    pub fn end_round(&mut self, sum: Update, requests: u32) -> Result<Published, UpdateError> {
+        let outer = self
+            .outer
+            .as_mut()
+            .ok_or_else(|| UpdateError::Settings("this mesh runs no DiLoCo rounds".into()))?;
+        Ok(Published {
+            update: outer.step(sum),
+            requests,
+            kept: 1.0,
+        })
     }
 
     /// Takes one request's gradient; returns an update when one is due.

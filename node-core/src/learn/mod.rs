@@ -10,6 +10,7 @@ mod budget;
 mod canary;
 mod compress;
 mod config;
+mod diloco;
 mod learner;
 mod signed;
 mod teacher;
@@ -27,14 +28,16 @@ pub use canary::{
 };
 pub use compress::{LowRank, low_rank};
 pub use config::{
-    DEFAULT_ADAM_LR, DEFAULT_RANK, DEFAULT_SGD_LR, LearningConfig, MAX_ACCUMULATE, Optimizer,
+    DEFAULT_ADAM_LR, DEFAULT_INNER_STEPS, DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, DEFAULT_RANK,
+    DEFAULT_SGD_LR, LearningConfig, MAX_ACCUMULATE, MAX_INNER_STEPS, Optimizer,
 };
+pub use diloco::{Outer, add_step};
 pub use learner::{Learner, Published};
 pub use signed::{GateClaim, Header, Signed, Signer, open, seal};
 /// A small coded model, its gradients and teachers, for the tests of what leaders do with them.
 #[cfg(test)]
 pub(crate) use teacher::tests as fixtures;
-pub use teacher::{Judged, Teacher};
+pub use teacher::{Judged, Studied, TeachError, Teacher};
 
 use crate::coded::{CodedError, Projection, Shard, ShardFormat, ShardSet, ShardValues};
 use crate::compute::cpu::dot_f64;
@@ -406,7 +409,8 @@ impl Update {
                 }
             }
             Optimizer::AdamAdapters => {
-                check_adapter_step(self, format, learning.lr).map_err(UpdateError::Settings)?;
+                check_adapter_step(self, format, learning.lr, learning.adapter_reach())
+                    .map_err(UpdateError::Settings)?;
             }
         }
         if learning.precision() != self.precision {

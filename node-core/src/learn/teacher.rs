@@ -4,9 +4,33 @@
 //! mesh's shards would take it, and a refused (or unjudged) update is forgotten by the
 //! learner, so it steers no later step.
 
-use super::{AdapterSums, CanaryGate, Learner, Published, UpdateError, Verdict};
+use super::{AdapterSums, CanaryGate, Learner, Pending, Published, Update, UpdateError, Verdict};
 use crate::coded::ShardFormat;
 use crate::model::{Gradients, LinearExec, Llama, ModelError};
+
+/// What one minibatch taught ([`Teacher::learn`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Studied {
+    /// The minibatch's loss before it was trained on (nats per predicted token).
+    pub loss: f64,
+    /// Positions of the minibatch.
+    pub positions: usize,
+    /// Training passes it took (a DiLoCo round's inner steps).
+    pub passes: u32,
+    /// The update that fell due, for the gate and the mesh.
+    pub due: Option<Published>,
+}
+
+/// Why a minibatch taught nothing.
+#[derive(Debug, thiserror::Error)]
+pub enum TeachError {
+    /// A training pass through the group failed.
+    #[error("the training pass failed: {0}")]
+    Pass(#[from] ModelError),
+    /// The gradient could not become an update.
+    #[error("the update could not be made: {0}")]
+    Update(#[from] UpdateError),
+}
 
 /// A leader's learning: its learner and, unless turned off, its canary gate.
 #[derive(Debug)]
@@ -65,6 +89,87 @@ impl Teacher {
     /// Requests folded in and not yet published.
     pub fn pending(&self) -> u32 {
         self.learner.pending()
+    }
+
+    /// Trains on `seqs` (the distinct texts of `requests` requests) over `exec`: one pass
+    /// whose gradient is folded in, or, where the mesh runs DiLoCo rounds, `H` inner Adam
+    /// steps, each pass with the steps before it added to the group's answers, and their outer
+    /// step (docs/coding.md, "DiLoCo in the mesh"). A round that fails teaches nothing.
+    pub async fn learn<E: LinearExec>(
+        &mut self,
+        llama: &Llama,
+        exec: &mut E,
+        seqs: &[&[u32]],
+        requests: usize,
+    ) -> Result<Studied, TeachError> {
+        let Some(inner) = self.learner.inner_steps() else {
+            // With Adam on the adapters each stage's gradient is summed as it is made, so the
+            // pass keeps none of its factors (the leader's memory, docs/models.md).
+            let mut sums = self.stage_sink();
+            let mut g = match sums.as_mut() {
+                Some(sink) => llama.gradients_into(exec, seqs, sink).await?,
+                None => llama.gradients_batch(exec, seqs).await?,
+            };
+            // The step follows how many asked, not how many distinct texts they sent.
+            g.sequences = requests;
+            let (loss, positions) = (g.loss, g.t);
+            let due = match sums {
+                Some(sums) => self.fold_summed(g, sums)?,
+                None => self.fold(g)?,
+            };
+            return Ok(Studied {
+                loss,
+                positions,
+                passes: 1,
+                due,
+            });
+        };
+        self.learner.begin_round();
+        let round = self.round(llama, exec, seqs, requests, inner).await;
+        if round.is_err() {
+            self.learner.refuse_last();
+        }
+        round
+    }
+
+    /// A DiLoCo round's `inner` steps and its outer step ([`Self::learn`]).
+    async fn round<E: LinearExec>(
+        &mut self,
+        llama: &Llama,
+        exec: &mut E,
+        seqs: &[&[u32]],
+        requests: usize,
+        inner: u32,
+    ) -> Result<Studied, TeachError> {
+        let mut sum: Option<Update> = None;
+        let mut first = None;
+        for _ in 0..inner {
+            let mut sums = AdapterSums::new(llama.config());
+            let mut g = match &sum {
+                Some(u) => {
+                    let mut pending = Pending::new(exec, u, llama.config(), self.format);
+                    llama.gradients_into(&mut pending, seqs, &mut sums).await?
+                }
+                None => llama.gradients_into(exec, seqs, &mut sums).await?,
+            };
+            g.sequences = requests;
+            first.get_or_insert((g.loss, g.t));
+            let step = self.learner.inner_step(&g, sums)?;
+            match sum.as_mut() {
+                Some(acc) => super::add_step(acc, &step)?,
+                None => sum = Some(step),
+            }
+        }
+        let (Some(sum), Some((loss, positions))) = (sum, first) else {
+            return Err(UpdateError::Settings("a round takes at least one inner step".into()).into());
+        };
+        let requests = u32::try_from(requests.max(1)).unwrap_or(u32::MAX);
+        Ok(Studied {
+            loss,
+            positions,
+            passes: inner,
+            due: Some(self.learner.end_round(sum, requests)?),
+        })
     }
 
     /// Runs a due update through the gate on `llama` over `exec` (a group at `version`). A
@@ -129,7 +234,7 @@ pub(crate) mod tests {
     use crate::learn::LearningConfig;
     use crate::model::{HEAD_BYTES, KEEP_BYTES, LeaderWeights, LlamaConfig, ModelWeights, Stage};
 
-    fn config() -> LlamaConfig {
+    pub(crate) fn config() -> LlamaConfig {
         LlamaConfig {
             hidden: 64,
             ffn: 128,

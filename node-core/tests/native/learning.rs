@@ -102,11 +102,9 @@ fn bad_updates_are_refused_before_anything_changes() {
     ));
     // The mesh's own settings: learning on, the step within lr and lr · clip.
     let mesh = LearningConfig {
-        optimizer: Optimizer::Sgd,
-        lr: 0.1,
         clip: 1.0,
         rank: 0,
-        ..LearningConfig::default()
+        ..LearningConfig::of(Optimizer::Sgd, 0.1)
     };
     good.validate_for(&w.cfg, &mesh, ShardFormat::F32).unwrap();
     let off = LearningConfig {
@@ -196,13 +194,12 @@ fn flat(w: &ModelWeights) -> Vec<f32> {
 
 fn learning(rank: u32, accumulate: u32, momentum: f32) -> LearningConfig {
     LearningConfig {
-        optimizer: Optimizer::Sgd,
         enabled: true,
-        lr: 0.2,
         clip: 5.0,
         rank,
         accumulate,
         momentum,
+        ..LearningConfig::of(Optimizer::Sgd, 0.2)
     }
 }
 
@@ -340,10 +337,9 @@ fn every_update_a_learner_publishes_passes_the_meshs_bound() {
     let llama = Llama::new(cfg.clone(), LeaderWeights::from_model(&weights)).unwrap();
     // A small clip, so every request is clipped and sits at the bound.
     let learning = LearningConfig {
-        optimizer: Optimizer::Sgd,
         clip: 0.05,
         rank: 2,
-        ..LearningConfig::default()
+        ..LearningConfig::of(Optimizer::Sgd, node_core::mesh::DEFAULT_SGD_LR)
     };
     let mut learner = Learner::new(learning, cfg.clone(), ShardFormat::F32);
     let vocab = cfg.vocab as u32;

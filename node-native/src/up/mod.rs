@@ -42,6 +42,8 @@ pub struct UpOptions {
     pub api_keys: Option<PathBuf>,
     /// The mesh does not learn from requests.
     pub no_learning: bool,
+    /// How a new mesh learns (`enabled` follows `no_learning`).
+    pub learning: LearningConfig,
     /// How shards are stored.
     pub format: ShardFormat,
     /// The user chose k, n or the format: a mesh already in the data dir must have them (else
@@ -222,8 +224,9 @@ fn prepare(opts: &UpOptions, model: &Path, data: &Path) -> Result<MeshFile> {
     }
     let learning = LearningConfig {
         enabled: !opts.no_learning,
-        ..LearningConfig::default()
+        ..opts.learning
     };
+    learning.validate()?;
     let started = Instant::now();
     eprintln!(
         "encoding {} into {} coded rows (k = {}), once: the data dir keeps them",

@@ -731,9 +731,10 @@ mod tests {
             format: ShardFormat::F32,
             learning: LearningConfig {
                 rank: 0,
-                optimizer: node_core::mesh::Optimizer::Sgd,
-                lr: node_core::mesh::DEFAULT_SGD_LR,
-                ..LearningConfig::default()
+                ..LearningConfig::of(
+                    node_core::mesh::Optimizer::Sgd,
+                    node_core::mesh::DEFAULT_SGD_LR,
+                )
             },
             verify_noise: 1e-3,
             mesh_key: node_core::learn::MeshKey::of(&mesh_key).to_bytes(),

@@ -27,7 +27,7 @@ use libp2p::PeerId;
 use node_core::lead::Stepped;
 use node_core::lead::training::Turns;
 use node_core::learn::{
-    Budgets, CanaryGate, GateClaim, Learner, Published, Teacher, Verdict, canary_tokens,
+    Budgets, CanaryGate, GateClaim, Learner, Published, TeachError, Teacher, Verdict, canary_tokens,
 };
 use node_core::mesh::{MeshInfo, MeshResponse, ModelManifest, Usage};
 use node_core::model::{

@@ -118,58 +118,43 @@ impl Trainer {
             .set_context(format!("train {} requests", batch.len()));
         let seqs: Vec<&[u32]> = batch.iter().map(Vec::as_slice).collect();
         let started = Instant::now();
-        // With Adam on the adapters, each stage's gradient is summed as it is made, so the
-        // pass keeps none of its factors (the leader's memory, docs/models.md).
-        let mut sums = self.teacher.stage_sink();
-        let grads = match sums.as_mut() {
-            Some(sink) => {
-                f.llama
-                    .gradients_into(&mut f.group, &seqs, sink)
-                    .instrument(span.clone())
-                    .await
-            }
-            None => {
-                f.llama
-                    .gradients_batch(&mut f.group, &seqs)
-                    .instrument(span.clone())
-                    .await
-            }
-        };
+        let studied = self
+            .teacher
+            .learn(&f.llama, &mut f.group, &seqs, requests)
+            .instrument(span.clone())
+            .await;
         self.lead.after_rounds().await;
-        let mut grads = match grads {
-            Ok(g) => {
+        let studied = match studied {
+            Ok(s) => {
                 self.lead.leader.ran();
-                g
+                s
             }
-            Err(e) => {
+            Err(TeachError::Pass(e)) => {
                 tracing::warn!("training on {} requests failed: {e}", batch.len());
                 self.lead.pass_failed(false);
                 return None;
             }
+            Err(TeachError::Update(e)) => {
+                self.lead.leader.ran();
+                tracing::warn!("the update could not be made: {e}");
+                return None;
+            }
         };
-        // The step follows how many asked, not how many distinct texts they sent.
-        grads.sequences = requests;
-        let loss = grads.loss;
+        let loss = studied.loss;
         self.lead.ctx.metrics.loss.set(loss);
         span.in_scope(|| {
             tracing::info!(
                 loss,
                 sequences = batch.len(),
                 requests,
-                positions = grads.t,
+                positions = studied.positions,
+                passes = studied.passes,
                 seconds = started.elapsed().as_secs_f64(),
                 "trained"
             )
         });
-        // Folding in a gradient (and compressing an update) is long work off the network.
-        let folded = tokio::task::block_in_place(|| match sums {
-            Some(sums) => self.teacher.fold_summed(grads, sums),
-            None => self.teacher.fold(grads),
-        });
-        match folded {
-            Ok(Some(p)) => self.judge_and_hand_over(p).await,
-            Ok(None) => {}
-            Err(e) => tracing::warn!("the update could not be made: {e}"),
+        if let Some(p) = studied.due {
+            self.judge_and_hand_over(p).await;
         }
         Some(loss)
     }

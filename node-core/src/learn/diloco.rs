@@ -1,0 +1,260 @@
+//! DiLoCo's rounds in the mesh (docs/coding.md, "DiLoCo in the mesh"): a trainer takes `H`
+//! inner Adam steps over each minibatch, each pass through its group with the steps before it
+//! added ([`super::Pending`]), and publishes one outer step over their sum `Δ`: Nesterov
+//! momentum `m ← μ·m + Δ`, the update `lr_out·(Δ + μ·m)`. Every inner step is an adapter step
+//! (`ΔA·V` with the mesh's fixed `V`), so their sum and the outer step are one adapter step of
+//! the same bytes, which every row applies as any other: the codeword survives, and no holder
+//! keeps optimiser state. Several trainers' rounds are ordered by the version chain; each
+//! trainer's momentum follows its own rounds.
+
+use super::adam::{MAX_BATCH_SCALE, entry_per_dy};
+use super::{LearningConfig, Update, UpdateError, wire};
+use crate::coded::ShardFormat;
+
+/// Per stage, per matrix, an adapter step's `dy` (`rank × out`).
+type Steps = Vec<Vec<Vec<f32>>>;
+
+/// A trainer's outer optimiser: Nesterov momentum over the sums of its rounds.
+#[derive(Debug)]
+pub struct Outer {
+    cfg: LearningConfig,
+    format: ShardFormat,
+    /// The momentum `m` after the last round whose update went out.
+    momentum: Option<Steps>,
+    /// The momentum before the round whose update is not yet out or refused.
+    before: Option<Option<Steps>>,
+}
+
+/// Adds an inner step to the sum of a round's steps: the same input factors (the adapters'
+/// fixed projection), output factors added.
+pub fn add_step(sum: &mut Update, step: &Update) -> Result<(), UpdateError> {
+    if sum.stages.len() != step.stages.len() || sum.step != step.step {
+        return Err(UpdateError::Shape(
+            "inner steps of one round have the same stages and rate".into(),
+        ));
+    }
+    for (a, b) in sum.stages.iter_mut().zip(&step.stages) {
+        if a.stage != b.stage || a.rows != b.rows || a.x != b.x || a.dy.len() != b.dy.len() {
+            return Err(UpdateError::Shape(format!(
+                "{:?}: inner steps share the adapters' projection",
+                a.stage
+            )));
+        }
+        for (p, q) in a.dy.iter_mut().zip(&b.dy) {
+            if p.len() != q.len() {
+                return Err(UpdateError::Shape(format!("{:?}: factor sizes", a.stage)));
+            }
+            p.iter_mut().zip(q).for_each(|(x, &y)| *x += y);
+        }
+    }
+    sum.t = sum.t.saturating_add(step.t);
+    Ok(())
+}
+
+impl Outer {
+    /// The outer optimiser of a mesh's settings, on shards of `format`.
+    pub fn new(cfg: LearningConfig, format: ShardFormat) -> Self {
+        Self {
+            cfg,
+            format,
+            momentum: None,
+            before: None,
+        }
+    }
+
+    /// The update a round publishes: the outer step over `sum` (its inner steps' sum), each
+    /// adapter entry held within what holders accept ([`LearningConfig::adapter_reach`]) and
+    /// rounded as it travels.
+    pub fn step(&mut self, mut sum: Update) -> Update {
+        self.settle();
+        let (lr, mu) = (self.cfg.outer_lr, self.cfg.outer_momentum);
+        self.before = Some(self.momentum.clone());
+        if mu > 0.0 {
+            let m = self.momentum.get_or_insert_with(|| {
+                sum.stages
+                    .iter()
+                    .map(|f| f.dy.iter().map(|d| vec![0.0; d.len()]).collect())
+                    .collect()
+            });
+            for (ms, f) in m.iter_mut().zip(&mut sum.stages) {
+                for (mv, dy) in ms.iter_mut().zip(&mut f.dy) {
+                    for (m, d) in mv.iter_mut().zip(dy.iter_mut()) {
+                        *m = mu * *m + *d;
+                        *d += mu * *m;
+                    }
+                }
+            }
+        }
+        for f in &mut sum.stages {
+            let Some(cols) = f.x.len().checked_div(f.rows as usize) else {
+                continue;
+            };
+            let rank = f.rows as usize;
+            // The most holders accept, less room for the rounding to f16 (2⁻¹¹).
+            let most = f64::from(self.cfg.lr) * MAX_BATCH_SCALE * self.cfg.adapter_reach()
+                / (cols as f64).sqrt()
+                / (f64::from(sum.step) * entry_per_dy(self.format, cols, rank))
+                * (1.0 - 5e-4);
+            let most = most as f32;
+            for v in f.dy.iter_mut().flatten() {
+                *v = (lr * *v).clamp(-most, most);
+            }
+        }
+        wire::round(&mut sum);
+        sum
+    }
+
+    /// The last round's update went out: its momentum stays.
+    pub fn keep(&mut self) {
+        self.before = None;
+    }
+
+    /// The last round's update was refused or lost: the momentum is as before it.
+    pub fn undo(&mut self) {
+        if let Some(m) = self.before.take() {
+            self.momentum = m;
+        }
+    }
+
+    /// A round neither kept nor undone is kept (its update went out unless said).
+    fn settle(&mut self) {
+        self.before = None;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // a test: a failed unwrap is a failed test
+
+    use futures::executor::block_on;
+
+    use super::*;
+    use crate::coded::{CodedGroup, InProcess};
+    use crate::learn::fixtures::{canary, setup};
+    use crate::learn::{CanaryGate, Judged, Learner, Pending, Teacher};
+    use crate::model::Llama;
+
+    /// The text the rounds are taught.
+    fn text() -> Vec<u32> {
+        (0..24).map(|i| i * 7 % 96).collect()
+    }
+
+    fn teacher(cfg: LearningConfig, gate: Option<CanaryGate>) -> Teacher {
+        let learner = Learner::new(cfg, crate::learn::fixtures::config(), ShardFormat::Q8);
+        Teacher::new(learner, gate, ShardFormat::Q8)
+    }
+
+    fn rounds(h: u32, mu: f32) -> LearningConfig {
+        LearningConfig {
+            lr: 0.02,
+            inner_steps: h,
+            outer_momentum: mu,
+            ..LearningConfig::default()
+        }
+    }
+
+    /// The update `cfg`'s trainer publishes for one minibatch of the text.
+    fn round(cfg: LearningConfig, llama: &Llama, group: &mut CodedGroup<InProcess>) -> Update {
+        let mut t = teacher(cfg, None);
+        let studied = block_on(t.learn(llama, group, &[&text()], 1)).unwrap();
+        assert_eq!(studied.passes, cfg.inner_steps);
+        studied.due.unwrap().update
+    }
+
+    /// The text's loss once `u` is applied.
+    fn loss_after(llama: &Llama, group: &mut CodedGroup<InProcess>, u: &Update) -> f64 {
+        let mut pending = Pending::new(group, u, llama.config(), ShardFormat::Q8);
+        block_on(llama.sequence_loss(&mut pending, &text())).unwrap()
+    }
+
+    #[test]
+    fn a_round_of_inner_steps_teaches_more_than_one_step_in_the_same_bytes() {
+        let (llama, mut group, _) = setup();
+        let before = block_on(llama.sequence_loss(&mut group, &text())).unwrap();
+        let one = round(rounds(1, 0.0), &llama, &mut group);
+        let four = round(rounds(4, 0.0), &llama, &mut group);
+        let (after_one, after_four) = (
+            loss_after(&llama, &mut group, &one),
+            loss_after(&llama, &mut group, &four),
+        );
+        assert!(after_one < before, "one step: {before} → {after_one}");
+        assert!(
+            before - after_four > 2.0 * (before - after_one),
+            "four inner steps: {before} → {after_four}, one: {after_one}"
+        );
+        // One adapter step's bytes, and within what the mesh's holders accept.
+        let cfg = llama.config();
+        assert_eq!(one.encode().len(), four.encode().len());
+        four.validate_for(cfg, &rounds(4, 0.0), ShardFormat::Q8)
+            .unwrap();
+        // A holder of a mesh whose trainers take one step a round refuses eight: they move
+        // adapter entries further than one minibatch's step may (four times its rate).
+        let eight = round(rounds(8, 0.0), &llama, &mut group);
+        eight
+            .validate_for(cfg, &rounds(8, 0.0), ShardFormat::Q8)
+            .unwrap();
+        let refused = eight.validate_for(cfg, &rounds(1, 0.0), ShardFormat::Q8);
+        assert!(
+            matches!(refused, Err(UpdateError::Settings(ref why)) if why.contains("moves an adapter entry")),
+            "{refused:?}"
+        );
+    }
+
+    #[test]
+    fn a_refused_round_is_forgotten_moments_and_momentum_alike() {
+        let (llama, mut group, _) = setup();
+        let cfg = rounds(3, 0.5);
+        let shut =
+            CanaryGate::new(canary(), None).with_bounds(f64::NEG_INFINITY, f64::NEG_INFINITY);
+        let mut gated = teacher(cfg, Some(shut));
+        for _ in 0..2 {
+            let due = block_on(gated.learn(&llama, &mut group, &[&text()], 1))
+                .unwrap()
+                .due
+                .unwrap();
+            let judged = block_on(gated.judge(&llama, &mut group, [0; 32], due)).unwrap();
+            assert!(matches!(judged, Judged::Refused(..)), "the gate refuses all");
+        }
+        // Two refused rounds later, the next round is a fresh trainer's first.
+        let mut open = teacher(cfg, None);
+        let fresh = block_on(open.learn(&llama, &mut group, &[&text()], 1)).unwrap();
+        let next = block_on(gated.learn(&llama, &mut group, &[&text()], 1)).unwrap();
+        assert!(next.due == fresh.due, "a refused round steered the next one");
+        // Kept, the round steers the next through the moments and the momentum.
+        open.keep_last();
+        let after = block_on(open.learn(&llama, &mut group, &[&text()], 1)).unwrap();
+        assert!(after.due != fresh.due);
+    }
+
+    #[test]
+    fn the_outer_step_is_nesterov_over_a_trainers_rounds() {
+        let (llama, mut group, _) = setup();
+        let sum = round(rounds(1, 0.0), &llama, &mut group);
+        let cfg = LearningConfig {
+            outer_lr: 0.7,
+            ..rounds(2, 0.5)
+        };
+        let mut outer = Outer::new(cfg, ShardFormat::Q8);
+        // m = Δ, out = 0.7·(Δ + 0.5·Δ); then m = 1.5·Δ, out = 0.7·(Δ + 0.75·Δ).
+        let first = outer.step(sum.clone());
+        outer.keep();
+        let second = outer.step(sum.clone());
+        // Refused, the momentum is as before it: the same step again gives the same update.
+        outer.undo();
+        let again = outer.step(sum.clone());
+        assert!(again == second);
+        let entries = |u: &Update| -> Vec<f32> {
+            u.stages.iter().flat_map(|f| f.dy.iter().flatten().copied()).collect()
+        };
+        let (d, a, b) = (entries(&sum), entries(&first), entries(&second));
+        let mut checked = 0;
+        for ((&d, &a), &b) in d.iter().zip(&a).zip(&b) {
+            if d.abs() > 1e-3 {
+                assert!((a / d - 1.05).abs() < 2e-3, "{a} / {d}");
+                assert!((b / d - 1.225).abs() < 2e-3, "{b} / {d}");
+                checked += 1;
+            }
+        }
+        assert!(checked > 100, "{checked} entries checked");
+    }
+}
