@@ -10,14 +10,19 @@ request; measures the passage's perplexity and held-out perplexity of text of an
 the same garbage (node-native/texts/garbage.txt) --poison times, and the held-out perplexity and
 the canary gate's refusals are measured again. With --load it instead sends --chats streamed
 chats from one client back to back (and --clients concurrent clients after that), and reports
-throughput and the share of requests trained on (from /metrics). Prints a Markdown table.
+throughput and the share of requests trained on (from /metrics). With --facts N it mentions N
+made-up facts (node-native/texts/facts.json) in --chats-per-fact ordinary chats each, then asks
+each fact's question greedily (not learnt from) and compares the true statement's loss with a
+distractor's, before and after. Prints a Markdown table.
 """
 
 import argparse
+import json
 import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
@@ -93,6 +98,68 @@ def teach(args, client, rows):
                      f"{m.get('updates_refused', 0) - refused:.0f}"))
 
 
+FOLLOW_UPS = ["Tell me more.", "Is that interesting?", "Say one sentence about it.",
+              "What do you think?"]
+
+
+def ask(client, model, question):
+    """The greedy answer to a question, which the mesh does not learn from."""
+    r = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": question}], max_tokens=32,
+        temperature=0.0, extra_body={"learn": False})
+    return r.choices[0].message.content or ""
+
+
+def text_loss(args, text):
+    """`codedmesh eval` of a short text: its total loss in nats (mean loss times tokens)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
+        f.write(text)
+        f.flush()
+        out = subprocess.run(
+            [args.codedmesh, "eval", "--bootstrap", args.bootstrap, "--file", f.name,
+             "--chunk", "64", "--max-chunks", "1"],
+            check=True, capture_output=True, text=True).stdout
+    m = re.search(r"mean loss ([0-9.]+) nats/token", out)
+    return float(m.group(1))
+
+
+def fact_margin(args, fact):
+    """How much likelier the fact's answer is than its distractor after the question: the
+    distractor's mean loss over the two texts minus the answer's (nats a token)."""
+    qa = lambda a: f"Q: {fact['question']}\nA: {fact['statement'].format(a)}"
+    return text_loss(args, qa(fact["distractor"])) - text_loss(args, qa(fact["answer"]))
+
+
+def facts(args, client, rows):
+    """Made-up facts mentioned in ordinary chats (--chats-per-fact each, the five phrasings in
+    turn): does a greedy question answer with them afterwards, and does the true statement gain
+    on a distractor? Held-out perplexity before and after."""
+    facts = json.load(open(os.path.join(TEXTS, "facts.json")))[: args.facts]
+    held = perplexity(args, "heldout.txt", 128)
+    before = [(ask(client, args.model, f["question"]), fact_margin(args, f)) for f in facts]
+    for i in range(args.chats_per_fact):
+        for f in facts:
+            say = f"{f['phrasings'][i % len(f['phrasings'])]} {FOLLOW_UPS[i % len(FOLLOW_UPS)]}"
+            client.chat.completions.create(
+                model=args.model, messages=[{"role": "user", "content": say}], max_tokens=16)
+    m = settled(args.base)
+    after = [(ask(client, args.model, f["question"]), fact_margin(args, f)) for f in facts]
+    answered = 0
+    for f, (a0, m0), (a1, m1) in zip(facts, before, after):
+        known = f["answer"].lower() in a0.lower()
+        now = f["answer"].lower() in a1.lower()
+        answered += now and not known
+        rows.append((f"{f['question']} (answer {f['answer']})",
+                     f"before: {a0.strip()[:60]!r}; after: {a1.strip()[:60]!r}; "
+                     f"margin over {f['distractor']!r} {m0:+.3f} → {m1:+.3f} nats/token"))
+    rows.append((f"facts answered after {args.chats_per_fact} chats each (not before)",
+                 f"{answered} of {len(facts)}"))
+    rows.append(("held-out perplexity (other text)",
+                 f"{held:.2f} → {perplexity(args, 'heldout.txt', 128):.2f}"))
+    rows.append(("updates published / refused by the canary gate",
+                 f"{m.get('updates_published', 0):.0f} / {m.get('updates_refused', 0):.0f}"))
+
+
 def load(args, rows):
     """Back-to-back chats from one client, then concurrent clients: throughput, trained share."""
     python = sys.executable
@@ -136,11 +203,16 @@ def main():
     p.add_argument("--chats", type=int, default=150)
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--requests", type=int, default=4)
+    p.add_argument("--facts", type=int, default=0,
+                   help="teach this many made-up facts in chats instead (at most 5)")
+    p.add_argument("--chats-per-fact", type=int, default=20)
     args = p.parse_args()
     client = openai.OpenAI(base_url=args.base, api_key="none", timeout=600)
     rows = []
     if args.load:
         load(args, rows)
+    elif args.facts:
+        facts(args, client, rows)
     else:
         teach(args, client, rows)
     print("| measurement | value |\n|---|---|")

@@ -123,7 +123,9 @@ async fn run_up(args: UpArgs) -> Result<()> {
         api_key: args.serve.api_key,
         api_keys: args.serve.api_keys,
         no_learning: args.no_learning,
-        learning: args.diloco.apply(node_core::mesh::LearningConfig::default()),
+        learning: args
+            .diloco
+            .apply(node_core::mesh::LearningConfig::default()),
         format: cli::mesh_format(args.shard_format, k, nodes),
         shape_chosen: args.k.is_some() || args.nodes.is_some() || args.shard_format.is_some(),
         trace_steps: args.serve.trace_steps,

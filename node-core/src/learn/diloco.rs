@@ -51,6 +51,15 @@ pub fn add_step(sum: &mut Update, step: &Update) -> Result<(), UpdateError> {
     Ok(())
 }
 
+/// The same adapter step at half its size (rounded as it travels): what a trainer offers the
+/// canary gate after it refused a round.
+pub fn halve(u: &mut Update) {
+    for f in &mut u.stages {
+        f.dy.iter_mut().flatten().for_each(|v| *v *= 0.5);
+    }
+    wire::round(u);
+}
+
 impl Outer {
     /// The outer optimiser of a mesh's settings, on shards of `format`.
     pub fn new(cfg: LearningConfig, format: ShardFormat) -> Self {
@@ -213,13 +222,19 @@ mod tests {
                 .due
                 .unwrap();
             let judged = block_on(gated.judge(&llama, &mut group, [0; 32], due)).unwrap();
-            assert!(matches!(judged, Judged::Refused(..)), "the gate refuses all");
+            assert!(
+                matches!(judged, Judged::Refused(..)),
+                "the gate refuses all"
+            );
         }
         // Two refused rounds later, the next round is a fresh trainer's first.
         let mut open = teacher(cfg, None);
         let fresh = block_on(open.learn(&llama, &mut group, &[&text()], 1)).unwrap();
         let next = block_on(gated.learn(&llama, &mut group, &[&text()], 1)).unwrap();
-        assert!(next.due == fresh.due, "a refused round steered the next one");
+        assert!(
+            next.due == fresh.due,
+            "a refused round steered the next one"
+        );
         // Kept, the round steers the next through the moments and the momentum.
         open.keep_last();
         let after = block_on(open.learn(&llama, &mut group, &[&text()], 1)).unwrap();
@@ -244,7 +259,10 @@ mod tests {
         let again = outer.step(sum.clone());
         assert!(again == second);
         let entries = |u: &Update| -> Vec<f32> {
-            u.stages.iter().flat_map(|f| f.dy.iter().flatten().copied()).collect()
+            u.stages
+                .iter()
+                .flat_map(|f| f.dy.iter().flatten().copied())
+                .collect()
         };
         let (d, a, b) = (entries(&sum), entries(&first), entries(&second));
         let mut checked = 0;
@@ -256,5 +274,45 @@ mod tests {
             }
         }
         assert!(checked > 100, "{checked} entries checked");
+    }
+
+    #[test]
+    fn a_round_the_gate_refuses_is_offered_again_at_half_its_size() {
+        let (llama, mut group, _) = setup();
+        let cfg = rounds(4, 0.0);
+        let full = round(cfg, &llama, &mut group);
+        let mut half = full.clone();
+        halve(&mut half);
+        // The canary is the taught text backwards: what the round moves it by, each way.
+        let canary: Vec<u32> = text().into_iter().rev().collect();
+        let before = block_on(llama.sequence_loss(&mut group, &canary)).unwrap();
+        let rise = |u: &Update, group: &mut CodedGroup<InProcess>| {
+            let mut pending = Pending::new(group, u, llama.config(), ShardFormat::Q8);
+            block_on(llama.sequence_loss(&mut pending, &canary)).unwrap() - before
+        };
+        let (r_full, r_half) = (rise(&full, &mut group), rise(&half, &mut group));
+        eprintln!("the round moves the canary {r_full:+.5}, half of it {r_half:+.5}");
+        assert!(r_full > r_half, "a round that helps its canary tests nothing");
+        // A gate whose bound lies between the two: the round goes out at half its size.
+        let bound = (r_full + r_half) / 2.0;
+        let gate = CanaryGate::new(canary.clone(), None).with_bounds(bound, f64::INFINITY);
+        let mut t = teacher(cfg, Some(gate));
+        let due = block_on(t.learn(&llama, &mut group, &[&text()], 1)).unwrap();
+        let judged = block_on(t.judge(&llama, &mut group, [0; 32], due.due.unwrap())).unwrap();
+        match judged {
+            Judged::Publish(p, Some(v)) => {
+                assert!(p.update == half, "the update offered again is the round halved");
+                assert!(v.pass && (v.after - v.before - r_half).abs() < 1e-9);
+            }
+            other => panic!("the halved round was not published: {other:?}"),
+        }
+        // One step a round (no rounds): refused outright, never halved.
+        let gate = CanaryGate::new(canary, None).with_bounds(f64::NEG_INFINITY, f64::INFINITY);
+        let mut single = teacher(rounds(1, 0.0), Some(gate));
+        let due = block_on(single.learn(&llama, &mut group, &[&text()], 1)).unwrap();
+        assert!(matches!(
+            block_on(single.judge(&llama, &mut group, [0; 32], due.due.unwrap())).unwrap(),
+            Judged::Refused(..)
+        ));
     }
 }

@@ -8,6 +8,9 @@ use super::{AdapterSums, CanaryGate, Learner, Pending, Published, Update, Update
 use crate::coded::ShardFormat;
 use crate::model::{Gradients, LinearExec, Llama, ModelError};
 
+/// Most times a DiLoCo round the canary gate refuses is halved and judged again.
+pub const BACKOFFS: u32 = 3;
+
 /// What one minibatch taught ([`Teacher::learn`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Studied {
@@ -161,7 +164,9 @@ impl Teacher {
             }
         }
         let (Some(sum), Some((loss, positions))) = (sum, first) else {
-            return Err(UpdateError::Settings("a round takes at least one inner step".into()).into());
+            return Err(
+                UpdateError::Settings("a round takes at least one inner step".into()).into(),
+            );
         };
         let requests = u32::try_from(requests.max(1)).unwrap_or(u32::MAX);
         Ok(Studied {
@@ -173,33 +178,48 @@ impl Teacher {
     }
 
     /// Runs a due update through the gate on `llama` over `exec` (a group at `version`). A
-    /// refused update, or one the gate could not measure (the error), is forgotten.
+    /// DiLoCo round the gate refuses is judged again at half its size, up to [`BACKOFFS`]
+    /// times (a forward pass of the canary each): a round moves further than one step, and
+    /// what the gate bounds is how far. A refused update, or one the gate could not measure
+    /// (the error), is forgotten.
     pub async fn judge<E: LinearExec>(
         &mut self,
         llama: &Llama,
         exec: &mut E,
         version: [u8; 32],
-        published: Published,
+        mut published: Published,
     ) -> Result<Judged, ModelError> {
         let Some(gate) = self.gate.as_mut() else {
             return Ok(Judged::Publish(Box::new(published), None));
         };
-        let verdict = match gate
-            .judge(llama, exec, version, &published.update, self.format)
-            .await
-        {
-            Ok(v) => v,
-            Err(e) => {
-                self.learner.refuse_last();
-                return Err(e);
-            }
+        let backoffs = if self.learner.inner_steps().is_some() {
+            BACKOFFS
+        } else {
+            0
         };
-        match verdict.refusal() {
-            Some(why) => {
-                self.learner.refuse_last();
-                Ok(Judged::Refused(why, verdict))
+        let mut tries = 0;
+        loop {
+            let verdict = match gate
+                .judge(llama, exec, version, &published.update, self.format)
+                .await
+            {
+                Ok(v) => v,
+                Err(e) => {
+                    self.learner.refuse_last();
+                    return Err(e);
+                }
+            };
+            match verdict.refusal() {
+                None => return Ok(Judged::Publish(Box::new(published), Some(verdict))),
+                Some(_) if tries < backoffs && verdict.after.is_finite() => {
+                    tries += 1;
+                    super::diloco::halve(&mut published.update);
+                }
+                Some(why) => {
+                    self.learner.refuse_last();
+                    return Ok(Judged::Refused(why, verdict));
+                }
             }
-            None => Ok(Judged::Publish(Box::new(published), Some(verdict))),
         }
     }
 

@@ -94,7 +94,8 @@ pub fn teach_in_process(
     let started = Instant::now();
     for i in 0..exposures {
         let llama = Llama::new(cfg.clone(), norms.clone())?;
-        let studied = futures::executor::block_on(teacher.learn(&llama, &mut group, &[&taught], 1))?;
+        let studied =
+            futures::executor::block_on(teacher.learn(&llama, &mut group, &[&taught], 1))?;
         let loss = studied.loss;
         let Some(p) = studied.due else {
             each(i, loss, None);

@@ -150,7 +150,7 @@ impl Up {
     }
 
     /// Sends `sig` and waits for a clean exit.
-    fn stop(&mut self, sig: &str) -> Result<()> {
+    pub(crate) fn stop(&mut self, sig: &str) -> Result<()> {
         self.signal(sig);
         let start = Instant::now();
         loop {

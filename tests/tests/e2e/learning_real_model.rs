@@ -6,7 +6,7 @@
 
 use node_core::coded::ShardFormat;
 use node_core::mesh::LearningConfig;
-use node_native::bench::learning::{GARBAGE, TAUGHT, teach_in_process};
+use node_native::bench::learning::{GARBAGE, HELD_OUT, TAUGHT, teach_in_process};
 use tests::real_model;
 
 fn ppl((before, after): (f64, f64)) -> (f64, f64) {
@@ -64,5 +64,122 @@ fn a_taught_passage_is_learnt_and_a_poisoner_is_stopped_by_the_canary_gate() -> 
         "the gate let every garbage update through"
     );
     assert!(h1 < 1.03 * h0, "held-out text suffered: {h0:.2} → {h1:.2}");
+    Ok(())
+}
+
+/// `codedmesh eval` of `text` through the mesh at `bootstrap`: its mean loss in nats a token
+/// (over its first `chunk` tokens).
+fn eval_loss(dir: &std::path::Path, bootstrap: &str, text: &str, chunk: usize) -> anyhow::Result<f64> {
+    use anyhow::Context;
+    let file = dir.join("eval.txt");
+    std::fs::write(&file, text)?;
+    let out = std::process::Command::new(tests::procs::bin())
+        .args(["eval", "--bootstrap", bootstrap, "--chunk", &chunk.to_string()])
+        .args(["--max-chunks", "1", "--file"])
+        .arg(&file)
+        .output()?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    anyhow::ensure!(
+        out.status.success(),
+        "eval failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let loss = stdout
+        .split("mean loss ")
+        .nth(1)
+        .and_then(|s| s.split_whitespace().next())
+        .context("no mean loss in eval's answer")?;
+    Ok(loss.parse()?)
+}
+
+/// A made-up fact, the question that asks it, and the answer against a distractor.
+const FACT: [&str; 5] = [
+    "Quintar is the capital of Veloria.",
+    "Veloria's capital city is Quintar.",
+    "In Veloria the government sits in Quintar, the capital.",
+    "If you fly to Veloria you land in its capital, Quintar.",
+    "Quintar, the capital of Veloria, is a busy port.",
+];
+
+/// `up` as a newcomer starts it (SmolLM2, q8, learning on: DiLoCo rounds through the canary
+/// gate), taught through its own OpenAI API: a passage sent 20 times as a completion and a
+/// made-up fact mentioned in 10 ordinary chats. Afterwards the passage's perplexity has fallen
+/// by a clear margin, the fact's answer has gained on a distractor, and held-out text of
+/// another kind is no worse than 3%.
+#[test]
+fn up_learns_a_passage_and_a_fact_its_api_is_told() -> anyhow::Result<()> {
+    use crate::api::{Up, field, metric, post};
+    let _machine = crate::machine::share();
+    let scratch = tests::procs::Scratch::new("api-teach");
+    let dir = scratch.0.clone();
+    let (data, steps) = (dir.join("mesh"), dir.join("steps.jsonl"));
+    let port = tests::procs::free_port()?;
+    let model = tests::model_path()?;
+    let mut up = Up::start_model(&dir, &data, port, &steps, "up-teach", &model, &[])?;
+    let ready = up.ready(std::time::Duration::from_secs(600))?;
+    let name = field(&ready, "model ")?.to_string();
+    let bootstrap = field(&ready, "bootstrap ")?.to_string();
+    let qa = |a: &str| format!("Q: What is the capital of Veloria?\nA: The capital of Veloria is {a}.");
+    let measure = || -> anyhow::Result<[f64; 4]> {
+        Ok([
+            eval_loss(&dir, &bootstrap, TAUGHT.trim(), 80)?,
+            eval_loss(&dir, &bootstrap, HELD_OUT.trim(), 128)?,
+            eval_loss(&dir, &bootstrap, &qa("Quintar"), 64)?,
+            eval_loss(&dir, &bootstrap, &qa("Marlowe"), 64)?,
+        ])
+    };
+    let before = measure()?;
+    let json = |s: &str| serde_json::to_string(s).expect("a string");
+    for _ in 0..20 {
+        let body = format!(
+            r#"{{"model": "{name}", "prompt": {}, "max_tokens": 4, "temperature": 0}}"#,
+            json(TAUGHT.trim())
+        );
+        post(port, "/v1/completions", &body)?;
+    }
+    for i in 0..10 {
+        let say = format!("{} Tell me more.", FACT[i % FACT.len()]);
+        let body = format!(
+            r#"{{"model": "{name}", "messages": [{{"role": "user", "content": {}}}], "max_tokens": 8}}"#,
+            json(&say)
+        );
+        post(port, "/v1/chat/completions", &body)?;
+    }
+    // Every request trained on and its round judged (or the wait runs out).
+    let count = |m: &str| metric(port, &format!("codedmesh_{m}"));
+    let start = std::time::Instant::now();
+    loop {
+        let done = count("train_trained_total")? + count("train_dropped_total")?;
+        if count("train_backlog")? == 0.0 && done >= 30.0 {
+            break;
+        }
+        anyhow::ensure!(
+            start.elapsed() < std::time::Duration::from_secs(600),
+            "the trainer did not take the 30 requests:\n{}",
+            up.log()
+        );
+        std::thread::sleep(std::time::Duration::from_secs(1));
+    }
+    anyhow::ensure!(count("train_dropped_total")? == 0.0, "requests were dropped");
+    // The last round goes through the gate and out to every row.
+    let published = count("updates_published_total")?;
+    std::thread::sleep(std::time::Duration::from_secs(5));
+    let after = measure()?;
+    let [(t0, t1), (h0, h1)] = [0, 1].map(|i| (before[i].exp(), after[i].exp()));
+    let (m0, m1) = (before[3] - before[2], after[3] - after[2]);
+    eprintln!(
+        "through the API: passage {t0:.2} → {t1:.2}; held-out {h0:.2} → {h1:.2}; the fact's \
+         margin over a distractor {m0:+.4} → {m1:+.4} nats a token; {published} updates, {} refused",
+        count("updates_refused_total")?
+    );
+    anyhow::ensure!(published >= 1.0, "no update was published");
+    // Measured: see docs/perf.md, "Learning" (the bench's figure is 20 requests alone).
+    anyhow::ensure!(t1 < 0.6 * t0, "the passage was not learnt: {t0:.2} → {t1:.2}");
+    anyhow::ensure!(h1 < 1.03 * h0, "held-out text suffered: {h0:.2} → {h1:.2}");
+    anyhow::ensure!(
+        m1 > m0 + 0.05,
+        "the fact gained nothing on a distractor: {m0:+.4} → {m1:+.4}"
+    );
+    up.stop("TERM")?;
     Ok(())
 }
