@@ -589,7 +589,7 @@ pub(crate) struct EvalArgs {
     /// A UTF-8 text file.
     #[arg(long)]
     pub(crate) file: PathBuf,
-    /// Tokens per chunk.
+    /// Tokens per chunk (a text shorter than a chunk is one chunk of its length).
     #[arg(long, default_value_t = 64)]
     pub(crate) chunk: usize,
     /// Most chunks evaluated (from the start of the file).

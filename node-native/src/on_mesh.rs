@@ -247,8 +247,12 @@ pub(crate) async fn run_eval(args: EvalArgs) -> Result<()> {
     let text = std::fs::read_to_string(&args.file)
         .with_context(|| format!("reading {}", args.file.display()))?;
     let mut leader = Leader::connect(args.bootstrap.clone(), 1, 1).await?;
-    let chunk = args.chunk.clamp(2, leader.manifest.cfg.max_seq);
     let tokens = leader.tokenizer.encode(&text)?;
+    // A text shorter than a chunk is one chunk of its own length.
+    let chunk = args
+        .chunk
+        .clamp(2, leader.manifest.cfg.max_seq)
+        .min(tokens.len().max(2));
     let chunks: Vec<&[u32]> = tokens
         .chunks_exact(chunk)
         .take(args.max_chunks.max(1))

@@ -292,7 +292,10 @@ mod tests {
         };
         let (r_full, r_half) = (rise(&full, &mut group), rise(&half, &mut group));
         eprintln!("the round moves the canary {r_full:+.5}, half of it {r_half:+.5}");
-        assert!(r_full > r_half, "a round that helps its canary tests nothing");
+        assert!(
+            r_full > r_half,
+            "a round that helps its canary tests nothing"
+        );
         // A gate whose bound lies between the two: the round goes out at half its size.
         let bound = (r_full + r_half) / 2.0;
         let gate = CanaryGate::new(canary.clone(), None).with_bounds(bound, f64::INFINITY);
@@ -301,7 +304,10 @@ mod tests {
         let judged = block_on(t.judge(&llama, &mut group, [0; 32], due.due.unwrap())).unwrap();
         match judged {
             Judged::Publish(p, Some(v)) => {
-                assert!(p.update == half, "the update offered again is the round halved");
+                assert!(
+                    p.update == half,
+                    "the update offered again is the round halved"
+                );
                 assert!(v.pass && (v.after - v.before - r_half).abs() < 1e-9);
             }
             other => panic!("the halved round was not published: {other:?}"),

@@ -211,8 +211,9 @@ impl Teacher {
             };
             match verdict.refusal() {
                 None => return Ok(Judged::Publish(Box::new(published), Some(verdict))),
-                Some(_) if tries < backoffs && verdict.after.is_finite() => {
+                Some(why) if tries < backoffs && verdict.after.is_finite() => {
                     tries += 1;
+                    tracing::info!("offering a round again at half its size: {why}");
                     super::diloco::halve(&mut published.update);
                 }
                 Some(why) => {

@@ -134,13 +134,11 @@ impl Leader {
                 taught_by: Some(to),
             }));
         }
-        let grads = self
-            .formed
-            .llama
-            .gradients(&mut self.formed.group, tokens)
+        let studied = teacher
+            .learn(&self.formed.llama, &mut self.formed.group, &[tokens], 1)
             .await?;
-        let loss = grads.loss;
-        let settled = match teacher.fold(grads)? {
+        let loss = studied.loss;
+        let settled = match studied.due {
             Some(p) => Some(self.settle(teacher, p).await),
             None => None,
         };

@@ -1,6 +1,6 @@
 //! Learning that learns, on the real model (SmolLM2-135M-Instruct) in compact rows of `up`'s
-//! two-core shape (k = 2 of 4, q8), with the mesh's default learning (Adam on the coded
-//! adapters) and the canary gate every leader runs: a passage sent a few times is learnt, text
+//! two-core shape (k = 2 of 4, q8), with the mesh's default learning (DiLoCo rounds of Adam
+//! steps on the coded adapters) and the canary gate every leader runs: a passage sent a few times is learnt, text
 //! of another kind is not harmed, and a poisoner who sends the same garbage over and over is
 //! stopped by the gate before the held-out text suffers.
 
@@ -26,14 +26,15 @@ fn a_taught_passage_is_learnt_and_a_poisoner_is_stopped_by_the_canary_gate() -> 
         shape,
         learning,
         TAUGHT,
-        8,
+        3,
         true,
         |_, _, _| {},
     )?;
     let (t0, t1) = ppl(taught.taught);
     let (h0, h1) = ppl(taught.held_out);
-    eprintln!("taught 8 times: perplexity {t0:.2} → {t1:.2}; held-out {h0:.2} → {h1:.2}");
-    // Measured: 51.9 → 14.6 (−72%), held-out −3.9%.
+    eprintln!("taught 3 times: perplexity {t0:.2} → {t1:.2}; held-out {h0:.2} → {h1:.2}");
+    // Measured (DiLoCo rounds of 4 inner steps): 51.9 → 8.85 (−83%), held-out −4.8%; one
+    // step an update gave −41%.
     assert!(
         t1 < 0.6 * t0,
         "the passage was not learnt: {t0:.2} → {t1:.2}"
@@ -48,17 +49,18 @@ fn a_taught_passage_is_learnt_and_a_poisoner_is_stopped_by_the_canary_gate() -> 
         shape,
         learning,
         GARBAGE,
-        45,
+        14,
         true,
         |_, _, _| {},
     )?;
     let (g0, g1) = ppl(poisoned.taught);
     let (h0, h1) = ppl(poisoned.held_out);
     eprintln!(
-        "garbage 45 times: its perplexity {g0:.2} → {g1:.2}; held-out {h0:.2} → {h1:.2}; {} published, {} refused",
+        "garbage 14 times: its perplexity {g0:.2} → {g1:.2}; held-out {h0:.2} → {h1:.2}; {} published, {} refused",
         poisoned.published, poisoned.refused
     );
-    // Measured: the first refusal at the 41st request, once the canary had risen 0.03 nats.
+    // Measured: the first refusal at the 11th request, once the canary had risen 0.03 nats
+    // (the 41st with one Adam step an update).
     assert!(
         poisoned.refused > 0,
         "the gate let every garbage update through"
@@ -69,12 +71,23 @@ fn a_taught_passage_is_learnt_and_a_poisoner_is_stopped_by_the_canary_gate() -> 
 
 /// `codedmesh eval` of `text` through the mesh at `bootstrap`: its mean loss in nats a token
 /// (over its first `chunk` tokens).
-fn eval_loss(dir: &std::path::Path, bootstrap: &str, text: &str, chunk: usize) -> anyhow::Result<f64> {
+fn eval_loss(
+    dir: &std::path::Path,
+    bootstrap: &str,
+    text: &str,
+    chunk: usize,
+) -> anyhow::Result<f64> {
     use anyhow::Context;
     let file = dir.join("eval.txt");
     std::fs::write(&file, text)?;
     let out = std::process::Command::new(tests::procs::bin())
-        .args(["eval", "--bootstrap", bootstrap, "--chunk", &chunk.to_string()])
+        .args([
+            "eval",
+            "--bootstrap",
+            bootstrap,
+            "--chunk",
+            &chunk.to_string(),
+        ])
         .args(["--max-chunks", "1", "--file"])
         .arg(&file)
         .output()?;
@@ -119,7 +132,8 @@ fn up_learns_a_passage_and_a_fact_its_api_is_told() -> anyhow::Result<()> {
     let ready = up.ready(std::time::Duration::from_secs(600))?;
     let name = field(&ready, "model ")?.to_string();
     let bootstrap = field(&ready, "bootstrap ")?.to_string();
-    let qa = |a: &str| format!("Q: What is the capital of Veloria?\nA: The capital of Veloria is {a}.");
+    let qa =
+        |a: &str| format!("Q: What is the capital of Veloria?\nA: The capital of Veloria is {a}.");
     let measure = || -> anyhow::Result<[f64; 4]> {
         Ok([
             eval_loss(&dir, &bootstrap, TAUGHT.trim(), 80)?,
@@ -160,7 +174,10 @@ fn up_learns_a_passage_and_a_fact_its_api_is_told() -> anyhow::Result<()> {
         );
         std::thread::sleep(std::time::Duration::from_secs(1));
     }
-    anyhow::ensure!(count("train_dropped_total")? == 0.0, "requests were dropped");
+    anyhow::ensure!(
+        count("train_dropped_total")? == 0.0,
+        "requests were dropped"
+    );
     // The last round goes through the gate and out to every row.
     let published = count("updates_published_total")?;
     std::thread::sleep(std::time::Duration::from_secs(5));
@@ -174,7 +191,10 @@ fn up_learns_a_passage_and_a_fact_its_api_is_told() -> anyhow::Result<()> {
     );
     anyhow::ensure!(published >= 1.0, "no update was published");
     // Measured: see docs/perf.md, "Learning" (the bench's figure is 20 requests alone).
-    anyhow::ensure!(t1 < 0.6 * t0, "the passage was not learnt: {t0:.2} → {t1:.2}");
+    anyhow::ensure!(
+        t1 < 0.6 * t0,
+        "the passage was not learnt: {t0:.2} → {t1:.2}"
+    );
     anyhow::ensure!(h1 < 1.03 * h0, "held-out text suffered: {h0:.2} → {h1:.2}");
     anyhow::ensure!(
         m1 > m0 + 0.05,

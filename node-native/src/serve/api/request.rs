@@ -171,6 +171,7 @@ impl Api {
         &self,
         kind: Kind,
         prompt: Vec<u32>,
+        lesson: Option<Vec<u32>>,
         c: Common,
         caller: &super::keys::Caller,
     ) -> Result<Prepared, ApiError> {
@@ -301,6 +302,7 @@ impl Api {
                 },
                 stop_ids: self.tokenizer.eos_ids().to_vec(),
                 learn: c.learn.unwrap_or(true) && caller.teach,
+                lesson,
                 caller: caller.name.clone(),
                 budget: caller.budget(),
             },
@@ -360,7 +362,18 @@ impl Api {
             .tokenizer
             .encode(&text)
             .map_err(|e| ApiError::bad("messages", e.to_string()))?;
-        self.prepare(Kind::Chat, prompt, body.common, caller)
+        // A chat teaches what its user said, as plain text: not the template, whose tokens the
+        // model predicts already, nor the model's own earlier answers (docs/coding.md).
+        let said: Vec<&str> = messages
+            .iter()
+            .filter(|m| m.role == "user" && !m.content.trim().is_empty())
+            .map(|m| m.content.trim())
+            .collect();
+        let lesson = self
+            .tokenizer
+            .encode(&said.join("\n"))
+            .map_err(|e| ApiError::bad("messages", e.to_string()))?;
+        self.prepare(Kind::Chat, prompt, Some(lesson), body.common, caller)
     }
 
     pub(super) fn prepare_completion(
@@ -379,7 +392,7 @@ impl Api {
             }
             Prompt::Ids(ids) => ids,
         };
-        self.prepare(Kind::Completion, prompt, body.common, caller)
+        self.prepare(Kind::Completion, prompt, None, body.common, caller)
     }
 
     pub(super) fn encode(&self, text: &str) -> Result<Vec<u32>, ApiError> {

@@ -136,6 +136,9 @@ pub struct GenRequest {
     pub stop_ids: Vec<u32>,
     /// The mesh may train on it (when the mesh learns at all).
     pub learn: bool,
+    /// What it teaches, where not its prompt: a chat's user turns, without the template or the
+    /// model's own earlier answers.
+    pub lesson: Option<Vec<u32>>,
     /// Whose learning budget it spends: the name of the API key it came with, or "anonymous".
     pub caller: String,
     /// That caller's learning budget.

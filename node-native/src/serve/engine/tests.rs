@@ -12,6 +12,7 @@ fn job(prompt: u32) -> (Job, mpsc::UnboundedReceiver<Event>) {
         sampling: SamplingParams::default(),
         stop_ids: Vec::new(),
         learn: true,
+        lesson: None,
         caller: "anonymous".into(),
         budget: node_core::learn::Budget {
             capacity: node_core::learn::BUDGET_TOKENS,

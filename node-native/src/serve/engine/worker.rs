@@ -307,7 +307,16 @@ impl Worker {
         let window = node_core::learn::training_window(&ctx.manifest.learning, &ctx.manifest.cfg)
             .min(node_core::lead::training::LEARN_TOKENS);
         let item = ToLearn {
-            tokens: node_core::learn::taught(&seq.job.job.req.prompt, window).to_vec(),
+            tokens: node_core::learn::taught(
+                seq.job
+                    .job
+                    .req
+                    .lesson
+                    .as_deref()
+                    .unwrap_or(&seq.job.job.req.prompt),
+                window,
+            )
+            .to_vec(),
             prompt_tokens: done.prompt_tokens,
             generated: done.tokens,
             latency,
