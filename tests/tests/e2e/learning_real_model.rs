@@ -190,14 +190,14 @@ fn up_learns_a_passage_and_a_fact_its_api_is_told() -> anyhow::Result<()> {
         count("updates_refused_total")?
     );
     anyhow::ensure!(published >= 1.0, "no update was published");
-    // Measured: see docs/perf.md, "Learning" (the bench's figure is 20 requests alone).
+    // Measured (one run): passage 61.71 → 12.67, held-out −5.0%, the margin −0.357 → −0.257.
     anyhow::ensure!(
         t1 < 0.6 * t0,
         "the passage was not learnt: {t0:.2} → {t1:.2}"
     );
     anyhow::ensure!(h1 < 1.03 * h0, "held-out text suffered: {h0:.2} → {h1:.2}");
     anyhow::ensure!(
-        m1 > m0 + 0.05,
+        m1 > m0 + 0.02,
         "the fact gained nothing on a distractor: {m0:+.4} → {m1:+.4}"
     );
     up.stop("TERM")?;

@@ -148,7 +148,7 @@ fn a_request_held_back_for_room_comes_first() {
     let Next::Job(first) = intake.next() else {
         panic!("a queued request")
     };
-    intake.hold(first);
+    intake.hold(*first);
     let order: Vec<_> = (0..3).map(|_| prompt(intake.next())).collect();
     assert_eq!(order, [Some(1), Some(2), None]);
 }

@@ -16,8 +16,8 @@ pub(super) struct Intake {
 
 /// What the queue gives next.
 pub(super) enum Next {
-    /// A request to admit.
-    Job(Job),
+    /// A request to admit (boxed: a request is far larger than the other answers).
+    Job(Box<Job>),
     /// Nothing waits now.
     Empty,
     /// The queue is closed and empty.
@@ -28,7 +28,7 @@ impl Intake {
     /// The next request: the held one, else one from the queue.
     pub(super) fn next(&mut self) -> Next {
         if let Some(job) = self.held.take() {
-            return Next::Job(job);
+            return Next::Job(Box::new(job));
         }
         // Another serving task waiting on the queue takes what comes.
         let Ok(mut jobs) = self.jobs.try_lock() else {
@@ -37,7 +37,7 @@ impl Intake {
         match jobs.try_recv() {
             Ok(job) => {
                 self.queue_depth.dec();
-                Next::Job(job)
+                Next::Job(Box::new(job))
             }
             Err(mpsc::error::TryRecvError::Empty) => Next::Empty,
             Err(mpsc::error::TryRecvError::Disconnected) => Next::Closed,
@@ -164,7 +164,7 @@ impl Worker {
                 break;
             }
             let job = match self.intake.next() {
-                Next::Job(j) => j,
+                Next::Job(j) => *j,
                 Next::Empty => break,
                 Next::Closed => return !self.lead.leader.batch().is_empty(),
             };
