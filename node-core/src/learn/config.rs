@@ -187,3 +187,69 @@ impl LearningConfig {
             / (1.0 - self.momentum as f64)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // a test: a failed unwrap is a failed test
+
+    use super::*;
+
+    #[test]
+    fn diloco_settings_out_of_range_are_refused_and_the_reach_follows_them() {
+        let ok = LearningConfig::default();
+        ok.validate().unwrap();
+        assert!(ok.diloco());
+        assert_eq!(ok.adapter_reach(), f64::from(DEFAULT_INNER_STEPS));
+        // What a manifest from a peer may claim is bounded before anything trusts it.
+        for bad in [
+            LearningConfig {
+                inner_steps: 0,
+                ..ok
+            },
+            LearningConfig {
+                inner_steps: MAX_INNER_STEPS + 1,
+                ..ok
+            },
+            LearningConfig {
+                outer_lr: 0.0,
+                ..ok
+            },
+            LearningConfig {
+                outer_lr: 2.5,
+                ..ok
+            },
+            LearningConfig {
+                outer_lr: f32::NAN,
+                ..ok
+            },
+            LearningConfig {
+                outer_momentum: 0.99,
+                ..ok
+            },
+            LearningConfig {
+                outer_momentum: -0.1,
+                ..ok
+            },
+            LearningConfig {
+                accumulate: 2,
+                ..ok
+            },
+            LearningConfig {
+                inner_steps: 2,
+                ..LearningConfig::of(Optimizer::Sgd, DEFAULT_SGD_LR)
+            },
+        ] {
+            assert!(bad.validate().is_err(), "{bad:?} was taken");
+        }
+        // SGD runs no rounds; Nesterov's momentum widens what holders accept.
+        assert!(!LearningConfig::of(Optimizer::Sgd, DEFAULT_SGD_LR).diloco());
+        let nesterov = LearningConfig {
+            inner_steps: 2,
+            outer_lr: 0.5,
+            outer_momentum: 0.5,
+            ..ok
+        };
+        nesterov.validate().unwrap();
+        assert!((nesterov.adapter_reach() - 2.0).abs() < 1e-12);
+    }
+}

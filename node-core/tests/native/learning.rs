@@ -450,11 +450,11 @@ fn adam_keeps_one_codeword_and_learns(format: ShardFormat) {
             .validate_for(&reference.cfg, &cfg, format)
             .unwrap_or_else(|e| panic!("update {i}: {e}"));
         // An update that moves one adapter entry a tenth further than the rate allows a
-        // minibatch is refused.
+        // round (a minibatch's step times the round's reach) is refused.
         let mut bold = update.clone();
         let cols = bold.stages[0].x.len() / bold.stages[0].rows as usize;
         let rank = bold.stages[0].rows as usize;
-        let most = f64::from(cfg.lr) * node_core::learn::MAX_BATCH_SCALE
+        let most = f64::from(cfg.lr) * node_core::learn::MAX_BATCH_SCALE * cfg.adapter_reach()
             / (cols as f64).sqrt()
             / (f64::from(bold.step) * node_core::learn::entry_per_dy(format, cols, rank));
         bold.stages[0].dy[0][0] = (1.1 * most) as f32;
