@@ -384,6 +384,13 @@ fn moved(m: f32, v: f32, g: f64) -> (f64, f64) {
     )
 }
 
+/// The most a published adapter update may move one entry of a stage with `cols` columns, on a
+/// mesh whose rate is `lr` and whose rounds reach `reach` steps
+/// ([`super::LearningConfig::adapter_reach`]): `reach · MAX_BATCH_SCALE · lr / √cols`.
+pub(super) fn most_entry_move(lr: f32, reach: f64, cols: usize) -> f64 {
+    f64::from(lr) * MAX_BATCH_SCALE * reach / (cols as f64).sqrt()
+}
+
 /// Whether `u` is an adapter step within the bound `lr` sets on a mesh of `format`: every
 /// stage's input factor is its projection `V`, no adapter entry moves by more than
 /// `reach · MAX_BATCH_SCALE · lr / √cols` (a minibatch's step, times what a DiLoCo round may
@@ -415,7 +422,7 @@ pub fn check_adapter_step(
                 f.stage
             ));
         }
-        let most = f64::from(lr) * MAX_BATCH_SCALE * reach / (cols as f64).sqrt();
+        let most = most_entry_move(lr, reach, cols);
         let per = f64::from(u.step) * entry_per_dy(format, cols, proj.rank());
         let largest = f.dy.iter().flatten().fold(0.0f32, |a, &v| a.max(v.abs()));
         if f64::from(largest) * per > most * slack {

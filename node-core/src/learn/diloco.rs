@@ -7,7 +7,8 @@
 //! keeps optimiser state. Several trainers' rounds are ordered by the version chain; each
 //! trainer's momentum follows its own rounds.
 
-use super::adam::{MAX_BATCH_SCALE, entry_per_dy};
+use super::adam::{entry_per_dy, most_entry_move};
+use super::learner::scale;
 use super::{LearningConfig, Update, UpdateError, wire};
 use crate::coded::ShardFormat;
 
@@ -54,9 +55,7 @@ pub fn add_step(sum: &mut Update, step: &Update) -> Result<(), UpdateError> {
 /// The same adapter step at half its size (rounded as it travels): what a trainer offers the
 /// canary gate after it refused a round.
 pub fn halve(u: &mut Update) {
-    for f in &mut u.stages {
-        f.dy.iter_mut().flatten().for_each(|v| *v *= 0.5);
-    }
+    scale(u, 0.5);
     wire::round(u);
 }
 
@@ -75,7 +74,6 @@ impl Outer {
     /// adapter entry held within what holders accept ([`LearningConfig::adapter_reach`]) and
     /// rounded as it travels.
     pub fn step(&mut self, mut sum: Update) -> Update {
-        self.settle();
         let (lr, mu) = (self.cfg.outer_lr, self.cfg.outer_momentum);
         self.before = Some(self.momentum.clone());
         if mu > 0.0 {
@@ -100,8 +98,7 @@ impl Outer {
             };
             let rank = f.rows as usize;
             // The most holders accept, less room for the rounding to f16 (2⁻¹¹).
-            let most = f64::from(self.cfg.lr) * MAX_BATCH_SCALE * self.cfg.adapter_reach()
-                / (cols as f64).sqrt()
+            let most = most_entry_move(self.cfg.lr, self.cfg.adapter_reach(), cols)
                 / (f64::from(sum.step) * entry_per_dy(self.format, cols, rank))
                 * (1.0 - 5e-4);
             let most = most as f32;
@@ -123,11 +120,6 @@ impl Outer {
         if let Some(m) = self.before.take() {
             self.momentum = m;
         }
-    }
-
-    /// A round neither kept nor undone is kept (its update went out unless said).
-    fn settle(&mut self) {
-        self.before = None;
     }
 }
 

@@ -305,7 +305,7 @@ impl Learner {
 }
 
 /// Every factor and norm gradient times `c` (the output factors carry it).
-fn scale(u: &mut Update, c: f32) {
+pub(super) fn scale(u: &mut Update, c: f32) {
     for f in &mut u.stages {
         f.dy.iter_mut().flatten().for_each(|v| *v *= c);
     }

@@ -364,16 +364,19 @@ impl Api {
             .map_err(|e| ApiError::bad("messages", e.to_string()))?;
         // A chat teaches what its user said, as plain text: not the template, whose tokens the
         // model predicts already, nor the model's own earlier answers (docs/coding.md).
-        let said: Vec<&str> = messages
-            .iter()
-            .filter(|m| m.role == "user" && !m.content.trim().is_empty())
-            .map(|m| m.content.trim())
-            .collect();
-        let lesson = self
-            .tokenizer
-            .encode(&said.join("\n"))
-            .map_err(|e| ApiError::bad("messages", e.to_string()))?;
-        self.prepare(Kind::Chat, prompt, Some(lesson), body.common, caller)
+        // Cut only where the request may teach.
+        let lesson = if body.common.learn != Some(false) && caller.teach {
+            let said: Vec<&str> = messages
+                .iter()
+                .filter(|m| m.role == "user" && !m.content.trim().is_empty())
+                .map(|m| m.content.trim())
+                .collect();
+            let said = self.tokenizer.encode(&said.join("\n"));
+            Some(said.map_err(|e| ApiError::bad("messages", e.to_string()))?)
+        } else {
+            None
+        };
+        self.prepare(Kind::Chat, prompt, lesson, body.common, caller)
     }
 
     pub(super) fn prepare_completion(
