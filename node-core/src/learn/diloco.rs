@@ -8,8 +8,7 @@
 //! trainer's momentum follows its own rounds.
 
 use super::adam::{entry_per_dy, most_entry_move};
-use super::learner::scale;
-use super::{LearningConfig, Update, UpdateError, wire};
+use super::{LearningConfig, Update, UpdateError, scale, wire};
 use crate::coded::ShardFormat;
 
 /// Per stage, per matrix, an adapter step's `dy` (`rank × out`).

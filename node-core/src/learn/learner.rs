@@ -9,7 +9,7 @@
 use super::adam::{AdapterAdam, AdapterSums};
 use super::diloco::Outer;
 use super::{LearningConfig, Optimizer};
-use super::{Precision, StageFactors, Update, UpdateError, compress, wire};
+use super::{Precision, StageFactors, Update, UpdateError, compress, scale, wire};
 use crate::coded::ShardFormat;
 use crate::model::{Gradients, LlamaConfig, Stage};
 
@@ -302,15 +302,6 @@ impl Learner {
             f.dy = lr.dy;
         }
     }
-}
-
-/// Every factor and norm gradient times `c` (the output factors carry it).
-pub(super) fn scale(u: &mut Update, c: f32) {
-    for f in &mut u.stages {
-        f.dy.iter_mut().flatten().for_each(|v| *v *= c);
-    }
-    u.embed_dx.iter_mut().for_each(|v| *v *= c);
-    u.norms.vectors_mut().flatten().for_each(|v| *v *= c);
 }
 
 /// The sum of two updates with the same step: their factor rows side by side.

@@ -781,6 +781,15 @@ fn apply_coded(
     }
 }
 
+/// Every factor and norm gradient times `c` (the output factors carry it).
+pub(crate) fn scale(u: &mut Update, c: f32) {
+    for f in &mut u.stages {
+        f.dy.iter_mut().flatten().for_each(|v| *v *= c);
+    }
+    u.embed_dx.iter_mut().for_each(|v| *v *= c);
+    u.norms.vectors_mut().flatten().for_each(|v| *v *= c);
+}
+
 #[cfg(test)]
 mod tests {
     use rand::{Rng, SeedableRng};
