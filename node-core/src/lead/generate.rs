@@ -184,3 +184,168 @@ impl<F: AsyncFnMut(&mut Batch<()>) -> Result<Vec<Vec<f32>>, ModelError>> LeadShe
         None
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // a test: a failed unwrap is a failed test
+
+    use super::*;
+    use crate::code::Generator;
+    use crate::coded::{CodedGroup, InProcess, ShardFormat};
+    use crate::model::{LeaderWeights, ModelWeights, SamplingParams, TokenLogprob};
+
+    fn config() -> LlamaConfig {
+        LlamaConfig {
+            hidden: 64,
+            ffn: 160,
+            layers: 3,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 16,
+            vocab: 250,
+            max_seq: 64,
+            tied_embeddings: false,
+            ..LlamaConfig::small()
+        }
+    }
+
+    /// log-softmax of one row, in f64.
+    fn log_softmax(row: &[f32]) -> Vec<f64> {
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+        let lse = max
+            + row
+                .iter()
+                .map(|&l| (l as f64 - max).exp())
+                .sum::<f64>()
+                .ln();
+        row.iter().map(|&l| l as f64 - lse).collect()
+    }
+
+    /// `t` is `row`'s log-softmax at its token and its `top` likeliest, sorted.
+    fn check(row: &[f32], t: &TokenLogprob, top: usize) {
+        let exact = log_softmax(row);
+        assert!((t.logprob as f64 - exact[t.token as usize]).abs() < 1e-5);
+        assert_eq!(t.top.len(), top);
+        let mut order: Vec<usize> = (0..row.len()).collect();
+        order.sort_by(|&a, &b| exact[b].total_cmp(&exact[a]).then(a.cmp(&b)));
+        for (&(id, lp), &want) in t.top.iter().zip(&order) {
+            assert_eq!(id as usize, want);
+            assert!((lp as f64 - exact[want]).abs() < 1e-5);
+        }
+        assert!(t.top.windows(2).all(|w| w[0].1 >= w[1].1), "sorted");
+    }
+
+    /// A coded group of 3 of 5 rows in process over `weights`, and the leader's model.
+    fn group(weights: &ModelWeights) -> (CodedGroup<InProcess>, Llama) {
+        let g = Generator::cauchy(5, 3).unwrap();
+        let mesh = InProcess::encode(weights, &g, ShardFormat::F32, &|_, _| {}).unwrap();
+        let group = CodedGroup::new(weights.cfg.clone(), g, &[0, 1, 2], mesh).unwrap();
+        let llama = Llama::new(weights.cfg.clone(), LeaderWeights::from_model(weights)).unwrap();
+        (group, llama)
+    }
+
+    /// Each emitted token's score with the logits row it came from, the prompt's scores, and
+    /// the first pass's rows.
+    type Ran = (
+        Vec<(TokenLogprob, Vec<f32>)>,
+        Option<Vec<TokenLogprob>>,
+        Vec<Vec<f32>>,
+    );
+
+    /// Runs a batch of one sequence to its end: each emitted token with its score and the
+    /// logits row it came from, and the prompt's scores (with `echo`).
+    fn run(weights: &ModelWeights, prompt: &[u32], opts: GenerateOptions, echo: bool) -> Ran {
+        let (mut exec, llama) = group(weights);
+        let vocab = weights.cfg.vocab;
+        let mut batch: Batch<()> = Batch::new(&weights.cfg, one_at_a_time(&weights.cfg));
+        batch.admit((), prompt.to_vec(), opts, 0).unwrap();
+        batch.entries_mut()[0].step.want_logprobs(5);
+        if echo {
+            batch.entries_mut()[0].step.want_echo(5);
+        }
+        let (mut out, mut prompt_scores, mut first_rows) = (Vec::new(), None, Vec::new());
+        while !batch.is_empty() {
+            batch.plan(0);
+            let mut items = batch.rounds_items();
+            let logits = futures::executor::block_on(llama.forward_batch(&mut exec, &mut items));
+            drop(items);
+            let logits = logits.unwrap();
+            let rows: Vec<Vec<f32>> = logits[0].chunks(vocab).map(<[f32]>::to_vec).collect();
+            if first_rows.is_empty() {
+                first_rows.clone_from(&rows);
+            }
+            let mut at = if echo && out.is_empty() {
+                rows.len() - 1
+            } else {
+                0
+            };
+            let took = batch.take_scored(logits, 0.01, |_, t, lp| {
+                let lp = lp.unwrap();
+                assert_eq!(lp.token, t);
+                out.push((lp, rows[at].clone()));
+                at += 1;
+                true
+            });
+            if let Some(e) = batch.entries_mut().first_mut() {
+                prompt_scores = prompt_scores.or(e.step.take_prompt_logprobs());
+            }
+            for e in took.ended {
+                if let Ended::Finished(mut e, _) = e {
+                    prompt_scores = prompt_scores.or(e.step.take_prompt_logprobs());
+                }
+            }
+        }
+        (out, prompt_scores, first_rows)
+    }
+
+    #[test]
+    fn returned_log_probabilities_are_the_log_softmax_of_the_models_logits() {
+        let weights = ModelWeights::synthetic(config(), 5).unwrap();
+        let prompt = [3, 17, 200, 42, 3, 17, 200, 42, 3];
+        // Sampled at a temperature, with drafts: the scores are the raw softmax's all the same.
+        let opts = GenerateOptions {
+            max_tokens: 10,
+            sampling: SamplingParams {
+                temperature: 0.7,
+                top_p: 0.9,
+                seed: 11,
+                ..SamplingParams::default()
+            },
+            stop_ids: Vec::new(),
+            draft: 4,
+        };
+        let (out, prompt_scores, _) = run(&weights, &prompt, opts, false);
+        assert_eq!(out.len(), 10);
+        assert!(prompt_scores.is_none(), "no echo asked");
+        for (t, row) in &out {
+            check(row, t, 5);
+        }
+        // Scoring the prompt and the completion as one text (an echo with no tokens, as
+        // lm-evaluation-harness does) gives the completion's tokens the same log-probabilities.
+        let mut text = prompt.to_vec();
+        text.extend(out.iter().map(|(t, _)| t.token));
+        let score = GenerateOptions {
+            max_tokens: 0,
+            sampling: SamplingParams::default(),
+            stop_ids: Vec::new(),
+            draft: 0,
+        };
+        let (none, scores, rows) = run(&weights, &text, score, true);
+        assert!(none.is_empty(), "max_tokens 0 emits nothing");
+        let scores = scores.unwrap();
+        assert_eq!(scores.len(), text.len() - 1, "every token but the first");
+        for (i, s) in scores.iter().enumerate() {
+            assert_eq!(s.token, text[i + 1]);
+            check(&rows[i], s, 5);
+        }
+        for ((t, _), s) in out.iter().zip(&scores[prompt.len() - 1..]) {
+            assert_eq!(t.token, s.token);
+            assert!(
+                (t.logprob - s.logprob).abs() < 1e-3,
+                "{} vs {}",
+                t.logprob,
+                s.logprob
+            );
+        }
+    }
+}

@@ -12,7 +12,8 @@ use web_time::{Duration, Instant};
 use super::route::PassRoute;
 use super::steer::{Action, Looking, Route, Steer};
 use crate::model::{
-    AfterFailure, Batch, BatchLimits, Entry, GenerateOptions, LlamaConfig, ModelError, Took,
+    AfterFailure, Batch, BatchLimits, Entry, GenerateOptions, LlamaConfig, ModelError,
+    TokenLogprob, Took,
 };
 
 /// What a failed pass met, as the shell saw it.
@@ -178,12 +179,12 @@ impl<J> Leader<J> {
         &mut self,
         now: Instant,
         logits: Vec<Vec<f32>>,
-        on_token: impl FnMut(&mut J, u32) -> bool,
+        on_token: impl FnMut(&mut J, u32, Option<TokenLogprob>) -> bool,
     ) -> Took<J> {
         self.steer.passed();
         let took = self.began.take().map(|b| now.saturating_duration_since(b));
         let seconds = took.unwrap_or_default().as_secs_f64();
-        self.batch.take(logits, seconds, on_token)
+        self.batch.take_scored(logits, seconds, on_token)
     }
 
     /// A pass that took no sequence's logits (a trainer's backward pass) ran: a run of failures
@@ -296,7 +297,16 @@ pub enum Stepped<J> {
 /// error when no group can be formed, or a failed pass is final.
 pub async fn step<J, S: LeadShell<J>>(
     shell: &mut S,
-    on_token: impl FnMut(&mut J, u32) -> bool,
+    mut on_token: impl FnMut(&mut J, u32) -> bool,
+) -> Result<Stepped<J>, ModelError> {
+    step_scored(shell, |j, t, _| on_token(j, t)).await
+}
+
+/// [`step`], each token with its log-probability where its sequence asked for them
+/// ([`crate::model::Sequence::want_logprobs`]).
+pub async fn step_scored<J, S: LeadShell<J>>(
+    shell: &mut S,
+    on_token: impl FnMut(&mut J, u32, Option<TokenLogprob>) -> bool,
 ) -> Result<Stepped<J>, ModelError> {
     let route = ready(shell).await.map_err(ModelError::NoGroup)?;
     let epoch = match shell.route(route).await {

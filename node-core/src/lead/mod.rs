@@ -17,7 +17,7 @@ pub use crate::learn::Signer;
 pub use generate::{
     generate, generate_async, generate_on, generate_regrouping, generate_with, one_at_a_time,
 };
-pub use leader::{Failure, LeadShell, Leader, Measured, Stepped, ready, step};
+pub use leader::{Failure, LeadShell, Leader, Measured, Stepped, ready, step, step_scored};
 pub use learning::{Publisher, Settled, settle};
 pub use publish::{Reported, Sealed, Sent, report_caught, seal_update, spread_out};
 pub use route::{HOP_OVER, PassRoute, RouteMeasures, hop_members};

@@ -7,6 +7,7 @@
 use super::speculate::DraftCost;
 use super::{
     BatchItem, GenerateOptions, KvCache, LlamaConfig, ModelError, Pass, Sequence, StopReason,
+    TokenLogprob,
 };
 
 /// A run of failed passes this long fails the batch's sequences.
@@ -97,6 +98,12 @@ impl<J> Batch<J> {
         &self.entries
     }
 
+    /// Its sequences, to set what each asks beyond its tokens (log-probabilities, a
+    /// constraint) or to read what its passes left (the prompt's log-probabilities).
+    pub fn entries_mut(&mut self) -> &mut [Entry<J>] {
+        &mut self.entries
+    }
+
     /// How many sequences it holds.
     pub fn len(&self) -> usize {
         self.entries.len()
@@ -159,8 +166,8 @@ impl<J> Batch<J> {
             e.epoch = epoch;
         }
         self.planned_drafts = self.entries.iter().try_fold(0, |n, e| {
-            let p = e.step.pass();
-            (p.tokens.len() == p.logits).then_some(n + p.logits - 1)
+            let (p, drafted) = (e.step.pass(), e.step.drafted());
+            (p.tokens.len() == 1 + drafted).then_some(n + drafted)
         });
         self.rows()
     }
@@ -196,6 +203,17 @@ impl<J> Batch<J> {
         seconds: f64,
         mut on_token: impl FnMut(&mut J, u32) -> bool,
     ) -> Took<J> {
+        self.take_scored(logits, seconds, |j, t, _| on_token(j, t))
+    }
+
+    /// [`Self::take`], each token with its log-probability where its sequence asked for them
+    /// ([`Sequence::want_logprobs`]).
+    pub fn take_scored(
+        &mut self,
+        logits: Vec<Vec<f32>>,
+        seconds: f64,
+        mut on_token: impl FnMut(&mut J, u32, Option<TokenLogprob>) -> bool,
+    ) -> Took<J> {
         self.failures = 0;
         if let Some(drafted) = self.planned_drafts.take() {
             self.draft_cost.observe(drafted, seconds);
@@ -217,7 +235,7 @@ impl<J> Batch<J> {
                 e.step.set_draft_cost(c);
             }
             let job = &mut e.job;
-            let taken = e.step.take(&rows, &mut |t| on_token(job, t));
+            let taken = e.step.take_scored(&rows, &mut |t, lp| on_token(job, t, lp));
             // Forget the drafted positions the model did not keep.
             e.cache.truncate(e.step.held());
             match taken {

@@ -10,6 +10,7 @@ mod generate;
 mod gguf_model;
 mod layers;
 mod llama;
+mod logprobs;
 mod sampling;
 mod sequence;
 mod source;
@@ -27,6 +28,7 @@ pub use generate::{
 pub use gguf_model::{GgufModel, ReadAt};
 pub use layers::{StageGrad, StageSink};
 pub use llama::{BatchItem, KvCache, Llama};
+pub use logprobs::{MAX_TOP_LOGPROBS, TokenConstraint, TokenLogprob, token_logprob};
 pub use sampling::{Sampler, SamplingDefaults, SamplingParams, argmax};
 pub use sequence::{Sequence, Taken};
 pub use source::MatrixSource;

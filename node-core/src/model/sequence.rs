@@ -3,7 +3,10 @@
 //! loop (`crate::lead::generate_async`), the API's batch, the browser's prompt box.
 
 use super::speculate::{self, DEFAULT_DRAFT_COST, DraftLength, SpecStats};
-use super::{GenerateOptions, LlamaConfig, ModelError, Pass, Sampler, StopReason};
+use super::{
+    GenerateOptions, LlamaConfig, ModelError, Pass, Sampler, StopReason, TokenConstraint,
+    TokenLogprob, token_logprob,
+};
 
 /// A sequence being decoded: its text so far, the tokens its next pass runs and how many
 /// positions the model holds of it.
@@ -28,6 +31,15 @@ pub struct Sequence {
     held: usize,
     passes: usize,
     speculation: SpecStats,
+    /// Each emitted token's log-probability is computed, with this many alternatives.
+    logprobs: Option<usize>,
+    /// The prompt's log-probabilities are computed from its first pass (every row's logits),
+    /// with this many alternatives, until they are taken.
+    echo: Option<usize>,
+    /// The prompt's log-probabilities, once its first pass ran ([`Self::take_prompt_logprobs`]).
+    prompt_logprobs: Option<Vec<TokenLogprob>>,
+    /// What the output must follow: it masks each row before sampling.
+    constraint: Option<Box<dyn TokenConstraint>>,
 }
 
 /// What one pass's logits did to a sequence.
@@ -75,7 +87,46 @@ impl Sequence {
             held: 0,
             passes: 0,
             speculation: SpecStats::default(),
+            logprobs: None,
+            echo: None,
+            prompt_logprobs: None,
+            constraint: None,
         })
+    }
+
+    /// Computes each emitted token's log-probability (of the raw logits' softmax), with the
+    /// `top` likeliest tokens at its position; only a sequence asked for them pays for them.
+    pub fn want_logprobs(&mut self, top: usize) {
+        self.logprobs = Some(top);
+    }
+
+    /// Computes the prompt's log-probabilities too, with the `top` likeliest tokens at each
+    /// position: its first pass returns every row's logits. Only before that pass.
+    pub fn want_echo(&mut self, top: usize) {
+        if self.passes == 0 {
+            self.echo = Some(top);
+        }
+    }
+
+    /// The prompt's log-probabilities, once its first pass ran (each token after the first,
+    /// whose log-probability has nothing to condition on), if they were asked for; once.
+    pub fn take_prompt_logprobs(&mut self) -> Option<Vec<TokenLogprob>> {
+        self.prompt_logprobs.take()
+    }
+
+    /// Makes the output follow `constraint`: it masks every row before sampling, and the
+    /// sequence drafts nothing (each token's mask follows the one before).
+    pub fn constrain(&mut self, constraint: Box<dyn TokenConstraint>) {
+        self.constraint = Some(constraint);
+        self.opts.draft = 0;
+        self.drafts = DraftLength::new(0, DEFAULT_DRAFT_COST);
+        self.draft = 0;
+        self.proposal.clear();
+    }
+
+    /// Drafted tokens the next pass checks.
+    pub fn drafted(&self) -> usize {
+        self.draft
     }
 
     /// The next forward pass: its tokens at the positions after those held, and a row of
@@ -84,7 +135,16 @@ impl Sequence {
         Pass {
             start: self.held,
             tokens: &self.input,
-            logits: 1 + self.draft,
+            logits: self.rows(),
+        }
+    }
+
+    /// Rows of logits the next pass gives: every one of the prompt's when its log-probabilities
+    /// are wanted, else the last token's and each drafted one's.
+    fn rows(&self) -> usize {
+        match self.echo {
+            Some(_) if self.held == 0 => self.input.len(),
+            _ => 1 + self.draft,
         }
     }
 
@@ -96,7 +156,17 @@ impl Sequence {
         logits: &[f32],
         on_token: &mut dyn FnMut(u32) -> bool,
     ) -> Result<Taken, ModelError> {
-        let rows = 1 + self.draft;
+        self.take_scored(logits, &mut |t, _| on_token(t))
+    }
+
+    /// [`Self::take`], each token handed to `on_token` with its log-probability where they
+    /// were asked for ([`Self::want_logprobs`]).
+    pub fn take_scored(
+        &mut self,
+        logits: &[f32],
+        on_token: &mut dyn FnMut(u32, Option<TokenLogprob>) -> bool,
+    ) -> Result<Taken, ModelError> {
+        let rows = self.rows();
         if logits.len() != rows * self.vocab {
             return Err(ModelError::Config(format!(
                 "a forward pass gave {} logits for {rows} rows of {}",
@@ -104,8 +174,34 @@ impl Sequence {
                 self.vocab
             )));
         }
+        let logits = match self.echo.take() {
+            Some(top) if self.held == 0 => {
+                // Row i follows token i: it scores token i + 1; the last row samples.
+                let scored = (logits.chunks_exact(self.vocab))
+                    .zip(&self.input[1..])
+                    .map(|(row, &t)| token_logprob(row, t, top))
+                    .collect();
+                self.prompt_logprobs = Some(scored);
+                &logits[(rows - 1) * self.vocab..]
+            }
+            _ => logits,
+        };
         let drafted = &self.input[self.input.len() - self.draft..];
-        let emit = speculate::accept(&mut self.sampler, logits, self.vocab, drafted);
+        let emit = match self.constraint.as_mut() {
+            Some(c) => {
+                // No drafts: one row, masked before it is sampled.
+                let mut row = logits.to_vec();
+                c.mask(&mut row).map_err(ModelError::Sampling)?;
+                vec![self.sampler.sample(&row)]
+            }
+            None => speculate::accept(&mut self.sampler, logits, self.vocab, drafted),
+        };
+        let complete = match (self.constraint.as_mut(), emit.first()) {
+            (Some(c), Some(&t)) if !self.opts.stop_ids.contains(&t) => {
+                c.commit(t).map_err(ModelError::Sampling)?
+            }
+            _ => false,
+        };
         let kept = emit.len() - 1;
         self.drafts.observe(&self.proposal, &emit);
         self.held += self.input.len() - (self.draft - kept);
@@ -120,7 +216,7 @@ impl Sequence {
         };
         self.draft = 0;
         self.input.clear();
-        for next in emit {
+        for (row, next) in emit.into_iter().enumerate() {
             if self.generated() >= self.opts.max_tokens {
                 break;
             }
@@ -130,12 +226,19 @@ impl Sequence {
             }
             self.text.push(next);
             taken.emitted += 1;
-            if !on_token(next) {
+            let scored = self.logprobs.map(|top| {
+                let row = &logits[row * self.vocab..(row + 1) * self.vocab];
+                token_logprob(row, next, top)
+            });
+            if !on_token(next, scored) {
                 taken.stop = Some(StopReason::Cancelled);
                 return Ok(taken);
             }
         }
-        if self.generated() >= self.opts.max_tokens {
+        if complete && taken.emitted > 0 {
+            // The constraint's output is whole: nothing but its end may follow.
+            taken.stop = Some(StopReason::Stop);
+        } else if self.generated() >= self.opts.max_tokens {
             taken.stop = Some(StopReason::Length);
         } else if self.held >= self.max_seq {
             taken.stop = Some(StopReason::Context);
