@@ -17,6 +17,7 @@ import time
 import urllib.error
 import urllib.request
 
+import jsonschema
 import openai
 import websockets
 
@@ -107,6 +108,121 @@ def main():
     # Requests the mesh was told not to learn from.
     summary["untrained"] = 2
 
+    # Log-probabilities, still at the genesis version: of the model's own softmax over its raw
+    # logits, so an echo of the prompt and its greedy completion (max_tokens 0, as
+    # lm-evaluation-harness scores text) gives the uncoded model's in-process values.
+    scored = client.completions.create(model=model, prompt=expected["text_ids"], max_tokens=0,
+                                       echo=True, logprobs=2, temperature=0,
+                                       extra_body={"learn": False})
+    lp = scored.choices[0].logprobs
+    check(len(lp.tokens) == len(expected["text_ids"]) and lp.token_logprobs[0] is None
+          and lp.top_logprobs[0] is None,
+          f"an echo scores the prompt's {len(lp.tokens)} tokens, the first with null")
+    check(scored.usage.completion_tokens == 0 and scored.choices[0].finish_reason == "length",
+          "max_tokens 0 generates nothing")
+    # The mesh computes with its coded (quantised) shards: close to the uncoded model, not equal.
+    diff = max(abs(a - b) for a, b in zip(lp.token_logprobs[1:], expected["text_logprobs"]))
+    check(diff < 0.15, f"the echo's log-probabilities are the uncoded model's (largest difference {diff:.2e})")
+    summary["echo_logprob_diff"] = diff
+    check(all(len(t) <= 2 and max(t.values()) >= v - 1e-6
+              for t, v in zip(lp.top_logprobs[1:], lp.token_logprobs[1:])),
+          "each position's top_logprobs hold at most 2 tokens, none less likely than the one scored")
+    check(lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0, "text offsets increase from 0")
+    # A greedy completion's tokens are scored as the echo scored them.
+    n_prompt = len(expected["prompt_ids"])
+    greedy = client.completions.create(model=model, prompt=expected["prompt"],
+                                       max_tokens=len(expected["completion_ids"]), temperature=0,
+                                       logprobs=3, extra_body={"learn": False})
+    glp = greedy.choices[0].logprobs
+    whole = not any(t.startswith("bytes:") for t in glp.tokens)
+    check(len(glp.tokens) == greedy.usage.completion_tokens
+          and (not whole or "".join(glp.tokens) == greedy.choices[0].text),
+          f"a completion's {len(glp.tokens)} scored tokens spell its text")
+    check(glp.tokens == lp.tokens[n_prompt:], "the greedy completion is the text the echo scored")
+    diff = max(abs(a - b) for a, b in zip(glp.token_logprobs, lp.token_logprobs[n_prompt:]))
+    check(diff < 1e-3, f"the completion's log-probabilities are the echo's (largest difference {diff:.2e})")
+    summary["completion_echo_logprob_diff"] = diff
+    # A chat's, in OpenAI's shape: greedy picks the likeliest token of the raw softmax.
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Say something."}], max_tokens=8,
+        temperature=0, logprobs=True, top_logprobs=3, extra_body={"learn": False})
+    content = chat.choices[0].logprobs.content
+    check(len(content) == chat.usage.completion_tokens, f"a chat's {len(content)} tokens are scored")
+    check(all(len(c.top_logprobs) == 3 and c.top_logprobs[0].token == c.token
+              and abs(c.top_logprobs[0].logprob - c.logprob) < 1e-6
+              and all(a.logprob >= b.logprob for a, b in zip(c.top_logprobs, c.top_logprobs[1:]))
+              and c.logprob <= 0
+              and (c.token.startswith("bytes:") or bytes(c.bytes).decode() == c.token)
+              for c in content),
+          "each chat token: its logprob, bytes, and 3 top_logprobs sorted, the greedy pick first")
+    spelt = b"".join(bytes(c.bytes) for c in content).decode(errors="replace")
+    check(spelt == chat.choices[0].message.content, "the chat's scored tokens' bytes spell its text")
+    # Streamed, each chunk carries its tokens' scores.
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Say something."}], max_tokens=8,
+        temperature=0, logprobs=True, top_logprobs=1, stream=True,
+        stream_options={"include_usage": True}, extra_body={"learn": False})
+    items, usage = [], None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            if c.logprobs and c.logprobs.content:
+                items.extend(c.logprobs.content)
+    check(usage is not None and len(items) == usage.completion_tokens
+          and [i.token for i in items] == [c.token for c in content],
+          f"a streamed chat carries its {len(items)} tokens' scores, as the whole answer did")
+    summary["untrained"] += 4
+
+    # Constrained output: a JSON schema the answer must follow, whatever the model would say.
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "age": {"type": "integer", "minimum": 0, "maximum": 150},
+            "mood": {"enum": ["calm", "busy", "curious"]},
+        },
+        "required": ["name", "age", "mood"],
+        "additionalProperties": False,
+    }
+    answer = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Describe a person as JSON."}],
+        max_tokens=64, temperature=0.9, seed=5,
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "person", "strict": True, "schema": schema}},
+        extra_body={"learn": False})
+    out = json.loads(answer.choices[0].message.content)
+    jsonschema.validate(out, schema)
+    check(answer.choices[0].finish_reason == "stop",
+          f"the answer {answer.choices[0].message.content!r} follows the schema and ends there")
+    summary["json_schema_answer"] = out
+    mode = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "JSON please."}], max_tokens=8,
+        temperature=0, response_format={"type": "json_object"}, extra_body={"learn": False})
+    check(mode.choices[0].message.content.startswith("{"), "JSON mode starts an object")
+    summary["untrained"] += 2
+    # A schema past the bounds, or a format the mesh does not follow, is a 400, never ignored.
+    deep = {"type": "string"}
+    for _ in range(70):
+        deep = {"type": "array", "items": deep}
+    big = {"type": "object",
+           "properties": {f"p{i}": {"type": "string", "description": "x" * 40} for i in range(2000)}}
+    for fmt, what in (
+        ({"type": "json_schema", "json_schema": {"name": "d", "schema": deep}}, "nests deeper"),
+        ({"type": "json_schema", "json_schema": {"name": "b", "schema": big}}, "bytes; at most"),
+        ({"type": "json_schema", "json_schema": {"name": "i", "schema": {
+            "type": "integer", "minimum": -1e300, "maximum": 1e300}}}, "cannot be followed"),
+        ({"type": "grammar", "grammar": "root ::= x"}, "not supported"),
+    ):
+        started = time.monotonic()
+        try:
+            client.chat.completions.create(model=model, max_tokens=4, response_format=fmt,
+                                           messages=[{"role": "user", "content": "hi"}])
+            raise AssertionError(f"{what}: accepted")
+        except openai.BadRequestError as e:
+            took = time.monotonic() - started
+            check(e.status_code == 400 and e.param == "response_format" and what in str(e)
+                  and took < 5, f"response_format ({what}): 400 on param response_format in {took:.2f} s")
+
     # The first request the mesh learns from, still at the genesis version: a greedy completion
     # cut by a stop string must be the uncoded model's greedy completion up to that string.
     text = expected["completion_text"]
@@ -172,10 +288,8 @@ def main():
     # What the mesh does not do is refused, naming the parameter, never ignored.
     for create, kwargs, param in (
         (client.chat.completions.create, {"messages": [{"role": "user", "content": "hi"}],
-                                          "logprobs": True, "top_logprobs": 2}, "logprobs"),
-        (client.completions.create, {"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
-        (client.chat.completions.create, {"messages": [{"role": "user", "content": "hi"}],
-                                          "response_format": {"type": "json_object"}}, "response_format"),
+                                          "extra_body": {"echo": True}}, "echo"),
+        (client.completions.create, {"prompt": "x", "best_of": 2}, "best_of"),
         (client.completions.create, {"prompt": "x", "extra_body": {"mirostat": 2}}, "mirostat"),
     ):
         try:
@@ -184,6 +298,21 @@ def main():
         except openai.BadRequestError as e:
             check(e.status_code == 400 and e.param == param and e.code == "unsupported_parameter"
                   and param in str(e), f"{param}: 400 unsupported_parameter on param {param}")
+    # OpenAI's bounds on log-probabilities, and what does not go with them.
+    for create, kwargs, param in (
+        (client.chat.completions.create, {"messages": [{"role": "user", "content": "hi"}],
+                                          "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        (client.completions.create, {"prompt": "x", "logprobs": 6}, "logprobs"),
+        (client.completions.create, {"prompt": "x", "echo": True, "stream": True}, "echo"),
+        (client.completions.create, {"prompt": "x", "n": 2}, "n"),
+    ):
+        try:
+            r = create(model=model, max_tokens=2, **kwargs)
+            if kwargs.get("stream"):
+                list(r)
+            raise AssertionError(f"{param} out of bounds was accepted")
+        except openai.BadRequestError as e:
+            check(e.status_code == 400 and e.param == param, f"{param} out of bounds: 400 on param {param}")
     try:
         openai.OpenAI(base_url=base, api_key="wrong", max_retries=0).models.list()
         raise AssertionError("a wrong key was accepted")

@@ -21,8 +21,8 @@ use tests::procs::{Scratch, bin, free_port, tiny_model};
 
 const KEY: &str = "test-key";
 
-/// A Python with the `openai` and `websockets` packages: `$CODEDMESH_PYTHON` (the test
-/// command makes one), else `python3` if it has them.
+/// A Python with the `openai`, `websockets` and `jsonschema` packages: `$CODEDMESH_PYTHON` (the
+/// test command makes one), else `python3` if it has them.
 fn python() -> Option<PathBuf> {
     let candidates = std::env::var_os("CODEDMESH_PYTHON")
         .map(PathBuf::from)
@@ -30,7 +30,7 @@ fn python() -> Option<PathBuf> {
         .chain([PathBuf::from("python3")]);
     for p in candidates {
         let ok = Command::new(&p)
-            .args(["-c", "import openai, websockets"])
+            .args(["-c", "import openai, websockets, jsonschema"])
             .stderr(Stdio::null())
             .status()
             .is_ok_and(|s| s.success());
@@ -243,6 +243,31 @@ fn wait_healthy(bootstrap: &str, rows: u64, timeout: Duration) -> Result<u64> {
     }
 }
 
+/// The uncoded tiny model's log-probability of each token of `ids` after the first (the
+/// log-softmax of its raw logits at the position before).
+fn uncoded_scores(ids: &[u32]) -> Result<Vec<f32>> {
+    let model = node_native::load::load_model(&tiny_model())?;
+    let g = Generator::uncoded();
+    let mesh = InProcess::encode(&model.weights, &g, ShardFormat::F32, &|_, _| {})?;
+    let mut group = CodedGroup::new(model.weights.cfg.clone(), g, &[0], mesh)?;
+    let cfg = model.weights.cfg.clone();
+    let llama = Llama::new(
+        cfg.clone(),
+        node_core::model::LeaderWeights::from_model(&model.weights),
+    )?;
+    let mut cache = node_core::model::KvCache::new(&cfg);
+    let mut items = [node_core::model::BatchItem {
+        logits: ids.len(),
+        ..node_core::model::BatchItem::new(ids, &mut cache)
+    }];
+    let logits = futures::executor::block_on(llama.forward_batch(&mut group, &mut items))?;
+    let rows = logits.first().context("no logits")?;
+    Ok((rows.chunks(cfg.vocab))
+        .zip(&ids[1..])
+        .map(|(row, &t)| node_core::model::token_logprob(row, t, 0).logprob)
+        .collect())
+}
+
 /// The uncoded tiny model's greedy completion of `prompt`: (prompt ids, completion ids, text).
 fn uncoded_greedy(prompt: &str, tokens: usize) -> Result<(Vec<u32>, Vec<u32>, String)> {
     let model = node_native::load::load_model(&tiny_model())?;
@@ -270,7 +295,7 @@ fn up_serves_the_openai_api_learns_stops_restarts_and_supervises() -> Result<()>
     let _machine = crate::machine::share();
     let Some(python) = python() else {
         tests::procs::skip(
-            "the OpenAI API test: no Python with the openai and websockets packages \
+            "the OpenAI API test: no Python with the openai, websockets and jsonschema packages \
              (scripts/test.sh makes one, or set CODEDMESH_PYTHON)",
         );
         return Ok(());
@@ -309,6 +334,9 @@ fn up_serves_the_openai_api_learns_stops_restarts_and_supervises() -> Result<()>
     // The official client, against the mesh.
     let prompt = "The mesh";
     let (prompt_ids, completion_ids, completion_text) = uncoded_greedy(prompt, 16)?;
+    // What an echo of the prompt and its completion scores, uncoded.
+    let text_ids = [&prompt_ids[..], &completion_ids[..]].concat();
+    let scores = uncoded_scores(&text_ids)?;
     let expected = dir.join("expected.json");
     std::fs::write(
         &expected,
@@ -317,6 +345,8 @@ fn up_serves_the_openai_api_learns_stops_restarts_and_supervises() -> Result<()>
             "prompt_ids": prompt_ids,
             "completion_ids": completion_ids,
             "completion_text": completion_text,
+            "text_ids": text_ids,
+            "text_logprobs": scores,
             "burst": 12,
         })
         .to_string(),

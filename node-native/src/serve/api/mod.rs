@@ -19,18 +19,22 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use futures::{SinkExt, Stream, StreamExt};
 use node_core::mesh::ModelManifest;
-use node_core::model::{ChatMessage, SamplingParams, StopReason, Tokenizer};
+use node_core::model::{ChatMessage, SamplingParams, StopReason, TokenLogprob, Tokenizer};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
-use crate::serve::engine::{Engine, EngineError, Event, GenRequest, SubmitError};
+use crate::serve::engine::{Asks, Engine, EngineError, Event, GenRequest, SubmitError};
 
+mod constrain;
 pub mod keys;
 mod request;
+mod scored;
 mod stream;
 
+use constrain::*;
 use request::*;
+use scored::*;
 use stream::*;
 
 /// Completion tokens when a request of `/v1/completions` names none (OpenAI's default).
@@ -49,6 +53,10 @@ pub struct Api {
     keys: keys::Keys,
     created: u64,
     metrics: crate::serve::metrics::Metrics,
+    /// The vocabulary's tokens as bytes, read the first time log-probabilities are asked for.
+    tokens: Arc<std::sync::OnceLock<Arc<TokenTable>>>,
+    /// The compiler of `response_format`s, built the first time one is asked for.
+    grammars: Arc<std::sync::OnceLock<Result<Arc<Grammars>, String>>>,
 }
 
 impl std::fmt::Debug for Api {
@@ -84,7 +92,30 @@ impl Api {
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),
             metrics,
+            tokens: Arc::default(),
+            grammars: Arc::default(),
         })
+    }
+
+    /// The compiler of `response_format`s (built once), or why this model has none.
+    fn grammars(&self) -> Result<Arc<Grammars>, ApiError> {
+        let built = self.grammars.get_or_init(|| {
+            Grammars::new(self.tokenizer.clone(), &self.token_table()).map(Arc::new)
+        });
+        built.clone().map_err(|why| {
+            ApiError::bad(
+                "response_format",
+                format!("constrained output is not available for this model: {why}"),
+            )
+        })
+    }
+
+    /// The vocabulary's tokens as bytes (read once).
+    fn token_table(&self) -> Arc<TokenTable> {
+        let table = self
+            .tokens
+            .get_or_init(|| Arc::new(TokenTable::new(&self.tokenizer)));
+        table.clone()
     }
 
     /// The `/v1` routes.
@@ -236,7 +267,7 @@ async fn respond(api: &Api, p: Prepared) -> Response {
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
-    let shape = Shape::new(api, p.kind, id);
+    let mut shape = Shape::new(api, p.kind, id, p.request.asks.logprobs.is_some());
     if p.stream {
         let events = chunks(shape, rx, p.include_usage)
             .map(|v| SseEvent::default().data(v.to_string()))
@@ -248,12 +279,22 @@ async fn respond(api: &Api, p: Prepared) -> Response {
             .keep_alive(KeepAlive::default())
             .into_response();
     }
-    let mut text = String::new();
+    let (mut text, mut scored, mut prompt_scored) = (String::new(), Vec::new(), Vec::new());
     loop {
         match rx.recv().await {
-            Some(Piece::Text(t)) => text.push_str(&t),
+            Some(Piece::Text(t, s)) => {
+                text.push_str(&t);
+                scored.extend(s);
+            }
+            Some(Piece::Prompt(s)) => prompt_scored = s,
             Some(Piece::End { finish, usage }) => {
-                return Json(shape.whole(&text, finish, usage)).into_response();
+                let echo = p.echo.as_deref().map(|echoed| Echo {
+                    text: echoed,
+                    tokens: &p.request.prompt,
+                    scored: &prompt_scored,
+                });
+                let whole = shape.whole(&text, &scored, echo, finish, usage);
+                return Json(whole).into_response();
             }
             Some(Piece::Error(e)) => return e.into_response(),
             None => {
@@ -391,8 +432,15 @@ async fn serve_socket(api: Api, socket: WebSocket, caller: keys::Caller) {
             }
         });
         let stream = prepared.and_then(|p| {
+            if p.echo.is_some() {
+                return Err(ApiError::bad(
+                    "echo",
+                    "`echo` is not supported on a stream: ask through /v1/completions",
+                ));
+            }
             let (id, rx) = api.run(&p)?;
-            Ok(chunks(Shape::new(&api, p.kind, id), rx, true))
+            let scored = p.request.asks.logprobs.is_some();
+            Ok(chunks(Shape::new(&api, p.kind, id, scored), rx, true))
         });
         match stream {
             Ok(stream) => {

@@ -61,6 +61,8 @@ pub(super) struct Common {
     pub(super) n: Option<u64>,
     /// Coded Mesh's own field: `false` keeps this request out of the mesh's learning.
     pub(super) learn: Option<bool>,
+    /// What the output must follow: text, JSON (`json_object`) or a JSON schema.
+    pub(super) response_format: Option<Value>,
     /// Every other parameter: refused unless it asks for nothing ([`refuse_unsupported`]).
     #[serde(flatten)]
     pub(super) other: std::collections::BTreeMap<String, Value>,
@@ -77,13 +79,10 @@ const HARMLESS: [&str; 5] = [
 ];
 
 /// Whether `value` of parameter `name` asks for something: anything but its default (null,
-/// false, 0, an empty string, list or object; `response_format` of type text, `best_of` 1, a
-/// `tool_choice` or `function_call` of "none" or "auto", `modalities` of text alone).
+/// false, 0, an empty string, list or object; `best_of` 1, a `tool_choice` or `function_call`
+/// of "none" or "auto", `modalities` of text alone).
 fn asks(name: &str, value: &Value) -> bool {
     match (name, value) {
-        ("response_format", Value::Object(o)) => {
-            o.get("type").and_then(Value::as_str) != Some("text") || o.len() > 1
-        }
         ("best_of", v) => v.as_u64() != Some(1),
         ("tool_choice" | "function_call", Value::String(s)) => s != "none" && s != "auto",
         ("modalities", Value::Array(a)) => a.iter().any(|m| m.as_str() != Some("text")),
@@ -97,8 +96,8 @@ fn asks(name: &str, value: &Value) -> bool {
 }
 
 /// Refuses a request that asks for what this mesh does not do, so no parameter is ignored
-/// silently: log-probabilities, constrained output, tools, penalties and biases, several
-/// candidates, an echo, a suffix, or any parameter it does not know.
+/// silently: tools, penalties and biases, several candidates, a suffix, log-probabilities or an
+/// echo on the endpoint that has none, or any parameter it does not know.
 fn refuse_unsupported(other: &std::collections::BTreeMap<String, Value>) -> Result<(), ApiError> {
     let Some((name, _)) = other
         .iter()
@@ -107,9 +106,8 @@ fn refuse_unsupported(other: &std::collections::BTreeMap<String, Value>) -> Resu
         return Ok(());
     };
     let what = match name.as_str() {
-        "logprobs" | "top_logprobs" => "log-probabilities are not returned by this mesh yet",
-        "echo" => "echoing the prompt (and its log-probabilities) is not supported yet",
-        "response_format" => "constrained output (JSON mode, JSON schema) is not supported yet",
+        "top_logprobs" => "a completion takes `logprobs: N` (0 to 5) instead",
+        "echo" => "only a completion (`/v1/completions`) echoes its prompt",
         "tools" | "tool_choice" | "functions" | "function_call" => "tool calls are not supported",
         "presence_penalty" | "frequency_penalty" | "repetition_penalty" | "logit_bias" => {
             "penalties and logit biases are not supported yet"
@@ -128,6 +126,10 @@ fn refuse_unsupported(other: &std::collections::BTreeMap<String, Value>) -> Resu
 #[derive(Debug, Deserialize)]
 pub(super) struct ChatBody {
     pub(super) messages: Vec<InMessage>,
+    /// Each generated token's log-probability.
+    pub(super) logprobs: Option<bool>,
+    /// With `logprobs`, this many likeliest tokens at each position (0 to 20).
+    pub(super) top_logprobs: Option<u32>,
     #[serde(flatten)]
     pub(super) common: Common,
 }
@@ -135,8 +137,64 @@ pub(super) struct ChatBody {
 #[derive(Debug, Deserialize)]
 pub(super) struct CompletionBody {
     pub(super) prompt: Prompt,
+    /// Each generated token's log-probability, with this many likeliest tokens (0 to 5).
+    pub(super) logprobs: Option<u32>,
+    /// The prompt comes back before the completion (with its log-probabilities, when asked).
+    pub(super) echo: Option<bool>,
     #[serde(flatten)]
     pub(super) common: Common,
+}
+
+/// Most `top_logprobs` a chat may ask for (OpenAI's bound).
+const MAX_CHAT_TOP_LOGPROBS: u32 = node_core::model::MAX_TOP_LOGPROBS as u32;
+/// Most `logprobs` a completion may ask for (OpenAI's bound).
+const MAX_COMPLETION_LOGPROBS: u32 = 5;
+
+/// What a request asks about its tokens' log-probabilities.
+#[derive(Debug, Default, Clone, Copy)]
+pub(super) struct Scoring {
+    /// Each generated token's, with this many alternatives.
+    logprobs: Option<usize>,
+    /// The prompt comes back before the completion (its scores too, with `logprobs`).
+    echo: bool,
+}
+
+impl Scoring {
+    /// A chat's: `logprobs: true` with `top_logprobs` 0 to 20.
+    fn chat(logprobs: Option<bool>, top: Option<u32>) -> Result<Self, ApiError> {
+        let top = top.unwrap_or(0);
+        if top > MAX_CHAT_TOP_LOGPROBS {
+            return Err(ApiError::bad(
+                "top_logprobs",
+                format!("top_logprobs must be between 0 and {MAX_CHAT_TOP_LOGPROBS}, got {top}"),
+            ));
+        }
+        let logprobs = logprobs.unwrap_or(false);
+        if top > 0 && !logprobs {
+            return Err(ApiError::bad(
+                "top_logprobs",
+                "`top_logprobs` needs `logprobs` set to true",
+            ));
+        }
+        Ok(Self {
+            logprobs: logprobs.then_some(top as usize),
+            echo: false,
+        })
+    }
+
+    /// A completion's: `logprobs: N` with N 0 to 5, and `echo`.
+    fn completion(logprobs: Option<u32>, echo: Option<bool>) -> Result<Self, ApiError> {
+        if let Some(n) = logprobs.filter(|&n| n > MAX_COMPLETION_LOGPROBS) {
+            return Err(ApiError::bad(
+                "logprobs",
+                format!("logprobs must be between 0 and {MAX_COMPLETION_LOGPROBS}, got {n}"),
+            ));
+        }
+        Ok(Self {
+            logprobs: logprobs.map(|n| n as usize),
+            echo: echo.unwrap_or(false),
+        })
+    }
 }
 
 /// Which endpoint a request came through: it decides the response's shape.
@@ -154,6 +212,8 @@ pub(super) struct Prepared {
     pub(super) stops: Vec<String>,
     pub(super) stream: bool,
     pub(super) include_usage: bool,
+    /// The prompt's text, which the completion's text begins with (`echo`).
+    pub(super) echo: Option<String>,
 }
 
 pub(super) fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
@@ -172,6 +232,7 @@ impl Api {
         kind: Kind,
         prompt: Vec<u32>,
         lesson: Option<Vec<u32>>,
+        scoring: Scoring,
         c: Common,
         caller: &super::keys::Caller,
     ) -> Result<Prepared, ApiError> {
@@ -203,6 +264,10 @@ impl Api {
             return Err(ApiError::bad("n", "only n = 1 is supported"));
         }
         refuse_unsupported(&c.other)?;
+        let constraint = match c.response_format.as_ref().filter(|f| !f.is_null()) {
+            Some(format) if schema_of(format)?.is_some() => self.grammars()?.compile(format)?,
+            _ => None,
+        };
         if prompt.is_empty() {
             return Err(ApiError::bad(
                 if kind == Kind::Chat {
@@ -232,8 +297,21 @@ impl Api {
             )
             .code("context_length_exceeded"));
         }
+        if scoring.echo && c.stream {
+            return Err(ApiError::bad(
+                "echo",
+                "`echo` is not supported with `stream`: ask without streaming",
+            ));
+        }
         let max_tokens = match c.max_completion_tokens.or(c.max_tokens) {
-            Some(0) => return Err(ApiError::bad("max_tokens", "max_tokens must be at least 1")),
+            // An echo with no tokens scores the prompt (as lm-evaluation-harness asks).
+            Some(0) if scoring.echo => 0,
+            Some(0) => {
+                return Err(ApiError::bad(
+                    "max_tokens",
+                    "max_tokens must be at least 1 (0 only with `echo`)",
+                ));
+            }
             Some(m) if m as usize > room => {
                 return Err(ApiError::bad(
                     "max_tokens",
@@ -305,10 +383,16 @@ impl Api {
                 lesson,
                 caller: caller.name.clone(),
                 budget: caller.budget(),
+                asks: Asks {
+                    logprobs: scoring.logprobs,
+                    echo: scoring.logprobs.filter(|_| scoring.echo),
+                    constraint,
+                },
             },
             stops,
             stream: c.stream,
             include_usage: c.stream_options.is_some_and(|o| o.include_usage),
+            echo: None,
         })
     }
 
@@ -376,7 +460,8 @@ impl Api {
         } else {
             None
         };
-        self.prepare(Kind::Chat, prompt, lesson, body.common, caller)
+        let scoring = Scoring::chat(body.logprobs, body.top_logprobs)?;
+        self.prepare(Kind::Chat, prompt, lesson, scoring, body.common, caller)
     }
 
     pub(super) fn prepare_completion(
@@ -384,18 +469,31 @@ impl Api {
         body: CompletionBody,
         caller: &super::keys::Caller,
     ) -> Result<Prepared, ApiError> {
-        let prompt = match body.prompt {
-            Prompt::Text(t) => self.encode(&t)?,
-            Prompt::Texts(v) if v.len() == 1 => self.encode(&v[0])?,
+        let (prompt, text) = match body.prompt {
+            Prompt::Text(t) => (self.encode(&t)?, Some(t)),
+            Prompt::Texts(mut v) if v.len() == 1 => {
+                let t = v.remove(0);
+                (self.encode(&t)?, Some(t))
+            }
             Prompt::Texts(v) => {
                 return Err(ApiError::bad(
                     "prompt",
                     format!("one prompt per request is supported, got {}", v.len()),
                 ));
             }
-            Prompt::Ids(ids) => ids,
+            Prompt::Ids(ids) => (ids, None),
         };
-        self.prepare(Kind::Completion, prompt, None, body.common, caller)
+        let scoring = Scoring::completion(body.logprobs, body.echo)?;
+        let mut p = self.prepare(Kind::Completion, prompt, None, scoring, body.common, caller)?;
+        if scoring.echo {
+            let text = match text {
+                Some(t) => t,
+                None => (self.tokenizer.decode(&p.request.prompt))
+                    .map_err(|e| ApiError::bad("prompt", e.to_string()))?,
+            };
+            p.echo = Some(text);
+        }
+        Ok(p)
     }
 
     pub(super) fn encode(&self, text: &str) -> Result<Vec<u32>, ApiError> {
@@ -446,22 +544,21 @@ mod tests {
     fn a_parameter_that_asks_for_what_the_mesh_does_not_do_is_refused_and_defaults_pass() {
         let base = r#""model": "m", "prompt": "x""#;
         for (extra, param) in [
-            (r#""logprobs": 1"#, "logprobs"),
-            (r#""echo": true, "logprobs": 0"#, "echo"),
-            (
-                r#""response_format": {"type": "json_schema", "json_schema": {}}"#,
-                "response_format",
-            ),
+            // A completion's log-probabilities are `logprobs: N`, not a chat's `top_logprobs`.
+            (r#""top_logprobs": 3"#, "top_logprobs"),
             (r#""tools": [{"type": "function"}]"#, "tools"),
             (r#""frequency_penalty": 0.5"#, "frequency_penalty"),
             (r#""best_of": 3"#, "best_of"),
             (r#""mirostat": 2"#, "mirostat"),
+            (r#""suffix": "end""#, "suffix"),
         ] {
             let body = format!("{{{base}, {extra}}}");
             assert_eq!(refused(&body).as_deref(), Some(param), "{body}");
         }
         for extra in [
+            r#""logprobs": 5, "echo": true"#,
             r#""logprobs": null, "top_logprobs": 0, "echo": false"#,
+            r#""response_format": {"type": "json_schema", "json_schema": {"schema": {}}}"#,
             r#""response_format": {"type": "text"}, "best_of": 1, "tool_choice": "none""#,
             r#""presence_penalty": 0, "logit_bias": {}, "tools": [], "suffix": """#,
             r#""user": "someone", "metadata": {"a": "b"}, "store": true"#,
@@ -470,5 +567,26 @@ mod tests {
             let body = format!("{{{base}, {extra}}}");
             assert_eq!(refused(&body), None, "{body}");
         }
+        // A chat's echo is refused: only a completion echoes.
+        let chat: ChatBody = parse(br#"{"model": "m", "messages": [], "echo": true, "logprobs": true, "top_logprobs": 20}"#).unwrap();
+        assert_eq!(chat.logprobs, Some(true));
+        assert_eq!(chat.top_logprobs, Some(20));
+        let e = refuse_unsupported(&chat.common.other).unwrap_err();
+        assert_eq!(e.body()["error"]["param"], "echo");
+        // The bounds: OpenAI's.
+        let param = |r: Result<Scoring, ApiError>| r.unwrap_err().body()["error"]["param"].clone();
+        assert_eq!(param(Scoring::chat(Some(true), Some(21))), "top_logprobs");
+        assert_eq!(param(Scoring::chat(None, Some(2))), "top_logprobs");
+        assert_eq!(
+            Scoring::chat(Some(true), Some(20)).unwrap().logprobs,
+            Some(20)
+        );
+        assert_eq!(Scoring::chat(Some(false), None).unwrap().logprobs, None);
+        assert_eq!(param(Scoring::completion(Some(6), None)), "logprobs");
+        let s = Scoring::completion(Some(0), Some(true)).unwrap();
+        assert_eq!((s.logprobs, s.echo), (Some(0), true));
+        // Log-probabilities of the wrong type are a parse error, not ignored.
+        assert!(parse::<ChatBody>(br#"{"messages": [], "logprobs": 3}"#).is_err());
+        assert!(parse::<CompletionBody>(br#"{"prompt": "x", "logprobs": true}"#).is_err());
     }
 }

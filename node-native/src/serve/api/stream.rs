@@ -21,10 +21,13 @@ impl Usage {
     }
 }
 
-/// What a completion produces, in order: text, then the end or an error.
+/// What a completion produces, in order: text (with the log-probabilities of the tokens it
+/// completes, when asked), then the end or an error; the prompt's log-probabilities come
+/// before the end where an echo asked for them.
 #[derive(Debug)]
 pub(super) enum Piece {
-    Text(String),
+    Text(String, Vec<TokenLogprob>),
+    Prompt(Vec<TokenLogprob>),
     End { finish: &'static str, usage: Usage },
     Error(ApiError),
 }
@@ -40,15 +43,30 @@ pub(super) async fn pieces(
     let mut text = tokenizer.stream();
     let mut stop = StopMatcher::new(stops);
     let mut generated = 0;
+    // Scores of tokens whose text is not out yet: they go with the next text (a token that
+    // ends inside a character, or text held back as a possible stop string).
+    let mut scored = Vec::new();
     while let Some(ev) = events.recv().await {
         let piece = match ev {
-            Event::Token(id) => {
+            Event::Prompt(p) => {
+                if out.send(Piece::Prompt(p)).await.is_err() {
+                    return;
+                }
+                continue;
+            }
+            Event::Token(id, lp) => {
                 generated += 1;
+                scored.extend(lp);
                 let Some(new) = text.push(id) else {
                     continue;
                 };
                 let (emit, hit) = stop.push(&new);
-                if !emit.is_empty() && out.send(Piece::Text(emit)).await.is_err() {
+                if (!emit.is_empty() || (hit && !scored.is_empty()))
+                    && out
+                        .send(Piece::Text(emit, std::mem::take(&mut scored)))
+                        .await
+                        .is_err()
+                {
                     return;
                 }
                 if !hit {
@@ -62,7 +80,12 @@ pub(super) async fn pieces(
             }
             Event::Done(f) => {
                 let rest = stop.finish();
-                if !rest.is_empty() && out.send(Piece::Text(rest)).await.is_err() {
+                if (!rest.is_empty() || !scored.is_empty())
+                    && out
+                        .send(Piece::Text(rest, std::mem::take(&mut scored)))
+                        .await
+                        .is_err()
+                {
                     return;
                 }
                 Piece::End {
@@ -150,10 +173,15 @@ pub(super) struct Shape {
     pub(super) id: String,
     pub(super) created: u64,
     pub(super) model: String,
+    /// The vocabulary's tokens, where log-probabilities were asked for.
+    pub(super) scoring: Option<Arc<TokenTable>>,
+    /// Characters of the completion's text so far (a streamed completion's `text_offset`).
+    pub(super) offset: usize,
 }
 
 impl Shape {
-    pub(super) fn new(api: &Api, kind: Kind, id: u64) -> Self {
+    /// The shape of response `id` to a request of `kind`, with log-probabilities if `scored`.
+    pub(super) fn new(api: &Api, kind: Kind, id: u64, scored: bool) -> Self {
         let prefix = match kind {
             Kind::Chat => "chatcmpl",
             Kind::Completion => "cmpl",
@@ -165,6 +193,19 @@ impl Shape {
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(api.created, |d| d.as_secs()),
             model: api.model.clone(),
+            scoring: scored.then(|| api.token_table()),
+            offset: 0,
+        }
+    }
+
+    /// The `logprobs` of a streamed chunk's tokens: null where none were asked for or the
+    /// chunk has none.
+    fn chunk_logprobs(&mut self, scored: &[TokenLogprob]) -> Value {
+        match (&self.scoring, self.kind) {
+            (Some(_), _) if scored.is_empty() => Value::Null,
+            (Some(t), Kind::Chat) => chat_logprobs(t, scored),
+            (Some(t), Kind::Completion) => completion_logprobs(t, None, scored, &mut self.offset),
+            (None, _) => Value::Null,
         }
     }
 
@@ -187,8 +228,16 @@ impl Shape {
         })
     }
 
-    /// A streamed chunk of text (`first`: the chat's opening chunk that names the role).
-    pub(super) fn delta(&self, text: &str, finish: Option<&str>, first: bool) -> Value {
+    /// A streamed chunk of text and its tokens' scores (`first`: the chat's opening chunk that
+    /// names the role).
+    pub(super) fn delta(
+        &mut self,
+        text: &str,
+        scored: &[TokenLogprob],
+        finish: Option<&str>,
+        first: bool,
+    ) -> Value {
+        let logprobs = self.chunk_logprobs(scored);
         let choice = match self.kind {
             Kind::Chat => {
                 let delta = match (first, finish) {
@@ -196,10 +245,10 @@ impl Shape {
                     (false, Some(_)) if text.is_empty() => json!({}),
                     _ => json!({"content": text}),
                 };
-                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+                json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
             }
             Kind::Completion => {
-                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish})
+                json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish})
             }
         };
         self.envelope(true, json!([choice]))
@@ -212,23 +261,53 @@ impl Shape {
         v
     }
 
-    /// The whole response, not streamed.
-    pub(super) fn whole(&self, text: &str, finish: &str, usage: Usage) -> Value {
+    /// The whole response, not streamed: the text, its tokens' scores, and where an echo asked
+    /// for it the prompt (its text, its tokens and their scores).
+    pub(super) fn whole(
+        &mut self,
+        text: &str,
+        scored: &[TokenLogprob],
+        echo: Option<Echo<'_>>,
+        finish: &str,
+        usage: Usage,
+    ) -> Value {
+        let logprobs = match (&self.scoring, self.kind) {
+            (Some(t), Kind::Chat) => chat_logprobs(t, scored),
+            (Some(t), Kind::Completion) => {
+                let prompt = echo
+                    .as_ref()
+                    .and_then(|e| Some((*e.tokens.first()?, e.scored)));
+                completion_logprobs(t, prompt, scored, &mut self.offset)
+            }
+            (None, _) => Value::Null,
+        };
         let choice = match self.kind {
             Kind::Chat => json!({
                 "index": 0,
                 "message": {"role": "assistant", "content": text, "refusal": null},
-                "logprobs": null,
+                "logprobs": logprobs,
                 "finish_reason": finish,
             }),
-            Kind::Completion => json!({
-                "index": 0, "text": text, "logprobs": null, "finish_reason": finish,
-            }),
+            Kind::Completion => {
+                let text = match &echo {
+                    Some(e) => format!("{}{text}", e.text),
+                    None => text.to_string(),
+                };
+                json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish})
+            }
         };
         let mut v = self.envelope(false, json!([choice]));
         v["usage"] = json!(usage);
         v
     }
+}
+
+/// The prompt a completion echoes: its text, its tokens, and their scores (each after the
+/// first; none when log-probabilities were not asked for).
+pub(super) struct Echo<'a> {
+    pub(super) text: &'a str,
+    pub(super) tokens: &'a [u32],
+    pub(super) scored: &'a [TokenLogprob],
 }
 
 /// The stream of JSON chunks of a streamed response (the `[DONE]` marker is the caller's).
@@ -264,18 +343,20 @@ pub(super) fn chunks(
                 "the request ended without an answer",
             )));
             match piece {
-                Piece::Text(t) => {
-                    let v = st.shape.delta(&t, None, st.first);
+                Piece::Text(t, scored) => {
+                    let v = st.shape.delta(&t, &scored, None, st.first);
                     st.first = false;
                     return Some((v, st));
                 }
+                // A streamed request does not echo (refused when it asks).
+                Piece::Prompt(_) => {}
                 Piece::End { finish, usage } => {
                     st.done = true;
                     // `pending` pops from the end: last first.
                     if include_usage {
                         st.pending.push(st.shape.usage_chunk(usage));
                     }
-                    let last = st.shape.delta("", Some(finish), st.first);
+                    let last = st.shape.delta("", &[], Some(finish), st.first);
                     st.pending.push(last);
                 }
                 Piece::Error(e) => {

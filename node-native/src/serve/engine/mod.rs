@@ -32,7 +32,7 @@ use node_core::learn::{
 use node_core::mesh::{MeshInfo, MeshResponse, ModelManifest, Usage};
 use node_core::model::{
     BatchLimits, Ended, Entry, GenerateOptions, LeaderWeights, Llama, ModelError, SamplingParams,
-    StopReason,
+    StopReason, TokenLogprob,
 };
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::{mpsc, oneshot};
@@ -143,13 +143,44 @@ pub struct GenRequest {
     pub caller: String,
     /// That caller's learning budget.
     pub budget: node_core::learn::Budget,
+    /// What it asks beyond its tokens: log-probabilities, a constraint on its output.
+    pub asks: Asks,
+}
+
+/// What a request asks beyond its tokens; by default nothing, and nothing is paid for.
+#[derive(Debug, Clone, Default)]
+pub struct Asks {
+    /// Each generated token's log-probability, with this many likeliest alternatives.
+    pub logprobs: Option<usize>,
+    /// The prompt's log-probabilities too, with this many alternatives (a completion's `echo`).
+    pub echo: Option<usize>,
+    /// What its output must follow: each sequence builds its own from it.
+    pub constraint: Option<Constrain>,
+}
+
+/// Builds a request's constraint ([`node_core::model::TokenConstraint`]) for its sequence,
+/// from the start of its grammar; why not, when it cannot.
+#[derive(Clone)]
+pub struct Constrain(pub Arc<ConstraintBuilder>);
+
+/// What [`Constrain`] calls.
+pub type ConstraintBuilder =
+    dyn Fn() -> Result<Box<dyn node_core::model::TokenConstraint>, String> + Send + Sync;
+
+impl std::fmt::Debug for Constrain {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Constrain")
+    }
 }
 
 /// What a request's submitter hears, in order: tokens, then one `Done` or `Failed`.
 #[derive(Debug, Clone)]
 pub enum Event {
-    /// The next generated token.
-    Token(u32),
+    /// The next generated token, with its log-probability when they were asked for.
+    Token(u32, Option<TokenLogprob>),
+    /// The prompt's log-probabilities (each token after the first), when the request asked
+    /// for them ([`Asks::echo`]); before `Done`.
+    Prompt(Vec<TokenLogprob>),
     /// The request finished.
     Done(Finished),
     /// The request could not be served.

@@ -18,6 +18,7 @@ fn job(prompt: u32) -> (Job, mpsc::UnboundedReceiver<Event>) {
             capacity: node_core::learn::BUDGET_TOKENS,
             refill_per_s: node_core::learn::BUDGET_REFILL_PER_S,
         },
+        asks: Asks::default(),
     };
     let job = Job {
         id: u64::from(prompt),

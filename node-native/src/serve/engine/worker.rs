@@ -175,6 +175,20 @@ impl Worker {
                 self.intake.hold(job);
                 break;
             }
+            let constraint = job
+                .req
+                .asks
+                .constraint
+                .as_ref()
+                .map(|c| (c.0)())
+                .transpose();
+            let constraint = match constraint {
+                Ok(c) => c,
+                Err(why) => {
+                    let _ = job.events.send(Event::Failed(EngineError::Failed(why)));
+                    continue;
+                }
+            };
             let opts = GenerateOptions {
                 max_tokens: job.req.max_tokens,
                 sampling: job.req.sampling,
@@ -182,14 +196,26 @@ impl Worker {
                 draft: self.lead.ctx.cfg.draft,
             };
             let prompt = job.req.prompt.clone();
+            let asks = (job.req.asks.logprobs, job.req.asks.echo);
             let served = Served {
                 job,
                 first_token: None,
             };
             match self.lead.leader.admit(served, prompt, opts) {
                 Ok(()) => {
-                    let last = self.lead.leader.batch().entries().last();
-                    last.inspect(|e| e.job.job.span.in_scope(|| tracing::debug!("admitted")));
+                    let Some(last) = self.lead.leader.batch_mut().entries_mut().last_mut() else {
+                        continue;
+                    };
+                    if let Some(top) = asks.0 {
+                        last.step.want_logprobs(top);
+                    }
+                    if let Some(top) = asks.1 {
+                        last.step.want_echo(top);
+                    }
+                    if let Some(c) = constraint {
+                        last.step.constrain(c);
+                    }
+                    last.job.job.span.in_scope(|| tracing::debug!("admitted"));
                 }
                 Err((served, e)) => {
                     let _ = served
@@ -237,7 +263,7 @@ impl Worker {
     pub(super) async fn step(&mut self) {
         self.lead.steps += 1;
         let (m, shared) = (self.lead.ctx.metrics.clone(), self.shared.clone());
-        let stepped = node_core::lead::step(&mut self.lead, |s, next| {
+        let stepped = node_core::lead::step_scored(&mut self.lead, |s, next, scored| {
             if s.first_token.is_none() {
                 let t = s.job.arrived.elapsed();
                 s.first_token = Some(t);
@@ -245,9 +271,15 @@ impl Worker {
             }
             m.tokens_generated.inc();
             shared.record_token();
-            s.job.events.send(Event::Token(next)).is_ok()
+            s.job.events.send(Event::Token(next, scored)).is_ok()
         })
         .await;
+        // The prompt's log-probabilities of the sequences whose first pass just ran.
+        for e in self.lead.leader.batch_mut().entries_mut() {
+            if let Some(scored) = e.step.take_prompt_logprobs() {
+                let _ = e.job.job.events.send(Event::Prompt(scored));
+            }
+        }
         match stepped {
             Ok(Stepped::Took(took)) => {
                 m.draft_tokens.inc_by(took.drafted as u64);
@@ -275,7 +307,10 @@ impl Worker {
     }
 
     /// Ends a sequence: tells its submitter, counts it, and hands it to the trainer.
-    pub(super) async fn finish(&mut self, seq: Seq, stop: StopReason) {
+    pub(super) async fn finish(&mut self, mut seq: Seq, stop: StopReason) {
+        if let Some(scored) = seq.step.take_prompt_logprobs() {
+            let _ = seq.job.job.events.send(Event::Prompt(scored));
+        }
         if let Some(hop) = self.lead.hop.leader.as_mut() {
             hop.forget(seq.job.job.id);
         }
