@@ -51,7 +51,9 @@ fn a_taught_passage_is_learnt_and_a_poisoner_is_stopped_by_the_canary_gate() -> 
         learning,
         GARBAGE,
         14,
-        (true, REHEARSAL_TOKENS),
+        // The gate itself: a trainer that rehearses general text keeps the canary down
+        // while the garbage is learnt like any text (docs/coding.md, "Facts and rehearsal").
+        (true, 0),
         |_, _, _| {},
     )?;
     let (g0, g1) = ppl(poisoned.taught);
