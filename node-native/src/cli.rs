@@ -307,6 +307,21 @@ pub(crate) struct BenchArgs {
     /// Times the poisoner sends its garbage (with --learning; 0 skips it).
     #[arg(long, default_value_t = 100)]
     pub(crate) poison: usize,
+    /// With --learning: mention this many made-up facts (at most 5, texts/facts.json) in
+    /// chats instead of teaching a passage, then ask each question greedily.
+    #[arg(long, default_value_t = 0)]
+    pub(crate) facts: usize,
+    /// Chats that mention each fact (with --facts).
+    #[arg(long, default_value_t = 20)]
+    pub(crate) chats_per_fact: usize,
+    /// Chats a trainer's minibatch holds (with --facts; `up`'s trainer gathered about ten
+    /// in the learning bench).
+    #[arg(long, default_value_t = 10)]
+    pub(crate) per_round: usize,
+    /// Positions of general text the trainer rehearses a minibatch, as `up`'s does (with
+    /// --learning; 0: none).
+    #[arg(long, default_value_t = node_core::learn::REHEARSAL_TOKENS)]
+    pub(crate) rehearse: usize,
     /// Learning rate of the mesh measured (with --learning); default: the optimizer's.
     #[arg(long)]
     pub(crate) lr: Option<f32>,
@@ -334,7 +349,7 @@ pub(crate) struct DilocoArgs {
     /// Outer learning rate of a trainer's rounds; default 1.
     #[arg(long)]
     pub(crate) outer_lr: Option<f32>,
-    /// Outer Nesterov momentum of a trainer's rounds; default 0.
+    /// Outer Nesterov momentum of a trainer's rounds; default 0.5 with Adam.
     #[arg(long)]
     pub(crate) outer_momentum: Option<f32>,
 }

@@ -174,6 +174,23 @@ fn run_learning_bench(args: &BenchArgs, model: &load::LoadedModel) -> Result<()>
             None => eprintln!("{what} {i}: loss {loss:.4}"),
         }
     };
+    if args.facts > 0 {
+        use node_native::bench::facts;
+        let taught = facts::teach_facts(
+            &model.weights,
+            &model.tokenizer,
+            format,
+            (n, k),
+            learning,
+            &facts::facts(args.facts)?,
+            (args.chats_per_fact, args.per_round),
+            (!args.no_gate, args.rehearse),
+            log("round"),
+        )?;
+        rows.extend(facts::facts_rows(&taught, args.chats_per_fact));
+        node_native::bench::print_table(&rows);
+        return Ok(());
+    }
     let taught = learning::teach_in_process(
         &model.weights,
         &model.tokenizer,
@@ -182,7 +199,7 @@ fn run_learning_bench(args: &BenchArgs, model: &load::LoadedModel) -> Result<()>
         learning,
         learning::TAUGHT,
         args.exposures,
-        !args.no_gate,
+        (!args.no_gate, args.rehearse),
         log("taught"),
     )?;
     rows.extend(learning::taught_rows("taught", &taught, args.exposures));
@@ -195,7 +212,7 @@ fn run_learning_bench(args: &BenchArgs, model: &load::LoadedModel) -> Result<()>
             learning,
             learning::GARBAGE,
             args.poison,
-            !args.no_gate,
+            (!args.no_gate, args.rehearse),
             log("poison"),
         )?;
         rows.extend(learning::taught_rows("poison", &poisoned, args.poison));

@@ -26,7 +26,9 @@ pub const MAX_CANARY_STEP: f64 = 0.01;
 
 /// Most the canary loss may rise above the mesh's reference (the manifest's, measured at
 /// genesis; a gate without one counts from the first loss it measured), in nats per token
-/// (a 3 % perplexity rise), over all updates of every trainer.
+/// (a 3 % perplexity rise), over all updates of every trainer. A trainer's gate also counts it
+/// from the lowest loss it has measured since, so a canary that rehearsal brought down leaves
+/// no more room for harm than the genesis model had.
 pub const MAX_CANARY_DRIFT: f64 = 0.03;
 
 /// The canary's tokens as `tokenizer` cuts them (the first [`CANARY_TOKENS`]).
@@ -56,6 +58,9 @@ pub struct Verdict {
     /// What drift is counted from: the mesh's reference loss, or without one the first
     /// canary loss this gate measured.
     pub baseline: f64,
+    /// What this gate counted drift from: the lower of `baseline` and the lowest canary loss
+    /// it measured since.
+    pub floor: f64,
     /// Whether the update may be published.
     pub pass: bool,
 }
@@ -76,8 +81,8 @@ impl Verdict {
             return None;
         }
         Some(format!(
-            "the canary loss would go {:.4} → {:.4} nats (counted from {:.4}; at most +{MAX_CANARY_STEP} an update, +{MAX_CANARY_DRIFT} in all)",
-            self.before, self.after, self.baseline
+            "the canary loss would go {:.4} → {:.4} nats (counted from {:.4}, the mesh's reference {:.4}; at most +{MAX_CANARY_STEP} an update, +{MAX_CANARY_DRIFT} in all)",
+            self.before, self.after, self.floor, self.baseline
         ))
     }
 }
@@ -90,6 +95,8 @@ pub struct CanaryGate {
     /// Most one update may raise the loss, and most it may rise in all.
     bounds: (f64, f64),
     baseline: Option<f64>,
+    /// The lowest canary loss measured (or passed) at any version.
+    lowest: Option<f64>,
     at: Option<([u8; 32], f64)>,
 }
 
@@ -103,6 +110,7 @@ impl CanaryGate {
             tokens,
             bounds: (MAX_CANARY_STEP, MAX_CANARY_DRIFT),
             baseline: reference,
+            lowest: None,
             at: None,
         }
     }
@@ -129,6 +137,7 @@ impl CanaryGate {
         }
         let loss = llama.sequence_loss(exec, &self.tokens).await?;
         self.baseline.get_or_insert(loss);
+        self.seen(loss);
         self.at = Some((version, loss));
         Ok(loss)
     }
@@ -152,13 +161,14 @@ impl CanaryGate {
             .sequence_loss(&mut pending, &self.tokens)
             .await?;
         let baseline = self.baseline.unwrap_or(before);
-        let pass = after.is_finite()
-            && after - before <= self.bounds.0
-            && after - baseline <= self.bounds.1;
+        let floor = self.lowest.map_or(baseline, |l| l.min(baseline));
+        let pass =
+            after.is_finite() && after - before <= self.bounds.0 && after - floor <= self.bounds.1;
         Ok(Verdict {
             before,
             after,
             baseline,
+            floor,
             pass,
         })
     }
@@ -166,7 +176,15 @@ impl CanaryGate {
     /// Remembers the canary loss the mesh has at `version`, once an update that was judged
     /// to give `loss` took it there.
     pub fn moved_to(&mut self, version: [u8; 32], loss: f64) {
+        self.seen(loss);
         self.at = Some((version, loss));
+    }
+
+    /// Remembers `loss` if it is the lowest measured.
+    fn seen(&mut self, loss: f64) {
+        if loss.is_finite() {
+            self.lowest = Some(self.lowest.map_or(loss, |l| l.min(loss)));
+        }
     }
 }
 
@@ -325,5 +343,39 @@ impl<E: LinearExec> LinearExec for Pending<'_, E> {
             }
         }
         Ok(e)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // a test: a failed unwrap is a failed test
+
+    use futures::executor::block_on;
+
+    use super::*;
+    use crate::learn::fixtures::{canary, setup, teacher};
+
+    #[test]
+    fn drift_counts_from_the_lowest_canary_loss_the_gate_has_seen() {
+        let (llama, mut group, [grads, _]) = setup();
+        let update = teacher(None).fold(grads).unwrap().unwrap().update;
+        let now =
+            block_on(CanaryGate::new(canary(), None).loss_at(&llama, &mut group, [0; 32])).unwrap();
+        // A mesh whose reference is well above the canary now: the update is within its drift.
+        let mut gate =
+            CanaryGate::new(canary(), Some(now + 1.0)).with_bounds(f64::INFINITY, MAX_CANARY_DRIFT);
+        let judge = |gate: &mut CanaryGate, group: &mut _, version| {
+            block_on(gate.judge(&llama, group, version, &update, ShardFormat::Q8)).unwrap()
+        };
+        let v = judge(&mut gate, &mut group, [0; 32]);
+        assert!(v.pass, "{:?}", v.refusal());
+        assert_eq!((v.baseline, v.floor), (now + 1.0, now));
+        // Once the gate saw the mesh a nat lower, the same change is far from that: refused,
+        // while the claim still names the mesh's reference.
+        gate.moved_to([1; 32], now - 1.0);
+        let v = judge(&mut gate, &mut group, [1; 32]);
+        assert!(!v.pass, "drift was counted from {}", v.floor);
+        assert_eq!((v.baseline, v.floor), (now + 1.0, now - 1.0));
+        assert!(v.refusal().unwrap().contains("counted from"));
     }
 }

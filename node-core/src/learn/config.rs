@@ -64,7 +64,7 @@ pub const DEFAULT_INNER_STEPS: u32 = 4;
 pub const DEFAULT_OUTER_LR: f32 = 1.0;
 
 /// DiLoCo's default outer Nesterov momentum.
-pub const DEFAULT_OUTER_MOMENTUM: f32 = 0.0;
+pub const DEFAULT_OUTER_MOMENTUM: f32 = 0.5;
 
 impl Default for LearningConfig {
     fn default() -> Self {
@@ -93,6 +93,7 @@ impl LearningConfig {
         };
         if optimizer == Optimizer::Sgd {
             cfg.inner_steps = 1;
+            cfg.outer_momentum = 0.0;
         }
         cfg
     }
@@ -199,7 +200,10 @@ mod tests {
         let ok = LearningConfig::default();
         ok.validate().unwrap();
         assert!(ok.diloco());
-        assert_eq!(ok.adapter_reach(), f64::from(DEFAULT_INNER_STEPS));
+        // H steps, their outer step and its momentum: H · lr_out / (1 − μ).
+        let reach = f64::from(DEFAULT_INNER_STEPS) * f64::from(DEFAULT_OUTER_LR)
+            / (1.0 - f64::from(DEFAULT_OUTER_MOMENTUM));
+        assert!((ok.adapter_reach() - reach).abs() < 1e-9);
         // What a manifest from a peer may claim is bounded before anything trusts it.
         for bad in [
             LearningConfig {

@@ -37,7 +37,10 @@ pub use signed::{GateClaim, Header, Signed, Signer, open, seal};
 /// A small coded model, its gradients and teachers, for the tests of what leaders do with them.
 #[cfg(test)]
 pub(crate) use teacher::tests as fixtures;
-pub use teacher::{BACKOFFS, Judged, Studied, TeachError, Teacher};
+pub use teacher::{
+    BACKOFFS, Judged, REHEARSAL_TEXT, REHEARSAL_TOKENS, Studied, TeachError, Teacher,
+    rehearsal_tokens,
+};
 
 use crate::coded::{CodedError, Projection, Shard, ShardFormat, ShardSet, ShardValues};
 use crate::compute::cpu::dot_f64;

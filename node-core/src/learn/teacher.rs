@@ -6,7 +6,7 @@
 
 use super::{AdapterSums, CanaryGate, Learner, Pending, Published, Update, UpdateError, Verdict};
 use crate::coded::ShardFormat;
-use crate::model::{Gradients, LinearExec, Llama, ModelError};
+use crate::model::{Gradients, LinearExec, Llama, ModelError, Tokenizer};
 
 /// Most times a DiLoCo round the canary gate refuses is halved and judged again.
 pub const BACKOFFS: u32 = 3;
@@ -41,6 +41,28 @@ pub struct Teacher {
     learner: Learner,
     gate: Option<CanaryGate>,
     format: ShardFormat,
+    rehearsal: Option<Rehearsal>,
+}
+
+/// General text a trainer mixes into every minibatch, a window at a time, so what users teach
+/// does not wear away what the model knew (docs/coding.md, "Facts and rehearsal").
+#[derive(Debug, Clone)]
+struct Rehearsal {
+    tokens: Vec<u32>,
+    window: usize,
+    next: usize,
+}
+
+/// The general prose a trainer rehearses ([`Teacher::with_rehearsal`]): none of it the canary,
+/// a test's taught passage or the learning bench's held-out text.
+pub const REHEARSAL_TEXT: &str = include_str!("rehearsal.txt");
+
+/// Positions of rehearsal text a minibatch takes.
+pub const REHEARSAL_TOKENS: usize = 64;
+
+/// The rehearsal text as `tokenizer` cuts it.
+pub fn rehearsal_tokens(tokenizer: &Tokenizer) -> Result<Vec<u32>, ModelError> {
+    tokenizer.encode(REHEARSAL_TEXT)
 }
 
 /// What the gate made of a due update.
@@ -60,7 +82,30 @@ impl Teacher {
             learner,
             gate,
             format,
+            rehearsal: None,
         }
+    }
+
+    /// The same teacher mixing a `window` of `tokens` (the rehearsal text as the model's
+    /// tokenizer cuts it), the next each time, into every minibatch it trains on.
+    pub fn with_rehearsal(mut self, tokens: Vec<u32>, window: usize) -> Self {
+        self.rehearsal = (window >= 2 && tokens.len() >= window).then_some(Rehearsal {
+            tokens,
+            window,
+            next: 0,
+        });
+        self
+    }
+
+    /// The next window of rehearsal text, if the teacher rehearses.
+    fn rehearse(&mut self) -> Option<Vec<u32>> {
+        let r = self.rehearsal.as_mut()?;
+        if r.next + r.window > r.tokens.len() {
+            r.next = 0;
+        }
+        let window = r.tokens[r.next..r.next + r.window].to_vec();
+        r.next += r.window;
+        Some(window)
     }
 
     /// Folds one request's (or minibatch's) gradient in; the update when one is due.
@@ -105,6 +150,15 @@ impl Teacher {
         seqs: &[&[u32]],
         requests: usize,
     ) -> Result<Studied, TeachError> {
+        let rehearsed = self.rehearse();
+        let mixed: Vec<&[u32]>;
+        let seqs = match &rehearsed {
+            Some(r) => {
+                mixed = seqs.iter().copied().chain([r.as_slice()]).collect();
+                &mixed[..]
+            }
+            None => seqs,
+        };
         let Some(inner) = self.learner.inner_steps() else {
             // With Adam on the adapters each stage's gradient is summed as it is made, so the
             // pass keeps none of its factors (the leader's memory, docs/models.md).
@@ -393,5 +447,34 @@ pub(crate) mod tests {
         let gate = t.gate.as_mut().unwrap();
         let at = block_on(gate.loss_at(&llama, &mut group, [1; 32])).unwrap();
         assert_eq!(at, verdict.after);
+    }
+
+    #[test]
+    fn a_rehearsing_teacher_mixes_the_next_window_of_general_text_into_every_minibatch() {
+        let (llama, mut group, _) = setup();
+        let taught: Vec<u32> = (0..12).map(|i| (i * 7 % 96) as u32).collect();
+        let general: Vec<u32> = (0..20).map(|i| (i * 3 % 96) as u32).collect();
+        let mut plain = teacher(None);
+        let mut rehearsing = teacher(None).with_rehearsal(general.clone(), 8);
+        let alone = block_on(plain.learn(&llama, &mut group, &[&taught], 1)).unwrap();
+        let mixed = block_on(rehearsing.learn(&llama, &mut group, &[&taught], 1)).unwrap();
+        // The window is trained on beside the minibatch: more positions, another update.
+        assert!(
+            mixed.positions > alone.positions,
+            "no rehearsal was trained on"
+        );
+        assert!(mixed.due != alone.due, "the rehearsal changed nothing");
+        // The next window each minibatch, from the start again past the text's end.
+        assert_eq!(rehearsing.rehearsal.as_ref().unwrap().next, 8);
+        block_on(rehearsing.learn(&llama, &mut group, &[&taught], 1)).unwrap();
+        assert_eq!(rehearsing.rehearsal.as_ref().unwrap().next, 16);
+        assert_eq!(rehearsing.rehearse().unwrap(), general[..8]);
+        // A text shorter than its window rehearses nothing.
+        assert!(
+            teacher(None)
+                .with_rehearsal(general, 21)
+                .rehearsal
+                .is_none()
+        );
     }
 }

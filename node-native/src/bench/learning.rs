@@ -48,99 +48,211 @@ pub struct Taught {
     pub seconds_per_exposure: f64,
 }
 
-/// Teaches `text` `exposures` times to an in-process mesh of `k` of `n` rows of `format`,
-/// with `learning`; every update goes through the canary gate before the rows take it.
-#[allow(clippy::too_many_arguments)] // one measurement's whole set-up
-pub fn teach_in_process(
-    weights: &ModelWeights,
-    tokenizer: &Tokenizer,
-    format: ShardFormat,
-    (n, k): (usize, usize),
+/// An in-process mesh that learns: `k` of `n` rows of one coded group, the leader's norm
+/// gains, and a teacher whose updates go through the canary gate and into every row as nodes
+/// take them.
+#[derive(Debug)]
+pub struct Classroom {
+    cfg: node_core::model::LlamaConfig,
     learning: LearningConfig,
-    text: &str,
-    exposures: usize,
-    gated: bool,
-    mut each: impl FnMut(usize, f64, Option<&node_core::learn::Verdict>),
-) -> Result<Taught> {
-    let cfg = weights.cfg.clone();
-    let g = format.code(n, k)?;
-    let mesh = InProcess::encode(weights, &g, format, &|_, _| {})?;
-    let nodes = select_nodes(&g, &(0..n).collect::<Vec<_>>())?.nodes;
-    let mut group = CodedGroup::new(cfg.clone(), g, &nodes, mesh)?;
-    let mut norms = LeaderWeights::from_model(weights);
-    let tokens = |s: &str| -> Result<Vec<u32>> {
-        let mut t = tokenizer.encode(s.trim())?;
-        t.truncate(cfg.max_seq.min(node_core::learn::MAX_POSITIONS));
-        Ok(t)
-    };
-    let (taught, held, canary) = (tokens(text)?, tokens(HELD_OUT)?, tokens(CANARY_TEXT)?);
-    // The gate counts drift from the first loss it measures, as the model was at the start.
-    let mut gate = CanaryGate::new(canary.clone(), None);
-    if !gated {
-        gate = gate.with_bounds(f64::INFINITY, f64::INFINITY);
+    format: ShardFormat,
+    group: CodedGroup<InProcess>,
+    norms: LeaderWeights,
+    teacher: Teacher,
+    version: [u8; 32],
+    /// Updates published, refused, and the bytes of those published.
+    published: usize,
+    refused: usize,
+    bytes: usize,
+}
+
+impl Classroom {
+    /// `weights` coded into `n` rows of `format`, `k` of them computing, learning with
+    /// `learning`; `gate` judges every update (`None`: every update is taken).
+    pub fn new(
+        weights: &ModelWeights,
+        format: ShardFormat,
+        (n, k): (usize, usize),
+        learning: LearningConfig,
+        gate: Option<CanaryGate>,
+    ) -> Result<Self> {
+        let cfg = weights.cfg.clone();
+        let g = format.code(n, k)?;
+        let mesh = InProcess::encode(weights, &g, format, &|_, _| {})?;
+        let nodes = select_nodes(&g, &(0..n).collect::<Vec<_>>())?.nodes;
+        let group = CodedGroup::new(cfg.clone(), g, &nodes, mesh)?;
+        let learner = Learner::new(learning, cfg.clone(), format);
+        Ok(Self {
+            norms: LeaderWeights::from_model(weights),
+            teacher: Teacher::new(learner, gate, format),
+            cfg,
+            learning,
+            format,
+            group,
+            version: Shelf::version(0),
+            published: 0,
+            refused: 0,
+            bytes: 0,
+        })
     }
-    let losses = |llama: &Llama, group: &mut CodedGroup<InProcess>| -> Result<[f64; 3]> {
-        let mut l = [0.0; 3];
-        for (out, t) in l.iter_mut().zip([&taught, &held, &canary]) {
-            *out = futures::executor::block_on(llama.sequence_loss(group, t))?;
-        }
-        Ok(l)
-    };
-    let before = losses(&Llama::new(cfg.clone(), norms.clone())?, &mut group)?;
-    let learner = Learner::new(learning, cfg.clone(), format);
-    let mut teacher = Teacher::new(learner, Some(gate), format);
-    let (mut published, mut refused, mut bytes) = (0usize, 0usize, 0usize);
-    let mut version = Shelf::version(0);
-    let started = Instant::now();
-    for i in 0..exposures {
-        let llama = Llama::new(cfg.clone(), norms.clone())?;
-        let studied =
-            futures::executor::block_on(teacher.learn(&llama, &mut group, &[&taught], 1))?;
-        let loss = studied.loss;
+
+    /// The leader of the model as the rows hold it now.
+    fn llama(&self) -> Result<Llama> {
+        Ok(Llama::new(self.cfg.clone(), self.norms.clone())?)
+    }
+
+    /// The same classroom's trainer rehearsing `window` tokens of `tokens` a minibatch
+    /// ([`Teacher::with_rehearsal`]).
+    pub fn rehearsing(mut self, tokens: Vec<u32>, window: usize) -> Self {
+        self.teacher = self.teacher.with_rehearsal(tokens, window);
+        self
+    }
+
+    /// Updates the rows took.
+    pub fn published(&self) -> usize {
+        self.published
+    }
+
+    /// Updates the gate refused.
+    pub fn refused(&self) -> usize {
+        self.refused
+    }
+
+    /// The mean loss of `tokens` on the model as it is now (nats per predicted token).
+    pub fn loss(&mut self, tokens: &[u32]) -> Result<f64> {
+        let llama = self.llama()?;
+        Ok(futures::executor::block_on(
+            llama.sequence_loss(&mut self.group, tokens),
+        )?)
+    }
+
+    /// The greedy completion of `prompt` (at most `max_tokens`, ending at `stop`).
+    pub fn complete(
+        &mut self,
+        prompt: &[u32],
+        max_tokens: usize,
+        stop: &[u32],
+    ) -> Result<Vec<u32>> {
+        let llama = self.llama()?;
+        let opts = node_core::model::GenerateOptions {
+            max_tokens,
+            sampling: node_core::model::SamplingParams::default(),
+            stop_ids: stop.to_vec(),
+            draft: 0,
+        };
+        let g = node_core::lead::generate(&llama, &mut self.group, prompt, &opts, &mut |_| true)?;
+        Ok(g.tokens)
+    }
+
+    /// Trains on one minibatch (`seqs`, from `requests` requests): its loss before, and the
+    /// gate's verdict on the update that fell due (taken by every row when it passed).
+    pub fn lesson(
+        &mut self,
+        seqs: &[&[u32]],
+        requests: usize,
+    ) -> Result<(f64, Option<node_core::learn::Verdict>)> {
+        let llama = self.llama()?;
+        let studied = futures::executor::block_on(self.teacher.learn(
+            &llama,
+            &mut self.group,
+            seqs,
+            requests,
+        ))?;
         let Some(p) = studied.due else {
-            each(i, loss, None);
-            continue;
+            return Ok((studied.loss, None));
         };
         // The bench's rows take a passed update once the gate is done with the group.
         let mut shelf = Shelf {
-            next: published as u64 + 1,
+            next: self.published as u64 + 1,
         };
-        let settled = settle(&mut teacher, &llama, &mut group, version, p, &mut shelf);
+        let settled = settle(
+            &mut self.teacher,
+            &llama,
+            &mut self.group,
+            self.version,
+            p,
+            &mut shelf,
+        );
         match futures::executor::block_on(settled) {
             Settled::Published {
                 sent: wire,
                 verdict,
                 ..
             } => {
-                each(i, loss, verdict.as_ref());
-                bytes += wire.len();
+                self.bytes += wire.len();
                 let update = node_core::learn::Update::decode(&wire)?;
-                update.validate_for(&cfg, &learning, format)?;
-                for m in group.transport_mut().members_mut() {
+                update.validate_for(&self.cfg, &self.learning, self.format)?;
+                for m in self.group.transport_mut().members_mut() {
                     m.learn(|s| update.apply_to_shards(s))
                         .context("a row taking the update")?;
                 }
-                update.apply_to_norms(&mut norms);
-                published += 1;
-                version = Shelf::version(published as u64);
+                update.apply_to_norms(&mut self.norms);
+                self.published += 1;
+                self.version = Shelf::version(self.published as u64);
+                Ok((studied.loss, verdict))
             }
             Settled::Refused(_, verdict) => {
-                each(i, loss, Some(&verdict));
-                refused += 1;
+                self.refused += 1;
+                Ok((studied.loss, Some(verdict)))
             }
             Settled::Unjudged(why) | Settled::Lost(why) => bail!("an update was lost: {why}"),
         }
     }
+}
+
+/// Teaches `text` `exposures` times to an in-process mesh of `k` of `n` rows of `format`,
+/// with `learning`, its trainer rehearsing `rehearse` positions of general text a minibatch;
+/// every update goes through the canary gate (unless not `gated`) before the rows take it.
+#[allow(clippy::too_many_arguments)] // one measurement's whole set-up
+pub fn teach_in_process(
+    weights: &ModelWeights,
+    tokenizer: &Tokenizer,
+    format: ShardFormat,
+    shape: (usize, usize),
+    learning: LearningConfig,
+    text: &str,
+    exposures: usize,
+    (gated, rehearse): (bool, usize),
+    mut each: impl FnMut(usize, f64, Option<&node_core::learn::Verdict>),
+) -> Result<Taught> {
+    let tokens = |s: &str| -> Result<Vec<u32>> {
+        let mut t = tokenizer.encode(s.trim())?;
+        t.truncate(weights.cfg.max_seq.min(node_core::learn::MAX_POSITIONS));
+        Ok(t)
+    };
+    let (taught, held, canary) = (tokens(text)?, tokens(HELD_OUT)?, tokens(CANARY_TEXT)?);
+    let mut room = Classroom::new(weights, format, shape, learning, gate(&canary, gated))?
+        .rehearsing(node_core::learn::rehearsal_tokens(tokenizer)?, rehearse);
+    let losses = |room: &mut Classroom| -> Result<[f64; 3]> {
+        Ok([room.loss(&taught)?, room.loss(&held)?, room.loss(&canary)?])
+    };
+    let before = losses(&mut room)?;
+    let started = Instant::now();
+    for i in 0..exposures {
+        let (loss, verdict) = room.lesson(&[&taught], 1)?;
+        each(i, loss, verdict.as_ref());
+    }
     let seconds = started.elapsed().as_secs_f64();
-    let after = losses(&Llama::new(cfg.clone(), norms)?, &mut group)?;
+    let after = losses(&mut room)?;
     Ok(Taught {
         taught: (before[0], after[0]),
         held_out: (before[1], after[1]),
         canary: (before[2], after[2]),
-        published,
-        refused,
-        update_bytes: bytes / published.max(1),
+        published: room.published,
+        refused: room.refused,
+        update_bytes: room.bytes / room.published.max(1),
         seconds_per_exposure: seconds / exposures.max(1) as f64,
+    })
+}
+
+/// The canary gate a bench's mesh judges with, counting drift from the first loss it
+/// measures (the model at the start); `gated` false measures without refusing.
+pub(crate) fn gate(canary: &[u32], gated: bool) -> Option<CanaryGate> {
+    let gate = CanaryGate::new(canary.to_vec(), None);
+    Some(if gated {
+        gate
+    } else {
+        gate.with_bounds(f64::INFINITY, f64::INFINITY)
     })
 }
 

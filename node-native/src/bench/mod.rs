@@ -1,6 +1,7 @@
 //! `codedmesh bench`: kernel bandwidth next to a memory copy, and model tokens/s uncoded and coded.
 
 pub mod apistream;
+pub mod facts;
 pub mod gpu;
 pub mod learning;
 pub mod localmesh;

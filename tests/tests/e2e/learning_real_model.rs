@@ -5,6 +5,7 @@
 //! stopped by the gate before the held-out text suffers.
 
 use node_core::coded::ShardFormat;
+use node_core::learn::REHEARSAL_TOKENS;
 use node_core::mesh::LearningConfig;
 use node_native::bench::learning::{GARBAGE, HELD_OUT, TAUGHT, teach_in_process};
 use tests::real_model;
@@ -27,7 +28,7 @@ fn a_taught_passage_is_learnt_and_a_poisoner_is_stopped_by_the_canary_gate() -> 
         learning,
         TAUGHT,
         3,
-        true,
+        (true, REHEARSAL_TOKENS),
         |_, _, _| {},
     )?;
     let (t0, t1) = ppl(taught.taught);
@@ -50,7 +51,9 @@ fn a_taught_passage_is_learnt_and_a_poisoner_is_stopped_by_the_canary_gate() -> 
         learning,
         GARBAGE,
         14,
-        true,
+        // The gate itself: a trainer that rehearses general text keeps the canary down
+        // while the garbage is learnt like any text (docs/coding.md, "Facts and rehearsal").
+        (true, 0),
         |_, _, _| {},
     )?;
     let (g0, g1) = ppl(poisoned.taught);

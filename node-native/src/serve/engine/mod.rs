@@ -27,7 +27,8 @@ use libp2p::PeerId;
 use node_core::lead::Stepped;
 use node_core::lead::training::Turns;
 use node_core::learn::{
-    Budgets, CanaryGate, GateClaim, Learner, Published, TeachError, Teacher, Verdict, canary_tokens,
+    Budgets, CanaryGate, GateClaim, Learner, Published, REHEARSAL_TOKENS, TeachError, Teacher,
+    Verdict, canary_tokens, rehearsal_tokens,
 };
 use node_core::mesh::{MeshInfo, MeshResponse, ModelManifest, Usage};
 use node_core::model::{
@@ -336,6 +337,7 @@ impl Engine {
         if learns {
             let mut lead = Lead::new(ctx.clone(), trace.clone(), PassRoute::Rounds);
             lead.yield_to = Some(shared.clone());
+            let tokenizer = node_core::model::Tokenizer::from_data(&ctx.manifest.tokenizer)?;
             let trainer = Trainer {
                 lead,
                 teacher: Teacher::new(
@@ -345,13 +347,12 @@ impl Engine {
                         ctx.manifest.format,
                     ),
                     Some(CanaryGate::new(
-                        canary_tokens(&node_core::model::Tokenizer::from_data(
-                            &ctx.manifest.tokenizer,
-                        )?)?,
+                        canary_tokens(&tokenizer)?,
                         ctx.manifest.canary_loss,
                     )),
                     ctx.manifest.format,
-                ),
+                )
+                .with_rehearsal(rehearsal_tokens(&tokenizer)?, REHEARSAL_TOKENS),
                 requests: train_rx,
                 publish: publish_tx,
                 backlog: backlog.clone(),

@@ -40,7 +40,10 @@ impl Trainer {
     /// names, a request comes, or serving goes quiet.
     pub(super) async fn run(mut self) {
         let shared = self.lead.yield_to.clone();
-        let mut schedule = Schedule::new(minibatch_tokens(&self.lead.ctx.manifest));
+        // Each minibatch also rehearses general text (`Teacher::with_rehearsal`) within the
+        // positions a pass may take.
+        let limit = minibatch_tokens(&self.lead.ctx.manifest).saturating_sub(REHEARSAL_TOKENS);
+        let mut schedule = Schedule::new(limit.max(2));
         loop {
             while let Ok(r) = self.requests.try_recv() {
                 schedule.arrived(r);
