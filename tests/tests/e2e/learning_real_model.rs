@@ -1,7 +1,8 @@
 //! Learning that learns, on the real model (SmolLM2-135M-Instruct) in compact rows of `up`'s
 //! two-core shape (k = 2 of 4, q8), with the mesh's default learning (DiLoCo rounds of Adam
-//! steps on the coded adapters) and the canary gate every leader runs: a passage sent a few times is learnt, text
-//! of another kind is not harmed, and a poisoner who sends the same garbage over and over is
+//! steps on the coded adapters, rehearsing general text) and the canary gate every leader
+//! runs: a passage sent a few times is learnt, text of another kind is not harmed, and a
+//! poisoner who sends the same garbage over and over to a trainer that does not rehearse is
 //! stopped by the gate before the held-out text suffers.
 
 use node_core::coded::ShardFormat;
@@ -34,8 +35,8 @@ fn a_taught_passage_is_learnt_and_a_poisoner_is_stopped_by_the_canary_gate() -> 
     let (t0, t1) = ppl(taught.taught);
     let (h0, h1) = ppl(taught.held_out);
     eprintln!("taught 3 times: perplexity {t0:.2} → {t1:.2}; held-out {h0:.2} → {h1:.2}");
-    // Measured (DiLoCo rounds of 4 inner steps): 51.9 → 8.85 (−83%), held-out −4.8%; one
-    // step an update gave −41%.
+    // Measured (`up`'s defaults: DiLoCo rounds of 4 inner steps, outer momentum 0.5, rehearsal):
+    // 51.9 → 6.49 (−87.5%), held-out −12.5%; one step an update gave −41%.
     assert!(
         t1 < 0.6 * t0,
         "the passage was not learnt: {t0:.2} → {t1:.2}"
@@ -62,8 +63,8 @@ fn a_taught_passage_is_learnt_and_a_poisoner_is_stopped_by_the_canary_gate() -> 
         "garbage 14 times: its perplexity {g0:.2} → {g1:.2}; held-out {h0:.2} → {h1:.2}; {} published, {} refused",
         poisoned.published, poisoned.refused
     );
-    // Measured: the first refusal at the 11th request, once the canary had risen 0.03 nats
-    // (the 41st with one Adam step an update).
+    // Measured: 8 published, then 6 refused once the canary had risen 0.03 nats; held-out
+    // 34.55 → 34.37.
     assert!(
         poisoned.refused > 0,
         "the gate let every garbage update through"
@@ -193,7 +194,8 @@ fn up_learns_a_passage_and_a_fact_its_api_is_told() -> anyhow::Result<()> {
         count("updates_refused_total")?
     );
     anyhow::ensure!(published >= 1.0, "no update was published");
-    // Measured (one run): passage 61.71 → 12.67, held-out −5.0%, the margin −0.357 → −0.257.
+    // Measured (one run, with rehearsal): passage 61.71 → 9.78, held-out −11.7%, the margin
+    // −0.357 → −0.232 (before rehearsal: 12.67, −5.0%, −0.257).
     anyhow::ensure!(
         t1 < 0.6 * t0,
         "the passage was not learnt: {t0:.2} → {t1:.2}"

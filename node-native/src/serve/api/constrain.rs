@@ -87,7 +87,7 @@ impl Grammars {
         let parser = llguidance::panic_utils::catch_unwind(std::panic::AssertUnwindSafe(|| {
             self.factory.create_parser(grammar)
         }));
-        let mut matcher = Matcher::new(parser);
+        let matcher = Matcher::new(parser);
         // The first mask here, so a schema that cannot start (or costs past the bounds at
         // once) is the request's 400 rather than its failure later.
         let first = matcher.deep_clone().compute_mask().map(|_| ());
@@ -98,7 +98,6 @@ impl Grammars {
             )
             .code("invalid_schema"));
         }
-        let _ = &mut matcher;
         let matcher = Arc::new(matcher);
         Ok(Some(Constrain(Arc::new(move || {
             Ok(Box::new(Grammar(matcher.deep_clone())) as Box<dyn TokenConstraint>)
