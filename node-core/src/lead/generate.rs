@@ -192,7 +192,7 @@ mod tests {
     use super::*;
     use crate::code::Generator;
     use crate::coded::{CodedGroup, InProcess, ShardFormat};
-    use crate::model::{LeaderWeights, ModelWeights, SamplingParams, TokenLogprob};
+    use crate::model::{LeaderWeights, ModelWeights, SamplingParams, TokenLogprob, log_softmax};
 
     fn config() -> LlamaConfig {
         LlamaConfig {
@@ -207,18 +207,6 @@ mod tests {
             tied_embeddings: false,
             ..LlamaConfig::small()
         }
-    }
-
-    /// log-softmax of one row, in f64.
-    fn log_softmax(row: &[f32]) -> Vec<f64> {
-        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-        let lse = max
-            + row
-                .iter()
-                .map(|&l| (l as f64 - max).exp())
-                .sum::<f64>()
-                .ln();
-        row.iter().map(|&l| l as f64 - lse).collect()
     }
 
     /// `t` is `row`'s log-softmax at its token and its `top` likeliest, sorted.

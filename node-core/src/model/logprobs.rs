@@ -74,10 +74,11 @@ pub trait TokenConstraint: Send + Sync + std::fmt::Debug {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn log_softmax(row: &[f32]) -> Vec<f64> {
+    /// log-softmax of one row, in f64.
+    pub(crate) fn log_softmax(row: &[f32]) -> Vec<f64> {
         let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
         let lse = max
             + row

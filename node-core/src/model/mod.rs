@@ -28,6 +28,8 @@ pub use generate::{
 pub use gguf_model::{GgufModel, ReadAt};
 pub use layers::{StageGrad, StageSink};
 pub use llama::{BatchItem, KvCache, Llama};
+#[cfg(test)]
+pub(crate) use logprobs::tests::log_softmax;
 pub use logprobs::{MAX_TOP_LOGPROBS, TokenConstraint, TokenLogprob, token_logprob};
 pub use sampling::{Sampler, SamplingDefaults, SamplingParams, argmax};
 pub use sequence::{Sequence, Taken};
