@@ -62,11 +62,7 @@ pub(crate) async fn run_generate_mesh(
                     Some(node_core::learn::CanaryGate::new(canary, m.canary_loss))
                 };
                 let learner = Learner::new(m.learning, m.cfg.clone(), m.format);
-                let rehearsal = node_core::learn::rehearsal_tokens(&leader.tokenizer)?;
-                teacher.insert(
-                    Teacher::new(learner, gate, m.format)
-                        .with_rehearsal(rehearsal, node_core::learn::REHEARSAL_TOKENS),
-                )
+                teacher.insert(Teacher::new(learner, gate, m.format).rehearsing(&leader.tokenizer)?)
             }
         };
         let started = std::time::Instant::now();

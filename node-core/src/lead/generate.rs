@@ -195,18 +195,7 @@ mod tests {
     use crate::model::{LeaderWeights, ModelWeights, SamplingParams, TokenLogprob, log_softmax};
 
     fn config() -> LlamaConfig {
-        LlamaConfig {
-            hidden: 64,
-            ffn: 160,
-            layers: 3,
-            heads: 4,
-            kv_heads: 2,
-            head_dim: 16,
-            vocab: 250,
-            max_seq: 64,
-            tied_embeddings: false,
-            ..LlamaConfig::small()
-        }
+        LlamaConfig::test_model()
     }
 
     /// `t` is `row`'s log-softmax at its token and its `top` likeliest, sorted.

@@ -97,6 +97,12 @@ impl Teacher {
         self
     }
 
+    /// The same teacher rehearsing as every trainer of a mesh does: [`REHEARSAL_TOKENS`] of
+    /// [`REHEARSAL_TEXT`] as `tokenizer` cuts it, a minibatch.
+    pub fn rehearsing(self, tokenizer: &Tokenizer) -> Result<Self, ModelError> {
+        Ok(self.with_rehearsal(rehearsal_tokens(tokenizer)?, REHEARSAL_TOKENS))
+    }
+
     /// The next window of rehearsal text, if the teacher rehearses.
     fn rehearse(&mut self) -> Option<Vec<u32>> {
         let r = self.rehearsal.as_mut()?;

@@ -86,6 +86,24 @@ impl Family {
 }
 
 impl LlamaConfig {
+    /// A coded test model's shape (64 wide, three blocks, 250 tokens, untied head): large
+    /// enough for every group of a small code to differ from the uncoded model, small enough
+    /// for a test.
+    pub fn test_model() -> Self {
+        Self {
+            hidden: 64,
+            ffn: 160,
+            layers: 3,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 16,
+            vocab: 250,
+            max_seq: 64,
+            tied_embeddings: false,
+            ..Self::small()
+        }
+    }
+
     /// A small model shape (8 wide, one block, 16 tokens) for tests and the fuzz targets.
     pub fn small() -> Self {
         Self {

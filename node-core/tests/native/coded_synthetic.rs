@@ -6,19 +6,8 @@ use node_core::model::{KvCache, LeaderWeights, Llama, LlamaConfig, ModelWeights}
 
 fn tiny_config(tied: bool) -> LlamaConfig {
     LlamaConfig {
-        hidden: 64,
-        ffn: 160,
-        layers: 3,
-        heads: 4,
-        kv_heads: 2,
-        head_dim: 16,
-        vocab: 250,
-        norm_eps: 1e-5,
-        rope_theta: 10_000.0,
-        max_seq: 64,
         tied_embeddings: tied,
-        family: node_core::model::Family::Llama,
-        rope_freq_factors: Vec::new(),
+        ..LlamaConfig::test_model()
     }
 }
 

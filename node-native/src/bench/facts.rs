@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use node_core::coded::ShardFormat;
-use node_core::learn::{CANARY_TEXT, Verdict};
+use node_core::learn::{Verdict, canary_tokens};
 use node_core::mesh::LearningConfig;
 use node_core::model::{ChatMessage, ModelWeights, Tokenizer};
 
@@ -119,8 +119,7 @@ pub fn teach_facts(
     mut each: impl FnMut(usize, f64, Option<&Verdict>),
 ) -> Result<FactsTaught> {
     let encode = |s: &str| -> Result<Vec<u32>> { Ok(tokenizer.encode(s.trim())?) };
-    let (held, canary) = (encode(HELD_OUT)?, encode(CANARY_TEXT)?);
-    let canary = canary[..canary.len().min(node_core::learn::CANARY_TOKENS)].to_vec();
+    let (held, canary) = (encode(HELD_OUT)?, canary_tokens(tokenizer)?);
     let mut room = Classroom::new(weights, format, shape, learning, gate(&canary, gated))?
         .rehearsing(node_core::learn::rehearsal_tokens(tokenizer)?, rehearse);
     let ask = |room: &mut Classroom, fact: &Fact| -> Result<(String, f64)> {

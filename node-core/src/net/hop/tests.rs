@@ -9,21 +9,7 @@ use crate::lead::{generate, generate_with};
 use crate::model::{GenerateOptions, LeaderWeights, ModelWeights};
 
 fn config() -> LlamaConfig {
-    LlamaConfig {
-        hidden: 64,
-        ffn: 160,
-        layers: 3,
-        heads: 4,
-        kv_heads: 2,
-        head_dim: 16,
-        vocab: 250,
-        norm_eps: 1e-5,
-        rope_theta: 10_000.0,
-        max_seq: 64,
-        tied_embeddings: false,
-        family: crate::model::Family::Llama,
-        rope_freq_factors: Vec::new(),
-    }
+    LlamaConfig::test_model()
 }
 
 struct MemberLink {

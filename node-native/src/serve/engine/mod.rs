@@ -27,8 +27,7 @@ use libp2p::PeerId;
 use node_core::lead::Stepped;
 use node_core::lead::training::Turns;
 use node_core::learn::{
-    Budgets, CanaryGate, GateClaim, Learner, Published, REHEARSAL_TOKENS, TeachError, Teacher,
-    Verdict, canary_tokens, rehearsal_tokens,
+    Budgets, CanaryGate, GateClaim, Learner, Published, TeachError, Teacher, Verdict, canary_tokens,
 };
 use node_core::mesh::{MeshInfo, MeshResponse, ModelManifest, Usage};
 use node_core::model::{
@@ -352,7 +351,7 @@ impl Engine {
                     )),
                     ctx.manifest.format,
                 )
-                .with_rehearsal(rehearsal_tokens(&tokenizer)?, REHEARSAL_TOKENS),
+                .rehearsing(&tokenizer)?,
                 requests: train_rx,
                 publish: publish_tx,
                 backlog: backlog.clone(),

@@ -3,6 +3,7 @@
 
 use node_core::lead::training::{Due, Lesson, Minibatch, Schedule, minibatch_tokens};
 use node_core::lead::{Publisher, Settled, settle};
+use node_core::learn::REHEARSAL_TOKENS;
 
 use super::*;
 
