@@ -1,7 +1,8 @@
 //! A model of a real size on this machine: a random-weight file of Llama-3.2-1B's shape
 //! (scripts/shape_files.py, Q4_K_M, 0.8 GB) served by `codedmesh up` as a newcomer starts it.
 //! Encoding it takes no more than the file and a gigabyte, and each node, the API's leader
-//! included, holds no more than 1.25 × its row + its KV caches + 300 MB (issue 58's bounds),
+//! included, holds no more than 1.25 × its row + its KV caches + 300 MB (issue 58's bounds; the
+//! leader also its optimiser's state, six copies of the model's adapters: 97 MB here),
 //! read from each node's `/metrics` after a request has been served and trained on, and from
 //! its peak (`VmHWM`, loading, serving, the training pass and its update included). Then a
 //! browser holds a row of it: "Contribute this GPU" in headless Chromium copies a row of
@@ -28,6 +29,14 @@ const ENCODE_ALLOWANCE: f64 = 1e9;
 
 /// Llama-3.2-1B's KV cache per token: 16 layers × keys and values × 512 × 4 bytes.
 const KV_PER_TOKEN: f64 = 16.0 * 2.0 * 512.0 * 4.0;
+
+/// Llama-3.2-1B's adapters (`A`, `out × 8` f32 per coded matrix): 16 layers × (q 2048, k 512,
+/// v 512, o 2048, gate 8192, up 8192, down 2048) outputs, and the tied LM head's 128,256 rows.
+const ADAPTER_BYTES: f64 = (16.0 * 23_552.0 + 128_256.0) * 8.0 * 4.0;
+/// The trainer's optimiser state beside its pass, in adapters' worth: Adam's two moments, the
+/// two it keeps from before a DiLoCo round until the round's update is out or refused, and the
+/// outer Nesterov momentum with its copy from before the round (docs/models.md).
+const LEARNER_COPIES: f64 = 6.0;
 
 /// A process's resident memory now and at its peak, in bytes.
 fn memory(pid: u32) -> Result<(f64, f64)> {
@@ -167,13 +176,14 @@ fn a_1b_shape_mesh_encodes_and_serves_within_its_memory_bounds() -> Result<()> {
         let row = metric(http, "codedmesh_row_bytes")?;
         let resident = metric(http, "codedmesh_resident_memory_bytes")?;
         let (_, peak) = memory(pid as u32)?;
-        // Only the leader (node 0, the API's) holds a KV cache.
-        let kv = if node == 0 {
-            tokens * KV_PER_TOKEN
+        // Only the leader (node 0, the API's) holds a KV cache, and it trains: its optimiser
+        // state follows the model's adapters, not its row.
+        let (kv, learner) = if node == 0 {
+            (tokens * KV_PER_TOKEN, LEARNER_COPIES * ADAPTER_BYTES)
         } else {
-            0.0
+            (0.0, 0.0)
         };
-        let bound = ROW_FACTOR * row + kv + OVERHEAD;
+        let bound = ROW_FACTOR * row + kv + learner + OVERHEAD;
         eprintln!(
             "node {node}: row {:.2} GB, resident {:.2} GB, peak {:.2} GB, bound {:.2} GB",
             row / 1e9,
