@@ -38,6 +38,6 @@ pub use node::holder::{BROWSER_GPU_MIN_WORK, Contribution, WebGpuUse};
 #[cfg(wasm_browser)]
 pub use node::leader::{Completion, Prompt};
 #[cfg(wasm_browser)]
-pub use node::{BrowserNode, Connection, Dial, NodeSnapshot, WebError};
+pub use node::{BrowserNode, Connection, Dial, NodeSnapshot, WebError, page_learning};
 #[cfg(wasm_browser)]
 pub use store::{ShardStore, StoreError, Stored, identity};

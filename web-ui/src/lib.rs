@@ -4,6 +4,7 @@
 //! Build it with `bash scripts/build-web.sh` (cargo for wasm32, then wasm-bindgen);
 //! every native node serves the result at `/`. Natively only the view model is built.
 
+pub mod learning;
 pub mod model;
 
 #[cfg(wasm_browser)]

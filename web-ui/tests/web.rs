@@ -9,7 +9,7 @@ use leptos::wasm_bindgen::JsCast;
 use node_core::mesh::{Health, MeshInfo, NodeStatus};
 use node_web::{Completion, Connection, Contribution, NodeSnapshot};
 use wasm_bindgen_test::{wasm_bindgen_test, wasm_bindgen_test_configure};
-use web_ui::components::{Ask, Contribute, RowsTable, Summary, completion_text};
+use web_ui::components::{Ask, Contribute, Learning, RowsTable, Summary, completion_text};
 use web_ui::live::Live;
 use web_ui::model::History;
 
@@ -93,6 +93,7 @@ async fn the_summary_and_rows_show_the_mesh_and_follow_it_live() {
         provide_context(Live {
             snapshot: snap,
             history,
+            learning: signal(None).0,
             error,
             node: StoredValue::new_local(None),
         });
@@ -199,6 +200,7 @@ async fn the_prompt_box_waits_for_a_connection_and_reports_a_completion() {
         provide_context(Live {
             snapshot: snap,
             history,
+            learning: signal(None).0,
             error,
             node: StoredValue::new_local(None),
         });
@@ -253,4 +255,63 @@ async fn the_prompt_box_waits_for_a_connection_and_reports_a_completion() {
         "{}",
         completion_text(&done)
     );
+}
+
+#[wasm_bindgen_test]
+async fn the_learning_section_lists_each_update_with_its_trainer_and_verdict() {
+    use node_core::holder::{KeyShare, LearningStatus, UpdateLog, UpdateSeen};
+    let (snap, _) = signal(Some(snapshot([Health::Healthy; 3])));
+    let (history, _) = signal(History::default());
+    let (error, _) = signal(None::<String>);
+    let (learning, set_learning) = signal(None::<LearningStatus>);
+    let document = document();
+    let root = document.create_element("div").unwrap();
+    document.body().unwrap().append_child(&root).unwrap();
+    let _mounted = mount_to(root.clone().unchecked_into(), move || {
+        provide_context(Live {
+            snapshot: snap,
+            history,
+            learning,
+            error,
+            node: StoredValue::new_local(None),
+        });
+        view! { <Learning /> }
+    });
+    assert_eq!(
+        text_of(&root, "#learning-summary"),
+        "waiting for this node's updates…"
+    );
+    let mut log = UpdateLog::default();
+    log.push(UpdateSeen {
+        id: "00000000000000ab".into(),
+        version: Some(3),
+        trainer: "12D3KooWtrainer1".into(),
+        trainer_name: "up-0".into(),
+        gate: Some(node_core::learn::GateClaim {
+            before: 3.2,
+            after: 3.205,
+            reference: 3.19,
+        }),
+        applied: true,
+        why: None,
+        bytes: 5_000_000,
+        issued_ms: 0,
+        seen_ms: 0,
+    });
+    let keys = vec![KeyShare {
+        key: "alice".into(),
+        requests: 4,
+        trained: 3,
+    }];
+    set_learning.set(Some(LearningStatus::new(&log, keys)));
+    leptos::task::tick().await;
+    assert_eq!(
+        text_of(&root, "#learning-summary"),
+        "1 applied, 0 refused: the latest updates this node saw, newest first (it keeps 32)"
+    );
+    let row = text_of(&root, "#updates tbody tr");
+    assert!(row.contains("…trainer1 (up-0)"), "{row}");
+    assert!(row.contains("3.2050"), "{row}");
+    assert!(row.contains("applied"), "{row}");
+    assert_eq!(text_of(&root, "#key-shares"), "alice3 of 4 requests (75%)");
 }

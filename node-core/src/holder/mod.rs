@@ -7,6 +7,7 @@ mod catchup;
 mod join;
 mod report;
 mod rules;
+mod seen;
 mod serve;
 pub mod spread;
 
@@ -17,6 +18,9 @@ pub use report::{MAX_REPORT_BYTES, Report, open_report, sign_report};
 pub use rules::{
     CLOCK_SKEW_MS, Checked, MAX_UPDATE_AGE_MS, REFUSED, Refusal, Refused, Rules, gate_holds,
     wall_ms,
+};
+pub use seen::{
+    KeyShare, LearningStatus, MAX_KEYS_SHOWN, MAX_SEEN_TEXT, UPDATES_SEEN, UpdateLog, UpdateSeen,
 };
 pub use serve::{
     Held, LEARN_PER_MINUTE, LearnLimit, Route, Snapshot, ViewQuery, answer_view, chain, contribute,

@@ -170,6 +170,8 @@ pub struct Checked {
     pub signer: libp2p::PeerId,
     /// The trainer's name, as the mesh's key admitted it.
     pub trainer: String,
+    /// What the trainer said beside it: when it signed, and its canary verdict.
+    pub header: crate::learn::Header,
 }
 
 impl Rules {
@@ -264,6 +266,7 @@ impl Rules {
             id: Update::id_of(&signed.payload),
             signer: signed.signer,
             trainer: cert.name,
+            header: signed.header,
         })
     }
 }
@@ -346,6 +349,55 @@ mod tests {
     /// The refusal `bytes` meet on `m`'s mesh at [`NOW_MS`], if any.
     fn refusal(m: &Mesh, bytes: &[u8]) -> Option<Refusal> {
         m.rules.check(bytes, Some(NOW_MS)).err().map(|e| e.why)
+    }
+
+    #[test]
+    fn what_a_holder_shows_of_an_update_names_its_trainer_and_the_verdict_it_carried() {
+        use super::super::UpdateSeen;
+        let m = mesh();
+        let trainer = Keypair::generate_ed25519();
+        let cert = admitted(&m.key, &trainer, NOW_MS / 1000 + 3600);
+        let good = seal(
+            m.update.clone(),
+            &trainer,
+            Some(&cert),
+            gated(NOW_MS, REFERENCE + 0.005),
+        )
+        .unwrap();
+        let checked = m.rules.check(&good, Some(NOW_MS)).unwrap();
+        let seen = UpdateSeen::checked(&checked, good.len(), NOW_MS + 1);
+        assert_eq!(seen.trainer, trainer.public().to_peer_id().to_string());
+        assert_eq!(
+            (seen.trainer_name.as_str(), seen.applied),
+            ("trainer", true)
+        );
+        assert_eq!(seen.gate.map(|g| g.after), Some(REFERENCE + 0.005));
+        assert_eq!((seen.issued_ms, seen.seen_ms), (NOW_MS, NOW_MS + 1));
+        assert_eq!(seen.id, format!("{:016x}", checked.id));
+        // Past the drift: refused, and still named by its signer, with what it claimed.
+        let far = seal(
+            m.update.clone(),
+            &trainer,
+            Some(&cert),
+            gated(NOW_MS, REFERENCE + 1.0),
+        )
+        .unwrap();
+        let refused = m.rules.check(&far, Some(NOW_MS)).unwrap_err();
+        let seen = UpdateSeen::refused(&far, &refused, NOW_MS);
+        assert!(!seen.applied);
+        assert_eq!(seen.trainer, trainer.public().to_peer_id().to_string());
+        assert_eq!(seen.gate.map(|g| g.after), Some(REFERENCE + 1.0));
+        assert!(seen.why.as_deref().is_some_and(|w| w.starts_with("gate: ")));
+        assert_eq!(seen.bytes, far.len() as u64);
+        // Garbage: nobody to name.
+        let refused = m.rules.check(b"garbage", Some(NOW_MS)).unwrap_err();
+        let seen = UpdateSeen::refused(b"garbage", &refused, NOW_MS);
+        assert_eq!((seen.trainer.as_str(), seen.id.as_str()), ("", ""));
+        assert!(
+            seen.why
+                .as_deref()
+                .is_some_and(|w| w.starts_with("signature: "))
+        );
     }
 
     #[test]

@@ -15,6 +15,7 @@ use std::sync::{Arc, Condvar, Mutex, PoisonError, RwLock};
 
 use anyhow::{Context, Result, bail};
 use node_core::coded::{Member, ShardSet};
+use node_core::holder::{KeyShare, LearningStatus, UpdateLog, UpdateSeen};
 pub use node_core::holder::{MAX_UPDATE_BYTES, Rules, ShardState};
 use node_core::mesh::ShardVersion;
 use node_core::model::LeaderWeights;
@@ -41,6 +42,8 @@ pub struct UpdateStore {
     /// How many of this node's newest updates each live holder may lack, as the node's view
     /// last saw ([`node_core::mesh::MeshView::lags`]): their payloads are kept for them.
     lags: Arc<Mutex<Vec<u64>>>,
+    /// The latest updates this node applied or refused, for `/api/updates` and the dashboard.
+    seen: Arc<Mutex<UpdateLog>>,
 }
 
 /// Marks a fold as running until dropped, then wakes the updates waiting for it.
@@ -71,7 +74,20 @@ impl UpdateStore {
             version_file: data.path().join("version.json"),
             folding: Arc::default(),
             lags: Arc::default(),
+            seen: Arc::default(),
         })
+    }
+
+    /// Remembers an update this node applied or refused (the newest
+    /// [`node_core::holder::UPDATES_SEEN`] are kept).
+    pub fn record(&self, seen: UpdateSeen) {
+        (self.seen.lock().unwrap_or_else(PoisonError::into_inner)).push(seen);
+    }
+
+    /// The latest updates this node saw, with its API's requests trained on by `keys`.
+    pub fn learning(&self, keys: Vec<KeyShare>) -> LearningStatus {
+        let seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
+        LearningStatus::new(&seen, keys)
     }
 
     fn path(&self, id: u64) -> PathBuf {

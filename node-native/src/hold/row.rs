@@ -81,6 +81,22 @@ impl LocalRow {
         (s.version.digest(), s.norms.clone())
     }
 
+    /// Remembers an update this node's own canary gate refused (`why`), so it never went out.
+    pub fn refused_here(&self, verdict: &node_core::learn::Verdict, why: &str) {
+        self.store.record(holder::UpdateSeen {
+            id: String::new(),
+            version: None,
+            trainer: self.peer.to_string(),
+            trainer_name: String::new(),
+            gate: Some(verdict.claim()),
+            applied: false,
+            why: Some(format!("this node's canary gate: {why}")),
+            bytes: 0,
+            issued_ms: 0,
+            seen_ms: holder::wall_ms(),
+        });
+    }
+
     /// Counts a finished request in the usage this node announces.
     pub async fn served(&self, usage: Usage) {
         let _ = self.internal.send(Internal::Served(usage)).await;
@@ -121,7 +137,10 @@ pub(crate) fn apply_and_keep(
     rules: &Rules,
     bytes: &[u8],
 ) -> Result<(u64, bool)> {
-    let checked = rules.check(bytes, Some(node_core::holder::wall_ms()))?;
+    let now = node_core::holder::wall_ms();
+    let checked = rules.check(bytes, Some(now)).inspect_err(|refused| {
+        store.record(holder::UpdateSeen::refused(bytes, refused, now));
+    })?;
     let id = checked.id;
     tracing::debug!(
         id = format!("{id:016x}"),
@@ -129,14 +148,25 @@ pub(crate) fn apply_and_keep(
         trainer = checked.trainer,
         "an admitted trainer's update"
     );
-    let update = checked.update;
     if read(state).version.contains(id) {
         return Ok((id, false));
     }
-    store.make_room(state, bytes.len())?;
-    store.save(id, bytes)?;
-    let applied = write(state).apply(&update, id)?;
-    Ok((id, applied))
+    let mut seen = holder::UpdateSeen::checked(&checked, bytes.len(), now);
+    let applied = store
+        .make_room(state, bytes.len())
+        .and_then(|()| store.save(id, bytes))
+        .and_then(|()| Ok(write(state).apply(&checked.update, id)?));
+    match &applied {
+        Ok(true) => seen.version = Some(read(state).version.count()),
+        // Another thread applied it meanwhile: that one records it.
+        Ok(false) => return Ok((id, false)),
+        Err(e) => {
+            seen.applied = false;
+            seen.why = Some(format!("not applied here: {e:#}"));
+        }
+    }
+    store.record(seen);
+    Ok((id, applied?))
 }
 
 /// Computes a coded step at the leader's version; the answer carries the compute time.

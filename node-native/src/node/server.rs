@@ -213,6 +213,7 @@ pub(super) async fn run_server(
             ),
             api: crate::serve::api::Api::new(engine, &manifest, api_keys(opts)?, metrics.clone())?,
             metrics: metrics.clone(),
+            updates: store.clone(),
         };
         let server = crate::serve::http::start(addr, parts).await?;
         println!("dashboard: {}", server.url);

@@ -1,6 +1,6 @@
 //! The HTTP side of a native node: the dashboard at `/`, the OpenAI-compatible API at `/v1`,
-//! Prometheus metrics at `/metrics`, the mesh's status as JSON, and what a browser needs to
-//! dial this node.
+//! Prometheus metrics at `/metrics`, the mesh's status and the latest learning updates as
+//! JSON, and what a browser needs to dial this node.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -18,6 +18,7 @@ use tower_http::services::ServeDir;
 /// Environment variable naming the dashboard's built files (`web-ui/dist`, scripts/build-web.sh).
 pub const WEB_DIR_ENV: &str = "CODEDMESH_WEB";
 
+use crate::hold::learning::UpdateStore;
 pub use crate::hold::row::InfoRequest;
 
 #[derive(Clone)]
@@ -25,6 +26,9 @@ struct AppState {
     info: mpsc::Sender<InfoRequest>,
     bootstrap: BrowserBootstrap,
     metrics: crate::serve::metrics::Metrics,
+    updates: UpdateStore,
+    /// The names of the callers the API knows.
+    callers: std::sync::Arc<Vec<String>>,
 }
 
 /// What the HTTP server serves.
@@ -40,6 +44,8 @@ pub struct Parts {
     pub api: crate::serve::api::Api,
     /// The node's metrics.
     pub metrics: crate::serve::metrics::Metrics,
+    /// The node's updates, with the latest it applied or refused.
+    pub updates: UpdateStore,
 }
 
 /// A running HTTP server.
@@ -81,14 +87,18 @@ pub async fn start(addr: SocketAddr, parts: Parts) -> Result<HttpServer> {
         bootstrap,
         api,
         metrics,
+        updates,
     } = parts;
     let state = AppState {
         info,
         bootstrap,
         metrics,
+        updates,
+        callers: std::sync::Arc::new(api.caller_names()),
     };
     let api = axum::Router::new()
         .route("/api/status", get(status))
+        .route("/api/updates", get(learning))
         .route("/api/bootstrap", get(browser_bootstrap))
         .route("/metrics", get(metrics_text))
         .with_state(state)
@@ -173,6 +183,15 @@ async fn status(State(state): State<AppState>) -> Response {
         Some(info) => Json(info).into_response(),
         None => (StatusCode::SERVICE_UNAVAILABLE, "the node is stopping").into_response(),
     }
+}
+
+/// `/api/updates`: the latest updates this node applied or refused, and its API's requests
+/// trained on by key.
+async fn learning(State(state): State<AppState>) -> Json<node_core::holder::LearningStatus> {
+    let keys = state
+        .metrics
+        .key_shares(state.callers.iter().map(String::as_str));
+    Json(state.updates.learning(keys))
 }
 
 /// `/metrics`: the node's counters, with the mesh's health as this node sees it now.

@@ -436,7 +436,7 @@ impl Metrics {
         );
         r.register(
             "api_key",
-            "API requests by key name and what became of them (requests, rate_limited, taught, over_budget)",
+            "API requests by key name and what became of them (requests, rate_limited, finished, taught, forwarded, over_budget)",
             m.keys.clone(),
         );
         r.register(
@@ -450,8 +450,8 @@ impl Metrics {
         }
     }
 
-    /// The counter of `what` (requests, rate_limited, taught, over_budget) of the API key named
-    /// `key`.
+    /// The counter of `what` (requests, rate_limited, finished, taught, forwarded,
+    /// over_budget) of the API key named `key`.
     pub fn by_key(&self, what: &str, key: &str) -> Counter {
         self.keys
             .get_or_create(&vec![
@@ -459,6 +459,29 @@ impl Metrics {
                 ("what".to_string(), what.to_string()),
             ])
             .clone()
+    }
+
+    /// Each of `keys`' requests this node finished and those handed to training (its own
+    /// trainer's or, not admitted to write, another's), for those with any.
+    pub fn key_shares<'a>(
+        &self,
+        keys: impl IntoIterator<Item = &'a str>,
+    ) -> Vec<node_core::holder::KeyShare> {
+        let count = |what: &str, key: &str| {
+            let labels = vec![
+                ("key".to_string(), key.to_string()),
+                ("what".to_string(), what.to_string()),
+            ];
+            self.keys.get(&labels).map_or(0, |c| c.get())
+        };
+        keys.into_iter()
+            .map(|key| node_core::holder::KeyShare {
+                key: key.to_string(),
+                requests: count("finished", key),
+                trained: count("taught", key) + count("forwarded", key),
+            })
+            .filter(|k| k.requests > 0)
+            .collect()
     }
 
     /// The metrics in Prometheus' text exposition format, the resident memory read now.
@@ -502,4 +525,31 @@ pub fn resident_bytes() -> Option<u64> {
     let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib * 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_keys_share_counts_its_finished_requests_and_those_handed_to_training() {
+        let m = Metrics::new();
+        for _ in 0..4 {
+            m.by_key("requests", "alice").inc();
+            m.by_key("finished", "alice").inc();
+        }
+        m.by_key("taught", "alice").inc_by(2);
+        m.by_key("forwarded", "alice").inc();
+        m.by_key("requests", "bob").inc();
+        let shares = m.key_shares(["alice", "bob", "carol"]);
+        assert_eq!(
+            shares,
+            vec![node_core::holder::KeyShare {
+                key: "alice".into(),
+                requests: 4,
+                trained: 3,
+            }]
+        );
+        assert_eq!(shares[0].share(), 0.75);
+    }
 }

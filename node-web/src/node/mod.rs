@@ -194,12 +194,7 @@ impl std::fmt::Debug for BrowserNode {
 impl BrowserNode {
     /// Starts a node that joins the mesh of the native node that served this page.
     pub async fn start_from_page() -> Result<Self, WebError> {
-        let origin = web_sys::window()
-            .ok_or_else(|| fetch_error("/", "no window"))?
-            .location()
-            .origin()
-            .map_err(|e| fetch_error("/", &format!("{e:?}")))?;
-        Self::connect(&origin, Dial::WebSocketFirst).await
+        Self::connect(&page_origin()?, Dial::WebSocketFirst).await
     }
 
     /// Starts a node that joins the mesh of the native node serving HTTP at `origin`,
@@ -421,6 +416,24 @@ impl BrowserNode {
             .await
             .map_err(|_| WebError::Stopped)
     }
+}
+
+/// The page's origin (`http://host:port`).
+fn page_origin() -> Result<String, WebError> {
+    web_sys::window()
+        .ok_or_else(|| fetch_error("/", "no window"))?
+        .location()
+        .origin()
+        .map_err(|e| fetch_error("/", &format!("{e:?}")))
+}
+
+/// The latest learning updates the native node that served this page applied or refused, and
+/// its API's requests trained on by key (its `/api/updates`).
+pub async fn page_learning() -> Result<node_core::holder::LearningStatus, WebError> {
+    let url = format!("{}/api/updates", page_origin()?.trim_end_matches('/'));
+    let text = fetch_text(&url).await?;
+    serde_json::from_str(&text)
+        .map_err(|e| fetch_error(&url, &format!("not a learning status: {e}")))
 }
 
 fn fetch_error(url: &str, reason: &str) -> WebError {

@@ -446,6 +446,25 @@ fn up_serves_the_openai_api_learns_stops_restarts_and_supervises() -> Result<()>
         published > 0.0 && sent >= published && sent <= 3.0 * published,
         "{published} bytes of updates published, {sent} sent"
     );
+    // The dashboard's learning section: the API's node lists the updates it applied, each with
+    // its trainer (a peer id) and the canary verdict it carried, and the anonymous caller's
+    // requests trained on.
+    let body = tests::procs::http_get(([127, 0, 0, 1], port).into(), "/api/updates")?;
+    let seen: node_core::holder::LearningStatus =
+        serde_json::from_str(&body).with_context(|| format!("/api/updates: {body}"))?;
+    ensure!(
+        seen.updates.iter().any(|u| u.applied
+            && u.trainer.starts_with("12D3KooW")
+            && u.gate.is_some()
+            && u.version.is_some()),
+        "/api/updates lists an applied update with its trainer and verdict: {body}"
+    );
+    ensure!(
+        seen.keys
+            .iter()
+            .any(|k| k.trained >= 1 && k.trained <= k.requests),
+        "/api/updates counts the requests trained on by key: {body}"
+    );
     // Every member is on this machine: the leader's sessions with them run over local sockets
     // (one opened while a restarted node was still starting may have gone over libp2p).
     let (local, libp2p) = (

@@ -1,9 +1,9 @@
-//! The dashboard: availability at a glance, every row's health, a prompt box, live numbers
-//! and a chart.
+//! The dashboard: availability at a glance, every row's health, a prompt box, live numbers,
+//! a chart, and the mesh's learning.
 
 use leptos::prelude::*;
 
-use crate::components::{Ask, Contribute, HistoryChart, LiveNumbers, RowsTable, Summary};
+use crate::components::{Ask, Contribute, HistoryChart, Learning, LiveNumbers, RowsTable, Summary};
 use crate::live::Live;
 
 /// The dashboard page.
@@ -38,6 +38,7 @@ pub fn Dashboard() -> impl IntoView {
             <Ask />
             <LiveNumbers />
             <HistoryChart />
+            <Learning />
         </main>
     }
 }

@@ -97,6 +97,11 @@ impl Api {
         })
     }
 
+    /// The names of the callers the API knows (each key's and the anonymous user's).
+    pub fn caller_names(&self) -> Vec<String> {
+        self.keys.callers().map(|c| c.name.clone()).collect()
+    }
+
     /// The compiler of `response_format`s (built once), or why this model has none.
     fn grammars(&self) -> Result<Arc<Grammars>, ApiError> {
         let built = self.grammars.get_or_init(|| {

@@ -212,6 +212,7 @@ impl Trainer {
             }
             Settled::Refused(why, verdict) => {
                 self.gate_measured(&verdict).await;
+                self.lead.ctx.local.refused_here(&verdict, &why);
                 m.updates_refused.inc();
                 tracing::warn!("the canary gate refused an update: {why}");
             }

@@ -317,6 +317,7 @@ impl Worker {
         let latency = seq.job.job.arrived.elapsed();
         let m = &self.lead.ctx.metrics;
         m.requests.inc();
+        m.by_key("finished", &seq.job.job.req.caller).inc();
         m.prompt_tokens.inc_by(seq.job.job.req.prompt.len() as u64);
         m.request_latency.observe(latency.as_secs_f64());
         let old = self.latency_ms.load(Ordering::Relaxed);
