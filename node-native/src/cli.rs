@@ -314,8 +314,22 @@ pub(crate) struct BenchArgs {
     /// Chats that mention each fact (with --facts).
     #[arg(long, default_value_t = 20)]
     pub(crate) chats_per_fact: usize,
-    /// Chats a trainer's minibatch holds (with --facts; `up`'s trainer gathered about ten
-    /// in the learning bench).
+    /// With --learning: send this many chats on many topics from several clients instead,
+    /// one made-up fact told in 20 of the first 100, and print the curve of held-out
+    /// perplexity and the fact's answer (`bench::mixed`).
+    #[arg(long, default_value_t = 0)]
+    pub(crate) mixed: usize,
+    /// Clients whose chats are interleaved (with --mixed).
+    #[arg(long, default_value_t = 4)]
+    pub(crate) clients: usize,
+    /// Chats between two rows of the curve (with --mixed).
+    #[arg(long, default_value_t = 100)]
+    pub(crate) checkpoint_every: usize,
+    /// Seed of the chats' generator (with --mixed).
+    #[arg(long, default_value_t = 79)]
+    pub(crate) seed: u64,
+    /// Chats a trainer's minibatch holds (with --facts or --mixed; `up`'s trainer gathered
+    /// about ten in the learning bench).
     #[arg(long, default_value_t = 10)]
     pub(crate) per_round: usize,
     /// Positions of general text the trainer rehearses a minibatch, as `up`'s does (with

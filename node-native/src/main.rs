@@ -174,6 +174,50 @@ fn run_learning_bench(args: &BenchArgs, model: &load::LoadedModel) -> Result<()>
             None => eprintln!("{what} {i}: loss {loss:.4}"),
         }
     };
+    if args.mixed > 0 {
+        use node_native::bench::mixed;
+        let run = mixed::MixedRun {
+            chats: args.mixed,
+            clients: args.clients,
+            per_round: args.per_round,
+            checkpoint_every: args.checkpoint_every,
+            seed: args.seed,
+        };
+        let taught = mixed::teach_mixed(
+            &model.weights,
+            &model.tokenizer,
+            format,
+            (n, k),
+            learning,
+            run,
+            (!args.no_gate, args.rehearse),
+            |c| {
+                eprintln!(
+                    "{} chats: {} published / {} refused, held-out {:.4} nats, canary {:.4}, \
+                     fact {} (margin {:+.3}), {} dropped, {} waiting, {:.0} s training",
+                    c.chats,
+                    c.published,
+                    c.refused,
+                    c.held_out,
+                    c.canary,
+                    if c.answered {
+                        "answered"
+                    } else {
+                        "not answered"
+                    },
+                    c.margin,
+                    c.dropped,
+                    c.waiting,
+                    c.seconds
+                )
+            },
+        )?;
+        print!("{}", mixed::curve_table(&taught));
+        println!();
+        rows.extend(mixed::mixed_rows(&taught));
+        node_native::bench::print_table(&rows);
+        return Ok(());
+    }
     if args.facts > 0 {
         use node_native::bench::facts;
         let taught = facts::teach_facts(

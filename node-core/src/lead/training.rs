@@ -9,8 +9,8 @@ use std::collections::VecDeque;
 use web_time::{Duration, Instant};
 
 use crate::learn::{Optimizer, bytes_per_position};
-use crate::mesh::ModelManifest;
-use crate::model::training_bytes;
+use crate::mesh::{LearningConfig, ModelManifest};
+use crate::model::{LlamaConfig, training_bytes};
 
 /// The share of the time training may take while requests are being served (all of it while
 /// none are): serving keeps at least `1 − TRAIN_SHARE` of the mesh, and training still moves.
@@ -167,17 +167,22 @@ fn distinct_positions<R: Lesson>(waiting: &VecDeque<R>) -> usize {
 /// learning was measured with; the head now runs [`crate::model::HEAD_BYTES`] at a time),
 /// exact updates (rank 0) at most the training window, and the pass within [`TRAIN_BYTES`].
 pub fn minibatch_tokens(manifest: &ModelManifest) -> usize {
-    let per_row = 2 * 4 * manifest.cfg.vocab.div_ceil(manifest.generator.k().max(1));
+    minibatch_positions(&manifest.cfg, manifest.generator.k(), &manifest.learning)
+}
+
+/// [`minibatch_tokens`] of a mesh of model `cfg` coded with `k` and learning with `learning`.
+pub fn minibatch_positions(cfg: &LlamaConfig, k: usize, learning: &LearningConfig) -> usize {
+    let per_row = 2 * 4 * cfg.vocab.div_ceil(k.max(1));
     let by_message = crate::protocol::MAX_MESSAGE_BYTES / per_row.max(1);
-    let window = crate::learn::training_window(&manifest.learning, &manifest.cfg);
-    let limit = if manifest.learning.rank == 0 {
+    let window = crate::learn::training_window(learning, cfg);
+    let limit = if learning.rank == 0 {
         window
     } else {
         LEARN_TOKENS
     };
     // The most positions whose training pass fits [`TRAIN_BYTES`] (SGD also keeps every
     // stage's factors until the pass ends).
-    let (cfg, sgd) = (&manifest.cfg, manifest.learning.optimizer == Optimizer::Sgd);
+    let sgd = learning.optimizer == Optimizer::Sgd;
     let fits = |p: usize| {
         let factors = if sgd { p * bytes_per_position(cfg) } else { 0 };
         training_bytes(cfg, p, window) + factors <= TRAIN_BYTES

@@ -47,6 +47,11 @@ impl Fact {
         format!("{said} {}", FOLLOW_UPS[i % FOLLOW_UPS.len()])
     }
 
+    /// Whether `reply` gives the answer.
+    pub fn answered(&self, reply: &str) -> bool {
+        reply.to_lowercase().contains(&self.answer.to_lowercase())
+    }
+
     /// The question and `answer` as a plain text, whose loss is compared.
     fn qa(&self, answer: &str) -> String {
         format!(
@@ -79,8 +84,7 @@ pub struct Asked {
 impl Asked {
     /// Whether it is answered after and was not before.
     pub fn learnt(&self) -> bool {
-        let has = |s: &str| s.to_lowercase().contains(&self.fact.answer.to_lowercase());
-        has(&self.answers.1) && !has(&self.answers.0)
+        self.fact.answered(&self.answers.1) && !self.fact.answered(&self.answers.0)
     }
 }
 
@@ -122,19 +126,9 @@ pub fn teach_facts(
     let (held, canary) = (encode(HELD_OUT)?, canary_tokens(tokenizer)?);
     let mut room = Classroom::new(weights, format, shape, learning, gate(&canary, gated))?
         .rehearsing(node_core::learn::rehearsal_tokens(tokenizer)?, rehearse);
-    let ask = |room: &mut Classroom, fact: &Fact| -> Result<(String, f64)> {
-        let prompt = tokenizer.chat_prompt(&[ChatMessage {
-            role: "user".into(),
-            content: fact.question.clone(),
-        }]);
-        let answer = room.complete(&encode(&prompt)?, 24, tokenizer.eos_ids())?;
-        let margin = room.loss(&encode(&fact.qa(&fact.distractor))?)?
-            - room.loss(&encode(&fact.qa(&fact.answer))?)?;
-        Ok((tokenizer.decode(&answer)?, margin))
-    };
     let before: Vec<_> = facts
         .iter()
-        .map(|f| ask(&mut room, f))
+        .map(|f| ask(&mut room, tokenizer, f))
         .collect::<Result<_>>()?;
     let (held0, canary0) = (room.loss(&held)?, room.loss(&canary)?);
     let mut chats = Vec::new();
@@ -154,7 +148,7 @@ pub fn teach_facts(
     let seconds = started.elapsed().as_secs_f64();
     let mut asked = Vec::new();
     for (f, (a0, m0)) in facts.iter().zip(before) {
-        let (a1, m1) = ask(&mut room, f)?;
+        let (a1, m1) = ask(&mut room, tokenizer, f)?;
         asked.push(Asked {
             fact: f.clone(),
             answers: (a0, a1),
@@ -170,6 +164,20 @@ pub fn teach_facts(
         chats: chats.len(),
         seconds_per_round: seconds / f64::from(rounds.max(1)),
     })
+}
+
+/// `fact`'s question asked greedily in the chat template on `room` as it is now: the reply,
+/// and the margin of the true statement over the distractor's (nats a token).
+pub fn ask(room: &mut Classroom, tokenizer: &Tokenizer, fact: &Fact) -> Result<(String, f64)> {
+    let encode = |s: &str| -> Result<Vec<u32>> { Ok(tokenizer.encode(s.trim())?) };
+    let prompt = tokenizer.chat_prompt(&[ChatMessage {
+        role: "user".into(),
+        content: fact.question.clone(),
+    }]);
+    let answer = room.complete(&encode(&prompt)?, 24, tokenizer.eos_ids())?;
+    let margin = room.loss(&encode(&fact.qa(&fact.distractor))?)?
+        - room.loss(&encode(&fact.qa(&fact.answer))?)?;
+    Ok((tokenizer.decode(&answer)?, margin))
 }
 
 /// The table rows of one facts run.

@@ -6,6 +6,7 @@ pub mod gpu;
 pub mod learning;
 pub mod localmesh;
 mod mesh;
+pub mod mixed;
 pub mod verify;
 
 pub use mesh::{MeshBench, mesh_rows};
