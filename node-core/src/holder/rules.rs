@@ -357,13 +357,17 @@ mod tests {
         let m = mesh();
         let trainer = Keypair::generate_ed25519();
         let cert = admitted(&m.key, &trainer, NOW_MS / 1000 + 3600);
-        let good = seal(
-            m.update.clone(),
-            &trainer,
-            Some(&cert),
-            gated(NOW_MS, REFERENCE + 0.005),
-        )
-        .unwrap();
+        // The mesh's update, signed by the trainer with a canary loss after it of `after`.
+        let sealed = |after: f64| {
+            seal(
+                m.update.clone(),
+                &trainer,
+                Some(&cert),
+                gated(NOW_MS, after),
+            )
+            .unwrap()
+        };
+        let good = sealed(REFERENCE + 0.005);
         let checked = m.rules.check(&good, Some(NOW_MS)).unwrap();
         let seen = UpdateSeen::checked(&checked, good.len(), NOW_MS + 1);
         assert_eq!(seen.trainer, trainer.public().to_peer_id().to_string());
@@ -375,13 +379,7 @@ mod tests {
         assert_eq!((seen.issued_ms, seen.seen_ms), (NOW_MS, NOW_MS + 1));
         assert_eq!(seen.id, format!("{:016x}", checked.id));
         // Past the drift: refused, and still named by its signer, with what it claimed.
-        let far = seal(
-            m.update.clone(),
-            &trainer,
-            Some(&cert),
-            gated(NOW_MS, REFERENCE + 1.0),
-        )
-        .unwrap();
+        let far = sealed(REFERENCE + 1.0);
         let refused = m.rules.check(&far, Some(NOW_MS)).unwrap_err();
         let seen = UpdateSeen::refused(&far, &refused, NOW_MS);
         assert!(!seen.applied);
