@@ -336,6 +336,11 @@ pub(crate) struct BenchArgs {
     /// --learning; 0: none).
     #[arg(long, default_value_t = node_core::learn::REHEARSAL_TOKENS)]
     pub(crate) rehearse: usize,
+    /// Distil the rehearsal (with --learning): teach each of its positions this share of the
+    /// text's next token and the rest as the model's own distribution was when training
+    /// began (0: all the model's, 1: the text alone); default: the text, as `up` does.
+    #[arg(long, value_parser = share)]
+    pub(crate) distil: Option<f32>,
     /// Learning rate of the mesh measured (with --learning); default: the optimizer's.
     #[arg(long)]
     pub(crate) lr: Option<f32>,
@@ -745,6 +750,14 @@ pub(crate) struct GenerateArgs {
 
 /// The shard format a new mesh of `nodes` genesis rows gets: `chosen`, else compact (q8) where
 /// the integer code has a row for every node, else f32.
+/// A share between 0 and 1 (`--distil`).
+fn share(s: &str) -> Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(v) if (0.0..=1.0).contains(&v) => Ok(v),
+        _ => Err(format!("{s:?} is not a share between 0 and 1")),
+    }
+}
+
 pub(crate) fn mesh_format(chosen: Option<ShardFormat>, k: usize, nodes: usize) -> ShardFormat {
     let fits = nodes <= node_core::code::Generator::integer_capacity(k);
     chosen.unwrap_or(if fits {

@@ -155,6 +155,11 @@ fn run_learning_bench(args: &BenchArgs, model: &load::LoadedModel) -> Result<()>
     let (k, n) =
         node_native::up::default_shape(node_native::up::supervise::cores(), args.k, args.nodes);
     let format = cli::mesh_format(args.learn_format, k, n);
+    let trainer = node_native::bench::learning::Trainer {
+        gated: !args.no_gate,
+        rehearse: args.rehearse,
+        distil: args.distil,
+    };
     let (optimizer, lr) = args.optimizer.with_lr(args.lr);
     let learning = args.diloco.apply(args.optimizer.learning(args.lr));
     learning.validate()?;
@@ -190,7 +195,7 @@ fn run_learning_bench(args: &BenchArgs, model: &load::LoadedModel) -> Result<()>
             (n, k),
             learning,
             run,
-            (!args.no_gate, args.rehearse),
+            trainer,
             |c| {
                 eprintln!(
                     "{} chats: {} published / {} refused, held-out {:.4} nats, canary {:.4}, \
@@ -228,7 +233,7 @@ fn run_learning_bench(args: &BenchArgs, model: &load::LoadedModel) -> Result<()>
             learning,
             &facts::facts(args.facts)?,
             (args.chats_per_fact, args.per_round),
-            (!args.no_gate, args.rehearse),
+            trainer,
             log("round"),
         )?;
         rows.extend(facts::facts_rows(&taught, args.chats_per_fact));
@@ -243,7 +248,7 @@ fn run_learning_bench(args: &BenchArgs, model: &load::LoadedModel) -> Result<()>
         learning,
         learning::TAUGHT,
         args.exposures,
-        (!args.no_gate, args.rehearse),
+        trainer,
         log("taught"),
     )?;
     rows.extend(learning::taught_rows("taught", &taught, args.exposures));
@@ -256,7 +261,7 @@ fn run_learning_bench(args: &BenchArgs, model: &load::LoadedModel) -> Result<()>
             learning,
             learning::GARBAGE,
             args.poison,
-            (!args.no_gate, args.rehearse),
+            trainer,
             log("poison"),
         )?;
         rows.extend(learning::taught_rows("poison", &poisoned, args.poison));

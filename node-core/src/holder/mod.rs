@@ -16,8 +16,8 @@ pub use catchup::{Ahead, catch_up_source, fetch_update, plan_with, version_of, w
 pub use join::{Joined, Link, answer_chain, join, obtain, source_error, source_peer};
 pub use report::{MAX_REPORT_BYTES, Report, open_report, sign_report};
 pub use rules::{
-    CLOCK_SKEW_MS, Checked, MAX_UPDATE_AGE_MS, REFUSED, Refusal, Refused, Rules, gate_holds,
-    wall_ms,
+    CLOCK_SKEW_MS, Checked, MAX_UPDATE_AGE_MS, REFUSED, Refusal, Refused, Rules, Sender,
+    gate_holds, wall_ms,
 };
 pub use seen::{
     KeyShare, LearningStatus, MAX_KEYS_SHOWN, MAX_SEEN_TEXT, UPDATES_SEEN, UpdateLog, UpdateSeen,

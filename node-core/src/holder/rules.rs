@@ -120,6 +120,20 @@ pub struct Refused {
     pub why: Refusal,
     /// What was wrong.
     pub detail: String,
+    /// Who signed it, where its signature held.
+    pub sender: Option<Box<Sender>>,
+}
+
+/// A refused update whose signature held: its id, signer and what the signer said beside it,
+/// so a holder can record whose it was without opening it again.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sender {
+    /// The update's id (the hash of the signed payload).
+    pub id: u64,
+    /// The signer's peer id.
+    pub signer: libp2p::PeerId,
+    /// When it was signed, and the trainer's canary verdict.
+    pub header: crate::learn::Header,
 }
 
 impl Refused {
@@ -136,7 +150,21 @@ impl Refused {
             reason = why.label(),
             "refused an update: {detail} ({n} so far)"
         );
-        Self { why, detail }
+        Self {
+            why,
+            detail,
+            sender: None,
+        }
+    }
+
+    /// The same refusal naming `signed`'s signer.
+    fn by(mut self, signed: &crate::learn::Signed) -> Self {
+        self.sender = Some(Box::new(Sender {
+            id: Update::id_of(&signed.payload),
+            signer: signed.signer,
+            header: signed.header,
+        }));
+        self
     }
 }
 
@@ -222,15 +250,17 @@ impl Rules {
                 Refusal::Unadmitted,
                 "the mesh's manifest names no usable key",
             )
+            .by(&signed)
         })?;
         let cert = signed
             .admitted(mesh, Power::Write, now_ms.map(|ms| ms / 1000))
             .map_err(|e| match e {
-                AdmitError::Expired(_) => Refused::new(Refusal::Expired, e),
+                AdmitError::Expired(_) => Refused::new(Refusal::Expired, e).by(&signed),
                 e => Refused::new(
                     Refusal::Unadmitted,
                     format!("signed by {}: {e}", signed.signer),
-                ),
+                )
+                .by(&signed),
             })?;
         if let Some(now) = now_ms {
             let at = signed.header.issued_ms;
@@ -244,7 +274,8 @@ impl Rules {
                         MAX_UPDATE_AGE_MS / 1000,
                         CLOCK_SKEW_MS / 1000
                     ),
-                ));
+                )
+                .by(&signed));
             }
         }
         if let Some(reference) = self.canary {
@@ -253,14 +284,16 @@ impl Rules {
                     Refusal::Ungated,
                     "the mesh runs a canary gate and the trainer attached no verdict",
                 )
+                .by(&signed)
             })?;
-            gate_holds(&verdict, reference).map_err(|e| Refused::new(Refusal::Gate, e))?;
+            gate_holds(&verdict, reference)
+                .map_err(|e| Refused::new(Refusal::Gate, e).by(&signed))?;
         }
-        let update =
-            Update::decode(&signed.payload).map_err(|e| Refused::new(Refusal::Malformed, e))?;
+        let update = Update::decode(&signed.payload)
+            .map_err(|e| Refused::new(Refusal::Malformed, e).by(&signed))?;
         update
             .validate_for(&self.cfg, &self.learning, self.format)
-            .map_err(|e| Refused::new(Refusal::Malformed, e))?;
+            .map_err(|e| Refused::new(Refusal::Malformed, e).by(&signed))?;
         Ok(Checked {
             update,
             id: Update::id_of(&signed.payload),

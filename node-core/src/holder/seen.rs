@@ -7,8 +7,8 @@ use std::collections::VecDeque;
 
 use serde::{Deserialize, Serialize};
 
-use super::rules::{Checked, Refusal, Refused};
-use crate::learn::{GateClaim, MAX_CANARY_DRIFT, MAX_CANARY_STEP, Update};
+use super::rules::{Checked, Refused};
+use crate::learn::{GateClaim, MAX_CANARY_DRIFT, MAX_CANARY_STEP};
 
 /// Updates a node remembers: the newest this many, whoever sends more.
 pub const UPDATES_SEEN: usize = 32;
@@ -65,27 +65,19 @@ impl UpdateSeen {
     }
 
     /// An update the mesh's rules refused (`why`), seen at `now_ms`: its signer, id and
-    /// verdict where its signature holds (opened again, except when it is oversized or badly
-    /// signed).
+    /// verdict where its signature held (as the rules found them).
     pub fn refused(bytes: &[u8], why: &Refused, now_ms: u64) -> Self {
-        let signed = match why.why {
-            Refusal::Oversized | Refusal::Signature => None,
-            _ => crate::learn::open(bytes).ok(),
-        };
+        let sender = why.sender.as_deref();
         Self {
-            id: signed.as_ref().map_or_else(String::new, |s| {
-                format!("{:016x}", Update::id_of(&s.payload))
-            }),
+            id: sender.map_or_else(String::new, |s| format!("{:016x}", s.id)),
             version: None,
-            trainer: signed
-                .as_ref()
-                .map_or_else(String::new, |s| s.signer.to_string()),
+            trainer: sender.map_or_else(String::new, |s| s.signer.to_string()),
             trainer_name: String::new(),
-            gate: signed.as_ref().and_then(|s| s.header.verdict),
+            gate: sender.and_then(|s| s.header.verdict),
             applied: false,
             why: Some(format!("{}: {}", why.why.label(), why.detail)),
             bytes: bytes.len() as u64,
-            issued_ms: signed.as_ref().map_or(0, |s| s.header.issued_ms),
+            issued_ms: sender.map_or(0, |s| s.header.issued_ms),
             seen_ms: now_ms,
         }
         .bounded()

@@ -38,7 +38,7 @@ pub use signed::{GateClaim, Header, Signed, Signer, open, seal};
 #[cfg(test)]
 pub(crate) use teacher::tests as fixtures;
 pub use teacher::{
-    BACKOFFS, Judged, REHEARSAL_TEXT, REHEARSAL_TOKENS, Studied, TeachError, Teacher,
+    ANCHOR_TOP, BACKOFFS, Judged, REHEARSAL_TEXT, REHEARSAL_TOKENS, Studied, TeachError, Teacher,
     rehearsal_tokens,
 };
 

@@ -6,7 +6,7 @@
 
 use super::{AdapterSums, CanaryGate, Learner, Pending, Published, Update, UpdateError, Verdict};
 use crate::coded::ShardFormat;
-use crate::model::{Gradients, LinearExec, Llama, ModelError, Tokenizer};
+use crate::model::{Gradients, LinearExec, Llama, ModelError, Soft, Tokenizer};
 
 /// Most times a DiLoCo round the canary gate refuses is halved and judged again.
 pub const BACKOFFS: u32 = 3;
@@ -51,7 +51,44 @@ struct Rehearsal {
     tokens: Vec<u32>,
     window: usize,
     next: usize,
+    /// Where each window is taught a blend of its next tokens and the model's own
+    /// distributions ([`ANCHOR_TOP`] tokens a position): the next tokens' share.
+    distil: Option<f32>,
+    /// Per window, the distributions of the model as the trainer first trained it (made at
+    /// the first round, when `distil`).
+    anchors: Vec<Soft>,
 }
+
+impl Rehearsal {
+    /// The windows: `tokens` cut into runs of `window`, the tail left out.
+    fn windows(&self) -> impl Iterator<Item = &[u32]> {
+        self.tokens.chunks_exact(self.window)
+    }
+}
+
+/// The target a rehearsal position is taught: `share` on the text's `next` token, the rest
+/// spread as the model's own `own` distribution, summing to 1.
+fn blend(own: Vec<(u32, f32)>, next: u32, share: f32) -> Vec<(u32, f32)> {
+    let mass: f32 = own.iter().map(|&(_, p)| p).sum();
+    let mut q: Vec<(u32, f32)> = if mass > 0.0 {
+        own.into_iter()
+            .map(|(id, p)| (id, (1.0 - share) * p / mass))
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let share = if q.is_empty() { 1.0 } else { share };
+    match q.iter_mut().find(|(id, _)| *id == next) {
+        Some((_, p)) => *p += share,
+        None => q.push((next, share)),
+    }
+    q
+}
+
+/// Tokens of the model's own distribution a rehearsal position is taught (distillation, so a
+/// trainer rehearsing the same text for hours anchors the model where it was rather than
+/// learning that text by heart: docs/coding.md, "Facts and rehearsal").
+pub const ANCHOR_TOP: usize = 16;
 
 /// The general prose a trainer rehearses ([`Teacher::with_rehearsal`]): none of it the canary,
 /// a test's taught passage or the learning bench's held-out text.
@@ -93,7 +130,20 @@ impl Teacher {
             tokens,
             window,
             next: 0,
+            distil: None,
+            anchors: Vec::new(),
         });
+        self
+    }
+
+    /// The same teacher teaching each rehearsal window a blend of its next tokens (`share`
+    /// of each target, 0 to 1) and the model's own next-token distributions ([`ANCHOR_TOP`]
+    /// tokens), the model as it was when this trainer first trained, rather than the next
+    /// tokens alone (distillation: docs/coding.md, "Facts and rehearsal").
+    pub fn distilling(mut self, share: f32) -> Self {
+        if let Some(r) = self.rehearsal.as_mut() {
+            r.distil = Some(share.clamp(0.0, 1.0));
+        }
         self
     }
 
@@ -103,15 +153,47 @@ impl Teacher {
         Ok(self.with_rehearsal(rehearsal_tokens(tokenizer)?, REHEARSAL_TOKENS))
     }
 
-    /// The next window of rehearsal text, if the teacher rehearses.
-    fn rehearse(&mut self) -> Option<Vec<u32>> {
+    /// Measures the rehearsal windows' anchors on `llama` over `exec` if they are due (a
+    /// distilling teacher's first round): a forward pass a window.
+    async fn anchor<E: LinearExec>(
+        &mut self,
+        llama: &Llama,
+        exec: &mut E,
+    ) -> Result<(), ModelError> {
+        let Some(r) = self.rehearsal.as_mut() else {
+            return Ok(());
+        };
+        let Some(share) = r.distil.filter(|_| r.anchors.is_empty()) else {
+            return Ok(());
+        };
+        let mut anchors = Vec::new();
+        for w in r.windows() {
+            let own = llama.next_distributions(exec, w, ANCHOR_TOP).await?;
+            let taught = own
+                .into_iter()
+                .zip(&w[1..])
+                .map(|(p, &next)| blend(p, next, share));
+            anchors.push(taught.collect());
+        }
+        tracing::info!(
+            windows = anchors.len(),
+            "rehearsal anchored to the model's own distributions"
+        );
+        r.anchors = anchors;
+        Ok(())
+    }
+
+    /// The next window of rehearsal text and what it is taught (`None`: its next tokens), if
+    /// the teacher rehearses.
+    fn rehearse(&mut self) -> Option<(Vec<u32>, Option<&Soft>)> {
         let r = self.rehearsal.as_mut()?;
         if r.next + r.window > r.tokens.len() {
             r.next = 0;
         }
+        let at = r.next / r.window;
         let window = r.tokens[r.next..r.next + r.window].to_vec();
         r.next += r.window;
-        Some(window)
+        Some((window, r.anchors.get(at)))
     }
 
     /// Folds one request's (or minibatch's) gradient in; the update when one is due.
@@ -156,11 +238,15 @@ impl Teacher {
         seqs: &[&[u32]],
         requests: usize,
     ) -> Result<Studied, TeachError> {
-        let rehearsed = self.rehearse();
+        self.anchor(llama, exec).await?;
+        let rehearsed = self.rehearse().map(|(w, soft)| (w, soft.cloned()));
         let mixed: Vec<&[u32]>;
+        let mut soft: Vec<Option<&Soft>> = Vec::new();
         let seqs = match &rehearsed {
-            Some(r) => {
+            Some((r, taught)) => {
                 mixed = seqs.iter().copied().chain([r.as_slice()]).collect();
+                soft.resize(seqs.len(), None);
+                soft.push(taught.as_ref());
                 &mixed[..]
             }
             None => seqs,
@@ -170,8 +256,8 @@ impl Teacher {
             // pass keeps none of its factors (the leader's memory, docs/models.md).
             let mut sums = self.stage_sink();
             let mut g = match sums.as_mut() {
-                Some(sink) => llama.gradients_into(exec, seqs, sink).await?,
-                None => llama.gradients_batch(exec, seqs).await?,
+                Some(sink) => llama.gradients_soft_into(exec, seqs, &soft, sink).await?,
+                None => llama.gradients_soft_batch(exec, seqs, &soft).await?,
             };
             // The step follows how many asked, not how many distinct texts they sent.
             g.sequences = requests;
@@ -188,7 +274,7 @@ impl Teacher {
             });
         };
         self.learner.begin_round();
-        let round = self.round(llama, exec, seqs, requests, inner).await;
+        let round = self.round(llama, exec, seqs, &soft, requests, inner).await;
         if round.is_err() {
             self.learner.refuse_last();
         }
@@ -201,6 +287,7 @@ impl Teacher {
         llama: &Llama,
         exec: &mut E,
         seqs: &[&[u32]],
+        soft: &[Option<&Soft>],
         requests: usize,
         inner: u32,
     ) -> Result<Studied, TeachError> {
@@ -211,9 +298,15 @@ impl Teacher {
             let mut g = match &sum {
                 Some(u) => {
                     let mut pending = Pending::new(exec, u, llama.config(), self.format);
-                    llama.gradients_into(&mut pending, seqs, &mut sums).await?
+                    llama
+                        .gradients_soft_into(&mut pending, seqs, soft, &mut sums)
+                        .await?
                 }
-                None => llama.gradients_into(exec, seqs, &mut sums).await?,
+                None => {
+                    llama
+                        .gradients_soft_into(exec, seqs, soft, &mut sums)
+                        .await?
+                }
             };
             g.sequences = requests;
             first.get_or_insert((g.loss, g.t));
@@ -456,6 +549,74 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn a_one_hot_distribution_teaches_what_the_next_token_does_and_bad_ones_are_refused() {
+        let (llama, mut group, _) = setup();
+        let taught: Vec<u32> = (0..12).map(|i| (i * 7 % 96) as u32).collect();
+        let hard = block_on(llama.gradients_batch(&mut group, &[&taught])).unwrap();
+        let one_hot: Soft = taught[1..].iter().map(|&id| vec![(id, 1.0)]).collect();
+        let soft = block_on(llama.gradients_soft_batch(&mut group, &[&taught], &[Some(&one_hot)]))
+            .unwrap();
+        assert!(
+            (hard.loss - soft.loss).abs() < 1e-9,
+            "{} {}",
+            hard.loss,
+            soft.loss
+        );
+        assert_eq!(hard.stages.len(), soft.stages.len());
+        for (a, b) in hard.stages.iter().zip(&soft.stages) {
+            for (x, y) in a.dy.iter().flatten().zip(b.dy.iter().flatten()) {
+                assert!((x - y).abs() <= 1e-6 * (1.0 + x.abs()), "{x} {y}");
+            }
+        }
+        // A distribution that does not fit the sequence, names a token past the vocabulary or
+        // a probability outside [0, 1] is an error, not a pass.
+        let short: Soft = one_hot[1..].to_vec();
+        let mut outside = one_hot.clone();
+        outside[0] = vec![(96, 0.5)];
+        let mut negative = one_hot.clone();
+        negative[3] = vec![(1, -0.5)];
+        for bad in [short, outside, negative] {
+            let r = block_on(llama.gradients_soft_batch(&mut group, &[&taught], &[Some(&bad)]));
+            assert!(r.is_err(), "a bad distribution was taught");
+        }
+    }
+
+    #[test]
+    fn a_distilling_teacher_anchors_rehearsal_to_the_model_it_first_trained() {
+        let (llama, mut group, _) = setup();
+        let taught: Vec<u32> = (0..12).map(|i| (i * 7 % 96) as u32).collect();
+        let general: Vec<u32> = (0..20).map(|i| (i * 3 % 96) as u32).collect();
+        let mut hard = teacher(None).with_rehearsal(general.clone(), 8);
+        let mut distilling = teacher(None)
+            .with_rehearsal(general.clone(), 8)
+            .distilling(0.5);
+        let by_text = block_on(hard.learn(&llama, &mut group, &[&taught], 1)).unwrap();
+        let by_model = block_on(distilling.learn(&llama, &mut group, &[&taught], 1)).unwrap();
+        assert!(
+            by_text.due != by_model.due,
+            "the anchors taught what the text does"
+        );
+        // Two whole windows, each position the text's next token blended with the model's
+        // most likely ones, summing to 1.
+        let anchors = &distilling.rehearsal.as_ref().unwrap().anchors;
+        assert_eq!(anchors.len(), 2);
+        for (w, soft) in general.as_chunks::<8>().0.iter().zip(anchors) {
+            assert_eq!(soft.len(), w.len() - 1);
+            for (p, &next) in soft.iter().zip(&w[1..]) {
+                assert!(p.len() == ANCHOR_TOP || p.len() == ANCHOR_TOP + 1, "{p:?}");
+                let mass: f32 = p.iter().map(|q| q.1).sum();
+                assert!((mass - 1.0).abs() < 1e-5, "{mass}");
+                let on_next = p.iter().find(|q| q.0 == next).unwrap().1;
+                assert!(on_next >= 0.5, "{on_next}");
+            }
+        }
+        // Measured once: a later round reuses them.
+        let first = anchors.clone();
+        block_on(distilling.learn(&llama, &mut group, &[&taught], 1)).unwrap();
+        assert!(distilling.rehearsal.as_ref().unwrap().anchors == first);
+    }
+
+    #[test]
     fn a_rehearsing_teacher_mixes_the_next_window_of_general_text_into_every_minibatch() {
         let (llama, mut group, _) = setup();
         let taught: Vec<u32> = (0..12).map(|i| (i * 7 % 96) as u32).collect();
@@ -474,7 +635,7 @@ pub(crate) mod tests {
         assert_eq!(rehearsing.rehearsal.as_ref().unwrap().next, 8);
         block_on(rehearsing.learn(&llama, &mut group, &[&taught], 1)).unwrap();
         assert_eq!(rehearsing.rehearsal.as_ref().unwrap().next, 16);
-        assert_eq!(rehearsing.rehearse().unwrap(), general[..8]);
+        assert_eq!(rehearsing.rehearse().unwrap().0, general[..8]);
         // A text shorter than its window rehearses nothing.
         assert!(
             teacher(None)

@@ -35,7 +35,7 @@ pub use sampling::{Sampler, SamplingDefaults, SamplingParams, argmax};
 pub use sequence::{Sequence, Taken};
 pub use source::MatrixSource;
 pub use tokenizer::{ChatMessage, TextStream, Tokenizer, TokenizerData};
-pub use train::{Gradients, HEAD_BYTES, KEEP_BYTES, training_bytes};
+pub use train::{Gradients, HEAD_BYTES, KEEP_BYTES, MAX_SOFT_TOP, Soft, training_bytes};
 pub use weights::{LayerWeights, LeaderWeights, Matrix, ModelWeights};
 
 use crate::gguf::GgufError;

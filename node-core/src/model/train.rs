@@ -9,6 +9,14 @@ use super::layers::{AttendBack, AttentionActs, QkvGrads, StageGrad, StageSink, r
 use super::llama::{Keep, Kept};
 use super::{LeaderWeights, LinearExec, Llama, ModelError};
 
+/// A teacher's next-token distribution at each predicted position of one sequence (all but
+/// its last): its most likely tokens with their probabilities, which a pass teaches in place of
+/// the next token (distillation: the gradient on the logits is `softmax − q`).
+pub type Soft = Vec<Vec<(u32, f32)>>;
+
+/// Most tokens a [`Soft`] position may name.
+pub const MAX_SOFT_TOP: usize = 64;
+
 /// The gradient of the mean loss on one sequence, or on a batch of them (rows stacked).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Gradients {
@@ -47,7 +55,19 @@ impl Llama {
         exec: &mut E,
         seqs: &[&[u32]],
     ) -> Result<Gradients, ModelError> {
-        Ok(self.collected(exec, seqs, Limits::DEFAULT).await?.1)
+        self.gradients_soft_batch(exec, seqs, &[]).await
+    }
+
+    /// [`Self::gradients_batch`] teaching sequence `i` the distributions `soft[i]` where given
+    /// ([`Self::gradients_soft_into`]).
+    pub async fn gradients_soft_batch<E: LinearExec>(
+        &self,
+        exec: &mut E,
+        seqs: &[&[u32]],
+        soft: &[Option<&Soft>],
+    ) -> Result<Gradients, ModelError> {
+        let teach = Teach { soft, tops: None };
+        Ok(self.collected(exec, seqs, teach, Limits::DEFAULT).await?.1)
     }
 
     /// [`Self::gradients_batch`] with every stage's gradient handed to `sink` as the backward
@@ -59,10 +79,43 @@ impl Llama {
         seqs: &[&[u32]],
         sink: &mut S,
     ) -> Result<Gradients, ModelError> {
-        self.loss_and_gradients(exec, seqs, Some(sink), Limits::DEFAULT)
+        self.gradients_soft_into(exec, seqs, &[], sink).await
+    }
+
+    /// [`Self::gradients_into`] where sequence `i` with `soft[i]` given is taught that
+    /// distribution at each position (a missing or `None` entry: its next tokens); the loss
+    /// counts such a position as the cross-entropy against it.
+    pub async fn gradients_soft_into<E: LinearExec, S: StageSink>(
+        &self,
+        exec: &mut E,
+        seqs: &[&[u32]],
+        soft: &[Option<&Soft>],
+        sink: &mut S,
+    ) -> Result<Gradients, ModelError> {
+        let teach = Teach { soft, tops: None };
+        self.loss_and_gradients(exec, seqs, Some(sink), teach, Limits::DEFAULT)
             .await?
             .1
             .ok_or_else(|| ModelError::Config("no gradients computed".into()))
+    }
+
+    /// The model's next-token distribution at every position of `tokens` but the last, as its
+    /// `top` most likely tokens (at most [`MAX_SOFT_TOP`]) and their probabilities: what a
+    /// pass teaches with [`Self::gradients_soft_into`] to keep the model's answers there.
+    pub async fn next_distributions<E: LinearExec>(
+        &self,
+        exec: &mut E,
+        tokens: &[u32],
+        top: usize,
+    ) -> Result<Soft, ModelError> {
+        let mut out = Soft::new();
+        let teach = Teach {
+            soft: &[],
+            tops: Some((top.clamp(1, MAX_SOFT_TOP), &mut out)),
+        };
+        self.loss_and_gradients::<E, Collect>(exec, &[tokens], None, teach, Limits::DEFAULT)
+            .await?;
+        Ok(out)
     }
 
     /// [`Self::gradients_batch`] with every block run again from its input once the blocks'
@@ -75,7 +128,8 @@ impl Llama {
         keep: usize,
         head: usize,
     ) -> Result<(f64, Gradients), ModelError> {
-        self.collected(exec, seqs, Limits { keep, head }).await
+        self.collected(exec, seqs, Teach::NEXT, Limits { keep, head })
+            .await
     }
 
     /// The loss and gradients of `seqs` within `limits`, every stage's kept, in forward order.
@@ -83,11 +137,12 @@ impl Llama {
         &self,
         exec: &mut E,
         seqs: &[&[u32]],
+        teach: Teach<'_>,
         limits: Limits,
     ) -> Result<(f64, Gradients), ModelError> {
         let mut kept = Collect::default();
         let (loss, g) = self
-            .loss_and_gradients(exec, seqs, Some(&mut kept), limits)
+            .loss_and_gradients(exec, seqs, Some(&mut kept), teach, limits)
             .await?;
         let mut g = g.ok_or_else(|| ModelError::Config("no gradients computed".into()))?;
         kept.0.reverse();
@@ -102,7 +157,7 @@ impl Llama {
         tokens: &[u32],
     ) -> Result<f64, ModelError> {
         Ok(self
-            .loss_and_gradients::<E, Collect>(exec, &[tokens], None, Limits::DEFAULT)
+            .loss_and_gradients::<E, Collect>(exec, &[tokens], None, Teach::NEXT, Limits::DEFAULT)
             .await?
             .0)
     }
@@ -113,6 +168,7 @@ impl Llama {
         exec: &mut E,
         seqs: &[&[u32]],
         mut sink: Option<&mut S>,
+        mut teach: Teach<'_>,
         limits: Limits,
     ) -> Result<(f64, Option<Gradients>), ModelError> {
         let cfg = self.config().clone();
@@ -138,6 +194,24 @@ impl Llama {
                     id,
                     vocab: cfg.vocab,
                 });
+            }
+        }
+        for (tokens, soft) in seqs.iter().zip(teach.soft) {
+            let Some(soft) = soft else { continue };
+            if soft.len() != tokens.len() - 1 {
+                return Err(ModelError::Config(format!(
+                    "a taught distribution for each of {} positions, not {}",
+                    tokens.len() - 1,
+                    soft.len()
+                )));
+            }
+            let bad = soft.iter().flatten().any(|&(id, q)| {
+                id as usize >= cfg.vocab || !q.is_finite() || !(0.0..=1.0).contains(&q)
+            });
+            if bad || soft.iter().any(|p| p.len() > MAX_SOFT_TOP) {
+                return Err(ModelError::Config(
+                    "a taught distribution names a token outside the vocabulary, a probability outside [0, 1] or too many tokens".into(),
+                ));
             }
         }
         let backward = sink.is_some();
@@ -184,10 +258,14 @@ impl Llama {
 
         // The loss and (training) its gradient on the logits, in runs of positions: every
         // position but each sequence's last predicts the next token of its sequence.
-        let mut next: Vec<Option<usize>> = vec![None; t];
-        for &(start, ti) in &spans {
+        let mut next: Vec<Option<Target>> = vec![None; t];
+        for (s, &(start, ti)) in spans.iter().enumerate() {
+            let soft = teach.soft.get(s).copied().flatten();
             for i in start..start + ti - 1 {
-                next[i] = Some(tokens[i + 1] as usize);
+                next[i] = Some(match soft {
+                    Some(q) => Target::Soft(&q[i - start]),
+                    None => Target::Next(tokens[i + 1] as usize),
+                });
             }
         }
         let v_n = cfg.vocab;
@@ -206,13 +284,36 @@ impl Llama {
                 };
                 let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
                 let sum: f64 = row.iter().map(|&z| (z as f64 - max).exp()).sum();
-                loss += sum.ln() + max - row[target] as f64;
-                if backward {
-                    // The logits become their gradient in place.
-                    for z in row.iter_mut() {
-                        *z = (((*z as f64 - max).exp() / sum) / predicted) as f32;
+                let lse = sum.ln() + max;
+                if let Some((top, out)) = teach.tops.as_mut() {
+                    out.push(most_likely(row, lse, *top));
+                }
+                // The target's probabilities, summing to 1 (a soft one's top tokens, scaled).
+                let q: Vec<(usize, f64)> = match target {
+                    Target::Next(id) => vec![(id, 1.0)],
+                    Target::Soft(q) => {
+                        let mass: f64 = q.iter().map(|&(_, p)| f64::from(p)).sum();
+                        if mass <= 0.0 {
+                            row.fill(0.0);
+                            continue;
+                        }
+                        q.iter()
+                            .map(|&(id, p)| (id as usize, f64::from(p) / mass))
+                            .collect()
                     }
-                    row[target] -= (1.0 / predicted) as f32;
+                };
+                loss += q
+                    .iter()
+                    .map(|&(id, p)| p * (lse - row[id] as f64))
+                    .sum::<f64>();
+                if backward {
+                    // The logits become their gradient in place: softmax − q.
+                    for z in row.iter_mut() {
+                        *z = (((*z as f64 - lse).exp()) / predicted) as f32;
+                    }
+                    for &(id, p) in &q {
+                        row[id] -= (p / predicted) as f32;
+                    }
                 }
             }
             if let Some(sink) = sink.as_deref_mut() {
@@ -278,6 +379,46 @@ impl Llama {
         };
         Ok((loss, Some(grads)))
     }
+}
+
+/// What a predicted position is taught: the next token, or a distribution.
+#[derive(Debug, Clone, Copy)]
+enum Target<'a> {
+    Next(usize),
+    Soft(&'a [(u32, f32)]),
+}
+
+/// What a pass teaches beyond next tokens: distributions for some sequences, and (measuring)
+/// where to write each position's most likely next tokens.
+struct Teach<'a> {
+    soft: &'a [Option<&'a Soft>],
+    tops: Option<(usize, &'a mut Soft)>,
+}
+
+impl Teach<'_> {
+    /// Every position taught its next token, nothing measured.
+    const NEXT: Teach<'static> = Teach {
+        soft: &[],
+        tops: None,
+    };
+}
+
+/// The `top` most likely tokens of a row of logits whose log-sum-exp is `lse`, with their
+/// probabilities, most likely first.
+fn most_likely(row: &[f32], lse: f64, top: usize) -> Vec<(u32, f32)> {
+    let mut ids: Vec<u32> = (0..row.len() as u32).collect();
+    let top = top.min(ids.len());
+    if top == 0 {
+        return Vec::new();
+    }
+    ids.select_nth_unstable_by(top - 1, |&a, &b| {
+        row[b as usize].total_cmp(&row[a as usize])
+    });
+    ids.truncate(top);
+    ids.sort_by(|&a, &b| row[b as usize].total_cmp(&row[a as usize]));
+    ids.into_iter()
+        .map(|id| (id, (row[id as usize] as f64 - lse).exp() as f32))
+        .collect()
 }
 
 /// Most bytes of logits a pass holds at once: the LM head runs over as many positions at a

@@ -11,7 +11,7 @@ use node_core::learn::{Verdict, canary_tokens};
 use node_core::mesh::LearningConfig;
 use node_core::model::{ChatMessage, ModelWeights, Tokenizer};
 
-use super::learning::{Classroom, HELD_OUT, gate};
+use super::learning::{Classroom, HELD_OUT};
 use crate::bench::{Row, row};
 
 /// Made-up facts no model knows, each in five phrasings, with its question and a distractor.
@@ -119,13 +119,16 @@ pub fn teach_facts(
     learning: LearningConfig,
     facts: &[Fact],
     (chats_per_fact, per_round): (usize, usize),
-    (gated, rehearse): (bool, usize),
+    trainer: super::learning::Trainer,
     mut each: impl FnMut(usize, f64, Option<&Verdict>),
 ) -> Result<FactsTaught> {
     let encode = |s: &str| -> Result<Vec<u32>> { Ok(tokenizer.encode(s.trim())?) };
     let (held, canary) = (encode(HELD_OUT)?, canary_tokens(tokenizer)?);
-    let mut room = Classroom::new(weights, format, shape, learning, gate(&canary, gated))?
-        .rehearsing(node_core::learn::rehearsal_tokens(tokenizer)?, rehearse);
+    let mut room = trainer.room(
+        |gate| Classroom::new(weights, format, shape, learning, gate),
+        &canary,
+        tokenizer,
+    )?;
     let before: Vec<_> = facts
         .iter()
         .map(|f| ask(&mut room, tokenizer, f))

@@ -102,9 +102,13 @@ impl Classroom {
     }
 
     /// The same classroom's trainer rehearsing `window` tokens of `tokens` a minibatch
-    /// ([`Teacher::with_rehearsal`]).
-    pub fn rehearsing(mut self, tokens: Vec<u32>, window: usize) -> Self {
+    /// ([`Teacher::with_rehearsal`]), distilled where `distil` gives the next tokens' share
+    /// ([`Teacher::distilling`]).
+    pub fn rehearsing(mut self, tokens: Vec<u32>, window: usize, distil: Option<f32>) -> Self {
         self.teacher = self.teacher.with_rehearsal(tokens, window);
+        if let Some(share) = distil {
+            self.teacher = self.teacher.distilling(share);
+        }
         self
     }
 
@@ -200,9 +204,46 @@ impl Classroom {
     }
 }
 
+/// What a bench's trainer does beside training on what it is taught: whether the canary gate
+/// judges its updates, positions of general text it rehearses a minibatch (0: none), and
+/// whether it distils that text (the next tokens' share, [`Teacher::distilling`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Trainer {
+    /// Whether every update goes through the canary gate before the rows take it.
+    pub gated: bool,
+    /// Positions of general text rehearsed a minibatch.
+    pub rehearse: usize,
+    /// The rehearsal's next tokens' share of each target, where it is distilled.
+    pub distil: Option<f32>,
+}
+
+impl Trainer {
+    /// The trainer `up` runs: gated, rehearsing [`node_core::learn::REHEARSAL_TOKENS`] a
+    /// minibatch, not distilled.
+    pub const AS_UP: Self = Self {
+        gated: true,
+        rehearse: node_core::learn::REHEARSAL_TOKENS,
+        distil: None,
+    };
+
+    /// A classroom with this trainer: `room` gated by `canary` (tokens) as it says, rehearsing
+    /// the mesh's text as `tokenizer` cuts it.
+    pub fn room(
+        &self,
+        room: impl FnOnce(Option<CanaryGate>) -> Result<Classroom>,
+        canary: &[u32],
+        tokenizer: &Tokenizer,
+    ) -> Result<Classroom> {
+        Ok(room(gate(canary, self.gated))?.rehearsing(
+            node_core::learn::rehearsal_tokens(tokenizer)?,
+            self.rehearse,
+            self.distil,
+        ))
+    }
+}
+
 /// Teaches `text` `exposures` times to an in-process mesh of `k` of `n` rows of `format`,
-/// with `learning`, its trainer rehearsing `rehearse` positions of general text a minibatch;
-/// every update goes through the canary gate (unless not `gated`) before the rows take it.
+/// with `learning`, its trainer as `trainer` says.
 #[allow(clippy::too_many_arguments)] // one measurement's whole set-up
 pub fn teach_in_process(
     weights: &ModelWeights,
@@ -212,7 +253,7 @@ pub fn teach_in_process(
     learning: LearningConfig,
     text: &str,
     exposures: usize,
-    (gated, rehearse): (bool, usize),
+    trainer: Trainer,
     mut each: impl FnMut(usize, f64, Option<&node_core::learn::Verdict>),
 ) -> Result<Taught> {
     let tokens = |s: &str| -> Result<Vec<u32>> {
@@ -221,8 +262,11 @@ pub fn teach_in_process(
         Ok(t)
     };
     let (taught, held, canary) = (tokens(text)?, tokens(HELD_OUT)?, tokens(CANARY_TEXT)?);
-    let mut room = Classroom::new(weights, format, shape, learning, gate(&canary, gated))?
-        .rehearsing(node_core::learn::rehearsal_tokens(tokenizer)?, rehearse);
+    let mut room = trainer.room(
+        |gate| Classroom::new(weights, format, shape, learning, gate),
+        &canary,
+        tokenizer,
+    )?;
     let losses = |room: &mut Classroom| -> Result<[f64; 3]> {
         Ok([room.loss(&taught)?, room.loss(&held)?, room.loss(&canary)?])
     };

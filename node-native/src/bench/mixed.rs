@@ -11,14 +11,14 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use node_core::coded::ShardFormat;
 use node_core::lead::training::{LEARN_TOKENS, Lesson, minibatch_positions, share_out};
-use node_core::learn::{canary_tokens, rehearsal_tokens, taught, training_window};
+use node_core::learn::{canary_tokens, taught, training_window};
 use node_core::mesh::LearningConfig;
 use node_core::model::{ModelWeights, Tokenizer};
 use rand_chacha::ChaCha8Rng;
 use rand_chacha::rand_core::{RngCore, SeedableRng};
 
 use super::facts::{Fact, ask};
-use super::learning::{Classroom, HELD_OUT, gate};
+use super::learning::{Classroom, HELD_OUT};
 use crate::bench::{Row, row};
 
 /// Topics of ordinary chats: templates whose `{a}`, `{b}` (from the topic's lists) and `{n}`,
@@ -235,7 +235,7 @@ pub fn teach_mixed(
     (n, k): (usize, usize),
     learning: LearningConfig,
     run: MixedRun,
-    (gated, rehearse): (bool, usize),
+    trainer: super::learning::Trainer,
     mut each: impl FnMut(&Checkpoint),
 ) -> Result<Mixed> {
     let topics = topics()?;
@@ -246,7 +246,7 @@ pub fn teach_mixed(
     let cfg = &weights.cfg;
     let window = training_window(&learning, cfg).min(LEARN_TOKENS);
     let limit = minibatch_positions(cfg, k, &learning)
-        .saturating_sub(rehearse)
+        .saturating_sub(trainer.rehearse)
         .max(2);
     let requests = chats
         .iter()
@@ -260,8 +260,11 @@ pub fn teach_mixed(
         tokenizer.encode(HELD_OUT.trim())?,
         canary_tokens(tokenizer)?,
     );
-    let mut room = Classroom::new(weights, format, (n, k), learning, gate(&canary, gated))?
-        .rehearsing(rehearsal_tokens(tokenizer)?, rehearse);
+    let mut room = trainer.room(
+        |gate| Classroom::new(weights, format, (n, k), learning, gate),
+        &canary,
+        tokenizer,
+    )?;
     let (mut sent, mut trained, mut rounds, mut seconds) = (0, 0, 0, 0.0);
     let mut waiting = VecDeque::new();
     let mut curve = Vec::new();

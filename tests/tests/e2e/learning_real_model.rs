@@ -6,9 +6,8 @@
 //! stopped by the gate before the held-out text suffers.
 
 use node_core::coded::ShardFormat;
-use node_core::learn::REHEARSAL_TOKENS;
 use node_core::mesh::LearningConfig;
-use node_native::bench::learning::{GARBAGE, HELD_OUT, TAUGHT, teach_in_process};
+use node_native::bench::learning::{GARBAGE, HELD_OUT, TAUGHT, Trainer, teach_in_process};
 use tests::real_model;
 
 fn ppl((before, after): (f64, f64)) -> (f64, f64) {
@@ -29,7 +28,7 @@ fn a_taught_passage_is_learnt_and_a_poisoner_is_stopped_by_the_canary_gate() -> 
         learning,
         TAUGHT,
         3,
-        (true, REHEARSAL_TOKENS),
+        Trainer::AS_UP,
         |_, _, _| {},
     )?;
     let (t0, t1) = ppl(taught.taught);
@@ -54,7 +53,10 @@ fn a_taught_passage_is_learnt_and_a_poisoner_is_stopped_by_the_canary_gate() -> 
         14,
         // The gate itself: a trainer that rehearses general text keeps the canary down
         // while the garbage is learnt like any text (docs/coding.md, "Facts and rehearsal").
-        (true, 0),
+        Trainer {
+            rehearse: 0,
+            ..Trainer::AS_UP
+        },
         |_, _, _| {},
     )?;
     let (g0, g1) = ppl(poisoned.taught);
