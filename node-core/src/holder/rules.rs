@@ -245,22 +245,30 @@ impl Rules {
             ));
         }
         let signed = crate::learn::open(bytes).map_err(|e| Refused::new(Refusal::Signature, e))?;
+        self.check_signed(&signed, now_ms)
+            .map_err(|refused| refused.by(&signed))
+    }
+
+    /// [`Self::check`] of an update whose signature held.
+    fn check_signed(
+        &self,
+        signed: &crate::learn::Signed,
+        now_ms: Option<u64>,
+    ) -> Result<Checked, Refused> {
         let mesh = self.mesh.as_ref().ok_or_else(|| {
             Refused::new(
                 Refusal::Unadmitted,
                 "the mesh's manifest names no usable key",
             )
-            .by(&signed)
         })?;
         let cert = signed
             .admitted(mesh, Power::Write, now_ms.map(|ms| ms / 1000))
             .map_err(|e| match e {
-                AdmitError::Expired(_) => Refused::new(Refusal::Expired, e).by(&signed),
+                AdmitError::Expired(_) => Refused::new(Refusal::Expired, e),
                 e => Refused::new(
                     Refusal::Unadmitted,
                     format!("signed by {}: {e}", signed.signer),
-                )
-                .by(&signed),
+                ),
             })?;
         if let Some(now) = now_ms {
             let at = signed.header.issued_ms;
@@ -274,8 +282,7 @@ impl Rules {
                         MAX_UPDATE_AGE_MS / 1000,
                         CLOCK_SKEW_MS / 1000
                     ),
-                )
-                .by(&signed));
+                ));
             }
         }
         if let Some(reference) = self.canary {
@@ -284,16 +291,14 @@ impl Rules {
                     Refusal::Ungated,
                     "the mesh runs a canary gate and the trainer attached no verdict",
                 )
-                .by(&signed)
             })?;
-            gate_holds(&verdict, reference)
-                .map_err(|e| Refused::new(Refusal::Gate, e).by(&signed))?;
+            gate_holds(&verdict, reference).map_err(|e| Refused::new(Refusal::Gate, e))?;
         }
-        let update = Update::decode(&signed.payload)
-            .map_err(|e| Refused::new(Refusal::Malformed, e).by(&signed))?;
+        let update =
+            Update::decode(&signed.payload).map_err(|e| Refused::new(Refusal::Malformed, e))?;
         update
             .validate_for(&self.cfg, &self.learning, self.format)
-            .map_err(|e| Refused::new(Refusal::Malformed, e).by(&signed))?;
+            .map_err(|e| Refused::new(Refusal::Malformed, e))?;
         Ok(Checked {
             update,
             id: Update::id_of(&signed.payload),

@@ -264,7 +264,7 @@ impl Llama {
             for i in start..start + ti - 1 {
                 next[i] = Some(match soft {
                     Some(q) => Target::Soft(&q[i - start]),
-                    None => Target::Next(tokens[i + 1] as usize),
+                    None => Target::Next(tokens[i + 1]),
                 });
             }
         }
@@ -288,31 +288,31 @@ impl Llama {
                 if let Some((top, out)) = teach.tops.as_mut() {
                     out.push(most_likely(row, lse, *top));
                 }
-                // The target's probabilities, summing to 1 (a soft one's top tokens, scaled).
-                let q: Vec<(usize, f64)> = match target {
-                    Target::Next(id) => vec![(id, 1.0)],
-                    Target::Soft(q) => {
-                        let mass: f64 = q.iter().map(|&(_, p)| f64::from(p)).sum();
-                        if mass <= 0.0 {
-                            row.fill(0.0);
-                            continue;
-                        }
-                        q.iter()
-                            .map(|&(id, p)| (id as usize, f64::from(p) / mass))
-                            .collect()
+                // The target's probabilities and their sum (a soft one's top tokens, scaled
+                // by it to sum to 1).
+                let one;
+                let (q, mass) = match target {
+                    Target::Next(id) => {
+                        one = [(id, 1.0f32)];
+                        (&one[..], 1.0)
                     }
+                    Target::Soft(q) => (q, q.iter().map(|&(_, p)| f64::from(p)).sum::<f64>()),
                 };
+                if mass <= 0.0 {
+                    row.fill(0.0);
+                    continue;
+                }
                 loss += q
                     .iter()
-                    .map(|&(id, p)| p * (lse - row[id] as f64))
+                    .map(|&(id, p)| f64::from(p) / mass * (lse - row[id as usize] as f64))
                     .sum::<f64>();
                 if backward {
                     // The logits become their gradient in place: softmax − q.
                     for z in row.iter_mut() {
                         *z = (((*z as f64 - lse).exp()) / predicted) as f32;
                     }
-                    for &(id, p) in &q {
-                        row[id] -= (p / predicted) as f32;
+                    for &(id, p) in q {
+                        row[id as usize] -= (f64::from(p) / mass / predicted) as f32;
                     }
                 }
             }
@@ -384,7 +384,7 @@ impl Llama {
 /// What a predicted position is taught: the next token, or a distribution.
 #[derive(Debug, Clone, Copy)]
 enum Target<'a> {
-    Next(usize),
+    Next(u32),
     Soft(&'a [(u32, f32)]),
 }
 
