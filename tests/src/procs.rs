@@ -222,12 +222,24 @@ pub fn spawn_node_with(
     spawn(dir, name, &a)
 }
 
-/// A free TCP port on 127.0.0.1, below the range dials take their source ports from (as
-/// `up` picks its nodes' ports), so no test's connection can take it before it is used.
+/// A free TCP port on 127.0.0.1 for a mesh's API, below the range dials take their source
+/// ports from and apart from the ports `up` gives its nodes, so neither a test's connection
+/// nor another test's mesh can take it before it is used.
 pub fn free_port() -> Result<u16> {
-    node_native::up::free_ports(1)?
-        .pop()
-        .context("no free port")
+    // Tests run side by side in one process: none gets a port another was given, even one
+    // its mesh does not listen on yet.
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let mut given = GIVEN
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    for _ in 0..100 {
+        let port = node_native::up::free_api_port()?;
+        if !given.contains(&port) {
+            given.push(port);
+            return Ok(port);
+        }
+    }
+    anyhow::bail!("no free port that no other test was given")
 }
 
 /// Whether this runs under CI (`CI` set and not empty): there a missing tool or device is a

@@ -120,14 +120,35 @@ const FIRST_NODE_PORT: u16 = 10_000;
 /// They are picked below the range the system hands out to outgoing connections and to `:0`
 /// listeners: a port from that range, free when checked, can be taken by any process's dial
 /// before the node listens on it, and then the node fails to start for as long as that
-/// connection lives (a CI run lost a node so, with other meshes dialing beside it).
+/// connection lives (a CI run lost a node so, with other meshes dialing beside it). Nodes'
+/// ports come from the lower half of what lies below that range, [`free_api_port`]'s from
+/// the upper, so that an API port picked for a mesh about to start is never a node's.
 pub fn free_ports(n: usize) -> Result<Vec<u16>> {
-    let end = ephemeral_start();
-    if end <= FIRST_NODE_PORT {
+    let (low, _) = below_ephemeral();
+    free_ports_in(n, low)
+}
+
+/// A TCP port on 127.0.0.1 free now, for an API to listen on: never one [`free_ports`] gives.
+pub fn free_api_port() -> Result<u16> {
+    let (_, high) = below_ephemeral();
+    free_ports_in(1, high)?.pop().context("no free port")
+}
+
+/// The two halves of the ports from [`FIRST_NODE_PORT`] to the outgoing range; empty where
+/// that range starts lower.
+fn below_ephemeral() -> (std::ops::Range<u16>, std::ops::Range<u16>) {
+    let end = ephemeral_start().max(FIRST_NODE_PORT);
+    let mid = FIRST_NODE_PORT + (end - FIRST_NODE_PORT) / 2;
+    (FIRST_NODE_PORT..mid, mid..end)
+}
+
+/// `n` ports of `range` free now, from a point that differs each time (so that meshes started
+/// together rarely try the same); ports the system picks where `range` has too few.
+fn free_ports_in(n: usize, range: std::ops::Range<u16>) -> Result<Vec<u16>> {
+    let span = u32::from(range.end - range.start);
+    if (span as usize) < n {
         return free_ephemeral_ports(n);
     }
-    let span = u32::from(end - FIRST_NODE_PORT);
-    // Start somewhere different each time, so meshes started together rarely try the same.
     let seed = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.subsec_nanos())
@@ -139,7 +160,7 @@ pub fn free_ports(n: usize) -> Result<Vec<u16>> {
         if ports.len() == n {
             break;
         }
-        let port = FIRST_NODE_PORT + (seed.wrapping_add(i) % span) as u16;
+        let port = range.start + (seed.wrapping_add(i) % span) as u16;
         if let Ok(l) = std::net::TcpListener::bind(("127.0.0.1", port)) {
             held.push(l);
             ports.push(port);
@@ -149,6 +170,71 @@ pub fn free_ports(n: usize) -> Result<Vec<u16>> {
         return free_ephemeral_ports(n);
     }
     Ok(ports)
+}
+
+/// The nodes' ports, held by `up` while it runs so that no other process on this machine
+/// takes one between the nodes' restarts (or before a node first listens): each is bound,
+/// never listened on, with `SO_REUSEPORT` alone, which lets only a socket that also asks for it
+/// (the node's libp2p listener, same user) bind the port beside it, and every plain bind (a
+/// test's or another mesh's pick) fail. A CI run lost a node of sixteen so: another mesh took
+/// its port between `up` picking it and the node listening. Elsewhere than unix nothing is held.
+#[derive(Debug, Default)]
+pub struct HeldPorts {
+    #[cfg(unix)]
+    held: Vec<std::os::fd::OwnedFd>,
+}
+
+impl HeldPorts {
+    /// Holds `port` when no socket has it now; false when one does.
+    fn hold(&mut self, port: u16) -> bool {
+        // A plain bind fails while any socket has the port, one that holds it included.
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_err() {
+            return false;
+        }
+        #[cfg(unix)]
+        {
+            use nix::sys::socket::{
+                AddressFamily, SockFlag, SockType, SockaddrIn, bind, setsockopt, socket, sockopt,
+            };
+            use std::os::fd::AsRawFd;
+            let held = socket(
+                AddressFamily::Inet,
+                SockType::Stream,
+                SockFlag::SOCK_CLOEXEC,
+                None,
+            )
+            .and_then(|fd| {
+                setsockopt(&fd, sockopt::ReusePort, &true)?;
+                bind(fd.as_raw_fd(), &SockaddrIn::new(127, 0, 0, 1, port))?;
+                Ok(fd)
+            });
+            match held {
+                Ok(fd) => self.held.push(fd),
+                Err(_) => return false,
+            }
+        }
+        true
+    }
+
+    /// Holds each of `ports` that is free, and in place of each that another process took
+    /// meanwhile a free one below the range outgoing connections use; the ports held.
+    pub fn take(ports: &[u16]) -> Result<(Self, Vec<u16>)> {
+        let mut me = Self::default();
+        let mut taken = Vec::with_capacity(ports.len());
+        for &port in ports {
+            if me.hold(port) {
+                taken.push(port);
+                continue;
+            }
+            // A port this holds already is not free: the pick passes over it.
+            let other = free_ports(1)?
+                .into_iter()
+                .find(|&p| me.hold(p))
+                .with_context(|| format!("port {port} is taken and no other is free"))?;
+            taken.push(other);
+        }
+        Ok((me, taken))
+    }
 }
 
 /// The first port of the system's range for outgoing connections (Linux's default where it
@@ -377,6 +463,21 @@ pub async fn up(opts: UpOptions) -> Result<()> {
         let (o, m, d) = (opts.clone(), model.clone(), data.clone());
         tokio::task::spawn_blocking(move || prepare(&o, &m, &d)).await??
     };
+    // Held until `up` ends, through every restart of a node.
+    let (_held, ports) = HeldPorts::take(&mesh.ports)?;
+    let mesh = if ports == mesh.ports {
+        mesh
+    } else {
+        eprintln!(
+            "another process took some of the nodes' ports {:?}: they listen on {ports:?} now",
+            mesh.ports
+        );
+        let mesh = MeshFile { ports, ..mesh };
+        let file = data.join(MESH_FILE);
+        std::fs::write(&file, serde_json::to_vec_pretty(&mesh)?)
+            .with_context(|| format!("writing {}", file.display()))?;
+        mesh
+    };
     admit_nodes(&data, mesh.n)?;
     let (web, mut build) = dashboard(&opts, &data);
     let program = crate::up::supervise::this_program()?;
@@ -559,24 +660,82 @@ mod tests {
     use super::*;
 
     #[test]
-    fn node_ports_are_distinct_free_and_below_the_range_dials_take_theirs_from() {
+    fn node_ports_are_distinct_free_below_the_range_dials_take_theirs_from_and_apart_from_api_ports()
+     {
         let ports = free_ports(5).unwrap();
         let mut distinct = ports.clone();
         distinct.sort_unstable();
         distinct.dedup();
         assert_eq!(distinct.len(), 5, "{ports:?}");
+        let (nodes, apis) = below_ephemeral();
+        let api = free_api_port().unwrap();
+        assert!(apis.contains(&api), "{api} is outside {apis:?}");
         for &p in &ports {
-            assert!(
-                (FIRST_NODE_PORT..ephemeral_start()).contains(&p),
-                "{p} is outside {FIRST_NODE_PORT}..{}",
-                ephemeral_start()
-            );
+            assert!(nodes.contains(&p), "{p} is outside {nodes:?}");
             std::net::TcpListener::bind(("127.0.0.1", p)).expect("free to listen on");
         }
         // A dial's source port comes from the ephemeral range, never from these.
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let dial = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
         assert!(dial.local_addr().unwrap().port() >= ephemeral_start());
+    }
+
+    #[test]
+    fn a_held_port_is_refused_to_a_plain_bind_but_its_node_listens_and_is_reached_on_it() {
+        let free = free_ports(2).unwrap();
+        let (held, ports) = HeldPorts::take(&free).unwrap();
+        assert_eq!(ports, free, "free ports are held as they are");
+        #[cfg(unix)]
+        {
+            use std::io::{Read, Write};
+            let addr = SocketAddr::from(([127, 0, 0, 1], ports[0]));
+            // Another process's pick (a plain bind) cannot take it ...
+            assert!(std::net::TcpListener::bind(addr).is_err());
+            // ... nor can another `up` hold it again: it picks another.
+            let (_again, other) = HeldPorts::take(&ports[..1]).unwrap();
+            assert_ne!(other, ports[..1]);
+            // The node's listener (libp2p's: SO_REUSEADDR and SO_REUSEPORT) binds it, and a
+            // dial reaches the node, not the held socket.
+            let node = libp2p_like_listener(addr);
+            let mut dial = std::net::TcpStream::connect(addr).unwrap();
+            let (mut accepted, _) = node.accept().unwrap();
+            dial.write_all(b"hi").unwrap();
+            let mut got = [0; 2];
+            accepted.read_exact(&mut got).unwrap();
+            assert_eq!(&got, b"hi");
+            // A node that restarts binds it again.
+            drop((node, accepted, dial));
+            drop(libp2p_like_listener(addr));
+        }
+        drop(held);
+        for p in ports {
+            std::net::TcpListener::bind(("127.0.0.1", p)).expect("free once up ends");
+        }
+    }
+
+    /// A listener made as libp2p-tcp makes one.
+    #[cfg(unix)]
+    fn libp2p_like_listener(addr: SocketAddr) -> std::net::TcpListener {
+        use nix::sys::socket::{
+            AddressFamily, Backlog, SockFlag, SockType, SockaddrIn, bind, listen, setsockopt,
+            socket, sockopt,
+        };
+        use std::os::fd::AsRawFd;
+        let fd = socket(
+            AddressFamily::Inet,
+            SockType::Stream,
+            SockFlag::SOCK_CLOEXEC,
+            None,
+        )
+        .unwrap();
+        setsockopt(&fd, sockopt::ReuseAddr, &true).unwrap();
+        setsockopt(&fd, sockopt::ReusePort, &true).unwrap();
+        let SocketAddr::V4(v4) = addr else {
+            unreachable!()
+        };
+        bind(fd.as_raw_fd(), &SockaddrIn::from(v4)).unwrap();
+        listen(&fd, Backlog::new(16).unwrap()).unwrap();
+        std::net::TcpListener::from(fd)
     }
 
     #[test]

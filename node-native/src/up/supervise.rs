@@ -200,15 +200,16 @@ pub async fn supervise(
                     eprintln!("supervisor: {} exited", spec.name);
                     return Ok(());
                 }
+                let said = spec.log.as_deref().and_then(last_error).map_or_else(String::new, |e| format!(": {e}"));
                 let Some(wait) = backoff.after_crash(started.elapsed()) else {
                     bail!(
-                        "{} crashed {} times in a row ({status}); giving up",
+                        "{} crashed {} times in a row ({status}){said}; giving up",
                         spec.name,
                         backoff.give_up_after + 1
                     );
                 };
                 eprintln!(
-                    "supervisor: {} crashed ({status}) after {:.1} s; restarting in {:.0} s",
+                    "supervisor: {} crashed ({status}) after {:.1} s{said}; restarting in {:.0} s",
                     spec.name,
                     started.elapsed().as_secs_f64(),
                     wait.as_secs_f64()
@@ -277,6 +278,32 @@ pub fn log_tail(path: &Path, lines: usize) -> String {
     all[all.len().saturating_sub(lines)..].join("\n")
 }
 
+/// The error a crashed child's log ends with, on one line: its last `Error:` (an `anyhow`
+/// error from `main`) and the causes under it, else its last line; `None` for an empty log.
+fn last_error(log: &Path) -> Option<String> {
+    let tail = log_tail(log, 40);
+    let lines: Vec<&str> = tail
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect();
+    let from = lines.iter().rposition(|l| l.starts_with("Error:"));
+    let said: Vec<&str> = match from {
+        Some(i) => lines[i..]
+            .iter()
+            .filter(|l| **l != "Caused by:")
+            .map(|l| {
+                l.split_once(": ")
+                    .filter(|(n, _)| n.parse::<u32>().is_ok())
+                    .map_or(*l, |(_, c)| c)
+            })
+            .collect(),
+        None => lines.last().into_iter().copied().collect(),
+    };
+    let said = said.join(": ");
+    (!said.is_empty()).then(|| said.chars().take(400).collect())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -294,6 +321,26 @@ mod tests {
             Some(Duration::from_secs(1))
         );
         assert_eq!(b.after_crash(quick), Some(Duration::from_secs(2)));
+    }
+
+    #[test]
+    fn a_crash_is_told_with_the_error_its_log_ends_with() {
+        let log = std::env::temp_dir().join(format!("codedmesh-crash-{}.log", std::process::id()));
+        let _ = std::fs::remove_file(&log);
+        assert_eq!(last_error(&log), None, "no log");
+        std::fs::write(&log, "started\nlistening\n").unwrap();
+        assert_eq!(last_error(&log).as_deref(), Some("listening"));
+        std::fs::write(
+            &log,
+            "started\nError: listening on /ip4/127.0.0.1/tcp/10006\n\nCaused by:\n    0: Other(Custom)\n    1: Address already in use (os error 98)\n",
+        )
+        .unwrap();
+        assert_eq!(
+            last_error(&log).as_deref(),
+            Some(
+                "Error: listening on /ip4/127.0.0.1/tcp/10006: Other(Custom): Address already in use (os error 98)"
+            )
+        );
     }
 
     #[test]
