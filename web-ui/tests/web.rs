@@ -6,6 +6,7 @@
 
 use leptos::prelude::*;
 use leptos::wasm_bindgen::JsCast;
+use node_core::holder::LearningStatus;
 use node_core::mesh::{Health, MeshInfo, NodeStatus};
 use node_web::{Completion, Connection, Contribution, NodeSnapshot};
 use wasm_bindgen_test::{wasm_bindgen_test, wasm_bindgen_test_configure};
@@ -74,6 +75,30 @@ fn cell(root: &web_sys::Element, row: u32, col: usize) -> String {
         .unwrap_or_default()
 }
 
+/// `view` mounted in a fresh element of the page, its live state the snapshot and learning
+/// status these signals give (no history, no error, no node): the element, and the mount,
+/// which unmounts when dropped.
+fn mounted<V: IntoView + 'static>(
+    snapshot: ReadSignal<Option<NodeSnapshot>>,
+    learning: ReadSignal<Option<LearningStatus>>,
+    view: impl FnOnce() -> V + 'static,
+) -> (web_sys::Element, impl Sized) {
+    let document = document();
+    let root = document.create_element("div").unwrap();
+    document.body().unwrap().append_child(&root).unwrap();
+    let mount = mount_to(root.clone().unchecked_into(), move || {
+        provide_context(Live {
+            snapshot,
+            history: signal(History::default()).0,
+            learning,
+            error: signal(None).0,
+            node: StoredValue::new_local(None),
+        });
+        view()
+    });
+    (root, mount)
+}
+
 fn text_of(root: &web_sys::Element, css: &str) -> String {
     root.query_selector(css)
         .unwrap()
@@ -84,19 +109,7 @@ fn text_of(root: &web_sys::Element, css: &str) -> String {
 #[wasm_bindgen_test]
 async fn the_summary_and_rows_show_the_mesh_and_follow_it_live() {
     let (snap, set_snap) = signal(Some(snapshot([Health::Healthy; 3])));
-    let (history, _) = signal(History::default());
-    let (error, _) = signal(None::<String>);
-    let document = document();
-    let root = document.create_element("div").unwrap();
-    document.body().unwrap().append_child(&root).unwrap();
-    let _mounted = mount_to(root.clone().unchecked_into(), move || {
-        provide_context(Live {
-            snapshot: snap,
-            history,
-            learning: signal(None).0,
-            error,
-            node: StoredValue::new_local(None),
-        });
+    let (root, _mounted) = mounted(snap, signal(None).0, || {
         view! {
             <Summary />
             <Contribute />
@@ -191,21 +204,7 @@ async fn the_prompt_box_waits_for_a_connection_and_reports_a_completion() {
     let mut s = snapshot([Health::Healthy; 3]);
     s.connection = Connection::Connecting;
     let (snap, set_snap) = signal(Some(s));
-    let (history, _) = signal(History::default());
-    let (error, _) = signal(None::<String>);
-    let document = document();
-    let root = document.create_element("div").unwrap();
-    document.body().unwrap().append_child(&root).unwrap();
-    let _mounted = mount_to(root.clone().unchecked_into(), move || {
-        provide_context(Live {
-            snapshot: snap,
-            history,
-            learning: signal(None).0,
-            error,
-            node: StoredValue::new_local(None),
-        });
-        view! { <Ask /> }
-    });
+    let (root, _mounted) = mounted(snap, signal(None).0, || view! { <Ask /> });
     let disabled = |root: &web_sys::Element| {
         root.query_selector("#ask")
             .unwrap()
@@ -259,24 +258,10 @@ async fn the_prompt_box_waits_for_a_connection_and_reports_a_completion() {
 
 #[wasm_bindgen_test]
 async fn the_learning_section_lists_each_update_with_its_trainer_and_verdict() {
-    use node_core::holder::{KeyShare, LearningStatus, UpdateLog, UpdateSeen};
+    use node_core::holder::{KeyShare, UpdateLog, UpdateSeen};
     let (snap, _) = signal(Some(snapshot([Health::Healthy; 3])));
-    let (history, _) = signal(History::default());
-    let (error, _) = signal(None::<String>);
     let (learning, set_learning) = signal(None::<LearningStatus>);
-    let document = document();
-    let root = document.create_element("div").unwrap();
-    document.body().unwrap().append_child(&root).unwrap();
-    let _mounted = mount_to(root.clone().unchecked_into(), move || {
-        provide_context(Live {
-            snapshot: snap,
-            history,
-            learning,
-            error,
-            node: StoredValue::new_local(None),
-        });
-        view! { <Learning /> }
-    });
+    let (root, _mounted) = mounted(snap, learning, || view! { <Learning /> });
     assert_eq!(
         text_of(&root, "#learning-summary"),
         "waiting for this node's updates…"
