@@ -11,7 +11,7 @@ use node_core::learn::{Verdict, canary_tokens};
 use node_core::mesh::LearningConfig;
 use node_core::model::{ChatMessage, ModelWeights, Tokenizer};
 
-use super::learning::{Classroom, HELD_OUT};
+use super::learning::{Classroom, HeldOut};
 use crate::bench::{Row, row};
 
 /// Made-up facts no model knows, each in five phrasings, with its question and a distractor.
@@ -123,7 +123,8 @@ pub fn teach_facts(
     mut each: impl FnMut(usize, f64, Option<&Verdict>),
 ) -> Result<FactsTaught> {
     let encode = |s: &str| -> Result<Vec<u32>> { Ok(tokenizer.encode(s.trim())?) };
-    let (held, canary) = (encode(HELD_OUT)?, canary_tokens(tokenizer)?);
+    let max = weights.cfg.max_seq.min(node_core::learn::MAX_POSITIONS);
+    let (held, canary) = (HeldOut::new(tokenizer, max)?, canary_tokens(tokenizer)?);
     let mut room = trainer.room(
         |gate| Classroom::new(weights, format, shape, learning, gate),
         &canary,
@@ -133,7 +134,7 @@ pub fn teach_facts(
         .iter()
         .map(|f| ask(&mut room, tokenizer, f))
         .collect::<Result<_>>()?;
-    let (held0, canary0) = (room.loss(&held)?, room.loss(&canary)?);
+    let (held0, canary0) = (held.loss(&mut room)?, room.loss(&canary)?);
     let mut chats = Vec::new();
     for i in 0..chats_per_fact {
         for f in facts {
@@ -160,7 +161,7 @@ pub fn teach_facts(
     }
     Ok(FactsTaught {
         asked,
-        held_out: (held0, room.loss(&held)?),
+        held_out: (held0, held.loss(&mut room)?),
         canary: (canary0, room.loss(&canary)?),
         published: room.published(),
         refused: room.refused(),

@@ -7,7 +7,7 @@
 
 use std::time::Instant;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, bail, ensure};
 use node_core::code::select_nodes;
 use node_core::coded::{CodedGroup, InProcess, ShardFormat};
 use node_core::lead::{Publisher, Settled, settle};
@@ -19,8 +19,74 @@ use crate::bench::{Row, row};
 
 /// The passage taught: a made-up history no model has seen.
 pub const TAUGHT: &str = include_str!("../../texts/taught.txt");
-/// Held-out text of another kind (technical prose), never taught.
+/// Held-out text of other kinds, never taught: eight passages apart by blank lines
+/// (technical prose, a story, a dialogue, a recipe, science, a letter, local news, Python),
+/// ~1,000 tokens in all.
 pub const HELD_OUT: &str = include_str!("../../texts/heldout.txt");
+
+/// What each of [`HELD_OUT`]'s passages is, in the file's order.
+pub const HELD_OUT_KINDS: [&str; 8] = [
+    "technical",
+    "story",
+    "dialogue",
+    "recipe",
+    "science",
+    "letter",
+    "news",
+    "code",
+];
+
+/// [`HELD_OUT`]'s passages.
+pub(crate) fn held_out_texts() -> impl Iterator<Item = &'static str> {
+    HELD_OUT
+        .split("\n\n")
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+}
+
+/// The held-out passages as a tokenizer cuts them, each measured alone.
+#[derive(Debug, Clone)]
+pub struct HeldOut(Vec<Vec<u32>>);
+
+impl HeldOut {
+    /// [`HELD_OUT`]'s passages as `tokenizer` cuts them, each at most `max` tokens.
+    pub fn new(tokenizer: &Tokenizer, max: usize) -> Result<Self> {
+        let passages = held_out_texts()
+            .map(|p| {
+                let mut t = tokenizer.encode(p)?;
+                t.truncate(max);
+                ensure!(t.len() > 1, "a held-out passage predicts no token: {p:?}");
+                Ok(t)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self(passages))
+    }
+
+    /// Each passage's mean loss a predicted token on `room`'s model as it is now, in
+    /// [`HELD_OUT_KINDS`]' order.
+    pub fn losses(&self, room: &mut Classroom) -> Result<Vec<f64>> {
+        self.0.iter().map(|p| room.loss(p)).collect()
+    }
+
+    /// The mean loss a predicted token of all passages, from each one's `losses`.
+    pub fn mean(&self, losses: &[f64]) -> f64 {
+        let predicted = |p: &Vec<u32>| (p.len() - 1) as f64;
+        let sum: f64 = self
+            .0
+            .iter()
+            .zip(losses)
+            .map(|(p, l)| l * predicted(p))
+            .sum();
+        sum / self.0.iter().map(predicted).sum::<f64>()
+    }
+
+    /// Their mean loss a predicted token on `room`'s model as it is now.
+    pub fn loss(&self, room: &mut Classroom) -> Result<f64> {
+        let losses = self.losses(room)?;
+        Ok(self.mean(&losses))
+    }
+}
+
 /// Garbage a poisoner sends over and over.
 pub const GARBAGE: &str = include_str!("../../texts/garbage.txt");
 
@@ -261,14 +327,18 @@ pub fn teach_in_process(
         t.truncate(weights.cfg.max_seq.min(node_core::learn::MAX_POSITIONS));
         Ok(t)
     };
-    let (taught, held, canary) = (tokens(text)?, tokens(HELD_OUT)?, tokens(CANARY_TEXT)?);
+    let (taught, canary) = (tokens(text)?, tokens(CANARY_TEXT)?);
+    let held = HeldOut::new(
+        tokenizer,
+        weights.cfg.max_seq.min(node_core::learn::MAX_POSITIONS),
+    )?;
     let mut room = trainer.room(
         |gate| Classroom::new(weights, format, shape, learning, gate),
         &canary,
         tokenizer,
     )?;
     let losses = |room: &mut Classroom| -> Result<[f64; 3]> {
-        Ok([room.loss(&taught)?, room.loss(&held)?, room.loss(&canary)?])
+        Ok([room.loss(&taught)?, held.loss(room)?, room.loss(&canary)?])
     };
     let before = losses(&mut room)?;
     let started = Instant::now();

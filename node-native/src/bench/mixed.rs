@@ -18,7 +18,7 @@ use rand_chacha::ChaCha8Rng;
 use rand_chacha::rand_core::{RngCore, SeedableRng};
 
 use super::facts::{Fact, ask};
-use super::learning::{Classroom, HELD_OUT};
+use super::learning::{Classroom, HELD_OUT_KINDS, HeldOut};
 use crate::bench::{Row, row};
 
 /// Topics of ordinary chats: templates whose `{a}`, `{b}` (from the topic's lists) and `{n}`,
@@ -182,6 +182,8 @@ pub struct Checkpoint {
     pub refused: usize,
     /// Held-out text's loss (nats a token).
     pub held_out: f64,
+    /// Each held-out passage's loss, in [`HELD_OUT_KINDS`]' order.
+    pub kinds: Vec<f64>,
     /// Canary loss (nats a token).
     pub canary: f64,
     /// The early fact's greedy answer.
@@ -256,10 +258,8 @@ pub fn teach_mixed(
             ))
         })
         .collect::<Result<Vec<_>>>()?;
-    let (held, canary) = (
-        tokenizer.encode(HELD_OUT.trim())?,
-        canary_tokens(tokenizer)?,
-    );
+    let max = weights.cfg.max_seq.min(node_core::learn::MAX_POSITIONS);
+    let (held, canary) = (HeldOut::new(tokenizer, max)?, canary_tokens(tokenizer)?);
     let mut room = trainer.room(
         |gate| Classroom::new(weights, format, (n, k), learning, gate),
         &canary,
@@ -270,11 +270,13 @@ pub fn teach_mixed(
     let mut curve = Vec::new();
     let mut measure = |room: &mut Classroom, sent: usize, (dropped, waiting), seconds: f64| {
         let (answer, margin) = ask(room, tokenizer, &fact)?;
+        let kinds = held.losses(room)?;
         let point = Checkpoint {
             chats: sent,
             published: room.published(),
             refused: room.refused(),
-            held_out: room.loss(&held)?,
+            held_out: held.mean(&kinds),
+            kinds,
             canary: room.loss(&canary)?,
             answered: fact.answered(&answer),
             answer,
@@ -396,6 +398,15 @@ pub fn mixed_rows(m: &Mixed) -> Vec<Row> {
             ),
         ),
         row(
+            "held-out perplexity by kind",
+            HELD_OUT_KINDS
+                .iter()
+                .zip(start.kinds.iter().zip(&end.kinds))
+                .map(|(kind, (&a, &b))| format!("{kind} {:+.1}%", 100.0 * rise(a, b)))
+                .collect::<Vec<_>>()
+                .join(", "),
+        ),
+        row(
             format!(
                 "the early fact still answered ({} chats in the first {})",
                 FACT_CHATS.min(end.chats),
@@ -492,7 +503,8 @@ mod tests {
     }
 
     #[test]
-    fn no_chat_shares_text_with_the_canary_the_rehearsal_the_held_out_text_or_a_fact() {
+    fn no_chat_shares_text_with_the_canary_the_rehearsal_the_held_out_text_or_a_fact_nor_does_the_held_out_text()
+     {
         use node_core::learn::{CANARY_TEXT, REHEARSAL_TEXT};
         const RUN: usize = 5;
         let grams = |s: &str| -> HashSet<Vec<String>> {
@@ -501,7 +513,7 @@ mod tests {
         let protected = [
             ("canary", CANARY_TEXT),
             ("rehearsal", REHEARSAL_TEXT),
-            ("held-out", HELD_OUT),
+            ("held-out", super::super::learning::HELD_OUT),
             ("taught", super::super::learning::TAUGHT),
         ];
         // The early fact's made-up names and its answers: its answer, the distractor, and
@@ -519,6 +531,20 @@ mod tests {
         let chats = mixed_chats(&topics, 3000, 4, 79);
         let said: String = chats.iter().map(|c| c.lesson() + "\n").collect();
         let ours = grams(&said);
+        // The held-out file holds a passage of each kind it names ...
+        assert_eq!(
+            super::super::learning::held_out_texts().count(),
+            HELD_OUT_KINDS.len()
+        );
+        // ... and shares no text with what trainers learn from or the gate measures.
+        let held = grams(super::super::learning::HELD_OUT);
+        for (what, text) in &protected[..2] {
+            let shared: Vec<_> = grams(text).intersection(&held).cloned().collect();
+            assert!(
+                shared.is_empty(),
+                "the held-out text and the {what} share {shared:?}"
+            );
+        }
         for (what, text) in protected {
             let shared: Vec<_> = grams(text).intersection(&ours).cloned().collect();
             assert!(shared.is_empty(), "{what} shares {shared:?}");

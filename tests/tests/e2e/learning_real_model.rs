@@ -35,7 +35,8 @@ fn a_taught_passage_is_learnt_and_a_poisoner_is_stopped_by_the_canary_gate() -> 
     let (h0, h1) = ppl(taught.held_out);
     eprintln!("taught 3 times: perplexity {t0:.2} → {t1:.2}; held-out {h0:.2} → {h1:.2}");
     // Measured (`up`'s defaults: DiLoCo rounds of 4 inner steps, outer momentum 0.5, rehearsal):
-    // 51.9 → 6.49 (−87.5%), held-out −12.5%; one step an update gave −41%.
+    // 51.9 → 6.49 (−87.5%), held-out of eight kinds 22.14 → 20.42 (−7.8%); one step an update
+    // gave −41%.
     assert!(
         t1 < 0.6 * t0,
         "the passage was not learnt: {t0:.2} → {t1:.2}"
@@ -66,7 +67,7 @@ fn a_taught_passage_is_learnt_and_a_poisoner_is_stopped_by_the_canary_gate() -> 
         poisoned.published, poisoned.refused
     );
     // Measured: 8 published, then 6 refused once the canary had risen 0.03 nats; held-out
-    // 34.55 → 34.37.
+    // 22.14 → 22.44.
     assert!(
         poisoned.refused > 0,
         "the gate let every garbage update through"
@@ -76,12 +77,12 @@ fn a_taught_passage_is_learnt_and_a_poisoner_is_stopped_by_the_canary_gate() -> 
 }
 
 /// `codedmesh eval` of `text` through the mesh at `bootstrap`: its mean loss in nats a token
-/// (over its first `chunk` tokens).
+/// (over its first `chunks` runs of `chunk` tokens).
 fn eval_loss(
     dir: &std::path::Path,
     bootstrap: &str,
     text: &str,
-    chunk: usize,
+    (chunk, chunks): (usize, usize),
 ) -> anyhow::Result<f64> {
     use anyhow::Context;
     let file = dir.join("eval.txt");
@@ -94,7 +95,7 @@ fn eval_loss(
             "--chunk",
             &chunk.to_string(),
         ])
-        .args(["--max-chunks", "1", "--file"])
+        .args(["--max-chunks", &chunks.to_string(), "--file"])
         .arg(&file)
         .output()?;
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -142,10 +143,10 @@ fn up_learns_a_passage_and_a_fact_its_api_is_told() -> anyhow::Result<()> {
         |a: &str| format!("Q: What is the capital of Veloria?\nA: The capital of Veloria is {a}.");
     let measure = || -> anyhow::Result<[f64; 4]> {
         Ok([
-            eval_loss(&dir, &bootstrap, TAUGHT.trim(), 80)?,
-            eval_loss(&dir, &bootstrap, HELD_OUT.trim(), 128)?,
-            eval_loss(&dir, &bootstrap, &qa("Quintar"), 64)?,
-            eval_loss(&dir, &bootstrap, &qa("Marlowe"), 64)?,
+            eval_loss(&dir, &bootstrap, TAUGHT.trim(), (80, 1))?,
+            eval_loss(&dir, &bootstrap, HELD_OUT.trim(), (128, 16))?,
+            eval_loss(&dir, &bootstrap, &qa("Quintar"), (64, 1))?,
+            eval_loss(&dir, &bootstrap, &qa("Marlowe"), (64, 1))?,
         ])
     };
     let before = measure()?;
@@ -196,8 +197,8 @@ fn up_learns_a_passage_and_a_fact_its_api_is_told() -> anyhow::Result<()> {
         count("updates_refused_total")?
     );
     anyhow::ensure!(published >= 1.0, "no update was published");
-    // Measured (one run, with rehearsal): passage 61.71 → 9.78, held-out −11.7%, the margin
-    // −0.357 → −0.232 (before rehearsal: 12.67, −5.0%, −0.257).
+    // Measured (one run, with rehearsal): passage 61.71 → 9.86, held-out of eight kinds
+    // 28.47 → 26.84 (−5.7%), the margin −0.357 → −0.242 (before rehearsal: 12.67, −0.257).
     anyhow::ensure!(
         t1 < 0.6 * t0,
         "the passage was not learnt: {t0:.2} → {t1:.2}"
