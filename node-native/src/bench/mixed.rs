@@ -503,8 +503,7 @@ mod tests {
     }
 
     #[test]
-    fn no_chat_shares_text_with_the_canary_the_rehearsal_the_held_out_text_or_a_fact_nor_does_the_held_out_text()
-     {
+    fn no_chat_shares_text_with_the_texts_kept_apart_nor_does_the_held_out_text() {
         use node_core::learn::{CANARY_TEXT, REHEARSAL_TEXT};
         const RUN: usize = 5;
         let grams = |s: &str| -> HashSet<Vec<String>> {
