@@ -123,8 +123,10 @@ pub fn teach_facts(
     mut each: impl FnMut(usize, f64, Option<&Verdict>),
 ) -> Result<FactsTaught> {
     let encode = |s: &str| -> Result<Vec<u32>> { Ok(tokenizer.encode(s.trim())?) };
-    let max = weights.cfg.max_seq.min(node_core::learn::MAX_POSITIONS);
-    let (held, canary) = (HeldOut::new(tokenizer, max)?, canary_tokens(tokenizer)?);
+    let (held, canary) = (
+        HeldOut::new(tokenizer, &weights.cfg)?,
+        canary_tokens(tokenizer)?,
+    );
     let mut room = trainer.room(
         |gate| Classroom::new(weights, format, shape, learning, gate),
         &canary,

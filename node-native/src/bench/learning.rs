@@ -13,7 +13,7 @@ use node_core::coded::{CodedGroup, InProcess, ShardFormat};
 use node_core::lead::{Publisher, Settled, settle};
 use node_core::learn::{CANARY_TEXT, CanaryGate, Learner, Published, Teacher};
 use node_core::mesh::LearningConfig;
-use node_core::model::{LeaderWeights, Llama, ModelWeights, Tokenizer};
+use node_core::model::{LeaderWeights, Llama, LlamaConfig, ModelWeights, Tokenizer};
 
 use crate::bench::{Row, row};
 
@@ -49,8 +49,10 @@ pub(crate) fn held_out_texts() -> impl Iterator<Item = &'static str> {
 pub struct HeldOut(Vec<Vec<u32>>);
 
 impl HeldOut {
-    /// [`HELD_OUT`]'s passages as `tokenizer` cuts them, each at most `max` tokens.
-    pub fn new(tokenizer: &Tokenizer, max: usize) -> Result<Self> {
+    /// [`HELD_OUT`]'s passages as `tokenizer` cuts them, each at most as long as a training
+    /// pass of the model `cfg` describes takes.
+    pub fn new(tokenizer: &Tokenizer, cfg: &LlamaConfig) -> Result<Self> {
+        let max = cfg.max_seq.min(node_core::learn::MAX_POSITIONS);
         let passages = held_out_texts()
             .map(|p| {
                 let mut t = tokenizer.encode(p)?;
@@ -328,10 +330,7 @@ pub fn teach_in_process(
         Ok(t)
     };
     let (taught, canary) = (tokens(text)?, tokens(CANARY_TEXT)?);
-    let held = HeldOut::new(
-        tokenizer,
-        weights.cfg.max_seq.min(node_core::learn::MAX_POSITIONS),
-    )?;
+    let held = HeldOut::new(tokenizer, &weights.cfg)?;
     let mut room = trainer.room(
         |gate| Classroom::new(weights, format, shape, learning, gate),
         &canary,

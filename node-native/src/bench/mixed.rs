@@ -258,8 +258,10 @@ pub fn teach_mixed(
             ))
         })
         .collect::<Result<Vec<_>>>()?;
-    let max = weights.cfg.max_seq.min(node_core::learn::MAX_POSITIONS);
-    let (held, canary) = (HeldOut::new(tokenizer, max)?, canary_tokens(tokenizer)?);
+    let (held, canary) = (
+        HeldOut::new(tokenizer, &weights.cfg)?,
+        canary_tokens(tokenizer)?,
+    );
     let mut room = trainer.room(
         |gate| Classroom::new(weights, format, (n, k), learning, gate),
         &canary,

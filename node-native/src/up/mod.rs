@@ -94,6 +94,15 @@ struct MeshFile {
 
 const MESH_FILE: &str = "mesh.json";
 
+impl MeshFile {
+    /// Writes it to `data`'s mesh file.
+    fn save(&self, data: &Path) -> Result<()> {
+        let file = data.join(MESH_FILE);
+        std::fs::write(&file, serde_json::to_vec_pretty(self)?)
+            .with_context(|| format!("writing {}", file.display()))
+    }
+}
+
 /// The default data dir for a model and code: `$CODEDMESH_DATA`, else the user's data dir.
 fn default_data(model: &Path, k: usize, n: usize, format: ShardFormat) -> Result<PathBuf> {
     let base = match std::env::var_os("CODEDMESH_DATA") {
@@ -192,26 +201,9 @@ impl HeldPorts {
             return false;
         }
         #[cfg(unix)]
-        {
-            use nix::sys::socket::{
-                AddressFamily, SockFlag, SockType, SockaddrIn, bind, setsockopt, socket, sockopt,
-            };
-            use std::os::fd::AsRawFd;
-            let held = socket(
-                AddressFamily::Inet,
-                SockType::Stream,
-                SockFlag::SOCK_CLOEXEC,
-                None,
-            )
-            .and_then(|fd| {
-                setsockopt(&fd, sockopt::ReusePort, &true)?;
-                bind(fd.as_raw_fd(), &SockaddrIn::new(127, 0, 0, 1, port))?;
-                Ok(fd)
-            });
-            match held {
-                Ok(fd) => self.held.push(fd),
-                Err(_) => return false,
-            }
+        match reuse_port_socket(port, false) {
+            Ok(fd) => self.held.push(fd),
+            Err(_) => return false,
         }
         true
     }
@@ -235,6 +227,28 @@ impl HeldPorts {
         }
         Ok((me, taken))
     }
+}
+
+/// A TCP socket bound to 127.0.0.1:`port` with `SO_REUSEPORT` (and `SO_REUSEADDR` when
+/// `reuse_addr`, as libp2p's listeners are), not listening.
+#[cfg(unix)]
+fn reuse_port_socket(port: u16, reuse_addr: bool) -> nix::Result<std::os::fd::OwnedFd> {
+    use nix::sys::socket::{
+        AddressFamily, SockFlag, SockType, SockaddrIn, bind, setsockopt, socket, sockopt,
+    };
+    use std::os::fd::AsRawFd;
+    let fd = socket(
+        AddressFamily::Inet,
+        SockType::Stream,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )?;
+    if reuse_addr {
+        setsockopt(&fd, sockopt::ReuseAddr, &true)?;
+    }
+    setsockopt(&fd, sockopt::ReusePort, &true)?;
+    bind(fd.as_raw_fd(), &SockaddrIn::new(127, 0, 0, 1, port))?;
+    Ok(fd)
 }
 
 /// The first port of the system's range for outgoing connections (Linux's default where it
@@ -350,7 +364,7 @@ fn prepare(opts: &UpOptions, model: &Path, data: &Path) -> Result<MeshFile> {
         layout: node_core::holder::SHARD_LAYOUT,
     };
     // Written last: a mesh file means every row is in place.
-    std::fs::write(&file, serde_json::to_vec_pretty(&mesh)?)?;
+    mesh.save(data)?;
     eprintln!(
         "encoded and saved {} rows in {:.1} s",
         blobs.len(),
@@ -473,9 +487,7 @@ pub async fn up(opts: UpOptions) -> Result<()> {
             mesh.ports
         );
         let mesh = MeshFile { ports, ..mesh };
-        let file = data.join(MESH_FILE);
-        std::fs::write(&file, serde_json::to_vec_pretty(&mesh)?)
-            .with_context(|| format!("writing {}", file.display()))?;
+        mesh.save(&data)?;
         mesh
     };
     admit_nodes(&data, mesh.n)?;
@@ -660,8 +672,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn node_ports_are_distinct_free_below_the_range_dials_take_theirs_from_and_apart_from_api_ports()
-     {
+    fn node_ports_are_distinct_free_below_dials_range_and_apart_from_api_ports() {
         let ports = free_ports(5).unwrap();
         let mut distinct = ports.clone();
         distinct.sort_unstable();
@@ -716,24 +727,8 @@ mod tests {
     /// A listener made as libp2p-tcp makes one.
     #[cfg(unix)]
     fn libp2p_like_listener(addr: SocketAddr) -> std::net::TcpListener {
-        use nix::sys::socket::{
-            AddressFamily, Backlog, SockFlag, SockType, SockaddrIn, bind, listen, setsockopt,
-            socket, sockopt,
-        };
-        use std::os::fd::AsRawFd;
-        let fd = socket(
-            AddressFamily::Inet,
-            SockType::Stream,
-            SockFlag::SOCK_CLOEXEC,
-            None,
-        )
-        .unwrap();
-        setsockopt(&fd, sockopt::ReuseAddr, &true).unwrap();
-        setsockopt(&fd, sockopt::ReusePort, &true).unwrap();
-        let SocketAddr::V4(v4) = addr else {
-            unreachable!()
-        };
-        bind(fd.as_raw_fd(), &SockaddrIn::from(v4)).unwrap();
+        use nix::sys::socket::{Backlog, listen};
+        let fd = reuse_port_socket(addr.port(), true).unwrap();
         listen(&fd, Backlog::new(16).unwrap()).unwrap();
         std::net::TcpListener::from(fd)
     }

@@ -200,7 +200,11 @@ pub async fn supervise(
                     eprintln!("supervisor: {} exited", spec.name);
                     return Ok(());
                 }
-                let said = spec.log.as_deref().and_then(last_error).map_or_else(String::new, |e| format!(": {e}"));
+                let said = spec
+                    .log
+                    .as_deref()
+                    .and_then(last_error)
+                    .map_or_else(String::new, |e| format!(": {e}"));
                 let Some(wait) = backoff.after_crash(started.elapsed()) else {
                     bail!(
                         "{} crashed {} times in a row ({status}){said}; giving up",
@@ -341,6 +345,7 @@ mod tests {
                 "Error: listening on /ip4/127.0.0.1/tcp/10006: Other(Custom): Address already in use (os error 98)"
             )
         );
+        std::fs::remove_file(&log).unwrap();
     }
 
     #[test]
