@@ -341,6 +341,14 @@ pub(crate) struct BenchArgs {
     /// began (0: all the model's, 1: the text alone); default: the text, as `up` does.
     #[arg(long, value_parser = share)]
     pub(crate) distil: Option<f32>,
+    /// With --learning: leave untaught every next token the model already gives a loss
+    /// below this many nats, as `up` does (0: teach every one).
+    #[arg(long, default_value_t = node_core::learn::KNOWN_NATS)]
+    pub(crate) floor: f64,
+    /// With --learning: the adapters the trainer moves (head, attention, mlp), comma-separated;
+    /// default: as `up`'s trainers.
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [TrainedArg::Mlp])]
+    pub(crate) train: Vec<TrainedArg>,
     /// Learning rate of the mesh measured (with --learning); default: the optimizer's.
     #[arg(long)]
     pub(crate) lr: Option<f32>,
@@ -819,6 +827,29 @@ mod tests {
     }
 
     #[test]
+    fn the_learning_bench_trains_as_ups_trainers_unless_told_otherwise() {
+        let parse = |args: &[&str]| match Cli::try_parse_from(args).map(|c| c.command) {
+            Ok(Command::Bench(b)) => (TrainedArg::trained(&b.train), b.floor),
+            other => panic!("bench parses: {other:?}"),
+        };
+        let up = crate::bench::learning::Trainer::AS_UP;
+        assert_eq!(
+            parse(&["codedmesh", "bench", "--learning"]),
+            (up.trained, up.floor)
+        );
+        let every = parse(&[
+            "codedmesh",
+            "bench",
+            "--learning",
+            "--train",
+            "head,attention,mlp",
+            "--floor",
+            "0",
+        ]);
+        assert_eq!(every, (node_core::learn::Trained::ALL, 0.0));
+    }
+
+    #[test]
     fn a_mesh_defaults_to_compact_shards_where_the_integer_code_reaches() {
         assert_eq!(mesh_format(None, 3, 5), ShardFormat::Q8);
         assert_eq!(mesh_format(None, 3, 7), ShardFormat::Q8);
@@ -831,5 +862,27 @@ mod tests {
         assert_eq!(mesh_format(Some(ShardFormat::F32), 3, 5), ShardFormat::F32);
         let e = ShardFormat::Q8.code(10, 3).expect_err("10 rows");
         assert!(e.to_string().contains("7 rows for k = 3"), "{e}");
+    }
+}
+
+/// A part of the model whose adapters a trainer moves (`--train`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum TrainedArg {
+    /// The LM head (the tied embedding when tied).
+    Head,
+    /// Attention's projections.
+    Attention,
+    /// The SwiGLU projections.
+    Mlp,
+}
+
+impl TrainedArg {
+    /// The parts `parts` name.
+    pub(crate) fn trained(parts: &[Self]) -> node_core::learn::Trained {
+        node_core::learn::Trained {
+            head: parts.contains(&Self::Head),
+            attention: parts.contains(&Self::Attention),
+            mlp: parts.contains(&Self::Mlp),
+        }
     }
 }

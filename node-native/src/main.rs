@@ -159,6 +159,8 @@ fn run_learning_bench(args: &BenchArgs, model: &load::LoadedModel) -> Result<()>
         gated: !args.no_gate,
         rehearse: args.rehearse,
         distil: args.distil,
+        floor: args.floor,
+        trained: cli::TrainedArg::trained(&args.train),
     };
     let (optimizer, lr) = args.optimizer.with_lr(args.lr);
     let learning = args.diloco.apply(args.optimizer.learning(args.lr));

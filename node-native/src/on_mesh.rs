@@ -62,7 +62,7 @@ pub(crate) async fn run_generate_mesh(
                     Some(node_core::learn::CanaryGate::new(canary, m.canary_loss))
                 };
                 let learner = Learner::new(m.learning, m.cfg.clone(), m.format);
-                teacher.insert(Teacher::new(learner, gate, m.format).rehearsing(&leader.tokenizer)?)
+                teacher.insert(Teacher::new(learner, gate, m.format).for_mesh(&leader.tokenizer)?)
             }
         };
         let started = std::time::Instant::now();

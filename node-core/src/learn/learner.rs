@@ -64,6 +64,13 @@ impl Learner {
         }
     }
 
+    /// Trains only the adapters `trained` names, where Adam trains adapters.
+    pub fn train(&mut self, trained: super::Trained) {
+        if let Some(adam) = &mut self.adam {
+            adam.train(trained);
+        }
+    }
+
     /// Requests folded in and not yet published.
     pub fn pending(&self) -> u32 {
         self.requests

@@ -18,7 +18,8 @@ mod wire;
 
 pub use crate::update::{Precision, StageFactors, Update};
 pub use adam::{
-    AdapterAdam, AdapterSums, MAX_BATCH_SCALE, adapter_gradients, check_adapter_step, entry_per_dy,
+    AdapterAdam, AdapterSums, MAX_BATCH_SCALE, Trained, adapter_gradients, check_adapter_step,
+    entry_per_dy,
 };
 pub use admit::{AdmitError, CertBody, Certificate, MAX_CERT_BYTES, MeshKey, Power};
 pub use budget::{BUDGET_REFILL_PER_S, BUDGET_TOKENS, Budget, Budgets};
@@ -38,8 +39,8 @@ pub use signed::{GateClaim, Header, Signed, Signer, open, seal};
 #[cfg(test)]
 pub(crate) use teacher::tests as fixtures;
 pub use teacher::{
-    ANCHOR_TOP, BACKOFFS, Judged, REHEARSAL_TEXT, REHEARSAL_TOKENS, Studied, TeachError, Teacher,
-    rehearsal_tokens,
+    ANCHOR_TOP, BACKOFFS, Judged, KNOWN_NATS, REHEARSAL_TEXT, REHEARSAL_TOKENS, Studied,
+    TeachError, Teacher, rehearsal_tokens,
 };
 
 use crate::coded::{CodedError, Projection, Shard, ShardFormat, ShardSet, ShardValues};

@@ -4,7 +4,9 @@
 //! mesh's shards would take it, and a refused (or unjudged) update is forgotten by the
 //! learner, so it steers no later step.
 
-use super::{AdapterSums, CanaryGate, Learner, Pending, Published, Update, UpdateError, Verdict};
+use super::{
+    AdapterSums, CanaryGate, Learner, Pending, Published, Trained, Update, UpdateError, Verdict,
+};
 use crate::coded::ShardFormat;
 use crate::model::{Gradients, LinearExec, Llama, ModelError, Soft, Tokenizer};
 
@@ -42,6 +44,8 @@ pub struct Teacher {
     gate: Option<CanaryGate>,
     format: ShardFormat,
     rehearsal: Option<Rehearsal>,
+    /// A next token the model already gives less loss than this (nats) is not taught.
+    floor: f64,
 }
 
 /// General text a trainer mixes into every minibatch, a window at a time, so what users teach
@@ -97,6 +101,10 @@ pub const REHEARSAL_TEXT: &str = include_str!("rehearsal.txt");
 /// Positions of rehearsal text a minibatch takes.
 pub const REHEARSAL_TOKENS: usize = 64;
 
+/// A next token the model gives less loss than this (nats) is known: a mesh's trainers do not
+/// teach it further ([`Teacher::with_floor`]).
+pub const KNOWN_NATS: f64 = 0.7;
+
 /// The rehearsal text as `tokenizer` cuts it.
 pub fn rehearsal_tokens(tokenizer: &Tokenizer) -> Result<Vec<u32>, ModelError> {
     tokenizer.encode(REHEARSAL_TEXT)
@@ -120,7 +128,22 @@ impl Teacher {
             gate,
             format,
             rehearsal: None,
+            floor: 0.0,
         }
+    }
+
+    /// The same teacher leaving untaught every next token the model already gives a loss
+    /// below `nats` (docs/coding.md, "Facts and rehearsal"): what is known is not pushed
+    /// further, so the adapters stop moving for text the mesh has learnt.
+    pub fn with_floor(mut self, nats: f64) -> Self {
+        self.floor = nats.max(0.0);
+        self
+    }
+
+    /// The same teacher moving only the adapters `trained` names.
+    pub fn training(mut self, trained: super::Trained) -> Self {
+        self.learner.train(trained);
+        self
     }
 
     /// The same teacher mixing a `window` of `tokens` (the rehearsal text as the model's
@@ -151,6 +174,16 @@ impl Teacher {
     /// [`REHEARSAL_TEXT`] as `tokenizer` cuts it, a minibatch.
     pub fn rehearsing(self, tokenizer: &Tokenizer) -> Result<Self, ModelError> {
         Ok(self.with_rehearsal(rehearsal_tokens(tokenizer)?, REHEARSAL_TOKENS))
+    }
+
+    /// The same teacher training as every trainer of a mesh does: rehearsing
+    /// ([`Self::rehearsing`]), moving the adapters of [`Trained::MESH`], and leaving untaught
+    /// what the model knows within [`KNOWN_NATS`] (docs/coding.md, "Facts and rehearsal").
+    pub fn for_mesh(self, tokenizer: &Tokenizer) -> Result<Self, ModelError> {
+        Ok(self
+            .rehearsing(tokenizer)?
+            .training(Trained::MESH)
+            .with_floor(KNOWN_NATS))
     }
 
     /// Measures the rehearsal windows' anchors on `llama` over `exec` if they are due (a
@@ -256,8 +289,16 @@ impl Teacher {
             // pass keeps none of its factors (the leader's memory, docs/models.md).
             let mut sums = self.stage_sink();
             let mut g = match sums.as_mut() {
-                Some(sink) => llama.gradients_soft_into(exec, seqs, &soft, sink).await?,
-                None => llama.gradients_soft_batch(exec, seqs, &soft).await?,
+                Some(sink) => {
+                    llama
+                        .gradients_soft_into(exec, seqs, &soft, self.floor, sink)
+                        .await?
+                }
+                None => {
+                    llama
+                        .gradients_soft_batch(exec, seqs, &soft, self.floor)
+                        .await?
+                }
             };
             // The step follows how many asked, not how many distinct texts they sent.
             g.sequences = requests;
@@ -299,12 +340,12 @@ impl Teacher {
                 Some(u) => {
                     let mut pending = Pending::new(exec, u, llama.config(), self.format);
                     llama
-                        .gradients_soft_into(&mut pending, seqs, soft, &mut sums)
+                        .gradients_soft_into(&mut pending, seqs, soft, self.floor, &mut sums)
                         .await?
                 }
                 None => {
                     llama
-                        .gradients_soft_into(exec, seqs, soft, &mut sums)
+                        .gradients_soft_into(exec, seqs, soft, self.floor, &mut sums)
                         .await?
                 }
             };
@@ -554,8 +595,9 @@ pub(crate) mod tests {
         let taught: Vec<u32> = (0..12).map(|i| (i * 7 % 96) as u32).collect();
         let hard = block_on(llama.gradients_batch(&mut group, &[&taught])).unwrap();
         let one_hot: Soft = taught[1..].iter().map(|&id| vec![(id, 1.0)]).collect();
-        let soft = block_on(llama.gradients_soft_batch(&mut group, &[&taught], &[Some(&one_hot)]))
-            .unwrap();
+        let soft =
+            block_on(llama.gradients_soft_batch(&mut group, &[&taught], &[Some(&one_hot)], 0.0))
+                .unwrap();
         assert!(
             (hard.loss - soft.loss).abs() < 1e-9,
             "{} {}",
@@ -576,7 +618,8 @@ pub(crate) mod tests {
         let mut negative = one_hot.clone();
         negative[3] = vec![(1, -0.5)];
         for bad in [short, outside, negative] {
-            let r = block_on(llama.gradients_soft_batch(&mut group, &[&taught], &[Some(&bad)]));
+            let r =
+                block_on(llama.gradients_soft_batch(&mut group, &[&taught], &[Some(&bad)], 0.0));
             assert!(r.is_err(), "a bad distribution was taught");
         }
     }
@@ -642,6 +685,68 @@ pub(crate) mod tests {
                 .with_rehearsal(general, 21)
                 .rehearsal
                 .is_none()
+        );
+    }
+
+    /// Whether every value of every stage's output gradients is zero.
+    fn still(g: &Gradients) -> bool {
+        g.stages
+            .iter()
+            .flat_map(|s| s.dy.iter().flatten())
+            .chain(&g.embed_dx)
+            .all(|&v| v == 0.0)
+    }
+
+    #[test]
+    fn a_next_token_the_model_already_knows_within_the_floor_is_not_taught() {
+        let (llama, mut group, _) = setup();
+        let tokens: Vec<u32> = (0..24).map(|i| i * 7 % 96).collect();
+        let taught = |floor: f64, group: &mut CodedGroup<InProcess>| {
+            block_on(llama.gradients_soft_batch(group, &[&tokens], &[], floor)).unwrap()
+        };
+        let every = taught(0.0, &mut group);
+        assert!(every == block_on(llama.gradients(&mut group, &tokens)).unwrap());
+        assert!(!still(&every));
+        // Every position within the floor: counted in the loss, taught nothing.
+        let none = taught(1e9, &mut group);
+        assert_eq!(none.loss, every.loss);
+        assert!(still(&none), "a position within the floor was taught");
+        // At the mean loss some positions lie below it and some above: those are taught.
+        let some = taught(every.loss, &mut group);
+        assert_eq!(some.loss, every.loss);
+        assert!(!still(&some) && some != every);
+    }
+
+    #[test]
+    fn a_trainer_moves_only_the_adapters_it_trains() {
+        let (llama, mut group, _) = setup();
+        let tokens: Vec<u32> = (0..24).map(|i| i * 7 % 96).collect();
+        let moved = |trained: Trained, group: &mut CodedGroup<InProcess>| {
+            let mut t = teacher(None).training(trained);
+            let due = block_on(t.learn(&llama, group, &[&tokens], 1)).unwrap().due;
+            let u = due.unwrap().update;
+            let stages = Stage::all(&config());
+            stages
+                .into_iter()
+                .filter(|&s| {
+                    let f = u.stages.iter().find(|f| f.stage == s).unwrap();
+                    f.dy.iter().flatten().any(|&v| v != 0.0)
+                })
+                .collect::<Vec<_>>()
+        };
+        let all = moved(Trained::ALL, &mut group);
+        assert_eq!(all, Stage::all(&config()), "every adapter moves");
+        let mlp = Trained {
+            head: false,
+            attention: false,
+            mlp: true,
+        };
+        let only = moved(mlp, &mut group);
+        assert!(!only.is_empty());
+        assert!(
+            only.iter()
+                .all(|s| matches!(s, Stage::GateUp(_) | Stage::Down(_))),
+            "{only:?}"
         );
     }
 }

@@ -55,18 +55,23 @@ impl Llama {
         exec: &mut E,
         seqs: &[&[u32]],
     ) -> Result<Gradients, ModelError> {
-        self.gradients_soft_batch(exec, seqs, &[]).await
+        self.gradients_soft_batch(exec, seqs, &[], 0.0).await
     }
 
-    /// [`Self::gradients_batch`] teaching sequence `i` the distributions `soft[i]` where given
-    /// ([`Self::gradients_soft_into`]).
+    /// [`Self::gradients_batch`] teaching sequence `i` the distributions `soft[i]` where given,
+    /// and no next token already known within `floor` nats ([`Self::gradients_soft_into`]).
     pub async fn gradients_soft_batch<E: LinearExec>(
         &self,
         exec: &mut E,
         seqs: &[&[u32]],
         soft: &[Option<&Soft>],
+        floor: f64,
     ) -> Result<Gradients, ModelError> {
-        let teach = Teach { soft, tops: None };
+        let teach = Teach {
+            soft,
+            floor,
+            tops: None,
+        };
         Ok(self.collected(exec, seqs, teach, Limits::DEFAULT).await?.1)
     }
 
@@ -79,20 +84,26 @@ impl Llama {
         seqs: &[&[u32]],
         sink: &mut S,
     ) -> Result<Gradients, ModelError> {
-        self.gradients_soft_into(exec, seqs, &[], sink).await
+        self.gradients_soft_into(exec, seqs, &[], 0.0, sink).await
     }
 
     /// [`Self::gradients_into`] where sequence `i` with `soft[i]` given is taught that
     /// distribution at each position (a missing or `None` entry: its next tokens); the loss
-    /// counts such a position as the cross-entropy against it.
+    /// counts such a position as the cross-entropy against it. A next token the model already
+    /// gives a loss below `floor` nats is counted in the loss and not taught (0: every one is).
     pub async fn gradients_soft_into<E: LinearExec, S: StageSink>(
         &self,
         exec: &mut E,
         seqs: &[&[u32]],
         soft: &[Option<&Soft>],
+        floor: f64,
         sink: &mut S,
     ) -> Result<Gradients, ModelError> {
-        let teach = Teach { soft, tops: None };
+        let teach = Teach {
+            soft,
+            floor,
+            tops: None,
+        };
         self.loss_and_gradients(exec, seqs, Some(sink), teach, Limits::DEFAULT)
             .await?
             .1
@@ -111,6 +122,7 @@ impl Llama {
         let mut out = Soft::new();
         let teach = Teach {
             soft: &[],
+            floor: 0.0,
             tops: Some((top.clamp(1, MAX_SOFT_TOP), &mut out)),
         };
         self.loss_and_gradients::<E, Collect>(exec, &[tokens], None, teach, Limits::DEFAULT)
@@ -302,10 +314,16 @@ impl Llama {
                     row.fill(0.0);
                     continue;
                 }
-                loss += q
+                let lost = q
                     .iter()
                     .map(|&(id, p)| f64::from(p) / mass * (lse - row[id as usize] as f64))
                     .sum::<f64>();
+                loss += lost;
+                if matches!(target, Target::Next(_)) && lost < teach.floor {
+                    // Known already: taught no further.
+                    row.fill(0.0);
+                    continue;
+                }
                 if backward {
                     // The logits become their gradient in place: softmax − q.
                     for z in row.iter_mut() {
@@ -392,6 +410,8 @@ enum Target<'a> {
 /// where to write each position's most likely next tokens.
 struct Teach<'a> {
     soft: &'a [Option<&'a Soft>],
+    /// A next token whose loss is below this many nats is not taught (0: every one is).
+    floor: f64,
     tops: Option<(usize, &'a mut Soft)>,
 }
 
@@ -399,6 +419,7 @@ impl Teach<'_> {
     /// Every position taught its next token, nothing measured.
     const NEXT: Teach<'static> = Teach {
         soft: &[],
+        floor: 0.0,
         tops: None,
     };
 }

@@ -283,15 +283,23 @@ pub struct Trainer {
     pub rehearse: usize,
     /// The rehearsal's next tokens' share of each target, where it is distilled.
     pub distil: Option<f32>,
+    /// Loss (nats) below which a next token is not taught ([`Teacher::with_floor`]).
+    pub floor: f64,
+    /// Which adapters move.
+    pub trained: node_core::learn::Trained,
 }
 
 impl Trainer {
-    /// The trainer `up` runs: gated, rehearsing [`node_core::learn::REHEARSAL_TOKENS`] a
-    /// minibatch, not distilled.
+    /// The trainer `up` runs ([`node_core::learn::Teacher::for_mesh`]): gated, rehearsing
+    /// [`node_core::learn::REHEARSAL_TOKENS`] a minibatch, not distilled, moving the adapters
+    /// of [`node_core::learn::Trained::MESH`], leaving untaught what is known within
+    /// [`node_core::learn::KNOWN_NATS`].
     pub const AS_UP: Self = Self {
         gated: true,
         rehearse: node_core::learn::REHEARSAL_TOKENS,
         distil: None,
+        floor: node_core::learn::KNOWN_NATS,
+        trained: node_core::learn::Trained::MESH,
     };
 
     /// A classroom with this trainer: `room` gated by `canary` (tokens) as it says, rehearsing
@@ -302,11 +310,13 @@ impl Trainer {
         canary: &[u32],
         tokenizer: &Tokenizer,
     ) -> Result<Classroom> {
-        Ok(room(gate(canary, self.gated))?.rehearsing(
+        let mut room = room(gate(canary, self.gated))?.rehearsing(
             node_core::learn::rehearsal_tokens(tokenizer)?,
             self.rehearse,
             self.distil,
-        ))
+        );
+        room.teacher = room.teacher.with_floor(self.floor).training(self.trained);
+        Ok(room)
     }
 }
 

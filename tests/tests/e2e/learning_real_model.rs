@@ -53,9 +53,13 @@ fn a_taught_passage_is_learnt_and_a_poisoner_is_stopped_by_the_canary_gate() -> 
         GARBAGE,
         14,
         // The gate itself: a trainer that rehearses general text keeps the canary down
-        // while the garbage is learnt like any text (docs/coding.md, "Facts and rehearsal").
+        // while the garbage is learnt like any text, and one moving only the MLP's adapters
+        // wears little away (13 of 14 published, held-out −1.1 %: docs/coding.md, "Facts and
+        // rehearsal"); this one moves every adapter, as a hostile leader's trainer may.
         Trainer {
             rehearse: 0,
+            floor: 0.0,
+            trained: node_core::learn::Trained::ALL,
             ..Trainer::AS_UP
         },
         |_, _, _| {},

@@ -351,7 +351,7 @@ impl Engine {
                     )),
                     ctx.manifest.format,
                 )
-                .rehearsing(&tokenizer)?,
+                .for_mesh(&tokenizer)?,
                 requests: train_rx,
                 publish: publish_tx,
                 backlog: backlog.clone(),
