@@ -832,7 +832,7 @@ mod tests {
             Ok(Command::Bench(b)) => (TrainedArg::trained(&b.train), b.floor),
             other => panic!("bench parses: {other:?}"),
         };
-        let up = crate::bench::learning::Trainer::AS_UP;
+        let up = node_native::bench::learning::Trainer::AS_UP;
         assert_eq!(
             parse(&["codedmesh", "bench", "--learning"]),
             (up.trained, up.floor)
