@@ -64,6 +64,11 @@ impl Learner {
         }
     }
 
+    /// Whether Adam trains the mesh's adapters ([`Optimizer::AdamAdapters`]).
+    pub fn adapters(&self) -> bool {
+        self.adam.is_some()
+    }
+
     /// Trains only the adapters `trained` names, where Adam trains adapters.
     pub fn train(&mut self, trained: super::Trained) {
         if let Some(adam) = &mut self.adam {

@@ -177,13 +177,16 @@ impl Teacher {
     }
 
     /// The same teacher training as every trainer of a mesh does: rehearsing
-    /// ([`Self::rehearsing`]), moving the adapters of [`Trained::MESH`], and leaving untaught
-    /// what the model knows within [`KNOWN_NATS`] (docs/coding.md, "Facts and rehearsal").
+    /// ([`Self::rehearsing`]) and, where Adam trains the adapters, moving those of
+    /// [`Trained::MESH`] and leaving untaught what the model knows within [`KNOWN_NATS`]
+    /// (measured there: docs/coding.md, "Facts and rehearsal"); an SGD mesh's every request
+    /// is taught whole, as before.
     pub fn for_mesh(self, tokenizer: &Tokenizer) -> Result<Self, ModelError> {
-        Ok(self
-            .rehearsing(tokenizer)?
-            .training(Trained::MESH)
-            .with_floor(KNOWN_NATS))
+        let teacher = self.rehearsing(tokenizer)?;
+        if !teacher.learner.adapters() {
+            return Ok(teacher);
+        }
+        Ok(teacher.training(Trained::MESH).with_floor(KNOWN_NATS))
     }
 
     /// Measures the rehearsal windows' anchors on `llama` over `exec` if they are due (a

@@ -34,9 +34,9 @@ fn a_taught_passage_is_learnt_and_a_poisoner_is_stopped_by_the_canary_gate() -> 
     let (t0, t1) = ppl(taught.taught);
     let (h0, h1) = ppl(taught.held_out);
     eprintln!("taught 3 times: perplexity {t0:.2} → {t1:.2}; held-out {h0:.2} → {h1:.2}");
-    // Measured (`up`'s defaults: DiLoCo rounds of 4 inner steps, outer momentum 0.5, rehearsal):
-    // 51.9 → 6.49 (−87.5%), held-out of eight kinds 22.14 → 20.42 (−7.8%); one step an update
-    // gave −41%.
+    // Measured (`up`'s defaults: DiLoCo rounds of 4 inner steps, outer momentum 0.5, rehearsal,
+    // the MLP's adapters alone): 51.9 → 13.16 (−74.6%), held-out of eight kinds 22.14 → 21.01
+    // (−5.1%); every adapter gave 6.49 and 20.42, one step an update −41%.
     assert!(
         t1 < 0.6 * t0,
         "the passage was not learnt: {t0:.2} → {t1:.2}"
@@ -201,8 +201,9 @@ fn up_learns_a_passage_and_a_fact_its_api_is_told() -> anyhow::Result<()> {
         count("updates_refused_total")?
     );
     anyhow::ensure!(published >= 1.0, "no update was published");
-    // Measured (one run, with rehearsal): passage 61.71 → 9.86, held-out of eight kinds
-    // 28.47 → 26.84 (−5.7%), the margin −0.357 → −0.242 (before rehearsal: 12.67, −0.257).
+    // Measured (one run, the MLP's adapters alone): passage 61.71 → 11.02, held-out of eight
+    // kinds 28.47 → 27.06 (−5.0%), the margin −0.357 → −0.191 (every adapter: 9.86, −5.7%,
+    // −0.242; before rehearsal: 12.67, −0.257).
     anyhow::ensure!(
         t1 < 0.6 * t0,
         "the passage was not learnt: {t0:.2} → {t1:.2}"
