@@ -266,7 +266,8 @@ impl AdapterAdam {
         }
     }
 
-    /// Trains only the adapters `trained` names; the rest stay where they are.
+    /// Trains only the adapters `trained` names; the rest stay where they are (set before the
+    /// first step: the moments of an adapter not trained are not kept).
     pub fn train(&mut self, trained: Trained) {
         self.trained = trained;
     }
@@ -315,7 +316,10 @@ impl AdapterAdam {
         let Some((grads, scale)) = self.unsettled.take() else {
             return;
         };
-        for (mo, ga) in self.stages.iter_mut().zip(grads) {
+        // A stage that is not trained never reads its moments: they are not kept.
+        let trained = self.trained;
+        let stages = self.stages.iter_mut().zip(grads);
+        for (mo, ga) in stages.filter(|(mo, _)| trained.stage(mo.stage)) {
             for ((m, v), g) in mo.m.iter_mut().zip(mo.v.iter_mut()).zip(&ga) {
                 for ((m, v), &g) in m.iter_mut().zip(v.iter_mut()).zip(g) {
                     let (mv, vv) = moved(*m, *v, f64::from(g) * scale);

@@ -141,7 +141,7 @@ impl Teacher {
     }
 
     /// The same teacher moving only the adapters `trained` names.
-    pub fn training(mut self, trained: super::Trained) -> Self {
+    pub fn training(mut self, trained: Trained) -> Self {
         self.learner.train(trained);
         self
     }
