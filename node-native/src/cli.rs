@@ -349,6 +349,14 @@ pub(crate) struct BenchArgs {
     /// default: as `up`'s trainers.
     #[arg(long, value_enum, value_delimiter = ',', default_values_t = [TrainedArg::Mlp])]
     pub(crate) train: Vec<TrainedArg>,
+    /// With --learning: positions of earlier lessons the trainer teaches again a minibatch,
+    /// from a reservoir of what it trained on (0: none).
+    #[arg(long, default_value_t = 0)]
+    pub(crate) replay: usize,
+    /// With --learning: share of how far its updates moved the adapters that the trainer
+    /// takes back with each round it publishes (0: none).
+    #[arg(long, value_parser = share, default_value_t = 0.0)]
+    pub(crate) decay: f32,
     /// Learning rate of the mesh measured (with --learning); default: the optimizer's.
     #[arg(long)]
     pub(crate) lr: Option<f32>,

@@ -161,6 +161,8 @@ fn run_learning_bench(args: &BenchArgs, model: &load::LoadedModel) -> Result<()>
         distil: args.distil,
         floor: args.floor,
         trained: cli::TrainedArg::trained(&args.train),
+        replay: args.replay,
+        decay: args.decay,
     };
     let (optimizer, lr) = args.optimizer.with_lr(args.lr);
     let learning = args.diloco.apply(args.optimizer.learning(args.lr));

@@ -23,6 +23,14 @@ pub struct Outer {
     momentum: Option<Steps>,
     /// The momentum before the round whose update is not yet out or refused.
     before: Option<Option<Steps>>,
+    /// Share of this trainer's adapter steps so far each published round takes back
+    /// ([`Self::with_decay`]).
+    decay: f32,
+    /// The sum of this trainer's published updates' steps (`step·dy`): how far it moved the
+    /// adapters.
+    added: Option<Steps>,
+    /// The last round's update as it may go out (halved as often as the gate halved it).
+    last: Option<Update>,
 }
 
 /// Adds an inner step to the sum of a round's steps: the same input factors (the adapters'
@@ -66,7 +74,20 @@ impl Outer {
             format,
             momentum: None,
             before: None,
+            decay: 0.0,
+            added: None,
+            last: None,
         }
+    }
+
+    /// The same optimiser taking back `share` (0 to 1) of how far its published updates moved
+    /// the adapters with each round it publishes: a decay of its own steps towards the genesis
+    /// model (docs/coding.md, "Nothing forgotten"), so what the mesh learns is bounded however
+    /// long it is used. The decay is part of the round's update, one adapter step like any
+    /// other, so every row applies it alike and the codeword survives.
+    pub fn with_decay(mut self, share: f32) -> Self {
+        self.decay = share.clamp(0.0, 1.0);
+        self
     }
 
     /// The update a round publishes: the outer step over `sum` (its inner steps' sum), each
@@ -91,7 +112,16 @@ impl Outer {
                 }
             }
         }
-        for f in &mut sum.stages {
+        let back = self.take_back(&sum);
+        for (i, f) in sum.stages.iter_mut().enumerate() {
+            if let Some(back) = back.as_ref().and_then(|b| b.get(i)) {
+                // In the step's units: `dy` is applied at `sum.step`, `added` already was.
+                for (dy, b) in f.dy.iter_mut().zip(back) {
+                    dy.iter_mut().zip(b).for_each(|(d, &b)| *d = lr * *d - b);
+                }
+            } else {
+                f.dy.iter_mut().flatten().for_each(|d| *d *= lr);
+            }
             let Some(cols) = f.x.len().checked_div(f.rows as usize) else {
                 continue;
             };
@@ -102,24 +132,83 @@ impl Outer {
                 * (1.0 - 5e-4);
             let most = most as f32;
             for v in f.dy.iter_mut().flatten() {
-                *v = (lr * *v).clamp(-most, most);
+                *v = v.clamp(-most, most);
             }
         }
         wire::round(&mut sum);
+        if self.decay > 0.0 {
+            self.last = Some(sum.clone());
+        }
         sum
     }
 
-    /// The last round's update went out: its momentum stays.
+    /// Per stage, per matrix, what a round of `sum`'s shape takes back in its `dy`: `decay`
+    /// of the steps added so far, in `sum.step`'s units; `None` when nothing is taken back.
+    fn take_back(&self, sum: &Update) -> Option<Steps> {
+        let added = self.added.as_ref().filter(|_| self.decay > 0.0)?;
+        if sum.step <= 0.0 || !same_shape(added, sum) {
+            return None;
+        }
+        let c = self.decay / sum.step;
+        Some(
+            added
+                .iter()
+                .map(|s| {
+                    s.iter()
+                        .map(|m| m.iter().map(|&a| c * a).collect())
+                        .collect()
+                })
+                .collect(),
+        )
+    }
+
+    /// The gate halved the last round's update ([`halve`]): what goes out is that.
+    pub fn halved(&mut self) {
+        if let Some(last) = self.last.as_mut() {
+            halve(last);
+        }
+    }
+
+    /// The last round's update went out: its momentum stays, and its steps are counted in
+    /// how far this trainer moved the adapters.
     pub fn keep(&mut self) {
         self.before = None;
+        let Some(last) = self.last.take() else {
+            return;
+        };
+        let added = self.added.get_or_insert_with(|| {
+            last.stages
+                .iter()
+                .map(|f| f.dy.iter().map(|d| vec![0.0; d.len()]).collect())
+                .collect()
+        });
+        if !same_shape(added, &last) {
+            return;
+        }
+        for (a, f) in added.iter_mut().zip(&last.stages) {
+            for (am, dy) in a.iter_mut().zip(&f.dy) {
+                am.iter_mut()
+                    .zip(dy)
+                    .for_each(|(a, &d)| *a += last.step * d);
+            }
+        }
     }
 
     /// The last round's update was refused or lost: the momentum is as before it.
     pub fn undo(&mut self) {
+        self.last = None;
         if let Some(m) = self.before.take() {
             self.momentum = m;
         }
     }
+}
+
+/// Whether `steps` has `u`'s stages and factor sizes.
+fn same_shape(steps: &Steps, u: &Update) -> bool {
+    steps.len() == u.stages.len()
+        && steps.iter().zip(&u.stages).all(|(s, f)| {
+            s.len() == f.dy.len() && s.iter().zip(&f.dy).all(|(a, d)| a.len() == d.len())
+        })
 }
 
 #[cfg(test)]
@@ -197,6 +286,71 @@ mod tests {
         assert!(
             matches!(refused, Err(UpdateError::Settings(ref why)) if why.contains("moves an adapter entry")),
             "{refused:?}"
+        );
+    }
+
+    /// `u` with every factor entry zero: a round that learnt nothing.
+    fn nothing(u: &Update) -> Update {
+        let mut z = u.clone();
+        z.stages
+            .iter_mut()
+            .for_each(|f| f.dy.iter_mut().flatten().for_each(|d| *d = 0.0));
+        z
+    }
+
+    /// Every factor entry of `u` against `share` of `of`'s, within the f16 rounding.
+    fn is_share_of(u: &Update, of: &Update, share: f32) {
+        let mut moved = 0;
+        for (a, b) in u.stages.iter().zip(&of.stages) {
+            for (&x, &y) in a.dy.iter().flatten().zip(b.dy.iter().flatten()) {
+                let want = share * y;
+                assert!(
+                    (x - want).abs() <= 2e-3 * want.abs() + 1e-7,
+                    "{x} against {want}"
+                );
+                moved += usize::from(y != 0.0);
+            }
+        }
+        assert!(moved > 0, "the first round moved nothing");
+    }
+
+    #[test]
+    fn a_decaying_trainer_takes_back_a_share_of_its_own_published_steps() {
+        let (llama, mut group, _) = setup();
+        let cfg = rounds(2, 0.0);
+        let sum = round(cfg, &llama, &mut group);
+        let mut outer = Outer::new(cfg, ShardFormat::Q8).with_decay(0.25);
+        let first = outer.step(sum.clone());
+        outer.keep();
+        // A round that learnt nothing takes back a quarter of the first: the adapters stand at
+        // three quarters of where it moved them.
+        let back = outer.step(nothing(&sum));
+        is_share_of(&back, &first, -0.25);
+        back.validate_for(llama.config(), &cfg, ShardFormat::Q8)
+            .unwrap();
+        // Refused, it moved nothing: the next round takes back the same.
+        outer.undo();
+        let again = outer.step(nothing(&sum));
+        assert!(
+            again == back,
+            "a refused round counted in how far the adapters moved"
+        );
+        // Halved by the gate and out: the adapters stand at 1 − 1/8 of the first round, and
+        // a quarter of that is taken back next.
+        outer.halved();
+        outer.keep();
+        let third = outer.step(nothing(&sum));
+        is_share_of(&third, &first, -0.25 * 0.875);
+        // Without decay nothing is taken back.
+        let mut plain = Outer::new(cfg, ShardFormat::Q8);
+        plain.step(sum.clone());
+        plain.keep();
+        let still = plain.step(nothing(&sum));
+        assert!(
+            still
+                .stages
+                .iter()
+                .all(|f| f.dy.iter().flatten().all(|&d| d == 0.0))
         );
     }
 

@@ -76,6 +76,21 @@ impl Learner {
         }
     }
 
+    /// Where the mesh runs DiLoCo rounds, each published round takes back `share` of how far
+    /// this learner's updates moved the adapters ([`Outer::with_decay`]).
+    pub fn decay(&mut self, share: f32) {
+        if let Some(outer) = self.outer.take() {
+            self.outer = Some(outer.with_decay(share));
+        }
+    }
+
+    /// The gate halved the update just made: what may go out is that.
+    pub fn halved(&mut self) {
+        if let Some(outer) = &mut self.outer {
+            outer.halved();
+        }
+    }
+
     /// Requests folded in and not yet published.
     pub fn pending(&self) -> u32 {
         self.requests

@@ -12,6 +12,7 @@ mod compress;
 mod config;
 mod diloco;
 mod learner;
+mod replay;
 mod signed;
 mod teacher;
 mod wire;
@@ -34,6 +35,7 @@ pub use config::{
 };
 pub use diloco::{Outer, add_step};
 pub use learner::{Learner, Published};
+pub use replay::{REPLAY_LESSONS, REPLAY_TOKENS, Replay};
 pub use signed::{GateClaim, Header, Signed, Signer, open, seal};
 /// A small coded model, its gradients and teachers, for the tests of what leaders do with them.
 #[cfg(test)]

@@ -4,6 +4,7 @@
 //! mesh's shards would take it, and a refused (or unjudged) update is forgotten by the
 //! learner, so it steers no later step.
 
+use super::replay::Replay;
 use super::{
     AdapterSums, CanaryGate, Learner, Pending, Published, Trained, Update, UpdateError, Verdict,
 };
@@ -44,6 +45,8 @@ pub struct Teacher {
     gate: Option<CanaryGate>,
     format: ShardFormat,
     rehearsal: Option<Rehearsal>,
+    /// Lessons already trained on, a few taught again each minibatch.
+    replay: Option<Replay>,
     /// A next token the model already gives less loss than this (nats) is not taught.
     floor: f64,
 }
@@ -128,8 +131,23 @@ impl Teacher {
             gate,
             format,
             rehearsal: None,
+            replay: None,
             floor: 0.0,
         }
+    }
+
+    /// The same teacher keeping up to `lessons` of what it trained on and teaching
+    /// `positions` of them again in every minibatch ([`Replay`]).
+    pub fn with_replay(mut self, lessons: usize, positions: usize) -> Self {
+        self.replay = (lessons > 0 && positions >= 2).then(|| Replay::new(lessons, positions, 79));
+        self
+    }
+
+    /// Positions a minibatch takes besides the requests it trains on: rehearsal and lessons
+    /// taught again (what a caller leaves room for within [`crate::lead::training::minibatch_tokens`]).
+    pub fn extra_positions(&self) -> usize {
+        self.rehearsal.as_ref().map_or(0, |r| r.window)
+            + self.replay.as_ref().map_or(0, Replay::positions)
     }
 
     /// The same teacher leaving untaught every next token the model already gives a loss
@@ -137,6 +155,14 @@ impl Teacher {
     /// further, so the adapters stop moving for text the mesh has learnt.
     pub fn with_floor(mut self, nats: f64) -> Self {
         self.floor = nats.max(0.0);
+        self
+    }
+
+    /// The same teacher taking back, with each round it publishes, `share` of how far its
+    /// updates so far moved the adapters (a decay towards the genesis model: docs/coding.md,
+    /// "Facts and rehearsal"), where the mesh runs DiLoCo rounds.
+    pub fn with_decay(mut self, share: f32) -> Self {
+        self.learner.decay(share);
         self
     }
 
@@ -275,18 +301,38 @@ impl Teacher {
         requests: usize,
     ) -> Result<Studied, TeachError> {
         self.anchor(llama, exec).await?;
+        let again = self.replay.as_mut().map(Replay::draw).unwrap_or_default();
+        let studied = self.study(llama, exec, seqs, &again, requests).await;
+        if studied.is_ok()
+            && let Some(r) = self.replay.as_mut()
+        {
+            r.offer(seqs);
+        }
+        studied
+    }
+
+    /// [`Self::learn`] on `seqs` and the lessons taught `again`, with the next rehearsal
+    /// window.
+    async fn study<E: LinearExec>(
+        &mut self,
+        llama: &Llama,
+        exec: &mut E,
+        seqs: &[&[u32]],
+        again: &[Vec<u32>],
+        requests: usize,
+    ) -> Result<Studied, TeachError> {
         let rehearsed = self.rehearse().map(|(w, soft)| (w, soft.cloned()));
-        let mixed: Vec<&[u32]>;
-        let mut soft: Vec<Option<&Soft>> = Vec::new();
-        let seqs = match &rehearsed {
-            Some((r, taught)) => {
-                mixed = seqs.iter().copied().chain([r.as_slice()]).collect();
-                soft.resize(seqs.len(), None);
-                soft.push(taught.as_ref());
-                &mixed[..]
-            }
-            None => seqs,
-        };
+        let mut soft: Vec<Option<&Soft>> = vec![None; seqs.len() + again.len()];
+        let mut mixed: Vec<&[u32]> = seqs
+            .iter()
+            .copied()
+            .chain(again.iter().map(Vec::as_slice))
+            .collect();
+        if let Some((r, taught)) = &rehearsed {
+            mixed.push(r.as_slice());
+            soft.push(taught.as_ref());
+        }
+        let seqs = &mixed[..];
         let Some(inner) = self.learner.inner_steps() else {
             // With Adam on the adapters each stage's gradient is summed as it is made, so the
             // pass keeps none of its factors (the leader's memory, docs/models.md).
@@ -412,6 +458,7 @@ impl Teacher {
                     tries += 1;
                     tracing::info!("offering a round again at half its size: {why}");
                     super::diloco::halve(&mut published.update);
+                    self.learner.halved();
                 }
                 Some(why) => {
                     self.learner.refuse_last();
@@ -718,6 +765,30 @@ pub(crate) mod tests {
         let some = taught(every.loss, &mut group);
         assert_eq!(some.loss, every.loss);
         assert!(!still(&some) && some != every);
+    }
+
+    #[test]
+    fn a_replaying_teacher_teaches_earlier_lessons_again_within_its_positions() {
+        let (llama, mut group, _) = setup();
+        let early: Vec<u32> = (0..12).map(|i| i * 7 % 96).collect();
+        let late: Vec<u32> = (0..20).map(|i| (i * 11 + 3) % 96).collect();
+        let mut plain = teacher(None);
+        let mut replaying = teacher(None).with_replay(8, 16);
+        assert_eq!(replaying.extra_positions(), 16);
+        for t in [&mut plain, &mut replaying] {
+            let first = block_on(t.learn(&llama, &mut group, &[&early], 1)).unwrap();
+            assert_eq!(
+                first.positions,
+                early.len(),
+                "nothing kept yet, nothing again"
+            );
+        }
+        let alone = block_on(plain.learn(&llama, &mut group, &[&late], 1)).unwrap();
+        let again = block_on(replaying.learn(&llama, &mut group, &[&late], 1)).unwrap();
+        // The early lesson (12 tokens, within the 16 positions) is taught beside the late one.
+        assert_eq!(alone.positions, late.len());
+        assert_eq!(again.positions, late.len() + early.len());
+        assert!(again.loss != alone.loss, "the minibatch held the same text");
     }
 
     #[test]

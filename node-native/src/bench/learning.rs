@@ -287,6 +287,10 @@ pub struct Trainer {
     pub floor: f64,
     /// Which adapters move.
     pub trained: node_core::learn::Trained,
+    /// Positions of earlier lessons taught again a minibatch ([`Teacher::with_replay`]).
+    pub replay: usize,
+    /// Share of its steps so far each published round takes back ([`Teacher::with_decay`]).
+    pub decay: f32,
 }
 
 impl Trainer {
@@ -300,6 +304,8 @@ impl Trainer {
         distil: None,
         floor: node_core::learn::KNOWN_NATS,
         trained: node_core::learn::Trained::MESH,
+        replay: 0,
+        decay: 0.0,
     };
 
     /// A classroom with this trainer: `room` gated by `canary` (tokens) as it says, rehearsing
@@ -315,7 +321,12 @@ impl Trainer {
             self.rehearse,
             self.distil,
         );
-        room.teacher = room.teacher.with_floor(self.floor).training(self.trained);
+        room.teacher = room
+            .teacher
+            .with_floor(self.floor)
+            .training(self.trained)
+            .with_replay(node_core::learn::REPLAY_LESSONS, self.replay)
+            .with_decay(self.decay);
         Ok(room)
     }
 }

@@ -248,7 +248,7 @@ pub fn teach_mixed(
     let cfg = &weights.cfg;
     let window = training_window(&learning, cfg).min(LEARN_TOKENS);
     let limit = minibatch_positions(cfg, k, &learning)
-        .saturating_sub(trainer.rehearse)
+        .saturating_sub(trainer.rehearse + trainer.replay)
         .max(2);
     let requests = chats
         .iter()

@@ -3,7 +3,6 @@
 
 use node_core::lead::training::{Due, Lesson, Minibatch, Schedule, minibatch_tokens};
 use node_core::lead::{Publisher, Settled, settle};
-use node_core::learn::REHEARSAL_TOKENS;
 
 use super::*;
 
@@ -41,9 +40,10 @@ impl Trainer {
     /// names, a request comes, or serving goes quiet.
     pub(super) async fn run(mut self) {
         let shared = self.lead.yield_to.clone();
-        // Each minibatch also rehearses general text (`Teacher::with_rehearsal`) within the
-        // positions a pass may take.
-        let limit = minibatch_tokens(&self.lead.ctx.manifest).saturating_sub(REHEARSAL_TOKENS);
+        // Each minibatch also rehearses general text and teaches earlier lessons again
+        // (`Teacher::extra_positions`) within the positions a pass may take.
+        let limit = minibatch_tokens(&self.lead.ctx.manifest)
+            .saturating_sub(self.teacher.extra_positions());
         let mut schedule = Schedule::new(limit.max(2));
         loop {
             while let Ok(r) = self.requests.try_recv() {
