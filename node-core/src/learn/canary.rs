@@ -62,8 +62,11 @@ pub struct Verdict {
     /// canary loss this gate measured.
     pub baseline: f64,
     /// What this gate counted drift from: the lower of `baseline` and the lowest canary loss
-    /// it measured since.
+    /// it measured since, raised by what the update's give-back costs the canary.
     pub floor: f64,
+    /// How far the update's give-back alone (a decaying trainer's share of its earlier steps
+    /// taken back: [`super::Outer::with_decay`]) raises the canary; 0 without one.
+    pub given_back: f64,
     /// Whether the update may be published.
     pub pass: bool,
 }
@@ -155,16 +158,33 @@ impl CanaryGate {
         update: &Update,
         format: ShardFormat,
     ) -> Result<Verdict, ModelError> {
+        self.judge_giving_back(llama, exec, version, (update, None), format)
+            .await
+    }
+
+    /// [`Self::judge`] on an update part of which, `back`, takes back a share of the trainer's
+    /// earlier steps ([`super::Outer::with_decay`]): moving towards the genesis model gives
+    /// back some of what its steps gained on the canary too, so the drift is counted from the
+    /// floor raised by what `back` alone costs the canary (another forward pass), and what the
+    /// learning part may cost stays bounded as before.
+    pub async fn judge_giving_back<E: LinearExec>(
+        &mut self,
+        llama: &Llama,
+        exec: &mut E,
+        version: [u8; 32],
+        (update, back): (&Update, Option<&Update>),
+        format: ShardFormat,
+    ) -> Result<Verdict, ModelError> {
         let before = self.loss_at(llama, exec, version).await?;
-        let mut norms = llama.norms().clone();
-        update.apply_to_norms(&mut norms);
-        let after_llama = Llama::new(llama.config().clone(), norms)?;
-        let mut pending = Pending::new(exec, update, llama.config(), format);
-        let after = after_llama
-            .sequence_loss(&mut pending, &self.tokens)
-            .await?;
+        let after = self.loss_with(llama, exec, update, format).await?;
+        let given_back = match back {
+            Some(b) => (self.loss_with(llama, exec, b, format).await? - before).max(0.0),
+            None => 0.0,
+        };
         let baseline = self.baseline.unwrap_or(before);
         let floor = self.lowest.map_or(baseline, |l| l.min(baseline));
+        // Never past the mesh's reference: what holders bound stays the bound.
+        let floor = (floor + given_back).min(baseline).max(floor);
         let drift = self.bounds.1;
         let within = after - floor <= drift || (after <= before && after - baseline <= drift);
         let pass = after.is_finite() && after - before <= self.bounds.0 && within;
@@ -173,8 +193,35 @@ impl CanaryGate {
             after,
             baseline,
             floor,
+            given_back,
             pass,
         })
+    }
+
+    /// The canary's loss on `llama` over `exec` with `update` added.
+    async fn loss_with<E: LinearExec>(
+        &self,
+        llama: &Llama,
+        exec: &mut E,
+        update: &Update,
+        format: ShardFormat,
+    ) -> Result<f64, ModelError> {
+        let mut norms = llama.norms().clone();
+        update.apply_to_norms(&mut norms);
+        let after_llama = Llama::new(llama.config().clone(), norms)?;
+        let mut pending = Pending::new(exec, update, llama.config(), format);
+        after_llama.sequence_loss(&mut pending, &self.tokens).await
+    }
+
+    /// The mesh took an update whose give-back cost the canary `given_back` nats
+    /// ([`Verdict::given_back`]): the lowest loss this gate counts from rises by that much
+    /// (never past the reference), so a decaying trainer is not refused for giving back what
+    /// it gained.
+    pub fn gave_back(&mut self, given_back: f64) {
+        if let (Some(l), true) = (self.lowest.as_mut(), given_back > 0.0) {
+            let top = self.baseline.unwrap_or(*l).max(*l);
+            *l = (*l + given_back).min(top);
+        }
     }
 
     /// Remembers the canary loss the mesh has at `version`, once an update that was judged
@@ -381,6 +428,65 @@ mod tests {
         assert!(!v.pass, "drift was counted from {}", v.floor);
         assert_eq!((v.baseline, v.floor), (now + 1.0, now - 1.0));
         assert!(v.refusal().unwrap().contains("counted from"));
+    }
+
+    #[test]
+    fn what_a_give_back_costs_the_canary_raises_the_floor_and_no_more() {
+        let (llama, mut group, [grads, _]) = setup();
+        let update = teacher(None).fold(grads).unwrap().unwrap().update;
+        let reversed = Update {
+            step: -update.step,
+            ..update.clone()
+        };
+        let now =
+            block_on(CanaryGate::new(canary(), None).loss_at(&llama, &mut group, [0; 32])).unwrap();
+        let mut probe = CanaryGate::new(canary(), None);
+        let after = |gate: &mut CanaryGate, group: &mut _, u: &Update| {
+            block_on(gate.judge(&llama, group, [0; 32], u, ShardFormat::Q8))
+                .unwrap()
+                .after
+        };
+        // The one of the two that raises the canary, and by how much.
+        let raising = if after(&mut probe, &mut group, &update) > now {
+            update
+        } else {
+            reversed
+        };
+        let rise = after(&mut probe, &mut group, &raising) - now;
+        assert!(rise > 0.0, "{rise}");
+        // The canary stood 0.02 nats lower once; drift may be 0.02 plus half the rise: as
+        // learning, the update is refused.
+        let mut gate = CanaryGate::new(canary(), Some(now + 0.5))
+            .with_bounds(f64::INFINITY, 0.02 + rise / 2.0);
+        gate.moved_to([1; 32], now - 0.02);
+        gate.moved_to([2; 32], now);
+        let mut judge = |gate: &mut CanaryGate, version, back: Option<&Update>| {
+            let judged = (&raising, back);
+            block_on(gate.judge_giving_back(&llama, &mut group, version, judged, ShardFormat::Q8))
+                .unwrap()
+        };
+        let learnt = judge(&mut gate, [2; 32], None);
+        assert!(!learnt.pass && learnt.given_back == 0.0, "{learnt:?}");
+        // As a give-back (all of it takes back earlier steps), what it costs is not counted.
+        let given = judge(&mut gate, [2; 32], Some(&raising));
+        assert!(given.pass, "{given:?}");
+        assert!((given.given_back - rise).abs() < 1e-9, "{given:?}");
+        assert!(
+            (given.floor - (now - 0.02 + rise)).abs() < 1e-9,
+            "{given:?}"
+        );
+        // Taken: the floor stays raised by that much for the rounds after it.
+        gate.gave_back(given.given_back);
+        gate.moved_to([3; 32], given.after);
+        let next = judge(&mut gate, [3; 32], None);
+        assert!((next.floor - (now - 0.02 + rise)).abs() < 1e-9, "{next:?}");
+        // Never past the mesh's reference.
+        let mut near = CanaryGate::new(canary(), Some(now)).with_bounds(f64::INFINITY, 0.0);
+        near.moved_to([1; 32], now - rise / 2.0);
+        near.moved_to([2; 32], now);
+        let capped = judge(&mut near, [2; 32], Some(&raising));
+        assert_eq!(capped.floor, now, "{capped:?}");
+        assert!(!capped.pass, "{capped:?}");
     }
 
     #[test]

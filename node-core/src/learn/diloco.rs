@@ -31,6 +31,8 @@ pub struct Outer {
     added: Option<Steps>,
     /// The last round's update as it may go out (halved as often as the gate halved it).
     last: Option<Update>,
+    /// The part of it that takes back earlier steps, alone (for the gate).
+    back: Option<Update>,
 }
 
 /// Adds an inner step to the sum of a round's steps: the same input factors (the adapters'
@@ -77,6 +79,7 @@ impl Outer {
             decay: 0.0,
             added: None,
             last: None,
+            back: None,
         }
     }
 
@@ -113,8 +116,10 @@ impl Outer {
             }
         }
         let back = self.take_back(&sum);
+        let mut alone = back.as_ref().map(|_| sum.clone());
         for (i, f) in sum.stages.iter_mut().enumerate() {
-            if let Some(back) = back.as_ref().and_then(|b| b.get(i)) {
+            let taken = back.as_ref().and_then(|b| b.get(i));
+            if let Some(back) = taken {
                 // In the step's units: `dy` is applied at `sum.step`, `added` already was.
                 for (dy, b) in f.dy.iter_mut().zip(back) {
                     dy.iter_mut().zip(b).for_each(|(d, &b)| *d = lr * *d - b);
@@ -134,12 +139,29 @@ impl Outer {
             for v in f.dy.iter_mut().flatten() {
                 *v = v.clamp(-most, most);
             }
+            if let Some(g) = alone.as_mut().and_then(|a| a.stages.get_mut(i)) {
+                for (dy, b) in g.dy.iter_mut().zip(taken.into_iter().flatten()) {
+                    dy.iter_mut()
+                        .zip(b)
+                        .for_each(|(d, &b)| *d = (-b).clamp(-most, most));
+                }
+            }
         }
         wire::round(&mut sum);
+        if let Some(a) = alone.as_mut() {
+            wire::round(a);
+        }
         if self.decay > 0.0 {
             self.last = Some(sum.clone());
         }
+        self.back = alone;
         sum
+    }
+
+    /// The part of the last round's update that takes back earlier steps, alone, as it may go
+    /// out: what the canary gate weighs apart ([`super::CanaryGate::judge_giving_back`]).
+    pub fn give_back(&self) -> Option<&Update> {
+        self.back.as_ref()
     }
 
     /// Per stage, per matrix, what a round of `sum`'s shape takes back in its `dy`: `decay`
@@ -167,12 +189,16 @@ impl Outer {
         if let Some(last) = self.last.as_mut() {
             halve(last);
         }
+        if let Some(back) = self.back.as_mut() {
+            halve(back);
+        }
     }
 
     /// The last round's update went out: its momentum stays, and its steps are counted in
     /// how far this trainer moved the adapters.
     pub fn keep(&mut self) {
         self.before = None;
+        self.back = None;
         let Some(last) = self.last.take() else {
             return;
         };
@@ -197,6 +223,7 @@ impl Outer {
     /// The last round's update was refused or lost: the momentum is as before it.
     pub fn undo(&mut self) {
         self.last = None;
+        self.back = None;
         if let Some(m) = self.before.take() {
             self.momentum = m;
         }
@@ -326,6 +353,7 @@ mod tests {
         // three quarters of where it moved them.
         let back = outer.step(nothing(&sum));
         is_share_of(&back, &first, -0.25);
+        assert!(outer.give_back() == Some(&back), "all of it takes back");
         back.validate_for(llama.config(), &cfg, ShardFormat::Q8)
             .unwrap();
         // Refused, it moved nothing: the next round takes back the same.

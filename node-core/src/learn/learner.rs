@@ -84,6 +84,12 @@ impl Learner {
         }
     }
 
+    /// The part of the update just made that takes back earlier steps, alone
+    /// ([`Outer::give_back`]).
+    pub fn give_back(&self) -> Option<&Update> {
+        self.outer.as_ref().and_then(Outer::give_back)
+    }
+
     /// The gate halved the update just made: what may go out is that.
     pub fn halved(&mut self) {
         if let Some(outer) = &mut self.outer {

@@ -442,8 +442,9 @@ impl Teacher {
         };
         let mut tries = 0;
         loop {
+            let judged = (&published.update, self.learner.give_back());
             let verdict = match gate
-                .judge(llama, exec, version, &published.update, self.format)
+                .judge_giving_back(llama, exec, version, judged, self.format)
                 .await
             {
                 Ok(v) => v,
@@ -482,6 +483,7 @@ impl Teacher {
     /// the gate's loss there is the one it measured after it.
     pub fn published(&mut self, version: [u8; 32], verdict: Option<&Verdict>) {
         if let (Some(gate), Some(v)) = (self.gate.as_mut(), verdict) {
+            gate.gave_back(v.given_back);
             gate.moved_to(version, v.after);
         }
     }
