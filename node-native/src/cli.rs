@@ -837,13 +837,13 @@ mod tests {
     #[test]
     fn the_learning_bench_trains_as_ups_trainers_unless_told_otherwise() {
         let parse = |args: &[&str]| match Cli::try_parse_from(args).map(|c| c.command) {
-            Ok(Command::Bench(b)) => (TrainedArg::trained(&b.train), b.floor),
+            Ok(Command::Bench(b)) => (TrainedArg::trained(&b.train), b.floor, (b.replay, b.decay)),
             other => panic!("bench parses: {other:?}"),
         };
         let up = node_native::bench::learning::Trainer::AS_UP;
         assert_eq!(
             parse(&["codedmesh", "bench", "--learning"]),
-            (up.trained, up.floor)
+            (up.trained, up.floor, (up.replay, up.decay))
         );
         let every = parse(&[
             "codedmesh",
@@ -853,8 +853,12 @@ mod tests {
             "head,attention,mlp",
             "--floor",
             "0",
+            "--replay",
+            "64",
+            "--decay",
+            "0.05",
         ]);
-        assert_eq!(every, (node_core::learn::Trained::ALL, 0.0));
+        assert_eq!(every, (node_core::learn::Trained::ALL, 0.0, (64, 0.05)));
     }
 
     #[test]

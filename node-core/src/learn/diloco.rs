@@ -85,7 +85,7 @@ impl Outer {
 
     /// The same optimiser taking back `share` (0 to 1) of how far its published updates moved
     /// the adapters with each round it publishes: a decay of its own steps towards the genesis
-    /// model (docs/coding.md, "Nothing forgotten"), so what the mesh learns is bounded however
+    /// model (docs/coding.md, "Facts and rehearsal"), so what the mesh learns is bounded however
     /// long it is used. The decay is part of the round's update, one adapter step like any
     /// other, so every row applies it alike and the codeword survives.
     pub fn with_decay(mut self, share: f32) -> Self {
