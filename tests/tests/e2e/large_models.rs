@@ -56,15 +56,30 @@ fn memory(pid: u32) -> Result<(f64, f64)> {
     Ok((kib("VmRSS:")?, kib("VmHWM:")?))
 }
 
-/// The HTTP port a node of `up`'s mesh logged (`api: http://127.0.0.1:PORT/v1`).
+/// Most a node of `up`'s mesh may take to log its HTTP address after `up` is ready: `up` is
+/// ready once k rows have been healthy for a minute, and a node still loading its row (a 1B
+/// row under a loaded CI run: "node 2 logged no HTTP address", once) logs it when it serves.
+const NODE_API_WITHIN: Duration = Duration::from_secs(300);
+
+/// The HTTP port a node of `up`'s mesh logged (`api: http://127.0.0.1:PORT/v1`), waiting
+/// [`NODE_API_WITHIN`] for it.
 pub(crate) fn node_port(data: &Path, node: usize) -> Result<u16> {
-    let log = std::fs::read_to_string(data.join(format!("node{node}.log")))?;
-    let port = log
-        .lines()
-        .find_map(|l| l.trim().strip_prefix("api: http://127.0.0.1:"))
-        .and_then(|rest| rest.split('/').next())
-        .with_context(|| format!("node {node} logged no HTTP address"))?;
-    Ok(port.parse()?)
+    let start = Instant::now();
+    loop {
+        let log = std::fs::read_to_string(data.join(format!("node{node}.log"))).unwrap_or_default();
+        let port = log
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("api: http://127.0.0.1:"))
+            .and_then(|rest| rest.split('/').next());
+        if let Some(port) = port {
+            return Ok(port.parse()?);
+        }
+        ensure!(
+            start.elapsed() < NODE_API_WITHIN,
+            "node {node} logged no HTTP address in {NODE_API_WITHIN:?}:\n{log}"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
 }
 
 /// Waits until the leader of `up`'s mesh in `data` (API on `port`) has trained on the request and its update was
@@ -129,7 +144,8 @@ fn a_1b_shape_mesh_encodes_and_serves_within_its_memory_bounds() -> Result<()> {
     let port = free_port()?;
     let steps = dir.join("steps.jsonl");
     let mut up = Up::start_model(&dir, &data, port, &steps, "up1b", &file, &[])?;
-    up.ready(Duration::from_secs(1500))?;
+    // Ready once every row is healthy, or k rows have been for a minute: the line says which.
+    eprintln!("{}", up.ready(Duration::from_secs(1500))?);
     // up's own peak is genesis's: after it, up only supervises.
     let (_, encode_peak) = memory(up.pid())?;
     eprintln!(
