@@ -446,6 +446,14 @@ fn up_serves_the_openai_api_learns_stops_restarts_and_supervises() -> Result<()>
         published > 0.0 && sent >= published && sent <= 3.0 * published,
         "{published} bytes of updates published, {sent} sent"
     );
+    let (out, applied) = (
+        metric(port, "codedmesh_updates_published_total")?,
+        metric(port, "codedmesh_updates_applied_total")?,
+    );
+    ensure!(
+        out >= 1.0 && applied >= 1.0,
+        "the API's node counts the updates: {out} published, {applied} applied"
+    );
     // The dashboard's learning section: the API's node lists the updates it applied, each with
     // its trainer (a peer id) and the canary verdict it carried, and the anonymous caller's
     // requests trained on.
