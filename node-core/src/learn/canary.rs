@@ -430,14 +430,21 @@ mod tests {
         assert!(v.refusal().unwrap().contains("counted from"));
     }
 
-    #[test]
-    fn what_a_give_back_costs_the_canary_raises_the_floor_and_no_more() {
-        let (llama, mut group, [grads, _]) = setup();
+    /// An update of `grads` and the same update the other way: one raises the canary, the
+    /// other lowers it.
+    fn both_ways(grads: crate::model::Gradients) -> (Update, Update) {
         let update = teacher(None).fold(grads).unwrap().unwrap().update;
         let reversed = Update {
             step: -update.step,
             ..update.clone()
         };
+        (update, reversed)
+    }
+
+    #[test]
+    fn what_a_give_back_costs_the_canary_raises_the_floor_and_no_more() {
+        let (llama, mut group, [grads, _]) = setup();
+        let (update, reversed) = both_ways(grads);
         let now =
             block_on(CanaryGate::new(canary(), None).loss_at(&llama, &mut group, [0; 32])).unwrap();
         let mut probe = CanaryGate::new(canary(), None);
@@ -492,11 +499,7 @@ mod tests {
     #[test]
     fn an_update_that_lowers_the_canary_passes_however_far_the_floor_fell() {
         let (llama, mut group, [grads, _]) = setup();
-        let update = teacher(None).fold(grads).unwrap().unwrap().update;
-        let reversed = Update {
-            step: -update.step,
-            ..update.clone()
-        };
+        let (update, reversed) = both_ways(grads);
         let now =
             block_on(CanaryGate::new(canary(), None).loss_at(&llama, &mut group, [0; 32])).unwrap();
         // The canary once stood a nat lower than now, the mesh's reference half a nat higher:

@@ -89,8 +89,13 @@ impl Outer {
     /// long it is used. The decay is part of the round's update, one adapter step like any
     /// other, so every row applies it alike and the codeword survives.
     pub fn with_decay(mut self, share: f32) -> Self {
-        self.decay = share.clamp(0.0, 1.0);
+        self.set_decay(share);
         self
+    }
+
+    /// Takes back `share` from now on ([`Self::with_decay`]).
+    pub fn set_decay(&mut self, share: f32) {
+        self.decay = share.clamp(0.0, 1.0);
     }
 
     /// The update a round publishes: the outer step over `sum` (its inner steps' sum), each

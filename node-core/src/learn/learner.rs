@@ -79,8 +79,8 @@ impl Learner {
     /// Where the mesh runs DiLoCo rounds, each published round takes back `share` of how far
     /// this learner's updates moved the adapters ([`Outer::with_decay`]).
     pub fn decay(&mut self, share: f32) {
-        if let Some(outer) = self.outer.take() {
-            self.outer = Some(outer.with_decay(share));
+        if let Some(outer) = &mut self.outer {
+            outer.set_decay(share);
         }
     }
 
