@@ -10,6 +10,7 @@
 //! id, the mesh's rules) before it is applied. A holder the tree missed pulls the update when
 //! it notices its version is behind ([`super::worth_catching_up`]).
 
+use futures::future::Either;
 use serde::{Deserialize, Serialize};
 
 use super::{HolderError, Link, describe};
@@ -281,16 +282,36 @@ where
     tell(link, &to, ask, 0, "a caught member's report").await
 }
 
+/// How long a holder told something ([`tell`]) has to answer, on top of its bytes at
+/// [`crate::net::hop::MIN_RATE`]: a holder answers once it has checked what it was told (it
+/// passes it on after), so a hung holder holds up the rest of its share this long, not the
+/// link's request timeout.
+pub const NOTICE_WAIT: std::time::Duration = std::time::Duration::from_secs(3);
+
 /// Tells `to` something that spreads through them (`what`, for logs): `to` dealt into
 /// [`FANOUT`] shares, each share's first holder asked `ask(the rest of its share)`, which it
-/// passes on the same way; a holder that does not take it (an error, or no answer) is skipped
-/// for the next in its share. `bytes` counts as sent for each holder asked.
+/// passes on the same way; a holder that does not take it (an error, or no answer within
+/// [`NOTICE_WAIT`] and its bytes) is skipped for the next in its share. `bytes` counts as sent
+/// for each holder asked.
 pub async fn tell<L: Link>(
     link: &L,
     to: &[L::Peer],
     ask: impl Fn(Vec<String>) -> MeshRequest,
     bytes: u64,
     what: &str,
+) -> Passed {
+    let wait = NOTICE_WAIT + crate::net::hop::at_min_rate(bytes as usize);
+    tell_within(link, to, ask, bytes, what, wait).await
+}
+
+/// [`tell`], each holder given `wait` to answer.
+async fn tell_within<L: Link>(
+    link: &L,
+    to: &[L::Peer],
+    ask: impl Fn(Vec<String>) -> MeshRequest,
+    bytes: u64,
+    what: &str,
+    wait: std::time::Duration,
 ) -> Passed {
     let shares = deal(to, FANOUT);
     let ask = &ask;
@@ -299,15 +320,24 @@ pub async fn tell<L: Link>(
         for (j, peer) in share.iter().enumerate() {
             let rest = share[j + 1..].iter().map(ToString::to_string).collect();
             passed.inline_bytes += bytes;
-            match link.ask(peer, ask(rest)).await {
-                Ok(MeshResponse::Error(e)) => {
+            let answer = std::pin::pin!(link.ask(peer, ask(rest)));
+            let deadline = futures_timer::Delay::new(wait);
+            match futures::future::select(answer, deadline).await {
+                Either::Left((Ok(MeshResponse::Error(e)), _)) => {
                     tracing::warn!(%peer, "a holder did not take {what}: {e}")
                 }
-                Ok(_) => {
+                Either::Left((Ok(_), _)) => {
                     passed.taken += 1;
                     return passed;
                 }
-                Err(e) => tracing::warn!(%peer, "{what} did not reach a holder: {e}"),
+                Either::Left((Err(e), _)) => {
+                    tracing::warn!(%peer, "{what} did not reach a holder: {e}")
+                }
+                Either::Right(_) => tracing::warn!(
+                    %peer,
+                    "a holder did not answer {what} in {:.1} s: the next in its share is told",
+                    wait.as_secs_f64()
+                ),
             }
             passed.failed += 1;
         }
@@ -407,6 +437,8 @@ mod tests {
     struct Peers {
         copies: HashMap<u32, Vec<u8>>,
         refuse: Vec<u32>,
+        /// Peers that never answer (a SIGSTOPped holder).
+        hang: Vec<u32>,
         told: Mutex<Vec<(u32, Notice)>>,
         reported: Mutex<Vec<(u32, Vec<String>)>>,
         asked: Mutex<Vec<u32>>,
@@ -417,6 +449,9 @@ mod tests {
 
         async fn ask(&self, peer: &u32, request: MeshRequest) -> Result<MeshResponse, HolderError> {
             self.asked.lock().unwrap().push(*peer);
+            if self.hang.contains(peer) {
+                return futures::future::pending().await;
+            }
             match request {
                 MeshRequest::Spread(n) if self.refuse.contains(peer) => {
                     drop(n);
@@ -469,6 +504,7 @@ mod tests {
         Peers {
             copies: copies.iter().cloned().collect(),
             refuse: refuse.to_vec(),
+            hang: Vec::new(),
             told: Mutex::default(),
             reported: Mutex::default(),
             asked: Mutex::default(),
@@ -606,6 +642,46 @@ mod tests {
                 (4, Vec::new()),
             ],
             "holder 1 is gone: holder 4, next in its share, takes the rest of it"
+        );
+    }
+
+    #[test]
+    fn a_holder_that_never_answers_holds_up_its_share_only_until_the_wait() {
+        let link = Peers {
+            hang: vec![1],
+            ..peers(&[], &[])
+        };
+        let to: Vec<u32> = (0..7).collect();
+        let ask = |rest| {
+            MeshRequest::Spread(Notice {
+                list: b"list".to_vec(),
+                sources: Vec::new(),
+                to: rest,
+                inline: None,
+            })
+        };
+        let wait = std::time::Duration::from_millis(200);
+        let started = std::time::Instant::now();
+        let passed = futures::executor::block_on(tell_within(&link, &to, ask, 0, "a test", wait));
+        let took = started.elapsed();
+        assert_eq!((passed.taken, passed.failed), (3, 1));
+        let mut told: Vec<(u32, Vec<String>)> = (link.told.into_inner().unwrap().into_iter())
+            .map(|(p, n)| (p, n.to))
+            .collect();
+        told.sort();
+        assert_eq!(
+            told,
+            [
+                (0, vec!["3".to_string(), "6".into()]),
+                (2, vec!["5".into()]),
+                (4, Vec::new()),
+            ],
+            "holder 1 never answers: holder 4, next in its share, takes the rest of it"
+        );
+        // It returned at all: holder 1's answer never comes.
+        assert!(
+            took >= wait,
+            "the share moved on after {took:?}, before the wait"
         );
     }
 
