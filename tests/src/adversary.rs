@@ -246,6 +246,7 @@ impl Adversary {
                 usage: Default::default(),
                 reach: Default::default(),
                 trains: false,
+                coord: Default::default(),
             };
             let bytes = node_core::protocol::encode(&hb)?;
             // Before the gossip mesh forms, a heartbeat has no one to go to: the next goes.

@@ -238,6 +238,7 @@ fn heartbeat(row: u32, incarnation: u64, seq: u64) -> Heartbeat {
         usage: Default::default(),
         reach: Default::default(),
         trains: false,
+        coord: Default::default(),
     }
 }
 

@@ -324,6 +324,8 @@ mod tests {
             usage: Usage::default(),
             reach: "public".into(),
             trains: false,
+            coord: Default::default(),
+            rtt_ms: None,
         }
     }
 

@@ -31,6 +31,8 @@ fn node(row: u32, health: Health, device: &str) -> NodeStatus {
         usage: Default::default(),
         reach: "relayed".into(),
         trains: false,
+        coord: Default::default(),
+        rtt_ms: None,
     }
 }
 

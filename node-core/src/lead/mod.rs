@@ -34,8 +34,8 @@ use crate::coded::{CodedError, CodedGroup, Transport, UpdateProbe, VerifyConfig}
 use crate::holder::{HolderError, Link, Rules, fetch_update, version_of};
 use crate::learn::{Update, UpdateError};
 use crate::mesh::{
-    MeshInfo, MeshRequest, MeshResponse, ModelManifest, RoundConfig, hex, pick_holders, plan_group,
-    rows_at_version,
+    MeshInfo, MeshRequest, MeshResponse, ModelManifest, RoundConfig, hex, pick_holders,
+    plan_group_near, rows_at_version,
 };
 use crate::model::{LeaderWeights, Llama, ModelError};
 
@@ -271,6 +271,13 @@ pub async fn form<L: LeadLink>(
         .copied()
         .filter(|p| Some(*p) != own_peer)
         .collect();
+    // Each row's nearest holder first (this node's own row nearest of all; unknown last, in
+    // PeerId order).
+    let rtt = round_trips(info, own_peer);
+    let far = |p: &PeerId| rtt.get(p).copied().unwrap_or(f32::INFINITY);
+    for peers in by_row.values_mut() {
+        peers.sort_by(|a, b| far(a).total_cmp(&far(b)));
+    }
     // A row this node holds but cannot compute in the group is left to its other holders.
     let mut avoid = opts.avoid.clone();
     if let Some(o) = own.as_ref().filter(|o| o.norms.is_none()) {
@@ -336,7 +343,8 @@ pub async fn form<L: LeadLink>(
             g.k()
         )));
     }
-    let plan = plan_group(&g, &live, opts.verify + opts.spares)?;
+    let row_rtt = |r: usize| rows.get(&r).and_then(|p| rtt.get(p)).copied();
+    let plan = plan_group_near(&g, &live, opts.verify + opts.spares, row_rtt)?;
     let members: Vec<PeerId> = plan
         .members
         .iter()
@@ -381,6 +389,18 @@ pub async fn form<L: LeadLink>(
         condition_number: plan.condition_number,
         addrs: dialed,
     })
+}
+
+/// The round trip to each node `info` shows, in milliseconds, as the view that answered
+/// `info` measured or estimated it: the leader's own for `up`'s API, its bootstrap's for a page
+/// or `generate` (a proxy: such a leader is usually near the node it joined by); the leader's
+/// own row's holder, `own`, is at 0.
+fn round_trips(info: &MeshInfo, own: Option<PeerId>) -> BTreeMap<PeerId, f32> {
+    let mut rtt: BTreeMap<PeerId, f32> = (info.nodes.iter())
+        .filter_map(|n| Some((n.peer.parse().ok()?, n.rtt_ms.filter(|ms| ms.is_finite())?)))
+        .collect();
+    rtt.extend(own.map(|p| (p, 0.0)));
+    rtt
 }
 
 /// A random few of the updates of `version` whose payloads a holder still keeps (at most
@@ -736,6 +756,8 @@ mod tests {
                 usage: Usage::default(),
                 reach: String::new(),
                 trains: false,
+                coord: Default::default(),
+                rtt_ms: None,
             })
             .collect();
         MeshInfo {

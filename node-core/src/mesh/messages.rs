@@ -17,7 +17,7 @@ pub const CHUNK_BYTES: u32 = 4 << 20;
 pub const MAX_CHUNK_BYTES: u32 = 16 << 20;
 
 /// What a node announces about itself every heartbeat interval.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Heartbeat {
     /// Digest of the model manifest it serves.
     pub model: [u8; 32],
@@ -49,6 +49,9 @@ pub struct Heartbeat {
     /// It trains the mesh: it serves an API, learns, and the mesh's key admits it to write.
     /// A node that may not write hands the text its users send to such a node.
     pub trains: bool,
+    /// Where it is in the latency space, from the round trips it measured (checked on
+    /// arrival: [`super::Coord::check`]).
+    pub coord: super::Coord,
 }
 
 /// Requests finished on the mesh, as their leaders report them to a node: what the
@@ -194,6 +197,13 @@ pub struct NodeStatus {
     /// It trains the mesh (text to teach may go to it).
     #[serde(default)]
     pub trains: bool,
+    /// Where it is in the latency space, as it announces.
+    #[serde(default)]
+    pub coord: super::Coord,
+    /// The answering node's round trip to it in milliseconds, measured or estimated from the
+    /// coordinates (`None`: not known yet).
+    #[serde(default)]
+    pub rtt_ms: Option<f32>,
 }
 
 /// Every live holder of each row, by row.
@@ -774,6 +784,8 @@ mod tests {
             usage: Usage::default(),
             reach: String::new(),
             trains: false,
+            coord: Default::default(),
+            rtt_ms: None,
         };
         let mut info = MeshInfo {
             k: 2,

@@ -2,6 +2,7 @@
 //! rounds over a group with spares. Every state machine here takes the current time and the
 //! messages it got, and hands back what to send; the shells own sockets and clocks.
 
+pub mod coords;
 mod health;
 mod manifest;
 mod messages;
@@ -13,6 +14,7 @@ mod view;
 pub use crate::learn::{
     DEFAULT_ADAM_LR, DEFAULT_RANK, DEFAULT_SGD_LR, LearningConfig, MAX_ACCUMULATE, Optimizer,
 };
+pub use coords::{Coord, Vivaldi};
 pub use health::{Health, HealthConfig};
 pub use manifest::ModelManifest;
 pub use messages::{
@@ -21,7 +23,8 @@ pub use messages::{
     NodeStatus, Notice, Piece, Reach, RowHolders, SourceRow, StepRefusal, Usage, rows_at_version,
 };
 pub use round::{
-    GroupPlan, MemberPool, RoundConfig, RoundDriver, RoundError, pick_holders, plan_group,
+    GroupPlan, MemberPool, NEAR_MAX_CONDITION, RoundConfig, RoundDriver, RoundError, pick_holders,
+    plan_group, plan_group_near,
 };
 pub use version::{
     CatchUp, FOLD_SHARE, Folded, KEEP_SHARE, LAG_KEEP_SHARE, LAG_KEEP_UPDATES, MAX_KEPT, MAX_SINCE,

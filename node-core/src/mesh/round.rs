@@ -57,6 +57,47 @@ pub fn plan_group(g: &Generator, live: &[usize], spares: usize) -> Result<GroupP
     })
 }
 
+/// Condition number a nearer group may have though a farther one is better conditioned: its
+/// decode error stays about `1e-7 · κ` ≤ 1e-5 (every group of a code is within
+/// [`crate::code::GROWTH_MAX_CONDITION`] anyway), while a far member costs every round a long
+/// round trip.
+pub const NEAR_MAX_CONDITION: f64 = 100.0;
+
+/// Picks a group as [`plan_group`] does, from the nearest rows that make one: rows sorted by
+/// `rtt_ms` (the leader's round trip to the holder it would ask; unknown last), the decoding k
+/// from the fewest nearest rows that hold k conditioned within [`NEAR_MAX_CONDITION`] (or as
+/// well as the best of all), then the nearest others as checks and spares. A round waits for its slowest
+/// member, so this keeps the slowest near.
+pub fn plan_group_near(
+    g: &Generator,
+    live: &[usize],
+    spares: usize,
+    rtt_ms: impl Fn(usize) -> Option<f32>,
+) -> Result<GroupPlan, CodeError> {
+    let best = plan_group(g, live, spares)?;
+    let mut near: Vec<usize> = live.to_vec();
+    near.sort_unstable();
+    near.dedup();
+    if near.iter().all(|&r| rtt_ms(r).is_none()) {
+        return Ok(best);
+    }
+    let far = |r: usize| rtt_ms(r).map_or(f32::INFINITY, |ms| ms.max(0.0));
+    near.sort_by(|&a, &b| far(a).total_cmp(&far(b)));
+    let bound = NEAR_MAX_CONDITION.max(best.condition_number);
+    for m in g.k()..=near.len() {
+        let sel = select_nodes(g, &near[..m])?;
+        if sel.condition_number <= bound {
+            let mut members = sel.nodes.clone();
+            members.extend(near.iter().filter(|r| !sel.nodes.contains(r)).take(spares));
+            return Ok(GroupPlan {
+                members,
+                condition_number: sel.condition_number,
+            });
+        }
+    }
+    Ok(best)
+}
+
 /// Timing of rounds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RoundConfig {
@@ -410,6 +451,43 @@ mod tests {
             all.values().copied().collect::<Vec<_>>(),
             vec!["a", "c", "d"]
         );
+    }
+
+    #[test]
+    fn a_group_forms_from_the_nearest_rows_that_decode_well() {
+        let g = Generator::cauchy(8, 3).unwrap();
+        let live: Vec<usize> = (0..8).collect();
+        // Rows 4..8 are 2 ms away, the data rows 100 ms; row 7's distance is not known.
+        let rtt = |r: usize| match r {
+            0..4 => Some(100.0),
+            4..7 => Some(2.0),
+            _ => None,
+        };
+        let near = plan_group_near(&g, &live, 1, rtt).unwrap();
+        let best = plan_group(&g, &live, 1).unwrap();
+        let mut decoding = near.members[..3].to_vec();
+        decoding.sort_unstable();
+        assert_eq!(
+            (decoding, near.members[3]),
+            (vec![4, 5, 6], 0),
+            "the near rows decode; the spare is the nearest known of the rest (κ {} against the best {})",
+            near.condition_number,
+            best.condition_number
+        );
+        assert!(near.condition_number <= NEAR_MAX_CONDITION);
+        // Nothing known: the best-conditioned group.
+        let unknown = plan_group_near(&g, &live, 1, |_| None).unwrap();
+        assert_eq!(unknown.members, best.members);
+        // Too few near rows for a group: the nearest rows beyond them join it.
+        let two_near = |r: usize| {
+            Some(if r == 5 || r == 6 {
+                1.0
+            } else {
+                50.0 + r as f32
+            })
+        };
+        let mixed = plan_group_near(&g, &live, 0, two_near).unwrap();
+        assert!(mixed.members.contains(&5) && mixed.members.contains(&6));
     }
 
     fn pool(free: Vec<usize>) -> (Generator, MemberPool) {

@@ -9,7 +9,7 @@ use libp2p::multiaddr::Protocol;
 use libp2p::request_response::{self, OutboundRequestId, ResponseChannel};
 use libp2p::swarm::dial_opts::DialOpts;
 use libp2p::swarm::{ConnectionId, SwarmEvent};
-use libp2p::{Multiaddr, PeerId, Swarm, autonat, dcutr, gossipsub, identify, relay};
+use libp2p::{Multiaddr, PeerId, Swarm, autonat, dcutr, gossipsub, identify, ping, relay};
 
 use super::reach::{Reach, Reachability, is_relayed};
 use super::{KAD_PROTOCOL, MESH_PROTOCOL, MeshBehaviour, MeshBehaviourEvent, version_mismatch};
@@ -40,6 +40,13 @@ pub enum NetEvent {
         peer: PeerId,
         /// Its bytes.
         data: Vec<u8>,
+    },
+    /// A ping measured the round trip to a connected peer.
+    RoundTrip {
+        /// The peer.
+        peer: PeerId,
+        /// The round trip.
+        rtt: std::time::Duration,
     },
     /// The swarm listens on a new address (a relay circuit's included).
     Listening(Multiaddr),
@@ -292,6 +299,11 @@ impl Driver {
                 }
             }
             SwarmEvent::Behaviour(MeshBehaviourEvent::Mesh(event)) => return self.on_mesh(event),
+            SwarmEvent::Behaviour(MeshBehaviourEvent::Ping(ping::Event {
+                peer,
+                result: Ok(rtt),
+                ..
+            })) => return Some(NetEvent::RoundTrip { peer, rtt }),
             SwarmEvent::Behaviour(MeshBehaviourEvent::Gossipsub(gossipsub::Event::Message {
                 propagation_source,
                 message,

@@ -448,7 +448,7 @@ impl EventLoop {
                 let _ = self.inbound.try_send(reach);
             }
             NetEvent::Expired(_) => {}
-            gossip @ NetEvent::Gossip { .. } => {
+            gossip @ (NetEvent::Gossip { .. } | NetEvent::RoundTrip { .. }) => {
                 let _ = self.inbound.try_send(gossip);
             }
             request @ NetEvent::Request { .. } => {

@@ -153,6 +153,7 @@ pub(super) async fn run_server(
         usage: Usage::default(),
         reach: Default::default(),
         trains: false,
+        coord: Default::default(),
     };
     let mut view = MeshView::new(
         Instant::now(),
@@ -564,6 +565,7 @@ impl Server {
                 channel,
             } => self.on_request(peer, request, channel, now),
             Inbound::Reach { reach, addrs, .. } => self.on_reach(reach, &addrs),
+            Inbound::RoundTrip { peer, rtt } => self.view.observe_rtt(&peer, rtt),
             Inbound::Listening(_) | Inbound::Expired(_) => {}
         }
     }

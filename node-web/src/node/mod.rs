@@ -551,6 +551,7 @@ fn watch_view(info: &MeshInfo, me: PeerId) -> Result<MeshView<PeerId>, WebError>
         usage: Default::default(),
         reach: Default::default(),
         trains: false,
+        coord: Default::default(),
     };
     MeshView::new(
         Instant::now(),

@@ -363,6 +363,11 @@ impl Task {
             } => self.on_request(peer, request, channel),
             // A browser is reached through its relay circuits (above); it runs no AutoNAT.
             NetEvent::Reach { .. } => {}
+            NetEvent::RoundTrip { peer, rtt } => {
+                if let Some(view) = self.view.as_mut() {
+                    view.observe_rtt(&peer, rtt);
+                }
+            }
         }
     }
 

@@ -245,6 +245,7 @@ impl SimMesh {
             usage: Default::default(),
             reach: Default::default(),
             trains: false,
+            coord: Default::default(),
         }
     }
 

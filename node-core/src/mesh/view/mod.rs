@@ -6,8 +6,8 @@ use std::fmt::Display;
 use web_time::{Duration, Instant};
 
 use super::{
-    Health, HealthConfig, Heartbeat, JoinOffer, MeshError, MeshInfo, NodeStatus, RowHolders,
-    SourceRow, Usage, hex,
+    Coord, Health, HealthConfig, Heartbeat, JoinOffer, MeshError, MeshInfo, NodeStatus, RowHolders,
+    SourceRow, Usage, Vivaldi, hex,
 };
 
 /// How long a row offered to a joiner stays reserved for it.
@@ -128,6 +128,8 @@ pub struct MeshView<P> {
     transmits: VecDeque<Heartbeat>,
     /// Nodes a leader caught answering against the code, with the evidence as text.
     caught: BTreeMap<P, String>,
+    /// This node's place in the latency space, moved by the round trips it measures.
+    coords: Vivaldi<P>,
 }
 
 impl<P: Ord + Clone + Display> MeshView<P> {
@@ -158,7 +160,6 @@ impl<P: Ord + Clone + Display> MeshView<P> {
             model_name,
             dashboard: None,
             me,
-            local,
             peers: BTreeMap::new(),
             reservations: Vec::new(),
             next_heartbeat: now,
@@ -166,6 +167,8 @@ impl<P: Ord + Clone + Display> MeshView<P> {
             events: VecDeque::new(),
             transmits: VecDeque::new(),
             caught: BTreeMap::new(),
+            coords: Vivaldi::new(local.incarnation),
+            local,
         })
     }
 
@@ -192,8 +195,40 @@ impl<P: Ord + Clone + Display> MeshView<P> {
         self.local = Heartbeat {
             incarnation,
             seq,
+            coord: self.coords.coord(),
             ..hb
         };
+    }
+
+    /// A round trip this node measured to `peer` (a ping): moves this node's coordinate by
+    /// the peer's last announced one. A peer not heard from moves nothing.
+    pub fn observe_rtt(&mut self, peer: &P, rtt: Duration) {
+        let Some(theirs) = self.peers.get(peer).map(|e| e.hb.coord) else {
+            return;
+        };
+        match self.coords.observe(peer, &theirs, rtt) {
+            Ok(()) => self.local.coord = self.coords.coord(),
+            Err(e) => tracing::debug!(%peer, "a round trip not taken: {e}"),
+        }
+    }
+
+    /// The round trip from this node to `peer`: as measured lately, else as the coordinates
+    /// estimate it once both are placed; `None` when neither is known.
+    pub fn rtt_to(&self, peer: &P) -> Option<Duration> {
+        if *peer == self.me {
+            return Some(Duration::ZERO);
+        }
+        if let Some(ms) = self.coords.measured_ms(peer) {
+            return Some(Duration::from_secs_f64(f64::from(ms) / 1000.0));
+        }
+        let theirs = self.peers.get(peer)?.hb.coord;
+        let mine = self.coords.coord();
+        (mine.is_placed() && theirs.is_placed()).then(|| mine.rtt(&theirs))
+    }
+
+    /// This node's coordinate.
+    pub fn coord(&self) -> Coord {
+        self.coords.coord()
     }
 
     /// Adds a finished request to the usage this node announces.
@@ -234,6 +269,17 @@ impl<P: Ord + Clone + Display> MeshView<P> {
                 error: MeshError::BadMessage {
                     peer: from.to_string(),
                     reason: "a heartbeat out of shape (its offers or device)".into(),
+                }
+                .to_string(),
+            });
+            return;
+        }
+        if let Err(reason) = hb.coord.check() {
+            self.events.push_back(MeshEvent::Refused {
+                peer: from.clone(),
+                error: MeshError::BadMessage {
+                    peer: from.to_string(),
+                    reason,
                 }
                 .to_string(),
             });
@@ -648,6 +694,8 @@ impl<P: Ord + Clone + Display> MeshView<P> {
                 usage: hb.usage,
                 reach: hb.reach.label().into(),
                 trains: hb.trains,
+                coord: hb.coord,
+                rtt_ms: self.rtt_to(p).map(|d| d.as_secs_f32() * 1000.0),
                 silent_for_s: if *p == self.me {
                     0.0
                 } else {

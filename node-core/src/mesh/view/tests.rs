@@ -17,6 +17,7 @@ fn hb(row: Option<u32>) -> Heartbeat {
         usage: Usage::default(),
         reach: Default::default(),
         trains: false,
+        coord: Default::default(),
     }
 }
 
@@ -395,4 +396,73 @@ fn holders_behind_this_node_are_counted_until_they_are_long_gone() {
         v.lags(t0 + LAG_MEMORY).is_empty(),
         "long gone: nothing kept for it"
     );
+}
+
+#[test]
+fn round_trips_place_a_node_and_a_bad_coordinate_is_refused() {
+    let t0 = Instant::now();
+    let cfg = HealthConfig::default();
+    let mut v = MeshView::new(t0, 0u32, cfg, 2, (3, 3), "m".into(), hb(Some(0))).unwrap();
+    // A round trip to a peer not heard from moves nothing.
+    v.observe_rtt(&1, Duration::from_millis(30));
+    assert!(!v.coord().is_placed());
+    assert_eq!(v.rtt_to(&1), None);
+    beat(&mut v, t0, t0, 1, hb(Some(1)));
+    beat(&mut v, t0, t0, 2, hb(Some(2)));
+    // Peer 2's distance is not known until coordinates or a measurement say it.
+    assert_eq!(v.rtt_to(&2), None);
+    for _ in 0..3 {
+        v.observe_rtt(&1, Duration::from_millis(30));
+    }
+    assert!(v.coord().is_placed());
+    assert_eq!(v.rtt_to(&1), Some(Duration::from_millis(30)));
+    assert_eq!(v.rtt_to(&0), Some(Duration::ZERO));
+    // The coordinate goes out with the next heartbeat and into the status.
+    v.handle_timeout(t0);
+    let sent = std::iter::from_fn(|| v.poll_transmit()).last().unwrap();
+    assert_eq!(sent.coord, v.coord());
+    let info = v.info(t0);
+    let one = info.nodes.iter().find(|n| n.peer == "1").unwrap();
+    assert_eq!(one.rtt_ms, Some(30.0));
+    // A placed peer's distance is estimated from the coordinates.
+    let placed = Coord {
+        vec: [10.0, 0.0, 0.0, 0.0],
+        height: 1.0,
+        error: 0.2,
+    };
+    beat(
+        &mut v,
+        t0,
+        t0,
+        2,
+        Heartbeat {
+            seq: 1,
+            coord: placed,
+            ..hb(Some(2))
+        },
+    );
+    let est = v.rtt_to(&2).unwrap();
+    assert_eq!(est, v.coord().rtt(&placed));
+    // A coordinate out of range: the heartbeat is refused, and the peer's last one stands.
+    while v.poll_event().is_some() {}
+    let bad = Coord {
+        height: f32::INFINITY,
+        ..placed
+    };
+    beat(
+        &mut v,
+        t0,
+        t0,
+        2,
+        Heartbeat {
+            seq: 2,
+            coord: bad,
+            ..hb(Some(2))
+        },
+    );
+    assert!(matches!(
+        v.poll_event(),
+        Some(MeshEvent::Refused { peer: 2, .. })
+    ));
+    assert_eq!(v.rtt_to(&2), Some(est));
 }
