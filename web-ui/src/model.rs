@@ -89,6 +89,23 @@ impl RowView {
             })
     }
 
+    /// The round trip from the dashboard's node to each holder, best holder first, as that
+    /// node measured it or estimates it from the network coordinates ("—" when not known).
+    pub fn round_trips(&self) -> String {
+        if self.holders.is_empty() {
+            return "—".into();
+        }
+        self.holders
+            .iter()
+            .map(|h| match h.rtt_ms {
+                Some(ms) if ms < 10.0 => format!("{ms:.1} ms"),
+                Some(ms) => format!("{ms:.0} ms"),
+                None => "—".into(),
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
     /// How far each holder is behind the mesh version, in updates, best first ("—" with none):
     /// a replica still pulling an update shows beside one that has it.
     pub fn lags(&self) -> String {
@@ -372,6 +389,12 @@ mod tests {
         assert_eq!(rows[1].device(), "GPU (NVIDIA H200 (Vulkan))");
         assert_eq!(rows[1].reach(), "public");
         assert_eq!(rows[2].reach(), "—");
+        assert_eq!(rows[1].round_trips(), "—, —");
+        let mut near = i.clone();
+        near.nodes[2].rtt_ms = Some(42.4);
+        near.nodes[1].rtt_ms = Some(0.3);
+        assert_eq!(super::rows(&near)[1].round_trips(), "42 ms, 0.3 ms");
+        assert_eq!(rows[2].round_trips(), "—");
         assert_eq!(rows[1].verification(), "caught: row 1 caught on Qkv(0)");
         assert_eq!(rows[2].health, Health::Dead);
         assert_eq!(rows[2].holder_label(), "nobody");

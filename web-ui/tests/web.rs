@@ -32,7 +32,7 @@ fn node(row: u32, health: Health, device: &str) -> NodeStatus {
         reach: "relayed".into(),
         trains: false,
         coord: Default::default(),
-        rtt_ms: None,
+        rtt_ms: (row > 0).then(|| 40.0 * row as f32),
     }
 }
 
@@ -131,7 +131,9 @@ async fn the_summary_and_rows_show_the_mesh_and_follow_it_live() {
         "browser WebGPU (browser WebGPU: SwiftShader)"
     );
     assert_eq!(cell(&root, 1, 3), "relayed");
-    assert_eq!(cell(&root, 1, 4), "Healthy");
+    assert_eq!(cell(&root, 1, 4), "40 ms");
+    assert_eq!(cell(&root, 0, 4), "—");
+    assert_eq!(cell(&root, 1, 5), "Healthy");
     assert_eq!(
         text_of(&root, "#contribution"),
         "this browser watches the mesh; it holds no row"
@@ -197,8 +199,8 @@ async fn the_summary_and_rows_show_the_mesh_and_follow_it_live() {
         text.contains("model available: no — 1 of 3 rows healthy"),
         "{text}"
     );
-    assert_eq!(cell(&root, 1, 4), "Dead");
-    assert_eq!(cell(&root, 2, 4), "Suspect");
+    assert_eq!(cell(&root, 1, 5), "Dead");
+    assert_eq!(cell(&root, 2, 5), "Suspect");
 }
 
 #[wasm_bindgen_test]

@@ -76,7 +76,11 @@ impl Coord {
     /// Whether a coordinate a peer sent is one a node could hold: finite, within
     /// [`MAX_COORD_MS`], a height and an error in their ranges.
     pub fn check(&self) -> Result<(), String> {
-        if let Some(v) = self.vec.iter().find(|v| !(v.is_finite() && v.abs() <= MAX_COORD_MS)) {
+        if let Some(v) = self
+            .vec
+            .iter()
+            .find(|v| !(v.is_finite() && v.abs() <= MAX_COORD_MS))
+        {
             return Err(format!(
                 "a coordinate component {v} outside ±{MAX_COORD_MS} ms"
             ));

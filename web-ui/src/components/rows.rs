@@ -1,5 +1,5 @@
-//! One line per row of the code: holder, device, reachability, health, version lag,
-//! verification.
+//! One line per row of the code: holder, device, reachability, round trip, health, version
+//! lag, verification.
 
 use leptos::prelude::*;
 
@@ -24,6 +24,7 @@ pub fn RowsTable() -> impl IntoView {
                         <th>"holder"</th>
                         <th>"device"</th>
                         <th>"reached"</th>
+                        <th>"round trip"</th>
                         <th>"health"</th>
                         <th>"updates behind"</th>
                         <th>"last verification"</th>
@@ -42,6 +43,7 @@ pub fn RowsTable() -> impl IntoView {
                                         <td class="peer">{r.holder_label()}</td>
                                         <td>{r.device()}</td>
                                         <td class="reach">{r.reach()}</td>
+                                        <td class="rtt">{r.round_trips()}</td>
                                         <td class=class>{health}</td>
                                         <td class="lag">{r.lags()}</td>
                                         <td>{r.verification()}</td>
