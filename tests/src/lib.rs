@@ -6,6 +6,7 @@ pub mod procs;
 pub mod scale;
 pub mod sim;
 pub mod spread;
+pub mod world;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};

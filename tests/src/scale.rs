@@ -22,12 +22,24 @@ use std::time::Duration;
 
 use node_core::code::Generator;
 use node_core::mesh::{
-    HealthConfig, Heartbeat, JoinOffer, MeshError, MeshView, pick_holders, plan_group,
+    Coord, HealthConfig, Heartbeat, JoinOffer, MeshError, MeshView, Vivaldi, much_closer,
+    pick_holders, plan_group, plan_group_near,
 };
 use node_core::model::{LlamaConfig, Stage};
 use node_core::protocol::{self, StepRequest, StepResponse};
 
 use crate::sim::{SIM_MODEL, SimRng, VirtualClock};
+use crate::world::{Place, World};
+
+/// How a leader picks its group's holders.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Picking {
+    /// Each row's first holder in PeerId order, the best-conditioned rows (before issue 80).
+    PeerId,
+    /// Each row's nearest holder as the leader's view knows it (pings and the holders' network
+    /// coordinates), and the nearest rows that decode well ([`plan_group_near`]).
+    Latency,
+}
 
 /// One run's settings.
 #[derive(Debug, Clone)]
@@ -63,6 +75,12 @@ pub struct ScaleConfig {
     /// Bytes of a round's request to one member and of its answer, on average over a token's
     /// rounds ([`round_bytes`]).
     pub round_bytes: (usize, usize),
+    /// A world of regions: each holder's latency to the leader comes from where both are (the
+    /// leader in a datacentre in the first region), and `latency` is not used; every holder
+    /// measures a round trip to a random other each second and announces its coordinate.
+    pub world: Option<World>,
+    /// How the leader picks holders.
+    pub picking: Picking,
 }
 
 /// The bytes of a round's request to one member and of a member's answer, on the wire, on
@@ -115,6 +133,8 @@ impl Default for ScaleConfig {
                 &LlamaConfig::smollm2_135m(),
                 &Generator::cauchy(5, 3).expect("a k = 3 of 5 code"),
             ),
+            world: None,
+            picking: Picking::PeerId,
         }
     }
 }
@@ -151,6 +171,20 @@ pub struct ScaleReport {
     pub died_mid_round: u64,
     /// Share of the serving time the leader's uplink, downlink and busiest core were busy.
     pub leader_busy: (f64, f64, f64),
+    /// Milliseconds each token took, from its first round's start to its last round's end.
+    pub token_ms: Vec<f64>,
+    /// Groups formed again because a much closer one could be ([`much_closer`]).
+    pub reformed: u64,
+}
+
+impl ScaleReport {
+    /// The `p` quantile of the tokens' times, milliseconds (`None` without tokens).
+    pub fn token_ms_at(&self, p: f64) -> Option<f64> {
+        let mut v = self.token_ms.clone();
+        v.sort_by(f64::total_cmp);
+        let i = ((v.len() as f64 - 1.0) * p).round() as usize;
+        v.get(i).copied()
+    }
 }
 
 impl ScaleConfig {
@@ -173,6 +207,10 @@ struct Holder {
     alive: bool,
     incarnation: u64,
     seq: u64,
+    /// Where it is, in a world.
+    place: Option<Place>,
+    /// Its network coordinate, in a world.
+    coords: Option<Vivaldi<u32>>,
 }
 
 #[derive(Debug, Default)]
@@ -183,6 +221,10 @@ struct Group {
     done: u32,
     /// Rounds done of the token in progress.
     rounds: u32,
+    /// When the token in progress began.
+    token_began: Option<Duration>,
+    /// When the leader last asked whether a much closer group could be formed.
+    looked: Duration,
 }
 
 /// The simulation state.
@@ -202,6 +244,8 @@ struct Scale {
     down: Queue,
     cores: Vec<Queue>,
     report: ScaleReport,
+    /// Where the leader is, in a world.
+    leader: Option<Place>,
 }
 
 /// One of the leader's resources, serving one piece of work at a time in the order it comes.
@@ -222,7 +266,7 @@ impl Queue {
     }
 }
 
-fn heartbeat(row: u32, incarnation: u64, seq: u64) -> Heartbeat {
+fn heartbeat(row: u32, incarnation: u64, seq: u64, coord: Coord) -> Heartbeat {
     Heartbeat {
         model: SIM_MODEL,
         row: Some(row),
@@ -238,7 +282,7 @@ fn heartbeat(row: u32, incarnation: u64, seq: u64) -> Heartbeat {
         usage: Default::default(),
         reach: Default::default(),
         trains: false,
-        coord: Default::default(),
+        coord,
     }
 }
 
@@ -254,7 +298,7 @@ impl Scale {
             cfg.k as u32,
             (cfg.genesis as u32, g.n() as u32),
             "scale".into(),
-            heartbeat(0, 1, 0),
+            heartbeat(0, 1, 0, Coord::ORIGIN),
         )?;
         let report = ScaleReport {
             groups: cfg.groups,
@@ -271,10 +315,15 @@ impl Scale {
             min_holders: usize::MAX,
             died_mid_round: 0,
             leader_busy: (0.0, 0.0, 0.0),
+            token_ms: Vec::new(),
+            reformed: 0,
         };
         let cores = cfg.leader_cores.max(1);
+        let mut rng = SimRng::new(cfg.seed);
+        let leader = cfg.world.map(|w| w.place_in(0, true, &mut rng));
         let mut s = Self {
-            rng: SimRng::new(cfg.seed),
+            rng,
+            leader,
             cfg,
             g,
             clock,
@@ -296,10 +345,20 @@ impl Scale {
     fn add_holder(&mut self, row: u32) {
         let id = self.next_id;
         self.next_id += 1;
-        let latency = self.rng.duration(self.cfg.latency.0, self.cfg.latency.1);
+        let (place, latency) = match (self.cfg.world, self.leader) {
+            (Some(w), Some(leader)) => {
+                let place = w.place(&mut self.rng);
+                (Some(place), w.one_way(&leader, &place))
+            }
+            _ => (
+                None,
+                self.rng.duration(self.cfg.latency.0, self.cfg.latency.1),
+            ),
+        };
+        let coords = place.map(|_| Vivaldi::new(u64::from(id)));
         let incarnation = 1 + u64::from(id);
-        self.view
-            .handle_heartbeat(self.clock.now(), id, heartbeat(row, incarnation, 0));
+        let hb = heartbeat(row, incarnation, 0, Coord::ORIGIN);
+        self.view.handle_heartbeat(self.clock.now(), id, hb);
         self.holders.insert(
             id,
             Holder {
@@ -308,8 +367,50 @@ impl Scale {
                 alive: true,
                 incarnation,
                 seq: 0,
+                place,
+                coords,
             },
         );
+    }
+
+    /// In a world, every live holder measures a round trip to a random other (its pings) and
+    /// the leader to a few (its connections), each within 10 % of the true one.
+    fn ping(&mut self) {
+        let (Some(w), Some(leader)) = (self.cfg.world, self.leader) else {
+            return;
+        };
+        let alive: Vec<u32> = (self.holders.iter())
+            .filter(|(_, h)| h.alive)
+            .map(|(&id, _)| id)
+            .collect();
+        if alive.len() < 2 {
+            return;
+        }
+        let coord = |h: &Holder| h.coords.as_ref().map_or(Coord::ORIGIN, Vivaldi::coord);
+        for &id in &alive {
+            let other = alive[(self.rng.next_u64() % alive.len() as u64) as usize];
+            if other == id {
+                continue;
+            }
+            let (Some(a), Some(b)) = (self.holders.get(&id), self.holders.get(&other)) else {
+                continue;
+            };
+            let (Some(pa), Some(pb)) = (a.place, b.place) else {
+                continue;
+            };
+            let rtt = (w.one_way(&pa, &pb) * 2).mul_f64(1.0 + 0.1 * self.rng.unit());
+            let theirs = coord(b);
+            if let Some(v) = self.holders.get_mut(&id).and_then(|h| h.coords.as_mut()) {
+                let _ = v.observe(&other, &theirs, rtt);
+            }
+        }
+        for _ in 0..8 {
+            let id = alive[(self.rng.next_u64() % alive.len() as u64) as usize];
+            if let Some(p) = self.holders.get(&id).and_then(|h| h.place) {
+                let rtt = (w.one_way(&leader, &p) * 2).mul_f64(1.0 + 0.1 * self.rng.unit());
+                self.view.observe_rtt(&id, rtt);
+            }
+        }
     }
 
     /// A newcomer asks the leader for a row and takes what it is offered.
@@ -331,9 +432,11 @@ impl Scale {
         let now = self.clock.now();
         for (&id, h) in self.holders.iter_mut().filter(|(_, h)| h.alive) {
             h.seq += 1;
+            let coord = h.coords.as_ref().map_or(Coord::ORIGIN, Vivaldi::coord);
             self.view
-                .handle_heartbeat(now, id, heartbeat(h.row, h.incarnation, h.seq));
+                .handle_heartbeat(now, id, heartbeat(h.row, h.incarnation, h.seq, coord));
         }
+        self.ping();
         self.view.handle_timeout(now);
         while self.view.poll_transmit().is_some() {}
         while self.view.poll_event().is_some() {}
@@ -387,10 +490,14 @@ impl Scale {
     fn plan(&mut self, groups: &[Group], i: usize) -> Option<Vec<(usize, u32)>> {
         let info = self.view.info(self.clock.now());
         let (_, live) = info.live_holders()?;
+        let far = |id: &u32| (self.view.rtt_to(id)).map_or(f64::INFINITY, |d| d.as_secs_f64());
         let by_row: BTreeMap<usize, Vec<u32>> = live
             .into_iter()
             .map(|(row, nodes)| {
-                let ids = nodes.iter().filter_map(|n| n.peer.parse().ok()).collect();
+                let mut ids: Vec<u32> = nodes.iter().filter_map(|n| n.peer.parse().ok()).collect();
+                if self.cfg.picking == Picking::Latency {
+                    ids.sort_by(|a, b| far(a).total_cmp(&far(b)));
+                }
                 (row, ids)
             })
             .collect();
@@ -406,7 +513,16 @@ impl Scale {
         }
         let peers = pick_holders(&by_row, &avoid);
         let rows: Vec<usize> = peers.keys().copied().collect();
-        let plan = plan_group(&self.g, &rows, 1).ok()?;
+        let plan = match self.cfg.picking {
+            Picking::PeerId => plan_group(&self.g, &rows, 1).ok()?,
+            Picking::Latency => {
+                let rtt = |r: usize| {
+                    let id = peers.get(&r)?;
+                    Some(self.view.rtt_to(id)?.as_secs_f32() * 1000.0)
+                };
+                plan_group_near(&self.g, &rows, 1, rtt).ok()?
+            }
+        };
         if plan.members.len() < self.cfg.k + 1 {
             return None;
         }
@@ -469,6 +585,14 @@ impl Scale {
             self.report.churned.1 += 1;
         }
         (done, ok)
+    }
+
+    /// The leader's round trip to the slowest of `members`, as its view knows it (unknown:
+    /// infinitely far), milliseconds.
+    fn slowest_ms(&self, members: &[(usize, u32)]) -> f32 {
+        (members.iter())
+            .map(|(_, id)| (self.view.rtt_to(id)).map_or(f32::INFINITY, |d| d.as_secs_f32() * 1e3))
+            .fold(0.0, f32::max)
     }
 
     /// Marks members that left as seen by the leader; whether any did.
@@ -535,6 +659,22 @@ impl Scale {
                     }
                 }
             }
+            // Between tokens, every 10 s, a latency-picking leader asks whether a much closer
+            // group could be formed now (its view has learnt more, or near holders joined).
+            let look = self.cfg.picking == Picking::Latency
+                && groups[i].rounds == 0
+                && at >= groups[i].looked + Duration::from_secs(10);
+            if look {
+                groups[i].looked = at;
+                if let Some(fresh) = self.plan(&groups, i) {
+                    let (now, new) = (self.slowest_ms(&groups[i].members), self.slowest_ms(&fresh));
+                    if much_closer(now, new) {
+                        groups[i].members = fresh;
+                        self.report.reformed += 1;
+                    }
+                }
+            }
+            groups[i].token_began.get_or_insert(at);
             let (done, ok) = self.round(&groups[i], at);
             if ok {
                 let group = &mut groups[i];
@@ -543,6 +683,10 @@ impl Scale {
                     group.rounds = 0;
                     group.done += 1;
                     self.report.tokens += 1;
+                    if let Some(began) = group.token_began.take() {
+                        let took = done.saturating_sub(began);
+                        self.report.token_ms.push(took.as_secs_f64() * 1000.0);
+                    }
                     if group.done == self.cfg.tokens_per_request {
                         group.done = 0;
                         self.report.requests += 1;

@@ -98,6 +98,24 @@ pub fn plan_group_near(
     Ok(best)
 }
 
+/// How much nearer a fresh group's slowest member must be than the group's own for a leader
+/// to form it again (a share of the group's slowest round trip).
+pub const MUCH_CLOSER: f64 = 0.5;
+
+/// Least milliseconds a group's slowest round trip must shrink for a leader to form it again:
+/// below that, a new group's set-up costs more than it saves.
+pub const MUCH_CLOSER_MS: f32 = 5.0;
+
+/// Whether a group whose slowest member is `now_ms` away should be formed again from holders
+/// whose slowest would be `fresh_ms` away (both the leader's round trips, milliseconds): a round
+/// waits for its slowest member, so a group formed before the mesh's coordinates settled, or
+/// before a near holder joined, is formed again once one is much closer.
+pub fn much_closer(now_ms: f32, fresh_ms: f32) -> bool {
+    fresh_ms.is_finite()
+        && f64::from(fresh_ms) < MUCH_CLOSER * f64::from(now_ms)
+        && now_ms - fresh_ms >= MUCH_CLOSER_MS
+}
+
 /// Timing of rounds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RoundConfig {
@@ -488,6 +506,22 @@ mod tests {
         };
         let mixed = plan_group_near(&g, &live, 0, two_near).unwrap();
         assert!(mixed.members.contains(&5) && mixed.members.contains(&6));
+    }
+
+    #[test]
+    fn a_group_is_formed_again_only_for_a_much_closer_one() {
+        assert!(much_closer(150.0, 20.0));
+        assert!(
+            much_closer(f32::INFINITY, 20.0),
+            "a member of unknown distance"
+        );
+        assert!(!much_closer(150.0, 100.0), "not half");
+        assert!(
+            !much_closer(6.0, 2.0),
+            "4 ms saved is not worth a new group"
+        );
+        assert!(!much_closer(150.0, f32::INFINITY));
+        assert!(!much_closer(150.0, f32::NAN));
     }
 
     fn pool(free: Vec<usize>) -> (Generator, MemberPool) {

@@ -34,3 +34,4 @@ mod sim_mesh;
 mod sim_scale;
 mod sim_spread;
 mod sim_trainer;
+mod sim_world;
