@@ -17,6 +17,10 @@ pub const FORM_RETRY: Duration = Duration::from_secs(1);
 /// How often a group short of members looks for a row that came back.
 pub const SHORT_CHECK: Duration = Duration::from_millis(500);
 
+/// How often a whole group looks for a much closer one ([`crate::mesh::much_closer`]): the
+/// mesh's round trips are learnt as it runs, and near holders join.
+pub const CLOSER_CHECK: Duration = Duration::from_secs(30);
+
 /// How long a group formed again for a row that came back does not do so again for that row
 /// (a stalled holder can come back and stall again).
 pub const RETURNED_BACKOFF: Duration = Duration::from_secs(60);
@@ -133,6 +137,8 @@ struct Group {
     short_since: Option<Instant>,
     /// When it last looked for a row that came back.
     looked: Option<Instant>,
+    /// When it was first polled whole, or last looked for a much closer group.
+    closer: Option<Instant>,
 }
 
 /// A leader's rules for its group, as a state machine driven with the time: the shell asks
@@ -250,6 +256,15 @@ impl Steer {
         };
         if rows.len() >= wanted {
             g.short_since = None;
+            let since = *g.closer.get_or_insert(now);
+            if now >= since + CLOSER_CHECK {
+                g.closer = Some(now);
+                return Action::Look(Looking {
+                    rows: rows.to_vec(),
+                    wanted,
+                    heard_within: Duration::ZERO,
+                });
+            }
             return Action::Pass(self.route_at(now));
         }
         let since = *g.short_since.get_or_insert(now);
@@ -413,7 +428,45 @@ mod tests {
         assert_eq!(l.wanted, 5);
         let later = t0 + CHECK_MORE_FOR;
         assert_eq!(s.checks(later, 1), 1, "back to the shell's checks");
-        assert_eq!(s.poll(later, &[0, 1, 2, 3]), Action::Pass(Route::Rounds));
+        assert_eq!(
+            past_closer(&mut s, later, &[0, 1, 2, 3]),
+            Action::Pass(Route::Rounds)
+        );
+    }
+
+    /// What `s` says at `at` for `rows`, past a whole group's look for a closer one (none found).
+    fn past_closer(s: &mut Steer, at: Instant, rows: &[usize]) -> Action {
+        match s.poll(at, rows) {
+            Action::Look(l) if l.rows.len() >= l.wanted => {
+                assert!(!s.looked(at, None));
+                s.poll(at, rows)
+            }
+            other => other,
+        }
+    }
+
+    #[test]
+    fn a_whole_group_looks_for_a_much_closer_one_every_closer_check() {
+        let t0 = Instant::now();
+        let mut s = Steer::new(3);
+        s.formed();
+        let whole = [0, 1, 2];
+        assert_eq!(s.poll(t0, &whole), Action::Pass(Route::Rounds));
+        assert_eq!(
+            s.poll(t0 + CLOSER_CHECK / 2, &whole),
+            Action::Pass(Route::Rounds)
+        );
+        let t1 = t0 + CLOSER_CHECK;
+        let Action::Look(l) = s.poll(t1, &whole) else {
+            panic!("a whole group looks for a closer one")
+        };
+        assert!(l.rows.len() >= l.wanted, "{l:?}");
+        assert!(!s.looked(t1, None));
+        assert_eq!(s.poll(t1, &whole), Action::Pass(Route::Rounds));
+        let t2 = t1 + CLOSER_CHECK;
+        assert!(matches!(s.poll(t2, &whole), Action::Look(_)));
+        assert!(s.looked(t2, Some(4)), "a closer group: formed again");
+        assert_eq!(s.poll(t2, &[]), Action::Form);
     }
 
     #[test]
@@ -491,7 +544,10 @@ mod tests {
             Action::Pass(Route::Rounds),
             "a hop group failed"
         );
-        assert_eq!(s.poll(t0 + HOP_RETRY, &[0, 1]), Action::Pass(Route::Hop));
+        assert_eq!(
+            past_closer(&mut s, t0 + HOP_RETRY, &[0, 1]),
+            Action::Pass(Route::Hop)
+        );
         s.formed();
         assert_eq!(s.network_per_round(), None, "a new group measures anew");
         assert_eq!(s.poll(t0 + HOP_RETRY, &[0, 1]), Action::Pass(Route::Rounds));

@@ -278,6 +278,10 @@ impl LeadShell<()> for SimLeader<'_> {
 
     /// A row up and not a member came back.
     async fn look(&mut self, looking: &Looking) -> Option<usize> {
+        if looking.rows.len() >= looking.wanted {
+            // A whole group looking for a closer one: this world has no distances.
+            return None;
+        }
         let row = (self.up.iter())
             .find(|r| !looking.rows.contains(r))
             .copied();

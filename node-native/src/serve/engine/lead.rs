@@ -2,6 +2,8 @@
 //! failure, as its [`node_core::lead::Leader`] rules; what the serving and the training task
 //! each hold, and the shell the serving task's steps run over.
 
+use std::collections::BTreeMap;
+
 use node_core::lead::{Failure, LeadShell, Looking, Measured, PassRoute, Route};
 
 use super::*;
@@ -233,14 +235,33 @@ impl LeadShell<Served> for Lead {
             Some((slot, shared)) => shared.busy_except(*slot),
             None => Default::default(),
         };
-        avoid.insert(self.ctx.client.peer_id());
+        let me = self.ctx.client.peer_id();
+        avoid.insert(me);
         let info = self.info().await.ok()?;
+        if looking.rows.len() >= looking.wanted {
+            // Whole: a much closer group, if the view now knows one.
+            let f = self.formed.as_ref()?;
+            let rows: BTreeMap<usize, PeerId> = (f.group.nodes().iter())
+                .filter_map(|r| Some((*r, *f.rows.get(r)?)))
+                .collect();
+            let g = &self.ctx.manifest.generator;
+            let extra = looking.wanted.saturating_sub(g.k());
+            return node_core::lead::closer_row(&info, g, &rows, extra, &avoid, Some(me));
+        }
         looking.in_view(&info, &version, &avoid)
     }
 
     fn regroup(&mut self, row: usize, looking: &Looking) {
         let members = &looking.rows;
-        tracing::info!(row, ?members, "a row came back: forming the group again");
+        if members.len() >= looking.wanted {
+            tracing::info!(
+                row,
+                ?members,
+                "a much closer group: forming the group again"
+            );
+        } else {
+            tracing::info!(row, ?members, "a row came back: forming the group again");
+        }
         self.ctx.metrics.groups_regrouped.inc();
         self.drop_group();
     }
