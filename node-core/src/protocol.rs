@@ -10,11 +10,24 @@ use crate::model::Stage;
 /// Version of the step protocol; a peer on another version is refused with both named (4: shard
 /// sets carry their learnt adapters; 5: adapters of rank 8; 6: a step at another version is
 /// refused with `MeshResponse::Stale`; 9: updates and reports carry the certificate by which the
-/// mesh's key admits their signer, and a peer that may not write teaches a trainer text).
-pub const PROTOCOL_VERSION: u16 = 9;
+/// mesh's key admits their signer, and a peer that may not write teaches a trainer text; 10:
+/// heartbeats carry the sender's network coordinate).
+pub const PROTOCOL_VERSION: u16 = 10;
 
 /// Largest encoded message accepted (a prefill of a few thousand tokens fits).
 pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
+
+/// The slowest bytes may travel between two nodes, in bytes a second (1 Mbit/s), before the
+/// one waiting stops: every wait for bytes is a fixed wait plus the time they take at this
+/// rate. A long prompt's parts are megabytes, and one TCP or QUIC connection with 1 % loss at
+/// 50 ms carries about 3 Mbit/s: a fixed wait would give up on transfers that are slow, not
+/// stuck.
+pub const MIN_RATE: f64 = 125_000.0;
+
+/// How long `bytes` take at [`MIN_RATE`].
+pub fn at_min_rate(bytes: usize) -> std::time::Duration {
+    std::time::Duration::from_secs_f64(bytes as f64 / MIN_RATE)
+}
 
 /// What a leader asks one member to compute.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -283,7 +283,7 @@ where
 }
 
 /// How long a holder told something ([`tell`]) has to answer, on top of its bytes at
-/// [`crate::net::hop::MIN_RATE`]: a holder answers once it has checked what it was told (it
+/// [`crate::protocol::MIN_RATE`]: a holder answers once it has checked what it was told (it
 /// passes it on after), so a hung holder holds up the rest of its share this long, not the
 /// link's request timeout.
 pub const NOTICE_WAIT: std::time::Duration = std::time::Duration::from_secs(3);
@@ -300,7 +300,7 @@ pub async fn tell<L: Link>(
     bytes: u64,
     what: &str,
 ) -> Passed {
-    let wait = NOTICE_WAIT + crate::net::hop::at_min_rate(bytes as usize);
+    let wait = NOTICE_WAIT + crate::protocol::at_min_rate(bytes as usize);
     tell_within(link, to, ask, bytes, what, wait).await
 }
 

@@ -127,17 +127,9 @@ pub struct FeedSeq {
     pub logits: u32,
 }
 
-/// The slowest a group's parts may travel, in bytes a second (1 Mbit/s), before a member or
-/// the leader stops waiting: every wait is [`Join::wait_ms`] (or [`PASS_WAIT`]) plus the time
-/// the bytes waited for take at this rate. A long prompt's parts are megabytes, and one TCP
-/// or QUIC connection with 1 % loss at 50 ms carries about 3 Mbit/s: a fixed wait would give
-/// up on passes that are slow, not stuck.
-pub const MIN_RATE: f64 = 125_000.0;
-
-/// How long `bytes` take at [`MIN_RATE`].
-pub fn at_min_rate(bytes: usize) -> Duration {
-    Duration::from_secs_f64(bytes as f64 / MIN_RATE)
-}
+/// Every wait here is [`Join::wait_ms`] (or [`PASS_WAIT`]) plus the bytes waited for at this
+/// rate.
+pub use crate::protocol::{MIN_RATE, at_min_rate};
 
 /// Sequences a member of a hop group holds at once; a pass that would start another fails
 /// (its leader forgets every sequence it is done with).

@@ -1,0 +1,112 @@
+//! Distance in a leader's choices: the round trips its view knows, and whether a much closer
+//! group than its own could be formed now.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use libp2p::PeerId;
+
+use crate::code::Generator;
+use crate::mesh::{MeshInfo, much_closer, plan_group_near};
+
+/// A row of a much closer group than the one computing with `rows` (each row's holder): the
+/// group [`super::form`] would pick from `info` now (each row's nearest holder outside `avoid`, the
+/// nearest rows that decode well, `extra` beyond k) when its slowest member is
+/// [`much_closer`] than the group's own; `None` when no such group, or while a member's round
+/// trip is not known. `own` is the leader's own row's holder (at 0).
+pub fn closer_row(
+    info: &MeshInfo,
+    g: &Generator,
+    rows: &BTreeMap<usize, PeerId>,
+    extra: usize,
+    avoid: &BTreeSet<PeerId>,
+    own: Option<PeerId>,
+) -> Option<usize> {
+    let (_, live) = info.live_holders()?;
+    let rtt = round_trips(info, own);
+    let slowest = |ms: &mut dyn Iterator<Item = f32>| ms.fold(0.0, f32::max);
+    let member_ms: Option<Vec<f32>> = rows.values().map(|p| rtt.get(p).copied()).collect();
+    let now = slowest(&mut member_ms?.into_iter());
+    let mut nearest: BTreeMap<usize, (PeerId, f32)> = BTreeMap::new();
+    for (&row, holders) in &live {
+        for p in holders.iter().filter_map(|n| n.peer.parse::<PeerId>().ok()) {
+            let member = rows.values().any(|m| *m == p);
+            let Some(&ms) = rtt.get(&p).filter(|_| member || !avoid.contains(&p)) else {
+                continue;
+            };
+            if nearest.get(&row).is_none_or(|&(_, best)| ms < best) {
+                nearest.insert(row, (p, ms));
+            }
+        }
+    }
+    let candidates: Vec<usize> = nearest.keys().copied().collect();
+    let plan = plan_group_near(g, &candidates, extra, |r| nearest.get(&r).map(|n| n.1)).ok()?;
+    let fresh = slowest(
+        &mut plan
+            .members
+            .iter()
+            .filter_map(|r| nearest.get(r).map(|n| n.1)),
+    );
+    let changed = |r: &&usize| rows.get(*r) != nearest.get(*r).map(|n| &n.0);
+    much_closer(now, fresh).then(|| {
+        *plan
+            .members
+            .iter()
+            .find(changed)
+            .unwrap_or(&plan.members[0])
+    })
+}
+
+/// The round trip to each node `info` shows, in milliseconds, as the view that answered
+/// `info` measured or estimated it: the leader's own for `up`'s API, its bootstrap's for a page
+/// or `generate` (a proxy: such a leader is usually near the node it joined by); the leader's
+/// own row's holder, `own`, is at 0.
+pub(super) fn round_trips(info: &MeshInfo, own: Option<PeerId>) -> BTreeMap<PeerId, f32> {
+    let mut rtt: BTreeMap<PeerId, f32> = (info.nodes.iter())
+        .filter_map(|n| Some((n.peer.parse().ok()?, n.rtt_ms.filter(|ms| ms.is_finite())?)))
+        .collect();
+    rtt.extend(own.map(|p| (p, 0.0)));
+    rtt
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // a test: a failed unwrap is a failed test
+
+    use super::*;
+    use crate::lead::tests::view;
+
+    #[test]
+    fn a_group_far_from_its_leader_is_told_a_row_of_a_much_closer_one() {
+        let g = Generator::cauchy(4, 2).unwrap();
+        let far: Vec<PeerId> = (0..4).map(|_| PeerId::random()).collect();
+        let near: Vec<PeerId> = (0..4).map(|_| PeerId::random()).collect();
+        let pairs: Vec<(PeerId, u32)> = (0..4)
+            .flat_map(|r| [(far[r as usize], r), (near[r as usize], r)])
+            .collect();
+        let mut info = view(&pairs);
+        for n in &mut info.nodes {
+            let p: PeerId = n.peer.parse().unwrap();
+            n.rtt_ms = Some(if far.contains(&p) { 120.0 } else { 3.0 });
+        }
+        let none = BTreeSet::new();
+        let group = |peers: &[PeerId]| -> BTreeMap<usize, PeerId> {
+            [(0, peers[0]), (1, peers[1]), (2, peers[2])].into()
+        };
+        let row = closer_row(&info, &g, &group(&far), 1, &none, None);
+        assert!(
+            row.is_some(),
+            "three members 120 ms away, holders 3 ms away"
+        );
+        assert_eq!(closer_row(&info, &g, &group(&near), 1, &none, None), None);
+        // The near holders taken by other groups: nothing closer.
+        let busy: BTreeSet<PeerId> = near.iter().copied().collect();
+        assert_eq!(closer_row(&info, &g, &group(&far), 1, &busy, None), None);
+        // A member whose round trip is not known yet: no judgement.
+        info.nodes
+            .iter_mut()
+            .find(|n| n.peer == far[0].to_string())
+            .unwrap()
+            .rtt_ms = None;
+        assert_eq!(closer_row(&info, &g, &group(&far), 1, &none, None), None);
+    }
+}
