@@ -32,7 +32,7 @@ fn node(row: u32, health: Health, device: &str) -> NodeStatus {
         reach: "relayed".into(),
         trains: false,
         coord: Default::default(),
-        rtt_ms: (row > 0).then(|| 40.0 * row as f32),
+        rtt_ms: (row > 0).then_some(40.0 * row as f32),
     }
 }
 
