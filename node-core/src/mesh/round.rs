@@ -65,8 +65,9 @@ pub const NEAR_MAX_CONDITION: f64 = 100.0;
 
 /// Picks a group as [`plan_group`] does, from the nearest rows that make one: rows sorted by
 /// `rtt_ms` (the leader's round trip to the holder it would ask; unknown last), the decoding k
-/// from the fewest nearest rows that hold k conditioned within [`NEAR_MAX_CONDITION`] (or as
-/// well as the best of all), then the nearest others as checks and spares. A round waits for its slowest
+/// from the fewest nearest rows (and every row within [`NEAR_ALIKE_MS`] of the farthest of
+/// them) that hold k conditioned within [`NEAR_MAX_CONDITION`] (or as well as the best of
+/// all), then the nearest others as checks and spares. A round waits for its slowest
 /// member, so this keeps the slowest near.
 pub fn plan_group_near(
     g: &Generator,
@@ -85,18 +86,24 @@ pub fn plan_group_near(
     near.sort_by(|&a, &b| far(a).total_cmp(&far(b)));
     let bound = NEAR_MAX_CONDITION.max(best.condition_number);
     for m in g.k()..=near.len() {
-        let sel = select_nodes(g, &near[..m])?;
-        if sel.condition_number <= bound {
-            let mut members = sel.nodes.clone();
-            members.extend(near.iter().filter(|r| !sel.nodes.contains(r)).take(spares));
-            return Ok(GroupPlan {
-                members,
-                condition_number: sel.condition_number,
-            });
+        let reach = far(near[m - 1]) + NEAR_ALIKE_MS;
+        let m = m + near[m..].iter().take_while(|&&r| far(r) <= reach).count();
+        // Checks and spares: the near rows' best (as `plan_group` ranks them), then the nearest.
+        let mut plan = plan_group(g, &near[..m], spares)?;
+        if plan.condition_number <= bound {
+            let more = spares.saturating_sub(plan.members.len() - g.k());
+            let rest: Vec<usize> = near[m..].iter().copied().take(more).collect();
+            plan.members.extend(rest);
+            return Ok(plan);
         }
     }
     Ok(best)
 }
+
+/// Round trips within this many milliseconds of each other are alike: among them a group is
+/// chosen by conditioning alone (on one machine or one LAN, the best-conditioned rows, as
+/// without distances).
+pub const NEAR_ALIKE_MS: f32 = 2.0;
 
 /// How much nearer a fresh group's slowest member must be than the group's own for a leader
 /// to form it again (a share of the group's slowest round trip).
@@ -496,7 +503,7 @@ mod tests {
         // Nothing known: the best-conditioned group.
         let unknown = plan_group_near(&g, &live, 1, |_| None).unwrap();
         assert_eq!(unknown.members, best.members);
-        // Too few near rows for a group: the nearest rows beyond them join it.
+        // Too few near rows for a group: its slowest is the nearest far row, or one as near.
         let two_near = |r: usize| {
             Some(if r == 5 || r == 6 {
                 1.0
@@ -505,7 +512,16 @@ mod tests {
             })
         };
         let mixed = plan_group_near(&g, &live, 0, two_near).unwrap();
-        assert!(mixed.members.contains(&5) && mixed.members.contains(&6));
+        let slowest = (mixed.members.iter())
+            .map(|&r| two_near(r).unwrap())
+            .fold(0.0, f32::max);
+        assert!(slowest <= 50.0 + NEAR_ALIKE_MS, "{:?}", mixed.members);
+        // Every row about as near (one machine, one LAN): the best-conditioned group.
+        let lan = |r: usize| Some(0.2 + 0.1 * (7 - r) as f32);
+        assert_eq!(
+            plan_group_near(&g, &live, 1, lan).unwrap().members,
+            best.members
+        );
     }
 
     #[test]
