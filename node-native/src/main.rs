@@ -419,20 +419,25 @@ fn run_status(args: StatusArgs) -> Result<()> {
         info.n,
         info.n_max.max(info.n)
     );
+    // The round trip is the answering node's to each (measured, or from the coordinates).
     println!(
-        "{:<54} {:>4} {:<8} {:>8} {:<16} {:>4} {:>7}",
-        "peer", "row", "health", "updates", "version", "lag", "silent"
+        "{:<54} {:>4} {:<8} {:>8} {:<16} {:>4} {:>7} {:>9}  reached",
+        "peer", "row", "health", "updates", "version", "lag", "silent", "rtt"
     );
     for n in &info.nodes {
         println!(
-            "{:<54} {:>4} {:<8} {:>8} {:<16} {:>4} {:>6.1}s",
+            "{:<54} {:>4} {:<8} {:>8} {:<16} {:>4} {:>6.1}s {:>9}  {}",
             n.peer,
             n.row.map_or("-".into(), |r| r.to_string()),
             n.health.to_string(),
             n.version_count,
             &n.version_digest[..n.version_digest.len().min(16)],
             n.lag,
-            n.silent_for_s
+            n.silent_for_s,
+            n.rtt_ms
+                .filter(|ms| ms.is_finite())
+                .map_or("-".into(), |ms| format!("{ms:.1} ms")),
+            if n.reach.is_empty() { "-" } else { &n.reach }
         );
     }
     println!("rows × holders (healthy/known):");
