@@ -1,7 +1,8 @@
 //! The mesh at scale, in virtual time: many holders join a grown code through a leader's
 //! [`MeshView`] (`offer_row`: new rows up to `n_max`, then replicas of the thinnest row) and
 //! leave again (churn), while the leader serves back-to-back requests with many coded groups
-//! of disjoint holders ([`pick_holders`] and [`plan_group`], as `form_group` does).
+//! of disjoint holders ([`pick_nearest`] and [`plan_group_near`], as `form` does; picking by
+//! PeerId, they know no distances: the first free holder of each row, the best-conditioned rows).
 //!
 //! What is modelled, and what is not: a round of a group sends its request to its k + 1
 //! members through the leader's uplink, each member answers after its compute time plus a
@@ -23,7 +24,7 @@ use std::time::Duration;
 use node_core::code::Generator;
 use node_core::mesh::{
     Coord, HealthConfig, Heartbeat, JoinOffer, MeshError, MeshView, Vivaldi, much_closer,
-    pick_holders, plan_group, plan_group_near,
+    pick_nearest, plan_group_near,
 };
 use node_core::model::{LlamaConfig, Stage};
 use node_core::protocol::{self, StepRequest, StepResponse};
@@ -490,14 +491,10 @@ impl Scale {
     fn plan(&mut self, groups: &[Group], i: usize) -> Option<Vec<(usize, u32)>> {
         let info = self.view.info(self.clock.now());
         let (_, live) = info.live_holders()?;
-        let far = |id: &u32| (self.view.rtt_to(id)).map_or(f64::INFINITY, |d| d.as_secs_f64());
         let by_row: BTreeMap<usize, Vec<u32>> = live
             .into_iter()
             .map(|(row, nodes)| {
-                let mut ids: Vec<u32> = nodes.iter().filter_map(|n| n.peer.parse().ok()).collect();
-                if self.cfg.picking == Picking::Latency {
-                    ids.sort_by(|a, b| far(a).total_cmp(&far(b)));
-                }
+                let ids = nodes.iter().filter_map(|n| n.peer.parse().ok()).collect();
                 (row, ids)
             })
             .collect();
@@ -511,18 +508,10 @@ impl Scale {
         if i > 0 {
             avoid.insert(0);
         }
-        let peers = pick_holders(&by_row, &avoid);
+        // Picking by PeerId knows no distances: the first free holder, the best-conditioned rows.
+        let peers = pick_nearest(&by_row, &avoid, |id| self.rtt_ms(id));
         let rows: Vec<usize> = peers.keys().copied().collect();
-        let plan = match self.cfg.picking {
-            Picking::PeerId => plan_group(&self.g, &rows, 1).ok()?,
-            Picking::Latency => {
-                let rtt = |r: usize| {
-                    let id = peers.get(&r)?;
-                    Some(self.view.rtt_to(id)?.as_secs_f32() * 1000.0)
-                };
-                plan_group_near(&self.g, &rows, 1, rtt).ok()?
-            }
-        };
+        let plan = plan_group_near(&self.g, &rows, 1, |r| self.rtt_ms(peers.get(&r)?)).ok()?;
         if plan.members.len() < self.cfg.k + 1 {
             return None;
         }
@@ -587,11 +576,21 @@ impl Scale {
         (done, ok)
     }
 
+    /// The leader's round trip to holder `id` as its view knows it, milliseconds; none when
+    /// it picks by PeerId.
+    fn rtt_ms(&self, id: &u32) -> Option<f32> {
+        let known = self
+            .view
+            .rtt_to(id)
+            .filter(|_| self.cfg.picking == Picking::Latency);
+        known.map(|d| d.as_secs_f32() * 1e3)
+    }
+
     /// The leader's round trip to the slowest of `members`, as its view knows it (unknown:
     /// infinitely far), milliseconds.
     fn slowest_ms(&self, members: &[(usize, u32)]) -> f32 {
         (members.iter())
-            .map(|(_, id)| (self.view.rtt_to(id)).map_or(f32::INFINITY, |d| d.as_secs_f32() * 1e3))
+            .map(|(_, id)| self.rtt_ms(id).unwrap_or(f32::INFINITY))
             .fold(0.0, f32::max)
     }
 

@@ -36,7 +36,7 @@ use crate::coded::{CodedError, CodedGroup, Transport, UpdateProbe, VerifyConfig}
 use crate::holder::{HolderError, Link, Rules, fetch_update, version_of};
 use crate::learn::{Update, UpdateError};
 use crate::mesh::{
-    MeshInfo, MeshRequest, MeshResponse, ModelManifest, RoundConfig, hex, pick_holders,
+    MeshInfo, MeshRequest, MeshResponse, ModelManifest, RoundConfig, hex, pick_nearest,
     plan_group_near, rows_at_version,
 };
 use crate::model::{LeaderWeights, Llama, ModelError};
@@ -273,19 +273,15 @@ pub async fn form<L: LeadLink>(
         .copied()
         .filter(|p| Some(*p) != own_peer)
         .collect();
-    // Each row's nearest holder first (this node's own row nearest of all; unknown last, in
-    // PeerId order).
-    let rtt = near::round_trips(info, own_peer);
-    let far = |p: &PeerId| rtt.get(p).copied().unwrap_or(f32::INFINITY);
-    for peers in by_row.values_mut() {
-        peers.sort_by(|a, b| far(a).total_cmp(&far(b)));
-    }
     // A row this node holds but cannot compute in the group is left to its other holders.
     let mut avoid = opts.avoid.clone();
     if let Some(o) = own.as_ref().filter(|o| o.norms.is_none()) {
         avoid.insert(o.peer);
     }
-    let peers = pick_holders(&by_row, &avoid);
+    // Each row's nearest holder (this node's own row nearest of all; unknown last, in PeerId
+    // order).
+    let rtt = near::round_trips(info, own_peer);
+    let peers = pick_nearest(&by_row, &avoid, |p| rtt.get(p).copied());
     // A further group of a leader needs its decoded and checked rows free: say so before
     // asking anyone anything.
     let needed = manifest.generator.k() + opts.verify;

@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use libp2p::PeerId;
 
 use crate::code::Generator;
-use crate::mesh::{MeshInfo, much_closer, plan_group_near};
+use crate::mesh::{MeshInfo, much_closer, pick_nearest, plan_group_near};
 
 /// A row of a much closer group than the one computing with `rows` (each row's holder): the
 /// group [`super::form`] would pick from `info` now (each row's nearest holder outside `avoid`, the
@@ -23,30 +23,22 @@ pub fn closer_row(
 ) -> Option<usize> {
     let (_, live) = info.live_holders()?;
     let rtt = round_trips(info, own);
-    let slowest = |ms: &mut dyn Iterator<Item = f32>| ms.fold(0.0, f32::max);
-    let member_ms: Option<Vec<f32>> = rows.values().map(|p| rtt.get(p).copied()).collect();
-    let now = slowest(&mut member_ms?.into_iter());
-    let mut nearest: BTreeMap<usize, (PeerId, f32)> = BTreeMap::new();
-    for (&row, holders) in &live {
-        for p in holders.iter().filter_map(|n| n.peer.parse::<PeerId>().ok()) {
-            let member = rows.values().any(|m| *m == p);
-            let Some(&ms) = rtt.get(&p).filter(|_| member || !avoid.contains(&p)) else {
-                continue;
-            };
-            if nearest.get(&row).is_none_or(|&(_, best)| ms < best) {
-                nearest.insert(row, (p, ms));
-            }
-        }
-    }
+    let now = slowest(rows.values().map(|p| rtt.get(p).copied()))?;
+    // The holders a fresh group could take: known round trips, free or the group's own.
+    let free =
+        |p: &PeerId| rtt.contains_key(p) && (!avoid.contains(p) || rows.values().any(|m| m == p));
+    let known: BTreeMap<usize, Vec<PeerId>> = (live.iter())
+        .map(|(&row, holders)| {
+            let peers = holders.iter().filter_map(|n| n.peer.parse().ok());
+            (row, peers.filter(free).collect())
+        })
+        .collect();
+    let nearest = pick_nearest(&known, &BTreeSet::new(), |p| rtt.get(p).copied());
+    let rtt_of = |r: usize| nearest.get(&r).and_then(|p| rtt.get(p)).copied();
     let candidates: Vec<usize> = nearest.keys().copied().collect();
-    let plan = plan_group_near(g, &candidates, extra, |r| nearest.get(&r).map(|n| n.1)).ok()?;
-    let fresh = slowest(
-        &mut plan
-            .members
-            .iter()
-            .filter_map(|r| nearest.get(r).map(|n| n.1)),
-    );
-    let changed = |r: &&usize| rows.get(*r) != nearest.get(*r).map(|n| &n.0);
+    let plan = plan_group_near(g, &candidates, extra, rtt_of).ok()?;
+    let fresh = slowest(plan.members.iter().map(|&r| rtt_of(r)))?;
+    let changed = |r: &&usize| rows.get(*r) != nearest.get(*r);
     much_closer(now, fresh).then(|| {
         *plan
             .members
@@ -54,6 +46,11 @@ pub fn closer_row(
             .find(changed)
             .unwrap_or(&plan.members[0])
     })
+}
+
+/// The largest of round trips, `None` if one is not known.
+fn slowest(mut ms: impl Iterator<Item = Option<f32>>) -> Option<f32> {
+    ms.try_fold(0.0, |most: f32, ms| Some(most.max(ms?)))
 }
 
 /// The round trip to each node `info` shows, in milliseconds, as the view that answered

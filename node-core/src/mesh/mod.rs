@@ -24,7 +24,8 @@ pub use messages::{
 };
 pub use round::{
     GroupPlan, MUCH_CLOSER, MUCH_CLOSER_MS, MemberPool, NEAR_ALIKE_MS, NEAR_MAX_CONDITION,
-    RoundConfig, RoundDriver, RoundError, much_closer, pick_holders, plan_group, plan_group_near,
+    RoundConfig, RoundDriver, RoundError, much_closer, pick_holders, pick_nearest, plan_group,
+    plan_group_near,
 };
 pub use version::{
     CatchUp, FOLD_SHARE, Folded, KEEP_SHARE, LAG_KEEP_SHARE, LAG_KEEP_UPDATES, MAX_KEPT, MAX_SINCE,

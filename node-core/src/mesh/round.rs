@@ -28,6 +28,21 @@ pub fn pick_holders<P: Ord + Clone>(
         .collect()
 }
 
+/// One holder of each row as [`pick_holders`] picks, the nearest by `rtt_ms` (milliseconds;
+/// holders of unknown distance after the known, in their order).
+pub fn pick_nearest<P: Ord + Clone>(
+    holders: &std::collections::BTreeMap<usize, Vec<P>>,
+    avoid: &std::collections::BTreeSet<P>,
+    rtt_ms: impl Fn(&P) -> Option<f32>,
+) -> std::collections::BTreeMap<usize, P> {
+    let far = |p: &P| rtt_ms(p).unwrap_or(f32::INFINITY);
+    let mut by_distance = holders.clone();
+    for peers in by_distance.values_mut() {
+        peers.sort_by(|a, b| far(a).total_cmp(&far(b)));
+    }
+    pick_holders(&by_distance, avoid)
+}
+
 /// Picks k well-conditioned rows of `live` and up to `spares` more.
 pub fn plan_group(g: &Generator, live: &[usize], spares: usize) -> Result<GroupPlan, CodeError> {
     let sel = select_nodes(g, live)?;
