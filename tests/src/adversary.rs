@@ -15,7 +15,7 @@ use libp2p::{Multiaddr, PeerId, StreamProtocol};
 use node_core::coded::Caught;
 use node_core::lead::Signer;
 use node_core::learn::{Certificate, GateClaim, Header, Power, seal};
-use node_core::mesh::{Heartbeat, MeshRequest, MeshResponse, ModelManifest, Notice};
+use node_core::mesh::{Coord, Heartbeat, MeshRequest, MeshResponse, ModelManifest, Notice};
 use node_native::lead::remote::Session;
 use node_native::net::rpc::ask;
 
@@ -230,6 +230,21 @@ impl Adversary {
     /// Publishes heartbeats as a holder of `row` at a version of `count` updates it made up,
     /// `times` times a little apart: a liar who would be the source others catch up from.
     pub async fn lie_about_version(&self, row: u32, count: u64, times: usize) -> Result<()> {
+        self.heartbeats(row, count, Coord::ORIGIN, times).await
+    }
+
+    /// Publishes heartbeats as a holder of `row` whose network coordinate is a billion
+    /// milliseconds out, `times` times a little apart: a liar who would be nearest of all.
+    pub async fn lie_about_place(&self, row: u32, times: usize) -> Result<()> {
+        let far = Coord {
+            vec: [1e9; node_core::mesh::coords::DIMS],
+            ..Coord::ORIGIN
+        };
+        self.heartbeats(row, 0, far, times).await
+    }
+
+    /// Publishes `times` heartbeats as a holder of `row` at `count` updates, at `coord`.
+    async fn heartbeats(&self, row: u32, count: u64, coord: Coord, times: usize) -> Result<()> {
         let model = self.manifest.digest()?;
         for seq in 0..times as u64 {
             let hb = Heartbeat {
@@ -246,7 +261,7 @@ impl Adversary {
                 usage: Default::default(),
                 reach: Default::default(),
                 trains: false,
-                coord: Default::default(),
+                coord,
             };
             let bytes = node_core::protocol::encode(&hb)?;
             // Before the gossip mesh forms, a heartbeat has no one to go to: the next goes.

@@ -494,7 +494,10 @@ impl Server {
                     row.map_or("-".into(), |r| r.to_string())
                 );
             }
-            MeshEvent::Refused { peer, error } => tracing::warn!(%peer, "{error}"),
+            MeshEvent::Refused { peer, error } => {
+                self.metrics.heartbeats_refused.inc();
+                tracing::warn!(%peer, "{error}")
+            }
         }
     }
 

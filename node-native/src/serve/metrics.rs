@@ -99,6 +99,9 @@ pub struct Metrics {
     pub loss: Gauge<f64, AtomicU64>,
     /// Bytes of gossip received.
     pub gossip_bytes: Counter,
+    /// Heartbeats from peers this node's view refused (another model, out of shape, a network
+    /// coordinate out of range, no room for a new peer).
+    pub heartbeats_refused: Counter,
     /// Bytes of learning updates this node sent: with a leader's notices, or as pieces served
     /// to holders pulling them.
     pub update_bytes_sent: Counter,
@@ -183,6 +186,7 @@ impl Metrics {
             canary_loss: Gauge::default(),
             loss: Gauge::default(),
             gossip_bytes: Counter::default(),
+            heartbeats_refused: Counter::default(),
             update_bytes_sent: Counter::default(),
             update_bytes_received: Counter::default(),
             update_duplicate_pieces: Counter::default(),
@@ -386,6 +390,11 @@ impl Metrics {
             "gossip_bytes",
             "Bytes of gossip received",
             m.gossip_bytes.clone(),
+        );
+        r.register(
+            "heartbeats_refused",
+            "Heartbeats from peers the view refused (another model, out of shape, a coordinate out of range, no room)",
+            m.heartbeats_refused.clone(),
         );
         r.register(
             "sessions_local",

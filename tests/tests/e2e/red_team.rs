@@ -3,7 +3,7 @@
 //! ([`tests::adversary`]) that tries every attack the mesh must refuse or contain (issue 77):
 //! forged, replayed, malformed, oversized and ungated updates; a notice naming 100,000 peers
 //! and one claiming 256 MiB; 1024 streams claiming 64 MiB frames and a request frame far past
-//! its kind; a report framing an honest holder; heartbeats lying about their version; one API
+//! its kind; a report framing an honest holder; heartbeats lying about their version or place; one API
 //! key flooding learning; a holder answering against the code. Each is refused or contained,
 //! and counted in `/metrics` with its reason; no honest holder is excluded; every honest holder
 //! ends on one version; every node's memory stays within its bound; the client's stream never
@@ -312,6 +312,8 @@ fn a_stranger_cannot_take_the_mesh_over_and_every_attack_is_refused_and_counted(
         refused.push("a framing report: refused (report_unadmitted)".into());
         // Heartbeats claiming a billion updates, as a holder of row 1.
         adv.lie_about_version(1, 1_000_000_000, 15).await?;
+        // Heartbeats placing a holder of row 1 a billion milliseconds out.
+        adv.lie_about_place(1, 15).await?;
         // 1024 streams claiming 64 MiB frames, 4 MiB sent on each (past the node's budget for
         // request frames), held 3 s; then one request frame far past what its kind (a view
         // request) needs.
@@ -529,6 +531,11 @@ fn a_stranger_cannot_take_the_mesh_over_and_every_attack_is_refused_and_counted(
         );
         ensure!(n >= 1.0, "no refusal counted as {reason}:\n{m}");
     }
+    let places = tests::procs::metric(&m, "codedmesh_heartbeats_refused_total").unwrap_or(0.0);
+    ensure!(
+        places >= 1.0,
+        "the heartbeats with a coordinate out of range were not refused:\n{m}"
+    );
     let frames = sample(&m, "codedmesh_frames_refused_total", "reason=\"oversized\"");
     ensure!(
         frames >= 1.0,
