@@ -4,12 +4,14 @@ it runs inside a lab namespace with the system Python (tests/tests/e2e/lab.rs):
     python3 lab_stream.py BASE_URL MAX_TOKENS MARK_AFTER
 
 It prints "MARK" (flushed) once MARK_AFTER chunks have arrived, so the test can break the
-network mid-stream, and ends with one JSON line: the chunks, the tokens generated and the finish reason.
+network mid-stream, and ends with one JSON line: the chunks, the tokens generated, the finish reason and the
+milliseconds between the first chunk and the last.
 An error event or a stream without [DONE] raises.
 """
 
 import json
 import sys
+import time
 import urllib.request
 
 
@@ -31,6 +33,7 @@ def main():
         base + "/chat/completions", data=body, headers={"Content-Type": "application/json"}
     )
     chunks, text, finish, done, usage = 0, "", None, False, None
+    first = last = None
     with urllib.request.urlopen(req, timeout=300) as r:
         for raw in r:
             line = raw.decode().strip()
@@ -48,12 +51,16 @@ def main():
                 text += choice.get("delta", {}).get("content") or ""
                 finish = choice.get("finish_reason") or finish
             chunks += 1
+            last = time.monotonic()
+            first = first or last
             if chunks == mark_after:
                 print("MARK", flush=True)
     if not done:
         raise RuntimeError("the stream ended without [DONE]")
     tokens = (usage or {}).get("completion_tokens")
-    print(json.dumps({"chunks": chunks, "tokens": tokens, "finish_reason": finish}), flush=True)
+    ms = round((last - first) * 1000.0, 1) if first else None
+    result = {"chunks": chunks, "tokens": tokens, "finish_reason": finish, "ms": ms}
+    print(json.dumps(result), flush=True)
 
 
 main()

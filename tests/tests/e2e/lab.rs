@@ -447,3 +447,260 @@ async fn contribute_from_home(
     eprintln!("the page says: {answered}");
     Ok(())
 }
+
+/// tests/lab/three-regions.toml under a name of this run.
+fn regions() -> Result<Topology> {
+    let file = Path::new(env!("CARGO_MANIFEST_DIR")).join("lab/three-regions.toml");
+    let mut topo = Topology::load(&file)?;
+    topo.name = format!("r{}", std::process::id() % 100_000);
+    Ok(topo)
+}
+
+/// One streamed chat of `tokens` tokens through the API node's `/v1`, `cut` called once
+/// `mark` chunks have arrived: the result line of tests/python/lab_stream.py (with `ms`, the
+/// milliseconds from the first chunk to the last).
+fn stream_from(
+    topo: &Topology,
+    node: &str,
+    tokens: usize,
+    mark: usize,
+    cut: impl FnOnce() -> Result<()>,
+) -> Result<serde_json::Value> {
+    let mut stream = topo
+        .command(node, "python3")?
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("python/lab_stream.py"))
+        .args([
+            "http://127.0.0.1:8000/v1",
+            &tokens.to_string(),
+            &mark.to_string(),
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    let mut out = BufReader::new(stream.stdout.take().context("stdout")?).lines();
+    let first = out.next().transpose()?.unwrap_or_default();
+    if first != "MARK" {
+        let done = stream.wait_with_output()?;
+        bail!(
+            "the stream did not start: {first}{}",
+            String::from_utf8_lossy(&done.stderr)
+        );
+    }
+    cut()?;
+    let last = out.last().transpose()?.unwrap_or_default();
+    let done = stream.wait_with_output()?;
+    ensure!(
+        done.status.success(),
+        "the stream failed: {}",
+        String::from_utf8_lossy(&done.stderr)
+    );
+    let result: serde_json::Value = serde_json::from_str(&last)?;
+    ensure!(
+        result["finish_reason"] == "length" && result["tokens"] == tokens,
+        "{result}"
+    );
+    Ok(result)
+}
+
+/// The peers whose answers to the steps traced in `trace` (a `--trace-steps` file) were ok.
+fn answered(trace: &Path) -> Result<std::collections::BTreeSet<String>> {
+    let steps = std::fs::read_to_string(trace)?;
+    Ok(steps
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["outcome"] == "ok")
+        .filter_map(|v| v["peer"].as_str().map(str::to_string))
+        .collect())
+}
+
+/// Each of `peers` as `region/node`.
+fn named(
+    region: &std::collections::BTreeMap<String, (&'static str, String)>,
+    peers: &std::collections::BTreeSet<String>,
+) -> Vec<String> {
+    peers
+        .iter()
+        .map(|p| {
+            region
+                .get(p)
+                .map_or(format!("?{p}"), |(r, n)| format!("{r}/{n}"))
+        })
+        .collect()
+}
+
+/// Issue 80's lab: replicas of every row in two regions 50 ms apart (and the seed's row in a
+/// third). A leader's group forms in its own region, even when it starts with both around, and
+/// its stream runs within 1.3 × the stream it had with its region alone; with its region's
+/// holders cut off mid-stream, it forms a group across regions and the stream completes.
+#[test]
+fn a_leader_computes_in_its_own_region_and_across_when_its_region_is_cut_off() -> Result<()> {
+    let topo = regions()?;
+    if !lab_runs(&topo) {
+        return Ok(());
+    }
+    let _alone = crate::machine::alone();
+    let mut lab = Lab::up(&topo, &lab_bin())?;
+    let dir = Scratch::new("lab-regions");
+    let d = |n: &str| dir.0.join(n).display().to_string();
+    // Four rows (k = 3): the seed holds row 0 in ap; the API node and e1, e2 take rows 1 to 3,
+    // then every joiner a replica of the thinnest row (the lowest of equals): e3 row 0, the
+    // four of us rows 1, 2, 3 and 0. Each joins after the one before serves.
+    let mut seed = Seed::start(&lab, &dir.0, 4, &["--max-rows", "4"])?;
+    let seed_tcp = seed.tcp.clone();
+    let listen = "/ip4/0.0.0.0/tcp/0";
+    let api_args = |trace: &str| -> Vec<String> {
+        let mut a = ["node", "--bootstrap", &seed_tcp, "--data", &d("api")]
+            .map(String::from)
+            .to_vec();
+        let more = ["--listen", listen, "--api-listen", "127.0.0.1:8000"];
+        a.extend(more.map(String::from));
+        let lead = [
+            "--no-learn",
+            "--check",
+            "1",
+            "--spares",
+            "0",
+            "--trace-steps",
+            trace,
+        ];
+        a.extend(lead.map(String::from));
+        a.extend(HEALTH.map(String::from));
+        a
+    };
+    let start = |lab: &Lab, node: &str, args: &[String]| -> Result<(Proc, String)> {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let mut p = spawn_in(lab, &dir.0, node, &args, Stdio::null())?;
+        let peer = peer_of(&mut p)?;
+        Ok((p, peer))
+    };
+    let holder = |node: &str| -> Vec<String> {
+        let a = [
+            "node",
+            "--bootstrap",
+            &seed_tcp,
+            "--data",
+            &d(node),
+            "--listen",
+            listen,
+        ];
+        a.iter().copied().chain(HEALTH).map(String::from).collect()
+    };
+    let trace = |n: u32| dir.0.join(format!("api-steps-{n}.jsonl"));
+    let (mut api, api_peer) = start(&lab, "api", &api_args(&trace(1).display().to_string()))?;
+    let mut region = std::collections::BTreeMap::<String, (&'static str, String)>::new();
+    let mut nodes = Vec::new();
+    for (node, site) in [("e1", "eu"), ("e2", "eu"), ("e3", "eu")] {
+        let (p, peer) = start(&lab, node, &holder(node))?;
+        nodes.push(p);
+        region.insert(peer, (site, node.to_string()));
+    }
+    region.insert(api_peer.clone(), ("eu", "api".into()));
+    region.insert(seed.peer.clone(), ("ap", "seed".into()));
+    // What the API node knows of the mesh: its /api/status, read inside its namespace.
+    let status = || -> Result<serde_json::Value> {
+        let get = "import urllib.request as u; print(u.urlopen('http://127.0.0.1:8000/api/status', timeout=10).read().decode())";
+        let out = topo.command("api", "python3")?.args(["-c", get]).output()?;
+        ensure!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(serde_json::from_slice(&out.stdout)?)
+    };
+    // Waits until the API node sees `count` nodes, every row healthy and a round trip to each.
+    let settled = |count: usize| -> Result<serde_json::Value> {
+        let deadline = std::time::Instant::now() + Duration::from_secs(90);
+        loop {
+            let s = status().unwrap_or_default();
+            let nodes = s["nodes"].as_array().cloned().unwrap_or_default();
+            let known = nodes.iter().all(|n| n["rtt_ms"].is_number());
+            if s["healthy_rows"] == 4 && nodes.len() == count && known {
+                return Ok(s);
+            }
+            ensure!(
+                std::time::Instant::now() < deadline,
+                "the mesh did not settle in 90 s: {s:#}"
+            );
+            std::thread::sleep(Duration::from_millis(500));
+        }
+    };
+    type Regions = std::collections::BTreeMap<String, (&'static str, String)>;
+    let rows_in = |s: &serde_json::Value, region: &Regions, site: &str| {
+        let nodes = s["nodes"].as_array().into_iter().flatten();
+        nodes
+            .filter(|n| {
+                n["peer"]
+                    .as_str()
+                    .and_then(|p| region.get(p))
+                    .is_some_and(|r| r.0 == site)
+            })
+            .filter_map(|n| n["row"].as_u64())
+            .collect::<std::collections::BTreeSet<u64>>()
+    };
+    let s = settled(5)?;
+    assert_eq!(
+        rows_in(&s, &region, "eu"),
+        (0..4).collect(),
+        "eu holds every row: {s:#}"
+    );
+
+    // The floor: the stream with its region alone (and the seed's row 0 far away in ap).
+    let floor = stream_from(&topo, "api", 32, 1, || Ok(()))?;
+    let floor_by = named(&region, &answered(&trace(1))?);
+    ensure!(
+        floor_by.iter().all(|r| r.starts_with("eu/")),
+        "the region's own stream computed in eu only: {floor_by:?}"
+    );
+
+    // The other region joins with a holder of every row.
+    for node in ["u1", "u2", "u3", "u4"] {
+        let (p, peer) = start(&lab, node, &holder(node))?;
+        nodes.push(p);
+        region.insert(peer, ("us", node.to_string()));
+    }
+    // A leader that starts with both regions there.
+    drop(api);
+    let (api2, _) = start(&lab, "api", &api_args(&trace(2).display().to_string()))?;
+    api = api2;
+    let s = settled(9)?;
+    assert_eq!(
+        rows_in(&s, &region, "us"),
+        (0..4).collect(),
+        "us holds every row: {s:#}"
+    );
+    let near = stream_from(&topo, "api", 32, 1, || Ok(()))?;
+    let near_by = named(&region, &answered(&trace(2))?);
+    ensure!(
+        near_by.iter().all(|r| r.starts_with("eu/")),
+        "a leader in eu computes in eu: {near_by:?}"
+    );
+    let (ms, floor_ms) = (
+        near["ms"].as_f64().unwrap_or(f64::MAX),
+        floor["ms"].as_f64().unwrap_or(0.0),
+    );
+    eprintln!("eu alone: {floor_ms} ms for 32 tokens; eu and us: {ms} ms");
+    ensure!(
+        ms <= 1.3 * floor_ms,
+        "the stream with both regions took {ms} ms, over 1.3 × its region's floor {floor_ms} ms"
+    );
+
+    // Its region's holders cut off mid-stream: the group forms across regions and completes.
+    let before = answered(&trace(2))?;
+    let across = stream_from(&topo, "api", 32, 4, || lab.cut("eu"))?;
+    let new: std::collections::BTreeSet<String> =
+        answered(&trace(2))?.difference(&before).cloned().collect();
+    let after = named(&region, &new);
+    eprintln!(
+        "across regions: {} ms for 32 tokens, new members {after:?}",
+        across["ms"]
+    );
+    ensure!(
+        after.iter().any(|r| r.starts_with("us/")),
+        "holders in us answered once eu was cut off: {after:?}"
+    );
+    drop(nodes);
+    drop(api);
+    drop(seed.proc.take());
+    drop(lab);
+    Ok(())
+}
