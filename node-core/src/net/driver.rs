@@ -166,7 +166,7 @@ impl Driver {
 
     /// Remembers addresses of `peer` for later requests.
     pub fn add_addrs(&self, swarm: &mut Swarm<MeshBehaviour>, peer: PeerId, addrs: Vec<Multiaddr>) {
-        for a in addrs {
+        for a in super::reach::to_dial(addrs) {
             swarm.add_peer_address(peer, a.clone());
             if self.dht {
                 swarm.behaviour_mut().kad.add_address(&peer, a);

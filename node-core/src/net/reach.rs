@@ -28,6 +28,45 @@ pub fn is_relayed(addr: &Multiaddr) -> bool {
     addr.iter().any(|p| p == Protocol::P2pCircuit)
 }
 
+/// The addresses a node announces of `addrs`: a relay lists all of its addresses in a
+/// reservation, loopback ones too, and a circuit through a relay's loopback address sends a
+/// peer to its own machine; such circuits are left out where a circuit through another address
+/// is there (on one machine they are the only ones, and right).
+pub fn announced(addrs: &[Multiaddr]) -> Vec<Multiaddr> {
+    let local_circuit =
+        |a: &Multiaddr| is_relayed(a) && relay_of(a).is_some_and(|r| is_private(&r));
+    let far = addrs.iter().any(|a| is_relayed(a) && !local_circuit(a));
+    addrs
+        .iter()
+        .filter(|a| !(far && local_circuit(a)))
+        .cloned()
+        .collect()
+}
+
+/// Of `addrs` a peer announces, those to dial it at:
+/// - its loopback addresses only where it has no other: a dial takes the first connection
+///   made, and a loopback one reaches whoever listens on that port of the dialer's machine
+///   (the dialer itself, on the same port) and fails the whole dial on the wrong peer id;
+/// - each relay's first circuit only: a circuit through a relay this node is connected to goes
+///   over that connection whatever the relay's address, and a relay takes only a few circuit
+///   requests at once from a peer (libp2p-relay: 10), which one dial at every address of a
+///   relay would fill.
+pub fn to_dial(addrs: Vec<Multiaddr>) -> Vec<Multiaddr> {
+    let elsewhere = addrs.iter().any(|a| !is_loopback(a));
+    let mut relays = std::collections::HashSet::new();
+    addrs
+        .into_iter()
+        .filter(|a| !(elsewhere && is_loopback(a)))
+        .filter(|a| {
+            let relay = relay_of(a).and_then(|r| match r.iter().last() {
+                Some(Protocol::P2p(peer)) => Some(peer),
+                _ => None,
+            });
+            relay.is_none_or(|peer| relays.insert(peer))
+        })
+        .collect()
+}
+
 /// The relay's own address in a relay circuit (what comes before `/p2p-circuit`, naming the
 /// relay's peer id), or `None` for an address that is not a circuit through a named relay.
 pub fn relay_of(addr: &Multiaddr) -> Option<Multiaddr> {
@@ -243,6 +282,51 @@ mod tests {
             relay_of(&anonymous),
             None,
             "a circuit through no named relay"
+        );
+    }
+
+    #[test]
+    fn circuits_through_a_relays_loopback_address_are_announced_only_alone() {
+        let relay = "p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN/p2p-circuit";
+        let local = addr(&format!("/ip4/127.0.0.1/tcp/4001/{relay}"));
+        let lan = addr(&format!("/ip4/192.168.1.2/tcp/4001/{relay}"));
+        let public = addr(&format!("/ip4/198.19.1.2/tcp/4001/{relay}"));
+        let own = addr("/ip4/127.0.0.1/udp/4001/quic-v1");
+        assert_eq!(
+            announced(&[local.clone(), lan.clone(), public.clone(), own.clone()]),
+            [public, own.clone()],
+            "the relay's own loopback and private addresses are left out"
+        );
+        assert_eq!(
+            announced(&[local.clone(), own.clone()]),
+            [local, own],
+            "on one machine the loopback circuit is the way"
+        );
+    }
+
+    #[test]
+    fn a_peer_is_dialed_through_each_relay_once_and_at_loopback_only_when_nowhere_else() {
+        let (a, b) = (
+            "p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN/p2p-circuit",
+            "p2p/12D3KooWQaUQ7bBGTVRCcZbvcfRPHcKobku7EmoERWQQwXVogwLo/p2p-circuit",
+        );
+        let a_tcp = addr(&format!("/ip4/198.19.1.2/tcp/4001/{a}"));
+        let a_quic = addr(&format!("/ip4/198.19.1.2/udp/4001/quic-v1/{a}"));
+        let b_tcp = addr(&format!("/ip4/198.19.1.3/tcp/4001/{b}"));
+        let direct = addr("/ip4/192.168.2.2/udp/4001/quic-v1");
+        let local = addr("/ip4/127.0.0.1/udp/4001/quic-v1");
+        let all = vec![
+            local.clone(),
+            a_tcp.clone(),
+            a_quic,
+            direct.clone(),
+            b_tcp.clone(),
+        ];
+        assert_eq!(to_dial(all), [a_tcp, direct, b_tcp]);
+        assert_eq!(
+            to_dial(vec![local.clone()]),
+            [local],
+            "a peer on this machine only"
         );
     }
 

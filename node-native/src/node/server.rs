@@ -574,12 +574,13 @@ impl Server {
     }
 
     /// Announces how peers reach this node: its reachability, and its confirmed addresses and
-    /// relay circuits before the addresses it listens on.
+    /// relay circuits (not through a relay's own private addresses) before the addresses it
+    /// listens on.
     fn on_reach(&mut self, reach: Reach, addrs: &[Multiaddr]) {
         let me = self.client.peer_id();
         let mut local = self.view.local().clone();
         let mut seen = std::collections::HashSet::new();
-        let all: Vec<String> = addrs
+        let all: Vec<String> = node_core::net::reach::announced(addrs)
             .iter()
             .map(|a| with_peer(a, me).to_string())
             .chain(self.listen_addrs.iter().cloned())

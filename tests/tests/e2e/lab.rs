@@ -38,8 +38,10 @@ fn topology() -> Result<Topology> {
 /// `dir/<node>.log`.
 fn spawn_in(lab: &Lab, dir: &Path, node: &str, args: &[&str], stdout: Stdio) -> Result<Proc> {
     let mut cmd = lab.topology.command(node, bin())?;
-    cmd.args(args)
-        .env("RUST_LOG", "warn,node_core::net=info,libp2p_kad=error");
+    cmd.args(args).env(
+        "RUST_LOG",
+        "warn,node_core::net=info,node_native::serve::engine::hop=info,node_native::hold::hop=debug,libp2p_kad=error",
+    );
     spawn_command(cmd, dir, node, stdout)
 }
 
@@ -124,6 +126,95 @@ fn lab_runs(topo: &Topology) -> bool {
     true
 }
 
+/// The three sites' mesh, settled: the seed, the API node (on 127.0.0.1:8000 in its
+/// namespace, leading with `lead`) and the homes' four nodes, by name with their peer ids.
+struct ThreeSites {
+    seed: Seed,
+    nodes: Vec<Proc>,
+    peers: std::collections::BTreeMap<String, String>,
+    status: serde_json::Value,
+}
+
+impl ThreeSites {
+    /// Starts them in `lab` and waits until every node holds a row and every home's node is
+    /// relayed or punched through.
+    fn start(lab: &Lab, dir: &Path, trace: &Path, lead: &[&str]) -> Result<Self> {
+        let d = |n: &str| dir.join(n).display().to_string();
+        // The public site: the seed (listening on every transport) and the API node.
+        let seed = Seed::start(lab, dir, 6, &[])?;
+        let (seed_peer, seed_tcp, seed_quic) =
+            (seed.peer.clone(), seed.tcp.clone(), seed.quic.clone());
+        let listen = "/ip4/0.0.0.0/tcp/0".to_string();
+        let (api_data, trace_s) = (d("api"), trace.display().to_string());
+        let mut api_args = vec!["node", "--bootstrap", &seed_tcp, "--data", &api_data];
+        api_args.extend([
+            "--listen",
+            &listen,
+            "--api-listen",
+            "127.0.0.1:8000",
+            "--no-learn",
+        ]);
+        api_args.extend(["--trace-steps", &trace_s]);
+        api_args.extend(lead);
+        api_args.extend(HEALTH);
+        let mut nodes = vec![spawn_in(lab, dir, "api", &api_args, Stdio::null())?];
+        // The homes' nodes listen on QUIC, whose one socket carries their dials and hole
+        // punching.
+        for n in ["ei1", "ei2", "sym1", "sym2"] {
+            let data = d(n);
+            let mut a = vec!["node", "--bootstrap", &seed_quic, "--data", &data];
+            a.extend(["--listen", "/ip4/0.0.0.0/udp/4001/quic-v1"]);
+            a.extend(HEALTH);
+            nodes.push(spawn_in(lab, dir, n, &a, Stdio::null())?);
+        }
+        let mut peers = std::collections::BTreeMap::new();
+        for p in &mut nodes {
+            peers.insert(p.name.clone(), peer_of(p)?);
+        }
+        // Every node holds a row and reports how peers reach it.
+        let status = || -> Result<serde_json::Value> {
+            let out = run_in(lab, "api", &["status", "--json", "--bootstrap", &seed_tcp])?;
+            Ok(serde_json::from_str(&out)?)
+        };
+        let reach_of = |s: &serde_json::Value, peer: &str| -> String {
+            s["nodes"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .find(|n| n["peer"] == peer)
+                .and_then(|n| n["reach"].as_str())
+                .unwrap_or("")
+                .to_string()
+        };
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        let status = loop {
+            let s = status()?;
+            let healthy = s["healthy_rows"].as_u64().unwrap_or(0);
+            let settled = peers.iter().all(|(name, p)| {
+                let r = reach_of(&s, p);
+                if name == "api" {
+                    r == "public"
+                } else {
+                    r == "relayed" || r == "direct after hole punching"
+                }
+            }) && reach_of(&s, &seed_peer) == "public";
+            if healthy == 6 && settled {
+                break s;
+            }
+            if std::time::Instant::now() > deadline {
+                bail!("the mesh did not settle in 60 s: {s:#}");
+            }
+            std::thread::sleep(Duration::from_millis(500));
+        };
+        Ok(Self {
+            seed,
+            nodes,
+            peers,
+            status,
+        })
+    }
+}
+
 #[test]
 fn three_sites_two_behind_nat_hold_rows_punch_holes_and_serve() -> Result<()> {
     let topo = topology()?;
@@ -133,73 +224,15 @@ fn three_sites_two_behind_nat_hold_rows_punch_holes_and_serve() -> Result<()> {
     let _alone = crate::machine::alone();
     let mut lab = Lab::up(&topo, &lab_bin())?;
     let dir = Scratch::new("lab");
-    let d = |n: &str| dir.0.join(n).display().to_string();
-
-    // The public site: the seed (listening on every transport) and the API node.
-    let mut seed = Seed::start(&lab, &dir.0, 6, &[])?;
-    let (seed_peer, seed_tcp, seed_quic) = (seed.peer.clone(), seed.tcp.clone(), seed.quic.clone());
-    let listen = "/ip4/0.0.0.0/tcp/0".to_string();
-
-    let (api_data, trace) = (d("api"), dir.0.join("api-steps.jsonl"));
-    let trace_s = trace.display().to_string();
-    let mut api_args = vec!["node", "--bootstrap", &seed_tcp, "--data", &api_data];
-    api_args.extend([
-        "--listen",
-        &listen,
-        "--api-listen",
-        "127.0.0.1:8000",
-        "--no-learn",
-    ]);
-    api_args.extend(["--check", "1", "--spares", "2", "--trace-steps", &trace_s]);
-    api_args.extend(HEALTH);
-    let mut nodes = vec![spawn_in(&lab, &dir.0, "api", &api_args, Stdio::null())?];
-    // The homes' nodes listen on QUIC, whose one socket carries their dials and hole punching.
-    for n in ["ei1", "ei2", "sym1", "sym2"] {
-        let data = d(n);
-        let mut a = vec!["node", "--bootstrap", &seed_quic, "--data", &data];
-        a.extend(["--listen", "/ip4/0.0.0.0/udp/4001/quic-v1"]);
-        a.extend(HEALTH);
-        nodes.push(spawn_in(&lab, &dir.0, n, &a, Stdio::null())?);
-    }
-    let mut peers = std::collections::BTreeMap::new();
-    for p in &mut nodes {
-        peers.insert(p.name.clone(), peer_of(p)?);
-    }
-    // Every node holds a row and reports how peers reach it.
-    let status = || -> Result<serde_json::Value> {
-        let out = run_in(&lab, "api", &["status", "--json", "--bootstrap", &seed_tcp])?;
-        Ok(serde_json::from_str(&out)?)
-    };
-    let reach_of = |s: &serde_json::Value, peer: &str| -> String {
-        s["nodes"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .find(|n| n["peer"] == peer)
-            .and_then(|n| n["reach"].as_str())
-            .unwrap_or("")
-            .to_string()
-    };
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    let s = loop {
-        let s = status()?;
-        let healthy = s["healthy_rows"].as_u64().unwrap_or(0);
-        let settled = peers.iter().all(|(name, p)| {
-            let r = reach_of(&s, p);
-            if name == "api" {
-                r == "public"
-            } else {
-                r == "relayed" || r == "direct after hole punching"
-            }
-        }) && reach_of(&s, &seed_peer) == "public";
-        if healthy == 6 && settled {
-            break s;
-        }
-        if std::time::Instant::now() > deadline {
-            bail!("the mesh did not settle in 60 s: {s:#}");
-        }
-        std::thread::sleep(Duration::from_millis(500));
-    };
+    let trace = dir.0.join("api-steps.jsonl");
+    let lead = ["--check", "1", "--spares", "2"];
+    let ThreeSites {
+        mut seed,
+        nodes,
+        peers,
+        status: s,
+    } = ThreeSites::start(&lab, &dir.0, &trace, &lead)?;
+    let seed_quic = seed.quic.clone();
     let rows: std::collections::BTreeSet<u64> = s["nodes"]
         .as_array()
         .into_iter()
@@ -701,6 +734,118 @@ fn a_leader_computes_in_its_own_region_and_across_when_its_region_is_cut_off() -
     drop(nodes);
     drop(api);
     drop(seed.proc.take());
+    drop(lab);
+    Ok(())
+}
+
+/// `path` on the API node's HTTP port (127.0.0.1:8000 in lab node `node`'s namespace).
+fn http_get(topo: &Topology, node: &str, path: &str) -> Result<String> {
+    let get = format!(
+        "import urllib.request as u; print(u.urlopen('http://127.0.0.1:8000{path}', timeout=10).read().decode())"
+    );
+    let out = topo.command(node, "python3")?.args(["-c", &get]).output()?;
+    ensure!(
+        out.status.success(),
+        "GET {path}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8(out.stdout)?)
+}
+
+/// A counter's value in a `/metrics` text (0 when it is not there).
+fn counter(metrics: &str, name: &str) -> f64 {
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// Issue 80: a hop group whose members sit in two homes behind NAT, one endpoint-independent
+/// and one symmetric, passes its coded outputs member to member (punched through where the
+/// NATs allow, relayed where they do not): every pass of a stream goes one hop per stage and
+/// none fails back to rounds.
+#[test]
+fn a_hop_group_behind_two_nats_runs_every_pass_as_hops() -> Result<()> {
+    let mut topo = topology()?;
+    topo.name = format!("h{}", std::process::id() % 100_000);
+    if !lab_runs(&topo) {
+        return Ok(());
+    }
+    let _alone = crate::machine::alone();
+    let lab = Lab::up(&topo, &lab_bin())?;
+    let dir = Scratch::new("lab-hops");
+    let trace = dir.0.join("api-steps.jsonl");
+    // k = 3 and one check: four members besides the API node, of the seed and four homes'
+    // nodes, so at least one of each home.
+    let lead = ["--pass", "hop", "--check", "1", "--spares", "0"];
+    let mut sites = ThreeSites::start(&lab, &dir.0, &trace, &lead)?;
+    let result = stream_from(&topo, "api", 32, 1, || Ok(())).inspect_err(|_| {
+        for p in &sites.nodes {
+            eprintln!("{} ({}):\n{}", p.name, sites.peers[&p.name], p.log());
+        }
+    })?;
+    let metrics = http_get(&topo, "api", "/metrics")?;
+    let (steps, hops, failed) = (
+        counter(&metrics, "codedmesh_forward_steps_total"),
+        counter(&metrics, "codedmesh_hop_steps_total"),
+        counter(&metrics, "codedmesh_forward_step_failures_total"),
+    );
+    // The log without its colours' escape sequences.
+    let log = sites.nodes[0]
+        .log()
+        .split('\x1b')
+        .enumerate()
+        .map(|(i, s)| {
+            if i == 0 {
+                s
+            } else {
+                s.split_once('m').map_or(s, |(_, t)| t)
+            }
+        })
+        .collect::<String>();
+    eprintln!("{steps} steps, {hops} by hops, {failed} failed; {result}");
+    if failed > 0.0 {
+        for p in &sites.nodes {
+            eprintln!("{} ({}):\n{}", p.name, sites.peers[&p.name], p.log());
+        }
+    }
+    // Every pass went by hops: parts crossed between the homes (no "no part of round …" from
+    // a member that could not reach another). A pass that failed a check instead was retried
+    // by hops: an honest hop group's check fails now and then (1 pass of 281 in ten runs of this
+    // lab; docs/verification.md, "Checks in hop groups"), which is not the network's doing.
+    let failures: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("a forward step failed"))
+        .collect();
+    ensure!(
+        steps > 0.0 && hops == steps && failures.len() as f64 == failed,
+        "every pass by hops: {steps} steps, {hops} hops, {failed} failed\napi log:\n{log}"
+    );
+    ensure!(
+        failures.iter().all(|l| l.contains("answers disagree")),
+        "no pass failed on the network: {failures:#?}"
+    );
+    // The hop group's rows, as the leader logs it, name members of both homes.
+    let rows = log
+        .lines()
+        .filter(|l| l.contains("passes go one hop per stage"))
+        .find_map(|l| l.split("rows=").nth(1))
+        .with_context(|| format!("the leader logged no hop group:\n{log}"))?;
+    let row_of = |node: &str| {
+        sites.status["nodes"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|n| n["peer"] == sites.peers[node].as_str())
+            .and_then(|n| n["row"].as_u64())
+    };
+    let in_group = |node: &str| row_of(node).is_some_and(|r| rows.contains(&r.to_string()));
+    ensure!(
+        ["ei1", "ei2"].iter().any(|n| in_group(n)) && ["sym1", "sym2"].iter().any(|n| in_group(n)),
+        "the hop group ({rows}) has members in both homes"
+    );
+    drop(sites.nodes);
+    drop(sites.seed.proc.take());
     drop(lab);
     Ok(())
 }
