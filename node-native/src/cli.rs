@@ -125,6 +125,10 @@ pub(crate) struct UpArgs {
     /// How the API's node serves: keys, batch, queue, learning, groups, drafts, route, checks.
     #[command(flatten)]
     pub(crate) serve: ServeArgs,
+    /// Silence before the nodes count a peer as Dead, milliseconds (each node's `--dead-ms`;
+    /// default 10000).
+    #[arg(long)]
+    pub(crate) dead_ms: Option<u64>,
 }
 
 /// How a leader's groups are checked and how many spares they ask: every leader's (`up`,

@@ -104,7 +104,10 @@ async fn run_reach(args: cli::ReachArgs) -> Result<()> {
 
 /// `codedmesh up`.
 async fn run_up(args: UpArgs) -> Result<()> {
-    let node_args = args.serve.node_args(true);
+    let mut node_args = args.serve.node_args(true);
+    if let Some(ms) = args.dead_ms {
+        node_args.extend(["--dead-ms".into(), ms.to_string().into()]);
+    }
     let cores = node_native::up::supervise::cores();
     let (k, nodes) = node_native::up::default_shape(cores, args.k, args.nodes);
     if args.k.is_none() && k != 3 {

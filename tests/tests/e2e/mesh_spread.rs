@@ -1,6 +1,7 @@
 //! Learning updates spread through sixteen holders as processes: the leader pays for at most
-//! three copies of each, every holder ends on one digest, and a holder that was down catches up
-//! from peers other than the leader.
+//! three copies of each, every holder ends on one digest, a SIGSTOPped holder holds up its share
+//! of a notice for its notice wait only, and a holder that was down catches up from peers other
+//! than the leader.
 
 use std::time::{Duration, Instant};
 
@@ -53,8 +54,8 @@ fn wait_one_digest(bootstrap: &str, up: &Up) -> Result<String> {
 }
 
 /// Waits until the holders other than `victim` are healthy and at one digest that is not
-/// `victim`'s.
-fn left_behind(bootstrap: &str, victim: &str, up: &Up) -> Result<()> {
+/// `victim`'s; returns `victim`'s health then.
+fn left_behind(bootstrap: &str, victim: &str, up: &Up) -> Result<String> {
     let start = Instant::now();
     loop {
         let all = nodes(bootstrap)?;
@@ -66,7 +67,8 @@ fn left_behind(bootstrap: &str, victim: &str, up: &Up) -> Result<()> {
                 .all(|n| n.1 == "Healthy" && n.2 == others[0].2 && n.3 == 0)
             && theirs.is_some_and(|d| d != others[0].2)
         {
-            return Ok(());
+            let health = all.iter().find(|n| n.0 == victim).map(|n| n.1.clone());
+            return Ok(health.unwrap_or_default());
         }
         ensure!(
             start.elapsed() < Duration::from_secs(90),
@@ -124,7 +126,10 @@ fn sixteen_holders_get_every_update_for_three_copies_from_the_leader_and_catch_u
     let steps = dir.join("steps.jsonl");
     let port = free_port()?;
     let holders = HOLDERS.to_string();
+    // A silent holder counts as dead after a minute (not 10 s): the SIGSTOPped one below is
+    // still told updates, and its share must not wait on it.
     let args = ["--nodes", &holders, "--k", "2", "--max-batch", "2"];
+    let args = [&args[..], &["--dead-ms", "60000"]].concat();
     let mut up = Up::start_with(&dir, &data, port, &steps, "spread", &args)?;
     let ready = up.ready(Duration::from_secs(300))?;
     let model = field(&ready, "model ")?.to_string();
@@ -151,7 +156,30 @@ fn sixteen_holders_get_every_update_for_three_copies_from_the_leader_and_catch_u
     signal("STOP")?;
     let before = metric(port, "codedmesh_updates_published_total")?;
     publish_past(port, &model, before, &up)?;
-    left_behind(&bootstrap, &victim_peer, &up)?;
+    let health = left_behind(&bootstrap, &victim_peer, &up)?;
+    // The others had it while the stopped holder still counted as alive (dead only after a
+    // minute's silence): whoever was to tell it waited its notice wait, then told the next of
+    // its share; it did not wait for the request's timeout or the holder's death.
+    ensure!(
+        health != "Dead",
+        "the others moved on only once the stopped holder was dead"
+    );
+    let skipped: Vec<String> = (0..HOLDERS)
+        .filter_map(|i| std::fs::read_to_string(data.join(format!("node{i}.log"))).ok())
+        .flat_map(|log| {
+            log.lines()
+                .filter(|l| {
+                    l.contains("did not answer an update's notice in") && l.contains(&victim_peer)
+                })
+                .map(str::to_string)
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    eprintln!("the others moved on while the stopped holder was {health}: {skipped:#?}");
+    ensure!(
+        !skipped.is_empty(),
+        "a holder told the stopped one, waited its notice wait and told the next of its share"
+    );
     // Killed, up restarts it: it pulls what it missed from peers, not from the leader.
     signal("KILL")?;
     let start = Instant::now();
