@@ -125,8 +125,7 @@ pub(crate) struct UpArgs {
     /// How the API's node serves: keys, batch, queue, learning, groups, drafts, route, checks.
     #[command(flatten)]
     pub(crate) serve: ServeArgs,
-    /// Silence before the nodes count a peer as Dead, milliseconds (each node's `--dead-ms`;
-    /// default 10000).
+    /// Silence before the nodes count a peer as Dead, ms (each node's `--dead-ms`; 10000).
     #[arg(long)]
     pub(crate) dead_ms: Option<u64>,
 }
@@ -768,8 +767,6 @@ pub(crate) struct GenerateArgs {
     pub(crate) trace_steps: Option<PathBuf>,
 }
 
-/// The shard format a new mesh of `nodes` genesis rows gets: `chosen`, else compact (q8) where
-/// the integer code has a row for every node, else f32.
 /// A share between 0 and 1 (`--distil`).
 fn share(s: &str) -> Result<f32, String> {
     match s.parse::<f32>() {
@@ -778,6 +775,8 @@ fn share(s: &str) -> Result<f32, String> {
     }
 }
 
+/// The shard format a new mesh of `nodes` genesis rows gets: `chosen`, else compact (q8) where
+/// the integer code has a row for every node, else f32.
 pub(crate) fn mesh_format(chosen: Option<ShardFormat>, k: usize, nodes: usize) -> ShardFormat {
     let fits = nodes <= node_core::code::Generator::integer_capacity(k);
     chosen.unwrap_or(if fits {
@@ -849,34 +848,22 @@ mod tests {
             parse(&["codedmesh", "bench", "--learning"]),
             (up.trained, up.floor, (up.replay, up.decay))
         );
-        let every = parse(&[
-            "codedmesh",
-            "bench",
-            "--learning",
-            "--train",
-            "head,attention,mlp",
-            "--floor",
-            "0",
-            "--replay",
-            "64",
-            "--decay",
-            "0.05",
-        ]);
+        let args = "codedmesh bench --learning --train head,attention,mlp --floor 0 --replay 64";
+        let args: Vec<&str> = args.split(' ').chain(["--decay", "0.05"]).collect();
+        let every = parse(&args);
         assert_eq!(every, (node_core::learn::Trained::ALL, 0.0, (64, 0.05)));
     }
 
     #[test]
     fn a_mesh_defaults_to_compact_shards_where_the_integer_code_reaches() {
-        assert_eq!(mesh_format(None, 3, 5), ShardFormat::Q8);
-        assert_eq!(mesh_format(None, 3, 7), ShardFormat::Q8);
+        use ShardFormat::{F16, F32, Q8};
         // The integer code has 7 rows for k = 3 and none past k = 5.
-        assert_eq!(mesh_format(None, 3, 10), ShardFormat::F32);
-        assert_eq!(mesh_format(None, 6, 8), ShardFormat::F32);
+        let default = [(3, 5), (3, 7), (3, 10), (6, 8)].map(|(k, n)| mesh_format(None, k, n));
+        assert_eq!(default, [Q8, Q8, F32, F32]);
         // A chosen format stands (q8 with too many nodes is refused later, with its reason).
-        let f16 = Some(ShardFormat::F16);
-        assert_eq!(mesh_format(f16, 3, 5), ShardFormat::F16);
-        assert_eq!(mesh_format(Some(ShardFormat::F32), 3, 5), ShardFormat::F32);
-        let e = ShardFormat::Q8.code(10, 3).expect_err("10 rows");
+        assert_eq!(mesh_format(Some(F16), 3, 5), F16);
+        assert_eq!(mesh_format(Some(F32), 3, 5), F32);
+        let e = Q8.code(10, 3).expect_err("10 rows");
         assert!(e.to_string().contains("7 rows for k = 3"), "{e}");
     }
 }
