@@ -228,12 +228,14 @@ async fn member(
     };
     let peers = peers_of(&join)?;
     // The other members may not have met yet: the leader says where each is.
+    let mut addrs_of = HashMap::new();
     for (i, &row) in join.rows.iter().enumerate() {
         let (Some(&peer), Some(addrs)) = (peers.get(&(row as usize)), join.addrs.get(i)) else {
             continue;
         };
         let addrs: Vec<Multiaddr> = addrs.iter().filter_map(|a| a.parse().ok()).collect();
         if !addrs.is_empty() && peer != client.peer_id() {
+            addrs_of.insert(peer, node_core::net::reach::to_dial(addrs.clone()));
             client
                 .add_addrs(peer, addrs)
                 .await
@@ -245,6 +247,7 @@ async fn member(
         state,
         version: join.version,
         peers,
+        addrs: addrs_of,
         out: HashMap::new(),
         parts,
         delay,
@@ -306,6 +309,9 @@ struct NetHopLink {
     state: Arc<RwLock<ShardState>>,
     version: [u8; 32],
     peers: HashMap<usize, PeerId>,
+    /// Where the leader said each member may be dialed, as [`node_core::net::reach::to_dial`]
+    /// keeps them.
+    addrs: HashMap<PeerId, Vec<Multiaddr>>,
     out: HashMap<usize, Outgoing>,
     parts: mpsc::Receiver<(PeerId, Option<Part>)>,
     delay: Duration,
@@ -332,11 +338,10 @@ impl HopLink for NetHopLink {
         let Some(&peer) = self.peers.get(&row) else {
             return;
         };
-        let client = &self.client;
-        let out = self
-            .out
-            .entry(row)
-            .or_insert_with(|| send_parts(client.clone(), peer));
+        let (client, addrs) = (&self.client, self.addrs.get(&peer));
+        let out = self.out.entry(row).or_insert_with(|| {
+            send_parts(client.clone(), peer, addrs.cloned().unwrap_or_default())
+        });
         match session::frame(&HopFrame::Part(part.clone())) {
             Ok(frame) => {
                 let _ = out.send((Instant::now() + self.delay, frame));
@@ -375,15 +380,21 @@ impl HopLink for NetHopLink {
 /// Streams opened to one member, one after another, before its parts are given up.
 const PART_STREAMS: usize = 3;
 
-/// Sends parts to `peer` in order on a stream of their own. A stream that fails is replaced
-/// (a connection can close under it), the part it failed on sent again; when none can be
-/// opened, the parts are lost and the member shows as silent to the others.
-fn send_parts(client: Client, peer: PeerId) -> Outgoing {
+/// Sends parts to `peer` in order on a stream of their own, dialing it first at `addrs` (where
+/// the leader said it is) when not connected: a stream opened on a peer id alone is dialed at
+/// every address the node ever heard for it, a loopback one among them, which on the same port
+/// reaches this node itself and fails the whole dial. A stream that fails is replaced (a
+/// connection can close under it), the part it failed on sent again; when none can be opened,
+/// the parts are lost and the member shows as silent to the others.
+fn send_parts(client: Client, peer: PeerId, addrs: Vec<Multiaddr>) -> Outgoing {
     // Unbounded: one part a round for each member, and a round waits for the parts.
     let (tx, mut rx) = mpsc::unbounded_channel::<(Instant, Vec<u8>)>();
     tokio::spawn(async move {
         let mut failed: Option<Vec<u8>> = None;
         for _ in 0..PART_STREAMS {
+            if let Err(e) = client.dial_any(peer, &addrs).await {
+                tracing::debug!(%peer, "dialing a member where its leader said: {e:#}");
+            }
             let mut control = client.control();
             let why = match open_accepted(&mut control, peer, hop::protocol()).await {
                 Ok(stream) => {

@@ -815,16 +815,17 @@ fn a_hop_group_behind_two_nats_runs_every_pass_as_hops() -> Result<()> {
             eprintln!("{} ({}):\n{}", p.name, sites.peers[&p.name], p.log());
         }
     }
-    // Every pass went by hops: parts crossed between the homes (no "no part of round …" from
-    // a member that could not reach another). A pass that failed a check instead was retried
-    // by hops: an honest hop group's check fails now and then (1 pass of 281 in ten runs of this
-    // lab; docs/verification.md, "Checks in hop groups"), which is not the network's doing.
+    // Every pass went by hops (`hop_steps` counts those that succeeded): parts crossed between
+    // the homes (no "no part of round …" from a member that could not reach another). A pass
+    // that failed a check instead was retried by hops: an honest hop group's check fails now
+    // and then (one pass in about 1,000 over 36 runs of this lab; docs/verification.md,
+    // "Checks in hop groups"), which is not the network's doing.
     let failures: Vec<&str> = log
         .lines()
         .filter(|l| l.contains("a forward step failed"))
         .collect();
     ensure!(
-        steps > 0.0 && hops == steps && failures.len() as f64 == failed,
+        steps > 0.0 && hops + failed == steps && failures.len() as f64 == failed,
         "every pass by hops: {steps} steps, {hops} hops, {failed} failed\napi log:\n{log}"
     );
     ensure!(
