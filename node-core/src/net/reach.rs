@@ -33,8 +33,7 @@ pub fn is_relayed(addr: &Multiaddr) -> bool {
 /// peer to its own machine; such circuits are left out where a circuit through another address
 /// is there (on one machine they are the only ones, and right).
 pub fn announced(addrs: &[Multiaddr]) -> Vec<Multiaddr> {
-    let local_circuit =
-        |a: &Multiaddr| is_relayed(a) && relay_of(a).is_some_and(|r| is_private(&r));
+    let local_circuit = |a: &Multiaddr| relay_of(a).is_some_and(|r| is_private(&r));
     let far = addrs.iter().any(|a| is_relayed(a) && !local_circuit(a));
     addrs
         .iter()

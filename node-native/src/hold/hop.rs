@@ -233,9 +233,10 @@ async fn member(
         let (Some(&peer), Some(addrs)) = (peers.get(&(row as usize)), join.addrs.get(i)) else {
             continue;
         };
-        let addrs: Vec<Multiaddr> = addrs.iter().filter_map(|a| a.parse().ok()).collect();
+        let addrs =
+            node_core::net::reach::to_dial(addrs.iter().filter_map(|a| a.parse().ok()).collect());
         if !addrs.is_empty() && peer != client.peer_id() {
-            addrs_of.insert(peer, node_core::net::reach::to_dial(addrs.clone()));
+            addrs_of.insert(peer, addrs.clone());
             client
                 .add_addrs(peer, addrs)
                 .await

@@ -257,46 +257,13 @@ fn three_sites_two_behind_nat_hold_rows_punch_holes_and_serve() -> Result<()> {
 
     // A request through the API computes on holders of both homes; cutting the symmetric home
     // off mid-stream fails nothing (its holders were spares beyond k + check).
-    let mut stream = topo
-        .command("api", "python3")?
-        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("python/lab_stream.py"))
-        .args(["http://127.0.0.1:8000/v1", "48", "8"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()?;
-    let mut out = BufReader::new(stream.stdout.take().context("stdout")?).lines();
-    let first = out.next().transpose()?.unwrap_or_default();
-    if first != "MARK" {
-        let done = stream.wait_with_output()?;
-        bail!(
-            "the stream did not start: {first}{}\napi node:\n{}",
-            String::from_utf8_lossy(&done.stderr),
-            nodes[0].log()
-        );
-    }
-    lab.cut("home-sym")?;
-    let last = out.last().transpose()?.unwrap_or_default();
-    let done = stream.wait_with_output()?;
-    ensure!(
-        done.status.success(),
-        "the request failed after the symmetric home was cut off: {}",
-        String::from_utf8_lossy(&done.stderr)
-    );
-    let result: serde_json::Value = serde_json::from_str(&last)?;
-    assert_eq!(result["finish_reason"], "length", "{result}");
-    assert_eq!(result["tokens"], 48, "{result}");
-    let steps = std::fs::read_to_string(&trace)?;
-    let served_by = |node: &str| {
-        steps.lines().any(|l| {
-            serde_json::from_str::<serde_json::Value>(l)
-                .is_ok_and(|v| v["peer"] == peers[node].as_str() && v["outcome"] == "ok")
-        })
-    };
+    stream_from(&topo, "api", 48, 8, || lab.cut("home-sym"))
+        .with_context(|| format!("api node:\n{}", nodes[0].log()))?;
+    let answered = answered(&trace)?;
     for home in [["ei1", "ei2"], ["sym1", "sym2"]] {
         assert!(
-            home.iter().any(|n| served_by(n)),
-            "no holder of {home:?} answered a step: {}",
-            steps.lines().take(20).collect::<Vec<_>>().join("\n")
+            home.iter().any(|n| answered.contains(&peers[*n])),
+            "no holder of {home:?} answered a step: {answered:?}"
         );
     }
     drop(nodes);
