@@ -16,7 +16,7 @@ use futures::{AsyncReadExt, StreamExt};
 use libp2p::{Multiaddr, PeerId};
 use node_core::holder::ShardState;
 use node_core::model::Llama;
-use node_core::net::hop::{self, Fed, Heard, HopError, HopFrame, HopLink, HopMember, Join, Part};
+use node_core::net::hop::{self, Fed, Heard, HopFrame, HopLink, HopMember, Join, Part};
 use node_core::net::session;
 use node_core::protocol::StepRequest;
 use tokio::sync::mpsc;
@@ -266,12 +266,11 @@ async fn member(
             let HopFrame::Feed(feed) = frame else {
                 return Err("a leader's stream carries only passes after the join".to_string());
             };
-            let result = hop.feed(&feed).await.map_err(|e: HopError| e.to_string());
-            let fed = session::frame(&Fed {
-                pass: feed.pass,
-                result,
-            })
-            .map_err(|e| e.to_string())?;
+            let fed = Fed::of(feed.pass, hop.feed(&feed).await);
+            if let Err(why) = &fed.result {
+                tracing::debug!(pass = feed.pass, silent = ?fed.silent, "a hop pass failed here: {why}");
+            }
+            let fed = session::frame(&fed).map_err(|e| e.to_string())?;
             let _ = answers.send((Instant::now() + delay, fed));
         }
         let caught = &hop.stats().caught;

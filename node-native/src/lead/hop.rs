@@ -153,8 +153,7 @@ async fn feed_member(
     };
     tracing::debug!(%peer, "hop stream to a member failed: {why}");
     let fail = |pass| {
-        let result = Err(why.clone());
-        let _ = answered.send((row, Fed { pass, result }));
+        let _ = answered.send((row, Fed::failed(pass, why.clone())));
     };
     let unanswered: Vec<u64> = lock().drain(..).collect();
     unanswered.into_iter().for_each(fail);

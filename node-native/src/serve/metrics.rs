@@ -50,6 +50,8 @@ pub struct Metrics {
     pub forward_steps: Counter,
     /// Of those, steps run one hop per stage (members pass coded outputs to each other).
     pub hop_steps: Counter,
+    /// Hop passes fed again without members that failed them (one's parts did not come).
+    pub hop_reruns: Counter,
     /// Coded groups formed.
     pub groups_formed: Counter,
     /// Groups short of members let go because a row they could take came back.
@@ -163,6 +165,7 @@ impl Metrics {
             active_sequences: Gauge::default(),
             forward_steps: Counter::default(),
             hop_steps: Counter::default(),
+            hop_reruns: Counter::default(),
             groups_formed: Counter::default(),
             groups_regrouped: Counter::default(),
             serving_groups: Gauge::default(),
@@ -255,6 +258,11 @@ impl Metrics {
             "hop_steps",
             "Forward steps run one hop per stage, the members passing coded outputs to each other",
             m.hop_steps.clone(),
+        );
+        r.register(
+            "hop_reruns",
+            "Hop passes fed again without members that failed them, so every member decodes the same rows",
+            m.hop_reruns.clone(),
         );
         r.register(
             "groups_formed",

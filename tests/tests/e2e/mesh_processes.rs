@@ -99,7 +99,8 @@ fn tiny_mesh_status_generate_straggler_restart_and_rejoin() -> Result<()> {
         err.contains(", 0 unchecked"),
         "rounds went unchecked:\n{err}"
     );
-    // With one hop per stage, the others leave the silent member out and decode without it.
+    // With one hop per stage, the group forms without the silent member (its session does
+    // not answer) and decodes without it.
     let (out, err) = mesh.generate_with(PROMPT, 24, &["--pass", "hop"], || {})?;
     assert_eq!(out, expected, "--pass hop\n{err}");
     mesh.nodes[stalled].signal("CONT");

@@ -248,6 +248,25 @@ impl<T: Transport> CodedGroup<T> {
         &self.members
     }
 
+    /// Makes `nodes` the members (a hop leader between passes): at least k, the first k
+    /// decoding.
+    pub fn set_nodes(&mut self, nodes: &[usize]) -> Result<(), CodedError> {
+        let k = self.generator.k();
+        let first = nodes.get(..k).ok_or(crate::code::CodeError::TooFew {
+            available: nodes.len(),
+            k,
+        })?;
+        Decoder::new(&self.generator, first)?;
+        self.members = nodes.to_vec();
+        self.set_verify(self.verify);
+        Ok(())
+    }
+
+    /// The rows any k of which decode.
+    pub fn k(&self) -> usize {
+        self.generator.k()
+    }
+
     /// Condition number of the rows decoded last.
     pub fn condition_number(&self) -> f64 {
         self.decoders

@@ -17,13 +17,14 @@ use web_time::{Duration, Instant};
 
 use crate::code::Generator;
 use crate::coded::{CodedError, CodedGroup, ExecStats, Transport, TransportError, VerifyConfig};
-use crate::model::{BatchItem, KvCache, LinearExec, Llama, LlamaConfig, ModelError, Pass, Stage};
+use crate::model::{BatchItem, KvCache, Llama, LlamaConfig, ModelError, Stage};
 use crate::protocol::{self, StepRequest};
 
 /// Name of the hop protocol; the version is part of it. (2: the receiver of every stream
 /// writes [`crate::net::session::ACCEPTED`] first;
-/// 3: a pass carries a batch of sequences.)
-pub const HOP_PROTOCOL: &str = "/codedmesh/hop/3";
+/// 3: a pass carries a batch of sequences;
+/// 4: a member that misses a part fails the pass and names the silent rows in its [`Fed`].)
+pub const HOP_PROTOCOL: &str = "/codedmesh/hop/4";
 
 /// The hop protocol's name, as libp2p takes it.
 pub fn protocol() -> libp2p::StreamProtocol {
@@ -158,6 +159,34 @@ pub struct Fed {
     pub pass: u64,
     /// The encoded [`crate::protocol::StepResponse`] of the LM head round, or the error.
     pub result: Result<Vec<u8>, String>,
+    /// The members whose parts this member missed, which failed its pass (none when it failed
+    /// on its own, or answered).
+    #[serde(deserialize_with = "crate::protocol::bounded::numbers")]
+    pub silent: Vec<u32>,
+}
+
+impl Fed {
+    /// A member's answer to `pass`: its part, or its error and the members that caused it.
+    pub fn of(pass: u64, result: Result<Vec<u8>, HopError>) -> Self {
+        let silent = match &result {
+            Err(HopError::Silent { rows, .. }) => rows.clone(),
+            _ => Vec::new(),
+        };
+        Self {
+            pass,
+            result: result.map_err(|e| e.to_string()),
+            silent,
+        }
+    }
+
+    /// A failure of the member's stream (no answer from the member itself).
+    pub fn failed(pass: u64, why: String) -> Self {
+        Self {
+            pass,
+            result: Err(why),
+            silent: Vec::new(),
+        }
+    }
 }
 
 /// Why a hop pass failed on a member.
@@ -186,6 +215,15 @@ pub enum HopError {
     /// The pass ended without an LM head round.
     #[error("the pass ended without an LM head round")]
     NoHead,
+    /// Parts of these members did not come: the pass fails here rather than decode from other
+    /// rows than the rest of the group.
+    #[error("no part from rows {rows:?}: {why}")]
+    Silent {
+        /// The rows whose parts are missing.
+        rows: Vec<u32>,
+        /// Why they are missing.
+        why: String,
+    },
 }
 
 /// What a member's exchange needs from its shell: its own shard, and streams to the others.
@@ -229,8 +267,12 @@ pub struct Exchange<L> {
     /// Parts of rounds this member has not reached yet (a faster member is one round ahead).
     early: Vec<Part>,
     head: Option<Vec<u8>>,
-    /// Members that left the group.
+    /// Members the leader no longer feeds: every member leaves them out alike.
+    unfed: std::collections::BTreeSet<usize>,
+    /// Members heard leaving (their streams ended) while still fed.
     gone: std::collections::BTreeSet<usize>,
+    /// Fed members whose parts of this pass did not come, and why: the pass has failed here.
+    silent: Option<(Vec<usize>, String)>,
     /// Members left out of rounds, and why.
     dropped: Vec<(usize, String)>,
 }
@@ -251,15 +293,18 @@ impl<L: HopLink> Exchange<L> {
             got: BTreeMap::new(),
             early: Vec::new(),
             head: None,
+            unfed: Default::default(),
             gone: Default::default(),
+            silent: None,
             dropped: Vec::new(),
         }
     }
 
     fn start_pass(&mut self, pass: u64, rows: &[u32]) {
         let fed: Vec<usize> = rows.iter().map(|&r| r as usize).collect();
-        self.gone
+        self.unfed
             .extend(self.rows.iter().filter(|r| !fed.contains(r)).copied());
+        self.silent = None;
         self.pass = pass;
         self.round = 0;
         self.request.clear();
@@ -295,6 +340,13 @@ impl<L: HopLink> Transport for Exchange<L> {
         request: &[u8],
         need: usize,
     ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
+        if let Some((rows, why)) = &self.silent {
+            // The pass has failed here: no round of it decodes.
+            return Err(TransportError {
+                node: rows.first().copied().unwrap_or(usize::MAX),
+                reason: why.clone(),
+            });
+        }
         if request != self.request.as_slice() {
             // A new round: compute this member's part and send it to the others. (The group
             // asks again with the same request for more answers of the same round.)
@@ -348,33 +400,40 @@ impl<L: HopLink> Transport for Exchange<L> {
             if have >= need.min(members.len()) {
                 return Ok(in_order(members, &self.got));
             }
-            if let Some(gone) = members
-                .iter()
-                .copied()
-                .find(|r| self.gone.contains(r) && !self.got.contains_key(r))
-            {
+            // The leader left a member out of this pass, as every member knows alike.
+            if let Some(gone) = members.iter().copied().find(|r| self.unfed.contains(r)) {
                 members.retain(|&r| r != gone);
                 let reason = "left the group".to_string();
                 self.dropped.push((gone, reason.clone()));
                 return Err(TransportError { node: gone, reason });
             }
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.link.next(left).await {
+            // A fed member's part is missing: the others may have it, so leaving it out here
+            // would decode from other rows than they do. The pass fails instead, naming it, and
+            // the leader feeds it again without the member.
+            let missing = |gone: &std::collections::BTreeSet<usize>, all: bool| -> Vec<usize> {
+                members
+                    .iter()
+                    .copied()
+                    .filter(|r| !self.got.contains_key(r) && (all || gone.contains(r)))
+                    .collect()
+            };
+            let left = missing(&self.gone, false);
+            if !left.is_empty() {
+                return Err(self.fail(left, "left the group mid-pass".into()));
+            }
+            let wait = deadline.saturating_duration_since(Instant::now());
+            match self.link.next(wait).await {
                 Some(Heard::Part(part)) => self.take(part),
                 Some(Heard::Gone(row)) => {
                     self.gone.insert(row);
                 }
                 None => {
-                    let missing = leave_out_silent(members, &self.got);
-                    let reason = format!(
+                    let why = format!(
                         "no part of round {} within {:?}",
                         self.round, self.round_wait
                     );
-                    self.dropped.push((missing, reason.clone()));
-                    return Err(TransportError {
-                        node: missing,
-                        reason,
-                    });
+                    let silent = missing(&self.gone, true);
+                    return Err(self.fail(silent, why));
                 }
             }
         }
@@ -389,15 +448,13 @@ fn in_order(members: &[usize], got: &BTreeMap<usize, Vec<u8>>) -> Vec<(usize, Ve
         .collect()
 }
 
-/// Leaves out the members that have not answered; returns the first of them.
-fn leave_out_silent(members: &mut Vec<usize>, got: &BTreeMap<usize, Vec<u8>>) -> usize {
-    let missing = members
-        .iter()
-        .copied()
-        .find(|r| !got.contains_key(r))
-        .unwrap_or(usize::MAX);
-    members.retain(|r| got.contains_key(r));
-    missing
+impl<L> Exchange<L> {
+    /// Fails this pass here: `rows`' parts did not come, for `why`.
+    fn fail(&mut self, rows: Vec<usize>, why: String) -> TransportError {
+        let node = rows.first().copied().unwrap_or(usize::MAX);
+        self.silent = Some((rows, why.clone()));
+        TransportError { node, reason: why }
+    }
 }
 
 /// A member of a hop group: its copy of each sequence's keys and values, and the group it
@@ -484,6 +541,10 @@ impl<L: HopLink> HopMember<L> {
         drop(items);
         self.caches
             .extend(feed.seqs.iter().map(|s| s.seq).zip(caches));
+        if let Some((rows, why)) = self.group.transport_mut().silent.take() {
+            let rows = rows.iter().map(|&r| r as u32).collect();
+            return Err(HopError::Silent { rows, why });
+        }
         ran?;
         self.group
             .transport_mut()
@@ -513,239 +574,8 @@ impl<L: HopLink> HopMember<L> {
     }
 }
 
-/// What a hop leader needs from its shell: streams to the members.
-#[allow(
-    async_fn_in_trait,
-    reason = "a shell's streams may be !Send (a browser's)"
-)]
-pub trait FeedLink {
-    /// Sends a pass to the member holding `row`.
-    fn feed(&mut self, row: usize, feed: &Feed);
-    /// The next member's answer, or `None` if none comes within `wait`.
-    async fn next(&mut self, wait: Duration) -> Option<(usize, Fed)>;
-}
-
-/// The leader's side of the LM head round: the members' answers to the current pass.
-#[derive(Debug)]
-pub struct Gather<L> {
-    link: L,
-    /// How long answers beyond the first k are waited for once those are in.
-    wait: Duration,
-    /// The answers needed to decode.
-    k: usize,
-    pass: u64,
-    /// When the current pass was fed.
-    fed_at: Instant,
-    /// How long its first k answers are waited for: [`PASS_WAIT`], and the bytes each member
-    /// sends the others in the pass at [`MIN_RATE`].
-    pass_wait: Duration,
-    /// When its k-th answer came.
-    decodable_at: Option<Instant>,
-    got: BTreeMap<usize, Vec<u8>>,
-}
-
-/// How long a leader waits for the first k answers to a pass, beyond its parts' bytes at
-/// [`MIN_RATE`]: a whole forward pass runs in between (every stage's compute and one network
-/// delay), so a silent group fails only after this. A member that fails is heard at once (its
-/// stream ends), and one that is silent is left out by the others.
-pub const PASS_WAIT: Duration = Duration::from_secs(120);
-
-impl<L: FeedLink> Transport for Gather<L> {
-    async fn round(
-        &mut self,
-        members: &mut Vec<usize>,
-        _request: &[u8],
-        need: usize,
-    ) -> Result<Vec<(usize, Vec<u8>)>, TransportError> {
-        loop {
-            let have = members.iter().filter(|r| self.got.contains_key(r)).count();
-            if have >= need.min(members.len()) {
-                return Ok(in_order(members, &self.got));
-            }
-            // The first k answers may take a whole pass; the checking ones only a wait more.
-            let deadline = match self.decodable_at {
-                Some(at) => at + self.wait,
-                None => self.fed_at + self.pass_wait,
-            };
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.link.next(left).await {
-                Some((row, fed)) if fed.pass == self.pass && members.contains(&row) => {
-                    match fed.result {
-                        Ok(answer) => {
-                            self.got.entry(row).or_insert(answer);
-                            if self.decodable_at.is_none() && self.got.len() >= self.k {
-                                self.decodable_at = Some(Instant::now());
-                            }
-                        }
-                        Err(reason) => {
-                            members.retain(|&r| r != row);
-                            return Err(TransportError { node: row, reason });
-                        }
-                    }
-                }
-                Some(_) => {} // an earlier pass's answer come late, or a member left out
-                None => {
-                    let missing = leave_out_silent(members, &self.got);
-                    return Err(TransportError {
-                        node: missing,
-                        reason: format!(
-                            "no answer to pass {} within {:?}",
-                            self.pass,
-                            self.fed_at.elapsed()
-                        ),
-                    });
-                }
-            }
-        }
-    }
-}
-
-/// A hop group's leader: feeds each pass's tokens to the members and decodes (and checks) the
-/// logits from their LM head parts.
-#[derive(Debug)]
-pub struct HopLeader<L: FeedLink> {
-    cfg: LlamaConfig,
-    group: CodedGroup<Gather<L>>,
-    /// Sequences done since the last pass, for the members to forget.
-    forget: Vec<u64>,
-    /// Values of a member's parts of one token's pass, every block's stages together.
-    part_floats: usize,
-}
-
-/// One sequence of a leader's batch: its number among the group's sequences and its pass.
-#[derive(Debug, Clone, Copy)]
-pub struct HopSeq<'a> {
-    /// The leader's number for the sequence.
-    pub seq: u64,
-    /// Its tokens, where they start, and the logits wanted.
-    pub pass: Pass<'a>,
-}
-
-impl<L: FeedLink> HopLeader<L> {
-    /// Leads the members of `join` (its `row` is ignored); each must already have its own
-    /// [`Join`]. `link` reaches them.
-    pub fn new(
-        cfg: LlamaConfig,
-        generator: Generator,
-        join: &Join,
-        link: L,
-    ) -> Result<Self, CodedError> {
-        let gather = Gather {
-            link,
-            wait: join.wait(),
-            k: generator.k(),
-            pass: 0,
-            fed_at: Instant::now(),
-            pass_wait: PASS_WAIT,
-            decodable_at: None,
-            got: BTreeMap::new(),
-        };
-        let part_floats = Stage::all(&cfg)
-            .iter()
-            .filter(|s| s.layer().is_some())
-            .flat_map(|s| s.shapes(&cfg))
-            .map(|(out, _)| generator.block_len(out) * generator.sub_blocks())
-            .sum();
-        let group = join.group(cfg.clone(), generator, gather)?;
-        Ok(Self {
-            cfg,
-            group,
-            forget: Vec::new(),
-            part_floats,
-        })
-    }
-
-    /// One forward pass of one sequence (number 0) through the group: the logits it asks
-    /// for, row after row.
-    pub async fn forward(&mut self, pass: Pass<'_>) -> Result<Vec<f32>, ModelError> {
-        let mut out = self.forward_batch(&[HopSeq { seq: 0, pass }]).await?;
-        out.pop()
-            .ok_or_else(|| ModelError::Config("no logits".into()))
-    }
-
-    /// One forward pass of a batch of sequences through the group: each sequence's logits,
-    /// row after row, in the batch's order.
-    pub async fn forward_batch(
-        &mut self,
-        seqs: &[HopSeq<'_>],
-    ) -> Result<Vec<Vec<f32>>, ModelError> {
-        let rows = self.group.nodes().to_vec();
-        let forget = std::mem::take(&mut self.forget);
-        let tokens: usize = seqs.iter().map(|s| s.pass.tokens.len()).sum();
-        // Each member sends every other its part of every stage, four bytes a value.
-        let sent = tokens * self.part_floats * 4 * rows.len().saturating_sub(1);
-        let gather = self.group.transport_mut();
-        gather.pass += 1;
-        gather.got.clear();
-        gather.fed_at = Instant::now();
-        gather.pass_wait = PASS_WAIT + at_min_rate(sent);
-        gather.decodable_at = None;
-        let feed = Feed {
-            pass: gather.pass,
-            seqs: seqs
-                .iter()
-                .map(|s| FeedSeq {
-                    seq: s.seq,
-                    start: s.pass.start as u32,
-                    tokens: s.pass.tokens.to_vec(),
-                    logits: s.pass.logits as u32,
-                })
-                .collect(),
-            forget,
-            rows: rows.iter().map(|&r| r as u32).collect(),
-        };
-        for row in rows {
-            gather.link.feed(row, &feed);
-        }
-        // The LM head's input lives on the members; the leader only decodes their answers.
-        let wanted: Vec<usize> = seqs
-            .iter()
-            .map(|s| s.pass.logits.clamp(1, s.pass.tokens.len().max(1)))
-            .collect();
-        let total: usize = wanted.iter().sum();
-        let x = vec![0.0; total * self.cfg.hidden];
-        let mut out = self.group.linear(Stage::LmHead, &x, total).await?;
-        let all = out
-            .pop()
-            .ok_or_else(|| ModelError::Config("no logits".into()))?;
-        let vocab = self.cfg.vocab;
-        if all.len() != total * vocab {
-            return Err(ModelError::Config(format!(
-                "the LM head gave {} values, not {total} rows of {vocab}",
-                all.len()
-            )));
-        }
-        let mut at = 0;
-        Ok(wanted
-            .iter()
-            .map(|&w| {
-                let rows = all[at * vocab..(at + w) * vocab].to_vec();
-                at += w;
-                rows
-            })
-            .collect())
-    }
-
-    /// Tells the members, with the next pass, that `seq` is done: they forget it.
-    pub fn forget(&mut self, seq: u64) {
-        self.forget.push(seq);
-    }
-
-    /// Counters of the leader's decoding (LM head rounds, caught members).
-    pub fn stats(&self) -> &ExecStats {
-        self.group.stats()
-    }
-
-    /// Clears the counters.
-    pub fn reset_stats(&mut self) {
-        self.group.reset_stats();
-    }
-
-    /// The members still in the group (one that failed is left out).
-    pub fn rows(&self) -> &[usize] {
-        self.group.nodes()
-    }
-}
+mod leader;
+pub use leader::{FeedLink, HopLeader, HopSeq, PASS_WAIT};
 
 #[cfg(test)]
 mod tests;

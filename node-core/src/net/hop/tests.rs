@@ -6,7 +6,7 @@ use futures::executor::block_on;
 use super::*;
 use crate::coded::{InProcess, Member, Misbehaviour, ShardFormat, ShardSet};
 use crate::lead::{generate, generate_with};
-use crate::model::{GenerateOptions, LeaderWeights, ModelWeights};
+use crate::model::{GenerateOptions, LeaderWeights, ModelWeights, Pass};
 
 fn config() -> LlamaConfig {
     LlamaConfig::test_model()
@@ -16,6 +16,8 @@ struct MemberLink {
     member: Member,
     to: HashMap<usize, Sender<Heard>>,
     from: Receiver<Heard>,
+    /// A part of this member's that is lost on its way: (to row, pass, round).
+    lose: Option<(usize, u64, u32)>,
 }
 
 impl HopLink for MemberLink {
@@ -24,6 +26,9 @@ impl HopLink for MemberLink {
     }
 
     fn send(&mut self, row: usize, part: &Part) {
+        if self.lose == Some((row, part.pass, part.round)) {
+            return;
+        }
         if let Some(tx) = self.to.get(&row) {
             let _ = tx.send(Heard::Part(part.clone()));
         }
@@ -46,14 +51,8 @@ impl FeedLink for LeadLink {
         if let Some(tx) = self.to.get(&row)
             && tx.send(feed.clone()).is_err()
         {
-            let result = Err("the member's stream closed".into());
-            let _ = self.failed.send((
-                row,
-                Fed {
-                    pass: feed.pass,
-                    result,
-                },
-            ));
+            let why = "the member's stream closed".to_string();
+            let _ = self.failed.send((row, Fed::failed(feed.pass, why)));
         }
     }
 
@@ -69,6 +68,10 @@ struct Faults {
     liar: Option<usize>,
     /// This row leaves after this many passes.
     quits: Option<(usize, u64)>,
+    /// A part from the first row to the second is lost, in (pass, round).
+    lose: Option<(usize, usize, u64, u32)>,
+    /// How long a part is waited for (10 s where `None`).
+    wait_ms: Option<u32>,
 }
 
 /// What each member of a test's hop group saw: the rows it caught, and those it left out.
@@ -93,7 +96,7 @@ fn hop_group(
         peers: vec![Vec::new(); rows.len()],
         addrs: vec![Vec::new(); rows.len()],
         row: 0,
-        wait_ms: 10_000,
+        wait_ms: faults.wait_ms.unwrap_or(10_000),
         extra: (rows.len() - 3) as u32,
         noise: crate::coded::DEFAULT_NOISE,
     };
@@ -121,6 +124,8 @@ fn hop_group(
             member,
             to: part_tx.clone(),
             from: part_rx.remove(&r).unwrap(),
+            lose: (faults.lose)
+                .and_then(|(from, to, pass, round)| (from == r).then_some((to, pass, round))),
         };
         let llama = Llama::new(weights.cfg.clone(), norms.clone()).unwrap();
         let mut hop = HopMember::new(
@@ -144,24 +149,11 @@ fn hop_group(
                     for tx in others.values() {
                         let _ = tx.send(Heard::Gone(r));
                     }
-                    let result = Err("the member's stream closed".into());
-                    let _ = fed.send((
-                        r,
-                        Fed {
-                            pass: feed.pass,
-                            result,
-                        },
-                    ));
+                    let why = "the member's stream closed".to_string();
+                    let _ = fed.send((r, Fed::failed(feed.pass, why)));
                     break;
                 }
-                let result = block_on(hop.feed(&feed)).map_err(|e| e.to_string());
-                let _ = fed.send((
-                    r,
-                    Fed {
-                        pass: feed.pass,
-                        result,
-                    },
-                ));
+                let _ = fed.send((r, Fed::of(feed.pass, block_on(hop.feed(&feed)))));
             }
             let caught = hop.stats().caught.iter().map(|c| c.node).collect();
             (caught, hop.dropped().to_vec())
@@ -178,13 +170,13 @@ fn hop_group(
 }
 
 /// Greedy tokens of `prompt` through a hop group of `rows`, what each member saw, and the
-/// leader's counters.
+/// leader's counters (its passes fed again in `reruns`).
 fn hop_generate(
     weights: &ModelWeights,
     rows: &[usize],
     faults: Faults,
     draft: usize,
-) -> (Vec<u32>, Vec<Seen>, ExecStats) {
+) -> (Vec<u32>, Vec<Seen>, ExecStats, u64) {
     let (mut leader, threads) = hop_group(weights, rows, faults);
     let opts = GenerateOptions {
         max_tokens: 12,
@@ -201,10 +193,10 @@ fn hop_generate(
         &mut |_| true,
     )
     .unwrap();
-    let stats = leader.stats().clone();
+    let (stats, reruns) = (leader.stats().clone(), leader.reruns());
     drop(leader);
     let caught = threads.into_iter().map(|t| t.join().unwrap()).collect();
-    (out.tokens, caught, stats)
+    (out.tokens, caught, stats, reruns)
 }
 
 fn round_generate(weights: &ModelWeights, draft: usize) -> Vec<u32> {
@@ -245,7 +237,8 @@ fn a_hop_group_generates_the_tokens_a_leader_does() {
     let weights = ModelWeights::synthetic(config(), 5).unwrap();
     for draft in [0, 4] {
         let want = round_generate(&weights, draft);
-        let (tokens, seen, stats) = hop_generate(&weights, &[0, 1, 2, 3], Faults::default(), draft);
+        let (tokens, seen, stats, reruns) =
+            hop_generate(&weights, &[0, 1, 2, 3], Faults::default(), draft);
         assert_eq!(tokens, want, "drafts of {draft}");
         assert!(
             seen.iter().all(|(c, d)| c.is_empty() && d.is_empty()),
@@ -253,6 +246,7 @@ fn a_hop_group_generates_the_tokens_a_leader_does() {
         );
         assert!(stats.verified_rounds > 0 && stats.unverified_rounds == 0);
         assert!(stats.caught.is_empty());
+        assert_eq!(reruns, 0);
     }
 }
 
@@ -264,7 +258,7 @@ fn every_member_and_the_leader_catch_a_member_that_lies() {
         liar: Some(2),
         ..Faults::default()
     };
-    let (tokens, seen, stats) = hop_generate(&weights, &[0, 1, 2, 3, 4], faults, 0);
+    let (tokens, seen, stats, reruns) = hop_generate(&weights, &[0, 1, 2, 3, 4], faults, 0);
     assert_eq!(tokens, want);
     for (i, (caught, _)) in seen.iter().enumerate() {
         if i != 2 {
@@ -272,6 +266,10 @@ fn every_member_and_the_leader_catch_a_member_that_lies() {
         }
     }
     assert_eq!(stats.caught.iter().map(|c| c.node).collect::<Vec<_>>(), [2]);
+    assert_eq!(
+        reruns, 0,
+        "a liar is left out by all alike, within the pass"
+    );
 }
 
 #[test]
@@ -282,15 +280,16 @@ fn a_member_that_leaves_is_left_out_at_once_and_the_rest_decode_from_k() {
         quits: Some((3, 4)),
         ..Faults::default()
     };
-    let (tokens, seen, stats) = hop_generate(&weights, &[0, 1, 2, 3], faults, 0);
+    let (tokens, seen, stats, reruns) = hop_generate(&weights, &[0, 1, 2, 3], faults, 0);
     assert_eq!(tokens, want);
     for (caught, dropped) in &seen[..3] {
         assert!(caught.is_empty());
-        // Heard leaving, not waited out (the wait is 10 s).
+        // Heard leaving, not waited out (the wait is 10 s); left out from the pass fed again.
         assert_eq!(dropped, &[(3, "left the group".to_string())]);
     }
     assert!(stats.verified_rounds >= 4 && stats.unverified_rounds > 0);
     assert!(stats.caught.is_empty());
+    assert_eq!(reruns, 1, "the pass it left in was fed again without it");
 }
 
 #[test]
@@ -303,7 +302,7 @@ fn a_spare_in_a_hop_group_takes_a_members_loss_and_every_round_stays_checked() {
         quits: Some((1, 3)),
         ..Faults::default()
     };
-    let (tokens, seen, stats) = hop_generate(&weights, &[0, 1, 2, 3, 4], faults, 0);
+    let (tokens, seen, stats, reruns) = hop_generate(&weights, &[0, 1, 2, 3, 4], faults, 0);
     assert_eq!(tokens, want);
     for (i, (caught, dropped)) in seen.iter().enumerate().filter(|(i, _)| *i != 1) {
         assert!(caught.is_empty(), "member {i} caught {caught:?}");
@@ -315,6 +314,37 @@ fn a_spare_in_a_hop_group_takes_a_members_loss_and_every_round_stays_checked() {
         "a round went unchecked after the loss"
     );
     assert!(stats.caught.is_empty());
+    assert_eq!(reruns, 1);
+}
+
+#[test]
+fn a_part_lost_to_one_member_fails_its_pass_and_the_pass_is_fed_again_to_members_alike() {
+    // Row 0's part of pass 3's third round never reaches row 1. Row 1 must not leave row 0 out
+    // on its own (it would decode from other rows than the rest, and its parts drift off the
+    // code): it fails the pass, naming row 0; the others then miss row 1's next part and name
+    // it. The leader feeds the pass again without the member most named, and every member
+    // left in leaves out the same row, at a pass's start.
+    let weights = ModelWeights::synthetic(config(), 5).unwrap();
+    let want = round_generate(&weights, 0);
+    let faults = Faults {
+        lose: Some((0, 1, 3, 3)),
+        wait_ms: Some(2_000),
+        ..Faults::default()
+    };
+    let (tokens, seen, stats, reruns) = hop_generate(&weights, &[0, 1, 2, 3, 4], faults, 0);
+    assert_eq!(tokens, want);
+    assert_eq!(reruns, 1);
+    assert_eq!(seen[1].1, [], "row 1 left no one out");
+    for (i, (caught, dropped)) in seen.iter().enumerate() {
+        assert!(caught.is_empty(), "member {i} caught {caught:?}");
+        if i != 1 {
+            assert_eq!(dropped, &[(1, "left the group".to_string())], "member {i}");
+        }
+    }
+    assert!(
+        stats.caught.is_empty() && stats.unverified_rounds == 0,
+        "{stats:?}"
+    );
 }
 
 /// Greedy decoding of several prompts at once through `forward`, each sequence at its own

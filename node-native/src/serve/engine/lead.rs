@@ -355,8 +355,11 @@ impl Lead {
                 pass,
             })
             .collect();
+        let reruns = leader.reruns();
         let result = leader.forward_batch(&seqs).await;
+        let reran = leader.reruns() - reruns;
         drop(seqs);
+        self.ctx.metrics.hop_reruns.inc_by(reran);
         if result.is_ok() {
             self.ctx.metrics.hop_steps.inc();
         }
