@@ -466,6 +466,7 @@ fn run_status(args: StatusArgs) -> Result<()> {
         }
     }
     println!("{}", info.summary());
+    println!("{}", info.regions_line());
     if let Some(url) = &info.dashboard {
         println!("dashboard: {url}");
     }

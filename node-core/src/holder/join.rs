@@ -42,7 +42,17 @@ pub trait Link {
 
     /// Shows how far a long step is (`total` 0: not known yet).
     fn progress(&self, what: &str, done: u64, total: u64);
+
+    /// The round trip to `peer` (connected), waiting briefly for a first measurement; `None`
+    /// where this link measures none (the default, a browser's).
+    fn round_trip(&self, peer: &Self::Peer) -> impl Future<Output = Option<web_time::Duration>> {
+        let _ = peer;
+        async { None }
+    }
 }
+
+/// How long a joiner spends measuring its round trips to the mesh before it asks to join.
+pub const MEASURE_WAIT: web_time::Duration = web_time::Duration::from_secs(5);
 
 /// The peer id of the holder `src` names.
 pub fn source_peer(src: &SourceRow) -> Result<libp2p::PeerId, HolderError> {
@@ -91,7 +101,8 @@ pub async fn join<L: Link>(
     bootstrap: &L::Peer,
     manifest: &ModelManifest,
 ) -> Result<Joined, HolderError> {
-    let offer = match ask_ok(link, bootstrap, MeshRequest::Join).await? {
+    let request = join_request(link, bootstrap).await;
+    let offer = match ask_ok(link, bootstrap, request).await? {
         MeshResponse::Join(offer) => offer,
         other => {
             return Err(HolderError::Download(format!(
@@ -101,6 +112,78 @@ pub async fn join<L: Link>(
         }
     };
     obtain(link, bootstrap, manifest, offer).await
+}
+
+/// The request to join: with the round trips to the bootstrap and to a few holders spread
+/// over the mesh's coordinates ([`crate::mesh::regions`]), where the link measures them, so the
+/// joiner is offered a row its region lacks; a plain [`MeshRequest::Join`] where it does not.
+async fn join_request<L: Link>(link: &L, bootstrap: &L::Peer) -> MeshRequest {
+    use futures::future::{Either, join_all, select};
+    let Some(first) = link.round_trip(bootstrap).await else {
+        return MeshRequest::Join;
+    };
+    let mut samples = vec![(bootstrap.to_string(), first)];
+    if let Ok(MeshResponse::Info(info)) = link.ask(bootstrap, MeshRequest::Info).await {
+        let others = spread_holders(&info, &samples[0].0, crate::mesh::regions::MAX_SAMPLES - 1);
+        let measure = join_all(others.iter().map(|src| async move {
+            let peer = link.dial(src).await.ok()?;
+            Some((src.peer.clone(), link.round_trip(&peer).await?))
+        }));
+        let timer = futures_timer::Delay::new(MEASURE_WAIT);
+        if let Either::Left((measured, _)) = select(Box::pin(measure), timer).await {
+            samples.extend(measured.into_iter().flatten());
+        }
+    }
+    tracing::info!(?samples, "round trips measured before joining");
+    let (peers, rtt_us) = samples
+        .into_iter()
+        .map(|(p, rtt)| (p, u32::try_from(rtt.as_micros()).unwrap_or(u32::MAX)))
+        .unzip();
+    MeshRequest::JoinNear { peers, rtt_us }
+}
+
+/// Up to `count` healthy holders of `info` other than `bootstrap`, spread over the space of
+/// their coordinates: each next the farthest from those taken (unplaced ones last).
+fn spread_holders(info: &crate::mesh::MeshInfo, bootstrap: &str, count: usize) -> Vec<SourceRow> {
+    let mut left: Vec<&crate::mesh::NodeStatus> = (info.nodes.iter())
+        .filter(|n| {
+            n.peer != bootstrap
+                && n.health == crate::mesh::Health::Healthy
+                && n.caught.is_none()
+                && n.row.is_some()
+                && !n.addrs.is_empty()
+        })
+        .collect();
+    let mut taken: Vec<&crate::mesh::NodeStatus> = Vec::new();
+    let at = |n: &crate::mesh::NodeStatus| n.coord;
+    if let Some(boot) = info.nodes.iter().find(|n| n.peer == bootstrap) {
+        taken.push(boot);
+    }
+    let skip = taken.len();
+    while taken.len() < count + skip && !left.is_empty() {
+        let far = |n: &&crate::mesh::NodeStatus| {
+            let c = at(n);
+            if !c.is_placed() {
+                return -1.0;
+            }
+            (taken.iter().map(|t| at(t)))
+                .filter(crate::mesh::Coord::is_placed)
+                .map(|t| t.rtt_ms(&c))
+                .fold(f32::INFINITY, f32::min)
+        };
+        let i = (0..left.len())
+            .max_by(|&a, &b| far(&left[a]).total_cmp(&far(&left[b])))
+            .unwrap_or(0);
+        taken.push(left.swap_remove(i));
+    }
+    taken[skip..]
+        .iter()
+        .map(|n| SourceRow {
+            row: n.row.unwrap_or(0),
+            peer: n.peer.clone(),
+            addrs: n.addrs.clone(),
+        })
+        .collect()
 }
 
 /// Obtains the row `offer` names: a genesis shard from `bootstrap` (the node that offered
@@ -355,5 +438,77 @@ pub async fn answer_chain<L: Link>(
             src.row,
             describe(&other)
         ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mesh::{Coord, HealthConfig, Heartbeat, MeshView};
+
+    /// A holder of `row` placed at `x` ms along one axis, with an address.
+    fn holder(row: u32, x: f32) -> Heartbeat {
+        Heartbeat {
+            model: [7; 32],
+            row: Some(row),
+            version_count: 0,
+            version_digest: [0; 32],
+            addrs: vec![format!("/ip4/10.0.0.{row}/tcp/4001")],
+            offers: vec![],
+            incarnation: 1,
+            seq: 0,
+            uptime_ms: 0,
+            device: "cpu".into(),
+            usage: Default::default(),
+            reach: Default::default(),
+            trains: false,
+            coord: Coord {
+                vec: [x, 0.0, 0.0, 0.0],
+                height: 0.5,
+                error: 0.1,
+            },
+        }
+    }
+
+    #[test]
+    fn a_joiner_measures_holders_spread_over_the_regions_first() {
+        // Seed (this view's node, unplaced) and three regions: 0 ms (peers 1-4), 100 ms
+        // (5-7), 200 ms (8). Asked for three beyond the bootstrap (peer 1), a joiner measures
+        // one holder of each of the other places before a second of any.
+        let t0 = web_time::Instant::now();
+        let mut v = MeshView::new(
+            t0,
+            0u32,
+            HealthConfig::default(),
+            2,
+            (3, 3),
+            "m".into(),
+            holder(0, 0.0),
+        )
+        .unwrap();
+        let places = [
+            (1, 0.0),
+            (2, 1.0),
+            (3, 2.0),
+            (4, 1.5),
+            (5, 100.0),
+            (6, 101.0),
+            (7, 99.0),
+            (8, 200.0),
+        ];
+        for (peer, x) in places {
+            v.handle_heartbeat(t0, peer, holder(peer % 3, x));
+        }
+        let chosen = spread_holders(&v.info(t0), "1", 3);
+        let peers: Vec<u32> = chosen.iter().map(|s| s.peer.parse().unwrap()).collect();
+        assert_eq!(peers.len(), 3);
+        assert!(peers.contains(&8), "{peers:?}");
+        assert_eq!(
+            peers.iter().filter(|p| (5..=7).contains(*p)).count(),
+            1,
+            "{peers:?}"
+        );
+        assert!(!peers.contains(&1), "the bootstrap is measured already");
+        assert!(chosen.iter().all(|s| !s.addrs.is_empty()));
     }
 }

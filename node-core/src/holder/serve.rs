@@ -71,8 +71,9 @@ pub enum Route<P> {
 pub enum ViewQuery {
     /// The node's view of the mesh.
     Info,
-    /// A row for the asking node.
-    Join,
+    /// A row for the asking node, which measured these round trips (at most
+    /// [`crate::mesh::regions::MAX_SAMPLES`]).
+    Join(Vec<(String, Duration)>),
     /// A leader the mesh admits to report caught a holder answering against the code.
     Report {
         /// The report, checked ([`super::open_report`]).
@@ -190,7 +191,16 @@ pub fn route<P: Hash + Eq + Clone + std::str::FromStr>(
     let error = |e: String| Route::Answer(MeshResponse::Error(e));
     match request {
         MeshRequest::Info => Route::View(ViewQuery::Info),
-        MeshRequest::Join => Route::View(ViewQuery::Join),
+        MeshRequest::Join => Route::View(ViewQuery::Join(Vec::new())),
+        MeshRequest::JoinNear { peers, rtt_us } => {
+            let samples = peers
+                .iter()
+                .zip(rtt_us)
+                .take(crate::mesh::regions::MAX_SAMPLES)
+                .map(|(p, us)| (p.clone(), Duration::from_micros(us.into())))
+                .collect();
+            Route::View(ViewQuery::Join(samples))
+        }
         MeshRequest::Report { .. } if !limit.allow(peer, now) => error(format!(
             "rate limit: at most {LEARN_PER_MINUTE} updates and reports a minute from one peer"
         )),
@@ -286,9 +296,12 @@ where
 {
     match query {
         ViewQuery::Info => MeshResponse::Info(view.info(now)),
-        ViewQuery::Join => {
-            let offer = view.offer_row(now, peer.clone());
-            tracing::info!(%peer, ?offer, "join");
+        ViewQuery::Join(samples) => {
+            let samples: Vec<(P, Duration)> = (samples.into_iter())
+                .filter_map(|(p, rtt)| Some((p.parse().ok()?, rtt)))
+                .collect();
+            let offer = view.offer_row_near(now, peer.clone(), &samples);
+            tracing::info!(%peer, ?offer, measured = samples.len(), "join");
             MeshResponse::Join(offer)
         }
         ViewQuery::Report { report, .. } => {
@@ -513,8 +526,20 @@ mod tests {
         assert!(e.contains("a step request"), "{e}");
         assert!(matches!(
             go(MeshRequest::Join),
-            Route::View(ViewQuery::Join)
+            Route::View(ViewQuery::Join(s)) if s.is_empty()
         ));
+        // A joiner's round trips: at most MAX_SAMPLES kept, a bad peer id dropped.
+        let mut peers = vec!["not a peer".to_string()];
+        peers.extend((0..20).map(|i: u32| i.to_string()));
+        let rtt_us = vec![1_000; peers.len()];
+        match go(MeshRequest::JoinNear { peers, rtt_us }) {
+            Route::View(ViewQuery::Join(s)) => {
+                assert_eq!(s.len(), crate::mesh::regions::MAX_SAMPLES);
+                assert_eq!(s[0].0, "not a peer", "parsed where the view answers");
+                assert!(s.iter().all(|(_, rtt)| *rtt == Duration::from_millis(1)));
+            }
+            _ => panic!("a join with round trips is a join"),
+        }
         // Text to teach: within the context and the vocabulary.
         assert!(matches!(
             go(MeshRequest::Teach(vec![1, 2, 3])),

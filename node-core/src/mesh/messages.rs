@@ -570,6 +570,16 @@ pub enum MeshRequest {
     /// A leader the mesh does not admit to write hands a trainer text its user sent (token
     /// ids): the trainer trains on it under its own budget and gate.
     Teach(#[serde(deserialize_with = "crate::protocol::bounded::numbers")] Vec<u32>),
+    /// A row for the asking node, which measured round trips to some nodes of the mesh: it is
+    /// offered one its region lacks ([`super::MeshView::offer_row_near`]).
+    JoinNear {
+        /// The nodes measured (peer ids).
+        #[serde(deserialize_with = "crate::protocol::bounded::addrs")]
+        peers: Vec<String>,
+        /// The round trip to each, in microseconds, in the same order.
+        #[serde(deserialize_with = "crate::protocol::bounded::numbers")]
+        rtt_us: Vec<u32>,
+    },
 }
 
 /// An answer on the mesh protocol.

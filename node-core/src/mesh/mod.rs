@@ -6,6 +6,7 @@ pub mod coords;
 mod health;
 mod manifest;
 mod messages;
+pub mod regions;
 mod round;
 pub mod rounds;
 mod version;
@@ -22,6 +23,7 @@ pub use messages::{
     HoldersByRow, IntSum, JoinOffer, MAX_CHUNK_BYTES, MeshInfo, MeshRequest, MeshResponse,
     NodeStatus, Notice, Piece, Reach, RowHolders, SourceRow, StepRefusal, Usage, rows_at_version,
 };
+pub use regions::{NEAR_MS, Region};
 pub use round::{
     GroupPlan, MUCH_CLOSER, MUCH_CLOSER_MS, MemberPool, NEAR_ALIKE_MS, NEAR_MAX_CONDITION,
     RoundConfig, RoundDriver, RoundError, much_closer, pick_holders, pick_nearest, plan_group,

@@ -82,6 +82,12 @@ impl Link for NativeLink {
         Ok(from)
     }
 
+    async fn round_trip(&self, peer: &PeerId) -> Option<std::time::Duration> {
+        (self.client)
+            .round_trip(*peer, std::time::Duration::from_secs(2))
+            .await
+    }
+
     async fn blocking<R: Send + 'static>(&self, work: impl FnOnce() -> R + Send + 'static) -> R {
         match tokio::task::spawn_blocking(work).await {
             Ok(r) => r,

@@ -1,6 +1,8 @@
 //! The task that owns the libp2p swarm, and the cloneable client every other part talks to it
 //! through (bounded channels; answers come back on oneshots, errors included).
 
+use std::collections::HashMap;
+use std::sync::PoisonError;
 use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail};
@@ -73,6 +75,8 @@ enum Command {
 pub struct Client {
     tx: mpsc::Sender<Command>,
     peer_id: PeerId,
+    /// The last round trip pinged to each connected peer.
+    rtts: RoundTrips,
     /// Opens and accepts session streams without the swarm task.
     control: libp2p_stream::Control,
 }
@@ -109,6 +113,21 @@ impl Client {
 
     async fn send(&self, cmd: Command) -> Result<()> {
         self.tx.send(cmd).await.map_err(|_| anyhow!(GONE))
+    }
+
+    /// The round trip last pinged to `peer`, waiting up to `wait` for a first one (a ping
+    /// starts as soon as a connection opens).
+    pub async fn round_trip(&self, peer: PeerId, wait: Duration) -> Option<Duration> {
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            let rtt = (self.rtts.lock().unwrap_or_else(PoisonError::into_inner))
+                .get(&peer)
+                .copied();
+            if rtt.is_some() || tokio::time::Instant::now() >= deadline {
+                return rtt;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     /// Opens and accepts the streams of group sessions ([`crate::hold::session`]).
@@ -247,16 +266,26 @@ pub async fn build(cfg: NetConfig) -> Result<Swarm<MeshBehaviour>> {
 pub fn spawn(swarm: Swarm<MeshBehaviour>) -> (Client, mpsc::Receiver<Inbound>) {
     let (tx, rx) = mpsc::channel(256);
     let (in_tx, in_rx) = mpsc::channel(1024);
+    let rtts = RoundTrips::default();
     let client = Client {
         tx,
         peer_id: *swarm.local_peer_id(),
+        rtts: rtts.clone(),
         control: swarm.behaviour().session.new_control(),
     };
     // A probe's behaviour has no AutoNAT client (MeshBehaviour::for_probe).
     let probe = !swarm.behaviour().autonat.is_enabled();
-    tokio::spawn(EventLoop::new(probe, swarm, rx, in_tx).run());
+    let mut events = EventLoop::new(probe, swarm, rx, in_tx);
+    events.rtts = rtts;
+    tokio::spawn(events.run());
     (client, in_rx)
 }
+
+/// The last round trip pinged to each peer, shared by the swarm task and its clients.
+type RoundTrips = std::sync::Arc<std::sync::Mutex<HashMap<PeerId, Duration>>>;
+
+/// Most peers whose round trips a node keeps (the oldest are not told apart: all go).
+const MAX_ROUND_TRIPS: usize = 4096;
 
 /// The environment variable that sets [`one_way_delay`] for a process (the nodes
 /// `codedmesh bench --mesh --one-way-delay-ms` starts).
@@ -306,6 +335,8 @@ struct EventLoop {
     next_relay: usize,
     /// A probe: it takes no external address (no DHT server, no relay for others).
     probe: bool,
+    /// Round trips pinged, for [`Client::round_trip`].
+    rtts: RoundTrips,
 }
 
 /// How long a relay has to accept a reservation before the next one is asked.
@@ -329,6 +360,7 @@ impl EventLoop {
             reserving: None,
             next_relay: 0,
             probe,
+            rtts: RoundTrips::default(),
         }
     }
 
@@ -449,6 +481,13 @@ impl EventLoop {
             }
             NetEvent::Expired(_) => {}
             gossip @ (NetEvent::Gossip { .. } | NetEvent::RoundTrip { .. }) => {
+                if let NetEvent::RoundTrip { peer, rtt } = &gossip {
+                    let mut rtts = self.rtts.lock().unwrap_or_else(PoisonError::into_inner);
+                    if rtts.len() >= MAX_ROUND_TRIPS && !rtts.contains_key(peer) {
+                        rtts.clear();
+                    }
+                    rtts.insert(*peer, *rtt);
+                }
                 let _ = self.inbound.try_send(gossip);
             }
             request @ NetEvent::Request { .. } => {

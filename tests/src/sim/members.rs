@@ -537,7 +537,7 @@ impl MemoryHolders {
         };
         match route {
             Route::Answer(resp) => resp,
-            Route::View(ViewQuery::Join) => MeshResponse::Join(self.offer.clone()),
+            Route::View(ViewQuery::Join(_)) => MeshResponse::Join(self.offer.clone()),
             Route::Chain(part) => {
                 let (link, g) = (self.link(id), &self.manifest.generator);
                 holder::chain(&link, part, g, &self.manifest.cfg, |part, before| {

@@ -542,9 +542,10 @@ fn a_leader_computes_in_its_own_region_and_across_when_its_region_is_cut_off() -
     let mut lab = Lab::up(&topo, &lab_bin())?;
     let dir = Scratch::new("lab-regions");
     let d = |n: &str| dir.0.join(n).display().to_string();
-    // Four rows (k = 3): the seed holds row 0 in ap; the API node and e1, e2 take rows 1 to 3,
-    // then every joiner a replica of the thinnest row (the lowest of equals): e3 row 0, the
-    // four of us rows 1, 2, 3 and 0. Each joins after the one before serves.
+    // Four rows (k = 3): the seed holds row 0 in ap; the API node and e1, e2 take rows 1 to 3.
+    // Every joiner measures its round trips to the mesh and is offered a replica of the
+    // thinnest row its region lacks (the lowest of equals): e3 row 0 (the seed's is in ap),
+    // the four of us rows 1, 2, 3 and 0.
     let mut seed = Seed::start(&lab, &dir.0, 4, &["--max-rows", "4"])?;
     let seed_tcp = seed.tcp.clone();
     let listen = "/ip4/0.0.0.0/tcp/0";
@@ -679,6 +680,24 @@ fn a_leader_computes_in_its_own_region_and_across_when_its_region_is_cut_off() -
     let (api2, _) = start(&lab, "api", &api_args(&trace(2).display().to_string()))?;
     api = api2;
     every_row_in(9, &region, "us")?;
+    // The API node sees eu and us as regions that serve alone, the seed's ap as one that does
+    // not.
+    let info: node_core::mesh::MeshInfo = serde_json::from_value(status()?)?;
+    let regions = info.regions();
+    eprintln!("{}", info.regions_line());
+    let sites = |r: &node_core::mesh::Region| -> std::collections::BTreeSet<&str> {
+        r.nodes
+            .iter()
+            .filter_map(|p| region.get(p))
+            .map(|s| s.0)
+            .collect()
+    };
+    let alone: Vec<_> = regions.iter().filter(|r| r.alone).map(sites).collect();
+    ensure!(
+        alone.len() == 2 && alone.iter().all(|s| s.len() == 1) && alone[0] != alone[1],
+        "eu and us serve alone, apart: {}",
+        info.regions_line()
+    );
     let near = in_eu(&region, 2)?;
     let (ms, floor_ms) = (
         near["ms"].as_f64().unwrap_or(f64::MAX),

@@ -24,10 +24,13 @@ pub fn Summary() -> impl IntoView {
             )
         })
     };
+    // Which groups of nearby nodes (network coordinates) hold k rows and serve alone.
+    let regions = move || info().map(|i| i.regions_line());
     view! {
         <section>
             <p class=class id="summary">{text}</p>
             <p class="model">{model}</p>
+            <p class="regions" id="regions">{regions}</p>
         </section>
     }
 }

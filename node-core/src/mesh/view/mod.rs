@@ -496,6 +496,19 @@ impl<P: Ord + Clone + Display> MeshView<P> {
     /// (its generator row), so two nodes that offer the same new row to two joiners at once
     /// make two holders of one row, never two different rows under one index.
     pub fn offer_row(&mut self, now: Instant, joiner: P) -> JoinOffer {
+        self.offer_row_near(now, joiner, &[])
+    }
+
+    /// [`Self::offer_row`] for a joiner that measured `samples` (round trips to some nodes): a
+    /// replica is of a row no holder within [`super::NEAR_MS`] of it holds, where its region
+    /// lacks one, so a region with k holders near each other serves alone. Samples to peers
+    /// this node does not know are ignored.
+    pub fn offer_row_near(
+        &mut self,
+        now: Instant,
+        joiner: P,
+        samples: &[(P, Duration)],
+    ) -> JoinOffer {
         self.reservations.retain(|r| r.until > now);
         // Rows held by a node that is not dead (a holder may have come back since).
         let held: Vec<u32> = self
@@ -540,11 +553,58 @@ impl<P: Ord + Clone + Display> MeshView<P> {
             let row = r.row;
             return self.replica_of(row);
         }
-        let Some(row) = self.thinnest_row() else {
+        let Some(row) = self.row_to_complete(samples) else {
             return JoinOffer::Full;
         };
         let offer = self.replica_of(row);
         self.reserve(offer, joiner, now)
+    }
+
+    /// The coordinate `p` announced (this node's own for itself).
+    fn coord_of(&self, p: &P) -> Option<Coord> {
+        if *p == self.me {
+            return Some(self.coords.coord());
+        }
+        self.peers.get(p).map(|e| e.hb.coord)
+    }
+
+    /// The row a joiner that measured `samples` is best given a replica of: the thinnest of
+    /// the rows all of whose holders are known to be far from it (measured, or estimated from
+    /// the place its samples give it; a holder not placed may be near), else the thinnest of
+    /// all.
+    fn row_to_complete(&self, samples: &[(P, Duration)]) -> Option<u32> {
+        let samples = &samples[..samples.len().min(super::regions::MAX_SAMPLES)];
+        let placed: Vec<(Coord, Duration)> = samples
+            .iter()
+            .filter_map(|(p, rtt)| Some((self.coord_of(p)?, *rtt)))
+            .collect();
+        let at = super::regions::place(&placed);
+        let far = |p: &P| {
+            let measured = samples.iter().find(|(s, _)| s == p).map(|(_, rtt)| *rtt);
+            match (measured, &at, self.coord_of(p)) {
+                (Some(rtt), _, _) => rtt.as_secs_f32() * 1000.0 > super::NEAR_MS,
+                (None, Some(at), Some(theirs)) => {
+                    at.is_placed() && theirs.is_placed() && !super::regions::near(at, &theirs)
+                }
+                _ => false,
+            }
+        };
+        let holders = self.holders_at_majority();
+        let thinnest = |lacking: bool| {
+            holders
+                .iter()
+                .filter(|(_, peers)| !lacking || peers.iter().all(far))
+                .map(|(row, peers)| {
+                    let reserved = self.reservations.iter().filter(|r| r.row == *row).count();
+                    (peers.len() + reserved, *row)
+                })
+                .min()
+                .map(|(_, row)| row)
+        };
+        if samples.is_empty() {
+            return thinnest(false);
+        }
+        thinnest(true).or_else(|| thinnest(false))
     }
 
     /// How this node can rebuild its own row at `version` (a peer's, which it fell behind):
@@ -596,19 +656,6 @@ impl<P: Ord + Clone + Display> MeshView<P> {
             replica,
         });
         offer
-    }
-
-    /// The live row with the fewest holders (reservations count), the lowest on a tie.
-    fn thinnest_row(&self) -> Option<u32> {
-        let holders = self.holders_at_majority();
-        holders
-            .iter()
-            .map(|(row, peers)| {
-                let reserved = self.reservations.iter().filter(|r| r.row == *row).count();
-                (peers.len() + reserved, *row)
-            })
-            .min()
-            .map(|(_, row)| row)
     }
 
     /// Usable holders of every row at the majority version, each row's lowest peer first.

@@ -466,3 +466,86 @@ fn round_trips_place_a_node_and_a_bad_coordinate_is_refused() {
     ));
     assert_eq!(v.rtt_to(&2), Some(est));
 }
+
+/// `hb(Some(row))` from a node placed at `x` ms along one axis.
+fn placed_at(row: u32, x: f32) -> Heartbeat {
+    Heartbeat {
+        coord: Coord {
+            vec: [x, 0.0, 0.0, 0.0],
+            height: 0.5,
+            error: 0.1,
+        },
+        ..hb(Some(row))
+    }
+}
+
+#[test]
+fn a_joiner_is_offered_the_row_its_region_lacks_and_regions_show_which_serve_alone() {
+    // k = 3 of 4, no room to grow. eu (around 0 ms) holds every row, row 0 three times; us
+    // (100 ms away) holds rows 1, 2 and 3. The thinnest rows overall are 1, 2 and 3, but a
+    // joiner in us completes its region with row 0.
+    let t0 = Instant::now();
+    let cfg = HealthConfig::default();
+    let mut v = MeshView::new(t0, 0u32, cfg, 3, (4, 4), "m".into(), hb(Some(0))).unwrap();
+    for (peer, row, x) in [
+        (1, 0, 0.0),
+        (2, 0, 1.0),
+        (3, 1, 2.0),
+        (4, 2, 1.0),
+        (5, 3, 0.0),
+    ] {
+        beat(&mut v, t0, t0, peer, placed_at(row, x));
+    }
+    for (peer, row, x) in [(7, 1, 100.0), (8, 2, 101.0), (9, 3, 102.0)] {
+        beat(&mut v, t0, t0, peer, placed_at(row, x));
+    }
+    let ms = |v: u64| Duration::from_millis(v);
+    // This node (row 0) places itself in eu; a holder not placed might be anywhere, so its
+    // row counts as near.
+    for _ in 0..20 {
+        v.observe_rtt(&1, ms(2));
+    }
+    // Measured: 3 ms to one node of us, 95 to one of eu; the rest estimated from its place.
+    let us_joiner = [(7, ms(3)), (1, ms(95))];
+    assert!(matches!(
+        v.offer_row_near(t0, 20, &us_joiner),
+        JoinOffer::Replica { row: 0, .. }
+    ));
+    // Without samples (a browser), or in eu, which lacks nothing: the thinnest row.
+    assert!(matches!(
+        v.offer_row(t0, 21),
+        JoinOffer::Replica { row: 1, .. }
+    ));
+    let eu_joiner = [(1, ms(2)), (9, ms(99))];
+    assert!(matches!(
+        v.offer_row_near(t0, 22, &eu_joiner),
+        JoinOffer::Replica { row: 2, .. }
+    ));
+    // Samples naming nodes it does not know place nothing: the thinnest row again.
+    assert!(matches!(
+        v.offer_row_near(t0, 23, &[(77, ms(1))]),
+        JoinOffer::Replica { row: 3, .. }
+    ));
+
+    // The regions: eu's six nodes hold every row, us's three only three.
+    let regions = v.info(t0).regions();
+    assert_eq!(regions.len(), 2, "{regions:?}");
+    assert_eq!(
+        (regions[0].nodes.len(), &regions[0].rows[..]),
+        (6, &[0, 1, 2, 3][..])
+    );
+    assert!(regions[0].alone);
+    assert_eq!(
+        (regions[1].nodes.len(), &regions[1].rows[..]),
+        (3, &[1, 2, 3][..])
+    );
+    assert!(regions[1].alone, "three distinct rows are k");
+    assert_eq!(
+        v.info(t0).regions_line(),
+        "regions (within 25 ms): 2, 2 can serve alone — 6 nodes with rows 0 1 2 3 (alone); \
+         3 nodes with rows 1 2 3 (alone)"
+    );
+    beat(&mut v, t0, t0, 9, placed_at(2, 102.0));
+    let regions = v.info(t0).regions();
+    assert!(!regions[1].alone, "rows 1 and 2 only: {regions:?}");
+}
