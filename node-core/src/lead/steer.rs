@@ -21,6 +21,12 @@ pub const SHORT_CHECK: Duration = Duration::from_millis(500);
 /// mesh's round trips are learnt as it runs, and near holders join.
 pub const CLOSER_CHECK: Duration = Duration::from_secs(30);
 
+/// When a group first looks for a much closer one after it formed: a leader just started
+/// formed it by coordinates still settling, and the pings that open with its members'
+/// connections have measured their round trips by then (a leader 50 ms from its region's
+/// holders kept a far one for 30 s).
+pub const FIRST_CLOSER_CHECK: Duration = Duration::from_secs(5);
+
 /// How long a group formed again for a row that came back does not do so again for that row
 /// (a stalled holder can come back and stall again).
 pub const RETURNED_BACKOFF: Duration = Duration::from_secs(60);
@@ -139,6 +145,8 @@ struct Group {
     looked: Option<Instant>,
     /// When it was first polled whole, or last looked for a much closer group.
     closer: Option<Instant>,
+    /// Whether it has looked for a much closer group yet.
+    looked_closer: bool,
 }
 
 /// A leader's rules for its group, as a state machine driven with the time: the shell asks
@@ -257,8 +265,14 @@ impl Steer {
         if rows.len() >= wanted {
             g.short_since = None;
             let since = *g.closer.get_or_insert(now);
-            if now >= since + CLOSER_CHECK {
+            let every = if g.looked_closer {
+                CLOSER_CHECK
+            } else {
+                FIRST_CLOSER_CHECK
+            };
+            if now >= since + every {
                 g.closer = Some(now);
+                g.looked_closer = true;
                 return Action::Look(Looking {
                     rows: rows.to_vec(),
                     wanted,
@@ -446,23 +460,29 @@ mod tests {
     }
 
     #[test]
-    fn a_whole_group_looks_for_a_much_closer_one_every_closer_check() {
+    fn a_whole_group_looks_for_a_much_closer_one_soon_after_forming_then_every_closer_check() {
         let t0 = Instant::now();
         let mut s = Steer::new(3);
         s.formed();
         let whole = [0, 1, 2];
         assert_eq!(s.poll(t0, &whole), Action::Pass(Route::Rounds));
         assert_eq!(
-            s.poll(t0 + CLOSER_CHECK / 2, &whole),
+            s.poll(t0 + FIRST_CLOSER_CHECK / 2, &whole),
             Action::Pass(Route::Rounds)
         );
-        let t1 = t0 + CLOSER_CHECK;
+        // Its first look comes soon: it was formed by coordinates still settling.
+        let t1 = t0 + FIRST_CLOSER_CHECK;
         let Action::Look(l) = s.poll(t1, &whole) else {
             panic!("a whole group looks for a closer one")
         };
         assert!(l.rows.len() >= l.wanted, "{l:?}");
         assert!(!s.looked(t1, None));
         assert_eq!(s.poll(t1, &whole), Action::Pass(Route::Rounds));
+        assert_eq!(
+            s.poll(t1 + FIRST_CLOSER_CHECK, &whole),
+            Action::Pass(Route::Rounds),
+            "then every CLOSER_CHECK"
+        );
         let t2 = t1 + CLOSER_CHECK;
         assert!(matches!(s.poll(t2, &whole), Action::Look(_)));
         assert!(s.looked(t2, Some(4)), "a closer group: formed again");

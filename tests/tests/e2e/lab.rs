@@ -611,8 +611,8 @@ fn a_leader_computes_in_its_own_region_and_across_when_its_region_is_cut_off() -
     // Waits until the API node sees `count` nodes, every row healthy and a round trip to each,
     // and its own coordinate has settled (its error under a third of what knows nothing): a
     // leader just started places holders it has not pinged by its coordinate, and until that
-    // settles it may take a far holder for a near one (its group is looked at again every
-    // 30 s, longer than these streams).
+    // settles it may take a far holder for a near one (its group is looked at again 5 s after
+    // it forms, and a stream must be near from its first token).
     let settled = |count: usize| -> Result<serde_json::Value> {
         let deadline = std::time::Instant::now() + Duration::from_secs(90);
         loop {
