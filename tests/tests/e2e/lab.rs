@@ -680,24 +680,32 @@ fn a_leader_computes_in_its_own_region_and_across_when_its_region_is_cut_off() -
     let (api2, _) = start(&lab, "api", &api_args(&trace(2).display().to_string()))?;
     api = api2;
     every_row_in(9, &region, "us")?;
-    // The API node sees eu and us as regions that serve alone, the seed's ap as one that does
-    // not.
-    let info: node_core::mesh::MeshInfo = serde_json::from_value(status()?)?;
-    let regions = info.regions();
-    eprintln!("{}", info.regions_line());
-    let sites = |r: &node_core::mesh::Region| -> std::collections::BTreeSet<&str> {
+    // The API node comes to see eu and us as regions that serve alone, the seed's ap as one
+    // that does not: once every node has announced a coordinate placed by its pings (one each
+    // 15 s a connection) and is healthy in its view.
+    let sites = |r: &node_core::mesh::Region| -> std::collections::BTreeSet<&'static str> {
         r.nodes
             .iter()
             .filter_map(|p| region.get(p))
             .map(|s| s.0)
             .collect()
     };
-    let alone: Vec<_> = regions.iter().filter(|r| r.alone).map(sites).collect();
-    ensure!(
-        alone.len() == 2 && alone.iter().all(|s| s.len() == 1) && alone[0] != alone[1],
-        "eu and us serve alone, apart: {}",
-        info.regions_line()
-    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(90);
+    loop {
+        let info: node_core::mesh::MeshInfo = serde_json::from_value(status()?)?;
+        let regions = info.regions();
+        let alone: Vec<_> = regions.iter().filter(|r| r.alone).map(sites).collect();
+        if alone.len() == 2 && alone.iter().all(|s| s.len() == 1) && alone[0] != alone[1] {
+            eprintln!("{}", info.regions_line());
+            break;
+        }
+        ensure!(
+            std::time::Instant::now() < deadline,
+            "eu and us serve alone, apart, within 90 s: {}",
+            info.regions_line()
+        );
+        std::thread::sleep(Duration::from_secs(1));
+    }
     let near = in_eu(&region, 2)?;
     let (ms, floor_ms) = (
         near["ms"].as_f64().unwrap_or(f64::MAX),
