@@ -60,10 +60,12 @@ impl<L: FeedLink> Gather<L> {
         }
     }
 
-    /// Takes the reports of `rows` still to come on the current pass, for at most the wait.
+    /// Takes the reports of `rows` still to come on the current pass, for at most the wait:
+    /// until every member has answered, failed, or been named silent by another (a hung member
+    /// is not waited for a second time).
     async fn settle(&mut self, rows: &[usize]) {
         let deadline = Instant::now() + self.wait;
-        while rows.iter().any(|r| !self.reported.contains(r)) {
+        while (rows.iter()).any(|r| !self.reported.contains(r) && !self.blamed.contains_key(r)) {
             let left = deadline.saturating_duration_since(Instant::now());
             match self.link.next(left).await {
                 Some((row, fed)) if fed.pass == self.pass => {
