@@ -449,24 +449,13 @@ mod tests {
     /// A holder of `row` placed at `x` ms along one axis, with an address.
     fn holder(row: u32, x: f32) -> Heartbeat {
         Heartbeat {
-            model: [7; 32],
-            row: Some(row),
-            version_count: 0,
-            version_digest: [0; 32],
             addrs: vec![format!("/ip4/10.0.0.{row}/tcp/4001")],
-            offers: vec![],
-            incarnation: 1,
-            seq: 0,
-            uptime_ms: 0,
-            device: "cpu".into(),
-            usage: Default::default(),
-            reach: Default::default(),
-            trains: false,
             coord: Coord {
                 vec: [x, 0.0, 0.0, 0.0],
                 height: 0.5,
                 error: 0.1,
             },
+            ..Heartbeat::for_test(Some(row))
         }
     }
 

@@ -54,6 +54,29 @@ pub struct Heartbeat {
     pub coord: super::Coord,
 }
 
+#[cfg(test)]
+impl Heartbeat {
+    /// A test's heartbeat of a node holding `row` of model `[7; 32]` at the genesis version.
+    pub(crate) fn for_test(row: Option<u32>) -> Self {
+        Self {
+            model: [7; 32],
+            row,
+            version_count: 0,
+            version_digest: [0; 32],
+            addrs: vec![],
+            offers: vec![],
+            incarnation: 1,
+            seq: 0,
+            uptime_ms: 0,
+            device: "cpu".into(),
+            usage: Usage::default(),
+            reach: Default::default(),
+            trains: false,
+            coord: Default::default(),
+        }
+    }
+}
+
 /// Requests finished on the mesh, as their leaders report them to a node: what the
 /// dashboards chart as tokens/s, latency and loss.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]

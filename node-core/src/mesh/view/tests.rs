@@ -3,22 +3,7 @@
 use super::*;
 
 fn hb(row: Option<u32>) -> Heartbeat {
-    Heartbeat {
-        model: [7; 32],
-        row,
-        version_count: 0,
-        version_digest: [0; 32],
-        addrs: vec![],
-        offers: vec![],
-        incarnation: 1,
-        seq: 0,
-        uptime_ms: 0,
-        device: "cpu".into(),
-        usage: Usage::default(),
-        reach: Default::default(),
-        trains: false,
-        coord: Default::default(),
-    }
+    Heartbeat::for_test(row)
 }
 
 /// `hb` from `from`, arriving at `now` as it would from a peer started at `t0`.
