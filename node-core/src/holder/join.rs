@@ -155,18 +155,17 @@ fn spread_holders(info: &crate::mesh::MeshInfo, bootstrap: &str, count: usize) -
         })
         .collect();
     let mut taken: Vec<&crate::mesh::NodeStatus> = Vec::new();
-    let at = |n: &crate::mesh::NodeStatus| n.coord;
     if let Some(boot) = info.nodes.iter().find(|n| n.peer == bootstrap) {
         taken.push(boot);
     }
     let skip = taken.len();
     while taken.len() < count + skip && !left.is_empty() {
         let far = |n: &&crate::mesh::NodeStatus| {
-            let c = at(n);
+            let c = n.coord;
             if !c.is_placed() {
                 return -1.0;
             }
-            (taken.iter().map(|t| at(t)))
+            (taken.iter().map(|t| t.coord))
                 .filter(crate::mesh::Coord::is_placed)
                 .map(|t| t.rtt_ms(&c))
                 .fold(f32::INFINITY, f32::min)

@@ -601,9 +601,7 @@ impl<P: Ord + Clone + Display> MeshView<P> {
                 .min()
                 .map(|(_, row)| row)
         };
-        if samples.is_empty() {
-            return thinnest(false);
-        }
+        // Without samples no holder is known to be far: the thinnest of all.
         thinnest(true).or_else(|| thinnest(false))
     }
 

@@ -410,14 +410,12 @@ impl<L: HopLink> Transport for Exchange<L> {
             // A fed member's part is missing: the others may have it, so leaving it out here
             // would decode from other rows than they do. The pass fails instead, naming it, and
             // the leader feeds it again without the member.
-            let missing = |gone: &std::collections::BTreeSet<usize>, all: bool| -> Vec<usize> {
-                members
-                    .iter()
-                    .copied()
-                    .filter(|r| !self.got.contains_key(r) && (all || gone.contains(r)))
-                    .collect()
-            };
-            let left = missing(&self.gone, false);
+            let missing: Vec<usize> = (members.iter().copied())
+                .filter(|r| !self.got.contains_key(r))
+                .collect();
+            let left: Vec<usize> = (missing.iter().copied())
+                .filter(|r| self.gone.contains(r))
+                .collect();
             if !left.is_empty() {
                 return Err(self.fail(left, "left the group mid-pass".into()));
             }
@@ -432,8 +430,7 @@ impl<L: HopLink> Transport for Exchange<L> {
                         "no part of round {} within {:?}",
                         self.round, self.round_wait
                     );
-                    let silent = missing(&self.gone, true);
-                    return Err(self.fail(silent, why));
+                    return Err(self.fail(missing, why));
                 }
             }
         }
