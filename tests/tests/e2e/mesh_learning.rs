@@ -500,8 +500,10 @@ fn a_member_lying_only_in_learnings_backward_rounds_is_caught_and_the_update_sti
     let data = mesh.dir.0.join(format!("d{}", i + 1));
     mesh.nodes[i] = start_faulty(&mesh, "backward-only", &data, row)?;
     mesh.wait_healthy(5)?;
-    // Its forward answers are honest, so it is caught only once it is among the k rows a
-    // backward step asks (the first k to answer the forward round before): a few requests.
+    // Its forward answers are honest, so it is caught only on transposed products: once it
+    // is among the k rows a backward step asks (the first k to answer the forward round
+    // before), or once it is a forward pass's check row, whose projections are transposed
+    // products too (`StepRequest::MatmulT`): a few requests.
     let mut caught = None;
     for _ in 0..10 {
         let (_, err) = mesh.generate("hello world", 6, || {})?;
@@ -511,10 +513,11 @@ fn a_member_lying_only_in_learnings_backward_rounds_is_caught_and_the_update_sti
         }
     }
     let err = caught.with_context(|| format!("row {row} was never caught in 10 requests"))?;
+    let transposed = |l: &str| l.contains("backward") || l.contains("projection");
     assert!(
         err.lines()
-            .any(|l| l.contains(&format!("row {row} caught on")) && l.contains("backward")),
-        "caught on a backward round:\n{err}"
+            .any(|l| l.contains(&format!("row {row} caught on")) && transposed(l)),
+        "caught on a backward round or a projection:\n{err}"
     );
     assert!(
         err.lines().any(|l| l.starts_with("update ")),
@@ -522,9 +525,11 @@ fn a_member_lying_only_in_learnings_backward_rounds_is_caught_and_the_update_sti
     );
     let s = mesh.wait_healthy(4)?;
     assert!(
-        s["nodes"].as_array().context("nodes")?.iter().any(
-            |n| n["row"] == row && n["caught"].as_str().is_some_and(|e| e.contains("backward"))
-        ),
+        s["nodes"]
+            .as_array()
+            .context("nodes")?
+            .iter()
+            .any(|n| n["row"] == row && n["caught"].as_str().is_some_and(transposed)),
         "status shows row {row} caught with the evidence: {s}"
     );
     Ok(())
