@@ -11,20 +11,23 @@
 //! rounds share the leader's uplink, downlink and cores (each a queue, served in the order
 //! rounds reach it), with the request and answer sizes of the real protocol for the model's
 //! stages. A member may die during a round (at the churn rate) as well as between rounds: one
-//! that does answers never, and the round completes on the other k when they are there, else
-//! it is asked again after the leader re-plans the group; either way the leader re-plans with
-//! holders nobody else uses. Heartbeats reach the leader every second from every live holder
+//! that does answers never, and the group goes on without it while k remain, else the token's
+//! pass fails. Each group's rules are the real leader's ([`Steer`]: forming, backing off after a
+//! failed pass, a short group looking for a row that came back, a whole one for a much closer
+//! group, [`closer_row`]), polled before each token as every leader's shell does; a group is
+//! formed with holders nobody else uses. Heartbeats reach the leader every second from every live holder
 //! (their latency is ignored at this time scale). Not modelled: the download a joiner makes,
 //! members' own bandwidth, and learning.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use node_core::code::Generator;
+use node_core::lead::{Action, Looking, Steer, closer_row};
 use node_core::mesh::{
-    Coord, HealthConfig, Heartbeat, JoinOffer, MeshError, MeshView, Vivaldi, much_closer,
-    pick_nearest, plan_group_near,
+    Coord, HealthConfig, Heartbeat, JoinOffer, MeshError, MeshView, Vivaldi, pick_nearest,
+    plan_group_near,
 };
 use node_core::model::{LlamaConfig, Stage};
 use node_core::protocol::{self, StepRequest, StepResponse};
@@ -155,9 +158,11 @@ pub struct ScaleReport {
     pub requests: u64,
     /// Requests that failed (no group could be formed for them).
     pub failed: u64,
-    /// Rounds asked again because fewer than k members answered.
-    pub retried_rounds: u64,
-    /// Members replaced after they left.
+    /// Passes that failed because fewer than k members answered (run again on a group
+    /// formed again).
+    pub failed_passes: u64,
+    /// Groups formed again after a member left (a pass failed, or a short group found a row
+    /// that came back).
     pub replaced: u64,
     /// Holders that left and joined during the serving time.
     pub churned: (u64, u64),
@@ -174,7 +179,7 @@ pub struct ScaleReport {
     pub leader_busy: (f64, f64, f64),
     /// Milliseconds each token took, from its first round's start to its last round's end.
     pub token_ms: Vec<f64>,
-    /// Groups formed again because a much closer one could be ([`much_closer`]).
+    /// Groups formed again because a much closer one could be ([`closer_row`]).
     pub reformed: u64,
 }
 
@@ -214,9 +219,9 @@ struct Holder {
     coords: Option<Vivaldi<u32>>,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Group {
-    /// (row, holder) of the k + 1 members.
+    /// (row, holder) of the k + 1 members, less those the leader saw leave.
     members: Vec<(usize, u32)>,
     /// Tokens done of the request in progress.
     done: u32,
@@ -224,8 +229,24 @@ struct Group {
     rounds: u32,
     /// When the token in progress began.
     token_began: Option<Duration>,
-    /// When the leader last asked whether a much closer group could be formed.
-    looked: Duration,
+    /// The leader's rules for this group.
+    steer: Steer,
+    /// Why it is to be formed again: a much closer group (true), a member lost (false).
+    again: Option<bool>,
+}
+
+impl Group {
+    /// A group not formed yet, to have `wanted` members.
+    fn new(wanted: usize) -> Self {
+        Self {
+            members: Vec::new(),
+            done: 0,
+            rounds: 0,
+            token_began: None,
+            steer: Steer::new(wanted),
+            again: None,
+        }
+    }
 }
 
 /// The simulation state.
@@ -308,7 +329,7 @@ impl Scale {
             tokens_per_s: 0.0,
             requests: 0,
             failed: 0,
-            retried_rounds: 0,
+            failed_passes: 0,
             replaced: 0,
             churned: (0, 0),
             turned_away: 0,
@@ -487,17 +508,8 @@ impl Scale {
         self.report.rows.0 = rows.len().max(self.cfg.genesis);
     }
 
-    /// Plans group `i` over holders no other group uses and the leader did not see fail.
-    fn plan(&mut self, groups: &[Group], i: usize) -> Option<Vec<(usize, u32)>> {
-        let info = self.view.info(self.clock.now());
-        let (_, live) = info.live_holders()?;
-        let by_row: BTreeMap<usize, Vec<u32>> = live
-            .into_iter()
-            .map(|(row, nodes)| {
-                let ids = nodes.iter().filter_map(|n| n.peer.parse().ok()).collect();
-                (row, ids)
-            })
-            .collect();
+    /// The holders group `i` may not take: other groups' and those the leader saw fail.
+    fn avoid(&self, groups: &[Group], i: usize) -> BTreeSet<u32> {
         let mut avoid: BTreeSet<u32> = self.known_gone.clone();
         for (j, other) in groups.iter().enumerate() {
             if j != i {
@@ -508,6 +520,21 @@ impl Scale {
         if i > 0 {
             avoid.insert(0);
         }
+        avoid
+    }
+
+    /// Plans group `i` over holders no other group uses and the leader did not see fail.
+    fn plan(&self, groups: &[Group], i: usize) -> Option<Vec<(usize, u32)>> {
+        let info = self.view.info(self.clock.now());
+        let (_, live) = info.live_holders()?;
+        let by_row: BTreeMap<usize, Vec<u32>> = live
+            .into_iter()
+            .map(|(row, nodes)| {
+                let ids = nodes.iter().filter_map(|n| n.peer.parse().ok()).collect();
+                (row, ids)
+            })
+            .collect();
+        let avoid = self.avoid(groups, i);
         // Picking by PeerId knows no distances: the first free holder, the best-conditioned rows.
         let peers = pick_nearest(&by_row, &avoid, |id| self.rtt_ms(id));
         let rows: Vec<usize> = peers.keys().copied().collect();
@@ -586,25 +613,73 @@ impl Scale {
         known.map(|d| d.as_secs_f32() * 1e3)
     }
 
-    /// The leader's round trip to the slowest of `members`, as its view knows it (unknown:
-    /// infinitely far), milliseconds.
-    fn slowest_ms(&self, members: &[(usize, u32)]) -> f32 {
-        (members.iter())
-            .map(|(_, id)| self.rtt_ms(id).unwrap_or(f32::INFINITY))
-            .fold(0.0, f32::max)
+    /// What group `i`'s [`Looking`] finds in the leader's view: for a whole group, a row of a
+    /// much closer one ([`closer_row`]; a leader picking by PeerId never looked), for a short
+    /// one, a row that came back ([`Looking::in_view`]).
+    fn look(&self, groups: &[Group], i: usize, looking: &Looking) -> Option<usize> {
+        let info = self.view.info(self.clock.now());
+        let avoid = self.avoid(groups, i);
+        if looking.rows.len() >= looking.wanted {
+            if self.cfg.picking == Picking::PeerId {
+                return None;
+            }
+            let rows: BTreeMap<usize, u32> = groups[i].members.iter().copied().collect();
+            let extra = looking.wanted.saturating_sub(self.cfg.k);
+            return closer_row(&info, &self.g, &rows, extra, &avoid, Some(0));
+        }
+        let (version, _) = info.live_holders()?;
+        looking.in_view(&info, &version, &avoid)
     }
 
-    /// Marks members that left as seen by the leader; whether any did.
-    fn notice_gone(&mut self, group: &Group) -> bool {
-        let gone: Vec<u32> = group
-            .members
-            .iter()
+    /// Leaves out of `group` the members the leader saw leave (a request to one fails).
+    fn drop_gone(&mut self, group: &mut Group) {
+        let gone: Vec<u32> = (group.members.iter())
             .map(|&(_, id)| id)
             .filter(|id| self.holders.get(id).is_some_and(|h| !h.alive))
             .collect();
-        let any = !gone.is_empty();
+        group.members.retain(|(_, id)| !gone.contains(id));
         self.known_gone.extend(gone);
-        any
+    }
+
+    /// Does what group `i`'s rules say at `now` until its next token's pass may run: `None`,
+    /// or the moment to poll again (a backoff, or no group can be formed).
+    fn steer(&mut self, groups: &mut [Group], i: usize, now: Instant) -> Option<Instant> {
+        loop {
+            let rows: Vec<usize> = groups[i].members.iter().map(|&(r, _)| r).collect();
+            match groups[i].steer.poll(now, &rows) {
+                Action::Pass(_) => return None,
+                Action::Wait(until) | Action::Unavailable { until, .. } => return Some(until),
+                Action::Look(looking) => {
+                    let row = self.look(groups, i, &looking);
+                    if groups[i].steer.looked(now, row) {
+                        groups[i].again = Some(looking.rows.len() >= looking.wanted);
+                        groups[i].members.clear();
+                    }
+                }
+                Action::Form => match self.plan(groups, i) {
+                    Some(members) => {
+                        let g = &mut groups[i];
+                        match g.again.take() {
+                            Some(true) => self.report.reformed += 1,
+                            Some(false) => self.report.replaced += 1,
+                            None => {}
+                        }
+                        g.members = members;
+                        g.steer.formed();
+                    }
+                    None => {
+                        // No group can be formed now: the request in progress fails.
+                        let g = &mut groups[i];
+                        if g.done > 0 || g.token_began.is_some() {
+                            self.report.failed += 1;
+                        }
+                        (g.done, g.rounds, g.token_began) = (0, 0, None);
+                        g.members.clear();
+                        g.steer.form_failed(now, "no group can be formed".into());
+                    }
+                },
+            }
+        }
     }
 
     fn run(mut self) -> ScaleReport {
@@ -621,7 +696,9 @@ impl Scale {
         }
         let start = self.clock.elapsed();
         let end = start + self.cfg.duration;
-        let mut groups: Vec<Group> = (0..self.cfg.groups).map(|_| Group::default()).collect();
+        let wanted = self.cfg.k + 1;
+        let mut groups: Vec<Group> = (0..self.cfg.groups).map(|_| Group::new(wanted)).collect();
+        let base = self.clock.at(Duration::ZERO);
         // (when a group's next round ends, group)
         let mut queue: BinaryHeap<Reverse<(Duration, usize)>> = BinaryHeap::new();
         for i in 0..groups.len() {
@@ -638,40 +715,20 @@ impl Scale {
                 continue;
             }
             self.clock.advance_to(self.clock.at(at));
-            if groups[i].members.is_empty() || self.notice_gone(&groups[i]) {
-                let was = groups[i].members.len();
-                match self.plan(&groups, i) {
-                    Some(members) => {
-                        if was > 0 {
-                            self.report.replaced += 1;
-                        }
-                        groups[i].members = members;
-                    }
-                    None => {
-                        // No group can be formed now: the request in progress fails.
-                        if groups[i].done > 0 || groups[i].rounds > 0 {
-                            self.report.failed += 1;
-                        }
-                        groups[i] = Group::default();
-                        queue.push(Reverse((at + Duration::from_secs(1), i)));
-                        continue;
-                    }
-                }
-            }
-            // Between tokens, every 10 s, a latency-picking leader asks whether a much closer
-            // group could be formed now (its view has learnt more, or near holders joined).
-            let look = self.cfg.picking == Picking::Latency
-                && groups[i].rounds == 0
-                && at >= groups[i].looked + Duration::from_secs(10);
-            if look {
-                groups[i].looked = at;
-                if let Some(fresh) = self.plan(&groups, i) {
-                    let (now, new) = (self.slowest_ms(&groups[i].members), self.slowest_ms(&fresh));
-                    if much_closer(now, new) {
-                        groups[i].members = fresh;
-                        self.report.reformed += 1;
-                    }
-                }
+            let now = self.clock.now();
+            // A member that left: the group goes on without it while k remain.
+            let mut group = std::mem::replace(&mut groups[i], Group::new(wanted));
+            self.drop_gone(&mut group);
+            groups[i] = group;
+            // Before each token's pass, the leader's rules: form, back off, look.
+            if groups[i].rounds == 0
+                && let Some(until) = self.steer(&mut groups, i, now)
+            {
+                let again = until
+                    .saturating_duration_since(base)
+                    .max(at + Duration::from_millis(1));
+                queue.push(Reverse((again, i)));
+                continue;
             }
             groups[i].token_began.get_or_insert(at);
             let (done, ok) = self.round(&groups[i], at);
@@ -690,9 +747,16 @@ impl Scale {
                         group.done = 0;
                         self.report.requests += 1;
                     }
+                    group.steer.passed();
                 }
             } else {
-                self.report.retried_rounds += 1;
+                // The pass failed: the group is formed again (at once, then backing off) and
+                // the token's pass runs again.
+                self.report.failed_passes += 1;
+                let group = &mut groups[i];
+                group.steer.pass_failed(now, false);
+                (group.rounds, group.again) = (0, Some(false));
+                group.members.clear();
             }
             queue.push(Reverse((done, i)));
         }

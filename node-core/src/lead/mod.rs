@@ -646,7 +646,7 @@ mod tests {
     fn a_short_group_takes_a_row_that_comes_back_at_its_version_and_free() {
         let peers: Vec<PeerId> = (0..5).map(|_| PeerId::random()).collect();
         let all: Vec<(PeerId, u32)> = peers.iter().zip(0..).map(|(&p, r)| (p, r)).collect();
-        let none = BTreeSet::new();
+        let none = BTreeSet::<PeerId>::new();
         // Rows 0, 1, 3 and 4 compute; row 2 is back. Wanting five, the group takes it.
         let back = view(&all);
         assert_eq!(

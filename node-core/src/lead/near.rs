@@ -2,8 +2,7 @@
 //! group than its own could be formed now.
 
 use std::collections::{BTreeMap, BTreeSet};
-
-use libp2p::PeerId;
+use std::str::FromStr;
 
 use crate::code::Generator;
 use crate::mesh::{MeshInfo, much_closer, pick_nearest, plan_group_near};
@@ -12,22 +11,22 @@ use crate::mesh::{MeshInfo, much_closer, pick_nearest, plan_group_near};
 /// group [`super::form`] would pick from `info` now (each row's nearest holder outside `avoid`, the
 /// nearest rows that decode well, `extra` beyond k) when its slowest member is
 /// [`much_closer`] than the group's own; `None` when no such group, or while a member's round
-/// trip is not known. `own` is the leader's own row's holder (at 0).
-pub fn closer_row(
+/// trip is not known. `own` is the leader's own row's holder (at 0). `P` names peers as the
+/// view does (a [`libp2p::PeerId`]; a simulation's numbers).
+pub fn closer_row<P: Ord + Clone + FromStr>(
     info: &MeshInfo,
     g: &Generator,
-    rows: &BTreeMap<usize, PeerId>,
+    rows: &BTreeMap<usize, P>,
     extra: usize,
-    avoid: &BTreeSet<PeerId>,
-    own: Option<PeerId>,
+    avoid: &BTreeSet<P>,
+    own: Option<P>,
 ) -> Option<usize> {
     let (_, live) = info.live_holders()?;
     let rtt = round_trips(info, own);
     let now = slowest(rows.values().map(|p| rtt.get(p).copied()))?;
     // The holders a fresh group could take: known round trips, free or the group's own.
-    let free =
-        |p: &PeerId| rtt.contains_key(p) && (!avoid.contains(p) || rows.values().any(|m| m == p));
-    let known: BTreeMap<usize, Vec<PeerId>> = (live.iter())
+    let free = |p: &P| rtt.contains_key(p) && (!avoid.contains(p) || rows.values().any(|m| m == p));
+    let known: BTreeMap<usize, Vec<P>> = (live.iter())
         .map(|(&row, holders)| {
             let peers = holders.iter().filter_map(|n| n.peer.parse().ok());
             (row, peers.filter(free).collect())
@@ -57,8 +56,8 @@ fn slowest(mut ms: impl Iterator<Item = Option<f32>>) -> Option<f32> {
 /// `info` measured or estimated it: the leader's own for `up`'s API, its bootstrap's for a page
 /// or `generate` (a proxy: such a leader is usually near the node it joined by); the leader's
 /// own row's holder, `own`, is at 0.
-pub(super) fn round_trips(info: &MeshInfo, own: Option<PeerId>) -> BTreeMap<PeerId, f32> {
-    let mut rtt: BTreeMap<PeerId, f32> = (info.nodes.iter())
+pub(super) fn round_trips<P: Ord + FromStr>(info: &MeshInfo, own: Option<P>) -> BTreeMap<P, f32> {
+    let mut rtt: BTreeMap<P, f32> = (info.nodes.iter())
         .filter_map(|n| Some((n.peer.parse().ok()?, n.rtt_ms.filter(|ms| ms.is_finite())?)))
         .collect();
     rtt.extend(own.map(|p| (p, 0.0)));
@@ -71,6 +70,7 @@ mod tests {
 
     use super::*;
     use crate::lead::tests::view;
+    use libp2p::PeerId;
 
     #[test]
     fn a_group_far_from_its_leader_is_told_a_row_of_a_much_closer_one() {

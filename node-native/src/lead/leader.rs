@@ -251,7 +251,11 @@ impl LeadShell<()> for Leader {
 
     async fn look(&mut self, looking: &Looking) -> Option<usize> {
         let info = self.session.info().await.ok()?;
-        looking.in_view(&info, &self.formed.version, &Default::default())
+        looking.in_view(
+            &info,
+            &self.formed.version,
+            &std::collections::BTreeSet::<PeerId>::new(),
+        )
     }
 
     fn regroup(&mut self, row: usize, _: &Looking) {

@@ -2,7 +2,7 @@
 //! through this node's libp2p swarm, node-core's generation loop, then the request's learning
 //! update, signed with this node's identity and handed to every row's holder.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::rc::Rc;
 use std::task::Poll;
 
@@ -329,7 +329,7 @@ impl LeadShell<()> for PageLead<'_> {
     async fn look(&mut self, looking: &Looking) -> Option<usize> {
         let version = self.formed.as_ref().map(|f| f.version)?;
         let info = self.info().await.ok()?;
-        looking.in_view(&info, &version, &Default::default())
+        looking.in_view(&info, &version, &BTreeSet::<PeerId>::new())
     }
 
     fn regroup(&mut self, row: usize, _: &Looking) {

@@ -15,7 +15,7 @@ fn throughput_grows_with_groups_to_the_leaders_limits_and_churn_fails_no_request
         "a round: {request} bytes of request to each member, {answer} of answer, on average\n"
     );
     println!(
-        "| leader | groups | tokens/s | × one group | the leader's bound | uplink / downlink / busiest core busy | requests | failed | rounds asked again | died mid-round | members replaced | left / joined | fewest holders of a row |"
+        "| leader | groups | tokens/s | × one group | the leader's bound | uplink / downlink / busiest core busy | requests | failed | passes failed | died mid-round | groups formed again | left / joined | fewest holders of a row |"
     );
     println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     let profiles: [(&str, f64, usize, &[usize]); 3] = [
@@ -46,7 +46,7 @@ fn throughput_grows_with_groups_to_the_leaders_limits_and_churn_fails_no_request
                 100.0 * r.leader_busy.2,
                 r.requests,
                 r.failed,
-                r.retried_rounds,
+                r.failed_passes,
                 r.died_mid_round,
                 r.replaced,
                 r.churned.0,
