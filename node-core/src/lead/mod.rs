@@ -36,7 +36,7 @@ use crate::coded::{CodedError, CodedGroup, Transport, UpdateProbe, VerifyConfig}
 use crate::holder::{HolderError, Link, Rules, fetch_update, version_of};
 use crate::learn::{Update, UpdateError};
 use crate::mesh::{
-    MeshInfo, MeshRequest, MeshResponse, ModelManifest, RoundConfig, hex, pick_nearest,
+    Coord, MeshInfo, MeshRequest, MeshResponse, ModelManifest, RoundConfig, hex, pick_nearest,
     plan_group_near, rows_at_version,
 };
 use crate::model::{LeaderWeights, Llama, ModelError};
@@ -232,8 +232,14 @@ pub struct Formed<T: Transport> {
     pub live_rows: usize,
     /// Condition number of the decoding k.
     pub condition_number: f64,
-    /// The addresses each asked holder is dialed at.
+    /// The addresses each asked holder is dialed at, and each of `others` as the view shows
+    /// them.
     pub addrs: BTreeMap<PeerId, Vec<Multiaddr>>,
+    /// Each row's holders at the version that no other group of this leader uses, this node
+    /// excluded: a hop group may take one nearer its other members ([`hop_members`]).
+    pub others: BTreeMap<usize, Vec<PeerId>>,
+    /// Where the view places each holder and this node (placed coordinates only).
+    pub places: BTreeMap<PeerId, Coord>,
 }
 
 /// Forms a group over the rows `info` shows healthy: every row's holder is asked for its norm
@@ -296,6 +302,22 @@ pub async fn form<L: LeadLink>(
         let at = addrs_of.get(&peer).copied().unwrap_or_default();
         dialed.insert(peer, link.reach(peer, at).await?);
     }
+    let mut others: BTreeMap<usize, Vec<PeerId>> = BTreeMap::new();
+    for (&row, holders) in &by_row {
+        let free = holders
+            .iter()
+            .filter(|p| Some(**p) != own_peer && !avoid.contains(p));
+        others.insert(row, free.copied().collect());
+    }
+    for &peer in others.values().flatten() {
+        let at = addrs_of.get(&peer).copied().unwrap_or_default();
+        let view: Vec<Multiaddr> = at.iter().filter_map(|a| a.parse().ok()).collect();
+        dialed.entry(peer).or_insert(view);
+    }
+    let places: BTreeMap<PeerId, Coord> = (info.nodes.iter())
+        .filter(|n| n.coord.is_placed())
+        .filter_map(|n| Some((n.peer.parse().ok()?, n.coord)))
+        .collect();
     let asks = peers.iter().map(|(&row, &peer)| {
         let own = own.as_ref().filter(|o| o.peer == peer);
         async move {
@@ -386,6 +408,8 @@ pub async fn form<L: LeadLink>(
         live_rows: live.len(),
         condition_number: plan.condition_number,
         addrs: dialed,
+        others,
+        places,
     })
 }
 

@@ -9,6 +9,8 @@ use libp2p::multiaddr::Protocol;
 use libp2p::{Multiaddr, PeerId};
 use web_time::Instant;
 
+use crate::mesh::Coord;
+
 /// How a leader runs a forward pass.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum PassRoute {
@@ -159,33 +161,100 @@ pub fn off_this_machine(addrs: &[Multiaddr]) -> bool {
         })
 }
 
+/// A hop pass's stages per feed from the leader: a pass crosses between members once a stage
+/// (about 64 to 122 a token) and between the leader and its members twice, so a member's
+/// distance to the leader weighs this much less than the members' to each other.
+pub const STAGES_PER_FEED: f32 = 64.0;
+
 /// The members a hop group forms over, at least `least` and at most `most` of them: the
-/// rounds group's own (`nodes`, the best conditioned first), then the other rows that answered
-/// (`rows`), leaving out the leader's own node `me` (it cannot pass a part to itself); why not
-/// when fewer than `least` remain. Every member's part is waited for in a hop group, so the
-/// members beyond k all check every round, and each one of them can be lost without a pass
-/// failing: spares are members beyond the checked ones.
+/// rounds group's rows (`nodes`, the best conditioned first), then the other rows that
+/// answered (`rows`, the holder asked of each), leaving out the leader's own node `me` (it
+/// cannot pass a part to itself); why not when fewer than `least` remain. Every member's part
+/// is waited for in a hop group, so the members beyond k all check every round, and each one
+/// of them can be lost without a pass failing: spares are members beyond the checked ones.
+///
+/// Each row's holder is the one that makes the members nearest each other: the asked holder or
+/// one of the row's `others` (free holders at the version), placed in `places` (the leader's
+/// own place under `me` weighs [`STAGES_PER_FEED`] times less). Of every group made by taking
+/// each row's holder nearest one holder, the one whose farthest pair is nearest (the asked
+/// holders where no place is known).
 pub fn hop_members(
     nodes: &[usize],
     rows: &BTreeMap<usize, PeerId>,
+    others: &BTreeMap<usize, Vec<PeerId>>,
+    places: &BTreeMap<PeerId, Coord>,
     me: PeerId,
     least: usize,
     most: usize,
 ) -> Result<Vec<(usize, PeerId)>, String> {
     let rest = rows.keys().filter(|r| !nodes.contains(r));
-    let members: Vec<(usize, PeerId)> = nodes
-        .iter()
-        .chain(rest)
-        .filter_map(|&row| rows.get(&row).filter(|&&p| p != me).map(|&p| (row, p)))
+    // Each row's candidates, the asked holder first.
+    let candidates: Vec<(usize, Vec<PeerId>)> = (nodes.iter().chain(rest))
+        .filter_map(|&row| {
+            let asked = rows.get(&row)?;
+            let c: Vec<PeerId> = std::iter::once(asked)
+                .chain(
+                    others
+                        .get(&row)
+                        .into_iter()
+                        .flatten()
+                        .filter(|p| *p != asked),
+                )
+                .filter(|&&p| p != me)
+                .copied()
+                .collect();
+            (c.first() == Some(asked)).then_some((row, c))
+        })
         .take(most.max(least))
         .collect();
-    if members.len() < least {
+    if candidates.len() < least {
         return Err(format!(
             "a hop group needs {least} members besides the leader's node, {} rows have a holder at the version",
-            members.len()
+            candidates.len()
         ));
     }
-    Ok(members)
+    let asked: Vec<(usize, PeerId)> = candidates.iter().map(|(r, c)| (*r, c[0])).collect();
+    let cost = |members: &[(usize, PeerId)]| -> f32 {
+        let at = |p: &PeerId| places.get(p).filter(|c| c.is_placed());
+        let mut worst = 0.0f32;
+        for (i, (_, a)) in members.iter().enumerate() {
+            let Some(a) = at(a) else {
+                return f32::INFINITY;
+            };
+            for (_, b) in &members[i + 1..] {
+                worst = worst.max(at(b).map_or(f32::INFINITY, |b| a.rtt_ms(b)));
+            }
+        }
+        let feed = at(&me).map_or(0.0, |leader| {
+            (members.iter())
+                .filter_map(|(_, p)| Some(leader.rtt_ms(at(p)?)))
+                .fold(0.0, f32::max)
+        });
+        worst + feed / STAGES_PER_FEED
+    };
+    let mut best = (cost(&asked), asked);
+    let anchors = candidates
+        .iter()
+        .flat_map(|(_, c)| c)
+        .filter_map(|p| places.get(p));
+    for anchor in anchors.filter(|c| c.is_placed()) {
+        let near = |p: &&PeerId| places.get(*p).map_or(f32::INFINITY, |c| c.rtt_ms(anchor));
+        let trial: Vec<(usize, PeerId)> = (candidates.iter())
+            .map(|(r, c)| {
+                (
+                    *r,
+                    *c.iter()
+                        .min_by(|a, b| near(a).total_cmp(&near(b)))
+                        .unwrap_or(&c[0]),
+                )
+            })
+            .collect();
+        let c = cost(&trial);
+        if c < best.0 {
+            best = (c, trial);
+        }
+    }
+    Ok(best.1)
 }
 
 #[cfg(test)]
@@ -279,16 +348,53 @@ mod tests {
     fn a_hop_group_takes_the_rounds_groups_members_first_and_never_the_leaders_node() {
         let peers: Vec<PeerId> = (0..5).map(|_| PeerId::random()).collect();
         let rows: BTreeMap<usize, PeerId> = peers.iter().copied().enumerate().collect();
-        let got = hop_members(&[3, 1, 4], &rows, peers[1], 2, 3).unwrap();
+        let (others, places) = (BTreeMap::new(), BTreeMap::new());
+        let hop =
+            |least, most| hop_members(&[3, 1, 4], &rows, &others, &places, peers[1], least, most);
+        let got = hop(2, 3).unwrap();
         assert_eq!(got, [(3, peers[3]), (4, peers[4]), (0, peers[0])]);
         // Spares are taken where there are rows for them, and left out where there are none.
-        let all = hop_members(&[3, 1, 4], &rows, peers[1], 3, 9).unwrap();
+        let all = hop(3, 9).unwrap();
         assert_eq!(all.len(), 4);
-        let err = hop_members(&[3, 1, 4], &rows, peers[1], 5, 6).unwrap_err();
+        let err = hop(5, 6).unwrap_err();
         assert!(
             err.contains("needs 5 members") && err.contains("4 rows"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn a_hop_groups_holders_are_those_nearest_each_other() {
+        // Rows 0..4, each held in eu (at 0 ms) and in us (at 80 ms); the rounds group asked
+        // eu's holder of rows 0 and 2 and us's of rows 1 and 3 (nearest a leader between).
+        let eu: Vec<PeerId> = (0..4).map(|_| PeerId::random()).collect();
+        let us: Vec<PeerId> = (0..4).map(|_| PeerId::random()).collect();
+        let me = PeerId::random();
+        let rows: BTreeMap<usize, PeerId> = [(0, eu[0]), (1, us[1]), (2, eu[2]), (3, us[3])].into();
+        let others: BTreeMap<usize, Vec<PeerId>> =
+            (0..4).map(|r| (r, vec![eu[r], us[r]])).collect();
+        let mut places: BTreeMap<PeerId, Coord> = BTreeMap::new();
+        for r in 0..4 {
+            places.insert(eu[r], Coord::placed_at(0.0));
+            places.insert(us[r], Coord::placed_at(80.0));
+        }
+        let hop = |places: &BTreeMap<PeerId, Coord>| {
+            hop_members(&[0, 1, 2], &rows, &others, places, me, 3, 3).unwrap()
+        };
+        // The leader nearer us: the three in us, with the rounds group's rows.
+        places.insert(me, Coord::placed_at(70.0));
+        assert_eq!(hop(&places), [(0, us[0]), (1, us[1]), (2, us[2])]);
+        // Nearer eu: the three in eu.
+        places.insert(me, Coord::placed_at(10.0));
+        assert_eq!(hop(&places), [(0, eu[0]), (1, eu[1]), (2, eu[2])]);
+        // No place known: the holders the rounds group asked.
+        assert_eq!(hop(&BTreeMap::new()), [(0, eu[0]), (1, us[1]), (2, eu[2])]);
+        // Only one region holds row 1: a group that crosses is the only one, and it is kept
+        // as asked where no group is nearer.
+        let others: BTreeMap<usize, Vec<PeerId>> =
+            [(0, vec![eu[0]]), (1, vec![us[1]]), (2, vec![eu[2]])].into();
+        let got = hop_members(&[0, 1, 2], &rows, &others, &places, me, 3, 3).unwrap();
+        assert_eq!(got, [(0, eu[0]), (1, us[1]), (2, eu[2])]);
     }
 
     #[test]

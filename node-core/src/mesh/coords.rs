@@ -59,6 +59,20 @@ pub struct Coord {
     pub error: f32,
 }
 
+#[cfg(test)]
+impl Coord {
+    /// A placed coordinate at `x` ms along the first axis, for tests.
+    pub(crate) fn placed_at(x: f32) -> Self {
+        let mut vec = [0.0; DIMS];
+        vec[0] = x;
+        Self {
+            vec,
+            height: 0.5,
+            error: 0.1,
+        }
+    }
+}
+
 impl Default for Coord {
     fn default() -> Self {
         Self::ORIGIN

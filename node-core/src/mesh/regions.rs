@@ -158,15 +158,8 @@ impl MeshInfo {
 mod tests {
     use super::*;
 
-    /// A placed coordinate at `x` ms along the first axis.
     fn at(x: f32) -> Coord {
-        let mut vec = [0.0; super::super::coords::DIMS];
-        vec[0] = x;
-        Coord {
-            vec,
-            height: 0.5,
-            error: 0.1,
-        }
+        Coord::placed_at(x)
     }
 
     fn ms(v: f32) -> Duration {

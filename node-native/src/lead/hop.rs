@@ -175,9 +175,10 @@ fn pass_of(frame: &[u8]) -> Option<u64> {
 /// How long a member or the leader waits for a part before it leaves its sender out.
 pub const WAIT: Duration = Duration::from_secs(5);
 
-/// A hop group over `formed`'s members other than this node (`client`'s): k + `check` +
+/// A hop group over `formed`'s rows other than this node's (`client`'s): k + `check` +
 /// `spares` of them ([`node_core::lead::hop_members`]; at least k + `check`, spares where there
-/// are rows for them), every round checked with those beyond k, formed on `runtime`.
+/// are rows for them, each row's holder the one nearest the others), every round checked with
+/// those beyond k, formed on `runtime`.
 pub fn lead_group(
     runtime: &tokio::runtime::Handle,
     client: &Client,
@@ -188,18 +189,25 @@ pub fn lead_group(
 ) -> anyhow::Result<HopLeader<NetFeedLink>> {
     let least = manifest.generator.k() + check;
     let nodes = formed.group.nodes();
-    let members =
-        node_core::lead::hop_members(nodes, &formed.rows, client.peer_id(), least, least + spares)
-            .map_err(anyhow::Error::msg)?
-            .into_iter()
-            .map(|(row, peer)| {
-                (
-                    row,
-                    peer,
-                    formed.addrs.get(&peer).cloned().unwrap_or_default(),
-                )
-            })
-            .collect::<Vec<_>>();
+    let members = node_core::lead::hop_members(
+        nodes,
+        &formed.rows,
+        &formed.others,
+        &formed.places,
+        client.peer_id(),
+        least,
+        least + spares,
+    )
+    .map_err(anyhow::Error::msg)?
+    .into_iter()
+    .map(|(row, peer)| {
+        (
+            row,
+            peer,
+            formed.addrs.get(&peer).cloned().unwrap_or_default(),
+        )
+    })
+    .collect::<Vec<_>>();
     lead(
         runtime,
         client,
