@@ -20,9 +20,9 @@ pub use generate::{
 };
 pub use leader::{Failure, LeadShell, Leader, Measured, Stepped, ready, step, step_scored};
 pub use learning::{Publisher, Settled, settle};
-pub use near::closer_row;
+pub use near::{closer_hop_row, closer_row, places_of};
 pub use publish::{Reported, Sealed, Sent, report_caught, seal_update, spread_out};
-pub use route::{HOP_OVER, PassRoute, RouteMeasures, hop_members};
+pub use route::{HOP_OVER, PassRoute, RouteMeasures, hop_cost, hop_members};
 pub use steer::{Action, Looking, Route, Steer, returned_row};
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -314,10 +314,7 @@ pub async fn form<L: LeadLink>(
         let view: Vec<Multiaddr> = at.iter().filter_map(|a| a.parse().ok()).collect();
         dialed.entry(peer).or_insert(view);
     }
-    let places: BTreeMap<PeerId, Coord> = (info.nodes.iter())
-        .filter(|n| n.coord.is_placed())
-        .filter_map(|n| Some((n.peer.parse().ok()?, n.coord)))
-        .collect();
+    let places = near::places_of(info);
     let asks = peers.iter().map(|(&row, &peer)| {
         let own = own.as_ref().filter(|o| o.peer == peer);
         async move {

@@ -4,8 +4,11 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::str::FromStr;
 
+use libp2p::PeerId;
+
+use super::route::{hop_cost, hop_members};
 use crate::code::Generator;
-use crate::mesh::{MeshInfo, much_closer, pick_nearest, plan_group_near};
+use crate::mesh::{Coord, MeshInfo, much_closer, pick_nearest, plan_group_near};
 
 /// A row of a much closer group than the one computing with `rows` (each row's holder): the
 /// group [`super::form`] would pick from `info` now (each row's nearest holder outside `avoid`, the
@@ -47,6 +50,48 @@ pub fn closer_row<P: Ord + Clone + FromStr>(
     })
 }
 
+/// Where `info` places each node (placed coordinates only).
+pub fn places_of(info: &MeshInfo) -> BTreeMap<PeerId, Coord> {
+    (info.nodes.iter())
+        .filter(|n| n.coord.is_placed())
+        .filter_map(|n| Some((n.peer.parse().ok()?, n.coord)))
+        .collect()
+}
+
+/// A row of a much closer hop group than `members` (each row's holder now, led by `me`): the
+/// one [`hop_members`] would take from `info` now over the same rows, each from its holders at
+/// the view's version outside `avoid` (the members' own kept), when its cost ([`hop_cost`]) is
+/// [`much_closer`] than the group's; `None` when none is, or while a member is not placed.
+pub fn closer_hop_row(
+    info: &MeshInfo,
+    members: &[(usize, PeerId)],
+    avoid: &BTreeSet<PeerId>,
+    me: PeerId,
+) -> Option<usize> {
+    let places = places_of(info);
+    let now = hop_cost(members, &places, me);
+    if !now.is_finite() {
+        return None;
+    }
+    let (_, live) = info.live_holders()?;
+    let rows: BTreeMap<usize, PeerId> = members.iter().copied().collect();
+    let free = |p: &PeerId| !avoid.contains(p) || rows.values().any(|m| m == p);
+    let others: BTreeMap<usize, Vec<PeerId>> = (live.iter())
+        .filter(|(row, _)| rows.contains_key(row))
+        .map(|(&row, holders)| {
+            let peers = holders.iter().filter_map(|n| n.peer.parse().ok());
+            (row, peers.filter(free).collect())
+        })
+        .collect();
+    let nodes: Vec<usize> = members.iter().map(|&(r, _)| r).collect();
+    let n = members.len();
+    let fresh = hop_members(&nodes, &rows, &others, &places, me, n, n).ok()?;
+    much_closer(now, hop_cost(&fresh, &places, me)).then(|| {
+        let changed = fresh.iter().find(|m| !members.contains(m));
+        changed.map_or(nodes[0], |&(r, _)| r)
+    })
+}
+
 /// The largest of round trips, `None` if one is not known.
 fn slowest(mut ms: impl Iterator<Item = Option<f32>>) -> Option<f32> {
     ms.try_fold(0.0, |most: f32, ms| Some(most.max(ms?)))
@@ -70,7 +115,44 @@ mod tests {
 
     use super::*;
     use crate::lead::tests::view;
-    use libp2p::PeerId;
+
+    #[test]
+    fn a_hop_group_spread_over_two_regions_is_told_a_row_of_one_within_one() {
+        let g = 4;
+        let eu: Vec<PeerId> = (0..g).map(|_| PeerId::random()).collect();
+        let us: Vec<PeerId> = (0..g).map(|_| PeerId::random()).collect();
+        let me = PeerId::random();
+        let pairs: Vec<(PeerId, u32)> = (0..g)
+            .flat_map(|r| [(eu[r], r as u32), (us[r], r as u32)])
+            .collect();
+        let mut info = view(&pairs);
+        for n in &mut info.nodes {
+            let p: PeerId = n.peer.parse().unwrap();
+            n.coord = Coord::placed_at(if eu.contains(&p) { 0.0 } else { 50.0 });
+        }
+        let none = BTreeSet::new();
+        let mixed = [(0, eu[0]), (1, us[1]), (2, eu[2])];
+        let row = closer_hop_row(&info, &mixed, &none, me);
+        assert_eq!(
+            row,
+            Some(1),
+            "eu's holder of row 1 puts the three within one region"
+        );
+        let near = [(0, eu[0]), (1, eu[1]), (2, eu[2])];
+        assert_eq!(closer_hop_row(&info, &near, &none, me), None);
+        // eu's holder of row 1 and us's of row 0 compute for other groups: nothing closer.
+        let busy: BTreeSet<PeerId> = [eu[1], us[0]].into();
+        assert_eq!(closer_hop_row(&info, &mixed, &busy, me), None);
+        // A member not placed yet: no judgement.
+        for n in info
+            .nodes
+            .iter_mut()
+            .filter(|n| n.peer == us[1].to_string())
+        {
+            n.coord = Coord::default();
+        }
+        assert_eq!(closer_hop_row(&info, &mixed, &none, me), None);
+    }
 
     #[test]
     fn a_group_far_from_its_leader_is_told_a_row_of_a_much_closer_one() {

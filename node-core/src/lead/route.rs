@@ -161,6 +161,28 @@ pub fn off_this_machine(addrs: &[Multiaddr]) -> bool {
         })
 }
 
+/// What a hop group of `members` costs a stage by `places`, in milliseconds: the round trip of
+/// its farthest pair, and its leader's (`me`) to its farthest member [`STAGES_PER_FEED`] times
+/// less; infinite where a member's place is not known.
+pub fn hop_cost(members: &[(usize, PeerId)], places: &BTreeMap<PeerId, Coord>, me: PeerId) -> f32 {
+    let at = |p: &PeerId| places.get(p).filter(|c| c.is_placed());
+    let mut worst = 0.0f32;
+    for (i, (_, a)) in members.iter().enumerate() {
+        let Some(a) = at(a) else {
+            return f32::INFINITY;
+        };
+        for (_, b) in &members[i + 1..] {
+            worst = worst.max(at(b).map_or(f32::INFINITY, |b| a.rtt_ms(b)));
+        }
+    }
+    let feed = at(&me).map_or(0.0, |leader| {
+        (members.iter())
+            .filter_map(|(_, p)| Some(leader.rtt_ms(at(p)?)))
+            .fold(0.0, f32::max)
+    });
+    worst + feed / STAGES_PER_FEED
+}
+
 /// A hop pass's stages per feed from the leader: a pass crosses between members once a stage
 /// (about 64 to 122 a token) and between the leader and its members twice, so a member's
 /// distance to the leader weighs this much less than the members' to each other.
@@ -214,24 +236,7 @@ pub fn hop_members(
         ));
     }
     let asked: Vec<(usize, PeerId)> = candidates.iter().map(|(r, c)| (*r, c[0])).collect();
-    let cost = |members: &[(usize, PeerId)]| -> f32 {
-        let at = |p: &PeerId| places.get(p).filter(|c| c.is_placed());
-        let mut worst = 0.0f32;
-        for (i, (_, a)) in members.iter().enumerate() {
-            let Some(a) = at(a) else {
-                return f32::INFINITY;
-            };
-            for (_, b) in &members[i + 1..] {
-                worst = worst.max(at(b).map_or(f32::INFINITY, |b| a.rtt_ms(b)));
-            }
-        }
-        let feed = at(&me).map_or(0.0, |leader| {
-            (members.iter())
-                .filter_map(|(_, p)| Some(leader.rtt_ms(at(p)?)))
-                .fold(0.0, f32::max)
-        });
-        worst + feed / STAGES_PER_FEED
-    };
+    let cost = |members: &[(usize, PeerId)]| hop_cost(members, places, me);
     let mut best = (cost(&asked), asked);
     let anchors = candidates
         .iter()

@@ -177,7 +177,7 @@ pub(super) fn delay_rows(
     }
     let (check, spares) = (group.verify, group.spares);
     let (client, manifest, formed) = (&leader.session.client, &leader.manifest, &leader.formed);
-    let mut hop =
+    let (mut hop, _) =
         crate::lead::hop::lead_group(runtime.handle(), client, manifest, formed, check, spares)?;
     let cfg = leader.formed.llama.config().clone();
     // A pass is the feed, the embedding lookup, four stages a layer and the LM head: a hop each.

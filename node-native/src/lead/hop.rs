@@ -175,10 +175,13 @@ fn pass_of(frame: &[u8]) -> Option<u64> {
 /// How long a member or the leader waits for a part before it leaves its sender out.
 pub const WAIT: Duration = Duration::from_secs(5);
 
+/// A hop group's members: row and holder.
+pub type Members = Vec<(usize, PeerId)>;
+
 /// A hop group over `formed`'s rows other than this node's (`client`'s): k + `check` +
 /// `spares` of them ([`node_core::lead::hop_members`]; at least k + `check`, spares where there
 /// are rows for them, each row's holder the one nearest the others), every round checked with
-/// those beyond k, formed on `runtime`.
+/// those beyond k, formed on `runtime`; with its members (row and holder).
 pub fn lead_group(
     runtime: &tokio::runtime::Handle,
     client: &Client,
@@ -186,7 +189,7 @@ pub fn lead_group(
     formed: &crate::lead::remote::Formed,
     check: usize,
     spares: usize,
-) -> anyhow::Result<HopLeader<NetFeedLink>> {
+) -> anyhow::Result<(HopLeader<NetFeedLink>, Members)> {
     let least = manifest.generator.k() + check;
     let nodes = formed.group.nodes();
     let members = node_core::lead::hop_members(
@@ -198,23 +201,21 @@ pub fn lead_group(
         least,
         least + spares,
     )
-    .map_err(anyhow::Error::msg)?
-    .into_iter()
-    .map(|(row, peer)| {
-        (
-            row,
-            peer,
-            formed.addrs.get(&peer).cloned().unwrap_or_default(),
-        )
-    })
-    .collect::<Vec<_>>();
-    lead(
+    .map_err(anyhow::Error::msg)?;
+    let reached: Vec<_> = (members.iter())
+        .map(|&(row, peer)| {
+            let addrs = formed.addrs.get(&peer).cloned().unwrap_or_default();
+            (row, peer, addrs)
+        })
+        .collect();
+    let leader = lead(
         runtime,
         client,
         manifest.cfg.clone(),
         manifest.generator.clone(),
         formed.version,
-        &members,
+        &reached,
         WAIT,
-    )
+    )?;
+    Ok((leader, members))
 }

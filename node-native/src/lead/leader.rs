@@ -271,7 +271,7 @@ impl LeadShell<()> for Leader {
         }
         if self.hop.is_none() {
             let g = &self.opts.group;
-            let hop = super::hop::lead_group(
+            let (hop, _) = super::hop::lead_group(
                 &tokio::runtime::Handle::current(),
                 &self.session.client,
                 &self.manifest,

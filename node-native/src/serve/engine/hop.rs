@@ -12,6 +12,8 @@ use crate::lead::hop::NetFeedLink;
 pub(super) struct HopSide {
     /// The hop group, while passes run on it.
     pub(super) leader: Option<HopLeader<NetFeedLink>>,
+    /// Its members as formed: row and holder.
+    pub(super) members: Vec<(usize, PeerId)>,
     /// Changes whenever the sequences' keys and values move (a hop group formed or let go):
     /// a sequence started at another epoch starts again.
     pub(super) epoch: u64,
@@ -35,9 +37,10 @@ impl Lead {
             let ctx = &self.ctx;
             let (check, spares) = (ctx.cfg.verify, ctx.cfg.spares);
             let runtime = &ctx.runtime;
-            let leader =
+            let (leader, members) =
                 crate::lead::hop::lead_group(runtime, &ctx.client, &ctx.manifest, f, check, spares)
                     .map_err(|e| format!("{e:#}"))?;
+            self.hop.members = members;
             tracing::info!(
                 rows = ?leader.rows(),
                 network_per_round_us = self.leader.network_per_round().map(|d| d.as_micros() as u64),

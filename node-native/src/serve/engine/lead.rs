@@ -225,10 +225,12 @@ impl LeadShell<Served> for Lead {
     }
 
     /// Not another serving group's holder, nor this node's own row when it is not a member. A
-    /// hop group is left alone: its sequences live on its members.
+    /// hop group looks only for a much closer hop group (its sequences live on its members,
+    /// and start again on the new one): a short one goes on short.
     async fn look(&mut self, looking: &Looking) -> Option<usize> {
         let version = self.formed.as_ref().map(|f| f.version)?;
-        if self.hop.leader.is_some() {
+        let whole = looking.rows.len() >= looking.wanted;
+        if self.hop.leader.is_some() && !whole {
             return None;
         }
         let mut avoid = match &self.slot {
@@ -238,7 +240,10 @@ impl LeadShell<Served> for Lead {
         let me = self.ctx.client.peer_id();
         avoid.insert(me);
         let info = self.info().await.ok()?;
-        if looking.rows.len() >= looking.wanted {
+        if self.hop.leader.is_some() {
+            return node_core::lead::closer_hop_row(&info, &self.hop.members, &avoid, me);
+        }
+        if whole {
             // Whole: a much closer group, if the view now knows one.
             let f = self.formed.as_ref()?;
             let rows: BTreeMap<usize, PeerId> = (f.group.nodes().iter())
