@@ -143,9 +143,10 @@ impl<J> Leader<J> {
         self.steer.let_go();
     }
 
-    /// A hop group could not be formed at `now`: an automatic route keeps to rounds a while.
-    pub fn hop_failed(&mut self, now: Instant) {
-        self.steer.hop_failed(now);
+    /// A hop group could not be formed at `now`: an automatic route keeps to rounds a while,
+    /// or until its group is formed again.
+    pub fn hop_unformed(&mut self, now: Instant) {
+        self.steer.hop_unformed(now);
     }
 
     /// What the group's rounds measured, reported at `now`.
@@ -314,7 +315,7 @@ pub async fn step_scored<J, S: LeadShell<J>>(
         Err(why) => {
             tracing::warn!("rounds, not hops: {why}");
             let now = shell.now();
-            shell.leader().hop_failed(now);
+            shell.leader().hop_unformed(now);
             shell
                 .route(Route::Rounds)
                 .await

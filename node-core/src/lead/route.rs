@@ -89,6 +89,9 @@ pub struct RouteMeasures {
     compute: Duration,
     /// When a hop group last failed.
     failed: Option<Instant>,
+    /// Whether that hop group could not be formed over this group's rows (too few of them, a
+    /// member that would not join): a group formed again may form one.
+    unformed: bool,
 }
 
 impl RouteMeasures {
@@ -113,17 +116,28 @@ impl RouteMeasures {
         (self.rounds >= PROBE_ROUNDS).then(|| self.compute / self.rounds as u32)
     }
 
-    /// Forgets what was measured (the rounds group formed again).
+    /// Forgets what was measured (the rounds group formed again), and a hop group that could
+    /// not be formed over the old group's rows.
     pub fn forget(&mut self) {
         self.rounds = 0;
         self.network = Duration::ZERO;
         self.computed = Duration::ZERO;
         self.compute = Duration::ZERO;
+        if self.unformed {
+            (self.failed, self.unformed) = (None, false);
+        }
     }
 
-    /// A hop group failed at `now`: an automatic choice keeps to rounds for [`HOP_RETRY`].
+    /// A hop group's pass failed at `now`: an automatic choice keeps to rounds for
+    /// [`HOP_RETRY`].
     pub fn hop_failed(&mut self, now: Instant) {
-        self.failed = Some(now);
+        (self.failed, self.unformed) = (Some(now), false);
+    }
+
+    /// A hop group could not be formed at `now`: an automatic choice keeps to rounds for
+    /// [`HOP_RETRY`], or until the rounds group is formed again ([`Self::forget`]).
+    pub fn hop_unformed(&mut self, now: Instant) {
+        (self.failed, self.unformed) = (Some(now), true);
     }
 
     /// Whether a leader's next pass goes one hop per stage under `route`, where `far` says
@@ -326,6 +340,16 @@ mod tests {
             m.wants_hop(PassRoute::Auto, true, now + HOP_RETRY),
             "retried later"
         );
+        m.forget();
+        assert!(
+            !m.wants_hop(PassRoute::Auto, true, now),
+            "a pass that failed on a hop group keeps a new group to rounds too"
+        );
+        // One that could not be formed over the old group's rows: a new group tries again.
+        m.hop_unformed(now);
+        assert!(!m.wants_hop(PassRoute::Auto, true, now));
+        m.forget();
+        assert!(m.wants_hop(PassRoute::Auto, true, now), "a new group");
     }
 
     #[test]

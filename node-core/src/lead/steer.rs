@@ -234,9 +234,15 @@ impl Steer {
         self.measures.network_per_round()
     }
 
-    /// A hop group failed at `now`: an automatic choice keeps to rounds for a while.
+    /// A hop group's pass failed at `now`: an automatic choice keeps to rounds for a while.
     pub fn hop_failed(&mut self, now: Instant) {
         self.measures.hop_failed(now);
+    }
+
+    /// A hop group could not be formed at `now`: an automatic choice keeps to rounds for a
+    /// while, or until a group is formed again ([`RouteMeasures::hop_unformed`]).
+    pub fn hop_unformed(&mut self, now: Instant) {
+        self.measures.hop_unformed(now);
     }
 
     /// How a pass at `now` travels.
