@@ -227,6 +227,14 @@ impl Adversary {
         (count, failed)
     }
 
+    /// Asks for a row near 60 made-up peers (a joiner's samples list, bounded at 32 names; the
+    /// frame within the 4 KiB a join may take): the node should refuse the request unread.
+    pub async fn join_near_a_crowd(&self) -> Result<MeshResponse> {
+        let peers: Vec<String> = (0..60).map(|_| PeerId::random().to_string()).collect();
+        let rtt_us = vec![1_000; peers.len()];
+        self.ask(MeshRequest::JoinNear { peers, rtt_us }).await
+    }
+
     /// Publishes heartbeats as a holder of `row` at a version of `count` updates it made up,
     /// `times` times a little apart: a liar who would be the source others catch up from.
     pub async fn lie_about_version(&self, row: u32, count: u64, times: usize) -> Result<()> {

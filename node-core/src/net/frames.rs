@@ -51,6 +51,9 @@ impl Budget {
 pub static OVERSIZED: AtomicU64 = AtomicU64::new(0);
 /// See [`OVERSIZED`].
 pub static OVER_BUDGET: AtomicU64 = AtomicU64::new(0);
+/// Request frames refused since the process started because they do not decode (a list past
+/// its bound, bytes of no request).
+pub static UNDECODABLE: AtomicU64 = AtomicU64::new(0);
 
 /// What a frame being read holds of a budget; returned when dropped.
 #[derive(Debug, Default)]

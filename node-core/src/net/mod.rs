@@ -285,7 +285,11 @@ impl request_response::Codec for MeshCodec {
         _: &StreamProtocol,
         io: &mut T,
     ) -> io::Result<MeshRequest> {
-        protocol::decode(&frames::read_frame(io, Some(frames::request_cap)).await?).map_err(to_io)
+        let frame = frames::read_frame(io, Some(frames::request_cap)).await?;
+        protocol::decode(&frame).map_err(|e| {
+            frames::UNDECODABLE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            to_io(e)
+        })
     }
 
     async fn read_response<T: AsyncRead + Unpin + Send>(

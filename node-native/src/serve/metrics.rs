@@ -20,8 +20,9 @@ pub struct Metrics {
     /// What this node refused from peers (updates, notices, reports), by reason
     /// ([`node_core::holder::Refusal`]); read from node-core's counts when scraped.
     pub refused: Family<Vec<(String, String)>, Counter>,
-    /// Frames from peers refused (past their kind's size, or the node's budget for frames in
-    /// flight), by reason; read from node-core's counts when scraped.
+    /// Frames from peers refused (past their kind's size, the node's budget for frames in
+    /// flight, or a request that does not decode), by reason; read from node-core's counts
+    /// when scraped.
     pub frames_refused: Family<Vec<(String, String)>, Counter>,
     /// Per API key (its name): requests, requests over its rate, requests handed to the
     /// trainer, requests past its learning budget.
@@ -448,7 +449,7 @@ impl Metrics {
         );
         r.register(
             "frames_refused",
-            "Frames from peers refused: past the size their kind needs, past the node's budget for frames in flight, or a local session's shared memory that may shrink, is another size or holds a position past its ring",
+            "Frames from peers refused: past the size their kind needs, past the node's budget for frames in flight, a request that does not decode (a list past its bound), or a local session's shared memory that may shrink, is another size or holds a position past its ring",
             m.frames_refused.clone(),
         );
         r.register(
@@ -512,6 +513,7 @@ impl Metrics {
         let frames = [
             ("oversized", &node_core::net::frames::OVERSIZED),
             ("over_budget", &node_core::net::frames::OVER_BUDGET),
+            ("undecodable", &node_core::net::frames::UNDECODABLE),
             (
                 "session_memory",
                 &crate::hold::session::local::MEMORY_REFUSED,

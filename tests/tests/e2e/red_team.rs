@@ -310,6 +310,14 @@ fn a_stranger_cannot_take_the_mesh_over_and_every_attack_is_refused_and_counted(
             said(&a)
         );
         refused.push("a framing report: refused (report_unadmitted)".into());
+        // A joiner's samples naming 60 peers: past the list's bound, refused undecoded.
+        let a = adv.join_near_a_crowd().await;
+        ensure!(
+            !matches!(a, Ok(node_core::mesh::MeshResponse::Join(_))),
+            "a join near 60 peers was answered with an offer: {}",
+            said(&a)
+        );
+        refused.push(format!("a join near 60 peers: {}", said(&a)));
         // Heartbeats claiming a billion updates, as a holder of row 1.
         adv.lie_about_version(1, 1_000_000_000, 15).await?;
         // Heartbeats placing a holder of row 1 a billion milliseconds out.
@@ -540,6 +548,15 @@ fn a_stranger_cannot_take_the_mesh_over_and_every_attack_is_refused_and_counted(
     ensure!(
         frames >= 1.0,
         "the oversized frame was not refused: {frames}"
+    );
+    let undecodable = sample(
+        &m,
+        "codedmesh_frames_refused_total",
+        "reason=\"undecodable\"",
+    );
+    ensure!(
+        undecodable >= 1.0,
+        "the join near 60 peers was not refused as undecodable: {undecodable}"
     );
     let over = sample(
         &m,
