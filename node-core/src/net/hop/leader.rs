@@ -50,13 +50,18 @@ pub struct Gather<L> {
 }
 
 impl<L: FeedLink> Gather<L> {
-    /// Notes `row`'s failure of the current pass and the members it blamed for it.
+    /// Notes `row`'s failure of the current pass and the members it blamed for it: each once
+    /// (a member naming another many times, or itself, counts as naming it once, or not).
     fn note_failure(&mut self, row: usize, silent: &[u32]) {
         if silent.is_empty() {
             self.failed.insert(row);
         }
-        for &r in silent.iter().take(self.k * 4) {
-            *self.blamed.entry(r as usize).or_default() += 1;
+        let named: std::collections::BTreeSet<usize> = (silent.iter().take(self.k * 4))
+            .map(|&r| r as usize)
+            .filter(|&r| r != row)
+            .collect();
+        for r in named {
+            *self.blamed.entry(r).or_default() += 1;
         }
     }
 

@@ -72,6 +72,9 @@ struct Faults {
     lose: Option<(usize, usize, u64, u32)>,
     /// How long a part is waited for (10 s where `None`).
     wait_ms: Option<u32>,
+    /// This row, fed this pass, computes nothing and tells the leader it missed this other
+    /// row's part, naming it this many times.
+    blames: Option<(usize, u64, usize, usize)>,
 }
 
 /// What each member of a test's hop group saw: the rows it caught, and those it left out.
@@ -119,6 +122,9 @@ fn hop_group(
         let quits = faults
             .quits
             .and_then(|(q, passes)| (q == r).then_some(passes));
+        let blames = (faults.blames).and_then(|(liar, pass, accused, times)| {
+            (liar == r).then_some((pass, vec![accused as u32; times]))
+        });
         let others = part_tx.clone();
         let link = MemberLink {
             member,
@@ -152,6 +158,19 @@ fn hop_group(
                     let why = "the member's stream closed".to_string();
                     let _ = fed.send((r, Fed::failed(feed.pass, why)));
                     break;
+                }
+                if let Some((pass, silent)) = blames.as_ref().filter(|(p, _)| *p == feed.pass) {
+                    let result = Err("a part did not come (a lie)".to_string());
+                    let silent = silent.clone();
+                    let _ = fed.send((
+                        r,
+                        Fed {
+                            pass: *pass,
+                            result,
+                            silent,
+                        },
+                    ));
+                    continue;
                 }
                 let _ = fed.send((r, Fed::of(feed.pass, block_on(hop.feed(&feed)))));
             }
@@ -345,6 +364,33 @@ fn a_part_lost_to_one_member_fails_its_pass_and_the_pass_is_fed_again_to_members
         stats.caught.is_empty() && stats.unverified_rounds == 0,
         "{stats:?}"
     );
+}
+
+#[test]
+fn a_member_that_blames_an_honest_one_again_and_again_is_the_one_left_out() {
+    // Row 4, fed pass 3, computes nothing and tells the leader it missed row 2's part, naming
+    // row 2 twelve times. The others miss row 4's parts and name it once each: the leader
+    // counts each member's blame of a row once, so row 4 is the most named and left out, and
+    // row 2 stays.
+    let weights = ModelWeights::synthetic(config(), 5).unwrap();
+    let want = round_generate(&weights, 0);
+    let faults = Faults {
+        blames: Some((4, 3, 2, 12)),
+        wait_ms: Some(2_000),
+        ..Faults::default()
+    };
+    let (tokens, seen, stats, reruns) = hop_generate(&weights, &[0, 1, 2, 3, 4], faults, 0);
+    assert_eq!(tokens, want);
+    assert_eq!(reruns, 1);
+    for (i, (caught, dropped)) in seen.iter().enumerate().filter(|(i, _)| *i != 4) {
+        assert!(caught.is_empty(), "member {i} caught {caught:?}");
+        assert_eq!(
+            dropped,
+            &[(4, "left the group".to_string())],
+            "member {i} left out the liar alone"
+        );
+    }
+    assert!(stats.caught.is_empty(), "{stats:?}");
 }
 
 /// Greedy decoding of several prompts at once through `forward`, each sequence at its own
