@@ -232,11 +232,9 @@ pub struct Formed<T: Transport> {
     pub live_rows: usize,
     /// Condition number of the decoding k.
     pub condition_number: f64,
-    /// The addresses each asked holder is dialed at, and each of `others` as the view shows
-    /// them.
+    /// The addresses each asked holder is dialed at (each of `others`: the view's).
     pub addrs: BTreeMap<PeerId, Vec<Multiaddr>>,
-    /// Each row's holders at the version that no other group of this leader uses, this node
-    /// excluded: a hop group may take one nearer its other members ([`hop_members`]).
+    /// Each row's free holders at the version but this node, for a hop group ([`hop_members`]).
     pub others: BTreeMap<usize, Vec<PeerId>>,
     /// Where the view places each holder and this node (placed coordinates only).
     pub places: BTreeMap<PeerId, Coord>,
@@ -302,17 +300,14 @@ pub async fn form<L: LeadLink>(
         let at = addrs_of.get(&peer).copied().unwrap_or_default();
         dialed.insert(peer, link.reach(peer, at).await?);
     }
-    let mut others: BTreeMap<usize, Vec<PeerId>> = BTreeMap::new();
-    for (&row, holders) in &by_row {
-        let free = holders
-            .iter()
-            .filter(|p| Some(**p) != own_peer && !avoid.contains(p));
-        others.insert(row, free.copied().collect());
-    }
+    let free = |p: &&PeerId| Some(**p) != own_peer && !avoid.contains(*p);
+    let others: BTreeMap<usize, Vec<PeerId>> = (by_row.iter())
+        .map(|(&row, holders)| (row, holders.iter().filter(free).copied().collect()))
+        .collect();
     for &peer in others.values().flatten() {
-        let at = addrs_of.get(&peer).copied().unwrap_or_default();
-        let view: Vec<Multiaddr> = at.iter().filter_map(|a| a.parse().ok()).collect();
-        dialed.entry(peer).or_insert(view);
+        let view = addrs_of.get(&peer).copied().unwrap_or_default();
+        let view = view.iter().filter_map(|a| a.parse().ok());
+        dialed.entry(peer).or_insert_with(|| view.collect());
     }
     let places = near::places_of(info);
     let asks = peers.iter().map(|(&row, &peer)| {
