@@ -717,9 +717,7 @@ impl Scale {
             self.clock.advance_to(self.clock.at(at));
             let now = self.clock.now();
             // A member that left: the group goes on without it while k remain.
-            let mut group = std::mem::replace(&mut groups[i], Group::new(wanted));
-            self.drop_gone(&mut group);
-            groups[i] = group;
+            self.drop_gone(&mut groups[i]);
             // Before each token's pass, the leader's rules: form, back off, look.
             if groups[i].rounds == 0
                 && let Some(until) = self.steer(&mut groups, i, now)

@@ -8,7 +8,7 @@ use libp2p::PeerId;
 
 use super::route::{hop_cost, hop_members};
 use crate::code::Generator;
-use crate::mesh::{Coord, MeshInfo, much_closer, pick_nearest, plan_group_near};
+use crate::mesh::{Coord, HoldersByRow, MeshInfo, much_closer, pick_nearest, plan_group_near};
 
 /// A row of a much closer group than the one computing with `rows` (each row's holder): the
 /// group [`super::form`] would pick from `info` now (each row's nearest holder outside `avoid`, the
@@ -28,13 +28,10 @@ pub fn closer_row<P: Ord + Clone + FromStr>(
     let rtt = round_trips(info, own);
     let now = slowest(rows.values().map(|p| rtt.get(p).copied()))?;
     // The holders a fresh group could take: known round trips, free or the group's own.
-    let free = |p: &P| rtt.contains_key(p) && (!avoid.contains(p) || rows.values().any(|m| m == p));
-    let known: BTreeMap<usize, Vec<P>> = (live.iter())
-        .map(|(&row, holders)| {
-            let peers = holders.iter().filter_map(|n| n.peer.parse().ok());
-            (row, peers.filter(free).collect())
-        })
-        .collect();
+    let mut known = free_holders(&live, rows, avoid);
+    known
+        .values_mut()
+        .for_each(|peers| peers.retain(|p| rtt.contains_key(p)));
     let nearest = pick_nearest(&known, &BTreeSet::new(), |p| rtt.get(p).copied());
     let rtt_of = |r: usize| nearest.get(&r).and_then(|p| rtt.get(p)).copied();
     let candidates: Vec<usize> = nearest.keys().copied().collect();
@@ -75,14 +72,7 @@ pub fn closer_hop_row(
     }
     let (_, live) = info.live_holders()?;
     let rows: BTreeMap<usize, PeerId> = members.iter().copied().collect();
-    let free = |p: &PeerId| !avoid.contains(p) || rows.values().any(|m| m == p);
-    let others: BTreeMap<usize, Vec<PeerId>> = (live.iter())
-        .filter(|(row, _)| rows.contains_key(row))
-        .map(|(&row, holders)| {
-            let peers = holders.iter().filter_map(|n| n.peer.parse().ok());
-            (row, peers.filter(free).collect())
-        })
-        .collect();
+    let others = free_holders(&live, &rows, avoid);
     let nodes: Vec<usize> = members.iter().map(|&(r, _)| r).collect();
     let n = members.len();
     let fresh = hop_members(&nodes, &rows, &others, &places, me, n, n).ok()?;
@@ -90,6 +80,21 @@ pub fn closer_hop_row(
         let changed = fresh.iter().find(|m| !members.contains(m));
         changed.map_or(nodes[0], |&(r, _)| r)
     })
+}
+
+/// Each row's holders in `live` a group holding `rows` could take: outside `avoid`, or its own.
+fn free_holders<P: Ord + FromStr>(
+    live: &HoldersByRow<'_>,
+    rows: &BTreeMap<usize, P>,
+    avoid: &BTreeSet<P>,
+) -> BTreeMap<usize, Vec<P>> {
+    let free = |p: &P| !avoid.contains(p) || rows.values().any(|m| m == p);
+    (live.iter())
+        .map(|(&row, holders)| {
+            let peers = holders.iter().filter_map(|n| n.peer.parse().ok());
+            (row, peers.filter(free).collect())
+        })
+        .collect()
 }
 
 /// The largest of round trips, `None` if one is not known.

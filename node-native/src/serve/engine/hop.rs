@@ -13,7 +13,7 @@ pub(super) struct HopSide {
     /// The hop group, while passes run on it.
     pub(super) leader: Option<HopLeader<NetFeedLink>>,
     /// Its members as formed: row and holder.
-    pub(super) members: Vec<(usize, PeerId)>,
+    pub(super) members: crate::lead::hop::Members,
     /// Changes whenever the sequences' keys and values move (a hop group formed or let go):
     /// a sequence started at another epoch starts again.
     pub(super) epoch: u64,
