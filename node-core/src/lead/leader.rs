@@ -9,6 +9,7 @@
 
 use web_time::{Duration, Instant};
 
+use super::choose::PassRows;
 use super::route::PassRoute;
 use super::steer::{Action, Looking, Route, Steer};
 use crate::model::{
@@ -49,8 +50,8 @@ pub struct Leader<J> {
     checks: usize,
     /// Where the batch's keys and values live (a new hop group is another place).
     epoch: u64,
-    /// When the pass under way began.
-    began: Option<Instant>,
+    /// When the pass under way began, its route and its rows.
+    began: Option<(Instant, Route, usize)>,
 }
 
 impl<J> Leader<J> {
@@ -107,6 +108,11 @@ impl<J> Leader<J> {
 
     /// What to do at `now` before the next pass, the group holding `rows` now.
     pub fn poll(&mut self, now: Instant, rows: &[usize]) -> Action {
+        let next = PassRows {
+            stay: self.batch.rows_at(self.epoch),
+            all: self.batch.text_rows(),
+        };
+        self.steer.next_pass(next);
         self.steer.poll(now, rows)
     }
 
@@ -167,11 +173,13 @@ impl<J> Leader<J> {
         self.steer.failures()
     }
 
-    /// Plans the next pass at `now` with the keys and values at `epoch`; the rows it runs.
-    pub fn plan(&mut self, now: Instant, epoch: u64) -> usize {
+    /// Plans the next pass at `now`, going by `route` with the keys and values at `epoch`;
+    /// the rows it runs.
+    pub fn plan(&mut self, now: Instant, route: Route, epoch: u64) -> usize {
         self.epoch = epoch;
-        self.began = Some(now);
-        self.batch.plan(epoch)
+        let rows = self.batch.plan(epoch);
+        self.began = Some((now, route, rows));
+        rows
     }
 
     /// The pass ran, its logits here at `now`: each sequence's tokens go to `on_token` (false
@@ -183,7 +191,11 @@ impl<J> Leader<J> {
         on_token: impl FnMut(&mut J, u32, Option<TokenLogprob>) -> bool,
     ) -> Took<J> {
         self.steer.passed();
-        let took = self.began.take().map(|b| now.saturating_duration_since(b));
+        let took = self.began.take().map(|(at, route, rows)| {
+            let took = now.saturating_duration_since(at);
+            self.steer.ran_pass(route, rows, took);
+            took
+        });
         let seconds = took.unwrap_or_default().as_secs_f64();
         self.batch.take_scored(logits, seconds, on_token)
     }
@@ -310,20 +322,18 @@ pub async fn step_scored<J, S: LeadShell<J>>(
     on_token: impl FnMut(&mut J, u32, Option<TokenLogprob>) -> bool,
 ) -> Result<Stepped<J>, ModelError> {
     let route = ready(shell).await.map_err(ModelError::NoGroup)?;
-    let epoch = match shell.route(route).await {
-        Ok(epoch) => epoch,
+    let (route, epoch) = match shell.route(route).await {
+        Ok(epoch) => (route, epoch),
         Err(why) => {
             tracing::warn!("rounds, not hops: {why}");
             let now = shell.now();
             shell.leader().hop_unformed(now);
-            shell
-                .route(Route::Rounds)
-                .await
-                .map_err(ModelError::NoGroup)?
+            let rounds = shell.route(Route::Rounds).await;
+            (Route::Rounds, rounds.map_err(ModelError::NoGroup)?)
         }
     };
     let now = shell.now();
-    shell.leader().plan(now, epoch);
+    shell.leader().plan(now, route, epoch);
     let result = shell.pass().await;
     let now = shell.now();
     if let Some(m) = shell.measured() {

@@ -140,6 +140,13 @@ impl RouteMeasures {
         (self.failed, self.unformed) = (Some(now), true);
     }
 
+    /// Whether an automatic route keeps to rounds at `now`: a hop group failed within
+    /// [`HOP_RETRY`].
+    pub fn held_to_rounds(&self, now: Instant) -> bool {
+        self.failed
+            .is_some_and(|at| now.saturating_duration_since(at) < HOP_RETRY)
+    }
+
     /// Whether a leader's next pass goes one hop per stage under `route`, where `far` says
     /// whether any member is off this machine ([`off_this_machine`]): automatically, where
     /// one is, or where a round's network time passes both [`HOP_OVER`] and [`HOP_COMPUTE`]
@@ -149,10 +156,7 @@ impl RouteMeasures {
             PassRoute::Rounds => false,
             PassRoute::Hop => true,
             PassRoute::Auto => {
-                if self
-                    .failed
-                    .is_some_and(|at| now.saturating_duration_since(at) < HOP_RETRY)
-                {
+                if self.held_to_rounds(now) {
                     return false;
                 }
                 let over = HOP_OVER.max(self.compute_per_round().unwrap_or_default() * HOP_COMPUTE);

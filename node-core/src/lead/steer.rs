@@ -8,6 +8,7 @@ use std::collections::BTreeSet;
 use std::str::FromStr;
 use web_time::{Duration, Instant};
 
+use super::choose::{PassRows, RouteChoice};
 use super::route::{PassRoute, RouteMeasures};
 use crate::mesh::MeshInfo;
 
@@ -173,6 +174,10 @@ pub struct Steer {
     far: bool,
     /// What the group's rounds measured, and when a hop group last failed.
     measures: RouteMeasures,
+    /// What each route's passes took for their rows, and where the keys and values are.
+    choice: RouteChoice,
+    /// The rows of the next pass, on each route.
+    next: PassRows,
     /// Groups are formed with one more check until then (a wrong answer went unlocated).
     check_more_until: Option<Instant>,
 }
@@ -191,6 +196,8 @@ impl Steer {
             route: PassRoute::Rounds,
             far: false,
             measures: RouteMeasures::default(),
+            choice: RouteChoice::default(),
+            next: PassRows::default(),
             check_more_until: None,
         }
     }
@@ -245,12 +252,51 @@ impl Steer {
         self.measures.hop_unformed(now);
     }
 
-    /// How a pass at `now` travels.
-    fn route_at(&self, now: Instant) -> Route {
-        if self.measures.wants_hop(self.route, self.far, now) {
+    /// The next pass runs `rows` rows (on the route the keys and values are on, and on the
+    /// other, where every sequence starts again).
+    pub fn next_pass(&mut self, rows: PassRows) {
+        self.next = rows;
+    }
+
+    /// A pass of `rows` rows went by `route` and took `took`.
+    pub fn ran_pass(&mut self, route: Route, rows: usize, took: Duration) {
+        self.choice.ran(route, rows, took);
+    }
+
+    /// What each route's passes took for their rows.
+    pub fn choice(&self) -> &RouteChoice {
+        &self.choice
+    }
+
+    /// How a pass at `now` travels: as the route says, or automatically as the delays choose
+    /// ([`RouteMeasures::wants_hop`]) unless what passes of each route took for their rows
+    /// says otherwise for this one ([`RouteChoice::choose`]).
+    fn route_at(&mut self, now: Instant) -> Route {
+        let preferred = if self.measures.wants_hop(self.route, self.far, now) {
             Route::Hop
         } else {
             Route::Rounds
+        };
+        if self.route != PassRoute::Auto || self.measures.held_to_rounds(now) {
+            return preferred;
+        }
+        let chosen = self.choice.choose(preferred, self.next);
+        if chosen != preferred && self.choice.on() != Some(chosen) {
+            let PassRows { stay, all } = self.next;
+            tracing::info!(
+                stay,
+                all,
+                "a pass goes by {chosen:?}, not {preferred:?}: faster for its rows by what each route's passes took"
+            );
+        }
+        chosen
+    }
+
+    /// The keys and values a hop group held are gone with it (a group formed again, let go, a
+    /// pass failed): every sequence starts again on the next pass.
+    fn hop_keys_gone(&mut self) {
+        if self.choice.on() == Some(Route::Hop) {
+            self.choice.restart();
         }
     }
 
@@ -307,6 +353,7 @@ impl Steer {
         self.group = Some(Group::default());
         (self.form_failed, self.retry_at) = (None, None);
         self.measures.forget();
+        self.hop_keys_gone();
     }
 
     /// Forming failed at `now` for `why`: that is the answer for [`FORM_RETRY`].
@@ -343,6 +390,7 @@ impl Steer {
     pub fn pass_failed(&mut self, now: Instant, moved: bool) {
         self.failures += 1;
         self.group = None;
+        self.hop_keys_gone();
         let wait = if moved {
             MOVED_WAIT
         } else if self.failures <= 1 {
@@ -357,6 +405,7 @@ impl Steer {
     /// The shell let the group go (formed again when next polled).
     pub fn let_go(&mut self) {
         self.group = None;
+        self.hop_keys_gone();
     }
 
     /// Failed passes since the last that ran.
@@ -594,5 +643,58 @@ mod tests {
             Action::Pass(Route::Hop),
             "a short group's pass, routed too"
         );
+    }
+
+    #[test]
+    fn a_long_pass_bound_by_a_link_goes_by_rounds_where_the_route_is_automatic() {
+        use crate::lead::choose::PassRows;
+        let t0 = Instant::now();
+        let secs = Duration::from_secs_f64;
+        let mut s = Steer::new(2);
+        s.set_route(PassRoute::Auto);
+        s.formed();
+        s.set_far(true);
+        // Hops measured: 300 rows took 21 s, a token 3.06 s (each row 60 ms on a link).
+        s.next_pass(PassRows {
+            stay: 300,
+            all: 300,
+        });
+        assert_eq!(
+            s.poll(t0, &[0, 1]),
+            Action::Pass(Route::Hop),
+            "nothing measured"
+        );
+        s.ran_pass(Route::Hop, 300, secs(21.0));
+        s.ran_pass(Route::Hop, 1, secs(3.06));
+        s.next_pass(PassRows { stay: 1, all: 301 });
+        assert_eq!(
+            s.poll(t0, &[0, 1]),
+            Action::Pass(Route::Hop),
+            "a token stays"
+        );
+        // A new prompt of 300 rows with nothing else in the batch: rounds are tried.
+        s.next_pass(PassRows {
+            stay: 300,
+            all: 300,
+        });
+        assert_eq!(s.poll(t0, &[0, 1]), Action::Pass(Route::Rounds));
+        // Asked for hops, or after a hop group failed, the route is as before.
+        s.set_route(PassRoute::Hop);
+        assert_eq!(s.poll(t0, &[0, 1]), Action::Pass(Route::Hop));
+        s.set_route(PassRoute::Auto);
+        s.hop_failed(t0);
+        s.next_pass(PassRows { stay: 1, all: 301 });
+        assert_eq!(s.poll(t0, &[0, 1]), Action::Pass(Route::Rounds));
+        // A group formed again loses the hop group's keys: the pass starts again anywhere.
+        assert_eq!(s.choice().on(), Some(Route::Hop));
+        s.formed();
+        assert_eq!(s.choice().on(), None);
+        let kept = s
+            .choice()
+            .fit(Route::Hop)
+            .predict(300)
+            .unwrap()
+            .as_secs_f64();
+        assert!((kept - 21.0).abs() < 1e-6, "what hops took is kept: {kept}");
     }
 }

@@ -132,6 +132,23 @@ impl<J> Batch<J> {
             .sum()
     }
 
+    /// Rows of the next pass if it ran with the keys and values at `epoch`: a sequence whose
+    /// keys live elsewhere runs its whole text.
+    pub fn rows_at(&self, epoch: u64) -> usize {
+        self.entries
+            .iter()
+            .map(|e| match e.epoch == epoch {
+                true => e.step.pass().tokens.len(),
+                false => e.step.text_len(),
+            })
+            .sum()
+    }
+
+    /// Rows of the next pass if every sequence started again: their texts so far.
+    pub fn text_rows(&self) -> usize {
+        self.entries.iter().map(|e| e.step.text_len()).sum()
+    }
+
     /// Admits `job`'s `prompt` as a new sequence whose keys and values will live at `epoch`;
     /// a prompt it cannot run (empty, longer than the context, bad sampling) gives the job
     /// back with why.
@@ -378,6 +395,8 @@ mod tests {
         assert_eq!(b.plan(0), 3);
         b.take(vec![pick(&cfg, 1, 4)], 0.01, |_, _| true);
         assert_eq!(b.plan(0), 1, "a token a pass");
+        // Asked before planning: a token where the keys are, the whole text anywhere else.
+        assert_eq!((b.rows_at(0), b.rows_at(1), b.text_rows()), (1, 4, 4));
         assert_eq!(b.plan(1), 4, "elsewhere: the prompt and the token again");
         assert_eq!(b.entries()[0].step.pass().start, 0);
     }

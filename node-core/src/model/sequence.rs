@@ -280,6 +280,11 @@ impl Sequence {
         self.prompt_tokens
     }
 
+    /// Tokens of its text so far: the prompt and those generated.
+    pub fn text_len(&self) -> usize {
+        self.text.len()
+    }
+
     /// Tokens generated so far.
     pub fn generated(&self) -> usize {
         self.text.len() - self.prompt_tokens
