@@ -22,6 +22,10 @@ const BOUND_SHARE: f64 = 1.0;
 /// Spread of rows (their weighted variance, rows²) below which a fit has no slope.
 const MIN_SPREAD: f64 = 1.0;
 
+/// Rows of the longest pass, and four times the shortest's, from which a fit's line holds at
+/// any size (a prompt and its tokens; drafted tokens alone vary too little to tell a rate).
+pub const WIDE_ROWS: usize = 16;
+
 /// A route's pass times against the rows they ran: `seconds = fixed + per_row × rows`, fitted
 /// by least squares with older passes weighing less ([`FIT_DECAY`]).
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -78,15 +82,14 @@ impl PassFit {
         Some(((my - slope * mx).max(0.0), Some(slope)))
     }
 
-    /// The time a pass of `rows` rows takes, where the passes measured tell: within twice the
-    /// most rows measured, and, where they ran alike numbers of rows, within half and twice
-    /// those.
+    /// The time a pass of `rows` rows takes, where the passes measured tell: at any size where
+    /// they ran sizes far apart ([`WIDE_ROWS`]), else within half the fewest and twice the
+    /// most rows measured.
     pub fn predict(&self, rows: usize) -> Option<Duration> {
         let (fixed, slope) = self.line()?;
-        let within = match slope {
-            Some(_) => rows <= 2 * self.most.max(1),
-            None => 2 * rows >= self.least && rows <= 2 * self.most.max(1),
-        };
+        let wide = self.most >= WIDE_ROWS && self.most >= 4 * self.least.max(1);
+        let within = (slope.is_some() && wide)
+            || (2 * rows >= self.least && rows <= 2 * self.most.max(1));
         let secs = fixed + slope.unwrap_or(0.0) * rows as f64;
         within.then(|| Duration::from_secs_f64(secs))
     }
@@ -241,8 +244,7 @@ mod tests {
         f.observe(300, s(0.1 + 0.01 * 300.0));
         let at = |n: usize| f.predict(n).unwrap().as_secs_f64();
         assert!((at(1) - 0.11).abs() < 1e-9, "{}", at(1));
-        assert!((at(600) - 6.1).abs() < 1e-9, "{}", at(600));
-        assert_eq!(f.predict(601), None, "past twice the most measured");
+        assert!((at(1000) - 10.1).abs() < 1e-9, "sizes far apart: {}", at(1000));
         assert!(
             f.rate_bound(300) && !f.rate_bound(5),
             "3 s of rows against 0.1 s fixed"
