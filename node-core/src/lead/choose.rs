@@ -10,7 +10,16 @@
 
 use web_time::Duration;
 
-use super::steer::Route;
+/// How the next pass travels, as the leader's rules chose it ([`super::steer::Steer`]): from
+/// its [`super::route::PassRoute`], what it measured of the group's rounds and what each
+/// route's passes took.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Route {
+    /// The leader decodes every stage.
+    Rounds,
+    /// The members pass their coded outputs to each other, one hop per stage.
+    Hop,
+}
 
 /// The weight an older pass keeps against each later one (the last few dozen passes count).
 pub const FIT_DECAY: f64 = 0.95;
@@ -88,8 +97,8 @@ impl PassFit {
     pub fn predict(&self, rows: usize) -> Option<Duration> {
         let (fixed, slope) = self.line()?;
         let wide = self.most >= WIDE_ROWS && self.most >= 4 * self.least.max(1);
-        let within = (slope.is_some() && wide)
-            || (2 * rows >= self.least && rows <= 2 * self.most.max(1));
+        let within =
+            (slope.is_some() && wide) || (2 * rows >= self.least && rows <= 2 * self.most.max(1));
         let secs = fixed + slope.unwrap_or(0.0) * rows as f64;
         within.then(|| Duration::from_secs_f64(secs))
     }
@@ -244,7 +253,11 @@ mod tests {
         f.observe(300, s(0.1 + 0.01 * 300.0));
         let at = |n: usize| f.predict(n).unwrap().as_secs_f64();
         assert!((at(1) - 0.11).abs() < 1e-9, "{}", at(1));
-        assert!((at(1000) - 10.1).abs() < 1e-9, "sizes far apart: {}", at(1000));
+        assert!(
+            (at(1000) - 10.1).abs() < 1e-9,
+            "sizes far apart: {}",
+            at(1000)
+        );
         assert!(
             f.rate_bound(300) && !f.rate_bound(5),
             "3 s of rows against 0.1 s fixed"

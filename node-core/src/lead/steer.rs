@@ -8,6 +8,7 @@ use std::collections::BTreeSet;
 use std::str::FromStr;
 use web_time::{Duration, Instant};
 
+pub use super::choose::Route;
 use super::choose::{PassRows, RouteChoice};
 use super::route::{PassRoute, RouteMeasures};
 use crate::mesh::MeshInfo;
@@ -69,16 +70,6 @@ pub enum Action {
     },
     /// Run the next pass on the group, travelling as this says.
     Pass(Route),
-}
-
-/// How the next pass travels, as the steer chose it from its [`PassRoute`] and what it
-/// measured of the group's rounds.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Route {
-    /// The leader decodes every stage.
-    Rounds,
-    /// The members pass their coded outputs to each other, one hop per stage.
-    Hop,
 }
 
 /// What a group short of members looks for: a row at its version, not among its rows,
