@@ -103,6 +103,11 @@ impl PassFit {
         within.then(|| Duration::from_secs_f64(secs))
     }
 
+    /// Whether no pass was measured.
+    pub fn is_empty(&self) -> bool {
+        self.most == 0
+    }
+
     /// Whether a pass of `rows` rows is bound by a link's rate: its rows cost at least
     /// [`BOUND_SHARE`] times its fixed time.
     pub fn rate_bound(&self, rows: usize) -> bool {
@@ -216,8 +221,8 @@ impl RouteChoice {
 
     /// Where a pass goes when the fits cannot compare the routes at its size: by rounds not
     /// yet measured at that size where `on` is hops bound by a rate at it and changing costs
-    /// about this pass; else by `preferred` where changing costs about this pass; else on
-    /// `on`.
+    /// about this pass; else by `preferred` where changing costs about this pass or no pass
+    /// ever went by it (the delays alone tell, as they always did); else on `on`.
     fn explore(&self, on: Route, preferred: Route, rows: PassRows) -> Route {
         let cheap = 4 * rows.all <= 5 * rows.stay.max(1) || self.on.is_none();
         let hop = self.fit(Route::Hop);
@@ -225,7 +230,11 @@ impl RouteChoice {
         if cheap && on == Route::Hop && untried && hop.rate_bound(rows.all) {
             return Route::Rounds;
         }
-        if cheap { preferred } else { on }
+        if cheap || self.fit(preferred).is_empty() {
+            preferred
+        } else {
+            on
+        }
     }
 }
 
@@ -365,6 +374,24 @@ mod tests {
         let passes: Vec<usize> = [20, 1, 1, 30, 1, 1, 25, 1].to_vec();
         let (routes, _) = run(&mut c, (3.0, 0.001), (6.0, 0.0005), &passes);
         assert!(routes.iter().all(|&r| r == Route::Hop), "{routes:?}");
+    }
+
+    #[test]
+    fn a_group_found_far_mid_answer_goes_by_hops_where_no_pass_ever_did() {
+        // Rounds measured a prompt and a token; then the delays prefer hops (the rounds wait
+        // on the network). Nothing says what hops cost: the delays decide, as they always did.
+        let mut c = RouteChoice::default();
+        c.ran(Route::Rounds, 140, s(9.0));
+        c.ran(Route::Rounds, 1, s(6.02));
+        let token = PassRows { stay: 1, all: 142 };
+        assert_eq!(c.choose(Route::Hop, token), Route::Hop);
+        // Once hops were measured, the restart is weighed instead.
+        c.ran(Route::Hop, 142, s(20.0));
+        c.ran(Route::Rounds, 143, s(9.0));
+        assert_eq!(
+            c.choose(Route::Hop, PassRows { stay: 1, all: 144 }),
+            Route::Rounds
+        );
     }
 
     #[test]
