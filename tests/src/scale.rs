@@ -628,7 +628,8 @@ impl Scale {
             return closer_row(&info, &self.g, &rows, extra, &avoid, Some(0));
         }
         let (version, _) = info.live_holders()?;
-        looking.in_view(&info, &version, &avoid)
+        // The members the leader saw leave are in `avoid` for good.
+        looking.in_view(&info, &version, &avoid, &BTreeSet::new())
     }
 
     /// Leaves out of `group` the members the leader saw leave (a request to one fails).

@@ -241,6 +241,23 @@ pub struct Formed<T: Transport> {
     pub places: BTreeMap<PeerId, Coord>,
 }
 
+impl<T: Transport> Formed<T> {
+    /// The members it was formed with that hold none of `rows` (its rows now): those that
+    /// left it.
+    pub fn left(&self, rows: &[usize]) -> BTreeSet<PeerId> {
+        let stay: BTreeSet<PeerId> = rows
+            .iter()
+            .filter_map(|r| self.rows.get(r))
+            .copied()
+            .collect();
+        self.members
+            .iter()
+            .filter(|p| !stay.contains(p))
+            .copied()
+            .collect()
+    }
+}
+
 /// Forms a group over the rows `info` shows healthy: every row's holder is asked for its norm
 /// gains at once (a slow first dial happens here, not inside a round's timeout, and rows that
 /// cannot be reached or hold another version are left out), then the best-conditioned k plus

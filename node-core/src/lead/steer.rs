@@ -86,30 +86,34 @@ pub struct Looking {
 
 impl Looking {
     /// The row in the mesh's view `info` a group at `version` could take again, leaving out
-    /// holders in `avoid` ([`returned_row`]).
+    /// holders in `avoid` and taking its members that `left` it only once heard from since
+    /// ([`returned_row`]).
     pub fn in_view<P: Ord + FromStr>(
         &self,
         info: &MeshInfo,
         version: &[u8; 32],
         avoid: &BTreeSet<P>,
+        left: &BTreeSet<P>,
     ) -> Option<usize> {
         let heard = self.heard_within.as_secs_f64();
-        returned_row(info, version, &self.rows, self.wanted, avoid, heard)
+        returned_row(info, version, &self.rows, self.wanted, avoid, left, heard)
     }
 }
 
 /// A row a group short of `wanted` members could take again: healthy at the group's
 /// `version` in `info`, not among the group's `rows`, with a holder not in `avoid` (another
-/// group's) that was heard from in the last `heard_within` seconds (since the group went
-/// short: a member that stalled still shows healthy for a while). A leader forms its group
-/// again when one comes back, instead of going on short of its checks and spares. `P` names
-/// peers as the view does (a [`libp2p::PeerId`]; a simulation's numbers).
+/// group's) that is alive: heard from within two heartbeats, or, for a member that `left` the
+/// group, within the last `heard_within` seconds (since the group went short: a member that
+/// stalled still shows healthy for a while). A leader forms its group again when one comes
+/// back, instead of going on short of its checks and spares. `P` names peers as the view does
+/// (a [`libp2p::PeerId`]; a simulation's numbers).
 pub fn returned_row<P: Ord + FromStr>(
     info: &MeshInfo,
     version: &[u8; 32],
     rows: &[usize],
     wanted: usize,
     avoid: &BTreeSet<P>,
+    left: &BTreeSet<P>,
     heard_within: f64,
 ) -> Option<usize> {
     if rows.len() >= wanted {
@@ -119,12 +123,19 @@ pub fn returned_row<P: Ord + FromStr>(
     if at != *version {
         return None;
     }
+    let alive = (2.0 * info.health.heartbeat_interval.as_secs_f64()).max(heard_within);
     live.iter()
         .filter(|(row, _)| !rows.contains(row))
         .find(|(_, holders)| {
             holders.iter().any(|n| {
-                n.silent_for_s < heard_within
-                    && n.peer.parse::<P>().is_ok_and(|p| !avoid.contains(&p))
+                n.peer.parse::<P>().is_ok_and(|p| {
+                    let within = if left.contains(&p) {
+                        heard_within
+                    } else {
+                        alive
+                    };
+                    !avoid.contains(&p) && n.silent_for_s < within
+                })
             })
         })
         .map(|(&row, _)| row)

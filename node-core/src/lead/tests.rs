@@ -192,29 +192,56 @@ fn a_short_group_takes_a_row_that_comes_back_at_its_version_and_free() {
     // Rows 0, 1, 3 and 4 compute; row 2 is back. Wanting five, the group takes it.
     let back = view(&all);
     assert_eq!(
-        returned_row(&back, &V, &[0, 1, 3, 4], 5, &none, 5.0),
+        returned_row(&back, &V, &[0, 1, 3, 4], 5, &none, &none, 5.0),
         Some(2)
     );
     // A full group, a group at another version, or a row another group uses: none.
-    assert_eq!(returned_row(&back, &V, &[0, 1, 3, 4], 4, &none, 5.0), None);
     assert_eq!(
-        returned_row(&back, &[1; 32], &[0, 1, 3, 4], 5, &none, 5.0),
+        returned_row(&back, &V, &[0, 1, 3, 4], 4, &none, &none, 5.0),
+        None
+    );
+    assert_eq!(
+        returned_row(&back, &[1; 32], &[0, 1, 3, 4], 5, &none, &none, 5.0),
         None
     );
     let busy = BTreeSet::from([peers[2]]);
-    assert_eq!(returned_row(&back, &V, &[0, 1, 3, 4], 5, &busy, 5.0), None);
+    assert_eq!(
+        returned_row(&back, &V, &[0, 1, 3, 4], 5, &busy, &none, 5.0),
+        None
+    );
     // Row 2 still gone, or not heard from since the group went short (a stalled member
     // still shows healthy for a while): nothing to take.
     let gone = view(&[all[0], all[1], all[3], all[4]]);
-    assert_eq!(returned_row(&gone, &V, &[0, 1, 3, 4], 5, &none, 5.0), None);
+    assert_eq!(
+        returned_row(&gone, &V, &[0, 1, 3, 4], 5, &none, &none, 5.0),
+        None
+    );
     let mut stalled = view(&all);
     stalled.nodes[2].silent_for_s = 3.0;
     assert_eq!(
-        returned_row(&stalled, &V, &[0, 1, 3, 4], 5, &none, 2.0),
+        returned_row(&stalled, &V, &[0, 1, 3, 4], 5, &none, &none, 2.0),
         None
     );
     assert_eq!(
-        returned_row(&stalled, &V, &[0, 1, 3, 4], 5, &none, 4.0),
+        returned_row(&stalled, &V, &[0, 1, 3, 4], 5, &none, &none, 4.0),
+        Some(2)
+    );
+    // A holder heard from a heartbeat ago is taken at once, the moment the group goes short
+    // (a stopped member's row rebuilt by a newcomer); a member that left the group, only once
+    // heard from since.
+    let mut fresh = view(&all);
+    fresh.nodes[2].silent_for_s = 0.5;
+    assert_eq!(
+        returned_row(&fresh, &V, &[0, 1, 3, 4], 5, &none, &none, 0.0),
+        Some(2)
+    );
+    let left = BTreeSet::from([peers[2]]);
+    assert_eq!(
+        returned_row(&fresh, &V, &[0, 1, 3, 4], 5, &none, &left, 0.0),
+        None
+    );
+    assert_eq!(
+        returned_row(&fresh, &V, &[0, 1, 3, 4], 5, &none, &left, 0.6),
         Some(2)
     );
 }

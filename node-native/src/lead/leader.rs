@@ -251,10 +251,12 @@ impl LeadShell<()> for Leader {
 
     async fn look(&mut self, looking: &Looking) -> Option<usize> {
         let info = self.session.info().await.ok()?;
+        let left = self.formed.left(&looking.rows);
         looking.in_view(
             &info,
             &self.formed.version,
             &std::collections::BTreeSet::<PeerId>::new(),
+            &left,
         )
     }
 

@@ -327,9 +327,10 @@ impl LeadShell<()> for PageLead<'_> {
     }
 
     async fn look(&mut self, looking: &Looking) -> Option<usize> {
-        let version = self.formed.as_ref().map(|f| f.version)?;
+        let f = self.formed.as_ref()?;
+        let (version, left) = (f.version, f.left(&looking.rows));
         let info = self.info().await.ok()?;
-        looking.in_view(&info, &version, &BTreeSet::<PeerId>::new())
+        looking.in_view(&info, &version, &BTreeSet::<PeerId>::new(), &left)
     }
 
     fn regroup(&mut self, row: usize, _: &Looking) {

@@ -202,7 +202,15 @@ impl ThreeSites {
                 break s;
             }
             if std::time::Instant::now() > deadline {
-                bail!("the mesh did not settle in 60 s: {s:#}");
+                let seen: Vec<String> = peers
+                    .iter()
+                    .map(|(name, p)| format!("{name} {p}: {:?}", reach_of(&s, p)))
+                    .collect();
+                bail!(
+                    "the mesh did not settle in 60 s: {healthy} healthy rows, the seed {:?}, {}: {s:#}",
+                    reach_of(&s, &seed_peer),
+                    seen.join(", ")
+                );
             }
             std::thread::sleep(Duration::from_millis(500));
         };

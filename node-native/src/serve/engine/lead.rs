@@ -253,7 +253,8 @@ impl LeadShell<Served> for Lead {
             let extra = looking.wanted.saturating_sub(g.k());
             return node_core::lead::closer_row(&info, g, &rows, extra, &avoid, Some(me));
         }
-        looking.in_view(&info, &version, &avoid)
+        let left = self.formed.as_ref()?.left(&looking.rows);
+        looking.in_view(&info, &version, &avoid, &left)
     }
 
     fn regroup(&mut self, row: usize, looking: &Looking) {
