@@ -85,6 +85,11 @@ impl<J> Leader<J> {
         self.steer.set_route(route);
     }
 
+    /// How its passes travel: chosen, or as forced.
+    pub fn route(&self) -> PassRoute {
+        self.steer.route()
+    }
+
     /// Its sequences.
     pub fn batch(&self) -> &Batch<J> {
         &self.batch

@@ -23,7 +23,7 @@ pub use leader::{Failure, LeadShell, Leader, Measured, Stepped, ready, step, ste
 pub use learning::{Publisher, Settled, settle};
 pub use near::{closer_hop_row, closer_row, places_of};
 pub use publish::{Reported, Sealed, Sent, report_caught, seal_update, spread_out};
-pub use route::{HOP_OVER, PassRoute, RouteMeasures, hop_cost, hop_members};
+pub use route::{HOP_OVER, PassRoute, RouteMeasures, hop_cost, hop_members, hops_beat_rounds};
 pub use steer::{Action, Looking, Route, Steer, returned_row};
 
 use std::collections::{BTreeMap, BTreeSet};

@@ -207,6 +207,33 @@ pub fn hop_cost(members: &[(usize, PeerId)], places: &BTreeMap<PeerId, Coord>, m
     worst + feed / STAGES_PER_FEED
 }
 
+/// Whether a hop group of `members` crosses less network a stage than the rounds group of
+/// `rounds` (its members' holders) by `places`: a hop stage costs about half the round trip of
+/// its farthest pair ([`hop_cost`]), a round the leader's (`me`) round trip to its farthest
+/// member (its own row computes in process). A leader's own row is no hop member, so a hop
+/// group may have to take a far holder of it where rounds have a near one. Hops are taken
+/// where a place is not known.
+pub fn hops_beat_rounds(
+    members: &[(usize, PeerId)],
+    rounds: &[PeerId],
+    places: &BTreeMap<PeerId, Coord>,
+    me: PeerId,
+) -> bool {
+    let at = |p: &PeerId| places.get(p).filter(|c| c.is_placed());
+    let Some(leader) = at(&me) else {
+        return true;
+    };
+    let mut round = 0.0f32;
+    for p in rounds.iter().filter(|p| **p != me) {
+        match at(p) {
+            Some(c) => round = round.max(leader.rtt_ms(c)),
+            None => return true,
+        }
+    }
+    let hop = hop_cost(members, places, me) / 2.0;
+    !hop.is_finite() || hop <= round
+}
+
 /// A hop pass's stages per feed from the leader: a pass crosses between members once a stage
 /// (about 64 to 122 a token) and between the leader and its members twice, so a member's
 /// distance to the leader weighs this much less than the members' to each other.
@@ -320,6 +347,33 @@ mod tests {
             !off_this_machine(&[], &own),
             "nothing known of a member says nothing"
         );
+    }
+
+    #[test]
+    fn a_hop_group_that_must_take_a_far_holder_loses_to_near_rounds() {
+        let p: Vec<PeerId> = (0..5).map(|_| PeerId::random()).collect();
+        let place = Coord::placed_at;
+        // The leader (p[0]) and p[1], p[2] near each other; p[3] 50 ms away.
+        let places: BTreeMap<PeerId, Coord> = [(p[0], 0.0), (p[1], 1.0), (p[2], 2.0), (p[3], 50.0)]
+            .into_iter()
+            .map(|(q, x)| (q, place(x)))
+            .collect();
+        let rounds = [p[0], p[1], p[2]];
+        let far = [(1, p[1]), (2, p[2]), (0, p[3])];
+        assert!(!hops_beat_rounds(&far, &rounds, &places, p[0]));
+        // Every holder as far from the leader as from each other: a hop stage costs half.
+        let spread: BTreeMap<PeerId, Coord> = [(p[0], 0.0), (p[1], 10.0), (p[2], 10.0)]
+            .into_iter()
+            .map(|(q, x)| (q, place(x)))
+            .collect();
+        assert!(hops_beat_rounds(
+            &[(1, p[1]), (2, p[2])],
+            &rounds,
+            &spread,
+            p[0]
+        ));
+        // A place not known: the delays cannot say, and hops are taken.
+        assert!(hops_beat_rounds(&far, &[p[0], p[4]], &places, p[0]));
     }
 
     #[test]

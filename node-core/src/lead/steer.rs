@@ -228,6 +228,11 @@ impl Steer {
         self.route = route;
     }
 
+    /// How its passes travel: chosen, or as forced.
+    pub fn route(&self) -> PassRoute {
+        self.route
+    }
+
     /// The group just formed has a member on another machine (`far`), or has none.
     pub fn set_far(&mut self, far: bool) {
         self.far = far;

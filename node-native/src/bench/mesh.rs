@@ -177,8 +177,9 @@ pub(super) fn delay_rows(
     }
     let (check, spares) = (group.verify, group.spares);
     let (client, manifest, formed) = (&leader.session.client, &leader.manifest, &leader.formed);
+    let handle = runtime.handle();
     let (mut hop, _) =
-        crate::lead::hop::lead_group(runtime.handle(), client, manifest, formed, check, spares)?;
+        crate::lead::hop::lead_group(handle, client, manifest, formed, check, spares, false)?;
     let cfg = leader.formed.llama.config().clone();
     // A pass is the feed, the embedding lookup, four stages a layer and the LM head: a hop each.
     let hops_per_pass = (4 * cfg.layers + 3) as f64;

@@ -181,7 +181,9 @@ pub type Members = Vec<(usize, PeerId)>;
 /// A hop group over `formed`'s rows other than this node's (`client`'s): k + `check` +
 /// `spares` of them ([`node_core::lead::hop_members`]; at least k + `check`, spares where there
 /// are rows for them, each row's holder the one nearest the others), every round checked with
-/// those beyond k, formed on `runtime`; with its members (row and holder).
+/// those beyond k, formed on `runtime`; with its members (row and holder). None for a route
+/// chosen by the delays (`chosen`) where it would cross more network a stage than the rounds
+/// group ([`node_core::lead::hops_beat_rounds`]).
 pub fn lead_group(
     runtime: &tokio::runtime::Handle,
     client: &Client,
@@ -189,6 +191,7 @@ pub fn lead_group(
     formed: &crate::lead::remote::Formed,
     check: usize,
     spares: usize,
+    chosen: bool,
 ) -> anyhow::Result<(HopLeader<NetFeedLink>, Members)> {
     let least = manifest.generator.k() + check;
     let nodes = formed.group.nodes();
@@ -202,6 +205,16 @@ pub fn lead_group(
         least + spares,
     )
     .map_err(anyhow::Error::msg)?;
+    let me = client.peer_id();
+    let rounds: Vec<PeerId> = nodes
+        .iter()
+        .filter_map(|r| formed.rows.get(r))
+        .copied()
+        .collect();
+    anyhow::ensure!(
+        !chosen || node_core::lead::hops_beat_rounds(&members, &rounds, &formed.places, me),
+        "a hop group over {members:?} would cross more network a stage than the rounds group"
+    );
     let reached: Vec<_> = (members.iter())
         .map(|&(row, peer)| {
             let addrs = formed.addrs.get(&peer).cloned().unwrap_or_default();

@@ -280,6 +280,7 @@ impl LeadShell<()> for Leader {
                 &self.formed,
                 g.verify,
                 g.spares,
+                self.leader.route() == PassRoute::Auto,
             )
             .map_err(|e| format!("{e:#}"))?;
             eprintln!("one hop per stage, members {:?}", hop.rows());

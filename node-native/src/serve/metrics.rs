@@ -55,7 +55,7 @@ pub struct Metrics {
     pub hop_reruns: Counter,
     /// Coded groups formed.
     pub groups_formed: Counter,
-    /// Groups short of members let go because a row they could take came back.
+    /// Groups let go to be formed again with a row that came back or a much closer holder.
     pub groups_regrouped: Counter,
     /// Serving threads holding a coded group now.
     pub serving_groups: Gauge,
@@ -272,7 +272,7 @@ impl Metrics {
         );
         r.register(
             "groups_regrouped",
-            "Groups short of members formed again because a row they could take came back",
+            "Groups formed again with a row that came back or a much closer holder",
             m.groups_regrouped.clone(),
         );
         r.register(

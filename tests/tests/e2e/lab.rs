@@ -512,9 +512,20 @@ fn stream_from(
 
 /// The peers whose answers to the steps traced in `trace` (a `--trace-steps` file) were ok.
 fn answered(trace: &Path) -> Result<std::collections::BTreeSet<String>> {
+    answered_after(trace, 0)
+}
+
+/// The steps a step trace holds.
+fn steps_in(trace: &Path) -> usize {
+    std::fs::read_to_string(trace).map_or(0, |s| s.lines().count())
+}
+
+/// The peers that answered a step in a step trace after its first `skip` steps.
+fn answered_after(trace: &Path, skip: usize) -> Result<std::collections::BTreeSet<String>> {
     let steps = std::fs::read_to_string(trace)?;
     Ok(steps
         .lines()
+        .skip(skip)
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
         .filter(|v| v["outcome"] == "ok")
         .filter_map(|v| v["peer"].as_str().map(str::to_string))
@@ -538,8 +549,9 @@ fn named(
 
 /// Issue 80's lab: replicas of every row in two regions 50 ms apart (and the seed's row in a
 /// third). A leader's group forms in its own region, even when it starts with both around, and
-/// its stream runs within 1.3 × the stream it had with its region alone; with its region's
-/// holders cut off mid-stream, it forms a group across regions and the stream completes.
+/// its stream runs within 1.3 × the stream it had with its region alone; a group formed with a
+/// far holder is formed again when a much closer one joins; with its region's holders cut off
+/// mid-stream, it forms a group across regions and the stream completes.
 #[test]
 fn a_leader_computes_in_its_own_region_and_across_when_its_region_is_cut_off() -> Result<()> {
     let topo = regions()?;
@@ -598,7 +610,7 @@ fn a_leader_computes_in_its_own_region_and_across_when_its_region_is_cut_off() -
     let (mut api, api_peer) = start(&lab, "api", &api_args(&trace(1).display().to_string()))?;
     let mut region = std::collections::BTreeMap::<String, (&'static str, String)>::new();
     let mut nodes = Vec::new();
-    for (node, site) in [("e1", "eu"), ("e2", "eu"), ("e3", "eu")] {
+    for (node, site) in [("e1", "eu"), ("e2", "eu")] {
         let (p, peer) = start(&lab, node, &holder(node))?;
         nodes.push(p);
         region.insert(peer, (site, node.to_string()));
@@ -661,10 +673,12 @@ fn a_leader_computes_in_its_own_region_and_across_when_its_region_is_cut_off() -
         ensure!(rows == (0..4).collect(), "{site} holds every row: {s:#}");
         Ok(())
     };
-    // A stream of 32 tokens, every step of it answered in eu (trace `n`).
+    // A stream of 32 tokens, every step of it answered in eu (trace `n`, the steps answered
+    // before it left out).
     let in_eu = |region: &Regions, n: u32| -> Result<serde_json::Value> {
+        let before = steps_in(&trace(n));
         let streamed = stream_from(&topo, "api", 32, 1, || Ok(()))?;
-        let by = named(region, &answered(&trace(n))?);
+        let by = named(region, &answered_after(&trace(n), before)?);
         ensure!(
             by.iter().all(|r| r.starts_with("eu/")),
             "a leader in eu computes in eu: {by:?}; its view: {}",
@@ -672,10 +686,36 @@ fn a_leader_computes_in_its_own_region_and_across_when_its_region_is_cut_off() -
         );
         Ok(streamed)
     };
-    every_row_in(5, &region, "eu")?;
 
-    // The floor: the stream with its region alone (and the seed's row 0 far away in ap).
+    // With row 0 only in ap, the leader's group takes the seed's. When a holder of row 0 joins
+    // in eu, the group is formed again around it: a much closer group.
+    settled(4)?;
+    stream_from(&topo, "api", 8, 1, || Ok(()))?;
+    let far = named(&region, &answered(&trace(1))?);
+    ensure!(
+        far.iter().any(|r| r == "ap/seed"),
+        "row 0 was the seed's: {far:?}"
+    );
+    let (p, peer) = start(&lab, "e3", &holder("e3"))?;
+    nodes.push(p);
+    region.insert(peer, ("eu", "e3".into()));
+    every_row_in(5, &region, "eu")?;
+    let regrouped = || -> Result<f64> {
+        let metrics = http_get(&topo, "api", "/metrics")?;
+        Ok(counter(&metrics, "codedmesh_groups_regrouped_total"))
+    };
+    let before = regrouped()?;
+
+    // The floor: the stream with its region alone, its group formed again closer.
     let floor = in_eu(&region, 1)?;
+    let after = regrouped()?;
+    eprintln!(
+        "groups formed again around a closer holder: {before} before e3 joined, {after} after"
+    );
+    ensure!(
+        after > before,
+        "the group with the seed's far row was formed again around e3's"
+    );
 
     // The other region joins with a holder of every row.
     for node in ["u1", "u2", "u3", "u4"] {

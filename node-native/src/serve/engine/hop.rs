@@ -36,10 +36,17 @@ impl Lead {
             let f = self.formed.as_ref().ok_or("no group")?;
             let ctx = &self.ctx;
             let (check, spares) = (ctx.cfg.verify, ctx.cfg.spares);
-            let runtime = &ctx.runtime;
-            let (leader, members) =
-                crate::lead::hop::lead_group(runtime, &ctx.client, &ctx.manifest, f, check, spares)
-                    .map_err(|e| format!("{e:#}"))?;
+            let (runtime, chosen) = (&ctx.runtime, self.leader.route() == PassRoute::Auto);
+            let (leader, members) = crate::lead::hop::lead_group(
+                runtime,
+                &ctx.client,
+                &ctx.manifest,
+                f,
+                check,
+                spares,
+                chosen,
+            )
+            .map_err(|e| format!("{e:#}"))?;
             self.hop.members = members;
             tracing::info!(
                 rows = ?leader.rows(),
