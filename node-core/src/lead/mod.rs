@@ -242,17 +242,19 @@ pub struct Formed<T: Transport> {
 }
 
 impl<T: Transport> Formed<T> {
+    /// The holder asked for each of `rows` (those it has one for).
+    pub fn holders_of(&self, rows: &[usize]) -> BTreeMap<usize, PeerId> {
+        (rows.iter())
+            .filter_map(|r| Some((*r, *self.rows.get(r)?)))
+            .collect()
+    }
+
     /// The members it was formed with that hold none of `rows` (its rows now): those that
     /// left it.
     pub fn left(&self, rows: &[usize]) -> BTreeSet<PeerId> {
-        let stay: BTreeSet<PeerId> = rows
-            .iter()
-            .filter_map(|r| self.rows.get(r))
-            .copied()
-            .collect();
-        self.members
-            .iter()
-            .filter(|p| !stay.contains(p))
+        let stay = self.holders_of(rows);
+        (self.members.iter())
+            .filter(|p| !stay.values().any(|s| s == *p))
             .copied()
             .collect()
     }

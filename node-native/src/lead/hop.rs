@@ -206,11 +206,7 @@ pub fn lead_group(
     )
     .map_err(anyhow::Error::msg)?;
     let me = client.peer_id();
-    let rounds: Vec<PeerId> = nodes
-        .iter()
-        .filter_map(|r| formed.rows.get(r))
-        .copied()
-        .collect();
+    let rounds: Vec<PeerId> = formed.holders_of(nodes).into_values().collect();
     anyhow::ensure!(
         !chosen || node_core::lead::hops_beat_rounds(&members, &rounds, &formed.places, me),
         "a hop group over {members:?} would cross more network a stage than the rounds group"

@@ -2,8 +2,6 @@
 //! failure, as its [`node_core::lead::Leader`] rules; what the serving and the training task
 //! each hold, and the shell the serving task's steps run over.
 
-use std::collections::BTreeMap;
-
 use node_core::lead::{Failure, LeadShell, Looking, Measured, PassRoute, Route};
 
 use super::*;
@@ -246,9 +244,7 @@ impl LeadShell<Served> for Lead {
         if whole {
             // Whole: a much closer group, if the view now knows one.
             let f = self.formed.as_ref()?;
-            let rows: BTreeMap<usize, PeerId> = (f.group.nodes().iter())
-                .filter_map(|r| Some((*r, *f.rows.get(r)?)))
-                .collect();
+            let rows = f.holders_of(f.group.nodes());
             let g = &self.ctx.manifest.generator;
             let extra = looking.wanted.saturating_sub(g.k());
             return node_core::lead::closer_row(&info, g, &rows, extra, &avoid, Some(me));
