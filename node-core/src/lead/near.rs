@@ -13,8 +13,9 @@ use crate::mesh::{Coord, HoldersByRow, MeshInfo, much_closer, pick_nearest, plan
 /// A row of a much closer group than the one computing with `rows` (each row's holder): the
 /// group [`super::form`] would pick from `info` now (each row's nearest holder outside `avoid`, the
 /// nearest rows that decode well, `extra` beyond k) when its slowest member is
-/// [`much_closer`] than the group's own; `None` when no such group, or while a member's round
-/// trip is not known. `own` is the leader's own row's holder (at 0). `P` names peers as the
+/// [`much_closer`] than the group's own (its k + `extra`-th nearest: a round asks every member
+/// and waits for that many, so spares a straggler brought in do not slow it); `None` when no
+/// such group, or while a member's round trip is not known. `own` is the leader's own row's holder (at 0). `P` names peers as the
 /// view does (a [`libp2p::PeerId`]; a simulation's numbers).
 pub fn closer_row<P: Ord + Clone + FromStr>(
     info: &MeshInfo,
@@ -26,7 +27,7 @@ pub fn closer_row<P: Ord + Clone + FromStr>(
 ) -> Option<usize> {
     let (_, live) = info.live_holders()?;
     let rtt = round_trips(info, own);
-    let now = slowest(rows.values().map(|p| rtt.get(p).copied()))?;
+    let now = answered_by(rows.values().map(|p| rtt.get(p).copied()), g.k() + extra)?;
     // The holders a fresh group could take: known round trips, free or the group's own.
     let mut known = free_holders(&live, rows, avoid);
     known
@@ -95,6 +96,14 @@ fn free_holders<P: Ord + FromStr>(
             (row, peers.filter(free).collect())
         })
         .collect()
+}
+
+/// The `wanted`-th smallest of round trips (the largest where fewer): when a round that asks
+/// them all has its `wanted` answers. `None` if one is not known.
+fn answered_by(ms: impl Iterator<Item = Option<f32>>, wanted: usize) -> Option<f32> {
+    let mut ms = ms.collect::<Option<Vec<f32>>>()?;
+    ms.sort_by(f32::total_cmp);
+    ms.get(wanted.clamp(1, ms.len().max(1)) - 1).copied()
 }
 
 /// The largest of round trips, `None` if one is not known.
@@ -192,5 +201,27 @@ mod tests {
             .unwrap()
             .rtt_ms = None;
         assert_eq!(closer_row(&info, &g, &group(&far), 1, &none, None), None);
+    }
+
+    /// The lab's flapping: a near group that took far spares for stragglers is as close as a
+    /// fresh one (its rounds wait for the near answers), so it is not formed again.
+    #[test]
+    fn a_near_group_that_took_far_spares_is_not_formed_again() {
+        let g = Generator::cauchy(7, 3).unwrap();
+        let peers: Vec<PeerId> = (0..7).map(|_| PeerId::random()).collect();
+        let pairs: Vec<(PeerId, u32)> = (0..7).map(|r| (peers[r as usize], r)).collect();
+        let mut info = view(&pairs);
+        for (r, n) in info.nodes.iter_mut().enumerate() {
+            n.rtt_ms = Some(if r < 5 { 2.0 + r as f32 } else { 80.0 });
+        }
+        let none = BTreeSet::new();
+        let all: BTreeMap<usize, PeerId> = peers.iter().copied().enumerate().collect();
+        assert_eq!(closer_row(&info, &g, &all, 2, &none, None), None);
+        // Three far members of five: a round waits for one of them.
+        let mixed: BTreeMap<usize, PeerId> = [0, 1, 4, 5, 6].map(|r| (r, peers[r])).into();
+        for n in &mut info.nodes[2..4] {
+            n.rtt_ms = Some(1.0);
+        }
+        assert!(closer_row(&info, &g, &mixed, 2, &none, None).is_some());
     }
 }
