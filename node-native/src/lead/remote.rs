@@ -132,25 +132,13 @@ pub type Formed = node_core::lead::Formed<NetTransport>;
 /// Whether a member of the group is on another machine: its session is not on a local socket,
 /// and no address it was reached at is this machine's.
 pub fn far(formed: &Formed) -> bool {
-    let own = this_machine();
+    let own = crate::net::this_machine();
     formed.group.transport().over_libp2p().iter().any(|p| {
         formed
             .addrs
             .get(p)
             .is_some_and(|a| node_core::lead::route::off_this_machine(a, &own))
     })
-}
-
-/// This machine's interface addresses (none where they cannot be read: every member with an
-/// address off loopback then counts as far).
-fn this_machine() -> Vec<std::net::IpAddr> {
-    match if_addrs::get_if_addrs() {
-        Ok(ifs) => ifs.into_iter().map(|i| i.ip()).collect(),
-        Err(e) => {
-            tracing::debug!("reading this machine's addresses: {e}");
-            Vec::new()
-        }
-    }
 }
 
 /// How long a leader waits for the mesh's rows to come to one version (an update spreading, a

@@ -139,11 +139,12 @@ async fn start_network(opts: &NodeOptions, data: &DataDir) -> Result<Net> {
     })
     .await?;
     let (client, inbound) = swarm::spawn(swarm);
-    // Wait until every listener has its real address (ports, certhash).
+    // Wait until every listener has its real addresses (ports, certhash), on every interface.
+    let ips = crate::net::this_machine();
     let mut addrs = Vec::new();
     for _ in 0..100 {
         addrs = client.listen_addrs().await?;
-        if addrs.len() >= listen.len() {
+        if crate::net::every_listener_reported(&listen, &addrs, &ips) {
             break;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
