@@ -15,8 +15,9 @@ use crate::mesh::{Coord, HoldersByRow, MeshInfo, much_closer, pick_nearest, plan
 /// nearest rows that decode well, `extra` beyond k) when its slowest member is
 /// [`much_closer`] than the group's own (its k + `extra`-th nearest: a round asks every member
 /// and waits for that many, so spares a straggler brought in do not slow it); `None` when no
-/// such group, or while a member's round trip is not known. `own` is the leader's own row's holder (at 0). `P` names peers as the
-/// view does (a [`libp2p::PeerId`]; a simulation's numbers).
+/// such group, or while a member's round trip is not known. `own` is the leader's own row's
+/// holder (at 0). `P` names peers as the view does (a [`libp2p::PeerId`]; a simulation's
+/// numbers).
 pub fn closer_row<P: Ord + Clone + FromStr>(
     info: &MeshInfo,
     g: &Generator,
