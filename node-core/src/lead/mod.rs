@@ -252,9 +252,9 @@ impl<T: Transport> Formed<T> {
     /// The members it was formed with that hold none of `rows` (its rows now): those that
     /// left it.
     pub fn left(&self, rows: &[usize]) -> BTreeSet<PeerId> {
-        let stay = self.holders_of(rows);
+        let stay: BTreeSet<PeerId> = self.holders_of(rows).into_values().collect();
         (self.members.iter())
-            .filter(|p| !stay.values().any(|s| s == *p))
+            .filter(|p| !stay.contains(p))
             .copied()
             .collect()
     }

@@ -38,7 +38,7 @@ pub fn closer_row<P: Ord + Clone + FromStr>(
     let rtt_of = |r: usize| nearest.get(&r).and_then(|p| rtt.get(p)).copied();
     let candidates: Vec<usize> = nearest.keys().copied().collect();
     let plan = plan_group_near(g, &candidates, extra, rtt_of).ok()?;
-    let fresh = slowest(plan.members.iter().map(|&r| rtt_of(r)))?;
+    let fresh = answered_by(plan.members.iter().map(|&r| rtt_of(r)), g.k() + extra)?;
     let changed = |r: &&usize| rows.get(*r) != nearest.get(*r);
     much_closer(now, fresh).then(|| {
         *plan
@@ -105,11 +105,6 @@ fn answered_by(ms: impl Iterator<Item = Option<f32>>, wanted: usize) -> Option<f
     let mut ms = ms.collect::<Option<Vec<f32>>>()?;
     ms.sort_by(f32::total_cmp);
     ms.get(wanted.clamp(1, ms.len().max(1)) - 1).copied()
-}
-
-/// The largest of round trips, `None` if one is not known.
-fn slowest(mut ms: impl Iterator<Item = Option<f32>>) -> Option<f32> {
-    ms.try_fold(0.0, |most: f32, ms| Some(most.max(ms?)))
 }
 
 /// The round trip to each node `info` shows, in milliseconds, as the view that answered

@@ -5,8 +5,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use libp2p::multiaddr::Protocol;
-use libp2p::{Multiaddr, PeerId};
+use libp2p::PeerId;
 use web_time::Instant;
 
 use crate::mesh::Coord;
@@ -148,9 +147,9 @@ impl RouteMeasures {
     }
 
     /// Whether a leader's next pass goes one hop per stage under `route`, where `far` says
-    /// whether any member is off this machine ([`off_this_machine`]): automatically, where
-    /// one is, or where a round's network time passes both [`HOP_OVER`] and [`HOP_COMPUTE`]
-    /// times its compute.
+    /// whether any member is off this machine (`net::reach::off_this_machine`): automatically,
+    /// where one is, or where a round's network time passes both [`HOP_OVER`] and
+    /// [`HOP_COMPUTE`] times its compute.
     pub fn wants_hop(&self, route: PassRoute, far: bool, now: Instant) -> bool {
         match route {
             PassRoute::Rounds => false,
@@ -164,25 +163,6 @@ impl RouteMeasures {
             }
         }
     }
-}
-
-/// Whether a member is on another machine, by the addresses it announces (`addrs`) and this
-/// machine's own interface addresses (`own`): it is not where it names no IP address but
-/// loopback ones (names say nothing), or where one it names is this machine's. A node listening
-/// on every interface announces its loopback address too, so one loopback address says nothing.
-pub fn off_this_machine(addrs: &[Multiaddr], own: &[std::net::IpAddr]) -> bool {
-    let ips: Vec<std::net::IpAddr> = addrs
-        .iter()
-        .filter_map(|a| {
-            a.iter().find_map(|p| match p {
-                Protocol::Ip4(ip) => Some(ip.into()),
-                Protocol::Ip6(ip) => Some(ip.into()),
-                _ => None,
-            })
-        })
-        .collect();
-    let mut elsewhere = ips.iter().filter(|ip| !ip.is_loopback()).peekable();
-    elsewhere.peek().is_some() && elsewhere.all(|ip| !own.contains(ip))
 }
 
 /// What a hop group of `members` costs a stage by `places`, in milliseconds: the round trip of
@@ -318,36 +298,6 @@ mod tests {
     #![allow(clippy::unwrap_used)] // a test: a failed unwrap is a failed test
 
     use super::*;
-
-    #[test]
-    fn a_member_is_far_where_no_address_it_announces_is_this_machines() {
-        let at = |s: &str| s.parse::<Multiaddr>().unwrap();
-        let own: Vec<std::net::IpAddr> = vec!["10.0.0.1".parse().unwrap()];
-        assert!(off_this_machine(&[at("/ip4/10.0.0.2/tcp/4001")], &own));
-        assert!(!off_this_machine(&[at("/ip4/127.0.0.1/tcp/4001")], &own));
-        // Listening on every interface announces loopback too: another machine all the same.
-        let lab = [at("/ip4/10.0.0.2/tcp/4001"), at("/ip6/::1/tcp/4001")];
-        assert!(off_this_machine(&lab, &own));
-        // A node of this machine listening on every interface.
-        let here = [at("/ip4/10.0.0.1/tcp/4002"), at("/ip4/127.0.0.1/tcp/4002")];
-        assert!(!off_this_machine(&here, &own));
-        // A circuit through a relay on this machine (a browser beside its node), or far away.
-        let relay = "p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN/p2p-circuit";
-        assert!(!off_this_machine(
-            &[at(&format!("/ip4/127.0.0.1/tcp/4001/{relay}"))],
-            &own
-        ));
-        assert!(off_this_machine(
-            &[at(&format!("/ip4/198.19.1.2/udp/1/quic-v1/{relay}"))],
-            &own
-        ));
-        // A name or nothing at all says nothing.
-        assert!(!off_this_machine(&[at("/dns4/example.org/tcp/4001")], &own));
-        assert!(
-            !off_this_machine(&[], &own),
-            "nothing known of a member says nothing"
-        );
-    }
 
     #[test]
     fn a_hop_group_that_must_take_a_far_holder_loses_to_near_rounds() {

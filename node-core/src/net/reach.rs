@@ -77,6 +77,25 @@ pub fn relay_of(addr: &Multiaddr) -> Option<Multiaddr> {
     (is_relayed(addr) && named).then_some(relay)
 }
 
+/// The first IP address an address names (`None` for a name or a bare peer).
+pub fn ip_of(addr: &Multiaddr) -> Option<std::net::IpAddr> {
+    addr.iter().find_map(|p| match p {
+        Protocol::Ip4(ip) => Some(ip.into()),
+        Protocol::Ip6(ip) => Some(ip.into()),
+        _ => None,
+    })
+}
+
+/// Whether a member is on another machine, by the addresses it announces (`addrs`) and this
+/// machine's own interface addresses (`own`): it is not where it names no IP address but
+/// loopback ones (names say nothing), or where one it names is this machine's. A node listening
+/// on every interface announces its loopback address too, so one loopback address says nothing.
+pub fn off_this_machine(addrs: &[Multiaddr], own: &[std::net::IpAddr]) -> bool {
+    let ips: Vec<std::net::IpAddr> = addrs.iter().filter_map(ip_of).collect();
+    let mut elsewhere = ips.iter().filter(|ip| !ip.is_loopback()).peekable();
+    elsewhere.peek().is_some() && elsewhere.all(|ip| !own.contains(ip))
+}
+
 /// Whether an address is on this machine only.
 pub fn is_loopback(addr: &Multiaddr) -> bool {
     addr.iter().any(|p| match p {
@@ -391,5 +410,35 @@ mod tests {
         assert_eq!(r.reach(), Reach::Unknown);
         r.refuted(addr("/ip4/198.18.2.2/tcp/4001"));
         assert!(r.needs_relay());
+    }
+
+    #[test]
+    fn a_member_is_far_where_no_address_it_announces_is_this_machines() {
+        let at = |s: &str| s.parse::<Multiaddr>().unwrap();
+        let own: Vec<std::net::IpAddr> = vec!["10.0.0.1".parse().unwrap()];
+        assert!(off_this_machine(&[at("/ip4/10.0.0.2/tcp/4001")], &own));
+        assert!(!off_this_machine(&[at("/ip4/127.0.0.1/tcp/4001")], &own));
+        // Listening on every interface announces loopback too: another machine all the same.
+        let lab = [at("/ip4/10.0.0.2/tcp/4001"), at("/ip6/::1/tcp/4001")];
+        assert!(off_this_machine(&lab, &own));
+        // A node of this machine listening on every interface.
+        let here = [at("/ip4/10.0.0.1/tcp/4002"), at("/ip4/127.0.0.1/tcp/4002")];
+        assert!(!off_this_machine(&here, &own));
+        // A circuit through a relay on this machine (a browser beside its node), or far away.
+        let relay = "p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN/p2p-circuit";
+        assert!(!off_this_machine(
+            &[at(&format!("/ip4/127.0.0.1/tcp/4001/{relay}"))],
+            &own
+        ));
+        assert!(off_this_machine(
+            &[at(&format!("/ip4/198.19.1.2/udp/1/quic-v1/{relay}"))],
+            &own
+        ));
+        // A name or nothing at all says nothing.
+        assert!(!off_this_machine(&[at("/dns4/example.org/tcp/4001")], &own));
+        assert!(
+            !off_this_machine(&[], &own),
+            "nothing known of a member says nothing"
+        );
     }
 }

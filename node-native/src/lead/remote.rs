@@ -137,7 +137,7 @@ pub fn far(formed: &Formed) -> bool {
         formed
             .addrs
             .get(p)
-            .is_some_and(|a| node_core::lead::route::off_this_machine(a, &own))
+            .is_some_and(|a| node_core::net::reach::off_this_machine(a, &own))
     })
 }
 

@@ -7,6 +7,7 @@ pub mod swarm;
 
 use libp2p::Multiaddr;
 use libp2p::multiaddr::Protocol;
+use node_core::net::reach::ip_of;
 
 /// This machine's interface addresses (none where they cannot be read: every member with an
 /// address off loopback then counts as far).
@@ -29,32 +30,17 @@ pub fn every_listener_reported(
     ips: &[std::net::IpAddr],
 ) -> bool {
     listen.iter().all(|spec| {
-        let Some(ip) = ip_of(spec) else {
-            return addrs.iter().any(|a| shape(a) == shape(spec));
-        };
-        let wanted: Vec<std::net::IpAddr> = match ip.is_unspecified() {
-            true => ips
-                .iter()
-                .copied()
+        let form = shape(spec);
+        let reported =
+            |ip: Option<std::net::IpAddr>| addrs.iter().any(|a| ip_of(a) == ip && shape(a) == form);
+        match ip_of(spec) {
+            None => addrs.iter().any(|a| shape(a) == form),
+            Some(ip) if ip.is_unspecified() => (ips.iter())
                 .filter(|i| i.is_ipv4() == ip.is_ipv4())
-                .collect(),
-            false => vec![ip],
-        };
-        wanted.iter().all(|want| {
-            addrs
-                .iter()
-                .any(|a| ip_of(a) == Some(*want) && shape(a) == shape(spec))
-        })
+                .all(|i| reported(Some(*i))),
+            Some(ip) => reported(Some(ip)),
+        }
     })
-}
-
-/// The IP an address starts with.
-fn ip_of(a: &Multiaddr) -> Option<std::net::IpAddr> {
-    match a.iter().next()? {
-        Protocol::Ip4(ip) => Some(ip.into()),
-        Protocol::Ip6(ip) => Some(ip.into()),
-        _ => None,
-    }
 }
 
 /// An address's transports without their values (`tcp`, `udp`, `quic-v1`, `ws`…), leaving out

@@ -343,15 +343,6 @@ struct EventLoop {
     reach_unsent: bool,
 }
 
-/// Queues `event` for the node: `false` when its queue is full (a closed queue takes
-/// anything: no node listens).
-fn deliver(inbound: &mpsc::Sender<Inbound>, event: Inbound) -> bool {
-    !matches!(
-        inbound.try_send(event),
-        Err(mpsc::error::TrySendError::Full(_))
-    )
-}
-
 /// How long a relay has to accept a reservation before the next one is asked.
 const RESERVE_WAIT: Duration = Duration::from_secs(10);
 
@@ -389,7 +380,11 @@ impl EventLoop {
 
     /// Tells the node how peers reach it now ([`Self::reach_unsent`] when its queue is full).
     fn report_reach(&mut self) {
-        let unsent = !deliver(&self.inbound, self.driver.reach_event());
+        // A closed queue takes anything: no node listens.
+        let unsent = matches!(
+            self.inbound.try_send(self.driver.reach_event()),
+            Err(mpsc::error::TrySendError::Full(_))
+        );
         if unsent && !self.reach_unsent {
             tracing::warn!(
                 "the node's queue is full: its reachability is reported again in a second"
