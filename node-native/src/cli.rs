@@ -360,6 +360,10 @@ pub(crate) struct BenchArgs {
     /// takes back with each round it publishes (0: none).
     #[arg(long, value_parser = share, default_value_t = 0.0)]
     pub(crate) decay: f32,
+    /// With --learning: published rounds over which the trainer's outer rate halves (round t
+    /// at lr / (1 + t / N)); 0: the rate is kept.
+    #[arg(long, default_value_t = 0)]
+    pub(crate) anneal: u32,
     /// Learning rate of the mesh measured (with --learning); default: the optimizer's.
     #[arg(long)]
     pub(crate) lr: Option<f32>,

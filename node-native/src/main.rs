@@ -166,6 +166,7 @@ fn run_learning_bench(args: &BenchArgs, model: &load::LoadedModel) -> Result<()>
         trained: cli::TrainedArg::trained(&args.train),
         replay: args.replay,
         decay: args.decay,
+        anneal: args.anneal,
     };
     let (optimizer, lr) = args.optimizer.with_lr(args.lr);
     let learning = args.diloco.apply(args.optimizer.learning(args.lr));

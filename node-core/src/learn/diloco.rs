@@ -33,6 +33,11 @@ pub struct Outer {
     last: Option<Update>,
     /// The part of it that takes back earlier steps, alone (for the gate).
     back: Option<Update>,
+    /// Rounds after which the outer rate is half what it was at the first ([`Self::anneal`]);
+    /// 0: never lowered.
+    anneal: u32,
+    /// Rounds of this trainer that went out.
+    kept: u32,
 }
 
 /// Adds an inner step to the sum of a round's steps: the same input factors (the adapters'
@@ -80,7 +85,26 @@ impl Outer {
             added: None,
             last: None,
             back: None,
+            anneal: 0,
+            kept: 0,
         }
+    }
+
+    /// Lowers the outer rate as this trainer's rounds go out: round `t` (from 0) is taken at
+    /// `lr_out / (1 + t / rounds)`, so the first rounds teach at the full rate and the
+    /// adapters move about `rounds · ln(1 + t / rounds)` rounds' worth over `t` rounds, not `t`
+    /// (docs/coding.md, "Facts and rehearsal"); 0 keeps the rate.
+    pub fn anneal(&mut self, rounds: u32) {
+        self.anneal = rounds;
+    }
+
+    /// The outer rate the next round is taken at ([`Self::anneal`]).
+    pub fn rate(&self) -> f32 {
+        let lr = self.cfg.outer_lr;
+        if self.anneal == 0 {
+            return lr;
+        }
+        lr / (1.0 + self.kept as f32 / self.anneal as f32)
     }
 
     /// The same optimiser taking back `share` (0 to 1) of how far its published updates moved
@@ -102,7 +126,7 @@ impl Outer {
     /// adapter entry held within what holders accept ([`LearningConfig::adapter_reach`]) and
     /// rounded as it travels.
     pub fn step(&mut self, mut sum: Update) -> Update {
-        let (lr, mu) = (self.cfg.outer_lr, self.cfg.outer_momentum);
+        let (lr, mu) = (self.rate(), self.cfg.outer_momentum);
         self.before = Some(self.momentum.clone());
         if mu > 0.0 {
             let m = self.momentum.get_or_insert_with(|| {
@@ -204,6 +228,7 @@ impl Outer {
     pub fn keep(&mut self) {
         self.before = None;
         self.back = None;
+        self.kept = self.kept.saturating_add(1);
         let Some(last) = self.last.take() else {
             return;
         };
@@ -385,6 +410,32 @@ mod tests {
                 .iter()
                 .all(|f| f.dy.iter().flatten().all(|&d| d == 0.0))
         );
+    }
+
+    #[test]
+    fn an_annealed_trainer_halves_its_rate_over_its_published_rounds_not_its_refused_ones() {
+        let (llama, mut group, _) = setup();
+        let cfg = rounds(2, 0.0);
+        let sum = round(cfg, &llama, &mut group);
+        let mut outer = Outer::new(cfg, ShardFormat::Q8);
+        outer.anneal(2);
+        let first = outer.step(sum.clone());
+        // Refused: the next round is still taken at the full rate.
+        outer.undo();
+        assert!(outer.step(sum.clone()) == first);
+        outer.keep();
+        // One round out of two: two thirds of the rate; two out: half.
+        is_share_of(&outer.step(sum.clone()), &first, 2.0 / 3.0);
+        outer.keep();
+        is_share_of(&outer.step(sum.clone()), &first, 0.5);
+        assert!((outer.rate() - cfg.outer_lr / 2.0).abs() < 1e-6);
+        // Not annealed, the tenth round is taken as the first.
+        let mut plain = Outer::new(cfg, ShardFormat::Q8);
+        for _ in 0..10 {
+            plain.step(sum.clone());
+            plain.keep();
+        }
+        assert!(plain.step(sum.clone()) == first);
     }
 
     #[test]

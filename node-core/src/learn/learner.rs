@@ -84,6 +84,14 @@ impl Learner {
         }
     }
 
+    /// Where the mesh runs DiLoCo rounds, the outer rate halves over `rounds` of this
+    /// learner's published rounds, a third over twice that, … ([`Outer::anneal`]).
+    pub fn anneal(&mut self, rounds: u32) {
+        if let Some(outer) = &mut self.outer {
+            outer.anneal(rounds);
+        }
+    }
+
     /// The part of the update just made that takes back earlier steps, alone
     /// ([`Outer::give_back`]).
     pub fn give_back(&self) -> Option<&Update> {

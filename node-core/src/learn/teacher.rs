@@ -166,6 +166,13 @@ impl Teacher {
         self
     }
 
+    /// The same teacher lowering its outer rate as its rounds go out: half after `rounds`
+    /// published rounds ([`super::Outer::anneal`]); 0 keeps it.
+    pub fn with_anneal(mut self, rounds: u32) -> Self {
+        self.learner.anneal(rounds);
+        self
+    }
+
     /// The same teacher moving only the adapters `trained` names.
     pub fn training(mut self, trained: Trained) -> Self {
         self.learner.train(trained);

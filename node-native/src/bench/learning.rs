@@ -291,6 +291,8 @@ pub struct Trainer {
     pub replay: usize,
     /// Share of its steps so far each published round takes back ([`Teacher::with_decay`]).
     pub decay: f32,
+    /// Published rounds over which the outer rate halves ([`Teacher::with_anneal`]; 0: kept).
+    pub anneal: u32,
 }
 
 impl Trainer {
@@ -306,6 +308,7 @@ impl Trainer {
         trained: node_core::learn::Trained::MESH,
         replay: 0,
         decay: 0.0,
+        anneal: 0,
     };
 
     /// A classroom with this trainer: `room` gated by `canary` (tokens) as it says, rehearsing
@@ -326,7 +329,8 @@ impl Trainer {
             .with_floor(self.floor)
             .training(self.trained)
             .with_replay(node_core::learn::REPLAY_LESSONS, self.replay)
-            .with_decay(self.decay);
+            .with_decay(self.decay)
+            .with_anneal(self.anneal);
         Ok(room)
     }
 }
