@@ -346,6 +346,37 @@ mod tests {
         );
     }
 
+    #[test]
+    fn a_round_that_moves_only_the_mlp_sends_only_its_factors_and_teaches_the_same() {
+        let (llama, mut group, _) = setup();
+        let cfg = rounds(2, 0.0);
+        let mut t = teacher(cfg, None).training(crate::learn::Trained::MESH);
+        let studied = block_on(t.learn(&llama, &mut group, &[&text()], 1)).unwrap();
+        let sent = studied.due.unwrap().update;
+        for f in &sent.stages {
+            let mlp = crate::learn::Trained::MESH.stage(f.stage);
+            assert_eq!(f.rows > 0, mlp, "{:?} carries {} rows", f.stage, f.rows);
+        }
+        sent.validate_for(llama.config(), &cfg, ShardFormat::Q8)
+            .unwrap();
+        // The same step with the still stages' factors in: more bytes, the same teaching.
+        let mut full = round(cfg, &llama, &mut group);
+        for (f, g) in full.stages.iter_mut().zip(&sent.stages) {
+            if g.rows == 0 {
+                f.dy.iter_mut().flatten().for_each(|d| *d = 0.0);
+            } else {
+                f.dy.clone_from(&g.dy);
+            }
+        }
+        assert!(sent.encode().len() * 3 < full.encode().len() * 2);
+        let (a, b) = (
+            loss_after(&llama, &mut group, &sent),
+            loss_after(&llama, &mut group, &full),
+        );
+        assert!((a - b).abs() < 1e-9, "{a} against {b}");
+        assert!(full.trimmed() == sent);
+    }
+
     /// `u` with every factor entry zero: a round that learnt nothing.
     fn nothing(u: &Update) -> Update {
         let mut z = u.clone();

@@ -160,14 +160,14 @@ impl Learner {
     }
 
     /// The update a round publishes: the outer step over the sum of its inner steps, for
-    /// `requests` requests.
+    /// `requests` requests, without the stages it does not move ([`Update::trimmed`]).
     pub fn end_round(&mut self, sum: Update, requests: u32) -> Result<Published, UpdateError> {
         let outer = self
             .outer
             .as_mut()
             .ok_or_else(|| UpdateError::Settings("this mesh runs no DiLoCo rounds".into()))?;
         Ok(Published {
-            update: outer.step(sum),
+            update: outer.step(sum).trimmed(),
             requests,
             kept: 1.0,
         })

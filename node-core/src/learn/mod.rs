@@ -447,6 +447,20 @@ impl Update {
             .zip(self.embed_dx.chunks_exact(d.max(1)))
     }
 
+    /// The same step without the factors of stages it does not move (every output factor
+    /// zero): those stages carry no rows, so a trainer that moves only some adapters sends only
+    /// their bytes, and every row takes the same step.
+    pub fn trimmed(mut self) -> Self {
+        for f in &mut self.stages {
+            if f.rows > 0 && f.dy.iter().flatten().all(|&d| d == 0.0) {
+                f.rows = 0;
+                f.x.clear();
+                f.dy.iter_mut().for_each(Vec::clear);
+            }
+        }
+        self
+    }
+
     /// The step compact shards take (docs/coding.md, "Learning on compact shards"): every input
     /// factor `X` replaced by `X·Vᵀ·V / rank`, which lies in the adapters' subspace, so that
     /// [`Self::apply_to_weights`] and the update probe see what their adapters learn.
