@@ -364,6 +364,10 @@ pub(crate) struct BenchArgs {
     /// at lr / (1 + t / N)); 0: the rate is kept.
     #[arg(long, default_value_t = 0)]
     pub(crate) anneal: u32,
+    /// With --learning: an adapter entry's step goes out only where the trainer's last ten or
+    /// so rounds agree on it, |Σβʲ·Δ| ≥ this share of Σβʲ·|Δ| (0: every entry).
+    #[arg(long, value_parser = share, default_value_t = 0.0)]
+    pub(crate) consensus: f32,
     /// Learning rate of the mesh measured (with --learning); default: the optimizer's.
     #[arg(long)]
     pub(crate) lr: Option<f32>,

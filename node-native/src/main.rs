@@ -167,6 +167,7 @@ fn run_learning_bench(args: &BenchArgs, model: &load::LoadedModel) -> Result<()>
         replay: args.replay,
         decay: args.decay,
         anneal: args.anneal,
+        consensus: args.consensus,
     };
     let (optimizer, lr) = args.optimizer.with_lr(args.lr);
     let learning = args.diloco.apply(args.optimizer.learning(args.lr));

@@ -38,7 +38,19 @@ pub struct Outer {
     anneal: u32,
     /// Rounds of this trainer that went out.
     kept: u32,
+    /// Least agreement an entry's rounds need for its step to go out ([`Self::consensus`]);
+    /// 0: every entry goes.
+    consensus: f32,
+    /// Per entry, the kept rounds' steps and their sizes, each decaying by
+    /// [`CONSENSUS_MEMORY`] a round: `(Σ βʲ·Δ, Σ βʲ·|Δ|)`.
+    agreed: Option<(Steps, Steps)>,
+    /// The same with the last round in, until it is kept or undone.
+    agreeing: Option<(Steps, Steps)>,
 }
+
+/// How much of its past an entry's agreement keeps a round ([`Outer::consensus`]): about
+/// the last ten rounds count.
+pub const CONSENSUS_MEMORY: f32 = 0.9;
 
 /// Adds an inner step to the sum of a round's steps: the same input factors (the adapters'
 /// fixed projection), output factors added.
@@ -87,7 +99,51 @@ impl Outer {
             back: None,
             anneal: 0,
             kept: 0,
+            consensus: 0.0,
+            agreed: None,
+            agreeing: None,
         }
+    }
+
+    /// Sends an entry's step only where this trainer's recent rounds agree on it: with
+    /// `m = Σ βʲ·Δ` and `a = Σ βʲ·|Δ|` over the kept rounds and this one (β =
+    /// [`CONSENSUS_MEMORY`]), the entry goes out only if `|m| ≥ threshold · a`. A direction the
+    /// chats keep asking for (a fact, a style) agrees round after round (`|m| = a`); what
+    /// varies from text to text (a name drawn at random) averages out, yet Adam steps it at
+    /// full size, and those steps walk the adapters away from what they knew
+    /// (docs/coding.md, "Facts and rehearsal"). A trainer's first round goes out whole.
+    pub fn consensus(&mut self, threshold: f32) {
+        self.consensus = threshold.clamp(0.0, 1.0);
+    }
+
+    /// Zeroes the entries of `sum` (a round's raw `Δ`) its rounds do not agree on
+    /// ([`Self::consensus`]), keeping the agreement with this round in until it is kept.
+    fn agree(&mut self, sum: &mut Update) {
+        if self.consensus <= 0.0 {
+            return;
+        }
+        let zeros = || -> Steps {
+            (sum.stages.iter())
+                .map(|f| f.dy.iter().map(|d| vec![0.0; d.len()]).collect())
+                .collect()
+        };
+        let (mut m, mut a) = match self.agreed.clone() {
+            Some((m, a)) if same_shape(&m, sum) => (m, a),
+            _ => (zeros(), zeros()),
+        };
+        let (beta, th) = (CONSENSUS_MEMORY, self.consensus);
+        for ((ms, as_), f) in m.iter_mut().zip(&mut a).zip(&mut sum.stages) {
+            for ((mv, av), dy) in ms.iter_mut().zip(as_.iter_mut()).zip(&mut f.dy) {
+                for ((m, a), d) in mv.iter_mut().zip(av.iter_mut()).zip(dy.iter_mut()) {
+                    *m = beta * *m + *d;
+                    *a = beta * *a + d.abs();
+                    if m.abs() < th * *a {
+                        *d = 0.0;
+                    }
+                }
+            }
+        }
+        self.agreeing = Some((m, a));
     }
 
     /// Lowers the outer rate as this trainer's rounds go out: round `t` (from 0) is taken at
@@ -126,6 +182,7 @@ impl Outer {
     /// adapter entry held within what holders accept ([`LearningConfig::adapter_reach`]) and
     /// rounded as it travels.
     pub fn step(&mut self, mut sum: Update) -> Update {
+        self.agree(&mut sum);
         let (lr, mu) = (self.rate(), self.cfg.outer_momentum);
         self.before = Some(self.momentum.clone());
         if mu > 0.0 {
@@ -229,6 +286,9 @@ impl Outer {
         self.before = None;
         self.back = None;
         self.kept = self.kept.saturating_add(1);
+        if let Some(agreeing) = self.agreeing.take() {
+            self.agreed = Some(agreeing);
+        }
         let Some(last) = self.last.take() else {
             return;
         };
@@ -252,6 +312,7 @@ impl Outer {
 
     /// The last round's update was refused or lost: the momentum is as before it.
     pub fn undo(&mut self) {
+        self.agreeing = None;
         self.last = None;
         self.back = None;
         if let Some(m) = self.before.take() {
@@ -467,6 +528,45 @@ mod tests {
             plain.keep();
         }
         assert!(plain.step(sum.clone()) == first);
+    }
+
+    #[test]
+    fn with_consensus_only_the_entries_its_rounds_agree_on_go_out() {
+        let (llama, mut group, _) = setup();
+        let cfg = rounds(2, 0.0);
+        let sum = round(cfg, &llama, &mut group);
+        let flipped = |u: &Update| {
+            let mut f = u.clone();
+            f.stages
+                .iter_mut()
+                .for_each(|s| s.dy.iter_mut().flatten().for_each(|d| *d = -*d));
+            f
+        };
+        let mut outer = Outer::new(cfg, ShardFormat::Q8);
+        outer.consensus(0.5);
+        // The first round goes out whole.
+        let first = outer.step(sum.clone());
+        is_share_of(
+            &first,
+            &Outer::new(cfg, ShardFormat::Q8).step(sum.clone()),
+            1.0,
+        );
+        // Refused, it counts for nothing: the opposite round is again a first.
+        outer.undo();
+        let mut fresh = Outer::new(cfg, ShardFormat::Q8);
+        assert!(outer.step(flipped(&sum)) == fresh.step(flipped(&sum)));
+        outer.keep();
+        // Kept, a round that asks for the opposite of it disagrees everywhere: |m| = a / 19.
+        let back = outer.step(sum.clone());
+        assert!(
+            back.stages
+                .iter()
+                .all(|f| f.dy.iter().flatten().all(|&d| d == 0.0))
+        );
+        outer.undo();
+        // A round that asks for the same again agrees everywhere and goes out whole.
+        let again = outer.step(flipped(&sum));
+        is_share_of(&again, &fresh.step(flipped(&sum)), 1.0);
     }
 
     #[test]

@@ -92,6 +92,14 @@ impl Learner {
         }
     }
 
+    /// Where the mesh runs DiLoCo rounds, an adapter entry's step goes out only where this
+    /// learner's recent rounds agree on it by `threshold` ([`Outer::consensus`]).
+    pub fn consensus(&mut self, threshold: f32) {
+        if let Some(outer) = &mut self.outer {
+            outer.consensus(threshold);
+        }
+    }
+
     /// The part of the update just made that takes back earlier steps, alone
     /// ([`Outer::give_back`]).
     pub fn give_back(&self) -> Option<&Update> {

@@ -173,6 +173,13 @@ impl Teacher {
         self
     }
 
+    /// The same teacher sending an adapter entry's step only where its recent rounds agree on
+    /// it by `threshold` ([`super::Outer::consensus`]); 0 sends every entry.
+    pub fn with_consensus(mut self, threshold: f32) -> Self {
+        self.learner.consensus(threshold);
+        self
+    }
+
     /// The same teacher moving only the adapters `trained` names.
     pub fn training(mut self, trained: Trained) -> Self {
         self.learner.train(trained);

@@ -293,6 +293,9 @@ pub struct Trainer {
     pub decay: f32,
     /// Published rounds over which the outer rate halves ([`Teacher::with_anneal`]; 0: kept).
     pub anneal: u32,
+    /// Agreement an entry's recent rounds need for its step to go out
+    /// ([`Teacher::with_consensus`]; 0: every entry).
+    pub consensus: f32,
 }
 
 impl Trainer {
@@ -309,6 +312,7 @@ impl Trainer {
         replay: 0,
         decay: 0.0,
         anneal: 0,
+        consensus: 0.0,
     };
 
     /// A classroom with this trainer: `room` gated by `canary` (tokens) as it says, rehearsing
@@ -330,7 +334,8 @@ impl Trainer {
             .training(self.trained)
             .with_replay(node_core::learn::REPLAY_LESSONS, self.replay)
             .with_decay(self.decay)
-            .with_anneal(self.anneal);
+            .with_anneal(self.anneal)
+            .with_consensus(self.consensus);
         Ok(room)
     }
 }
