@@ -122,14 +122,9 @@ impl Outer {
         if self.consensus <= 0.0 {
             return;
         }
-        let zeros = || -> Steps {
-            (sum.stages.iter())
-                .map(|f| f.dy.iter().map(|d| vec![0.0; d.len()]).collect())
-                .collect()
-        };
         let (mut m, mut a) = match self.agreed.clone() {
             Some((m, a)) if same_shape(&m, sum) => (m, a),
-            _ => (zeros(), zeros()),
+            _ => (zeros_like(sum), zeros_like(sum)),
         };
         let (beta, th) = (CONSENSUS_MEMORY, self.consensus);
         for ((ms, as_), f) in m.iter_mut().zip(&mut a).zip(&mut sum.stages) {
@@ -186,12 +181,7 @@ impl Outer {
         let (lr, mu) = (self.rate(), self.cfg.outer_momentum);
         self.before = Some(self.momentum.clone());
         if mu > 0.0 {
-            let m = self.momentum.get_or_insert_with(|| {
-                sum.stages
-                    .iter()
-                    .map(|f| f.dy.iter().map(|d| vec![0.0; d.len()]).collect())
-                    .collect()
-            });
+            let m = self.momentum.get_or_insert_with(|| zeros_like(&sum));
             for (ms, f) in m.iter_mut().zip(&mut sum.stages) {
                 for (mv, dy) in ms.iter_mut().zip(&mut f.dy) {
                     for (m, d) in mv.iter_mut().zip(dy.iter_mut()) {
@@ -292,12 +282,7 @@ impl Outer {
         let Some(last) = self.last.take() else {
             return;
         };
-        let added = self.added.get_or_insert_with(|| {
-            last.stages
-                .iter()
-                .map(|f| f.dy.iter().map(|d| vec![0.0; d.len()]).collect())
-                .collect()
-        });
+        let added = self.added.get_or_insert_with(|| zeros_like(&last));
         if !same_shape(added, &last) {
             return;
         }
@@ -319,6 +304,13 @@ impl Outer {
             self.momentum = m;
         }
     }
+}
+
+/// Steps of `u`'s stages and factor sizes, every entry zero.
+fn zeros_like(u: &Update) -> Steps {
+    (u.stages.iter())
+        .map(|f| f.dy.iter().map(|d| vec![0.0; d.len()]).collect())
+        .collect()
 }
 
 /// Whether `steps` has `u`'s stages and factor sizes.
