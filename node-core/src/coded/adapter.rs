@@ -142,19 +142,39 @@ impl Projection {
     /// The projection for `cols` inputs (built once per width). Members of one process look
     /// it up side by side on every product, so lookups take a read lock only.
     pub fn of(cols: usize) -> Arc<Self> {
-        static CACHE: OnceLock<RwLock<Widths>> = OnceLock::new();
-        let cache = CACHE.get_or_init(RwLock::default);
-        let find = |w: &Widths| w.iter().find(|(c, _)| *c == cols).map(|(_, p)| p.clone());
-        if let Some(p) = find(&cache.read().unwrap_or_else(PoisonError::into_inner)) {
+        let cache = Self::cache();
+        if let Some(p) = Self::find(&cache.read().unwrap_or_else(PoisonError::into_inner), cols) {
             return p;
         }
         let mut widths = cache.write().unwrap_or_else(PoisonError::into_inner);
-        if let Some(p) = find(&widths) {
+        if let Some(p) = Self::find(&widths, cols) {
             return p;
         }
         let p = Arc::new(Self::new(cols));
         widths.push((cols, p.clone()));
         p
+    }
+
+    /// The projection for `cols` inputs, as [`Projection::of`], but not kept when this process
+    /// has not built it yet: for a width a peer names, which must not grow the cache.
+    pub fn passing(cols: usize) -> Arc<Self> {
+        Self::find(
+            &Self::cache().read().unwrap_or_else(PoisonError::into_inner),
+            cols,
+        )
+        .unwrap_or_else(|| Arc::new(Self::new(cols)))
+    }
+
+    fn cache() -> &'static RwLock<Widths> {
+        static CACHE: OnceLock<RwLock<Widths>> = OnceLock::new();
+        CACHE.get_or_init(RwLock::default)
+    }
+
+    fn find(widths: &Widths, cols: usize) -> Option<Arc<Self>> {
+        widths
+            .iter()
+            .find(|(c, _)| *c == cols)
+            .map(|(_, p)| p.clone())
     }
 
     /// `V` itself, `rank × cols` row-major (entries ±1).

@@ -162,8 +162,13 @@ pub fn max_update_bytes(cfg: &LlamaConfig, learning: &LearningConfig) -> u64 {
                 .iter()
                 .map(|&(out, _)| VARINT + r * out as u64 * b)
                 .sum();
+            // x: a tag, then an adapter step's projection by its width, or the values.
+            let x = 1 + match learning.optimizer {
+                Optimizer::AdamAdapters => VARINT,
+                Optimizer::Sgd => VARINT + r * inp as u64 * b,
+            };
             // The stage (a tag and its layer), the rows, x and the list of dy.
-            1 + VARINT + VARINT + (VARINT + r * inp as u64 * b) + VARINT + outs
+            1 + VARINT + VARINT + x + VARINT + outs
         })
         .sum();
     let lookups = match learning.optimizer {
