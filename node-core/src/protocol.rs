@@ -11,8 +11,9 @@ use crate::model::Stage;
 /// sets carry their learnt adapters; 5: adapters of rank 8; 6: a step at another version is
 /// refused with `MeshResponse::Stale`; 9: updates and reports carry the certificate by which the
 /// mesh's key admits their signer, and a peer that may not write teaches a trainer text; 10:
-/// heartbeats carry the sender's network coordinate).
-pub const PROTOCOL_VERSION: u16 = 10;
+/// heartbeats carry the sender's network coordinate; 11: adapters of rank 16, and updates
+/// name the adapters' projection instead of carrying it).
+pub const PROTOCOL_VERSION: u16 = 11;
 
 /// Largest encoded message accepted (a prefill of a few thousand tokens fits).
 pub const MAX_MESSAGE_BYTES: usize = 64 << 20;

@@ -529,7 +529,7 @@ pub(crate) struct SeedArgs {
     /// Requests do not train the model.
     #[arg(long)]
     pub(crate) no_learning: bool,
-    /// How requests' gradients become updates: `adam` (Adam on the coded rank-8 adapters, the
+    /// How requests' gradients become updates: `adam` (Adam on the coded rank-16 adapters, the
     /// leader keeping the moments) or `sgd` (plain SGD on every weight).
     #[arg(long, value_enum, default_value_t = OptimizerArg::Adam)]
     pub(crate) optimizer: OptimizerArg,

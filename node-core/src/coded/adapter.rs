@@ -19,7 +19,7 @@ use crate::compute::matmul;
 use crate::protocol::StepRequest;
 
 /// Largest adapter rank: columns of `A`, rows of `V`.
-pub const ADAPTER_RANK: usize = 8;
+pub const ADAPTER_RANK: usize = 16;
 
 /// The adapter rank of a matrix with `cols` inputs: [`ADAPTER_RANK`], or the largest power of
 /// two dividing `cols` when that is smaller (the rows of `V` must split the columns evenly).
@@ -470,7 +470,8 @@ mod tests {
                 }
             }
         }
-        assert_eq!(Projection::new(576).rank(), 8);
+        assert_eq!(Projection::new(576).rank(), ADAPTER_RANK);
+        assert_eq!(Projection::new(24).rank(), 8);
         assert_eq!(Projection::new(100).rank(), 4);
         assert_eq!(Projection::new(7).rank(), 1);
     }

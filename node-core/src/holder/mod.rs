@@ -150,8 +150,8 @@ impl ShardState {
 /// The layout of a shard set in a blob; a release that changes it changes this (2: compact
 /// shards carry their learnt adapters; 3: of rank 8, not 16; 4: the model's config names its
 /// family and RoPE factors; 5: the manifest beside it names the mesh's key and canary
-/// reference).
-pub const SHARD_LAYOUT: u32 = 5;
+/// reference; 6: adapters of rank 16, the MLP's alone where only they learnt).
+pub const SHARD_LAYOUT: u32 = 6;
 
 /// A shard set as a blob (hashed chunks with parity).
 pub fn shard_to_blob(shard: &ShardSet) -> Result<Vec<u8>, HolderError> {

@@ -10,7 +10,7 @@ pub enum Optimizer {
     /// Plain SGD on every coded weight (with accumulation and linear momentum): `lr` is the
     /// step and `clip` bounds each request's gradient norm.
     Sgd,
-    /// Adam on the coded rank-8 adapters (`W + A·V`, `V` fixed), with its moments kept by the
+    /// Adam on the coded rank-16 adapters (`W + A·V`, `V` fixed), with its moments kept by the
     /// leader: `lr` is the most one update moves an adapter entry, in units of `V`'s unit rows
     /// (docs/coding.md, "Learning that learns").
     AdamAdapters,
@@ -43,7 +43,7 @@ pub struct LearningConfig {
 }
 
 /// Default rank of a compressed update (docs/perf.md: ≤ 1% of SmolLM2's bytes per request).
-pub const DEFAULT_RANK: u32 = 8;
+pub const DEFAULT_RANK: u32 = 16;
 
 /// The default learning rate of [`Optimizer::AdamAdapters`] (docs/perf.md, "Learning").
 pub const DEFAULT_ADAM_LR: f32 = 5e-4;

@@ -428,6 +428,22 @@ mod tests {
         );
         assert!((a - b).abs() < 1e-9, "{a} against {b}");
         assert!(full.trimmed() == sent);
+        // A row that takes it learns in the MLP's adapters alone: the others stay empty, so
+        // they are neither stored nor added to a product.
+        let member = &mut group.transport_mut().members_mut()[0];
+        member.learn(|s| sent.apply_to_shards(s)).unwrap();
+        let set = member.shards_mut();
+        for f in &sent.stages {
+            let Some(l) = f.stage.layer() else {
+                continue;
+            };
+            for &i in f.stage.block_matrices() {
+                let learnt = !set.blocks[l][i].adapter.is_empty();
+                assert_eq!(learnt, f.rows > 0, "{:?}'s matrix {i}", f.stage);
+            }
+        }
+        let head = set.lm_head.as_ref().unwrap_or(&set.embed);
+        assert!(head.adapter.is_empty(), "the head did not move");
     }
 
     /// `u` with every factor entry zero: a round that learnt nothing.

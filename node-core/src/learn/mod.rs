@@ -664,6 +664,11 @@ fn apply_factor(
             "update factors do not fit the shard".into(),
         ));
     }
+    if t == 0 {
+        // A stage the update does not move ([`Update::trimmed`]): an adapter that never moved
+        // stays empty, neither stored nor added to a product.
+        return Ok(());
+    }
     let rows = Rows {
         out,
         l: shard.block_len,
