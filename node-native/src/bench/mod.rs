@@ -281,16 +281,27 @@ impl InProcessDecode {
     }
 }
 
-/// One learning update on `prompt` at the default rate, taken by every member of `group`:
-/// f32 shards learn in their values, compact ones in their adapters.
+/// One learning update on `prompt` at the default rate, moving what `up`'s trainers move (the
+/// MLP's matrices alone), taken by every member of `group`: f32 shards learn in their values, compact
+/// ones in their adapters.
 fn learn_once(llama: &Llama, group: &mut CodedGroup<InProcess>, prompt: &[u32]) -> Result<()> {
     let learning = node_core::mesh::LearningConfig::default();
     let grads = futures::executor::block_on(llama.gradients(group, prompt))?;
-    let update = node_core::learn::Update::from_gradients(
+    let mut update = node_core::learn::Update::from_gradients(
         grads,
         node_core::mesh::DEFAULT_SGD_LR,
         learning.clip,
     );
+    for f in &mut update.stages {
+        if !node_core::learn::Trained::MESH.stage(f.stage) {
+            f.dy.iter_mut().flatten().for_each(|d| *d = 0.0);
+        }
+    }
+    // Nor do they move the lookup rows or the norm gains.
+    update.embed_tokens.clear();
+    update.embed_dx.clear();
+    update.norms = node_core::model::LeaderWeights::zeros(llama.config());
+    let update = update.trimmed();
     for m in group.transport_mut().members_mut() {
         m.learn(|s| update.apply_to_shards(s))?;
     }
