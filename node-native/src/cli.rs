@@ -540,9 +540,10 @@ pub(crate) struct SeedArgs {
     /// Gradient clipping norm.
     #[arg(long, default_value_t = 1.0)]
     pub(crate) clip: f32,
-    /// Rank each update is compressed to, sent as f16; 0 sends exact f32 factors.
-    #[arg(long, default_value_t = node_core::mesh::DEFAULT_RANK)]
-    pub(crate) rank: u32,
+    /// Rank each update is compressed to, sent as f16; 0 sends exact f32 factors. Default: the
+    /// adapters' rank (16) with `adam`, 8 with `sgd`.
+    #[arg(long)]
+    pub(crate) rank: Option<u32>,
     /// Requests a leader folds into one update (low-communication mode, needs rank > 0).
     #[arg(long, default_value_t = 1)]
     pub(crate) accumulate: u32,

@@ -41,13 +41,14 @@ fn main() {
         Command::Seed(args) => runtime().and_then(|rt| {
             let opts = args.net.options(None)?;
             let model = model_path(&args.model)?;
+            let defaults = args.optimizer.learning(args.lr);
             let learning = args.diloco.apply(node_core::mesh::LearningConfig {
                 enabled: !args.no_learning,
                 clip: args.clip,
-                rank: args.rank,
+                rank: args.rank.unwrap_or(defaults.rank),
                 accumulate: args.accumulate,
                 momentum: args.momentum,
-                ..args.optimizer.learning(args.lr)
+                ..defaults
             });
             let shape = node::Shape {
                 k: args.k,

@@ -42,8 +42,11 @@ pub struct LearningConfig {
     pub outer_momentum: f32,
 }
 
-/// Default rank of a compressed update (docs/perf.md: ≤ 1% of SmolLM2's bytes per request).
+/// Default rows a stage of an update carries: the adapters' rank, which Adam's updates need.
 pub const DEFAULT_RANK: u32 = 16;
+
+/// Default rank an SGD update's factors are cut to (docs/perf.md: ≤ 1% of SmolLM2's bytes).
+pub const DEFAULT_SGD_RANK: u32 = 8;
 
 /// The default learning rate of [`Optimizer::AdamAdapters`] (docs/perf.md, "Learning").
 pub const DEFAULT_ADAM_LR: f32 = 5e-4;
@@ -92,6 +95,7 @@ impl LearningConfig {
             ..Self::default()
         };
         if optimizer == Optimizer::Sgd {
+            cfg.rank = DEFAULT_SGD_RANK;
             cfg.inner_steps = 1;
             cfg.outer_momentum = 0.0;
         }

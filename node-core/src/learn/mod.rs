@@ -31,7 +31,7 @@ pub use canary::{
 pub use compress::{LowRank, low_rank};
 pub use config::{
     DEFAULT_ADAM_LR, DEFAULT_INNER_STEPS, DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, DEFAULT_RANK,
-    DEFAULT_SGD_LR, LearningConfig, MAX_ACCUMULATE, MAX_INNER_STEPS, Optimizer,
+    DEFAULT_SGD_LR, DEFAULT_SGD_RANK, LearningConfig, MAX_ACCUMULATE, MAX_INNER_STEPS, Optimizer,
 };
 pub use diloco::{Outer, add_step};
 pub use learner::{Learner, Published};
