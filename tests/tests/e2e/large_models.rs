@@ -30,9 +30,11 @@ const ENCODE_ALLOWANCE: f64 = 1e9;
 /// Llama-3.2-1B's KV cache per token: 16 layers × keys and values × 512 × 4 bytes.
 const KV_PER_TOKEN: f64 = 16.0 * 2.0 * 512.0 * 4.0;
 
-/// Llama-3.2-1B's adapters (`A`, `out × 8` f32 per coded matrix): 16 layers × (q 2048, k 512,
+/// Llama-3.2-1B's adapters (`A`, `out × rank` f32 per coded matrix): 16 layers × (q 2048, k 512,
 /// v 512, o 2048, gate 8192, up 8192, down 2048) outputs, and the tied LM head's 128,256 rows.
-const ADAPTER_BYTES: f64 = (16.0 * 23_552.0 + 128_256.0) * 8.0 * 4.0;
+/// The trainer keeps its state for every adapter, trained or not.
+const ADAPTER_BYTES: f64 =
+    (16.0 * 23_552.0 + 128_256.0) * node_core::coded::ADAPTER_RANK as f64 * 4.0;
 /// The trainer's optimiser state beside its pass, in adapters' worth: Adam's two moments, the
 /// two it keeps from before a DiLoCo round until the round's update is out or refused, and the
 /// outer Nesterov momentum with its copy from before the round (docs/models.md).
