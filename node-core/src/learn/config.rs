@@ -43,7 +43,7 @@ pub struct LearningConfig {
 }
 
 /// Default rows a stage of an update carries: the adapters' rank, which Adam's updates need.
-pub const DEFAULT_RANK: u32 = 16;
+pub const DEFAULT_RANK: u32 = crate::coded::ADAPTER_RANK as u32;
 
 /// Default rank an SGD update's factors are cut to (docs/perf.md: ≤ 1% of SmolLM2's bytes).
 pub const DEFAULT_SGD_RANK: u32 = 8;
