@@ -352,22 +352,22 @@ pub(crate) struct BenchArgs {
     /// default: as `up`'s trainers.
     #[arg(long, value_enum, value_delimiter = ',', default_values_t = [TrainedArg::Mlp])]
     pub(crate) train: Vec<TrainedArg>,
-    /// With --learning: positions of earlier lessons the trainer teaches again a minibatch,
-    /// from a reservoir of what it trained on (0: none).
+    /// With --learning: positions of earlier lessons taught again a minibatch (0: none).
     #[arg(long, default_value_t = 0)]
     pub(crate) replay: usize,
-    /// With --learning: share of how far its updates moved the adapters that the trainer
-    /// takes back with each round it publishes (0: none).
+    /// With --learning: share of its updates' moves a trainer takes back a round (0: none).
     #[arg(long, value_parser = share, default_value_t = 0.0)]
     pub(crate) decay: f32,
-    /// With --learning: published rounds over which the trainer's outer rate halves (round t
-    /// at lr / (1 + t / N)); 0: the rate is kept.
+    /// With --learning: published rounds over which the outer rate halves (0: kept).
     #[arg(long, default_value_t = 0)]
     pub(crate) anneal: u32,
     /// With --learning: an adapter entry's step goes out only where the trainer's last ten or
     /// so rounds agree on it, |Σβʲ·Δ| ≥ this share of Σβʲ·|Δ| (0: every entry).
     #[arg(long, value_parser = share, default_value_t = 0.0)]
     pub(crate) consensus: f32,
+    /// With --learning: the gate's floor is the lowest canary of this many verdicts (0: ever).
+    #[arg(long, default_value_t = 0)]
+    pub(crate) gate_window: usize,
     /// Learning rate of the mesh measured (with --learning); default: the optimizer's.
     #[arg(long)]
     pub(crate) lr: Option<f32>,

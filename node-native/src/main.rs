@@ -169,6 +169,7 @@ fn run_learning_bench(args: &BenchArgs, model: &load::LoadedModel) -> Result<()>
         decay: args.decay,
         anneal: args.anneal,
         consensus: args.consensus,
+        gate_window: args.gate_window,
     };
     let (optimizer, lr) = args.optimizer.with_lr(args.lr);
     let learning = args.diloco.apply(args.optimizer.learning(args.lr));
@@ -209,7 +210,7 @@ fn run_learning_bench(args: &BenchArgs, model: &load::LoadedModel) -> Result<()>
             |c| {
                 eprintln!(
                     "{} chats: {} published / {} refused, held-out {:.4} nats, canary {:.4}, \
-                     fact {} (margin {:+.3}), {} dropped, {} waiting, {:.0} s training",
+                     fact {} (margin {:+.3}, lead {:+.2}), {} dropped, {} waiting, {:.0} s training",
                     c.chats,
                     c.published,
                     c.refused,
@@ -221,6 +222,7 @@ fn run_learning_bench(args: &BenchArgs, model: &load::LoadedModel) -> Result<()>
                         "not answered"
                     },
                     c.margin,
+                    c.lead,
                     c.dropped,
                     c.waiting,
                     c.seconds

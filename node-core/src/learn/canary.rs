@@ -103,6 +103,11 @@ pub struct CanaryGate {
     baseline: Option<f64>,
     /// The lowest canary loss measured (or passed) at any version.
     lowest: Option<f64>,
+    /// Verdicts whose canary losses before them the floor is the lowest of (0: every loss
+    /// since the gate began).
+    window: usize,
+    /// The canary loss before each of the last `window` verdicts.
+    recent: std::collections::VecDeque<f64>,
     at: Option<([u8; 32], f64)>,
 }
 
@@ -117,8 +122,19 @@ impl CanaryGate {
             bounds: (MAX_CANARY_STEP, MAX_CANARY_DRIFT),
             baseline: reference,
             lowest: None,
+            window: 0,
+            recent: std::collections::VecDeque::new(),
             at: None,
         }
+    }
+
+    /// The same gate counting drift from the lowest canary loss before its last `verdicts`
+    /// verdicts rather than the lowest ever (0: ever): a canary held at its bound leaves room
+    /// again once the low it is counted from is `verdicts` verdicts old, so learning goes on,
+    /// the canary rising at most the drift bound a window (never past the mesh's reference).
+    pub fn with_window(mut self, verdicts: usize) -> Self {
+        self.window = verdicts;
+        self
     }
 
     /// The same gate with other bounds (nats per token: one update's rise, the whole rise);
@@ -182,7 +198,13 @@ impl CanaryGate {
             None => 0.0,
         };
         let baseline = self.baseline.unwrap_or(before);
-        let floor = self.lowest.map_or(baseline, |l| l.min(baseline));
+        let low = if self.window == 0 {
+            self.lowest
+        } else {
+            self.note(before);
+            self.recent.iter().copied().reduce(f64::min)
+        };
+        let floor = low.map_or(baseline, |l| l.min(baseline));
         // Never past the mesh's reference: what holders bound stays the bound.
         let floor = (floor + given_back).min(baseline).max(floor);
         let drift = self.bounds.1;
@@ -218,7 +240,10 @@ impl CanaryGate {
     /// (never past the reference), so a decaying trainer is not refused for giving back what
     /// it gained.
     pub fn gave_back(&mut self, given_back: f64) {
-        if let (Some(l), true) = (self.lowest.as_mut(), given_back > 0.0) {
+        if given_back <= 0.0 {
+            return;
+        }
+        for l in self.lowest.iter_mut().chain(self.recent.iter_mut()) {
             let top = self.baseline.unwrap_or(*l).max(*l);
             *l = (*l + given_back).min(top);
         }
@@ -235,6 +260,18 @@ impl CanaryGate {
     fn seen(&mut self, loss: f64) {
         if loss.is_finite() {
             self.lowest = Some(self.lowest.map_or(loss, |l| l.min(loss)));
+        }
+    }
+
+    /// Adds `loss`, the canary before a verdict, to the last [`Self::with_window`] kept (none
+    /// kept without a window).
+    fn note(&mut self, loss: f64) {
+        if self.window == 0 || !loss.is_finite() {
+            return;
+        }
+        self.recent.push_back(loss);
+        while self.recent.len() > self.window {
+            self.recent.pop_front();
         }
     }
 }
@@ -494,6 +531,56 @@ mod tests {
         let capped = judge(&mut near, [2; 32], Some(&raising));
         assert_eq!(capped.floor, now, "{capped:?}");
         assert!(!capped.pass, "{capped:?}");
+    }
+
+    #[test]
+    fn a_windowed_gate_leaves_room_again_once_its_low_is_a_window_old() {
+        let (llama, mut group, [grads, _]) = setup();
+        let (update, reversed) = both_ways(grads);
+        let now =
+            block_on(CanaryGate::new(canary(), None).loss_at(&llama, &mut group, [0; 32])).unwrap();
+        let mut probe = CanaryGate::new(canary(), None);
+        let after = |gate: &mut CanaryGate, group: &mut _, u: &Update| {
+            block_on(gate.judge(&llama, group, [0; 32], u, ShardFormat::Q8))
+                .unwrap()
+                .after
+        };
+        let raising = if after(&mut probe, &mut group, &update) > now {
+            update
+        } else {
+            reversed
+        };
+        let rise = after(&mut probe, &mut group, &raising) - now;
+        assert!(rise > 0.0, "{rise}");
+        // The canary once stood a nat lower; the drift bound is twice the rise. Counted from
+        // the lowest ever, the rise is refused however often it is judged; counted over the
+        // last three verdicts, it is refused until that low is three verdicts old.
+        for window in [0, 3] {
+            let mut gate = CanaryGate::new(canary(), Some(now + 2.0))
+                .with_bounds(f64::INFINITY, 2.0 * rise)
+                .with_window(window);
+            gate.moved_to([1; 32], now - 1.0);
+            let mut verdicts = vec![
+                block_on(gate.judge(&llama, &mut group, [1; 32], &raising, ShardFormat::Q8))
+                    .unwrap(),
+            ];
+            gate.moved_to([2; 32], now);
+            for _ in 0..4 {
+                verdicts.push(
+                    block_on(gate.judge(&llama, &mut group, [2; 32], &raising, ShardFormat::Q8))
+                        .unwrap(),
+                );
+            }
+            let passed: Vec<bool> = verdicts.iter().map(|v| v.pass).collect();
+            let floors: Vec<f64> = verdicts.iter().map(|v| v.floor).collect();
+            if window == 0 {
+                assert_eq!(passed, [false; 5], "{verdicts:?}");
+                assert!(floors.iter().all(|&f| f == now - 1.0), "{floors:?}");
+            } else {
+                assert_eq!(passed, [false, false, false, true, true], "{verdicts:?}");
+                assert_eq!(floors, [now - 1.0, now - 1.0, now - 1.0, now, now]);
+            }
+        }
     }
 
     #[test]

@@ -186,6 +186,42 @@ pub fn ask(room: &mut Classroom, tokenizer: &Tokenizer, fact: &Fact) -> Result<(
     Ok((tokenizer.decode(&answer)?, margin))
 }
 
+/// Where `fact`'s answer is decided: the reply to its question begun with its statement up to
+/// the answer ("The capital of Veloria is"), the log-probability of the answer's first token
+/// less the likeliest other token's (nats; above 0, greedy decoding says the answer there). An
+/// answer outside the [`LEAD_TOP`] likeliest tokens counts as the least likely of them, so the
+/// lead is then at most what is returned.
+pub fn lead(room: &mut Classroom, tokenizer: &Tokenizer, fact: &Fact) -> Result<f64> {
+    let prompt = tokenizer.chat_prompt(&[ChatMessage {
+        role: "user".into(),
+        content: fact.question.clone(),
+    }]);
+    let begun = fact.statement.split("{}").next().unwrap_or_default();
+    let before = tokenizer.encode(&format!("{prompt}{}", begun.trim_end()))?;
+    let with = tokenizer.encode(&format!("{prompt}{} {}", begun.trim_end(), fact.answer))?;
+    let at = before.iter().zip(&with).take_while(|(a, b)| a == b).count();
+    let first = *with.get(at).context("the answer adds no token")?;
+    let mut seq = with[..at].to_vec();
+    seq.push(first);
+    let dist = room.next_distributions(&seq, LEAD_TOP)?;
+    let last = dist.last().context("no position was measured")?;
+    let p = |id: u32| last.iter().find(|&&(t, _)| t == id).map(|&(_, p)| p);
+    let least = last.iter().map(|&(_, p)| p).fold(f32::INFINITY, f32::min);
+    let answer = p(first).unwrap_or(least);
+    let other = last
+        .iter()
+        .filter(|&&(t, _)| t != first)
+        .map(|&(_, p)| p)
+        .fold(0.0f32, f32::max);
+    Ok(
+        f64::from(answer.max(f32::MIN_POSITIVE)).ln()
+            - f64::from(other.max(f32::MIN_POSITIVE)).ln(),
+    )
+}
+
+/// Tokens whose probabilities [`lead`] reads.
+pub const LEAD_TOP: usize = 16;
+
 /// The table rows of one facts run.
 pub fn facts_rows(t: &FactsTaught, chats_per_fact: usize) -> Vec<Row> {
     let short = |s: &str| s.trim().chars().take(60).collect::<String>();

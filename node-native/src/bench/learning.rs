@@ -13,7 +13,7 @@ use node_core::coded::{CodedGroup, InProcess, ShardFormat};
 use node_core::lead::{Publisher, Settled, settle};
 use node_core::learn::{CANARY_TEXT, CanaryGate, Learner, Published, Teacher};
 use node_core::mesh::LearningConfig;
-use node_core::model::{LeaderWeights, Llama, LlamaConfig, ModelWeights, Tokenizer};
+use node_core::model::{LeaderWeights, Llama, LlamaConfig, ModelWeights, Soft, Tokenizer};
 
 use crate::bench::{Row, row};
 
@@ -198,6 +198,17 @@ impl Classroom {
         )?)
     }
 
+    /// The `top` likeliest next tokens at each position of `tokens` but the first, with their
+    /// probabilities, on the model as it is now.
+    pub fn next_distributions(&mut self, tokens: &[u32], top: usize) -> Result<Soft> {
+        let llama = self.llama()?;
+        Ok(futures::executor::block_on(llama.next_distributions(
+            &mut self.group,
+            tokens,
+            top,
+        ))?)
+    }
+
     /// The greedy completion of `prompt` (at most `max_tokens`, ending at `stop`).
     pub fn complete(
         &mut self,
@@ -296,6 +307,8 @@ pub struct Trainer {
     /// Agreement an entry's recent rounds need for its step to go out
     /// ([`Teacher::with_consensus`]; 0: every entry).
     pub consensus: f32,
+    /// Verdicts the gate's floor is the lowest canary of ([`CanaryGate::with_window`]; 0: all).
+    pub gate_window: usize,
 }
 
 impl Trainer {
@@ -313,6 +326,7 @@ impl Trainer {
         decay: 0.0,
         anneal: 0,
         consensus: 0.0,
+        gate_window: 0,
     };
 
     /// A classroom with this trainer: `room` gated by `canary` (tokens) as it says, rehearsing
@@ -323,7 +337,7 @@ impl Trainer {
         canary: &[u32],
         tokenizer: &Tokenizer,
     ) -> Result<Classroom> {
-        let mut room = room(gate(canary, self.gated))?.rehearsing(
+        let mut room = room(gate(canary, self.gated, self.gate_window))?.rehearsing(
             node_core::learn::rehearsal_tokens(tokenizer)?,
             self.rehearse,
             self.distil,
@@ -390,8 +404,8 @@ pub fn teach_in_process(
 
 /// The canary gate a bench's mesh judges with, counting drift from the first loss it
 /// measures (the model at the start); `gated` false measures without refusing.
-pub(crate) fn gate(canary: &[u32], gated: bool) -> Option<CanaryGate> {
-    let gate = CanaryGate::new(canary.to_vec(), None);
+pub(crate) fn gate(canary: &[u32], gated: bool, window: usize) -> Option<CanaryGate> {
+    let gate = CanaryGate::new(canary.to_vec(), None).with_window(window);
     Some(if gated {
         gate
     } else {

@@ -17,7 +17,7 @@ use node_core::model::{ModelWeights, Tokenizer};
 use rand_chacha::ChaCha8Rng;
 use rand_chacha::rand_core::{RngCore, SeedableRng};
 
-use super::facts::{Fact, ask};
+use super::facts::{Fact, ask, lead};
 use super::learning::{Classroom, HELD_OUT_KINDS, HeldOut};
 use crate::bench::{Row, row};
 
@@ -192,6 +192,9 @@ pub struct Checkpoint {
     pub answered: bool,
     /// The true statement's margin over the distractor's (nats a token).
     pub margin: f64,
+    /// The answer's first token's lead over the likeliest other where the reply reaches it
+    /// ([`super::facts::lead`], nats).
+    pub lead: f64,
     /// Requests sent and neither trained on nor waiting.
     pub dropped: usize,
     /// Requests waiting for a minibatch (a round takes as many distinct texts as fit).
@@ -274,6 +277,7 @@ pub fn teach_mixed(
         let (answer, margin) = ask(room, tokenizer, &fact)?;
         let kinds = held.losses(room)?;
         let point = Checkpoint {
+            lead: lead(room, tokenizer, &fact)?,
             chats: sent,
             published: room.published(),
             refused: room.refused(),
@@ -336,14 +340,14 @@ pub fn curve_table(m: &Mixed) -> String {
         return String::new();
     };
     let mut out = format!(
-        "| chats | published / refused | held-out ppl (change) | canary (nats) | {:?} answered | margin over {:?} | dropped | waiting | training s |\n\
-         |---|---|---|---|---|---|---|---|---|\n",
+        "| chats | published / refused | held-out ppl (change) | canary (nats) | {:?} answered | margin over {:?} | answer's lead (nats) | dropped | waiting | training s |\n\
+         |---|---|---|---|---|---|---|---|---|---|\n",
         m.fact.question, m.fact.distractor
     );
     for c in &m.curve {
         let reply: String = c.answer.trim().chars().take(64).collect();
         out += &format!(
-            "| {} | {} / {} | {:.2} ({:+.1}%) | {:.4} | {} {:?} | {:+.3} | {} | {} | {:.0} |\n",
+            "| {} | {} / {} | {:.2} ({:+.1}%) | {:.4} | {} {:?} | {:+.3} | {:+.2} | {} | {} | {:.0} |\n",
             c.chats,
             c.published,
             c.refused,
@@ -353,6 +357,7 @@ pub fn curve_table(m: &Mixed) -> String {
             if c.answered { "yes" } else { "no" },
             reply,
             c.margin,
+            c.lead,
             c.dropped,
             c.waiting,
             c.seconds
