@@ -441,6 +441,7 @@ mod tests {
     use futures::executor::block_on;
 
     use super::*;
+    use crate::coded::{CodedGroup, InProcess};
     use crate::learn::fixtures::{canary, setup, teacher};
 
     #[test]
@@ -478,26 +479,32 @@ mod tests {
         (update, reversed)
     }
 
-    #[test]
-    fn what_a_give_back_costs_the_canary_raises_the_floor_and_no_more() {
+    /// The fixture's model and group, its canary loss now, the one of an update both ways that
+    /// raises the canary, and by how much.
+    fn raising() -> (Llama, CodedGroup<InProcess>, f64, Update, f64) {
         let (llama, mut group, [grads, _]) = setup();
         let (update, reversed) = both_ways(grads);
         let now =
             block_on(CanaryGate::new(canary(), None).loss_at(&llama, &mut group, [0; 32])).unwrap();
         let mut probe = CanaryGate::new(canary(), None);
-        let after = |gate: &mut CanaryGate, group: &mut _, u: &Update| {
-            block_on(gate.judge(&llama, group, [0; 32], u, ShardFormat::Q8))
+        let mut after = |u: &Update| {
+            block_on(probe.judge(&llama, &mut group, [0; 32], u, ShardFormat::Q8))
                 .unwrap()
                 .after
         };
-        // The one of the two that raises the canary, and by how much.
-        let raising = if after(&mut probe, &mut group, &update) > now {
+        let raising = if after(&update) > now {
             update
         } else {
             reversed
         };
-        let rise = after(&mut probe, &mut group, &raising) - now;
+        let rise = after(&raising) - now;
         assert!(rise > 0.0, "{rise}");
+        (llama, group, now, raising, rise)
+    }
+
+    #[test]
+    fn what_a_give_back_costs_the_canary_raises_the_floor_and_no_more() {
+        let (llama, mut group, now, raising, rise) = raising();
         // The canary stood 0.02 nats lower once; drift may be 0.02 plus half the rise: as
         // learning, the update is refused.
         let mut gate = CanaryGate::new(canary(), Some(now + 0.5))
@@ -535,23 +542,7 @@ mod tests {
 
     #[test]
     fn a_windowed_gate_leaves_room_again_once_its_low_is_a_window_old() {
-        let (llama, mut group, [grads, _]) = setup();
-        let (update, reversed) = both_ways(grads);
-        let now =
-            block_on(CanaryGate::new(canary(), None).loss_at(&llama, &mut group, [0; 32])).unwrap();
-        let mut probe = CanaryGate::new(canary(), None);
-        let after = |gate: &mut CanaryGate, group: &mut _, u: &Update| {
-            block_on(gate.judge(&llama, group, [0; 32], u, ShardFormat::Q8))
-                .unwrap()
-                .after
-        };
-        let raising = if after(&mut probe, &mut group, &update) > now {
-            update
-        } else {
-            reversed
-        };
-        let rise = after(&mut probe, &mut group, &raising) - now;
-        assert!(rise > 0.0, "{rise}");
+        let (llama, mut group, now, raising, rise) = raising();
         // The canary once stood a nat lower; the drift bound is twice the rise. Counted from
         // the lowest ever, the rise is refused however often it is judged; counted over the
         // last three verdicts, it is refused until that low is three verdicts old.
