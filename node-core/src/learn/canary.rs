@@ -263,10 +263,9 @@ impl CanaryGate {
         }
     }
 
-    /// Adds `loss`, the canary before a verdict, to the last [`Self::with_window`] kept (none
-    /// kept without a window).
+    /// Adds `loss`, the canary before a verdict, to the last [`Self::with_window`] kept.
     fn note(&mut self, loss: f64) {
-        if self.window == 0 || !loss.is_finite() {
+        if !loss.is_finite() {
             return;
         }
         self.recent.push_back(loss);

@@ -172,14 +172,19 @@ pub fn teach_facts(
     })
 }
 
+/// `fact`'s question as a user's turn in the chat template, the reply to come.
+fn question_prompt(tokenizer: &Tokenizer, fact: &Fact) -> String {
+    tokenizer.chat_prompt(&[ChatMessage {
+        role: "user".into(),
+        content: fact.question.clone(),
+    }])
+}
+
 /// `fact`'s question asked greedily in the chat template on `room` as it is now: the reply,
 /// and the margin of the true statement over the distractor's (nats a token).
 pub fn ask(room: &mut Classroom, tokenizer: &Tokenizer, fact: &Fact) -> Result<(String, f64)> {
     let encode = |s: &str| -> Result<Vec<u32>> { Ok(tokenizer.encode(s.trim())?) };
-    let prompt = tokenizer.chat_prompt(&[ChatMessage {
-        role: "user".into(),
-        content: fact.question.clone(),
-    }]);
+    let prompt = question_prompt(tokenizer, fact);
     let answer = room.complete(&encode(&prompt)?, 24, tokenizer.eos_ids())?;
     let margin = room.loss(&encode(&fact.qa(&fact.distractor))?)?
         - room.loss(&encode(&fact.qa(&fact.answer))?)?;
@@ -192,10 +197,7 @@ pub fn ask(room: &mut Classroom, tokenizer: &Tokenizer, fact: &Fact) -> Result<(
 /// answer outside the [`LEAD_TOP`] likeliest tokens counts as the least likely of them, so the
 /// lead is then at most what is returned.
 pub fn lead(room: &mut Classroom, tokenizer: &Tokenizer, fact: &Fact) -> Result<f64> {
-    let prompt = tokenizer.chat_prompt(&[ChatMessage {
-        role: "user".into(),
-        content: fact.question.clone(),
-    }]);
+    let prompt = question_prompt(tokenizer, fact);
     let begun = fact.statement.split("{}").next().unwrap_or_default();
     let before = tokenizer.encode(&format!("{prompt}{}", begun.trim_end()))?;
     let with = tokenizer.encode(&format!("{prompt}{} {}", begun.trim_end(), fact.answer))?;
@@ -205,9 +207,11 @@ pub fn lead(room: &mut Classroom, tokenizer: &Tokenizer, fact: &Fact) -> Result<
     seq.push(first);
     let dist = room.next_distributions(&seq, LEAD_TOP)?;
     let last = dist.last().context("no position was measured")?;
-    let p = |id: u32| last.iter().find(|&&(t, _)| t == id).map(|&(_, p)| p);
     let least = last.iter().map(|&(_, p)| p).fold(f32::INFINITY, f32::min);
-    let answer = p(first).unwrap_or(least);
+    let answer = last
+        .iter()
+        .find(|&&(t, _)| t == first)
+        .map_or(least, |&(_, p)| p);
     let other = last
         .iter()
         .filter(|&&(t, _)| t != first)
