@@ -106,7 +106,8 @@ pub const REHEARSAL_TOKENS: usize = 64;
 
 /// A next token the model gives less loss than this (nats) is known: a mesh's trainers do not
 /// teach it further ([`Teacher::with_floor`]). Half a nat, not 0.7: a fact's answer then leads
-/// the likeliest other token by 1.4–1.8 nats and is kept over 1,000 chats (docs/coding.md).
+/// the likeliest other token by 1.4–1.8 nats, kept over 1,000 chats while the gate's budget,
+/// spent by 400 of them, stops further learning (docs/coding.md).
 pub const KNOWN_NATS: f64 = 0.5;
 
 /// The rehearsal text as `tokenizer` cuts it.
