@@ -322,6 +322,99 @@ pub fn compact_model(g: &Generator, w: &ModelWeights) -> Result<ModelWeights, Co
 
 /// The model with every linear matrix on the grid of `k` blocks and `levels` per sign.
 pub fn grid_model(w: &ModelWeights, k: usize, levels: i32) -> ModelWeights {
+    map_linear(w, |m| grid_matrix(m, k, levels))
+}
+
+/// `w` on an affine grid of `levels + 1` unsigned steps whose unit is shared by the k blocks'
+/// rows over 32 columns while each row keeps its own offset (the shape of a 4-bit file's
+/// blocks: at k = 1 and 15 levels it gives back a Q4_1 block's values).
+pub fn affine_grid_matrix(w: &Matrix, k: usize, levels: i32) -> Matrix {
+    let grid = Grid::of(w.rows, w.cols, k, levels);
+    let mut data = vec![0.0f32; w.rows * w.cols];
+    let span = |row: usize, b: usize| {
+        let cols = grid.columns(b);
+        w.data[row * w.cols + cols.start..row * w.cols + cols.end]
+            .iter()
+            .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &v| {
+                (lo.min(v), hi.max(v))
+            })
+    };
+    for r in 0..grid.l {
+        for b in 0..blocks_per_row(w.cols) {
+            let rows = (0..grid.k)
+                .map(|j| j * grid.l + r)
+                .filter(|&row| row < w.rows);
+            let unit = rows
+                .clone()
+                .map(|row| {
+                    let (lo, hi) = span(row, b);
+                    hi - lo
+                })
+                .fold(0.0f32, f32::max)
+                / grid.levels as f32;
+            let unit = half::f16::from_f32(unit).to_f32();
+            for row in rows {
+                let lo = half::f16::from_f32(span(row, b).0).to_f32();
+                for col in grid.columns(b) {
+                    let v = w.data[row * w.cols + col];
+                    let q = if unit > 0.0 {
+                        ((v - lo) / unit).round().clamp(0.0, grid.levels as f32)
+                    } else {
+                        0.0
+                    };
+                    data[row * w.cols + col] = lo + unit * q;
+                }
+            }
+        }
+    }
+    Matrix {
+        rows: w.rows,
+        cols: w.cols,
+        data,
+    }
+}
+
+/// `w` as a group of k = 2 decodes it when block 0's row is lost: block 1 as it is, block 0 as
+/// `P − W₁` from the parity row `P = W₀ + W₁` stored at `bits` bits with its own unit over
+/// each 32 columns (a measurement of what parity rows of few bits cost, not a shard format).
+pub fn through_parity_matrix(w: &Matrix, bits: u32) -> Matrix {
+    let grid = Grid::of(w.rows, w.cols, 2, 1);
+    let most = ((1i64 << (bits.clamp(2, 24) - 1)) - 1) as f32;
+    let mut data = w.data.clone();
+    for r in 0..grid.l {
+        let other = grid.l + r;
+        if other >= w.rows {
+            continue;
+        }
+        for b in 0..blocks_per_row(w.cols) {
+            let cols = grid.columns(b);
+            let sum = |c: usize| w.data[r * w.cols + c] + w.data[other * w.cols + c];
+            let unit = cols.clone().map(|c| sum(c).abs()).fold(0.0f32, f32::max) / most;
+            // Rounded up to f16, so the largest sum stays within the levels.
+            let mut unit16 = half::f16::from_f32(unit);
+            if unit16.to_f32() < unit {
+                unit16 = half::f16::from_bits(unit16.to_bits() + 1);
+            }
+            let unit = unit16.to_f32();
+            for c in cols {
+                let stored = if unit > 0.0 {
+                    unit * (sum(c) / unit).round().clamp(-most, most)
+                } else {
+                    0.0
+                };
+                data[r * w.cols + c] = stored - w.data[other * w.cols + c];
+            }
+        }
+    }
+    Matrix {
+        rows: w.rows,
+        cols: w.cols,
+        data,
+    }
+}
+
+/// The model with every linear matrix replaced by `f` of it, norms as they are.
+pub fn map_linear(w: &ModelWeights, f: impl Fn(&Matrix) -> Matrix) -> ModelWeights {
     let mut out = w.clone();
     for layer in &mut out.layers {
         for m in [
@@ -333,12 +426,12 @@ pub fn grid_model(w: &ModelWeights, k: usize, levels: i32) -> ModelWeights {
             &mut layer.up,
             &mut layer.down,
         ] {
-            *m = grid_matrix(m, k, levels);
+            *m = f(m);
         }
     }
-    out.embed = grid_matrix(&out.embed, k, levels);
+    out.embed = f(&out.embed);
     if let Some(h) = &mut out.lm_head {
-        *h = grid_matrix(h, k, levels);
+        *h = f(h);
     }
     out
 }
@@ -431,5 +524,92 @@ mod tests {
         let g = Generator::cauchy(5, 3).unwrap();
         let err = encode_q8(&g, 0, &[0.0; 6], 3, 2).unwrap_err();
         assert!(err.to_string().contains("integer code"), "{err}");
+    }
+
+    /// A matrix whose every row's 32-column blocks are Q4_1 blocks (`d·q + m`, q in 0..=15,
+    /// both ends used), with scales and minimums exact in f16 and differing from row to row.
+    fn q4_1(rows: usize, cols: usize) -> Matrix {
+        let data = (0..rows * cols)
+            .map(|i| {
+                let (row, col) = (i / cols, i % cols);
+                let d = 2f32.powi(-(((row * 3 + col / 32) % 5) as i32) - 4);
+                let m = -(((row + col / 32) % 7) as f32) * 0.125;
+                let q = match col % 32 {
+                    0 => 0,
+                    1 => 15,
+                    c => (c * 7 + row * 3) % 16,
+                };
+                m + d * q as f32
+            })
+            .collect();
+        Matrix { rows, cols, data }
+    }
+
+    #[test]
+    fn an_affine_grid_gives_back_4_bit_blocks_alone_and_loses_levels_when_k_rows_share_a_unit() {
+        let w = q4_1(8, 64);
+        assert_eq!(
+            affine_grid_matrix(&w, 1, 15),
+            w,
+            "a row's own unit and offset are its block's"
+        );
+        // Shared by rows r and 4 + r, the unit is the larger scale's: the row with the larger
+        // scale keeps its values, the other is rounded to the coarser unit.
+        let shared = affine_grid_matrix(&w, 2, 15);
+        let (mut kept, mut moved) = (0, 0);
+        for r in 0..4 {
+            for b in 0..2 {
+                let d = |row: usize| w.data[row * 64 + b * 32 + 1] - w.data[row * 64 + b * 32];
+                let (big, small) = if d(r) >= d(4 + r) {
+                    (r, 4 + r)
+                } else {
+                    (4 + r, r)
+                };
+                let block = |m: &Matrix, row: usize| {
+                    m.data[row * 64 + b * 32..row * 64 + b * 32 + 32].to_vec()
+                };
+                assert_eq!(block(&shared, big), block(&w, big), "row {big}, block {b}");
+                let unit = d(big) / 15.0;
+                for (a, v) in block(&shared, small).iter().zip(block(&w, small)) {
+                    assert!(
+                        (a - v).abs() <= unit / 2.0 + 1e-6,
+                        "row {small}: {a} vs {v}"
+                    );
+                    moved += usize::from(a != &v);
+                }
+                kept += 1;
+            }
+        }
+        assert_eq!(kept, 8);
+        assert!(moved > 0, "a coarser shared unit moved no weight");
+    }
+
+    #[test]
+    fn a_row_decoded_through_a_parity_row_of_few_bits_is_off_by_its_rounding_alone() {
+        let w = q4_1(8, 64);
+        // Rows 4..8 are the other block's: kept as they are.
+        for bits in [5u32, 8, 12] {
+            let got = through_parity_matrix(&w, bits);
+            assert_eq!(got.data[4 * 64..], w.data[4 * 64..], "{bits} bits");
+            let most = ((1i64 << (bits - 1)) - 1) as f32;
+            let mut worst = 0.0f32;
+            for r in 0..4 {
+                for b in 0..2 {
+                    let sums: Vec<f32> = (b * 32..b * 32 + 32)
+                        .map(|c| w.data[r * 64 + c] + w.data[(4 + r) * 64 + c])
+                        .collect();
+                    let unit = sums.iter().fold(0.0f32, |a, v| a.max(v.abs())) / most;
+                    for c in b * 32..b * 32 + 32 {
+                        let e = (got.data[r * 64 + c] - w.data[r * 64 + c]).abs();
+                        assert!(
+                            e <= unit * 0.5005 + 1e-6,
+                            "{bits} bits, row {r}, col {c}: {e}"
+                        );
+                        worst = worst.max(e / unit);
+                    }
+                }
+            }
+            assert!(worst > 0.0, "{bits} bits rounded nothing");
+        }
     }
 }

@@ -19,8 +19,8 @@ mod verify;
 
 pub use adapter::{ADAPTER_RANK, Adapter, Projection, TILE, adapter_rank, tiled_at};
 pub use compact::{
-    CodedInts, Q8Values, compact_matrix, compact_model, encode_q8, grid_matrix, grid_model,
-    wide_row,
+    CodedInts, Q8Values, affine_grid_matrix, compact_matrix, compact_model, encode_q8, grid_matrix,
+    grid_model, map_linear, through_parity_matrix, wide_row,
 };
 pub use gpu::{GpuGroup, GpuShards};
 pub use group::{CodedGroup, ExecStats, InProcess, Transport, TransportError};

@@ -708,8 +708,9 @@ pub const GRID_PROMPTS: [&str; 6] = [
 ];
 
 /// `codedmesh bench --grids`: what putting the weights on a compact grid costs against the
-/// model as loaded, for the integer code's grids (k blocks, `127 / ‖g‖₁` levels) and a plain
-/// 8-bit one: relative logit error along the model's greedy continuations, argmax agreement
+/// model as loaded, for the integer code's grids (k blocks, `127 / ‖g‖₁` levels), a plain
+/// 8-bit one, 4-bit grids and parity rows of few bits (docs/coding.md, "Rows at the file's
+/// bits"): relative logit error along the model's greedy continuations, argmax agreement
 /// there, and how many whole continuations stay the same.
 pub fn grids(weights: &ModelWeights, prompts: &[Vec<u32>], tokens: usize) -> Result<Vec<Row>> {
     let uncoded = |w: &ModelWeights| -> Result<(Llama, CodedGroup<InProcess>)> {
@@ -742,17 +743,84 @@ pub fn grids(weights: &ModelWeights, prompts: &[Vec<u32>], tokens: usize) -> Res
     let integer = Generator::integer(3, 3, None)?
         .levels()
         .ok_or_else(|| anyhow::anyhow!("the integer code has no levels"))?;
-    for (label, k, levels) in [
+    type Regrid = Box<dyn Fn(&ModelWeights) -> ModelWeights>;
+    let symmetric = |k: usize, levels: i32| -> Regrid {
+        Box::new(move |w| node_core::coded::grid_model(w, k, levels))
+    };
+    // The file's 4-bit matrices (the layers') on the 4-bit grid; its 8-bit embedding (Q8_0,
+    // tied as the output head) stays on the 8-bit one.
+    let affine = |k: usize| -> Regrid {
+        Box::new(move |w| {
+            let mut out =
+                node_core::coded::map_linear(w, |m| node_core::coded::affine_grid_matrix(m, k, 15));
+            out.embed = node_core::coded::grid_matrix(&w.embed, k, 127);
+            out.lm_head = w
+                .lm_head
+                .as_ref()
+                .map(|h| node_core::coded::grid_matrix(h, k, 127));
+            out
+        })
+    };
+    // The file's own values (4-bit layers, 8-bit embedding) in data rows, one of the two decoded
+    // through a parity row of `bits` bits.
+    let through = |bits: u32| -> Regrid {
+        Box::new(move |w| {
+            node_core::coded::map_linear(w, |m| node_core::coded::through_parity_matrix(m, bits))
+        })
+    };
+    let grids: Vec<(String, Regrid)> = vec![
         (
-            "integer code k = 3 (data rows i8, parity rows i16)",
-            3,
-            integer,
+            format!("integer code k = 3 (data rows i8, parity rows i16), {integer} levels"),
+            symmetric(3, integer),
         ),
         // Parity rows of i8 would leave 127 / ‖g‖₁ = 127 / 4 levels (the first construction).
-        ("integer code k = 3 with i8 parity rows", 3, integer / 4),
-        ("8-bit grid, one row per scale (k = 1)", 1, 127),
-    ] {
-        let w = node_core::coded::grid_model(weights, k, levels);
+        (
+            format!(
+                "integer code k = 3 with i8 parity rows, {} levels",
+                integer / 4
+            ),
+            symmetric(3, integer / 4),
+        ),
+        (
+            "8-bit grid, one row per scale (k = 1), 127 levels".into(),
+            symmetric(1, 127),
+        ),
+        ("4-bit symmetric grid, k = 2, ±7".into(), symmetric(2, 7)),
+        (
+            "4-bit affine grid, k = 1 (a Q4_1 block's shape)".into(),
+            affine(1),
+        ),
+        (
+            "4-bit affine grid, unit shared by k = 2, own offsets".into(),
+            affine(2),
+        ),
+        (
+            "4-bit affine grid, unit shared by k = 3, own offsets".into(),
+            affine(3),
+        ),
+        (
+            "4-bit affine grid, unit shared by k = 4, own offsets".into(),
+            affine(4),
+        ),
+        (
+            "the file's values, k = 2, one row through a 12-bit parity row".into(),
+            through(12),
+        ),
+        (
+            "the file's values, k = 2, one row through an 8-bit parity row".into(),
+            through(8),
+        ),
+        (
+            "the file's values, k = 2, one row through a 6-bit parity row".into(),
+            through(6),
+        ),
+        (
+            "the file's values, k = 2, one row through a 5-bit parity row".into(),
+            through(5),
+        ),
+    ];
+    for (label, regrid) in &grids {
+        let w = regrid(weights);
         let (llama, mut group) = uncoded(&w)?;
         let (mut sum, mut worst, mut steps, mut agree, mut same) = (0.0f64, 0.0f64, 0, 0, 0);
         for (p, want, reference) in &cases {
@@ -769,7 +837,7 @@ pub fn grids(weights: &ModelWeights, prompts: &[Vec<u32>], tokens: usize) -> Res
             }
         }
         rows.push(row(
-            format!("{label}, {levels} levels"),
+            label.clone(),
             format!(
                 "relative logit error mean {:.2e}, max {worst:.2e}; argmax agrees {agree}/{steps}; \
                  same greedy continuation {same}/{}",
