@@ -4,6 +4,7 @@
 pub(crate) mod cpu;
 pub mod gpu;
 pub mod par;
+pub mod q4;
 pub mod q8;
 
 pub use cpu::{WeightElem, dot, matmul, matmul_transpose};

@@ -225,13 +225,13 @@ fn prefetch<T>(q: &[T], b: usize) {
 
 /// The dot product with AVX2, FMA and F16C: eight values widened to f32 at a time.
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
+pub(super) mod avx2 {
     use std::arch::x86_64::*;
 
     /// A scale as f32 (F16C), inlined into the kernels' loops.
     #[inline]
     #[target_feature(enable = "f16c")]
-    pub(super) fn scale_f32(h: half::f16) -> f32 {
+    pub(in crate::compute) fn scale_f32(h: half::f16) -> f32 {
         _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(h.to_bits()))))
     }
 
@@ -441,7 +441,7 @@ mod avx512 {
     not(target_arch = "x86_64"),
     expect(dead_code, reason = "the x86-64 kernels' variants")
 )]
-enum Isa {
+pub(super) enum Isa {
     /// Plain Rust (any CPU, wasm).
     Portable,
     /// AVX2, FMA and F16C.
@@ -452,7 +452,7 @@ enum Isa {
 
 impl Isa {
     /// The best this CPU runs.
-    fn best() -> Self {
+    pub(super) fn best() -> Self {
         #[cfg(target_arch = "x86_64")]
         {
             let avx2 = std::arch::is_x86_feature_detected!("avx2")
@@ -470,7 +470,7 @@ impl Isa {
 
     /// Every kernel this CPU runs (for tests: they must agree).
     #[cfg(test)]
-    fn available() -> Vec<Self> {
+    pub(super) fn available() -> Vec<Self> {
         [Self::Portable, Self::Avx2, Self::Avx512]
             .into_iter()
             .filter(|&k| k == Self::Portable || k as u8 <= Self::best() as u8)

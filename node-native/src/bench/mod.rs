@@ -143,6 +143,39 @@ pub fn gemv_q8_bandwidth(rows: usize, cols: usize, wide: bool) -> f64 {
     (bytes * copies) as f64 / t.as_secs_f64()
 }
 
+/// GEMV bandwidth of a `rows × cols` matrix of a 4-bit file's blocks (packed nibbles, an f16
+/// scale and minimum per 32), read cold as in [`gemv_bandwidth`]; bytes counted are all three.
+pub fn gemv_q4_bandwidth(rows: usize, cols: usize) -> f64 {
+    use node_core::compute::q4::{Q4_BLOCK, Q4Matrix, matmul_q4};
+    let nb = rows * cols / Q4_BLOCK;
+    let bytes = rows * cols / 2 + nb * 4;
+    let copies = (256usize << 20).div_ceil(bytes).clamp(1, 256);
+    type Blocks = (Vec<u8>, Vec<half::f16>, Vec<half::f16>);
+    let ws: Vec<Blocks> = (0..copies)
+        .map(|c| {
+            let packed = (0..rows * cols / 2)
+                .map(|i| ((i + c) % 251) as u8)
+                .collect();
+            (
+                packed,
+                vec![half::f16::from_f32(0.01); nb],
+                vec![half::f16::from_f32(-0.08); nb],
+            )
+        })
+        .collect();
+    let x = vec![0.5f32; cols];
+    let mut y = vec![0.0f32; rows];
+    let t = best_time(Duration::from_secs(1), || {
+        for (packed, scales, mins) in &ws {
+            let w = Q4Matrix::new(black_box(packed), scales, mins, rows, cols)
+                .expect("the bench's blocks fit their shape");
+            matmul_q4(w, &x, 1, &mut y);
+            black_box(&y);
+        }
+    });
+    (bytes * copies) as f64 / t.as_secs_f64()
+}
+
 fn half_from_f32(v: f32) -> half::f16 {
     half::f16::from_f32(v)
 }
@@ -447,7 +480,8 @@ pub fn run(
             format!("{:.1} GB/s ({:.2}× copy)", bw / 1e9, bw / copy),
         ));
     }
-    // Narrower weights: f16, and compact integers (a data row's i8, a parity row's i16).
+    // Narrower weights: f16, compact integers (a data row's i8, a parity row's i16), and a
+    // 4-bit file's blocks as they are (issue 81).
     let shard = (cfg.vocab.div_ceil(3), cfg.hidden);
     for (name, (r, c), width) in [
         ("GEMV f16 k=3 LM head shard 16384×576", shard, 0),
@@ -463,11 +497,19 @@ pub fn run(
             2,
         ),
         ("GEMV q8 4096×4096, data row (i8)", (4096, 4096), 1),
+        ("GEMV q8 4096×4096, parity row (i16)", (4096, 4096), 2),
+        (
+            "GEMV q4 k=3 LM head shard 16384×576, a file's 4-bit blocks",
+            shard,
+            3,
+        ),
+        ("GEMV q4 4096×4096, a file's 4-bit blocks", (4096, 4096), 3),
     ] {
         let (bw, bytes_per_weight) = match width {
             0 => (gemv_bandwidth(r, c, half_from_f32), 2.0),
             1 => (gemv_q8_bandwidth(r, c, false), 1.0625),
-            _ => (gemv_q8_bandwidth(r, c, true), 2.0625),
+            2 => (gemv_q8_bandwidth(r, c, true), 2.0625),
+            _ => (gemv_q4_bandwidth(r, c), 0.625),
         };
         rows.push(row(
             name,

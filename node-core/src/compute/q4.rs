@@ -1,0 +1,405 @@
+//! Products with 4-bit rows in a 4-bit file's own form (Q4_1's block: 32 weights `d·q + m`,
+//! `q` in 0..=15, one f16 scale `d` and minimum `m`), so a row computes the file's weights as
+//! they are (docs/coding.md, "Rows at the file's bits"). Values are packed as the file packs
+//! them: byte `i` of a block holds weight `i` in its low nibble and weight `16 + i` in its high.
+
+use super::par;
+use super::q8::Isa;
+
+/// Weights in a block.
+pub const Q4_BLOCK: usize = 32;
+
+/// Bytes of packed values in a block.
+const PACKED: usize = Q4_BLOCK / 2;
+
+/// A `rows × cols` matrix of 4-bit blocks, borrowed (`cols` a multiple of [`Q4_BLOCK`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Q4Matrix<'a> {
+    /// The packed values, a row's blocks one after another (`rows · cols / 2` bytes).
+    pub packed: &'a [u8],
+    /// Per block, its scale `d`.
+    pub scales: &'a [half::f16],
+    /// Per block, its minimum `m`.
+    pub mins: &'a [half::f16],
+    /// Rows.
+    pub rows: usize,
+    /// Columns.
+    pub cols: usize,
+}
+
+/// Why a matrix's parts do not make a [`Q4Matrix`].
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum Q4Error {
+    /// The columns do not fill whole blocks.
+    #[error("a 4-bit row has whole blocks of 32 columns, not {0} columns")]
+    Columns(usize),
+    /// A part's length is not the shape's.
+    #[error("4-bit {part}: {got} values where a {rows} × {cols} matrix has {want}")]
+    Length {
+        /// Which part.
+        part: &'static str,
+        /// Its length.
+        got: usize,
+        /// The length the shape needs.
+        want: usize,
+        /// Rows.
+        rows: usize,
+        /// Columns.
+        cols: usize,
+    },
+}
+
+impl<'a> Q4Matrix<'a> {
+    /// The matrix of these parts, or why they do not make one.
+    pub fn new(
+        packed: &'a [u8],
+        scales: &'a [half::f16],
+        mins: &'a [half::f16],
+        rows: usize,
+        cols: usize,
+    ) -> Result<Self, Q4Error> {
+        if !cols.is_multiple_of(Q4_BLOCK) {
+            return Err(Q4Error::Columns(cols));
+        }
+        let blocks = rows * (cols / Q4_BLOCK);
+        for (part, got, want) in [
+            ("values", packed.len(), blocks * PACKED),
+            ("scales", scales.len(), blocks),
+            ("minimums", mins.len(), blocks),
+        ] {
+            if got != want {
+                return Err(Q4Error::Length {
+                    part,
+                    got,
+                    want,
+                    rows,
+                    cols,
+                });
+            }
+        }
+        Ok(Self {
+            packed,
+            scales,
+            mins,
+            rows,
+            cols,
+        })
+    }
+
+    /// Row `r`'s packed values, scales and minimums.
+    fn row(&self, r: usize) -> (&'a [u8], &'a [half::f16], &'a [half::f16]) {
+        let nb = self.cols / Q4_BLOCK;
+        (
+            &self.packed[r * nb * PACKED..(r + 1) * nb * PACKED],
+            &self.scales[r * nb..(r + 1) * nb],
+            &self.mins[r * nb..(r + 1) * nb],
+        )
+    }
+}
+
+/// Weight `i` of a block's packed values.
+fn nibble(packed: &[u8], i: usize) -> u8 {
+    if i < PACKED {
+        packed[i] & 0x0f
+    } else {
+        packed[i - PACKED] >> 4
+    }
+}
+
+/// Row `r` of `w` as f32 weights.
+pub fn dequantize_row(w: Q4Matrix<'_>, r: usize, out: &mut [f32]) {
+    let (packed, scales, mins) = w.row(r);
+    for (b, o) in out[..w.cols]
+        .as_chunks_mut::<Q4_BLOCK>()
+        .0
+        .iter_mut()
+        .enumerate()
+    {
+        let (d, m) = (scales[b].to_f32(), mins[b].to_f32());
+        for (i, v) in o.iter_mut().enumerate() {
+            *v = d * f32::from(nibble(&packed[b * PACKED..], i)) + m;
+        }
+    }
+}
+
+/// `Σ_b m_b · Σx_b`: the minimums' share of a row's dot product, given the input's block sums.
+fn offsets(mins: &[half::f16], sums: &[f32]) -> f32 {
+    mins.iter().zip(sums).map(|(m, s)| m.to_f32() * s).sum()
+}
+
+/// One row's dot product with `x`, in plain Rust: `Σ_b d_b · (q_b · x_b) + m_b · Σx_b`, given
+/// the input's block sums `sums`.
+fn dot_q4_portable(
+    packed: &[u8],
+    scales: &[half::f16],
+    mins: &[half::f16],
+    sums: &[f32],
+    x: &[f32],
+) -> f32 {
+    let mut total = 0.0f32;
+    for (b, d) in scales.iter().enumerate() {
+        let (p, xb) = (&packed[b * PACKED..(b + 1) * PACKED], &x[b * Q4_BLOCK..]);
+        let mut acc = 0.0f32;
+        for i in 0..PACKED {
+            acc += f32::from(p[i] & 0x0f) * xb[i] + f32::from(p[i] >> 4) * xb[PACKED + i];
+        }
+        total += d.to_f32() * acc;
+    }
+    total + offsets(mins, sums)
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    /// See [`super::dot_q4_portable`]; the same sum, grouped differently.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) fn dot_q4(
+        packed: &[u8],
+        scales: &[half::f16],
+        mins: &[half::f16],
+        sums: &[f32],
+        x: &[f32],
+    ) -> f32 {
+        assert!(
+            packed.len() >= scales.len() * super::PACKED
+                && x.len() >= scales.len() * 32
+                && mins.len() >= scales.len()
+                && sums.len() >= scales.len(),
+            "dot_q4 shapes"
+        );
+        let mut t0 = _mm256_setzero_ps();
+        let mut t1 = _mm256_setzero_ps();
+        let low = _mm256_set1_epi32(0x0f);
+        let mut bias = 0.0f32;
+        for (b, &h) in scales.iter().enumerate() {
+            // SAFETY: block `b` is in bounds of `packed` and `x` (asserted above); unaligned
+            // loads; this function runs only where AVX2, FMA and F16C are (its callers check).
+            unsafe {
+                let p = packed.as_ptr().add(b * 16);
+                // Eight bytes widened at a time; each lane then gives its two weights.
+                let v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i));
+                let v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(8) as *const __m128i));
+                let lo = |v: __m256i| _mm256_cvtepi32_ps(_mm256_and_si256(v, low));
+                let hi = |v: __m256i| _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+                let xp = x.as_ptr().add(b * 32);
+                let mut acc = _mm256_mul_ps(lo(v0), _mm256_loadu_ps(xp));
+                acc = _mm256_fmadd_ps(lo(v1), _mm256_loadu_ps(xp.add(8)), acc);
+                let mut acc2 = _mm256_mul_ps(hi(v0), _mm256_loadu_ps(xp.add(16)));
+                acc2 = _mm256_fmadd_ps(hi(v1), _mm256_loadu_ps(xp.add(24)), acc2);
+                let d = _mm256_set1_ps(super::super::q8::avx2::scale_f32(h));
+                bias += super::super::q8::avx2::scale_f32(mins[b]) * sums[b];
+                if b % 2 == 0 {
+                    t0 = _mm256_fmadd_ps(_mm256_add_ps(acc, acc2), d, t0);
+                } else {
+                    t1 = _mm256_fmadd_ps(_mm256_add_ps(acc, acc2), d, t1);
+                }
+            }
+        }
+        let mut lanes = [0.0f32; 8];
+        // SAFETY: `lanes` holds eight f32.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_add_ps(t0, t1)) };
+        lanes.iter().sum::<f32>() + bias
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    /// See [`super::dot_q4_portable`]; the same sum, grouped differently.
+    #[target_feature(enable = "avx512f,f16c")]
+    pub(super) fn dot_q4(
+        packed: &[u8],
+        scales: &[half::f16],
+        mins: &[half::f16],
+        sums: &[f32],
+        x: &[f32],
+    ) -> f32 {
+        assert!(
+            packed.len() >= scales.len() * super::PACKED
+                && x.len() >= scales.len() * 32
+                && mins.len() >= scales.len()
+                && sums.len() >= scales.len(),
+            "dot_q4 shapes"
+        );
+        let nb = scales.len();
+        let mut t0 = _mm512_setzero_ps();
+        let mut t1 = _mm512_setzero_ps();
+        let low = _mm512_set1_epi32(0x0f);
+        // The minimums' share, 16 blocks at a time, and the blocks' scales as f32 (so each is
+        // broadcast from memory, not converted in the loop).
+        let mut bias = _mm512_setzero_ps();
+        let mut tail = 0.0f32;
+        let mut d16 = [0.0f32; 16];
+        for b in 0..nb {
+            // SAFETY: blocks `b..b + 16` (when whole) and block `b` are in bounds of `scales`,
+            // `mins`, `sums`, `packed` and `x` (asserted above); unaligned loads; this function
+            // runs only where AVX-512F and F16C are (its callers check).
+            unsafe {
+                if b % 16 == 0 {
+                    if nb - b >= 16 {
+                        let h = _mm256_loadu_si256(scales.as_ptr().add(b) as *const __m256i);
+                        _mm512_storeu_ps(d16.as_mut_ptr(), _mm512_cvtph_ps(h));
+                        let m = _mm256_loadu_si256(mins.as_ptr().add(b) as *const __m256i);
+                        let s = _mm512_loadu_ps(sums.as_ptr().add(b));
+                        bias = _mm512_fmadd_ps(_mm512_cvtph_ps(m), s, bias);
+                    } else {
+                        for i in b..nb {
+                            d16[i - b] = super::super::q8::avx2::scale_f32(scales[i]);
+                            tail += super::super::q8::avx2::scale_f32(mins[i]) * sums[i];
+                        }
+                    }
+                }
+                // One widening of the 16 bytes; each lane then gives its two weights.
+                let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(
+                    packed.as_ptr().add(b * 16) as *const __m128i
+                ));
+                let lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, low));
+                let hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+                let xp = x.as_ptr().add(b * 32);
+                let lo = _mm512_mul_ps(lo, _mm512_loadu_ps(xp));
+                let both = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xp.add(16)), lo);
+                let d = _mm512_set1_ps(d16[b % 16]);
+                if b % 2 == 0 {
+                    t0 = _mm512_fmadd_ps(both, d, t0);
+                } else {
+                    t1 = _mm512_fmadd_ps(both, d, t1);
+                }
+            }
+        }
+        _mm512_reduce_add_ps(_mm512_add_ps(t0, t1)) + _mm512_reduce_add_ps(bias) + tail
+    }
+}
+
+/// Row `r` of `w`'s dot product with `x` (whose block sums are `sums`), with the instructions
+/// `isa`.
+#[inline]
+fn dot_q4(w: Q4Matrix<'_>, r: usize, sums: &[f32], x: &[f32], isa: Isa) -> f32 {
+    let (packed, scales, mins) = w.row(r);
+    match isa {
+        // SAFETY: `isa` is [`Isa::best`] or below it: this CPU has its instructions.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { avx512::dot_q4(packed, scales, mins, sums, x) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { avx2::dot_q4(packed, scales, mins, sums, x) },
+        _ => dot_q4_portable(packed, scales, mins, sums, x),
+    }
+}
+
+/// Weights at which a product splits its rows over the kernel threads (as the 8-bit one).
+const PARALLEL_MIN_WEIGHTS: usize = 1 << 16;
+
+/// `y (t × rows) = x (t × cols) · Wᵀ` for a 4-bit `W`.
+pub fn matmul_q4(w: Q4Matrix<'_>, x: &[f32], t: usize, y: &mut [f32]) {
+    assert!(
+        x.len() == t * w.cols && y.len() == t * w.rows,
+        "matmul_q4 shapes"
+    );
+    let isa = Isa::best();
+    for (xt, yt) in x.chunks_exact(w.cols).zip(y.chunks_exact_mut(w.rows)) {
+        let sums: Vec<f32> = xt
+            .as_chunks::<Q4_BLOCK>()
+            .0
+            .iter()
+            .map(|b| b.iter().sum())
+            .collect();
+        let rows_from = |first: usize, out: &mut [f32]| {
+            for (i, o) in out.iter_mut().enumerate() {
+                *o = dot_q4(w, first + i, &sums, xt, isa);
+            }
+        };
+        let threads = par::threads();
+        if threads > 1 && w.rows * w.cols >= PARALLEL_MIN_WEIGHTS {
+            let chunk = w.rows.div_ceil(threads * 4).next_multiple_of(16);
+            par::for_each_chunk(yt, chunk, |i, out| rows_from(i * chunk, out));
+        } else {
+            rows_from(0, yt);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A `rows × cols` matrix of random blocks: packed values, scales and minimums.
+    fn blocks(rows: usize, cols: usize, seed: u32) -> (Vec<u8>, Vec<half::f16>, Vec<half::f16>) {
+        let mut state = seed.wrapping_mul(2654435761).wrapping_add(12345);
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 17;
+            state ^= state << 5;
+            state
+        };
+        let nb = rows * cols / Q4_BLOCK;
+        let packed = (0..nb * PACKED).map(|_| next() as u8).collect();
+        let scales = (0..nb)
+            .map(|_| half::f16::from_f32((next() % 1000) as f32 * 1e-5))
+            .collect();
+        let mins = (0..nb)
+            .map(|_| half::f16::from_f32(-((next() % 1000) as f32) * 1e-4))
+            .collect();
+        (packed, scales, mins)
+    }
+
+    #[test]
+    fn every_kernel_computes_the_rows_weights_times_the_input() {
+        let (rows, cols) = (40, 576);
+        let (packed, scales, mins) = blocks(rows, cols, 7);
+        let w = Q4Matrix::new(&packed, &scales, &mins, rows, cols).unwrap();
+        let x: Vec<f32> = (0..2 * cols)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0)
+            .collect();
+        let mut dense = vec![0.0f32; cols];
+        let mut want = vec![0.0f64; 2 * rows];
+        for r in 0..rows {
+            dequantize_row(w, r, &mut dense);
+            for t in 0..2 {
+                want[t * rows + r] = dense
+                    .iter()
+                    .zip(&x[t * cols..])
+                    .map(|(&a, &b)| f64::from(a) * f64::from(b))
+                    .sum();
+            }
+        }
+        let sums: Vec<f32> = x[..cols]
+            .as_chunks::<32>()
+            .0
+            .iter()
+            .map(|b| b.iter().sum())
+            .collect();
+        for isa in Isa::available() {
+            for (r, &want) in want[..rows].iter().enumerate() {
+                let got = dot_q4(w, r, &sums, &x[..cols], isa);
+                let e = (f64::from(got) - want).abs();
+                assert!(
+                    e <= 1e-4 * want.abs().max(1.0),
+                    "{isa:?}, row {r}: {got} vs {want}"
+                );
+            }
+        }
+        let mut y = vec![0.0f32; 2 * rows];
+        matmul_q4(w, &x, 2, &mut y);
+        for (i, (&got, &want)) in y.iter().zip(&want).enumerate() {
+            assert!(
+                (f64::from(got) - want).abs() <= 1e-4 * want.abs().max(1.0),
+                "output {i}"
+            );
+        }
+    }
+
+    #[test]
+    fn parts_that_do_not_fit_the_shape_are_refused() {
+        let (packed, scales, mins) = blocks(2, 64, 1);
+        assert_eq!(
+            Q4Matrix::new(&packed, &scales, &mins, 2, 48).unwrap_err(),
+            Q4Error::Columns(48)
+        );
+        let err = Q4Matrix::new(&packed[1..], &scales, &mins, 2, 64).unwrap_err();
+        assert!(err.to_string().contains("values"), "{err}");
+        let err = Q4Matrix::new(&packed, &scales, &mins[1..], 2, 64).unwrap_err();
+        assert!(err.to_string().contains("minimums"), "{err}");
+    }
+}
