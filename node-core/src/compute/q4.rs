@@ -148,6 +148,19 @@ fn dot_q4_portable(
     total + offsets(mins, sums)
 }
 
+/// Panics unless every part covers the row's blocks (the vector kernels read them unchecked).
+#[cfg(target_arch = "x86_64")]
+fn check(packed: &[u8], scales: &[half::f16], mins: &[half::f16], sums: &[f32], x: &[f32]) {
+    let nb = scales.len();
+    assert!(
+        packed.len() >= nb * PACKED
+            && x.len() >= nb * Q4_BLOCK
+            && mins.len() >= nb
+            && sums.len() >= nb,
+        "dot_q4 shapes"
+    );
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;
@@ -161,13 +174,7 @@ mod avx2 {
         sums: &[f32],
         x: &[f32],
     ) -> f32 {
-        assert!(
-            packed.len() >= scales.len() * super::PACKED
-                && x.len() >= scales.len() * 32
-                && mins.len() >= scales.len()
-                && sums.len() >= scales.len(),
-            "dot_q4 shapes"
-        );
+        super::check(packed, scales, mins, sums, x);
         let mut t0 = _mm256_setzero_ps();
         let mut t1 = _mm256_setzero_ps();
         let low = _mm256_set1_epi32(0x0f);
@@ -216,13 +223,7 @@ mod avx512 {
         sums: &[f32],
         x: &[f32],
     ) -> f32 {
-        assert!(
-            packed.len() >= scales.len() * super::PACKED
-                && x.len() >= scales.len() * 32
-                && mins.len() >= scales.len()
-                && sums.len() >= scales.len(),
-            "dot_q4 shapes"
-        );
+        super::check(packed, scales, mins, sums, x);
         let nb = scales.len();
         let mut t0 = _mm512_setzero_ps();
         let mut t1 = _mm512_setzero_ps();
@@ -326,13 +327,7 @@ mod tests {
 
     /// A `rows × cols` matrix of random blocks: packed values, scales and minimums.
     fn blocks(rows: usize, cols: usize, seed: u32) -> (Vec<u8>, Vec<half::f16>, Vec<half::f16>) {
-        let mut state = seed.wrapping_mul(2654435761).wrapping_add(12345);
-        let mut next = || {
-            state ^= state << 13;
-            state ^= state >> 17;
-            state ^= state << 5;
-            state
-        };
+        let mut next = crate::compute::xorshift(seed);
         let nb = rows * cols / Q4_BLOCK;
         let packed = (0..nb * PACKED).map(|_| next() as u8).collect();
         let scales = (0..nb)

@@ -694,13 +694,7 @@ mod tests {
     use super::*;
 
     fn compact(rows: usize, cols: usize, seed: u32) -> (Vec<i16>, Vec<half::f16>) {
-        let mut state = seed.wrapping_mul(2654435761).wrapping_add(12345);
-        let mut next = || {
-            state ^= state << 13;
-            state ^= state >> 17;
-            state ^= state << 5;
-            state
-        };
+        let mut next = crate::compute::xorshift(seed);
         let q = (0..rows * cols)
             .map(|_| (next() % 1017) as i16 - 508)
             .collect();
