@@ -47,6 +47,7 @@ impl Lead {
                 chosen,
             )
             .map_err(|e| format!("{e:#}"))?;
+            self.trace_hop_group(&members);
             self.hop.members = members;
             tracing::info!(
                 rows = ?leader.rows(),
@@ -60,6 +61,33 @@ impl Lead {
             .leader
             .as_mut()
             .ok_or_else(|| "no hop group".into())
+    }
+
+    /// Writes the hop group's members to the step trace, one line each (step `hop group`,
+    /// outcome `formed`): its passes' stages go member to member, not through the leader, so
+    /// this is where the trace says who computes them.
+    fn trace_hop_group(&self, members: &crate::lead::hop::Members) {
+        let Some(trace) = &self.trace else {
+            return;
+        };
+        let context = format!("hop group {}", self.hop.epoch + 1);
+        for &(row, peer) in members {
+            trace.record(&crate::lead::steplog::StepRecord {
+                unix_ms: crate::lead::steplog::unix_ms(),
+                context: &context,
+                step: "hop group",
+                round: 0,
+                member: row,
+                peer: peer.to_string(),
+                local: false,
+                bytes_sent: 0,
+                bytes_received: 0,
+                ms: 0.0,
+                compute_ms: 0.0,
+                outcome: "formed",
+            });
+        }
+        trace.flush();
     }
 
     /// Counts what the hop group's rounds did since the last call, and reports members it
