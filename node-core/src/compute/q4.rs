@@ -183,6 +183,7 @@ mod avx2 {
             // SAFETY: block `b` is in bounds of `packed` and `x` (asserted above); unaligned
             // loads; this function runs only where AVX2, FMA and F16C are (its callers check).
             unsafe {
+                super::super::q8::prefetch_ahead(packed.as_ptr().wrapping_add(b * 16));
                 let p = packed.as_ptr().add(b * 16);
                 // Eight bytes widened at a time; each lane then gives its two weights.
                 let v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i));
@@ -252,6 +253,7 @@ mod avx512 {
                         }
                     }
                 }
+                super::super::q8::prefetch_ahead(packed.as_ptr().wrapping_add(b * 16));
                 // One widening of the 16 bytes; each lane then gives its two weights.
                 let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(
                     packed.as_ptr().add(b * 16) as *const __m128i
@@ -309,6 +311,302 @@ pub fn matmul_q4(w: Q4Matrix<'_>, x: &[f32], t: usize, y: &mut [f32]) {
         let rows_from = |first: usize, out: &mut [f32]| {
             for (i, o) in out.iter_mut().enumerate() {
                 *o = dot_q4(w, first + i, &sums, xt, isa);
+            }
+        };
+        let threads = par::threads();
+        if threads > 1 && w.rows * w.cols >= PARALLEL_MIN_WEIGHTS {
+            let chunk = w.rows.div_ceil(threads * 4).next_multiple_of(16);
+            par::for_each_chunk(yt, chunk, |i, out| rows_from(i * chunk, out));
+        } else {
+            rows_from(0, yt);
+        }
+    }
+}
+
+/// A product's input quantised as llama.cpp quantises one for a 4-bit file: per 32 values a
+/// unit `d = max|x| / 127` and 8-bit integers `round(x / d)`, and the block's exact sum for the
+/// minimums' share. Every row of a product then multiplies integers.
+#[derive(Debug, Clone, Default)]
+pub struct Q8Input {
+    /// The integers, 32 a block.
+    q: Vec<i8>,
+    /// Per block, its unit.
+    d: Vec<f32>,
+    /// Per block, the sum of its values as given.
+    sums: Vec<f32>,
+}
+
+impl Q8Input {
+    /// Quantises `x` (whole blocks of [`Q4_BLOCK`]; a partial last block is left out) into
+    /// this input, reusing its buffers.
+    pub fn quantize(&mut self, x: &[f32]) {
+        let blocks = x.as_chunks::<Q4_BLOCK>().0;
+        self.q.clear();
+        self.d.clear();
+        self.sums.clear();
+        for b in blocks {
+            let amax = b.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let d = amax / 127.0;
+            let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+            // `as` saturates, and takes a NaN to 0.
+            self.q.extend(b.iter().map(|v| (v * inv).round() as i8));
+            self.d.push(d);
+            self.sums.push(b.iter().sum());
+        }
+    }
+
+    /// Value `i` as the integers give it back (`d · q`).
+    pub fn value(&self, i: usize) -> f32 {
+        self.d[i / Q4_BLOCK] * f32::from(self.q[i])
+    }
+
+    /// The values it holds.
+    pub fn len(&self) -> usize {
+        self.q.len()
+    }
+
+    /// Whether it holds no values.
+    pub fn is_empty(&self) -> bool {
+        self.q.is_empty()
+    }
+}
+
+/// One row's dot product with a quantised input, in plain Rust:
+/// `Σ_b d_b · dx_b · (q_b · qx_b) + m_b · Σx_b`, the integer products exact.
+fn dot_q4_q8_portable(packed: &[u8], scales: &[half::f16], mins: &[half::f16], x: &Q8Input) -> f32 {
+    let mut total = 0.0f32;
+    for (b, d) in scales.iter().enumerate() {
+        total += d.to_f32() * x.d[b] * block_dot(packed, x, b) as f32;
+    }
+    total + offsets(mins, &x.sums)
+}
+
+/// Block `b`'s integer product: its 4-bit values (of a row's `packed`) times the input's.
+fn block_dot(packed: &[u8], x: &Q8Input, b: usize) -> i32 {
+    let p = &packed[b * PACKED..(b + 1) * PACKED];
+    let (lo, hi) = x.q[b * Q4_BLOCK..(b + 1) * Q4_BLOCK].split_at(PACKED);
+    (p.iter().zip(lo).zip(hi))
+        .map(|((&p, &l), &h)| i32::from(p & 0x0f) * i32::from(l) + i32::from(p >> 4) * i32::from(h))
+        .sum()
+}
+
+/// Panics unless every part covers the row's blocks (the vector kernels read them unchecked).
+#[cfg(target_arch = "x86_64")]
+fn check_q8(packed: &[u8], scales: &[half::f16], mins: &[half::f16], x: &Q8Input) {
+    let nb = scales.len();
+    assert!(
+        packed.len() >= nb * PACKED
+            && x.q.len() >= nb * Q4_BLOCK
+            && mins.len() >= nb
+            && x.d.len() >= nb
+            && x.sums.len() >= nb,
+        "dot_q4_q8 shapes"
+    );
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2_int {
+    use std::arch::x86_64::*;
+
+    use super::super::q8::avx2::scale_f32;
+
+    /// See [`super::dot_q4_q8_portable`]: a block's 32 products as pairs of 16-bit sums
+    /// (`maddubs`: at most 2 · 15 · 127, so none saturates), then 32-bit ones.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) fn dot_q4_q8(
+        packed: &[u8],
+        scales: &[half::f16],
+        mins: &[half::f16],
+        x: &super::Q8Input,
+    ) -> f32 {
+        super::check_q8(packed, scales, mins, x);
+        let low = _mm_set1_epi8(0x0f);
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = _mm256_setzero_ps();
+        let mut bias = 0.0f32;
+        for (b, &h) in scales.iter().enumerate() {
+            // SAFETY: block `b` is in bounds of `packed` and the input (asserted above);
+            // unaligned loads; this function runs only where AVX2, FMA and F16C are.
+            unsafe {
+                super::super::q8::prefetch_ahead(packed.as_ptr().wrapping_add(b * 16));
+                let p = _mm_loadu_si128(packed.as_ptr().add(b * 16) as *const __m128i);
+                let lo = _mm_and_si128(p, low);
+                let hi = _mm_and_si128(_mm_srli_epi16(p, 4), low);
+                let w = _mm256_set_m128i(hi, lo);
+                let q = _mm256_loadu_si256(x.q.as_ptr().add(b * 32) as *const __m256i);
+                let sums = _mm256_madd_epi16(_mm256_maddubs_epi16(w, q), ones);
+                let s = _mm256_set1_ps(scale_f32(h) * x.d[b]);
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), s, acc);
+            }
+            bias += scale_f32(mins[b]) * x.sums[b];
+        }
+        let mut lanes = [0.0f32; 8];
+        // SAFETY: `lanes` holds eight f32.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
+        lanes.iter().sum::<f32>() + bias
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod vnni {
+    use std::arch::x86_64::*;
+
+    use super::super::q8::avx2::scale_f32;
+
+    /// See [`super::dot_q4_q8_portable`]: two blocks a step, their 64 products summed four at
+    /// a time into 32-bit lanes by one `vpdpbusd` (unsigned nibbles times signed integers).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
+    pub(super) fn dot_q4_q8(
+        packed: &[u8],
+        scales: &[half::f16],
+        mins: &[half::f16],
+        x: &super::Q8Input,
+    ) -> f32 {
+        super::check_q8(packed, scales, mins, x);
+        let nb = scales.len();
+        // Each 128-bit lane's 64-bit halves shift by 0 (weights 0..16 of a block, the low
+        // nibbles) or 4 (weights 16..32, the high ones).
+        let shifts = _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0);
+        let low = _mm512_set1_epi8(0x0f);
+        let mut acc = _mm512_setzero_ps();
+        let mut bias = _mm512_setzero_ps();
+        let mut tail = 0.0f32;
+        // A block's unit times the input's, 16 blocks at a time; `pick` puts block 2j's in
+        // lanes 0..8 and block 2j + 1's in lanes 8..16.
+        let mut units = _mm512_setzero_ps();
+        let mut pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+        let two = _mm512_set1_epi32(2);
+        let mut b = 0;
+        while b + 2 <= nb {
+            // SAFETY: blocks `b..b + 16` (when whole) and `b, b + 1` are in bounds of
+            // `scales`, `mins`, `packed` and the input (asserted above); unaligned loads; this
+            // function runs only where AVX-512F, BW, VNNI and F16C are (its callers check).
+            unsafe {
+                if b % 16 == 0 {
+                    pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+                    if nb - b >= 16 {
+                        let h = _mm256_loadu_si256(scales.as_ptr().add(b) as *const __m256i);
+                        let dx = _mm512_loadu_ps(x.d.as_ptr().add(b));
+                        units = _mm512_mul_ps(_mm512_cvtph_ps(h), dx);
+                        let m = _mm256_loadu_si256(mins.as_ptr().add(b) as *const __m256i);
+                        let s = _mm512_loadu_ps(x.sums.as_ptr().add(b));
+                        bias = _mm512_fmadd_ps(_mm512_cvtph_ps(m), s, bias);
+                    } else {
+                        let mut u = [0.0f32; 16];
+                        for i in b..nb {
+                            u[i - b] = scale_f32(scales[i]) * x.d[i];
+                            tail += scale_f32(mins[i]) * x.sums[i];
+                        }
+                        units = _mm512_loadu_ps(u.as_ptr());
+                    }
+                }
+                super::super::q8::prefetch_ahead(packed.as_ptr().wrapping_add(b * 16));
+                let v = _mm512_castsi256_si512(_mm256_loadu_si256(
+                    packed.as_ptr().add(b * 16) as *const __m256i
+                ));
+                // Lanes: block b's bytes twice, then block b + 1's twice.
+                let v = _mm512_shuffle_i64x2::<0x50>(v, v);
+                let w = _mm512_and_si512(_mm512_srlv_epi64(v, shifts), low);
+                let q = _mm512_loadu_si512(x.q.as_ptr().add(b * 32) as *const __m512i);
+                let sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, q);
+                let u = _mm512_permutexvar_ps(pick, units);
+                acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), u, acc);
+                pick = _mm512_add_epi32(pick, two);
+            }
+            b += 2;
+        }
+        let mut total = _mm512_reduce_add_ps(acc) + _mm512_reduce_add_ps(bias) + tail;
+        if b < nb {
+            // An odd last block (when its 16 were not whole, its minimum is in `tail` already).
+            total += scale_f32(scales[b]) * x.d[b] * super::block_dot(packed, x, b) as f32;
+            if b % 16 == 0 {
+                total += scale_f32(mins[b]) * x.sums[b];
+            }
+        }
+        total
+    }
+}
+
+/// Which integer kernel a CPU runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum IntKernel {
+    /// Plain Rust.
+    Portable,
+    /// AVX2's `maddubs`.
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    /// AVX-512 VNNI's `vpdpbusd`.
+    #[cfg(target_arch = "x86_64")]
+    Vnni,
+}
+
+impl IntKernel {
+    /// The best this CPU runs.
+    fn best() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let isa = Isa::best();
+            if isa == Isa::Avx512
+                && std::arch::is_x86_feature_detected!("avx512bw")
+                && std::arch::is_x86_feature_detected!("avx512vnni")
+            {
+                return Self::Vnni;
+            }
+            if isa != Isa::Portable {
+                return Self::Avx2;
+            }
+        }
+        Self::Portable
+    }
+
+    /// Every kernel this CPU runs (for tests: they must agree).
+    #[cfg(test)]
+    fn available() -> Vec<Self> {
+        let mut all = vec![Self::Portable];
+        #[cfg(target_arch = "x86_64")]
+        {
+            let best = Self::best();
+            if best != Self::Portable {
+                all.push(Self::Avx2);
+            }
+            if best == Self::Vnni {
+                all.push(Self::Vnni);
+            }
+        }
+        all
+    }
+}
+
+/// Row `r` of `w`'s dot product with the quantised input `x`, by `kernel`.
+#[inline]
+fn dot_q4_q8(w: Q4Matrix<'_>, r: usize, x: &Q8Input, kernel: IntKernel) -> f32 {
+    let (packed, scales, mins) = w.row(r);
+    match kernel {
+        // SAFETY: `kernel` is [`IntKernel::best`] or below it: this CPU has its instructions.
+        #[cfg(target_arch = "x86_64")]
+        IntKernel::Vnni => unsafe { vnni::dot_q4_q8(packed, scales, mins, x) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        IntKernel::Avx2 => unsafe { avx2_int::dot_q4_q8(packed, scales, mins, x) },
+        IntKernel::Portable => dot_q4_q8_portable(packed, scales, mins, x),
+    }
+}
+
+/// `y (t × rows) = x̂ (t × cols) · Wᵀ` for a 4-bit `W`, each row of `x` quantised to
+/// [`Q8Input`] first (`x̂`), as llama.cpp multiplies: integer products, no weight converted to
+/// f32. `input` is the buffer the quantised rows go through.
+pub fn matmul_q4_q8(w: Q4Matrix<'_>, x: &[f32], t: usize, y: &mut [f32], input: &mut Q8Input) {
+    assert!(
+        x.len() == t * w.cols && y.len() == t * w.rows,
+        "matmul_q4_q8 shapes"
+    );
+    let kernel = IntKernel::best();
+    for (xt, yt) in x.chunks_exact(w.cols).zip(y.chunks_exact_mut(w.rows)) {
+        input.quantize(xt);
+        let input = &*input;
+        let rows_from = |first: usize, out: &mut [f32]| {
+            for (i, o) in out.iter_mut().enumerate() {
+                *o = dot_q4_q8(w, first + i, input, kernel);
             }
         };
         let threads = par::threads();
@@ -383,6 +681,78 @@ mod tests {
                 "output {i}"
             );
         }
+    }
+
+    #[test]
+    fn every_integer_kernel_computes_the_rows_weights_times_the_quantised_input() {
+        // 17 and 19 blocks a row: the VNNI kernel's pairs, its 16-block units whole and not,
+        // and an odd last block either side of a 16.
+        for nb in [17, 19] {
+            integer_kernels_agree(40, nb * 32);
+        }
+    }
+
+    /// [`every_integer_kernel_computes_the_rows_weights_times_the_quantised_input`] at a shape.
+    fn integer_kernels_agree(rows: usize, cols: usize) {
+        let (packed, scales, mins) = blocks(rows, cols, 11);
+        let w = Q4Matrix::new(&packed, &scales, &mins, rows, cols).unwrap();
+        let mut next = crate::compute::xorshift(5);
+        let x: Vec<f32> = (0..2 * cols)
+            .map(|_| (next() % 2001) as f32 / 1000.0 - 1.0)
+            .collect();
+        let mut input = Q8Input::default();
+        let mut dense = vec![0.0f32; cols];
+        let mut want = vec![0.0f64; 2 * rows];
+        for t in 0..2 {
+            let xt = &x[t * cols..(t + 1) * cols];
+            input.quantize(xt);
+            assert_eq!(input.len(), cols);
+            // Each value is within half its block's unit of the input.
+            for (i, &v) in xt.iter().enumerate() {
+                let unit = input.d[i / 32];
+                assert!(
+                    (input.value(i) - v).abs() <= 0.5 * unit * 1.0001,
+                    "value {i}"
+                );
+            }
+            for r in 0..rows {
+                dequantize_row(w, r, &mut dense);
+                // The weights times the quantised values, and the minimums times the exact
+                // block sums (what the kernels compute, in f64).
+                let (_, _, m) = w.row(r);
+                let mut sum = 0.0f64;
+                for (i, &wv) in dense.iter().enumerate() {
+                    let minimum = f64::from(m[i / 32].to_f32());
+                    sum += (f64::from(wv) - minimum) * f64::from(input.value(i));
+                }
+                for (b, mb) in m.iter().enumerate() {
+                    sum += f64::from(mb.to_f32()) * f64::from(input.sums[b]);
+                }
+                want[t * rows + r] = sum;
+                for kernel in IntKernel::available() {
+                    let got = f64::from(dot_q4_q8(w, r, &input, kernel));
+                    assert!(
+                        (got - sum).abs() <= 1e-4 * sum.abs().max(1.0),
+                        "{kernel:?}, token {t}, row {r}: {got} vs {sum}"
+                    );
+                }
+            }
+        }
+        let mut y = vec![0.0f32; 2 * rows];
+        matmul_q4_q8(w, &x, 2, &mut y, &mut input);
+        for (i, (&got, &want)) in y.iter().zip(&want).enumerate() {
+            assert!(
+                (f64::from(got) - want).abs() <= 1e-4 * want.abs().max(1.0),
+                "output {i}"
+            );
+        }
+        // An input of zeros (unit 0) and one with a NaN give finite or NaN outputs, no panic.
+        input.quantize(&vec![0.0; cols]);
+        assert!(input.d.iter().all(|&d| d == 0.0));
+        assert_eq!(dot_q4_q8(w, 0, &input, IntKernel::best()), {
+            let (_, _, m) = w.row(0);
+            offsets(m, &input.sums)
+        });
     }
 
     #[test]

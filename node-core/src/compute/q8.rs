@@ -217,8 +217,17 @@ const PREFETCH_BYTES: usize = 3072;
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 fn prefetch<T>(q: &[T], b: usize) {
+    prefetch_ahead(q.as_ptr().wrapping_add(b * Q8_BLOCK) as *const u8);
+}
+
+/// Asks for the bytes [`PREFETCH_BYTES`] past `at` to be cached (the 4-bit kernels too: at
+/// their instructions a byte a core keeps too few reads in flight on its own). A hint, which
+/// never faults, in bounds or not.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(super) fn prefetch_ahead(at: *const u8) {
     use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-    let at = (q.as_ptr().wrapping_add(b * Q8_BLOCK) as *const i8).wrapping_add(PREFETCH_BYTES);
+    let at = at.wrapping_add(PREFETCH_BYTES) as *const i8;
     // SAFETY: SSE is in every x86-64 CPU, and a prefetch reads nothing the program sees.
     unsafe { _mm_prefetch::<_MM_HINT_T0>(at) };
 }

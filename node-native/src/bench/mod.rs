@@ -3,21 +3,24 @@
 pub mod apistream;
 pub mod facts;
 pub mod gpu;
+mod kernels;
 pub mod learning;
 pub mod localmesh;
 mod mesh;
 pub mod mixed;
 pub mod verify;
 
+pub use kernels::{
+    copy_bandwidth, gemv_bandwidth, gemv_q4_bandwidth, gemv_q8_bandwidth, read_bandwidth,
+};
 pub use mesh::{MeshBench, mesh_rows};
 
-use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use node_core::code::{Generator, select_nodes};
 use node_core::coded::{CodedGroup, InProcess, ShardFormat};
-use node_core::compute::{self, WeightElem};
+use node_core::compute;
 use node_core::lead::{generate, generate_async};
 use node_core::model::{
     GenerateOptions, LeaderWeights, Llama, ModelWeights, Pass, logits_along, relative_error,
@@ -53,131 +56,6 @@ pub fn row(what: impl Into<String>, value: impl Into<String>) -> Row {
         what: what.into(),
         value: value.into(),
     }
-}
-
-/// Memory-copy bandwidth (bytes read per second) over a buffer far larger than the caches.
-pub fn copy_bandwidth() -> f64 {
-    let n = 64 << 20; // 256 MiB of f32
-    let src = vec![1.0f32; n];
-    let mut dst = vec![0.0f32; n];
-    let t = best_time(Duration::from_secs(2), || {
-        dst.copy_from_slice(black_box(&src));
-        black_box(&dst);
-    });
-    (n * 4) as f64 / t.as_secs_f64()
-}
-
-/// Bytes per second the kernel threads read from memory (256 MiB summed, every thread its
-/// share): the ceiling of a decode that only streams its weights.
-pub fn read_bandwidth() -> f64 {
-    let n: usize = 32 << 20; // 256 MiB of u64
-    let src: Vec<u64> = (0..n as u64).collect();
-    let chunk = n.div_ceil(compute::threads().max(1));
-    let t = best_time(Duration::from_secs(2), || {
-        let parts = compute::par::map(&src.chunks(chunk).collect::<Vec<_>>(), |c| {
-            c.iter().fold(0u64, |a, &v| a.wrapping_add(v))
-        });
-        black_box(parts);
-    });
-    (n * 8) as f64 / t.as_secs_f64()
-}
-
-/// GEMV bandwidth (weight bytes read per second) of a `rows × cols` matrix of `W`, read cold:
-/// calls rotate through copies that together exceed the caches, as a forward pass does.
-pub fn gemv_bandwidth<W: WeightElem>(rows: usize, cols: usize, make: fn(f32) -> W) -> f64 {
-    let bytes = rows * cols * std::mem::size_of::<W>();
-    let copies = (256usize << 20).div_ceil(bytes).clamp(1, 256);
-    let ws: Vec<Vec<W>> = (0..copies)
-        .map(|c| {
-            (0..rows * cols)
-                .map(|i| make(((i + c) % 97) as f32 * 0.01))
-                .collect()
-        })
-        .collect();
-    let x = vec![0.5f32; cols];
-    let mut y = vec![0.0f32; rows];
-    let t = best_time(Duration::from_secs(1), || {
-        for w in &ws {
-            compute::matmul(black_box(w.as_slice()), rows, cols, &x, 1, &mut y);
-            black_box(&y);
-        }
-    });
-    (bytes * copies) as f64 / t.as_secs_f64()
-}
-
-/// GEMV bandwidth of a compact `rows × cols` matrix (i8 values, or i16 for a parity row's
-/// when `wide`, and f16 scales per 32), read cold as in [`gemv_bandwidth`]; bytes counted are
-/// values and scales.
-pub fn gemv_q8_bandwidth(rows: usize, cols: usize, wide: bool) -> f64 {
-    use node_core::coded::CodedInts;
-    use node_core::compute::q8::{Q8Matrix, blocks_per_row, matmul_q8};
-    let nb = blocks_per_row(cols);
-    let bytes = rows * cols * if wide { 2 } else { 1 } + rows * nb * 2;
-    let copies = (256usize << 20).div_ceil(bytes).clamp(1, 256);
-    // Every copy has its own scales, so they are read cold too.
-    let ws: Vec<(CodedInts, Vec<half::f16>)> = (0..copies)
-        .map(|c| {
-            let values = (0..rows * cols).map(move |i| ((i + c) % 97) as i16 - 48);
-            let q = if wide {
-                CodedInts::I16(std::sync::Arc::new(values.collect()))
-            } else {
-                CodedInts::I8(std::sync::Arc::new(values.map(|v| v as i8).collect()))
-            };
-            (q, vec![half::f16::from_f32(0.01); rows * nb])
-        })
-        .collect();
-    let x = vec![0.5f32; cols];
-    let mut y = vec![0.0f32; rows];
-    let t = best_time(Duration::from_secs(1), || {
-        for (q, scales) in &ws {
-            let w = Q8Matrix {
-                q: black_box(q).view(),
-                scales,
-                rows,
-                cols,
-            };
-            matmul_q8(w, &x, 1, &mut y);
-            black_box(&y);
-        }
-    });
-    (bytes * copies) as f64 / t.as_secs_f64()
-}
-
-/// GEMV bandwidth of a `rows × cols` matrix of a 4-bit file's blocks (packed nibbles, an f16
-/// scale and minimum per 32), read cold as in [`gemv_bandwidth`]; bytes counted are all three.
-pub fn gemv_q4_bandwidth(rows: usize, cols: usize) -> f64 {
-    use node_core::compute::q4::{Q4_BLOCK, Q4Matrix, matmul_q4};
-    let nb = rows * cols / Q4_BLOCK;
-    let bytes = rows * cols / 2 + nb * 4;
-    let copies = (256usize << 20).div_ceil(bytes).clamp(1, 256);
-    type Blocks = (Vec<u8>, Vec<half::f16>, Vec<half::f16>);
-    let ws: Vec<Blocks> = (0..copies)
-        .map(|c| {
-            let packed = (0..rows * cols / 2)
-                .map(|i| ((i + c) % 251) as u8)
-                .collect();
-            (
-                packed,
-                vec![half::f16::from_f32(0.01); nb],
-                vec![half::f16::from_f32(-0.08); nb],
-            )
-        })
-        .collect();
-    let x = vec![0.5f32; cols];
-    let mut y = vec![0.0f32; rows];
-    let t = best_time(Duration::from_secs(1), || {
-        for (packed, scales, mins) in &ws {
-            let w = Q4Matrix::new(black_box(packed), scales, mins, rows, cols)
-                .expect("the bench's blocks fit their shape");
-            matmul_q4(w, &x, 1, &mut y);
-            black_box(&y);
-        }
-    });
-    (bytes * copies) as f64 / t.as_secs_f64()
-}
-
-fn half_from_f32(v: f32) -> half::f16 {
-    half::f16::from_f32(v)
 }
 
 /// Prefill and decode tokens/s of a model through a group of `k` of `n` rows (`rows`, or the
@@ -504,12 +382,23 @@ pub fn run(
             3,
         ),
         ("GEMV q4 4096×4096, a file's 4-bit blocks", (4096, 4096), 3),
+        (
+            "GEMV q4 k=3 LM head shard 16384×576, 4-bit blocks × 8-bit input (integer)",
+            shard,
+            4,
+        ),
+        (
+            "GEMV q4 4096×4096, 4-bit blocks × 8-bit input (integer)",
+            (4096, 4096),
+            4,
+        ),
     ] {
         let (bw, bytes_per_weight) = match width {
-            0 => (gemv_bandwidth(r, c, half_from_f32), 2.0),
+            0 => (gemv_bandwidth(r, c, half::f16::from_f32), 2.0),
             1 => (gemv_q8_bandwidth(r, c, false), 1.0625),
             2 => (gemv_q8_bandwidth(r, c, true), 2.0625),
-            _ => (gemv_q4_bandwidth(r, c), 0.625),
+            3 => (gemv_q4_bandwidth(r, c, false), 0.625),
+            _ => (gemv_q4_bandwidth(r, c, true), 0.625),
         };
         rows.push(row(
             name,

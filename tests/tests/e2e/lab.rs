@@ -550,10 +550,10 @@ fn named(
 
 /// Issue 80's lab: replicas of every row in two regions 50 ms apart (and the seed's row in a
 /// third). A leader's group forms in its own region, even when it starts with both around
-/// (every member of its stream's rounds and hop groups is there; the stream's time against the
-/// one it had with its region alone is printed for docs/perf.md); a group formed with a
-/// far holder is formed again when a much closer one joins; with its region's holders cut off
-/// mid-stream, it forms a group across regions and the stream completes.
+/// (every member of its stream's rounds and hop groups is there; its time against its region
+/// alone is printed for docs/perf.md); a group formed with a far holder is formed again when a
+/// much closer one joins; with its region's holders cut off mid-stream, it forms a group across
+/// regions and the stream completes.
 #[test]
 fn a_leader_computes_in_its_own_region_and_across_when_its_region_is_cut_off() -> Result<()> {
     let topo = regions()?;
@@ -757,17 +757,12 @@ fn a_leader_computes_in_its_own_region_and_across_when_its_region_is_cut_off() -
         std::thread::sleep(Duration::from_secs(1));
     }
     let near = in_eu(&region, 2)?;
-    let (ms, floor_ms) = (
-        near["ms"].as_f64().unwrap_or(f64::MAX),
-        floor["ms"].as_f64().unwrap_or(0.0),
-    );
-    // The time is a figure, not asserted (docs/perf.md records it against issue 80's 1.3×):
-    // the lab's user-space links slow with the machine. What makes it near is asserted above:
-    // every member of the stream's rounds and hop groups is in eu.
-    eprintln!(
-        "eu alone: {floor_ms} ms for 32 tokens; eu and us: {ms} ms ({:.2}×)",
-        ms / floor_ms
-    );
+    let (ms, floor_ms) = (near["ms"].as_f64(), floor["ms"].as_f64());
+    let (ms, floor_ms) = (ms.unwrap_or(f64::NAN), floor_ms.unwrap_or(f64::NAN));
+    // A figure for docs/perf.md, not asserted (the lab's user-space links slow with the
+    // machine): what makes the stream near, its members all in eu, is asserted above.
+    let ratio = ms / floor_ms;
+    eprintln!("eu alone: {floor_ms} ms; eu and us: {ms} ms ({ratio:.2}×)");
 
     // Its region's holders cut off mid-stream: the group forms across regions and completes.
     let before = answered(&trace(2))?;
