@@ -113,7 +113,7 @@ pub(crate) struct UpArgs {
     /// Shard storage: f32 (exact to the code's error), f16 (does not learn), or q8 (compact: a
     /// quarter of the bytes on the integer code, learning in coded adapters; docs/coding.md,
     /// "Compact shards"); default: q8 where the integer code has a row for every node (k ≤ 5;
-    /// 7 rows for k = 3), else f32.
+    /// 7 rows for k = 3), else f32; q4 (a 4-bit file's blocks, data rows only: n = k).
     #[arg(long)]
     pub(crate) shard_format: Option<ShardFormat>,
     /// The dashboard's built files (web-ui/dist).
@@ -523,7 +523,7 @@ pub(crate) struct SeedArgs {
     pub(crate) max_rows: Option<usize>,
     /// Shard storage: f32, f16 (does not learn), or q8 (compact, on the integer code); default:
     /// q8 where the integer code has a row for every genesis node (k ≤ 5; 7 rows for k = 3),
-    /// else f32.
+    /// else f32; q4 (a 4-bit file's blocks, data rows only: n = k; issue 81).
     #[arg(long)]
     pub(crate) shard_format: Option<ShardFormat>,
     /// Requests do not train the model.
@@ -742,7 +742,7 @@ pub(crate) struct GenerateArgs {
     pub(crate) device: node_core::compute::gpu::DeviceChoice,
     /// Shard storage: f32 (exact to the code's error), f16 (half the bytes, see docs/perf.md)
     /// or q8 (compact, on the integer code); default: what `up` and `seed` give a mesh of n
-    /// rows (q8 where the integer code has n rows, else f32).
+    /// rows (q8 where the integer code has n rows, else f32); q4 data rows only (n = k).
     #[arg(long)]
     pub(crate) shard_format: Option<ShardFormat>,
     /// Run the request this many times on the mesh, learning after each (mesh only).

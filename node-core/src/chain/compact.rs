@@ -27,7 +27,9 @@ pub(super) fn contribute(
 ) -> Result<Turn, ChainError> {
     let ShardValues::Q8(values) = &shard.values else {
         return Err(ChainError::BadRequest(
-            "a compact chain reached a holder of a row that is not compact".into(),
+            "a compact chain reached a holder of a row that is not q8 (4-bit rows are not \
+             re-encoded along chains yet)"
+                .into(),
         ));
     };
     let rows: Vec<usize> = part.chain.iter().map(|s| s.row as usize).collect();

@@ -58,6 +58,17 @@ pub enum CodeError {
         /// Rows the code has for this k.
         rows: usize,
     },
+    /// Parity rows asked of 4-bit (q4) shards, which have data rows only so far.
+    #[error(
+        "4-bit (q4) shards keep data rows only so far (issue 81): {n} rows for k = {k}; use \
+         n = k, or q8 shards for parity rows"
+    )]
+    FourBitParity {
+        /// Data blocks.
+        k: usize,
+        /// Rows asked for.
+        n: usize,
+    },
     /// A node index outside the generator.
     #[error("node {node} does not exist in a code of n = {n}")]
     NoSuchNode {

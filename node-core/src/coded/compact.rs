@@ -23,7 +23,7 @@ pub enum CodedInts {
 }
 
 /// Shared values on the wire as a plain sequence (the bytes a `Vec` of them makes).
-mod shared {
+pub(super) mod shared {
     use std::sync::Arc;
 
     use serde::{Deserialize, Deserializer, Serialize, Serializer};

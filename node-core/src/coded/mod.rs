@@ -8,6 +8,7 @@
 
 mod adapter;
 mod compact;
+mod fourbit;
 mod gpu;
 mod group;
 mod member;
@@ -22,6 +23,7 @@ pub use compact::{
     CodedInts, Q8Values, affine_grid_matrix, compact_matrix, compact_model, encode_q8, grid_matrix,
     grid_model, map_linear, through_parity_matrix, wide_row,
 };
+pub use fourbit::Q4Values;
 pub use gpu::{GpuGroup, GpuShards};
 pub use group::{CodedGroup, ExecStats, InProcess, Transport, TransportError};
 pub use member::{AUTO_GPU_MIN_WORK, Member, Misbehaviour, SKEW};

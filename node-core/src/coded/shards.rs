@@ -7,7 +7,7 @@ use super::adapter::{Adapter, AddRows, adapter_rank};
 use super::compact::{Q8Values, encode_q8, wide_row};
 use crate::code::Generator;
 use crate::compute::matmul;
-use crate::compute::q8::{matmul_q8, matmul_q8_then};
+use crate::compute::q8::{NoRowWork, matmul_q8, matmul_q8_then};
 use crate::model::{LlamaConfig, Matrix, ModelWeights, Stage};
 
 /// The shape of one coded matrix of a row: `m` sub-blocks of `block_len × cols`.
@@ -45,6 +45,9 @@ pub enum ShardFormat {
     /// Compact: 8-bit integers of the integer code with shared f16 scales, an exact codeword
     /// of the weights on their grid (docs/coding.md, "Compact shards").
     Q8,
+    /// Data rows at a 4-bit file's own blocks where the weights lie on them, the rest as
+    /// [`Self::Q8`]'s data rows; no parity rows yet, so n = k (issue 81, [`super::Q4Values`]).
+    Q4,
 }
 
 impl ShardFormat {
@@ -62,8 +65,23 @@ impl ShardFormat {
                     u32::try_from(n).map_err(|_| crate::code::CodeError::Params { k, n })?;
                 Generator::new(crate::code::Construction::Integer { seeded }, n, k)
             }
+            Self::Q4 if n != k => Err(crate::code::CodeError::FourBitParity { k, n }),
+            Self::Q4 => Self::Q8.code(n, k),
             Self::F32 | Self::F16 => Generator::cauchy(n, k),
         }
+    }
+}
+
+impl ShardFormat {
+    /// Whether values are integers with scales (q8, q4): they learn in an adapter.
+    pub fn compact(self) -> bool {
+        matches!(self, Self::Q8 | Self::Q4)
+    }
+
+    /// Whether a shard set may hold matrices of both formats: a q4 set's matrices that do not
+    /// lie on a 4-bit grid are q8.
+    pub fn stores_like(self, other: Self) -> bool {
+        self == other || (self.compact() && other.compact())
     }
 }
 
@@ -75,7 +93,10 @@ impl std::str::FromStr for ShardFormat {
             "f32" => Ok(Self::F32),
             "f16" => Ok(Self::F16),
             "q8" => Ok(Self::Q8),
-            other => Err(format!("unknown shard format {other:?} (f32, f16 or q8)")),
+            "q4" => Ok(Self::Q4),
+            other => Err(format!(
+                "unknown shard format {other:?} (f32, f16, q8 or q4)"
+            )),
         }
     }
 }
@@ -89,6 +110,8 @@ pub enum ShardValues {
     F16(Vec<half::f16>),
     /// Compact values: integers of the integer code and their scales.
     Q8(Q8Values),
+    /// A data row's 4-bit blocks, as a 4-bit file holds them.
+    Q4(super::Q4Values),
 }
 
 impl ShardValues {
@@ -100,8 +123,9 @@ impl ShardValues {
             ShardFormat::F16 => Ok(Self::F16(
                 data.iter().map(|&v| half::f16::from_f32(v)).collect(),
             )),
-            ShardFormat::Q8 => Err(CodedError::BadRequest(
-                "compact (q8) values are built from the integer code, not from f32 values".into(),
+            ShardFormat::Q8 | ShardFormat::Q4 => Err(CodedError::BadRequest(
+                "compact (q8, q4) values are built from the integer code, not from f32 values"
+                    .into(),
             )),
         }
     }
@@ -112,6 +136,7 @@ impl ShardValues {
             Self::F32(v) => v.len(),
             Self::F16(v) => v.len(),
             Self::Q8(v) => v.q.len(),
+            Self::Q4(v) => v.len(),
         }
     }
 
@@ -154,6 +179,10 @@ impl Shard {
     ) -> Result<Self, CodedError> {
         let values = match format {
             ShardFormat::Q8 => ShardValues::Q8(encode_q8(g, node, &m.data, m.rows, m.cols)?),
+            ShardFormat::Q4 => match super::fourbit::data_row(g, node, m) {
+                Some(v) => ShardValues::Q4(v),
+                None => ShardValues::Q8(encode_q8(g, node, &m.data, m.rows, m.cols)?),
+            },
             _ => ShardValues::from_f32(g.encode_shard(node, &m.data, m.rows, m.cols)?, format)?,
         };
         Ok(Self {
@@ -217,6 +246,22 @@ impl Shard {
                     _ => matmul_q8(w, x, t, y),
                 }
             }
+            ShardValues::Q4(v) => {
+                let (rank, l) = (adapter_rank(self.cols), self.block_len);
+                let done = match (z, self.adapter_block(s)) {
+                    (Some(z), Some(a)) if z.len() == t * rank => {
+                        let add = AddRows { a, l, z, rank };
+                        v.matmul(self.cols, s * l, l, x, t, y, &add)
+                    }
+                    _ => v.matmul(self.cols, s * l, l, x, t, y, &NoRowWork),
+                };
+                // The set's shapes were checked when it was made or received; a product that
+                // still does not fit answers NaN, which every check refuses.
+                if let Err(e) = done {
+                    tracing::error!("a 4-bit product: {e}");
+                    y.fill(f32::NAN);
+                }
+            }
         }
     }
 
@@ -244,6 +289,12 @@ impl Shard {
                     );
                     std::borrow::Cow::Borrowed(buf.as_slice())
                 }
+                ShardValues::Q4(v) => {
+                    buf = v
+                        .rows_f32(cols, s * l + r, 1)
+                        .unwrap_or_else(|_| vec![0.0; cols]);
+                    std::borrow::Cow::Borrowed(buf.as_slice())
+                }
             };
             for tok in 0..t {
                 let a = u[tok * l + r];
@@ -265,6 +316,10 @@ impl Shard {
                 out.extend(v[start..start + self.cols].iter().map(|h| h.to_f32()))
             }
             ShardValues::Q8(v) => out.extend(v.rows_f32(self.cols, s * self.block_len + r, 1)),
+            // The set's shapes were checked when it was made or received.
+            ShardValues::Q4(v) => {
+                out.extend((v.rows_f32(self.cols, s * self.block_len + r, 1)).unwrap_or_default())
+            }
         }
     }
 
@@ -276,6 +331,9 @@ impl Shard {
             ShardValues::Q8(v) => {
                 std::borrow::Cow::Owned(v.rows_f32(self.cols, 0, v.q.len() / self.cols.max(1)))
             }
+            ShardValues::Q4(v) => std::borrow::Cow::Owned(
+                (v.rows_f32(self.cols, 0, v.len() / self.cols.max(1))).unwrap_or_default(),
+            ),
         }
     }
 
@@ -414,6 +472,7 @@ impl Shard {
             ShardValues::F32(_) => ShardFormat::F32,
             ShardValues::F16(_) => ShardFormat::F16,
             ShardValues::Q8(_) => ShardFormat::Q8,
+            ShardValues::Q4(_) => ShardFormat::Q4,
         }
     }
 
@@ -423,6 +482,7 @@ impl Shard {
             ShardValues::F32(v) => v.len() * 4,
             ShardValues::F16(v) => v.len() * 2,
             ShardValues::Q8(v) => v.q.bytes() + v.scales.len() * 2,
+            ShardValues::Q4(v) => v.bytes(),
         }) + self.adapter.a.len() * 4
     }
 }
@@ -602,18 +662,20 @@ impl ShardSet {
                     "matrix {i} of the shard set has the wrong shape"
                 )));
             }
-            if shard.format() != self.embed.format() {
+            if !shard.format().stores_like(self.embed.format()) {
                 return Err(CodedError::BadRequest(format!(
                     "matrix {i} of the shard set is stored in another format"
                 )));
             }
-            if let ShardValues::Q8(v) = &shard.values {
-                v.matrix(shard.cols)?;
+            match &shard.values {
+                ShardValues::Q8(v) => drop(v.matrix(shard.cols)?),
+                ShardValues::Q4(v) => drop(v.matrix(shard.cols, 0, len / shard.cols.max(1))?),
+                _ => {}
             }
             let a = &shard.adapter.a;
             if !a.is_empty() {
                 // The shard's shape is the model's (checked above).
-                if shard.format() != ShardFormat::Q8 || a.len() != shard.adapter_len() {
+                if !shard.format().compact() || a.len() != shard.adapter_len() {
                     return Err(CodedError::BadRequest(format!(
                         "matrix {i} of the shard set has an adapter of the wrong shape"
                     )));
@@ -660,6 +722,7 @@ impl ShardSet {
                 ShardValues::Q8(v) => std::sync::Arc::make_mut(&mut v.scales)
                     .iter_mut()
                     .for_each(|x| *x = half::f16::from_f32(x.to_f32() * factor)),
+                ShardValues::Q4(v) => v.scale(factor),
             }
             shard.adapter.a.iter_mut().for_each(|x| *x *= factor);
         }

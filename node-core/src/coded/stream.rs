@@ -102,7 +102,8 @@ fn shard_bytes(
         ShardFormat::F32 => 4 * values,
         ShardFormat::F16 => 2 * values,
         ShardFormat::Q8 if wide_row(g, node) => 2 * values,
-        ShardFormat::Q8 => values,
+        // A q4 set's matrices off a 4-bit grid are q8: at most a byte a value.
+        ShardFormat::Q8 | ShardFormat::Q4 => values,
     }
 }
 
@@ -192,6 +193,7 @@ fn empty_like(piece: &Shard, shape: super::MatrixShape, m: usize) -> Shard {
             },
             scales: Arc::new(vec![half::f16::ZERO; rows * blocks_per_row(shape.cols)]),
         }),
+        ShardValues::Q4(_) => ShardValues::Q4(super::Q4Values::zeros(rows, shape.cols)),
     };
     Shard {
         out: shape.out,
@@ -228,6 +230,7 @@ fn copy_rows(
             Arc::make_mut(&mut a.scales)[to * nb..(to + n) * nb]
                 .copy_from_slice(&b.scales[from * nb..(from + n) * nb]);
         }
+        (ShardValues::Q4(a), ShardValues::Q4(b)) => a.copy_rows(to, b, from, n, cols),
         _ => {}
     }
 }

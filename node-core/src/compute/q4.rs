@@ -323,16 +323,17 @@ pub fn matmul_q4(w: Q4Matrix<'_>, x: &[f32], t: usize, y: &mut [f32]) {
     }
 }
 
-/// A product's input quantised as llama.cpp quantises one for a 4-bit file: per 32 values a
-/// unit `d = max|x| / 127` and 8-bit integers `round(x / d)`, and the block's exact sum for the
-/// minimums' share. Every row of a product then multiplies integers.
+/// A product's input quantised as llama.cpp quantises one for a 4-bit file (its Q8_1 block):
+/// per 32 values 8-bit integers `q = round(x / d)` for `d = max|x| / 127` (halves to even),
+/// the unit `d` kept as an f16, and `d · Σq` as an f16 for the minimums' share. Every row of a
+/// product then multiplies integers, and computes what llama.cpp computes.
 #[derive(Debug, Clone, Default)]
 pub struct Q8Input {
     /// The integers, 32 a block.
     q: Vec<i8>,
-    /// Per block, its unit.
+    /// Per block, its unit (an f16's value).
     d: Vec<f32>,
-    /// Per block, the sum of its values as given.
+    /// Per block, `d · Σq` (an f16's value).
     sums: Vec<f32>,
 }
 
@@ -341,18 +342,17 @@ impl Q8Input {
     /// this input, reusing its buffers.
     pub fn quantize(&mut self, x: &[f32]) {
         let blocks = x.as_chunks::<Q4_BLOCK>().0;
-        self.q.clear();
-        self.d.clear();
-        self.sums.clear();
-        for b in blocks {
-            let amax = b.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-            let d = amax / 127.0;
-            let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
-            // `as` saturates, and takes a NaN to 0.
-            self.q.extend(b.iter().map(|v| (v * inv).round() as i8));
-            self.d.push(d);
-            self.sums.push(b.iter().sum());
+        self.q.resize(blocks.len() * Q4_BLOCK, 0);
+        self.d.resize(blocks.len(), 0.0);
+        self.sums.resize(blocks.len(), 0.0);
+        #[cfg(target_arch = "x86_64")]
+        if IntKernel::best() == IntKernel::Vnni {
+            // SAFETY: the CPU has AVX-512F (`IntKernel::best`), and the buffers were sized
+            // to the blocks above.
+            unsafe { vnni::quantize(blocks, &mut self.q, &mut self.d, &mut self.sums) };
+            return;
         }
+        quantize_portable(blocks, &mut self.q, &mut self.d, &mut self.sums);
     }
 
     /// Value `i` as the integers give it back (`d · q`).
@@ -369,6 +369,29 @@ impl Q8Input {
     pub fn is_empty(&self) -> bool {
         self.q.is_empty()
     }
+}
+
+/// [`Q8Input::quantize`] in plain Rust, into buffers sized to the blocks.
+fn quantize_portable(blocks: &[[f32; Q4_BLOCK]], q: &mut [i8], d: &mut [f32], sums: &mut [f32]) {
+    for (b, v) in blocks.iter().enumerate() {
+        let amax = v.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let unit = amax / 127.0;
+        let inv = if unit > 0.0 { 1.0 / unit } else { 0.0 };
+        let mut sum = 0i32;
+        for (q, &v) in q[b * Q4_BLOCK..(b + 1) * Q4_BLOCK].iter_mut().zip(v) {
+            // Halves to even, as the vector quantisers (llama.cpp's and ours) round; `as`
+            // saturates.
+            *q = (v * inv).round_ties_even() as i8;
+            sum += i32::from(*q);
+        }
+        (d[b], sums[b]) = units(unit, sum);
+    }
+}
+
+/// A block's unit and minimums' share as llama.cpp keeps them: `d` and `d · Σq` as f16s.
+fn units(unit: f32, sum: i32) -> (f32, f32) {
+    let f16 = |v: f32| half::f16::from_f32(v).to_f32();
+    (f16(unit), f16(sum as f32 * unit))
 }
 
 /// One row's dot product with a quantised input, in plain Rust:
@@ -453,9 +476,45 @@ mod vnni {
 
     use super::super::q8::avx2::scale_f32;
 
+    /// [`super::Q8Input::quantize`] of whole blocks, 16 values a vector: the same units,
+    /// integers and sums as the plain loop's (the same IEEE operations on each value).
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn quantize(blocks: &[[f32; 32]], q: &mut [i8], d: &mut [f32], sums: &mut [f32]) {
+        assert!(
+            q.len() >= blocks.len() * 32 && d.len() >= blocks.len() && sums.len() >= blocks.len(),
+            "quantize shapes"
+        );
+        for (b, v) in blocks.iter().enumerate() {
+            // SAFETY: block `b` has 32 values and `q` room for them (asserted above); this
+            // function runs only where AVX-512F is (its callers check).
+            unsafe {
+                let lo = _mm512_loadu_ps(v.as_ptr());
+                let hi = _mm512_loadu_ps(v.as_ptr().add(16));
+                let amax =
+                    _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+                let unit = amax / 127.0;
+                let inv = _mm512_set1_ps(if unit > 0.0 { 1.0 / unit } else { 0.0 });
+                // Rounded in the default mode, to nearest with halves to even; `|x·inv|` is at
+                // most 127, and a NaN or infinity (i32::MIN) is clamped into i8's range.
+                let round = |x: __m512| {
+                    let t = _mm512_cvtps_epi32(_mm512_mul_ps(x, inv));
+                    let (top, bottom) = (_mm512_set1_epi32(127), _mm512_set1_epi32(-128));
+                    _mm512_max_epi32(_mm512_min_epi32(t, top), bottom)
+                };
+                let (l, h) = (round(lo), round(hi));
+                let out = q.as_mut_ptr().add(b * 32);
+                _mm_storeu_si128(out as *mut __m128i, _mm512_cvtepi32_epi8(l));
+                _mm_storeu_si128(out.add(16) as *mut __m128i, _mm512_cvtepi32_epi8(h));
+                let sum = _mm512_reduce_add_epi32(_mm512_add_epi32(l, h));
+                (d[b], sums[b]) = super::units(unit, sum);
+            }
+        }
+    }
+
     /// See [`super::dot_q4_q8_portable`]: two blocks a step, their 64 products summed four at
-    /// a time into 32-bit lanes by one `vpdpbusd` (unsigned nibbles times signed integers).
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
+    /// a time into 32-bit lanes by one `vpdpbusd` (unsigned nibbles times signed integers);
+    /// units and minimums 16 blocks at a time, the last (partial) 16 by masked loads.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c")]
     pub(super) fn dot_q4_q8(
         packed: &[u8],
         scales: &[half::f16],
@@ -468,62 +527,52 @@ mod vnni {
         // nibbles) or 4 (weights 16..32, the high ones).
         let shifts = _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0);
         let low = _mm512_set1_epi8(0x0f);
-        let mut acc = _mm512_setzero_ps();
-        let mut bias = _mm512_setzero_ps();
-        let mut tail = 0.0f32;
-        // A block's unit times the input's, 16 blocks at a time; `pick` puts block 2j's in
-        // lanes 0..8 and block 2j + 1's in lanes 8..16.
-        let mut units = _mm512_setzero_ps();
-        let mut pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+        // `pick` puts block 2j's unit in lanes 0..8 and block 2j + 1's in lanes 8..16.
+        let first_pair = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
         let two = _mm512_set1_epi32(2);
+        let mut acc = _mm512_setzero_ps();
+        let mut odd = 0.0f32;
         let mut b = 0;
-        while b + 2 <= nb {
-            // SAFETY: blocks `b..b + 16` (when whole) and `b, b + 1` are in bounds of
-            // `scales`, `mins`, `packed` and the input (asserted above); unaligned loads; this
-            // function runs only where AVX-512F, BW, VNNI and F16C are (its callers check).
+        while b < nb {
+            let n = (nb - b).min(16);
+            let mask = ((1u32 << n) - 1) as __mmask16;
+            // SAFETY: blocks `b..b + n` are in bounds of `scales`, `mins`, `packed` and the
+            // input (asserted above), the masked loads read no lane past them; unaligned
+            // loads; this function runs only where AVX-512F, BW, VL, VNNI and F16C are (its
+            // callers check).
             unsafe {
-                if b % 16 == 0 {
-                    pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-                    if nb - b >= 16 {
-                        let h = _mm256_loadu_si256(scales.as_ptr().add(b) as *const __m256i);
-                        let dx = _mm512_loadu_ps(x.d.as_ptr().add(b));
-                        units = _mm512_mul_ps(_mm512_cvtph_ps(h), dx);
-                        let m = _mm256_loadu_si256(mins.as_ptr().add(b) as *const __m256i);
-                        let s = _mm512_loadu_ps(x.sums.as_ptr().add(b));
-                        bias = _mm512_fmadd_ps(_mm512_cvtph_ps(m), s, bias);
-                    } else {
-                        let mut u = [0.0f32; 16];
-                        for i in b..nb {
-                            u[i - b] = scale_f32(scales[i]) * x.d[i];
-                            tail += scale_f32(mins[i]) * x.sums[i];
-                        }
-                        units = _mm512_loadu_ps(u.as_ptr());
-                    }
+                // Each block's unit times the input's, and the minimums' share.
+                let h = _mm256_maskz_loadu_epi16(mask, scales.as_ptr().add(b) as *const i16);
+                let dx = _mm512_maskz_loadu_ps(mask, x.d.as_ptr().add(b));
+                let units = _mm512_mul_ps(_mm512_cvtph_ps(h), dx);
+                let m = _mm256_maskz_loadu_epi16(mask, mins.as_ptr().add(b) as *const i16);
+                let s = _mm512_maskz_loadu_ps(mask, x.sums.as_ptr().add(b));
+                acc = _mm512_fmadd_ps(_mm512_cvtph_ps(m), s, acc);
+                let mut pick = first_pair;
+                for _ in 0..n / 2 {
+                    super::super::q8::prefetch_ahead(packed.as_ptr().wrapping_add(b * 16));
+                    let v = _mm512_castsi256_si512(_mm256_loadu_si256(
+                        packed.as_ptr().add(b * 16) as *const __m256i
+                    ));
+                    // Lanes: block b's bytes twice, then block b + 1's twice.
+                    let v = _mm512_shuffle_i64x2::<0x50>(v, v);
+                    let w = _mm512_and_si512(_mm512_srlv_epi64(v, shifts), low);
+                    let q = _mm512_loadu_si512(x.q.as_ptr().add(b * 32) as *const __m512i);
+                    let sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, q);
+                    let u = _mm512_permutexvar_ps(pick, units);
+                    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), u, acc);
+                    pick = _mm512_add_epi32(pick, two);
+                    b += 2;
                 }
-                super::super::q8::prefetch_ahead(packed.as_ptr().wrapping_add(b * 16));
-                let v = _mm512_castsi256_si512(_mm256_loadu_si256(
-                    packed.as_ptr().add(b * 16) as *const __m256i
-                ));
-                // Lanes: block b's bytes twice, then block b + 1's twice.
-                let v = _mm512_shuffle_i64x2::<0x50>(v, v);
-                let w = _mm512_and_si512(_mm512_srlv_epi64(v, shifts), low);
-                let q = _mm512_loadu_si512(x.q.as_ptr().add(b * 32) as *const __m512i);
-                let sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, q);
-                let u = _mm512_permutexvar_ps(pick, units);
-                acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), u, acc);
-                pick = _mm512_add_epi32(pick, two);
-            }
-            b += 2;
-        }
-        let mut total = _mm512_reduce_add_ps(acc) + _mm512_reduce_add_ps(bias) + tail;
-        if b < nb {
-            // An odd last block (when its 16 were not whole, its minimum is in `tail` already).
-            total += scale_f32(scales[b]) * x.d[b] * super::block_dot(packed, x, b) as f32;
-            if b % 16 == 0 {
-                total += scale_f32(mins[b]) * x.sums[b];
+                if n % 2 == 1 {
+                    // An odd last block.
+                    let unit = scale_f32(scales[b]) * x.d[b];
+                    odd = unit * super::block_dot(packed, x, b) as f32;
+                    b += 1;
+                }
             }
         }
-        total
+        _mm512_reduce_add_ps(acc) + odd
     }
 }
 
@@ -548,6 +597,7 @@ impl IntKernel {
             let isa = Isa::best();
             if isa == Isa::Avx512
                 && std::arch::is_x86_feature_detected!("avx512bw")
+                && std::arch::is_x86_feature_detected!("avx512vl")
                 && std::arch::is_x86_feature_detected!("avx512vnni")
             {
                 return Self::Vnni;
@@ -596,18 +646,36 @@ fn dot_q4_q8(w: Q4Matrix<'_>, r: usize, x: &Q8Input, kernel: IntKernel) -> f32 {
 /// [`Q8Input`] first (`x̂`), as llama.cpp multiplies: integer products, no weight converted to
 /// f32. `input` is the buffer the quantised rows go through.
 pub fn matmul_q4_q8(w: Q4Matrix<'_>, x: &[f32], t: usize, y: &mut [f32], input: &mut Q8Input) {
+    matmul_q4_q8_then(w, x, t, y, input, &super::q8::NoRowWork);
+}
+
+/// [`matmul_q4_q8`], with `work` on the rows as they are computed, while they are in cache.
+pub fn matmul_q4_q8_then(
+    w: Q4Matrix<'_>,
+    x: &[f32],
+    t: usize,
+    y: &mut [f32],
+    input: &mut Q8Input,
+    work: &dyn super::q8::RowWork,
+) {
     assert!(
         x.len() == t * w.cols && y.len() == t * w.rows,
         "matmul_q4_q8 shapes"
     );
     let kernel = IntKernel::best();
-    for (xt, yt) in x.chunks_exact(w.cols).zip(y.chunks_exact_mut(w.rows)) {
+    for (tok, (xt, yt)) in x
+        .chunks_exact(w.cols)
+        .zip(y.chunks_exact_mut(w.rows))
+        .enumerate()
+    {
         input.quantize(xt);
         let input = &*input;
         let rows_from = |first: usize, out: &mut [f32]| {
+            work.before(first, out.len());
             for (i, o) in out.iter_mut().enumerate() {
                 *o = dot_q4_q8(w, first + i, input, kernel);
             }
+            work.after(tok, first, out);
         };
         let threads = par::threads();
         if threads > 1 && w.rows * w.cols >= PARALLEL_MIN_WEIGHTS {
@@ -701,24 +769,39 @@ mod tests {
             .map(|_| (next() % 2001) as f32 / 1000.0 - 1.0)
             .collect();
         let mut input = Q8Input::default();
+        // Every machine quantises to the same integers and units, whichever quantiser it runs.
+        input.quantize(&x[..cols]);
+        let (nb, mut q, mut d, mut s) = (
+            cols / 32,
+            vec![0; cols],
+            vec![0.0; cols / 32],
+            vec![0.0; cols / 32],
+        );
+        quantize_portable(x[..cols].as_chunks::<32>().0, &mut q, &mut d, &mut s);
+        assert_eq!(
+            (
+                input.q.as_slice(),
+                input.d.as_slice(),
+                input.sums.as_slice()
+            ),
+            (&q[..], &d[..nb], &s[..nb])
+        );
         let mut dense = vec![0.0f32; cols];
         let mut want = vec![0.0f64; 2 * rows];
         for t in 0..2 {
             let xt = &x[t * cols..(t + 1) * cols];
             input.quantize(xt);
             assert_eq!(input.len(), cols);
-            // Each value is within half its block's unit of the input.
+            // Each value is within half its block's unit of the input (and the unit's f16
+            // rounding: at most 127 · 2⁻¹¹ units).
             for (i, &v) in xt.iter().enumerate() {
                 let unit = input.d[i / 32];
-                assert!(
-                    (input.value(i) - v).abs() <= 0.5 * unit * 1.0001,
-                    "value {i}"
-                );
+                assert!((input.value(i) - v).abs() <= 0.57 * unit, "value {i}");
             }
             for r in 0..rows {
                 dequantize_row(w, r, &mut dense);
-                // The weights times the quantised values, and the minimums times the exact
-                // block sums (what the kernels compute, in f64).
+                // The weights times the quantised values, and the minimums times the input's
+                // `d · Σq` (what the kernels compute, in f64).
                 let (_, _, m) = w.row(r);
                 let mut sum = 0.0f64;
                 for (i, &wv) in dense.iter().enumerate() {

@@ -624,7 +624,7 @@ pub trait RowWork: Sync {
 }
 
 /// No work beside the product.
-struct NoRowWork;
+pub(crate) struct NoRowWork;
 
 impl RowWork for NoRowWork {
     fn before(&self, _: usize, _: usize) {}

@@ -112,7 +112,7 @@ impl Trained {
 /// values, compact ones `dyᵀ·(V·Vᵀ/rank) = (cols/rank)·dyᵀ` to their adapters.
 pub fn entry_per_dy(format: ShardFormat, cols: usize, rank: usize) -> f64 {
     match format {
-        ShardFormat::Q8 => cols as f64 / rank as f64,
+        ShardFormat::Q8 | ShardFormat::Q4 => cols as f64 / rank as f64,
         ShardFormat::F32 | ShardFormat::F16 => 1.0,
     }
 }

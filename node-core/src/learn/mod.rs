@@ -489,7 +489,7 @@ impl Update {
     /// Whether shards in `format` take an update projected ([`Self::taken_by`]).
     pub fn projects(format: ShardFormat) -> bool {
         match format {
-            ShardFormat::Q8 => true,
+            ShardFormat::Q8 | ShardFormat::Q4 => true,
             ShardFormat::F32 | ShardFormat::F16 => false,
         }
     }
@@ -690,7 +690,7 @@ fn apply_factor(
                 step,
             );
         }
-        ShardValues::Q8(_) => {
+        ShardValues::Q8(_) | ShardValues::Q4(_) => {
             let proj = Projection::of(cols);
             let z = proj.down_update(x, t);
             if shard.adapter.is_empty() {

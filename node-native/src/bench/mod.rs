@@ -437,6 +437,20 @@ pub fn run(
             None,
         ),
         (
+            "single node, uncoded, q4 weights (a 4-bit file's blocks, integer products)".into(),
+            1,
+            1,
+            ShardFormat::Q4,
+            None,
+        ),
+        (
+            "in-process coded k=3 of n=3, q4 data rows (a 4-bit file's blocks)".into(),
+            3,
+            3,
+            ShardFormat::Q4,
+            None,
+        ),
+        (
             "in-process coded k=3 of n=5, q8 shards (integer code; data rows 0, 1, 2)".into(),
             5,
             3,

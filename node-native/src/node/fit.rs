@@ -67,13 +67,14 @@ impl ModelSize {
 }
 
 /// Bytes of each of the n rows of a k-of-n code of `values` values: q8's data rows (the first
-/// k) one byte a value and its parity rows two; f16 two; f32 four.
+/// k) one byte a value and its parity rows two; q4's (data rows only) at most one (its
+/// matrices off a 4-bit grid are q8); f16 two; f32 four.
 fn rows(values: f64, k: usize, n: usize, format: ShardFormat) -> Vec<f64> {
     let per = values / k as f64;
     (0..n)
         .map(|row| match format {
-            ShardFormat::Q8 if row < k => per,
-            ShardFormat::Q8 | ShardFormat::F16 => 2.0 * per,
+            ShardFormat::Q8 | ShardFormat::Q4 if row < k => per,
+            ShardFormat::Q8 | ShardFormat::Q4 | ShardFormat::F16 => 2.0 * per,
             ShardFormat::F32 => 4.0 * per,
         })
         .collect()

@@ -118,6 +118,7 @@ fn default_data(model: &Path, k: usize, n: usize, format: ShardFormat) -> Result
         ShardFormat::F32 => "",
         ShardFormat::F16 => "-f16",
         ShardFormat::Q8 => "-q8",
+        ShardFormat::Q4 => "-q4",
     };
     Ok(base.join("up").join(format!("{stem}-k{k}-n{n}{suffix}")))
 }

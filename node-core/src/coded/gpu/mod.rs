@@ -36,6 +36,9 @@ fn upload(gpu: &Gpu, s: &Shard) -> Result<GpuMatrix, GpuError> {
                 scales: &v.scales,
             },
         ),
+        ShardValues::Q4(_) => Err(GpuError::Shape(
+            "4-bit rows compute on the CPU so far (issue 81)".into(),
+        )),
     }
 }
 
@@ -170,6 +173,11 @@ fn stack(gpu: &Gpu, members: &[&ShardSet], stage: Stage) -> Result<GroupStage, C
                             .get_or_insert_with(|| narrow.drain(..).map(i16::from).collect())
                             .extend_from_slice(q),
                     }
+                }
+                ShardValues::Q4(_) => {
+                    return Err(CodedError::BadRequest(format!(
+                        "{stage:?}: 4-bit rows compute on the CPU so far (issue 81)"
+                    )));
                 }
             }
         }
