@@ -259,6 +259,12 @@ mod tests {
         off[37] += 1e-3;
         assert!(Q4Values::exact(&off, rows, cols).is_none());
         assert!(Q4Values::exact(&w[..rows * 48], rows, 48).is_none());
+        // No parity rows at these bits yet: a code with more rows than k is refused.
+        let err = crate::coded::ShardFormat::Q4
+            .code(3, 2)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("data rows only"), "{err}");
         // An all-equal block (scale 0) is exact.
         let flat = vec![0.25f32; 32];
         assert_eq!(

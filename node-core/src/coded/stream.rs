@@ -137,6 +137,14 @@ fn encode_matrix(
     nodes: &[usize],
     limits: StreamLimits,
 ) -> Result<Vec<Shard>, CodedError> {
+    if format == ShardFormat::Q4 {
+        // Whether a matrix keeps 4-bit blocks is decided over the whole of it, and a slab is
+        // a part (its padding alone lies on any grid).
+        return Err(CodedError::BadRequest(
+            "4-bit (q4) rows are encoded from the whole model so far, not streamed (issue 81)"
+                .into(),
+        ));
+    }
     let (l, cols, m) = (shape.block_len, shape.cols, g.sub_blocks());
     let km = g.k() * m;
     let slab = (limits.slab_values / (km * cols).max(1)).clamp(1, l.max(1));
@@ -374,6 +382,15 @@ mod tests {
                 assert_eq!(set, &whole, "row {node}, {format:?}, tied {tied}");
             }
         }
+        // Whether a matrix keeps 4-bit blocks is decided over the whole of it: q4 rows are
+        // not streamed, and say so.
+        let w = ModelWeights::synthetic(cfg(true), 7).unwrap();
+        let g = ShardFormat::Q4.code(2, 2).unwrap();
+        let mut sinks = vec![Vec::new(); 2];
+        let limits = StreamLimits::default();
+        let err = encode_rows(&w, &g, ShardFormat::Q4, &mut sinks, limits, &mut |_, _| {});
+        let err = err.unwrap_err().to_string();
+        assert!(err.contains("not streamed"), "{err}");
     }
 
     #[test]
