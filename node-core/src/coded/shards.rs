@@ -70,9 +70,7 @@ impl ShardFormat {
             Self::F32 | Self::F16 => Generator::cauchy(n, k),
         }
     }
-}
 
-impl ShardFormat {
     /// Whether values are integers with scales (q8, q4): they learn in an adapter.
     pub fn compact(self) -> bool {
         matches!(self, Self::Q8 | Self::Q4)
